@@ -1,0 +1,1 @@
+//! codegen (to be filled).

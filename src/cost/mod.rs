@@ -1,0 +1,1 @@
+//! cost (to be filled).

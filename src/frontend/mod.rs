@@ -1,0 +1,3 @@
+//! Model importers.
+
+pub mod onnx;

@@ -1,0 +1,1 @@
+//! ONNX importer (to be filled).

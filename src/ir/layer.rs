@@ -1,0 +1,133 @@
+//! Layers: contiguous groups of nodes in execution order, the unit of pipeline cuts,
+//! with their per-sample figures. Built by `passes::layers`; read by cost and solve.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use super::{Graph, NodeId, ValueId};
+
+/// What role a layer plays in the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum LayerKind {
+    /// Token/patch/position embedding at the start.
+    Embedding,
+    /// A repeated block (transformer layer, residual stage).
+    Block,
+    /// The output head (final norm, LM head, classifier, loss).
+    Head,
+    /// Anything else.
+    Other,
+}
+
+impl LayerKind {
+    /// Lower-case name used in tables and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            LayerKind::Embedding => "embedding",
+            LayerKind::Block => "block",
+            LayerKind::Head => "head",
+            LayerKind::Other => "other",
+        }
+    }
+}
+
+impl fmt::Display for LayerKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Figures of one node, per sample (batch bound to one sample).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct NodeFigures {
+    /// Forward floating-point operations.
+    pub flops: f64,
+    /// Elements of floating-point initializers this node is the first to read.
+    pub param_elems: u64,
+    /// Bytes of those initializers.
+    pub param_bytes: u64,
+    /// Bytes of the node's outputs.
+    pub output_bytes: f64,
+    /// Bytes of the tensors this node keeps for its backward pass.
+    pub saved_bytes: f64,
+    /// Bytes read and written by the forward pass (for roofline costs).
+    pub memory_bytes: f64,
+}
+
+impl std::ops::AddAssign for NodeFigures {
+    fn add_assign(&mut self, o: NodeFigures) {
+        self.flops += o.flops;
+        self.param_elems += o.param_elems;
+        self.param_bytes += o.param_bytes;
+        self.output_bytes += o.output_bytes;
+        self.saved_bytes += o.saved_bytes;
+        self.memory_bytes += o.memory_bytes;
+    }
+}
+
+/// A layer: a contiguous run of nodes in execution order.
+#[derive(Clone, Debug)]
+pub struct Layer {
+    /// Position in execution order (0 first).
+    pub index: usize,
+    /// Module path or a made-up name (`h.3`, `layers.12`, `embedding`).
+    pub name: String,
+    /// Role.
+    pub kind: LayerKind,
+    /// Nodes in execution order.
+    pub nodes: Vec<NodeId>,
+    /// Structural hash, equal for identical blocks (hex).
+    pub signature: String,
+    /// Floating-point initializers first read in this layer.
+    pub params: Vec<ValueId>,
+    /// Initializers read here but owned by an earlier layer (tied weights).
+    pub shared_params: Vec<ValueId>,
+    /// Values read from earlier layers or graph inputs (the layer's input activations).
+    pub inputs: Vec<ValueId>,
+    /// Values produced here and read by later layers or graph outputs.
+    pub outputs: Vec<ValueId>,
+    /// Sums of the node figures.
+    pub figures: NodeFigures,
+    /// Bytes per sample of `inputs` (what checkpointing keeps).
+    pub input_bytes: f64,
+    /// Bytes per sample of `outputs` (what a pipeline cut after this layer sends).
+    pub output_bytes: f64,
+}
+
+/// How symbolic dims were bound and how figures relate to samples.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DimBindings {
+    /// Symbol → size used for shape inference.
+    pub values: BTreeMap<String, i64>,
+    /// The batch symbol, if the batch dim is symbolic.
+    pub batch_symbol: Option<String>,
+    /// Batch size the shapes were inferred at (1 when symbolic; the fixed size otherwise).
+    /// Figures are divided by it to get per-sample numbers.
+    pub graph_batch: i64,
+    /// Whether the graph's batch is fixed (microbatches must then be exactly that size).
+    pub fixed_batch: bool,
+}
+
+/// A graph with inferred shapes, grouped into layers, with figures.
+#[derive(Clone, Debug)]
+pub struct LayeredGraph {
+    /// The graph (shapes inferred, shape arithmetic folded, dead nodes removed).
+    pub graph: Graph,
+    /// Layers in execution order.
+    pub layers: Vec<Layer>,
+    /// Figures per node, indexed by `NodeId::index()`.
+    pub node_figures: Vec<NodeFigures>,
+    /// Dim bindings used.
+    pub dims: DimBindings,
+    /// Elements of floating-point initializers, each counted once.
+    pub params: u64,
+    /// Forward FLOPs per sample.
+    pub flops_per_sample: f64,
+}
+
+impl LayeredGraph {
+    /// Figures of a node (zero if out of range).
+    pub fn node_figures(&self, id: NodeId) -> NodeFigures {
+        self.node_figures.get(id.index()).copied().unwrap_or_default()
+    }
+}

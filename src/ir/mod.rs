@@ -1,0 +1,16 @@
+//! The shared vocabulary of every stage: graph, ops, tensor types, layers.
+
+mod display;
+mod dtype;
+mod graph;
+mod layer;
+mod op;
+mod shape;
+mod tensor;
+
+pub use dtype::DType;
+pub use graph::{Graph, GraphError, Node, NodeId, Value, ValueId, ValueKind};
+pub use layer::{DimBindings, Layer, LayerKind, LayeredGraph, NodeFigures};
+pub use op::{Attr, Attrs, Op, OpKind};
+pub use shape::{Dim, Shape, TensorType};
+pub use tensor::{ExternalData, Storage, Tensor};

@@ -1,0 +1,237 @@
+//! Operators and their attributes.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use super::Tensor;
+
+macro_rules! op_kinds {
+    ($($(#[$doc:meta])* $kind:ident),* $(,)?) => {
+        /// Every ONNX operator (default domain) the IR knows. Unknown ones become
+        /// [`Op::Placeholder`].
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum OpKind { $($(#[$doc])* $kind,)* }
+
+        impl OpKind {
+            /// All known kinds, in declaration order.
+            pub const ALL: &'static [OpKind] = &[$(OpKind::$kind,)*];
+
+            /// Looks up an ONNX `op_type` of the default domain.
+            pub fn from_onnx(op_type: &str) -> Option<OpKind> {
+                match op_type { $(stringify!($kind) => Some(OpKind::$kind),)* _ => None }
+            }
+
+            /// The ONNX `op_type`.
+            pub fn name(self) -> &'static str {
+                match self { $(OpKind::$kind => stringify!($kind),)* }
+            }
+        }
+    };
+}
+
+op_kinds! {
+    // elementwise unary
+    Abs, Neg, Exp, Log, Sqrt, Reciprocal, Tanh, Sigmoid, Relu, Erf, Sin, Cos, Floor, Ceil,
+    Round, Sign, Not, IsNaN, IsInf, Softplus, LeakyRelu, Elu, Gelu, HardSigmoid, HardSwish,
+    Identity, Cast, CastLike, Clip,
+    // elementwise binary and variadic
+    Add, Sub, Mul, Div, Pow, Mod, Max, Min, Sum, Mean, Equal, Less, LessOrEqual, Greater,
+    GreaterOrEqual, And, Or, Xor, Where,
+    // contractions
+    MatMul, Gemm, Conv,
+    // normalisation
+    LayerNormalization, BatchNormalization, InstanceNormalization, LRN,
+    // pooling
+    MaxPool, AveragePool, GlobalAveragePool, GlobalMaxPool,
+    // softmax and reductions
+    Softmax, LogSoftmax, ReduceMean, ReduceSum, ReduceMax, ReduceMin, ReduceProd, ArgMax,
+    ArgMin, CumSum,
+    // shape and data movement
+    Reshape, Transpose, Concat, Split, Slice, Gather, GatherElements, GatherND, Unsqueeze, Squeeze,
+    Expand, Shape, Size, ConstantOfShape, Range, Flatten, Tile, Pad, Trilu, ScatterND,
+    Constant, Dropout,
+}
+
+impl OpKind {
+    /// True for ops that only reinterpret or move data (no arithmetic, nothing saved).
+    pub fn is_view(self) -> bool {
+        use OpKind::*;
+        matches!(
+            self,
+            Reshape | Transpose | Unsqueeze | Squeeze | Flatten | Identity | Expand | Slice | Split
+                | Concat | Gather | Shape | Size | Constant | ConstantOfShape | Dropout
+        )
+    }
+
+    /// True for elementwise ops (one output element per broadcast input element).
+    pub fn is_elementwise(self) -> bool {
+        use OpKind::*;
+        matches!(
+            self,
+            Abs | Neg | Exp | Log | Sqrt | Reciprocal | Tanh | Sigmoid | Relu | Erf | Sin | Cos
+                | Floor | Ceil | Round | Sign | Not | IsNaN | IsInf | Softplus | LeakyRelu | Elu
+                | Gelu | HardSigmoid | HardSwish | Cast | CastLike | Clip | Add | Sub | Mul | Div
+                | Pow | Mod | Max | Min | Sum | Mean | Equal | Less | LessOrEqual | Greater
+                | GreaterOrEqual | And | Or | Xor | Where
+        )
+    }
+}
+
+impl fmt::Display for OpKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A node's operator: a known kind, or a placeholder for one the IR does not know.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// A default-domain operator the IR knows.
+    Known(OpKind),
+    /// An operator the IR does not know; kept with its declared output types, if any.
+    Placeholder {
+        /// ONNX `op_type`.
+        op_type: String,
+        /// ONNX domain (empty for the default domain).
+        domain: String,
+    },
+}
+
+impl Op {
+    /// The known kind, if any.
+    pub fn kind(&self) -> Option<OpKind> {
+        match self {
+            Op::Known(k) => Some(*k),
+            Op::Placeholder { .. } => None,
+        }
+    }
+
+    /// True if this is `kind`.
+    pub fn is(&self, kind: OpKind) -> bool {
+        self.kind() == Some(kind)
+    }
+
+    /// The op type as ONNX spells it.
+    pub fn name(&self) -> &str {
+        match self {
+            Op::Known(k) => k.name(),
+            Op::Placeholder { op_type, .. } => op_type,
+        }
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Op::Known(k) => f.write_str(k.name()),
+            Op::Placeholder { op_type, domain } if domain.is_empty() => write!(f, "?{op_type}"),
+            Op::Placeholder { op_type, domain } => write!(f, "?{domain}.{op_type}"),
+        }
+    }
+}
+
+/// One attribute value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Attr {
+    /// `INT`
+    Int(i64),
+    /// `FLOAT`
+    Float(f32),
+    /// `STRING` (bytes as written; usually UTF-8)
+    Str(String),
+    /// `INTS`
+    Ints(Vec<i64>),
+    /// `FLOATS`
+    Floats(Vec<f32>),
+    /// `STRINGS`
+    Strs(Vec<String>),
+    /// `TENSOR`
+    Tensor(Tensor),
+}
+
+impl fmt::Display for Attr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Attr::Int(v) => write!(f, "{v}"),
+            Attr::Float(v) => write!(f, "{v}"),
+            Attr::Str(v) => write!(f, "{v:?}"),
+            Attr::Ints(v) => write!(f, "{v:?}"),
+            Attr::Floats(v) => write!(f, "{v:?}"),
+            Attr::Strs(v) => write!(f, "{v:?}"),
+            Attr::Tensor(t) => write!(f, "tensor<{}{:?}>", t.dtype, t.dims),
+        }
+    }
+}
+
+/// A node's attributes by name, with typed getters.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Attrs(pub BTreeMap<String, Attr>);
+
+impl Attrs {
+    /// The raw attribute.
+    pub fn get(&self, name: &str) -> Option<&Attr> {
+        self.0.get(name)
+    }
+
+    /// An `INT` attribute or `default`.
+    pub fn int(&self, name: &str, default: i64) -> i64 {
+        match self.0.get(name) {
+            Some(Attr::Int(v)) => *v,
+            _ => default,
+        }
+    }
+
+    /// An `INT` attribute if present.
+    pub fn int_opt(&self, name: &str) -> Option<i64> {
+        match self.0.get(name) {
+            Some(Attr::Int(v)) => Some(*v),
+            _ => None,
+        }
+    }
+
+    /// A `FLOAT` attribute or `default`.
+    pub fn float(&self, name: &str, default: f32) -> f32 {
+        match self.0.get(name) {
+            Some(Attr::Float(v)) => *v,
+            Some(Attr::Int(v)) => *v as f32,
+            _ => default,
+        }
+    }
+
+    /// An `INTS` attribute if present.
+    pub fn ints(&self, name: &str) -> Option<&[i64]> {
+        match self.0.get(name) {
+            Some(Attr::Ints(v)) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// A `FLOATS` attribute if present.
+    pub fn floats(&self, name: &str) -> Option<&[f32]> {
+        match self.0.get(name) {
+            Some(Attr::Floats(v)) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// A `STRING` attribute if present.
+    pub fn str(&self, name: &str) -> Option<&str> {
+        match self.0.get(name) {
+            Some(Attr::Str(v)) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// A `TENSOR` attribute if present.
+    pub fn tensor(&self, name: &str) -> Option<&Tensor> {
+        match self.0.get(name) {
+            Some(Attr::Tensor(v)) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// Sets an attribute.
+    pub fn set(&mut self, name: &str, value: Attr) {
+        self.0.insert(name.to_string(), value);
+    }
+}

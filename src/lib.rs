@@ -1,0 +1,16 @@
+//! smp-partition: a compiler for model-parallel training.
+//!
+//! The spine, one direction: `frontend` → `ir` → `passes` → `cost` → `solve` → `codegen` →
+//! `plan` → `sim` → `runtime`. Every stage may use `ir` and the stages before it.
+
+pub mod codegen;
+pub mod cost;
+pub mod frontend;
+pub mod ir;
+pub mod passes;
+pub mod plan;
+pub mod sim;
+pub mod solve;
+
+#[cfg(feature = "runner")]
+pub mod runtime;

@@ -1,0 +1,1 @@
+//! plan (to be filled).

@@ -1,0 +1,1 @@
+//! sim (to be filled).

@@ -1,0 +1,1 @@
+//! solve (to be filled).
