@@ -91,12 +91,19 @@ pub fn compute(graph: &Graph, bindings: &DimBindings) -> Result<Figures, PassErr
     for v in graph.value_ids() {
         grad[v.index()] = is_param(graph, v);
     }
+    // Which values depend on the data (weight views and constant masks are not activations).
+    let mut data = vec![false; graph.value_count()];
+    for &v in &graph.inputs {
+        data[v.index()] = true;
+    }
     for &id in &order {
         let node = graph.node(id);
         let any = node.inputs.iter().flatten().any(|v| grad[v.index()]);
+        let from_data = node.inputs.iter().flatten().any(|v| data[v.index()]);
         for &o in &node.outputs {
             let float = graph.value(o).ty.as_ref().is_some_and(|t| t.dtype.is_float());
             grad[o.index()] = any && float;
+            data[o.index()] = from_data;
         }
     }
 
@@ -114,7 +121,7 @@ pub fn compute(graph: &Graph, bindings: &DimBindings) -> Result<Figures, PassErr
         fig.flops = flops(graph, node) / batch;
         fig.output_bytes = node.outputs.iter().map(|&o| value_bytes(graph, o)).sum::<f64>() / batch;
         fig.memory_bytes = memory(graph, node) / batch;
-        let saved = saved(graph, node, &grad, batch);
+        let saved = saved(graph, node, &grad, &data, batch);
         fig.saved_bytes = saved.values.iter().map(|&v| value_bytes(graph, v)).sum::<f64>() / batch + saved.extra_bytes;
         f.total_flops += fig.flops;
         f.per_node[id.index()] = fig;
@@ -193,7 +200,7 @@ fn memory(graph: &Graph, node: &Node) -> f64 {
 }
 
 /// The tensors autograd keeps for this node's backward.
-fn saved(graph: &Graph, node: &Node, grad: &[bool], batch: f64) -> Saved {
+fn saved(graph: &Graph, node: &Node, grad: &[bool], data: &[bool], batch: f64) -> Saved {
     let mut s = Saved::default();
     let Some(kind) = node.op.kind() else { return s };
     let input = |i: usize| node.inputs.get(i).copied().flatten();
@@ -203,6 +210,7 @@ fn saved(graph: &Graph, node: &Node, grad: &[bool], batch: f64) -> Saved {
     let mut keep = |v: Option<ValueId>| {
         if let Some(v) = v
             && matches!(graph.value(v).kind, ValueKind::Input | ValueKind::Intermediate)
+            && data[v.index()]
             && !s.values.contains(&v)
         {
             s.values.push(v);
