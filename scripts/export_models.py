@@ -47,7 +47,8 @@ class LogitsOnly(torch.nn.Module):
 def gpt2():
     cfg = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=256,
                                   n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0,
-                                  attn_pdrop=0.0, use_cache=False)
+                                  attn_pdrop=0.0, bos_token_id=255, eos_token_id=255,
+                                  use_cache=False)
     return cfg, transformers.GPT2LMHeadModel(cfg), "input_ids", cfg.n_positions
 
 
@@ -89,12 +90,20 @@ def distinct_values(model):
 BUILDERS = {"gpt2": gpt2, "bert": bert, "llama": llama, "vit": vit}
 
 
-def export(name: str) -> dict:
+def build_model(name: str):
+    """The HF model exactly as exported (same seed, same weights), in eval mode: for PyTorch
+    reference runs (`sys.path.insert(0, "scripts"); from export_models import build_model`).
+    Returns (config, hf_model, input_name, max_seq)."""
     torch.manual_seed(SEED)
     cfg, hf, input_name, max_seq = BUILDERS[name]()
     cfg._attn_implementation = "eager"  # plain MatMul/Softmax attention, no fused SDPA
     hf.eval()
     distinct_values(hf)
+    return cfg, hf, input_name, max_seq
+
+
+def export(name: str) -> dict:
+    cfg, hf, input_name, max_seq = build_model(name)
     model = LogitsOnly(hf, input_name).eval()
     gen = torch.Generator().manual_seed(SEED)
     batch = torch.export.Dim("batch")
