@@ -15,12 +15,12 @@ pub enum PlanIoError {
     #[error("{path}: not a plan file: {cause}")]
     Parse { path: PathBuf, cause: serde_json::Error },
     /// No `version` field.
-    #[error("{path}: not a plan file: no numeric `version` field (this smp-partition writes version {PLAN_VERSION})")]
+    #[error(
+        "{path}: not a plan file: no numeric `version` field (this smp-partition writes version {PLAN_VERSION})"
+    )]
     NoVersion { path: PathBuf },
     /// A version this build does not read.
-    #[error(
-        "{path}: plan version {found}, but this smp-partition reads version {supported}; {hint}"
-    )]
+    #[error("{path}: plan version {found}, but this smp-partition reads version {supported}; {hint}")]
     Version { path: PathBuf, found: u64, supported: u32, hint: &'static str },
     /// Structurally inconsistent.
     #[error("{path}: invalid plan: {cause}")]
@@ -31,8 +31,7 @@ pub enum PlanIoError {
 pub fn save(plan: &Plan, path: &Path) -> Result<(), PlanIoError> {
     validate(plan).map_err(|cause| PlanIoError::Invalid { path: path.to_path_buf(), cause })?;
     let text = to_json(plan);
-    std::fs::write(path, text + "\n")
-        .map_err(|cause| PlanIoError::Io { path: path.to_path_buf(), cause })
+    std::fs::write(path, text + "\n").map_err(|cause| PlanIoError::Io { path: path.to_path_buf(), cause })
 }
 
 /// The plan as pretty JSON.
@@ -43,8 +42,8 @@ pub fn to_json(plan: &Plan) -> String {
 
 /// Reads, version-checks and validates a plan file.
 pub fn load(path: &Path) -> Result<Plan, PlanIoError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|cause| PlanIoError::Io { path: path.to_path_buf(), cause })?;
+    let text =
+        std::fs::read_to_string(path).map_err(|cause| PlanIoError::Io { path: path.to_path_buf(), cause })?;
     from_json(&text, path)
 }
 
@@ -66,8 +65,7 @@ pub fn from_json(text: &str, path: &Path) -> Result<Plan, PlanIoError> {
         return Err(PlanIoError::Version { path: p(), found, supported: PLAN_VERSION, hint });
     }
     // Parse the text again (not the value) so errors carry line and column.
-    let plan: Plan =
-        serde_json::from_str(text).map_err(|cause| PlanIoError::Parse { path: p(), cause })?;
+    let plan: Plan = serde_json::from_str(text).map_err(|cause| PlanIoError::Parse { path: p(), cause })?;
     validate(&plan).map_err(|cause| PlanIoError::Invalid { path: p(), cause })?;
     Ok(plan)
 }

@@ -6,7 +6,14 @@ use smp_partition::plan::schema::*;
 pub const GIB: u64 = 1 << 30;
 
 fn memory(params: u64, activations: u64) -> StageMemory {
-    let m = StageMemory { params, grads: params, optimizer: 6 * params, activations, workspace: GIB / 4, total: 0 };
+    let m = StageMemory {
+        params,
+        grads: params,
+        optimizer: 6 * params,
+        activations,
+        workspace: GIB / 4,
+        total: 0,
+    };
     StageMemory { total: m.sum_of_parts(), ..m }
 }
 
@@ -42,8 +49,18 @@ pub fn fixture() -> Plan {
     ];
     let mut plan = Plan {
         version: PLAN_VERSION,
-        model: ModelInfo { path: "models/tiny.onnx".into(), sha256: "00".repeat(32), params: 124_000_000, layers: 6 },
-        cluster: ClusterInfo { preset: "a100-40gb".into(), devices: 4, devices_per_node: 4, memory_limit_bytes: 40 * GIB },
+        model: ModelInfo {
+            path: "models/tiny.onnx".into(),
+            sha256: "00".repeat(32),
+            params: 124_000_000,
+            layers: 6,
+        },
+        cluster: ClusterInfo {
+            preset: "a100-40gb".into(),
+            devices: 4,
+            devices_per_node: 4,
+            memory_limit_bytes: 40 * GIB,
+        },
         parallel: Parallel {
             pp: 2,
             tp: 2,
@@ -67,7 +84,13 @@ pub fn fixture() -> Plan {
             CommVolume { kind: "tensor".into(), link: "intra-node".into(), bytes: 3.0e8, time_s: 0.012 },
             CommVolume { kind: "pipeline".into(), link: "intra-node".into(), bytes: 1.0e7, time_s: 0.001 },
         ],
-        predicted: Predicted { step_time_s: 0.185, samples_per_s: 43.2, bubble_ratio: 0.25, peak_memory_bytes: 0, mfu: 0.31 },
+        predicted: Predicted {
+            step_time_s: 0.185,
+            samples_per_s: 43.2,
+            bubble_ratio: 0.25,
+            peak_memory_bytes: 0,
+            mfu: 0.31,
+        },
         solver: SolverInfo {
             status: "optimal".into(),
             objective: 0.185,
@@ -82,4 +105,3 @@ pub fn fixture() -> Plan {
     plan.predicted.peak_memory_bytes = plan.rank_memory(0).total.max(plan.rank_memory(1).total);
     plan
 }
-

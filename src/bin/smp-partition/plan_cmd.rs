@@ -7,7 +7,8 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 
 use smp_partition::plan::config::{
-    Baseline, Checkpointing, Constraints, Layout, Optimize, Placement, PlanRequest, Schedule, SmpConfig, parse_dim,
+    Baseline, Checkpointing, Constraints, Layout, Optimize, Placement, PlanRequest, Schedule, SmpConfig,
+    parse_dim,
 };
 use smp_partition::plan::{Plan, io, report};
 
