@@ -348,3 +348,20 @@ fn out_of_range_flags() {
     let c = resolve(PlanRequest { memory_limit_gib: Some(1.5), ..Default::default() }, None).unwrap();
     assert_eq!(c.memory_limit_bytes, Some(3 << 29));
 }
+
+#[test]
+fn placement_ranks() {
+    // cluster = DPT: tensor ranks adjacent, then pipeline, data replicas outermost.
+    let dims = [2, 2, 2]; // dp, pp, tp
+    assert_eq!(Placement::CLUSTER.stage_ranks(0, dims), vec![0, 1, 4, 5]);
+    assert_eq!(Placement::CLUSTER.stage_ranks(1, dims), vec![2, 3, 6, 7]);
+    // spread = TPD: data replicas adjacent.
+    assert_eq!(Placement::SPREAD.stage_ranks(0, dims), vec![0, 4, 1, 5]);
+    // Every placement is a bijection onto 0..8.
+    for s in ["DPT", "DTP", "PDT", "PTD", "TDP", "TPD"] {
+        let pl: Placement = s.parse().unwrap();
+        let mut all: Vec<usize> = (0..2).flat_map(|p| pl.stage_ranks(p, [3, 2, 2])).collect();
+        all.sort();
+        assert_eq!(all, (0..12).collect::<Vec<_>>(), "{s}");
+    }
+}

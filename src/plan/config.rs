@@ -207,6 +207,35 @@ impl Placement {
     pub const SPREAD: Placement = Placement([Axis::T, Axis::P, Axis::D]);
 }
 
+impl Placement {
+    /// The global rank of data replica `d`, pipeline rank `p`, tensor rank `t` in a mesh of
+    /// `dp × pp × tp` devices: the first axis is the outermost (slowest-varying).
+    pub fn rank(self, [d, p, t]: [usize; 3], [dp, pp, tp]: [usize; 3]) -> usize {
+        self.0.iter().fold(0, |acc, &a| acc * size_of(a, [dp, pp, tp]) + index_of(a, [d, p, t]))
+    }
+
+    /// Ranks of pipeline rank `p`, data-replica-major then tensor rank (`tp · dp` of them).
+    pub fn stage_ranks(self, p: usize, [dp, pp, tp]: [usize; 3]) -> Vec<usize> {
+        (0..dp).flat_map(|d| (0..tp).map(move |t| self.rank([d, p, t], [dp, pp, tp]))).collect()
+    }
+}
+
+fn size_of(a: Axis, [dp, pp, tp]: [usize; 3]) -> usize {
+    match a {
+        Axis::D => dp,
+        Axis::P => pp,
+        Axis::T => tp,
+    }
+}
+
+fn index_of(a: Axis, [d, p, t]: [usize; 3]) -> usize {
+    match a {
+        Axis::D => d,
+        Axis::P => p,
+        Axis::T => t,
+    }
+}
+
 impl fmt::Display for Placement {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         for a in self.0 {
