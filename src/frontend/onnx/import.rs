@@ -139,10 +139,12 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
         }
     }
 
-    // Who defines each value (for duplicate messages): None = initializer/input.
-    let mut producer_of: HashMap<ValueId, usize> = HashMap::new();
-    let describe = |g: &Graph, producer_of: &HashMap<ValueId, usize>, v: ValueId| -> String {
-        match (g.value(v).kind, producer_of.get(&v)) {
+    // The node (index in `nodes`) defining each value, by value index; NONE for
+    // initializers and graph inputs.
+    const NONE: usize = usize::MAX;
+    let mut producer_of: Vec<usize> = Vec::new();
+    let describe = |g: &Graph, producer_of: &[usize], v: ValueId| -> String {
+        match (g.value(v).kind, producer_of.get(v.index()).filter(|&&i| i != NONE)) {
             (_, Some(&i)) => format!("node `{}`", names[i]),
             (ValueKind::Initializer, _) => "an initializer".to_string(),
             _ => "a graph input".to_string(),
@@ -210,7 +212,8 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
             let id = g
                 .add_value(out.clone(), ValueKind::Intermediate, ty, None)
                 .map_err(|e| ImportError::Graph { file: file.clone(), source: e })?;
-            producer_of.insert(id, i);
+            producer_of.resize(id.index(), NONE);
+            producer_of.push(i);
             outs.push(id);
         }
         node_outputs.push(outs);
@@ -222,7 +225,7 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
     let mut indegree = vec![0usize; nodes.len()];
     for (i, n) in nodes.iter().enumerate() {
         let mut ins = Vec::with_capacity(n.input.len());
-        let mut preds: HashSet<usize> = HashSet::new();
+        let mut preds: Vec<usize> = Vec::new();
         for input in &n.input {
             if input.is_empty() {
                 ins.push(None);
@@ -233,8 +236,9 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
                 node: names[i].clone(),
                 input: input.clone(),
             })?;
-            if let Some(&p) = producer_of.get(&v) {
-                if preds.insert(p) {
+            if let Some(&p) = producer_of.get(v.index()).filter(|&&p| p != NONE) {
+                if !preds.contains(&p) {
+                    preds.push(p);
                     dependents[p].push(i);
                     indegree[i] += 1;
                 }
