@@ -12,7 +12,13 @@ use crate::ir::{Attr, DType, Dim, DimBindings, Graph, OpKind, Storage, Tensor, V
 
 /// Folds what can be folded; returns the number of nodes replaced by constants.
 pub fn fold_constants(graph: &mut Graph, dims: &DimBindings, info: &ShapeInfo) -> Result<usize, PassError> {
-    let perturbed: BTreeMap<String, i64> = dims.values.iter().map(|(k, &v)| (k.clone(), v * 2 + 1)).collect();
+    // Integers can only depend on a symbolic dim through Shape or Size.
+    let reads_shapes = graph.node_ids().any(|n| graph.node(n).op.is(OpKind::Shape) || graph.node(n).op.is(OpKind::Size));
+    let perturbed: BTreeMap<String, i64> = if reads_shapes {
+        dims.values.iter().map(|(k, &v)| (k.clone(), v * 2 + 1)).collect()
+    } else {
+        BTreeMap::new()
+    };
     let other = if perturbed.is_empty() {
         None
     } else {

@@ -223,7 +223,7 @@ fn structural(graph: &Graph, order: &[NodeId], pos: &HashMap<NodeId, usize>) -> 
     let mut last_add = None;
     for &n in order {
         let node = graph.node(n);
-        if !node.op.is(OpKind::Add) || node.inputs.len() != 2 {
+        if !(node.op.is(OpKind::Add) || node.op.is(OpKind::Sum)) || node.inputs.len() != 2 {
             continue;
         }
         let (Some(x), Some(y)) = (node.inputs[0], node.inputs[1]) else { continue };
@@ -245,9 +245,26 @@ fn structural(graph: &Graph, order: &[NodeId], pos: &HashMap<NodeId, usize>) -> 
     let mut names = HashMap::new();
     let Some(last) = last_add else { return (place, names) };
     let starts: Vec<usize> = starts.into_iter().collect();
+    // Nodes off the data path (weights made by ConstantOfShape, constant masks) join their
+    // consumers instead of being placed by position.
+    let mut data = vec![false; graph.value_count()];
+    for &v in &graph.inputs {
+        data[v.index()] = true;
+    }
     for (i, &n) in order.iter().enumerate() {
+        let node = graph.node(n);
+        let on_path = node.inputs.iter().flatten().any(|v| data[v.index()]);
+        for &o in &node.outputs {
+            data[o.index()] = on_path;
+        }
         let k = starts.iter().take_while(|&&s| s <= i).count();
-        place[n.index()] = if i > last { Place::Group(HEAD) } else { Place::Group(k) };
+        place[n.index()] = if !on_path {
+            Place::Helper
+        } else if i > last {
+            Place::Group(HEAD)
+        } else {
+            Place::Group(k)
+        };
     }
     for k in 1..=starts.len() {
         names.insert(k, format!("block.{}", k - 1));
