@@ -70,7 +70,7 @@ pub fn is_trainable(graph: &Graph, v: ValueId) -> bool {
         return false;
     }
     let name = graph.value(v).name.to_ascii_lowercase();
-    !["inv_freq", "rotary", "_cached", "mask", "position_ids"].iter().any(|b| name.contains(b))
+    !["inv_freq", "rotary", "rope", "_cached", "mask", "position_ids"].iter().any(|b| name.contains(b))
 }
 
 fn param_elems(graph: &Graph, v: ValueId) -> (u64, u64) {
