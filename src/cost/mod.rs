@@ -1,1 +1,13 @@
-//! cost (to be filled).
+//! Cost model: cluster specs and presets, per-node and per-layer compute time (roofline),
+//! alpha-beta collectives on the links a group spans, and the memory model (model state under
+//! ZeRO, activations, in-flight microbatches per schedule).
+
+pub mod cluster;
+pub mod comm;
+pub mod compute;
+pub mod memory;
+
+pub use cluster::{ClusterError, ClusterSpec, EfficiencyCurve, PRESETS};
+pub use comm::{CommModel, GroupSpan, Link, LinkKind};
+pub use compute::{LayerTimes, layer_times, node_time, node_times};
+pub use memory::{ModelState, StatePrecision, in_flight, model_state};

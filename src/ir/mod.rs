@@ -5,6 +5,7 @@ mod dtype;
 mod graph;
 mod layer;
 mod op;
+pub mod schedule;
 mod shape;
 mod tensor;
 
@@ -12,5 +13,6 @@ pub use dtype::DType;
 pub use graph::{Graph, GraphError, Node, NodeId, Value, ValueId, ValueKind};
 pub use layer::{DimBindings, Layer, LayerKind, LayeredGraph, NodeFigures};
 pub use op::{Attr, Attrs, Op, OpKind};
+pub use schedule::{Action, ActionKind, ScheduleError, ScheduleKind, compute_actions};
 pub use shape::{Dim, Shape, TensorType};
 pub use tensor::{ExternalData, Storage, Tensor};

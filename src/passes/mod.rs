@@ -1,1 +1,252 @@
-//! passes (to be filled).
+//! Passes over the IR, one file each; [`analyze`] runs them in order:
+//! bind dims → shape inference → fold shape arithmetic → DCE → shape inference → figures →
+//! layer grouping.
+
+use std::collections::BTreeMap;
+
+use crate::ir::{self, GraphError};
+
+pub mod dce;
+pub mod figures;
+pub mod fold;
+pub mod layers;
+pub mod shape_infer;
+#[cfg(test)]
+mod testutil;
+
+/// Options of [`analyze`]: how to bind symbolic dims.
+#[derive(Clone, Debug, Default)]
+pub struct AnalyzeOptions {
+    /// Binds the symbolic sequence dim (second dim of the first graph input).
+    pub seq_len: Option<i64>,
+    /// Binds any symbolic dim by name (`--dim NAME=V`).
+    pub dims: BTreeMap<String, i64>,
+}
+
+/// Errors of the passes. Each names the node, value or dim concerned.
+#[derive(Debug, thiserror::Error)]
+pub enum PassError {
+    /// A symbolic dim is needed but nothing binds it.
+    #[error("symbolic dim `{dim}` of input `{input}` is unbound: {fix}")]
+    UnboundDim {
+        /// The symbol.
+        dim: String,
+        /// The graph input that has it.
+        input: String,
+        /// How to bind it.
+        fix: String,
+    },
+    /// `--seq-len` asks for another sequence length than the graph's fixed one.
+    #[error("--seq-len {requested} conflicts with input `{input}`, whose sequence dim is fixed at {fixed}; drop --seq-len or re-export with a symbolic sequence dim")]
+    SeqLenConflict {
+        /// The graph input.
+        input: String,
+        /// Its fixed size.
+        fixed: i64,
+        /// What was asked.
+        requested: i64,
+    },
+    /// A binding that makes no sense (non-positive size, unknown name).
+    #[error("bad dim binding: {0}")]
+    BadBinding(String),
+    /// Shape inference failed at a node.
+    #[error("shape inference failed at node `{node}` ({op}): {msg}")]
+    Shape {
+        /// Node name.
+        node: String,
+        /// Op type.
+        op: String,
+        /// What went wrong.
+        msg: String,
+    },
+    /// The graph is structurally broken.
+    #[error(transparent)]
+    Graph(#[from] GraphError),
+}
+
+/// Runs the pass list over an imported graph and returns it with shapes, figures and layers.
+pub fn analyze(mut graph: ir::Graph, opts: &AnalyzeOptions) -> Result<ir::LayeredGraph, PassError> {
+    graph.verify()?;
+    let dims = shape_infer::bind_dims(&graph, opts)?;
+    let info = shape_infer::infer_shapes(&mut graph, &dims)?;
+    debug_verify(&graph)?;
+    let folded = fold::fold_constants(&mut graph, &dims, &info)?;
+    debug_verify(&graph)?;
+    let removed = dce::remove_dead_nodes(&mut graph);
+    debug_verify(&graph)?;
+    if folded > 0 || removed > 0 {
+        shape_infer::infer_shapes(&mut graph, &dims)?;
+        debug_verify(&graph)?;
+    }
+    tracing::debug!(folded, removed, nodes = graph.node_count(), "shape arithmetic folded, dead nodes removed");
+    let figures = figures::compute(&graph, &dims)?;
+    let layers = layers::group(&graph, &figures, &dims)?;
+    debug_verify(&graph)?;
+    Ok(ir::LayeredGraph {
+        params: figures.total_params,
+        flops_per_sample: figures.total_flops,
+        node_figures: figures.per_node,
+        layers,
+        dims,
+        graph,
+    })
+}
+
+fn debug_verify(graph: &ir::Graph) -> Result<(), PassError> {
+    if cfg!(debug_assertions) {
+        graph.verify()?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testutil::{Gpt, gpt};
+    use super::*;
+    use crate::ir::{DType, LayerKind, OpKind};
+
+    fn cfg() -> Gpt {
+        Gpt {
+            blocks: 2,
+            hidden: 256,
+            heads: 8,
+            vocab: 512,
+            ffn: 1024,
+            batch: Some(2),
+            seq: Some(64),
+            dtype: DType::BF16,
+            namespaces: true,
+            layer_names: true,
+        }
+    }
+
+    fn kinds(lg: &ir::LayeredGraph) -> Vec<LayerKind> {
+        lg.layers.iter().map(|l| l.kind).collect()
+    }
+
+    #[test]
+    fn megatron_block_saves_korthikanti_bytes() {
+        // Korthikanti et al. (2022) without dropout: s·b·h·(32 + 2·a·s/h) bytes in bf16.
+        for (batch, seq, opts) in [
+            (Some(2), Some(64), AnalyzeOptions::default()),
+            (None, None, AnalyzeOptions { seq_len: Some(64), ..Default::default() }),
+        ] {
+            let c = Gpt { batch, seq, ..cfg() };
+            let lg = analyze(gpt(c), &opts).unwrap();
+            assert_eq!(kinds(&lg), vec![LayerKind::Embedding, LayerKind::Block, LayerKind::Block, LayerKind::Head]);
+            let (s, h, a) = (64.0, c.hidden as f64, c.heads as f64);
+            let want = s * h * (32.0 + 2.0 * a * s / h);
+            for l in &lg.layers[1..3] {
+                let got = l.figures.saved_bytes;
+                assert!((got - want).abs() / want < 0.05, "{}: saved {got} vs {want}", l.name);
+            }
+        }
+    }
+
+    #[test]
+    fn block_matmul_flops_match_closed_form() {
+        let c = cfg();
+        let lg = analyze(gpt(c), &AnalyzeOptions::default()).unwrap();
+        let (s, h, a, f) = (64.0, c.hidden as f64, c.heads as f64, c.ffn as f64);
+        let d = h / a;
+        let want = 2.0 * s * h * 3.0 * h + 2.0 * 2.0 * a * s * s * d + 2.0 * s * h * h + 2.0 * 2.0 * s * h * f;
+        for l in &lg.layers[1..3] {
+            let got: f64 = l
+                .nodes
+                .iter()
+                .filter(|&&n| lg.graph.node(n).op.is(OpKind::MatMul))
+                .map(|&n| lg.node_figures(n).flops)
+                .sum();
+            assert_eq!(got, want, "{}", l.name);
+        }
+        let head = &lg.layers[3];
+        let head_mm: f64 =
+            head.nodes.iter().filter(|&&n| lg.graph.node(n).op.is(OpKind::MatMul)).map(|&n| lg.node_figures(n).flops).sum();
+        assert_eq!(head_mm, 2.0 * s * h * c.vocab as f64);
+    }
+
+    #[test]
+    fn params_are_counted_once_and_tied_weights_shared() {
+        let c = cfg();
+        let lg = analyze(gpt(c), &AnalyzeOptions::default()).unwrap();
+        let (h, f, v) = (c.hidden as u64, c.ffn as u64, c.vocab as u64);
+        let block = 4 * h + 3 * h * h + 3 * h + h * h + h + 2 * h * f + f + h;
+        let want = v * h + 2 * block + 2 * h;
+        assert_eq!(lg.params, want);
+        let per_layer: u64 = lg.layers.iter().map(|l| l.figures.param_elems).sum();
+        assert_eq!(per_layer, want);
+        let wte = lg.graph.value_by_name("wte.weight").unwrap();
+        assert_eq!(lg.layers[0].params, vec![wte]);
+        assert_eq!(lg.layers[3].shared_params, vec![wte]);
+        assert_eq!(lg.layers[1].figures.param_elems, block);
+    }
+
+    #[test]
+    fn identical_blocks_share_a_signature_in_every_grouping_mode() {
+        let by_ns = analyze(gpt(cfg()), &AnalyzeOptions::default()).unwrap();
+        let names: Vec<_> = by_ns.layers.iter().map(|l| l.name.as_str()).collect();
+        assert_eq!(names, vec!["embedding", "m.h.0", "m.h.1", "head"]);
+        assert_eq!(by_ns.layers[1].signature, by_ns.layers[2].signature);
+        assert_ne!(by_ns.layers[0].signature, by_ns.layers[1].signature);
+
+        let by_names = analyze(gpt(Gpt { namespaces: false, ..cfg() }), &AnalyzeOptions::default()).unwrap();
+        let names: Vec<_> = by_names.layers.iter().map(|l| l.name.as_str()).collect();
+        assert_eq!(names, vec!["embedding", "h.0", "h.1", "head"]);
+        assert_eq!(by_names.layers[1].signature, by_names.layers[2].signature);
+        assert_eq!(by_names.layers[1].signature, by_ns.layers[1].signature);
+
+        let structural =
+            analyze(gpt(Gpt { namespaces: false, layer_names: false, ..cfg() }), &AnalyzeOptions::default()).unwrap();
+        assert_eq!(
+            kinds(&structural),
+            vec![LayerKind::Embedding, LayerKind::Block, LayerKind::Block, LayerKind::Block, LayerKind::Block, LayerKind::Head]
+        );
+        let sig: Vec<_> = structural.layers.iter().map(|l| l.signature.as_str()).collect();
+        assert_eq!(sig[1], sig[3]);
+        assert_eq!(sig[2], sig[4]);
+        assert_ne!(sig[1], sig[2]);
+    }
+
+    #[test]
+    fn layers_are_contiguous_and_cover_every_node() {
+        let lg = analyze(gpt(Gpt { batch: None, seq: None, ..cfg() }), &AnalyzeOptions { seq_len: Some(32), ..Default::default() })
+            .unwrap();
+        let order: Vec<_> = lg.layers.iter().flat_map(|l| l.nodes.iter().copied()).collect();
+        assert_eq!(order.len(), lg.graph.node_count());
+        let pos: std::collections::HashMap<_, _> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+        for &n in &order {
+            for p in lg.graph.predecessors(n) {
+                assert!(pos[&p] < pos[&n], "layer order is not topological");
+            }
+        }
+        assert_eq!(lg.layers[1].signature, lg.layers[2].signature);
+        // The block boundary activation is [seq, hidden] bf16 per sample.
+        assert_eq!(lg.layers[1].output_bytes, 32.0 * 256.0 * 2.0);
+    }
+
+    #[test]
+    fn unbound_sequence_names_the_dim_and_the_fix() {
+        let err = analyze(gpt(Gpt { batch: None, seq: None, ..cfg() }), &AnalyzeOptions::default()).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("`seq`") && msg.contains("--seq-len"), "{msg}");
+        let ok = AnalyzeOptions { dims: [("seq".to_string(), 16)].into(), ..Default::default() };
+        assert!(analyze(gpt(Gpt { batch: None, seq: None, ..cfg() }), &ok).is_ok());
+    }
+
+    #[test]
+    fn seq_len_against_a_fixed_sequence_names_both() {
+        let err = analyze(gpt(cfg()), &AnalyzeOptions { seq_len: Some(128), ..Default::default() }).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("128") && msg.contains("64") && msg.contains("input_ids"), "{msg}");
+    }
+
+    #[test]
+    fn fixed_batch_figures_are_per_sample() {
+        let b4 = analyze(gpt(Gpt { batch: Some(4), ..cfg() }), &AnalyzeOptions::default()).unwrap();
+        let b1 = analyze(gpt(Gpt { batch: Some(1), ..cfg() }), &AnalyzeOptions::default()).unwrap();
+        assert_eq!(b4.dims.graph_batch, 4);
+        assert!(b4.dims.fixed_batch);
+        assert_eq!(b4.flops_per_sample, b1.flops_per_sample);
+        assert_eq!(b4.layers[1].figures.saved_bytes, b1.layers[1].figures.saved_bytes);
+    }
+}

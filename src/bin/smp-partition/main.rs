@@ -1,6 +1,57 @@
-//! `smp-partition`: plan a model (to be filled).
+//! `smp-partition`: plan a model for model-parallel training, inspect plans.
 
-fn main() {
-    eprintln!("smp-partition: not yet implemented");
-    std::process::exit(2);
+mod graph_cmd;
+mod inspect_cmd;
+mod plan_cmd;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Plans an ONNX model over many devices: pipeline cuts, tensor splits, data-parallel and
+/// ZeRO degrees, checkpointing, microbatches and schedule.
+#[derive(Parser, Debug)]
+#[command(name = "smp-partition", version, args_conflicts_with_subcommands = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    plan: plan_cmd::PlanArgs,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Show the model's layers with parameters, FLOPs and activations.
+    Graph(graph_cmd::GraphArgs),
+    /// Explain a plan file: stages, bottleneck, memory, communication, the solver's proof.
+    Inspect(inspect_cmd::InspectArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
+    let result = match cli.command {
+        Some(Command::Inspect(args)) => inspect_cmd::run(&args),
+        Some(Command::Graph(args)) => graph_cmd::run(&args).map(|()| ExitCode::SUCCESS),
+        None => plan_cmd::run(&cli.plan),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
 }

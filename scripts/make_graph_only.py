@@ -1,0 +1,330 @@
+#!/usr/bin/env python3
+"""Graph-only large models for planning: built with onnx.helper (no torch), opset 20,
+bf16 weights as external data in `<name>.weights`, a file that is never written (offsets and
+lengths are filled in as if it existed). Symbolic batch dim `batch`, fixed sequence length,
+no Dropout. Also records each model in models/manifest.json.
+
+    .venv/bin/python scripts/make_graph_only.py            # write models/*.onnx
+    .venv/bin/python scripts/make_graph_only.py --check    # also run tiny f32 twins on onnxruntime
+
+GPT (Megatron-style): LayerNormalization, fused QKV MatMul + bias, Split, per-head
+Reshape/Transpose, scaled Q·Kᵀ, causal mask (Where), Softmax, ·V, projection, residual,
+LayerNormalization, fc1 + bias, Gelu, fc2 + bias, residual; token + position embedding; final
+LayerNormalization and an LM head tied to the token embedding (Transpose of `wte`).
+Llama: decomposed RMSNorm, separate q/k/v with grouped-query KV heads (Expand + Reshape),
+RoPE with constant tables `rope.cos`/`rope.sin` (initializers, not trained), SwiGLU MLP, untied
+LM head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from onnx_build import (FLOAT_TYPES, REPO, GraphBuilder, float_initializer_elements, io_record,  # noqa: E402
+                        update_manifest, write_model)
+
+MODELS = REPO / "models"
+
+
+def gpt_params(layers, hidden, seq, vocab):
+    """Trainable parameters of the graph below (Megatron's 12lh²(1 + 13/12h + (V+s)/12lh)
+    plus the final LayerNorm's 2h)."""
+    h = hidden
+    return 12 * layers * h * h + 13 * layers * h + (vocab + seq) * h + 2 * h
+
+
+def llama_params(layers, hidden, heads, kv_heads, ffn, vocab):
+    h, d = hidden, hidden // heads
+    per_layer = 2 * h * h + 2 * h * kv_heads * d + 3 * h * ffn + 2 * h
+    return layers * per_layer + 2 * vocab * h + h
+
+
+def causal_where(b, scores, prefix, seq, scope):
+    """Where(tril(ones[S,S]) , scores, -inf-ish): built per block from constants."""
+    shape = b.const(f"{prefix}.attn.mask_shape", np.array([seq, seq], np.int64))
+    ones = b.node("ConstantOfShape", [shape], scope,
+                  value=helper.make_tensor("value", TensorProto.BOOL, [1], [True]))
+    mask = b.node("Trilu", [ones], scope, upper=0)
+    neg = b.const(f"{prefix}.attn.mask_value", np.array(-1e4, np.float32))
+    return b.node("Where", [mask, scores, neg], scope)
+
+
+def build_gpt(name, layers, hidden, heads, seq, vocab, dtype=TensorProto.BFLOAT16,
+              weights_file=None):
+    h, a = hidden, heads
+    d = h // a
+    b = GraphBuilder(": GPT", dtype, f"{name}.weights", weights_file)
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", seq])
+    emb = [("embedding", "Embedding")]
+    wte = b.weight("wte.weight", [vocab, h])
+    wpe = b.weight("wpe.weight", [seq, h])
+    pos = b.const("position_ids", np.arange(seq, dtype=np.int64))
+    tok = b.node("Gather", [wte, "input_ids"], emb, axis=0)
+    pe = b.node("Gather", [wpe, pos], emb, axis=0)
+    x = b.node("Add", [tok, pe], emb)
+    split = b.const("qkv.split", np.array([h, h, h], np.int64))
+    heads_shape = b.const("heads.shape", np.array([0, 0, a, d], np.int64))
+    merge_shape = b.const("merge.shape", np.array([0, 0, h], np.int64))
+    for i in range(layers):
+        p = f"h.{i}"
+        blk = [(p, "Block")]
+        ln1 = blk + [(f"{p}.ln_1", "LayerNorm")]
+        att = blk + [(f"{p}.attn", "Attention")]
+        ln2 = blk + [(f"{p}.ln_2", "LayerNorm")]
+        mlp = blk + [(f"{p}.mlp", "MLP")]
+        y = b.node("LayerNormalization", [x, b.weight(f"{p}.ln_1.weight", [h], "ones"),
+                                          b.weight(f"{p}.ln_1.bias", [h], "zeros")],
+                   ln1, axis=-1, epsilon=1e-5)
+        qkv = b.node("MatMul", [y, b.weight(f"{p}.attn.qkv.weight", [h, 3 * h])], att)
+        qkv = b.node("Add", [qkv, b.weight(f"{p}.attn.qkv.bias", [3 * h], "zeros")], att)
+        q, k, v = b.node("Split", [qkv, split], att, n_out=3, axis=-1)
+        q = b.node("Transpose", [b.node("Reshape", [q, heads_shape], att)], att,
+                   perm=[0, 2, 1, 3])
+        k = b.node("Transpose", [b.node("Reshape", [k, heads_shape], att)], att,
+                   perm=[0, 2, 3, 1])
+        v = b.node("Transpose", [b.node("Reshape", [v, heads_shape], att)], att,
+                   perm=[0, 2, 1, 3])
+        s = b.node("MatMul", [q, k], att)
+        s = b.node("Mul", [s, b.const(f"{p}.attn.scale", np.array(1.0 / np.sqrt(d),
+                                                                   np.float32))], att)
+        s = causal_where(b, s, p, seq, att)
+        s = b.node("Softmax", [s], att, axis=-1)
+        o = b.node("MatMul", [s, v], att)
+        o = b.node("Transpose", [o], att, perm=[0, 2, 1, 3])
+        o = b.node("Reshape", [o, merge_shape], att)
+        o = b.node("MatMul", [o, b.weight(f"{p}.attn.proj.weight", [h, h])], att)
+        o = b.node("Add", [o, b.weight(f"{p}.attn.proj.bias", [h], "zeros")], att)
+        x = b.node("Add", [x, o], blk)
+        y = b.node("LayerNormalization", [x, b.weight(f"{p}.ln_2.weight", [h], "ones"),
+                                          b.weight(f"{p}.ln_2.bias", [h], "zeros")],
+                   ln2, axis=-1, epsilon=1e-5)
+        y = b.node("MatMul", [y, b.weight(f"{p}.mlp.fc1.weight", [h, 4 * h])], mlp)
+        y = b.node("Add", [y, b.weight(f"{p}.mlp.fc1.bias", [4 * h], "zeros")], mlp)
+        y = b.node("Gelu", [y], mlp, approximate="tanh")
+        y = b.node("MatMul", [y, b.weight(f"{p}.mlp.fc2.weight", [4 * h, h])], mlp)
+        y = b.node("Add", [y, b.weight(f"{p}.mlp.fc2.bias", [h], "zeros")], mlp)
+        x = b.node("Add", [x, y], blk)
+    lnf = [("ln_f", "LayerNorm")]
+    x = b.node("LayerNormalization", [x, b.weight("ln_f.weight", [h], "ones"),
+                                      b.weight("ln_f.bias", [h], "zeros")],
+               lnf, axis=-1, epsilon=1e-5)
+    head = [("lm_head", "LMHead")]
+    wt = b.node("Transpose", [wte], head, perm=[1, 0])
+    logits = b.node("MatMul", [x, wt], head)
+    b.nodes[-1].output[0] = "logits"
+    out = helper.make_tensor_value_info("logits", dtype, ["batch", seq, vocab])
+    return b.model(name, [ids], [out])
+
+
+def rms_norm(b, x, weight, eps, exponent, axes, scope):
+    sq = b.node("Pow", [x, exponent], scope)
+    ms = b.node("ReduceMean", [sq, axes], scope, keepdims=1)
+    r = b.node("Reciprocal", [b.node("Sqrt", [b.node("Add", [ms, eps], scope)], scope)], scope)
+    return b.node("Mul", [b.node("Mul", [x, r], scope), weight], scope)
+
+
+def rope_tables(seq, d, theta=500000.0):
+    inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    f = np.outer(np.arange(seq, dtype=np.float64), inv)
+    emb = np.concatenate([f, f], axis=-1)
+    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+
+
+def build_llama(name, layers, hidden, heads, kv_heads, ffn, seq, vocab,
+                dtype=TensorProto.BFLOAT16, weights_file=None):
+    h, a, kv = hidden, heads, kv_heads
+    d = h // a
+    rep = a // kv
+    b = GraphBuilder(": Llama", dtype, f"{name}.weights", weights_file)
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", seq])
+    cos_v, sin_v = rope_tables(seq, d)
+    doc = "constant of the model (RoPE table), not trained"
+    cos = b.weight("rope.cos", [seq, d], values=cos_v, doc=doc)
+    sin = b.weight("rope.sin", [seq, d], values=sin_v, doc=doc)
+    emb = [("embed_tokens", "Embedding")]
+    x = b.node("Gather", [b.weight("embed_tokens.weight", [vocab, h]), "input_ids"], emb, axis=0)
+    q_shape = b.const("q.shape", np.array([0, 0, a, d], np.int64))
+    kv_shape = b.const("kv.shape", np.array([0, 0, kv, d], np.int64))
+    rep_shape = b.const("kv.repeat", np.array([1, 1, rep, 1, 1], np.int64))
+    gqa_shape = b.const("kv.merged_shape", np.array([0, a, seq, d], np.int64))
+    merge_shape = b.const("merge.shape", np.array([0, 0, h], np.int64))
+    half = b.const("rope.half_split", np.array([d // 2, d // 2], np.int64))
+    axes = b.const("norm.axes", np.array([-1], np.int64))
+    unsq = b.const("kv.unsqueeze_axes", np.array([2], np.int64))
+
+    def rope(t, scope):
+        x1, x2 = b.node("Split", [t, half], scope, n_out=2, axis=-1)
+        rot = b.node("Concat", [b.node("Neg", [x2], scope), x1], scope, axis=-1)
+        return b.node("Add", [b.node("Mul", [t, cos], scope),
+                              b.node("Mul", [rot, sin], scope)], scope)
+
+    for i in range(layers):
+        p = f"layers.{i}"
+        blk = [(p, "DecoderLayer")]
+        n1 = blk + [(f"{p}.input_layernorm", "RMSNorm")]
+        att = blk + [(f"{p}.self_attn", "Attention")]
+        n2 = blk + [(f"{p}.post_attention_layernorm", "RMSNorm")]
+        mlp = blk + [(f"{p}.mlp", "MLP")]
+        eps = b.const(f"{p}.norm.eps", np.array(1e-5, np.float32))
+        two = b.const(f"{p}.norm.exponent", np.array(2.0, np.float32))
+        y = rms_norm(b, x, b.weight(f"{p}.input_layernorm.weight", [h], "ones"), eps, two,
+                     axes, n1)
+        q = b.node("MatMul", [y, b.weight(f"{p}.self_attn.q_proj.weight", [h, h])], att)
+        k = b.node("MatMul", [y, b.weight(f"{p}.self_attn.k_proj.weight", [h, kv * d])], att)
+        v = b.node("MatMul", [y, b.weight(f"{p}.self_attn.v_proj.weight", [h, kv * d])], att)
+        q = b.node("Transpose", [b.node("Reshape", [q, q_shape], att)], att, perm=[0, 2, 1, 3])
+        k = b.node("Transpose", [b.node("Reshape", [k, kv_shape], att)], att, perm=[0, 2, 1, 3])
+        v = b.node("Transpose", [b.node("Reshape", [v, kv_shape], att)], att, perm=[0, 2, 1, 3])
+        q, k = rope(q, att), rope(k, att)
+
+        def repeat_kv(t):
+            t = b.node("Expand", [b.node("Unsqueeze", [t, unsq], att), rep_shape], att)
+            return b.node("Reshape", [t, gqa_shape], att)
+
+        k, v = repeat_kv(k), repeat_kv(v)
+        kt = b.node("Transpose", [k], att, perm=[0, 1, 3, 2])
+        s = b.node("MatMul", [q, kt], att)
+        s = b.node("Mul", [s, b.const(f"{p}.attn.scale", np.array(1.0 / np.sqrt(d),
+                                                                   np.float32))], att)
+        s = causal_where(b, s, p, seq, att)
+        s = b.node("Softmax", [s], att, axis=-1)
+        o = b.node("MatMul", [s, v], att)
+        o = b.node("Reshape", [b.node("Transpose", [o], att, perm=[0, 2, 1, 3]), merge_shape],
+                   att)
+        o = b.node("MatMul", [o, b.weight(f"{p}.self_attn.o_proj.weight", [h, h])], att)
+        x = b.node("Add", [x, o], blk)
+        y = rms_norm(b, x, b.weight(f"{p}.post_attention_layernorm.weight", [h], "ones"), eps,
+                     two, axes, n2)
+        g = b.node("MatMul", [y, b.weight(f"{p}.mlp.gate_proj.weight", [h, ffn])], mlp)
+        u = b.node("MatMul", [y, b.weight(f"{p}.mlp.up_proj.weight", [h, ffn])], mlp)
+        g = b.node("Mul", [g, b.node("Sigmoid", [g], mlp)], mlp)
+        y = b.node("MatMul", [b.node("Mul", [g, u], mlp),
+                              b.weight(f"{p}.mlp.down_proj.weight", [ffn, h])], mlp)
+        x = b.node("Add", [x, y], blk)
+    nf = [("norm", "RMSNorm")]
+    x = rms_norm(b, x, b.weight("norm.weight", [h], "ones"),
+                 b.const("norm.eps", np.array(1e-5, np.float32)),
+                 b.const("norm.exponent", np.array(2.0, np.float32)), axes, nf)
+    b.node("MatMul", [x, b.weight("lm_head.weight", [h, vocab])], [("lm_head", "Linear")])
+    b.nodes[-1].output[0] = "logits"
+    out = helper.make_tensor_value_info("logits", dtype, ["batch", seq, vocab])
+    return b.model(name, [ids], [out])
+
+
+# name, layers, hidden, heads, seq, vocab (GPT); Megatron-LM Table 1 in megatron/.
+GPTS = [("gpt3-175b", 96, 12288, 96, 2048, 51200), ("gpt-1t", 128, 25600, 160, 2048, 51200)]
+MEGATRON = [("1.7B", 24, 2304, 24), ("3.6B", 32, 3072, 30), ("7.5B", 32, 4096, 36),
+            ("18.4B", 48, 6144, 40), ("39.1B", 64, 8192, 48), ("76.1B", 80, 10240, 60),
+            ("145.6B", 96, 12288, 80), ("310.1B", 128, 16384, 96), ("529.6B", 128, 20480, 105),
+            ("1008B", 160, 25600, 128)]
+# name, layers, hidden, heads, kv heads, ffn, seq, vocab
+LLAMAS = [("llama3-70b", 80, 8192, 64, 8, 28672, 4096, 128256),
+          ("llama3-8b", 32, 4096, 32, 8, 14336, 8192, 128256)]
+
+
+def constants_elements(model) -> int:
+    """Floating-point initializer elements that are constants, not trained parameters."""
+    total = 0
+    for t in model.graph.initializer:
+        if t.data_type not in FLOAT_TYPES:
+            continue
+        if t.name.startswith("rope.") or t.name.endswith((".scale", ".mask_value", ".eps",
+                                                           ".exponent")):
+            total += int(np.prod(t.dims, dtype=np.int64))
+    return total
+
+
+def check_structure(model, name):
+    # (onnx.checker refuses external data whose file is missing, by design here.)
+    inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True,
+                                                 data_prop=True)
+    out = inferred.graph.output[0].type.tensor_type.shape
+    assert len(out.dim) == 3, name
+
+
+def check_on_onnxruntime():
+    """Tiny float32 twins with real (random) weights must run on onnxruntime: proves the
+    graphs are executable, not only well-typed."""
+    import onnxruntime as ort
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = [("gpt", lambda f: build_gpt("tiny-gpt", 2, 32, 4, 8, 64, TensorProto.FLOAT, f)),
+                ("llama", lambda f: build_llama("tiny-llama", 2, 32, 4, 2, 48, 8, 64,
+                                                TensorProto.FLOAT, f))]
+        for kind, build in tiny:
+            name = f"tiny-{kind}"
+            with open(Path(tmp) / f"{name}.weights", "wb") as f:
+                model = build(f)
+            path = Path(tmp) / f"{name}.onnx"
+            write_model(model, path)
+            sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+            ids = np.random.default_rng(0).integers(0, 64, size=(3, 8), dtype=np.int64)
+            (logits,) = sess.run(None, {"input_ids": ids})
+            assert logits.shape == (3, 8, 64) and np.isfinite(logits).all(), kind
+            # Causality: changing the last token must not change earlier positions.
+            ids2 = ids.copy()
+            ids2[:, -1] = (ids2[:, -1] + 1) % 64
+            (logits2,) = sess.run(None, {"input_ids": ids2})
+            assert np.allclose(logits[:, :-1], logits2[:, :-1], atol=1e-5), kind
+            assert not np.allclose(logits[:, -1], logits2[:, -1]), kind
+            print(f"onnxruntime ok: {name} logits {logits.shape}")
+
+
+def record(model, path, extra):
+    rec = {"file": str(path.relative_to(REPO)), "graph_only": True, "dtype": "bfloat16",
+           "opset": 20, "weights_location": f"{path.stem}.weights (never written)",
+           "float_initializer_elements": float_initializer_elements(model),
+           "constant_float_elements": constants_elements(model),
+           "file_bytes": path.stat().st_size}
+    rec.update(extra)
+    rec.update(io_record(model))
+    assert rec["float_initializer_elements"] == rec["formula_params"] + \
+        rec["constant_float_elements"], (path, rec)
+    return rec
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="run tiny twins on onnxruntime")
+    ap.add_argument("--out", type=Path, default=MODELS)
+    args = ap.parse_args()
+    if args.check:
+        check_on_onnxruntime()
+    entries = {}
+    jobs = [(n, args.out / f"{n}.onnx", "gpt", dict(layers=l, hidden=h, heads=a, seq=s, vocab=v))
+            for n, l, h, a, s, v in GPTS]
+    jobs += [(f"megatron/gpt-{p}", args.out / "megatron" / f"gpt-{p}.onnx", "gpt",
+              dict(layers=l, hidden=h, heads=a, seq=2048, vocab=51200, published_params=p))
+             for p, a, h, l in MEGATRON]
+    jobs += [(n, args.out / f"{n}.onnx", "llama",
+              dict(layers=l, hidden=h, heads=a, kv_heads=kv, ffn=f, seq=s, vocab=v))
+             for n, l, h, a, kv, f, s, v in LLAMAS]
+    for key, path, kind, cfg in jobs:
+        shape = {k: v for k, v in cfg.items() if k != "published_params"}
+        if kind == "gpt":
+            model = build_gpt(path.stem, **shape)
+            params = gpt_params(cfg["layers"], cfg["hidden"], cfg["seq"], cfg["vocab"])
+            formula = "12lh^2 + 13lh + (V+s)h + 2h (tied head, final LayerNorm)"
+        else:
+            model = build_llama(path.stem, **shape)
+            params = llama_params(cfg["layers"], cfg["hidden"], cfg["heads"], cfg["kv_heads"],
+                                  cfg["ffn"], cfg["vocab"])
+            formula = "l(2h^2 + 2h*kv*d + 3hF + 2h) + 2Vh + h (untied head)"
+        check_structure(model, key)
+        write_model(model, path)
+        entries[key] = record(model, path, {"kind": kind, **cfg, "formula_params": params,
+                                            "formula": formula})
+        print(f"{path.relative_to(REPO)}: {params / 1e9:.2f}B params, "
+              f"{path.stat().st_size / 1e3:.0f} kB")
+    update_manifest(entries)
+
+
+if __name__ == "__main__":
+    main()

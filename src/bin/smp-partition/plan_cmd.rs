@@ -1,0 +1,161 @@
+//! The main job: `smp-partition MODEL.onnx [options]` plans a model and writes the plan.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+
+use smp_partition::plan::config::{
+    Baseline, Checkpointing, Constraints, Layout, Optimize, Placement, PlanRequest, Schedule, SmpConfig,
+    parse_dim,
+};
+use smp_partition::cost::ClusterSpec;
+use smp_partition::plan::{Plan, io, report};
+
+/// Options of the planning job (flattened into the top-level command).
+#[derive(Args, Debug, Default)]
+pub struct PlanArgs {
+    /// The ONNX model to plan.
+    #[arg(value_name = "MODEL.onnx")]
+    pub model: Option<PathBuf>,
+    /// Cluster: a preset (a100-40gb, a100-80gb, h100-80gb, h200, v100-16gb, cpu) with an
+    /// optional device count, or a cluster TOML file.
+    #[arg(long, value_name = "PRESET[:N]|FILE.toml", default_value = "h100-80gb:8")]
+    pub cluster: String,
+    /// Samples per optimizer step, over all data-parallel replicas.
+    #[arg(long, value_name = "B")]
+    pub global_batch: Option<u64>,
+    /// Binds the symbolic sequence dimension.
+    #[arg(long, value_name = "S")]
+    pub seq_len: Option<u64>,
+    /// Binds any other symbolic dimension (repeatable).
+    #[arg(long, value_name = "NAME=V", value_parser = parse_dim)]
+    pub dim: Vec<(String, i64)>,
+    /// Pipeline-parallel degree (omitted = searched).
+    #[arg(long, value_name = "N")]
+    pub pp: Option<usize>,
+    /// Tensor-parallel degree (omitted = searched).
+    #[arg(long, value_name = "N")]
+    pub tp: Option<usize>,
+    /// Data-parallel degree (omitted = searched).
+    #[arg(long, value_name = "N")]
+    pub dp: Option<usize>,
+    /// ZeRO stage (omitted = searched).
+    #[arg(long, value_name = "0..3", value_parser = clap::value_parser!(u8).range(0..=3))]
+    pub zero: Option<u8>,
+    /// Sharded data parallelism: ZeRO-3 over groups of N replicas.
+    #[arg(long, value_name = "N")]
+    pub sharded_dp: Option<usize>,
+    /// Microbatches per step (omitted = searched).
+    #[arg(long, value_name = "M")]
+    pub microbatches: Option<usize>,
+    /// Pipeline schedule (omitted = searched).
+    #[arg(long, value_name = "gpipe|1f1b|interleaved:V|zb-h1")]
+    pub schedule: Option<Schedule>,
+    /// Activation checkpointing.
+    #[arg(long, value_name = "auto|none|full")]
+    pub checkpointing: Option<Checkpointing>,
+    /// Objective: speed, or least memory within 5 % of the fastest step.
+    #[arg(long, value_name = "speed|memory")]
+    pub optimize: Option<Optimize>,
+    /// Mesh axis order (cluster = DPT, spread = TPD; the last axis gets the fastest link).
+    #[arg(long, value_name = "cluster|spread|DPT|...")]
+    pub placement: Option<Placement>,
+    /// Manual pipeline cuts over `graph`'s layers, e.g. "0-11|12-23".
+    #[arg(long, value_name = "FIRST-LAST|...")]
+    pub layout: Option<Layout>,
+    /// Memory per device to plan for, in GiB (default: the device's).
+    #[arg(long, value_name = "GIB")]
+    pub memory_limit: Option<f64>,
+    /// Solver time limit in seconds; the plan then says `feasible` with its gap.
+    #[arg(long, value_name = "SECONDS")]
+    pub time_limit: Option<f64>,
+    /// SageMaker model-parallel parameters as JSON (SMP names).
+    #[arg(long, value_name = "SMP.json")]
+    pub config: Option<PathBuf>,
+    /// Plan the way a peer would, for comparison.
+    #[arg(long, value_name = "megatron|uniform|parameters")]
+    pub baseline: Option<Baseline>,
+    /// Write the plan here.
+    #[arg(short = 'o', long = "output", value_name = "PLAN.json")]
+    pub output: Option<PathBuf>,
+    /// Print the plan as one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl PlanArgs {
+    /// The flags as a library request.
+    pub fn request(&self) -> PlanRequest {
+        PlanRequest {
+            global_batch: self.global_batch,
+            seq_len: self.seq_len,
+            pp: self.pp,
+            tp: self.tp,
+            dp: self.dp,
+            zero: self.zero,
+            sharded_dp: self.sharded_dp,
+            microbatches: self.microbatches,
+            schedule: self.schedule,
+            checkpointing: self.checkpointing,
+            optimize: self.optimize,
+            placement: self.placement,
+            layout: self.layout.clone(),
+            memory_limit_gib: self.memory_limit,
+            time_limit_s: self.time_limit,
+            baseline: self.baseline,
+        }
+    }
+
+    /// Flags and `--config` merged and checked.
+    pub fn constraints(&self) -> Result<Constraints> {
+        let config = match &self.config {
+            Some(path) => Some(SmpConfig::load(path)?),
+            None => None,
+        };
+        let c = Constraints::resolve(&self.request(), config)?;
+        for key in &c.ignored_config_keys {
+            tracing::warn!("--config: `{key}` does not affect planning; ignored");
+        }
+        Ok(c)
+    }
+}
+
+/// Runs the planning job.
+pub fn run(args: &PlanArgs) -> Result<ExitCode> {
+    let Some(model) = &args.model else {
+        eprintln!("error: give MODEL.onnx to plan, or a subcommand (graph, inspect); see --help");
+        return Ok(ExitCode::from(2));
+    };
+    let constraints = args.constraints()?;
+    let plan = make_plan(model, args, &constraints)?;
+    emit(&plan, args)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Model → layered graph → cluster → solver → plan.
+fn make_plan(model: &std::path::Path, args: &PlanArgs, constraints: &Constraints) -> Result<Plan> {
+    let cluster = ClusterSpec::parse(&args.cluster).with_context(|| format!("--cluster {}", args.cluster))?;
+    constraints.check_devices(cluster.devices, &args.cluster)?;
+    if !model.exists() {
+        bail!("{}: no such model file", model.display());
+    }
+    bail!("{}: planning needs the solver, which is not in this build yet", model.display())
+}
+
+/// Writes the plan (`-o`) and prints it (`--json`) or its report.
+fn emit(plan: &Plan, args: &PlanArgs) -> Result<()> {
+    if let Some(path) = &args.output {
+        io::save(plan, path).with_context(|| format!("writing the plan to {}", path.display()))?;
+    }
+    if args.json {
+        println!("{}", io::to_json(plan));
+    } else {
+        print!("{}", report::render(plan));
+        if let Some(path) = &args.output {
+            println!("plan written to {}", path.display());
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,472 @@
+//! Cluster specifications: embedded presets (`h100-80gb:64`) and TOML cluster files.
+//!
+//! Units are SI: FLOP/s, bytes, bytes/s, seconds. Link bandwidths are per GPU and per
+//! direction: a preset's NVLink figure is half the datasheet's bidirectional total
+//! (H100: 900 GB/s → 450 GB/s), its network figure the NIC rate per GPU (400 Gb/s → 50 GB/s).
+//!
+//! A cluster file is a TOML table with the fields of [`ClusterSpec`]; with `preset = "NAME"`
+//! every field not given is taken from that preset:
+//!
+//! ```toml
+//! preset = "h100-80gb"
+//! devices = 64
+//! inter_node_bandwidth = 25e9
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::ir::DType;
+
+/// Errors reading a cluster spec.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    /// Unknown preset name.
+    #[error("unknown cluster preset `{0}`: expected one of a100-40gb, a100-80gb, h100-80gb, h200, v100-16gb, cpu, or a FILE.toml")]
+    UnknownPreset(String),
+    /// The device count after `:` is not a positive integer.
+    #[error("cluster `{spec}`: device count `{count}` is not a positive integer (write PRESET:N, e.g. h100-80gb:64)")]
+    BadCount {
+        /// The whole spec string.
+        spec: String,
+        /// The text after the colon.
+        count: String,
+    },
+    /// A cluster file could not be read.
+    #[error("cluster file {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A cluster file is not valid TOML for a cluster.
+    #[error("cluster file {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The TOML error.
+        message: String,
+    },
+    /// A field is missing and no preset supplies it.
+    #[error("cluster file {path}: field `{field}` is missing (give it, or `preset = \"NAME\"` to take it from a preset)")]
+    Missing {
+        /// The file.
+        path: PathBuf,
+        /// The missing field.
+        field: &'static str,
+    },
+    /// A field has a value no cluster can have.
+    #[error("cluster {source_name}: field `{field}` must be {requirement}, got {value}")]
+    Invalid {
+        /// Preset name or file.
+        source_name: String,
+        /// The field.
+        field: &'static str,
+        /// What it must be.
+        requirement: &'static str,
+        /// The value given.
+        value: f64,
+    },
+}
+
+/// Achievable fraction of the peak compute rate as a function of the operation's size:
+/// `peak · flops / (flops + half_flops)` — small kernels are latency bound, large GEMMs reach
+/// `peak`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EfficiencyCurve {
+    /// Fraction of the datasheet rate reached by very large operations (0..1].
+    pub peak: f64,
+    /// FLOPs at which half of `peak` is reached.
+    pub half_flops: f64,
+}
+
+impl EfficiencyCurve {
+    /// Efficiency for an operation of `flops` floating-point operations.
+    pub fn at(&self, flops: f64) -> f64 {
+        if flops <= 0.0 {
+            return self.peak;
+        }
+        self.peak * flops / (flops + self.half_flops.max(0.0))
+    }
+}
+
+/// A homogeneous cluster: `devices` devices, `devices_per_node` of them per node.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSpec {
+    /// Preset name or file the spec came from (`h100-80gb`, `cluster.toml`).
+    pub name: String,
+    /// Device model, for reports.
+    pub device: String,
+    /// Number of devices.
+    pub devices: usize,
+    /// Devices per node (sharing the fast intra-node link).
+    pub devices_per_node: usize,
+    /// Dense bf16/fp16 tensor rate, FLOP/s.
+    pub bf16_flops: f64,
+    /// fp32 rate, FLOP/s (fp64 is taken as half of it).
+    pub fp32_flops: f64,
+    /// Memory per device, bytes.
+    pub memory_bytes: u64,
+    /// Memory bandwidth per device, bytes/s.
+    pub hbm_bandwidth: f64,
+    /// Achievable fraction of `hbm_bandwidth` for memory-bound kernels.
+    pub hbm_efficiency: f64,
+    /// Intra-node link (NVLink) bandwidth per device and direction, bytes/s.
+    pub intra_node_bandwidth: f64,
+    /// Inter-node network bandwidth per device and direction, bytes/s.
+    pub inter_node_bandwidth: f64,
+    /// Latency (alpha) of one intra-node message, seconds.
+    pub intra_node_latency: f64,
+    /// Latency (alpha) of one inter-node message, seconds.
+    pub inter_node_latency: f64,
+    /// Compute efficiency by operation size.
+    pub efficiency: EfficiencyCurve,
+    /// Memory per device kept free for the framework, kernels' workspace and fragmentation,
+    /// bytes (subtracted from `memory_bytes` by [`ClusterSpec::usable_memory`]).
+    pub workspace_bytes: u64,
+}
+
+const GB: f64 = 1e9;
+const GIB: u64 = 1 << 30;
+
+/// The names of the embedded presets.
+pub const PRESETS: &[&str] = &["a100-40gb", "a100-80gb", "h100-80gb", "h200", "v100-16gb", "cpu"];
+
+/// Environment variable naming the CPU calibration file.
+pub const CPU_CALIBRATION_ENV: &str = "SMP_CPU_CALIBRATION";
+
+#[allow(clippy::too_many_arguments)]
+fn gpu(
+    name: &str,
+    device: &str,
+    bf16_tflops: f64,
+    fp32_tflops: f64,
+    memory_gb: f64,
+    hbm_tb_s: f64,
+    nvlink_gb_s_bidir: f64,
+    network_gbit_s: f64,
+) -> ClusterSpec {
+    ClusterSpec {
+        name: name.to_string(),
+        device: device.to_string(),
+        devices: 8,
+        devices_per_node: 8,
+        bf16_flops: bf16_tflops * 1e12,
+        fp32_flops: fp32_tflops * 1e12,
+        memory_bytes: (memory_gb * GB) as u64,
+        hbm_bandwidth: hbm_tb_s * 1e12,
+        hbm_efficiency: 0.8,
+        intra_node_bandwidth: nvlink_gb_s_bidir * GB / 2.0,
+        inter_node_bandwidth: network_gbit_s * GB / 8.0,
+        intra_node_latency: 5e-6,
+        inter_node_latency: 15e-6,
+        // Large bf16 GEMMs reach ~75 % of the datasheet; half of that at ~2 GFLOP (a 1024³ GEMM).
+        efficiency: EfficiencyCurve { peak: 0.75, half_flops: 2e9 },
+        workspace_bytes: 2 * GIB,
+    }
+}
+
+impl ClusterSpec {
+    /// An embedded preset with its default device count (one node; every core for `cpu`).
+    pub fn preset(name: &str) -> Result<ClusterSpec, ClusterError> {
+        Ok(match name {
+            "a100-40gb" => gpu(name, "NVIDIA A100 40GB", 312.0, 19.5, 40.0, 1.555, 600.0, 200.0),
+            "a100-80gb" => gpu(name, "NVIDIA A100 80GB", 312.0, 19.5, 80.0, 2.039, 600.0, 200.0),
+            "h100-80gb" => gpu(name, "NVIDIA H100 80GB SXM", 989.0, 67.0, 80.0, 3.35, 900.0, 400.0),
+            "h200" => gpu(name, "NVIDIA H200 141GB SXM", 989.0, 67.0, 141.0, 4.8, 900.0, 400.0),
+            "v100-16gb" => gpu(name, "NVIDIA V100 16GB SXM2", 125.0, 15.7, 16.0, 0.9, 300.0, 25.0),
+            "cpu" => cpu_preset(None)?,
+            other => return Err(ClusterError::UnknownPreset(other.to_string())),
+        })
+    }
+
+    /// Parses `PRESET`, `PRESET:N`, `FILE.toml` or `FILE.toml:N`.
+    pub fn parse(spec: &str) -> Result<ClusterSpec, ClusterError> {
+        let spec = spec.trim();
+        let (base, count) = match spec.rsplit_once(':') {
+            Some((b, c)) if !c.contains('/') && !c.contains('.') => (b, Some(c)),
+            _ => (spec, None),
+        };
+        let count = match count {
+            Some(c) => Some(c.parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(|| ClusterError::BadCount {
+                spec: spec.to_string(),
+                count: c.to_string(),
+            })?),
+            None => None,
+        };
+        if base == "cpu" {
+            return cpu_preset(count);
+        }
+        let mut cluster = if base.ends_with(".toml") || Path::new(base).is_file() {
+            ClusterSpec::from_file(Path::new(base))?
+        } else {
+            ClusterSpec::preset(base)?
+        };
+        if let Some(n) = count {
+            cluster.devices = n;
+        }
+        cluster.devices_per_node = cluster.devices_per_node.min(cluster.devices).max(1);
+        Ok(cluster)
+    }
+
+    /// Reads a TOML cluster file (see the module docs).
+    pub fn from_file(path: &Path) -> Result<ClusterSpec, ClusterError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ClusterError::Io { path: path.to_path_buf(), source })?;
+        ClusterSpec::from_toml(&text, path)
+    }
+
+    /// Parses TOML text; `path` only names the source in errors.
+    pub fn from_toml(text: &str, path: &Path) -> Result<ClusterSpec, ClusterError> {
+        let file: ClusterFile = toml::from_str(text)
+            .map_err(|e| ClusterError::Parse { path: path.to_path_buf(), message: e.to_string() })?;
+        let base = match &file.preset {
+            Some(p) => Some(ClusterSpec::preset(p)?),
+            None => None,
+        };
+        let name = file
+            .name
+            .clone()
+            .unwrap_or_else(|| path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default());
+        let spec = file.resolve(name, base.as_ref(), path)?;
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// Writes this spec as a cluster file (all fields).
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).unwrap_or_default()
+    }
+
+    /// Checks that rates, sizes and counts are positive.
+    pub fn validate(&self) -> Result<(), ClusterError> {
+        let checks: [(&'static str, f64); 11] = [
+            ("devices", self.devices as f64),
+            ("devices_per_node", self.devices_per_node as f64),
+            ("bf16_flops", self.bf16_flops),
+            ("fp32_flops", self.fp32_flops),
+            ("memory_bytes", self.memory_bytes as f64),
+            ("hbm_bandwidth", self.hbm_bandwidth),
+            ("hbm_efficiency", self.hbm_efficiency),
+            ("intra_node_bandwidth", self.intra_node_bandwidth),
+            ("inter_node_bandwidth", self.inter_node_bandwidth),
+            ("efficiency.peak", self.efficiency.peak),
+            ("efficiency.half_flops", self.efficiency.half_flops + 1.0),
+        ];
+        for (field, value) in checks {
+            if !(value > 0.0) || !value.is_finite() {
+                return Err(ClusterError::Invalid {
+                    source_name: self.name.clone(),
+                    field,
+                    requirement: "a positive number",
+                    value,
+                });
+            }
+        }
+        for (field, value) in [
+            ("intra_node_latency", self.intra_node_latency),
+            ("inter_node_latency", self.inter_node_latency),
+        ] {
+            if !(value >= 0.0) || !value.is_finite() {
+                return Err(ClusterError::Invalid {
+                    source_name: self.name.clone(),
+                    field,
+                    requirement: "a non-negative number of seconds",
+                    value,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Number of nodes (devices rounded up to whole nodes).
+    pub fn nodes(&self) -> usize {
+        self.devices.div_ceil(self.devices_per_node.max(1))
+    }
+
+    /// Memory per device left after the workspace margin.
+    pub fn usable_memory(&self) -> u64 {
+        self.memory_bytes.saturating_sub(self.workspace_bytes)
+    }
+
+    /// Peak compute rate for arithmetic in `dtype`, FLOP/s.
+    pub fn peak_flops(&self, dtype: DType) -> f64 {
+        match dtype {
+            DType::BF16 | DType::F16 | DType::F8E4M3 | DType::F8E5M2 => self.bf16_flops,
+            DType::F64 => self.fp32_flops / 2.0,
+            _ => self.fp32_flops,
+        }
+    }
+
+    /// The dtype training computes in by default: bf16 on GPUs, f32 on `cpu`.
+    pub fn default_compute_dtype(&self) -> DType {
+        if self.is_cpu() { DType::F32 } else { DType::BF16 }
+    }
+
+    /// True for the `cpu` preset and files based on it.
+    pub fn is_cpu(&self) -> bool {
+        self.device.starts_with("cpu")
+    }
+
+    /// The node of a global rank (ranks fill nodes in order).
+    pub fn node_of(&self, rank: usize) -> usize {
+        rank / self.devices_per_node.max(1)
+    }
+}
+
+/// The cluster file as written: every field optional, filled from `preset`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ClusterFile {
+    preset: Option<String>,
+    name: Option<String>,
+    device: Option<String>,
+    devices: Option<usize>,
+    devices_per_node: Option<usize>,
+    bf16_flops: Option<f64>,
+    fp32_flops: Option<f64>,
+    memory_bytes: Option<u64>,
+    hbm_bandwidth: Option<f64>,
+    hbm_efficiency: Option<f64>,
+    intra_node_bandwidth: Option<f64>,
+    inter_node_bandwidth: Option<f64>,
+    intra_node_latency: Option<f64>,
+    inter_node_latency: Option<f64>,
+    efficiency: Option<EfficiencyCurve>,
+    workspace_bytes: Option<u64>,
+}
+
+impl ClusterFile {
+    fn resolve(self, name: String, base: Option<&ClusterSpec>, path: &Path) -> Result<ClusterSpec, ClusterError> {
+        macro_rules! field {
+            ($f:ident) => {
+                match (self.$f, base) {
+                    (Some(v), _) => v,
+                    (None, Some(b)) => b.$f.clone(),
+                    (None, None) => {
+                        return Err(ClusterError::Missing { path: path.to_path_buf(), field: stringify!($f) })
+                    }
+                }
+            };
+        }
+        Ok(ClusterSpec {
+            name,
+            device: field!(device),
+            devices: field!(devices),
+            devices_per_node: field!(devices_per_node),
+            bf16_flops: field!(bf16_flops),
+            fp32_flops: field!(fp32_flops),
+            memory_bytes: field!(memory_bytes),
+            hbm_bandwidth: field!(hbm_bandwidth),
+            hbm_efficiency: field!(hbm_efficiency),
+            intra_node_bandwidth: field!(intra_node_bandwidth),
+            inter_node_bandwidth: field!(inter_node_bandwidth),
+            intra_node_latency: field!(intra_node_latency),
+            inter_node_latency: field!(inter_node_latency),
+            efficiency: field!(efficiency),
+            workspace_bytes: field!(workspace_bytes),
+        })
+    }
+}
+
+/// The calibration file the `cpu` preset reads: `$SMP_CPU_CALIBRATION`, else
+/// `~/.cache/smp-partition/cpu.toml` (written by `smp-runner calibrate`).
+pub fn cpu_calibration_path() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os(CPU_CALIBRATION_ENV) {
+        return Some(PathBuf::from(p));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/smp-partition/cpu.toml"))
+}
+
+/// The `cpu` preset: one device per core of this machine (or `devices`, all on this one node),
+/// memory = RAM / devices. Rates
+/// come from the calibration file when it exists, else these defaults (one core, f32,
+/// Gloo over loopback): 50 GFLOP/s per core (bf16 the same: no AMX assumed), 10 GB/s memory
+/// bandwidth, 2 GB/s and 50 µs between ranks, efficiency 0.7 at large sizes, half at 10 MFLOP,
+/// 256 MiB workspace.
+fn cpu_preset(devices: Option<usize>) -> Result<ClusterSpec, ClusterError> {
+    let cores = devices.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    let ram = total_memory_bytes().unwrap_or(8 * GIB);
+    let defaults = ClusterSpec {
+        name: "cpu".to_string(),
+        device: "cpu core".to_string(),
+        devices: cores,
+        devices_per_node: cores,
+        bf16_flops: 50e9,
+        fp32_flops: 50e9,
+        memory_bytes: ram / cores as u64,
+        hbm_bandwidth: 10e9,
+        hbm_efficiency: 0.8,
+        intra_node_bandwidth: 2e9,
+        inter_node_bandwidth: 2e9,
+        intra_node_latency: 50e-6,
+        inter_node_latency: 50e-6,
+        efficiency: EfficiencyCurve { peak: 0.7, half_flops: 1e7 },
+        workspace_bytes: 256 << 20,
+    };
+    let Some(path) = cpu_calibration_path().filter(|p| p.is_file()) else {
+        return Ok(defaults);
+    };
+    let text = std::fs::read_to_string(&path).map_err(|source| ClusterError::Io { path: path.clone(), source })?;
+    let file: ClusterFile = toml::from_str(&text)
+        .map_err(|e| ClusterError::Parse { path: path.clone(), message: e.to_string() })?;
+    // The machine's shape stays this machine's unless the file says otherwise.
+    let mut spec = file.resolve("cpu".to_string(), Some(&defaults), &path)?;
+    if let Some(n) = devices {
+        spec.devices = n;
+    }
+    spec.devices_per_node = spec.devices;
+    spec.device = if spec.device.starts_with("cpu") { spec.device } else { format!("cpu ({})", spec.device) };
+    spec.validate()?;
+    Ok(spec)
+}
+
+fn total_memory_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_parse_with_counts() {
+        let h = ClusterSpec::parse("h100-80gb:64").unwrap();
+        assert_eq!((h.devices, h.devices_per_node, h.nodes()), (64, 8, 8));
+        assert_eq!(h.bf16_flops, 989e12);
+        assert_eq!(h.intra_node_bandwidth, 450e9);
+        assert_eq!(h.inter_node_bandwidth, 50e9);
+        let small = ClusterSpec::parse("a100-80gb:2").unwrap();
+        assert_eq!((small.devices, small.devices_per_node), (2, 2));
+        for p in PRESETS {
+            ClusterSpec::preset(p).unwrap().validate().unwrap();
+        }
+        let e = ClusterSpec::parse("h100:8").unwrap_err().to_string();
+        assert!(e.contains("`h100`"), "{e}");
+        let e = ClusterSpec::parse("h100-80gb:x").unwrap_err().to_string();
+        assert!(e.contains("`x`"), "{e}");
+    }
+
+    #[test]
+    fn files_fill_from_presets_and_name_missing_fields() {
+        let p = Path::new("c.toml");
+        let s = ClusterSpec::from_toml("preset = \"h200\"\ndevices = 16\ninter_node_bandwidth = 25e9\n", p).unwrap();
+        assert_eq!((s.devices, s.inter_node_bandwidth, s.memory_bytes), (16, 25e9, 141_000_000_000));
+        let e = ClusterSpec::from_toml("devices = 4\n", p).unwrap_err().to_string();
+        assert!(e.contains("c.toml") && e.contains("`device`"), "{e}");
+        let e = ClusterSpec::from_toml("preset = \"h200\"\nbogus = 1\n", p).unwrap_err().to_string();
+        assert!(e.contains("bogus"), "{e}");
+        let e = ClusterSpec::from_toml("preset = \"h200\"\nhbm_bandwidth = -1.0\n", p).unwrap_err().to_string();
+        assert!(e.contains("hbm_bandwidth"), "{e}");
+        let full = ClusterSpec::preset("v100-16gb").unwrap();
+        let back = ClusterSpec::from_toml(&full.to_toml(), p).unwrap();
+        assert_eq!(back, full);
+    }
+}

@@ -1,0 +1,178 @@
+//! Compute cost: a roofline per node — FLOPs over the size-dependent achievable rate, or
+//! bytes moved over achievable memory bandwidth, whichever is larger.
+//!
+//! Backward: matmul-like ops (MatMul, Gemm, Conv) cost 2× their forward (input gradient and
+//! weight gradient, one GEMM each, half of it the weight gradient); every other op costs 1× its
+//! forward (elementwise and normalisation backwards read and write about what the forward
+//! did), of which none is weight gradient. Recompute (activation checkpointing) adds one
+//! forward to the backward.
+
+use crate::ir::{DType, Graph, LayeredGraph, NodeFigures, Op, OpKind};
+
+use super::ClusterSpec;
+
+/// Forward and backward time of a layer (or stage) for one microbatch, seconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LayerTimes {
+    /// Forward time.
+    pub fwd: f64,
+    /// Whole backward time (input and weight gradients).
+    pub bwd: f64,
+    /// The weight-gradient part of `bwd` (what ZB-H1 runs as W).
+    pub bwd_weight: f64,
+}
+
+impl LayerTimes {
+    /// The input-gradient part of the backward (ZB-H1's B).
+    pub fn bwd_input(&self) -> f64 {
+        self.bwd - self.bwd_weight
+    }
+
+    /// Forward plus backward.
+    pub fn total(&self) -> f64 {
+        self.fwd + self.bwd
+    }
+
+    /// The same layer checkpointed: its forward runs again before its backward.
+    pub fn with_recompute(&self) -> LayerTimes {
+        LayerTimes { fwd: self.fwd, bwd: self.bwd + self.fwd, bwd_weight: self.bwd_weight }
+    }
+}
+
+impl std::ops::Add for LayerTimes {
+    type Output = LayerTimes;
+    fn add(self, o: LayerTimes) -> LayerTimes {
+        LayerTimes { fwd: self.fwd + o.fwd, bwd: self.bwd + o.bwd, bwd_weight: self.bwd_weight + o.bwd_weight }
+    }
+}
+
+impl std::ops::AddAssign for LayerTimes {
+    fn add_assign(&mut self, o: LayerTimes) {
+        *self = *self + o;
+    }
+}
+
+impl std::iter::Sum for LayerTimes {
+    fn sum<I: Iterator<Item = LayerTimes>>(iter: I) -> LayerTimes {
+        iter.fold(LayerTimes::default(), |a, b| a + b)
+    }
+}
+
+/// True for ops whose backward is two GEMMs of the forward's size (input and weight grads).
+pub fn is_matmul_like(op: &Op) -> bool {
+    matches!(op.kind(), Some(OpKind::MatMul | OpKind::Gemm | OpKind::Conv))
+}
+
+/// Backward cost as a multiple of the forward: 2 for matmul-like ops, 1 otherwise.
+pub fn backward_factor(op: &Op) -> f64 {
+    if is_matmul_like(op) { 2.0 } else { 1.0 }
+}
+
+/// Figures with FLOPs and bytes multiplied by `factor` (a microbatch size, or 1/t for a
+/// tensor-parallel shard). Parameter counts are unchanged.
+pub fn scaled(fig: &NodeFigures, factor: f64) -> NodeFigures {
+    NodeFigures {
+        flops: fig.flops * factor,
+        output_bytes: fig.output_bytes * factor,
+        saved_bytes: fig.saved_bytes * factor,
+        memory_bytes: fig.memory_bytes * factor,
+        ..*fig
+    }
+}
+
+/// Roofline forward time of one node with these figures (already scaled to the microbatch and
+/// shard): max(flops / (peak(dtype) · efficiency(flops)), memory_bytes / (HBM bw · hbm
+/// efficiency)).
+pub fn node_time(fig: &NodeFigures, dtype: DType, spec: &ClusterSpec) -> f64 {
+    let compute = if fig.flops > 0.0 {
+        fig.flops / (spec.peak_flops(dtype) * spec.efficiency.at(fig.flops))
+    } else {
+        0.0
+    };
+    let memory = fig.memory_bytes / (spec.hbm_bandwidth * spec.hbm_efficiency);
+    compute.max(memory)
+}
+
+/// Forward, backward and weight-gradient times of one node at figures already scaled.
+pub fn node_times(op: &Op, fig: &NodeFigures, dtype: DType, spec: &ClusterSpec) -> LayerTimes {
+    let fwd = node_time(fig, dtype, spec);
+    if is_matmul_like(op) {
+        LayerTimes { fwd, bwd: 2.0 * fwd, bwd_weight: fwd }
+    } else {
+        LayerTimes { fwd, bwd: fwd, bwd_weight: 0.0 }
+    }
+}
+
+/// Times of layer `layer` of `lg` for a microbatch of `batch` samples, each node's work divided
+/// by `tp` (an even tensor-parallel split; the planner's strategies refine this per node).
+/// Figures are scaled from the graph's float dtype to `dtype` bytes.
+pub fn layer_times(
+    lg: &LayeredGraph,
+    layer: usize,
+    spec: &ClusterSpec,
+    dtype: DType,
+    batch: f64,
+    tp: usize,
+) -> LayerTimes {
+    let Some(l) = lg.layers.get(layer) else { return LayerTimes::default() };
+    let bytes_scale = bytes_scale(graph_float_dtype(&lg.graph), dtype);
+    let share = batch / tp.max(1) as f64;
+    l.nodes
+        .iter()
+        .filter_map(|&id| lg.graph.try_node(id).map(|n| (n, lg.node_figures(id))))
+        .map(|(node, fig)| {
+            let mut f = scaled(&fig, share);
+            f.memory_bytes *= bytes_scale;
+            node_times(&node.op, &f, dtype, spec)
+        })
+        .sum()
+}
+
+/// The float dtype most of the graph's initializer elements have (f32 when there are none).
+pub fn graph_float_dtype(graph: &Graph) -> DType {
+    let mut counts: std::collections::BTreeMap<DType, u64> = Default::default();
+    for id in graph.initializers() {
+        let v = graph.value(id);
+        if let Some(ty) = &v.ty
+            && ty.dtype.is_float()
+        {
+            *counts.entry(ty.dtype).or_default() += ty.shape.as_ref().and_then(|s| s.numel()).unwrap_or(0);
+        }
+    }
+    counts.into_iter().max_by_key(|&(_, n)| n).map(|(d, _)| d).unwrap_or(DType::F32)
+}
+
+/// Factor turning byte figures of a graph in `graph_dtype` into bytes at `dtype`.
+pub fn bytes_scale(graph_dtype: DType, dtype: DType) -> f64 {
+    let g = graph_dtype.size_bytes();
+    if g == 0 { 1.0 } else { dtype.size_bytes() as f64 / g as f64 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roofline_takes_the_larger_bound() {
+        let spec = ClusterSpec::preset("h100-80gb").unwrap();
+        let big = NodeFigures { flops: 1e15, memory_bytes: 1e6, ..Default::default() };
+        let eff = spec.efficiency.at(1e15);
+        assert!((node_time(&big, DType::BF16, &spec) - 1e15 / (989e12 * eff)).abs() < 1e-12);
+        let mem = NodeFigures { flops: 1e6, memory_bytes: 1e10, ..Default::default() };
+        assert!((node_time(&mem, DType::BF16, &spec) - 1e10 / (3.35e12 * 0.8)).abs() < 1e-12);
+        // Larger ops run at higher efficiency.
+        assert!(spec.efficiency.at(1e12) > spec.efficiency.at(1e8));
+    }
+
+    #[test]
+    fn matmul_backward_is_twice_the_forward() {
+        let spec = ClusterSpec::preset("a100-80gb").unwrap();
+        let fig = NodeFigures { flops: 1e12, ..Default::default() };
+        let t = node_times(&Op::Known(OpKind::MatMul), &fig, DType::BF16, &spec);
+        assert_eq!(t.bwd, 2.0 * t.fwd);
+        assert_eq!(t.bwd_weight, t.fwd);
+        let t = node_times(&Op::Known(OpKind::Gelu), &fig, DType::BF16, &spec);
+        assert_eq!((t.bwd, t.bwd_weight), (t.fwd, 0.0));
+        assert_eq!(t.with_recompute().bwd, 2.0 * t.fwd);
+    }
+}

@@ -1,0 +1,138 @@
+//! Memory model: model state (weights, gradients, optimizer state) under ZeRO, activations
+//! per layer with or without checkpointing, and the microbatches each schedule keeps in
+//! flight per stage.
+//!
+//! Model state follows the ZeRO paper (Rajbhandari et al. 2020): mixed-precision Adam keeps
+//! 2 bytes of bf16 weight + 2 of bf16 gradient + 12 of optimizer state (fp32 master weight,
+//! momentum, variance) = 16Ψ; ZeRO-1 divides the 12 by the data-parallel degree d, ZeRO-2 the
+//! 14 (gradients too), ZeRO-3 all 16. Pure fp32 Adam keeps 4 + 4 + 8 (m, v).
+//!
+//! The workspace margin (framework, kernel workspace, fragmentation) is
+//! [`super::ClusterSpec::workspace_bytes`], subtracted by `ClusterSpec::usable_memory`.
+
+use crate::ir::schedule::interleaved_round_size;
+use crate::ir::{Layer, ScheduleKind};
+
+/// Bytes per parameter of weights, gradients and optimizer state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StatePrecision {
+    /// Weight bytes per parameter used in compute.
+    pub weight: u32,
+    /// Gradient bytes per parameter.
+    pub grad: u32,
+    /// Optimizer bytes per parameter (master copy and moments).
+    pub optimizer: u32,
+}
+
+impl StatePrecision {
+    /// Mixed-precision Adam: 2 + 2 + 12 = 16 bytes per parameter.
+    pub const MIXED_ADAM: StatePrecision = StatePrecision { weight: 2, grad: 2, optimizer: 12 };
+    /// fp32 Adam: 4 + 4 + 8 = 16 bytes per parameter.
+    pub const FP32_ADAM: StatePrecision = StatePrecision { weight: 4, grad: 4, optimizer: 8 };
+}
+
+/// Model-state bytes per device.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ModelState {
+    /// Weights.
+    pub params: f64,
+    /// Gradients.
+    pub grads: f64,
+    /// Optimizer state.
+    pub optimizer: f64,
+}
+
+impl ModelState {
+    /// Sum of the three.
+    pub fn total(&self) -> f64 {
+        self.params + self.grads + self.optimizer
+    }
+}
+
+/// Model state per device for `params` parameters held by a data-parallel group of `dp`
+/// replicas under ZeRO `zero` (0..=3; larger values act as 3).
+pub fn model_state(params: f64, zero: u8, dp: usize, precision: StatePrecision) -> ModelState {
+    let d = dp.max(1) as f64;
+    let shard = |stage: u8| if zero >= stage { d } else { 1.0 };
+    ModelState {
+        params: params * precision.weight as f64 / shard(3),
+        grads: params * precision.grad as f64 / shard(2),
+        optimizer: params * precision.optimizer as f64 / shard(1),
+    }
+}
+
+/// Activation bytes one layer keeps per microbatch of `batch` samples: everything its ops
+/// save for backward, or only its input when checkpointed. `bytes_scale` converts the graph's
+/// dtype to the training dtype (see `compute::bytes_scale`).
+pub fn layer_activation_bytes(layer: &Layer, batch: f64, checkpointed: bool, bytes_scale: f64) -> f64 {
+    let per_sample = if checkpointed { layer.input_bytes } else { layer.figures.saved_bytes };
+    per_sample * batch * bytes_scale
+}
+
+/// Extra bytes while a checkpointed layer recomputes: its full saved activations for one
+/// microbatch, minus the input already kept.
+pub fn recompute_extra_bytes(layer: &Layer, batch: f64, bytes_scale: f64) -> f64 {
+    ((layer.figures.saved_bytes - layer.input_bytes).max(0.0)) * batch * bytes_scale
+}
+
+/// Peak activation bytes of a stage: `in_flight` microbatches of every layer's kept bytes,
+/// plus the largest recompute working set among its checkpointed layers.
+pub fn stage_activation_bytes(layers: &[(&Layer, bool)], batch: f64, in_flight: f64, bytes_scale: f64) -> f64 {
+    let kept: f64 = layers.iter().map(|&(l, ck)| layer_activation_bytes(l, batch, ck, bytes_scale)).sum();
+    let recompute = layers
+        .iter()
+        .filter(|&&(_, ck)| ck)
+        .map(|&(l, _)| recompute_extra_bytes(l, batch, bytes_scale))
+        .fold(0.0, f64::max);
+    kept * in_flight + recompute
+}
+
+/// Microbatches whose activations pipeline rank `stage` (1-based, 1..=p) holds at its peak,
+/// in units of the rank's whole activation set (all its virtual stages):
+///
+/// - GPipe: m.
+/// - 1F1B: min(p − s + 1, m).
+/// - Interleaved with v chunks: Megatron-LM runs min(2(p − s) + (v − 1)g + 1, m·v) chunk
+///   forwards before the first backward (its warm-up count + 1; g = p when p divides m, see
+///   `interleaved_round_size`), each chunk 1/v of the rank's layers: that count / v. For s = 1
+///   and g = p this is p + (p − 1)/v, Korthikanti et al. 2022 §4.2.3's factor
+///   p·(1 + (p − 1)/(p·v)).
+/// - ZB-H1: min(p, m) on every rank (Qi et al. 2024 cap in-flight microbatches at 1F1B's
+///   peak, p; later ranks defer W into that room). Counted in full until W, conservatively.
+pub fn in_flight(kind: ScheduleKind, p: usize, m: usize, stage: usize) -> f64 {
+    let s = stage.clamp(1, p.max(1));
+    match kind {
+        ScheduleKind::GPipe => m as f64,
+        ScheduleKind::OneFOneB => (p - s + 1).min(m) as f64,
+        ScheduleKind::Interleaved { virtual_stages } => {
+            let v = virtual_stages.max(1);
+            let g = interleaved_round_size(p, m);
+            (2 * (p - s) + (v - 1) * g + 1).min(m * v) as f64 / v as f64
+        }
+        ScheduleKind::ZbH1 => p.min(m) as f64,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_divides_as_the_paper() {
+        let psi = 7.5e9;
+        let m = |z, d| model_state(psi, z, d, StatePrecision::MIXED_ADAM).total();
+        assert_eq!(m(0, 64), 16.0 * psi);
+        assert_eq!(m(1, 64), 4.0 * psi + 12.0 * psi / 64.0);
+        assert_eq!(m(2, 64), 2.0 * psi + 14.0 * psi / 64.0);
+        assert_eq!(m(3, 64), 16.0 * psi / 64.0);
+    }
+
+    #[test]
+    fn in_flight_counts() {
+        assert_eq!(in_flight(ScheduleKind::GPipe, 4, 8, 1), 8.0);
+        assert_eq!(in_flight(ScheduleKind::OneFOneB, 4, 8, 1), 4.0);
+        assert_eq!(in_flight(ScheduleKind::OneFOneB, 4, 8, 4), 1.0);
+        assert_eq!(in_flight(ScheduleKind::OneFOneB, 4, 2, 1), 2.0);
+        assert_eq!(in_flight(ScheduleKind::Interleaved { virtual_stages: 2 }, 4, 8, 1), 4.0 + 3.0 / 2.0);
+    }
+}

@@ -1,0 +1,317 @@
+//! Per-node figures, per sample: parameters (each floating-point initializer counted once, at
+//! its first reader), forward FLOPs, output and memory bytes, and the activations each node
+//! keeps for its backward pass (autograd's saved tensors).
+
+use super::PassError;
+use crate::ir::{DimBindings, Graph, Node, NodeFigures, NodeId, OpKind, ValueId, ValueKind};
+
+/// What one node keeps for its backward pass.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Saved {
+    /// Non-parameter, non-constant graph values kept (a value kept by several nodes counts
+    /// once in a layer's union).
+    pub values: Vec<ValueId>,
+    /// Bytes kept that are not graph values (dropout masks, pooling indices), per sample.
+    pub extra_bytes: f64,
+}
+
+/// Figures of a whole graph.
+#[derive(Clone, Debug, Default)]
+pub struct Figures {
+    /// Per node, indexed by `NodeId::index()`.
+    pub per_node: Vec<NodeFigures>,
+    /// Saved tensors per node, indexed by `NodeId::index()`.
+    pub saved: Vec<Saved>,
+    /// For each value (by index), the node that owns it as a parameter, if any.
+    pub param_owner: Vec<Option<NodeId>>,
+    /// Elements of floating-point initializers, each counted once.
+    pub total_params: u64,
+    /// Forward FLOPs per sample.
+    pub total_flops: f64,
+    /// Execution order used.
+    pub order: Vec<NodeId>,
+    /// Batch size the shapes were inferred at (figures are divided by it).
+    pub graph_batch: f64,
+    /// For each value (by index), whether it carries a gradient (trained parameters and
+    /// floating-point values computed from them).
+    pub grad: Vec<bool>,
+}
+
+impl Figures {
+    /// Bytes per sample of value `v` (0 if its shape is unknown).
+    pub fn value_bytes(&self, graph: &Graph, v: ValueId) -> f64 {
+        value_bytes(graph, v) / self.graph_batch
+    }
+}
+
+fn value_bytes(graph: &Graph, v: ValueId) -> f64 {
+    graph.value(v).ty.as_ref().and_then(|t| t.bytes()).unwrap_or(0) as f64
+}
+
+fn numel(graph: &Graph, v: ValueId) -> f64 {
+    graph.value(v).ty.as_ref().and_then(|t| t.shape.as_ref()).and_then(|s| s.numel()).unwrap_or(0) as f64
+}
+
+fn dims(graph: &Graph, v: ValueId) -> Option<Vec<i64>> {
+    graph.value(v).ty.as_ref()?.shape.as_ref()?.known()
+}
+
+/// True for floating-point initializers (what counts as a parameter).
+pub fn is_param(graph: &Graph, v: ValueId) -> bool {
+    let val = graph.value(v);
+    val.kind == ValueKind::Initializer
+        && val.data.as_ref().map(|t| t.dtype).or(val.ty.as_ref().map(|t| t.dtype)).is_some_and(|d| d.is_float())
+}
+
+/// True for parameters that are trained: not scalars (exporters store constants such as
+/// `sqrt(d)` as initializers) and not well-known buffers (RoPE tables, masks).
+pub fn is_trainable(graph: &Graph, v: ValueId) -> bool {
+    if !is_param(graph, v) || param_elems(graph, v).0 <= 1 {
+        return false;
+    }
+    let name = graph.value(v).name.to_ascii_lowercase();
+    !["inv_freq", "rotary", "_cached", "mask", "position_ids"].iter().any(|b| name.contains(b))
+}
+
+fn param_elems(graph: &Graph, v: ValueId) -> (u64, u64) {
+    let val = graph.value(v);
+    match &val.data {
+        Some(t) => (t.numel(), t.numel() * t.dtype.size_bytes()),
+        None => {
+            let ty = val.ty.as_ref();
+            let n = ty.and_then(|t| t.shape.as_ref()).and_then(|s| s.numel()).unwrap_or(0);
+            (n, n * ty.map(|t| t.dtype.size_bytes()).unwrap_or(0))
+        }
+    }
+}
+
+/// Computes every node's figures under the bindings used for shape inference.
+pub fn compute(graph: &Graph, bindings: &DimBindings) -> Result<Figures, PassError> {
+    let order = graph.topo_order()?;
+    let slots = graph.node_ids().map(|n| n.index() + 1).max().unwrap_or(0);
+    let batch = bindings.graph_batch.max(1) as f64;
+    let mut f = Figures {
+        per_node: vec![NodeFigures::default(); slots],
+        saved: vec![Saved::default(); slots],
+        param_owner: vec![None; graph.value_count()],
+        graph_batch: batch,
+        ..Figures::default()
+    };
+    f.total_params = graph.value_ids().filter(|&v| is_param(graph, v)).map(|v| param_elems(graph, v).0).sum();
+
+    // Which values carry a gradient: parameters and float values computed from them.
+    let mut grad = vec![false; graph.value_count()];
+    for v in graph.value_ids() {
+        grad[v.index()] = is_trainable(graph, v);
+    }
+    // Which values depend on the data (weight views and constant masks are not activations).
+    let mut data = vec![false; graph.value_count()];
+    for &v in &graph.inputs {
+        data[v.index()] = true;
+    }
+    for &id in &order {
+        let node = graph.node(id);
+        let any = node.inputs.iter().flatten().any(|v| grad[v.index()]);
+        let from_data = node.inputs.iter().flatten().any(|v| data[v.index()]);
+        for &o in &node.outputs {
+            let float = graph.value(o).ty.as_ref().is_some_and(|t| t.dtype.is_float());
+            grad[o.index()] = any && float;
+            data[o.index()] = from_data;
+        }
+    }
+
+    for &id in &order {
+        let node = graph.node(id);
+        let mut fig = NodeFigures::default();
+        for v in node.inputs.iter().flatten() {
+            if is_param(graph, *v) && f.param_owner[v.index()].is_none() {
+                f.param_owner[v.index()] = Some(id);
+                let (e, b) = param_elems(graph, *v);
+                fig.param_elems += e;
+                fig.param_bytes += b;
+            }
+        }
+        fig.flops = flops(graph, node) / batch;
+        fig.output_bytes = node.outputs.iter().map(|&o| value_bytes(graph, o)).sum::<f64>() / batch;
+        fig.memory_bytes = memory(graph, node) / batch;
+        let saved = saved(graph, node, &grad, &data, batch);
+        fig.saved_bytes = saved.values.iter().map(|&v| value_bytes(graph, v)).sum::<f64>() / batch + saved.extra_bytes;
+        f.total_flops += fig.flops;
+        f.per_node[id.index()] = fig;
+        f.saved[id.index()] = saved;
+    }
+    f.order = order;
+    f.grad = grad;
+    Ok(f)
+}
+
+/// Forward FLOPs of one node at the inferred batch.
+pub fn flops(graph: &Graph, node: &Node) -> f64 {
+    let Some(kind) = node.op.kind() else { return 0.0 };
+    let input = |i: usize| node.inputs.get(i).copied().flatten();
+    let out_numel = node.outputs.first().map(|&o| numel(graph, o)).unwrap_or(0.0);
+    let in_numel = input(0).map(|v| numel(graph, v)).unwrap_or(0.0);
+    use OpKind::*;
+    match kind {
+        MatMul => {
+            let k = input(0).and_then(|v| dims(graph, v)).and_then(|d| d.last().copied()).unwrap_or(0);
+            2.0 * out_numel * k as f64
+        }
+        Gemm => {
+            let k = input(0)
+                .and_then(|v| dims(graph, v))
+                .filter(|d| d.len() == 2)
+                .map(|d| if node.attrs.int("transA", 0) != 0 { d[0] } else { d[1] })
+                .unwrap_or(0);
+            let bias = if input(2).is_some() { out_numel } else { 0.0 };
+            2.0 * out_numel * k as f64 + bias
+        }
+        Conv => {
+            let w = input(1).and_then(|v| dims(graph, v)).unwrap_or_default();
+            let per_out: i64 = w.iter().skip(1).product();
+            let bias = if input(2).is_some() { out_numel } else { 0.0 };
+            2.0 * out_numel * per_out as f64 + bias
+        }
+        // No arithmetic: views, data movement, indexing, type and constant ops.
+        Reshape | Transpose | Concat | Split | Slice | Gather | GatherElements | GatherND | Unsqueeze
+        | Squeeze | Expand | Shape | Size | ConstantOfShape | Range | Flatten | Tile | Pad | Trilu
+        | ScatterND | Constant | Dropout | Identity | Cast | CastLike | Where => 0.0,
+        Gelu => 8.0 * out_numel,
+        Sigmoid | HardSwish => 4.0 * out_numel,
+        Softplus | HardSigmoid | Elu => 3.0 * out_numel,
+        LeakyRelu | Clip => 2.0 * out_numel,
+        Sum | Max | Min => (node.inputs.len().saturating_sub(1)).max(1) as f64 * out_numel,
+        Mean => node.inputs.len().max(1) as f64 * out_numel,
+        Softmax | LogSoftmax => 5.0 * in_numel,
+        LayerNormalization | InstanceNormalization => 8.0 * in_numel,
+        BatchNormalization => 4.0 * in_numel,
+        LRN => (node.attrs.int("size", 1) as f64 + 3.0) * in_numel,
+        ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd | ArgMax | ArgMin | CumSum
+        | GlobalAveragePool | GlobalMaxPool => in_numel,
+        MaxPool | AveragePool => {
+            let k: i64 = node.attrs.ints("kernel_shape").map(|k| k.iter().product()).unwrap_or(1);
+            out_numel * k as f64
+        }
+        _ if kind.is_elementwise() => out_numel,
+        _ => 0.0,
+    }
+}
+
+/// Activation bytes the node reads and writes (parameter and constant reads excluded).
+fn memory(graph: &Graph, node: &Node) -> f64 {
+    let Some(kind) = node.op.kind() else { return 0.0 };
+    use OpKind::*;
+    let out: f64 = node.outputs.iter().map(|&o| value_bytes(graph, o)).sum();
+    let activation = |v: &ValueId| !matches!(graph.value(*v).kind, ValueKind::Initializer | ValueKind::Constant);
+    match kind {
+        Reshape | Unsqueeze | Squeeze | Flatten | Identity | Shape | Size | Constant => 0.0,
+        Gather | GatherElements | GatherND | Slice | Expand => {
+            let idx: f64 = node.inputs.iter().skip(1).flatten().filter(|v| activation(v)).map(|&v| value_bytes(graph, v)).sum();
+            2.0 * out + idx
+        }
+        _ => node.inputs.iter().flatten().filter(|v| activation(v)).map(|&v| value_bytes(graph, v)).sum::<f64>() + out,
+    }
+}
+
+/// The tensors autograd keeps for this node's backward.
+fn saved(graph: &Graph, node: &Node, grad: &[bool], data: &[bool], batch: f64) -> Saved {
+    let mut s = Saved::default();
+    let Some(kind) = node.op.kind() else { return s };
+    let input = |i: usize| node.inputs.get(i).copied().flatten();
+    let rg = |i: usize| input(i).is_some_and(|v| grad[v.index()]);
+    let any_rg = node.inputs.iter().flatten().any(|v| grad[v.index()]);
+    let output = node.outputs.first().copied();
+    let mut keep = |v: Option<ValueId>| {
+        if let Some(v) = v
+            && matches!(graph.value(v).kind, ValueKind::Input | ValueKind::Intermediate)
+            && data[v.index()]
+            && !s.values.contains(&v)
+        {
+            s.values.push(v);
+        }
+    };
+    use OpKind::*;
+    match kind {
+        MatMul | Gemm | Mul => {
+            if rg(1) {
+                keep(input(0));
+            }
+            if rg(0) {
+                keep(input(1));
+            }
+        }
+        Conv => {
+            if rg(1) {
+                keep(input(0));
+            }
+            if rg(0) {
+                keep(input(1));
+            }
+        }
+        Div => {
+            if rg(0) || rg(1) {
+                keep(input(1));
+            }
+            if rg(1) {
+                keep(input(0));
+            }
+        }
+        Pow => {
+            if rg(0) {
+                keep(input(0));
+            }
+            if rg(1) {
+                keep(input(0));
+                keep(input(1));
+                keep(output);
+            }
+        }
+        Gelu | Erf | Log | Sin | Cos | Softplus | LeakyRelu | HardSigmoid | HardSwish | Abs | Clip
+        | LayerNormalization | BatchNormalization | InstanceNormalization | AveragePool => {
+            if any_rg {
+                keep(input(0));
+            }
+        }
+        Tanh | Sigmoid | Exp | Sqrt | Relu | Reciprocal | Elu | Softmax | LogSoftmax => {
+            if any_rg {
+                keep(output);
+            }
+        }
+        LRN | ReduceMax | ReduceMin | ReduceProd | GlobalMaxPool => {
+            if any_rg {
+                keep(input(0));
+                keep(output);
+            }
+        }
+        Max | Min => {
+            if any_rg {
+                for v in node.inputs.iter().flatten() {
+                    keep(Some(*v));
+                }
+            }
+        }
+        Where => {
+            if any_rg {
+                keep(input(0));
+            }
+        }
+        Gather | GatherElements | GatherND | ScatterND => {
+            if rg(0) {
+                keep(input(1));
+            }
+        }
+        MaxPool => {
+            if any_rg {
+                keep(input(0));
+                s.extra_bytes += output.map(|o| numel(graph, o)).unwrap_or(0.0) * 8.0 / batch;
+            }
+        }
+        Dropout => {
+            if any_rg {
+                s.extra_bytes += output.map(|o| numel(graph, o)).unwrap_or(0.0) / batch;
+            }
+        }
+        _ => {}
+    }
+    s
+}

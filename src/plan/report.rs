@@ -1,0 +1,320 @@
+//! What `smp-partition inspect` says about a plan: the stage table, the bottleneck and why,
+//! communication, the prediction and the solver's proof.
+
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use super::schema::Plan;
+
+/// Why the bottleneck stage is the slowest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Reason {
+    /// Its forward and backward compute dominate.
+    Compute,
+    /// Its communication not hidden behind compute dominates.
+    Communication,
+    /// It is at its memory limit, which forced recomputation or a costlier split.
+    Memory,
+}
+
+/// The slowest pipeline rank and why.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Bottleneck {
+    /// The pipeline rank.
+    pub pp_rank: usize,
+    /// Its stages (several when interleaved).
+    pub stages: Vec<usize>,
+    /// Time per microbatch: forward + backward + exposed communication (seconds).
+    pub time_s: f64,
+    /// Compute part (seconds).
+    pub compute_s: f64,
+    /// Exposed communication part (seconds).
+    pub comm_s: f64,
+    /// Memory over the limit (0..1).
+    pub memory_fraction: f64,
+    /// The verdict.
+    pub reason: Reason,
+    /// One sentence explaining it.
+    pub explanation: String,
+}
+
+/// Fraction of the memory limit above which memory is called the cause.
+const MEMORY_PRESSURE: f64 = 0.9;
+
+/// Finds the slowest pipeline rank and classifies the cause.
+pub fn bottleneck(plan: &Plan) -> Option<Bottleneck> {
+    let limit = plan.cluster.memory_limit_bytes as f64;
+    (0..plan.parallel.pp)
+        .map(|r| {
+            let stages: Vec<_> = plan.stages_of_rank(r).collect();
+            let compute_s: f64 = stages.iter().map(|s| s.forward_s + s.backward_s).sum();
+            let comm_s: f64 = stages.iter().map(|s| s.comm_s).sum();
+            let recomputed: usize = stages.iter().map(|s| s.checkpointed_layers.len()).sum();
+            let memory = plan.rank_memory(r).total as f64;
+            let memory_fraction = if limit > 0.0 { memory / limit } else { 0.0 };
+            let (reason, explanation) = if comm_s > compute_s {
+                (
+                    Reason::Communication,
+                    format!("exposed communication ({}) exceeds compute ({}) per microbatch", ms(comm_s), ms(compute_s)),
+                )
+            } else if memory_fraction >= MEMORY_PRESSURE && recomputed > 0 {
+                (
+                    Reason::Memory,
+                    format!(
+                        "at {:.0}% of the memory limit it recomputes {recomputed} layer(s), adding their forward to the backward",
+                        memory_fraction * 100.0
+                    ),
+                )
+            } else {
+                (
+                    Reason::Compute,
+                    format!("forward + backward compute ({}) dominates communication ({}) per microbatch", ms(compute_s), ms(comm_s)),
+                )
+            };
+            Bottleneck {
+                pp_rank: r,
+                stages: stages.iter().map(|s| s.index).collect(),
+                time_s: compute_s + comm_s,
+                compute_s,
+                comm_s,
+                memory_fraction,
+                reason,
+                explanation,
+            }
+        })
+        // First of equals wins, so ties report the earliest rank.
+        .fold(None, |best: Option<Bottleneck>, b| match best {
+            Some(x) if x.time_s >= b.time_s => Some(x),
+            _ => Some(b),
+        })
+}
+
+/// The plan as JSON with the inspect findings added under `"inspect"`.
+pub fn to_json_with_report(plan: &Plan) -> serde_json::Value {
+    let mut v = serde_json::to_value(plan).unwrap_or(serde_json::Value::Null);
+    if let Some(obj) = v.as_object_mut() {
+        obj.insert("inspect".into(), serde_json::json!({ "bottleneck": bottleneck(plan) }));
+    }
+    v
+}
+
+fn ms(s: f64) -> String {
+    if s >= 1.0 { format!("{s:.3} s") } else { format!("{:.3} ms", s * 1e3) }
+}
+
+/// Bytes in binary units.
+pub fn bytes(b: f64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 { format!("{v:.0} B") } else { format!("{v:.2} {}", UNITS[u]) }
+}
+
+fn count(n: u64) -> String {
+    let n = n as f64;
+    if n >= 1e9 {
+        format!("{:.2}B", n / 1e9)
+    } else if n >= 1e6 {
+        format!("{:.2}M", n / 1e6)
+    } else if n >= 1e3 {
+        format!("{:.1}K", n / 1e3)
+    } else {
+        format!("{n}")
+    }
+}
+
+fn ranks(r: &[usize]) -> String {
+    // Runs of consecutive ranks as a-b.
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < r.len() {
+        let mut j = i;
+        while j + 1 < r.len() && r[j + 1] == r[j] + 1 {
+            j += 1;
+        }
+        out.push(if j > i + 1 {
+            format!("{}-{}", r[i], r[j])
+        } else if j == i + 1 {
+            format!("{},{}", r[i], r[j])
+        } else {
+            r[i].to_string()
+        });
+        i = j + 1;
+    }
+    out.join(",")
+}
+
+/// Renders a table as aligned columns (first column left, the rest right).
+fn table(rows: &[Vec<String>]) -> String {
+    let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..cols)
+        .map(|c| rows.iter().filter_map(|r| r.get(c)).map(|s| s.chars().count()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for row in rows {
+        let mut line = String::new();
+        for (c, cell) in row.iter().enumerate() {
+            let pad = widths[c] - cell.chars().count();
+            if c == 0 {
+                line.push_str(cell);
+                line.push_str(&" ".repeat(pad));
+            } else {
+                line.push_str("  ");
+                line.push_str(&" ".repeat(pad));
+                line.push_str(cell);
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// The readable report printed by `inspect` (and after planning).
+pub fn render(plan: &Plan) -> String {
+    let mut out = String::new();
+    let par = &plan.parallel;
+    let _ = writeln!(
+        out,
+        "model   {} — {} params, {} layers",
+        plan.model.path,
+        count(plan.model.params),
+        plan.model.layers
+    );
+    let _ = writeln!(
+        out,
+        "cluster {} — {} devices, {} per node, memory limit {}",
+        plan.cluster.preset,
+        plan.cluster.devices,
+        plan.cluster.devices_per_node,
+        bytes(plan.cluster.memory_limit_bytes as f64)
+    );
+    let mut parallel = format!("pp {} · tp {} · dp {}, ZeRO {}", par.pp, par.tp, par.dp, par.zero);
+    if let Some(s) = par.sharded_dp {
+        let _ = write!(parallel, " (sharded over groups of {s})");
+    }
+    let sched = if par.virtual_stages > 1 {
+        format!("{}:{}", par.schedule, par.virtual_stages)
+    } else {
+        par.schedule.clone()
+    };
+    let _ = write!(parallel, ", {} microbatches, {sched}", par.microbatches);
+    if let Some(a) = par.active_microbatches {
+        let _ = write!(parallel, " (≤ {a} in flight)");
+    }
+    let _ = writeln!(
+        out,
+        "parallel {parallel}, checkpointing {}, placement {}",
+        par.checkpointing, par.placement
+    );
+    let seq = plan.seq_len.map_or(String::new(), |s| format!(", sequence {s}"));
+    let _ = writeln!(out, "batch   {} per step{seq}", plan.global_batch);
+    out.push('\n');
+
+    let limit = plan.cluster.memory_limit_bytes as f64;
+    let mut rows = vec![
+        [
+            "stage",
+            "pp",
+            "layers",
+            "ranks",
+            "t",
+            "d",
+            "fwd",
+            "bwd",
+            "comm",
+            "recompute",
+            "params",
+            "grads",
+            "optim",
+            "activ",
+            "total",
+            "of limit",
+        ]
+        .map(String::from)
+        .to_vec(),
+    ];
+    for s in &plan.stages {
+        let m = s.memory_bytes;
+        rows.push(vec![
+            s.index.to_string(),
+            s.pp_rank.to_string(),
+            format!("{}-{}", s.layers[0], s.layers[1]),
+            ranks(&s.ranks),
+            s.tp.to_string(),
+            s.dp.to_string(),
+            ms(s.forward_s),
+            ms(s.backward_s),
+            ms(s.comm_s),
+            s.checkpointed_layers.len().to_string(),
+            bytes(m.params as f64),
+            bytes(m.grads as f64),
+            bytes(m.optimizer as f64),
+            bytes(m.activations as f64),
+            bytes(m.total as f64),
+            if limit > 0.0 { format!("{:.0}%", m.total as f64 / limit * 100.0) } else { "-".into() },
+        ]);
+    }
+    out.push_str(&table(&rows));
+    out.push('\n');
+
+    if let Some(b) = bottleneck(plan) {
+        let which = if b.stages.len() == 1 {
+            format!("stage {}", b.stages[0])
+        } else {
+            format!("pipeline rank {} (stages {:?})", b.pp_rank, b.stages)
+        };
+        let reason = match b.reason {
+            Reason::Compute => "compute",
+            Reason::Communication => "communication",
+            Reason::Memory => "memory",
+        };
+        let _ = writeln!(
+            out,
+            "bottleneck  {which}, {} per microbatch — {reason}: {}",
+            ms(b.time_s),
+            b.explanation
+        );
+    }
+    let _ = writeln!(
+        out,
+        "bubble      {:.3} (pipeline idle time over ideal compute time)",
+        plan.predicted.bubble_ratio
+    );
+    if !plan.communication.is_empty() {
+        let _ = writeln!(out, "communication per device and step:");
+        let mut rows = vec![["  kind", "link", "volume", "time"].map(String::from).to_vec()];
+        for c in &plan.communication {
+            rows.push(vec![format!("  {}", c.kind), c.link.clone(), bytes(c.bytes), ms(c.time_s)]);
+        }
+        out.push_str(&table(&rows));
+    }
+    let p = &plan.predicted;
+    let _ = writeln!(
+        out,
+        "predicted   step {}, {:.2} samples/s, peak memory {}, MFU {:.1}%",
+        ms(p.step_time_s),
+        p.samples_per_s,
+        bytes(p.peak_memory_bytes as f64),
+        p.mfu * 100.0
+    );
+    let sv = &plan.solver;
+    let _ = writeln!(
+        out,
+        "solver      {}: objective {}, bound {}, gap {:.2}%; {} candidates solved, {} skipped by bound; {:.2} s",
+        sv.status,
+        ms(sv.objective),
+        ms(sv.bound),
+        sv.gap * 100.0,
+        sv.candidates.solved,
+        sv.candidates.skipped,
+        sv.wall_s
+    );
+    out
+}

@@ -1,0 +1,245 @@
+//! The plan file: the versioned on-disk contract between `smp-partition`, `inspect`, the
+//! simulator and `smp-runner`. Field names are those of DESIGN.md's "Contracts" section.
+
+use serde::{Deserialize, Serialize};
+
+/// The plan format version this build writes and reads.
+pub const PLAN_VERSION: u32 = 1;
+
+/// A partitioned execution plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Plan {
+    /// Format version ([`PLAN_VERSION`]).
+    pub version: u32,
+    /// The model the plan is for.
+    pub model: ModelInfo,
+    /// The cluster it was planned on.
+    pub cluster: ClusterInfo,
+    /// The parallel configuration chosen.
+    pub parallel: Parallel,
+    /// Pipeline stages in execution order (one entry per virtual stage when interleaved).
+    pub stages: Vec<Stage>,
+    /// The tensor-split strategy chosen for each layer's nodes.
+    #[serde(default)]
+    pub layer_strategies: Vec<LayerStrategy>,
+    /// Communication volume per step, per kind of traffic and link.
+    #[serde(default)]
+    pub communication: Vec<CommVolume>,
+    /// What the cost model predicts for one training step.
+    pub predicted: Predicted,
+    /// How the solver reached the plan, and its proof.
+    pub solver: SolverInfo,
+    /// Samples per optimizer step, over all data-parallel replicas.
+    pub global_batch: u64,
+    /// Sequence length the plan was made for, when the model has one.
+    #[serde(default)]
+    pub seq_len: Option<u64>,
+}
+
+/// The model a plan partitions.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelInfo {
+    /// Path of the ONNX file as given when planning.
+    pub path: String,
+    /// SHA-256 of the ONNX file (hex), to catch a plan used with another model.
+    pub sha256: String,
+    /// Elements of floating-point initializers, each counted once.
+    pub params: u64,
+    /// Number of layers (`graph`'s layers, 0 first).
+    pub layers: usize,
+}
+
+/// The cluster a plan targets.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterInfo {
+    /// Preset name (`h100-80gb`) or the cluster file's path.
+    pub preset: String,
+    /// Devices in all.
+    pub devices: usize,
+    /// Devices that share the fast intra-node link.
+    pub devices_per_node: usize,
+    /// Memory a device may use, after `--memory-limit` (bytes).
+    pub memory_limit_bytes: u64,
+}
+
+/// The parallel configuration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Parallel {
+    /// Pipeline-parallel degree (devices along a pipeline).
+    pub pp: usize,
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    /// Data-parallel degree.
+    pub dp: usize,
+    /// ZeRO stage (0..=3).
+    pub zero: u8,
+    /// Sharded-data-parallel group size (ZeRO-3 over groups of that many replicas), if used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sharded_dp: Option<usize>,
+    /// Microbatches per step and pipeline.
+    pub microbatches: usize,
+    /// Cap on microbatches in flight (SMP's `active_microbatches`), if set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active_microbatches: Option<usize>,
+    /// Schedule name: `gpipe`, `1f1b`, `interleaved`, `zb-h1`.
+    pub schedule: String,
+    /// Virtual stages per pipeline rank (1 unless interleaved).
+    pub virtual_stages: usize,
+    /// Checkpointing policy as requested: `auto`, `none` or `full`.
+    pub checkpointing: String,
+    /// Mesh axis order, outermost first (`DPT` = cluster, `TPD` = spread).
+    pub placement: String,
+}
+
+/// One pipeline stage (or virtual stage).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Stage {
+    /// Position in the pipeline's layer order (0 first).
+    pub index: usize,
+    /// The pipeline rank that runs it (differs from `index` when interleaved).
+    pub pp_rank: usize,
+    /// First and last layer, inclusive.
+    pub layers: [usize; 2],
+    /// Global ranks running this stage (tp · dp of them).
+    pub ranks: Vec<usize>,
+    /// Tensor-parallel degree of the stage.
+    pub tp: usize,
+    /// Data-parallel degree of the stage.
+    pub dp: usize,
+    /// Forward time of one microbatch (seconds).
+    pub forward_s: f64,
+    /// Backward time of one microbatch, recompute included (seconds).
+    pub backward_s: f64,
+    /// Communication time per microbatch not hidden behind compute (seconds).
+    #[serde(default)]
+    pub comm_s: f64,
+    /// Peak memory per device of this stage.
+    pub memory_bytes: StageMemory,
+    /// Layers whose activations are recomputed in the backward pass.
+    #[serde(default)]
+    pub checkpointed_layers: Vec<usize>,
+}
+
+/// Memory per device of one stage, split by kind (bytes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageMemory {
+    /// Weights.
+    pub params: u64,
+    /// Gradients.
+    pub grads: u64,
+    /// Optimizer state.
+    pub optimizer: u64,
+    /// Saved activations of the microbatches in flight.
+    pub activations: u64,
+    /// Workspace margin.
+    #[serde(default)]
+    pub workspace: u64,
+    /// Sum of the above.
+    pub total: u64,
+}
+
+impl StageMemory {
+    /// The sum of the parts (what `total` must equal).
+    pub fn sum_of_parts(&self) -> u64 {
+        self.params + self.grads + self.optimizer + self.activations + self.workspace
+    }
+}
+
+/// The split chosen for each node of one layer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LayerStrategy {
+    /// Layer index.
+    pub layer: usize,
+    /// Layer name (`h.3`).
+    pub name: String,
+    /// Strategy name per node, in the layer's node order: `[node, strategy]`.
+    pub nodes: Vec<(String, String)>,
+}
+
+/// Bytes moved per step by one kind of traffic over one kind of link.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CommVolume {
+    /// Traffic: `tensor` (tp collectives), `pipeline` (stage sends), `data` (gradient sync).
+    pub kind: String,
+    /// Link: `intra-node` or `inter-node`.
+    pub link: String,
+    /// Bytes per device per step.
+    pub bytes: f64,
+    /// Time per step spent on it, hidden or not (seconds).
+    pub time_s: f64,
+}
+
+/// The cost model's prediction for one step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Predicted {
+    /// Seconds per optimizer step.
+    pub step_time_s: f64,
+    /// Samples per second (global batch over step time).
+    pub samples_per_s: f64,
+    /// Pipeline idle time over ideal compute time ((p−1)/m for 1F1B on equal stages).
+    pub bubble_ratio: f64,
+    /// Largest memory of any device (bytes).
+    pub peak_memory_bytes: u64,
+    /// Model FLOPs utilisation (training FLOPs = 3 × forward, over peak rate).
+    pub mfu: f64,
+}
+
+/// The solver's account: status and proof.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SolverInfo {
+    /// `optimal` (proven), `feasible` (time limit hit; see gap), `fixed` (all given by hand),
+    /// or `baseline:NAME`.
+    pub status: String,
+    /// Objective value of the plan (predicted step time, seconds).
+    pub objective: f64,
+    /// Best proven lower bound on the objective.
+    pub bound: f64,
+    /// Relative gap (objective − bound) / objective.
+    pub gap: f64,
+    /// Wall time of planning (seconds).
+    pub wall_s: f64,
+    /// Candidate configurations solved and skipped by bound.
+    pub candidates: Candidates,
+}
+
+/// Outer-search bookkeeping.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Candidates {
+    /// Candidates whose ILP was solved.
+    pub solved: u64,
+    /// Candidates skipped because their lower bound could not beat the incumbent.
+    pub skipped: u64,
+}
+
+impl Plan {
+    /// Stages run by one pipeline rank, in order.
+    pub fn stages_of_rank(&self, pp_rank: usize) -> impl Iterator<Item = &Stage> {
+        self.stages.iter().filter(move |s| s.pp_rank == pp_rank)
+    }
+
+    /// Memory per device of a pipeline rank: the sum of its (virtual) stages.
+    pub fn rank_memory(&self, pp_rank: usize) -> StageMemory {
+        let mut m = StageMemory::default();
+        for s in self.stages_of_rank(pp_rank) {
+            let b = s.memory_bytes;
+            m.params += b.params;
+            m.grads += b.grads;
+            m.optimizer += b.optimizer;
+            m.activations += b.activations;
+            m.workspace += b.workspace;
+            m.total += b.total;
+        }
+        m
+    }
+}

@@ -1,0 +1,197 @@
+//! Structural validation of a plan: what must hold whatever the solver decided.
+
+use std::collections::BTreeSet;
+
+use super::schema::Plan;
+
+/// A structural inconsistency in a plan.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum PlanInvalid {
+    /// No stages at all.
+    #[error("the plan has no stages")]
+    NoStages,
+    /// A degree is zero or out of range.
+    #[error("parallel.{field} = {value} is out of range ({expected})")]
+    Degree { field: &'static str, value: u64, expected: &'static str },
+    /// pp·tp·dp exceeds the cluster.
+    #[error("pp·tp·dp = {pp}·{tp}·{dp} = {product} ranks but the cluster has {devices} devices")]
+    TooManyRanks { pp: usize, tp: usize, dp: usize, product: usize, devices: usize },
+    /// Stage count disagrees with pp · virtual_stages.
+    #[error("{found} stages, but pp·virtual_stages = {pp}·{v} = {expected}")]
+    StageCount { found: usize, pp: usize, v: usize, expected: usize },
+    /// A stage's `index` is not its position.
+    #[error("stage at position {position} has index {index}")]
+    StageIndex { position: usize, index: usize },
+    /// A stage's pipeline rank is wrong.
+    #[error("stage {stage}: pp_rank {pp_rank}, expected {expected} (stage index mod pp)")]
+    PpRank { stage: usize, pp_rank: usize, expected: usize },
+    /// Layers not contiguous or not covering the model.
+    #[error("stage {stage}: layers [{first}, {last}], expected to start at layer {expected_first}")]
+    LayerGap { stage: usize, first: usize, last: usize, expected_first: usize },
+    /// A stage's layer range is reversed.
+    #[error("stage {stage}: layers [{first}, {last}] is empty (first > last)")]
+    LayerRange { stage: usize, first: usize, last: usize },
+    /// Layers past the end of the model, or the last layers not covered.
+    #[error("stages cover layers 0..={covered_last}, but the model has {layers} layers (0..={})", layers.saturating_sub(1))]
+    LayerCoverage { covered_last: usize, layers: usize },
+    /// A checkpointed layer outside the stage.
+    #[error("stage {stage}: checkpointed layer {layer} is not among its layers [{first}, {last}]")]
+    CheckpointOutside { stage: usize, layer: usize, first: usize, last: usize },
+    /// A stage's tp or dp disagrees with `parallel`.
+    #[error("stage {stage}: {field} = {found}, but parallel.{field} = {expected}")]
+    StageDegree { stage: usize, field: &'static str, found: usize, expected: usize },
+    /// A stage has the wrong number of ranks.
+    #[error("stage {stage}: {found} ranks, expected tp·dp = {expected}")]
+    RankCount { stage: usize, found: usize, expected: usize },
+    /// A rank outside 0..pp·tp·dp.
+    #[error("stage {stage}: rank {rank} is outside 0..{world}")]
+    RankRange { stage: usize, rank: usize, world: usize },
+    /// A rank used by two pipeline ranks.
+    #[error("stage {stage}: rank {rank} also runs a stage of pipeline rank {other_pp_rank}")]
+    RankShared { stage: usize, rank: usize, other_pp_rank: usize },
+    /// Virtual stages of one pipeline rank on different ranks.
+    #[error("stage {stage}: ranks differ from those of stage {first} on the same pipeline rank {pp_rank}")]
+    VirtualRanks { stage: usize, first: usize, pp_rank: usize },
+    /// Memory parts do not add up.
+    #[error("stage {stage}: memory_bytes.total = {total}, but its parts sum to {sum}")]
+    MemorySum { stage: usize, total: u64, sum: u64 },
+    /// The peak memory is not the largest device's memory.
+    #[error(
+        "predicted.peak_memory_bytes = {found}, but the largest device (pipeline rank {pp_rank}) needs {expected}"
+    )]
+    PeakMemory { found: u64, expected: u64, pp_rank: usize },
+    /// A negative or non-finite time or ratio.
+    #[error("{field} = {value} is not a finite non-negative number")]
+    BadNumber { field: String, value: f64 },
+}
+
+/// Checks the invariants every plan must satisfy; the error names the stage concerned.
+pub fn validate(plan: &Plan) -> Result<(), PlanInvalid> {
+    let par = &plan.parallel;
+    for (field, value) in [
+        ("pp", par.pp),
+        ("tp", par.tp),
+        ("dp", par.dp),
+        ("microbatches", par.microbatches),
+        ("virtual_stages", par.virtual_stages),
+    ] {
+        if value == 0 {
+            return Err(PlanInvalid::Degree { field, value: 0, expected: "at least 1" });
+        }
+    }
+    if par.zero > 3 {
+        return Err(PlanInvalid::Degree { field: "zero", value: par.zero.into(), expected: "0..=3" });
+    }
+    let world = par.pp * par.tp * par.dp;
+    if world > plan.cluster.devices {
+        return Err(PlanInvalid::TooManyRanks {
+            pp: par.pp,
+            tp: par.tp,
+            dp: par.dp,
+            product: world,
+            devices: plan.cluster.devices,
+        });
+    }
+    if plan.stages.is_empty() {
+        return Err(PlanInvalid::NoStages);
+    }
+    let expected = par.pp * par.virtual_stages;
+    if plan.stages.len() != expected {
+        return Err(PlanInvalid::StageCount {
+            found: plan.stages.len(),
+            pp: par.pp,
+            v: par.virtual_stages,
+            expected,
+        });
+    }
+
+    let mut next_layer = 0usize;
+    // Ranks of the first stage seen on each pipeline rank.
+    let mut rank_sets: Vec<Option<(usize, BTreeSet<usize>)>> = vec![None; par.pp];
+    let mut owner = vec![usize::MAX; world];
+    for (position, s) in plan.stages.iter().enumerate() {
+        let stage = s.index;
+        if s.index != position {
+            return Err(PlanInvalid::StageIndex { position, index: s.index });
+        }
+        if s.pp_rank != position % par.pp {
+            return Err(PlanInvalid::PpRank { stage, pp_rank: s.pp_rank, expected: position % par.pp });
+        }
+        let [first, last] = s.layers;
+        if first > last {
+            return Err(PlanInvalid::LayerRange { stage, first, last });
+        }
+        if first != next_layer {
+            return Err(PlanInvalid::LayerGap { stage, first, last, expected_first: next_layer });
+        }
+        next_layer = last + 1;
+        for &layer in &s.checkpointed_layers {
+            if layer < first || layer > last {
+                return Err(PlanInvalid::CheckpointOutside { stage, layer, first, last });
+            }
+        }
+        for (field, found, expected) in [("tp", s.tp, par.tp), ("dp", s.dp, par.dp)] {
+            if found != expected {
+                return Err(PlanInvalid::StageDegree { stage, field, found, expected });
+            }
+        }
+        if s.ranks.len() != par.tp * par.dp {
+            return Err(PlanInvalid::RankCount { stage, found: s.ranks.len(), expected: par.tp * par.dp });
+        }
+        let set: BTreeSet<usize> = s.ranks.iter().copied().collect();
+        if set.len() != s.ranks.len() {
+            return Err(PlanInvalid::RankCount { stage, found: set.len(), expected: par.tp * par.dp });
+        }
+        for &rank in &s.ranks {
+            if rank >= world {
+                return Err(PlanInvalid::RankRange { stage, rank, world });
+            }
+            if owner[rank] != usize::MAX && owner[rank] != s.pp_rank {
+                return Err(PlanInvalid::RankShared { stage, rank, other_pp_rank: owner[rank] });
+            }
+            owner[rank] = s.pp_rank;
+        }
+        match &rank_sets[s.pp_rank] {
+            Some((first_stage, ranks)) if *ranks != set => {
+                return Err(PlanInvalid::VirtualRanks { stage, first: *first_stage, pp_rank: s.pp_rank });
+            }
+            Some(_) => {}
+            None => rank_sets[s.pp_rank] = Some((stage, set)),
+        }
+        let m = s.memory_bytes;
+        if m.total != m.sum_of_parts() {
+            return Err(PlanInvalid::MemorySum { stage, total: m.total, sum: m.sum_of_parts() });
+        }
+        for (name, v) in [("forward_s", s.forward_s), ("backward_s", s.backward_s), ("comm_s", s.comm_s)] {
+            check_number(format!("stage {stage}: {name}"), v)?;
+        }
+    }
+    if next_layer != plan.model.layers {
+        return Err(PlanInvalid::LayerCoverage {
+            covered_last: next_layer.saturating_sub(1),
+            layers: plan.model.layers,
+        });
+    }
+
+    let pr = &plan.predicted;
+    for (name, v) in [
+        ("predicted.step_time_s", pr.step_time_s),
+        ("predicted.samples_per_s", pr.samples_per_s),
+        ("predicted.bubble_ratio", pr.bubble_ratio),
+        ("predicted.mfu", pr.mfu),
+    ] {
+        check_number(name.to_string(), v)?;
+    }
+    let (pp_rank, expected) = (0..par.pp)
+        .map(|r| (r, plan.rank_memory(r).total))
+        .max_by_key(|&(r, t)| (t, std::cmp::Reverse(r)))
+        .unwrap_or((0, 0));
+    if pr.peak_memory_bytes != expected {
+        return Err(PlanInvalid::PeakMemory { found: pr.peak_memory_bytes, expected, pp_rank });
+    }
+    Ok(())
+}
+
+fn check_number(field: String, value: f64) -> Result<(), PlanInvalid> {
+    if value.is_finite() && value >= 0.0 { Ok(()) } else { Err(PlanInvalid::BadNumber { field, value }) }
+}

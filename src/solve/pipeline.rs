@@ -1,0 +1,288 @@
+//! The pipeline ILP (PLANNER.md §2): contiguous chunks, one Pareto point and a checkpoint flag
+//! per layer, per-device memory with the schedule's in-flight microbatches, boundary
+//! transfers, the schedule's step time as objective.
+
+use good_lp::Expression;
+use serde::{Deserialize, Serialize};
+
+use super::SolveError;
+use super::ilp::{Col, Milp, SolveReport, SolverOptions, value};
+use super::problem::{CheckpointRule, LayerChoice, PipelineEval, PipelineObjective, PipelineProblem};
+
+/// Bytes are scaled to GiB inside the ILP to keep coefficients near 1.
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// The solved pipeline problem.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PipelineSolution {
+    /// The proof.
+    pub report: SolveReport,
+    /// One choice per layer (empty when no solution).
+    pub choices: Vec<LayerChoice>,
+    /// The choices evaluated under the model (`None` when no solution).
+    pub eval: Option<PipelineEval>,
+}
+
+impl PipelineProblem {
+    /// Checks sizes and ranges; names what is wrong.
+    pub fn validate(&self) -> Result<(), SolveError> {
+        let chunks = self.chunks();
+        if self.devices == 0 || self.virtual_stages == 0 || self.microbatches == 0 {
+            return Err(SolveError::Problem("pipeline problem needs devices, virtual stages and microbatches ≥ 1".into()));
+        }
+        if self.layers.len() < chunks {
+            return Err(SolveError::Problem(format!(
+                "{} layers cannot fill {} pipeline stages (each stage needs a layer); lower --pp",
+                self.layers.len(),
+                chunks
+            )));
+        }
+        if self.in_flight.len() != chunks {
+            return Err(SolveError::Problem(format!("in_flight has {} entries, expected {chunks}", self.in_flight.len())));
+        }
+        if self.transfer_s_per_byte.len() + 1 != chunks {
+            return Err(SolveError::Problem(format!(
+                "transfer_s_per_byte has {} entries, expected {}",
+                self.transfer_s_per_byte.len(),
+                chunks - 1
+            )));
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            if l.points.is_empty() {
+                return Err(SolveError::Problem(format!("layer {i} has no Pareto point")));
+            }
+        }
+        if let Some(fixed) = &self.fixed_chunks {
+            if fixed.len() != self.layers.len() {
+                return Err(SolveError::Problem(format!(
+                    "manual layout names {} layers, the model has {}",
+                    fixed.len(),
+                    self.layers.len()
+                )));
+            }
+            if fixed.windows(2).any(|w| w[1] < w[0]) || fixed.iter().any(|&c| c >= chunks) {
+                return Err(SolveError::Problem("manual layout is not contiguous over the stages".into()));
+            }
+        }
+        Ok(())
+    }
+
+    fn flags(&self) -> &'static [bool] {
+        match self.checkpoint {
+            CheckpointRule::Auto => &[false, true],
+            CheckpointRule::Never => &[false],
+            CheckpointRule::Always => &[true],
+        }
+    }
+
+    /// Maximal runs of consecutive identical layers (and, with a manual layout, the same
+    /// chunk): `(first layer, length)`.
+    pub fn runs(&self) -> Vec<(usize, usize)> {
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for l in 0..self.layers.len() {
+            let same = l > 0
+                && self.layers[l] == self.layers[l - 1]
+                && self.fixed_chunks.as_ref().is_none_or(|f| f[l] == f[l - 1]);
+            match runs.last_mut() {
+                Some(r) if same => r.1 += 1,
+                _ => runs.push((l, 1)),
+            }
+        }
+        runs
+    }
+
+    /// Solves the ILP with HiGHS.
+    ///
+    /// Identical neighbouring layers are interchangeable inside a chunk, so the model counts
+    /// them: `n[r][c][o]` layers of run r sit on chunk c with option o (point × checkpoint
+    /// flag). Chunks take the layers in order: `h[r][c]` = some of run r lies in chunks ≤ c,
+    /// `z[r][c]` = all of it does, and `h[r+1][c] ≤ z[r][c]` makes every chunk prefix a model
+    /// prefix. A 96-block model then has a handful of integers per chunk, not 96 × chunks
+    /// binaries and their symmetry.
+    pub fn solve(&self, opts: &SolverOptions) -> Result<PipelineSolution, SolveError> {
+        self.validate()?;
+        let l_n = self.layers.len();
+        let v_n = self.chunks();
+        let p = self.devices;
+        let flags = self.flags();
+        let runs = self.runs();
+        let mut milp = Milp::new();
+        // options of a run: (point, checkpoint)
+        let options = |r: usize| -> Vec<(usize, bool)> {
+            let lay = &self.layers[runs[r].0];
+            (0..lay.points.len()).flat_map(|j| flags.iter().map(move |&k| (j, k))).collect()
+        };
+        // n[r][c] = Vec<(option, col)>, empty when chunk c cannot hold run r.
+        let mut n: Vec<Vec<Vec<((usize, bool), Col)>>> = Vec::with_capacity(runs.len());
+        for (r, &(first, len)) in runs.iter().enumerate() {
+            let (lo, hi) = match &self.fixed_chunks {
+                Some(f) => (f[first], f[first]),
+                None => ((first).saturating_sub(l_n - v_n), (first + len - 1).min(v_n - 1)),
+            };
+            let mut per_chunk = Vec::with_capacity(v_n);
+            for c in 0..v_n {
+                if c < lo || c > hi {
+                    per_chunk.push(Vec::new());
+                    continue;
+                }
+                per_chunk.push(options(r).into_iter().map(|o| (o, if len == 1 { milp.binary() } else { milp.integer(0.0, len as f64) })).collect());
+            }
+            n.push(per_chunk);
+        }
+        let count = |r: usize, c: usize| -> Expression {
+            let mut e = Expression::default();
+            for &(_, col) in &n[r][c] {
+                e.add_mul(1.0, col.v());
+            }
+            e
+        };
+        let cum = |r: usize, c: usize| -> Expression {
+            let mut e = Expression::default();
+            for cc in 0..=c {
+                e += count(r, cc);
+            }
+            e
+        };
+        for (r, &(_, len)) in runs.iter().enumerate() {
+            milp.constrain(cum(r, v_n - 1).eq(len as f64));
+        }
+        for c in 0..v_n {
+            let mut e = Expression::default();
+            for r in 0..runs.len() {
+                e += count(r, c);
+            }
+            milp.constrain(e.geq(1.0));
+        }
+        // h[r][c], z[r][c] for c < v_n − 1.
+        let mut h: Vec<Vec<Expression>> = Vec::with_capacity(runs.len());
+        let mut z: Vec<Vec<Expression>> = Vec::with_capacity(runs.len());
+        for (r, &(_, len)) in runs.iter().enumerate() {
+            let mut hr = Vec::with_capacity(v_n);
+            let mut zr = Vec::with_capacity(v_n);
+            for c in 0..v_n.saturating_sub(1) {
+                let u = cum(r, c);
+                let hc = milp.binary();
+                milp.constrain(u.clone().leq(len as f64 * hc.v()));
+                milp.constrain(u.clone().geq(hc.v()));
+                hr.push(Expression::from(hc.v()));
+                if len == 1 {
+                    zr.push(Expression::from(hc.v()));
+                } else {
+                    let zc = milp.binary();
+                    milp.constrain(u.geq(len as f64 * zc.v()));
+                    zr.push(Expression::from(zc.v()));
+                }
+            }
+            h.push(hr);
+            z.push(zr);
+        }
+        for r in 0..runs.len().saturating_sub(1) {
+            for c in 0..v_n.saturating_sub(1) {
+                milp.constrain(h[r + 1][c].clone().leq(z[r][c].clone()));
+            }
+        }
+        // Per device time, sync, memory.
+        let mut time = vec![Expression::default(); p];
+        let mut sync = vec![Expression::default(); p];
+        let mut mem = vec![Expression::default(); p];
+        let mut recompute: Vec<Vec<(f64, Expression)>> = vec![Vec::new(); p];
+        for (r, &(first, len)) in runs.iter().enumerate() {
+            let lay = &self.layers[first];
+            for c in 0..v_n {
+                let d = c % p;
+                for &((j, k), col) in &n[r][c] {
+                    let pt = &lay.points[j];
+                    time[d].add_mul(pt.fwd_s + pt.bwd_s + if k { pt.fwd_s } else { 0.0 }, col.v());
+                    sync[d].add_mul(pt.sync_s, col.v());
+                    let kept = if k { pt.input_bytes } else { pt.act_bytes };
+                    mem[d].add_mul((pt.state_bytes + self.in_flight[c] * kept) / GIB, col.v());
+                    if k && pt.act_bytes > pt.input_bytes {
+                        let used = if len == 1 {
+                            Expression::from(col.v())
+                        } else {
+                            let w = milp.binary();
+                            milp.constrain(Expression::from(col.v()).leq(len as f64 * w.v()));
+                            Expression::from(w.v())
+                        };
+                        recompute[d].push(((pt.act_bytes - pt.input_bytes) / GIB, used));
+                    }
+                }
+            }
+        }
+        for d in 0..p {
+            if !recompute[d].is_empty() {
+                let rb = milp.continuous(0.0, f64::INFINITY);
+                for (bytes, used) in &recompute[d] {
+                    milp.constrain(Expression::from(rb.v()).geq(*bytes * used.clone()));
+                }
+                mem[d].add_mul(1.0, rb.v());
+            }
+            milp.constrain(mem[d].clone().leq((self.memory_cap - self.workspace) / GIB));
+        }
+        // Boundary c carries the output of the run holding chunk c's last layer:
+        // h[r][c] − h[r+1][c] is exactly "chunk c ends inside run r".
+        let mut transfer = Expression::default();
+        for c in 0..v_n.saturating_sub(1) {
+            for (r, &(first, _)) in runs.iter().enumerate() {
+                let w = 2.0 * self.layers[first].output_bytes * self.transfer_s_per_byte[c];
+                if w != 0.0 {
+                    transfer += w * h[r][c].clone();
+                    if r + 1 < runs.len() {
+                        transfer -= w * h[r + 1][c].clone();
+                    }
+                }
+            }
+        }
+        let tmax = milp.continuous(0.0, f64::INFINITY);
+        let smax = milp.continuous(0.0, f64::INFINITY);
+        for d in 0..p {
+            milp.constrain(Expression::from(tmax.v()).geq(time[d].clone()));
+            milp.constrain(Expression::from(smax.v()).geq(sync[d].clone()));
+        }
+        let c = self.bubble_coeff;
+        let mut step = Expression::default();
+        for t in &time {
+            step += c * t.clone();
+        }
+        step += (self.microbatches as f64 - c) * tmax.v();
+        step += transfer;
+        step += smax.v();
+        let (report, values) = match self.objective {
+            PipelineObjective::StepTime => milp.minimise(step, 0.0, opts)?,
+            PipelineObjective::PeakMemory { max_step_s } => {
+                milp.constrain(step.leq(max_step_s));
+                let peak = milp.continuous(0.0, f64::INFINITY);
+                for d in 0..p {
+                    milp.constrain(Expression::from(peak.v()).geq(mem[d].clone()));
+                }
+                let (mut r, v) = milp.minimise(Expression::from(peak.v()), self.workspace / GIB, opts)?;
+                r.objective *= GIB;
+                r.bound *= GIB;
+                (r, v)
+            }
+        };
+        if values.is_empty() {
+            return Ok(PipelineSolution { report, choices: Vec::new(), eval: None });
+        }
+        let mut choices: Vec<LayerChoice> = Vec::with_capacity(l_n);
+        for (r, &(_, len)) in runs.iter().enumerate() {
+            let before = choices.len();
+            for (c, opts_c) in n[r].iter().enumerate() {
+                for &((j, k), col) in opts_c {
+                    let k_count = value(&values, col).round().max(0.0) as usize;
+                    for _ in 0..k_count {
+                        choices.push(LayerChoice { chunk: c, point: j, checkpoint: k });
+                    }
+                }
+            }
+            if choices.len() - before != len {
+                return Err(SolveError::Solver(format!(
+                    "HiGHS returned {} layers for a run of {len}; numerical trouble",
+                    choices.len() - before
+                )));
+            }
+        }
+        let eval = self.evaluate(&choices);
+        Ok(PipelineSolution { report, choices, eval })
+    }
+}

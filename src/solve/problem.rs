@@ -1,0 +1,277 @@
+//! Flat numeric problems: everything the ILPs need, nothing from the IR. Serde so a problem can
+//! be dumped to JSON and re-solved alone.
+
+use serde::{Deserialize, Serialize};
+
+/// One sharding choice of one node inside a layer (intra-layer problem).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeOption {
+    /// Strategy name (`replicate`, `column`, `row`, ...), for the decision record.
+    pub name: String,
+    /// Forward time per microbatch (compute plus the strategy's own forward collective), seconds.
+    pub fwd_s: f64,
+    /// Backward time per microbatch (compute plus the strategy's own backward collective).
+    pub bwd_s: f64,
+    /// Parameter bytes held per device under this strategy.
+    pub param_bytes: f64,
+    /// Bytes kept for the backward pass per microbatch.
+    pub act_bytes: f64,
+    /// Data-parallel gradient synchronisation time of this node's parameters, seconds.
+    pub sync_s: f64,
+}
+
+/// A node of the intra-layer problem with its options.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct IntraNode {
+    /// Node name (for messages and dumps).
+    pub name: String,
+    /// Its strategies; at least one.
+    pub options: Vec<NodeOption>,
+}
+
+/// A data edge between two nodes of the layer with its resharding costs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct IntraEdge {
+    /// Producer (index into `nodes`).
+    pub from: usize,
+    /// Consumer (index into `nodes`).
+    pub to: usize,
+    /// `fwd_s[k][k2]`: forward resharding time when `from` uses option k and `to` option k2.
+    pub fwd_s: Vec<Vec<f64>>,
+    /// Same for the backward pass (the gradient's resharding).
+    pub bwd_s: Vec<Vec<f64>>,
+}
+
+/// Alpa-style intra-layer problem for one distinct layer at one tensor degree.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct IntraLayerProblem {
+    /// Nodes with options.
+    pub nodes: Vec<IntraNode>,
+    /// Edges with cost matrices.
+    pub edges: Vec<IntraEdge>,
+    /// Optional cap on parameter + activation bytes (memory-constrained variant).
+    pub memory_cap: Option<f64>,
+    /// Weight of per-microbatch activation bytes against parameter bytes in the memory
+    /// measure (typically the in-flight microbatch count).
+    pub act_weight: f64,
+}
+
+/// A Pareto point of one layer: a tensor-strategy assignment, summarised.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ParetoPoint {
+    /// Forward time per microbatch, seconds.
+    pub fwd_s: f64,
+    /// Backward time per microbatch, seconds.
+    pub bwd_s: f64,
+    /// Model-state bytes per device (params, grads, optimizer; after ZeRO division).
+    pub state_bytes: f64,
+    /// Saved-activation bytes per microbatch (includes the layer's input).
+    pub act_bytes: f64,
+    /// Input bytes per microbatch (what checkpointing keeps).
+    pub input_bytes: f64,
+    /// Data-parallel synchronisation time of this layer's gradients, seconds.
+    pub sync_s: f64,
+    /// Index of the strategy assignment this point stands for (into the layer's choices).
+    pub choice: usize,
+}
+
+/// A layer of the pipeline problem.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PipelineLayer {
+    /// Its Pareto points; at least one.
+    pub points: Vec<ParetoPoint>,
+    /// Bytes per microbatch a cut after this layer sends forward (and receives as gradient).
+    pub output_bytes: f64,
+}
+
+/// Whether layers may be checkpointed (recomputed in the backward pass).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CheckpointRule {
+    /// The solver chooses per layer.
+    Auto,
+    /// No layer is checkpointed.
+    Never,
+    /// Every layer is checkpointed.
+    Always,
+}
+
+/// What the pipeline ILP minimises.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub enum PipelineObjective {
+    /// The step time.
+    StepTime,
+    /// The peak memory of any device, with the step time at most `max_step_s`.
+    PeakMemory {
+        /// Upper bound on the step time.
+        max_step_s: f64,
+    },
+}
+
+/// The pipeline problem for one candidate configuration (PLANNER.md §2).
+///
+/// Chunks (virtual stages) `c = 0..devices·virtual_stages` hold contiguous layer ranges, every
+/// chunk non-empty; chunk c runs on pipeline device `c % devices`. The step time is
+/// `bubble_coeff·Σ_d T[d] + (m − bubble_coeff)·max_d T[d] + Σ_b 2·out_b·β_b + max_d S[d]`, with
+/// `T[d]` the forward+backward(+recompute) time per microbatch of device d and `S[d]` its
+/// data-parallel sync time.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PipelineProblem {
+    /// Layers in execution order.
+    pub layers: Vec<PipelineLayer>,
+    /// Pipeline devices p.
+    pub devices: usize,
+    /// Virtual stages per device v (1 unless interleaved).
+    pub virtual_stages: usize,
+    /// Microbatches m.
+    pub microbatches: usize,
+    /// Microbatches in flight per chunk (len devices·virtual_stages).
+    pub in_flight: Vec<f64>,
+    /// Weight of Σ T[d] in the step time (1 for GPipe/1F1B, 1/v interleaved, ~1/3 ZB-H1).
+    pub bubble_coeff: f64,
+    /// Device memory available, bytes.
+    pub memory_cap: f64,
+    /// Workspace reserved per device, bytes.
+    pub workspace: f64,
+    /// Seconds per byte across each chunk boundary (len chunks − 1).
+    pub transfer_s_per_byte: Vec<f64>,
+    /// Checkpointing rule.
+    pub checkpoint: CheckpointRule,
+    /// Manual layout: the chunk of every layer, if fixed.
+    pub fixed_chunks: Option<Vec<usize>>,
+    /// What to minimise.
+    pub objective: PipelineObjective,
+}
+
+impl PipelineProblem {
+    /// Number of chunks (virtual stages over all devices).
+    pub fn chunks(&self) -> usize {
+        self.devices * self.virtual_stages
+    }
+}
+
+/// One layer's decision in a pipeline solution.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerChoice {
+    /// Chunk (virtual stage) holding the layer.
+    pub chunk: usize,
+    /// Pareto point chosen.
+    pub point: usize,
+    /// Whether the layer is recomputed in the backward pass.
+    pub checkpoint: bool,
+}
+
+/// A pipeline solution evaluated under the problem's model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PipelineEval {
+    /// Step time, seconds.
+    pub step_s: f64,
+    /// Per device: forward time per microbatch.
+    pub fwd_s: Vec<f64>,
+    /// Per device: backward time per microbatch, recompute included.
+    pub bwd_s: Vec<f64>,
+    /// Per device: model-state bytes.
+    pub state_bytes: Vec<f64>,
+    /// Per device: activation bytes at the peak (in-flight microbatches, recompute buffer).
+    pub act_bytes: Vec<f64>,
+    /// Per device: total bytes including workspace.
+    pub total_bytes: Vec<f64>,
+    /// Transfer time on the critical path, seconds.
+    pub transfer_s: f64,
+    /// Exposed data-parallel sync, seconds.
+    pub sync_s: f64,
+}
+
+impl PipelineProblem {
+    /// Evaluates an assignment (one choice per layer) under the model; `None` when it is not
+    /// a valid layout (non-contiguous, empty chunk, rule broken). Memory is not checked here:
+    /// compare `total_bytes` with `memory_cap`.
+    pub fn evaluate(&self, choices: &[LayerChoice]) -> Option<PipelineEval> {
+        let chunks = self.chunks();
+        if choices.len() != self.layers.len() || chunks == 0 {
+            return None;
+        }
+        let mut prev = 0usize;
+        let mut count = vec![0usize; chunks];
+        for (l, c) in choices.iter().enumerate() {
+            if c.chunk >= chunks || c.chunk < prev || c.point >= self.layers[l].points.len() {
+                return None;
+            }
+            if let Some(fixed) = &self.fixed_chunks
+                && fixed.get(l) != Some(&c.chunk)
+            {
+                return None;
+            }
+            match self.checkpoint {
+                CheckpointRule::Never if c.checkpoint => return None,
+                CheckpointRule::Always if !c.checkpoint => return None,
+                _ => {}
+            }
+            prev = c.chunk;
+            count[c.chunk] += 1;
+        }
+        if count.iter().any(|&n| n == 0) {
+            return None;
+        }
+        let p = self.devices;
+        let mut fwd = vec![0.0; p];
+        let mut bwd = vec![0.0; p];
+        let mut state = vec![0.0; p];
+        let mut act = vec![0.0; p];
+        let mut recompute = vec![0.0f64; p];
+        let mut sync = vec![0.0; p];
+        for (l, c) in choices.iter().enumerate() {
+            let pt = &self.layers[l].points[c.point];
+            let d = c.chunk % p;
+            fwd[d] += pt.fwd_s;
+            bwd[d] += pt.bwd_s + if c.checkpoint { pt.fwd_s } else { 0.0 };
+            state[d] += pt.state_bytes;
+            sync[d] += pt.sync_s;
+            let kept = if c.checkpoint { pt.input_bytes } else { pt.act_bytes };
+            act[d] += self.in_flight[c.chunk] * kept;
+            if c.checkpoint {
+                recompute[d] = recompute[d].max(pt.act_bytes - pt.input_bytes);
+            }
+        }
+        let mut transfer = 0.0;
+        for l in 0..choices.len().saturating_sub(1) {
+            if choices[l].chunk != choices[l + 1].chunk {
+                transfer += 2.0 * self.layers[l].output_bytes * self.transfer_s_per_byte[choices[l].chunk];
+            }
+        }
+        let t: Vec<f64> = (0..p).map(|d| fwd[d] + bwd[d]).collect();
+        let tmax = t.iter().cloned().fold(0.0, f64::max);
+        let smax = sync.iter().cloned().fold(0.0, f64::max);
+        let c = self.bubble_coeff;
+        let step = c * t.iter().sum::<f64>() + (self.microbatches as f64 - c) * tmax + transfer + smax;
+        let act_total: Vec<f64> = (0..p).map(|d| act[d] + recompute[d]).collect();
+        let total = (0..p).map(|d| state[d] + act_total[d] + self.workspace).collect();
+        Some(PipelineEval {
+            step_s: step,
+            fwd_s: fwd,
+            bwd_s: bwd,
+            state_bytes: state,
+            act_bytes: act_total,
+            total_bytes: total,
+            transfer_s: transfer,
+            sync_s: smax,
+        })
+    }
+
+    /// True when every device's total bytes fit the cap and, for the memory objective, the
+    /// step time is within its bound (both with a small relative tolerance).
+    pub fn feasible(&self, eval: &PipelineEval) -> bool {
+        let fits = eval.total_bytes.iter().all(|&b| b <= self.memory_cap * (1.0 + 1e-9) + 1e-6);
+        match self.objective {
+            PipelineObjective::StepTime => fits,
+            PipelineObjective::PeakMemory { max_step_s } => fits && eval.step_s <= max_step_s * (1.0 + 1e-9),
+        }
+    }
+
+    /// The value the ILP minimises for this evaluation.
+    pub fn objective_value(&self, eval: &PipelineEval) -> f64 {
+        match self.objective {
+            PipelineObjective::StepTime => eval.step_s,
+            PipelineObjective::PeakMemory { .. } => eval.total_bytes.iter().cloned().fold(0.0, f64::max),
+        }
+    }
+}

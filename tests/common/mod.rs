@@ -1,0 +1,8 @@
+//! Shared test fixtures.
+#![allow(dead_code, unused_imports)]
+
+pub mod plan_fixture;
+pub mod synthetic_gpt;
+
+pub use plan_fixture::*;
+pub use synthetic_gpt::*;

@@ -1,0 +1,267 @@
+//! The plan file: round trip, version check, structural validation, inspect report.
+
+use std::path::Path;
+
+use smp_partition::plan::io::{self, PlanIoError};
+use smp_partition::plan::report::{self, Reason};
+use smp_partition::plan::schema::*;
+
+mod common;
+use common::{GIB, fixture};
+use smp_partition::plan::validate::{PlanInvalid, validate};
+
+#[test]
+fn fixture_is_valid() {
+    validate(&fixture()).unwrap();
+}
+
+#[test]
+fn save_load_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("plan.json");
+    let plan = fixture();
+    io::save(&plan, &path).unwrap();
+    assert_eq!(io::load(&path).unwrap(), plan);
+}
+
+#[test]
+fn json_has_the_contract_fields() {
+    let v: serde_json::Value = serde_json::from_str(&io::to_json(&fixture())).unwrap();
+    for path in [
+        "/version",
+        "/model/path",
+        "/model/sha256",
+        "/model/params",
+        "/model/layers",
+        "/cluster/preset",
+        "/cluster/devices",
+        "/cluster/devices_per_node",
+        "/parallel/pp",
+        "/parallel/tp",
+        "/parallel/dp",
+        "/parallel/zero",
+        "/parallel/microbatches",
+        "/parallel/schedule",
+        "/parallel/virtual_stages",
+        "/parallel/checkpointing",
+        "/stages/0/index",
+        "/stages/0/pp_rank",
+        "/stages/0/layers/1",
+        "/stages/0/ranks",
+        "/stages/0/forward_s",
+        "/stages/0/backward_s",
+        "/stages/0/memory_bytes/params",
+        "/stages/0/memory_bytes/grads",
+        "/stages/0/memory_bytes/optimizer",
+        "/stages/0/memory_bytes/activations",
+        "/stages/0/memory_bytes/total",
+        "/predicted/step_time_s",
+        "/predicted/samples_per_s",
+        "/predicted/bubble_ratio",
+        "/predicted/peak_memory_bytes",
+        "/predicted/mfu",
+        "/solver/status",
+        "/solver/objective",
+        "/solver/bound",
+        "/solver/gap",
+        "/solver/wall_s",
+        "/solver/candidates",
+    ] {
+        assert!(v.pointer(path).is_some(), "missing {path}");
+    }
+    assert_eq!(v.pointer("/stages/1/layers"), Some(&serde_json::json!([3, 5])));
+}
+
+fn with_version(version: serde_json::Value) -> String {
+    let mut v = serde_json::to_value(fixture()).unwrap();
+    v["version"] = version;
+    v.to_string()
+}
+
+#[test]
+fn newer_version_is_refused_naming_file_and_both_versions() {
+    let err = io::from_json(&with_version(7.into()), Path::new("p.json")).unwrap_err();
+    assert!(matches!(err, PlanIoError::Version { found: 7, supported: 1, .. }), "{err}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("p.json")
+            && msg.contains("version 7")
+            && msg.contains("version 1")
+            && msg.contains("newer"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn older_or_missing_version_is_refused() {
+    let err = io::from_json(&with_version(0.into()), Path::new("old.json")).unwrap_err();
+    assert!(matches!(err, PlanIoError::Version { found: 0, .. }), "{err}");
+    let err = io::from_json(&with_version("one".into()), Path::new("odd.json")).unwrap_err();
+    assert!(matches!(err, PlanIoError::NoVersion { .. }), "{err}");
+    assert!(err.to_string().contains("odd.json"));
+    let err = io::from_json("[1, 2]", Path::new("arr.json")).unwrap_err();
+    assert!(matches!(err, PlanIoError::NoVersion { .. }), "{err}");
+    let err = io::from_json("{", Path::new("cut.json")).unwrap_err();
+    assert!(matches!(err, PlanIoError::Parse { .. }), "{err}");
+}
+
+#[test]
+fn unknown_field_is_refused_with_its_name() {
+    let mut v = serde_json::to_value(fixture()).unwrap();
+    v["stages"][0]["colour"] = "red".into();
+    let err = io::from_json(&v.to_string(), Path::new("x.json")).unwrap_err();
+    assert!(err.to_string().contains("colour"), "{err}");
+}
+
+#[test]
+fn load_validates() {
+    let mut v = serde_json::to_value(fixture()).unwrap();
+    v["stages"][1]["layers"] = serde_json::json!([4, 5]);
+    let err = io::from_json(&v.to_string(), Path::new("gap.json")).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            PlanIoError::Invalid { cause: PlanInvalid::LayerGap { stage: 1, expected_first: 3, .. }, .. }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("stage 1"), "{err}");
+}
+
+fn invalid(edit: impl FnOnce(&mut Plan)) -> PlanInvalid {
+    let mut p = fixture();
+    edit(&mut p);
+    validate(&p).unwrap_err()
+}
+
+#[test]
+fn validation_errors_name_the_stage() {
+    assert_eq!(
+        invalid(|p| p.stages[0].layers = [0, 3]),
+        PlanInvalid::LayerGap { stage: 1, first: 3, last: 5, expected_first: 4 }
+    );
+    assert_eq!(
+        invalid(|p| p.stages[1].layers = [3, 4]),
+        PlanInvalid::LayerCoverage { covered_last: 4, layers: 6 }
+    );
+    assert_eq!(
+        invalid(|p| p.stages[1].layers = [3, 2]),
+        PlanInvalid::LayerRange { stage: 1, first: 3, last: 2 }
+    );
+    assert_eq!(
+        invalid(|p| p.stages[1].ranks = vec![2]),
+        PlanInvalid::RankCount { stage: 1, found: 1, expected: 2 }
+    );
+    assert_eq!(
+        invalid(|p| p.stages[1].ranks = vec![2, 2]),
+        PlanInvalid::RankCount { stage: 1, found: 1, expected: 2 }
+    );
+    assert_eq!(
+        invalid(|p| p.stages[1].ranks = vec![1, 2]),
+        PlanInvalid::RankShared { stage: 1, rank: 1, other_pp_rank: 0 }
+    );
+    assert_eq!(
+        invalid(|p| p.stages[1].ranks = vec![2, 4]),
+        PlanInvalid::RankRange { stage: 1, rank: 4, world: 4 }
+    );
+    assert_eq!(
+        invalid(|p| p.stages[1].pp_rank = 0),
+        PlanInvalid::PpRank { stage: 1, pp_rank: 0, expected: 1 }
+    );
+    assert_eq!(invalid(|p| p.stages[1].index = 5), PlanInvalid::StageIndex { position: 1, index: 5 });
+    assert_eq!(
+        invalid(|p| p.stages[0].tp = 1),
+        PlanInvalid::StageDegree { stage: 0, field: "tp", found: 1, expected: 2 }
+    );
+    assert_eq!(
+        invalid(|p| p.stages[0].checkpointed_layers = vec![4]),
+        PlanInvalid::CheckpointOutside { stage: 0, layer: 4, first: 0, last: 2 }
+    );
+    let err = invalid(|p| p.stages[1].memory_bytes.total += 1);
+    assert!(matches!(err, PlanInvalid::MemorySum { stage: 1, .. }), "{err}");
+    assert!(err.to_string().starts_with("stage 1:"), "{err}");
+    assert!(matches!(invalid(|p| p.stages[0].forward_s = f64::NAN), PlanInvalid::BadNumber { .. }));
+}
+
+#[test]
+fn validation_checks_degrees_and_totals() {
+    assert_eq!(
+        invalid(|p| p.parallel.dp = 2),
+        PlanInvalid::TooManyRanks { pp: 2, tp: 2, dp: 2, product: 8, devices: 4 }
+    );
+    assert!(matches!(invalid(|p| p.parallel.zero = 4), PlanInvalid::Degree { field: "zero", .. }));
+    assert!(matches!(
+        invalid(|p| p.parallel.microbatches = 0),
+        PlanInvalid::Degree { field: "microbatches", .. }
+    ));
+    assert_eq!(
+        invalid(|p| p.parallel.virtual_stages = 2),
+        PlanInvalid::StageCount { found: 2, pp: 2, v: 2, expected: 4 }
+    );
+    assert_eq!(invalid(|p| p.stages.clear()), PlanInvalid::NoStages);
+    let expected = fixture().predicted.peak_memory_bytes;
+    assert_eq!(
+        invalid(|p| p.predicted.peak_memory_bytes = 1),
+        PlanInvalid::PeakMemory { found: 1, expected, pp_rank: 0 }
+    );
+}
+
+/// Interleaving: one entry per virtual stage; a pipeline rank's memory is the sum of its entries.
+#[test]
+fn interleaved_plan_validates_and_sums_memory_per_rank() {
+    let mut p = fixture();
+    p.parallel.virtual_stages = 2;
+    p.parallel.schedule = "interleaved".into();
+    let base = p.stages[0].clone();
+    p.stages = (0..4)
+        .map(|i| Stage {
+            index: i,
+            pp_rank: i % 2,
+            layers: [[0, 1], [2, 2], [3, 4], [5, 5]][i],
+            ranks: if i % 2 == 0 { vec![0, 1] } else { vec![2, 3] },
+            checkpointed_layers: vec![],
+            ..base.clone()
+        })
+        .collect();
+    p.predicted.peak_memory_bytes = 2 * base.memory_bytes.total;
+    validate(&p).unwrap();
+    p.stages[2].ranks = vec![1, 0];
+    validate(&p).unwrap();
+    p.stages[3].ranks = vec![3, 0];
+    assert!(matches!(
+        validate(&p).unwrap_err(),
+        PlanInvalid::RankShared { stage: 3, rank: 0, .. } | PlanInvalid::VirtualRanks { stage: 3, .. }
+    ));
+}
+
+#[test]
+fn bottleneck_is_the_slowest_rank_and_why() {
+    let p = fixture();
+    let b = report::bottleneck(&p).unwrap();
+    assert_eq!((b.pp_rank, b.reason), (1, Reason::Compute));
+    assert!((b.time_s - 0.037).abs() < 1e-12);
+
+    let mut p = fixture();
+    p.stages[0].comm_s = 0.5;
+    let b = report::bottleneck(&p).unwrap();
+    assert_eq!((b.pp_rank, b.reason), (0, Reason::Communication));
+
+    // Stage 1 near its limit and recomputing: memory is why.
+    let mut p = fixture();
+    p.cluster.memory_limit_bytes = p.stages[1].memory_bytes.total + GIB / 2;
+    let b = report::bottleneck(&p).unwrap();
+    assert_eq!((b.pp_rank, b.reason), (1, Reason::Memory));
+}
+
+#[test]
+fn inspect_table_snapshot() {
+    insta::assert_snapshot!(report::render(&fixture()));
+}
+
+#[test]
+fn inspect_json_is_the_plan_plus_findings() {
+    let v = report::to_json_with_report(&fixture());
+    assert_eq!(v["version"], 1);
+    assert_eq!(v["inspect"]["bottleneck"]["pp_rank"], 1);
+    assert_eq!(v["inspect"]["bottleneck"]["reason"], "compute");
+}

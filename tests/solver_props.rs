@@ -1,0 +1,168 @@
+//! The ILPs against exact oracles on random small instances: brute force for the pipeline
+//! and intra-layer problems, a PipeDream-style DP for pure cut problems.
+
+use proptest::prelude::*;
+use smp_partition::solve::oracle::{brute_force_intra, brute_force_pipeline, min_max_cuts};
+use smp_partition::solve::problem::{
+    CheckpointRule, IntraEdge, IntraLayerProblem, IntraNode, NodeOption, ParetoPoint, PipelineLayer,
+    PipelineObjective, PipelineProblem,
+};
+use smp_partition::solve::{SolveStatus, SolverOptions};
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn point() -> impl Strategy<Value = ParetoPoint> {
+    (0.05f64..2.0, 0.05f64..4.0, 0.0f64..8.0, 0.0f64..4.0, 0.0f64..1.0, 0.0f64..0.5).prop_map(
+        |(f, b, state, act, in_frac, sync)| ParetoPoint {
+            fwd_s: f,
+            bwd_s: b,
+            state_bytes: state * GIB,
+            act_bytes: act * GIB,
+            input_bytes: act * in_frac * GIB,
+            sync_s: sync,
+            choice: 0,
+        },
+    )
+}
+
+fn layer() -> impl Strategy<Value = PipelineLayer> {
+    (prop::collection::vec(point(), 1..=2), 0.0f64..1.0).prop_map(|(points, out)| PipelineLayer {
+        points,
+        output_bytes: out * GIB,
+    })
+}
+
+#[derive(Debug, Clone)]
+struct Instance(PipelineProblem);
+
+fn instance() -> impl Strategy<Value = Instance> {
+    (
+        prop::collection::vec(layer(), 2..=7),
+        prop::collection::vec(any::<bool>(), 7),
+        1usize..=3,
+        1usize..=2,
+        1usize..=8,
+        0usize..3,
+        0usize..3,
+        0.3f64..1.3,
+        prop::collection::vec(0.0f64..0.3, 8),
+        prop::collection::vec(0.0f64..1.0, 8),
+        any::<bool>(),
+    )
+        .prop_filter_map(
+            "layers must fill the chunks",
+            |(mut layers, dup, p, v, m, coeff, rule, cap_frac, beta, inflight, memory_obj)| {
+                // Identical neighbours exercise the symmetry-breaking rows.
+                for l in 1..layers.len() {
+                    if dup[l] {
+                        layers[l] = layers[l - 1].clone();
+                    }
+                }
+                let chunks = p * v;
+                if layers.len() < chunks {
+                    return None;
+                }
+                let total_state: f64 = layers.iter().map(|l| l.points[0].state_bytes).sum();
+                let total_act: f64 = layers.iter().map(|l| l.points[0].act_bytes).sum();
+                let cap = cap_frac * (total_state + m as f64 * total_act) / p as f64 + GIB;
+                Some(Instance(PipelineProblem {
+                    layers,
+                    devices: p,
+                    virtual_stages: v,
+                    microbatches: m,
+                    in_flight: (0..chunks).map(|c| 1.0 + (inflight[c] * m as f64).floor()).collect(),
+                    bubble_coeff: [1.0, 0.5, 1.0 / 3.0][coeff],
+                    memory_cap: cap,
+                    workspace: 0.5 * GIB,
+                    transfer_s_per_byte: beta[..chunks - 1].iter().map(|b| b / GIB).collect(),
+                    checkpoint: [CheckpointRule::Auto, CheckpointRule::Never, CheckpointRule::Always][rule],
+                    fixed_chunks: None,
+                    objective: if memory_obj { PipelineObjective::PeakMemory { max_step_s: 0.0 } } else { PipelineObjective::StepTime },
+                }))
+            },
+        )
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-6 * a.abs().max(b.abs()).max(1.0)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 240, ..ProptestConfig::default() })]
+
+    #[test]
+    fn pipeline_ilp_equals_brute_force(inst in instance()) {
+        let mut p = inst.0;
+        if let PipelineObjective::PeakMemory { .. } = p.objective {
+            // Least memory within 5 % of the fastest step, as `--optimize memory` asks.
+            let speed = PipelineProblem { objective: PipelineObjective::StepTime, ..p.clone() };
+            match brute_force_pipeline(&speed) {
+                Some((best, _, _)) => p.objective = PipelineObjective::PeakMemory { max_step_s: best * 1.05 },
+                None => p.objective = PipelineObjective::StepTime,
+            }
+        }
+        let bf = brute_force_pipeline(&p);
+        let sol = p.solve(&SolverOptions::default()).unwrap();
+        match bf {
+            None => prop_assert_eq!(sol.report.status, SolveStatus::Infeasible),
+            Some((obj, _, _)) => {
+                prop_assert_eq!(sol.report.status, SolveStatus::Optimal);
+                prop_assert!(close(sol.report.objective, obj), "ILP {} vs brute force {}", sol.report.objective, obj);
+                prop_assert!(sol.report.gap <= 1e-6, "gap {}", sol.report.gap);
+                let e = sol.eval.clone().unwrap();
+                prop_assert!(p.feasible(&e));
+                prop_assert!(close(p.objective_value(&e), obj), "decoded {} vs {}", p.objective_value(&e), obj);
+            }
+        }
+    }
+
+    #[test]
+    fn pure_cut_ilp_equals_dp(times in prop::collection::vec(0.01f64..5.0, 2..=14), p in 1usize..=5, m in 2usize..=16) {
+        prop_assume!(times.len() >= p);
+        let layers = times.iter().map(|&t| PipelineLayer {
+            points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, sync_s: 0.0, choice: 0 }],
+            output_bytes: 0.0,
+        }).collect();
+        let prob = PipelineProblem {
+            layers, devices: p, virtual_stages: 1, microbatches: m, in_flight: vec![1.0; p], bubble_coeff: 1.0,
+            memory_cap: f64::INFINITY, workspace: 0.0, transfer_s_per_byte: vec![0.0; p - 1],
+            checkpoint: CheckpointRule::Never, fixed_chunks: None, objective: PipelineObjective::StepTime,
+        };
+        let (dp, _) = min_max_cuts(&times, p).unwrap();
+        let sol = prob.solve(&SolverOptions::default()).unwrap();
+        prop_assert_eq!(sol.report.status, SolveStatus::Optimal);
+        let total: f64 = times.iter().sum();
+        let ilp_max = (sol.report.objective - total) / (m as f64 - 1.0);
+        prop_assert!(close(ilp_max, dp), "ILP max stage {} vs DP {}", ilp_max, dp);
+    }
+
+    #[test]
+    fn intra_ilp_equals_brute_force(
+        n in 2usize..=5,
+        opts in prop::collection::vec(prop::collection::vec((0.0f64..1.0, 0.0f64..1.0, 0.0f64..4.0, 0.0f64..4.0), 1..=3), 5),
+        edges in prop::collection::vec((0usize..5, 0usize..5, prop::collection::vec(0.0f64..0.5, 9)), 0..6),
+        cap in prop::option::of(0.0f64..16.0),
+    ) {
+        let nodes: Vec<IntraNode> = (0..n).map(|i| IntraNode {
+            name: format!("n{i}"),
+            options: opts[i].iter().map(|&(f, b, pb, ab)| NodeOption { name: "k".into(), fwd_s: f, bwd_s: b, param_bytes: pb, act_bytes: ab, sync_s: 0.0 }).collect(),
+        }).collect();
+        let edges: Vec<IntraEdge> = edges.iter().filter(|(a, b, _)| a < b && *b < n).map(|(a, b, c)| {
+            let (ka, kb) = (nodes[*a].options.len(), nodes[*b].options.len());
+            let m: Vec<Vec<f64>> = (0..ka).map(|i| (0..kb).map(|j| c[i * 3 + j]).collect()).collect();
+            IntraEdge { from: *a, to: *b, fwd_s: m.clone(), bwd_s: m }
+        }).collect();
+        let prob = IntraLayerProblem { nodes, edges, memory_cap: cap, act_weight: 1.5 };
+        let bf = brute_force_intra(&prob);
+        let (report, sol) = prob.solve(false, None, &SolverOptions::default()).unwrap();
+        match bf {
+            None => prop_assert_eq!(report.status, SolveStatus::Infeasible),
+            Some((t, _)) => {
+                prop_assert_eq!(report.status, SolveStatus::Optimal);
+                prop_assert!(close(report.objective, t), "ILP {} vs brute force {}", report.objective, t);
+                let s = sol.unwrap();
+                prop_assert!(close(s.fwd_s + s.bwd_s, t));
+            }
+        }
+    }
+}
