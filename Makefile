@@ -1,0 +1,74 @@
+# smp-partition — set-up, build, test, demo. Non-interactive and idempotent: each target
+# installs only what is missing (apt packages, the project .venv), then runs.
+#
+#   make demo     system packages + release build, then a real result on models/gpt2.onnx
+#   make test     system packages + .venv + ONNX conformance cases, then cargo test
+#   make models   regenerate models/ (not part of test)
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := test
+
+# apt packages the build needs (HiGHS via cmake + bindgen/libclang; Gloo headers for c10d).
+APT_PACKAGES := cmake libclang-dev libgloo-dev
+# Python packages (tests, fixtures, libtorch for the runner), pinned as in DESIGN.md.
+PYTHON_PINS := torch==2.13.0 onnx==1.23.2 onnxruntime==1.32.0 onnxscript==0.7.2 transformers==5.24.0
+# Cargo features for build and test; `make test FEATURES=runner` once the runner compiles.
+FEATURES ?=
+
+VENV := .venv
+PY := $(VENV)/bin/python
+CACHE := .cache
+CARGO ?= cargo
+ONNX_CASES := tests/data/onnx-cases
+
+# torch-sys finds libtorch through the venv's torch (python on PATH).
+export LIBTORCH_USE_PYTORCH := 1
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: deps venv onnx-cases build test demo models help
+
+help:
+	@sed -n '1,8p' Makefile
+
+## System packages: only those missing are installed (apt-get update first).
+deps:
+	@missing=""; \
+	for p in $(APT_PACKAGES); do dpkg -s "$$p" >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	command -v c++ >/dev/null 2>&1 || missing="$$missing g++"; \
+	command -v python3 >/dev/null 2>&1 || missing="$$missing python3"; \
+	python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || missing="$$missing python3-venv"; \
+	if [ -n "$$missing" ]; then \
+	  sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
+	  echo "deps: installing$$missing"; \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq; \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi; \
+	command -v $(CARGO) >/dev/null 2>&1 || { echo "deps: cargo not found; install Rust >= 1.95 (https://rustup.rs)" >&2; exit 1; }
+
+## Project .venv with the pinned packages: created when missing, re-pinned when the pins change.
+venv: | deps
+	@if [ ! -x "$(PY)" ]; then echo "venv: creating $(VENV)"; python3 -m venv "$(VENV)"; fi; \
+	if ! "$(PY)" scripts/check_pins.py $(PYTHON_PINS); then \
+	  echo "venv: installing $(PYTHON_PINS)"; \
+	  "$(PY)" -m pip install -q --disable-pip-version-check $(PYTHON_PINS); \
+	  "$(PY)" scripts/check_pins.py $(PYTHON_PINS); \
+	fi; \
+	mkdir -p $(CACHE); echo "$(PYTHON_PINS)" > $(CACHE)/venv.pins
+
+## ONNX operator conformance cases from the installed onnx wheel (stamped, gitignored).
+onnx-cases: venv
+	@"$(PY)" scripts/gen_onnx_cases.py --out $(ONNX_CASES)
+
+build: deps venv
+	$(CARGO) build --release --all-targets --features "$(FEATURES)"
+
+test: deps venv onnx-cases
+	$(CARGO) test --features "$(FEATURES)"
+
+demo: build
+	./target/release/smp-partition graph models/gpt2.onnx --seq-len 128
+
+models: venv
+	"$(PY)" scripts/export_models.py
+	"$(PY)" scripts/make_graph_only.py --check
