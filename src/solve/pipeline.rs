@@ -123,6 +123,30 @@ impl PipelineProblem {
         (tau, sigma, Some(start))
     }
 
+    /// Checkpoints layers of over-full devices, most bytes saved per recomputed second first,
+    /// until each fits (or nothing is left to checkpoint).
+    pub fn repair_memory(&self, choices: &mut [LayerChoice]) {
+        let p = self.devices;
+        let Some(e) = self.evaluate(choices) else { return };
+        for d in 0..p {
+            if e.total_bytes[d] <= self.memory_cap {
+                continue;
+            }
+            let mut order: Vec<usize> = (0..choices.len()).filter(|&l| choices[l].chunk % p == d && !choices[l].checkpoint).collect();
+            let gain = |l: usize| {
+                let pt = &self.layers[l].points[choices[l].point];
+                (pt.act_bytes - pt.input_bytes) * self.in_flight[choices[l].chunk] / pt.fwd_s.max(1e-12)
+            };
+            order.sort_by(|&a, &b| gain(b).total_cmp(&gain(a)));
+            for l in order {
+                choices[l].checkpoint = true;
+                if self.evaluate(choices).is_some_and(|e| e.total_bytes[d] <= self.memory_cap) {
+                    break;
+                }
+            }
+        }
+    }
+
     /// Maximal runs of consecutive identical layers (and, with a manual layout, the same
     /// chunk): `(first layer, length)`.
     pub fn runs(&self) -> Vec<(usize, usize)> {
@@ -297,14 +321,11 @@ impl PipelineProblem {
         // Integrality cuts the LP cannot see: no layout beats the min-max split of the
         // layers' least times (PipeDream's DP), nor of their least sync times.
         let (tau, sigma, mut start) = self.dp_bounds();
-        // A start that does not fit memory helps nobody: recompute everything if allowed.
+        // A start that does not fit memory helps nobody: recompute greedily where it does.
         if let Some(st) = &mut start
             && self.checkpoint == CheckpointRule::Auto
-            && self.evaluate(st).is_some_and(|e| !self.feasible(&e))
         {
-            for ch in st.iter_mut() {
-                ch.checkpoint = true;
-            }
+            self.repair_memory(st);
         }
         milp.constrain(Expression::from(tmax.v()).geq(tau));
         milp.constrain(Expression::from(smax.v()).geq(sigma));

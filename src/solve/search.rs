@@ -14,7 +14,7 @@ use super::oracle::min_max_lower_bound;
 use super::pipeline::PipelineSolution;
 use super::problem::{CheckpointRule, PipelineObjective, PipelineProblem};
 use super::{
-    LayerDecision, Optimize, PlanConfig, PlanDecision, Placement, Predicted, Progress, SolveError, StageDecision,
+    LayerDecision, MeshAxis, Optimize, PlanConfig, PlanDecision, Placement, Predicted, Progress, SolveError, StageDecision,
     StageMemory,
 };
 
@@ -225,15 +225,15 @@ pub fn prepare(
     let dpn = spec.devices_per_node.max(1);
     let deg = [cand.dp, cand.pp, cand.tp];
     let rank = |d: usize, p: usize, t: usize| cand.placement.rank([d, p, t], deg);
-    let tp_ranks: Vec<usize> = (0..cand.tp).map(|t| rank(0, 0, t)).collect();
-    let dp_ranks: Vec<usize> = (0..cand.dp).map(|d| rank(d, 0, 0)).collect();
+    let d_stride = cand.placement.stride(MeshAxis::D, deg);
+    let t_stride = cand.placement.stride(MeshAxis::T, deg);
     let lc = LayerConfig {
         tp: cand.tp,
         microbatch: cand.microbatch_size,
         zero: cand.zero,
-        zero_group: GroupSpan::of_ranks(&dp_ranks[..cand.zero_group.min(cand.dp).max(1)], dpn),
-        dp_group: GroupSpan::of_ranks(&dp_ranks, dpn),
-        tp_group: GroupSpan::of_ranks(&tp_ranks, dpn),
+        zero_group: GroupSpan::strided(0, cand.zero_group.min(cand.dp).max(1), d_stride, dpn),
+        dp_group: GroupSpan::strided(0, cand.dp, d_stride, dpn),
+        tp_group: GroupSpan::strided(0, cand.tp, t_stride, dpn),
     };
     let layers: Vec<_> = (0..ctx.lg.layers.len()).map(|l| ctx.layer(l, &lc)).collect();
     let v = cand.schedule.virtual_stages();
