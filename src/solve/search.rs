@@ -235,7 +235,7 @@ pub fn prepare(
         dp_group: GroupSpan::strided(0, cand.dp, d_stride, dpn),
         tp_group: GroupSpan::strided(0, cand.tp, t_stride, dpn),
     };
-    let layers: Vec<_> = (0..ctx.lg.layers.len()).map(|l| ctx.layer(l, &lc)).collect();
+    let layers = ctx.layers(&lc);
     let v = cand.schedule.virtual_stages();
     let chunks = cand.pp * v;
     let beta: Vec<f64> = (0..chunks.saturating_sub(1))
