@@ -1144,3 +1144,13 @@ fn exponential_function_nesting_is_refused_not_exhausting_memory() {
     let e = err_text(import(&m));
     assert!(e.contains("node `bomb`") && e.contains("would make 536870914 nodes"), "{e}");
 }
+
+#[test]
+fn decoding_bytes_for_a_path_in_a_missing_folder_treats_external_data_as_missing() {
+    let mut g = linear_graph();
+    g.initializer[0] = external_tensor("w", &[2, 3], &[("location", "w.bin")]);
+    let bytes = model(g).encode_to_vec();
+    let m = decode_model_bytes(&bytes, Path::new("/nonexistent/folder/model.onnx")).unwrap();
+    assert!(m.graph_only);
+    assert_eq!(m.warnings.len(), 1, "{:?}", m.warnings);
+}
