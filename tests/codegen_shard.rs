@@ -185,19 +185,16 @@ fn bert_shards_reproduce_each_layer() {
 
 #[test]
 fn llama_shards_reproduce_each_layer() {
-    let all = check("llama", &[2]);
+    let all = check("llama", &[2, 4]);
     let lg = model("llama");
     assert_megatron_shape(&lg, &all[&2], true);
-}
-
-#[test]
-fn llama_t4_names_the_kv_heads() {
-    // 2 KV heads cannot be split 4 ways without replicating them (not supported).
-    let lg = model("llama");
-    let sharder = Sharder::new(&lg).unwrap();
-    let block = lg.layers.iter().position(|l| l.kind == LayerKind::Block).unwrap();
-    let err = sharder.shard_layer(block, 4).unwrap_err().to_string();
-    assert!(err.contains("layer") && err.contains("4 ways"), "{err}");
+    // 2 KV heads do not split 4 ways: attention stays replicated, the MLP splits.
+    for (layer, s) in lg.layers.iter().zip(&all[&4]) {
+        if layer.kind == LayerKind::Block {
+            assert_eq!(count(&s[0], |k| matches!(k, CollectiveKind::AllReduce)), 1, "{}", layer.name);
+            assert_eq!(s[0].weight_slices.len(), 3, "{:?}", s[0].weight_slices);
+        }
+    }
 }
 
 #[test]

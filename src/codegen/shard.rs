@@ -206,8 +206,9 @@ impl<'a> Sharder<'a> {
     pub fn shard_layer(&self, layer: usize, tp: usize) -> Result<Vec<LayerShard>, CodegenError> {
         let l = self.lg.layers.get(layer).ok_or(CodegenError::NoLayer { layer, layers: self.lg.layers.len() })?;
         let mut demands: HashMap<ValueId, i64> = HashMap::new();
+        let mut replicate: HashSet<ValueId> = HashSet::new();
         let plan = loop {
-            let mut p = Prop::new(self, layer, &l.nodes, tp as i64, &demands);
+            let mut p = Prop::new(self, layer, &l.nodes, tp as i64, &demands, &replicate);
             let res = p.run();
             let last = p.unsupported_last(String::new());
             let done = res.map(|()| p.finish());
@@ -222,6 +223,10 @@ impl<'a> Sharder<'a> {
                             e => e,
                         });
                     }
+                }
+                Err(Fail::Replicate { weight }) => {
+                    // A split that a later op cannot take: keep that weight whole.
+                    replicate.insert(weight);
                 }
                 Err(Fail::Error(e)) => return Err(e),
             }
@@ -273,6 +278,7 @@ impl LayerPlan {
 
 enum Fail {
     Demand { weight: ValueId, outer: i64 },
+    Replicate { weight: ValueId },
     Error(CodegenError),
 }
 
@@ -292,6 +298,7 @@ struct Prop<'s, 'a> {
     in_layer: HashSet<NodeId>,
     t: i64,
     demands: &'s HashMap<ValueId, i64>,
+    replicate: &'s HashSet<ValueId>,
     sh: HashMap<ValueId, Sh>,
     /// Initializers and transposes of them not yet placed: the initializer and the permutation
     /// from this value's axes to the initializer's.
@@ -318,7 +325,14 @@ fn norm_axis(axis: i64, rank: usize) -> Option<usize> {
 }
 
 impl<'s, 'a> Prop<'s, 'a> {
-    fn new(s: &'s Sharder<'a>, layer: usize, nodes: &'s [NodeId], t: i64, demands: &'s HashMap<ValueId, i64>) -> Self {
+    fn new(
+        s: &'s Sharder<'a>,
+        layer: usize,
+        nodes: &'s [NodeId],
+        t: i64,
+        demands: &'s HashMap<ValueId, i64>,
+        replicate: &'s HashSet<ValueId>,
+    ) -> Self {
         Prop {
             s,
             g: &s.lg.graph,
@@ -327,6 +341,7 @@ impl<'s, 'a> Prop<'s, 'a> {
             in_layer: nodes.iter().copied().collect(),
             t,
             demands,
+            replicate,
             sh: HashMap::new(),
             weight_src: HashMap::new(),
             weights: BTreeMap::new(),
@@ -391,7 +406,20 @@ impl<'s, 'a> Prop<'s, 'a> {
         }
         for &n in self.nodes {
             self.current = Some(n);
-            self.node(n)?;
+            match self.node(n) {
+                Ok(()) => {}
+                Err(Fail::Error(e)) => {
+                let origin = self.g.node(n).inputs.iter().flatten().find_map(|v| match self.state(*v) {
+                    Sh::Split { origin: Some(w), .. } if !self.replicate.contains(&w) => Some(w),
+                    _ => None,
+                });
+                return Err(match origin {
+                    Some(weight) => Fail::Replicate { weight },
+                    None => Fail::Error(e),
+                });
+                }
+                Err(other) => return Err(other),
+            }
         }
         // Values leaving the layer must be whole.
         let outs = self.layer_outputs();
@@ -462,6 +490,9 @@ impl<'s, 'a> Prop<'s, 'a> {
     /// its `axis`; returns false if it does not divide.
     fn split_weight(&mut self, v: ValueId, axis: usize, outer: i64, inner: i64) -> bool {
         let Some((init, perm)) = self.weight_src.get(&v).cloned() else { return false };
+        if self.replicate.contains(&init) {
+            return false;
+        }
         let Some(&iaxis) = perm.get(axis) else { return false };
         let s = WeightSplit { axis: iaxis, outer, inner };
         if let Some(prev) = self.weights.get(&init)
