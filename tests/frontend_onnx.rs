@@ -1000,3 +1000,112 @@ print(json.dumps(out))
         assert_eq!(t.to_f64_vec().unwrap(), values, "{name}");
     }
 }
+
+#[test]
+fn function_inlining_agrees_with_onnx_inliner_and_onnxruntime() {
+    // The onnx package parses a model with nested local functions, attribute references and
+    // a default; its inliner gives the op multiset; onnxruntime evaluates the model at X = 1,
+    // and since every op on the path is a scaling (LeakyRelu is identity on positives) the
+    // output equals the product of the inlined Constant values.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("functions.onnx");
+    let python = std::env::var_os("SMP_PYTHON").map(PathBuf::from).unwrap_or_else(|| venv_dir().join("bin/python"));
+    let code = r#"
+import sys, json, collections, numpy as np, onnx, onnx.parser, onnx.inliner, onnxruntime as ort
+text = '''
+<ir_version: 10, opset_import: ["" : 18, "local" : 1]>
+agraph (float[N, 4] X) => (float[N, 4] Y) {
+    T = local.Scale <alpha = 2.0> (X)
+    U = local.Scale (T)
+    Y = local.Twice (U)
+}
+<domain: "local", opset_import: ["" : 18]>
+Scale <alpha: float = 0.5> (A) => (B) {
+    C = Constant <value_float: float = @alpha> ()
+    B = Mul (A, C)
+}
+<domain: "local", opset_import: ["" : 18, "local": 1]>
+Twice (A) => (B) {
+    M = local.Scale <alpha = 3.0>(A)
+    L = LeakyRelu <alpha = 0.25> (M)
+    B = local.Scale (L)
+}
+'''
+m = onnx.parser.parse_model(text)
+onnx.checker.check_model(m)
+onnx.save(m, sys.argv[1])
+ops = collections.Counter(n.op_type for n in onnx.inliner.inline_local_functions(m).graph.node)
+y = ort.InferenceSession(sys.argv[1]).run(None, {"X": np.ones((2, 4), np.float32)})[0]
+print(json.dumps({"ops": ops, "y": float(y[0, 0])}))
+"#;
+    let out = std::process::Command::new(&python)
+        .arg("-c")
+        .arg(code)
+        .arg(&path)
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e}; run `make venv`", python.display()));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let oracle: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+
+    let m = load_model(&path).unwrap();
+    let g = &m.graph;
+    g.verify().unwrap();
+    assert!(m.warnings.is_empty(), "{:?}", m.warnings);
+    let mut ops = std::collections::BTreeMap::<String, u64>::new();
+    for id in g.node_ids() {
+        *ops.entry(g.node(id).op.name().to_string()).or_default() += 1;
+    }
+    let want: std::collections::BTreeMap<String, u64> = oracle["ops"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_u64().unwrap()))
+        .collect();
+    assert_eq!(ops, want);
+    let product: f64 = g
+        .node_ids()
+        .map(|id| g.node(id))
+        .filter(|n| n.op.is(OpKind::Constant))
+        .map(|n| match n.attrs.get("value_float") {
+            Some(Attr::Float(v)) => *v as f64,
+            other => panic!("constant `{}` has {other:?}", n.name),
+        })
+        .product();
+    assert_eq!(product, oracle["y"].as_f64().unwrap());
+    let y = g.value_by_name("Y").unwrap();
+    assert_eq!(g.outputs, vec![y]);
+    assert_eq!(g.node(g.value(y).producer.unwrap()).op, Op::Known(OpKind::Mul));
+}
+
+#[test]
+fn every_models_file_imports_with_the_recorded_float_initializer_count() {
+    // models/manifest.json is written by the export script from python's onnx.
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let manifest_path = repo.join("models/manifest.json");
+    let text = std::fs::read_to_string(&manifest_path).unwrap_or_else(|e| panic!("{}: {e}", manifest_path.display()));
+    let manifest: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let entries = manifest.as_object().unwrap();
+    assert!(!entries.is_empty());
+    for (name, entry) in entries {
+        let file = repo.join(entry["file"].as_str().unwrap());
+        let m = load_model(&file).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let g = &m.graph;
+        g.verify().unwrap_or_else(|e| panic!("{name}: {e}"));
+        let floats: u64 = g
+            .initializers()
+            .filter_map(|v| g.value(v).data.as_ref())
+            .filter(|t| t.dtype.is_float())
+            .map(Tensor::numel)
+            .sum();
+        assert_eq!(floats, entry["float_initializer_elements"].as_u64().unwrap(), "{name}");
+        let graph_only = entry["graph_only"].as_bool().unwrap();
+        assert_eq!(m.graph_only, graph_only, "{name}");
+        let missing = m.warnings.iter().filter(|w| matches!(w, ImportWarning::MissingExternalData { .. })).count();
+        assert_eq!(missing, usize::from(graph_only), "{name}: {:?}", m.warnings);
+        assert!(
+            !m.warnings.iter().any(|w| matches!(w, ImportWarning::UnknownOp { .. })),
+            "{name}: {:?}",
+            m.warnings
+        );
+    }
+}

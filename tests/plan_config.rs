@@ -73,7 +73,8 @@ fn smp_names_map_to_settings() {
     assert_eq!(c.active_microbatches.map(|s| s.value), Some(3));
     assert_eq!(c.ignored_config_keys, vec!["bf16".to_string(), "ddp".to_string()]);
 
-    let c = resolve(PlanRequest::default(), Some(r#"{"pipeline_parallel_degree": 4, "pipeline": "simple"}"#)).unwrap();
+    let c = resolve(PlanRequest::default(), Some(r#"{"pipeline_parallel_degree": 4, "pipeline": "simple"}"#))
+        .unwrap();
     assert_eq!(c.pp.map(|s| s.value), Some(4));
     assert_eq!(c.schedule.map(|s| s.value), Some(Schedule::Gpipe));
 }
@@ -95,7 +96,8 @@ fn sagemaker_distribution_wrapping_is_accepted() {
     );
     // `enabled` sits beside `parameters`, which is what is read.
     assert_eq!(c.unwrap().pp.map(|s| s.value), Some(2));
-    let c = resolve(PlanRequest::default(), Some(r#"{"parameters": {"tensor_parallel_degree": 2}}"#)).unwrap();
+    let c =
+        resolve(PlanRequest::default(), Some(r#"{"parameters": {"tensor_parallel_degree": 2}}"#)).unwrap();
     assert_eq!(c.tp.map(|s| s.value), Some(2));
 }
 
@@ -108,14 +110,49 @@ fn equal_flag_and_config_agree() {
 #[test]
 fn flag_versus_config_conflicts_name_both() {
     let cases: Vec<(PlanRequest, &str, &str, &str)> = vec![
-        (PlanRequest { pp: Some(4), ..Default::default() }, r#"{"pipeline_parallel_degree": 2}"#, "--pp 4", "pipeline_parallel_degree"),
+        (
+            PlanRequest { pp: Some(4), ..Default::default() },
+            r#"{"pipeline_parallel_degree": 2}"#,
+            "--pp 4",
+            "pipeline_parallel_degree",
+        ),
         (PlanRequest { pp: Some(4), ..Default::default() }, r#"{"partitions": 2}"#, "--pp 4", "partitions"),
-        (PlanRequest { tp: Some(2), ..Default::default() }, r#"{"tensor_parallel_degree": 4}"#, "--tp 2", "tensor_parallel_degree"),
-        (PlanRequest { sharded_dp: Some(2), ..Default::default() }, r#"{"sharded_data_parallel_degree": 4}"#, "--sharded-dp 2", "sharded_data_parallel_degree"),
-        (PlanRequest { microbatches: Some(2), ..Default::default() }, r#"{"microbatches": 4}"#, "--microbatches 2", "microbatches"),
-        (PlanRequest { schedule: Some(Schedule::ZbH1), ..Default::default() }, r#"{"pipeline": "simple"}"#, "--schedule zb-h1", "pipeline"),
-        (PlanRequest { placement: Some(Placement::CLUSTER), ..Default::default() }, r#"{"placement_strategy": "spread"}"#, "--placement DPT", "placement_strategy"),
-        (PlanRequest { optimize: Some(Optimize::Speed), ..Default::default() }, r#"{"optimize": "memory"}"#, "--optimize speed", "optimize"),
+        (
+            PlanRequest { tp: Some(2), ..Default::default() },
+            r#"{"tensor_parallel_degree": 4}"#,
+            "--tp 2",
+            "tensor_parallel_degree",
+        ),
+        (
+            PlanRequest { sharded_dp: Some(2), ..Default::default() },
+            r#"{"sharded_data_parallel_degree": 4}"#,
+            "--sharded-dp 2",
+            "sharded_data_parallel_degree",
+        ),
+        (
+            PlanRequest { microbatches: Some(2), ..Default::default() },
+            r#"{"microbatches": 4}"#,
+            "--microbatches 2",
+            "microbatches",
+        ),
+        (
+            PlanRequest { schedule: Some(Schedule::ZbH1), ..Default::default() },
+            r#"{"pipeline": "simple"}"#,
+            "--schedule zb-h1",
+            "pipeline",
+        ),
+        (
+            PlanRequest { placement: Some(Placement::CLUSTER), ..Default::default() },
+            r#"{"placement_strategy": "spread"}"#,
+            "--placement DPT",
+            "placement_strategy",
+        ),
+        (
+            PlanRequest { optimize: Some(Optimize::Speed), ..Default::default() },
+            r#"{"optimize": "memory"}"#,
+            "--optimize speed",
+            "optimize",
+        ),
     ];
     for (req, json, flag, key) in cases {
         let msg = conflict(req, Some(json));
@@ -152,7 +189,9 @@ fn unknown_and_bad_config_keys() {
     assert!(matches!(smp_err("[1]"), ConfigError::Parse { .. }));
     assert!(matches!(smp_err("{"), ConfigError::Parse { .. }));
     let missing = SmpConfig::load(Path::new("/nonexistent/smp.json")).unwrap_err();
-    assert!(matches!(missing, ConfigError::Read { .. }) && missing.to_string().contains("/nonexistent/smp.json"));
+    assert!(
+        matches!(missing, ConfigError::Read { .. }) && missing.to_string().contains("/nonexistent/smp.json")
+    );
 }
 
 #[test]
@@ -161,7 +200,10 @@ fn sharded_dp_with_other_zero_conflicts() {
         let msg = conflict(PlanRequest { sharded_dp: Some(2), zero: Some(zero), ..Default::default() }, None);
         assert!(msg.contains("--sharded-dp 2") && msg.contains(&format!("--zero {zero}")), "{msg}");
     }
-    let msg = conflict(PlanRequest { zero: Some(1), ..Default::default() }, Some(r#"{"sharded_data_parallel_degree": 2}"#));
+    let msg = conflict(
+        PlanRequest { zero: Some(1), ..Default::default() },
+        Some(r#"{"sharded_data_parallel_degree": 2}"#),
+    );
     assert!(msg.contains("sharded_data_parallel_degree") && msg.contains("--zero 1"), "{msg}");
     let msg = conflict(PlanRequest { sharded_dp: Some(4), dp: Some(6), ..Default::default() }, None);
     assert!(msg.contains("--sharded-dp 4") && msg.contains("--dp 6"), "{msg}");
@@ -174,25 +216,43 @@ fn layout_sets_or_must_match_pp() {
     assert_eq!(c.pp.map(|s| s.value), Some(3));
     let msg = conflict(PlanRequest { layout: Some(layout.clone()), pp: Some(2), ..Default::default() }, None);
     assert!(msg.contains("--layout 0-1|2-3|4-5") && msg.contains("--pp 2"), "{msg}");
-    let msg = conflict(PlanRequest { layout: Some(layout.clone()), ..Default::default() }, Some(r#"{"partitions": 2}"#));
+    let msg = conflict(
+        PlanRequest { layout: Some(layout.clone()), ..Default::default() },
+        Some(r#"{"partitions": 2}"#),
+    );
     assert!(msg.contains("--layout") && msg.contains("partitions"), "{msg}");
     // Interleaved: the layout lists pp·V virtual stages.
     let four: Layout = "0|1|2|3-5".parse().unwrap();
     let c = resolve(
-        PlanRequest { layout: Some(four.clone()), schedule: Some(Schedule::Interleaved(2)), ..Default::default() },
+        PlanRequest {
+            layout: Some(four.clone()),
+            schedule: Some(Schedule::Interleaved(2)),
+            ..Default::default()
+        },
         None,
     )
     .unwrap();
     assert_eq!(c.pp.map(|s| s.value), Some(2));
-    let msg = conflict(PlanRequest { layout: Some(layout.clone()), schedule: Some(Schedule::Interleaved(2)), ..Default::default() }, None);
+    let msg = conflict(
+        PlanRequest {
+            layout: Some(layout.clone()),
+            schedule: Some(Schedule::Interleaved(2)),
+            ..Default::default()
+        },
+        None,
+    );
     assert!(msg.contains("--layout") && msg.contains("--schedule interleaved:2"), "{msg}");
-    let msg = conflict(PlanRequest { layout: Some(layout), baseline: Some(Baseline::Uniform), ..Default::default() }, None);
+    let msg = conflict(
+        PlanRequest { layout: Some(layout), baseline: Some(Baseline::Uniform), ..Default::default() },
+        None,
+    );
     assert!(msg.contains("--layout") && msg.contains("--baseline uniform"), "{msg}");
 }
 
 #[test]
 fn layout_must_cover_the_model() {
-    let c = resolve(PlanRequest { layout: Some("0-1|2-3".parse().unwrap()), ..Default::default() }, None).unwrap();
+    let c = resolve(PlanRequest { layout: Some("0-1|2-3".parse().unwrap()), ..Default::default() }, None)
+        .unwrap();
     c.check_layers(4, "m.onnx").unwrap();
     let err = c.check_layers(6, "m.onnx").unwrap_err().to_string();
     assert!(err.contains("--layout 0-1|2-3") && err.contains("m.onnx (6 layers"), "{err}");
@@ -205,15 +265,21 @@ fn layout_must_cover_the_model() {
 fn degrees_against_devices() {
     let c = resolve(PlanRequest { tp: Some(4), pp: Some(4), ..Default::default() }, None).unwrap();
     let err = c.check_devices(8, "h100-80gb:8").unwrap_err().to_string();
-    assert!(err.contains("--pp 4") && err.contains("--tp 4") && err.contains("--cluster h100-80gb:8"), "{err}");
+    assert!(
+        err.contains("--pp 4") && err.contains("--tp 4") && err.contains("--cluster h100-80gb:8"),
+        "{err}"
+    );
     c.check_devices(16, "h100-80gb:16").unwrap();
     let err = c.check_devices(24, "h100-80gb:24").unwrap_err().to_string();
     assert!(err.contains("does not divide"), "{err}");
-    let c = resolve(PlanRequest { tp: Some(2), pp: Some(2), dp: Some(1), ..Default::default() }, None).unwrap();
+    let c =
+        resolve(PlanRequest { tp: Some(2), pp: Some(2), dp: Some(1), ..Default::default() }, None).unwrap();
     let err = c.check_devices(8, "cpu:8").unwrap_err().to_string();
     assert!(err.contains("--dp 1") && err.contains("must equal"), "{err}");
     c.check_devices(4, "cpu:4").unwrap();
-    let c = resolve(PlanRequest { tp: Some(2), ..Default::default() }, Some(r#"{"tensor_parallel_degree": 2}"#)).unwrap();
+    let c =
+        resolve(PlanRequest { tp: Some(2), ..Default::default() }, Some(r#"{"tensor_parallel_degree": 2}"#))
+            .unwrap();
     let err = c.check_devices(1, "cpu:1").unwrap_err().to_string();
     assert!(err.contains("--tp 2") && err.contains("cpu:1"), "{err}");
     let c = resolve(PlanRequest { sharded_dp: Some(8), tp: Some(2), ..Default::default() }, None).unwrap();
@@ -223,9 +289,11 @@ fn degrees_against_devices() {
 
 #[test]
 fn auto_partition_false() {
-    let c = resolve(PlanRequest::default(), Some(r#"{"auto_partition": false, "default_partition": 0}"#)).unwrap();
+    let c = resolve(PlanRequest::default(), Some(r#"{"auto_partition": false, "default_partition": 0}"#))
+        .unwrap();
     assert_eq!(c.pp.map(|s| s.value), Some(1));
-    let msg = conflict(PlanRequest { pp: Some(2), ..Default::default() }, Some(r#"{"auto_partition": false}"#));
+    let msg =
+        conflict(PlanRequest { pp: Some(2), ..Default::default() }, Some(r#"{"auto_partition": false}"#));
     assert!(msg.contains("auto_partition") && msg.contains("--pp 2") && msg.contains("--layout"), "{msg}");
     // --layout says otherwise: its cuts are taken.
     let c = resolve(
@@ -234,7 +302,8 @@ fn auto_partition_false() {
     )
     .unwrap();
     assert_eq!(c.pp.map(|s| s.value), Some(2));
-    let err = resolve(PlanRequest::default(), Some(r#"{"auto_partition": false, "default_partition": 1}"#)).unwrap_err();
+    let err = resolve(PlanRequest::default(), Some(r#"{"auto_partition": false, "default_partition": 1}"#))
+        .unwrap_err();
     assert!(err.to_string().contains("default_partition"), "{err}");
 }
 
@@ -242,12 +311,25 @@ fn auto_partition_false() {
 fn batch_arithmetic() {
     let msg = conflict(PlanRequest { global_batch: Some(10), dp: Some(4), ..Default::default() }, None);
     assert!(msg.contains("--global-batch 10") && msg.contains("--dp 4"), "{msg}");
-    let msg = conflict(PlanRequest { global_batch: Some(16), dp: Some(2), microbatches: Some(3), ..Default::default() }, None);
+    let msg = conflict(
+        PlanRequest { global_batch: Some(16), dp: Some(2), microbatches: Some(3), ..Default::default() },
+        None,
+    );
     assert!(msg.contains("--microbatches 3") && msg.contains("--global-batch 16"), "{msg}");
-    resolve(PlanRequest { global_batch: Some(16), dp: Some(2), microbatches: Some(8), ..Default::default() }, None).unwrap();
-    let msg = conflict(PlanRequest { microbatches: Some(2), ..Default::default() }, Some(r#"{"active_microbatches": 4}"#));
+    resolve(
+        PlanRequest { global_batch: Some(16), dp: Some(2), microbatches: Some(8), ..Default::default() },
+        None,
+    )
+    .unwrap();
+    let msg = conflict(
+        PlanRequest { microbatches: Some(2), ..Default::default() },
+        Some(r#"{"active_microbatches": 4}"#),
+    );
     assert!(msg.contains("active_microbatches") && msg.contains("--microbatches 2"), "{msg}");
-    let msg = conflict(PlanRequest { pp: Some(1), schedule: Some(Schedule::Interleaved(2)), ..Default::default() }, None);
+    let msg = conflict(
+        PlanRequest { pp: Some(1), schedule: Some(Schedule::Interleaved(2)), ..Default::default() },
+        None,
+    );
     assert!(msg.contains("--pp 1") && msg.contains("interleaved:2"), "{msg}");
 }
 
@@ -265,4 +347,21 @@ fn out_of_range_flags() {
     }
     let c = resolve(PlanRequest { memory_limit_gib: Some(1.5), ..Default::default() }, None).unwrap();
     assert_eq!(c.memory_limit_bytes, Some(3 << 29));
+}
+
+#[test]
+fn placement_ranks() {
+    // cluster = DPT: tensor ranks adjacent, then pipeline, data replicas outermost.
+    let dims = [2, 2, 2]; // dp, pp, tp
+    assert_eq!(Placement::CLUSTER.stage_ranks(0, dims), vec![0, 1, 4, 5]);
+    assert_eq!(Placement::CLUSTER.stage_ranks(1, dims), vec![2, 3, 6, 7]);
+    // spread = TPD: data replicas adjacent.
+    assert_eq!(Placement::SPREAD.stage_ranks(0, dims), vec![0, 4, 1, 5]);
+    // Every placement is a bijection onto 0..8.
+    for s in ["DPT", "DTP", "PDT", "PTD", "TDP", "TPD"] {
+        let pl: Placement = s.parse().unwrap();
+        let mut all: Vec<usize> = (0..2).flat_map(|p| pl.stage_ranks(p, [3, 2, 2])).collect();
+        all.sort();
+        assert_eq!(all, (0..12).collect::<Vec<_>>(), "{s}");
+    }
 }

@@ -5,87 +5,10 @@ use std::path::Path;
 use smp_partition::plan::io::{self, PlanIoError};
 use smp_partition::plan::report::{self, Reason};
 use smp_partition::plan::schema::*;
+
+mod common;
+use common::{GIB, fixture};
 use smp_partition::plan::validate::{PlanInvalid, validate};
-
-const GIB: u64 = 1 << 30;
-
-fn memory(params: u64, activations: u64) -> StageMemory {
-    let m = StageMemory { params, grads: params, optimizer: 6 * params, activations, workspace: GIB / 4, total: 0 };
-    StageMemory { total: m.sum_of_parts(), ..m }
-}
-
-/// pp 2 · tp 2 · dp 1 over 6 layers on 4 devices.
-fn fixture() -> Plan {
-    let stages = vec![
-        Stage {
-            index: 0,
-            pp_rank: 0,
-            layers: [0, 2],
-            ranks: vec![0, 1],
-            tp: 2,
-            dp: 1,
-            forward_s: 0.010,
-            backward_s: 0.020,
-            comm_s: 0.002,
-            memory_bytes: memory(GIB, 2 * GIB),
-            checkpointed_layers: vec![],
-        },
-        Stage {
-            index: 1,
-            pp_rank: 1,
-            layers: [3, 5],
-            ranks: vec![2, 3],
-            tp: 2,
-            dp: 1,
-            forward_s: 0.012,
-            backward_s: 0.024,
-            comm_s: 0.001,
-            memory_bytes: memory(GIB, GIB),
-            checkpointed_layers: vec![4],
-        },
-    ];
-    let mut plan = Plan {
-        version: PLAN_VERSION,
-        model: ModelInfo { path: "models/tiny.onnx".into(), sha256: "00".repeat(32), params: 124_000_000, layers: 6 },
-        cluster: ClusterInfo { preset: "a100-40gb".into(), devices: 4, devices_per_node: 4, memory_limit_bytes: 40 * GIB },
-        parallel: Parallel {
-            pp: 2,
-            tp: 2,
-            dp: 1,
-            zero: 0,
-            sharded_dp: None,
-            microbatches: 4,
-            active_microbatches: None,
-            schedule: "1f1b".into(),
-            virtual_stages: 1,
-            checkpointing: "auto".into(),
-            placement: "DPT".into(),
-        },
-        stages,
-        layer_strategies: vec![LayerStrategy {
-            layer: 1,
-            name: "h.0".into(),
-            nodes: vec![("h.0.attn.qkv".into(), "column".into()), ("h.0.attn.proj".into(), "row".into())],
-        }],
-        communication: vec![
-            CommVolume { kind: "tensor".into(), link: "intra-node".into(), bytes: 3.0e8, time_s: 0.012 },
-            CommVolume { kind: "pipeline".into(), link: "intra-node".into(), bytes: 1.0e7, time_s: 0.001 },
-        ],
-        predicted: Predicted { step_time_s: 0.185, samples_per_s: 43.2, bubble_ratio: 0.25, peak_memory_bytes: 0, mfu: 0.31 },
-        solver: SolverInfo {
-            status: "optimal".into(),
-            objective: 0.185,
-            bound: 0.185,
-            gap: 0.0,
-            wall_s: 0.0,
-            candidates: Candidates { solved: 3, skipped: 9 },
-        },
-        global_batch: 8,
-        seq_len: Some(128),
-    };
-    plan.predicted.peak_memory_bytes = plan.rank_memory(0).total.max(plan.rank_memory(1).total);
-    plan
-}
 
 #[test]
 fn fixture_is_valid() {
@@ -160,7 +83,13 @@ fn newer_version_is_refused_naming_file_and_both_versions() {
     let err = io::from_json(&with_version(7.into()), Path::new("p.json")).unwrap_err();
     assert!(matches!(err, PlanIoError::Version { found: 7, supported: 1, .. }), "{err}");
     let msg = err.to_string();
-    assert!(msg.contains("p.json") && msg.contains("version 7") && msg.contains("version 1") && msg.contains("newer"), "{msg}");
+    assert!(
+        msg.contains("p.json")
+            && msg.contains("version 7")
+            && msg.contains("version 1")
+            && msg.contains("newer"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -189,7 +118,13 @@ fn load_validates() {
     let mut v = serde_json::to_value(fixture()).unwrap();
     v["stages"][1]["layers"] = serde_json::json!([4, 5]);
     let err = io::from_json(&v.to_string(), Path::new("gap.json")).unwrap_err();
-    assert!(matches!(err, PlanIoError::Invalid { cause: PlanInvalid::LayerGap { stage: 1, expected_first: 3, .. }, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            PlanIoError::Invalid { cause: PlanInvalid::LayerGap { stage: 1, expected_first: 3, .. }, .. }
+        ),
+        "{err}"
+    );
     assert!(err.to_string().contains("stage 1"), "{err}");
 }
 
@@ -205,15 +140,39 @@ fn validation_errors_name_the_stage() {
         invalid(|p| p.stages[0].layers = [0, 3]),
         PlanInvalid::LayerGap { stage: 1, first: 3, last: 5, expected_first: 4 }
     );
-    assert_eq!(invalid(|p| p.stages[1].layers = [3, 4]), PlanInvalid::LayerCoverage { covered_last: 4, layers: 6 });
-    assert_eq!(invalid(|p| p.stages[1].layers = [3, 2]), PlanInvalid::LayerRange { stage: 1, first: 3, last: 2 });
-    assert_eq!(invalid(|p| p.stages[1].ranks = vec![2]), PlanInvalid::RankCount { stage: 1, found: 1, expected: 2 });
-    assert_eq!(invalid(|p| p.stages[1].ranks = vec![2, 2]), PlanInvalid::RankCount { stage: 1, found: 1, expected: 2 });
-    assert_eq!(invalid(|p| p.stages[1].ranks = vec![1, 2]), PlanInvalid::RankShared { stage: 1, rank: 1, other_pp_rank: 0 });
-    assert_eq!(invalid(|p| p.stages[1].ranks = vec![2, 4]), PlanInvalid::RankRange { stage: 1, rank: 4, world: 4 });
-    assert_eq!(invalid(|p| p.stages[1].pp_rank = 0), PlanInvalid::PpRank { stage: 1, pp_rank: 0, expected: 1 });
+    assert_eq!(
+        invalid(|p| p.stages[1].layers = [3, 4]),
+        PlanInvalid::LayerCoverage { covered_last: 4, layers: 6 }
+    );
+    assert_eq!(
+        invalid(|p| p.stages[1].layers = [3, 2]),
+        PlanInvalid::LayerRange { stage: 1, first: 3, last: 2 }
+    );
+    assert_eq!(
+        invalid(|p| p.stages[1].ranks = vec![2]),
+        PlanInvalid::RankCount { stage: 1, found: 1, expected: 2 }
+    );
+    assert_eq!(
+        invalid(|p| p.stages[1].ranks = vec![2, 2]),
+        PlanInvalid::RankCount { stage: 1, found: 1, expected: 2 }
+    );
+    assert_eq!(
+        invalid(|p| p.stages[1].ranks = vec![1, 2]),
+        PlanInvalid::RankShared { stage: 1, rank: 1, other_pp_rank: 0 }
+    );
+    assert_eq!(
+        invalid(|p| p.stages[1].ranks = vec![2, 4]),
+        PlanInvalid::RankRange { stage: 1, rank: 4, world: 4 }
+    );
+    assert_eq!(
+        invalid(|p| p.stages[1].pp_rank = 0),
+        PlanInvalid::PpRank { stage: 1, pp_rank: 0, expected: 1 }
+    );
     assert_eq!(invalid(|p| p.stages[1].index = 5), PlanInvalid::StageIndex { position: 1, index: 5 });
-    assert_eq!(invalid(|p| p.stages[0].tp = 1), PlanInvalid::StageDegree { stage: 0, field: "tp", found: 1, expected: 2 });
+    assert_eq!(
+        invalid(|p| p.stages[0].tp = 1),
+        PlanInvalid::StageDegree { stage: 0, field: "tp", found: 1, expected: 2 }
+    );
     assert_eq!(
         invalid(|p| p.stages[0].checkpointed_layers = vec![4]),
         PlanInvalid::CheckpointOutside { stage: 0, layer: 4, first: 0, last: 2 }
@@ -231,8 +190,14 @@ fn validation_checks_degrees_and_totals() {
         PlanInvalid::TooManyRanks { pp: 2, tp: 2, dp: 2, product: 8, devices: 4 }
     );
     assert!(matches!(invalid(|p| p.parallel.zero = 4), PlanInvalid::Degree { field: "zero", .. }));
-    assert!(matches!(invalid(|p| p.parallel.microbatches = 0), PlanInvalid::Degree { field: "microbatches", .. }));
-    assert_eq!(invalid(|p| p.parallel.virtual_stages = 2), PlanInvalid::StageCount { found: 2, pp: 2, v: 2, expected: 4 });
+    assert!(matches!(
+        invalid(|p| p.parallel.microbatches = 0),
+        PlanInvalid::Degree { field: "microbatches", .. }
+    ));
+    assert_eq!(
+        invalid(|p| p.parallel.virtual_stages = 2),
+        PlanInvalid::StageCount { found: 2, pp: 2, v: 2, expected: 4 }
+    );
     assert_eq!(invalid(|p| p.stages.clear()), PlanInvalid::NoStages);
     let expected = fixture().predicted.peak_memory_bytes;
     assert_eq!(
@@ -263,7 +228,10 @@ fn interleaved_plan_validates_and_sums_memory_per_rank() {
     p.stages[2].ranks = vec![1, 0];
     validate(&p).unwrap();
     p.stages[3].ranks = vec![3, 0];
-    assert!(matches!(validate(&p).unwrap_err(), PlanInvalid::RankShared { stage: 3, rank: 0, .. } | PlanInvalid::VirtualRanks { stage: 3, .. }));
+    assert!(matches!(
+        validate(&p).unwrap_err(),
+        PlanInvalid::RankShared { stage: 3, rank: 0, .. } | PlanInvalid::VirtualRanks { stage: 3, .. }
+    ));
 }
 
 #[test]

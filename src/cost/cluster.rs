@@ -179,7 +179,7 @@ impl ClusterSpec {
             "h100-80gb" => gpu(name, "NVIDIA H100 80GB SXM", 989.0, 67.0, 80.0, 3.35, 900.0, 400.0),
             "h200" => gpu(name, "NVIDIA H200 141GB SXM", 989.0, 67.0, 141.0, 4.8, 900.0, 400.0),
             "v100-16gb" => gpu(name, "NVIDIA V100 16GB SXM2", 125.0, 15.7, 16.0, 0.9, 300.0, 25.0),
-            "cpu" => cpu_preset()?,
+            "cpu" => cpu_preset(None)?,
             other => return Err(ClusterError::UnknownPreset(other.to_string())),
         })
     }
@@ -191,21 +191,25 @@ impl ClusterSpec {
             Some((b, c)) if !c.contains('/') && !c.contains('.') => (b, Some(c)),
             _ => (spec, None),
         };
+        let count = match count {
+            Some(c) => Some(c.parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(|| ClusterError::BadCount {
+                spec: spec.to_string(),
+                count: c.to_string(),
+            })?),
+            None => None,
+        };
+        if base == "cpu" {
+            return cpu_preset(count);
+        }
         let mut cluster = if base.ends_with(".toml") || Path::new(base).is_file() {
             ClusterSpec::from_file(Path::new(base))?
         } else {
             ClusterSpec::preset(base)?
         };
-        if let Some(c) = count {
-            let n: usize = c.parse().ok().filter(|&n| n > 0).ok_or_else(|| ClusterError::BadCount {
-                spec: spec.to_string(),
-                count: c.to_string(),
-            })?;
+        if let Some(n) = count {
             cluster.devices = n;
         }
-        if cluster.name != "cpu" {
-            cluster.devices_per_node = cluster.devices_per_node.min(cluster.devices).max(1);
-        }
+        cluster.devices_per_node = cluster.devices_per_node.min(cluster.devices).max(1);
         Ok(cluster)
     }
 
@@ -378,13 +382,14 @@ pub fn cpu_calibration_path() -> Option<PathBuf> {
     std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/smp-partition/cpu.toml"))
 }
 
-/// The `cpu` preset: one device per core of this machine, memory = RAM / devices. Rates
+/// The `cpu` preset: one device per core of this machine (or `devices`, all on this one node),
+/// memory = RAM / devices. Rates
 /// come from the calibration file when it exists, else these defaults (one core, f32,
 /// Gloo over loopback): 50 GFLOP/s per core (bf16 the same: no AMX assumed), 10 GB/s memory
 /// bandwidth, 2 GB/s and 50 µs between ranks, efficiency 0.7 at large sizes, half at 10 MFLOP,
 /// 256 MiB workspace.
-fn cpu_preset() -> Result<ClusterSpec, ClusterError> {
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+fn cpu_preset(devices: Option<usize>) -> Result<ClusterSpec, ClusterError> {
+    let cores = devices.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     let ram = total_memory_bytes().unwrap_or(8 * GIB);
     let defaults = ClusterSpec {
         name: "cpu".to_string(),
@@ -411,6 +416,10 @@ fn cpu_preset() -> Result<ClusterSpec, ClusterError> {
         .map_err(|e| ClusterError::Parse { path: path.clone(), message: e.to_string() })?;
     // The machine's shape stays this machine's unless the file says otherwise.
     let mut spec = file.resolve("cpu".to_string(), Some(&defaults), &path)?;
+    if let Some(n) = devices {
+        spec.devices = n;
+    }
+    spec.devices_per_node = spec.devices;
     spec.device = if spec.device.starts_with("cpu") { spec.device } else { format!("cpu ({})", spec.device) };
     spec.validate()?;
     Ok(spec)

@@ -10,6 +10,7 @@
 //! The workspace margin (framework, kernel workspace, fragmentation) is
 //! [`super::ClusterSpec::workspace_bytes`], subtracted by `ClusterSpec::usable_memory`.
 
+use crate::ir::schedule::interleaved_round_size;
 use crate::ir::{Layer, ScheduleKind};
 
 /// Bytes per parameter of weights, gradients and optimizer state.
@@ -91,10 +92,11 @@ pub fn stage_activation_bytes(layers: &[(&Layer, bool)], batch: f64, in_flight: 
 ///
 /// - GPipe: m.
 /// - 1F1B: min(p − s + 1, m).
-/// - Interleaved with v chunks: Megatron-LM runs min(2(p − s) + (v − 1)p + 1, m·v) chunk
-///   forwards before the first backward (its warm-up count + 1), each chunk 1/v of the rank's
-///   layers: that count / v. For s = 1 this is p + (p − 1)/v, Korthikanti et al. 2022 §4.2.3's
-///   factor p·(1 + (p − 1)/(p·v)).
+/// - Interleaved with v chunks: Megatron-LM runs min(2(p − s) + (v − 1)g + 1, m·v) chunk
+///   forwards before the first backward (its warm-up count + 1; g = p when p divides m, see
+///   `interleaved_round_size`), each chunk 1/v of the rank's layers: that count / v. For s = 1
+///   and g = p this is p + (p − 1)/v, Korthikanti et al. 2022 §4.2.3's factor
+///   p·(1 + (p − 1)/(p·v)).
 /// - ZB-H1: min(p, m) on every rank (Qi et al. 2024 cap in-flight microbatches at 1F1B's
 ///   peak, p; later ranks defer W into that room). Counted in full until W, conservatively.
 pub fn in_flight(kind: ScheduleKind, p: usize, m: usize, stage: usize) -> f64 {
@@ -104,7 +106,8 @@ pub fn in_flight(kind: ScheduleKind, p: usize, m: usize, stage: usize) -> f64 {
         ScheduleKind::OneFOneB => (p - s + 1).min(m) as f64,
         ScheduleKind::Interleaved { virtual_stages } => {
             let v = virtual_stages.max(1);
-            (2 * (p - s) + (v - 1) * p + 1).min(m * v) as f64 / v as f64
+            let g = interleaved_round_size(p, m);
+            (2 * (p - s) + (v - 1) * g + 1).min(m * v) as f64 / v as f64
         }
         ScheduleKind::ZbH1 => p.min(m) as f64,
     }

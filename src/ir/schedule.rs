@@ -216,11 +216,11 @@ impl FromStr for Action {
 /// - GPipe: all forwards, then all backwards (microbatch order).
 /// - 1F1B: rank r runs min(p−1−r, m) warm-up forwards, then alternates F and B, then the
 ///   remaining backwards; at most min(p−r, m) microbatches in flight.
-/// - Interleaved (Megatron-LM): forwards walk microbatch groups of p through the chunks
-///   (chunk-major inside a group), backwards the same with chunks reversed; rank r runs
-///   min(2(p−1−r) + (v−1)p, m·v) warm-up forwards, then alternates. Needs no m % p == 0.
-/// - ZB-H1: 1F1B's warm-up; B then W, with W deferred while fewer than min(p, m)
-///   microbatches are in flight (F done, W not done), one deferred W after each cool-down B.
+/// - Interleaved (Megatron-LM): forwards walk microbatch rounds through the chunks
+///   (chunk-major inside a round), backwards the same with chunks reversed; rank r runs
+///   min(2(p−1−r) + (v−1)g, m·v) warm-up forwards (g = p when p divides m), then alternates.
+/// - ZB-H1: 1F1B's warm-up, W deferred up to min(p, m) in flight, deferred W's fill the
+///   cool-down (see `zb_h1`).
 pub fn compute_actions(kind: ScheduleKind, p: usize, m: usize) -> Result<Vec<Vec<Action>>, ScheduleError> {
     if p == 0 || m == 0 || kind.virtual_stages() == 0 {
         return Err(ScheduleError::BadDegrees { kind, p, m });
@@ -245,54 +245,72 @@ fn rank_actions(kind: ScheduleKind, p: usize, m: usize, r: usize) -> Vec<Action>
             out
         }
         ScheduleKind::Interleaved { virtual_stages: v } => interleaved(p, m, v, r),
-        ScheduleKind::ZbH1 => {
-            let cap = p.min(m);
-            let warmup = (p - 1 - r).min(m);
-            let mut out: Vec<Action> = (0..warmup).map(f).collect();
-            let mut pending = std::collections::VecDeque::new();
-            let mut in_flight = warmup;
-            let w = |mb| Action::new(r, BackwardWeight, mb);
-            for k in 0..m {
-                let next_f = warmup + k;
-                if next_f < m {
-                    if in_flight == cap
-                        && let Some(mb) = pending.pop_front()
-                    {
-                        out.push(w(mb));
-                        in_flight -= 1;
-                    }
-                    out.push(f(next_f));
-                    in_flight += 1;
-                    out.push(b(k));
-                    pending.push_back(k);
-                } else {
-                    out.push(b(k));
-                    pending.push_back(k);
-                    if let Some(mb) = pending.pop_front() {
-                        out.push(w(mb));
-                        in_flight -= 1;
-                    }
-                }
-            }
-            out.extend(pending.into_iter().map(w));
-            out
-        }
+        ScheduleKind::ZbH1 => zb_h1(p, m, r),
     }
 }
 
-/// Megatron-LM's interleaved order, generalised to m not divisible by p by letting the
-/// last microbatch group be short.
+/// ZB-H1 (Qi et al. 2024, Fig. 3): rank r runs 1F1B's min(p−1−r, m) warm-up forwards; in the
+/// steady state F then B, with each W deferred until a forward would exceed min(p, m)
+/// microbatches in flight (F done, W not done — 1F1B's first-stage peak), so rank r defers
+/// up to r W's; in the cool-down each B is preceded by the oldest deferred W, which fills the
+/// wait for the next gradient; the remaining W's close the list.
+fn zb_h1(p: usize, m: usize, r: usize) -> Vec<Action> {
+    let cap = p.min(m);
+    let warmup = (p - 1 - r).min(m);
+    let f = |mb| Action::new(r, ActionKind::Forward, mb);
+    let b = |mb| Action::new(r, ActionKind::Backward, mb);
+    let w = |mb| Action::new(r, ActionKind::BackwardWeight, mb);
+    let mut out: Vec<Action> = (0..warmup).map(f).collect();
+    let mut pending = std::collections::VecDeque::new();
+    let mut in_flight = warmup;
+    for k in 0..m {
+        let next_f = warmup + k;
+        if next_f < m {
+            if in_flight == cap
+                && let Some(mb) = pending.pop_front()
+            {
+                out.push(w(mb));
+                in_flight -= 1;
+            }
+            out.push(f(next_f));
+            in_flight += 1;
+        } else if let Some(mb) = pending.pop_front() {
+            out.push(w(mb));
+            in_flight -= 1;
+        }
+        out.push(b(k));
+        pending.push_back(k);
+    }
+    out.extend(pending.into_iter().map(w));
+    out
+}
+
+/// Microbatches per round of the interleaved schedule: m split into max(1, ⌊m/p⌋) rounds of
+/// near-equal size (the first rounds one larger), so every round has at least p microbatches
+/// when m ≥ p — as torch.distributed.pipelining's rounds, without its m % rounds == 0
+/// restriction. Returns the largest round (p when p divides m: Megatron-LM's groups of p).
+pub fn interleaved_round_size(p: usize, m: usize) -> usize {
+    let rounds = (m / p.max(1)).max(1);
+    m.div_ceil(rounds)
+}
+
+/// Megatron-LM's interleaved order over rounds (see [`interleaved_round_size`]): forwards walk
+/// each round through the chunks (chunk-major inside a round), backwards the same with chunks
+/// reversed; rank r runs min((v−1)·g + 2(p−1−r), m·v) warm-up forwards with g the first
+/// round's size, then alternates F and B.
 fn interleaved(p: usize, m: usize, v: usize, r: usize) -> Vec<Action> {
+    let rounds = (m / p).max(1);
+    let (base, extra) = (m / rounds, m % rounds);
     let mut order = Vec::with_capacity(m * v);
-    let mut group_start = 0;
-    while group_start < m {
-        let group_end = (group_start + p).min(m);
+    let mut start = 0;
+    for round in 0..rounds {
+        let end = start + base + usize::from(round < extra);
         for chunk in 0..v {
-            for mb in group_start..group_end {
+            for mb in start..end {
                 order.push((chunk, mb));
             }
         }
-        group_start = group_end;
+        start = end;
     }
     let total = m * v;
     let fwd: Vec<Action> =
@@ -301,7 +319,7 @@ fn interleaved(p: usize, m: usize, v: usize, r: usize) -> Vec<Action> {
         .iter()
         .map(|&(c, mb)| Action::new((v - 1 - c) * p + r, ActionKind::Backward, mb))
         .collect();
-    let warmup = (2 * (p - 1 - r) + (v - 1) * p).min(total);
+    let warmup = ((v - 1) * interleaved_round_size(p, m) + 2 * (p - 1 - r)).min(total);
     let mut out: Vec<Action> = fwd[..warmup].to_vec();
     for k in 0..total - warmup {
         out.push(fwd[warmup + k]);

@@ -32,6 +32,9 @@ pub struct Figures {
     pub order: Vec<NodeId>,
     /// Batch size the shapes were inferred at (figures are divided by it).
     pub graph_batch: f64,
+    /// For each value (by index), whether it carries a gradient (trained parameters and
+    /// floating-point values computed from them).
+    pub grad: Vec<bool>,
 }
 
 impl Figures {
@@ -58,6 +61,16 @@ pub fn is_param(graph: &Graph, v: ValueId) -> bool {
     let val = graph.value(v);
     val.kind == ValueKind::Initializer
         && val.data.as_ref().map(|t| t.dtype).or(val.ty.as_ref().map(|t| t.dtype)).is_some_and(|d| d.is_float())
+}
+
+/// True for parameters that are trained: not scalars (exporters store constants such as
+/// `sqrt(d)` as initializers) and not well-known buffers (RoPE tables, masks).
+pub fn is_trainable(graph: &Graph, v: ValueId) -> bool {
+    if !is_param(graph, v) || param_elems(graph, v).0 <= 1 {
+        return false;
+    }
+    let name = graph.value(v).name.to_ascii_lowercase();
+    !["inv_freq", "rotary", "rope", "_cached", "mask", "position_ids"].iter().any(|b| name.contains(b))
 }
 
 fn param_elems(graph: &Graph, v: ValueId) -> (u64, u64) {
@@ -89,7 +102,7 @@ pub fn compute(graph: &Graph, bindings: &DimBindings) -> Result<Figures, PassErr
     // Which values carry a gradient: parameters and float values computed from them.
     let mut grad = vec![false; graph.value_count()];
     for v in graph.value_ids() {
-        grad[v.index()] = is_param(graph, v);
+        grad[v.index()] = is_trainable(graph, v);
     }
     // Which values depend on the data (weight views and constant masks are not activations).
     let mut data = vec![false; graph.value_count()];
@@ -128,6 +141,7 @@ pub fn compute(graph: &Graph, bindings: &DimBindings) -> Result<Figures, PassErr
         f.saved[id.index()] = saved;
     }
     f.order = order;
+    f.grad = grad;
     Ok(f)
 }
 

@@ -109,3 +109,56 @@ pub fn int_tensor(dtype: DType, dims: Vec<i64>, vals: &[i64]) -> Tensor {
 pub fn is_constant(graph: &Graph, v: crate::ir::ValueId) -> bool {
     matches!(graph.value(v).kind, ValueKind::Constant | ValueKind::Initializer)
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::ir::{DType, OpKind, ValueKind};
+    use crate::passes::testutil::{Gpt, gpt};
+    use crate::passes::{AnalyzeOptions, analyze};
+
+    fn cfg(batch: Option<i64>, seq: Option<i64>) -> Gpt {
+        Gpt {
+            blocks: 2,
+            hidden: 64,
+            heads: 4,
+            vocab: 100,
+            ffn: 256,
+            batch,
+            seq,
+            dtype: DType::F32,
+            namespaces: true,
+            layer_names: true,
+        }
+    }
+
+    fn count(lg: &crate::ir::LayeredGraph, k: OpKind) -> usize {
+        lg.graph.node_ids().filter(|&n| lg.graph.node(n).op.is(k)).count()
+    }
+
+    #[test]
+    fn fixed_dims_fold_the_whole_shape_chain() {
+        let lg = analyze(gpt(cfg(Some(2), Some(8))), &AnalyzeOptions::default()).unwrap();
+        assert_eq!(count(&lg, OpKind::Shape), 0);
+        assert_eq!(count(&lg, OpKind::Concat), 0);
+        for n in lg.graph.node_ids() {
+            let node = lg.graph.node(n);
+            if node.op.is(OpKind::Reshape) {
+                let t = node.inputs[1].unwrap();
+                assert_eq!(lg.graph.value(t).kind, ValueKind::Constant);
+                let v = lg.graph.value(t).data.as_ref().unwrap().to_i64_vec().unwrap();
+                assert!(v == vec![2, 8, 4, 16] || v == vec![2, 8, 64], "{v:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn symbolic_dims_stay_computed_so_the_graph_runs_at_any_size() {
+        let lg = analyze(gpt(cfg(None, None)), &AnalyzeOptions { seq_len: Some(8), ..Default::default() }).unwrap();
+        assert_eq!(count(&lg, OpKind::Shape), 1);
+        assert_eq!(count(&lg, OpKind::Concat), 2);
+        // Shapes are still inferred at the bound sizes.
+        let out = lg.graph.outputs[0];
+        let s = lg.graph.value(out).ty.as_ref().unwrap().shape.as_ref().unwrap().known().unwrap();
+        assert_eq!(s, vec![1, 8, 100]);
+    }
+}

@@ -40,7 +40,8 @@ pub fn group(graph: &Graph, fig: &Figures, _dims: &DimBindings) -> Result<Vec<La
         (x.0, x.1, true)
     };
     resolve_positional(order, &mut place);
-    let groups = attach_helpers(graph, order, &place, prefer_producer);
+    let mut groups = attach_helpers(graph, order, &place, prefer_producer);
+    hoist_shared_constants(graph, fig, &mut groups);
 
     let mut by_group: BTreeMap<usize, Vec<NodeId>> = BTreeMap::new();
     for &n in order {
@@ -305,6 +306,28 @@ fn attach_helpers(graph: &Graph, order: &[NodeId], place: &[Place], prefer_produ
         }
     }
     out
+}
+
+/// Nodes off the gradient path (shape arithmetic, masks) whose outputs several layers read
+/// move to the earliest layer their inputs allow, so that the first block does not carry
+/// what all blocks share and identical blocks keep one signature.
+fn hoist_shared_constants(graph: &Graph, fig: &Figures, groups: &mut [usize]) {
+    let mut trained = vec![false; graph.value_count()];
+    for v in graph.value_ids() {
+        trained[v.index()] = fig.grad[v.index()];
+    }
+    for &n in &fig.order {
+        let node = graph.node(n);
+        if node.inputs.iter().flatten().any(|v| trained[v.index()]) || node.outputs.iter().any(|o| graph.outputs.contains(o)) {
+            continue;
+        }
+        let here = groups[n.index()];
+        let mut readers = graph.successors(n).map(|s| groups[s.index()]).filter(|&g| g != here);
+        if readers.next().is_none() {
+            continue;
+        }
+        groups[n.index()] = graph.predecessors(n).map(|p| groups[p.index()]).max().unwrap_or(0).min(here);
+    }
 }
 
 fn fill(graph: &Graph, fig: &Figures, layer: &mut Layer, layer_of: &[usize], uses: &[Vec<NodeId>]) {

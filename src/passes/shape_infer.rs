@@ -984,3 +984,164 @@ pub fn matmul_shape(a: &[i64], b: &[i64]) -> Result<Vec<i64>, String> {
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::{Attr, Tensor};
+    use crate::passes::testutil::Builder;
+
+    fn shape_of(g: &Graph, v: ValueId) -> Vec<i64> {
+        g.value(v).ty.as_ref().unwrap().shape.as_ref().unwrap().known().unwrap()
+    }
+
+    fn run(b: &mut Builder, opts: &AnalyzeOptions) -> ShapeInfo {
+        let dims = bind_dims(&b.g, opts).unwrap();
+        infer_shapes(&mut b.g, &dims).unwrap()
+    }
+
+    #[test]
+    fn broadcasting_and_matmul_follow_numpy() {
+        assert_eq!(broadcast(&[2, 1, 4], &[3, 1]).unwrap(), vec![2, 3, 4]);
+        assert!(broadcast(&[2, 3], &[4, 3]).is_err());
+        assert_eq!(matmul_shape(&[5, 1, 2, 3], &[4, 3, 7]).unwrap(), vec![5, 4, 2, 7]);
+        assert_eq!(matmul_shape(&[3], &[3, 7]).unwrap(), vec![7]);
+        assert_eq!(matmul_shape(&[2, 3], &[3]).unwrap(), vec![2]);
+        assert!(matmul_shape(&[2, 3], &[4, 5]).is_err());
+    }
+
+    #[test]
+    fn reshape_copies_zeros_and_infers_minus_one() {
+        let mut b = Builder::new(18);
+        let x = b.input("x", DType::F32, &["batch", "6", "4"]);
+        let t = b.ints(&[0, -1, 2]);
+        let y = b.node(OpKind::Reshape, &[x, t], &[]);
+        b.output(y);
+        run(&mut b, &AnalyzeOptions::default());
+        assert_eq!(shape_of(&b.g, y), vec![1, 12, 2]);
+    }
+
+    #[test]
+    fn axes_come_from_inputs_from_opset_13_and_attrs_before() {
+        let mut b13 = Builder::new(13);
+        let x = b13.input("x", DType::F32, &["3", "4"]);
+        let ax = b13.ints(&[0, -1]);
+        let y = b13.node(OpKind::Unsqueeze, &[x, ax], &[]);
+        let z = b13.node(OpKind::Squeeze, &[y], &[]);
+        b13.output(z);
+        run(&mut b13, &AnalyzeOptions::default());
+        assert_eq!(shape_of(&b13.g, y), vec![1, 3, 4, 1]);
+        assert_eq!(shape_of(&b13.g, z), vec![3, 4]);
+
+        let mut b11 = Builder::new(11);
+        let x = b11.input("x", DType::F32, &["3", "4"]);
+        let y = b11.node(OpKind::Unsqueeze, &[x], &[("axes", Attr::Ints(vec![1]))]);
+        let r = b11.node(OpKind::ReduceSum, &[y], &[("axes", Attr::Ints(vec![2])), ("keepdims", Attr::Int(0))]);
+        b11.output(r);
+        run(&mut b11, &AnalyzeOptions::default());
+        assert_eq!(shape_of(&b11.g, y), vec![3, 1, 4]);
+        assert_eq!(shape_of(&b11.g, r), vec![3, 1]);
+    }
+
+    #[test]
+    fn split_by_sizes_and_by_count() {
+        let mut b = Builder::new(18);
+        let x = b.input("x", DType::F32, &["2", "10"]);
+        let sizes = b.ints(&[3, 7]);
+        let p = b.node_n(OpKind::Split, &[Some(x), Some(sizes)], &[("axis", Attr::Int(1))], 2);
+        let q = b.node_n(OpKind::Split, &[Some(x)], &[("axis", Attr::Int(1)), ("num_outputs", Attr::Int(3))], 3);
+        for &v in p.iter().chain(&q) {
+            b.output(v);
+        }
+        run(&mut b, &AnalyzeOptions::default());
+        assert_eq!(shape_of(&b.g, p[1]), vec![2, 7]);
+        // ONNX 18: ceil(10/3) = 4, 4, 2.
+        assert_eq!(q.iter().map(|&v| shape_of(&b.g, v)[1]).collect::<Vec<_>>(), vec![4, 4, 2]);
+    }
+
+    #[test]
+    fn slice_clamps_like_numpy() {
+        let mut b = Builder::new(18);
+        let x = b.input("x", DType::F32, &["10", "8"]);
+        let st = b.ints(&[-3, 100]);
+        let en = b.ints(&[i64::MAX, 0]);
+        let ax = b.ints(&[0, 1]);
+        let sp = b.ints(&[1, -2]);
+        let y = b.node(OpKind::Slice, &[x, st, en, ax, sp], &[]);
+        b.output(y);
+        run(&mut b, &AnalyzeOptions::default());
+        // rows 7..10; columns 7,5,3,1
+        assert_eq!(shape_of(&b.g, y), vec![3, 4]);
+    }
+
+    #[test]
+    fn conv_and_pool_output_sizes() {
+        let mut b = Builder::new(18);
+        let x = b.input("x", DType::F32, &["batch", "3", "224", "224"]);
+        let w = b.param("w", DType::F32, &[64, 3, 7, 7]);
+        let c = b.node(
+            OpKind::Conv,
+            &[x, w],
+            &[("strides", Attr::Ints(vec![2, 2])), ("pads", Attr::Ints(vec![3, 3, 3, 3]))],
+        );
+        let p = b.node(
+            OpKind::MaxPool,
+            &[c],
+            &[("kernel_shape", Attr::Ints(vec![3, 3])), ("strides", Attr::Ints(vec![2, 2])), ("pads", Attr::Ints(vec![1, 1, 1, 1]))],
+        );
+        let g = b.node(OpKind::GlobalAveragePool, &[p], &[]);
+        b.output(g);
+        run(&mut b, &AnalyzeOptions::default());
+        assert_eq!(shape_of(&b.g, c), vec![1, 64, 112, 112]);
+        assert_eq!(shape_of(&b.g, p), vec![1, 64, 56, 56]);
+        assert_eq!(shape_of(&b.g, g), vec![1, 64, 1, 1]);
+    }
+
+    #[test]
+    fn shape_arithmetic_is_evaluated() {
+        let mut b = Builder::new(18);
+        let x = b.input("x", DType::F32, &["batch", "seq", "8"]);
+        let s = b.node(OpKind::Shape, &[x], &[]);
+        let i = b.constant(Tensor::from_i64(vec![], &[1]));
+        let seq = b.node(OpKind::Gather, &[s, i], &[]);
+        let zero = b.constant(Tensor::from_i64(vec![], &[0]));
+        let one = b.constant(Tensor::from_i64(vec![], &[1]));
+        let r = b.node(OpKind::Range, &[zero, seq, one], &[]);
+        let shp = b.ints(&[2, 3]);
+        let k = b.node(OpKind::ConstantOfShape, &[shp], &[("value", Attr::Tensor(Tensor::from_i64(vec![1], &[7])))]);
+        b.output(r);
+        b.output(k);
+        let info = run(&mut b, &AnalyzeOptions { seq_len: Some(5), ..Default::default() });
+        assert_eq!(info.ints(s), Some(&[1, 5, 8][..]));
+        assert_eq!(info.ints(r), Some(&[0, 1, 2, 3, 4][..]));
+        assert_eq!(info.ints(k), Some(&[7; 6][..]));
+        assert_eq!(shape_of(&b.g, r), vec![5]);
+    }
+
+    #[test]
+    fn placeholder_uses_declared_type_or_stays_unknown() {
+        use crate::ir::{Attrs, Node, Op};
+        let mut b = Builder::new(18);
+        let x = b.input("x", DType::F32, &["2"]);
+        let ty = TensorType { dtype: DType::F16, shape: Some(Shape(vec![Dim::Sym("batch".into())])) };
+        let y = b.g.add_value("y", ValueKind::Intermediate, Some(ty), None).unwrap();
+        let z = b.g.add_value("z", ValueKind::Intermediate, None, None).unwrap();
+        b.g.add_node(Node {
+            name: "custom".into(),
+            op: Op::Placeholder { op_type: "FancyOp".into(), domain: "com.x".into() },
+            attrs: Attrs::default(),
+            inputs: vec![Some(x)],
+            outputs: vec![y, z],
+            namespace: None,
+            order: 0,
+        })
+        .unwrap();
+        let w = b.node(OpKind::Relu, &[z], &[]);
+        b.output(y);
+        b.output(w);
+        let dims = DimBindings { values: [("batch".to_string(), 3)].into(), graph_batch: 1, ..Default::default() };
+        let info = infer_shapes(&mut b.g, &dims).unwrap();
+        assert_eq!(info.types[y.index()], Some(Ty { dtype: DType::F16, shape: Some(vec![3]) }));
+        assert_eq!(info.types[w.index()], None);
+    }
+}

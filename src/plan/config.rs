@@ -207,6 +207,35 @@ impl Placement {
     pub const SPREAD: Placement = Placement([Axis::T, Axis::P, Axis::D]);
 }
 
+impl Placement {
+    /// The global rank of data replica `d`, pipeline rank `p`, tensor rank `t` in a mesh of
+    /// `dp × pp × tp` devices: the first axis is the outermost (slowest-varying).
+    pub fn rank(self, [d, p, t]: [usize; 3], [dp, pp, tp]: [usize; 3]) -> usize {
+        self.0.iter().fold(0, |acc, &a| acc * size_of(a, [dp, pp, tp]) + index_of(a, [d, p, t]))
+    }
+
+    /// Ranks of pipeline rank `p`, data-replica-major then tensor rank (`tp · dp` of them).
+    pub fn stage_ranks(self, p: usize, [dp, pp, tp]: [usize; 3]) -> Vec<usize> {
+        (0..dp).flat_map(|d| (0..tp).map(move |t| self.rank([d, p, t], [dp, pp, tp]))).collect()
+    }
+}
+
+fn size_of(a: Axis, [dp, pp, tp]: [usize; 3]) -> usize {
+    match a {
+        Axis::D => dp,
+        Axis::P => pp,
+        Axis::T => tp,
+    }
+}
+
+fn index_of(a: Axis, [d, p, t]: [usize; 3]) -> usize {
+    match a {
+        Axis::D => d,
+        Axis::P => p,
+        Axis::T => t,
+    }
+}
+
 impl fmt::Display for Placement {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         for a in self.0 {
@@ -238,10 +267,8 @@ impl FromStr for Placement {
             })
             .collect::<Option<_>>()
             .unwrap_or_default();
-        let perm = axes.len() == 3
-            && axes.contains(&Axis::D)
-            && axes.contains(&Axis::P)
-            && axes.contains(&Axis::T);
+        let perm =
+            axes.len() == 3 && axes.contains(&Axis::D) && axes.contains(&Axis::P) && axes.contains(&Axis::T);
         if perm {
             Ok(Placement([axes[0], axes[1], axes[2]]))
         } else {
@@ -290,7 +317,9 @@ impl FromStr for Layout {
                 None => part.parse::<usize>().ok().map(|a| (a, a)),
             };
             let Some((first, last)) = range else {
-                return Err(format!("stage {i} `{part}`: expected FIRST-LAST layer indices, e.g. \"0-11|12-23\""));
+                return Err(format!(
+                    "stage {i} `{part}`: expected FIRST-LAST layer indices, e.g. \"0-11|12-23\""
+                ));
             };
             if first > last {
                 return Err(format!("stage {i} `{part}`: first layer {first} is after last layer {last}"));
@@ -484,9 +513,16 @@ impl SmpConfig {
         let file_buf = || file.to_path_buf();
         let value: Value = serde_json::from_str(text)
             .map_err(|e| ConfigError::Parse { file: file_buf(), message: e.to_string() })?;
-        let mut obj = as_object(&value)
-            .ok_or_else(|| ConfigError::Parse { file: file_buf(), message: "expected a JSON object".into() })?;
-        if let Some(mp) = obj.get("smdistributed").and_then(as_object).and_then(|o| o.get("modelparallel")).and_then(as_object) {
+        let mut obj = as_object(&value).ok_or_else(|| ConfigError::Parse {
+            file: file_buf(),
+            message: "expected a JSON object".into(),
+        })?;
+        if let Some(mp) = obj
+            .get("smdistributed")
+            .and_then(as_object)
+            .and_then(|o| o.get("modelparallel"))
+            .and_then(as_object)
+        {
             obj = mp;
         }
         if let Some(params) = obj.get("parameters").and_then(as_object) {
@@ -553,7 +589,12 @@ impl SmpConfig {
                     return Err(ConfigError::UnknownKey {
                         file: file_buf(),
                         key: key.clone(),
-                        known: SMP_KEYS.iter().chain(SMP_IGNORED_KEYS).copied().collect::<Vec<_>>().join(", "),
+                        known: SMP_KEYS
+                            .iter()
+                            .chain(SMP_IGNORED_KEYS)
+                            .copied()
+                            .collect::<Vec<_>>()
+                            .join(", "),
                     });
                 }
             }
@@ -621,11 +662,9 @@ fn merge<T: PartialEq>(
     what: &str,
 ) -> Result<Option<Sourced<T>>, ConfigError> {
     match (flag, config) {
-        (Some(f), Some(c)) if f.value != c.value => Err(ConfigError::Conflict {
-            first: f.source,
-            second: c.source,
-            why: format!("both set {what}"),
-        }),
+        (Some(f), Some(c)) if f.value != c.value => {
+            Err(ConfigError::Conflict { first: f.source, second: c.source, why: format!("both set {what}") })
+        }
         (Some(f), _) => Ok(Some(f)),
         (None, c) => Ok(c),
     }
@@ -652,8 +691,16 @@ impl Constraints {
             tp: merge(flag("tp", req.tp), cfg.tp, "the tensor-parallel degree")?,
             dp: flag("dp", req.dp),
             zero: flag("zero", req.zero),
-            sharded_dp: merge(flag("sharded-dp", req.sharded_dp), cfg.sharded_dp, "the sharded-data-parallel degree")?,
-            microbatches: merge(flag("microbatches", req.microbatches), cfg.microbatches, "the microbatch count")?,
+            sharded_dp: merge(
+                flag("sharded-dp", req.sharded_dp),
+                cfg.sharded_dp,
+                "the sharded-data-parallel degree",
+            )?,
+            microbatches: merge(
+                flag("microbatches", req.microbatches),
+                cfg.microbatches,
+                "the microbatch count",
+            )?,
             active_microbatches: cfg.active_microbatches,
             schedule: merge(flag("schedule", req.schedule), cfg.schedule, "the pipeline schedule")?,
             checkpointing: req.checkpointing.unwrap_or(Checkpointing::Auto),
@@ -674,7 +721,10 @@ impl Constraints {
         if let Some(z) = &c.zero
             && z.value > 3
         {
-            return Err(ConfigError::Invalid { setting: z.source.clone(), why: "ZeRO stages are 0, 1, 2 and 3".into() });
+            return Err(ConfigError::Invalid {
+                setting: z.source.clone(),
+                why: "ZeRO stages are 0, 1, 2 and 3".into(),
+            });
         }
         if let Some(g) = req.memory_limit_gib {
             if !(g.is_finite() && g > 0.0) {
@@ -706,7 +756,10 @@ impl Constraints {
                 }
                 Some(_) => {}
                 None => {
-                    c.zero = Some(Sourced { value: 3, source: Source::Implied(format!("ZeRO 3 (implied by {})", sdp.source)) })
+                    c.zero = Some(Sourced {
+                        value: 3,
+                        source: Source::Implied(format!("ZeRO 3 (implied by {})", sdp.source)),
+                    })
                 }
             }
             if let Some(dp) = &c.dp
@@ -715,7 +768,10 @@ impl Constraints {
                 return Err(ConfigError::Conflict {
                     first: sdp.source.clone(),
                     second: dp.source.clone(),
-                    why: format!("the sharded group size {} must divide the data-parallel degree {}", sdp.value, dp.value),
+                    why: format!(
+                        "the sharded group size {} must divide the data-parallel degree {}",
+                        sdp.value, dp.value
+                    ),
                 });
             }
         }
@@ -742,11 +798,16 @@ impl Constraints {
                 None if stage > 0 => {
                     return Err(ConfigError::Invalid {
                         setting: why_source,
-                        why: format!("every layer on stage {stage} leaves stages 0..{stage} empty; give --layout for manual cuts"),
+                        why: format!(
+                            "every layer on stage {stage} leaves stages 0..{stage} empty; give --layout for manual cuts"
+                        ),
                     });
                 }
                 None => {
-                    c.pp = Some(Sourced { value: 1, source: Source::Implied(format!("one stage (implied by {})", ap.source)) })
+                    c.pp = Some(Sourced {
+                        value: 1,
+                        source: Source::Implied(format!("one stage (implied by {})", ap.source)),
+                    })
                 }
             }
         }
@@ -764,15 +825,27 @@ impl Constraints {
             match &c.pp {
                 Some(pp) if pp.value * v != n => {
                     let why = if v > 1 {
-                        format!("the layout has {n} stages but pp·V = {}·{v} = {} virtual stages", pp.value, pp.value * v)
+                        format!(
+                            "the layout has {n} stages but pp·V = {}·{v} = {} virtual stages",
+                            pp.value,
+                            pp.value * v
+                        )
                     } else {
                         format!("the layout has {n} stages but the pipeline-parallel degree is {}", pp.value)
                     };
-                    return Err(ConfigError::Conflict { first: layout.source.clone(), second: pp.source.clone(), why });
+                    return Err(ConfigError::Conflict {
+                        first: layout.source.clone(),
+                        second: pp.source.clone(),
+                        why,
+                    });
                 }
                 Some(_) => {}
                 None if n % v != 0 => {
-                    let sched = c.schedule.as_ref().map(|s| s.source.clone()).unwrap_or(Source::Implied(String::new()));
+                    let sched = c
+                        .schedule
+                        .as_ref()
+                        .map(|s| s.source.clone())
+                        .unwrap_or(Source::Implied(String::new()));
                     return Err(ConfigError::Conflict {
                         first: layout.source.clone(),
                         second: sched,
@@ -780,7 +853,10 @@ impl Constraints {
                     });
                 }
                 None => {
-                    c.pp = Some(Sourced { value: n / v, source: Source::Implied(format!("{} stages (from {})", n / v, layout.source)) })
+                    c.pp = Some(Sourced {
+                        value: n / v,
+                        source: Source::Implied(format!("{} stages (from {})", n / v, layout.source)),
+                    })
                 }
             }
         }
@@ -804,7 +880,10 @@ impl Constraints {
                 return Err(ConfigError::Conflict {
                     first: gb.source.clone(),
                     second: dp.source.clone(),
-                    why: format!("the global batch {} is not divisible by {} data-parallel replicas", gb.value, dp.value),
+                    why: format!(
+                        "the global batch {} is not divisible by {} data-parallel replicas",
+                        gb.value, dp.value
+                    ),
                 });
             }
             if let Some(m) = &c.microbatches {
@@ -815,9 +894,15 @@ impl Constraints {
                             "each of {} replicas gets {per_replica} samples, not divisible into {} microbatches",
                             d.value, m.value
                         ),
-                        None => format!("{} samples are not divisible into {} microbatches", gb.value, m.value),
+                        None => {
+                            format!("{} samples are not divisible into {} microbatches", gb.value, m.value)
+                        }
                     };
-                    return Err(ConfigError::Conflict { first: m.source.clone(), second: gb.source.clone(), why });
+                    return Err(ConfigError::Conflict {
+                        first: m.source.clone(),
+                        second: gb.source.clone(),
+                        why,
+                    });
                 }
             }
         }
@@ -867,7 +952,8 @@ impl Constraints {
             });
         }
         if let Some(sdp) = &self.sharded_dp {
-            let dp_max = devices / self.pp.as_ref().map_or(1, |p| p.value) / self.tp.as_ref().map_or(1, |t| t.value);
+            let dp_max =
+                devices / self.pp.as_ref().map_or(1, |p| p.value) / self.tp.as_ref().map_or(1, |t| t.value);
             if sdp.value > dp_max {
                 return Err(ConfigError::Conflict {
                     first: sdp.source.clone(),
@@ -886,8 +972,15 @@ impl Constraints {
         {
             return Err(ConfigError::Conflict {
                 first: l.source.clone(),
-                second: Source::Implied(format!("{model} ({layers} layers, 0..={})", layers.saturating_sub(1))),
-                why: format!("the layout covers layers 0..={}; it must end at layer {}", l.value.last_layer(), layers.saturating_sub(1)),
+                second: Source::Implied(format!(
+                    "{model} ({layers} layers, 0..={})",
+                    layers.saturating_sub(1)
+                )),
+                why: format!(
+                    "the layout covers layers 0..={}; it must end at layer {}",
+                    l.value.last_layer(),
+                    layers.saturating_sub(1)
+                ),
             });
         }
         if let Some(pp) = &self.pp

@@ -43,12 +43,16 @@ pub fn to_dot(graph: &LayeredGraph, plan: &Plan) -> Result<String, LayerMismatch
         let _ = writeln!(
             out,
             "    label={}; style=filled; fillcolor=white; color={colour};",
-            quote(&format!("stage {} (pp rank {}, layers {}-{})", s.index, s.pp_rank, s.layers[0], s.layers[1]))
+            quote(&format!(
+                "stage {} (pp rank {}, layers {}-{})",
+                s.index, s.pp_rank, s.layers[0], s.layers[1]
+            ))
         );
         for layer in &graph.layers[s.layers[0]..=s.layers[1]] {
             let recompute = s.checkpointed_layers.contains(&layer.index);
             let _ = writeln!(out, "    subgraph cluster_layer{} {{", layer.index);
-            let label = format!("{} {}{}", layer.index, layer.name, if recompute { " (recomputed)" } else { "" });
+            let label =
+                format!("{} {}{}", layer.index, layer.name, if recompute { " (recomputed)" } else { "" });
             let _ = writeln!(out, "      label={}; style=dashed;", quote(&label));
             for &n in &layer.nodes {
                 if let Some(node) = g.try_node(n) {

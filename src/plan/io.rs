@@ -9,30 +9,29 @@ use super::validate::{PlanInvalid, validate};
 #[derive(Debug, thiserror::Error)]
 pub enum PlanIoError {
     /// The file could not be read or written.
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {cause}")]
+    Io { path: PathBuf, cause: std::io::Error },
     /// Not JSON, or not a plan.
-    #[error("{path}: not a plan file: {source}")]
-    Parse { path: PathBuf, source: serde_json::Error },
+    #[error("{path}: not a plan file: {cause}")]
+    Parse { path: PathBuf, cause: serde_json::Error },
     /// No `version` field.
-    #[error("{path}: not a plan file: no numeric `version` field (this smp-partition writes version {PLAN_VERSION})")]
+    #[error(
+        "{path}: not a plan file: no numeric `version` field (this smp-partition writes version {PLAN_VERSION})"
+    )]
     NoVersion { path: PathBuf },
     /// A version this build does not read.
-    #[error(
-        "{path}: plan version {found}, but this smp-partition reads version {supported}; {hint}"
-    )]
+    #[error("{path}: plan version {found}, but this smp-partition reads version {supported}; {hint}")]
     Version { path: PathBuf, found: u64, supported: u32, hint: &'static str },
     /// Structurally inconsistent.
-    #[error("{path}: invalid plan: {source}")]
-    Invalid { path: PathBuf, source: PlanInvalid },
+    #[error("{path}: invalid plan: {cause}")]
+    Invalid { path: PathBuf, cause: PlanInvalid },
 }
 
 /// Writes a plan as pretty JSON (validated first).
 pub fn save(plan: &Plan, path: &Path) -> Result<(), PlanIoError> {
-    validate(plan).map_err(|source| PlanIoError::Invalid { path: path.to_path_buf(), source })?;
+    validate(plan).map_err(|cause| PlanIoError::Invalid { path: path.to_path_buf(), cause })?;
     let text = to_json(plan);
-    std::fs::write(path, text + "\n")
-        .map_err(|source| PlanIoError::Io { path: path.to_path_buf(), source })
+    std::fs::write(path, text + "\n").map_err(|cause| PlanIoError::Io { path: path.to_path_buf(), cause })
 }
 
 /// The plan as pretty JSON.
@@ -43,8 +42,8 @@ pub fn to_json(plan: &Plan) -> String {
 
 /// Reads, version-checks and validates a plan file.
 pub fn load(path: &Path) -> Result<Plan, PlanIoError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|source| PlanIoError::Io { path: path.to_path_buf(), source })?;
+    let text =
+        std::fs::read_to_string(path).map_err(|cause| PlanIoError::Io { path: path.to_path_buf(), cause })?;
     from_json(&text, path)
 }
 
@@ -52,7 +51,7 @@ pub fn load(path: &Path) -> Result<Plan, PlanIoError> {
 pub fn from_json(text: &str, path: &Path) -> Result<Plan, PlanIoError> {
     let p = || path.to_path_buf();
     let value: serde_json::Value =
-        serde_json::from_str(text).map_err(|source| PlanIoError::Parse { path: p(), source })?;
+        serde_json::from_str(text).map_err(|cause| PlanIoError::Parse { path: p(), cause })?;
     let found = value
         .get("version")
         .and_then(serde_json::Value::as_u64)
@@ -66,8 +65,7 @@ pub fn from_json(text: &str, path: &Path) -> Result<Plan, PlanIoError> {
         return Err(PlanIoError::Version { path: p(), found, supported: PLAN_VERSION, hint });
     }
     // Parse the text again (not the value) so errors carry line and column.
-    let plan: Plan =
-        serde_json::from_str(text).map_err(|source| PlanIoError::Parse { path: p(), source })?;
-    validate(&plan).map_err(|source| PlanIoError::Invalid { path: p(), source })?;
+    let plan: Plan = serde_json::from_str(text).map_err(|cause| PlanIoError::Parse { path: p(), cause })?;
+    validate(&plan).map_err(|cause| PlanIoError::Invalid { path: p(), cause })?;
     Ok(plan)
 }

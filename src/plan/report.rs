@@ -138,7 +138,13 @@ fn ranks(r: &[usize]) -> String {
         while j + 1 < r.len() && r[j + 1] == r[j] + 1 {
             j += 1;
         }
-        out.push(if j > i + 1 { format!("{}-{}", r[i], r[j]) } else if j == i + 1 { format!("{},{}", r[i], r[j]) } else { r[i].to_string() });
+        out.push(if j > i + 1 {
+            format!("{}-{}", r[i], r[j])
+        } else if j == i + 1 {
+            format!("{},{}", r[i], r[j])
+        } else {
+            r[i].to_string()
+        });
         i = j + 1;
     }
     out.join(",")
@@ -147,8 +153,9 @@ fn ranks(r: &[usize]) -> String {
 /// Renders a table as aligned columns (first column left, the rest right).
 fn table(rows: &[Vec<String>]) -> String {
     let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
-    let widths: Vec<usize> =
-        (0..cols).map(|c| rows.iter().filter_map(|r| r.get(c)).map(|s| s.chars().count()).max().unwrap_or(0)).collect();
+    let widths: Vec<usize> = (0..cols)
+        .map(|c| rows.iter().filter_map(|r| r.get(c)).map(|s| s.chars().count()).max().unwrap_or(0))
+        .collect();
     let mut out = String::new();
     for row in rows {
         let mut line = String::new();
@@ -192,21 +199,46 @@ pub fn render(plan: &Plan) -> String {
     if let Some(s) = par.sharded_dp {
         let _ = write!(parallel, " (sharded over groups of {s})");
     }
-    let sched = if par.virtual_stages > 1 { format!("{}:{}", par.schedule, par.virtual_stages) } else { par.schedule.clone() };
+    let sched = if par.virtual_stages > 1 {
+        format!("{}:{}", par.schedule, par.virtual_stages)
+    } else {
+        par.schedule.clone()
+    };
     let _ = write!(parallel, ", {} microbatches, {sched}", par.microbatches);
     if let Some(a) = par.active_microbatches {
         let _ = write!(parallel, " (≤ {a} in flight)");
     }
-    let _ = writeln!(out, "parallel {parallel}, checkpointing {}, placement {}", par.checkpointing, par.placement);
+    let _ = writeln!(
+        out,
+        "parallel {parallel}, checkpointing {}, placement {}",
+        par.checkpointing, par.placement
+    );
     let seq = plan.seq_len.map_or(String::new(), |s| format!(", sequence {s}"));
     let _ = writeln!(out, "batch   {} per step{seq}", plan.global_batch);
     out.push('\n');
 
     let limit = plan.cluster.memory_limit_bytes as f64;
     let mut rows = vec![
-        ["stage", "pp", "layers", "ranks", "t", "d", "fwd", "bwd", "comm", "recompute", "params", "grads", "optim", "activ", "total", "of limit"]
-            .map(String::from)
-            .to_vec(),
+        [
+            "stage",
+            "pp",
+            "layers",
+            "ranks",
+            "t",
+            "d",
+            "fwd",
+            "bwd",
+            "comm",
+            "recompute",
+            "params",
+            "grads",
+            "optim",
+            "activ",
+            "total",
+            "of limit",
+        ]
+        .map(String::from)
+        .to_vec(),
     ];
     for s in &plan.stages {
         let m = s.memory_bytes;
@@ -233,15 +265,28 @@ pub fn render(plan: &Plan) -> String {
     out.push('\n');
 
     if let Some(b) = bottleneck(plan) {
-        let which = if b.stages.len() == 1 { format!("stage {}", b.stages[0]) } else { format!("pipeline rank {} (stages {:?})", b.pp_rank, b.stages) };
+        let which = if b.stages.len() == 1 {
+            format!("stage {}", b.stages[0])
+        } else {
+            format!("pipeline rank {} (stages {:?})", b.pp_rank, b.stages)
+        };
         let reason = match b.reason {
             Reason::Compute => "compute",
             Reason::Communication => "communication",
             Reason::Memory => "memory",
         };
-        let _ = writeln!(out, "bottleneck  {which}, {} per microbatch — {reason}: {}", ms(b.time_s), b.explanation);
+        let _ = writeln!(
+            out,
+            "bottleneck  {which}, {} per microbatch — {reason}: {}",
+            ms(b.time_s),
+            b.explanation
+        );
     }
-    let _ = writeln!(out, "bubble      {:.3} (pipeline idle time over ideal compute time)", plan.predicted.bubble_ratio);
+    let _ = writeln!(
+        out,
+        "bubble      {:.3} (pipeline idle time over ideal compute time)",
+        plan.predicted.bubble_ratio
+    );
     if !plan.communication.is_empty() {
         let _ = writeln!(out, "communication per device and step:");
         let mut rows = vec![["  kind", "link", "volume", "time"].map(String::from).to_vec()];

@@ -56,7 +56,9 @@ pub enum PlanInvalid {
     #[error("stage {stage}: memory_bytes.total = {total}, but its parts sum to {sum}")]
     MemorySum { stage: usize, total: u64, sum: u64 },
     /// The peak memory is not the largest device's memory.
-    #[error("predicted.peak_memory_bytes = {found}, but the largest device (pipeline rank {pp_rank}) needs {expected}")]
+    #[error(
+        "predicted.peak_memory_bytes = {found}, but the largest device (pipeline rank {pp_rank}) needs {expected}"
+    )]
     PeakMemory { found: u64, expected: u64, pp_rank: usize },
     /// A negative or non-finite time or ratio.
     #[error("{field} = {value} is not a finite non-negative number")]
@@ -66,7 +68,13 @@ pub enum PlanInvalid {
 /// Checks the invariants every plan must satisfy; the error names the stage concerned.
 pub fn validate(plan: &Plan) -> Result<(), PlanInvalid> {
     let par = &plan.parallel;
-    for (field, value) in [("pp", par.pp), ("tp", par.tp), ("dp", par.dp), ("microbatches", par.microbatches), ("virtual_stages", par.virtual_stages)] {
+    for (field, value) in [
+        ("pp", par.pp),
+        ("tp", par.tp),
+        ("dp", par.dp),
+        ("microbatches", par.microbatches),
+        ("virtual_stages", par.virtual_stages),
+    ] {
         if value == 0 {
             return Err(PlanInvalid::Degree { field, value: 0, expected: "at least 1" });
         }
@@ -76,14 +84,25 @@ pub fn validate(plan: &Plan) -> Result<(), PlanInvalid> {
     }
     let world = par.pp * par.tp * par.dp;
     if world > plan.cluster.devices {
-        return Err(PlanInvalid::TooManyRanks { pp: par.pp, tp: par.tp, dp: par.dp, product: world, devices: plan.cluster.devices });
+        return Err(PlanInvalid::TooManyRanks {
+            pp: par.pp,
+            tp: par.tp,
+            dp: par.dp,
+            product: world,
+            devices: plan.cluster.devices,
+        });
     }
     if plan.stages.is_empty() {
         return Err(PlanInvalid::NoStages);
     }
     let expected = par.pp * par.virtual_stages;
     if plan.stages.len() != expected {
-        return Err(PlanInvalid::StageCount { found: plan.stages.len(), pp: par.pp, v: par.virtual_stages, expected });
+        return Err(PlanInvalid::StageCount {
+            found: plan.stages.len(),
+            pp: par.pp,
+            v: par.virtual_stages,
+            expected,
+        });
     }
 
     let mut next_layer = 0usize;
@@ -148,11 +167,19 @@ pub fn validate(plan: &Plan) -> Result<(), PlanInvalid> {
         }
     }
     if next_layer != plan.model.layers {
-        return Err(PlanInvalid::LayerCoverage { covered_last: next_layer.saturating_sub(1), layers: plan.model.layers });
+        return Err(PlanInvalid::LayerCoverage {
+            covered_last: next_layer.saturating_sub(1),
+            layers: plan.model.layers,
+        });
     }
 
     let pr = &plan.predicted;
-    for (name, v) in [("predicted.step_time_s", pr.step_time_s), ("predicted.samples_per_s", pr.samples_per_s), ("predicted.bubble_ratio", pr.bubble_ratio), ("predicted.mfu", pr.mfu)] {
+    for (name, v) in [
+        ("predicted.step_time_s", pr.step_time_s),
+        ("predicted.samples_per_s", pr.samples_per_s),
+        ("predicted.bubble_ratio", pr.bubble_ratio),
+        ("predicted.mfu", pr.mfu),
+    ] {
         check_number(name.to_string(), v)?;
     }
     let (pp_rank, expected) = (0..par.pp)

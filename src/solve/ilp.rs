@@ -110,6 +110,12 @@ impl Milp {
         self.add(variable().binary())
     }
 
+    /// An integer variable in [min, max].
+    pub fn integer(&mut self, min: f64, max: f64) -> Col {
+        self.integers += 1;
+        self.add(variable().integer().min(min).max(max))
+    }
+
     /// A continuous variable in [min, max].
     pub fn continuous(&mut self, min: f64, max: f64) -> Col {
         self.add(variable().min(min).max(max))

@@ -1,12 +1,21 @@
-//! The planner: sharding strategies, flat problems, the intra-layer and pipeline ILPs, and the
-//! outer search over parallel configurations.
+//! The planner: flat problems, the intra-layer and pipeline ILPs, per-layer costs under a
+//! parallel configuration, the pruned outer search and the baselines.
+//!
+//! Entry point: [`plan`].
 
+pub mod baseline;
 pub mod ilp;
+pub mod layer_cost;
 pub mod oracle;
 pub mod pipeline;
 pub mod problem;
+pub mod search;
+
+use crate::cost::ClusterSpec;
+use crate::ir::{LayeredGraph, ScheduleKind};
 
 pub use ilp::{SolveReport, SolveStatus, SolverOptions};
+pub use problem::CheckpointRule;
 
 /// Errors of the planner.
 #[derive(Debug, thiserror::Error)]
@@ -17,4 +26,269 @@ pub enum SolveError {
     /// HiGHS failed.
     #[error("ILP solver: {0}")]
     Solver(String),
+    /// A fixed setting cannot be honoured (names the setting and the fix).
+    #[error("{0}")]
+    Setting(String),
+    /// Nothing fits; says what would.
+    #[error("no plan fits: {reason}; {fix}")]
+    Infeasible {
+        /// Why (memory per device needed vs available, or too few devices).
+        reason: String,
+        /// What would fit: the smallest memory per device or device count.
+        fix: String,
+    },
+}
+
+/// One axis of the device mesh.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MeshAxis {
+    /// Data parallel.
+    D,
+    /// Pipeline parallel.
+    P,
+    /// Tensor parallel.
+    T,
+}
+
+/// Rank order of the mesh, outermost axis first: the last axis gets consecutive ranks (the
+/// fastest, innermost link). SMP's `cluster` = DPT, `spread` = TPD.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Placement(pub [MeshAxis; 3]);
+
+impl Placement {
+    /// D outermost, T innermost (tensor groups inside a node).
+    pub const CLUSTER: Placement = Placement([MeshAxis::D, MeshAxis::P, MeshAxis::T]);
+    /// T outermost, D innermost (data-parallel groups inside a node).
+    pub const SPREAD: Placement = Placement([MeshAxis::T, MeshAxis::P, MeshAxis::D]);
+
+    /// Global rank of mesh coordinates (d, p, t) for degrees (dp, pp, tp).
+    pub fn rank(&self, coord: [usize; 3], degrees: [usize; 3]) -> usize {
+        let idx = |a: MeshAxis| match a {
+            MeshAxis::D => 0,
+            MeshAxis::P => 1,
+            MeshAxis::T => 2,
+        };
+        let mut r = 0;
+        for a in self.0 {
+            r = r * degrees[idx(a)] + coord[idx(a)];
+        }
+        r
+    }
+
+    /// `DPT`-style text.
+    pub fn name(&self) -> String {
+        self.0.iter().map(|a| format!("{a:?}")).collect()
+    }
+}
+
+/// `--optimize`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Optimize {
+    /// Shortest step time.
+    #[default]
+    Speed,
+    /// Least peak memory among plans within 5 % of the fastest step.
+    Memory,
+}
+
+/// A peer's way of planning, for comparison (`--baseline`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Baseline {
+    /// Megatron-LM's rule: t = GPUs per node, p as small as fits, d the rest, equal layer
+    /// counts, 1F1B, microbatch size 1, full recompute where memory needs it.
+    Megatron,
+    /// DeepSpeed `partition_method=uniform`: equal layer counts per stage.
+    Uniform,
+    /// DeepSpeed `partition_method=parameters`: stages balanced by parameter count.
+    Parameters,
+}
+
+/// Fixed settings; `None` = searched.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SearchConstraints {
+    /// Pipeline degree.
+    pub pp: Option<usize>,
+    /// Tensor degree.
+    pub tp: Option<usize>,
+    /// Data-parallel degree.
+    pub dp: Option<usize>,
+    /// ZeRO stage 0..=3.
+    pub zero: Option<u8>,
+    /// Sharded data parallel: ZeRO-3 over groups of this many replicas.
+    pub sharded_dp: Option<usize>,
+    /// Microbatches per step.
+    pub microbatches: Option<usize>,
+    /// Cap on microbatches in flight per stage (SMP's `active_microbatches`).
+    pub active_microbatches: Option<usize>,
+    /// Schedule.
+    pub schedule: Option<ScheduleKind>,
+    /// Checkpointing rule (default: the solver chooses per layer).
+    pub checkpointing: Option<CheckpointRule>,
+    /// Placement.
+    pub placement: Option<Placement>,
+    /// Manual cuts: `[first, last]` layer per stage (per virtual stage when interleaved).
+    pub layout: Option<Vec<[usize; 2]>>,
+    /// Memory per device, bytes (default: the device's).
+    pub memory_limit: Option<u64>,
+    /// Wall-clock budget for the whole search, seconds.
+    pub time_limit_s: Option<f64>,
+    /// What to optimise.
+    pub optimize: Optimize,
+}
+
+/// Everything `plan` needs besides the model and cluster.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanConfig {
+    /// Samples per optimizer step over all replicas.
+    pub global_batch: usize,
+    /// Fixed settings.
+    pub constraints: SearchConstraints,
+    /// Plan as a peer would instead of searching.
+    pub baseline: Option<Baseline>,
+    /// HiGHS threads (1 = reproducible tie-breaking).
+    pub threads: Option<u32>,
+}
+
+impl PlanConfig {
+    /// A config with nothing fixed.
+    pub fn new(global_batch: usize) -> PlanConfig {
+        PlanConfig { global_batch, constraints: SearchConstraints::default(), baseline: None, threads: Some(1) }
+    }
+}
+
+/// Memory of one stage per device, bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StageMemory {
+    /// Weights.
+    pub params: f64,
+    /// Gradients.
+    pub grads: f64,
+    /// Optimizer state.
+    pub optimizer: f64,
+    /// Activations at the peak (in-flight microbatches and the recompute buffer).
+    pub activations: f64,
+    /// Workspace margin (counted once per device, on its first stage).
+    pub workspace: f64,
+    /// Sum.
+    pub total: f64,
+}
+
+/// One (virtual) stage of the chosen plan.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StageDecision {
+    /// Stage index (chunk; `c·p + r` is chunk c of pipeline rank r).
+    pub index: usize,
+    /// Pipeline rank running it.
+    pub pp_rank: usize,
+    /// First and last layer (inclusive).
+    pub layers: [usize; 2],
+    /// Global ranks holding it: `ranks[d·tp + t]`.
+    pub ranks: Vec<usize>,
+    /// Forward time per microbatch, seconds.
+    pub forward_s: f64,
+    /// Backward time per microbatch (recompute included), seconds.
+    pub backward_s: f64,
+    /// Time of the boundary transfer after it per microbatch (forward + backward), seconds.
+    pub comm_s: f64,
+    /// Memory per device.
+    pub memory: StageMemory,
+    /// Layers recomputed in the backward pass.
+    pub checkpointed_layers: Vec<usize>,
+}
+
+/// The tensor strategy chosen for one layer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerDecision {
+    /// Layer index.
+    pub layer: usize,
+    /// Strategy name of the layer's assignment.
+    pub strategy: String,
+    /// Per node: (node name, strategy).
+    pub nodes: Vec<(String, String)>,
+    /// Whether it is checkpointed.
+    pub checkpoint: bool,
+}
+
+/// Predicted figures of the plan.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Predicted {
+    /// Step time, seconds.
+    pub step_time_s: f64,
+    /// Samples per second.
+    pub samples_per_s: f64,
+    /// Pipeline idle time over ideal compute time.
+    pub bubble_ratio: f64,
+    /// Largest per-device memory, bytes.
+    pub peak_memory_bytes: f64,
+    /// Model FLOPs utilisation (3× forward FLOPs per sample, recompute not counted).
+    pub mfu: f64,
+}
+
+/// The planner's answer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanDecision {
+    /// Pipeline degree.
+    pub pp: usize,
+    /// Tensor degree.
+    pub tp: usize,
+    /// Data-parallel degree.
+    pub dp: usize,
+    /// ZeRO stage.
+    pub zero: u8,
+    /// Sharded data-parallel group size, when that was asked for.
+    pub sharded_dp: Option<usize>,
+    /// Microbatches per step.
+    pub microbatches: usize,
+    /// Samples per microbatch.
+    pub microbatch_size: usize,
+    /// Schedule.
+    pub schedule: ScheduleKind,
+    /// Checkpointing rule the search ran under.
+    pub checkpointing: CheckpointRule,
+    /// Placement.
+    pub placement: Placement,
+    /// Stages in chunk order.
+    pub stages: Vec<StageDecision>,
+    /// One entry per layer.
+    pub layers: Vec<LayerDecision>,
+    /// Predictions.
+    pub predicted: Predicted,
+    /// Memory limit planned against, bytes.
+    pub memory_limit_bytes: f64,
+    /// Proof of the chosen candidate's ILP, with search-wide bound and gap.
+    pub solver: SolveReport,
+    /// Candidates whose ILP was solved.
+    pub candidates_solved: u64,
+    /// Candidates skipped by bounds or memory.
+    pub candidates_skipped: u64,
+    /// The pipeline problem of the chosen candidate (dumpable, re-solvable alone).
+    pub problem: problem::PipelineProblem,
+    /// Its solution per layer.
+    pub choices: Vec<problem::LayerChoice>,
+}
+
+/// Search progress for a progress bar.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Progress {
+    /// Candidates handled (solved or skipped).
+    pub done: u64,
+    /// Candidates in total.
+    pub total: u64,
+    /// Best step time so far.
+    pub best_step_s: Option<f64>,
+}
+
+/// Plans `model` on `cluster`: searches (pp, tp, dp, ZeRO, microbatches, schedule,
+/// placement, checkpointing) within `cfg`'s constraints, solves the pipeline ILP of the
+/// promising candidates and returns the best plan with its proof.
+pub fn plan(
+    model: &LayeredGraph,
+    cluster: &ClusterSpec,
+    cfg: &PlanConfig,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<PlanDecision, SolveError> {
+    match cfg.baseline {
+        Some(b) => baseline::plan_baseline(model, cluster, cfg, b, progress),
+        None => search::search(model, cluster, cfg, progress),
+    }
 }

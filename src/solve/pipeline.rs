@@ -75,120 +75,161 @@ impl PipelineProblem {
         }
     }
 
+    /// Maximal runs of consecutive identical layers (and, with a manual layout, the same
+    /// chunk): `(first layer, length)`.
+    pub fn runs(&self) -> Vec<(usize, usize)> {
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for l in 0..self.layers.len() {
+            let same = l > 0
+                && self.layers[l] == self.layers[l - 1]
+                && self.fixed_chunks.as_ref().is_none_or(|f| f[l] == f[l - 1]);
+            match runs.last_mut() {
+                Some(r) if same => r.1 += 1,
+                _ => runs.push((l, 1)),
+            }
+        }
+        runs
+    }
+
     /// Solves the ILP with HiGHS.
+    ///
+    /// Identical neighbouring layers are interchangeable inside a chunk, so the model counts
+    /// them: `n[r][c][o]` layers of run r sit on chunk c with option o (point × checkpoint
+    /// flag). Chunks take the layers in order: `h[r][c]` = some of run r lies in chunks ≤ c,
+    /// `z[r][c]` = all of it does, and `h[r+1][c] ≤ z[r][c]` makes every chunk prefix a model
+    /// prefix. A 96-block model then has a handful of integers per chunk, not 96 × chunks
+    /// binaries and their symmetry.
     pub fn solve(&self, opts: &SolverOptions) -> Result<PipelineSolution, SolveError> {
         self.validate()?;
         let l_n = self.layers.len();
         let v_n = self.chunks();
         let p = self.devices;
         let flags = self.flags();
+        let runs = self.runs();
         let mut milp = Milp::new();
-
-        // y[l] = list of (chunk, point, checkpoint, col)
-        let mut y: Vec<Vec<(usize, usize, bool, Col)>> = Vec::with_capacity(l_n);
-        for l in 0..l_n {
+        // options of a run: (point, checkpoint)
+        let options = |r: usize| -> Vec<(usize, bool)> {
+            let lay = &self.layers[runs[r].0];
+            (0..lay.points.len()).flat_map(|j| flags.iter().map(move |&k| (j, k))).collect()
+        };
+        // n[r][c] = Vec<(option, col)>, empty when chunk c cannot hold run r.
+        let mut n: Vec<Vec<Vec<((usize, bool), Col)>>> = Vec::with_capacity(runs.len());
+        for (r, &(first, len)) in runs.iter().enumerate() {
             let (lo, hi) = match &self.fixed_chunks {
-                Some(f) => (f[l], f[l]),
-                None => (l.saturating_sub(l_n - v_n), l.min(v_n - 1)),
+                Some(f) => (f[first], f[first]),
+                None => ((first).saturating_sub(l_n - v_n), (first + len - 1).min(v_n - 1)),
             };
-            let mut opts_l = Vec::new();
-            for c in lo..=hi {
-                for j in 0..self.layers[l].points.len() {
-                    for &k in flags {
-                        opts_l.push((c, j, k, milp.binary()));
-                    }
+            let mut per_chunk = Vec::with_capacity(v_n);
+            for c in 0..v_n {
+                if c < lo || c > hi {
+                    per_chunk.push(Vec::new());
+                    continue;
                 }
+                per_chunk.push(options(r).into_iter().map(|o| (o, if len == 1 { milp.binary() } else { milp.integer(0.0, len as f64) })).collect());
             }
-            y.push(opts_l);
+            n.push(per_chunk);
         }
-        // X[l][c] = Σ_{c' ≤ c} x[l][c'] (cumulative assignment).
-        let cum = |l: usize, c: usize| -> Expression {
+        let count = |r: usize, c: usize| -> Expression {
             let mut e = Expression::default();
-            for &(cc, _, _, col) in &y[l] {
-                if cc <= c {
-                    e.add_mul(1.0, col.v());
-                }
+            for &(_, col) in &n[r][c] {
+                e.add_mul(1.0, col.v());
             }
             e
         };
-        for opts_l in &y {
-            let mut one = Expression::default();
-            for &(_, _, _, col) in opts_l {
-                one.add_mul(1.0, col.v());
+        let cum = |r: usize, c: usize| -> Expression {
+            let mut e = Expression::default();
+            for cc in 0..=c {
+                e += count(r, cc);
             }
-            milp.constrain(one.eq(1.0));
-        }
-        for l in 0..l_n.saturating_sub(1) {
-            for c in 0..v_n - 1 {
-                milp.constrain(cum(l + 1, c).leq(cum(l, c)));
-            }
+            e
+        };
+        for (r, &(_, len)) in runs.iter().enumerate() {
+            milp.constrain(cum(r, v_n - 1).eq(len as f64));
         }
         for c in 0..v_n {
             let mut e = Expression::default();
-            for opts_l in &y {
-                for &(cc, _, _, col) in opts_l {
-                    if cc == c {
-                        e.add_mul(1.0, col.v());
-                    }
-                }
+            for r in 0..runs.len() {
+                e += count(r, c);
             }
             milp.constrain(e.geq(1.0));
+        }
+        // h[r][c], z[r][c] for c < v_n − 1.
+        let mut h: Vec<Vec<Expression>> = Vec::with_capacity(runs.len());
+        let mut z: Vec<Vec<Expression>> = Vec::with_capacity(runs.len());
+        for (r, &(_, len)) in runs.iter().enumerate() {
+            let mut hr = Vec::with_capacity(v_n);
+            let mut zr = Vec::with_capacity(v_n);
+            for c in 0..v_n.saturating_sub(1) {
+                let u = cum(r, c);
+                let hc = milp.binary();
+                milp.constrain(u.clone().leq(len as f64 * hc.v()));
+                milp.constrain(u.clone().geq(hc.v()));
+                hr.push(Expression::from(hc.v()));
+                if len == 1 {
+                    zr.push(Expression::from(hc.v()));
+                } else {
+                    let zc = milp.binary();
+                    milp.constrain(u.geq(len as f64 * zc.v()));
+                    zr.push(Expression::from(zc.v()));
+                }
+            }
+            h.push(hr);
+            z.push(zr);
+        }
+        for r in 0..runs.len().saturating_sub(1) {
+            for c in 0..v_n.saturating_sub(1) {
+                milp.constrain(h[r + 1][c].clone().leq(z[r][c].clone()));
+            }
         }
         // Per device time, sync, memory.
         let mut time = vec![Expression::default(); p];
         let mut sync = vec![Expression::default(); p];
         let mut mem = vec![Expression::default(); p];
-        let mut has_ckpt = vec![false; p];
-        for (l, opts_l) in y.iter().enumerate() {
-            for &(c, j, k, col) in opts_l {
-                let pt = &self.layers[l].points[j];
+        let mut recompute: Vec<Vec<(f64, Expression)>> = vec![Vec::new(); p];
+        for (r, &(first, len)) in runs.iter().enumerate() {
+            let lay = &self.layers[first];
+            for c in 0..v_n {
                 let d = c % p;
-                time[d].add_mul(pt.fwd_s + pt.bwd_s + if k { pt.fwd_s } else { 0.0 }, col.v());
-                sync[d].add_mul(pt.sync_s, col.v());
-                let kept = if k { pt.input_bytes } else { pt.act_bytes };
-                mem[d].add_mul((pt.state_bytes + self.in_flight[c] * kept) / GIB, col.v());
-                has_ckpt[d] |= k;
+                for &((j, k), col) in &n[r][c] {
+                    let pt = &lay.points[j];
+                    time[d].add_mul(pt.fwd_s + pt.bwd_s + if k { pt.fwd_s } else { 0.0 }, col.v());
+                    sync[d].add_mul(pt.sync_s, col.v());
+                    let kept = if k { pt.input_bytes } else { pt.act_bytes };
+                    mem[d].add_mul((pt.state_bytes + self.in_flight[c] * kept) / GIB, col.v());
+                    if k && pt.act_bytes > pt.input_bytes {
+                        let used = if len == 1 {
+                            Expression::from(col.v())
+                        } else {
+                            let w = milp.binary();
+                            milp.constrain(Expression::from(col.v()).leq(len as f64 * w.v()));
+                            Expression::from(w.v())
+                        };
+                        recompute[d].push(((pt.act_bytes - pt.input_bytes) / GIB, used));
+                    }
+                }
             }
         }
         for d in 0..p {
-            if has_ckpt[d] {
-                let r = milp.continuous(0.0, f64::INFINITY);
-                for (l, opts_l) in y.iter().enumerate() {
-                    for &(c, j, k, col) in opts_l {
-                        let pt = &self.layers[l].points[j];
-                        if k && c % p == d && pt.act_bytes > pt.input_bytes {
-                            milp.constrain(Expression::from(r.v()).geq(((pt.act_bytes - pt.input_bytes) / GIB) * col.v()));
-                        }
-                    }
+            if !recompute[d].is_empty() {
+                let rb = milp.continuous(0.0, f64::INFINITY);
+                for (bytes, used) in &recompute[d] {
+                    milp.constrain(Expression::from(rb.v()).geq(*bytes * used.clone()));
                 }
-                mem[d].add_mul(1.0, r.v());
+                mem[d].add_mul(1.0, rb.v());
             }
             milp.constrain(mem[d].clone().leq((self.memory_cap - self.workspace) / GIB));
         }
-        // Symmetry: identical neighbours in one chunk take options in a fixed order.
-        for l in 0..l_n.saturating_sub(1) {
-            if self.fixed_chunks.is_none() && self.layers[l] == self.layers[l + 1] {
-                let rank = |l: usize| -> Expression {
-                    let mut e = Expression::default();
-                    for &(_, j, k, col) in &y[l] {
-                        e.add_mul((2 * j + k as usize) as f64, col.v());
-                    }
-                    e
-                };
-                let big = (2 * self.layers[l].points.len()) as f64;
-                let mut last = Expression::default();
-                for c in 0..v_n - 1 {
-                    last += cum(l, c) - cum(l + 1, c);
-                }
-                milp.constrain(rank(l).leq(rank(l + 1) + big * last));
-            }
-        }
+        // Boundary c carries the output of the run holding chunk c's last layer:
+        // h[r][c] − h[r+1][c] is exactly "chunk c ends inside run r".
         let mut transfer = Expression::default();
-        for c in 0..v_n - 1 {
-            for l in 0..l_n - 1 {
-                let w = 2.0 * self.layers[l].output_bytes * self.transfer_s_per_byte[c];
+        for c in 0..v_n.saturating_sub(1) {
+            for (r, &(first, _)) in runs.iter().enumerate() {
+                let w = 2.0 * self.layers[first].output_bytes * self.transfer_s_per_byte[c];
                 if w != 0.0 {
-                    transfer += w * (cum(l, c) - cum(l + 1, c));
+                    transfer += w * h[r][c].clone();
+                    if r + 1 < runs.len() {
+                        transfer -= w * h[r + 1][c].clone();
+                    }
                 }
             }
         }
@@ -223,16 +264,24 @@ impl PipelineProblem {
         if values.is_empty() {
             return Ok(PipelineSolution { report, choices: Vec::new(), eval: None });
         }
-        let choices: Vec<LayerChoice> = y
-            .iter()
-            .map(|opts_l| {
-                let best = opts_l
-                    .iter()
-                    .max_by(|a, b| value(&values, a.3).total_cmp(&value(&values, b.3)))
-                    .map(|&(c, j, k, _)| LayerChoice { chunk: c, point: j, checkpoint: k });
-                best.unwrap_or(LayerChoice { chunk: 0, point: 0, checkpoint: false })
-            })
-            .collect();
+        let mut choices: Vec<LayerChoice> = Vec::with_capacity(l_n);
+        for (r, &(_, len)) in runs.iter().enumerate() {
+            let before = choices.len();
+            for (c, opts_c) in n[r].iter().enumerate() {
+                for &((j, k), col) in opts_c {
+                    let k_count = value(&values, col).round().max(0.0) as usize;
+                    for _ in 0..k_count {
+                        choices.push(LayerChoice { chunk: c, point: j, checkpoint: k });
+                    }
+                }
+            }
+            if choices.len() - before != len {
+                return Err(SolveError::Solver(format!(
+                    "HiGHS returned {} layers for a run of {len}; numerical trouble",
+                    choices.len() - before
+                )));
+            }
+        }
         let eval = self.evaluate(&choices);
         Ok(PipelineSolution { report, choices, eval })
     }

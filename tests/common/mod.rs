@@ -1,1 +1,9 @@
+//! Shared test fixtures.
+#![allow(dead_code, unused_imports)]
+
 pub mod interp;
+pub mod plan_fixture;
+pub mod synthetic_gpt;
+
+pub use plan_fixture::*;
+pub use synthetic_gpt::*;

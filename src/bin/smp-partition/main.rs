@@ -1,5 +1,6 @@
 //! `smp-partition`: plan a model for model-parallel training, inspect plans.
 
+mod graph_cmd;
 mod inspect_cmd;
 mod plan_cmd;
 
@@ -20,6 +21,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Show the model's layers with parameters, FLOPs and activations.
+    Graph(graph_cmd::GraphArgs),
     /// Explain a plan file: stages, bottleneck, memory, communication, the solver's proof.
     Inspect(inspect_cmd::InspectArgs),
 }
@@ -41,6 +44,7 @@ fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Some(Command::Inspect(args)) => inspect_cmd::run(&args),
+        Some(Command::Graph(args)) => graph_cmd::run(&args).map(|()| ExitCode::SUCCESS),
         None => plan_cmd::run(&cli.plan),
     };
     match result {

@@ -7,8 +7,10 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 
 use smp_partition::plan::config::{
-    Baseline, Checkpointing, Constraints, Layout, Optimize, Placement, PlanRequest, Schedule, SmpConfig, parse_dim,
+    Baseline, Checkpointing, Constraints, Layout, Optimize, Placement, PlanRequest, Schedule, SmpConfig,
+    parse_dim,
 };
+use smp_partition::cost::ClusterSpec;
 use smp_partition::plan::{Plan, io, report};
 
 /// Options of the planning job (flattened into the top-level command).
@@ -133,7 +135,9 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
 }
 
 /// Model → layered graph → cluster → solver → plan.
-fn make_plan(model: &std::path::Path, _args: &PlanArgs, _constraints: &Constraints) -> Result<Plan> {
+fn make_plan(model: &std::path::Path, args: &PlanArgs, constraints: &Constraints) -> Result<Plan> {
+    let cluster = ClusterSpec::parse(&args.cluster).with_context(|| format!("--cluster {}", args.cluster))?;
+    constraints.check_devices(cluster.devices, &args.cluster)?;
     if !model.exists() {
         bail!("{}: no such model file", model.display());
     }

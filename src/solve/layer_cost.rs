@@ -1,0 +1,184 @@
+//! Per-layer figures under a parallel configuration: the Pareto points the pipeline problem
+//! chooses from, from the cost model (roofline compute, alpha-beta collectives, ZeRO state).
+//!
+//! Tensor parallelism follows Megatron-LM's split of a layer: matmuls with a weight operand
+//! alternate column and row splits (one all-reduce per pair, forward and backward), embedding
+//! lookups split the vocabulary (one all-reduce forward), and the other ops run sharded
+//! (sequence parallel), so compute, parameters and saved activations divide by t.
+
+use std::collections::HashMap;
+
+use crate::cost::{ClusterSpec, CommModel, GroupSpan, StatePrecision, model_state};
+use crate::cost::compute::{bytes_scale, graph_float_dtype, layer_times};
+use crate::ir::{DType, LayeredGraph, OpKind, ValueKind};
+
+use super::problem::{ParetoPoint, PipelineLayer};
+
+/// What the tensor split of a layer needs, read once from the IR.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LayerShape {
+    /// Matmuls whose second operand is a parameter.
+    pub weight_matmuls: usize,
+    /// Gathers from a parameter table (embeddings).
+    pub embeddings: usize,
+    /// Parameter elements first read here.
+    pub params: f64,
+}
+
+/// The configuration-dependent inputs of a layer's cost.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerConfig {
+    /// Tensor degree.
+    pub tp: usize,
+    /// Samples per microbatch.
+    pub microbatch: usize,
+    /// ZeRO stage.
+    pub zero: u8,
+    /// Replicas the ZeRO state is divided over.
+    pub zero_group: GroupSpan,
+    /// The data-parallel group gradients are reduced over.
+    pub dp_group: GroupSpan,
+    /// The tensor-parallel group.
+    pub tp_group: GroupSpan,
+}
+
+/// Figures of a model on a cluster, with a cache of layer points.
+pub struct CostContext<'a> {
+    /// The model.
+    pub lg: &'a LayeredGraph,
+    /// The cluster.
+    pub spec: &'a ClusterSpec,
+    /// Link model.
+    pub comm: CommModel,
+    /// Training dtype.
+    pub dtype: DType,
+    /// Graph bytes → training bytes.
+    pub bytes_scale: f64,
+    /// State bytes per parameter.
+    pub precision: StatePrecision,
+    /// Per-layer shape facts.
+    pub shapes: Vec<LayerShape>,
+    cache: HashMap<(usize, usize, usize, u8, GroupSpan, GroupSpan, GroupSpan), PipelineLayer>,
+    sig_index: Vec<usize>,
+}
+
+impl<'a> CostContext<'a> {
+    /// Reads the layer facts of `lg`.
+    pub fn new(lg: &'a LayeredGraph, spec: &'a ClusterSpec) -> CostContext<'a> {
+        let dtype = spec.default_compute_dtype();
+        let g = &lg.graph;
+        let is_param = |v: Option<crate::ir::ValueId>| {
+            v.is_some_and(|v| {
+                let val = g.value(v);
+                val.kind == ValueKind::Initializer && val.ty.as_ref().is_some_and(|t| t.dtype.is_float())
+            })
+        };
+        let shapes = lg
+            .layers
+            .iter()
+            .map(|l| {
+                let mut s = LayerShape { params: l.figures.param_elems as f64, ..Default::default() };
+                for &id in &l.nodes {
+                    let Some(n) = g.try_node(id) else { continue };
+                    match n.op.kind() {
+                        Some(OpKind::MatMul | OpKind::Gemm) if is_param(n.inputs.get(1).copied().flatten()) => {
+                            s.weight_matmuls += 1
+                        }
+                        Some(OpKind::Gather) if is_param(n.inputs.first().copied().flatten()) => s.embeddings += 1,
+                        _ => {}
+                    }
+                }
+                s
+            })
+            .collect();
+        let mut sigs: HashMap<&str, usize> = HashMap::new();
+        let sig_index = lg
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| *sigs.entry(l.signature.as_str()).or_insert(i))
+            .collect();
+        CostContext {
+            lg,
+            spec,
+            comm: CommModel::new(spec),
+            dtype,
+            bytes_scale: bytes_scale(graph_float_dtype(&lg.graph), dtype),
+            precision: if dtype == DType::F32 { StatePrecision::FP32_ADAM } else { StatePrecision::MIXED_ADAM },
+            shapes,
+            cache: HashMap::new(),
+            sig_index,
+        }
+    }
+
+    /// The layer's Pareto points (one tensor assignment here) under `cfg`; identical layers
+    /// (same signature) share one computation.
+    pub fn layer(&mut self, layer: usize, cfg: &LayerConfig) -> PipelineLayer {
+        let rep = self.sig_index[layer];
+        let key = (rep, cfg.tp, cfg.microbatch, cfg.zero, cfg.zero_group, cfg.dp_group, cfg.tp_group);
+        if let Some(l) = self.cache.get(&key) {
+            return l.clone();
+        }
+        let l = self.compute(rep, cfg);
+        self.cache.insert(key, l.clone());
+        l
+    }
+
+    fn compute(&self, layer: usize, cfg: &LayerConfig) -> PipelineLayer {
+        let lay = &self.lg.layers[layer];
+        let shape = self.shapes[layer];
+        let t = cfg.tp.max(1) as f64;
+        let b = cfg.microbatch as f64;
+        let times = layer_times(self.lg, layer, self.spec, self.dtype, b, cfg.tp);
+        let hidden = lay.input_bytes.max(lay.output_bytes) * b * self.bytes_scale;
+        let ar = self.comm.all_reduce(hidden, &cfg.tp_group);
+        let pairs = shape.weight_matmuls.div_ceil(2) as f64;
+        let tp_fwd = if cfg.tp > 1 { (pairs + shape.embeddings as f64) * ar } else { 0.0 };
+        let tp_bwd = if cfg.tp > 1 { pairs * ar } else { 0.0 };
+        let params = shape.params / t;
+        let state = model_state(params, cfg.zero, cfg.zero_group.size, self.precision);
+        let weight_bytes = params * self.precision.weight as f64;
+        let grad_bytes = params * self.precision.grad as f64;
+        let (mut fwd_extra, mut bwd_extra) = (0.0, 0.0);
+        let sync = match cfg.zero {
+            0 => self.comm.all_reduce(grad_bytes, &cfg.dp_group),
+            1 | 2 => {
+                self.comm.reduce_scatter(grad_bytes, &cfg.zero_group)
+                    + self.comm.all_gather(weight_bytes, &cfg.zero_group)
+                    + self.outer_reduce(grad_bytes, cfg)
+            }
+            _ => {
+                // ZeRO-3 gathers the weights before every forward and backward.
+                let gather = self.comm.all_gather(weight_bytes, &cfg.zero_group);
+                fwd_extra += gather;
+                bwd_extra += gather;
+                self.comm.reduce_scatter(grad_bytes, &cfg.zero_group) + self.outer_reduce(grad_bytes, cfg)
+            }
+        };
+        let point = ParetoPoint {
+            fwd_s: times.fwd + tp_fwd + fwd_extra,
+            bwd_s: times.bwd + tp_bwd + bwd_extra,
+            state_bytes: state.total(),
+            act_bytes: lay.figures.saved_bytes.max(lay.input_bytes) * b * self.bytes_scale / t,
+            input_bytes: lay.input_bytes * b * self.bytes_scale / t,
+            sync_s: sync,
+            choice: 0,
+        };
+        PipelineLayer { points: vec![point], output_bytes: lay.output_bytes * b * self.bytes_scale }
+    }
+
+    /// Gradient all-reduce across sharded groups when ZeRO covers only part of the replicas.
+    fn outer_reduce(&self, grad_bytes: f64, cfg: &LayerConfig) -> f64 {
+        let outer = cfg.dp_group.size / cfg.zero_group.size.max(1);
+        if outer <= 1 {
+            return 0.0;
+        }
+        let span = GroupSpan { size: outer, per_node: 1 };
+        self.comm.all_reduce(grad_bytes / cfg.zero_group.size.max(1) as f64, &span)
+    }
+
+    /// Model-state split of `params` parameters (per device, after t and ZeRO).
+    pub fn state_split(&self, params: f64, cfg: &LayerConfig) -> crate::cost::ModelState {
+        model_state(params / cfg.tp.max(1) as f64, cfg.zero, cfg.zero_group.size, self.precision)
+    }
+}

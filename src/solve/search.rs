@@ -1,0 +1,567 @@
+//! The outer search (PLANNER.md §3): enumerate parallel configurations cheaply, bound each
+//! (compute with perfect balance plus the schedule's bubble plus data-parallel sync), drop the
+//! ones whose memory cannot fit, solve the pipeline ILP in bound order and stop when the next
+//! bound reaches the incumbent.
+
+use std::time::Instant;
+
+use crate::cost::{ClusterSpec, GroupSpan, in_flight};
+use crate::ir::{LayeredGraph, ScheduleKind};
+
+use super::ilp::{SolveReport, SolveStatus, SolverOptions};
+use super::layer_cost::{CostContext, LayerConfig};
+use super::pipeline::PipelineSolution;
+use super::problem::{CheckpointRule, PipelineObjective, PipelineProblem};
+use super::{
+    LayerDecision, Optimize, PlanConfig, PlanDecision, Placement, Predicted, Progress, SolveError, StageDecision,
+    StageMemory,
+};
+
+/// Default budget for a whole search when none is given, seconds.
+pub const DEFAULT_TIME_LIMIT_S: f64 = 60.0;
+
+/// One point of the configuration space.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Candidate {
+    /// Pipeline degree.
+    pub pp: usize,
+    /// Tensor degree.
+    pub tp: usize,
+    /// Data-parallel degree.
+    pub dp: usize,
+    /// ZeRO stage.
+    pub zero: u8,
+    /// Replicas the ZeRO state is sharded over (dp unless sharded-dp says less).
+    pub zero_group: usize,
+    /// Microbatches.
+    pub microbatches: usize,
+    /// Samples per microbatch.
+    pub microbatch_size: usize,
+    /// Schedule.
+    pub schedule: ScheduleKind,
+    /// Placement.
+    pub placement: Placement,
+    /// Checkpointing rule.
+    pub checkpoint: CheckpointRule,
+}
+
+/// A candidate with its flat problem and bounds.
+#[derive(Clone, Debug)]
+pub struct Prepared {
+    /// The configuration.
+    pub cand: Candidate,
+    /// Its pipeline problem.
+    pub problem: PipelineProblem,
+    /// Lower bound on its step time.
+    pub lb: f64,
+    /// Lower bound on its peak memory per device.
+    pub mem_lb: f64,
+}
+
+fn divisors(n: usize) -> Vec<usize> {
+    (1..=n).filter(|d| n % d == 0).collect()
+}
+
+/// Bubble weight of Σ T[d] in the step time (see `PipelineProblem`).
+pub fn bubble_coeff(kind: ScheduleKind) -> f64 {
+    match kind {
+        ScheduleKind::GPipe | ScheduleKind::OneFOneB => 1.0,
+        ScheduleKind::Interleaved { virtual_stages } => 1.0 / virtual_stages.max(1) as f64,
+        // Qi et al. 2024: bubble (p−1)(F + B − W) with F = B = W: a third of 1F1B's.
+        ScheduleKind::ZbH1 => 1.0 / 3.0,
+    }
+}
+
+/// Enumerates the candidates `cfg` allows on `spec`.
+pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanConfig) -> Result<Vec<Candidate>, SolveError> {
+    let c = &cfg.constraints;
+    let devices = spec.devices;
+    let layers = lg.layers.len();
+    let batch = cfg.global_batch;
+    if batch == 0 {
+        return Err(SolveError::Setting("--global-batch must be at least 1".into()));
+    }
+    if layers == 0 {
+        return Err(SolveError::Setting("the model has no layers to place".into()));
+    }
+    let fixed_v = c.schedule.map(|s| s.virtual_stages()).unwrap_or(1);
+    let layout_pp = c.layout.as_ref().map(|l| l.len() / fixed_v.max(1));
+    if let (Some(a), Some(b)) = (c.pp, layout_pp)
+        && a != b
+    {
+        return Err(SolveError::Setting(format!(
+            "--pp {a} conflicts with --layout, which has {} stages",
+            c.layout.as_ref().map_or(0, |l| l.len())
+        )));
+    }
+    let pp_fixed = c.pp.or(layout_pp);
+    let mut out = Vec::new();
+    for pp in divisors(devices) {
+        if pp_fixed.is_some_and(|f| f != pp) || pp > layers {
+            continue;
+        }
+        for tp in divisors(devices / pp) {
+            if c.tp.is_some_and(|f| f != tp) {
+                continue;
+            }
+            if c.tp.is_none() && tp > spec.devices_per_node.max(1) {
+                continue;
+            }
+            let dp = devices / pp / tp;
+            if c.dp.is_some_and(|f| f != dp) || batch % dp != 0 {
+                continue;
+            }
+            let per_replica = batch / dp;
+            let zeros: Vec<u8> = match (c.zero, c.sharded_dp) {
+                (_, Some(_)) => vec![3],
+                (Some(z), None) => vec![z.min(3)],
+                (None, None) if dp == 1 => vec![0],
+                (None, None) => vec![0, 1, 2, 3],
+            };
+            let zero_group = match c.sharded_dp {
+                Some(s) if dp % s == 0 => s,
+                Some(s) => {
+                    if c.dp.is_some() || c.pp.is_some() && c.tp.is_some() {
+                        return Err(SolveError::Setting(format!(
+                            "--sharded-dp {s} does not divide the data-parallel degree {dp}"
+                        )));
+                    }
+                    continue;
+                }
+                None => dp,
+            };
+            let ms: Vec<usize> = match c.microbatches {
+                Some(m) if per_replica % m == 0 => vec![m],
+                Some(_) => continue,
+                None => divisors(per_replica),
+            };
+            for m in ms {
+                let b = per_replica / m;
+                if lg.dims.fixed_batch && b as i64 != lg.dims.graph_batch {
+                    continue;
+                }
+                let schedules: Vec<ScheduleKind> = match c.schedule {
+                    Some(s) => vec![s],
+                    None if pp == 1 => vec![ScheduleKind::OneFOneB],
+                    None => {
+                        let mut v = vec![ScheduleKind::OneFOneB, ScheduleKind::ZbH1, ScheduleKind::GPipe];
+                        if layers >= 2 * pp && m >= pp && m % pp == 0 {
+                            v.push(ScheduleKind::Interleaved { virtual_stages: 2 });
+                        }
+                        v
+                    }
+                };
+                let multi = [dp, pp, tp].iter().filter(|&&x| x > 1).count() >= 2;
+                let placements: Vec<Placement> = match c.placement {
+                    Some(p) => vec![p],
+                    None if multi => vec![Placement::CLUSTER, Placement::SPREAD],
+                    None => vec![Placement::CLUSTER],
+                };
+                for &schedule in &schedules {
+                    if pp * schedule.virtual_stages() > layers {
+                        continue;
+                    }
+                    for &placement in &placements {
+                        for &zero in &zeros {
+                            out.push(Candidate {
+                                pp,
+                                tp,
+                                dp,
+                                zero,
+                                zero_group,
+                                microbatches: m,
+                                microbatch_size: b,
+                                schedule,
+                                placement,
+                                checkpoint: c.checkpointing.unwrap_or(CheckpointRule::Auto),
+                            });
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if out.is_empty() {
+        return Err(SolveError::Setting(format!(
+            "no parallel configuration satisfies the fixed settings on {devices} devices with global batch {batch} \
+             (pp·tp·dp must equal the device count, dp must divide the batch, tp ≤ {} unless fixed)",
+            spec.devices_per_node
+        )));
+    }
+    Ok(out)
+}
+
+/// Turns a manual layout (`[first, last]` per chunk) into the chunk of every layer.
+pub fn layout_chunks(layout: &[[usize; 2]], layers: usize) -> Result<Vec<usize>, SolveError> {
+    let mut chunks = Vec::with_capacity(layers);
+    let mut next = 0;
+    for (c, &[first, last]) in layout.iter().enumerate() {
+        if first != next || last < first {
+            return Err(SolveError::Setting(format!(
+                "--layout stage {c} is {first}-{last}; it must start at layer {next} and not end before it starts"
+            )));
+        }
+        for _ in first..=last {
+            chunks.push(c);
+        }
+        next = last + 1;
+    }
+    if next != layers {
+        return Err(SolveError::Setting(format!("--layout covers layers 0-{} but the model has {layers}", next.saturating_sub(1))));
+    }
+    Ok(chunks)
+}
+
+/// Builds the pipeline problem of a candidate.
+pub fn prepare(
+    ctx: &mut CostContext<'_>,
+    cand: &Candidate,
+    memory_cap: f64,
+    active: Option<usize>,
+    fixed_chunks: Option<Vec<usize>>,
+) -> Prepared {
+    let spec = ctx.spec;
+    let dpn = spec.devices_per_node.max(1);
+    let deg = [cand.dp, cand.pp, cand.tp];
+    let rank = |d: usize, p: usize, t: usize| cand.placement.rank([d, p, t], deg);
+    let tp_ranks: Vec<usize> = (0..cand.tp).map(|t| rank(0, 0, t)).collect();
+    let dp_ranks: Vec<usize> = (0..cand.dp).map(|d| rank(d, 0, 0)).collect();
+    let lc = LayerConfig {
+        tp: cand.tp,
+        microbatch: cand.microbatch_size,
+        zero: cand.zero,
+        zero_group: GroupSpan::of_ranks(&dp_ranks[..cand.zero_group.min(cand.dp).max(1)], dpn),
+        dp_group: GroupSpan::of_ranks(&dp_ranks, dpn),
+        tp_group: GroupSpan::of_ranks(&tp_ranks, dpn),
+    };
+    let layers: Vec<_> = (0..ctx.lg.layers.len()).map(|l| ctx.layer(l, &lc)).collect();
+    let v = cand.schedule.virtual_stages();
+    let chunks = cand.pp * v;
+    let beta: Vec<f64> = (0..chunks.saturating_sub(1))
+        .map(|c| {
+            let kind = ctx.comm.link_between(rank(0, c % cand.pp, 0), rank(0, (c + 1) % cand.pp, 0));
+            1.0 / ctx.comm.link(kind).bandwidth
+        })
+        .collect();
+    let flight: Vec<f64> = (0..chunks)
+        .map(|c| {
+            let f = in_flight(cand.schedule, cand.pp, cand.microbatches, c % cand.pp + 1);
+            match active {
+                Some(a) => f.min(a as f64),
+                None => f,
+            }
+        })
+        .collect();
+    let problem = PipelineProblem {
+        layers,
+        devices: cand.pp,
+        virtual_stages: v,
+        microbatches: cand.microbatches,
+        in_flight: flight,
+        bubble_coeff: bubble_coeff(cand.schedule),
+        memory_cap,
+        workspace: spec.workspace_bytes as f64,
+        transfer_s_per_byte: beta,
+        checkpoint: cand.checkpoint,
+        fixed_chunks,
+        objective: PipelineObjective::StepTime,
+    };
+    let (lb, mem_lb) = bounds(&problem);
+    Prepared { cand: *cand, problem, lb, mem_lb }
+}
+
+/// Lower bounds on the step time and the peak memory of any solution of `p`.
+pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
+    let devices = p.devices as f64;
+    let c = p.bubble_coeff;
+    let m = p.microbatches as f64;
+    let mut t_sum = 0.0;
+    let mut sync_sum = 0.0;
+    let mut state = 0.0;
+    let mut kept = 0.0;
+    for l in &p.layers {
+        let recompute = p.checkpoint == CheckpointRule::Always;
+        t_sum += l.points.iter().map(|q| q.fwd_s + q.bwd_s + if recompute { q.fwd_s } else { 0.0 }).fold(f64::INFINITY, f64::min);
+        sync_sum += l.points.iter().map(|q| q.sync_s).fold(f64::INFINITY, f64::min);
+        state += l.points.iter().map(|q| q.state_bytes).fold(f64::INFINITY, f64::min);
+        kept += l
+            .points
+            .iter()
+            .map(|q| if p.checkpoint == CheckpointRule::Never { q.act_bytes } else { q.input_bytes })
+            .fold(f64::INFINITY, f64::min);
+    }
+    let min_flight = p.in_flight.iter().cloned().fold(f64::INFINITY, f64::min);
+    let lb = t_sum * (c + (m - c) / devices) + sync_sum / devices;
+    let mem_lb = (state + kept * min_flight) / devices + p.workspace;
+    (lb, mem_lb)
+}
+
+/// The search.
+pub fn search(
+    lg: &LayeredGraph,
+    spec: &ClusterSpec,
+    cfg: &PlanConfig,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<PlanDecision, SolveError> {
+    let cands = enumerate(lg, spec, cfg)?;
+    run(lg, spec, cfg, cands, &|_, _| None, progress)
+}
+
+/// Solves the given candidates in bound order; `fixed(cand, layers)` may impose a layout.
+pub fn run(
+    lg: &LayeredGraph,
+    spec: &ClusterSpec,
+    cfg: &PlanConfig,
+    cands: Vec<Candidate>,
+    fixed: &dyn Fn(&Candidate, &CostContext<'_>) -> Option<Vec<usize>>,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<PlanDecision, SolveError> {
+    let start = Instant::now();
+    let c = &cfg.constraints;
+    let limit = c.time_limit_s.unwrap_or(DEFAULT_TIME_LIMIT_S);
+    let cap = c.memory_limit.map_or(spec.memory_bytes, |m| m.min(u64::MAX)) as f64;
+    let layout = match &c.layout {
+        Some(l) => Some(layout_chunks(l, lg.layers.len())?),
+        None => None,
+    };
+    let mut ctx = CostContext::new(lg, spec);
+    let total = cands.len() as u64;
+    let mut prepared: Vec<Prepared> = cands
+        .iter()
+        .map(|cand| {
+            let f = layout.clone().or_else(|| fixed(cand, &ctx));
+            prepare(&mut ctx, cand, cap, c.active_microbatches, f)
+        })
+        .collect();
+    let min_mem = prepared.iter().map(|p| p.mem_lb).fold(f64::INFINITY, f64::min);
+    let (mut fit, unfit): (Vec<Prepared>, Vec<Prepared>) = prepared.drain(..).partition(|p| p.mem_lb <= cap);
+    let mut skipped = unfit.len() as u64;
+    fit.sort_by(|a, b| a.lb.total_cmp(&b.lb));
+    let opts = |remaining: f64| SolverOptions { time_limit_s: Some(remaining.max(0.05)), threads: cfg.threads, mip_rel_gap: 0.0 };
+    let mut best: Option<(usize, PipelineSolution)> = None;
+    let mut solved = 0u64;
+    let mut open_bound = f64::INFINITY; // least bound among candidates not proven
+    let mut done = skipped;
+    let mut i = 0;
+    while i < fit.len() {
+        let p = &fit[i];
+        let incumbent = best.as_ref().map(|b| b.1.report.objective);
+        if incumbent.is_some_and(|inc| p.lb >= inc * (1.0 - 1e-9)) {
+            break;
+        }
+        let remaining = limit - start.elapsed().as_secs_f64();
+        if remaining <= 0.0 && best.is_some() {
+            open_bound = open_bound.min(p.lb);
+            break;
+        }
+        let sol = p.problem.solve(&opts(remaining))?;
+        solved += 1;
+        done += 1;
+        match sol.report.status {
+            SolveStatus::Optimal | SolveStatus::Feasible => {
+                if sol.report.status == SolveStatus::Feasible {
+                    open_bound = open_bound.min(sol.report.bound);
+                }
+                if incumbent.is_none_or(|inc| sol.report.objective < inc) {
+                    best = Some((i, sol));
+                }
+            }
+            SolveStatus::TimeLimit => open_bound = open_bound.min(sol.report.bound.max(p.lb)),
+            SolveStatus::Infeasible => {}
+        }
+        progress(Progress { done, total, best_step_s: best.as_ref().map(|b| b.1.report.objective) });
+        i += 1;
+    }
+    skipped += (fit.len() - i) as u64;
+    progress(Progress { done: total, total, best_step_s: best.as_ref().map(|b| b.1.report.objective) });
+    let Some((bi, mut sol)) = best else {
+        return Err(infeasible(lg, spec, cfg, cap, min_mem));
+    };
+    let mut chosen = fit[bi].clone();
+    if c.optimize == Optimize::Memory {
+        let max_step = sol.report.objective * 1.05;
+        let mut best_mem = sol.eval.as_ref().map_or(f64::INFINITY, |e| e.total_bytes.iter().cloned().fold(0.0, f64::max));
+        for p in fit.iter().filter(|p| p.lb <= max_step) {
+            let remaining = limit - start.elapsed().as_secs_f64();
+            if remaining <= 0.0 {
+                break;
+            }
+            let prob = PipelineProblem { objective: PipelineObjective::PeakMemory { max_step_s: max_step }, ..p.problem.clone() };
+            let s = prob.solve(&opts(remaining))?;
+            solved += 1;
+            if matches!(s.report.status, SolveStatus::Optimal | SolveStatus::Feasible) && s.report.objective < best_mem {
+                best_mem = s.report.objective;
+                chosen = Prepared { problem: prob, ..p.clone() };
+                sol = s;
+            }
+        }
+    }
+    let objective = sol.report.objective;
+    let bound = match c.optimize {
+        Optimize::Speed => open_bound.min(objective).min(sol.report.bound.max(f64::NEG_INFINITY)),
+        Optimize::Memory => sol.report.bound,
+    };
+    let gap = if objective > 0.0 { ((objective - bound) / objective).max(0.0) } else { 0.0 };
+    let report = SolveReport {
+        status: if gap <= 1e-6 && sol.report.status == SolveStatus::Optimal { SolveStatus::Optimal } else { SolveStatus::Feasible },
+        objective,
+        bound,
+        gap,
+        wall_s: start.elapsed().as_secs_f64(),
+    };
+    decision(&ctx, cfg, &chosen, sol, report, solved, skipped, cap)
+}
+
+fn infeasible(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanConfig, cap: f64, min_mem: f64) -> SolveError {
+    let gib = |b: f64| b / (1u64 << 30) as f64;
+    let mut fix = format!("needs at least {:.1} GiB per device", gib(min_mem));
+    // The smallest device count (whole nodes) whose memory lower bound fits.
+    let mut devices = spec.devices;
+    for _ in 0..8 {
+        devices *= 2;
+        let bigger = ClusterSpec { devices, ..spec.clone() };
+        let Ok(cands) = enumerate(lg, &bigger, cfg) else { continue };
+        let mut ctx = CostContext::new(lg, &bigger);
+        let fits = cands.iter().any(|cand| prepare(&mut ctx, cand, cap, cfg.constraints.active_microbatches, None).mem_lb <= cap);
+        if fits {
+            fix.push_str(&format!(", or about {devices} devices of this kind"));
+            break;
+        }
+    }
+    SolveError::Infeasible {
+        reason: format!(
+            "every configuration needs more than the {:.1} GiB per device available ({} devices of {})",
+            gib(cap),
+            spec.devices,
+            spec.device
+        ),
+        fix: if min_mem.is_finite() && min_mem > cap {
+            format!("{fix} (raise --memory-limit or use a larger cluster)")
+        } else {
+            format!("{fix}: checkpointing and memory did not fit together; try --checkpointing auto or more devices")
+        },
+    }
+}
+
+/// Builds the decision record from a solved candidate.
+#[allow(clippy::too_many_arguments)]
+pub fn decision(
+    ctx: &CostContext<'_>,
+    cfg: &PlanConfig,
+    chosen: &Prepared,
+    sol: PipelineSolution,
+    report: SolveReport,
+    solved: u64,
+    skipped: u64,
+    cap: f64,
+) -> Result<PlanDecision, SolveError> {
+    let cand = chosen.cand;
+    let prob = &chosen.problem;
+    let eval = sol.eval.clone().ok_or_else(|| SolveError::Solver("the ILP's solution does not decode to a layout".into()))?;
+    let lg = ctx.lg;
+    let spec = ctx.spec;
+    let deg = [cand.dp, cand.pp, cand.tp];
+    let chunks = prob.chunks();
+    let lc = LayerConfig {
+        tp: cand.tp,
+        microbatch: cand.microbatch_size,
+        zero: cand.zero,
+        zero_group: GroupSpan { size: cand.zero_group, per_node: 1 },
+        dp_group: GroupSpan { size: cand.dp, per_node: 1 },
+        tp_group: GroupSpan { size: cand.tp, per_node: 1 },
+    };
+    let mut stages = Vec::with_capacity(chunks);
+    for c in 0..chunks {
+        let members: Vec<usize> = (0..sol.choices.len()).filter(|&l| sol.choices[l].chunk == c).collect();
+        let (first, last) = (members.first().copied().unwrap_or(0), members.last().copied().unwrap_or(0));
+        let pp_rank = c % cand.pp;
+        let mut ranks = Vec::with_capacity(cand.dp * cand.tp);
+        for d in 0..cand.dp {
+            for t in 0..cand.tp {
+                ranks.push(cand.placement.rank([d, pp_rank, t], deg));
+            }
+        }
+        let (mut fwd, mut bwd, mut params, mut kept, mut rec) = (0.0, 0.0, 0.0, 0.0, 0.0f64);
+        let mut ckpt = Vec::new();
+        for &l in &members {
+            let ch = sol.choices[l];
+            let pt = &prob.layers[l].points[ch.point];
+            fwd += pt.fwd_s;
+            bwd += pt.bwd_s + if ch.checkpoint { pt.fwd_s } else { 0.0 };
+            params += ctx.shapes[l].params;
+            if ch.checkpoint {
+                kept += pt.input_bytes;
+                rec = rec.max(pt.act_bytes - pt.input_bytes);
+                ckpt.push(l);
+            } else {
+                kept += pt.act_bytes;
+            }
+        }
+        let st = ctx.state_split(params, &lc);
+        let activations = prob.in_flight[c] * kept + rec;
+        let workspace = if c < cand.pp { prob.workspace } else { 0.0 };
+        let comm_s = if c + 1 < chunks { 2.0 * prob.layers[last].output_bytes * prob.transfer_s_per_byte[c] } else { 0.0 };
+        stages.push(StageDecision {
+            index: c,
+            pp_rank,
+            layers: [first, last],
+            ranks,
+            forward_s: fwd,
+            backward_s: bwd,
+            comm_s,
+            memory: StageMemory {
+                params: st.params,
+                grads: st.grads,
+                optimizer: st.optimizer,
+                activations,
+                workspace,
+                total: st.total() + activations + workspace,
+            },
+            checkpointed_layers: ckpt,
+        });
+    }
+    let strategy = if cand.tp > 1 { format!("megatron-tp{}", cand.tp) } else { "replicate".to_string() };
+    let layers = sol
+        .choices
+        .iter()
+        .enumerate()
+        .map(|(l, ch)| LayerDecision { layer: l, strategy: strategy.clone(), nodes: Vec::new(), checkpoint: ch.checkpoint })
+        .collect();
+    let step = eval.step_s;
+    let t: Vec<f64> = (0..cand.pp).map(|d| eval.fwd_s[d] + eval.bwd_s[d]).collect();
+    let mean = t.iter().sum::<f64>() / cand.pp as f64;
+    let tmax = t.iter().cloned().fold(0.0, f64::max);
+    let m = cand.microbatches as f64;
+    let pipe = prob.bubble_coeff * t.iter().sum::<f64>() + (m - prob.bubble_coeff) * tmax;
+    let bubble = if mean > 0.0 { (pipe - m * mean) / (m * mean) } else { 0.0 };
+    let batch = cfg.global_batch as f64;
+    let peak = spec.peak_flops(ctx.dtype) * spec.devices as f64;
+    let mfu = if step > 0.0 { 3.0 * lg.flops_per_sample * batch / (step * peak) } else { 0.0 };
+    Ok(PlanDecision {
+        pp: cand.pp,
+        tp: cand.tp,
+        dp: cand.dp,
+        zero: cand.zero,
+        sharded_dp: cfg.constraints.sharded_dp,
+        microbatches: cand.microbatches,
+        microbatch_size: cand.microbatch_size,
+        schedule: cand.schedule,
+        checkpointing: cand.checkpoint,
+        placement: cand.placement,
+        stages,
+        layers,
+        predicted: Predicted {
+            step_time_s: step,
+            samples_per_s: if step > 0.0 { batch / step } else { 0.0 },
+            bubble_ratio: bubble,
+            peak_memory_bytes: eval.total_bytes.iter().cloned().fold(0.0, f64::max),
+            mfu,
+        },
+        memory_limit_bytes: cap,
+        solver: report,
+        candidates_solved: solved,
+        candidates_skipped: skipped,
+        problem: prob.clone(),
+        choices: sol.choices,
+    })
+}

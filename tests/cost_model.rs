@@ -1,0 +1,115 @@
+//! Cost model against closed forms from the literature: model state 16Ψ and its ZeRO
+//! divisions, ring collectives, hierarchical all-reduce, roofline and memory accounting.
+
+use smp_partition::cost::memory::{stage_activation_bytes, StatePrecision};
+use smp_partition::cost::{ClusterSpec, CommModel, GroupSpan, LinkKind, model_state};
+use smp_partition::ir::{Graph, Layer, LayerKind, NodeFigures};
+
+fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-300)
+}
+
+#[test]
+fn model_state_is_16_psi_divided_as_zero_defines() {
+    // ZeRO paper, Fig. 1: Ψ = 7.5B, N_d = 64: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB.
+    let psi = 7.5e9;
+    let gb = |z| model_state(psi, z, 64, StatePrecision::MIXED_ADAM).total() / 1e9;
+    assert!(rel(gb(0), 120.0) < 1e-12);
+    assert!(rel(gb(1), 31.4) < 0.01, "{}", gb(1));
+    assert!(rel(gb(2), 16.6) < 0.01, "{}", gb(2));
+    assert!(rel(gb(3), 1.875) < 1e-12, "{}", gb(3));
+    let s = model_state(psi, 2, 8, StatePrecision::MIXED_ADAM);
+    assert_eq!((s.params, s.grads, s.optimizer), (2.0 * psi, 2.0 * psi / 8.0, 12.0 * psi / 8.0));
+    assert_eq!(model_state(1.0, 0, 1, StatePrecision::FP32_ADAM).total(), 16.0);
+}
+
+#[test]
+fn ring_collectives_match_the_closed_forms() {
+    let spec = ClusterSpec::parse("a100-80gb:64").unwrap();
+    let c = CommModel::new(&spec);
+    let b = 2.0e9;
+    for n in [2usize, 4, 8] {
+        let g = GroupSpan::intra_node(n);
+        let nf = n as f64;
+        let (bw, a) = (spec.intra_node_bandwidth, spec.intra_node_latency);
+        assert!(rel(c.all_reduce(b, &g), 2.0 * (nf - 1.0) / nf * b / bw + 2.0 * (nf - 1.0) * a) < 1e-12);
+        assert!(rel(c.all_gather(b, &g), (nf - 1.0) / nf * b / bw + (nf - 1.0) * a) < 1e-12);
+        assert!(rel(c.reduce_scatter(b, &g), (nf - 1.0) / nf * b / bw + (nf - 1.0) * a) < 1e-12);
+    }
+    // One rank per node: a flat ring on the network.
+    let g = GroupSpan::strided(0, 8, 8, 8);
+    assert_eq!(g.link_kind(), LinkKind::InterNode);
+    let (bw, a) = (spec.inter_node_bandwidth, spec.inter_node_latency);
+    assert!(rel(c.all_reduce(b, &g), 2.0 * 7.0 / 8.0 * b / bw + 14.0 * a) < 1e-12);
+    assert_eq!(c.all_reduce(b, &GroupSpan::intra_node(1)), 0.0);
+    assert!(rel(c.p2p(b, LinkKind::InterNode), b / bw + a) < 1e-12);
+}
+
+#[test]
+fn crossing_nodes_costs_the_network_and_hierarchy_helps() {
+    let spec = ClusterSpec::parse("h100-80gb:64").unwrap();
+    let c = CommModel::new(&spec);
+    let b = 1.0e9;
+    // 64 ranks, 8 per node: hierarchical = 2 intra half-rings of 8 + inter ring of 8 on B/8.
+    let g = GroupSpan::strided(0, 64, 1, 8);
+    assert_eq!((g.per_node, g.nodes()), (8, 8));
+    let (bi, ai, be, ae) = (spec.intra_node_bandwidth, spec.intra_node_latency, spec.inter_node_bandwidth, spec.inter_node_latency);
+    let hier = 2.0 * (7.0 / 8.0 * b / bi + 7.0 * ai) + (2.0 * 7.0 / 8.0 * (b / 8.0) / be + 14.0 * ae);
+    let flat = 2.0 * 63.0 / 64.0 * b / be + 126.0 * ae;
+    assert!(hier < flat);
+    assert!(rel(c.all_reduce(b, &g), hier) < 1e-12);
+    // Inside a node is faster than across nodes for the same group size.
+    assert!(c.all_reduce(b, &GroupSpan::intra_node(8)) < c.all_reduce(b, &GroupSpan::strided(0, 8, 8, 8)));
+    // Tiny messages: latency dominates, the flat ring's 2(n−1) inter hops lose to hierarchy too.
+    assert!(c.all_reduce(1e3, &g) <= 126.0 * ae + 1e-3);
+}
+
+fn layer(saved: f64, input: f64) -> Layer {
+    Layer {
+        index: 0,
+        name: "h.0".into(),
+        kind: LayerKind::Block,
+        nodes: vec![],
+        signature: String::new(),
+        params: vec![],
+        shared_params: vec![],
+        inputs: vec![],
+        outputs: vec![],
+        figures: NodeFigures { saved_bytes: saved, ..Default::default() },
+        input_bytes: input,
+        output_bytes: input,
+    }
+}
+
+#[test]
+fn activations_with_and_without_checkpointing() {
+    let (a, b) = (layer(100.0, 10.0), layer(60.0, 10.0));
+    // No checkpointing: in-flight × Σ saved × microbatch.
+    assert_eq!(stage_activation_bytes(&[(&a, false), (&b, false)], 2.0, 4.0, 1.0), 4.0 * 2.0 * 160.0);
+    // Both checkpointed: inputs only, plus the larger layer's recompute set once.
+    assert_eq!(stage_activation_bytes(&[(&a, true), (&b, true)], 2.0, 4.0, 1.0), 4.0 * 2.0 * 20.0 + 2.0 * 90.0);
+    // bf16 training of an f32 graph halves the bytes.
+    assert_eq!(stage_activation_bytes(&[(&a, false)], 1.0, 1.0, 0.5), 50.0);
+    let _ = Graph::default();
+}
+
+#[test]
+fn usable_memory_subtracts_the_workspace_margin() {
+    let s = ClusterSpec::parse("a100-40gb").unwrap();
+    assert_eq!(s.usable_memory(), 40_000_000_000 - (2u64 << 30));
+}
+
+#[test]
+fn cpu_preset_reads_the_calibration_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cpu.toml");
+    std::fs::write(&path, "fp32_flops = 123e9\nintra_node_bandwidth = 7e9\n").unwrap();
+    // SAFETY: only this test in this binary touches the variable.
+    unsafe { std::env::set_var("SMP_CPU_CALIBRATION", &path) };
+    let s = ClusterSpec::parse("cpu:2").unwrap();
+    assert_eq!((s.devices, s.fp32_flops, s.intra_node_bandwidth), (2, 123e9, 7e9));
+    std::fs::write(&path, "fp32_flops = \"fast\"\n").unwrap();
+    let e = ClusterSpec::parse("cpu").unwrap_err().to_string();
+    assert!(e.contains("cpu.toml") && e.contains("fp32_flops"), "{e}");
+    unsafe { std::env::remove_var("SMP_CPU_CALIBRATION") };
+}

@@ -1,0 +1,88 @@
+//! The outer search and the baselines on synthetic GPT models.
+
+mod common;
+
+use smp_partition::cost::ClusterSpec;
+use smp_partition::solve::oracle::brute_force_pipeline;
+use smp_partition::solve::{Baseline, PlanConfig, SolveError, SolveStatus, plan};
+
+fn small() -> smp_partition::ir::LayeredGraph {
+    common::gpt(common::GptShape { layers: 6, hidden: 1024.0, heads: 16.0, seq: 1024.0, vocab: 32000.0 })
+}
+
+#[test]
+fn plans_a_small_gpt_and_the_objective_is_the_evaluated_step() {
+    let lg = small();
+    let spec = ClusterSpec::parse("h100-80gb:8").unwrap();
+    let d = plan(&lg, &spec, &PlanConfig::new(64), &mut |_| {}).unwrap();
+    assert_eq!(d.pp * d.tp * d.dp, 8);
+    assert_eq!(d.solver.status, SolveStatus::Optimal);
+    let eval = d.problem.evaluate(&d.choices).unwrap();
+    assert!((eval.step_s - d.predicted.step_time_s).abs() <= 1e-9 * eval.step_s);
+    assert!((d.solver.objective - eval.step_s).abs() <= 1e-6 * eval.step_s);
+    assert!(d.predicted.peak_memory_bytes <= d.memory_limit_bytes);
+    // Stages cover every layer once, in order.
+    let mut next = 0;
+    for s in &d.stages {
+        assert_eq!(s.layers[0], next);
+        next = s.layers[1] + 1;
+    }
+    assert_eq!(next, lg.layers.len());
+    assert!(d.candidates_solved >= 1);
+}
+
+#[test]
+fn chosen_candidate_is_optimal_by_brute_force() {
+    // 8 layers, pp fixed to 2 with the other settings fixed: brute force the chosen problem.
+    let lg = common::gpt(common::GptShape { layers: 5, hidden: 512.0, heads: 8.0, seq: 512.0, vocab: 8000.0 });
+    let spec = ClusterSpec::parse("a100-40gb:4").unwrap();
+    let mut cfg = PlanConfig::new(16);
+    cfg.constraints.pp = Some(2);
+    cfg.constraints.tp = Some(2);
+    cfg.constraints.zero = Some(1);
+    cfg.constraints.microbatches = Some(4);
+    cfg.constraints.schedule = Some(smp_partition::ir::ScheduleKind::OneFOneB);
+    cfg.constraints.placement = Some(smp_partition::solve::Placement::CLUSTER);
+    let d = plan(&lg, &spec, &cfg, &mut |_| {}).unwrap();
+    let (best, _, _) = brute_force_pipeline(&d.problem).unwrap();
+    assert!((best - d.predicted.step_time_s).abs() <= 1e-6 * best, "{best} vs {}", d.predicted.step_time_s);
+}
+
+#[test]
+fn automatic_plan_is_no_worse_than_the_baselines() {
+    let lg = small();
+    let spec = ClusterSpec::parse("h100-80gb:8").unwrap();
+    let auto = plan(&lg, &spec, &PlanConfig::new(64), &mut |_| {}).unwrap();
+    for b in [Baseline::Megatron, Baseline::Uniform, Baseline::Parameters] {
+        let mut cfg = PlanConfig::new(64);
+        cfg.baseline = Some(b);
+        let base = plan(&lg, &spec, &cfg, &mut |_| {}).unwrap();
+        assert!(auto.predicted.step_time_s <= base.predicted.step_time_s * (1.0 + 1e-9), "{b:?}");
+    }
+}
+
+#[test]
+fn infeasible_says_what_would_fit() {
+    let lg = common::gpt(common::GptShape { layers: 24, hidden: 8192.0, heads: 64.0, seq: 2048.0, vocab: 51200.0 });
+    let spec = ClusterSpec::parse("a100-40gb:2").unwrap();
+    let err = plan(&lg, &spec, &PlanConfig::new(8), &mut |_| {}).unwrap_err();
+    match err {
+        SolveError::Infeasible { fix, .. } => {
+            assert!(fix.contains("GiB per device"), "{fix}");
+            assert!(fix.contains("devices"), "{fix}");
+        }
+        other => panic!("expected infeasible, got {other}"),
+    }
+}
+
+#[test]
+fn manual_layout_is_honoured() {
+    let lg = small();
+    let spec = ClusterSpec::parse("h100-80gb:8").unwrap();
+    let mut cfg = PlanConfig::new(64);
+    cfg.constraints.layout = Some(vec![[0, 1], [2, 7]]);
+    let d = plan(&lg, &spec, &cfg, &mut |_| {}).unwrap();
+    assert_eq!(d.pp, 2);
+    assert_eq!(d.stages[0].layers, [0, 1]);
+    assert_eq!(d.stages[1].layers, [2, 7]);
+}
