@@ -159,6 +159,8 @@ pub struct LayerStrategy {
     pub layer: usize,
     /// Layer name (`h.3`).
     pub name: String,
+    /// Name of the layer's strategy assignment (`megatron`, `replicate`, ...).
+    pub strategy: String,
     /// Strategy name per node, in the layer's node order: `[node, strategy]`.
     pub nodes: Vec<(String, String)>,
 }

@@ -78,6 +78,7 @@ pub fn fixture() -> Plan {
         layer_strategies: vec![LayerStrategy {
             layer: 1,
             name: "h.0".into(),
+            strategy: "megatron".into(),
             nodes: vec![("h.0.attn.qkv".into(), "column".into()), ("h.0.attn.proj".into(), "row".into())],
         }],
         communication: vec![
