@@ -36,6 +36,7 @@ pub fn from_decision(
     cfg: &PlanConfig,
     model: &ModelRef,
     seq_len: Option<u64>,
+    dims: &[(String, i64)],
     wall_s: f64,
 ) -> Plan {
     let stages: Vec<Stage> = d
@@ -63,6 +64,11 @@ pub fn from_decision(
                 forward_s: s.forward_s,
                 backward_s: s.backward_s,
                 comm_s: s.comm_s,
+                output_bytes: if s.index + 1 < d.stages.len() {
+                    d.problem.layers.get(s.layers[1]).map_or(0, |l| bytes(l.output_bytes))
+                } else {
+                    0
+                },
                 memory_bytes,
                 checkpointed_layers: s.checkpointed_layers.clone(),
             }
@@ -128,6 +134,7 @@ pub fn from_decision(
         },
         global_batch: cfg.global_batch as u64,
         seq_len,
+        dims: dims.iter().cloned().collect(),
     };
     plan.predicted.peak_memory_bytes = (0..d.pp).map(|r| plan.rank_memory(r).total).max().unwrap_or(0);
     plan.communication = communication(d, cluster, &plan);

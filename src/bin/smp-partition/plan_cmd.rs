@@ -190,6 +190,7 @@ fn make_plan(model: &Path, args: &PlanArgs, constraints: &Constraints) -> Result
         &cfg,
         &model_ref,
         args.seq_len,
+        &args.dim,
         started.elapsed().as_secs_f64(),
     );
     validate(&plan).context("the planner produced an inconsistent plan (a bug)")?;
