@@ -1076,3 +1076,36 @@ print(json.dumps({"ops": ops, "y": float(y[0, 0])}))
     assert_eq!(g.outputs, vec![y]);
     assert_eq!(g.node(g.value(y).producer.unwrap()).op, Op::Known(OpKind::Mul));
 }
+
+#[test]
+fn every_models_file_imports_with_the_recorded_float_initializer_count() {
+    // models/manifest.json is written by the export script from python's onnx.
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let manifest_path = repo.join("models/manifest.json");
+    let text = std::fs::read_to_string(&manifest_path).unwrap_or_else(|e| panic!("{}: {e}", manifest_path.display()));
+    let manifest: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let entries = manifest.as_object().unwrap();
+    assert!(!entries.is_empty());
+    for (name, entry) in entries {
+        let file = repo.join(entry["file"].as_str().unwrap());
+        let m = load_model(&file).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let g = &m.graph;
+        g.verify().unwrap_or_else(|e| panic!("{name}: {e}"));
+        let floats: u64 = g
+            .initializers()
+            .filter_map(|v| g.value(v).data.as_ref())
+            .filter(|t| t.dtype.is_float())
+            .map(Tensor::numel)
+            .sum();
+        assert_eq!(floats, entry["float_initializer_elements"].as_u64().unwrap(), "{name}");
+        let graph_only = entry["graph_only"].as_bool().unwrap();
+        assert_eq!(m.graph_only, graph_only, "{name}");
+        let missing = m.warnings.iter().filter(|w| matches!(w, ImportWarning::MissingExternalData { .. })).count();
+        assert_eq!(missing, usize::from(graph_only), "{name}: {:?}", m.warnings);
+        assert!(
+            !m.warnings.iter().any(|w| matches!(w, ImportWarning::UnknownOp { .. })),
+            "{name}: {:?}",
+            m.warnings
+        );
+    }
+}

@@ -10,6 +10,7 @@ use crate::ir::{LayeredGraph, ScheduleKind};
 
 use super::ilp::{SolveReport, SolveStatus, SolverOptions};
 use super::layer_cost::{CostContext, LayerConfig};
+use super::oracle::min_max_lower_bound;
 use super::pipeline::PipelineSolution;
 use super::problem::{CheckpointRule, PipelineObjective, PipelineProblem};
 use super::{
@@ -291,7 +292,15 @@ pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
             .fold(f64::INFINITY, f64::min);
     }
     let min_flight = p.in_flight.iter().cloned().fold(f64::INFINITY, f64::min);
-    let lb = t_sum * (c + (m - c) / devices) + sync_sum / devices;
+    // The largest device time is at least the min-max split of the least layer times.
+    let recompute = p.checkpoint == CheckpointRule::Always;
+    let tmin: Vec<f64> = p
+        .layers
+        .iter()
+        .map(|l| l.points.iter().map(|q| q.fwd_s + q.bwd_s + if recompute { q.fwd_s } else { 0.0 }).fold(f64::INFINITY, f64::min))
+        .collect();
+    let tau = if p.fixed_chunks.is_none() { min_max_lower_bound(&tmin, p.chunks()) } else { 0.0 };
+    let lb = c * t_sum + (m - c) * tau.max(t_sum / devices) + sync_sum / devices;
     let mem_lb = (state + kept * min_flight) / devices + p.workspace;
     (lb, mem_lb)
 }
@@ -354,7 +363,8 @@ pub fn run(
             open_bound = open_bound.min(p.lb);
             break;
         }
-        let sol = p.problem.solve(&opts(remaining))?;
+        // One ILP may use a fifth of the budget, so several candidates get a look.
+        let sol = p.problem.solve(&opts(remaining.min((limit / 5.0).max(0.2))))?;
         solved += 1;
         done += 1;
         match sol.report.status {

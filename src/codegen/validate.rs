@@ -1,0 +1,1 @@
+//! Plan/program validation (to be filled).

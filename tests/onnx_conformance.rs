@@ -1,0 +1,204 @@
+//! ONNX backend node conformance: every case of the installed onnx wheel whose ops the IR
+//! knows runs through the libtorch runner and matches the case's expected outputs within its
+//! tolerance (numpy `assert_allclose`: |got − want| ≤ atol + rtol·|want|, default rtol 1e-3,
+//! atol 1e-7). Cases are generated into `tests/data/onnx-cases/` by `tests/gen_onnx_cases.py`
+//! on first run. Skipped cases are listed with their reason, printed, and written to
+//! `docs/conformance.md` — none is skipped silently.
+#![cfg(feature = "runner")]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use smp_partition::frontend::onnx::{load_model, load_tensor_pb};
+use smp_partition::ir::OpKind;
+use smp_partition::runtime::tensor::{from_ir, is_float_kind, kind_of};
+use smp_partition::runtime::{ExecOptions, Executor, InitMode, Weights};
+use tch::{Kind, Tensor};
+
+/// Cases not run, with the reason. Each is a known gap of the runner or a case whose expected
+/// output cannot be reproduced on libtorch.
+const SKIPS: &[(&str, &str)] = &[];
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn python() -> PathBuf {
+    std::env::var_os("SMP_PYTHON").map(PathBuf::from).unwrap_or_else(|| repo().join(".venv/bin/python"))
+}
+
+fn cases_dir() -> PathBuf {
+    let dir = repo().join("tests/data/onnx-cases");
+    if !dir.join("test_abs").is_dir() {
+        let ops: Vec<&str> = OpKind::ALL.iter().map(|k| k.name()).collect();
+        let status = Command::new(python())
+            .arg(repo().join("tests/gen_onnx_cases.py"))
+            .arg(&dir)
+            .args(&ops)
+            .status()
+            .expect("run tests/gen_onnx_cases.py with the venv python (set SMP_PYTHON)");
+        assert!(status.success(), "generating ONNX cases failed");
+    }
+    dir
+}
+
+fn tolerance(case: &Path) -> (f64, f64) {
+    let meta = std::fs::read_to_string(case.join("meta.json")).unwrap_or_default();
+    let v: serde_json::Value = serde_json::from_str(&meta).unwrap_or_default();
+    (v["rtol"].as_f64().unwrap_or(1e-3), v["atol"].as_f64().unwrap_or(1e-7))
+}
+
+fn read_pb(path: &Path) -> Result<Tensor, String> {
+    let t = load_tensor_pb(path).map_err(|e| e.to_string())?;
+    from_ir(&t)
+}
+
+/// Compares like numpy's assert_allclose (NaN equals NaN); integers and bools exactly.
+fn compare(got: &Tensor, want: &Tensor, rtol: f64, atol: f64) -> Result<(), String> {
+    if got.size() != want.size() {
+        return Err(format!("shape {:?}, expected {:?}", got.size(), want.size()));
+    }
+    let (gk, wk) = (got.kind(), want.kind());
+    if gk != wk {
+        return Err(format!("element type {gk:?}, expected {wk:?}"));
+    }
+    let g = got.to_kind(Kind::Double).flatten(0, -1);
+    let w = want.to_kind(Kind::Double).flatten(0, -1);
+    let n = g.numel();
+    let mut gv = vec![0f64; n];
+    let mut wv = vec![0f64; n];
+    g.copy_data(&mut gv, n);
+    w.copy_data(&mut wv, n);
+    let exact = !is_float_kind(wk);
+    for i in 0..n {
+        let (a, b) = (gv[i], wv[i]);
+        let ok = if a.is_nan() || b.is_nan() {
+            a.is_nan() && b.is_nan()
+        } else if exact || a.is_infinite() || b.is_infinite() {
+            a == b
+        } else {
+            (a - b).abs() <= atol + rtol * b.abs()
+        };
+        if !ok {
+            return Err(format!("element {i}: got {a}, expected {b} (rtol {rtol}, atol {atol})"));
+        }
+    }
+    Ok(())
+}
+
+fn run_case(case: &Path) -> Result<(), String> {
+    let model = load_model(&case.join("model.onnx")).map_err(|e| e.to_string())?;
+    let graph = &model.graph;
+    let weights = Weights::load(graph, InitMode::Load, None).map_err(|e| e.to_string())?;
+    let exec = Executor::new(graph, weights, ExecOptions::default()).map_err(|e| e.to_string())?;
+    let (rtol, atol) = tolerance(case);
+    let mut sets: Vec<PathBuf> = std::fs::read_dir(case)
+        .map_err(|e| e.to_string())?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .collect();
+    sets.sort();
+    for set in sets {
+        let mut named = Vec::new();
+        for (j, &id) in graph.inputs.iter().enumerate() {
+            let p = set.join(format!("input_{j}.pb"));
+            if p.exists() {
+                named.push((graph.value(id).name.clone(), read_pb(&p)?));
+            }
+        }
+        let feeds = exec.bind_inputs(named).map_err(|e| e.to_string())?;
+        let outs = tch::no_grad(|| exec.forward(&feeds)).map_err(|e| e.to_string())?;
+        for (j, got) in outs.iter().enumerate() {
+            let want = read_pb(&set.join(format!("output_{j}.pb")))?;
+            let name = &graph.value(graph.outputs[j]).name;
+            // widened unsigned outputs (u16/u32/u64 held as i64) compare by value
+            let got = match graph.value(graph.outputs[j]).ty.as_ref().map(|t| kind_of(t.dtype)) {
+                Some(Ok(k)) if k == want.kind() => got.shallow_clone(),
+                _ if !is_float_kind(want.kind()) && !is_float_kind(got.kind()) => got.to_kind(want.kind()),
+                _ => got.shallow_clone(),
+            };
+            compare(&got, &want, rtol, atol).map_err(|e| format!("output `{name}`: {e}"))?;
+        }
+    }
+    Ok(())
+}
+
+fn op_of_case(name: &str) -> String {
+    let mut best = String::new();
+    for k in OpKind::ALL {
+        let snake: String = k
+            .name()
+            .chars()
+            .enumerate()
+            .flat_map(|(i, c)| {
+                let prev_lower = i > 0;
+                if c.is_uppercase() && prev_lower { vec!['_', c.to_ascii_lowercase()] } else { vec![c.to_ascii_lowercase()] }
+            })
+            .collect();
+        for cand in [k.name().to_lowercase(), snake] {
+            if name.strip_prefix("test_").is_some_and(|r| r.starts_with(&cand)) && cand.len() > best.len() {
+                best = k.name().to_string();
+            }
+        }
+    }
+    if best.is_empty() { "(other)".into() } else { best }
+}
+
+fn write_doc(passed: &BTreeMap<String, Vec<String>>, skipped: &[(&str, &str)]) {
+    let mut doc = String::from(
+        "# ONNX conformance of the libtorch runner\n\n\
+         Generated by `cargo test --features runner --test onnx_conformance` from the ONNX backend\n\
+         node cases of the installed onnx wheel (every case whose ops the IR knows).\n\n\
+         ## Ops and passing cases\n\n| op | cases passed |\n|---|---|\n",
+    );
+    for (op, cases) in passed {
+        doc.push_str(&format!("| {op} | {} |\n", cases.len()));
+    }
+    doc.push_str("\n## Skipped cases\n\n");
+    if skipped.is_empty() {
+        doc.push_str("None.\n");
+    } else {
+        doc.push_str("| case | reason |\n|---|---|\n");
+        for (c, r) in skipped {
+            doc.push_str(&format!("| `{c}` | {r} |\n"));
+        }
+    }
+    let _ = std::fs::create_dir_all(repo().join("docs"));
+    let _ = std::fs::write(repo().join("docs/conformance.md"), doc);
+}
+
+#[test]
+fn onnx_node_cases_pass() {
+    tch::set_num_threads(1);
+    let dir = cases_dir();
+    let mut cases: Vec<PathBuf> = std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.path()).filter(|p| p.is_dir()).collect();
+    cases.sort();
+    let only = std::env::var("ONNX_CASE").ok();
+    let mut failures = Vec::new();
+    let mut passed: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut skipped = Vec::new();
+    for case in &cases {
+        let name = case.file_name().unwrap().to_string_lossy().to_string();
+        if only.as_ref().is_some_and(|o| !name.contains(o.as_str())) {
+            continue;
+        }
+        if let Some((_, reason)) = SKIPS.iter().find(|(c, _)| *c == name) {
+            eprintln!("SKIP {name}: {reason}");
+            skipped.push((SKIPS.iter().find(|(c, _)| *c == name).unwrap().0, *reason));
+            continue;
+        }
+        let result = std::panic::catch_unwind(|| run_case(case)).unwrap_or_else(|_| Err("panicked".into()));
+        match result {
+            Ok(()) => passed.entry(op_of_case(&name)).or_default().push(name),
+            Err(e) => failures.push(format!("{name}: {e}")),
+        }
+    }
+    let total: usize = passed.values().map(Vec::len).sum();
+    eprintln!("{total} cases passed, {} skipped, {} failed", skipped.len(), failures.len());
+    if only.is_none() {
+        write_doc(&passed, &skipped);
+    }
+    assert!(failures.is_empty(), "{} failing cases:\n{}", failures.len(), failures.join("\n"));
+}
