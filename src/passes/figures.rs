@@ -2,8 +2,10 @@
 //! its first reader), forward FLOPs, output and memory bytes, and the activations each node
 //! keeps for its backward pass (autograd's saved tensors).
 
+use std::collections::BTreeMap;
+
 use super::PassError;
-use crate::ir::{DimBindings, Graph, Node, NodeFigures, NodeId, OpKind, ValueId, ValueKind};
+use crate::ir::{Dim, DimBindings, Graph, Node, NodeFigures, NodeId, OpKind, ValueId, ValueKind};
 
 /// What one node keeps for its backward pass.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -32,6 +34,8 @@ pub struct Figures {
     pub order: Vec<NodeId>,
     /// Batch size the shapes were inferred at (figures are divided by it).
     pub graph_batch: f64,
+    /// The dim bindings used.
+    pub dims: BTreeMap<String, i64>,
     /// For each value (by index), whether it carries a gradient (trained parameters and
     /// floating-point values computed from them).
     pub grad: Vec<bool>,
@@ -40,20 +44,41 @@ pub struct Figures {
 impl Figures {
     /// Bytes per sample of value `v` (0 if its shape is unknown).
     pub fn value_bytes(&self, graph: &Graph, v: ValueId) -> f64 {
-        value_bytes(graph, v) / self.graph_batch
+        Sizes { graph, dims: &self.dims }.bytes(v) / self.graph_batch
     }
 }
 
-fn value_bytes(graph: &Graph, v: ValueId) -> f64 {
-    graph.value(v).ty.as_ref().and_then(|t| t.bytes()).unwrap_or(0) as f64
+/// Sizes of values under the dim bindings (graph inputs keep their symbolic dims).
+pub struct Sizes<'a> {
+    /// The graph.
+    pub graph: &'a Graph,
+    /// Symbol → size.
+    pub dims: &'a BTreeMap<String, i64>,
 }
 
-fn numel(graph: &Graph, v: ValueId) -> f64 {
-    graph.value(v).ty.as_ref().and_then(|t| t.shape.as_ref()).and_then(|s| s.numel()).unwrap_or(0) as f64
-}
+impl Sizes<'_> {
+    /// Concrete dims of `v`, if known.
+    pub fn dims(&self, v: ValueId) -> Option<Vec<i64>> {
+        let shape = self.graph.value(v).ty.as_ref()?.shape.as_ref()?;
+        shape
+            .0
+            .iter()
+            .map(|d| match d {
+                Dim::Known(x) => Some(*x),
+                Dim::Sym(s) => self.dims.get(s).copied(),
+            })
+            .collect()
+    }
 
-fn dims(graph: &Graph, v: ValueId) -> Option<Vec<i64>> {
-    graph.value(v).ty.as_ref()?.shape.as_ref()?.known()
+    /// Element count of `v` (0 if unknown).
+    pub fn numel(&self, v: ValueId) -> f64 {
+        self.dims(v).map(|d| d.iter().map(|&x| x.max(0) as f64).product()).unwrap_or(0.0)
+    }
+
+    /// Bytes of `v` (0 if unknown).
+    pub fn bytes(&self, v: ValueId) -> f64 {
+        self.numel(v) * self.graph.value(v).ty.as_ref().map(|t| t.dtype.size_bytes()).unwrap_or(0) as f64
+    }
 }
 
 /// True for floating-point initializers (what counts as a parameter).
@@ -87,6 +112,7 @@ fn param_elems(graph: &Graph, v: ValueId) -> (u64, u64) {
 
 /// Computes every node's figures under the bindings used for shape inference.
 pub fn compute(graph: &Graph, bindings: &DimBindings) -> Result<Figures, PassError> {
+    let sz = Sizes { graph, dims: &bindings.values };
     let order = graph.topo_order()?;
     let slots = graph.node_ids().map(|n| n.index() + 1).max().unwrap_or(0);
     let batch = bindings.graph_batch.max(1) as f64;
@@ -95,6 +121,7 @@ pub fn compute(graph: &Graph, bindings: &DimBindings) -> Result<Figures, PassErr
         saved: vec![Saved::default(); slots],
         param_owner: vec![None; graph.value_count()],
         graph_batch: batch,
+        dims: bindings.values.clone(),
         ..Figures::default()
     };
     f.total_params = graph.value_ids().filter(|&v| is_param(graph, v)).map(|v| param_elems(graph, v).0).sum();
@@ -131,11 +158,11 @@ pub fn compute(graph: &Graph, bindings: &DimBindings) -> Result<Figures, PassErr
                 fig.param_bytes += b;
             }
         }
-        fig.flops = flops(graph, node) / batch;
-        fig.output_bytes = node.outputs.iter().map(|&o| value_bytes(graph, o)).sum::<f64>() / batch;
-        fig.memory_bytes = memory(graph, node) / batch;
-        let saved = saved(graph, node, &grad, &data, batch);
-        fig.saved_bytes = saved.values.iter().map(|&v| value_bytes(graph, v)).sum::<f64>() / batch + saved.extra_bytes;
+        fig.flops = flops(&sz, node) / batch;
+        fig.output_bytes = node.outputs.iter().map(|&o| sz.bytes(o)).sum::<f64>() / batch;
+        fig.memory_bytes = memory(&sz, node) / batch;
+        let saved = saved(&sz, node, &grad, &data, batch);
+        fig.saved_bytes = saved.values.iter().map(|&v| sz.bytes(v)).sum::<f64>() / batch + saved.extra_bytes;
         f.total_flops += fig.flops;
         f.per_node[id.index()] = fig;
         f.saved[id.index()] = saved;
@@ -146,20 +173,20 @@ pub fn compute(graph: &Graph, bindings: &DimBindings) -> Result<Figures, PassErr
 }
 
 /// Forward FLOPs of one node at the inferred batch.
-pub fn flops(graph: &Graph, node: &Node) -> f64 {
+pub fn flops(sz: &Sizes, node: &Node) -> f64 {
     let Some(kind) = node.op.kind() else { return 0.0 };
     let input = |i: usize| node.inputs.get(i).copied().flatten();
-    let out_numel = node.outputs.first().map(|&o| numel(graph, o)).unwrap_or(0.0);
-    let in_numel = input(0).map(|v| numel(graph, v)).unwrap_or(0.0);
+    let out_numel = node.outputs.first().map(|&o| sz.numel(o)).unwrap_or(0.0);
+    let in_numel = input(0).map(|v| sz.numel(v)).unwrap_or(0.0);
     use OpKind::*;
     match kind {
         MatMul => {
-            let k = input(0).and_then(|v| dims(graph, v)).and_then(|d| d.last().copied()).unwrap_or(0);
+            let k = input(0).and_then(|v| sz.dims(v)).and_then(|d| d.last().copied()).unwrap_or(0);
             2.0 * out_numel * k as f64
         }
         Gemm => {
             let k = input(0)
-                .and_then(|v| dims(graph, v))
+                .and_then(|v| sz.dims(v))
                 .filter(|d| d.len() == 2)
                 .map(|d| if node.attrs.int("transA", 0) != 0 { d[0] } else { d[1] })
                 .unwrap_or(0);
@@ -167,7 +194,7 @@ pub fn flops(graph: &Graph, node: &Node) -> f64 {
             2.0 * out_numel * k as f64 + bias
         }
         Conv => {
-            let w = input(1).and_then(|v| dims(graph, v)).unwrap_or_default();
+            let w = input(1).and_then(|v| sz.dims(v)).unwrap_or_default();
             let per_out: i64 = w.iter().skip(1).product();
             let bias = if input(2).is_some() { out_numel } else { 0.0 };
             2.0 * out_numel * per_out as f64 + bias
@@ -198,23 +225,25 @@ pub fn flops(graph: &Graph, node: &Node) -> f64 {
 }
 
 /// Activation bytes the node reads and writes (parameter and constant reads excluded).
-fn memory(graph: &Graph, node: &Node) -> f64 {
+fn memory(sz: &Sizes, node: &Node) -> f64 {
+    let graph = sz.graph;
     let Some(kind) = node.op.kind() else { return 0.0 };
     use OpKind::*;
-    let out: f64 = node.outputs.iter().map(|&o| value_bytes(graph, o)).sum();
+    let out: f64 = node.outputs.iter().map(|&o| sz.bytes(o)).sum();
     let activation = |v: &ValueId| !matches!(graph.value(*v).kind, ValueKind::Initializer | ValueKind::Constant);
     match kind {
         Reshape | Unsqueeze | Squeeze | Flatten | Identity | Shape | Size | Constant => 0.0,
         Gather | GatherElements | GatherND | Slice | Expand => {
-            let idx: f64 = node.inputs.iter().skip(1).flatten().filter(|v| activation(v)).map(|&v| value_bytes(graph, v)).sum();
+            let idx: f64 = node.inputs.iter().skip(1).flatten().filter(|v| activation(v)).map(|&v| sz.bytes(v)).sum();
             2.0 * out + idx
         }
-        _ => node.inputs.iter().flatten().filter(|v| activation(v)).map(|&v| value_bytes(graph, v)).sum::<f64>() + out,
+        _ => node.inputs.iter().flatten().filter(|v| activation(v)).map(|&v| sz.bytes(v)).sum::<f64>() + out,
     }
 }
 
 /// The tensors autograd keeps for this node's backward.
-fn saved(graph: &Graph, node: &Node, grad: &[bool], data: &[bool], batch: f64) -> Saved {
+fn saved(sz: &Sizes, node: &Node, grad: &[bool], data: &[bool], batch: f64) -> Saved {
+    let graph = sz.graph;
     let mut s = Saved::default();
     let Some(kind) = node.op.kind() else { return s };
     let input = |i: usize| node.inputs.get(i).copied().flatten();
@@ -303,12 +332,12 @@ fn saved(graph: &Graph, node: &Node, grad: &[bool], data: &[bool], batch: f64) -
         MaxPool => {
             if any_rg {
                 keep(input(0));
-                s.extra_bytes += output.map(|o| numel(graph, o)).unwrap_or(0.0) * 8.0 / batch;
+                s.extra_bytes += output.map(|o| sz.numel(o)).unwrap_or(0.0) * 8.0 / batch;
             }
         }
         Dropout => {
             if any_rg {
-                s.extra_bytes += output.map(|o| numel(graph, o)).unwrap_or(0.0) / batch;
+                s.extra_bytes += output.map(|o| sz.numel(o)).unwrap_or(0.0) / batch;
             }
         }
         _ => {}

@@ -57,9 +57,11 @@ pub fn group(graph: &Graph, fig: &Figures, _dims: &DimBindings) -> Result<Vec<La
         }
         let (name, kind) = match key {
             0 => {
+                // Token/position lookups, or a patch projection: any parameter before the blocks.
                 let emb = nodes.iter().any(|&n| {
                     let node = graph.node(n);
-                    node.op.is(OpKind::Gather) && node.inputs.first().copied().flatten().is_some_and(|v| is_param(graph, v))
+                    fig.per_node[n.index()].param_elems > 0
+                        || node.op.is(OpKind::Gather) && node.inputs.first().copied().flatten().is_some_and(|v| is_param(graph, v))
                 });
                 ("embedding".to_string(), if emb { LayerKind::Embedding } else { LayerKind::Other })
             }
