@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use common::interp::{Exec, T, concat, split};
+use smp_partition::codegen::validate::validate_shards;
 use smp_partition::codegen::{CollectiveKind, LayerShard, Sharder, apply_shard};
 use smp_partition::frontend::onnx::load_model;
 use smp_partition::ir::{Attr, DType, Graph, LayerKind, LayeredGraph, Op};
@@ -122,6 +123,7 @@ fn check(name: &str, degrees: &[usize]) -> BTreeMap<usize, Vec<Vec<LayerShard>>>
         let mut per_layer = Vec::new();
         for (li, layer) in lg.layers.iter().enumerate() {
             let shards = sharder.shard_layer(li, t).unwrap_or_else(|e| panic!("{name} t={t}: {e}"));
+            validate_shards(&lg.graph, &shards).unwrap_or_else(|e| panic!("{name} t={t} layer {li}: {e}"));
             let graphs: Vec<Graph> = shards
                 .iter()
                 .map(|s| apply_shard(&lg.graph, &layer.nodes, s, &lg.dims).unwrap_or_else(|e| panic!("{name} t={t}: {e}")))

@@ -1,8 +1,8 @@
 //! ONNX backend node conformance: every case of the installed onnx wheel whose ops the IR
 //! knows runs through the libtorch runner and matches the case's expected outputs within its
 //! tolerance (numpy `assert_allclose`: |got − want| ≤ atol + rtol·|want|, default rtol 1e-3,
-//! atol 1e-7). Cases are generated into `tests/data/onnx-cases/` by `tests/gen_onnx_cases.py`
-//! on first run. Skipped cases are listed with their reason, printed, and written to
+//! atol 1e-7). Cases are generated into `tests/data/onnx-cases/` by
+//! `scripts/gen_onnx_cases.py` (`make onnx-cases`) on first run. Skipped cases are listed with their reason, printed, and written to
 //! `docs/conformance.md` — none is skipped silently.
 #![cfg(feature = "runner")]
 
@@ -30,23 +30,34 @@ fn python() -> PathBuf {
 
 fn cases_dir() -> PathBuf {
     let dir = repo().join("tests/data/onnx-cases");
-    if !dir.join("test_abs").is_dir() {
-        let ops: Vec<&str> = OpKind::ALL.iter().map(|k| k.name()).collect();
+    if !dir.join("index.json").is_file() {
         let status = Command::new(python())
-            .arg(repo().join("tests/gen_onnx_cases.py"))
+            .arg(repo().join("scripts/gen_onnx_cases.py"))
+            .arg("--out")
             .arg(&dir)
-            .args(&ops)
             .status()
-            .expect("run tests/gen_onnx_cases.py with the venv python (set SMP_PYTHON)");
+            .expect("run scripts/gen_onnx_cases.py with the venv python (set SMP_PYTHON)");
         assert!(status.success(), "generating ONNX cases failed");
     }
     dir
 }
 
-fn tolerance(case: &Path) -> (f64, f64) {
-    let meta = std::fs::read_to_string(case.join("meta.json")).unwrap_or_default();
-    let v: serde_json::Value = serde_json::from_str(&meta).unwrap_or_default();
-    (v["rtol"].as_f64().unwrap_or(1e-3), v["atol"].as_f64().unwrap_or(1e-7))
+/// Cases whose every op the IR knows, with their tolerances, from the generator's index.
+fn known_cases(dir: &Path) -> Vec<(String, String, f64, f64)> {
+    let text = std::fs::read_to_string(dir.join("index.json")).expect("index.json");
+    let index: serde_json::Value = serde_json::from_str(&text).expect("index.json is JSON");
+    let mut out = Vec::new();
+    for (name, case) in index.as_object().expect("index.json is an object") {
+        let ops = case["ops"].as_array().map(Vec::as_slice).unwrap_or_default();
+        let known = !ops.is_empty() && ops.iter().all(|o| o.as_str().and_then(OpKind::from_onnx).is_some());
+        let default_domain = case["domain"].as_str().is_none_or(|d| d.is_empty() || d == "ai.onnx");
+        if known && default_domain {
+            let op = case["op_type"].as_str().map_or_else(|| "(several ops: function expansions)".to_string(), str::to_string);
+            out.push((name.clone(), op, case["rtol"].as_f64().unwrap_or(1e-3), case["atol"].as_f64().unwrap_or(1e-7)));
+        }
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
 }
 
 fn read_pb(path: &Path) -> Result<Tensor, String> {
@@ -87,12 +98,11 @@ fn compare(got: &Tensor, want: &Tensor, rtol: f64, atol: f64) -> Result<(), Stri
     Ok(())
 }
 
-fn run_case(case: &Path) -> Result<(), String> {
+fn run_case(case: &Path, rtol: f64, atol: f64) -> Result<(), String> {
     let model = load_model(&case.join("model.onnx")).map_err(|e| e.to_string())?;
     let graph = &model.graph;
     let weights = Weights::load(graph, InitMode::Load, None).map_err(|e| e.to_string())?;
     let exec = Executor::new(graph, weights, ExecOptions::default()).map_err(|e| e.to_string())?;
-    let (rtol, atol) = tolerance(case);
     let mut sets: Vec<PathBuf> = std::fs::read_dir(case)
         .map_err(|e| e.to_string())?
         .flatten()
@@ -125,27 +135,6 @@ fn run_case(case: &Path) -> Result<(), String> {
     Ok(())
 }
 
-fn op_of_case(name: &str) -> String {
-    let mut best = String::new();
-    for k in OpKind::ALL {
-        let snake: String = k
-            .name()
-            .chars()
-            .enumerate()
-            .flat_map(|(i, c)| {
-                let prev_lower = i > 0;
-                if c.is_uppercase() && prev_lower { vec!['_', c.to_ascii_lowercase()] } else { vec![c.to_ascii_lowercase()] }
-            })
-            .collect();
-        for cand in [k.name().to_lowercase(), snake] {
-            if name.strip_prefix("test_").is_some_and(|r| r.starts_with(&cand)) && cand.len() > best.len() {
-                best = k.name().to_string();
-            }
-        }
-    }
-    if best.is_empty() { "(other)".into() } else { best }
-}
-
 fn write_doc(passed: &BTreeMap<String, Vec<String>>, skipped: &[(&str, &str)]) {
     let mut doc = String::from(
         "# ONNX conformance of the libtorch runner\n\n\
@@ -173,25 +162,24 @@ fn write_doc(passed: &BTreeMap<String, Vec<String>>, skipped: &[(&str, &str)]) {
 fn onnx_node_cases_pass() {
     tch::set_num_threads(1);
     let dir = cases_dir();
-    let mut cases: Vec<PathBuf> = std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.path()).filter(|p| p.is_dir()).collect();
-    cases.sort();
+    let cases = known_cases(&dir);
     let only = std::env::var("ONNX_CASE").ok();
     let mut failures = Vec::new();
     let mut passed: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    let mut skipped = Vec::new();
-    for case in &cases {
-        let name = case.file_name().unwrap().to_string_lossy().to_string();
+    let mut skipped: Vec<(&str, &str)> = Vec::new();
+    for (name, op, rtol, atol) in &cases {
         if only.as_ref().is_some_and(|o| !name.contains(o.as_str())) {
             continue;
         }
-        if let Some((_, reason)) = SKIPS.iter().find(|(c, _)| *c == name) {
+        if let Some(&(case, reason)) = SKIPS.iter().find(|(c, _)| c == name) {
             eprintln!("SKIP {name}: {reason}");
-            skipped.push((SKIPS.iter().find(|(c, _)| *c == name).unwrap().0, *reason));
+            skipped.push((case, reason));
             continue;
         }
-        let result = std::panic::catch_unwind(|| run_case(case)).unwrap_or_else(|_| Err("panicked".into()));
+        let path = dir.join("node").join(name);
+        let result = std::panic::catch_unwind(|| run_case(&path, *rtol, *atol)).unwrap_or_else(|_| Err("panicked".into()));
         match result {
-            Ok(()) => passed.entry(op_of_case(&name)).or_default().push(name),
+            Ok(()) => passed.entry(op.clone()).or_default().push(name.clone()),
             Err(e) => failures.push(format!("{name}: {e}")),
         }
     }

@@ -148,12 +148,56 @@ fn main() {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Eval { model, inputs, outputs, dtype, init, seed } => eval(&model, &inputs, &outputs, dtype, init, seed),
-        Command::Train { model, opts } => train_cmd(&model, &opts),
-        Command::Run { plan, .. } => bail!(
-            "`run {}`: plan execution is not implemented yet; use `smp-runner train MODEL.onnx` for one device",
-            plan.display()
-        ),
+        Command::Train { model, opts } => {
+            let seq_len = opts.seq_len;
+            train_cmd(&model, &opts, TrainShape { batch: opts.batch, seq_len, microbatches: opts.microbatches, predicted: None })
+        }
+        Command::Run { plan, opts } => run_plan(&plan, &opts),
     }
+}
+
+/// Batch geometry of a run: from flags (`train`) or from the plan (`run`).
+struct TrainShape {
+    batch: i64,
+    seq_len: i64,
+    microbatches: usize,
+    predicted: Option<f64>,
+}
+
+/// One rank of a plan. This build runs single-device plans (pp = tp = dp = 1).
+fn run_plan(path: &Path, o: &TrainArgs) -> Result<()> {
+    let plan = smp_partition::plan::load(path)?;
+    let p = &plan.parallel;
+    if p.pp * p.tp * p.dp != 1 {
+        bail!(
+            "plan `{}` uses pp={} tp={} dp={}; this runner executes single-device plans only (pp = tp = dp = 1)",
+            path.display(),
+            p.pp,
+            p.tp,
+            p.dp
+        );
+    }
+    let given = PathBuf::from(&plan.model.path);
+    let model = if given.is_relative() && !given.exists() {
+        path.parent().map(|d| d.join(&given)).filter(|m| m.exists()).unwrap_or(given)
+    } else {
+        given
+    };
+    let imported = load_model(&model).with_context(|| format!("model `{}` of plan `{}`", model.display(), path.display()))?;
+    if imported.sha256 != plan.model.sha256 {
+        bail!(
+            "model `{}` is not the one plan `{}` was made for (sha256 differs); re-plan with smp-partition",
+            model.display(),
+            path.display()
+        );
+    }
+    let shape = TrainShape {
+        batch: plan.global_batch as i64,
+        seq_len: plan.seq_len.map_or(o.seq_len, |s| s as i64),
+        microbatches: p.microbatches.max(1),
+        predicted: Some(plan.predicted.step_time_s),
+    };
+    train_cmd(&model, o, shape)
 }
 
 fn load(model: &Path) -> Result<Graph> {
@@ -197,7 +241,7 @@ fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
-fn train_cmd(model: &Path, o: &TrainArgs) -> Result<()> {
+fn train_cmd(model: &Path, o: &TrainArgs, shape: TrainShape) -> Result<()> {
     if let Some(n) = o.threads {
         tch::set_num_threads(n);
     }
@@ -208,7 +252,7 @@ fn train_cmd(model: &Path, o: &TrainArgs) -> Result<()> {
     let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: true })?;
     let batch = match &o.data {
         Some(path) => train::read_batch(&exec, path)?,
-        None => train::synthetic_batch(&exec, o.batch, o.seq_len, o.seed)?,
+        None => train::synthetic_batch(&exec, shape.batch, shape.seq_len, o.seed)?,
     };
     let loss = match o.loss {
         Some(LossArg::Model) => LossKind::Model,
@@ -224,12 +268,12 @@ fn train_cmd(model: &Path, o: &TrainArgs) -> Result<()> {
     };
     let cfg = TrainConfig {
         steps: o.steps,
-        microbatches: o.microbatches,
+        microbatches: shape.microbatches,
         loss,
         adamw: AdamWConfig { lr: o.lr, weight_decay: o.weight_decay, ..AdamWConfig::default() },
         clip: (o.clip > 0.0).then_some(o.clip),
     };
-    let global = batch.first().and_then(|(_, t)| t.size().first().copied()).unwrap_or(o.batch);
+    let global = batch.first().and_then(|(_, t)| t.size().first().copied()).unwrap_or(shape.batch);
     let t0 = Instant::now();
     let steps = train::train(&exec, &batch, &cfg)?;
     let wall = t0.elapsed().as_secs_f64();
@@ -241,7 +285,7 @@ fn train_cmd(model: &Path, o: &TrainArgs) -> Result<()> {
             "steps": steps,
             "samples_per_s": if step_time > 0.0 { global as f64 / step_time } else { 0.0 },
             "measured_step_time_s": step_time,
-            "predicted_step_time_s": null,
+            "predicted_step_time_s": shape.predicted,
             "wall_s": wall,
             "ranks": [{"rank": 0, "step_time_s": step_time, "peak_memory_bytes": peak_rss_bytes()}],
         });

@@ -91,12 +91,12 @@ impl AdamW {
                 continue;
             }
             let mut p = p.shallow_clone();
-            p.f_mul_scalar_(1.0 - lr * weight_decay)?;
-            m.f_lerp_(&g, 1.0 - b1)?;
-            v.f_mul_scalar_(b2)?;
-            v.f_addcmul_(&g.f_mul_scalar(1.0 - b2)?, &g)?;
+            let _ = p.f_mul_scalar_(1.0 - lr * weight_decay)?;
+            let _ = m.f_lerp_(&g, 1.0 - b1)?;
+            let _ = v.f_mul_scalar_(b2)?;
+            let _ = v.f_addcmul_(&g.f_mul_scalar(1.0 - b2)?, &g)?;
             let denom = v.f_sqrt()?.f_div_scalar(bc2_sqrt)?.f_add_scalar(eps)?;
-            p.f_addcdiv_(&m.f_mul_scalar(-step_size)?, &denom)?;
+            let _ = p.f_addcdiv_(&m.f_mul_scalar(-step_size)?, &denom)?;
         }
         Ok(())
     }
@@ -114,10 +114,10 @@ pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> Result<f64, RuntimeEr
     }
     let norms: Vec<Tensor> = grads.iter().map(|g| g.f_norm()).collect::<Result<_, _>>()?;
     let total = Tensor::f_stack(&norms, 0)?.f_norm()?;
-    let coef = total.f_add_scalar(1e-6)?.f_reciprocal()?.f_mul_scalar(max_norm)?.f_clamp_max(1.0)?;
+    let coef = total.f_full_like(max_norm)?.f_div(&total.f_add_scalar(1e-6)?)?.f_clamp_max(1.0)?;
     for g in grads {
         let mut g = g;
-        g.f_mul_(&coef)?;
+        let _ = g.f_mul_(&coef)?;
     }
     Ok(total.f_double_value(&[])?)
 }

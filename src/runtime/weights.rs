@@ -32,33 +32,12 @@ pub struct Weights {
     pub tensors: HashMap<ValueId, Tensor>,
 }
 
-/// Substrings (lower case) of initializer names that mark model constants rather than
-/// parameters: rotary tables, masks, position buffers. These are never trained.
-pub const CONSTANT_NAME_MARKS: &[&str] = &[
-    "inv_freq",
-    "rotary",
-    "rope",
-    "cos_cached",
-    "sin_cached",
-    "position_ids",
-    "mask",
-    "masked_bias",
-    "_tensor_constant",
-];
-
-/// True if initializer `id` is a trained parameter: floating point, rank ≥ 1, and its name
-/// carries none of [`CONSTANT_NAME_MARKS`]. Folded constants and integer tensors never are.
+/// True if initializer `id` is a trained parameter. One definition for the whole compiler
+/// (`passes::figures::is_trainable`): floating point, more than one element (exporters store
+/// constants such as `sqrt(d)` as scalar initializers), and not a well-known buffer by name
+/// (RoPE tables, masks, position ids). Integer tensors and folded constants never are.
 pub fn is_trainable(graph: &Graph, id: ValueId) -> bool {
-    let v = graph.value(id);
-    if v.kind != ValueKind::Initializer {
-        return false;
-    }
-    let Some(data) = &v.data else { return false };
-    if !data.dtype.is_float() || data.dims.is_empty() {
-        return false;
-    }
-    let name = v.name.to_lowercase();
-    !CONSTANT_NAME_MARKS.iter().any(|m| name.contains(m))
+    crate::passes::figures::is_trainable(graph, id)
 }
 
 impl Weights {

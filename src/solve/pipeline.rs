@@ -296,7 +296,16 @@ impl PipelineProblem {
         }
         // Integrality cuts the LP cannot see: no layout beats the min-max split of the
         // layers' least times (PipeDream's DP), nor of their least sync times.
-        let (tau, sigma, start) = self.dp_bounds();
+        let (tau, sigma, mut start) = self.dp_bounds();
+        // A start that does not fit memory helps nobody: recompute everything if allowed.
+        if let Some(st) = &mut start
+            && self.checkpoint == CheckpointRule::Auto
+            && self.evaluate(st).is_some_and(|e| !self.feasible(&e))
+        {
+            for ch in st.iter_mut() {
+                ch.checkpoint = true;
+            }
+        }
         milp.constrain(Expression::from(tmax.v()).geq(tau));
         milp.constrain(Expression::from(smax.v()).geq(sigma));
         if let (Some(start), PipelineObjective::StepTime) = (&start, self.objective) {

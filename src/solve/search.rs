@@ -370,7 +370,7 @@ pub fn run(
         match sol.report.status {
             SolveStatus::Optimal | SolveStatus::Feasible => {
                 if sol.report.status == SolveStatus::Feasible {
-                    open_bound = open_bound.min(sol.report.bound);
+                    open_bound = open_bound.min(sol.report.bound.max(p.lb));
                 }
                 if incumbent.is_none_or(|inc| sol.report.objective < inc) {
                     best = Some((i, sol));
@@ -408,7 +408,7 @@ pub fn run(
     }
     let objective = sol.report.objective;
     let bound = match c.optimize {
-        Optimize::Speed => open_bound.min(objective).min(sol.report.bound.max(f64::NEG_INFINITY)),
+        Optimize::Speed => open_bound.min(objective).min(sol.report.bound.max(chosen.lb)),
         Optimize::Memory => sol.report.bound,
     };
     let gap = if objective > 0.0 { ((objective - bound) / objective).max(0.0) } else { 0.0 };

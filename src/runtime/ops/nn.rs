@@ -167,8 +167,8 @@ pub(super) fn batch_norm(a: &Args) -> KResult<Vec<Tensor>> {
         return Ok(vec![y]);
     }
     let dims: Vec<i64> = (0..rank as i64).filter(|&d| d != 1).collect();
-    let batch_mean = x.f_mean_dim(dims.as_slice(), false, None)?;
-    let batch_var = x.f_var_correction(dims.as_slice(), 0, false)?;
+    let batch_mean = x.f_mean_dim(dims.as_slice(), false, None::<Kind>)?;
+    let batch_var = x.f_var_correction(dims.as_slice(), 0i64, false)?;
     let norm = x
         .f_sub(&per_channel(&batch_mean, rank)?)?
         .f_div(&per_channel(&batch_var.f_add_scalar(eps)?.f_sqrt()?, rank)?)?;
@@ -259,8 +259,8 @@ pub(super) fn max_pool(a: &Args) -> KResult<Vec<Tensor>> {
 fn avg_pool_raw(x: &Tensor, k: &[i64], s: &[i64], p: &[i64], ceil: bool, cip: bool) -> KResult<Tensor> {
     Ok(match k.len() {
         1 => x.f_avg_pool1d(k, s, p, ceil, cip)?,
-        2 => x.f_avg_pool2d(k, s, p, ceil, cip, None)?,
-        3 => x.f_avg_pool3d(k, s, p, ceil, cip, None)?,
+        2 => x.f_avg_pool2d(k, s, p, ceil, cip, None::<i64>)?,
+        3 => x.f_avg_pool3d(k, s, p, ceil, cip, None::<i64>)?,
         n => bail!("{n}-D pooling is not supported (1-3 spatial axes)"),
     })
 }
@@ -294,7 +294,7 @@ pub(super) fn global_pool(kind: OpKind, a: &Args) -> KResult<Tensor> {
     let dims: Vec<i64> = (2..x.dim() as i64).collect();
     Ok(match kind {
         OpKind::GlobalMaxPool => x.f_amax(dims.as_slice(), true)?,
-        _ => x.f_mean_dim(dims.as_slice(), true, None)?,
+        _ => x.f_mean_dim(dims.as_slice(), true, None::<Kind>)?,
     })
 }
 
@@ -304,14 +304,14 @@ pub(super) fn softmax(kind: OpKind, a: &Args) -> KResult<Tensor> {
     let rank = x.dim();
     if a.ctx.opset >= 13 {
         let ax = axis(a.int("axis", -1), rank)?;
-        return Ok(if log { x.f_log_softmax(ax, None)? } else { x.f_softmax(ax, None)? });
+        return Ok(if log { x.f_log_softmax(ax, None::<Kind>)? } else { x.f_softmax(ax, None::<Kind>)? });
     }
     // before opset 13: coerced to 2-D at `axis`
     let ax = axis(a.int("axis", 1), rank)? as usize;
     let size = x.size();
     let rows: i64 = size[..ax].iter().product();
     let flat = x.f_reshape([rows, -1])?;
-    let y = if log { flat.f_log_softmax(1, None)? } else { flat.f_softmax(1, None)? };
+    let y = if log { flat.f_log_softmax(1, None::<Kind>)? } else { flat.f_softmax(1, None::<Kind>)? };
     Ok(y.f_reshape(&size)?)
 }
 

@@ -24,8 +24,8 @@ pub(super) fn reduce(kind: OpKind, a: &Args) -> KResult<Tensor> {
     let k = x.f_kind()?;
     let y = match kind {
         OpKind::ReduceSum => x.f_sum_dim_intlist(dims.as_slice(), keep, k)?,
-        OpKind::ReduceMean if is_float_kind(k) => x.f_mean_dim(dims.as_slice(), keep, None)?,
-        OpKind::ReduceMean => x.f_to_kind(Kind::Double)?.f_mean_dim(dims.as_slice(), keep, None)?,
+        OpKind::ReduceMean if is_float_kind(k) => x.f_mean_dim(dims.as_slice(), keep, None::<Kind>)?,
+        OpKind::ReduceMean => x.f_to_kind(Kind::Double)?.f_mean_dim(dims.as_slice(), keep, None::<Kind>)?,
         OpKind::ReduceMax => x.f_amax(dims.as_slice(), keep)?,
         OpKind::ReduceMin => x.f_amin(dims.as_slice(), keep)?,
         _ => {
