@@ -154,14 +154,15 @@ fn baseline_name(b: crate::solve::Baseline) -> &'static str {
 fn communication(d: &PlanDecision, cluster: &ClusterSpec, plan: &Plan) -> Vec<CommVolume> {
     let comm = CommModel::new(cluster);
     let mut out: Vec<CommVolume> = Vec::new();
-    let mut add = |kind: &str, link: &str, bytes: f64, time_s: f64| {
-        match out.iter_mut().find(|c| c.kind == kind && c.link == link) {
-            Some(c) => {
-                c.bytes = c.bytes.max(bytes);
-                c.time_s = c.time_s.max(time_s);
-            }
-            None => out.push(CommVolume { kind: kind.into(), link: link.into(), bytes, time_s }),
+    let mut add = |kind: &str, link: &str, bytes: f64, time_s: f64| match out
+        .iter_mut()
+        .find(|c| c.kind == kind && c.link == link)
+    {
+        Some(c) => {
+            c.bytes = c.bytes.max(bytes);
+            c.time_s = c.time_s.max(time_s);
         }
+        None => out.push(CommVolume { kind: kind.into(), link: link.into(), bytes, time_s }),
     };
     let m = d.microbatches as f64;
     // Pipeline: each boundary sends the activation forward and receives its gradient back,
@@ -181,7 +182,11 @@ fn communication(d: &PlanDecision, cluster: &ClusterSpec, plan: &Plan) -> Vec<Co
         for s in &plan.stages {
             let replicas: Vec<usize> = s.ranks.iter().step_by(d.tp.max(1)).copied().collect();
             let span = GroupSpan::of_ranks(&replicas, cluster.devices_per_node);
-            let grads = if d.zero >= 2 { s.memory_bytes.grads as f64 * d.dp as f64 } else { s.memory_bytes.grads as f64 };
+            let grads = if d.zero >= 2 {
+                s.memory_bytes.grads as f64 * d.dp as f64
+            } else {
+                s.memory_bytes.grads as f64
+            };
             let volume = 2.0 * (d.dp as f64 - 1.0) / d.dp as f64 * grads;
             add("data", span.link_kind().name(), volume, comm.all_reduce(grads, &span));
         }

@@ -53,7 +53,11 @@ pub fn run(args: &InspectArgs) -> Result<ExitCode> {
 
 fn schedule_kind(plan: &Plan) -> Result<ScheduleKind> {
     let p = &plan.parallel;
-    let text = if p.virtual_stages > 1 { format!("{}:{}", p.schedule, p.virtual_stages) } else { p.schedule.clone() };
+    let text = if p.virtual_stages > 1 {
+        format!("{}:{}", p.schedule, p.virtual_stages)
+    } else {
+        p.schedule.clone()
+    };
     text.parse::<ScheduleKind>().with_context(|| format!("parallel.schedule `{text}`"))
 }
 

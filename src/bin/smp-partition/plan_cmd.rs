@@ -1,19 +1,19 @@
 //! The main job: `smp-partition MODEL.onnx [options]` plans a model and writes the plan.
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 use std::process::ExitCode;
+use std::time::Instant;
 
 use anyhow::{Context, Result};
-use indicatif::{ProgressBar, ProgressStyle};
 use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
 
+use smp_partition::cost::ClusterSpec;
+use smp_partition::plan::build::{self, ModelRef};
 use smp_partition::plan::config::{
     Baseline, Checkpointing, Constraints, Layout, Optimize, Placement, PlanRequest, Schedule, SmpConfig,
     parse_dim,
 };
-use smp_partition::cost::ClusterSpec;
-use smp_partition::plan::build::{self, ModelRef};
 use smp_partition::plan::{Plan, io, report, validate};
 use smp_partition::solve::{self, Progress};
 
