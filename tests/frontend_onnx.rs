@@ -1076,3 +1076,81 @@ print(json.dumps({"ops": ops, "y": float(y[0, 0])}))
     assert_eq!(g.outputs, vec![y]);
     assert_eq!(g.node(g.value(y).producer.unwrap()).op, Op::Known(OpKind::Mul));
 }
+
+#[test]
+fn every_models_file_imports_with_the_recorded_float_initializer_count() {
+    // models/manifest.json is written by the export script from python's onnx.
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let manifest_path = repo.join("models/manifest.json");
+    let text = std::fs::read_to_string(&manifest_path).unwrap_or_else(|e| panic!("{}: {e}", manifest_path.display()));
+    let manifest: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let entries = manifest.as_object().unwrap();
+    assert!(!entries.is_empty());
+    for (name, entry) in entries {
+        let file = repo.join(entry["file"].as_str().unwrap());
+        let m = load_model(&file).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let g = &m.graph;
+        g.verify().unwrap_or_else(|e| panic!("{name}: {e}"));
+        let floats: u64 = g
+            .initializers()
+            .filter_map(|v| g.value(v).data.as_ref())
+            .filter(|t| t.dtype.is_float())
+            .map(Tensor::numel)
+            .sum();
+        assert_eq!(floats, entry["float_initializer_elements"].as_u64().unwrap(), "{name}");
+        let graph_only = entry["graph_only"].as_bool().unwrap();
+        assert_eq!(m.graph_only, graph_only, "{name}");
+        let missing = m.warnings.iter().filter(|w| matches!(w, ImportWarning::MissingExternalData { .. })).count();
+        assert_eq!(missing, usize::from(graph_only), "{name}: {:?}", m.warnings);
+        assert!(
+            !m.warnings.iter().any(|w| matches!(w, ImportWarning::UnknownOp { .. })),
+            "{name}: {:?}",
+            m.warnings
+        );
+    }
+}
+
+#[test]
+fn exponential_function_nesting_is_refused_not_exhausting_memory() {
+    // F0 calls F1 twice, F1 calls F2 twice, ... 30 levels: 2^30 leaves if inlined.
+    let levels = 30;
+    let functions: Vec<FunctionProto> = (0..levels)
+        .map(|i| {
+            let body = if i + 1 == levels {
+                vec![node("Relu", "r", &["A"], &["B"])]
+            } else {
+                let mut a = node(&format!("F{}", i + 1), "a", &["A"], &["M"]);
+                a.domain = Some("custom".into());
+                let mut b = node(&format!("F{}", i + 1), "b", &["M"], &["B"]);
+                b.domain = Some("custom".into());
+                vec![a, b]
+            };
+            FunctionProto {
+                name: Some(format!("F{i}")),
+                domain: Some("custom".into()),
+                input: vec!["A".into()],
+                output: vec!["B".into()],
+                node: body,
+                ..Default::default()
+            }
+        })
+        .collect();
+    let mut g = linear_graph();
+    let mut n = node("F0", "bomb", &["y"], &["z"]);
+    n.domain = Some("custom".into());
+    g.node.push(n);
+    let mut m = model(g);
+    m.functions = functions;
+    let e = err_text(import(&m));
+    assert!(e.contains("node `bomb`") && e.contains("would make 536870914 nodes"), "{e}");
+}
+
+#[test]
+fn decoding_bytes_for_a_path_in_a_missing_folder_treats_external_data_as_missing() {
+    let mut g = linear_graph();
+    g.initializer[0] = external_tensor("w", &[2, 3], &[("location", "w.bin")]);
+    let bytes = model(g).encode_to_vec();
+    let m = decode_model_bytes(&bytes, Path::new("/nonexistent/folder/model.onnx")).unwrap();
+    assert!(m.graph_only);
+    assert_eq!(m.warnings.len(), 1, "{:?}", m.warnings);
+}

@@ -142,3 +142,23 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn schedule_text_snapshots() {
+    let mut text = String::new();
+    for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::Interleaved { virtual_stages: 2 }, ScheduleKind::ZbH1] {
+        text.push_str(&format!("{kind} p=4 m=8\n"));
+        for (r, list) in compute_actions(kind, 4, 8).unwrap().iter().enumerate() {
+            let line: Vec<String> = list.iter().map(|a| a.to_string()).collect();
+            text.push_str(&format!("  {r}: {}\n", line.join(" ")));
+        }
+    }
+    insta::assert_snapshot!(text);
+}
+
+#[test]
+fn lowered_program_json_snapshot() {
+    let opts = LowerOptions { ranks: vec![0, 4], boundary_bytes: vec![4096, 0], epilogue: vec![] };
+    let progs = lower_schedule(ScheduleKind::ZbH1, 2, 2, &opts).unwrap();
+    insta::assert_json_snapshot!(progs);
+}

@@ -86,3 +86,27 @@ fn manual_layout_is_honoured() {
     assert_eq!(d.stages[0].layers, [0, 1]);
     assert_eq!(d.stages[1].layers, [2, 7]);
 }
+
+#[test]
+fn placement_puts_the_last_axis_on_consecutive_ranks() {
+    use smp_partition::solve::{MeshAxis, Placement};
+    let deg = [3, 2, 4]; // dp, pp, tp
+    // cluster = DPT: tensor ranks consecutive, data-parallel replicas pp·tp apart.
+    assert_eq!(Placement::CLUSTER.rank([0, 0, 1], deg), 1);
+    assert_eq!(Placement::CLUSTER.rank([1, 0, 0], deg), 8);
+    assert_eq!(Placement::CLUSTER.stride(MeshAxis::D, deg), 8);
+    // spread = TPD: replicas consecutive, tensor ranks pp·dp apart.
+    assert_eq!(Placement::SPREAD.rank([1, 0, 0], deg), 1);
+    assert_eq!(Placement::SPREAD.rank([0, 0, 1], deg), 6);
+    assert_eq!(Placement::SPREAD.stride(MeshAxis::T, deg), 6);
+    // Every coordinate gets a distinct rank below the device count.
+    let mut seen = std::collections::BTreeSet::new();
+    for d in 0..3 {
+        for p in 0..2 {
+            for t in 0..4 {
+                assert!(seen.insert(Placement::SPREAD.rank([d, p, t], deg)));
+            }
+        }
+    }
+    assert_eq!(seen.into_iter().max(), Some(23));
+}

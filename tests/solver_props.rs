@@ -2,7 +2,7 @@
 //! and intra-layer problems, a PipeDream-style DP for pure cut problems.
 
 use proptest::prelude::*;
-use smp_partition::solve::oracle::{brute_force_intra, brute_force_pipeline, min_max_cuts};
+use smp_partition::solve::oracle::{brute_force_intra, brute_force_pipeline, min_max_cuts, min_max_lower_bound};
 use smp_partition::solve::problem::{
     CheckpointRule, IntraEdge, IntraLayerProblem, IntraNode, NodeOption, ParetoPoint, PipelineLayer,
     PipelineObjective, PipelineProblem,
@@ -129,6 +129,8 @@ proptest! {
             checkpoint: CheckpointRule::Never, fixed_chunks: None, objective: PipelineObjective::StepTime,
         };
         let (dp, _) = min_max_cuts(&times, p).unwrap();
+        let fast = min_max_lower_bound(&times, p);
+        prop_assert!(fast <= dp * (1.0 + 1e-12) && fast >= dp * (1.0 - 1e-9), "bisection {} vs DP {}", fast, dp);
         let sol = prob.solve(&SolverOptions::default()).unwrap();
         prop_assert_eq!(sol.report.status, SolveStatus::Optimal);
         let total: f64 = times.iter().sum();

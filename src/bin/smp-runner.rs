@@ -1,6 +1,299 @@
-//! `smp-runner`: execute a plan (to be filled).
+//! `smp-runner`: execute ONNX models and plans on libtorch.
+//!
+//! Exit status: 0 success, 1 user error (the message on stderr names the cause), 2 usage.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand, ValueEnum};
+use smp_partition::frontend::onnx::load_model;
+use smp_partition::ir::Graph;
+use smp_partition::runtime::train::{self, AdamWConfig, LossKind, TrainConfig};
+use smp_partition::runtime::{ExecOptions, Executor, InitMode, Weights, npz};
+use tch::Kind;
+
+#[derive(Parser)]
+#[command(name = "smp-runner", version, about = "Execute ONNX models and smp-partition plans on libtorch")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum DTypeArg {
+    F32,
+    F64,
+    Bf16,
+}
+
+impl DTypeArg {
+    fn kind(self) -> Kind {
+        match self {
+            DTypeArg::F32 => Kind::Float,
+            DTypeArg::F64 => Kind::Double,
+            DTypeArg::Bf16 => Kind::BFloat16,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum InitArg {
+    /// Read every weight (external files must be present).
+    Load,
+    /// Seeded random values for external weights, without reading their files.
+    Random,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum LossArg {
+    Model,
+    CausalLm,
+    CrossEntropy,
+    Mse,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Forward pass: arrays keyed by graph input names in, graph outputs out.
+    Eval {
+        /// The ONNX model.
+        model: PathBuf,
+        /// Inputs, keyed by graph input name.
+        #[arg(long)]
+        inputs: PathBuf,
+        /// Where to write the outputs, keyed by graph output name.
+        #[arg(long)]
+        outputs: PathBuf,
+        /// Run floating-point tensors in this type (default: the model's own types).
+        #[arg(long, value_enum)]
+        dtype: Option<DTypeArg>,
+        #[arg(long, value_enum, default_value = "load")]
+        init: InitArg,
+        /// Seed for `--init random`.
+        #[arg(long, default_value_t = 0)]
+        seed: i64,
+    },
+    /// Train an ONNX model on one device.
+    Train {
+        /// The ONNX model.
+        model: PathBuf,
+        #[command(flatten)]
+        opts: TrainArgs,
+    },
+    /// Run one rank of a plan.
+    Run {
+        /// The plan file.
+        plan: PathBuf,
+        #[command(flatten)]
+        opts: TrainArgs,
+    },
+}
+
+#[derive(clap::Args)]
+struct TrainArgs {
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// Global batch (samples per step).
+    #[arg(long, default_value_t = 8)]
+    batch: i64,
+    /// Sequence length bound to symbolic sequence axes of synthetic data.
+    #[arg(long, default_value_t = 128)]
+    seq_len: i64,
+    /// Microbatches per step (gradients accumulate).
+    #[arg(long, default_value_t = 1)]
+    microbatches: usize,
+    /// Loss; default: the model's scalar output if it has one, else causal-lm.
+    #[arg(long, value_enum)]
+    loss: Option<LossArg>,
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    #[arg(long, default_value_t = 0.01)]
+    weight_decay: f64,
+    /// Global gradient-norm limit; 0 disables clipping.
+    #[arg(long, default_value_t = 1.0)]
+    clip: f64,
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: DTypeArg,
+    /// Data file (.npy, .npz, .safetensors); default: seeded synthetic data.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    #[arg(long, default_value_t = 0)]
+    seed: i64,
+    #[arg(long, value_enum, default_value = "load")]
+    init: InitArg,
+    /// Intra-op threads (default: libtorch's choice).
+    #[arg(long)]
+    threads: Option<i32>,
+    /// Print one JSON object on stdout.
+    #[arg(long)]
+    json: bool,
+}
 
 fn main() {
-    eprintln!("smp-runner: not yet implemented");
-    std::process::exit(2);
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let code = if e.use_stderr() { 2 } else { 0 };
+            let _ = e.print();
+            std::process::exit(code);
+        }
+    };
+    if let Err(e) = run(cli) {
+        eprintln!("smp-runner: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Eval { model, inputs, outputs, dtype, init, seed } => eval(&model, &inputs, &outputs, dtype, init, seed),
+        Command::Train { model, opts } => {
+            let seq_len = opts.seq_len;
+            train_cmd(&model, &opts, TrainShape { batch: opts.batch, seq_len, microbatches: opts.microbatches, predicted: None })
+        }
+        Command::Run { plan, opts } => run_plan(&plan, &opts),
+    }
+}
+
+/// Batch geometry of a run: from flags (`train`) or from the plan (`run`).
+struct TrainShape {
+    batch: i64,
+    seq_len: i64,
+    microbatches: usize,
+    predicted: Option<f64>,
+}
+
+/// One rank of a plan. This build runs single-device plans (pp = tp = dp = 1).
+fn run_plan(path: &Path, o: &TrainArgs) -> Result<()> {
+    let plan = smp_partition::plan::load(path)?;
+    let p = &plan.parallel;
+    if p.pp * p.tp * p.dp != 1 {
+        bail!(
+            "plan `{}` uses pp={} tp={} dp={}; this runner executes single-device plans only (pp = tp = dp = 1)",
+            path.display(),
+            p.pp,
+            p.tp,
+            p.dp
+        );
+    }
+    let given = PathBuf::from(&plan.model.path);
+    let model = if given.is_relative() && !given.exists() {
+        path.parent().map(|d| d.join(&given)).filter(|m| m.exists()).unwrap_or(given)
+    } else {
+        given
+    };
+    let imported = load_model(&model).with_context(|| format!("model `{}` of plan `{}`", model.display(), path.display()))?;
+    if imported.sha256 != plan.model.sha256 {
+        bail!(
+            "model `{}` is not the one plan `{}` was made for (sha256 differs); re-plan with smp-partition",
+            model.display(),
+            path.display()
+        );
+    }
+    let shape = TrainShape {
+        batch: plan.global_batch as i64,
+        seq_len: plan.seq_len.map_or(o.seq_len, |s| s as i64),
+        microbatches: p.microbatches.max(1),
+        predicted: Some(plan.predicted.step_time_s),
+    };
+    train_cmd(&model, o, shape)
+}
+
+fn load(model: &Path) -> Result<Graph> {
+    let imported = load_model(model).with_context(|| format!("cannot load model `{}`", model.display()))?;
+    Ok(imported.graph)
+}
+
+fn init_mode(init: InitArg, seed: i64) -> InitMode {
+    match init {
+        InitArg::Load => InitMode::Load,
+        InitArg::Random => InitMode::Random { seed },
+    }
+}
+
+fn eval(model: &Path, inputs: &Path, outputs: &Path, dtype: Option<DTypeArg>, init: InitArg, seed: i64) -> Result<()> {
+    let graph = load(model)?;
+    let float_kind = dtype.map(DTypeArg::kind);
+    smp_partition::runtime::executor::check_supported(&graph).with_context(|| format!("model `{}`", model.display()))?;
+    let weights = Weights::load(&graph, init_mode(init, seed), float_kind)?;
+    let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: false })?;
+    let named = npz::read_npz(inputs)?;
+    let feeds = exec.bind_inputs(named).with_context(|| format!("inputs file `{}`", inputs.display()))?;
+    let outs = tch::no_grad(|| exec.forward(&feeds))?;
+    let arrays: Vec<(String, tch::Tensor, Option<smp_partition::ir::DType>)> = graph
+        .outputs
+        .iter()
+        .zip(outs)
+        .map(|(&v, t)| {
+            let val = graph.value(v);
+            (val.name.clone(), t, val.ty.as_ref().map(|ty| ty.dtype))
+        })
+        .collect();
+    npz::write_npz(outputs, &arrays)?;
+    Ok(())
+}
+
+fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+fn train_cmd(model: &Path, o: &TrainArgs, shape: TrainShape) -> Result<()> {
+    if let Some(n) = o.threads {
+        tch::set_num_threads(n);
+    }
+    let graph = load(model)?;
+    let float_kind = Some(o.dtype.kind());
+    smp_partition::runtime::executor::check_supported(&graph).with_context(|| format!("model `{}`", model.display()))?;
+    let weights = Weights::load(&graph, init_mode(o.init, o.seed), float_kind)?;
+    let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: true })?;
+    let batch = match &o.data {
+        Some(path) => train::read_batch(&exec, path)?,
+        None => train::synthetic_batch(&exec, shape.batch, shape.seq_len, o.seed)?,
+    };
+    let loss = match o.loss {
+        Some(LossArg::Model) => LossKind::Model,
+        Some(LossArg::CausalLm) => LossKind::CausalLm,
+        Some(LossArg::CrossEntropy) => LossKind::CrossEntropy,
+        Some(LossArg::Mse) => LossKind::Mse,
+        None => {
+            let scalar_out = graph.outputs.iter().any(|&v| {
+                graph.value(v).ty.as_ref().and_then(|t| t.shape.as_ref()).is_some_and(|s| s.numel() == Some(1))
+            });
+            if scalar_out { LossKind::Model } else { LossKind::CausalLm }
+        }
+    };
+    let cfg = TrainConfig {
+        steps: o.steps,
+        microbatches: shape.microbatches,
+        loss,
+        adamw: AdamWConfig { lr: o.lr, weight_decay: o.weight_decay, ..AdamWConfig::default() },
+        clip: (o.clip > 0.0).then_some(o.clip),
+    };
+    let global = batch.first().and_then(|(_, t)| t.size().first().copied()).unwrap_or(shape.batch);
+    let t0 = Instant::now();
+    let steps = train::train(&exec, &batch, &cfg)?;
+    let wall = t0.elapsed().as_secs_f64();
+    // the first step pays one-time costs; report the mean of the others when there are any
+    let timed: Vec<f64> = steps.iter().skip(usize::from(steps.len() > 1)).map(|s| s.time_s).collect();
+    let step_time = timed.iter().sum::<f64>() / timed.len().max(1) as f64;
+    if o.json {
+        let out = serde_json::json!({
+            "steps": steps,
+            "samples_per_s": if step_time > 0.0 { global as f64 / step_time } else { 0.0 },
+            "measured_step_time_s": step_time,
+            "predicted_step_time_s": shape.predicted,
+            "wall_s": wall,
+            "ranks": [{"rank": 0, "step_time_s": step_time, "peak_memory_bytes": peak_rss_bytes()}],
+        });
+        println!("{out}");
+    } else {
+        for s in &steps {
+            eprintln!("step {:>4}  loss {:.6}  {:.3} s", s.step, s.loss, s.time_s);
+        }
+    }
+    Ok(())
 }

@@ -1,7 +1,13 @@
-//! Codegen: schedules lowered to per-rank programs (compute, sends, receives, collectives).
+//! Codegen: tensor-parallel shards of layers with their collectives, schedules lowered to
+//! per-rank programs (compute, sends, receives, collectives), and the validator of both.
 
+pub mod collectives;
 pub mod lower;
 pub mod program;
+pub mod shard;
+pub mod validate;
 
+pub use collectives::{CollectiveInsert, CollectiveKind, GroupKind};
 pub use lower::{LowerError, LowerOptions, lower, lower_schedule};
 pub use program::{Instr, Payload, RankProgram};
+pub use shard::{CodegenError, ConstantRewrite, LayerShard, NodeRewrite, Sharder, WeightSlice, apply_shard, shard_all};

@@ -91,6 +91,31 @@ impl EfficiencyCurve {
         }
         self.peak * flops / (flops + self.half_flops.max(0.0))
     }
+
+    /// Least-squares fit to measured `(flops, efficiency)` points (what `calibrate` measures:
+    /// achieved rate over the rate used as peak), linear in 1/flops:
+    /// 1/eff = 1/peak + (half_flops/peak)·(1/flops). `None` with fewer than two distinct sizes
+    /// or a fit that is not positive.
+    pub fn fit(points: &[(f64, f64)]) -> Option<EfficiencyCurve> {
+        let pts: Vec<(f64, f64)> =
+            points.iter().filter(|(f, e)| *f > 0.0 && *e > 0.0).map(|&(f, e)| (1.0 / f, 1.0 / e)).collect();
+        let n = pts.len() as f64;
+        if pts.len() < 2 {
+            return None;
+        }
+        let (mx, my) = (pts.iter().map(|p| p.0).sum::<f64>() / n, pts.iter().map(|p| p.1).sum::<f64>() / n);
+        let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+        if sxx <= 0.0 {
+            return None;
+        }
+        let slope = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum::<f64>() / sxx;
+        let intercept = my - slope * mx;
+        if intercept <= 0.0 {
+            return None;
+        }
+        let peak = (1.0 / intercept).min(1.0);
+        Some(EfficiencyCurve { peak, half_flops: (slope * peak).max(0.0) })
+    }
 }
 
 /// A homogeneous cluster: `devices` devices, `devices_per_node` of them per node.
@@ -452,6 +477,15 @@ mod tests {
         assert!(e.contains("`h100`"), "{e}");
         let e = ClusterSpec::parse("h100-80gb:x").unwrap_err().to_string();
         assert!(e.contains("`x`"), "{e}");
+    }
+
+    #[test]
+    fn efficiency_fit_recovers_the_curve() {
+        let truth = EfficiencyCurve { peak: 0.7, half_flops: 3e8 };
+        let pts: Vec<(f64, f64)> = [1e6, 1e7, 1e8, 1e9, 1e10].iter().map(|&f| (f, truth.at(f))).collect();
+        let fit = EfficiencyCurve::fit(&pts).unwrap();
+        assert!((fit.peak - 0.7).abs() < 1e-9 && (fit.half_flops / 3e8 - 1.0).abs() < 1e-9, "{fit:?}");
+        assert!(EfficiencyCurve::fit(&[(1e9, 0.5)]).is_none());
     }
 
     #[test]

@@ -7,6 +7,8 @@ use std::str::FromStr;
 
 use serde_json::{Map, Value};
 
+use crate::solve;
+
 /// A pipeline schedule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Schedule {
@@ -994,5 +996,69 @@ impl Constraints {
             });
         }
         Ok(())
+    }
+}
+
+impl Schedule {
+    /// The IR's schedule kind.
+    pub fn kind(self) -> crate::ir::ScheduleKind {
+        use crate::ir::ScheduleKind;
+        match self {
+            Schedule::Gpipe => ScheduleKind::GPipe,
+            Schedule::OneFOneB => ScheduleKind::OneFOneB,
+            Schedule::Interleaved(v) => ScheduleKind::Interleaved { virtual_stages: v },
+            Schedule::ZbH1 => ScheduleKind::ZbH1,
+        }
+    }
+}
+
+impl Placement {
+    /// The solver's placement.
+    pub fn to_solve(self) -> solve::Placement {
+        solve::Placement(self.0.map(|a| match a {
+            Axis::D => solve::MeshAxis::D,
+            Axis::P => solve::MeshAxis::P,
+            Axis::T => solve::MeshAxis::T,
+        }))
+    }
+}
+
+impl Constraints {
+    /// The solver's configuration; `default_global_batch` is used when `--global-batch` was
+    /// not given. HiGHS runs single-threaded so ties resolve the same way every run.
+    pub fn to_plan_config(&self, default_global_batch: u64) -> solve::PlanConfig {
+        let v = |s: &Option<Sourced<usize>>| s.as_ref().map(|x| x.value);
+        let global_batch = self.global_batch.as_ref().map_or(default_global_batch, |g| g.value);
+        let mut cfg = solve::PlanConfig::new(global_batch as usize);
+        cfg.constraints = solve::SearchConstraints {
+            pp: v(&self.pp),
+            tp: v(&self.tp),
+            dp: v(&self.dp),
+            zero: self.zero.as_ref().map(|z| z.value),
+            sharded_dp: v(&self.sharded_dp),
+            microbatches: v(&self.microbatches),
+            active_microbatches: v(&self.active_microbatches),
+            schedule: self.schedule.as_ref().map(|s| s.value.kind()),
+            checkpointing: Some(match self.checkpointing {
+                Checkpointing::Auto => solve::CheckpointRule::Auto,
+                Checkpointing::None => solve::CheckpointRule::Never,
+                Checkpointing::Full => solve::CheckpointRule::Always,
+            }),
+            placement: self.placement.as_ref().map(|p| p.value.to_solve()),
+            layout: self.layout.as_ref().map(|l| l.value.0.clone()),
+            memory_limit: self.memory_limit_bytes,
+            time_limit_s: self.time_limit_s,
+            optimize: match self.optimize {
+                Optimize::Speed => solve::Optimize::Speed,
+                Optimize::Memory => solve::Optimize::Memory,
+            },
+        };
+        cfg.baseline = self.baseline.map(|b| match b {
+            Baseline::Megatron => solve::Baseline::Megatron,
+            Baseline::Uniform => solve::Baseline::Uniform,
+            Baseline::Parameters => solve::Baseline::Parameters,
+        });
+        cfg.threads = Some(1);
+        cfg
     }
 }

@@ -1,6 +1,7 @@
 //! The plan: the versioned on-disk contract (`schema`), reading and writing it (`io`), its
 //! structural checks (`validate`), and turning flags and SMP configs into constraints (`config`).
 
+pub mod build;
 pub mod config;
 pub mod dot;
 pub mod io;

@@ -147,7 +147,8 @@ fn ranks(r: &[usize]) -> String {
         });
         i = j + 1;
     }
-    out.join(",")
+    // Thousands of ranks: the first runs and the count.
+    if out.len() > 3 { format!("{},{},… ({} ranks)", out[0], out[1], r.len()) } else { out.join(",") }
 }
 
 /// Renders a table as aligned columns (first column left, the rest right).

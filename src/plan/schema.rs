@@ -1,6 +1,8 @@
 //! The plan file: the versioned on-disk contract between `smp-partition`, `inspect`, the
 //! simulator and `smp-runner`. Field names are those of DESIGN.md's "Contracts" section.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 /// The plan format version this build writes and reads.
@@ -35,6 +37,9 @@ pub struct Plan {
     /// Sequence length the plan was made for, when the model has one.
     #[serde(default)]
     pub seq_len: Option<u64>,
+    /// Other symbolic dims bound when planning (`--dim NAME=V`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub dims: BTreeMap<String, i64>,
 }
 
 /// The model a plan partitions.
@@ -118,6 +123,9 @@ pub struct Stage {
     /// Communication time per microbatch not hidden behind compute (seconds).
     #[serde(default)]
     pub comm_s: f64,
+    /// Bytes per microbatch sent to the next stage (its gradient comes back); 0 for the last.
+    #[serde(default)]
+    pub output_bytes: u64,
     /// Peak memory per device of this stage.
     pub memory_bytes: StageMemory,
     /// Layers whose activations are recomputed in the backward pass.
@@ -159,6 +167,8 @@ pub struct LayerStrategy {
     pub layer: usize,
     /// Layer name (`h.3`).
     pub name: String,
+    /// Name of the layer's strategy assignment (`megatron`, `replicate`, ...).
+    pub strategy: String,
     /// Strategy name per node, in the layer's node order: `[node, strategy]`.
     pub nodes: Vec<(String, String)>,
 }

@@ -317,9 +317,13 @@ pub fn simulate(programs: &[RankProgram], durations: &dyn Durations) -> Result<S
     let mut coll_registered = vec![false; n];
     let mut events = Vec::new();
 
-    loop {
-        let mut progress = false;
-        for r in 0..n {
+    // Worklist: a rank runs until it blocks; sending to a rank or arriving at a collective
+    // wakes the ranks that may be waiting for it.
+    let mut queued = vec![true; n];
+    let mut queue: std::collections::VecDeque<usize> = (0..n).collect();
+    while let Some(r) = queue.pop_front() {
+        queued[r] = false;
+        {
             let prog = &programs[r];
             while let Some(instr) = prog.instrs.get(pc[r]) {
                 let rank = prog.rank;
@@ -388,6 +392,12 @@ pub fn simulate(programs: &[RankProgram], durations: &dyn Durations) -> Result<S
                     Instr::Send { peer, what, stage, mb, .. } => {
                         let arrival = t + durations.duration(rank, instr);
                         messages.insert((rank, *peer, *what, *stage, *mb), arrival);
+                        if let Some(&pi) = index_of.get(peer)
+                            && !queued[pi]
+                        {
+                            queued[pi] = true;
+                            queue.push_back(pi);
+                        }
                         outstanding[r] += 1;
                         max_outstanding[r] = max_outstanding[r].max(outstanding[r]);
                         events.push(SimEvent {
@@ -429,7 +439,15 @@ pub fn simulate(programs: &[RankProgram], durations: &dyn Durations) -> Result<S
                         if !coll_registered[r] {
                             arrivals.push((rank, t, durations.duration(rank, instr)));
                             coll_registered[r] = true;
-                            progress = true;
+                            for member in group {
+                                if let Some(&mi) = index_of.get(member)
+                                    && mi != r
+                                    && !queued[mi]
+                                {
+                                    queued[mi] = true;
+                                    queue.push_back(mi);
+                                }
+                            }
                         }
                         if arrivals.len() < group.len() {
                             break;
@@ -448,15 +466,11 @@ pub fn simulate(programs: &[RankProgram], durations: &dyn Durations) -> Result<S
                     }
                 }
                 pc[r] += 1;
-                progress = true;
             }
         }
-        if pc.iter().zip(programs).all(|(&i, p)| i >= p.instrs.len()) {
-            break;
-        }
-        if !progress {
-            return Err(SimError::Deadlock { stuck: explain(programs, &pc, &messages, &coll_arrivals, &coll_seen) });
-        }
+    }
+    if pc.iter().zip(programs).any(|(&i, p)| i < p.instrs.len()) {
+        return Err(SimError::Deadlock { stuck: explain(programs, &pc, &messages, &coll_arrivals, &coll_seen) });
     }
 
     if let Some(((from, to, what, stage, mb), _)) = messages.iter().min_by_key(|(k, _)| (k.0, k.3, k.4)) {

@@ -59,6 +59,7 @@ pub struct CostContext<'a> {
     /// Per-layer shape facts.
     pub shapes: Vec<LayerShape>,
     cache: HashMap<(usize, usize, usize, u8, GroupSpan, GroupSpan, GroupSpan), PipelineLayer>,
+    model_cache: HashMap<(usize, usize, u8, GroupSpan, GroupSpan, GroupSpan), Vec<PipelineLayer>>,
     sig_index: Vec<usize>,
 }
 
@@ -107,8 +108,20 @@ impl<'a> CostContext<'a> {
             precision: if dtype == DType::F32 { StatePrecision::FP32_ADAM } else { StatePrecision::MIXED_ADAM },
             shapes,
             cache: HashMap::new(),
+            model_cache: HashMap::new(),
             sig_index,
         }
+    }
+
+    /// Every layer's points under `cfg` (cached per configuration).
+    pub fn layers(&mut self, cfg: &LayerConfig) -> Vec<PipelineLayer> {
+        let key = (cfg.tp, cfg.microbatch, cfg.zero, cfg.zero_group, cfg.dp_group, cfg.tp_group);
+        if let Some(v) = self.model_cache.get(&key) {
+            return v.clone();
+        }
+        let v: Vec<PipelineLayer> = (0..self.lg.layers.len()).map(|l| self.layer(l, cfg)).collect();
+        self.model_cache.insert(key, v.clone());
+        v
     }
 
     /// The layer's Pareto points (one tensor assignment here) under `cfg`; identical layers

@@ -75,6 +75,17 @@ impl Placement {
         r
     }
 
+    /// Rank distance between neighbours along `axis` for degrees (dp, pp, tp).
+    pub fn stride(&self, axis: MeshAxis, degrees: [usize; 3]) -> usize {
+        let idx = |a: MeshAxis| match a {
+            MeshAxis::D => 0,
+            MeshAxis::P => 1,
+            MeshAxis::T => 2,
+        };
+        let pos = self.0.iter().position(|&a| a == axis).unwrap_or(0);
+        self.0[pos + 1..].iter().map(|&a| degrees[idx(a)]).product()
+    }
+
     /// `DPT`-style text.
     pub fn name(&self) -> String {
         self.0.iter().map(|a| format!("{a:?}")).collect()

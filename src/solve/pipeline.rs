@@ -6,7 +6,8 @@ use good_lp::Expression;
 use serde::{Deserialize, Serialize};
 
 use super::SolveError;
-use super::ilp::{Col, Milp, SolveReport, SolverOptions, value};
+use super::ilp::{Col, Milp, SolveReport, SolverOptions, set_value, value};
+use super::oracle::min_max_cuts;
 use super::problem::{CheckpointRule, LayerChoice, PipelineEval, PipelineObjective, PipelineProblem};
 
 /// Bytes are scaled to GiB inside the ILP to keep coefficients near 1.
@@ -72,6 +73,77 @@ impl PipelineProblem {
             CheckpointRule::Auto => &[false, true],
             CheckpointRule::Never => &[false],
             CheckpointRule::Always => &[true],
+        }
+    }
+
+    /// Lower bounds on the largest device time and sync time from the min-max split of the
+    /// layers' least figures, and the split itself as a starting layout (least-time points,
+    /// checkpoints only where the rule demands).
+    pub fn dp_bounds(&self) -> (f64, f64, Option<Vec<LayerChoice>>) {
+        let always = self.checkpoint == CheckpointRule::Always;
+        let p = self.devices;
+        let v_n = self.chunks();
+        let best: Vec<usize> = self
+            .layers
+            .iter()
+            .map(|l| {
+                (0..l.points.len())
+                    .min_by(|&a, &b| {
+                        let t = |j: usize| l.points[j].fwd_s * if always { 2.0 } else { 1.0 } + l.points[j].bwd_s;
+                        t(a).total_cmp(&t(b))
+                    })
+                    .unwrap_or(0)
+            })
+            .collect();
+        let tmin: Vec<f64> = self
+            .layers
+            .iter()
+            .map(|l| l.points.iter().map(|q| q.fwd_s + q.bwd_s + if always { q.fwd_s } else { 0.0 }).fold(f64::INFINITY, f64::min))
+            .collect();
+        let smin: Vec<f64> = self.layers.iter().map(|l| l.points.iter().map(|q| q.sync_s).fold(f64::INFINITY, f64::min)).collect();
+        if let Some(f) = &self.fixed_chunks {
+            let mut t = vec![0.0; p];
+            let mut s = vec![0.0; p];
+            for (l, &c) in f.iter().enumerate() {
+                t[c % p] += tmin[l];
+                s[c % p] += smin[l];
+            }
+            let start = f.iter().enumerate().map(|(l, &c)| LayerChoice { chunk: c, point: best[l], checkpoint: always }).collect();
+            return (t.iter().cloned().fold(0.0, f64::max), s.iter().cloned().fold(0.0, f64::max), Some(start));
+        }
+        let Some((tau, starts)) = min_max_cuts(&tmin, v_n) else { return (0.0, 0.0, None) };
+        let sigma = if self.virtual_stages == 1 { min_max_cuts(&smin, p).map_or(0.0, |s| s.0) } else { 0.0 };
+        let mut start = Vec::with_capacity(self.layers.len());
+        for c in 0..v_n {
+            let end = starts.get(c + 1).copied().unwrap_or(self.layers.len());
+            for l in starts[c]..end {
+                start.push(LayerChoice { chunk: c, point: best[l], checkpoint: always });
+            }
+        }
+        (tau, sigma, Some(start))
+    }
+
+    /// Checkpoints layers of over-full devices, most bytes saved per recomputed second first,
+    /// until each fits (or nothing is left to checkpoint).
+    pub fn repair_memory(&self, choices: &mut [LayerChoice]) {
+        let p = self.devices;
+        let Some(e) = self.evaluate(choices) else { return };
+        for d in 0..p {
+            if e.total_bytes[d] <= self.memory_cap {
+                continue;
+            }
+            let mut order: Vec<usize> = (0..choices.len()).filter(|&l| choices[l].chunk % p == d && !choices[l].checkpoint).collect();
+            let gain = |l: usize| {
+                let pt = &self.layers[l].points[choices[l].point];
+                (pt.act_bytes - pt.input_bytes) * self.in_flight[choices[l].chunk] / pt.fwd_s.max(1e-12)
+            };
+            order.sort_by(|&a, &b| gain(b).total_cmp(&gain(a)));
+            for l in order {
+                choices[l].checkpoint = true;
+                if self.evaluate(choices).is_some_and(|e| e.total_bytes[d] <= self.memory_cap) {
+                    break;
+                }
+            }
         }
     }
 
@@ -156,6 +228,7 @@ impl PipelineProblem {
         // h[r][c], z[r][c] for c < v_n − 1.
         let mut h: Vec<Vec<Expression>> = Vec::with_capacity(runs.len());
         let mut z: Vec<Vec<Expression>> = Vec::with_capacity(runs.len());
+        let mut hz_cols: Vec<(usize, usize, Col, Option<Col>)> = Vec::new();
         for (r, &(_, len)) in runs.iter().enumerate() {
             let mut hr = Vec::with_capacity(v_n);
             let mut zr = Vec::with_capacity(v_n);
@@ -167,10 +240,12 @@ impl PipelineProblem {
                 hr.push(Expression::from(hc.v()));
                 if len == 1 {
                     zr.push(Expression::from(hc.v()));
+                    hz_cols.push((r, c, hc, None));
                 } else {
                     let zc = milp.binary();
                     milp.constrain(u.geq(len as f64 * zc.v()));
                     zr.push(Expression::from(zc.v()));
+                    hz_cols.push((r, c, hc, Some(zc)));
                 }
             }
             h.push(hr);
@@ -186,6 +261,7 @@ impl PipelineProblem {
         let mut sync = vec![Expression::default(); p];
         let mut mem = vec![Expression::default(); p];
         let mut recompute: Vec<Vec<(f64, Expression)>> = vec![Vec::new(); p];
+        let mut w_cols: Vec<(usize, usize, (usize, bool), Col)> = Vec::new();
         for (r, &(first, len)) in runs.iter().enumerate() {
             let lay = &self.layers[first];
             for c in 0..v_n {
@@ -202,6 +278,7 @@ impl PipelineProblem {
                         } else {
                             let w = milp.binary();
                             milp.constrain(Expression::from(col.v()).leq(len as f64 * w.v()));
+                            w_cols.push((r, c, (j, k), w));
                             Expression::from(w.v())
                         };
                         recompute[d].push(((pt.act_bytes - pt.input_bytes) / GIB, used));
@@ -209,9 +286,11 @@ impl PipelineProblem {
                 }
             }
         }
+        let mut rb_cols: Vec<Option<Col>> = vec![None; p];
         for d in 0..p {
             if !recompute[d].is_empty() {
                 let rb = milp.continuous(0.0, f64::INFINITY);
+                rb_cols[d] = Some(rb);
                 for (bytes, used) in &recompute[d] {
                     milp.constrain(Expression::from(rb.v()).geq(*bytes * used.clone()));
                 }
@@ -238,6 +317,68 @@ impl PipelineProblem {
         for d in 0..p {
             milp.constrain(Expression::from(tmax.v()).geq(time[d].clone()));
             milp.constrain(Expression::from(smax.v()).geq(sync[d].clone()));
+        }
+        // Integrality cuts the LP cannot see: no layout beats the min-max split of the
+        // layers' least times (PipeDream's DP), nor of their least sync times.
+        let (tau, sigma, mut start) = self.dp_bounds();
+        // A start that does not fit memory helps nobody: recompute greedily where it does.
+        if let Some(st) = &mut start
+            && self.checkpoint == CheckpointRule::Auto
+        {
+            self.repair_memory(st);
+        }
+        milp.constrain(Expression::from(tmax.v()).geq(tau));
+        milp.constrain(Expression::from(smax.v()).geq(sigma));
+        if let (Some(start), PipelineObjective::StepTime) = (&start, self.objective) {
+            let mut init = vec![0.0; milp.columns()];
+            let mut counts: std::collections::HashMap<(usize, usize, usize, bool), usize> = Default::default();
+            let mut run_of = vec![0usize; l_n];
+            for (r, &(first, len)) in runs.iter().enumerate() {
+                for l in first..first + len {
+                    run_of[l] = r;
+                }
+            }
+            for (l, ch) in start.iter().enumerate() {
+                *counts.entry((run_of[l], ch.chunk, ch.point, ch.checkpoint)).or_default() += 1;
+            }
+            for (r, per_chunk) in n.iter().enumerate() {
+                for (c, opts_c) in per_chunk.iter().enumerate() {
+                    for &((j, k), col) in opts_c {
+                        set_value(&mut init, col, counts.get(&(r, c, j, k)).copied().unwrap_or(0) as f64);
+                    }
+                }
+            }
+            let upto = |r: usize, c: usize| -> usize {
+                counts.iter().filter(|(key, _)| key.0 == r && key.1 <= c).map(|(_, v)| *v).sum()
+            };
+            for &(r, c, hc, zc) in &hz_cols {
+                let u = upto(r, c);
+                set_value(&mut init, hc, (u >= 1) as u8 as f64);
+                if let Some(zc) = zc {
+                    set_value(&mut init, zc, (u == runs[r].1) as u8 as f64);
+                }
+            }
+            for &(r, c, (j, k), w) in &w_cols {
+                set_value(&mut init, w, (counts.get(&(r, c, j, k)).copied().unwrap_or(0) > 0) as u8 as f64);
+            }
+            if let Some(e) = self.evaluate(start) {
+                for d in 0..p {
+                    if let Some(rb) = rb_cols[d] {
+                        let mut worst = 0.0f64;
+                        for (l, ch) in start.iter().enumerate() {
+                            let pt = &self.layers[l].points[ch.point];
+                            if ch.checkpoint && ch.chunk % p == d {
+                                worst = worst.max(pt.act_bytes - pt.input_bytes);
+                            }
+                        }
+                        set_value(&mut init, rb, worst / GIB);
+                    }
+                }
+                let t: Vec<f64> = (0..p).map(|d| e.fwd_s[d] + e.bwd_s[d]).collect();
+                set_value(&mut init, tmax, t.iter().cloned().fold(tau, f64::max));
+                set_value(&mut init, smax, e.sync_s.max(sigma));
+                milp.set_initial(init);
+            }
         }
         let c = self.bubble_coeff;
         let mut step = Expression::default();

@@ -10,10 +10,11 @@ use crate::ir::{LayeredGraph, ScheduleKind};
 
 use super::ilp::{SolveReport, SolveStatus, SolverOptions};
 use super::layer_cost::{CostContext, LayerConfig};
+use super::oracle::min_max_lower_bound;
 use super::pipeline::PipelineSolution;
 use super::problem::{CheckpointRule, PipelineObjective, PipelineProblem};
 use super::{
-    LayerDecision, Optimize, PlanConfig, PlanDecision, Placement, Predicted, Progress, SolveError, StageDecision,
+    LayerDecision, MeshAxis, Optimize, PlanConfig, PlanDecision, Placement, Predicted, Progress, SolveError, StageDecision,
     StageMemory,
 };
 
@@ -224,17 +225,17 @@ pub fn prepare(
     let dpn = spec.devices_per_node.max(1);
     let deg = [cand.dp, cand.pp, cand.tp];
     let rank = |d: usize, p: usize, t: usize| cand.placement.rank([d, p, t], deg);
-    let tp_ranks: Vec<usize> = (0..cand.tp).map(|t| rank(0, 0, t)).collect();
-    let dp_ranks: Vec<usize> = (0..cand.dp).map(|d| rank(d, 0, 0)).collect();
+    let d_stride = cand.placement.stride(MeshAxis::D, deg);
+    let t_stride = cand.placement.stride(MeshAxis::T, deg);
     let lc = LayerConfig {
         tp: cand.tp,
         microbatch: cand.microbatch_size,
         zero: cand.zero,
-        zero_group: GroupSpan::of_ranks(&dp_ranks[..cand.zero_group.min(cand.dp).max(1)], dpn),
-        dp_group: GroupSpan::of_ranks(&dp_ranks, dpn),
-        tp_group: GroupSpan::of_ranks(&tp_ranks, dpn),
+        zero_group: GroupSpan::strided(0, cand.zero_group.min(cand.dp).max(1), d_stride, dpn),
+        dp_group: GroupSpan::strided(0, cand.dp, d_stride, dpn),
+        tp_group: GroupSpan::strided(0, cand.tp, t_stride, dpn),
     };
-    let layers: Vec<_> = (0..ctx.lg.layers.len()).map(|l| ctx.layer(l, &lc)).collect();
+    let layers = ctx.layers(&lc);
     let v = cand.schedule.virtual_stages();
     let chunks = cand.pp * v;
     let beta: Vec<f64> = (0..chunks.saturating_sub(1))
@@ -291,7 +292,15 @@ pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
             .fold(f64::INFINITY, f64::min);
     }
     let min_flight = p.in_flight.iter().cloned().fold(f64::INFINITY, f64::min);
-    let lb = t_sum * (c + (m - c) / devices) + sync_sum / devices;
+    // The largest device time is at least the min-max split of the least layer times.
+    let recompute = p.checkpoint == CheckpointRule::Always;
+    let tmin: Vec<f64> = p
+        .layers
+        .iter()
+        .map(|l| l.points.iter().map(|q| q.fwd_s + q.bwd_s + if recompute { q.fwd_s } else { 0.0 }).fold(f64::INFINITY, f64::min))
+        .collect();
+    let tau = if p.fixed_chunks.is_none() { min_max_lower_bound(&tmin, p.chunks()) } else { 0.0 };
+    let lb = c * t_sum + (m - c) * tau.max(t_sum / devices) + sync_sum / devices;
     let mem_lb = (state + kept * min_flight) / devices + p.workspace;
     (lb, mem_lb)
 }
@@ -354,13 +363,14 @@ pub fn run(
             open_bound = open_bound.min(p.lb);
             break;
         }
-        let sol = p.problem.solve(&opts(remaining))?;
+        // One ILP may use a fifth of the budget, so several candidates get a look.
+        let sol = p.problem.solve(&opts(remaining.min((limit / 5.0).max(0.2))))?;
         solved += 1;
         done += 1;
         match sol.report.status {
             SolveStatus::Optimal | SolveStatus::Feasible => {
                 if sol.report.status == SolveStatus::Feasible {
-                    open_bound = open_bound.min(sol.report.bound);
+                    open_bound = open_bound.min(sol.report.bound.max(p.lb));
                 }
                 if incumbent.is_none_or(|inc| sol.report.objective < inc) {
                     best = Some((i, sol));
@@ -398,7 +408,7 @@ pub fn run(
     }
     let objective = sol.report.objective;
     let bound = match c.optimize {
-        Optimize::Speed => open_bound.min(objective).min(sol.report.bound.max(f64::NEG_INFINITY)),
+        Optimize::Speed => open_bound.min(objective).min(sol.report.bound.max(chosen.lb)),
         Optimize::Memory => sol.report.bound,
     };
     let gap = if objective > 0.0 { ((objective - bound) / objective).max(0.0) } else { 0.0 };

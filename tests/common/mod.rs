@@ -1,6 +1,7 @@
 //! Shared test fixtures.
 #![allow(dead_code, unused_imports)]
 
+pub mod interp;
 pub mod plan_fixture;
 pub mod synthetic_gpt;
 

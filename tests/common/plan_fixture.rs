@@ -30,6 +30,7 @@ pub fn fixture() -> Plan {
             forward_s: 0.010,
             backward_s: 0.020,
             comm_s: 0.002,
+            output_bytes: 1 << 20,
             memory_bytes: memory(GIB, 2 * GIB),
             checkpointed_layers: vec![],
         },
@@ -43,6 +44,7 @@ pub fn fixture() -> Plan {
             forward_s: 0.012,
             backward_s: 0.024,
             comm_s: 0.001,
+            output_bytes: 0,
             memory_bytes: memory(GIB, GIB),
             checkpointed_layers: vec![4],
         },
@@ -78,6 +80,7 @@ pub fn fixture() -> Plan {
         layer_strategies: vec![LayerStrategy {
             layer: 1,
             name: "h.0".into(),
+            strategy: "megatron".into(),
             nodes: vec![("h.0.attn.qkv".into(), "column".into()), ("h.0.attn.proj".into(), "row".into())],
         }],
         communication: vec![
@@ -101,6 +104,7 @@ pub fn fixture() -> Plan {
         },
         global_batch: 8,
         seq_len: Some(128),
+        dims: Default::default(),
     };
     plan.predicted.peak_memory_bytes = plan.rank_memory(0).total.max(plan.rank_memory(1).total);
     plan

@@ -1,12 +1,18 @@
 //! `smp-partition inspect PLAN.json`: explain a plan.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result};
 use clap::Args;
 
-use smp_partition::plan::{io, report};
+use smp_partition::codegen::lower::{LowerOptions, lower_schedule};
+use smp_partition::cost::{ClusterSpec, CommModel, in_flight};
+use smp_partition::ir::ScheduleKind;
+use smp_partition::plan::{Plan, dot, io, report};
+use smp_partition::sim::{CostTable, chrome_trace, simulate};
+
+use crate::graph_cmd::{DimArgs, load_and_analyze};
 
 /// Options of `inspect`.
 #[derive(Args, Debug)]
@@ -28,11 +34,14 @@ pub struct InspectArgs {
 /// Runs `inspect`.
 pub fn run(args: &InspectArgs) -> Result<ExitCode> {
     let plan = io::load(&args.plan)?;
-    if args.trace.is_some() {
-        bail!("--trace needs the simulator, which is not in this build yet");
+    if let Some(path) = &args.trace {
+        let trace = trace(&plan)?;
+        std::fs::write(path, serde_json::to_string(&trace)?)
+            .with_context(|| format!("writing the trace to {}", path.display()))?;
     }
-    if args.dot.is_some() {
-        bail!("--dot needs the ONNX frontend, which is not in this build yet");
+    if let Some(path) = &args.dot {
+        let text = graph_dot(&plan, &args.plan)?;
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report::to_json_with_report(&plan))?);
@@ -40,4 +49,76 @@ pub fn run(args: &InspectArgs) -> Result<ExitCode> {
         print!("{}", report::render(&plan));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn schedule_kind(plan: &Plan) -> Result<ScheduleKind> {
+    let p = &plan.parallel;
+    let text = if p.virtual_stages > 1 {
+        format!("{}:{}", p.schedule, p.virtual_stages)
+    } else {
+        p.schedule.clone()
+    };
+    text.parse::<ScheduleKind>().with_context(|| format!("parallel.schedule `{text}`"))
+}
+
+/// Lowers the plan's schedule for one data-parallel replica and tensor rank and replays it
+/// with the plan's stage times.
+fn trace(plan: &Plan) -> Result<serde_json::Value> {
+    let kind = schedule_kind(plan)?;
+    let (p, m) = (plan.parallel.pp, plan.parallel.microbatches);
+    let ranks: Vec<usize> = (0..p)
+        .map(|r| plan.stages_of_rank(r).next().and_then(|s| s.ranks.first().copied()).unwrap_or(r))
+        .collect();
+    let opts = LowerOptions {
+        ranks,
+        boundary_bytes: plan.stages.iter().map(|s| s.output_bytes).collect(),
+        epilogue: Vec::new(),
+    };
+    let programs = lower_schedule(kind, p, m, &opts).context("lowering the plan's schedule")?;
+    // The plan names a preset; its links are what the trace needs (a cluster file that has
+    // moved makes communication free in the trace).
+    let comm = ClusterSpec::parse(&format!("{}:{}", plan.cluster.preset, plan.cluster.devices))
+        .ok()
+        .map(|c| CommModel::new(&c));
+    let weight_share = if matches!(kind, ScheduleKind::ZbH1) { 0.5 } else { 0.0 };
+    let costs = CostTable {
+        forward: plan.stages.iter().map(|s| s.forward_s).collect(),
+        backward_input: plan.stages.iter().map(|s| s.backward_s * (1.0 - weight_share)).collect(),
+        backward_weight: plan.stages.iter().map(|s| s.backward_s * weight_share).collect(),
+        activation_bytes: plan
+            .stages
+            .iter()
+            .map(|s| s.memory_bytes.activations as f64 / in_flight(kind, p, m, s.pp_rank + 1).max(1.0))
+            .collect(),
+        comm,
+        optimizer: 0.0,
+    };
+    let result = simulate(&programs, &costs).context("simulating the plan")?;
+    Ok(chrome_trace(&result))
+}
+
+/// The model file a plan names: as recorded, else beside the plan file.
+fn model_path(plan: &Plan, plan_file: &Path) -> PathBuf {
+    let recorded = PathBuf::from(&plan.model.path);
+    if recorded.exists() || recorded.is_absolute() {
+        return recorded;
+    }
+    match plan_file.parent() {
+        Some(dir) if dir.join(&recorded).exists() => dir.join(&recorded),
+        _ => recorded,
+    }
+}
+
+fn graph_dot(plan: &Plan, plan_file: &Path) -> Result<String> {
+    let path = model_path(plan, plan_file);
+    let dims = DimArgs {
+        global_batch: None,
+        seq_len: plan.seq_len.map(|s| s as i64),
+        dims: plan.dims.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+    };
+    let analysed = load_and_analyze(&path, &dims).context("--dot needs the model the plan was made for")?;
+    if analysed.sha256 != plan.model.sha256 {
+        tracing::warn!("{}: the file changed since the plan was made (SHA-256 differs)", path.display());
+    }
+    Ok(dot::to_dot(&analysed.lg, plan).with_context(|| path.display().to_string())?)
 }

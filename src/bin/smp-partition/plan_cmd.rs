@@ -1,17 +1,23 @@
 //! The main job: `smp-partition MODEL.onnx [options]` plans a model and writes the plan.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
 
+use smp_partition::cost::ClusterSpec;
+use smp_partition::plan::build::{self, ModelRef};
 use smp_partition::plan::config::{
     Baseline, Checkpointing, Constraints, Layout, Optimize, Placement, PlanRequest, Schedule, SmpConfig,
     parse_dim,
 };
-use smp_partition::cost::ClusterSpec;
-use smp_partition::plan::{Plan, io, report};
+use smp_partition::plan::{Plan, io, report, validate};
+use smp_partition::solve::{self, Progress};
+
+use crate::graph_cmd::{DimArgs, load_and_analyze};
 
 /// Options of the planning job (flattened into the top-level command).
 #[derive(Args, Debug, Default)]
@@ -135,13 +141,60 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
 }
 
 /// Model → layered graph → cluster → solver → plan.
-fn make_plan(model: &std::path::Path, args: &PlanArgs, constraints: &Constraints) -> Result<Plan> {
+fn make_plan(model: &Path, args: &PlanArgs, constraints: &Constraints) -> Result<Plan> {
+    let started = Instant::now();
     let cluster = ClusterSpec::parse(&args.cluster).with_context(|| format!("--cluster {}", args.cluster))?;
     constraints.check_devices(cluster.devices, &args.cluster)?;
-    if !model.exists() {
-        bail!("{}: no such model file", model.display());
+    let dims = DimArgs {
+        global_batch: args.global_batch,
+        seq_len: args.seq_len.map(|s| s as i64),
+        dims: args.dim.clone(),
+    };
+    let analysed = load_and_analyze(model, &dims)?;
+    let lg = &analysed.lg;
+    constraints.check_layers(lg.layers.len(), &model.display().to_string())?;
+    let default_batch = cluster.devices as u64 * lg.dims.graph_batch.max(1) as u64;
+    if args.global_batch.is_none() {
+        eprintln!("note: --global-batch not given; planning for {default_batch} samples per step");
     }
-    bail!("{}: planning needs the solver, which is not in this build yet", model.display())
+    let cfg = constraints.to_plan_config(default_batch);
+
+    let mut bar: Option<ProgressBar> = None;
+    let mut progress = |p: Progress| {
+        if bar.is_none() && started.elapsed().as_secs_f64() > 1.0 {
+            let b = ProgressBar::new(p.total);
+            b.set_style(
+                ProgressStyle::with_template("{elapsed} [{bar:30}] {pos}/{len} candidates {msg}")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            bar = Some(b);
+        }
+        if let Some(b) = &bar {
+            b.set_length(p.total);
+            b.set_position(p.done);
+            if let Some(best) = p.best_step_s {
+                b.set_message(format!("best step {best:.4} s"));
+            }
+        }
+    };
+    let decision = solve::plan(lg, &cluster, &cfg, &mut progress)
+        .with_context(|| format!("planning {} on {}", model.display(), args.cluster))?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    let model_ref = ModelRef { path: model.display().to_string(), sha256: analysed.sha256.clone() };
+    let plan = build::from_decision(
+        &decision,
+        lg,
+        &cluster,
+        &cfg,
+        &model_ref,
+        args.seq_len,
+        &args.dim,
+        started.elapsed().as_secs_f64(),
+    );
+    validate(&plan).context("the planner produced an inconsistent plan (a bug)")?;
+    Ok(plan)
 }
 
 /// Writes the plan (`-o`) and prints it (`--json`) or its report.

@@ -110,7 +110,8 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
     let mut nodes = Vec::with_capacity(graph_proto.node.len());
     let mut funcs = Functions::new(&functions);
     funcs.expand(graph_proto.node, &file, 0, &mut nodes)?;
-    for n in &nodes {
+    let names = unique_node_names(&nodes);
+    for (n, name) in nodes.iter().zip(&names) {
         let op_type = n.op_type.as_deref().unwrap_or("");
         let default_domain = normalize_domain(n.domain.as_deref().unwrap_or("")).is_empty();
         let has_subgraph = n.attribute.iter().any(|a| {
@@ -119,12 +120,11 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
         if has_subgraph || (default_domain && CONTROL_FLOW.contains(&op_type)) {
             return Err(ImportError::ControlFlow {
                 file,
-                node: n.name.clone().filter(|s| !s.is_empty()).unwrap_or_else(|| format!("#{op_type}")),
+                node: name.clone(),
                 op_type: op_type.to_string(),
             });
         }
     }
-    let names = unique_node_names(&nodes);
 
     let mut g = Graph::new(graph_proto.name.unwrap_or_default());
     g.opsets = opsets.clone();

@@ -8,6 +8,8 @@ use super::proto::{AttributeProto, FunctionProto, NodeProto, StringStringEntryPr
 
 /// Calls nested deeper than this are refused (the spec forbids recursion; this bounds it).
 const MAX_DEPTH: usize = 32;
+/// Inlining that would make more nodes than this is refused (nested calls multiply).
+const MAX_NODES: usize = 1_000_000;
 
 /// `""` and `"ai.onnx"` both name the default domain.
 pub(crate) fn normalize_domain(domain: &str) -> &str {
@@ -65,6 +67,24 @@ impl<'a> Functions<'a> {
         depth: usize,
         out: &mut Vec<NodeProto>,
     ) -> Result<(), ImportError> {
+        if depth == 0 && !self.by_key.is_empty() {
+            let mut memo = HashMap::new();
+            if let Some(total) = self.expanded_size(&nodes, 0, &mut memo) {
+                if total > MAX_NODES as u64 {
+                    return Err(ImportError::BadNode {
+                        file: file.to_path_buf(),
+                        node: nodes
+                            .iter()
+                            .find(|n| self.lookup(n).is_some())
+                            .and_then(|n| n.name.clone())
+                            .unwrap_or_default(),
+                        reason: format!(
+                            "inlining the model-local functions would make {total} nodes, more than {MAX_NODES}"
+                        ),
+                    });
+                }
+            }
+        }
         for node in nodes {
             let Some(function) = self.lookup(&node) else {
                 out.push(node);
@@ -85,6 +105,33 @@ impl<'a> Functions<'a> {
             self.expand(body, file, depth + 1, out)?;
         }
         Ok(())
+    }
+
+    /// Node count after inlining (saturating); `None` if calls nest too deep (recursion,
+    /// which `expand` then reports).
+    fn expanded_size(&self, nodes: &[NodeProto], depth: usize, memo: &mut HashMap<usize, u64>) -> Option<u64> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        let mut total = 0u64;
+        for node in nodes {
+            let size = match self.lookup(node) {
+                None => 1,
+                Some(f) => {
+                    let key = f as *const FunctionProto as usize;
+                    match memo.get(&key) {
+                        Some(&s) => s,
+                        None => {
+                            let s = self.expanded_size(&f.node, depth + 1, memo)?;
+                            memo.insert(key, s);
+                            s
+                        }
+                    }
+                }
+            };
+            total = total.saturating_add(size);
+        }
+        Some(total)
     }
 
     /// The function's body for one call: values renamed, attribute references bound.

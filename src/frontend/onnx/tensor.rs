@@ -81,8 +81,9 @@ impl ExternalResolver {
                 Resolved { path: canonical, size: Some(meta.len()) }
             }
             Err(_) => {
-                // Missing: still make sure the deepest existing folder on the way stays inside.
-                let mut ancestor = joined.parent();
+                // Missing: still make sure the deepest existing folder on the way stays inside
+                // (when the model's folder itself does not exist, nothing under it can).
+                let mut ancestor = if self.canonical_dir.is_some() { joined.parent() } else { None };
                 while let Some(a) = ancestor {
                     if let Ok(c) = a.canonicalize() {
                         self.check_inside(tensor, location, &c)?;

@@ -1,0 +1,164 @@
+//! Planner speed and quality on graph-only models. Prints a markdown table for BENCHMARKS.md.
+//!
+//! Run: `cargo bench --bench planner` (or `--profile dev` for a quick look).
+//! Goals (issue 4): GPT-3 175B on a100-80gb:1024, batch 1536, seq 2048 in ≤ 3 s; the 1T
+//! model on a100-80gb:3072, batch 3072, in ≤ 10 s; Megatron Table 1: automatic plan vs
+//! `--baseline megatron` with the published t, p, d (goal: geometric mean ≥ 1.15×);
+//! Llama-3-8B on h100-80gb:64, batch 512, pp 8: automatic cuts vs uniform and parameters.
+
+use std::path::Path;
+use std::time::Instant;
+
+use smp_partition::cost::ClusterSpec;
+use smp_partition::frontend::onnx::load_model;
+use smp_partition::ir::{LayeredGraph, ScheduleKind};
+use smp_partition::passes::{AnalyzeOptions, analyze};
+use smp_partition::solve::{Baseline, PlanConfig, PlanDecision, SolveError, plan};
+
+fn load(path: &str, seq: i64) -> Option<LayeredGraph> {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join(path);
+    let model = match load_model(&p) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("{path}: {e}");
+            return None;
+        }
+    };
+    match analyze(model.graph, &AnalyzeOptions { seq_len: Some(seq), ..Default::default() }) {
+        Ok(lg) => Some(lg),
+        Err(e) => {
+            eprintln!("{path}: {e}");
+            None
+        }
+    }
+}
+
+fn run(lg: &LayeredGraph, cluster: &str, cfg: &PlanConfig) -> (Result<PlanDecision, SolveError>, f64) {
+    let spec = ClusterSpec::parse(cluster).expect("preset");
+    let t = Instant::now();
+    let d = plan(lg, &spec, cfg, &mut |_| {});
+    (d, t.elapsed().as_secs_f64())
+}
+
+fn describe(d: &PlanDecision) -> String {
+    format!(
+        "pp{} tp{} dp{} zero{} m{}×{} {} ckpt {}",
+        d.pp,
+        d.tp,
+        d.dp,
+        d.zero,
+        d.microbatches,
+        d.microbatch_size,
+        d.schedule,
+        d.layers.iter().filter(|l| l.checkpoint).count()
+    )
+}
+
+fn main() {
+    println!("| case | plan | step s | MFU | status | gap | solved/skipped | wall s | goal |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for (name, path, cluster, batch, limit, goal) in [
+        ("GPT-3 175B", "models/gpt3-175b.onnx", "a100-80gb:1024", 1536, 3.0, "≤ 3 s"),
+        ("GPT 1T", "models/gpt-1t.onnx", "a100-80gb:3072", 3072, 10.0, "≤ 10 s"),
+    ] {
+        let Some(lg) = load(path, 2048) else { continue };
+        let mut cfg = PlanConfig::new(batch);
+        cfg.constraints.time_limit_s = Some(limit);
+        match run(&lg, cluster, &cfg) {
+            (Ok(d), wall) => println!(
+                "| {name} on {cluster}, batch {batch} | {} | {:.3} | {:.3} | {} | {:.4} | {}/{} | {wall:.2} | {goal} |",
+                describe(&d),
+                d.predicted.step_time_s,
+                d.predicted.mfu,
+                d.solver.status.name(),
+                d.solver.gap,
+                d.candidates_solved,
+                d.candidates_skipped
+            ),
+            (Err(e), wall) => println!("| {name} | error: {e} | | | | | | {wall:.2} | {goal} |"),
+        }
+    }
+
+    // Megatron-LM Table 1: (name, layers, t, p, GPUs, batch).
+    println!();
+    println!("| Table 1 model | GPUs | batch | megatron (t, p, d) step s | auto plan | auto step s | ratio |");
+    println!("|---|---|---|---|---|---|---|");
+    let rows = [
+        ("1.7B", 1, 1, 32, 512),
+        ("3.6B", 2, 1, 64, 512),
+        ("7.5B", 4, 1, 128, 512),
+        ("18.4B", 8, 1, 256, 1024),
+        ("39.1B", 8, 2, 512, 1536),
+        ("76.1B", 8, 4, 1024, 1792),
+        ("145.6B", 8, 8, 1536, 2304),
+        ("310.1B", 8, 16, 1920, 2160),
+        ("529.6B", 8, 35, 2520, 2520),
+        ("1008B", 8, 64, 3072, 3072),
+    ];
+    let mut logs = Vec::new();
+    for (name, t, p, gpus, batch) in rows {
+        let Some(lg) = load(&format!("models/megatron/gpt-{name}.onnx"), 2048) else { continue };
+        let cluster = format!("a100-80gb:{gpus}");
+        let mut base = PlanConfig::new(batch);
+        base.baseline = Some(Baseline::Megatron);
+        base.constraints.tp = Some(t);
+        base.constraints.pp = Some(p);
+        base.constraints.dp = Some(gpus / (t * p));
+        base.constraints.time_limit_s = Some(5.0);
+        let mut auto = PlanConfig::new(batch);
+        auto.constraints.time_limit_s = Some(5.0);
+        let (b, _) = run(&lg, &cluster, &base);
+        let (a, wall) = run(&lg, &cluster, &auto);
+        match (b, a) {
+            (Ok(b), Ok(a)) => {
+                let ratio = b.predicted.step_time_s / a.predicted.step_time_s;
+                logs.push(ratio.ln());
+                println!(
+                    "| {name} | {gpus} | {batch} | {:.3} | {} ({wall:.1} s, {}) | {:.3} | {ratio:.3} |",
+                    b.predicted.step_time_s,
+                    describe(&a),
+                    a.solver.status.name(),
+                    a.predicted.step_time_s
+                );
+            }
+            (b, a) => println!(
+                "| {name} | {gpus} | {batch} | {} | {} | | |",
+                b.err().map(|e| e.to_string()).unwrap_or_default(),
+                a.err().map(|e| e.to_string()).unwrap_or_default()
+            ),
+        }
+    }
+    if !logs.is_empty() {
+        let g = (logs.iter().sum::<f64>() / logs.len() as f64).exp();
+        println!("\nGeometric mean of megatron/auto step-time ratios: {g:.3} (goal ≥ 1.15)");
+    }
+
+    // Llama-3-8B cuts vs DeepSpeed's partition methods.
+    println!();
+    println!("| Llama-3-8B, h100-80gb:64, batch 512, seq 8192, pp 8 | step s | ratio to auto |");
+    println!("|---|---|---|");
+    if let Some(lg) = load("models/llama3-8b.onnx", 8192) {
+        let mk = |b: Option<Baseline>| {
+            let mut c = PlanConfig::new(512);
+            c.baseline = b;
+            c.constraints.pp = Some(8);
+            c.constraints.schedule = Some(ScheduleKind::OneFOneB);
+            c.constraints.time_limit_s = Some(10.0);
+            c
+        };
+        let (auto, _) = run(&lg, "h100-80gb:64", &mk(None));
+        if let Ok(auto) = auto {
+            println!("| auto ({}) | {:.3} | 1.000 |", describe(&auto), auto.predicted.step_time_s);
+            for b in [Baseline::Uniform, Baseline::Parameters] {
+                match run(&lg, "h100-80gb:64", &mk(Some(b))).0 {
+                    Ok(d) => println!(
+                        "| {b:?} | {:.3} | {:.3} |",
+                        d.predicted.step_time_s,
+                        d.predicted.step_time_s / auto.predicted.step_time_s
+                    ),
+                    Err(e) => println!("| {b:?} | error: {e} | |"),
+                }
+            }
+        }
+    }
+}

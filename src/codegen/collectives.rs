@@ -1,0 +1,107 @@
+//! Collectives inserted by tensor-parallel sharding: what they are (plan-file content) and the
+//! IR node each becomes (`Op::Placeholder { domain: "smp", .. }`).
+
+use serde::{Deserialize, Serialize};
+
+use crate::ir::{Attr, Attrs, Node, Op, ValueId};
+
+/// The ONNX domain of inserted collective nodes.
+pub const SMP_DOMAIN: &str = "smp";
+
+/// What a collective computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum CollectiveKind {
+    /// Sum over the group; every member gets the sum.
+    AllReduce,
+    /// Concatenation of the members' parts along `axis`, in group order.
+    AllGather {
+        /// Axis of the gathered (full) tensor.
+        axis: usize,
+    },
+    /// Sum over the group, each member keeping its slice along `axis`.
+    ReduceScatter {
+        /// Axis of the full tensor that is scattered.
+        axis: usize,
+    },
+}
+
+impl CollectiveKind {
+    /// The `op_type` of the inserted node.
+    pub fn op_type(self) -> &'static str {
+        match self {
+            CollectiveKind::AllReduce => "AllReduce",
+            CollectiveKind::AllGather { .. } => "AllGather",
+            CollectiveKind::ReduceScatter { .. } => "ReduceScatter",
+        }
+    }
+
+    /// The axis, for gathers and scatters.
+    pub fn axis(self) -> Option<usize> {
+        match self {
+            CollectiveKind::AllReduce => None,
+            CollectiveKind::AllGather { axis } | CollectiveKind::ReduceScatter { axis } => Some(axis),
+        }
+    }
+}
+
+/// Which process group a collective runs over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GroupKind {
+    /// The stage's tensor-parallel ranks.
+    Tensor,
+    /// The data-parallel replicas of a tensor rank.
+    Data,
+    /// The stages sharing a tied weight.
+    TiedWeight,
+}
+
+impl GroupKind {
+    /// The name written into the node's `group` attribute.
+    pub fn name(self) -> &'static str {
+        match self {
+            GroupKind::Tensor => "tensor",
+            GroupKind::Data => "data",
+            GroupKind::TiedWeight => "tied_weight",
+        }
+    }
+}
+
+/// A collective inserted into a layer's shard.
+///
+/// `after_value` names a model value: in the shard graph its producer yields the rank's local
+/// part (named `{after_value}.local`), and the name `after_value` holds the collective's result,
+/// so every consumer, inside the layer or after it, reads the combined tensor.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct CollectiveInsert {
+    /// The model value that is combined.
+    pub after_value: String,
+    /// What the collective computes.
+    pub kind: CollectiveKind,
+    /// Over which group.
+    pub group: GroupKind,
+}
+
+/// True if the node is a collective inserted by codegen.
+pub fn is_collective(op: &Op) -> bool {
+    matches!(op, Op::Placeholder { domain, .. } if domain == SMP_DOMAIN)
+}
+
+/// The IR node of a collective reading `input` and writing `output`.
+pub fn collective_node(name: String, kind: CollectiveKind, group: GroupKind, input: ValueId, output: ValueId, order: u32) -> Node {
+    let mut attrs = Attrs::default();
+    attrs.set("group", Attr::Str(group.name().to_string()));
+    if let Some(axis) = kind.axis() {
+        attrs.set("axis", Attr::Int(axis as i64));
+    }
+    Node {
+        name,
+        op: Op::Placeholder { op_type: kind.op_type().to_string(), domain: SMP_DOMAIN.to_string() },
+        attrs,
+        inputs: vec![Some(input)],
+        outputs: vec![output],
+        namespace: None,
+        order,
+    }
+}

@@ -1,0 +1,319 @@
+//! Validation of per-rank programs and layer shards, run before a plan is written and when it
+//! is loaded: every receive has exactly one matching send (and every send a receive),
+//! collectives match across their group (kind, bytes, tag, order), and the weight slices of a
+//! tensor group are in range and cover each sliced weight exactly once.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::program::{Instr, Payload, RankProgram};
+use super::shard::LayerShard;
+use crate::ir::Graph;
+
+/// One problem found; the message names the rank and the action or weight.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("rank {rank}: {what}")]
+pub struct Invalid {
+    /// Global rank (tensor rank for shard problems).
+    pub rank: usize,
+    /// What is wrong, naming the action (`2RECV_F1`) or the weight.
+    pub what: String,
+}
+
+/// All problems of a plan's programs or shards (empty vectors never returned).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{} problem(s); first: {}", .0.len(), .0[0])]
+pub struct ValidationErrors(pub Vec<Invalid>);
+
+fn finish(errs: Vec<Invalid>) -> Result<(), ValidationErrors> {
+    if errs.is_empty() { Ok(()) } else { Err(ValidationErrors(errs)) }
+}
+
+/// (sender, receiver, payload, sending stage, microbatch) — what identifies a message.
+type MsgKey = (usize, usize, Payload, usize, usize);
+
+/// Checks point-to-point messages and collectives of a set of rank programs.
+pub fn validate_programs(programs: &[RankProgram]) -> Result<(), ValidationErrors> {
+    let mut errs = Vec::new();
+    let ranks: HashMap<usize, &RankProgram> = programs.iter().map(|p| (p.rank, p)).collect();
+    if ranks.len() != programs.len() {
+        let mut seen = std::collections::HashSet::new();
+        for p in programs {
+            if !seen.insert(p.rank) {
+                errs.push(Invalid { rank: p.rank, what: "has two programs".into() });
+            }
+        }
+    }
+    // Point to point.
+    let mut sends: BTreeMap<MsgKey, Vec<(usize, &Instr)>> = BTreeMap::new();
+    let mut recvs: BTreeMap<MsgKey, Vec<(usize, &Instr)>> = BTreeMap::new();
+    for p in programs {
+        for i in &p.instrs {
+            match *i {
+                Instr::Send { peer, what, stage, mb, .. } => {
+                    sends.entry((p.rank, peer, what, stage, mb)).or_default().push((p.rank, i));
+                    if !ranks.contains_key(&peer) {
+                        errs.push(Invalid { rank: p.rank, what: format!("{i} sends to rank {peer}, which has no program") });
+                    }
+                }
+                Instr::Recv { peer, what, stage, mb, .. } => {
+                    let sending = match what {
+                        Payload::Activation => stage.checked_sub(1),
+                        Payload::Gradient => Some(stage + 1),
+                    };
+                    match sending {
+                        Some(s) => recvs.entry((peer, p.rank, what, s, mb)).or_default().push((p.rank, i)),
+                        None => errs.push(Invalid { rank: p.rank, what: format!("{i} receives an activation into the first stage") }),
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    for (key, rs) in &recvs {
+        let ss = sends.get(key).map_or(&[][..], Vec::as_slice);
+        for (k, (rank, instr)) in rs.iter().enumerate() {
+            match ss.get(k) {
+                None if ss.is_empty() => errs.push(Invalid { rank: *rank, what: format!("{instr} has no matching send") }),
+                None => errs.push(Invalid { rank: *rank, what: format!("{instr} is received more often than rank {} sends it", key.0) }),
+                Some((_, s)) => {
+                    let (Instr::Send { bytes: sb, .. }, Instr::Recv { bytes: rb, .. }) = (s, instr) else { continue };
+                    if sb != rb {
+                        errs.push(Invalid { rank: *rank, what: format!("{instr} expects {rb} bytes, rank {} sends {sb}", key.0) });
+                    }
+                }
+            }
+        }
+        if ss.len() > rs.len() {
+            errs.push(Invalid { rank: key.0, what: format!("{} is sent {} times but received {} times", ss[0].1, ss.len(), rs.len()) });
+        }
+    }
+    for (key, ss) in &sends {
+        if !recvs.contains_key(key) {
+            errs.push(Invalid { rank: ss[0].0, what: format!("{} to rank {} has no matching receive", ss[0].1, key.1) });
+        }
+    }
+    // Collectives: each member's sequence on a group, compared with the first member's.
+    let mut seqs: BTreeMap<Vec<usize>, BTreeMap<usize, Vec<&Instr>>> = BTreeMap::new();
+    for p in programs {
+        for i in &p.instrs {
+            if let Some((group, _)) = i.collective() {
+                if !group.contains(&p.rank) {
+                    errs.push(Invalid { rank: p.rank, what: format!("{i} runs over group {group:?}, which does not include it") });
+                    continue;
+                }
+                seqs.entry(group.to_vec()).or_default().entry(p.rank).or_default().push(i);
+            }
+        }
+    }
+    for (group, by_rank) in &seqs {
+        let Some(&lead) = group.iter().find(|r| by_rank.contains_key(r)) else { continue };
+        let reference = &by_rank[&lead];
+        for &member in group {
+            let empty = Vec::new();
+            let mine = by_rank.get(&member).unwrap_or(&empty);
+            if !ranks.contains_key(&member) {
+                errs.push(Invalid { rank: lead, what: format!("group {group:?} includes rank {member}, which has no program") });
+                continue;
+            }
+            for k in 0..reference.len().max(mine.len()) {
+                match (reference.get(k), mine.get(k)) {
+                    (Some(a), Some(b)) if !same_collective(a, b) => errs.push(Invalid {
+                        rank: member,
+                        what: format!("collective #{k} on group {group:?} is {} but rank {lead} runs {}", describe(b), describe(a)),
+                    }),
+                    (Some(a), None) => errs.push(Invalid {
+                        rank: member,
+                        what: format!("misses collective #{k} on group {group:?} ({} on rank {lead})", describe(a)),
+                    }),
+                    (None, Some(b)) => errs.push(Invalid {
+                        rank: member,
+                        what: format!("runs {} as collective #{k} on group {group:?}, which rank {lead} does not", describe(b)),
+                    }),
+                    _ => {}
+                }
+            }
+        }
+    }
+    finish(errs)
+}
+
+fn same_collective(a: &Instr, b: &Instr) -> bool {
+    std::mem::discriminant(a) == std::mem::discriminant(b) && bytes(a) == bytes(b) && a.collective().map(|c| c.1) == b.collective().map(|c| c.1)
+}
+
+fn bytes(i: &Instr) -> u64 {
+    match i {
+        Instr::AllReduce { bytes, .. } | Instr::ReduceScatter { bytes, .. } | Instr::AllGather { bytes, .. } => *bytes,
+        _ => 0,
+    }
+}
+
+fn describe(i: &Instr) -> String {
+    format!("{i} of {} bytes", bytes(i))
+}
+
+/// Checks the shards of one layer's tensor group (one per tensor rank): every slice in range
+/// of the model's initializer, and the slices of each weight covering it exactly once.
+pub fn validate_shards(graph: &Graph, shards: &[LayerShard]) -> Result<(), ValidationErrors> {
+    let mut errs = Vec::new();
+    let tp = shards.len();
+    for (i, s) in shards.iter().enumerate() {
+        if s.rank != i || s.tp != tp {
+            errs.push(Invalid { rank: s.rank, what: format!("shard {i} of a group of {tp} says rank {} of {}", s.rank, s.tp) });
+        }
+    }
+    // initializer → (axis, ranges of every rank)
+    let mut by_weight: BTreeMap<&str, Vec<(usize, usize, &[[u64; 2]])>> = BTreeMap::new();
+    for s in shards {
+        for w in &s.weight_slices {
+            let Some(v) = graph.value_by_name(&w.initializer) else {
+                errs.push(Invalid { rank: s.rank, what: format!("slices `{}`, which the model does not have", w.initializer) });
+                continue;
+            };
+            let val = graph.value(v);
+            let dims = val.data.as_ref().map(|d| d.dims.clone()).or_else(|| val.ty.as_ref().and_then(|t| t.shape.as_ref()).and_then(|s| s.known()));
+            let Some(dims) = dims else {
+                errs.push(Invalid { rank: s.rank, what: format!("`{}` has no known shape", w.initializer) });
+                continue;
+            };
+            let Some(&d) = dims.get(w.axis) else {
+                errs.push(Invalid { rank: s.rank, what: format!("slices `{}` along axis {}, but it has {} axes", w.initializer, w.axis, dims.len()) });
+                continue;
+            };
+            let mut bad = false;
+            for r in &w.ranges {
+                if r[0] >= r[1] || r[1] > d as u64 {
+                    errs.push(Invalid {
+                        rank: s.rank,
+                        what: format!("slice [{}, {}) of `{}` along axis {} is out of range (size {d})", r[0], r[1], w.initializer, w.axis),
+                    });
+                    bad = true;
+                }
+            }
+            if !bad {
+                by_weight.entry(&w.initializer).or_default().push((s.rank, w.axis, &w.ranges));
+            }
+        }
+    }
+    for (name, parts) in by_weight {
+        let axis = parts[0].1;
+        if let Some(p) = parts.iter().find(|p| p.1 != axis) {
+            errs.push(Invalid { rank: p.0, what: format!("slices `{name}` along axis {}, rank {} along axis {axis}", p.1, parts[0].0) });
+            continue;
+        }
+        for s in shards {
+            if !parts.iter().any(|p| p.0 == s.rank) {
+                errs.push(Invalid { rank: s.rank, what: format!("holds all of `{name}`, which other tensor ranks slice") });
+            }
+        }
+        let d = graph
+            .value_by_name(name)
+            .map(|v| graph.value(v))
+            .and_then(|v| v.data.as_ref().map(|t| t.dims.clone()).or_else(|| v.ty.as_ref().and_then(|t| t.shape.as_ref()).and_then(|s| s.known())))
+            .and_then(|dims| dims.get(axis).copied())
+            .unwrap_or(0) as u64;
+        let mut all: Vec<(u64, u64, usize)> = parts.iter().flat_map(|p| p.2.iter().map(move |r| (r[0], r[1], p.0))).collect();
+        all.sort_unstable();
+        let mut at = 0;
+        for (s, e, rank) in all {
+            if s < at {
+                errs.push(Invalid { rank, what: format!("slice [{s}, {e}) of `{name}` overlaps another rank's (covered up to {at})") });
+            } else if s > at {
+                errs.push(Invalid { rank, what: format!("`{name}` along axis {axis}: [{at}, {s}) is held by no rank") });
+            }
+            at = at.max(e);
+        }
+        if at < d {
+            errs.push(Invalid { rank: parts[parts.len() - 1].0, what: format!("`{name}` along axis {axis}: [{at}, {d}) is held by no rank") });
+        }
+    }
+    finish(errs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codegen::{LowerOptions, lower_schedule};
+    use crate::codegen::shard::WeightSlice;
+    use crate::ir::{DType, ScheduleKind, Shape, TensorType, ValueKind};
+
+    fn programs() -> Vec<RankProgram> {
+        let mut opts = LowerOptions { boundary_bytes: vec![1024; 4], ..Default::default() };
+        opts.epilogue = (0..4).map(|_| Vec::new()).collect();
+        let mut ps = lower_schedule(ScheduleKind::OneFOneB, 4, 8, &opts).unwrap();
+        // A tensor-parallel-style all-reduce between ranks 2 and 3, before their optimizer step.
+        for r in [2, 3] {
+            let at = ps[r].instrs.len() - 1;
+            ps[r].instrs.insert(at, Instr::AllReduce { group: vec![2, 3], bytes: 4096, tag: "tied".into() });
+        }
+        ps
+    }
+
+    #[test]
+    fn lowered_programs_are_valid() {
+        validate_programs(&programs()).unwrap();
+    }
+
+    #[test]
+    fn dropped_send_names_the_receiving_rank_and_action() {
+        let mut ps = programs();
+        let at = ps[2].instrs.iter().position(|i| matches!(i, Instr::Send { what: Payload::Activation, mb: 1, .. })).unwrap();
+        ps[2].instrs.remove(at);
+        let err = validate_programs(&ps).unwrap_err();
+        let msgs: Vec<String> = err.0.iter().map(ToString::to_string).collect();
+        assert!(msgs.contains(&"rank 3: 3RECV_F1 has no matching send".to_string()), "{msgs:?}");
+    }
+
+    #[test]
+    fn mismatched_collective_is_named() {
+        let mut ps = programs();
+        for i in ps[3].instrs.iter_mut() {
+            if let Instr::AllReduce { bytes, .. } = i {
+                *bytes = 2048;
+            }
+        }
+        let err = validate_programs(&ps).unwrap_err();
+        let m = err.0[0].to_string();
+        assert!(m.starts_with("rank 3: collective #0 on group [2, 3]") && m.contains("2048") && m.contains("4096"), "{m}");
+        let mut ps = programs();
+        let at = ps[2].instrs.iter().position(|i| i.collective().is_some()).unwrap();
+        ps[2].instrs.remove(at);
+        let m = validate_programs(&ps).unwrap_err().0[0].to_string();
+        assert!(m.starts_with("rank 2: misses collective #0 on group [2, 3] (ALL_REDUCE(tied)"), "{m}");
+    }
+
+    fn weight_graph() -> Graph {
+        let mut g = Graph::new("w");
+        let ty = TensorType { dtype: DType::F32, shape: Some(Shape::from_known(&[8, 6])) };
+        g.add_value("w", ValueKind::Initializer, Some(ty), None).unwrap();
+        g
+    }
+
+    fn shards(ranges: [Vec<[u64; 2]>; 2]) -> Vec<LayerShard> {
+        ranges
+            .into_iter()
+            .enumerate()
+            .map(|(rank, r)| LayerShard {
+                layer: 0,
+                tp: 2,
+                rank,
+                weight_slices: vec![WeightSlice { initializer: "w".into(), axis: 1, ranges: r }],
+                constant_rewrites: vec![],
+                rewrites: vec![],
+                collectives: vec![],
+            })
+            .collect()
+    }
+
+    #[test]
+    fn slices_must_cover_each_weight_once() {
+        let g = weight_graph();
+        validate_shards(&g, &shards([vec![[0, 1], [2, 4]], vec![[1, 2], [4, 6]]])).unwrap();
+        let m = validate_shards(&g, &shards([vec![[0, 3]], vec![[3, 7]]])).unwrap_err().0[0].to_string();
+        assert_eq!(m, "rank 1: slice [3, 7) of `w` along axis 1 is out of range (size 6)");
+        let m = validate_shards(&g, &shards([vec![[0, 4]], vec![[3, 6]]])).unwrap_err().0[0].to_string();
+        assert!(m.starts_with("rank 1: slice [3, 6) of `w` overlaps"), "{m}");
+        let m = validate_shards(&g, &shards([vec![[0, 2]], vec![[3, 6]]])).unwrap_err().0[0].to_string();
+        assert!(m.contains("[2, 3) is held by no rank"), "{m}");
+    }
+}

@@ -1,0 +1,195 @@
+//! The plan file from the solver's decision.
+
+use crate::cost::{ClusterSpec, CommModel, GroupSpan};
+use crate::ir::LayeredGraph;
+use crate::solve::{CheckpointRule, PlanConfig, PlanDecision};
+
+use super::schema::*;
+
+/// What the plan records about where the model came from.
+#[derive(Clone, Debug)]
+pub struct ModelRef {
+    /// Path as given.
+    pub path: String,
+    /// SHA-256 of the file (hex).
+    pub sha256: String,
+}
+
+/// The plan's name for a checkpoint rule.
+pub fn checkpointing_name(rule: CheckpointRule) -> &'static str {
+    match rule {
+        CheckpointRule::Auto => "auto",
+        CheckpointRule::Never => "none",
+        CheckpointRule::Always => "full",
+    }
+}
+
+fn bytes(x: f64) -> u64 {
+    if x.is_finite() && x > 0.0 { x.round() as u64 } else { 0 }
+}
+
+/// Builds the plan for `decision`; `wall_s` is the planning time to record.
+pub fn from_decision(
+    d: &PlanDecision,
+    lg: &LayeredGraph,
+    cluster: &ClusterSpec,
+    cfg: &PlanConfig,
+    model: &ModelRef,
+    seq_len: Option<u64>,
+    dims: &[(String, i64)],
+    wall_s: f64,
+) -> Plan {
+    let stages: Vec<Stage> = d
+        .stages
+        .iter()
+        .map(|s| {
+            let m = &s.memory;
+            let mut memory_bytes = StageMemory {
+                params: bytes(m.params),
+                grads: bytes(m.grads),
+                optimizer: bytes(m.optimizer),
+                activations: bytes(m.activations),
+                workspace: bytes(m.workspace),
+                total: 0,
+            };
+            // Rounded parts, so the total is exactly their sum.
+            memory_bytes.total = memory_bytes.sum_of_parts();
+            Stage {
+                index: s.index,
+                pp_rank: s.pp_rank,
+                layers: s.layers,
+                ranks: s.ranks.clone(),
+                tp: d.tp,
+                dp: d.dp,
+                forward_s: s.forward_s,
+                backward_s: s.backward_s,
+                comm_s: s.comm_s,
+                output_bytes: if s.index + 1 < d.stages.len() {
+                    d.problem.layers.get(s.layers[1]).map_or(0, |l| bytes(l.output_bytes))
+                } else {
+                    0
+                },
+                memory_bytes,
+                checkpointed_layers: s.checkpointed_layers.clone(),
+            }
+        })
+        .collect();
+    let layer_strategies = d
+        .layers
+        .iter()
+        .map(|l| LayerStrategy {
+            layer: l.layer,
+            name: lg.layers.get(l.layer).map(|x| x.name.clone()).unwrap_or_default(),
+            strategy: l.strategy.clone(),
+            nodes: l.nodes.clone(),
+        })
+        .collect();
+    let mut plan = Plan {
+        version: PLAN_VERSION,
+        model: ModelInfo {
+            path: model.path.clone(),
+            sha256: model.sha256.clone(),
+            params: lg.params,
+            layers: lg.layers.len(),
+        },
+        cluster: ClusterInfo {
+            preset: cluster.name.clone(),
+            devices: cluster.devices,
+            devices_per_node: cluster.devices_per_node,
+            memory_limit_bytes: bytes(d.memory_limit_bytes),
+        },
+        parallel: Parallel {
+            pp: d.pp,
+            tp: d.tp,
+            dp: d.dp,
+            zero: d.zero,
+            sharded_dp: d.sharded_dp,
+            microbatches: d.microbatches,
+            active_microbatches: cfg.constraints.active_microbatches,
+            schedule: d.schedule.name().to_string(),
+            virtual_stages: d.schedule.virtual_stages(),
+            checkpointing: checkpointing_name(d.checkpointing).to_string(),
+            placement: d.placement.name(),
+        },
+        stages,
+        layer_strategies,
+        communication: Vec::new(),
+        predicted: Predicted {
+            step_time_s: d.predicted.step_time_s,
+            samples_per_s: d.predicted.samples_per_s,
+            bubble_ratio: d.predicted.bubble_ratio.max(0.0),
+            peak_memory_bytes: 0,
+            mfu: d.predicted.mfu,
+        },
+        solver: SolverInfo {
+            status: match cfg.baseline {
+                Some(b) => format!("baseline:{}", baseline_name(b)),
+                None => d.solver.status.name().to_string(),
+            },
+            objective: d.solver.objective,
+            bound: d.solver.bound,
+            gap: d.solver.gap,
+            wall_s,
+            candidates: Candidates { solved: d.candidates_solved, skipped: d.candidates_skipped },
+        },
+        global_batch: cfg.global_batch as u64,
+        seq_len,
+        dims: dims.iter().cloned().collect(),
+    };
+    plan.predicted.peak_memory_bytes = (0..d.pp).map(|r| plan.rank_memory(r).total).max().unwrap_or(0);
+    plan.communication = communication(d, cluster, &plan);
+    plan
+}
+
+fn baseline_name(b: crate::solve::Baseline) -> &'static str {
+    match b {
+        crate::solve::Baseline::Megatron => "megatron",
+        crate::solve::Baseline::Uniform => "uniform",
+        crate::solve::Baseline::Parameters => "parameters",
+    }
+}
+
+/// Pipeline and data-parallel traffic per device and step, by link kind (from the solved
+/// pipeline problem; tensor-parallel traffic is inside the layer times and not itemised).
+fn communication(d: &PlanDecision, cluster: &ClusterSpec, plan: &Plan) -> Vec<CommVolume> {
+    let comm = CommModel::new(cluster);
+    let mut out: Vec<CommVolume> = Vec::new();
+    let mut add = |kind: &str, link: &str, bytes: f64, time_s: f64| match out
+        .iter_mut()
+        .find(|c| c.kind == kind && c.link == link)
+    {
+        Some(c) => {
+            c.bytes = c.bytes.max(bytes);
+            c.time_s = c.time_s.max(time_s);
+        }
+        None => out.push(CommVolume { kind: kind.into(), link: link.into(), bytes, time_s }),
+    };
+    let m = d.microbatches as f64;
+    // Pipeline: each boundary sends the activation forward and receives its gradient back,
+    // once per microbatch; the busiest boundary per link kind.
+    for (c, pair) in plan.stages.windows(2).enumerate() {
+        let last = pair[0].layers[1];
+        let Some(layer) = d.problem.layers.get(last) else { continue };
+        let (Some(&a), Some(&b)) = (pair[0].ranks.first(), pair[1].ranks.first()) else { continue };
+        let link = comm.link_between(a, b);
+        let per_step = 2.0 * layer.output_bytes * m;
+        let time = per_step * d.problem.transfer_s_per_byte.get(c).copied().unwrap_or(0.0);
+        add("pipeline", link.name(), per_step, time);
+    }
+    // Data parallel: gradient all-reduce (or reduce-scatter + all-gather under ZeRO), ring
+    // volume 2(d−1)/d of the stage's gradients per device, busiest stage.
+    if d.dp > 1 {
+        for s in &plan.stages {
+            let replicas: Vec<usize> = s.ranks.iter().step_by(d.tp.max(1)).copied().collect();
+            let span = GroupSpan::of_ranks(&replicas, cluster.devices_per_node);
+            let grads = if d.zero >= 2 {
+                s.memory_bytes.grads as f64 * d.dp as f64
+            } else {
+                s.memory_bytes.grads as f64
+            };
+            let volume = 2.0 * (d.dp as f64 - 1.0) / d.dp as f64 * grads;
+            add("data", span.link_kind().name(), volume, comm.all_reduce(grads, &span));
+        }
+    }
+    out
+}

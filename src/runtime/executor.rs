@@ -1,0 +1,239 @@
+//! Runs an `ir::Graph` forward on tch in topological order, with autograd, freeing each
+//! intermediate after its last use.
+
+use std::collections::{BTreeMap, HashMap};
+
+use tch::{Kind, Tensor};
+
+use super::ops::{self, OpContext};
+use super::tensor::kind_of;
+use super::weights::{Weights, is_trainable};
+use super::RuntimeError;
+use crate::ir::{Dim, Graph, NodeId, ValueId, ValueKind};
+
+/// How the executor runs.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ExecOptions {
+    /// Run every floating-point tensor in this kind (`--dtype`); `None` keeps the model's types.
+    pub float_kind: Option<Kind>,
+    /// Make trainable initializers autograd leaves.
+    pub training: bool,
+}
+
+/// A graph ready to run: execution order, last uses, weights.
+pub struct Executor<'g> {
+    graph: &'g Graph,
+    order: Vec<NodeId>,
+    /// For each value: the position in `order` after which it is dead (`usize::MAX`: a graph
+    /// output, kept; `None`: never read).
+    last_use: Vec<Option<usize>>,
+    ctx: OpContext,
+    /// Initializers and constants as tensors (trainable ones require grad when training).
+    pub weights: HashMap<ValueId, Tensor>,
+}
+
+/// Lists the nodes without a kernel, or `Ok` if every node has one.
+pub fn check_supported(graph: &Graph) -> Result<(), RuntimeError> {
+    let mut missing: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for id in graph.node_ids() {
+        let node = graph.node(id);
+        if !ops::has_kernel(&node.op) {
+            missing.entry(node.op.to_string()).or_default().push(node.name.clone());
+        }
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let list: Vec<String> = missing
+        .iter()
+        .map(|(op, nodes)| {
+            let shown: Vec<&str> = nodes.iter().take(3).map(String::as_str).collect();
+            let more = if nodes.len() > 3 { format!(" and {} more", nodes.len() - 3) } else { String::new() };
+            format!("op `{op}` at node(s) {}{more}", shown.join(", "))
+        })
+        .collect();
+    Err(RuntimeError::Unsupported(list.join("; ")))
+}
+
+impl<'g> Executor<'g> {
+    /// Prepares `graph`: checks every op has a kernel (before anything runs), orders the
+    /// nodes, and takes the weights.
+    pub fn new(graph: &'g Graph, weights: Weights, opts: ExecOptions) -> Result<Executor<'g>, RuntimeError> {
+        check_supported(graph)?;
+        let order = graph.topo_order()?;
+        let mut last_use = vec![None; graph.value_count()];
+        for (pos, &id) in order.iter().enumerate() {
+            for v in graph.node(id).inputs.iter().flatten() {
+                last_use[v.index()] = Some(pos);
+            }
+        }
+        for &out in &graph.outputs {
+            last_use[out.index()] = Some(usize::MAX);
+        }
+        let mut weights = weights.tensors;
+        if opts.training {
+            for (id, t) in weights.iter_mut() {
+                if is_trainable(graph, *id) {
+                    *t = t.f_detach()?.f_set_requires_grad(true)?;
+                }
+            }
+        }
+        let opset = graph.opsets.get("").copied().unwrap_or(21);
+        let ctx = OpContext { opset, float_kind: opts.float_kind, training: opts.training };
+        Ok(Executor { graph, order, last_use, ctx, weights })
+    }
+
+    /// The graph being run.
+    pub fn graph(&self) -> &Graph {
+        self.graph
+    }
+
+    /// The trainable parameters, by initializer name, in value order.
+    pub fn parameters(&self) -> Vec<(String, Tensor)> {
+        let mut ids: Vec<&ValueId> = self.weights.keys().filter(|id| is_trainable(self.graph, **id)).collect();
+        ids.sort();
+        ids.into_iter()
+            .map(|id| (self.graph.value(*id).name.clone(), self.weights[id].shallow_clone()))
+            .collect()
+    }
+
+    /// The graph inputs the caller must feed (initializers listed as inputs are optional).
+    pub fn required_inputs(&self) -> Vec<ValueId> {
+        self.graph
+            .inputs
+            .iter()
+            .copied()
+            .filter(|&v| self.graph.value(v).kind == ValueKind::Input)
+            .collect()
+    }
+
+    /// Matches named tensors to graph inputs, checking names, element types, ranks and known
+    /// dims, and that a symbolic dim has one size across inputs.
+    pub fn bind_inputs(&self, named: Vec<(String, Tensor)>) -> Result<HashMap<ValueId, Tensor>, RuntimeError> {
+        let graph = self.graph;
+        let names: Vec<String> = graph.inputs.iter().map(|&v| graph.value(v).name.clone()).collect();
+        let mut feeds = HashMap::new();
+        let mut symbols: HashMap<String, (i64, String)> = HashMap::new();
+        for (name, t) in named {
+            let Some(id) = graph.value_by_name(&name).filter(|id| graph.inputs.contains(id)) else {
+                return Err(RuntimeError::Input {
+                    name,
+                    message: format!("the graph has no such input; its inputs are {names:?}"),
+                });
+            };
+            let ierr = |message: String| RuntimeError::Input { name: name.clone(), message };
+            let mut t = t;
+            if let Some(ty) = &graph.value(id).ty {
+                let want = kind_of(ty.dtype).map_err(ierr)?;
+                let have = t.kind();
+                let float_ok = self.ctx.float_kind.is_some()
+                    && super::tensor::is_float_kind(want)
+                    && super::tensor::is_float_kind(have);
+                if have != want && !float_ok {
+                    return Err(ierr(format!("element type {have:?} given, the graph wants {}", ty.dtype)));
+                }
+                if let Some(shape) = &ty.shape {
+                    let size = t.size();
+                    if size.len() != shape.rank() {
+                        return Err(ierr(format!("shape {size:?} given, the graph wants {shape}")));
+                    }
+                    for (i, d) in shape.0.iter().enumerate() {
+                        match d {
+                            Dim::Known(k) if *k != size[i] => {
+                                return Err(ierr(format!(
+                                    "shape {size:?} given, the graph wants {shape} (axis {i} must be {k})"
+                                )));
+                            }
+                            Dim::Sym(s) => {
+                                if let Some((v, other)) = symbols.get(s) {
+                                    if *v != size[i] {
+                                        return Err(ierr(format!(
+                                            "axis {i} (`{s}`) is {} but input `{other}` has `{s}` = {v}",
+                                            size[i]
+                                        )));
+                                    }
+                                } else {
+                                    symbols.insert(s.clone(), (size[i], name.clone()));
+                                }
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+            }
+            if let Some(k) = self.ctx.float_kind {
+                if super::tensor::is_float_kind(t.kind()) && t.kind() != k {
+                    t = t.f_to_kind(k)?;
+                }
+            }
+            feeds.insert(id, t);
+        }
+        for id in self.required_inputs() {
+            if !feeds.contains_key(&id) {
+                let given: Vec<String> = feeds.keys().map(|v| graph.value(*v).name.clone()).collect();
+                return Err(RuntimeError::Input {
+                    name: graph.value(id).name.clone(),
+                    message: format!("missing; the given inputs are {given:?}"),
+                });
+            }
+        }
+        Ok(feeds)
+    }
+
+    /// Runs the graph on bound inputs; returns the graph outputs in order.
+    pub fn forward(&self, feeds: &HashMap<ValueId, Tensor>) -> Result<Vec<Tensor>, RuntimeError> {
+        let graph = self.graph;
+        let mut live: Vec<Option<Tensor>> = (0..graph.value_count()).map(|_| None).collect();
+        let fetch = |live: &Vec<Option<Tensor>>, v: ValueId| -> Option<Tensor> {
+            if let Some(t) = &live[v.index()] {
+                return Some(t.shallow_clone());
+            }
+            feeds.get(&v).or_else(|| self.weights.get(&v)).map(Tensor::shallow_clone)
+        };
+        for (pos, &id) in self.order.iter().enumerate() {
+            let node = graph.node(id);
+            let kerr = |message: String| RuntimeError::Kernel {
+                node: node.name.clone(),
+                op: node.op.to_string(),
+                message,
+            };
+            let mut inputs = Vec::with_capacity(node.inputs.len());
+            for v in &node.inputs {
+                inputs.push(match v {
+                    Some(v) => Some(fetch(&live, *v).ok_or_else(|| {
+                        kerr(format!("input `{}` has no value (not fed, not an initializer)", graph.value(*v).name))
+                    })?),
+                    None => None,
+                });
+            }
+            let outs = ops::run(node, &inputs, &self.ctx).map_err(|e| kerr(e.0))?;
+            if outs.len() < node.outputs.len() {
+                return Err(kerr(format!("kernel made {} outputs, the node has {}", outs.len(), node.outputs.len())));
+            }
+            for (&v, t) in node.outputs.iter().zip(outs) {
+                live[v.index()] = Some(t);
+            }
+            drop(inputs);
+            for v in node.inputs.iter().flatten() {
+                if self.last_use[v.index()] == Some(pos) {
+                    live[v.index()] = None;
+                }
+            }
+            for &v in &node.outputs {
+                if self.last_use[v.index()].is_none() {
+                    live[v.index()] = None;
+                }
+            }
+        }
+        graph
+            .outputs
+            .iter()
+            .map(|&v| {
+                fetch(&live, v).ok_or_else(|| RuntimeError::Input {
+                    name: graph.value(v).name.clone(),
+                    message: "graph output has no value".into(),
+                })
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,198 @@
+//! ONNX op kernels on tch: one function per `ir::OpKind`, ONNX semantics (broadcasting,
+//! attributes, opset differences, integer/bool/fp16/bf16/f64 tensors).
+
+mod elementwise;
+mod nn;
+mod reduce;
+mod shape;
+
+use tch::{Kind, Tensor};
+
+use crate::ir::{Attrs, Node, Op, OpKind};
+
+/// A kernel's failure message (the executor adds node and op).
+#[derive(Debug)]
+pub struct KernelError(pub String);
+
+impl From<tch::TchError> for KernelError {
+    fn from(e: tch::TchError) -> Self {
+        KernelError(e.to_string())
+    }
+}
+
+impl From<String> for KernelError {
+    fn from(e: String) -> Self {
+        KernelError(e)
+    }
+}
+
+pub(crate) type KResult<T> = Result<T, KernelError>;
+
+macro_rules! bail {
+    ($($t:tt)*) => { return Err($crate::runtime::ops::KernelError(format!($($t)*))) };
+}
+pub(crate) use bail;
+
+/// How kernels run: the opset and dtype policy.
+#[derive(Clone, Copy, Debug)]
+pub struct OpContext {
+    /// Default-domain opset of the model.
+    pub opset: i64,
+    /// When set, every floating-point tensor a kernel creates (casts, constants) uses this kind
+    /// (the `--dtype` of a run), so a model exported in f32 runs in f64 or bf16.
+    pub float_kind: Option<Kind>,
+    /// Training run: Dropout with `training_mode` still follows the model (never on by itself).
+    pub training: bool,
+}
+
+/// The inputs and attributes of one node, with typed getters.
+pub(crate) struct Args<'a> {
+    pub node: &'a Node,
+    pub inputs: &'a [Option<Tensor>],
+    pub ctx: &'a OpContext,
+}
+
+impl<'a> Args<'a> {
+    pub fn attrs(&self) -> &Attrs {
+        &self.node.attrs
+    }
+
+    /// Required input `i`.
+    pub fn x(&self, i: usize) -> KResult<&'a Tensor> {
+        match self.inputs.get(i) {
+            Some(Some(t)) => Ok(t),
+            _ => Err(KernelError(format!("input {i} is required but missing"))),
+        }
+    }
+
+    /// Optional input `i`.
+    pub fn opt(&self, i: usize) -> Option<&'a Tensor> {
+        self.inputs.get(i).and_then(|t| t.as_ref())
+    }
+
+    /// Optional input `i` read as integers (shape arithmetic).
+    pub fn ints(&self, i: usize) -> KResult<Option<Vec<i64>>> {
+        match self.opt(i) {
+            Some(t) => Ok(Some(crate::runtime::tensor::to_i64_vec(t)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Optional scalar input `i` as f64.
+    pub fn scalar(&self, i: usize) -> KResult<Option<f64>> {
+        match self.opt(i) {
+            Some(t) => {
+                let v = crate::runtime::tensor::to_f64_vec(t)?;
+                match v.as_slice() {
+                    [x] => Ok(Some(*x)),
+                    _ => bail!("input {i} must hold one value, it has {}", v.len()),
+                }
+            }
+            None => Ok(None),
+        }
+    }
+
+    pub fn int(&self, name: &str, default: i64) -> i64 {
+        self.node.attrs.int(name, default)
+    }
+
+    pub fn float(&self, name: &str, default: f32) -> f64 {
+        self.node.attrs.float(name, default) as f64
+    }
+
+    pub fn n_out(&self) -> usize {
+        self.node.outputs.len()
+    }
+
+    /// The kind a float tensor made by this op should have.
+    pub fn float_kind(&self, default: Kind) -> Kind {
+        self.ctx.float_kind.unwrap_or(default)
+    }
+}
+
+/// Normalises a possibly negative axis against `rank`.
+pub(crate) fn axis(a: i64, rank: usize) -> KResult<i64> {
+    let r = rank as i64;
+    let v = if a < 0 { a + r } else { a };
+    if v < 0 || v >= r.max(1) {
+        bail!("axis {a} is out of range for rank {rank}");
+    }
+    Ok(v)
+}
+
+/// Normalises several axes; duplicates are an error.
+pub(crate) fn axes(list: &[i64], rank: usize) -> KResult<Vec<i64>> {
+    let mut out = Vec::with_capacity(list.len());
+    for &a in list {
+        let v = axis(a, rank)?;
+        if out.contains(&v) {
+            bail!("axis {a} is repeated in {list:?}");
+        }
+        out.push(v);
+    }
+    Ok(out)
+}
+
+/// True if the runner has a kernel for this op.
+pub fn has_kernel(op: &Op) -> bool {
+    op.kind().is_some()
+}
+
+/// Runs one node: `inputs` in node order (`None` for omitted optional inputs); returns one
+/// tensor per node output.
+pub fn run(node: &Node, inputs: &[Option<Tensor>], ctx: &OpContext) -> KResult<Vec<Tensor>> {
+    let Some(kind) = node.op.kind() else {
+        bail!("no kernel for op `{}`", node.op);
+    };
+    let a = Args { node, inputs, ctx };
+    use OpKind::*;
+    let one = |t: KResult<Tensor>| t.map(|t| vec![t]);
+    match kind {
+        Abs | Neg | Exp | Log | Sqrt | Reciprocal | Tanh | Sigmoid | Relu | Erf | Sin | Cos | Floor
+        | Ceil | Round | Sign | Not | IsNaN | IsInf | Softplus | LeakyRelu | Elu | Gelu
+        | HardSigmoid | HardSwish | Identity => one(elementwise::unary(kind, &a)),
+        Cast => one(elementwise::cast(&a)),
+        CastLike => one(elementwise::cast_like(&a)),
+        Clip => one(elementwise::clip(&a)),
+        Add | Sub | Mul | Div | Pow | Mod | Equal | Less | LessOrEqual | Greater | GreaterOrEqual
+        | And | Or | Xor => one(elementwise::binary(kind, &a)),
+        Max | Min | Sum | Mean => one(elementwise::variadic(kind, &a)),
+        Where => one(elementwise::where_(&a)),
+        MatMul => one(nn::matmul(&a)),
+        Gemm => one(nn::gemm(&a)),
+        Conv => one(nn::conv(&a)),
+        LayerNormalization => nn::layer_norm(&a),
+        BatchNormalization => nn::batch_norm(&a),
+        InstanceNormalization => one(nn::instance_norm(&a)),
+        LRN => one(nn::lrn(&a)),
+        MaxPool => nn::max_pool(&a),
+        AveragePool => one(nn::avg_pool(&a)),
+        GlobalAveragePool | GlobalMaxPool => one(nn::global_pool(kind, &a)),
+        Softmax | LogSoftmax => one(nn::softmax(kind, &a)),
+        ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd => one(reduce::reduce(kind, &a)),
+        ArgMax | ArgMin => one(reduce::arg(kind, &a)),
+        CumSum => one(reduce::cumsum(&a)),
+        Reshape => one(shape::reshape(&a)),
+        Transpose => one(shape::transpose(&a)),
+        Concat => one(shape::concat(&a)),
+        Split => shape::split(&a),
+        Slice => one(shape::slice(&a)),
+        Gather => one(shape::gather(&a)),
+        GatherElements => one(shape::gather_elements(&a)),
+        GatherND => one(shape::gather_nd(&a)),
+        Unsqueeze => one(shape::unsqueeze(&a)),
+        Squeeze => one(shape::squeeze(&a)),
+        Expand => one(shape::expand(&a)),
+        Shape => one(shape::shape(&a)),
+        Size => one(shape::size(&a)),
+        ConstantOfShape => one(shape::constant_of_shape(&a)),
+        Range => one(shape::range(&a)),
+        Flatten => one(shape::flatten(&a)),
+        Tile => one(shape::tile(&a)),
+        Pad => one(shape::pad(&a)),
+        Trilu => one(shape::trilu(&a)),
+        ScatterND => one(shape::scatter_nd(&a)),
+        Constant => one(shape::constant(&a)),
+        Dropout => nn::dropout(&a),
+    }
+}

@@ -1,0 +1,352 @@
+//! Single-device training: loss, gradient accumulation over microbatches, gradient clipping
+//! and AdamW — each mirroring PyTorch's defaults so losses match a PyTorch run step for step.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Instant;
+
+use tch::{Kind, Reduction, Tensor};
+
+use super::RuntimeError;
+use super::executor::Executor;
+use super::npz;
+use super::tensor::{is_float_kind, kind_of};
+use crate::ir::{Dim, ValueKind};
+
+/// Which scalar is minimised.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LossKind {
+    /// The model's own scalar output.
+    Model,
+    /// Cross-entropy of `logits[:, :-1]` against `input_ids[:, 1:]`.
+    CausalLm,
+    /// Cross-entropy of the logits against a `labels` array (ignore index −100).
+    CrossEntropy,
+    /// Mean squared error of the first output against a `targets` (or `labels`) array.
+    Mse,
+}
+
+impl LossKind {
+    /// Parses a `--loss` value.
+    pub fn parse(s: &str) -> Option<LossKind> {
+        Some(match s {
+            "model" => LossKind::Model,
+            "causal-lm" => LossKind::CausalLm,
+            "cross-entropy" => LossKind::CrossEntropy,
+            "mse" => LossKind::Mse,
+            _ => return None,
+        })
+    }
+}
+
+/// AdamW hyper-parameters (PyTorch's defaults except lr and weight decay, which follow the
+/// runner's contract: 1e-3 and 0.01 — also PyTorch's AdamW defaults).
+#[derive(Clone, Copy, Debug)]
+pub struct AdamWConfig {
+    /// Learning rate.
+    pub lr: f64,
+    /// β₁, β₂.
+    pub betas: (f64, f64),
+    /// ε.
+    pub eps: f64,
+    /// Decoupled weight decay, applied to every parameter as `torch.optim.AdamW` does.
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        AdamWConfig { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01 }
+    }
+}
+
+/// AdamW, as `torch.optim.AdamW`'s single-tensor path (what it runs on CPU).
+pub struct AdamW {
+    cfg: AdamWConfig,
+    step: i32,
+    state: Vec<(Tensor, Tensor)>,
+}
+
+impl AdamW {
+    /// Zeroed moments for each parameter.
+    pub fn new(params: &[Tensor], cfg: AdamWConfig) -> Result<AdamW, RuntimeError> {
+        let state = params
+            .iter()
+            .map(|p| Ok((p.f_zeros_like()?.f_detach()?, p.f_zeros_like()?.f_detach()?)))
+            .collect::<Result<_, tch::TchError>>()?;
+        Ok(AdamW { cfg, step: 0, state })
+    }
+
+    /// One update from the parameters' `.grad`; parameters without a gradient are skipped.
+    pub fn step(&mut self, params: &[Tensor]) -> Result<(), RuntimeError> {
+        let _guard = tch::no_grad_guard();
+        self.step += 1;
+        let AdamWConfig { lr, betas: (b1, b2), eps, weight_decay } = self.cfg;
+        let bc1 = 1.0 - b1.powi(self.step);
+        let bc2 = 1.0 - b2.powi(self.step);
+        let step_size = lr / bc1;
+        let bc2_sqrt = bc2.sqrt();
+        for (p, (m, v)) in params.iter().zip(self.state.iter_mut()) {
+            let g = p.f_grad()?;
+            if !g.defined() {
+                continue;
+            }
+            let mut p = p.shallow_clone();
+            let _ = p.f_mul_scalar_(1.0 - lr * weight_decay)?;
+            let _ = m.f_lerp_(&g, 1.0 - b1)?;
+            let _ = v.f_mul_scalar_(b2)?;
+            let _ = v.f_addcmul_(&g.f_mul_scalar(1.0 - b2)?, &g)?;
+            let denom = v.f_sqrt()?.f_div_scalar(bc2_sqrt)?.f_add_scalar(eps)?;
+            let _ = p.f_addcdiv_(&m.f_mul_scalar(-step_size)?, &denom)?;
+        }
+        Ok(())
+    }
+}
+
+/// Scales gradients so their global L2 norm is at most `max_norm`, as
+/// `torch.nn.utils.clip_grad_norm_` (per-tensor norms, norm of norms, coefficient clamped
+/// to 1 and always applied). Returns the norm before clipping.
+pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> Result<f64, RuntimeError> {
+    let _guard = tch::no_grad_guard();
+    let grads: Vec<Tensor> = params.iter().map(|p| p.f_grad()).collect::<Result<_, _>>()?;
+    let grads: Vec<Tensor> = grads.into_iter().filter(Tensor::defined).collect();
+    if grads.is_empty() {
+        return Ok(0.0);
+    }
+    let norms: Vec<Tensor> = grads.iter().map(|g| g.f_norm()).collect::<Result<_, _>>()?;
+    let total = Tensor::f_stack(&norms, 0)?.f_norm()?;
+    let coef = total.f_full_like(max_norm)?.f_div(&total.f_add_scalar(1e-6)?)?.f_clamp_max(1.0)?;
+    for g in grads {
+        let mut g = g;
+        let _ = g.f_mul_(&coef)?;
+    }
+    Ok(total.f_double_value(&[])?)
+}
+
+/// One step's record (the contract's `steps` entries).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct StepRecord {
+    /// Step number, from 1.
+    pub step: usize,
+    /// Mean loss over the global batch, before the update.
+    pub loss: f64,
+    /// Wall time of the step in seconds.
+    pub time_s: f64,
+}
+
+/// Settings of a training run.
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Microbatches per step (the global batch is split along axis 0).
+    pub microbatches: usize,
+    /// What is minimised.
+    pub loss: LossKind,
+    /// Optimizer settings.
+    pub adamw: AdamWConfig,
+    /// Global gradient-norm limit (`None`: no clipping).
+    pub clip: Option<f64>,
+}
+
+/// A global batch: arrays keyed by graph input name, plus `labels`/`targets` if given.
+pub type Batch = Vec<(String, Tensor)>;
+
+/// Synthetic, seeded data for every required graph input: token ids in `[0, vocab)` for
+/// integer inputs (masks get ones, position ids `0..S`), N(0, 1) for float inputs. Symbolic
+/// axis 0 is the batch, other symbolic axes the sequence length.
+pub fn synthetic_batch(exec: &Executor, batch: i64, seq_len: i64, seed: i64) -> Result<Batch, RuntimeError> {
+    let graph = exec.graph();
+    tch::manual_seed(seed);
+    let vocab = vocab_size(exec);
+    let mut out = Vec::new();
+    for id in exec.required_inputs() {
+        let v = graph.value(id);
+        let terr = |m: String| RuntimeError::Train(format!("input `{}`: {m}", v.name));
+        let Some(ty) = &v.ty else { return Err(terr("has no declared type; pass --data".into())) };
+        let Some(shape) = &ty.shape else { return Err(terr("has no declared shape; pass --data".into())) };
+        let dims: Vec<i64> = shape
+            .0
+            .iter()
+            .enumerate()
+            .map(|(i, d)| match d {
+                Dim::Known(k) if i == 0 => batch.max(*k),
+                Dim::Known(k) => *k,
+                Dim::Sym(_) if i == 0 => batch,
+                Dim::Sym(_) => seq_len,
+            })
+            .collect();
+        let kind = kind_of(ty.dtype).map_err(terr)?;
+        let name = v.name.to_lowercase();
+        let cpu = tch::Device::Cpu;
+        let t = if is_float_kind(kind) {
+            Tensor::f_randn(&dims, (Kind::Float, cpu))?.f_to_kind(kind)?
+        } else if name.contains("mask") {
+            Tensor::f_ones(&dims, (kind, cpu))?
+        } else if name.contains("position") {
+            let s = *dims.last().unwrap_or(&1);
+            Tensor::f_arange(s, (kind, cpu))?.f_expand(&dims, false)?.f_contiguous()?
+        } else if name.contains("token_type") {
+            Tensor::f_zeros(&dims, (kind, cpu))?
+        } else {
+            let Some(vocab) = vocab else {
+                return Err(terr("cannot tell the vocabulary size for synthetic ids; pass --data".into()));
+            };
+            Tensor::f_randint_low(0, vocab, &dims, (Kind::Int64, cpu))?.f_to_kind(kind)?
+        };
+        out.push((v.name.clone(), t));
+    }
+    Ok(out)
+}
+
+/// The vocabulary: the last axis of a rank-3 float output if known, else the row count of the
+/// largest 2-D float initializer (the embedding).
+fn vocab_size(exec: &Executor) -> Option<i64> {
+    let graph = exec.graph();
+    for &o in &graph.outputs {
+        if let Some(ty) = &graph.value(o).ty {
+            if let Some(s) = &ty.shape {
+                if s.rank() == 3 && ty.dtype.is_float() {
+                    if let Some(Dim::Known(v)) = s.0.last() {
+                        return Some(*v);
+                    }
+                }
+            }
+        }
+    }
+    graph
+        .initializers()
+        .filter_map(|id| graph.value(id).data.as_ref())
+        .filter(|d| d.dims.len() == 2 && d.dtype.is_float())
+        .max_by_key(|d| d.dims[0] * d.dims[1])
+        .map(|d| d.dims[0])
+}
+
+/// Reads a data file: `.npz` (arrays by name), `.safetensors` (tensors by name) or `.npy` (the
+/// single required input).
+pub fn read_batch(exec: &Executor, path: &Path) -> Result<Batch, RuntimeError> {
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    let ferr = |m: String| RuntimeError::File { path: path.display().to_string(), message: m };
+    match ext {
+        "npz" => npz::read_npz(path),
+        "safetensors" => Tensor::read_safetensors(path).map_err(|e| ferr(format!("not readable safetensors: {e}"))),
+        "npy" => {
+            let inputs = exec.required_inputs();
+            let [only] = inputs.as_slice() else {
+                return Err(ferr(format!(
+                    "a .npy holds one array but the graph has {} inputs; use .npz keyed by input name",
+                    inputs.len()
+                )));
+            };
+            Ok(vec![(exec.graph().value(*only).name.clone(), npz::read_npy(path)?)])
+        }
+        _ => Err(ferr("data must be .npy, .npz or .safetensors".into())),
+    }
+}
+
+/// Splits each array of a batch into `m` equal microbatches along axis 0.
+fn split_batch(batch: &Batch, m: usize) -> Result<Vec<Batch>, RuntimeError> {
+    let mut out: Vec<Batch> = (0..m).map(|_| Vec::new()).collect();
+    for (name, t) in batch {
+        let b = t.size().first().copied().unwrap_or(0);
+        if b % m as i64 != 0 {
+            return Err(RuntimeError::Train(format!(
+                "array `{name}` has batch {b}, not divisible into {m} microbatches"
+            )));
+        }
+        for (i, part) in t.f_split(b / m as i64, 0)?.into_iter().enumerate() {
+            out[i].push((name.clone(), part));
+        }
+    }
+    Ok(out)
+}
+
+/// The loss of one microbatch from the model's outputs.
+fn loss_of(exec: &Executor, kind: LossKind, mb: &Batch, outs: &[Tensor]) -> Result<Tensor, RuntimeError> {
+    let graph = exec.graph();
+    let terr = |m: &str| RuntimeError::Train(m.to_string());
+    let find = |keys: &[&str]| mb.iter().find(|(n, _)| keys.contains(&n.as_str())).map(|(_, t)| t);
+    let first_float = outs.iter().find(|t| is_float_kind(t.kind())).ok_or_else(|| terr("the model has no float output"))?;
+    Ok(match kind {
+        LossKind::Model => {
+            let t = outs
+                .iter()
+                .find(|t| t.numel() == 1 && is_float_kind(t.kind()))
+                .ok_or_else(|| terr("the model has no scalar output; pass --loss causal-lm|cross-entropy|mse"))?;
+            t.f_reshape([0i64; 0])?
+        }
+        LossKind::CausalLm => {
+            let ids = exec
+                .required_inputs()
+                .into_iter()
+                .filter(|&id| {
+                    let v = graph.value(id);
+                    v.kind == ValueKind::Input && v.ty.as_ref().is_some_and(|t| t.dtype.is_int())
+                })
+                .max_by_key(|&id| graph.value(id).name.contains("input_ids"))
+                .ok_or_else(|| terr("causal-lm needs an integer token-id input"))?;
+            let name = &graph.value(ids).name;
+            let ids = mb.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| terr("token ids missing"))?;
+            let logits = outs
+                .iter()
+                .find(|t| t.dim() == 3 && is_float_kind(t.kind()))
+                .ok_or_else(|| terr("causal-lm needs a [batch, seq, vocab] logits output"))?;
+            let (_, s, v) = logits.size3()?;
+            let pred = logits.f_narrow(1, 0, s - 1)?.f_reshape([-1, v])?;
+            let target = ids.f_narrow(1, 1, s - 1)?.f_reshape([-1])?.f_to_kind(Kind::Int64)?;
+            pred.f_cross_entropy_loss(&target, None::<&Tensor>, Reduction::Mean, -100, 0.0)?
+        }
+        LossKind::CrossEntropy => {
+            let labels = find(&["labels", "label", "targets"]).ok_or_else(|| terr("cross-entropy needs a `labels` array in --data"))?;
+            let v = *first_float.size().last().unwrap_or(&1);
+            let pred = first_float.f_reshape([-1, v])?;
+            pred.f_cross_entropy_loss(&labels.f_reshape([-1])?.f_to_kind(Kind::Int64)?, None::<&Tensor>, Reduction::Mean, -100, 0.0)?
+        }
+        LossKind::Mse => {
+            let target = find(&["targets", "target", "labels"]).ok_or_else(|| terr("mse needs a `targets` array in --data"))?;
+            first_float.f_mse_loss(&target.f_to_kind(first_float.kind())?, Reduction::Mean)?
+        }
+    })
+}
+
+/// Trains on one fixed global batch for `cfg.steps` steps; returns one record per step.
+pub fn train(exec: &Executor, batch: &Batch, cfg: &TrainConfig) -> Result<Vec<StepRecord>, RuntimeError> {
+    let params: Vec<Tensor> = exec.parameters().into_iter().map(|(_, t)| t).collect();
+    if params.is_empty() {
+        return Err(RuntimeError::Train("the model has no trainable initializers".into()));
+    }
+    let mut opt = AdamW::new(&params, cfg.adamw)?;
+    let m = cfg.microbatches.max(1);
+    let micro = split_batch(batch, m)?;
+    let input_names: HashMap<&str, ()> = exec.graph().inputs.iter().map(|&v| (exec.graph().value(v).name.as_str(), ())).collect();
+    let mut records = Vec::with_capacity(cfg.steps);
+    for step in 1..=cfg.steps {
+        let t0 = Instant::now();
+        for p in &params {
+            let g = p.f_grad()?;
+            if g.defined() {
+                let mut g = g;
+                let _ = g.f_zero_()?;
+            }
+        }
+        let mut total = 0.0;
+        for mb in &micro {
+            let feeds: Vec<(String, Tensor)> = mb
+                .iter()
+                .filter(|(n, _)| input_names.contains_key(n.as_str()))
+                .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                .collect();
+            let feeds = exec.bind_inputs(feeds)?;
+            let outs = exec.forward(&feeds)?;
+            let loss = loss_of(exec, cfg.loss, mb, &outs)?;
+            let weight = 1.0 / m as f64;
+            loss.f_mul_scalar(weight)?.f_backward()?;
+            total += loss.f_double_value(&[])? * weight;
+        }
+        if let Some(c) = cfg.clip {
+            clip_grad_norm(&params, c)?;
+        }
+        opt.step(&params)?;
+        records.push(StepRecord { step, loss: total, time_s: t0.elapsed().as_secs_f64() });
+    }
+    Ok(records)
+}

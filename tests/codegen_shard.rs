@@ -1,0 +1,221 @@
+//! Numerical acceptance of tensor-parallel shards: for every models/ export and t ∈ {2, 4},
+//! each layer's t shards, run by a reference f64 interpreter and combined by their inserted
+//! collectives, reproduce the unsharded layer's outputs (norm-relative ≤ 1e-12).
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use common::interp::{Exec, T, concat, split};
+use smp_partition::codegen::validate::validate_shards;
+use smp_partition::codegen::{CollectiveKind, LayerShard, Sharder, apply_shard};
+use smp_partition::frontend::onnx::load_model;
+use smp_partition::ir::{Attr, DType, Graph, LayerKind, LayeredGraph, Op};
+use smp_partition::passes::{AnalyzeOptions, analyze};
+
+const BATCH: usize = 2;
+const SEQ: usize = 16;
+
+fn model(name: &str) -> LayeredGraph {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models").join(format!("{name}.onnx"));
+    let m = load_model(&path).unwrap();
+    let text = name != "vit";
+    let opts = AnalyzeOptions {
+        seq_len: text.then_some(SEQ as i64),
+        dims: BTreeMap::from([("batch".to_string(), BATCH as i64)]),
+    };
+    analyze(m.graph, &opts).unwrap()
+}
+
+/// Deterministic inputs: token ids below 256, or pixels in [-1, 1).
+fn feeds(g: &Graph) -> HashMap<String, T> {
+    let mut state: u64 = 0x2545F4914F6CDD1D;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut out = HashMap::new();
+    for &v in &g.inputs {
+        let val = g.value(v);
+        let ty = val.ty.as_ref().unwrap();
+        let dims: Vec<usize> = ty
+            .shape
+            .as_ref()
+            .unwrap()
+            .0
+            .iter()
+            .enumerate()
+            .map(|(i, d)| d.known().map_or(if i == 0 { BATCH } else { SEQ }, |k| k as usize))
+            .collect();
+        let n = dims.iter().product();
+        let data = if ty.dtype.is_float() {
+            (0..n).map(|_| (next() % 2000) as f64 / 1000.0 - 1.0).collect()
+        } else {
+            (0..n).map(|_| (next() % 256) as f64).collect()
+        };
+        out.insert(val.name.clone(), T::new(ty.dtype, dims, data));
+    }
+    out
+}
+
+fn rel(a: &T, b: &T) -> f64 {
+    assert_eq!(a.shape, b.shape);
+    let num: f64 = a.data.iter().zip(&b.data).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt();
+    let den: f64 = b.data.iter().map(|y| y * y).sum::<f64>().sqrt();
+    num / den.max(1e-300)
+}
+
+/// Runs the t rank graphs in lockstep, combining at each collective; returns rank outputs.
+fn run_ranks(graphs: &[Graph], feeds: &HashMap<String, T>) -> Vec<HashMap<String, T>> {
+    let mut ex: Vec<Exec> = graphs.iter().map(|g| Exec::new(g, feeds)).collect();
+    loop {
+        let pending: Vec<_> = ex.iter_mut().map(|e| e.run_until_collective()).collect();
+        if pending.iter().all(Option::is_none) {
+            break;
+        }
+        assert!(pending.iter().all(Option::is_some), "ranks disagree on collectives");
+        let parts: Vec<T> = ex.iter().zip(&pending).map(|(e, p)| e.env[&e.g.node(p.unwrap()).inputs[0].unwrap()].clone()).collect();
+        let node = ex[0].g.node(pending[0].unwrap());
+        let Op::Placeholder { op_type, .. } = &node.op else { unreachable!() };
+        let axis = match node.attrs.get("axis") {
+            Some(Attr::Int(a)) => *a as usize,
+            _ => 0,
+        };
+        let sum = || {
+            let mut s = parts[0].clone();
+            for p in &parts[1..] {
+                s.data.iter_mut().zip(&p.data).for_each(|(a, b)| *a += b);
+            }
+            s
+        };
+        let outs: Vec<T> = match op_type.as_str() {
+            "AllReduce" => vec![sum(); parts.len()],
+            "AllGather" => vec![concat(&parts.iter().collect::<Vec<_>>(), axis); parts.len()],
+            "ReduceScatter" => {
+                let s = sum();
+                let each = s.shape[axis] / parts.len();
+                split(&s, axis, &vec![each; parts.len()])
+            }
+            o => panic!("unknown collective {o}"),
+        };
+        for (e, o) in ex.iter_mut().zip(outs) {
+            e.finish_collective(o);
+        }
+    }
+    ex.iter()
+        .map(|e| e.g.outputs.iter().map(|&v| (e.g.value(v).name.clone(), e.env[&v].clone())).collect())
+        .collect()
+}
+
+/// Checks every layer of `name` at each degree; returns the shards per (t, layer).
+fn check(name: &str, degrees: &[usize]) -> BTreeMap<usize, Vec<Vec<LayerShard>>> {
+    let lg = model(name);
+    let inputs = feeds(&lg.graph);
+    let mut full = Exec::new(&lg.graph, &inputs);
+    assert!(full.run_until_collective().is_none());
+    let env: HashMap<String, T> = full.env.iter().map(|(&v, t)| (lg.graph.value(v).name.clone(), t.clone())).collect();
+    let sharder = Sharder::new(&lg).unwrap();
+    let mut all = BTreeMap::new();
+    for &t in degrees {
+        let mut per_layer = Vec::new();
+        for (li, layer) in lg.layers.iter().enumerate() {
+            let shards = sharder.shard_layer(li, t).unwrap_or_else(|e| panic!("{name} t={t}: {e}"));
+            validate_shards(&lg.graph, &shards).unwrap_or_else(|e| panic!("{name} t={t} layer {li}: {e}"));
+            let graphs: Vec<Graph> = shards
+                .iter()
+                .map(|s| apply_shard(&lg.graph, &layer.nodes, s, &lg.dims).unwrap_or_else(|e| panic!("{name} t={t}: {e}")))
+                .collect();
+            let outs = run_ranks(&graphs, &env);
+            for (r, o) in outs.iter().enumerate() {
+                for (vname, got) in o {
+                    let want = &env[vname];
+                    let err = rel(got, want);
+                    assert!(err <= 1e-12, "{name} t={t} layer {li} ({}) rank {r}: `{vname}` off by {err:e}", layer.name);
+                }
+            }
+            per_layer.push(shards);
+        }
+        all.insert(t, per_layer);
+    }
+    all
+}
+
+fn count(shard: &LayerShard, kind: fn(&CollectiveKind) -> bool) -> usize {
+    shard.collectives.iter().filter(|c| kind(&c.kind)).count()
+}
+
+/// Megatron's forward communication per block: two all-reduces (attention, MLP); the
+/// vocabulary-parallel embedding one all-reduce; the LM head one all-gather of logits.
+fn assert_megatron_shape(lg: &LayeredGraph, shards: &[Vec<LayerShard>], lm: bool) {
+    for (layer, s) in lg.layers.iter().zip(shards) {
+        let s0 = &s[0];
+        let ar = count(s0, |k| matches!(k, CollectiveKind::AllReduce));
+        let ag = count(s0, |k| matches!(k, CollectiveKind::AllGather { .. }));
+        match layer.kind {
+            LayerKind::Block => assert_eq!((ar, ag), (2, 0), "{}: {:?}", layer.name, s0.collectives),
+            LayerKind::Head if lm => assert_eq!(ag, 1, "{}: {:?}", layer.name, s0.collectives),
+            _ => {}
+        }
+    }
+}
+
+#[test]
+fn gpt2_shards_reproduce_each_layer() {
+    let all = check("gpt2", &[2, 4]);
+    let lg = model("gpt2");
+    for (t, shards) in &all {
+        assert_megatron_shape(&lg, shards, true);
+        // The fused c_attn splits q, k and v by heads: three ranges per rank.
+        let block = lg.layers.iter().position(|l| l.kind == LayerKind::Block).unwrap();
+        let qkv = shards[block][1].weight_slices.iter().find(|w| w.initializer.ends_with("c_attn.weight")).unwrap();
+        let w = 64 / *t as u64;
+        assert_eq!(qkv.ranges, vec![[w, 2 * w], [64 + w, 64 + 2 * w], [128 + w, 128 + 2 * w]]);
+    }
+}
+
+#[test]
+fn bert_shards_reproduce_each_layer() {
+    let all = check("bert", &[2, 4]);
+    let lg = model("bert");
+    for shards in all.values() {
+        assert_megatron_shape(&lg, shards, false);
+    }
+}
+
+#[test]
+fn llama_shards_reproduce_each_layer() {
+    let all = check("llama", &[2, 4]);
+    let lg = model("llama");
+    assert_megatron_shape(&lg, &all[&2], true);
+    // 2 KV heads do not split 4 ways: attention stays replicated, the MLP splits.
+    for (layer, s) in lg.layers.iter().zip(&all[&4]) {
+        if layer.kind == LayerKind::Block {
+            assert_eq!(count(&s[0], |k| matches!(k, CollectiveKind::AllReduce)), 1, "{}", layer.name);
+            assert_eq!(s[0].weight_slices.len(), 3, "{:?}", s[0].weight_slices);
+        }
+    }
+}
+
+#[test]
+fn vit_shards_reproduce_each_layer() {
+    let all = check("vit", &[2, 4]);
+    let lg = model("vit");
+    for shards in all.values() {
+        assert_megatron_shape(&lg, shards, false);
+    }
+}
+
+#[test]
+fn shards_serialise_small() {
+    let lg = model("gpt2");
+    let sharder = Sharder::new(&lg).unwrap();
+    let s = sharder.shard_layer(1, 2).unwrap();
+    let json = serde_json::to_string(&s).unwrap();
+    let back: Vec<LayerShard> = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, s);
+    assert!(json.len() < 4096, "{} bytes", json.len());
+    let _ = DType::F32;
+}

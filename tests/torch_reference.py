@@ -1,0 +1,99 @@
+"""PyTorch reference training of an exported HF model, for the runner's equivalence test and
+bench: the same HF model class and config as the export (models/manifest.json), weights read
+from the ONNX initializers by name, the same data (an .npz keyed by input name), causal-LM
+loss (cross-entropy of logits[:, :-1] vs ids[:, 1:]), torch.optim.AdamW and
+clip_grad_norm_, no dropout.
+
+usage: torch_reference.py MODEL.onnx --data BATCH.npz [--steps N] [--lr] [--weight-decay]
+       [--clip] [--dtype f32|f64] [--threads T] [--bench]
+Prints one JSON object: {"losses": [...], "step_times_s": [...], "trained": [names...]}.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+import transformers
+from onnx import numpy_helper
+
+
+def build(model_path: Path):
+    manifest = json.loads((model_path.parent / "manifest.json").read_text())
+    rec = next((r for r in manifest.get("models", manifest).values() if isinstance(r, dict)
+                and Path(r.get("file", "")).name == model_path.name), None)
+    if rec is None:
+        sys.exit(f"{model_path.name} is not in {model_path.parent / 'manifest.json'}")
+    cls = getattr(transformers, rec["hf_class"])
+    cfg_cls = cls.config_class
+    cfg = cfg_cls(**rec["config"])
+    cfg._attn_implementation = "eager"
+    return cls(cfg)
+
+
+def load_onnx_weights(hf, model_path: Path):
+    """Copies initializers named `model.<param>` (or `<param>`) into the HF parameters; every
+    parameter must get one (a tied parameter needs only one of its names in the file)."""
+    inits = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(model_path)).graph.initializer}
+    names_of = {}
+    for name, p in hf.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), (p, []))[1].append(name)
+    missing = []
+    with torch.no_grad():
+        for p, names in names_of.values():
+            src = next((inits[k] for n in names for k in ("model." + n, n) if k in inits), None)
+            if src is None:
+                missing.append(names[0])
+                continue
+            p.copy_(torch.from_numpy(np.array(src)))
+    if missing:
+        sys.exit(f"no initializer for parameters {missing}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--data", type=Path, required=True)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--dtype", choices=["f32", "f64"], default="f32")
+    ap.add_argument("--threads", type=int)
+    ap.add_argument("--bench", action="store_true", help="also report per-step wall times")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    hf = build(args.model)
+    load_onnx_weights(hf, args.model)
+    if args.dtype == "f64":
+        hf = hf.double()
+    hf.train()
+    data = np.load(args.data)
+    ids = torch.from_numpy(np.array(data["input_ids"])).long()
+    opt = torch.optim.AdamW(hf.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                            foreach=False)
+    losses, times = [], []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        logits = hf(input_ids=ids, use_cache=False).logits
+        v = logits.shape[-1]
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, v), ids[:, 1:].reshape(-1))
+        loss.backward()
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(hf.parameters(), args.clip, foreach=False)
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    trained = sorted(n for n, _ in hf.named_parameters())
+    print(json.dumps({"losses": losses, "step_times_s": times, "trained": trained}))
+
+
+if __name__ == "__main__":
+    main()
