@@ -1,7 +1,7 @@
 # smp-partition — set-up, build, test, demo. Non-interactive and idempotent: each target
 # installs only what is missing (apt packages, the project .venv), then runs.
 #
-#   make demo     system packages + release build, then a real result on models/gpt2.onnx
+#   make demo     system packages + build, then graph, plan and inspect of models/gpt2.onnx
 #   make test     system packages + .venv + ONNX conformance cases, then cargo test
 #   make models   regenerate models/ (not part of test)
 
@@ -66,8 +66,11 @@ build: deps venv
 test: deps venv onnx-cases
 	$(CARGO) test --features "$(FEATURES)"
 
-demo: build
-	./target/release/smp-partition graph models/gpt2.onnx --seq-len 128
+demo: deps venv
+	$(CARGO) build --bin smp-partition --features "$(FEATURES)"
+	./target/debug/smp-partition graph models/gpt2.onnx --seq-len 128
+	./target/debug/smp-partition models/gpt2.onnx --cluster cpu:4 --seq-len 128 --global-batch 16 -o target/gpt2-cpu4.plan.json
+	./target/debug/smp-partition inspect target/gpt2-cpu4.plan.json
 
 models: venv
 	"$(PY)" scripts/export_models.py
