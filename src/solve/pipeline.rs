@@ -6,7 +6,7 @@ use good_lp::Expression;
 use serde::{Deserialize, Serialize};
 
 use super::SolveError;
-use super::ilp::{Col, Milp, SolveReport, SolverOptions, set_value, value};
+use super::ilp::{Col, Milp, SolveReport, SolverOptions, value};
 use super::oracle::min_max_cuts;
 use super::problem::{CheckpointRule, LayerChoice, PipelineEval, PipelineObjective, PipelineProblem};
 
@@ -228,7 +228,6 @@ impl PipelineProblem {
         // h[r][c], z[r][c] for c < v_n − 1.
         let mut h: Vec<Vec<Expression>> = Vec::with_capacity(runs.len());
         let mut z: Vec<Vec<Expression>> = Vec::with_capacity(runs.len());
-        let mut hz_cols: Vec<(usize, usize, Col, Option<Col>)> = Vec::new();
         for (r, &(_, len)) in runs.iter().enumerate() {
             let mut hr = Vec::with_capacity(v_n);
             let mut zr = Vec::with_capacity(v_n);
@@ -240,12 +239,10 @@ impl PipelineProblem {
                 hr.push(Expression::from(hc.v()));
                 if len == 1 {
                     zr.push(Expression::from(hc.v()));
-                    hz_cols.push((r, c, hc, None));
                 } else {
                     let zc = milp.binary();
                     milp.constrain(u.geq(len as f64 * zc.v()));
                     zr.push(Expression::from(zc.v()));
-                    hz_cols.push((r, c, hc, Some(zc)));
                 }
             }
             h.push(hr);
@@ -261,7 +258,6 @@ impl PipelineProblem {
         let mut sync = vec![Expression::default(); p];
         let mut mem = vec![Expression::default(); p];
         let mut recompute: Vec<Vec<(f64, Expression)>> = vec![Vec::new(); p];
-        let mut w_cols: Vec<(usize, usize, (usize, bool), Col)> = Vec::new();
         for (r, &(first, len)) in runs.iter().enumerate() {
             let lay = &self.layers[first];
             for c in 0..v_n {
@@ -278,7 +274,6 @@ impl PipelineProblem {
                         } else {
                             let w = milp.binary();
                             milp.constrain(Expression::from(col.v()).leq(len as f64 * w.v()));
-                            w_cols.push((r, c, (j, k), w));
                             Expression::from(w.v())
                         };
                         recompute[d].push(((pt.act_bytes - pt.input_bytes) / GIB, used));
@@ -286,11 +281,9 @@ impl PipelineProblem {
                 }
             }
         }
-        let mut rb_cols: Vec<Option<Col>> = vec![None; p];
         for d in 0..p {
             if !recompute[d].is_empty() {
                 let rb = milp.continuous(0.0, f64::INFINITY);
-                rb_cols[d] = Some(rb);
                 for (bytes, used) in &recompute[d] {
                     milp.constrain(Expression::from(rb.v()).geq(*bytes * used.clone()));
                 }
@@ -320,66 +313,11 @@ impl PipelineProblem {
         }
         // Integrality cuts the LP cannot see: no layout beats the min-max split of the
         // layers' least times (PipeDream's DP), nor of their least sync times.
-        let (tau, sigma, mut start) = self.dp_bounds();
-        // A start that does not fit memory helps nobody: recompute greedily where it does.
-        if let Some(st) = &mut start
-            && self.checkpoint == CheckpointRule::Auto
-        {
-            self.repair_memory(st);
-        }
+        // The DP's layout is not handed to HiGHS as a MIP start: with one, HiGHS returned
+        // layouts whose own objective it mis-stated (tests/solver_known_bugs.rs).
+        let (tau, sigma, _start) = self.dp_bounds();
         milp.constrain(Expression::from(tmax.v()).geq(tau));
         milp.constrain(Expression::from(smax.v()).geq(sigma));
-        if let (Some(start), PipelineObjective::StepTime) = (&start, self.objective) {
-            let mut init = vec![0.0; milp.columns()];
-            let mut counts: std::collections::HashMap<(usize, usize, usize, bool), usize> = Default::default();
-            let mut run_of = vec![0usize; l_n];
-            for (r, &(first, len)) in runs.iter().enumerate() {
-                for l in first..first + len {
-                    run_of[l] = r;
-                }
-            }
-            for (l, ch) in start.iter().enumerate() {
-                *counts.entry((run_of[l], ch.chunk, ch.point, ch.checkpoint)).or_default() += 1;
-            }
-            for (r, per_chunk) in n.iter().enumerate() {
-                for (c, opts_c) in per_chunk.iter().enumerate() {
-                    for &((j, k), col) in opts_c {
-                        set_value(&mut init, col, counts.get(&(r, c, j, k)).copied().unwrap_or(0) as f64);
-                    }
-                }
-            }
-            let upto = |r: usize, c: usize| -> usize {
-                counts.iter().filter(|(key, _)| key.0 == r && key.1 <= c).map(|(_, v)| *v).sum()
-            };
-            for &(r, c, hc, zc) in &hz_cols {
-                let u = upto(r, c);
-                set_value(&mut init, hc, (u >= 1) as u8 as f64);
-                if let Some(zc) = zc {
-                    set_value(&mut init, zc, (u == runs[r].1) as u8 as f64);
-                }
-            }
-            for &(r, c, (j, k), w) in &w_cols {
-                set_value(&mut init, w, (counts.get(&(r, c, j, k)).copied().unwrap_or(0) > 0) as u8 as f64);
-            }
-            if let Some(e) = self.evaluate(start) {
-                for d in 0..p {
-                    if let Some(rb) = rb_cols[d] {
-                        let mut worst = 0.0f64;
-                        for (l, ch) in start.iter().enumerate() {
-                            let pt = &self.layers[l].points[ch.point];
-                            if ch.checkpoint && ch.chunk % p == d {
-                                worst = worst.max(pt.act_bytes - pt.input_bytes);
-                            }
-                        }
-                        set_value(&mut init, rb, worst / GIB);
-                    }
-                }
-                let t: Vec<f64> = (0..p).map(|d| e.fwd_s[d] + e.bwd_s[d]).collect();
-                set_value(&mut init, tmax, t.iter().cloned().fold(tau, f64::max));
-                set_value(&mut init, smax, e.sync_s.max(sigma));
-                milp.set_initial(init);
-            }
-        }
         let c = self.bubble_coeff;
         let mut step = Expression::default();
         for t in &time {

@@ -1,0 +1,70 @@
+//! Cases where the pipeline ILP once answered wrongly, kept as regression tests.
+
+use smp_partition::solve::ilp::SolverOptions;
+use smp_partition::solve::oracle::brute_force_pipeline;
+use smp_partition::solve::problem::*;
+
+/// Found by `solver_props` with a random seed: interleaved (p 2, v 2), a first layer with
+/// zero output bytes followed by a run of four identical layers. With the DP layout given to
+/// HiGHS as a MIP start, its objective equalled brute force (7.385) but the layout it returned
+/// evaluated to 7.632 (a boundary transfer of 0.247 s unaccounted).
+#[test]
+fn interleaved_decode_counts_the_boundary_transfer() {
+    let first = ParetoPoint { fwd_s: 0.05, bwd_s: 0.05, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, sync_s: 0.28576900508164865, choice: 0 };
+    let block = ParetoPoint { fwd_s: 0.05, bwd_s: 1.0998967206222787, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, sync_s: 0.0, choice: 0 };
+    let mut layers = vec![PipelineLayer { points: vec![first], output_bytes: 0.0 }];
+    for _ in 0..4 {
+        layers.push(PipelineLayer { points: vec![block.clone()], output_bytes: 574109555.0632125 });
+    }
+    let p = PipelineProblem {
+        layers,
+        devices: 2,
+        virtual_stages: 2,
+        microbatches: 2,
+        in_flight: vec![1.0; 4],
+        bubble_coeff: 1.0,
+        memory_cap: 1073741824.0,
+        workspace: 536870912.0,
+        transfer_s_per_byte: vec![2.1513388596164551e-10, 0.0, 0.0],
+        checkpoint: CheckpointRule::Auto,
+        fixed_chunks: None,
+        objective: PipelineObjective::StepTime,
+    };
+    let (best, _, _) = brute_force_pipeline(&p).expect("feasible");
+    let sol = p.solve(&SolverOptions::default()).expect("solves");
+    let decoded = sol.eval.expect("a layout").step_s;
+    assert!((decoded - best).abs() <= 1e-6 * best, "decoded {decoded} vs brute force {best}");
+}
+
+/// Found by `solver_props` (pure cuts, p 4, m 2): with the MIP start, the ILP claimed a max
+/// stage of 2.839 s although one layer alone takes 3.315 s.
+#[test]
+fn pure_cut_max_stage_is_at_least_the_largest_layer() {
+    let times = [0.01, 3.3147542006886694, 0.01, 0.4756540626892504, 0.01, 0.01, 0.01];
+    let layers = times
+        .iter()
+        .map(|&t| PipelineLayer {
+            points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, sync_s: 0.0, choice: 0 }],
+            output_bytes: 0.0,
+        })
+        .collect();
+    let p = PipelineProblem {
+        layers,
+        devices: 4,
+        virtual_stages: 1,
+        microbatches: 2,
+        in_flight: vec![1.0; 4],
+        bubble_coeff: 1.0,
+        memory_cap: f64::INFINITY,
+        workspace: 0.0,
+        transfer_s_per_byte: vec![0.0; 3],
+        checkpoint: CheckpointRule::Never,
+        fixed_chunks: None,
+        objective: PipelineObjective::StepTime,
+    };
+    let (dp, _) = smp_partition::solve::oracle::min_max_cuts(&times, 4).expect("cuts");
+    let sol = p.solve(&SolverOptions::default()).expect("solves");
+    let total: f64 = times.iter().sum();
+    let ilp_max = (sol.report.objective - total) / (2.0 - 1.0);
+    assert!((ilp_max - dp).abs() <= 1e-6 * dp, "ILP max stage {ilp_max} vs DP {dp}");
+}
