@@ -90,7 +90,6 @@ pub struct Milp {
     count: usize,
     integers: usize,
     constraints: Vec<Constraint>,
-    initial: Option<Vec<f64>>,
 }
 
 impl Default for Milp {
@@ -102,7 +101,7 @@ impl Default for Milp {
 impl Milp {
     /// An empty model.
     pub fn new() -> Milp {
-        Milp { vars: ProblemVariables::new(), count: 0, integers: 0, constraints: Vec::new(), initial: None }
+        Milp { vars: ProblemVariables::new(), count: 0, integers: 0, constraints: Vec::new() }
     }
 
     /// A binary variable.
@@ -134,12 +133,6 @@ impl Milp {
         self.constraints.push(c);
     }
 
-    /// A starting solution (one value per column, in creation order); HiGHS checks it and
-    /// keeps it as the first incumbent when feasible.
-    pub fn set_initial(&mut self, values: Vec<f64>) {
-        self.initial = Some(values);
-    }
-
     /// Number of columns.
     pub fn columns(&self) -> usize {
         self.count
@@ -156,7 +149,6 @@ impl Milp {
         let start = Instant::now();
         let count = self.count;
         let has_integers = self.integers > 0;
-        let initial = self.initial.filter(|v| v.len() == count);
         // good_lp's HiGHS adapter drops the objective's constant: add it back ourselves.
         let mut problem = self.vars.minimise(objective).using(highs);
         for c in self.constraints {
@@ -171,10 +163,6 @@ impl Milp {
         }
         if let Some(t) = opts.threads {
             set_option(&mut model, "threads", t.max(1) as i32)?;
-        }
-        if let Some(v) = &initial {
-            // A start HiGHS rejects only costs the head start.
-            let _ = model.try_set_solution(Some(v), None, None, None);
         }
         let solved = model.try_solve().map_err(|e| SolveError::Solver(format!("HiGHS failed: {e:?}")))?;
         let wall_s = start.elapsed().as_secs_f64();
@@ -234,12 +222,6 @@ fn set_option<V: highs::HighsOptionValue>(model: &mut highs::Model, name: &str, 
         .map_err(|_| SolveError::Solver(format!("HiGHS rejected option `{name}`")))
 }
 
-/// Writes a column's value into a start vector.
-pub fn set_value(values: &mut [f64], c: Col, v: f64) {
-    if let Some(x) = values.get_mut(c.index) {
-        *x = v;
-    }
-}
 
 /// Reads a column's value from a solution vector.
 pub fn value(values: &[f64], c: Col) -> f64 {

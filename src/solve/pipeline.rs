@@ -76,25 +76,12 @@ impl PipelineProblem {
         }
     }
 
-    /// Lower bounds on the largest device time and sync time from the min-max split of the
-    /// layers' least figures, and the split itself as a starting layout (least-time points,
-    /// checkpoints only where the rule demands).
-    pub fn dp_bounds(&self) -> (f64, f64, Option<Vec<LayerChoice>>) {
+    /// Lower bounds on the largest device time and sync time: the min-max split of the
+    /// layers' least figures (or the manual layout's device sums).
+    pub fn dp_bounds(&self) -> (f64, f64) {
         let always = self.checkpoint == CheckpointRule::Always;
         let p = self.devices;
         let v_n = self.chunks();
-        let best: Vec<usize> = self
-            .layers
-            .iter()
-            .map(|l| {
-                (0..l.points.len())
-                    .min_by(|&a, &b| {
-                        let t = |j: usize| l.points[j].fwd_s * if always { 2.0 } else { 1.0 } + l.points[j].bwd_s;
-                        t(a).total_cmp(&t(b))
-                    })
-                    .unwrap_or(0)
-            })
-            .collect();
         let tmin: Vec<f64> = self
             .layers
             .iter()
@@ -108,43 +95,11 @@ impl PipelineProblem {
                 t[c % p] += tmin[l];
                 s[c % p] += smin[l];
             }
-            let start = f.iter().enumerate().map(|(l, &c)| LayerChoice { chunk: c, point: best[l], checkpoint: always }).collect();
-            return (t.iter().cloned().fold(0.0, f64::max), s.iter().cloned().fold(0.0, f64::max), Some(start));
+            return (t.iter().cloned().fold(0.0, f64::max), s.iter().cloned().fold(0.0, f64::max));
         }
-        let Some((tau, starts)) = min_max_cuts(&tmin, v_n) else { return (0.0, 0.0, None) };
+        let Some((tau, _)) = min_max_cuts(&tmin, v_n) else { return (0.0, 0.0) };
         let sigma = if self.virtual_stages == 1 { min_max_cuts(&smin, p).map_or(0.0, |s| s.0) } else { 0.0 };
-        let mut start = Vec::with_capacity(self.layers.len());
-        for c in 0..v_n {
-            let end = starts.get(c + 1).copied().unwrap_or(self.layers.len());
-            for l in starts[c]..end {
-                start.push(LayerChoice { chunk: c, point: best[l], checkpoint: always });
-            }
-        }
-        (tau, sigma, Some(start))
-    }
-
-    /// Checkpoints layers of over-full devices, most bytes saved per recomputed second first,
-    /// until each fits (or nothing is left to checkpoint).
-    pub fn repair_memory(&self, choices: &mut [LayerChoice]) {
-        let p = self.devices;
-        let Some(e) = self.evaluate(choices) else { return };
-        for d in 0..p {
-            if e.total_bytes[d] <= self.memory_cap {
-                continue;
-            }
-            let mut order: Vec<usize> = (0..choices.len()).filter(|&l| choices[l].chunk % p == d && !choices[l].checkpoint).collect();
-            let gain = |l: usize| {
-                let pt = &self.layers[l].points[choices[l].point];
-                (pt.act_bytes - pt.input_bytes) * self.in_flight[choices[l].chunk] / pt.fwd_s.max(1e-12)
-            };
-            order.sort_by(|&a, &b| gain(b).total_cmp(&gain(a)));
-            for l in order {
-                choices[l].checkpoint = true;
-                if self.evaluate(choices).is_some_and(|e| e.total_bytes[d] <= self.memory_cap) {
-                    break;
-                }
-            }
-        }
+        (tau, sigma)
     }
 
     /// Maximal runs of consecutive identical layers (and, with a manual layout, the same
@@ -315,7 +270,7 @@ impl PipelineProblem {
         // layers' least times (PipeDream's DP), nor of their least sync times.
         // The DP's layout is not handed to HiGHS as a MIP start: with one, HiGHS returned
         // layouts whose own objective it mis-stated (tests/solver_known_bugs.rs).
-        let (tau, sigma, _start) = self.dp_bounds();
+        let (tau, sigma) = self.dp_bounds();
         milp.constrain(Expression::from(tmax.v()).geq(tau));
         milp.constrain(Expression::from(smax.v()).geq(sigma));
         let c = self.bubble_coeff;
