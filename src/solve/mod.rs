@@ -4,6 +4,7 @@
 //! Entry point: [`plan`].
 
 pub mod baseline;
+pub mod heuristic;
 pub mod ilp;
 pub mod layer_cost;
 pub mod oracle;
