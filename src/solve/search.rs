@@ -64,13 +64,20 @@ fn divisors(n: usize) -> Vec<usize> {
     (1..=n).filter(|d| n % d == 0).collect()
 }
 
-/// Bubble weight of Σ T[d] in the step time (see `PipelineProblem`).
-pub fn bubble_coeff(kind: ScheduleKind) -> f64 {
+/// Bubble weight c of Σ T[d] in the step time c·Σ T + (m − c)·max T (see
+/// `PipelineProblem`) for `p` pipeline ranks and `m` microbatches.
+///
+/// GPipe and 1F1B: c = 1, so equal stages give (m + p − 1)·T — a bubble of (p − 1)/m for
+/// every m, m < p included (Narayanan et al. 2021). Interleaved: 1/v. ZB-H1 (Qi et al. 2024,
+/// F = B = W = T/3): c = 1/3 when m ≥ p; with fewer microbatches the backward chain of the
+/// last one cannot overlap, and the schedule takes (2p + 2m − 1)·T/3 on equal stages, so
+/// c = (2p − m − 1) / (3(p − 1)) (2/3 for one microbatch, 1/3 at m = p).
+pub fn bubble_coeff(kind: ScheduleKind, p: usize, m: usize) -> f64 {
     match kind {
         ScheduleKind::GPipe | ScheduleKind::OneFOneB => 1.0,
         ScheduleKind::Interleaved { virtual_stages } => 1.0 / virtual_stages.max(1) as f64,
-        // Qi et al. 2024: bubble (p−1)(F + B − W) with F = B = W: a third of 1F1B's.
-        ScheduleKind::ZbH1 => 1.0 / 3.0,
+        ScheduleKind::ZbH1 if m >= p || p < 2 => 1.0 / 3.0,
+        ScheduleKind::ZbH1 => (2 * p - m - 1) as f64 / (3 * (p - 1)) as f64,
     }
 }
 
@@ -260,7 +267,7 @@ pub fn prepare(
         virtual_stages: v,
         microbatches: cand.microbatches,
         in_flight: flight,
-        bubble_coeff: bubble_coeff(cand.schedule),
+        bubble_coeff: bubble_coeff(cand.schedule, cand.pp, cand.microbatches),
         memory_cap,
         workspace: spec.workspace_bytes as f64,
         transfer_s_per_byte: beta,
@@ -453,15 +460,16 @@ pub fn run(
     let mut i = 0;
     while i < fit.len() {
         let p = &fit[i];
-        let incumbent = best.as_ref().map(|b| b.1.report.objective);
-        if incumbent.is_some_and(|inc| p.lb >= inc * (1.0 - 1e-9)) {
-            break;
-        }
         if quick[i].as_ref().is_some_and(|q| q.report.status == SolveStatus::Optimal) {
-            // Its quick layout meets its bound: nothing better in this candidate.
+            // Its quick layout meets its bound: solved, without an ILP.
+            solved += 1;
             done += 1;
             i += 1;
             continue;
+        }
+        let incumbent = best.as_ref().map(|b| b.1.report.objective);
+        if incumbent.is_some_and(|inc| p.lb >= inc * (1.0 - 1e-9)) {
+            break;
         }
         let remaining = limit - start.elapsed().as_secs_f64();
         if remaining <= 0.0 && best.is_some() {
