@@ -123,7 +123,7 @@ pub fn from_decision(
         },
         solver: SolverInfo {
             status: match cfg.baseline {
-                Some(b) => format!("baseline:{}", baseline_name(b)),
+                Some(b) => format!("baseline:{}", b.name()),
                 None => d.solver.status.name().to_string(),
             },
             objective: d.solver.objective,
@@ -141,13 +141,6 @@ pub fn from_decision(
     plan
 }
 
-fn baseline_name(b: crate::solve::Baseline) -> &'static str {
-    match b {
-        crate::solve::Baseline::Megatron => "megatron",
-        crate::solve::Baseline::Uniform => "uniform",
-        crate::solve::Baseline::Parameters => "parameters",
-    }
-}
 
 /// Pipeline and data-parallel traffic per device and step, by link kind (from the solved
 /// pipeline problem; tensor-parallel traffic is inside the layer times and not itemised).

@@ -109,175 +109,8 @@ impl FromStr for Checkpointing {
     }
 }
 
-/// What the planner optimises.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Optimize {
-    /// Shortest step time.
-    #[default]
-    Speed,
-    /// Least peak memory among plans within 5 % of the fastest step.
-    Memory,
-}
-
-impl Optimize {
-    /// Lower-case name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Optimize::Speed => "speed",
-            Optimize::Memory => "memory",
-        }
-    }
-}
-
-impl fmt::Display for Optimize {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Optimize {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "speed" => Ok(Optimize::Speed),
-            "memory" => Ok(Optimize::Memory),
-            _ => Err(format!("`{s}`: expected speed or memory")),
-        }
-    }
-}
-
-/// A peer's way of planning, for comparison.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Baseline {
-    /// Megatron-LM's rule (t = GPUs per node capped by heads, p as small as fits, equal layers).
-    Megatron,
-    /// DeepSpeed's `uniform`: equal layer counts per stage.
-    Uniform,
-    /// DeepSpeed's `parameters`: equal parameter counts per stage.
-    Parameters,
-}
-
-impl Baseline {
-    /// Lower-case name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Baseline::Megatron => "megatron",
-            Baseline::Uniform => "uniform",
-            Baseline::Parameters => "parameters",
-        }
-    }
-}
-
-impl fmt::Display for Baseline {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Baseline {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "megatron" => Ok(Baseline::Megatron),
-            "uniform" => Ok(Baseline::Uniform),
-            "parameters" => Ok(Baseline::Parameters),
-            _ => Err(format!("`{s}`: expected megatron, uniform or parameters")),
-        }
-    }
-}
-
-/// One axis of the device mesh.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Axis {
-    /// Data parallel.
-    D,
-    /// Pipeline parallel.
-    P,
-    /// Tensor parallel.
-    T,
-}
-
-/// The order of mesh axes over device ids, outermost first: the axis written last varies
-/// fastest and so gets the innermost, fastest link.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Placement(pub [Axis; 3]);
-
-impl Placement {
-    /// SMP's `cluster`: DPT (tensor groups innermost).
-    pub const CLUSTER: Placement = Placement([Axis::D, Axis::P, Axis::T]);
-    /// SMP's `spread`: TPD (data-parallel groups innermost).
-    pub const SPREAD: Placement = Placement([Axis::T, Axis::P, Axis::D]);
-}
-
-impl Placement {
-    /// The global rank of data replica `d`, pipeline rank `p`, tensor rank `t` in a mesh of
-    /// `dp × pp × tp` devices: the first axis is the outermost (slowest-varying).
-    pub fn rank(self, [d, p, t]: [usize; 3], [dp, pp, tp]: [usize; 3]) -> usize {
-        self.0.iter().fold(0, |acc, &a| acc * size_of(a, [dp, pp, tp]) + index_of(a, [d, p, t]))
-    }
-
-    /// Ranks of pipeline rank `p`, data-replica-major then tensor rank (`tp · dp` of them).
-    pub fn stage_ranks(self, p: usize, [dp, pp, tp]: [usize; 3]) -> Vec<usize> {
-        (0..dp).flat_map(|d| (0..tp).map(move |t| self.rank([d, p, t], [dp, pp, tp]))).collect()
-    }
-}
-
-fn size_of(a: Axis, [dp, pp, tp]: [usize; 3]) -> usize {
-    match a {
-        Axis::D => dp,
-        Axis::P => pp,
-        Axis::T => tp,
-    }
-}
-
-fn index_of(a: Axis, [d, p, t]: [usize; 3]) -> usize {
-    match a {
-        Axis::D => d,
-        Axis::P => p,
-        Axis::T => t,
-    }
-}
-
-impl fmt::Display for Placement {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for a in self.0 {
-            f.write_str(match a {
-                Axis::D => "D",
-                Axis::P => "P",
-                Axis::T => "T",
-            })?;
-        }
-        Ok(())
-    }
-}
-
-impl FromStr for Placement {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "cluster" => return Ok(Placement::CLUSTER),
-            "spread" => return Ok(Placement::SPREAD),
-            _ => {}
-        }
-        let axes: Vec<Axis> = s
-            .chars()
-            .map(|c| match c.to_ascii_uppercase() {
-                'D' => Some(Axis::D),
-                'P' => Some(Axis::P),
-                'T' => Some(Axis::T),
-                _ => None,
-            })
-            .collect::<Option<_>>()
-            .unwrap_or_default();
-        let perm =
-            axes.len() == 3 && axes.contains(&Axis::D) && axes.contains(&Axis::P) && axes.contains(&Axis::T);
-        if perm {
-            Ok(Placement([axes[0], axes[1], axes[2]]))
-        } else {
-            Err(format!("`{s}`: expected cluster, spread or a permutation of D, P, T (e.g. DPT)"))
-        }
-    }
-}
+// Optimize, Baseline and Placement are the solver's own types, re-exported here for the CLI.
+pub use crate::solve::{Baseline, MeshAxis as Axis, Optimize, Placement};
 
 /// Manual pipeline cuts: per stage, its first and last layer (inclusive).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -1012,17 +845,6 @@ impl Schedule {
     }
 }
 
-impl Placement {
-    /// The solver's placement.
-    pub fn to_solve(self) -> solve::Placement {
-        solve::Placement(self.0.map(|a| match a {
-            Axis::D => solve::MeshAxis::D,
-            Axis::P => solve::MeshAxis::P,
-            Axis::T => solve::MeshAxis::T,
-        }))
-    }
-}
-
 impl Constraints {
     /// The solver's configuration; `default_global_batch` is used when `--global-batch` was
     /// not given. HiGHS runs single-threaded so ties resolve the same way every run.
@@ -1044,20 +866,13 @@ impl Constraints {
                 Checkpointing::None => solve::CheckpointRule::Never,
                 Checkpointing::Full => solve::CheckpointRule::Always,
             }),
-            placement: self.placement.as_ref().map(|p| p.value.to_solve()),
+            placement: self.placement.as_ref().map(|p| p.value),
             layout: self.layout.as_ref().map(|l| l.value.0.clone()),
             memory_limit: self.memory_limit_bytes,
             time_limit_s: self.time_limit_s,
-            optimize: match self.optimize {
-                Optimize::Speed => solve::Optimize::Speed,
-                Optimize::Memory => solve::Optimize::Memory,
-            },
+            optimize: self.optimize,
         };
-        cfg.baseline = self.baseline.map(|b| match b {
-            Baseline::Megatron => solve::Baseline::Megatron,
-            Baseline::Uniform => solve::Baseline::Uniform,
-            Baseline::Parameters => solve::Baseline::Parameters,
-        });
+        cfg.baseline = self.baseline;
         cfg.threads = Some(1);
         cfg
     }

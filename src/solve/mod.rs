@@ -12,6 +12,9 @@ pub mod pipeline;
 pub mod problem;
 pub mod search;
 
+use std::fmt;
+use std::str::FromStr;
+
 use crate::cost::ClusterSpec;
 use crate::ir::{LayeredGraph, ScheduleKind};
 
@@ -51,50 +54,88 @@ pub enum MeshAxis {
     T,
 }
 
+impl MeshAxis {
+    fn index(self) -> usize {
+        match self {
+            MeshAxis::D => 0,
+            MeshAxis::P => 1,
+            MeshAxis::T => 2,
+        }
+    }
+}
+
 /// Rank order of the mesh, outermost axis first: the last axis gets consecutive ranks (the
 /// fastest, innermost link). SMP's `cluster` = DPT, `spread` = TPD.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Placement(pub [MeshAxis; 3]);
 
 impl Placement {
-    /// D outermost, T innermost (tensor groups inside a node).
+    /// SMP's `cluster`: D outermost, T innermost (tensor groups inside a node).
     pub const CLUSTER: Placement = Placement([MeshAxis::D, MeshAxis::P, MeshAxis::T]);
-    /// T outermost, D innermost (data-parallel groups inside a node).
+    /// SMP's `spread`: T outermost, D innermost (data-parallel groups inside a node).
     pub const SPREAD: Placement = Placement([MeshAxis::T, MeshAxis::P, MeshAxis::D]);
 
     /// Global rank of mesh coordinates (d, p, t) for degrees (dp, pp, tp).
     pub fn rank(&self, coord: [usize; 3], degrees: [usize; 3]) -> usize {
-        let idx = |a: MeshAxis| match a {
-            MeshAxis::D => 0,
-            MeshAxis::P => 1,
-            MeshAxis::T => 2,
-        };
-        let mut r = 0;
-        for a in self.0 {
-            r = r * degrees[idx(a)] + coord[idx(a)];
-        }
-        r
+        self.0.iter().fold(0, |r, &a| r * degrees[a.index()] + coord[a.index()])
     }
 
     /// Rank distance between neighbours along `axis` for degrees (dp, pp, tp).
     pub fn stride(&self, axis: MeshAxis, degrees: [usize; 3]) -> usize {
-        let idx = |a: MeshAxis| match a {
-            MeshAxis::D => 0,
-            MeshAxis::P => 1,
-            MeshAxis::T => 2,
-        };
         let pos = self.0.iter().position(|&a| a == axis).unwrap_or(0);
-        self.0[pos + 1..].iter().map(|&a| degrees[idx(a)]).product()
+        self.0[pos + 1..].iter().map(|&a| degrees[a.index()]).product()
+    }
+
+    /// Ranks of pipeline rank `p`, data-replica-major then tensor rank (`tp · dp` of them).
+    pub fn stage_ranks(&self, p: usize, [dp, pp, tp]: [usize; 3]) -> Vec<usize> {
+        (0..dp).flat_map(|d| (0..tp).map(move |t| self.rank([d, p, t], [dp, pp, tp]))).collect()
     }
 
     /// `DPT`-style text.
     pub fn name(&self) -> String {
-        self.0.iter().map(|a| format!("{a:?}")).collect()
+        self.to_string()
+    }
+}
+
+impl fmt::Display for Placement {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for a in self.0 {
+            write!(f, "{a:?}")?;
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for Placement {
+    type Err = String;
+    /// `cluster`, `spread` or a permutation of D, P, T (any case).
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cluster" => return Ok(Placement::CLUSTER),
+            "spread" => return Ok(Placement::SPREAD),
+            _ => {}
+        }
+        let axes: Vec<MeshAxis> = s
+            .chars()
+            .map(|c| match c.to_ascii_uppercase() {
+                'D' => Some(MeshAxis::D),
+                'P' => Some(MeshAxis::P),
+                'T' => Some(MeshAxis::T),
+                _ => None,
+            })
+            .collect::<Option<_>>()
+            .unwrap_or_default();
+        let perm = axes.len() == 3 && [MeshAxis::D, MeshAxis::P, MeshAxis::T].iter().all(|a| axes.contains(a));
+        if perm {
+            Ok(Placement([axes[0], axes[1], axes[2]]))
+        } else {
+            Err(format!("`{s}`: expected cluster, spread or a permutation of D, P, T (e.g. DPT)"))
+        }
     }
 }
 
 /// `--optimize`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Optimize {
     /// Shortest step time.
     #[default]
@@ -103,8 +144,35 @@ pub enum Optimize {
     Memory,
 }
 
+impl Optimize {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Optimize::Speed => "speed",
+            Optimize::Memory => "memory",
+        }
+    }
+}
+
+impl fmt::Display for Optimize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Optimize {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "speed" => Ok(Optimize::Speed),
+            "memory" => Ok(Optimize::Memory),
+            _ => Err(format!("`{s}`: expected speed or memory")),
+        }
+    }
+}
+
 /// A peer's way of planning, for comparison (`--baseline`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Baseline {
     /// Megatron-LM's rule: t = GPUs per node, p as small as fits, d the rest, equal layer
     /// counts, 1F1B, microbatch size 1, full recompute where memory needs it.
@@ -113,6 +181,35 @@ pub enum Baseline {
     Uniform,
     /// DeepSpeed `partition_method=parameters`: stages balanced by parameter count.
     Parameters,
+}
+
+impl Baseline {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Baseline::Megatron => "megatron",
+            Baseline::Uniform => "uniform",
+            Baseline::Parameters => "parameters",
+        }
+    }
+}
+
+impl fmt::Display for Baseline {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Baseline {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "megatron" => Ok(Baseline::Megatron),
+            "uniform" => Ok(Baseline::Uniform),
+            "parameters" => Ok(Baseline::Parameters),
+            _ => Err(format!("`{s}`: expected megatron, uniform or parameters")),
+        }
+    }
 }
 
 /// Fixed settings; `None` = searched.
