@@ -10,9 +10,53 @@ use std::collections::HashMap;
 
 use crate::cost::{ClusterSpec, CommModel, GroupSpan, StatePrecision, model_state};
 use crate::cost::compute::{bytes_scale, graph_float_dtype, layer_times};
-use crate::ir::{DType, LayeredGraph, OpKind, ValueKind};
+use crate::ir::{DType, LayerKind, LayeredGraph, OpKind, ValueKind};
 
 use super::problem::{ParetoPoint, PipelineLayer};
+
+/// The greatest common divisor of the known dimensions of the repeated blocks' weight
+/// matrices and of their attention heads (the third axis of 4-D reshapes, [b, s, heads, d]);
+/// 0 when there are none. A searched tensor degree must divide it, so the column and row
+/// splits and the heads (KV heads for grouped-query attention) come out even.
+/// Embedding and head tables are left out (their vocabulary is padded to a multiple of t).
+pub fn tensor_split_divisor(lg: &LayeredGraph) -> u64 {
+    fn gcd(a: u64, b: u64) -> u64 {
+        if b == 0 { a } else { gcd(b, a % b) }
+    }
+    let g = &lg.graph;
+    let mut d = 0u64;
+    for layer in lg.layers.iter().filter(|l| l.kind == LayerKind::Block) {
+        for &id in &layer.nodes {
+            let Some(n) = g.try_node(id) else { continue };
+            if n.op.kind() == Some(OpKind::Reshape) {
+                // [batch, seq, heads, head_dim]: the heads (KV heads too) must split evenly.
+                let out = n.outputs.first().map(|&v| g.value(v));
+                if let Some(shape) = out.and_then(|v| v.ty.as_ref()).and_then(|t| t.shape.as_ref())
+                    && shape.rank() == 4
+                    && let Some(heads) = shape.0[2].known()
+                {
+                    d = gcd(d, heads.unsigned_abs());
+                }
+                continue;
+            }
+            if !matches!(n.op.kind(), Some(OpKind::MatMul | OpKind::Gemm)) {
+                continue;
+            }
+            let Some(w) = n.inputs.get(1).copied().flatten() else { continue };
+            let val = g.value(w);
+            if val.kind != ValueKind::Initializer {
+                continue;
+            }
+            let dims = val.ty.as_ref().and_then(|t| t.shape.as_ref()).and_then(|s| s.known()).unwrap_or_default();
+            if dims.len() == 2 {
+                for x in dims {
+                    d = gcd(d, x.unsigned_abs());
+                }
+            }
+        }
+    }
+    d
+}
 
 /// What the tensor split of a layer needs, read once from the IR.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]

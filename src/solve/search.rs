@@ -9,7 +9,7 @@ use crate::cost::{ClusterSpec, GroupSpan, in_flight};
 use crate::ir::{LayeredGraph, ScheduleKind};
 
 use super::ilp::{SolveReport, SolveStatus, SolverOptions};
-use super::layer_cost::{CostContext, LayerConfig};
+use super::layer_cost::{CostContext, LayerConfig, tensor_split_divisor};
 use super::heuristic::incumbent;
 use super::oracle::min_max_lower_bound;
 use super::pipeline::PipelineSolution;
@@ -104,6 +104,7 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanConfig) -> Res
         )));
     }
     let pp_fixed = c.pp.or(layout_pp);
+    let split_divisor = tensor_split_divisor(lg);
     let mut out = Vec::new();
     for pp in divisors(devices) {
         if pp_fixed.is_some_and(|f| f != pp) || pp > layers {
@@ -113,7 +114,7 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanConfig) -> Res
             if c.tp.is_some_and(|f| f != tp) {
                 continue;
             }
-            if c.tp.is_none() && tp > spec.devices_per_node.max(1) {
+            if c.tp.is_none() && (tp > spec.devices_per_node.max(1) || (split_divisor > 0 && split_divisor % tp as u64 != 0)) {
                 continue;
             }
             let dp = devices / pp / tp;
@@ -193,7 +194,8 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanConfig) -> Res
     if out.is_empty() {
         return Err(SolveError::Setting(format!(
             "no parallel configuration satisfies the fixed settings on {devices} devices with global batch {batch} \
-             (pp·tp·dp must equal the device count, dp must divide the batch, tp ≤ {} unless fixed)",
+             (pp·tp·dp must equal the device count, dp must divide the batch; unless fixed, tp ≤ {} and divides \
+             the blocks' weight dimensions)",
             spec.devices_per_node
         )));
     }
