@@ -454,6 +454,7 @@ mod tests {
                 constant_rewrites: vec![],
                 rewrites: vec![],
                 collectives: vec![],
+                partial_gradients: vec![],
             })
             .collect()
     }
