@@ -5,8 +5,10 @@
 
 pub mod dist;
 pub mod executor;
+pub mod launch;
 pub mod npz;
 pub mod ops;
+pub mod pipeline;
 pub mod tensor;
 pub mod train;
 pub mod weights;
