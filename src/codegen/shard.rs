@@ -115,6 +115,13 @@ pub struct LayerShard {
     pub collectives: Vec<CollectiveInsert>,
 }
 
+impl LayerShard {
+    /// The unsharded layer (tp = 1): nothing sliced, rewritten or inserted.
+    pub fn whole(layer: usize) -> LayerShard {
+        LayerShard { layer, tp: 1, rank: 0, weight_slices: Vec::new(), constant_rewrites: Vec::new(), rewrites: Vec::new(), collectives: Vec::new() }
+    }
+}
+
 /// Errors of sharding; each names the layer, node and op concerned.
 #[derive(Debug, thiserror::Error)]
 pub enum CodegenError {
