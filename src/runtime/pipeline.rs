@@ -14,8 +14,8 @@ use super::dist::{Backend, DistError, ProcessGroup, RankEnv, Store, Work};
 use super::executor::Executor;
 use super::train::{self, AdamW, AdamWConfig, Batch, LossKind, StepRecord};
 use super::weights::is_trainable;
-use crate::codegen::{Instr, LowerOptions, Payload, RankProgram, lower_schedule};
-use crate::ir::{Graph, NodeId, ScheduleKind, ValueId, ValueKind};
+use crate::codegen::{Instr, Payload, RankProgram};
+use crate::ir::{Graph, LayeredGraph, NodeId, ScheduleKind, ValueId, ValueKind};
 use crate::passes::{self, AnalyzeOptions};
 use crate::plan::Plan;
 
@@ -45,9 +45,7 @@ pub struct StageLayout {
 /// Assigns the nodes of `graph` (as imported) to the plan's stages by their layers: layers
 /// come from the same analysis the planner ran; nodes the analysis folded away go with their
 /// first consumer.
-pub fn stage_layout(plan: &Plan, graph: &Graph) -> Result<StageLayout, RuntimeError> {
-    let opts = AnalyzeOptions { seq_len: plan.seq_len.map(|s| s as i64), dims: plan.dims.clone() };
-    let lg = passes::analyze(graph.clone(), &opts).map_err(|e| terr(format!("analysing the model for its layers: {e}")))?;
+pub fn stage_layout(plan: &Plan, graph: &Graph, lg: &LayeredGraph) -> Result<StageLayout, RuntimeError> {
     let stages = plan.stages.len();
     let mut layer_stage = vec![None; lg.layers.len()];
     for (s, st) in plan.stages.iter().enumerate() {
@@ -200,60 +198,27 @@ pub fn schedule_of(plan: &Plan) -> Result<ScheduleKind, RuntimeError> {
     name.parse::<ScheduleKind>().map_err(|e| terr(format!("plan schedule: {e}")))
 }
 
-/// Every rank's program. The plan's own per-rank programs replace this once codegen writes
-/// them; until then they are lowered here from the plan's schedule, with the epilogue of
-/// gradient collectives the plan's parallel configuration implies.
-pub fn rank_programs(plan: &Plan, layout: &StageLayout, graph: &Graph) -> Result<Vec<RankProgram>, RuntimeError> {
-    let place = Placement::of(plan)?;
-    let kind = schedule_of(plan)?;
-    let stages = kind.stages(place.pp);
-    if stages != plan.stages.len() {
-        return Err(terr(format!("schedule {kind} on pp = {} has {stages} stages; the plan lists {}", place.pp, plan.stages.len())));
-    }
-    let m = plan.parallel.microbatches.max(1);
-    let zero = plan.parallel.zero;
-    let boundary: Vec<u64> = plan.stages.iter().map(|s| s.output_bytes).collect();
-    let mut programs = Vec::with_capacity(place.world());
-    // tied weights: initializers read on several pipeline ranks
-    let mut holders: HashMap<ValueId, BTreeSet<usize>> = HashMap::new();
-    for (s, ps) in layout.params.iter().enumerate() {
-        for &p in ps {
-            holders.entry(p).or_default().insert(kind.rank_of_stage(s, place.pp));
+/// Every rank's program, as codegen emitted them into the plan (plans written before the
+/// codegen section get it built here from the same analysis).
+pub fn rank_programs(plan: &Plan, lg: &LayeredGraph) -> Result<Vec<RankProgram>, RuntimeError> {
+    let built;
+    let section = match &plan.codegen {
+        Some(c) => c,
+        None => {
+            let input = plan.codegen_input().map_err(|e| terr(e.to_string()))?;
+            built = crate::codegen::encode::build(lg, &input).map_err(|e| terr(e.to_string()))?;
+            &built
         }
-    }
-    let mut tied: Vec<(ValueId, Vec<usize>)> = holders.into_iter().filter(|(_, q)| q.len() > 1).map(|(v, q)| (v, q.into_iter().collect())).collect();
-    tied.sort();
-    for d in 0..place.dp {
-        let ranks: Vec<usize> = (0..place.pp).map(|q| place.ranks[q][d]).collect();
-        let mut epilogue = vec![Vec::new(); place.pp];
-        for (v, qs) in &tied {
-            let group: Vec<usize> = qs.iter().map(|&q| ranks[q]).collect();
-            for &q in qs {
-                epilogue[q].push(Instr::AllReduce { group: group.clone(), bytes: 0, tag: format!("tied:{}", graph.value(*v).name) });
-            }
-        }
-        if place.dp > 1 {
-            for (q, e) in epilogue.iter_mut().enumerate() {
-                let group = place.ranks[q].clone();
-                let tag = format!("dp-grads:pp{q}");
-                e.push(if zero >= 2 {
-                    Instr::ReduceScatter { group, bytes: 0, tag }
-                } else {
-                    Instr::AllReduce { group, bytes: 0, tag }
-                });
-            }
-        }
-        let opts = LowerOptions { ranks: ranks.clone(), boundary_bytes: boundary.clone(), epilogue };
-        let mut progs = lower_schedule(kind, place.pp, m, &opts).map_err(|e| terr(format!("lowering the schedule: {e}")))?;
-        if place.dp > 1 && zero >= 1 {
-            for (q, p) in progs.iter_mut().enumerate() {
-                p.instrs.push(Instr::AllGather { group: place.ranks[q].clone(), bytes: 0, tag: format!("zero-params:pp{q}") });
-            }
-        }
-        programs.extend(progs);
-    }
+    };
+    let mut programs = section.all_programs(&plan.mesh(), plan.parallel.sharded_dp).map_err(|e| terr(e.to_string()))?;
     programs.sort_by_key(|p| p.rank);
     Ok(programs)
+}
+
+/// Runs the planner's analysis of the model (layers as the plan numbers them).
+pub fn analyse(plan: &Plan, graph: &Graph) -> Result<LayeredGraph, RuntimeError> {
+    let opts = AnalyzeOptions { seq_len: plan.seq_len.map(|s| s as i64), dims: plan.dims.clone() };
+    passes::analyze(graph.clone(), &opts).map_err(|e| terr(format!("analysing the model for its layers: {e}")))
 }
 
 /// Settings of a distributed run.
@@ -333,17 +298,24 @@ fn is_float(t: &Tensor) -> bool {
     matches!(t.kind(), Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16)
 }
 
+/// One stage's ZeRO shard of its parameters: the flat parameter vector cut into `parts`
+/// blocks, this rank holding block `index`.
+struct Shard {
+    parts: i64,
+    index: i64,
+    len: i64,
+    grad: Option<Tensor>,
+    /// Updated parameter block awaiting its all-gather.
+    updated: Option<Tensor>,
+    opt: Option<AdamW>,
+}
+
 /// Runs this rank's part of `plan` for `cfg.steps` steps on `batch` (the global batch; every
 /// rank holds it and takes its replica's share).
-pub fn run_rank(
-    plan: &Plan,
-    exec: &Executor,
-    batch: &Batch,
-    cfg: &RunConfig,
-    env: &RankEnv,
-) -> Result<RankReport, RuntimeError> {
+pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, env: &RankEnv) -> Result<RankReport, RuntimeError> {
     let graph = exec.graph();
-    let layout = stage_layout(plan, graph)?;
+    let lg = analyse(plan, graph)?;
+    let layout = stage_layout(plan, graph, &lg)?;
     let place = Placement::of(plan)?;
     if env.world != place.world() {
         return Err(terr(format!(
@@ -355,14 +327,15 @@ pub fn run_rank(
             place.world()
         )));
     }
-    let programs = rank_programs(plan, &layout, graph)?;
+    let programs = rank_programs(plan, &lg)?;
+    drop(lg);
     let kind = schedule_of(plan)?;
     let me = env.rank;
     let (q, d) = place.locate(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
     let program = programs.iter().find(|p| p.rank == me).ok_or_else(|| terr(format!("no program for rank {me}")))?;
     let m = plan.parallel.microbatches.max(1);
-    let zero = plan.parallel.zero;
     let dp = place.dp;
+    let shard_group = plan.parallel.sharded_dp.filter(|&n| n > 1 && n < dp).unwrap_or(dp);
 
     // groups: every distinct member list in any program, plus the world, created in one global
     // order by their members (creation is a rendezvous)
@@ -385,56 +358,48 @@ pub fn run_rank(
         }
     }
     let world_pg = &groups[&world];
+    let group = |g: &Vec<usize>| groups.get(g).ok_or_else(|| terr(format!("rank {me} is not in group {g:?}")));
 
-    // this rank's parameters (union over its stages) and the ones whose norm it counts
-    let my_stages: Vec<usize> = (0..plan.stages.len()).filter(|&s| kind.rank_of_stage(s, place.pp) == q).collect();
-    let mut param_ids: BTreeSet<ValueId> = BTreeSet::new();
+    // this rank's parameters; each belongs to the first of this rank's stages reading it
+    let n_stages = plan.stages.len();
+    let my_stages: Vec<usize> = (0..n_stages).filter(|&s| kind.rank_of_stage(s, place.pp) == q).collect();
+    let mut param_ids: Vec<ValueId> = Vec::new();
+    let mut owned: Vec<Vec<usize>> = vec![Vec::new(); n_stages];
     for &s in &my_stages {
-        param_ids.extend(layout.params[s].iter().copied());
+        for &v in &layout.params[s] {
+            if !param_ids.contains(&v) {
+                owned[s].push(param_ids.len());
+                param_ids.push(v);
+            }
+        }
     }
-    let param_ids: Vec<ValueId> = param_ids.into_iter().collect();
-    let first_holder = |v: ValueId| (0..plan.stages.len()).find(|&s| layout.params[s].contains(&v)).map(|s| kind.rank_of_stage(s, place.pp));
+    let first_holder = |v: ValueId| (0..n_stages).find(|&s| layout.params[s].contains(&v)).map(|s| kind.rank_of_stage(s, place.pp));
+    // norms count each element once: tied weights on their first pipeline rank, replicated
+    // gradients on the first replica (or shard group)
     let counted: Vec<bool> = param_ids.iter().map(|&v| first_holder(v) == Some(q)).collect();
     let params: Vec<Tensor> = param_ids
         .iter()
         .map(|v| exec.weights.get(v).map(Tensor::shallow_clone).ok_or_else(|| terr(format!("no weight for `{}`", graph.value(*v).name))))
         .collect::<Result<_, _>>()?;
-    let numels: Vec<i64> = params.iter().map(|p| p.numel() as i64).collect();
-    let total: i64 = numels.iter().sum();
-    let shard = (total + dp as i64 - 1) / dp as i64;
-    let padded = shard * dp as i64;
+    let pos_of: HashMap<ValueId, usize> = param_ids.iter().enumerate().map(|(i, v)| (*v, i)).collect();
     let float_kind = params.first().map_or(Kind::Float, Tensor::kind);
     let opts = (float_kind, tch::Device::Cpu);
-    let flatten = |ts: &[Tensor]| -> Result<Tensor, RuntimeError> {
-        let mut parts: Vec<Tensor> = ts.iter().map(|t| t.f_detach().and_then(|t| t.f_reshape([-1]))).collect::<Result<_, _>>()?;
-        if padded > total {
-            parts.push(Tensor::f_zeros([padded - total], opts)?);
+    // the flat vector of stage s's parameters (or their gradients), padded to `parts` blocks
+    let flat = |s: usize, ts: &[Tensor], parts: i64| -> Result<(Tensor, i64), RuntimeError> {
+        let mut v: Vec<Tensor> = owned[s].iter().map(|&i| ts[i].f_detach().and_then(|t| t.f_reshape([-1]))).collect::<Result<_, _>>()?;
+        let total: i64 = owned[s].iter().map(|&i| params[i].numel() as i64).sum();
+        let len = (total + parts - 1) / parts.max(1);
+        if len * parts > total {
+            v.push(Tensor::f_zeros([len * parts - total], opts)?);
         }
-        if parts.is_empty() {
-            return Ok(Tensor::f_zeros([0], opts)?);
-        }
-        Ok(Tensor::f_cat(&parts, 0)?)
+        Ok((if v.is_empty() { Tensor::f_zeros([0], opts)? } else { Tensor::f_cat(&v, 0)? }, len))
     };
-    let sharded = dp > 1 && zero >= 1;
-    let mut opt = if sharded {
-        let p0 = flatten(&params)?.f_narrow(0, d as i64 * shard, shard)?.f_contiguous()?;
-        (AdamW::new(&[p0], cfg.adamw)?, true)
-    } else {
-        (AdamW::new(&params, cfg.adamw)?, false)
+    let mask_of = |s: usize, sh: &Shard| -> Result<Tensor, RuntimeError> {
+        let ones: Vec<Tensor> = params.iter().zip(&counted).map(|(p, &c)| p.f_full_like(if c { 1.0 } else { 0.0 })).collect::<Result<_, _>>()?;
+        Ok(flat(s, &ones, sh.parts)?.0.f_narrow(0, sh.index * sh.len, sh.len)?)
     };
-    // norm mask over the flat buffer: 1 where this rank counts the element
-    let mask = {
-        let parts: Vec<Tensor> = counted
-            .iter()
-            .zip(&numels)
-            .map(|(&c, &n)| Tensor::f_full([n], if c { 1.0 } else { 0.0 }, opts))
-            .collect::<Result<_, _>>()?;
-        let mut parts = parts;
-        if padded > total {
-            parts.push(Tensor::f_zeros([padded - total], opts)?);
-        }
-        if parts.is_empty() { Tensor::f_zeros([0], opts)? } else { Tensor::f_cat(&parts, 0)? }
-    };
+    let mut shards: Vec<Option<Shard>> = (0..n_stages).map(|_| None).collect();
+    let mut full_opt: Option<AdamW> = None;
 
     // this replica's microbatches: replica d takes the d-th contiguous share of the batch
     let replica: Batch = {
@@ -458,22 +423,36 @@ pub fn run_rank(
             exec.bind_inputs(f)
         })
         .collect::<Result<_, _>>()?;
-    let last_stage = plan.stages.len() - 1;
+    let last_stage = n_stages - 1;
     let weight = 1.0 / (m * dp) as f64;
     let split_w: BTreeSet<(usize, usize)> =
         program.instrs.iter().filter_map(|i| if let Instr::BackwardWeight { stage, mb } = i { Some((*stage, *mb)) } else { None }).collect();
+    let stage_of_tag = |t: &str| -> Result<usize, RuntimeError> {
+        t.rsplit_once(":stage")
+            .and_then(|(_, s)| s.parse::<usize>().ok())
+            .filter(|s| my_stages.contains(s))
+            .ok_or_else(|| terr(format!("collective tag `{t}` names no stage of rank {me}")))
+    };
 
     let mut records = Vec::with_capacity(cfg.steps);
     for step in 1..=cfg.steps {
         let t0 = Instant::now();
         let mut grads: Vec<Option<Tensor>> = (0..params.len()).map(|_| None).collect();
-        let mut grad_shard: Option<Tensor> = None;
         let mut state: HashMap<(usize, usize), MbState> = HashMap::new();
         let mut act_in: HashMap<(usize, usize), Vec<Tensor>> = HashMap::new();
         let mut grad_for: HashMap<(usize, usize), Vec<Tensor>> = HashMap::new();
         let mut pending: Vec<Work> = Vec::new();
         let mut loss_sum = 0.0;
-        let pos_of: HashMap<ValueId, usize> = param_ids.iter().enumerate().map(|(i, v)| (*v, i)).collect();
+        let full_grads = |grads: &[Option<Tensor>]| -> Result<Vec<Tensor>, RuntimeError> {
+            grads
+                .iter()
+                .zip(&params)
+                .map(|(g, p)| match g {
+                    Some(g) => Ok(g.shallow_clone()),
+                    None => Ok(p.f_zeros_like()?),
+                })
+                .collect()
+        };
 
         let forward = |s: usize, mb: usize, inputs: &[(ValueId, Tensor)], grad: bool| -> Result<(Vec<(ValueId, Tensor)>, Option<Tensor>), RuntimeError> {
             let mut feeds: HashMap<ValueId, Tensor> = feeds_of[mb].iter().map(|(k, v)| (*k, v.shallow_clone())).collect();
@@ -513,8 +492,7 @@ pub fn run_rank(
                         .zip(raw)
                         .map(|(v, t)| Ok((*v, if is_float(&t) { t.f_detach()?.f_set_requires_grad(true)? } else { t })))
                         .collect::<Result<_, RuntimeError>>()?;
-                    let recompute = layout.recompute[s];
-                    let (outputs, loss) = forward(s, mb, &inputs, !recompute)?;
+                    let (outputs, loss) = forward(s, mb, &inputs, !layout.recompute[s])?;
                     if let Some(l) = &loss {
                         loss_sum += l.f_double_value(&[])?;
                     }
@@ -548,14 +526,14 @@ pub fn run_rank(
                     let leaves: Vec<Tensor> = st.inputs.iter().map(|(_, t)| t).filter(|t| is_float(t)).map(Tensor::shallow_clone).collect();
                     let mine: Vec<usize> = layout.params[s].iter().filter_map(|v| pos_of.get(v).copied()).collect();
                     let split = split_w.contains(&(s, mb));
-                    let root_req = root.as_ref().filter(|r| r.requires_grad());
                     let mut in_grads: Vec<Tensor> = Vec::new();
-                    if let Some(r) = root_req {
+                    if let Some(r) = root.as_ref().filter(|r| r.requires_grad()) {
                         let grad_leaves: Vec<&Tensor> = leaves.iter().filter(|t| t.requires_grad()).collect();
                         let mut inputs: Vec<&Tensor> = grad_leaves.clone();
                         if !split {
                             inputs.extend(mine.iter().map(|&i| &params[i]));
                         }
+                        // B of a split backward keeps the graph for its W
                         let got = if inputs.is_empty() { Vec::new() } else { Tensor::f_run_backward(&[r], &inputs, split, false)? };
                         let (gin, gp) = got.split_at(grad_leaves.len());
                         let mut it = gin.iter();
@@ -632,13 +610,7 @@ pub fn run_rank(
                         Payload::Activation => (s - 1, layout.crossing[s - 1].len()),
                         Payload::Gradient => {
                             let st = state.get(&(s, mb)).ok_or_else(|| terr(format!("gradient for stage {s} mb {mb} before its forward")))?;
-                            let n = if layout.recompute[s] {
-                                // outputs are recomputed; the count follows the crossing values' kinds
-                                st.outputs.iter().filter(|(_, t)| is_float(t)).count()
-                            } else {
-                                st.outputs.iter().filter(|(_, t)| is_float(t)).count()
-                            };
-                            (s + 1, n)
+                            (s + 1, st.outputs.iter().filter(|(_, t)| is_float(t)).count())
                         }
                     };
                     let mut got = Vec::with_capacity(count);
@@ -646,22 +618,18 @@ pub fn run_rank(
                         let meta = Tensor::f_zeros([META as i64], (Kind::Int64, tch::Device::Cpu))?;
                         let meta = world_pg.irecv(&meta, *peer, tag(*what, from, mb, 2 * j))?.wait()?;
                         let meta: Vec<i64> = Vec::<i64>::try_from(&meta).map_err(|e| terr(e.to_string()))?;
-                        let rank = meta[0] as usize;
+                        let rank = meta[0].clamp(0, META as i64 - 2) as usize;
                         let buf = Tensor::f_zeros(&meta[1..=rank], (code_kind(meta[META - 1])?, tch::Device::Cpu))?;
                         got.push(world_pg.irecv(&buf, *peer, tag(*what, from, mb, 2 * j + 1))?.wait()?);
                     }
                     match what {
-                        Payload::Activation => {
-                            act_in.insert((s, mb), got);
-                        }
-                        Payload::Gradient => {
-                            grad_for.insert((s, mb), got);
-                        }
-                    }
+                        Payload::Activation => act_in.insert((s, mb), got),
+                        Payload::Gradient => grad_for.insert((s, mb), got),
+                    };
                 }
-                Instr::AllReduce { group, tag: t, .. } => {
-                    let pg = &groups[group];
-                    if let Some(name) = t.strip_prefix("tied:") {
+                Instr::AllReduce { group: g, tag: t, .. } => {
+                    let pg = group(g)?;
+                    if let Some(name) = t.strip_prefix("tied-grad:").or_else(|| t.strip_prefix("tied:")) {
                         let v = graph.value_by_name(name).ok_or_else(|| terr(format!("tied weight `{name}` is not in the model")))?;
                         let i = *pos_of.get(&v).ok_or_else(|| terr(format!("tied weight `{name}` is not on rank {me}")))?;
                         let g = match grads[i].take() {
@@ -671,42 +639,50 @@ pub fn run_rank(
                         pg.all_reduce_sum(&g)?;
                         grads[i] = Some(g);
                     } else if t.starts_with("dp-grads") {
-                        let full: Vec<Tensor> = grads
-                            .iter()
-                            .zip(&params)
-                            .map(|(g, p)| match g {
-                                Some(g) => Ok(g.shallow_clone()),
-                                None => p.f_zeros_like(),
-                            })
-                            .collect::<Result<_, _>>()?;
-                        if sharded {
-                            let flat = flatten(&full)?;
-                            pg.all_reduce_sum(&flat)?;
-                            grad_shard = Some(flat.f_narrow(0, d as i64 * shard, shard)?.f_contiguous()?);
+                        let s = stage_of_tag(t)?;
+                        if let Some(sh) = shards[s].as_mut().filter(|sh| sh.grad.is_some()) {
+                            // sharded data parallelism: the reduced shard summed across groups
+                            if let Some(gs) = &sh.grad {
+                                pg.all_reduce_sum(gs)?;
+                            }
+                        } else if plan.parallel.zero >= 1 {
+                            // ZeRO 1: full all-reduce, then this rank's block
+                            let parts = pg.size() as i64;
+                            let (f, len) = flat(s, &full_grads(&grads)?, parts)?;
+                            pg.all_reduce_sum(&f)?;
+                            let index = pg.index() as i64;
+                            let sh = shards[s].get_or_insert_with(|| Shard { parts, index, len, grad: None, updated: None, opt: None });
+                            sh.grad = Some(f.f_narrow(0, index * len, len)?.f_contiguous()?);
+                            for &i in &owned[s] {
+                                grads[i] = None;
+                            }
                         } else {
-                            grads = all_reduce_bucketed(pg, full, cfg.bucket_bytes)?.into_iter().map(Some).collect();
+                            let mine: Vec<Tensor> = owned[s].iter().map(|&i| grads[i].as_ref().map_or_else(|| params[i].f_zeros_like(), |g| Ok(g.shallow_clone()))).collect::<Result<_, _>>()?;
+                            let reduced = all_reduce_bucketed(pg, mine, cfg.bucket_bytes)?;
+                            for (&i, g) in owned[s].iter().zip(reduced) {
+                                grads[i] = Some(g);
+                            }
                         }
                     } else {
                         return Err(terr(format!("all-reduce with unknown tag `{t}`")));
                     }
                 }
-                Instr::ReduceScatter { group, tag: t, .. } => {
+                Instr::ReduceScatter { group: g, tag: t, .. } => {
                     if !t.starts_with("dp-grads") {
                         return Err(terr(format!("reduce-scatter with unknown tag `{t}`")));
                     }
-                    let full: Vec<Tensor> = grads
-                        .iter()
-                        .zip(&params)
-                        .map(|(g, p)| match g {
-                            Some(g) => Ok(g.shallow_clone()),
-                            None => p.f_zeros_like(),
-                        })
-                        .collect::<Result<_, _>>()?;
-                    let flat = flatten(&full)?;
-                    let out = Tensor::f_zeros([shard], opts)?;
-                    groups[group].reduce_scatter_sum(&out, &flat)?;
-                    grads = (0..params.len()).map(|_| None).collect();
-                    grad_shard = Some(out);
+                    let s = stage_of_tag(t)?;
+                    let pg = group(g)?;
+                    let parts = pg.size() as i64;
+                    let (f, len) = flat(s, &full_grads(&grads)?, parts)?;
+                    let out = Tensor::f_zeros([len], opts)?;
+                    pg.reduce_scatter_sum(&out, &f)?;
+                    let index = pg.index() as i64;
+                    let sh = shards[s].get_or_insert_with(|| Shard { parts, index, len, grad: None, updated: None, opt: None });
+                    sh.grad = Some(out);
+                    for &i in &owned[s] {
+                        grads[i] = None;
+                    }
                 }
                 Instr::OptimizerStep => {
                     for w in pending.drain(..) {
@@ -714,62 +690,84 @@ pub fn run_rank(
                     }
                     let _guard = tch::no_grad_guard();
                     // squared norm of the gradients this rank counts, and its loss share
-                    let sq = if let Some(gs) = &grad_shard {
-                        let mk = mask.f_narrow(0, d as i64 * shard, shard)?;
-                        gs.f_mul(&mk)?.f_square()?.f_sum(Kind::Double)?.f_double_value(&[])?
-                    } else if d == 0 {
-                        let mut acc = 0.0;
+                    let mut sq = 0.0;
+                    for (s, sh) in shards.iter().enumerate() {
+                        if let Some(sh) = sh {
+                            if let (Some(g), true) = (&sh.grad, d < shard_group) {
+                                sq += g.f_mul(&mask_of(s, sh)?)?.f_square()?.f_sum(Kind::Double)?.f_double_value(&[])?;
+                            }
+                        }
+                    }
+                    if d == 0 {
                         for (g, &c) in grads.iter().zip(&counted) {
                             if let (Some(g), true) = (g, c) {
                                 let n = g.f_norm()?.f_double_value(&[])?;
-                                acc += n * n;
+                                sq += n * n;
                             }
                         }
-                        acc
-                    } else {
-                        0.0
-                    };
+                    }
                     let both = Tensor::from_slice(&[sq, loss_sum]);
                     world_pg.all_reduce_sum(&both)?;
                     let both: Vec<f64> = Vec::<f64>::try_from(&both).map_err(|e| terr(e.to_string()))?;
                     loss_sum = both[1];
-                    if let Some(c) = cfg.clip {
-                        let norm = both[0].sqrt();
-                        let coef = (c / (norm + 1e-6)).min(1.0);
+                    let coef = cfg.clip.map_or(1.0, |c| (c / (both[0].sqrt() + 1e-6)).min(1.0));
+                    if cfg.clip.is_some() {
                         for g in grads.iter_mut().flatten() {
                             let _ = g.f_mul_scalar_(coef)?;
                         }
-                        if let Some(g) = &mut grad_shard {
+                    }
+                    for (s, sh) in shards.iter_mut().enumerate() {
+                        let Some(sh) = sh else { continue };
+                        let Some(mut g) = sh.grad.take() else { continue };
+                        if cfg.clip.is_some() {
                             let _ = g.f_mul_scalar_(coef)?;
                         }
-                    }
-                    if opt.1 {
-                        let gs = match grad_shard.take() {
-                            Some(g) => g,
-                            None => return Err(terr("ZeRO optimizer step without a reduced gradient shard")),
+                        let block = flat(s, &params, sh.parts)?.0.f_narrow(0, sh.index * sh.len, sh.len)?.f_contiguous()?;
+                        let opt = match &mut sh.opt {
+                            Some(o) => o,
+                            None => sh.opt.insert(AdamW::new(&[block.shallow_clone()], cfg.adamw)?),
                         };
-                        let ps = flatten(&params)?.f_narrow(0, d as i64 * shard, shard)?.f_contiguous()?;
-                        opt.0.step_with(&[ps.shallow_clone()], &[gs])?;
-                        grad_shard = Some(ps);
-                    } else {
+                        opt.step_with(&[block.shallow_clone()], &[g])?;
+                        sh.updated = Some(block);
+                    }
+                    // parameters not in any shard: the plain (replicated) AdamW
+                    let plain: Vec<usize> = (0..params.len()).filter(|i| grads[*i].is_some()).collect();
+                    if !plain.is_empty() {
+                        let opt = match &mut full_opt {
+                            Some(o) => o,
+                            None => full_opt.insert(AdamW::new(&params, cfg.adamw)?),
+                        };
                         let gs: Vec<Tensor> = grads.iter().map(|g| g.as_ref().map_or_else(Tensor::new, Tensor::shallow_clone)).collect();
-                        opt.0.step_with(&params, &gs)?;
+                        opt.step_with(&params, &gs)?;
                     }
                 }
-                Instr::AllGather { group, tag: t, .. } => {
-                    if !t.starts_with("zero-params") {
+                Instr::AllGather { group: g, tag: t, .. } => {
+                    if !t.starts_with("zero-params") && !t.starts_with("zero3-params") {
                         return Err(terr(format!("all-gather with unknown tag `{t}`")));
                     }
-                    // after the step grad_shard holds the updated parameter shard
-                    let ps = grad_shard.take().ok_or_else(|| terr("parameter all-gather without an updated shard"))?;
-                    let out = Tensor::f_zeros([padded], opts)?;
-                    groups[group].all_gather(&out, &ps)?;
-                    let _guard = tch::no_grad_guard();
-                    let mut off = 0;
-                    for (p, &n) in params.iter().zip(&numels) {
-                        let mut p = p.shallow_clone();
-                        p.f_copy_(&out.f_narrow(0, off, n)?.f_view_as(&p)?)?;
-                        off += n;
+                    let s = stage_of_tag(t)?;
+                    let pg = group(g)?;
+                    let parts = pg.size() as i64;
+                    let index = pg.index() as i64;
+                    let (current, len) = flat(s, &params, parts)?;
+                    let sh = shards[s].get_or_insert_with(|| Shard { parts, index, len, grad: None, updated: None, opt: None });
+                    // gathered every time the program says so; written into the weights only
+                    // when an update is pending (never under a live autograd graph)
+                    let (block, write) = match sh.updated.take() {
+                        Some(b) => (b, true),
+                        None => (current.f_narrow(0, index * len, len)?.f_contiguous()?, false),
+                    };
+                    let out = Tensor::f_zeros([len * parts], opts)?;
+                    pg.all_gather(&out, &block)?;
+                    if write {
+                        let _guard = tch::no_grad_guard();
+                        let mut off = 0;
+                        for &i in &owned[s] {
+                            let mut p = params[i].shallow_clone();
+                            let n = p.numel() as i64;
+                            p.f_copy_(&out.f_narrow(0, off, n)?.f_view_as(&p)?)?;
+                            off += n;
+                        }
                     }
                 }
             }
@@ -777,6 +775,8 @@ pub fn run_rank(
         for w in pending.drain(..) {
             let _ = w.wait()?;
         }
+        // ZeRO 3 gathers before use: an update still pending is applied by the next step's
+        // first gather
         records.push(StepRecord { step, loss: loss_sum, time_s: t0.elapsed().as_secs_f64() });
         if cfg.progress {
             eprintln!("[rank {me}] step {step} loss {loss_sum:.6}");
