@@ -2,12 +2,14 @@
 //! per-rank programs (compute, sends, receives, collectives), and the validator of both.
 
 pub mod collectives;
+pub mod encode;
 pub mod lower;
 pub mod program;
 pub mod shard;
 pub mod validate;
 
 pub use collectives::{CollectiveInsert, CollectiveKind, GroupKind};
+pub use encode::{CodegenInput, CodegenSection, Coord, EncodeError, GroupRef, Mesh, RankView, StageInput, StageView, Step};
 pub use lower::{LowerError, LowerOptions, lower, lower_schedule};
 pub use program::{Instr, Payload, RankProgram};
 pub use shard::{CodegenError, ConstantRewrite, LayerShard, NodeRewrite, Sharder, WeightSlice, apply_shard, shard_all};

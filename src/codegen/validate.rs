@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use super::program::{Instr, Payload, RankProgram};
+use super::encode::{CodegenSection, Coord, Mesh, Step};
 use super::shard::LayerShard;
 use crate::ir::Graph;
 
@@ -20,9 +21,26 @@ pub struct Invalid {
 }
 
 /// All problems of a plan's programs or shards (empty vectors never returned).
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{} problem(s); first: {}", .0.len(), .0[0])]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ValidationErrors(pub Vec<Invalid>);
+
+impl std::fmt::Display for ValidationErrors {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.0.len();
+        for (i, e) in self.0.iter().take(5).enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{e}")?;
+        }
+        if n > 5 {
+            write!(f, "; and {} more", n - 5)?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ValidationErrors {}
 
 fn finish(errs: Vec<Invalid>) -> Result<(), ValidationErrors> {
     if errs.is_empty() { Ok(()) } else { Err(ValidationErrors(errs)) }
@@ -155,6 +173,16 @@ fn describe(i: &Instr) -> String {
 /// Checks the shards of one layer's tensor group (one per tensor rank): every slice in range
 /// of the model's initializer, and the slices of each weight covering it exactly once.
 pub fn validate_shards(graph: &Graph, shards: &[LayerShard]) -> Result<(), ValidationErrors> {
+    let dims = |name: &str| {
+        let val = graph.value(graph.value_by_name(name)?);
+        val.data.as_ref().map(|d| d.dims.clone()).or_else(|| val.ty.as_ref().and_then(|t| t.shape.as_ref()).and_then(|s| s.known()))
+    };
+    validate_shard_group(&dims, shards)
+}
+
+/// [`validate_shards`] with initializer dims from `dims` (None: the model has no such weight
+/// or its shape is unknown).
+pub fn validate_shard_group(dims: &dyn Fn(&str) -> Option<Vec<i64>>, shards: &[LayerShard]) -> Result<(), ValidationErrors> {
     let mut errs = Vec::new();
     let tp = shards.len();
     for (i, s) in shards.iter().enumerate() {
@@ -166,14 +194,8 @@ pub fn validate_shards(graph: &Graph, shards: &[LayerShard]) -> Result<(), Valid
     let mut by_weight: BTreeMap<&str, Vec<(usize, usize, &[[u64; 2]])>> = BTreeMap::new();
     for s in shards {
         for w in &s.weight_slices {
-            let Some(v) = graph.value_by_name(&w.initializer) else {
-                errs.push(Invalid { rank: s.rank, what: format!("slices `{}`, which the model does not have", w.initializer) });
-                continue;
-            };
-            let val = graph.value(v);
-            let dims = val.data.as_ref().map(|d| d.dims.clone()).or_else(|| val.ty.as_ref().and_then(|t| t.shape.as_ref()).and_then(|s| s.known()));
-            let Some(dims) = dims else {
-                errs.push(Invalid { rank: s.rank, what: format!("`{}` has no known shape", w.initializer) });
+            let Some(dims) = dims(&w.initializer) else {
+                errs.push(Invalid { rank: s.rank, what: format!("slices `{}`, which the model does not have (or whose shape is unknown)", w.initializer) });
                 continue;
             };
             let Some(&d) = dims.get(w.axis) else {
@@ -206,12 +228,7 @@ pub fn validate_shards(graph: &Graph, shards: &[LayerShard]) -> Result<(), Valid
                 errs.push(Invalid { rank: s.rank, what: format!("holds all of `{name}`, which other tensor ranks slice") });
             }
         }
-        let d = graph
-            .value_by_name(name)
-            .map(|v| graph.value(v))
-            .and_then(|v| v.data.as_ref().map(|t| t.dims.clone()).or_else(|| v.ty.as_ref().and_then(|t| t.shape.as_ref()).and_then(|s| s.known())))
-            .and_then(|dims| dims.get(axis).copied())
-            .unwrap_or(0) as u64;
+        let d = dims(name).and_then(|dims| dims.get(axis).copied()).unwrap_or(0) as u64;
         let mut all: Vec<(u64, u64, usize)> = parts.iter().flat_map(|p| p.2.iter().map(move |r| (r[0], r[1], p.0))).collect();
         all.sort_unstable();
         let mut at = 0;
@@ -228,6 +245,142 @@ pub fn validate_shards(graph: &Graph, shards: &[LayerShard]) -> Result<(), Valid
         }
     }
     finish(errs)
+}
+
+/// Checks a plan's codegen section against its mesh: one template per pipeline rank, every
+/// stage run by exactly one, each stage's forward and backward once per microbatch, the shards
+/// of every layer's tensor group in range and covering each sliced weight once, and the
+/// concrete programs of all ranks (messages and collectives) consistent.
+///
+/// Messages name a global rank; shard problems name the first global rank running the shard.
+pub fn validate_section(section: &CodegenSection, mesh: &Mesh, microbatches: usize, sharded_dp: Option<usize>) -> Result<(), ValidationErrors> {
+    let mut errs = Vec::new();
+    let first_rank = |pp: usize, tp: usize| mesh.rank(Coord { pp, dp: 0, tp }).unwrap_or(0);
+    if section.tp != mesh.tp {
+        errs.push(Invalid { rank: 0, what: format!("codegen section is for tp = {}, the plan's tp is {}", section.tp, mesh.tp) });
+        return finish(errs);
+    }
+    // Templates and stages.
+    let mut runner_of_stage: BTreeMap<usize, usize> = BTreeMap::new();
+    for pp in 0..mesh.pp {
+        let found: Vec<_> = section.templates.iter().filter(|t| t.pp_rank == pp).collect();
+        if found.len() != 1 {
+            errs.push(Invalid { rank: first_rank(pp, 0), what: format!("pipeline rank {pp} has {} program templates, expected 1", found.len()) });
+        }
+    }
+    for t in &section.templates {
+        if t.pp_rank >= mesh.pp {
+            errs.push(Invalid { rank: 0, what: format!("program template for pipeline rank {}, but pp = {}", t.pp_rank, mesh.pp) });
+            continue;
+        }
+        let rank = first_rank(t.pp_rank, 0);
+        for &s in &t.stages {
+            if s >= section.stages.len() {
+                errs.push(Invalid { rank, what: format!("runs stage {s}, but the plan has {} stages", section.stages.len()) });
+            } else if let Some(other) = runner_of_stage.insert(s, t.pp_rank) {
+                errs.push(Invalid { rank, what: format!("runs stage {s}, which pipeline rank {other} runs too") });
+            }
+        }
+        // Forward and backward once per microbatch for each of its stages, only its stages.
+        let mut fwd: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        let mut bwd: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        let mut steps_after_opt = false;
+        for step in &t.steps {
+            let (stage, mb, map) = match *step {
+                Step::Forward { stage, mb } => (stage, mb, &mut fwd),
+                Step::Backward { stage, mb } => (stage, mb, &mut bwd),
+                Step::OptimizerStep => {
+                    if steps_after_opt {
+                        errs.push(Invalid { rank, what: "runs OPTIMIZER_STEP twice".into() });
+                    }
+                    steps_after_opt = true;
+                    continue;
+                }
+                _ => continue,
+            };
+            if steps_after_opt {
+                errs.push(Invalid { rank, what: format!("{} runs after the optimizer step", describe_step(step)) });
+            }
+            if !t.stages.contains(&stage) {
+                errs.push(Invalid { rank, what: format!("{} runs stage {stage}, which pipeline rank {} does not own", describe_step(step), t.pp_rank) });
+            }
+            map.entry(stage).or_default().push(mb);
+        }
+        if !steps_after_opt {
+            errs.push(Invalid { rank, what: "has no OPTIMIZER_STEP".into() });
+        }
+        for &s in &t.stages {
+            for (name, map) in [("forward", &fwd), ("backward", &bwd)] {
+                let mut mbs = map.get(&s).cloned().unwrap_or_default();
+                mbs.sort_unstable();
+                if mbs != (0..microbatches).collect::<Vec<_>>() {
+                    errs.push(Invalid {
+                        rank,
+                        what: format!("runs the {name} of stage {s} for microbatches {mbs:?}, expected each of 0..{microbatches} once"),
+                    });
+                }
+            }
+        }
+    }
+    for s in 0..section.stages.len() {
+        if !runner_of_stage.contains_key(&s) {
+            errs.push(Invalid { rank: 0, what: format!("stage {s} is run by no pipeline rank") });
+        }
+        if section.stages[s].stage != s {
+            errs.push(Invalid { rank: 0, what: format!("stage entry {s} says stage {}", section.stages[s].stage) });
+        }
+    }
+    // Shards.
+    if section.tp > 1 {
+        let layers = section.stages.last().map_or(0, |s| s.layers[1] + 1);
+        if section.shards.len() != layers {
+            errs.push(Invalid { rank: 0, what: format!("{} layers have shards, the stages cover {layers}", section.shards.len()) });
+        }
+        let dims = |name: &str| section.weight_dims.get(name).cloned();
+        for (l, group) in section.shards.iter().enumerate() {
+            let pp = section.stages.iter().find(|s| s.layers[0] <= l && l <= s.layers[1]).and_then(|s| runner_of_stage.get(&s.stage)).copied().unwrap_or(0);
+            for (k, s) in group.iter().enumerate() {
+                if s.layer != l {
+                    errs.push(Invalid { rank: first_rank(pp, k), what: format!("shard {k} of layer {l} says layer {}", s.layer) });
+                }
+            }
+            if group.len() != section.tp {
+                errs.push(Invalid { rank: first_rank(pp, 0), what: format!("layer {l} has {} shards for tp = {}", group.len(), section.tp) });
+                continue;
+            }
+            if let Err(ValidationErrors(es)) = validate_shard_group(&dims, group) {
+                errs.extend(es.into_iter().map(|e| Invalid { rank: first_rank(pp, e.rank), what: format!("layer {l} (tensor rank {}): {}", e.rank, e.what) }));
+            }
+        }
+    }
+    if !errs.is_empty() {
+        return finish(errs);
+    }
+    // Replicas and tensor ranks of a pipeline rank share its template, and their peers and
+    // groups resolve within the same replica and tensor rank (or to groups whose members all
+    // run that template), so above a few hundred ranks checking replica 0, tensor rank 0 of
+    // every pipeline rank is as strong as checking all ranks.
+    let world = mesh.pp * mesh.tp * mesh.dp;
+    let checked = if world <= FULL_CHECK_RANKS {
+        mesh.clone()
+    } else {
+        Mesh { pp: mesh.pp, tp: 1, dp: 1, ranks: (0..mesh.pp).map(|pp| vec![first_rank(pp, 0)]).collect() }
+    };
+    match section.all_programs(&checked, sharded_dp) {
+        Ok(programs) => validate_programs(&programs),
+        Err(e) => finish(vec![Invalid { rank: 0, what: e.to_string() }]),
+    }
+}
+
+/// Up to this many ranks the validator instantiates and checks every rank's program.
+pub const FULL_CHECK_RANKS: usize = 256;
+
+fn describe_step(s: &Step) -> String {
+    match *s {
+        Step::Forward { stage, mb } => format!("{stage}F{mb}"),
+        Step::Backward { stage, mb } => format!("{stage}B{mb}"),
+        _ => format!("{s:?}"),
+    }
 }
 
 #[cfg(test)]
@@ -301,6 +454,7 @@ mod tests {
                 constant_rewrites: vec![],
                 rewrites: vec![],
                 collectives: vec![],
+                partial_gradients: vec![],
             })
             .collect()
     }

@@ -135,6 +135,7 @@ pub fn from_decision(
         global_batch: cfg.global_batch as u64,
         seq_len,
         dims: dims.iter().cloned().collect(),
+        codegen: None,
     };
     plan.predicted.peak_memory_bytes = (0..d.pp).map(|r| plan.rank_memory(r).total).max().unwrap_or(0);
     plan.communication = communication(d, cluster, &plan);

@@ -5,6 +5,10 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::codegen::encode::{CodegenInput, CodegenSection, Mesh, RankView, StageInput};
+use crate::codegen::EncodeError;
+use crate::ir::ScheduleKind;
+
 /// The plan format version this build writes and reads.
 pub const PLAN_VERSION: u32 = 1;
 
@@ -40,6 +44,10 @@ pub struct Plan {
     /// Other symbolic dims bound when planning (`--dim NAME=V`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub dims: BTreeMap<String, i64>,
+    /// What each rank executes: shards, boundary tensors, program templates (absent in plans
+    /// written before codegen; see docs/plan-format.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub codegen: Option<CodegenSection>,
 }
 
 /// The model a plan partitions.
@@ -251,5 +259,53 @@ impl Plan {
             m.total += b.total;
         }
         m
+    }
+}
+
+impl Plan {
+    /// The pipeline schedule the plan names (`interleaved` with its virtual stages).
+    pub fn schedule_kind(&self) -> Result<ScheduleKind, EncodeError> {
+        let p = &self.parallel;
+        if p.schedule == "interleaved" {
+            return Ok(ScheduleKind::Interleaved { virtual_stages: p.virtual_stages });
+        }
+        Ok(p.schedule.parse::<ScheduleKind>()?)
+    }
+
+    /// What codegen needs of this plan.
+    pub fn codegen_input(&self) -> Result<CodegenInput, EncodeError> {
+        let p = &self.parallel;
+        Ok(CodegenInput {
+            pp: p.pp,
+            tp: p.tp,
+            dp: p.dp,
+            zero: p.zero,
+            sharded_dp: p.sharded_dp,
+            microbatches: p.microbatches,
+            schedule: self.schedule_kind()?,
+            stages: self
+                .stages
+                .iter()
+                .map(|s| StageInput { layers: s.layers, checkpointed_layers: s.checkpointed_layers.clone(), output_bytes: s.output_bytes })
+                .collect(),
+        })
+    }
+
+    /// Global ranks by mesh coordinates: `ranks[pp][dp · tp + tp_rank]`, from the first stage
+    /// of each pipeline rank (the placement's axis order is already applied there).
+    pub fn mesh(&self) -> Mesh {
+        let p = &self.parallel;
+        let ranks = (0..p.pp).map(|r| self.stages_of_rank(r).next().map(|s| s.ranks.clone()).unwrap_or_default()).collect();
+        Mesh { pp: p.pp, tp: p.tp, dp: p.dp, ranks }
+    }
+
+    /// What global rank `rank` executes: its stages with their layer shards, boundary tensors,
+    /// recompute points and its concrete program. The runner's entry point.
+    pub fn rank_view(&self, rank: usize) -> Result<RankView<'_>, EncodeError> {
+        let section = self
+            .codegen
+            .as_ref()
+            .ok_or_else(|| EncodeError::Inconsistent("the plan has no codegen section; re-plan it with this smp-partition".into()))?;
+        section.rank_view(&self.mesh(), rank, self.parallel.sharded_dp)
     }
 }

@@ -3,6 +3,7 @@
 use std::collections::BTreeSet;
 
 use super::schema::Plan;
+use crate::codegen::validate::{Invalid, ValidationErrors, validate_section};
 
 /// A structural inconsistency in a plan.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -60,6 +61,10 @@ pub enum PlanInvalid {
         "predicted.peak_memory_bytes = {found}, but the largest device (pipeline rank {pp_rank}) needs {expected}"
     )]
     PeakMemory { found: u64, expected: u64, pp_rank: usize },
+    /// The codegen section disagrees with itself or the plan (each problem names the rank and
+    /// the action or weight).
+    #[error("codegen section: {0}")]
+    Codegen(ValidationErrors),
     /// A negative or non-finite time or ratio.
     #[error("{field} = {value} is not a finite non-negative number")]
     BadNumber { field: String, value: f64 },
@@ -189,7 +194,24 @@ pub fn validate(plan: &Plan) -> Result<(), PlanInvalid> {
     if pr.peak_memory_bytes != expected {
         return Err(PlanInvalid::PeakMemory { found: pr.peak_memory_bytes, expected, pp_rank });
     }
+    if let Some(section) = &plan.codegen {
+        validate_codegen(plan, section)?;
+    }
     Ok(())
+}
+
+fn validate_codegen(plan: &Plan, section: &crate::codegen::CodegenSection) -> Result<(), PlanInvalid> {
+    let one = |rank: usize, what: String| PlanInvalid::Codegen(ValidationErrors(vec![Invalid { rank, what }]));
+    if section.stages.len() != plan.stages.len() {
+        return Err(one(0, format!("{} stages in the codegen section, {} in the plan", section.stages.len(), plan.stages.len())));
+    }
+    for (c, s) in section.stages.iter().zip(&plan.stages) {
+        if c.layers != s.layers {
+            let rank = s.ranks.first().copied().unwrap_or(0);
+            return Err(one(rank, format!("stage {}: codegen has layers {:?}, the plan {:?}", s.index, c.layers, s.layers)));
+        }
+    }
+    validate_section(section, &plan.mesh(), plan.parallel.microbatches, plan.parallel.sharded_dp).map_err(PlanInvalid::Codegen)
 }
 
 fn check_number(field: String, value: f64) -> Result<(), PlanInvalid> {

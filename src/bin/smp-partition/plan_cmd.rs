@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
+use smp_partition::codegen;
 use smp_partition::cost::ClusterSpec;
 use smp_partition::plan::build::{self, ModelRef};
 use smp_partition::plan::config::{
@@ -183,7 +184,7 @@ fn make_plan(model: &Path, args: &PlanArgs, constraints: &Constraints) -> Result
         b.finish_and_clear();
     }
     let model_ref = ModelRef { path: model.display().to_string(), sha256: analysed.sha256.clone() };
-    let plan = build::from_decision(
+    let mut plan = build::from_decision(
         &decision,
         lg,
         &cluster,
@@ -193,6 +194,17 @@ fn make_plan(model: &Path, args: &PlanArgs, constraints: &Constraints) -> Result
         &args.dim,
         started.elapsed().as_secs_f64(),
     );
+    let input = plan.codegen_input().context("the planner produced an inconsistent plan (a bug)")?;
+    let section = codegen::encode::build(lg, &input).with_context(|| {
+        format!(
+            "code generation for {} (pp={}, tp={}, dp={}): the planner chose a split codegen cannot emit",
+            model.display(),
+            plan.parallel.pp,
+            plan.parallel.tp,
+            plan.parallel.dp
+        )
+    })?;
+    plan.codegen = Some(section);
     validate(&plan).context("the planner produced an inconsistent plan (a bug)")?;
     Ok(plan)
 }

@@ -1,0 +1,732 @@
+//! The plan's codegen section: layer shards stored once per (layer, tensor rank), what crosses
+//! each stage boundary, tied weights, and one program template per pipeline rank. Programs of
+//! the tensor and data-parallel ranks of a pipeline rank are identical up to rank renaming, so
+//! a template names peers by pipeline rank and groups by kind; [`RankView`] instantiates the
+//! concrete program of one global rank from the template and the plan's mesh.
+//!
+//! Gradient synchronisation (the epilogue after a rank's last compute):
+//! - tied weights used by stages on different pipeline ranks: all-reduce over those ranks
+//!   (same data-parallel and tensor rank), before data-parallel synchronisation;
+//! - ZeRO 0: all-reduce of each stage's gradients over the data-parallel group;
+//! - ZeRO 1: the same all-reduce, the optimizer step on this rank's 1/dp of the state, then an
+//!   all-gather of the updated parameters;
+//! - ZeRO 2: reduce-scatter of the gradients instead of the all-reduce, then as ZeRO 1;
+//! - ZeRO 3: parameters stay sharded: all-gathered before each forward and backward of a stage,
+//!   gradients reduce-scattered, no gather after the step. With `sharded_dp = n` the sharding
+//!   group is n consecutive replicas and the reduced shards are all-reduced across groups.
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use super::lower::{LowerError, LowerOptions, lower};
+use super::program::{Instr, Payload, RankProgram};
+use super::shard::{CodegenError, LayerShard, Sharder};
+use crate::ir::{LayeredGraph, ScheduleError, ScheduleKind, ValueKind, compute_actions};
+use crate::passes::figures::is_trainable;
+
+/// Version of the codegen section's layout (bumped on incompatible changes).
+pub const CODEGEN_VERSION: u32 = 1;
+
+/// What codegen needs of a plan: degrees, schedule and the stages' layer ranges.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CodegenInput {
+    /// Pipeline ranks.
+    pub pp: usize,
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    /// Data-parallel degree.
+    pub dp: usize,
+    /// ZeRO stage (0..=3).
+    pub zero: u8,
+    /// Sharded-data-parallel group size, if used.
+    pub sharded_dp: Option<usize>,
+    /// Microbatches per step.
+    pub microbatches: usize,
+    /// The pipeline schedule.
+    pub schedule: ScheduleKind,
+    /// Stages in order.
+    pub stages: Vec<StageInput>,
+}
+
+/// One stage as codegen sees it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StageInput {
+    /// First and last layer, inclusive.
+    pub layers: [usize; 2],
+    /// Layers recomputed in the backward pass.
+    pub checkpointed_layers: Vec<usize>,
+    /// Bytes per microbatch sent to the next stage.
+    pub output_bytes: u64,
+}
+
+/// The codegen section of a plan file.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CodegenSection {
+    /// Layout version ([`CODEGEN_VERSION`]).
+    pub version: u32,
+    /// Tensor-parallel degree the shards are for.
+    pub tp: usize,
+    /// `shards[layer][tensor rank]`; empty when tp = 1 (every rank runs the whole layer).
+    #[serde(default)]
+    pub shards: Vec<Vec<LayerShard>>,
+    /// Dims of every sliced initializer, so slices can be checked without the model.
+    #[serde(default)]
+    pub weight_dims: BTreeMap<String, Vec<i64>>,
+    /// Per stage: boundary tensors, recompute points, parameter bytes.
+    pub stages: Vec<StageCode>,
+    /// Trained weights read by stages on different pipeline ranks (gradients summed).
+    #[serde(default)]
+    pub tied_weights: Vec<TiedWeight>,
+    /// One program per pipeline rank, shared by its tensor and data-parallel ranks.
+    pub templates: Vec<ProgramTemplate>,
+}
+
+/// What one stage exchanges and keeps.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageCode {
+    /// Stage index.
+    pub stage: usize,
+    /// First and last layer, inclusive.
+    pub layers: [usize; 2],
+    /// Model values this stage sends to the next per microbatch (its activations; values an
+    /// earlier stage produced for a later one pass through), in this order.
+    #[serde(default)]
+    pub outputs_to_next: Vec<String>,
+    /// The floating-point subset of `outputs_to_next`: the gradients the next stage sends back.
+    #[serde(default)]
+    pub gradients_from_next: Vec<String>,
+    /// Graph inputs this stage reads from the data (token ids, labels, pixels).
+    #[serde(default)]
+    pub data_inputs: Vec<String>,
+    /// Layers whose activations are recomputed in the backward pass.
+    #[serde(default)]
+    pub checkpointed_layers: Vec<usize>,
+    /// Trained parameters this stage holds (its own and tied replicas), unsharded names.
+    #[serde(default)]
+    pub params: Vec<String>,
+    /// Bytes of those parameters on one tensor rank (what data-parallel sync moves).
+    pub param_bytes: u64,
+}
+
+/// A weight whose gradient is summed across the stages that read it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TiedWeight {
+    /// Initializer name.
+    pub weight: String,
+    /// Stages reading it.
+    pub stages: Vec<usize>,
+    /// Their pipeline ranks (distinct, ascending): the all-reduce group along the pipeline.
+    pub pp_ranks: Vec<usize>,
+    /// Bytes of the weight on one tensor rank.
+    pub bytes: u64,
+}
+
+/// Which process group a template collective runs over, relative to the executing rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GroupRef {
+    /// The tensor-parallel ranks of this rank's stage and replica.
+    Tensor,
+    /// All data-parallel replicas of this (pipeline, tensor) rank.
+    Data,
+    /// The replicas of this rank's ZeRO-3 sharding group (`sharded_dp` consecutive replicas).
+    ShardGroup,
+    /// The replicas holding the same ZeRO-3 shard in the other sharding groups.
+    ShardPeers,
+    /// The pipeline ranks sharing tied weight `index` (same data-parallel and tensor rank).
+    Tied(usize),
+}
+
+/// One instruction of a program template; peers are pipeline ranks, groups are [`GroupRef`]s.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Step {
+    /// Forward of `stage` on microbatch `mb`.
+    Forward {
+        /// Global stage index.
+        stage: usize,
+        /// Microbatch.
+        mb: usize,
+    },
+    /// Backward of `stage` on `mb` (input-gradient half when a `backward_weight` follows).
+    Backward {
+        /// Global stage index.
+        stage: usize,
+        /// Microbatch.
+        mb: usize,
+    },
+    /// Weight-gradient half of the backward (ZB-H1).
+    BackwardWeight {
+        /// Global stage index.
+        stage: usize,
+        /// Microbatch.
+        mb: usize,
+    },
+    /// Non-blocking send to the same tensor and data-parallel rank of pipeline rank `to`.
+    Send {
+        /// Pipeline rank of the receiver.
+        to: usize,
+        /// Activation (`outputs_to_next` of `stage`) or gradient (of `outputs_to_next` of `stage − 1`).
+        what: Payload,
+        /// The sending stage.
+        stage: usize,
+        /// Microbatch.
+        mb: usize,
+        /// Message size.
+        bytes: u64,
+    },
+    /// Blocking receive from pipeline rank `from`.
+    Recv {
+        /// Pipeline rank of the sender.
+        from: usize,
+        /// What is received.
+        what: Payload,
+        /// The receiving stage.
+        stage: usize,
+        /// Microbatch.
+        mb: usize,
+        /// Message size.
+        bytes: u64,
+    },
+    /// All-reduce (sum).
+    AllReduce {
+        /// Group.
+        group: GroupRef,
+        /// Buffer size per rank.
+        bytes: u64,
+        /// What is reduced (`dp-grads:stage1`, `tied-grad:wte`).
+        tag: String,
+    },
+    /// Reduce-scatter (`bytes`: the full input each rank holds).
+    ReduceScatter {
+        /// Group.
+        group: GroupRef,
+        /// Input size per rank.
+        bytes: u64,
+        /// Tag.
+        tag: String,
+    },
+    /// All-gather (`bytes`: the gathered output).
+    AllGather {
+        /// Group.
+        group: GroupRef,
+        /// Output size per rank.
+        bytes: u64,
+        /// Tag.
+        tag: String,
+    },
+    /// The optimizer step on this rank's parameters (its ZeRO shard when zero ≥ 1).
+    OptimizerStep,
+}
+
+/// The program of every rank of one pipeline rank.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProgramTemplate {
+    /// Pipeline rank.
+    pub pp_rank: usize,
+    /// Stages it runs, in order.
+    pub stages: Vec<usize>,
+    /// Instructions in order.
+    pub steps: Vec<Step>,
+}
+
+/// Global ranks by mesh coordinates, from the plan's stages (mesh axis order applied).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mesh {
+    /// Pipeline ranks.
+    pub pp: usize,
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    /// Data-parallel degree.
+    pub dp: usize,
+    /// `ranks[pp][dp · tp + tp_rank]` = global rank.
+    pub ranks: Vec<Vec<usize>>,
+}
+
+/// Mesh coordinates of a global rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Coord {
+    /// Pipeline rank.
+    pub pp: usize,
+    /// Data-parallel rank.
+    pub dp: usize,
+    /// Tensor rank.
+    pub tp: usize,
+}
+
+impl Mesh {
+    /// Global rank at `c` (None outside the mesh).
+    pub fn rank(&self, c: Coord) -> Option<usize> {
+        (c.tp < self.tp && c.dp < self.dp).then_some(())?;
+        self.ranks.get(c.pp)?.get(c.dp * self.tp + c.tp).copied()
+    }
+
+    /// Coordinates of global rank `rank`.
+    pub fn coord(&self, rank: usize) -> Option<Coord> {
+        self.ranks.iter().enumerate().find_map(|(pp, rs)| {
+            rs.iter().position(|&r| r == rank).map(|i| Coord { pp, dp: i / self.tp.max(1), tp: i % self.tp.max(1) })
+        })
+    }
+
+    /// Every global rank, ascending.
+    pub fn all_ranks(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = self.ranks.iter().flatten().copied().collect();
+        v.sort_unstable();
+        v
+    }
+}
+
+/// Errors of building or reading the codegen section.
+#[derive(Debug, thiserror::Error)]
+pub enum EncodeError {
+    /// A layer could not be sharded (names the layer and node).
+    #[error(transparent)]
+    Shard(#[from] CodegenError),
+    /// The schedule could not be lowered.
+    #[error("lowering the schedule: {0}")]
+    Lower(#[from] LowerError),
+    /// The schedule is invalid.
+    #[error(transparent)]
+    Schedule(#[from] ScheduleError),
+    /// The input or section is inconsistent.
+    #[error("codegen: {0}")]
+    Inconsistent(String),
+    /// A rank outside the plan's mesh.
+    #[error("rank {rank} is not in the plan (world size {world})")]
+    NoRank {
+        /// Asked for.
+        rank: usize,
+        /// Ranks in the plan.
+        world: usize,
+    },
+}
+
+/// Builds the codegen section for `input` on the analysed model `lg`.
+pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, EncodeError> {
+    let g = &lg.graph;
+    let n_layers = lg.layers.len();
+    let bad = |m: String| EncodeError::Inconsistent(m);
+    if input.stages.len() != input.schedule.stages(input.pp) {
+        return Err(bad(format!(
+            "{} stages, but schedule {} on {} pipeline ranks has {}",
+            input.stages.len(),
+            input.schedule,
+            input.pp,
+            input.schedule.stages(input.pp)
+        )));
+    }
+    let mut stage_of_layer = vec![usize::MAX; n_layers];
+    for (s, st) in input.stages.iter().enumerate() {
+        for l in st.layers[0]..=st.layers[1] {
+            let slot = stage_of_layer.get_mut(l).ok_or_else(|| bad(format!("stage {s} names layer {l}; the model has {n_layers}")))?;
+            *slot = s;
+        }
+    }
+    if let Some(l) = stage_of_layer.iter().position(|&s| s == usize::MAX) {
+        return Err(bad(format!("layer {l} is in no stage")));
+    }
+
+    // Shards (tp > 1 only).
+    let shards: Vec<Vec<LayerShard>> = if input.tp > 1 {
+        let sharder = Sharder::new(lg)?;
+        (0..n_layers).map(|l| sharder.shard_layer(l, input.tp)).collect::<Result<_, _>>()?
+    } else {
+        Vec::new()
+    };
+    let mut weight_dims = BTreeMap::new();
+    for w in shards.iter().flatten().flat_map(|s| &s.weight_slices) {
+        if !weight_dims.contains_key(&w.initializer)
+            && let Some(v) = g.value_by_name(&w.initializer)
+        {
+            let val = g.value(v);
+            let dims = val.data.as_ref().map(|t| t.dims.clone()).or_else(|| val.ty.as_ref().and_then(|t| t.shape.as_ref()).and_then(|s| s.known()));
+            if let Some(d) = dims {
+                weight_dims.insert(w.initializer.clone(), d);
+            }
+        }
+    }
+    // Bytes of a trained weight on tensor rank 0 of layer `l`.
+    let weight_bytes = |v: crate::ir::ValueId, l: usize| -> u64 {
+        let val = g.value(v);
+        let (numel, size) = match (&val.data, &val.ty) {
+            (Some(t), _) => (t.numel(), t.dtype.size_bytes()),
+            (None, Some(ty)) => (ty.shape.as_ref().and_then(|s| s.numel()).unwrap_or(0), ty.dtype.size_bytes()),
+            _ => (0, 0),
+        };
+        let full = numel * size;
+        let slice = shards.get(l).and_then(|s| s.first()).and_then(|s| s.weight_slices.iter().find(|w| w.initializer == val.name));
+        match (slice, weight_dims.get(&val.name)) {
+            (Some(w), Some(dims)) if dims.get(w.axis).is_some_and(|&d| d > 0) => full / dims[w.axis] as u64 * w.len(),
+            _ => full,
+        }
+    };
+
+    // Boundary tensors: a value produced in stage a and read in stage b > a crosses every
+    // boundary from a to b.
+    let mut producer_stage = vec![usize::MAX; g.value_count()];
+    for (li, layer) in lg.layers.iter().enumerate() {
+        for &n in &layer.nodes {
+            for &o in &g.node(n).outputs {
+                producer_stage[o.index()] = stage_of_layer[li];
+            }
+        }
+    }
+    let mut last_reader = vec![0usize; g.value_count()];
+    let mut data_inputs: Vec<BTreeSet<String>> = vec![BTreeSet::new(); input.stages.len()];
+    for (li, layer) in lg.layers.iter().enumerate() {
+        let s = stage_of_layer[li];
+        for &n in &layer.nodes {
+            for v in g.node(n).inputs.iter().flatten() {
+                let val = g.value(*v);
+                if val.kind == ValueKind::Input {
+                    data_inputs[s].insert(val.name.clone());
+                } else if producer_stage[v.index()] != usize::MAX {
+                    last_reader[v.index()] = last_reader[v.index()].max(s);
+                }
+            }
+        }
+    }
+    let mut outputs_to_next: Vec<Vec<String>> = vec![Vec::new(); input.stages.len()];
+    let mut gradients_from_next: Vec<Vec<String>> = vec![Vec::new(); input.stages.len()];
+    for v in g.value_ids() {
+        let (a, b) = (producer_stage[v.index()], last_reader[v.index()]);
+        if a == usize::MAX || b <= a {
+            continue;
+        }
+        let val = g.value(v);
+        let float = val.ty.as_ref().is_some_and(|t| t.dtype.is_float());
+        for s in a..b {
+            outputs_to_next[s].push(val.name.clone());
+            if float {
+                gradients_from_next[s].push(val.name.clone());
+            }
+        }
+    }
+
+    // Parameters per stage, and tied weights.
+    let mut stage_params: Vec<BTreeMap<String, u64>> = vec![BTreeMap::new(); input.stages.len()];
+    let mut readers: BTreeMap<String, (BTreeSet<usize>, u64)> = BTreeMap::new();
+    for (li, layer) in lg.layers.iter().enumerate() {
+        let s = stage_of_layer[li];
+        for &v in layer.params.iter().chain(&layer.shared_params) {
+            if !is_trainable(g, v) {
+                continue;
+            }
+            let bytes = weight_bytes(v, li);
+            let name = g.value(v).name.clone();
+            stage_params[s].entry(name.clone()).or_insert(bytes);
+            let e = readers.entry(name).or_insert((BTreeSet::new(), bytes));
+            e.0.insert(s);
+        }
+    }
+    let mut tied_weights = Vec::new();
+    for (weight, (stages, bytes)) in readers {
+        let pp_ranks: BTreeSet<usize> = stages.iter().map(|&s| input.schedule.rank_of_stage(s, input.pp)).collect();
+        if pp_ranks.len() < 2 {
+            continue;
+        }
+        let per_stage: BTreeSet<u64> = stages.iter().map(|&s| stage_params[s][&weight]).collect();
+        if per_stage.len() > 1 {
+            return Err(bad(format!("tied weight `{weight}` is sliced differently by stages {stages:?}; its gradients cannot be summed")));
+        }
+        tied_weights.push(TiedWeight { weight, stages: stages.into_iter().collect(), pp_ranks: pp_ranks.into_iter().collect(), bytes });
+    }
+
+    let stages: Vec<StageCode> = input
+        .stages
+        .iter()
+        .enumerate()
+        .map(|(s, st)| StageCode {
+            stage: s,
+            layers: st.layers,
+            outputs_to_next: std::mem::take(&mut outputs_to_next[s]),
+            gradients_from_next: std::mem::take(&mut gradients_from_next[s]),
+            data_inputs: std::mem::take(&mut data_inputs[s]).into_iter().collect(),
+            checkpointed_layers: st.checkpointed_layers.clone(),
+            params: stage_params[s].keys().cloned().collect(),
+            param_bytes: stage_params[s].values().sum(),
+        })
+        .collect();
+
+    let templates = templates(input, &stages, &tied_weights)?;
+    Ok(CodegenSection { version: CODEGEN_VERSION, tp: input.tp, shards, weight_dims, stages, tied_weights, templates })
+}
+
+/// The program templates: the schedule lowered with pipeline ranks as peers, plus the
+/// gradient-synchronisation epilogue and ZeRO gathers.
+fn templates(input: &CodegenInput, stages: &[StageCode], tied: &[TiedWeight]) -> Result<Vec<ProgramTemplate>, EncodeError> {
+    let p = input.pp;
+    let actions = compute_actions(input.schedule, p, input.microbatches)?;
+    let opts = LowerOptions {
+        ranks: Vec::new(),
+        boundary_bytes: input.stages.iter().map(|s| s.output_bytes).collect(),
+        epilogue: Vec::new(),
+    };
+    let lowered = lower(input.schedule, &actions, &opts)?;
+    let (dp, zero) = (input.dp, input.zero);
+    let shard_n = input.sharded_dp.filter(|&n| n > 1 && n < dp);
+    let gather_group = if shard_n.is_some() { GroupRef::ShardGroup } else { GroupRef::Data };
+    let zero3 = dp > 1 && (zero >= 3 || shard_n.is_some());
+    let mut out = Vec::with_capacity(p);
+    for (r, prog) in lowered.into_iter().enumerate() {
+        let my_stages: Vec<usize> = (0..stages.len()).filter(|&s| input.schedule.rank_of_stage(s, p) == r).collect();
+        let mut steps = Vec::with_capacity(prog.instrs.len() + 4 * my_stages.len());
+        let gather = |s: usize| Step::AllGather { group: gather_group, bytes: stages[s].param_bytes, tag: format!("zero3-params:stage{s}") };
+        for i in prog.instrs {
+            let step = match i {
+                Instr::Forward { stage, mb } => {
+                    if zero3 {
+                        steps.push(gather(stage));
+                    }
+                    Step::Forward { stage, mb }
+                }
+                Instr::Backward { stage, mb } => {
+                    if zero3 {
+                        steps.push(gather(stage));
+                    }
+                    Step::Backward { stage, mb }
+                }
+                Instr::BackwardWeight { stage, mb } => Step::BackwardWeight { stage, mb },
+                Instr::Send { peer, what, stage, mb, bytes } => Step::Send { to: peer, what, stage, mb, bytes },
+                Instr::Recv { peer, what, stage, mb, bytes } => Step::Recv { from: peer, what, stage, mb, bytes },
+                Instr::OptimizerStep => {
+                    epilogue(&mut steps, r, &my_stages, stages, tied, dp, zero, shard_n);
+                    continue;
+                }
+                other => return Err(EncodeError::Inconsistent(format!("lowering produced {other} before the epilogue"))),
+            };
+            steps.push(step);
+        }
+        out.push(ProgramTemplate { pp_rank: r, stages: my_stages, steps });
+    }
+    Ok(out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn epilogue(
+    steps: &mut Vec<Step>,
+    r: usize,
+    my_stages: &[usize],
+    stages: &[StageCode],
+    tied: &[TiedWeight],
+    dp: usize,
+    zero: u8,
+    shard_n: Option<usize>,
+) {
+    for (i, t) in tied.iter().enumerate() {
+        if t.pp_ranks.contains(&r) {
+            steps.push(Step::AllReduce { group: GroupRef::Tied(i), bytes: t.bytes, tag: format!("tied-grad:{}", t.weight) });
+        }
+    }
+    let zero3 = dp > 1 && (zero >= 3 || shard_n.is_some());
+    for &s in my_stages {
+        let bytes = stages[s].param_bytes;
+        if dp <= 1 || bytes == 0 {
+            continue;
+        }
+        let tag = format!("dp-grads:stage{s}");
+        if let Some(n) = shard_n {
+            steps.push(Step::ReduceScatter { group: GroupRef::ShardGroup, bytes, tag: tag.clone() });
+            steps.push(Step::AllReduce { group: GroupRef::ShardPeers, bytes: bytes.div_ceil(n as u64), tag });
+        } else if zero >= 2 {
+            steps.push(Step::ReduceScatter { group: GroupRef::Data, bytes, tag });
+        } else {
+            steps.push(Step::AllReduce { group: GroupRef::Data, bytes, tag });
+        }
+    }
+    steps.push(Step::OptimizerStep);
+    if dp > 1 && (zero == 1 || zero == 2) && !zero3 {
+        for &s in my_stages {
+            let bytes = stages[s].param_bytes;
+            if bytes > 0 {
+                steps.push(Step::AllGather { group: GroupRef::Data, bytes, tag: format!("zero-params:stage{s}") });
+            }
+        }
+    }
+}
+
+impl CodegenSection {
+    /// The shard of `layer` on tensor rank `tp_rank` (the whole layer when tp = 1).
+    pub fn shard(&self, layer: usize, tp_rank: usize) -> Option<Cow<'_, LayerShard>> {
+        if self.tp <= 1 {
+            return Some(Cow::Owned(LayerShard::whole(layer)));
+        }
+        self.shards.get(layer)?.get(tp_rank).map(Cow::Borrowed)
+    }
+
+    /// The process group `g` of the rank at `c`, as global ranks.
+    pub fn group(&self, mesh: &Mesh, c: Coord, g: GroupRef, sharded_dp: Option<usize>) -> Option<Vec<usize>> {
+        let n = sharded_dp.filter(|&n| n > 1 && n < mesh.dp).unwrap_or(mesh.dp).max(1);
+        let at = |pp: usize, dp: usize, tp: usize| mesh.rank(Coord { pp, dp, tp });
+        match g {
+            GroupRef::Tensor => (0..mesh.tp).map(|t| at(c.pp, c.dp, t)).collect(),
+            GroupRef::Data => (0..mesh.dp).map(|d| at(c.pp, d, c.tp)).collect(),
+            GroupRef::ShardGroup => {
+                let first = c.dp / n * n;
+                (first..(first + n).min(mesh.dp)).map(|d| at(c.pp, d, c.tp)).collect()
+            }
+            GroupRef::ShardPeers => (c.dp % n..mesh.dp).step_by(n).map(|d| at(c.pp, d, c.tp)).collect(),
+            GroupRef::Tied(i) => self.tied_weights.get(i)?.pp_ranks.iter().map(|&p| at(p, c.dp, c.tp)).collect(),
+        }
+    }
+
+    /// The concrete program of the rank at `c`.
+    pub fn program(&self, mesh: &Mesh, c: Coord, sharded_dp: Option<usize>) -> Result<RankProgram, EncodeError> {
+        let rank = mesh.rank(c).ok_or(EncodeError::NoRank { rank: usize::MAX, world: mesh.all_ranks().len() })?;
+        let t = self
+            .templates
+            .iter()
+            .find(|t| t.pp_rank == c.pp)
+            .ok_or_else(|| EncodeError::Inconsistent(format!("no program template for pipeline rank {}", c.pp)))?;
+        let peer = |pp: usize| {
+            mesh.rank(Coord { pp, ..c })
+                .ok_or_else(|| EncodeError::Inconsistent(format!("rank {rank}: pipeline rank {pp} is outside the mesh (pp = {})", mesh.pp)))
+        };
+        let group = |g: GroupRef| {
+            self.group(mesh, c, g, sharded_dp)
+                .ok_or_else(|| EncodeError::Inconsistent(format!("rank {rank}: group {g:?} does not resolve in the mesh")))
+        };
+        let mut instrs = Vec::with_capacity(t.steps.len());
+        for s in &t.steps {
+            instrs.push(match s.clone() {
+                Step::Forward { stage, mb } => Instr::Forward { stage, mb },
+                Step::Backward { stage, mb } => Instr::Backward { stage, mb },
+                Step::BackwardWeight { stage, mb } => Instr::BackwardWeight { stage, mb },
+                Step::Send { to, what, stage, mb, bytes } => Instr::Send { peer: peer(to)?, what, stage, mb, bytes },
+                Step::Recv { from, what, stage, mb, bytes } => Instr::Recv { peer: peer(from)?, what, stage, mb, bytes },
+                Step::AllReduce { group: g, bytes, tag } => Instr::AllReduce { group: group(g)?, bytes, tag },
+                Step::ReduceScatter { group: g, bytes, tag } => Instr::ReduceScatter { group: group(g)?, bytes, tag },
+                Step::AllGather { group: g, bytes, tag } => Instr::AllGather { group: group(g)?, bytes, tag },
+                Step::OptimizerStep => Instr::OptimizerStep,
+            });
+        }
+        Ok(RankProgram { rank, instrs })
+    }
+
+    /// What global rank `rank` runs: its coordinates, stages with their shards, and program.
+    pub fn rank_view<'a>(&'a self, mesh: &Mesh, rank: usize, sharded_dp: Option<usize>) -> Result<RankView<'a>, EncodeError> {
+        let coord = mesh.coord(rank).ok_or(EncodeError::NoRank { rank, world: mesh.all_ranks().len() })?;
+        let program = self.program(mesh, coord, sharded_dp)?;
+        let stage_ids = self.templates.iter().find(|t| t.pp_rank == coord.pp).map(|t| t.stages.clone()).unwrap_or_default();
+        let mut stages = Vec::with_capacity(stage_ids.len());
+        for s in stage_ids {
+            let code = self.stages.get(s).ok_or_else(|| EncodeError::Inconsistent(format!("template of pipeline rank {} names stage {s}", coord.pp)))?;
+            let shards = (code.layers[0]..=code.layers[1])
+                .map(|l| {
+                    self.shard(l, coord.tp)
+                        .ok_or_else(|| EncodeError::Inconsistent(format!("no shard for layer {l}, tensor rank {}", coord.tp)))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let inputs_from_previous = s.checked_sub(1).and_then(|p| self.stages.get(p)).map_or(&[][..], |p| &p.outputs_to_next[..]);
+            stages.push(StageView { code, inputs_from_previous, shards });
+        }
+        let tied = self
+            .tied_weights
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.pp_ranks.contains(&coord.pp))
+            .filter_map(|(i, t)| Some((t.weight.as_str(), self.group(mesh, coord, GroupRef::Tied(i), sharded_dp)?)))
+            .collect();
+        Ok(RankView {
+            rank,
+            coord,
+            tensor_group: self.group(mesh, coord, GroupRef::Tensor, sharded_dp).unwrap_or_default(),
+            data_group: self.group(mesh, coord, GroupRef::Data, sharded_dp).unwrap_or_default(),
+            stages,
+            tied,
+            program,
+        })
+    }
+
+    /// The programs of every rank of the mesh.
+    pub fn all_programs(&self, mesh: &Mesh, sharded_dp: Option<usize>) -> Result<Vec<RankProgram>, EncodeError> {
+        let mut out = Vec::new();
+        for pp in 0..mesh.pp {
+            for dp in 0..mesh.dp {
+                for tp in 0..mesh.tp {
+                    out.push(self.program(mesh, Coord { pp, dp, tp }, sharded_dp)?);
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Everything one global rank executes, for the runner.
+#[derive(Clone, Debug)]
+pub struct RankView<'a> {
+    /// Global rank.
+    pub rank: usize,
+    /// Its mesh coordinates.
+    pub coord: Coord,
+    /// Its tensor-parallel group (global ranks, tensor-rank order): the group of the shards'
+    /// inserted collectives.
+    pub tensor_group: Vec<usize>,
+    /// Its data-parallel group (global ranks, replica order).
+    pub data_group: Vec<usize>,
+    /// The stages it runs, in order.
+    pub stages: Vec<StageView<'a>>,
+    /// Tied weights it holds, with the group its gradient is all-reduced over.
+    pub tied: Vec<(&'a str, Vec<usize>)>,
+    /// The program.
+    pub program: RankProgram,
+}
+
+/// One stage as a rank runs it.
+#[derive(Clone, Debug)]
+pub struct StageView<'a> {
+    /// The stage's boundary, recompute points and parameters.
+    pub code: &'a StageCode,
+    /// Tensors received from the previous stage per microbatch (in this order).
+    pub inputs_from_previous: &'a [String],
+    /// The rank's shard of each of the stage's layers, first layer first.
+    pub shards: Vec<Cow<'a, LayerShard>>,
+}
+
+impl StageView<'_> {
+    /// Stage index.
+    pub fn stage(&self) -> usize {
+        self.code.stage
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Ranks numbered as the DPT placement does: d·(pp·tp) + p·tp + t.
+    fn mesh(pp: usize, tp: usize, dp: usize) -> Mesh {
+        Mesh { pp, tp, dp, ranks: (0..pp).map(|p| (0..dp).flat_map(|d| (0..tp).map(move |t| d * pp * tp + p * tp + t)).collect()).collect() }
+    }
+
+    #[test]
+    fn groups_resolve_by_mesh_coordinates() {
+        let m = mesh(2, 2, 4);
+        let section = CodegenSection {
+            version: CODEGEN_VERSION,
+            tp: 2,
+            shards: Vec::new(),
+            weight_dims: BTreeMap::new(),
+            stages: Vec::new(),
+            tied_weights: vec![TiedWeight { weight: "wte".into(), stages: vec![0, 1], pp_ranks: vec![0, 1], bytes: 4 }],
+            templates: Vec::new(),
+        };
+        let c = Coord { pp: 1, dp: 3, tp: 1 };
+        let rank = |pp: usize, dp: usize, tp: usize| dp * 4 + pp * 2 + tp;
+        assert_eq!(m.rank(c), Some(rank(1, 3, 1)));
+        assert_eq!(m.coord(rank(1, 3, 1)), Some(c));
+        let g = |r| section.group(&m, c, r, Some(2)).unwrap();
+        assert_eq!(g(GroupRef::Tensor), vec![rank(1, 3, 0), rank(1, 3, 1)]);
+        assert_eq!(g(GroupRef::Data), (0..4).map(|d| rank(1, d, 1)).collect::<Vec<_>>());
+        assert_eq!(g(GroupRef::ShardGroup), vec![rank(1, 2, 1), rank(1, 3, 1)]);
+        assert_eq!(g(GroupRef::ShardPeers), vec![rank(1, 1, 1), rank(1, 3, 1)]);
+        assert_eq!(g(GroupRef::Tied(0)), vec![rank(0, 3, 1), rank(1, 3, 1)]);
+        assert!(section.group(&m, c, GroupRef::Tied(1), None).is_none());
+    }
+}
