@@ -58,6 +58,10 @@ fn describe(d: &PlanDecision) -> String {
 }
 
 fn main() {
+    // `RUST_LOG=smp_partition::solve=debug` shows the search's phases and every ILP.
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
+    }
     println!("| case | plan | step s | MFU | status | gap | solved/skipped | wall s | goal |");
     println!("|---|---|---|---|---|---|---|---|---|");
     // Default time limit (60 s): the wall time is how long the proof took.
