@@ -1,31 +1,18 @@
-//! Shard descriptions for GPT-3 175B at t = 8: time to produce them for every layer, and the
-//! serialized size of their plan encoding for 1024 ranks (t = 8, p = 16, d = 8; data-parallel
-//! replicas reference their (layer, tensor rank) shards instead of copying them).
-//! Goals: < 1 s, < 20 MB. Run: `cargo bench --bench codegen [-- MODEL.onnx]`.
+//! The plan's codegen section for GPT-3 175B on 1,024 ranks: time to build it (shards of every
+//! layer, boundary tensors, program templates), to validate it (all 1,024 concrete programs),
+//! to serialise it, and its size. Configurations: the planner's optimum (BENCHMARKS.md: pp 8 ·
+//! tp 4 · dp 32, ZeRO 1, 48 microbatches, zb-h1) and a deeper one (pp 16 · tp 8 · dp 8,
+//! interleaved:2, 192 microbatches). Goals: plan written < 1 s, < 20 MB.
+//! Run: `cargo bench --bench codegen [-- MODEL.onnx]`.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
-use serde::Serialize;
-use smp_partition::codegen::{LayerShard, Sharder};
+use smp_partition::codegen::encode::{CodegenInput, Mesh, StageInput, build};
+use smp_partition::codegen::validate::validate_section;
 use smp_partition::frontend::onnx::load_model;
+use smp_partition::ir::ScheduleKind;
 use smp_partition::passes::{AnalyzeOptions, analyze};
-
-#[derive(Serialize)]
-struct RankRef {
-    rank: usize,
-    stage: usize,
-    tp_rank: usize,
-    dp_rank: usize,
-}
-
-#[derive(Serialize)]
-struct Encoded<'a> {
-    /// Index: layer, then tensor rank; stored once.
-    shards: &'a [Vec<LayerShard>],
-    /// Each global rank names its stage and tensor rank.
-    ranks: Vec<RankRef>,
-}
 
 fn main() -> anyhow::Result<()> {
     let path = std::env::args()
@@ -33,34 +20,50 @@ fn main() -> anyhow::Result<()> {
         .find(|a| a.ends_with(".onnx"))
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/gpt3-175b.onnx"));
-    let (tp, pp, dp) = (8usize, 16usize, 8usize);
     let t0 = Instant::now();
     let model = load_model(&path)?;
     let lg = analyze(model.graph, &AnalyzeOptions::default())?;
-    let prep = t0.elapsed().as_secs_f64();
-
-    let t1 = Instant::now();
-    let sharder = Sharder::new(&lg)?;
-    let shards: Vec<Vec<LayerShard>> = (0..lg.layers.len()).map(|l| sharder.shard_layer(l, tp)).collect::<Result<_, _>>()?;
-    let shard_s = t1.elapsed().as_secs_f64();
-
-    let t2 = Instant::now();
-    let layers_per_stage = lg.layers.len().div_ceil(pp);
-    let _ = layers_per_stage;
-    let ranks = (0..tp * pp * dp)
-        .map(|rank| RankRef { rank, stage: rank / (tp * dp), dp_rank: (rank / tp) % dp, tp_rank: rank % tp })
-        .collect();
-    let json = serde_json::to_vec(&Encoded { shards: &shards, ranks })?;
-    let ser_s = t2.elapsed().as_secs_f64();
-
-    let slices: usize = shards.iter().flatten().map(|s| s.weight_slices.len()).sum();
-    let collectives: usize = shards.iter().flatten().map(|s| s.collectives.len()).sum();
-    println!("model: {} ({} layers, {} nodes; load + analyze {prep:.2} s)", path.display(), lg.layers.len(), lg.graph.node_count());
-    println!("shard descriptions, t={tp}: {shard_s:.3} s for {} layers × {tp} ranks ({slices} weight slices, {collectives} collectives)", lg.layers.len());
-    println!(
-        "encoded for {} ranks (t={tp}, p={pp}, d={dp}): {:.2} MB in {ser_s:.3} s  (goals: < 1 s, < 20 MB)",
-        tp * pp * dp,
-        json.len() as f64 / 1e6
-    );
+    println!("model: {} ({} layers, {} nodes; load + analyze {:.2} s)", path.display(), lg.layers.len(), lg.graph.node_count(), t0.elapsed().as_secs_f64());
+    let configs = [
+        ("pp 8 · tp 4 · dp 32, ZeRO 1, zb-h1, m 48", 8, 4, 32, 1, ScheduleKind::ZbH1, 48),
+        ("pp 16 · tp 8 · dp 8, ZeRO 0, interleaved:2, m 192", 16, 8, 8, 0, ScheduleKind::Interleaved { virtual_stages: 2 }, 192),
+    ];
+    for (name, pp, tp, dp, zero, schedule, m) in configs {
+        let n_stages = schedule.stages(pp);
+        let layers = lg.layers.len();
+        let stages = (0..n_stages)
+            .map(|s| StageInput {
+                layers: [s * layers / n_stages, (s + 1) * layers / n_stages - 1],
+                checkpointed_layers: Vec::new(),
+                output_bytes: 2048 * 12288 * 2,
+            })
+            .collect();
+        let input = CodegenInput { pp, tp, dp, zero, sharded_dp: None, microbatches: m, schedule, stages };
+        // Ranks as the DPT placement numbers them: d·(pp·tp) + p·tp + t.
+        let mesh = Mesh {
+            pp,
+            tp,
+            dp,
+            ranks: (0..pp).map(|p| (0..dp).flat_map(|d| (0..tp).map(move |t| d * pp * tp + p * tp + t)).collect()).collect(),
+        };
+        let t1 = Instant::now();
+        let section = build(&lg, &input)?;
+        let build_s = t1.elapsed().as_secs_f64();
+        let t2 = Instant::now();
+        validate_section(&section, &mesh, m, None)?;
+        let validate_s = t2.elapsed().as_secs_f64();
+        let t3 = Instant::now();
+        let json = serde_json::to_vec_pretty(&section)?;
+        let ser_s = t3.elapsed().as_secs_f64();
+        let steps: usize = section.templates.iter().map(|t| t.steps.len()).sum();
+        println!(
+            "{name}: {} ranks; build {build_s:.3} s, validate {validate_s:.3} s, serialise {ser_s:.3} s, total {:.3} s; {:.2} MB ({} templates, {steps} steps, {} shards)  (goals: < 1 s, < 20 MB)",
+            pp * tp * dp,
+            build_s + validate_s + ser_s,
+            json.len() as f64 / 1e6,
+            section.templates.len(),
+            section.shards.iter().map(Vec::len).sum::<usize>()
+        );
+    }
     Ok(())
 }

@@ -155,3 +155,35 @@ fn plans_without_a_codegen_section_still_load() {
     assert!(plan.codegen.is_none());
     assert!(plan.rank_view(0).unwrap_err().to_string().contains("no codegen section"));
 }
+
+/// Every models/ export plans with a valid codegen section on the contract's clusters, and
+/// every rank of every plan gets a program that starts its stages' work and ends in the step.
+#[test]
+fn every_export_plans_with_codegen_on_small_clusters() {
+    for model in ["gpt2", "bert", "llama", "vit"] {
+        for cluster in ["cpu:2", "cpu:4", "h100-80gb:8"] {
+            let path = format!("models/{model}.onnx");
+            let mut args = vec![path.as_str(), "--cluster", cluster, "--json"];
+            if model != "vit" {
+                args.extend(["--seq-len", "64"]);
+            }
+            let o = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
+                .args(&args)
+                .env("SMP_CPU_CALIBRATION", "/nonexistent/cpu.toml")
+                .current_dir(env!("CARGO_MANIFEST_DIR"))
+                .output()
+                .unwrap();
+            assert_eq!(o.status.code(), Some(0), "{model} on {cluster}: {}", String::from_utf8_lossy(&o.stderr));
+            let plan = load(&String::from_utf8(o.stdout).unwrap()).unwrap_or_else(|e| panic!("{model} on {cluster}: {e}"));
+            assert!(plan.codegen.is_some(), "{model} on {cluster}");
+            for s in &plan.stages {
+                for &rank in &s.ranks {
+                    let view = plan.rank_view(rank).unwrap_or_else(|e| panic!("{model} on {cluster}, rank {rank}: {e}"));
+                    let forwards = view.program.instrs.iter().filter(|i| matches!(i, Instr::Forward { .. })).count();
+                    assert_eq!(forwards, view.stages.len() * plan.parallel.microbatches, "{model} on {cluster}, rank {rank}");
+                    assert_eq!(view.program.instrs.iter().filter(|i| **i == Instr::OptimizerStep).count(), 1);
+                }
+            }
+        }
+    }
+}

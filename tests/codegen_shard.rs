@@ -219,3 +219,30 @@ fn shards_serialise_small() {
     assert!(json.len() < 4096, "{} bytes", json.len());
     let _ = DType::F32;
 }
+
+/// Megatron's *f* (identity forward, all-reduce backward) sits before each column-parallel
+/// block: one replicated value per attention and one per MLP, read only by matmuls.
+#[test]
+fn partial_gradients_mark_megatron_f() {
+    for name in ["gpt2", "bert", "llama", "vit"] {
+        let lg = model(name);
+        let sharder = Sharder::new(&lg).unwrap();
+        for t in [2, 4] {
+            for (li, l) in lg.layers.iter().enumerate() {
+                if l.kind != LayerKind::Block {
+                    continue;
+                }
+                let s = &sharder.shard_layer(li, t).unwrap()[0];
+                let values: std::collections::BTreeSet<&str> = s.partial_gradients.iter().map(|p| p.value.as_str()).collect();
+                // Llama's 2 KV heads keep attention whole at t = 4: only the MLP splits.
+                let want = if name == "llama" && t == 4 { 1 } else { 2 };
+                assert_eq!(values.len(), want, "{name} t={t} {}: {:?}", l.name, s.partial_gradients);
+                for p in &s.partial_gradients {
+                    let node = l.nodes.iter().map(|&n| lg.graph.node(n)).find(|n| n.name == p.node).unwrap();
+                    assert!(matches!(node.op.to_string().as_str(), "MatMul" | "Gemm"), "{name}: {} is {}", p.node, node.op);
+                    assert_eq!(node.inputs[p.input].map(|v| lg.graph.value(v).name.as_str()), Some(p.value.as_str()));
+                }
+            }
+        }
+    }
+}

@@ -695,3 +695,38 @@ impl StageView<'_> {
         self.code.stage
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Ranks numbered as the DPT placement does: d·(pp·tp) + p·tp + t.
+    fn mesh(pp: usize, tp: usize, dp: usize) -> Mesh {
+        Mesh { pp, tp, dp, ranks: (0..pp).map(|p| (0..dp).flat_map(|d| (0..tp).map(move |t| d * pp * tp + p * tp + t)).collect()).collect() }
+    }
+
+    #[test]
+    fn groups_resolve_by_mesh_coordinates() {
+        let m = mesh(2, 2, 4);
+        let section = CodegenSection {
+            version: CODEGEN_VERSION,
+            tp: 2,
+            shards: Vec::new(),
+            weight_dims: BTreeMap::new(),
+            stages: Vec::new(),
+            tied_weights: vec![TiedWeight { weight: "wte".into(), stages: vec![0, 1], pp_ranks: vec![0, 1], bytes: 4 }],
+            templates: Vec::new(),
+        };
+        let c = Coord { pp: 1, dp: 3, tp: 1 };
+        let rank = |pp: usize, dp: usize, tp: usize| dp * 4 + pp * 2 + tp;
+        assert_eq!(m.rank(c), Some(rank(1, 3, 1)));
+        assert_eq!(m.coord(rank(1, 3, 1)), Some(c));
+        let g = |r| section.group(&m, c, r, Some(2)).unwrap();
+        assert_eq!(g(GroupRef::Tensor), vec![rank(1, 3, 0), rank(1, 3, 1)]);
+        assert_eq!(g(GroupRef::Data), (0..4).map(|d| rank(1, d, 1)).collect::<Vec<_>>());
+        assert_eq!(g(GroupRef::ShardGroup), vec![rank(1, 2, 1), rank(1, 3, 1)]);
+        assert_eq!(g(GroupRef::ShardPeers), vec![rank(1, 1, 1), rank(1, 3, 1)]);
+        assert_eq!(g(GroupRef::Tied(0)), vec![rank(0, 3, 1), rank(1, 3, 1)]);
+        assert!(section.group(&m, c, GroupRef::Tied(1), None).is_none());
+    }
+}

@@ -95,6 +95,19 @@ pub enum NodeRewrite {
     },
 }
 
+/// A gradient the backward pass must all-reduce over the tensor group (Megatron's *f*): `node`
+/// reads the replicated `value` at input slot `input` but produces a split or partial-sum
+/// output, so the gradient it sends back to `value` is only this rank's part.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PartialGradient {
+    /// The reading node.
+    pub node: String,
+    /// Its input slot.
+    pub input: usize,
+    /// The replicated value read there.
+    pub value: String,
+}
+
 /// What one tensor rank runs of one layer: the plan-file description of its shard.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct LayerShard {
@@ -113,12 +126,24 @@ pub struct LayerShard {
     pub rewrites: Vec<NodeRewrite>,
     /// Collectives inserted.
     pub collectives: Vec<CollectiveInsert>,
+    /// Gradients to all-reduce over the tensor group in the backward pass (forward unchanged).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub partial_gradients: Vec<PartialGradient>,
 }
 
 impl LayerShard {
     /// The unsharded layer (tp = 1): nothing sliced, rewritten or inserted.
     pub fn whole(layer: usize) -> LayerShard {
-        LayerShard { layer, tp: 1, rank: 0, weight_slices: Vec::new(), constant_rewrites: Vec::new(), rewrites: Vec::new(), collectives: Vec::new() }
+        LayerShard {
+            layer,
+            tp: 1,
+            rank: 0,
+            weight_slices: Vec::new(),
+            constant_rewrites: Vec::new(),
+            rewrites: Vec::new(),
+            collectives: Vec::new(),
+            partial_gradients: Vec::new(),
+        }
     }
 }
 
@@ -191,6 +216,9 @@ pub struct Sharder<'a> {
     info: ShapeInfo,
     uses: Vec<Vec<NodeId>>,
     vocab: Option<i64>,
+    /// Values that get a gradient: trained weights, float graph inputs, and float values
+    /// computed from them.
+    grad: Vec<bool>,
 }
 
 impl<'a> Sharder<'a> {
@@ -206,7 +234,24 @@ impl<'a> Sharder<'a> {
             .and_then(|t| t.shape.as_ref())
             .and_then(|s| s.last().copied())
             .filter(|&v| v > 1);
-        Ok(Sharder { lg, info, uses, vocab })
+        let g = &lg.graph;
+        let mut grad: Vec<bool> = g
+            .value_ids()
+            .map(|v| {
+                let val = g.value(v);
+                let float = info.types[v.index()].as_ref().is_some_and(|t| t.dtype.is_float());
+                (val.kind == ValueKind::Input && float) || crate::passes::figures::is_trainable(g, v)
+            })
+            .collect();
+        for n in g.topo_order()? {
+            let node = g.node(n);
+            if node.inputs.iter().flatten().any(|v| grad[v.index()]) {
+                for &o in &node.outputs {
+                    grad[o.index()] = info.types[o.index()].as_ref().is_some_and(|t| t.dtype.is_float());
+                }
+            }
+        }
+        Ok(Sharder { lg, info, uses, vocab, grad })
     }
 
     /// The `tp` shards of layer `layer`, rank 0 first.
@@ -249,6 +294,7 @@ struct LayerPlan {
     rewrites: Vec<NodeRewrite>,
     gathers: Vec<(String, ValueId)>,
     collectives: Vec<CollectiveInsert>,
+    partial_gradients: Vec<PartialGradient>,
 }
 
 impl LayerPlan {
@@ -279,6 +325,7 @@ impl LayerPlan {
             constant_rewrites: self.constant_rewrites.clone(),
             rewrites,
             collectives: self.collectives.clone(),
+            partial_gradients: self.partial_gradients.clone(),
         }
     }
 }
@@ -315,6 +362,7 @@ struct Prop<'s, 'a> {
     rewrites: Vec<NodeRewrite>,
     gathers: Vec<(String, ValueId)>,
     collectives: Vec<CollectiveInsert>,
+    partial_gradients: Vec<PartialGradient>,
     current: Option<NodeId>,
 }
 
@@ -356,6 +404,7 @@ impl<'s, 'a> Prop<'s, 'a> {
             rewrites: Vec::new(),
             gathers: Vec::new(),
             collectives: Vec::new(),
+            partial_gradients: Vec::new(),
             current: None,
         }
     }
@@ -367,6 +416,7 @@ impl<'s, 'a> Prop<'s, 'a> {
             rewrites: self.rewrites,
             gathers: self.gathers,
             collectives: self.collectives,
+            partial_gradients: self.partial_gradients,
         }
     }
 
@@ -413,8 +463,34 @@ impl<'s, 'a> Prop<'s, 'a> {
         }
         for &n in self.nodes {
             self.current = Some(n);
+            // Replicated inputs that get a gradient, and the collectives so far: a node that
+            // turns them into a split or partial output sends back a partial gradient.
+            let rep_inputs: Vec<(usize, ValueId)> = self
+                .g
+                .node(n)
+                .inputs
+                .iter()
+                .enumerate()
+                .filter_map(|(slot, v)| v.map(|v| (slot, v)))
+                .filter(|&(_, v)| self.s.grad[v.index()] && self.state(v) == Sh::Rep && !self.weight_src.contains_key(&v))
+                .collect();
+            let collectives_before = self.collectives.len();
             match self.node(n) {
-                Ok(()) => {}
+                Ok(()) => {
+                    let node = self.g.node(n);
+                    let reduced = |o: ValueId| {
+                        let name = &self.g.value(o).name;
+                        self.collectives[collectives_before..].iter().any(|c| &c.after_value == name && c.kind == CollectiveKind::AllReduce)
+                    };
+                    let split_out = node.outputs.iter().any(|&o| matches!(self.state(o), Sh::Split { .. } | Sh::Partial) || reduced(o));
+                    if split_out {
+                        for (slot, v) in rep_inputs {
+                            if self.state(v) == Sh::Rep && !self.g.value(v).kind.eq(&ValueKind::Initializer) {
+                                self.partial_gradients.push(PartialGradient { node: node.name.clone(), input: slot, value: self.g.value(v).name.clone() });
+                            }
+                        }
+                    }
+                }
                 Err(Fail::Error(e)) => {
                 let origin = self.g.node(n).inputs.iter().flatten().find_map(|v| match self.state(*v) {
                     Sh::Split { origin: Some(w), .. } if !self.replicate.contains(&w) => Some(w),

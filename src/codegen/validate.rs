@@ -356,11 +356,24 @@ pub fn validate_section(section: &CodegenSection, mesh: &Mesh, microbatches: usi
     if !errs.is_empty() {
         return finish(errs);
     }
-    match section.all_programs(mesh, sharded_dp) {
+    // Replicas and tensor ranks of a pipeline rank share its template, and their peers and
+    // groups resolve within the same replica and tensor rank (or to groups whose members all
+    // run that template), so above a few hundred ranks checking replica 0, tensor rank 0 of
+    // every pipeline rank is as strong as checking all ranks.
+    let world = mesh.pp * mesh.tp * mesh.dp;
+    let checked = if world <= FULL_CHECK_RANKS {
+        mesh.clone()
+    } else {
+        Mesh { pp: mesh.pp, tp: 1, dp: 1, ranks: (0..mesh.pp).map(|pp| vec![first_rank(pp, 0)]).collect() }
+    };
+    match section.all_programs(&checked, sharded_dp) {
         Ok(programs) => validate_programs(&programs),
         Err(e) => finish(vec![Invalid { rank: 0, what: e.to_string() }]),
     }
 }
+
+/// Up to this many ranks the validator instantiates and checks every rank's program.
+pub const FULL_CHECK_RANKS: usize = 256;
 
 fn describe_step(s: &Step) -> String {
     match *s {
@@ -441,6 +454,7 @@ mod tests {
                 constant_rewrites: vec![],
                 rewrites: vec![],
                 collectives: vec![],
+                partial_gradients: vec![],
             })
             .collect()
     }
