@@ -206,3 +206,24 @@ fn a_rank_killed_mid_step_stops_the_job_and_is_named() {
         assert!(!Path::new(&format!("/proc/{pid}")).exists(), "rank pid {pid} is still alive");
     }
 }
+
+#[test]
+fn calibrate_writes_a_cluster_file_the_cpu_preset_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let toml = dir.path().join("cpu.toml");
+    let r = Command::new(env!("CARGO_BIN_EXE_smp-runner")).args(["calibrate", "-o", toml.to_str().unwrap()]).output().unwrap();
+    assert!(r.status.success(), "calibrate failed: {}", String::from_utf8_lossy(&r.stderr));
+    let text = std::fs::read_to_string(&toml).unwrap();
+    let spec = smp_partition::cost::ClusterSpec::from_toml(&format!("preset = \"h100-80gb\"\n{text}"), &toml).unwrap();
+    assert!(spec.fp32_flops > 1e8 && spec.intra_node_bandwidth > 1e6 && spec.intra_node_latency > 0.0, "{spec:?}");
+    assert!(spec.efficiency.peak > 0.0 && spec.efficiency.peak <= 1.0, "{spec:?}");
+    // the cpu preset plans with it
+    let m = model();
+    let plan = dir.path().join("p.json");
+    let r = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
+        .args([m.to_str().unwrap(), "--cluster", "cpu:2", "--seq-len", SEQ, "--json", "-o", plan.to_str().unwrap()])
+        .env("SMP_CPU_CALIBRATION", &toml)
+        .output()
+        .unwrap();
+    assert!(r.status.success(), "planning with the calibrated cpu preset failed: {}", String::from_utf8_lossy(&r.stderr));
+}
