@@ -293,7 +293,10 @@ fn rank_cmd(plan: &smp_partition::plan::Plan, model: &Path, o: &TrainArgs, shape
             .ranks
             .iter()
             .enumerate()
-            .map(|(r, (t, m))| serde_json::json!({"rank": r, "step_time_s": t, "peak_memory_bytes": m}))
+            .map(|(r, (t, m))| {
+                let predicted = plan.mesh().coord(r).map(|c| plan.rank_memory(c.pp).total);
+                serde_json::json!({"rank": r, "step_time_s": t, "peak_memory_bytes": m, "predicted_memory_bytes": predicted})
+            })
             .collect();
         let out = serde_json::json!({
             "steps": report.steps,
