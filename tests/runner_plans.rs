@@ -206,3 +206,61 @@ fn a_rank_killed_mid_step_stops_the_job_and_is_named() {
         assert!(!Path::new(&format!("/proc/{pid}")).exists(), "rank pid {pid} is still alive");
     }
 }
+
+#[test]
+fn calibrate_writes_a_cluster_file_the_cpu_preset_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let toml = dir.path().join("cpu.toml");
+    let r = Command::new(env!("CARGO_BIN_EXE_smp-runner")).args(["calibrate", "-o", toml.to_str().unwrap()]).output().unwrap();
+    assert!(r.status.success(), "calibrate failed: {}", String::from_utf8_lossy(&r.stderr));
+    let text = std::fs::read_to_string(&toml).unwrap();
+    let spec = smp_partition::cost::ClusterSpec::from_toml(&format!("preset = \"h100-80gb\"\n{text}"), &toml).unwrap();
+    assert!(spec.fp32_flops > 1e8 && spec.intra_node_bandwidth > 1e6 && spec.intra_node_latency > 0.0, "{spec:?}");
+    assert!(spec.efficiency.peak > 0.0 && spec.efficiency.peak <= 1.0, "{spec:?}");
+    // the cpu preset plans with it
+    let m = model();
+    let plan = dir.path().join("p.json");
+    let r = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
+        .args([m.to_str().unwrap(), "--cluster", "cpu:2", "--seq-len", SEQ, "--json", "-o", plan.to_str().unwrap()])
+        .env("SMP_CPU_CALIBRATION", &toml)
+        .output()
+        .unwrap();
+    assert!(r.status.success(), "planning with the calibrated cpu preset failed: {}", String::from_utf8_lossy(&r.stderr));
+}
+
+#[test]
+fn sigterm_to_the_launcher_reaches_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = plan(dir.path(), "term", "cpu:2", &["--pp", "1", "--tp", "1", "--dp", "2", "--microbatches", "2", "--global-batch", BATCH]);
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
+        .args(["launch", "--nproc", "2", p.to_str().unwrap(), "--steps", "100000", "--threads", "1", "--progress"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = launcher.stderr.take().unwrap();
+    let mut lines = BufReader::new(stderr).lines().map_while(Result::ok);
+    let mut pids = Vec::new();
+    for line in lines.by_ref() {
+        if let Some((_, pid)) = line.split_once(": pid ") {
+            pids.push(pid.trim().parse::<u32>().unwrap());
+        }
+        if line.starts_with("[rank 0] step 1 ") {
+            break;
+        }
+    }
+    assert_eq!(pids.len(), 2, "launcher did not print both pids");
+    assert!(Command::new("kill").args(["-TERM", &launcher.id().to_string()]).status().unwrap().success());
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = launcher.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "the job still runs 30 s after SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(128 + 15), "launcher exit status after SIGTERM");
+    for pid in pids {
+        assert!(!Path::new(&format!("/proc/{pid}")).exists(), "rank pid {pid} is still alive");
+    }
+}

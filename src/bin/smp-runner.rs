@@ -90,6 +90,17 @@ enum Command {
         #[command(flatten)]
         opts: TrainArgs,
     },
+    /// Measure this machine for the cost model's `cpu` preset (matmul rate by size, memory
+    /// bandwidth, Gloo latency and bandwidth between two local ranks).
+    Calibrate {
+        /// The cluster file to write (the `cpu` preset reads ~/.cache/smp-partition/cpu.toml or
+        /// $SMP_CPU_CALIBRATION).
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Internal: where a rank of the communication measurement writes its results.
+        #[arg(long, hide = true)]
+        comm_json: Option<PathBuf>,
+    },
     /// Start N local ranks of `run` with torchrun's environment; forwards SIGINT/SIGTERM, and
     /// when one rank fails, names it and stops the others.
     Launch {
@@ -173,6 +184,7 @@ fn run(cli: Cli) -> Result<()> {
             train_cmd(&model, &opts, TrainShape { batch: opts.batch, seq_len, microbatches: opts.microbatches, predicted: None })
         }
         Command::Run { plan, opts } => run_plan(&plan, &opts),
+        Command::Calibrate { output, comm_json } => calibrate(&output, comm_json.as_deref()),
         Command::Launch { nproc, plan, run_args } => {
             let exe = std::env::current_exe().context("cannot find the smp-runner executable")?;
             let code = launch::launch(&exe, nproc, &plan, &run_args)?;
@@ -281,7 +293,10 @@ fn rank_cmd(plan: &smp_partition::plan::Plan, model: &Path, o: &TrainArgs, shape
             .ranks
             .iter()
             .enumerate()
-            .map(|(r, (t, m))| serde_json::json!({"rank": r, "step_time_s": t, "peak_memory_bytes": m}))
+            .map(|(r, (t, m))| {
+                let predicted = plan.mesh().coord(r).map(|c| plan.rank_memory(c.pp).total);
+                serde_json::json!({"rank": r, "step_time_s": t, "peak_memory_bytes": m, "predicted_memory_bytes": predicted})
+            })
             .collect();
         let out = serde_json::json!({
             "steps": report.steps,
@@ -297,6 +312,43 @@ fn rank_cmd(plan: &smp_partition::plan::Plan, model: &Path, o: &TrainArgs, shape
             eprintln!("step {:>4}  loss {:.6}  {:.3} s", s.step, s.loss, s.time_s);
         }
     }
+    Ok(())
+}
+
+fn calibrate(output: &Path, comm_json: Option<&Path>) -> Result<()> {
+    use smp_partition::runtime::calibrate::{self as cal, Calibration};
+    tch::set_num_threads(1);
+    if let Some(json) = comm_json {
+        // one of the two ranks started below
+        let env = RankEnv::from_env()?.context("--comm-json is for the ranks calibrate starts itself")?;
+        let mut c = Calibration::default();
+        cal::measure_comm(&env, &mut c)?;
+        if env.rank == 0 {
+            std::fs::write(json, serde_json::to_string(&c)?).with_context(|| format!("cannot write {}", json.display()))?;
+        }
+        return Ok(());
+    }
+    let mut c = cal::measure_compute()?;
+    let dir = std::env::temp_dir().join(format!("smp-calibrate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let json = dir.join("comm.json");
+    let exe = std::env::current_exe().context("cannot find the smp-runner executable")?;
+    let args: Vec<std::ffi::OsString> = vec!["calibrate".into(), "-o".into(), output.into(), "--comm-json".into(), json.clone().into()];
+    let code = launch::launch_args(&exe, 2, &args)?;
+    if code != 0 {
+        bail!("the two-rank communication measurement failed (exit {code})");
+    }
+    let comm: Calibration = serde_json::from_str(&std::fs::read_to_string(&json).with_context(|| format!("cannot read {}", json.display()))?)?;
+    let _ = std::fs::remove_dir_all(&dir);
+    c.p2p_latency = comm.p2p_latency;
+    c.p2p_bandwidth = comm.p2p_bandwidth;
+    c.allreduce_bandwidth = comm.allreduce_bandwidth;
+    let text = cal::cluster_toml(&c);
+    if let Some(parent) = output.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    }
+    std::fs::write(output, &text).with_context(|| format!("cannot write {}", output.display()))?;
+    eprint!("{text}");
     Ok(())
 }
 

@@ -1,6 +1,7 @@
 //! `smp-runner launch`: N local ranks of `smp-runner run` with torchrun's environment. Forwards
 //! SIGINT/SIGTERM, and when a rank fails names it, stops the others and waits for all.
 
+use std::ffi::OsString;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus};
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -49,6 +50,13 @@ pub fn free_port() -> Result<u16, RuntimeError> {
 /// Runs `exe run PLAN ARGS` as ranks 0..nproc; returns the exit code for the launcher: 0 if
 /// every rank succeeded, else 1 (the failing rank is named on stderr).
 pub fn launch(exe: &Path, nproc: usize, plan: &Path, args: &[String]) -> Result<i32, RuntimeError> {
+    let mut all: Vec<OsString> = vec!["run".into(), plan.as_os_str().to_owned()];
+    all.extend(args.iter().map(OsString::from));
+    launch_args(exe, nproc, &all)
+}
+
+/// Runs `exe ARGS` as ranks 0..nproc with torchrun's environment; exit code as [`launch`].
+pub fn launch_args(exe: &Path, nproc: usize, args: &[OsString]) -> Result<i32, RuntimeError> {
     if nproc == 0 {
         return Err(RuntimeError::Train("--nproc must be at least 1".into()));
     }
@@ -61,8 +69,6 @@ pub fn launch(exe: &Path, nproc: usize, plan: &Path, args: &[String]) -> Result<
     let mut children: Vec<Option<Child>> = Vec::with_capacity(nproc);
     for r in 0..nproc {
         let spawned = Command::new(exe)
-            .arg("run")
-            .arg(plan)
             .args(args)
             .env("RANK", r.to_string())
             .env("WORLD_SIZE", nproc.to_string())

@@ -3,6 +3,7 @@
 //!
 //! This is the only module that names tch.
 
+pub mod calibrate;
 pub mod dist;
 pub mod executor;
 pub mod launch;

@@ -47,6 +47,9 @@ pub struct StageLayout {
 /// first consumer.
 pub fn stage_layout(plan: &Plan, graph: &Graph, lg: &LayeredGraph) -> Result<StageLayout, RuntimeError> {
     let stages = plan.stages.len();
+    if stages == 0 {
+        return Err(terr("the plan has no stages"));
+    }
     let mut layer_stage = vec![None; lg.layers.len()];
     for (s, st) in plan.stages.iter().enumerate() {
         if st.index != s {
@@ -334,6 +337,7 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
     let (q, d) = place.locate(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
     let program = programs.iter().find(|p| p.rank == me).ok_or_else(|| terr(format!("no program for rank {me}")))?;
     let m = plan.parallel.microbatches.max(1);
+    check_program(program, plan.stages.len(), m)?;
     let dp = place.dp;
     let shard_group = plan.parallel.sharded_dp.filter(|&n| n > 1 && n < dp).unwrap_or(dp);
 
@@ -791,6 +795,32 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
     let ranks = all.chunks(2).map(|c| (c[0], c[1] as u64)).collect();
     world_pg.barrier()?;
     Ok(RankReport { steps: records, ranks })
+}
+
+/// Rejects instructions that name stages or microbatches outside the plan, or messages that
+/// cross a boundary the pipeline does not have.
+fn check_program(p: &RankProgram, stages: usize, m: usize) -> Result<(), RuntimeError> {
+    for i in &p.instrs {
+        let (stage, mb) = match i {
+            Instr::Forward { stage, mb } | Instr::Backward { stage, mb } | Instr::BackwardWeight { stage, mb } => (*stage, *mb),
+            Instr::Send { stage, mb, .. } | Instr::Recv { stage, mb, .. } => (*stage, *mb),
+            _ => continue,
+        };
+        let bad = stage >= stages
+            || mb >= m
+            || match i {
+                Instr::Send { what: Payload::Activation, .. } | Instr::Recv { what: Payload::Gradient, .. } => stage + 1 >= stages,
+                Instr::Send { what: Payload::Gradient, .. } | Instr::Recv { what: Payload::Activation, .. } => stage == 0,
+                _ => false,
+            };
+        if bad {
+            return Err(terr(format!(
+                "rank {}: instruction {i} does not fit the plan ({stages} stages, {m} microbatches)",
+                p.rank
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn accumulate(slot: &mut Option<Tensor>, g: &Tensor) -> Result<(), RuntimeError> {

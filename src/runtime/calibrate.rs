@@ -1,0 +1,124 @@
+//! `smp-runner calibrate`: measures this machine for the cost model's `cpu` preset — f32
+//! matmul rate by size on one thread (fitted to the preset's efficiency curve), memory
+//! bandwidth, and Gloo point-to-point latency / bandwidth and all-reduce bandwidth between two
+//! local ranks.
+
+use std::time::Instant;
+
+use tch::{Device, Kind, Tensor};
+
+use super::RuntimeError;
+use super::dist::{Backend, ProcessGroup, RankEnv, Store};
+use crate::cost::cluster::EfficiencyCurve;
+
+/// What `calibrate` measured.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct Calibration {
+    /// `(flops, FLOP/s)` of square f32 matmuls, one thread.
+    pub matmul: Vec<(f64, f64)>,
+    /// Memory bandwidth of a large elementwise add (bytes read + written per second).
+    pub memory_bandwidth: f64,
+    /// Half the round-trip time of a 4-byte message between two ranks (seconds).
+    pub p2p_latency: f64,
+    /// Bytes per second of a large message between two ranks.
+    pub p2p_bandwidth: f64,
+    /// Bytes per second of a large two-rank all-reduce (buffer size over time).
+    pub allreduce_bandwidth: f64,
+}
+
+fn best_of<F: FnMut() -> Result<(), RuntimeError>>(reps: usize, mut f: F) -> Result<f64, RuntimeError> {
+    let mut best = f64::INFINITY;
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        f()?;
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+/// Matmul rates by size and memory bandwidth of this process (call with 1 intra-op thread).
+pub fn measure_compute() -> Result<Calibration, RuntimeError> {
+    let mut cal = Calibration::default();
+    let opts = (Kind::Float, Device::Cpu);
+    for n in [32i64, 64, 128, 256, 512, 1024] {
+        let a = Tensor::f_randn([n, n], opts)?;
+        let b = Tensor::f_randn([n, n], opts)?;
+        let reps = if n <= 256 { 20 } else { 4 };
+        let t = best_of(reps, || {
+            let _ = a.f_matmul(&b)?;
+            Ok(())
+        })?;
+        let flops = 2.0 * (n * n * n) as f64;
+        cal.matmul.push((flops, flops / t));
+    }
+    let x = Tensor::f_randn([16 << 20], opts)?;
+    let y = Tensor::f_randn([16 << 20], opts)?;
+    let t = best_of(5, || {
+        let _ = x.f_add(&y)?;
+        Ok(())
+    })?;
+    cal.memory_bandwidth = 3.0 * (16 << 20) as f64 * 4.0 / t;
+    Ok(cal)
+}
+
+/// Ping-pong and all-reduce between ranks 0 and 1 of `env` (every rank calls this); returns
+/// the measurements on rank 0.
+pub fn measure_comm(env: &RankEnv, cal: &mut Calibration) -> Result<(), RuntimeError> {
+    let timeout = std::time::Duration::from_secs(60);
+    let store = Store::connect(env, timeout)?;
+    let pg = ProcessGroup::new(&store, &[0, 1], env.rank, timeout, Backend::Gloo)?;
+    let peer = 1 - env.rank;
+    let opts = (Kind::Float, Device::Cpu);
+    let ping = |elems: i64, reps: usize| -> Result<f64, RuntimeError> {
+        let buf = Tensor::f_zeros([elems], opts)?;
+        let mut best = f64::INFINITY;
+        for i in 0..reps {
+            pg.barrier()?;
+            let t0 = Instant::now();
+            let tag = i as u32;
+            if env.rank == 0 {
+                let _ = pg.isend(&buf, peer, tag)?.wait()?;
+                let _ = pg.irecv(&buf, peer, tag)?.wait()?;
+            } else {
+                let _ = pg.irecv(&buf, peer, tag)?.wait()?;
+                let _ = pg.isend(&buf, peer, tag)?.wait()?;
+            }
+            best = best.min(t0.elapsed().as_secs_f64() / 2.0);
+        }
+        Ok(best)
+    };
+    let small = ping(1, 50)?;
+    let big_elems = 4i64 << 20;
+    let big = ping(big_elems, 5)?;
+    cal.p2p_latency = small;
+    cal.p2p_bandwidth = (big_elems * 4) as f64 / (big - small).max(1e-9);
+    let buf = Tensor::f_ones([big_elems], opts)?;
+    let t = best_of(5, || {
+        pg.barrier()?;
+        Ok(pg.all_reduce_sum(&buf)?)
+    })?;
+    cal.allreduce_bandwidth = (big_elems * 4) as f64 / t;
+    Ok(())
+}
+
+/// The cluster file for the `cpu` preset (fields of `cost::ClusterSpec`; unset ones keep the
+/// preset's defaults).
+pub fn cluster_toml(cal: &Calibration) -> String {
+    let peak_rate = cal.matmul.iter().map(|p| p.1).fold(0.0, f64::max);
+    let eff: Vec<(f64, f64)> = cal.matmul.iter().map(|&(f, r)| (f, r / peak_rate)).collect();
+    let curve = EfficiencyCurve::fit(&eff).unwrap_or(EfficiencyCurve { peak: 1.0, half_flops: 0.0 });
+    let mut s = String::new();
+    s.push_str("# Written by `smp-runner calibrate` (one thread per device, f32, Gloo over loopback).\n");
+    s.push_str("# matmul FLOP/s by size:");
+    for (f, r) in &cal.matmul {
+        s.push_str(&format!(" {f:.3e}:{r:.3e}"));
+    }
+    s.push_str(&format!("\n# two-rank all-reduce: {:.3e} B/s\n", cal.allreduce_bandwidth));
+    s.push_str("device = \"cpu core\"\n");
+    s.push_str(&format!("fp32_flops = {peak_rate:e}\nbf16_flops = {peak_rate:e}\n"));
+    s.push_str(&format!("hbm_bandwidth = {:e}\nhbm_efficiency = 1.0\n", cal.memory_bandwidth));
+    s.push_str(&format!("intra_node_bandwidth = {:e}\ninter_node_bandwidth = {:e}\n", cal.p2p_bandwidth, cal.p2p_bandwidth));
+    s.push_str(&format!("intra_node_latency = {:e}\ninter_node_latency = {:e}\n", cal.p2p_latency, cal.p2p_latency));
+    s.push_str(&format!("\n[efficiency]\npeak = {:e}\nhalf_flops = {:e}\n", curve.peak, curve.half_flops));
+    s
+}
