@@ -1,17 +1,52 @@
-//! Build script: with feature `runner`, bake libtorch's library directory into the binaries'
-//! rpath so `smp-runner` runs without LD_LIBRARY_PATH.
+//! Build script: with feature `runner`, compile the c10d shim (csrc/c10d_shim.cpp) against
+//! libtorch's headers and bake libtorch's library directory into the binaries' rpath so
+//! `smp-runner` runs without LD_LIBRARY_PATH.
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     if std::env::var_os("CARGO_FEATURE_RUNNER").is_none() {
         return;
     }
-    // torch-sys declares `links = "tch"` and exports its library directory to dependents.
-    println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
-    match std::env::var("DEP_TCH_LIBTORCH_LIB") {
-        Ok(lib) => println!("cargo:rustc-link-arg=-Wl,-rpath,{lib}"),
-        Err(_) => println!(
-            "cargo:warning=DEP_TCH_LIBTORCH_LIB not set by torch-sys; smp-runner will need LD_LIBRARY_PATH"
-        ),
+    #[cfg(feature = "runner")]
+    runner::build();
+}
+
+#[cfg(feature = "runner")]
+mod runner {
+    use std::path::PathBuf;
+
+    pub fn build() {
+        println!("cargo:rerun-if-changed=csrc/c10d_shim.cpp");
+        // torch-sys declares `links = "tch"` and exports its library directory to dependents.
+        println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
+        let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
+            println!("cargo:warning=DEP_TCH_LIBTORCH_LIB not set by torch-sys; cannot build the c10d shim");
+            return;
+        };
+        let lib = PathBuf::from(lib);
+        let include = lib.join("../include");
+        let mut build = cc::Build::new();
+        build
+            .cpp(true)
+            .std("c++17")
+            .file("csrc/c10d_shim.cpp")
+            .include(&include)
+            .include(include.join("torch/csrc/api/include"))
+            .define("_GLIBCXX_USE_CXX11_ABI", "1")
+            .define("USE_C10D_GLOO", None)
+            .flag_if_supported("-Wno-unused-parameter")
+            .flag_if_supported("-Wno-deprecated-declarations")
+            .warnings(false);
+        if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
+            // NCCL process groups: needs a CUDA toolkit's headers (CUDA_HOME or /usr/local/cuda).
+            let cuda = std::env::var("CUDA_HOME").unwrap_or_else(|_| "/usr/local/cuda".into());
+            build.define("USE_C10D_NCCL", None).define("SMP_WITH_NCCL", None).include(PathBuf::from(cuda).join("include"));
+            println!("cargo:rustc-link-lib=dylib=torch_cuda");
+        }
+        build.compile("smp_c10d_shim");
+        println!("cargo:rustc-link-search=native={}", lib.display());
+        println!("cargo:rustc-link-lib=dylib=torch_cpu");
+        println!("cargo:rustc-link-lib=dylib=c10");
+        println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
     }
 }

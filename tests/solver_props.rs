@@ -7,6 +7,8 @@ use smp_partition::solve::problem::{
     CheckpointRule, IntraEdge, IntraLayerProblem, IntraNode, NodeOption, ParetoPoint, PipelineLayer,
     PipelineObjective, PipelineProblem,
 };
+use smp_partition::solve::heuristic::incumbent;
+use smp_partition::solve::search::bounds;
 use smp_partition::solve::{SolveStatus, SolverOptions};
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -115,6 +117,48 @@ proptest! {
                 prop_assert!(p.feasible(&e));
                 prop_assert!(close(p.objective_value(&e), obj), "decoded {} vs {}", p.objective_value(&e), obj);
             }
+        }
+    }
+
+    #[test]
+    fn search_bounds_and_quick_layouts_bracket_the_optimum(inst in instance()) {
+        // The outer search prunes by `bounds` and starts from `incumbent`: the first must
+        // never exceed the optimum, the second must be a feasible layout (so never below it).
+        let p = PipelineProblem { objective: PipelineObjective::StepTime, ..inst.0 };
+        let bf = brute_force_pipeline(&p);
+        let (lb, mem_lb) = bounds(&p);
+        let quick = incumbent(&p);
+        match bf {
+            None => prop_assert!(quick.is_none(), "a quick layout where brute force finds none"),
+            Some((obj, _, e)) => {
+                prop_assert!(lb <= obj * (1.0 + 1e-9) + 1e-12, "bound {} above the optimum {}", lb, obj);
+                let peak = e.total_bytes.iter().cloned().fold(0.0, f64::max);
+                prop_assert!(mem_lb <= peak * (1.0 + 1e-9) + 1e-6, "memory bound {} above {}", mem_lb, peak);
+                if let Some((choices, e)) = quick {
+                    prop_assert!(p.feasible(&e));
+                    let again = p.evaluate(&choices).unwrap();
+                    prop_assert!(close(again.step_s, e.step_s));
+                    prop_assert!(e.step_s >= obj * (1.0 - 1e-9), "quick {} below the optimum {}", e.step_s, obj);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn ilp_below_a_cutoff_finds_the_optimum_or_proves_none(inst in instance(), above in any::<bool>()) {
+        // The search hands each ILP its incumbent as a cutoff row: just above the optimum the
+        // ILP must still find it; just below it the ILP must report that nothing fits.
+        let p = PipelineProblem { objective: PipelineObjective::StepTime, ..inst.0 };
+        let Some((obj, _, _)) = brute_force_pipeline(&p) else { return Ok(()) };
+        let cutoff = if above { obj * (1.0 + 1e-6) } else { obj * (1.0 - 1e-4) };
+        let sol = p.solve_below(&SolverOptions::default(), Some(cutoff)).unwrap();
+        if above {
+            prop_assert_eq!(sol.report.status, SolveStatus::Optimal);
+            prop_assert!(close(sol.report.objective, obj), "ILP {} vs brute force {}", sol.report.objective, obj);
+            let e = sol.eval.clone().unwrap();
+            prop_assert!(p.feasible(&e) && close(e.step_s, obj));
+        } else {
+            prop_assert_eq!(sol.report.status, SolveStatus::Infeasible, "found {} below the optimum {}", sol.report.objective, obj);
         }
     }
 

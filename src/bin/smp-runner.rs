@@ -10,7 +10,9 @@ use clap::{Parser, Subcommand, ValueEnum};
 use smp_partition::frontend::onnx::load_model;
 use smp_partition::ir::Graph;
 use smp_partition::runtime::train::{self, AdamWConfig, LossKind, TrainConfig};
-use smp_partition::runtime::{ExecOptions, Executor, InitMode, Weights, npz};
+use smp_partition::runtime::dist::RankEnv;
+use smp_partition::runtime::pipeline::{self, RunConfig};
+use smp_partition::runtime::{ExecOptions, Executor, InitMode, Weights, launch, npz};
 use tch::Kind;
 
 #[derive(Parser)]
@@ -81,12 +83,24 @@ enum Command {
         #[command(flatten)]
         opts: TrainArgs,
     },
-    /// Run one rank of a plan.
+    /// Run one rank of a plan (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT as torchrun sets them).
     Run {
         /// The plan file.
         plan: PathBuf,
         #[command(flatten)]
         opts: TrainArgs,
+    },
+    /// Start N local ranks of `run` with torchrun's environment; forwards SIGINT/SIGTERM, and
+    /// when one rank fails, names it and stops the others.
+    Launch {
+        /// Ranks to start.
+        #[arg(long)]
+        nproc: usize,
+        /// The plan file.
+        plan: PathBuf,
+        /// Options passed to every rank's `run`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        run_args: Vec<String>,
     },
 }
 
@@ -128,6 +142,12 @@ struct TrainArgs {
     /// Print one JSON object on stdout.
     #[arg(long)]
     json: bool,
+    /// Seconds any collective or receive may wait before the rank fails.
+    #[arg(long, default_value_t = 300)]
+    timeout: u64,
+    /// Each rank prints `[rank R] step N` on stderr after every step.
+    #[arg(long)]
+    progress: bool,
 }
 
 fn main() {
@@ -153,6 +173,11 @@ fn run(cli: Cli) -> Result<()> {
             train_cmd(&model, &opts, TrainShape { batch: opts.batch, seq_len, microbatches: opts.microbatches, predicted: None })
         }
         Command::Run { plan, opts } => run_plan(&plan, &opts),
+        Command::Launch { nproc, plan, run_args } => {
+            let exe = std::env::current_exe().context("cannot find the smp-runner executable")?;
+            let code = launch::launch(&exe, nproc, &plan, &run_args)?;
+            std::process::exit(code)
+        }
     }
 }
 
@@ -164,17 +189,23 @@ struct TrainShape {
     predicted: Option<f64>,
 }
 
-/// One rank of a plan. This build runs single-device plans (pp = tp = dp = 1).
+/// One rank of a plan: single-device plans train directly; others need torchrun's
+/// environment (`smp-runner launch` sets it).
 fn run_plan(path: &Path, o: &TrainArgs) -> Result<()> {
     let plan = smp_partition::plan::load(path)?;
     let p = &plan.parallel;
-    if p.pp * p.tp * p.dp != 1 {
+    let env = RankEnv::from_env()?;
+    let single = p.pp * p.tp * p.dp == 1;
+    if !single && env.is_none() {
         bail!(
-            "plan `{}` uses pp={} tp={} dp={}; this runner executes single-device plans only (pp = tp = dp = 1)",
+            "plan `{}` needs {} ranks (pp={} tp={} dp={}); start it with `smp-runner launch --nproc {} {}` or torchrun-style RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT",
             path.display(),
+            p.pp * p.tp * p.dp,
             p.pp,
             p.tp,
-            p.dp
+            p.dp,
+            p.pp * p.tp * p.dp,
+            path.display()
         );
     }
     let given = PathBuf::from(&plan.model.path);
@@ -197,7 +228,76 @@ fn run_plan(path: &Path, o: &TrainArgs) -> Result<()> {
         microbatches: p.microbatches.max(1),
         predicted: Some(plan.predicted.step_time_s),
     };
-    train_cmd(&model, o, shape)
+    match env {
+        Some(env) if !(single && env.world == 1) => rank_cmd(&plan, &model, o, &shape, &env),
+        _ => train_cmd(&model, o, shape),
+    }
+}
+
+fn loss_kind(o: &TrainArgs, graph: &Graph) -> LossKind {
+    match o.loss {
+        Some(LossArg::Model) => LossKind::Model,
+        Some(LossArg::CausalLm) => LossKind::CausalLm,
+        Some(LossArg::CrossEntropy) => LossKind::CrossEntropy,
+        Some(LossArg::Mse) => LossKind::Mse,
+        None => {
+            let scalar_out = graph.outputs.iter().any(|&v| {
+                graph.value(v).ty.as_ref().and_then(|t| t.shape.as_ref()).is_some_and(|s| s.numel() == Some(1))
+            });
+            if scalar_out { LossKind::Model } else { LossKind::CausalLm }
+        }
+    }
+}
+
+/// One rank of a multi-device plan.
+fn rank_cmd(plan: &smp_partition::plan::Plan, model: &Path, o: &TrainArgs, shape: &TrainShape, env: &RankEnv) -> Result<()> {
+    if let Some(n) = o.threads {
+        tch::set_num_threads(n);
+    }
+    let graph = load(model)?;
+    let float_kind = Some(o.dtype.kind());
+    let weights = Weights::load(&graph, init_mode(o.init, o.seed), float_kind)?;
+    let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: true })?;
+    let batch = match &o.data {
+        Some(path) => train::read_batch(&exec, path)?,
+        None => train::synthetic_batch(&exec, shape.batch, shape.seq_len, o.seed)?,
+    };
+    let global = batch.first().and_then(|(_, t)| t.size().first().copied()).unwrap_or(shape.batch);
+    let cfg = RunConfig {
+        steps: o.steps,
+        loss: loss_kind(o, &graph),
+        adamw: AdamWConfig { lr: o.lr, weight_decay: o.weight_decay, ..AdamWConfig::default() },
+        clip: (o.clip > 0.0).then_some(o.clip),
+        timeout: std::time::Duration::from_secs(o.timeout),
+        bucket_bytes: 25 << 20,
+        progress: o.progress,
+    };
+    let t0 = Instant::now();
+    let report = pipeline::run_rank(plan, &exec, &batch, &cfg, env).with_context(|| format!("rank {} of {}", env.rank, env.world))?;
+    let wall = t0.elapsed().as_secs_f64();
+    let step_time = report.ranks.iter().map(|r| r.0).fold(0.0, f64::max);
+    if env.rank == 0 && o.json {
+        let ranks: Vec<_> = report
+            .ranks
+            .iter()
+            .enumerate()
+            .map(|(r, (t, m))| serde_json::json!({"rank": r, "step_time_s": t, "peak_memory_bytes": m}))
+            .collect();
+        let out = serde_json::json!({
+            "steps": report.steps,
+            "samples_per_s": if step_time > 0.0 { global as f64 / step_time } else { 0.0 },
+            "measured_step_time_s": step_time,
+            "predicted_step_time_s": shape.predicted,
+            "wall_s": wall,
+            "ranks": ranks,
+        });
+        println!("{out}");
+    } else if env.rank == 0 {
+        for s in &report.steps {
+            eprintln!("step {:>4}  loss {:.6}  {:.3} s", s.step, s.loss, s.time_s);
+        }
+    }
+    Ok(())
 }
 
 fn load(model: &Path) -> Result<Graph> {

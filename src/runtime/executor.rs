@@ -180,6 +180,67 @@ impl<'g> Executor<'g> {
         Ok(feeds)
     }
 
+    /// Runs `nodes` (a subset, in execution order) on `feeds` (values produced outside the
+    /// subset); returns the values of `keep` (fed, weights, or produced by `nodes`).
+    pub fn run_nodes(
+        &self,
+        nodes: &[NodeId],
+        feeds: &HashMap<ValueId, Tensor>,
+        keep: &[ValueId],
+    ) -> Result<HashMap<ValueId, Tensor>, RuntimeError> {
+        let graph = self.graph;
+        let mut last: HashMap<ValueId, usize> = HashMap::new();
+        for (pos, &id) in nodes.iter().enumerate() {
+            for v in graph.node(id).inputs.iter().flatten() {
+                last.insert(*v, pos);
+            }
+        }
+        for &v in keep {
+            last.insert(v, usize::MAX);
+        }
+        let mut live: HashMap<ValueId, Tensor> = HashMap::new();
+        let fetch = |live: &HashMap<ValueId, Tensor>, v: ValueId| -> Option<Tensor> {
+            live.get(&v).or_else(|| feeds.get(&v)).or_else(|| self.weights.get(&v)).map(Tensor::shallow_clone)
+        };
+        for (pos, &id) in nodes.iter().enumerate() {
+            let node = graph.node(id);
+            let kerr = |message: String| RuntimeError::Kernel { node: node.name.clone(), op: node.op.to_string(), message };
+            let mut inputs = Vec::with_capacity(node.inputs.len());
+            for v in &node.inputs {
+                inputs.push(match v {
+                    Some(v) => Some(fetch(&live, *v).ok_or_else(|| {
+                        kerr(format!("input `{}` has no value (not received, not an initializer)", graph.value(*v).name))
+                    })?),
+                    None => None,
+                });
+            }
+            let outs = ops::run(node, &inputs, &self.ctx).map_err(|e| kerr(e.0))?;
+            if outs.len() < node.outputs.len() {
+                return Err(kerr(format!("kernel made {} outputs, the node has {}", outs.len(), node.outputs.len())));
+            }
+            for (&v, t) in node.outputs.iter().zip(outs) {
+                if last.contains_key(&v) {
+                    live.insert(v, t);
+                }
+            }
+            drop(inputs);
+            for v in node.inputs.iter().flatten() {
+                if last.get(v) == Some(&pos) {
+                    live.remove(v);
+                }
+            }
+        }
+        keep.iter()
+            .map(|&v| {
+                let t = fetch(&live, v).ok_or_else(|| RuntimeError::Input {
+                    name: graph.value(v).name.clone(),
+                    message: "value kept from a stage was not computed".into(),
+                })?;
+                Ok((v, t))
+            })
+            .collect()
+    }
+
     /// Runs the graph on bound inputs; returns the graph outputs in order.
     pub fn forward(&self, feeds: &HashMap<ValueId, Tensor>) -> Result<Vec<Tensor>, RuntimeError> {
         let graph = self.graph;

@@ -3,9 +3,12 @@
 //!
 //! This is the only module that names tch.
 
+pub mod dist;
 pub mod executor;
+pub mod launch;
 pub mod npz;
 pub mod ops;
+pub mod pipeline;
 pub mod tensor;
 pub mod train;
 pub mod weights;

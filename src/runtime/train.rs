@@ -78,6 +78,12 @@ impl AdamW {
 
     /// One update from the parameters' `.grad`; parameters without a gradient are skipped.
     pub fn step(&mut self, params: &[Tensor]) -> Result<(), RuntimeError> {
+        let grads: Vec<Tensor> = params.iter().map(|p| p.f_grad()).collect::<Result<_, _>>()?;
+        self.step_with(params, &grads)
+    }
+
+    /// One update of `params` (updated in place) from `grads` (undefined ones are skipped).
+    pub fn step_with(&mut self, params: &[Tensor], grads: &[Tensor]) -> Result<(), RuntimeError> {
         let _guard = tch::no_grad_guard();
         self.step += 1;
         let AdamWConfig { lr, betas: (b1, b2), eps, weight_decay } = self.cfg;
@@ -85,8 +91,8 @@ impl AdamW {
         let bc2 = 1.0 - b2.powi(self.step);
         let step_size = lr / bc1;
         let bc2_sqrt = bc2.sqrt();
-        for (p, (m, v)) in params.iter().zip(self.state.iter_mut()) {
-            let g = p.f_grad()?;
+        for ((p, g), (m, v)) in params.iter().zip(grads).zip(self.state.iter_mut()) {
+            let g = g.shallow_clone();
             if !g.defined() {
                 continue;
             }
@@ -244,7 +250,7 @@ pub fn read_batch(exec: &Executor, path: &Path) -> Result<Batch, RuntimeError> {
 }
 
 /// Splits each array of a batch into `m` equal microbatches along axis 0.
-fn split_batch(batch: &Batch, m: usize) -> Result<Vec<Batch>, RuntimeError> {
+pub fn split_batch(batch: &Batch, m: usize) -> Result<Vec<Batch>, RuntimeError> {
     let mut out: Vec<Batch> = (0..m).map(|_| Vec::new()).collect();
     for (name, t) in batch {
         let b = t.size().first().copied().unwrap_or(0);
@@ -261,7 +267,7 @@ fn split_batch(batch: &Batch, m: usize) -> Result<Vec<Batch>, RuntimeError> {
 }
 
 /// The loss of one microbatch from the model's outputs.
-fn loss_of(exec: &Executor, kind: LossKind, mb: &Batch, outs: &[Tensor]) -> Result<Tensor, RuntimeError> {
+pub fn loss_of(exec: &Executor, kind: LossKind, mb: &Batch, outs: &[Tensor]) -> Result<Tensor, RuntimeError> {
     let graph = exec.graph();
     let terr = |m: &str| RuntimeError::Train(m.to_string());
     let find = |keys: &[&str]| mb.iter().find(|(n, _)| keys.contains(&n.as_str())).map(|(_, t)| t);

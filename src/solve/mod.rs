@@ -4,6 +4,7 @@
 //! Entry point: [`plan`].
 
 pub mod baseline;
+pub mod heuristic;
 pub mod ilp;
 pub mod layer_cost;
 pub mod oracle;
@@ -268,7 +269,7 @@ pub struct PlanDecision {
     pub memory_limit_bytes: f64,
     /// Proof of the chosen candidate's ILP, with search-wide bound and gap.
     pub solver: SolveReport,
-    /// Candidates whose ILP was solved.
+    /// Candidates solved exactly (by their ILP, or by a quick layout meeting their bound).
     pub candidates_solved: u64,
     /// Candidates skipped by bounds or memory.
     pub candidates_skipped: u64,

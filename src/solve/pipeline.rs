@@ -127,6 +127,13 @@ impl PipelineProblem {
     /// prefix. A 96-block model then has a handful of integers per chunk, not 96 × chunks
     /// binaries and their symmetry.
     pub fn solve(&self, opts: &SolverOptions) -> Result<PipelineSolution, SolveError> {
+        self.solve_below(opts, None)
+    }
+
+    /// [`solve`](Self::solve) with the step time constrained to at most `cutoff` (an
+    /// incumbent from elsewhere): `Infeasible` then means no layout of this problem beats it.
+    /// A plain constraint, so HiGHS prunes by it like by any other row.
+    pub fn solve_below(&self, opts: &SolverOptions, cutoff: Option<f64>) -> Result<PipelineSolution, SolveError> {
         self.validate()?;
         let l_n = self.layers.len();
         let v_n = self.chunks();
@@ -282,7 +289,12 @@ impl PipelineProblem {
         step += transfer;
         step += smax.v();
         let (report, values) = match self.objective {
-            PipelineObjective::StepTime => milp.minimise(step, 0.0, opts)?,
+            PipelineObjective::StepTime => {
+                if let Some(u) = cutoff {
+                    milp.constrain(step.clone().leq(u));
+                }
+                milp.minimise(step, 0.0, opts)?
+            }
             PipelineObjective::PeakMemory { max_step_s } => {
                 milp.constrain(step.leq(max_step_s));
                 let peak = milp.continuous(0.0, f64::INFINITY);

@@ -10,6 +10,7 @@ use crate::ir::{LayeredGraph, ScheduleKind};
 
 use super::ilp::{SolveReport, SolveStatus, SolverOptions};
 use super::layer_cost::{CostContext, LayerConfig};
+use super::heuristic::incumbent;
 use super::oracle::min_max_lower_bound;
 use super::pipeline::PipelineSolution;
 use super::problem::{CheckpointRule, PipelineObjective, PipelineProblem};
@@ -63,13 +64,20 @@ fn divisors(n: usize) -> Vec<usize> {
     (1..=n).filter(|d| n % d == 0).collect()
 }
 
-/// Bubble weight of Σ T[d] in the step time (see `PipelineProblem`).
-pub fn bubble_coeff(kind: ScheduleKind) -> f64 {
+/// Bubble weight c of Σ T[d] in the step time c·Σ T + (m − c)·max T (see
+/// `PipelineProblem`) for `p` pipeline ranks and `m` microbatches.
+///
+/// GPipe and 1F1B: c = 1, so equal stages give (m + p − 1)·T — a bubble of (p − 1)/m for
+/// every m, m < p included (Narayanan et al. 2021). Interleaved: 1/v. ZB-H1 (Qi et al. 2024,
+/// F = B = W = T/3): c = 1/3 when m ≥ p; with fewer microbatches the backward chain of the
+/// last one cannot overlap, and the schedule takes (2p + 2m − 1)·T/3 on equal stages, so
+/// c = (2p − m − 1) / (3(p − 1)) (2/3 for one microbatch, 1/3 at m = p).
+pub fn bubble_coeff(kind: ScheduleKind, p: usize, m: usize) -> f64 {
     match kind {
         ScheduleKind::GPipe | ScheduleKind::OneFOneB => 1.0,
         ScheduleKind::Interleaved { virtual_stages } => 1.0 / virtual_stages.max(1) as f64,
-        // Qi et al. 2024: bubble (p−1)(F + B − W) with F = B = W: a third of 1F1B's.
-        ScheduleKind::ZbH1 => 1.0 / 3.0,
+        ScheduleKind::ZbH1 if m >= p || p < 2 => 1.0 / 3.0,
+        ScheduleKind::ZbH1 => (2 * p - m - 1) as f64 / (3 * (p - 1)) as f64,
     }
 }
 
@@ -259,7 +267,7 @@ pub fn prepare(
         virtual_stages: v,
         microbatches: cand.microbatches,
         in_flight: flight,
-        bubble_coeff: bubble_coeff(cand.schedule),
+        bubble_coeff: bubble_coeff(cand.schedule, cand.pp, cand.microbatches),
         memory_cap,
         workspace: spec.workspace_bytes as f64,
         transfer_s_per_byte: beta,
@@ -272,36 +280,107 @@ pub fn prepare(
 }
 
 /// Lower bounds on the step time and the peak memory of any solution of `p`.
+///
+/// Step time: the schedule's bubble with perfectly balanced devices over the least layer
+/// times, plus the recompute that memory forces (a fractional knapsack over the activation
+/// bytes the devices cannot hold), plus the cheapest transfer at every boundary, plus the
+/// min-max split of the least sync times. Infinite when memory cannot fit even so.
 pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
-    let devices = p.devices as f64;
+    let devices = p.devices.max(1);
+    let chunks = p.chunks();
     let c = p.bubble_coeff;
     let m = p.microbatches as f64;
-    let mut t_sum = 0.0;
-    let mut sync_sum = 0.0;
-    let mut state = 0.0;
-    let mut kept = 0.0;
+    let always = p.checkpoint == CheckpointRule::Always;
+    let fold_min = |it: &mut dyn Iterator<Item = f64>| it.fold(f64::INFINITY, f64::min);
+    let l_n = p.layers.len();
+    let mut tmin = Vec::with_capacity(l_n);
+    let mut smin = Vec::with_capacity(l_n);
+    let (mut state, mut act_total, mut kept_min) = (0.0, 0.0, 0.0);
+    // (recompute seconds, bytes it frees) per layer, for the knapsack.
+    let mut items: Vec<(f64, f64)> = Vec::new();
     for l in &p.layers {
-        let recompute = p.checkpoint == CheckpointRule::Always;
-        t_sum += l.points.iter().map(|q| q.fwd_s + q.bwd_s + if recompute { q.fwd_s } else { 0.0 }).fold(f64::INFINITY, f64::min);
-        sync_sum += l.points.iter().map(|q| q.sync_s).fold(f64::INFINITY, f64::min);
-        state += l.points.iter().map(|q| q.state_bytes).fold(f64::INFINITY, f64::min);
-        kept += l
-            .points
-            .iter()
-            .map(|q| if p.checkpoint == CheckpointRule::Never { q.act_bytes } else { q.input_bytes })
-            .fold(f64::INFINITY, f64::min);
+        let pts = &l.points;
+        tmin.push(fold_min(&mut pts.iter().map(|q| q.fwd_s + q.bwd_s + if always { q.fwd_s } else { 0.0 })));
+        smin.push(fold_min(&mut pts.iter().map(|q| q.sync_s)));
+        state += fold_min(&mut pts.iter().map(|q| q.state_bytes));
+        let act = fold_min(&mut pts.iter().map(|q| q.act_bytes));
+        let input = fold_min(&mut pts.iter().map(|q| q.input_bytes)).min(act);
+        let kept = match p.checkpoint {
+            CheckpointRule::Never => act,
+            CheckpointRule::Always => input,
+            CheckpointRule::Auto => {
+                items.push((fold_min(&mut pts.iter().map(|q| q.fwd_s)), act - input));
+                act
+            }
+        };
+        act_total += kept;
+        kept_min += if p.checkpoint == CheckpointRule::Never { act } else { input };
     }
+    let t_sum: f64 = tmin.iter().sum();
+    let s_sum: f64 = smin.iter().sum();
     let min_flight = p.in_flight.iter().cloned().fold(f64::INFINITY, f64::min);
-    // The largest device time is at least the min-max split of the least layer times.
-    let recompute = p.checkpoint == CheckpointRule::Always;
-    let tmin: Vec<f64> = p
-        .layers
-        .iter()
-        .map(|l| l.points.iter().map(|q| q.fwd_s + q.bwd_s + if recompute { q.fwd_s } else { 0.0 }).fold(f64::INFINITY, f64::min))
-        .collect();
-    let tau = if p.fixed_chunks.is_none() { min_max_lower_bound(&tmin, p.chunks()) } else { 0.0 };
-    let lb = c * t_sum + (m - c) * tau.max(t_sum / devices) + sync_sum / devices;
-    let mem_lb = (state + kept * min_flight) / devices + p.workspace;
+    let mem_lb = (state + kept_min * min_flight) / devices as f64 + p.workspace;
+    // Device d keeps at most (cap − workspace − state_d) / (least in-flight count of its
+    // chunks) bytes per microbatch; summed over devices with Σ state_d = state.
+    let mut f_dev = vec![f64::INFINITY; devices];
+    for (ch, &f) in p.in_flight.iter().enumerate() {
+        f_dev[ch % devices] = f_dev[ch % devices].min(f.max(1e-12));
+    }
+    let room = p.memory_cap - p.workspace;
+    let f_max = f_dev.iter().cloned().fold(0.0, f64::max);
+    let keep_cap = f_dev.iter().map(|f| room / f).sum::<f64>() - state / f_max;
+    let mut need = act_total - keep_cap;
+    let mut recompute = 0.0;
+    if need > 0.0 {
+        items.sort_by(|a, b| (a.0 * b.1).total_cmp(&(b.0 * a.1)));
+        for (t, bytes) in items {
+            if need <= 0.0 {
+                break;
+            }
+            if bytes <= 0.0 {
+                continue;
+            }
+            let take = (need / bytes).min(1.0);
+            recompute += take * t;
+            need -= take * bytes;
+        }
+        if need > 1e-9 * act_total.max(1.0) {
+            return (f64::INFINITY, mem_lb);
+        }
+    }
+    let busy = t_sum + recompute;
+    let (tau, sigma) = match &p.fixed_chunks {
+        Some(f) => {
+            let mut t = vec![0.0; devices];
+            let mut s = vec![0.0; devices];
+            for (l, &ch) in f.iter().enumerate() {
+                t[ch % devices] += tmin[l];
+                s[ch % devices] += smin[l];
+            }
+            (t.iter().cloned().fold(0.0, f64::max), s.iter().cloned().fold(0.0, f64::max))
+        }
+        None => {
+            let tau = min_max_lower_bound(&tmin, chunks);
+            let sigma = if p.virtual_stages == 1 {
+                min_max_lower_bound(&smin, devices)
+            } else {
+                (s_sum / devices as f64).max(smin.iter().cloned().fold(0.0, f64::max))
+            };
+            (tau, sigma)
+        }
+    };
+    let transfer = match &p.fixed_chunks {
+        Some(f) => (0..l_n.saturating_sub(1))
+            .filter(|&l| f[l] != f[l + 1])
+            .map(|l| 2.0 * p.layers[l].output_bytes * p.transfer_s_per_byte[f[l]])
+            .sum(),
+        None => {
+            let least_out =
+                p.layers[..l_n.saturating_sub(1)].iter().map(|l| l.output_bytes).fold(f64::INFINITY, f64::min);
+            if least_out.is_finite() { p.transfer_s_per_byte.iter().map(|b| 2.0 * least_out * b).sum() } else { 0.0 }
+        }
+    };
+    let lb = c * busy + (m - c) * tau.max(busy / devices as f64) + transfer + sigma;
     (lb, mem_lb)
 }
 
@@ -342,18 +421,52 @@ pub fn run(
             prepare(&mut ctx, cand, cap, c.active_microbatches, f)
         })
         .collect();
+    tracing::debug!("prepared {} candidates in {:.3} s", prepared.len(), start.elapsed().as_secs_f64());
     let min_mem = prepared.iter().map(|p| p.mem_lb).fold(f64::INFINITY, f64::min);
-    let (mut fit, unfit): (Vec<Prepared>, Vec<Prepared>) = prepared.drain(..).partition(|p| p.mem_lb <= cap);
+    let (mut fit, unfit): (Vec<Prepared>, Vec<Prepared>) =
+        prepared.drain(..).partition(|p| p.mem_lb <= cap && p.lb.is_finite());
     let mut skipped = unfit.len() as u64;
     fit.sort_by(|a, b| a.lb.total_cmp(&b.lb));
     let opts = |remaining: f64| SolverOptions { time_limit_s: Some(remaining.max(0.05)), threads: cfg.threads, mip_rel_gap: 0.0 };
+    // Quick layouts first, in bound order while a bound can still beat the best of them: an
+    // incumbent before any ILP, and the guarantee that the answer is no worse than any of
+    // them (equal layer counts included, whatever the time limit).
+    let mut quick: Vec<Option<PipelineSolution>> = vec![None; fit.len()];
     let mut best: Option<(usize, PipelineSolution)> = None;
+    for (i, p) in fit.iter().enumerate() {
+        if best.as_ref().is_some_and(|b| p.lb >= b.1.report.objective * (1.0 - 1e-9)) {
+            break;
+        }
+        let Some((choices, eval)) = incumbent(&p.problem) else { continue };
+        let objective = eval.step_s;
+        let proven = objective <= p.lb * (1.0 + 1e-9);
+        let report = SolveReport {
+            status: if proven { SolveStatus::Optimal } else { SolveStatus::Feasible },
+            objective,
+            bound: if proven { objective } else { p.lb },
+            gap: if proven || objective <= 0.0 { 0.0 } else { (objective - p.lb) / objective },
+            wall_s: 0.0,
+        };
+        let sol = PipelineSolution { report, choices, eval: Some(eval) };
+        if best.as_ref().is_none_or(|b| objective < b.1.report.objective) {
+            best = Some((i, sol.clone()));
+        }
+        quick[i] = Some(sol);
+    }
+    tracing::debug!("quick layouts done at {:.3} s, incumbent {:?}", start.elapsed().as_secs_f64(), best.as_ref().map(|b| b.1.report.objective));
     let mut solved = 0u64;
     let mut open_bound = f64::INFINITY; // least bound among candidates not proven
     let mut done = skipped;
     let mut i = 0;
     while i < fit.len() {
         let p = &fit[i];
+        if quick[i].as_ref().is_some_and(|q| q.report.status == SolveStatus::Optimal) {
+            // Its quick layout meets its bound: solved, without an ILP.
+            solved += 1;
+            done += 1;
+            i += 1;
+            continue;
+        }
         let incumbent = best.as_ref().map(|b| b.1.report.objective);
         if incumbent.is_some_and(|inc| p.lb >= inc * (1.0 - 1e-9)) {
             break;
@@ -364,20 +477,41 @@ pub fn run(
             break;
         }
         // One ILP may use a fifth of the budget, so several candidates get a look.
-        let sol = p.problem.solve(&opts(remaining.min((limit / 5.0).max(0.2))))?;
+        let sol = p.problem.solve_below(&opts(remaining.min((limit / 5.0).max(0.2))), incumbent)?;
         solved += 1;
         done += 1;
+        tracing::debug!(
+            "solved {:?} lb {:.4} -> {:?} {:.4} bound {:.4} in {:.3} s",
+            p.cand,
+            p.lb,
+            sol.report.status,
+            sol.report.objective,
+            sol.report.bound,
+            sol.report.wall_s
+        );
         match sol.report.status {
             SolveStatus::Optimal | SolveStatus::Feasible => {
                 if sol.report.status == SolveStatus::Feasible {
                     open_bound = open_bound.min(sol.report.bound.max(p.lb));
                 }
-                if incumbent.is_none_or(|inc| sol.report.objective < inc) {
+                // The ILP's proof replaces this candidate's own quick layout.
+                let same = best.as_ref().is_some_and(|b| b.0 == i) && sol.report.status == SolveStatus::Optimal;
+                if same || incumbent.is_none_or(|inc| sol.report.objective < inc) {
                     best = Some((i, sol));
                 }
             }
             SolveStatus::TimeLimit => open_bound = open_bound.min(sol.report.bound.max(p.lb)),
-            SolveStatus::Infeasible => {}
+            SolveStatus::Infeasible => {
+                // Nothing in this candidate beats the incumbent: when the incumbent is this
+                // candidate's own quick layout, that layout is its optimum.
+                if let Some((bi, b)) = best.as_mut()
+                    && *bi == i
+                {
+                    b.report.status = SolveStatus::Optimal;
+                    b.report.bound = b.report.objective;
+                    b.report.gap = 0.0;
+                }
+            }
         }
         progress(Progress { done, total, best_step_s: best.as_ref().map(|b| b.1.report.objective) });
         i += 1;

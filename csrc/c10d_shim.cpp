@@ -1,0 +1,191 @@
+// C ABI over libtorch's c10d: TCPStore, PrefixStore subgroups, ProcessGroupGloo (and
+// ProcessGroupNCCL with SMP_WITH_NCCL). Every call catches C++ exceptions and returns a
+// heap-allocated message (free with smp_c10d_free_error) or nullptr on success.
+// Tensors are passed as at::Tensor* (tch's C_tensor).
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef SMP_WITH_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+namespace {
+
+struct Store {
+  c10::intrusive_ptr<c10d::Store> store;
+};
+
+struct Group {
+  c10::intrusive_ptr<c10d::Backend> backend;
+  std::chrono::milliseconds timeout;
+};
+
+struct Work {
+  c10::intrusive_ptr<c10d::Work> work;
+  std::chrono::milliseconds timeout;
+};
+
+char* dup_message(const std::string& s) {
+  char* out = static_cast<char*>(std::malloc(s.size() + 1));
+  if (out != nullptr) {
+    std::memcpy(out, s.c_str(), s.size() + 1);
+  }
+  return out;
+}
+
+template <typename F>
+char* guarded(F&& f) {
+  try {
+    f();
+    return nullptr;
+  } catch (const c10::Error& e) {
+    return dup_message(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return dup_message(e.what());
+  } catch (...) {
+    return dup_message("unknown C++ exception");
+  }
+}
+
+void wait_or_throw(const c10::intrusive_ptr<c10d::Work>& w, std::chrono::milliseconds timeout) {
+  if (!w->wait(timeout)) {
+    throw std::runtime_error("timed out after " + std::to_string(timeout.count()) + " ms");
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+void smp_c10d_free_error(char* e) { std::free(e); }
+
+char* smp_c10d_store_new(const char* host, uint16_t port, int is_server, int world, int64_t timeout_ms, void** out) {
+  return guarded([&] {
+    c10d::TCPStoreOptions opts;
+    opts.port = port;
+    opts.isServer = is_server != 0;
+    opts.numWorkers = world;
+    opts.waitWorkers = false;
+    opts.timeout = std::chrono::milliseconds(timeout_ms);
+    auto store = c10::make_intrusive<c10d::TCPStore>(std::string(host), opts);
+    *out = new Store{store};
+  });
+}
+
+void smp_c10d_store_free(void* s) { delete static_cast<Store*>(s); }
+
+// A process group over `size` members; `rank` is this process's index in it. Members build it
+// with the same `prefix`, under which its keys live in the store.
+char* smp_c10d_group_new(void* store, const char* prefix, int rank, int size, int64_t timeout_ms, int nccl, void** out) {
+  return guarded([&] {
+    auto base = static_cast<Store*>(store)->store;
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), base);
+    auto timeout = std::chrono::milliseconds(timeout_ms);
+    c10::intrusive_ptr<c10d::Backend> backend;
+    if (nccl != 0) {
+#ifdef SMP_WITH_NCCL
+      auto opts = c10d::ProcessGroupNCCL::Options::create();
+      opts->timeout = timeout;
+      backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, rank, size, opts);
+#else
+      throw std::runtime_error("this build has no NCCL (build with feature `cuda`)");
+#endif
+    } else {
+      auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+      opts->threads = 1;
+      backend = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, opts);
+    }
+    *out = new Group{backend, timeout};
+  });
+}
+
+void smp_c10d_group_free(void* g) { delete static_cast<Group*>(g); }
+
+char* smp_c10d_all_reduce_sum(void* g, at::Tensor* t) {
+  return guarded([&] {
+    auto* grp = static_cast<Group*>(g);
+    std::vector<at::Tensor> ts{*t};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    wait_or_throw(grp->backend->allreduce(ts, opts), grp->timeout);
+  });
+}
+
+// `out` holds size × numel(input), member i's input at block i.
+char* smp_c10d_all_gather(void* g, at::Tensor* out, at::Tensor* input) {
+  return guarded([&] {
+    auto* grp = static_cast<Group*>(g);
+    std::vector<std::vector<at::Tensor>> outs(1);
+    auto parts = out->reshape({-1}).chunk(grp->backend->getSize());
+    for (auto& p : parts) outs[0].push_back(p);
+    std::vector<at::Tensor> ins{input->reshape({-1})};
+    wait_or_throw(grp->backend->allgather(outs, ins), grp->timeout);
+  });
+}
+
+// Sums `input` (size × numel(out)) over members; member i receives block i.
+char* smp_c10d_reduce_scatter_sum(void* g, at::Tensor* out, at::Tensor* input) {
+  return guarded([&] {
+    auto* grp = static_cast<Group*>(g);
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    std::vector<at::Tensor> outs{out->reshape({-1})};
+    std::vector<std::vector<at::Tensor>> ins(1);
+    auto parts = input->reshape({-1}).chunk(grp->backend->getSize());
+    for (auto& p : parts) ins[0].push_back(p);
+    wait_or_throw(grp->backend->reduce_scatter(outs, ins, opts), grp->timeout);
+  });
+}
+
+char* smp_c10d_broadcast(void* g, at::Tensor* t, int root) {
+  return guarded([&] {
+    auto* grp = static_cast<Group*>(g);
+    std::vector<at::Tensor> ts{*t};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = root;
+    wait_or_throw(grp->backend->broadcast(ts, opts), grp->timeout);
+  });
+}
+
+char* smp_c10d_barrier(void* g) {
+  return guarded([&] {
+    auto* grp = static_cast<Group*>(g);
+    wait_or_throw(grp->backend->barrier(), grp->timeout);
+  });
+}
+
+char* smp_c10d_isend(void* g, at::Tensor* t, int dst, int tag, void** work) {
+  return guarded([&] {
+    auto* grp = static_cast<Group*>(g);
+    std::vector<at::Tensor> ts{*t};
+    *work = new Work{grp->backend->send(ts, dst, tag), grp->timeout};
+  });
+}
+
+char* smp_c10d_irecv(void* g, at::Tensor* t, int src, int tag, void** work) {
+  return guarded([&] {
+    auto* grp = static_cast<Group*>(g);
+    std::vector<at::Tensor> ts{*t};
+    *work = new Work{grp->backend->recv(ts, src, tag), grp->timeout};
+  });
+}
+
+char* smp_c10d_work_wait(void* w) {
+  return guarded([&] {
+    auto* work = static_cast<Work*>(w);
+    wait_or_throw(work->work, work->timeout);
+  });
+}
+
+void smp_c10d_work_free(void* w) { delete static_cast<Work*>(w); }
+
+}  // extern "C"

@@ -1,0 +1,31 @@
+//! Raw bindings to csrc/c10d_shim.cpp. Every fallible call returns a malloc'd error message
+//! (free with `smp_c10d_free_error`) or null.
+
+use std::ffi::{c_char, c_int, c_void};
+
+use torch_sys::C_tensor;
+
+unsafe extern "C" {
+    pub fn smp_c10d_free_error(e: *mut c_char);
+    pub fn smp_c10d_store_new(host: *const c_char, port: u16, is_server: c_int, world: c_int, timeout_ms: i64, out: *mut *mut c_void) -> *mut c_char;
+    pub fn smp_c10d_store_free(s: *mut c_void);
+    pub fn smp_c10d_group_new(
+        store: *mut c_void,
+        prefix: *const c_char,
+        rank: c_int,
+        size: c_int,
+        timeout_ms: i64,
+        nccl: c_int,
+        out: *mut *mut c_void,
+    ) -> *mut c_char;
+    pub fn smp_c10d_group_free(g: *mut c_void);
+    pub fn smp_c10d_all_reduce_sum(g: *mut c_void, t: *mut C_tensor) -> *mut c_char;
+    pub fn smp_c10d_all_gather(g: *mut c_void, out: *mut C_tensor, input: *mut C_tensor) -> *mut c_char;
+    pub fn smp_c10d_reduce_scatter_sum(g: *mut c_void, out: *mut C_tensor, input: *mut C_tensor) -> *mut c_char;
+    pub fn smp_c10d_broadcast(g: *mut c_void, t: *mut C_tensor, root: c_int) -> *mut c_char;
+    pub fn smp_c10d_barrier(g: *mut c_void) -> *mut c_char;
+    pub fn smp_c10d_isend(g: *mut c_void, t: *mut C_tensor, dst: c_int, tag: c_int, work: *mut *mut c_void) -> *mut c_char;
+    pub fn smp_c10d_irecv(g: *mut c_void, t: *mut C_tensor, src: c_int, tag: c_int, work: *mut *mut c_void) -> *mut c_char;
+    pub fn smp_c10d_work_wait(w: *mut c_void) -> *mut c_char;
+    pub fn smp_c10d_work_free(w: *mut c_void);
+}

@@ -1,0 +1,843 @@
+//! One rank of a plan: stage subgraphs of the model, the rank's program (forward, backward,
+//! weight-gradient, sends, receives, collectives, optimizer step) executed in order, with
+//! autograd across stage boundaries, data-parallel gradient sums (bucketed), ZeRO-sharded
+//! AdamW and tied-weight gradient sums.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tch::{Kind, Tensor};
+
+use super::RuntimeError;
+use super::dist::{Backend, DistError, ProcessGroup, RankEnv, Store, Work};
+use super::executor::Executor;
+use super::train::{self, AdamW, AdamWConfig, Batch, LossKind, StepRecord};
+use super::weights::is_trainable;
+use crate::codegen::{Instr, Payload, RankProgram};
+use crate::ir::{Graph, LayeredGraph, NodeId, ScheduleKind, ValueId, ValueKind};
+use crate::passes::{self, AnalyzeOptions};
+use crate::plan::Plan;
+
+impl From<DistError> for RuntimeError {
+    fn from(e: DistError) -> Self {
+        RuntimeError::Train(e.to_string())
+    }
+}
+
+fn terr(m: impl Into<String>) -> RuntimeError {
+    RuntimeError::Train(m.into())
+}
+
+/// Which nodes and values each (global) stage of a plan owns.
+#[derive(Clone, Debug)]
+pub struct StageLayout {
+    /// Nodes of each stage, in execution order.
+    pub nodes: Vec<Vec<NodeId>>,
+    /// `crossing[s]`: values made by stages ≤ s and read by stages > s (what stage s sends).
+    pub crossing: Vec<Vec<ValueId>>,
+    /// Trainable initializers each stage reads.
+    pub params: Vec<Vec<ValueId>>,
+    /// Stages whose forward is recomputed in the backward.
+    pub recompute: Vec<bool>,
+}
+
+/// Assigns the nodes of `graph` (as imported) to the plan's stages by their layers: layers
+/// come from the same analysis the planner ran; nodes the analysis folded away go with their
+/// first consumer.
+pub fn stage_layout(plan: &Plan, graph: &Graph, lg: &LayeredGraph) -> Result<StageLayout, RuntimeError> {
+    let stages = plan.stages.len();
+    let mut layer_stage = vec![None; lg.layers.len()];
+    for (s, st) in plan.stages.iter().enumerate() {
+        if st.index != s {
+            return Err(terr(format!("plan stage {s} has index {}; stages must be listed in order", st.index)));
+        }
+        for l in st.layers[0]..=st.layers[1] {
+            let slot = layer_stage
+                .get_mut(l)
+                .ok_or_else(|| terr(format!("stage {s} names layer {l}, but the model has {} layers", lg.layers.len())))?;
+            *slot = Some(s);
+        }
+    }
+    let mut by_name: HashMap<&str, usize> = HashMap::new();
+    for (l, layer) in lg.layers.iter().enumerate() {
+        let s = layer_stage[l].ok_or_else(|| terr(format!("layer {l} (`{}`) is in no stage of the plan", layer.name)))?;
+        for &n in &layer.nodes {
+            by_name.insert(lg.graph.node(n).name.as_str(), s);
+        }
+    }
+    let order = graph.topo_order()?;
+    let uses = graph.uses();
+    let mut stage_of: HashMap<NodeId, usize> = HashMap::new();
+    for &n in &order {
+        if let Some(&s) = by_name.get(graph.node(n).name.as_str()) {
+            stage_of.insert(n, s);
+        }
+    }
+    // folded helpers: the earliest stage among their consumers
+    for &n in order.iter().rev() {
+        if stage_of.contains_key(&n) {
+            continue;
+        }
+        let s = graph
+            .node(n)
+            .outputs
+            .iter()
+            .flat_map(|o| uses[o.index()].iter())
+            .filter_map(|u| stage_of.get(u).copied())
+            .min()
+            .unwrap_or(stages - 1);
+        stage_of.insert(n, s);
+    }
+    let mut nodes = vec![Vec::new(); stages];
+    for &n in &order {
+        nodes[stage_of[&n]].push(n);
+    }
+    let mut made_in: HashMap<ValueId, usize> = HashMap::new();
+    for &n in &order {
+        for &o in &graph.node(n).outputs {
+            made_in.insert(o, stage_of[&n]);
+        }
+    }
+    let mut crossing: Vec<BTreeSet<ValueId>> = vec![BTreeSet::new(); stages.saturating_sub(1)];
+    let mut params: Vec<BTreeSet<ValueId>> = vec![BTreeSet::new(); stages];
+    for &n in &order {
+        let s = stage_of[&n];
+        for &v in graph.node(n).inputs.iter().flatten() {
+            if let Some(&from) = made_in.get(&v) {
+                if from > s {
+                    return Err(terr(format!(
+                        "node `{}` in stage {s} reads `{}` made in the later stage {from}",
+                        graph.node(n).name,
+                        graph.value(v).name
+                    )));
+                }
+                for c in crossing.iter_mut().take(s).skip(from) {
+                    c.insert(v);
+                }
+            } else if graph.value(v).kind != ValueKind::Input && is_trainable(graph, v) {
+                params[s].insert(v);
+            }
+        }
+    }
+    for &o in &graph.outputs {
+        if let Some(&from) = made_in.get(&o) {
+            for c in crossing.iter_mut().skip(from) {
+                c.insert(o);
+            }
+        }
+    }
+    let full = plan.parallel.checkpointing == "full";
+    let recompute = plan.stages.iter().map(|s| full || !s.checkpointed_layers.is_empty()).collect();
+    Ok(StageLayout {
+        nodes,
+        crossing: crossing.into_iter().map(|c| c.into_iter().collect()).collect(),
+        params: params.into_iter().map(|c| c.into_iter().collect()).collect(),
+        recompute,
+    })
+}
+
+/// Where each global rank sits: its pipeline rank and data-parallel index.
+#[derive(Clone, Debug)]
+pub struct Placement {
+    /// Pipeline ranks.
+    pub pp: usize,
+    /// Data-parallel degree.
+    pub dp: usize,
+    /// `ranks[q][d]`: the global rank of pipeline rank q in replica d.
+    pub ranks: Vec<Vec<usize>>,
+}
+
+impl Placement {
+    /// From the plan's stage rank lists.
+    pub fn of(plan: &Plan) -> Result<Placement, RuntimeError> {
+        let p = plan.parallel.pp.max(1);
+        let dp = plan.parallel.dp.max(1);
+        if plan.parallel.tp > 1 {
+            return Err(terr(format!(
+                "the plan uses tensor parallelism (tp = {}); this runner executes pipeline and data parallelism only — re-plan with --tp 1",
+                plan.parallel.tp
+            )));
+        }
+        let mut ranks = vec![Vec::new(); p];
+        for st in &plan.stages {
+            let q = st.pp_rank;
+            if q >= p {
+                return Err(terr(format!("stage {} sits on pipeline rank {q}, but pp = {p}", st.index)));
+            }
+            if st.ranks.len() != dp {
+                return Err(terr(format!("stage {} lists {} ranks; with tp = 1 it needs dp = {dp}", st.index, st.ranks.len())));
+            }
+            if ranks[q].is_empty() {
+                ranks[q] = st.ranks.clone();
+            } else if ranks[q] != st.ranks {
+                return Err(terr(format!("stages of pipeline rank {q} list different ranks")));
+            }
+        }
+        if ranks.iter().any(Vec::is_empty) {
+            return Err(terr("a pipeline rank has no stage"));
+        }
+        Ok(Placement { pp: p, dp, ranks })
+    }
+
+    /// (pipeline rank, replica) of a global rank.
+    pub fn locate(&self, rank: usize) -> Option<(usize, usize)> {
+        self.ranks.iter().enumerate().find_map(|(q, rs)| rs.iter().position(|&r| r == rank).map(|d| (q, d)))
+    }
+
+    /// Number of ranks.
+    pub fn world(&self) -> usize {
+        self.pp * self.dp
+    }
+}
+
+/// The schedule a plan names.
+pub fn schedule_of(plan: &Plan) -> Result<ScheduleKind, RuntimeError> {
+    let v = plan.parallel.virtual_stages.max(1);
+    let name = if plan.parallel.schedule == "interleaved" { format!("interleaved:{v}") } else { plan.parallel.schedule.clone() };
+    name.parse::<ScheduleKind>().map_err(|e| terr(format!("plan schedule: {e}")))
+}
+
+/// Every rank's program, as codegen emitted them into the plan (plans written before the
+/// codegen section get it built here from the same analysis).
+pub fn rank_programs(plan: &Plan, lg: &LayeredGraph) -> Result<Vec<RankProgram>, RuntimeError> {
+    let built;
+    let section = match &plan.codegen {
+        Some(c) => c,
+        None => {
+            let input = plan.codegen_input().map_err(|e| terr(e.to_string()))?;
+            built = crate::codegen::encode::build(lg, &input).map_err(|e| terr(e.to_string()))?;
+            &built
+        }
+    };
+    let mut programs = section.all_programs(&plan.mesh(), plan.parallel.sharded_dp).map_err(|e| terr(e.to_string()))?;
+    programs.sort_by_key(|p| p.rank);
+    Ok(programs)
+}
+
+/// Runs the planner's analysis of the model (layers as the plan numbers them).
+pub fn analyse(plan: &Plan, graph: &Graph) -> Result<LayeredGraph, RuntimeError> {
+    let opts = AnalyzeOptions { seq_len: plan.seq_len.map(|s| s as i64), dims: plan.dims.clone() };
+    passes::analyze(graph.clone(), &opts).map_err(|e| terr(format!("analysing the model for its layers: {e}")))
+}
+
+/// Settings of a distributed run.
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    /// Optimizer steps.
+    pub steps: usize,
+    /// What is minimised.
+    pub loss: LossKind,
+    /// Optimizer settings.
+    pub adamw: AdamWConfig,
+    /// Global gradient-norm limit.
+    pub clip: Option<f64>,
+    /// Timeout of every collective and receive.
+    pub timeout: Duration,
+    /// Data-parallel all-reduce bucket size.
+    pub bucket_bytes: usize,
+    /// Print `[rank R] step N` on stderr after every step.
+    pub progress: bool,
+}
+
+/// What one rank measured.
+#[derive(Clone, Debug)]
+pub struct RankReport {
+    /// Per step: the global mean loss (identical on every rank) and this rank's step time.
+    pub steps: Vec<StepRecord>,
+    /// Every rank's mean step time (first step excluded) and peak RSS, by global rank.
+    pub ranks: Vec<(f64, u64)>,
+}
+
+struct MbState {
+    inputs: Vec<(ValueId, Tensor)>,
+    outputs: Vec<(ValueId, Tensor)>,
+    loss: Option<Tensor>,
+    /// The backward's root, kept between a split B and its W.
+    root: Option<Tensor>,
+}
+
+const META: usize = 10;
+
+fn kind_code(k: Kind) -> Result<i64, RuntimeError> {
+    Ok(match k {
+        Kind::Float => 0,
+        Kind::Double => 1,
+        Kind::Int64 => 2,
+        Kind::Int => 3,
+        Kind::Bool => 4,
+        Kind::Half => 5,
+        Kind::BFloat16 => 6,
+        Kind::Uint8 => 7,
+        Kind::Int8 => 8,
+        other => return Err(terr(format!("cannot send tensors of kind {other:?}"))),
+    })
+}
+
+fn code_kind(c: i64) -> Result<Kind, RuntimeError> {
+    Ok(match c {
+        0 => Kind::Float,
+        1 => Kind::Double,
+        2 => Kind::Int64,
+        3 => Kind::Int,
+        4 => Kind::Bool,
+        5 => Kind::Half,
+        6 => Kind::BFloat16,
+        7 => Kind::Uint8,
+        8 => Kind::Int8,
+        _ => return Err(terr(format!("received an unknown tensor kind code {c}"))),
+    })
+}
+
+fn tag(what: Payload, stage: usize, mb: usize, j: usize) -> u32 {
+    let w = usize::from(what == Payload::Gradient);
+    ((((w * 64 + stage % 64) * 1024 + mb % 1024) * 1024) + j % 1024) as u32
+}
+
+fn is_float(t: &Tensor) -> bool {
+    matches!(t.kind(), Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16)
+}
+
+/// One stage's ZeRO shard of its parameters: the flat parameter vector cut into `parts`
+/// blocks, this rank holding block `index`.
+struct Shard {
+    parts: i64,
+    index: i64,
+    len: i64,
+    grad: Option<Tensor>,
+    /// Updated parameter block awaiting its all-gather.
+    updated: Option<Tensor>,
+    opt: Option<AdamW>,
+}
+
+/// Runs this rank's part of `plan` for `cfg.steps` steps on `batch` (the global batch; every
+/// rank holds it and takes its replica's share).
+pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, env: &RankEnv) -> Result<RankReport, RuntimeError> {
+    let graph = exec.graph();
+    let lg = analyse(plan, graph)?;
+    let layout = stage_layout(plan, graph, &lg)?;
+    let place = Placement::of(plan)?;
+    if env.world != place.world() {
+        return Err(terr(format!(
+            "the plan needs {} ranks (pp {} × dp {}), WORLD_SIZE is {}; launch with --nproc {}",
+            place.world(),
+            place.pp,
+            place.dp,
+            env.world,
+            place.world()
+        )));
+    }
+    let programs = rank_programs(plan, &lg)?;
+    drop(lg);
+    let kind = schedule_of(plan)?;
+    let me = env.rank;
+    let (q, d) = place.locate(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
+    let program = programs.iter().find(|p| p.rank == me).ok_or_else(|| terr(format!("no program for rank {me}")))?;
+    let m = plan.parallel.microbatches.max(1);
+    let dp = place.dp;
+    let shard_group = plan.parallel.sharded_dp.filter(|&n| n > 1 && n < dp).unwrap_or(dp);
+
+    // groups: every distinct member list in any program, plus the world, created in one global
+    // order by their members (creation is a rendezvous)
+    let store: Arc<Store> = Store::connect(env, cfg.timeout)?;
+    let world: Vec<usize> = (0..env.world).collect();
+    let mut lists: BTreeSet<Vec<usize>> = BTreeSet::new();
+    lists.insert(world.clone());
+    for p in &programs {
+        for i in &p.instrs {
+            if let Some((g, _)) = i.collective() {
+                lists.insert(g.to_vec());
+            }
+        }
+    }
+    let mut groups: HashMap<Vec<usize>, ProcessGroup> = HashMap::new();
+    for g in lists {
+        if g.contains(&me) {
+            let pg = ProcessGroup::new(&store, &g, me, cfg.timeout, Backend::Gloo)?;
+            groups.insert(g, pg);
+        }
+    }
+    let world_pg = &groups[&world];
+    let group = |g: &Vec<usize>| groups.get(g).ok_or_else(|| terr(format!("rank {me} is not in group {g:?}")));
+
+    // this rank's parameters; each belongs to the first of this rank's stages reading it
+    let n_stages = plan.stages.len();
+    let my_stages: Vec<usize> = (0..n_stages).filter(|&s| kind.rank_of_stage(s, place.pp) == q).collect();
+    let mut param_ids: Vec<ValueId> = Vec::new();
+    let mut owned: Vec<Vec<usize>> = vec![Vec::new(); n_stages];
+    for &s in &my_stages {
+        for &v in &layout.params[s] {
+            if !param_ids.contains(&v) {
+                owned[s].push(param_ids.len());
+                param_ids.push(v);
+            }
+        }
+    }
+    let first_holder = |v: ValueId| (0..n_stages).find(|&s| layout.params[s].contains(&v)).map(|s| kind.rank_of_stage(s, place.pp));
+    // norms count each element once: tied weights on their first pipeline rank, replicated
+    // gradients on the first replica (or shard group)
+    let counted: Vec<bool> = param_ids.iter().map(|&v| first_holder(v) == Some(q)).collect();
+    let params: Vec<Tensor> = param_ids
+        .iter()
+        .map(|v| exec.weights.get(v).map(Tensor::shallow_clone).ok_or_else(|| terr(format!("no weight for `{}`", graph.value(*v).name))))
+        .collect::<Result<_, _>>()?;
+    let pos_of: HashMap<ValueId, usize> = param_ids.iter().enumerate().map(|(i, v)| (*v, i)).collect();
+    let float_kind = params.first().map_or(Kind::Float, Tensor::kind);
+    let opts = (float_kind, tch::Device::Cpu);
+    // the flat vector of stage s's parameters (or their gradients), padded to `parts` blocks
+    let flat = |s: usize, ts: &[Tensor], parts: i64| -> Result<(Tensor, i64), RuntimeError> {
+        let mut v: Vec<Tensor> = owned[s].iter().map(|&i| ts[i].f_detach().and_then(|t| t.f_reshape([-1]))).collect::<Result<_, _>>()?;
+        let total: i64 = owned[s].iter().map(|&i| params[i].numel() as i64).sum();
+        let len = (total + parts - 1) / parts.max(1);
+        if len * parts > total {
+            v.push(Tensor::f_zeros([len * parts - total], opts)?);
+        }
+        Ok((if v.is_empty() { Tensor::f_zeros([0], opts)? } else { Tensor::f_cat(&v, 0)? }, len))
+    };
+    let mask_of = |s: usize, sh: &Shard| -> Result<Tensor, RuntimeError> {
+        let ones: Vec<Tensor> = params.iter().zip(&counted).map(|(p, &c)| p.f_full_like(if c { 1.0 } else { 0.0 })).collect::<Result<_, _>>()?;
+        Ok(flat(s, &ones, sh.parts)?.0.f_narrow(0, sh.index * sh.len, sh.len)?)
+    };
+    let mut shards: Vec<Option<Shard>> = (0..n_stages).map(|_| None).collect();
+    let mut full_opt: Option<AdamW> = None;
+
+    // this replica's microbatches: replica d takes the d-th contiguous share of the batch
+    let replica: Batch = {
+        let mut out = Vec::new();
+        for (name, t) in batch {
+            let b = t.size().first().copied().unwrap_or(0);
+            if b % (dp * m) as i64 != 0 {
+                return Err(terr(format!("array `{name}` has batch {b}, not divisible into dp {dp} × {m} microbatches")));
+            }
+            out.push((name.clone(), t.f_narrow(0, d as i64 * (b / dp as i64), b / dp as i64)?));
+        }
+        out
+    };
+    let micro = train::split_batch(&replica, m)?;
+    let input_names: Vec<String> = graph.inputs.iter().map(|&v| graph.value(v).name.clone()).collect();
+    let feeds_of: Vec<HashMap<ValueId, Tensor>> = micro
+        .iter()
+        .map(|mb| {
+            let f: Vec<(String, Tensor)> =
+                mb.iter().filter(|(n, _)| input_names.contains(n)).map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+            exec.bind_inputs(f)
+        })
+        .collect::<Result<_, _>>()?;
+    let last_stage = n_stages - 1;
+    let weight = 1.0 / (m * dp) as f64;
+    let split_w: BTreeSet<(usize, usize)> =
+        program.instrs.iter().filter_map(|i| if let Instr::BackwardWeight { stage, mb } = i { Some((*stage, *mb)) } else { None }).collect();
+    let stage_of_tag = |t: &str| -> Result<usize, RuntimeError> {
+        t.rsplit_once(":stage")
+            .and_then(|(_, s)| s.parse::<usize>().ok())
+            .filter(|s| my_stages.contains(s))
+            .ok_or_else(|| terr(format!("collective tag `{t}` names no stage of rank {me}")))
+    };
+
+    let mut records = Vec::with_capacity(cfg.steps);
+    for step in 1..=cfg.steps {
+        let t0 = Instant::now();
+        let mut grads: Vec<Option<Tensor>> = (0..params.len()).map(|_| None).collect();
+        let mut state: HashMap<(usize, usize), MbState> = HashMap::new();
+        let mut act_in: HashMap<(usize, usize), Vec<Tensor>> = HashMap::new();
+        let mut grad_for: HashMap<(usize, usize), Vec<Tensor>> = HashMap::new();
+        let mut pending: Vec<Work> = Vec::new();
+        let mut loss_sum = 0.0;
+        let full_grads = |grads: &[Option<Tensor>]| -> Result<Vec<Tensor>, RuntimeError> {
+            grads
+                .iter()
+                .zip(&params)
+                .map(|(g, p)| match g {
+                    Some(g) => Ok(g.shallow_clone()),
+                    None => Ok(p.f_zeros_like()?),
+                })
+                .collect()
+        };
+
+        let forward = |s: usize, mb: usize, inputs: &[(ValueId, Tensor)], grad: bool| -> Result<(Vec<(ValueId, Tensor)>, Option<Tensor>), RuntimeError> {
+            let mut feeds: HashMap<ValueId, Tensor> = feeds_of[mb].iter().map(|(k, v)| (*k, v.shallow_clone())).collect();
+            for (v, t) in inputs {
+                feeds.insert(*v, t.shallow_clone());
+            }
+            let keep: Vec<ValueId> = if s == last_stage { graph.outputs.clone() } else { layout.crossing[s].clone() };
+            let run = || exec.run_nodes(&layout.nodes[s], &feeds, &keep);
+            let outs = if grad { run()? } else { tch::no_grad(run)? };
+            if s == last_stage {
+                let outs: Vec<Tensor> = keep.iter().map(|v| outs[v].shallow_clone()).collect();
+                let loss = train::loss_of(exec, cfg.loss, &micro[mb], &outs)?.f_mul_scalar(weight)?;
+                Ok((Vec::new(), Some(loss)))
+            } else {
+                Ok((keep.iter().map(|v| (*v, outs[v].shallow_clone())).collect(), None))
+            }
+        };
+
+        for instr in &program.instrs {
+            match instr {
+                Instr::Forward { stage: s, mb } => {
+                    let (s, mb) = (*s, *mb);
+                    let raw: Vec<Tensor> = if s == 0 {
+                        Vec::new()
+                    } else if let Some(t) = act_in.remove(&(s, mb)) {
+                        t
+                    } else {
+                        let prev = state.get(&(s - 1, mb)).ok_or_else(|| terr(format!("stage {s} mb {mb}: no input from stage {}", s - 1)))?;
+                        prev.outputs.iter().map(|(_, t)| t.shallow_clone()).collect()
+                    };
+                    let ids: &[ValueId] = if s == 0 { &[] } else { &layout.crossing[s - 1] };
+                    if raw.len() != ids.len() {
+                        return Err(terr(format!("stage {s} mb {mb}: {} inputs arrived, {} expected", raw.len(), ids.len())));
+                    }
+                    let inputs: Vec<(ValueId, Tensor)> = ids
+                        .iter()
+                        .zip(raw)
+                        .map(|(v, t)| Ok((*v, if is_float(&t) { t.f_detach()?.f_set_requires_grad(true)? } else { t })))
+                        .collect::<Result<_, RuntimeError>>()?;
+                    let (outputs, loss) = forward(s, mb, &inputs, !layout.recompute[s])?;
+                    if let Some(l) = &loss {
+                        loss_sum += l.f_double_value(&[])?;
+                    }
+                    state.insert((s, mb), MbState { inputs, outputs, loss, root: None });
+                }
+                Instr::Backward { stage: s, mb } => {
+                    let (s, mb) = (*s, *mb);
+                    let mut st = state.remove(&(s, mb)).ok_or_else(|| terr(format!("backward of stage {s} mb {mb} before its forward")))?;
+                    if layout.recompute[s] {
+                        let (outputs, loss) = forward(s, mb, &st.inputs, true)?;
+                        st.outputs = outputs;
+                        st.loss = loss;
+                    }
+                    let mut root: Option<Tensor> = st.loss.take();
+                    if s != last_stage {
+                        let gs = grad_for.remove(&(s, mb)).unwrap_or_default();
+                        let floats: Vec<&Tensor> = st.outputs.iter().map(|(_, t)| t).filter(|t| is_float(t)).collect();
+                        if gs.len() != floats.len() {
+                            return Err(terr(format!("stage {s} mb {mb}: {} gradients for {} outputs", gs.len(), floats.len())));
+                        }
+                        for (o, g) in floats.into_iter().zip(&gs) {
+                            if o.requires_grad() {
+                                let term = o.f_mul(g)?.f_sum(o.kind())?;
+                                root = Some(match root {
+                                    Some(r) => r.f_add(&term)?,
+                                    None => term,
+                                });
+                            }
+                        }
+                    }
+                    let leaves: Vec<Tensor> = st.inputs.iter().map(|(_, t)| t).filter(|t| is_float(t)).map(Tensor::shallow_clone).collect();
+                    let mine: Vec<usize> = layout.params[s].iter().filter_map(|v| pos_of.get(v).copied()).collect();
+                    let split = split_w.contains(&(s, mb));
+                    let mut in_grads: Vec<Tensor> = Vec::new();
+                    if let Some(r) = root.as_ref().filter(|r| r.requires_grad()) {
+                        let grad_leaves: Vec<&Tensor> = leaves.iter().filter(|t| t.requires_grad()).collect();
+                        let mut inputs: Vec<&Tensor> = grad_leaves.clone();
+                        if !split {
+                            inputs.extend(mine.iter().map(|&i| &params[i]));
+                        }
+                        // B of a split backward keeps the graph for its W
+                        let got = if inputs.is_empty() { Vec::new() } else { Tensor::f_run_backward(&[r], &inputs, split, false)? };
+                        let (gin, gp) = got.split_at(grad_leaves.len());
+                        let mut it = gin.iter();
+                        for t in &leaves {
+                            let g = if t.requires_grad() { it.next().map(Tensor::shallow_clone) } else { None };
+                            in_grads.push(match g.filter(Tensor::defined) {
+                                Some(g) => g,
+                                None => t.f_zeros_like()?,
+                            });
+                        }
+                        for (&i, g) in mine.iter().zip(gp) {
+                            accumulate(&mut grads[i], g)?;
+                        }
+                    } else {
+                        for t in &leaves {
+                            in_grads.push(t.f_zeros_like()?);
+                        }
+                    }
+                    if split {
+                        st.root = root;
+                        state.insert((s, mb), st);
+                    }
+                    if s > 0 {
+                        grad_for.insert((s - 1, mb), in_grads);
+                    }
+                }
+                Instr::BackwardWeight { stage: s, mb } => {
+                    let (s, mb) = (*s, *mb);
+                    let st = state.remove(&(s, mb)).ok_or_else(|| terr(format!("weight gradient of stage {s} mb {mb} before its backward")))?;
+                    if let Some(r) = st.root.filter(|r| r.requires_grad()) {
+                        let mine: Vec<usize> = layout.params[s].iter().filter_map(|v| pos_of.get(v).copied()).collect();
+                        let inputs: Vec<&Tensor> = mine.iter().map(|&i| &params[i]).collect();
+                        if !inputs.is_empty() {
+                            let got = Tensor::f_run_backward(&[&r], &inputs, false, false)?;
+                            for (&i, g) in mine.iter().zip(&got) {
+                                accumulate(&mut grads[i], g)?;
+                            }
+                        }
+                    }
+                }
+                Instr::Send { peer, what, stage: s, mb, .. } => {
+                    let (s, mb) = (*s, *mb);
+                    let ts: Vec<Tensor> = match what {
+                        Payload::Activation => state
+                            .get(&(s, mb))
+                            .ok_or_else(|| terr(format!("send of stage {s} mb {mb} before its forward")))?
+                            .outputs
+                            .iter()
+                            .map(|(_, t)| t.shallow_clone())
+                            .collect(),
+                        Payload::Gradient => grad_for
+                            .remove(&(s - 1, mb))
+                            .ok_or_else(|| terr(format!("gradient send of stage {s} mb {mb} before its backward")))?,
+                    };
+                    for (j, t) in ts.iter().enumerate() {
+                        let t = t.f_detach()?.f_contiguous()?;
+                        let mut meta = vec![0i64; META];
+                        let size = t.size();
+                        if size.len() > META - 2 {
+                            return Err(terr(format!("cannot send a rank-{} tensor", size.len())));
+                        }
+                        meta[0] = size.len() as i64;
+                        meta[1..=size.len()].copy_from_slice(&size);
+                        meta[META - 1] = kind_code(t.kind())?;
+                        let meta = Tensor::from_slice(&meta);
+                        pending.push(world_pg.isend(&meta, *peer, tag(*what, s, mb, 2 * j))?);
+                        pending.push(world_pg.isend(&t, *peer, tag(*what, s, mb, 2 * j + 1))?);
+                    }
+                }
+                Instr::Recv { peer, what, stage: s, mb, .. } => {
+                    let (s, mb) = (*s, *mb);
+                    // the sender tags with its own stage
+                    let (from, count) = match what {
+                        Payload::Activation => (s - 1, layout.crossing[s - 1].len()),
+                        Payload::Gradient => {
+                            let st = state.get(&(s, mb)).ok_or_else(|| terr(format!("gradient for stage {s} mb {mb} before its forward")))?;
+                            (s + 1, st.outputs.iter().filter(|(_, t)| is_float(t)).count())
+                        }
+                    };
+                    let mut got = Vec::with_capacity(count);
+                    for j in 0..count {
+                        let meta = Tensor::f_zeros([META as i64], (Kind::Int64, tch::Device::Cpu))?;
+                        let meta = world_pg.irecv(&meta, *peer, tag(*what, from, mb, 2 * j))?.wait()?;
+                        let meta: Vec<i64> = Vec::<i64>::try_from(&meta).map_err(|e| terr(e.to_string()))?;
+                        let rank = meta[0].clamp(0, META as i64 - 2) as usize;
+                        let buf = Tensor::f_zeros(&meta[1..=rank], (code_kind(meta[META - 1])?, tch::Device::Cpu))?;
+                        got.push(world_pg.irecv(&buf, *peer, tag(*what, from, mb, 2 * j + 1))?.wait()?);
+                    }
+                    match what {
+                        Payload::Activation => act_in.insert((s, mb), got),
+                        Payload::Gradient => grad_for.insert((s, mb), got),
+                    };
+                }
+                Instr::AllReduce { group: g, tag: t, .. } => {
+                    let pg = group(g)?;
+                    if let Some(name) = t.strip_prefix("tied-grad:").or_else(|| t.strip_prefix("tied:")) {
+                        let v = graph.value_by_name(name).ok_or_else(|| terr(format!("tied weight `{name}` is not in the model")))?;
+                        let i = *pos_of.get(&v).ok_or_else(|| terr(format!("tied weight `{name}` is not on rank {me}")))?;
+                        let g = match grads[i].take() {
+                            Some(g) => g.f_contiguous()?,
+                            None => params[i].f_zeros_like()?,
+                        };
+                        pg.all_reduce_sum(&g)?;
+                        grads[i] = Some(g);
+                    } else if t.starts_with("dp-grads") {
+                        let s = stage_of_tag(t)?;
+                        if let Some(sh) = shards[s].as_mut().filter(|sh| sh.grad.is_some()) {
+                            // sharded data parallelism: the reduced shard summed across groups
+                            if let Some(gs) = &sh.grad {
+                                pg.all_reduce_sum(gs)?;
+                            }
+                        } else if plan.parallel.zero >= 1 {
+                            // ZeRO 1: full all-reduce, then this rank's block
+                            let parts = pg.size() as i64;
+                            let (f, len) = flat(s, &full_grads(&grads)?, parts)?;
+                            pg.all_reduce_sum(&f)?;
+                            let index = pg.index() as i64;
+                            let sh = shards[s].get_or_insert_with(|| Shard { parts, index, len, grad: None, updated: None, opt: None });
+                            sh.grad = Some(f.f_narrow(0, index * len, len)?.f_contiguous()?);
+                            for &i in &owned[s] {
+                                grads[i] = None;
+                            }
+                        } else {
+                            let mine: Vec<Tensor> = owned[s].iter().map(|&i| grads[i].as_ref().map_or_else(|| params[i].f_zeros_like(), |g| Ok(g.shallow_clone()))).collect::<Result<_, _>>()?;
+                            let reduced = all_reduce_bucketed(pg, mine, cfg.bucket_bytes)?;
+                            for (&i, g) in owned[s].iter().zip(reduced) {
+                                grads[i] = Some(g);
+                            }
+                        }
+                    } else {
+                        return Err(terr(format!("all-reduce with unknown tag `{t}`")));
+                    }
+                }
+                Instr::ReduceScatter { group: g, tag: t, .. } => {
+                    if !t.starts_with("dp-grads") {
+                        return Err(terr(format!("reduce-scatter with unknown tag `{t}`")));
+                    }
+                    let s = stage_of_tag(t)?;
+                    let pg = group(g)?;
+                    let parts = pg.size() as i64;
+                    let (f, len) = flat(s, &full_grads(&grads)?, parts)?;
+                    let out = Tensor::f_zeros([len], opts)?;
+                    pg.reduce_scatter_sum(&out, &f)?;
+                    let index = pg.index() as i64;
+                    let sh = shards[s].get_or_insert_with(|| Shard { parts, index, len, grad: None, updated: None, opt: None });
+                    sh.grad = Some(out);
+                    for &i in &owned[s] {
+                        grads[i] = None;
+                    }
+                }
+                Instr::OptimizerStep => {
+                    for w in pending.drain(..) {
+                        let _ = w.wait()?;
+                    }
+                    let _guard = tch::no_grad_guard();
+                    // squared norm of the gradients this rank counts, and its loss share
+                    let mut sq = 0.0;
+                    for (s, sh) in shards.iter().enumerate() {
+                        if let Some(sh) = sh {
+                            if let (Some(g), true) = (&sh.grad, d < shard_group) {
+                                sq += g.f_mul(&mask_of(s, sh)?)?.f_square()?.f_sum(Kind::Double)?.f_double_value(&[])?;
+                            }
+                        }
+                    }
+                    if d == 0 {
+                        for (g, &c) in grads.iter().zip(&counted) {
+                            if let (Some(g), true) = (g, c) {
+                                let n = g.f_norm()?.f_double_value(&[])?;
+                                sq += n * n;
+                            }
+                        }
+                    }
+                    let both = Tensor::from_slice(&[sq, loss_sum]);
+                    world_pg.all_reduce_sum(&both)?;
+                    let both: Vec<f64> = Vec::<f64>::try_from(&both).map_err(|e| terr(e.to_string()))?;
+                    loss_sum = both[1];
+                    let coef = cfg.clip.map_or(1.0, |c| (c / (both[0].sqrt() + 1e-6)).min(1.0));
+                    if cfg.clip.is_some() {
+                        for g in grads.iter_mut().flatten() {
+                            let _ = g.f_mul_scalar_(coef)?;
+                        }
+                    }
+                    for (s, sh) in shards.iter_mut().enumerate() {
+                        let Some(sh) = sh else { continue };
+                        let Some(mut g) = sh.grad.take() else { continue };
+                        if cfg.clip.is_some() {
+                            let _ = g.f_mul_scalar_(coef)?;
+                        }
+                        let block = flat(s, &params, sh.parts)?.0.f_narrow(0, sh.index * sh.len, sh.len)?.f_contiguous()?;
+                        let opt = match &mut sh.opt {
+                            Some(o) => o,
+                            None => sh.opt.insert(AdamW::new(&[block.shallow_clone()], cfg.adamw)?),
+                        };
+                        opt.step_with(&[block.shallow_clone()], &[g])?;
+                        sh.updated = Some(block);
+                    }
+                    // parameters not in any shard: the plain (replicated) AdamW
+                    let plain: Vec<usize> = (0..params.len()).filter(|i| grads[*i].is_some()).collect();
+                    if !plain.is_empty() {
+                        let opt = match &mut full_opt {
+                            Some(o) => o,
+                            None => full_opt.insert(AdamW::new(&params, cfg.adamw)?),
+                        };
+                        let gs: Vec<Tensor> = grads.iter().map(|g| g.as_ref().map_or_else(Tensor::new, Tensor::shallow_clone)).collect();
+                        opt.step_with(&params, &gs)?;
+                    }
+                }
+                Instr::AllGather { group: g, tag: t, .. } => {
+                    if !t.starts_with("zero-params") && !t.starts_with("zero3-params") {
+                        return Err(terr(format!("all-gather with unknown tag `{t}`")));
+                    }
+                    let s = stage_of_tag(t)?;
+                    let pg = group(g)?;
+                    let parts = pg.size() as i64;
+                    let index = pg.index() as i64;
+                    let (current, len) = flat(s, &params, parts)?;
+                    let sh = shards[s].get_or_insert_with(|| Shard { parts, index, len, grad: None, updated: None, opt: None });
+                    // gathered every time the program says so; written into the weights only
+                    // when an update is pending (never under a live autograd graph)
+                    let (block, write) = match sh.updated.take() {
+                        Some(b) => (b, true),
+                        None => (current.f_narrow(0, index * len, len)?.f_contiguous()?, false),
+                    };
+                    let out = Tensor::f_zeros([len * parts], opts)?;
+                    pg.all_gather(&out, &block)?;
+                    if write {
+                        let _guard = tch::no_grad_guard();
+                        let mut off = 0;
+                        for &i in &owned[s] {
+                            let mut p = params[i].shallow_clone();
+                            let n = p.numel() as i64;
+                            p.f_copy_(&out.f_narrow(0, off, n)?.f_view_as(&p)?)?;
+                            off += n;
+                        }
+                    }
+                }
+            }
+        }
+        for w in pending.drain(..) {
+            let _ = w.wait()?;
+        }
+        // ZeRO 3 gathers before use: an update still pending is applied by the next step's
+        // first gather
+        records.push(StepRecord { step, loss: loss_sum, time_s: t0.elapsed().as_secs_f64() });
+        if cfg.progress {
+            eprintln!("[rank {me}] step {step} loss {loss_sum:.6}");
+        }
+    }
+    let timed: Vec<f64> = records.iter().skip(usize::from(records.len() > 1)).map(|s| s.time_s).collect();
+    let mean = timed.iter().sum::<f64>() / timed.len().max(1) as f64;
+    let mine = Tensor::from_slice(&[mean, peak_rss_bytes() as f64]);
+    let all = Tensor::f_zeros([2 * env.world as i64], (Kind::Double, tch::Device::Cpu))?;
+    world_pg.all_gather(&all, &mine)?;
+    let all: Vec<f64> = Vec::<f64>::try_from(&all).map_err(|e| terr(e.to_string()))?;
+    let ranks = all.chunks(2).map(|c| (c[0], c[1] as u64)).collect();
+    world_pg.barrier()?;
+    Ok(RankReport { steps: records, ranks })
+}
+
+fn accumulate(slot: &mut Option<Tensor>, g: &Tensor) -> Result<(), RuntimeError> {
+    if !g.defined() {
+        return Ok(());
+    }
+    match slot {
+        Some(acc) => {
+            let _ = acc.f_add_(g)?;
+        }
+        None => *slot = Some(g.f_detach()?.f_mul_scalar(1.0)?),
+    }
+    Ok(())
+}
+
+/// Sums gradients over `pg` in buckets of about `bucket_bytes`, in parameter order.
+fn all_reduce_bucketed(pg: &ProcessGroup, grads: Vec<Tensor>, bucket_bytes: usize) -> Result<Vec<Tensor>, RuntimeError> {
+    let mut out: Vec<Tensor> = Vec::with_capacity(grads.len());
+    let mut start = 0;
+    while start < grads.len() {
+        let mut end = start;
+        let mut bytes = 0;
+        while end < grads.len() && (end == start || bytes + grads[end].numel() * grads[end].kind().elt_size_in_bytes() <= bucket_bytes) {
+            bytes += grads[end].numel() * grads[end].kind().elt_size_in_bytes();
+            end += 1;
+        }
+        let flat: Vec<Tensor> = grads[start..end].iter().map(|g| g.f_reshape([-1])).collect::<Result<_, _>>()?;
+        let flat = Tensor::f_cat(&flat, 0)?;
+        pg.all_reduce_sum(&flat)?;
+        let mut off = 0;
+        for g in &grads[start..end] {
+            let n = g.numel() as i64;
+            out.push(flat.f_narrow(0, off, n)?.f_view_as(g)?);
+            off += n;
+        }
+        start = end;
+    }
+    Ok(out)
+}
+
+/// Peak resident memory of this process (bytes), from /proc.
+pub fn peak_rss_bytes() -> u64 {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else { return 0 };
+    status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|k| k.parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}

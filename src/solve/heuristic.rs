@@ -1,0 +1,157 @@
+//! Quick feasible layouts of a pipeline problem, evaluated exactly under its model: upper
+//! bounds for the outer search. They cost O(layers) each, so every promising candidate gets
+//! one before any ILP runs; the search's answer is then never worse than the best of them —
+//! in particular never worse than Megatron's equal layer counts with no or full recompute.
+
+use super::baseline::uniform_chunks;
+use super::oracle::min_max_lower_bound;
+use super::problem::{CheckpointRule, LayerChoice, PipelineEval, PipelineObjective, PipelineProblem};
+
+/// Chunks of a greedy split of `times` into exactly `chunks` non-empty contiguous parts whose
+/// largest sum is at most (about) the min-max optimum.
+pub fn greedy_min_max_chunks(times: &[f64], chunks: usize) -> Option<Vec<usize>> {
+    let n = times.len();
+    if chunks == 0 || chunks > n {
+        return None;
+    }
+    // The bound is the largest cap proven too small; a hair above it the greedy fits.
+    let lo = min_max_lower_bound(times, chunks);
+    let total: f64 = times.iter().sum();
+    let mut cap = lo.max(total / chunks as f64) * (1.0 + 1e-9) + 1e-15;
+    for _ in 0..64 {
+        if let Some(c) = greedy(times, chunks, cap) {
+            return Some(c);
+        }
+        cap *= 1.0 + 1e-6;
+    }
+    Some(uniform_chunks(n, chunks))
+}
+
+/// Greedy fill up to `cap`, then split the last parts so exactly `chunks` are used.
+fn greedy(times: &[f64], chunks: usize, cap: f64) -> Option<Vec<usize>> {
+    let n = times.len();
+    let mut out = Vec::with_capacity(n);
+    let mut c = 0usize;
+    let mut acc = 0.0;
+    for (l, &t) in times.iter().enumerate() {
+        // Layers left must still fill the chunks left.
+        let must_open = n - l == chunks - c - 1;
+        if l > 0 && (acc + t > cap || must_open) && c + 1 < chunks {
+            c += 1;
+            acc = 0.0;
+        }
+        if t > cap {
+            return None;
+        }
+        acc += t;
+        if acc > cap {
+            return None;
+        }
+        out.push(c);
+    }
+    (c + 1 == chunks).then_some(out)
+}
+
+/// The best of a few quick layouts (the manual one if fixed; otherwise equal layer counts and
+/// the greedy min-max split), each with no recompute, full recompute and a greedy recompute
+/// that fits memory per device. `None` when none fits or the problem minimises memory.
+pub fn incumbent(p: &PipelineProblem) -> Option<(Vec<LayerChoice>, PipelineEval)> {
+    if p.objective != PipelineObjective::StepTime || p.validate().is_err() {
+        return None;
+    }
+    let chunks = p.chunks();
+    let l_n = p.layers.len();
+    let always = p.checkpoint == CheckpointRule::Always;
+    // The fastest point of each layer.
+    let point: Vec<usize> = p
+        .layers
+        .iter()
+        .map(|l| {
+            (0..l.points.len())
+                .min_by(|&a, &b| {
+                    let t = |j: usize| l.points[j].fwd_s + l.points[j].bwd_s + if always { l.points[j].fwd_s } else { 0.0 };
+                    t(a).total_cmp(&t(b))
+                })
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut layouts: Vec<Vec<usize>> = Vec::new();
+    match &p.fixed_chunks {
+        Some(f) => layouts.push(f.clone()),
+        None => {
+            layouts.push(uniform_chunks(l_n, chunks));
+            let times: Vec<f64> = (0..l_n)
+                .map(|l| {
+                    let q = &p.layers[l].points[point[l]];
+                    q.fwd_s + q.bwd_s + if always { q.fwd_s } else { 0.0 }
+                })
+                .collect();
+            if let Some(g) = greedy_min_max_chunks(&times, chunks)
+                && !layouts.contains(&g)
+            {
+                layouts.push(g);
+            }
+        }
+    }
+    let mut best: Option<(Vec<LayerChoice>, PipelineEval)> = None;
+    let mut consider = |choices: Vec<LayerChoice>| {
+        if let Some(e) = p.evaluate(&choices)
+            && p.feasible(&e)
+            && best.as_ref().is_none_or(|b| e.step_s < b.1.step_s)
+        {
+            best = Some((choices, e));
+        }
+    };
+    for layout in layouts {
+        let with = |flag: &dyn Fn(usize) -> bool| -> Vec<LayerChoice> {
+            (0..l_n).map(|l| LayerChoice { chunk: layout[l], point: point[l], checkpoint: flag(l) }).collect()
+        };
+        match p.checkpoint {
+            CheckpointRule::Never => consider(with(&|_| false)),
+            CheckpointRule::Always => consider(with(&|_| true)),
+            CheckpointRule::Auto => {
+                consider(with(&|_| false));
+                consider(with(&|_| true));
+                if let Some(c) = fit_by_recompute(p, with(&|_| false)) {
+                    consider(c);
+                }
+            }
+        }
+    }
+    best
+}
+
+/// Checkpoints layers device by device, most bytes freed per second of recompute first, until
+/// each device fits its memory.
+fn fit_by_recompute(p: &PipelineProblem, mut choices: Vec<LayerChoice>) -> Option<Vec<LayerChoice>> {
+    let e = p.evaluate(&choices)?;
+    let cap = p.memory_cap - p.workspace;
+    for d in 0..p.devices {
+        let mut over = e.state_bytes[d] + e.act_bytes[d] - cap;
+        if over <= 0.0 {
+            continue;
+        }
+        let mut order: Vec<(f64, usize)> = (0..choices.len())
+            .filter(|&l| choices[l].chunk % p.devices == d)
+            .filter_map(|l| {
+                let q = &p.layers[l].points[choices[l].point];
+                let freed = p.in_flight[choices[l].chunk] * (q.act_bytes - q.input_bytes);
+                (freed > 0.0).then_some((freed / q.fwd_s.max(1e-30), l))
+            })
+            .collect();
+        order.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let mut rec: f64 = 0.0;
+        for (_, l) in order {
+            let q = &p.layers[l].points[choices[l].point];
+            let freed = p.in_flight[choices[l].chunk] * (q.act_bytes - q.input_bytes);
+            let new_rec = rec.max(q.act_bytes - q.input_bytes);
+            over -= freed - (new_rec - rec);
+            rec = new_rec;
+            choices[l].checkpoint = true;
+            if over <= 0.0 {
+                break;
+            }
+        }
+    }
+    Some(choices)
+}

@@ -1,0 +1,208 @@
+//! Plans executed by real processes through `smp-runner launch`: 20 training steps of the
+//! GPT-2 export under each parallel configuration give the single-process run's losses
+//! (same seed and data) — f64 within 1e-9 relative, f32 within 1e-4. Also: default plans for
+//! cpu:2 and cpu:4 run unchanged, and a rank killed mid-step brings the whole job down.
+#![cfg(feature = "runner")]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+const STEPS: &str = "20";
+const BATCH: &str = "8";
+const SEQ: &str = "16";
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn model() -> PathBuf {
+    repo().join("models/gpt2.onnx")
+}
+
+fn plan(dir: &Path, name: &str, cluster: &str, flags: &[&str]) -> PathBuf {
+    let out = dir.join(format!("{name}.json"));
+    let m = model();
+    let mut args = vec![m.to_str().unwrap(), "--cluster", cluster, "--seq-len", SEQ, "-o", out.to_str().unwrap()];
+    args.extend_from_slice(flags);
+    let r = Command::new(env!("CARGO_BIN_EXE_smp-partition")).args(&args).output().unwrap();
+    assert!(r.status.success(), "planning {name} failed: {}", String::from_utf8_lossy(&r.stderr));
+    out
+}
+
+fn losses(stdout: &[u8]) -> Vec<f64> {
+    let v: serde_json::Value = serde_json::from_slice(stdout).unwrap_or_else(|e| panic!("bad JSON ({e}): {}", String::from_utf8_lossy(stdout)));
+    v["steps"].as_array().unwrap().iter().map(|s| s["loss"].as_f64().unwrap()).collect()
+}
+
+fn reference(dtype: &str) -> &'static Vec<f64> {
+    static F64: OnceLock<Vec<f64>> = OnceLock::new();
+    static F32: OnceLock<Vec<f64>> = OnceLock::new();
+    let cell = if dtype == "f64" { &F64 } else { &F32 };
+    cell.get_or_init(|| {
+        let m = model();
+        let r = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
+            .args(["train", m.to_str().unwrap(), "--batch", BATCH, "--seq-len", SEQ, "--microbatches", "4"])
+            .args(["--steps", STEPS, "--dtype", dtype, "--threads", "1", "--json"])
+            .output()
+            .unwrap();
+        assert!(r.status.success(), "reference run failed: {}", String::from_utf8_lossy(&r.stderr));
+        losses(&r.stdout)
+    })
+}
+
+fn launch(nproc: usize, plan: &Path, dtype: &str) -> Vec<f64> {
+    let r = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
+        .args(["launch", "--nproc", &nproc.to_string(), plan.to_str().unwrap()])
+        .args(["--steps", STEPS, "--dtype", dtype, "--threads", "1", "--json", "--timeout", "120"])
+        .output()
+        .unwrap();
+    assert!(r.status.success(), "launch of {} failed: {}", plan.display(), String::from_utf8_lossy(&r.stderr));
+    losses(&r.stdout)
+}
+
+/// Plans `flags` on `cluster`, runs it in f64 and f32, and compares with the single process.
+fn equivalent(name: &str, cluster: &str, nproc: usize, flags: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut flags = flags.to_vec();
+    flags.extend_from_slice(&["--global-batch", BATCH]);
+    let p = plan(dir.path(), name, cluster, &flags);
+    for (dtype, tol) in [("f64", 1e-9), ("f32", 1e-4)] {
+        let want = reference(dtype);
+        let got = launch(nproc, &p, dtype);
+        assert_eq!(got.len(), want.len(), "{name} {dtype}: step count");
+        let worst = got.iter().zip(want).map(|(g, w)| ((g - w) / w).abs()).fold(0.0, f64::max);
+        eprintln!("{name} {dtype}: max relative loss difference {worst:.3e} over {} steps", got.len());
+        assert!(worst <= tol, "{name} {dtype}: losses {got:?} vs single-process {want:?} (max rel {worst:.3e} > {tol})");
+    }
+}
+
+#[test]
+fn pp2_1f1b_matches_single_process() {
+    equivalent("pp2", "cpu:2", 2, &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--microbatches", "4"]);
+}
+
+#[test]
+fn pp2_gpipe_matches_single_process() {
+    equivalent("gpipe", "cpu:2", 2, &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "gpipe", "--microbatches", "4"]);
+}
+
+#[test]
+fn dp2_matches_single_process() {
+    equivalent("dp2", "cpu:2", 2, &["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "0", "--microbatches", "2"]);
+}
+
+#[test]
+fn dp2_zero1_matches_single_process() {
+    equivalent("zero1", "cpu:2", 2, &["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "1", "--microbatches", "2"]);
+}
+
+#[test]
+fn dp2_zero2_matches_single_process() {
+    equivalent("zero2", "cpu:2", 2, &["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "2", "--microbatches", "2"]);
+}
+
+#[test]
+fn dp2_zero3_matches_single_process() {
+    equivalent("zero3", "cpu:2", 2, &["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "3", "--microbatches", "2"]);
+}
+
+#[test]
+fn pp2_dp2_matches_single_process() {
+    equivalent("pp2dp2", "cpu:4", 4, &["--pp", "2", "--tp", "1", "--dp", "2", "--schedule", "1f1b", "--microbatches", "2"]);
+}
+
+#[test]
+fn interleaved_v2_matches_single_process() {
+    equivalent("interleaved", "cpu:2", 2, &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "interleaved:2", "--microbatches", "4"]);
+}
+
+#[test]
+fn zb_h1_matches_single_process() {
+    equivalent("zbh1", "cpu:2", 2, &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "zb-h1", "--microbatches", "4"]);
+}
+
+#[test]
+fn full_checkpointing_matches_single_process() {
+    equivalent(
+        "ckpt",
+        "cpu:2",
+        2,
+        &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--microbatches", "4", "--checkpointing", "full"],
+    );
+}
+
+#[test]
+fn default_plans_for_cpu2_and_cpu4_run_through_launch() {
+    let dir = tempfile::tempdir().unwrap();
+    for n in [2usize, 4] {
+        let p = plan(dir.path(), &format!("auto{n}"), &format!("cpu:{n}"), &[]);
+        let r = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
+            .args(["launch", "--nproc", &n.to_string(), p.to_str().unwrap(), "--steps", "2", "--threads", "1", "--json"])
+            .output()
+            .unwrap();
+        assert!(r.status.success(), "cpu:{n} default plan: {}", String::from_utf8_lossy(&r.stderr));
+        let l = losses(&r.stdout);
+        assert_eq!(l.len(), 2);
+        assert!(l.iter().all(|x| x.is_finite() && *x > 0.0), "cpu:{n}: losses {l:?}");
+    }
+}
+
+#[test]
+fn a_rank_killed_mid_step_stops_the_job_and_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = plan(dir.path(), "kill", "cpu:2", &["--pp", "2", "--tp", "1", "--dp", "1", "--microbatches", "4", "--global-batch", BATCH]);
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
+        .args(["launch", "--nproc", "2", p.to_str().unwrap(), "--steps", "100000", "--threads", "1", "--progress"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = launcher.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut pids = [0u32; 2];
+    let mut seen = Vec::new();
+    // wait until rank 1 is past its second step, then SIGKILL it
+    loop {
+        let line = rx.recv_timeout(Duration::from_secs(120)).expect("the job printed no progress");
+        seen.push(line.clone());
+        for r in 0..2 {
+            if let Some(pid) = line.strip_prefix(&format!("smp-runner launch: rank {r}: pid ")) {
+                pids[r] = pid.trim().parse().unwrap();
+            }
+        }
+        if line.starts_with("[rank 1] step 2 ") {
+            break;
+        }
+    }
+    assert!(pids.iter().all(|&p| p > 0), "launcher did not print the ranks' pids: {seen:?}");
+    let killed = Command::new("kill").args(["-9", &pids[1].to_string()]).status().unwrap();
+    assert!(killed.success());
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = launcher.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "the job still runs 30 s after rank 1 was killed");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!status.success(), "the launcher must fail when a rank dies");
+    let rest: Vec<String> = rx.iter().collect();
+    assert!(
+        rest.iter().any(|l| l.contains("rank 1 was killed by SIGKILL")),
+        "the launcher's message must name rank 1: {rest:?}"
+    );
+    // the launcher reaped every rank: no process with their pids is left
+    for pid in pids {
+        assert!(!Path::new(&format!("/proc/{pid}")).exists(), "rank pid {pid} is still alive");
+    }
+}
