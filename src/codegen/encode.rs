@@ -578,7 +578,9 @@ impl CodegenSection {
 
     /// The concrete program of the rank at `c`.
     pub fn program(&self, mesh: &Mesh, c: Coord, sharded_dp: Option<usize>) -> Result<RankProgram, EncodeError> {
-        let rank = mesh.rank(c).ok_or(EncodeError::NoRank { rank: usize::MAX, world: mesh.all_ranks().len() })?;
+        let rank = mesh.rank(c).ok_or_else(|| {
+            EncodeError::Inconsistent(format!("pipeline rank {}, replica {}, tensor rank {} is outside the mesh (pp {}, dp {}, tp {})", c.pp, c.dp, c.tp, mesh.pp, mesh.dp, mesh.tp))
+        })?;
         let t = self
             .templates
             .iter()
