@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 
 use super::lower::{LowerError, LowerOptions, lower};
 use super::program::{Instr, Payload, RankProgram};
-use super::shard::{CodegenError, LayerShard, Sharder};
-use crate::ir::{LayeredGraph, ScheduleError, ScheduleKind, ValueKind, compute_actions};
+use super::shard::{CodegenError, LayerShard, Sharder, apply_shard};
+use crate::ir::{Graph, LayeredGraph, ScheduleError, ScheduleKind, ValueKind, compute_actions};
 use crate::passes::figures::is_trainable;
 
 /// Version of the codegen section's layout (bumped on incompatible changes).
@@ -578,7 +578,9 @@ impl CodegenSection {
 
     /// The concrete program of the rank at `c`.
     pub fn program(&self, mesh: &Mesh, c: Coord, sharded_dp: Option<usize>) -> Result<RankProgram, EncodeError> {
-        let rank = mesh.rank(c).ok_or(EncodeError::NoRank { rank: usize::MAX, world: mesh.all_ranks().len() })?;
+        let rank = mesh.rank(c).ok_or_else(|| {
+            EncodeError::Inconsistent(format!("pipeline rank {}, replica {}, tensor rank {} is outside the mesh (pp {}, dp {}, tp {})", c.pp, c.dp, c.tp, mesh.pp, mesh.dp, mesh.tp))
+        })?;
         let t = self
             .templates
             .iter()
@@ -693,6 +695,34 @@ impl StageView<'_> {
     /// Stage index.
     pub fn stage(&self) -> usize {
         self.code.stage
+    }
+
+    /// The subgraph this rank runs for the stage: its layers with their shards applied
+    /// (weights sliced, constants rewritten, collectives inserted), shape-inferred. Its inputs
+    /// are `inputs_from_previous`, `data_inputs` and integer shape values; its outputs include
+    /// `outputs_to_next`.
+    pub fn subgraph(&self, lg: &LayeredGraph) -> Result<Graph, CodegenError> {
+        let [first, last] = self.code.layers;
+        let mut nodes = Vec::new();
+        for l in first..=last {
+            let layer = lg.layers.get(l).ok_or(CodegenError::NoLayer { layer: l, layers: lg.layers.len() })?;
+            nodes.extend_from_slice(&layer.nodes);
+        }
+        let mut merged = LayerShard::whole(first);
+        for s in &self.shards {
+            merged.tp = s.tp;
+            merged.rank = s.rank;
+            for w in &s.weight_slices {
+                if !merged.weight_slices.contains(w) {
+                    merged.weight_slices.push(w.clone());
+                }
+            }
+            merged.constant_rewrites.extend(s.constant_rewrites.iter().cloned());
+            merged.rewrites.extend(s.rewrites.iter().cloned());
+            merged.collectives.extend(s.collectives.iter().cloned());
+            merged.partial_gradients.extend(s.partial_gradients.iter().cloned());
+        }
+        apply_shard(&lg.graph, &nodes, &merged, &lg.dims)
     }
 }
 

@@ -326,8 +326,18 @@ pub fn validate_section(section: &CodegenSection, mesh: &Mesh, microbatches: usi
         if !runner_of_stage.contains_key(&s) {
             errs.push(Invalid { rank: 0, what: format!("stage {s} is run by no pipeline rank") });
         }
-        if section.stages[s].stage != s {
-            errs.push(Invalid { rank: 0, what: format!("stage entry {s} says stage {}", section.stages[s].stage) });
+        let code = &section.stages[s];
+        let rank = runner_of_stage.get(&s).map_or(0, |&pp| first_rank(pp, 0));
+        if code.stage != s {
+            errs.push(Invalid { rank, what: format!("stage entry {s} says stage {}", code.stage) });
+        }
+        if let Some(g) = code.gradients_from_next.iter().find(|g| !code.outputs_to_next.contains(g)) {
+            errs.push(Invalid { rank, what: format!("stage {s} expects the gradient of `{g}`, which it does not send") });
+        }
+    }
+    for (i, t) in section.tied_weights.iter().enumerate() {
+        if let Some(&p) = t.pp_ranks.iter().find(|&&p| p >= mesh.pp) {
+            errs.push(Invalid { rank: 0, what: format!("tied weight #{i} `{}` names pipeline rank {p}, but pp = {}", t.weight, mesh.pp) });
         }
     }
     // Shards.
