@@ -13,8 +13,8 @@ SHELL := /bin/bash
 APT_PACKAGES := cmake libclang-dev libgloo-dev
 # Python packages (tests, fixtures, libtorch for the runner), pinned as in DESIGN.md.
 PYTHON_PINS := torch==2.13.0 onnx==1.23.2 onnxruntime==1.32.0 onnxscript==0.7.2 transformers==5.24.0
-# Cargo features for build and test; `make test FEATURES=runner` once the runner compiles.
-FEATURES ?=
+# Cargo features for build and test: the libtorch runner is on by default (`make test FEATURES=` skips it).
+FEATURES ?= runner
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -67,7 +67,7 @@ test: deps venv onnx-cases
 	$(CARGO) test --features "$(FEATURES)"
 
 demo: deps venv
-	$(CARGO) build --bin smp-partition --features "$(FEATURES)"
+	$(CARGO) build --bin smp-partition
 	./target/debug/smp-partition graph models/gpt2.onnx --seq-len 128
 	./target/debug/smp-partition models/gpt2.onnx --cluster cpu:4 --seq-len 128 --global-batch 16 -o target/gpt2-cpu4.plan.json
 	./target/debug/smp-partition inspect target/gpt2-cpu4.plan.json

@@ -783,7 +783,9 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
         // first gather
         records.push(StepRecord { step, loss: loss_sum, time_s: t0.elapsed().as_secs_f64() });
         if cfg.progress {
-            eprintln!("[rank {me}] step {step} loss {loss_sum:.6}");
+            // one write per line: ranks share the launcher's stderr
+            let line = format!("[rank {me}] step {step} loss {loss_sum:.6}\n");
+            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
         }
     }
     let timed: Vec<f64> = records.iter().skip(usize::from(records.len() > 1)).map(|s| s.time_s).collect();
