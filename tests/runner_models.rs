@@ -204,3 +204,23 @@ fn gpt2_trains_and_matches_pytorch() {
     eprintln!("runner {:?}\ntorch  {:?}\nnorm-relative {rel:.2e}", &ours[..5], theirs);
     assert!(rel <= 1e-5, "first 5 losses differ from PyTorch by {rel:.3e} (norm-relative)");
 }
+
+/// Training in f64 and bf16 follows the f32 run: f64 agrees to f32 rounding, bf16 to its 8-bit
+/// mantissa (first 5 losses, same weights and data).
+#[test]
+fn gpt2_trains_in_f64_and_bf16_like_f32() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = fixed_batch(dir.path());
+    let (d, model) = (data.to_str().unwrap(), gpt2());
+    let run = |dtype: &str| {
+        let r = runner(&["train", model.to_str().unwrap(), "--steps", "5", "--data", d, "--loss", "causal-lm", "--dtype", dtype, "--threads", "1", "--json"]);
+        assert!(r.status.success(), "train --dtype {dtype} failed: {}", String::from_utf8_lossy(&r.stderr));
+        Tensor::from_slice(&losses(&r.stdout))
+    };
+    let (f32_, f64_, bf16) = (run("f32"), run("f64"), run("bf16"));
+    let (rel64, rel16) = (norm_rel(&f32_, &f64_), norm_rel(&bf16, &f64_));
+    eprintln!("f32 vs f64 {rel64:.2e}, bf16 vs f64 {rel16:.2e}");
+    assert!(rel64 <= 1e-5, "f32 losses differ from f64 by {rel64:.3e}");
+    assert!(rel16 <= 2e-2, "bf16 losses differ from f64 by {rel16:.3e}");
+    assert!(rel16 > 0.0, "bf16 losses equal f64 exactly: --dtype bf16 did not take effect");
+}
