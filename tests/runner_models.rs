@@ -224,3 +224,29 @@ fn gpt2_trains_in_f64_and_bf16_like_f32() {
     assert!(rel16 <= 2e-2, "bf16 losses differ from f64 by {rel16:.3e}");
     assert!(rel16 > 0.0, "bf16 losses equal f64 exactly: --dtype bf16 did not take effect");
 }
+
+/// The same batch as `.npz`, `.npy` and `.safetensors` trains to the same losses; other
+/// extensions are user errors naming the accepted ones.
+#[test]
+fn data_files_in_every_format_give_the_same_losses() {
+    let dir = tempfile::tempdir().unwrap();
+    let npz = fixed_batch(dir.path());
+    let ids = npz::read_npz(&npz).unwrap().remove(0).1;
+    let npy = dir.path().join("batch.npy");
+    ids.write_npy(&npy).unwrap();
+    let st = dir.path().join("batch.safetensors");
+    Tensor::write_safetensors(&[("input_ids", &ids)], &st).unwrap();
+    let model = gpt2();
+    let run = |data: &Path| {
+        let r = runner(&["train", model.to_str().unwrap(), "--steps", "3", "--data", data.to_str().unwrap(), "--loss", "causal-lm", "--threads", "1", "--json"]);
+        assert!(r.status.success(), "train with {} failed: {}", data.display(), String::from_utf8_lossy(&r.stderr));
+        losses(&r.stdout)
+    };
+    let want = run(&npz);
+    assert_eq!(run(&npy), want, ".npy batch trains differently");
+    assert_eq!(run(&st), want, ".safetensors batch trains differently");
+    let bad = dir.path().join("batch.csv");
+    std::fs::write(&bad, "1,2,3").unwrap();
+    let r = runner(&["train", model.to_str().unwrap(), "--steps", "1", "--data", bad.to_str().unwrap()]);
+    assert_user_error(&r, ".npy, .npz or .safetensors");
+}
