@@ -190,11 +190,21 @@ fn llama_shards_reproduce_each_layer() {
     let all = check("llama", &[2, 4]);
     let lg = model("llama");
     assert_megatron_shape(&lg, &all[&2], true);
-    // 2 KV heads do not split 4 ways: attention stays replicated, the MLP splits.
+    assert_megatron_shape(&lg, &all[&4], true);
+    // 2 KV heads over 4 ranks: each rank holds one query head and the KV head it reads, which
+    // ranks 2k and 2k + 1 share (k_proj and v_proj rows [16k, 16k + 16), declared 2 replicas).
     for (layer, s) in lg.layers.iter().zip(&all[&4]) {
-        if layer.kind == LayerKind::Block {
-            assert_eq!(count(&s[0], |k| matches!(k, CollectiveKind::AllReduce)), 1, "{}", layer.name);
-            assert_eq!(s[0].weight_slices.len(), 3, "{:?}", s[0].weight_slices);
+        if layer.kind != LayerKind::Block {
+            continue;
+        }
+        for (r, shard) in s.iter().enumerate() {
+            assert_eq!(shard.weight_slices.len(), 7, "{}: {:?}", layer.name, shard.weight_slices);
+            let shared: Vec<_> = shard.weight_slices.iter().filter(|w| w.replicas == 2).collect();
+            assert_eq!(shared.len(), 2, "{}: {:?}", layer.name, shard.weight_slices);
+            let k = (r / 2) as u64;
+            for w in shared {
+                assert_eq!(w.ranges, vec![[16 * k, 16 * k + 16]], "{} rank {r}: {w:?}", layer.name);
+            }
         }
     }
 }
@@ -234,8 +244,7 @@ fn partial_gradients_mark_megatron_f() {
                 }
                 let s = &sharder.shard_layer(li, t).unwrap()[0];
                 let values: std::collections::BTreeSet<&str> = s.partial_gradients.iter().map(|p| p.value.as_str()).collect();
-                // Llama's 2 KV heads keep attention whole at t = 4: only the MLP splits.
-                let want = if name == "llama" && t == 4 { 1 } else { 2 };
+                let want = 2;
                 assert_eq!(values.len(), want, "{name} t={t} {}: {:?}", l.name, s.partial_gradients);
                 for p in &s.partial_gradients {
                     let node = l.nodes.iter().map(|&n| lg.graph.node(n)).find(|n| n.name == p.node).unwrap();
@@ -255,7 +264,7 @@ fn partial_gradients_mark_megatron_f() {
 fn pipeline_of_sharded_stages_reproduces_the_model() {
     use smp_partition::codegen::encode::{CodegenInput, Mesh, StageInput, build};
     use smp_partition::ir::ScheduleKind;
-    for (name, t) in [("gpt2", 2usize), ("llama", 2), ("bert", 4)] {
+    for (name, t) in [("gpt2", 2usize), ("llama", 2), ("llama", 4), ("bert", 4)] {
         let lg = model(name);
         let inputs = feeds(&lg.graph);
         let mut full = Exec::new(&lg.graph, &inputs);
