@@ -275,7 +275,14 @@ fn pipeline_of_sharded_stages_reproduces_the_model() {
         let stages = (0..pp)
             .map(|s| StageInput { layers: [s * n / pp, (s + 1) * n / pp - 1], checkpointed_layers: vec![], output_bytes: 0 })
             .collect();
-        let input = CodegenInput { pp, tp: t, dp: 1, zero: 0, sharded_dp: None, microbatches: 1, schedule: ScheduleKind::OneFOneB, stages };
+        let mut input = CodegenInput { pp, tp: t, dp: 1, zero: 0, sharded_dp: None, microbatches: 1, schedule: ScheduleKind::OneFOneB, stages, replicated_layers: vec![] };
+        if name == "bert" {
+            // BERT's MLM head transform (dense, GELU, LayerNorm) splits at no degree: codegen
+            // refuses it unless the plan says to replicate that layer.
+            let err = build(&lg, &input).unwrap_err().to_string();
+            assert!(err.contains(&format!("layer {} (`head`) does not split {t} ways", n - 1)), "{err}");
+            input.replicated_layers = vec![n - 1];
+        }
         let section = build(&lg, &input).unwrap();
         let mesh = Mesh { pp, tp: t, dp: 1, ranks: (0..pp).map(|p| (0..t).map(|r| p * t + r).collect()).collect() };
         // What has arrived at the current stage: data, then the previous stage's sends.
@@ -305,4 +312,43 @@ fn pipeline_of_sharded_stages_reproduces_the_model() {
             assert!(err <= 1e-12, "{name}: `{k}` off by {err:e}");
         }
     }
+}
+
+/// A layer that does not divide at the chosen degree is an error naming the layer, the
+/// degree, the weights left whole and the degrees that do split it; each named degree splits
+/// it entirely and the lenient sharder keeps exactly those weights whole.
+#[test]
+fn indivisible_layers_are_reported() {
+    use smp_partition::codegen::CodegenError;
+    for name in ["gpt2", "bert", "llama", "vit"] {
+        let lg = model(name);
+        let sharder = Sharder::new(&lg).unwrap();
+        for t in [2, 4, 8] {
+            for (li, l) in lg.layers.iter().enumerate() {
+                match sharder.shard_layer_strict(li, t) {
+                    Ok(shards) => assert_eq!(shards, sharder.shard_layer(li, t).unwrap()),
+                    Err(CodegenError::Indivisible { layer, name: lname, tp, weights, working }) => {
+                        eprintln!("{name} t={t} {lname}: whole {weights:?}, splits at {working:?}");
+                        assert_eq!((layer, tp, lname.as_str()), (li, t, l.name.as_str()));
+                        assert!(!weights.is_empty() && !working.contains(&t));
+                        let sliced: Vec<String> = sharder.shard_layer(li, t).unwrap()[0].weight_slices.iter().map(|w| w.initializer.clone()).collect();
+                        assert!(weights.iter().all(|w| !sliced.contains(w)), "{name} t={t}: {weights:?} vs {sliced:?}");
+                        for &u in &working {
+                            sharder.shard_layer_strict(li, u).unwrap_or_else(|e| panic!("{name} t={u}: {e}"));
+                        }
+                    }
+                    Err(e) => panic!("{name} t={t} layer {li}: {e}"),
+                }
+            }
+        }
+    }
+    // Llama's 4 query heads do not split 8 ways: its blocks report 2 and 4 among the degrees.
+    let lg = model("llama");
+    let sharder = Sharder::new(&lg).unwrap();
+    let block = lg.layers.iter().position(|l| l.kind == LayerKind::Block).unwrap();
+    let err = sharder.shard_layer_strict(block, 8).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.starts_with(&format!("layer {block} (`{}`) does not split 8 ways", lg.layers[block].name)), "{msg}");
+    let CodegenError::Indivisible { working, .. } = err else { panic!("{msg}") };
+    assert!(working.starts_with(&[2, 4]), "{msg}");
 }

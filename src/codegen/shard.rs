@@ -16,7 +16,7 @@
 //!
 //! The result is a [`LayerShard`] per tensor rank: names and ranges, never weight data.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -187,6 +187,26 @@ pub enum CodegenError {
         /// What is wrong.
         msg: String,
     },
+    /// A layer does not divide at the chosen tensor degree and its strategy does not say
+    /// replicate.
+    #[error(
+        "layer {layer} (`{name}`) does not split {tp} ways: {} would stay whole on every tensor rank while the plan prices a split; {}",
+        weights.join(", "),
+        if working.is_empty() { "no tensor degree up to 64 splits it: plan it with strategy `replicate` or tp = 1".to_string() }
+        else { format!("tensor degrees that split it: {}", working.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")) }
+    )]
+    Indivisible {
+        /// Layer index.
+        layer: usize,
+        /// Layer name.
+        name: String,
+        /// The tensor degree asked for.
+        tp: usize,
+        /// Initializers left whole.
+        weights: Vec<String>,
+        /// Tensor degrees (2..=64) at which the layer splits entirely.
+        working: Vec<usize>,
+    },
     /// A layer index out of range.
     #[error("layer {layer} does not exist (the graph has {layers} layers)")]
     NoLayer {
@@ -269,8 +289,27 @@ impl<'a> Sharder<'a> {
         Ok(Sharder { lg, info, uses, vocab, grad })
     }
 
-    /// The `tp` shards of layer `layer`, rank 0 first.
+    /// The `tp` shards of layer `layer`, rank 0 first. Weights that do not divide `tp` ways
+    /// stay whole (see [`Sharder::shard_layer_strict`]).
     pub fn shard_layer(&self, layer: usize, tp: usize) -> Result<Vec<LayerShard>, CodegenError> {
+        let plan = self.plan_layer(layer, tp)?;
+        Ok((0..tp).map(|r| plan.for_rank(&self.lg.graph, layer, tp, r)).collect())
+    }
+
+    /// [`Sharder::shard_layer`], but a layer whose matmul weights or vocabulary table do not
+    /// divide `tp` ways is an error naming them and the degrees up to 64 that do divide it.
+    pub fn shard_layer_strict(&self, layer: usize, tp: usize) -> Result<Vec<LayerShard>, CodegenError> {
+        let plan = self.plan_layer(layer, tp)?;
+        if !plan.kept_whole.is_empty() {
+            let weights = plan.kept_whole.iter().map(|&w| self.lg.graph.value(w).name.clone()).collect();
+            let working = (2..=64).filter(|&t| t != tp && self.plan_layer(layer, t).is_ok_and(|p| p.kept_whole.is_empty())).collect();
+            let name = self.lg.layers[layer].name.clone();
+            return Err(CodegenError::Indivisible { layer, name, tp, weights, working });
+        }
+        Ok((0..tp).map(|r| plan.for_rank(&self.lg.graph, layer, tp, r)).collect())
+    }
+
+    fn plan_layer(&self, layer: usize, tp: usize) -> Result<LayerPlan, CodegenError> {
         let l = self.lg.layers.get(layer).ok_or(CodegenError::NoLayer { layer, layers: self.lg.layers.len() })?;
         let mut demands: HashMap<ValueId, i64> = HashMap::new();
         let mut replicate: HashSet<ValueId> = HashSet::new();
@@ -305,7 +344,7 @@ impl<'a> Sharder<'a> {
                 Err(Fail::Error(e)) => return Err(e),
             }
         };
-        Ok((0..tp).map(|r| plan.for_rank(&self.lg.graph, layer, tp, r)).collect())
+        Ok(plan)
     }
 }
 
@@ -317,6 +356,7 @@ struct LayerPlan {
     gathers: Vec<(String, ValueId)>,
     collectives: Vec<CollectiveInsert>,
     partial_gradients: Vec<PartialGradient>,
+    kept_whole: BTreeSet<ValueId>,
 }
 
 impl LayerPlan {
@@ -392,6 +432,8 @@ struct Prop<'s, 'a> {
     gathers: Vec<(String, ValueId)>,
     collectives: Vec<CollectiveInsert>,
     partial_gradients: Vec<PartialGradient>,
+    /// Matmul weights and vocabulary tables left whole because they do not divide.
+    kept_whole: BTreeSet<ValueId>,
     current: Option<NodeId>,
 }
 
@@ -436,6 +478,7 @@ impl<'s, 'a> Prop<'s, 'a> {
             gathers: Vec::new(),
             collectives: Vec::new(),
             partial_gradients: Vec::new(),
+            kept_whole: BTreeSet::new(),
             current: None,
         }
     }
@@ -448,6 +491,7 @@ impl<'s, 'a> Prop<'s, 'a> {
             gathers: self.gathers,
             collectives: self.collectives,
             partial_gradients: self.partial_gradients,
+            kept_whole: self.kept_whole,
         }
     }
 
@@ -1088,7 +1132,12 @@ impl<'s, 'a> Prop<'s, 'a> {
                         Some((outer, inner)) if self.split_weight(b, bn, outer, inner) => {
                             Sh::Split { axis: ro - 1, outer, inner, origin: self.init_of(b) }
                         }
-                        _ => Sh::Rep,
+                        _ => {
+                            if let Some((init, _)) = self.weight_src.get(&b) {
+                                self.kept_whole.insert(*init);
+                            }
+                            Sh::Rep
+                        }
                     };
                 }
                 Sh::Split { axis, outer, inner, origin } if axis == ak => {
@@ -1196,6 +1245,9 @@ impl<'s, 'a> Prop<'s, 'a> {
             self.gathers.push((n.name.clone(), data));
             self.set(o, Sh::Partial);
             return Ok(());
+        }
+        if self.is_free_weight(data) && axis == 0 && ds.len() == 2 && Some(ds[0]) == self.s.vocab {
+            self.kept_whole.insert(data);
         }
         match self.state(data) {
             Sh::Rep => {
