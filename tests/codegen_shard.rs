@@ -190,11 +190,21 @@ fn llama_shards_reproduce_each_layer() {
     let all = check("llama", &[2, 4]);
     let lg = model("llama");
     assert_megatron_shape(&lg, &all[&2], true);
-    // 2 KV heads do not split 4 ways: attention stays replicated, the MLP splits.
+    assert_megatron_shape(&lg, &all[&4], true);
+    // 2 KV heads over 4 ranks: each rank holds one query head and the KV head it reads, which
+    // ranks 2k and 2k + 1 share (k_proj and v_proj rows [16k, 16k + 16), declared 2 replicas).
     for (layer, s) in lg.layers.iter().zip(&all[&4]) {
-        if layer.kind == LayerKind::Block {
-            assert_eq!(count(&s[0], |k| matches!(k, CollectiveKind::AllReduce)), 1, "{}", layer.name);
-            assert_eq!(s[0].weight_slices.len(), 3, "{:?}", s[0].weight_slices);
+        if layer.kind != LayerKind::Block {
+            continue;
+        }
+        for (r, shard) in s.iter().enumerate() {
+            assert_eq!(shard.weight_slices.len(), 7, "{}: {:?}", layer.name, shard.weight_slices);
+            let shared: Vec<_> = shard.weight_slices.iter().filter(|w| w.replicas == 2).collect();
+            assert_eq!(shared.len(), 2, "{}: {:?}", layer.name, shard.weight_slices);
+            let k = (r / 2) as u64;
+            for w in shared {
+                assert_eq!(w.ranges, vec![[16 * k, 16 * k + 16]], "{} rank {r}: {w:?}", layer.name);
+            }
         }
     }
 }
@@ -234,8 +244,7 @@ fn partial_gradients_mark_megatron_f() {
                 }
                 let s = &sharder.shard_layer(li, t).unwrap()[0];
                 let values: std::collections::BTreeSet<&str> = s.partial_gradients.iter().map(|p| p.value.as_str()).collect();
-                // Llama's 2 KV heads keep attention whole at t = 4: only the MLP splits.
-                let want = if name == "llama" && t == 4 { 1 } else { 2 };
+                let want = 2;
                 assert_eq!(values.len(), want, "{name} t={t} {}: {:?}", l.name, s.partial_gradients);
                 for p in &s.partial_gradients {
                     let node = l.nodes.iter().map(|&n| lg.graph.node(n)).find(|n| n.name == p.node).unwrap();
@@ -255,7 +264,7 @@ fn partial_gradients_mark_megatron_f() {
 fn pipeline_of_sharded_stages_reproduces_the_model() {
     use smp_partition::codegen::encode::{CodegenInput, Mesh, StageInput, build};
     use smp_partition::ir::ScheduleKind;
-    for (name, t) in [("gpt2", 2usize), ("llama", 2), ("bert", 4)] {
+    for (name, t) in [("gpt2", 2usize), ("llama", 2), ("llama", 4), ("bert", 4)] {
         let lg = model(name);
         let inputs = feeds(&lg.graph);
         let mut full = Exec::new(&lg.graph, &inputs);
@@ -266,7 +275,14 @@ fn pipeline_of_sharded_stages_reproduces_the_model() {
         let stages = (0..pp)
             .map(|s| StageInput { layers: [s * n / pp, (s + 1) * n / pp - 1], checkpointed_layers: vec![], output_bytes: 0 })
             .collect();
-        let input = CodegenInput { pp, tp: t, dp: 1, zero: 0, sharded_dp: None, microbatches: 1, schedule: ScheduleKind::OneFOneB, stages };
+        let mut input = CodegenInput { pp, tp: t, dp: 1, zero: 0, sharded_dp: None, microbatches: 1, schedule: ScheduleKind::OneFOneB, stages, replicated_layers: vec![] };
+        if name == "bert" {
+            // BERT's MLM head transform (dense, GELU, LayerNorm) splits at no degree: codegen
+            // refuses it unless the plan says to replicate that layer.
+            let err = build(&lg, &input).unwrap_err().to_string();
+            assert!(err.contains(&format!("layer {} (`head`) does not split {t} ways", n - 1)), "{err}");
+            input.replicated_layers = vec![n - 1];
+        }
         let section = build(&lg, &input).unwrap();
         let mesh = Mesh { pp, tp: t, dp: 1, ranks: (0..pp).map(|p| (0..t).map(|r| p * t + r).collect()).collect() };
         // What has arrived at the current stage: data, then the previous stage's sends.
@@ -296,4 +312,43 @@ fn pipeline_of_sharded_stages_reproduces_the_model() {
             assert!(err <= 1e-12, "{name}: `{k}` off by {err:e}");
         }
     }
+}
+
+/// A layer that does not divide at the chosen degree is an error naming the layer, the
+/// degree, the weights left whole and the degrees that do split it; each named degree splits
+/// it entirely and the lenient sharder keeps exactly those weights whole.
+#[test]
+fn indivisible_layers_are_reported() {
+    use smp_partition::codegen::CodegenError;
+    for name in ["gpt2", "bert", "llama", "vit"] {
+        let lg = model(name);
+        let sharder = Sharder::new(&lg).unwrap();
+        for t in [2, 4, 8] {
+            for (li, l) in lg.layers.iter().enumerate() {
+                match sharder.shard_layer_strict(li, t) {
+                    Ok(shards) => assert_eq!(shards, sharder.shard_layer(li, t).unwrap()),
+                    Err(CodegenError::Indivisible { layer, name: lname, tp, weights, working }) => {
+                        eprintln!("{name} t={t} {lname}: whole {weights:?}, splits at {working:?}");
+                        assert_eq!((layer, tp, lname.as_str()), (li, t, l.name.as_str()));
+                        assert!(!weights.is_empty() && !working.contains(&t));
+                        let sliced: Vec<String> = sharder.shard_layer(li, t).unwrap()[0].weight_slices.iter().map(|w| w.initializer.clone()).collect();
+                        assert!(weights.iter().all(|w| !sliced.contains(w)), "{name} t={t}: {weights:?} vs {sliced:?}");
+                        for &u in &working {
+                            sharder.shard_layer_strict(li, u).unwrap_or_else(|e| panic!("{name} t={u}: {e}"));
+                        }
+                    }
+                    Err(e) => panic!("{name} t={t} layer {li}: {e}"),
+                }
+            }
+        }
+    }
+    // Llama's 4 query heads do not split 8 ways: its blocks report 2 and 4 among the degrees.
+    let lg = model("llama");
+    let sharder = Sharder::new(&lg).unwrap();
+    let block = lg.layers.iter().position(|l| l.kind == LayerKind::Block).unwrap();
+    let err = sharder.shard_layer_strict(block, 8).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.starts_with(&format!("layer {block} (`{}`) does not split 8 ways", lg.layers[block].name)), "{msg}");
+    let CodegenError::Indivisible { working, .. } = err else { panic!("{msg}") };
+    assert!(working.starts_with(&[2, 4]), "{msg}");
 }

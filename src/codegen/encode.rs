@@ -48,6 +48,9 @@ pub struct CodegenInput {
     pub schedule: ScheduleKind,
     /// Stages in order.
     pub stages: Vec<StageInput>,
+    /// Layers whose strategy is `replicate`: kept whole where they do not divide `tp` ways
+    /// (any other layer that does not divide is an error).
+    pub replicated_layers: Vec<usize>,
 }
 
 /// One stage as codegen sees it.
@@ -335,7 +338,15 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
     // Shards (tp > 1 only).
     let shards: Vec<Vec<LayerShard>> = if input.tp > 1 {
         let sharder = Sharder::new(lg)?;
-        (0..n_layers).map(|l| sharder.shard_layer(l, input.tp)).collect::<Result<_, _>>()?
+        (0..n_layers)
+            .map(|l| {
+                if input.replicated_layers.contains(&l) {
+                    sharder.shard_layer(l, input.tp)
+                } else {
+                    sharder.shard_layer_strict(l, input.tp)
+                }
+            })
+            .collect::<Result<_, _>>()?
     } else {
         Vec::new()
     };

@@ -16,7 +16,7 @@
 //!
 //! The result is a [`LayerShard`] per tensor rank: names and ranges, never weight data.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -37,6 +37,19 @@ pub struct WeightSlice {
     pub axis: usize,
     /// Half-open ranges along `axis`, concatenated in order.
     pub ranges: Vec<[u64; 2]>,
+    /// Consecutive tensor ranks holding this same slice (grouped-query KV heads when the
+    /// tensor degree exceeds the KV heads): ranks `r - r % replicas ..` share it, and its
+    /// gradient is summed over them.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub replicas: u64,
+}
+
+fn one() -> u64 {
+    1
+}
+
+fn is_one(v: &u64) -> bool {
+    *v == 1
 }
 
 impl WeightSlice {
@@ -174,6 +187,26 @@ pub enum CodegenError {
         /// What is wrong.
         msg: String,
     },
+    /// A layer does not divide at the chosen tensor degree and its strategy does not say
+    /// replicate.
+    #[error(
+        "layer {layer} (`{name}`) does not split {tp} ways: {} would stay whole on every tensor rank while the plan prices a split; {}",
+        weights.join(", "),
+        if working.is_empty() { "no tensor degree up to 64 splits it: plan it with strategy `replicate` or tp = 1".to_string() }
+        else { format!("tensor degrees that split it: {}", working.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")) }
+    )]
+    Indivisible {
+        /// Layer index.
+        layer: usize,
+        /// Layer name.
+        name: String,
+        /// The tensor degree asked for.
+        tp: usize,
+        /// Initializers left whole.
+        weights: Vec<String>,
+        /// Tensor degrees (2..=64) at which the layer splits entirely.
+        working: Vec<usize>,
+    },
     /// A layer index out of range.
     #[error("layer {layer} does not exist (the graph has {layers} layers)")]
     NoLayer {
@@ -208,6 +241,8 @@ struct WeightSplit {
     axis: usize,
     outer: i64,
     inner: i64,
+    /// Ranks sharing each block (the split is `t / rep` ways).
+    rep: i64,
 }
 
 /// Shards layers of one analysed graph; computes the graph's shape information once.
@@ -254,13 +289,33 @@ impl<'a> Sharder<'a> {
         Ok(Sharder { lg, info, uses, vocab, grad })
     }
 
-    /// The `tp` shards of layer `layer`, rank 0 first.
+    /// The `tp` shards of layer `layer`, rank 0 first. Weights that do not divide `tp` ways
+    /// stay whole (see [`Sharder::shard_layer_strict`]).
     pub fn shard_layer(&self, layer: usize, tp: usize) -> Result<Vec<LayerShard>, CodegenError> {
+        let plan = self.plan_layer(layer, tp)?;
+        Ok((0..tp).map(|r| plan.for_rank(&self.lg.graph, layer, tp, r)).collect())
+    }
+
+    /// [`Sharder::shard_layer`], but a layer whose matmul weights or vocabulary table do not
+    /// divide `tp` ways is an error naming them and the degrees up to 64 that do divide it.
+    pub fn shard_layer_strict(&self, layer: usize, tp: usize) -> Result<Vec<LayerShard>, CodegenError> {
+        let plan = self.plan_layer(layer, tp)?;
+        if !plan.kept_whole.is_empty() {
+            let weights = plan.kept_whole.iter().map(|&w| self.lg.graph.value(w).name.clone()).collect();
+            let working = (2..=64).filter(|&t| t != tp && self.plan_layer(layer, t).is_ok_and(|p| p.kept_whole.is_empty())).collect();
+            let name = self.lg.layers[layer].name.clone();
+            return Err(CodegenError::Indivisible { layer, name, tp, weights, working });
+        }
+        Ok((0..tp).map(|r| plan.for_rank(&self.lg.graph, layer, tp, r)).collect())
+    }
+
+    fn plan_layer(&self, layer: usize, tp: usize) -> Result<LayerPlan, CodegenError> {
         let l = self.lg.layers.get(layer).ok_or(CodegenError::NoLayer { layer, layers: self.lg.layers.len() })?;
         let mut demands: HashMap<ValueId, i64> = HashMap::new();
         let mut replicate: HashSet<ValueId> = HashSet::new();
+        let mut replicas: HashMap<ValueId, i64> = HashMap::new();
         let plan = loop {
-            let mut p = Prop::new(self, layer, &l.nodes, tp as i64, &demands, &replicate);
+            let mut p = Prop::new(self, layer, &l.nodes, tp as i64, &demands, &replicate, &replicas);
             let res = p.run();
             let last = p.unsupported_last(String::new());
             let done = res.map(|()| p.finish());
@@ -280,10 +335,16 @@ impl<'a> Sharder<'a> {
                     // A split that a later op cannot take: keep that weight whole.
                     replicate.insert(weight);
                 }
+                Err(Fail::Replicas { weight, rep }) => {
+                    // Fewer heads than ranks (grouped-query KV): ranks share whole heads.
+                    if replicas.insert(weight, rep).is_some() {
+                        replicate.insert(weight);
+                    }
+                }
                 Err(Fail::Error(e)) => return Err(e),
             }
         };
-        Ok((0..tp).map(|r| plan.for_rank(&self.lg.graph, layer, tp, r)).collect())
+        Ok(plan)
     }
 }
 
@@ -295,6 +356,7 @@ struct LayerPlan {
     gathers: Vec<(String, ValueId)>,
     collectives: Vec<CollectiveInsert>,
     partial_gradients: Vec<PartialGradient>,
+    kept_whole: BTreeSet<ValueId>,
 }
 
 impl LayerPlan {
@@ -304,12 +366,16 @@ impl LayerPlan {
         let weight_slices = self
             .weights
             .iter()
-            .map(|(&w, s)| WeightSlice {
-                initializer: g.value(w).name.clone(),
-                axis: s.axis,
-                ranges: (0..s.outer)
-                    .map(|o| [((o * t + r) * s.inner) as u64, ((o * t + r + 1) * s.inner) as u64])
-                    .collect(),
+            .map(|(&w, s)| {
+                let (t, r) = (t / s.rep, r / s.rep);
+                WeightSlice {
+                    initializer: g.value(w).name.clone(),
+                    axis: s.axis,
+                    ranges: (0..s.outer)
+                        .map(|o| [((o * t + r) * s.inner) as u64, ((o * t + r + 1) * s.inner) as u64])
+                        .collect(),
+                    replicas: s.rep as u64,
+                }
             })
             .collect();
         let mut rewrites = self.rewrites.clone();
@@ -333,6 +399,7 @@ impl LayerPlan {
 enum Fail {
     Demand { weight: ValueId, outer: i64 },
     Replicate { weight: ValueId },
+    Replicas { weight: ValueId, rep: i64 },
     Error(CodegenError),
 }
 
@@ -353,6 +420,8 @@ struct Prop<'s, 'a> {
     t: i64,
     demands: &'s HashMap<ValueId, i64>,
     replicate: &'s HashSet<ValueId>,
+    /// Weights whose blocks are shared by this many consecutive ranks.
+    replicas: &'s HashMap<ValueId, i64>,
     sh: HashMap<ValueId, Sh>,
     /// Initializers and transposes of them not yet placed: the initializer and the permutation
     /// from this value's axes to the initializer's.
@@ -363,6 +432,8 @@ struct Prop<'s, 'a> {
     gathers: Vec<(String, ValueId)>,
     collectives: Vec<CollectiveInsert>,
     partial_gradients: Vec<PartialGradient>,
+    /// Matmul weights and vocabulary tables left whole because they do not divide.
+    kept_whole: BTreeSet<ValueId>,
     current: Option<NodeId>,
 }
 
@@ -387,6 +458,7 @@ impl<'s, 'a> Prop<'s, 'a> {
         t: i64,
         demands: &'s HashMap<ValueId, i64>,
         replicate: &'s HashSet<ValueId>,
+        replicas: &'s HashMap<ValueId, i64>,
     ) -> Self {
         Prop {
             s,
@@ -397,6 +469,7 @@ impl<'s, 'a> Prop<'s, 'a> {
             t,
             demands,
             replicate,
+            replicas,
             sh: HashMap::new(),
             weight_src: HashMap::new(),
             weights: BTreeMap::new(),
@@ -405,6 +478,7 @@ impl<'s, 'a> Prop<'s, 'a> {
             gathers: Vec::new(),
             collectives: Vec::new(),
             partial_gradients: Vec::new(),
+            kept_whole: BTreeSet::new(),
             current: None,
         }
     }
@@ -417,6 +491,7 @@ impl<'s, 'a> Prop<'s, 'a> {
             gathers: self.gathers,
             collectives: self.collectives,
             partial_gradients: self.partial_gradients,
+            kept_whole: self.kept_whole,
         }
     }
 
@@ -510,7 +585,12 @@ impl<'s, 'a> Prop<'s, 'a> {
             match self.state(v) {
                 Sh::Rep => {}
                 Sh::Partial => self.reduce(v),
-                Sh::Split { axis, outer, .. } => {
+                Sh::Split { axis, outer, origin, .. } => {
+                    if let Some(w) = origin
+                        && self.rep(origin) > 1
+                    {
+                        return Err(Fail::Replicate { weight: w });
+                    }
                     if outer != 1 {
                         return self.err(format!("`{}` leaves the layer split with {outer} blocks", self.g.value(v).name));
                     }
@@ -577,7 +657,7 @@ impl<'s, 'a> Prop<'s, 'a> {
             return false;
         }
         let Some(&iaxis) = perm.get(axis) else { return false };
-        let s = WeightSplit { axis: iaxis, outer, inner };
+        let s = WeightSplit { axis: iaxis, outer, inner, rep: self.rep(Some(init)) };
         if let Some(prev) = self.weights.get(&init)
             && *prev != s
         {
@@ -594,14 +674,31 @@ impl<'s, 'a> Prop<'s, 'a> {
         self.weight_src.get(&v).is_some_and(|(init, _)| !self.weights.contains_key(init))
     }
 
+    /// Ranks sharing each block of a split made by weight `origin`.
+    fn rep(&self, origin: Option<ValueId>) -> i64 {
+        origin.and_then(|w| self.replicas.get(&w).copied()).unwrap_or(1)
+    }
+
+    /// Ways a split made by weight `origin` divides its axis.
+    fn ways(&self, origin: Option<ValueId>) -> i64 {
+        self.t / self.rep(origin)
+    }
+
     /// Column layout for a split of a dim of size `d`: `outer` from the weight's demand.
     fn layout(&self, weight: Option<ValueId>, d: i64) -> Option<(i64, i64)> {
-        let outer = weight.and_then(|w| self.weight_src.get(&w).map(|x| x.0)).and_then(|w| self.demands.get(&w).copied()).unwrap_or(1);
-        (d % (outer * self.t) == 0 && d > 0).then_some((outer, d / (outer * self.t)))
+        let init = weight.and_then(|w| self.weight_src.get(&w).map(|x| x.0));
+        let outer = init.and_then(|w| self.demands.get(&w).copied()).unwrap_or(1);
+        let t = self.ways(init);
+        (d % (outer * t) == 0 && d > 0).then_some((outer, d / (outer * t)))
     }
 
     /// Records that entry `pos` of the shape operand `slot` of `node` shrinks by t.
     fn shrink_shape_entry(&mut self, node: NodeId, slot: usize, pos: usize, global: i64) -> R<()> {
+        self.shrink_shape_entry_by(node, slot, pos, global, self.t)
+    }
+
+    /// [`Self::shrink_shape_entry`] by `by` ways.
+    fn shrink_shape_entry_by(&mut self, node: NodeId, slot: usize, pos: usize, global: i64, by: i64) -> R<()> {
         let n = self.g.node(node);
         let Some(v) = n.inputs.get(slot).copied().flatten() else { return self.err("no shape operand") };
         let Some(vals) = self.ints(v).map(<[i64]>::to_vec) else {
@@ -617,11 +714,11 @@ impl<'s, 'a> Prop<'s, 'a> {
         let val = self.g.value(v);
         if matches!(val.kind, ValueKind::Constant | ValueKind::Initializer) {
             let mut new_values = vals.clone();
-            new_values[pos] = cur / self.t;
+            new_values[pos] = cur / by;
             self.constant_rewrites.push(ConstantRewrite { node: n.name.clone(), input: slot, value: val.name.clone(), new_values });
         } else {
             let mut divisors = vec![1; vals.len()];
-            divisors[pos] = self.t;
+            divisors[pos] = by;
             self.rewrites.push(NodeRewrite::DivideShape { node: n.name.clone(), input: slot, divisors });
         }
         Ok(())
@@ -673,19 +770,26 @@ impl<'s, 'a> Prop<'s, 'a> {
                         let is = self.need_shape(x)?;
                         let os = self.need_shape(o)?;
                         let s_in: i64 = is[axis + 1..].iter().product();
-                        let digit = s_in * inner;
-                        let mut found = None;
-                        for k in 0..os.len() {
-                            let sk: i64 = os[k + 1..].iter().product();
-                            if os[k] > 1 && digit % sk == 0 && (sk * os[k]) % (digit * self.t) == 0 {
-                                found = Some((k, digit / sk, os[k] * sk / (digit * self.t)));
-                                break;
+                        let ways = self.ways(origin);
+                        let find = |digit: i64, ways: i64| {
+                            (0..os.len()).find_map(|k| {
+                                let sk: i64 = os[k + 1..].iter().product();
+                                (os[k] > 1 && digit % sk == 0 && (sk * os[k]) % (digit * ways) == 0)
+                                    .then(|| (k, digit / sk, os[k] * sk / (digit * ways)))
+                            })
+                        };
+                        let Some((k, inner_k, outer_k)) = find(s_in * inner, ways) else {
+                            // Fewer whole heads than ways (grouped-query KV heads): let `rep`
+                            // ranks share each head, if that makes it survive.
+                            if let Some(w) = origin
+                                && self.rep(origin) == 1
+                                && let Some(rep) = (2..=self.t).find(|&rep| self.t % rep == 0 && find(s_in * inner * rep, self.t / rep).is_some())
+                            {
+                                return Err(Fail::Replicas { weight: w, rep });
                             }
-                        }
-                        let Some((k, inner_k, outer_k)) = found else {
                             return self.err("the split axis does not survive the reshape");
                         };
-                        self.shrink_shape_entry(id, 1, k, os[k])?;
+                        self.shrink_shape_entry_by(id, 1, k, os[k], ways)?;
                         self.set(o, Sh::Split { axis: k, outer: outer_k, inner: inner_k, origin });
                         Ok(())
                     }
@@ -781,6 +885,10 @@ impl<'s, 'a> Prop<'s, 'a> {
                         let os = self.need_shape(o)?;
                         let oaxis = axis + os.len() - xr;
                         let slen = inp(1).and_then(|v| self.ints(v)).map_or(0, <[i64]>::len);
+                        let rep = self.rep(origin);
+                        if rep > 1 {
+                            return self.expand_shared_heads(id, oaxis, outer, inner, rep, origin);
+                        }
                         if slen + oaxis >= os.len() {
                             let pos = slen + oaxis - os.len();
                             self.shrink_shape_entry(id, 1, pos, os[oaxis])?;
@@ -795,6 +903,41 @@ impl<'s, 'a> Prop<'s, 'a> {
             k if k.is_elementwise() => self.elementwise(id),
             _ => self.err("no sharding rule for this op"),
         }
+    }
+
+    /// Grouped-query attention's `repeat_kv` when `rep` ranks share each KV head: the Expand
+    /// that repeats each head `n` times along `oaxis + 1` keeps `n / rep` copies per rank, and
+    /// the Reshape that merges the two axes into query heads then holds this rank's query heads
+    /// (a plain `t`-way split of the merged axis).
+    fn expand_shared_heads(&mut self, id: NodeId, oaxis: usize, outer: i64, inner: i64, rep: i64, origin: Option<ValueId>) -> R<()> {
+        let n = self.g.node(id);
+        let (Some(x), o) = (n.inputs.first().copied().flatten(), n.outputs[0]) else { return self.err("missing operand") };
+        let xs = self.need_shape(x)?;
+        let os = self.need_shape(o)?;
+        let iaxis = oaxis + xs.len() - os.len();
+        let slen = n.inputs.get(1).copied().flatten().and_then(|v| self.ints(v)).map_or(0, <[i64]>::len);
+        let reshaped_only = self.s.uses[o.index()]
+            .iter()
+            .all(|&u| self.in_layer.contains(&u) && self.g.node(u).op.is(OpKind::Reshape) && self.g.node(u).inputs.first().copied().flatten() == Some(o));
+        let copies = os.get(oaxis + 1).copied().unwrap_or(0);
+        let fits = outer == 1
+            && inner == 1
+            && xs.get(iaxis + 1) == Some(&1)
+            && copies % rep == 0
+            && slen + oaxis >= os.len()
+            && reshaped_only
+            && !self.g.outputs.contains(&o);
+        if !fits {
+            return match origin {
+                Some(weight) => Err(Fail::Replicate { weight }),
+                None => self.err("a head shared by several ranks is expanded other than by repeat_kv"),
+            };
+        }
+        let pos = slen + oaxis - os.len();
+        self.shrink_shape_entry_by(id, 1, pos, os[oaxis], self.t / rep)?;
+        self.shrink_shape_entry_by(id, 1, pos + 1, copies, rep)?;
+        self.set(o, Sh::Split { axis: oaxis + 1, outer: 1, inner: copies / rep, origin: None });
+        Ok(())
     }
 
     /// The output axis of a unary-shaped op for input split axis `axis`.
@@ -861,7 +1004,7 @@ impl<'s, 'a> Prop<'s, 'a> {
             Sh::Split { outer, inner, origin, .. } => {
                 let d = xs[ax];
                 let sizes: Vec<i64> = outs.iter().map(|&o| self.shape(o).map_or(0, |s| s[ax])).collect();
-                let block = self.t * inner;
+                let block = self.ways(origin) * inner;
                 if sizes.iter().any(|&s| s % block != 0) {
                     let mut g = d;
                     let mut acc = 0;
@@ -871,7 +1014,7 @@ impl<'s, 'a> Prop<'s, 'a> {
                     }
                     let need = lcm(outer, d / g.max(1));
                     return match origin {
-                        Some(w) if need != outer && d % (need * self.t) == 0 => Err(Fail::Demand { weight: w, outer: need }),
+                        Some(w) if need != outer && d % (need * self.ways(origin)) == 0 => Err(Fail::Demand { weight: w, outer: need }),
                         _ => self.err("the split sizes cut through a rank's block"),
                     };
                 }
@@ -880,11 +1023,12 @@ impl<'s, 'a> Prop<'s, 'a> {
                     let Some(vals) = self.ints(sv).map(<[i64]>::to_vec) else {
                         return self.err("split sizes are not computable");
                     };
-                    let new_values: Vec<i64> = vals.iter().map(|v| v / self.t).collect();
+                    let ways = self.ways(origin);
+                    let new_values: Vec<i64> = vals.iter().map(|v| v / ways).collect();
                     if matches!(val.kind, ValueKind::Constant | ValueKind::Initializer) {
                         self.constant_rewrites.push(ConstantRewrite { node: n.name.clone(), input: 1, value: val.name.clone(), new_values });
                     } else {
-                        self.rewrites.push(NodeRewrite::DivideShape { node: n.name.clone(), input: 1, divisors: vec![self.t; vals.len()] });
+                        self.rewrites.push(NodeRewrite::DivideShape { node: n.name.clone(), input: 1, divisors: vec![ways; vals.len()] });
                     }
                 } else if n.attrs.ints("split").is_some() {
                     return self.err("split sizes as an attribute (opset < 13)");
@@ -913,7 +1057,7 @@ impl<'s, 'a> Prop<'s, 'a> {
                     let r = self.need_shape(*v)?.len();
                     let oa = axis + os.len() - r;
                     match split {
-                        Some((a, ou, inn, _)) if (a, ou, inn) != (oa, outer, inner) => {
+                        Some((a, ou, inn, o2)) if (a, ou, inn, self.rep(o2)) != (oa, outer, inner, self.rep(origin)) => {
                             return self.err("inputs are split differently");
                         }
                         _ => split = Some((oa, outer, inner, origin.or(split.and_then(|s| s.3)))),
@@ -988,10 +1132,20 @@ impl<'s, 'a> Prop<'s, 'a> {
                         Some((outer, inner)) if self.split_weight(b, bn, outer, inner) => {
                             Sh::Split { axis: ro - 1, outer, inner, origin: self.init_of(b) }
                         }
-                        _ => Sh::Rep,
+                        _ => {
+                            if let Some((init, _)) = self.weight_src.get(&b) {
+                                self.kept_whole.insert(*init);
+                            }
+                            Sh::Rep
+                        }
                     };
                 }
-                Sh::Split { axis, outer, inner, .. } if axis == ak => {
+                Sh::Split { axis, outer, inner, origin } if axis == ak => {
+                    if let Some(w) = origin
+                        && self.rep(origin) > 1
+                    {
+                        return Err(Fail::Replicate { weight: w });
+                    }
                     if !self.split_weight(b, bk, outer, inner) {
                         return self.err("the weight cannot be split by rows");
                     }
@@ -1007,8 +1161,8 @@ impl<'s, 'a> Prop<'s, 'a> {
             let sb = self.state(b);
             out = match (sa, sb) {
                 (Sh::Rep, Sh::Rep) => Sh::Rep,
-                (Sh::Split { axis: x, outer: o1, inner: i1, origin }, Sh::Split { axis: y, outer: o2, inner: i2, .. })
-                    if !ta && !tb && (o1, i1) == (o2, i2) =>
+                (Sh::Split { axis: x, outer: o1, inner: i1, origin }, Sh::Split { axis: y, outer: o2, inner: i2, origin: origin2 })
+                    if !ta && !tb && (o1, i1, self.rep(origin)) == (o2, i2, self.rep(origin2)) =>
                 {
                     if x + 2 < ra + 0 && y + 2 < rb && ra - x == rb - y {
                         Sh::Split { axis: x + ro - ra, outer: o1, inner: i1, origin }
@@ -1091,6 +1245,9 @@ impl<'s, 'a> Prop<'s, 'a> {
             self.gathers.push((n.name.clone(), data));
             self.set(o, Sh::Partial);
             return Ok(());
+        }
+        if self.is_free_weight(data) && axis == 0 && ds.len() == 2 && Some(ds[0]) == self.s.vocab {
+            self.kept_whole.insert(data);
         }
         match self.state(data) {
             Sh::Rep => {

@@ -190,8 +190,8 @@ pub fn validate_shard_group(dims: &dyn Fn(&str) -> Option<Vec<i64>>, shards: &[L
             errs.push(Invalid { rank: s.rank, what: format!("shard {i} of a group of {tp} says rank {} of {}", s.rank, s.tp) });
         }
     }
-    // initializer → (axis, ranges of every rank)
-    let mut by_weight: BTreeMap<&str, Vec<(usize, usize, &[[u64; 2]])>> = BTreeMap::new();
+    // initializer → (rank, axis, ranges, replicas) of every rank
+    let mut by_weight: BTreeMap<&str, Vec<(usize, usize, &[[u64; 2]], u64)>> = BTreeMap::new();
     for s in shards {
         for w in &s.weight_slices {
             let Some(dims) = dims(&w.initializer) else {
@@ -213,7 +213,7 @@ pub fn validate_shard_group(dims: &dyn Fn(&str) -> Option<Vec<i64>>, shards: &[L
                 }
             }
             if !bad {
-                by_weight.entry(&w.initializer).or_default().push((s.rank, w.axis, &w.ranges));
+                by_weight.entry(&w.initializer).or_default().push((s.rank, w.axis, &w.ranges, w.replicas));
             }
         }
     }
@@ -228,8 +228,33 @@ pub fn validate_shard_group(dims: &dyn Fn(&str) -> Option<Vec<i64>>, shards: &[L
                 errs.push(Invalid { rank: s.rank, what: format!("holds all of `{name}`, which other tensor ranks slice") });
             }
         }
+        // A declared replication factor: consecutive groups of that many ranks hold one slice.
+        let k = parts[0].3;
+        if let Some(p) = parts.iter().find(|p| p.3 != k) {
+            errs.push(Invalid { rank: p.0, what: format!("declares `{name}` shared by {} ranks, rank {} by {k}", p.3, parts[0].0) });
+            continue;
+        }
+        if k == 0 || tp as u64 % k != 0 {
+            errs.push(Invalid { rank: parts[0].0, what: format!("declares `{name}` shared by {k} ranks, which does not divide the {tp} tensor ranks") });
+            continue;
+        }
+        let k = k as usize;
+        let mut mismatched = false;
+        for p in &parts {
+            let lead = p.0 - p.0 % k;
+            if let Some(q) = parts.iter().find(|q| q.0 == lead)
+                && q.2 != p.2
+            {
+                errs.push(Invalid { rank: p.0, what: format!("shares `{name}` with rank {lead} ({k} ranks per slice) but holds {:?}, rank {lead} {:?}", p.2, q.2) });
+                mismatched = true;
+            }
+        }
+        if mismatched {
+            continue;
+        }
         let d = dims(name).and_then(|dims| dims.get(axis).copied()).unwrap_or(0) as u64;
-        let mut all: Vec<(u64, u64, usize)> = parts.iter().flat_map(|p| p.2.iter().map(move |r| (r[0], r[1], p.0))).collect();
+        let mut all: Vec<(u64, u64, usize)> =
+            parts.iter().filter(|p| p.0 % k == 0).flat_map(|p| p.2.iter().map(move |r| (r[0], r[1], p.0))).collect();
         all.sort_unstable();
         let mut at = 0;
         for (s, e, rank) in all {
@@ -460,7 +485,7 @@ mod tests {
                 layer: 0,
                 tp: 2,
                 rank,
-                weight_slices: vec![WeightSlice { initializer: "w".into(), axis: 1, ranges: r }],
+                weight_slices: vec![WeightSlice { initializer: "w".into(), axis: 1, ranges: r, replicas: 1 }],
                 constant_rewrites: vec![],
                 rewrites: vec![],
                 collectives: vec![],
@@ -479,5 +504,29 @@ mod tests {
         assert!(m.starts_with("rank 1: slice [3, 6) of `w` overlaps"), "{m}");
         let m = validate_shards(&g, &shards([vec![[0, 2]], vec![[3, 6]]])).unwrap_err().0[0].to_string();
         assert!(m.contains("[2, 3) is held by no rank"), "{m}");
+    }
+
+    /// Two identical slices are a double cover unless they declare that two ranks share them.
+    #[test]
+    fn declared_replicas_share_a_slice() {
+        let g = weight_graph();
+        let mut s = shards([vec![[0, 6]], vec![[0, 6]]]);
+        let m = validate_shards(&g, &s).unwrap_err().0[0].to_string();
+        assert!(m.starts_with("rank 1: slice [0, 6) of `w` overlaps"), "{m}");
+        for x in &mut s {
+            x.weight_slices[0].replicas = 2;
+        }
+        validate_shards(&g, &s).unwrap();
+        s[1].weight_slices[0].ranges = vec![[0, 3]];
+        let m = validate_shards(&g, &s).unwrap_err().0[0].to_string();
+        assert!(m.starts_with("rank 1: shares `w` with rank 0 (2 ranks per slice)"), "{m}");
+        s[1].weight_slices[0].replicas = 1;
+        let m = validate_shards(&g, &s).unwrap_err().0[0].to_string();
+        assert!(m.starts_with("rank 1: declares `w` shared by 1 ranks"), "{m}");
+        for x in &mut s {
+            x.weight_slices[0].replicas = 3;
+        }
+        let m = validate_shards(&g, &s).unwrap_err().0[0].to_string();
+        assert!(m.contains("does not divide the 2 tensor ranks"), "{m}");
     }
 }

@@ -288,6 +288,7 @@ impl Plan {
                 .iter()
                 .map(|s| StageInput { layers: s.layers, checkpointed_layers: s.checkpointed_layers.clone(), output_bytes: s.output_bytes })
                 .collect(),
+            replicated_layers: self.layer_strategies.iter().filter(|s| s.strategy == "replicate").map(|s| s.layer).collect(),
         })
     }
 
