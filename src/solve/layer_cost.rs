@@ -211,7 +211,7 @@ impl<'a> CostContext<'a> {
     }
 
     /// The layer's tensor-strategy assignments under `cfg`: the Megatron split first, then
-    /// the intra-layer ILP's Pareto points that differ from it (cached per signature, t,
+    /// the intra-layer ILP's fastest assignment when it differs from it and is not dominated (cached per signature, t,
     /// microbatch and tensor group; identical blocks share one solve).
     pub fn details(&mut self, layer: usize, cfg: &LayerConfig) -> &[StrategyDetail] {
         let rep = self.sig_index[layer];
@@ -281,12 +281,11 @@ impl<'a> CostContext<'a> {
         }
         self.intra_solves += 1;
         // A failed or empty solve leaves the Megatron split, which is always valid.
-        let sols = ls.problem.pareto(0, &SolverOptions::default()).unwrap_or_default();
+        // The fastest assignment only: the smallest is the all-split one, which Megatron's
+        // split already is, so further Pareto solves would only cost time.
+        let sols = ls.problem.solve(false, None, &SolverOptions::default()).ok().and_then(|(_, s)| s);
         let input_bytes = megatron.input_bytes;
-        for s in sols {
-            if s.choice == ls.megatron {
-                continue;
-            }
+        if let Some(s) = sols.filter(|s| s.choice != ls.megatron) {
             let d = StrategyDetail {
                 name: format!("ilp-tp{}", cfg.tp),
                 nodes: ls.node_names(self.lg, layer, &s.choice),
