@@ -12,7 +12,28 @@ use crate::cost::{ClusterSpec, CommModel, GroupSpan, StatePrecision, model_state
 use crate::cost::compute::{bytes_scale, graph_float_dtype, layer_times};
 use crate::ir::{DType, LayerKind, LayeredGraph, OpKind, ValueKind};
 
+use super::ilp::SolverOptions;
 use super::problem::{ParetoPoint, PipelineLayer};
+use super::strategy::{self, StrategyInputs};
+
+/// One tensor-strategy assignment of a layer, summarised (before ZeRO and data parallelism).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StrategyDetail {
+    /// Name of the assignment (`megatron-tp4`, `ilp-tp4`, `replicate`).
+    pub name: String,
+    /// Strategy per node of the layer: (node name, strategy).
+    pub nodes: Vec<(String, String)>,
+    /// Forward time per microbatch incl. tensor collectives, seconds.
+    pub fwd_s: f64,
+    /// Backward time per microbatch incl. tensor collectives, seconds.
+    pub bwd_s: f64,
+    /// Parameter elements per device.
+    pub param_elems: f64,
+    /// Saved-activation bytes per microbatch.
+    pub act_bytes: f64,
+    /// Input bytes per microbatch.
+    pub input_bytes: f64,
+}
 
 /// The greatest common divisor of the known dimensions of the repeated blocks' weight
 /// matrices and of their attention heads (the third axis of 4-D reshapes, [b, s, heads, d]);
@@ -102,7 +123,12 @@ pub struct CostContext<'a> {
     pub precision: StatePrecision,
     /// Per-layer shape facts.
     pub shapes: Vec<LayerShape>,
+    /// Use only the Megatron split (the `megatron` baseline), not the intra-layer ILP.
+    pub megatron_only: bool,
+    /// Intra-layer ILPs solved (one per distinct layer, t, microbatch and tensor group).
+    pub intra_solves: usize,
     cache: HashMap<(usize, usize, usize, u8, GroupSpan, GroupSpan, GroupSpan), PipelineLayer>,
+    details: HashMap<(usize, usize, usize, GroupSpan), Vec<StrategyDetail>>,
     model_cache: HashMap<(usize, usize, u8, GroupSpan, GroupSpan, GroupSpan), Vec<PipelineLayer>>,
     sig_index: Vec<usize>,
 }
@@ -151,7 +177,10 @@ impl<'a> CostContext<'a> {
             bytes_scale: bytes_scale(graph_float_dtype(&lg.graph), dtype),
             precision: if dtype == DType::F32 { StatePrecision::FP32_ADAM } else { StatePrecision::MIXED_ADAM },
             shapes,
+            megatron_only: false,
+            intra_solves: 0,
             cache: HashMap::new(),
+            details: HashMap::new(),
             model_cache: HashMap::new(),
             sig_index,
         }
@@ -181,7 +210,26 @@ impl<'a> CostContext<'a> {
         l
     }
 
-    fn compute(&self, layer: usize, cfg: &LayerConfig) -> PipelineLayer {
+    /// The layer's tensor-strategy assignments under `cfg`: the Megatron split first, then
+    /// the intra-layer ILP's fastest assignment when it differs from it and is not dominated (cached per signature, t,
+    /// microbatch and tensor group; identical blocks share one solve).
+    pub fn details(&mut self, layer: usize, cfg: &LayerConfig) -> &[StrategyDetail] {
+        let rep = self.sig_index[layer];
+        let key = (rep, cfg.tp, cfg.microbatch, cfg.tp_group);
+        if !self.details.contains_key(&key) {
+            let d = self.solve_details(rep, cfg);
+            self.details.insert(key, d);
+        }
+        self.details.get(&key).map_or(&[], |v| v.as_slice())
+    }
+
+    /// The assignment behind point `choice` of `layer` under `cfg`, if computed.
+    pub fn detail(&self, layer: usize, cfg: &LayerConfig, choice: usize) -> Option<&StrategyDetail> {
+        let rep = *self.sig_index.get(layer)?;
+        self.details.get(&(rep, cfg.tp, cfg.microbatch, cfg.tp_group))?.get(choice)
+    }
+
+    fn megatron_detail(&self, layer: usize, cfg: &LayerConfig) -> StrategyDetail {
         let lay = &self.lg.layers[layer];
         let shape = self.shapes[layer];
         let t = cfg.tp.max(1) as f64;
@@ -192,7 +240,81 @@ impl<'a> CostContext<'a> {
         let pairs = shape.weight_matmuls.div_ceil(2) as f64;
         let tp_fwd = if cfg.tp > 1 { (pairs + shape.embeddings as f64) * ar } else { 0.0 };
         let tp_bwd = if cfg.tp > 1 { pairs * ar } else { 0.0 };
-        let params = shape.params / t;
+        StrategyDetail {
+            name: if cfg.tp > 1 { format!("megatron-tp{}", cfg.tp) } else { "replicate".to_string() },
+            nodes: Vec::new(),
+            fwd_s: times.fwd + tp_fwd,
+            bwd_s: times.bwd + tp_bwd,
+            param_elems: shape.params / t,
+            act_bytes: lay.figures.saved_bytes.max(lay.input_bytes) * b * self.bytes_scale / t,
+            input_bytes: lay.input_bytes * b * self.bytes_scale / t,
+        }
+    }
+
+    fn solve_details(&mut self, layer: usize, cfg: &LayerConfig) -> Vec<StrategyDetail> {
+        let mut megatron = self.megatron_detail(layer, cfg);
+        let lay = &self.lg.layers[layer];
+        if cfg.tp <= 1 {
+            let g = &self.lg.graph;
+            megatron.nodes = lay
+                .nodes
+                .iter()
+                .map(|&id| (g.try_node(id).map(|n| n.name.clone()).unwrap_or_default(), "replicate".to_string()))
+                .collect();
+            return vec![megatron];
+        }
+        let inputs = StrategyInputs {
+            spec: self.spec,
+            comm: &self.comm,
+            dtype: self.dtype,
+            bytes_scale: self.bytes_scale,
+            tp: cfg.tp,
+            microbatch: cfg.microbatch as f64,
+            tp_group: cfg.tp_group,
+            state_bytes_per_param: self.precision.weight as f64 + self.precision.grad as f64 + self.precision.optimizer as f64,
+        };
+        let ls = strategy::build(self.lg, layer, &inputs);
+        megatron.nodes = ls.node_names(self.lg, layer, &ls.megatron);
+        let mut out = vec![megatron.clone()];
+        if self.megatron_only {
+            return out;
+        }
+        self.intra_solves += 1;
+        // A failed or empty solve leaves the Megatron split, which is always valid.
+        // The fastest assignment only: the smallest is the all-split one, which Megatron's
+        // split already is, so further Pareto solves would only cost time.
+        let sols = ls.problem.solve(false, None, &SolverOptions::default()).ok().and_then(|(_, s)| s);
+        let input_bytes = megatron.input_bytes;
+        if let Some(s) = sols.filter(|s| s.choice != ls.megatron) {
+            let d = StrategyDetail {
+                name: format!("ilp-tp{}", cfg.tp),
+                nodes: ls.node_names(self.lg, layer, &s.choice),
+                fwd_s: s.fwd_s,
+                bwd_s: s.bwd_s,
+                param_elems: ls.params_of(&s.choice),
+                act_bytes: s.act_bytes.max(input_bytes),
+                input_bytes,
+            };
+            let dominated = out.iter().any(|o| {
+                o.fwd_s + o.bwd_s <= d.fwd_s + d.bwd_s && o.param_elems <= d.param_elems && o.act_bytes <= d.act_bytes
+            });
+            if !dominated {
+                out.push(d);
+            }
+        }
+        out
+    }
+
+    fn compute(&mut self, layer: usize, cfg: &LayerConfig) -> PipelineLayer {
+        let details = self.details(layer, cfg).to_vec();
+        let lay = &self.lg.layers[layer];
+        let b = cfg.microbatch as f64;
+        let points = details.iter().enumerate().map(|(i, d)| self.point(d, i, cfg)).collect();
+        PipelineLayer { points, output_bytes: lay.output_bytes * b * self.bytes_scale }
+    }
+
+    fn point(&self, d: &StrategyDetail, choice: usize, cfg: &LayerConfig) -> ParetoPoint {
+        let params = d.param_elems;
         let state = model_state(params, cfg.zero, cfg.zero_group.size, self.precision);
         let weight_bytes = params * self.precision.weight as f64;
         let grad_bytes = params * self.precision.grad as f64;
@@ -212,16 +334,15 @@ impl<'a> CostContext<'a> {
                 self.comm.reduce_scatter(grad_bytes, &cfg.zero_group) + self.outer_reduce(grad_bytes, cfg)
             }
         };
-        let point = ParetoPoint {
-            fwd_s: times.fwd + tp_fwd + fwd_extra,
-            bwd_s: times.bwd + tp_bwd + bwd_extra,
+        ParetoPoint {
+            fwd_s: d.fwd_s + fwd_extra,
+            bwd_s: d.bwd_s + bwd_extra,
             state_bytes: state.total(),
-            act_bytes: lay.figures.saved_bytes.max(lay.input_bytes) * b * self.bytes_scale / t,
-            input_bytes: lay.input_bytes * b * self.bytes_scale / t,
+            act_bytes: d.act_bytes,
+            input_bytes: d.input_bytes,
             sync_s: sync,
-            choice: 0,
-        };
-        PipelineLayer { points: vec![point], output_bytes: lay.output_bytes * b * self.bytes_scale }
+            choice,
+        }
     }
 
     /// Gradient all-reduce across sharded groups when ZeRO covers only part of the replicas.

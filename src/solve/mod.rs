@@ -11,6 +11,7 @@ pub mod oracle;
 pub mod pipeline;
 pub mod problem;
 pub mod search;
+pub mod strategy;
 
 use std::fmt;
 use std::str::FromStr;

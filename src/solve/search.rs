@@ -223,6 +223,22 @@ pub fn layout_chunks(layout: &[[usize; 2]], layers: usize) -> Result<Vec<usize>,
     Ok(chunks)
 }
 
+/// The layer-cost configuration of a candidate (groups laid out by its placement).
+pub fn layer_config(spec: &ClusterSpec, cand: &Candidate) -> LayerConfig {
+    let dpn = spec.devices_per_node.max(1);
+    let deg = [cand.dp, cand.pp, cand.tp];
+    let d_stride = cand.placement.stride(MeshAxis::D, deg);
+    let t_stride = cand.placement.stride(MeshAxis::T, deg);
+    LayerConfig {
+        tp: cand.tp,
+        microbatch: cand.microbatch_size,
+        zero: cand.zero,
+        zero_group: GroupSpan::strided(0, cand.zero_group.min(cand.dp).max(1), d_stride, dpn),
+        dp_group: GroupSpan::strided(0, cand.dp, d_stride, dpn),
+        tp_group: GroupSpan::strided(0, cand.tp, t_stride, dpn),
+    }
+}
+
 /// Builds the pipeline problem of a candidate.
 pub fn prepare(
     ctx: &mut CostContext<'_>,
@@ -232,19 +248,9 @@ pub fn prepare(
     fixed_chunks: Option<Vec<usize>>,
 ) -> Prepared {
     let spec = ctx.spec;
-    let dpn = spec.devices_per_node.max(1);
     let deg = [cand.dp, cand.pp, cand.tp];
     let rank = |d: usize, p: usize, t: usize| cand.placement.rank([d, p, t], deg);
-    let d_stride = cand.placement.stride(MeshAxis::D, deg);
-    let t_stride = cand.placement.stride(MeshAxis::T, deg);
-    let lc = LayerConfig {
-        tp: cand.tp,
-        microbatch: cand.microbatch_size,
-        zero: cand.zero,
-        zero_group: GroupSpan::strided(0, cand.zero_group.min(cand.dp).max(1), d_stride, dpn),
-        dp_group: GroupSpan::strided(0, cand.dp, d_stride, dpn),
-        tp_group: GroupSpan::strided(0, cand.tp, t_stride, dpn),
-    };
+    let lc = layer_config(spec, cand);
     let layers = ctx.layers(&lc);
     let v = cand.schedule.virtual_stages();
     let chunks = cand.pp * v;
@@ -415,6 +421,7 @@ pub fn run(
         None => None,
     };
     let mut ctx = CostContext::new(lg, spec);
+    ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron);
     let total = cands.len() as u64;
     let mut prepared: Vec<Prepared> = cands
         .iter()
@@ -568,6 +575,7 @@ fn infeasible(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanConfig, cap: f64,
         let bigger = ClusterSpec { devices, ..spec.clone() };
         let Ok(cands) = enumerate(lg, &bigger, cfg) else { continue };
         let mut ctx = CostContext::new(lg, &bigger);
+        ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron);
         let fits = cands.iter().any(|cand| prepare(&mut ctx, cand, cap, cfg.constraints.active_microbatches, None).mem_lb <= cap);
         if fits {
             fix.push_str(&format!(", or about {devices} devices of this kind"));
@@ -608,14 +616,7 @@ pub fn decision(
     let spec = ctx.spec;
     let deg = [cand.dp, cand.pp, cand.tp];
     let chunks = prob.chunks();
-    let lc = LayerConfig {
-        tp: cand.tp,
-        microbatch: cand.microbatch_size,
-        zero: cand.zero,
-        zero_group: GroupSpan { size: cand.zero_group, per_node: 1 },
-        dp_group: GroupSpan { size: cand.dp, per_node: 1 },
-        tp_group: GroupSpan { size: cand.tp, per_node: 1 },
-    };
+    let lc = layer_config(spec, &cand);
     let mut stages = Vec::with_capacity(chunks);
     for c in 0..chunks {
         let members: Vec<usize> = (0..sol.choices.len()).filter(|&l| sol.choices[l].chunk == c).collect();
@@ -634,7 +635,12 @@ pub fn decision(
             let pt = &prob.layers[l].points[ch.point];
             fwd += pt.fwd_s;
             bwd += pt.bwd_s + if ch.checkpoint { pt.fwd_s } else { 0.0 };
-            params += ctx.shapes[l].params;
+            // The layer's own count, plus what its assignment replicates beyond the split.
+            let extra = match (ctx.detail(l, &lc, pt.choice), ctx.detail(l, &lc, 0)) {
+                (Some(d), Some(m)) => d.param_elems - m.param_elems,
+                _ => 0.0,
+            };
+            params += ctx.shapes[l].params / cand.tp.max(1) as f64 + extra;
             if ch.checkpoint {
                 kept += pt.input_bytes;
                 rec = rec.max(pt.act_bytes - pt.input_bytes);
@@ -643,7 +649,7 @@ pub fn decision(
                 kept += pt.act_bytes;
             }
         }
-        let st = ctx.state_split(params, &lc);
+        let st = ctx.state_split(params * cand.tp.max(1) as f64, &lc);
         let activations = prob.in_flight[c] * kept + rec;
         let workspace = if c < cand.pp { prob.workspace } else { 0.0 };
         let comm_s = if c + 1 < chunks { 2.0 * prob.layers[last].output_bytes * prob.transfer_s_per_byte[c] } else { 0.0 };
@@ -666,12 +672,19 @@ pub fn decision(
             checkpointed_layers: ckpt,
         });
     }
-    let strategy = if cand.tp > 1 { format!("megatron-tp{}", cand.tp) } else { "replicate".to_string() };
+    let fallback = if cand.tp > 1 { format!("megatron-tp{}", cand.tp) } else { "replicate".to_string() };
     let layers = sol
         .choices
         .iter()
         .enumerate()
-        .map(|(l, ch)| LayerDecision { layer: l, strategy: strategy.clone(), nodes: Vec::new(), checkpoint: ch.checkpoint })
+        .map(|(l, ch)| {
+            let choice = prob.layers[l].points.get(ch.point).map_or(0, |p| p.choice);
+            let (strategy, nodes) = match ctx.detail(l, &lc, choice) {
+                Some(d) => (d.name.clone(), d.nodes.clone()),
+                None => (fallback.clone(), Vec::new()),
+            };
+            LayerDecision { layer: l, strategy, nodes, checkpoint: ch.checkpoint }
+        })
         .collect();
     let step = eval.step_s;
     let t: Vec<f64> = (0..cand.pp).map(|d| eval.fwd_s[d] + eval.bwd_s[d]).collect();

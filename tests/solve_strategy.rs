@@ -1,0 +1,89 @@
+//! Per-node sharding strategies and the intra-layer ILP inside the planner.
+
+mod common;
+
+use smp_partition::cost::{ClusterSpec, GroupSpan};
+use smp_partition::ir::LayerKind;
+use smp_partition::solve::layer_cost::{CostContext, LayerConfig};
+use smp_partition::solve::oracle::brute_force_intra;
+use smp_partition::solve::strategy::{StrategyInputs, build};
+use smp_partition::solve::{Baseline, PlanConfig, SolverOptions, plan};
+
+fn small() -> smp_partition::ir::LayeredGraph {
+    common::gpt(common::GptShape { layers: 4, hidden: 1024.0, heads: 16.0, seq: 1024.0, vocab: 32000.0 })
+}
+
+fn cfg(tp: usize, per_node: usize) -> LayerConfig {
+    LayerConfig {
+        tp,
+        microbatch: 2,
+        zero: 0,
+        zero_group: GroupSpan { size: 1, per_node: 1 },
+        dp_group: GroupSpan { size: 1, per_node: 1 },
+        tp_group: GroupSpan { size: tp, per_node },
+    }
+}
+
+#[test]
+fn megatron_is_an_assignment_and_the_ilp_matches_brute_force() {
+    let lg = small();
+    for (preset, per_node) in [("h100-80gb:8", 8), ("h100-80gb:16", 1)] {
+        let spec = ClusterSpec::parse(preset).unwrap();
+        let mut ctx = CostContext::new(&lg, &spec);
+        for tp in [2, 4] {
+            let lc = cfg(tp, per_node.min(tp));
+            for layer in 0..lg.layers.len() {
+                let megatron = ctx.details(layer, &lc)[0].clone();
+                let x = StrategyInputs {
+                    spec: &spec,
+                    comm: &ctx.comm,
+                    dtype: ctx.dtype,
+                    bytes_scale: ctx.bytes_scale,
+                    tp,
+                    microbatch: 2.0,
+                    tp_group: lc.tp_group,
+                    state_bytes_per_param: 16.0,
+                };
+                let ls = build(&lg, layer, &x);
+                // The Megatron split, evaluated in the intra-layer problem, costs what the
+                // Megatron layer point costs.
+                let m = ls.problem.evaluate(&ls.megatron).unwrap();
+                let rel = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1e-30);
+                assert!(rel(m.fwd_s, megatron.fwd_s), "layer {layer} tp {tp}: fwd {} vs {}", m.fwd_s, megatron.fwd_s);
+                assert!(rel(m.bwd_s, megatron.bwd_s), "layer {layer} tp {tp}: bwd {} vs {}", m.bwd_s, megatron.bwd_s);
+                assert!(rel(ls.params_of(&ls.megatron), megatron.param_elems));
+                // The ILP's optimum equals exhaustive enumeration and never exceeds Megatron.
+                let (_, sol) = ls.problem.solve(false, None, &SolverOptions::default()).unwrap();
+                let sol = sol.unwrap();
+                let (best, _) = brute_force_intra(&ls.problem).unwrap();
+                let t = sol.fwd_s + sol.bwd_s;
+                assert!((t - best).abs() <= 1e-6 * best, "layer {layer} tp {tp}: ILP {t} vs brute force {best}");
+                assert!(t <= (m.fwd_s + m.bwd_s) * (1.0 + 1e-9));
+            }
+        }
+    }
+}
+
+#[test]
+fn plan_records_a_strategy_per_node() {
+    let lg = small();
+    let spec = ClusterSpec::parse("h100-80gb:8").unwrap();
+    let mut c = PlanConfig::new(64);
+    c.constraints.tp = Some(4);
+    let d = plan(&lg, &spec, &c, &mut |_| {}).unwrap();
+    assert_eq!(d.layers.len(), lg.layers.len());
+    for l in &d.layers {
+        let layer = &lg.layers[l.layer];
+        assert_eq!(l.nodes.len(), layer.nodes.len(), "layer {}", l.layer);
+        let names: Vec<&str> = l.nodes.iter().map(|(_, s)| s.as_str()).collect();
+        if layer.kind == LayerKind::Block {
+            assert!(names.contains(&"row") || names.contains(&"replicate"), "{names:?}");
+        }
+        assert!(names.iter().all(|s| ["column", "row", "replicate", "vocab", "sequence"].contains(s)), "{names:?}");
+    }
+    // The Megatron baseline keeps Megatron's split in every layer.
+    c.baseline = Some(Baseline::Megatron);
+    let m = plan(&lg, &spec, &c, &mut |_| {}).unwrap();
+    assert!(m.layers.iter().all(|l| l.strategy == "megatron-tp4"), "{:?}", m.layers.iter().map(|l| &l.strategy).collect::<Vec<_>>());
+    assert!(d.predicted.step_time_s <= m.predicted.step_time_s * (1.0 + 1e-9));
+}
