@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -60,6 +61,69 @@ void wait_or_throw(const c10::intrusive_ptr<c10d::Work>& w, std::chrono::millise
     throw std::runtime_error("timed out after " + std::to_string(timeout.count()) + " ms");
   }
 }
+
+void all_reduce_in_place(Group* grp, at::Tensor& t) {
+  std::vector<at::Tensor> ts{t};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  wait_or_throw(grp->backend->allreduce(ts, opts), grp->timeout);
+}
+
+Group* group_of(torch::autograd::AutogradContext* ctx) {
+  return reinterpret_cast<Group*>(ctx->saved_data["group"].toInt());
+}
+
+// Megatron's g: forward sums over the tensor group, backward passes the gradient through.
+struct ReduceFromTensorRegion : public torch::autograd::Function<ReduceFromTensorRegion> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group) {
+    (void)ctx;
+    auto out = x.contiguous().clone();
+    all_reduce_in_place(reinterpret_cast<Group*>(group), out);
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    (void)ctx;
+    return {grads[0], at::Tensor()};
+  }
+};
+
+// Megatron's f: forward passes through, backward sums the gradient over the tensor group.
+struct CopyToTensorRegion : public torch::autograd::Function<CopyToTensorRegion> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    auto g = grads[0].contiguous().clone();
+    all_reduce_in_place(group_of(ctx), g);
+    return {g, at::Tensor()};
+  }
+};
+
+// Concatenation of the members' tensors along `axis`; backward keeps this member's slice.
+struct GatherAlongAxis : public torch::autograd::Function<GatherAlongAxis> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group, int64_t axis) {
+    auto* grp = reinterpret_cast<Group*>(group);
+    int64_t size = grp->backend->getSize();
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["axis"] = axis;
+    ctx->saved_data["len"] = x.size(axis);
+    auto in = x.contiguous();
+    std::vector<at::Tensor> parts;
+    for (int64_t i = 0; i < size; ++i) parts.push_back(at::empty_like(in));
+    std::vector<std::vector<at::Tensor>> outs{parts};
+    std::vector<at::Tensor> ins{in};
+    wait_or_throw(grp->backend->allgather(outs, ins), grp->timeout);
+    return at::cat(outs[0], axis);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    auto* grp = group_of(ctx);
+    int64_t axis = ctx->saved_data["axis"].toInt();
+    int64_t len = ctx->saved_data["len"].toInt();
+    auto g = grads[0].narrow(axis, grp->backend->getRank() * len, len).contiguous();
+    return {g, at::Tensor(), at::Tensor()};
+  }
+};
 
 }  // namespace
 
@@ -187,5 +251,24 @@ char* smp_c10d_work_wait(void* w) {
 }
 
 void smp_c10d_work_free(void* w) { delete static_cast<Work*>(w); }
+
+// Autograd-aware tensor-parallel collectives; `*out` is a new at::Tensor (tch takes it).
+char* smp_c10d_reduce_from_tensor_region(void* g, at::Tensor* x, at::Tensor** out) {
+  return guarded([&] {
+    *out = new at::Tensor(ReduceFromTensorRegion::apply(*x, reinterpret_cast<int64_t>(g)));
+  });
+}
+
+char* smp_c10d_copy_to_tensor_region(void* g, at::Tensor* x, at::Tensor** out) {
+  return guarded([&] {
+    *out = new at::Tensor(CopyToTensorRegion::apply(*x, reinterpret_cast<int64_t>(g)));
+  });
+}
+
+char* smp_c10d_gather_along_axis(void* g, at::Tensor* x, int64_t axis, at::Tensor** out) {
+  return guarded([&] {
+    *out = new at::Tensor(GatherAlongAxis::apply(*x, reinterpret_cast<int64_t>(g), axis));
+  });
+}
 
 }  // extern "C"

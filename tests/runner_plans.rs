@@ -110,6 +110,26 @@ fn dp2_zero3_matches_single_process() {
 }
 
 #[test]
+fn tp2_matches_single_process() {
+    equivalent("tp2", "cpu:2", 2, &["--pp", "1", "--tp", "2", "--dp", "1", "--microbatches", "4"]);
+}
+
+#[test]
+fn pp2_tp2_matches_single_process() {
+    equivalent("pp2tp2", "cpu:4", 4, &["--pp", "2", "--tp", "2", "--dp", "1", "--schedule", "1f1b", "--microbatches", "4"]);
+}
+
+#[test]
+fn tp2_dp2_full_checkpointing_matches_single_process() {
+    equivalent(
+        "tp2dp2ckpt",
+        "cpu:4",
+        4,
+        &["--pp", "1", "--tp", "2", "--dp", "2", "--zero", "0", "--microbatches", "2", "--checkpointing", "full"],
+    );
+}
+
+#[test]
 fn pp2_dp2_matches_single_process() {
     equivalent("pp2dp2", "cpu:4", 4, &["--pp", "2", "--tp", "1", "--dp", "2", "--schedule", "1f1b", "--microbatches", "2"]);
 }

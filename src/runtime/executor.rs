@@ -5,7 +5,12 @@ use std::collections::{BTreeMap, HashMap};
 
 use tch::{Kind, Tensor};
 
+use std::sync::Arc;
+
+use super::dist::ProcessGroup;
 use super::ops::{self, OpContext};
+use crate::codegen::collectives::is_collective;
+use crate::ir::{Node, Op};
 use super::tensor::kind_of;
 use super::weights::{Weights, is_trainable};
 use super::RuntimeError;
@@ -30,14 +35,20 @@ pub struct Executor<'g> {
     ctx: OpContext,
     /// Initializers and constants as tensors (trainable ones require grad when training).
     pub weights: HashMap<ValueId, Tensor>,
+    /// The tensor-parallel group that codegen's inserted collectives (`smp` nodes) run over.
+    pub tensor_group: Option<Arc<ProcessGroup>>,
 }
+
+/// `op_type` of the node the runner inserts where codegen lists a partial gradient (Megatron's
+/// *f*: identity forward, gradient all-reduced over the tensor group).
+pub const COPY_TO_TENSOR_REGION: &str = "CopyToTensorRegion";
 
 /// Lists the nodes without a kernel, or `Ok` if every node has one.
 pub fn check_supported(graph: &Graph) -> Result<(), RuntimeError> {
     let mut missing: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for id in graph.node_ids() {
         let node = graph.node(id);
-        if !ops::has_kernel(&node.op) {
+        if !ops::has_kernel(&node.op) && !is_collective(&node.op) {
             missing.entry(node.op.to_string()).or_default().push(node.name.clone());
         }
     }
@@ -80,7 +91,41 @@ impl<'g> Executor<'g> {
         }
         let opset = graph.opsets.get("").copied().unwrap_or(21);
         let ctx = OpContext { opset, float_kind: opts.float_kind, training: opts.training };
-        Ok(Executor { graph, order, last_use, ctx, weights })
+        Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None })
+    }
+
+    /// One node: a kernel, or a tensor-parallel collective over `tensor_group`.
+    fn run_node(&self, node: &Node, inputs: &[Option<Tensor>]) -> Result<Vec<Tensor>, String> {
+        let Op::Placeholder { op_type, .. } = &node.op else {
+            return ops::run(node, inputs, &self.ctx).map_err(|e| e.0);
+        };
+        if !is_collective(&node.op) {
+            return ops::run(node, inputs, &self.ctx).map_err(|e| e.0);
+        }
+        let group = node.attrs.0.get("group").and_then(|a| if let crate::ir::Attr::Str(s) = a { Some(s.as_str()) } else { None }).unwrap_or("tensor");
+        if group != "tensor" {
+            return Err(format!("collective over the `{group}` group inside a stage graph; only `tensor` is supported"));
+        }
+        let pg = self.tensor_group.as_ref().ok_or("a tensor-parallel collective, but this run has no tensor group (tp = 1)")?;
+        let x = match inputs.first() {
+            Some(Some(t)) => t,
+            _ => return Err("collective without an input".into()),
+        };
+        let out = match op_type.as_str() {
+            "AllReduce" => pg.reduce_from_tensor_region(x),
+            COPY_TO_TENSOR_REGION => pg.copy_to_tensor_region(x),
+            "AllGather" => {
+                let axis = node.attrs.0.get("axis").and_then(|a| if let crate::ir::Attr::Int(i) = a { Some(*i) } else { None }).ok_or("AllGather without an `axis`")?;
+                pg.gather_along_axis(x, axis)
+            }
+            other => return Err(format!("collective `{other}` has no runner kernel")),
+        };
+        out.map(|t| vec![t]).map_err(|e| e.to_string())
+    }
+
+    /// The kind floats are run in (`--dtype`), if forced.
+    pub fn float_kind(&self) -> Option<Kind> {
+        self.ctx.float_kind
     }
 
     /// The graph being run.
@@ -214,7 +259,7 @@ impl<'g> Executor<'g> {
                     None => None,
                 });
             }
-            let outs = ops::run(node, &inputs, &self.ctx).map_err(|e| kerr(e.0))?;
+            let outs = self.run_node(node, &inputs).map_err(kerr)?;
             if outs.len() < node.outputs.len() {
                 return Err(kerr(format!("kernel made {} outputs, the node has {}", outs.len(), node.outputs.len())));
             }
@@ -267,7 +312,7 @@ impl<'g> Executor<'g> {
                     None => None,
                 });
             }
-            let outs = ops::run(node, &inputs, &self.ctx).map_err(|e| kerr(e.0))?;
+            let outs = self.run_node(node, &inputs).map_err(kerr)?;
             if outs.len() < node.outputs.len() {
                 return Err(kerr(format!("kernel made {} outputs, the node has {}", outs.len(), node.outputs.len())));
             }

@@ -3,7 +3,7 @@
 //! autograd across stage boundaries, data-parallel gradient sums (bucketed), ZeRO-sharded
 //! AdamW and tied-weight gradient sums.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -140,14 +140,16 @@ pub fn stage_layout(plan: &Plan, graph: &Graph, lg: &LayeredGraph) -> Result<Sta
     })
 }
 
-/// Where each global rank sits: its pipeline rank and data-parallel index.
+/// Where each global rank sits: its pipeline rank, data-parallel index and tensor rank.
 #[derive(Clone, Debug)]
 pub struct Placement {
     /// Pipeline ranks.
     pub pp: usize,
     /// Data-parallel degree.
     pub dp: usize,
-    /// `ranks[q][d]`: the global rank of pipeline rank q in replica d.
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    /// `ranks[q][d · tp + t]`: the global rank of pipeline rank q, replica d, tensor rank t.
     pub ranks: Vec<Vec<usize>>,
 }
 
@@ -156,20 +158,15 @@ impl Placement {
     pub fn of(plan: &Plan) -> Result<Placement, RuntimeError> {
         let p = plan.parallel.pp.max(1);
         let dp = plan.parallel.dp.max(1);
-        if plan.parallel.tp > 1 {
-            return Err(terr(format!(
-                "the plan uses tensor parallelism (tp = {}); this runner executes pipeline and data parallelism only — re-plan with --tp 1",
-                plan.parallel.tp
-            )));
-        }
+        let tp = plan.parallel.tp.max(1);
         let mut ranks = vec![Vec::new(); p];
         for st in &plan.stages {
             let q = st.pp_rank;
             if q >= p {
                 return Err(terr(format!("stage {} sits on pipeline rank {q}, but pp = {p}", st.index)));
             }
-            if st.ranks.len() != dp {
-                return Err(terr(format!("stage {} lists {} ranks; with tp = 1 it needs dp = {dp}", st.index, st.ranks.len())));
+            if st.ranks.len() != dp * tp {
+                return Err(terr(format!("stage {} lists {} ranks; it needs dp {dp} × tp {tp}", st.index, st.ranks.len())));
             }
             if ranks[q].is_empty() {
                 ranks[q] = st.ranks.clone();
@@ -180,17 +177,22 @@ impl Placement {
         if ranks.iter().any(Vec::is_empty) {
             return Err(terr("a pipeline rank has no stage"));
         }
-        Ok(Placement { pp: p, dp, ranks })
+        Ok(Placement { pp: p, dp, tp, ranks })
     }
 
-    /// (pipeline rank, replica) of a global rank.
-    pub fn locate(&self, rank: usize) -> Option<(usize, usize)> {
-        self.ranks.iter().enumerate().find_map(|(q, rs)| rs.iter().position(|&r| r == rank).map(|d| (q, d)))
+    /// (pipeline rank, replica, tensor rank) of a global rank.
+    pub fn locate(&self, rank: usize) -> Option<(usize, usize, usize)> {
+        self.ranks.iter().enumerate().find_map(|(q, rs)| rs.iter().position(|&r| r == rank).map(|i| (q, i / self.tp, i % self.tp)))
+    }
+
+    /// The tensor-parallel groups (global ranks), one per pipeline rank and replica.
+    pub fn tensor_groups(&self) -> Vec<Vec<usize>> {
+        self.ranks.iter().flat_map(|rs| rs.chunks(self.tp).map(<[usize]>::to_vec)).collect()
     }
 
     /// Number of ranks.
     pub fn world(&self) -> usize {
-        self.pp * self.dp
+        self.pp * self.dp * self.tp
     }
 }
 
@@ -322,19 +324,19 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
     let place = Placement::of(plan)?;
     if env.world != place.world() {
         return Err(terr(format!(
-            "the plan needs {} ranks (pp {} × dp {}), WORLD_SIZE is {}; launch with --nproc {}",
+            "the plan needs {} ranks (pp {} × dp {} × tp {}), WORLD_SIZE is {}; launch with --nproc {}",
             place.world(),
             place.pp,
             place.dp,
+            place.tp,
             env.world,
             place.world()
         )));
     }
     let programs = rank_programs(plan, &lg)?;
-    drop(lg);
     let kind = schedule_of(plan)?;
     let me = env.rank;
-    let (q, d) = place.locate(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
+    let (q, d, t) = place.locate(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
     let program = programs.iter().find(|p| p.rank == me).ok_or_else(|| terr(format!("no program for rank {me}")))?;
     let m = plan.parallel.microbatches.max(1);
     check_program(program, plan.stages.len(), m)?;
@@ -347,6 +349,9 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
     let world: Vec<usize> = (0..env.world).collect();
     let mut lists: BTreeSet<Vec<usize>> = BTreeSet::new();
     lists.insert(world.clone());
+    if place.tp > 1 {
+        lists.extend(place.tensor_groups());
+    }
     for p in &programs {
         for i in &p.instrs {
             if let Some((g, _)) = i.collective() {
@@ -354,11 +359,11 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
             }
         }
     }
-    let mut groups: HashMap<Vec<usize>, ProcessGroup> = HashMap::new();
+    let mut groups: HashMap<Vec<usize>, Arc<ProcessGroup>> = HashMap::new();
     for g in lists {
         if g.contains(&me) {
             let pg = ProcessGroup::new(&store, &g, me, cfg.timeout, Backend::Gloo)?;
-            groups.insert(g, pg);
+            groups.insert(g, Arc::new(pg));
         }
     }
     let world_pg = &groups[&world];
@@ -377,13 +382,62 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
             }
         }
     }
+    // tensor parallelism: each stage runs its shard subgraph with its own executor
+    let view = if place.tp > 1 { Some(plan.rank_view(me).map_err(|e| terr(e.to_string()))?) } else { None };
+    let mut subs: Vec<(usize, Graph, HashSet<String>)> = Vec::new();
+    if let Some(view) = &view {
+        for sv in &view.stages {
+            let mut sub = sv.subgraph(&lg).map_err(|e| terr(format!("stage {} shard of rank {me}: {e}", sv.stage())))?;
+            let mut sliced = HashSet::new();
+            for sh in &sv.shards {
+                sliced.extend(sh.weight_slices.iter().map(|w| w.initializer.clone()));
+                for pg in &sh.partial_gradients {
+                    insert_copy_to_tensor_region(&mut sub, pg)?;
+                }
+            }
+            subs.push((sv.stage(), sub, sliced));
+        }
+    }
+    drop(lg);
+    let tensor_pg = groups.get(&place.tensor_groups().into_iter().find(|g| g.contains(&me)).unwrap_or_default()).cloned();
+    let mut stage_execs: HashMap<usize, Executor> = HashMap::new();
+    let mut by_name: HashMap<String, Tensor> = HashMap::new();
+    for (s, sub, sliced) in &subs {
+        let view = view.as_ref().ok_or_else(|| terr("no rank view"))?;
+        let sv = view.stages.iter().find(|v| v.stage() == *s).ok_or_else(|| terr(format!("no view of stage {s}")))?;
+        let slices: HashMap<&str, &crate::codegen::WeightSlice> =
+            sv.shards.iter().flat_map(|sh| sh.weight_slices.iter()).map(|w| (w.initializer.as_str(), w)).collect();
+        let _ = sliced;
+        let tensors = stage_weights(exec, sub, &slices)?;
+        let mut e = Executor::new(sub, super::Weights { tensors }, super::ExecOptions { float_kind: exec.float_kind(), training: true })?;
+        e.tensor_group = tensor_pg.clone();
+        // a weight read by several of this rank's stages is one tensor
+        for (id, w) in e.weights.iter_mut() {
+            if is_trainable(sub, *id) {
+                let name = sub.value(*id).name.clone();
+                match by_name.get(&name) {
+                    Some(first) => *w = first.shallow_clone(),
+                    None => {
+                        by_name.insert(name, w.shallow_clone());
+                    }
+                }
+            }
+        }
+        stage_execs.insert(*s, e);
+    }
+    let is_sliced = |v: ValueId| subs.iter().any(|(_, _, sl)| sl.contains(&graph.value(v).name));
     let first_holder = |v: ValueId| (0..n_stages).find(|&s| layout.params[s].contains(&v)).map(|s| kind.rank_of_stage(s, place.pp));
     // norms count each element once: tied weights on their first pipeline rank, replicated
     // gradients on the first replica (or shard group)
-    let counted: Vec<bool> = param_ids.iter().map(|&v| first_holder(v) == Some(q)).collect();
+    // with tensor parallelism, sliced weights count on every tensor rank, replicated ones on
+    // tensor rank 0
+    let counted: Vec<bool> = param_ids.iter().map(|&v| first_holder(v) == Some(q) && (t == 0 || is_sliced(v))).collect();
     let params: Vec<Tensor> = param_ids
         .iter()
-        .map(|v| exec.weights.get(v).map(Tensor::shallow_clone).ok_or_else(|| terr(format!("no weight for `{}`", graph.value(*v).name))))
+        .map(|v| {
+            let w = if place.tp > 1 { by_name.get(&graph.value(*v).name) } else { exec.weights.get(v) };
+            w.map(Tensor::shallow_clone).ok_or_else(|| terr(format!("no weight for `{}` on rank {me}", graph.value(*v).name)))
+        })
         .collect::<Result<_, _>>()?;
     let pos_of: HashMap<ValueId, usize> = param_ids.iter().enumerate().map(|(i, v)| (*v, i)).collect();
     let float_kind = params.first().map_or(Kind::Float, Tensor::kind);
@@ -464,8 +518,27 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                 feeds.insert(*v, t.shallow_clone());
             }
             let keep: Vec<ValueId> = if s == last_stage { graph.outputs.clone() } else { layout.crossing[s].clone() };
-            let run = || exec.run_nodes(&layout.nodes[s], &feeds, &keep);
-            let outs = if grad { run()? } else { tch::no_grad(run)? };
+            let outs = match stage_execs.get(&s) {
+                None => {
+                    let run = || exec.run_nodes(&layout.nodes[s], &feeds, &keep);
+                    if grad { run()? } else { tch::no_grad(run)? }
+                }
+                Some(se) => {
+                    // the shard subgraph names values as the model does
+                    let sg = se.graph();
+                    let local = |v: ValueId| sg.value_by_name(&graph.value(v).name);
+                    let feeds: HashMap<ValueId, Tensor> =
+                        feeds.iter().filter_map(|(v, t)| local(*v).filter(|l| sg.inputs.contains(l)).map(|l| (l, t.shallow_clone()))).collect();
+                    let lkeep: Vec<ValueId> = keep
+                        .iter()
+                        .map(|v| local(*v).ok_or_else(|| terr(format!("stage {s} shard does not produce `{}`", graph.value(*v).name))))
+                        .collect::<Result<_, _>>()?;
+                    let order = sg.topo_order()?;
+                    let run = || se.run_nodes(&order, &feeds, &lkeep);
+                    let outs = if grad { run()? } else { tch::no_grad(run)? };
+                    keep.iter().zip(&lkeep).map(|(v, l)| (*v, outs[l].shallow_clone())).collect()
+                }
+            };
             if s == last_stage {
                 let outs: Vec<Tensor> = keep.iter().map(|v| outs[v].shallow_clone()).collect();
                 let loss = train::loss_of(exec, cfg.loss, &micro[mb], &outs)?.f_mul_scalar(weight)?;
@@ -497,7 +570,7 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                         .map(|(v, t)| Ok((*v, if is_float(&t) { t.f_detach()?.f_set_requires_grad(true)? } else { t })))
                         .collect::<Result<_, RuntimeError>>()?;
                     let (outputs, loss) = forward(s, mb, &inputs, !layout.recompute[s])?;
-                    if let Some(l) = &loss {
+                    if let Some(l) = loss.as_ref().filter(|_| t == 0) {
                         loss_sum += l.f_double_value(&[])?;
                     }
                     state.insert((s, mb), MbState { inputs, outputs, loss, root: None });
@@ -823,6 +896,82 @@ fn check_program(p: &RankProgram, stages: usize, m: usize) -> Result<(), Runtime
         }
     }
     Ok(())
+}
+
+/// Puts Megatron's *f* before `pg.node`'s input `pg.input`: the forward reads the value
+/// unchanged, the backward all-reduces its gradient over the tensor group.
+fn insert_copy_to_tensor_region(g: &mut Graph, pg: &crate::codegen::shard::PartialGradient) -> Result<(), RuntimeError> {
+    let node = g
+        .node_ids()
+        .find(|&n| g.node(n).name == pg.node)
+        .ok_or_else(|| terr(format!("partial gradient names node `{}`, which the shard does not have", pg.node)))?;
+    let v = g
+        .node(node)
+        .inputs
+        .get(pg.input)
+        .copied()
+        .flatten()
+        .ok_or_else(|| terr(format!("partial gradient: node `{}` has no input {}", pg.node, pg.input)))?;
+    let ty = g.value(v).ty.clone();
+    let name = format!("{}.f.{}.{}", g.value(v).name, pg.node, pg.input);
+    let out = g.add_value(name.clone(), ValueKind::Intermediate, ty, None)?;
+    let order = g.node(node).order;
+    let mut attrs = crate::ir::Attrs::default();
+    attrs.set("group", crate::ir::Attr::Str("tensor".into()));
+    g.add_node(crate::ir::Node {
+        name,
+        op: crate::ir::Op::Placeholder { op_type: super::executor::COPY_TO_TENSOR_REGION.into(), domain: crate::codegen::collectives::SMP_DOMAIN.into() },
+        attrs,
+        inputs: vec![Some(v)],
+        outputs: vec![out],
+        namespace: None,
+        order,
+    })?;
+    g.set_input(node, pg.input, Some(out));
+    Ok(())
+}
+
+/// The tensors of a shard subgraph's initializers and constants: this rank's slice of the
+/// model's weight where the shard slices it, the model's tensor where it is replicated, and
+/// the subgraph's own data for constants the shard made.
+fn stage_weights(
+    exec: &Executor,
+    sub: &Graph,
+    slices: &HashMap<&str, &crate::codegen::WeightSlice>,
+) -> Result<HashMap<ValueId, Tensor>, RuntimeError> {
+    let main = exec.graph();
+    let mut out = HashMap::new();
+    for id in sub.value_ids() {
+        let v = sub.value(id);
+        if !matches!(v.kind, ValueKind::Initializer | ValueKind::Constant) {
+            continue;
+        }
+        let full = main.value_by_name(&v.name).and_then(|m| exec.weights.get(&m));
+        let t = match (full, slices.get(v.name.as_str())) {
+            (Some(full), Some(sl)) => {
+                let parts: Vec<Tensor> = sl
+                    .ranges
+                    .iter()
+                    .map(|r| full.f_detach()?.f_narrow(sl.axis as i64, r[0] as i64, (r[1] - r[0]) as i64))
+                    .collect::<Result<_, _>>()?;
+                Tensor::f_cat(&parts, sl.axis as i64)?.f_contiguous()?
+            }
+            (Some(full), None) => full.f_detach()?,
+            (None, _) => {
+                let Some(data) = &v.data else { continue };
+                let crate::ir::Storage::Raw(bytes) = &data.storage else {
+                    return Err(terr(format!("shard constant `{}` has no inline data", v.name)));
+                };
+                let t = super::tensor::from_bytes(data.dtype, &data.dims, bytes).map_err(|m| RuntimeError::Weight { name: v.name.clone(), message: m })?;
+                match exec.float_kind() {
+                    Some(k) if super::tensor::is_float_kind(t.kind()) && t.kind() != k => t.f_to_kind(k)?,
+                    _ => t,
+                }
+            }
+        };
+        out.insert(id, t);
+    }
+    Ok(out)
 }
 
 fn accumulate(slot: &mut Option<Tensor>, g: &Tensor) -> Result<(), RuntimeError> {

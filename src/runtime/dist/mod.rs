@@ -303,6 +303,44 @@ impl ProcessGroup {
     }
 }
 
+impl ProcessGroup {
+    fn autograd_call(&self, call: &'static str, f: impl FnOnce(*mut *mut torch_sys::C_tensor) -> *mut c_char) -> Result<Tensor, DistError> {
+        let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
+        let err = f(&mut out);
+        check(call, err)?;
+        if out.is_null() {
+            return Err(DistError::Usage(format!("{call}: no tensor returned")));
+        }
+        // SAFETY: the shim returned a heap at::Tensor that tch now owns.
+        Ok(unsafe { Tensor::from_ptr(out) })
+    }
+
+    /// Megatron's *g*: the sum of `x` over the group; the backward passes gradients through.
+    pub fn reduce_from_tensor_region(&self, x: &Tensor) -> Result<Tensor, DistError> {
+        // SAFETY: live group and tensor; `o` points at an out-pointer.
+        self.autograd_call("reduce_from_tensor_region", |o| unsafe {
+            ffi::smp_c10d_reduce_from_tensor_region(self.raw, raw(x), o)
+        })
+    }
+
+    /// Megatron's *f*: `x` unchanged; the backward sums the gradient over the group.
+    pub fn copy_to_tensor_region(&self, x: &Tensor) -> Result<Tensor, DistError> {
+        // SAFETY: as above.
+        self.autograd_call("copy_to_tensor_region", |o| unsafe {
+            ffi::smp_c10d_copy_to_tensor_region(self.raw, raw(x), o)
+        })
+    }
+
+    /// The members' `x` concatenated along `axis` (group order); the backward keeps this
+    /// member's slice of the gradient.
+    pub fn gather_along_axis(&self, x: &Tensor, axis: i64) -> Result<Tensor, DistError> {
+        // SAFETY: as above.
+        self.autograd_call("gather_along_axis", |o| unsafe {
+            ffi::smp_c10d_gather_along_axis(self.raw, raw(x), axis, o)
+        })
+    }
+}
+
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
         // SAFETY: created by the shim, freed once.
