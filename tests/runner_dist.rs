@@ -104,7 +104,7 @@ fn send_recv_ring_over_three_ranks() {
     let recv = pg.irecv(&into, (r + n - 1) % n, 3).unwrap();
     let send = pg.isend(&out, (r + 1) % n, 3).unwrap();
     let got = recv.wait().unwrap();
-    send.wait().unwrap();
+    let _ = send.wait().unwrap();
     assert_eq!(vals(&got), vec![((r + n - 1) % n) as f64; 4]);
 }
 
