@@ -402,12 +402,11 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
     let tensor_pg = groups.get(&place.tensor_groups().into_iter().find(|g| g.contains(&me)).unwrap_or_default()).cloned();
     let mut stage_execs: HashMap<usize, Executor> = HashMap::new();
     let mut by_name: HashMap<String, Tensor> = HashMap::new();
-    for (s, sub, sliced) in &subs {
+    for (s, sub, _) in &subs {
         let view = view.as_ref().ok_or_else(|| terr("no rank view"))?;
         let sv = view.stages.iter().find(|v| v.stage() == *s).ok_or_else(|| terr(format!("no view of stage {s}")))?;
         let slices: HashMap<&str, &crate::codegen::WeightSlice> =
             sv.shards.iter().flat_map(|sh| sh.weight_slices.iter()).map(|w| (w.initializer.as_str(), w)).collect();
-        let _ = sliced;
         let tensors = stage_weights(exec, sub, &slices)?;
         let mut e = Executor::new(sub, super::Weights { tensors }, super::ExecOptions { float_kind: exec.float_kind(), training: true })?;
         e.tensor_group = tensor_pg.clone();
