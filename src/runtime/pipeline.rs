@@ -390,6 +390,16 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
             let mut sub = sv.subgraph(&lg).map_err(|e| terr(format!("stage {} shard of rank {me}: {e}", sv.stage())))?;
             let mut sliced = HashSet::new();
             for sh in &sv.shards {
+                // a slice shared by several tensor ranks (grouped-query KV heads) needs its
+                // gradient summed over them, which this runner does not do yet
+                if let Some(w) = sh.weight_slices.iter().find(|w| w.replicas > 1) {
+                    return Err(terr(format!(
+                        "stage {}: weight `{}` is shared by {} tensor ranks (grouped-query KV heads, tp above the KV-head count); this runner cannot sum such gradients yet: re-plan with a --tp that divides the KV heads",
+                        sv.stage(),
+                        w.initializer,
+                        w.replicas
+                    )));
+                }
                 sliced.extend(sh.weight_slices.iter().map(|w| w.initializer.clone()));
                 for pg in &sh.partial_gradients {
                     insert_copy_to_tensor_region(&mut sub, pg)?;

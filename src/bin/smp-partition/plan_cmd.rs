@@ -159,7 +159,61 @@ fn make_plan(model: &Path, args: &PlanArgs, constraints: &Constraints) -> Result
         eprintln!("note: --global-batch not given; planning for {default_batch} samples per step");
     }
     let cfg = constraints.to_plan_config(default_batch);
+    let model_ref = ModelRef { path: model.display().to_string(), sha256: analysed.sha256.clone() };
+    let plan_with = |cfg: &solve::PlanConfig| -> Result<(Plan, Result<codegen::CodegenSection>)> {
+        let plan = search_and_build(lg, &cluster, cfg, &model_ref, args, started)
+            .with_context(|| format!("planning {} on {}", model.display(), args.cluster))?;
+        let input = plan.codegen_input().context("the planner produced an inconsistent plan (a bug)")?;
+        let section = codegen::encode::build(lg, &input).with_context(|| {
+            format!(
+                "code generation for {} (pp={}, tp={}, dp={}): the planner chose a split codegen cannot emit",
+                model.display(),
+                plan.parallel.pp,
+                plan.parallel.tp,
+                plan.parallel.dp
+            )
+        });
+        Ok((plan, section))
+    };
+    let (mut plan, section) = plan_with(&cfg)?;
+    let section = match section {
+        Ok(section) => section,
+        // a searched tensor degree some layer cannot be split at: search again over the
+        // degrees codegen can emit for every layer, each fixed, and keep the fastest
+        Err(e) if cfg.constraints.tp.is_none() && plan.parallel.tp > 1 => {
+            let sharder = codegen::Sharder::new(lg).context("code generation: preparing the sharder")?;
+            let splits = |t: usize| t == 1 || (0..lg.layers.len()).all(|l| sharder.shard_layer_strict(l, t).is_ok());
+            let mut best: Option<(Plan, codegen::CodegenSection)> = None;
+            for t in (1..=cluster.devices_per_node.max(1)).filter(|&t| cluster.devices % t == 0 && t != plan.parallel.tp && splits(t)) {
+                let mut fixed = cfg.clone();
+                fixed.constraints.tp = Some(t);
+                if let Ok((p, Ok(sec))) = plan_with(&fixed)
+                    && best.as_ref().is_none_or(|(b, _)| p.predicted.step_time_s < b.predicted.step_time_s)
+                {
+                    best = Some((p, sec));
+                }
+            }
+            let (p, sec) = best.ok_or(e).context("no tensor degree that codegen can split gives a plan")?;
+            eprintln!("note: tp {} does not split every layer; planned again over the degrees that do", plan.parallel.tp);
+            plan = p;
+            sec
+        }
+        Err(e) => return Err(e),
+    };
+    plan.codegen = Some(section);
+    validate(&plan).context("the planner produced an inconsistent plan (a bug)")?;
+    Ok(plan)
+}
 
+/// Searches (with a progress bar past one second) and builds the plan, without codegen.
+fn search_and_build(
+    lg: &smp_partition::ir::LayeredGraph,
+    cluster: &ClusterSpec,
+    cfg: &solve::PlanConfig,
+    model_ref: &ModelRef,
+    args: &PlanArgs,
+    started: Instant,
+) -> Result<Plan, solve::SolveError> {
     let mut bar: Option<ProgressBar> = None;
     let mut progress = |p: Progress| {
         if bar.is_none() && started.elapsed().as_secs_f64() > 1.0 {
@@ -178,35 +232,11 @@ fn make_plan(model: &Path, args: &PlanArgs, constraints: &Constraints) -> Result
             }
         }
     };
-    let decision = solve::plan(lg, &cluster, &cfg, &mut progress)
-        .with_context(|| format!("planning {} on {}", model.display(), args.cluster))?;
+    let decision = solve::plan(lg, cluster, cfg, &mut progress)?;
     if let Some(b) = bar {
         b.finish_and_clear();
     }
-    let model_ref = ModelRef { path: model.display().to_string(), sha256: analysed.sha256.clone() };
-    let mut plan = build::from_decision(
-        &decision,
-        lg,
-        &cluster,
-        &cfg,
-        &model_ref,
-        args.seq_len,
-        &args.dim,
-        started.elapsed().as_secs_f64(),
-    );
-    let input = plan.codegen_input().context("the planner produced an inconsistent plan (a bug)")?;
-    let section = codegen::encode::build(lg, &input).with_context(|| {
-        format!(
-            "code generation for {} (pp={}, tp={}, dp={}): the planner chose a split codegen cannot emit",
-            model.display(),
-            plan.parallel.pp,
-            plan.parallel.tp,
-            plan.parallel.dp
-        )
-    })?;
-    plan.codegen = Some(section);
-    validate(&plan).context("the planner produced an inconsistent plan (a bug)")?;
-    Ok(plan)
+    Ok(build::from_decision(&decision, lg, cluster, cfg, model_ref, args.seq_len, &args.dim, started.elapsed().as_secs_f64()))
 }
 
 /// Writes the plan (`-o`) and prints it (`--json`) or its report.
