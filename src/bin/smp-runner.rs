@@ -406,18 +406,7 @@ fn train_cmd(model: &Path, o: &TrainArgs, shape: TrainShape) -> Result<()> {
         Some(path) => train::read_batch(&exec, path)?,
         None => train::synthetic_batch(&exec, shape.batch, shape.seq_len, o.seed)?,
     };
-    let loss = match o.loss {
-        Some(LossArg::Model) => LossKind::Model,
-        Some(LossArg::CausalLm) => LossKind::CausalLm,
-        Some(LossArg::CrossEntropy) => LossKind::CrossEntropy,
-        Some(LossArg::Mse) => LossKind::Mse,
-        None => {
-            let scalar_out = graph.outputs.iter().any(|&v| {
-                graph.value(v).ty.as_ref().and_then(|t| t.shape.as_ref()).is_some_and(|s| s.numel() == Some(1))
-            });
-            if scalar_out { LossKind::Model } else { LossKind::CausalLm }
-        }
-    };
+    let loss = loss_kind(o, &graph);
     let cfg = TrainConfig {
         steps: o.steps,
         microbatches: shape.microbatches,
