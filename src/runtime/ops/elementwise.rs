@@ -75,12 +75,46 @@ pub(super) fn cast(a: &Args) -> KResult<Tensor> {
         bail!("attribute `to` is required");
     };
     let k = target_kind(a, to)?;
-    Ok(a.x(0)?.f_to_kind(k)?)
+    to_kind_onnx(a, a.x(0)?, k)
 }
 
 pub(super) fn cast_like(a: &Args) -> KResult<Tensor> {
     let k = a.x(1)?.f_kind()?;
-    Ok(a.x(0)?.f_to_kind(k)?)
+    to_kind_onnx(a, a.x(0)?, k)
+}
+
+/// The largest finite value of a float8 kind.
+fn float8_max(k: Kind) -> Option<f64> {
+    match k {
+        Kind::Float8e4m3fn => Some(448.0),
+        Kind::Float8e4m3fnuz => Some(240.0),
+        Kind::Float8e5m2 | Kind::Float8e5m2fnuz => Some(57344.0),
+        _ => None,
+    }
+}
+
+/// A cast with ONNX's float8 rules, which libtorch's conversion does not follow: with
+/// `saturate` (the default) values beyond the range, infinities included, clamp to ±max; without
+/// it they become NaN (±inf for E5M2, the one type with infinities).
+fn to_kind_onnx(a: &Args, x: &Tensor, k: Kind) -> KResult<Tensor> {
+    let from = x.f_kind()?;
+    let Some(max) = float8_max(k).filter(|_| is_float_kind(from)) else {
+        return Ok(x.f_to_kind(k)?);
+    };
+    // wide enough for every float8 value and the overflow test
+    let wide = x.f_to_kind(Kind::Float)?;
+    if a.int("saturate", 1) != 0 {
+        return Ok(wide.f_clamp(-max, max)?.f_to_kind(k)?);
+    }
+    // beyond the midpoint to the next (unrepresentable) step, rounding cannot come back to max
+    let step = match k {
+        Kind::Float8e4m3fn => 32.0,
+        Kind::Float8e4m3fnuz => 16.0,
+        _ => 8192.0,
+    };
+    let over = wide.f_abs()?.f_gt(max + step / 2.0)?;
+    let fill = if k == Kind::Float8e5m2 { wide.f_sign()?.f_mul_scalar(f64::INFINITY)? } else { wide.f_full_like(f64::NAN)? };
+    Ok(wide.f_clamp(-max, max)?.f_where_self(&over.f_logical_not()?, &fill)?.f_to_kind(k)?)
 }
 
 pub(super) fn clip(a: &Args) -> KResult<Tensor> {
