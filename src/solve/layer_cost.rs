@@ -275,6 +275,14 @@ impl<'a> CostContext<'a> {
         };
         let ls = strategy::build(self.lg, layer, &inputs);
         megatron.nodes = ls.node_names(self.lg, layer, &ls.megatron);
+        // The Megatron point is the problem's most-split assignment (what codegen emits by
+        // default), so it is exactly one point of the intra-layer problem.
+        if let Some(m) = ls.problem.evaluate(&ls.megatron) {
+            megatron.fwd_s = m.fwd_s;
+            megatron.bwd_s = m.bwd_s;
+            megatron.param_elems = ls.params_of(&ls.megatron);
+            megatron.act_bytes = m.act_bytes.max(megatron.input_bytes);
+        }
         let mut out = vec![megatron.clone()];
         if self.megatron_only {
             return out;
