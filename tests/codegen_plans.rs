@@ -64,6 +64,7 @@ fn strategies(lg: &LayeredGraph, layer: usize, tp: usize) -> LayerStrategies {
         microbatch: 2.0,
         tp_group: GroupSpan { size: tp, per_node: tp },
         state_bytes_per_param: 16.0,
+        sequence_parallel: false,
     };
     build(lg, layer, &x)
 }
@@ -77,7 +78,7 @@ fn check_assignment(name: &str, lg: &LayeredGraph, sharder: &Sharder<'_>, ls: &L
         .shard_layer_keeping(layer, tp, &keep)
         .unwrap_or_else(|e| panic!("{name} t={tp} layer {layer} {chosen:?}: {e}"));
     for (node, want) in chosen.iter().filter(|(_, s)| CHOOSING.contains(&s.as_str())) {
-        let got = realised.iter().find(|(n, _)| n == node).map_or("sequence", |(_, s)| s.as_str());
+        let got = realised.iter().find(|(n, _)| n == node).map_or("follow", |(_, s)| s.as_str());
         assert_eq!(got, want, "{name} t={tp} layer {layer} node {node}: chosen {want}, realised {got}; assignment {chosen:?}");
     }
 }
@@ -114,7 +115,7 @@ fn transformer_blocks_offer_the_megatron_split() {
         let block = lg.layers.iter().position(|l| l.kind == smp_partition::ir::LayerKind::Block).unwrap();
         let ls = strategies(&lg, block, 2);
         let names = ls.node_names(&lg, block, &ls.megatron);
-        let used: Vec<&str> = names.iter().map(|(_, s)| s.as_str()).filter(|s| *s != "sequence").collect();
+        let used: Vec<&str> = names.iter().map(|(_, s)| s.as_str()).filter(|s| *s != "follow").collect();
         for s in ["column", "heads", "row"] {
             assert!(used.contains(&s), "{name}: {used:?}");
         }

@@ -328,13 +328,13 @@ pub enum EncodeError {
     },
 }
 
-/// Strategies checked per node (the others, `sequence`, follow their inputs).
+/// Strategies checked per node (the others, `follow` or `sequence`, follow their inputs).
 const CHOOSING: [&str; 5] = ["column", "row", "replicate", "vocab", "heads"];
 
 /// Every choosing node's realised strategy equals the plan's.
 fn check_realised(lg: &LayeredGraph, layer: usize, chosen: &[(String, String)], realised: &[(String, String)]) -> Result<(), EncodeError> {
     for (node, want) in chosen.iter().filter(|(_, s)| CHOOSING.contains(&s.as_str())) {
-        let got = realised.iter().find(|(n, _)| n == node).map_or("sequence", |(_, s)| s.as_str());
+        let got = realised.iter().find(|(n, _)| n == node).map_or("follow", |(_, s)| s.as_str());
         if got != want {
             return Err(EncodeError::StrategyMismatch {
                 layer,

@@ -127,6 +127,9 @@ pub struct CostContext<'a> {
     pub megatron_only: bool,
     /// Intra-layer ILPs solved (one per distinct layer, t, microbatch and tensor group).
     pub intra_solves: usize,
+    /// Norms and elementwise ops run sequence-parallel (÷t) instead of replicated; the hook
+    /// for a plan's `--sequence-parallel` (off: what codegen's tensor parallelism emits).
+    pub sequence_parallel: bool,
     cache: HashMap<(usize, usize, usize, u8, GroupSpan, GroupSpan, GroupSpan), PipelineLayer>,
     details: HashMap<(usize, usize, usize, GroupSpan), Vec<StrategyDetail>>,
     model_cache: HashMap<(usize, usize, u8, GroupSpan, GroupSpan, GroupSpan), Vec<PipelineLayer>>,
@@ -179,6 +182,7 @@ impl<'a> CostContext<'a> {
             shapes,
             megatron_only: false,
             intra_solves: 0,
+            sequence_parallel: false,
             cache: HashMap::new(),
             details: HashMap::new(),
             model_cache: HashMap::new(),
@@ -247,7 +251,8 @@ impl<'a> CostContext<'a> {
             bwd_s: times.bwd + tp_bwd,
             param_elems: shape.params / t,
             act_bytes: lay.figures.saved_bytes.max(lay.input_bytes) * b * self.bytes_scale / t,
-            input_bytes: lay.input_bytes * b * self.bytes_scale / t,
+            // Without sequence parallelism the layer's input is whole on every tensor rank.
+            input_bytes: lay.input_bytes * b * self.bytes_scale / if self.sequence_parallel { t } else { 1.0 },
         }
     }
 
@@ -272,6 +277,7 @@ impl<'a> CostContext<'a> {
             microbatch: cfg.microbatch as f64,
             tp_group: cfg.tp_group,
             state_bytes_per_param: self.precision.weight as f64 + self.precision.grad as f64 + self.precision.optimizer as f64,
+            sequence_parallel: self.sequence_parallel,
         };
         let ls = strategy::build(self.lg, layer, &inputs);
         megatron.nodes = ls.node_names(self.lg, layer, &ls.megatron);

@@ -54,8 +54,11 @@ pub const REPLICATE: &str = "replicate";
 pub const VOCAB: &str = "vocab";
 /// Strategy name: attention core split by heads.
 pub const HEADS: &str = "heads";
-/// Strategy name of the aggregate `rest` node (norms, residual adds, ...).
+/// Strategy name of the aggregate `rest` node (norms, residual adds, ...) under sequence
+/// parallelism.
 pub const SEQUENCE: &str = "sequence";
+/// Strategy name of the aggregate `rest` node without sequence parallelism: replicated.
+pub const FOLLOW: &str = "follow";
 
 /// Strategies codegen realises and checks per node (the others are aggregate).
 pub const CHOOSING: [&str; 5] = [COLUMN, ROW, REPLICATE, VOCAB, HEADS];
@@ -92,6 +95,9 @@ pub struct StrategyInputs<'a> {
     pub tp_group: GroupSpan,
     /// Bytes per parameter in the memory measure (weights, grads, optimizer).
     pub state_bytes_per_param: f64,
+    /// Whether norms and elementwise ops run sequence-parallel (÷t); otherwise they run
+    /// replicated (`follow`), which is what codegen's plain tensor parallelism emits.
+    pub sequence_parallel: bool,
 }
 
 fn is_float_init(g: &Graph, v: ValueId) -> bool {
@@ -518,7 +524,7 @@ pub fn build(lg: &LayeredGraph, layer: usize, x: &StrategyInputs<'_>) -> LayerSt
     let mut param_elems = Vec::new();
     let mut index_of: HashMap<usize, usize> = HashMap::new();
     let mut core_index: Vec<usize> = Vec::new();
-    let mut rest = [0.0f64; 3];
+    let mut rest = [0.0f64; 6];
     for (i, role) in roles.iter().enumerate() {
         let id = lay.nodes[i];
         let name = g.try_node(id).map(|n| n.name.clone()).unwrap_or_default();
@@ -528,9 +534,9 @@ pub fn build(lg: &LayeredGraph, layer: usize, x: &StrategyInputs<'_>) -> LayerSt
                     continue;
                 }
                 let f = figures(&mut std::iter::once((i, 1.0)));
-                rest[0] += f[0];
-                rest[1] += f[1];
-                rest[2] += f[4];
+                for (r, v) in rest.iter_mut().zip(f) {
+                    *r += v;
+                }
             }
             NodeRole::WeightMatmul => {
                 let own = figures(&mut std::iter::once((i, 1.0)));
@@ -600,8 +606,14 @@ pub fn build(lg: &LayeredGraph, layer: usize, x: &StrategyInputs<'_>) -> LayerSt
         members.push(c.matmuls.iter().copied().collect());
     }
     let act = lay.figures.saved_bytes.max(lay.input_bytes) * b * x.bytes_scale / t;
-    nodes.push(IntraNode { name: "rest".into(), options: vec![opt(SEQUENCE, rest[0], rest[1], rest[2] / t, act)] });
-    param_elems.push(vec![rest[2] / t]);
+    // Hook for `--sequence-parallel`: the rest runs ÷t; otherwise whole on every rank.
+    let rest_option = if x.sequence_parallel {
+        opt(SEQUENCE, rest[0], rest[1], rest[4] / t, act)
+    } else {
+        opt(FOLLOW, rest[2], rest[3], rest[4], act + rest[5])
+    };
+    param_elems.push(vec![if x.sequence_parallel { rest[4] / t } else { rest[4] }]);
+    nodes.push(IntraNode { name: "rest".into(), options: vec![rest_option] });
 
     // Feasibility edges: split producers ⇔ row consumers / heads cores.
     let names = |k: usize| -> Vec<String> { nodes[k].options.iter().map(|o| o.name.clone()).collect() };
@@ -672,9 +684,11 @@ impl LayerStrategies {
     }
 
     /// Strategy name per graph node of the layer for an assignment: choosing nodes (weight
-    /// matmuls, embeddings, attention-core matmuls) get their option, all others `sequence`.
+    /// matmuls, embeddings, attention-core matmuls) get their option, all others the `rest`
+    /// node's (`follow`, or `sequence` under sequence parallelism).
     pub fn node_names(&self, lg: &LayeredGraph, layer: usize, choice: &[usize]) -> Vec<(String, String)> {
         let lay = &lg.layers[layer];
+        let rest = self.problem.nodes.last().and_then(|n| n.options.first()).map_or(FOLLOW, |o| o.name.as_str());
         let mut of: HashMap<usize, &str> = HashMap::new();
         for (k, m) in self.members.iter().enumerate() {
             let name = self.problem.nodes[k].options.get(choice.get(k).copied().unwrap_or(0)).map_or(REPLICATE, |o| o.name.as_str());
@@ -687,7 +701,7 @@ impl LayerStrategies {
             .enumerate()
             .map(|(i, &id)| {
                 let node = lg.graph.try_node(id).map(|n| n.name.clone()).unwrap_or_default();
-                (node, of.get(&i).copied().unwrap_or(SEQUENCE).to_string())
+                (node, of.get(&i).copied().unwrap_or(rest).to_string())
             })
             .collect()
     }
