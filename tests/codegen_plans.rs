@@ -8,13 +8,13 @@ use std::path::Path;
 use smp_partition::codegen::{Sharder, encode};
 use smp_partition::cost::{ClusterSpec, GroupSpan};
 use smp_partition::frontend::onnx::load_model;
-use smp_partition::ir::LayeredGraph;
+use smp_partition::ir::{LayeredGraph, Op, OpKind, ValueKind};
 use smp_partition::passes::{AnalyzeOptions, analyze};
 use smp_partition::plan::build::{ModelRef, from_decision};
 use smp_partition::solve::layer_cost::CostContext;
 use smp_partition::solve::problem::IntraLayerProblem;
 use smp_partition::solve::strategy::{CHOOSING, LayerStrategies, StrategyInputs, build};
-use smp_partition::solve::{PlanConfig, plan};
+use smp_partition::solve::{PlanConfig, SolverOptions, plan};
 
 const MODELS: [&str; 4] = ["bert", "gpt2", "llama", "vit"];
 
@@ -88,7 +88,7 @@ fn every_offered_assignment_is_realised_by_codegen() {
     for name in MODELS {
         let lg = model(name);
         let sharder = Sharder::new(&lg).unwrap();
-        for tp in [2, 4] {
+        for tp in [2, 3, 4, 8] {
             let mut seen = std::collections::HashSet::new();
             for layer in 0..lg.layers.len() {
                 if !seen.insert(lg.layers[layer].signature.clone()) {
@@ -98,6 +98,11 @@ fn every_offered_assignment_is_realised_by_codegen() {
                 assert!(ls.problem.evaluate(&ls.megatron).is_some(), "{name} t={tp} layer {layer}: Megatron assignment infeasible");
                 let all = feasible(&ls.problem, 400);
                 assert!(all.contains(&ls.megatron));
+                // The ILP's fastest equals the fastest offered assignment.
+                let (_, sol) = ls.problem.solve(false, None, &SolverOptions::default()).unwrap();
+                let best = all.iter().filter_map(|c| ls.problem.evaluate(c)).map(|e| e.fwd_s + e.bwd_s).fold(f64::INFINITY, f64::min);
+                let got = sol.map(|s| s.fwd_s + s.bwd_s).unwrap();
+                assert!((got - best).abs() <= 1e-9 * best, "{name} t={tp} layer {layer}: ILP {got} vs brute force {best}");
                 for choice in &all {
                     check_assignment(name, &lg, &sharder, &ls, layer, tp, choice);
                 }
@@ -142,5 +147,57 @@ fn every_model_plans_and_code_generates() {
                 encode::build(&lg, &input).unwrap_or_else(|e| panic!("{what}: {e}"));
             }
         }
+    }
+}
+
+/// (k, n) of a weight matmul's weight and the rows of an embedding table, read from the graph.
+fn weight_dims(lg: &LayeredGraph, node: &str) -> Option<(i64, i64)> {
+    let g = &lg.graph;
+    let n = g.node_ids().map(|id| g.node(id)).find(|n| n.name == node)?;
+    let known = |v| g.value(v).ty.as_ref()?.shape.as_ref()?.known();
+    match n.op {
+        Op::Known(OpKind::Gather) => known(n.inputs[0]?).map(|d| (d[0], d[0])),
+        Op::Known(OpKind::MatMul | OpKind::Gemm) => {
+            let w = n.inputs[1]?;
+            let (d, transposed) = match known(w) {
+                Some(d) if g.value(w).kind == ValueKind::Initializer => (d, false),
+                _ => {
+                    let t = g.node_ids().map(|id| g.node(id)).find(|p| p.outputs.contains(&w))?;
+                    (known(t.inputs[0]?)?, true)
+                }
+            };
+            let trans_b = n.attrs.int("transB", 0) != 0;
+            if transposed ^ trans_b { Some((d[1], d[0])) } else { Some((d[0], d[1])) }
+        }
+        _ => None,
+    }
+}
+
+#[test]
+fn options_exist_only_where_they_divide() {
+    for name in MODELS {
+        let lg = model(name);
+        for tp in 2..=8i64 {
+            for layer in 0..lg.layers.len() {
+                let ls = strategies(&lg, layer, tp as usize);
+                for node in &ls.problem.nodes {
+                    let Some((k, n)) = weight_dims(&lg, &node.name) else { continue };
+                    let has = |s: &str| node.options.iter().any(|o| o.name == s);
+                    assert!(has("replicate"), "{name} t={tp} {}", node.name);
+                    assert!(!has("column") || n % tp == 0, "{name} t={tp} {}: column of {n}", node.name);
+                    assert!(!has("row") || k % tp == 0, "{name} t={tp} {}: row of {k}", node.name);
+                    assert!(!has("vocab") || k % tp == 0, "{name} t={tp} {}: vocab of {k}", node.name);
+                }
+            }
+        }
+    }
+    // And they are offered where they divide: GPT-2's blocks (hidden 64, 4 heads) at t = 2, 4
+    // but not at 3 (nothing divides).
+    let lg = model("gpt2");
+    let block = lg.layers.iter().position(|l| l.kind == smp_partition::ir::LayerKind::Block).unwrap();
+    for (tp, split) in [(2, true), (3, false), (4, true)] {
+        let ls = strategies(&lg, block, tp);
+        let any = ls.problem.nodes.iter().any(|n| n.options.iter().any(|o| o.name == "column"));
+        assert_eq!(any, split, "gpt2 t={tp}");
     }
 }

@@ -299,7 +299,9 @@ impl Walker<'_> {
                         note(&mut r, core);
                         let od = out.and_then(|o| dims(self.g, o));
                         next_heads = od.as_ref().is_some_and(|d| d.len() == 4);
+                        // Heads of a [b, s, h·d] → [b, s, h, d] split.
                         if let Some(d) = od.filter(|d| d.len() == 4)
+                            && self.rank(v) == Some(3)
                             && let Some(h) = d[2]
                         {
                             self.heads_seen.insert(h);
@@ -478,7 +480,12 @@ pub fn build(lg: &LayeredGraph, layer: usize, x: &StrategyInputs<'_>) -> LayerSt
     };
     // Which columns and cores can split.
     let core_of = |m: usize| sg.cores.iter().position(|c| c.matmuls.contains(&m));
-    let core_ok: Vec<bool> = sg.cores.iter().map(|c| c.heads.iter().all(|&h| h % tp == 0 || tp % h == 0)).collect();
+    // Query heads divide by t; fewer (grouped-query KV) heads may be shared by t / h ranks.
+    let core_ok: Vec<bool> = sg
+        .cores
+        .iter()
+        .map(|c| c.heads.last().is_none_or(|&q| q % tp == 0) && c.heads.iter().all(|&h| h % tp == 0 || tp % h == 0))
+        .collect();
     let mut col_ok: BTreeMap<usize, bool> = BTreeMap::new();
     for (&p, r) in &sg.reach {
         let ok = r.as_ref().is_some_and(|r| {
