@@ -201,3 +201,22 @@ fn options_exist_only_where_they_divide() {
         assert_eq!(any, split, "gpt2 t={tp}");
     }
 }
+
+#[test]
+fn bert_plans_at_tp2_on_two_cpus() {
+    // Used to fail in codegen: the MLM head's dense matmul was priced column-split but feeds a
+    // LayerNorm over the split axis, so codegen kept it whole.
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_smp-partition"))
+        .args(["models/bert.onnx", "--cluster", "cpu:2", "--tp", "2", "--seq-len", "16", "--json"])
+        .env("SMP_CPU_CALIBRATION", "/nonexistent/cpu.toml")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["parallel"]["tp"], 2);
+    assert!(v["codegen"]["shards"].as_array().is_some_and(|s| !s.is_empty()));
+    let head = v["layer_strategies"].as_array().unwrap().last().unwrap();
+    let strategies: Vec<&str> = head["nodes"].as_array().unwrap().iter().map(|n| n[1].as_str().unwrap()).collect();
+    assert!(strategies.iter().all(|s| ["replicate", "column", "follow"].contains(s)), "{strategies:?}");
+}
