@@ -131,6 +131,8 @@ pub struct CostContext<'a> {
     /// for a plan's `--sequence-parallel` (off: what codegen's tensor parallelism emits).
     pub sequence_parallel: bool,
     cache: HashMap<(usize, usize, usize, u8, GroupSpan, GroupSpan, GroupSpan), PipelineLayer>,
+    facts: Option<strategy::GraphFacts>,
+    splits: HashMap<usize, strategy::SplitGraph>,
     details: HashMap<(usize, usize, usize, GroupSpan), Vec<StrategyDetail>>,
     model_cache: HashMap<(usize, usize, u8, GroupSpan, GroupSpan, GroupSpan), Vec<PipelineLayer>>,
     sig_index: Vec<usize>,
@@ -184,6 +186,8 @@ impl<'a> CostContext<'a> {
             intra_solves: 0,
             sequence_parallel: false,
             cache: HashMap::new(),
+            facts: None,
+            splits: HashMap::new(),
             details: HashMap::new(),
             model_cache: HashMap::new(),
             sig_index,
@@ -279,7 +283,11 @@ impl<'a> CostContext<'a> {
             state_bytes_per_param: self.precision.weight as f64 + self.precision.grad as f64 + self.precision.optimizer as f64,
             sequence_parallel: self.sequence_parallel,
         };
-        let ls = strategy::build(self.lg, layer, &inputs);
+        // The split structure is the same at every t: analyse each distinct layer once.
+        let lg = self.lg;
+        let facts = self.facts.get_or_insert_with(|| strategy::GraphFacts::new(lg));
+        let sg = self.splits.entry(layer).or_insert_with(|| strategy::analyse(lg, layer, facts));
+        let ls = strategy::build_from(self.lg, layer, sg, &inputs);
         megatron.nodes = ls.node_names(self.lg, layer, &ls.megatron);
         // The Megatron point is the problem's most-split assignment (what codegen emits by
         // default), so it is exactly one point of the intra-layer problem.

@@ -170,8 +170,9 @@ struct Reach {
     exits: bool,
 }
 
-/// The t-independent split structure of a layer.
-struct SplitGraph {
+/// The t-independent split structure of a layer (see [`analyse`]); reuse it across tensor
+/// degrees with [`build_from`].
+pub struct SplitGraph {
     roles: Vec<NodeRole>,
     /// Per weight matmul: where its column split flows, `None` when codegen cannot carry it.
     reach: BTreeMap<usize, Option<Reach>>,
@@ -197,8 +198,8 @@ struct Core {
 
 struct Walker<'g> {
     g: &'g Graph,
-    index: HashMap<NodeId, usize>,
-    uses: Vec<Vec<NodeId>>,
+    index: &'g HashMap<NodeId, usize>,
+    uses: &'g [Vec<NodeId>],
     roles: &'g [NodeRole],
     /// Values a column split reaches (from any producer); `None` in the permissive pass.
     split_values: Option<&'g HashSet<ValueId>>,
@@ -336,13 +337,27 @@ impl Walker<'_> {
     }
 }
 
-fn analyse(lg: &LayeredGraph, layer: usize) -> SplitGraph {
+/// The graph-wide facts [`analyse`] needs, computed once per graph.
+pub struct GraphFacts {
+    producers: HashMap<ValueId, NodeId>,
+    uses: Vec<Vec<NodeId>>,
+}
+
+impl GraphFacts {
+    /// Producers and readers of every value of `lg`'s graph.
+    pub fn new(lg: &LayeredGraph) -> GraphFacts {
+        GraphFacts { producers: producers(&lg.graph), uses: lg.graph.uses() }
+    }
+}
+
+/// Where column splits of `layer` can flow (independent of the tensor degree).
+pub fn analyse(lg: &LayeredGraph, layer: usize, facts: &GraphFacts) -> SplitGraph {
     let g = &lg.graph;
     let lay = &lg.layers[layer];
-    let prod = producers(g);
-    let roles = roles_with(lg, layer, &prod);
+    let prod = &facts.producers;
+    let roles = roles_with(lg, layer, prod);
     let index: HashMap<NodeId, usize> = lay.nodes.iter().enumerate().map(|(i, &n)| (n, i)).collect();
-    let uses = g.uses();
+    let uses = &facts.uses;
     let vocab_rows = g.outputs.first().and_then(|&v| dims(g, v)).and_then(|d| d.last().copied().flatten());
     let mut kn = HashMap::new();
     let mut vocab = HashMap::new();
@@ -352,7 +367,7 @@ fn analyse(lg: &LayeredGraph, layer: usize) -> SplitGraph {
         match role {
             NodeRole::WeightMatmul => {
                 let w = n.inputs.get(1).copied().flatten();
-                let wp = w.and_then(|w| weight_param(g, &prod, w));
+                let wp = w.and_then(|w| weight_param(g, prod, w));
                 let transposed = wp.is_some_and(|(_, t)| t);
                 let d = wp.and_then(|(param, _)| dims(g, param)).unwrap_or_default();
                 let trans_b = n.op.is(OpKind::Gemm) && n.attrs.int("transB", 0) != 0;
@@ -378,7 +393,7 @@ fn analyse(lg: &LayeredGraph, layer: usize) -> SplitGraph {
     // Permissive pass: every value a column split could reach.
     let mut split_values: HashSet<ValueId> = HashSet::new();
     {
-        let mut w = Walker { g, index: index.clone(), uses: uses.clone(), roles: &roles, split_values: None, heads_seen: BTreeSet::new() };
+        let mut w = Walker { g, index: &index, uses, roles: &roles, split_values: None, heads_seen: BTreeSet::new() };
         for &p in &producers_list {
             if let (Some(o), Some(r)) = (out_of(p), out_of(p).and_then(|o| w.walk(o, p))) {
                 split_values.insert(o);
@@ -392,7 +407,7 @@ fn analyse(lg: &LayeredGraph, layer: usize) -> SplitGraph {
     }
     let mut reach = BTreeMap::new();
     let mut heads_of: HashMap<usize, BTreeSet<i64>> = HashMap::new();
-    let mut w = Walker { g, index, uses, roles: &roles, split_values: Some(&split_values), heads_seen: BTreeSet::new() };
+    let mut w = Walker { g, index: &index, uses, roles: &roles, split_values: Some(&split_values), heads_seen: BTreeSet::new() };
     for &p in &producers_list {
         w.heads_seen.clear();
         let r = out_of(p).and_then(|o| w.walk(o, p));
@@ -436,12 +451,16 @@ fn analyse(lg: &LayeredGraph, layer: usize) -> SplitGraph {
 
 /// Builds the intra-layer problem of `layer` at tensor degree `x.tp` (> 1).
 pub fn build(lg: &LayeredGraph, layer: usize, x: &StrategyInputs<'_>) -> LayerStrategies {
+    build_from(lg, layer, &analyse(lg, layer, &GraphFacts::new(lg)), x)
+}
+
+/// [`build`] from a layer's analysed split structure.
+pub fn build_from(lg: &LayeredGraph, layer: usize, sg: &SplitGraph, x: &StrategyInputs<'_>) -> LayerStrategies {
     let lay = &lg.layers[layer];
     let g = &lg.graph;
     let tp = x.tp.max(1) as i64;
     let t = tp as f64;
     let b = x.microbatch;
-    let sg = analyse(lg, layer);
     let roles = &sg.roles;
     let hidden = lay.input_bytes.max(lay.output_bytes) * b * x.bytes_scale;
     let ar = x.comm.all_reduce(hidden, &x.tp_group);
