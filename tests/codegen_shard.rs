@@ -275,7 +275,7 @@ fn pipeline_of_sharded_stages_reproduces_the_model() {
         let stages = (0..pp)
             .map(|s| StageInput { layers: [s * n / pp, (s + 1) * n / pp - 1], checkpointed_layers: vec![], output_bytes: 0 })
             .collect();
-        let mut input = CodegenInput { pp, tp: t, dp: 1, zero: 0, sharded_dp: None, microbatches: 1, schedule: ScheduleKind::OneFOneB, stages, replicated_layers: vec![] };
+        let mut input = CodegenInput { pp, tp: t, dp: 1, zero: 0, sharded_dp: None, microbatches: 1, schedule: ScheduleKind::OneFOneB, stages, replicated_layers: vec![], node_strategies: vec![] };
         if name == "bert" {
             // BERT's MLM head transform (dense, GELU, LayerNorm) splits at no degree: codegen
             // refuses it unless the plan says to replicate that layer.
@@ -351,4 +351,48 @@ fn indivisible_layers_are_reported() {
     assert!(msg.starts_with(&format!("layer {block} (`{}`) does not split 8 ways", lg.layers[block].name)), "{msg}");
     let CodegenError::Indivisible { working, .. } = err else { panic!("{msg}") };
     assert!(working.starts_with(&[2, 4]), "{msg}");
+}
+
+/// A plan that replicates some matmuls (the MLP) keeps their weights whole; the combined
+/// shards still reproduce the unsharded layer, and the rest of the block stays split.
+#[test]
+fn forced_replicate_nodes_reproduce_the_layer() {
+    for (name, mlp) in [("gpt2", 2), ("llama", 3), ("bert", 2)] {
+        let lg = model(name);
+        let inputs = feeds(&lg.graph);
+        let mut full = Exec::new(&lg.graph, &inputs);
+        assert!(full.run_until_collective().is_none());
+        let env: HashMap<String, T> = full.env.iter().map(|(&v, t)| (lg.graph.value(v).name.clone(), t.clone())).collect();
+        let sharder = Sharder::new(&lg).unwrap();
+        let li = lg.layers.iter().position(|l| l.kind == LayerKind::Block).unwrap();
+        let layer = &lg.layers[li];
+        let g = &lg.graph;
+        let weight_mms: Vec<String> = layer
+            .nodes
+            .iter()
+            .map(|&n| g.node(n))
+            .filter(|n| matches!(n.op, Op::Known(smp_partition::ir::OpKind::MatMul | smp_partition::ir::OpKind::Gemm)))
+            .filter(|n| n.inputs[1].is_some_and(|w| g.value(w).kind == smp_partition::ir::ValueKind::Initializer))
+            .map(|n| n.name.clone())
+            .collect();
+        let keep = weight_mms[weight_mms.len() - mlp..].to_vec();
+        for t in [2, 4] {
+            let (shards, realised) = sharder.shard_layer_keeping(li, t, &keep).unwrap();
+            for (node, s) in &realised {
+                if keep.contains(node) {
+                    assert_eq!(s, "replicate", "{name} t={t} {node}");
+                }
+            }
+            let split: Vec<&str> = realised.iter().map(|(_, s)| s.as_str()).filter(|s| *s != "replicate").collect();
+            assert!(split.contains(&"column") && split.contains(&"heads") && split.contains(&"row"), "{name} t={t}: {realised:?}");
+            validate_shards(&lg.graph, &shards).unwrap();
+            let graphs: Vec<Graph> = shards.iter().map(|s| apply_shard(&lg.graph, &layer.nodes, s, &lg.dims).unwrap()).collect();
+            for (r, o) in run_ranks(&graphs, &env).iter().enumerate() {
+                for (vname, got) in o {
+                    let err = rel(got, &env[vname]);
+                    assert!(err <= 1e-12, "{name} t={t} rank {r}: `{vname}` off by {err:e}");
+                }
+            }
+        }
+    }
 }

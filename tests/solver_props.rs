@@ -188,17 +188,20 @@ proptest! {
     fn intra_ilp_equals_brute_force(
         n in 2usize..=5,
         opts in prop::collection::vec(prop::collection::vec((0.0f64..1.0, 0.0f64..1.0, 0.0f64..4.0, 0.0f64..4.0), 1..=3), 5),
-        edges in prop::collection::vec((0usize..5, 0usize..5, prop::collection::vec(0.0f64..0.5, 9)), 0..6),
+        edges in prop::collection::vec((0usize..5, 0usize..5, prop::collection::vec(0.0f64..0.5, 9), prop::collection::vec(0.0f64..1.0, 9)), 0..6),
         cap in prop::option::of(0.0f64..16.0),
     ) {
         let nodes: Vec<IntraNode> = (0..n).map(|i| IntraNode {
             name: format!("n{i}"),
             options: opts[i].iter().map(|&(f, b, pb, ab)| NodeOption { name: "k".into(), fwd_s: f, bwd_s: b, param_bytes: pb, act_bytes: ab, sync_s: 0.0 }).collect(),
         }).collect();
-        let edges: Vec<IntraEdge> = edges.iter().filter(|(a, b, _)| a < b && *b < n).map(|(a, b, c)| {
+        // Some option pairs forbidden (as codegen forbids column → column), so some instances
+        // have no feasible assignment at all.
+        let edges: Vec<IntraEdge> = edges.iter().filter(|(a, b, _, _)| a < b && *b < n).map(|(a, b, c, f)| {
             let (ka, kb) = (nodes[*a].options.len(), nodes[*b].options.len());
             let m: Vec<Vec<f64>> = (0..ka).map(|i| (0..kb).map(|j| c[i * 3 + j]).collect()).collect();
-            IntraEdge { from: *a, to: *b, fwd_s: m.clone(), bwd_s: m }
+            let forbidden = (0..ka).flat_map(|i| (0..kb).map(move |j| (i, j))).filter(|&(i, j)| f[i * 3 + j] < 0.25).collect();
+            IntraEdge { from: *a, to: *b, fwd_s: m.clone(), bwd_s: m, forbidden }
         }).collect();
         let prob = IntraLayerProblem { nodes, edges, memory_cap: cap, act_weight: 1.5 };
         let bf = brute_force_intra(&prob);

@@ -51,6 +51,10 @@ pub struct CodegenInput {
     /// Layers whose strategy is `replicate`: kept whole where they do not divide `tp` ways
     /// (any other layer that does not divide is an error).
     pub replicated_layers: Vec<usize>,
+    /// The plan's strategy per node, per layer (`[layer][i] = (node, strategy)`); empty when
+    /// the plan has none. Matmuls and lookups marked `replicate` keep their weights whole, and
+    /// every choosing node's realised strategy must equal the plan's.
+    pub node_strategies: Vec<Vec<(String, String)>>,
 }
 
 /// One stage as codegen sees it.
@@ -300,6 +304,20 @@ pub enum EncodeError {
     /// The input or section is inconsistent.
     #[error("codegen: {0}")]
     Inconsistent(String),
+    /// Sharding realised another strategy for a node than the plan chose.
+    #[error("layer {layer} (`{name}`), node `{node}`: the plan chose strategy `{chosen}` but codegen realises `{realised}`; plan again (the planner offers only what codegen emits, so this is a planner bug) or fix the plan's `layer_strategies`")]
+    StrategyMismatch {
+        /// Layer index.
+        layer: usize,
+        /// Layer name.
+        name: String,
+        /// Node name.
+        node: String,
+        /// The plan's strategy.
+        chosen: String,
+        /// What the shards do.
+        realised: String,
+    },
     /// A rank outside the plan's mesh.
     #[error("rank {rank} is not in the plan (world size {world})")]
     NoRank {
@@ -308,6 +326,26 @@ pub enum EncodeError {
         /// Ranks in the plan.
         world: usize,
     },
+}
+
+/// Strategies checked per node (the others, `follow` or `sequence`, follow their inputs).
+const CHOOSING: [&str; 5] = ["column", "row", "replicate", "vocab", "heads"];
+
+/// Every choosing node's realised strategy equals the plan's.
+fn check_realised(lg: &LayeredGraph, layer: usize, chosen: &[(String, String)], realised: &[(String, String)]) -> Result<(), EncodeError> {
+    for (node, want) in chosen.iter().filter(|(_, s)| CHOOSING.contains(&s.as_str())) {
+        let got = realised.iter().find(|(n, _)| n == node).map_or("follow", |(_, s)| s.as_str());
+        if got != want {
+            return Err(EncodeError::StrategyMismatch {
+                layer,
+                name: lg.layers[layer].name.clone(),
+                node: node.clone(),
+                chosen: want.clone(),
+                realised: got.to_string(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Builds the codegen section for `input` on the analysed model `lg`.
@@ -338,15 +376,21 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
     // Shards (tp > 1 only).
     let shards: Vec<Vec<LayerShard>> = if input.tp > 1 {
         let sharder = Sharder::new(lg)?;
-        (0..n_layers)
-            .map(|l| {
-                if input.replicated_layers.contains(&l) {
-                    sharder.shard_layer(l, input.tp)
-                } else {
-                    sharder.shard_layer_strict(l, input.tp)
+        let mut out = Vec::with_capacity(n_layers);
+        for l in 0..n_layers {
+            let chosen = input.node_strategies.get(l).filter(|c| !c.is_empty());
+            out.push(match chosen {
+                Some(chosen) => {
+                    let keep: Vec<String> = chosen.iter().filter(|(_, s)| s == "replicate").map(|(n, _)| n.clone()).collect();
+                    let (shards, realised) = sharder.shard_layer_keeping(l, input.tp, &keep)?;
+                    check_realised(lg, l, chosen, &realised)?;
+                    shards
                 }
-            })
-            .collect::<Result<_, _>>()?
+                None if input.replicated_layers.contains(&l) => sharder.shard_layer(l, input.tp)?,
+                None => sharder.shard_layer_strict(l, input.tp)?,
+            });
+        }
+        out
     } else {
         Vec::new()
     };

@@ -309,10 +309,82 @@ impl<'a> Sharder<'a> {
         Ok((0..tp).map(|r| plan.for_rank(&self.lg.graph, layer, tp, r)).collect())
     }
 
+    /// The `tp` shards of `layer` with the weights of the nodes named in `keep_whole`
+    /// (matmuls and embedding lookups a plan chose to replicate) left whole, and the strategy
+    /// realised per choosing node: `(node, column | row | replicate | vocab | heads)`.
+    pub fn shard_layer_keeping(
+        &self,
+        layer: usize,
+        tp: usize,
+        keep_whole: &[String],
+    ) -> Result<(Vec<LayerShard>, Vec<(String, String)>), CodegenError> {
+        let l = self.lg.layers.get(layer).ok_or(CodegenError::NoLayer { layer, layers: self.lg.layers.len() })?;
+        let g = &self.lg.graph;
+        let mut keep = HashSet::new();
+        for &n in &l.nodes {
+            let node = g.node(n);
+            if !keep_whole.contains(&node.name) {
+                continue;
+            }
+            let operand = match node.op.kind() {
+                Some(OpKind::MatMul | OpKind::Gemm) => node.inputs.get(1).copied().flatten(),
+                Some(OpKind::Gather) => node.inputs.first().copied().flatten(),
+                _ => None,
+            };
+            if let Some(w) = operand.and_then(|v| self.weight_of(v)) {
+                keep.insert(w);
+            }
+        }
+        let plan = self.plan_layer_keeping(layer, tp, keep)?;
+        let realised = l.nodes.iter().filter_map(|&n| self.realised(&plan, n).map(|s| (g.node(n).name.clone(), s.to_string()))).collect();
+        Ok(((0..tp).map(|r| plan.for_rank(g, layer, tp, r)).collect(), realised))
+    }
+
+    /// The float initializer behind a weight operand (through transposes).
+    fn weight_of(&self, v: ValueId) -> Option<ValueId> {
+        let g = &self.lg.graph;
+        let val = g.value(v);
+        if val.kind == ValueKind::Initializer {
+            return self.info.types[v.index()].as_ref().is_some_and(|t| t.dtype.is_float()).then_some(v);
+        }
+        let p = g.node_ids().find(|&n| g.node(n).outputs.contains(&v))?;
+        let node = g.node(p);
+        if node.op.is(OpKind::Transpose) { node.inputs.first().copied().flatten().and_then(|x| self.weight_of(x)) } else { None }
+    }
+
+    /// The strategy a node got: weight matmuls column/row/replicate, vocabulary lookups
+    /// vocab/replicate, matmuls of two activations heads/replicate; `None` for other nodes.
+    fn realised(&self, plan: &LayerPlan, n: NodeId) -> Option<&'static str> {
+        let g = &self.lg.graph;
+        let node = g.node(n);
+        let out = *node.outputs.first()?;
+        let split = |v: ValueId| matches!(plan.placements.get(&v), Some(Sh::Split { .. }));
+        match node.op.kind()? {
+            OpKind::MatMul | OpKind::Gemm => match node.inputs.get(1).copied().flatten().and_then(|w| self.weight_of(w)) {
+                Some(w) if plan.weights.contains_key(&w) => {
+                    let name = &g.value(out).name;
+                    let gathered = plan.collectives.iter().any(|c| &c.after_value == name && matches!(c.kind, CollectiveKind::AllGather { .. }));
+                    Some(if split(out) || gathered { "column" } else { "row" })
+                }
+                Some(_) => Some("replicate"),
+                None => Some(if split(out) { "heads" } else { "replicate" }),
+            },
+            OpKind::Gather => {
+                let w = node.inputs.first().copied().flatten().and_then(|v| self.weight_of(v))?;
+                Some(if plan.weights.contains_key(&w) { "vocab" } else { "replicate" })
+            }
+            _ => None,
+        }
+    }
+
     fn plan_layer(&self, layer: usize, tp: usize) -> Result<LayerPlan, CodegenError> {
+        self.plan_layer_keeping(layer, tp, HashSet::new())
+    }
+
+    fn plan_layer_keeping(&self, layer: usize, tp: usize, keep: HashSet<ValueId>) -> Result<LayerPlan, CodegenError> {
         let l = self.lg.layers.get(layer).ok_or(CodegenError::NoLayer { layer, layers: self.lg.layers.len() })?;
         let mut demands: HashMap<ValueId, i64> = HashMap::new();
-        let mut replicate: HashSet<ValueId> = HashSet::new();
+        let mut replicate: HashSet<ValueId> = keep;
         let mut replicas: HashMap<ValueId, i64> = HashMap::new();
         let plan = loop {
             let mut p = Prop::new(self, layer, &l.nodes, tp as i64, &demands, &replicate, &replicas);
@@ -357,6 +429,8 @@ struct LayerPlan {
     collectives: Vec<CollectiveInsert>,
     partial_gradients: Vec<PartialGradient>,
     kept_whole: BTreeSet<ValueId>,
+    /// Final placement of the layer's values.
+    placements: HashMap<ValueId, Sh>,
 }
 
 impl LayerPlan {
@@ -492,6 +566,7 @@ impl<'s, 'a> Prop<'s, 'a> {
             collectives: self.collectives,
             partial_gradients: self.partial_gradients,
             kept_whole: self.kept_whole,
+            placements: self.sh,
         }
     }
 
@@ -1239,9 +1314,8 @@ impl<'s, 'a> Prop<'s, 'a> {
             && Some(ds[0]) == self.s.vocab
             && ds[0] % self.t == 0
             && self.weight_src.get(&data).is_some_and(|(i, _)| *i == data)
+            && self.split_weight(data, 0, 1, ds[0] / self.t)
         {
-            let inner = ds[0] / self.t;
-            self.split_weight(data, 0, 1, inner);
             self.gathers.push((n.name.clone(), data));
             self.set(o, Sh::Partial);
             return Ok(());

@@ -289,6 +289,14 @@ impl Plan {
                 .map(|s| StageInput { layers: s.layers, checkpointed_layers: s.checkpointed_layers.clone(), output_bytes: s.output_bytes })
                 .collect(),
             replicated_layers: self.layer_strategies.iter().filter(|s| s.strategy == "replicate").map(|s| s.layer).collect(),
+            node_strategies: {
+                let n = self.layer_strategies.iter().map(|s| s.layer + 1).max().unwrap_or(0);
+                let mut v = vec![Vec::new(); n];
+                for s in &self.layer_strategies {
+                    v[s.layer] = s.nodes.clone();
+                }
+                v
+            },
         })
     }
 

@@ -84,7 +84,7 @@ pub fn plan_baseline(
     let mut last_err = None;
     for pp in pps {
         for rule in [CheckpointRule::Never, CheckpointRule::Always] {
-            if user_ckpt.is_some_and(|u| u != rule) {
+            if user_ckpt.is_some_and(|u| u != CheckpointRule::Auto && u != rule) {
                 continue;
             }
             let these: Vec<Candidate> =

@@ -246,7 +246,8 @@ pub struct IntraSolution {
 }
 
 impl IntraLayerProblem {
-    /// Time and memory figures of an assignment (`None` if an index is out of range).
+    /// Time and memory figures of an assignment (`None` if an index is out of range or an
+    /// edge forbids the pair).
     pub fn evaluate(&self, choice: &[usize]) -> Option<IntraSolution> {
         if choice.len() != self.nodes.len() {
             return None;
@@ -262,6 +263,9 @@ impl IntraLayerProblem {
         }
         for e in &self.edges {
             let (a, b) = (*choice.get(e.from)?, *choice.get(e.to)?);
+            if e.forbidden.contains(&(a, b)) {
+                return None;
+            }
             s.fwd_s += *e.fwd_s.get(a)?.get(b)?;
             s.bwd_s += *e.bwd_s.get(a)?.get(b)?;
         }
@@ -285,6 +289,9 @@ impl IntraLayerProblem {
                 return Err(SolveError::Problem(format!("edge {}→{} names a missing node", e.from, e.to)));
             };
             let ok = |m: &Vec<Vec<f64>>| m.len() == a.options.len() && m.iter().all(|r| r.len() == b.options.len());
+            if e.forbidden.iter().any(|&(x, y)| x >= a.options.len() || y >= b.options.len()) {
+                return Err(SolveError::Problem(format!("edge `{}`→`{}` forbids a pair of options it does not have", a.name, b.name)));
+            }
             if !ok(&e.fwd_s) || !ok(&e.bwd_s) {
                 return Err(SolveError::Problem(format!(
                     "edge `{}`→`{}`: resharding matrix is not {}×{}",
@@ -323,7 +330,9 @@ impl IntraLayerProblem {
         for e in &self.edges {
             let (ka, kb) = (self.nodes[e.from].options.len(), self.nodes[e.to].options.len());
             // With one option on either side the edge cost is fixed by the other side's choice.
-            let ev: Vec<Vec<Col>> = (0..ka).map(|_| (0..kb).map(|_| milp.continuous(0.0, 1.0)).collect()).collect();
+            let ev: Vec<Vec<Col>> = (0..ka)
+                .map(|a| (0..kb).map(|b| milp.continuous(0.0, if e.forbidden.contains(&(a, b)) { 0.0 } else { 1.0 })).collect())
+                .collect();
             for a in 0..ka {
                 let mut row = Expression::default();
                 for b in 0..kb {

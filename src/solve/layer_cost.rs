@@ -127,7 +127,12 @@ pub struct CostContext<'a> {
     pub megatron_only: bool,
     /// Intra-layer ILPs solved (one per distinct layer, t, microbatch and tensor group).
     pub intra_solves: usize,
+    /// Norms and elementwise ops run sequence-parallel (÷t) instead of replicated; the hook
+    /// for a plan's `--sequence-parallel` (off: what codegen's tensor parallelism emits).
+    pub sequence_parallel: bool,
     cache: HashMap<(usize, usize, usize, u8, GroupSpan, GroupSpan, GroupSpan), PipelineLayer>,
+    facts: Option<strategy::GraphFacts>,
+    splits: HashMap<usize, strategy::SplitGraph>,
     details: HashMap<(usize, usize, usize, GroupSpan), Vec<StrategyDetail>>,
     model_cache: HashMap<(usize, usize, u8, GroupSpan, GroupSpan, GroupSpan), Vec<PipelineLayer>>,
     sig_index: Vec<usize>,
@@ -179,7 +184,10 @@ impl<'a> CostContext<'a> {
             shapes,
             megatron_only: false,
             intra_solves: 0,
+            sequence_parallel: false,
             cache: HashMap::new(),
+            facts: None,
+            splits: HashMap::new(),
             details: HashMap::new(),
             model_cache: HashMap::new(),
             sig_index,
@@ -247,7 +255,8 @@ impl<'a> CostContext<'a> {
             bwd_s: times.bwd + tp_bwd,
             param_elems: shape.params / t,
             act_bytes: lay.figures.saved_bytes.max(lay.input_bytes) * b * self.bytes_scale / t,
-            input_bytes: lay.input_bytes * b * self.bytes_scale / t,
+            // Without sequence parallelism the layer's input is whole on every tensor rank.
+            input_bytes: lay.input_bytes * b * self.bytes_scale / if self.sequence_parallel { t } else { 1.0 },
         }
     }
 
@@ -272,9 +281,22 @@ impl<'a> CostContext<'a> {
             microbatch: cfg.microbatch as f64,
             tp_group: cfg.tp_group,
             state_bytes_per_param: self.precision.weight as f64 + self.precision.grad as f64 + self.precision.optimizer as f64,
+            sequence_parallel: self.sequence_parallel,
         };
-        let ls = strategy::build(self.lg, layer, &inputs);
+        // The split structure is the same at every t: analyse each distinct layer once.
+        let lg = self.lg;
+        let facts = self.facts.get_or_insert_with(|| strategy::GraphFacts::new(lg));
+        let sg = self.splits.entry(layer).or_insert_with(|| strategy::analyse(lg, layer, facts));
+        let ls = strategy::build_from(self.lg, layer, sg, &inputs);
         megatron.nodes = ls.node_names(self.lg, layer, &ls.megatron);
+        // The Megatron point is the problem's most-split assignment (what codegen emits by
+        // default), so it is exactly one point of the intra-layer problem.
+        if let Some(m) = ls.problem.evaluate(&ls.megatron) {
+            megatron.fwd_s = m.fwd_s;
+            megatron.bwd_s = m.bwd_s;
+            megatron.param_elems = ls.params_of(&ls.megatron);
+            megatron.act_bytes = m.act_bytes.max(megatron.input_bytes);
+        }
         let mut out = vec![megatron.clone()];
         if self.megatron_only {
             return out;

@@ -40,6 +40,9 @@ pub struct IntraEdge {
     pub fwd_s: Vec<Vec<f64>>,
     /// Same for the backward pass (the gradient's resharding).
     pub bwd_s: Vec<Vec<f64>>,
+    /// Option pairs `(k, k2)` that cannot occur together (codegen cannot emit them).
+    #[serde(default)]
+    pub forbidden: Vec<(usize, usize)>,
 }
 
 /// Alpa-style intra-layer problem for one distinct layer at one tensor degree.

@@ -680,7 +680,11 @@ pub fn decision(
         .map(|(l, ch)| {
             let choice = prob.layers[l].points.get(ch.point).map_or(0, |p| p.choice);
             let (strategy, nodes) = match ctx.detail(l, &lc, choice) {
-                Some(d) => (d.name.clone(), d.nodes.clone()),
+                // Identical layers share the representative's detail: name this layer's nodes.
+                Some(d) => {
+                    let names = lg.layers[l].nodes.iter().map(|&id| lg.graph.try_node(id).map(|n| n.name.clone()).unwrap_or_default());
+                    (d.name.clone(), names.zip(&d.nodes).map(|(n, (_, s))| (n, s.clone())).collect())
+                }
                 None => (fallback.clone(), Vec::new()),
             };
             LayerDecision { layer: l, strategy, nodes, checkpoint: ch.checkpoint }
