@@ -939,6 +939,10 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                             // ZeRO 1: full all-reduce, then this rank's block
                             let parts = pg.size() as i64;
                             let (f, len) = flat(s, &full_grads(&grads)?, parts)?;
+                            // the flat copy is all that is left of them
+                            for &i in &owned[s] {
+                                grads[i] = None;
+                            }
                             pg.all_reduce_sum(&f)?;
                             let mut now = held(&params, &grads, &shards, full_opt.as_ref());
                             now.grads += bytes_of(&f);
@@ -946,9 +950,6 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                             let index = pg.index() as i64;
                             let sh = shards[s].get_or_insert_with(|| Shard { parts, index, len, grad: None, updated: None, opt: None, master: None, members: Vec::new() });
                             sh.grad = Some(owned_copy(&f.f_narrow(0, index * len, len)?)?);
-                            for &i in &owned[s] {
-                                grads[i] = None;
-                            }
                         } else {
                             let mine: Vec<Tensor> = owned[s].iter().map(|&i| grads[i].as_ref().map_or_else(|| zeros_of(i), |g| Ok(g.shallow_clone()))).collect::<Result<_, _>>()?;
                             let reduced = all_reduce_bucketed(pg, mine, cfg.bucket_bytes)?;
@@ -968,6 +969,9 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                     let pg = group(g)?;
                     let parts = pg.size() as i64;
                     let (f, len) = flat(s, &full_grads(&grads)?, parts)?;
+                    for &i in &owned[s] {
+                        grads[i] = None;
+                    }
                     let out = Tensor::f_zeros([len], opts)?;
                     pg.reduce_scatter_sum(&out, &f)?;
                     let mut now = held(&params, &grads, &shards, full_opt.as_ref());
@@ -982,9 +986,6 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                         )));
                     }
                     sh.grad = Some(out);
-                    for &i in &owned[s] {
-                        grads[i] = None;
-                    }
                 }
                 Instr::OptimizerStep => {
                     for w in pending.drain(..) {
