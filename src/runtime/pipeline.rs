@@ -547,6 +547,13 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
         })
         .collect::<Result<_, _>>()?;
     let pos_of: HashMap<ValueId, usize> = param_ids.iter().enumerate().map(|(i, v)| (*v, i)).collect();
+    // the loaded weights of other pipeline ranks' stages (and with tensor parallelism the
+    // unsliced model the shards were cut from) are never read on this rank again
+    for (id, w) in &exec.weights {
+        if is_trainable(graph, *id) && (place.tp > 1 || !pos_of.contains_key(id)) {
+            w.shallow_clone().f_set_data(&Tensor::f_empty([0], (w.kind(), w.device()))?)?;
+        }
+    }
     let float_kind = params.first().map_or(Kind::Float, Tensor::kind);
     let opts = (float_kind, tch::Device::Cpu);
     // shapes as loaded: ZeRO 3 releases the tensors between uses
