@@ -830,6 +830,10 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                         // B of a split backward keeps the graph for its W
                         let got = if inputs.is_empty() { Vec::new() } else { Tensor::f_run_backward(&[r], &inputs, split, false)? };
                         let (gin, gp) = got.split_at(grad_leaves.len());
+                        // autograd's fresh weight gradients live beside the accumulated ones
+                        let mut now = held(&params, &grads, &shards, full_opt.as_ref());
+                        now.grads += gp.iter().map(bytes_of).sum::<u64>();
+                        tally.observe(now);
                         let mut it = gin.iter();
                         for t in &leaves {
                             let g = if t.requires_grad() { it.next().map(Tensor::shallow_clone) } else { None };
@@ -865,6 +869,9 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                         let inputs: Vec<&Tensor> = mine.iter().map(|&i| &params[i]).collect();
                         if !inputs.is_empty() {
                             let got = Tensor::f_run_backward(&[&r], &inputs, false, false)?;
+                            let mut now = held(&params, &grads, &shards, full_opt.as_ref());
+                            now.grads += got.iter().map(bytes_of).sum::<u64>();
+                            tally.observe(now);
                             for (&i, g) in mine.iter().zip(&got) {
                                 accumulate(&mut grads[i], g)?;
                             }
