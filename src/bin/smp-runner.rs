@@ -287,15 +287,24 @@ fn rank_cmd(plan: &smp_partition::plan::Plan, model: &Path, o: &TrainArgs, shape
     let t0 = Instant::now();
     let report = pipeline::run_rank(plan, &exec, &batch, &cfg, env).with_context(|| format!("rank {} of {}", env.rank, env.world))?;
     let wall = t0.elapsed().as_secs_f64();
-    let step_time = report.ranks.iter().map(|r| r.0).fold(0.0, f64::max);
+    let step_time = report.ranks.iter().map(|r| r.step_time_s).fold(0.0, f64::max);
     if env.rank == 0 && o.json {
         let ranks: Vec<_> = report
             .ranks
             .iter()
             .enumerate()
-            .map(|(r, (t, m))| {
+            .map(|(r, st)| {
                 let predicted = plan.mesh().coord(r).map(|c| plan.rank_memory(c.pp).total);
-                serde_json::json!({"rank": r, "step_time_s": t, "peak_memory_bytes": m, "predicted_memory_bytes": predicted})
+                serde_json::json!({
+                    "rank": r,
+                    "step_time_s": st.step_time_s,
+                    "peak_memory_bytes": st.peak_rss_bytes,
+                    "predicted_memory_bytes": predicted,
+                    "peak_state_bytes": st.peak_state.total(),
+                    "peak_state": {"params": st.peak_state.params, "grads": st.peak_state.grads, "optimizer": st.peak_state.optimizer},
+                    "peak_param_bytes": st.peak_param_bytes,
+                    "resident_param_bytes": st.resident_param_bytes,
+                })
             })
             .collect();
         let out = serde_json::json!({

@@ -245,13 +245,89 @@ pub struct RunConfig {
     pub progress: bool,
 }
 
+/// Bytes of trained state: parameters (full tensors, ZeRO blocks), gradients, optimizer moments.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StateBytes {
+    /// Parameters.
+    pub params: u64,
+    /// Gradients.
+    pub grads: u64,
+    /// Optimizer state.
+    pub optimizer: u64,
+}
+
+impl StateBytes {
+    /// The sum of the three.
+    pub fn total(&self) -> u64 {
+        self.params + self.grads + self.optimizer
+    }
+}
+
 /// What one rank measured.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RankStats {
+    /// Mean step time (first step excluded), seconds.
+    pub step_time_s: f64,
+    /// Peak resident memory of the process.
+    pub peak_rss_bytes: u64,
+    /// The trained state held when its total peaked (counted between instructions and around
+    /// collectives' buffers, as tensors are allocated and released).
+    pub peak_state: StateBytes,
+    /// The most parameter bytes held at any point (gathered ZeRO-3 stages included).
+    pub peak_param_bytes: u64,
+    /// Parameter bytes held between uses (after the last step).
+    pub resident_param_bytes: u64,
+}
+
+/// What a run measured.
 #[derive(Clone, Debug)]
 pub struct RankReport {
     /// Per step: the global mean loss (identical on every rank) and this rank's step time.
     pub steps: Vec<StepRecord>,
-    /// Every rank's mean step time (first step excluded) and peak RSS, by global rank.
-    pub ranks: Vec<(f64, u64)>,
+    /// Every rank's measurements, by global rank.
+    pub ranks: Vec<RankStats>,
+}
+
+fn bytes_of(t: &Tensor) -> u64 {
+    if t.defined() { (t.numel() * t.kind().elt_size_in_bytes()) as u64 } else { 0 }
+}
+
+/// The trained state this rank holds now.
+fn held(params: &[Tensor], grads: &[Option<Tensor>], shards: &[Option<Shard>], full_opt: Option<&AdamW>) -> StateBytes {
+    let mut b = StateBytes {
+        params: params.iter().map(bytes_of).sum(),
+        grads: grads.iter().flatten().map(bytes_of).sum(),
+        optimizer: full_opt.map_or(0, AdamW::state_bytes),
+    };
+    for sh in shards.iter().flatten() {
+        b.params += sh.master.as_ref().map_or(0, bytes_of) + sh.updated.as_ref().map_or(0, bytes_of);
+        b.grads += sh.grad.as_ref().map_or(0, bytes_of);
+        b.optimizer += sh.opt.as_ref().map_or(0, AdamW::state_bytes);
+    }
+    b
+}
+
+/// Peaks of the held state.
+#[derive(Default)]
+struct Tally {
+    peak: StateBytes,
+    peak_params: u64,
+}
+
+impl Tally {
+    fn observe(&mut self, now: StateBytes) {
+        if now.total() > self.peak.total() {
+            self.peak = now;
+        }
+        self.peak_params = self.peak_params.max(now.params);
+    }
+}
+
+/// A copy of `t` in its own storage (a narrowed view would keep the whole buffer alive).
+fn owned_copy(t: &Tensor) -> Result<Tensor, RuntimeError> {
+    let mut c = t.f_empty_like()?;
+    let _ = c.f_copy_(t)?;
+    Ok(c)
 }
 
 struct MbState {
@@ -313,6 +389,10 @@ struct Shard {
     /// Updated parameter block awaiting its all-gather.
     updated: Option<Tensor>,
     opt: Option<AdamW>,
+    /// ZeRO 3: the only copy of this rank's block between uses (AdamW updates it), and the
+    /// group that gathers the blocks.
+    master: Option<Tensor>,
+    members: Vec<usize>,
 }
 
 /// Runs this rank's part of `plan` for `cfg.steps` steps on `batch` (the global batch; every
@@ -343,6 +423,56 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
     let dp = place.dp;
     let shard_group = plan.parallel.sharded_dp.filter(|&n| n > 1 && n < dp).unwrap_or(dp);
 
+    // this rank's parameters; each belongs to the first of this rank's stages reading it
+    let n_stages = plan.stages.len();
+    let my_stages: Vec<usize> = (0..n_stages).filter(|&s| kind.rank_of_stage(s, place.pp) == q).collect();
+    let mut param_ids: Vec<ValueId> = Vec::new();
+    let mut owned: Vec<Vec<usize>> = vec![Vec::new(); n_stages];
+    for &s in &my_stages {
+        for &v in &layout.params[s] {
+            if !param_ids.contains(&v) {
+                owned[s].push(param_ids.len());
+                param_ids.push(v);
+            }
+        }
+    }
+    // tensor parallelism: each stage runs its shard subgraph with its own executor
+    let view = if place.tp > 1 { Some(plan.rank_view(me).map_err(|e| terr(e.to_string()))?) } else { None };
+    let mut subs: Vec<(usize, Graph, HashSet<String>)> = Vec::new();
+    // weights whose slice several tensor ranks share, and the ranks sharing this rank's
+    let mut kv_groups: Vec<(String, Vec<usize>)> = Vec::new();
+    if let Some(view) = &view {
+        for sv in &view.stages {
+            let mut sub = sv.subgraph(&lg).map_err(|e| terr(format!("stage {} shard of rank {me}: {e}", sv.stage())))?;
+            let mut sliced = HashSet::new();
+            for sh in &sv.shards {
+                // a slice shared by several tensor ranks (grouped-query KV heads): its
+                // gradient is summed over the consecutive tensor ranks holding it
+                for w in sh.weight_slices.iter().filter(|w| w.replicas > 1) {
+                    let r = w.replicas as usize;
+                    if r > place.tp || place.tp % r != 0 {
+                        return Err(terr(format!(
+                            "stage {}: weight `{}` is shared by {r} tensor ranks, which does not divide tp {}",
+                            sv.stage(),
+                            w.initializer,
+                            place.tp
+                        )));
+                    }
+                    let first = t - t % r;
+                    let members: Vec<usize> = (first..first + r).map(|tt| place.ranks[q][d * place.tp + tt]).collect();
+                    if !kv_groups.iter().any(|(n, _)| n == &w.initializer) {
+                        kv_groups.push((w.initializer.clone(), members));
+                    }
+                }
+                sliced.extend(sh.weight_slices.iter().map(|w| w.initializer.clone()));
+                for pg in &sh.partial_gradients {
+                    insert_copy_to_tensor_region(&mut sub, pg)?;
+                }
+            }
+            subs.push((sv.stage(), sub, sliced));
+        }
+    }
+    drop(lg);
     // groups: every distinct member list in any program, plus the world, created in one global
     // order by their members (creation is a rendezvous)
     let store: Arc<Store> = Store::connect(env, cfg.timeout)?;
@@ -352,6 +482,7 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
     if place.tp > 1 {
         lists.extend(place.tensor_groups());
     }
+    lists.extend(kv_groups.iter().map(|(_, g)| g.clone()));
     for p in &programs {
         for i in &p.instrs {
             if let Some((g, _)) = i.collective() {
@@ -369,46 +500,6 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
     let world_pg = &groups[&world];
     let group = |g: &Vec<usize>| groups.get(g).ok_or_else(|| terr(format!("rank {me} is not in group {g:?}")));
 
-    // this rank's parameters; each belongs to the first of this rank's stages reading it
-    let n_stages = plan.stages.len();
-    let my_stages: Vec<usize> = (0..n_stages).filter(|&s| kind.rank_of_stage(s, place.pp) == q).collect();
-    let mut param_ids: Vec<ValueId> = Vec::new();
-    let mut owned: Vec<Vec<usize>> = vec![Vec::new(); n_stages];
-    for &s in &my_stages {
-        for &v in &layout.params[s] {
-            if !param_ids.contains(&v) {
-                owned[s].push(param_ids.len());
-                param_ids.push(v);
-            }
-        }
-    }
-    // tensor parallelism: each stage runs its shard subgraph with its own executor
-    let view = if place.tp > 1 { Some(plan.rank_view(me).map_err(|e| terr(e.to_string()))?) } else { None };
-    let mut subs: Vec<(usize, Graph, HashSet<String>)> = Vec::new();
-    if let Some(view) = &view {
-        for sv in &view.stages {
-            let mut sub = sv.subgraph(&lg).map_err(|e| terr(format!("stage {} shard of rank {me}: {e}", sv.stage())))?;
-            let mut sliced = HashSet::new();
-            for sh in &sv.shards {
-                // a slice shared by several tensor ranks (grouped-query KV heads) needs its
-                // gradient summed over them, which this runner does not do yet
-                if let Some(w) = sh.weight_slices.iter().find(|w| w.replicas > 1) {
-                    return Err(terr(format!(
-                        "stage {}: weight `{}` is shared by {} tensor ranks (grouped-query KV heads, tp above the KV-head count); this runner cannot sum such gradients yet: re-plan with a --tp that divides the KV heads",
-                        sv.stage(),
-                        w.initializer,
-                        w.replicas
-                    )));
-                }
-                sliced.extend(sh.weight_slices.iter().map(|w| w.initializer.clone()));
-                for pg in &sh.partial_gradients {
-                    insert_copy_to_tensor_region(&mut sub, pg)?;
-                }
-            }
-            subs.push((sv.stage(), sub, sliced));
-        }
-    }
-    drop(lg);
     let tensor_pg = groups.get(&place.tensor_groups().into_iter().find(|g| g.contains(&me)).unwrap_or_default()).cloned();
     let mut stage_execs: HashMap<usize, Executor> = HashMap::new();
     let mut by_name: HashMap<String, Tensor> = HashMap::new();
@@ -440,7 +531,14 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
     // gradients on the first replica (or shard group)
     // with tensor parallelism, sliced weights count on every tensor rank, replicated ones on
     // tensor rank 0
-    let counted: Vec<bool> = param_ids.iter().map(|&v| first_holder(v) == Some(q) && (t == 0 || is_sliced(v))).collect();
+    // and a slice shared by tensor ranks on the first of them
+    let counted: Vec<bool> = param_ids
+        .iter()
+        .map(|&v| {
+            let shared = kv_groups.iter().find(|(n, _)| *n == graph.value(v).name).map(|(_, g)| g.len());
+            first_holder(v) == Some(q) && shared.map_or(t == 0 || is_sliced(v), |r| t % r == 0)
+        })
+        .collect();
     let params: Vec<Tensor> = param_ids
         .iter()
         .map(|v| {
@@ -449,12 +547,23 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
         })
         .collect::<Result<_, _>>()?;
     let pos_of: HashMap<ValueId, usize> = param_ids.iter().enumerate().map(|(i, v)| (*v, i)).collect();
+    // the loaded weights of other pipeline ranks' stages (and with tensor parallelism the
+    // unsliced model the shards were cut from) are never read on this rank again
+    for (id, w) in &exec.weights {
+        if is_trainable(graph, *id) && (place.tp > 1 || !pos_of.contains_key(id)) {
+            w.shallow_clone().f_set_data(&Tensor::f_empty([0], (w.kind(), w.device()))?)?;
+        }
+    }
     let float_kind = params.first().map_or(Kind::Float, Tensor::kind);
     let opts = (float_kind, tch::Device::Cpu);
+    // shapes as loaded: ZeRO 3 releases the tensors between uses
+    let shapes: Vec<Vec<i64>> = params.iter().map(Tensor::size).collect();
+    let numel_of = |i: usize| shapes[i].iter().product::<i64>();
+    let zeros_of = |i: usize| Tensor::f_zeros(shapes[i].as_slice(), opts);
     // the flat vector of stage s's parameters (or their gradients), padded to `parts` blocks
     let flat = |s: usize, ts: &[Tensor], parts: i64| -> Result<(Tensor, i64), RuntimeError> {
         let mut v: Vec<Tensor> = owned[s].iter().map(|&i| ts[i].f_detach().and_then(|t| t.f_reshape([-1]))).collect::<Result<_, _>>()?;
-        let total: i64 = owned[s].iter().map(|&i| params[i].numel() as i64).sum();
+        let total: i64 = owned[s].iter().map(|&i| numel_of(i)).sum();
         let len = (total + parts - 1) / parts.max(1);
         if len * parts > total {
             v.push(Tensor::f_zeros([len * parts - total], opts)?);
@@ -462,7 +571,8 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
         Ok((if v.is_empty() { Tensor::f_zeros([0], opts)? } else { Tensor::f_cat(&v, 0)? }, len))
     };
     let mask_of = |s: usize, sh: &Shard| -> Result<Tensor, RuntimeError> {
-        let ones: Vec<Tensor> = params.iter().zip(&counted).map(|(p, &c)| p.f_full_like(if c { 1.0 } else { 0.0 })).collect::<Result<_, _>>()?;
+        let ones: Vec<Tensor> =
+            (0..params.len()).map(|i| Tensor::f_full(shapes[i].as_slice(), if counted[i] { 1.0 } else { 0.0 }, opts)).collect::<Result<_, _>>()?;
         Ok(flat(s, &ones, sh.parts)?.0.f_narrow(0, sh.index * sh.len, sh.len)?)
     };
     let mut shards: Vec<Option<Shard>> = (0..n_stages).map(|_| None).collect();
@@ -501,6 +611,81 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
             .ok_or_else(|| terr(format!("collective tag `{t}` names no stage of rank {me}")))
     };
 
+    // ZeRO 3: each stage's flat parameter vector is cut into blocks over the group that
+    // gathers it; this rank keeps only its block (the master AdamW updates) and releases the
+    // parameter tensors, which stay the same autograd leaves: their storage is swapped by
+    // set_data (gathered before each Forward and Backward, released after it)
+    let zero3 = dp > 1 && (plan.parallel.zero >= 3 || shard_group < dp);
+    if zero3 {
+        let _guard = tch::no_grad_guard();
+        for instr in &program.instrs {
+            let Instr::AllGather { group: g, tag: tg, .. } = instr else { continue };
+            if !tg.starts_with("zero3-params") {
+                continue;
+            }
+            let s = stage_of_tag(tg)?;
+            if shards[s].is_some() || owned[s].is_empty() {
+                continue;
+            }
+            let pg = group(g)?;
+            let parts = pg.size() as i64;
+            let index = pg.index() as i64;
+            let (f, len) = flat(s, &params, parts)?;
+            let master = owned_copy(&f.f_narrow(0, index * len, len)?)?;
+            let empty = Tensor::f_empty([0], opts)?;
+            for &i in &owned[s] {
+                params[i].shallow_clone().f_set_data(&empty)?;
+            }
+            shards[s] = Some(Shard { parts, index, len, grad: None, updated: None, opt: None, master: Some(master), members: g.clone() });
+        }
+    }
+    // the ZeRO-3 stages whose parameters stage s reads (its own, or a weight it shares with
+    // another stage of this rank)
+    let need: Vec<Vec<usize>> = (0..n_stages)
+        .map(|s| {
+            (0..n_stages)
+                .filter(|&o| {
+                    shards[o].as_ref().is_some_and(|sh| sh.master.is_some())
+                        && owned[o].iter().any(|&i| layout.params[s].contains(&param_ids[i]))
+                })
+                .collect()
+        })
+        .collect();
+    let mut live = vec![false; n_stages];
+    let materialise = |o: usize, sh: &Shard| -> Result<Tensor, RuntimeError> {
+        let master = sh.master.as_ref().ok_or_else(|| terr(format!("stage {o} has no ZeRO-3 block")))?;
+        let out = Tensor::f_empty([sh.len * sh.parts], opts)?;
+        group(&sh.members)?.all_gather(&out, master)?;
+        let _guard = tch::no_grad_guard();
+        let mut off = 0;
+        for &i in &owned[o] {
+            let n = numel_of(i);
+            params[i].shallow_clone().f_set_data(&out.f_narrow(0, off, n)?.f_view(shapes[i].as_slice())?)?;
+            off += n;
+        }
+        Ok(out)
+    };
+    let release = |o: usize| -> Result<(), RuntimeError> {
+        let empty = Tensor::f_empty([0], opts)?;
+        for &i in &owned[o] {
+            params[i].shallow_clone().f_set_data(&empty)?;
+        }
+        Ok(())
+    };
+    let ensure = |s: usize, live: &mut [bool], shards: &[Option<Shard>]| -> Result<(), RuntimeError> {
+        for &o in &need[s] {
+            if !live[o] {
+                if let Some(sh) = &shards[o] {
+                    let _ = materialise(o, sh)?;
+                }
+                live[o] = true;
+            }
+        }
+        Ok(())
+    };
+    let mut tally = Tally::default();
+    let mut resident = 0u64;
+
     let mut records = Vec::with_capacity(cfg.steps);
     for step in 1..=cfg.steps {
         let t0 = Instant::now();
@@ -510,13 +695,17 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
         let mut grad_for: HashMap<(usize, usize), Vec<Tensor>> = HashMap::new();
         let mut pending: Vec<Work> = Vec::new();
         let mut loss_sum = 0.0;
+        // split backwards whose weight gradient is still to come (they keep ZeRO-3 stages)
+        let mut pending_w: BTreeSet<(usize, usize)> = BTreeSet::new();
+        let mut kv_done = kv_groups.is_empty();
+        tally.observe(held(&params, &grads, &shards, full_opt.as_ref()));
         let full_grads = |grads: &[Option<Tensor>]| -> Result<Vec<Tensor>, RuntimeError> {
             grads
                 .iter()
-                .zip(&params)
-                .map(|(g, p)| match g {
+                .enumerate()
+                .map(|(i, g)| match g {
                     Some(g) => Ok(g.shallow_clone()),
-                    None => Ok(p.f_zeros_like()?),
+                    None => Ok(zeros_of(i)?),
                 })
                 .collect()
         };
@@ -558,9 +747,27 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
         };
 
         for instr in &program.instrs {
+            if !kv_done && matches!(instr, Instr::AllReduce { .. } | Instr::ReduceScatter { .. } | Instr::OptimizerStep) {
+                // grouped-query KV slices held by several tensor ranks: each computed part of
+                // the gradient; summed over them before any other synchronisation
+                for (name, members) in &kv_groups {
+                    let i = graph
+                        .value_by_name(name)
+                        .and_then(|v| pos_of.get(&v).copied())
+                        .ok_or_else(|| terr(format!("shared KV slice `{name}` is not a parameter of rank {me}")))?;
+                    let g = match grads[i].take() {
+                        Some(g) => g.f_contiguous()?,
+                        None => zeros_of(i)?,
+                    };
+                    group(members)?.all_reduce_sum(&g)?;
+                    grads[i] = Some(g);
+                }
+                kv_done = true;
+            }
             match instr {
                 Instr::Forward { stage: s, mb } => {
                     let (s, mb) = (*s, *mb);
+                    ensure(s, &mut live, &shards)?;
                     let raw: Vec<Tensor> = if s == 0 {
                         Vec::new()
                     } else if let Some(t) = act_in.remove(&(s, mb)) {
@@ -587,6 +794,7 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                 Instr::Backward { stage: s, mb } => {
                     let (s, mb) = (*s, *mb);
                     let mut st = state.remove(&(s, mb)).ok_or_else(|| terr(format!("backward of stage {s} mb {mb} before its forward")))?;
+                    ensure(s, &mut live, &shards)?;
                     if layout.recompute[s] {
                         let (outputs, loss) = forward(s, mb, &st.inputs, true)?;
                         st.outputs = outputs;
@@ -622,6 +830,10 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                         // B of a split backward keeps the graph for its W
                         let got = if inputs.is_empty() { Vec::new() } else { Tensor::f_run_backward(&[r], &inputs, split, false)? };
                         let (gin, gp) = got.split_at(grad_leaves.len());
+                        // autograd's fresh weight gradients live beside the accumulated ones
+                        let mut now = held(&params, &grads, &shards, full_opt.as_ref());
+                        now.grads += gp.iter().map(bytes_of).sum::<u64>();
+                        tally.observe(now);
                         let mut it = gin.iter();
                         for t in &leaves {
                             let g = if t.requires_grad() { it.next().map(Tensor::shallow_clone) } else { None };
@@ -641,6 +853,7 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                     if split {
                         st.root = root;
                         state.insert((s, mb), st);
+                        pending_w.insert((s, mb));
                     }
                     if s > 0 {
                         grad_for.insert((s - 1, mb), in_grads);
@@ -649,11 +862,16 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                 Instr::BackwardWeight { stage: s, mb } => {
                     let (s, mb) = (*s, *mb);
                     let st = state.remove(&(s, mb)).ok_or_else(|| terr(format!("weight gradient of stage {s} mb {mb} before its backward")))?;
+                    ensure(s, &mut live, &shards)?;
+                    pending_w.remove(&(s, mb));
                     if let Some(r) = st.root.filter(|r| r.requires_grad()) {
                         let mine: Vec<usize> = layout.params[s].iter().filter_map(|v| pos_of.get(v).copied()).collect();
                         let inputs: Vec<&Tensor> = mine.iter().map(|&i| &params[i]).collect();
                         if !inputs.is_empty() {
                             let got = Tensor::f_run_backward(&[&r], &inputs, false, false)?;
+                            let mut now = held(&params, &grads, &shards, full_opt.as_ref());
+                            now.grads += got.iter().map(bytes_of).sum::<u64>();
+                            tally.observe(now);
                             for (&i, g) in mine.iter().zip(&got) {
                                 accumulate(&mut grads[i], g)?;
                             }
@@ -720,7 +938,7 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                         let i = *pos_of.get(&v).ok_or_else(|| terr(format!("tied weight `{name}` is not on rank {me}")))?;
                         let g = match grads[i].take() {
                             Some(g) => g.f_contiguous()?,
-                            None => params[i].f_zeros_like()?,
+                            None => zeros_of(i)?,
                         };
                         pg.all_reduce_sum(&g)?;
                         grads[i] = Some(g);
@@ -735,15 +953,19 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                             // ZeRO 1: full all-reduce, then this rank's block
                             let parts = pg.size() as i64;
                             let (f, len) = flat(s, &full_grads(&grads)?, parts)?;
-                            pg.all_reduce_sum(&f)?;
-                            let index = pg.index() as i64;
-                            let sh = shards[s].get_or_insert_with(|| Shard { parts, index, len, grad: None, updated: None, opt: None });
-                            sh.grad = Some(f.f_narrow(0, index * len, len)?.f_contiguous()?);
+                            // the flat copy is all that is left of them
                             for &i in &owned[s] {
                                 grads[i] = None;
                             }
+                            pg.all_reduce_sum(&f)?;
+                            let mut now = held(&params, &grads, &shards, full_opt.as_ref());
+                            now.grads += bytes_of(&f);
+                            tally.observe(now);
+                            let index = pg.index() as i64;
+                            let sh = shards[s].get_or_insert_with(|| Shard { parts, index, len, grad: None, updated: None, opt: None, master: None, members: Vec::new() });
+                            sh.grad = Some(owned_copy(&f.f_narrow(0, index * len, len)?)?);
                         } else {
-                            let mine: Vec<Tensor> = owned[s].iter().map(|&i| grads[i].as_ref().map_or_else(|| params[i].f_zeros_like(), |g| Ok(g.shallow_clone()))).collect::<Result<_, _>>()?;
+                            let mine: Vec<Tensor> = owned[s].iter().map(|&i| grads[i].as_ref().map_or_else(|| zeros_of(i), |g| Ok(g.shallow_clone()))).collect::<Result<_, _>>()?;
                             let reduced = all_reduce_bucketed(pg, mine, cfg.bucket_bytes)?;
                             for (&i, g) in owned[s].iter().zip(reduced) {
                                 grads[i] = Some(g);
@@ -761,14 +983,23 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                     let pg = group(g)?;
                     let parts = pg.size() as i64;
                     let (f, len) = flat(s, &full_grads(&grads)?, parts)?;
-                    let out = Tensor::f_zeros([len], opts)?;
-                    pg.reduce_scatter_sum(&out, &f)?;
-                    let index = pg.index() as i64;
-                    let sh = shards[s].get_or_insert_with(|| Shard { parts, index, len, grad: None, updated: None, opt: None });
-                    sh.grad = Some(out);
                     for &i in &owned[s] {
                         grads[i] = None;
                     }
+                    let out = Tensor::f_zeros([len], opts)?;
+                    pg.reduce_scatter_sum(&out, &f)?;
+                    let mut now = held(&params, &grads, &shards, full_opt.as_ref());
+                    now.grads += bytes_of(&f) + bytes_of(&out);
+                    tally.observe(now);
+                    let index = pg.index() as i64;
+                    let sh = shards[s].get_or_insert_with(|| Shard { parts, index, len, grad: None, updated: None, opt: None, master: None, members: Vec::new() });
+                    if (sh.parts, sh.index, sh.len) != (parts, index, len) {
+                        return Err(terr(format!(
+                            "stage {s}: gradients are reduce-scattered over {g:?}, but its ZeRO-3 parameters are gathered over {:?}",
+                            sh.members
+                        )));
+                    }
+                    sh.grad = Some(out);
                 }
                 Instr::OptimizerStep => {
                     for w in pending.drain(..) {
@@ -808,7 +1039,16 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                         if cfg.clip.is_some() {
                             let _ = g.f_mul_scalar_(coef)?;
                         }
-                        let block = flat(s, &params, sh.parts)?.0.f_narrow(0, sh.index * sh.len, sh.len)?.f_contiguous()?;
+                        if let Some(master) = sh.master.as_ref().map(Tensor::shallow_clone) {
+                            // ZeRO 3: the block is the parameters' only copy
+                            let opt = match &mut sh.opt {
+                                Some(o) => o,
+                                None => sh.opt.insert(AdamW::new(&[master.shallow_clone()], cfg.adamw)?),
+                            };
+                            opt.step_with(&[master], &[g])?;
+                            continue;
+                        }
+                        let block = owned_copy(&flat(s, &params, sh.parts)?.0.f_narrow(0, sh.index * sh.len, sh.len)?)?;
                         let opt = match &mut sh.opt {
                             Some(o) => o,
                             None => sh.opt.insert(AdamW::new(&[block.shallow_clone()], cfg.adamw)?),
@@ -828,32 +1068,50 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                     }
                 }
                 Instr::AllGather { group: g, tag: t, .. } => {
-                    if !t.starts_with("zero-params") && !t.starts_with("zero3-params") {
+                    if t.starts_with("zero3-params") {
+                        ensure(stage_of_tag(t)?, &mut live, &shards)?;
+                    } else if t.starts_with("zero-params") {
+                        let s = stage_of_tag(t)?;
+                        let pg = group(g)?;
+                        let parts = pg.size() as i64;
+                        let index = pg.index() as i64;
+                        let total: i64 = owned[s].iter().map(|&i| numel_of(i)).sum();
+                        let len = (total + parts - 1) / parts.max(1);
+                        let sh = shards[s].get_or_insert_with(|| Shard { parts, index, len, grad: None, updated: None, opt: None, master: None, members: Vec::new() });
+                        // gathered every time the program says so; written into the weights
+                        // only when an update is pending (never under a live autograd graph)
+                        let (block, write) = match sh.updated.take() {
+                            Some(b) => (b, true),
+                            None => (owned_copy(&flat(s, &params, parts)?.0.f_narrow(0, index * len, len)?)?, false),
+                        };
+                        let out = Tensor::f_empty([len * parts], opts)?;
+                        pg.all_gather(&out, &block)?;
+                        let mut now = held(&params, &grads, &shards, full_opt.as_ref());
+                        now.params += bytes_of(&out) + bytes_of(&block);
+                        tally.observe(now);
+                        if write {
+                            let _guard = tch::no_grad_guard();
+                            let mut off = 0;
+                            for &i in &owned[s] {
+                                let mut p = params[i].shallow_clone();
+                                let n = numel_of(i);
+                                p.f_copy_(&out.f_narrow(0, off, n)?.f_view_as(&p)?)?;
+                                off += n;
+                            }
+                        }
+                    } else {
                         return Err(terr(format!("all-gather with unknown tag `{t}`")));
                     }
-                    let s = stage_of_tag(t)?;
-                    let pg = group(g)?;
-                    let parts = pg.size() as i64;
-                    let index = pg.index() as i64;
-                    let (current, len) = flat(s, &params, parts)?;
-                    let sh = shards[s].get_or_insert_with(|| Shard { parts, index, len, grad: None, updated: None, opt: None });
-                    // gathered every time the program says so; written into the weights only
-                    // when an update is pending (never under a live autograd graph)
-                    let (block, write) = match sh.updated.take() {
-                        Some(b) => (b, true),
-                        None => (current.f_narrow(0, index * len, len)?.f_contiguous()?, false),
-                    };
-                    let out = Tensor::f_zeros([len * parts], opts)?;
-                    pg.all_gather(&out, &block)?;
-                    if write {
-                        let _guard = tch::no_grad_guard();
-                        let mut off = 0;
-                        for &i in &owned[s] {
-                            let mut p = params[i].shallow_clone();
-                            let n = p.numel() as i64;
-                            p.f_copy_(&out.f_narrow(0, off, n)?.f_view_as(&p)?)?;
-                            off += n;
-                        }
+                }
+            }
+            tally.observe(held(&params, &grads, &shards, full_opt.as_ref()));
+            if zero3 && matches!(instr, Instr::Forward { .. } | Instr::Backward { .. } | Instr::BackwardWeight { .. }) {
+                // release what no pending weight gradient still needs
+                let pinned: BTreeSet<usize> = pending_w.iter().flat_map(|(s, _)| need[*s].iter().copied()).collect();
+                for o in 0..n_stages {
+                    if live[o] && !pinned.contains(&o) {
+                        release(o)?;
+                        live[o] = false;
                     }
                 }
             }
@@ -861,8 +1119,13 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
         for w in pending.drain(..) {
             let _ = w.wait()?;
         }
-        // ZeRO 3 gathers before use: an update still pending is applied by the next step's
-        // first gather
+        for o in 0..n_stages {
+            if live[o] {
+                release(o)?;
+                live[o] = false;
+            }
+        }
+        resident = held(&params, &[], &shards, full_opt.as_ref()).params;
         records.push(StepRecord { step, loss: loss_sum, time_s: t0.elapsed().as_secs_f64() });
         if cfg.progress {
             // one write per line: ranks share the launcher's stderr
@@ -872,11 +1135,30 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
     }
     let timed: Vec<f64> = records.iter().skip(usize::from(records.len() > 1)).map(|s| s.time_s).collect();
     let mean = timed.iter().sum::<f64>() / timed.len().max(1) as f64;
-    let mine = Tensor::from_slice(&[mean, peak_rss_bytes() as f64]);
-    let all = Tensor::f_zeros([2 * env.world as i64], (Kind::Double, tch::Device::Cpu))?;
+    const STATS: usize = 7;
+    let p = tally.peak;
+    let mine = Tensor::from_slice(&[
+        mean,
+        peak_rss_bytes() as f64,
+        p.params as f64,
+        p.grads as f64,
+        p.optimizer as f64,
+        tally.peak_params as f64,
+        resident as f64,
+    ]);
+    let all = Tensor::f_zeros([(STATS * env.world) as i64], (Kind::Double, tch::Device::Cpu))?;
     world_pg.all_gather(&all, &mine)?;
     let all: Vec<f64> = Vec::<f64>::try_from(&all).map_err(|e| terr(e.to_string()))?;
-    let ranks = all.chunks(2).map(|c| (c[0], c[1] as u64)).collect();
+    let ranks = all
+        .chunks(STATS)
+        .map(|c| RankStats {
+            step_time_s: c[0],
+            peak_rss_bytes: c[1] as u64,
+            peak_state: StateBytes { params: c[2] as u64, grads: c[3] as u64, optimizer: c[4] as u64 },
+            peak_param_bytes: c[5] as u64,
+            resident_param_bytes: c[6] as u64,
+        })
+        .collect();
     world_pg.barrier()?;
     Ok(RankReport { steps: records, ranks })
 }

@@ -76,6 +76,11 @@ impl AdamW {
         Ok(AdamW { cfg, step: 0, state })
     }
 
+    /// Bytes of the moments held.
+    pub fn state_bytes(&self) -> u64 {
+        self.state.iter().map(|(m, v)| (m.numel() * m.kind().elt_size_in_bytes() + v.numel() * v.kind().elt_size_in_bytes()) as u64).sum()
+    }
+
     /// One update from the parameters' `.grad`; parameters without a gradient are skipped.
     pub fn step(&mut self, params: &[Tensor]) -> Result<(), RuntimeError> {
         let grads: Vec<Tensor> = params.iter().map(|p| p.f_grad()).collect::<Result<_, _>>()?;
