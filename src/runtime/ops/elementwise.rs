@@ -75,7 +75,13 @@ pub(super) fn cast(a: &Args) -> KResult<Tensor> {
         bail!("attribute `to` is required");
     };
     let k = target_kind(a, to)?;
-    to_kind_onnx(a, a.x(0)?, k)
+    let y = to_kind_onnx(a, a.x(0)?, k)?;
+    // 4-bit integers are held unpacked in 8 bits: wrap into their range as a 4-bit store would
+    Ok(match DType::from_onnx(to as i32) {
+        Some(DType::I4) => y.f_add_scalar(8)?.f_remainder(16)?.f_sub_scalar(8)?,
+        Some(DType::U4) => y.f_remainder(16)?,
+        _ => y,
+    })
 }
 
 pub(super) fn cast_like(a: &Args) -> KResult<Tensor> {
