@@ -51,6 +51,8 @@ pub struct CodegenInput {
     /// Layers whose strategy is `replicate`: kept whole where they do not divide `tp` ways
     /// (any other layer that does not divide is an error).
     pub replicated_layers: Vec<usize>,
+    /// Sequence parallelism: row-parallel outputs reduce-scattered over the tokens.
+    pub sequence_parallel: bool,
 }
 
 /// One stage as codegen sees it.
@@ -337,7 +339,7 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
 
     // Shards (tp > 1 only).
     let shards: Vec<Vec<LayerShard>> = if input.tp > 1 {
-        let sharder = Sharder::new(lg)?;
+        let sharder = Sharder::new(lg)?.with_sequence_parallel(input.sequence_parallel);
         (0..n_layers)
             .map(|l| {
                 if input.replicated_layers.contains(&l) {
