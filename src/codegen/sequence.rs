@@ -24,6 +24,9 @@ use crate::passes::shape_infer::ShapeInfo;
 struct Seq {
     axis: usize,
     outer: i64,
+    /// The axis holds the batch too (tokens flattened into axis 0), so `outer` is the batch the
+    /// shapes were inferred at, not necessarily the one run: collectives go through a view.
+    flat: bool,
 }
 
 /// What sequence parallelism adds to a layer's tensor-parallel plan.
@@ -119,10 +122,10 @@ impl SeqLayer<'_> {
         match s.len() {
             0 | 1 => None,
             2 => match seq_len {
-                Some(len) if len > 0 && s[0] % len == 0 => Some(Seq { axis: 0, outer: s[0] / len }),
-                _ => Some(Seq { axis: 0, outer: 1 }),
+                Some(len) if len > 0 && s[0] % len == 0 => Some(Seq { axis: 0, outer: s[0] / len, flat: true }),
+                _ => Some(Seq { axis: 0, outer: 1, flat: false }),
             },
-            r => Some(Seq { axis: r - 2, outer: 1 }),
+            r => Some(Seq { axis: r - 2, outer: 1, flat: false }),
         }
     }
 
@@ -219,7 +222,8 @@ impl SeqLayer<'_> {
                     return None;
                 }
                 let shape_entry = (entry == os[k]).then_some((k, os[k]));
-                Some(Decision { out: Seq { axis: k, outer: os[k] / len }, scatters: Vec::new(), shape_entry })
+                let flat = k == 0 && (state.flat || state.axis > 0);
+                Some(Decision { out: Seq { axis: k, outer: os[k] / len, flat }, scatters: Vec::new(), shape_entry })
             }
             _ => None,
         }
@@ -281,7 +285,7 @@ pub(super) fn plan(l: &SeqLayer, tp_rep: &dyn Fn(ValueId) -> bool, candidates: &
     let name = |v: ValueId| l.g.value(v).name.clone();
     let view_of = |v: ValueId, s: Seq| -> (usize, Option<Vec<i64>>) {
         let shape = l.shape(v).unwrap_or(&[]);
-        if s.outer == 1 {
+        if s.outer == 1 && !s.flat {
             return (s.axis, None);
         }
         let mut view = vec![-1, shape[s.axis] / s.outer];
@@ -322,11 +326,11 @@ pub(super) fn plan(l: &SeqLayer, tp_rep: &dyn Fn(ValueId) -> bool, candidates: &
         }
     }
     // scatters of replicated operands, one per (value, placement)
-    let mut scatters: BTreeMap<(ValueId, usize, i64), Vec<InputRef>> = BTreeMap::new();
+    let mut scatters: BTreeMap<(ValueId, usize, i64, bool), Vec<InputRef>> = BTreeMap::new();
     for (n, d) in decisions.values() {
         let node = l.g.node(*n);
         for &(slot, v) in &d.scatters {
-            scatters.entry((v, d.out.axis, d.out.outer)).or_default().push(InputRef { node: node.name.clone(), input: slot });
+            scatters.entry((v, d.out.axis, d.out.outer, d.out.flat)).or_default().push(InputRef { node: node.name.clone(), input: slot });
         }
         if let Some((k, global)) = d.shape_entry {
             out.shape_entries.push((*n, k, global));
@@ -338,8 +342,8 @@ pub(super) fn plan(l: &SeqLayer, tp_rep: &dyn Fn(ValueId) -> bool, candidates: &
             }
         }
     }
-    for ((v, axis, outer), readers) in scatters {
-        let (axis, view) = view_of(v, Seq { axis, outer });
+    for ((v, axis, outer, flat), readers) in scatters {
+        let (axis, view) = view_of(v, Seq { axis, outer, flat });
         let mut c = CollectiveInsert::after(name(v), CollectiveKind::Scatter { axis }, GroupKind::Tensor);
         c.readers = readers;
         c.view = view;
