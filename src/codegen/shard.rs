@@ -1731,9 +1731,9 @@ fn emit_collective(
     let splits = matches!(c.kind, CollectiveKind::ReduceScatter { .. } | CollectiveKind::Scatter { .. });
     let axis = c.kind.axis().unwrap_or(0);
     let Some(view) = &c.view else {
+        // a collective's result has the declared type of the whole value, or its chunk
+        let mut ty = g.value(output).ty.clone().or_else(|| full.map(|f| TensorType { dtype, shape: Some(Shape::from_known(f)) }));
         if splits {
-            // the result is this rank's chunk
-            let mut ty = g.value(output).ty.clone().or_else(|| full.map(|f| TensorType { dtype, shape: Some(Shape::from_known(f)) }));
             if let Some(shape) = ty.as_mut().and_then(|t| t.shape.as_mut())
                 && let Some(d) = shape.0.get_mut(axis)
             {
@@ -1742,8 +1742,8 @@ fn emit_collective(
                     _ => d.clone(),
                 };
             }
-            g.value_mut(output).ty = ty;
         }
+        g.value_mut(output).ty = ty;
         g.add_node(collective_node(name.to_string(), c.kind, c.group, input, output, order))?;
         return Ok(());
     };
