@@ -4,6 +4,7 @@
 #   make demo     system packages + build, then graph, plan and inspect of models/gpt2.onnx
 #   make test     system packages + .venv + ONNX conformance cases, then cargo test
 #   make models   regenerate models/ (not part of test)
+#   make check-cuda  build smp-runner with NCCL (feature cuda) against the NVIDIA wheels' headers
 
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
@@ -26,7 +27,7 @@ ONNX_CASES := tests/data/onnx-cases
 export LIBTORCH_USE_PYTORCH := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: deps venv onnx-cases build test demo models help
+.PHONY: deps venv onnx-cases build test demo models help cuda-headers check-cuda
 
 help:
 	@sed -n '1,8p' Makefile
@@ -75,3 +76,14 @@ demo: deps venv
 models: venv
 	"$(PY)" scripts/export_models.py
 	"$(PY)" scripts/make_graph_only.py --check
+
+## CUDA/NCCL headers for feature `cuda`: torch's wheel brings the CUDA runtime and NCCL headers;
+## the compiler's crt and CCCL headers come from the NVIDIA wheels of the same CUDA version.
+cuda-headers: venv
+	@ver=$$("$(PY)" -c 'import importlib.metadata as m; v=m.version("nvidia-cuda-runtime").split("."); print(v[0]+"."+v[1])'); \
+	"$(PY)" -c 'import importlib.metadata as m; m.version("nvidia-cuda-crt"); m.version("nvidia-cuda-cccl")' 2>/dev/null || \
+	  "$(PY)" -m pip install -q --disable-pip-version-check "nvidia-cuda-crt==$$ver.*" "nvidia-cuda-cccl==$$ver.*"
+
+## Builds smp-runner with ProcessGroupNCCL compiled in (running it needs a GPU machine).
+check-cuda: cuda-headers
+	$(CARGO) build --features cuda --bin smp-runner

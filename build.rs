@@ -38,9 +38,13 @@ mod runner {
             .flag_if_supported("-Wno-deprecated-declarations")
             .warnings(false);
         if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
-            // NCCL process groups: needs a CUDA toolkit's headers (CUDA_HOME or /usr/local/cuda).
-            let cuda = std::env::var("CUDA_HOME").unwrap_or_else(|_| "/usr/local/cuda".into());
-            build.define("USE_C10D_NCCL", None).define("SMP_WITH_NCCL", None).include(PathBuf::from(cuda).join("include"));
+            // NCCL process groups: needs a CUDA toolkit's headers (CUDA_HOME, /usr/local/cuda, or
+            // the NVIDIA wheels beside torch's: `make cuda-headers`).
+            println!("cargo:rerun-if-env-changed=CUDA_HOME");
+            build.define("USE_C10D_NCCL", None).define("SMP_WITH_NCCL", None);
+            for dir in cuda_includes(&lib) {
+                build.include(dir);
+            }
             println!("cargo:rustc-link-lib=dylib=torch_cuda");
         }
         build.compile("smp_c10d_shim");
@@ -48,5 +52,25 @@ mod runner {
         println!("cargo:rustc-link-lib=dylib=torch_cpu");
         println!("cargo:rustc-link-lib=dylib=c10");
         println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+    }
+
+    /// Include directories for CUDA and NCCL headers: `CUDA_HOME` if set, else /usr/local/cuda
+    /// if it exists, plus every `include` of the NVIDIA wheels installed beside torch
+    /// (`site-packages/nvidia/*/include`: runtime, crt, cccl, nccl).
+    fn cuda_includes(torch_lib: &std::path::Path) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        match std::env::var("CUDA_HOME") {
+            Ok(home) => out.push(PathBuf::from(home).join("include")),
+            Err(_) if std::path::Path::new("/usr/local/cuda/include").is_dir() => out.push(PathBuf::from("/usr/local/cuda/include")),
+            Err(_) => {}
+        }
+        // torch/lib → site-packages/nvidia
+        let wheels = torch_lib.join("../../nvidia");
+        if let Ok(entries) = std::fs::read_dir(&wheels) {
+            let mut dirs: Vec<PathBuf> = entries.flatten().map(|e| e.path().join("include")).filter(|p| p.is_dir()).collect();
+            dirs.sort();
+            out.extend(dirs);
+        }
+        out
     }
 }

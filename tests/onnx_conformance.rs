@@ -23,7 +23,6 @@ const SKIPS: &[(&str, &str)] = &[
     ("FLOAT4E2M1", "4-bit float: no element type in ir::DType or libtorch"),
     ("INT2", "2-bit integers: no element type in ir::DType or libtorch"),
     ("e8m0", "FLOAT8E8M0: no element type in ir::DType"),
-    ("FNUZ", "ir::DType maps FLOAT8E4M3FNUZ/E5M2FNUZ onto the FN types, so the runner decodes them wrongly"),
     ("no_saturate_FLOAT_to_FLOAT8E4M3FN", "libtorch's float8 e4m3 cast saturates; ONNX saturate=0 expects NaN"),
     ("no_saturate_FLOAT16_to_FLOAT8E4M3FN", "libtorch's float8 e4m3 cast saturates; ONNX saturate=0 expects NaN"),
     ("cast_FLOAT_to_FLOAT8E5M2", "libtorch's float8 e5m2 cast gives inf where ONNX saturate=1 clamps to 57344"),

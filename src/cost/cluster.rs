@@ -321,7 +321,7 @@ impl ClusterSpec {
     /// Peak compute rate for arithmetic in `dtype`, FLOP/s.
     pub fn peak_flops(&self, dtype: DType) -> f64 {
         match dtype {
-            DType::BF16 | DType::F16 | DType::F8E4M3 | DType::F8E5M2 => self.bf16_flops,
+            DType::BF16 | DType::F16 | DType::F8E4M3 | DType::F8E5M2 | DType::F8E4M3Fnuz | DType::F8E5M2Fnuz => self.bf16_flops,
             DType::F64 => self.fp32_flops / 2.0,
             _ => self.fp32_flops,
         }

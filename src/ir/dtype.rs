@@ -11,6 +11,10 @@ pub enum DType {
     BF16,
     F8E4M3,
     F8E5M2,
+    /// FLOAT8E4M3FNUZ: no infinities, no negative zero, NaN is 0x80, exponent bias 8.
+    F8E4M3Fnuz,
+    /// FLOAT8E5M2FNUZ: as above, exponent bias 16.
+    F8E5M2Fnuz,
     I4,
     U4,
     I8,
@@ -47,8 +51,10 @@ impl DType {
             14 => DType::C64,
             15 => DType::C128,
             16 => DType::BF16,
-            17 | 18 => DType::F8E4M3,
-            19 | 20 => DType::F8E5M2,
+            17 => DType::F8E4M3,
+            18 => DType::F8E4M3Fnuz,
+            19 => DType::F8E5M2,
+            20 => DType::F8E5M2Fnuz,
             21 => DType::U4,
             22 => DType::I4,
             _ => return None,
@@ -76,6 +82,8 @@ impl DType {
             DType::BF16 => 16,
             DType::F8E4M3 => 17,
             DType::F8E5M2 => 19,
+            DType::F8E4M3Fnuz => 18,
+            DType::F8E5M2Fnuz => 20,
             DType::U4 => 21,
             DType::I4 => 22,
         }
@@ -88,7 +96,7 @@ impl DType {
             DType::C128 => 16,
             DType::F32 | DType::I32 | DType::U32 => 4,
             DType::F16 | DType::BF16 | DType::I16 | DType::U16 => 2,
-            DType::F8E4M3 | DType::F8E5M2 | DType::I8 | DType::U8 | DType::Bool => 1,
+            DType::F8E4M3 | DType::F8E5M2 | DType::F8E4M3Fnuz | DType::F8E5M2Fnuz | DType::I8 | DType::U8 | DType::Bool => 1,
             DType::I4 | DType::U4 => 1,
             DType::Str => 0,
         }
@@ -98,7 +106,14 @@ impl DType {
     pub fn is_float(self) -> bool {
         matches!(
             self,
-            DType::F32 | DType::F64 | DType::F16 | DType::BF16 | DType::F8E4M3 | DType::F8E5M2
+            DType::F32
+                | DType::F64
+                | DType::F16
+                | DType::BF16
+                | DType::F8E4M3
+                | DType::F8E5M2
+                | DType::F8E4M3Fnuz
+                | DType::F8E5M2Fnuz
         )
     }
 
@@ -128,6 +143,8 @@ impl DType {
             DType::BF16 => "bf16",
             DType::F8E4M3 => "f8e4m3",
             DType::F8E5M2 => "f8e5m2",
+            DType::F8E4M3Fnuz => "f8e4m3fnuz",
+            DType::F8E5M2Fnuz => "f8e5m2fnuz",
             DType::I4 => "i4",
             DType::U4 => "u4",
             DType::I8 => "i8",

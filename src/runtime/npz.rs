@@ -63,7 +63,7 @@ pub fn npy_bytes(t: &Tensor, as_dtype: Option<DType>) -> Result<Vec<u8>, String>
             data = data.chunks_exact(8).flat_map(|c| c[..size].to_vec()).collect();
             dtype = target;
         }
-        (DType::BF16 | DType::F8E4M3 | DType::F8E5M2, _) => {
+        (DType::BF16 | DType::F8E4M3 | DType::F8E5M2 | DType::F8E4M3Fnuz | DType::F8E5M2Fnuz, _) => {
             let (d, _, bytes) = to_bytes(&t.f_to_kind(tch::Kind::Float).map_err(|e| e.to_string())?)?;
             dtype = d;
             data = bytes;

@@ -16,6 +16,8 @@ pub fn kind_of(dtype: DType) -> Result<Kind, String> {
         DType::BF16 => Kind::BFloat16,
         DType::F8E4M3 => Kind::Float8e4m3fn,
         DType::F8E5M2 => Kind::Float8e5m2,
+        DType::F8E4M3Fnuz => Kind::Float8e4m3fnuz,
+        DType::F8E5M2Fnuz => Kind::Float8e5m2fnuz,
         DType::I8 | DType::I4 => Kind::Int8,
         DType::U8 | DType::U4 => Kind::Uint8,
         DType::I16 => Kind::Int16,
@@ -37,6 +39,8 @@ pub fn dtype_of(kind: Kind) -> Result<DType, String> {
         Kind::BFloat16 => DType::BF16,
         Kind::Float8e4m3fn => DType::F8E4M3,
         Kind::Float8e5m2 => DType::F8E5M2,
+        Kind::Float8e4m3fnuz => DType::F8E4M3Fnuz,
+        Kind::Float8e5m2fnuz => DType::F8E5M2Fnuz,
         Kind::Int8 => DType::I8,
         Kind::Uint8 => DType::U8,
         Kind::Int16 => DType::I16,
@@ -53,7 +57,14 @@ pub fn dtype_of(kind: Kind) -> Result<DType, String> {
 pub fn is_float_kind(kind: Kind) -> bool {
     matches!(
         kind,
-        Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16 | Kind::Float8e4m3fn | Kind::Float8e5m2
+        Kind::Float
+            | Kind::Double
+            | Kind::Half
+            | Kind::BFloat16
+            | Kind::Float8e4m3fn
+            | Kind::Float8e5m2
+            | Kind::Float8e4m3fnuz
+            | Kind::Float8e5m2fnuz
     )
 }
 

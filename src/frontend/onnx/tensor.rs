@@ -239,7 +239,7 @@ fn typed_bytes(p: &TensorProto, dtype: DType) -> Vec<u8> {
             p.int32_data.iter().flat_map(|&v| (v as u16).to_le_bytes()).collect()
         }
         // 8-bit types (and packed 4-bit pairs) live in the low byte.
-        DType::I8 | DType::U8 | DType::Bool | DType::F8E4M3 | DType::F8E5M2 | DType::I4 | DType::U4 => {
+        DType::I8 | DType::U8 | DType::Bool | DType::F8E4M3 | DType::F8E5M2 | DType::F8E4M3Fnuz | DType::F8E5M2Fnuz | DType::I4 | DType::U4 => {
             p.int32_data.iter().map(|&v| v as u8).collect()
         }
         DType::Str => Vec::new(),
