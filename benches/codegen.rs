@@ -38,7 +38,7 @@ fn main() -> anyhow::Result<()> {
                 output_bytes: 2048 * 12288 * 2,
             })
             .collect();
-        let input = CodegenInput { pp, tp, dp, zero, sharded_dp: None, microbatches: m, schedule, stages, replicated_layers: vec![], node_strategies: vec![] };
+        let input = CodegenInput { pp, tp, dp, zero, sharded_dp: None, microbatches: m, schedule, stages, replicated_layers: vec![], node_strategies: vec![], sequence_parallel: false };
         // Ranks as the DPT placement numbers them: d·(pp·tp) + p·tp + t.
         let mesh = Mesh {
             pp,

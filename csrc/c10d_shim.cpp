@@ -100,6 +100,67 @@ struct CopyToTensorRegion : public torch::autograd::Function<CopyToTensorRegion>
   }
 };
 
+// The members' `x` concatenated along `axis`, member order.
+at::Tensor all_gather_cat(Group* grp, const at::Tensor& x, int64_t axis) {
+  int64_t size = grp->backend->getSize();
+  auto in = x.contiguous();
+  std::vector<at::Tensor> parts;
+  for (int64_t i = 0; i < size; ++i) parts.push_back(at::empty_like(in));
+  std::vector<std::vector<at::Tensor>> outs{parts};
+  std::vector<at::Tensor> ins{in};
+  wait_or_throw(grp->backend->allgather(outs, ins), grp->timeout);
+  return at::cat(outs[0], axis);
+}
+
+void check_divides(Group* grp, const at::Tensor& x, int64_t axis, const char* what) {
+  int64_t size = grp->backend->getSize();
+  if (axis < 0 || axis >= x.dim() || x.size(axis) % size != 0) {
+    throw std::runtime_error(std::string(what) + ": axis " + std::to_string(axis) + " of a tensor with " +
+                             std::to_string(x.dim()) + " axes does not split " + std::to_string(size) + " ways");
+  }
+}
+
+// Sequence parallelism's reduce-scatter: the sum over the members, each keeping its chunk
+// along `axis`; backward all-gathers the gradient along `axis`.
+struct ReduceScatterAlongAxis : public torch::autograd::Function<ReduceScatterAlongAxis> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group, int64_t axis) {
+    auto* grp = reinterpret_cast<Group*>(group);
+    check_divides(grp, x, axis, "reduce_scatter_along_axis");
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["axis"] = axis;
+    int64_t size = grp->backend->getSize();
+    std::vector<std::vector<at::Tensor>> ins(1);
+    for (auto& c : x.chunk(size, axis)) ins[0].push_back(c.contiguous().clone());
+    auto out = at::empty_like(ins[0][grp->backend->getRank()]);
+    std::vector<at::Tensor> outs{out};
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    wait_or_throw(grp->backend->reduce_scatter(outs, ins, opts), grp->timeout);
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    auto g = all_gather_cat(group_of(ctx), grads[0], ctx->saved_data["axis"].toInt());
+    return {g, at::Tensor(), at::Tensor()};
+  }
+};
+
+// Sequence parallelism's scatter: this member's chunk along `axis` of a replicated tensor, no
+// communication; backward all-gathers the gradient along `axis`.
+struct ScatterAlongAxis : public torch::autograd::Function<ScatterAlongAxis> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group, int64_t axis) {
+    auto* grp = reinterpret_cast<Group*>(group);
+    check_divides(grp, x, axis, "scatter_along_axis");
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["axis"] = axis;
+    int64_t len = x.size(axis) / grp->backend->getSize();
+    return x.narrow(axis, grp->backend->getRank() * len, len).contiguous().clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    auto g = all_gather_cat(group_of(ctx), grads[0], ctx->saved_data["axis"].toInt());
+    return {g, at::Tensor(), at::Tensor()};
+  }
+};
+
 // Concatenation of the members' tensors along `axis`; backward keeps this member's slice.
 struct GatherAlongAxis : public torch::autograd::Function<GatherAlongAxis> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group, int64_t axis) {
@@ -268,6 +329,18 @@ char* smp_c10d_copy_to_tensor_region(void* g, at::Tensor* x, at::Tensor** out) {
 char* smp_c10d_gather_along_axis(void* g, at::Tensor* x, int64_t axis, at::Tensor** out) {
   return guarded([&] {
     *out = new at::Tensor(GatherAlongAxis::apply(*x, reinterpret_cast<int64_t>(g), axis));
+  });
+}
+
+char* smp_c10d_reduce_scatter_along_axis(void* g, at::Tensor* x, int64_t axis, at::Tensor** out) {
+  return guarded([&] {
+    *out = new at::Tensor(ReduceScatterAlongAxis::apply(*x, reinterpret_cast<int64_t>(g), axis));
+  });
+}
+
+char* smp_c10d_scatter_along_axis(void* g, at::Tensor* x, int64_t axis, at::Tensor** out) {
+  return guarded([&] {
+    *out = new at::Tensor(ScatterAlongAxis::apply(*x, reinterpret_cast<int64_t>(g), axis));
   });
 }
 

@@ -7,7 +7,7 @@ mod common;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use common::interp::{Exec, T, concat, split};
+use common::interp::{Exec, T, combine};
 use smp_partition::codegen::validate::validate_shards;
 use smp_partition::codegen::{CollectiveKind, LayerShard, Sharder, apply_shard};
 use smp_partition::frontend::onnx::load_model;
@@ -18,11 +18,16 @@ const BATCH: usize = 2;
 const SEQ: usize = 16;
 
 fn model(name: &str) -> LayeredGraph {
+    model_at(name, SEQ)
+}
+
+/// `name` analysed at sequence length `seq` (text models).
+fn model_at(name: &str, seq: usize) -> LayeredGraph {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models").join(format!("{name}.onnx"));
     let m = load_model(&path).unwrap();
     let text = name != "vit";
     let opts = AnalyzeOptions {
-        seq_len: text.then_some(SEQ as i64),
+        seq_len: text.then_some(seq as i64),
         dims: BTreeMap::from([("batch".to_string(), BATCH as i64)]),
     };
     analyze(m.graph, &opts).unwrap()
@@ -84,23 +89,7 @@ fn run_ranks(graphs: &[Graph], feeds: &HashMap<String, T>) -> Vec<HashMap<String
             Some(Attr::Int(a)) => *a as usize,
             _ => 0,
         };
-        let sum = || {
-            let mut s = parts[0].clone();
-            for p in &parts[1..] {
-                s.data.iter_mut().zip(&p.data).for_each(|(a, b)| *a += b);
-            }
-            s
-        };
-        let outs: Vec<T> = match op_type.as_str() {
-            "AllReduce" => vec![sum(); parts.len()],
-            "AllGather" => vec![concat(&parts.iter().collect::<Vec<_>>(), axis); parts.len()],
-            "ReduceScatter" => {
-                let s = sum();
-                let each = s.shape[axis] / parts.len();
-                split(&s, axis, &vec![each; parts.len()])
-            }
-            o => panic!("unknown collective {o}"),
-        };
+        let outs = combine(op_type, axis, &parts);
         for (e, o) in ex.iter_mut().zip(outs) {
             e.finish_collective(o);
         }
@@ -112,12 +101,17 @@ fn run_ranks(graphs: &[Graph], feeds: &HashMap<String, T>) -> Vec<HashMap<String
 
 /// Checks every layer of `name` at each degree; returns the shards per (t, layer).
 fn check(name: &str, degrees: &[usize]) -> BTreeMap<usize, Vec<Vec<LayerShard>>> {
+    check_with(name, degrees, false)
+}
+
+/// [`check`], with sequence parallelism on or off.
+fn check_with(name: &str, degrees: &[usize], sequence_parallel: bool) -> BTreeMap<usize, Vec<Vec<LayerShard>>> {
     let lg = model(name);
     let inputs = feeds(&lg.graph);
     let mut full = Exec::new(&lg.graph, &inputs);
     assert!(full.run_until_collective().is_none());
     let env: HashMap<String, T> = full.env.iter().map(|(&v, t)| (lg.graph.value(v).name.clone(), t.clone())).collect();
-    let sharder = Sharder::new(&lg).unwrap();
+    let sharder = Sharder::new(&lg).unwrap().with_sequence_parallel(sequence_parallel);
     let mut all = BTreeMap::new();
     for &t in degrees {
         let mut per_layer = Vec::new();
@@ -264,7 +258,7 @@ fn partial_gradients_mark_megatron_f() {
 fn pipeline_of_sharded_stages_reproduces_the_model() {
     use smp_partition::codegen::encode::{CodegenInput, Mesh, StageInput, build};
     use smp_partition::ir::ScheduleKind;
-    for (name, t) in [("gpt2", 2usize), ("llama", 2), ("llama", 4), ("bert", 4)] {
+    for (name, t, sequence_parallel) in [("gpt2", 2usize, false), ("llama", 2, false), ("llama", 4, false), ("bert", 4, false), ("gpt2", 2, true), ("llama", 4, true)] {
         let lg = model(name);
         let inputs = feeds(&lg.graph);
         let mut full = Exec::new(&lg.graph, &inputs);
@@ -275,7 +269,7 @@ fn pipeline_of_sharded_stages_reproduces_the_model() {
         let stages = (0..pp)
             .map(|s| StageInput { layers: [s * n / pp, (s + 1) * n / pp - 1], checkpointed_layers: vec![], output_bytes: 0 })
             .collect();
-        let mut input = CodegenInput { pp, tp: t, dp: 1, zero: 0, sharded_dp: None, microbatches: 1, schedule: ScheduleKind::OneFOneB, stages, replicated_layers: vec![], node_strategies: vec![] };
+        let mut input = CodegenInput { pp, tp: t, dp: 1, zero: 0, sharded_dp: None, microbatches: 1, schedule: ScheduleKind::OneFOneB, stages, replicated_layers: vec![], node_strategies: vec![], sequence_parallel };
         if name == "bert" {
             // BERT's MLM head transform (dense, GELU, LayerNorm) splits at no degree: codegen
             // refuses it unless the plan says to replicate that layer.
@@ -392,7 +386,100 @@ fn forced_replicate_nodes_reproduce_the_layer() {
                     let err = rel(got, &env[vname]);
                     assert!(err <= 1e-12, "{name} t={t} rank {r}: `{vname}` off by {err:e}");
                 }
+/// Sequence parallelism: every layer's t shards, with their reduce-scatters, scatters and
+/// all-gathers, reproduce the unsharded layer (f64, norm-relative ≤ 1e-12) for every model
+/// and t whose token count divides.
+#[test]
+fn sequence_parallel_shards_reproduce_each_layer() {
+    for name in ["gpt2", "bert", "llama", "vit"] {
+        let lg = model(name);
+        let sharder = Sharder::new(&lg).unwrap().with_sequence_parallel(true);
+        let block = lg.layers.iter().position(|l| l.kind == LayerKind::Block).unwrap();
+        // tokens per sample: the token axis of the block's residual input
+        let degrees: Vec<usize> = [2, 4]
+            .into_iter()
+            .filter(|&t| match sharder.shard_layer(block, t) {
+                Ok(_) => true,
+                Err(e) => {
+                    assert!(matches!(e, smp_partition::codegen::CodegenError::SequenceIndivisible { .. }), "{name} t={t}: {e}");
+                    eprintln!("{name} t={t}: {e}");
+                    false
+                }
+            })
+            .collect();
+        if name != "vit" {
+            assert_eq!(degrees, [2, 4], "{name}");
+        }
+        let all = check_with(name, &degrees, true);
+        for (t, shards) in &all {
+            for (layer, s) in lg.layers.iter().zip(shards) {
+                if layer.kind != LayerKind::Block {
+                    continue;
+                }
+                let rs = count(&s[0], |k| matches!(k, CollectiveKind::ReduceScatter { .. }));
+                let ar = count(&s[0], |k| matches!(k, CollectiveKind::AllReduce));
+                assert_eq!((rs, ar), (2, 0), "{name} t={t} {}: {:?}", layer.name, s[0].collectives);
             }
         }
     }
+}
+
+/// In a GPT-2 block, each all-reduce of plain tensor parallelism becomes a reduce-scatter of
+/// the same value (two per block), the residual input is scattered, and all-gathers bring
+/// the tokens back before the MLP and at the block's output; the norm weights and the
+/// deferred biases that now see only a chunk of the tokens get their gradients summed.
+#[test]
+fn sequence_parallel_gpt2_block_has_reduce_scatter_all_gather_pairs() {
+    let lg = model("gpt2");
+    let tp = Sharder::new(&lg).unwrap();
+    let sp = Sharder::new(&lg).unwrap().with_sequence_parallel(true);
+    for (li, l) in lg.layers.iter().enumerate() {
+        if l.kind != LayerKind::Block {
+            continue;
+        }
+        for t in [2, 4] {
+            let plain = &tp.shard_layer(li, t).unwrap()[0];
+            let seq = &sp.shard_layer(li, t).unwrap()[0];
+            let reduced: Vec<&str> = plain.collectives.iter().filter(|c| c.kind == CollectiveKind::AllReduce).map(|c| c.after_value.as_str()).collect();
+            let scattered: Vec<&str> =
+                seq.collectives.iter().filter(|c| matches!(c.kind, CollectiveKind::ReduceScatter { .. })).map(|c| c.after_value.as_str()).collect();
+            assert_eq!(reduced.len(), 2, "{}: {:?}", l.name, plain.collectives);
+            assert_eq!(scattered, reduced, "{}: {:?}", l.name, seq.collectives);
+            let gathers = count(seq, |k| matches!(k, CollectiveKind::AllGather { .. }));
+            let scatters = count(seq, |k| matches!(k, CollectiveKind::Scatter { .. }));
+            assert_eq!((gathers, scatters), (2, 1), "{}: {:?}", l.name, seq.collectives);
+            // the block output leaves whole: gathered under its own name
+            let (_, outs) = smp_partition::codegen::shard::layer_boundary(&lg.graph, &l.nodes);
+            for o in outs {
+                let name = &lg.graph.value(o).name;
+                assert!(
+                    seq.collectives.iter().any(|c| &c.after_value == name && c.readers.is_empty() && matches!(c.kind, CollectiveKind::AllGather { .. })),
+                    "{}: output `{name}` is not gathered: {:?}",
+                    l.name,
+                    seq.collectives
+                );
+            }
+            let extra: std::collections::BTreeSet<&str> = seq.partial_gradients.iter().filter(|p| !plain.partial_gradients.contains(p)).map(|p| p.value.as_str()).collect();
+            for w in ["ln_2.weight", "ln_2.bias", "attn.c_proj.bias", "mlp.c_proj.bias"] {
+                assert!(extra.iter().any(|v| v.ends_with(w)), "{}: no partial gradient for {w}: {extra:?}", l.name);
+            }
+            assert!(plain.partial_gradients.iter().all(|p| seq.partial_gradients.contains(p)), "{}", l.name);
+        }
+    }
+}
+
+/// A token axis that does not divide by t is an error naming the layer, value, length and t.
+#[test]
+fn sequence_parallel_indivisible_sequence_is_reported() {
+    use smp_partition::codegen::CodegenError;
+    let lg = model_at("gpt2", 15);
+    let sharder = Sharder::new(&lg).unwrap().with_sequence_parallel(true);
+    let block = lg.layers.iter().position(|l| l.kind == LayerKind::Block).unwrap();
+    let err = sharder.shard_layer(block, 2).unwrap_err();
+    let msg = err.to_string();
+    let CodegenError::SequenceIndivisible { layer, value, len, tp } = err else { panic!("{msg}") };
+    assert_eq!((layer, len, tp), (block, 15, 2), "{msg}");
+    assert!(msg.starts_with(&format!("layer {block}: sequence parallelism splits `{value}`")) && msg.contains("length 15") && msg.contains("tp = 2"), "{msg}");
+    // without sequence parallelism the same layer splits
+    Sharder::new(&lg).unwrap().shard_layer(block, 2).unwrap();
 }

@@ -24,6 +24,12 @@ pub enum CollectiveKind {
         /// Axis of the full tensor that is scattered.
         axis: usize,
     },
+    /// No communication: each member keeps its own slice along `axis` of a replicated tensor
+    /// (the backward all-gathers the gradient).
+    Scatter {
+        /// Axis of the full tensor that is sliced.
+        axis: usize,
+    },
 }
 
 impl CollectiveKind {
@@ -33,6 +39,7 @@ impl CollectiveKind {
             CollectiveKind::AllReduce => "AllReduce",
             CollectiveKind::AllGather { .. } => "AllGather",
             CollectiveKind::ReduceScatter { .. } => "ReduceScatter",
+            CollectiveKind::Scatter { .. } => "Scatter",
         }
     }
 
@@ -40,7 +47,7 @@ impl CollectiveKind {
     pub fn axis(self) -> Option<usize> {
         match self {
             CollectiveKind::AllReduce => None,
-            CollectiveKind::AllGather { axis } | CollectiveKind::ReduceScatter { axis } => Some(axis),
+            CollectiveKind::AllGather { axis } | CollectiveKind::ReduceScatter { axis } | CollectiveKind::Scatter { axis } => Some(axis),
         }
     }
 }
@@ -73,6 +80,10 @@ impl GroupKind {
 /// `after_value` names a model value: in the shard graph its producer yields the rank's local
 /// part (named `{after_value}.local`), and the name `after_value` holds the collective's result,
 /// so every consumer, inside the layer or after it, reads the combined tensor.
+///
+/// With `readers`, the collective instead reads `after_value` as the layer has it and only the
+/// listed node inputs read its result (`{after_value}.{op_type}`); the value may then come from
+/// outside the layer (sequence parallelism's scatter of the residual input).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct CollectiveInsert {
     /// The model value that is combined.
@@ -81,6 +92,29 @@ pub struct CollectiveInsert {
     pub kind: CollectiveKind,
     /// Over which group.
     pub group: GroupKind,
+    /// The only node inputs that read the result (empty: every reader of `after_value`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub readers: Vec<InputRef>,
+    /// The full tensor's shape as the collective sees it, when it runs on a reshaped view
+    /// (tokens flattened into one axis are viewed as `[-1, seq, ..]`; `axis` is the view's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub view: Option<Vec<i64>>,
+}
+
+impl CollectiveInsert {
+    /// A collective whose result every reader of `value` reads.
+    pub fn after(value: impl Into<String>, kind: CollectiveKind, group: GroupKind) -> CollectiveInsert {
+        CollectiveInsert { after_value: value.into(), kind, group, readers: Vec::new(), view: None }
+    }
+}
+
+/// One input slot of a node.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct InputRef {
+    /// The reading node.
+    pub node: String,
+    /// Its input slot.
+    pub input: usize,
 }
 
 /// True if the node is a collective inserted by codegen.

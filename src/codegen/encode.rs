@@ -55,6 +55,8 @@ pub struct CodegenInput {
     /// the plan has none. Matmuls and lookups marked `replicate` keep their weights whole, and
     /// every choosing node's realised strategy must equal the plan's.
     pub node_strategies: Vec<Vec<(String, String)>>,
+    /// Sequence parallelism: row-parallel outputs reduce-scattered over the tokens.
+    pub sequence_parallel: bool,
 }
 
 /// One stage as codegen sees it.
@@ -375,7 +377,7 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
 
     // Shards (tp > 1 only).
     let shards: Vec<Vec<LayerShard>> = if input.tp > 1 {
-        let sharder = Sharder::new(lg)?;
+        let sharder = Sharder::new(lg)?.with_sequence_parallel(input.sequence_parallel);
         let mut out = Vec::with_capacity(n_layers);
         for l in 0..n_layers {
             let chosen = input.node_strategies.get(l).filter(|c| !c.is_empty());

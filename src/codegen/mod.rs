@@ -5,10 +5,11 @@ pub mod collectives;
 pub mod encode;
 pub mod lower;
 pub mod program;
+mod sequence;
 pub mod shard;
 pub mod validate;
 
-pub use collectives::{CollectiveInsert, CollectiveKind, GroupKind};
+pub use collectives::{CollectiveInsert, CollectiveKind, GroupKind, InputRef};
 pub use encode::{CodegenInput, CodegenSection, Coord, EncodeError, GroupRef, Mesh, RankView, StageInput, StageView, Step};
 pub use lower::{LowerError, LowerOptions, lower, lower_schedule};
 pub use program::{Instr, Payload, RankProgram};

@@ -21,6 +21,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use serde::{Deserialize, Serialize};
 
 use super::collectives::{CollectiveInsert, CollectiveKind, GroupKind, collective_node, is_collective};
+use super::sequence;
 use crate::ir::{
     Attr, Attrs, DType, DimBindings, Graph, GraphError, LayeredGraph, Node, NodeId, Op, OpKind, Shape, Storage, Tensor,
     TensorType, ValueId, ValueKind,
@@ -207,6 +208,20 @@ pub enum CodegenError {
         /// Tensor degrees (2..=64) at which the layer splits entirely.
         working: Vec<usize>,
     },
+    /// Sequence parallelism cannot split a layer's token axis `tp` ways.
+    #[error(
+        "layer {layer}: sequence parallelism splits `{value}` along its token axis of length {len}, which does not divide by tp = {tp}; use a sequence length divisible by {tp} or plan without --sequence-parallel"
+    )]
+    SequenceIndivisible {
+        /// Layer index.
+        layer: usize,
+        /// The reduce-scattered value.
+        value: String,
+        /// Its token axis length (per outer block).
+        len: i64,
+        /// Tensor-parallel degree.
+        tp: usize,
+    },
     /// A layer index out of range.
     #[error("layer {layer} does not exist (the graph has {layers} layers)")]
     NoLayer {
@@ -254,6 +269,8 @@ pub struct Sharder<'a> {
     /// Values that get a gradient: trained weights, float graph inputs, and float values
     /// computed from them.
     grad: Vec<bool>,
+    /// Whether row-parallel outputs are reduce-scattered over the tokens (sequence parallelism).
+    sequence_parallel: bool,
 }
 
 impl<'a> Sharder<'a> {
@@ -286,7 +303,15 @@ impl<'a> Sharder<'a> {
                 }
             }
         }
-        Ok(Sharder { lg, info, uses, vocab, grad })
+        Ok(Sharder { lg, info, uses, vocab, grad, sequence_parallel: false })
+    }
+
+    /// Turns sequence parallelism on or off for the shards this sharder makes (default off):
+    /// each row-parallel all-reduce becomes a reduce-scatter over the tokens, token-wise ops
+    /// after it run on the rank's tokens, and all-gathers restore whole values where needed.
+    pub fn with_sequence_parallel(mut self, on: bool) -> Self {
+        self.sequence_parallel = on;
+        self
     }
 
     /// The `tp` shards of layer `layer`, rank 0 first. Weights that do not divide `tp` ways
@@ -388,7 +413,7 @@ impl<'a> Sharder<'a> {
         let mut replicas: HashMap<ValueId, i64> = HashMap::new();
         let plan = loop {
             let mut p = Prop::new(self, layer, &l.nodes, tp as i64, &demands, &replicate, &replicas);
-            let res = p.run();
+            let res = p.run().and_then(|()| if self.sequence_parallel { p.sequence_parallel() } else { Ok(()) });
             let last = p.unsupported_last(String::new());
             let done = res.map(|()| p.finish());
             match done {
@@ -669,11 +694,7 @@ impl<'s, 'a> Prop<'s, 'a> {
                     if outer != 1 {
                         return self.err(format!("`{}` leaves the layer split with {outer} blocks", self.g.value(v).name));
                     }
-                    self.collectives.push(CollectiveInsert {
-                        after_value: self.g.value(v).name.clone(),
-                        kind: CollectiveKind::AllGather { axis },
-                        group: GroupKind::Tensor,
-                    });
+                    self.collectives.push(CollectiveInsert::after(self.g.value(v).name.clone(), CollectiveKind::AllGather { axis }, GroupKind::Tensor));
                     self.sh.insert(v, Sh::Rep);
                 }
             }
@@ -695,11 +716,7 @@ impl<'s, 'a> Prop<'s, 'a> {
     }
 
     fn reduce(&mut self, v: ValueId) {
-        self.collectives.push(CollectiveInsert {
-            after_value: self.g.value(v).name.clone(),
-            kind: CollectiveKind::AllReduce,
-            group: GroupKind::Tensor,
-        });
+        self.collectives.push(CollectiveInsert::after(self.g.value(v).name.clone(), CollectiveKind::AllReduce, GroupKind::Tensor));
         self.sh.insert(v, Sh::Rep);
     }
 
@@ -1338,6 +1355,67 @@ impl<'s, 'a> Prop<'s, 'a> {
     }
 }
 
+impl Prop<'_, '_> {
+    /// Sequence parallelism over the finished tensor-parallel placement (see
+    /// [`super::sequence`]).
+    fn sequence_parallel(&mut self) -> R<()> {
+        let candidates: Vec<ValueId> = self
+            .collectives
+            .iter()
+            .filter(|c| c.kind == CollectiveKind::AllReduce && c.readers.is_empty())
+            .filter_map(|c| self.g.value_by_name(&c.after_value))
+            .filter(|&v| {
+                self.g.value(v).producer.is_some_and(|p| self.in_layer.contains(&p) && matches!(self.g.node(p).op.kind(), Some(OpKind::MatMul | OpKind::Gemm)))
+            })
+            .collect();
+        if candidates.is_empty() {
+            return Ok(());
+        }
+        let sh = &self.sh;
+        let tp_rep = |v: ValueId| sh.get(&v).is_none_or(|s| *s == Sh::Rep);
+        let layer = sequence::SeqLayer {
+            g: self.g,
+            info: &self.s.info,
+            uses: &self.s.uses,
+            grad: &self.s.grad,
+            nodes: self.nodes,
+            in_layer: &self.in_layer,
+            layer: self.layer,
+            t: self.t,
+        };
+        let plan = sequence::plan(&layer, &tp_rep, &candidates)?;
+        for (v, axis, view) in plan.reduce_scatter {
+            let name = self.g.value(v).name.clone();
+            if let Some(c) = self.collectives.iter_mut().find(|c| c.after_value == name && c.readers.is_empty()) {
+                c.kind = CollectiveKind::ReduceScatter { axis };
+                c.view = view;
+            }
+            // a deferred Gemm bias is added to the chunk after the reduce-scatter
+            if let Some(p) = self.g.value(v).producer {
+                let node = self.g.node(p);
+                let deferred = self.rewrites.iter().any(|r| matches!(r, NodeRewrite::DeferBias { node: n } if *n == node.name));
+                if deferred && let Some(bias) = node.inputs.get(2).copied().flatten() && self.s.grad[bias.index()] {
+                    self.partial_gradients.push(PartialGradient { node: add_bias_name(&node.name), input: 1, value: self.g.value(bias).name.clone() });
+                }
+            }
+        }
+        self.collectives.extend(plan.collectives);
+        for (n, k, global) in plan.shape_entries {
+            self.current = Some(n);
+            self.shrink_shape_entry(n, 1, k, global)?;
+        }
+        for (n, slot, v) in plan.partial_gradients {
+            self.partial_gradients.push(PartialGradient { node: self.g.node(n).name.clone(), input: slot, value: self.g.value(v).name.clone() });
+        }
+        Ok(())
+    }
+}
+
+/// The node adding a deferred Gemm bias after the collective.
+fn add_bias_name(gemm: &str) -> String {
+    format!("{gemm}.add_bias")
+}
+
 /// The `tp` shards of every layer of `lg` (index: layer, then rank).
 pub fn shard_all(lg: &LayeredGraph, tp: usize) -> Result<Vec<Vec<LayerShard>>, CodegenError> {
     let s = Sharder::new(lg)?;
@@ -1435,7 +1513,20 @@ fn apply_shard_with(graph: &Graph, info: &ShapeInfo, layer_nodes: &[NodeId], sha
     g.opsets = graph.opsets.clone();
     let (inputs, outputs) = layer_boundary(graph, layer_nodes);
     let slices: HashMap<&str, &WeightSlice> = shard.weight_slices.iter().map(|s| (s.initializer.as_str(), s)).collect();
-    let collect: HashMap<&str, &CollectiveInsert> = shard.collectives.iter().map(|c| (c.after_value.as_str(), c)).collect();
+    let collect: HashMap<&str, &CollectiveInsert> =
+        shard.collectives.iter().filter(|c| c.readers.is_empty()).map(|c| (c.after_value.as_str(), c)).collect();
+    // collectives read only at some node inputs: (node, slot) → index into `shard.collectives`
+    let mut scoped_at: HashMap<(&str, usize), usize> = HashMap::new();
+    for (i, c) in shard.collectives.iter().enumerate() {
+        for r in &c.readers {
+            if scoped_at.insert((r.node.as_str(), r.input), i).is_some() {
+                return Err(bad(format!("input {} of node `{}` is read through two collectives", r.input, r.node)));
+            }
+        }
+    }
+    let mut scoped_out: HashMap<usize, ValueId> = HashMap::new();
+    let full_shape = |v: ValueId| info.types[v.index()].as_ref().and_then(|t| t.shape.clone());
+    let dtype_of = |v: ValueId| info.types[v.index()].as_ref().map_or(DType::F32, |t| t.dtype);
     let mut map: HashMap<ValueId, ValueId> = HashMap::new();
     for s in &shard.weight_slices {
         if graph.value_by_name(&s.initializer).is_none() {
@@ -1502,6 +1593,22 @@ fn apply_shard_with(graph: &Graph, info: &ShapeInfo, layer_nodes: &[NodeId], sha
                 continue;
             };
             let mut id = copy(&mut g, &mut map, v)?;
+            if let Some(&ci) = scoped_at.get(&(node.name.as_str(), slot)) {
+                id = match scoped_out.get(&ci) {
+                    Some(&x) => x,
+                    None => {
+                        let c = &shard.collectives[ci];
+                        if graph.value(v).name != c.after_value {
+                            return Err(bad(format!("collective on `{}` names input {slot} of `{}`, which reads `{}`", c.after_value, node.name, graph.value(v).name)));
+                        }
+                        let name = fresh(&c.after_value, c.kind.op_type());
+                        let out = g.add_value(format!("{name}.out"), ValueKind::Intermediate, None, None)?;
+                        emit_collective(&mut g, c, &name, id, out, full_shape(v).as_deref(), dtype_of(v), shard.tp, node.order)?;
+                        scoped_out.insert(ci, out);
+                        out
+                    }
+                };
+            }
             if let Some(c) = shard.constant_rewrites.iter().find(|c| c.node == node.name && c.input == slot) {
                 let val = graph.value(v);
                 let dtype = val.data.as_ref().map_or(DType::I64, |d| d.dtype);
@@ -1614,7 +1721,7 @@ fn apply_shard_with(graph: &Graph, info: &ShapeInfo, layer_nodes: &[NodeId], sha
             let c = after[0].2;
             let ck = collect[graph.value(c).name.as_str()];
             let cname = fresh(&node.name, ck.kind.op_type());
-            g.add_node(collective_node(cname, ck.kind, ck.group, nb, reduced, node.order))?;
+            emit_collective(&mut g, ck, &cname, nb, reduced, full_shape(c).as_deref(), dtype_of(c), shard.tp, node.order)?;
             let mut b = bias.ok_or_else(|| bad("no bias".into()))?;
             if beta != 1.0 {
                 let bt = g.value(b).ty.as_ref().map_or(DType::F32, |t| t.dtype);
@@ -1623,7 +1730,7 @@ fn apply_shard_with(graph: &Graph, info: &ShapeInfo, layer_nodes: &[NodeId], sha
                 g.add_node(Node { name: fresh(&node.name, "scale_bias"), op: Op::Known(OpKind::Mul), attrs: Attrs::default(), inputs: vec![Some(b), Some(s)], outputs: vec![sb], namespace: None, order: node.order })?;
                 b = sb;
             }
-            g.add_node(Node { name: fresh(&node.name, "add_bias"), op: Op::Known(OpKind::Add), attrs: Attrs::default(), inputs: vec![Some(reduced), Some(b)], outputs: vec![full], namespace: node.namespace.clone(), order: node.order })?;
+            g.add_node(Node { name: add_bias_name(&node.name), op: Op::Known(OpKind::Add), attrs: Attrs::default(), inputs: vec![Some(reduced), Some(b)], outputs: vec![full], namespace: node.namespace.clone(), order: node.order })?;
             after.clear();
             emit_outs.clear();
         } else {
@@ -1632,10 +1739,17 @@ fn apply_shard_with(graph: &Graph, info: &ShapeInfo, layer_nodes: &[NodeId], sha
         for (local, full, o) in after {
             let c = collect[graph.value(o).name.as_str()];
             let name = fresh(&graph.value(o).name, c.kind.op_type());
-            g.add_node(collective_node(name, c.kind, c.group, local, full, node.order))?;
+            emit_collective(&mut g, c, &name, local, full, full_shape(o).as_deref(), dtype_of(o), shard.tp, node.order)?;
         }
     }
-    for c in &shard.collectives {
+    for (i, c) in shard.collectives.iter().enumerate() {
+        if !c.readers.is_empty() {
+            if !scoped_out.contains_key(&i) {
+                let r = &c.readers[0];
+                return Err(bad(format!("collective on `{}` names input {} of `{}`, which the layer does not read", c.after_value, r.input, r.node)));
+            }
+            continue;
+        }
         if !graph.value_by_name(&c.after_value).is_some_and(|v| map.contains_key(&v) && graph.value(v).producer.is_some_and(|p| node_by_name.contains_key(graph.node(p).name.as_str()))) {
             return Err(bad(format!("collective after `{}`, which the layer does not produce", c.after_value)));
         }
@@ -1671,6 +1785,88 @@ fn apply_shard_with(graph: &Graph, info: &ShapeInfo, layer_nodes: &[NodeId], sha
     }
     g.verify()?;
     Ok(g)
+}
+
+/// Adds the nodes of collective `c` from `input` to `output`: the collective node, wrapped in
+/// reshapes to and from its view if it has one. `full` is the model value's shape.
+#[allow(clippy::too_many_arguments)]
+fn emit_collective(
+    g: &mut Graph,
+    c: &CollectiveInsert,
+    name: &str,
+    input: ValueId,
+    output: ValueId,
+    full: Option<&[i64]>,
+    dtype: DType,
+    tp: usize,
+    order: u32,
+) -> Result<(), CodegenError> {
+    let t = tp as i64;
+    let splits = matches!(c.kind, CollectiveKind::ReduceScatter { .. } | CollectiveKind::Scatter { .. });
+    let axis = c.kind.axis().unwrap_or(0);
+    let Some(view) = &c.view else {
+        // a collective's result has the declared type of the whole value, or its chunk
+        let mut ty = g.value(output).ty.clone().or_else(|| full.map(|f| TensorType { dtype, shape: Some(Shape::from_known(f)) }));
+        if splits {
+            if let Some(shape) = ty.as_mut().and_then(|t| t.shape.as_mut())
+                && let Some(d) = shape.0.get_mut(axis)
+            {
+                *d = match (d.known(), full.and_then(|f| f.get(axis))) {
+                    (Some(k), _) | (None, Some(&k)) => crate::ir::Dim::Known(k / t),
+                    _ => d.clone(),
+                };
+            }
+        }
+        g.value_mut(output).ty = ty;
+        g.add_node(collective_node(name.to_string(), c.kind, c.group, input, output, order))?;
+        return Ok(());
+    };
+    let bad = |m: &str| CodegenError::BadShard { layer: 0, rank: 0, msg: format!("collective on `{}`: {m}", c.after_value) };
+    let full = full.ok_or_else(|| bad("its view needs the value's shape, which is unknown"))?;
+    if axis >= view.len() || view[axis] <= 0 || view[axis] % t != 0 {
+        return Err(bad(&format!("view {view:?} does not split {tp} ways along axis {axis}")));
+    }
+    let numel: i64 = full.iter().product();
+    let known: i64 = view.iter().filter(|&&d| d != -1).product();
+    let resolved: Vec<i64> = view.iter().map(|&d| if d == -1 { numel / known.max(1) } else { d }).collect();
+    let mut in_target = view.clone();
+    let mut out_view = resolved.clone();
+    if splits {
+        out_view[axis] /= t;
+    } else {
+        in_target[axis] /= t;
+    }
+    // back to the value's own layout: its entry holding the token chunk is left free
+    let upto: i64 = resolved[..=axis].iter().product();
+    let mut acc = 1;
+    let k = full.iter().position(|&d| {
+        acc *= d;
+        acc >= upto
+    });
+    let mut back = full.to_vec();
+    if let Some(k) = k {
+        back[k] = -1;
+    }
+    let reshape = |g: &mut Graph, what: &str, x: ValueId, target: ValueId, out: ValueId| {
+        g.add_node(Node {
+            name: format!("{name}.{what}"),
+            op: Op::Known(OpKind::Reshape),
+            attrs: Attrs::default(),
+            inputs: vec![Some(x), Some(target)],
+            outputs: vec![out],
+            namespace: None,
+            order,
+        })
+    };
+    let tin = i64_const(g, format!("{name}.view_shape"), &in_target)?;
+    let vin = g.add_value(format!("{name}.view_in"), ValueKind::Intermediate, None, None)?;
+    reshape(g, "view", input, tin, vin)?;
+    let vout = g.add_value(format!("{name}.view_out"), ValueKind::Intermediate, Some(TensorType { dtype, shape: Some(Shape::from_known(&out_view)) }), None)?;
+    g.add_node(collective_node(name.to_string(), c.kind, c.group, vin, vout, order))?;
+    let tback = i64_const(g, format!("{name}.unview_shape"), &back)?;
+    reshape(g, "unview", vout, tback, output)?;
+    g.value_mut(output).ty = None;
+    Ok(())
 }
 
 fn float_scalar(dtype: DType, v: f32) -> Tensor {

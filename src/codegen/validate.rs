@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::program::{Instr, Payload, RankProgram};
 use super::encode::{CodegenSection, Coord, Mesh, Step};
+use super::collectives::CollectiveInsert;
 use super::shard::LayerShard;
 use crate::ir::Graph;
 
@@ -188,6 +189,28 @@ pub fn validate_shard_group(dims: &dyn Fn(&str) -> Option<Vec<i64>>, shards: &[L
     for (i, s) in shards.iter().enumerate() {
         if s.rank != i || s.tp != tp {
             errs.push(Invalid { rank: s.rank, what: format!("shard {i} of a group of {tp} says rank {} of {}", s.rank, s.tp) });
+        }
+    }
+    // the tensor ranks of a layer run the same collectives, in the same order
+    if let Some(lead) = shards.first() {
+        for s in &shards[1..] {
+            let n = lead.collectives.len().max(s.collectives.len());
+            if let Some(k) = (0..n).find(|&k| lead.collectives.get(k) != s.collectives.get(k)) {
+                let show = |c: Option<&CollectiveInsert>| match c {
+                    Some(c) => format!("{} of `{}`", c.kind.op_type(), c.after_value),
+                    None => "nothing".to_string(),
+                };
+                errs.push(Invalid {
+                    rank: s.rank,
+                    what: format!(
+                        "collective #{k} of layer {} is {}, but rank {} runs {}",
+                        s.layer,
+                        show(s.collectives.get(k)),
+                        lead.rank,
+                        show(lead.collectives.get(k))
+                    ),
+                });
+            }
         }
     }
     // initializer → (rank, axis, ranges, replicas) of every rank
@@ -504,6 +527,25 @@ mod tests {
         assert!(m.starts_with("rank 1: slice [3, 6) of `w` overlaps"), "{m}");
         let m = validate_shards(&g, &shards([vec![[0, 2]], vec![[3, 6]]])).unwrap_err().0[0].to_string();
         assert!(m.contains("[2, 3) is held by no rank"), "{m}");
+    }
+
+    /// A shard group whose ranks disagree on a collective (a reduce-scatter of sequence
+    /// parallelism against an all-reduce) is named with the rank and the collective.
+    #[test]
+    fn mismatched_shard_collectives_are_named() {
+        use crate::codegen::{CollectiveInsert, CollectiveKind, GroupKind};
+        let g = weight_graph();
+        let mut s = shards([vec![[0, 3]], vec![[3, 6]]]);
+        for x in &mut s {
+            x.collectives = vec![CollectiveInsert::after("y", CollectiveKind::ReduceScatter { axis: 1 }, GroupKind::Tensor)];
+        }
+        validate_shards(&g, &s).unwrap();
+        s[1].collectives[0].kind = CollectiveKind::AllReduce;
+        let m = validate_shards(&g, &s).unwrap_err().0[0].to_string();
+        assert_eq!(m, "rank 1: collective #0 of layer 0 is AllReduce of `y`, but rank 0 runs ReduceScatter of `y`");
+        s[1].collectives.clear();
+        let m = validate_shards(&g, &s).unwrap_err().0[0].to_string();
+        assert_eq!(m, "rank 1: collective #0 of layer 0 is nothing, but rank 0 runs ReduceScatter of `y`");
     }
 
     /// Two identical slices are a double cover unless they declare that two ranks share them.

@@ -110,6 +110,7 @@ pub fn from_decision(
             virtual_stages: d.schedule.virtual_stages(),
             checkpointing: checkpointing_name(d.checkpointing).to_string(),
             placement: d.placement.name(),
+            sequence_parallel: false,
         },
         stages,
         layer_strategies,

@@ -106,6 +106,14 @@ pub struct Parallel {
     pub checkpointing: String,
     /// Mesh axis order, outermost first (`DPT` = cluster, `TPD` = spread).
     pub placement: String,
+    /// Sequence parallelism within each tensor-parallel group (Megatron-LM's): row-parallel
+    /// outputs reduce-scattered over the tokens, norms and residuals on token chunks.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub sequence_parallel: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// One pipeline stage (or virtual stage).
@@ -297,6 +305,7 @@ impl Plan {
                 }
                 v
             },
+            sequence_parallel: p.sequence_parallel,
         })
     }
 

@@ -114,9 +114,18 @@ impl<'g> Executor<'g> {
         let out = match op_type.as_str() {
             "AllReduce" => pg.reduce_from_tensor_region(x),
             COPY_TO_TENSOR_REGION => pg.copy_to_tensor_region(x),
-            "AllGather" => {
-                let axis = node.attrs.0.get("axis").and_then(|a| if let crate::ir::Attr::Int(i) = a { Some(*i) } else { None }).ok_or("AllGather without an `axis`")?;
-                pg.gather_along_axis(x, axis)
+            "AllGather" | "ReduceScatter" | "Scatter" => {
+                let axis = node
+                    .attrs
+                    .0
+                    .get("axis")
+                    .and_then(|a| if let crate::ir::Attr::Int(i) = a { Some(*i) } else { None })
+                    .ok_or_else(|| format!("{op_type} without an `axis`"))?;
+                match op_type.as_str() {
+                    "AllGather" => pg.gather_along_axis(x, axis),
+                    "ReduceScatter" => pg.reduce_scatter_along_axis(x, axis),
+                    _ => pg.scatter_along_axis(x, axis),
+                }
             }
             other => return Err(format!("collective `{other}` has no runner kernel")),
         };

@@ -257,12 +257,15 @@ pub struct PlanConfig {
     pub baseline: Option<Baseline>,
     /// HiGHS threads (1 = reproducible tie-breaking).
     pub threads: Option<u32>,
+    /// The plan runs sequence-parallel (`--sequence-parallel`): norms and elementwise ops are
+    /// priced on token chunks, with the all-gathers codegen's sequence parallelism adds.
+    pub sequence_parallel: bool,
 }
 
 impl PlanConfig {
     /// A config with nothing fixed.
     pub fn new(global_batch: usize) -> PlanConfig {
-        PlanConfig { global_batch, constraints: SearchConstraints::default(), baseline: None, threads: Some(1) }
+        PlanConfig { global_batch, constraints: SearchConstraints::default(), baseline: None, threads: Some(1), sequence_parallel: false }
     }
 }
 

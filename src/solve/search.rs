@@ -422,6 +422,7 @@ pub fn run(
     };
     let mut ctx = CostContext::new(lg, spec);
     ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron);
+    ctx.sequence_parallel = cfg.sequence_parallel;
     let total = cands.len() as u64;
     let mut prepared: Vec<Prepared> = cands
         .iter()
@@ -576,6 +577,7 @@ fn infeasible(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanConfig, cap: f64,
         let Ok(cands) = enumerate(lg, &bigger, cfg) else { continue };
         let mut ctx = CostContext::new(lg, &bigger);
         ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron);
+        ctx.sequence_parallel = cfg.sequence_parallel;
         let fits = cands.iter().any(|cand| prepare(&mut ctx, cand, cap, cfg.constraints.active_microbatches, None).mem_lb <= cap);
         if fits {
             fix.push_str(&format!(", or about {devices} devices of this kind"));

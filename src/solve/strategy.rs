@@ -464,6 +464,10 @@ pub fn build_from(lg: &LayeredGraph, layer: usize, sg: &SplitGraph, x: &Strategy
     let roles = &sg.roles;
     let hidden = lay.input_bytes.max(lay.output_bytes) * b * x.bytes_scale;
     let ar = x.comm.all_reduce(hidden, &x.tp_group);
+    // Sequence parallelism as codegen emits it: a row split's all-reduce becomes a
+    // reduce-scatter plus a later all-gather (the same bytes), but the reduce-scatter's backward
+    // is one more all-gather, and so is that of the residual's local scatter.
+    let sp_ag = if x.sequence_parallel { x.comm.all_gather(hidden, &x.tp_group) } else { 0.0 };
     let times_at = |i: usize, share: f64| {
         let id = lay.nodes[i];
         let Some(n) = g.try_node(id) else { return (0.0, 0.0) };
@@ -587,7 +591,7 @@ pub fn build_from(lg: &LayeredGraph, layer: usize, sg: &SplitGraph, x: &Strategy
                     elems.push(own[4]);
                 }
                 if row_ok(i) {
-                    options.insert(options.len() - 1, opt(ROW, own[0] + ar, own[1], own[4] / t, 0.0));
+                    options.insert(options.len() - 1, opt(ROW, own[0] + ar, own[1] + sp_ag, own[4] / t, 0.0));
                     elems.insert(elems.len() - 1, own[4] / t);
                 }
                 index_of.insert(i, nodes.len());
@@ -634,7 +638,7 @@ pub fn build_from(lg: &LayeredGraph, layer: usize, sg: &SplitGraph, x: &Strategy
     let act = lay.figures.saved_bytes.max(lay.input_bytes) * b * x.bytes_scale / t;
     // Hook for `--sequence-parallel`: the rest runs ÷t; otherwise whole on every rank.
     let rest_option = if x.sequence_parallel {
-        opt(SEQUENCE, rest[0], rest[1], rest[4] / t, act)
+        opt(SEQUENCE, rest[0], rest[1] + sp_ag, rest[4] / t, act)
     } else {
         opt(FOLLOW, rest[2], rest[3], rest[4], act + rest[5])
     };

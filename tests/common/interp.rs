@@ -676,3 +676,28 @@ fn eval(g: &Graph, node: &Node, env: &HashMap<ValueId, T>) -> Vec<T> {
         k => panic!("interpreter: op {k} not implemented (node `{}`)", node.name),
     }
 }
+
+/// What each of `parts.len()` ranks gets from an `smp` collective `op_type` along `axis`, given
+/// every rank's input (rank order): the reference for the runner's collectives.
+pub fn combine(op_type: &str, axis: usize, parts: &[T]) -> Vec<T> {
+    let t = parts.len();
+    let sum = || {
+        let mut s = parts[0].clone();
+        for p in &parts[1..] {
+            s.data.iter_mut().zip(&p.data).for_each(|(a, b)| *a += b);
+        }
+        s
+    };
+    let chunks = |x: &T| {
+        assert_eq!(x.shape[axis] % t, 0, "{op_type}: axis {axis} of {:?} does not split {t} ways", x.shape);
+        split(x, axis, &vec![x.shape[axis] / t; t])
+    };
+    match op_type {
+        "AllReduce" => vec![sum(); t],
+        "AllGather" => vec![concat(&parts.iter().collect::<Vec<_>>(), axis); t],
+        "ReduceScatter" => chunks(&sum()),
+        // local: rank r keeps the r-th chunk of its own (replicated) tensor
+        "Scatter" => parts.iter().enumerate().map(|(r, p)| chunks(p).swap_remove(r)).collect(),
+        o => panic!("unknown collective {o}"),
+    }
+}

@@ -75,6 +75,7 @@ pub fn fixture() -> Plan {
             virtual_stages: 1,
             checkpointing: "auto".into(),
             placement: "DPT".into(),
+            sequence_parallel: false,
         },
         stages,
         layer_strategies: vec![LayerStrategy {

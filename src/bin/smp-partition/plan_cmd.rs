@@ -69,6 +69,10 @@ pub struct PlanArgs {
     /// Mesh axis order (cluster = DPT, spread = TPD; the last axis gets the fastest link).
     #[arg(long, value_name = "cluster|spread|DPT|...")]
     pub placement: Option<Placement>,
+    /// Sequence parallelism in tensor-parallel layers (Megatron-LM's): reduce-scatter over the
+    /// tokens instead of all-reduce, norms and residuals on each rank's tokens.
+    #[arg(long)]
+    pub sequence_parallel: bool,
     /// Manual pipeline cuts over `graph`'s layers, e.g. "0-11|12-23".
     #[arg(long, value_name = "FIRST-LAST|...")]
     pub layout: Option<Layout>,
@@ -158,11 +162,13 @@ fn make_plan(model: &Path, args: &PlanArgs, constraints: &Constraints) -> Result
     if args.global_batch.is_none() {
         eprintln!("note: --global-batch not given; planning for {default_batch} samples per step");
     }
-    let cfg = constraints.to_plan_config(default_batch);
+    let mut cfg = constraints.to_plan_config(default_batch);
+    cfg.sequence_parallel = args.sequence_parallel;
     let model_ref = ModelRef { path: model.display().to_string(), sha256: analysed.sha256.clone() };
     let plan_with = |cfg: &solve::PlanConfig| -> Result<(Plan, Result<codegen::CodegenSection>)> {
-        let plan = search_and_build(lg, &cluster, cfg, &model_ref, args, started)
+        let mut plan = search_and_build(lg, &cluster, cfg, &model_ref, args, started)
             .with_context(|| format!("planning {} on {}", model.display(), args.cluster))?;
+        plan.parallel.sequence_parallel = args.sequence_parallel && plan.parallel.tp > 1;
         let input = plan.codegen_input().context("the planner produced an inconsistent plan (a bug)")?;
         let section = codegen::encode::build(lg, &input).with_context(|| {
             format!(
@@ -181,7 +187,7 @@ fn make_plan(model: &Path, args: &PlanArgs, constraints: &Constraints) -> Result
         // a searched tensor degree some layer cannot be split at: search again over the
         // degrees codegen can emit for every layer, each fixed, and keep the fastest
         Err(e) if cfg.constraints.tp.is_none() && plan.parallel.tp > 1 => {
-            let sharder = codegen::Sharder::new(lg).context("code generation: preparing the sharder")?;
+            let sharder = codegen::Sharder::new(lg).context("code generation: preparing the sharder")?.with_sequence_parallel(args.sequence_parallel);
             let splits = |t: usize| t == 1 || (0..lg.layers.len()).all(|l| sharder.shard_layer_strict(l, t).is_ok());
             let mut best: Option<(Plan, codegen::CodegenSection)> = None;
             for t in (1..=cluster.devices_per_node.max(1)).filter(|&t| cluster.devices % t == 0 && t != plan.parallel.tp && splits(t)) {
@@ -200,6 +206,9 @@ fn make_plan(model: &Path, args: &PlanArgs, constraints: &Constraints) -> Result
         }
         Err(e) => return Err(e),
     };
+    if args.sequence_parallel && plan.parallel.tp == 1 {
+        eprintln!("note: --sequence-parallel has no effect at tp = 1");
+    }
     plan.codegen = Some(section);
     validate(&plan).context("the planner produced an inconsistent plan (a bug)")?;
     Ok(plan)

@@ -339,6 +339,24 @@ impl ProcessGroup {
             ffi::smp_c10d_gather_along_axis(self.raw, raw(x), axis, o)
         })
     }
+
+    /// Sequence parallelism's reduce-scatter: the sum of `x` over the group, this member
+    /// keeping its chunk along `axis` (group order); the backward all-gathers the gradient.
+    pub fn reduce_scatter_along_axis(&self, x: &Tensor, axis: i64) -> Result<Tensor, DistError> {
+        // SAFETY: as above.
+        self.autograd_call("reduce_scatter_along_axis", |o| unsafe {
+            ffi::smp_c10d_reduce_scatter_along_axis(self.raw, raw(x), axis, o)
+        })
+    }
+
+    /// Sequence parallelism's scatter: this member's chunk along `axis` of a replicated `x`,
+    /// without communication; the backward all-gathers the gradient.
+    pub fn scatter_along_axis(&self, x: &Tensor, axis: i64) -> Result<Tensor, DistError> {
+        // SAFETY: as above.
+        self.autograd_call("scatter_along_axis", |o| unsafe {
+            ffi::smp_c10d_scatter_along_axis(self.raw, raw(x), axis, o)
+        })
+    }
 }
 
 impl Drop for ProcessGroup {
