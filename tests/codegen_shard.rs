@@ -386,6 +386,11 @@ fn forced_replicate_nodes_reproduce_the_layer() {
                     let err = rel(got, &env[vname]);
                     assert!(err <= 1e-12, "{name} t={t} rank {r}: `{vname}` off by {err:e}");
                 }
+            }
+        }
+    }
+}
+
 /// Sequence parallelism: every layer's t shards, with their reduce-scatters, scatters and
 /// all-gathers, reproduce the unsharded layer (f64, norm-relative ≤ 1e-12) for every model
 /// and t whose token count divides.
