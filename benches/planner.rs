@@ -65,15 +65,20 @@ fn main() {
     println!("| case | plan | step s | MFU | status | gap | solved/skipped | wall s | goal |");
     println!("|---|---|---|---|---|---|---|---|---|");
     // Default time limit (60 s): the wall time is how long the proof took.
-    for (name, path, cluster, batch, goal) in [
-        ("GPT-3 175B", "models/gpt3-175b.onnx", "a100-80gb:1024", 1536, "≤ 3 s"),
-        ("GPT 1T", "models/gpt-1t.onnx", "a100-80gb:3072", 3072, "≤ 10 s"),
+    // Each also with `--sequence-parallel` (norms on token chunks).
+    for (name, path, cluster, batch, goal, sp) in [
+        ("GPT-3 175B", "models/gpt3-175b.onnx", "a100-80gb:1024", 1536, "≤ 3 s", false),
+        ("GPT 1T", "models/gpt-1t.onnx", "a100-80gb:3072", 3072, "≤ 10 s", false),
+        ("GPT-3 175B", "models/gpt3-175b.onnx", "a100-80gb:1024", 1536, "≤ 3 s", true),
+        ("GPT 1T", "models/gpt-1t.onnx", "a100-80gb:3072", 3072, "≤ 10 s", true),
     ] {
         let Some(lg) = load(path, 2048) else { continue };
-        let cfg = PlanConfig::new(batch);
+        let mut cfg = PlanConfig::new(batch);
+        cfg.sequence_parallel = sp;
+        let sp = if sp { ", --sequence-parallel" } else { "" };
         match run(&lg, cluster, &cfg) {
             (Ok(d), wall) => println!(
-                "| {name} on {cluster}, batch {batch} | {} | {:.3} | {:.3} | {} | {:.4} | {}/{} | {wall:.2} | {goal} |",
+                "| {name} on {cluster}, batch {batch}{sp} | {} | {:.3} | {:.3} | {} | {:.4} | {}/{} | {wall:.2} | {goal} |",
                 describe(&d),
                 d.predicted.step_time_s,
                 d.predicted.mfu,

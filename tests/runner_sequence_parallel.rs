@@ -80,7 +80,8 @@ fn collective_kinds(plan: &Path) -> std::collections::BTreeMap<String, usize> {
 fn equivalent(name: &str, cluster: &str, nproc: usize, flags: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let mut flags = flags.to_vec();
-    flags.extend_from_slice(&["--global-batch", BATCH, "--sequence-parallel"]);
+    // Megatron's split: the planner alone replicates every matmul of this tiny model
+    flags.extend_from_slice(&["--global-batch", BATCH, "--sequence-parallel", "--baseline", "megatron"]);
     let p = plan(dir.path(), name, cluster, &flags);
     let kinds = collective_kinds(&p);
     for k in ["reduce_scatter", "scatter", "all_gather"] {
