@@ -2,6 +2,8 @@
 //! GPT-2 export under each parallel configuration give the single-process run's losses
 //! (same seed and data) — f64 within 1e-9 relative, f32 within 1e-4. Also: default plans for
 //! cpu:2 and cpu:4 run unchanged, and a rank killed mid-step brings the whole job down.
+//! Sequence-parallel plans are checked to hold their reduce-scatters, scatters and
+//! all-gathers before they run.
 #![cfg(feature = "runner")]
 
 use std::io::{BufRead, BufReader};
@@ -65,6 +67,11 @@ fn launch(nproc: usize, plan: &Path, dtype: &str) -> Vec<f64> {
 
 /// Plans `flags` on `cluster`, runs it in f64 and f32, and compares with the single process.
 fn equivalent(name: &str, cluster: &str, nproc: usize, flags: &[&str]) {
+    equivalent_with(name, cluster, nproc, flags, |_| {});
+}
+
+/// [`equivalent`], with `check` run on the plan file before it is launched.
+fn equivalent_with(name: &str, cluster: &str, nproc: usize, flags: &[&str], check: impl Fn(&Path)) {
     let dir = tempfile::tempdir().unwrap();
     let mut flags = flags.to_vec();
     flags.extend_from_slice(&["--global-batch", BATCH]);
@@ -80,6 +87,7 @@ fn equivalent(name: &str, cluster: &str, nproc: usize, flags: &[&str]) {
         let slices: usize = v["codegen"]["shards"].as_array().unwrap().iter().flat_map(|l| l.as_array().unwrap()).map(|sh| sh["weight_slices"].as_array().map_or(0, Vec::len)).sum();
         assert!(slices > 0, "{name}: the plan slices no weight");
     }
+    check(&p);
     for (dtype, tol) in [("f64", 1e-9), ("f32", 1e-4)] {
         let want = reference(dtype);
         let got = launch(nproc, &p, dtype);
@@ -407,4 +415,38 @@ fn llama_tp4_sums_shared_kv_slice_gradients() {
 fn dp4_sharded_dp2_matches_single_process() {
     // ZeRO 3 within pairs of replicas, the reduced blocks summed across the pairs
     equivalent("sdp2", "cpu:4", 4, &["--pp", "1", "--tp", "1", "--dp", "4", "--sharded-dp", "2", "--microbatches", "2"]);
+}
+
+/// Counts of each collective kind in the plan's shards.
+fn collective_kinds(plan: &Path) -> std::collections::BTreeMap<String, usize> {
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(plan).unwrap()).unwrap();
+    let mut out = std::collections::BTreeMap::new();
+    for layer in v["codegen"]["shards"].as_array().unwrap() {
+        for shard in layer.as_array().unwrap() {
+            for c in shard["collectives"].as_array().unwrap() {
+                *out.entry(c["kind"]["kind"].as_str().unwrap().to_string()).or_default() += 1;
+            }
+        }
+    }
+    out
+}
+
+/// Sequence parallelism's collectives are in the plan.
+fn has_sequence_parallel_collectives(plan: &Path) {
+    let kinds = collective_kinds(plan);
+    for k in ["reduce_scatter", "scatter", "all_gather"] {
+        assert!(kinds.get(k).copied().unwrap_or(0) > 0, "{}: the plan has no {k}: {kinds:?}", plan.display());
+    }
+}
+
+#[test]
+fn tp2_sequence_parallel_matches_single_process() {
+    let flags = ["--pp", "1", "--tp", "2", "--dp", "1", "--microbatches", "4", "--sequence-parallel"];
+    equivalent_with("tp2sp", "cpu:2", 2, &flags, has_sequence_parallel_collectives);
+}
+
+#[test]
+fn pp2_tp2_sequence_parallel_matches_single_process() {
+    let flags = ["--pp", "2", "--tp", "2", "--dp", "1", "--schedule", "1f1b", "--microbatches", "4", "--sequence-parallel"];
+    equivalent_with("pp2tp2sp", "cpu:4", 4, &flags, has_sequence_parallel_collectives);
 }
