@@ -27,29 +27,12 @@ fn model(name: &str) -> LayeredGraph {
 
 /// Every assignment the problem allows (no forbidden edge pair), up to `cap`.
 fn feasible(p: &IntraLayerProblem, cap: usize) -> Vec<Vec<usize>> {
-    let n = p.nodes.len();
-    let mut idx = vec![0usize; n];
     let mut out = Vec::new();
-    loop {
-        if p.evaluate(&idx).is_some() {
-            out.push(idx.clone());
-            if out.len() >= cap {
-                return out;
-            }
-        }
-        let mut v = 0;
-        while v < n {
-            idx[v] += 1;
-            if idx[v] < p.nodes[v].options.len() {
-                break;
-            }
-            idx[v] = 0;
-            v += 1;
-        }
-        if v == n {
-            return out;
-        }
-    }
+    smp_partition::solve::oracle::for_each_allowed(p, |idx, _| {
+        out.push(idx.to_vec());
+        out.len() < cap
+    });
+    out
 }
 
 fn strategies(lg: &LayeredGraph, layer: usize, tp: usize) -> LayerStrategies {

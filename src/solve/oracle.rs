@@ -81,18 +81,16 @@ pub fn brute_force_pipeline(p: &PipelineProblem) -> Option<(f64, Vec<LayerChoice
     best
 }
 
-/// Every assignment of the intra-layer problem; the fastest within the memory cap.
-pub fn brute_force_intra(p: &IntraLayerProblem) -> Option<(f64, Vec<usize>)> {
+/// Every assignment of the intra-layer problem that `evaluate` accepts (no forbidden edge
+/// pair), in odometer order (first node fastest); `visit` returns false to stop.
+pub fn for_each_allowed(p: &IntraLayerProblem, mut visit: impl FnMut(&[usize], &super::ilp::IntraSolution) -> bool) {
     let n = p.nodes.len();
     let mut idx = vec![0usize; n];
-    let mut best: Option<(f64, Vec<usize>)> = None;
     loop {
-        if let Some(s) = p.evaluate(&idx) {
-            let fits = p.memory_cap.is_none_or(|c| p.memory_of(&s) <= c * (1.0 + 1e-9) + 1e-9);
-            let t = s.fwd_s + s.bwd_s;
-            if fits && best.as_ref().is_none_or(|b| t < b.0) {
-                best = Some((t, idx.clone()));
-            }
+        if let Some(s) = p.evaluate(&idx)
+            && !visit(&idx, &s)
+        {
+            return;
         }
         let mut v = 0;
         while v < n {
@@ -104,9 +102,23 @@ pub fn brute_force_intra(p: &IntraLayerProblem) -> Option<(f64, Vec<usize>)> {
             v += 1;
         }
         if v == n {
-            return best;
+            return;
         }
     }
+}
+
+/// Every assignment of the intra-layer problem; the fastest within the memory cap.
+pub fn brute_force_intra(p: &IntraLayerProblem) -> Option<(f64, Vec<usize>)> {
+    let mut best: Option<(f64, Vec<usize>)> = None;
+    for_each_allowed(p, |idx, s| {
+        let fits = p.memory_cap.is_none_or(|c| p.memory_of(s) <= c * (1.0 + 1e-9) + 1e-9);
+        let t = s.fwd_s + s.bwd_s;
+        if fits && best.as_ref().is_none_or(|b| t < b.0) {
+            best = Some((t, idx.to_vec()));
+        }
+        true
+    });
+    best
 }
 
 /// PipeDream-style DP: splits `times` into `stages` contiguous non-empty parts minimising the
