@@ -120,6 +120,16 @@ void check_divides(Group* grp, const at::Tensor& x, int64_t axis, const char* wh
   }
 }
 
+// This member's chunk of `len` along `axis`.
+at::Tensor own_chunk(Group* grp, const at::Tensor& x, int64_t axis, int64_t len) {
+  return x.narrow(axis, grp->backend->getRank() * len, len).contiguous();
+}
+
+// Backward of a split along the saved `axis`: the members' gradients gathered back.
+torch::autograd::variable_list gathered_grad(torch::autograd::AutogradContext* ctx, const torch::autograd::variable_list& grads) {
+  return {all_gather_cat(group_of(ctx), grads[0], ctx->saved_data["axis"].toInt()), at::Tensor(), at::Tensor()};
+}
+
 // Sequence parallelism's reduce-scatter: the sum over the members, each keeping its chunk
 // along `axis`; backward all-gathers the gradient along `axis`.
 struct ReduceScatterAlongAxis : public torch::autograd::Function<ReduceScatterAlongAxis> {
@@ -139,8 +149,7 @@ struct ReduceScatterAlongAxis : public torch::autograd::Function<ReduceScatterAl
     return out;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
-    auto g = all_gather_cat(group_of(ctx), grads[0], ctx->saved_data["axis"].toInt());
-    return {g, at::Tensor(), at::Tensor()};
+    return gathered_grad(ctx, grads);
   }
 };
 
@@ -153,11 +162,10 @@ struct ScatterAlongAxis : public torch::autograd::Function<ScatterAlongAxis> {
     ctx->saved_data["group"] = group;
     ctx->saved_data["axis"] = axis;
     int64_t len = x.size(axis) / grp->backend->getSize();
-    return x.narrow(axis, grp->backend->getRank() * len, len).contiguous().clone();
+    return own_chunk(grp, x, axis, len).clone();
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
-    auto g = all_gather_cat(group_of(ctx), grads[0], ctx->saved_data["axis"].toInt());
-    return {g, at::Tensor(), at::Tensor()};
+    return gathered_grad(ctx, grads);
   }
 };
 
@@ -165,24 +173,16 @@ struct ScatterAlongAxis : public torch::autograd::Function<ScatterAlongAxis> {
 struct GatherAlongAxis : public torch::autograd::Function<GatherAlongAxis> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group, int64_t axis) {
     auto* grp = reinterpret_cast<Group*>(group);
-    int64_t size = grp->backend->getSize();
     ctx->saved_data["group"] = group;
     ctx->saved_data["axis"] = axis;
     ctx->saved_data["len"] = x.size(axis);
-    auto in = x.contiguous();
-    std::vector<at::Tensor> parts;
-    for (int64_t i = 0; i < size; ++i) parts.push_back(at::empty_like(in));
-    std::vector<std::vector<at::Tensor>> outs{parts};
-    std::vector<at::Tensor> ins{in};
-    wait_or_throw(grp->backend->allgather(outs, ins), grp->timeout);
-    return at::cat(outs[0], axis);
+    return all_gather_cat(grp, x, axis);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
     auto* grp = group_of(ctx);
     int64_t axis = ctx->saved_data["axis"].toInt();
     int64_t len = ctx->saved_data["len"].toInt();
-    auto g = grads[0].narrow(axis, grp->backend->getRank() * len, len).contiguous();
-    return {g, at::Tensor(), at::Tensor()};
+    return {own_chunk(grp, grads[0], axis, len), at::Tensor(), at::Tensor()};
   }
 };
 

@@ -34,9 +34,17 @@ fn plan(dir: &Path, name: &str, cluster: &str, flags: &[&str]) -> PathBuf {
     out
 }
 
+fn json(stdout: &[u8]) -> serde_json::Value {
+    serde_json::from_slice(stdout).unwrap_or_else(|e| panic!("bad JSON ({e}): {}", String::from_utf8_lossy(stdout)))
+}
+
+/// The per-step losses of a `--json` report.
+fn step_losses(report: &serde_json::Value) -> Vec<f64> {
+    report["steps"].as_array().unwrap().iter().map(|s| s["loss"].as_f64().unwrap()).collect()
+}
+
 fn losses(stdout: &[u8]) -> Vec<f64> {
-    let v: serde_json::Value = serde_json::from_slice(stdout).unwrap_or_else(|e| panic!("bad JSON ({e}): {}", String::from_utf8_lossy(stdout)));
-    v["steps"].as_array().unwrap().iter().map(|s| s["loss"].as_f64().unwrap()).collect()
+    step_losses(&json(stdout))
 }
 
 fn reference(dtype: &str) -> &'static Vec<f64> {
@@ -56,13 +64,7 @@ fn reference(dtype: &str) -> &'static Vec<f64> {
 }
 
 fn launch(nproc: usize, plan: &Path, dtype: &str) -> Vec<f64> {
-    let r = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
-        .args(["launch", "--nproc", &nproc.to_string(), plan.to_str().unwrap()])
-        .args(["--steps", STEPS, "--dtype", dtype, "--threads", "1", "--json", "--timeout", "120"])
-        .output()
-        .unwrap();
-    assert!(r.status.success(), "launch of {} failed: {}", plan.display(), String::from_utf8_lossy(&r.stderr));
-    losses(&r.stdout)
+    step_losses(&launch_json(nproc, plan, dtype, STEPS))
 }
 
 /// Plans `flags` on `cluster`, runs it in f64 and f32, and compares with the single process.
@@ -83,16 +85,14 @@ fn equivalent_with(name: &str, cluster: &str, nproc: usize, flags: &[&str], chec
     }
     let p = plan(dir.path(), name, cluster, &flags);
     if tensor_parallel {
-        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
-        let slices: usize = v["codegen"]["shards"].as_array().unwrap().iter().flat_map(|l| l.as_array().unwrap()).map(|sh| sh["weight_slices"].as_array().map_or(0, Vec::len)).sum();
+        let slices: usize = shards(&p).iter().map(|sh| sh["weight_slices"].as_array().map_or(0, Vec::len)).sum();
         assert!(slices > 0, "{name}: the plan slices no weight");
     }
     check(&p);
     for (dtype, tol) in [("f64", 1e-9), ("f32", 1e-4)] {
         let want = reference(dtype);
         let got = launch(nproc, &p, dtype);
-        assert_eq!(got.len(), want.len(), "{name} {dtype}: step count");
-        let worst = got.iter().zip(want).map(|(g, w)| ((g - w) / w).abs()).fold(0.0, f64::max);
+        let worst = max_rel(&got, want);
         eprintln!("{name} {dtype}: max relative loss difference {worst:.3e} over {} steps", got.len());
         assert!(worst <= tol, "{name} {dtype}: losses {got:?} vs single-process {want:?} (max rel {worst:.3e} > {tol})");
     }
@@ -313,7 +313,7 @@ fn launch_json(nproc: usize, plan: &Path, dtype: &str, steps: &str) -> serde_jso
         .output()
         .unwrap();
     assert!(r.status.success(), "launch of {} failed: {}", plan.display(), String::from_utf8_lossy(&r.stderr));
-    serde_json::from_slice(&r.stdout).unwrap_or_else(|e| panic!("bad JSON ({e}): {}", String::from_utf8_lossy(&r.stdout)))
+    json(&r.stdout)
 }
 
 fn max_rel(got: &[f64], want: &[f64]) -> f64 {
@@ -332,8 +332,8 @@ fn zero3_holds_only_its_block_between_uses_and_trains_like_zero2() {
         let p = plan(dir.path(), &format!("zero{zero}mem"), "cpu:2", &flags);
         runs.push(launch_json(2, &p, "f64", "5"));
     }
-    let l2 = losses(runs[0].to_string().as_bytes());
-    let l3 = losses(runs[1].to_string().as_bytes());
+    let l2 = step_losses(&runs[0]);
+    let l3 = step_losses(&runs[1]);
     let worst = max_rel(&l3, &l2);
     assert!(worst <= 1e-9, "ZeRO-3 losses {l3:?} vs ZeRO-2 {l2:?} (max rel {worst:.3e})");
     for rank in 0..2 {
@@ -405,7 +405,7 @@ fn llama_tp4_sums_shared_kv_slice_gradients() {
         assert!(r.status.success(), "llama reference run failed: {}", String::from_utf8_lossy(&r.stderr));
         losses(&r.stdout)
     };
-    let got = losses(launch_json(4, &out, "f64", "5").to_string().as_bytes());
+    let got = step_losses(&launch_json(4, &out, "f64", "5"));
     let worst = max_rel(&got, &want);
     eprintln!("llama tp4 f64: max relative loss difference {worst:.3e}");
     assert!(worst <= 1e-9, "llama tp4 losses {got:?} vs single-process {want:?} (max rel {worst:.3e})");
@@ -417,15 +417,18 @@ fn dp4_sharded_dp2_matches_single_process() {
     equivalent("sdp2", "cpu:4", 4, &["--pp", "1", "--tp", "1", "--dp", "4", "--sharded-dp", "2", "--microbatches", "2"]);
 }
 
+/// Every (layer, tensor rank) shard of the plan file's codegen section.
+fn shards(plan: &Path) -> Vec<serde_json::Value> {
+    let v = json(&std::fs::read(plan).unwrap());
+    v["codegen"]["shards"].as_array().unwrap().iter().flat_map(|l| l.as_array().unwrap().clone()).collect()
+}
+
 /// Counts of each collective kind in the plan's shards.
 fn collective_kinds(plan: &Path) -> std::collections::BTreeMap<String, usize> {
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(plan).unwrap()).unwrap();
     let mut out = std::collections::BTreeMap::new();
-    for layer in v["codegen"]["shards"].as_array().unwrap() {
-        for shard in layer.as_array().unwrap() {
-            for c in shard["collectives"].as_array().unwrap() {
-                *out.entry(c["kind"]["kind"].as_str().unwrap().to_string()).or_default() += 1;
-            }
+    for shard in shards(plan) {
+        for c in shard["collectives"].as_array().unwrap() {
+            *out.entry(c["kind"]["kind"].as_str().unwrap().to_string()).or_default() += 1;
         }
     }
     out
