@@ -1,7 +1,7 @@
 //! Snapshots of the GPT-2 export's plan on `cpu:4` and of its inspect table, through the CLI.
-//! Redacted: wall times and the model hash. The memory limit is given so the machine's RAM
-//! does not enter; the calibration file is pointed away so the `cpu` defaults apply; HiGHS
-//! runs single-threaded (the CLI's default), so ties resolve the same way.
+//! Redacted: wall times and the model hash. The machine is the fixed one of
+//! `tests/data/cpu.toml` (no host fact enters), the memory limit is given; HiGHS runs
+//! single-threaded (the CLI's default), so ties resolve the same way.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -11,7 +11,6 @@ const MODEL: &str = "models/gpt2.onnx";
 fn smp(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_smp-partition"))
         .args(args)
-        .env("SMP_CPU_CALIBRATION", "/nonexistent/cpu.toml")
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .unwrap()
@@ -21,7 +20,7 @@ fn plan_gpt2(extra: &[&str]) -> serde_json::Value {
     let mut args = vec![
         MODEL,
         "--cluster",
-        "cpu:4",
+        "tests/data/cpu.toml:4",
         "--seq-len",
         "64",
         "--global-batch",
@@ -135,7 +134,7 @@ fn smp_config_file_is_honoured() {
 
 #[test]
 fn layout_not_covering_the_model_is_a_user_error() {
-    let o = smp(&[MODEL, "--cluster", "cpu:4", "--seq-len", "64", "--layout", "0-1|2-3"]);
+    let o = smp(&[MODEL, "--cluster", "tests/data/cpu.toml:4", "--seq-len", "64", "--layout", "0-1|2-3"]);
     assert_eq!(o.status.code(), Some(1));
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(e.contains("--layout 0-1|2-3") && e.contains("6 layers"), "{e}");

@@ -97,6 +97,7 @@ pub fn from_decision(
             devices: cluster.devices,
             devices_per_node: cluster.devices_per_node,
             memory_limit_bytes: bytes(d.memory_limit_bytes),
+            machine: cluster.machine.clone(),
         },
         parallel: Parallel {
             pp: d.pp,

@@ -177,6 +177,20 @@ fn table(rows: &[Vec<String>]) -> String {
     out
 }
 
+/// The machine facts a `cpu` plan assumed, in one line.
+pub fn machine_line(m: &crate::cost::MachineFacts) -> String {
+    use crate::cost::FactSource;
+    let source = match &m.source {
+        FactSource::Host => "read from the planning host".to_string(),
+        FactSource::ClusterFile(f) => format!("stated in {f}"),
+    };
+    let calibration = match &m.calibration {
+        Some(c) => format!("calibration {} (sha256 {})", c.path, &c.sha256[..c.sha256.len().min(12)]),
+        None => "uncalibrated (preset defaults)".to_string(),
+    };
+    format!("{} memory, {} cores, {calibration}; {source}", bytes(m.memory_bytes as f64), m.cores)
+}
+
 /// The readable report printed by `inspect` (and after planning).
 pub fn render(plan: &Plan) -> String {
     let mut out = String::new();
@@ -196,6 +210,9 @@ pub fn render(plan: &Plan) -> String {
         plan.cluster.devices_per_node,
         bytes(plan.cluster.memory_limit_bytes as f64)
     );
+    if let Some(m) = &plan.cluster.machine {
+        let _ = writeln!(out, "machine {}", machine_line(m));
+    }
     let mut parallel = format!("pp {} · tp {} · dp {}, ZeRO {}", par.pp, par.tp, par.dp, par.zero);
     if let Some(s) = par.sharded_dp {
         let _ = write!(parallel, " (sharded over groups of {s})");

@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::cost::MachineFacts;
+
 use crate::codegen::encode::{CodegenInput, CodegenSection, Mesh, RankView, StageInput};
 use crate::codegen::EncodeError;
 use crate::ir::ScheduleKind;
@@ -76,6 +78,10 @@ pub struct ClusterInfo {
     pub devices_per_node: usize,
     /// Memory a device may use, after `--memory-limit` (bytes).
     pub memory_limit_bytes: u64,
+    /// For `cpu` plans, the machine they assumed: its memory, cores and calibration file (with
+    /// its hash), and whether these were read from the host or stated in a cluster file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub machine: Option<MachineFacts>,
 }
 
 /// The parallel configuration.

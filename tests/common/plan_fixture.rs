@@ -62,6 +62,7 @@ pub fn fixture() -> Plan {
             devices: 4,
             devices_per_node: 4,
             memory_limit_bytes: 40 * GIB,
+            machine: None,
         },
         parallel: Parallel {
             pp: 2,

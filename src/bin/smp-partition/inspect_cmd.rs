@@ -75,11 +75,13 @@ fn trace(plan: &Plan) -> Result<serde_json::Value> {
         epilogue: Vec::new(),
     };
     let programs = lower_schedule(kind, p, m, &opts).context("lowering the plan's schedule")?;
-    // The plan names a preset; its links are what the trace needs (a cluster file that has
-    // moved makes communication free in the trace).
-    let comm = ClusterSpec::parse(&format!("{}:{}", plan.cluster.preset, plan.cluster.devices))
-        .ok()
-        .map(|c| CommModel::new(&c));
+    // The plan names a preset, or records the machine of a `cpu` plan; its links are what the
+    // trace needs (a cluster file that has moved makes communication free in the trace).
+    let cluster = match &plan.cluster.machine {
+        Some(machine) => ClusterSpec::cpu(machine, Some(plan.cluster.devices)).ok(),
+        None => ClusterSpec::parse(&format!("{}:{}", plan.cluster.preset, plan.cluster.devices)).ok(),
+    };
+    let comm = cluster.map(|c| CommModel::new(&c));
     let weight_share = if matches!(kind, ScheduleKind::ZbH1) { 0.5 } else { 0.0 };
     let costs = CostTable {
         forward: plan.stages.iter().map(|s| s.forward_s).collect(),
