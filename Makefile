@@ -12,7 +12,7 @@ SHELL := /bin/bash
 
 # apt packages the build needs (HiGHS via cmake + bindgen/libclang; Gloo headers for c10d).
 APT_PACKAGES := cmake libclang-dev libgloo-dev
-# Python packages (tests, fixtures, libtorch for the runner), pinned as in DESIGN.md.
+# Python packages (tests, fixtures, libtorch for the runner), pinned.
 PYTHON_PINS := torch==2.13.0 onnx==1.23.2 onnxruntime==1.32.0 onnxscript==0.7.2 transformers==5.24.0
 # Cargo features for build and test: the libtorch runner is on by default (`make test FEATURES=` skips it).
 FEATURES ?= runner
