@@ -1,9 +1,11 @@
 //! smp-partition: a compiler for model-parallel training.
 //!
 //! The spine, one direction: `frontend` → `ir` → `passes` → `cost` → `solve` → `codegen` →
-//! `plan` → `sim` → `runtime`. Every stage may use `ir` and the stages before it.
+//! `plan` → `sim` → `runtime`. Every stage may use `ir` and the stages before it. [`compile()`]
+//! drives the stages from a model file to a validated plan (docs/architecture.md).
 
 pub mod codegen;
+pub mod compile;
 pub mod cost;
 pub mod frontend;
 pub mod host;
@@ -16,3 +18,6 @@ pub mod solve;
 
 #[cfg(feature = "runner")]
 pub mod runtime;
+
+pub use compile::{Analysed, CompileError, Model, Observer, Stage, compile, compile_observed, load_and_analyze};
+pub use solve::PlanOptions;

@@ -4,27 +4,31 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
-use smp_partition::codegen::{Sharder, encode};
+use smp_partition::codegen::Sharder;
 use smp_partition::cost::{ClusterSpec, GroupSpan};
-use smp_partition::frontend::onnx::load_model;
 use smp_partition::ir::{LayeredGraph, Op, OpKind, ValueKind};
-use smp_partition::passes::{AnalyzeOptions, analyze};
-use smp_partition::plan::build::{ModelRef, from_decision};
 use smp_partition::solve::layer_cost::CostContext;
 use smp_partition::solve::problem::IntraLayerProblem;
 use smp_partition::solve::strategy::{CHOOSING, LayerStrategies, StrategyInputs, build};
-use smp_partition::solve::{PlanConfig, SolverOptions, plan};
+use smp_partition::solve::{PlanOptions, SolverOptions};
+use smp_partition::{Analysed, compile, compile::analyze_options, load_and_analyze};
 
 const MODELS: [&str; 4] = ["bert", "gpt2", "llama", "vit"];
 
-fn model(name: &str) -> LayeredGraph {
+/// The options every test plans `name` with: sequence 16 (text models), batch dim 2.
+fn options(name: &str) -> PlanOptions {
+    PlanOptions { seq_len: (name != "vit").then_some(16), dims: vec![("batch".to_string(), 2)], ..Default::default() }
+}
+
+fn analysed(name: &str) -> Analysed {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models").join(format!("{name}.onnx"));
-    let m = load_model(&path).unwrap();
-    let opts = AnalyzeOptions { seq_len: (name != "vit").then_some(16), dims: BTreeMap::from([("batch".to_string(), 2)]) };
-    analyze(m.graph, &opts).unwrap()
+    load_and_analyze(&path, &analyze_options(&options(name))).unwrap()
+}
+
+fn model(name: &str) -> LayeredGraph {
+    analysed(name).lg
 }
 
 /// Every assignment the problem allows (no forbidden edge pair), up to `cap`.
@@ -116,20 +120,17 @@ fn transformer_blocks_offer_the_megatron_split() {
 #[test]
 fn every_model_plans_and_code_generates() {
     for name in MODELS {
-        let lg = model(name);
+        let a = analysed(name);
         for (cluster, tps) in [("cpu:2", vec![None, Some(2)]), ("cpu:4", vec![None, Some(2), Some(4)]), ("h100-80gb:8", vec![None, Some(2), Some(4)])] {
             let spec = ClusterSpec::parse(&common::cluster_arg(cluster)).unwrap();
             for tp in tps {
-                let mut cfg = PlanConfig::new(spec.devices * 2);
-                cfg.constraints.tp = tp;
+                let opts = PlanOptions { global_batch: Some(spec.devices as u64 * 2), tp, ..options(name) };
                 let what = format!("{name} on {cluster} tp {tp:?}");
-                let d = plan(&lg, &spec, &cfg, &mut |_| {}).unwrap_or_else(|e| panic!("{what}: {e}"));
-                let model_ref = ModelRef { path: format!("models/{name}.onnx"), sha256: String::new() };
-                let p = from_decision(&d, &lg, &spec, &cfg, &model_ref, None, &[], 0.0);
+                // Codegen checks realised == chosen for every choosing node; compile validates.
+                let p = compile(&a, &spec, &opts).unwrap_or_else(|e| panic!("{what}: {e:?}"));
                 let input = p.codegen_input().unwrap();
-                assert_eq!(input.node_strategies.iter().filter(|n| !n.is_empty()).count(), lg.layers.len(), "{what}");
-                // Codegen checks realised == chosen for every choosing node.
-                encode::build(&lg, &input).unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert_eq!(input.node_strategies.iter().filter(|n| !n.is_empty()).count(), a.lg.layers.len(), "{what}");
+                assert!(p.codegen.is_some(), "{what}");
             }
         }
     }

@@ -1,8 +1,10 @@
-//! Flags and SMP `--config` → planning constraints: the mapping and every conflict.
+//! Flags and SMP `--config` → the planner's options: the mapping and every conflict.
 
 use std::path::Path;
 
-use smp_partition::plan::config::*;
+use smp_partition::ir::ScheduleKind;
+use smp_partition::solve::options::*;
+use smp_partition::solve::{Baseline, Optimize, Placement};
 
 fn smp(json: &str) -> SmpConfig {
     SmpConfig::parse(json, Path::new("smp.json")).unwrap()
@@ -12,11 +14,11 @@ fn smp_err(json: &str) -> ConfigError {
     SmpConfig::parse(json, Path::new("smp.json")).unwrap_err()
 }
 
-fn resolve(req: PlanRequest, json: Option<&str>) -> Result<Constraints, ConfigError> {
-    Constraints::resolve(&req, json.map(smp))
+fn resolve(req: PlanOptions, json: Option<&str>) -> Result<PlanOptions, ConfigError> {
+    req.resolve(json.map(smp))
 }
 
-fn conflict(req: PlanRequest, json: Option<&str>) -> String {
+fn conflict(req: PlanOptions, json: Option<&str>) -> String {
     let err = resolve(req, json).unwrap_err();
     assert!(matches!(err, ConfigError::Conflict { .. }), "not a conflict: {err}");
     err.to_string()
@@ -24,13 +26,15 @@ fn conflict(req: PlanRequest, json: Option<&str>) -> String {
 
 #[test]
 fn flag_parsers() {
-    assert_eq!("gpipe".parse::<Schedule>(), Ok(Schedule::Gpipe));
-    assert_eq!("1f1b".parse::<Schedule>(), Ok(Schedule::OneFOneB));
-    assert_eq!("zb-h1".parse::<Schedule>(), Ok(Schedule::ZbH1));
-    assert_eq!("interleaved:4".parse::<Schedule>(), Ok(Schedule::Interleaved(4)));
-    assert!("interleaved:1".parse::<Schedule>().is_err());
-    assert!("interleaved".parse::<Schedule>().is_err());
-    assert_eq!(Schedule::Interleaved(3).to_string(), "interleaved:3");
+    assert_eq!(parse_schedule("gpipe"), Ok(ScheduleKind::GPipe));
+    assert_eq!(parse_schedule("1f1b"), Ok(ScheduleKind::OneFOneB));
+    assert_eq!(parse_schedule("zb-h1"), Ok(ScheduleKind::ZbH1));
+    assert_eq!(parse_schedule("interleaved:4"), Ok(ScheduleKind::Interleaved { virtual_stages: 4 }));
+    assert!(parse_schedule("interleaved:1").is_err());
+    assert!(parse_schedule("interleaved").is_err());
+    assert_eq!(ScheduleKind::Interleaved { virtual_stages: 3 }.to_string(), "interleaved:3");
+    assert_eq!(parse_checkpointing("none"), Ok(smp_partition::solve::CheckpointRule::Never));
+    assert!(parse_checkpointing("some").is_err());
     assert_eq!("cluster".parse::<Placement>(), Ok(Placement::CLUSTER));
     assert_eq!("spread".parse::<Placement>(), Ok(Placement::SPREAD));
     assert_eq!(Placement::CLUSTER.to_string(), "DPT");
@@ -55,7 +59,7 @@ fn flag_parsers() {
 #[test]
 fn smp_names_map_to_settings() {
     let c = resolve(
-        PlanRequest::default(),
+        PlanOptions::default(),
         Some(
             r#"{"partitions": 2, "tensor_parallel_degree": 4, "microbatches": 8, "pipeline": "interleaved",
                 "placement_strategy": "spread", "optimize": "memory", "active_microbatches": 3,
@@ -63,92 +67,92 @@ fn smp_names_map_to_settings() {
         ),
     )
     .unwrap();
-    assert_eq!(c.pp.map(|s| s.value), Some(2));
-    assert_eq!(c.tp.map(|s| s.value), Some(4));
-    assert_eq!(c.microbatches.map(|s| s.value), Some(8));
+    assert_eq!(c.pp, Some(2));
+    assert_eq!(c.tp, Some(4));
+    assert_eq!(c.microbatches, Some(8));
     // SMP's "interleaved" pipeline is 1F1B, not Megatron's virtual stages.
-    assert_eq!(c.schedule.map(|s| s.value), Some(Schedule::OneFOneB));
-    assert_eq!(c.placement.map(|s| s.value), Some(Placement::SPREAD));
-    assert_eq!(c.optimize, Optimize::Memory);
-    assert_eq!(c.active_microbatches.map(|s| s.value), Some(3));
+    assert_eq!(c.schedule, Some(ScheduleKind::OneFOneB));
+    assert_eq!(c.placement, Some(Placement::SPREAD));
+    assert_eq!(c.optimize, Some(Optimize::Memory));
+    assert_eq!(c.active_microbatches, Some(3));
     assert_eq!(c.ignored_config_keys, vec!["bf16".to_string(), "ddp".to_string()]);
 
-    let c = resolve(PlanRequest::default(), Some(r#"{"pipeline_parallel_degree": 4, "pipeline": "simple"}"#))
+    let c = resolve(PlanOptions::default(), Some(r#"{"pipeline_parallel_degree": 4, "pipeline": "simple"}"#))
         .unwrap();
-    assert_eq!(c.pp.map(|s| s.value), Some(4));
-    assert_eq!(c.schedule.map(|s| s.value), Some(Schedule::Gpipe));
+    assert_eq!(c.pp, Some(4));
+    assert_eq!(c.schedule, Some(ScheduleKind::GPipe));
 }
 
 #[test]
 fn sharded_dp_implies_zero_3() {
-    let c = resolve(PlanRequest::default(), Some(r#"{"sharded_data_parallel_degree": 4}"#)).unwrap();
-    assert_eq!(c.sharded_dp.map(|s| s.value), Some(4));
-    assert_eq!(c.zero.map(|s| s.value), Some(3));
-    let c = resolve(PlanRequest { sharded_dp: Some(2), zero: Some(3), ..Default::default() }, None).unwrap();
-    assert_eq!(c.zero.map(|s| s.value), Some(3));
+    let c = resolve(PlanOptions::default(), Some(r#"{"sharded_data_parallel_degree": 4}"#)).unwrap();
+    assert_eq!(c.sharded_dp, Some(4));
+    assert_eq!(c.zero, Some(3));
+    let c = resolve(PlanOptions { sharded_dp: Some(2), zero: Some(3), ..Default::default() }, None).unwrap();
+    assert_eq!(c.zero, Some(3));
 }
 
 #[test]
 fn sagemaker_distribution_wrapping_is_accepted() {
     let c = resolve(
-        PlanRequest::default(),
+        PlanOptions::default(),
         Some(r#"{"smdistributed": {"modelparallel": {"enabled": true, "parameters": {"partitions": 2}}}}"#),
     );
     // `enabled` sits beside `parameters`, which is what is read.
-    assert_eq!(c.unwrap().pp.map(|s| s.value), Some(2));
+    assert_eq!(c.unwrap().pp, Some(2));
     let c =
-        resolve(PlanRequest::default(), Some(r#"{"parameters": {"tensor_parallel_degree": 2}}"#)).unwrap();
-    assert_eq!(c.tp.map(|s| s.value), Some(2));
+        resolve(PlanOptions::default(), Some(r#"{"parameters": {"tensor_parallel_degree": 2}}"#)).unwrap();
+    assert_eq!(c.tp, Some(2));
 }
 
 #[test]
 fn equal_flag_and_config_agree() {
-    let c = resolve(PlanRequest { pp: Some(2), ..Default::default() }, Some(r#"{"partitions": 2}"#)).unwrap();
-    assert_eq!(c.pp.map(|s| s.source), Some(Source::Flag("--pp 2".into())));
+    let c = resolve(PlanOptions { pp: Some(2), ..Default::default() }, Some(r#"{"partitions": 2}"#)).unwrap();
+    assert_eq!(c.source(Setting::Pp), Source::Flag("--pp 2".into()));
 }
 
 #[test]
 fn flag_versus_config_conflicts_name_both() {
-    let cases: Vec<(PlanRequest, &str, &str, &str)> = vec![
+    let cases: Vec<(PlanOptions, &str, &str, &str)> = vec![
         (
-            PlanRequest { pp: Some(4), ..Default::default() },
+            PlanOptions { pp: Some(4), ..Default::default() },
             r#"{"pipeline_parallel_degree": 2}"#,
             "--pp 4",
             "pipeline_parallel_degree",
         ),
-        (PlanRequest { pp: Some(4), ..Default::default() }, r#"{"partitions": 2}"#, "--pp 4", "partitions"),
+        (PlanOptions { pp: Some(4), ..Default::default() }, r#"{"partitions": 2}"#, "--pp 4", "partitions"),
         (
-            PlanRequest { tp: Some(2), ..Default::default() },
+            PlanOptions { tp: Some(2), ..Default::default() },
             r#"{"tensor_parallel_degree": 4}"#,
             "--tp 2",
             "tensor_parallel_degree",
         ),
         (
-            PlanRequest { sharded_dp: Some(2), ..Default::default() },
+            PlanOptions { sharded_dp: Some(2), ..Default::default() },
             r#"{"sharded_data_parallel_degree": 4}"#,
             "--sharded-dp 2",
             "sharded_data_parallel_degree",
         ),
         (
-            PlanRequest { microbatches: Some(2), ..Default::default() },
+            PlanOptions { microbatches: Some(2), ..Default::default() },
             r#"{"microbatches": 4}"#,
             "--microbatches 2",
             "microbatches",
         ),
         (
-            PlanRequest { schedule: Some(Schedule::ZbH1), ..Default::default() },
+            PlanOptions { schedule: Some(ScheduleKind::ZbH1), ..Default::default() },
             r#"{"pipeline": "simple"}"#,
             "--schedule zb-h1",
             "pipeline",
         ),
         (
-            PlanRequest { placement: Some(Placement::CLUSTER), ..Default::default() },
+            PlanOptions { placement: Some(Placement::CLUSTER), ..Default::default() },
             r#"{"placement_strategy": "spread"}"#,
             "--placement DPT",
             "placement_strategy",
         ),
         (
-            PlanRequest { optimize: Some(Optimize::Speed), ..Default::default() },
+            PlanOptions { optimize: Some(Optimize::Speed), ..Default::default() },
             r#"{"optimize": "memory"}"#,
             "--optimize speed",
             "optimize",
@@ -197,53 +201,53 @@ fn unknown_and_bad_config_keys() {
 #[test]
 fn sharded_dp_with_other_zero_conflicts() {
     for zero in [0u8, 1, 2] {
-        let msg = conflict(PlanRequest { sharded_dp: Some(2), zero: Some(zero), ..Default::default() }, None);
+        let msg = conflict(PlanOptions { sharded_dp: Some(2), zero: Some(zero), ..Default::default() }, None);
         assert!(msg.contains("--sharded-dp 2") && msg.contains(&format!("--zero {zero}")), "{msg}");
     }
     let msg = conflict(
-        PlanRequest { zero: Some(1), ..Default::default() },
+        PlanOptions { zero: Some(1), ..Default::default() },
         Some(r#"{"sharded_data_parallel_degree": 2}"#),
     );
     assert!(msg.contains("sharded_data_parallel_degree") && msg.contains("--zero 1"), "{msg}");
-    let msg = conflict(PlanRequest { sharded_dp: Some(4), dp: Some(6), ..Default::default() }, None);
+    let msg = conflict(PlanOptions { sharded_dp: Some(4), dp: Some(6), ..Default::default() }, None);
     assert!(msg.contains("--sharded-dp 4") && msg.contains("--dp 6"), "{msg}");
 }
 
 #[test]
 fn layout_sets_or_must_match_pp() {
     let layout: Layout = "0-1|2-3|4-5".parse().unwrap();
-    let c = resolve(PlanRequest { layout: Some(layout.clone()), ..Default::default() }, None).unwrap();
-    assert_eq!(c.pp.map(|s| s.value), Some(3));
-    let msg = conflict(PlanRequest { layout: Some(layout.clone()), pp: Some(2), ..Default::default() }, None);
+    let c = resolve(PlanOptions { layout: Some(layout.clone()), ..Default::default() }, None).unwrap();
+    assert_eq!(c.pp, Some(3));
+    let msg = conflict(PlanOptions { layout: Some(layout.clone()), pp: Some(2), ..Default::default() }, None);
     assert!(msg.contains("--layout 0-1|2-3|4-5") && msg.contains("--pp 2"), "{msg}");
     let msg = conflict(
-        PlanRequest { layout: Some(layout.clone()), ..Default::default() },
+        PlanOptions { layout: Some(layout.clone()), ..Default::default() },
         Some(r#"{"partitions": 2}"#),
     );
     assert!(msg.contains("--layout") && msg.contains("partitions"), "{msg}");
     // Interleaved: the layout lists pp·V virtual stages.
     let four: Layout = "0|1|2|3-5".parse().unwrap();
     let c = resolve(
-        PlanRequest {
+        PlanOptions {
             layout: Some(four.clone()),
-            schedule: Some(Schedule::Interleaved(2)),
+            schedule: Some(ScheduleKind::Interleaved { virtual_stages: 2 }),
             ..Default::default()
         },
         None,
     )
     .unwrap();
-    assert_eq!(c.pp.map(|s| s.value), Some(2));
+    assert_eq!(c.pp, Some(2));
     let msg = conflict(
-        PlanRequest {
+        PlanOptions {
             layout: Some(layout.clone()),
-            schedule: Some(Schedule::Interleaved(2)),
+            schedule: Some(ScheduleKind::Interleaved { virtual_stages: 2 }),
             ..Default::default()
         },
         None,
     );
     assert!(msg.contains("--layout") && msg.contains("--schedule interleaved:2"), "{msg}");
     let msg = conflict(
-        PlanRequest { layout: Some(layout), baseline: Some(Baseline::Uniform), ..Default::default() },
+        PlanOptions { layout: Some(layout), baseline: Some(Baseline::Uniform), ..Default::default() },
         None,
     );
     assert!(msg.contains("--layout") && msg.contains("--baseline uniform"), "{msg}");
@@ -251,19 +255,19 @@ fn layout_sets_or_must_match_pp() {
 
 #[test]
 fn layout_must_cover_the_model() {
-    let c = resolve(PlanRequest { layout: Some("0-1|2-3".parse().unwrap()), ..Default::default() }, None)
+    let c = resolve(PlanOptions { layout: Some("0-1|2-3".parse().unwrap()), ..Default::default() }, None)
         .unwrap();
     c.check_layers(4, "m.onnx").unwrap();
     let err = c.check_layers(6, "m.onnx").unwrap_err().to_string();
     assert!(err.contains("--layout 0-1|2-3") && err.contains("m.onnx (6 layers"), "{err}");
-    let c = resolve(PlanRequest { pp: Some(8), ..Default::default() }, None).unwrap();
+    let c = resolve(PlanOptions { pp: Some(8), ..Default::default() }, None).unwrap();
     let err = c.check_layers(6, "m.onnx").unwrap_err().to_string();
     assert!(err.contains("--pp 8") && err.contains("6 layers"), "{err}");
 }
 
 #[test]
 fn degrees_against_devices() {
-    let c = resolve(PlanRequest { tp: Some(4), pp: Some(4), ..Default::default() }, None).unwrap();
+    let c = resolve(PlanOptions { tp: Some(4), pp: Some(4), ..Default::default() }, None).unwrap();
     let err = c.check_devices(8, "h100-80gb:8").unwrap_err().to_string();
     assert!(
         err.contains("--pp 4") && err.contains("--tp 4") && err.contains("--cluster h100-80gb:8"),
@@ -273,61 +277,61 @@ fn degrees_against_devices() {
     let err = c.check_devices(24, "h100-80gb:24").unwrap_err().to_string();
     assert!(err.contains("does not divide"), "{err}");
     let c =
-        resolve(PlanRequest { tp: Some(2), pp: Some(2), dp: Some(1), ..Default::default() }, None).unwrap();
+        resolve(PlanOptions { tp: Some(2), pp: Some(2), dp: Some(1), ..Default::default() }, None).unwrap();
     let err = c.check_devices(8, "cpu:8").unwrap_err().to_string();
     assert!(err.contains("--dp 1") && err.contains("must equal"), "{err}");
     c.check_devices(4, "cpu:4").unwrap();
     let c =
-        resolve(PlanRequest { tp: Some(2), ..Default::default() }, Some(r#"{"tensor_parallel_degree": 2}"#))
+        resolve(PlanOptions { tp: Some(2), ..Default::default() }, Some(r#"{"tensor_parallel_degree": 2}"#))
             .unwrap();
     let err = c.check_devices(1, "cpu:1").unwrap_err().to_string();
     assert!(err.contains("--tp 2") && err.contains("cpu:1"), "{err}");
-    let c = resolve(PlanRequest { sharded_dp: Some(8), tp: Some(2), ..Default::default() }, None).unwrap();
+    let c = resolve(PlanOptions { sharded_dp: Some(8), tp: Some(2), ..Default::default() }, None).unwrap();
     let err = c.check_devices(8, "cpu:8").unwrap_err().to_string();
     assert!(err.contains("--sharded-dp 8") && err.contains("at most 4"), "{err}");
 }
 
 #[test]
 fn auto_partition_false() {
-    let c = resolve(PlanRequest::default(), Some(r#"{"auto_partition": false, "default_partition": 0}"#))
+    let c = resolve(PlanOptions::default(), Some(r#"{"auto_partition": false, "default_partition": 0}"#))
         .unwrap();
-    assert_eq!(c.pp.map(|s| s.value), Some(1));
+    assert_eq!(c.pp, Some(1));
     let msg =
-        conflict(PlanRequest { pp: Some(2), ..Default::default() }, Some(r#"{"auto_partition": false}"#));
+        conflict(PlanOptions { pp: Some(2), ..Default::default() }, Some(r#"{"auto_partition": false}"#));
     assert!(msg.contains("auto_partition") && msg.contains("--pp 2") && msg.contains("--layout"), "{msg}");
     // --layout says otherwise: its cuts are taken.
     let c = resolve(
-        PlanRequest { layout: Some("0-1|2-3".parse().unwrap()), ..Default::default() },
+        PlanOptions { layout: Some("0-1|2-3".parse().unwrap()), ..Default::default() },
         Some(r#"{"auto_partition": false, "default_partition": 1, "partitions": 2}"#),
     )
     .unwrap();
-    assert_eq!(c.pp.map(|s| s.value), Some(2));
-    let err = resolve(PlanRequest::default(), Some(r#"{"auto_partition": false, "default_partition": 1}"#))
+    assert_eq!(c.pp, Some(2));
+    let err = resolve(PlanOptions::default(), Some(r#"{"auto_partition": false, "default_partition": 1}"#))
         .unwrap_err();
     assert!(err.to_string().contains("default_partition"), "{err}");
 }
 
 #[test]
 fn batch_arithmetic() {
-    let msg = conflict(PlanRequest { global_batch: Some(10), dp: Some(4), ..Default::default() }, None);
+    let msg = conflict(PlanOptions { global_batch: Some(10), dp: Some(4), ..Default::default() }, None);
     assert!(msg.contains("--global-batch 10") && msg.contains("--dp 4"), "{msg}");
     let msg = conflict(
-        PlanRequest { global_batch: Some(16), dp: Some(2), microbatches: Some(3), ..Default::default() },
+        PlanOptions { global_batch: Some(16), dp: Some(2), microbatches: Some(3), ..Default::default() },
         None,
     );
     assert!(msg.contains("--microbatches 3") && msg.contains("--global-batch 16"), "{msg}");
     resolve(
-        PlanRequest { global_batch: Some(16), dp: Some(2), microbatches: Some(8), ..Default::default() },
+        PlanOptions { global_batch: Some(16), dp: Some(2), microbatches: Some(8), ..Default::default() },
         None,
     )
     .unwrap();
     let msg = conflict(
-        PlanRequest { microbatches: Some(2), ..Default::default() },
+        PlanOptions { microbatches: Some(2), ..Default::default() },
         Some(r#"{"active_microbatches": 4}"#),
     );
     assert!(msg.contains("active_microbatches") && msg.contains("--microbatches 2"), "{msg}");
     let msg = conflict(
-        PlanRequest { pp: Some(1), schedule: Some(Schedule::Interleaved(2)), ..Default::default() },
+        PlanOptions { pp: Some(1), schedule: Some(ScheduleKind::Interleaved { virtual_stages: 2 }), ..Default::default() },
         None,
     );
     assert!(msg.contains("--pp 1") && msg.contains("interleaved:2"), "{msg}");
@@ -336,17 +340,17 @@ fn batch_arithmetic() {
 #[test]
 fn out_of_range_flags() {
     for req in [
-        PlanRequest { pp: Some(0), ..Default::default() },
-        PlanRequest { global_batch: Some(0), ..Default::default() },
-        PlanRequest { zero: Some(4), ..Default::default() },
-        PlanRequest { memory_limit_gib: Some(-1.0), ..Default::default() },
-        PlanRequest { time_limit_s: Some(0.0), ..Default::default() },
+        PlanOptions { pp: Some(0), ..Default::default() },
+        PlanOptions { global_batch: Some(0), ..Default::default() },
+        PlanOptions { zero: Some(4), ..Default::default() },
+        PlanOptions { memory_limit_gib: Some(-1.0), ..Default::default() },
+        PlanOptions { time_limit_s: Some(0.0), ..Default::default() },
     ] {
         let err = resolve(req, None).unwrap_err();
         assert!(matches!(err, ConfigError::Invalid { .. }), "{err}");
     }
-    let c = resolve(PlanRequest { memory_limit_gib: Some(1.5), ..Default::default() }, None).unwrap();
-    assert_eq!(c.memory_limit_bytes, Some(3 << 29));
+    let c = resolve(PlanOptions { memory_limit_gib: Some(1.5), ..Default::default() }, None).unwrap();
+    assert_eq!(c.memory_limit_bytes(), Some(3 << 29));
 }
 
 #[test]

@@ -4,7 +4,7 @@ mod common;
 
 use smp_partition::cost::ClusterSpec;
 use smp_partition::solve::oracle::brute_force_pipeline;
-use smp_partition::solve::{Baseline, PlanConfig, SolveError, SolveStatus, plan};
+use smp_partition::solve::{Baseline, PlanOptions, SolveError, SolveStatus, plan};
 
 fn small() -> smp_partition::ir::LayeredGraph {
     common::gpt(common::GptShape { layers: 6, hidden: 1024.0, heads: 16.0, seq: 1024.0, vocab: 32000.0 })
@@ -14,7 +14,7 @@ fn small() -> smp_partition::ir::LayeredGraph {
 fn plans_a_small_gpt_and_the_objective_is_the_evaluated_step() {
     let lg = small();
     let spec = ClusterSpec::parse("h100-80gb:8").unwrap();
-    let d = plan(&lg, &spec, &PlanConfig::new(64), &mut |_| {}).unwrap();
+    let d = plan(&lg, &spec, &PlanOptions { global_batch: Some(64), ..Default::default() }, &mut |_| {}).unwrap();
     assert_eq!(d.pp * d.tp * d.dp, 8);
     assert_eq!(d.solver.status, SolveStatus::Optimal);
     let eval = d.problem.evaluate(&d.choices).unwrap();
@@ -36,13 +36,13 @@ fn chosen_candidate_is_optimal_by_brute_force() {
     // 8 layers, pp fixed to 2 with the other settings fixed: brute force the chosen problem.
     let lg = common::gpt(common::GptShape { layers: 5, hidden: 512.0, heads: 8.0, seq: 512.0, vocab: 8000.0 });
     let spec = ClusterSpec::parse("a100-40gb:4").unwrap();
-    let mut cfg = PlanConfig::new(16);
-    cfg.constraints.pp = Some(2);
-    cfg.constraints.tp = Some(2);
-    cfg.constraints.zero = Some(1);
-    cfg.constraints.microbatches = Some(4);
-    cfg.constraints.schedule = Some(smp_partition::ir::ScheduleKind::OneFOneB);
-    cfg.constraints.placement = Some(smp_partition::solve::Placement::CLUSTER);
+    let mut cfg = PlanOptions { global_batch: Some(16), ..Default::default() };
+    cfg.pp = Some(2);
+    cfg.tp = Some(2);
+    cfg.zero = Some(1);
+    cfg.microbatches = Some(4);
+    cfg.schedule = Some(smp_partition::ir::ScheduleKind::OneFOneB);
+    cfg.placement = Some(smp_partition::solve::Placement::CLUSTER);
     let d = plan(&lg, &spec, &cfg, &mut |_| {}).unwrap();
     let (best, _, _) = brute_force_pipeline(&d.problem).unwrap();
     assert!((best - d.predicted.step_time_s).abs() <= 1e-6 * best, "{best} vs {}", d.predicted.step_time_s);
@@ -52,9 +52,9 @@ fn chosen_candidate_is_optimal_by_brute_force() {
 fn automatic_plan_is_no_worse_than_the_baselines() {
     let lg = small();
     let spec = ClusterSpec::parse("h100-80gb:8").unwrap();
-    let auto = plan(&lg, &spec, &PlanConfig::new(64), &mut |_| {}).unwrap();
+    let auto = plan(&lg, &spec, &PlanOptions { global_batch: Some(64), ..Default::default() }, &mut |_| {}).unwrap();
     for b in [Baseline::Megatron, Baseline::Uniform, Baseline::Parameters] {
-        let mut cfg = PlanConfig::new(64);
+        let mut cfg = PlanOptions { global_batch: Some(64), ..Default::default() };
         cfg.baseline = Some(b);
         let base = plan(&lg, &spec, &cfg, &mut |_| {}).unwrap();
         assert!(auto.predicted.step_time_s <= base.predicted.step_time_s * (1.0 + 1e-9), "{b:?}");
@@ -65,7 +65,7 @@ fn automatic_plan_is_no_worse_than_the_baselines() {
 fn infeasible_says_what_would_fit() {
     let lg = common::gpt(common::GptShape { layers: 24, hidden: 8192.0, heads: 64.0, seq: 2048.0, vocab: 51200.0 });
     let spec = ClusterSpec::parse("a100-40gb:2").unwrap();
-    let err = plan(&lg, &spec, &PlanConfig::new(8), &mut |_| {}).unwrap_err();
+    let err = plan(&lg, &spec, &PlanOptions { global_batch: Some(8), ..Default::default() }, &mut |_| {}).unwrap_err();
     match err {
         SolveError::Infeasible { fix, .. } => {
             assert!(fix.contains("GiB per device"), "{fix}");
@@ -79,8 +79,8 @@ fn infeasible_says_what_would_fit() {
 fn manual_layout_is_honoured() {
     let lg = small();
     let spec = ClusterSpec::parse("h100-80gb:8").unwrap();
-    let mut cfg = PlanConfig::new(64);
-    cfg.constraints.layout = Some(vec![[0, 1], [2, 7]]);
+    let mut cfg = PlanOptions { global_batch: Some(64), ..Default::default() };
+    cfg.layout = Some(smp_partition::solve::Layout(vec![[0, 1], [2, 7]]));
     let d = plan(&lg, &spec, &cfg, &mut |_| {}).unwrap();
     assert_eq!(d.pp, 2);
     assert_eq!(d.stages[0].layers, [0, 1]);

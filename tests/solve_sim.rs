@@ -7,16 +7,16 @@ use smp_partition::codegen::lower::{LowerOptions, lower_schedule};
 use smp_partition::cost::ClusterSpec;
 use smp_partition::ir::ScheduleKind;
 use smp_partition::sim::replay::{CostTable, simulate};
-use smp_partition::solve::{CheckpointRule, PlanConfig, PlanDecision, plan};
+use smp_partition::solve::{CheckpointRule, PlanOptions, PlanDecision, plan};
 
 fn decide(kind: ScheduleKind, layers: usize, m: usize) -> PlanDecision {
     let lg = common::gpt(common::GptShape { layers, hidden: 1024.0, heads: 16.0, seq: 1024.0, vocab: 32000.0 });
     let spec = ClusterSpec::parse("h100-80gb:4").unwrap();
-    let mut cfg = PlanConfig::new(4 * m);
-    cfg.constraints.pp = Some(4);
-    cfg.constraints.microbatches = Some(m);
-    cfg.constraints.schedule = Some(kind);
-    cfg.constraints.checkpointing = Some(CheckpointRule::Never);
+    let mut cfg = PlanOptions { global_batch: Some((4 * m) as u64), ..Default::default() };
+    cfg.pp = Some(4);
+    cfg.microbatches = Some(m);
+    cfg.schedule = Some(kind);
+    cfg.checkpointing = Some(CheckpointRule::Never);
     plan(&lg, &spec, &cfg, &mut |_| {}).unwrap()
 }
 

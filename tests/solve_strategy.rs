@@ -7,7 +7,7 @@ use smp_partition::ir::LayerKind;
 use smp_partition::solve::layer_cost::{CostContext, LayerConfig};
 use smp_partition::solve::oracle::brute_force_intra;
 use smp_partition::solve::strategy::{StrategyInputs, build};
-use smp_partition::solve::{Baseline, PlanConfig, SolverOptions, plan};
+use smp_partition::solve::{Baseline, PlanOptions, SolverOptions, plan};
 
 fn small() -> smp_partition::ir::LayeredGraph {
     common::gpt(common::GptShape { layers: 4, hidden: 1024.0, heads: 16.0, seq: 1024.0, vocab: 32000.0 })
@@ -69,8 +69,8 @@ fn megatron_is_an_assignment_and_the_ilp_matches_brute_force() {
 fn plan_records_a_strategy_per_node() {
     let lg = small();
     let spec = ClusterSpec::parse("h100-80gb:8").unwrap();
-    let mut c = PlanConfig::new(64);
-    c.constraints.tp = Some(4);
+    let mut c = PlanOptions { global_batch: Some(64), ..Default::default() };
+    c.tp = Some(4);
     let d = plan(&lg, &spec, &c, &mut |_| {}).unwrap();
     assert_eq!(d.layers.len(), lg.layers.len());
     for l in &d.layers {

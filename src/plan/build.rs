@@ -2,7 +2,7 @@
 
 use crate::cost::{ClusterSpec, CommModel, GroupSpan};
 use crate::ir::LayeredGraph;
-use crate::solve::{CheckpointRule, PlanConfig, PlanDecision};
+use crate::solve::{CheckpointRule, PlanDecision, PlanOptions};
 
 use super::schema::*;
 
@@ -28,17 +28,9 @@ fn bytes(x: f64) -> u64 {
     if x.is_finite() && x > 0.0 { x.round() as u64 } else { 0 }
 }
 
-/// Builds the plan for `decision`; `wall_s` is the planning time to record.
-pub fn from_decision(
-    d: &PlanDecision,
-    lg: &LayeredGraph,
-    cluster: &ClusterSpec,
-    cfg: &PlanConfig,
-    model: &ModelRef,
-    seq_len: Option<u64>,
-    dims: &[(String, i64)],
-    wall_s: f64,
-) -> Plan {
+/// Builds the plan (without its codegen section) for `decision`, which `opts` asked for;
+/// `wall_s` is the planning time to record.
+pub fn from_decision(d: &PlanDecision, lg: &LayeredGraph, cluster: &ClusterSpec, opts: &PlanOptions, model: &ModelRef, wall_s: f64) -> Plan {
     let stages: Vec<Stage> = d
         .stages
         .iter()
@@ -106,12 +98,12 @@ pub fn from_decision(
             zero: d.zero,
             sharded_dp: d.sharded_dp,
             microbatches: d.microbatches,
-            active_microbatches: cfg.constraints.active_microbatches,
+            active_microbatches: opts.active_microbatches,
             schedule: d.schedule.name().to_string(),
             virtual_stages: d.schedule.virtual_stages(),
             checkpointing: checkpointing_name(d.checkpointing).to_string(),
             placement: d.placement.name(),
-            sequence_parallel: false,
+            sequence_parallel: opts.sequence_parallel && d.tp > 1,
         },
         stages,
         layer_strategies,
@@ -124,7 +116,7 @@ pub fn from_decision(
             mfu: d.predicted.mfu,
         },
         solver: SolverInfo {
-            status: match cfg.baseline {
+            status: match opts.baseline {
                 Some(b) => format!("baseline:{}", b.name()),
                 None => d.solver.status.name().to_string(),
             },
@@ -134,9 +126,9 @@ pub fn from_decision(
             wall_s,
             candidates: Candidates { solved: d.candidates_solved, skipped: d.candidates_skipped },
         },
-        global_batch: cfg.global_batch as u64,
-        seq_len,
-        dims: dims.iter().cloned().collect(),
+        global_batch: opts.global_batch_for(lg, cluster),
+        seq_len: opts.seq_len,
+        dims: opts.dims.iter().cloned().collect(),
         codegen: None,
     };
     plan.predicted.peak_memory_bytes = (0..d.pp).map(|r| plan.rank_memory(r).total).max().unwrap_or(0);

@@ -1,15 +1,14 @@
-//! The plan: the versioned on-disk contract (`schema`), reading and writing it (`io`), its
-//! structural checks (`validate`), and turning flags and SMP configs into constraints (`config`).
+//! The plan: the versioned on-disk contract (`schema`), building it from the solver's decision
+//! (`build`), reading and writing it (`io`), its structural checks (`validate`), its report and
+//! DOT views. What the user asks for (flags, SMP configs) is `solve::options`.
 
 pub mod build;
-pub mod config;
 pub mod dot;
 pub mod io;
 pub mod report;
 pub mod schema;
 pub mod validate;
 
-pub use config::{Constraints, PlanRequest, SmpConfig};
 pub use io::{PlanIoError, load, save};
 pub use schema::{PLAN_VERSION, Plan};
 pub use validate::{PlanInvalid, validate};

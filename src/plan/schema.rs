@@ -1,5 +1,5 @@
 //! The plan file: the versioned on-disk contract between `smp-partition`, `inspect`, the
-//! simulator and `smp-runner`. Field names are those of DESIGN.md's "Contracts" section.
+//! simulator and `smp-runner`. Fields are described in docs/plan-format.md.
 
 use std::collections::BTreeMap;
 

@@ -4,40 +4,17 @@
 use crate::cost::ClusterSpec;
 use crate::ir::{LayeredGraph, ScheduleKind};
 
+use super::chunks::{parameter_chunks, uniform_chunks};
 use super::layer_cost::CostContext;
-use super::oracle::min_max_cuts;
 use super::problem::CheckpointRule;
 use super::search::{Candidate, enumerate, run};
-use super::{Baseline, PlanConfig, PlanDecision, Progress, SolveError};
-
-/// Equal layer counts over `chunks` (earlier chunks take the remainder).
-pub fn uniform_chunks(layers: usize, chunks: usize) -> Vec<usize> {
-    let base = layers / chunks.max(1);
-    let extra = layers % chunks.max(1);
-    let mut out = Vec::with_capacity(layers);
-    for c in 0..chunks {
-        let n = base + usize::from(c < extra);
-        out.extend(std::iter::repeat_n(c, n));
-    }
-    out
-}
-
-/// Chunks balancing parameter counts (the DP oracle minimises the largest chunk's count).
-pub fn parameter_chunks(params: &[f64], chunks: usize) -> Option<Vec<usize>> {
-    let (_, starts) = min_max_cuts(params, chunks)?;
-    let mut out = Vec::with_capacity(params.len());
-    for c in 0..chunks {
-        let end = starts.get(c + 1).copied().unwrap_or(params.len());
-        out.extend(std::iter::repeat_n(c, end - starts[c]));
-    }
-    Some(out)
-}
+use super::{Baseline, PlanDecision, PlanOptions, Progress, SolveError};
 
 /// Plans as the baseline would; fixed degrees in `cfg` are honoured.
 pub fn plan_baseline(
     lg: &LayeredGraph,
     spec: &ClusterSpec,
-    cfg: &PlanConfig,
+    cfg: &PlanOptions,
     which: Baseline,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<PlanDecision, SolveError> {
@@ -59,7 +36,7 @@ pub fn plan_baseline(
     }
     // Megatron: t = GPUs per node (unless fixed), 1F1B, microbatch size 1, no ZeRO; p as
     // small as fits, d the rest; recompute only when memory needs it.
-    let c = &mut cfg.constraints;
+    let c = &mut cfg;
     if c.tp.is_none() {
         let mut t = spec.devices_per_node.max(1).min(spec.devices);
         while spec.devices % t != 0 {
@@ -72,7 +49,7 @@ pub fn plan_baseline(
     c.placement.get_or_insert(super::Placement::CLUSTER);
     let user_ckpt = c.checkpointing;
     let mut cands = enumerate(lg, spec, &cfg)?;
-    if cfg.constraints.microbatches.is_none() {
+    if cfg.microbatches.is_none() {
         let ones: Vec<Candidate> = cands.iter().copied().filter(|c| c.microbatch_size == 1).collect();
         if !ones.is_empty() {
             cands = ones;

@@ -3,7 +3,7 @@
 //! one before any ILP runs; the search's answer is then never worse than the best of them —
 //! in particular never worse than Megatron's equal layer counts with no or full recompute.
 
-use super::baseline::uniform_chunks;
+use super::chunks::uniform_chunks;
 use super::oracle::min_max_lower_bound;
 use super::problem::{CheckpointRule, LayerChoice, PipelineEval, PipelineObjective, PipelineProblem};
 

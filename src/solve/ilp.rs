@@ -1,5 +1,5 @@
 //! A thin MILP builder on good_lp, solved through the `highs` crate so the proof (bound, gap)
-//! comes back (PLANNER.md §4); and the intra-layer ILP (PLANNER.md §1).
+//! comes back (docs/planner.md §4); and the intra-layer ILP (docs/planner.md §1).
 
 use std::time::Instant;
 

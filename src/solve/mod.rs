@@ -4,13 +4,16 @@
 //! Entry point: [`plan`].
 
 pub mod baseline;
+pub mod chunks;
 pub mod heuristic;
 pub mod ilp;
 pub mod layer_cost;
+pub mod options;
 pub mod oracle;
 pub mod pipeline;
 pub mod problem;
 pub mod search;
+pub mod smp_config;
 pub mod strategy;
 
 use std::fmt;
@@ -20,7 +23,9 @@ use crate::cost::ClusterSpec;
 use crate::ir::{LayeredGraph, ScheduleKind};
 
 pub use ilp::{SolveReport, SolveStatus, SolverOptions};
+pub use options::{ConfigError, Layout, PlanOptions, Setting, Source, Sourced};
 pub use problem::CheckpointRule;
+pub use smp_config::SmpConfig;
 
 /// Errors of the planner.
 #[derive(Debug, thiserror::Error)]
@@ -213,62 +218,6 @@ impl FromStr for Baseline {
     }
 }
 
-/// Fixed settings; `None` = searched.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct SearchConstraints {
-    /// Pipeline degree.
-    pub pp: Option<usize>,
-    /// Tensor degree.
-    pub tp: Option<usize>,
-    /// Data-parallel degree.
-    pub dp: Option<usize>,
-    /// ZeRO stage 0..=3.
-    pub zero: Option<u8>,
-    /// Sharded data parallel: ZeRO-3 over groups of this many replicas.
-    pub sharded_dp: Option<usize>,
-    /// Microbatches per step.
-    pub microbatches: Option<usize>,
-    /// Cap on microbatches in flight per stage (SMP's `active_microbatches`).
-    pub active_microbatches: Option<usize>,
-    /// Schedule.
-    pub schedule: Option<ScheduleKind>,
-    /// Checkpointing rule (default: the solver chooses per layer).
-    pub checkpointing: Option<CheckpointRule>,
-    /// Placement.
-    pub placement: Option<Placement>,
-    /// Manual cuts: `[first, last]` layer per stage (per virtual stage when interleaved).
-    pub layout: Option<Vec<[usize; 2]>>,
-    /// Memory per device, bytes (default: the device's).
-    pub memory_limit: Option<u64>,
-    /// Wall-clock budget for the whole search, seconds.
-    pub time_limit_s: Option<f64>,
-    /// What to optimise.
-    pub optimize: Optimize,
-}
-
-/// Everything `plan` needs besides the model and cluster.
-#[derive(Clone, Debug, PartialEq)]
-pub struct PlanConfig {
-    /// Samples per optimizer step over all replicas.
-    pub global_batch: usize,
-    /// Fixed settings.
-    pub constraints: SearchConstraints,
-    /// Plan as a peer would instead of searching.
-    pub baseline: Option<Baseline>,
-    /// HiGHS threads (1 = reproducible tie-breaking).
-    pub threads: Option<u32>,
-    /// The plan runs sequence-parallel (`--sequence-parallel`): norms and elementwise ops are
-    /// priced on token chunks, with the all-gathers codegen's sequence parallelism adds.
-    pub sequence_parallel: bool,
-}
-
-impl PlanConfig {
-    /// A config with nothing fixed.
-    pub fn new(global_batch: usize) -> PlanConfig {
-        PlanConfig { global_batch, constraints: SearchConstraints::default(), baseline: None, threads: Some(1), sequence_parallel: false }
-    }
-}
-
 /// Memory of one stage per device, bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct StageMemory {
@@ -392,16 +341,19 @@ pub struct Progress {
 }
 
 /// Plans `model` on `cluster`: searches (pp, tp, dp, ZeRO, microbatches, schedule,
-/// placement, checkpointing) within `cfg`'s constraints, solves the pipeline ILP of the
-/// promising candidates and returns the best plan with its proof.
+/// placement, checkpointing) within what `opts` fixes, solves the pipeline ILP of the
+/// promising candidates and returns the best plan with its proof. Without a global batch,
+/// one graph batch per device is planned for.
 pub fn plan(
     model: &LayeredGraph,
     cluster: &ClusterSpec,
-    cfg: &PlanConfig,
+    opts: &PlanOptions,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<PlanDecision, SolveError> {
-    match cfg.baseline {
-        Some(b) => baseline::plan_baseline(model, cluster, cfg, b, progress),
-        None => search::search(model, cluster, cfg, progress),
+    let mut opts = opts.clone();
+    opts.global_batch = Some(opts.global_batch_for(model, cluster));
+    match opts.baseline {
+        Some(b) => baseline::plan_baseline(model, cluster, &opts, b, progress),
+        None => search::search(model, cluster, &opts, progress),
     }
 }

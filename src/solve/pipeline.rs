@@ -1,4 +1,4 @@
-//! The pipeline ILP (PLANNER.md §2): contiguous chunks, one Pareto point and a checkpoint flag
+//! The pipeline ILP (docs/planner.md §2): contiguous chunks, one Pareto point and a checkpoint flag
 //! per layer, per-device memory with the schedule's in-flight microbatches, boundary
 //! transfers, the schedule's step time as objective.
 

@@ -110,7 +110,7 @@ pub enum PipelineObjective {
     },
 }
 
-/// The pipeline problem for one candidate configuration (PLANNER.md §2).
+/// The pipeline problem for one candidate configuration (docs/planner.md §2).
 ///
 /// Chunks (virtual stages) `c = 0..devices·virtual_stages` hold contiguous layer ranges, every
 /// chunk non-empty; chunk c runs on pipeline device `c % devices`. The step time is

@@ -1,4 +1,4 @@
-//! The outer search (PLANNER.md §3): enumerate parallel configurations cheaply, bound each
+//! The outer search (docs/planner.md §3): enumerate parallel configurations cheaply, bound each
 //! (compute with perfect balance plus the schedule's bubble plus data-parallel sync), drop the
 //! ones whose memory cannot fit, solve the pipeline ILP in bound order and stop when the next
 //! bound reaches the incumbent.
@@ -15,7 +15,7 @@ use super::oracle::min_max_lower_bound;
 use super::pipeline::PipelineSolution;
 use super::problem::{CheckpointRule, PipelineObjective, PipelineProblem};
 use super::{
-    LayerDecision, MeshAxis, Optimize, PlanConfig, PlanDecision, Placement, Predicted, Progress, SolveError, StageDecision,
+    LayerDecision, MeshAxis, Optimize, PlanDecision, PlanOptions, Placement, Predicted, Progress, SolveError, StageDecision,
     StageMemory,
 };
 
@@ -81,12 +81,17 @@ pub fn bubble_coeff(kind: ScheduleKind, p: usize, m: usize) -> f64 {
     }
 }
 
+/// The global batch [`super::plan`] resolved (0 when none is set, which enumerate refuses).
+fn global_batch(cfg: &PlanOptions) -> usize {
+    cfg.global_batch.map_or(0, |b| b as usize)
+}
+
 /// Enumerates the candidates `cfg` allows on `spec`.
-pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanConfig) -> Result<Vec<Candidate>, SolveError> {
-    let c = &cfg.constraints;
+pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Result<Vec<Candidate>, SolveError> {
+    let c = cfg;
     let devices = spec.devices;
     let layers = lg.layers.len();
-    let batch = cfg.global_batch;
+    let batch = global_batch(cfg);
     if batch == 0 {
         return Err(SolveError::Setting("--global-batch must be at least 1".into()));
     }
@@ -94,13 +99,13 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanConfig) -> Res
         return Err(SolveError::Setting("the model has no layers to place".into()));
     }
     let fixed_v = c.schedule.map(|s| s.virtual_stages()).unwrap_or(1);
-    let layout_pp = c.layout.as_ref().map(|l| l.len() / fixed_v.max(1));
+    let layout_pp = c.layout.as_ref().map(|l| l.stages() / fixed_v.max(1));
     if let (Some(a), Some(b)) = (c.pp, layout_pp)
         && a != b
     {
         return Err(SolveError::Setting(format!(
             "--pp {a} conflicts with --layout, which has {} stages",
-            c.layout.as_ref().map_or(0, |l| l.len())
+            c.layout.as_ref().map_or(0, |l| l.stages())
         )));
     }
     let pp_fixed = c.pp.or(layout_pp);
@@ -396,7 +401,7 @@ pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
 pub fn search(
     lg: &LayeredGraph,
     spec: &ClusterSpec,
-    cfg: &PlanConfig,
+    cfg: &PlanOptions,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<PlanDecision, SolveError> {
     let cands = enumerate(lg, spec, cfg)?;
@@ -407,17 +412,17 @@ pub fn search(
 pub fn run(
     lg: &LayeredGraph,
     spec: &ClusterSpec,
-    cfg: &PlanConfig,
+    cfg: &PlanOptions,
     cands: Vec<Candidate>,
     fixed: &dyn Fn(&Candidate, &CostContext<'_>) -> Option<Vec<usize>>,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<PlanDecision, SolveError> {
     let start = Instant::now();
-    let c = &cfg.constraints;
+    let c = cfg;
     let limit = c.time_limit_s.unwrap_or(DEFAULT_TIME_LIMIT_S);
-    let cap = c.memory_limit.map_or(spec.memory_bytes, |m| m.min(u64::MAX)) as f64;
+    let cap = c.memory_limit_bytes().map_or(spec.memory_bytes, |m| m.min(u64::MAX)) as f64;
     let layout = match &c.layout {
-        Some(l) => Some(layout_chunks(l, lg.layers.len())?),
+        Some(l) => Some(layout_chunks(&l.0, lg.layers.len())?),
         None => None,
     };
     let mut ctx = CostContext::new(lg, spec);
@@ -437,7 +442,8 @@ pub fn run(
         prepared.drain(..).partition(|p| p.mem_lb <= cap && p.lb.is_finite());
     let mut skipped = unfit.len() as u64;
     fit.sort_by(|a, b| a.lb.total_cmp(&b.lb));
-    let opts = |remaining: f64| SolverOptions { time_limit_s: Some(remaining.max(0.05)), threads: cfg.threads, mip_rel_gap: 0.0 };
+    // HiGHS single-threaded, so ties resolve the same way every run.
+    let opts = |remaining: f64| SolverOptions { time_limit_s: Some(remaining.max(0.05)), threads: Some(1), mip_rel_gap: 0.0 };
     // Quick layouts first, in bound order while a bound can still beat the best of them: an
     // incumbent before any ILP, and the guarantee that the answer is no worse than any of
     // them (equal layer counts included, whatever the time limit).
@@ -532,7 +538,7 @@ pub fn run(
         return Err(infeasible(lg, spec, cfg, cap, min_mem));
     };
     let mut chosen = fit[bi].clone();
-    if c.optimize == Optimize::Memory {
+    if c.optimize.unwrap_or_default() == Optimize::Memory {
         let max_step = sol.report.objective * 1.05;
         let mut best_mem = sol.eval.as_ref().map_or(f64::INFINITY, |e| e.total_bytes.iter().cloned().fold(0.0, f64::max));
         for p in fit.iter().filter(|p| p.lb <= max_step) {
@@ -551,7 +557,7 @@ pub fn run(
         }
     }
     let objective = sol.report.objective;
-    let bound = match c.optimize {
+    let bound = match c.optimize.unwrap_or_default() {
         Optimize::Speed => open_bound.min(objective).min(sol.report.bound.max(chosen.lb)),
         Optimize::Memory => sol.report.bound,
     };
@@ -566,7 +572,7 @@ pub fn run(
     decision(&ctx, cfg, &chosen, sol, report, solved, skipped, cap)
 }
 
-fn infeasible(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanConfig, cap: f64, min_mem: f64) -> SolveError {
+fn infeasible(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions, cap: f64, min_mem: f64) -> SolveError {
     let gib = |b: f64| b / (1u64 << 30) as f64;
     let mut fix = format!("needs at least {:.1} GiB per device", gib(min_mem));
     // The smallest device count (whole nodes) whose memory lower bound fits.
@@ -578,7 +584,7 @@ fn infeasible(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanConfig, cap: f64,
         let mut ctx = CostContext::new(lg, &bigger);
         ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron);
         ctx.sequence_parallel = cfg.sequence_parallel;
-        let fits = cands.iter().any(|cand| prepare(&mut ctx, cand, cap, cfg.constraints.active_microbatches, None).mem_lb <= cap);
+        let fits = cands.iter().any(|cand| prepare(&mut ctx, cand, cap, cfg.active_microbatches, None).mem_lb <= cap);
         if fits {
             fix.push_str(&format!(", or about {devices} devices of this kind"));
             break;
@@ -603,7 +609,7 @@ fn infeasible(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanConfig, cap: f64,
 #[allow(clippy::too_many_arguments)]
 pub fn decision(
     ctx: &CostContext<'_>,
-    cfg: &PlanConfig,
+    cfg: &PlanOptions,
     chosen: &Prepared,
     sol: PipelineSolution,
     report: SolveReport,
@@ -699,7 +705,7 @@ pub fn decision(
     let m = cand.microbatches as f64;
     let pipe = prob.bubble_coeff * t.iter().sum::<f64>() + (m - prob.bubble_coeff) * tmax;
     let bubble = if mean > 0.0 { (pipe - m * mean) / (m * mean) } else { 0.0 };
-    let batch = cfg.global_batch as f64;
+    let batch = global_batch(cfg) as f64;
     let peak = spec.peak_flops(ctx.dtype) * spec.devices as f64;
     let mfu = if step > 0.0 { 3.0 * lg.flops_per_sample * batch / (step * peak) } else { 0.0 };
     Ok(PlanDecision {
@@ -707,7 +713,7 @@ pub fn decision(
         tp: cand.tp,
         dp: cand.dp,
         zero: cand.zero,
-        sharded_dp: cfg.constraints.sharded_dp,
+        sharded_dp: cfg.sharded_dp,
         microbatches: cand.microbatches,
         microbatch_size: cand.microbatch_size,
         schedule: cand.schedule,

@@ -3,11 +3,12 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use serde_json::json;
+use smp_partition::Analysed;
 use smp_partition::ir::{self, LayerKind};
-use smp_partition::passes::{self, AnalyzeOptions};
-use smp_partition::plan::config::parse_dim;
+use smp_partition::passes::AnalyzeOptions;
+use smp_partition::solve::options::parse_dim;
 
 /// Options of `graph`.
 #[derive(clap::Args, Debug)]
@@ -21,7 +22,7 @@ pub struct GraphArgs {
     pub json: bool,
 }
 
-/// Batch and dim bindings, shared with the planner.
+/// Batch and dim bindings (`graph`, and `inspect --dot` from a plan).
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct DimArgs {
     /// Samples per training step (figures are then given per global batch).
@@ -42,33 +43,12 @@ impl DimArgs {
     }
 }
 
-/// An imported and analysed model.
-pub struct Analysed {
-    /// The graph with layers and figures.
-    pub lg: ir::LayeredGraph,
-    /// SHA-256 of the model file.
-    pub sha256: String,
-    /// Import warnings.
-    pub warnings: Vec<String>,
-}
-
-/// Imports the model and runs the passes.
-pub fn load_and_analyze(path: &Path, dims: &DimArgs) -> Result<Analysed> {
-    let imported = smp_partition::frontend::onnx::load_model(path).with_context(|| format!("cannot import {}", path.display()))?;
-    let warnings: Vec<String> = imported.warnings.iter().map(|w| w.to_string()).collect();
-    for w in &warnings {
-        tracing::warn!("{}: {w}", path.display());
-    }
-    let lg = passes::analyze(imported.graph, &dims.analyze_options()).with_context(|| format!("cannot analyse {}", path.display()))?;
-    Ok(Analysed { lg, sha256: imported.sha256, warnings })
-}
-
 /// Runs `graph`.
 pub fn run(args: &GraphArgs) -> Result<()> {
     if args.dims.global_batch == Some(0) {
         bail!("--global-batch must be at least 1");
     }
-    let a = load_and_analyze(&args.model, &args.dims)?;
+    let a = smp_partition::load_and_analyze(&args.model, &args.dims.analyze_options())?;
     if let Some(b) = args.dims.global_batch
         && a.lg.dims.fixed_batch
         && b % a.lg.dims.graph_batch as u64 != 0
@@ -125,7 +105,7 @@ fn to_json(path: &Path, a: &Analysed, global_batch: Option<u64>) -> serde_json::
     let blocks: Vec<_> =
         repeated_blocks(lg).into_iter().map(|(s, f, l)| json!({"signature": s, "count": l - f + 1, "first": f, "last": l})).collect();
     let mut out = json!({
-        "model": {"path": path.display().to_string(), "sha256": a.sha256},
+        "model": {"path": path.display().to_string(), "sha256": a.model.sha256},
         "params": lg.params,
         "param_bytes": lg.layers.iter().map(|l| l.figures.param_bytes).sum::<u64>(),
         "flops_per_sample": lg.flops_per_sample,

@@ -12,7 +12,7 @@ use smp_partition::ir::ScheduleKind;
 use smp_partition::plan::{Plan, dot, io, report};
 use smp_partition::sim::{CostTable, chrome_trace, simulate};
 
-use crate::graph_cmd::{DimArgs, load_and_analyze};
+use crate::graph_cmd::DimArgs;
 
 /// Options of `inspect`.
 #[derive(Args, Debug)]
@@ -118,8 +118,8 @@ fn graph_dot(plan: &Plan, plan_file: &Path) -> Result<String> {
         seq_len: plan.seq_len.map(|s| s as i64),
         dims: plan.dims.iter().map(|(k, v)| (k.clone(), *v)).collect(),
     };
-    let analysed = load_and_analyze(&path, &dims).context("--dot needs the model the plan was made for")?;
-    if analysed.sha256 != plan.model.sha256 {
+    let analysed = smp_partition::load_and_analyze(&path, &dims.analyze_options()).context("--dot needs the model the plan was made for")?;
+    if analysed.model.sha256 != plan.model.sha256 {
         tracing::warn!("{}: the file changed since the plan was made (SHA-256 differs)", path.display());
     }
     Ok(dot::to_dot(&analysed.lg, plan).with_context(|| path.display().to_string())?)

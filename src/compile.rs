@@ -1,0 +1,273 @@
+//! File → plan in one call, as a pass list: import → analyze → solve → assemble → codegen →
+//! validate, with a check between stages (as [`crate::passes::analyze`] verifies the graph
+//! between passes). The plan is assembled before codegen because codegen reads its input from
+//! the plan ([`Plan::codegen_input`]); its section is attached to that plan.
+//!
+//! Binaries, end-to-end tests and benches plan through [`compile`]; unit tests of one stage
+//! call that stage.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use crate::codegen::{self, EncodeError};
+use crate::cost::ClusterSpec;
+use crate::frontend::onnx::{self, ImportError};
+use crate::ir::LayeredGraph;
+use crate::passes::{self, AnalyzeOptions, PassError};
+use crate::plan::build::{self, ModelRef};
+use crate::plan::{Plan, PlanInvalid, validate};
+use crate::solve::{self, ConfigError, PlanOptions, Progress, SolveError};
+
+/// The stages of [`compile`], in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Stage {
+    /// ONNX → IR graph.
+    Import,
+    /// Shapes, figures, layers.
+    Analyze,
+    /// The parallel configuration (search or baseline).
+    Solve,
+    /// The plan file from the solver's decision.
+    Assemble,
+    /// Shards and per-rank programs (the plan's codegen section).
+    Codegen,
+    /// The whole plan's structural checks.
+    Validate,
+}
+
+/// Errors of [`compile`]; each names its stage, and its message names the file, setting or
+/// layer concerned.
+#[derive(Debug, thiserror::Error)]
+pub enum CompileError {
+    /// The ONNX file could not be imported.
+    #[error("cannot import {}", .path.display())]
+    Import {
+        /// The model file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: ImportError,
+    },
+    /// The passes failed.
+    #[error("cannot analyse {}", .path.display())]
+    Analyze {
+        /// The model file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: PassError,
+    },
+    /// The options conflict with the cluster or the model.
+    #[error(transparent)]
+    Options(#[from] ConfigError),
+    /// The planner found no plan, or a fixed setting cannot be honoured.
+    #[error("planning {model} on {cluster}")]
+    Solve {
+        /// The model, as named.
+        model: String,
+        /// The cluster, as named.
+        cluster: String,
+        /// Why.
+        #[source]
+        source: SolveError,
+    },
+    /// The assembled plan does not describe a codegen input.
+    #[error("the planner produced an inconsistent plan (a bug)")]
+    Assemble(#[source] EncodeError),
+    /// Codegen realises another tensor strategy for a node than the solver chose.
+    #[error(
+        "planner bug: code generation for {model} (pp={pp}, tp={tp}, dp={dp}): layer {layer} (`{name}`), node `{node}` realises `{realised}` where `{chosen}` was chosen; the solver must offer only what codegen emits"
+    )]
+    Realised {
+        /// The model, as named.
+        model: String,
+        /// Pipeline degree.
+        pp: usize,
+        /// Tensor degree.
+        tp: usize,
+        /// Data-parallel degree.
+        dp: usize,
+        /// Layer index.
+        layer: usize,
+        /// Layer name.
+        name: String,
+        /// Node name.
+        node: String,
+        /// The solver's strategy.
+        chosen: String,
+        /// What codegen realises.
+        realised: String,
+    },
+    /// Codegen cannot emit what the solver chose.
+    #[error("planner bug: code generation for {model} (pp={pp}, tp={tp}, dp={dp}): the planner chose a split codegen cannot emit")]
+    Codegen {
+        /// The model, as named.
+        model: String,
+        /// Pipeline degree.
+        pp: usize,
+        /// Tensor degree.
+        tp: usize,
+        /// Data-parallel degree.
+        dp: usize,
+        /// Why.
+        #[source]
+        source: EncodeError,
+    },
+    /// The finished plan fails its checks.
+    #[error("the planner produced an inconsistent plan (a bug)")]
+    Validate(#[source] PlanInvalid),
+}
+
+impl CompileError {
+    /// The stage that failed (options conflicts are found before solving).
+    pub fn stage(&self) -> Stage {
+        match self {
+            CompileError::Import { .. } => Stage::Import,
+            CompileError::Analyze { .. } => Stage::Analyze,
+            CompileError::Options(_) | CompileError::Solve { .. } => Stage::Solve,
+            CompileError::Assemble(_) => Stage::Assemble,
+            CompileError::Realised { .. } | CompileError::Codegen { .. } => Stage::Codegen,
+            CompileError::Validate(_) => Stage::Validate,
+        }
+    }
+}
+
+/// Watches [`compile`]: stage starts, search progress, notes for the user. Every method
+/// defaults to doing nothing.
+pub trait Observer {
+    /// `stage` begins.
+    fn stage(&mut self, _stage: Stage) {}
+    /// The search advanced.
+    fn progress(&mut self, _progress: Progress) {}
+    /// Something the user should know that is not an error (the CLI prints `note: …`).
+    fn note(&mut self, _note: &str) {}
+}
+
+/// Observes nothing.
+impl Observer for () {}
+
+/// An imported and analysed model.
+#[derive(Clone, Debug)]
+pub struct Analysed {
+    /// The graph with layers and figures.
+    pub lg: LayeredGraph,
+    /// Where the model came from (path as given, SHA-256).
+    pub model: ModelRef,
+    /// Import warnings.
+    pub warnings: Vec<String>,
+}
+
+/// What to compile.
+#[derive(Clone, Copy, Debug)]
+pub enum Model<'a> {
+    /// An ONNX file, imported and analysed with the options' `seq_len` and `dims`.
+    Onnx(&'a Path),
+    /// A model already analysed (with the options' `seq_len` and `dims`, which the plan
+    /// records): for planning one model many ways, or a synthetic graph.
+    Analysed(&'a Analysed),
+}
+
+impl<'a> From<&'a Path> for Model<'a> {
+    fn from(p: &'a Path) -> Self {
+        Model::Onnx(p)
+    }
+}
+
+impl<'a> From<&'a PathBuf> for Model<'a> {
+    fn from(p: &'a PathBuf) -> Self {
+        Model::Onnx(p.as_path())
+    }
+}
+
+impl<'a> From<&'a Analysed> for Model<'a> {
+    fn from(a: &'a Analysed) -> Self {
+        Model::Analysed(a)
+    }
+}
+
+/// The analysis options `opts` asks for (`seq_len`, `dims`).
+pub fn analyze_options(opts: &PlanOptions) -> AnalyzeOptions {
+    AnalyzeOptions { seq_len: opts.seq_len.map(|s| s as i64), dims: opts.dims.iter().cloned().collect::<BTreeMap<_, _>>() }
+}
+
+/// Import → analyze: the graph with shapes, figures and layers. Import warnings are logged
+/// (`tracing::warn`) and returned.
+pub fn load_and_analyze(path: &Path, opts: &AnalyzeOptions) -> Result<Analysed, CompileError> {
+    import_and_analyze(path, opts, &mut ())
+}
+
+fn import_and_analyze(path: &Path, opts: &AnalyzeOptions, observer: &mut dyn Observer) -> Result<Analysed, CompileError> {
+    observer.stage(Stage::Import);
+    let imported = onnx::load_model(path).map_err(|source| CompileError::Import { path: path.to_path_buf(), source })?;
+    let warnings: Vec<String> = imported.warnings.iter().map(|w| w.to_string()).collect();
+    for w in &warnings {
+        tracing::warn!("{}: {w}", path.display());
+    }
+    observer.stage(Stage::Analyze);
+    let lg = passes::analyze(imported.graph, opts).map_err(|source| CompileError::Analyze { path: path.to_path_buf(), source })?;
+    Ok(Analysed { lg, model: ModelRef { path: path.display().to_string(), sha256: imported.sha256 }, warnings })
+}
+
+/// Compiles `model` for `cluster` as `options` ask: the plan with its codegen section,
+/// validated.
+pub fn compile<'a>(model: impl Into<Model<'a>>, cluster: &ClusterSpec, options: &PlanOptions) -> Result<Plan, CompileError> {
+    compile_observed(model, cluster, options, &mut ())
+}
+
+/// [`compile`], telling `observer` what happens.
+pub fn compile_observed<'a>(
+    model: impl Into<Model<'a>>,
+    cluster: &ClusterSpec,
+    options: &PlanOptions,
+    observer: &mut dyn Observer,
+) -> Result<Plan, CompileError> {
+    let started = Instant::now();
+    let cluster_name = options.cluster_flag.clone().unwrap_or_else(|| format!("{}:{}", cluster.name, cluster.devices));
+    options.check_devices(cluster.devices, &cluster_name)?;
+    let loaded;
+    let analysed = match model.into() {
+        Model::Analysed(a) => a,
+        Model::Onnx(path) => {
+            loaded = import_and_analyze(path, &analyze_options(options), observer)?;
+            &loaded
+        }
+    };
+    let lg = &analysed.lg;
+    let model_name = &analysed.model.path;
+    options.check_layers(lg.layers.len(), model_name)?;
+    if options.global_batch.is_none() {
+        let batch = options.global_batch_for(lg, cluster);
+        observer.note(&format!("--global-batch not given; planning for {batch} samples per step"));
+    }
+
+    observer.stage(Stage::Solve);
+    let decision = solve::plan(lg, cluster, options, &mut |p| observer.progress(p))
+        .map_err(|source| CompileError::Solve { model: model_name.clone(), cluster: cluster_name.clone(), source })?;
+
+    observer.stage(Stage::Assemble);
+    let mut plan = build::from_decision(&decision, lg, cluster, options, &analysed.model, started.elapsed().as_secs_f64());
+    let input = plan.codegen_input().map_err(CompileError::Assemble)?;
+
+    observer.stage(Stage::Codegen);
+    let section = codegen::encode::build(lg, &input).map_err(|e| codegen_error(e, model_name, &plan))?;
+    if options.sequence_parallel && plan.parallel.tp == 1 {
+        observer.note("--sequence-parallel has no effect at tp = 1");
+    }
+    plan.codegen = Some(section);
+
+    observer.stage(Stage::Validate);
+    validate(&plan).map_err(CompileError::Validate)?;
+    Ok(plan)
+}
+
+/// A codegen failure on a plan the solver made: the solver offered what codegen cannot emit.
+fn codegen_error(e: EncodeError, model: &str, plan: &Plan) -> CompileError {
+    let (model, pp, tp, dp) = (model.to_string(), plan.parallel.pp, plan.parallel.tp, plan.parallel.dp);
+    match e {
+        EncodeError::StrategyMismatch { layer, name, node, chosen, realised } => {
+            CompileError::Realised { model, pp, tp, dp, layer, name, node, chosen, realised }
+        }
+        source => CompileError::Codegen { model, pp, tp, dp, source },
+    }
+}

@@ -1,0 +1,536 @@
+//! What the user asks of the planner, as one typed struct: the command line builds a
+//! [`PlanOptions`], an SMP-style `--config` JSON ([`SmpConfig`]) merges into it
+//! ([`PlanOptions::resolve`]), and the search reads it. Every conflict is an error naming both
+//! settings and where each came from.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+use crate::cost::ClusterSpec;
+use crate::ir::{LayeredGraph, ScheduleKind};
+
+pub use super::smp_config::{ConfigError, SmpConfig, Source, Sourced};
+use super::smp_config::conflict;
+use super::{Baseline, CheckpointRule, Optimize, Placement};
+
+/// Everything the planner may be told; `None` = searched (or the default named on the field).
+/// Built by the CLI from its flags, by tests and benches directly.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PlanOptions {
+    /// Samples per optimizer step over all replicas (default: devices × the graph's batch).
+    pub global_batch: Option<u64>,
+    /// Binds the symbolic sequence dimension (analysis).
+    pub seq_len: Option<u64>,
+    /// Binds other symbolic dimensions by name (analysis).
+    pub dims: Vec<(String, i64)>,
+    /// Pipeline-parallel degree.
+    pub pp: Option<usize>,
+    /// Tensor-parallel degree.
+    pub tp: Option<usize>,
+    /// Data-parallel degree.
+    pub dp: Option<usize>,
+    /// ZeRO stage 0..=3.
+    pub zero: Option<u8>,
+    /// Sharded data parallel: ZeRO-3 over groups of this many replicas.
+    pub sharded_dp: Option<usize>,
+    /// Microbatches per step.
+    pub microbatches: Option<usize>,
+    /// Cap on microbatches in flight per stage (SMP's `active_microbatches`).
+    pub active_microbatches: Option<usize>,
+    /// Pipeline schedule.
+    pub schedule: Option<ScheduleKind>,
+    /// Checkpointing rule (default: the solver chooses per layer).
+    pub checkpointing: Option<CheckpointRule>,
+    /// Objective (default: speed).
+    pub optimize: Option<Optimize>,
+    /// Mesh axis order.
+    pub placement: Option<Placement>,
+    /// Manual pipeline cuts (per virtual stage when interleaved).
+    pub layout: Option<Layout>,
+    /// Memory per device to plan for, GiB (default: the device's).
+    pub memory_limit_gib: Option<f64>,
+    /// Wall-clock budget for the whole search, seconds.
+    pub time_limit_s: Option<f64>,
+    /// Plan as a peer would instead of searching.
+    pub baseline: Option<Baseline>,
+    /// Sequence parallelism in tensor-parallel layers: norms and elementwise ops are priced on
+    /// token chunks, with the all-gathers codegen adds.
+    pub sequence_parallel: bool,
+    /// The cluster as the user named it (`--cluster` text), for messages; default: the spec's
+    /// name and device count.
+    pub cluster_flag: Option<String>,
+    /// Where settings not given as flags came from (config keys, implications); a setting
+    /// without an entry is a flag.
+    pub sources: BTreeMap<Setting, Source>,
+    /// Config keys read but without effect on planning.
+    pub ignored_config_keys: Vec<String>,
+}
+
+/// A setting of [`PlanOptions`] that can conflict with another, for provenance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Setting {
+    /// `--global-batch`.
+    GlobalBatch,
+    /// `--seq-len`.
+    SeqLen,
+    /// `--pp`.
+    Pp,
+    /// `--tp`.
+    Tp,
+    /// `--dp`.
+    Dp,
+    /// `--zero`.
+    Zero,
+    /// `--sharded-dp`.
+    ShardedDp,
+    /// `--microbatches`.
+    Microbatches,
+    /// SMP's `active_microbatches`.
+    ActiveMicrobatches,
+    /// `--schedule`.
+    Schedule,
+    /// `--optimize`.
+    Optimize,
+    /// `--placement`.
+    Placement,
+    /// `--layout`.
+    Layout,
+}
+
+impl Setting {
+    /// The command-line flag, without dashes.
+    pub fn flag(self) -> &'static str {
+        match self {
+            Setting::GlobalBatch => "global-batch",
+            Setting::SeqLen => "seq-len",
+            Setting::Pp => "pp",
+            Setting::Tp => "tp",
+            Setting::Dp => "dp",
+            Setting::Zero => "zero",
+            Setting::ShardedDp => "sharded-dp",
+            Setting::Microbatches => "microbatches",
+            Setting::ActiveMicrobatches => "active-microbatches",
+            Setting::Schedule => "schedule",
+            Setting::Optimize => "optimize",
+            Setting::Placement => "placement",
+            Setting::Layout => "layout",
+        }
+    }
+}
+
+/// `interleaved:V|gpipe|1f1b|zb-h1` for `--schedule` (interleaving needs V ≥ 2).
+pub fn parse_schedule(s: &str) -> Result<ScheduleKind, String> {
+    match s {
+        "gpipe" => Ok(ScheduleKind::GPipe),
+        "1f1b" => Ok(ScheduleKind::OneFOneB),
+        "zb-h1" => Ok(ScheduleKind::ZbH1),
+        _ => match s.strip_prefix("interleaved:") {
+            Some(v) => match v.parse::<usize>() {
+                Ok(v) if v >= 2 => Ok(ScheduleKind::Interleaved { virtual_stages: v }),
+                _ => Err(format!("`{s}`: interleaved:V needs V ≥ 2 virtual stages per rank")),
+            },
+            None => Err(format!("`{s}`: expected gpipe, 1f1b, interleaved:V or zb-h1")),
+        },
+    }
+}
+
+/// `auto|none|full` for `--checkpointing`.
+pub fn parse_checkpointing(s: &str) -> Result<CheckpointRule, String> {
+    match s {
+        "auto" => Ok(CheckpointRule::Auto),
+        "none" => Ok(CheckpointRule::Never),
+        "full" => Ok(CheckpointRule::Always),
+        _ => Err(format!("`{s}`: expected auto, none or full")),
+    }
+}
+
+/// Manual pipeline cuts: per stage, its first and last layer (inclusive).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Layout(pub Vec<[usize; 2]>);
+
+impl Layout {
+    /// Number of stages.
+    pub fn stages(&self) -> usize {
+        self.0.len()
+    }
+    /// Index of the last layer covered.
+    pub fn last_layer(&self) -> usize {
+        self.0.last().map_or(0, |r| r[1])
+    }
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, [a, b]) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("|")?;
+            }
+            write!(f, "{a}-{b}")?;
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for Layout {
+    type Err = String;
+    /// `"0-11|12-23"`; a single index (`"5"`) is a one-layer stage.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut stages = Vec::new();
+        let mut next = 0usize;
+        for (i, part) in s.split('|').enumerate() {
+            let part = part.trim();
+            let range = match part.split_once('-') {
+                Some((a, b)) => a.trim().parse::<usize>().ok().zip(b.trim().parse::<usize>().ok()),
+                None => part.parse::<usize>().ok().map(|a| (a, a)),
+            };
+            let Some((first, last)) = range else {
+                return Err(format!("stage {i} `{part}`: expected FIRST-LAST layer indices, e.g. \"0-11|12-23\""));
+            };
+            if first > last {
+                return Err(format!("stage {i} `{part}`: first layer {first} is after last layer {last}"));
+            }
+            if first != next {
+                return Err(format!(
+                    "stage {i} `{part}` starts at layer {first}, but stages must be contiguous from layer 0: expected {next}"
+                ));
+            }
+            next = last + 1;
+            stages.push([first, last]);
+        }
+        Ok(Layout(stages))
+    }
+}
+
+/// `NAME=V` for `--dim`.
+pub fn parse_dim(s: &str) -> Result<(String, i64), String> {
+    match s.split_once('=') {
+        Some((n, v)) if !n.trim().is_empty() => match v.trim().parse::<i64>() {
+            Ok(v) if v > 0 => Ok((n.trim().to_string(), v)),
+            _ => Err(format!("`{s}`: the value of {n} must be a positive integer")),
+        },
+        _ => Err(format!("`{s}`: expected NAME=V, e.g. batch=8")),
+    }
+}
+
+impl PlanOptions {
+    /// Where `setting` came from: its recorded source, else the flag that gave it.
+    pub fn source(&self, setting: Setting) -> Source {
+        if let Some(s) = self.sources.get(&setting) {
+            return s.clone();
+        }
+        let value = match setting {
+            Setting::GlobalBatch => self.global_batch.map(|v| v.to_string()),
+            Setting::SeqLen => self.seq_len.map(|v| v.to_string()),
+            Setting::Pp => self.pp.map(|v| v.to_string()),
+            Setting::Tp => self.tp.map(|v| v.to_string()),
+            Setting::Dp => self.dp.map(|v| v.to_string()),
+            Setting::Zero => self.zero.map(|v| v.to_string()),
+            Setting::ShardedDp => self.sharded_dp.map(|v| v.to_string()),
+            Setting::Microbatches => self.microbatches.map(|v| v.to_string()),
+            Setting::ActiveMicrobatches => self.active_microbatches.map(|v| v.to_string()),
+            Setting::Schedule => self.schedule.map(|v| v.to_string()),
+            Setting::Optimize => self.optimize.map(|v| v.to_string()),
+            Setting::Placement => self.placement.map(|v| v.to_string()),
+            Setting::Layout => self.layout.as_ref().map(|v| v.to_string()),
+        };
+        Source::Flag(format!("--{} {}", setting.flag(), value.unwrap_or_default()))
+    }
+
+    /// The per-device memory limit in bytes, when one is given.
+    pub fn memory_limit_bytes(&self) -> Option<u64> {
+        self.memory_limit_gib.map(|g| (g * (1u64 << 30) as f64) as u64)
+    }
+
+    /// The global batch: as given, else one graph batch per device.
+    pub fn global_batch_for(&self, lg: &LayeredGraph, cluster: &ClusterSpec) -> u64 {
+        self.global_batch.unwrap_or(cluster.devices as u64 * lg.dims.graph_batch.max(1) as u64)
+    }
+
+    /// Takes a config key's value for `setting` unless a flag gave it: equal values merge,
+    /// different ones conflict.
+    fn merge<T: PartialEq + Clone>(
+        &mut self,
+        setting: Setting,
+        field: fn(&mut PlanOptions) -> &mut Option<T>,
+        config: Option<Sourced<T>>,
+        what: &str,
+    ) -> Result<(), ConfigError> {
+        let Some(c) = config else { return Ok(()) };
+        match field(self).clone() {
+            Some(f) if f != c.value => Err(conflict(self.source(setting), c.source, format!("both set {what}"))),
+            Some(_) => Ok(()),
+            None => {
+                *field(self) = Some(c.value);
+                self.sources.insert(setting, c.source);
+                Ok(())
+            }
+        }
+    }
+
+    /// Sets a value implied by other settings, with its description.
+    fn imply<T>(&mut self, setting: Setting, field: fn(&mut PlanOptions) -> &mut Option<T>, value: T, why: String) {
+        *field(self) = Some(value);
+        self.sources.insert(setting, Source::Implied(why));
+    }
+
+    /// Merges an optional SMP config into the flags and checks everything that needs neither
+    /// the model nor the cluster.
+    pub fn resolve(mut self, config: Option<SmpConfig>) -> Result<PlanOptions, ConfigError> {
+        let cfg = config.unwrap_or_default();
+        self.merge(Setting::Pp, |o| &mut o.pp, cfg.pp, "the pipeline-parallel degree")?;
+        self.merge(Setting::Tp, |o| &mut o.tp, cfg.tp, "the tensor-parallel degree")?;
+        self.merge(Setting::ShardedDp, |o| &mut o.sharded_dp, cfg.sharded_dp, "the sharded-data-parallel degree")?;
+        self.merge(Setting::Microbatches, |o| &mut o.microbatches, cfg.microbatches, "the microbatch count")?;
+        self.merge(Setting::ActiveMicrobatches, |o| &mut o.active_microbatches, cfg.active_microbatches, "the in-flight cap")?;
+        self.merge(Setting::Schedule, |o| &mut o.schedule, cfg.schedule, "the pipeline schedule")?;
+        self.merge(Setting::Optimize, |o| &mut o.optimize, cfg.optimize, "the objective")?;
+        self.merge(Setting::Placement, |o| &mut o.placement, cfg.placement, "the placement")?;
+        self.ignored_config_keys.extend(cfg.ignored);
+        self.check_ranges()?;
+        self.check_sharded_dp()?;
+        self.apply_auto_partition(cfg.auto_partition, cfg.default_partition)?;
+        self.check_layout()?;
+        if let (Some(ScheduleKind::Interleaved { .. }), Some(1)) = (self.schedule, self.pp) {
+            return Err(conflict(
+                self.source(Setting::Schedule),
+                self.source(Setting::Pp),
+                "interleaving needs at least 2 pipeline stages",
+            ));
+        }
+        self.check_batch()?;
+        Ok(self)
+    }
+
+    /// Positive degrees, ZeRO stages, limits.
+    fn check_ranges(&self) -> Result<(), ConfigError> {
+        let positive = [
+            (Setting::Pp, self.pp.map(|v| v as u64)),
+            (Setting::Tp, self.tp.map(|v| v as u64)),
+            (Setting::Dp, self.dp.map(|v| v as u64)),
+            (Setting::ShardedDp, self.sharded_dp.map(|v| v as u64)),
+            (Setting::Microbatches, self.microbatches.map(|v| v as u64)),
+            (Setting::ActiveMicrobatches, self.active_microbatches.map(|v| v as u64)),
+            (Setting::GlobalBatch, self.global_batch),
+            (Setting::SeqLen, self.seq_len),
+        ];
+        if let Some((s, _)) = positive.iter().find(|(_, v)| *v == Some(0)) {
+            return Err(ConfigError::Invalid { setting: self.source(*s), why: "must be at least 1".into() });
+        }
+        if self.zero.is_some_and(|z| z > 3) {
+            return Err(ConfigError::Invalid { setting: self.source(Setting::Zero), why: "ZeRO stages are 0, 1, 2 and 3".into() });
+        }
+        if let Some(g) = self.memory_limit_gib
+            && !(g.is_finite() && g > 0.0)
+        {
+            return Err(ConfigError::Invalid {
+                setting: Source::Flag(format!("--memory-limit {g}")),
+                why: "must be a positive number of GiB".into(),
+            });
+        }
+        if let Some(t) = self.time_limit_s
+            && !(t.is_finite() && t > 0.0)
+        {
+            return Err(ConfigError::Invalid {
+                setting: Source::Flag(format!("--time-limit {t}")),
+                why: "must be a positive number of seconds".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Sharded data parallelism is ZeRO-3 over groups of replicas.
+    fn check_sharded_dp(&mut self) -> Result<(), ConfigError> {
+        let Some(sdp) = self.sharded_dp else { return Ok(()) };
+        let sdp_src = self.source(Setting::ShardedDp);
+        match self.zero {
+            Some(z) if z != 3 => {
+                return Err(conflict(
+                    sdp_src,
+                    self.source(Setting::Zero),
+                    "sharded data parallelism is ZeRO stage 3; drop --zero or give --zero 3",
+                ));
+            }
+            Some(_) => {}
+            None => self.imply(Setting::Zero, |o| &mut o.zero, 3, format!("ZeRO 3 (implied by {sdp_src})")),
+        }
+        if let Some(dp) = self.dp
+            && dp % sdp != 0
+        {
+            return Err(conflict(
+                sdp_src,
+                self.source(Setting::Dp),
+                format!("the sharded group size {sdp} must divide the data-parallel degree {dp}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// SMP's `auto_partition: false` puts every layer on `default_partition` unless `--layout`
+    /// cuts.
+    fn apply_auto_partition(
+        &mut self,
+        auto_partition: Option<Sourced<bool>>,
+        default_partition: Option<Sourced<usize>>,
+    ) -> Result<(), ConfigError> {
+        let Some(ap) = auto_partition.filter(|ap| !ap.value) else { return Ok(()) };
+        if self.layout.is_some() {
+            return Ok(());
+        }
+        let stage = default_partition.as_ref().map_or(0, |d| d.value);
+        let why_source = default_partition.as_ref().map_or(ap.source.clone(), |d| d.source.clone());
+        match self.pp {
+            Some(pp) if pp > 1 || stage > 0 => Err(conflict(
+                ap.source,
+                self.source(Setting::Pp),
+                format!(
+                    "without --layout every layer goes on stage {stage}, leaving the other stages of {pp} empty; give --layout \"FIRST-LAST|...\" with {pp} stages"
+                ),
+            )),
+            Some(_) => Ok(()),
+            None if stage > 0 => Err(ConfigError::Invalid {
+                setting: why_source,
+                why: format!("every layer on stage {stage} leaves stages 0..{stage} empty; give --layout for manual cuts"),
+            }),
+            None => {
+                self.imply(Setting::Pp, |o| &mut o.pp, 1, format!("one stage (implied by {})", ap.source));
+                Ok(())
+            }
+        }
+    }
+
+    /// A manual layout excludes a baseline and fixes pp · V.
+    fn check_layout(&mut self) -> Result<(), ConfigError> {
+        let Some(layout) = &self.layout else { return Ok(()) };
+        let layout_src = self.source(Setting::Layout);
+        if let Some(b) = self.baseline {
+            return Err(conflict(layout_src, Source::Flag(format!("--baseline {b}")), "a baseline chooses its own cuts"));
+        }
+        let v = self.schedule.map_or(1, |s| s.virtual_stages());
+        let n = layout.stages();
+        match self.pp {
+            Some(pp) if pp * v != n => {
+                let why = if v > 1 {
+                    format!("the layout has {n} stages but pp·V = {pp}·{v} = {} virtual stages", pp * v)
+                } else {
+                    format!("the layout has {n} stages but the pipeline-parallel degree is {pp}")
+                };
+                Err(conflict(layout_src, self.source(Setting::Pp), why))
+            }
+            Some(_) => Ok(()),
+            None if n % v != 0 => {
+                let sched = if self.schedule.is_some() { self.source(Setting::Schedule) } else { Source::Implied(String::new()) };
+                Err(conflict(layout_src, sched, format!("{n} stages are not a multiple of {v} virtual stages per rank")))
+            }
+            None => {
+                self.imply(Setting::Pp, |o| &mut o.pp, n / v, format!("{} stages (from {layout_src})", n / v));
+                Ok(())
+            }
+        }
+    }
+
+    /// The global batch divides over replicas and microbatches.
+    fn check_batch(&self) -> Result<(), ConfigError> {
+        if let Some(gb) = self.global_batch {
+            if let Some(dp) = self.dp
+                && gb % dp as u64 != 0
+            {
+                return Err(conflict(
+                    self.source(Setting::GlobalBatch),
+                    self.source(Setting::Dp),
+                    format!("the global batch {gb} is not divisible by {dp} data-parallel replicas"),
+                ));
+            }
+            if let Some(m) = self.microbatches {
+                let per_replica = gb / self.dp.map_or(1, |d| d as u64);
+                if per_replica % m as u64 != 0 {
+                    let why = match self.dp {
+                        Some(d) => format!("each of {d} replicas gets {per_replica} samples, not divisible into {m} microbatches"),
+                        None => format!("{gb} samples are not divisible into {m} microbatches"),
+                    };
+                    return Err(conflict(self.source(Setting::Microbatches), self.source(Setting::GlobalBatch), why));
+                }
+            }
+        }
+        if let (Some(a), Some(m)) = (self.active_microbatches, self.microbatches)
+            && a > m
+        {
+            return Err(conflict(
+                self.source(Setting::ActiveMicrobatches),
+                self.source(Setting::Microbatches),
+                "more microbatches in flight than there are",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks the degrees against the cluster's device count, described by `cluster` (`--cluster
+    /// h100-80gb:8`).
+    pub fn check_devices(&self, devices: usize, cluster: &str) -> Result<(), ConfigError> {
+        let cluster_src = || Source::Flag(format!("--cluster {cluster} ({devices} devices)"));
+        let mut product = 1usize;
+        let mut given: Vec<Source> = Vec::new();
+        for (s, v) in [(Setting::Pp, self.pp), (Setting::Tp, self.tp), (Setting::Dp, self.dp)] {
+            if let Some(v) = v {
+                product = product.saturating_mul(v);
+                given.push(self.source(s));
+            }
+        }
+        let names = || given.iter().map(ToString::to_string).collect::<Vec<_>>().join(" · ");
+        if product > devices || devices % product != 0 {
+            let first = match given.as_slice() {
+                [one] => one.clone(),
+                _ => Source::Implied(names()),
+            };
+            let why = if product > devices {
+                format!("the degrees need {product} devices")
+            } else {
+                format!("{product} does not divide the {devices} devices")
+            };
+            return Err(conflict(first, cluster_src(), why));
+        }
+        if given.len() == 3 && product != devices {
+            return Err(conflict(
+                Source::Implied(names()),
+                cluster_src(),
+                format!("pp·tp·dp = {product} must equal the device count; omit one to have it derived"),
+            ));
+        }
+        if let Some(sdp) = self.sharded_dp {
+            let dp_max = devices / self.pp.unwrap_or(1) / self.tp.unwrap_or(1);
+            if sdp > dp_max {
+                return Err(conflict(
+                    self.source(Setting::ShardedDp),
+                    cluster_src(),
+                    format!("at most {dp_max} data-parallel replicas fit"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the manual layout against the model's layer count.
+    pub fn check_layers(&self, layers: usize, model: &str) -> Result<(), ConfigError> {
+        let last = layers.saturating_sub(1);
+        if let Some(l) = &self.layout
+            && l.last_layer() + 1 != layers
+        {
+            return Err(conflict(
+                self.source(Setting::Layout),
+                Source::Implied(format!("{model} ({layers} layers, 0..={last})")),
+                format!("the layout covers layers 0..={}; it must end at layer {last}", l.last_layer()),
+            ));
+        }
+        if let Some(pp) = self.pp
+            && self.layout.is_none()
+            && pp * self.schedule.map_or(1, |s| s.virtual_stages()) > layers
+        {
+            return Err(conflict(
+                self.source(Setting::Pp),
+                Source::Implied(format!("{model} ({layers} layers)")),
+                "every stage needs at least one layer",
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,84 @@
+//! `compile()`: the pass list runs in order, failures name their stage, and the plan it
+//! returns is the one the CLI writes.
+
+use std::path::Path;
+use std::process::Command;
+
+use smp_partition::compile::{Observer, Stage};
+use smp_partition::cost::ClusterSpec;
+use smp_partition::solve::PlanOptions;
+use smp_partition::{compile, compile_observed};
+
+const GPT2: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/models/gpt2.onnx");
+
+#[derive(Default)]
+struct Seen {
+    stages: Vec<Stage>,
+    notes: Vec<String>,
+}
+
+impl Observer for Seen {
+    fn stage(&mut self, stage: Stage) {
+        self.stages.push(stage);
+    }
+    fn note(&mut self, note: &str) {
+        self.notes.push(note.to_string());
+    }
+}
+
+#[test]
+fn stages_run_in_order_and_the_plan_is_the_clis() {
+    let cluster = ClusterSpec::parse("h100-80gb:2").unwrap();
+    let opts = PlanOptions { seq_len: Some(16), tp: Some(2), global_batch: Some(4), ..Default::default() };
+    let mut seen = Seen::default();
+    let plan = compile_observed(Path::new(GPT2), &cluster, &opts, &mut seen).unwrap();
+    use Stage::*;
+    assert_eq!(seen.stages, vec![Import, Analyze, Solve, Assemble, Codegen, Validate]);
+    assert!(seen.notes.is_empty(), "{:?}", seen.notes);
+    assert_eq!(plan.parallel.tp, 2);
+    assert!(plan.codegen.is_some());
+
+    // The CLI with the same flags writes the same plan (up to the planning time).
+    let o = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
+        .args([GPT2, "--cluster", "h100-80gb:2", "--seq-len", "16", "--tp", "2", "--global-batch", "4", "--json"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut cli: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let mut lib = serde_json::to_value(&plan).unwrap();
+    for v in [&mut cli, &mut lib] {
+        v["solver"]["wall_s"] = 0.into();
+    }
+    assert_eq!(cli, lib);
+}
+
+#[test]
+fn notes_say_what_was_assumed() {
+    let cluster = ClusterSpec::parse("h100-80gb:2").unwrap();
+    let opts = PlanOptions { seq_len: Some(16), tp: Some(1), sequence_parallel: true, ..Default::default() };
+    let mut seen = Seen::default();
+    compile_observed(Path::new(GPT2), &cluster, &opts, &mut seen).unwrap();
+    assert_eq!(seen.notes.len(), 2, "{:?}", seen.notes);
+    assert!(seen.notes[0].contains("--global-batch not given"), "{:?}", seen.notes);
+    assert!(seen.notes[1].contains("--sequence-parallel has no effect"), "{:?}", seen.notes);
+}
+
+#[test]
+fn failures_name_their_stage() {
+    let cluster = ClusterSpec::parse("h100-80gb:2").unwrap();
+    let e = compile(Path::new("/nonexistent/m.onnx"), &cluster, &PlanOptions::default()).unwrap_err();
+    assert_eq!(e.stage(), Stage::Import);
+    assert!(e.to_string().contains("/nonexistent/m.onnx"), "{e}");
+
+    // Degrees the cluster cannot hold are refused before the model is read.
+    let opts = PlanOptions { tp: Some(4), ..Default::default() };
+    let e = compile(Path::new("/nonexistent/m.onnx"), &cluster, &opts).unwrap_err();
+    assert_eq!(e.stage(), Stage::Solve);
+    assert!(e.to_string().contains("--tp 4") && e.to_string().contains("h100-80gb:2"), "{e}");
+
+    // A layout that does not cover the model.
+    let opts = PlanOptions { seq_len: Some(16), layout: Some("0-0|1-1".parse().unwrap()), ..Default::default() };
+    let e = compile(Path::new(GPT2), &cluster, &opts).unwrap_err();
+    assert_eq!(e.stage(), Stage::Solve);
+    assert!(e.to_string().contains("--layout 0-0|1-1"), "{e}");
+}
