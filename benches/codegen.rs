@@ -13,6 +13,7 @@ use smp_partition::codegen::validate::validate_section;
 use smp_partition::frontend::onnx::load_model;
 use smp_partition::ir::ScheduleKind;
 use smp_partition::passes::{AnalyzeOptions, analyze};
+use smp_partition::solve::Placement;
 
 fn main() -> anyhow::Result<()> {
     let path = std::env::args()
@@ -40,12 +41,7 @@ fn main() -> anyhow::Result<()> {
             .collect();
         let input = CodegenInput { pp, tp, dp, zero, sharded_dp: None, microbatches: m, schedule, stages, replicated_layers: vec![], node_strategies: vec![], sequence_parallel: false };
         // Ranks as the DPT placement numbers them: d·(pp·tp) + p·tp + t.
-        let mesh = Mesh {
-            pp,
-            tp,
-            dp,
-            ranks: (0..pp).map(|p| (0..dp).flat_map(|d| (0..tp).map(move |t| d * pp * tp + p * tp + t)).collect()).collect(),
-        };
+        let mesh = Mesh::numbered(Placement::CLUSTER, pp, tp, dp);
         let t1 = Instant::now();
         let section = build(&lg, &input)?;
         let build_s = t1.elapsed().as_secs_f64();

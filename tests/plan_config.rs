@@ -24,13 +24,13 @@ fn conflict(req: PlanRequest, json: Option<&str>) -> String {
 
 #[test]
 fn flag_parsers() {
-    assert_eq!("gpipe".parse::<Schedule>(), Ok(Schedule::Gpipe));
+    assert_eq!("gpipe".parse::<Schedule>(), Ok(Schedule::GPipe));
     assert_eq!("1f1b".parse::<Schedule>(), Ok(Schedule::OneFOneB));
     assert_eq!("zb-h1".parse::<Schedule>(), Ok(Schedule::ZbH1));
-    assert_eq!("interleaved:4".parse::<Schedule>(), Ok(Schedule::Interleaved(4)));
+    assert_eq!("interleaved:4".parse::<Schedule>(), Ok(Schedule::Interleaved { virtual_stages: 4 }));
     assert!("interleaved:1".parse::<Schedule>().is_err());
     assert!("interleaved".parse::<Schedule>().is_err());
-    assert_eq!(Schedule::Interleaved(3).to_string(), "interleaved:3");
+    assert_eq!(Schedule::Interleaved { virtual_stages: 3 }.to_string(), "interleaved:3");
     assert_eq!("cluster".parse::<Placement>(), Ok(Placement::CLUSTER));
     assert_eq!("spread".parse::<Placement>(), Ok(Placement::SPREAD));
     assert_eq!(Placement::CLUSTER.to_string(), "DPT");
@@ -76,7 +76,7 @@ fn smp_names_map_to_settings() {
     let c = resolve(PlanRequest::default(), Some(r#"{"pipeline_parallel_degree": 4, "pipeline": "simple"}"#))
         .unwrap();
     assert_eq!(c.pp.map(|s| s.value), Some(4));
-    assert_eq!(c.schedule.map(|s| s.value), Some(Schedule::Gpipe));
+    assert_eq!(c.schedule.map(|s| s.value), Some(Schedule::GPipe));
 }
 
 #[test]
@@ -226,7 +226,7 @@ fn layout_sets_or_must_match_pp() {
     let c = resolve(
         PlanRequest {
             layout: Some(four.clone()),
-            schedule: Some(Schedule::Interleaved(2)),
+            schedule: Some(Schedule::Interleaved { virtual_stages: 2 }),
             ..Default::default()
         },
         None,
@@ -236,7 +236,7 @@ fn layout_sets_or_must_match_pp() {
     let msg = conflict(
         PlanRequest {
             layout: Some(layout.clone()),
-            schedule: Some(Schedule::Interleaved(2)),
+            schedule: Some(Schedule::Interleaved { virtual_stages: 2 }),
             ..Default::default()
         },
         None,
@@ -327,7 +327,7 @@ fn batch_arithmetic() {
     );
     assert!(msg.contains("active_microbatches") && msg.contains("--microbatches 2"), "{msg}");
     let msg = conflict(
-        PlanRequest { pp: Some(1), schedule: Some(Schedule::Interleaved(2)), ..Default::default() },
+        PlanRequest { pp: Some(1), schedule: Some(Schedule::Interleaved { virtual_stages: 2 }), ..Default::default() },
         None,
     );
     assert!(msg.contains("--pp 1") && msg.contains("interleaved:2"), "{msg}");

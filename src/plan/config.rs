@@ -9,105 +9,10 @@ use serde_json::{Map, Value};
 
 use crate::solve;
 
-/// A pipeline schedule.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Schedule {
-    /// All forwards, then all backwards.
-    Gpipe,
-    /// One forward, one backward (PipeDream-flush).
-    OneFOneB,
-    /// Megatron's interleaved 1F1B with this many virtual stages per rank.
-    Interleaved(usize),
-    /// Zero-bubble H1 (backward split into input and weight gradients).
-    ZbH1,
-}
-
-impl Schedule {
-    /// Virtual stages per pipeline rank.
-    pub fn virtual_stages(self) -> usize {
-        match self {
-            Schedule::Interleaved(v) => v,
-            _ => 1,
-        }
-    }
-    /// Name without the virtual-stage count, as the plan's `parallel.schedule` writes it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Schedule::Gpipe => "gpipe",
-            Schedule::OneFOneB => "1f1b",
-            Schedule::Interleaved(_) => "interleaved",
-            Schedule::ZbH1 => "zb-h1",
-        }
-    }
-}
-
-impl fmt::Display for Schedule {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Schedule::Interleaved(v) => write!(f, "interleaved:{v}"),
-            other => f.write_str(other.name()),
-        }
-    }
-}
-
-impl FromStr for Schedule {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "gpipe" => Ok(Schedule::Gpipe),
-            "1f1b" => Ok(Schedule::OneFOneB),
-            "zb-h1" => Ok(Schedule::ZbH1),
-            _ => match s.strip_prefix("interleaved:") {
-                Some(v) => match v.parse::<usize>() {
-                    Ok(v) if v >= 2 => Ok(Schedule::Interleaved(v)),
-                    _ => Err(format!("`{s}`: interleaved:V needs V ≥ 2 virtual stages per rank")),
-                },
-                None => Err(format!("`{s}`: expected gpipe, 1f1b, interleaved:V or zb-h1")),
-            },
-        }
-    }
-}
-
-/// Activation checkpointing policy.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Checkpointing {
-    /// The solver decides per layer.
-    #[default]
-    Auto,
-    /// Never recompute.
-    None,
-    /// Recompute every layer.
-    Full,
-}
-
-impl Checkpointing {
-    /// Lower-case name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Checkpointing::Auto => "auto",
-            Checkpointing::None => "none",
-            Checkpointing::Full => "full",
-        }
-    }
-}
-
-impl fmt::Display for Checkpointing {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Checkpointing {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(Checkpointing::Auto),
-            "none" => Ok(Checkpointing::None),
-            "full" => Ok(Checkpointing::Full),
-            _ => Err(format!("`{s}`: expected auto, none or full")),
-        }
-    }
-}
+// The schedule and the checkpointing policy are the IR's and the solver's own types, under
+// the CLI's names (one enum each, from the flags to the plan file).
+pub use crate::ir::ScheduleKind as Schedule;
+pub use crate::solve::CheckpointRule as Checkpointing;
 
 // Optimize, Baseline and Placement are the solver's own types, re-exported here for the CLI.
 pub use crate::solve::{Baseline, MeshAxis as Axis, Optimize, Placement};
@@ -404,7 +309,7 @@ impl SmpConfig {
                 },
                 "pipeline" => {
                     let schedule = match string()? {
-                        "simple" => Schedule::Gpipe,
+                        "simple" => Schedule::GPipe,
                         // SMP's "interleaved" is 1F1B; Megatron's interleaving is `interleaved:V`.
                         "interleaved" => Schedule::OneFOneB,
                         other => return Err(bad(format!("`{other}`: expected simple or interleaved"))),
@@ -698,7 +603,7 @@ impl Constraints {
 
         if let (Some(sched), Some(pp)) = (&c.schedule, &c.pp)
             && pp.value == 1
-            && matches!(sched.value, Schedule::Interleaved(_))
+            && matches!(sched.value, Schedule::Interleaved { .. })
         {
             return Err(ConfigError::Conflict {
                 first: sched.source.clone(),
@@ -832,19 +737,6 @@ impl Constraints {
     }
 }
 
-impl Schedule {
-    /// The IR's schedule kind.
-    pub fn kind(self) -> crate::ir::ScheduleKind {
-        use crate::ir::ScheduleKind;
-        match self {
-            Schedule::Gpipe => ScheduleKind::GPipe,
-            Schedule::OneFOneB => ScheduleKind::OneFOneB,
-            Schedule::Interleaved(v) => ScheduleKind::Interleaved { virtual_stages: v },
-            Schedule::ZbH1 => ScheduleKind::ZbH1,
-        }
-    }
-}
-
 impl Constraints {
     /// The solver's configuration; `default_global_batch` is used when `--global-batch` was
     /// not given. HiGHS runs single-threaded so ties resolve the same way every run.
@@ -860,12 +752,8 @@ impl Constraints {
             sharded_dp: v(&self.sharded_dp),
             microbatches: v(&self.microbatches),
             active_microbatches: v(&self.active_microbatches),
-            schedule: self.schedule.as_ref().map(|s| s.value.kind()),
-            checkpointing: Some(match self.checkpointing {
-                Checkpointing::Auto => solve::CheckpointRule::Auto,
-                Checkpointing::None => solve::CheckpointRule::Never,
-                Checkpointing::Full => solve::CheckpointRule::Always,
-            }),
+            schedule: self.schedule.as_ref().map(|s| s.value),
+            checkpointing: Some(self.checkpointing),
             placement: self.placement.as_ref().map(|p| p.value),
             layout: self.layout.as_ref().map(|l| l.value.0.clone()),
             memory_limit: self.memory_limit_bytes,
