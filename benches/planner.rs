@@ -72,7 +72,7 @@ fn describe_decision(d: &PlanDecision) -> String {
 
 fn describe(p: &Plan) -> String {
     let par = &p.parallel;
-    let schedule = p.schedule_kind().map(|k| k.to_string()).unwrap_or_else(|_| par.schedule.clone());
+    let schedule = par.schedule.to_string();
     format!(
         "pp{} tp{} dp{} zero{} m{}×{} {} ckpt {}",
         par.pp,

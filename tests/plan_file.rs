@@ -4,6 +4,7 @@ use std::path::Path;
 
 use smp_partition::plan::io::{self, PlanIoError};
 use smp_partition::plan::report::{self, Reason};
+use smp_partition::ir::ScheduleKind;
 use smp_partition::plan::schema::*;
 
 mod common;
@@ -195,7 +196,7 @@ fn validation_checks_degrees_and_totals() {
         PlanInvalid::Degree { field: "microbatches", .. }
     ));
     assert_eq!(
-        invalid(|p| p.parallel.virtual_stages = 2),
+        invalid(|p| p.parallel.schedule = ScheduleKind::Interleaved { virtual_stages: 2 }),
         PlanInvalid::StageCount { found: 2, pp: 2, v: 2, expected: 4 }
     );
     assert_eq!(invalid(|p| p.stages.clear()), PlanInvalid::NoStages);
@@ -210,8 +211,7 @@ fn validation_checks_degrees_and_totals() {
 #[test]
 fn interleaved_plan_validates_and_sums_memory_per_rank() {
     let mut p = fixture();
-    p.parallel.virtual_stages = 2;
-    p.parallel.schedule = "interleaved".into();
+    p.parallel.schedule = ScheduleKind::Interleaved { virtual_stages: 2 };
     let base = p.stages[0].clone();
     p.stages = (0..4)
         .map(|i| Stage {

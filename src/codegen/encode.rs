@@ -25,6 +25,7 @@ use super::program::{Instr, Purpose, RankProgram};
 use super::shard::{CodegenError, LayerShard, Sharder, apply_shard};
 use crate::ir::{Graph, LayeredGraph, ScheduleError, ScheduleKind, ValueKind, compute_actions};
 use crate::passes::figures::is_trainable;
+use crate::solve::Placement as AxisOrder;
 
 /// Version of the codegen section's layout (bumped on incompatible changes).
 pub const CODEGEN_VERSION: u32 = 1;
@@ -167,7 +168,10 @@ pub struct ProgramTemplate {
     pub steps: Vec<Step>,
 }
 
-/// Global ranks by mesh coordinates, from the plan's stages (mesh axis order applied).
+/// The device mesh: global ranks by mesh coordinates (pipeline rank, replica, tensor rank),
+/// from the plan's stages, where the placement's axis order is already applied
+/// ([`crate::plan::Plan::mesh`]). The one mesh type of codegen, the plan, the simulator and
+/// the runtime.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Mesh {
     /// Pipeline ranks.
@@ -192,6 +196,13 @@ pub struct Coord {
 }
 
 impl Mesh {
+    /// The mesh of degrees (pp, tp, dp) with ranks numbered in the axis order `order`
+    /// (`--placement`; the planner numbers the plan's stages this way).
+    pub fn numbered(order: AxisOrder, pp: usize, tp: usize, dp: usize) -> Mesh {
+        let ranks = (0..pp).map(|p| order.stage_ranks(p, [dp, pp, tp])).collect();
+        Mesh { pp, tp, dp, ranks }
+    }
+
     /// Global rank at `c` (None outside the mesh).
     pub fn rank(&self, c: Coord) -> Option<usize> {
         (c.tp < self.tp && c.dp < self.dp).then_some(())?;
@@ -203,6 +214,17 @@ impl Mesh {
         self.ranks.iter().enumerate().find_map(|(pp, rs)| {
             rs.iter().position(|&r| r == rank).map(|i| Coord { pp, dp: i / self.tp.max(1), tp: i % self.tp.max(1) })
         })
+    }
+
+    /// Number of ranks (pp · dp · tp).
+    pub fn world(&self) -> usize {
+        self.pp * self.dp * self.tp
+    }
+
+    /// The tensor-parallel groups (global ranks in tensor-rank order), one per pipeline rank
+    /// and replica.
+    pub fn tensor_groups(&self) -> Vec<Vec<usize>> {
+        self.ranks.iter().flat_map(|rs| rs.chunks(self.tp.max(1)).map(<[usize]>::to_vec)).collect()
     }
 
     /// Every global rank, ascending.
@@ -686,7 +708,10 @@ mod tests {
 
     /// Ranks numbered as the DPT placement does: d·(pp·tp) + p·tp + t.
     fn mesh(pp: usize, tp: usize, dp: usize) -> Mesh {
-        Mesh { pp, tp, dp, ranks: (0..pp).map(|p| (0..dp).flat_map(|d| (0..tp).map(move |t| d * pp * tp + p * tp + t)).collect()).collect() }
+        let m = Mesh::numbered(AxisOrder::CLUSTER, pp, tp, dp);
+        let by_hand: Vec<Vec<usize>> = (0..pp).map(|p| (0..dp).flat_map(|d| (0..tp).map(move |t| d * pp * tp + p * tp + t)).collect()).collect();
+        assert_eq!(m.ranks, by_hand);
+        m
     }
 
     #[test]

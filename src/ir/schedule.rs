@@ -16,8 +16,9 @@ pub enum ScheduleKind {
     /// One-forward-one-backward (PipeDream-Flush, Narayanan et al. 2021).
     OneFOneB,
     /// Interleaved 1F1B with `virtual_stages` model chunks per rank (Narayanan et al. 2021).
+    /// Build it with [`ScheduleKind::interleaved`], which holds the rule V ≥ 2.
     Interleaved {
-        /// Model chunks per pipeline rank (v ≥ 1).
+        /// Model chunks per pipeline rank (V ≥ [`MIN_VIRTUAL_STAGES`]).
         virtual_stages: usize,
     },
     /// Zero-bubble ZB-H1 (Qi et al. 2024): backward split into input-gradient (B) and
@@ -25,7 +26,33 @@ pub enum ScheduleKind {
     ZbH1,
 }
 
+/// The fewest virtual stages per rank an interleaved schedule has (with one it is 1F1B).
+pub const MIN_VIRTUAL_STAGES: usize = 2;
+
 impl ScheduleKind {
+    /// Interleaved 1F1B with `v` virtual stages per rank; refused unless
+    /// v ≥ [`MIN_VIRTUAL_STAGES`].
+    pub fn interleaved(v: usize) -> Result<ScheduleKind, ScheduleError> {
+        if v >= MIN_VIRTUAL_STAGES {
+            Ok(ScheduleKind::Interleaved { virtual_stages: v })
+        } else {
+            Err(ScheduleError::VirtualStages(v))
+        }
+    }
+
+    /// The schedule a plan file names: its name without parameters ([`ScheduleKind::name`])
+    /// and its virtual stages per rank (V ≥ 2 for `interleaved`, 1 for the others).
+    pub fn from_parts(name: &str, virtual_stages: usize) -> Result<ScheduleKind, ScheduleError> {
+        if name == "interleaved" {
+            return ScheduleKind::interleaved(virtual_stages);
+        }
+        let kind: ScheduleKind = name.parse()?;
+        if virtual_stages != 1 {
+            return Err(ScheduleError::NotInterleaved { kind, virtual_stages });
+        }
+        Ok(kind)
+    }
+
     /// Model chunks per pipeline rank (1 unless interleaved).
     pub fn virtual_stages(self) -> usize {
         match self {
@@ -73,8 +100,19 @@ impl fmt::Display for ScheduleKind {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ScheduleError {
     /// Unknown schedule name.
-    #[error("unknown schedule `{0}`: expected gpipe, 1f1b, interleaved:V (V ≥ 1) or zb-h1")]
+    #[error("unknown schedule `{0}`: expected gpipe, 1f1b, interleaved:V (V ≥ 2) or zb-h1")]
     UnknownSchedule(String),
+    /// Interleaving with fewer than two virtual stages per rank.
+    #[error("interleaved:{0}: interleaving needs V ≥ 2 virtual stages per rank (with one it is 1f1b)")]
+    VirtualStages(usize),
+    /// Virtual stages given for a schedule without them.
+    #[error("schedule {kind} runs 1 virtual stage per rank, not {virtual_stages} (only interleaved:V has more)")]
+    NotInterleaved {
+        /// The schedule.
+        kind: ScheduleKind,
+        /// Virtual stages given.
+        virtual_stages: usize,
+    },
     /// An action string that is not `<stage><KIND><microbatch>`.
     #[error(
         "bad action `{0}`: expected <stage><kind><microbatch> with kind F, B, W, SEND_F, RECV_F, SEND_B or RECV_B (e.g. `2F0`, `1SEND_F3`)"
@@ -101,14 +139,12 @@ impl FromStr for ScheduleKind {
             "gpipe" => return Ok(ScheduleKind::GPipe),
             "1f1b" => return Ok(ScheduleKind::OneFOneB),
             "zb-h1" | "zbh1" => return Ok(ScheduleKind::ZbH1),
-            "interleaved" => return Ok(ScheduleKind::Interleaved { virtual_stages: 2 }),
             _ => {}
         }
         if let Some(v) = lower.strip_prefix("interleaved:")
             && let Ok(v) = v.parse::<usize>()
-            && v >= 1
         {
-            return Ok(ScheduleKind::Interleaved { virtual_stages: v });
+            return ScheduleKind::interleaved(v);
         }
         Err(ScheduleError::UnknownSchedule(s.to_string()))
     }
@@ -345,7 +381,19 @@ mod tests {
         for s in ["gpipe", "1f1b", "interleaved:3", "zb-h1"] {
             assert_eq!(s.parse::<ScheduleKind>().unwrap().to_string(), s);
         }
-        assert!("interleaved:0".parse::<ScheduleKind>().is_err());
+        for s in ["interleaved:0", "interleaved:1", "interleaved", "1f1b:2"] {
+            assert!(s.parse::<ScheduleKind>().is_err(), "{s}");
+        }
+    }
+
+    #[test]
+    fn the_plan_form_holds_one_rule_for_virtual_stages() {
+        for k in [ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::ZbH1, ScheduleKind::Interleaved { virtual_stages: 3 }] {
+            assert_eq!(ScheduleKind::from_parts(k.name(), k.virtual_stages()), Ok(k));
+        }
+        assert_eq!(ScheduleKind::from_parts("interleaved", 1), Err(ScheduleError::VirtualStages(1)));
+        assert!(ScheduleKind::from_parts("1f1b", 2).is_err());
+        assert!(ScheduleKind::from_parts("interleaved:2", 2).is_err());
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use crate::cost::{ClusterSpec, CommModel, GroupSpan};
 use crate::ir::LayeredGraph;
-use crate::solve::{CheckpointRule, PlanDecision, PlanOptions};
+use crate::solve::{PlanDecision, PlanOptions};
 
 use super::schema::*;
 
@@ -13,15 +13,6 @@ pub struct ModelRef {
     pub path: String,
     /// SHA-256 of the file (hex).
     pub sha256: String,
-}
-
-/// The plan's name for a checkpoint rule.
-pub fn checkpointing_name(rule: CheckpointRule) -> &'static str {
-    match rule {
-        CheckpointRule::Auto => "auto",
-        CheckpointRule::Never => "none",
-        CheckpointRule::Always => "full",
-    }
 }
 
 fn bytes(x: f64) -> u64 {
@@ -99,10 +90,9 @@ pub fn from_decision(d: &PlanDecision, lg: &LayeredGraph, cluster: &ClusterSpec,
             sharded_dp: d.sharded_dp,
             microbatches: d.microbatches,
             active_microbatches: opts.active_microbatches,
-            schedule: d.schedule.name().to_string(),
-            virtual_stages: d.schedule.virtual_stages(),
-            checkpointing: checkpointing_name(d.checkpointing).to_string(),
-            placement: d.placement.name(),
+            schedule: d.schedule,
+            checkpointing: d.checkpointing,
+            placement: d.placement,
             sequence_parallel: opts.sequence_parallel && d.tp > 1,
         },
         stages,
@@ -117,8 +107,8 @@ pub fn from_decision(d: &PlanDecision, lg: &LayeredGraph, cluster: &ClusterSpec,
         },
         solver: SolverInfo {
             status: match opts.baseline {
-                Some(b) => format!("baseline:{}", b.name()),
-                None => d.solver.status.name().to_string(),
+                Some(b) => PlanStatus::Baseline(b),
+                None => PlanStatus::Solved(d.solver.status),
             },
             objective: d.solver.objective,
             bound: d.solver.bound,

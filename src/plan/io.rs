@@ -58,7 +58,7 @@ pub fn from_json(text: &str, path: &Path) -> Result<Plan, PlanIoError> {
         .ok_or_else(|| PlanIoError::NoVersion { path: p() })?;
     if found != u64::from(PLAN_VERSION) {
         let hint = if found > u64::from(PLAN_VERSION) {
-            "it was written by a newer smp-partition: upgrade this one"
+            "it was written by a newer smp-partition: upgrade this one, or re-plan the model with it"
         } else {
             "re-plan the model with this smp-partition"
         };

@@ -217,11 +217,7 @@ pub fn render(plan: &Plan) -> String {
     if let Some(s) = par.sharded_dp {
         let _ = write!(parallel, " (sharded over groups of {s})");
     }
-    let sched = if par.virtual_stages > 1 {
-        format!("{}:{}", par.schedule, par.virtual_stages)
-    } else {
-        par.schedule.clone()
-    };
+    let sched = par.schedule;
     let _ = write!(parallel, ", {} microbatches, {sched}", par.microbatches);
     if let Some(a) = par.active_microbatches {
         let _ = write!(parallel, " (≤ {a} in flight)");

@@ -2,6 +2,8 @@
 //! simulator and `smp-runner`. Fields are described in docs/plan-format.md.
 
 use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
@@ -10,6 +12,7 @@ use crate::cost::MachineFacts;
 use crate::codegen::encode::{CodegenInput, CodegenSection, Mesh, RankView, StageInput};
 use crate::codegen::EncodeError;
 use crate::ir::ScheduleKind;
+use crate::solve::{Baseline, CheckpointRule, Placement as AxisOrder, SolveStatus};
 
 /// The plan format version this build writes and reads.
 pub const PLAN_VERSION: u32 = 1;
@@ -84,9 +87,11 @@ pub struct ClusterInfo {
     pub machine: Option<MachineFacts>,
 }
 
-/// The parallel configuration.
+/// The parallel configuration. The schedule, checkpointing policy and placement are typed
+/// here and spelt as strings in the file (`"schedule": "interleaved", "virtual_stages": 2`,
+/// `"checkpointing": "auto"`, `"placement": "DPT"`), parsed once when the plan is read.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(try_from = "ParallelFile", into = "ParallelFile")]
 pub struct Parallel {
     /// Pipeline-parallel degree (devices along a pipeline).
     pub pp: usize,
@@ -97,25 +102,84 @@ pub struct Parallel {
     /// ZeRO stage (0..=3).
     pub zero: u8,
     /// Sharded-data-parallel group size (ZeRO-3 over groups of that many replicas), if used.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sharded_dp: Option<usize>,
     /// Microbatches per step and pipeline.
     pub microbatches: usize,
     /// Cap on microbatches in flight (SMP's `active_microbatches`), if set.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub active_microbatches: Option<usize>,
-    /// Schedule name: `gpipe`, `1f1b`, `interleaved`, `zb-h1`.
-    pub schedule: String,
-    /// Virtual stages per pipeline rank (1 unless interleaved).
-    pub virtual_stages: usize,
-    /// Checkpointing policy as requested: `auto`, `none` or `full`.
-    pub checkpointing: String,
-    /// Mesh axis order, outermost first (`DPT` = cluster, `TPD` = spread).
-    pub placement: String,
+    /// The pipeline schedule (file: `schedule` = its name, `virtual_stages` = V, 1 unless
+    /// interleaved).
+    pub schedule: ScheduleKind,
+    /// Checkpointing policy as requested (file: `auto`, `none` or `full`).
+    pub checkpointing: CheckpointRule,
+    /// Mesh axis order, outermost first (file: `DPT` = cluster, `TPD` = spread).
+    pub placement: AxisOrder,
     /// Sequence parallelism within each tensor-parallel group (Megatron-LM's): row-parallel
     /// outputs reduce-scattered over the tokens, norms and residuals on token chunks.
-    #[serde(default, skip_serializing_if = "is_false")]
     pub sequence_parallel: bool,
+}
+
+/// [`Parallel`] as the file spells it.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ParallelFile {
+    pp: usize,
+    tp: usize,
+    dp: usize,
+    zero: u8,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    sharded_dp: Option<usize>,
+    microbatches: usize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    active_microbatches: Option<usize>,
+    schedule: String,
+    virtual_stages: usize,
+    checkpointing: String,
+    placement: String,
+    #[serde(default, skip_serializing_if = "is_false")]
+    sequence_parallel: bool,
+}
+
+impl TryFrom<ParallelFile> for Parallel {
+    type Error = String;
+    fn try_from(f: ParallelFile) -> Result<Parallel, String> {
+        let schedule = ScheduleKind::from_parts(&f.schedule, f.virtual_stages)
+            .map_err(|e| format!("parallel.schedule `{}` with virtual_stages {}: {e}", f.schedule, f.virtual_stages))?;
+        let checkpointing = f.checkpointing.parse::<CheckpointRule>().map_err(|e| format!("parallel.checkpointing {e}"))?;
+        let placement = f.placement.parse::<AxisOrder>().map_err(|e| format!("parallel.placement {e}"))?;
+        Ok(Parallel {
+            pp: f.pp,
+            tp: f.tp,
+            dp: f.dp,
+            zero: f.zero,
+            sharded_dp: f.sharded_dp,
+            microbatches: f.microbatches,
+            active_microbatches: f.active_microbatches,
+            schedule,
+            checkpointing,
+            placement,
+            sequence_parallel: f.sequence_parallel,
+        })
+    }
+}
+
+impl From<Parallel> for ParallelFile {
+    fn from(p: Parallel) -> ParallelFile {
+        ParallelFile {
+            pp: p.pp,
+            tp: p.tp,
+            dp: p.dp,
+            zero: p.zero,
+            sharded_dp: p.sharded_dp,
+            microbatches: p.microbatches,
+            active_microbatches: p.active_microbatches,
+            schedule: p.schedule.name().to_string(),
+            virtual_stages: p.schedule.virtual_stages(),
+            checkpointing: p.checkpointing.name().to_string(),
+            placement: p.placement.to_string(),
+            sequence_parallel: p.sequence_parallel,
+        }
+    }
 }
 
 fn is_false(b: &bool) -> bool {
@@ -231,7 +295,7 @@ pub struct Predicted {
 pub struct SolverInfo {
     /// `optimal` (proven), `feasible` (time limit hit; see gap), `fixed` (all given by hand),
     /// or `baseline:NAME`.
-    pub status: String,
+    pub status: PlanStatus,
     /// Objective value of the plan (predicted step time, seconds).
     pub objective: f64,
     /// Best proven lower bound on the objective.
@@ -242,6 +306,58 @@ pub struct SolverInfo {
     pub wall_s: f64,
     /// Candidate configurations solved and skipped by bound.
     pub candidates: Candidates,
+}
+
+/// How the plan was reached (file: `optimal`, `feasible`, `fixed` or `baseline:NAME`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum PlanStatus {
+    /// The solver's own status (`optimal`, or `feasible` when the time limit struck).
+    Solved(SolveStatus),
+    /// Every setting was given by hand.
+    Fixed,
+    /// Planned as a peer would (`--baseline NAME`).
+    Baseline(Baseline),
+}
+
+impl fmt::Display for PlanStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PlanStatus::Solved(s) => f.write_str(s.name()),
+            PlanStatus::Fixed => f.write_str("fixed"),
+            PlanStatus::Baseline(b) => write!(f, "baseline:{b}"),
+        }
+    }
+}
+
+impl FromStr for PlanStatus {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "fixed" {
+            return Ok(PlanStatus::Fixed);
+        }
+        if let Some(b) = s.strip_prefix("baseline:") {
+            return b.parse().map(PlanStatus::Baseline).map_err(|e| format!("solver.status: {e}"));
+        }
+        [SolveStatus::Optimal, SolveStatus::Feasible, SolveStatus::Infeasible, SolveStatus::TimeLimit]
+            .into_iter()
+            .find(|k| k.name() == s)
+            .map(PlanStatus::Solved)
+            .ok_or_else(|| format!("solver.status `{s}`: expected optimal, feasible, fixed or baseline:NAME"))
+    }
+}
+
+impl TryFrom<String> for PlanStatus {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
+}
+
+impl From<PlanStatus> for String {
+    fn from(s: PlanStatus) -> String {
+        s.to_string()
+    }
 }
 
 /// Outer-search bookkeeping.
@@ -277,15 +393,6 @@ impl Plan {
 }
 
 impl Plan {
-    /// The pipeline schedule the plan names (`interleaved` with its virtual stages).
-    pub fn schedule_kind(&self) -> Result<ScheduleKind, EncodeError> {
-        let p = &self.parallel;
-        if p.schedule == "interleaved" {
-            return Ok(ScheduleKind::Interleaved { virtual_stages: p.virtual_stages });
-        }
-        Ok(p.schedule.parse::<ScheduleKind>()?)
-    }
-
     /// What codegen needs of this plan.
     pub fn codegen_input(&self) -> Result<CodegenInput, EncodeError> {
         let p = &self.parallel;
@@ -296,7 +403,7 @@ impl Plan {
             zero: p.zero,
             sharded_dp: p.sharded_dp,
             microbatches: p.microbatches,
-            schedule: self.schedule_kind()?,
+            schedule: p.schedule,
             stages: self
                 .stages
                 .iter()

@@ -78,7 +78,6 @@ pub fn validate(plan: &Plan) -> Result<(), PlanInvalid> {
         ("tp", par.tp),
         ("dp", par.dp),
         ("microbatches", par.microbatches),
-        ("virtual_stages", par.virtual_stages),
     ] {
         if value == 0 {
             return Err(PlanInvalid::Degree { field, value: 0, expected: "at least 1" });
@@ -100,12 +99,12 @@ pub fn validate(plan: &Plan) -> Result<(), PlanInvalid> {
     if plan.stages.is_empty() {
         return Err(PlanInvalid::NoStages);
     }
-    let expected = par.pp * par.virtual_stages;
+    let expected = par.schedule.stages(par.pp);
     if plan.stages.len() != expected {
         return Err(PlanInvalid::StageCount {
             found: plan.stages.len(),
             pp: par.pp,
-            v: par.virtual_stages,
+            v: par.schedule.virtual_stages(),
             expected,
         });
     }

@@ -130,7 +130,7 @@ pub fn stage_layout(plan: &Plan, graph: &Graph, lg: &LayeredGraph) -> Result<Sta
             }
         }
     }
-    let full = plan.parallel.checkpointing == "full";
+    let full = plan.parallel.checkpointing == crate::solve::CheckpointRule::Always;
     let recompute = plan.stages.iter().map(|s| full || !s.checkpointed_layers.is_empty()).collect();
     Ok(StageLayout {
         nodes,
@@ -140,67 +140,9 @@ pub fn stage_layout(plan: &Plan, graph: &Graph, lg: &LayeredGraph) -> Result<Sta
     })
 }
 
-/// Where each global rank sits: its pipeline rank, data-parallel index and tensor rank.
-#[derive(Clone, Debug)]
-pub struct Placement {
-    /// Pipeline ranks.
-    pub pp: usize,
-    /// Data-parallel degree.
-    pub dp: usize,
-    /// Tensor-parallel degree.
-    pub tp: usize,
-    /// `ranks[q][d · tp + t]`: the global rank of pipeline rank q, replica d, tensor rank t.
-    pub ranks: Vec<Vec<usize>>,
-}
-
-impl Placement {
-    /// From the plan's stage rank lists.
-    pub fn of(plan: &Plan) -> Result<Placement, RuntimeError> {
-        let p = plan.parallel.pp.max(1);
-        let dp = plan.parallel.dp.max(1);
-        let tp = plan.parallel.tp.max(1);
-        let mut ranks = vec![Vec::new(); p];
-        for st in &plan.stages {
-            let q = st.pp_rank;
-            if q >= p {
-                return Err(terr(format!("stage {} sits on pipeline rank {q}, but pp = {p}", st.index)));
-            }
-            if st.ranks.len() != dp * tp {
-                return Err(terr(format!("stage {} lists {} ranks; it needs dp {dp} × tp {tp}", st.index, st.ranks.len())));
-            }
-            if ranks[q].is_empty() {
-                ranks[q] = st.ranks.clone();
-            } else if ranks[q] != st.ranks {
-                return Err(terr(format!("stages of pipeline rank {q} list different ranks")));
-            }
-        }
-        if ranks.iter().any(Vec::is_empty) {
-            return Err(terr("a pipeline rank has no stage"));
-        }
-        Ok(Placement { pp: p, dp, tp, ranks })
-    }
-
-    /// (pipeline rank, replica, tensor rank) of a global rank.
-    pub fn locate(&self, rank: usize) -> Option<(usize, usize, usize)> {
-        self.ranks.iter().enumerate().find_map(|(q, rs)| rs.iter().position(|&r| r == rank).map(|i| (q, i / self.tp, i % self.tp)))
-    }
-
-    /// The tensor-parallel groups (global ranks), one per pipeline rank and replica.
-    pub fn tensor_groups(&self) -> Vec<Vec<usize>> {
-        self.ranks.iter().flat_map(|rs| rs.chunks(self.tp).map(<[usize]>::to_vec)).collect()
-    }
-
-    /// Number of ranks.
-    pub fn world(&self) -> usize {
-        self.pp * self.dp * self.tp
-    }
-}
-
 /// The schedule a plan names.
 pub fn schedule_of(plan: &Plan) -> Result<ScheduleKind, RuntimeError> {
-    let v = plan.parallel.virtual_stages.max(1);
-    let name = if plan.parallel.schedule == "interleaved" { format!("interleaved:{v}") } else { plan.parallel.schedule.clone() };
-    name.parse::<ScheduleKind>().map_err(|e| terr(format!("plan schedule: {e}")))
+    Ok(plan.parallel.schedule)
 }
 
 /// Every rank's program, as codegen emitted them into the plan (plans written before the
@@ -401,7 +343,7 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
     let graph = exec.graph();
     let lg = analyse(plan, graph)?;
     let layout = stage_layout(plan, graph, &lg)?;
-    let place = Placement::of(plan)?;
+    let place = plan.mesh();
     if env.world != place.world() {
         return Err(terr(format!(
             "the plan needs {} ranks (pp {} × dp {} × tp {}), WORLD_SIZE is {}; launch with --nproc {}",
@@ -416,7 +358,7 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
     let programs = rank_programs(plan, &lg)?;
     let kind = schedule_of(plan)?;
     let me = env.rank;
-    let (q, d, t) = place.locate(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
+    let (q, d, t) = place.coord(me).map(|c| (c.pp, c.dp, c.tp)).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
     let program = programs.iter().find(|p| p.rank == me).ok_or_else(|| terr(format!("no program for rank {me}")))?;
     let m = plan.parallel.microbatches.max(1);
     check_program(program, plan.stages.len(), m)?;

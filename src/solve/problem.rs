@@ -87,15 +87,47 @@ pub struct PipelineLayer {
     pub output_bytes: f64,
 }
 
-/// Whether layers may be checkpointed (recomputed in the backward pass).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// Whether layers may be checkpointed (recomputed in the backward pass): the one
+/// checkpointing policy of the CLI (`--checkpointing auto|none|full`), the SMP config, the
+/// search and the plan file (`parallel.checkpointing`), which spell it by [`CheckpointRule::name`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum CheckpointRule {
-    /// The solver chooses per layer.
+    /// The solver chooses per layer (`auto`).
+    #[default]
     Auto,
-    /// No layer is checkpointed.
+    /// No layer is checkpointed (`none`).
     Never,
-    /// Every layer is checkpointed.
+    /// Every layer is checkpointed (`full`).
     Always,
+}
+
+impl CheckpointRule {
+    /// The name the CLI and the plan file use: `auto`, `none` or `full`.
+    pub fn name(self) -> &'static str {
+        match self {
+            CheckpointRule::Auto => "auto",
+            CheckpointRule::Never => "none",
+            CheckpointRule::Always => "full",
+        }
+    }
+}
+
+impl std::fmt::Display for CheckpointRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for CheckpointRule {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(CheckpointRule::Auto),
+            "none" => Ok(CheckpointRule::Never),
+            "full" => Ok(CheckpointRule::Always),
+            _ => Err(format!("`{s}`: expected auto, none or full")),
+        }
+    }
 }
 
 /// What the pipeline ILP minimises.

@@ -51,20 +51,10 @@ pub fn run(args: &InspectArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn schedule_kind(plan: &Plan) -> Result<ScheduleKind> {
-    let p = &plan.parallel;
-    let text = if p.virtual_stages > 1 {
-        format!("{}:{}", p.schedule, p.virtual_stages)
-    } else {
-        p.schedule.clone()
-    };
-    text.parse::<ScheduleKind>().with_context(|| format!("parallel.schedule `{text}`"))
-}
-
 /// Lowers the plan's schedule for one data-parallel replica and tensor rank and replays it
 /// with the plan's stage times.
 fn trace(plan: &Plan) -> Result<serde_json::Value> {
-    let kind = schedule_kind(plan)?;
+    let kind = plan.parallel.schedule;
     let (p, m) = (plan.parallel.pp, plan.parallel.microbatches);
     let ranks: Vec<usize> = (0..p)
         .map(|r| plan.stages_of_rank(r).next().and_then(|s| s.ranks.first().copied()).unwrap_or(r))
