@@ -14,7 +14,7 @@ use super::rank::Rank;
 use super::report::{Tally, bytes_of};
 use super::train::{self, StepRecord};
 use super::zero::Zero;
-use crate::codegen::{Instr, Payload};
+use crate::codegen::{Instr, Payload, Purpose};
 use crate::ir::ValueId;
 
 /// One microbatch of one stage between its forward and its backward.
@@ -110,11 +110,11 @@ impl<'r, 'a> Interp<'r, 'a> {
             Instr::Forward { stage, mb } => self.forward(*stage, *mb),
             Instr::Backward { stage, mb } => self.backward(*stage, *mb),
             Instr::BackwardWeight { stage, mb } => self.backward_weight(*stage, *mb),
-            Instr::Send { peer, what, stage, mb, .. } => self.send(*peer, *what, *stage, *mb),
-            Instr::Recv { peer, what, stage, mb, .. } => self.recv(*peer, *what, *stage, *mb),
-            Instr::AllReduce { group, tag, .. } => self.all_reduce(group, tag),
-            Instr::ReduceScatter { group, tag, .. } => self.reduce_scatter(group, tag),
-            Instr::AllGather { group, tag, .. } => self.all_gather(group, tag),
+            Instr::Send { to, what, stage, mb, .. } => self.send(*to, *what, *stage, *mb),
+            Instr::Recv { from, what, stage, mb, .. } => self.recv(*from, *what, *stage, *mb),
+            Instr::AllReduce { group, purpose, .. } => self.all_reduce(group, purpose),
+            Instr::ReduceScatter { group, purpose, .. } => self.reduce_scatter(group, purpose),
+            Instr::AllGather { group, purpose, .. } => self.all_gather(group, purpose),
             Instr::OptimizerStep => self.optimizer_step(),
         }
     }
@@ -328,46 +328,53 @@ impl<'r, 'a> Interp<'r, 'a> {
         Ok(())
     }
 
-    fn all_reduce(&mut self, g: &[usize], t: &str) -> Result<(), RuntimeError> {
+    /// Sums a tied weight's gradient over the pipeline ranks reading it, or a stage's
+    /// gradients over its data-parallel group.
+    fn all_reduce(&mut self, g: &[usize], purpose: &Purpose) -> Result<(), RuntimeError> {
         let r = self.rank;
         let pg = r.groups.get(g)?;
-        if let Some(name) = t.strip_prefix("tied-grad:").or_else(|| t.strip_prefix("tied:")) {
-            let v = r.graph().value_by_name(name).ok_or_else(|| terr(format!("tied weight `{name}` is not in the model")))?;
-            let i = *r.params.pos_of.get(&v).ok_or_else(|| terr(format!("tied weight `{name}` is not on rank {}", r.me)))?;
-            let g = match self.grads[i].take() {
-                Some(g) => g.f_contiguous()?,
-                None => r.params.zeros(i)?,
-            };
-            pg.all_reduce_sum(&g)?;
-            self.grads[i] = Some(g);
-        } else if t.starts_with("dp-grads") {
-            let s = r.stage_of_tag(t)?;
-            self.zero.all_reduce_grads(r, pg, s, &mut self.grads, &mut self.tally)?;
-        } else {
-            return Err(terr(format!("all-reduce with unknown tag `{t}`")));
+        match purpose {
+            Purpose::TiedGrad { weight } => {
+                let v = r.graph().value_by_name(weight).ok_or_else(|| terr(format!("tied weight `{weight}` is not in the model")))?;
+                let i = *r.params.pos_of.get(&v).ok_or_else(|| terr(format!("tied weight `{weight}` is not on rank {}", r.me)))?;
+                let g = match self.grads[i].take() {
+                    Some(g) => g.f_contiguous()?,
+                    None => r.params.zeros(i)?,
+                };
+                pg.all_reduce_sum(&g)?;
+                self.grads[i] = Some(g);
+                Ok(())
+            }
+            Purpose::DpGrads { .. } => {
+                let s = r.stage_of(purpose)?;
+                self.zero.all_reduce_grads(r, pg, s, &mut self.grads, &mut self.tally)
+            }
+            _ => Err(terr(format!("all-reduce for `{purpose}`, which is no all-reduce"))),
         }
-        Ok(())
     }
 
-    fn reduce_scatter(&mut self, g: &[usize], t: &str) -> Result<(), RuntimeError> {
+    /// Reduce-scatters a stage's gradients over its data-parallel (or sharding) group.
+    fn reduce_scatter(&mut self, g: &[usize], purpose: &Purpose) -> Result<(), RuntimeError> {
         let r = self.rank;
-        if !t.starts_with("dp-grads") {
-            return Err(terr(format!("reduce-scatter with unknown tag `{t}`")));
+        if !matches!(purpose, Purpose::DpGrads { .. }) {
+            return Err(terr(format!("reduce-scatter for `{purpose}`, which is no reduce-scatter")));
         }
-        let s = r.stage_of_tag(t)?;
+        let s = r.stage_of(purpose)?;
         let pg = r.groups.get(g)?;
         self.zero.reduce_scatter_grads(r, pg, s, &mut self.grads, &mut self.tally)
     }
 
-    fn all_gather(&mut self, g: &[usize], t: &str) -> Result<(), RuntimeError> {
+    /// Gathers a stage's ZeRO-3 parameters before its use, or its updated ZeRO-1/2 blocks
+    /// after the optimizer step.
+    fn all_gather(&mut self, g: &[usize], purpose: &Purpose) -> Result<(), RuntimeError> {
         let r = self.rank;
-        if t.starts_with("zero3-params") {
-            self.zero.ensure(r, r.stage_of_tag(t)?)
-        } else if t.starts_with("zero-params") {
-            let s = r.stage_of_tag(t)?;
-            self.zero.gather_params(r, r.groups.get(g)?, s, &self.grads, &mut self.tally)
-        } else {
-            Err(terr(format!("all-gather with unknown tag `{t}`")))
+        match purpose {
+            Purpose::Zero3Params { .. } => self.zero.ensure(r, r.stage_of(purpose)?),
+            Purpose::ZeroParams { .. } => {
+                let s = r.stage_of(purpose)?;
+                self.zero.gather_params(r, r.groups.get(g)?, s, &self.grads, &mut self.tally)
+            }
+            _ => Err(terr(format!("all-gather for `{purpose}`, which is no all-gather"))),
         }
     }
 

@@ -14,7 +14,7 @@ use super::pipeline::{RunConfig, terr};
 use super::train::{self, Batch};
 use super::weights::is_trainable;
 use super::{ExecOptions, RuntimeError, Weights};
-use crate::codegen::{Coord, Instr, Mesh, RankProgram, StageView, WeightSlice, apply_shard};
+use crate::codegen::{Coord, Instr, Mesh, Purpose, RankProgram, StageView, WeightSlice, apply_shard};
 use crate::ir::{DimBindings, Graph, NodeId, ValueId, ValueKind};
 use crate::passes::{self, AnalyzeOptions};
 use crate::plan::Plan;
@@ -260,12 +260,12 @@ impl<'a> Rank<'a> {
         self.exec.graph()
     }
 
-    /// The stage a collective's tag names (`dp-grads:stage1`).
-    pub fn stage_of_tag(&self, t: &str) -> Result<usize, RuntimeError> {
-        t.rsplit_once(":stage")
-            .and_then(|(_, s)| s.parse::<usize>().ok())
+    /// The stage whose state a collective moves, one of this rank's.
+    pub fn stage_of(&self, purpose: &Purpose) -> Result<usize, RuntimeError> {
+        purpose
+            .stage()
             .filter(|s| self.my_stages.contains(s))
-            .ok_or_else(|| terr(format!("collective tag `{t}` names no stage of rank {}", self.me)))
+            .ok_or_else(|| terr(format!("collective `{purpose}` names no stage of rank {}", self.me)))
     }
 
     /// The last stage (it computes the loss).

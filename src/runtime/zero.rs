@@ -13,7 +13,7 @@ use super::pipeline::terr;
 use super::rank::{Params, Rank};
 use super::report::{StateBytes, Tally, bytes_of};
 use super::train::AdamW;
-use crate::codegen::Instr;
+use crate::codegen::{Instr, Purpose};
 
 /// One stage's ZeRO shard of its parameters: the flat parameter vector cut into `parts`
 /// blocks, this rank holding block `index`.
@@ -70,11 +70,8 @@ impl Zero {
         if rank.zero3 {
             let _guard = tch::no_grad_guard();
             for instr in &rank.program.instrs {
-                let Instr::AllGather { group: g, tag, .. } = instr else { continue };
-                if !tag.starts_with("zero3-params") {
-                    continue;
-                }
-                let s = rank.stage_of_tag(tag)?;
+                let Instr::AllGather { group: g, purpose: purpose @ Purpose::Zero3Params { .. }, .. } = instr else { continue };
+                let s = rank.stage_of(purpose)?;
                 if shards[s].is_some() || p.owned[s].is_empty() {
                     continue;
                 }
