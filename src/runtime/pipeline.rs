@@ -3,9 +3,10 @@
 //! autograd across stage boundaries, data-parallel gradient sums (bucketed), ZeRO-sharded
 //! AdamW and tied-weight gradient sums.
 //!
-//! The parts: [`super::rank`] sets the rank up from the plan, [`super::interp`] executes its
-//! program one instruction at a time, [`super::zero`] holds the ZeRO state and data-parallel
-//! synchronisation, [`super::report`] gathers what the ranks measured.
+//! The parts: `rank.rs` sets the rank up from the plan (its codegen section: stage node ids,
+//! programs, shards), `interp.rs` executes its program one method per instruction, `zero.rs`
+//! holds the ZeRO state and data-parallel synchronisation, `report.rs` gathers what the ranks
+//! measured.
 
 use std::time::Duration;
 
