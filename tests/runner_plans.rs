@@ -2,8 +2,9 @@
 //! GPT-2 export under each parallel configuration give the single-process run's losses
 //! (same seed and data) — f64 within 1e-9 relative, f32 within 1e-4. Also: default plans for
 //! cpu:2 and cpu:4 run unchanged, and a rank killed mid-step brings the whole job down.
-//! Sequence-parallel plans are checked to hold their reduce-scatters, scatters and
-//! all-gathers before they run.
+//! Plans without their codegen section, or of another codegen version, are refused with the
+//! command that re-plans them. Sequence-parallel plans are checked to hold their
+//! reduce-scatters, scatters and all-gathers before they run.
 #![cfg(feature = "runner")]
 
 use std::io::{BufRead, BufReader};
@@ -452,4 +453,23 @@ fn tp2_sequence_parallel_matches_single_process() {
 fn pp2_tp2_sequence_parallel_matches_single_process() {
     let flags = ["--pp", "2", "--tp", "2", "--dp", "1", "--schedule", "1f1b", "--microbatches", "4", "--sequence-parallel"];
     equivalent_with("pp2tp2sp", "cpu:4", 4, &flags, has_sequence_parallel_collectives);
+}
+
+#[test]
+fn plans_without_their_codegen_section_or_of_another_version_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = plan(dir.path(), "whole", "cpu:2", &["--pp", "2", "--tp", "1", "--dp", "1", "--global-batch", BATCH]);
+    let v = json(&std::fs::read(&p).unwrap());
+    let mut without = v.clone();
+    without.as_object_mut().unwrap().remove("codegen");
+    let mut older = v.clone();
+    older["codegen"]["version"] = 1.into();
+    for (name, edited, why) in [("without", without, "no codegen section"), ("older", older, "codegen section has version 1")] {
+        let q = dir.path().join(format!("{name}.json"));
+        std::fs::write(&q, serde_json::to_string_pretty(&edited).unwrap()).unwrap();
+        let r = Command::new(env!("CARGO_BIN_EXE_smp-runner")).args(["run", q.to_str().unwrap(), "--steps", "1"]).output().unwrap();
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(1), "{name}: {err}");
+        assert!(err.contains(why) && err.contains("re-plan") && err.contains("-o PLAN.json"), "{name}: {err}");
+    }
 }

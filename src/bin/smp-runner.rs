@@ -206,6 +206,7 @@ struct TrainShape {
 /// environment (`smp-runner launch` sets it).
 fn run_plan(path: &Path, o: &TrainArgs) -> Result<()> {
     let plan = smp_partition::plan::load(path)?;
+    pipeline::codegen_section(&plan).with_context(|| format!("plan `{}`", path.display()))?;
     let p = &plan.parallel;
     let env = RankEnv::from_env()?;
     let single = p.pp * p.tp * p.dp == 1;

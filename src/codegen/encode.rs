@@ -28,7 +28,7 @@ use crate::passes::figures::is_trainable;
 use crate::solve::Placement as AxisOrder;
 
 /// Version of the codegen section's layout (bumped on incompatible changes).
-pub const CODEGEN_VERSION: u32 = 1;
+pub const CODEGEN_VERSION: u32 = 2;
 
 /// What codegen needs of a plan: degrees, schedule and the stages' layer ranges.
 #[derive(Clone, Debug, PartialEq)]
@@ -102,6 +102,11 @@ pub struct StageCode {
     pub stage: usize,
     /// First and last layer, inclusive.
     pub layers: [usize; 2],
+    /// The model nodes of those layers, by id (the model's ids as imported, which analysis
+    /// keeps), as half-open ranges `[first, end)`. Nodes analysis folded into constants are
+    /// not listed.
+    #[serde(default)]
+    pub nodes: Vec<[usize; 2]>,
     /// Model values this stage sends to the next per microbatch (its activations; values an
     /// earlier stage produced for a later one pass through), in this order.
     #[serde(default)]
@@ -446,6 +451,7 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
         .map(|(s, st)| StageCode {
             stage: s,
             layers: st.layers,
+            nodes: id_ranges((st.layers[0]..=st.layers[1]).flat_map(|l| lg.layers[l].nodes.iter().map(|n| n.index()))),
             outputs_to_next: std::mem::take(&mut outputs_to_next[s]),
             gradients_from_next: std::mem::take(&mut gradients_from_next[s]),
             data_inputs: std::mem::take(&mut data_inputs[s]).into_iter().collect(),
@@ -457,6 +463,26 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
 
     let templates = templates(input, &stages, &tied_weights)?;
     Ok(CodegenSection { version: CODEGEN_VERSION, tp: input.tp, shards, weight_dims, stages, tied_weights, templates })
+}
+
+/// Ids as sorted half-open ranges of consecutive ids.
+fn id_ranges(ids: impl Iterator<Item = usize>) -> Vec<[usize; 2]> {
+    let ids: BTreeSet<usize> = ids.collect();
+    let mut out: Vec<[usize; 2]> = Vec::new();
+    for i in ids {
+        match out.last_mut() {
+            Some(r) if r[1] == i => r[1] = i + 1,
+            _ => out.push([i, i + 1]),
+        }
+    }
+    out
+}
+
+impl StageCode {
+    /// Ids of the model nodes the stage runs, ascending.
+    pub fn node_ids(&self) -> impl Iterator<Item = usize> + '_ {
+        self.nodes.iter().flat_map(|r| r[0]..r[1])
+    }
 }
 
 /// The program templates: the schedule lowered with pipeline ranks as peers, plus the
@@ -684,7 +710,12 @@ impl StageView<'_> {
             let layer = lg.layers.get(l).ok_or(CodegenError::NoLayer { layer: l, layers: lg.layers.len() })?;
             nodes.extend_from_slice(&layer.nodes);
         }
-        let mut merged = LayerShard::whole(first);
+        apply_shard(&lg.graph, &nodes, &self.merged_shard(), &lg.dims)
+    }
+
+    /// The rank's shards of the stage's layers as one shard of the whole stage.
+    pub fn merged_shard(&self) -> LayerShard {
+        let mut merged = LayerShard::whole(self.code.layers[0]);
         for s in &self.shards {
             merged.tp = s.tp;
             merged.rank = s.rank;
@@ -698,7 +729,7 @@ impl StageView<'_> {
             merged.collectives.extend(s.collectives.iter().cloned());
             merged.partial_gradients.extend(s.partial_gradients.iter().cloned());
         }
-        apply_shard(&lg.graph, &nodes, &merged, &lg.dims)
+        merged
     }
 }
 

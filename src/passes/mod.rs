@@ -65,7 +65,25 @@ pub enum PassError {
 }
 
 /// Runs the pass list over an imported graph and returns it with shapes, figures and layers.
-pub fn analyze(mut graph: ir::Graph, opts: &AnalyzeOptions) -> Result<ir::LayeredGraph, PassError> {
+pub fn analyze(graph: ir::Graph, opts: &AnalyzeOptions) -> Result<ir::LayeredGraph, PassError> {
+    let (graph, dims) = specialise(graph, opts)?;
+    let figures = figures::compute(&graph, &dims)?;
+    let layers = layers::group(&graph, &figures, &dims)?;
+    debug_verify(&graph)?;
+    Ok(ir::LayeredGraph {
+        params: figures.total_params,
+        flops_per_sample: figures.total_flops,
+        node_figures: figures.per_node,
+        layers,
+        dims,
+        graph,
+    })
+}
+
+/// The first half of [`analyze`]: binds dims, infers shapes, folds shape arithmetic into
+/// constants and removes dead nodes. Node and value ids are kept, so the result is the graph
+/// codegen's shards address (the runner applies a plan's shards to it).
+pub fn specialise(mut graph: ir::Graph, opts: &AnalyzeOptions) -> Result<(ir::Graph, ir::DimBindings), PassError> {
     graph.verify()?;
     let dims = shape_infer::bind_dims(&graph, opts)?;
     let info = shape_infer::infer_shapes(&mut graph, &dims)?;
@@ -79,17 +97,7 @@ pub fn analyze(mut graph: ir::Graph, opts: &AnalyzeOptions) -> Result<ir::Layere
         debug_verify(&graph)?;
     }
     tracing::debug!(folded, removed, nodes = graph.node_count(), "shape arithmetic folded, dead nodes removed");
-    let figures = figures::compute(&graph, &dims)?;
-    let layers = layers::group(&graph, &figures, &dims)?;
-    debug_verify(&graph)?;
-    Ok(ir::LayeredGraph {
-        params: figures.total_params,
-        flops_per_sample: figures.total_flops,
-        node_figures: figures.per_node,
-        layers,
-        dims,
-        graph,
-    })
+    Ok((graph, dims))
 }
 
 fn debug_verify(graph: &ir::Graph) -> Result<(), PassError> {

@@ -6,13 +6,18 @@
 pub mod calibrate;
 pub mod dist;
 pub mod executor;
+mod interp;
 pub mod launch;
+mod layout;
 pub mod npz;
 pub mod ops;
 pub mod pipeline;
+mod rank;
+mod report;
 pub mod tensor;
 pub mod train;
 pub mod weights;
+mod zero;
 
 pub use executor::{Executor, ExecOptions};
 pub use weights::{InitMode, Weights};

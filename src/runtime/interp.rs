@@ -1,0 +1,505 @@
+//! The interpreter of a rank's program: one method per instruction, over the state of one
+//! training step (microbatch activations, received tensors, accumulated gradients, messages in
+//! flight) and the rank's ZeRO state.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Instant;
+
+use tch::{Kind, Tensor};
+
+use super::RuntimeError;
+use super::dist::Work;
+use super::pipeline::terr;
+use super::rank::Rank;
+use super::report::{Tally, bytes_of};
+use super::train::{self, StepRecord};
+use super::zero::Zero;
+use crate::codegen::{Instr, Payload, Purpose};
+use crate::ir::ValueId;
+
+/// One microbatch of one stage between its forward and its backward.
+struct MbState {
+    inputs: Vec<(ValueId, Tensor)>,
+    outputs: Vec<(ValueId, Tensor)>,
+    loss: Option<Tensor>,
+    /// The backward's root, kept between a split B and its W.
+    root: Option<Tensor>,
+}
+
+/// Executes a rank's program, step after step.
+pub(super) struct Interp<'r, 'a> {
+    rank: &'r Rank<'a>,
+    zero: Zero,
+    /// Peaks of the held state.
+    pub tally: Tally,
+    // the step in progress
+    /// Accumulated gradients of the parameters in no ZeRO shard (all of them before the
+    /// data-parallel synchronisation), by position.
+    grads: Vec<Option<Tensor>>,
+    state: HashMap<(usize, usize), MbState>,
+    /// Activations received for (stage, microbatch).
+    act_in: HashMap<(usize, usize), Vec<Tensor>>,
+    /// Gradients of (stage, microbatch)'s outputs: received, or computed for the previous stage.
+    grad_for: HashMap<(usize, usize), Vec<Tensor>>,
+    /// Sends in flight.
+    pending: Vec<Work>,
+    /// This rank's share of the step's loss (the global mean after the optimizer step).
+    loss_sum: f64,
+    /// Split backwards whose weight gradient is still to come (they keep ZeRO-3 stages).
+    pending_w: BTreeSet<(usize, usize)>,
+    /// Shared KV slices' gradients summed this step.
+    kv_done: bool,
+}
+
+impl<'r, 'a> Interp<'r, 'a> {
+    /// The interpreter of `rank`, before its first step.
+    pub fn new(rank: &'r Rank<'a>) -> Result<Interp<'r, 'a>, RuntimeError> {
+        Ok(Interp {
+            rank,
+            zero: Zero::new(rank)?,
+            tally: Tally::default(),
+            grads: Vec::new(),
+            state: HashMap::new(),
+            act_in: HashMap::new(),
+            grad_for: HashMap::new(),
+            pending: Vec::new(),
+            loss_sum: 0.0,
+            pending_w: BTreeSet::new(),
+            kv_done: true,
+        })
+    }
+
+    /// Runs the program once: one training step.
+    pub fn run_step(&mut self, step: usize) -> Result<StepRecord, RuntimeError> {
+        let r = self.rank;
+        let t0 = Instant::now();
+        self.grads = (0..r.params.tensors.len()).map(|_| None).collect();
+        self.state.clear();
+        self.act_in.clear();
+        self.grad_for.clear();
+        self.loss_sum = 0.0;
+        self.pending_w.clear();
+        self.kv_done = r.kv_groups.is_empty();
+        self.observe();
+        for instr in &r.program.instrs {
+            self.exec(instr)?;
+            self.observe();
+            if r.zero3 && instr.is_compute() {
+                // release what no pending weight gradient still needs
+                self.zero.release(r, &self.pending_w)?;
+            }
+        }
+        self.wait_sends()?;
+        self.zero.release(r, &BTreeSet::new())?;
+        self.tally.resident = self.zero.held(&r.params, &[]).params;
+        let loss = self.loss_sum;
+        if r.cfg.progress {
+            // one write per line: ranks share the launcher's stderr
+            let line = format!("[rank {}] step {step} loss {loss:.6}\n", r.me);
+            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+        }
+        Ok(StepRecord { step, loss, time_s: t0.elapsed().as_secs_f64() })
+    }
+
+    /// Executes one instruction.
+    fn exec(&mut self, instr: &Instr) -> Result<(), RuntimeError> {
+        if !self.kv_done && matches!(instr, Instr::AllReduce { .. } | Instr::ReduceScatter { .. } | Instr::OptimizerStep) {
+            self.sum_kv_slices()?;
+        }
+        match instr {
+            Instr::Forward { stage, mb } => self.forward(*stage, *mb),
+            Instr::Backward { stage, mb } => self.backward(*stage, *mb),
+            Instr::BackwardWeight { stage, mb } => self.backward_weight(*stage, *mb),
+            Instr::Send { to, what, stage, mb, .. } => self.send(*to, *what, *stage, *mb),
+            Instr::Recv { from, what, stage, mb, .. } => self.recv(*from, *what, *stage, *mb),
+            Instr::AllReduce { group, purpose, .. } => self.all_reduce(group, purpose),
+            Instr::ReduceScatter { group, purpose, .. } => self.reduce_scatter(group, purpose),
+            Instr::AllGather { group, purpose, .. } => self.all_gather(group, purpose),
+            Instr::OptimizerStep => self.optimizer_step(),
+        }
+    }
+
+    /// Counts the state held now towards the peaks.
+    fn observe(&mut self) {
+        self.tally.observe(self.zero.held(&self.rank.params, &self.grads));
+    }
+
+    /// Counts the state held now plus `extra_grads` bytes of fresh gradients.
+    fn observe_with_grads(&mut self, extra_grads: u64) {
+        let mut now = self.zero.held(&self.rank.params, &self.grads);
+        now.grads += extra_grads;
+        self.tally.observe(now);
+    }
+
+    fn wait_sends(&mut self) -> Result<(), RuntimeError> {
+        for w in self.pending.drain(..) {
+            let _ = w.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Grouped-query KV slices held by several tensor ranks: each computed part of the
+    /// gradient; summed over them before any other synchronisation.
+    fn sum_kv_slices(&mut self) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        for (i, members) in &r.kv_groups {
+            let g = match self.grads[*i].take() {
+                Some(g) => g.f_contiguous()?,
+                None => r.params.zeros(*i)?,
+            };
+            r.groups.get(members)?.all_reduce_sum(&g)?;
+            self.grads[*i] = Some(g);
+        }
+        self.kv_done = true;
+        Ok(())
+    }
+
+    fn forward(&mut self, s: usize, mb: usize) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        self.zero.ensure(r, s)?;
+        let raw: Vec<Tensor> = if s == 0 {
+            Vec::new()
+        } else if let Some(t) = self.act_in.remove(&(s, mb)) {
+            t
+        } else {
+            let prev = self.state.get(&(s - 1, mb)).ok_or_else(|| terr(format!("stage {s} mb {mb}: no input from stage {}", s - 1)))?;
+            prev.outputs.iter().map(|(_, t)| t.shallow_clone()).collect()
+        };
+        let ids: &[ValueId] = if s == 0 { &[] } else { &r.layout.crossing[s - 1] };
+        if raw.len() != ids.len() {
+            return Err(terr(format!("stage {s} mb {mb}: {} inputs arrived, {} expected", raw.len(), ids.len())));
+        }
+        let inputs: Vec<(ValueId, Tensor)> = ids
+            .iter()
+            .zip(raw)
+            .map(|(v, t)| Ok((*v, if is_float(&t) { t.f_detach()?.f_set_requires_grad(true)? } else { t })))
+            .collect::<Result<_, RuntimeError>>()?;
+        let (outputs, loss) = run_stage(r, s, mb, &inputs, !r.layout.recompute[s])?;
+        if let Some(l) = loss.as_ref().filter(|_| r.t == 0) {
+            self.loss_sum += l.f_double_value(&[])?;
+        }
+        self.state.insert((s, mb), MbState { inputs, outputs, loss, root: None });
+        Ok(())
+    }
+
+    fn backward(&mut self, s: usize, mb: usize) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        let mut st = self.state.remove(&(s, mb)).ok_or_else(|| terr(format!("backward of stage {s} mb {mb} before its forward")))?;
+        self.zero.ensure(r, s)?;
+        if r.layout.recompute[s] {
+            let (outputs, loss) = run_stage(r, s, mb, &st.inputs, true)?;
+            st.outputs = outputs;
+            st.loss = loss;
+        }
+        let mut root: Option<Tensor> = st.loss.take();
+        if s != r.last_stage() {
+            let gs = self.grad_for.remove(&(s, mb)).unwrap_or_default();
+            let floats: Vec<&Tensor> = st.outputs.iter().map(|(_, t)| t).filter(|t| is_float(t)).collect();
+            if gs.len() != floats.len() {
+                return Err(terr(format!("stage {s} mb {mb}: {} gradients for {} outputs", gs.len(), floats.len())));
+            }
+            for (o, g) in floats.into_iter().zip(&gs) {
+                if o.requires_grad() {
+                    let term = o.f_mul(g)?.f_sum(o.kind())?;
+                    root = Some(match root {
+                        Some(acc) => acc.f_add(&term)?,
+                        None => term,
+                    });
+                }
+            }
+        }
+        let leaves: Vec<Tensor> = st.inputs.iter().map(|(_, t)| t).filter(|t| is_float(t)).map(Tensor::shallow_clone).collect();
+        let mine = &r.params.read[s];
+        let split = r.split_w.contains(&(s, mb));
+        let mut in_grads: Vec<Tensor> = Vec::new();
+        if let Some(root) = root.as_ref().filter(|t| t.requires_grad()) {
+            let grad_leaves: Vec<&Tensor> = leaves.iter().filter(|t| t.requires_grad()).collect();
+            let mut inputs: Vec<&Tensor> = grad_leaves.clone();
+            if !split {
+                inputs.extend(mine.iter().map(|&i| &r.params.tensors[i]));
+            }
+            // B of a split backward keeps the graph for its W
+            let got = if inputs.is_empty() { Vec::new() } else { Tensor::f_run_backward(&[root], &inputs, split, false)? };
+            let (gin, gp) = got.split_at(grad_leaves.len());
+            // autograd's fresh weight gradients live beside the accumulated ones
+            self.observe_with_grads(gp.iter().map(bytes_of).sum());
+            let mut it = gin.iter();
+            for t in &leaves {
+                let g = if t.requires_grad() { it.next().map(Tensor::shallow_clone) } else { None };
+                in_grads.push(match g.filter(Tensor::defined) {
+                    Some(g) => g,
+                    None => t.f_zeros_like()?,
+                });
+            }
+            for (&i, g) in mine.iter().zip(gp) {
+                accumulate(&mut self.grads[i], g)?;
+            }
+        } else {
+            for t in &leaves {
+                in_grads.push(t.f_zeros_like()?);
+            }
+        }
+        if split {
+            st.root = root;
+            self.state.insert((s, mb), st);
+            self.pending_w.insert((s, mb));
+        }
+        if s > 0 {
+            self.grad_for.insert((s - 1, mb), in_grads);
+        }
+        Ok(())
+    }
+
+    fn backward_weight(&mut self, s: usize, mb: usize) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        let st = self.state.remove(&(s, mb)).ok_or_else(|| terr(format!("weight gradient of stage {s} mb {mb} before its backward")))?;
+        self.zero.ensure(r, s)?;
+        self.pending_w.remove(&(s, mb));
+        if let Some(root) = st.root.filter(|t| t.requires_grad()) {
+            let mine = &r.params.read[s];
+            let inputs: Vec<&Tensor> = mine.iter().map(|&i| &r.params.tensors[i]).collect();
+            if !inputs.is_empty() {
+                let got = Tensor::f_run_backward(&[&root], &inputs, false, false)?;
+                self.observe_with_grads(got.iter().map(bytes_of).sum());
+                for (&i, g) in mine.iter().zip(&got) {
+                    accumulate(&mut self.grads[i], g)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn send(&mut self, peer: usize, what: Payload, s: usize, mb: usize) -> Result<(), RuntimeError> {
+        let world = &self.rank.groups.world;
+        let ts: Vec<Tensor> = match what {
+            Payload::Activation => self
+                .state
+                .get(&(s, mb))
+                .ok_or_else(|| terr(format!("send of stage {s} mb {mb} before its forward")))?
+                .outputs
+                .iter()
+                .map(|(_, t)| t.shallow_clone())
+                .collect(),
+            Payload::Gradient => {
+                self.grad_for.remove(&(s - 1, mb)).ok_or_else(|| terr(format!("gradient send of stage {s} mb {mb} before its backward")))?
+            }
+        };
+        for (j, t) in ts.iter().enumerate() {
+            let t = t.f_detach()?.f_contiguous()?;
+            let mut meta = vec![0i64; META];
+            let size = t.size();
+            if size.len() > META - 2 {
+                return Err(terr(format!("cannot send a rank-{} tensor", size.len())));
+            }
+            meta[0] = size.len() as i64;
+            meta[1..=size.len()].copy_from_slice(&size);
+            meta[META - 1] = kind_code(t.kind())?;
+            let meta = Tensor::from_slice(&meta);
+            self.pending.push(world.isend(&meta, peer, tag(what, s, mb, 2 * j))?);
+            self.pending.push(world.isend(&t, peer, tag(what, s, mb, 2 * j + 1))?);
+        }
+        Ok(())
+    }
+
+    fn recv(&mut self, peer: usize, what: Payload, s: usize, mb: usize) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        // the sender tags with its own stage
+        let (from, count) = match what {
+            Payload::Activation => (s - 1, r.layout.crossing[s - 1].len()),
+            Payload::Gradient => {
+                let st = self.state.get(&(s, mb)).ok_or_else(|| terr(format!("gradient for stage {s} mb {mb} before its forward")))?;
+                (s + 1, st.outputs.iter().filter(|(_, t)| is_float(t)).count())
+            }
+        };
+        let world = &r.groups.world;
+        let mut got = Vec::with_capacity(count);
+        for j in 0..count {
+            let meta = Tensor::f_zeros([META as i64], (Kind::Int64, tch::Device::Cpu))?;
+            let meta = world.irecv(&meta, peer, tag(what, from, mb, 2 * j))?.wait()?;
+            let meta: Vec<i64> = Vec::<i64>::try_from(&meta).map_err(|e| terr(e.to_string()))?;
+            let rank = meta[0].clamp(0, META as i64 - 2) as usize;
+            let buf = Tensor::f_zeros(&meta[1..=rank], (code_kind(meta[META - 1])?, tch::Device::Cpu))?;
+            got.push(world.irecv(&buf, peer, tag(what, from, mb, 2 * j + 1))?.wait()?);
+        }
+        match what {
+            Payload::Activation => self.act_in.insert((s, mb), got),
+            Payload::Gradient => self.grad_for.insert((s, mb), got),
+        };
+        Ok(())
+    }
+
+    /// Sums a tied weight's gradient over the pipeline ranks reading it, or a stage's
+    /// gradients over its data-parallel group.
+    fn all_reduce(&mut self, g: &[usize], purpose: &Purpose) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        let pg = r.groups.get(g)?;
+        match purpose {
+            Purpose::TiedGrad { weight } => {
+                let v = r.graph().value_by_name(weight).ok_or_else(|| terr(format!("tied weight `{weight}` is not in the model")))?;
+                let i = *r.params.pos_of.get(&v).ok_or_else(|| terr(format!("tied weight `{weight}` is not on rank {}", r.me)))?;
+                let g = match self.grads[i].take() {
+                    Some(g) => g.f_contiguous()?,
+                    None => r.params.zeros(i)?,
+                };
+                pg.all_reduce_sum(&g)?;
+                self.grads[i] = Some(g);
+                Ok(())
+            }
+            Purpose::DpGrads { .. } => {
+                let s = r.stage_of(purpose)?;
+                self.zero.all_reduce_grads(r, pg, s, &mut self.grads, &mut self.tally)
+            }
+            _ => Err(terr(format!("all-reduce for `{purpose}`, which is no all-reduce"))),
+        }
+    }
+
+    /// Reduce-scatters a stage's gradients over its data-parallel (or sharding) group.
+    fn reduce_scatter(&mut self, g: &[usize], purpose: &Purpose) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        if !matches!(purpose, Purpose::DpGrads { .. }) {
+            return Err(terr(format!("reduce-scatter for `{purpose}`, which is no reduce-scatter")));
+        }
+        let s = r.stage_of(purpose)?;
+        let pg = r.groups.get(g)?;
+        self.zero.reduce_scatter_grads(r, pg, s, &mut self.grads, &mut self.tally)
+    }
+
+    /// Gathers a stage's ZeRO-3 parameters before its use, or its updated ZeRO-1/2 blocks
+    /// after the optimizer step.
+    fn all_gather(&mut self, g: &[usize], purpose: &Purpose) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        match purpose {
+            Purpose::Zero3Params { .. } => self.zero.ensure(r, r.stage_of(purpose)?),
+            Purpose::ZeroParams { .. } => {
+                let s = r.stage_of(purpose)?;
+                self.zero.gather_params(r, r.groups.get(g)?, s, &self.grads, &mut self.tally)
+            }
+            _ => Err(terr(format!("all-gather for `{purpose}`, which is no all-gather"))),
+        }
+    }
+
+    /// Waits for the sends, sums the squared gradient norm and the loss over the world,
+    /// clips, and steps every optimizer.
+    fn optimizer_step(&mut self) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        self.wait_sends()?;
+        let _guard = tch::no_grad_guard();
+        // squared norm of the gradients this rank counts, and its loss share
+        let mut sq = self.zero.grad_sq(r)?;
+        if r.d == 0 {
+            for (g, &c) in self.grads.iter().zip(&r.params.counted) {
+                if let (Some(g), true) = (g, c) {
+                    let n = g.f_norm()?.f_double_value(&[])?;
+                    sq += n * n;
+                }
+            }
+        }
+        let both = Tensor::from_slice(&[sq, self.loss_sum]);
+        r.groups.world.all_reduce_sum(&both)?;
+        let both: Vec<f64> = Vec::<f64>::try_from(&both).map_err(|e| terr(e.to_string()))?;
+        self.loss_sum = both[1];
+        let coef = r.cfg.clip.map(|c| (c / (both[0].sqrt() + 1e-6)).min(1.0));
+        if let Some(c) = coef {
+            for g in self.grads.iter_mut().flatten() {
+                let _ = g.f_mul_scalar_(c)?;
+            }
+        }
+        self.zero.step(r, &self.grads, coef)
+    }
+}
+
+/// Runs stage `s` on microbatch `mb` with `inputs` from the previous stage (autograd on when
+/// `grad`): its outputs to the next stage, or on the last stage the weighted loss.
+fn run_stage(r: &Rank<'_>, s: usize, mb: usize, inputs: &[(ValueId, Tensor)], grad: bool) -> Result<(Vec<(ValueId, Tensor)>, Option<Tensor>), RuntimeError> {
+    let graph = r.graph();
+    let mut feeds: HashMap<ValueId, Tensor> = r.feeds[mb].iter().map(|(k, v)| (*k, v.shallow_clone())).collect();
+    for (v, t) in inputs {
+        feeds.insert(*v, t.shallow_clone());
+    }
+    let last = s == r.last_stage();
+    let keep: Vec<ValueId> = if last { graph.outputs.clone() } else { r.layout.crossing[s].clone() };
+    let outs = match r.stage_execs.get(&s) {
+        None => {
+            let run = || r.exec.run_nodes(&r.layout.nodes[s], &feeds, &keep);
+            if grad { run()? } else { tch::no_grad(run)? }
+        }
+        Some(se) => {
+            // the shard subgraph names values as the model does
+            let sg = se.graph();
+            let local = |v: ValueId| sg.value_by_name(&graph.value(v).name);
+            let feeds: HashMap<ValueId, Tensor> =
+                feeds.iter().filter_map(|(v, t)| local(*v).filter(|l| sg.inputs.contains(l)).map(|l| (l, t.shallow_clone()))).collect();
+            let lkeep: Vec<ValueId> = keep
+                .iter()
+                .map(|v| local(*v).ok_or_else(|| terr(format!("stage {s} shard does not produce `{}`", graph.value(*v).name))))
+                .collect::<Result<_, _>>()?;
+            let order = sg.topo_order()?;
+            let run = || se.run_nodes(&order, &feeds, &lkeep);
+            let outs = if grad { run()? } else { tch::no_grad(run)? };
+            keep.iter().zip(&lkeep).map(|(v, l)| (*v, outs[l].shallow_clone())).collect()
+        }
+    };
+    if last {
+        let outs: Vec<Tensor> = keep.iter().map(|v| outs[v].shallow_clone()).collect();
+        let loss = train::loss_of(r.exec, r.cfg.loss, &r.micro[mb], &outs)?.f_mul_scalar(r.weight)?;
+        Ok((Vec::new(), Some(loss)))
+    } else {
+        Ok((keep.iter().map(|v| (*v, outs[v].shallow_clone())).collect(), None))
+    }
+}
+
+fn accumulate(slot: &mut Option<Tensor>, g: &Tensor) -> Result<(), RuntimeError> {
+    if !g.defined() {
+        return Ok(());
+    }
+    match slot {
+        Some(acc) => {
+            let _ = acc.f_add_(g)?;
+        }
+        None => *slot = Some(g.f_detach()?.f_mul_scalar(1.0)?),
+    }
+    Ok(())
+}
+
+/// Length of a message's metadata: rank, dims, kind code.
+const META: usize = 10;
+
+fn kind_code(k: Kind) -> Result<i64, RuntimeError> {
+    Ok(match k {
+        Kind::Float => 0,
+        Kind::Double => 1,
+        Kind::Int64 => 2,
+        Kind::Int => 3,
+        Kind::Bool => 4,
+        Kind::Half => 5,
+        Kind::BFloat16 => 6,
+        Kind::Uint8 => 7,
+        Kind::Int8 => 8,
+        other => return Err(terr(format!("cannot send tensors of kind {other:?}"))),
+    })
+}
+
+fn code_kind(c: i64) -> Result<Kind, RuntimeError> {
+    Ok(match c {
+        0 => Kind::Float,
+        1 => Kind::Double,
+        2 => Kind::Int64,
+        3 => Kind::Int,
+        4 => Kind::Bool,
+        5 => Kind::Half,
+        6 => Kind::BFloat16,
+        7 => Kind::Uint8,
+        8 => Kind::Int8,
+        _ => return Err(terr(format!("received an unknown tensor kind code {c}"))),
+    })
+}
+
+/// The message tag of tensor `j` of a payload of `stage`'s microbatch `mb`.
+fn tag(what: Payload, stage: usize, mb: usize, j: usize) -> u32 {
+    let w = usize::from(what == Payload::Gradient);
+    ((((w * 64 + stage % 64) * 1024 + mb % 1024) * 1024) + j % 1024) as u32
+}
+
+fn is_float(t: &Tensor) -> bool {
+    matches!(t.kind(), Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16)
+}

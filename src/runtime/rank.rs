@@ -1,0 +1,616 @@
+//! Setting up one rank of a plan: its place in the mesh and program, its parameters, the
+//! executors of its stages (tensor-parallel shards), its process groups and its share of the
+//! batch. Everything here is fixed for the whole run.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
+
+use tch::{Kind, Tensor};
+
+use super::dist::{Backend, ProcessGroup, RankEnv, Store};
+use super::executor::Executor;
+use super::layout::{self, REPLAN, StageLayout};
+use super::pipeline::{RunConfig, terr};
+use super::train::{self, Batch};
+use super::weights::is_trainable;
+use super::{ExecOptions, RuntimeError, Weights};
+use crate::codegen::{Coord, Instr, Mesh, Purpose, RankProgram, StageView, WeightSlice, apply_shard};
+use crate::ir::{DimBindings, Graph, NodeId, ValueId, ValueKind};
+use crate::passes::{self, AnalyzeOptions};
+use crate::plan::Plan;
+
+/// This rank's trained parameters: each belongs to the first of the rank's stages reading it.
+pub(super) struct Params {
+    // positions index every per-parameter list below
+    /// The tensors (autograd leaves; ZeRO 3 swaps their storage).
+    pub tensors: Vec<Tensor>,
+    /// Shapes as loaded (ZeRO 3 releases the tensors between uses).
+    pub shapes: Vec<Vec<i64>>,
+    /// `owned[s]`: positions of the parameters stage `s` owns.
+    pub owned: Vec<Vec<usize>>,
+    /// `read[s]`: positions of the parameters stage `s` reads.
+    pub read: Vec<Vec<usize>>,
+    /// Whether this rank counts the parameter's gradient in the global norm (each element once
+    /// over the world).
+    pub counted: Vec<bool>,
+    /// Position of each parameter's model value.
+    pub pos_of: HashMap<ValueId, usize>,
+    /// Kind and device of new parameter-sized tensors.
+    pub opts: (Kind, tch::Device),
+}
+
+impl Params {
+    /// Elements of parameter `i`.
+    pub fn numel(&self, i: usize) -> i64 {
+        self.shapes[i].iter().product()
+    }
+
+    /// Zeros shaped as parameter `i`.
+    pub fn zeros(&self, i: usize) -> Result<Tensor, RuntimeError> {
+        Ok(Tensor::f_zeros(self.shapes[i].as_slice(), self.opts)?)
+    }
+
+    /// The flat vector of stage `s`'s entries of `ts` (parameters or gradients, by position),
+    /// padded to `parts` blocks; with the block length.
+    pub fn flat(&self, s: usize, ts: &[Tensor], parts: i64) -> Result<(Tensor, i64), RuntimeError> {
+        let owned = &self.owned[s];
+        let mut v: Vec<Tensor> = owned.iter().map(|&i| ts[i].f_detach().and_then(|t| t.f_reshape([-1]))).collect::<Result<_, _>>()?;
+        let total: i64 = owned.iter().map(|&i| self.numel(i)).sum();
+        let len = (total + parts - 1) / parts.max(1);
+        if len * parts > total {
+            v.push(Tensor::f_zeros([len * parts - total], self.opts)?);
+        }
+        Ok((if v.is_empty() { Tensor::f_zeros([0], self.opts)? } else { Tensor::f_cat(&v, 0)? }, len))
+    }
+
+    /// Block `index` (of `parts`, each `len` long) of stage `s`'s flat vector of `ts`.
+    pub fn block(&self, s: usize, ts: &[Tensor], parts: i64, index: i64) -> Result<Tensor, RuntimeError> {
+        let (f, len) = self.flat(s, ts, parts)?;
+        Ok(f.f_narrow(0, index * len, len)?)
+    }
+
+    /// Block `index` of stage `s`'s flat 1/0 mask of the counted parameters.
+    pub fn counted_mask(&self, s: usize, parts: i64, index: i64) -> Result<Tensor, RuntimeError> {
+        let ones: Vec<Tensor> = (0..self.tensors.len())
+            .map(|i| Tensor::f_full(self.shapes[i].as_slice(), if self.counted[i] { 1.0 } else { 0.0 }, self.opts))
+            .collect::<Result<_, _>>()?;
+        self.block(s, &ones, parts, index)
+    }
+
+    /// Writes the flat vector `flat` into stage `s`'s parameters, by value (`copy`) or by
+    /// swapping their storage for views of it.
+    pub fn write_flat(&self, s: usize, flat: &Tensor, copy: bool) -> Result<(), RuntimeError> {
+        let _guard = tch::no_grad_guard();
+        let mut off = 0;
+        for &i in &self.owned[s] {
+            let n = self.numel(i);
+            let mut p = self.tensors[i].shallow_clone();
+            if copy {
+                p.f_copy_(&flat.f_narrow(0, off, n)?.f_view_as(&p)?)?;
+            } else {
+                p.f_set_data(&flat.f_narrow(0, off, n)?.f_view(self.shapes[i].as_slice())?)?;
+            }
+            off += n;
+        }
+        Ok(())
+    }
+
+    /// Releases the storage of stage `s`'s parameters (ZeRO 3 between uses).
+    pub fn release(&self, s: usize) -> Result<(), RuntimeError> {
+        let empty = Tensor::f_empty([0], self.opts)?;
+        for &i in &self.owned[s] {
+            self.tensors[i].shallow_clone().f_set_data(&empty)?;
+        }
+        Ok(())
+    }
+}
+
+/// The process groups this rank is in, by member list.
+pub(super) struct Groups {
+    me: usize,
+    by_members: HashMap<Vec<usize>, Arc<ProcessGroup>>,
+    /// Every rank.
+    pub world: Arc<ProcessGroup>,
+}
+
+impl Groups {
+    /// The group of exactly `members`.
+    pub fn get(&self, members: &[usize]) -> Result<&ProcessGroup, RuntimeError> {
+        self.by_members.get(members).map(|g| &**g).ok_or_else(|| terr(format!("rank {} is not in group {members:?}", self.me)))
+    }
+}
+
+/// With tensor parallelism, the subgraphs a rank runs: per stage, the stage's nodes with the
+/// rank's shards applied.
+#[derive(Default)]
+pub(super) struct Shards {
+    /// This rank's stages, in order (empty without tensor parallelism).
+    pub stages: Vec<StageShard>,
+    /// Weights whose slice several tensor ranks share, with the ranks sharing this rank's.
+    pub kv_groups: Vec<(String, Vec<usize>)>,
+}
+
+/// One stage's subgraph on one tensor rank.
+pub(super) struct StageShard {
+    /// Global stage index.
+    pub stage: usize,
+    /// The subgraph.
+    pub graph: Graph,
+    /// The weights it slices.
+    pub slices: Vec<WeightSlice>,
+}
+
+impl Shards {
+    /// The subgraphs rank `me` of `plan` runs on the model `graph` (none when tp = 1).
+    pub fn new(plan: &Plan, graph: &Graph, me: usize) -> Result<Shards, RuntimeError> {
+        let mesh = plan.mesh();
+        let mut out = Shards::default();
+        if mesh.tp <= 1 {
+            return Ok(out);
+        }
+        let Coord { pp: q, dp: d, tp: t } = mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
+        let view = plan.rank_view(me).map_err(|e| terr(e.to_string()))?;
+        let (model, dims) = specialised(plan, graph)?;
+        for sv in &view.stages {
+            let sub = shard_subgraph(sv, &model, &dims, &mesh, me, (q, d, t), &mut out.kv_groups)?;
+            let slices = sv.shards.iter().flat_map(|sh| sh.weight_slices.iter().cloned()).collect();
+            out.stages.push(StageShard { stage: sv.stage(), graph: sub, slices });
+        }
+        Ok(out)
+    }
+}
+
+/// One rank of a plan, set up for the run.
+pub(super) struct Rank<'a> {
+    /// The model's executor (stages without tensor parallelism run its nodes).
+    pub exec: &'a Executor<'a>,
+    /// Settings of the run.
+    pub cfg: &'a RunConfig,
+    /// Stages' nodes, boundary values and parameters.
+    pub layout: StageLayout,
+    /// Global rank.
+    pub me: usize,
+    /// Replica (data-parallel index).
+    pub d: usize,
+    /// Tensor rank.
+    pub t: usize,
+    /// Stages of the plan.
+    pub n_stages: usize,
+    /// The stages this rank runs.
+    pub my_stages: Vec<usize>,
+    /// Replicas sharing a ZeRO shard (`dp` unless sharded data parallelism groups fewer).
+    pub shard_group: usize,
+    /// The plan's ZeRO stage.
+    pub zero: u8,
+    /// Parameters stay sharded between uses (ZeRO 3 or sharded data parallelism).
+    pub zero3: bool,
+    /// The rank's program.
+    pub program: RankProgram,
+    /// Stages whose backward is split into B and W in the program.
+    pub split_w: BTreeSet<(usize, usize)>,
+    /// Parameters.
+    pub params: Params,
+    /// Grouped-query KV slices several tensor ranks hold: (parameter position, the ranks).
+    pub kv_groups: Vec<(usize, Vec<usize>)>,
+    /// With tensor parallelism, the executor of each stage's shard subgraph.
+    pub stage_execs: HashMap<usize, Executor<'a>>,
+    /// Process groups.
+    pub groups: Groups,
+    /// This replica's microbatches.
+    pub micro: Vec<Batch>,
+    /// Graph-input feeds of each microbatch.
+    pub feeds: Vec<HashMap<ValueId, Tensor>>,
+    /// Loss weight of one microbatch (1 / (microbatches × dp)).
+    pub weight: f64,
+}
+
+impl<'a> Rank<'a> {
+    /// Sets up rank `env.rank` of `plan` on the model of `exec`, with `batch` the global batch.
+    pub fn new(plan: &Plan, exec: &'a Executor<'a>, shards: &'a Shards, batch: &Batch, cfg: &'a RunConfig, env: &RankEnv) -> Result<Rank<'a>, RuntimeError> {
+        let graph = exec.graph();
+        let section = layout::codegen_section(plan)?;
+        let layout = layout::stage_layout(section, graph)?;
+        let mesh = plan.mesh();
+        check_world(plan, env)?;
+        let programs = layout::rank_programs(plan, section)?;
+        let me = env.rank;
+        let Coord { pp: q, dp: d, tp: t } = mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
+        let program = programs.iter().find(|p| p.rank == me).ok_or_else(|| terr(format!("no program for rank {me}")))?.clone();
+        let m = plan.parallel.microbatches.max(1);
+        check_program(&program, plan.stages.len(), m)?;
+        let dp = mesh.dp;
+        let n_stages = plan.stages.len();
+        let my_stages: Vec<usize> = (0..n_stages).filter(|&s| plan.stages[s].pp_rank == q).collect();
+
+        let groups = connect_groups(env, cfg, &mesh, &programs, &shards.kv_groups)?;
+        let tensor_pg = groups.by_members.get(&tensor_groups(&mesh).into_iter().find(|g| g.contains(&me)).unwrap_or_default()).cloned();
+        let (stage_execs, by_name) = stage_executors(exec, shards, tensor_pg.as_ref())?;
+        let sliced: HashSet<&str> = shards.stages.iter().flat_map(|sh| sh.slices.iter()).map(|w| w.initializer.as_str()).collect();
+        let (params, kv_groups) = own_params(plan, exec, &layout, &my_stages, (me, q, t), &sliced, &by_name, &shards.kv_groups)?;
+        let micro = replica_microbatches(batch, d, dp, m)?;
+        let feeds = micro.iter().map(|mb| input_feeds(exec, mb)).collect::<Result<_, _>>()?;
+        let split_w = program.instrs.iter().filter_map(|i| if let Instr::BackwardWeight { stage, mb } = i { Some((*stage, *mb)) } else { None }).collect();
+        let shard_group = plan.parallel.sharded_dp.filter(|&n| n > 1 && n < dp).unwrap_or(dp);
+        Ok(Rank {
+            exec,
+            cfg,
+            layout,
+            me,
+            d,
+            t,
+            n_stages,
+            my_stages,
+            shard_group,
+            zero: plan.parallel.zero,
+            zero3: dp > 1 && (plan.parallel.zero >= 3 || shard_group < dp),
+            program,
+            split_w,
+            params,
+            kv_groups,
+            stage_execs,
+            groups,
+            micro,
+            feeds,
+            weight: 1.0 / (m * dp) as f64,
+        })
+    }
+
+    /// The model graph.
+    pub fn graph(&self) -> &'a Graph {
+        self.exec.graph()
+    }
+
+    /// The stage whose state a collective moves, one of this rank's.
+    pub fn stage_of(&self, purpose: &Purpose) -> Result<usize, RuntimeError> {
+        purpose
+            .stage()
+            .filter(|s| self.my_stages.contains(s))
+            .ok_or_else(|| terr(format!("collective `{purpose}` names no stage of rank {}", self.me)))
+    }
+
+    /// The last stage (it computes the loss).
+    pub fn last_stage(&self) -> usize {
+        self.n_stages - 1
+    }
+}
+
+/// The executors of a rank's shard subgraphs, by stage, sharing one tensor per trained weight
+/// that several of them read; with those tensors by name.
+#[allow(clippy::type_complexity)]
+fn stage_executors<'a>(
+    exec: &Executor<'_>,
+    shards: &'a Shards,
+    tensor_pg: Option<&Arc<ProcessGroup>>,
+) -> Result<(HashMap<usize, Executor<'a>>, HashMap<String, Tensor>), RuntimeError> {
+    let mut stage_execs: HashMap<usize, Executor<'a>> = HashMap::new();
+    let mut by_name: HashMap<String, Tensor> = HashMap::new();
+    for sh in &shards.stages {
+        let sub = &sh.graph;
+        let slices: HashMap<&str, &WeightSlice> = sh.slices.iter().map(|w| (w.initializer.as_str(), w)).collect();
+        let tensors = stage_weights(exec, sub, &slices)?;
+        let mut e = Executor::new(sub, Weights { tensors }, ExecOptions { float_kind: exec.float_kind(), training: true })?;
+        e.tensor_group = tensor_pg.cloned();
+        // a weight read by several of this rank's stages is one tensor
+        for (id, w) in e.weights.iter_mut() {
+            if is_trainable(sub, *id) {
+                let name = sub.value(*id).name.clone();
+                match by_name.get(&name) {
+                    Some(first) => *w = first.shallow_clone(),
+                    None => {
+                        by_name.insert(name, w.shallow_clone());
+                    }
+                }
+            }
+        }
+        stage_execs.insert(sh.stage, e);
+    }
+    Ok((stage_execs, by_name))
+}
+
+/// This rank's parameters (each belongs to the first of the rank's stages reading it), with
+/// the positions of the KV slices in `kv_names` (name, the tensor ranks sharing it). `(me, q,
+/// t)`: the global rank, its pipeline and tensor rank; `sliced`: the weights its shards slice; `by_name`: the
+/// shards' weight tensors (with tensor parallelism).
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+fn own_params(
+    plan: &Plan,
+    exec: &Executor,
+    layout: &StageLayout,
+    my_stages: &[usize],
+    (me, q, t): (usize, usize, usize),
+    sliced: &HashSet<&str>,
+    by_name: &HashMap<String, Tensor>,
+    kv_names: &[(String, Vec<usize>)],
+) -> Result<(Params, Vec<(usize, Vec<usize>)>), RuntimeError> {
+    let graph = exec.graph();
+    let tp = plan.parallel.tp;
+    let n_stages = layout.params.len();
+    let mut ids: Vec<ValueId> = Vec::new();
+    let mut owned: Vec<Vec<usize>> = vec![Vec::new(); n_stages];
+    for &s in my_stages {
+        for &v in &layout.params[s] {
+            if !ids.contains(&v) {
+                owned[s].push(ids.len());
+                ids.push(v);
+            }
+        }
+    }
+    let pos_of: HashMap<ValueId, usize> = ids.iter().enumerate().map(|(i, v)| (*v, i)).collect();
+    let read: Vec<Vec<usize>> = layout.params.iter().map(|ps| ps.iter().filter_map(|v| pos_of.get(v).copied()).collect()).collect();
+    let first_holder = |v: ValueId| (0..n_stages).find(|&s| layout.params[s].contains(&v)).map(|s| plan.stages[s].pp_rank);
+    // norms count each element once: tied weights on their first pipeline rank, replicated
+    // gradients on the first replica (or shard group); with tensor parallelism, sliced
+    // weights on every tensor rank, replicated ones on tensor rank 0, and a slice shared by
+    // tensor ranks on the first of them
+    let counted: Vec<bool> = ids
+        .iter()
+        .map(|&v| {
+            let name = graph.value(v).name.as_str();
+            let shared = kv_names.iter().find(|(n, _)| n == name).map(|(_, g)| g.len());
+            first_holder(v) == Some(q) && shared.map_or(t == 0 || sliced.contains(name), |r| t % r == 0)
+        })
+        .collect();
+    let tensors: Vec<Tensor> = ids
+        .iter()
+        .map(|v| {
+            let w = if tp > 1 { by_name.get(&graph.value(*v).name) } else { exec.weights.get(v) };
+            w.map(Tensor::shallow_clone).ok_or_else(|| terr(format!("no weight for `{}` on rank {me}", graph.value(*v).name)))
+        })
+        .collect::<Result<_, _>>()?;
+    // the loaded weights of other pipeline ranks' stages (and with tensor parallelism the
+    // unsliced model the shards were cut from) are never read on this rank again
+    for (id, w) in &exec.weights {
+        if is_trainable(graph, *id) && (tp > 1 || !pos_of.contains_key(id)) {
+            w.shallow_clone().f_set_data(&Tensor::f_empty([0], (w.kind(), w.device()))?)?;
+        }
+    }
+    let kv_groups = kv_names
+        .iter()
+        .map(|(name, members)| {
+            let i = graph
+                .value_by_name(name)
+                .and_then(|v| pos_of.get(&v).copied())
+                .ok_or_else(|| terr(format!("shared KV slice `{name}` is not a parameter of rank {me}")))?;
+            Ok((i, members.clone()))
+        })
+        .collect::<Result<_, RuntimeError>>()?;
+    let float_kind = tensors.first().map_or(Kind::Float, Tensor::kind);
+    let shapes = tensors.iter().map(Tensor::size).collect();
+    let params = Params { tensors, shapes, owned, read, counted, pos_of, opts: (float_kind, tch::Device::Cpu) };
+    Ok((params, kv_groups))
+}
+
+/// The graph-input feeds of microbatch `mb` (its arrays that are inputs of the model).
+fn input_feeds(exec: &Executor, mb: &Batch) -> Result<HashMap<ValueId, Tensor>, RuntimeError> {
+    let graph = exec.graph();
+    let f: Vec<(String, Tensor)> = mb
+        .iter()
+        .filter(|(n, _)| graph.inputs.iter().any(|&v| graph.value(v).name == *n))
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect();
+    exec.bind_inputs(f)
+}
+
+/// The model as the plan's shards address it: shape arithmetic folded into constants with the
+/// plan's dims bound (node and value ids as imported).
+fn specialised(plan: &Plan, graph: &Graph) -> Result<(Graph, DimBindings), RuntimeError> {
+    let opts = AnalyzeOptions { seq_len: plan.seq_len.map(|s| s as i64), dims: plan.dims.clone() };
+    passes::specialise(graph.clone(), &opts).map_err(|e| terr(format!("folding the model's shape arithmetic for its shards: {e}")))
+}
+
+/// The subgraph rank `me` at (pipeline rank, replica, tensor rank) runs for stage `sv`: the
+/// stage's nodes of `model` (the specialised model) with the rank's shards applied, and
+/// Megatron's *f* before its partially-gradiented inputs. Records the weights whose slice
+/// several tensor ranks share in `kv_groups` (name, the ranks sharing this rank's slice).
+#[allow(clippy::too_many_arguments)]
+fn shard_subgraph(
+    sv: &StageView<'_>,
+    model: &Graph,
+    dims: &DimBindings,
+    mesh: &Mesh,
+    me: usize,
+    (q, d, t): (usize, usize, usize),
+    kv_groups: &mut Vec<(String, Vec<usize>)>,
+) -> Result<Graph, RuntimeError> {
+    let listed: HashSet<usize> = sv.code.node_ids().collect();
+    let nodes: Vec<NodeId> = model.topo_order()?.into_iter().filter(|n| listed.contains(&n.index())).collect();
+    if nodes.len() != listed.len() {
+        return Err(terr(format!("stage {} runs nodes the model does not have; {REPLAN}", sv.stage())));
+    }
+    let mut sub = apply_shard(model, &nodes, &sv.merged_shard(), dims).map_err(|e| terr(format!("stage {} shard of rank {me}: {e}", sv.stage())))?;
+    for sh in &sv.shards {
+        // a slice shared by several tensor ranks (grouped-query KV heads): its gradient is
+        // summed over the consecutive tensor ranks holding it
+        for w in sh.weight_slices.iter().filter(|w| w.replicas > 1) {
+            let r = w.replicas as usize;
+            if r > mesh.tp || mesh.tp % r != 0 {
+                return Err(terr(format!(
+                    "stage {}: weight `{}` is shared by {r} tensor ranks, which does not divide tp {}",
+                    sv.stage(),
+                    w.initializer,
+                    mesh.tp
+                )));
+            }
+            let first = t - t % r;
+            let members: Vec<usize> = (first..first + r).map(|tt| mesh.ranks[q][d * mesh.tp + tt]).collect();
+            if !kv_groups.iter().any(|(n, _)| n == &w.initializer) {
+                kv_groups.push((w.initializer.clone(), members));
+            }
+        }
+        for pg in &sh.partial_gradients {
+            insert_copy_to_tensor_region(&mut sub, pg)?;
+        }
+    }
+    Ok(sub)
+}
+
+/// The process groups of rank `env.rank`: every distinct member list in any program, the
+/// tensor groups, the KV-slice groups and the world, created in one global order by their
+/// members (creation is a rendezvous).
+fn connect_groups(
+    env: &RankEnv,
+    cfg: &RunConfig,
+    mesh: &Mesh,
+    programs: &[RankProgram],
+    kv_groups: &[(String, Vec<usize>)],
+) -> Result<Groups, RuntimeError> {
+    let me = env.rank;
+    let store: Arc<Store> = Store::connect(env, cfg.timeout)?;
+    let world: Vec<usize> = (0..env.world).collect();
+    let mut lists: BTreeSet<Vec<usize>> = BTreeSet::new();
+    lists.insert(world.clone());
+    if mesh.tp > 1 {
+        lists.extend(tensor_groups(mesh));
+    }
+    lists.extend(kv_groups.iter().map(|(_, g)| g.clone()));
+    for p in programs {
+        for i in &p.instrs {
+            if let Some((g, _)) = i.collective() {
+                lists.insert(g.to_vec());
+            }
+        }
+    }
+    let mut by_members: HashMap<Vec<usize>, Arc<ProcessGroup>> = HashMap::new();
+    for g in lists {
+        if g.contains(&me) {
+            let pg = ProcessGroup::new(&store, &g, me, cfg.timeout, Backend::Gloo)?;
+            by_members.insert(g, Arc::new(pg));
+        }
+    }
+    let world = by_members[&world].clone();
+    Ok(Groups { me, by_members, world })
+}
+
+/// Rejects a world size other than the plan's.
+pub(super) fn check_world(plan: &Plan, env: &RankEnv) -> Result<(), RuntimeError> {
+    let mesh = plan.mesh();
+    let world = mesh.pp * mesh.dp * mesh.tp;
+    if env.world != world {
+        return Err(terr(format!(
+            "the plan needs {world} ranks (pp {} × dp {} × tp {}), WORLD_SIZE is {}; launch with --nproc {world}",
+            mesh.pp, mesh.dp, mesh.tp, env.world,
+        )));
+    }
+    Ok(())
+}
+
+/// The tensor-parallel groups (global ranks), one per pipeline rank and replica.
+fn tensor_groups(mesh: &Mesh) -> Vec<Vec<usize>> {
+    mesh.ranks.iter().flat_map(|rs| rs.chunks(mesh.tp.max(1)).map(<[usize]>::to_vec)).collect()
+}
+
+/// Replica `d`'s microbatches: it takes the d-th contiguous share of the batch, cut into `m`.
+fn replica_microbatches(batch: &Batch, d: usize, dp: usize, m: usize) -> Result<Vec<Batch>, RuntimeError> {
+    let mut out = Vec::new();
+    for (name, t) in batch {
+        let b = t.size().first().copied().unwrap_or(0);
+        if b % (dp * m) as i64 != 0 {
+            return Err(terr(format!("array `{name}` has batch {b}, not divisible into dp {dp} × {m} microbatches")));
+        }
+        out.push((name.clone(), t.f_narrow(0, d as i64 * (b / dp as i64), b / dp as i64)?));
+    }
+    train::split_batch(&out, m)
+}
+
+/// Rejects instructions that name stages or microbatches outside the plan, or messages that
+/// cross a boundary the pipeline does not have.
+fn check_program(p: &RankProgram, stages: usize, m: usize) -> Result<(), RuntimeError> {
+    use crate::codegen::Payload;
+    for i in &p.instrs {
+        let (stage, mb) = match i {
+            Instr::Forward { stage, mb } | Instr::Backward { stage, mb } | Instr::BackwardWeight { stage, mb } => (*stage, *mb),
+            Instr::Send { stage, mb, .. } | Instr::Recv { stage, mb, .. } => (*stage, *mb),
+            _ => continue,
+        };
+        let bad = stage >= stages
+            || mb >= m
+            || match i {
+                Instr::Send { what: Payload::Activation, .. } | Instr::Recv { what: Payload::Gradient, .. } => stage + 1 >= stages,
+                Instr::Send { what: Payload::Gradient, .. } | Instr::Recv { what: Payload::Activation, .. } => stage == 0,
+                _ => false,
+            };
+        if bad {
+            return Err(terr(format!(
+                "rank {}: instruction {i} does not fit the plan ({stages} stages, {m} microbatches)",
+                p.rank
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Puts Megatron's *f* before `pg.node`'s input `pg.input`: the forward reads the value
+/// unchanged, the backward all-reduces its gradient over the tensor group.
+fn insert_copy_to_tensor_region(g: &mut Graph, pg: &crate::codegen::shard::PartialGradient) -> Result<(), RuntimeError> {
+    let node = g
+        .node_ids()
+        .find(|&n| g.node(n).name == pg.node)
+        .ok_or_else(|| terr(format!("partial gradient names node `{}`, which the shard does not have", pg.node)))?;
+    let v = g
+        .node(node)
+        .inputs
+        .get(pg.input)
+        .copied()
+        .flatten()
+        .ok_or_else(|| terr(format!("partial gradient: node `{}` has no input {}", pg.node, pg.input)))?;
+    let ty = g.value(v).ty.clone();
+    let name = format!("{}.f.{}.{}", g.value(v).name, pg.node, pg.input);
+    let out = g.add_value(name.clone(), ValueKind::Intermediate, ty, None)?;
+    let order = g.node(node).order;
+    let mut attrs = crate::ir::Attrs::default();
+    attrs.set("group", crate::ir::Attr::Str("tensor".into()));
+    g.add_node(crate::ir::Node {
+        name,
+        op: crate::ir::Op::Placeholder { op_type: super::executor::COPY_TO_TENSOR_REGION.into(), domain: crate::codegen::collectives::SMP_DOMAIN.into() },
+        attrs,
+        inputs: vec![Some(v)],
+        outputs: vec![out],
+        namespace: None,
+        order,
+    })?;
+    g.set_input(node, pg.input, Some(out));
+    Ok(())
+}
+
+/// The tensors of a shard subgraph's initializers and constants: this rank's slice of the
+/// model's weight where the shard slices it, the model's tensor where it is replicated, and
+/// the subgraph's own data for constants the shard made.
+fn stage_weights(
+    exec: &Executor<'_>,
+    sub: &Graph,
+    slices: &HashMap<&str, &crate::codegen::WeightSlice>,
+) -> Result<HashMap<ValueId, Tensor>, RuntimeError> {
+    let main = exec.graph();
+    let mut out = HashMap::new();
+    for id in sub.value_ids() {
+        let v = sub.value(id);
+        if !matches!(v.kind, ValueKind::Initializer | ValueKind::Constant) {
+            continue;
+        }
+        let full = main.value_by_name(&v.name).and_then(|m| exec.weights.get(&m));
+        let t = match (full, slices.get(v.name.as_str())) {
+            (Some(full), Some(sl)) => {
+                let parts: Vec<Tensor> = sl
+                    .ranges
+                    .iter()
+                    .map(|r| full.f_detach()?.f_narrow(sl.axis as i64, r[0] as i64, (r[1] - r[0]) as i64))
+                    .collect::<Result<_, _>>()?;
+                Tensor::f_cat(&parts, sl.axis as i64)?.f_contiguous()?
+            }
+            (Some(full), None) => full.f_detach()?,
+            (None, _) => {
+                let Some(data) = &v.data else { continue };
+                let crate::ir::Storage::Raw(bytes) = &data.storage else {
+                    return Err(terr(format!("shard constant `{}` has no inline data", v.name)));
+                };
+                let t = super::tensor::from_bytes(data.dtype, &data.dims, bytes).map_err(|m| RuntimeError::Weight { name: v.name.clone(), message: m })?;
+                match exec.float_kind() {
+                    Some(k) if super::tensor::is_float_kind(t.kind()) && t.kind() != k => t.f_to_kind(k)?,
+                    _ => t,
+                }
+            }
+        };
+        out.insert(id, t);
+    }
+    Ok(out)
+}

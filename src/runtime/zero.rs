@@ -1,0 +1,316 @@
+//! Data-parallel gradient synchronisation and ZeRO state: each stage's flat parameter vector
+//! cut into blocks over its data-parallel (or sharding) group, the gradient and optimizer
+//! blocks this rank holds, and under ZeRO 3 the parameters themselves, gathered around each
+//! use and released after it.
+
+use std::collections::BTreeSet;
+
+use tch::{Kind, Tensor};
+
+use super::RuntimeError;
+use super::dist::ProcessGroup;
+use super::pipeline::terr;
+use super::rank::{Params, Rank};
+use super::report::{StateBytes, Tally, bytes_of};
+use super::train::AdamW;
+use crate::codegen::{Instr, Purpose};
+
+/// One stage's ZeRO shard of its parameters: the flat parameter vector cut into `parts`
+/// blocks, this rank holding block `index`.
+pub(super) struct Shard {
+    parts: i64,
+    index: i64,
+    len: i64,
+    grad: Option<Tensor>,
+    /// Updated parameter block awaiting its all-gather.
+    updated: Option<Tensor>,
+    opt: Option<AdamW>,
+    /// ZeRO 3: the only copy of this rank's block between uses (AdamW updates it), and the
+    /// group that gathers the blocks.
+    master: Option<Tensor>,
+    members: Vec<usize>,
+}
+
+impl Shard {
+    /// A ZeRO-1/2 shard: block `index` of `parts`, each `len` long, nothing held yet.
+    fn block(parts: i64, index: i64, len: i64) -> Shard {
+        Shard { parts, index, len, grad: None, updated: None, opt: None, master: None, members: Vec::new() }
+    }
+}
+
+/// A copy of `t` in its own storage (a narrowed view would keep the whole buffer alive).
+fn owned_copy(t: &Tensor) -> Result<Tensor, RuntimeError> {
+    let mut c = t.f_empty_like()?;
+    let _ = c.f_copy_(t)?;
+    Ok(c)
+}
+
+/// The optimizer state of a rank and its ZeRO shards.
+pub(super) struct Zero {
+    /// Per stage: its shard, once it has one.
+    shards: Vec<Option<Shard>>,
+    /// The plain AdamW of the parameters in no shard.
+    full_opt: Option<AdamW>,
+    /// `need[s]`: the ZeRO-3 stages whose parameters stage `s` reads (its own, or a weight it
+    /// shares with another stage of this rank).
+    need: Vec<Vec<usize>>,
+    /// ZeRO-3 stages whose parameters are gathered now.
+    live: Vec<bool>,
+}
+
+impl Zero {
+    /// The state before the first step. Under ZeRO 3 each stage gathered by the program keeps
+    /// only its block (the master AdamW updates) and releases its parameter tensors, which
+    /// stay the same autograd leaves: their storage is swapped by set_data (gathered before
+    /// each Forward and Backward, released after it).
+    pub fn new(rank: &Rank<'_>) -> Result<Zero, RuntimeError> {
+        let n = rank.n_stages;
+        let p = &rank.params;
+        let mut shards: Vec<Option<Shard>> = (0..n).map(|_| None).collect();
+        if rank.zero3 {
+            let _guard = tch::no_grad_guard();
+            for instr in &rank.program.instrs {
+                let Instr::AllGather { group: g, purpose: purpose @ Purpose::Zero3Params { .. }, .. } = instr else { continue };
+                let s = rank.stage_of(purpose)?;
+                if shards[s].is_some() || p.owned[s].is_empty() {
+                    continue;
+                }
+                let pg = rank.groups.get(g)?;
+                let (parts, index) = (pg.size() as i64, pg.index() as i64);
+                let (f, len) = p.flat(s, &p.tensors, parts)?;
+                let master = owned_copy(&f.f_narrow(0, index * len, len)?)?;
+                p.release(s)?;
+                shards[s] = Some(Shard { master: Some(master), members: g.clone(), ..Shard::block(parts, index, len) });
+            }
+        }
+        let need = (0..n)
+            .map(|s| {
+                (0..n)
+                    .filter(|&o| shards[o].as_ref().is_some_and(|sh| sh.master.is_some()) && p.owned[o].iter().any(|i| p.read[s].contains(i)))
+                    .collect()
+            })
+            .collect();
+        Ok(Zero { shards, full_opt: None, need, live: vec![false; n] })
+    }
+
+    /// The trained state held now, with `grads` the full gradients.
+    pub fn held(&self, params: &Params, grads: &[Option<Tensor>]) -> StateBytes {
+        let mut b = StateBytes {
+            params: params.tensors.iter().map(bytes_of).sum(),
+            grads: grads.iter().flatten().map(bytes_of).sum(),
+            optimizer: self.full_opt.as_ref().map_or(0, AdamW::state_bytes),
+        };
+        for sh in self.shards.iter().flatten() {
+            b.params += sh.master.as_ref().map_or(0, bytes_of) + sh.updated.as_ref().map_or(0, bytes_of);
+            b.grads += sh.grad.as_ref().map_or(0, bytes_of);
+            b.optimizer += sh.opt.as_ref().map_or(0, AdamW::state_bytes);
+        }
+        b
+    }
+
+    /// Gathers the ZeRO-3 parameters stage `s` reads that are not gathered yet.
+    pub fn ensure(&mut self, rank: &Rank<'_>, s: usize) -> Result<(), RuntimeError> {
+        for &o in &self.need[s] {
+            if !self.live[o] {
+                if let Some(sh) = &self.shards[o] {
+                    let master = sh.master.as_ref().ok_or_else(|| terr(format!("stage {o} has no ZeRO-3 block")))?;
+                    let out = Tensor::f_empty([sh.len * sh.parts], rank.params.opts)?;
+                    rank.groups.get(&sh.members)?.all_gather(&out, master)?;
+                    rank.params.write_flat(o, &out, false)?;
+                }
+                self.live[o] = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases the gathered ZeRO-3 parameters no split backward in `pending_w` still needs
+    /// (all of them when it is empty).
+    pub fn release(&mut self, rank: &Rank<'_>, pending_w: &BTreeSet<(usize, usize)>) -> Result<(), RuntimeError> {
+        let pinned: BTreeSet<usize> = pending_w.iter().flat_map(|(s, _)| self.need[*s].iter().copied()).collect();
+        for o in 0..self.live.len() {
+            if self.live[o] && !pinned.contains(&o) {
+                rank.params.release(o)?;
+                self.live[o] = false;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sums stage `s`'s gradients over the data-parallel group `pg`: the reduced ZeRO shard
+    /// across sharding groups, or (ZeRO 1) all of them then keeps this rank's block, or
+    /// (ZeRO 0) all of them in buckets.
+    pub fn all_reduce_grads(&mut self, rank: &Rank<'_>, pg: &ProcessGroup, s: usize, grads: &mut [Option<Tensor>], tally: &mut Tally) -> Result<(), RuntimeError> {
+        let p = &rank.params;
+        if let Some(sh) = self.shards[s].as_mut().filter(|sh| sh.grad.is_some()) {
+            // sharded data parallelism: the reduced shard summed across groups
+            if let Some(gs) = &sh.grad {
+                pg.all_reduce_sum(gs)?;
+            }
+        } else if rank.zero >= 1 {
+            // ZeRO 1: full all-reduce, then this rank's block
+            let parts = pg.size() as i64;
+            let (f, len) = p.flat(s, &full_grads(p, grads)?, parts)?;
+            // the flat copy is all that is left of them
+            for &i in &p.owned[s] {
+                grads[i] = None;
+            }
+            pg.all_reduce_sum(&f)?;
+            let mut now = self.held(p, grads);
+            now.grads += bytes_of(&f);
+            tally.observe(now);
+            let index = pg.index() as i64;
+            let sh = self.shards[s].get_or_insert_with(|| Shard::block(parts, index, len));
+            sh.grad = Some(owned_copy(&f.f_narrow(0, index * len, len)?)?);
+        } else {
+            let mine: Vec<Tensor> = p.owned[s].iter().map(|&i| grads[i].as_ref().map_or_else(|| p.zeros(i), |g| Ok(g.shallow_clone()))).collect::<Result<_, _>>()?;
+            let reduced = all_reduce_bucketed(pg, mine, rank.cfg.bucket_bytes)?;
+            for (&i, g) in p.owned[s].iter().zip(reduced) {
+                grads[i] = Some(g);
+            }
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatters stage `s`'s gradients over `pg` (ZeRO 2 and 3): this rank keeps the
+    /// summed block of its shard.
+    pub fn reduce_scatter_grads(&mut self, rank: &Rank<'_>, pg: &ProcessGroup, s: usize, grads: &mut [Option<Tensor>], tally: &mut Tally) -> Result<(), RuntimeError> {
+        let p = &rank.params;
+        let parts = pg.size() as i64;
+        let (f, len) = p.flat(s, &full_grads(p, grads)?, parts)?;
+        for &i in &p.owned[s] {
+            grads[i] = None;
+        }
+        let out = Tensor::f_zeros([len], p.opts)?;
+        pg.reduce_scatter_sum(&out, &f)?;
+        let mut now = self.held(p, grads);
+        now.grads += bytes_of(&f) + bytes_of(&out);
+        tally.observe(now);
+        let index = pg.index() as i64;
+        let sh = self.shards[s].get_or_insert_with(|| Shard::block(parts, index, len));
+        if (sh.parts, sh.index, sh.len) != (parts, index, len) {
+            return Err(terr(format!(
+                "stage {s}: gradients are reduce-scattered over {:?}, but its ZeRO-3 parameters are gathered over {:?}",
+                pg.members(),
+                sh.members
+            )));
+        }
+        sh.grad = Some(out);
+        Ok(())
+    }
+
+    /// ZeRO 1 and 2: all-gathers stage `s`'s parameter blocks over `pg`. Gathered every time
+    /// the program says so; written into the weights only when an update is pending (never
+    /// under a live autograd graph).
+    pub fn gather_params(&mut self, rank: &Rank<'_>, pg: &ProcessGroup, s: usize, grads: &[Option<Tensor>], tally: &mut Tally) -> Result<(), RuntimeError> {
+        let p = &rank.params;
+        let parts = pg.size() as i64;
+        let index = pg.index() as i64;
+        let total: i64 = p.owned[s].iter().map(|&i| p.numel(i)).sum();
+        let len = (total + parts - 1) / parts.max(1);
+        let sh = self.shards[s].get_or_insert_with(|| Shard::block(parts, index, len));
+        let (block, write) = match sh.updated.take() {
+            Some(b) => (b, true),
+            None => (owned_copy(&p.block(s, &p.tensors, parts, index)?)?, false),
+        };
+        let out = Tensor::f_empty([len * parts], p.opts)?;
+        pg.all_gather(&out, &block)?;
+        let mut now = self.held(p, grads);
+        now.params += bytes_of(&out) + bytes_of(&block);
+        tally.observe(now);
+        if write {
+            p.write_flat(s, &out, true)?;
+        }
+        Ok(())
+    }
+
+    /// Squared norm of the sharded gradient blocks this rank counts.
+    pub fn grad_sq(&self, rank: &Rank<'_>) -> Result<f64, RuntimeError> {
+        let mut sq = 0.0;
+        for (s, sh) in self.shards.iter().enumerate() {
+            if let Some(sh) = sh
+                && let (Some(g), true) = (&sh.grad, rank.d < rank.shard_group)
+            {
+                sq += g.f_mul(&rank.params.counted_mask(s, sh.parts, sh.index)?)?.f_square()?.f_sum(Kind::Double)?.f_double_value(&[])?;
+            }
+        }
+        Ok(sq)
+    }
+
+    /// The optimizer step: each shard's block (its gradient scaled by `coef` when clipping),
+    /// then the parameters in no shard with their full gradients `grads`.
+    pub fn step(&mut self, rank: &Rank<'_>, grads: &[Option<Tensor>], coef: Option<f64>) -> Result<(), RuntimeError> {
+        let p = &rank.params;
+        let adamw = rank.cfg.adamw;
+        for (s, sh) in self.shards.iter_mut().enumerate() {
+            let Some(sh) = sh else { continue };
+            let Some(mut g) = sh.grad.take() else { continue };
+            if let Some(c) = coef {
+                let _ = g.f_mul_scalar_(c)?;
+            }
+            if let Some(master) = sh.master.as_ref().map(Tensor::shallow_clone) {
+                // ZeRO 3: the block is the parameters' only copy
+                let opt = match &mut sh.opt {
+                    Some(o) => o,
+                    None => sh.opt.insert(AdamW::new(&[master.shallow_clone()], adamw)?),
+                };
+                opt.step_with(&[master], &[g])?;
+                continue;
+            }
+            let block = owned_copy(&p.block(s, &p.tensors, sh.parts, sh.index)?)?;
+            let opt = match &mut sh.opt {
+                Some(o) => o,
+                None => sh.opt.insert(AdamW::new(&[block.shallow_clone()], adamw)?),
+            };
+            opt.step_with(&[block.shallow_clone()], &[g])?;
+            sh.updated = Some(block);
+        }
+        // parameters not in any shard: the plain (replicated) AdamW
+        if grads.iter().any(Option::is_some) {
+            let opt = match &mut self.full_opt {
+                Some(o) => o,
+                None => self.full_opt.insert(AdamW::new(&p.tensors, adamw)?),
+            };
+            let gs: Vec<Tensor> = grads.iter().map(|g| g.as_ref().map_or_else(Tensor::new, Tensor::shallow_clone)).collect();
+            opt.step_with(&p.tensors, &gs)?;
+        }
+        Ok(())
+    }
+}
+
+/// Every parameter's gradient, zeros where none arrived.
+fn full_grads(p: &Params, grads: &[Option<Tensor>]) -> Result<Vec<Tensor>, RuntimeError> {
+    grads
+        .iter()
+        .enumerate()
+        .map(|(i, g)| match g {
+            Some(g) => Ok(g.shallow_clone()),
+            None => p.zeros(i),
+        })
+        .collect()
+}
+
+/// Sums gradients over `pg` in buckets of about `bucket_bytes`, in parameter order.
+fn all_reduce_bucketed(pg: &ProcessGroup, grads: Vec<Tensor>, bucket_bytes: usize) -> Result<Vec<Tensor>, RuntimeError> {
+    let mut out: Vec<Tensor> = Vec::with_capacity(grads.len());
+    let mut start = 0;
+    while start < grads.len() {
+        let mut end = start;
+        let mut bytes = 0;
+        while end < grads.len() && (end == start || bytes + grads[end].numel() * grads[end].kind().elt_size_in_bytes() <= bucket_bytes) {
+            bytes += grads[end].numel() * grads[end].kind().elt_size_in_bytes();
+            end += 1;
+        }
+        let flat: Vec<Tensor> = grads[start..end].iter().map(|g| g.f_reshape([-1])).collect::<Result<_, _>>()?;
+        let flat = Tensor::f_cat(&flat, 0)?;
+        pg.all_reduce_sum(&flat)?;
+        let mut off = 0;
+        for g in &grads[start..end] {
+            let n = g.numel() as i64;
+            out.push(flat.f_narrow(0, off, n)?.f_view_as(g)?);
+            off += n;
+        }
+        start = end;
+    }
+    Ok(out)
+}
