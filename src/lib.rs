@@ -1,7 +1,7 @@
 //! smp-partition: a compiler for model-parallel training.
 //!
-//! The spine, one direction: `frontend` → `ir` → `passes` → `cost` → `solve` → `codegen` →
-//! `plan` → `sim` → `runtime`. Every stage may use `ir` and the stages before it.
+//! The spine, one direction: `frontend` → `ir` → `passes` → `cost` → `split` → `solve` →
+//! `codegen` → `plan` → `sim` → `runtime`. Every stage may use `ir` and the stages before it.
 
 pub mod codegen;
 pub mod cost;
@@ -11,6 +11,7 @@ pub mod passes;
 pub mod plan;
 pub mod sim;
 pub mod solve;
+pub mod split;
 
 #[cfg(feature = "runner")]
 pub mod runtime;

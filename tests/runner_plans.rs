@@ -453,3 +453,43 @@ fn pp2_tp2_sequence_parallel_matches_single_process() {
     let flags = ["--pp", "2", "--tp", "2", "--dp", "1", "--schedule", "1f1b", "--microbatches", "4", "--sequence-parallel"];
     equivalent_with("pp2tp2sp", "cpu:4", 4, &flags, has_sequence_parallel_collectives);
 }
+
+/// Plans `models/<name>.onnx` at `--tp <tp> --baseline megatron` on cpu:<tp>, checks the plan
+/// slices weights, and compares 5 f64 steps with one process; returns the max relative loss
+/// difference.
+fn export_tp_matches_single_process(name: &str, tp: usize) -> f64 {
+    let dir = tempfile::tempdir().unwrap();
+    let m = repo().join(format!("models/{name}.onnx"));
+    let out = dir.path().join(format!("{name}_tp{tp}.json"));
+    let (tp_s, cluster) = (tp.to_string(), format!("cpu:{tp}"));
+    let r = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
+        .args([m.to_str().unwrap(), "--cluster", &cluster, "--seq-len", SEQ, "-o", out.to_str().unwrap()])
+        .args(["--pp", "1", "--tp", &tp_s, "--dp", "1", "--microbatches", "2", "--global-batch", BATCH, "--baseline", "megatron"])
+        .output()
+        .unwrap();
+    assert!(r.status.success(), "planning {name} tp{tp} failed: {}", String::from_utf8_lossy(&r.stderr));
+    let slices: usize = shards(&out).iter().map(|sh| sh["weight_slices"].as_array().map_or(0, Vec::len)).sum();
+    assert!(slices > 0, "{name}: the tp{tp} plan slices no weight");
+    let want = {
+        let r = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
+            .args(["train", m.to_str().unwrap(), "--batch", BATCH, "--seq-len", SEQ, "--microbatches", "2"])
+            .args(["--steps", "5", "--dtype", "f64", "--threads", "1", "--json"])
+            .output()
+            .unwrap();
+        assert!(r.status.success(), "{name} reference run failed: {}", String::from_utf8_lossy(&r.stderr));
+        losses(&r.stdout)
+    };
+    let got = step_losses(&launch_json(tp, &out, "f64", "5"));
+    let worst = max_rel(&got, &want);
+    eprintln!("{name} tp{tp} f64: max relative loss difference {worst:.3e}");
+    assert!(worst <= 1e-9, "{name} tp{tp} losses {got:?} vs single-process {want:?} (max rel {worst:.3e})");
+    worst
+}
+
+#[test]
+fn hf_exports_tp2_match_single_process() {
+    // Small Hugging Face OPT, Phi, RoBERTa and ViT exports, Megatron's split at tp 2.
+    for name in ["opt", "phi", "roberta", "vit"] {
+        export_tp_matches_single_process(name, 2);
+    }
+}

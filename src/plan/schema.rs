@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::codegen::encode::{CodegenInput, CodegenSection, Mesh, RankView, StageInput};
 use crate::codegen::EncodeError;
 use crate::ir::ScheduleKind;
+use crate::split::Strategy;
 
 /// The plan format version this build writes and reads.
 pub const PLAN_VERSION: u32 = 1;
@@ -185,8 +186,8 @@ pub struct LayerStrategy {
     pub name: String,
     /// Name of the layer's strategy assignment (`megatron`, `replicate`, ...).
     pub strategy: String,
-    /// Strategy name per node, in the layer's node order: `[node, strategy]`.
-    pub nodes: Vec<(String, String)>,
+    /// Strategy per node, in the layer's node order: `[node, strategy]`.
+    pub nodes: Vec<(String, Strategy)>,
 }
 
 /// Bytes moved per step by one kind of traffic over one kind of link.
