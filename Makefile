@@ -3,6 +3,8 @@
 #
 #   make demo     system packages + build, then graph, plan and inspect of models/gpt2.onnx
 #   make test     system packages + .venv + ONNX conformance cases, then cargo test
+#   make venv     .venv brought to exactly requirements.lock (uv pip sync)
+#   make lock     re-resolve requirements.in into requirements.lock (then make venv)
 #   make models   regenerate models/ (not part of test)
 #   make check-cuda  build smp-runner with NCCL (feature cuda) against the NVIDIA wheels' headers
 
@@ -12,14 +14,13 @@ SHELL := /bin/bash
 
 # apt packages the build needs (HiGHS via cmake + bindgen/libclang; Gloo headers for c10d).
 APT_PACKAGES := cmake libclang-dev libgloo-dev
-# Python packages (tests, fixtures, libtorch for the runner), pinned as in DESIGN.md.
-PYTHON_PINS := torch==2.13.0 onnx==1.23.2 onnxruntime==1.32.0 onnxscript==0.7.2 transformers==5.24.0
+# Python packages (tests, fixtures, libtorch for the runner): requirements.in names the direct
+# ones, requirements.lock pins every package with hashes.
 # Cargo features for build and test: the libtorch runner is on by default (`make test FEATURES=` skips it).
 FEATURES ?= runner
 
 VENV := .venv
 PY := $(VENV)/bin/python
-CACHE := .cache
 CARGO ?= cargo
 ONNX_CASES := tests/data/onnx-cases
 
@@ -27,10 +28,10 @@ ONNX_CASES := tests/data/onnx-cases
 export LIBTORCH_USE_PYTORCH := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: deps venv onnx-cases build test demo models help cuda-headers check-cuda
+.PHONY: deps venv lock onnx-cases build test demo models help check-cuda
 
 help:
-	@sed -n '1,8p' Makefile
+	@sed -n '1,10p' Makefile
 
 ## System packages: only those missing are installed (apt-get update first).
 deps:
@@ -47,15 +48,13 @@ deps:
 	fi; \
 	command -v $(CARGO) >/dev/null 2>&1 || { echo "deps: cargo not found; install Rust >= 1.95 (https://rustup.rs)" >&2; exit 1; }
 
-## Project .venv with the pinned packages: created when missing, re-pinned when the pins change.
+## Project .venv holding exactly requirements.lock: created when missing, synced when it differs.
 venv: | deps
-	@if [ ! -x "$(PY)" ]; then echo "venv: creating $(VENV)"; python3 -m venv "$(VENV)"; fi; \
-	if ! "$(PY)" scripts/check_pins.py $(PYTHON_PINS); then \
-	  echo "venv: installing $(PYTHON_PINS)"; \
-	  "$(PY)" -m pip install -q --disable-pip-version-check $(PYTHON_PINS); \
-	  "$(PY)" scripts/check_pins.py $(PYTHON_PINS); \
-	fi; \
-	mkdir -p $(CACHE); echo "$(PYTHON_PINS)" > $(CACHE)/venv.pins
+	@scripts/venv.sh
+
+## Re-resolve requirements.in into requirements.lock (exact versions and hashes), then sync .venv.
+lock: | deps
+	@scripts/venv.sh --lock
 
 ## ONNX operator conformance cases from the installed onnx wheel (stamped, gitignored).
 onnx-cases: venv
@@ -67,7 +66,7 @@ build: deps venv
 test: deps venv onnx-cases
 	$(CARGO) test --features "$(FEATURES)"
 
-demo: deps venv
+demo: deps
 	$(CARGO) build --bin smp-partition
 	./target/debug/smp-partition graph models/gpt2.onnx --seq-len 128
 	./target/debug/smp-partition models/gpt2.onnx --cluster cpu:4 --seq-len 128 --global-batch 16 -o target/gpt2-cpu4.plan.json
@@ -77,13 +76,6 @@ models: venv
 	"$(PY)" scripts/export_models.py
 	"$(PY)" scripts/make_graph_only.py --check
 
-## CUDA/NCCL headers for feature `cuda`: torch's wheel brings the CUDA runtime and NCCL headers;
-## the compiler's crt and CCCL headers come from the NVIDIA wheels of the same CUDA version.
-cuda-headers: venv
-	@ver=$$("$(PY)" -c 'import importlib.metadata as m; v=m.version("nvidia-cuda-runtime").split("."); print(v[0]+"."+v[1])'); \
-	"$(PY)" -c 'import importlib.metadata as m; m.version("nvidia-cuda-crt"); m.version("nvidia-cuda-cccl")' 2>/dev/null || \
-	  "$(PY)" -m pip install -q --disable-pip-version-check "nvidia-cuda-crt==$$ver.*" "nvidia-cuda-cccl==$$ver.*"
-
 ## Builds smp-runner with ProcessGroupNCCL compiled in (running it needs a GPU machine).
-check-cuda: cuda-headers
+check-cuda: venv
 	$(CARGO) build --features cuda --bin smp-runner

@@ -6,7 +6,9 @@
 pub mod codegen;
 pub mod cost;
 pub mod frontend;
+pub mod host;
 pub mod ir;
+pub mod logging;
 pub mod passes;
 pub mod plan;
 pub mod sim;

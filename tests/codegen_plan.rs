@@ -60,7 +60,7 @@ fn ranks_see_their_stage_peers_and_groups() {
             assert_eq!(view.tied, vec![(section.tied_weights[0].weight.as_str(), tied)]);
             // Messages go to the same replica of the other stage.
             for instr in &view.program.instrs {
-                if let Instr::Send { peer, .. } | Instr::Recv { peer, .. } = instr {
+                if let Instr::Send { to: peer, .. } | Instr::Recv { from: peer, .. } = instr {
                     assert_eq!(peer, other, "rank {rank}: {instr}");
                 }
             }

@@ -2,6 +2,8 @@
 //! every layer's intra-layer problem, sharded with its replicated nodes kept whole, realises
 //! exactly the chosen strategy per node; and every models/ export plans and code-generates.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -183,7 +185,7 @@ fn every_model_plans_and_code_generates() {
     for name in MODELS {
         let lg = model(name);
         for (cluster, tps) in [("cpu:2", vec![None, Some(2)]), ("cpu:4", vec![None, Some(2), Some(4)]), ("h100-80gb:8", vec![None, Some(2), Some(4)])] {
-            let spec = ClusterSpec::parse(cluster).unwrap();
+            let spec = ClusterSpec::parse(&common::cluster_arg(cluster)).unwrap();
             for tp in tps {
                 let mut cfg = PlanConfig::new(spec.devices * 2);
                 cfg.constraints.tp = tp;

@@ -1,6 +1,7 @@
 //! Cost model against closed forms from the literature: model state 16Ψ and its ZeRO
 //! divisions, ring collectives, hierarchical all-reduce, roofline and memory accounting.
 
+use smp_partition::cost::{CalibrationFile, FactSource, MachineFacts};
 use smp_partition::cost::memory::{stage_activation_bytes, StatePrecision};
 use smp_partition::cost::{ClusterSpec, CommModel, GroupSpan, LinkKind, model_state};
 use smp_partition::ir::{Graph, Layer, LayerKind, NodeFigures};
@@ -99,17 +100,57 @@ fn usable_memory_subtracts_the_workspace_margin() {
     assert_eq!(s.usable_memory(), 40_000_000_000 - (2u64 << 30));
 }
 
+fn facts(memory_gib: u64, cores: usize, calibration: Option<CalibrationFile>) -> MachineFacts {
+    MachineFacts { memory_bytes: memory_gib << 30, cores, calibration, source: FactSource::Host }
+}
+
 #[test]
-fn cpu_preset_reads_the_calibration_file() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("cpu.toml");
-    std::fs::write(&path, "fp32_flops = 123e9\nintra_node_bandwidth = 7e9\n").unwrap();
-    // SAFETY: only this test in this binary touches the variable.
-    unsafe { std::env::set_var("SMP_CPU_CALIBRATION", &path) };
-    let s = ClusterSpec::parse("cpu:2").unwrap();
+fn cpu_preset_is_the_machine_it_is_given() {
+    let small = ClusterSpec::parse_on("cpu", &facts(24, 2, None)).unwrap();
+    assert_eq!((small.devices, small.memory_bytes), (2, 12 << 30));
+    let big = ClusterSpec::parse_on("cpu:4", &facts(64, 16, None)).unwrap();
+    assert_eq!((big.devices, big.devices_per_node, big.memory_bytes), (4, 4, 16 << 30));
+    assert_eq!(big.machine.as_ref().map(|m| m.cores), Some(16));
+    // without facts, `cpu` says what is missing and how to state it
+    let e = ClusterSpec::parse("cpu:2").unwrap_err().to_string();
+    assert!(e.contains("machine facts") && e.contains("[machine]"), "{e}");
+    // GPU presets need none and record none
+    assert!(ClusterSpec::parse_on("h100-80gb:8", &facts(1, 1, None)).unwrap().machine.is_none());
+}
+
+#[test]
+fn cpu_preset_takes_rates_from_the_calibration() {
+    let cal = CalibrationFile::new("cpu.toml", "fp32_flops = 123e9\nintra_node_bandwidth = 7e9\n".to_string());
+    let s = ClusterSpec::parse_on("cpu:2", &facts(8, 2, Some(cal.clone()))).unwrap();
     assert_eq!((s.devices, s.fp32_flops, s.intra_node_bandwidth), (2, 123e9, 7e9));
-    std::fs::write(&path, "fp32_flops = \"fast\"\n").unwrap();
-    let e = ClusterSpec::parse("cpu").unwrap_err().to_string();
+    assert_eq!(s.machine.unwrap().calibration.unwrap().sha256, cal.sha256);
+    let bad = CalibrationFile::new("cpu.toml", "fp32_flops = \"fast\"\n".to_string());
+    let e = ClusterSpec::parse_on("cpu", &facts(8, 2, Some(bad))).unwrap_err().to_string();
     assert!(e.contains("cpu.toml") && e.contains("fp32_flops"), "{e}");
-    unsafe { std::env::remove_var("SMP_CPU_CALIBRATION") };
+}
+
+#[test]
+fn a_cluster_file_states_the_machine() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("cal.toml"), "fp32_flops = 80e9\n").unwrap();
+    let file = dir.path().join("box.toml");
+    std::fs::write(&file, "preset = \"cpu\"\n[machine]\nmemory_bytes = 34359738368\ncores = 4\ncalibration = \"cal.toml\"\n").unwrap();
+    let spec = format!("{}:2", file.display());
+    // the host's facts are not consulted when the file states them
+    let s = ClusterSpec::parse_on(&spec, &facts(1, 64, None)).unwrap();
+    assert_eq!((s.devices, s.devices_per_node, s.memory_bytes, s.fp32_flops), (2, 2, 16 << 30, 80e9));
+    let m = s.machine.unwrap();
+    assert_eq!((m.cores, m.source), (4, FactSource::ClusterFile(file.display().to_string())));
+    assert!(m.calibration.unwrap().path.ends_with("cal.toml"));
+    // and it needs no host at all
+    assert_eq!(ClusterSpec::parse(&spec).unwrap().memory_bytes, 16 << 30);
+    // a `cpu` file without the table takes the host's
+    std::fs::write(&file, "preset = \"cpu\"\n").unwrap();
+    assert_eq!(ClusterSpec::parse_on(&spec, &facts(8, 2, None)).unwrap().memory_bytes, 4 << 30);
+    let e = ClusterSpec::parse(&spec).unwrap_err().to_string();
+    assert!(e.contains("box.toml") && e.contains("[machine]"), "{e}");
+    // the table is for cpu files only
+    std::fs::write(&file, "preset = \"h100-80gb\"\n[machine]\nmemory_bytes = 1\ncores = 1\n").unwrap();
+    let e = ClusterSpec::parse(&spec).unwrap_err().to_string();
+    assert!(e.contains("[machine]") && e.contains("cpu"), "{e}");
 }

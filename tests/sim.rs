@@ -1,7 +1,7 @@
 //! Simulator: deadlocks name the rank and action, collectives synchronise their group,
 //! communication delays the receiver, and the trace has the Perfetto JSON structure.
 
-use smp_partition::codegen::{Instr, LowerOptions, Payload, RankProgram, lower_schedule};
+use smp_partition::codegen::{Instr, LowerOptions, Payload, Purpose, RankProgram, lower_schedule};
 use smp_partition::cost::{ClusterSpec, CommModel};
 use smp_partition::ir::ScheduleKind;
 use smp_partition::sim::{CostTable, SimError, chrome_trace, simulate};
@@ -48,7 +48,7 @@ fn collectives_wait_for_the_whole_group_and_cost_the_ring_time() {
     let spec = ClusterSpec::parse("h100-80gb:8").unwrap();
     let comm = CommModel::new(&spec);
     let bytes = 1u64 << 30;
-    let ar = |group: Vec<usize>| Instr::AllReduce { group, bytes, tag: "dp".into() };
+    let ar = |group: Vec<usize>| Instr::AllReduce { group, bytes, purpose: Purpose::DpGrads { stage: 0 } };
     let progs = vec![
         RankProgram { rank: 0, instrs: vec![Instr::Forward { stage: 0, mb: 0 }, ar(vec![0, 1]), Instr::OptimizerStep] },
         RankProgram { rank: 1, instrs: vec![ar(vec![0, 1]), Instr::OptimizerStep] },
@@ -66,7 +66,7 @@ fn collectives_wait_for_the_whole_group_and_cost_the_ring_time() {
         RankProgram { rank: 1, instrs: vec![Instr::OptimizerStep] },
     ];
     let err = simulate(&progs, &table).unwrap_err().to_string();
-    assert!(err.contains("rank 0 waits at ALL_REDUCE(dp), ranks [1] of its group never reach it"), "{err}");
+    assert!(err.contains("rank 0 waits at ALL_REDUCE(dp-grads:stage0), ranks [1] of its group never reach it"), "{err}");
 }
 
 #[test]

@@ -170,6 +170,7 @@ fn main() {
             std::process::exit(code);
         }
     };
+    smp_partition::logging::init();
     if let Err(e) = run(cli) {
         eprintln!("smp-runner: error: {e:#}");
         std::process::exit(1);

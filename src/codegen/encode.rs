@@ -21,7 +21,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use super::lower::{LowerError, LowerOptions, lower};
-use super::program::{Instr, Payload, RankProgram};
+use super::program::{Instr, Purpose, RankProgram};
 use super::shard::{CodegenError, LayerShard, Sharder, apply_shard};
 use crate::ir::{Graph, LayeredGraph, ScheduleError, ScheduleKind, ValueKind, compute_actions};
 use crate::passes::figures::is_trainable;
@@ -152,87 +152,9 @@ pub enum GroupRef {
     Tied(usize),
 }
 
-/// One instruction of a program template; peers are pipeline ranks, groups are [`GroupRef`]s.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case")]
-pub enum Step {
-    /// Forward of `stage` on microbatch `mb`.
-    Forward {
-        /// Global stage index.
-        stage: usize,
-        /// Microbatch.
-        mb: usize,
-    },
-    /// Backward of `stage` on `mb` (input-gradient half when a `backward_weight` follows).
-    Backward {
-        /// Global stage index.
-        stage: usize,
-        /// Microbatch.
-        mb: usize,
-    },
-    /// Weight-gradient half of the backward (ZB-H1).
-    BackwardWeight {
-        /// Global stage index.
-        stage: usize,
-        /// Microbatch.
-        mb: usize,
-    },
-    /// Non-blocking send to the same tensor and data-parallel rank of pipeline rank `to`.
-    Send {
-        /// Pipeline rank of the receiver.
-        to: usize,
-        /// Activation (`outputs_to_next` of `stage`) or gradient (of `outputs_to_next` of `stage − 1`).
-        what: Payload,
-        /// The sending stage.
-        stage: usize,
-        /// Microbatch.
-        mb: usize,
-        /// Message size.
-        bytes: u64,
-    },
-    /// Blocking receive from pipeline rank `from`.
-    Recv {
-        /// Pipeline rank of the sender.
-        from: usize,
-        /// What is received.
-        what: Payload,
-        /// The receiving stage.
-        stage: usize,
-        /// Microbatch.
-        mb: usize,
-        /// Message size.
-        bytes: u64,
-    },
-    /// All-reduce (sum).
-    AllReduce {
-        /// Group.
-        group: GroupRef,
-        /// Buffer size per rank.
-        bytes: u64,
-        /// What is reduced (`dp-grads:stage1`, `tied-grad:wte`).
-        tag: String,
-    },
-    /// Reduce-scatter (`bytes`: the full input each rank holds).
-    ReduceScatter {
-        /// Group.
-        group: GroupRef,
-        /// Input size per rank.
-        bytes: u64,
-        /// Tag.
-        tag: String,
-    },
-    /// All-gather (`bytes`: the gathered output).
-    AllGather {
-        /// Group.
-        group: GroupRef,
-        /// Output size per rank.
-        bytes: u64,
-        /// Tag.
-        tag: String,
-    },
-    /// The optimizer step on this rank's parameters (its ZeRO shard when zero ≥ 1).
-    OptimizerStep,
-}
+/// One instruction of a program template: peers are pipeline ranks (the same tensor and
+/// data-parallel rank of pipeline rank `to` / `from`), groups are [`GroupRef`]s.
+pub type Step = Instr<usize, GroupRef>;
 
 /// The program of every rank of one pipeline rank.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -533,30 +455,18 @@ fn templates(input: &CodegenInput, stages: &[StageCode], tied: &[TiedWeight]) ->
     for (r, prog) in lowered.into_iter().enumerate() {
         let my_stages: Vec<usize> = (0..stages.len()).filter(|&s| input.schedule.rank_of_stage(s, p) == r).collect();
         let mut steps = Vec::with_capacity(prog.instrs.len() + 4 * my_stages.len());
-        let gather = |s: usize| Step::AllGather { group: gather_group, bytes: stages[s].param_bytes, tag: format!("zero3-params:stage{s}") };
+        let gather = |s: usize| Step::AllGather { group: gather_group, bytes: stages[s].param_bytes, purpose: Purpose::Zero3Params { stage: s } };
         for i in prog.instrs {
-            let step = match i {
-                Instr::Forward { stage, mb } => {
-                    if zero3 {
-                        steps.push(gather(stage));
-                    }
-                    Step::Forward { stage, mb }
-                }
-                Instr::Backward { stage, mb } => {
-                    if zero3 {
-                        steps.push(gather(stage));
-                    }
-                    Step::Backward { stage, mb }
-                }
-                Instr::BackwardWeight { stage, mb } => Step::BackwardWeight { stage, mb },
-                Instr::Send { peer, what, stage, mb, bytes } => Step::Send { to: peer, what, stage, mb, bytes },
-                Instr::Recv { peer, what, stage, mb, bytes } => Step::Recv { from: peer, what, stage, mb, bytes },
+            match i {
+                Instr::Forward { stage, .. } | Instr::Backward { stage, .. } if zero3 => steps.push(gather(stage)),
                 Instr::OptimizerStep => {
                     epilogue(&mut steps, r, &my_stages, stages, tied, dp, zero, shard_n);
                     continue;
                 }
-                other => return Err(EncodeError::Inconsistent(format!("lowering produced {other} before the epilogue"))),
-            };
+                _ => {}
+            }
+            // Lowering without global ranks names peers by pipeline rank, as templates do.
+            let step = i.map(Ok, |g| Err(EncodeError::Inconsistent(format!("lowering produced a collective over {g:?} before the epilogue"))))?;
             steps.push(step);
         }
         out.push(ProgramTemplate { pp_rank: r, stages: my_stages, steps });
@@ -577,7 +487,7 @@ fn epilogue(
 ) {
     for (i, t) in tied.iter().enumerate() {
         if t.pp_ranks.contains(&r) {
-            steps.push(Step::AllReduce { group: GroupRef::Tied(i), bytes: t.bytes, tag: format!("tied-grad:{}", t.weight) });
+            steps.push(Step::AllReduce { group: GroupRef::Tied(i), bytes: t.bytes, purpose: Purpose::TiedGrad { weight: t.weight.clone() } });
         }
     }
     let zero3 = dp > 1 && (zero >= 3 || shard_n.is_some());
@@ -586,14 +496,14 @@ fn epilogue(
         if dp <= 1 || bytes == 0 {
             continue;
         }
-        let tag = format!("dp-grads:stage{s}");
+        let purpose = Purpose::DpGrads { stage: s };
         if let Some(n) = shard_n {
-            steps.push(Step::ReduceScatter { group: GroupRef::ShardGroup, bytes, tag: tag.clone() });
-            steps.push(Step::AllReduce { group: GroupRef::ShardPeers, bytes: bytes.div_ceil(n as u64), tag });
+            steps.push(Step::ReduceScatter { group: GroupRef::ShardGroup, bytes, purpose: purpose.clone() });
+            steps.push(Step::AllReduce { group: GroupRef::ShardPeers, bytes: bytes.div_ceil(n as u64), purpose });
         } else if zero >= 2 {
-            steps.push(Step::ReduceScatter { group: GroupRef::Data, bytes, tag });
+            steps.push(Step::ReduceScatter { group: GroupRef::Data, bytes, purpose });
         } else {
-            steps.push(Step::AllReduce { group: GroupRef::Data, bytes, tag });
+            steps.push(Step::AllReduce { group: GroupRef::Data, bytes, purpose });
         }
     }
     steps.push(Step::OptimizerStep);
@@ -601,7 +511,7 @@ fn epilogue(
         for &s in my_stages {
             let bytes = stages[s].param_bytes;
             if bytes > 0 {
-                steps.push(Step::AllGather { group: GroupRef::Data, bytes, tag: format!("zero-params:stage{s}") });
+                steps.push(Step::AllGather { group: GroupRef::Data, bytes, purpose: Purpose::ZeroParams { stage: s } });
             }
         }
     }
@@ -650,20 +560,7 @@ impl CodegenSection {
             self.group(mesh, c, g, sharded_dp)
                 .ok_or_else(|| EncodeError::Inconsistent(format!("rank {rank}: group {g:?} does not resolve in the mesh")))
         };
-        let mut instrs = Vec::with_capacity(t.steps.len());
-        for s in &t.steps {
-            instrs.push(match s.clone() {
-                Step::Forward { stage, mb } => Instr::Forward { stage, mb },
-                Step::Backward { stage, mb } => Instr::Backward { stage, mb },
-                Step::BackwardWeight { stage, mb } => Instr::BackwardWeight { stage, mb },
-                Step::Send { to, what, stage, mb, bytes } => Instr::Send { peer: peer(to)?, what, stage, mb, bytes },
-                Step::Recv { from, what, stage, mb, bytes } => Instr::Recv { peer: peer(from)?, what, stage, mb, bytes },
-                Step::AllReduce { group: g, bytes, tag } => Instr::AllReduce { group: group(g)?, bytes, tag },
-                Step::ReduceScatter { group: g, bytes, tag } => Instr::ReduceScatter { group: group(g)?, bytes, tag },
-                Step::AllGather { group: g, bytes, tag } => Instr::AllGather { group: group(g)?, bytes, tag },
-                Step::OptimizerStep => Instr::OptimizerStep,
-            });
-        }
+        let instrs = t.steps.iter().map(|s| s.clone().map(&peer, &group)).collect::<Result<Vec<_>, _>>()?;
         Ok(RankProgram { rank, instrs })
     }
 

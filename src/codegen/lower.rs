@@ -98,21 +98,21 @@ pub fn lower(kind: ScheduleKind, actions: &[Vec<Action>], opts: &LowerOptions) -
                 ActionKind::Forward => {
                     if let Some(peer) = prev {
                         let bytes = boundary(s - 1);
-                        instrs.push(Instr::Recv { peer, what: Payload::Activation, stage: s, mb, bytes });
+                        instrs.push(Instr::Recv { from: peer, what: Payload::Activation, stage: s, mb, bytes });
                     }
                     instrs.push(Instr::Forward { stage: s, mb });
                     if let Some(peer) = next {
-                        instrs.push(Instr::Send { peer, what: Payload::Activation, stage: s, mb, bytes: boundary(s) });
+                        instrs.push(Instr::Send { to: peer, what: Payload::Activation, stage: s, mb, bytes: boundary(s) });
                     }
                 }
                 ActionKind::Backward => {
                     if let Some(peer) = next {
-                        instrs.push(Instr::Recv { peer, what: Payload::Gradient, stage: s, mb, bytes: boundary(s) });
+                        instrs.push(Instr::Recv { from: peer, what: Payload::Gradient, stage: s, mb, bytes: boundary(s) });
                     }
                     instrs.push(Instr::Backward { stage: s, mb });
                     if let Some(peer) = prev {
                         let bytes = boundary(s - 1);
-                        instrs.push(Instr::Send { peer, what: Payload::Gradient, stage: s, mb, bytes });
+                        instrs.push(Instr::Send { to: peer, what: Payload::Gradient, stage: s, mb, bytes });
                     }
                 }
                 ActionKind::BackwardWeight => instrs.push(Instr::BackwardWeight { stage: s, mb }),

@@ -11,5 +11,5 @@ pub mod validate;
 pub use collectives::{CollectiveInsert, CollectiveKind, GroupKind, InputRef};
 pub use encode::{CodegenInput, CodegenSection, Coord, EncodeError, GroupRef, Mesh, RankView, StageInput, StageView, Step};
 pub use lower::{LowerError, LowerOptions, lower, lower_schedule};
-pub use program::{Instr, Payload, RankProgram};
+pub use program::{Instr, Payload, Purpose, RankProgram};
 pub use shard::{CodegenError, ConstantRewrite, LayerShard, NodeRewrite, Sharder, WeightSlice, apply_shard, shard_all};

@@ -7,6 +7,7 @@
 //! torch.distributed.pipelining.
 
 use std::fmt;
+use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
@@ -22,10 +23,95 @@ pub enum Payload {
     Gradient,
 }
 
-/// One instruction of a rank's program.
+/// What a collective is for: which state it moves, and of which stage or weight. Written in
+/// the plan as its tag text (`dp-grads:stage1`), parsed once when the plan is read.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum Purpose {
+    /// ZeRO 3: all-gather of a stage's sharded parameters before its forward or backward
+    /// (`zero3-params:stageS`).
+    Zero3Params {
+        /// The stage.
+        stage: usize,
+    },
+    /// Data-parallel gradient sum of a stage: all-reduce, or reduce-scatter under ZeRO 2 and
+    /// sharded data parallelism, where an all-reduce across sharding groups follows
+    /// (`dp-grads:stageS`).
+    DpGrads {
+        /// The stage.
+        stage: usize,
+    },
+    /// ZeRO 1 and 2: all-gather of a stage's updated parameters after the optimizer step
+    /// (`zero-params:stageS`).
+    ZeroParams {
+        /// The stage.
+        stage: usize,
+    },
+    /// Gradient sum of a tied weight over the pipeline ranks reading it (`tied-grad:NAME`).
+    TiedGrad {
+        /// Initializer name.
+        weight: String,
+    },
+}
+
+impl Purpose {
+    /// The stage whose state it moves (none for tied weights).
+    pub fn stage(&self) -> Option<usize> {
+        match *self {
+            Purpose::Zero3Params { stage } | Purpose::DpGrads { stage } | Purpose::ZeroParams { stage } => Some(stage),
+            Purpose::TiedGrad { .. } => None,
+        }
+    }
+}
+
+impl fmt::Display for Purpose {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Purpose::Zero3Params { stage } => write!(f, "zero3-params:stage{stage}"),
+            Purpose::DpGrads { stage } => write!(f, "dp-grads:stage{stage}"),
+            Purpose::ZeroParams { stage } => write!(f, "zero-params:stage{stage}"),
+            Purpose::TiedGrad { weight } => write!(f, "tied-grad:{weight}"),
+        }
+    }
+}
+
+impl FromStr for Purpose {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let stage = |rest: &str| rest.strip_prefix("stage").and_then(|n| n.parse::<usize>().ok());
+        let parsed = match s.split_once(':') {
+            Some(("zero3-params", rest)) => stage(rest).map(|stage| Purpose::Zero3Params { stage }),
+            Some(("dp-grads", rest)) => stage(rest).map(|stage| Purpose::DpGrads { stage }),
+            Some(("zero-params", rest)) => stage(rest).map(|stage| Purpose::ZeroParams { stage }),
+            // `tied:` is how early plans spelled it.
+            Some(("tied-grad" | "tied", weight)) if !weight.is_empty() => Some(Purpose::TiedGrad { weight: weight.to_string() }),
+            _ => None,
+        };
+        parsed.ok_or_else(|| {
+            format!("collective tag `{s}`: expected zero3-params:stageS, dp-grads:stageS, zero-params:stageS or tied-grad:WEIGHT (re-plan with this smp-partition)")
+        })
+    }
+}
+
+impl TryFrom<String> for Purpose {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
+}
+
+impl From<Purpose> for String {
+    fn from(p: Purpose) -> String {
+        p.to_string()
+    }
+}
+
+/// One instruction of a program. `P` names a point-to-point peer and `G` a collective's
+/// group: global ranks in a rank's concrete program ([`Instr`]'s defaults), pipeline ranks
+/// and group kinds in a plan's program templates (`codegen::encode::Step`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
-pub enum Instr {
+pub enum Instr<P = usize, G = Vec<usize>> {
     /// Forward of `stage` on microbatch `mb`.
     Forward {
         /// Global stage index.
@@ -48,11 +134,12 @@ pub enum Instr {
         /// Microbatch.
         mb: usize,
     },
-    /// Post a message to `peer` (non-blocking). `stage` is the sending stage.
+    /// Post a message to `to` (non-blocking). `stage` is the sending stage.
     Send {
-        /// Global rank of the receiver.
-        peer: usize,
-        /// What is sent.
+        /// The receiver.
+        to: P,
+        /// What is sent: an activation (`outputs_to_next` of `stage`) or a gradient (of
+        /// `outputs_to_next` of `stage − 1`).
         what: Payload,
         /// The sending stage.
         stage: usize,
@@ -61,10 +148,10 @@ pub enum Instr {
         /// Message size.
         bytes: u64,
     },
-    /// Wait for a message from `peer`. `stage` is the receiving stage.
+    /// Wait for a message from `from`. `stage` is the receiving stage.
     Recv {
-        /// Global rank of the sender.
-        peer: usize,
+        /// The sender.
+        from: P,
         /// What is received.
         what: Payload,
         /// The receiving stage.
@@ -74,38 +161,42 @@ pub enum Instr {
         /// Message size.
         bytes: u64,
     },
-    /// All-reduce over `group` (global ranks, same order on every member).
+    /// All-reduce (sum) over `group` (same member order on every member).
     AllReduce {
         /// Member ranks.
-        group: Vec<usize>,
+        group: G,
         /// Buffer size per rank.
         bytes: u64,
-        /// What is reduced (`dp-grads:stage1`); members match collectives by tag and order.
-        tag: String,
+        /// What is reduced; members match collectives by purpose and order.
+        #[serde(rename = "tag")]
+        purpose: Purpose,
     },
     /// Reduce-scatter over `group` (`bytes`: the input each rank holds).
     ReduceScatter {
         /// Member ranks.
-        group: Vec<usize>,
+        group: G,
         /// Input size per rank.
         bytes: u64,
-        /// Tag, as for `AllReduce`.
-        tag: String,
+        /// What is reduced.
+        #[serde(rename = "tag")]
+        purpose: Purpose,
     },
     /// All-gather over `group` (`bytes`: the gathered output).
     AllGather {
         /// Member ranks.
-        group: Vec<usize>,
+        group: G,
         /// Output size per rank.
         bytes: u64,
-        /// Tag, as for `AllReduce`.
-        tag: String,
+        /// What is gathered.
+        #[serde(rename = "tag")]
+        purpose: Purpose,
     },
-    /// The optimizer step, after all gradients are final.
+    /// The optimizer step on this rank's parameters (its ZeRO shard when zero ≥ 1), after all
+    /// gradients are final.
     OptimizerStep,
 }
 
-impl Instr {
+impl<P, G> Instr<P, G> {
     /// The schedule action this instruction is, if it is one (`2F0`, `1SEND_F0`, …).
     pub fn action(&self) -> Option<Action> {
         let (stage, kind, mb) = match *self {
@@ -126,26 +217,42 @@ impl Instr {
         matches!(self, Instr::Forward { .. } | Instr::Backward { .. } | Instr::BackwardWeight { .. })
     }
 
-    /// The collective's group and tag, for collectives.
-    pub fn collective(&self) -> Option<(&[usize], &str)> {
+    /// The collective's group and purpose, for collectives.
+    pub fn collective(&self) -> Option<(&G, &Purpose)> {
         match self {
-            Instr::AllReduce { group, tag, .. }
-            | Instr::ReduceScatter { group, tag, .. }
-            | Instr::AllGather { group, tag, .. } => Some((group, tag)),
+            Instr::AllReduce { group, purpose, .. }
+            | Instr::ReduceScatter { group, purpose, .. }
+            | Instr::AllGather { group, purpose, .. } => Some((group, purpose)),
             _ => None,
         }
     }
+
+    /// The same instruction with peers and groups renamed (a template instantiated for one
+    /// rank, or a lowered program turned into a template).
+    pub fn map<Q, H, E>(self, mut peer: impl FnMut(P) -> Result<Q, E>, mut group: impl FnMut(G) -> Result<H, E>) -> Result<Instr<Q, H>, E> {
+        Ok(match self {
+            Instr::Forward { stage, mb } => Instr::Forward { stage, mb },
+            Instr::Backward { stage, mb } => Instr::Backward { stage, mb },
+            Instr::BackwardWeight { stage, mb } => Instr::BackwardWeight { stage, mb },
+            Instr::Send { to, what, stage, mb, bytes } => Instr::Send { to: peer(to)?, what, stage, mb, bytes },
+            Instr::Recv { from, what, stage, mb, bytes } => Instr::Recv { from: peer(from)?, what, stage, mb, bytes },
+            Instr::AllReduce { group: g, bytes, purpose } => Instr::AllReduce { group: group(g)?, bytes, purpose },
+            Instr::ReduceScatter { group: g, bytes, purpose } => Instr::ReduceScatter { group: group(g)?, bytes, purpose },
+            Instr::AllGather { group: g, bytes, purpose } => Instr::AllGather { group: group(g)?, bytes, purpose },
+            Instr::OptimizerStep => Instr::OptimizerStep,
+        })
+    }
 }
 
-impl fmt::Display for Instr {
+impl<P, G> fmt::Display for Instr<P, G> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if let Some(a) = self.action() {
             return write!(f, "{a}");
         }
         match self {
-            Instr::AllReduce { tag, .. } => write!(f, "ALL_REDUCE({tag})"),
-            Instr::ReduceScatter { tag, .. } => write!(f, "REDUCE_SCATTER({tag})"),
-            Instr::AllGather { tag, .. } => write!(f, "ALL_GATHER({tag})"),
+            Instr::AllReduce { purpose, .. } => write!(f, "ALL_REDUCE({purpose})"),
+            Instr::ReduceScatter { purpose, .. } => write!(f, "REDUCE_SCATTER({purpose})"),
+            Instr::AllGather { purpose, .. } => write!(f, "ALL_GATHER({purpose})"),
             Instr::OptimizerStep => f.write_str("OPTIMIZER_STEP"),
             _ => Ok(()),
         }

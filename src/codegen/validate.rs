@@ -68,13 +68,13 @@ pub fn validate_programs(programs: &[RankProgram]) -> Result<(), ValidationError
     for p in programs {
         for i in &p.instrs {
             match *i {
-                Instr::Send { peer, what, stage, mb, .. } => {
+                Instr::Send { to: peer, what, stage, mb, .. } => {
                     sends.entry((p.rank, peer, what, stage, mb)).or_default().push((p.rank, i));
                     if !ranks.contains_key(&peer) {
                         errs.push(Invalid { rank: p.rank, what: format!("{i} sends to rank {peer}, which has no program") });
                     }
                 }
-                Instr::Recv { peer, what, stage, mb, .. } => {
+                Instr::Recv { from: peer, what, stage, mb, .. } => {
                     let sending = match what {
                         Payload::Activation => stage.checked_sub(1),
                         Payload::Gradient => Some(stage + 1),
@@ -445,6 +445,7 @@ fn describe_step(s: &Step) -> String {
 mod tests {
     use super::*;
     use crate::codegen::{LowerOptions, lower_schedule};
+    use crate::codegen::program::Purpose;
     use crate::codegen::shard::WeightSlice;
     use crate::ir::{DType, ScheduleKind, Shape, TensorType, ValueKind};
 
@@ -455,7 +456,7 @@ mod tests {
         // A tensor-parallel-style all-reduce between ranks 2 and 3, before their optimizer step.
         for r in [2, 3] {
             let at = ps[r].instrs.len() - 1;
-            ps[r].instrs.insert(at, Instr::AllReduce { group: vec![2, 3], bytes: 4096, tag: "tied".into() });
+            ps[r].instrs.insert(at, Instr::AllReduce { group: vec![2, 3], bytes: 4096, purpose: Purpose::TiedGrad { weight: "wte".into() } });
         }
         ps
     }
@@ -490,7 +491,7 @@ mod tests {
         let at = ps[2].instrs.iter().position(|i| i.collective().is_some()).unwrap();
         ps[2].instrs.remove(at);
         let m = validate_programs(&ps).unwrap_err().0[0].to_string();
-        assert!(m.starts_with("rank 2: misses collective #0 on group [2, 3] (ALL_REDUCE(tied)"), "{m}");
+        assert!(m.starts_with("rank 2: misses collective #0 on group [2, 3] (ALL_REDUCE(tied-grad:wte)"), "{m}");
     }
 
     fn weight_graph() -> Graph {

@@ -12,6 +12,19 @@
 //! devices = 64
 //! inter_node_bandwidth = 25e9
 //! ```
+//!
+//! The `cpu` preset describes one machine: its memory, its cores and, when one exists, the
+//! calibration file `smp-runner calibrate` wrote. This module reads none of these from the
+//! host: the binaries gather them ([`MachineFacts`]) and pass them in, and a cluster file can
+//! state them instead, to plan for another machine:
+//!
+//! ```toml
+//! preset = "cpu"
+//! [machine]
+//! memory_bytes = 25769803776
+//! cores = 2
+//! calibration = "cpu-calibration.toml"   # optional; relative to this file
+//! ```
 
 use std::path::{Path, PathBuf};
 
@@ -56,6 +69,12 @@ pub enum ClusterError {
         path: PathBuf,
         /// The missing field.
         field: &'static str,
+    },
+    /// The `cpu` preset was asked for without the facts of the machine it describes.
+    #[error("cluster `{spec}`: the `cpu` preset describes a machine, and no machine facts were given (a cluster file with `preset = \"cpu\"` can state them in a `[machine]` table: memory_bytes, cores, calibration)")]
+    NoMachineFacts {
+        /// The spec or file asked for.
+        spec: String,
     },
     /// A field has a value no cluster can have.
     #[error("cluster {source_name}: field `{field}` must be {requirement}, got {value}")]
@@ -153,6 +172,57 @@ pub struct ClusterSpec {
     /// Memory per device kept free for the framework, kernels' workspace and fragmentation,
     /// bytes (subtracted from `memory_bytes` by [`ClusterSpec::usable_memory`]).
     pub workspace_bytes: u64,
+    /// The machine facts a `cpu` spec was derived from; `None` for GPU presets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub machine: Option<MachineFacts>,
+}
+
+/// What the `cpu` preset needs to know about a machine. Gathered from the host by the binaries,
+/// or stated in a cluster file's `[machine]` table; recorded in every plan made from it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MachineFacts {
+    /// Total memory of the machine, bytes (split evenly over its devices).
+    pub memory_bytes: u64,
+    /// Cores: the device count of `cpu` without `:N`.
+    pub cores: usize,
+    /// The calibration file whose rates override the preset's defaults.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration: Option<CalibrationFile>,
+    /// Where the facts came from.
+    pub source: FactSource,
+}
+
+/// A calibration file, identified by path and content hash.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CalibrationFile {
+    /// Path as found.
+    pub path: String,
+    /// SHA-256 of its bytes, hex.
+    pub sha256: String,
+    /// Its text (TOML cluster fields); not recorded in plans.
+    #[serde(skip)]
+    pub text: String,
+}
+
+impl CalibrationFile {
+    /// A calibration file from its path and text (the hash is computed here).
+    pub fn new(path: impl Into<String>, text: String) -> CalibrationFile {
+        use sha2::{Digest, Sha256};
+        let sha256 = Sha256::digest(text.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
+        CalibrationFile { path: path.into(), sha256, text }
+    }
+}
+
+/// The origin of a spec's [`MachineFacts`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FactSource {
+    /// Read from the machine that made the plan.
+    Host,
+    /// Stated in this cluster file.
+    ClusterFile(String),
 }
 
 const GB: f64 = 1e9;
@@ -160,9 +230,6 @@ const GIB: u64 = 1 << 30;
 
 /// The names of the embedded presets.
 pub const PRESETS: &[&str] = &["a100-40gb", "a100-80gb", "h100-80gb", "h200", "v100-16gb", "cpu"];
-
-/// Environment variable naming the CPU calibration file.
-pub const CPU_CALIBRATION_ENV: &str = "SMP_CPU_CALIBRATION";
 
 #[allow(clippy::too_many_arguments)]
 fn gpu(
@@ -192,11 +259,13 @@ fn gpu(
         // Large bf16 GEMMs reach ~75 % of the datasheet; half of that at ~2 GFLOP (a 1024³ GEMM).
         efficiency: EfficiencyCurve { peak: 0.75, half_flops: 2e9 },
         workspace_bytes: 2 * GIB,
+        machine: None,
     }
 }
 
 impl ClusterSpec {
-    /// An embedded preset with its default device count (one node; every core for `cpu`).
+    /// An embedded GPU preset with its default device count (one node). `cpu` describes a
+    /// machine, so it needs [`ClusterSpec::cpu`] or [`ClusterSpec::parse_on`].
     pub fn preset(name: &str) -> Result<ClusterSpec, ClusterError> {
         Ok(match name {
             "a100-40gb" => gpu(name, "NVIDIA A100 40GB", 312.0, 19.5, 40.0, 1.555, 600.0, 200.0),
@@ -204,13 +273,24 @@ impl ClusterSpec {
             "h100-80gb" => gpu(name, "NVIDIA H100 80GB SXM", 989.0, 67.0, 80.0, 3.35, 900.0, 400.0),
             "h200" => gpu(name, "NVIDIA H200 141GB SXM", 989.0, 67.0, 141.0, 4.8, 900.0, 400.0),
             "v100-16gb" => gpu(name, "NVIDIA V100 16GB SXM2", 125.0, 15.7, 16.0, 0.9, 300.0, 25.0),
-            "cpu" => cpu_preset(None)?,
+            "cpu" => return Err(ClusterError::NoMachineFacts { spec: name.to_string() }),
             other => return Err(ClusterError::UnknownPreset(other.to_string())),
         })
     }
 
-    /// Parses `PRESET`, `PRESET:N`, `FILE.toml` or `FILE.toml:N`.
+    /// Parses `PRESET`, `PRESET:N`, `FILE.toml` or `FILE.toml:N` without machine facts: `cpu`
+    /// works only through a cluster file that states them.
     pub fn parse(spec: &str) -> Result<ClusterSpec, ClusterError> {
+        ClusterSpec::parse_with(spec, None)
+    }
+
+    /// Parses like [`ClusterSpec::parse`]; `cpu` (and a `cpu`-based file without a `[machine]`
+    /// table) describes the machine `host`.
+    pub fn parse_on(spec: &str, host: &MachineFacts) -> Result<ClusterSpec, ClusterError> {
+        ClusterSpec::parse_with(spec, Some(host))
+    }
+
+    fn parse_with(spec: &str, host: Option<&MachineFacts>) -> Result<ClusterSpec, ClusterError> {
         let spec = spec.trim();
         let (base, count) = match spec.rsplit_once(':') {
             Some((b, c)) if !c.contains('/') && !c.contains('.') => (b, Some(c)),
@@ -224,35 +304,67 @@ impl ClusterSpec {
             None => None,
         };
         if base == "cpu" {
-            return cpu_preset(count);
+            let host = host.ok_or_else(|| ClusterError::NoMachineFacts { spec: spec.to_string() })?;
+            return ClusterSpec::cpu(host, count);
         }
         let mut cluster = if base.ends_with(".toml") || Path::new(base).is_file() {
-            ClusterSpec::from_file(Path::new(base))?
+            ClusterSpec::from_file_on(Path::new(base), host, count)?
         } else {
             ClusterSpec::preset(base)?
         };
         if let Some(n) = count {
             cluster.devices = n;
         }
+        if cluster.machine.is_some() {
+            // a cpu machine is one node
+            cluster.devices_per_node = cluster.devices;
+        }
         cluster.devices_per_node = cluster.devices_per_node.min(cluster.devices).max(1);
         Ok(cluster)
     }
 
-    /// Reads a TOML cluster file (see the module docs).
+    /// Reads a TOML cluster file (see the module docs) without host facts.
     pub fn from_file(path: &Path) -> Result<ClusterSpec, ClusterError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ClusterError::Io { path: path.to_path_buf(), source })?;
-        ClusterSpec::from_toml(&text, path)
+        ClusterSpec::from_file_on(path, None, None)
     }
 
-    /// Parses TOML text; `path` only names the source in errors.
+    /// `devices`: the count after the file's `:`, which a `cpu` machine's memory is split over.
+    fn from_file_on(path: &Path, host: Option<&MachineFacts>, devices: Option<usize>) -> Result<ClusterSpec, ClusterError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ClusterError::Io { path: path.to_path_buf(), source })?;
+        ClusterSpec::from_toml_on(&text, path, host, devices)
+    }
+
+    /// Parses TOML text; `path` names the source in errors and anchors a relative calibration path.
     pub fn from_toml(text: &str, path: &Path) -> Result<ClusterSpec, ClusterError> {
-        let file: ClusterFile = toml::from_str(text)
+        ClusterSpec::from_toml_on(text, path, None, None)
+    }
+
+    fn from_toml_on(
+        text: &str,
+        path: &Path,
+        host: Option<&MachineFacts>,
+        devices: Option<usize>,
+    ) -> Result<ClusterSpec, ClusterError> {
+        let mut file: ClusterFile = toml::from_str(text)
             .map_err(|e| ClusterError::Parse { path: path.to_path_buf(), message: e.to_string() })?;
-        let base = match &file.preset {
+        let base = match file.preset.as_deref() {
+            Some("cpu") => {
+                let facts = match file.machine.take() {
+                    Some(stated) => stated.resolve(path)?,
+                    None => host.cloned().ok_or_else(|| ClusterError::NoMachineFacts { spec: path.display().to_string() })?,
+                };
+                Some(ClusterSpec::cpu(&facts, devices.or(file.devices))?)
+            }
             Some(p) => Some(ClusterSpec::preset(p)?),
             None => None,
         };
+        if file.machine.is_some() {
+            return Err(ClusterError::Parse {
+                path: path.to_path_buf(),
+                message: "a `[machine]` table belongs to `preset = \"cpu\"` files only".to_string(),
+            });
+        }
         let name = file
             .name
             .clone()
@@ -363,6 +475,36 @@ struct ClusterFile {
     inter_node_latency: Option<f64>,
     efficiency: Option<EfficiencyCurve>,
     workspace_bytes: Option<u64>,
+    machine: Option<MachineTable>,
+}
+
+/// A cluster file's `[machine]` table.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MachineTable {
+    memory_bytes: u64,
+    cores: usize,
+    /// A calibration file, relative to the cluster file.
+    calibration: Option<PathBuf>,
+}
+
+impl MachineTable {
+    fn resolve(self, file: &Path) -> Result<MachineFacts, ClusterError> {
+        let calibration = match self.calibration {
+            Some(rel) => {
+                let p = file.parent().unwrap_or(Path::new(".")).join(rel);
+                let text = std::fs::read_to_string(&p).map_err(|source| ClusterError::Io { path: p.clone(), source })?;
+                Some(CalibrationFile::new(p.display().to_string(), text))
+            }
+            None => None,
+        };
+        Ok(MachineFacts {
+            memory_bytes: self.memory_bytes,
+            cores: self.cores,
+            calibration,
+            source: FactSource::ClusterFile(file.display().to_string()),
+        })
+    }
 }
 
 impl ClusterFile {
@@ -394,67 +536,60 @@ impl ClusterFile {
             inter_node_latency: field!(inter_node_latency),
             efficiency: field!(efficiency),
             workspace_bytes: field!(workspace_bytes),
+            machine: base.and_then(|b| b.machine.clone()),
         })
     }
 }
 
-/// The calibration file the `cpu` preset reads: `$SMP_CPU_CALIBRATION`, else
-/// `~/.cache/smp-partition/cpu.toml` (written by `smp-runner calibrate`).
-pub fn cpu_calibration_path() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os(CPU_CALIBRATION_ENV) {
-        return Some(PathBuf::from(p));
+impl ClusterSpec {
+    /// The `cpu` preset for `machine`: one device per core (or `devices`, all on one node),
+    /// memory = the machine's / devices. Rates come from the machine's calibration file when
+    /// it has one, else these defaults (one core, f32, Gloo over loopback): 50 GFLOP/s per core
+    /// (bf16 the same: no AMX assumed), 10 GB/s memory bandwidth, 2 GB/s and 50 µs between
+    /// ranks, efficiency 0.7 at large sizes, half at 10 MFLOP, 256 MiB workspace.
+    pub fn cpu(machine: &MachineFacts, devices: Option<usize>) -> Result<ClusterSpec, ClusterError> {
+        let n = devices.unwrap_or(machine.cores).max(1);
+        let defaults = ClusterSpec {
+            name: "cpu".to_string(),
+            device: "cpu core".to_string(),
+            devices: n,
+            devices_per_node: n,
+            bf16_flops: 50e9,
+            fp32_flops: 50e9,
+            memory_bytes: machine.memory_bytes / n as u64,
+            hbm_bandwidth: 10e9,
+            hbm_efficiency: 0.8,
+            intra_node_bandwidth: 2e9,
+            inter_node_bandwidth: 2e9,
+            intra_node_latency: 50e-6,
+            inter_node_latency: 50e-6,
+            efficiency: EfficiencyCurve { peak: 0.7, half_flops: 1e7 },
+            workspace_bytes: 256 << 20,
+            machine: Some(machine.clone()),
+        };
+        let Some(cal) = &machine.calibration else {
+            defaults.validate()?;
+            return Ok(defaults);
+        };
+        let path = PathBuf::from(&cal.path);
+        let file: ClusterFile =
+            toml::from_str(&cal.text).map_err(|e| ClusterError::Parse { path: path.clone(), message: e.to_string() })?;
+        if file.machine.is_some() || file.preset.is_some() {
+            return Err(ClusterError::Parse {
+                path,
+                message: "a calibration file holds measured rates only (no `preset`, no `[machine]`)".to_string(),
+            });
+        }
+        // The machine's shape stays the machine's unless the file says otherwise.
+        let mut spec = file.resolve("cpu".to_string(), Some(&defaults), &path)?;
+        if let Some(n) = devices {
+            spec.devices = n;
+        }
+        spec.devices_per_node = spec.devices;
+        spec.device = if spec.device.starts_with("cpu") { spec.device } else { format!("cpu ({})", spec.device) };
+        spec.validate()?;
+        Ok(spec)
     }
-    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/smp-partition/cpu.toml"))
-}
-
-/// The `cpu` preset: one device per core of this machine (or `devices`, all on this one node),
-/// memory = RAM / devices. Rates
-/// come from the calibration file when it exists, else these defaults (one core, f32,
-/// Gloo over loopback): 50 GFLOP/s per core (bf16 the same: no AMX assumed), 10 GB/s memory
-/// bandwidth, 2 GB/s and 50 µs between ranks, efficiency 0.7 at large sizes, half at 10 MFLOP,
-/// 256 MiB workspace.
-fn cpu_preset(devices: Option<usize>) -> Result<ClusterSpec, ClusterError> {
-    let cores = devices.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
-    let ram = total_memory_bytes().unwrap_or(8 * GIB);
-    let defaults = ClusterSpec {
-        name: "cpu".to_string(),
-        device: "cpu core".to_string(),
-        devices: cores,
-        devices_per_node: cores,
-        bf16_flops: 50e9,
-        fp32_flops: 50e9,
-        memory_bytes: ram / cores as u64,
-        hbm_bandwidth: 10e9,
-        hbm_efficiency: 0.8,
-        intra_node_bandwidth: 2e9,
-        inter_node_bandwidth: 2e9,
-        intra_node_latency: 50e-6,
-        inter_node_latency: 50e-6,
-        efficiency: EfficiencyCurve { peak: 0.7, half_flops: 1e7 },
-        workspace_bytes: 256 << 20,
-    };
-    let Some(path) = cpu_calibration_path().filter(|p| p.is_file()) else {
-        return Ok(defaults);
-    };
-    let text = std::fs::read_to_string(&path).map_err(|source| ClusterError::Io { path: path.clone(), source })?;
-    let file: ClusterFile = toml::from_str(&text)
-        .map_err(|e| ClusterError::Parse { path: path.clone(), message: e.to_string() })?;
-    // The machine's shape stays this machine's unless the file says otherwise.
-    let mut spec = file.resolve("cpu".to_string(), Some(&defaults), &path)?;
-    if let Some(n) = devices {
-        spec.devices = n;
-    }
-    spec.devices_per_node = spec.devices;
-    spec.device = if spec.device.starts_with("cpu") { spec.device } else { format!("cpu ({})", spec.device) };
-    spec.validate()?;
-    Ok(spec)
-}
-
-fn total_memory_bytes() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
 }
 
 #[cfg(test)]
@@ -470,9 +605,10 @@ mod tests {
         assert_eq!(h.inter_node_bandwidth, 50e9);
         let small = ClusterSpec::parse("a100-80gb:2").unwrap();
         assert_eq!((small.devices, small.devices_per_node), (2, 2));
-        for p in PRESETS {
+        for p in PRESETS.iter().filter(|&&p| p != "cpu") {
             ClusterSpec::preset(p).unwrap().validate().unwrap();
         }
+        assert!(matches!(ClusterSpec::preset("cpu"), Err(ClusterError::NoMachineFacts { .. })));
         let e = ClusterSpec::parse("h100:8").unwrap_err().to_string();
         assert!(e.contains("`h100`"), "{e}");
         let e = ClusterSpec::parse("h100-80gb:x").unwrap_err().to_string();

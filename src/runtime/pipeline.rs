@@ -14,7 +14,7 @@ use super::dist::{Backend, DistError, ProcessGroup, RankEnv, Store, Work};
 use super::executor::Executor;
 use super::train::{self, AdamW, AdamWConfig, Batch, LossKind, StepRecord};
 use super::weights::is_trainable;
-use crate::codegen::{Instr, Payload, RankProgram};
+use crate::codegen::{Instr, Payload, Purpose, RankProgram};
 use crate::ir::{Graph, LayeredGraph, NodeId, ScheduleKind, ValueId, ValueKind};
 use crate::passes::{self, AnalyzeOptions};
 use crate::plan::Plan;
@@ -604,11 +604,8 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
     let weight = 1.0 / (m * dp) as f64;
     let split_w: BTreeSet<(usize, usize)> =
         program.instrs.iter().filter_map(|i| if let Instr::BackwardWeight { stage, mb } = i { Some((*stage, *mb)) } else { None }).collect();
-    let stage_of_tag = |t: &str| -> Result<usize, RuntimeError> {
-        t.rsplit_once(":stage")
-            .and_then(|(_, s)| s.parse::<usize>().ok())
-            .filter(|s| my_stages.contains(s))
-            .ok_or_else(|| terr(format!("collective tag `{t}` names no stage of rank {me}")))
+    let stage_of_tag = |t: &Purpose| -> Result<usize, RuntimeError> {
+        t.stage().filter(|s| my_stages.contains(s)).ok_or_else(|| terr(format!("collective `{t}` names no stage of rank {me}")))
     };
 
     // ZeRO 3: each stage's flat parameter vector is cut into blocks over the group that
@@ -619,8 +616,8 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
     if zero3 {
         let _guard = tch::no_grad_guard();
         for instr in &program.instrs {
-            let Instr::AllGather { group: g, tag: tg, .. } = instr else { continue };
-            if !tg.starts_with("zero3-params") {
+            let Instr::AllGather { group: g, purpose: tg, .. } = instr else { continue };
+            if !matches!(tg, Purpose::Zero3Params { .. }) {
                 continue;
             }
             let s = stage_of_tag(tg)?;
@@ -878,7 +875,7 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                         }
                     }
                 }
-                Instr::Send { peer, what, stage: s, mb, .. } => {
+                Instr::Send { to: peer, what, stage: s, mb, .. } => {
                     let (s, mb) = (*s, *mb);
                     let ts: Vec<Tensor> = match what {
                         Payload::Activation => state
@@ -907,7 +904,7 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                         pending.push(world_pg.isend(&t, *peer, tag(*what, s, mb, 2 * j + 1))?);
                     }
                 }
-                Instr::Recv { peer, what, stage: s, mb, .. } => {
+                Instr::Recv { from: peer, what, stage: s, mb, .. } => {
                     let (s, mb) = (*s, *mb);
                     // the sender tags with its own stage
                     let (from, count) = match what {
@@ -931,9 +928,9 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                         Payload::Gradient => grad_for.insert((s, mb), got),
                     };
                 }
-                Instr::AllReduce { group: g, tag: t, .. } => {
+                Instr::AllReduce { group: g, purpose: t, .. } => {
                     let pg = group(g)?;
-                    if let Some(name) = t.strip_prefix("tied-grad:").or_else(|| t.strip_prefix("tied:")) {
+                    if let Purpose::TiedGrad { weight: name } = t {
                         let v = graph.value_by_name(name).ok_or_else(|| terr(format!("tied weight `{name}` is not in the model")))?;
                         let i = *pos_of.get(&v).ok_or_else(|| terr(format!("tied weight `{name}` is not on rank {me}")))?;
                         let g = match grads[i].take() {
@@ -942,7 +939,7 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                         };
                         pg.all_reduce_sum(&g)?;
                         grads[i] = Some(g);
-                    } else if t.starts_with("dp-grads") {
+                    } else if matches!(t, Purpose::DpGrads { .. }) {
                         let s = stage_of_tag(t)?;
                         if let Some(sh) = shards[s].as_mut().filter(|sh| sh.grad.is_some()) {
                             // sharded data parallelism: the reduced shard summed across groups
@@ -972,12 +969,12 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                             }
                         }
                     } else {
-                        return Err(terr(format!("all-reduce with unknown tag `{t}`")));
+                        return Err(terr(format!("all-reduce for `{t}`, which is no all-reduce")));
                     }
                 }
-                Instr::ReduceScatter { group: g, tag: t, .. } => {
-                    if !t.starts_with("dp-grads") {
-                        return Err(terr(format!("reduce-scatter with unknown tag `{t}`")));
+                Instr::ReduceScatter { group: g, purpose: t, .. } => {
+                    if !matches!(t, Purpose::DpGrads { .. }) {
+                        return Err(terr(format!("reduce-scatter for `{t}`, which is no reduce-scatter")));
                     }
                     let s = stage_of_tag(t)?;
                     let pg = group(g)?;
@@ -1067,10 +1064,10 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                         opt.step_with(&params, &gs)?;
                     }
                 }
-                Instr::AllGather { group: g, tag: t, .. } => {
-                    if t.starts_with("zero3-params") {
+                Instr::AllGather { group: g, purpose: t, .. } => {
+                    if matches!(t, Purpose::Zero3Params { .. }) {
                         ensure(stage_of_tag(t)?, &mut live, &shards)?;
-                    } else if t.starts_with("zero-params") {
+                    } else if matches!(t, Purpose::ZeroParams { .. }) {
                         let s = stage_of_tag(t)?;
                         let pg = group(g)?;
                         let parts = pg.size() as i64;
@@ -1100,7 +1097,7 @@ pub fn run_rank(plan: &Plan, exec: &Executor, batch: &Batch, cfg: &RunConfig, en
                             }
                         }
                     } else {
-                        return Err(terr(format!("all-gather with unknown tag `{t}`")));
+                        return Err(terr(format!("all-gather for `{t}`, which is no all-gather")));
                     }
                 }
             }

@@ -20,7 +20,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::codegen::{Instr, Payload, RankProgram};
+use crate::codegen::{Instr, Payload, Purpose, RankProgram};
 use crate::cost::{CommModel, GroupSpan};
 
 /// Durations (seconds) and activation sizes the simulator uses.
@@ -79,7 +79,7 @@ impl Durations for CostTable {
             Instr::Forward { stage, .. } => at(&self.forward, *stage),
             Instr::Backward { stage, .. } => at(&self.backward_input, *stage),
             Instr::BackwardWeight { stage, .. } => at(&self.backward_weight, *stage),
-            Instr::Send { peer, bytes, .. } => match &self.comm {
+            Instr::Send { to: peer, bytes, .. } => match &self.comm {
                 Some(c) => c.p2p(*bytes as f64, c.link_between(rank, *peer)),
                 None => 0.0,
             },
@@ -264,7 +264,7 @@ enum Token {
 }
 
 type MsgKey = (usize, usize, Payload, usize, usize); // from, to, what, sending stage, mb
-type CollKey = (String, Vec<usize>, usize);
+type CollKey = (Purpose, Vec<usize>, usize);
 
 /// Replays `programs` with `durations`; fails on deadlock naming the stuck ranks.
 pub fn simulate(programs: &[RankProgram], durations: &dyn Durations) -> Result<SimResult, SimError> {
@@ -312,7 +312,7 @@ pub fn simulate(programs: &[RankProgram], durations: &dyn Durations) -> Result<S
     let mut forward_done: Vec<HashSet<(usize, usize)>> = vec![HashSet::new(); n];
     let mut backward_done: Vec<HashSet<(usize, usize)>> = vec![HashSet::new(); n];
     let mut messages: HashMap<MsgKey, f64> = HashMap::new();
-    let mut coll_seen: Vec<HashMap<(String, Vec<usize>), usize>> = vec![HashMap::new(); n];
+    let mut coll_seen: Vec<HashMap<(Purpose, Vec<usize>), usize>> = vec![HashMap::new(); n];
     let mut coll_arrivals: HashMap<CollKey, Vec<(usize, f64, f64)>> = HashMap::new();
     let mut coll_registered = vec![false; n];
     let mut events = Vec::new();
@@ -389,7 +389,7 @@ pub fn simulate(programs: &[RankProgram], durations: &dyn Durations) -> Result<S
                         });
                         now[r] = end;
                     }
-                    Instr::Send { peer, what, stage, mb, .. } => {
+                    Instr::Send { to: peer, what, stage, mb, .. } => {
                         let arrival = t + durations.duration(rank, instr);
                         messages.insert((rank, *peer, *what, *stage, *mb), arrival);
                         if let Some(&pi) = index_of.get(peer)
@@ -409,7 +409,7 @@ pub fn simulate(programs: &[RankProgram], durations: &dyn Durations) -> Result<S
                             end: arrival,
                         });
                     }
-                    Instr::Recv { peer, what, stage, mb, .. } => {
+                    Instr::Recv { from: peer, what, stage, mb, .. } => {
                         let sender_stage = match what {
                             Payload::Activation => stage.wrapping_sub(1),
                             Payload::Gradient => stage + 1,
@@ -427,9 +427,9 @@ pub fn simulate(programs: &[RankProgram], durations: &dyn Durations) -> Result<S
                         tokens[r].insert((token, *stage, *mb), end);
                         now[r] = end;
                     }
-                    Instr::AllReduce { group, tag, .. }
-                    | Instr::ReduceScatter { group, tag, .. }
-                    | Instr::AllGather { group, tag, .. } => {
+                    Instr::AllReduce { group, purpose: tag, .. }
+                    | Instr::ReduceScatter { group, purpose: tag, .. }
+                    | Instr::AllGather { group, purpose: tag, .. } => {
                         if !group.contains(&rank) {
                             return Err(SimError::NotInGroup { rank, at: name(), group: group.clone() });
                         }
@@ -474,7 +474,7 @@ pub fn simulate(programs: &[RankProgram], durations: &dyn Durations) -> Result<S
     }
 
     if let Some(((from, to, what, stage, mb), _)) = messages.iter().min_by_key(|(k, _)| (k.0, k.3, k.4)) {
-        let at = Instr::Send { peer: *to, what: *what, stage: *stage, mb: *mb, bytes: 0 }.to_string();
+        let at = Instr::<usize, Vec<usize>>::Send { to: *to, what: *what, stage: *stage, mb: *mb, bytes: 0 }.to_string();
         return Err(SimError::UnreceivedSend { rank: *from, at, peer: *to });
     }
 
@@ -509,13 +509,13 @@ fn explain(
     pc: &[usize],
     messages: &HashMap<MsgKey, f64>,
     coll_arrivals: &HashMap<CollKey, Vec<(usize, f64, f64)>>,
-    coll_seen: &[HashMap<(String, Vec<usize>), usize>],
+    coll_seen: &[HashMap<(Purpose, Vec<usize>), usize>],
 ) -> Vec<Stuck> {
     let pending_send = |from: usize, to: usize, what: Payload, stage: usize, mb: usize| -> Option<usize> {
         let p = programs.iter().position(|p| p.rank == from)?;
         programs[p].instrs[pc[p].min(programs[p].instrs.len())..]
             .iter()
-            .any(|i| matches!(i, Instr::Send { peer, what: w, stage: s, mb: m, .. } if *peer == to && *w == what && *s == stage && *m == mb))
+            .any(|i| matches!(i, Instr::Send { to: peer, what: w, stage: s, mb: m, .. } if *peer == to && *w == what && *s == stage && *m == mb))
             .then_some(p)
     };
     let at_of = |p: usize| programs[p].instrs.get(pc[p]).map(|i| i.to_string()).unwrap_or_else(|| "its end".into());
@@ -525,7 +525,7 @@ fn explain(
         let rank = prog.rank;
         let mut waits_on = None;
         let reason = match instr {
-            Instr::Recv { peer, what, stage, mb, .. } => {
+            Instr::Recv { from: peer, what, stage, mb, .. } => {
                 let sender_stage = match what {
                     Payload::Activation => stage.wrapping_sub(1),
                     Payload::Gradient => stage + 1,
@@ -548,7 +548,7 @@ fn explain(
                 format!("it needs {stage}F{mb} before it and the gradient of stage {stage} microbatch {mb} (a {stage}RECV_B{mb} or a local {}B{mb})", stage + 1)
             }
             Instr::BackwardWeight { stage, mb } => format!("{stage}B{mb} does not run before it"),
-            Instr::AllReduce { group, tag, .. } | Instr::ReduceScatter { group, tag, .. } | Instr::AllGather { group, tag, .. } => {
+            Instr::AllReduce { group, purpose: tag, .. } | Instr::ReduceScatter { group, purpose: tag, .. } | Instr::AllGather { group, purpose: tag, .. } => {
                 let seen = coll_seen[r].get(&(tag.clone(), group.clone())).copied().unwrap_or(0);
                 let arrived: Vec<usize> = coll_arrivals
                     .get(&(tag.clone(), group.clone(), seen))

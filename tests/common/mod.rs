@@ -2,8 +2,10 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod interp;
+pub mod machine;
 pub mod plan_fixture;
 pub mod synthetic_gpt;
 
+pub use machine::*;
 pub use plan_fixture::*;
 pub use synthetic_gpt::*;

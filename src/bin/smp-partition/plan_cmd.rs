@@ -148,7 +148,8 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
 /// Model → layered graph → cluster → solver → plan.
 fn make_plan(model: &Path, args: &PlanArgs, constraints: &Constraints) -> Result<Plan> {
     let started = Instant::now();
-    let cluster = ClusterSpec::parse(&args.cluster).with_context(|| format!("--cluster {}", args.cluster))?;
+    let host = smp_partition::host::machine_facts()?;
+    let cluster = ClusterSpec::parse_on(&args.cluster, &host).with_context(|| format!("--cluster {}", args.cluster))?;
     constraints.check_devices(cluster.devices, &args.cluster)?;
     let dims = DimArgs {
         global_batch: args.global_batch,
