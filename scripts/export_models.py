@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Small real exports with weights: HF GPT-2, BERT, Llama (grouped-query attention) and ViT,
+"""Small real exports with weights: HF GPT-2, BERT, Llama (grouped-query attention), ViT, OPT,
+Phi and RoBERTa,
 random init (fixed seed), no dropout, eval mode, `torch.onnx.export(..., dynamo=True)` at
 opset 18 with symbolic batch (and sequence) dims, weights inline. For each model also writes
 `models/<name>.io.npz` (inputs keyed by graph input names and outputs keyed by graph output
@@ -77,6 +78,32 @@ def vit():
     return cfg, transformers.ViTForImageClassification(cfg), "pixel_values", None
 
 
+def opt():
+    cfg = transformers.OPTConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
+                                 ffn_dim=256, word_embed_proj_dim=64, vocab_size=256,
+                                 max_position_embeddings=128, dropout=0.0,
+                                 attention_dropout=0.0, activation_dropout=0.0,
+                                 layerdrop=0.0, use_cache=False)
+    return cfg, transformers.OPTForCausalLM(cfg), "input_ids", cfg.max_position_embeddings
+
+
+def phi():
+    cfg = transformers.PhiConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
+                                 intermediate_size=256, vocab_size=256,
+                                 max_position_embeddings=128, resid_pdrop=0.0,
+                                 embd_pdrop=0.0, attention_dropout=0.0, use_cache=False)
+    return cfg, transformers.PhiForCausalLM(cfg), "input_ids", cfg.max_position_embeddings
+
+
+def roberta():
+    cfg = transformers.RobertaConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
+                                     intermediate_size=256, vocab_size=256,
+                                     max_position_embeddings=130, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    # RoBERTa's positions start after the padding index: 128 tokens need 130 positions.
+    return cfg, transformers.RobertaForMaskedLM(cfg), "input_ids", 128
+
+
 def distinct_values(model):
     """Gives constant-initialised parameters (norm weights of 1, biases of 0) small random
     values: the exporter merges initializers with equal contents, which would make blocks
@@ -87,7 +114,8 @@ def distinct_values(model):
                 p.add_(torch.randn_like(p) * 0.02)
 
 
-BUILDERS = {"gpt2": gpt2, "bert": bert, "llama": llama, "vit": vit}
+BUILDERS = {"gpt2": gpt2, "bert": bert, "llama": llama, "vit": vit, "opt": opt, "phi": phi,
+            "roberta": roberta}
 
 
 def build_model(name: str):

@@ -95,9 +95,9 @@ pub enum CompileError {
         /// Node name.
         node: String,
         /// The solver's strategy.
-        chosen: String,
+        chosen: crate::split::Strategy,
         /// What codegen realises.
-        realised: String,
+        realised: crate::split::Strategy,
     },
     /// Codegen cannot emit what the solver chose.
     #[error("planner bug: code generation for {model} (pp={pp}, tp={tp}, dp={dp}): the planner chose a split codegen cannot emit")]

@@ -1,8 +1,8 @@
 //! smp-partition: a compiler for model-parallel training.
 //!
-//! The spine, one direction: `frontend` → `ir` → `passes` → `cost` → `solve` → `codegen` →
-//! `plan` → `sim` → `runtime`. Every stage may use `ir` and the stages before it. [`compile()`]
-//! drives the stages from a model file to a validated plan (docs/architecture.md).
+//! The spine, one direction: `frontend` → `ir` → `passes` → `cost` → `split` → `solve` →
+//! `codegen` → `plan` → `sim` → `runtime`. Every stage may use `ir` and the stages before it.
+//! [`compile()`] drives the stages from a model file to a validated plan (docs/architecture.md).
 
 pub mod codegen;
 pub mod compile;
@@ -15,6 +15,7 @@ pub mod passes;
 pub mod plan;
 pub mod sim;
 pub mod solve;
+pub mod split;
 
 #[cfg(feature = "runner")]
 pub mod runtime;

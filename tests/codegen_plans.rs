@@ -11,11 +11,12 @@ use smp_partition::cost::{ClusterSpec, GroupSpan};
 use smp_partition::ir::{LayeredGraph, Op, OpKind, ValueKind};
 use smp_partition::solve::layer_cost::CostContext;
 use smp_partition::solve::problem::IntraLayerProblem;
-use smp_partition::solve::strategy::{CHOOSING, LayerStrategies, StrategyInputs, build};
+use smp_partition::solve::strategy::{LayerStrategies, StrategyInputs, build};
+use smp_partition::split::Strategy;
 use smp_partition::solve::{PlanOptions, SolverOptions};
 use smp_partition::{Analysed, compile, compile::analyze_options, load_and_analyze};
 
-const MODELS: [&str; 4] = ["bert", "gpt2", "llama", "vit"];
+const MODELS: [&str; 7] = ["bert", "gpt2", "llama", "opt", "phi", "roberta", "vit"];
 
 /// The options every test plans `name` with: sequence 16 (text models), batch dim 2.
 fn options(name: &str) -> PlanOptions {
@@ -62,13 +63,13 @@ fn strategies(lg: &LayeredGraph, layer: usize, tp: usize) -> LayerStrategies {
 /// on every choosing node.
 fn check_assignment(name: &str, lg: &LayeredGraph, sharder: &Sharder<'_>, ls: &LayerStrategies, layer: usize, tp: usize, choice: &[usize]) {
     let chosen = ls.node_names(lg, layer, choice);
-    let keep: Vec<String> = chosen.iter().filter(|(_, s)| s == "replicate").map(|(n, _)| n.clone()).collect();
+    let keep: Vec<String> = chosen.iter().filter(|(_, s)| *s == Strategy::Replicate).map(|(n, _)| n.clone()).collect();
     let (_, realised) = sharder
         .shard_layer_keeping(layer, tp, &keep)
         .unwrap_or_else(|e| panic!("{name} t={tp} layer {layer} {chosen:?}: {e}"));
-    for (node, want) in chosen.iter().filter(|(_, s)| CHOOSING.contains(&s.as_str())) {
-        let got = realised.iter().find(|(n, _)| n == node).map_or("follow", |(_, s)| s.as_str());
-        assert_eq!(got, want, "{name} t={tp} layer {layer} node {node}: chosen {want}, realised {got}; assignment {chosen:?}");
+    for (node, want) in chosen.iter().filter(|(_, s)| s.is_choosing()) {
+        let got = realised.iter().find(|(n, _)| n == node).map_or(Strategy::Follow, |(_, s)| *s);
+        assert_eq!(got, *want, "{name} t={tp} layer {layer} node {node}: chosen {want}, realised {got}; assignment {chosen:?}");
     }
 }
 
@@ -100,16 +101,82 @@ fn every_offered_assignment_is_realised_by_codegen() {
     }
 }
 
+/// Realised == chosen, node by node: at t = 2 and 4, for every distinct layer of each export,
+/// every strategy the engine offers each choosing node is forced (in the first allowed
+/// assignment that holds it, the others as the Megatron split where they may) and codegen must
+/// realise exactly the chosen strategy on every choosing node. Each (model, t) must offer a
+/// split in attention (`heads` on an attention core) and in the MLP (a column → row pair of
+/// weight matmuls): the solver's own choice on these tiny models is often "replicate
+/// everything", which would make a check of its choices pass vacuously.
+#[test]
+fn every_offered_strategy_is_forced_and_realised() {
+    let mut report = Vec::new();
+    for name in ["gpt2", "bert", "llama", "opt", "phi", "vit"] {
+        let lg = model(name);
+        let sharder = Sharder::new(&lg).unwrap();
+        for tp in [2, 4] {
+            let mut seen = std::collections::HashSet::new();
+            let (mut forced, mut attention, mut mlp) = (0usize, 0usize, 0usize);
+            for layer in 0..lg.layers.len() {
+                if !seen.insert(lg.layers[layer].signature.clone()) {
+                    continue;
+                }
+                let ls = strategies(&lg, layer, tp);
+                let p = &ls.problem;
+                for k in 0..p.nodes.len() - 1 {
+                    for j in 0..p.nodes[k].options.len() {
+                        // The Megatron split with node k forced to option j, else the first
+                        // allowed assignment holding it.
+                        let mut choice = ls.megatron.clone();
+                        choice[k] = j;
+                        if p.evaluate(&choice).is_none() {
+                            let mut found = None;
+                            smp_partition::solve::oracle::for_each_allowed(p, |idx, _| {
+                                if idx[k] == j {
+                                    found = Some(idx.to_vec());
+                                    return false;
+                                }
+                                true
+                            });
+                            choice = found.unwrap_or_else(|| panic!("{name} t={tp} layer {layer}: option {j} of `{}` is in no allowed assignment", p.nodes[k].name));
+                        }
+                        check_assignment(name, &lg, &sharder, &ls, layer, tp, &choice);
+                        forced += 1;
+                        let s = ls.strategy(k, j).unwrap();
+                        if s == Strategy::Heads {
+                            attention += 1;
+                        }
+                        // An MLP pair: a column producer coupled to a row consumer (attention
+                        // projections couple to heads cores instead).
+                        let row_consumer = p.edges.iter().any(|e| {
+                            e.from == k && ls.strategies[e.to].contains(&Strategy::Row) && !ls.strategies[e.to].contains(&Strategy::Heads)
+                                && !ls.strategies[k].contains(&Strategy::Heads)
+                                && !p.edges.iter().any(|f| f.to == e.to && ls.strategies[f.from].contains(&Strategy::Heads))
+                        });
+                        if s == Strategy::Column && row_consumer {
+                            mlp += 1;
+                        }
+                    }
+                }
+            }
+            report.push(format!("{name} t={tp}: {forced} strategies forced ({attention} heads, {mlp} MLP column)"));
+            assert!(attention > 0, "{name} t={tp}: no attention core offers `heads`");
+            assert!(mlp > 0, "{name} t={tp}: no MLP matmul offers a column/row split");
+        }
+    }
+    println!("{}", report.join("\n"));
+}
+
 #[test]
 fn transformer_blocks_offer_the_megatron_split() {
     // The blocks of every text model split fully at t = 2 (column/heads/row), so the Megatron
     // assignment there has no replicated matmul.
-    for name in ["bert", "gpt2", "llama"] {
+    for name in ["bert", "gpt2", "llama", "opt", "phi", "roberta"] {
         let lg = model(name);
         let block = lg.layers.iter().position(|l| l.kind == smp_partition::ir::LayerKind::Block).unwrap();
         let ls = strategies(&lg, block, 2);
         let names = ls.node_names(&lg, block, &ls.megatron);
-        let used: Vec<&str> = names.iter().map(|(_, s)| s.as_str()).filter(|s| *s != "follow").collect();
+        let used: Vec<&str> = names.iter().map(|(_, s)| s.name()).filter(|s| *s != "follow").collect();
         for s in ["column", "heads", "row"] {
             assert!(used.contains(&s), "{name}: {used:?}");
         }

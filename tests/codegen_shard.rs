@@ -374,10 +374,10 @@ fn forced_replicate_nodes_reproduce_the_layer() {
             let (shards, realised) = sharder.shard_layer_keeping(li, t, &keep).unwrap();
             for (node, s) in &realised {
                 if keep.contains(node) {
-                    assert_eq!(s, "replicate", "{name} t={t} {node}");
+                    assert_eq!(s.name(), "replicate", "{name} t={t} {node}");
                 }
             }
-            let split: Vec<&str> = realised.iter().map(|(_, s)| s.as_str()).filter(|s| *s != "replicate").collect();
+            let split: Vec<&str> = realised.iter().map(|(_, s)| s.name()).filter(|s| *s != "replicate").collect();
             assert!(split.contains(&"column") && split.contains(&"heads") && split.contains(&"row"), "{name} t={t}: {realised:?}");
             validate_shards(&lg.graph, &shards).unwrap();
             let graphs: Vec<Graph> = shards.iter().map(|s| apply_shard(&lg.graph, &layer.nodes, s, &lg.dims).unwrap()).collect();

@@ -473,3 +473,54 @@ fn plans_without_their_codegen_section_or_of_another_version_are_refused() {
         assert!(err.contains(why) && err.contains("re-plan") && err.contains("-o PLAN.json"), "{name}: {err}");
     }
 }
+
+/// Plans `models/<name>.onnx` at `--tp <tp> --baseline megatron` on cpu:<tp>, checks the plan
+/// slices weights, and compares 5 f64 steps with one process; returns the max relative loss
+/// difference.
+fn export_tp_matches_single_process(name: &str, tp: usize) -> f64 {
+    let dir = tempfile::tempdir().unwrap();
+    let m = repo().join(format!("models/{name}.onnx"));
+    let out = dir.path().join(format!("{name}_tp{tp}.json"));
+    let (tp_s, cluster) = (tp.to_string(), format!("cpu:{tp}"));
+    // ViT reads images: no sequence length to bind.
+    let seq: &[&str] = if name == "vit" { &[] } else { &["--seq-len", SEQ] };
+    let r = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
+        .args([m.to_str().unwrap(), "--cluster", &cluster, "-o", out.to_str().unwrap()])
+        .args(seq)
+        .args(["--pp", "1", "--tp", &tp_s, "--dp", "1", "--microbatches", "2", "--global-batch", BATCH, "--baseline", "megatron"])
+        .output()
+        .unwrap();
+    assert!(r.status.success(), "planning {name} tp{tp} failed: {}", String::from_utf8_lossy(&r.stderr));
+    let slices: usize = shards(&out).iter().map(|sh| sh["weight_slices"].as_array().map_or(0, Vec::len)).sum();
+    assert!(slices > 0, "{name}: the tp{tp} plan slices no weight");
+    if name == "vit" {
+        // The runner trains token models only (causal-LM loss on integer ids): ViT's tp plan is
+        // checked as planned, not run.
+        return 0.0;
+    }
+    let want = {
+        let r = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
+            .args(["train", m.to_str().unwrap(), "--batch", BATCH, "--microbatches", "2"])
+            .args(seq)
+            .args(["--steps", "5", "--dtype", "f64", "--threads", "1", "--json"])
+            .output()
+            .unwrap();
+        assert!(r.status.success(), "{name} reference run failed: {}", String::from_utf8_lossy(&r.stderr));
+        losses(&r.stdout)
+    };
+    let got = step_losses(&launch_json(tp, &out, "f64", "5"));
+    let worst = max_rel(&got, &want);
+    eprintln!("{name} tp{tp} f64: max relative loss difference {worst:.3e}");
+    assert!(worst <= 1e-9, "{name} tp{tp} losses {got:?} vs single-process {want:?} (max rel {worst:.3e})");
+    worst
+}
+
+#[test]
+fn hf_exports_tp2_match_single_process() {
+    // Small Hugging Face OPT, Phi, RoBERTa and ViT exports, Megatron's split at tp 2 (ViT:
+    // planned and sliced only; the runner has no image loss yet).
+    for name in ["opt", "phi", "roberta", "vit"] {
+        let worst = export_tp_matches_single_process(name, 2);
+        assert!(worst.is_finite(), "{name}");
+    }
+}

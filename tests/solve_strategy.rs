@@ -76,7 +76,7 @@ fn plan_records_a_strategy_per_node() {
     for l in &d.layers {
         let layer = &lg.layers[l.layer];
         assert_eq!(l.nodes.len(), layer.nodes.len(), "layer {}", l.layer);
-        let names: Vec<&str> = l.nodes.iter().map(|(_, s)| s.as_str()).collect();
+        let names: Vec<&str> = l.nodes.iter().map(|(_, s)| s.name()).collect();
         if layer.kind == LayerKind::Block {
             assert!(names.iter().any(|s| ["column", "row", "replicate"].contains(s)), "{names:?}");
         }

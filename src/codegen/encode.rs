@@ -26,6 +26,7 @@ use super::shard::{CodegenError, LayerShard, Sharder, apply_shard};
 use crate::ir::{Graph, LayeredGraph, ScheduleError, ScheduleKind, ValueKind, compute_actions};
 use crate::passes::figures::is_trainable;
 use crate::solve::Placement as AxisOrder;
+use crate::split::Strategy;
 
 /// Version of the codegen section's layout (bumped on incompatible changes).
 pub const CODEGEN_VERSION: u32 = 2;
@@ -55,7 +56,7 @@ pub struct CodegenInput {
     /// The plan's strategy per node, per layer (`[layer][i] = (node, strategy)`); empty when
     /// the plan has none. Matmuls and lookups marked `replicate` keep their weights whole, and
     /// every choosing node's realised strategy must equal the plan's.
-    pub node_strategies: Vec<Vec<(String, String)>>,
+    pub node_strategies: Vec<Vec<(String, Strategy)>>,
     /// Sequence parallelism: row-parallel outputs reduce-scattered over the tokens.
     pub sequence_parallel: bool,
 }
@@ -265,9 +266,9 @@ pub enum EncodeError {
         /// Node name.
         node: String,
         /// The plan's strategy.
-        chosen: String,
-        /// What the shards do.
-        realised: String,
+        chosen: Strategy,
+        /// What the shards do (`follow`: no per-node strategy realised).
+        realised: Strategy,
     },
     /// A rank outside the plan's mesh.
     #[error("rank {rank} is not in the plan (world size {world})")]
@@ -279,20 +280,18 @@ pub enum EncodeError {
     },
 }
 
-/// Strategies checked per node (the others, `follow` or `sequence`, follow their inputs).
-const CHOOSING: [&str; 5] = ["column", "row", "replicate", "vocab", "heads"];
-
-/// Every choosing node's realised strategy equals the plan's.
-fn check_realised(lg: &LayeredGraph, layer: usize, chosen: &[(String, String)], realised: &[(String, String)]) -> Result<(), EncodeError> {
-    for (node, want) in chosen.iter().filter(|(_, s)| CHOOSING.contains(&s.as_str())) {
-        let got = realised.iter().find(|(n, _)| n == node).map_or("follow", |(_, s)| s.as_str());
-        if got != want {
+/// Every choosing node's realised strategy equals the plan's (the others, `follow` or
+/// `sequence`, follow their inputs).
+fn check_realised(lg: &LayeredGraph, layer: usize, chosen: &[(String, Strategy)], realised: &[(String, Strategy)]) -> Result<(), EncodeError> {
+    for (node, want) in chosen.iter().filter(|(_, s)| s.is_choosing()) {
+        let got = realised.iter().find(|(n, _)| n == node).map_or(Strategy::Follow, |(_, s)| *s);
+        if got != *want {
             return Err(EncodeError::StrategyMismatch {
                 layer,
                 name: lg.layers[layer].name.clone(),
                 node: node.clone(),
-                chosen: want.clone(),
-                realised: got.to_string(),
+                chosen: *want,
+                realised: got,
             });
         }
     }
@@ -332,7 +331,7 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
             let chosen = input.node_strategies.get(l).filter(|c| !c.is_empty());
             out.push(match chosen {
                 Some(chosen) => {
-                    let keep: Vec<String> = chosen.iter().filter(|(_, s)| s == "replicate").map(|(n, _)| n.clone()).collect();
+                    let keep: Vec<String> = chosen.iter().filter(|(_, s)| *s == Strategy::Replicate).map(|(n, _)| n.clone()).collect();
                     let (shards, realised) = sharder.shard_layer_keeping(l, input.tp, &keep)?;
                     check_realised(lg, l, chosen, &realised)?;
                     shards

@@ -5,7 +5,6 @@ pub mod collectives;
 pub mod encode;
 pub mod lower;
 pub mod program;
-mod sequence;
 pub mod shard;
 pub mod validate;
 

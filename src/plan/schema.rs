@@ -13,6 +13,7 @@ use crate::codegen::encode::{CodegenInput, CodegenSection, Mesh, RankView, Stage
 use crate::codegen::EncodeError;
 use crate::ir::ScheduleKind;
 use crate::solve::{Baseline, CheckpointRule, Placement as AxisOrder, SolveStatus};
+use crate::split::Strategy;
 
 /// The plan format version this build writes and reads.
 pub const PLAN_VERSION: u32 = 1;
@@ -255,8 +256,8 @@ pub struct LayerStrategy {
     pub name: String,
     /// Name of the layer's strategy assignment (`megatron`, `replicate`, ...).
     pub strategy: String,
-    /// Strategy name per node, in the layer's node order: `[node, strategy]`.
-    pub nodes: Vec<(String, String)>,
+    /// Strategy per node, in the layer's node order: `[node, strategy]`.
+    pub nodes: Vec<(String, Strategy)>,
 }
 
 /// Bytes moved per step by one kind of traffic over one kind of link.

@@ -15,6 +15,7 @@ use crate::ir::{DType, LayerKind, LayeredGraph, OpKind, ValueKind};
 use super::ilp::SolverOptions;
 use super::problem::{ParetoPoint, PipelineLayer};
 use super::strategy::{self, StrategyInputs};
+use crate::split::{Engine, Strategy};
 
 /// One tensor-strategy assignment of a layer, summarised (before ZeRO and data parallelism).
 #[derive(Clone, Debug, PartialEq)]
@@ -22,7 +23,7 @@ pub struct StrategyDetail {
     /// Name of the assignment (`megatron-tp4`, `ilp-tp4`, `replicate`).
     pub name: String,
     /// Strategy per node of the layer: (node name, strategy).
-    pub nodes: Vec<(String, String)>,
+    pub nodes: Vec<(String, Strategy)>,
     /// Forward time per microbatch incl. tensor collectives, seconds.
     pub fwd_s: f64,
     /// Backward time per microbatch incl. tensor collectives, seconds.
@@ -133,6 +134,10 @@ pub struct CostContext<'a> {
     cache: HashMap<(usize, usize, usize, u8, GroupSpan, GroupSpan, GroupSpan), PipelineLayer>,
     facts: Option<strategy::GraphFacts>,
     splits: HashMap<usize, strategy::SplitGraph>,
+    /// The tensor-split engine (`None` inside when shape inference fails: offers unchecked).
+    engine: Option<Option<Engine<'a>>>,
+    /// Offers emission does not realise, per (layer, t): (problem node, strategy).
+    withdrawn: HashMap<(usize, usize), Vec<(usize, Strategy)>>,
     details: HashMap<(usize, usize, usize, GroupSpan), Vec<StrategyDetail>>,
     model_cache: HashMap<(usize, usize, u8, GroupSpan, GroupSpan, GroupSpan), Vec<PipelineLayer>>,
     sig_index: Vec<usize>,
@@ -188,6 +193,8 @@ impl<'a> CostContext<'a> {
             cache: HashMap::new(),
             facts: None,
             splits: HashMap::new(),
+            engine: None,
+            withdrawn: HashMap::new(),
             details: HashMap::new(),
             model_cache: HashMap::new(),
             sig_index,
@@ -268,7 +275,7 @@ impl<'a> CostContext<'a> {
             megatron.nodes = lay
                 .nodes
                 .iter()
-                .map(|&id| (g.try_node(id).map(|n| n.name.clone()).unwrap_or_default(), "replicate".to_string()))
+                .map(|&id| (g.try_node(id).map(|n| n.name.clone()).unwrap_or_default(), Strategy::Replicate))
                 .collect();
             return vec![megatron];
         }
@@ -287,7 +294,22 @@ impl<'a> CostContext<'a> {
         let lg = self.lg;
         let facts = self.facts.get_or_insert_with(|| strategy::GraphFacts::new(lg));
         let sg = self.splits.entry(layer).or_insert_with(|| strategy::analyse(lg, layer, facts));
-        let ls = strategy::build_from(self.lg, layer, sg, &inputs);
+        let mut offers = crate::split::offers_from(lg, layer, sg, &inputs);
+        // Only what emission realises is offered (checked once per layer and t).
+        let withdrawn = match self.withdrawn.get(&(layer, cfg.tp)) {
+            Some(w) => w.clone(),
+            None => {
+                let sp = self.sequence_parallel;
+                let engine = self.engine.get_or_insert_with(|| Engine::new(lg).ok().map(|e| e.with_sequence_parallel(sp)));
+                let w = engine.as_ref().map(|e| e.check_offers(layer, cfg.tp, &mut offers.clone())).unwrap_or_default();
+                self.withdrawn.insert((layer, cfg.tp), w.clone());
+                w
+            }
+        };
+        for (k, s) in withdrawn {
+            offers.nodes[k].options.retain(|x| x.strategy != s);
+        }
+        let ls = strategy::from_offers(offers);
         megatron.nodes = ls.node_names(self.lg, layer, &ls.megatron);
         // The Megatron point is the problem's most-split assignment (what codegen emits by
         // default), so it is exactly one point of the intra-layer problem.

@@ -266,7 +266,7 @@ pub struct LayerDecision {
     /// Strategy name of the layer's assignment.
     pub strategy: String,
     /// Per node: (node name, strategy).
-    pub nodes: Vec<(String, String)>,
+    pub nodes: Vec<(String, crate::split::Strategy)>,
     /// Whether it is checkpointed.
     pub checkpoint: bool,
 }

@@ -82,7 +82,7 @@ pub fn fixture() -> Plan {
             layer: 1,
             name: "h.0".into(),
             strategy: "megatron".into(),
-            nodes: vec![("h.0.attn.qkv".into(), "column".into()), ("h.0.attn.proj".into(), "row".into())],
+            nodes: vec![("h.0.attn.qkv".into(), smp_partition::split::Strategy::Column), ("h.0.attn.proj".into(), smp_partition::split::Strategy::Row)],
         }],
         communication: vec![
             CommVolume { kind: "tensor".into(), link: "intra-node".into(), bytes: 3.0e8, time_s: 0.012 },

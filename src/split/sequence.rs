@@ -14,8 +14,9 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use super::collectives::{CollectiveInsert, CollectiveKind, GroupKind, InputRef};
-use super::shard::CodegenError;
+use super::error::SplitError;
+use super::realise::{CollectiveOp, Prop, R, Sh, TensorCollective};
+use super::rewrite::{NodeRewrite, PartialGradient, add_bias_name};
 use crate::ir::{Graph, NodeId, OpKind, ValueId, ValueKind};
 use crate::passes::shape_infer::ShapeInfo;
 
@@ -34,7 +35,7 @@ pub(super) struct SeqPlan {
     /// All-reduced values that become reduce-scatters: value, axis, view.
     pub reduce_scatter: Vec<(ValueId, usize, Option<Vec<i64>>)>,
     /// Gathers and scatters to insert.
-    pub collectives: Vec<CollectiveInsert>,
+    pub collectives: Vec<TensorCollective>,
     /// Reshape targets whose entry shrinks by t: node, entry, global size.
     pub shape_entries: Vec<(NodeId, usize, i64)>,
     /// Replicated inputs of token-split nodes whose gradient is a partial sum: node, slot, value.
@@ -232,7 +233,7 @@ impl SeqLayer<'_> {
 
 /// Plans sequence parallelism for a layer whose all-reduced values produced by matmuls are
 /// `candidates`; `tp_rep` says which values the tensor-parallel plan keeps replicated.
-pub(super) fn plan(l: &SeqLayer, tp_rep: &dyn Fn(ValueId) -> bool, candidates: &[ValueId]) -> Result<SeqPlan, CodegenError> {
+pub(super) fn plan(l: &SeqLayer, tp_rep: &dyn Fn(ValueId) -> bool, candidates: &[ValueId]) -> Result<SeqPlan, SplitError> {
     let seq_len = l.seq_len();
     let mut forbidden: HashSet<NodeId> = HashSet::new();
     let mut dropped: HashSet<ValueId> = HashSet::new();
@@ -300,37 +301,36 @@ pub(super) fn plan(l: &SeqLayer, tp_rep: &dyn Fn(ValueId) -> bool, candidates: &
         let len = shape.get(s.axis).copied().unwrap_or(0) / s.outer;
         if cand_set.contains(&v) {
             if len % l.t != 0 || len == 0 {
-                return Err(CodegenError::SequenceIndivisible { layer: l.layer, value: name(v), len, tp: l.t as usize });
+                return Err(SplitError::SequenceIndivisible { layer: l.layer, value: name(v), len, tp: l.t as usize });
             }
             let (axis, view) = view_of(v, s);
             out.reduce_scatter.push((v, axis, view));
         }
         let readers = l.readers(v);
         let sp_readers = readers.iter().any(|r| sp_nodes.contains(&r.0));
-        let whole: Vec<InputRef> =
-            readers.iter().filter(|r| !sp_nodes.contains(&r.0)).map(|&(n, slot)| InputRef { node: l.g.node(n).name.clone(), input: slot }).collect();
+        let whole: Vec<(NodeId, usize)> = readers.iter().filter(|r| !sp_nodes.contains(&r.0)).copied().collect();
         let (axis, view) = view_of(v, s);
         if readers.is_empty() && !l.leaves(v) {
             continue;
         }
         if !sp_readers && !cand_set.contains(&v) {
             // only whole readers (or none inside): gather under the value's own name
-            let mut c = CollectiveInsert::after(name(v), CollectiveKind::AllGather { axis }, GroupKind::Tensor);
+            let mut c = TensorCollective::after(v, CollectiveOp::AllGather { axis });
             c.view = view;
             out.collectives.push(c);
         } else if !whole.is_empty() {
-            let mut c = CollectiveInsert::after(name(v), CollectiveKind::AllGather { axis }, GroupKind::Tensor);
+            let mut c = TensorCollective::after(v, CollectiveOp::AllGather { axis });
             c.readers = whole;
             c.view = view;
             out.collectives.push(c);
         }
     }
     // scatters of replicated operands, one per (value, placement)
-    let mut scatters: BTreeMap<(ValueId, usize, i64, bool), Vec<InputRef>> = BTreeMap::new();
+    let mut scatters: BTreeMap<(ValueId, usize, i64, bool), Vec<(NodeId, usize)>> = BTreeMap::new();
     for (n, d) in decisions.values() {
         let node = l.g.node(*n);
         for &(slot, v) in &d.scatters {
-            scatters.entry((v, d.out.axis, d.out.outer, d.out.flat)).or_default().push(InputRef { node: node.name.clone(), input: slot });
+            scatters.entry((v, d.out.axis, d.out.outer, d.out.flat)).or_default().push((*n, slot));
         }
         if let Some((k, global)) = d.shape_entry {
             out.shape_entries.push((*n, k, global));
@@ -344,10 +344,66 @@ pub(super) fn plan(l: &SeqLayer, tp_rep: &dyn Fn(ValueId) -> bool, candidates: &
     }
     for ((v, axis, outer, flat), readers) in scatters {
         let (axis, view) = view_of(v, Seq { axis, outer, flat });
-        let mut c = CollectiveInsert::after(name(v), CollectiveKind::Scatter { axis }, GroupKind::Tensor);
+        let mut c = TensorCollective::after(v, CollectiveOp::Scatter { axis });
         c.readers = readers;
         c.view = view;
         out.collectives.push(c);
     }
     Ok(out)
 }
+
+impl Prop<'_, '_> {
+    /// Sequence parallelism over the finished tensor-parallel placement (see
+    /// the module docs).
+    pub(super) fn sequence_parallel(&mut self) -> R<()> {
+        let candidates: Vec<ValueId> = self
+            .collectives
+            .iter()
+            .filter(|c| c.op == CollectiveOp::AllReduce && c.readers.is_empty())
+            .map(|c| c.value)
+            .filter(|&v| {
+                self.g.value(v).producer.is_some_and(|p| self.in_layer.contains(&p) && matches!(self.g.node(p).op.kind(), Some(OpKind::MatMul | OpKind::Gemm)))
+            })
+            .collect();
+        if candidates.is_empty() {
+            return Ok(());
+        }
+        let sh = &self.sh;
+        let tp_rep = |v: ValueId| sh.get(&v).is_none_or(|s| *s == Sh::Rep);
+        let layer = SeqLayer {
+            g: self.g,
+            info: &self.s.info,
+            uses: &self.s.uses,
+            grad: &self.s.grad,
+            nodes: self.nodes,
+            in_layer: &self.in_layer,
+            layer: self.layer,
+            t: self.t,
+        };
+        let plan = plan(&layer, &tp_rep, &candidates)?;
+        for (v, axis, view) in plan.reduce_scatter {
+            if let Some(c) = self.collectives.iter_mut().find(|c| c.value == v && c.readers.is_empty()) {
+                c.op = CollectiveOp::ReduceScatter { axis };
+                c.view = view;
+            }
+            // a deferred Gemm bias is added to the chunk after the reduce-scatter
+            if let Some(p) = self.g.value(v).producer {
+                let node = self.g.node(p);
+                let deferred = self.rewrites.iter().any(|r| matches!(r, NodeRewrite::DeferBias { node: n } if *n == node.name));
+                if deferred && let Some(bias) = node.inputs.get(2).copied().flatten() && self.s.grad[bias.index()] {
+                    self.partial_gradients.push(PartialGradient { node: add_bias_name(&node.name), input: 1, value: self.g.value(bias).name.clone() });
+                }
+            }
+        }
+        self.collectives.extend(plan.collectives);
+        for (n, k, global) in plan.shape_entries {
+            self.current = Some(n);
+            self.shrink_shape_entry(n, 1, k, global)?;
+        }
+        for (n, slot, v) in plan.partial_gradients {
+            self.partial_gradients.push(PartialGradient { node: self.g.node(n).name.clone(), input: slot, value: self.g.value(v).name.clone() });
+        }
+        Ok(())
+    }
+}
+

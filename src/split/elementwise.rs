@@ -1,0 +1,92 @@
+//! Elementwise ops: unary ops follow their input; n-ary ops need equally split inputs (a
+//! replicated full-size weight operand is sliced with them); partial sums pass linear ops only.
+
+use super::realise::{Prop, R, Sh};
+use crate::ir::{NodeId, OpKind, ValueId};
+
+impl Prop<'_, '_> {
+    /// Unary ops (and views that map axes): the output takes the input's placement.
+    pub(super) fn unary(&mut self, id: NodeId, kind: OpKind) -> R<()> {
+        let n = self.g.node(id);
+        let ins: Vec<Option<ValueId>> = n.inputs.clone();
+        let outs = n.outputs.clone();
+        let inp = |i: usize| ins.get(i).copied().flatten();
+        let x = inp(0).unwrap_or(outs[0]);
+        let s = self.state(x);
+        let out = match s {
+            Sh::Partial if matches!(kind, OpKind::Transpose | OpKind::Squeeze | OpKind::Unsqueeze | OpKind::Identity | OpKind::Neg) => Sh::Partial,
+            Sh::Partial => return self.err("a partial sum reaches a nonlinear op"),
+            Sh::Rep => Sh::Rep,
+            Sh::Split { axis, outer, inner, origin } => {
+                let axis = self.map_axis(id, kind, axis)?;
+                Sh::Split { axis, outer, inner, origin }
+            }
+        };
+        for &o in &outs {
+            self.set(o, out);
+        }
+        Ok(())
+    }
+
+    /// N-ary elementwise ops: equally split inputs, sliced weight operands, linear partial sums.
+    pub(super) fn elementwise(&mut self, id: NodeId) -> R<()> {
+        let n = self.g.node(id);
+        let o = n.outputs[0];
+        let kind = n.op.kind();
+        let os = self.need_shape(o)?;
+        let ins: Vec<Option<ValueId>> = n.inputs.clone();
+        let mut split: Option<(usize, i64, i64, Option<ValueId>)> = None;
+        let mut partial = 0;
+        for v in ins.iter().flatten() {
+            match self.state(*v) {
+                Sh::Partial => partial += 1,
+                Sh::Split { axis, outer, inner, origin } => {
+                    let r = self.need_shape(*v)?.len();
+                    let oa = axis + os.len() - r;
+                    match split {
+                        Some((a, ou, inn, o2)) if (a, ou, inn, self.rep(o2)) != (oa, outer, inner, self.rep(origin)) => {
+                            return self.err("inputs are split differently");
+                        }
+                        _ => split = Some((oa, outer, inner, origin.or(split.and_then(|s| s.3)))),
+                    }
+                }
+                Sh::Rep => {}
+            }
+        }
+        if partial > 0 {
+            // Linear uses of partial sums: sums of partials, scaling by a replicated value.
+            let all_partial_float = ins.iter().flatten().all(|v| self.state(*v) == Sh::Partial || !self.is_float(*v));
+            let ok = match kind {
+                Some(OpKind::Add | OpKind::Sub) => all_partial_float && split.is_none(),
+                Some(OpKind::Mul) => partial == 1 && split.is_none(),
+                Some(OpKind::Div) => ins.first().copied().flatten().is_some_and(|v| self.state(v) == Sh::Partial) && partial == 1 && split.is_none(),
+                _ => false,
+            };
+            if !ok {
+                return self.err("a partial sum is combined non-linearly");
+            }
+            self.set(o, Sh::Partial);
+            return Ok(());
+        }
+        let Some((axis, outer, inner, origin)) = split else {
+            self.sh.insert(o, Sh::Rep);
+            return Ok(());
+        };
+        for v in ins.iter().flatten().copied() {
+            if self.state(v) != Sh::Rep {
+                continue;
+            }
+            let vs = self.need_shape(v)?;
+            let off = os.len() - vs.len();
+            if axis < off || vs[axis - off] == 1 {
+                continue;
+            }
+            // A replicated full-size operand: slice it if it is a weight.
+            if !(self.is_free_weight(v) && self.split_weight(v, axis - off, outer, inner)) {
+                return self.err(format!("replicated operand `{}` would need slicing", self.g.value(v).name));
+            }
+        }
+        self.sh.insert(o, Sh::Split { axis, outer, inner, origin });
+        Ok(())
+    }
+}

@@ -1,0 +1,128 @@
+//! Matmuls with a weight operand: a replicated input splits the weight by columns (output
+//! split), an input split along the contracted axis splits it by rows (partial sums, a deferred
+//! Gemm bias). Matmuls of two activations split by heads (the attention core).
+
+use super::realise::{Fail, Prop, R, Sh};
+use super::rewrite::NodeRewrite;
+use crate::ir::{NodeId, OpKind, ValueId};
+
+impl Prop<'_, '_> {
+    pub(super) fn matmul(&mut self, id: NodeId) -> R<()> {
+        let n = self.g.node(id);
+        let gemm = n.op.is(OpKind::Gemm);
+        let (Some(a), Some(b)) = (n.inputs.first().copied().flatten(), n.inputs.get(1).copied().flatten()) else {
+            return self.err("missing operand");
+        };
+        let c = n.inputs.get(2).copied().flatten();
+        let o = n.outputs[0];
+        let (ta, tb) = if gemm { (n.attrs.int("transA", 0) != 0, n.attrs.int("transB", 0) != 0) } else { (false, false) };
+        let ash = self.need_shape(a)?;
+        let bsh = self.need_shape(b)?;
+        let osh = self.need_shape(o)?;
+        let (ra, rb, ro) = (ash.len(), bsh.len(), osh.len());
+        if ra < 2 || rb < 2 {
+            return self.err("vector matmul");
+        }
+        // Positions of k and n in B, and k/m in A.
+        let (bk, bn) = if tb { (rb - 1, rb - 2) } else { (rb - 2, rb - 1) };
+        let (am, ak) = if ta { (ra - 1, ra - 2) } else { (ra - 2, ra - 1) };
+        let sa = self.state(a);
+        let out: Sh;
+        if self.is_free_weight(b) && rb == 2 && !self.is_free_weight(a) {
+            match sa {
+                Sh::Rep => {
+                    let nd = bsh[bn];
+                    out = match self.layout(Some(b), nd) {
+                        Some((outer, inner)) if self.split_weight(b, bn, outer, inner) => {
+                            Sh::Split { axis: ro - 1, outer, inner, origin: self.init_of(b) }
+                        }
+                        _ => {
+                            if let Some((init, _)) = self.weight_src.get(&b) {
+                                self.kept_whole.insert(*init);
+                            }
+                            Sh::Rep
+                        }
+                    };
+                }
+                Sh::Split { axis, outer, inner, origin } if axis == ak => {
+                    if let Some(w) = origin
+                        && self.rep(origin) > 1
+                    {
+                        return Err(Fail::Replicate { weight: w });
+                    }
+                    if !self.split_weight(b, bk, outer, inner) {
+                        return self.err("the weight cannot be split by rows");
+                    }
+                    out = Sh::Partial;
+                }
+                Sh::Split { axis, outer, inner, origin } if axis != ak && !ta => {
+                    out = Sh::Split { axis: axis + ro - ra, outer, inner, origin };
+                }
+                Sh::Partial => return self.err("partial input"),
+                _ => return self.err("transposed split input"),
+            }
+        } else {
+            let sb = self.state(b);
+            out = match (sa, sb) {
+                (Sh::Rep, Sh::Rep) => Sh::Rep,
+                (Sh::Split { axis: x, outer: o1, inner: i1, origin }, Sh::Split { axis: y, outer: o2, inner: i2, origin: origin2 })
+                    if !ta && !tb && (o1, i1, self.rep(origin)) == (o2, i2, self.rep(origin2)) =>
+                {
+                    if x + 2 < ra + 0 && y + 2 < rb && ra - x == rb - y {
+                        Sh::Split { axis: x + ro - ra, outer: o1, inner: i1, origin }
+                    } else if x == ak && y == bk {
+                        Sh::Partial
+                    } else {
+                        return self.err("operands split on incompatible axes");
+                    }
+                }
+                (Sh::Split { axis: x, outer, inner, origin }, Sh::Rep) if !ta => {
+                    if x == am {
+                        Sh::Split { axis: ro - 2, outer, inner, origin }
+                    } else if x + 2 < ra && (rb < ra - x || bsh[x + rb - ra] == 1) {
+                        Sh::Split { axis: x + ro - ra, outer, inner, origin }
+                    } else {
+                        return self.err("split operand against a replicated one");
+                    }
+                }
+                (Sh::Rep, Sh::Split { axis: y, outer, inner, origin }) if !tb => {
+                    if y == bn {
+                        Sh::Split { axis: ro - 1, outer, inner, origin }
+                    } else if y + 2 < rb && (ra < rb - y || ash[y + ra - rb] == 1) {
+                        Sh::Split { axis: y + ro - rb, outer, inner, origin }
+                    } else {
+                        return self.err("replicated operand against a split one");
+                    }
+                }
+                _ => return self.err("unsupported operand placements"),
+            };
+        }
+        // Gemm bias.
+        if let Some(c) = c {
+            match out {
+                Sh::Split { axis, outer, inner, .. } => {
+                    let cs = self.need_shape(c)?;
+                    let off = ro - cs.len();
+                    if axis >= off && cs[axis - off] > 1 && !(self.is_free_weight(c) && self.split_weight(c, axis - off, outer, inner)) {
+                        return self.err("the bias cannot be split");
+                    }
+                }
+                Sh::Partial => {
+                    self.rewrites.push(NodeRewrite::DeferBias { node: n.name.clone() });
+                    self.reduce(o);
+                    return Ok(());
+                }
+                Sh::Rep => {}
+            }
+        }
+        self.set(o, out);
+        Ok(())
+    }
+
+    pub(super) fn init_of(&self, v: ValueId) -> Option<ValueId> {
+        match self.state(v) {
+            Sh::Split { origin, .. } => origin,
+            _ => None,
+        }
+    }
+}

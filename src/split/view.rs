@@ -1,0 +1,206 @@
+//! Views: Reshape, Transpose/Squeeze/Unsqueeze (axis mapping), Split, Concat, Expand. A split
+//! axis survives a view when a rank's block stays contiguous; shape operands shrink with it.
+
+use super::realise::{Fail, Prop, R, Sh, gcd, lcm, norm_axis};
+use super::rewrite::{ConstantRewrite, NodeRewrite};
+use crate::ir::{NodeId, OpKind, ValueId, ValueKind};
+
+impl Prop<'_, '_> {
+    /// Reshape: the split axis moves to the output axis holding the same block; partial sums stay partial.
+    pub(super) fn reshape(&mut self, id: NodeId) -> R<()> {
+        let n = self.g.node(id);
+        let ins: Vec<Option<ValueId>> = n.inputs.clone();
+        let outs = n.outputs.clone();
+        let inp = |i: usize| ins.get(i).copied().flatten();
+        let (x, o) = (inp(0).unwrap_or(outs[0]), outs[0]);
+        match self.state(x) {
+            Sh::Partial => {
+                self.set(o, Sh::Partial);
+                Ok(())
+            }
+            Sh::Split { axis, inner, origin, .. } => {
+                let is = self.need_shape(x)?;
+                let os = self.need_shape(o)?;
+                let s_in: i64 = is[axis + 1..].iter().product();
+                let ways = self.ways(origin);
+                let find = |digit: i64, ways: i64| {
+                    (0..os.len()).find_map(|k| {
+                        let sk: i64 = os[k + 1..].iter().product();
+                        (os[k] > 1 && digit % sk == 0 && (sk * os[k]) % (digit * ways) == 0)
+                            .then(|| (k, digit / sk, os[k] * sk / (digit * ways)))
+                    })
+                };
+                let Some((k, inner_k, outer_k)) = find(s_in * inner, ways) else {
+                    // Fewer whole heads than ways (grouped-query KV heads): let `rep`
+                    // ranks share each head, if that makes it survive.
+                    if let Some(w) = origin
+                        && self.rep(origin) == 1
+                        && let Some(rep) = (2..=self.t).find(|&rep| self.t % rep == 0 && find(s_in * inner * rep, self.t / rep).is_some())
+                    {
+                        return Err(Fail::Replicas { weight: w, rep });
+                    }
+                    return self.err("the split axis does not survive the reshape");
+                };
+                self.shrink_shape_entry_by(id, 1, k, os[k], ways)?;
+                self.set(o, Sh::Split { axis: k, outer: outer_k, inner: inner_k, origin });
+                Ok(())
+            }
+            Sh::Rep => {
+                self.sh.insert(o, Sh::Rep);
+                Ok(())
+            }
+        }
+    }
+
+    /// Concat of equally placed inputs, not along the split axis.
+    pub(super) fn concat(&mut self, id: NodeId) -> R<()> {
+        let n = self.g.node(id);
+        let ins: Vec<Option<ValueId>> = n.inputs.clone();
+        let outs = n.outputs.clone();
+        let states: Vec<Sh> = ins.iter().map(|v| v.map_or(Sh::Rep, |v| self.state(v))).collect();
+        let o = outs[0];
+        let rank = self.need_shape(o)?.len();
+        let cat = norm_axis(n.attrs.int("axis", 0), rank).unwrap_or(0);
+        let first = states[0];
+        if states.iter().any(|s| *s != first) {
+            return self.err("inputs are placed differently");
+        }
+        if let Sh::Split { axis, .. } = first
+            && axis == cat
+        {
+            return self.err("it concatenates along the split axis");
+        }
+        self.set(o, first);
+        Ok(())
+    }
+
+    /// Expand keeps the split axis (shifted by the new leading axes); shared KV heads see [`Prop::expand_shared_heads`].
+    pub(super) fn expand(&mut self, id: NodeId) -> R<()> {
+        let n = self.g.node(id);
+        let ins: Vec<Option<ValueId>> = n.inputs.clone();
+        let outs = n.outputs.clone();
+        let inp = |i: usize| ins.get(i).copied().flatten();
+        let (x, o) = (inp(0).unwrap_or(outs[0]), outs[0]);
+        match self.state(x) {
+            Sh::Split { axis, outer, inner, origin } => {
+                let xr = self.need_shape(x)?.len();
+                let os = self.need_shape(o)?;
+                let oaxis = axis + os.len() - xr;
+                let slen = inp(1).and_then(|v| self.ints(v)).map_or(0, <[i64]>::len);
+                let rep = self.rep(origin);
+                if rep > 1 {
+                    return self.expand_shared_heads(id, oaxis, outer, inner, rep, origin);
+                }
+                if slen + oaxis >= os.len() {
+                    let pos = slen + oaxis - os.len();
+                    self.shrink_shape_entry(id, 1, pos, os[oaxis])?;
+                }
+                self.set(o, Sh::Split { axis: oaxis, outer, inner, origin });
+                Ok(())
+            }
+            _ => self.err("a partial sum reaches Expand"),
+        }
+    }
+
+    /// The output axis of a unary-shaped op for input split axis `axis`.
+    pub(super) fn map_axis(&self, id: NodeId, kind: OpKind, axis: usize) -> R<usize> {
+        let n = self.g.node(id);
+        let x = n.inputs[0].unwrap_or(n.outputs[0]);
+        let xr = self.need_shape(x)?.len();
+        let orank = self.need_shape(n.outputs[0])?.len();
+        let axes = || -> Vec<i64> {
+            n.inputs.get(1).copied().flatten().and_then(|v| self.ints(v)).map(<[i64]>::to_vec).or_else(|| n.attrs.ints("axes").map(<[i64]>::to_vec)).unwrap_or_default()
+        };
+        Ok(match kind {
+            OpKind::Transpose => {
+                let perm: Vec<usize> = match n.attrs.ints("perm") {
+                    Some(p) => p.iter().map(|&a| a as usize).collect(),
+                    None => (0..xr).rev().collect(),
+                };
+                match perm.iter().position(|&p| p == axis) {
+                    Some(a) => a,
+                    None => return self.err("bad perm"),
+                }
+            }
+            OpKind::Unsqueeze => {
+                let mut ax: Vec<usize> = axes().iter().filter_map(|&a| norm_axis(a, orank)).collect();
+                ax.sort_unstable();
+                let mut a = axis;
+                for &u in &ax {
+                    if u <= a {
+                        a += 1;
+                    }
+                }
+                a
+            }
+            OpKind::Squeeze => {
+                let ax: Vec<usize> = axes().iter().filter_map(|&a| norm_axis(a, xr)).collect();
+                if ax.contains(&axis) {
+                    return self.err("it squeezes the split axis");
+                }
+                axis - ax.iter().filter(|&&a| a < axis).count()
+            }
+            _ => axis,
+        })
+    }
+
+    pub(super) fn split(&mut self, id: NodeId) -> R<()> {
+        let n = self.g.node(id);
+        let x = n.inputs[0].unwrap_or(n.outputs[0]);
+        let outs = n.outputs.clone();
+        let xs = self.need_shape(x)?;
+        let ax = norm_axis(n.attrs.int("axis", 0), xs.len()).unwrap_or(0);
+        match self.state(x) {
+            Sh::Partial => {
+                for &o in &outs {
+                    self.set(o, Sh::Partial);
+                }
+                Ok(())
+            }
+            Sh::Split { axis, outer, inner, origin } if axis != ax => {
+                for &o in &outs {
+                    self.set(o, Sh::Split { axis, outer, inner, origin });
+                }
+                Ok(())
+            }
+            Sh::Split { outer, inner, origin, .. } => {
+                let d = xs[ax];
+                let sizes: Vec<i64> = outs.iter().map(|&o| self.shape(o).map_or(0, |s| s[ax])).collect();
+                let block = self.ways(origin) * inner;
+                if sizes.iter().any(|&s| s % block != 0) {
+                    let mut g = d;
+                    let mut acc = 0;
+                    for s in &sizes {
+                        acc += s;
+                        g = gcd(g, acc);
+                    }
+                    let need = lcm(outer, d / g.max(1));
+                    return match origin {
+                        Some(w) if need != outer && d % (need * self.ways(origin)) == 0 => Err(Fail::Demand { weight: w, outer: need }),
+                        _ => self.err("the split sizes cut through a rank's block"),
+                    };
+                }
+                if let Some(sv) = n.inputs.get(1).copied().flatten() {
+                    let val = self.g.value(sv);
+                    let Some(vals) = self.ints(sv).map(<[i64]>::to_vec) else {
+                        return self.err("split sizes are not computable");
+                    };
+                    let ways = self.ways(origin);
+                    let new_values: Vec<i64> = vals.iter().map(|v| v / ways).collect();
+                    if matches!(val.kind, ValueKind::Constant | ValueKind::Initializer) {
+                        self.constant_rewrites.push(ConstantRewrite { node: n.name.clone(), input: 1, value: val.name.clone(), new_values });
+                    } else {
+                        self.rewrites.push(NodeRewrite::DivideShape { node: n.name.clone(), input: 1, divisors: vec![ways; vals.len()] });
+                    }
+                } else if n.attrs.ints("split").is_some() {
+                    return self.err("split sizes as an attribute (opset < 13)");
+                }
+                for (&o, &s) in outs.iter().zip(&sizes) {
+                    self.set(o, Sh::Split { axis: ax, outer: s / block, inner, origin });
+                }
+                Ok(())
+            }
+            Sh::Rep => Ok(()),
+        }
+    }
+}
