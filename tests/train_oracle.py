@@ -34,6 +34,7 @@ from param_record import write_record  # noqa: E402
 warnings.filterwarnings("ignore")
 H, VOCAB, BATCH, SEQ, STEPS, SEED = 32, 64, 2, 8, 5, 0
 LR, WD, CLIP = 1e-3, 0.01, 1.0
+GRADFREE = 1e-6  # |grad| below this times the global grad norm, at every step: gradient-free
 
 
 def configs():
@@ -144,14 +145,26 @@ def run_case(out: Path, name: str, variant: str) -> dict:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
     losses = []
+    # elements whose gradient is zero in exact arithmetic (an attention key bias: softmax
+    # ignores a shift shared by a row) get rounding noise, which Adam scales to ±lr a step
+    gradfree = {n: torch.ones_like(p, dtype=torch.bool) for n, p in model.named_parameters()}
     for _ in range(STEPS):
         opt.zero_grad()
         loss = loss_of(kind, model(x), x, labels)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=False)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=False)
+        for n, p in model.named_parameters():
+            gradfree[n] &= p.grad.abs() <= GRADFREE * norm * min(1.0, CLIP / (norm + 1e-6))
         opt.step()
         losses.append(loss.item())
     trained = {n: p.detach().numpy() for n, p in model.named_parameters(remove_duplicate=False)}
+    aliases = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(n)
+    for n, p in model.named_parameters():
+        if bool(gradfree[n].any()):
+            for a in aliases[id(p)]:
+                trained[f"{a}#gradfree"] = gradfree[n].numpy().astype(np.uint8)
     np.savez(out / f"{case}.trained.npz", **trained)
     return {"case": case, "model": name, "variant": variant, "onnx": str(path),
             "data": str(out / f"{case}.data.npz"), "loss": kind, "losses": losses,
