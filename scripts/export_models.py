@@ -23,6 +23,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from onnx_build import REPO, float_initializer_elements, io_record, update_manifest  # noqa: E402
+from param_record import write_record  # noqa: E402
 
 MODELS = REPO / "models"
 OPSET = 18
@@ -156,6 +157,9 @@ def export(name: str) -> dict:
         keep = [p for p in node.metadata_props if p.key != "pkg.torch.onnx.stack_trace"]
         del node.metadata_props[:]
         node.metadata_props.extend(keep)
+    # which module parameters each initializer stands for (docs/parameter-record.md)
+    record = write_record(model, proto)
+    assert not record["missing"], f"{name}: parameters not in the export: {record['missing']}"
     onnx.save(proto, str(path))
     onnx.checker.check_model(proto, full_check=True)
     ops = sorted({n.op_type for n in proto.graph.node})

@@ -8,7 +8,8 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use smp_partition::frontend::onnx::load_model;
-use smp_partition::ir::Graph;
+use smp_partition::ir::{Graph, ParamTransform, Training};
+use smp_partition::passes::params::{self, ParamOptions};
 use smp_partition::runtime::train::{self, AdamWConfig, LossKind, TrainConfig};
 use smp_partition::runtime::dist::RankEnv;
 use smp_partition::runtime::pipeline::{self, RunConfig};
@@ -159,6 +160,23 @@ struct TrainArgs {
     /// Each rank prints `[rank R] step N` on stderr after every step.
     #[arg(long)]
     progress: bool,
+    /// Train initializers matching this glob (`*`, `?`) that the rules would freeze; matched
+    /// against initializer and module parameter names. Repeatable.
+    #[arg(long, value_name = "GLOB")]
+    trainable: Vec<String>,
+    /// Never train initializers matching this glob (wins over --trainable). Repeatable.
+    #[arg(long, value_name = "GLOB")]
+    frozen: Vec<String>,
+    /// After training, write the trained tensors (.npz keyed by module parameter name, in the
+    /// module's layout; rows gathered at export time also under `NAME#rows`).
+    #[arg(long, value_name = "NPZ")]
+    save_weights: Option<PathBuf>,
+}
+
+impl TrainArgs {
+    fn param_options(&self) -> ParamOptions {
+        ParamOptions { trainable: self.trainable.clone(), frozen: self.frozen.clone() }
+    }
 }
 
 fn main() {
@@ -268,7 +286,10 @@ fn rank_cmd(plan: &smp_partition::plan::Plan, model: &Path, o: &TrainArgs, shape
     if let Some(n) = o.threads {
         tch::set_num_threads(n);
     }
-    let graph = load(model)?;
+    if o.save_weights.is_some() {
+        bail!("--save-weights is only supported by single-process runs (`train`, or a plan of one rank)");
+    }
+    let graph = load_decided(model, &o.param_options(), env.rank == 0)?;
     let float_kind = Some(o.dtype.kind());
     let weights = Weights::load(&graph, init_mode(o.init, o.seed), float_kind)?;
     let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: true })?;
@@ -364,8 +385,37 @@ fn calibrate(output: &Path, comm_json: Option<&Path>) -> Result<()> {
 }
 
 fn load(model: &Path) -> Result<Graph> {
+    load_decided(model, &ParamOptions::default(), false)
+}
+
+/// Loads a model and decides what is trained (`passes::params`); logs the counts if `log`.
+fn load_decided(model: &Path, opts: &ParamOptions, log: bool) -> Result<Graph> {
     let imported = load_model(model).with_context(|| format!("cannot load model `{}`", model.display()))?;
-    Ok(imported.graph)
+    let mut graph = imported.graph;
+    let summary = params::decide(&mut graph, opts).with_context(|| format!("model `{}`", model.display()))?;
+    if log {
+        eprintln!("smp-runner: {summary}");
+    }
+    Ok(graph)
+}
+
+/// Writes the trained tensors keyed by module parameter name, in the module's layout.
+fn save_weights(path: &Path, exec: &Executor) -> Result<()> {
+    let graph = exec.graph();
+    let mut arrays = Vec::new();
+    for v in graph.initializers() {
+        let Some(Training::Trained { names, transform, .. }) = &graph.value(v).training else { continue };
+        let Some(w) = exec.weights.get(&v) else { continue };
+        let w = w.detach();
+        let w = if *transform == ParamTransform::Transpose { w.tr().contiguous() } else { w };
+        if let ParamTransform::Gather { rows, .. } = transform {
+            arrays.push((format!("{}#rows", names[0]), tch::Tensor::from_slice(rows), None));
+        }
+        for n in names {
+            arrays.push((n.clone(), w.shallow_clone(), None));
+        }
+    }
+    npz::write_npz(path, &arrays).with_context(|| format!("writing trained weights to `{}`", path.display()))
 }
 
 fn init_mode(init: InitArg, seed: i64) -> InitMode {
@@ -408,7 +458,7 @@ fn train_cmd(model: &Path, o: &TrainArgs, shape: TrainShape) -> Result<()> {
     if let Some(n) = o.threads {
         tch::set_num_threads(n);
     }
-    let graph = load(model)?;
+    let graph = load_decided(model, &o.param_options(), true)?;
     let float_kind = Some(o.dtype.kind());
     smp_partition::runtime::executor::check_supported(&graph).with_context(|| format!("model `{}`", model.display()))?;
     let weights = Weights::load(&graph, init_mode(o.init, o.seed), float_kind)?;
@@ -429,6 +479,9 @@ fn train_cmd(model: &Path, o: &TrainArgs, shape: TrainShape) -> Result<()> {
     let t0 = Instant::now();
     let steps = train::train(&exec, &batch, &cfg)?;
     let wall = t0.elapsed().as_secs_f64();
+    if let Some(path) = &o.save_weights {
+        save_weights(path, &exec)?;
+    }
     // the first step pays one-time costs; report the mean of the others when there are any
     let timed: Vec<f64> = steps.iter().skip(usize::from(steps.len() > 1)).map(|s| s.time_s).collect();
     let step_time = timed.iter().sum::<f64>() / timed.len().max(1) as f64;

@@ -8,7 +8,7 @@ use petgraph::Direction;
 use petgraph::stable_graph::{NodeIndex, StableDiGraph};
 use petgraph::visit::EdgeRef;
 
-use super::{Attrs, Op, Tensor, TensorType};
+use super::{Attrs, Op, ParamRecord, Tensor, TensorType, Training};
 
 /// A node's id; stable across removals of other nodes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -70,6 +70,10 @@ pub struct Value {
     pub producer: Option<NodeId>,
     /// Constant data (initializers and folded constants).
     pub data: Option<Tensor>,
+    /// What the export recorded this initializer stands for, if it did.
+    pub record: Option<ParamRecord>,
+    /// Whether this initializer is trained (set by `passes::params::decide`).
+    pub training: Option<Training>,
 }
 
 /// One operator application.
@@ -144,7 +148,7 @@ impl Graph {
         }
         let id = ValueId(self.values.len() as u32);
         self.by_name.insert(name.clone(), id);
-        self.values.push(Value { name, kind, ty, producer: None, data });
+        self.values.push(Value { name, kind, ty, producer: None, data, record: None, training: None });
         Ok(id)
     }
 

@@ -88,14 +88,11 @@ pub fn is_param(graph: &Graph, v: ValueId) -> bool {
         && val.data.as_ref().map(|t| t.dtype).or(val.ty.as_ref().map(|t| t.dtype)).is_some_and(|d| d.is_float())
 }
 
-/// True for parameters that are trained: not scalars (exporters store constants such as
-/// `sqrt(d)` as initializers) and not well-known buffers (RoPE tables, masks).
+/// True for parameters that are trained: the decision of [`super::params::decide`] when it
+/// ran; otherwise floating point, not a scalar (exporters store constants such as `sqrt(d)` as
+/// initializers) and not a well-known buffer name (RoPE tables, masks).
 pub fn is_trainable(graph: &Graph, v: ValueId) -> bool {
-    if !is_param(graph, v) || param_elems(graph, v).0 <= 1 {
-        return false;
-    }
-    let name = graph.value(v).name.to_ascii_lowercase();
-    !["inv_freq", "rotary", "rope", "_cached", "mask", "position_ids"].iter().any(|b| name.contains(b))
+    super::params::is_trained(graph, v)
 }
 
 fn param_elems(graph: &Graph, v: ValueId) -> (u64, u64) {

@@ -1,5 +1,5 @@
 //! Passes over the IR, one file each; [`analyze`] runs them in order:
-//! bind dims → shape inference → fold shape arithmetic → DCE → shape inference → figures →
+//! decide parameters → bind dims → shape inference → fold shape arithmetic → DCE → shape inference → figures →
 //! layer grouping.
 
 use std::collections::BTreeMap;
@@ -10,6 +10,7 @@ pub mod dce;
 pub mod figures;
 pub mod fold;
 pub mod layers;
+pub mod params;
 pub mod shape_infer;
 #[cfg(test)]
 mod testutil;
@@ -49,6 +50,14 @@ pub enum PassError {
     /// A binding that makes no sense (non-positive size, unknown name).
     #[error("bad dim binding: {0}")]
     BadBinding(String),
+    /// An initializer's parameter record cannot be applied.
+    #[error("parameter record of initializer `{value}`: {msg}; re-export with scripts/param_record.py or strip its `smp.*` metadata")]
+    ParamRecord {
+        /// The initializer.
+        value: String,
+        /// What is wrong.
+        msg: String,
+    },
     /// Shape inference failed at a node.
     #[error("shape inference failed at node `{node}` ({op}): {msg}")]
     Shape {
@@ -65,7 +74,22 @@ pub enum PassError {
 }
 
 /// Runs the pass list over an imported graph and returns it with shapes, figures and layers.
+/// What is trained is decided by [`params::decide`] with no patterns (a graph already decided,
+/// e.g. by the runner with `--trainable`/`--frozen`, keeps its decisions); see [`analyze_with`].
 pub fn analyze(graph: ir::Graph, opts: &AnalyzeOptions) -> Result<ir::LayeredGraph, PassError> {
+    analyze_with(graph, opts, &params::ParamOptions::default())
+}
+
+/// [`analyze`] with `--trainable`/`--frozen` patterns.
+pub fn analyze_with(
+    mut graph: ir::Graph,
+    opts: &AnalyzeOptions,
+    param_opts: &params::ParamOptions,
+) -> Result<ir::LayeredGraph, PassError> {
+    graph.verify()?;
+    let decided = params::decide(&mut graph, param_opts)?;
+    tracing::debug!(%decided, "parameters decided");
+    debug_verify(&graph)?;
     let (graph, dims) = specialise(graph, opts)?;
     let figures = figures::compute(&graph, &dims)?;
     let layers = layers::group(&graph, &figures, &dims)?;
@@ -80,11 +104,15 @@ pub fn analyze(graph: ir::Graph, opts: &AnalyzeOptions) -> Result<ir::LayeredGra
     })
 }
 
-/// The first half of [`analyze`]: binds dims, infers shapes, folds shape arithmetic into
-/// constants and removes dead nodes. Node and value ids are kept, so the result is the graph
-/// codegen's shards address (the runner applies a plan's shards to it).
+/// The first half of [`analyze`]: decides what is trained (keeping an earlier decision), binds dims, infers shapes, folds
+/// shape arithmetic into constants and removes dead nodes. Node and value ids are kept, so the
+/// result is the graph codegen's shards address (the runner applies a plan's shards to it, on a
+/// graph whose parameters were decided the same way).
 pub fn specialise(mut graph: ir::Graph, opts: &AnalyzeOptions) -> Result<(ir::Graph, ir::DimBindings), PassError> {
     graph.verify()?;
+    // a graph already decided (with patterns, by analyze_with or the runner) keeps its decisions
+    params::decide(&mut graph, &params::ParamOptions::default())?;
+    debug_verify(&graph)?;
     let dims = shape_infer::bind_dims(&graph, opts)?;
     let info = shape_infer::infer_shapes(&mut graph, &dims)?;
     debug_verify(&graph)?;

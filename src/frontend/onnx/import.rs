@@ -170,9 +170,12 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
                 second: "an initializer".into(),
             });
         }
+        let record = super::record::read(t, &file)?;
         let ty = TensorType { dtype: tensor.dtype, shape: Some(Shape::from_known(&tensor.dims)) };
-        g.add_value(name, ValueKind::Initializer, Some(ty), Some(tensor))
+        let id = g
+            .add_value(name, ValueKind::Initializer, Some(ty), Some(tensor))
             .map_err(|e| ImportError::Graph { file: file.clone(), source: e })?;
+        g.value_mut(id).record = record;
     }
     for vi in &graph_proto.input {
         let name = vi.name.clone().unwrap_or_default();

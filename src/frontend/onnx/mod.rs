@@ -11,6 +11,7 @@ mod import;
 mod inline;
 #[allow(missing_docs, clippy::all, rustdoc::all)]
 pub mod proto;
+mod record;
 mod tensor;
 
 pub use error::{ImportError, ImportWarning, MAX_IR_VERSION};
