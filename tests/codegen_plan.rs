@@ -2,6 +2,8 @@
 //! plan's own stage rank lists), and the validator rejecting hand-broken plans with a message
 //! naming the rank and the action.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::Command;
@@ -13,7 +15,7 @@ use smp_partition::plan::Plan;
 
 /// A real plan of the GPT-2 export, as JSON text.
 fn plan_text(extra: &[&str]) -> String {
-    let mut args = vec!["models/gpt2.onnx", "--cluster", "cpu:4", "--seq-len", "16", "--global-batch", "8", "--memory-limit", "4", "--json"];
+    let mut args = vec!["models/gpt2.onnx", "--cluster", common::CPU4, "--seq-len", "16", "--global-batch", "8", "--memory-limit", "4", "--json"];
     args.extend_from_slice(extra);
     let o = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
         .args(&args)
@@ -164,7 +166,8 @@ fn every_export_plans_with_codegen_on_small_clusters() {
     for model in ["gpt2", "bert", "llama", "vit"] {
         for cluster in ["cpu:2", "cpu:4", "h100-80gb:8"] {
             let path = format!("models/{model}.onnx");
-            let mut args = vec![path.as_str(), "--cluster", cluster, "--json"];
+            let cluster = common::cluster_arg(cluster);
+            let mut args = vec![path.as_str(), "--cluster", &cluster, "--json"];
             if model != "vit" {
                 args.extend(["--seq-len", "64"]);
             }

@@ -260,7 +260,7 @@ fn bert_plans_at_tp2_on_two_cpus() {
     // Used to fail in codegen: the MLM head's dense matmul was priced column-split but feeds a
     // LayerNorm over the split axis, so codegen kept it whole.
     let o = std::process::Command::new(env!("CARGO_BIN_EXE_smp-partition"))
-        .args(["models/bert.onnx", "--cluster", "cpu:2", "--tp", "2", "--seq-len", "16", "--json"])
+        .args(["models/bert.onnx", "--cluster", common::CPU2, "--tp", "2", "--seq-len", "16", "--json"])
         .env("SMP_CPU_CALIBRATION", "/nonexistent/cpu.toml")
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()

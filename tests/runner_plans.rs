@@ -7,6 +7,8 @@
 //! reduce-scatters, scatters and all-gathers before they run.
 #![cfg(feature = "runner")]
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -28,7 +30,8 @@ fn model() -> PathBuf {
 fn plan(dir: &Path, name: &str, cluster: &str, flags: &[&str]) -> PathBuf {
     let out = dir.join(format!("{name}.json"));
     let m = model();
-    let mut args = vec![m.to_str().unwrap(), "--cluster", cluster, "--seq-len", SEQ, "-o", out.to_str().unwrap()];
+    let cluster = common::cluster_arg(cluster);
+    let mut args = vec![m.to_str().unwrap(), "--cluster", &cluster, "--seq-len", SEQ, "-o", out.to_str().unwrap()];
     args.extend_from_slice(flags);
     let r = Command::new(env!("CARGO_BIN_EXE_smp-partition")).args(&args).output().unwrap();
     assert!(r.status.success(), "planning {name} failed: {}", String::from_utf8_lossy(&r.stderr));
@@ -390,7 +393,7 @@ fn llama_tp4_sums_shared_kv_slice_gradients() {
     let m = repo().join("models/llama.onnx");
     let out = dir.path().join("llama_tp4.json");
     let r = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
-        .args([m.to_str().unwrap(), "--cluster", "cpu:4", "--seq-len", SEQ, "-o", out.to_str().unwrap()])
+        .args([m.to_str().unwrap(), "--cluster", common::CPU4, "--seq-len", SEQ, "-o", out.to_str().unwrap()])
         .args(["--pp", "1", "--tp", "4", "--dp", "1", "--microbatches", "2", "--global-batch", BATCH, "--baseline", "megatron"])
         .output()
         .unwrap();
@@ -481,7 +484,7 @@ fn export_tp_matches_single_process(name: &str, tp: usize) -> f64 {
     let dir = tempfile::tempdir().unwrap();
     let m = repo().join(format!("models/{name}.onnx"));
     let out = dir.path().join(format!("{name}_tp{tp}.json"));
-    let (tp_s, cluster) = (tp.to_string(), format!("cpu:{tp}"));
+    let (tp_s, cluster) = (tp.to_string(), common::cluster_arg(&format!("cpu:{tp}")));
     // ViT reads images: no sequence length to bind.
     let seq: &[&str] = if name == "vit" { &[] } else { &["--seq-len", SEQ] };
     let r = Command::new(env!("CARGO_BIN_EXE_smp-partition"))

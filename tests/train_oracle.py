@@ -29,6 +29,7 @@ import torch
 import transformers as T
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from export_models import LogitsOnly  # noqa: E402
 from param_record import write_record  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -74,21 +75,6 @@ def configs():
             num_attention_heads=2, intermediate_size=64, num_labels=5, hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0), "cross-entropy"),
     }
-
-
-class LogitsOnly(torch.nn.Module):
-    """The logits of an HF model (its outputs carry cache objects the exporter can't take)."""
-
-    def __init__(self, model, input_name):
-        super().__init__()
-        self.model = model
-        self.input_name = input_name
-
-    def forward(self, x):
-        kwargs = {self.input_name: x}
-        if self.input_name == "input_ids":
-            kwargs["use_cache"] = False
-        return self.model(**kwargs).logits
 
 
 def batch(name: str, gen: torch.Generator):

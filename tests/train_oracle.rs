@@ -35,11 +35,11 @@ fn python() -> PathBuf {
 }
 
 /// Runs tests/train_oracle.py for `models` (all but the known failures if empty), once per
-/// content of it and of scripts/param_record.py.
+/// content of it and of scripts/param_record.py and export_models.py (which it imports).
 fn generate(models: &[&str]) -> Vec<serde_json::Value> {
     let script = repo().join("tests/train_oracle.py");
     let mut h = Sha256::new();
-    for f in [&script, &repo().join("scripts/param_record.py")] {
+    for f in [&script, &repo().join("scripts/param_record.py"), &repo().join("scripts/export_models.py")] {
         h.update(std::fs::read(f).expect("read oracle script"));
     }
     h.update(models.join(",").as_bytes());
