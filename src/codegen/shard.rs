@@ -14,7 +14,7 @@ use crate::ir::{
     TensorType, ValueId, ValueKind,
 };
 use crate::passes::shape_infer::{self, ShapeInfo};
-use crate::split::{CollectiveOp, Engine, SplitPlan, Strategy, TensorCollective, add_bias_name};
+use crate::split::{Engine, SplitPlan, Strategy, TensorCollective, add_bias_name};
 pub use crate::split::{ConstantRewrite, NodeRewrite, PartialGradient, SplitError as CodegenError};
 
 /// A slice of an initializer along one axis: the concatenation of `ranges` (start, end).
@@ -152,13 +152,7 @@ impl<'a> Sharder<'a> {
 
 /// The plan-file form of a tensor-group collective.
 fn collective_insert(g: &Graph, c: &TensorCollective) -> CollectiveInsert {
-    let kind = match c.op {
-        CollectiveOp::AllReduce => CollectiveKind::AllReduce,
-        CollectiveOp::AllGather { axis } => CollectiveKind::AllGather { axis },
-        CollectiveOp::ReduceScatter { axis } => CollectiveKind::ReduceScatter { axis },
-        CollectiveOp::Scatter { axis } => CollectiveKind::Scatter { axis },
-    };
-    let mut out = CollectiveInsert::after(g.value(c.value).name.clone(), kind, GroupKind::Tensor);
+    let mut out = CollectiveInsert::after(g.value(c.value).name.clone(), c.op, GroupKind::Tensor);
     out.readers = c.readers.iter().map(|&(n, input)| InputRef { node: g.node(n).name.clone(), input }).collect();
     out.view = c.view.clone();
     out

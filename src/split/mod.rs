@@ -42,7 +42,7 @@ pub use analyse::{GraphFacts, NodeRole, SplitGraph, analyse, roles};
 pub use check::forced_assignment;
 pub use error::SplitError;
 pub use offer::{Coupling, LayerOffers, NodeOffers, Offer, StrategyInputs, offers, offers_from};
-pub use realise::{CollectiveOp, Engine, SplitPlan, TensorCollective, WeightSplit};
+pub use realise::{CollectiveKind, Engine, SplitPlan, TensorCollective, WeightSplit};
 pub use rewrite::{ConstantRewrite, NodeRewrite, PartialGradient, add_bias_name};
 
 /// How one node of a layer runs across the tensor ranks. The plan file spells it in lower

@@ -20,32 +20,56 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
+use serde::{Deserialize, Serialize};
+
 use super::Strategy;
 use super::error::SplitError;
 use super::rewrite::{ConstantRewrite, NodeRewrite, PartialGradient};
 use crate::ir::{Graph, LayeredGraph, NodeId, OpKind, ValueId, ValueKind};
 use crate::passes::shape_infer::{self, ShapeInfo};
 
-/// A collective over the tensor group that a split needs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CollectiveOp {
-    /// Sum; every rank gets the sum.
+/// What a collective computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum CollectiveKind {
+    /// Sum over the group; every member gets the sum.
     AllReduce,
-    /// Concatenation of the ranks' parts along `axis`.
+    /// Concatenation of the members' parts along `axis`, in group order.
     AllGather {
-        /// Axis of the whole tensor.
+        /// Axis of the gathered (full) tensor.
         axis: usize,
     },
-    /// Sum, each rank keeping its chunk along `axis`.
+    /// Sum over the group, each member keeping its slice along `axis`.
     ReduceScatter {
-        /// Axis of the whole tensor.
+        /// Axis of the full tensor that is scattered.
         axis: usize,
     },
-    /// Each rank keeps its chunk along `axis` of a replicated value (no communication).
+    /// No communication: each member keeps its own slice along `axis` of a replicated tensor
+    /// (the backward all-gathers the gradient).
     Scatter {
-        /// Axis of the whole tensor.
+        /// Axis of the full tensor that is sliced.
         axis: usize,
     },
+}
+
+impl CollectiveKind {
+    /// The `op_type` of the inserted node.
+    pub fn op_type(self) -> &'static str {
+        match self {
+            CollectiveKind::AllReduce => "AllReduce",
+            CollectiveKind::AllGather { .. } => "AllGather",
+            CollectiveKind::ReduceScatter { .. } => "ReduceScatter",
+            CollectiveKind::Scatter { .. } => "Scatter",
+        }
+    }
+
+    /// The axis, for gathers and scatters.
+    pub fn axis(self) -> Option<usize> {
+        match self {
+            CollectiveKind::AllReduce => None,
+            CollectiveKind::AllGather { axis } | CollectiveKind::ReduceScatter { axis } | CollectiveKind::Scatter { axis } => Some(axis),
+        }
+    }
 }
 
 /// A collective on one value of the layer (codegen names it in the plan's shard).
@@ -54,7 +78,7 @@ pub struct TensorCollective {
     /// The value combined.
     pub value: ValueId,
     /// What is computed.
-    pub op: CollectiveOp,
+    pub op: CollectiveKind,
     /// The only node inputs `(node, slot)` that read the result (empty: every reader).
     pub readers: Vec<(NodeId, usize)>,
     /// The whole tensor's shape as the collective sees it when it runs on a view.
@@ -63,7 +87,7 @@ pub struct TensorCollective {
 
 impl TensorCollective {
     /// A collective every reader of `value` reads.
-    pub fn after(value: ValueId, op: CollectiveOp) -> TensorCollective {
+    pub fn after(value: ValueId, op: CollectiveKind) -> TensorCollective {
         TensorCollective { value, op, readers: Vec::new(), view: None }
     }
 }
@@ -192,7 +216,7 @@ impl<'a> Engine<'a> {
         match node.op.kind()? {
             OpKind::MatMul | OpKind::Gemm => match node.inputs.get(1).copied().flatten().and_then(|w| self.weight_of(w)) {
                 Some(w) if plan.weights.contains_key(&w) => {
-                    let gathered = plan.collectives.iter().any(|c| c.value == out && matches!(c.op, CollectiveOp::AllGather { .. }));
+                    let gathered = plan.collectives.iter().any(|c| c.value == out && matches!(c.op, CollectiveKind::AllGather { .. }));
                     Some(if split(out) || gathered { Strategy::Column } else { Strategy::Row })
                 }
                 Some(_) => Some(Strategy::Replicate),
@@ -460,7 +484,7 @@ impl<'s, 'a> Prop<'s, 'a> {
                 Ok(()) => {
                     let node = self.g.node(n);
                     let reduced = |o: ValueId| {
-                        self.collectives[collectives_before..].iter().any(|c| c.value == o && c.op == CollectiveOp::AllReduce)
+                        self.collectives[collectives_before..].iter().any(|c| c.value == o && c.op == CollectiveKind::AllReduce)
                     };
                     let split_out = node.outputs.iter().any(|&o| matches!(self.state(o), Sh::Split { .. } | Sh::Partial) || reduced(o));
                     if split_out {
@@ -499,7 +523,7 @@ impl<'s, 'a> Prop<'s, 'a> {
                     if outer != 1 {
                         return self.err(format!("`{}` leaves the layer split with {outer} blocks", self.g.value(v).name));
                     }
-                    self.collectives.push(TensorCollective::after(v, CollectiveOp::AllGather { axis }));
+                    self.collectives.push(TensorCollective::after(v, CollectiveKind::AllGather { axis }));
                     self.sh.insert(v, Sh::Rep);
                 }
             }
@@ -521,7 +545,7 @@ impl<'s, 'a> Prop<'s, 'a> {
     }
 
     pub(super) fn reduce(&mut self, v: ValueId) {
-        self.collectives.push(TensorCollective::after(v, CollectiveOp::AllReduce));
+        self.collectives.push(TensorCollective::after(v, CollectiveKind::AllReduce));
         self.sh.insert(v, Sh::Rep);
     }
 

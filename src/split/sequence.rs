@@ -15,7 +15,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use super::error::SplitError;
-use super::realise::{CollectiveOp, Prop, R, Sh, TensorCollective};
+use super::realise::{CollectiveKind, Prop, R, Sh, TensorCollective};
 use super::rewrite::{NodeRewrite, PartialGradient, add_bias_name};
 use crate::ir::{Graph, NodeId, OpKind, ValueId, ValueKind};
 use crate::passes::shape_infer::ShapeInfo;
@@ -315,11 +315,11 @@ pub(super) fn plan(l: &SeqLayer, tp_rep: &dyn Fn(ValueId) -> bool, candidates: &
         }
         if !sp_readers && !cand_set.contains(&v) {
             // only whole readers (or none inside): gather under the value's own name
-            let mut c = TensorCollective::after(v, CollectiveOp::AllGather { axis });
+            let mut c = TensorCollective::after(v, CollectiveKind::AllGather { axis });
             c.view = view;
             out.collectives.push(c);
         } else if !whole.is_empty() {
-            let mut c = TensorCollective::after(v, CollectiveOp::AllGather { axis });
+            let mut c = TensorCollective::after(v, CollectiveKind::AllGather { axis });
             c.readers = whole;
             c.view = view;
             out.collectives.push(c);
@@ -344,7 +344,7 @@ pub(super) fn plan(l: &SeqLayer, tp_rep: &dyn Fn(ValueId) -> bool, candidates: &
     }
     for ((v, axis, outer, flat), readers) in scatters {
         let (axis, view) = view_of(v, Seq { axis, outer, flat });
-        let mut c = TensorCollective::after(v, CollectiveOp::Scatter { axis });
+        let mut c = TensorCollective::after(v, CollectiveKind::Scatter { axis });
         c.readers = readers;
         c.view = view;
         out.collectives.push(c);
@@ -359,7 +359,7 @@ impl Prop<'_, '_> {
         let candidates: Vec<ValueId> = self
             .collectives
             .iter()
-            .filter(|c| c.op == CollectiveOp::AllReduce && c.readers.is_empty())
+            .filter(|c| c.op == CollectiveKind::AllReduce && c.readers.is_empty())
             .map(|c| c.value)
             .filter(|&v| {
                 self.g.value(v).producer.is_some_and(|p| self.in_layer.contains(&p) && matches!(self.g.node(p).op.kind(), Some(OpKind::MatMul | OpKind::Gemm)))
@@ -383,7 +383,7 @@ impl Prop<'_, '_> {
         let plan = plan(&layer, &tp_rep, &candidates)?;
         for (v, axis, view) in plan.reduce_scatter {
             if let Some(c) = self.collectives.iter_mut().find(|c| c.value == v && c.readers.is_empty()) {
-                c.op = CollectiveOp::ReduceScatter { axis };
+                c.op = CollectiveKind::ReduceScatter { axis };
                 c.view = view;
             }
             // a deferred Gemm bias is added to the chunk after the reduce-scatter
