@@ -90,7 +90,7 @@ pub fn analyze_with(
     let decided = params::decide(&mut graph, param_opts)?;
     tracing::debug!(%decided, "parameters decided");
     debug_verify(&graph)?;
-    let (graph, dims) = specialise(graph, opts)?;
+    let (graph, dims) = specialise_decided(graph, opts)?;
     let figures = figures::compute(&graph, &dims)?;
     let layers = layers::group(&graph, &figures, &dims)?;
     debug_verify(&graph)?;
@@ -110,9 +110,14 @@ pub fn analyze_with(
 /// graph whose parameters were decided the same way).
 pub fn specialise(mut graph: ir::Graph, opts: &AnalyzeOptions) -> Result<(ir::Graph, ir::DimBindings), PassError> {
     graph.verify()?;
-    // a graph already decided (with patterns, by analyze_with or the runner) keeps its decisions
+    // a graph already decided (with patterns, by the runner) keeps its decisions
     params::decide(&mut graph, &params::ParamOptions::default())?;
     debug_verify(&graph)?;
+    specialise_decided(graph, opts)
+}
+
+/// [`specialise`] of a graph whose parameters are decided.
+fn specialise_decided(mut graph: ir::Graph, opts: &AnalyzeOptions) -> Result<(ir::Graph, ir::DimBindings), PassError> {
     let dims = shape_infer::bind_dims(&graph, opts)?;
     let info = shape_infer::infer_shapes(&mut graph, &dims)?;
     debug_verify(&graph)?;
