@@ -82,3 +82,31 @@ fn failures_name_their_stage() {
     assert_eq!(e.stage(), Stage::Solve);
     assert!(e.to_string().contains("--layout 0-0|1-1"), "{e}");
 }
+
+/// A weight tied across the first and last stage (GPT's `wte`, read by the embedding and the
+/// LM head) is sliced alike by both whatever split the intra-layer ILP picks per layer. Found
+/// by `benches/planner.rs`: the Table-1 76.1B model at pp 32 · tp 2 · dp 16 stopped with "tied
+/// weight `wte.weight` is sliced differently by stages {0, 31}".
+#[test]
+fn tied_weights_are_sliced_alike_by_every_stage() {
+    let model = concat!(env!("CARGO_MANIFEST_DIR"), "/models/megatron/gpt-76.1B.onnx");
+    let cluster = ClusterSpec::parse("a100-80gb:1024").unwrap();
+    let opts = PlanOptions {
+        seq_len: Some(2048),
+        global_batch: Some(1792),
+        pp: Some(32),
+        tp: Some(2),
+        dp: Some(16),
+        ..Default::default()
+    };
+    let plan = compile(Path::new(model), &cluster, &opts).unwrap_or_else(|e| panic!("{e}"));
+    let section = plan.codegen.as_ref().expect("a codegen section");
+    let wte = section.tied_weights.iter().find(|t| t.weight == "wte.weight").expect("wte is tied");
+    assert_eq!(wte.stages, vec![0, 31]);
+    // Its readers keep Megatron's split of it: each tensor rank holds the share the Megatron
+    // baseline's plan gives it.
+    let base = PlanOptions { baseline: Some(smp_partition::solve::Baseline::Megatron), ..opts };
+    let base = compile(Path::new(model), &cluster, &base).unwrap_or_else(|e| panic!("{e}"));
+    let base_wte = base.codegen.as_ref().and_then(|c| c.tied_weights.iter().find(|t| t.weight == "wte.weight")).expect("wte is tied");
+    assert_eq!(wte.bytes, base_wte.bytes);
+}

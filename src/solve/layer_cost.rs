@@ -309,7 +309,25 @@ impl<'a> CostContext<'a> {
         for (k, s) in withdrawn {
             offers.nodes[k].options.retain(|x| x.strategy != s);
         }
-        let ls = strategy::from_offers(offers);
+        let mut ls = strategy::from_offers(offers.clone());
+        // A weight tied across layers (GPT-2's wte and lm_head) must be sliced alike wherever
+        // it is read, or its gradients cannot be summed: its readers keep the Megatron split,
+        // which slices it alike in every layer, so no point of either layer disagrees.
+        let tied: std::collections::HashSet<_> = lg.layers.iter().flat_map(|l| l.shared_params.iter().copied()).collect();
+        let reads_tied = |i: usize| lg.graph.try_node(lay.nodes[i]).is_some_and(|n| n.inputs.iter().flatten().any(|v| tied.contains(v)));
+        let pinned: Vec<(usize, Strategy)> = ls
+            .members
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.iter().any(|&i| reads_tied(i)))
+            .filter_map(|(k, _)| Some((k, ls.strategy(k, *ls.megatron.get(k)?)?)))
+            .collect();
+        if pinned.iter().any(|&(k, _)| offers.nodes[k].options.len() > 1) {
+            for &(k, s) in &pinned {
+                offers.nodes[k].options.retain(|x| x.strategy == s);
+            }
+            ls = strategy::from_offers(offers);
+        }
         megatron.nodes = ls.node_names(self.lg, layer, &ls.megatron);
         // The Megatron point is the problem's most-split assignment (what codegen emits by
         // default), so it is exactly one point of the intra-layer problem.
