@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use crate::cost::{ClusterSpec, CommModel, GroupSpan, StatePrecision, model_state};
 use crate::cost::compute::{bytes_scale, graph_float_dtype, layer_times};
-use crate::ir::{DType, LayerKind, LayeredGraph, OpKind, ValueKind};
+use crate::ir::{DType, LayerKind, LayeredGraph, OpKind, ValueId, ValueKind};
 
 use super::ilp::SolverOptions;
 use super::problem::{ParetoPoint, PipelineLayer};
@@ -138,6 +138,8 @@ pub struct CostContext<'a> {
     engine: Option<Option<Engine<'a>>>,
     /// Offers emission does not realise, per (layer, t): (problem node, strategy).
     withdrawn: HashMap<(usize, usize), Vec<(usize, Strategy)>>,
+    /// Whether a weight tied across layers is split, per (weight, t).
+    tied_split: HashMap<(ValueId, usize), bool>,
     details: HashMap<(usize, usize, usize, GroupSpan), Vec<StrategyDetail>>,
     model_cache: HashMap<(usize, usize, u8, GroupSpan, GroupSpan, GroupSpan), Vec<PipelineLayer>>,
     sig_index: Vec<usize>,
@@ -195,6 +197,7 @@ impl<'a> CostContext<'a> {
             splits: HashMap::new(),
             engine: None,
             withdrawn: HashMap::new(),
+            tied_split: HashMap::new(),
             details: HashMap::new(),
             model_cache: HashMap::new(),
             sig_index,
@@ -267,18 +270,9 @@ impl<'a> CostContext<'a> {
         }
     }
 
-    fn solve_details(&mut self, layer: usize, cfg: &LayerConfig) -> Vec<StrategyDetail> {
-        let mut megatron = self.megatron_detail(layer, cfg);
-        let lay = &self.lg.layers[layer];
-        if cfg.tp <= 1 {
-            let g = &self.lg.graph;
-            megatron.nodes = lay
-                .nodes
-                .iter()
-                .map(|&id| (g.try_node(id).map(|n| n.name.clone()).unwrap_or_default(), Strategy::Replicate))
-                .collect();
-            return vec![megatron];
-        }
+    /// What the tensor-split engine offers `layer` at `cfg.tp`, less what emission does not
+    /// realise (checked once per layer and t).
+    fn layer_offers(&mut self, layer: usize, cfg: &LayerConfig) -> crate::split::LayerOffers {
         let inputs = StrategyInputs {
             spec: self.spec,
             comm: &self.comm,
@@ -309,19 +303,90 @@ impl<'a> CostContext<'a> {
         for (k, s) in withdrawn {
             offers.nodes[k].options.retain(|x| x.strategy != s);
         }
+        offers
+    }
+
+    /// Weights tied across layers that node `i` (in `layer`'s node list) reads, directly or
+    /// through views of them (`Transpose(lm_head.weight)`).
+    fn tied_read_by(&self, layer: usize, i: usize) -> Vec<ValueId> {
+        let lg = self.lg;
+        let g = &lg.graph;
+        let Some(node) = lg.layers[layer].nodes.get(i).and_then(|&n| g.try_node(n)) else { return Vec::new() };
+        let tied = |v: &ValueId| lg.layers.iter().any(|l| l.shared_params.contains(v));
+        let mut out = Vec::new();
+        for &v in node.inputs.iter().flatten() {
+            let mut v = v;
+            // Views of a weight have it as their first input.
+            for _ in 0..8 {
+                if tied(&v) {
+                    out.push(v);
+                    break;
+                }
+                match g.value(v).producer.map(|p| g.node(p)) {
+                    Some(p) if p.op.kind().is_some_and(|k| k.is_view()) => match p.inputs.first().copied().flatten() {
+                        Some(src) => v = src,
+                        None => break,
+                    },
+                    _ => break,
+                }
+            }
+        }
+        out
+    }
+
+    /// Whether the Megatron split of every layer reading the tied weight `w` splits it at
+    /// degree `cfg.tp`.
+    fn tied_is_split(&mut self, w: ValueId, cfg: &LayerConfig) -> bool {
+        if let Some(&split) = self.tied_split.get(&(w, cfg.tp)) {
+            return split;
+        }
+        let lg = self.lg;
+        let readers: Vec<usize> = (0..lg.layers.len()).filter(|&l| lg.layers[l].params.contains(&w) || lg.layers[l].shared_params.contains(&w)).collect();
+        let mut split = true;
+        for l in readers {
+            let ls = strategy::from_offers(self.layer_offers(l, cfg));
+            for (k, members) in ls.members.iter().enumerate() {
+                if !members.iter().any(|&i| self.tied_read_by(l, i).contains(&w)) {
+                    continue;
+                }
+                let chosen = ls.megatron.get(k).and_then(|&m| ls.param_elems[k].get(m)).copied().unwrap_or(0.0);
+                let whole = ls.param_elems[k].iter().copied().fold(0.0, f64::max);
+                split &= chosen < whole;
+            }
+        }
+        self.tied_split.insert((w, cfg.tp), split);
+        split
+    }
+
+    fn solve_details(&mut self, layer: usize, cfg: &LayerConfig) -> Vec<StrategyDetail> {
+        let mut megatron = self.megatron_detail(layer, cfg);
+        let lay = &self.lg.layers[layer];
+        if cfg.tp <= 1 {
+            let g = &self.lg.graph;
+            megatron.nodes = lay
+                .nodes
+                .iter()
+                .map(|&id| (g.try_node(id).map(|n| n.name.clone()).unwrap_or_default(), Strategy::Replicate))
+                .collect();
+            return vec![megatron];
+        }
+        let mut offers = self.layer_offers(layer, cfg);
         let mut ls = strategy::from_offers(offers.clone());
         // A weight tied across layers (GPT-2's wte and lm_head) must be sliced alike wherever
-        // it is read, or its gradients cannot be summed: its readers keep the Megatron split,
-        // which slices it alike in every layer, so no point of either layer disagrees.
-        let tied: std::collections::HashSet<_> = lg.layers.iter().flat_map(|l| l.shared_params.iter().copied()).collect();
-        let reads_tied = |i: usize| lg.graph.try_node(lay.nodes[i]).is_some_and(|n| n.inputs.iter().flatten().any(|v| tied.contains(v)));
-        let pinned: Vec<(usize, Strategy)> = ls
-            .members
-            .iter()
-            .enumerate()
-            .filter(|(_, m)| m.iter().any(|&i| reads_tied(i)))
-            .filter_map(|(k, _)| Some((k, ls.strategy(k, *ls.megatron.get(k)?)?)))
-            .collect();
+        // it is read, or its gradients cannot be summed: its readers keep the Megatron split
+        // when that splits it in every layer reading it, and replicate it otherwise.
+        let mut pinned: Vec<(usize, Strategy)> = Vec::new();
+        for k in 0..ls.members.len() {
+            let tied: Vec<ValueId> = ls.members[k].iter().flat_map(|&i| self.tied_read_by(layer, i)).collect();
+            if tied.is_empty() {
+                continue;
+            }
+            let split = tied.into_iter().all(|w| self.tied_is_split(w, cfg));
+            let keep = if split { ls.megatron.get(k).and_then(|&m| ls.strategy(k, m)) } else { Some(Strategy::Replicate) };
+            if let Some(keep) = keep.filter(|&s| offers.nodes[k].options.iter().any(|x| x.strategy == s)) {
+                pinned.push((k, keep));
+            }
+        }
         if pinned.iter().any(|&(k, _)| offers.nodes[k].options.len() > 1) {
             for &(k, s) in &pinned {
                 offers.nodes[k].options.retain(|x| x.strategy == s);
