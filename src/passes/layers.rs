@@ -1,6 +1,7 @@
 //! Layer grouping: contiguous runs of nodes in execution order, found (a) from the module
 //! paths in node `namespace` metadata, else (b) from initializer-name prefixes, else
-//! (c) structurally at residual-add boundaries.
+//! (c) structurally at residual-add boundaries, else (d) at narrow cuts of the data path,
+//! merged into layers of balanced cost (chains and branchy CNNs without metadata).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt::Write as _;
@@ -35,9 +36,17 @@ pub fn group(graph: &Graph, fig: &Figures, _dims: &DimBindings) -> Result<Vec<La
         tracing::debug!("layers from initializer-name prefixes");
         (x.0, x.1, true)
     } else {
-        tracing::debug!("layers from residual-add boundaries");
-        let x = structural(graph, order, &pos);
-        (x.0, x.1, true)
+        let residual = structural(graph, order, &pos);
+        if residual.1.len() >= 2 && balanced(&residual.0, fig) {
+            tracing::debug!("layers from residual-add boundaries");
+            (residual.0, residual.1, true)
+        } else if let Some(x) = by_narrow_cuts(graph, fig) {
+            tracing::debug!("layers from narrow cuts of the data path");
+            (x.0, x.1, true)
+        } else {
+            tracing::debug!("one layer: no module metadata, residual adds or narrow cuts");
+            (residual.0, residual.1, true)
+        }
     };
     resolve_positional(order, &mut place);
     let mut groups = attach_helpers(graph, order, &place, prefer_producer);
@@ -57,13 +66,11 @@ pub fn group(graph: &Graph, fig: &Figures, _dims: &DimBindings) -> Result<Vec<La
         }
         let (name, kind) = match key {
             0 => {
-                // Token/position lookups, or a patch projection: any parameter before the blocks.
-                let emb = nodes.iter().any(|&n| {
-                    let node = graph.node(n);
-                    fig.per_node[n.index()].param_elems > 0
-                        || node.op.is(OpKind::Gather) && node.inputs.first().copied().flatten().is_some_and(|v| is_param(graph, v))
-                });
-                ("embedding".to_string(), if emb { LayerKind::Embedding } else { LayerKind::Other })
+                // What the layer does, not where it sits: token lookups or a patch projection
+                // make an embedding; a CNN's stem does not.
+                let emb = nodes.iter().any(|&n| embeds(graph, n));
+                let name = if emb { "embedding" } else { "stem" };
+                (name.to_string(), if emb { LayerKind::Embedding } else { LayerKind::Other })
             }
             HEAD => ("head".to_string(), LayerKind::Head),
             k => (names.get(&k).cloned().unwrap_or_else(|| format!("layer.{}", k - 1)), LayerKind::Block),
@@ -87,6 +94,24 @@ pub fn group(graph: &Graph, fig: &Figures, _dims: &DimBindings) -> Result<Vec<La
         fill(graph, fig, layer, &layer_of, &uses);
     }
     Ok(layers)
+}
+
+/// Whether node `n` embeds its input: a row lookup in a parameter table, or a convolution
+/// whose strides equal its kernel (patches to tokens, as ViT's).
+fn embeds(graph: &Graph, n: NodeId) -> bool {
+    let node = graph.node(n);
+    let weight = |i: usize| node.inputs.get(i).copied().flatten().is_some_and(|v| is_param(graph, v));
+    if node.op.is(OpKind::Gather) {
+        return weight(0);
+    }
+    if node.op.is(OpKind::Conv) && weight(1) {
+        let kernel = node.attrs.ints("kernel_shape").map(<[i64]>::to_vec).or_else(|| {
+            let w = node.inputs.get(1).copied().flatten()?;
+            Some(graph.value(w).ty.as_ref()?.shape.as_ref()?.known()?.get(2..)?.to_vec())
+        });
+        return kernel.is_some_and(|k| !k.is_empty() && node.attrs.ints("strides") == Some(k.as_slice()) && k.iter().any(|&d| d > 1));
+    }
+    false
 }
 
 /// Module paths of a namespace (`path: class` segments joined by `/`; the last is the op).
@@ -272,6 +297,141 @@ fn structural(graph: &Graph, order: &[NodeId], pos: &HashMap<NodeId, usize>) -> 
     (place, names)
 }
 
+/// Whether no group of `place` has more than twice the mean forward FLOPs of its groups.
+fn balanced(place: &[Place], fig: &Figures) -> bool {
+    let mut flops: HashMap<usize, f64> = HashMap::new();
+    for &n in &fig.order {
+        if let Some(Place::Group(k)) = place.get(n.index()) {
+            *flops.entry(*k).or_default() += fig.per_node[n.index()].flops;
+        }
+    }
+    let total: f64 = flops.values().sum();
+    flops.values().all(|&f| f <= 2.0 * total / flops.len() as f64)
+}
+
+/// Most layers a graph without metadata is cut into by [`by_narrow_cuts`].
+const MAX_CUT_LAYERS: usize = 32;
+
+/// Widest cut (activations live across it) [`by_narrow_cuts`] considers.
+const MAX_CUT_WIDTH: i64 = 8;
+
+/// Layers at narrow cuts, for graphs with neither module metadata nor residual adds (VGG-style
+/// chains, Inception or DenseNet modules, converted TensorFlow models). A cut follows a node of
+/// the data path (nodes reading graph inputs, transitively) where few activations are live:
+/// one where every path passes through a single tensor, else the narrowest width (up to
+/// [`MAX_CUT_WIDTH`]) that occurs at least three times, as where skip connections cross. The
+/// runs between cuts are merged, in order, into the most layers (up to [`MAX_CUT_LAYERS`])
+/// whose largest forward FLOPs stay within twice the mean.
+fn by_narrow_cuts(graph: &Graph, fig: &Figures) -> Option<Placement> {
+    let mut data = vec![false; graph.value_count()];
+    for &v in &graph.inputs {
+        data[v.index()] = true;
+    }
+    let mut path = Vec::new();
+    for &n in &fig.order {
+        let node = graph.node(n);
+        let on_path = node.inputs.iter().flatten().any(|v| data[v.index()]);
+        for &o in &node.outputs {
+            data[o.index()] = on_path;
+        }
+        if on_path {
+            path.push(n);
+        }
+    }
+    if path.len() < 2 {
+        return None;
+    }
+    // Width of the cut after each path position: values made at or before it and read after
+    // it (graph outputs stay live to the end; graph inputs are read from the data, not sent).
+    let mut last_read = vec![None; graph.value_count()];
+    for (i, &n) in path.iter().enumerate() {
+        for &v in graph.node(n).inputs.iter().flatten() {
+            last_read[v.index()] = Some(i);
+        }
+    }
+    for &v in &graph.outputs {
+        last_read[v.index()] = Some(path.len());
+    }
+    let mut delta = vec![0i64; path.len() + 1];
+    for (i, &n) in path.iter().enumerate() {
+        for &o in &graph.node(n).outputs {
+            if let Some(u) = last_read[o.index()].filter(|&u| u > i) {
+                delta[i] += 1;
+                delta[u] -= 1;
+            }
+        }
+    }
+    let width: Vec<i64> = delta[..path.len() - 1]
+        .iter()
+        .scan(0, |live, d| {
+            *live += d;
+            Some(*live)
+        })
+        .collect();
+    let narrowest = (1..=MAX_CUT_WIDTH).find(|&k| width.iter().filter(|&&w| w <= k).count() >= 3)?;
+    // Runs of path nodes between cuts, with their forward FLOPs (+1 so empty runs weigh).
+    let mut runs: Vec<(usize, f64)> = Vec::new(); // (last path position, cost)
+    let mut cost = 0.0;
+    for (i, &n) in path.iter().enumerate() {
+        cost += fig.per_node[n.index()].flops + 1.0;
+        if i + 1 == path.len() || width[i] <= narrowest {
+            runs.push((i, cost));
+            cost = 0.0;
+        }
+    }
+    let costs: Vec<f64> = runs.iter().map(|r| r.1).collect();
+    let total: f64 = costs.iter().sum();
+    let groups = (1..=runs.len().min(MAX_CUT_LAYERS))
+        .rev()
+        .map(|layers| balanced_runs(&costs, layers))
+        .find(|g| {
+            let largest = g.iter().map(|r| costs[r.clone()].iter().sum::<f64>()).fold(0.0, f64::max);
+            largest <= 2.0 * total / g.len() as f64
+        })?;
+    let slots = graph.node_ids().map(|n| n.index() + 1).max().unwrap_or(0);
+    let mut place = vec![Place::Helper; slots];
+    let mut names = HashMap::new();
+    let mut first = 0;
+    for (k, g) in groups.iter().enumerate() {
+        let last = runs[g.end - 1].0;
+        for &n in &path[first..=last] {
+            place[n.index()] = Place::Group(k + 1);
+        }
+        names.insert(k + 1, format!("block.{k}"));
+        first = last + 1;
+    }
+    Some((place, names))
+}
+
+/// The split of `costs`, in order, into at most `layers` contiguous groups whose largest sum is
+/// least (bisection on that sum; each group is filled greedily).
+fn balanced_runs(costs: &[f64], layers: usize) -> Vec<std::ops::Range<usize>> {
+    let pack = |limit: f64| {
+        let mut out = Vec::new();
+        let (mut start, mut sum) = (0, 0.0);
+        for (i, &c) in costs.iter().enumerate() {
+            if i > start && sum + c > limit {
+                out.push(start..i);
+                start = i;
+                sum = 0.0;
+            }
+            sum += c;
+        }
+        out.push(start..costs.len());
+        out
+    };
+    let (mut lo, mut hi) = (costs.iter().copied().fold(0.0, f64::max), costs.iter().sum::<f64>());
+    for _ in 0..64 {
+        let mid = 0.5 * (lo + hi);
+        if pack(mid).len() <= layers {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    pack(hi)
+}
+
 /// Positional nodes go before the first block, after the last, or with the block before them.
 fn resolve_positional(order: &[NodeId], place: &mut [Place]) {
     let first = order.iter().position(|n| matches!(place[n.index()], Place::Group(_)));
@@ -441,4 +601,56 @@ pub fn signature(graph: &Graph, layer: &Layer) -> String {
         let _ = write!(s, "{b:02x}");
         s
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::ir::{Attr, DType, LayerKind};
+    use crate::passes::testutil::Builder;
+    use crate::passes::{AnalyzeOptions, analyze};
+
+    /// A CNN-shaped graph without metadata, residual adds or numbered names: a chain of
+    /// matmuls, then Inception-style modules (parallel branches joined by a concat), of
+    /// uneven widths.
+    fn branchy() -> crate::ir::Graph {
+        let mut b = Builder::new(17);
+        let mut x = b.input("pixels", DType::F32, &["4", "64"]);
+        let mut width = 64;
+        for (i, w) in [64, 128, 128, 256].into_iter().enumerate() {
+            let p = b.param(&format!("stem_w{}", "abcd".as_bytes()[i] as char), DType::F32, &[width, w]);
+            let y = b.node(crate::ir::OpKind::MatMul, &[x, p], &[]);
+            x = b.node(crate::ir::OpKind::Relu, &[y], &[]);
+            width = w;
+        }
+        for m in 0..6 {
+            let branches: Vec<_> = (0..3)
+                .map(|k| {
+                    let p = b.param(&format!("mix{}branch{}", "abcdef".as_bytes()[m] as char, "xyz".as_bytes()[k] as char), DType::F32, &[width, 64]);
+                    let y = b.node(crate::ir::OpKind::MatMul, &[x, p], &[]);
+                    b.node(crate::ir::OpKind::Relu, &[y], &[])
+                })
+                .collect();
+            x = b.node(crate::ir::OpKind::Concat, &branches, &[("axis", Attr::Int(1))]);
+            width = 192;
+        }
+        b.output(x);
+        b.g
+    }
+
+    #[test]
+    fn graphs_without_metadata_are_cut_where_one_tensor_crosses_into_balanced_layers() {
+        let lg = analyze(branchy(), &AnalyzeOptions::default()).unwrap();
+        let flops: Vec<f64> = lg.layers.iter().map(|l| l.figures.flops).collect();
+        let mean = flops.iter().sum::<f64>() / flops.len() as f64;
+        assert!(lg.layers.len() >= 4, "{} layers", lg.layers.len());
+        assert!(flops.iter().all(|&f| f <= 2.0 * mean), "{flops:?}");
+        // Every cut lies where a single activation crosses, never inside a module.
+        for l in &lg.layers[..lg.layers.len() - 1] {
+            assert_eq!(l.outputs.len(), 1, "layer {} sends {:?}", l.name, l.outputs);
+        }
+        // A stem of matmuls is not an embedding.
+        assert!(lg.layers.iter().all(|l| l.kind != LayerKind::Embedding));
+        let covered: usize = lg.layers.iter().map(|l| l.nodes.len()).sum();
+        assert_eq!(covered, lg.graph.node_count());
+    }
 }
