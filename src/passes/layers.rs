@@ -1,5 +1,5 @@
 //! Layer grouping: contiguous runs of nodes in execution order, found (a) from the module
-//! paths in node `namespace` metadata, else (b) from initializer-name prefixes, else
+//! paths in node `namespace` metadata (or node names of the older torch exporter), else (b) from initializer-name prefixes, else
 //! (c) structurally at residual-add boundaries, else (d) at narrow cuts of the data path,
 //! merged into layers of balanced cost (chains and branchy CNNs without metadata).
 
@@ -10,7 +10,7 @@ use sha2::{Digest, Sha256};
 
 use super::PassError;
 use super::figures::{Figures, is_param};
-use crate::ir::{DimBindings, Graph, Layer, LayerKind, NodeFigures, NodeId, OpKind, ValueId, ValueKind};
+use crate::ir::{DimBindings, Graph, Layer, LayerKind, Node, NodeFigures, NodeId, OpKind, ValueId, ValueKind};
 
 /// How a node was placed before helpers are attached.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -161,14 +161,32 @@ fn keys(prefix: &str, seen: &BTreeSet<u64>) -> (HashMap<u64, usize>, HashMap<usi
     (key, names)
 }
 
+/// Module paths of a node: from its `namespace` metadata, else from a name in the form of the
+/// older torch exporter (`/h.3/attn/c_attn/Gemm` gives `h.3`, `h.3.attn`, `h.3.attn.c_attn`).
+fn node_paths(node: &Node) -> Vec<String> {
+    if let Some(ns) = &node.namespace {
+        return module_paths(ns).map(str::to_string).collect();
+    }
+    let Some(rest) = node.name.strip_prefix('/') else { return Vec::new() };
+    let segs: Vec<&str> = rest.split('/').collect();
+    let mut out = Vec::new();
+    let mut path = String::new();
+    for seg in segs[..segs.len().saturating_sub(1)].iter().filter(|s| !s.is_empty()) {
+        if !path.is_empty() {
+            path.push('.');
+        }
+        path.push_str(seg);
+        out.push(path.clone());
+    }
+    out
+}
+
 fn by_namespace(graph: &Graph, order: &[NodeId]) -> Option<Placement> {
     let mut counts: HashMap<String, BTreeSet<u64>> = HashMap::new();
     for &n in order {
-        if let Some(ns) = &graph.node(n).namespace {
-            for p in module_paths(ns) {
-                for (prefix, i) in containers(p) {
-                    counts.entry(prefix).or_default().insert(i);
-                }
+        for p in node_paths(graph.node(n)) {
+            for (prefix, i) in containers(&p) {
+                counts.entry(prefix).or_default().insert(i);
             }
         }
     }
@@ -177,18 +195,15 @@ fn by_namespace(graph: &Graph, order: &[NodeId]) -> Option<Placement> {
     let slots = graph.node_ids().map(|n| n.index() + 1).max().unwrap_or(0);
     let mut place = vec![Place::Helper; slots];
     for &n in order {
-        let Some(ns) = &graph.node(n).namespace else { continue };
-        let mut has_path = false;
-        for p in module_paths(ns) {
-            has_path = true;
-            if let Some(i) = index_in(p, &prefix) {
-                place[n.index()] = Place::Group(key[&i]);
-                break;
-            }
+        let paths = node_paths(graph.node(n));
+        if paths.is_empty() {
+            continue;
         }
-        if has_path && place[n.index()] == Place::Helper {
-            place[n.index()] = Place::Positional;
-        }
+        place[n.index()] = paths
+            .iter()
+            .find_map(|p| index_in(p, &prefix))
+            .map(|i| Place::Group(key[&i]))
+            .unwrap_or(Place::Positional);
     }
     Some((place, names))
 }
@@ -635,6 +650,34 @@ mod tests {
         }
         b.output(x);
         b.g
+    }
+
+    /// The older torch exporter writes no namespace but names nodes by module path
+    /// (`/m/h.0/attn/MatMul`): those names group layers as the namespace does.
+    #[test]
+    fn node_names_of_the_older_exporter_group_layers_as_namespaces_do() {
+        use crate::passes::testutil::{Gpt, gpt};
+        let cfg = Gpt { blocks: 2, hidden: 64, heads: 4, vocab: 128, ffn: 256, batch: Some(2), seq: Some(8), dtype: DType::F32, namespaces: true, layer_names: false };
+        let by_ns = analyze(gpt(cfg), &AnalyzeOptions::default()).unwrap();
+        let mut g = gpt(cfg);
+        let ids: Vec<_> = g.node_ids().collect();
+        for n in ids {
+            let node = g.node_mut(n);
+            let ns = node.namespace.take().unwrap();
+            let paths: Vec<&str> = super::module_paths(&ns).collect();
+            // each segment relative to its parent, as the old exporter writes it
+            let mut segs = Vec::new();
+            let mut parent = "";
+            for p in &paths {
+                segs.push(p.strip_prefix(parent).map(|s| s.trim_start_matches('.')).unwrap_or(p).to_string());
+                parent = p;
+            }
+            node.name = format!("/{}/{}_{}", segs.join("/"), node.op.name(), n.index());
+        }
+        let by_names = analyze(g, &AnalyzeOptions::default()).unwrap();
+        let layers = |lg: &crate::ir::LayeredGraph| lg.layers.iter().map(|l| (l.kind, l.nodes.clone())).collect::<Vec<_>>();
+        assert_eq!(by_ns.layers.len(), 4);
+        assert_eq!(layers(&by_names), layers(&by_ns));
     }
 
     #[test]
