@@ -474,13 +474,21 @@ fn train_cmd(model: &Path, o: &TrainArgs, shape: TrainShape) -> Result<()> {
     let mut graph = load_decided(model, &o.param_options(), true)?;
     if let Some((_, fixed)) = smp_partition::passes::rebatch::fixed_batch(&graph) {
         // a fixed batch runs the microbatch size asked (the data's batch, split)
-        let global = match &o.data {
-            Some(path) => npz::read_npz(path)?.first().and_then(|(_, t)| t.size().first().copied()).unwrap_or(shape.batch),
-            None => shape.batch,
+        let (global, seq) = match &o.data {
+            Some(path) => {
+                let size = npz::read_npz(path)?.first().map(|(_, t)| t.size()).unwrap_or_default();
+                (size.first().copied().unwrap_or(shape.batch), size.get(1).copied().unwrap_or(shape.seq_len))
+            }
+            None => (shape.batch, shape.seq_len),
         };
         let b = global / shape.microbatches.max(1) as i64;
         if b != fixed && b > 0 {
-            rebind_batch(&mut graph, b, &smp_partition::passes::AnalyzeOptions::default(), model)?;
+            // a symbolic sequence (fixed batch) is bound to the data's
+            let symbolic_seq = graph.inputs.first().and_then(|&v| graph.value(v).ty.as_ref()).and_then(|t| t.shape.as_ref()).is_some_and(|s| {
+                matches!(s.0.get(1), Some(smp_partition::ir::Dim::Sym(_)))
+            });
+            let opts = smp_partition::passes::AnalyzeOptions { seq_len: symbolic_seq.then_some(seq), ..Default::default() };
+            rebind_batch(&mut graph, b, &opts, model)?;
         }
     }
     let float_kind = Some(o.dtype.kind());

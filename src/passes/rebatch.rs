@@ -6,8 +6,11 @@
 //! - integer shape operands (`Reshape` and `Expand` targets, `ConstantOfShape` shapes) whose
 //!   first entry is `B` or a multiple `B·m` (GPT-2's `[B, S, H]` reshapes, and its `[B·S, H]`
 //!   flattening before each `Gemm`): that entry, to the new size (times `m`);
-//! - frozen constants whose first dim is `B` and whose `B` slices are equal (causal masks
+//! - frozen constants whose first dim is `B > 1` and whose `B` slices are equal (causal masks
 //!   folded as `[B, 1, S, S]`, positions gathered per sample): one slice, repeated.
+//!
+//! At `B = 1` only entries equal to 1 are rewritten (a flattened `[S, H]` cannot be told from
+//! a weight's shape), and leading-1 constants are left to broadcast.
 //!
 //! The rewrite is proven by shape inference: the rewritten graph is inferred at two probe sizes
 //! that no dim of the graph has, and every value's shape (and every evaluated shape tensor)
@@ -192,10 +195,13 @@ fn find(graph: &Graph, input: &str, from: i64) -> Rewrite {
         let Some(t) = &val.data else { continue };
         let (shape_uses, other_uses) = uses[v.index()];
         if shape_uses > 0 && other_uses == 0 {
-            if t.dims.len() == 1 && t.to_i64_vec().is_some_and(|x| x.first().is_some_and(|&x0| x0 > 0 && x0 % from == 0)) {
+            // a multiple B·m only for B > 1 (at B = 1 every entry would be one)
+            let batch_entry = |x0: i64| x0 == from || from > 1 && x0 > 0 && x0 % from == 0;
+            if t.dims.len() == 1 && t.to_i64_vec().is_some_and(|x| x.first().is_some_and(|&x0| batch_entry(x0))) {
                 rw.shape_constants.push(v);
             }
-        } else if shape_uses == 0 && other_uses > 0 && t.dims.first() == Some(&from) && replicated(t) {
+        } else if from > 1 && shape_uses == 0 && other_uses > 0 && t.dims.first() == Some(&from) && replicated(t) {
+            // (at B = 1 a leading 1 broadcasts: nothing to cut)
             rw.constants.push(v);
         }
     }
@@ -352,5 +358,15 @@ mod tests {
         let flat = g.node_ids().find(|&n| g.node(n).op.is(OpKind::MatMul)).unwrap();
         let flat = g.node(flat).outputs[0];
         assert_eq!(g.value(flat).ty.as_ref().and_then(|t| t.shape.as_ref()).and_then(Shape::known), Some(vec![24, 16]));
+    }
+
+    #[test]
+    fn an_export_at_batch_one_rebinds() {
+        let lg = crate::passes::analyze(gpt(cfg(1)), &AnalyzeOptions::default()).unwrap();
+        assert!(lg.dims.fixed_batch && lg.dims.batch_rebinds);
+        let mut g = lg.graph.clone();
+        let r = rebind_batch(&mut g, 3, &AnalyzeOptions::default()).unwrap().unwrap();
+        assert!(!r.shape_constants.is_empty(), "{r:?}");
+        assert_eq!(output_shape(&g), vec![3, 8, 128]);
     }
 }
