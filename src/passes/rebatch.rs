@@ -138,7 +138,11 @@ fn prove(graph: &Graph, opts: &AnalyzeOptions) -> Result<Rewrite, PassError> {
         if s1.len() != s0.len() || s2.len() != s0.len() || (0..s0.len()).any(|i| !follows(s0[i], s1[i], s2[i])) {
             return Err(fail(v, format!("has shape {s0:?} at batch {from} but {s1:?} / {s2:?} rebound to {q1} / {q2}: a dim neither follows the batch nor stays fixed")));
         }
+        // evaluated integers of a batch-independent shape (shape tensors, not per-sample data
+        // such as gathered rows, whose shape the check above followed)
         if let (Some(x0), Some(x1), Some(x2)) = (info.ints(v), i1.ints(v), i2.ints(v))
+            && s1 == s0
+            && s2 == s0
             && (x1.len() != x0.len() || x2.len() != x0.len() || (0..x0.len()).any(|i| !follows(x0[i], x1[i], x2[i])))
         {
             return Err(fail(v, format!("holds {x0:?} at batch {from} but {x1:?} / {x2:?} rebound to {q1} / {q2}")));
@@ -368,5 +372,26 @@ mod tests {
         let r = rebind_batch(&mut g, 3, &AnalyzeOptions::default()).unwrap().unwrap();
         assert!(!r.shape_constants.is_empty(), "{r:?}");
         assert_eq!(output_shape(&g), vec![3, 8, 128]);
+    }
+
+    #[test]
+    fn positions_gathered_per_sample_are_cut() {
+        // OPT's fixed export: position rows gathered for every sample, [B, S] indices
+        let mut b = Builder::new(18);
+        let ids = b.input("input_ids", DType::I64, &["4", "8"]);
+        let wte = b.param("wte", DType::F32, &[32, 16]);
+        let wpe = b.param("wpe", DType::F32, &[8, 16]);
+        let rows: Vec<i64> = (0..4).flat_map(|_| 0..8).collect();
+        let pos = b.constant(Tensor::from_i64(vec![4, 8], &rows));
+        let x = b.node(OpKind::Gather, &[wte, ids], &[]);
+        let p = b.node(OpKind::Gather, &[wpe, pos], &[]);
+        let y = b.node(OpKind::Add, &[x, p], &[]);
+        b.output(y);
+        let mut g = b.g;
+        let r = rebind_batch(&mut g, 3, &AnalyzeOptions::default()).unwrap().unwrap();
+        assert_eq!(r.constants.len(), 1, "{r:?}");
+        assert_eq!(output_shape(&g), vec![3, 8, 16]);
+        let cut = g.value(g.value_by_name(&r.constants[0]).unwrap()).data.clone().unwrap();
+        assert_eq!(cut.to_i64_vec().unwrap(), rows[..24].to_vec());
     }
 }
