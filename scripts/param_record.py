@@ -229,3 +229,43 @@ def read_record(proto: onnx.ModelProto) -> dict[str, dict[str, str]]:
     """The record as {initializer name: {key: value}} (for tests and tools)."""
     return {t.name: {p.key: p.value for p in t.metadata_props if p.key.startswith("smp.")}
             for t in proto.graph.initializer}
+
+
+def keep_apart(module) -> dict:
+    """Gives `module`'s constant-valued parameters (norm weights of 1, biases of 0) distinct
+    values, in place, for an export whose nodes must stay apart; returns their original values
+    by name, for `put_back(module, proto, originals)` after the export.
+
+    The exporter merges equal-valued initializers, and then nodes that compute the same thing
+    from the same inputs: GPT-NeoX's parallel residual feeds the block input to both LayerNorms
+    of a block, so at HF's default init the two become one node and `post_attention_layernorm`
+    is found nowhere in the file (no record can split a node). Exported with distinct values,
+    the graph keeps the module's nodes; `put_back` then writes the module's own values into the
+    file, so the file holds exactly the module's parameters."""
+    import torch
+
+    originals = {}
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.numel() > 1 and bool((p == p.flatten()[0]).all()):
+                originals[name] = p.detach().clone()
+                p.add_(torch.randn_like(p) * 0.02)
+    return originals
+
+
+def put_back(module, proto: onnx.ModelProto, originals: dict) -> None:
+    """Restores `keep_apart`'s parameters in `module` and in `proto`'s initializers named after
+    them. Raises if the exporter stored one under another name (then its value cannot be put
+    back with certainty)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name in originals:
+                p.copy_(originals[name])
+    inits = {t.name: t for t in proto.graph.initializer}
+    for name, value in originals.items():
+        t = inits.get(name)
+        if t is None:
+            raise ValueError(f"keep_apart: the export stores `{name}` under another name")
+        t.CopyFrom(numpy_helper.from_array(value.cpu().numpy().astype(numpy_helper.to_array(t).dtype), name))

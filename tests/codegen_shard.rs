@@ -269,7 +269,7 @@ fn pipeline_of_sharded_stages_reproduces_the_model() {
         let stages = (0..pp)
             .map(|s| StageInput { layers: [s * n / pp, (s + 1) * n / pp - 1], checkpointed_layers: vec![], output_bytes: 0 })
             .collect();
-        let mut input = CodegenInput { pp, tp: t, dp: 1, zero: 0, sharded_dp: None, microbatches: 1, schedule: ScheduleKind::OneFOneB, stages, replicated_layers: vec![], node_strategies: vec![], sequence_parallel };
+        let mut input = CodegenInput { pp, tp: t, dp: 1, zero: 0, sharded_dp: None, microbatches: 1, schedule: ScheduleKind::OneFOneB, stages, replicated_layers: vec![], node_strategies: vec![], sequence_parallel, microbatch_size: None };
         if name == "bert" {
             // BERT's MLM head transform (dense, GELU, LayerNorm) splits at no degree: codegen
             // refuses it unless the plan says to replicate that layer.

@@ -9,7 +9,13 @@ attention), in a fixed-shape and a dynamic-shape export variant:
 - trains 5 steps in PyTorch (AdamW lr 1e-3, weight decay 0.01 on every parameter, clip 1.0)
   and writes the losses and the trained parameters (`<case>.trained.npz`, keyed by every
   name of each parameter, as `named_parameters(remove_duplicate=False)` of the exported
-  module reports them).
+  module reports them);
+- trains the same 5 steps in float64 from the same init (`<case>.trained64.npz`): how far
+  PyTorch's own float32 training is from exact arithmetic, per tensor. Where an element's
+  gradient cancels below float32's resolution (GPT-NeoX: one MLP weight with a gradient of
+  1e-9 at step 1, where the tensor's reach 1e-2), Adam turns the rounding into a visible step
+  and every later step carries it: two correct float32 trainings then differ by as much as
+  PyTorch's float32 and float64 ones do.
 
 usage: train_oracle.py OUT_DIR [MODEL ...]    (default: all but neox_parallel)
 Writes OUT_DIR/cases.json: [{"case", "model", "variant", "onnx", "data", "loss", "losses",
@@ -30,11 +36,12 @@ import transformers as T
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from export_models import LogitsOnly  # noqa: E402
-from param_record import write_record  # noqa: E402
+from param_record import keep_apart, put_back, write_record  # noqa: E402
 
 warnings.filterwarnings("ignore")
 H, VOCAB, BATCH, SEQ, STEPS, SEED = 32, 64, 2, 8, 5, 0
 LR, WD, CLIP = 1e-3, 0.01, 1.0
+KEEP_APART = {"neox_parallel"}
 GRADFREE = 1e-6  # |grad| below this times the global grad norm, at every step: gradient-free
 
 
@@ -56,9 +63,9 @@ def configs():
             "causal-lm"),
         "qwen2": (T.Qwen2ForCausalLM, T.Qwen2Config(
             num_key_value_heads=2, attention_dropout=0.0, **rope), "causal-lm"),
-        # sequential residual: with the default parallel one both LayerNorms of a block read
-        # the same input, and at equal weights the exporter merges the two nodes
-        # (`neox_parallel`, a known failure: the file has no post_attention_layernorm)
+        # sequential residual; `neox_parallel` is the default parallel one, whose two LayerNorms
+        # of a block read the same input: at equal weights the exporter merges the two nodes,
+        # so it is exported with its nodes kept apart (param_record.keep_apart/put_back)
         "neox": (T.GPTNeoXForCausalLM, T.GPTNeoXConfig(
             hidden_dropout=0.0, attention_dropout=0.0, use_parallel_residual=False, **rope),
             "causal-lm"),
@@ -114,13 +121,19 @@ def run_case(out: Path, name: str, variant: str) -> dict:
         if name != "vit":
             dims[1] = torch.export.Dim("seq", max=32)
         kw["dynamic_shapes"] = (dims,)
+    # nodes the exporter would merge at equal weights (GPT-NeoX's parallel residual) are
+    # exported apart, and the file then holds the module's own values
+    originals = keep_apart(model) if name in KEEP_APART else {}
     with torch.no_grad():
         program = torch.onnx.export(model, (x,), dynamo=True, opset_version=18,
                                     input_names=[input_name], output_names=["logits"],
                                     verbose=False, **kw)
     program.save(str(path), external_data=False)
     proto = onnx.load(str(path))
+    if originals:
+        put_back(model, proto, originals)
     record = write_record(model, proto)
+    assert not record["missing"], f"{case}: parameters not in the export: {record['missing']}"
     onnx.save(proto, str(path))
 
     arrays = {input_name: x.numpy()}
@@ -144,6 +157,18 @@ def run_case(out: Path, name: str, variant: str) -> dict:
         opt.step()
         losses.append(loss.item())
     trained = {n: p.detach().numpy() for n, p in model.named_parameters(remove_duplicate=False)}
+    # the same steps in float64 from the same init
+    torch.manual_seed(SEED)
+    exact = LogitsOnly(cls(cfg), input_name).double().train()
+    opt64 = torch.optim.AdamW(exact.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    x64 = x.double() if x.is_floating_point() else x
+    for _ in range(STEPS):
+        opt64.zero_grad()
+        loss_of(kind, exact(x64), x, labels).backward()
+        torch.nn.utils.clip_grad_norm_(exact.parameters(), CLIP, foreach=False)
+        opt64.step()
+    np.savez(out / f"{case}.trained64.npz",
+             **{n: p.detach().numpy() for n, p in exact.named_parameters(remove_duplicate=False)})
     aliases = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(n)
@@ -154,7 +179,7 @@ def run_case(out: Path, name: str, variant: str) -> dict:
     np.savez(out / f"{case}.trained.npz", **trained)
     return {"case": case, "model": name, "variant": variant, "onnx": str(path),
             "data": str(out / f"{case}.data.npz"), "loss": kind, "losses": losses,
-            "trained": str(out / f"{case}.trained.npz"),
+            "trained": str(out / f"{case}.trained.npz"), "trained64": str(out / f"{case}.trained64.npz"),
             "record": {k: v for k, v in record.items() if k != "restored"} | {"restored": len(record["restored"])}}
 
 

@@ -9,6 +9,12 @@
 //! shift shared by a row) are flagged by the PyTorch run and only bounded: Adam scales their
 //! rounding noise to ±lr a step.
 //!
+//! Where PyTorch's own float32 training is itself farther than 1e-5 from its float64 training
+//! of the same steps (an element whose gradient cancels below float32's resolution, which Adam
+//! turns into a visible step: GPT-NeoX), a tensor also passes if the runner is at most as far
+//! from the float64 training as PyTorch's float32 one is (times [`CONDITION_MARGIN`]): it
+//! trains as accurately as PyTorch does. Each use of this is printed.
+//!
 //! The exports are cached under the target dir, keyed by the two Python files' contents.
 #![cfg(feature = "runner")]
 
@@ -25,6 +31,8 @@ const LOSS_TOL: f64 = 1e-5;
 const WEIGHT_TOL: f64 = 1e-5;
 /// 5 AdamW steps of lr 1e-3 on each side.
 const NOISE_BOUND: f64 = 2.0 * 5.0 * 1e-3;
+/// How much farther than PyTorch's float32 training the runner may be from the float64 one.
+const CONDITION_MARGIN: f64 = 2.0;
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -89,6 +97,7 @@ fn check(case: &serde_json::Value, dir: &Path) -> Result<(f64, f64), String> {
         errors.push(format!("losses differ by {loss_rel:.2e} relative: runner {ours:?}, torch {theirs:?}"));
     }
     let want: BTreeMap<String, Tensor> = npz::read_npz(Path::new(case["trained"].as_str().unwrap())).unwrap().into_iter().collect();
+    let exact: BTreeMap<String, Tensor> = npz::read_npz(Path::new(case["trained64"].as_str().unwrap())).unwrap().into_iter().collect();
     let got: BTreeMap<String, Tensor> = npz::read_npz(&saved).map_err(|e| format!("{name}: {e}"))?.into_iter().collect();
     let mut worst = (0.0f64, String::new());
     let mut gradfree = 0i64;
@@ -97,9 +106,15 @@ fn check(case: &serde_json::Value, dir: &Path) -> Result<(f64, f64), String> {
             errors.push(format!("`{p}` is not trained by the runner"));
             continue;
         };
-        let w = match got.get(&format!("{p}#rows")) {
-            Some(rows) => w.index_select(0, rows),
-            None => w.shallow_clone(),
+        let rows = got.get(&format!("{p}#rows"));
+        let select = |t: &Tensor| match rows {
+            Some(rows) => t.index_select(0, rows),
+            None => t.shallow_clone(),
+        };
+        let w = select(w);
+        let Some(x) = exact.get(p).map(select) else {
+            errors.push(format!("`{p}` has no float64 PyTorch result"));
+            continue;
         };
         if g.size() != w.size() {
             errors.push(format!("`{p}`: shape {:?}, torch {:?}", g.size(), w.size()));
@@ -107,7 +122,7 @@ fn check(case: &serde_json::Value, dir: &Path) -> Result<(f64, f64), String> {
         }
         // gradient-free elements (zero gradient in exact arithmetic) move by Adam-scaled
         // rounding noise, at most lr a step either way: bounded, the rest compared exactly
-        let (g, w) = match want.get(&format!("{p}#gradfree")) {
+        let (g, w, x) = match want.get(&format!("{p}#gradfree")) {
             Some(mask) => {
                 let mask = match got.get(&format!("{p}#rows")) {
                     Some(rows) => mask.index_select(0, rows),
@@ -121,9 +136,9 @@ fn check(case: &serde_json::Value, dir: &Path) -> Result<(f64, f64), String> {
                 }
                 gradfree += mask.sum(Kind::Int64).int64_value(&[]);
                 let keep = mask.logical_not();
-                (g.masked_select(&keep), w.masked_select(&keep))
+                (g.masked_select(&keep), w.masked_select(&keep), x.to_kind(Kind::Double).masked_select(&keep))
             }
-            None => (g.shallow_clone(), w),
+            None => (g.shallow_clone(), w, x),
         };
         if w.numel() == 0 {
             continue;
@@ -133,7 +148,18 @@ fn check(case: &serde_json::Value, dir: &Path) -> Result<(f64, f64), String> {
             worst = (rel, p.clone());
         }
         if rel > WEIGHT_TOL {
-            errors.push(format!("`{p}` differs by {rel:.2e} norm-relative"));
+            // as accurate as PyTorch's own float32 training?
+            let (ours, torch32) = (norm_rel(&g, &x), norm_rel(&w, &x));
+            if ours <= CONDITION_MARGIN * torch32 {
+                eprintln!(
+                    "{name}: `{p}` differs from PyTorch by {rel:.2e}, but is {ours:.2e} from PyTorch's float64 training, \
+                     where PyTorch's float32 one is {torch32:.2e}"
+                );
+            } else {
+                errors.push(format!(
+                    "`{p}` differs by {rel:.2e} norm-relative ({ours:.2e} from PyTorch's float64 training, PyTorch's float32 {torch32:.2e})"
+                ));
+            }
         }
     }
     for p in got.keys() {
@@ -177,22 +203,26 @@ fn qwen2_trains_as_pytorch() {
     oracle("qwen2");
 }
 
-/// Losses agree (6.5e-7 relative after 5 steps, fixed and dynamic alike), but about 1 % of the
-/// weight elements differ by up to 1.8e-4 (norm-relative up to 2.9e-4 per tensor), in every
-/// tensor. Not diagnosed yet (candidates: elements with tiny, not exactly zero, gradients that
-/// Adam amplifies; the partial-rotary slice/concat order of the export).
+/// Losses agree (6.5e-7 relative after 5 steps); weights differ from PyTorch's by up to 2.9e-4
+/// norm-relative. The cause is float32 itself: at step 1 one element of
+/// `layers.0.mlp.dense_h_to_4h.weight` has a gradient of 2.5e-9 (float64) where its tensor's
+/// reach 1.5e-2; float32 gets 8.4e-10 (PyTorch) and something else again (the runner), below
+/// Adam's eps after clipping, so that element's first step differs by up to 1.8e-4 and every
+/// later step carries the difference into every tensor. PyTorch's own float32 training is
+/// 2.0e-4 from its float64 one; the runner's is closer (at most 8.8e-5), which the
+/// conditioning rule above accepts.
 #[test]
-#[ignore = "weights differ up to 2.9e-4 norm-relative though losses agree to 6.5e-7; not diagnosed"]
 fn neox_trains_as_pytorch() {
     oracle("neox");
 }
 
 /// GPT-NeoX's default parallel residual: both LayerNorms of a block read the block input, and
-/// at HF's default init (equal weights) the exporter merges the two LayerNorm nodes, so the file
-/// holds no `post_attention_layernorm` (the record lists them in `smp.missing`). Training it as
-/// PyTorch does needs the node split back, which the record cannot express yet.
+/// at HF's default init (equal weights) the exporter merges the two LayerNorm nodes, so a plain
+/// export holds no `post_attention_layernorm` (the record lists them in `smp.missing`). The
+/// oracle exports it with its nodes kept apart (`param_record.keep_apart`: distinct values
+/// during the export only, the module's own values put back into the file), so the file is the
+/// module at HF's default init, node for node.
 #[test]
-#[ignore = "the export merges the two LayerNorm nodes of a parallel-residual block (smp.missing)"]
 fn neox_parallel_residual_trains_as_pytorch() {
     oracle_of(&generate(&["neox_parallel"]), "neox_parallel");
 }

@@ -289,7 +289,11 @@ fn rank_cmd(plan: &smp_partition::plan::Plan, model: &Path, o: &TrainArgs, shape
     if o.save_weights.is_some() {
         bail!("--save-weights is only supported by single-process runs (`train`, or a plan of one rank)");
     }
-    let graph = load_decided(model, &o.param_options(), env.rank == 0)?;
+    let mut graph = load_decided(model, &o.param_options(), env.rank == 0)?;
+    if let Some(b) = plan.codegen.as_ref().and_then(|c| c.batch) {
+        let opts = smp_partition::passes::AnalyzeOptions { seq_len: plan.seq_len.map(|s| s as i64), dims: plan.dims.clone() };
+        rebind_batch(&mut graph, b.microbatch, &opts, model)?;
+    }
     let float_kind = Some(o.dtype.kind());
     let weights = Weights::load(&graph, init_mode(o.init, o.seed), float_kind)?;
     let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: true })?;
@@ -399,6 +403,15 @@ fn load_decided(model: &Path, opts: &ParamOptions, log: bool) -> Result<Graph> {
     Ok(graph)
 }
 
+/// Rewrites a model whose batch is fixed to run microbatches of `b` samples
+/// (`passes::rebatch`; refused where the rewrite is not proven).
+fn rebind_batch(graph: &mut Graph, b: i64, opts: &smp_partition::passes::AnalyzeOptions, model: &Path) -> Result<()> {
+    if let Some(r) = smp_partition::passes::rebatch::rebind_batch(graph, b, opts).with_context(|| format!("model `{}`", model.display()))? {
+        tracing::info!(from = r.from, to = r.to, shape_constants = r.shape_constants.len(), constants = r.constants.len(), "fixed batch rebound");
+    }
+    Ok(())
+}
+
 /// Writes the trained tensors keyed by module parameter name, in the module's layout.
 fn save_weights(path: &Path, exec: &Executor) -> Result<()> {
     let graph = exec.graph();
@@ -458,7 +471,26 @@ fn train_cmd(model: &Path, o: &TrainArgs, shape: TrainShape) -> Result<()> {
     if let Some(n) = o.threads {
         tch::set_num_threads(n);
     }
-    let graph = load_decided(model, &o.param_options(), true)?;
+    let mut graph = load_decided(model, &o.param_options(), true)?;
+    if let Some((_, fixed)) = smp_partition::passes::rebatch::fixed_batch(&graph) {
+        // a fixed batch runs the microbatch size asked (the data's batch, split)
+        let (global, seq) = match &o.data {
+            Some(path) => {
+                let size = npz::read_npz(path)?.first().map(|(_, t)| t.size()).unwrap_or_default();
+                (size.first().copied().unwrap_or(shape.batch), size.get(1).copied().unwrap_or(shape.seq_len))
+            }
+            None => (shape.batch, shape.seq_len),
+        };
+        let b = global / shape.microbatches.max(1) as i64;
+        if b != fixed && b > 0 {
+            // a symbolic sequence (fixed batch) is bound to the data's
+            let symbolic_seq = graph.inputs.first().and_then(|&v| graph.value(v).ty.as_ref()).and_then(|t| t.shape.as_ref()).is_some_and(|s| {
+                matches!(s.0.get(1), Some(smp_partition::ir::Dim::Sym(_)))
+            });
+            let opts = smp_partition::passes::AnalyzeOptions { seq_len: symbolic_seq.then_some(seq), ..Default::default() };
+            rebind_batch(&mut graph, b, &opts, model)?;
+        }
+    }
     let float_kind = Some(o.dtype.kind());
     smp_partition::runtime::executor::check_supported(&graph).with_context(|| format!("model `{}`", model.display()))?;
     let weights = Weights::load(&graph, init_mode(o.init, o.seed), float_kind)?;

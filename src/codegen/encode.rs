@@ -59,6 +59,9 @@ pub struct CodegenInput {
     pub node_strategies: Vec<Vec<(String, Strategy)>>,
     /// Sequence parallelism: row-parallel outputs reduce-scattered over the tokens.
     pub sequence_parallel: bool,
+    /// Samples per microbatch, if known: a graph whose batch is fixed at another size is
+    /// rebound to it ([`super::rebatch`]).
+    pub microbatch_size: Option<i64>,
 }
 
 /// One stage as codegen sees it.
@@ -93,6 +96,9 @@ pub struct CodegenSection {
     pub tied_weights: Vec<TiedWeight>,
     /// One program per pipeline rank, shared by its tensor and data-parallel ranks.
     pub templates: Vec<ProgramTemplate>,
+    /// The model's fixed batch rebound to the plan's microbatch size, if it was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch: Option<super::rebatch::BatchRebind>,
 }
 
 /// What one stage exchanges and keeps.
@@ -253,6 +259,9 @@ pub enum EncodeError {
     /// The schedule is invalid.
     #[error(transparent)]
     Schedule(#[from] ScheduleError),
+    /// The model's fixed batch cannot be rebound to the plan's microbatch size.
+    #[error(transparent)]
+    Batch(#[from] crate::passes::PassError),
     /// The input or section is inconsistent.
     #[error("codegen: {0}")]
     Inconsistent(String),
@@ -300,6 +309,12 @@ fn check_realised(lg: &LayeredGraph, layer: usize, chosen: &[(String, Strategy)]
 
 /// Builds the codegen section for `input` on the analysed model `lg`.
 pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, EncodeError> {
+    let rebound = match input.microbatch_size {
+        Some(b) => super::rebatch::rebind(lg, b)?,
+        None => None,
+    };
+    let batch = rebound.as_ref().map(|(_, r)| *r);
+    let lg = rebound.as_ref().map_or(lg, |(l, _)| l);
     let g = &lg.graph;
     let n_layers = lg.layers.len();
     let bad = |m: String| EncodeError::Inconsistent(m);
@@ -461,7 +476,7 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
         .collect();
 
     let templates = templates(input, &stages, &tied_weights)?;
-    Ok(CodegenSection { version: CODEGEN_VERSION, tp: input.tp, shards, weight_dims, stages, tied_weights, templates })
+    Ok(CodegenSection { version: CODEGEN_VERSION, tp: input.tp, shards, weight_dims, stages, tied_weights, templates, batch })
 }
 
 /// Ids as sorted half-open ranges of consecutive ids.
@@ -755,6 +770,7 @@ mod tests {
             stages: Vec::new(),
             tied_weights: vec![TiedWeight { weight: "wte".into(), stages: vec![0, 1], pp_ranks: vec![0, 1], bytes: 4 }],
             templates: Vec::new(),
+            batch: None,
         };
         let c = Coord { pp: 1, dp: 3, tp: 1 };
         let rank = |pp: usize, dp: usize, tp: usize| dp * 4 + pp * 2 + tp;

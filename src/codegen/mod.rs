@@ -5,11 +5,13 @@ pub mod collectives;
 pub mod encode;
 pub mod lower;
 pub mod program;
+pub mod rebatch;
 pub mod shard;
 pub mod validate;
 
 pub use collectives::{CollectiveInsert, CollectiveKind, GroupKind, InputRef};
 pub use encode::{CodegenInput, CodegenSection, Coord, EncodeError, GroupRef, Mesh, RankView, StageInput, StageView, Step};
 pub use lower::{LowerError, LowerOptions, lower, lower_schedule};
+pub use rebatch::BatchRebind;
 pub use program::{Instr, Payload, Purpose, RankProgram};
 pub use shard::{CodegenError, ConstantRewrite, LayerShard, NodeRewrite, Sharder, WeightSlice, apply_shard, shard_all};

@@ -104,8 +104,12 @@ pub struct DimBindings {
     /// Batch size the shapes were inferred at (1 when symbolic; the fixed size otherwise).
     /// Figures are divided by it to get per-sample numbers.
     pub graph_batch: i64,
-    /// Whether the graph's batch is fixed (microbatches must then be exactly that size).
+    /// Whether the graph's batch is fixed (microbatches must then be exactly that size, unless
+    /// `batch_rebinds`).
     pub fixed_batch: bool,
+    /// Whether a fixed batch is proven rebindable to any microbatch size
+    /// (`passes::rebatch`; codegen then rewrites the graph for the plan's microbatches).
+    pub batch_rebinds: bool,
 }
 
 /// A graph with inferred shapes, grouped into layers, with figures.

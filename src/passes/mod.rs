@@ -11,6 +11,7 @@ pub mod figures;
 pub mod fold;
 pub mod layers;
 pub mod params;
+pub mod rebatch;
 pub mod shape_infer;
 #[cfg(test)]
 mod testutil;
@@ -58,6 +59,23 @@ pub enum PassError {
         /// What is wrong.
         msg: String,
     },
+    /// A fixed batch cannot be rebound to another microbatch size.
+    #[error(
+        "the model's batch is fixed at {batch} (first dim of input `{input}`){}, and rebinding it is not proven: {reason}; \
+         plan microbatches of exactly {batch} samples, or re-export with a dynamic batch: \
+         torch.onnx.export(model, args, path, dynamo=True, dynamic_shapes=({{0: torch.export.Dim(\"batch\")}},))",
+        to.map(|t| format!(" but microbatches of {t} were asked")).unwrap_or_default()
+    )]
+    FixedBatch {
+        /// The batch the graph fixes.
+        batch: i64,
+        /// The graph input that fixes it.
+        input: String,
+        /// The microbatch size asked, if known.
+        to: Option<i64>,
+        /// Where the proof failed.
+        reason: String,
+    },
     /// Shape inference failed at a node.
     #[error("shape inference failed at node `{node}` ({op}): {msg}")]
     Shape {
@@ -90,7 +108,13 @@ pub fn analyze_with(
     let decided = params::decide(&mut graph, param_opts)?;
     tracing::debug!(%decided, "parameters decided");
     debug_verify(&graph)?;
-    let (graph, dims) = specialise_decided(graph, opts)?;
+    let (graph, mut dims) = specialise_decided(graph, opts)?;
+    if dims.fixed_batch {
+        match rebatch::check(&graph, opts) {
+            Ok(()) => dims.batch_rebinds = true,
+            Err(e) => tracing::debug!(%e, "the fixed batch is not rebindable"),
+        }
+    }
     let figures = figures::compute(&graph, &dims)?;
     let layers = layers::group(&graph, &figures, &dims)?;
     debug_verify(&graph)?;

@@ -442,6 +442,7 @@ impl Plan {
                 v
             },
             sequence_parallel: p.sequence_parallel,
+            microbatch_size: Some((self.global_batch / (p.dp.max(1) * p.microbatches.max(1)) as u64) as i64),
         })
     }
 

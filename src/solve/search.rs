@@ -152,7 +152,7 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
             };
             for m in ms {
                 let b = per_replica / m;
-                if lg.dims.fixed_batch && b as i64 != lg.dims.graph_batch {
+                if lg.dims.fixed_batch && !lg.dims.batch_rebinds && b as i64 != lg.dims.graph_batch {
                     continue;
                 }
                 let schedules: Vec<ScheduleKind> = match c.schedule {
@@ -200,8 +200,17 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
         return Err(SolveError::Setting(format!(
             "no parallel configuration satisfies the fixed settings on {devices} devices with global batch {batch} \
              (pp·tp·dp must equal the device count, dp must divide the batch; unless fixed, tp ≤ {} and divides \
-             the blocks' weight dimensions)",
-            spec.devices_per_node
+             the blocks' weight dimensions){}",
+            spec.devices_per_node,
+            if lg.dims.fixed_batch && !lg.dims.batch_rebinds {
+                format!(
+                    "; the model's batch is fixed at {} and rebinding it is not proven, so microbatches must hold exactly \
+                     {} samples (re-export with a dynamic batch: dynamic_shapes=({{0: torch.export.Dim(\"batch\")}},))",
+                    lg.dims.graph_batch, lg.dims.graph_batch
+                )
+            } else {
+                String::new()
+            }
         )));
     }
     Ok(out)

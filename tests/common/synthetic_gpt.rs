@@ -100,7 +100,7 @@ pub fn gpt(shape: GptShape) -> LayeredGraph {
         graph: g,
         layers: out_layers,
         node_figures: figures,
-        dims: DimBindings { values: Default::default(), batch_symbol: Some("batch".into()), graph_batch: 1, fixed_batch: false },
+        dims: DimBindings { values: Default::default(), batch_symbol: Some("batch".into()), graph_batch: 1, fixed_batch: false, batch_rebinds: false },
         params,
         flops_per_sample: flops,
     }

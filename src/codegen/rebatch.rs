@@ -1,0 +1,33 @@
+//! Fixed-batch exports at the plan's microbatch size: codegen rebinds the batch the graph fixed
+//! (`passes::rebatch`: inputs, batch-sized shape operands, replicated masks), as shards rewrite
+//! head counts, and the plan's codegen section records it ([`BatchRebind`]) for the runner,
+//! which applies the same rewrite to the model it loads.
+
+use serde::{Deserialize, Serialize};
+
+use crate::ir::{DimBindings, LayeredGraph};
+use crate::passes::{AnalyzeOptions, PassError, rebatch};
+
+/// The batch a plan's model fixed and the microbatch size its programs run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchRebind {
+    /// The batch the model's graph fixes.
+    pub fixed: i64,
+    /// The plan's microbatch size the graph is rewritten to.
+    pub microbatch: i64,
+}
+
+/// `lg` rebound to microbatches of `microbatch` samples, if its batch is fixed at another size
+/// (layers and figures kept: they are per sample). `None` when nothing changes.
+pub fn rebind(lg: &LayeredGraph, microbatch: i64) -> Result<Option<(LayeredGraph, BatchRebind)>, PassError> {
+    if !lg.dims.fixed_batch || microbatch == lg.dims.graph_batch {
+        return Ok(None);
+    }
+    let mut graph = lg.graph.clone();
+    let opts = AnalyzeOptions { seq_len: None, dims: lg.dims.values.clone() };
+    let Some(done) = rebatch::rebind_batch(&mut graph, microbatch, &opts)? else { return Ok(None) };
+    let dims = DimBindings { graph_batch: microbatch, ..lg.dims.clone() };
+    let rebound = LayeredGraph { graph, dims, ..lg.clone() };
+    Ok(Some((rebound, BatchRebind { fixed: done.from, microbatch })))
+}
