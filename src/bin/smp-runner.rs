@@ -113,9 +113,21 @@ enum Command {
     /// Start N local ranks of `run` with torchrun's environment; forwards SIGINT/SIGTERM, and
     /// when one rank fails, names it and stops the others.
     Launch {
-        /// Ranks to start.
+        /// Ranks to start (on this host).
         #[arg(long)]
         nproc: usize,
+        /// Hosts of the job, each running one launcher with the same --nproc.
+        #[arg(long, default_value_t = 1)]
+        nnodes: usize,
+        /// This host's index (its ranks are node-rank × nproc + 0..nproc).
+        #[arg(long, default_value_t = 0)]
+        node_rank: usize,
+        /// Node 0's address, reachable from every host (default: 127.0.0.1, one host only).
+        #[arg(long)]
+        master_addr: Option<String>,
+        /// The rendezvous port, the same on every host (default: a free one, one host only).
+        #[arg(long)]
+        master_port: Option<u16>,
         /// The plan file.
         plan: PathBuf,
         /// Options passed to every rank's `run`.
@@ -317,9 +329,10 @@ fn run(cli: Cli) -> Result<()> {
         Command::Run { plan, opts } => run_plan(&plan, &opts),
         Command::Calibrate { output, comm_json } => calibrate(&output, comm_json.as_deref()),
         Command::PrepareData { files, output, val_fraction, ext } => prepare_data(&files, &output, val_fraction, ext.as_deref()),
-        Command::Launch { nproc, plan, run_args } => {
+        Command::Launch { nproc, nnodes, node_rank, master_addr, master_port, plan, run_args } => {
             let exe = std::env::current_exe().context("cannot find the smp-runner executable")?;
-            let code = launch::launch(&exe, nproc, &plan, &run_args)?;
+            let nodes = launch::Nodes { nnodes, node_rank, master_addr, master_port };
+            let code = launch::launch_on(&exe, nproc, &nodes, &plan, &run_args)?;
             std::process::exit(code)
         }
     }
