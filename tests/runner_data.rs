@@ -447,3 +447,33 @@ fn bad_token_files_and_sequence_lengths_are_refused_naming_the_file_and_the_fix(
     let e = refused(&["run", plan.to_str().unwrap(), "--data", p.to_str().unwrap(), "--seq-len", "32", "--steps", "1"]);
     assert!(e.contains("--seq-len 32") && e.contains("seq16.json") && e.contains("sequence length 16") && e.contains("re-plan"), "{e}");
 }
+
+#[test]
+fn progress_is_one_line_on_a_terminal_and_plain_lines_otherwise() {
+    let f = files();
+    let args = |steps: &str| {
+        let mut a = vec!["train".to_string(), model().display().to_string(), "--data".into(), f.train.display().to_string()];
+        a.extend(["--batch", "2", "--seq-len", "16", "--steps", steps, "--threads", "1"].map(String::from));
+        a
+    };
+    // not a terminal: one plain line per step
+    let r = ok("plain run", runner().args(args("3")).output().unwrap());
+    let err = String::from_utf8_lossy(&r.stderr);
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("step ")).collect();
+    assert_eq!(lines.len(), 3, "{err}");
+    assert!(lines[2].contains("loss") && lines[2].contains("lr 1.000e-3") && !err.contains("tok/s"), "{err}");
+    // a terminal (a pty from `script`): the bar, with step, loss, lr, tokens/s and ETA
+    let Ok(script) = which_script() else {
+        eprintln!("SKIPPED the terminal half: no `script` command to give the run a pty");
+        return;
+    };
+    let cmd = std::iter::once(env!("CARGO_BIN_EXE_smp-runner").to_string()).chain(args("4")).collect::<Vec<_>>().join(" ");
+    let r = ok("run on a pty", Command::new(script).args(["-qec", &cmd, "/dev/null"]).output().unwrap());
+    let out = String::from_utf8_lossy(&r.stdout);
+    assert!(out.contains("step 4/4") && out.contains("tok/s") && out.contains("lr 1.00e-3") && out.contains(" < "), "{out}");
+    assert!(!out.contains("step    1  loss"), "plain lines on a terminal: {out}");
+}
+
+fn which_script() -> Result<PathBuf, ()> {
+    ["/usr/bin/script", "/bin/script"].iter().map(PathBuf::from).find(|p| p.exists()).ok_or(())
+}

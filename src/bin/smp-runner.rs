@@ -11,7 +11,8 @@ use smp_partition::frontend::onnx::load_model;
 use smp_partition::ir::{Graph, ParamTransform, Training};
 use smp_partition::passes::params::{self, ParamOptions};
 use smp_partition::runtime::data::{self, DataSource, Order};
-use smp_partition::runtime::train::{self, AdamWConfig, EvalConfig, EvalRecord, LossKind, LrSchedule, LrShape, StepRecord, TrainConfig};
+use indicatif::{ProgressBar, ProgressStyle};
+use smp_partition::runtime::train::{self, AdamWConfig, EvalConfig, EvalRecord, LossKind, LrSchedule, LrShape, StepRecord, TrainConfig, TrainObserver};
 use smp_partition::runtime::dist::RankEnv;
 use smp_partition::runtime::pipeline::{self, RunConfig};
 use smp_partition::runtime::{ExecOptions, Executor, InitMode, Weights, launch, npz};
@@ -287,20 +288,57 @@ fn open_data(exec: &Executor, o: &TrainArgs, shape: &TrainShape, loss: LossKind)
     Ok((train, eval))
 }
 
-/// The log lines of a run: one per step, one per validation.
-fn print_log(steps: &[StepRecord], evals: &[EvalRecord]) {
-    let mut evals = evals.iter().peekable();
-    let mut eval_line = |upto: usize| {
-        while let Some(e) = evals.next_if(|e| e.step <= upto) {
-            eprintln!("eval after step {:>4}  val loss {:.6}", e.step, e.loss);
-        }
-    };
-    eval_line(0);
-    for s in steps {
-        eprintln!("step {:>4}  loss {:.6}  lr {:.3e}  {:.3} s", s.step, s.loss, s.lr, s.time_s);
-        eval_line(s.step);
+/// Progress of a run on stderr: on a terminal one line updated in place (step, loss, lr,
+/// tokens/s, ETA) with validations printed above it; otherwise plain lines as steps complete
+/// (none with `--json`, whose report holds them).
+struct Progress {
+    bar: Option<ProgressBar>,
+    plain: bool,
+    tokens_per_step: f64,
+}
+
+impl Progress {
+    /// For a run of `steps` steps of `tokens_per_step` tokens; `shown`: this process reports.
+    fn new(steps: usize, tokens_per_step: f64, shown: bool, json: bool) -> Progress {
+        use std::io::IsTerminal;
+        let terminal = shown && std::io::stderr().is_terminal();
+        let bar = terminal.then(|| {
+            let b = ProgressBar::new(steps as u64);
+            b.set_style(
+                ProgressStyle::with_template("step {pos}/{len} [{bar:12}] {msg}  {elapsed} < {eta}")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            b
+        });
+        Progress { bar, plain: shown && !terminal && !json, tokens_per_step }
     }
-    eval_line(usize::MAX);
+
+    fn finish(&self) {
+        if let Some(b) = &self.bar {
+            b.finish();
+        }
+    }
+}
+
+impl TrainObserver for Progress {
+    fn on_step(&mut self, s: &StepRecord) {
+        if let Some(b) = &self.bar {
+            let rate = if s.time_s > 0.0 { self.tokens_per_step / s.time_s } else { 0.0 };
+            b.set_position(s.step as u64);
+            b.set_message(format!("loss {:.4}  lr {:.2e}  {rate:.0} tok/s", s.loss, s.lr));
+        } else if self.plain {
+            eprintln!("step {:>4}  loss {:.6}  lr {:.3e}  {:.3} s", s.step, s.loss, s.lr, s.time_s);
+        }
+    }
+
+    fn on_eval(&mut self, e: &EvalRecord) {
+        let line = format!("eval after step {:>4}  val loss {:.6}", e.step, e.loss);
+        if let Some(b) = &self.bar {
+            b.println(line);
+        } else if self.plain {
+            eprintln!("{line}");
+        }
+    }
 }
 
 fn main() {
@@ -454,7 +492,10 @@ fn rank_cmd(plan: &smp_partition::plan::Plan, model: &Path, o: &TrainArgs, shape
         eval: o.eval()?,
     };
     let t0 = Instant::now();
-    let report = pipeline::run_rank(plan, &exec, &data, eval_data.as_ref(), &cfg, env).with_context(|| format!("rank {} of {}", env.rank, env.world))?;
+    let mut progress = Progress::new(o.steps, data.tokens_per_batch() as f64, env.rank == 0, o.json);
+    let report = pipeline::run_rank(plan, &exec, &data, eval_data.as_ref(), &cfg, env, &mut progress)
+        .with_context(|| format!("rank {} of {}", env.rank, env.world))?;
+    progress.finish();
     let wall = t0.elapsed().as_secs_f64();
     let step_time = report.ranks.iter().map(|r| r.step_time_s).fold(0.0, f64::max);
     if env.rank == 0 && o.json {
@@ -486,8 +527,6 @@ fn rank_cmd(plan: &smp_partition::plan::Plan, model: &Path, o: &TrainArgs, shape
             "eval": report.eval,
         });
         println!("{out}");
-    } else if env.rank == 0 {
-        print_log(&report.steps, &report.eval);
     }
     Ok(())
 }
@@ -621,7 +660,9 @@ fn train_cmd(model: &Path, o: &TrainArgs, shape: TrainShape) -> Result<()> {
     };
     let global = data.global_batch();
     let t0 = Instant::now();
-    let (steps, evals) = train::train_on(&exec, &data, eval_data.as_ref(), &cfg)?;
+    let mut progress = Progress::new(o.steps, data.tokens_per_batch() as f64, true, o.json);
+    let (steps, evals) = train::train_on(&exec, &data, eval_data.as_ref(), &cfg, &mut progress)?;
+    progress.finish();
     let wall = t0.elapsed().as_secs_f64();
     if let Some(path) = &o.save_weights {
         save_weights(path, &exec)?;
@@ -640,8 +681,6 @@ fn train_cmd(model: &Path, o: &TrainArgs, shape: TrainShape) -> Result<()> {
             "eval": evals,
         });
         println!("{out}");
-    } else {
-        print_log(&steps, &evals);
     }
     Ok(())
 }

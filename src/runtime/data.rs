@@ -368,6 +368,15 @@ impl DataSource {
         }
     }
 
+    /// Tokens in one global batch: samples × sequence length (for a fixed batch, the first two
+    /// axes of its first array).
+    pub fn tokens_per_batch(&self) -> i64 {
+        match self {
+            DataSource::Fixed(b) => b.first().map_or(0, |(_, t)| t.size().iter().take(2).product()),
+            DataSource::Tokens(s) => s.global_batch * s.seq_len,
+        }
+    }
+
     /// Replica `d`'s share (of `dp`) of batch `k`'s samples (from 1), cut into `m`
     /// microbatches: it takes the d-th contiguous share.
     pub fn replica_microbatches(&self, k: usize, d: usize, dp: usize, m: usize) -> Result<Vec<Batch>, RuntimeError> {

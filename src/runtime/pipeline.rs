@@ -16,7 +16,7 @@ use super::executor::Executor;
 use super::interp::Interp;
 use super::rank::{Rank, Shards, check_world};
 use super::data::DataSource;
-use super::train::{AdamWConfig, EvalConfig, EvalRecord, LossKind, LrSchedule};
+use super::train::{AdamWConfig, EvalConfig, EvalRecord, LossKind, LrSchedule, TrainObserver};
 use crate::plan::Plan;
 
 pub use super::layout::{REPLAN, StageLayout, codegen_section, rank_programs, stage_layout};
@@ -57,25 +57,38 @@ pub struct RunConfig {
 
 /// Runs this rank's part of `plan` for `cfg.steps` steps on `data` (step k reads its k-th
 /// global batch; each replica takes its share, and only ranks whose stages read data read it),
-/// validating on `eval_data` as `cfg.eval` says.
-pub fn run_rank(plan: &Plan, exec: &Executor<'_>, data: &DataSource, eval_data: Option<&DataSource>, cfg: &RunConfig, env: &RankEnv) -> Result<RankReport, RuntimeError> {
+/// validating on `eval_data` as `cfg.eval` says; tells `obs` of each step (with the global
+/// loss) and validation as it completes.
+pub fn run_rank(
+    plan: &Plan,
+    exec: &Executor<'_>,
+    data: &DataSource,
+    eval_data: Option<&DataSource>,
+    cfg: &RunConfig,
+    env: &RankEnv,
+    obs: &mut dyn TrainObserver,
+) -> Result<RankReport, RuntimeError> {
     codegen_section(plan)?;
     check_world(plan, env)?;
     let shards = Shards::new(plan, exec.graph(), env.rank)?;
     let rank = Rank::new(plan, exec, &shards, data, cfg, env)?;
     let mut interp = Interp::new(&rank)?;
     let mut evals: Vec<EvalRecord> = Vec::new();
-    let mut validate = |interp: &mut Interp<'_, '_>, step: usize| -> Result<(), RuntimeError> {
+    let mut validate = |interp: &mut Interp<'_, '_>, step: usize, obs: &mut dyn TrainObserver| -> Result<(), RuntimeError> {
         if let (Some(e), Some(d)) = (cfg.eval.filter(|e| e.due(step)), eval_data) {
-            evals.push(EvalRecord { step, loss: interp.run_eval(d, e.batches)? });
+            let rec = EvalRecord { step, loss: interp.run_eval(d, e.batches)? };
+            obs.on_eval(&rec);
+            evals.push(rec);
         }
         Ok(())
     };
-    validate(&mut interp, 0)?;
+    validate(&mut interp, 0, obs)?;
     let mut records = Vec::with_capacity(cfg.steps);
     for step in 1..=cfg.steps {
-        records.push(interp.run_step(step)?);
-        validate(&mut interp, step)?;
+        let rec = interp.run_step(step)?;
+        obs.on_step(&rec);
+        records.push(rec);
+        validate(&mut interp, step, obs)?;
     }
     let mut report = super::report::gather(&rank.groups.world, env.world, records, &interp.tally)?;
     report.eval = evals;

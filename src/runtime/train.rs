@@ -228,6 +228,19 @@ impl LrSchedule {
     }
 }
 
+/// Sees each step and validation as it completes (the CLI draws its progress from it).
+pub trait TrainObserver {
+    /// Step `rec.step` is done (its loss is the global mean).
+    fn on_step(&mut self, _rec: &StepRecord) {}
+    /// A validation is done.
+    fn on_eval(&mut self, _rec: &EvalRecord) {}
+}
+
+/// An observer that ignores everything.
+pub struct Quiet;
+
+impl TrainObserver for Quiet {}
+
 /// When validation runs: before the first step and after every `every`-th, on `batches`
 /// batches of the validation data.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -434,12 +447,19 @@ pub fn loss_of(exec: &Executor, kind: LossKind, mb: &Batch, outs: &[Tensor]) -> 
 /// Trains on one fixed global batch for `cfg.steps` steps; returns one record per step.
 pub fn train(exec: &Executor, batch: &Batch, cfg: &TrainConfig) -> Result<Vec<StepRecord>, RuntimeError> {
     let fixed = DataSource::Fixed(batch.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect());
-    Ok(train_on(exec, &fixed, None, cfg)?.0)
+    Ok(train_on(exec, &fixed, None, cfg, &mut Quiet)?.0)
 }
 
 /// Trains for `cfg.steps` steps on `data` (step k reads its k-th global batch), validating on
-/// `eval_data` as `cfg.eval` says; returns one record per step and per evaluation.
-pub fn train_on(exec: &Executor, data: &DataSource, eval_data: Option<&DataSource>, cfg: &TrainConfig) -> Result<(Vec<StepRecord>, Vec<EvalRecord>), RuntimeError> {
+/// `eval_data` as `cfg.eval` says, telling `obs` as it goes; returns one record per step and
+/// per evaluation.
+pub fn train_on(
+    exec: &Executor,
+    data: &DataSource,
+    eval_data: Option<&DataSource>,
+    cfg: &TrainConfig,
+    obs: &mut dyn TrainObserver,
+) -> Result<(Vec<StepRecord>, Vec<EvalRecord>), RuntimeError> {
     let params: Vec<Tensor> = exec.parameters().into_iter().map(|(_, t)| t).collect();
     if params.is_empty() {
         return Err(RuntimeError::Train("the model has no trainable initializers".into()));
@@ -457,7 +477,7 @@ pub fn train_on(exec: &Executor, data: &DataSource, eval_data: Option<&DataSourc
         _ => None,
     };
     let mut evals = Vec::new();
-    let validate = |step: usize, evals: &mut Vec<EvalRecord>| -> Result<(), RuntimeError> {
+    let validate = |step: usize, evals: &mut Vec<EvalRecord>, obs: &mut dyn TrainObserver| -> Result<(), RuntimeError> {
         if let Some((e, d)) = evaluation.filter(|(e, _)| e.due(step)) {
             let mut sum = 0.0;
             for k in 1..=e.batches {
@@ -466,11 +486,13 @@ pub fn train_on(exec: &Executor, data: &DataSource, eval_data: Option<&DataSourc
                     sum += loss_of(exec, cfg.loss, &mb, &outs)?.f_double_value(&[])? / m as f64;
                 }
             }
-            evals.push(EvalRecord { step, loss: sum / e.batches.max(1) as f64 });
+            let rec = EvalRecord { step, loss: sum / e.batches.max(1) as f64 };
+            obs.on_eval(&rec);
+            evals.push(rec);
         }
         Ok(())
     };
-    validate(0, &mut evals)?;
+    validate(0, &mut evals, obs)?;
     let mut records = Vec::with_capacity(cfg.steps);
     for step in 1..=cfg.steps {
         let t0 = Instant::now();
@@ -497,8 +519,10 @@ pub fn train_on(exec: &Executor, data: &DataSource, eval_data: Option<&DataSourc
         let lr = cfg.schedule.lr(step);
         opt.set_lr(lr);
         opt.step(&params)?;
-        records.push(StepRecord { step, loss: total, time_s: t0.elapsed().as_secs_f64(), lr });
-        validate(step, &mut evals)?;
+        let rec = StepRecord { step, loss: total, time_s: t0.elapsed().as_secs_f64(), lr };
+        obs.on_step(&rec);
+        records.push(rec);
+        validate(step, &mut evals, obs)?;
     }
     Ok((records, evals))
 }
