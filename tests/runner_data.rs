@@ -1,7 +1,7 @@
 //! Token-file data, learning-rate schedules and validation through `smp-runner`:
-//! - a pp2 plan, a dp2 plan and a one-rank plan read the same global batches from a token file
-//!   as one process does, and train (under a cosine schedule with warm-up) within 1e-9 (f64) of
-//!   it over steps whose batches change, validation losses included;
+//! - a pp2 plan, a dp2 plan (ZeRO 0 and 3), a tp2 plan and a one-rank plan read the same global
+//!   batches from a token file as one process does, and train (under a cosine schedule with
+//!   warm-up) within 1e-9 (f64) of it over steps whose batches change, validation included;
 //! - the sample order depends on (seed, step) alone: replica shares tile the global batch,
 //!   an epoch visits every window once, and step 1 of the stream equals a run on that batch;
 //! - `prepare-data` is deterministic (whole files held out, every k-th by sorted path);
@@ -151,6 +151,9 @@ fn plans_read_the_same_token_batches_and_train_like_one_process() {
         ("pp2", "cpu:2", 2, &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--microbatches", "4"][..]),
         ("dp2", "cpu:2", 2, &["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "0", "--microbatches", "2"][..]),
         ("one", "cpu:1", 1, &["--pp", "1", "--tp", "1", "--dp", "1", "--microbatches", "4"][..]),
+        // forward-only validation through ZeRO-3 gathers and tensor-parallel shards
+        ("dp2-zero3", "cpu:2", 2, &["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "3", "--microbatches", "2"][..]),
+        ("tp2", "cpu:2", 2, &["--pp", "1", "--tp", "2", "--dp", "1", "--microbatches", "4", "--baseline", "megatron"][..]),
     ] {
         let p = plan(&f.dir, name, cluster, flags);
         let r = runner().args(["launch", "--nproc", &nproc.to_string()]).arg(&p).args(run_args(f)).args(["--timeout", "120"]).output().unwrap();
