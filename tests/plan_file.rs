@@ -115,6 +115,20 @@ fn unknown_field_is_refused_with_its_name() {
 }
 
 #[test]
+fn unknown_traffic_or_link_is_refused_naming_the_spelling() {
+    let v = serde_json::to_value(fixture()).unwrap();
+    assert_eq!(v["communication"][0]["kind"], "tensor");
+    assert_eq!(v["communication"][0]["link"], "intra-node");
+    for (field, bad) in [("kind", "gradients"), ("link", "infiniband")] {
+        let mut v = v.clone();
+        v["communication"][0][field] = bad.into();
+        let err = io::from_json(&v.to_string(), Path::new("traffic.json")).unwrap_err();
+        assert!(matches!(err, PlanIoError::Parse { .. }), "{err}");
+        assert!(err.to_string().contains(bad) && err.to_string().contains("traffic.json"), "{err}");
+    }
+}
+
+#[test]
 fn load_validates() {
     let mut v = serde_json::to_value(fixture()).unwrap();
     v["stages"][1]["layers"] = serde_json::json!([4, 5]);

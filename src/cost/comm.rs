@@ -28,8 +28,9 @@ impl Link {
     }
 }
 
-/// Which link a transfer or group uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// Which link a transfer or group uses (spelled `intra-node`, `inter-node` in plan files).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum LinkKind {
     /// Inside a node (NVLink; shared memory on `cpu`).
     IntraNode,

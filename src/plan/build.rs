@@ -1,6 +1,6 @@
 //! The plan file from the solver's decision.
 
-use crate::cost::{ClusterSpec, CommModel, GroupSpan};
+use crate::cost::{ClusterSpec, CommModel, GroupSpan, LinkKind};
 use crate::ir::LayeredGraph;
 use crate::solve::{PlanDecision, PlanOptions};
 
@@ -132,7 +132,7 @@ pub fn from_decision(d: &PlanDecision, lg: &LayeredGraph, cluster: &ClusterSpec,
 fn communication(d: &PlanDecision, cluster: &ClusterSpec, plan: &Plan) -> Vec<CommVolume> {
     let comm = CommModel::new(cluster);
     let mut out: Vec<CommVolume> = Vec::new();
-    let mut add = |kind: &str, link: &str, bytes: f64, time_s: f64| match out
+    let mut add = |kind: Traffic, link: LinkKind, bytes: f64, time_s: f64| match out
         .iter_mut()
         .find(|c| c.kind == kind && c.link == link)
     {
@@ -140,7 +140,7 @@ fn communication(d: &PlanDecision, cluster: &ClusterSpec, plan: &Plan) -> Vec<Co
             c.bytes = c.bytes.max(bytes);
             c.time_s = c.time_s.max(time_s);
         }
-        None => out.push(CommVolume { kind: kind.into(), link: link.into(), bytes, time_s }),
+        None => out.push(CommVolume { kind, link, bytes, time_s }),
     };
     let m = d.microbatches as f64;
     // Pipeline: each boundary sends the activation forward and receives its gradient back,
@@ -152,7 +152,7 @@ fn communication(d: &PlanDecision, cluster: &ClusterSpec, plan: &Plan) -> Vec<Co
         let link = comm.link_between(a, b);
         let per_step = 2.0 * layer.output_bytes * m;
         let time = per_step * d.problem.transfer_s_per_byte.get(c).copied().unwrap_or(0.0);
-        add("pipeline", link.name(), per_step, time);
+        add(Traffic::Pipeline, link, per_step, time);
     }
     // Data parallel: gradient all-reduce (or reduce-scatter + all-gather under ZeRO), ring
     // volume 2(d−1)/d of the stage's gradients per device, busiest stage.
@@ -166,7 +166,7 @@ fn communication(d: &PlanDecision, cluster: &ClusterSpec, plan: &Plan) -> Vec<Co
                 s.memory_bytes.grads as f64
             };
             let volume = 2.0 * (d.dp as f64 - 1.0) / d.dp as f64 * grads;
-            add("data", span.link_kind().name(), volume, comm.all_reduce(grads, &span));
+            add(Traffic::Data, span.link_kind(), volume, comm.all_reduce(grads, &span));
         }
     }
     out

@@ -305,7 +305,7 @@ pub fn render(plan: &Plan) -> String {
         let _ = writeln!(out, "communication per device and step:");
         let mut rows = vec![["  kind", "link", "volume", "time"].map(String::from).to_vec()];
         for c in &plan.communication {
-            rows.push(vec![format!("  {}", c.kind), c.link.clone(), bytes(c.bytes), ms(c.time_s)]);
+            rows.push(vec![format!("  {}", c.kind), c.link.name().to_string(), bytes(c.bytes), ms(c.time_s)]);
         }
         out.push_str(&table(&rows));
     }

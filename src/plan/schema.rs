@@ -7,7 +7,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::cost::MachineFacts;
+use crate::cost::{LinkKind, MachineFacts};
 
 use crate::codegen::encode::{CodegenInput, CodegenSection, Mesh, RankView, StageInput};
 use crate::codegen::EncodeError;
@@ -260,14 +260,36 @@ pub struct LayerStrategy {
     pub nodes: Vec<(String, Strategy)>,
 }
 
+/// What a traffic entry of the plan carries (spelled `tensor`, `pipeline`, `data`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Traffic {
+    /// Tensor-parallel collectives.
+    Tensor,
+    /// Sends between pipeline stages.
+    Pipeline,
+    /// Data-parallel gradient synchronisation.
+    Data,
+}
+
+impl fmt::Display for Traffic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Traffic::Tensor => "tensor",
+            Traffic::Pipeline => "pipeline",
+            Traffic::Data => "data",
+        })
+    }
+}
+
 /// Bytes moved per step by one kind of traffic over one kind of link.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CommVolume {
-    /// Traffic: `tensor` (tp collectives), `pipeline` (stage sends), `data` (gradient sync).
-    pub kind: String,
-    /// Link: `intra-node` or `inter-node`.
-    pub link: String,
+    /// What the traffic is for.
+    pub kind: Traffic,
+    /// The link it crosses.
+    pub link: LinkKind,
     /// Bytes per device per step.
     pub bytes: f64,
     /// Time per step spent on it, hidden or not (seconds).

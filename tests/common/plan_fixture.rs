@@ -1,6 +1,7 @@
 //! A hand-made plan shared by the plan tests.
 #![allow(dead_code)]
 
+use smp_partition::cost::LinkKind;
 use smp_partition::plan::schema::*;
 
 pub const GIB: u64 = 1 << 30;
@@ -85,8 +86,8 @@ pub fn fixture() -> Plan {
             nodes: vec![("h.0.attn.qkv".into(), smp_partition::split::Strategy::Column), ("h.0.attn.proj".into(), smp_partition::split::Strategy::Row)],
         }],
         communication: vec![
-            CommVolume { kind: "tensor".into(), link: "intra-node".into(), bytes: 3.0e8, time_s: 0.012 },
-            CommVolume { kind: "pipeline".into(), link: "intra-node".into(), bytes: 1.0e7, time_s: 0.001 },
+            CommVolume { kind: Traffic::Tensor, link: LinkKind::IntraNode, bytes: 3.0e8, time_s: 0.012 },
+            CommVolume { kind: Traffic::Pipeline, link: LinkKind::IntraNode, bytes: 1.0e7, time_s: 0.001 },
         ],
         predicted: Predicted {
             step_time_s: 0.185,
