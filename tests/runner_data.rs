@@ -374,6 +374,9 @@ fn prepare_data_holds_out_every_kth_file_deterministically() {
     let side: serde_json::Value = serde_json::from_slice(&read(&data::sidecar_path(&a))).unwrap();
     assert_eq!(side["dtype"], "uint16");
     assert_eq!(side["tokens"].as_u64().unwrap() as usize, read(&a).len() / 2);
+    // 10 files cannot hold out every 20th
+    let e = refused(&["prepare-data", src.to_str().unwrap(), "-o", tmp.path().join("c.bin").to_str().unwrap(), "--val-fraction", "0.05"]);
+    assert!(e.contains("--val-fraction 0.05") && e.contains("every 20-th") && e.contains("only 11 files"), "{e}");
     // the file trains
     let r = runner().arg("train").arg(model()).args(["--data", a.to_str().unwrap(), "--batch", "2", "--seq-len", "8", "--steps", "1"]).output().unwrap();
     ok("training on the prepared file", r);

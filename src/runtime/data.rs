@@ -496,6 +496,13 @@ pub fn prepare_bytes(inputs: &[PathBuf], ext: Option<&str>, out: &Path, val_frac
         return Err(RuntimeError::Train(format!("no input files found in {inputs:?}{}", ext.map(|e| format!(" with extension .{e}")).unwrap_or_default())));
     }
     let (train, val) = split_files(&files, val_fraction);
+    if val_fraction > 0.0 && (val.is_empty() || train.is_empty()) {
+        return Err(RuntimeError::Train(format!(
+            "--val-fraction {val_fraction} holds out every {}-th file, but there are only {} files; lower the fraction or add files",
+            ((1.0 / val_fraction).round() as usize).max(2),
+            files.len()
+        )));
+    }
     let n_train = write_bytes_file(&train, out)?;
     let n_val = if val.is_empty() { 0 } else { write_bytes_file(&val, &val_path(out))? };
     Ok(Prepared { train: (n_train, train), val: (n_val, val) })

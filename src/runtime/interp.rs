@@ -467,7 +467,6 @@ impl<'r, 'a> Interp<'r, 'a> {
 /// Runs stage `s` on one microbatch with `inputs` from the previous stage (autograd on when
 /// `grad`), the microbatch's arrays `batch` and graph-input feeds `given`: its outputs to the
 /// next stage, or on the last stage the weighted loss.
-#[allow(clippy::too_many_arguments)]
 fn run_stage(
     r: &Rank<'_>,
     s: usize,
