@@ -31,7 +31,7 @@ fn main() {
     let weights = Weights::load(&graph, InitMode::Load, Some(Kind::Float)).expect("weights");
     let exec = Executor::new(&graph, weights, ExecOptions { float_kind: Some(Kind::Float), training: true }).expect("executor");
     let b = train::read_batch(&exec, &data).expect("batch");
-    let cfg = TrainConfig { steps, microbatches: 1, loss: LossKind::CausalLm, adamw: AdamWConfig::default(), clip: Some(1.0) };
+    let cfg = TrainConfig { steps, microbatches: 1, loss: LossKind::CausalLm, adamw: AdamWConfig::default(), clip: Some(1.0), ..TrainConfig::default() };
     let recs = train::train(&exec, &b, &cfg).expect("train");
     let ours: f64 = recs.iter().skip(1).map(|r| r.time_s).sum::<f64>() / (steps - 1).max(1) as f64;
 

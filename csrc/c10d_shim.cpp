@@ -208,8 +208,10 @@ char* smp_c10d_store_new(const char* host, uint16_t port, int is_server, int wor
 void smp_c10d_store_free(void* s) { delete static_cast<Store*>(s); }
 
 // A process group over `size` members; `rank` is this process's index in it. Members build it
-// with the same `prefix`, under which its keys live in the store.
-char* smp_c10d_group_new(void* store, const char* prefix, int rank, int size, int64_t timeout_ms, int nccl, void** out) {
+// with the same `prefix`, under which its keys live in the store. Gloo binds the interfaces
+// named in `gloo_ifaces` (comma-separated, as GLOO_SOCKET_IFNAME) if any, else `gloo_host`.
+char* smp_c10d_group_new(void* store, const char* prefix, int rank, int size, int64_t timeout_ms, int nccl,
+                         const char* gloo_ifaces, const char* gloo_host, void** out) {
   return guarded([&] {
     auto base = static_cast<Store*>(store)->store;
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), base);
@@ -225,7 +227,15 @@ char* smp_c10d_group_new(void* store, const char* prefix, int rank, int size, in
 #endif
     } else {
       auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
-      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+      std::string ifaces(gloo_ifaces);
+      size_t start = 0;
+      while (start < ifaces.size()) {
+        size_t end = ifaces.find(',', start);
+        if (end == std::string::npos) end = ifaces.size();
+        if (end > start) opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifaces.substr(start, end - start)));
+        start = end + 1;
+      }
+      if (opts->devices.empty()) opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(std::string(gloo_host)));
       opts->threads = 1;
       backend = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, opts);
     }

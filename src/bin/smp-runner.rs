@@ -10,7 +10,9 @@ use clap::{Parser, Subcommand, ValueEnum};
 use smp_partition::frontend::onnx::load_model;
 use smp_partition::ir::{Graph, ParamTransform, Training};
 use smp_partition::passes::params::{self, ParamOptions};
-use smp_partition::runtime::train::{self, AdamWConfig, LossKind, TrainConfig};
+use smp_partition::runtime::data::{self, DataSource, Order};
+use indicatif::{ProgressBar, ProgressStyle};
+use smp_partition::runtime::train::{self, AdamWConfig, EvalConfig, EvalRecord, LossKind, LrSchedule, LrShape, StepRecord, TrainConfig, TrainObserver};
 use smp_partition::runtime::dist::RankEnv;
 use smp_partition::runtime::pipeline::{self, RunConfig};
 use smp_partition::runtime::{ExecOptions, Executor, InitMode, Weights, launch, npz};
@@ -54,6 +56,13 @@ enum LossArg {
     CausalLm,
     CrossEntropy,
     Mse,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum LrScheduleArg {
+    Constant,
+    Cosine,
+    Linear,
 }
 
 #[derive(Subcommand)]
@@ -105,14 +114,43 @@ enum Command {
     /// Start N local ranks of `run` with torchrun's environment; forwards SIGINT/SIGTERM, and
     /// when one rank fails, names it and stops the others.
     Launch {
-        /// Ranks to start.
+        /// Ranks to start (on this host).
         #[arg(long)]
         nproc: usize,
+        /// Hosts of the job, each running one launcher with the same --nproc.
+        #[arg(long, default_value_t = 1)]
+        nnodes: usize,
+        /// This host's index (its ranks are node-rank × nproc + 0..nproc).
+        #[arg(long, default_value_t = 0)]
+        node_rank: usize,
+        /// Node 0's address, reachable from every host (default: 127.0.0.1, one host only).
+        #[arg(long)]
+        master_addr: Option<String>,
+        /// The rendezvous port, the same on every host (default: a free one, one host only).
+        #[arg(long)]
+        master_port: Option<u16>,
         /// The plan file.
         plan: PathBuf,
         /// Options passed to every rank's `run`.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         run_args: Vec<String>,
+    },
+    /// Write a token file for `--data` from text files: byte-level ids (0–255, uint16), with
+    /// its `.bin.json` sidecar; `--val-fraction` holds out whole files (every k-th by sorted
+    /// path) into `NAME.val.bin`.
+    PrepareData {
+        /// Text files, or directories (walked recursively).
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        /// The token file to write (`.bin`).
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Share of the files held out for validation (k = round(1/F): files k−1, 2k−1, … of the sorted list).
+        #[arg(long, default_value_t = 0.0)]
+        val_fraction: f64,
+        /// Only files with this extension (e.g. `py`) from directories.
+        #[arg(long)]
+        ext: Option<String>,
     },
 }
 
@@ -123,9 +161,10 @@ struct TrainArgs {
     /// Global batch (samples per step).
     #[arg(long, default_value_t = 8)]
     batch: i64,
-    /// Sequence length bound to symbolic sequence axes of synthetic data.
-    #[arg(long, default_value_t = 128)]
-    seq_len: i64,
+    /// Sequence length of token-file samples and synthetic data (default 128); `run` takes the
+    /// plan's, and a different value is an error.
+    #[arg(long)]
+    seq_len: Option<i64>,
     /// Microbatches per step (gradients accumulate).
     #[arg(long, default_value_t = 1)]
     microbatches: usize,
@@ -136,14 +175,35 @@ struct TrainArgs {
     lr: f64,
     #[arg(long, default_value_t = 0.01)]
     weight_decay: f64,
+    /// Decay of the learning rate after the warm-up (towards --min-lr).
+    #[arg(long, value_enum, default_value = "constant")]
+    lr_schedule: LrScheduleArg,
+    /// Steps of linear warm-up from lr/N to lr.
+    #[arg(long, default_value_t = 0)]
+    warmup_steps: usize,
+    /// Where cosine and linear schedules decay towards.
+    #[arg(long, default_value_t = 0.0)]
+    min_lr: f64,
     /// Global gradient-norm limit; 0 disables clipping.
     #[arg(long, default_value_t = 1.0)]
     clip: f64,
     #[arg(long, value_enum, default_value = "f32")]
     dtype: DTypeArg,
-    /// Data file (.npy, .npz, .safetensors); default: seeded synthetic data.
+    /// Training data: a token file (.bin with its .bin.json sidecar; every step a new global
+    /// batch of sequence-length windows, in an order drawn from --seed), or one batch (.npy,
+    /// .npz, .safetensors) repeated every step; default: seeded synthetic data.
     #[arg(long)]
     data: Option<PathBuf>,
+    /// Validation data (a token file, read in order, or one batch).
+    #[arg(long)]
+    eval_data: Option<PathBuf>,
+    /// Validate before the first step and after every N-th (default: before and after the run).
+    #[arg(long, value_name = "N")]
+    eval_every: Option<usize>,
+    /// Global batches per validation.
+    #[arg(long, value_name = "K", default_value_t = 8)]
+    eval_batches: usize,
+    /// Seed of the weights (`--init random`), synthetic data and the token files' sample order.
     #[arg(long, default_value_t = 0)]
     seed: i64,
     #[arg(long, value_enum, default_value = "load")]
@@ -177,6 +237,108 @@ impl TrainArgs {
     fn param_options(&self) -> ParamOptions {
         ParamOptions { trainable: self.trainable.clone(), frozen: self.frozen.clone() }
     }
+
+    fn schedule(&self) -> Result<LrSchedule> {
+        let shape = match self.lr_schedule {
+            LrScheduleArg::Constant => LrShape::Constant,
+            LrScheduleArg::Cosine => LrShape::Cosine,
+            LrScheduleArg::Linear => LrShape::Linear,
+        };
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            bail!("--lr {} must be a positive number", self.lr);
+        }
+        if !(0.0..=self.lr).contains(&self.min_lr) {
+            bail!("--min-lr {} must lie between 0 and --lr {}", self.min_lr, self.lr);
+        }
+        Ok(LrSchedule { shape, base: self.lr, warmup: self.warmup_steps, min_lr: self.min_lr, total: self.steps })
+    }
+
+    fn eval(&self) -> Result<Option<EvalConfig>> {
+        match (&self.eval_data, self.eval_every) {
+            (None, Some(_)) => bail!("--eval-every needs --eval-data (the validation data)"),
+            (None, None) => Ok(None),
+            (Some(_), every) => {
+                if self.eval_batches == 0 {
+                    bail!("--eval-batches must be at least 1");
+                }
+                Ok(Some(EvalConfig { every: every.unwrap_or(self.steps).max(1), batches: self.eval_batches }))
+            }
+        }
+    }
+
+    fn adamw(&self) -> AdamWConfig {
+        AdamWConfig { lr: self.lr, weight_decay: self.weight_decay, ..AdamWConfig::default() }
+    }
+}
+
+/// The training and validation data of a run: `--data` (or synthetic) and `--eval-data`.
+fn open_data(exec: &Executor, o: &TrainArgs, shape: &TrainShape, loss: LossKind) -> Result<(DataSource, Option<DataSource>)> {
+    let open = |path: &Path, order: Order| -> Result<DataSource> {
+        let d = data::open_data(exec, path, shape.seq_len, shape.batch, order)?;
+        if matches!(d, DataSource::Tokens(_)) && !matches!(loss, LossKind::CausalLm | LossKind::Model) {
+            bail!("token file `{}` holds token ids only, which give no labels for this loss; use --loss causal-lm", path.display());
+        }
+        Ok(d)
+    };
+    let train = match &o.data {
+        Some(path) => open(path, Order::Shuffled { seed: o.seed as u64 })?,
+        None => DataSource::Fixed(train::synthetic_batch(exec, shape.batch, shape.seq_len, o.seed)?),
+    };
+    let eval = o.eval_data.as_deref().map(|p| open(p, Order::Sequential)).transpose()?;
+    Ok((train, eval))
+}
+
+/// Progress of a run on stderr: on a terminal one line updated in place (step, loss, lr,
+/// tokens/s, ETA) with validations printed above it; otherwise plain lines as steps complete
+/// (none with `--json`, whose report holds them).
+struct Progress {
+    bar: Option<ProgressBar>,
+    plain: bool,
+    tokens_per_step: f64,
+}
+
+impl Progress {
+    /// For a run of `steps` steps of `tokens_per_step` tokens; `shown`: this process reports.
+    fn new(steps: usize, tokens_per_step: f64, shown: bool, json: bool) -> Progress {
+        use std::io::IsTerminal;
+        let terminal = shown && std::io::stderr().is_terminal();
+        let bar = terminal.then(|| {
+            let b = ProgressBar::new(steps as u64);
+            b.set_style(
+                ProgressStyle::with_template("step {pos}/{len} [{bar:12}] {msg}  {elapsed} < {eta}")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            b
+        });
+        Progress { bar, plain: shown && !terminal && !json, tokens_per_step }
+    }
+
+    fn finish(&self) {
+        if let Some(b) = &self.bar {
+            b.finish();
+        }
+    }
+}
+
+impl TrainObserver for Progress {
+    fn on_step(&mut self, s: &StepRecord) {
+        if let Some(b) = &self.bar {
+            let rate = if s.time_s > 0.0 { self.tokens_per_step / s.time_s } else { 0.0 };
+            b.set_position(s.step as u64);
+            b.set_message(format!("loss {:.4}  lr {:.2e}  {rate:.0} tok/s", s.loss, s.lr));
+        } else if self.plain {
+            eprintln!("step {:>4}  loss {:.6}  lr {:.3e}  {:.3} s", s.step, s.loss, s.lr, s.time_s);
+        }
+    }
+
+    fn on_eval(&mut self, e: &EvalRecord) {
+        let line = format!("eval after step {:>4}  val loss {:.6}", e.step, e.loss);
+        if let Some(b) = &self.bar {
+            b.println(line);
+        } else if self.plain {
+            eprintln!("{line}");
+        }
+    }
 }
 
 fn main() {
@@ -199,17 +361,31 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Eval { model, inputs, outputs, dtype, init, seed } => eval(&model, &inputs, &outputs, dtype, init, seed),
         Command::Train { model, opts } => {
-            let seq_len = opts.seq_len;
+            let seq_len = opts.seq_len.unwrap_or(DEFAULT_SEQ_LEN);
             train_cmd(&model, &opts, TrainShape { batch: opts.batch, seq_len, microbatches: opts.microbatches, predicted: None })
         }
         Command::Run { plan, opts } => run_plan(&plan, &opts),
         Command::Calibrate { output, comm_json } => calibrate(&output, comm_json.as_deref()),
-        Command::Launch { nproc, plan, run_args } => {
+        Command::PrepareData { files, output, val_fraction, ext } => prepare_data(&files, &output, val_fraction, ext.as_deref()),
+        Command::Launch { nproc, nnodes, node_rank, master_addr, master_port, plan, run_args } => {
             let exe = std::env::current_exe().context("cannot find the smp-runner executable")?;
-            let code = launch::launch(&exe, nproc, &plan, &run_args)?;
+            let nodes = launch::Nodes { nnodes, node_rank, master_addr, master_port };
+            let code = launch::launch_on(&exe, nproc, &nodes, &plan, &run_args)?;
             std::process::exit(code)
         }
     }
+}
+
+/// Sequence length of synthetic data and token windows without a plan or `--seq-len`.
+const DEFAULT_SEQ_LEN: i64 = 128;
+
+fn prepare_data(files: &[PathBuf], output: &Path, val_fraction: f64, ext: Option<&str>) -> Result<()> {
+    let p = data::prepare_bytes(files, ext, output, val_fraction)?;
+    eprintln!("smp-runner: wrote {} ({} tokens from {} files)", output.display(), p.train.0, p.train.1.len());
+    if !p.val.1.is_empty() {
+        eprintln!("smp-runner: wrote {} ({} tokens from {} files)", data::val_path(output).display(), p.val.0, p.val.1.len());
+    }
+    Ok(())
 }
 
 /// Batch geometry of a run: from flags (`train`) or from the plan (`run`).
@@ -254,9 +430,17 @@ fn run_plan(path: &Path, o: &TrainArgs) -> Result<()> {
             path.display()
         );
     }
+    let seq_len = match (plan.seq_len, o.seq_len) {
+        (Some(p), Some(s)) if p as i64 != s => bail!(
+            "--seq-len {s} disagrees with plan `{}`, made for sequence length {p}; drop --seq-len, or re-plan with `smp-partition … --seq-len {s}`",
+            path.display()
+        ),
+        (Some(p), _) => p as i64,
+        (None, s) => s.unwrap_or(DEFAULT_SEQ_LEN),
+    };
     let shape = TrainShape {
         batch: plan.global_batch as i64,
-        seq_len: plan.seq_len.map_or(o.seq_len, |s| s as i64),
+        seq_len,
         microbatches: p.microbatches.max(1),
         predicted: Some(plan.predicted.step_time_s),
     };
@@ -297,22 +481,25 @@ fn rank_cmd(plan: &smp_partition::plan::Plan, model: &Path, o: &TrainArgs, shape
     let float_kind = Some(o.dtype.kind());
     let weights = Weights::load(&graph, init_mode(o.init, o.seed), float_kind)?;
     let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: true })?;
-    let batch = match &o.data {
-        Some(path) => train::read_batch(&exec, path)?,
-        None => train::synthetic_batch(&exec, shape.batch, shape.seq_len, o.seed)?,
-    };
-    let global = batch.first().and_then(|(_, t)| t.size().first().copied()).unwrap_or(shape.batch);
+    let loss = loss_kind(o, &graph);
+    let (data, eval_data) = open_data(&exec, o, shape, loss)?;
+    let global = data.global_batch();
     let cfg = RunConfig {
         steps: o.steps,
-        loss: loss_kind(o, &graph),
-        adamw: AdamWConfig { lr: o.lr, weight_decay: o.weight_decay, ..AdamWConfig::default() },
+        loss,
+        adamw: o.adamw(),
         clip: (o.clip > 0.0).then_some(o.clip),
         timeout: std::time::Duration::from_secs(o.timeout),
         bucket_bytes: 25 << 20,
         progress: o.progress,
+        schedule: o.schedule()?,
+        eval: o.eval()?,
     };
     let t0 = Instant::now();
-    let report = pipeline::run_rank(plan, &exec, &batch, &cfg, env).with_context(|| format!("rank {} of {}", env.rank, env.world))?;
+    let mut progress = Progress::new(o.steps, data.tokens_per_batch() as f64, env.rank == 0, o.json);
+    let report = pipeline::run_rank(plan, &exec, &data, eval_data.as_ref(), &cfg, env, &mut progress)
+        .with_context(|| format!("rank {} of {}", env.rank, env.world))?;
+    progress.finish();
     let wall = t0.elapsed().as_secs_f64();
     let step_time = report.ranks.iter().map(|r| r.step_time_s).fold(0.0, f64::max);
     if env.rank == 0 && o.json {
@@ -341,12 +528,9 @@ fn rank_cmd(plan: &smp_partition::plan::Plan, model: &Path, o: &TrainArgs, shape
             "predicted_step_time_s": shape.predicted,
             "wall_s": wall,
             "ranks": ranks,
+            "eval": report.eval,
         });
         println!("{out}");
-    } else if env.rank == 0 {
-        for s in &report.steps {
-            eprintln!("step {:>4}  loss {:.6}  {:.3} s", s.step, s.loss, s.time_s);
-        }
     }
     Ok(())
 }
@@ -495,21 +679,22 @@ fn train_cmd(model: &Path, o: &TrainArgs, shape: TrainShape) -> Result<()> {
     smp_partition::runtime::executor::check_supported(&graph).with_context(|| format!("model `{}`", model.display()))?;
     let weights = Weights::load(&graph, init_mode(o.init, o.seed), float_kind)?;
     let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: true })?;
-    let batch = match &o.data {
-        Some(path) => train::read_batch(&exec, path)?,
-        None => train::synthetic_batch(&exec, shape.batch, shape.seq_len, o.seed)?,
-    };
     let loss = loss_kind(o, &graph);
+    let (data, eval_data) = open_data(&exec, o, &shape, loss)?;
     let cfg = TrainConfig {
         steps: o.steps,
         microbatches: shape.microbatches,
         loss,
-        adamw: AdamWConfig { lr: o.lr, weight_decay: o.weight_decay, ..AdamWConfig::default() },
+        adamw: o.adamw(),
         clip: (o.clip > 0.0).then_some(o.clip),
+        schedule: o.schedule()?,
+        eval: o.eval()?,
     };
-    let global = batch.first().and_then(|(_, t)| t.size().first().copied()).unwrap_or(shape.batch);
+    let global = data.global_batch();
     let t0 = Instant::now();
-    let steps = train::train(&exec, &batch, &cfg)?;
+    let mut progress = Progress::new(o.steps, data.tokens_per_batch() as f64, true, o.json);
+    let (steps, evals) = train::train_on(&exec, &data, eval_data.as_ref(), &cfg, &mut progress)?;
+    progress.finish();
     let wall = t0.elapsed().as_secs_f64();
     if let Some(path) = &o.save_weights {
         save_weights(path, &exec)?;
@@ -525,12 +710,9 @@ fn train_cmd(model: &Path, o: &TrainArgs, shape: TrainShape) -> Result<()> {
             "predicted_step_time_s": shape.predicted,
             "wall_s": wall,
             "ranks": [{"rank": 0, "step_time_s": step_time, "peak_memory_bytes": peak_rss_bytes()}],
+            "eval": evals,
         });
         println!("{out}");
-    } else {
-        for s in &steps {
-            eprintln!("step {:>4}  loss {:.6}  {:.3} s", s.step, s.loss, s.time_s);
-        }
     }
     Ok(())
 }

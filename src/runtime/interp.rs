@@ -12,7 +12,8 @@ use super::dist::Work;
 use super::pipeline::terr;
 use super::rank::Rank;
 use super::report::{Tally, bytes_of};
-use super::train::{self, StepRecord};
+use super::data::DataSource;
+use super::train::{self, Batch, StepRecord};
 use super::zero::Zero;
 use crate::codegen::{Instr, Payload, Purpose};
 use crate::ir::ValueId;
@@ -49,6 +50,13 @@ pub(super) struct Interp<'r, 'a> {
     pending_w: BTreeSet<(usize, usize)>,
     /// Shared KV slices' gradients summed this step.
     kv_done: bool,
+    /// The step in progress (from 1).
+    step: usize,
+    /// This rank's microbatches of the step's batch, and their graph-input feeds.
+    micro: Vec<Batch>,
+    feeds: Vec<HashMap<ValueId, Tensor>>,
+    /// A forward-only pass (validation): no autograd, no backward.
+    eval: bool,
 }
 
 impl<'r, 'a> Interp<'r, 'a> {
@@ -66,6 +74,10 @@ impl<'r, 'a> Interp<'r, 'a> {
             loss_sum: 0.0,
             pending_w: BTreeSet::new(),
             kv_done: true,
+            step: 0,
+            micro: Vec::new(),
+            feeds: Vec::new(),
+            eval: false,
         })
     }
 
@@ -73,6 +85,8 @@ impl<'r, 'a> Interp<'r, 'a> {
     pub fn run_step(&mut self, step: usize) -> Result<StepRecord, RuntimeError> {
         let r = self.rank;
         let t0 = Instant::now();
+        self.step = step;
+        (self.micro, self.feeds) = r.batches(r.data, step)?;
         self.grads = (0..r.params.tensors.len()).map(|_| None).collect();
         self.state.clear();
         self.act_in.clear();
@@ -98,7 +112,48 @@ impl<'r, 'a> Interp<'r, 'a> {
             let line = format!("[rank {}] step {step} loss {loss:.6}\n", r.me);
             let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
         }
-        Ok(StepRecord { step, loss, time_s: t0.elapsed().as_secs_f64() })
+        Ok(StepRecord { step, loss, time_s: t0.elapsed().as_secs_f64(), lr: r.cfg.schedule.lr(step) })
+    }
+
+    /// The mean loss over the world of `batches` batches of `data`, forward only: the
+    /// program's forwards, activation messages and ZeRO-3 gathers, in program order.
+    pub fn run_eval(&mut self, data: &DataSource, batches: usize) -> Result<f64, RuntimeError> {
+        let r = self.rank;
+        self.eval = true;
+        let mut sum = 0.0;
+        let result = (|| {
+            for k in 1..=batches {
+                (self.micro, self.feeds) = r.batches(data, k)?;
+                self.state.clear();
+                self.act_in.clear();
+                self.loss_sum = 0.0;
+                for instr in &r.program.instrs {
+                    let forward_only = match instr {
+                        Instr::Forward { .. } => true,
+                        Instr::Send { what, .. } | Instr::Recv { what, .. } => *what == Payload::Activation,
+                        Instr::AllGather { purpose, .. } => matches!(purpose, Purpose::Zero3Params { .. }),
+                        _ => false,
+                    };
+                    if !forward_only {
+                        continue;
+                    }
+                    self.exec(instr)?;
+                    if r.zero3 && instr.is_compute() {
+                        self.zero.release(r, &BTreeSet::new())?;
+                    }
+                }
+                self.wait_sends()?;
+                sum += self.loss_sum;
+            }
+            self.zero.release(r, &BTreeSet::new())?;
+            Ok::<(), RuntimeError>(())
+        })();
+        self.eval = false;
+        self.state.clear();
+        result?;
+        let total = Tensor::from_slice(&[sum]);
+        r.groups.world.all_reduce_sum(&total)?;
+        Ok(total.f_double_value(&[0])? / batches.max(1) as f64)
     }
 
     /// Executes one instruction.
@@ -174,7 +229,8 @@ impl<'r, 'a> Interp<'r, 'a> {
             .zip(raw)
             .map(|(v, t)| Ok((*v, if is_float(&t) { t.f_detach()?.f_set_requires_grad(true)? } else { t })))
             .collect::<Result<_, RuntimeError>>()?;
-        let (outputs, loss) = run_stage(r, s, mb, &inputs, !r.layout.recompute[s])?;
+        let grad = !self.eval && !r.layout.recompute[s];
+        let (outputs, loss) = run_stage(r, s, &inputs, grad, &self.micro[mb], &self.feeds[mb])?;
         if let Some(l) = loss.as_ref().filter(|_| r.t == 0) {
             self.loss_sum += l.f_double_value(&[])?;
         }
@@ -187,7 +243,7 @@ impl<'r, 'a> Interp<'r, 'a> {
         let mut st = self.state.remove(&(s, mb)).ok_or_else(|| terr(format!("backward of stage {s} mb {mb} before its forward")))?;
         self.zero.ensure(r, s)?;
         if r.layout.recompute[s] {
-            let (outputs, loss) = run_stage(r, s, mb, &st.inputs, true)?;
+            let (outputs, loss) = run_stage(r, s, &st.inputs, true, &self.micro[mb], &self.feeds[mb])?;
             st.outputs = outputs;
             st.loss = loss;
         }
@@ -404,15 +460,23 @@ impl<'r, 'a> Interp<'r, 'a> {
                 let _ = g.f_mul_scalar_(c)?;
             }
         }
-        self.zero.step(r, &self.grads, coef)
+        self.zero.step(r, &self.grads, coef, r.cfg.schedule.lr(self.step))
     }
 }
 
-/// Runs stage `s` on microbatch `mb` with `inputs` from the previous stage (autograd on when
-/// `grad`): its outputs to the next stage, or on the last stage the weighted loss.
-fn run_stage(r: &Rank<'_>, s: usize, mb: usize, inputs: &[(ValueId, Tensor)], grad: bool) -> Result<(Vec<(ValueId, Tensor)>, Option<Tensor>), RuntimeError> {
+/// Runs stage `s` on one microbatch with `inputs` from the previous stage (autograd on when
+/// `grad`), the microbatch's arrays `batch` and graph-input feeds `given`: its outputs to the
+/// next stage, or on the last stage the weighted loss.
+fn run_stage(
+    r: &Rank<'_>,
+    s: usize,
+    inputs: &[(ValueId, Tensor)],
+    grad: bool,
+    batch: &Batch,
+    given: &HashMap<ValueId, Tensor>,
+) -> Result<(Vec<(ValueId, Tensor)>, Option<Tensor>), RuntimeError> {
     let graph = r.graph();
-    let mut feeds: HashMap<ValueId, Tensor> = r.feeds[mb].iter().map(|(k, v)| (*k, v.shallow_clone())).collect();
+    let mut feeds: HashMap<ValueId, Tensor> = given.iter().map(|(k, v)| (*k, v.shallow_clone())).collect();
     for (v, t) in inputs {
         feeds.insert(*v, t.shallow_clone());
     }
@@ -441,7 +505,7 @@ fn run_stage(r: &Rank<'_>, s: usize, mb: usize, inputs: &[(ValueId, Tensor)], gr
     };
     if last {
         let outs: Vec<Tensor> = keep.iter().map(|v| outs[v].shallow_clone()).collect();
-        let loss = train::loss_of(r.exec, r.cfg.loss, &r.micro[mb], &outs)?.f_mul_scalar(r.weight)?;
+        let loss = train::loss_of(r.exec, r.cfg.loss, batch, &outs)?.f_mul_scalar(r.weight)?;
         Ok((Vec::new(), Some(loss)))
     } else {
         Ok((keep.iter().map(|v| (*v, outs[v].shallow_clone())).collect(), None))

@@ -1,5 +1,7 @@
-//! `smp-runner launch`: N local ranks of `smp-runner run` with torchrun's environment. Forwards
-//! SIGINT/SIGTERM, and when a rank fails names it, stops the others and waits for all.
+//! `smp-runner launch`: N local ranks of `smp-runner run` with torchrun's environment, on one
+//! host or as one node of several (`--nnodes`, `--node-rank`, `--master-addr`, `--master-port`,
+//! as torchrun's static rendezvous). Forwards SIGINT/SIGTERM, and when a rank fails names it,
+//! stops the others and waits for all.
 
 use std::ffi::OsString;
 use std::path::Path;
@@ -47,20 +49,63 @@ pub fn free_port() -> Result<u16, RuntimeError> {
     Ok(l.local_addr().map_err(|e| RuntimeError::Train(e.to_string()))?.port())
 }
 
+/// This host's place among the hosts of a job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Nodes {
+    /// Hosts (each runs one launcher).
+    pub nnodes: usize,
+    /// This host's index; its ranks are `node_rank·nproc ..`.
+    pub node_rank: usize,
+    /// Rank 0's address (default: loopback, one host only).
+    pub master_addr: Option<String>,
+    /// The rendezvous port (default: a free one, one host only).
+    pub master_port: Option<u16>,
+}
+
+impl Default for Nodes {
+    fn default() -> Self {
+        Nodes { nnodes: 1, node_rank: 0, master_addr: None, master_port: None }
+    }
+}
+
 /// Runs `exe run PLAN ARGS` as ranks 0..nproc; returns the exit code for the launcher: 0 if
 /// every rank succeeded, else 1 (the failing rank is named on stderr).
 pub fn launch(exe: &Path, nproc: usize, plan: &Path, args: &[String]) -> Result<i32, RuntimeError> {
+    launch_on(exe, nproc, &Nodes::default(), plan, args)
+}
+
+/// Runs `exe run PLAN ARGS` as this node's `nproc` ranks of `nodes`; exit code as [`launch`].
+pub fn launch_on(exe: &Path, nproc: usize, nodes: &Nodes, plan: &Path, args: &[String]) -> Result<i32, RuntimeError> {
     let mut all: Vec<OsString> = vec!["run".into(), plan.as_os_str().to_owned()];
     all.extend(args.iter().map(OsString::from));
-    launch_args(exe, nproc, &all)
+    launch_nodes(exe, nproc, nodes, &all)
 }
 
 /// Runs `exe ARGS` as ranks 0..nproc with torchrun's environment; exit code as [`launch`].
 pub fn launch_args(exe: &Path, nproc: usize, args: &[OsString]) -> Result<i32, RuntimeError> {
+    launch_nodes(exe, nproc, &Nodes::default(), args)
+}
+
+/// Runs `exe ARGS` as this node's `nproc` ranks of `nodes`; exit code as [`launch`].
+pub fn launch_nodes(exe: &Path, nproc: usize, nodes: &Nodes, args: &[OsString]) -> Result<i32, RuntimeError> {
     if nproc == 0 {
         return Err(RuntimeError::Train("--nproc must be at least 1".into()));
     }
-    let port = free_port()?;
+    if nodes.nnodes == 0 || nodes.node_rank >= nodes.nnodes {
+        return Err(RuntimeError::Train(format!("--node-rank {} must be below --nnodes {}", nodes.node_rank, nodes.nnodes)));
+    }
+    if nodes.nnodes > 1 && (nodes.master_addr.is_none() || nodes.master_port.is_none()) {
+        return Err(RuntimeError::Train(format!(
+            "--nnodes {} needs --master-addr (node 0's address, reachable from every node) and --master-port (the same on every node)",
+            nodes.nnodes
+        )));
+    }
+    let port = match nodes.master_port {
+        Some(p) => p,
+        None => free_port()?,
+    };
+    let addr = nodes.master_addr.clone().unwrap_or_else(|| "127.0.0.1".into());
+    let world = nodes.nnodes * nproc;
     // SAFETY: installs an async-signal-safe handler (one atomic store).
     unsafe {
         signal(SIGINT, on_signal as *const () as usize);
@@ -68,18 +113,19 @@ pub fn launch_args(exe: &Path, nproc: usize, args: &[OsString]) -> Result<i32, R
     }
     let mut children: Vec<Option<Child>> = Vec::with_capacity(nproc);
     for r in 0..nproc {
+        let rank = nodes.node_rank * nproc + r;
         let spawned = Command::new(exe)
             .args(args)
-            .env("RANK", r.to_string())
-            .env("WORLD_SIZE", nproc.to_string())
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
             .env("LOCAL_RANK", r.to_string())
             .env("LOCAL_WORLD_SIZE", nproc.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_ADDR", &addr)
             .env("MASTER_PORT", port.to_string())
             .spawn();
         match spawned {
             Ok(c) => {
-                eprintln!("smp-runner launch: rank {r}: pid {}", c.id());
+                eprintln!("smp-runner launch: rank {rank}: pid {}", c.id());
                 children.push(Some(c));
             }
             Err(e) => {
@@ -87,7 +133,7 @@ pub fn launch_args(exe: &Path, nproc: usize, args: &[OsString]) -> Result<i32, R
                     let _ = c.kill();
                     let _ = c.wait();
                 }
-                return Err(RuntimeError::Train(format!("cannot start rank {r} (`{}`): {e}", exe.display())));
+                return Err(RuntimeError::Train(format!("cannot start rank {rank} (`{}`): {e}", exe.display())));
             }
         }
     }
@@ -109,7 +155,7 @@ pub fn launch_args(exe: &Path, nproc: usize, args: &[OsString]) -> Result<i32, R
             match c.try_wait() {
                 Ok(Some(status)) => {
                     if !status.success() && failed.is_none() && forwarded == 0 {
-                        failed = Some((r, describe(status)));
+                        failed = Some((nodes.node_rank * nproc + r, describe(status)));
                     }
                     *slot = None;
                 }

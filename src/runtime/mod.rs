@@ -4,6 +4,7 @@
 //! This is the only module that names tch.
 
 pub mod calibrate;
+pub mod data;
 pub mod dist;
 pub mod executor;
 mod interp;

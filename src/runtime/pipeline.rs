@@ -15,7 +15,8 @@ use super::dist::{DistError, RankEnv};
 use super::executor::Executor;
 use super::interp::Interp;
 use super::rank::{Rank, Shards, check_world};
-use super::train::{AdamWConfig, Batch, LossKind};
+use super::data::DataSource;
+use super::train::{AdamWConfig, EvalConfig, EvalRecord, LossKind, LrSchedule, TrainObserver};
 use crate::plan::Plan;
 
 pub use super::layout::{REPLAN, StageLayout, codegen_section, rank_programs, stage_layout};
@@ -48,16 +49,48 @@ pub struct RunConfig {
     pub bucket_bytes: usize,
     /// Print `[rank R] step N` on stderr after every step.
     pub progress: bool,
+    /// Learning rate of each step (its base overrides `adamw.lr`).
+    pub schedule: LrSchedule,
+    /// Validation.
+    pub eval: Option<EvalConfig>,
 }
 
-/// Runs this rank's part of `plan` for `cfg.steps` steps on `batch` (the global batch; every
-/// rank holds it and takes its replica's share).
-pub fn run_rank(plan: &Plan, exec: &Executor<'_>, batch: &Batch, cfg: &RunConfig, env: &RankEnv) -> Result<RankReport, RuntimeError> {
+/// Runs this rank's part of `plan` for `cfg.steps` steps on `data` (step k reads its k-th
+/// global batch; each replica takes its share, and only ranks whose stages read data read it),
+/// validating on `eval_data` as `cfg.eval` says; tells `obs` of each step (with the global
+/// loss) and validation as it completes.
+pub fn run_rank(
+    plan: &Plan,
+    exec: &Executor<'_>,
+    data: &DataSource,
+    eval_data: Option<&DataSource>,
+    cfg: &RunConfig,
+    env: &RankEnv,
+    obs: &mut dyn TrainObserver,
+) -> Result<RankReport, RuntimeError> {
     codegen_section(plan)?;
     check_world(plan, env)?;
     let shards = Shards::new(plan, exec.graph(), env.rank)?;
-    let rank = Rank::new(plan, exec, &shards, batch, cfg, env)?;
+    let rank = Rank::new(plan, exec, &shards, data, cfg, env)?;
     let mut interp = Interp::new(&rank)?;
-    let records = (1..=cfg.steps).map(|step| interp.run_step(step)).collect::<Result<Vec<_>, _>>()?;
-    super::report::gather(&rank.groups.world, env.world, records, &interp.tally)
+    let mut evals: Vec<EvalRecord> = Vec::new();
+    let mut validate = |interp: &mut Interp<'_, '_>, step: usize, obs: &mut dyn TrainObserver| -> Result<(), RuntimeError> {
+        if let (Some(e), Some(d)) = (cfg.eval.filter(|e| e.due(step)), eval_data) {
+            let rec = EvalRecord { step, loss: interp.run_eval(d, e.batches)? };
+            obs.on_eval(&rec);
+            evals.push(rec);
+        }
+        Ok(())
+    };
+    validate(&mut interp, 0, obs)?;
+    let mut records = Vec::with_capacity(cfg.steps);
+    for step in 1..=cfg.steps {
+        let rec = interp.run_step(step)?;
+        obs.on_step(&rec);
+        records.push(rec);
+        validate(&mut interp, step, obs)?;
+    }
+    let mut report = super::report::gather(&rank.groups.world, env.world, records, &interp.tally)?;
+    report.eval = evals;
+    Ok(report)
 }

@@ -11,7 +11,8 @@ use super::dist::{Backend, ProcessGroup, RankEnv, Store};
 use super::executor::Executor;
 use super::layout::{self, REPLAN, StageLayout};
 use super::pipeline::{RunConfig, terr};
-use super::train::{self, Batch};
+use super::data::DataSource;
+use super::train::Batch;
 use super::weights::is_trainable;
 use super::{ExecOptions, RuntimeError, Weights};
 use crate::codegen::{Coord, Instr, Mesh, Purpose, RankProgram, StageView, WeightSlice, apply_shard};
@@ -196,17 +197,21 @@ pub(super) struct Rank<'a> {
     pub stage_execs: HashMap<usize, Executor<'a>>,
     /// Process groups.
     pub groups: Groups,
-    /// This replica's microbatches.
-    pub micro: Vec<Batch>,
-    /// Graph-input feeds of each microbatch.
-    pub feeds: Vec<HashMap<ValueId, Tensor>>,
+    /// The training data.
+    pub data: &'a DataSource,
+    /// Whether this rank reads data: its stages read a graph input, or it computes the loss.
+    pub reads_data: bool,
+    /// Microbatches per step.
+    pub m: usize,
+    /// Replicas.
+    pub dp: usize,
     /// Loss weight of one microbatch (1 / (microbatches × dp)).
     pub weight: f64,
 }
 
 impl<'a> Rank<'a> {
-    /// Sets up rank `env.rank` of `plan` on the model of `exec`, with `batch` the global batch.
-    pub fn new(plan: &Plan, exec: &'a Executor<'a>, shards: &'a Shards, batch: &Batch, cfg: &'a RunConfig, env: &RankEnv) -> Result<Rank<'a>, RuntimeError> {
+    /// Sets up rank `env.rank` of `plan` on the model of `exec`, training on `data`.
+    pub fn new(plan: &Plan, exec: &'a Executor<'a>, shards: &'a Shards, data: &'a DataSource, cfg: &'a RunConfig, env: &RankEnv) -> Result<Rank<'a>, RuntimeError> {
         let graph = exec.graph();
         let section = layout::codegen_section(plan)?;
         let layout = layout::stage_layout(section, graph)?;
@@ -227,8 +232,9 @@ impl<'a> Rank<'a> {
         let (stage_execs, by_name) = stage_executors(exec, shards, tensor_pg.as_ref())?;
         let sliced: HashSet<&str> = shards.stages.iter().flat_map(|sh| sh.slices.iter()).map(|w| w.initializer.as_str()).collect();
         let (params, kv_groups) = own_params(plan, exec, &layout, &my_stages, (me, q, t), &sliced, &by_name, &shards.kv_groups)?;
-        let micro = replica_microbatches(batch, d, dp, m)?;
-        let feeds = micro.iter().map(|mb| input_feeds(exec, mb)).collect::<Result<_, _>>()?;
+        // a stage reads the graph inputs its nodes consume; the last one also the loss's labels
+        let reads_input = my_stages.iter().flat_map(|&s| &layout.nodes[s]).any(|&n| graph.node(n).inputs.iter().flatten().any(|v| graph.inputs.contains(v)));
+        let reads_data = reads_input || my_stages.contains(&(n_stages - 1));
         let split_w = program.instrs.iter().filter_map(|i| if let Instr::BackwardWeight { stage, mb } = i { Some((*stage, *mb)) } else { None }).collect();
         let shard_group = plan.parallel.sharded_dp.filter(|&n| n > 1 && n < dp).unwrap_or(dp);
         Ok(Rank {
@@ -249,8 +255,10 @@ impl<'a> Rank<'a> {
             kv_groups,
             stage_execs,
             groups,
-            micro,
-            feeds,
+            data,
+            reads_data,
+            m,
+            dp,
             weight: 1.0 / (m * dp) as f64,
         })
     }
@@ -271,6 +279,17 @@ impl<'a> Rank<'a> {
     /// The last stage (it computes the loss).
     pub fn last_stage(&self) -> usize {
         self.n_stages - 1
+    }
+
+    /// This replica's microbatches of batch `k` (from 1) of `data`, with their graph-input
+    /// feeds; empty when the rank reads no data.
+    pub fn batches(&self, data: &DataSource, k: usize) -> Result<(Vec<Batch>, Vec<HashMap<ValueId, Tensor>>), RuntimeError> {
+        if !self.reads_data {
+            return Ok(((0..self.m).map(|_| Vec::new()).collect(), (0..self.m).map(|_| HashMap::new()).collect()));
+        }
+        let micro = data.replica_microbatches(k, self.d, self.dp, self.m)?;
+        let feeds = micro.iter().map(|mb| input_feeds(self.exec, mb)).collect::<Result<_, _>>()?;
+        Ok((micro, feeds))
     }
 }
 
@@ -497,19 +516,6 @@ pub(super) fn check_world(plan: &Plan, env: &RankEnv) -> Result<(), RuntimeError
 /// The tensor-parallel groups (global ranks), one per pipeline rank and replica.
 fn tensor_groups(mesh: &Mesh) -> Vec<Vec<usize>> {
     mesh.ranks.iter().flat_map(|rs| rs.chunks(mesh.tp.max(1)).map(<[usize]>::to_vec)).collect()
-}
-
-/// Replica `d`'s microbatches: it takes the d-th contiguous share of the batch, cut into `m`.
-fn replica_microbatches(batch: &Batch, d: usize, dp: usize, m: usize) -> Result<Vec<Batch>, RuntimeError> {
-    let mut out = Vec::new();
-    for (name, t) in batch {
-        let b = t.size().first().copied().unwrap_or(0);
-        if b % (dp * m) as i64 != 0 {
-            return Err(terr(format!("array `{name}` has batch {b}, not divisible into dp {dp} × {m} microbatches")));
-        }
-        out.push((name.clone(), t.f_narrow(0, d as i64 * (b / dp as i64), b / dp as i64)?));
-    }
-    train::split_batch(&out, m)
 }
 
 /// Rejects instructions that name stages or microbatches outside the plan, or messages that

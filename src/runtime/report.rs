@@ -6,7 +6,7 @@ use tch::{Kind, Tensor};
 use super::RuntimeError;
 use super::dist::ProcessGroup;
 use super::pipeline::terr;
-use super::train::StepRecord;
+use super::train::{EvalRecord, StepRecord};
 
 /// Bytes of trained state: parameters (full tensors, ZeRO blocks), gradients, optimizer moments.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -49,6 +49,8 @@ pub struct RankReport {
     pub steps: Vec<StepRecord>,
     /// Every rank's measurements, by global rank.
     pub ranks: Vec<RankStats>,
+    /// Validation losses (identical on every rank).
+    pub eval: Vec<EvalRecord>,
 }
 
 /// Bytes of a tensor's elements (0 when undefined).
@@ -104,7 +106,7 @@ pub(super) fn gather(world: &ProcessGroup, size: usize, records: Vec<StepRecord>
         })
         .collect();
     world.barrier()?;
-    Ok(RankReport { steps: records, ranks })
+    Ok(RankReport { steps: records, ranks, eval: Vec::new() })
 }
 
 /// Peak resident memory of this process (bytes), from /proc.

@@ -9,6 +9,7 @@ use tch::{Kind, Reduction, Tensor};
 
 use super::RuntimeError;
 use super::executor::Executor;
+use super::data::DataSource;
 use super::npz;
 use super::tensor::{is_float_kind, kind_of};
 use crate::ir::{Dim, ValueKind};
@@ -67,6 +68,11 @@ pub struct AdamW {
 }
 
 impl AdamW {
+    /// Sets the learning rate of the next steps (a schedule's value).
+    pub fn set_lr(&mut self, lr: f64) {
+        self.cfg.lr = lr;
+    }
+
     /// Zeroed moments for each parameter.
     pub fn new(params: &[Tensor], cfg: AdamWConfig) -> Result<AdamW, RuntimeError> {
         let state = params
@@ -142,6 +148,114 @@ pub struct StepRecord {
     pub loss: f64,
     /// Wall time of the step in seconds.
     pub time_s: f64,
+    /// Learning rate of the step's update.
+    pub lr: f64,
+}
+
+/// One validation result (the `--json` contract's `eval` entries).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct EvalRecord {
+    /// Optimizer steps taken before it (0: the initial weights).
+    pub step: usize,
+    /// Mean loss over the validation batches (forward only).
+    pub loss: f64,
+}
+
+/// How the learning rate decays after its warm-up.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LrShape {
+    /// The base rate throughout.
+    #[default]
+    Constant,
+    /// Half a cosine from the base rate towards `min_lr` (`torch.optim.lr_scheduler.CosineAnnealingLR`).
+    Cosine,
+    /// A straight line from the base rate towards `min_lr` (`LinearLR`).
+    Linear,
+}
+
+impl LrShape {
+    /// Parses a `--lr-schedule` value.
+    pub fn parse(s: &str) -> Option<LrShape> {
+        Some(match s {
+            "constant" => LrShape::Constant,
+            "cosine" => LrShape::Cosine,
+            "linear" => LrShape::Linear,
+            _ => return None,
+        })
+    }
+}
+
+/// The learning rate of each step: a linear warm-up over `warmup` steps, then `shape` over the
+/// remaining `total − warmup`. Equals PyTorch's `SequentialLR([LinearLR(1/warmup, 1,
+/// warmup−1), CosineAnnealingLR(total−warmup, min_lr)], [warmup])` (or `LinearLR(1,
+/// min_lr/lr, total−warmup)` for `Linear`) stepped once per optimizer step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LrSchedule {
+    /// The decay after the warm-up.
+    pub shape: LrShape,
+    /// The peak (base) learning rate.
+    pub base: f64,
+    /// Warm-up steps.
+    pub warmup: usize,
+    /// Where `Cosine` and `Linear` decay towards.
+    pub min_lr: f64,
+    /// Steps of the run.
+    pub total: usize,
+}
+
+impl LrSchedule {
+    /// A constant rate `lr`.
+    pub fn constant(lr: f64) -> LrSchedule {
+        LrSchedule { shape: LrShape::Constant, base: lr, warmup: 0, min_lr: 0.0, total: 0 }
+    }
+
+    /// The rate of step `step` (from 1): with i = step − 1 and W warm-up steps, `base·(i+1)/W`
+    /// while i < W; then with j = i − W and D = total − W, `base` (constant), `min + (base −
+    /// min)·(1 + cos(πj/D))/2` (cosine) or `base + (min − base)·j/D` (linear).
+    pub fn lr(&self, step: usize) -> f64 {
+        let i = step.saturating_sub(1);
+        let LrSchedule { shape, base, warmup, min_lr, total } = *self;
+        if i < warmup {
+            return base * (i + 1) as f64 / warmup as f64;
+        }
+        let j = (i - warmup) as f64;
+        let d = total.saturating_sub(warmup).max(1) as f64;
+        match shape {
+            LrShape::Constant => base,
+            LrShape::Cosine => min_lr + (base - min_lr) * (1.0 + (std::f64::consts::PI * j / d).cos()) / 2.0,
+            LrShape::Linear => base + (min_lr - base) * j.min(d) / d,
+        }
+    }
+}
+
+/// Sees each step and validation as it completes (the CLI draws its progress from it).
+pub trait TrainObserver {
+    /// Step `rec.step` is done (its loss is the global mean).
+    fn on_step(&mut self, _rec: &StepRecord) {}
+    /// A validation is done.
+    fn on_eval(&mut self, _rec: &EvalRecord) {}
+}
+
+/// An observer that ignores everything.
+pub struct Quiet;
+
+impl TrainObserver for Quiet {}
+
+/// When validation runs: before the first step and after every `every`-th, on `batches`
+/// batches of the validation data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EvalConfig {
+    /// Steps between evaluations.
+    pub every: usize,
+    /// Batches per evaluation.
+    pub batches: usize,
+}
+
+impl EvalConfig {
+    /// Whether validation runs after step `step` (0: before training).
+    pub fn due(&self, step: usize) -> bool {
+        self.every > 0 && step % self.every == 0
+    }
 }
 
 /// Settings of a training run.
@@ -157,6 +271,17 @@ pub struct TrainConfig {
     pub adamw: AdamWConfig,
     /// Global gradient-norm limit (`None`: no clipping).
     pub clip: Option<f64>,
+    /// Learning rate of each step (its base overrides `adamw.lr`).
+    pub schedule: LrSchedule,
+    /// Validation, with its data.
+    pub eval: Option<EvalConfig>,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        let adamw = AdamWConfig::default();
+        TrainConfig { steps: 10, microbatches: 1, loss: LossKind::CausalLm, adamw, clip: Some(1.0), schedule: LrSchedule::constant(adamw.lr), eval: None }
+    }
 }
 
 /// A global batch: arrays keyed by graph input name, plus `labels`/`targets` if given.
@@ -211,7 +336,7 @@ pub fn synthetic_batch(exec: &Executor, batch: i64, seq_len: i64, seed: i64) -> 
 
 /// The vocabulary: the last axis of a rank-3 float output if known, else the row count of the
 /// largest 2-D float initializer (the embedding).
-fn vocab_size(exec: &Executor) -> Option<i64> {
+pub(super) fn vocab_size(exec: &Executor) -> Option<i64> {
     let graph = exec.graph();
     for &o in &graph.outputs {
         if let Some(ty) = &graph.value(o).ty {
@@ -321,17 +446,57 @@ pub fn loss_of(exec: &Executor, kind: LossKind, mb: &Batch, outs: &[Tensor]) -> 
 
 /// Trains on one fixed global batch for `cfg.steps` steps; returns one record per step.
 pub fn train(exec: &Executor, batch: &Batch, cfg: &TrainConfig) -> Result<Vec<StepRecord>, RuntimeError> {
+    let fixed = DataSource::Fixed(batch.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect());
+    Ok(train_on(exec, &fixed, None, cfg, &mut Quiet)?.0)
+}
+
+/// Trains for `cfg.steps` steps on `data` (step k reads its k-th global batch), validating on
+/// `eval_data` as `cfg.eval` says, telling `obs` as it goes; returns one record per step and
+/// per evaluation.
+pub fn train_on(
+    exec: &Executor,
+    data: &DataSource,
+    eval_data: Option<&DataSource>,
+    cfg: &TrainConfig,
+    obs: &mut dyn TrainObserver,
+) -> Result<(Vec<StepRecord>, Vec<EvalRecord>), RuntimeError> {
     let params: Vec<Tensor> = exec.parameters().into_iter().map(|(_, t)| t).collect();
     if params.is_empty() {
         return Err(RuntimeError::Train("the model has no trainable initializers".into()));
     }
     let mut opt = AdamW::new(&params, cfg.adamw)?;
     let m = cfg.microbatches.max(1);
-    let micro = split_batch(batch, m)?;
     let input_names: HashMap<&str, ()> = exec.graph().inputs.iter().map(|&v| (exec.graph().value(v).name.as_str(), ())).collect();
+    let feeds_of = |mb: &Batch| {
+        let feeds: Vec<(String, Tensor)> =
+            mb.iter().filter(|(n, _)| input_names.contains_key(n.as_str())).map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+        exec.bind_inputs(feeds)
+    };
+    let evaluation = match (cfg.eval, eval_data) {
+        (Some(e), Some(d)) => Some((e, d)),
+        _ => None,
+    };
+    let mut evals = Vec::new();
+    let validate = |step: usize, evals: &mut Vec<EvalRecord>, obs: &mut dyn TrainObserver| -> Result<(), RuntimeError> {
+        if let Some((e, d)) = evaluation.filter(|(e, _)| e.due(step)) {
+            let mut sum = 0.0;
+            for k in 1..=e.batches {
+                for mb in d.replica_microbatches(k, 0, 1, m)? {
+                    let outs = tch::no_grad(|| exec.forward(&feeds_of(&mb)?))?;
+                    sum += loss_of(exec, cfg.loss, &mb, &outs)?.f_double_value(&[])? / m as f64;
+                }
+            }
+            let rec = EvalRecord { step, loss: sum / e.batches.max(1) as f64 };
+            obs.on_eval(&rec);
+            evals.push(rec);
+        }
+        Ok(())
+    };
+    validate(0, &mut evals, obs)?;
     let mut records = Vec::with_capacity(cfg.steps);
     for step in 1..=cfg.steps {
         let t0 = Instant::now();
+        let micro = data.replica_microbatches(step, 0, 1, m)?;
         for p in &params {
             let g = p.f_grad()?;
             if g.defined() {
@@ -341,12 +506,7 @@ pub fn train(exec: &Executor, batch: &Batch, cfg: &TrainConfig) -> Result<Vec<St
         }
         let mut total = 0.0;
         for mb in &micro {
-            let feeds: Vec<(String, Tensor)> = mb
-                .iter()
-                .filter(|(n, _)| input_names.contains_key(n.as_str()))
-                .map(|(n, t)| (n.clone(), t.shallow_clone()))
-                .collect();
-            let feeds = exec.bind_inputs(feeds)?;
+            let feeds = feeds_of(mb)?;
             let outs = exec.forward(&feeds)?;
             let loss = loss_of(exec, cfg.loss, mb, &outs)?;
             let weight = 1.0 / m as f64;
@@ -356,8 +516,13 @@ pub fn train(exec: &Executor, batch: &Batch, cfg: &TrainConfig) -> Result<Vec<St
         if let Some(c) = cfg.clip {
             clip_grad_norm(&params, c)?;
         }
+        let lr = cfg.schedule.lr(step);
+        opt.set_lr(lr);
         opt.step(&params)?;
-        records.push(StepRecord { step, loss: total, time_s: t0.elapsed().as_secs_f64() });
+        let rec = StepRecord { step, loss: total, time_s: t0.elapsed().as_secs_f64(), lr };
+        obs.on_step(&rec);
+        records.push(rec);
+        validate(step, &mut evals, obs)?;
     }
-    Ok(records)
+    Ok((records, evals))
 }

@@ -238,8 +238,8 @@ impl Zero {
     }
 
     /// The optimizer step: each shard's block (its gradient scaled by `coef` when clipping),
-    /// then the parameters in no shard with their full gradients `grads`.
-    pub fn step(&mut self, rank: &Rank<'_>, grads: &[Option<Tensor>], coef: Option<f64>) -> Result<(), RuntimeError> {
+    /// then the parameters in no shard with their full gradients `grads`; at learning rate `lr`.
+    pub fn step(&mut self, rank: &Rank<'_>, grads: &[Option<Tensor>], coef: Option<f64>, lr: f64) -> Result<(), RuntimeError> {
         let p = &rank.params;
         let adamw = rank.cfg.adamw;
         for (s, sh) in self.shards.iter_mut().enumerate() {
@@ -254,6 +254,7 @@ impl Zero {
                     Some(o) => o,
                     None => sh.opt.insert(AdamW::new(&[master.shallow_clone()], adamw)?),
                 };
+                opt.set_lr(lr);
                 opt.step_with(&[master], &[g])?;
                 continue;
             }
@@ -262,6 +263,7 @@ impl Zero {
                 Some(o) => o,
                 None => sh.opt.insert(AdamW::new(&[block.shallow_clone()], adamw)?),
             };
+            opt.set_lr(lr);
             opt.step_with(&[block.shallow_clone()], &[g])?;
             sh.updated = Some(block);
         }
@@ -272,6 +274,7 @@ impl Zero {
                 None => self.full_opt.insert(AdamW::new(&p.tensors, adamw)?),
             };
             let gs: Vec<Tensor> = grads.iter().map(|g| g.as_ref().map_or_else(Tensor::new, Tensor::shallow_clone)).collect();
+            opt.set_lr(lr);
             opt.step_with(&p.tensors, &gs)?;
         }
         Ok(())

@@ -16,6 +16,8 @@ unsafe extern "C" {
         size: c_int,
         timeout_ms: i64,
         nccl: c_int,
+        gloo_ifaces: *const c_char,
+        gloo_host: *const c_char,
         out: *mut *mut c_void,
     ) -> *mut c_char;
     pub fn smp_c10d_group_free(g: *mut c_void);

@@ -98,9 +98,48 @@ impl RankEnv {
     }
 }
 
+/// Where Gloo binds its sockets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GlooDevice {
+    /// Named interfaces (`GLOO_SOCKET_IFNAME`, comma-separated, as torch reads it).
+    Interfaces(Vec<String>),
+    /// The local address of the interface that reaches `MASTER_ADDR`.
+    Address(std::net::IpAddr),
+}
+
+impl GlooDevice {
+    /// `GLOO_SOCKET_IFNAME` if set, else the local address the kernel routes `MASTER_ADDR`
+    /// through (loopback when the master is local).
+    pub fn for_env(env: &RankEnv) -> Result<GlooDevice, DistError> {
+        if let Some(names) = std::env::var("GLOO_SOCKET_IFNAME").ok().filter(|v| !v.trim().is_empty()) {
+            return Ok(GlooDevice::Interfaces(names.split(',').map(|n| n.trim().to_string()).filter(|n| !n.is_empty()).collect()));
+        }
+        Ok(GlooDevice::Address(route_to(&env.master_addr, env.master_port)?))
+    }
+}
+
+/// The local address of the interface that reaches `host`: a UDP socket connected to it (no
+/// packet is sent) reports the source address the kernel chose.
+pub fn route_to(host: &str, port: u16) -> Result<std::net::IpAddr, DistError> {
+    use std::net::{ToSocketAddrs, UdpSocket};
+    let fail = |m: String| DistError::Env(format!("MASTER_ADDR=`{host}`: {m}; set MASTER_ADDR to an address this host reaches, or GLOO_SOCKET_IFNAME to the interface to use"));
+    let addrs: Vec<std::net::SocketAddr> = (host, port).to_socket_addrs().map_err(|e| fail(format!("cannot resolve it ({e})")))?.collect();
+    let mut last = String::from("it resolves to no address");
+    for a in addrs {
+        let local = if a.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
+        let probe = UdpSocket::bind(local).and_then(|s| s.connect(a).map(|()| s)).and_then(|s| s.local_addr());
+        match probe {
+            Ok(l) => return Ok(l.ip()),
+            Err(e) => last = format!("no route to {a} ({e})"),
+        }
+    }
+    Err(fail(last))
+}
+
 /// The rendezvous store (rank 0 serves it).
 pub struct Store {
     raw: *mut c_void,
+    device: GlooDevice,
 }
 
 // SAFETY: TCPStore is thread-safe; the handle is only freed on drop.
@@ -109,7 +148,9 @@ unsafe impl Sync for Store {}
 
 impl Store {
     /// Connects to (rank 0: serves) the TCPStore at `env`'s master address.
+    /// Gloo groups made over it bind [`GlooDevice::for_env`].
     pub fn connect(env: &RankEnv, timeout: Duration) -> Result<Arc<Store>, DistError> {
+        let device = GlooDevice::for_env(env)?;
         let host = CString::new(env.master_addr.clone()).map_err(|_| DistError::Env("MASTER_ADDR contains NUL".into()))?;
         let mut out = std::ptr::null_mut();
         // SAFETY: valid C string and out-pointer.
@@ -117,7 +158,12 @@ impl Store {
             ffi::smp_c10d_store_new(host.as_ptr(), env.master_port, i32::from(env.rank == 0), env.world as i32, millis(timeout), &mut out)
         };
         check("TCPStore", err)?;
-        Ok(Arc::new(Store { raw: out }))
+        Ok(Arc::new(Store { raw: out, device }))
+    }
+
+    /// Where the Gloo groups over this store bind.
+    pub fn gloo_device(&self) -> &GlooDevice {
+        &self.device
     }
 }
 
@@ -188,8 +234,14 @@ impl ProcessGroup {
             .ok_or_else(|| DistError::Usage(format!("rank {me} is not in group {members:?}")))?;
         let name: Vec<String> = members.iter().map(usize::to_string).collect();
         let prefix = CString::new(format!("pg/{}", name.join(","))).map_err(|_| DistError::Usage("bad group name".into()))?;
+        let (ifaces, host) = match &store.device {
+            GlooDevice::Interfaces(names) => (names.join(","), String::new()),
+            GlooDevice::Address(ip) => (String::new(), ip.to_string()),
+        };
+        let bad = |_| DistError::Env("GLOO_SOCKET_IFNAME contains NUL".into());
+        let (ifaces, host) = (CString::new(ifaces).map_err(bad)?, CString::new(host).map_err(bad)?);
         let mut out = std::ptr::null_mut();
-        // SAFETY: valid store handle, C string and out-pointer.
+        // SAFETY: valid store handle, C strings and out-pointer.
         let err = unsafe {
             ffi::smp_c10d_group_new(
                 store.raw,
@@ -198,6 +250,8 @@ impl ProcessGroup {
                 members.len() as i32,
                 millis(timeout),
                 i32::from(backend == Backend::Nccl),
+                ifaces.as_ptr(),
+                host.as_ptr(),
                 &mut out,
             )
         };
