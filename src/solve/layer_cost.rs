@@ -349,9 +349,8 @@ impl<'a> CostContext<'a> {
                 if !members.iter().any(|&i| self.tied_read_by(l, i).contains(&w)) {
                     continue;
                 }
-                let chosen = ls.megatron.get(k).and_then(|&m| ls.param_elems[k].get(m)).copied().unwrap_or(0.0);
-                let whole = ls.param_elems[k].iter().copied().fold(0.0, f64::max);
-                split &= chosen < whole;
+                let chosen = ls.megatron.get(k).and_then(|&m| ls.strategy(k, m));
+                split &= chosen.is_some_and(|s| matches!(s, Strategy::Column | Strategy::Row | Strategy::Vocab | Strategy::Heads));
             }
         }
         self.tied_split.insert((w, cfg.tp), split);
