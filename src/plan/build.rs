@@ -104,6 +104,7 @@ pub fn from_decision(d: &PlanDecision, lg: &LayeredGraph, cluster: &ClusterSpec,
             bubble_ratio: d.predicted.bubble_ratio.max(0.0),
             peak_memory_bytes: 0,
             mfu: d.predicted.mfu,
+            hfu: d.predicted.hfu,
         },
         solver: SolverInfo {
             status: match opts.baseline {

@@ -1,0 +1,64 @@
+//! The cost model against published training runs: Megatron-LM's Table 1 (Narayanan et al.
+//! 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM").
+//!
+//! Each row is planned as `--baseline megatron` with the published t, p, d and batch, the
+//! microbatch size and interleaving of the authors' script for the table
+//! (`examples/sc21/run_table_1.sh` in NVIDIA/Megatron-LM) and full recompute. Its predicted
+//! step time is turned into per-GPU TFLOP/s as the paper counts them (equation 3:
+//! F = 96·B·s·l·h²·(1 + s/6h + V/16lh), recompute included) and compared with the published
+//! per-GPU figure. docs/baselines.md explains the choices; BENCHMARKS.md has the table.
+
+use std::path::Path;
+
+use smp_partition::cost::ClusterSpec;
+use smp_partition::load_and_analyze;
+use smp_partition::passes::AnalyzeOptions;
+use smp_partition::solve::plan;
+
+#[path = "common/table1.rs"]
+mod table1;
+use table1::{Row, SEQ, TABLE1, baseline_options, eq3_flops};
+
+/// Predicted per-GPU TFLOP/s (equation 3) of the faithful baseline of `r`.
+fn predicted_tflops(r: &Row, mbs: usize, v: usize) -> (f64, f64) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("models/megatron/gpt-{}.onnx", r.name));
+    let a = load_and_analyze(&path, &AnalyzeOptions { seq_len: Some(SEQ as i64), ..Default::default() }).unwrap();
+    let spec = ClusterSpec::parse(&format!("a100-80gb:{}", r.gpus)).unwrap();
+    let d = plan(&a.lg, &spec, &baseline_options(r, mbs, v), &mut |_| {}).unwrap();
+    assert_eq!((d.tp, d.pp, d.microbatch_size), (r.t, r.p, mbs), "{}", r.name);
+    // Megatron's placement: equal blocks per stage.
+    let per: Vec<usize> = d.stages.iter().map(|s| (s.layers[0]..=s.layers[1]).filter(|&l| a.lg.layers[l].kind == smp_partition::ir::LayerKind::Block).count()).collect();
+    assert!(per.iter().all(|&n| n == per[0]), "{}: blocks per stage {per:?}", r.name);
+    let step = d.predicted.step_time_s;
+    (eq3_flops(r) / (step * r.gpus as f64) / 1e12, step)
+}
+
+#[test]
+fn table1_faithful_baseline_matches_the_published_throughput() {
+    let mut worst: f64 = 0.0;
+    let mut lines = Vec::new();
+    for r in &TABLE1 {
+        let (tflops, step) = predicted_tflops(r, r.mbs, r.v);
+        let ratio = tflops / r.published;
+        worst = worst.max((ratio - 1.0).abs());
+        lines.push(format!(
+            "| {} | {}, {}, {} | {} | {}{} | {:.0} | {:.1} ({:.1} % of 312) | {:.3} | step {:.2} s |",
+            r.name,
+            r.t,
+            r.p,
+            r.gpus / (r.t * r.p),
+            r.batch,
+            r.mbs,
+            if r.v > 1 { format!(", interleaved:{}", r.v) } else { String::new() },
+            r.published,
+            tflops,
+            tflops / 312.0 * 100.0,
+            ratio,
+            step
+        ));
+    }
+    for l in &lines {
+        eprintln!("{l}");
+    }
+    assert!(worst <= 0.10, "a row is off by {:.1} % (> 10 %):\n{}", worst * 100.0, lines.join("\n"));
+}
