@@ -61,9 +61,10 @@ fn error_text(e: &dyn std::error::Error) -> String {
 
 fn describe_decision(d: &PlanDecision) -> String {
     format!(
-        "pp{} tp{} dp{} zero{} m{}×{} {} ckpt {}",
+        "pp{} tp{}{} dp{} zero{} m{}×{} {} ckpt {}",
         d.pp,
         d.tp,
+        if d.sequence_parallel { " sp" } else { "" },
         d.dp,
         d.zero,
         d.microbatches,
@@ -77,9 +78,10 @@ fn describe(p: &Plan) -> String {
     let par = &p.parallel;
     let schedule = par.schedule.to_string();
     format!(
-        "pp{} tp{} dp{} zero{} m{}×{} {} ckpt {}",
+        "pp{} tp{}{} dp{} zero{} m{}×{} {} ckpt {}",
         par.pp,
         par.tp,
+        if par.sequence_parallel { " sp" } else { "" },
         par.dp,
         par.zero,
         par.microbatches,
@@ -105,7 +107,7 @@ fn main() {
         ("GPT 1T", "models/gpt-1t.onnx", "a100-80gb:3072", 3072, "≤ 5 s", true),
     ] {
         let Some(a) = load(path, 2048) else { continue };
-        let cfg = PlanOptions { sequence_parallel: sp, ..options(batch, 2048) };
+        let cfg = PlanOptions { sequence_parallel: sp.then_some(true), ..options(batch, 2048) };
         let sp = if sp { ", --sequence-parallel" } else { "" };
         match run(&a, cluster, &cfg) {
             (Ok(d), wall) => println!(

@@ -55,7 +55,7 @@ fn stages_run_in_order_and_the_plan_is_the_clis() {
 #[test]
 fn notes_say_what_was_assumed() {
     let cluster = ClusterSpec::parse("h100-80gb:2").unwrap();
-    let opts = PlanOptions { seq_len: Some(16), tp: Some(1), sequence_parallel: true, ..Default::default() };
+    let opts = PlanOptions { seq_len: Some(16), tp: Some(1), sequence_parallel: Some(true), ..Default::default() };
     let mut seen = Seen::default();
     compile_observed(Path::new(GPT2), &cluster, &opts, &mut seen).unwrap();
     assert_eq!(seen.notes.len(), 2, "{:?}", seen.notes);

@@ -62,3 +62,47 @@ fn table1_faithful_baseline_matches_the_published_throughput() {
     }
     assert!(worst <= 0.10, "a row is off by {:.1} % (> 10 %):\n{}", worst * 100.0, lines.join("\n"));
 }
+
+/// The automatic plan (default flags: cluster, batch, sequence length) against the faithful
+/// baseline of each row: never slower. Slow (the 1008B search), so run on demand:
+/// `cargo test --features runner --test published_runs -- --ignored`.
+#[test]
+#[ignore]
+fn table1_automatic_plan_is_never_slower_than_the_faithful_baseline() {
+    let mut logs = Vec::new();
+    let mut lines = Vec::new();
+    for r in &TABLE1 {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("models/megatron/gpt-{}.onnx", r.name));
+        let a = load_and_analyze(&path, &AnalyzeOptions { seq_len: Some(SEQ as i64), ..Default::default() }).unwrap();
+        let spec = ClusterSpec::parse(&format!("a100-80gb:{}", r.gpus)).unwrap();
+        let base = plan(&a.lg, &spec, &baseline_options(r, r.mbs, r.v), &mut |_| {}).unwrap();
+        let t = std::time::Instant::now();
+        let auto_opts = smp_partition::solve::PlanOptions { global_batch: Some(r.batch as u64), seq_len: Some(SEQ as u64), ..Default::default() };
+        let auto = plan(&a.lg, &spec, &auto_opts, &mut |_| {}).unwrap();
+        let ratio = base.predicted.step_time_s / auto.predicted.step_time_s;
+        logs.push(ratio.ln());
+        lines.push(format!(
+            "{}: baseline {:.3} s, auto {:.3} s (pp{} tp{} sp {} dp{} zero{} m{}x{} {} {}, gap {:.4}, {:.1} s), ratio {ratio:.3}",
+            r.name,
+            base.predicted.step_time_s,
+            auto.predicted.step_time_s,
+            auto.pp,
+            auto.tp,
+            auto.sequence_parallel,
+            auto.dp,
+            auto.zero,
+            auto.microbatches,
+            auto.microbatch_size,
+            auto.schedule,
+            auto.solver.status.name(),
+            auto.solver.gap,
+            t.elapsed().as_secs_f64()
+        ));
+    }
+    let g = (logs.iter().sum::<f64>() / logs.len() as f64).exp();
+    for l in &lines {
+        eprintln!("{l}");
+    }
+    eprintln!("geometric mean {g:.3}");
+    assert!(logs.iter().all(|&l| l >= -1e-9), "a row is slower than the baseline:\n{}", lines.join("\n"));
+}

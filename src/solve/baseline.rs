@@ -97,6 +97,8 @@ pub fn plan_baseline(
     c.zero.get_or_insert(0);
     c.placement.get_or_insert(super::Placement::CLUSTER);
     c.checkpointing.get_or_insert(CheckpointRule::Always);
+    // Sequence parallelism came after the paper (Korthikanti et al. 2022): off unless forced.
+    c.sequence_parallel.get_or_insert(false);
     let v = c.schedule.map_or(1, |s| s.virtual_stages());
     if let Some(pp) = c.pp {
         // Refuse a block count the fixed degree does not divide, as Megatron-LM does.

@@ -313,6 +313,8 @@ pub struct PlanDecision {
     pub schedule: ScheduleKind,
     /// Checkpointing rule the search ran under.
     pub checkpointing: CheckpointRule,
+    /// Sequence parallelism in the tensor-parallel layers (searched unless fixed).
+    pub sequence_parallel: bool,
     /// Placement.
     pub placement: Placement,
     /// Stages in chunk order.

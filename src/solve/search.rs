@@ -45,6 +45,8 @@ pub struct Candidate {
     pub placement: Placement,
     /// Checkpointing rule.
     pub checkpoint: CheckpointRule,
+    /// Sequence parallelism in the tensor-parallel layers (false at t = 1).
+    pub sequence_parallel: bool,
 }
 
 /// A candidate with its flat problem and bounds.
@@ -172,12 +174,19 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
                     None if multi => vec![Placement::CLUSTER, Placement::SPREAD],
                     None => vec![Placement::CLUSTER],
                 };
+                // Searched on tensor-parallel candidates unless fixed; meaningless at t = 1.
+                let sps: &[bool] = match c.sequence_parallel {
+                    _ if tp == 1 => &[false],
+                    Some(true) => &[true],
+                    Some(false) => &[false],
+                    None => &[false, true],
+                };
                 for &schedule in &schedules {
                     if pp * schedule.virtual_stages() > layers {
                         continue;
                     }
                     for &placement in &placements {
-                        for &zero in &zeros {
+                        for (&zero, &sequence_parallel) in zeros.iter().flat_map(|z| sps.iter().map(move |s| (z, s))) {
                             out.push(Candidate {
                                 pp,
                                 tp,
@@ -189,6 +198,7 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
                                 schedule,
                                 placement,
                                 checkpoint: c.checkpointing.unwrap_or(CheckpointRule::Auto),
+                                sequence_parallel,
                             });
                         }
                     }
@@ -241,6 +251,7 @@ pub fn layer_config(spec: &ClusterSpec, cand: &Candidate) -> LayerConfig {
         zero_group: GroupSpan::strided(0, cand.zero_group.min(cand.dp).max(1), d_stride, dpn),
         dp_group: GroupSpan::strided(0, cand.dp, d_stride, dpn),
         tp_group: GroupSpan::strided(0, cand.tp, t_stride, dpn),
+        sequence_parallel: cand.sequence_parallel && cand.tp > 1,
     }
 }
 
@@ -451,7 +462,6 @@ pub fn run(
     };
     let mut ctx = CostContext::new(lg, spec);
     ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron);
-    ctx.sequence_parallel = cfg.sequence_parallel;
     let total = cands.len() as u64;
     let mut prepared: Vec<Prepared> = cands
         .iter()
@@ -625,7 +635,6 @@ fn infeasible(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions, cap: f64
         let Ok(cands) = enumerate(lg, &bigger, cfg) else { continue };
         let mut ctx = CostContext::new(lg, &bigger);
         ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron);
-        ctx.sequence_parallel = cfg.sequence_parallel;
         let fits = cands.iter().any(|cand| prepare(&mut ctx, cand, cap, cfg.active_microbatches, None).mem_lb <= cap);
         if fits {
             fix.push_str(&format!(", or about {devices} devices of this kind"));
@@ -769,6 +778,7 @@ pub fn decision(
         microbatch_size: cand.microbatch_size,
         schedule: cand.schedule,
         checkpointing: cand.checkpoint,
+        sequence_parallel: cand.sequence_parallel && cand.tp > 1,
         placement: cand.placement,
         stages,
         layers,
