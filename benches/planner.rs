@@ -197,6 +197,28 @@ fn main() {
         println!("\nGeometric mean of faithful-baseline/auto step-time ratios: {g:.3}");
     }
 
+    // A published run on H100s: Llama 3 405B pre-training (Llama Team, "The Llama 3 Herd of
+    // Models", 2024, Table 4): 8,192 H100s, t 8, p 16, d 64, sequence 8192, 32 sequences per
+    // data-parallel replica (2,048 per step), 430 TFLOP/s per GPU = 43 % BF16 MFU (model
+    // FLOPs, no recompute counted). Their stages hold 8 of the 128 layers each (one block
+    // fewer on the first and last, which carry the embedding and the head): `uniform` cuts.
+    println!();
+    println!("| Llama 3 405B, h100-80gb:8192, t 8, p 16, d 64, batch 2048, seq 8192 | plan | step s | predicted MFU | published MFU | predicted / published |");
+    println!("|---|---|---|---|---|---|");
+    if let Some(model) = load("models/llama3-405b.onnx", 8192) {
+        let cfg = PlanOptions { baseline: Some(Baseline::Uniform), tp: Some(8), pp: Some(16), dp: Some(64), ..options(2048, 8192) };
+        match run(&model, "h100-80gb:8192", &cfg).0 {
+            Ok(d) => println!(
+                "| uniform cuts, rest searched | {} | {:.3} | {:.3} | 0.43 | {:.3} |",
+                describe(&d),
+                d.predicted.step_time_s,
+                d.predicted.mfu,
+                d.predicted.mfu / 0.43
+            ),
+            Err(e) => println!("| error: {} | | | | | |", error_text(&e)),
+        }
+    }
+
     // Llama-3-8B cuts vs DeepSpeed's partition methods.
     println!();
     println!("| Llama-3-8B, h100-80gb:64, batch 512, seq 8192, pp 8 | step s | ratio to auto |");

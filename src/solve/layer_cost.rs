@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 
 use crate::cost::{ClusterSpec, CommModel, GroupSpan, StatePrecision, model_state};
-use crate::cost::compute::{bytes_scale, graph_float_dtype, layer_times};
+use crate::cost::compute::{bytes_scale, graph_float_dtype, layer_times_scaled};
 use crate::ir::{DType, LayerKind, LayeredGraph, OpKind, ValueKind};
 
 use super::ilp::SolverOptions;
@@ -143,6 +143,8 @@ pub struct CostContext<'a> {
     details: HashMap<(usize, usize, usize, GroupSpan, bool), Vec<StrategyDetail>>,
     model_cache: HashMap<(usize, usize, u8, GroupSpan, GroupSpan, GroupSpan, bool), Vec<PipelineLayer>>,
     sig_index: Vec<usize>,
+    /// Per layer: it reads a weight another layer also reads (a tied embedding and head).
+    tied: Vec<bool>,
 }
 
 impl<'a> CostContext<'a> {
@@ -181,6 +183,11 @@ impl<'a> CostContext<'a> {
             .enumerate()
             .map(|(i, l)| *sigs.entry(l.signature.as_str()).or_insert(i))
             .collect();
+        // Tied weights: codegen needs every reader to slice them alike, which only the Megatron
+        // split guarantees (vocab split in both), so such layers are offered that split only.
+        let shared: std::collections::HashSet<crate::ir::ValueId> =
+            lg.layers.iter().flat_map(|l| l.shared_params.iter().copied()).collect();
+        let tied = lg.layers.iter().map(|l| !l.shared_params.is_empty() || l.params.iter().any(|v| shared.contains(v))).collect();
         CostContext {
             lg,
             spec,
@@ -199,6 +206,7 @@ impl<'a> CostContext<'a> {
             details: HashMap::new(),
             model_cache: HashMap::new(),
             sig_index,
+            tied,
         }
     }
 
@@ -250,7 +258,7 @@ impl<'a> CostContext<'a> {
         let shape = self.shapes[layer];
         let t = cfg.tp.max(1) as f64;
         let b = cfg.microbatch as f64;
-        let times = layer_times(self.lg, layer, self.spec, self.dtype, b, cfg.tp);
+        let times = layer_times_scaled(self.lg, layer, self.spec, self.dtype, b, cfg.tp, self.bytes_scale);
         let hidden = lay.input_bytes.max(lay.output_bytes) * b * self.bytes_scale;
         let ar = self.comm.all_reduce(hidden, &cfg.tp_group);
         let pairs = shape.weight_matmuls.div_ceil(2) as f64;
@@ -322,7 +330,7 @@ impl<'a> CostContext<'a> {
             megatron.act_bytes = m.act_bytes.max(megatron.input_bytes);
         }
         let mut out = vec![megatron.clone()];
-        if self.megatron_only {
+        if self.megatron_only || self.tied.get(layer).copied().unwrap_or(false) {
             return out;
         }
         self.intra_solves += 1;
