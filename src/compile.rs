@@ -251,7 +251,7 @@ pub fn compile_observed<'a>(
 
     observer.stage(Stage::Codegen);
     let section = codegen::encode::build(lg, &input).map_err(|e| codegen_error(e, model_name, &plan))?;
-    if options.sequence_parallel && plan.parallel.tp == 1 {
+    if options.sequence_parallel == Some(true) && plan.parallel.tp == 1 {
         observer.note("--sequence-parallel has no effect at tp = 1");
     }
     plan.codegen = Some(section);

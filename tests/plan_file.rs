@@ -61,6 +61,7 @@ fn json_has_the_contract_fields() {
         "/predicted/bubble_ratio",
         "/predicted/peak_memory_bytes",
         "/predicted/mfu",
+        "/predicted/hfu",
         "/solver/status",
         "/solver/objective",
         "/solver/bound",

@@ -21,6 +21,7 @@ fn cfg(tp: usize, per_node: usize) -> LayerConfig {
         zero_group: GroupSpan { size: 1, per_node: 1 },
         dp_group: GroupSpan { size: 1, per_node: 1 },
         tp_group: GroupSpan { size: tp, per_node },
+        sequence_parallel: false,
     }
 }
 

@@ -114,8 +114,21 @@ pub fn layer_times(
     batch: f64,
     tp: usize,
 ) -> LayerTimes {
+    layer_times_scaled(lg, layer, spec, dtype, batch, tp, bytes_scale(graph_float_dtype(&lg.graph), dtype))
+}
+
+/// [`layer_times`] with the graph-to-training byte factor given (it scans every initializer,
+/// so callers pricing many layers compute it once).
+pub fn layer_times_scaled(
+    lg: &LayeredGraph,
+    layer: usize,
+    spec: &ClusterSpec,
+    dtype: DType,
+    batch: f64,
+    tp: usize,
+    bytes_scale: f64,
+) -> LayerTimes {
     let Some(l) = lg.layers.get(layer) else { return LayerTimes::default() };
-    let bytes_scale = bytes_scale(graph_float_dtype(&lg.graph), dtype);
     let share = batch / tp.max(1) as f64;
     l.nodes
         .iter()

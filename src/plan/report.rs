@@ -312,11 +312,12 @@ pub fn render(plan: &Plan) -> String {
     let p = &plan.predicted;
     let _ = writeln!(
         out,
-        "predicted   step {}, {:.2} samples/s, peak memory {}, MFU {:.1}%",
+        "predicted   step {}, {:.2} samples/s, peak memory {}, MFU {:.1}%, HFU {:.1}%",
         ms(p.step_time_s),
         p.samples_per_s,
         bytes(p.peak_memory_bytes as f64),
-        p.mfu * 100.0
+        p.mfu * 100.0,
+        p.hfu * 100.0
     );
     let sv = &plan.solver;
     let _ = writeln!(

@@ -310,6 +310,10 @@ pub struct Predicted {
     pub peak_memory_bytes: u64,
     /// Model FLOPs utilisation (training FLOPs = 3 × forward, over peak rate).
     pub mfu: f64,
+    /// Hardware FLOPs utilisation: the model FLOPs plus the recomputed forward passes
+    /// (Megatron-LM's equation 3 counts this way). Absent in older plan files (read as 0).
+    #[serde(default)]
+    pub hfu: f64,
 }
 
 /// The solver's account: status and proof.

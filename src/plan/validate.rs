@@ -183,6 +183,7 @@ pub fn validate(plan: &Plan) -> Result<(), PlanInvalid> {
         ("predicted.samples_per_s", pr.samples_per_s),
         ("predicted.bubble_ratio", pr.bubble_ratio),
         ("predicted.mfu", pr.mfu),
+        ("predicted.hfu", pr.hfu),
     ] {
         check_number(name.to_string(), v)?;
     }

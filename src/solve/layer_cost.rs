@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 
 use crate::cost::{ClusterSpec, CommModel, GroupSpan, StatePrecision, model_state};
-use crate::cost::compute::{bytes_scale, graph_float_dtype, layer_times};
+use crate::cost::compute::{bytes_scale, graph_float_dtype, layer_times_scaled};
 use crate::ir::{DType, LayerKind, LayeredGraph, OpKind, ValueId, ValueKind};
 
 use super::ilp::SolverOptions;
@@ -106,6 +106,9 @@ pub struct LayerConfig {
     pub dp_group: GroupSpan,
     /// The tensor-parallel group.
     pub tp_group: GroupSpan,
+    /// Sequence parallelism: norms and elementwise ops run on each tensor rank's tokens (÷t)
+    /// instead of replicated (what codegen's plain tensor parallelism emits).
+    pub sequence_parallel: bool,
 }
 
 /// Figures of a model on a cluster, with a cache of layer points.
@@ -128,20 +131,19 @@ pub struct CostContext<'a> {
     pub megatron_only: bool,
     /// Intra-layer ILPs solved (one per distinct layer, t, microbatch and tensor group).
     pub intra_solves: usize,
-    /// Norms and elementwise ops run sequence-parallel (÷t) instead of replicated; the hook
-    /// for a plan's `--sequence-parallel` (off: what codegen's tensor parallelism emits).
-    pub sequence_parallel: bool,
-    cache: HashMap<(usize, usize, usize, u8, GroupSpan, GroupSpan, GroupSpan), PipelineLayer>,
+    cache: HashMap<(usize, usize, usize, u8, GroupSpan, GroupSpan, GroupSpan, bool), PipelineLayer>,
     facts: Option<strategy::GraphFacts>,
     splits: HashMap<usize, strategy::SplitGraph>,
-    /// The tensor-split engine (`None` inside when shape inference fails: offers unchecked).
-    engine: Option<Option<Engine<'a>>>,
-    /// Offers emission does not realise, per (layer, t): (problem node, strategy).
-    withdrawn: HashMap<(usize, usize), Vec<(usize, Strategy)>>,
-    /// Whether a weight tied across layers is split, per (weight, t).
-    tied_split: HashMap<(ValueId, usize), bool>,
-    details: HashMap<(usize, usize, usize, GroupSpan), Vec<StrategyDetail>>,
-    model_cache: HashMap<(usize, usize, u8, GroupSpan, GroupSpan, GroupSpan), Vec<PipelineLayer>>,
+    /// The tensor-split engines without and with sequence parallelism (`None` inside when
+    /// shape inference fails: offers unchecked).
+    engines: [Option<Option<Engine<'a>>>; 2],
+    /// Offers emission does not realise, per (layer, t, sequence parallel): (problem node,
+    /// strategy).
+    withdrawn: HashMap<(usize, usize, bool), Vec<(usize, Strategy)>>,
+    /// Whether a weight tied across layers is split, per (weight, t, sequence parallel).
+    tied_split: HashMap<(ValueId, usize, bool), bool>,
+    details: HashMap<(usize, usize, usize, GroupSpan, bool), Vec<StrategyDetail>>,
+    model_cache: HashMap<(usize, usize, u8, GroupSpan, GroupSpan, GroupSpan, bool), Vec<PipelineLayer>>,
     sig_index: Vec<usize>,
 }
 
@@ -191,11 +193,10 @@ impl<'a> CostContext<'a> {
             shapes,
             megatron_only: false,
             intra_solves: 0,
-            sequence_parallel: false,
             cache: HashMap::new(),
             facts: None,
             splits: HashMap::new(),
-            engine: None,
+            engines: [None, None],
             withdrawn: HashMap::new(),
             tied_split: HashMap::new(),
             details: HashMap::new(),
@@ -206,7 +207,7 @@ impl<'a> CostContext<'a> {
 
     /// Every layer's points under `cfg` (cached per configuration).
     pub fn layers(&mut self, cfg: &LayerConfig) -> Vec<PipelineLayer> {
-        let key = (cfg.tp, cfg.microbatch, cfg.zero, cfg.zero_group, cfg.dp_group, cfg.tp_group);
+        let key = (cfg.tp, cfg.microbatch, cfg.zero, cfg.zero_group, cfg.dp_group, cfg.tp_group, cfg.sequence_parallel);
         if let Some(v) = self.model_cache.get(&key) {
             return v.clone();
         }
@@ -219,7 +220,7 @@ impl<'a> CostContext<'a> {
     /// (same signature) share one computation.
     pub fn layer(&mut self, layer: usize, cfg: &LayerConfig) -> PipelineLayer {
         let rep = self.sig_index[layer];
-        let key = (rep, cfg.tp, cfg.microbatch, cfg.zero, cfg.zero_group, cfg.dp_group, cfg.tp_group);
+        let key = (rep, cfg.tp, cfg.microbatch, cfg.zero, cfg.zero_group, cfg.dp_group, cfg.tp_group, cfg.sequence_parallel);
         if let Some(l) = self.cache.get(&key) {
             return l.clone();
         }
@@ -233,7 +234,7 @@ impl<'a> CostContext<'a> {
     /// microbatch and tensor group; identical blocks share one solve).
     pub fn details(&mut self, layer: usize, cfg: &LayerConfig) -> &[StrategyDetail] {
         let rep = self.sig_index[layer];
-        let key = (rep, cfg.tp, cfg.microbatch, cfg.tp_group);
+        let key = (rep, cfg.tp, cfg.microbatch, cfg.tp_group, cfg.sequence_parallel);
         if !self.details.contains_key(&key) {
             let d = self.solve_details(rep, cfg);
             self.details.insert(key, d);
@@ -244,7 +245,7 @@ impl<'a> CostContext<'a> {
     /// The assignment behind point `choice` of `layer` under `cfg`, if computed.
     pub fn detail(&self, layer: usize, cfg: &LayerConfig, choice: usize) -> Option<&StrategyDetail> {
         let rep = *self.sig_index.get(layer)?;
-        self.details.get(&(rep, cfg.tp, cfg.microbatch, cfg.tp_group))?.get(choice)
+        self.details.get(&(rep, cfg.tp, cfg.microbatch, cfg.tp_group, cfg.sequence_parallel))?.get(choice)
     }
 
     fn megatron_detail(&self, layer: usize, cfg: &LayerConfig) -> StrategyDetail {
@@ -252,7 +253,7 @@ impl<'a> CostContext<'a> {
         let shape = self.shapes[layer];
         let t = cfg.tp.max(1) as f64;
         let b = cfg.microbatch as f64;
-        let times = layer_times(self.lg, layer, self.spec, self.dtype, b, cfg.tp);
+        let times = layer_times_scaled(self.lg, layer, self.spec, self.dtype, b, cfg.tp, self.bytes_scale);
         let hidden = lay.input_bytes.max(lay.output_bytes) * b * self.bytes_scale;
         let ar = self.comm.all_reduce(hidden, &cfg.tp_group);
         let pairs = shape.weight_matmuls.div_ceil(2) as f64;
@@ -266,7 +267,7 @@ impl<'a> CostContext<'a> {
             param_elems: shape.params / t,
             act_bytes: lay.figures.saved_bytes.max(lay.input_bytes) * b * self.bytes_scale / t,
             // Without sequence parallelism the layer's input is whole on every tensor rank.
-            input_bytes: lay.input_bytes * b * self.bytes_scale / if self.sequence_parallel { t } else { 1.0 },
+            input_bytes: lay.input_bytes * b * self.bytes_scale / if cfg.sequence_parallel { t } else { 1.0 },
         }
     }
 
@@ -282,7 +283,7 @@ impl<'a> CostContext<'a> {
             microbatch: cfg.microbatch as f64,
             tp_group: cfg.tp_group,
             state_bytes_per_param: self.precision.weight as f64 + self.precision.grad as f64 + self.precision.optimizer as f64,
-            sequence_parallel: self.sequence_parallel,
+            sequence_parallel: cfg.sequence_parallel,
         };
         // The split structure is the same at every t: analyse each distinct layer once.
         let lg = self.lg;
@@ -290,13 +291,14 @@ impl<'a> CostContext<'a> {
         let sg = self.splits.entry(layer).or_insert_with(|| strategy::analyse(lg, layer, facts));
         let mut offers = crate::split::offers_from(lg, layer, sg, &inputs);
         // Only what emission realises is offered (checked once per layer and t).
-        let withdrawn = match self.withdrawn.get(&(layer, cfg.tp)) {
+        let sp = cfg.sequence_parallel;
+        let withdrawn = match self.withdrawn.get(&(layer, cfg.tp, sp)) {
             Some(w) => w.clone(),
             None => {
-                let sp = self.sequence_parallel;
-                let engine = self.engine.get_or_insert_with(|| Engine::new(lg).ok().map(|e| e.with_sequence_parallel(sp)));
+                let engine =
+                    self.engines[usize::from(sp)].get_or_insert_with(|| Engine::new(lg).ok().map(|e| e.with_sequence_parallel(sp)));
                 let w = engine.as_ref().map(|e| e.check_offers(layer, cfg.tp, &mut offers.clone())).unwrap_or_default();
-                self.withdrawn.insert((layer, cfg.tp), w.clone());
+                self.withdrawn.insert((layer, cfg.tp, sp), w.clone());
                 w
             }
         };
@@ -337,7 +339,7 @@ impl<'a> CostContext<'a> {
     /// Whether the Megatron split of every layer reading the tied weight `w` splits it at
     /// degree `cfg.tp`.
     fn tied_is_split(&mut self, w: ValueId, cfg: &LayerConfig) -> bool {
-        if let Some(&split) = self.tied_split.get(&(w, cfg.tp)) {
+        if let Some(&split) = self.tied_split.get(&(w, cfg.tp, cfg.sequence_parallel)) {
             return split;
         }
         let lg = self.lg;
@@ -349,11 +351,12 @@ impl<'a> CostContext<'a> {
                 if !members.iter().any(|&i| self.tied_read_by(l, i).contains(&w)) {
                     continue;
                 }
+                // A strategy, not parameter elements: a MatMul reading Transpose(wte) holds none.
                 let chosen = ls.megatron.get(k).and_then(|&m| ls.strategy(k, m));
                 split &= chosen.is_some_and(|s| matches!(s, Strategy::Column | Strategy::Row | Strategy::Vocab | Strategy::Heads));
             }
         }
-        self.tied_split.insert((w, cfg.tp), split);
+        self.tied_split.insert((w, cfg.tp, cfg.sequence_parallel), split);
         split
     }
 

@@ -180,8 +180,10 @@ impl FromStr for Optimize {
 /// A peer's way of planning, for comparison (`--baseline`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Baseline {
-    /// Megatron-LM's rule: t = GPUs per node, p as small as fits, d the rest, equal layer
-    /// counts, 1F1B, microbatch size 1, full recompute where memory needs it.
+    /// Megatron-LM as Narayanan et al. (2021) ran Table 1: t = GPUs per node, p the smallest
+    /// that fits and divides the blocks, d the rest; equal blocks per stage with the embedding
+    /// on the first and the head on the last; 1F1B (interleaved when `--schedule` says so),
+    /// microbatch size 1, full recompute, no ZeRO, Megatron's tensor split (docs/baselines.md).
     Megatron,
     /// DeepSpeed `partition_method=uniform`: equal layer counts per stage.
     Uniform,
@@ -284,6 +286,10 @@ pub struct Predicted {
     pub peak_memory_bytes: f64,
     /// Model FLOPs utilisation (3× forward FLOPs per sample, recompute not counted).
     pub mfu: f64,
+    /// Hardware FLOPs utilisation: [`Predicted::mfu`]'s FLOPs plus the forward FLOPs of the
+    /// recomputed layers (Megatron-LM's equation 3 counts this way: 4× forward with full
+    /// recompute).
+    pub hfu: f64,
 }
 
 /// The planner's answer.
@@ -307,6 +313,8 @@ pub struct PlanDecision {
     pub schedule: ScheduleKind,
     /// Checkpointing rule the search ran under.
     pub checkpointing: CheckpointRule,
+    /// Sequence parallelism in the tensor-parallel layers (searched unless fixed).
+    pub sequence_parallel: bool,
     /// Placement.
     pub placement: Placement,
     /// Stages in chunk order.

@@ -54,9 +54,10 @@ pub struct PlanOptions {
     pub time_limit_s: Option<f64>,
     /// Plan as a peer would instead of searching.
     pub baseline: Option<Baseline>,
-    /// Sequence parallelism in tensor-parallel layers: norms and elementwise ops are priced on
-    /// token chunks, with the all-gathers codegen adds.
-    pub sequence_parallel: bool,
+    /// Sequence parallelism in tensor-parallel layers (norms and elementwise ops on token
+    /// chunks, with the all-gathers codegen adds): `None` = searched (every tensor-parallel
+    /// candidate is priced with and without it), `Some(true)` forced on, `Some(false)` off.
+    pub sequence_parallel: Option<bool>,
     /// The cluster as the user named it (`--cluster` text), for messages; default: the spec's
     /// name and device count.
     pub cluster_flag: Option<String>,

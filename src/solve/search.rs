@@ -45,6 +45,8 @@ pub struct Candidate {
     pub placement: Placement,
     /// Checkpointing rule.
     pub checkpoint: CheckpointRule,
+    /// Sequence parallelism in the tensor-parallel layers (false at t = 1).
+    pub sequence_parallel: bool,
 }
 
 /// A candidate with its flat problem and bounds.
@@ -172,12 +174,19 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
                     None if multi => vec![Placement::CLUSTER, Placement::SPREAD],
                     None => vec![Placement::CLUSTER],
                 };
+                // Searched on tensor-parallel candidates unless fixed; meaningless at t = 1.
+                let sps: &[bool] = match c.sequence_parallel {
+                    _ if tp == 1 => &[false],
+                    Some(true) => &[true],
+                    Some(false) => &[false],
+                    None => &[false, true],
+                };
                 for &schedule in &schedules {
                     if pp * schedule.virtual_stages() > layers {
                         continue;
                     }
                     for &placement in &placements {
-                        for &zero in &zeros {
+                        for (&zero, &sequence_parallel) in zeros.iter().flat_map(|z| sps.iter().map(move |s| (z, s))) {
                             out.push(Candidate {
                                 pp,
                                 tp,
@@ -189,6 +198,7 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
                                 schedule,
                                 placement,
                                 checkpoint: c.checkpointing.unwrap_or(CheckpointRule::Auto),
+                                sequence_parallel,
                             });
                         }
                     }
@@ -250,6 +260,7 @@ pub fn layer_config(spec: &ClusterSpec, cand: &Candidate) -> LayerConfig {
         zero_group: GroupSpan::strided(0, cand.zero_group.min(cand.dp).max(1), d_stride, dpn),
         dp_group: GroupSpan::strided(0, cand.dp, d_stride, dpn),
         tp_group: GroupSpan::strided(0, cand.tp, t_stride, dpn),
+        sequence_parallel: cand.sequence_parallel && cand.tp > 1,
     }
 }
 
@@ -414,18 +425,42 @@ pub fn search(
     progress: &mut dyn FnMut(Progress),
 ) -> Result<PlanDecision, SolveError> {
     let cands = enumerate(lg, spec, cfg)?;
-    run(lg, spec, cfg, cands, &|_, _| None, progress)
+    // The faithful Megatron-LM plan under the same fixed settings is the first incumbent, so
+    // the answer is never slower than it (docs/baselines.md). Skipped where it cannot apply.
+    let t0 = Instant::now();
+    let seed = if cfg.layout.is_none() && cfg.optimize.unwrap_or_default() == Optimize::Speed {
+        let base = PlanOptions { baseline: Some(super::Baseline::Megatron), ..cfg.clone() };
+        super::baseline::plan_baseline(lg, spec, &base, super::Baseline::Megatron, &mut |_| {}).ok()
+    } else {
+        None
+    };
+    let seed_s = t0.elapsed().as_secs_f64();
+    tracing::debug!("megatron seed {:?} in {seed_s:.3} s", seed.as_ref().map(|s| s.predicted.step_time_s));
+    let mut d = run(lg, spec, cfg, cands, &|_, _| None, seed, progress)?;
+    d.solver.wall_s += seed_s;
+    Ok(d)
 }
 
 /// Solves the given candidates in bound order; `fixed(cand, layers)` may impose a layout.
+/// `seed`, a plan found elsewhere (the Megatron baseline), is an incumbent from the start and
+/// is returned when nothing here is faster.
+#[allow(clippy::too_many_arguments)]
 pub fn run(
     lg: &LayeredGraph,
     spec: &ClusterSpec,
     cfg: &PlanOptions,
     cands: Vec<Candidate>,
     fixed: &dyn Fn(&Candidate, &CostContext<'_>) -> Option<Vec<usize>>,
+    seed: Option<PlanDecision>,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<PlanDecision, SolveError> {
+    let seed_obj = seed.as_ref().map_or(f64::INFINITY, |s| s.predicted.step_time_s);
+    // The least objective found so far, the seed's included.
+    let inc_of = |best: &Option<(usize, PipelineSolution)>| {
+        let b = best.as_ref().map_or(f64::INFINITY, |b| b.1.report.objective);
+        let m = b.min(seed_obj);
+        m.is_finite().then_some(m)
+    };
     let start = Instant::now();
     let c = cfg;
     let limit = c.time_limit_s.unwrap_or(DEFAULT_TIME_LIMIT_S);
@@ -436,7 +471,6 @@ pub fn run(
     };
     let mut ctx = CostContext::new(lg, spec);
     ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron);
-    ctx.sequence_parallel = cfg.sequence_parallel;
     let total = cands.len() as u64;
     let mut prepared: Vec<Prepared> = cands
         .iter()
@@ -459,7 +493,7 @@ pub fn run(
     let mut quick: Vec<Option<PipelineSolution>> = vec![None; fit.len()];
     let mut best: Option<(usize, PipelineSolution)> = None;
     for (i, p) in fit.iter().enumerate() {
-        if best.as_ref().is_some_and(|b| p.lb >= b.1.report.objective * (1.0 - 1e-9)) {
+        if inc_of(&best).is_some_and(|inc| p.lb >= inc * (1.0 - 1e-9)) {
             break;
         }
         let Some((choices, eval)) = incumbent(&p.problem) else { continue };
@@ -492,12 +526,12 @@ pub fn run(
             i += 1;
             continue;
         }
-        let incumbent = best.as_ref().map(|b| b.1.report.objective);
+        let incumbent = inc_of(&best);
         if incumbent.is_some_and(|inc| p.lb >= inc * (1.0 - 1e-9)) {
             break;
         }
         let remaining = limit - start.elapsed().as_secs_f64();
-        if remaining <= 0.0 && best.is_some() {
+        if remaining <= 0.0 && incumbent.is_some() {
             open_bound = open_bound.min(p.lb);
             break;
         }
@@ -531,6 +565,7 @@ pub fn run(
                 // candidate's own quick layout, that layout is its optimum.
                 if let Some((bi, b)) = best.as_mut()
                     && *bi == i
+                    && b.report.objective <= seed_obj
                 {
                     b.report.status = SolveStatus::Optimal;
                     b.report.bound = b.report.objective;
@@ -542,7 +577,24 @@ pub fn run(
         i += 1;
     }
     skipped += (fit.len() - i) as u64;
-    progress(Progress { done: total, total, best_step_s: best.as_ref().map(|b| b.1.report.objective) });
+    progress(Progress { done: total, total, best_step_s: inc_of(&best) });
+    if let Some(mut s) = seed
+        && best.as_ref().is_none_or(|b| seed_obj <= b.1.report.objective)
+    {
+        // Nothing searched beats the seed: it is the answer, with this search's bound.
+        let bound = open_bound.min(seed_obj);
+        let gap = if seed_obj > 0.0 { ((seed_obj - bound) / seed_obj).max(0.0) } else { 0.0 };
+        s.solver = SolveReport {
+            status: if gap <= 1e-6 { SolveStatus::Optimal } else { SolveStatus::Feasible },
+            objective: seed_obj,
+            bound,
+            gap,
+            wall_s: start.elapsed().as_secs_f64(),
+        };
+        s.candidates_solved += solved;
+        s.candidates_skipped += skipped;
+        return Ok(s);
+    }
     let Some((bi, mut sol)) = best else {
         return Err(infeasible(lg, spec, cfg, cap, min_mem));
     };
@@ -592,7 +644,6 @@ fn infeasible(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions, cap: f64
         let Ok(cands) = enumerate(lg, &bigger, cfg) else { continue };
         let mut ctx = CostContext::new(lg, &bigger);
         ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron);
-        ctx.sequence_parallel = cfg.sequence_parallel;
         let fits = cands.iter().any(|cand| prepare(&mut ctx, cand, cap, cfg.active_microbatches, None).mem_lb <= cap);
         if fits {
             fix.push_str(&format!(", or about {devices} devices of this kind"));
@@ -717,6 +768,15 @@ pub fn decision(
     let batch = global_batch(cfg) as f64;
     let peak = spec.peak_flops(ctx.dtype) * spec.devices as f64;
     let mfu = if step > 0.0 { 3.0 * lg.flops_per_sample * batch / (step * peak) } else { 0.0 };
+    // Recomputed layers run their forward pass twice.
+    let recomputed: f64 = sol
+        .choices
+        .iter()
+        .enumerate()
+        .filter(|(_, ch)| ch.checkpoint)
+        .map(|(l, _)| lg.layers[l].nodes.iter().map(|&id| lg.node_figures(id).flops).sum::<f64>())
+        .sum();
+    let hfu = if step > 0.0 { (3.0 * lg.flops_per_sample + recomputed) * batch / (step * peak) } else { 0.0 };
     Ok(PlanDecision {
         pp: cand.pp,
         tp: cand.tp,
@@ -727,6 +787,7 @@ pub fn decision(
         microbatch_size: cand.microbatch_size,
         schedule: cand.schedule,
         checkpointing: cand.checkpoint,
+        sequence_parallel: cand.sequence_parallel && cand.tp > 1,
         placement: cand.placement,
         stages,
         layers,
@@ -736,6 +797,7 @@ pub fn decision(
             bubble_ratio: bubble,
             peak_memory_bytes: eval.total_bytes.iter().cloned().fold(0.0, f64::max),
             mfu,
+            hfu,
         },
         memory_limit_bytes: cap,
         solver: report,

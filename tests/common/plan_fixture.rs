@@ -95,6 +95,7 @@ pub fn fixture() -> Plan {
             bubble_ratio: 0.25,
             peak_memory_bytes: 0,
             mfu: 0.31,
+            hfu: 0.31,
         },
         solver: SolverInfo {
             status: PlanStatus::Solved(smp_partition::solve::SolveStatus::Optimal),

@@ -64,10 +64,14 @@ pub struct PlanArgs {
     /// Mesh axis order (cluster = DPT, spread = TPD; the last axis gets the fastest link).
     #[arg(long, value_name = "cluster|spread|DPT|...")]
     pub placement: Option<Placement>,
-    /// Sequence parallelism in tensor-parallel layers (Megatron-LM's): reduce-scatter over the
-    /// tokens instead of all-reduce, norms and residuals on each rank's tokens.
-    #[arg(long)]
+    /// Force sequence parallelism in tensor-parallel layers (Megatron-LM's): reduce-scatter
+    /// over the tokens instead of all-reduce, norms and residuals on each rank's tokens.
+    /// Default: searched (every tensor-parallel candidate priced with and without it).
+    #[arg(long, conflicts_with = "no_sequence_parallel")]
     pub sequence_parallel: bool,
+    /// Forbid sequence parallelism (plain tensor parallelism in every tensor-parallel layer).
+    #[arg(long)]
+    pub no_sequence_parallel: bool,
     /// Manual pipeline cuts over `graph`'s layers, e.g. "0-11|12-23".
     #[arg(long, value_name = "FIRST-LAST|...")]
     pub layout: Option<Layout>,
@@ -112,7 +116,11 @@ impl PlanArgs {
             memory_limit_gib: self.memory_limit,
             time_limit_s: self.time_limit,
             baseline: self.baseline,
-            sequence_parallel: self.sequence_parallel,
+            sequence_parallel: match (self.sequence_parallel, self.no_sequence_parallel) {
+                (true, _) => Some(true),
+                (_, true) => Some(false),
+                _ => None,
+            },
             cluster_flag: Some(self.cluster.clone()),
             ..PlanOptions::default()
         };
