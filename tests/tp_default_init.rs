@@ -14,33 +14,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use sha2::{Digest, Sha256};
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn python() -> PathBuf {
-    std::env::var_os("SMP_PYTHON").map(PathBuf::from).unwrap_or_else(|| repo().join(".venv/bin/python"))
-}
+use common::exports::{python, repo};
 
 /// The exports' directory, generated once per content of the scripts.
 fn exports() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let script = repo().join("tests/tp_exports.py");
-        let mut h = Sha256::new();
-        for f in [&script, &repo().join("scripts/param_record.py"), &repo().join("scripts/export_models.py")] {
-            h.update(std::fs::read(f).expect("read export script"));
-        }
-        let key: String = h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("tp_default_init").join(key);
-        if !dir.join("neox.onnx").exists() {
-            let r = Command::new(python()).arg(&script).arg(&dir).output().expect("run tests/tp_exports.py");
-            assert!(r.status.success(), "tp_exports.py failed: {}", String::from_utf8_lossy(&r.stderr));
-        }
-        dir
-    })
+    DIR.get_or_init(|| common::exports::exported("tp_exports.py", "neox.onnx"))
 }
 
 fn step_losses(stdout: &[u8]) -> Vec<f64> {

@@ -3,6 +3,7 @@
 
 pub mod interp;
 pub mod machine;
+pub mod exports;
 pub mod plan_fixture;
 pub mod synthetic_gpt;
 

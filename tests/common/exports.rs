@@ -1,0 +1,35 @@
+//! Models exported at test time by a Python script with the project venv, cached under the
+//! target dir by the content of the script and of the export code it imports.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use sha2::{Digest, Sha256};
+
+/// The repository root.
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The venv's Python (or `$SMP_PYTHON`).
+pub fn python() -> PathBuf {
+    std::env::var_os("SMP_PYTHON").map(PathBuf::from).unwrap_or_else(|| repo().join(".venv/bin/python"))
+}
+
+/// The directory `tests/<script> DIR` exports into, run only when DIR lacks `marker`; DIR is
+/// keyed by the script, `scripts/param_record.py` and `scripts/export_models.py`.
+pub fn exported(script: &str, marker: &str) -> PathBuf {
+    let path = repo().join("tests").join(script);
+    let mut h = Sha256::new();
+    for f in [&path, &repo().join("scripts/param_record.py"), &repo().join("scripts/export_models.py")] {
+        h.update(std::fs::read(f).unwrap_or_else(|e| panic!("{}: {e}", f.display())));
+    }
+    let key: String = h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
+    let stem = script.trim_end_matches(".py");
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(stem).join(key);
+    if !dir.join(marker).exists() {
+        let r = Command::new(python()).arg(&path).arg(&dir).output().unwrap_or_else(|e| panic!("run tests/{script}: {e}; run `make venv`"));
+        assert!(r.status.success(), "tests/{script} failed: {}", String::from_utf8_lossy(&r.stderr));
+    }
+    dir
+}
