@@ -13,7 +13,6 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use common::exports::{python, repo};
 
 /// The exports' directory, generated once per content of the scripts.
 fn exports() -> &'static Path {

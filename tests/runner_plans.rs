@@ -496,22 +496,38 @@ fn export_tp_matches_single_process(name: &str, tp: usize) -> f64 {
     assert!(r.status.success(), "planning {name} tp{tp} failed: {}", String::from_utf8_lossy(&r.stderr));
     let slices: usize = shards(&out).iter().map(|sh| sh["weight_slices"].as_array().map_or(0, Vec::len)).sum();
     assert!(slices > 0, "{name}: the tp{tp} plan slices no weight");
-    if name == "vit" {
-        // The runner trains token models only (causal-LM loss on integer ids): ViT's tp plan is
-        // checked as planned, not run.
-        return 0.0;
-    }
+    // ViT classifies images: one batch of pixels and labels, the cross-entropy loss.
+    let data = dir.path().join("images.npz");
+    let data_args: Vec<String> = if name == "vit" {
+        let code = "import sys, numpy as np\nr = np.random.default_rng(7)\n\
+                    np.savez(sys.argv[1], pixel_values=r.standard_normal((8, 3, 32, 32)).astype(np.float32), labels=r.integers(0, 10, 8))";
+        let r = Command::new(repo().join(".venv/bin/python")).args(["-c", code, data.to_str().unwrap()]).output().unwrap();
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        ["--data", data.to_str().unwrap(), "--loss", "cross-entropy"].map(String::from).to_vec()
+    } else {
+        Vec::new()
+    };
     let want = {
         let r = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
             .args(["train", m.to_str().unwrap(), "--batch", BATCH, "--microbatches", "2"])
             .args(seq)
+            .args(&data_args)
             .args(["--steps", "5", "--dtype", "f64", "--threads", "1", "--json"])
             .output()
             .unwrap();
         assert!(r.status.success(), "{name} reference run failed: {}", String::from_utf8_lossy(&r.stderr));
         losses(&r.stdout)
     };
-    let got = step_losses(&launch_json(tp, &out, "f64", "5"));
+    let got = {
+        let r = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
+            .args(["launch", "--nproc", &tp.to_string(), out.to_str().unwrap()])
+            .args(&data_args)
+            .args(["--steps", "5", "--dtype", "f64", "--threads", "1", "--json", "--timeout", "120"])
+            .output()
+            .unwrap();
+        assert!(r.status.success(), "launch of {} failed: {}", out.display(), String::from_utf8_lossy(&r.stderr));
+        step_losses(&json(&r.stdout))
+    };
     let worst = max_rel(&got, &want);
     eprintln!("{name} tp{tp} f64: max relative loss difference {worst:.3e}");
     assert!(worst <= 1e-9, "{name} tp{tp} losses {got:?} vs single-process {want:?} (max rel {worst:.3e})");
@@ -520,8 +536,7 @@ fn export_tp_matches_single_process(name: &str, tp: usize) -> f64 {
 
 #[test]
 fn hf_exports_tp2_match_single_process() {
-    // Small Hugging Face OPT, Phi, RoBERTa and ViT exports, Megatron's split at tp 2 (ViT:
-    // planned and sliced only; the runner has no image loss yet).
+    // Small Hugging Face OPT, Phi, RoBERTa and ViT exports, Megatron's split at tp 2.
     for name in ["opt", "phi", "roberta", "vit"] {
         let worst = export_tp_matches_single_process(name, 2);
         assert!(worst.is_finite(), "{name}");
