@@ -30,6 +30,35 @@ fn light_models() -> Vec<PathBuf> {
     models
 }
 
+/// What the onnx package reports for each model (`scripts/onnx_model_stats.py`).
+fn onnx_stats(models: &[PathBuf]) -> serde_json::Value {
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let python = std::env::var_os("SMP_PYTHON").map(PathBuf::from).unwrap_or_else(|| repo.join(".venv/bin/python"));
+    let out = std::process::Command::new(&python)
+        .arg(repo.join("scripts/onnx_model_stats.py"))
+        .args(models)
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e}; run `make venv`", python.display()));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The light models build their weights with `ConstantOfShape` instead of storing them: those
+/// count as parameters, as many elements as onnx's shape inference gives them, plus the float
+/// initializers (AlexNet is not a 0-parameter model).
+#[test]
+fn weights_built_by_constant_subgraphs_count_as_parameters() {
+    let models = light_models();
+    let oracle = onnx_stats(&models);
+    for path in &models {
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        let model = load_and_analyze(path, &AnalyzeOptions::default()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let want = oracle[&name]["built_weight_elems"].as_u64().unwrap() + oracle[&name]["float_initializer_elems"].as_u64().unwrap();
+        assert!(want > 1_000_000, "{name}: the oracle found {want} weights");
+        assert_eq!(model.lg.params, want, "{name}: parameters");
+    }
+}
+
 #[test]
 fn light_models_have_balanced_layers_and_pipeline() {
     for path in light_models() {

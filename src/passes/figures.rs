@@ -147,12 +147,17 @@ pub fn compute(graph: &Graph, bindings: &DimBindings) -> Result<Figures, PassErr
     for &id in &order {
         let node = graph.node(id);
         let mut fig = NodeFigures::default();
-        for v in node.inputs.iter().flatten() {
-            if is_param(graph, *v) && f.param_owner[v.index()].is_none() {
+        for (slot, v) in node.inputs.iter().enumerate() {
+            let Some(v) = *v else { continue };
+            let built = built_weight(graph, node, slot, v, &data, &grad);
+            if (is_param(graph, v) || built) && f.param_owner[v.index()].is_none() {
                 f.param_owner[v.index()] = Some(id);
-                let (e, b) = param_elems(graph, *v);
+                let (e, b) = param_elems(graph, v);
                 fig.param_elems += e;
                 fig.param_bytes += b;
+                if built {
+                    f.total_params += e;
+                }
             }
         }
         fig.flops = flops(&sz, node) / batch;
@@ -167,6 +172,22 @@ pub fn compute(graph: &Graph, bindings: &DimBindings) -> Result<Figures, PassErr
     f.order = order;
     f.grad = grad;
     Ok(f)
+}
+
+/// Whether input `slot` of `node` is a weight computed by a constant subgraph (as the onnx
+/// wheel's `light_*` models build theirs with `ConstantOfShape`): a floating-point value made
+/// by a node from no data and no trained parameter (a view of a weight, such as
+/// `Transpose(wte)`, is that weight), read as the weight or bias of a convolution or matrix
+/// product.
+/// Such values count as parameters for memory and cost.
+fn built_weight(graph: &Graph, node: &Node, slot: usize, v: ValueId, data: &[bool], grad: &[bool]) -> bool {
+    let val = graph.value(v);
+    let weight_slot = match node.op.kind() {
+        Some(OpKind::Conv | OpKind::Gemm) => slot == 1 || slot == 2,
+        Some(OpKind::MatMul) => slot == 1 && node.inputs.first().copied().flatten().is_some_and(|x| data[x.index()]),
+        _ => false,
+    };
+    weight_slot && !data[v.index()] && !grad[v.index()] && val.producer.is_some() && val.ty.as_ref().is_some_and(|t| t.dtype.is_float())
 }
 
 /// Forward FLOPs of one node at the inferred batch.
