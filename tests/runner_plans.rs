@@ -311,8 +311,14 @@ fn sigterm_to_the_launcher_reaches_every_rank() {
 }
 
 fn launch_json(nproc: usize, plan: &Path, dtype: &str, steps: &str) -> serde_json::Value {
+    launch_json_with(nproc, plan, dtype, steps, &[])
+}
+
+/// [`launch_json`] with more options for every rank's `run` (data, loss).
+fn launch_json_with(nproc: usize, plan: &Path, dtype: &str, steps: &str, extra: &[String]) -> serde_json::Value {
     let r = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
         .args(["launch", "--nproc", &nproc.to_string(), plan.to_str().unwrap()])
+        .args(extra)
         .args(["--steps", steps, "--dtype", dtype, "--threads", "1", "--json", "--timeout", "120"])
         .output()
         .unwrap();
@@ -518,16 +524,7 @@ fn export_tp_matches_single_process(name: &str, tp: usize) -> f64 {
         assert!(r.status.success(), "{name} reference run failed: {}", String::from_utf8_lossy(&r.stderr));
         losses(&r.stdout)
     };
-    let got = {
-        let r = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
-            .args(["launch", "--nproc", &tp.to_string(), out.to_str().unwrap()])
-            .args(&data_args)
-            .args(["--steps", "5", "--dtype", "f64", "--threads", "1", "--json", "--timeout", "120"])
-            .output()
-            .unwrap();
-        assert!(r.status.success(), "launch of {} failed: {}", out.display(), String::from_utf8_lossy(&r.stderr));
-        step_losses(&json(&r.stdout))
-    };
+    let got = step_losses(&launch_json_with(tp, &out, "f64", "5", &data_args));
     let worst = max_rel(&got, &want);
     eprintln!("{name} tp{tp} f64: max relative loss difference {worst:.3e}");
     assert!(worst <= 1e-9, "{name} tp{tp} losses {got:?} vs single-process {want:?} (max rel {worst:.3e})");

@@ -142,6 +142,8 @@ pub struct CostContext<'a> {
     withdrawn: HashMap<(usize, usize, bool), Vec<(usize, Strategy)>>,
     /// Whether a weight tied across layers is split, per (weight, t, sequence parallel).
     tied_split: HashMap<(ValueId, usize, bool), bool>,
+    /// Weights more than one layer reads (another layer's `shared_params`).
+    tied: std::collections::HashSet<ValueId>,
     details: HashMap<(usize, usize, usize, GroupSpan, bool), Vec<StrategyDetail>>,
     model_cache: HashMap<(usize, usize, u8, GroupSpan, GroupSpan, GroupSpan, bool), Vec<PipelineLayer>>,
     sig_index: Vec<usize>,
@@ -199,6 +201,7 @@ impl<'a> CostContext<'a> {
             engines: [None, None],
             withdrawn: HashMap::new(),
             tied_split: HashMap::new(),
+            tied: lg.layers.iter().flat_map(|l| l.shared_params.iter().copied()).collect(),
             details: HashMap::new(),
             model_cache: HashMap::new(),
             sig_index,
@@ -314,13 +317,12 @@ impl<'a> CostContext<'a> {
         let lg = self.lg;
         let g = &lg.graph;
         let Some(node) = lg.layers[layer].nodes.get(i).and_then(|&n| g.try_node(n)) else { return Vec::new() };
-        let tied = |v: &ValueId| lg.layers.iter().any(|l| l.shared_params.contains(v));
         let mut out = Vec::new();
         for &v in node.inputs.iter().flatten() {
             let mut v = v;
             // Views of a weight have it as their first input.
             for _ in 0..8 {
-                if tied(&v) {
+                if self.tied.contains(&v) {
                     out.push(v);
                     break;
                 }
