@@ -14,8 +14,9 @@ use smp_partition::runtime::data::{self, DataSource, Order};
 use indicatif::{ProgressBar, ProgressStyle};
 use smp_partition::runtime::train::{self, AdamWConfig, EvalConfig, EvalRecord, LossKind, LrSchedule, LrShape, StepRecord, TrainConfig, TrainObserver};
 use smp_partition::runtime::dist::RankEnv;
+use smp_partition::runtime::checkpoint::{self, Checkpointing, Loaded, SaveConfig};
 use smp_partition::runtime::pipeline::{self, RunConfig};
-use smp_partition::runtime::{ExecOptions, Executor, InitMode, Weights, launch, npz};
+use smp_partition::runtime::{ExecOptions, Executor, InitMode, Weights, export, launch, npz};
 use tch::Kind;
 
 #[derive(Parser)]
@@ -85,6 +86,26 @@ enum Command {
         /// Seed for `--init random`.
         #[arg(long, default_value_t = 0)]
         seed: i64,
+        /// Run with the trained weights of this checkpoint (a `step-N` directory, or a
+        /// checkpoint directory: its newest).
+        #[arg(long, value_name = "DIR")]
+        checkpoint: Option<PathBuf>,
+    },
+    /// Write the trained model of a checkpoint: `-o M.onnx` (the model file with the trained
+    /// weights) or `-o W.safetensors` (the weights alone, under module parameter names).
+    Export {
+        /// A `step-N` checkpoint directory, or a checkpoint directory (its newest).
+        checkpoint: PathBuf,
+        /// `.onnx` or `.safetensors`.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// The model the checkpoint trained (default: the path its manifest records).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Put the ONNX initializers in `OUT.onnx.data` beside it (default: when they exceed
+        /// 1 GiB or the model kept them outside).
+        #[arg(long)]
+        external_data: bool,
     },
     /// Train an ONNX model on one device.
     Train {
@@ -231,6 +252,21 @@ struct TrainArgs {
     /// module's layout; rows gathered at export time also under `NAME#rows`).
     #[arg(long, value_name = "NPZ")]
     save_weights: Option<PathBuf>,
+    /// Write checkpoints under this directory (`step-N/`: a safetensors shard per rank and a
+    /// manifest, written last); see docs/checkpoints.md.
+    #[arg(long, value_name = "DIR")]
+    checkpoint_dir: Option<PathBuf>,
+    /// Write a checkpoint after every N-th step (default: after the last).
+    #[arg(long, value_name = "N")]
+    checkpoint_every: Option<usize>,
+    /// Keep only the K newest checkpoints.
+    #[arg(long, value_name = "K")]
+    keep: Option<usize>,
+    /// Continue from a checkpoint: a `step-N` directory, or a checkpoint directory (its newest
+    /// complete checkpoint). `--steps` stays the run's total; the plan may differ from the one
+    /// that wrote it (weights and optimizer state are resharded).
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
 }
 
 impl TrainArgs {
@@ -266,6 +302,48 @@ impl TrainArgs {
         }
     }
 
+    /// Checkpointing: where to write them (with what the manifest records of this run) and
+    /// the checkpoint to resume from, checked against the model.
+    fn checkpointing(&self, model: &Path, model_sha256: &str, plan_hash: Option<String>, mesh: String) -> Result<(Option<SaveConfig>, Option<Loaded>)> {
+        let save = match (&self.checkpoint_dir, self.checkpoint_every, self.keep) {
+            (None, Some(_), _) | (None, _, Some(_)) => bail!("--checkpoint-every and --keep need --checkpoint-dir"),
+            (None, None, None) => None,
+            (Some(root), every, keep) => {
+                if every == Some(0) || keep == Some(0) {
+                    bail!("--checkpoint-every and --keep must be at least 1");
+                }
+                Some(SaveConfig {
+                    root: root.clone(),
+                    every: every.unwrap_or(self.steps.max(1)),
+                    keep,
+                    seed: self.seed,
+                    plan_hash,
+                    mesh,
+                    model_sha256: model_sha256.to_string(),
+                    model_path: std::fs::canonicalize(model).unwrap_or_else(|_| model.to_path_buf()).display().to_string(),
+                })
+            }
+        };
+        let resume = match &self.resume {
+            None => None,
+            Some(path) => {
+                let l = Loaded::open(path)?;
+                if l.manifest.state.model_sha256 != model_sha256 {
+                    bail!(
+                        "checkpoint `{}` was written for another model (sha256 {}); resume it with the model it trained",
+                        l.dir.display(),
+                        l.manifest.state.model_sha256
+                    );
+                }
+                if l.manifest.state.step > self.steps {
+                    bail!("checkpoint `{}` is at step {}, past --steps {}", l.dir.display(), l.manifest.state.step, self.steps);
+                }
+                Some(l)
+            }
+        };
+        Ok((save, resume))
+    }
+
     fn adamw(&self) -> AdamWConfig {
         AdamWConfig { lr: self.lr, weight_decay: self.weight_decay, ..AdamWConfig::default() }
     }
@@ -295,6 +373,8 @@ struct Progress {
     bar: Option<ProgressBar>,
     plain: bool,
     tokens_per_step: f64,
+    /// Checkpoints written (step, manifest), for `--json`.
+    checkpoints: Vec<serde_json::Value>,
 }
 
 impl Progress {
@@ -310,7 +390,7 @@ impl Progress {
             );
             b
         });
-        Progress { bar, plain: shown && !terminal && !json, tokens_per_step }
+        Progress { bar, plain: shown && !terminal && !json, tokens_per_step, checkpoints: Vec::new() }
     }
 
     fn finish(&self) {
@@ -329,6 +409,16 @@ impl TrainObserver for Progress {
         } else if self.plain {
             eprintln!("step {:>4}  loss {:.6}  lr {:.3e}  {:.3} s", s.step, s.loss, s.lr, s.time_s);
         }
+    }
+
+    fn on_checkpoint(&mut self, step: usize, manifest: &Path) {
+        let line = format!("checkpoint after step {step:>4}  {}", manifest.display());
+        if let Some(b) = &self.bar {
+            b.println(line);
+        } else if self.plain {
+            eprintln!("{line}");
+        }
+        self.checkpoints.push(serde_json::json!({"step": step, "manifest": manifest.display().to_string()}));
     }
 
     fn on_eval(&mut self, e: &EvalRecord) {
@@ -359,10 +449,11 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Eval { model, inputs, outputs, dtype, init, seed } => eval(&model, &inputs, &outputs, dtype, init, seed),
+        Command::Eval { model, inputs, outputs, dtype, init, seed, checkpoint } => eval(&model, &inputs, &outputs, dtype, init, seed, checkpoint.as_deref()),
+        Command::Export { checkpoint, output, model, external_data } => export_cmd(&checkpoint, &output, model.as_deref(), external_data),
         Command::Train { model, opts } => {
             let seq_len = opts.seq_len.unwrap_or(DEFAULT_SEQ_LEN);
-            train_cmd(&model, &opts, TrainShape { batch: opts.batch, seq_len, microbatches: opts.microbatches, predicted: None })
+            train_cmd(&model, &opts, TrainShape { batch: opts.batch, seq_len, microbatches: opts.microbatches, predicted: None }, None)
         }
         Command::Run { plan, opts } => run_plan(&plan, &opts),
         Command::Calibrate { output, comm_json } => calibrate(&output, comm_json.as_deref()),
@@ -400,6 +491,7 @@ struct TrainShape {
 /// environment (`smp-runner launch` sets it).
 fn run_plan(path: &Path, o: &TrainArgs) -> Result<()> {
     let plan = smp_partition::plan::load(path)?;
+    let plan_hash = sha256_hex(&std::fs::read(path).with_context(|| format!("cannot read plan `{}`", path.display()))?);
     pipeline::codegen_section(&plan).with_context(|| format!("plan `{}`", path.display()))?;
     let p = &plan.parallel;
     let env = RankEnv::from_env()?;
@@ -444,9 +536,16 @@ fn run_plan(path: &Path, o: &TrainArgs) -> Result<()> {
         microbatches: p.microbatches.max(1),
         predicted: Some(plan.predicted.step_time_s),
     };
+    let mesh = format!("pp{} dp{} tp{} zero{}", p.pp, p.dp, p.tp, p.zero);
+    let ckpt = o.checkpointing(&model, &imported.sha256, Some(plan_hash.clone()), mesh.clone())?;
+    if let Some(l) = &ckpt.1 {
+        if l.manifest.state.plan_hash.as_deref() != Some(plan_hash.as_str()) && env.as_ref().is_none_or(|e| e.rank == 0) {
+            eprintln!("smp-runner: resharding checkpoint `{}` ({}, {} ranks) to this plan ({mesh})", l.dir.display(), l.manifest.state.mesh, l.manifest.state.world);
+        }
+    }
     match env {
-        Some(env) if !(single && env.world == 1) => rank_cmd(&plan, &model, o, &shape, &env),
-        _ => train_cmd(&model, o, shape),
+        Some(env) if !(single && env.world == 1) => rank_cmd(&plan, &model, o, &shape, &env, ckpt),
+        _ => train_cmd(&model, o, shape, Some(ckpt)),
     }
 }
 
@@ -466,7 +565,14 @@ fn loss_kind(o: &TrainArgs, graph: &Graph) -> LossKind {
 }
 
 /// One rank of a multi-device plan.
-fn rank_cmd(plan: &smp_partition::plan::Plan, model: &Path, o: &TrainArgs, shape: &TrainShape, env: &RankEnv) -> Result<()> {
+fn rank_cmd(
+    plan: &smp_partition::plan::Plan,
+    model: &Path,
+    o: &TrainArgs,
+    shape: &TrainShape,
+    env: &RankEnv,
+    (save, resume): (Option<SaveConfig>, Option<Loaded>),
+) -> Result<()> {
     if let Some(n) = o.threads {
         tch::set_num_threads(n);
     }
@@ -479,11 +585,15 @@ fn rank_cmd(plan: &smp_partition::plan::Plan, model: &Path, o: &TrainArgs, shape
         rebind_batch(&mut graph, b.microbatch, &opts, model)?;
     }
     let float_kind = Some(o.dtype.kind());
-    let weights = Weights::load(&graph, init_mode(o.init, o.seed), float_kind)?;
+    let mut weights = Weights::load(&graph, init_mode(o.init, o.seed), float_kind)?;
+    if let Some(l) = &resume {
+        checkpoint::restore_params(l, &graph, &mut weights.tensors)?;
+    }
     let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: true })?;
     let loss = loss_kind(o, &graph);
     let (data, eval_data) = open_data(&exec, o, shape, loss)?;
     let global = data.global_batch();
+    let ckpt = Checkpointing { save, resume: resume.as_ref() };
     let cfg = RunConfig {
         steps: o.steps,
         loss,
@@ -497,7 +607,7 @@ fn rank_cmd(plan: &smp_partition::plan::Plan, model: &Path, o: &TrainArgs, shape
     };
     let t0 = Instant::now();
     let mut progress = Progress::new(o.steps, data.tokens_per_batch() as f64, env.rank == 0, o.json);
-    let report = pipeline::run_rank(plan, &exec, &data, eval_data.as_ref(), &cfg, env, &mut progress)
+    let report = pipeline::run_rank(plan, &exec, &data, eval_data.as_ref(), &cfg, env, &ckpt, &mut progress)
         .with_context(|| format!("rank {} of {}", env.rank, env.world))?;
     progress.finish();
     let wall = t0.elapsed().as_secs_f64();
@@ -529,6 +639,8 @@ fn rank_cmd(plan: &smp_partition::plan::Plan, model: &Path, o: &TrainArgs, shape
             "wall_s": wall,
             "ranks": ranks,
             "eval": report.eval,
+            "checkpoints": progress.checkpoints,
+            "resumed_from": resume.as_ref().map(|l| l.dir.display().to_string()),
         });
         println!("{out}");
     }
@@ -572,19 +684,26 @@ fn calibrate(output: &Path, comm_json: Option<&Path>) -> Result<()> {
     Ok(())
 }
 
-fn load(model: &Path) -> Result<Graph> {
-    load_decided(model, &ParamOptions::default(), false)
-}
-
 /// Loads a model and decides what is trained (`passes::params`); logs the counts if `log`.
 fn load_decided(model: &Path, opts: &ParamOptions, log: bool) -> Result<Graph> {
+    Ok(load_decided_sha(model, opts, log)?.0)
+}
+
+/// [`load_decided`], with the model file's sha256.
+fn load_decided_sha(model: &Path, opts: &ParamOptions, log: bool) -> Result<(Graph, String)> {
     let imported = load_model(model).with_context(|| format!("cannot load model `{}`", model.display()))?;
     let mut graph = imported.graph;
     let summary = params::decide(&mut graph, opts).with_context(|| format!("model `{}`", model.display()))?;
     if log {
         eprintln!("smp-runner: {summary}");
     }
-    Ok(graph)
+    Ok((graph, imported.sha256))
+}
+
+/// Lower-case hex sha256 of `bytes`.
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Rewrites a model whose batch is fixed to run microbatches of `b` samples
@@ -615,6 +734,36 @@ fn save_weights(path: &Path, exec: &Executor) -> Result<()> {
     npz::write_npz(path, &arrays).with_context(|| format!("writing trained weights to `{}`", path.display()))
 }
 
+/// `export`: the trained model of a checkpoint as ONNX or safetensors.
+fn export_cmd(ckpt: &Path, output: &Path, model: Option<&Path>, external: bool) -> Result<()> {
+    let l = Loaded::open(ckpt)?;
+    let model = model.map_or_else(|| PathBuf::from(&l.manifest.state.model_path), Path::to_path_buf);
+    let (graph, sha256) = load_decided_sha(&model, &ParamOptions::default(), false)?;
+    if sha256 != l.manifest.state.model_sha256 {
+        bail!(
+            "model `{}` is not the one checkpoint `{}` trained (sha256 differs); pass that model with --model",
+            model.display(),
+            l.dir.display()
+        );
+    }
+    let exec = export::trained_executor(&l, &graph).with_context(|| format!("checkpoint `{}`", l.dir.display()))?;
+    match output.extension().and_then(|e| e.to_str()) {
+        Some("safetensors") => {
+            let keys = export::write_safetensors(&exec, output)?;
+            eprintln!("smp-runner: wrote {} ({} tensors, step {})", output.display(), keys.len(), l.manifest.state.step);
+        }
+        Some("onnx") => {
+            let bytes: u64 = graph.initializers().filter_map(|v| graph.value(v).data.as_ref()).map(|d| d.nbytes()).sum();
+            let kept_outside = graph.initializers().any(|v| graph.value(v).data.as_ref().is_some_and(|d| matches!(d.storage, smp_partition::ir::Storage::External(_))));
+            let data = export::write_onnx(&exec, &model, output, external || kept_outside || bytes > 1 << 30)?;
+            let beside = data.map(|d| format!(" with its data in {}", d.display())).unwrap_or_default();
+            eprintln!("smp-runner: wrote {}{beside} (step {})", output.display(), l.manifest.state.step);
+        }
+        _ => bail!("export writes `.onnx` or `.safetensors`, not `{}`", output.display()),
+    }
+    Ok(())
+}
+
 fn init_mode(init: InitArg, seed: i64) -> InitMode {
     match init {
         InitArg::Load => InitMode::Load,
@@ -622,11 +771,18 @@ fn init_mode(init: InitArg, seed: i64) -> InitMode {
     }
 }
 
-fn eval(model: &Path, inputs: &Path, outputs: &Path, dtype: Option<DTypeArg>, init: InitArg, seed: i64) -> Result<()> {
-    let graph = load(model)?;
+fn eval(model: &Path, inputs: &Path, outputs: &Path, dtype: Option<DTypeArg>, init: InitArg, seed: i64, checkpoint: Option<&Path>) -> Result<()> {
+    let (graph, sha256) = load_decided_sha(model, &ParamOptions::default(), false)?;
     let float_kind = dtype.map(DTypeArg::kind);
     smp_partition::runtime::executor::check_supported(&graph).with_context(|| format!("model `{}`", model.display()))?;
-    let weights = Weights::load(&graph, init_mode(init, seed), float_kind)?;
+    let mut weights = Weights::load(&graph, init_mode(init, seed), float_kind)?;
+    if let Some(dir) = checkpoint {
+        let l = Loaded::open(dir)?;
+        if l.manifest.state.model_sha256 != sha256 {
+            bail!("checkpoint `{}` was written for another model (sha256 {})", l.dir.display(), l.manifest.state.model_sha256);
+        }
+        checkpoint::restore_params(&l, &graph, &mut weights.tensors)?;
+    }
     let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: false })?;
     let named = npz::read_npz(inputs)?;
     let feeds = exec.bind_inputs(named).with_context(|| format!("inputs file `{}`", inputs.display()))?;
@@ -651,11 +807,17 @@ fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
-fn train_cmd(model: &Path, o: &TrainArgs, shape: TrainShape) -> Result<()> {
+/// Single-process training; `ckpt`: checkpointing as a one-rank plan set it up (none: set it
+/// up here, for `train`).
+fn train_cmd(model: &Path, o: &TrainArgs, shape: TrainShape, ckpt: Option<(Option<SaveConfig>, Option<Loaded>)>) -> Result<()> {
     if let Some(n) = o.threads {
         tch::set_num_threads(n);
     }
-    let mut graph = load_decided(model, &o.param_options(), true)?;
+    let (mut graph, sha256) = load_decided_sha(model, &o.param_options(), true)?;
+    let (save, resume) = match ckpt {
+        Some(c) => c,
+        None => o.checkpointing(model, &sha256, None, "train".into())?,
+    };
     if let Some((_, fixed)) = smp_partition::passes::rebatch::fixed_batch(&graph) {
         // a fixed batch runs the microbatch size asked (the data's batch, split)
         let (global, seq) = match &o.data {
@@ -677,10 +839,14 @@ fn train_cmd(model: &Path, o: &TrainArgs, shape: TrainShape) -> Result<()> {
     }
     let float_kind = Some(o.dtype.kind());
     smp_partition::runtime::executor::check_supported(&graph).with_context(|| format!("model `{}`", model.display()))?;
-    let weights = Weights::load(&graph, init_mode(o.init, o.seed), float_kind)?;
+    let mut weights = Weights::load(&graph, init_mode(o.init, o.seed), float_kind)?;
+    if let Some(l) = &resume {
+        checkpoint::restore_params(l, &graph, &mut weights.tensors)?;
+    }
     let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: true })?;
     let loss = loss_kind(o, &graph);
     let (data, eval_data) = open_data(&exec, o, &shape, loss)?;
+    let ckpt = Checkpointing { save, resume: resume.as_ref() };
     let cfg = TrainConfig {
         steps: o.steps,
         microbatches: shape.microbatches,
@@ -693,7 +859,7 @@ fn train_cmd(model: &Path, o: &TrainArgs, shape: TrainShape) -> Result<()> {
     let global = data.global_batch();
     let t0 = Instant::now();
     let mut progress = Progress::new(o.steps, data.tokens_per_batch() as f64, true, o.json);
-    let (steps, evals) = train::train_on(&exec, &data, eval_data.as_ref(), &cfg, &mut progress)?;
+    let (steps, evals) = train::train_with(&exec, &data, eval_data.as_ref(), &cfg, &ckpt, &mut progress)?;
     progress.finish();
     let wall = t0.elapsed().as_secs_f64();
     if let Some(path) = &o.save_weights {
@@ -711,6 +877,8 @@ fn train_cmd(model: &Path, o: &TrainArgs, shape: TrainShape) -> Result<()> {
             "wall_s": wall,
             "ranks": [{"rank": 0, "step_time_s": step_time, "peak_memory_bytes": peak_rss_bytes()}],
             "eval": evals,
+            "checkpoints": progress.checkpoints,
+            "resumed_from": resume.as_ref().map(|l| l.dir.display().to_string()),
         });
         println!("{out}");
     }

@@ -14,7 +14,7 @@ use super::rank::Rank;
 use super::report::{Tally, bytes_of};
 use super::data::DataSource;
 use super::train::{self, Batch, StepRecord};
-use super::zero::Zero;
+use super::zero::{LocalPiece, Restore, Zero};
 use crate::codegen::{Instr, Payload, Purpose};
 use crate::ir::ValueId;
 
@@ -61,10 +61,10 @@ pub(super) struct Interp<'r, 'a> {
 
 impl<'r, 'a> Interp<'r, 'a> {
     /// The interpreter of `rank`, before its first step.
-    pub fn new(rank: &'r Rank<'a>) -> Result<Interp<'r, 'a>, RuntimeError> {
+    pub fn new(rank: &'r Rank<'a>, restore: Option<Restore>) -> Result<Interp<'r, 'a>, RuntimeError> {
         Ok(Interp {
             rank,
-            zero: Zero::new(rank)?,
+            zero: Zero::new(rank, restore)?,
             tally: Tally::default(),
             grads: Vec::new(),
             state: HashMap::new(),
@@ -79,6 +79,11 @@ impl<'r, 'a> Interp<'r, 'a> {
             feeds: Vec::new(),
             eval: false,
         })
+    }
+
+    /// The parameters and moments this rank checkpoints (between steps).
+    pub fn checkpoint_pieces(&self) -> Result<Vec<LocalPiece>, RuntimeError> {
+        self.zero.pieces(self.rank)
     }
 
     /// Runs the program once: one training step.

@@ -4,9 +4,11 @@
 //! This is the only module that names tch.
 
 pub mod calibrate;
+pub mod checkpoint;
 pub mod data;
 pub mod dist;
 pub mod executor;
+pub mod export;
 mod interp;
 pub mod launch;
 mod layout;

@@ -11,9 +11,11 @@
 use std::time::Duration;
 
 use super::RuntimeError;
+use super::checkpoint::{self, Checkpointing, Loaded, Piece, SaveConfig, Slice};
 use super::dist::{DistError, RankEnv};
 use super::executor::Executor;
 use super::interp::Interp;
+use super::zero::Restore;
 use super::rank::{Rank, Shards, check_world};
 use super::data::DataSource;
 use super::train::{AdamWConfig, EvalConfig, EvalRecord, LossKind, LrSchedule, TrainObserver};
@@ -66,13 +68,15 @@ pub fn run_rank(
     eval_data: Option<&DataSource>,
     cfg: &RunConfig,
     env: &RankEnv,
+    ckpt: &Checkpointing<'_>,
     obs: &mut dyn TrainObserver,
 ) -> Result<RankReport, RuntimeError> {
     codegen_section(plan)?;
     check_world(plan, env)?;
     let shards = Shards::new(plan, exec.graph(), env.rank)?;
     let rank = Rank::new(plan, exec, &shards, data, cfg, env)?;
-    let mut interp = Interp::new(&rank)?;
+    let restore = ckpt.resume.map(|l| restored_moments(&rank, l)).transpose()?;
+    let mut interp = Interp::new(&rank, restore)?;
     let mut evals: Vec<EvalRecord> = Vec::new();
     let mut validate = |interp: &mut Interp<'_, '_>, step: usize, obs: &mut dyn TrainObserver| -> Result<(), RuntimeError> {
         if let (Some(e), Some(d)) = (cfg.eval.filter(|e| e.due(step)), eval_data) {
@@ -82,15 +86,77 @@ pub fn run_rank(
         }
         Ok(())
     };
-    validate(&mut interp, 0, obs)?;
-    let mut records = Vec::with_capacity(cfg.steps);
-    for step in 1..=cfg.steps {
+    let start = ckpt.start_step();
+    if start == 0 {
+        validate(&mut interp, 0, obs)?;
+    }
+    let mut records = Vec::with_capacity(cfg.steps.saturating_sub(start));
+    for step in start + 1..=cfg.steps {
         let rec = interp.run_step(step)?;
         obs.on_step(&rec);
         records.push(rec);
         validate(&mut interp, step, obs)?;
+        if let Some(save) = ckpt.save.as_ref().filter(|s| s.due(step)) {
+            save_checkpoint(&interp, &rank, env, save, step, obs)?;
+        }
     }
     let mut report = super::report::gather(&rank.groups.world, env.world, records, &interp.tally)?;
     report.eval = evals;
     Ok(report)
+}
+
+/// The rank's part of the AdamW moments of a checkpoint (whole tensors cut as this rank holds
+/// its parameters).
+fn restored_moments(rank: &Rank<'_>, ckpt: &Loaded) -> Result<Restore, RuntimeError> {
+    let ids = rank.param_ids();
+    let mut whole = checkpoint::restore_moments(ckpt, rank.graph(), &ids, rank.params.opts.0)?;
+    let (mut exp_avg, mut exp_avg_sq) = (Vec::with_capacity(ids.len()), Vec::with_capacity(ids.len()));
+    for v in &ids {
+        let (m, s) = whole.remove(v).ok_or_else(|| terr(format!("no moments of `{}` in the checkpoint", rank.graph().value(*v).name)))?;
+        exp_avg.push(rank.local_part(*v, &m)?);
+        exp_avg_sq.push(rank.local_part(*v, &s)?);
+    }
+    Ok(Restore { step: ckpt.manifest.state.adamw_step, exp_avg, exp_avg_sq })
+}
+
+/// Writes this rank's shard of the checkpoint after `step`; rank 0 writes the manifest once
+/// every rank has written its shard.
+fn save_checkpoint(interp: &Interp<'_, '_>, rank: &Rank<'_>, env: &RankEnv, save: &SaveConfig, step: usize, obs: &mut dyn TrainObserver) -> Result<(), RuntimeError> {
+    let dir = checkpoint::step_dir(&save.root, step);
+    let world = &rank.groups.world;
+    if env.rank == 0 {
+        checkpoint::begin(&dir)?;
+    }
+    world.barrier()?;
+    let graph = rank.graph();
+    let ids = rank.param_ids();
+    let mut pieces = Vec::new();
+    for lp in interp.checkpoint_pieces()? {
+        let v = ids[lp.pos];
+        let val = graph.value(v);
+        let shape = val.data.as_ref().map(|d| d.dims.clone()).ok_or_else(|| terr(format!("parameter `{}` has no data to checkpoint", val.name)))?;
+        let (axis, ranges) = match rank.slices.get(&val.name) {
+            Some(sl) => (Some(sl.axis), sl.ranges.clone()),
+            None => (None, Vec::new()),
+        };
+        pieces.push(Piece {
+            name: checkpoint::param_name(graph, v),
+            role: lp.role,
+            shape,
+            transposed: checkpoint::is_transposed(graph, v),
+            slice: Slice { axis, ranges, flat: lp.flat },
+            tensor: lp.tensor,
+        });
+    }
+    checkpoint::write_shard(&dir, env.rank, &pieces)?;
+    checkpoint::fault_point(env.rank, step);
+    world.barrier()?;
+    if env.rank == 0 {
+        let manifest = checkpoint::write_manifest(&dir, save.state(step, env.world))?;
+        if let Some(k) = save.keep {
+            checkpoint::prune(&save.root, k)?;
+        }
+        obs.on_checkpoint(step, &manifest);
+    }
+    Ok(())
 }

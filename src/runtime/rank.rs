@@ -207,6 +207,9 @@ pub(super) struct Rank<'a> {
     pub dp: usize,
     /// Loss weight of one microbatch (1 / (microbatches × dp)).
     pub weight: f64,
+    /// With tensor parallelism, this rank's cut of each weight its shards slice, by
+    /// initializer name.
+    pub slices: HashMap<String, WeightSlice>,
 }
 
 impl<'a> Rank<'a> {
@@ -260,12 +263,29 @@ impl<'a> Rank<'a> {
             m,
             dp,
             weight: 1.0 / (m * dp) as f64,
+            slices: shards.stages.iter().flat_map(|sh| sh.slices.iter()).map(|w| (w.initializer.clone(), w.clone())).collect(),
         })
     }
 
     /// The model graph.
     pub fn graph(&self) -> &'a Graph {
         self.exec.graph()
+    }
+
+    /// The value id of each parameter position.
+    pub fn param_ids(&self) -> Vec<ValueId> {
+        let mut ids: Vec<(usize, ValueId)> = self.params.pos_of.iter().map(|(&v, &i)| (i, v)).collect();
+        ids.sort();
+        ids.into_iter().map(|(_, v)| v).collect()
+    }
+
+    /// This rank's part of `full`, a whole tensor shaped as parameter `v` (its tensor-parallel
+    /// cut, or all of it).
+    pub fn local_part(&self, v: ValueId, full: &Tensor) -> Result<Tensor, RuntimeError> {
+        match self.slices.get(&self.graph().value(v).name) {
+            Some(sl) => cut(full, sl),
+            None => Ok(full.f_detach()?.f_contiguous()?),
+        }
     }
 
     /// The stage whose state a collective moves, one of this rank's.
@@ -595,14 +615,7 @@ fn stage_weights(
         }
         let full = main.value_by_name(&v.name).and_then(|m| exec.weights.get(&m));
         let t = match (full, slices.get(v.name.as_str())) {
-            (Some(full), Some(sl)) => {
-                let parts: Vec<Tensor> = sl
-                    .ranges
-                    .iter()
-                    .map(|r| full.f_detach()?.f_narrow(sl.axis as i64, r[0] as i64, (r[1] - r[0]) as i64))
-                    .collect::<Result<_, _>>()?;
-                Tensor::f_cat(&parts, sl.axis as i64)?.f_contiguous()?
-            }
+            (Some(full), Some(sl)) => cut(full, sl)?,
             (Some(full), None) => full.f_detach()?,
             (None, _) => {
                 let Some(data) = &v.data else { continue };
@@ -619,4 +632,15 @@ fn stage_weights(
         out.insert(id, t);
     }
     Ok(out)
+}
+
+/// This rank's tensor-parallel slice `sl` of the whole tensor `full` (its ranges along the
+/// axis, concatenated).
+pub(super) fn cut(full: &Tensor, sl: &WeightSlice) -> Result<Tensor, RuntimeError> {
+    let parts: Vec<Tensor> = sl
+        .ranges
+        .iter()
+        .map(|r| full.f_detach()?.f_narrow(sl.axis as i64, r[0] as i64, (r[1] - r[0]) as i64))
+        .collect::<Result<_, _>>()?;
+    Ok(Tensor::f_cat(&parts, sl.axis as i64)?.f_contiguous()?)
 }

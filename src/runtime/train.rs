@@ -8,11 +8,13 @@ use std::time::Instant;
 use tch::{Kind, Reduction, Tensor};
 
 use super::RuntimeError;
+use super::checkpoint::{self, Checkpointing, Piece, Role, Slice};
 use super::executor::Executor;
+use super::weights::is_trainable;
 use super::data::DataSource;
 use super::npz;
 use super::tensor::{is_float_kind, kind_of};
-use crate::ir::{Dim, ValueKind};
+use crate::ir::{Dim, ValueId, ValueKind};
 
 /// Which scalar is minimised.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,6 +82,17 @@ impl AdamW {
             .map(|p| Ok((p.f_zeros_like()?.f_detach()?, p.f_zeros_like()?.f_detach()?)))
             .collect::<Result<_, tch::TchError>>()?;
         Ok(AdamW { cfg, step: 0, state })
+    }
+
+    /// Moments restored from a checkpoint: `state` (first and second moment per parameter)
+    /// after `step` updates.
+    pub fn with_state(cfg: AdamWConfig, step: usize, state: Vec<(Tensor, Tensor)>) -> AdamW {
+        AdamW { cfg, step: step as i32, state }
+    }
+
+    /// The moments (`exp_avg`, `exp_avg_sq`) of each parameter.
+    pub fn state(&self) -> &[(Tensor, Tensor)] {
+        &self.state
     }
 
     /// Bytes of the moments held.
@@ -234,6 +247,8 @@ pub trait TrainObserver {
     fn on_step(&mut self, _rec: &StepRecord) {}
     /// A validation is done.
     fn on_eval(&mut self, _rec: &EvalRecord) {}
+    /// A checkpoint is complete: its manifest was written to `manifest`.
+    fn on_checkpoint(&mut self, _step: usize, _manifest: &Path) {}
 }
 
 /// An observer that ignores everything.
@@ -460,11 +475,37 @@ pub fn train_on(
     cfg: &TrainConfig,
     obs: &mut dyn TrainObserver,
 ) -> Result<(Vec<StepRecord>, Vec<EvalRecord>), RuntimeError> {
-    let params: Vec<Tensor> = exec.parameters().into_iter().map(|(_, t)| t).collect();
+    train_with(exec, data, eval_data, cfg, &Checkpointing::default(), obs)
+}
+
+/// [`train_on`] writing checkpoints and resuming as `ckpt` says: a resumed run continues with
+/// the step after the checkpoint's (its parameters are already in `exec`'s weights; the
+/// moments are restored here) and returns records of the steps it ran.
+pub fn train_with(
+    exec: &Executor,
+    data: &DataSource,
+    eval_data: Option<&DataSource>,
+    cfg: &TrainConfig,
+    ckpt: &Checkpointing<'_>,
+    obs: &mut dyn TrainObserver,
+) -> Result<(Vec<StepRecord>, Vec<EvalRecord>), RuntimeError> {
+    let graph = exec.graph();
+    // the order of `Executor::parameters`
+    let mut ids: Vec<ValueId> = exec.weights.keys().copied().filter(|&id| is_trainable(graph, id)).collect();
+    ids.sort();
+    let params: Vec<Tensor> = ids.iter().map(|id| exec.weights[id].shallow_clone()).collect();
     if params.is_empty() {
         return Err(RuntimeError::Train("the model has no trainable initializers".into()));
     }
-    let mut opt = AdamW::new(&params, cfg.adamw)?;
+    let start = ckpt.start_step();
+    let mut opt = match ckpt.resume {
+        None => AdamW::new(&params, cfg.adamw)?,
+        Some(l) => {
+            let mut moments = checkpoint::restore_moments(l, graph, &ids, params[0].kind())?;
+            let state = ids.iter().map(|v| moments.remove(v).ok_or_else(|| RuntimeError::Train("moment missing".into()))).collect::<Result<_, _>>()?;
+            AdamW::with_state(cfg.adamw, l.manifest.state.adamw_step, state)
+        }
+    };
     let m = cfg.microbatches.max(1);
     let input_names: HashMap<&str, ()> = exec.graph().inputs.iter().map(|&v| (exec.graph().value(v).name.as_str(), ())).collect();
     let feeds_of = |mb: &Batch| {
@@ -492,9 +533,11 @@ pub fn train_on(
         }
         Ok(())
     };
-    validate(0, &mut evals, obs)?;
-    let mut records = Vec::with_capacity(cfg.steps);
-    for step in 1..=cfg.steps {
+    if start == 0 {
+        validate(0, &mut evals, obs)?;
+    }
+    let mut records = Vec::with_capacity(cfg.steps.saturating_sub(start));
+    for step in start + 1..=cfg.steps {
         let t0 = Instant::now();
         let micro = data.replica_microbatches(step, 0, 1, m)?;
         for p in &params {
@@ -523,6 +566,31 @@ pub fn train_on(
         obs.on_step(&rec);
         records.push(rec);
         validate(step, &mut evals, obs)?;
+        if let Some(save) = ckpt.save.as_ref().filter(|s| s.due(step)) {
+            let dir = checkpoint::step_dir(&save.root, step);
+            checkpoint::begin(&dir)?;
+            let mut pieces = Vec::with_capacity(3 * ids.len());
+            for (i, &v) in ids.iter().enumerate() {
+                let (m, s) = &opt.state()[i];
+                for (role, t) in [(Role::Param, &params[i]), (Role::ExpAvg, m), (Role::ExpAvgSq, s)] {
+                    pieces.push(Piece {
+                        name: checkpoint::param_name(graph, v),
+                        role,
+                        shape: t.size(),
+                        transposed: checkpoint::is_transposed(graph, v),
+                        slice: Slice::whole(),
+                        tensor: t.f_detach()?,
+                    });
+                }
+            }
+            checkpoint::write_shard(&dir, 0, &pieces)?;
+            checkpoint::fault_point(0, step);
+            let manifest = checkpoint::write_manifest(&dir, save.state(step, 1))?;
+            if let Some(k) = save.keep {
+                checkpoint::prune(&save.root, k)?;
+            }
+            obs.on_checkpoint(step, &manifest);
+        }
     }
     Ok((records, evals))
 }

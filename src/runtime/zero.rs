@@ -12,7 +12,8 @@ use super::dist::ProcessGroup;
 use super::pipeline::terr;
 use super::rank::{Params, Rank};
 use super::report::{StateBytes, Tally, bytes_of};
-use super::train::AdamW;
+use super::checkpoint::Role;
+use super::train::{AdamW, AdamWConfig};
 use crate::codegen::{Instr, Purpose};
 
 /// One stage's ZeRO shard of its parameters: the flat parameter vector cut into `parts`
@@ -56,6 +57,39 @@ pub(super) struct Zero {
     need: Vec<Vec<usize>>,
     /// ZeRO-3 stages whose parameters are gathered now.
     live: Vec<bool>,
+    /// Moments restored from a checkpoint, used when each optimizer is made.
+    restore: Option<Restore>,
+}
+
+/// AdamW state restored from a checkpoint: the step count and, by parameter position, the
+/// rank's part (tensor-parallel cut) of each moment.
+pub(super) struct Restore {
+    /// AdamW updates taken.
+    pub step: usize,
+    /// First moments, by position.
+    pub exp_avg: Vec<Tensor>,
+    /// Second moments, by position.
+    pub exp_avg_sq: Vec<Tensor>,
+}
+
+/// A part of this rank's state to checkpoint: parameter position `pos`'s `role`, elements
+/// `flat` of its (local) tensor flattened or all of it.
+pub(super) struct LocalPiece {
+    pub pos: usize,
+    pub role: Role,
+    pub flat: Option<[u64; 2]>,
+    pub tensor: Tensor,
+}
+
+/// The optimizer of a ZeRO block (`parts` blocks of stage `s`, this rank's `index`) or of
+/// every parameter (`block` none), fresh or with the restored moments.
+fn new_opt(restore: Option<&Restore>, p: &Params, s: usize, block: Option<(i64, i64)>, params: &[Tensor], adamw: AdamWConfig) -> Result<AdamW, RuntimeError> {
+    let Some(r) = restore else { return AdamW::new(params, adamw) };
+    let state = match block {
+        Some((parts, index)) => vec![(owned_copy(&p.block(s, &r.exp_avg, parts, index)?)?, owned_copy(&p.block(s, &r.exp_avg_sq, parts, index)?)?)],
+        None => r.exp_avg.iter().zip(&r.exp_avg_sq).map(|(m, v)| Ok((owned_copy(m)?, owned_copy(v)?))).collect::<Result<_, RuntimeError>>()?,
+    };
+    Ok(AdamW::with_state(adamw, r.step, state))
 }
 
 impl Zero {
@@ -63,7 +97,7 @@ impl Zero {
     /// only its block (the master AdamW updates) and releases its parameter tensors, which
     /// stay the same autograd leaves: their storage is swapped by set_data (gathered before
     /// each Forward and Backward, released after it).
-    pub fn new(rank: &Rank<'_>) -> Result<Zero, RuntimeError> {
+    pub fn new(rank: &Rank<'_>, restore: Option<Restore>) -> Result<Zero, RuntimeError> {
         let n = rank.n_stages;
         let p = &rank.params;
         let mut shards: Vec<Option<Shard>> = (0..n).map(|_| None).collect();
@@ -90,7 +124,7 @@ impl Zero {
                     .collect()
             })
             .collect();
-        Ok(Zero { shards, full_opt: None, need, live: vec![false; n] })
+        Ok(Zero { shards, full_opt: None, need, live: vec![false; n], restore })
     }
 
     /// The trained state held now, with `grads` the full gradients.
@@ -242,6 +276,7 @@ impl Zero {
     pub fn step(&mut self, rank: &Rank<'_>, grads: &[Option<Tensor>], coef: Option<f64>, lr: f64) -> Result<(), RuntimeError> {
         let p = &rank.params;
         let adamw = rank.cfg.adamw;
+        let restore = self.restore.as_ref();
         for (s, sh) in self.shards.iter_mut().enumerate() {
             let Some(sh) = sh else { continue };
             let Some(mut g) = sh.grad.take() else { continue };
@@ -252,7 +287,7 @@ impl Zero {
                 // ZeRO 3: the block is the parameters' only copy
                 let opt = match &mut sh.opt {
                     Some(o) => o,
-                    None => sh.opt.insert(AdamW::new(&[master.shallow_clone()], adamw)?),
+                    None => sh.opt.insert(new_opt(restore, p, s, Some((sh.parts, sh.index)), &[master.shallow_clone()], adamw)?),
                 };
                 opt.set_lr(lr);
                 opt.step_with(&[master], &[g])?;
@@ -261,7 +296,7 @@ impl Zero {
             let block = owned_copy(&p.block(s, &p.tensors, sh.parts, sh.index)?)?;
             let opt = match &mut sh.opt {
                 Some(o) => o,
-                None => sh.opt.insert(AdamW::new(&[block.shallow_clone()], adamw)?),
+                None => sh.opt.insert(new_opt(restore, p, s, Some((sh.parts, sh.index)), &[block.shallow_clone()], adamw)?),
             };
             opt.set_lr(lr);
             opt.step_with(&[block.shallow_clone()], &[g])?;
@@ -271,13 +306,81 @@ impl Zero {
         if grads.iter().any(Option::is_some) {
             let opt = match &mut self.full_opt {
                 Some(o) => o,
-                None => self.full_opt.insert(AdamW::new(&p.tensors, adamw)?),
+                None => self.full_opt.insert(new_opt(restore, p, 0, None, &p.tensors, adamw)?),
             };
             let gs: Vec<Tensor> = grads.iter().map(|g| g.as_ref().map_or_else(Tensor::new, Tensor::shallow_clone)).collect();
             opt.set_lr(lr);
             opt.step_with(&p.tensors, &gs)?;
         }
         Ok(())
+    }
+}
+
+impl Zero {
+    /// What this rank checkpoints: parameters and moments, each element once over the world
+    /// (tied, tensor-replicated and data-replicated copies on the rank that counts them in
+    /// the gradient norm; ZeRO blocks on the first shard group).
+    pub fn pieces(&self, rank: &Rank<'_>) -> Result<Vec<LocalPiece>, RuntimeError> {
+        let p = &rank.params;
+        let n = p.tensors.len();
+        let mut out = Vec::new();
+        // positions whose moments (and under ZeRO 3 values) live in a block
+        let mut in_block = vec![false; n];
+        let mut master_held = vec![false; n];
+        for (s, sh) in self.shards.iter().enumerate() {
+            let Some(sh) = sh else { continue };
+            if sh.opt.is_none() && sh.master.is_none() {
+                continue;
+            }
+            let writes = rank.d < rank.shard_group;
+            let (lo, hi) = (sh.index * sh.len, (sh.index + 1) * sh.len);
+            let mut off = 0i64;
+            for &i in &p.owned[s] {
+                in_block[i] = sh.opt.is_some() || sh.master.is_some();
+                master_held[i] = sh.master.is_some();
+                let len = p.numel(i);
+                let (a, b) = (lo.max(off), hi.min(off + len));
+                if a < b && writes && p.counted[i] {
+                    let flat = Some([(a - off) as u64, (b - off) as u64]);
+                    let part = |t: &Tensor| -> Result<Tensor, RuntimeError> { owned_copy(&t.f_narrow(0, a - lo, b - a)?) };
+                    if let Some(m) = &sh.master {
+                        out.push(LocalPiece { pos: i, role: Role::Param, flat, tensor: part(m)? });
+                    }
+                    let (m, v) = match &sh.opt {
+                        Some(o) => (o.state()[0].0.shallow_clone(), o.state()[0].1.shallow_clone()),
+                        None => match &self.restore {
+                            // resumed and not stepped yet
+                            Some(r) => (p.block(s, &r.exp_avg, sh.parts, sh.index)?, p.block(s, &r.exp_avg_sq, sh.parts, sh.index)?),
+                            None => (Tensor::f_zeros([sh.len], p.opts)?, Tensor::f_zeros([sh.len], p.opts)?),
+                        },
+                    };
+                    out.push(LocalPiece { pos: i, role: Role::ExpAvg, flat, tensor: part(&m)? });
+                    out.push(LocalPiece { pos: i, role: Role::ExpAvgSq, flat, tensor: part(&v)? });
+                }
+                off += len;
+            }
+        }
+        if rank.d != 0 {
+            return Ok(out);
+        }
+        for i in 0..n {
+            if !p.counted[i] {
+                continue;
+            }
+            if !master_held[i] {
+                out.push(LocalPiece { pos: i, role: Role::Param, flat: None, tensor: p.tensors[i].f_detach()?.f_contiguous()? });
+            }
+            if !in_block[i] {
+                let (m, v) = match (&self.full_opt, &self.restore) {
+                    (Some(o), _) => (o.state()[i].0.shallow_clone(), o.state()[i].1.shallow_clone()),
+                    (None, Some(r)) => (r.exp_avg[i].shallow_clone(), r.exp_avg_sq[i].shallow_clone()),
+                    (None, None) => (p.zeros(i)?, p.zeros(i)?),
+                };
+                out.push(LocalPiece { pos: i, role: Role::ExpAvg, flat: None, tensor: m });
+                out.push(LocalPiece { pos: i, role: Role::ExpAvgSq, flat: None, tensor: v });
+            }
+        }
+        Ok(out)
     }
 }
 

@@ -1,0 +1,196 @@
+//! The trained model out of a checkpoint (docs/checkpoints.md): the original ONNX file with
+//! its initializers replaced by the trained values (the runner's untied copies added as
+//! initializers of their own and read by the nodes that read them), or the trained weights
+//! alone as safetensors under module parameter names, in the module's layout.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use prost::Message;
+use tch::Tensor;
+
+use super::checkpoint::{self, Loaded};
+use super::tensor::to_bytes;
+use super::{ExecOptions, Executor, InitMode, RuntimeError, Weights};
+use crate::frontend::onnx::proto::{ModelProto, StringStringEntryProto, TensorProto};
+use crate::ir::{Graph, ParamTransform, RecordKind, Storage, Training, ValueKind};
+
+fn ferr(path: &Path, m: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::File { path: path.display().to_string(), message: m.to_string() }
+}
+
+/// The model's initializers with the checkpoint's trained values put in (in the model's own
+/// element types), as an executor for evaluating the runner's tie nodes.
+pub fn trained_executor<'g>(ckpt: &Loaded, graph: &'g Graph) -> Result<Executor<'g>, RuntimeError> {
+    let mut weights = Weights::load(graph, InitMode::Load, None)?;
+    checkpoint::restore_params(ckpt, graph, &mut weights.tensors)?;
+    Executor::new(graph, weights, ExecOptions { float_kind: None, training: false })
+}
+
+/// The trained weights under module parameter names in the module's layout (every alias of a
+/// tied tensor; buffers the export's record names, as the model holds them). A tensor whose
+/// rows were gathered at export time is written as those rows, with their indices under
+/// `NAME#rows`.
+pub fn module_tensors(exec: &Executor<'_>) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
+    let graph = exec.graph();
+    let mut out = BTreeMap::new();
+    for v in graph.initializers() {
+        let Some(w) = exec.weights.get(&v) else { continue };
+        let val = graph.value(v);
+        match &val.training {
+            Some(Training::Trained { names, transform, untied_from, .. }) => {
+                let w = w.f_detach()?;
+                let w = if *transform == ParamTransform::Transpose { w.f_tr()?.f_contiguous()? } else { w };
+                if let ParamTransform::Gather { rows, dims } = transform {
+                    out.insert(format!("{}#rows", names[0]), Tensor::from_slice(rows).f_reshape(dims.as_slice())?);
+                }
+                let own = checkpoint::param_name(graph, v);
+                let names: Vec<String> = if untied_from.is_some() && own != names[0] { vec![own] } else { names.clone() };
+                for n in names {
+                    out.insert(n, w.shallow_clone());
+                }
+            }
+            _ => {
+                if let Some(rec) = val.record.as_ref().filter(|r| r.kind == RecordKind::Buffer) {
+                    for n in rec.params.iter().flatten() {
+                        out.insert(n.clone(), w.f_detach()?);
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Writes the trained weights of `exec` ([`module_tensors`]) as safetensors; returns the keys.
+pub fn write_safetensors(exec: &Executor<'_>, out: &Path) -> Result<Vec<String>, RuntimeError> {
+    let tensors: Vec<(String, Tensor)> = module_tensors(exec)?.into_iter().collect();
+    checkpoint::write_atomic(out, &checkpoint::safetensors_bytes(&tensors)?)?;
+    Ok(tensors.into_iter().map(|(k, _)| k).collect())
+}
+
+/// Writes the ONNX model at `model` with the trained values of `exec` to `out`: every
+/// initializer the graph still holds takes its trained value, one the runner replaced by a tie
+/// node (a transposed or gathered view) the node's value, and each untied copy becomes an
+/// initializer read by its nodes. With `external`, all initializer data goes to `OUT.data`
+/// beside it (needed past protobuf's 2 GB); otherwise it is stored inline.
+pub fn write_onnx(exec: &Executor<'_>, model: &Path, out: &Path, external: bool) -> Result<Option<PathBuf>, RuntimeError> {
+    let graph = exec.graph();
+    let bytes = std::fs::read(model).map_err(|e| ferr(model, format!("cannot read the model: {e}")))?;
+    let mut proto = ModelProto::decode(bytes.as_slice()).map_err(|e| ferr(model, format!("not an ONNX model: {e}")))?;
+    let g = proto.graph.as_mut().ok_or_else(|| ferr(model, "the model has no graph"))?;
+    let mut values: Vec<(usize, Tensor)> = Vec::new();
+    for (k, init) in g.initializer.iter().enumerate() {
+        let Some(name) = init.name.as_deref() else { continue };
+        let Some(v) = graph.value_by_name(name) else { continue };
+        let t = if let Some(w) = exec.weights.get(&v) {
+            if !matches!(graph.value(v).kind, ValueKind::Initializer | ValueKind::Constant) {
+                continue;
+            }
+            w.f_detach()?
+        } else if let Some(n) = graph.node_ids().find(|&n| graph.node(n).outputs.contains(&v)) {
+            // a view the runner tied to another initializer (`smp_tie/…`)
+            let outs = tch::no_grad(|| exec.run_nodes(&[n], &HashMap::new(), &[v]))?;
+            outs.get(&v).map(Tensor::shallow_clone).ok_or_else(|| ferr(model, format!("tie node of `{name}` gave no value")))?
+        } else {
+            continue;
+        };
+        values.push((k, t));
+    }
+    // untied copies: new initializers, read by their nodes instead of the original
+    let node_at: HashMap<String, usize> = g.node.iter().enumerate().filter_map(|(i, n)| n.name.clone().map(|s| (s, i))).collect();
+    let have: std::collections::HashSet<String> = g.initializer.iter().filter_map(|t| t.name.clone()).collect();
+    for v in graph.initializers() {
+        let val = graph.value(v);
+        let Some(Training::Trained { untied_from: Some((orig, _)), .. }) = &val.training else { continue };
+        if have.contains(&val.name) {
+            continue;
+        }
+        let Some(w) = exec.weights.get(&v) else { continue };
+        for n in graph.node_ids() {
+            let node = graph.node(n);
+            if !node.inputs.contains(&Some(v)) {
+                continue;
+            }
+            let Some(&pi) = node_at.get(&node.name) else {
+                return Err(ferr(model, format!("node `{}` reads the untied copy `{}` but is not in the file", node.name, val.name)));
+            };
+            for (slot, inp) in node.inputs.iter().enumerate() {
+                if *inp == Some(v) {
+                    if let Some(s) = g.node[pi].input.get_mut(slot).filter(|s| *s == orig) {
+                        *s = val.name.clone();
+                    }
+                }
+            }
+        }
+        let dt = graph.value(v).data.as_ref().map(|d| d.dtype.to_onnx()).unwrap_or(1);
+        g.initializer.push(TensorProto { name: Some(val.name.clone()), data_type: Some(dt), ..Default::default() });
+        values.push((g.initializer.len() - 1, w.f_detach()?));
+    }
+    // initializers left as they are but stored beside the original model
+    let model_dir = model.parent().unwrap_or(Path::new("."));
+    let rewritten: std::collections::HashSet<usize> = values.iter().map(|(k, _)| *k).collect();
+    let mut raw: Vec<(usize, Vec<u8>)> = Vec::new();
+    for (k, init) in g.initializer.iter().enumerate() {
+        if rewritten.contains(&k) || init.data_location != Some(1) {
+            continue;
+        }
+        let name = init.name.clone().unwrap_or_default();
+        let v = graph.value_by_name(&name).and_then(|v| graph.value(v).data.as_ref());
+        let bytes = match v.map(|d| &d.storage) {
+            Some(Storage::External(ext)) => read_range(&ext.path, ext.offset, if ext.length > 0 { ext.length } else { v.map_or(0, |d| d.nbytes()) })?,
+            _ => {
+                let loc = init.external_data.iter().find(|e| e.key.as_deref() == Some("location")).and_then(|e| e.value.clone()).unwrap_or_default();
+                return Err(ferr(model, format!("initializer `{name}` stored in `{}` cannot be copied", model_dir.join(loc).display())));
+            }
+        };
+        raw.push((k, bytes));
+    }
+    for (k, t) in values {
+        let (_, _, bytes) = to_bytes(&t).map_err(|m| ferr(model, m))?;
+        raw.push((k, bytes));
+    }
+    raw.sort_by_key(|(k, _)| *k);
+    let data_path = external.then(|| out.with_extension("onnx.data"));
+    let mut blob: Vec<u8> = Vec::new();
+    for (k, bytes) in raw {
+        let t = &mut g.initializer[k];
+        t.float_data.clear();
+        t.double_data.clear();
+        t.int32_data.clear();
+        t.int64_data.clear();
+        t.uint64_data.clear();
+        t.external_data.clear();
+        match &data_path {
+            Some(p) => {
+                while blob.len() % 64 != 0 {
+                    blob.push(0);
+                }
+                let entry = |k: &str, v: String| StringStringEntryProto { key: Some(k.into()), value: Some(v) };
+                let loc = p.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+                t.external_data = vec![entry("location", loc), entry("offset", blob.len().to_string()), entry("length", bytes.len().to_string())];
+                t.data_location = Some(1);
+                t.raw_data = None;
+                blob.extend_from_slice(&bytes);
+            }
+            None => {
+                t.data_location = None;
+                t.raw_data = Some(bytes);
+            }
+        }
+    }
+    if let Some(p) = &data_path {
+        checkpoint::write_atomic(p, &blob)?;
+    }
+    checkpoint::write_atomic(out, &proto.encode_to_vec())?;
+    Ok(data_path)
+}
+
+fn read_range(path: &Path, offset: u64, len: u64) -> Result<Vec<u8>, RuntimeError> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(path).map_err(|e| ferr(path, format!("cannot open external data: {e}")))?;
+    f.seek(SeekFrom::Start(offset)).map_err(|e| ferr(path, e))?;
+    let mut buf = vec![0u8; len as usize];
+    f.read_exact(&mut buf).map_err(|e| ferr(path, format!("external data truncated: {e}")))?;
+    Ok(buf)
+}

@@ -1,0 +1,376 @@
+//! Checkpoints through `smp-runner` (docs/checkpoints.md), on the GPT-2 export in f64 with a
+//! token file (every step a new batch) and a cosine schedule with warm-up:
+//! - exact resume: 20 steps with a checkpoint at step 10, resumed from it: steps 11–20 equal
+//!   the uninterrupted run bit for bit, for pp2, tp2 (Megatron split), dp2 with ZeRO 3,
+//!   pp2×tp2 and one process; each rank wrote its own shard (tensor-parallel ranges, ZeRO
+//!   element ranges in the manifest);
+//! - crash safety: a rank aborted by the fault hook while checkpoint 15 is written leaves no
+//!   manifest; `--resume DIR` loads checkpoint 10 and continues identically; a damaged
+//!   manifest or safetensors header is refused naming the file;
+//! - resharding: saved under pp2×tp2 (4 ranks), resumed under dp2 and under one rank: losses
+//!   11–20 within 1e-9 of the uninterrupted run.
+#![cfg(feature = "runner")]
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::{Mutex, OnceLock};
+
+use smp_partition::runtime::data;
+
+const SEQ: usize = 16;
+const BATCH: usize = 8;
+const STEPS: usize = 20;
+const WINDOWS: usize = 48;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn model() -> PathBuf {
+    repo().join("models/gpt2.onnx")
+}
+
+fn runner() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_smp-runner"))
+}
+
+fn ok(what: &str, r: Output) -> Output {
+    assert!(r.status.success(), "{what} failed: {}", String::from_utf8_lossy(&r.stderr));
+    r
+}
+
+fn json(r: &Output) -> serde_json::Value {
+    serde_json::from_slice(&r.stdout).unwrap_or_else(|e| panic!("bad JSON ({e}): {}", String::from_utf8_lossy(&r.stdout)))
+}
+
+fn field(report: &serde_json::Value, list: &str, key: &str) -> Vec<f64> {
+    report[list].as_array().unwrap_or_else(|| panic!("no `{list}` in {report}")).iter().map(|s| s[key].as_f64().unwrap()).collect()
+}
+
+/// Pseudo-random byte-range ids (a fixed LCG).
+fn random_tokens(n: usize, seed: u64) -> Vec<u16> {
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((x >> 33) % 256) as u16
+        })
+        .collect()
+}
+
+struct Files {
+    _dir: tempfile::TempDir,
+    dir: PathBuf,
+    train: PathBuf,
+}
+
+fn files() -> &'static Files {
+    static F: OnceLock<Files> = OnceLock::new();
+    F.get_or_init(|| {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
+        let train = dir.join("train.bin");
+        let bytes: Vec<u8> = random_tokens(WINDOWS * SEQ + 3, 7).iter().flat_map(|t| t.to_le_bytes()).collect();
+        std::fs::write(&train, bytes).unwrap();
+        std::fs::write(data::sidecar_path(&train), r#"{"dtype": "uint16"}"#).unwrap();
+        Files { _dir: tmp, dir, train }
+    })
+}
+
+/// Options every run shares.
+fn run_args() -> Vec<String> {
+    let f = files();
+    [
+        "--data", f.train.to_str().unwrap(), "--seed", "3", "--steps", &STEPS.to_string(), "--dtype", "f64", "--threads", "1",
+        "--json", "--lr-schedule", "cosine", "--warmup-steps", "2", "--min-lr", "1e-4",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// The plans of the tests: name → (cluster, ranks, planner flags).
+fn plan_spec(name: &str) -> (&'static str, usize, Vec<&'static str>) {
+    match name {
+        "pp2" => ("cpu:2", 2, vec!["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--microbatches", "4"]),
+        "tp2" => ("cpu:2", 2, vec!["--pp", "1", "--tp", "2", "--dp", "1", "--microbatches", "4", "--baseline", "megatron"]),
+        "dp2-zero3" => ("cpu:2", 2, vec!["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "3", "--microbatches", "2"]),
+        "pp2tp2" => ("cpu:4", 4, vec!["--pp", "2", "--tp", "2", "--dp", "1", "--schedule", "1f1b", "--microbatches", "4", "--baseline", "megatron"]),
+        "dp2" => ("cpu:2", 2, vec!["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "0", "--microbatches", "2"]),
+        "one" => ("cpu:1", 1, vec!["--pp", "1", "--tp", "1", "--dp", "1", "--microbatches", "4"]),
+        other => panic!("no plan `{other}`"),
+    }
+}
+
+/// The plan file of `name` (planned once).
+fn plan(name: &str) -> (PathBuf, usize) {
+    static PLANS: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
+    let (cluster, nproc, flags) = plan_spec(name);
+    let mut plans = PLANS.get_or_init(Default::default).lock().unwrap();
+    let path = plans
+        .entry(name.to_string())
+        .or_insert_with(|| {
+            let out = files().dir.join(format!("{name}.json"));
+            let cluster = common::cluster_arg(cluster);
+            let r = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
+                .arg(model())
+                .args(["--cluster", &cluster, "--seq-len", &SEQ.to_string(), "--global-batch", &BATCH.to_string(), "-o"])
+                .arg(&out)
+                .args(&flags)
+                .output()
+                .unwrap();
+            ok(&format!("planning {name}"), r);
+            out
+        })
+        .clone();
+    (path, nproc)
+}
+
+/// `smp-runner launch` of plan `name` with the shared options and `extra`.
+fn launch(name: &str, extra: &[&str], env: &[(&str, &str)]) -> Output {
+    let (p, nproc) = plan(name);
+    let mut c = runner();
+    c.args(["launch", "--nproc", &nproc.to_string()]).arg(&p).args(run_args()).args(["--timeout", "120"]).args(extra);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().unwrap()
+}
+
+/// An uninterrupted 20-step run of `name` that checkpoints every 10 steps.
+struct Saved {
+    dir: PathBuf,
+    report: serde_json::Value,
+}
+
+fn saved(name: &str) -> &'static Saved {
+    static RUNS: OnceLock<Mutex<HashMap<String, &'static Saved>>> = OnceLock::new();
+    let mut runs = RUNS.get_or_init(Default::default).lock().unwrap();
+    runs.entry(name.to_string()).or_insert_with(|| {
+        let dir = files().dir.join(format!("ckpt-{name}"));
+        let r = launch(name, &["--checkpoint-dir", dir.to_str().unwrap(), "--checkpoint-every", "10"], &[]);
+        let report = json(&ok(&format!("checkpointing run of {name}"), r));
+        Box::leak(Box::new(Saved { dir, report }))
+    })
+}
+
+fn manifest(dir: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap()
+}
+
+fn step_dir(root: &Path, step: usize) -> PathBuf {
+    root.join(format!("step-{step:08}"))
+}
+
+/// Runs `name` from `from` (a checkpoint) and returns its report.
+fn resume(name: &str, from: &Path) -> serde_json::Value {
+    json(&ok(&format!("resumed run of {name}"), launch(name, &["--resume", from.to_str().unwrap()], &[])))
+}
+
+fn exact_resume(name: &str) {
+    let s = saved(name);
+    let all = field(&s.report, "steps", "loss");
+    assert_eq!(all.len(), STEPS);
+    let ckpts: Vec<u64> = s.report["checkpoints"].as_array().unwrap().iter().map(|c| c["step"].as_u64().unwrap()).collect();
+    assert_eq!(ckpts, vec![10, 20], "{name}: checkpoints in --json");
+    let m = manifest(&step_dir(&s.dir, 10));
+    let (_, nproc) = plan(name);
+    assert_eq!(m["step"], 10);
+    assert_eq!(m["files"].as_array().unwrap().len(), nproc, "{name}: one shard per rank");
+    let tensors = m["tensors"].as_array().unwrap();
+    let files: std::collections::BTreeSet<&str> = tensors.iter().map(|t| t["file"].as_str().unwrap()).collect();
+    assert_eq!(files.len(), nproc, "{name}: every rank wrote pieces");
+    if name.contains("tp2") {
+        assert!(tensors.iter().any(|t| t["ranges"].is_array()), "{name}: tensor-parallel pieces carry their ranges");
+    }
+    if name.contains("zero3") {
+        assert!(tensors.iter().any(|t| t["flat"].is_array()), "{name}: ZeRO-3 pieces carry their element ranges");
+    }
+    let got = resume(name, &step_dir(&s.dir, 10));
+    assert_eq!(field(&got, "steps", "step"), (11..=STEPS).map(|k| k as f64).collect::<Vec<_>>());
+    let tail = field(&got, "steps", "loss");
+    assert_eq!(tail, all[10..].to_vec(), "{name}: resumed steps 11-20 differ from the uninterrupted run");
+    assert_eq!(field(&got, "steps", "lr"), field(&s.report, "steps", "lr")[10..].to_vec(), "{name}: learning rates");
+}
+
+#[test]
+fn pp2_resumes_bit_for_bit() {
+    exact_resume("pp2");
+}
+
+#[test]
+fn tp2_resumes_bit_for_bit() {
+    exact_resume("tp2");
+}
+
+#[test]
+fn dp2_zero3_resumes_bit_for_bit() {
+    exact_resume("dp2-zero3");
+}
+
+#[test]
+fn pp2_tp2_resumes_bit_for_bit() {
+    exact_resume("pp2tp2");
+}
+
+#[test]
+fn one_process_resumes_bit_for_bit() {
+    exact_resume("one");
+}
+
+#[test]
+fn a_rank_aborted_while_writing_leaves_the_previous_checkpoint_to_resume() {
+    let name = "pp2";
+    let want = field(&saved(name).report, "steps", "loss");
+    let dir = files().dir.join("ckpt-crash");
+    let d = dir.to_str().unwrap();
+    let r = launch(name, &["--checkpoint-dir", d, "--checkpoint-every", "5"], &[("SMP_CHECKPOINT_FAULT", "1:15")]);
+    assert!(!r.status.success(), "the fault hook aborts rank 1");
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(err.contains("rank 1 aborts after writing its shard of step 15"), "{err}");
+    // rank 1's shard of step 15 is there, the manifest is not
+    assert!(step_dir(&dir, 15).join("rank-00001.safetensors").is_file());
+    assert!(!step_dir(&dir, 15).join("manifest.json").exists());
+    assert!(step_dir(&dir, 10).join("manifest.json").is_file());
+    let got = resume(name, &dir);
+    assert!(got["resumed_from"].as_str().unwrap().ends_with("step-00000010"), "{got}");
+    assert_eq!(field(&got, "steps", "loss"), want[10..].to_vec(), "resumed after the crash");
+}
+
+#[test]
+fn damaged_manifests_and_headers_are_refused_naming_the_file() {
+    let s = saved("pp2");
+    let copy = |tag: &str| {
+        let d = files().dir.join(format!("damaged-{tag}"));
+        std::fs::create_dir_all(&d).unwrap();
+        for e in std::fs::read_dir(step_dir(&s.dir, 10)).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), d.join(e.file_name())).unwrap();
+        }
+        d
+    };
+    let d = copy("manifest");
+    let text = std::fs::read(d.join("manifest.json")).unwrap();
+    std::fs::write(d.join("manifest.json"), &text[..text.len() / 2]).unwrap();
+    let r = launch("pp2", &["--resume", d.to_str().unwrap()], &[]);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(!r.status.success() && err.contains(&d.join("manifest.json").display().to_string()) && err.contains("damaged"), "{err}");
+
+    let d = copy("header");
+    let shard = d.join("rank-00001.safetensors");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    bytes[8..16].copy_from_slice(b"{\"x\":[1,");
+    std::fs::write(&shard, &bytes).unwrap();
+    let r = launch("pp2", &["--resume", d.to_str().unwrap()], &[]);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(!r.status.success() && err.contains(&shard.display().to_string()) && err.contains("safetensors header"), "{err}");
+}
+
+#[test]
+fn a_pp2_tp2_checkpoint_resumes_under_dp2_and_one_rank() {
+    let s = saved("pp2tp2");
+    let want = field(&s.report, "steps", "loss");
+    for other in ["dp2", "one"] {
+        let got = resume(other, &step_dir(&s.dir, 10));
+        let tail = field(&got, "steps", "loss");
+        assert_eq!(tail.len(), STEPS - 10);
+        let worst = tail.iter().zip(&want[10..]).map(|(g, w)| ((g - w) / w).abs()).fold(0.0, f64::max);
+        eprintln!("pp2tp2 -> {other}: max relative loss difference {worst:.3e}");
+        assert!(worst <= 1e-9, "{other}: {tail:?} vs {:?}", &want[10..]);
+    }
+}
+
+fn eval_logits(model: &Path, inputs: &Path, out: &Path, checkpoint: Option<&Path>) -> tch::Tensor {
+    let mut c = runner();
+    c.arg("eval").arg(model).arg("--inputs").arg(inputs).arg("--outputs").arg(out).args(["--dtype", "f32"]);
+    if let Some(ck) = checkpoint {
+        c.arg("--checkpoint").arg(ck);
+    }
+    ok(&format!("eval of {}", model.display()), c.output().unwrap());
+    let arrays = smp_partition::runtime::npz::read_npz(out).unwrap();
+    arrays.into_iter().find(|(n, _)| n == "logits").expect("logits").1
+}
+
+fn max_abs(a: &tch::Tensor, b: &tch::Tensor) -> f64 {
+    (a - b).abs().max().double_value(&[])
+}
+
+#[test]
+fn exports_hold_the_trained_weights() {
+    let f = files();
+    let dir = f.dir.join("ckpt-export");
+    let r = runner()
+        .arg("train")
+        .arg(model())
+        .args(["--batch", "8", "--seq-len", "16", "--microbatches", "2", "--steps", "5", "--dtype", "f32", "--threads", "1", "--seed", "3"])
+        .arg("--data")
+        .arg(&f.train)
+        .arg("--checkpoint-dir")
+        .arg(&dir)
+        .arg("--json")
+        .output()
+        .unwrap();
+    let report = json(&ok("f32 training", r));
+    assert_eq!(report["checkpoints"][0]["step"], 5, "a checkpoint after the last step by default");
+    let ckpt = step_dir(&dir, 5);
+    let onnx = dir.join("trained.onnx");
+    let st = dir.join("trained.safetensors");
+    for out in [&onnx, &st] {
+        ok("export", runner().arg("export").arg(&dir).arg("-o").arg(out).output().unwrap());
+    }
+    let inputs = repo().join("models/gpt2.io.npz");
+    let exported = eval_logits(&onnx, &inputs, &dir.join("a.npz"), None);
+    let own = eval_logits(&model(), &inputs, &dir.join("b.npz"), Some(&ckpt));
+    let before = eval_logits(&model(), &inputs, &dir.join("c.npz"), None);
+    let scale = own.abs().max().double_value(&[]);
+    let diff = max_abs(&exported, &own);
+    eprintln!("trained.onnx vs the runner's forward on the checkpoint: max abs {diff:.3e} (scale {scale:.3})");
+    assert!(diff <= 1e-6 * scale.max(1.0), "trained.onnx differs from the checkpoint's forward by {diff}");
+    assert!(max_abs(&before, &own) > 1e-4, "training changed the outputs");
+    // onnxruntime reads the file too, and agrees
+    let py = repo().join(".venv/bin/python");
+    if py.exists() {
+        let script = "import sys, numpy as np, onnxruntime as ort\n\
+            s = ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])\n\
+            x = np.load(sys.argv[2])['input_ids']\n\
+            np.save(sys.argv[3], s.run(['logits'], {'input_ids': x})[0])\n";
+        let npy = dir.join("ort.npy");
+        let r = Command::new(&py).args(["-c", script]).arg(&onnx).arg(&inputs).arg(&npy).output().unwrap();
+        ok("onnxruntime on trained.onnx", r);
+        let ort = smp_partition::runtime::npz::read_npy(&npy).unwrap();
+        let d = max_abs(&ort, &own);
+        eprintln!("onnxruntime on trained.onnx vs the runner: max abs {d:.3e}");
+        assert!(d <= 1e-4 * scale.max(1.0), "onnxruntime: {d}");
+    }
+    // the safetensors hold every trained parameter under its name, as the checkpoint does
+    let loaded = smp_partition::runtime::checkpoint::Loaded::open(&ckpt).unwrap();
+    let names = loaded.names(smp_partition::runtime::checkpoint::Role::Param);
+    let weights: HashMap<String, tch::Tensor> = tch::Tensor::read_safetensors(&st).unwrap().into_iter().collect();
+    let keys: std::collections::BTreeSet<&String> = weights.keys().collect();
+    assert_eq!(keys, names.keys().collect(), "safetensors keys are the parameter names");
+    for name in names.keys() {
+        let want = loaded.assemble(name, smp_partition::runtime::checkpoint::Role::Param).unwrap();
+        assert_eq!(max_abs(&weights[name], &want), 0.0, "`{name}`");
+    }
+}
+
+#[test]
+fn a_tensor_parallel_checkpoint_reassembles_to_one_process_weights() {
+    // the same 10 steps under pp2×tp2 and on one process: the reassembled weights agree
+    let (a, b) = (saved("pp2tp2"), saved("one"));
+    let out = files().dir.join("reassembled");
+    std::fs::create_dir_all(&out).unwrap();
+    let read = |s: &Saved, tag: &str| -> HashMap<String, tch::Tensor> {
+        let p = out.join(format!("{tag}.safetensors"));
+        ok("export", runner().arg("export").arg(step_dir(&s.dir, 10)).arg("-o").arg(&p).output().unwrap());
+        tch::Tensor::read_safetensors(&p).unwrap().into_iter().collect()
+    };
+    let (wa, wb) = (read(a, "pp2tp2"), read(b, "one"));
+    assert_eq!(wa.len(), wb.len());
+    let worst = wb.iter().map(|(k, w)| max_abs(&wa[k], w) / w.abs().max().double_value(&[]).max(1e-12)).fold(0.0, f64::max);
+    eprintln!("pp2tp2 vs one process after 10 steps: max relative weight difference {worst:.3e}");
+    assert!(worst <= 1e-9, "{worst}");
+}
