@@ -321,7 +321,10 @@ fn exports_hold_the_trained_weights() {
     for out in [&onnx, &st] {
         ok("export", runner().arg("export").arg(&dir).arg("-o").arg(out).output().unwrap());
     }
-    let inputs = repo().join("models/gpt2.io.npz");
+    let io = smp_partition::runtime::npz::read_npz(&repo().join("models/gpt2.io.npz")).unwrap();
+    let ids = io.into_iter().find(|(n, _)| n == "input_ids").expect("input_ids").1;
+    let inputs = dir.join("inputs.npz");
+    smp_partition::runtime::npz::write_npz(&inputs, &[("input_ids".into(), ids, None)]).unwrap();
     let exported = eval_logits(&onnx, &inputs, &dir.join("a.npz"), None);
     let own = eval_logits(&model(), &inputs, &dir.join("b.npz"), Some(&ckpt));
     let before = eval_logits(&model(), &inputs, &dir.join("c.npz"), None);
@@ -373,4 +376,59 @@ fn a_tensor_parallel_checkpoint_reassembles_to_one_process_weights() {
     let worst = wb.iter().map(|(k, w)| max_abs(&wa[k], w) / w.abs().max().double_value(&[]).max(1e-12)).fold(0.0, f64::max);
     eprintln!("pp2tp2 vs one process after 10 steps: max relative weight difference {worst:.3e}");
     assert!(worst <= 1e-9, "{worst}");
+}
+
+/// Pieces of one 6×8 tensor as three tensor ranks × two ZeRO blocks would hold them
+/// (column ranges, then halves of each cut flattened), written as rank shards.
+#[test]
+fn pieces_reassemble_and_gaps_are_refused() {
+    use smp_partition::runtime::checkpoint::{self as ck, Loaded, Piece, Role, RunState, Slice};
+    let whole = tch::Tensor::arange(48, (tch::Kind::Double, tch::Device::Cpu)).reshape([6, 8]);
+    let cuts: [Vec<[u64; 2]>; 3] = [vec![[0, 2], [6, 7]], vec![[2, 4], [7, 8]], vec![[4, 6]]];
+    let write = |dir: &Path, skip: Option<(usize, usize)>| {
+        ck::begin(dir).unwrap();
+        let mut rank = 0;
+        for (t, ranges) in cuts.iter().enumerate() {
+            let parts: Vec<tch::Tensor> = ranges.iter().map(|r| whole.narrow(1, r[0] as i64, (r[1] - r[0]) as i64)).collect();
+            let local = tch::Tensor::cat(&parts, 1).reshape([-1]);
+            let n = local.size()[0] as u64;
+            for (z, flat) in [[0, n / 2], [n / 2, n]].into_iter().enumerate() {
+                let pieces = if skip == Some((t, z)) {
+                    Vec::new()
+                } else {
+                    vec![Piece {
+                        name: "w".into(),
+                        role: Role::Param,
+                        shape: vec![6, 8],
+                        transposed: false,
+                        slice: Slice { axis: Some(1), ranges: ranges.clone(), flat: Some(flat) },
+                        tensor: local.narrow(0, flat[0] as i64, (flat[1] - flat[0]) as i64),
+                    }]
+                };
+                ck::write_shard(dir, rank, &pieces).unwrap();
+                rank += 1;
+            }
+        }
+        let state = RunState {
+            step: 1,
+            next_batch: 2,
+            seed: 0,
+            plan_hash: None,
+            mesh: "test".into(),
+            model_sha256: String::new(),
+            model_path: String::new(),
+            world: rank,
+            adamw_step: 1,
+        };
+        ck::write_manifest(dir, state).unwrap();
+    };
+    let root = files().dir.join("pieces");
+    let full = root.join("full");
+    write(&full, None);
+    let l = Loaded::open(&full).unwrap();
+    assert_eq!(max_abs(&l.assemble("w", Role::Param).unwrap(), &whole), 0.0);
+    let gap = root.join("gap");
+    write(&gap, Some((1, 1)));
+    let err = Loaded::open(&gap).unwrap().assemble("w", Role::Param).err().expect("a missing block is refused").to_string();
+    assert!(err.contains("in no shard") && err.contains("manifest.json"), "{err}");
 }
