@@ -432,3 +432,106 @@ fn pieces_reassemble_and_gaps_are_refused() {
     let err = Loaded::open(&gap).unwrap().assemble("w", Role::Param).err().expect("a missing block is refused").to_string();
     assert!(err.contains("in no shard") && err.contains("manifest.json"), "{err}");
 }
+
+/// The GPT-2 oracle export of tests/train_oracle.py (HF GPT-2 at default init, dynamic shapes,
+/// with the parameter record: merged LayerNorm initializers, transposed weights, a tied
+/// embedding), generated once per content of the scripts.
+fn recorded_gpt2() -> serde_json::Value {
+    use sha2::Digest;
+    let script = repo().join("tests/train_oracle.py");
+    let mut h = sha2::Sha256::new();
+    for f in [&script, &repo().join("scripts/param_record.py"), &repo().join("scripts/export_models.py")] {
+        h.update(std::fs::read(f).unwrap());
+    }
+    h.update(b"checkpoint:gpt2");
+    let key: String = h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("checkpoint_oracle").join(key);
+    if !dir.join("cases.json").exists() {
+        let r = Command::new(repo().join(".venv/bin/python")).arg(&script).arg(&dir).arg("gpt2").output().unwrap();
+        ok("tests/train_oracle.py gpt2", r);
+    }
+    let cases: Vec<serde_json::Value> = serde_json::from_slice(&std::fs::read(dir.join("cases.json")).unwrap()).unwrap();
+    cases.into_iter().find(|c| c["case"] == "gpt2-dynamic").expect("gpt2-dynamic case")
+}
+
+#[test]
+fn a_recorded_export_comes_out_as_its_module_state_dict_and_a_retrainable_onnx() {
+    let case = recorded_gpt2();
+    let s = |k: &str| case[k].as_str().unwrap().to_string();
+    let dir = files().dir.join("ckpt-recorded");
+    let r = runner()
+        .args(["train", &s("onnx"), "--data", &s("data"), "--loss", &s("loss"), "--steps", "5", "--threads", "1", "--json"])
+        .arg("--checkpoint-dir")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let trained_log = String::from_utf8_lossy(&ok("training the recorded export", r).stderr).lines().find(|l| l.contains("trains")).unwrap().to_string();
+    let (st, onnx) = (dir.join("trained.safetensors"), dir.join("trained.onnx"));
+    for out in [&st, &onnx] {
+        ok("export", runner().arg("export").arg(&dir).arg("-o").arg(out).output().unwrap());
+    }
+    // PyTorch loads the safetensors into the module with strict=True, and gets what PyTorch
+    // trained (5 AdamW steps from the same init; attention key biases move by rounding noise)
+    let script = "import sys, json, numpy as np, torch\n\
+        sys.path[:0] = [sys.argv[3] + '/tests', sys.argv[3] + '/scripts']\n\
+        from train_oracle import configs\n\
+        from export_models import LogitsOnly\n\
+        from safetensors.torch import load_file\n\
+        cls, cfg, kind = configs()['gpt2']\n\
+        cfg._attn_implementation = 'eager'\n\
+        m = LogitsOnly(cls(cfg), 'input_ids')\n\
+        m.load_state_dict(load_file(sys.argv[1]), strict=True)\n\
+        want = np.load(sys.argv[2])\n\
+        worst = max(float((p.detach() - torch.from_numpy(want[n])).norm() / torch.from_numpy(want[n]).norm()) for n, p in m.named_parameters(remove_duplicate=False))\n\
+        print(json.dumps({'worst': worst, 'params': len(list(m.named_parameters(remove_duplicate=False)))}))\n";
+    let r = Command::new(repo().join(".venv/bin/python")).args(["-c", script]).arg(&st).arg(s("trained")).arg(repo()).output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&ok("load_state_dict(strict=True)", r).stdout).unwrap();
+    eprintln!("trained.safetensors in PyTorch: {v}");
+    assert!(v["worst"].as_f64().unwrap() <= 1e-3, "{v}");
+    // trained.onnx: the checkpoint's forward, and it imports as one module tensor per initializer
+    let data = PathBuf::from(s("data"));
+    let exported = eval_logits(&onnx, &data, &dir.join("a.npz"), None);
+    let own = eval_logits(Path::new(&s("onnx")), &data, &dir.join("b.npz"), Some(&dir));
+    let diff = max_abs(&exported, &own);
+    assert!(diff <= 1e-6 * own.abs().max().double_value(&[]).max(1.0), "trained.onnx vs the checkpoint: {diff}");
+    let r = runner().arg("train").arg(&onnx).args(["--data", &s("data"), "--loss", &s("loss"), "--steps", "1", "--threads", "1"]).output().unwrap();
+    let again = String::from_utf8_lossy(&ok("training trained.onnx", r).stderr).lines().find(|l| l.contains("trains")).unwrap().to_string();
+    let count = |l: &str| l.split(';').next().unwrap().to_string();
+    assert_eq!(count(&again), count(&trained_log), "trained.onnx trains the same tensors");
+    assert!(!again.contains("untied"), "the untied copies are initializers of their own: {again}");
+}
+
+#[test]
+fn keep_holds_the_newest_checkpoints() {
+    let f = files();
+    let dir = f.dir.join("ckpt-keep");
+    let r = runner()
+        .arg("train")
+        .arg(model())
+        .args(["--batch", "8", "--seq-len", "16", "--steps", "6", "--threads", "1", "--json", "--checkpoint-every", "2", "--keep", "2"])
+        .arg("--data")
+        .arg(&f.train)
+        .arg("--checkpoint-dir")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let report = json(&ok("training with --keep 2", r));
+    assert_eq!(report["checkpoints"].as_array().unwrap().len(), 3, "three written");
+    let mut left: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    left.sort();
+    assert_eq!(left, vec!["step-00000004", "step-00000006"]);
+    // resuming the directory takes the newest
+    let r = runner()
+        .arg("train")
+        .arg(model())
+        .args(["--batch", "8", "--seq-len", "16", "--steps", "6", "--threads", "1", "--json"])
+        .arg("--data")
+        .arg(&f.train)
+        .arg("--resume")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let got = json(&ok("resume at the end", r));
+    assert!(got["resumed_from"].as_str().unwrap().ends_with("step-00000006"));
+    assert_eq!(got["steps"].as_array().unwrap().len(), 0, "nothing left to run");
+}

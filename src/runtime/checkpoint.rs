@@ -176,7 +176,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), RuntimeError> {
     f.sync_all().map_err(|e| ferr(&tmp, format!("cannot fsync: {e}")))?;
     drop(f);
     std::fs::rename(&tmp, path).map_err(|e| ferr(path, format!("cannot rename {} to it: {e}", tmp.display())))?;
-    sync_dir(path.parent().unwrap_or(Path::new(".")))
+    sync_dir(path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new(".")))
 }
 
 fn sync_dir(dir: &Path) -> Result<(), RuntimeError> {

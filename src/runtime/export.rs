@@ -13,7 +13,7 @@ use super::checkpoint::{self, Loaded};
 use super::tensor::to_bytes;
 use super::{ExecOptions, Executor, InitMode, RuntimeError, Weights};
 use crate::frontend::onnx::proto::{ModelProto, StringStringEntryProto, TensorProto};
-use crate::ir::{Graph, ParamTransform, RecordKind, Storage, Training, ValueKind};
+use crate::ir::{Graph, ParamRecord, ParamTransform, RecordKind, Storage, Training, ValueKind};
 
 fn ferr(path: &Path, m: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::File { path: path.display().to_string(), message: m.to_string() }
@@ -97,36 +97,46 @@ pub fn write_onnx(exec: &Executor<'_>, model: &Path, out: &Path, external: bool)
         };
         values.push((k, t));
     }
-    // untied copies: new initializers, read by their nodes instead of the original
+    // the runner's rewiring: untied copies become initializers of their own, and nodes read
+    // the initializer the runner gave them (a redundant copy of a tensor: its canonical one)
     let node_at: HashMap<String, usize> = g.node.iter().enumerate().filter_map(|(i, n)| n.name.clone().map(|s| (s, i))).collect();
-    let have: std::collections::HashSet<String> = g.initializer.iter().filter_map(|t| t.name.clone()).collect();
-    for v in graph.initializers() {
-        let val = graph.value(v);
-        let Some(Training::Trained { untied_from: Some((orig, _)), .. }) = &val.training else { continue };
-        if have.contains(&val.name) {
-            continue;
-        }
-        let Some(w) = exec.weights.get(&v) else { continue };
-        for n in graph.node_ids() {
-            let node = graph.node(n);
-            if !node.inputs.contains(&Some(v)) {
+    let mut have: HashMap<String, usize> = g.initializer.iter().enumerate().filter_map(|(k, t)| t.name.clone().map(|n| (n, k))).collect();
+    let read_before = readers(g);
+    for n in graph.node_ids() {
+        let node = graph.node(n);
+        let Some(&pi) = node_at.get(&node.name) else { continue };
+        for (slot, inp) in node.inputs.iter().enumerate() {
+            let Some(v) = *inp else { continue };
+            let val = graph.value(v);
+            if val.kind != ValueKind::Initializer || !exec.weights.contains_key(&v) {
                 continue;
             }
-            let Some(&pi) = node_at.get(&node.name) else {
-                return Err(ferr(model, format!("node `{}` reads the untied copy `{}` but is not in the file", node.name, val.name)));
-            };
-            for (slot, inp) in node.inputs.iter().enumerate() {
-                if *inp == Some(v) {
-                    if let Some(s) = g.node[pi].input.get_mut(slot).filter(|s| *s == orig) {
-                        *s = val.name.clone();
-                    }
-                }
+            let Some(cur) = g.node[pi].input.get(slot).cloned() else { continue };
+            if cur == val.name || !have.contains_key(&cur) {
+                continue;
             }
+            if !have.contains_key(&val.name) {
+                let w = exec.weights[&v].f_detach()?;
+                let dt = val.data.as_ref().map(|d| d.dtype.to_onnx()).unwrap_or(1);
+                g.initializer.push(TensorProto { name: Some(val.name.clone()), data_type: Some(dt), dims: w.size(), ..Default::default() });
+                have.insert(val.name.clone(), g.initializer.len() - 1);
+                values.push((g.initializer.len() - 1, w));
+            }
+            g.node[pi].input[slot] = val.name.clone();
         }
-        let dt = graph.value(v).data.as_ref().map(|d| d.dtype.to_onnx()).unwrap_or(1);
-        g.initializer.push(TensorProto { name: Some(val.name.clone()), data_type: Some(dt), ..Default::default() });
-        values.push((g.initializer.len() - 1, w.f_detach()?));
     }
+    // records as the runner decided them (one module tensor per initializer)
+    for (name, &k) in &have {
+        if let Some(rec) = graph.value_by_name(name).and_then(|v| graph.value(v).record.as_ref()) {
+            let t = &mut g.initializer[k];
+            t.metadata_props.retain(|e| !e.key.as_deref().is_some_and(|k| k.starts_with("smp.")));
+            t.metadata_props.extend(record_props(rec));
+        }
+    }
+    // initializers no node reads any more
+    let read_after = readers(g);
+    let dropped: std::collections::HashSet<usize> =
+        (0..g.initializer.len()).filter(|k| read_before.contains(k) && !read_after.contains(k)).collect();
     // initializers left as they are but stored beside the original model
     let model_dir = model.parent().unwrap_or(Path::new("."));
     let rewritten: std::collections::HashSet<usize> = values.iter().map(|(k, _)| *k).collect();
@@ -150,6 +160,7 @@ pub fn write_onnx(exec: &Executor<'_>, model: &Path, out: &Path, external: bool)
         let (_, _, bytes) = to_bytes(&t).map_err(|m| ferr(model, m))?;
         raw.push((k, bytes));
     }
+    raw.retain(|(k, _)| !dropped.contains(k));
     raw.sort_by_key(|(k, _)| *k);
     let data_path = external.then(|| out.with_extension("onnx.data"));
     let mut blob: Vec<u8> = Vec::new();
@@ -179,6 +190,11 @@ pub fn write_onnx(exec: &Executor<'_>, model: &Path, out: &Path, external: bool)
             }
         }
     }
+    let mut k = 0;
+    g.initializer.retain(|_| {
+        k += 1;
+        !dropped.contains(&(k - 1))
+    });
     if let Some(p) = &data_path {
         checkpoint::write_atomic(p, &blob)?;
     }
@@ -193,4 +209,37 @@ fn read_range(path: &Path, offset: u64, len: u64) -> Result<Vec<u8>, RuntimeErro
     let mut buf = vec![0u8; len as usize];
     f.read_exact(&mut buf).map_err(|e| ferr(path, format!("external data truncated: {e}")))?;
     Ok(buf)
+}
+
+/// Positions of the initializers some node of `g` reads (or the graph outputs).
+fn readers(g: &crate::frontend::onnx::proto::GraphProto) -> std::collections::HashSet<usize> {
+    let read: std::collections::HashSet<&str> =
+        g.node.iter().flat_map(|n| n.input.iter().map(String::as_str)).chain(g.output.iter().filter_map(|o| o.name.as_deref())).collect();
+    g.initializer.iter().enumerate().filter(|(_, t)| t.name.as_deref().is_some_and(|n| read.contains(n))).map(|(k, _)| k).collect()
+}
+
+/// A parameter record as `smp.*` metadata (docs/parameter-record.md).
+fn record_props(rec: &ParamRecord) -> Vec<StringStringEntryProto> {
+    let e = |k: &str, v: String| StringStringEntryProto { key: Some(k.into()), value: Some(v) };
+    let kind = match rec.kind {
+        RecordKind::Parameter => "parameter",
+        RecordKind::Buffer => "buffer",
+        RecordKind::Constant => "constant",
+    };
+    let mut out = vec![e("smp.kind", kind.into())];
+    if !rec.params.is_empty() {
+        out.push(e("smp.params", serde_json::to_string(&rec.params).unwrap_or_default()));
+    }
+    match &rec.transform {
+        ParamTransform::Identity => out.push(e("smp.transform", "identity".into())),
+        ParamTransform::Transpose => out.push(e("smp.transform", "transpose".into())),
+        ParamTransform::Gather { dims, rows } => {
+            out.push(e("smp.transform", "gather".into()));
+            out.push(e("smp.gather", serde_json::json!({"dims": dims, "rows": rows}).to_string()));
+        }
+    }
+    if rec.params.len() > 1 && rec.sites.len() == rec.params.len() {
+        out.push(e("smp.sites", serde_json::to_string(&rec.sites).unwrap_or_default()));
+    }
+    out
 }
