@@ -205,8 +205,6 @@ pub(super) struct Rank<'a> {
     pub m: usize,
     /// Replicas.
     pub dp: usize,
-    /// Loss weight of one microbatch (1 / (microbatches × dp)).
-    pub weight: f64,
     /// With tensor parallelism, this rank's cut of each weight its shards slice, by
     /// initializer name.
     pub slices: HashMap<String, WeightSlice>,
@@ -262,7 +260,6 @@ impl<'a> Rank<'a> {
             reads_data,
             m,
             dp,
-            weight: 1.0 / (m * dp) as f64,
             slices: shards.stages.iter().flat_map(|sh| sh.slices.iter()).map(|w| (w.initializer.clone(), w.clone())).collect(),
         })
     }
