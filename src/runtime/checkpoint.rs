@@ -16,7 +16,7 @@ use tch::{Kind, Tensor};
 
 use super::RuntimeError;
 use super::tensor::{from_bytes, to_bytes};
-use crate::ir::{DType, DecisionSource, Graph, ParamTransform, Training, ValueId};
+use crate::ir::{DType, DecisionSource, FrozenReason, Graph, ParamTransform, Training, ValueId};
 
 /// Version of the manifest format.
 pub const FORMAT: u32 = 1;
@@ -342,7 +342,14 @@ pub struct Loaded {
     pub dir: PathBuf,
     /// Its manifest.
     pub manifest: Manifest,
-    files: HashMap<String, Vec<u8>>,
+    /// Each shard: its bytes and parsed header (where its data starts, each tensor's info).
+    files: HashMap<String, Shard>,
+}
+
+struct Shard {
+    bytes: Vec<u8>,
+    data_start: usize,
+    tensors: HashMap<String, safetensors::tensor::TensorInfo>,
 }
 
 impl Loaded {
@@ -364,29 +371,46 @@ impl Loaded {
                 return Err(ferr(&mpath, format!("names shard file `{f}` outside the checkpoint directory")));
             }
             let bytes = std::fs::read(&p).map_err(|e| ferr(&p, format!("cannot read the shard: {e}")))?;
-            SafeTensors::deserialize(&bytes).map_err(|e| ferr(&p, format!("damaged safetensors header ({e}); resume from an older checkpoint directory")))?;
-            files.insert(f.clone(), bytes);
+            let damaged = |e: safetensors::SafeTensorError| ferr(&p, format!("damaged safetensors header ({e}); resume from an older checkpoint directory"));
+            // the parse checks the header against the file's length
+            let (n, meta) = SafeTensors::read_metadata(&bytes).map_err(damaged)?;
+            let tensors = meta.tensors().into_iter().map(|(k, i)| (k, i.clone())).collect();
+            files.insert(f.clone(), Shard { bytes, data_start: 8 + n, tensors });
         }
         let loaded = Loaded { dir, manifest, files };
         for e in &loaded.manifest.tensors {
-            let _ = loaded.piece(e)?;
+            loaded.info(e)?;
         }
         Ok(loaded)
+    }
+
+    /// A piece's shard, and its header entry checked against the manifest.
+    fn info(&self, e: &Entry) -> Result<(&Shard, &safetensors::tensor::TensorInfo), RuntimeError> {
+        let p = self.dir.join(&e.file);
+        let shard = self
+            .files
+            .get(&e.file)
+            .ok_or_else(|| ferr(&self.dir.join(MANIFEST), format!("piece `{}` names file `{}`, which the manifest does not list", e.key, e.file)))?;
+        let info = shard.tensors.get(&e.key).ok_or_else(|| ferr(&p, format!("has no tensor `{}`", e.key)))?;
+        let want = piece_numel(e).map_err(|m| ferr(&p, format!("tensor `{}`: {m}", e.key)))?;
+        if info.shape.iter().product::<usize>() as i64 != want {
+            return Err(ferr(&p, format!("tensor `{}` holds {:?}, but the manifest's ranges give {want} elements", e.key, info.shape)));
+        }
+        if ir_dtype(info.dtype).is_none() {
+            return Err(ferr(&p, format!("tensor `{}` has unsupported type {:?}", e.key, info.dtype)));
+        }
+        Ok((shard, info))
     }
 
     /// The values of one piece.
     fn piece(&self, e: &Entry) -> Result<Tensor, RuntimeError> {
         let p = self.dir.join(&e.file);
-        let bytes = self.files.get(&e.file).ok_or_else(|| ferr(&self.dir.join(MANIFEST), format!("piece `{}` names file `{}`, which the manifest does not list", e.key, e.file)))?;
-        let st = SafeTensors::deserialize(bytes).map_err(|err| ferr(&p, format!("damaged safetensors header: {err}")))?;
-        let view = st.tensor(&e.key).map_err(|err| ferr(&p, format!("has no tensor `{}` ({err})", e.key)))?;
-        let dt = ir_dtype(view.dtype()).ok_or_else(|| ferr(&p, format!("tensor `{}` has unsupported type {:?}", e.key, view.dtype())))?;
-        let dims: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
-        let want = piece_numel(e).map_err(|m| ferr(&p, format!("tensor `{}`: {m}", e.key)))?;
-        if dims.iter().product::<i64>() != want {
-            return Err(ferr(&p, format!("tensor `{}` holds {dims:?}, but the manifest's ranges give {want} elements", e.key)));
-        }
-        from_bytes(dt, &dims, view.data()).map_err(|m| ferr(&p, format!("tensor `{}`: {m}", e.key)))
+        let (shard, info) = self.info(e)?;
+        let dt = ir_dtype(info.dtype).ok_or_else(|| ferr(&p, format!("tensor `{}` has unsupported type {:?}", e.key, info.dtype)))?;
+        let dims: Vec<i64> = info.shape.iter().map(|&d| d as i64).collect();
+        let (a, b) = info.data_offsets;
+        let bytes = shard.bytes.get(shard.data_start + a..shard.data_start + b).ok_or_else(|| ferr(&p, format!("tensor `{}` lies outside the file", e.key)))?;
+        from_bytes(dt, &dims, bytes).map_err(|m| ferr(&p, format!("tensor `{}`: {m}", e.key)))
     }
 
     /// The names of the checkpoint's tensors of `role`, with their whole shapes and whether
@@ -517,6 +541,21 @@ pub fn param_name(graph: &Graph, v: ValueId) -> String {
         Some(Training::Trained { names, .. }) if !names.is_empty() => names[0].clone(),
         _ => val.name.clone(),
     }
+}
+
+/// The module buffers of `graph` (initializers the record or the name rules call buffers) as
+/// whole pieces, from `weights`. The runner never updates them, so resuming reads them from the
+/// model; they are in the checkpoint for readers of it.
+pub fn buffer_pieces(graph: &Graph, weights: &HashMap<ValueId, Tensor>) -> Result<Vec<Piece>, RuntimeError> {
+    let mut out = Vec::new();
+    for v in graph.initializers() {
+        let val = graph.value(v);
+        let buffer = matches!(&val.training, Some(Training::Frozen { reason: FrozenReason::Buffer | FrozenReason::BufferName }));
+        let Some(w) = weights.get(&v).filter(|w| buffer && w.numel() > 0) else { continue };
+        let name = val.record.as_ref().and_then(|r| r.name(0)).unwrap_or(&val.name).to_string();
+        out.push(Piece { name, role: Role::Buffer, shape: w.size(), transposed: false, slice: Slice::whole(), tensor: w.f_detach()? });
+    }
+    Ok(out)
 }
 
 /// True when trained initializer `v` holds its module tensor transposed.
