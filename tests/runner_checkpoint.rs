@@ -339,6 +339,14 @@ fn exports_hold_the_trained_weights() {
     eprintln!("trained.onnx vs the runner's forward on the checkpoint: max abs {diff:.3e} (scale {scale:.3})");
     assert!(diff <= 1e-6 * scale.max(1.0), "trained.onnx differs from the checkpoint's forward by {diff}");
     assert!(max_abs(&before, &own) > 1e-4, "training changed the outputs");
+    // with the initializers in a data file beside it (small shape operands stay inline)
+    let ext = dir.join("ext");
+    std::fs::create_dir_all(&ext).unwrap();
+    let onnx_ext = ext.join("trained.onnx");
+    ok("export --external-data", runner().arg("export").arg(&dir).arg("-o").arg(&onnx_ext).arg("--external-data").output().unwrap());
+    assert!(ext.join("trained.onnx.data").is_file());
+    assert!(std::fs::metadata(&onnx_ext).unwrap().len() < std::fs::metadata(&onnx).unwrap().len() / 2, "the weights are outside the model file");
+    assert_eq!(max_abs(&eval_logits(&onnx_ext, &inputs, &dir.join("e.npz"), None), &own), 0.0);
     // onnxruntime reads the file too, and agrees
     let py = repo().join(".venv/bin/python");
     if py.exists() {
@@ -346,13 +354,15 @@ fn exports_hold_the_trained_weights() {
             s = ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])\n\
             x = np.load(sys.argv[2])['input_ids']\n\
             np.save(sys.argv[3], s.run(['logits'], {'input_ids': x})[0])\n";
-        let npy = dir.join("ort.npy");
-        let r = Command::new(&py).args(["-c", script]).arg(&onnx).arg(&inputs).arg(&npy).output().unwrap();
-        ok("onnxruntime on trained.onnx", r);
-        let ort = smp_partition::runtime::npz::read_npy(&npy).unwrap();
-        let d = max_abs(&ort, &own);
-        eprintln!("onnxruntime on trained.onnx vs the runner: max abs {d:.3e}");
-        assert!(d <= 1e-4 * scale.max(1.0), "onnxruntime: {d}");
+        for m in [&onnx, &onnx_ext] {
+            let npy = dir.join("ort.npy");
+            let r = Command::new(&py).args(["-c", script]).arg(m).arg(&inputs).arg(&npy).output().unwrap();
+            ok(&format!("onnxruntime on {}", m.display()), r);
+            let ort = smp_partition::runtime::npz::read_npy(&npy).unwrap();
+            let d = max_abs(&ort, &own);
+            eprintln!("onnxruntime on {} vs the runner: max abs {d:.3e}", m.display());
+            assert!(d <= 1e-4 * scale.max(1.0), "onnxruntime: {d}");
+        }
     }
     // the safetensors hold every trained parameter under its name, as the checkpoint does
     let loaded = smp_partition::runtime::checkpoint::Loaded::open(&ckpt).unwrap();

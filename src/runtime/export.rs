@@ -15,6 +15,9 @@ use super::{ExecOptions, Executor, InitMode, RuntimeError, Weights};
 use crate::frontend::onnx::proto::{ModelProto, StringStringEntryProto, TensorProto};
 use crate::ir::{Graph, ParamRecord, ParamTransform, RecordKind, Storage, Training, ValueKind};
 
+/// Initializers of at least this many bytes go to the external data file.
+const EXTERNAL_MIN_BYTES: usize = 1024;
+
 fn ferr(path: &Path, m: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::File { path: path.display().to_string(), message: m.to_string() }
 }
@@ -172,7 +175,9 @@ pub fn write_onnx(exec: &Executor<'_>, model: &Path, out: &Path, external: bool)
         t.int64_data.clear();
         t.uint64_data.clear();
         t.external_data.clear();
-        match &data_path {
+        // small tensors (shape operands, which runtimes read while loading) stay inline, as
+        // onnx.save's size threshold keeps them
+        match data_path.as_ref().filter(|_| bytes.len() >= EXTERNAL_MIN_BYTES) {
             Some(p) => {
                 while blob.len() % 64 != 0 {
                     blob.push(0);
