@@ -6,6 +6,7 @@
 #   make venv     .venv brought to exactly requirements.lock (uv pip sync)
 #   make lock     re-resolve requirements.in into requirements.lock (then make venv)
 #   make models   regenerate models/ (not part of test)
+#   make keras-models  regenerate models/keras/ with TensorFlow + tf2onnx in .venv-keras (not part of test)
 #   make check-cuda  build smp-runner with NCCL (feature cuda) against the NVIDIA wheels' headers
 
 SHELL := /bin/bash
@@ -28,7 +29,7 @@ ONNX_CASES := tests/data/onnx-cases
 export LIBTORCH_USE_PYTORCH := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: deps venv lock onnx-cases build test demo models help check-cuda
+.PHONY: deps venv lock onnx-cases build test demo models keras-models help check-cuda
 
 help:
 	@sed -n '1,10p' Makefile
@@ -75,6 +76,14 @@ demo: deps
 models: venv
 	"$(PY)" scripts/export_models.py
 	"$(PY)" scripts/make_graph_only.py --check
+
+## Keras models converted by tf2onnx, with Keras' own outputs as references. TensorFlow pins a
+## protobuf the onnx stack rejects, so it lives in its own venv, exactly scripts/keras-requirements.lock.
+KERAS_VENV := .venv-keras
+keras-models: venv
+	@[ -x $(KERAS_VENV)/bin/python ] || python3 -m venv $(KERAS_VENV)
+	$(VENV)/bin/uv pip sync --python $(KERAS_VENV)/bin/python --require-hashes scripts/keras-requirements.lock
+	$(KERAS_VENV)/bin/python scripts/keras_models.py --out models/keras
 
 ## Builds smp-runner with ProcessGroupNCCL compiled in (running it needs a GPU machine).
 check-cuda: venv

@@ -162,13 +162,20 @@ fn keys(prefix: &str, seen: &BTreeSet<u64>) -> (HashMap<u64, usize>, HashMap<usi
 }
 
 /// Module paths of a node: from its `namespace` metadata, else from a name in the form of the
-/// older torch exporter (`/h.3/attn/c_attn/Gemm` gives `h.3`, `h.3.attn`, `h.3.attn.c_attn`).
+/// older torch exporter (`/h.3/attn/c_attn/Gemm` gives `h.3`, `h.3.attn`, `h.3.attn.c_attn`),
+/// else from a TensorFlow name scope as tf2onnx writes it, where Keras numbers layers with a
+/// suffix (`model/block_3/attn/query/MatMul` gives `model`, `model.block.3`, …).
 fn node_paths(node: &Node) -> Vec<String> {
     if let Some(ns) = &node.namespace {
         return module_paths(ns).map(str::to_string).collect();
     }
-    let Some(rest) = node.name.strip_prefix('/') else { return Vec::new() };
-    let segs: Vec<&str> = rest.split('/').collect();
+    let segs: Vec<String> = if let Some(rest) = node.name.strip_prefix('/') {
+        rest.split('/').map(str::to_string).collect()
+    } else if node.name.matches('/').count() >= 2 {
+        node.name.split('/').map(keras_segment).collect()
+    } else {
+        return Vec::new();
+    };
     let mut out = Vec::new();
     let mut path = String::new();
     for seg in segs[..segs.len().saturating_sub(1)].iter().filter(|s| !s.is_empty()) {
@@ -181,9 +188,21 @@ fn node_paths(node: &Node) -> Vec<String> {
     out
 }
 
+/// A TensorFlow scope segment as a module path segment: `block_3` → `block.3` (Keras' layer
+/// numbering), anything else unchanged.
+fn keras_segment(seg: &str) -> String {
+    match seg.rsplit_once('_') {
+        Some((base, n)) if !base.is_empty() && !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) => format!("{base}.{n}"),
+        _ => seg.to_string(),
+    }
+}
+
 fn by_namespace(graph: &Graph, order: &[NodeId]) -> Option<Placement> {
     let mut counts: HashMap<String, BTreeSet<u64>> = HashMap::new();
-    for &n in order {
+    // Only modules holding weights are containers: Keras also numbers its weightless op layers
+    // (`tf.__operators__.add_7`).
+    let reads_weight = |n: NodeId| graph.node(n).inputs.iter().flatten().any(|&v| is_param(graph, v));
+    for &n in order.iter().filter(|&&n| reads_weight(n)) {
         for p in node_paths(graph.node(n)) {
             for (prefix, i) in containers(&p) {
                 counts.entry(prefix).or_default().insert(i);
@@ -623,6 +642,22 @@ mod tests {
     use crate::ir::{Attr, DType, LayerKind};
     use crate::passes::testutil::Builder;
     use crate::passes::{AnalyzeOptions, analyze};
+
+    #[test]
+    fn tensorflow_scopes_read_as_module_paths() {
+        use super::keras_segment;
+        assert_eq!(keras_segment("block_3"), "block.3");
+        assert_eq!(keras_segment("keras_lm"), "keras_lm");
+        assert_eq!(keras_segment("_3"), "_3");
+        assert_eq!(keras_segment("conv2d_"), "conv2d_");
+        let mut b = Builder::new(18);
+        let x = b.input("x", DType::F32, &["2", "4"]);
+        let w = b.param("w", DType::F32, &[4, 4]);
+        let y = b.node(crate::ir::OpKind::MatMul, &[x, w], &[]);
+        let id = b.g.value(y).producer.unwrap();
+        b.g.node_mut(id).name = "model/block_12/dense_1/MatMul".into();
+        assert_eq!(super::node_paths(b.g.node(id)), ["model", "model.block.12", "model.block.12.dense.1"]);
+    }
 
     /// A CNN-shaped graph without metadata, residual adds or numbered names: a chain of
     /// matmuls, then Inception-style modules (parallel branches joined by a concat), of
