@@ -154,11 +154,37 @@ fn index_in(name: &str, prefix: &str) -> Option<u64> {
 
 type Placement = (Vec<Place>, HashMap<usize, String>);
 
-/// Block keys in index order, and their names.
-fn keys(prefix: &str, seen: &BTreeSet<u64>) -> (HashMap<u64, usize>, HashMap<usize, String>) {
-    let key: HashMap<u64, usize> = seen.iter().enumerate().map(|(k, &i)| (i, k + 1)).collect();
-    let names = seen.iter().enumerate().map(|(k, &i)| (k + 1, format!("{prefix}.{i}"))).collect();
-    (key, names)
+/// The repeated containers whose blocks become layers: the one [`pick_container`] picks, with
+/// its siblings (containers of the same parent holding at least two blocks, as ResNet's
+/// `layer1` … `layer4`), in order of first appearance; each block's group key and name.
+struct Blocks {
+    prefixes: Vec<String>,
+    key: HashMap<(usize, u64), usize>,
+    names: HashMap<usize, String>,
+}
+
+impl Blocks {
+    fn pick(counts: &HashMap<String, BTreeSet<u64>>, first_seen: &HashMap<String, usize>) -> Option<Blocks> {
+        let main = pick_container(counts)?;
+        let parent = |p: &str| p.rsplit_once('.').map_or(String::new(), |(a, _)| a.to_string());
+        let mut prefixes: Vec<String> =
+            counts.iter().filter(|(p, s)| s.len() >= 2 && parent(p) == parent(&main)).map(|(p, _)| p.clone()).collect();
+        prefixes.sort_by_key(|p| (first_seen.get(p).copied().unwrap_or(usize::MAX), p.clone()));
+        let (mut key, mut names) = (HashMap::new(), HashMap::new());
+        for (c, p) in prefixes.iter().enumerate() {
+            for &i in &counts[p] {
+                let k = key.len() + 1;
+                key.insert((c, i), k);
+                names.insert(k, format!("{p}.{i}"));
+            }
+        }
+        Some(Blocks { prefixes, key, names })
+    }
+
+    /// The group of the block `name` lies in, if any.
+    fn group_of(&self, name: &str) -> Option<usize> {
+        self.prefixes.iter().enumerate().find_map(|(c, p)| index_in(name, p).and_then(|i| self.key.get(&(c, i)).copied()))
+    }
 }
 
 /// Module paths of a node: from its `namespace` metadata, else from a name in the form of the
@@ -202,15 +228,16 @@ fn by_namespace(graph: &Graph, order: &[NodeId]) -> Option<Placement> {
     // Only modules holding weights are containers: Keras also numbers its weightless op layers
     // (`tf.__operators__.add_7`).
     let reads_weight = |n: NodeId| graph.node(n).inputs.iter().flatten().any(|&v| is_param(graph, v));
-    for &n in order.iter().filter(|&&n| reads_weight(n)) {
+    let mut first_seen: HashMap<String, usize> = HashMap::new();
+    for (pos, &n) in order.iter().enumerate().filter(|&(_, &n)| reads_weight(n)) {
         for p in node_paths(graph.node(n)) {
             for (prefix, i) in containers(&p) {
+                first_seen.entry(prefix.clone()).or_insert(pos);
                 counts.entry(prefix).or_default().insert(i);
             }
         }
     }
-    let prefix = pick_container(&counts)?;
-    let (key, names) = keys(&prefix, &counts[&prefix]);
+    let blocks = Blocks::pick(&counts, &first_seen)?;
     let slots = graph.node_ids().map(|n| n.index() + 1).max().unwrap_or(0);
     let mut place = vec![Place::Helper; slots];
     for &n in order {
@@ -218,27 +245,24 @@ fn by_namespace(graph: &Graph, order: &[NodeId]) -> Option<Placement> {
         if paths.is_empty() {
             continue;
         }
-        place[n.index()] = paths
-            .iter()
-            .find_map(|p| index_in(p, &prefix))
-            .map(|i| Place::Group(key[&i]))
-            .unwrap_or(Place::Positional);
+        place[n.index()] = paths.iter().find_map(|p| blocks.group_of(p)).map(Place::Group).unwrap_or(Place::Positional);
     }
-    Some((place, names))
+    Some((place, blocks.names))
 }
 
 fn by_initializer_names(graph: &Graph, order: &[NodeId]) -> Option<Placement> {
     let mut counts: HashMap<String, BTreeSet<u64>> = HashMap::new();
     let params = |n: NodeId| -> Vec<ValueId> { graph.node(n).inputs.iter().flatten().copied().filter(|&v| is_param(graph, v)).collect() };
-    for &n in order {
+    let mut first_seen: HashMap<String, usize> = HashMap::new();
+    for (pos, &n) in order.iter().enumerate() {
         for v in params(n) {
             for (prefix, i) in containers(&graph.value(v).name) {
+                first_seen.entry(prefix.clone()).or_insert(pos);
                 counts.entry(prefix).or_default().insert(i);
             }
         }
     }
-    let prefix = pick_container(&counts)?;
-    let (key, names) = keys(&prefix, &counts[&prefix]);
+    let blocks = Blocks::pick(&counts, &first_seen)?;
     let slots = graph.node_ids().map(|n| n.index() + 1).max().unwrap_or(0);
     let mut place = vec![Place::Helper; slots];
     for &n in order {
@@ -246,13 +270,10 @@ fn by_initializer_names(graph: &Graph, order: &[NodeId]) -> Option<Placement> {
         if ps.is_empty() {
             continue;
         }
-        place[n.index()] = ps
-            .iter()
-            .find_map(|&v| index_in(&graph.value(v).name, &prefix))
-            .map(|i| Place::Group(key[&i]))
-            .unwrap_or(Place::Positional);
+        place[n.index()] =
+            ps.iter().find_map(|&v| blocks.group_of(&graph.value(v).name)).map(Place::Group).unwrap_or(Place::Positional);
     }
-    Some((place, names))
+    Some((place, blocks.names))
 }
 
 /// True if `a` is an ancestor of (or is) the producer chain of `b`.

@@ -9,6 +9,7 @@ use tch::{Kind, Reduction, Tensor};
 
 use super::RuntimeError;
 use super::executor::Executor;
+use super::ops::NormStats;
 use super::data::DataSource;
 use super::npz;
 use super::tensor::{is_float_kind, kind_of};
@@ -541,6 +542,7 @@ pub fn train_on(
     let validate = |step: usize, evals: &mut Vec<EvalRecord>, obs: &mut dyn TrainObserver| -> Result<(), RuntimeError> {
         if let Some((e, d)) = evaluation.filter(|(e, _)| e.due(step)) {
             let mut sum = 0.0;
+            exec.set_norm_stats(NormStats::Running);
             for k in 1..=e.batches {
                 let scale = 1.0 / global_target_count(exec, cfg.loss, d, k)?;
                 for mb in d.replica_microbatches(k, 0, 1, m)? {
@@ -568,6 +570,7 @@ pub fn train_on(
         }
         let mut total = 0.0;
         let scale = 1.0 / global_target_count(exec, cfg.loss, data, step)?;
+        exec.set_norm_stats(NormStats::Batch { update: true });
         for mb in &micro {
             let feeds = feeds_of(mb)?;
             let outs = exec.forward(&feeds)?;
