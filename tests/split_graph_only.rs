@@ -5,7 +5,9 @@
 //! fix the Expand's broadcast entry 1 stopped the KV-head split, and every matmul of a block came
 //! out `replicate`. Per-device weights and per-stage compute then scale ~1/t; a tiny twin with
 //! real weights (8 query heads over 2 KV heads: split at t = 2, shared by 2 ranks at t = 4)
-//! trains 5 f64 steps through `smp-runner launch` equal to one process within 1e-9.
+//! trains 5 f64 steps through `smp-runner launch` equal to one process within 1e-9; so does one
+//! with 3 KV heads at t = 2 (neither divides the other: the attention stays whole, the MLP
+//! splits).
 
 mod common;
 
@@ -148,16 +150,13 @@ fn graph_only_llama_blocks_shard_their_weights_by_t() {
     }
 }
 
-/// A tiny graph-only Llama with real weights, 8 query heads over 2 KV heads: Megatron's split
-/// at tp 2 (KV heads split), tp 4 (each KV head shared by 2 ranks) and pp 2 × tp 2 trains 5 f64
-/// steps equal to one process.
+/// 5 f64 steps of `model` in one process, and under `--baseline megatron` at each (pp, tp):
+/// the losses must agree within 1e-9; `check` sees each plan first.
 #[cfg(feature = "runner")]
-#[test]
-fn tiny_graph_only_gqa_llama_tp_runs_equal_one_process() {
+fn runs_equal_one_process(model: &Path, runs: &[(usize, usize)], check: impl Fn(usize, usize, &serde_json::Value)) {
     use std::process::Command;
 
-    let dir = common::exports::exported("graph_only_exports.py", "llama-gqa.onnx");
-    let model = dir.join("llama-gqa.onnx");
+    let model = model.to_path_buf();
     let losses = |stdout: &[u8]| -> Vec<f64> {
         let v: serde_json::Value = serde_json::from_slice(stdout).unwrap_or_else(|e| panic!("bad JSON ({e}): {}", String::from_utf8_lossy(stdout)));
         v["steps"].as_array().unwrap().iter().map(|s| s["loss"].as_f64().unwrap()).collect()
@@ -172,7 +171,7 @@ fn tiny_graph_only_gqa_llama_tp_runs_equal_one_process() {
     assert_eq!(want.len(), 5);
     assert!(want[4] < want[0], "the single process does not train: {want:?}");
     let tmp = tempfile::tempdir().unwrap();
-    for (pp, tp) in [(1, 2), (1, 4), (2, 2)] {
+    for &(pp, tp) in runs {
         let out = tmp.path().join(format!("pp{pp}tp{tp}.json"));
         let n = pp * tp;
         let r = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
@@ -183,23 +182,7 @@ fn tiny_graph_only_gqa_llama_tp_runs_equal_one_process() {
             .unwrap();
         assert!(r.status.success(), "planning pp{pp} tp{tp}: {}", String::from_utf8_lossy(&r.stderr));
         let plan: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
-        // Every block: the 7 weights sliced; k/v shared by 2 ranks at tp 4 (2 KV heads).
-        let mut blocks = 0;
-        for stage in plan["codegen"]["shards"].as_array().unwrap() {
-            let slices = stage[0]["weight_slices"].as_array().unwrap();
-            let name = |w: &serde_json::Value| w["initializer"].as_str().unwrap().to_string();
-            if !slices.iter().any(|w| name(w).contains("q_proj")) {
-                continue;
-            }
-            blocks += 1;
-            assert_eq!(slices.len(), 7, "pp{pp} tp{tp}: {slices:?}");
-            for w in slices {
-                let shared = w["replicas"].as_u64().unwrap_or(1);
-                let kv = name(w).contains("k_proj") || name(w).contains("v_proj");
-                assert_eq!(shared, if kv && tp == 4 { 2 } else { 1 }, "pp{pp} tp{tp}: {w}");
-            }
-        }
-        assert_eq!(blocks, 4, "pp{pp} tp{tp}");
+        check(pp, tp, &plan);
         let r = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
             .args(["launch", "--nproc", &n.to_string(), out.to_str().unwrap()])
             .args(["--steps", "5", "--dtype", "f64", "--threads", "1", "--json", "--timeout", "120"])
@@ -209,7 +192,64 @@ fn tiny_graph_only_gqa_llama_tp_runs_equal_one_process() {
         let got = losses(&r.stdout);
         assert_eq!(got.len(), want.len());
         let worst = got.iter().zip(&want).map(|(g, w)| ((g - w) / w).abs()).fold(0.0, f64::max);
-        eprintln!("graph-only GQA Llama pp{pp} tp{tp} f64: max relative loss difference {worst:.2e}");
+        eprintln!("{} pp{pp} tp{tp} f64: max relative loss difference {worst:.2e}", model.display());
         assert!(worst <= 1e-9, "pp{pp} tp{tp}: {got:?} vs one process {want:?} ({worst:.2e})");
     }
+}
+
+/// The blocks' weight slices of rank 0 in a plan (blocks: layers slicing an MLP weight).
+#[cfg(feature = "runner")]
+fn block_slices(plan: &serde_json::Value) -> Vec<Vec<(String, u64)>> {
+    plan["codegen"]["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|layer| {
+            layer[0]["weight_slices"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|w| (w["initializer"].as_str().unwrap().to_string(), w["replicas"].as_u64().unwrap_or(1)))
+                .collect::<Vec<_>>()
+        })
+        .filter(|s| s.iter().any(|(n, _)| n.contains("up_proj")))
+        .collect()
+}
+
+/// A tiny graph-only Llama with real weights, 8 query heads over 2 KV heads: Megatron's split
+/// at tp 2 (KV heads split), tp 4 (each KV head shared by 2 ranks) and pp 2 × tp 2 trains 5 f64
+/// steps equal to one process.
+#[cfg(feature = "runner")]
+#[test]
+fn tiny_graph_only_gqa_llama_tp_runs_equal_one_process() {
+    let dir = common::exports::exported("graph_only_exports.py", "llama-kv3.onnx");
+    runs_equal_one_process(&dir.join("llama-gqa.onnx"), &[(1, 2), (1, 4), (2, 2)], |pp, tp, plan| {
+        // Every block: the 7 weights sliced; k/v shared by 2 ranks at tp 4 (2 KV heads).
+        let blocks = block_slices(plan);
+        assert_eq!(blocks.len(), 4, "pp{pp} tp{tp}");
+        for slices in blocks {
+            assert_eq!(slices.len(), 7, "pp{pp} tp{tp}: {slices:?}");
+            for (name, shared) in slices {
+                let kv = name.contains("k_proj") || name.contains("v_proj");
+                assert_eq!(shared, if kv && tp == 4 { 2 } else { 1 }, "pp{pp} tp{tp}: {name}");
+            }
+        }
+    });
+}
+
+/// 3 KV heads at tp 2 (neither divides the other): the attention stays whole on every rank
+/// (q/k/v/o replicated) and the MLP still splits; equal to one process.
+#[cfg(feature = "runner")]
+#[test]
+fn tiny_graph_only_llama_with_indivisible_kv_heads_splits_its_mlp() {
+    let dir = common::exports::exported("graph_only_exports.py", "llama-kv3.onnx");
+    runs_equal_one_process(&dir.join("llama-kv3.onnx"), &[(1, 2)], |pp, tp, plan| {
+        let blocks = block_slices(plan);
+        assert_eq!(blocks.len(), 2, "pp{pp} tp{tp}");
+        for slices in blocks {
+            let mut names: Vec<&str> = slices.iter().map(|(n, _)| n.rsplit('.').nth(1).unwrap_or("")).collect();
+            names.sort_unstable();
+            assert_eq!(names, ["down_proj", "gate_proj", "up_proj"], "pp{pp} tp{tp}: {slices:?}");
+        }
+    });
 }

@@ -11,6 +11,7 @@
 //! preset = "h100-80gb"
 //! devices = 64
 //! inter_node_bandwidth = 25e9
+//! fused_attention = false   # price attention scores as materialised (default per preset)
 //! ```
 //!
 //! The `cpu` preset describes one machine: its memory, its cores and, when one exists, the
