@@ -98,9 +98,10 @@ fn graph_only_llama3_8b_plans_megatron_splits_and_scales_by_t() {
         // The embedding splits the vocabulary.
         let emb = d.layers.iter().find(|l| a.lg.layers[l.layer].kind == LayerKind::Embedding).unwrap();
         assert!(emb.nodes.iter().any(|(_, s)| *s == Strategy::Vocab), "tp {tp}: {:?}", emb.nodes);
-        // A middle stage (8 blocks): parameters ÷ t, compute ~÷ t. Above 1/t: the two
-        // all-reduces per block and, without sequence parallelism, the norms and residual adds
-        // that every tensor rank runs whole (t = 8: ×1.49 forward). Unsplit it was ×t.
+        // A middle stage (8 blocks): parameters ÷ t, time ~÷ t. Above 1/t: the two all-reduces
+        // per block (at t = 8 each ~half a block's split compute, with fused attention) and,
+        // without sequence parallelism, the norms and residual adds every tensor rank runs
+        // whole: measured ×1.15 (t 2) and ×2.17 (t 8) forward. Unsplit it was ×t.
         let (s1, s) = (&whole.stages[1], &d.stages[1]);
         let t = tp as f64;
         let params = s.memory.params * t / s1.memory.params;
@@ -108,8 +109,9 @@ fn graph_only_llama3_8b_plans_megatron_splits_and_scales_by_t() {
         let fwd = s.forward_s * t / s1.forward_s;
         let bwd = s.backward_s * t / s1.backward_s;
         eprintln!("llama3-8b tp {tp}: stage 1 forward {:.4} s (whole {:.4} s, ×t/whole {fwd:.3}), backward ×t/whole {bwd:.3}", s.forward_s, s1.forward_s);
-        assert!((0.95..1.6).contains(&fwd), "tp {tp}: stage forward × t / whole = {fwd}");
-        assert!((0.95..1.6).contains(&bwd), "tp {tp}: stage backward × t / whole = {bwd}");
+        let most = if tp == 2 { 1.25 } else { 2.5 };
+        assert!((0.95..most).contains(&fwd), "tp {tp}: stage forward × t / whole = {fwd}");
+        assert!((0.95..most).contains(&bwd), "tp {tp}: stage backward × t / whole = {bwd}");
     }
 }
 
@@ -197,6 +199,13 @@ fn runs_equal_one_process(model: &Path, runs: &[(usize, usize)], check: impl Fn(
     }
 }
 
+/// The exports' directory, generated once per content of the scripts (one export at a time).
+#[cfg(feature = "runner")]
+fn exports() -> &'static Path {
+    static DIR: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| common::exports::exported("graph_only_exports.py", "llama-kv3.onnx"))
+}
+
 /// The blocks' weight slices of rank 0 in a plan (blocks: layers slicing an MLP weight).
 #[cfg(feature = "runner")]
 fn block_slices(plan: &serde_json::Value) -> Vec<Vec<(String, u64)>> {
@@ -222,8 +231,7 @@ fn block_slices(plan: &serde_json::Value) -> Vec<Vec<(String, u64)>> {
 #[cfg(feature = "runner")]
 #[test]
 fn tiny_graph_only_gqa_llama_tp_runs_equal_one_process() {
-    let dir = common::exports::exported("graph_only_exports.py", "llama-kv3.onnx");
-    runs_equal_one_process(&dir.join("llama-gqa.onnx"), &[(1, 2), (1, 4), (2, 2)], |pp, tp, plan| {
+    runs_equal_one_process(&exports().join("llama-gqa.onnx"), &[(1, 2), (1, 4), (2, 2)], |pp, tp, plan| {
         // Every block: the 7 weights sliced; k/v shared by 2 ranks at tp 4 (2 KV heads).
         let blocks = block_slices(plan);
         assert_eq!(blocks.len(), 4, "pp{pp} tp{tp}");
@@ -242,8 +250,7 @@ fn tiny_graph_only_gqa_llama_tp_runs_equal_one_process() {
 #[cfg(feature = "runner")]
 #[test]
 fn tiny_graph_only_llama_with_indivisible_kv_heads_splits_its_mlp() {
-    let dir = common::exports::exported("graph_only_exports.py", "llama-kv3.onnx");
-    runs_equal_one_process(&dir.join("llama-kv3.onnx"), &[(1, 2)], |pp, tp, plan| {
+    runs_equal_one_process(&exports().join("llama-kv3.onnx"), &[(1, 2)], |pp, tp, plan| {
         let blocks = block_slices(plan);
         assert_eq!(blocks.len(), 2, "pp{pp} tp{tp}");
         for slices in blocks {

@@ -116,3 +116,41 @@ impl Engine<'_> {
         withdrawn
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::split::offer::{Coupling, NodeOffers, Offer};
+
+    fn node(name: &str, options: &[Strategy]) -> NodeOffers {
+        let offer = |strategy| Offer { strategy, fwd_s: 0.0, bwd_s: 0.0, param_elems: 0.0, param_bytes: 0.0, act_bytes: 0.0 };
+        NodeOffers { name: name.into(), members: Vec::new(), options: options.iter().map(|&s| offer(s)).collect() }
+    }
+
+    /// Two column/row pairs (attention-like and MLP-like) and the rest.
+    fn two_pairs() -> LayerOffers {
+        use Strategy::*;
+        let pair = |from, to| Coupling { from, to, split_from: Column, split_to: Row };
+        LayerOffers {
+            nodes: vec![
+                node("a", &[Column, Replicate]),
+                node("b", &[Row, Replicate]),
+                node("c", &[Column, Replicate]),
+                node("d", &[Row, Replicate]),
+                node("rest", &[Follow]),
+            ],
+            couplings: vec![pair(0, 1), pair(2, 3)],
+        }
+    }
+
+    #[test]
+    fn forced_splits_everything_isolated_only_the_component() {
+        let o = two_pairs();
+        // Forcing c's column: the most-split assignment splits both pairs.
+        assert_eq!(forced_assignment(&o, 2, 0), Some(vec![0, 0, 0, 0, 0]));
+        // Isolated: a and b (another component) replicate, d follows c.
+        assert_eq!(isolated_assignment(&o, 2, 0), Some(vec![1, 1, 0, 0, 0]));
+        // Forcing c's replicate: its row consumer d falls back to replicate too.
+        assert_eq!(isolated_assignment(&o, 2, 1), Some(vec![1, 1, 1, 1, 0]));
+    }
+}
