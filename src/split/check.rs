@@ -13,8 +13,8 @@ pub fn forced_assignment(o: &LayerOffers, k: usize, j: usize) -> Option<Vec<usiz
 }
 
 /// [`forced_assignment`] with every node outside `k`'s coupling component `replicate`: checks
-/// an offer on its own, so that a part of the layer emission cannot split (and whose own
-/// offers are withdrawn) does not take the offers of unrelated parts with it.
+/// an offer on its own, so that it is not withdrawn because another, uncoupled part of the
+/// layer cannot split.
 pub fn isolated_assignment(o: &LayerOffers, k: usize, j: usize) -> Option<Vec<usize>> {
     forced_within(o, k, j, true)
 }
