@@ -11,6 +11,7 @@
 //! preset = "h100-80gb"
 //! devices = 64
 //! inter_node_bandwidth = 25e9
+//! fused_attention = false   # price attention scores as materialised (default per preset)
 //! ```
 //!
 //! The `cpu` preset describes one machine: its memory, its cores and, when one exists, the
@@ -172,6 +173,13 @@ pub struct ClusterSpec {
     /// Memory per device kept free for the framework, kernels' workspace and fragmentation,
     /// bytes (subtracted from `memory_bytes` by [`ClusterSpec::usable_memory`]).
     pub workspace_bytes: u64,
+    /// Whether attention runs as one fused kernel (FlashAttention) that keeps the `s × s`
+    /// scores on chip, so the scores' memory traffic is not charged (`NodeFigures::score_bytes`).
+    /// True for the H100 and H200 presets (the kernels training runs on them use: Llama 3),
+    /// false for A100, V100 and `cpu` (Megatron-LM's 2021 runs of Table 1 materialised the
+    /// scores; the runner's libtorch ops do). A cluster file may set it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fused_attention: bool,
     /// The machine facts a `cpu` spec was derived from; `None` for GPU presets.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub machine: Option<MachineFacts>,
@@ -259,6 +267,7 @@ fn gpu(
         // Large bf16 GEMMs reach ~75 % of the datasheet; half of that at ~2 GFLOP (a 1024³ GEMM).
         efficiency: EfficiencyCurve { peak: 0.75, half_flops: 2e9 },
         workspace_bytes: 2 * GIB,
+        fused_attention: false,
         machine: None,
     }
 }
@@ -270,8 +279,8 @@ impl ClusterSpec {
         Ok(match name {
             "a100-40gb" => gpu(name, "NVIDIA A100 40GB", 312.0, 19.5, 40.0, 1.555, 600.0, 200.0),
             "a100-80gb" => gpu(name, "NVIDIA A100 80GB", 312.0, 19.5, 80.0, 2.039, 600.0, 200.0),
-            "h100-80gb" => gpu(name, "NVIDIA H100 80GB SXM", 989.0, 67.0, 80.0, 3.35, 900.0, 400.0),
-            "h200" => gpu(name, "NVIDIA H200 141GB SXM", 989.0, 67.0, 141.0, 4.8, 900.0, 400.0),
+            "h100-80gb" => ClusterSpec { fused_attention: true, ..gpu(name, "NVIDIA H100 80GB SXM", 989.0, 67.0, 80.0, 3.35, 900.0, 400.0) },
+            "h200" => ClusterSpec { fused_attention: true, ..gpu(name, "NVIDIA H200 141GB SXM", 989.0, 67.0, 141.0, 4.8, 900.0, 400.0) },
             "v100-16gb" => gpu(name, "NVIDIA V100 16GB SXM2", 125.0, 15.7, 16.0, 0.9, 300.0, 25.0),
             "cpu" => return Err(ClusterError::NoMachineFacts { spec: name.to_string() }),
             other => return Err(ClusterError::UnknownPreset(other.to_string())),
@@ -475,6 +484,7 @@ struct ClusterFile {
     inter_node_latency: Option<f64>,
     efficiency: Option<EfficiencyCurve>,
     workspace_bytes: Option<u64>,
+    fused_attention: Option<bool>,
     machine: Option<MachineTable>,
 }
 
@@ -536,6 +546,7 @@ impl ClusterFile {
             inter_node_latency: field!(inter_node_latency),
             efficiency: field!(efficiency),
             workspace_bytes: field!(workspace_bytes),
+            fused_attention: self.fused_attention.or(base.map(|b| b.fused_attention)).unwrap_or(false),
             machine: base.and_then(|b| b.machine.clone()),
         })
     }
@@ -565,6 +576,7 @@ impl ClusterSpec {
             inter_node_latency: 50e-6,
             efficiency: EfficiencyCurve { peak: 0.7, half_flops: 1e7 },
             workspace_bytes: 256 << 20,
+            fused_attention: false,
             machine: Some(machine.clone()),
         };
         let Some(cal) = &machine.calibration else {

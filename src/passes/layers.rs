@@ -603,6 +603,7 @@ fn fill(graph: &Graph, fig: &Figures, layer: &mut Layer, layer_of: &[usize], use
         }
     }
     figures.saved_bytes = saved.iter().map(|&v| fig.value_bytes(graph, v)).sum::<f64>() + extra;
+    figures.score_saved_bytes = saved.iter().filter(|v| fig.score.get(v.index()).copied().unwrap_or(false)).map(|&v| fig.value_bytes(graph, v)).sum();
     layer.figures = figures;
     layer.input_bytes = layer.inputs.iter().map(|&v| fig.value_bytes(graph, v)).sum();
     layer.output_bytes = layer.outputs.iter().map(|&v| fig.value_bytes(graph, v)).sum();
