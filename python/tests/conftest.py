@@ -10,14 +10,26 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-
-def pytest_configure(config: pytest.Config) -> None:
-    # the binaries this checkout built (cargo test --features runner builds both)
-    if "SMP_BIN_DIR" not in os.environ and (REPO / "target" / "debug" / "smp-runner").is_file():
-        os.environ["SMP_BIN_DIR"] = str(REPO / "target" / "debug")
+# the binaries this checkout built (cargo test --features runner builds both)
+if "SMP_BIN_DIR" not in os.environ and (REPO / "target" / "debug" / "smp-partition").is_file():
+    os.environ["SMP_BIN_DIR"] = str(REPO / "target" / "debug")
 
 
 VOCAB, SEQ, BATCH = 64, 16, 8
+
+
+def has_runner() -> bool:
+    """Whether `smp-runner` was built (`make test FEATURES=` builds the planner alone)."""
+    import smp_partition as smp
+
+    try:
+        smp.find_binary("smp-runner")
+    except smp.SmpError:
+        return False
+    return True
+
+
+needs_runner = pytest.mark.skipif(not has_runner(), reason="smp-runner not built (cargo build --features runner)")
 
 
 def tiny_gpt2():

@@ -8,7 +8,9 @@ import signal
 import pytest
 
 import smp_partition as smp
-from conftest import torch_losses
+from conftest import needs_runner, torch_losses
+
+pytestmark = needs_runner
 
 
 def test_pp2_on_two_cpu_ranks_trains_as_pytorch(gpt2_plan) -> None:
