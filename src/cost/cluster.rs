@@ -11,6 +11,7 @@
 //! preset = "h100-80gb"
 //! devices = 64
 //! inter_node_bandwidth = 25e9
+//! price_per_device_hour = 2.99   # USD; the presets' list prices: LIST_PRICES
 //! ```
 //!
 //! The `cpu` preset describes one machine: its memory, its cores and, when one exists, the
