@@ -46,6 +46,8 @@ pub(super) struct Interp<'r, 'a> {
     pending: Vec<Work>,
     /// This rank's share of the step's loss (the global mean after the optimizer step).
     loss_sum: f64,
+    /// 1 / the counted targets of the current global batch (on the last stage; 0 elsewhere).
+    loss_scale: f64,
     /// Split backwards whose weight gradient is still to come (they keep ZeRO-3 stages).
     pending_w: BTreeSet<(usize, usize)>,
     /// Shared KV slices' gradients summed this step.
@@ -72,6 +74,7 @@ impl<'r, 'a> Interp<'r, 'a> {
             grad_for: HashMap::new(),
             pending: Vec::new(),
             loss_sum: 0.0,
+            loss_scale: 0.0,
             pending_w: BTreeSet::new(),
             kv_done: true,
             step: 0,
@@ -87,6 +90,7 @@ impl<'r, 'a> Interp<'r, 'a> {
         let t0 = Instant::now();
         self.step = step;
         (self.micro, self.feeds) = r.batches(r.data, step)?;
+        self.loss_scale = self.loss_scale_of(r.data, step)?;
         self.grads = (0..r.params.tensors.len()).map(|_| None).collect();
         self.state.clear();
         self.act_in.clear();
@@ -124,6 +128,7 @@ impl<'r, 'a> Interp<'r, 'a> {
         let result = (|| {
             for k in 1..=batches {
                 (self.micro, self.feeds) = r.batches(data, k)?;
+                self.loss_scale = self.loss_scale_of(data, k)?;
                 self.state.clear();
                 self.act_in.clear();
                 self.loss_sum = 0.0;
@@ -154,6 +159,17 @@ impl<'r, 'a> Interp<'r, 'a> {
         let total = Tensor::from_slice(&[sum]);
         r.groups.world.all_reduce_sum(&total)?;
         Ok(total.f_double_value(&[0])? / batches.max(1) as f64)
+    }
+
+    /// The loss weight of global batch `k` of `data`: 1 / its counted targets over every
+    /// replica and microbatch on a rank that computes the loss, so the step's loss is the
+    /// global batch's mean whatever the microbatch and replica counts.
+    fn loss_scale_of(&self, data: &DataSource, k: usize) -> Result<f64, RuntimeError> {
+        let r = self.rank;
+        if !r.my_stages.contains(&r.last_stage()) {
+            return Ok(0.0);
+        }
+        Ok(1.0 / train::global_target_count(r.exec, r.cfg.loss, data, k)?)
     }
 
     /// Executes one instruction.
@@ -230,7 +246,7 @@ impl<'r, 'a> Interp<'r, 'a> {
             .map(|(v, t)| Ok((*v, if is_float(&t) { t.f_detach()?.f_set_requires_grad(true)? } else { t })))
             .collect::<Result<_, RuntimeError>>()?;
         let grad = !self.eval && !r.layout.recompute[s];
-        let (outputs, loss) = run_stage(r, s, &inputs, grad, &self.micro[mb], &self.feeds[mb])?;
+        let (outputs, loss) = run_stage(r, s, &inputs, grad, &self.micro[mb], &self.feeds[mb], self.loss_scale)?;
         if let Some(l) = loss.as_ref().filter(|_| r.t == 0) {
             self.loss_sum += l.f_double_value(&[])?;
         }
@@ -243,7 +259,7 @@ impl<'r, 'a> Interp<'r, 'a> {
         let mut st = self.state.remove(&(s, mb)).ok_or_else(|| terr(format!("backward of stage {s} mb {mb} before its forward")))?;
         self.zero.ensure(r, s)?;
         if r.layout.recompute[s] {
-            let (outputs, loss) = run_stage(r, s, &st.inputs, true, &self.micro[mb], &self.feeds[mb])?;
+            let (outputs, loss) = run_stage(r, s, &st.inputs, true, &self.micro[mb], &self.feeds[mb], self.loss_scale)?;
             st.outputs = outputs;
             st.loss = loss;
         }
@@ -466,7 +482,8 @@ impl<'r, 'a> Interp<'r, 'a> {
 
 /// Runs stage `s` on one microbatch with `inputs` from the previous stage (autograd on when
 /// `grad`), the microbatch's arrays `batch` and graph-input feeds `given`: its outputs to the
-/// next stage, or on the last stage the weighted loss.
+/// next stage, or on the last stage the loss summed over the microbatch's targets times
+/// `loss_scale`.
 fn run_stage(
     r: &Rank<'_>,
     s: usize,
@@ -474,6 +491,7 @@ fn run_stage(
     grad: bool,
     batch: &Batch,
     given: &HashMap<ValueId, Tensor>,
+    loss_scale: f64,
 ) -> Result<(Vec<(ValueId, Tensor)>, Option<Tensor>), RuntimeError> {
     let graph = r.graph();
     let mut feeds: HashMap<ValueId, Tensor> = given.iter().map(|(k, v)| (*k, v.shallow_clone())).collect();
@@ -505,7 +523,7 @@ fn run_stage(
     };
     if last {
         let outs: Vec<Tensor> = keep.iter().map(|v| outs[v].shallow_clone()).collect();
-        let loss = train::loss_of(r.exec, r.cfg.loss, batch, &outs)?.f_mul_scalar(r.weight)?;
+        let loss = train::loss_sum_of(r.exec, r.cfg.loss, batch, &outs)?.f_mul_scalar(loss_scale)?;
         Ok((Vec::new(), Some(loss)))
     } else {
         Ok((keep.iter().map(|v| (*v, outs[v].shallow_clone())).collect(), None))

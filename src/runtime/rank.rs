@@ -205,8 +205,6 @@ pub(super) struct Rank<'a> {
     pub m: usize,
     /// Replicas.
     pub dp: usize,
-    /// Loss weight of one microbatch (1 / (microbatches × dp)).
-    pub weight: f64,
 }
 
 impl<'a> Rank<'a> {
@@ -259,7 +257,6 @@ impl<'a> Rank<'a> {
             reads_data,
             m,
             dp,
-            weight: 1.0 / (m * dp) as f64,
         })
     }
 
