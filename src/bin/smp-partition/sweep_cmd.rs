@@ -363,6 +363,7 @@ fn chart(rows: &[Row], model: &str) -> Result<String> {
             chart
                 .configure_mesh()
                 .x_desc("devices")
+                .x_label_formatter(&|v| format!("{v:.0}"))
                 .y_desc(label)
                 .y_label_formatter(&|v| short(*v))
                 .draw()
@@ -381,7 +382,7 @@ fn chart(rows: &[Row], model: &str) -> Result<String> {
             }
             chart
                 .configure_series_labels()
-                .position(SeriesLabelPosition::UpperLeft)
+                .position(SeriesLabelPosition::LowerRight)
                 .background_style(WHITE.mix(0.8))
                 .border_style(BLACK)
                 .draw()
