@@ -2,7 +2,8 @@
 # installs only what is missing (apt packages, the project .venv), then runs.
 #
 #   make demo     system packages + build, then graph, plan and inspect of models/gpt2.onnx
-#   make test     system packages + .venv + ONNX conformance cases, then cargo test
+#   make test     system packages + .venv + ONNX conformance cases, then cargo test and the
+#                 Python package's pytest (python/, installed into .venv)
 #   make venv     .venv brought to exactly requirements.lock (uv pip sync)
 #   make lock     re-resolve requirements.in into requirements.lock (then make venv)
 #   make models   regenerate models/ (not part of test)
@@ -66,6 +67,9 @@ build: deps venv
 
 test: deps venv onnx-cases
 	$(CARGO) test --features "$(FEATURES)"
+	@# the Python package (python/) into .venv, then its pytest against the binaries just built
+	"$(VENV)/bin/uv" pip install --python "$(PY)" --quiet --no-deps --no-build-isolation -e python
+	SMP_BIN_DIR=$(CURDIR)/target/debug "$(PY)" -m pytest python/tests -q -p no:cacheprovider
 
 demo: deps
 	$(CARGO) build --bin smp-partition

@@ -12,6 +12,7 @@
 //! devices = 64
 //! inter_node_bandwidth = 25e9
 //! fused_attention = false   # price attention scores as materialised (default per preset)
+//! price_per_device_hour = 2.99   # USD; the presets' list prices: LIST_PRICES
 //! ```
 //!
 //! The `cpu` preset describes one machine: its memory, its cores and, when one exists, the
@@ -183,6 +184,10 @@ pub struct ClusterSpec {
     /// The machine facts a `cpu` spec was derived from; `None` for GPU presets.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub machine: Option<MachineFacts>,
+    /// Rental price of one device for one hour, USD (presets: [`LIST_PRICES`]; a cluster file
+    /// may set its own). `None`: unknown, and costs are not predicted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub price_per_device_hour: Option<f64>,
 }
 
 /// What the `cpu` preset needs to know about a machine. Gathered from the host by the binaries,
@@ -236,6 +241,35 @@ pub enum FactSource {
 const GB: f64 = 1e9;
 const GIB: u64 = 1 << 30;
 
+/// A device's list price per hour, and where it comes from.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ListPrice {
+    /// The preset it belongs to.
+    pub preset: &'static str,
+    /// USD per device-hour.
+    pub usd_per_device_hour: f64,
+    /// The offer the figure is taken from.
+    pub source: &'static str,
+}
+
+/// Prices per device-hour of the GPU presets: AWS EC2 on-demand list prices (Linux, US East
+/// (N. Virginia)) of the 8-GPU instance with that device, divided by 8, as published at the
+/// instance's launch. Cloud prices change (AWS has lowered P4 and P5 prices since, and
+/// reserved, spot and smaller clouds are cheaper): edit this table, or give
+/// `price_per_device_hour` in a cluster file (`preset = "h100-80gb"` plus your price). H200 has
+/// no figure here: its instances were sold as capacity blocks, whose prices move monthly.
+pub const LIST_PRICES: &[ListPrice] = &[
+    ListPrice { preset: "a100-40gb", usd_per_device_hour: 32.7726 / 8.0, source: "AWS p4d.24xlarge, $32.7726/h" },
+    ListPrice { preset: "a100-80gb", usd_per_device_hour: 40.9657 / 8.0, source: "AWS p4de.24xlarge, $40.9657/h" },
+    ListPrice { preset: "h100-80gb", usd_per_device_hour: 98.32 / 8.0, source: "AWS p5.48xlarge, $98.32/h" },
+    ListPrice { preset: "v100-16gb", usd_per_device_hour: 24.48 / 8.0, source: "AWS p3.16xlarge, $24.48/h" },
+];
+
+/// The list price of a preset's device, USD per hour ([`LIST_PRICES`]).
+pub fn list_price(preset: &str) -> Option<f64> {
+    LIST_PRICES.iter().find(|p| p.preset == preset).map(|p| p.usd_per_device_hour)
+}
+
 /// The names of the embedded presets.
 pub const PRESETS: &[&str] = &["a100-40gb", "a100-80gb", "h100-80gb", "h200", "v100-16gb", "cpu"];
 
@@ -269,6 +303,7 @@ fn gpu(
         workspace_bytes: 2 * GIB,
         fused_attention: false,
         machine: None,
+        price_per_device_hour: list_price(name),
     }
 }
 
@@ -413,6 +448,16 @@ impl ClusterSpec {
                 });
             }
         }
+        if let Some(price) = self.price_per_device_hour
+            && !(price >= 0.0 && price.is_finite())
+        {
+            return Err(ClusterError::Invalid {
+                source_name: self.name.clone(),
+                field: "price_per_device_hour",
+                requirement: "a non-negative number of USD",
+                value: price,
+            });
+        }
         for (field, value) in [
             ("intra_node_latency", self.intra_node_latency),
             ("inter_node_latency", self.inter_node_latency),
@@ -485,6 +530,7 @@ struct ClusterFile {
     efficiency: Option<EfficiencyCurve>,
     workspace_bytes: Option<u64>,
     fused_attention: Option<bool>,
+    price_per_device_hour: Option<f64>,
     machine: Option<MachineTable>,
 }
 
@@ -548,6 +594,7 @@ impl ClusterFile {
             workspace_bytes: field!(workspace_bytes),
             fused_attention: self.fused_attention.or(base.map(|b| b.fused_attention)).unwrap_or(false),
             machine: base.and_then(|b| b.machine.clone()),
+            price_per_device_hour: self.price_per_device_hour.or(base.and_then(|b| b.price_per_device_hour)),
         })
     }
 }
@@ -578,6 +625,7 @@ impl ClusterSpec {
             workspace_bytes: 256 << 20,
             fused_attention: false,
             machine: Some(machine.clone()),
+            price_per_device_hour: None,
         };
         let Some(cal) = &machine.calibration else {
             defaults.validate()?;
@@ -647,6 +695,12 @@ mod tests {
         assert!(e.contains("bogus"), "{e}");
         let e = ClusterSpec::from_toml("preset = \"h200\"\nhbm_bandwidth = -1.0\n", p).unwrap_err().to_string();
         assert!(e.contains("hbm_bandwidth"), "{e}");
+        let priced = ClusterSpec::from_toml("preset = \"h100-80gb\"\nprice_per_device_hour = 2.5\n", p).unwrap();
+        assert_eq!(priced.price_per_device_hour, Some(2.5));
+        let listed = ClusterSpec::from_toml("preset = \"h100-80gb\"\n", p).unwrap();
+        assert_eq!(listed.price_per_device_hour, Some(98.32 / 8.0));
+        let e = ClusterSpec::from_toml("preset = \"h200\"\nprice_per_device_hour = -1.0\n", p).unwrap_err().to_string();
+        assert!(e.contains("price_per_device_hour"), "{e}");
         let full = ClusterSpec::preset("v100-16gb").unwrap();
         let back = ClusterSpec::from_toml(&full.to_toml(), p).unwrap();
         assert_eq!(back, full);
