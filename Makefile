@@ -2,10 +2,12 @@
 # installs only what is missing (apt packages, the project .venv), then runs.
 #
 #   make demo     system packages + build, then graph, plan and inspect of models/gpt2.onnx
-#   make test     system packages + .venv + ONNX conformance cases, then cargo test
+#   make test     system packages + .venv + ONNX conformance cases, then cargo test and the
+#                 Python package's pytest (python/, installed into .venv)
 #   make venv     .venv brought to exactly requirements.lock (uv pip sync)
 #   make lock     re-resolve requirements.in into requirements.lock (then make venv)
 #   make models   regenerate models/ (not part of test)
+#   make keras-models  regenerate models/keras/ with TensorFlow + tf2onnx in .venv-keras (not part of test)
 #   make check-cuda  build smp-runner with NCCL (feature cuda) against the NVIDIA wheels' headers
 
 SHELL := /bin/bash
@@ -28,7 +30,7 @@ ONNX_CASES := tests/data/onnx-cases
 export LIBTORCH_USE_PYTORCH := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: deps venv lock onnx-cases build test demo models help check-cuda
+.PHONY: deps venv lock onnx-cases build test demo models keras-models help check-cuda
 
 help:
 	@sed -n '1,10p' Makefile
@@ -65,6 +67,9 @@ build: deps venv
 
 test: deps venv onnx-cases
 	$(CARGO) test --features "$(FEATURES)"
+	@# the Python package (python/) into .venv, then its pytest against the binaries just built
+	"$(VENV)/bin/uv" pip install --python "$(PY)" --quiet --no-deps --no-build-isolation -e python
+	SMP_BIN_DIR=$(CURDIR)/target/debug "$(PY)" -m pytest python/tests -q -p no:cacheprovider
 
 demo: deps
 	$(CARGO) build --bin smp-partition
@@ -75,6 +80,14 @@ demo: deps
 models: venv
 	"$(PY)" scripts/export_models.py
 	"$(PY)" scripts/make_graph_only.py --check
+
+## Keras models converted by tf2onnx, with Keras' own outputs as references. TensorFlow pins a
+## protobuf the onnx stack rejects, so it lives in its own venv, exactly scripts/keras-requirements.lock.
+KERAS_VENV := .venv-keras
+keras-models: venv
+	@[ -x $(KERAS_VENV)/bin/python ] || python3 -m venv $(KERAS_VENV)
+	$(VENV)/bin/uv pip sync --python $(KERAS_VENV)/bin/python --require-hashes scripts/keras-requirements.lock
+	$(KERAS_VENV)/bin/python scripts/keras_models.py --out models/keras
 
 ## Builds smp-runner with ProcessGroupNCCL compiled in (running it needs a GPU machine).
 check-cuda: venv

@@ -111,6 +111,7 @@ def write_record(module, proto: onnx.ModelProto) -> dict:
         if a.ndim == 2:
             trans[_key(a.T)].append(i)
     buf_ident = {_key(a): names for names, a in buffers}
+    buf_named = {n: (names, _key(a)) for names, a in buffers for n in names}
 
     g = proto.graph
     consumers = defaultdict(list)
@@ -124,6 +125,13 @@ def write_record(module, proto: onnx.ModelProto) -> dict:
     for t in g.initializer:
         a = numpy_helper.to_array(t)
         rec = None
+        kept = buf_named.get(t.name)
+        if kept is not None and kept[1] == _key(a):
+            # a buffer under its own name (BatchNorm's running statistics start as zeros and
+            # ones, equal to many parameters): never a parameter
+            _set(t, {K_KIND: "buffer", K_PARAMS: json.dumps([kept[0]]), K_TRANSFORM: "identity"})
+            summary["buffers"] += 1
+            continue
         if a.dtype.kind == "f":
             hits = list(ident.get(_key(a), []))
             # the exporter's own name, when it kept one, is the first entry

@@ -57,3 +57,33 @@ fn gpt3_block_flops_and_times() {
     let t8 = layer_times(&lg, block.index, &spec, DType::BF16, 1.0, 8);
     assert!(t8.fwd > t.fwd / 8.0 && t8.fwd < t.fwd / 6.0, "t=8 fwd {}", t8.fwd);
 }
+
+/// Attention scores as the figures mark them, against the shapes: per block, Q·Kᵀ writes
+/// a·s² elements, the scale, the mask and the softmax each read and write them, ·V reads them
+/// (bf16: 2 bytes); the softmax output (a·s² · 2 bytes) is the saved part. With fused attention
+/// (the H100 preset) none of it is charged, so the block's forward drops by at least the
+/// materialised score traffic's time; without it (A100) nothing changes.
+#[test]
+fn gpt3_attention_scores_are_marked_and_free_under_fused_attention() {
+    let lg = gpt3();
+    let (s, a) = (2048.0, 96.0);
+    let scores = a * s * s * 2.0;
+    let block = lg.layers.iter().find(|l| l.kind == LayerKind::Block).unwrap();
+    // Q·Kᵀ writes once; scale, mask and softmax read and write; ·V reads: 8 score passes.
+    let marked: f64 = block.nodes.iter().map(|&n| lg.node_figures(n).score_bytes).sum();
+    assert!((marked - 8.0 * scores).abs() < 1e-6 * scores, "score bytes {marked:.4e} vs 8 × {scores:.4e}");
+    assert_eq!(block.figures.score_saved_bytes, scores);
+    // The marked nodes are the attention core's: Q·Kᵀ, scale, mask, softmax, ·V.
+    let marked: Vec<String> =
+        block.nodes.iter().filter(|&&n| lg.node_figures(n).score_bytes > 0.0).map(|&n| lg.graph.node(n).op.to_string()).collect();
+    assert_eq!(marked, ["MatMul", "Mul", "Where", "Softmax", "MatMul"]);
+    let a100 = ClusterSpec::parse("a100-80gb:8").unwrap();
+    let fused_a100 = ClusterSpec { fused_attention: true, ..a100.clone() };
+    let plain = layer_times(&lg, block.index, &a100, DType::BF16, 1.0, 1);
+    let fused = layer_times(&lg, block.index, &fused_a100, DType::BF16, 1.0, 1);
+    let traffic = 8.0 * scores / (a100.hbm_bandwidth * a100.hbm_efficiency);
+    assert!(fused.fwd < plain.fwd && plain.fwd - fused.fwd <= traffic * 1.0001, "fwd {} → {}", plain.fwd, fused.fwd);
+    // The elementwise score ops were memory-bound: their 6 passes are all saved.
+    assert!(plain.fwd - fused.fwd >= 6.0 * scores / (a100.hbm_bandwidth * a100.hbm_efficiency) * 0.999);
+    assert!(!a100.fused_attention && ClusterSpec::parse("h100-80gb:8").unwrap().fused_attention);
+}

@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use smp_partition::frontend::onnx::load_model;
-use smp_partition::ir::{Graph, ParamTransform, Training};
+use smp_partition::ir::{Graph, ParamTransform, RecordKind, Training};
 use smp_partition::passes::params::{self, ParamOptions};
 use smp_partition::runtime::data::{self, DataSource, Order};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -715,11 +715,19 @@ fn rebind_batch(graph: &mut Graph, b: i64, opts: &smp_partition::passes::Analyze
     Ok(())
 }
 
-/// Writes the trained tensors keyed by module parameter name, in the module's layout.
+/// Writes the trained tensors keyed by module parameter name, in the module's layout, and the
+/// buffers the parameter record names (BatchNorm running statistics) under their module names.
 fn save_weights(path: &Path, exec: &Executor) -> Result<()> {
     let graph = exec.graph();
     let mut arrays = Vec::new();
     for v in graph.initializers() {
+        let val = graph.value(v);
+        if let (Some(rec), Some(w)) = (val.record.as_ref().filter(|r| r.kind == RecordKind::Buffer), exec.weights.get(&v)) {
+            for n in rec.params.iter().flatten() {
+                arrays.push((n.clone(), w.detach(), None));
+            }
+            continue;
+        }
         let Some(Training::Trained { names, transform, .. }) = &graph.value(v).training else { continue };
         let Some(w) = exec.weights.get(&v) else { continue };
         let w = w.detach();

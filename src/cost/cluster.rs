@@ -11,6 +11,8 @@
 //! preset = "h100-80gb"
 //! devices = 64
 //! inter_node_bandwidth = 25e9
+//! fused_attention = false   # price attention scores as materialised (default per preset)
+//! price_per_device_hour = 2.99   # USD; the presets' list prices: LIST_PRICES
 //! ```
 //!
 //! The `cpu` preset describes one machine: its memory, its cores and, when one exists, the
@@ -172,9 +174,20 @@ pub struct ClusterSpec {
     /// Memory per device kept free for the framework, kernels' workspace and fragmentation,
     /// bytes (subtracted from `memory_bytes` by [`ClusterSpec::usable_memory`]).
     pub workspace_bytes: u64,
+    /// Whether attention runs as one fused kernel (FlashAttention) that keeps the `s × s`
+    /// scores on chip, so the scores' memory traffic is not charged (`NodeFigures::score_bytes`).
+    /// True for the H100 and H200 presets (the kernels training runs on them use: Llama 3),
+    /// false for A100, V100 and `cpu` (Megatron-LM's 2021 runs of Table 1 materialised the
+    /// scores; the runner's libtorch ops do). A cluster file may set it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fused_attention: bool,
     /// The machine facts a `cpu` spec was derived from; `None` for GPU presets.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub machine: Option<MachineFacts>,
+    /// Rental price of one device for one hour, USD (presets: [`LIST_PRICES`]; a cluster file
+    /// may set its own). `None`: unknown, and costs are not predicted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub price_per_device_hour: Option<f64>,
 }
 
 /// What the `cpu` preset needs to know about a machine. Gathered from the host by the binaries,
@@ -228,6 +241,35 @@ pub enum FactSource {
 const GB: f64 = 1e9;
 const GIB: u64 = 1 << 30;
 
+/// A device's list price per hour, and where it comes from.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ListPrice {
+    /// The preset it belongs to.
+    pub preset: &'static str,
+    /// USD per device-hour.
+    pub usd_per_device_hour: f64,
+    /// The offer the figure is taken from.
+    pub source: &'static str,
+}
+
+/// Prices per device-hour of the GPU presets: AWS EC2 on-demand list prices (Linux, US East
+/// (N. Virginia)) of the 8-GPU instance with that device, divided by 8, as published at the
+/// instance's launch. Cloud prices change (AWS has lowered P4 and P5 prices since, and
+/// reserved, spot and smaller clouds are cheaper): edit this table, or give
+/// `price_per_device_hour` in a cluster file (`preset = "h100-80gb"` plus your price). H200 has
+/// no figure here: its instances were sold as capacity blocks, whose prices move monthly.
+pub const LIST_PRICES: &[ListPrice] = &[
+    ListPrice { preset: "a100-40gb", usd_per_device_hour: 32.7726 / 8.0, source: "AWS p4d.24xlarge, $32.7726/h" },
+    ListPrice { preset: "a100-80gb", usd_per_device_hour: 40.9657 / 8.0, source: "AWS p4de.24xlarge, $40.9657/h" },
+    ListPrice { preset: "h100-80gb", usd_per_device_hour: 98.32 / 8.0, source: "AWS p5.48xlarge, $98.32/h" },
+    ListPrice { preset: "v100-16gb", usd_per_device_hour: 24.48 / 8.0, source: "AWS p3.16xlarge, $24.48/h" },
+];
+
+/// The list price of a preset's device, USD per hour ([`LIST_PRICES`]).
+pub fn list_price(preset: &str) -> Option<f64> {
+    LIST_PRICES.iter().find(|p| p.preset == preset).map(|p| p.usd_per_device_hour)
+}
+
 /// The names of the embedded presets.
 pub const PRESETS: &[&str] = &["a100-40gb", "a100-80gb", "h100-80gb", "h200", "v100-16gb", "cpu"];
 
@@ -259,7 +301,9 @@ fn gpu(
         // Large bf16 GEMMs reach ~75 % of the datasheet; half of that at ~2 GFLOP (a 1024³ GEMM).
         efficiency: EfficiencyCurve { peak: 0.75, half_flops: 2e9 },
         workspace_bytes: 2 * GIB,
+        fused_attention: false,
         machine: None,
+        price_per_device_hour: list_price(name),
     }
 }
 
@@ -270,8 +314,8 @@ impl ClusterSpec {
         Ok(match name {
             "a100-40gb" => gpu(name, "NVIDIA A100 40GB", 312.0, 19.5, 40.0, 1.555, 600.0, 200.0),
             "a100-80gb" => gpu(name, "NVIDIA A100 80GB", 312.0, 19.5, 80.0, 2.039, 600.0, 200.0),
-            "h100-80gb" => gpu(name, "NVIDIA H100 80GB SXM", 989.0, 67.0, 80.0, 3.35, 900.0, 400.0),
-            "h200" => gpu(name, "NVIDIA H200 141GB SXM", 989.0, 67.0, 141.0, 4.8, 900.0, 400.0),
+            "h100-80gb" => ClusterSpec { fused_attention: true, ..gpu(name, "NVIDIA H100 80GB SXM", 989.0, 67.0, 80.0, 3.35, 900.0, 400.0) },
+            "h200" => ClusterSpec { fused_attention: true, ..gpu(name, "NVIDIA H200 141GB SXM", 989.0, 67.0, 141.0, 4.8, 900.0, 400.0) },
             "v100-16gb" => gpu(name, "NVIDIA V100 16GB SXM2", 125.0, 15.7, 16.0, 0.9, 300.0, 25.0),
             "cpu" => return Err(ClusterError::NoMachineFacts { spec: name.to_string() }),
             other => return Err(ClusterError::UnknownPreset(other.to_string())),
@@ -404,6 +448,16 @@ impl ClusterSpec {
                 });
             }
         }
+        if let Some(price) = self.price_per_device_hour
+            && !(price >= 0.0 && price.is_finite())
+        {
+            return Err(ClusterError::Invalid {
+                source_name: self.name.clone(),
+                field: "price_per_device_hour",
+                requirement: "a non-negative number of USD",
+                value: price,
+            });
+        }
         for (field, value) in [
             ("intra_node_latency", self.intra_node_latency),
             ("inter_node_latency", self.inter_node_latency),
@@ -475,6 +529,8 @@ struct ClusterFile {
     inter_node_latency: Option<f64>,
     efficiency: Option<EfficiencyCurve>,
     workspace_bytes: Option<u64>,
+    fused_attention: Option<bool>,
+    price_per_device_hour: Option<f64>,
     machine: Option<MachineTable>,
 }
 
@@ -536,7 +592,9 @@ impl ClusterFile {
             inter_node_latency: field!(inter_node_latency),
             efficiency: field!(efficiency),
             workspace_bytes: field!(workspace_bytes),
+            fused_attention: self.fused_attention.or(base.map(|b| b.fused_attention)).unwrap_or(false),
             machine: base.and_then(|b| b.machine.clone()),
+            price_per_device_hour: self.price_per_device_hour.or(base.and_then(|b| b.price_per_device_hour)),
         })
     }
 }
@@ -565,7 +623,9 @@ impl ClusterSpec {
             inter_node_latency: 50e-6,
             efficiency: EfficiencyCurve { peak: 0.7, half_flops: 1e7 },
             workspace_bytes: 256 << 20,
+            fused_attention: false,
             machine: Some(machine.clone()),
+            price_per_device_hour: None,
         };
         let Some(cal) = &machine.calibration else {
             defaults.validate()?;
@@ -635,6 +695,12 @@ mod tests {
         assert!(e.contains("bogus"), "{e}");
         let e = ClusterSpec::from_toml("preset = \"h200\"\nhbm_bandwidth = -1.0\n", p).unwrap_err().to_string();
         assert!(e.contains("hbm_bandwidth"), "{e}");
+        let priced = ClusterSpec::from_toml("preset = \"h100-80gb\"\nprice_per_device_hour = 2.5\n", p).unwrap();
+        assert_eq!(priced.price_per_device_hour, Some(2.5));
+        let listed = ClusterSpec::from_toml("preset = \"h100-80gb\"\n", p).unwrap();
+        assert_eq!(listed.price_per_device_hour, Some(98.32 / 8.0));
+        let e = ClusterSpec::from_toml("preset = \"h200\"\nprice_per_device_hour = -1.0\n", p).unwrap_err().to_string();
+        assert!(e.contains("price_per_device_hour"), "{e}");
         let full = ClusterSpec::preset("v100-16gb").unwrap();
         let back = ClusterSpec::from_toml(&full.to_toml(), p).unwrap();
         assert_eq!(back, full);

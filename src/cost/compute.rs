@@ -76,21 +76,31 @@ pub fn scaled(fig: &NodeFigures, factor: f64) -> NodeFigures {
         output_bytes: fig.output_bytes * factor,
         saved_bytes: fig.saved_bytes * factor,
         memory_bytes: fig.memory_bytes * factor,
+        score_bytes: fig.score_bytes * factor,
+        score_saved_bytes: fig.score_saved_bytes * factor,
         ..*fig
     }
 }
 
 /// Roofline forward time of one node with these figures (already scaled to the microbatch and
 /// shard): max(flops / (peak(dtype) · efficiency(flops)), memory_bytes / (HBM bw · hbm
-/// efficiency)).
+/// efficiency)). With a fused attention kernel ([`ClusterSpec::fused_attention`]) the
+/// attention scores never reach HBM: their bytes (`score_bytes`) are not charged.
 pub fn node_time(fig: &NodeFigures, dtype: DType, spec: &ClusterSpec) -> f64 {
     let compute = if fig.flops > 0.0 {
         fig.flops / (spec.peak_flops(dtype) * spec.efficiency.at(fig.flops))
     } else {
         0.0
     };
-    let memory = fig.memory_bytes / (spec.hbm_bandwidth * spec.hbm_efficiency);
+    let bytes = if spec.fused_attention { (fig.memory_bytes - fig.score_bytes).max(0.0) } else { fig.memory_bytes };
+    let memory = bytes / (spec.hbm_bandwidth * spec.hbm_efficiency);
     compute.max(memory)
+}
+
+/// Bytes `fig` keeps for the backward on `spec`: without the attention scores when attention
+/// is fused ([`ClusterSpec::fused_attention`]).
+pub fn saved_bytes(fig: &NodeFigures, spec: &ClusterSpec) -> f64 {
+    if spec.fused_attention { (fig.saved_bytes - fig.score_saved_bytes).max(0.0) } else { fig.saved_bytes }
 }
 
 /// Forward, backward and weight-gradient times of one node at figures already scaled.

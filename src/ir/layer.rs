@@ -52,6 +52,14 @@ pub struct NodeFigures {
     pub saved_bytes: f64,
     /// Bytes read and written by the forward pass (for roofline costs).
     pub memory_bytes: f64,
+    /// The part of `memory_bytes` that is attention scores: the `[.., s, s']` product of two
+    /// activations larger than both (Q·Kᵀ) and the elementwise chain on it up to the matmul
+    /// that reads it (scale, mask, softmax, then ·V). A fused attention kernel keeps them on
+    /// chip (see `cost::ClusterSpec::fused_attention`).
+    pub score_bytes: f64,
+    /// The part of `saved_bytes` that is attention scores (the softmax output a fused kernel
+    /// does not keep: it recomputes the scores in its backward).
+    pub score_saved_bytes: f64,
 }
 
 impl std::ops::AddAssign for NodeFigures {
@@ -62,6 +70,8 @@ impl std::ops::AddAssign for NodeFigures {
         self.output_bytes += o.output_bytes;
         self.saved_bytes += o.saved_bytes;
         self.memory_bytes += o.memory_bytes;
+        self.score_bytes += o.score_bytes;
+        self.score_saved_bytes += o.score_saved_bytes;
     }
 }
 

@@ -39,6 +39,8 @@ pub struct Figures {
     /// For each value (by index), whether it carries a gradient (trained parameters and
     /// floating-point values computed from them).
     pub grad: Vec<bool>,
+    /// For each value (by index), whether it is an attention score (see `NodeFigures::score_bytes`).
+    pub score: Vec<bool>,
 }
 
 impl Figures {
@@ -144,6 +146,8 @@ pub fn compute(graph: &Graph, bindings: &DimBindings) -> Result<Figures, PassErr
         }
     }
 
+    let score = scores(&sz, &order, &data);
+
     for &id in &order {
         let node = graph.node(id);
         let mut fig = NodeFigures::default();
@@ -163,14 +167,17 @@ pub fn compute(graph: &Graph, bindings: &DimBindings) -> Result<Figures, PassErr
         fig.flops = flops(&sz, node) / batch;
         fig.output_bytes = node.outputs.iter().map(|&o| sz.bytes(o)).sum::<f64>() / batch;
         fig.memory_bytes = memory(&sz, node) / batch;
+        fig.score_bytes = score_bytes(&sz, node, &score).min(fig.memory_bytes * batch) / batch;
         let saved = saved(&sz, node, &grad, &data, batch);
         fig.saved_bytes = saved.values.iter().map(|&v| sz.bytes(v)).sum::<f64>() / batch + saved.extra_bytes;
+        fig.score_saved_bytes = saved.values.iter().filter(|v| score[v.index()]).map(|&v| sz.bytes(v)).sum::<f64>() / batch;
         f.total_flops += fig.flops;
         f.per_node[id.index()] = fig;
         f.saved[id.index()] = saved;
     }
     f.order = order;
     f.grad = grad;
+    f.score = score;
     Ok(f)
 }
 
@@ -239,6 +246,44 @@ pub fn flops(sz: &Sizes, node: &Node) -> f64 {
         }
         _ if kind.is_elementwise() => out_numel,
         _ => 0.0,
+    }
+}
+
+/// Which values are attention scores: the output of a matmul of two activations that is larger
+/// than both its inputs (Q·Kᵀ, `[.., s, d]·[.., d, s'] → [.., s, s']`), and the same-size
+/// outputs of elementwise ops, softmax, casts and dropout applied to a score (scale, mask,
+/// softmax). The matmul reading them (·V) is where the chain ends.
+fn scores(sz: &Sizes, order: &[NodeId], data: &[bool]) -> Vec<bool> {
+    let graph = sz.graph;
+    let mut score = vec![false; graph.value_count()];
+    for &id in order {
+        let node = graph.node(id);
+        let (Some(kind), Some(&o)) = (node.op.kind(), node.outputs.first()) else { continue };
+        let n = sz.numel(o);
+        let input = |i: usize| node.inputs.get(i).copied().flatten();
+        let activation = |v: ValueId| data[v.index()] && !is_param(graph, v) && sz.numel(v) > 0.0;
+        use OpKind::*;
+        score[o.index()] = match kind {
+            MatMul => match (input(0), input(1)) {
+                (Some(a), Some(b)) => {
+                    activation(a) && activation(b) && n > sz.numel(a) && n > sz.numel(b) && sz.dims(o).is_some_and(|d| d.len() >= 3)
+                }
+                _ => false,
+            },
+            Softmax | LogSoftmax | Cast | Dropout | Identity => input(0).is_some_and(|v| score[v.index()] && sz.numel(v) == n),
+            k if k.is_elementwise() => node.inputs.iter().flatten().any(|v| score[v.index()] && sz.numel(*v) == n),
+            _ => false,
+        };
+    }
+    score
+}
+
+/// The attention-score part of [`memory`]: score inputs read and score outputs written.
+fn score_bytes(sz: &Sizes, node: &Node, score: &[bool]) -> f64 {
+    use OpKind::*;
+    match node.op.kind() {
+        None | Some(Reshape | Unsqueeze | Squeeze | Flatten | Identity | Shape | Size | Constant | Gather | GatherElements | GatherND | Slice | Expand) => 0.0,
+        Some(_) => node.inputs.iter().flatten().chain(&node.outputs).filter(|v| score[v.index()]).map(|&v| sz.bytes(v)).sum(),
     }
 }
 

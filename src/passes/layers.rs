@@ -154,21 +154,54 @@ fn index_in(name: &str, prefix: &str) -> Option<u64> {
 
 type Placement = (Vec<Place>, HashMap<usize, String>);
 
-/// Block keys in index order, and their names.
-fn keys(prefix: &str, seen: &BTreeSet<u64>) -> (HashMap<u64, usize>, HashMap<usize, String>) {
-    let key: HashMap<u64, usize> = seen.iter().enumerate().map(|(k, &i)| (i, k + 1)).collect();
-    let names = seen.iter().enumerate().map(|(k, &i)| (k + 1, format!("{prefix}.{i}"))).collect();
-    (key, names)
+/// The repeated containers whose blocks become layers: the one [`pick_container`] picks, with
+/// its siblings (containers of the same parent holding at least two blocks, as ResNet's
+/// `layer1` … `layer4`), in order of first appearance; each block's group key and name.
+struct Blocks {
+    prefixes: Vec<String>,
+    key: HashMap<(usize, u64), usize>,
+    names: HashMap<usize, String>,
+}
+
+impl Blocks {
+    fn pick(counts: &HashMap<String, BTreeSet<u64>>, first_seen: &HashMap<String, usize>) -> Option<Blocks> {
+        let main = pick_container(counts)?;
+        let parent = |p: &str| p.rsplit_once('.').map_or(String::new(), |(a, _)| a.to_string());
+        let mut prefixes: Vec<String> =
+            counts.iter().filter(|(p, s)| s.len() >= 2 && parent(p) == parent(&main)).map(|(p, _)| p.clone()).collect();
+        prefixes.sort_by_key(|p| (first_seen.get(p).copied().unwrap_or(usize::MAX), p.clone()));
+        let (mut key, mut names) = (HashMap::new(), HashMap::new());
+        for (c, p) in prefixes.iter().enumerate() {
+            for &i in &counts[p] {
+                let k = key.len() + 1;
+                key.insert((c, i), k);
+                names.insert(k, format!("{p}.{i}"));
+            }
+        }
+        Some(Blocks { prefixes, key, names })
+    }
+
+    /// The group of the block `name` lies in, if any.
+    fn group_of(&self, name: &str) -> Option<usize> {
+        self.prefixes.iter().enumerate().find_map(|(c, p)| index_in(name, p).and_then(|i| self.key.get(&(c, i)).copied()))
+    }
 }
 
 /// Module paths of a node: from its `namespace` metadata, else from a name in the form of the
-/// older torch exporter (`/h.3/attn/c_attn/Gemm` gives `h.3`, `h.3.attn`, `h.3.attn.c_attn`).
+/// older torch exporter (`/h.3/attn/c_attn/Gemm` gives `h.3`, `h.3.attn`, `h.3.attn.c_attn`),
+/// else from a TensorFlow name scope as tf2onnx writes it, where Keras numbers layers with a
+/// suffix (`model/block_3/attn/query/MatMul` gives `model`, `model.block.3`, …).
 fn node_paths(node: &Node) -> Vec<String> {
     if let Some(ns) = &node.namespace {
         return module_paths(ns).map(str::to_string).collect();
     }
-    let Some(rest) = node.name.strip_prefix('/') else { return Vec::new() };
-    let segs: Vec<&str> = rest.split('/').collect();
+    let segs: Vec<String> = if let Some(rest) = node.name.strip_prefix('/') {
+        rest.split('/').map(str::to_string).collect()
+    } else if node.name.matches('/').count() >= 2 {
+        node.name.split('/').map(keras_segment).collect()
+    } else {
+        return Vec::new();
+    };
     let mut out = Vec::new();
     let mut path = String::new();
     for seg in segs[..segs.len().saturating_sub(1)].iter().filter(|s| !s.is_empty()) {
@@ -181,17 +214,30 @@ fn node_paths(node: &Node) -> Vec<String> {
     out
 }
 
+/// A TensorFlow scope segment as a module path segment: `block_3` → `block.3` (Keras' layer
+/// numbering), anything else unchanged.
+fn keras_segment(seg: &str) -> String {
+    match seg.rsplit_once('_') {
+        Some((base, n)) if !base.is_empty() && !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) => format!("{base}.{n}"),
+        _ => seg.to_string(),
+    }
+}
+
 fn by_namespace(graph: &Graph, order: &[NodeId]) -> Option<Placement> {
     let mut counts: HashMap<String, BTreeSet<u64>> = HashMap::new();
-    for &n in order {
+    // Only modules holding weights are containers: Keras also numbers its weightless op layers
+    // (`tf.__operators__.add_7`).
+    let reads_weight = |n: NodeId| graph.node(n).inputs.iter().flatten().any(|&v| is_param(graph, v));
+    let mut first_seen: HashMap<String, usize> = HashMap::new();
+    for (pos, &n) in order.iter().enumerate().filter(|&(_, &n)| reads_weight(n)) {
         for p in node_paths(graph.node(n)) {
             for (prefix, i) in containers(&p) {
+                first_seen.entry(prefix.clone()).or_insert(pos);
                 counts.entry(prefix).or_default().insert(i);
             }
         }
     }
-    let prefix = pick_container(&counts)?;
-    let (key, names) = keys(&prefix, &counts[&prefix]);
+    let blocks = Blocks::pick(&counts, &first_seen)?;
     let slots = graph.node_ids().map(|n| n.index() + 1).max().unwrap_or(0);
     let mut place = vec![Place::Helper; slots];
     for &n in order {
@@ -199,27 +245,24 @@ fn by_namespace(graph: &Graph, order: &[NodeId]) -> Option<Placement> {
         if paths.is_empty() {
             continue;
         }
-        place[n.index()] = paths
-            .iter()
-            .find_map(|p| index_in(p, &prefix))
-            .map(|i| Place::Group(key[&i]))
-            .unwrap_or(Place::Positional);
+        place[n.index()] = paths.iter().find_map(|p| blocks.group_of(p)).map(Place::Group).unwrap_or(Place::Positional);
     }
-    Some((place, names))
+    Some((place, blocks.names))
 }
 
 fn by_initializer_names(graph: &Graph, order: &[NodeId]) -> Option<Placement> {
     let mut counts: HashMap<String, BTreeSet<u64>> = HashMap::new();
     let params = |n: NodeId| -> Vec<ValueId> { graph.node(n).inputs.iter().flatten().copied().filter(|&v| is_param(graph, v)).collect() };
-    for &n in order {
+    let mut first_seen: HashMap<String, usize> = HashMap::new();
+    for (pos, &n) in order.iter().enumerate() {
         for v in params(n) {
             for (prefix, i) in containers(&graph.value(v).name) {
+                first_seen.entry(prefix.clone()).or_insert(pos);
                 counts.entry(prefix).or_default().insert(i);
             }
         }
     }
-    let prefix = pick_container(&counts)?;
-    let (key, names) = keys(&prefix, &counts[&prefix]);
+    let blocks = Blocks::pick(&counts, &first_seen)?;
     let slots = graph.node_ids().map(|n| n.index() + 1).max().unwrap_or(0);
     let mut place = vec![Place::Helper; slots];
     for &n in order {
@@ -227,13 +270,10 @@ fn by_initializer_names(graph: &Graph, order: &[NodeId]) -> Option<Placement> {
         if ps.is_empty() {
             continue;
         }
-        place[n.index()] = ps
-            .iter()
-            .find_map(|&v| index_in(&graph.value(v).name, &prefix))
-            .map(|i| Place::Group(key[&i]))
-            .unwrap_or(Place::Positional);
+        place[n.index()] =
+            ps.iter().find_map(|&v| blocks.group_of(&graph.value(v).name)).map(Place::Group).unwrap_or(Place::Positional);
     }
-    Some((place, names))
+    Some((place, blocks.names))
 }
 
 /// True if `a` is an ancestor of (or is) the producer chain of `b`.
@@ -563,6 +603,7 @@ fn fill(graph: &Graph, fig: &Figures, layer: &mut Layer, layer_of: &[usize], use
         }
     }
     figures.saved_bytes = saved.iter().map(|&v| fig.value_bytes(graph, v)).sum::<f64>() + extra;
+    figures.score_saved_bytes = saved.iter().filter(|v| fig.score.get(v.index()).copied().unwrap_or(false)).map(|&v| fig.value_bytes(graph, v)).sum();
     layer.figures = figures;
     layer.input_bytes = layer.inputs.iter().map(|&v| fig.value_bytes(graph, v)).sum();
     layer.output_bytes = layer.outputs.iter().map(|&v| fig.value_bytes(graph, v)).sum();
@@ -623,6 +664,22 @@ mod tests {
     use crate::ir::{Attr, DType, LayerKind};
     use crate::passes::testutil::Builder;
     use crate::passes::{AnalyzeOptions, analyze};
+
+    #[test]
+    fn tensorflow_scopes_read_as_module_paths() {
+        use super::keras_segment;
+        assert_eq!(keras_segment("block_3"), "block.3");
+        assert_eq!(keras_segment("keras_lm"), "keras_lm");
+        assert_eq!(keras_segment("_3"), "_3");
+        assert_eq!(keras_segment("conv2d_"), "conv2d_");
+        let mut b = Builder::new(18);
+        let x = b.input("x", DType::F32, &["2", "4"]);
+        let w = b.param("w", DType::F32, &[4, 4]);
+        let y = b.node(crate::ir::OpKind::MatMul, &[x, w], &[]);
+        let id = b.g.value(y).producer.unwrap();
+        b.g.node_mut(id).name = "model/block_12/dense_1/MatMul".into();
+        assert_eq!(super::node_paths(b.g.node(id)), ["model", "model.block.12", "model.block.12.dense.1"]);
+    }
 
     /// A CNN-shaped graph without metadata, residual adds or numbered names: a chain of
     /// matmuls, then Inception-style modules (parallel branches joined by a concat), of

@@ -603,7 +603,18 @@ fn infer_node(graph: &Graph, id: NodeId, info: &ShapeInfo, dims: &BTreeMap<Strin
             };
             let keep = a.int("keepdims", 1) != 0;
             let out = reduce_shape(x, &axes, keep);
-            one((ty_opt(cx.dtype(0), Some(out)), None))
+            let fold: Option<fn(i64, i64) -> i64> = match kind {
+                ReduceSum => Some(i64::wrapping_add),
+                ReduceProd => Some(i64::wrapping_mul),
+                ReduceMax => Some(i64::max),
+                ReduceMin => Some(i64::min),
+                _ => None,
+            };
+            let ints = match (fold, cx.ints(0)) {
+                (Some(f), Some(v)) => reduce_ints(x, v, &axes, f),
+                _ => None,
+            };
+            one((ty_opt(cx.dtype(0), Some(out)), ints))
         }
         ArgMax | ArgMin => {
             let s = match cx.shape(0) {
@@ -950,6 +961,30 @@ fn cast_out(cx: &Ctx, to: DType) -> Result<Vec<Out>, String> {
     Ok(vec![(Some(Ty { dtype: to, shape }), ints)])
 }
 
+/// Reduces the row-major integer tensor `v` of shape `x` over `axes` with `f` (shape-arithmetic
+/// chains such as tf2onnx's `ReduceProd(Gather(Shape(x)))`); `None` for an empty reduction.
+fn reduce_ints(x: &[i64], v: &[i64], axes: &[usize], f: fn(i64, i64) -> i64) -> Option<Vec<i64>> {
+    let kept: Vec<i64> = x.iter().enumerate().map(|(i, &d)| if axes.contains(&i) { 1 } else { d }).collect();
+    let mut out: Vec<Option<i64>> = vec![None; numel(&kept).max(0) as usize];
+    let mut coord = vec![0i64; x.len()];
+    for &val in v.iter().take(numel(x).max(0) as usize) {
+        let mut at = 0i64;
+        for (i, (&c, &d)) in coord.iter().zip(&kept).enumerate() {
+            at = at * d + if axes.contains(&i) { 0 } else { c };
+        }
+        let slot = &mut out[at as usize];
+        *slot = Some(slot.map_or(val, |acc| f(acc, val)));
+        for d in (0..x.len()).rev() {
+            coord[d] += 1;
+            if coord[d] < x[d] {
+                break;
+            }
+            coord[d] = 0;
+        }
+    }
+    out.into_iter().collect()
+}
+
 fn reduce_shape(x: &[i64], axes: &[usize], keep: bool) -> Vec<i64> {
     x.iter()
         .enumerate()
@@ -1019,6 +1054,39 @@ mod tests {
         b.output(y);
         run(&mut b, &AnalyzeOptions::default());
         assert_eq!(shape_of(&b.g, y), vec![1, 12, 2]);
+    }
+
+    #[test]
+    fn shape_arithmetic_over_symbolic_dims_resolves_once_they_are_bound() {
+        // tf2onnx's flatten: Reshape(x, Concat([-1], ReduceProd(Gather(Shape(x), [1, 2]))))
+        // over `unk__` dims that only --seq-len binds.
+        let mut b = Builder::new(18);
+        let x = b.input("x", DType::F32, &["unk__1", "unk__2", "8"]);
+        let shape = b.node(OpKind::Shape, &[x], &[]);
+        let tail = b.ints(&[1, 2]);
+        let dims = b.node(OpKind::Gather, &[shape, tail], &[]);
+        let prod = b.node(OpKind::ReduceProd, &[dims], &[("keepdims", Attr::Int(1))]);
+        let minus_one = b.ints(&[-1]);
+        let target = b.node(OpKind::Concat, &[minus_one, prod], &[("axis", Attr::Int(0))]);
+        let y = b.node(OpKind::Reshape, &[x, target], &[]);
+        let m = b.node(OpKind::ReduceMax, &[dims], &[("keepdims", Attr::Int(0))]);
+        b.output(y);
+        b.output(m);
+        let opts = AnalyzeOptions { seq_len: Some(5), ..Default::default() };
+        let info = run(&mut b, &opts);
+        assert_eq!(info.ints(prod), Some(&[40][..]));
+        assert_eq!(info.ints(m), Some(&[8][..]));
+        assert_eq!(shape_of(&b.g, y), vec![1, 40]);
+    }
+
+    #[test]
+    fn integer_reductions_fold_over_the_given_axes() {
+        // [[1, 2, 3], [4, 5, 6]]
+        let v = [1, 2, 3, 4, 5, 6];
+        assert_eq!(reduce_ints(&[2, 3], &v, &[0], i64::wrapping_add), Some(vec![5, 7, 9]));
+        assert_eq!(reduce_ints(&[2, 3], &v, &[1], i64::wrapping_mul), Some(vec![6, 120]));
+        assert_eq!(reduce_ints(&[2, 3], &v, &[0, 1], i64::max), Some(vec![6]));
+        assert_eq!(reduce_ints(&[0], &[], &[0], i64::min), None);
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Runs an `ir::Graph` forward on tch in topological order, with autograd, freeing each
 //! intermediate after its last use.
 
+use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
 
 use tch::{Kind, Tensor};
@@ -8,7 +9,7 @@ use tch::{Kind, Tensor};
 use std::sync::Arc;
 
 use super::dist::ProcessGroup;
-use super::ops::{self, OpContext};
+use super::ops::{self, NormStats, OpContext};
 use crate::codegen::collectives::is_collective;
 use crate::ir::{Node, Op};
 use super::tensor::kind_of;
@@ -37,6 +38,8 @@ pub struct Executor<'g> {
     pub weights: HashMap<ValueId, Tensor>,
     /// The tensor-parallel group that codegen's inserted collectives (`smp` nodes) run over.
     pub tensor_group: Option<Arc<ProcessGroup>>,
+    /// The statistics BatchNormalization uses in the next runs.
+    norm: Cell<NormStats>,
 }
 
 /// `op_type` of the node the runner inserts where codegen lists a partial gradient (Megatron's
@@ -90,17 +93,24 @@ impl<'g> Executor<'g> {
             }
         }
         let opset = graph.opsets.get("").copied().unwrap_or(21);
-        let ctx = OpContext { opset, float_kind: opts.float_kind, training: opts.training };
-        Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None })
+        let ctx = OpContext { opset, float_kind: opts.float_kind, training: opts.training, norm: NormStats::Running };
+        Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None, norm: Cell::new(NormStats::Running) })
+    }
+
+    /// Sets the statistics BatchNormalization normalises with in the runs that follow: batch
+    /// statistics in a training forward, running statistics in validation and inference.
+    pub fn set_norm_stats(&self, norm: NormStats) {
+        self.norm.set(norm);
     }
 
     /// One node: a kernel, or a tensor-parallel collective over `tensor_group`.
     fn run_node(&self, node: &Node, inputs: &[Option<Tensor>]) -> Result<Vec<Tensor>, String> {
+        let ctx = OpContext { norm: self.norm.get(), ..self.ctx };
         let Op::Placeholder { op_type, .. } = &node.op else {
-            return ops::run(node, inputs, &self.ctx).map_err(|e| e.0);
+            return ops::run(node, inputs, &ctx).map_err(|e| e.0);
         };
         if !is_collective(&node.op) {
-            return ops::run(node, inputs, &self.ctx).map_err(|e| e.0);
+            return ops::run(node, inputs, &ctx).map_err(|e| e.0);
         }
         let group = node.attrs.0.get("group").and_then(|a| if let crate::ir::Attr::Str(s) = a { Some(s.as_str()) } else { None }).unwrap_or("tensor");
         if group != "tensor" {

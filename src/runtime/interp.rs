@@ -9,6 +9,7 @@ use tch::{Kind, Tensor};
 
 use super::RuntimeError;
 use super::dist::Work;
+use super::ops::NormStats;
 use super::pipeline::terr;
 use super::rank::Rank;
 use super::report::{Tally, bytes_of};
@@ -94,6 +95,7 @@ impl<'r, 'a> Interp<'r, 'a> {
         let r = self.rank;
         let t0 = Instant::now();
         self.step = step;
+        self.broadcast_buffers()?;
         (self.micro, self.feeds) = r.batches(r.data, step)?;
         self.loss_scale = self.loss_scale_of(r.data, step)?;
         self.grads = (0..r.params.tensors.len()).map(|_| None).collect();
@@ -130,6 +132,7 @@ impl<'r, 'a> Interp<'r, 'a> {
         let r = self.rank;
         self.eval = true;
         let mut sum = 0.0;
+        self.broadcast_buffers()?;
         let result = (|| {
             for k in 1..=batches {
                 (self.micro, self.feeds) = r.batches(data, k)?;
@@ -164,6 +167,19 @@ impl<'r, 'a> Interp<'r, 'a> {
         let total = Tensor::from_slice(&[sum]);
         r.groups.world.all_reduce_sum(&total)?;
         Ok(total.f_double_value(&[0])? / batches.max(1) as f64)
+    }
+
+    /// Gives every replica replica 0's buffers (BatchNorm running statistics), as PyTorch DDP
+    /// does before each forward (`broadcast_buffers`): before each step and each validation.
+    /// Replica 0's own statistics follow only its own microbatches, as under DDP.
+    fn broadcast_buffers(&self) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        let Some(members) = r.replica_group.as_ref().filter(|_| !r.norm_buffers.is_empty()) else { return Ok(()) };
+        let pg = r.groups.get(members)?;
+        for t in &r.norm_buffers {
+            pg.broadcast(t, members[0])?;
+        }
+        Ok(())
     }
 
     /// The loss weight of global batch `k` of `data`: 1 / its counted targets over every
@@ -251,7 +267,8 @@ impl<'r, 'a> Interp<'r, 'a> {
             .map(|(v, t)| Ok((*v, if is_float(&t) { t.f_detach()?.f_set_requires_grad(true)? } else { t })))
             .collect::<Result<_, RuntimeError>>()?;
         let grad = !self.eval && !r.layout.recompute[s];
-        let (outputs, loss) = run_stage(r, s, &inputs, grad, &self.micro[mb], &self.feeds[mb], self.loss_scale)?;
+        let norm = if self.eval { NormStats::Running } else { NormStats::Batch { update: true } };
+        let (outputs, loss) = run_stage(r, s, &inputs, grad, norm, &self.micro[mb], &self.feeds[mb], self.loss_scale)?;
         if let Some(l) = loss.as_ref().filter(|_| r.t == 0) {
             self.loss_sum += l.f_double_value(&[])?;
         }
@@ -264,7 +281,7 @@ impl<'r, 'a> Interp<'r, 'a> {
         let mut st = self.state.remove(&(s, mb)).ok_or_else(|| terr(format!("backward of stage {s} mb {mb} before its forward")))?;
         self.zero.ensure(r, s)?;
         if r.layout.recompute[s] {
-            let (outputs, loss) = run_stage(r, s, &st.inputs, true, &self.micro[mb], &self.feeds[mb], self.loss_scale)?;
+            let (outputs, loss) = run_stage(r, s, &st.inputs, true, NormStats::Batch { update: false }, &self.micro[mb], &self.feeds[mb], self.loss_scale)?;
             st.outputs = outputs;
             st.loss = loss;
         }
@@ -488,12 +505,14 @@ impl<'r, 'a> Interp<'r, 'a> {
 /// Runs stage `s` on one microbatch with `inputs` from the previous stage (autograd on when
 /// `grad`), the microbatch's arrays `batch` and graph-input feeds `given`: its outputs to the
 /// next stage, or on the last stage the loss summed over the microbatch's targets times
-/// `loss_scale`.
+/// `loss_scale`. BatchNormalization uses the statistics `norm` says.
+#[allow(clippy::too_many_arguments)]
 fn run_stage(
     r: &Rank<'_>,
     s: usize,
     inputs: &[(ValueId, Tensor)],
     grad: bool,
+    norm: NormStats,
     batch: &Batch,
     given: &HashMap<ValueId, Tensor>,
     loss_scale: f64,
@@ -507,6 +526,7 @@ fn run_stage(
     let keep: Vec<ValueId> = if last { graph.outputs.clone() } else { r.layout.crossing[s].clone() };
     let outs = match r.stage_execs.get(&s) {
         None => {
+            r.exec.set_norm_stats(norm);
             let run = || r.exec.run_nodes(&r.layout.nodes[s], &feeds, &keep);
             if grad { run()? } else { tch::no_grad(run)? }
         }
@@ -521,6 +541,7 @@ fn run_stage(
                 .map(|v| local(*v).ok_or_else(|| terr(format!("stage {s} shard does not produce `{}`", graph.value(*v).name))))
                 .collect::<Result<_, _>>()?;
             let order = sg.topo_order()?;
+            se.set_norm_stats(norm);
             let run = || se.run_nodes(&order, &feeds, &lkeep);
             let outs = if grad { run()? } else { tch::no_grad(run)? };
             keep.iter().zip(&lkeep).map(|(v, l)| (*v, outs[l].shallow_clone())).collect()

@@ -16,7 +16,7 @@ use super::train::Batch;
 use super::weights::is_trainable;
 use super::{ExecOptions, RuntimeError, Weights};
 use crate::codegen::{Coord, Instr, Mesh, Purpose, RankProgram, StageView, WeightSlice, apply_shard};
-use crate::ir::{DimBindings, Graph, NodeId, ValueId, ValueKind};
+use crate::ir::{DimBindings, Graph, NodeId, Op, OpKind, ValueId, ValueKind};
 use crate::passes::{self, AnalyzeOptions};
 use crate::plan::Plan;
 
@@ -197,6 +197,12 @@ pub(super) struct Rank<'a> {
     pub stage_execs: HashMap<usize, Executor<'a>>,
     /// Process groups.
     pub groups: Groups,
+    /// Running statistics of the BatchNormalization nodes of this rank's stages (buffers, never
+    /// trained).
+    pub norm_buffers: Vec<Tensor>,
+    /// The ranks holding the same stages and shards in every replica (this one included), when
+    /// there are several replicas: replica 0's buffers are broadcast over it.
+    pub replica_group: Option<Vec<usize>>,
     /// The training data.
     pub data: &'a DataSource,
     /// Whether this rank reads data: its stages read a graph input, or it computes the loss.
@@ -236,6 +242,8 @@ impl<'a> Rank<'a> {
         // a stage reads the graph inputs its nodes consume; the last one also the loss's labels
         let reads_input = my_stages.iter().flat_map(|&s| &layout.nodes[s]).any(|&n| graph.node(n).inputs.iter().flatten().any(|v| graph.inputs.contains(v)));
         let reads_data = reads_input || my_stages.contains(&(n_stages - 1));
+        let norm_buffers = norm_buffers(exec, &stage_execs, &layout, &my_stages);
+        let replica_group = (dp > 1).then(|| replica_group(&mesh, q, t));
         let split_w = program.instrs.iter().filter_map(|i| if let Instr::BackwardWeight { stage, mb } = i { Some((*stage, *mb)) } else { None }).collect();
         let shard_group = plan.parallel.sharded_dp.filter(|&n| n > 1 && n < dp).unwrap_or(dp);
         Ok(Rank {
@@ -256,6 +264,8 @@ impl<'a> Rank<'a> {
             kv_groups,
             stage_execs,
             groups,
+            norm_buffers,
+            replica_group,
             data,
             reads_data,
             m,
@@ -498,6 +508,13 @@ fn connect_groups(
     if mesh.tp > 1 {
         lists.extend(tensor_groups(mesh));
     }
+    if mesh.dp > 1 {
+        for q in 0..mesh.pp {
+            for t in 0..mesh.tp.max(1) {
+                lists.insert(replica_group(mesh, q, t));
+            }
+        }
+    }
     lists.extend(kv_groups.iter().map(|(_, g)| g.clone()));
     for p in programs {
         for i in &p.instrs {
@@ -528,6 +545,36 @@ pub(super) fn check_world(plan: &Plan, env: &RankEnv) -> Result<(), RuntimeError
         )));
     }
     Ok(())
+}
+
+/// The ranks at pipeline rank `q` and tensor rank `t` of every replica, replica 0 first.
+fn replica_group(mesh: &Mesh, q: usize, t: usize) -> Vec<usize> {
+    (0..mesh.dp).filter_map(|d| mesh.ranks.get(q).and_then(|rs| rs.get(d * mesh.tp.max(1) + t)).copied()).collect()
+}
+
+/// The running-statistics inputs (mean, variance) of the BatchNormalization nodes in `stages`,
+/// as the tensors the executors running those stages hold.
+fn norm_buffers(exec: &Executor<'_>, stage_execs: &HashMap<usize, Executor<'_>>, layout: &StageLayout, stages: &[usize]) -> Vec<Tensor> {
+    let graph = exec.graph();
+    let mut out = Vec::new();
+    for &s in stages {
+        for &n in &layout.nodes[s] {
+            let node = graph.node(n);
+            if node.op != Op::Known(OpKind::BatchNormalization) {
+                continue;
+            }
+            for v in node.inputs.iter().skip(3).take(2).flatten() {
+                let held = match stage_execs.get(&s) {
+                    Some(se) => se.graph().value_by_name(&graph.value(*v).name).and_then(|l| se.weights.get(&l)),
+                    None => exec.weights.get(v),
+                };
+                if let Some(t) = held {
+                    out.push(t.shallow_clone());
+                }
+            }
+        }
+    }
+    out
 }
 
 /// The tensor-parallel groups (global ranks), one per pipeline rank and replica.

@@ -10,6 +10,7 @@ use tch::{Kind, Reduction, Tensor};
 use super::RuntimeError;
 use super::checkpoint::{self, Checkpointing, Piece, Role, Slice};
 use super::executor::Executor;
+use super::ops::NormStats;
 use super::weights::is_trainable;
 use super::data::DataSource;
 use super::npz;
@@ -582,6 +583,7 @@ pub fn train_with(
     let validate = |step: usize, evals: &mut Vec<EvalRecord>, obs: &mut dyn TrainObserver| -> Result<(), RuntimeError> {
         if let Some((e, d)) = evaluation.filter(|(e, _)| e.due(step)) {
             let mut sum = 0.0;
+            exec.set_norm_stats(NormStats::Running);
             for k in 1..=e.batches {
                 let scale = 1.0 / global_target_count(exec, cfg.loss, d, k)?;
                 for mb in d.replica_microbatches(k, 0, 1, m)? {
@@ -611,6 +613,7 @@ pub fn train_with(
         }
         let mut total = 0.0;
         let scale = 1.0 / global_target_count(exec, cfg.loss, data, step)?;
+        exec.set_norm_stats(NormStats::Batch { update: true });
         for mb in &micro {
             let feeds = feeds_of(mb)?;
             let outs = exec.forward(&feeds)?;

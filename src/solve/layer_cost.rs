@@ -268,7 +268,7 @@ impl<'a> CostContext<'a> {
             fwd_s: times.fwd + tp_fwd,
             bwd_s: times.bwd + tp_bwd,
             param_elems: shape.params / t,
-            act_bytes: lay.figures.saved_bytes.max(lay.input_bytes) * b * self.bytes_scale / t,
+            act_bytes: crate::cost::compute::saved_bytes(&lay.figures, self.spec).max(lay.input_bytes) * b * self.bytes_scale / t,
             // Without sequence parallelism the layer's input is whole on every tensor rank.
             input_bytes: lay.input_bytes * b * self.bytes_scale / if cfg.sequence_parallel { t } else { 1.0 },
         }

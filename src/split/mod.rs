@@ -39,7 +39,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 pub use analyse::{GraphFacts, NodeRole, SplitGraph, analyse, roles};
-pub use check::forced_assignment;
+pub use check::{forced_assignment, isolated_assignment};
 pub use error::SplitError;
 pub use offer::{Coupling, LayerOffers, NodeOffers, Offer, StrategyInputs, offers, offers_from};
 pub use realise::{CollectiveKind, Engine, SplitPlan, TensorCollective, WeightSplit};

@@ -28,7 +28,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 
-use crate::cost::compute::{node_times, scaled};
+use crate::cost::compute::{node_times, saved_bytes, scaled};
 use crate::cost::{ClusterSpec, CommModel, GroupSpan};
 use crate::ir::{DType, LayeredGraph, ValueId};
 
@@ -158,7 +158,7 @@ pub fn offers_from(lg: &LayeredGraph, layer: usize, sg: &SplitGraph, x: &Strateg
             s[2] += w * rf;
             s[3] += w * rb;
             s[4] += w * fig.param_elems as f64;
-            s[5] += w * fig.saved_bytes * b * x.bytes_scale * (1.0 - 1.0 / t);
+            s[5] += w * saved_bytes(&fig, x.spec) * b * x.bytes_scale * (1.0 - 1.0 / t);
         }
         s
     };
@@ -289,7 +289,7 @@ pub fn offers_from(lg: &LayeredGraph, layer: usize, sg: &SplitGraph, x: &Strateg
         nodes.push(NodeOffers { name, members: Vec::new(), options });
         members.push(c.matmuls.iter().copied().collect());
     }
-    let act = lay.figures.saved_bytes.max(lay.input_bytes) * b * x.bytes_scale / t;
+    let act = saved_bytes(&lay.figures, x.spec).max(lay.input_bytes) * b * x.bytes_scale / t;
     // Hook for `--sequence-parallel`: the rest runs ÷t; otherwise whole on every rank.
     let rest_option = if x.sequence_parallel {
         opt(Strategy::Sequence, rest[0], rest[1] + sp_ag, rest[4] / t, act)

@@ -629,6 +629,11 @@ impl<'s, 'a> Prop<'s, 'a> {
         if cur == -1 || (cur == 0 && n.op.is(OpKind::Reshape) && n.attrs.int("allowzero", 0) == 0) {
             return Ok(());
         }
+        // Expand's entry 1 keeps the input's dim (broadcast), which is already the rank's part:
+        // `repeat_kv` written as Expand(Unsqueeze(kv), [1, 1, rep, 1, 1]).
+        if cur == 1 && global > 1 && n.op.is(OpKind::Expand) {
+            return Ok(());
+        }
         if cur != global {
             return self.err(format!("shape entry {pos} is {cur}, expected {global}"));
         }

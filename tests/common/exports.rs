@@ -17,11 +17,13 @@ pub fn python() -> PathBuf {
 }
 
 /// The directory `tests/<script> DIR` exports into, run only when DIR lacks `marker`; DIR is
-/// keyed by the script, `scripts/param_record.py` and `scripts/export_models.py`.
+/// keyed by the script and the export code in `scripts/` it may import (`param_record.py`,
+/// `export_models.py`, `make_graph_only.py`, `onnx_build.py`).
 pub fn exported(script: &str, marker: &str) -> PathBuf {
     let path = repo().join("tests").join(script);
     let mut h = Sha256::new();
-    for f in [&path, &repo().join("scripts/param_record.py"), &repo().join("scripts/export_models.py")] {
+    let scripts = ["param_record.py", "export_models.py", "make_graph_only.py", "onnx_build.py"].map(|s| repo().join("scripts").join(s));
+    for f in std::iter::once(&path).chain(&scripts) {
         h.update(std::fs::read(f).unwrap_or_else(|e| panic!("{}: {e}", f.display())));
     }
     let key: String = h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();

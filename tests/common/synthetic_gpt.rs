@@ -38,6 +38,8 @@ pub fn gpt(shape: GptShape) -> LayeredGraph {
                 output_bytes: 2.0 * s * h,
                 saved_bytes: 2.0 * s * h,
                 memory_bytes: 4.0 * s * h,
+                // Whole-layer figures: no attention scores marked.
+                ..Default::default()
             })
         } else if l == total - 1 {
             (LayerKind::Head, "head".to_string(), NodeFigures {
@@ -47,6 +49,8 @@ pub fn gpt(shape: GptShape) -> LayeredGraph {
                 output_bytes: 2.0 * s * v,
                 saved_bytes: 2.0 * s * h + 4.0 * s * v,
                 memory_bytes: 2.0 * s * v,
+                // Whole-layer figures: no attention scores marked.
+                ..Default::default()
             })
         } else {
             let p = 12.0 * h * h + 13.0 * h;
@@ -57,6 +61,8 @@ pub fn gpt(shape: GptShape) -> LayeredGraph {
                 output_bytes: 2.0 * s * h,
                 saved_bytes: s * h * (34.0 + 5.0 * a * s / h),
                 memory_bytes: 2.0 * p + 20.0 * s * h,
+                // Whole-layer figures: no attention scores marked.
+                ..Default::default()
             })
         };
         let w = g

@@ -3,6 +3,7 @@
 mod graph_cmd;
 mod inspect_cmd;
 mod plan_cmd;
+mod sweep_cmd;
 
 use std::process::ExitCode;
 
@@ -25,6 +26,9 @@ enum Command {
     Graph(graph_cmd::GraphArgs),
     /// Explain a plan file: stages, bottleneck, memory, communication, the solver's proof.
     Inspect(inspect_cmd::InspectArgs),
+    /// Plan one model on several clusters: predicted step time, tokens/s, MFU, memory and
+    /// cost per cluster, as a table and an SVG chart ("what should I rent?").
+    Sweep(sweep_cmd::SweepArgs),
 }
 
 fn main() -> ExitCode {
@@ -39,6 +43,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Some(Command::Inspect(args)) => inspect_cmd::run(&args),
         Some(Command::Graph(args)) => graph_cmd::run(&args).map(|()| ExitCode::SUCCESS),
+        Some(Command::Sweep(args)) => sweep_cmd::run(&args),
         None => plan_cmd::run(&cli.plan),
     };
     match result {

@@ -25,6 +25,19 @@ pub struct PlanArgs {
     /// optional device count, or a cluster TOML file.
     #[arg(long, value_name = "PRESET[:N]|FILE.toml", default_value = "h100-80gb:8")]
     pub cluster: String,
+    #[command(flatten)]
+    pub flags: PlanFlags,
+    /// Write the plan here.
+    #[arg(short = 'o', long = "output", value_name = "PLAN.json")]
+    pub output: Option<PathBuf>,
+    /// Print the plan as one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What the user asks of a plan, cluster aside (shared by planning and `sweep`).
+#[derive(Args, Debug, Default)]
+pub struct PlanFlags {
     /// Samples per optimizer step, over all data-parallel replicas.
     #[arg(long, value_name = "B")]
     pub global_batch: Option<u64>,
@@ -87,17 +100,19 @@ pub struct PlanArgs {
     /// Plan the way a peer would, for comparison.
     #[arg(long, value_name = "megatron|uniform|parameters")]
     pub baseline: Option<Baseline>,
-    /// Write the plan here.
-    #[arg(short = 'o', long = "output", value_name = "PLAN.json")]
-    pub output: Option<PathBuf>,
-    /// Print the plan as one JSON object on stdout.
-    #[arg(long)]
-    pub json: bool,
 }
 
 impl PlanArgs {
     /// The flags and `--config` merged and checked, as the library's options.
     pub fn options(&self) -> Result<PlanOptions> {
+        self.flags.options(&self.cluster)
+    }
+}
+
+impl PlanFlags {
+    /// The flags and `--config` merged and checked, as the library's options for the cluster
+    /// named `cluster` (as the user wrote it, for messages).
+    pub fn options(&self, cluster: &str) -> Result<PlanOptions> {
         let flags = PlanOptions {
             global_batch: self.global_batch,
             seq_len: self.seq_len,
@@ -121,7 +136,7 @@ impl PlanArgs {
                 (_, true) => Some(false),
                 _ => None,
             },
-            cluster_flag: Some(self.cluster.clone()),
+            cluster_flag: Some(cluster.to_string()),
             ..PlanOptions::default()
         };
         let config = match &self.config {
@@ -139,7 +154,7 @@ impl PlanArgs {
 /// Runs the planning job.
 pub fn run(args: &PlanArgs) -> Result<ExitCode> {
     let Some(model) = &args.model else {
-        eprintln!("error: give MODEL.onnx to plan, or a subcommand (graph, inspect); see --help");
+        eprintln!("error: give MODEL.onnx to plan, or a subcommand (graph, inspect, sweep); see --help");
         return Ok(ExitCode::from(2));
     };
     let options = args.options()?;

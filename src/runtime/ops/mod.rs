@@ -43,6 +43,21 @@ pub struct OpContext {
     pub float_kind: Option<Kind>,
     /// Training run: Dropout with `training_mode` still follows the model (never on by itself).
     pub training: bool,
+    /// Which statistics BatchNormalization normalises with.
+    pub norm: NormStats,
+}
+
+/// The statistics BatchNormalization uses, whatever mode the model was exported in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NormStats {
+    /// The running statistics (inference, validation), unless the node asks for batch
+    /// statistics itself (`training_mode` 1).
+    #[default]
+    Running,
+    /// The microbatch's statistics, as a module in `train()` mode computes them. With `update`
+    /// the running statistics move towards them by PyTorch's momentum rule (unbiased variance);
+    /// a recomputed forward passes `update: false`, so each microbatch updates them once.
+    Batch { update: bool },
 }
 
 /// The inputs and attributes of one node, with typed getters.

@@ -2,6 +2,7 @@
 
 use tch::{Kind, Tensor};
 
+use super::NormStats;
 use super::{Args, KResult, axis, bail};
 use crate::ir::OpKind;
 
@@ -160,12 +161,17 @@ pub(super) fn batch_norm(a: &Args) -> KResult<Vec<Tensor>> {
     let x = a.x(0)?;
     let (scale, bias, mean, var) = (a.x(1)?, a.x(2)?, a.x(3)?, a.x(4)?);
     let eps = a.float("epsilon", 1e-5);
+    // ONNX's momentum weighs the old value: PyTorch's 0.1 is exported as 0.9
     let momentum = a.float("momentum", 0.9);
     let rank = x.dim();
-    if a.int("training_mode", 0) == 0 {
-        let y = x.f_batch_norm(Some(scale), Some(bias), Some(mean), Some(var), false, 0.0, eps, false)?;
-        return Ok(vec![y]);
-    }
+    let update = match a.ctx.norm {
+        NormStats::Batch { update } => update,
+        NormStats::Running if a.int("training_mode", 0) != 0 => false,
+        NormStats::Running => {
+            let y = x.f_batch_norm(Some(scale), Some(bias), Some(mean), Some(var), false, 0.0, eps, false)?;
+            return Ok(vec![y]);
+        }
+    };
     let dims: Vec<i64> = (0..rank as i64).filter(|&d| d != 1).collect();
     let batch_mean = x.f_mean_dim(dims.as_slice(), false, None::<Kind>)?;
     let batch_var = x.f_var_correction(dims.as_slice(), 0i64, false)?;
@@ -173,8 +179,22 @@ pub(super) fn batch_norm(a: &Args) -> KResult<Vec<Tensor>> {
         .f_sub(&per_channel(&batch_mean, rank)?)?
         .f_div(&per_channel(&batch_var.f_add_scalar(eps)?.f_sqrt()?, rank)?)?;
     let y = norm.f_mul(&per_channel(scale, rank)?)?.f_add(&per_channel(bias, rank)?)?;
-    let running_mean = mean.f_mul_scalar(momentum)?.f_add(&batch_mean.f_mul_scalar(1.0 - momentum)?)?;
-    let running_var = var.f_mul_scalar(momentum)?.f_add(&batch_var.f_mul_scalar(1.0 - momentum)?)?;
+    let running_mean = mean.f_mul_scalar(momentum)?.f_add(&batch_mean.f_detach()?.f_mul_scalar(1.0 - momentum)?)?;
+    let running_var = if update {
+        // PyTorch moves the running variance towards the unbiased batch variance
+        let n = (x.numel() as i64 / x.size().get(1).copied().unwrap_or(1).max(1)).max(2) as f64;
+        let unbiased = batch_var.f_detach()?.f_mul_scalar(n / (n - 1.0))?;
+        let rv = var.f_mul_scalar(momentum)?.f_add(&unbiased.f_mul_scalar(1.0 - momentum)?)?;
+        tch::no_grad(|| -> KResult<()> {
+            let (mut m, mut v) = (mean.shallow_clone(), var.shallow_clone());
+            m.f_copy_(&running_mean)?;
+            v.f_copy_(&rv)?;
+            Ok(())
+        })?;
+        rv
+    } else {
+        var.f_mul_scalar(momentum)?.f_add(&batch_var.f_detach()?.f_mul_scalar(1.0 - momentum)?)?
+    };
     let mut out = vec![y, running_mean, running_var];
     out.truncate(a.n_out().max(1));
     Ok(out)

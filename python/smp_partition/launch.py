@@ -1,0 +1,195 @@
+"""`launch`: run a plan's ranks with `smp-runner launch`, streaming progress."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ._binaries import find_binary
+from ._run import flag_args
+from .errors import CommandError, RankFailed, SmpError
+from .plan import Plan
+
+_PID = re.compile(r"^smp-runner launch: rank (\d+): pid (\d+)")
+_FAILED = re.compile(r"^smp-runner launch: rank (\d+) (.*?) first; the other ranks were stopped")
+
+
+@dataclass
+class Run:
+    """A finished `launch`: its plan, the per-step losses and the runner's `--json` report."""
+
+    plan: Plan
+    dir: Path
+    losses: list[float]
+    report: dict[str, Any]
+    checkpoint_dir: Path | None = None
+    #: `smp-runner export`'s weights file, once `load_trained` has written it.
+    trained: Path | None = None
+    #: The ranks' process ids (all ended when `launch` returns).
+    pids: dict[int, int] = field(default_factory=dict)
+
+
+def _data_file(plan: Plan, data: Any, out: Path) -> str:
+    """`data` as `--data`: a path as is; a tensor, array or dict of them as an .npz of one batch
+    keyed by the graph's input names (repeated every step)."""
+    if isinstance(data, (str, Path)):
+        return str(data)
+    import numpy as np
+
+    arrays = data if isinstance(data, dict) else {(plan.input_names or ["input_ids"])[0]: data}
+    path = out / "data.npz"
+    np.savez(path, **{k: (v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v))
+                      for k, v in arrays.items()})
+    return str(path)
+
+
+def run_args(plan: Plan, *, data: Any = None, steps: int = 10, checkpoint_dir: str | Path | None = None,
+             out: Path | None = None, **options: Any) -> list[str]:
+    """The options every rank's `smp-runner run` gets (see `launch`)."""
+    args = ["--steps", str(steps)]
+    if data is not None:
+        args += ["--data", _data_file(plan, data, out or plan.dir)]
+    if checkpoint_dir is not None:
+        args += ["--checkpoint-dir", str(checkpoint_dir)]
+    return args + flag_args(options)
+
+
+def launch(plan: Plan, *, data: Any = None, steps: int = 10, checkpoint_dir: str | Path | None = None,
+           progress: bool | Callable[[str], None] = True, **options: Any) -> Run:
+    """Trains `plan` on this host: `smp-runner launch --nproc N PLAN --steps STEPS ...`, one
+    process per rank, and waits for it.
+
+    `data`: a token file (`.bin`), a batch file (`.npy`, `.npz`, `.safetensors`), or tensors
+    (one global batch, written as `.npz` and repeated every step); default: seeded synthetic
+    data. `checkpoint_dir` is passed as `--checkpoint-dir`. Other runner options by keyword
+    (`lr=1e-3`, `weight_decay=0.0`, `clip=0`, `dtype="f64"`, `seed=1`, `threads=1`).
+    `progress`: print the ranks' progress lines on stderr (True), or call this function with
+    each line.
+
+    A rank's failure raises `RankFailed` naming the rank; the launcher stops the other ranks,
+    and any process of the job still alive afterwards is killed: none is left behind."""
+    out = plan.dir
+    args = run_args(plan, data=data, steps=steps, checkpoint_dir=checkpoint_dir, out=out, **options)
+    command = [str(find_binary("smp-runner")), "launch", "--nproc", str(plan.devices), str(plan.path),
+               *args, "--json", "--progress"]
+    show: Callable[[str], None]
+    if callable(progress):
+        show = progress
+    elif progress:
+        def show(line: str) -> None:
+            print(line, file=sys.stderr, flush=True)
+    else:
+        def show(line: str) -> None:
+            pass
+
+    pids: dict[int, int] = {}
+    failed: list[tuple[int, str]] = []
+    tail: deque[str] = deque(maxlen=200)
+    stdout: list[str] = []
+    # its own session: the ranks share the launcher's process group, killed as one at the end
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+    def read_stdout() -> None:
+        assert proc.stdout is not None
+        stdout.extend(proc.stdout)
+
+    reader = threading.Thread(target=read_stdout, daemon=True)
+    reader.start()
+    try:
+        assert proc.stderr is not None
+        for raw in proc.stderr:
+            line = raw.rstrip("\n")
+            tail.append(line)
+            if m := _PID.match(line):
+                pids[int(m.group(1))] = int(m.group(2))
+            elif m := _FAILED.match(line):
+                failed.append((int(m.group(1)), m.group(2)))
+            show(line)
+        code = proc.wait()
+        reader.join()
+    except BaseException:
+        # interrupted (Ctrl-C) or the progress callback raised: stop the job as the launcher
+        # would on SIGTERM, then make sure
+        _stop(proc)
+        raise
+    finally:
+        _reap(proc, pids)
+    log = "\n".join(tail)
+    if failed:
+        raise RankFailed(failed[0][0], failed[0][1], log)
+    if code != 0:
+        raise CommandError(command, code, log)
+    report = _report(stdout)
+    losses = [float(s["loss"]) for s in report.get("steps", [])]
+    return Run(plan=plan, dir=out, losses=losses, report=report,
+               checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None, pids=pids)
+
+
+def _report(lines: list[str]) -> dict[str, Any]:
+    for line in reversed(lines):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return dict(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    raise SmpError("smp-runner launch printed no JSON report:\n" + "".join(lines[-20:]))
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _reap(proc: subprocess.Popen[str], pids: dict[int, int]) -> None:
+    """Kills whatever is left of the job's process group and the ranks it named."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.poll() is None:
+        proc.wait()
+    for pid in pids.values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def launch_command(plan: Plan, hosts: list[str], *, nproc: int | None = None, port: int = 29500,
+                   data: Any = None, steps: int = 10, checkpoint_dir: str | Path | None = None,
+                   **options: Any) -> str:
+    """The commands that run `plan` over several hosts: one `smp-runner launch` per host
+    (`--nnodes`, `--node-rank`, `--master-addr`, `--master-port`, as torchrun's static
+    rendezvous), and the same as one Slurm `srun` line. `nproc`: ranks per host (default: the
+    plan's ranks over the hosts). Paths must be valid on every host."""
+    if not hosts:
+        raise ValueError("launch_command needs at least one host")
+    per_host = nproc if nproc is not None else plan.devices // len(hosts)
+    if per_host * len(hosts) != plan.devices:
+        raise SmpError(f"the plan has {plan.devices} ranks, which {len(hosts)} hosts × {per_host} do not make")
+    args = run_args(plan, data=data, steps=steps, checkpoint_dir=checkpoint_dir, **options)
+    runner = "smp-runner"
+    common = ["--nnodes", str(len(hosts)), "--master-addr", hosts[0], "--master-port", str(port),
+              "--nproc", str(per_host)]
+    lines = [f"# on {h}:\n" + shlex.join([runner, "launch", *common, "--node-rank", str(i), str(plan.path), *args])
+             for i, h in enumerate(hosts)]
+    srun = (f"srun --nodes={len(hosts)} --ntasks-per-node=1 bash -c "
+            + shlex.quote(shlex.join([runner, "launch", *common, str(plan.path), *args]).replace(
+                "--nproc", "--node-rank $SLURM_NODEID --nproc", 1)))
+    return "\n".join(lines) + "\n# or, under Slurm:\n" + srun

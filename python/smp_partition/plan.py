@@ -1,0 +1,144 @@
+"""`plan`: export a PyTorch module and plan it with `smp-partition`."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._run import flag_args, run
+from .export import Exported, as_tuple, export
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """The plan's parallel configuration (plan-format.md, `parallel`)."""
+
+    pp: int
+    tp: int
+    dp: int
+    zero: int
+    microbatches: int
+    schedule: Any
+    sequence_parallel: bool
+
+    @property
+    def devices(self) -> int:
+        """Ranks the plan runs on (pp × tp × dp)."""
+        return self.pp * self.tp * self.dp
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """The cost model's prediction for one optimizer step (plan-format.md, `predicted`)."""
+
+    step_time_s: float
+    samples_per_s: float
+    bubble_ratio: float
+    peak_memory_bytes: int
+    mfu: float
+    hfu: float
+
+
+class Plan:
+    """A plan file written by `smp-partition`, with the model it was made for.
+
+    `repr(plan)` is `smp-partition inspect`'s table; `plan.parallel`, `plan.predicted`,
+    `plan.stages` and `plan.data` (the whole file as a dict) expose its figures."""
+
+    def __init__(self, path: str | Path, model_path: str | Path | None = None, *,
+                 input_names: list[str] | None = None, prefix: str = "") -> None:
+        self.path = Path(path)
+        self.data: dict[str, Any] = json.loads(self.path.read_text())
+        self.model_path = Path(model_path) if model_path else Path(self.data["model"]["path"])
+        #: The graph's input names (for data given as tensors).
+        self.input_names = input_names or []
+        #: Prefix of the recorded parameter names (the export wrapper's attribute, `model.`).
+        self.prefix = prefix
+        self._inspect: str | None = None
+
+    @property
+    def dir(self) -> Path:
+        """The directory holding the plan (runs write beside it)."""
+        return self.path.parent
+
+    @property
+    def parallel(self) -> Parallel:
+        p = self.data["parallel"]
+        return Parallel(pp=p["pp"], tp=p["tp"], dp=p["dp"], zero=p["zero"], microbatches=p["microbatches"],
+                        schedule=p["schedule"], sequence_parallel=p.get("sequence_parallel", False))
+
+    @property
+    def predicted(self) -> Predicted:
+        p = self.data["predicted"]
+        return Predicted(step_time_s=p["step_time_s"], samples_per_s=p["samples_per_s"],
+                         bubble_ratio=p["bubble_ratio"], peak_memory_bytes=p["peak_memory_bytes"],
+                         mfu=p["mfu"], hfu=p.get("hfu", 0.0))
+
+    @property
+    def stages(self) -> list[dict[str, Any]]:
+        """The pipeline stages (layers, ranks, times, memory), as in the file."""
+        return list(self.data["stages"])
+
+    @property
+    def global_batch(self) -> int:
+        return int(self.data["global_batch"])
+
+    @property
+    def seq_len(self) -> int | None:
+        return self.data.get("seq_len")
+
+    @property
+    def devices(self) -> int:
+        return self.parallel.devices
+
+    def inspect(self) -> str:
+        """`smp-partition inspect PLAN`: stages, bottleneck, memory, communication, proof."""
+        if self._inspect is None:
+            self._inspect = run("smp-partition", ["inspect", self.path])
+        return self._inspect
+
+    def __repr__(self) -> str:
+        return self.inspect()
+
+
+def plan(model: Any, example_inputs: Any = None, *, cluster: str = "cpu:2", global_batch: int | None = None,
+         config: dict[str, Any] | None = None, seq_len: int | None = None, workdir: str | Path | None = None,
+         **flags: Any) -> Plan:
+    """Exports `model` (an `nn.Module` called on `example_inputs`; or the path of an ONNX file)
+    and plans it on `cluster` (`smp-partition MODEL --cluster CLUSTER ...`).
+
+    `config` holds SageMaker model-parallel parameters by their SMP names
+    (`pipeline_parallel_degree`, `tensor_parallel_degree`, `microbatches`, `pipeline`,
+    `ddp`, ...), passed as `--config`; the CLI accepts and checks them. Other planner flags go
+    by keyword (`pp=2`, `schedule="1f1b"`, `memory_limit=16`, `sequence_parallel=True`).
+    `seq_len` defaults to dim 1 of integer example inputs (token ids). Files go to `workdir`
+    (default: a new temporary directory): `model.onnx`, `smp.json`, `plan.json`."""
+    out = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="smp-"))
+    out.mkdir(parents=True, exist_ok=True)
+    exported: Exported | None = None
+    if isinstance(model, (str, Path)):
+        onnx_path = Path(model)
+    else:
+        if example_inputs is None:
+            raise TypeError("plan(model, example_inputs, ...): example inputs are needed to export a module")
+        exported = export(model, example_inputs, out / "model.onnx")
+        onnx_path = exported.path
+        if seq_len is None:
+            ids = [x for x in as_tuple(example_inputs) if x.dim() >= 2 and not x.is_floating_point()]
+            seq_len = int(ids[0].shape[1]) if ids else None
+    args: list[str | Path] = [onnx_path.resolve(), "--cluster", cluster, "-o", out / "plan.json"]
+    if global_batch is not None:
+        args += ["--global-batch", str(global_batch)]
+    if seq_len is not None:
+        args += ["--seq-len", str(seq_len)]
+    if config:
+        (out / "smp.json").write_text(json.dumps(config, indent=2))
+        args += ["--config", out / "smp.json"]
+    args += flag_args(flags)
+    run("smp-partition", args)
+    return Plan(out / "plan.json", onnx_path.resolve(),
+                input_names=exported.input_names if exported else [],
+                prefix=exported.prefix if exported else "")

@@ -1,0 +1,77 @@
+"""`load_trained`: a run's trained weights back into the `nn.Module`."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from ._binaries import find_binary
+from ._run import run as run_binary
+from .errors import SmpError
+from .launch import Run
+
+
+def export_trained(run: Run, path: str | Path | None = None) -> Path:
+    """`smp-runner export CHECKPOINT_DIR -o trained.safetensors`: the run's last checkpoint as
+    one file of weights under module parameter names (docs/checkpoints.md). Needs a run
+    launched with `checkpoint_dir`."""
+    if run.checkpoint_dir is None:
+        raise SmpError("the run kept no checkpoint: launch it with checkpoint_dir=... to get its weights back")
+    target = Path(path) if path else run.dir / "trained.safetensors"
+    runner = find_binary("smp-runner")
+    help_text = subprocess.run([str(runner), "--help"], capture_output=True, text=True).stdout
+    if not any(line.strip().startswith("export") for line in help_text.splitlines()):
+        raise SmpError(f"{runner} has no `export` subcommand (checkpoint export); build a runner that has it")
+    run_binary("smp-runner", ["export", run.checkpoint_dir, "-o", target])
+    run.trained = target
+    return target
+
+
+def state_dict_of(module: Any, tensors: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`module`'s full state dict from `tensors` (trained parameters under module parameter
+    names, optionally prefixed): names lose `prefix`; a tied parameter given under one of its
+    names fills its aliases; buffers the file lacks (not trained) keep the module's values.
+    Raises `SmpError` naming any parameter the file lacks or any name the module lacks."""
+    if prefix and tensors and all(k.startswith(prefix) for k in tensors):
+        tensors = {k[len(prefix):]: v for k, v in tensors.items()}
+    params = dict(module.named_parameters(remove_duplicate=False))
+    aliases: dict[int, list[str]] = {}
+    for name, p in params.items():
+        aliases.setdefault(id(p), []).append(name)
+    current = module.state_dict(keep_vars=True)
+    unknown = sorted(k for k in tensors if k not in current)
+    if unknown:
+        raise SmpError(f"the trained weights hold tensors {type(module).__name__} does not have: {unknown[:10]}")
+    out: dict[str, Any] = {}
+    missing = []
+    for name, value in current.items():
+        if name in tensors:
+            out[name] = tensors[name]
+        elif name in params:
+            given = [a for a in aliases[id(params[name])] if a in tensors]
+            if given:
+                out[name] = tensors[given[0]]
+            else:
+                missing.append(name)
+        else:
+            out[name] = value.detach()  # a buffer: not trained
+    if missing:
+        raise SmpError(f"the trained weights lack parameters of {type(module).__name__}: {missing[:10]}")
+    return out
+
+
+def load_trained(model: Any, run: Run, *, path: str | Path | None = None) -> Any:
+    """Loads `run`'s trained weights into `model` (the module given to `plan`) with
+    `load_state_dict(strict=True)` and returns it.
+
+    The weights come from `path` or `run.trained` if given, else from `smp-runner export` of
+    the run's checkpoint directory (`trained.safetensors`: one tensor per module parameter,
+    whole, under its module name; the runner has already reassembled the shards)."""
+    from safetensors.torch import load_file
+
+    source = Path(path) if path else run.trained or export_trained(run)
+    tensors = load_file(str(source))
+    full = state_dict_of(model, tensors, run.plan.prefix)
+    model.load_state_dict(full, strict=True)
+    return model

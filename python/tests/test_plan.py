@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import json
+import subprocess
+
+import onnx
+
+import smp_partition as smp
+from smp_partition._binaries import param_record
+
+
+def test_plan_honours_the_smp_config_and_exposes_the_file(gpt2_plan) -> None:
+    _, batch, plan = gpt2_plan
+    data = json.loads(plan.path.read_text())
+    assert (plan.parallel.pp, plan.parallel.microbatches) == (2, 4)
+    assert plan.parallel.devices == plan.devices == 2
+    assert plan.global_batch == 8 and plan.seq_len == batch.shape[1]
+    assert plan.predicted.step_time_s == data["predicted"]["step_time_s"] > 0
+    assert plan.predicted.peak_memory_bytes == data["predicted"]["peak_memory_bytes"]
+    assert [s["layers"] for s in plan.stages] == [s["layers"] for s in data["stages"]]
+    assert plan.input_names == ["input_ids"]
+
+
+def test_repr_is_the_inspect_table(gpt2_plan) -> None:
+    plan = gpt2_plan[2]
+    inspect = subprocess.run([str(smp.find_binary("smp-partition")), "inspect", str(plan.path)],
+                             capture_output=True, text=True, check=True).stdout
+    assert repr(plan) == inspect
+    assert "pp 2" in inspect
+
+
+def test_export_is_dynamic_and_carries_the_parameter_record(gpt2_plan) -> None:
+    model, _, plan = gpt2_plan
+    proto = onnx.load(str(plan.model_path))
+    dims = [d.dim_param for d in proto.graph.input[0].type.tensor_type.shape.dim]
+    assert all(dims) and len(set(dims)) == 2, dims  # symbolic batch and sequence
+    meta = {p.key: p.value for p in proto.metadata_props}
+    assert meta["smp.param_record"] == "1" and json.loads(meta["smp.missing"]) == []
+    # every module parameter is named by the record (the one implementation's reader)
+    named = set()
+    for rec in param_record().read_record(proto).values():
+        if rec.get("smp.kind") == "parameter":
+            for aliases in json.loads(rec["smp.params"]):
+                named.update(aliases)
+    expected = {plan.prefix + n for n, _ in model.named_parameters(remove_duplicate=False)}
+    assert named == expected
+
+
+def test_bad_config_names_the_setting(gpt2_plan, tmp_path) -> None:
+    import pytest
+
+    with pytest.raises(smp.CommandError, match="tensor_parallel_degree"):
+        smp.plan(gpt2_plan[2].model_path, cluster="cpu:2", global_batch=8, seq_len=16,
+                 config={"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2}, workdir=tmp_path)

@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+import copy
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import smp_partition as smp
+from conftest import has_runner, tiny_gpt2, tokens, torch_losses
+
+
+def _run_with(plan, trained: Path) -> smp.Run:
+    return smp.Run(plan=plan, dir=trained.parent, losses=[], report={}, trained=trained)
+
+
+def _trained_file(model, path: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """What `smp-runner export -o trained.safetensors` writes: each parameter once, under a
+    module parameter name (with the export wrapper's prefix), no buffers."""
+    weights = {}
+    seen = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        weights[prefix + name] = (p.detach() + 0.5).contiguous()
+    save_file(weights, str(path))
+    return weights
+
+
+def test_load_trained_fills_ties_and_loads_strictly(gpt2_plan, tmp_path: Path) -> None:
+    plan = gpt2_plan[2]
+    model = tiny_gpt2()
+    path = tmp_path / "trained.safetensors"
+    weights = _trained_file(model, path, plan.prefix)
+    target = tiny_gpt2()
+    smp.load_trained(target, _run_with(plan, path))
+    for name, p in target.named_parameters(remove_duplicate=False):
+        key = plan.prefix + ("transformer.wte.weight" if name == "lm_head.weight" else name)
+        assert torch.equal(p, weights[key]), name
+    assert target.lm_head.weight is target.transformer.wte.weight  # the tie survives
+
+
+def test_load_trained_names_what_is_missing_or_unknown(gpt2_plan, tmp_path: Path) -> None:
+    plan = gpt2_plan[2]
+    model = tiny_gpt2()
+    path = tmp_path / "trained.safetensors"
+    weights = _trained_file(model, path, plan.prefix)
+    del weights[plan.prefix + "transformer.h.1.mlp.c_fc.bias"]
+    save_file(weights, str(path))
+    with pytest.raises(smp.SmpError, match="h.1.mlp.c_fc.bias"):
+        smp.load_trained(tiny_gpt2(), _run_with(plan, path))
+    weights[plan.prefix + "transformer.h.1.mlp.c_fc.bias"] = torch.zeros(128)
+    weights[plan.prefix + "no.such.weight"] = torch.zeros(1)
+    save_file(weights, str(path))
+    with pytest.raises(smp.SmpError, match="no.such.weight"):
+        smp.load_trained(tiny_gpt2(), _run_with(plan, path))
+
+
+def _has_export() -> bool:
+    if not has_runner():
+        return False
+    out = subprocess.run([str(smp.find_binary("smp-runner")), "--help"], capture_output=True, text=True).stdout
+    return any(line.strip().startswith("export") for line in out.splitlines())
+
+
+@pytest.mark.skipif(not _has_export(), reason="smp-runner has no `export` subcommand yet (checkpoints, issue 15)")
+def test_trained_weights_come_back_into_the_module(gpt2_plan, tmp_path: Path) -> None:
+    """HF GPT-2 → plan (pp 2) → launch on 2 CPU ranks, 5 steps → load_trained: the module's
+    forward equals `smp-runner eval` of the exported trained.onnx (f32, 1e-5), and the losses
+    equal 5 steps of plain PyTorch training (1e-5)."""
+    model, batch, plan = gpt2_plan
+    run = smp.launch(plan, data=batch, steps=5, checkpoint_dir=tmp_path / "ckpt")
+    expected = torch_losses(copy.deepcopy(model), batch, 5)
+    np.testing.assert_allclose(run.losses, expected, rtol=1e-5)
+    trained = copy.deepcopy(model)
+    smp.load_trained(trained, run)
+    onnx_out = tmp_path / "trained.onnx"
+    runner = str(smp.find_binary("smp-runner"))
+    subprocess.run([runner, "export", str(tmp_path / "ckpt"), "-o", str(onnx_out)], check=True)
+    probe = tokens()
+    np.savez(tmp_path / "in.npz", input_ids=probe.numpy())
+    subprocess.run([runner, "eval", str(onnx_out), "--inputs", str(tmp_path / "in.npz"),
+                    "--outputs", str(tmp_path / "out.npz")], check=True)
+    got = np.load(tmp_path / "out.npz")["logits"]
+    trained.eval()
+    with torch.no_grad():
+        want = trained(probe).logits.numpy()
+    np.testing.assert_allclose(want, got, rtol=1e-5, atol=1e-5)

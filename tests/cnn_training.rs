@@ -1,0 +1,98 @@
+//! CNN training: torchvision's ResNet-18 with BatchNormalization in train() mode. Batch
+//! statistics per microbatch, running statistics updated by PyTorch's momentum rule and never
+//! trained, ResNet stages pipelined, replica 0's buffers broadcast under data parallelism.
+//! Oracle: PyTorch's own training of the module (`tests/cnn_exports.py`).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use common::exports::python;
+
+fn exports() -> &'static PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| common::exports::exported("cnn_exports.py", "torch_state.npz"))
+}
+
+fn losses(stdout: &[u8]) -> Vec<f64> {
+    let v: serde_json::Value = serde_json::from_slice(stdout).unwrap_or_else(|e| panic!("bad JSON ({e}): {}", String::from_utf8_lossy(stdout)));
+    v["steps"].as_array().unwrap().iter().map(|s| s["loss"].as_f64().unwrap()).collect()
+}
+
+fn max_rel(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len(), "step count");
+    got.iter().zip(want).map(|(g, w)| ((g - w) / w).abs()).fold(0.0, f64::max)
+}
+
+const RUN: [&str; 9] = ["--loss", "cross-entropy", "--steps", "3", "--dtype", "f64", "--threads", "1", "--json"];
+
+/// One process, 4 microbatches, as PyTorch ran them; writes the trained weights and buffers.
+fn single_process(dir: &Path) -> (Vec<f64>, PathBuf) {
+    let (model, data) = (exports().join("resnet18.onnx"), exports().join("data.npz"));
+    let saved = dir.join("trained.npz");
+    let r = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
+        .args(["train", model.to_str().unwrap(), "--batch", "8", "--microbatches", "4", "--data", data.to_str().unwrap()])
+        .args(["--save-weights", saved.to_str().unwrap()])
+        .args(RUN)
+        .output()
+        .unwrap();
+    assert!(r.status.success(), "train: {}", String::from_utf8_lossy(&r.stderr));
+    (losses(&r.stdout), saved)
+}
+
+#[test]
+fn resnet18_trains_as_pytorch_in_train_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let (got, saved) = single_process(dir.path());
+    let want: Vec<f64> = {
+        let code = "import sys, numpy as np\nprint(' '.join(repr(float(x)) for x in np.load(sys.argv[1])))";
+        let r = Command::new(python()).args(["-c", code, exports().join("torch_losses.npy").to_str().unwrap()]).output().unwrap();
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        String::from_utf8_lossy(&r.stdout).split_whitespace().map(|x| x.parse().unwrap()).collect()
+    };
+    let worst = max_rel(&got, &want);
+    assert!(worst <= 1e-9, "losses {got:?} vs PyTorch {want:?} (max rel {worst:.2e})");
+    // Weights and running statistics after 3 steps equal PyTorch's state_dict.
+    let code = "import sys, numpy as np\ngot, want = np.load(sys.argv[1]), np.load(sys.argv[2])\n\
+                keys = [k for k in want.files if 'running' in k]\nassert len(keys) == 40, keys\n\
+                missing = [k for k in want.files if k not in got.files]\nassert not missing, missing\n\
+                print(max(float(np.abs(got[k] - want[k]).max() / max(np.abs(want[k]).max(), 1e-12)) for k in want.files))";
+    let r = Command::new(python())
+        .args(["-c", code, saved.to_str().unwrap(), exports().join("torch_state.npz").to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let rel: f64 = String::from_utf8_lossy(&r.stdout).trim().parse().unwrap();
+    assert!(rel <= 1e-8, "trained state differs from PyTorch's by {rel:.2e}");
+}
+
+#[test]
+fn resnet18_pipelines_and_replicates_like_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let (want, _) = single_process(dir.path());
+    let (model, data) = (exports().join("resnet18.onnx"), exports().join("data.npz"));
+    let cluster = common::machine::cluster_arg("cpu:2");
+    for (name, flags) in [
+        ("pp2", &["--pp", "2", "--tp", "1", "--dp", "1", "--microbatches", "4"][..]),
+        ("dp2", &["--pp", "1", "--tp", "1", "--dp", "2", "--microbatches", "2"][..]),
+    ] {
+        let plan = dir.path().join(format!("{name}.json"));
+        let r = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
+            .args([model.to_str().unwrap(), "--cluster", &cluster, "--global-batch", "8", "-o", plan.to_str().unwrap()])
+            .args(flags)
+            .output()
+            .unwrap();
+        assert!(r.status.success(), "planning {name}: {}", String::from_utf8_lossy(&r.stderr));
+        let r = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
+            .args(["launch", "--nproc", "2", plan.to_str().unwrap(), "--data", data.to_str().unwrap(), "--timeout", "300"])
+            .args(RUN)
+            .output()
+            .unwrap();
+        assert!(r.status.success(), "launch {name}: {}", String::from_utf8_lossy(&r.stderr));
+        let got = losses(&r.stdout);
+        let worst = max_rel(&got, &want);
+        assert!(worst <= 1e-9, "{name}: {got:?} vs one process {want:?} (max rel {worst:.2e})");
+    }
+}
