@@ -23,7 +23,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from onnx_build import REPO, float_initializer_elements, io_record, update_manifest  # noqa: E402
-from param_record import write_record  # noqa: E402
+from param_record import drop_stack_traces, write_record  # noqa: E402
 
 MODELS = REPO / "models"
 OPSET = 18
@@ -151,12 +151,8 @@ def export(name: str) -> dict:
                                     output_names=["logits"], verbose=False)
     program.save(str(path), external_data=False)
 
-    # Stack traces name this machine's paths; the module path (`namespace`) stays.
     proto = onnx.load(str(path))
-    for node in proto.graph.node:
-        keep = [p for p in node.metadata_props if p.key != "pkg.torch.onnx.stack_trace"]
-        del node.metadata_props[:]
-        node.metadata_props.extend(keep)
+    drop_stack_traces(proto)
     # which module parameters each initializer stands for (docs/parameter-record.md)
     record = write_record(model, proto)
     assert not record["missing"], f"{name}: parameters not in the export: {record['missing']}"

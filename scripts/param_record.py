@@ -200,6 +200,15 @@ def write_record(module, proto: onnx.ModelProto) -> dict:
     return summary
 
 
+def drop_stack_traces(proto: onnx.ModelProto) -> None:
+    """Removes torch.onnx's per-node stack traces (they name this machine's paths); the module
+    scopes (`namespace`, `pkg.torch.onnx.name_scopes`) stay."""
+    for node in proto.graph.node:
+        keep = [p for p in node.metadata_props if p.key != "pkg.torch.onnx.stack_trace"]
+        del node.metadata_props[:]
+        node.metadata_props.extend(keep)
+
+
 def _free_name(g: onnx.GraphProto, want: str) -> str:
     used = {t.name for t in g.initializer} | {x for n in g.node for x in list(n.input) + list(n.output)}
     used |= {v.name for v in g.input}

@@ -19,6 +19,8 @@
 
 mod common;
 
+use common::runner::{field, json, ok, random_tokens, runner};
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -37,34 +39,6 @@ fn repo() -> PathBuf {
 
 fn model() -> PathBuf {
     repo().join("models/gpt2.onnx")
-}
-
-fn runner() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_smp-runner"))
-}
-
-fn ok(what: &str, r: Output) -> Output {
-    assert!(r.status.success(), "{what} failed: {}", String::from_utf8_lossy(&r.stderr));
-    r
-}
-
-fn json(r: &Output) -> serde_json::Value {
-    serde_json::from_slice(&r.stdout).unwrap_or_else(|e| panic!("bad JSON ({e}): {}", String::from_utf8_lossy(&r.stdout)))
-}
-
-fn field(report: &serde_json::Value, list: &str, key: &str) -> Vec<f64> {
-    report[list].as_array().unwrap_or_else(|| panic!("no `{list}` in {report}")).iter().map(|s| s[key].as_f64().unwrap()).collect()
-}
-
-/// Pseudo-random byte-range ids (a fixed LCG).
-fn random_tokens(n: usize, seed: u64) -> Vec<u16> {
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((x >> 33) % 256) as u16
-        })
-        .collect()
 }
 
 struct Files {

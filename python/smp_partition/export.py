@@ -144,11 +144,7 @@ def export(model: Any, example_inputs: Any, path: str | Path, *, dynamic: bool =
                                     output_names=["logits"], verbose=False)
     program.save(str(path), external_data=False)
     proto = onnx.load(str(path))
-    # stack traces name this machine's paths; the module scopes stay
-    for node in proto.graph.node:
-        keep = [p for p in node.metadata_props if p.key != "pkg.torch.onnx.stack_trace"]
-        del node.metadata_props[:]
-        node.metadata_props.extend(keep)
+    param_record().drop_stack_traces(proto)
     record = param_record().write_record(wrapper, proto)
     if record["missing"]:
         raise SmpError(f"parameters not in the export of {type(model).__name__}: {record['missing']} "

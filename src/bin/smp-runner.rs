@@ -716,7 +716,7 @@ fn rebind_batch(graph: &mut Graph, b: i64, opts: &smp_partition::passes::Analyze
 }
 
 /// Writes the trained tensors keyed by module parameter name, in the module's layout, and the
-/// buffers the parameter record names (BatchNorm running statistics) under their module names.
+/// buffers the parameter record names (BatchNorm running statistics) as `NAME#buffer`.
 fn save_weights(path: &Path, exec: &Executor) -> Result<()> {
     let graph = exec.graph();
     let mut arrays = Vec::new();
@@ -724,7 +724,7 @@ fn save_weights(path: &Path, exec: &Executor) -> Result<()> {
         let val = graph.value(v);
         if let (Some(rec), Some(w)) = (val.record.as_ref().filter(|r| r.kind == RecordKind::Buffer), exec.weights.get(&v)) {
             for n in rec.params.iter().flatten() {
-                arrays.push((n.clone(), w.detach(), None));
+                arrays.push((format!("{n}#buffer"), w.detach(), None));
             }
             continue;
         }

@@ -5,6 +5,7 @@ pub mod interp;
 pub mod machine;
 pub mod exports;
 pub mod plan_fixture;
+pub mod runner;
 pub mod synthetic_gpt;
 
 pub use machine::*;

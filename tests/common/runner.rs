@@ -1,0 +1,35 @@
+//! Running `smp-runner` from tests: the command, success checks and its `--json` report.
+
+use std::process::{Command, Output};
+
+/// `smp-runner`, as cargo built it for this test.
+pub fn runner() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_smp-runner"))
+}
+
+/// `r`, after asserting it succeeded (the message names `what` and carries stderr).
+pub fn ok(what: &str, r: Output) -> Output {
+    assert!(r.status.success(), "{what} failed: {}", String::from_utf8_lossy(&r.stderr));
+    r
+}
+
+/// The `--json` report a run printed.
+pub fn json(r: &Output) -> serde_json::Value {
+    serde_json::from_slice(&r.stdout).unwrap_or_else(|e| panic!("bad JSON ({e}): {}", String::from_utf8_lossy(&r.stdout)))
+}
+
+/// `key` of every entry of the report's list `list` (e.g. `steps`, `loss`).
+pub fn field(report: &serde_json::Value, list: &str, key: &str) -> Vec<f64> {
+    report[list].as_array().unwrap_or_else(|| panic!("no `{list}` in {report}")).iter().map(|s| s[key].as_f64().unwrap()).collect()
+}
+
+/// Pseudo-random byte-range ids (a fixed LCG).
+pub fn random_tokens(n: usize, seed: u64) -> Vec<u16> {
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((x >> 33) % 256) as u16
+        })
+        .collect()
+}
