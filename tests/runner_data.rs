@@ -16,7 +16,7 @@ mod common;
 use common::runner::{field, json, ok, random_tokens, runner};
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 use std::sync::OnceLock;
 
 use smp_partition::runtime::data::{self, DataSource, Order, TokenFile, TokenStream};
