@@ -176,14 +176,7 @@ fn runs_equal_one_process(model: &Path, runs: &[(usize, usize)], check: impl Fn(
     for &(pp, tp) in runs {
         let out = tmp.path().join(format!("pp{pp}tp{tp}.json"));
         let n = pp * tp;
-        let r = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
-            .args([model.to_str().unwrap(), "--cluster", &common::cluster_arg(&format!("cpu:{n}")), "--seq-len", "16"])
-            .args(["-o", out.to_str().unwrap(), "--pp", &pp.to_string(), "--tp", &tp.to_string(), "--dp", "1"])
-            .args(["--microbatches", "2", "--global-batch", "8", "--baseline", "megatron"])
-            .output()
-            .unwrap();
-        assert!(r.status.success(), "planning pp{pp} tp{tp}: {}", String::from_utf8_lossy(&r.stderr));
-        let plan: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+        let plan = common::runner::plan_megatron(&model, pp, tp, &out);
         check(pp, tp, &plan);
         let r = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
             .args(["launch", "--nproc", &n.to_string(), out.to_str().unwrap()])

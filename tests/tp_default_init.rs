@@ -43,14 +43,7 @@ fn planned(model: &Path, pp: usize, tp: usize) -> Vec<f64> {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("plan.json");
     let n = pp * tp;
-    let r = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
-        .args([model.to_str().unwrap(), "--cluster", &common::cluster_arg(&format!("cpu:{n}")), "--seq-len", "16"])
-        .args(["-o", out.to_str().unwrap(), "--pp", &pp.to_string(), "--tp", &tp.to_string(), "--dp", "1"])
-        .args(["--microbatches", "2", "--global-batch", "8", "--baseline", "megatron"])
-        .output()
-        .unwrap();
-    assert!(r.status.success(), "planning {} pp{pp} tp{tp}: {}", model.display(), String::from_utf8_lossy(&r.stderr));
-    let plan: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    let plan = common::runner::plan_megatron(model, pp, tp, &out);
     let shards = plan["codegen"]["shards"].as_array().unwrap();
     // embedding, 4 blocks, head: each block slices its attention and MLP weights
     assert_eq!(shards.len(), 6, "{}", model.display());

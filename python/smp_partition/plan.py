@@ -104,6 +104,25 @@ class Plan:
         return self.inspect()
 
 
+def planner_args(example_inputs: Any, global_batch: int | None, seq_len: int | None,
+                 config: dict[str, Any] | None, out: Path) -> list[str | Path]:
+    """The planner options `plan` and `sweep` share: `--global-batch`, `--seq-len` (by default
+    dim 1 of integer example inputs, i.e. token ids) and `--config` (the SMP parameters,
+    written to `out/smp.json`)."""
+    if seq_len is None and example_inputs is not None:
+        ids = [x for x in as_tuple(example_inputs) if x.dim() >= 2 and not x.is_floating_point()]
+        seq_len = int(ids[0].shape[1]) if ids else None
+    args: list[str | Path] = []
+    if global_batch is not None:
+        args += ["--global-batch", str(global_batch)]
+    if seq_len is not None:
+        args += ["--seq-len", str(seq_len)]
+    if config:
+        (out / "smp.json").write_text(json.dumps(config, indent=2))
+        args += ["--config", out / "smp.json"]
+    return args
+
+
 def plan(model: Any, example_inputs: Any = None, *, cluster: str = "cpu:2", global_batch: int | None = None,
          config: dict[str, Any] | None = None, seq_len: int | None = None, workdir: str | Path | None = None,
          **flags: Any) -> Plan:
@@ -126,17 +145,8 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: str = "cpu:2", glob
             raise TypeError("plan(model, example_inputs, ...): example inputs are needed to export a module")
         exported = export(model, example_inputs, out / "model.onnx")
         onnx_path = exported.path
-        if seq_len is None:
-            ids = [x for x in as_tuple(example_inputs) if x.dim() >= 2 and not x.is_floating_point()]
-            seq_len = int(ids[0].shape[1]) if ids else None
     args: list[str | Path] = [onnx_path.resolve(), "--cluster", cluster, "-o", out / "plan.json"]
-    if global_batch is not None:
-        args += ["--global-batch", str(global_batch)]
-    if seq_len is not None:
-        args += ["--seq-len", str(seq_len)]
-    if config:
-        (out / "smp.json").write_text(json.dumps(config, indent=2))
-        args += ["--config", out / "smp.json"]
+    args += planner_args(example_inputs, global_batch, seq_len, config, out)
     args += flag_args(flags)
     run("smp-partition", args)
     return Plan(out / "plan.json", onnx_path.resolve(),

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ._run import flag_args, run
-from .export import as_tuple, export
+from .export import export
+from .plan import planner_args
 
 
 @dataclass(frozen=True)
@@ -49,17 +50,8 @@ def sweep(model: Any, example_inputs: Any = None, *, clusters: Sequence[str], gl
         if example_inputs is None:
             raise TypeError("sweep(model, example_inputs, ...): example inputs are needed to export a module")
         onnx_path = export(model, example_inputs, out / "model.onnx").path
-        if seq_len is None:
-            ids = [x for x in as_tuple(example_inputs) if x.dim() >= 2 and not x.is_floating_point()]
-            seq_len = int(ids[0].shape[1]) if ids else None
     args: list[str | Path] = ["sweep", onnx_path, "--clusters", *clusters]
-    if global_batch is not None:
-        args += ["--global-batch", str(global_batch)]
-    if seq_len is not None:
-        args += ["--seq-len", str(seq_len)]
-    if config:
-        (out / "smp.json").write_text(json.dumps(config, indent=2))
-        args += ["--config", out / "smp.json"]
+    args += planner_args(example_inputs, global_batch, seq_len, config, out)
     if svg is not None:
         args += ["-o", svg]
     args += flag_args(flags) + ["--json"]

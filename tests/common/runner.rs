@@ -33,3 +33,17 @@ pub fn random_tokens(n: usize, seed: u64) -> Vec<u16> {
         })
         .collect()
 }
+
+/// Plans `model` (sequence 16, batch 8, 2 microbatches) at pp × tp × dp 1 with Megatron's
+/// split on `cpu:pp·tp`, writes the plan to `out` and returns it parsed.
+pub fn plan_megatron(model: &std::path::Path, pp: usize, tp: usize, out: &std::path::Path) -> serde_json::Value {
+    let cluster = super::cluster_arg(&format!("cpu:{}", pp * tp));
+    let r = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
+        .args([model.to_str().unwrap(), "--cluster", &cluster, "--seq-len", "16"])
+        .args(["-o", out.to_str().unwrap(), "--pp", &pp.to_string(), "--tp", &tp.to_string(), "--dp", "1"])
+        .args(["--microbatches", "2", "--global-batch", "8", "--baseline", "megatron"])
+        .output()
+        .unwrap();
+    ok(&format!("planning {} pp{pp} tp{tp}", model.display()), r);
+    serde_json::from_slice(&std::fs::read(out).unwrap()).unwrap()
+}
