@@ -98,3 +98,47 @@ fn resnet18_pipelines_and_replicates_like_one_process() {
         assert!(worst <= 1e-9, "{name}: {got:?} vs one process {want:?} (max rel {worst:.2e})");
     }
 }
+
+/// Running statistics survive a checkpoint: saved under pp 2 at step 2 (each written by the rank
+/// whose stage trained it), resumed in one process for step 3, the weights and buffers equal the
+/// uninterrupted run's.
+#[test]
+fn resnet18_running_statistics_resume_from_a_pipeline_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let (want, uninterrupted) = single_process(dir.path());
+    let (model, data) = (exports().join("resnet18.onnx"), exports().join("data.npz"));
+    let plan = dir.path().join("pp2.json");
+    let cluster = common::machine::cluster_arg("cpu:2");
+    let r = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
+        .args([model.to_str().unwrap(), "--cluster", &cluster, "--global-batch", "8", "-o", plan.to_str().unwrap()])
+        .args(["--pp", "2", "--tp", "1", "--dp", "1", "--microbatches", "4"])
+        .output()
+        .unwrap();
+    assert!(r.status.success(), "planning: {}", String::from_utf8_lossy(&r.stderr));
+    let ckpt = dir.path().join("ckpt");
+    let r = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
+        .args(["launch", "--nproc", "2", plan.to_str().unwrap(), "--data", data.to_str().unwrap(), "--timeout", "300"])
+        .args(["--checkpoint-dir", ckpt.to_str().unwrap(), "--checkpoint-every", "2"])
+        .args(["--loss", "cross-entropy", "--steps", "2", "--dtype", "f64", "--threads", "1", "--json"])
+        .output()
+        .unwrap();
+    assert!(r.status.success(), "launch: {}", String::from_utf8_lossy(&r.stderr));
+    let resumed = dir.path().join("resumed.npz");
+    let r = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
+        .args(["train", model.to_str().unwrap(), "--batch", "8", "--microbatches", "4", "--data", data.to_str().unwrap()])
+        .args(["--resume", ckpt.to_str().unwrap(), "--save-weights", resumed.to_str().unwrap()])
+        .args(RUN)
+        .output()
+        .unwrap();
+    assert!(r.status.success(), "resume: {}", String::from_utf8_lossy(&r.stderr));
+    let got = losses(&r.stdout);
+    let last = (got.last().unwrap() - want[2]).abs() / want[2];
+    assert!(last <= 1e-9, "resumed step 3 loss {got:?} vs uninterrupted {want:?}");
+    let code = "import sys, numpy as np\na, b = np.load(sys.argv[1]), np.load(sys.argv[2])\nassert sorted(a.files) == sorted(b.files)\n\
+                assert sum(k.endswith('#buffer') for k in a.files) == 40\n\
+                print(max(float(np.abs(a[k] - b[k]).max() / max(np.abs(b[k]).max(), 1e-12)) for k in b.files))";
+    let r = Command::new(python()).args(["-c", code, resumed.to_str().unwrap(), uninterrupted.to_str().unwrap()]).output().unwrap();
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let rel: f64 = String::from_utf8_lossy(&r.stdout).trim().parse().unwrap();
+    assert!(rel <= 1e-12, "resumed weights and buffers differ from the uninterrupted run by {rel:.2e}");
+}

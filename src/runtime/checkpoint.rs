@@ -543,17 +543,24 @@ pub fn param_name(graph: &Graph, v: ValueId) -> String {
     }
 }
 
-/// The module buffers of `graph` (initializers the record or the name rules call buffers) as
-/// whole pieces, from `weights`. The runner never updates them, so resuming reads them from the
-/// model; they are in the checkpoint for readers of it.
-pub fn buffer_pieces(graph: &Graph, weights: &HashMap<ValueId, Tensor>) -> Result<Vec<Piece>, RuntimeError> {
+/// True for a module buffer (an initializer the record or the name rules call a buffer).
+fn is_buffer(graph: &Graph, v: ValueId) -> bool {
+    matches!(&graph.value(v).training, Some(Training::Frozen { reason: FrozenReason::Buffer | FrozenReason::BufferName }))
+}
+
+fn buffer_name(graph: &Graph, v: ValueId) -> String {
+    let val = graph.value(v);
+    val.record.as_ref().and_then(|r| r.name(0)).unwrap_or(&val.name).to_string()
+}
+
+/// The module buffers of `graph` that `held` gives a tensor for, as whole pieces. BatchNorm's
+/// running statistics move during training, so each must come from the copy that trained: the
+/// caller's `held` answers only for buffers whose live copy it holds (written once per world).
+pub fn buffer_pieces(graph: &Graph, held: impl Fn(ValueId) -> Option<Tensor>) -> Result<Vec<Piece>, RuntimeError> {
     let mut out = Vec::new();
-    for v in graph.initializers() {
-        let val = graph.value(v);
-        let buffer = matches!(&val.training, Some(Training::Frozen { reason: FrozenReason::Buffer | FrozenReason::BufferName }));
-        let Some(w) = weights.get(&v).filter(|w| buffer && w.numel() > 0) else { continue };
-        let name = val.record.as_ref().and_then(|r| r.name(0)).unwrap_or(&val.name).to_string();
-        out.push(Piece { name, role: Role::Buffer, shape: w.size(), transposed: false, slice: Slice::whole(), tensor: w.f_detach()? });
+    for v in graph.initializers().filter(|&v| is_buffer(graph, v)) {
+        let Some(w) = held(v).filter(|w| w.numel() > 0) else { continue };
+        out.push(Piece { name: buffer_name(graph, v), role: Role::Buffer, shape: w.size(), transposed: false, slice: Slice::whole(), tensor: w.f_detach()? });
     }
     Ok(out)
 }
@@ -593,6 +600,20 @@ pub fn restore_params(ckpt: &Loaded, graph: &Graph, weights: &mut HashMap<ValueI
         })?;
         if t.size() != w.size() {
             return Err(ferr(&mpath, format!("parameter `{name}` is {:?} there, but {:?} in the model", t.size(), w.size())));
+        }
+        let t = t.f_to_kind(w.kind())?;
+        weights.insert(v, t);
+    }
+    // buffers as training left them (running statistics); older checkpoints may lack them
+    for v in graph.initializers().filter(|&v| is_buffer(graph, v)) {
+        let Some(w) = weights.get(&v) else { continue };
+        let name = buffer_name(graph, v);
+        if !ckpt.manifest.tensors.iter().any(|e| e.name == name && e.role == Role::Buffer) {
+            continue;
+        }
+        let t = ckpt.assemble(&name, Role::Buffer)?;
+        if t.size() != w.size() {
+            return Err(ferr(&mpath, format!("buffer `{name}` is {:?} there, but {:?} in the model", t.size(), w.size())));
         }
         let t = t.f_to_kind(w.kind())?;
         weights.insert(v, t);

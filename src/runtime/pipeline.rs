@@ -148,9 +148,7 @@ fn save_checkpoint(interp: &Interp<'_, '_>, rank: &Rank<'_>, env: &RankEnv, save
             tensor: lp.tensor,
         });
     }
-    if env.rank == 0 {
-        pieces.extend(checkpoint::buffer_pieces(graph, &rank.exec.weights)?);
-    }
+    pieces.extend(checkpoint::buffer_pieces(graph, |v| rank.live_buffer(v))?);
     checkpoint::write_shard(&dir, env.rank, &pieces)?;
     checkpoint::fault_point(env.rank, step);
     world.barrier()?;

@@ -303,6 +303,23 @@ impl<'a> Rank<'a> {
             .ok_or_else(|| terr(format!("collective `{purpose}` names no stage of rank {}", self.me)))
     }
 
+    /// The tensor of buffer `v` that training updates, if this rank writes it to checkpoints:
+    /// replica 0's tensor rank 0 of the first stage that reads `v` (its executor's copy).
+    pub fn live_buffer(&self, v: ValueId) -> Option<Tensor> {
+        if self.d != 0 || self.t != 0 {
+            return None;
+        }
+        let graph = self.graph();
+        let first = (0..self.n_stages).find(|&s| self.layout.nodes[s].iter().any(|&n| graph.node(n).inputs.contains(&Some(v))))?;
+        if !self.my_stages.contains(&first) {
+            return None;
+        }
+        match self.stage_execs.get(&first) {
+            Some(se) => se.graph().value_by_name(&graph.value(v).name).and_then(|l| se.weights.get(&l)).map(Tensor::shallow_clone),
+            None => self.exec.weights.get(&v).map(Tensor::shallow_clone),
+        }
+    }
+
     /// The last stage (it computes the loss).
     pub fn last_stage(&self) -> usize {
         self.n_stages - 1

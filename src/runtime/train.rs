@@ -648,7 +648,7 @@ pub fn train_with(
                     });
                 }
             }
-            pieces.extend(checkpoint::buffer_pieces(graph, &exec.weights)?);
+            pieces.extend(checkpoint::buffer_pieces(graph, |v| exec.weights.get(&v).map(Tensor::shallow_clone))?);
             checkpoint::write_shard(&dir, 0, &pieces)?;
             checkpoint::fault_point(0, step);
             let manifest = checkpoint::write_manifest(&dir, save.state(step, 1))?;
