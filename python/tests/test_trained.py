@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 import smp_partition as smp
-from conftest import has_runner, tiny_gpt2, tokens, torch_losses
+from conftest import needs_runner, tiny_gpt2, tokens, torch_losses
 
 
 def _run_with(plan, trained: Path) -> smp.Run:
@@ -60,14 +60,7 @@ def test_load_trained_names_what_is_missing_or_unknown(gpt2_plan, tmp_path: Path
         smp.load_trained(tiny_gpt2(), _run_with(plan, path))
 
 
-def _has_export() -> bool:
-    if not has_runner():
-        return False
-    out = subprocess.run([str(smp.find_binary("smp-runner")), "--help"], capture_output=True, text=True).stdout
-    return any(line.strip().startswith("export") for line in out.splitlines())
-
-
-@pytest.mark.skipif(not _has_export(), reason="smp-runner has no `export` subcommand yet (checkpoints, issue 15)")
+@needs_runner
 def test_trained_weights_come_back_into_the_module(gpt2_plan, tmp_path: Path) -> None:
     """HF GPT-2 → plan (pp 2) → launch on 2 CPU ranks, 5 steps → load_trained: the module's
     forward equals `smp-runner eval` of the exported trained.onnx (f32, 1e-5), and the losses
