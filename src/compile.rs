@@ -14,6 +14,7 @@ use crate::codegen::{self, EncodeError};
 use crate::cost::ClusterSpec;
 use crate::frontend::onnx::{self, ImportError};
 use crate::ir::LayeredGraph;
+use crate::passes::params::ParamOptions;
 use crate::passes::{self, AnalyzeOptions, PassError};
 use crate::plan::build::{self, ModelRef};
 use crate::plan::{Plan, PlanInvalid, validate};
@@ -194,10 +195,15 @@ pub fn analyze_options(opts: &PlanOptions) -> AnalyzeOptions {
 /// Import → analyze: the graph with shapes, figures and layers. Import warnings are logged
 /// (`tracing::warn`) and returned.
 pub fn load_and_analyze(path: &Path, opts: &AnalyzeOptions) -> Result<Analysed, CompileError> {
-    import_and_analyze(path, opts, &mut ())
+    import_and_analyze(path, opts, &ParamOptions::default(), &mut ())
 }
 
-fn import_and_analyze(path: &Path, opts: &AnalyzeOptions, observer: &mut dyn Observer) -> Result<Analysed, CompileError> {
+fn import_and_analyze(
+    path: &Path,
+    opts: &AnalyzeOptions,
+    params: &ParamOptions,
+    observer: &mut dyn Observer,
+) -> Result<Analysed, CompileError> {
     observer.stage(Stage::Import);
     let imported = onnx::load_model(path).map_err(|source| CompileError::Import { path: path.to_path_buf(), source })?;
     let warnings: Vec<String> = imported.warnings.iter().map(|w| w.to_string()).collect();
@@ -205,7 +211,7 @@ fn import_and_analyze(path: &Path, opts: &AnalyzeOptions, observer: &mut dyn Obs
         tracing::warn!("{}: {w}", path.display());
     }
     observer.stage(Stage::Analyze);
-    let lg = passes::analyze(imported.graph, opts).map_err(|source| CompileError::Analyze { path: path.to_path_buf(), source })?;
+    let lg = passes::analyze_with(imported.graph, opts, params).map_err(|source| CompileError::Analyze { path: path.to_path_buf(), source })?;
     Ok(Analysed { lg, model: ModelRef { path: path.display().to_string(), sha256: imported.sha256 }, warnings })
 }
 
@@ -229,7 +235,7 @@ pub fn compile_observed<'a>(
     let analysed = match model.into() {
         Model::Analysed(a) => a,
         Model::Onnx(path) => {
-            loaded = import_and_analyze(path, &analyze_options(options), observer)?;
+            loaded = import_and_analyze(path, &analyze_options(options), &options.params, observer)?;
             &loaded
         }
     };

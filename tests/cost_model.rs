@@ -14,14 +14,14 @@ fn rel(a: f64, b: f64) -> f64 {
 fn model_state_is_16_psi_divided_as_zero_defines() {
     // ZeRO paper, Fig. 1: Ψ = 7.5B, N_d = 64: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB.
     let psi = 7.5e9;
-    let gb = |z| model_state(psi, z, 64, StatePrecision::MIXED_ADAM).total() / 1e9;
+    let gb = |z| model_state(psi, psi, z, 64, StatePrecision::MIXED_ADAM).total() / 1e9;
     assert!(rel(gb(0), 120.0) < 1e-12);
     assert!(rel(gb(1), 31.4) < 0.01, "{}", gb(1));
     assert!(rel(gb(2), 16.6) < 0.01, "{}", gb(2));
     assert!(rel(gb(3), 1.875) < 1e-12, "{}", gb(3));
-    let s = model_state(psi, 2, 8, StatePrecision::MIXED_ADAM);
+    let s = model_state(psi, psi, 2, 8, StatePrecision::MIXED_ADAM);
     assert_eq!((s.params, s.grads, s.optimizer), (2.0 * psi, 2.0 * psi / 8.0, 12.0 * psi / 8.0));
-    assert_eq!(model_state(1.0, 0, 1, StatePrecision::FP32_ADAM).total(), 16.0);
+    assert_eq!(model_state(1.0, 1.0, 0, 1, StatePrecision::FP32_ADAM).total(), 16.0);
 }
 
 #[test]

@@ -14,7 +14,10 @@
 //!   onnxruntime agrees); trained.safetensors holds the checkpoint's parameters by name; for an
 //!   export with a parameter record, PyTorch loads it with `load_state_dict(strict=True)` and
 //!   gets what PyTorch trained, and trained.onnx re-imports with one initializer per tensor;
-//! - `--keep` keeps the newest checkpoints, and `--resume DIR` takes the newest.
+//! - `--keep` keeps the newest checkpoints, and `--resume DIR` takes the newest;
+//! - `--frozen` given to the planner: the plan records it and plans no gradients or moments
+//!   for those tensors; the run trains by it (as one process `train --frozen` does), refuses
+//!   other patterns, and `export` writes the frozen tensors as the model holds them.
 #![cfg(feature = "runner")]
 
 mod common;
@@ -32,6 +35,8 @@ const SEQ: usize = 16;
 const BATCH: usize = 8;
 const STEPS: usize = 20;
 const WINDOWS: usize = 48;
+/// The `--frozen` pattern of the `pp2-frozen` plan: the first block.
+const FROZEN: &str = "model.transformer.h.0.*";
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -81,6 +86,7 @@ fn plan_spec(name: &str) -> (&'static str, usize, Vec<&'static str>) {
         "pp2tp2" => ("cpu:4", 4, vec!["--pp", "2", "--tp", "2", "--dp", "1", "--schedule", "1f1b", "--microbatches", "4", "--baseline", "megatron"]),
         "dp2" => ("cpu:2", 2, vec!["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "0", "--microbatches", "2"]),
         "one" => ("cpu:1", 1, vec!["--pp", "1", "--tp", "1", "--dp", "1", "--microbatches", "4"]),
+        "pp2-frozen" => ("cpu:2", 2, vec!["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--microbatches", "4", "--frozen", FROZEN]),
         other => panic!("no plan `{other}`"),
     }
 }
@@ -421,6 +427,8 @@ fn pieces_reassemble_and_gaps_are_refused() {
             mesh: "test".into(),
             model_sha256: String::new(),
             model_path: String::new(),
+            trainable: Vec::new(),
+            frozen: Vec::new(),
             world: rank,
             adamw_step: 1,
         };
@@ -538,4 +546,73 @@ fn keep_holds_the_newest_checkpoints() {
     let got = json(&ok("resume at the end", r));
     assert!(got["resumed_from"].as_str().unwrap().ends_with("step-00000006"));
     assert_eq!(got["steps"].as_array().unwrap().len(), 0, "nothing left to run");
+}
+
+/// The model's initializer `name` as loaded.
+fn model_initializer(name: &str) -> tch::Tensor {
+    use smp_partition::runtime::{InitMode, Weights};
+    let graph = smp_partition::frontend::onnx::load_model(&model()).unwrap().graph;
+    let v = graph.value_by_name(name).unwrap_or_else(|| panic!("no initializer `{name}`"));
+    let mut w = Weights::load(&graph, InitMode::Load, None).unwrap();
+    w.tensors.remove(&v).unwrap_or_else(|| panic!("`{name}` has no data"))
+}
+
+#[test]
+fn frozen_patterns_go_from_the_plan_to_the_run_and_its_export() {
+    let read = |p: &Path| -> serde_json::Value { serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap() };
+    let (frozen_plan, _) = plan("pp2-frozen");
+    let (fp, pp) = (read(&frozen_plan), read(&plan("pp2").0));
+    assert_eq!(fp["frozen"], serde_json::json!([FROZEN]), "the plan records the pattern");
+    assert!(pp.get("frozen").is_none());
+    // the first block's elements, in stage 0: the same weights, but no gradients or moments
+    let graph = smp_partition::frontend::onnx::load_model(&model()).unwrap().graph;
+    let elems: u64 = graph
+        .initializers()
+        .filter(|&v| graph.value(v).name.starts_with("model.transformer.h.0."))
+        .map(|v| graph.value(v).data.as_ref().unwrap().numel())
+        .sum();
+    let mem = |p: &serde_json::Value, s: usize, k: &str| p["stages"][s]["memory_bytes"][k].as_u64().unwrap();
+    eprintln!("h.0: {elems} elements; stage 0 grads {} → {}, optimizer {} → {}", mem(&pp, 0, "grads"), mem(&fp, 0, "grads"), mem(&pp, 0, "optimizer"), mem(&fp, 0, "optimizer"));
+    assert_eq!(mem(&fp, 0, "params"), mem(&pp, 0, "params"));
+    assert_eq!(mem(&pp, 0, "grads") - mem(&fp, 0, "grads"), 4 * elems, "f32 gradients of h.0 are not planned");
+    assert_eq!(mem(&pp, 0, "optimizer") - mem(&fp, 0, "optimizer"), 8 * elems, "AdamW's two f32 moments of h.0 are not planned");
+    for k in ["params", "grads", "optimizer"] {
+        assert_eq!(mem(&fp, 1, k), mem(&pp, 1, k), "stage 1 `{k}`");
+    }
+
+    // the run trains by the plan's pattern, as one process told the same pattern does
+    let dir = files().dir.join("ckpt-frozen");
+    let report = json(&ok("pp2 under the plan's --frozen", launch("pp2-frozen", &["--checkpoint-dir", dir.to_str().unwrap()], &[])));
+    let one = runner()
+        .arg("train")
+        .arg(model())
+        .args(run_args())
+        .args(["--batch", &BATCH.to_string(), "--seq-len", &SEQ.to_string(), "--microbatches", "4", "--frozen", FROZEN])
+        .output()
+        .unwrap();
+    let (frozen, single) = (field(&report, "steps", "loss"), field(&json(&ok("train --frozen", one)), "steps", "loss"));
+    let trained_all = field(&saved("pp2").report, "steps", "loss");
+    for (s, (a, b)) in frozen.iter().zip(&single).enumerate() {
+        assert!((a - b).abs() <= 1e-9 * b.abs(), "step {}: pp2 {a} vs one process {b}", s + 1);
+    }
+    assert!((frozen[STEPS - 1] - trained_all[STEPS - 1]).abs() > 1e-6, "freezing h.0 changes training");
+
+    // other patterns on this plan, and a resume that would train otherwise, are refused
+    let (onep, _) = plan("one");
+    let refused = runner().arg("run").arg(&frozen_plan).args(run_args()).args(["--frozen", "model.transformer.h.1.*"]).output().unwrap();
+    let msg = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && msg.contains("re-plan") && msg.contains("model.transformer.h.1.*"), "{msg}");
+    let resumed = runner().arg("run").arg(&onep).args(run_args()).arg("--resume").arg(&dir).output().unwrap();
+    let msg = String::from_utf8_lossy(&resumed.stderr);
+    assert!(!resumed.status.success() && msg.contains("must stay the same"), "{msg}");
+
+    // export: the frozen tensors as the model holds them, the others trained
+    let st = dir.join("trained.safetensors");
+    ok("export", runner().arg("export").arg(&dir).arg("-o").arg(&st).output().unwrap());
+    let weights: HashMap<String, tch::Tensor> = tch::Tensor::read_safetensors(&st).unwrap().into_iter().collect();
+    for (name, held) in [("model.transformer.h.0.attn.c_attn.weight", true), ("model.transformer.h.0.ln_1.bias", true), ("model.transformer.h.1.attn.c_attn.weight", false)] {
+        let w = weights.get(name).unwrap_or_else(|| panic!("`{name}` is not in the export"));
+        let d = max_abs(w, &model_initializer(name).to_kind(w.kind()));
+        assert_eq!(d == 0.0, held, "`{name}`: max abs change {d}");
+    }
 }

@@ -19,13 +19,19 @@ def run(binary: str, args: list[str | Path]) -> str:
 
 
 def flag_args(flags: dict[str, object]) -> list[str]:
-    """`{"pp": 2, "sequence_parallel": True}` → `["--pp", "2", "--sequence-parallel"]`
-    (`None` and `False` are left out)."""
+    """`{"pp": 2, "sequence_parallel": True, "frozen": ["wte*", "wpe*"]}` →
+    `["--pp", "2", "--sequence-parallel", "--frozen", "wte*", "--frozen", "wpe*"]`
+    (`None` and `False` are left out; a list or tuple repeats the flag)."""
     out: list[str] = []
     for key, value in flags.items():
         if value is None or value is False:
             continue
-        out.append("--" + key.replace("_", "-"))
-        if value is not True:
-            out.append(str(value))
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                out += [flag, str(v)]
+        else:
+            out += [flag, str(value)]
     return out

@@ -33,3 +33,5 @@ def test_path_then_repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
 def test_flags_become_cli_options() -> None:
     assert flag_args({"pp": 2, "sequence_parallel": True, "tp": None, "json": False, "memory_limit": 1.5}) == [
         "--pp", "2", "--sequence-parallel", "--memory-limit", "1.5"]
+    # a list repeats the flag (the planner's `--frozen GLOB` is repeatable)
+    assert flag_args({"frozen": ["wte*", "wpe*"], "trainable": ()}) == ["--frozen", "wte*", "--frozen", "wpe*"]

@@ -304,7 +304,14 @@ impl TrainArgs {
 
     /// Checkpointing: where to write them (with what the manifest records of this run) and
     /// the checkpoint to resume from, checked against the model.
-    fn checkpointing(&self, model: &Path, model_sha256: &str, plan_hash: Option<String>, mesh: String) -> Result<(Option<SaveConfig>, Option<Loaded>)> {
+    fn checkpointing(
+        &self,
+        model: &Path,
+        model_sha256: &str,
+        params: &ParamOptions,
+        plan_hash: Option<String>,
+        mesh: String,
+    ) -> Result<(Option<SaveConfig>, Option<Loaded>)> {
         let save = match (&self.checkpoint_dir, self.checkpoint_every, self.keep) {
             (None, Some(_), _) | (None, _, Some(_)) => bail!("--checkpoint-every and --keep need --checkpoint-dir"),
             (None, None, None) => None,
@@ -320,6 +327,7 @@ impl TrainArgs {
                     plan_hash,
                     mesh,
                     model_sha256: model_sha256.to_string(),
+                    params: params.clone(),
                     model_path: std::fs::canonicalize(model).unwrap_or_else(|_| model.to_path_buf()).display().to_string(),
                 })
             }
@@ -333,6 +341,14 @@ impl TrainArgs {
                         "checkpoint `{}` was written for another model (sha256 {}); resume it with the model it trained",
                         l.dir.display(),
                         l.manifest.state.model_sha256
+                    );
+                }
+                if l.manifest.state.params() != *params {
+                    bail!(
+                        "checkpoint `{}` trained {}, this run {}: what is trained must stay the same across a resume; give the checkpoint's patterns",
+                        l.dir.display(),
+                        describe_params(&l.manifest.state.params()),
+                        describe_params(params)
                     );
                 }
                 if l.manifest.state.step > self.steps {
@@ -453,7 +469,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Export { checkpoint, output, model, external_data } => export_cmd(&checkpoint, &output, model.as_deref(), external_data),
         Command::Train { model, opts } => {
             let seq_len = opts.seq_len.unwrap_or(DEFAULT_SEQ_LEN);
-            train_cmd(&model, &opts, TrainShape { batch: opts.batch, seq_len, microbatches: opts.microbatches, predicted: None }, None)
+            let shape = TrainShape { batch: opts.batch, seq_len, microbatches: opts.microbatches, predicted: None };
+            train_cmd(&model, &opts, &opts.param_options(), shape, None)
         }
         Command::Run { plan, opts } => run_plan(&plan, &opts),
         Command::Calibrate { output, comm_json } => calibrate(&output, comm_json.as_deref()),
@@ -493,6 +510,7 @@ fn run_plan(path: &Path, o: &TrainArgs) -> Result<()> {
     let plan = smp_partition::plan::load(path)?;
     let plan_hash = sha256_hex(&std::fs::read(path).with_context(|| format!("cannot read plan `{}`", path.display()))?);
     pipeline::codegen_section(&plan).with_context(|| format!("plan `{}`", path.display()))?;
+    let params = plan_params(&plan, o, path)?;
     let p = &plan.parallel;
     let env = RankEnv::from_env()?;
     let single = p.pp * p.tp * p.dp == 1;
@@ -537,16 +555,46 @@ fn run_plan(path: &Path, o: &TrainArgs) -> Result<()> {
         predicted: Some(plan.predicted.step_time_s),
     };
     let mesh = format!("pp{} dp{} tp{} zero{}", p.pp, p.dp, p.tp, p.zero);
-    let ckpt = o.checkpointing(&model, &imported.sha256, Some(plan_hash.clone()), mesh.clone())?;
+    let ckpt = o.checkpointing(&model, &imported.sha256, &params, Some(plan_hash.clone()), mesh.clone())?;
     if let Some(l) = &ckpt.1 {
         if l.manifest.state.plan_hash.as_deref() != Some(plan_hash.as_str()) && env.as_ref().is_none_or(|e| e.rank == 0) {
             eprintln!("smp-runner: resharding checkpoint `{}` ({}, {} ranks) to this plan ({mesh})", l.dir.display(), l.manifest.state.mesh, l.manifest.state.world);
         }
     }
     match env {
-        Some(env) if !(single && env.world == 1) => rank_cmd(&plan, &model, o, &shape, &env, ckpt),
-        _ => train_cmd(&model, o, shape, Some(ckpt)),
+        Some(env) if !(single && env.world == 1) => rank_cmd(&plan, &model, o, &params, &shape, &env, ckpt),
+        _ => train_cmd(&model, o, &params, shape, Some(ckpt)),
     }
+}
+
+/// What a run of `plan` trains: the plan's `--trainable`/`--frozen` patterns. The run's own
+/// patterns must be absent or the same, since the plan's memory and programs assume its.
+fn plan_params(plan: &smp_partition::plan::Plan, o: &TrainArgs, path: &Path) -> Result<ParamOptions> {
+    let planned = ParamOptions { trainable: plan.trainable.clone(), frozen: plan.frozen.clone() };
+    let given = o.param_options();
+    if given == ParamOptions::default() || given == planned {
+        return Ok(planned);
+    }
+    bail!(
+        "plan `{}` was made to train {}, but this run asks {}: the plan's memory figures and programs assume its patterns; re-plan with `smp-partition {} {} …`, or drop --trainable/--frozen here",
+        path.display(),
+        describe_params(&planned),
+        describe_params(&given),
+        plan.model.path,
+        param_flags(&given)
+    )
+}
+
+/// `--trainable`/`--frozen` patterns in words, for messages.
+fn describe_params(p: &ParamOptions) -> String {
+    if *p == ParamOptions::default() { "by the model's record and rules (no --trainable/--frozen)".into() } else { format!("with `{}`", param_flags(p)) }
+}
+
+/// The patterns as command-line flags.
+fn param_flags(p: &ParamOptions) -> String {
+    let t = p.trainable.iter().map(|g| format!("--trainable '{g}'"));
+    let f = p.frozen.iter().map(|g| format!("--frozen '{g}'"));
+    t.chain(f).collect::<Vec<_>>().join(" ")
 }
 
 fn loss_kind(o: &TrainArgs, graph: &Graph) -> LossKind {
@@ -569,6 +617,7 @@ fn rank_cmd(
     plan: &smp_partition::plan::Plan,
     model: &Path,
     o: &TrainArgs,
+    params: &ParamOptions,
     shape: &TrainShape,
     env: &RankEnv,
     (save, resume): (Option<SaveConfig>, Option<Loaded>),
@@ -579,7 +628,7 @@ fn rank_cmd(
     if o.save_weights.is_some() {
         bail!("--save-weights is only supported by single-process runs (`train`, or a plan of one rank)");
     }
-    let mut graph = load_decided(model, &o.param_options(), env.rank == 0)?;
+    let mut graph = load_decided(model, params, env.rank == 0)?;
     if let Some(b) = plan.codegen.as_ref().and_then(|c| c.batch) {
         let opts = smp_partition::passes::AnalyzeOptions { seq_len: plan.seq_len.map(|s| s as i64), dims: plan.dims.clone() };
         rebind_batch(&mut graph, b.microbatch, &opts, model)?;
@@ -746,7 +795,7 @@ fn save_weights(path: &Path, exec: &Executor) -> Result<()> {
 fn export_cmd(ckpt: &Path, output: &Path, model: Option<&Path>, external: bool) -> Result<()> {
     let l = Loaded::open(ckpt)?;
     let model = model.map_or_else(|| PathBuf::from(&l.manifest.state.model_path), Path::to_path_buf);
-    let (graph, sha256) = load_decided_sha(&model, &ParamOptions::default(), false)?;
+    let (graph, sha256) = load_decided_sha(&model, &l.manifest.state.params(), false)?;
     if sha256 != l.manifest.state.model_sha256 {
         bail!(
             "model `{}` is not the one checkpoint `{}` trained (sha256 differs); pass that model with --model",
@@ -780,16 +829,18 @@ fn init_mode(init: InitArg, seed: i64) -> InitMode {
 }
 
 fn eval(model: &Path, inputs: &Path, outputs: &Path, dtype: Option<DTypeArg>, init: InitArg, seed: i64, checkpoint: Option<&Path>) -> Result<()> {
-    let (graph, sha256) = load_decided_sha(model, &ParamOptions::default(), false)?;
+    let loaded = checkpoint.map(Loaded::open).transpose()?;
+    // a checkpoint's tensors are named as its run decided what is trained
+    let params = loaded.as_ref().map(|l| l.manifest.state.params()).unwrap_or_default();
+    let (graph, sha256) = load_decided_sha(model, &params, false)?;
     let float_kind = dtype.map(DTypeArg::kind);
     smp_partition::runtime::executor::check_supported(&graph).with_context(|| format!("model `{}`", model.display()))?;
     let mut weights = Weights::load(&graph, init_mode(init, seed), float_kind)?;
-    if let Some(dir) = checkpoint {
-        let l = Loaded::open(dir)?;
+    if let Some(l) = &loaded {
         if l.manifest.state.model_sha256 != sha256 {
             bail!("checkpoint `{}` was written for another model (sha256 {})", l.dir.display(), l.manifest.state.model_sha256);
         }
-        checkpoint::restore_params(&l, &graph, &mut weights.tensors)?;
+        checkpoint::restore_params(l, &graph, &mut weights.tensors)?;
     }
     let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: false })?;
     let named = npz::read_npz(inputs)?;
@@ -817,14 +868,20 @@ fn peak_rss_bytes() -> Option<u64> {
 
 /// Single-process training; `ckpt`: checkpointing as a one-rank plan set it up (none: set it
 /// up here, for `train`).
-fn train_cmd(model: &Path, o: &TrainArgs, shape: TrainShape, ckpt: Option<(Option<SaveConfig>, Option<Loaded>)>) -> Result<()> {
+fn train_cmd(
+    model: &Path,
+    o: &TrainArgs,
+    params: &ParamOptions,
+    shape: TrainShape,
+    ckpt: Option<(Option<SaveConfig>, Option<Loaded>)>,
+) -> Result<()> {
     if let Some(n) = o.threads {
         tch::set_num_threads(n);
     }
-    let (mut graph, sha256) = load_decided_sha(model, &o.param_options(), true)?;
+    let (mut graph, sha256) = load_decided_sha(model, params, true)?;
     let (save, resume) = match ckpt {
         Some(c) => c,
-        None => o.checkpointing(model, &sha256, None, "train".into())?,
+        None => o.checkpointing(model, &sha256, params, None, "train".into())?,
     };
     if let Some((_, fixed)) = smp_partition::passes::rebatch::fixed_batch(&graph) {
         // a fixed batch runs the microbatch size asked (the data's batch, split)

@@ -49,15 +49,16 @@ impl ModelState {
     }
 }
 
-/// Model state per device for `params` parameters held by a data-parallel group of `dp`
-/// replicas under ZeRO `zero` (0..=3; larger values act as 3).
-pub fn model_state(params: f64, zero: u8, dp: usize, precision: StatePrecision) -> ModelState {
+/// Model state per device for `params` parameters, `trained` of them trained (frozen ones keep
+/// no gradient or optimizer state), held by a data-parallel group of `dp` replicas under ZeRO
+/// `zero` (0..=3; larger values act as 3).
+pub fn model_state(params: f64, trained: f64, zero: u8, dp: usize, precision: StatePrecision) -> ModelState {
     let d = dp.max(1) as f64;
     let shard = |stage: u8| if zero >= stage { d } else { 1.0 };
     ModelState {
         params: params * precision.weight as f64 / shard(3),
-        grads: params * precision.grad as f64 / shard(2),
-        optimizer: params * precision.optimizer as f64 / shard(1),
+        grads: trained * precision.grad as f64 / shard(2),
+        optimizer: trained * precision.optimizer as f64 / shard(1),
     }
 }
 
@@ -120,7 +121,7 @@ mod tests {
     #[test]
     fn zero_divides_as_the_paper() {
         let psi = 7.5e9;
-        let m = |z, d| model_state(psi, z, d, StatePrecision::MIXED_ADAM).total();
+        let m = |z, d| model_state(psi, psi, z, d, StatePrecision::MIXED_ADAM).total();
         assert_eq!(m(0, 64), 16.0 * psi);
         assert_eq!(m(1, 64), 4.0 * psi + 12.0 * psi / 64.0);
         assert_eq!(m(2, 64), 2.0 * psi + 14.0 * psi / 64.0);

@@ -120,6 +120,8 @@ pub fn from_decision(d: &PlanDecision, lg: &LayeredGraph, cluster: &ClusterSpec,
         global_batch: opts.global_batch_for(lg, cluster),
         seq_len: opts.seq_len,
         dims: opts.dims.iter().cloned().collect(),
+        trainable: opts.params.trainable.clone(),
+        frozen: opts.params.frozen.clone(),
         codegen: None,
     };
     plan.predicted.peak_memory_bytes = (0..d.pp).map(|r| plan.rank_memory(r).total).max().unwrap_or(0);

@@ -50,6 +50,13 @@ pub struct Plan {
     /// Other symbolic dims bound when planning (`--dim NAME=V`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub dims: BTreeMap<String, i64>,
+    /// `--trainable` patterns the plan was made with: initializers the rules would freeze that
+    /// are trained (the runner trains by the plan's patterns).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub trainable: Vec<String>,
+    /// `--frozen` patterns the plan was made with: initializers never trained.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub frozen: Vec<String>,
     /// What each rank executes: shards, boundary tensors, program templates (absent in plans
     /// written before codegen; see docs/plan-format.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]

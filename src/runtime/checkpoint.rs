@@ -17,6 +17,7 @@ use tch::{Kind, Tensor};
 use super::RuntimeError;
 use super::tensor::{from_bytes, to_bytes};
 use crate::ir::{DType, DecisionSource, FrozenReason, Graph, ParamTransform, Training, ValueId};
+use crate::passes::params::ParamOptions;
 
 /// Version of the manifest format.
 pub const FORMAT: u32 = 1;
@@ -130,6 +131,12 @@ pub struct RunState {
     pub model_sha256: String,
     /// The model file the run trained (`export` reads it).
     pub model_path: String,
+    /// The run's `--trainable` patterns (what `export` and a resume must decide alike).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub trainable: Vec<String>,
+    /// The run's `--frozen` patterns.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub frozen: Vec<String>,
     /// Ranks that wrote shards.
     pub world: usize,
     /// Optimizer: AdamW's step count (every moment of the checkpoint has taken this many).
@@ -650,6 +657,8 @@ pub struct SaveConfig {
     pub mesh: String,
     /// sha256 of the model.
     pub model_sha256: String,
+    /// What the run trains beyond the model's record and rules.
+    pub params: ParamOptions,
     /// The model file.
     pub model_path: String,
 }
@@ -670,9 +679,18 @@ impl SaveConfig {
             mesh: self.mesh.clone(),
             model_sha256: self.model_sha256.clone(),
             model_path: self.model_path.clone(),
+            trainable: self.params.trainable.clone(),
+            frozen: self.params.frozen.clone(),
             world,
             adamw_step: step,
         }
+    }
+}
+
+impl RunState {
+    /// The `--trainable`/`--frozen` patterns the run trained by.
+    pub fn params(&self) -> ParamOptions {
+        ParamOptions { trainable: self.trainable.clone(), frozen: self.frozen.clone() }
     }
 }
 

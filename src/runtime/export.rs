@@ -13,7 +13,7 @@ use super::checkpoint::{self, Loaded};
 use super::tensor::to_bytes;
 use super::{ExecOptions, Executor, InitMode, RuntimeError, Weights};
 use crate::frontend::onnx::proto::{ModelProto, StringStringEntryProto, TensorProto};
-use crate::ir::{Graph, ParamRecord, ParamTransform, RecordKind, Storage, Training, ValueKind};
+use crate::ir::{FrozenReason, Graph, ParamRecord, ParamTransform, RecordKind, Storage, Training, ValueKind};
 
 /// Initializers of at least this many bytes go to the external data file.
 const EXTERNAL_MIN_BYTES: usize = 1024;
@@ -31,9 +31,9 @@ pub fn trained_executor<'g>(ckpt: &Loaded, graph: &'g Graph) -> Result<Executor<
 }
 
 /// The trained weights under module parameter names in the module's layout (every alias of a
-/// tied tensor; buffers the export's record names, as the model holds them). A tensor whose
-/// rows were gathered at export time is written as those rows, with their indices under
-/// `NAME#rows`.
+/// tied tensor; buffers the export's record names and parameters a `--frozen` pattern held, as
+/// the model holds them). A tensor whose rows were gathered at export time is written as those
+/// rows, with their indices under `NAME#rows`.
 pub fn module_tensors(exec: &Executor<'_>) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
     let graph = exec.graph();
     let mut out = BTreeMap::new();
@@ -51,6 +51,25 @@ pub fn module_tensors(exec: &Executor<'_>) -> Result<BTreeMap<String, Tensor>, R
                 let names: Vec<String> = if untied_from.is_some() && own != names[0] { vec![own] } else { names.clone() };
                 for n in names {
                     out.insert(n, w.shallow_clone());
+                }
+            }
+            Some(Training::Frozen { reason: FrozenReason::Pattern }) => {
+                // a module parameter the run held frozen (`--frozen`): its value as loaded
+                let w = w.f_detach()?;
+                match val.record.as_ref().filter(|r| r.kind == RecordKind::Parameter) {
+                    Some(rec) => {
+                        let w = if rec.transform == ParamTransform::Transpose { w.f_tr()?.f_contiguous()? } else { w };
+                        if let ParamTransform::Gather { rows, dims } = &rec.transform {
+                            let first = rec.name(0).unwrap_or(&val.name);
+                            out.insert(format!("{first}#rows"), Tensor::from_slice(rows).f_reshape(dims.as_slice())?);
+                        }
+                        for n in rec.params.iter().flatten() {
+                            out.insert(n.clone(), w.shallow_clone());
+                        }
+                    }
+                    None => {
+                        out.insert(val.name.clone(), w);
+                    }
                 }
             }
             _ => {

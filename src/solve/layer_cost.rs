@@ -89,6 +89,16 @@ pub struct LayerShape {
     pub embeddings: usize,
     /// Parameter elements first read here.
     pub params: f64,
+    /// Those of them that are trained.
+    pub trained: f64,
+}
+
+impl LayerShape {
+    /// The trained share of the layer's parameters (1 without parameters). A tensor split
+    /// divides trained and frozen parameters alike in this model.
+    pub fn trained_fraction(&self) -> f64 {
+        if self.params > 0.0 { (self.trained / self.params).clamp(0.0, 1.0) } else { 1.0 }
+    }
 }
 
 /// The configuration-dependent inputs of a layer's cost.
@@ -164,7 +174,11 @@ impl<'a> CostContext<'a> {
             .layers
             .iter()
             .map(|l| {
-                let mut s = LayerShape { params: l.figures.param_elems as f64, ..Default::default() };
+                let mut s = LayerShape {
+                    params: l.figures.param_elems as f64,
+                    trained: l.figures.trained_elems as f64,
+                    ..Default::default()
+                };
                 for &id in &l.nodes {
                     let Some(n) = g.try_node(id) else { continue };
                     match n.op.kind() {
@@ -285,7 +299,8 @@ impl<'a> CostContext<'a> {
             tp: cfg.tp,
             microbatch: cfg.microbatch as f64,
             tp_group: cfg.tp_group,
-            state_bytes_per_param: self.precision.weight as f64 + self.precision.grad as f64 + self.precision.optimizer as f64,
+            state_bytes_per_param: self.precision.weight as f64
+                + self.shapes[layer].trained_fraction() * (self.precision.grad as f64 + self.precision.optimizer as f64),
             sequence_parallel: cfg.sequence_parallel,
         };
         // The split structure is the same at every t: analyse each distinct layer once.
@@ -440,15 +455,16 @@ impl<'a> CostContext<'a> {
         let details = self.details(layer, cfg).to_vec();
         let lay = &self.lg.layers[layer];
         let b = cfg.microbatch as f64;
-        let points = details.iter().enumerate().map(|(i, d)| self.point(d, i, cfg)).collect();
+        let points = details.iter().enumerate().map(|(i, d)| self.point(layer, d, i, cfg)).collect();
         PipelineLayer { points, output_bytes: lay.output_bytes * b * self.bytes_scale }
     }
 
-    fn point(&self, d: &StrategyDetail, choice: usize, cfg: &LayerConfig) -> ParetoPoint {
+    fn point(&self, layer: usize, d: &StrategyDetail, choice: usize, cfg: &LayerConfig) -> ParetoPoint {
         let params = d.param_elems;
-        let state = model_state(params, cfg.zero, cfg.zero_group.size, self.precision);
+        let trained = params * self.shapes[layer].trained_fraction();
+        let state = model_state(params, trained, cfg.zero, cfg.zero_group.size, self.precision);
         let weight_bytes = params * self.precision.weight as f64;
-        let grad_bytes = params * self.precision.grad as f64;
+        let grad_bytes = trained * self.precision.grad as f64;
         let (mut fwd_extra, mut bwd_extra) = (0.0, 0.0);
         let sync = match cfg.zero {
             0 => self.comm.all_reduce(grad_bytes, &cfg.dp_group),
@@ -486,8 +502,10 @@ impl<'a> CostContext<'a> {
         self.comm.all_reduce(grad_bytes / cfg.zero_group.size.max(1) as f64, &span)
     }
 
-    /// Model-state split of `params` parameters (per device, after t and ZeRO).
-    pub fn state_split(&self, params: f64, cfg: &LayerConfig) -> crate::cost::ModelState {
-        model_state(params / cfg.tp.max(1) as f64, cfg.zero, cfg.zero_group.size, self.precision)
+    /// Model-state split of `params` parameters, `trained` of them trained (per device, after
+    /// t and ZeRO).
+    pub fn state_split(&self, params: f64, trained: f64, cfg: &LayerConfig) -> crate::cost::ModelState {
+        let t = cfg.tp.max(1) as f64;
+        model_state(params / t, trained / t, cfg.zero, cfg.zero_group.size, self.precision)
     }
 }

@@ -58,6 +58,9 @@ pub struct PlanOptions {
     /// chunks, with the all-gathers codegen adds): `None` = searched (every tensor-parallel
     /// candidate is priced with and without it), `Some(true)` forced on, `Some(false)` off.
     pub sequence_parallel: Option<bool>,
+    /// What is trained beyond the model's own record or rules (`--trainable`/`--frozen`); the
+    /// plan records them and the runner trains by them.
+    pub params: crate::passes::params::ParamOptions,
     /// The cluster as the user named it (`--cluster` text), for messages; default: the spec's
     /// name and device count.
     pub cluster_flag: Option<String>,

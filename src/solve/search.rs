@@ -696,7 +696,7 @@ pub fn decision(
                 ranks.push(cand.placement.rank([d, pp_rank, t], deg));
             }
         }
-        let (mut fwd, mut bwd, mut params, mut kept, mut rec) = (0.0, 0.0, 0.0, 0.0, 0.0f64);
+        let (mut fwd, mut bwd, mut params, mut trained, mut kept, mut rec) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0f64);
         let mut ckpt = Vec::new();
         for &l in &members {
             let ch = sol.choices[l];
@@ -708,7 +708,9 @@ pub fn decision(
                 (Some(d), Some(m)) => d.param_elems - m.param_elems,
                 _ => 0.0,
             };
-            params += ctx.shapes[l].params / cand.tp.max(1) as f64 + extra;
+            let held = ctx.shapes[l].params / cand.tp.max(1) as f64 + extra;
+            params += held;
+            trained += held * ctx.shapes[l].trained_fraction();
             if ch.checkpoint {
                 kept += pt.input_bytes;
                 rec = rec.max(pt.act_bytes - pt.input_bytes);
@@ -717,7 +719,7 @@ pub fn decision(
                 kept += pt.act_bytes;
             }
         }
-        let st = ctx.state_split(params * cand.tp.max(1) as f64, &lc);
+        let st = ctx.state_split(params * cand.tp.max(1) as f64, trained * cand.tp.max(1) as f64, &lc);
         let activations = prob.in_flight[c] * kept + rec;
         let workspace = if c < cand.pp { prob.workspace } else { 0.0 };
         let comm_s = if c + 1 < chunks { 2.0 * prob.layers[last].output_bytes * prob.transfer_s_per_byte[c] } else { 0.0 };

@@ -108,6 +108,8 @@ pub fn fixture() -> Plan {
         global_batch: 8,
         seq_len: Some(128),
         dims: Default::default(),
+        trainable: Vec::new(),
+        frozen: Vec::new(),
         codegen: None,
     };
     plan.predicted.peak_memory_bytes = plan.rank_memory(0).total.max(plan.rank_memory(1).total);

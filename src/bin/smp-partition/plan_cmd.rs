@@ -11,6 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use smp_partition::compile::{Observer, Stage};
 use smp_partition::cost::ClusterSpec;
 use smp_partition::ir::ScheduleKind;
+use smp_partition::passes::params::ParamOptions;
 use smp_partition::plan::{Plan, io, report};
 use smp_partition::solve::options::{Layout, parse_checkpointing, parse_dim, parse_schedule};
 use smp_partition::solve::{Baseline, CheckpointRule, Optimize, Placement, PlanOptions, Progress, SmpConfig};
@@ -94,6 +95,14 @@ pub struct PlanFlags {
     /// Solver time limit in seconds; the plan then says `feasible` with its gap.
     #[arg(long, value_name = "SECONDS")]
     pub time_limit: Option<f64>,
+    /// Train initializers matching this glob (`*`, `?`) that the rules would freeze; matched
+    /// against initializer and module parameter names. Recorded in the plan. Repeatable.
+    #[arg(long, value_name = "GLOB")]
+    pub trainable: Vec<String>,
+    /// Never train initializers matching this glob (wins over --trainable): no gradients or
+    /// optimizer state are planned for them. Recorded in the plan. Repeatable.
+    #[arg(long, value_name = "GLOB")]
+    pub frozen: Vec<String>,
     /// SageMaker model-parallel parameters as JSON (SMP names).
     #[arg(long, value_name = "SMP.json")]
     pub config: Option<PathBuf>,
@@ -136,6 +145,7 @@ impl PlanFlags {
                 (_, true) => Some(false),
                 _ => None,
             },
+            params: ParamOptions { trainable: self.trainable.clone(), frozen: self.frozen.clone() },
             cluster_flag: Some(cluster.to_string()),
             ..PlanOptions::default()
         };
