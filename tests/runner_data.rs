@@ -4,7 +4,8 @@
 //!   warm-up) within 1e-9 (f64) of it over steps whose batches change, validation included;
 //! - the sample order depends on (seed, step) alone: replica shares tile the global batch,
 //!   an epoch visits every window once, and step 1 of the stream equals a run on that batch;
-//! - `prepare-data` is deterministic (whole files held out, every k-th by sorted path);
+//! - `prepare-data` is deterministic (whole files held out, every k-th by sorted path), and with
+//!   `--tokenizer tokenizer.json` writes the ids Hugging Face's tokenizers give;
 //! - the schedules equal PyTorch's `LinearLR`/`CosineAnnealingLR`/`SequentialLR` (Python
 //!   oracle), and validation loss equals a forward pass of `smp-runner eval` on those batches;
 //! - bad sidecars, dtypes, sizes, vocabularies and sequence lengths are refused naming the file
@@ -354,6 +355,57 @@ fn prepare_data_holds_out_every_kth_file_deterministically() {
     // the file trains
     let r = runner().arg("train").arg(model()).args(["--data", a.to_str().unwrap(), "--batch", "2", "--seq-len", "8", "--steps", "1"]).output().unwrap();
     ok("training on the prepared file", r);
+}
+
+/// Trains a small byte-level BPE tokenizer with Hugging Face's `tokenizers` (Python), writes
+/// its tokenizer.json and the ids it gives each file, and checks that `prepare-data
+/// --tokenizer` writes exactly those ids, file after file in sorted order.
+const TOKENIZER_ORACLE: &str = r#"
+import json, sys
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+files, out = json.loads(sys.argv[1]), sys.argv[2]
+tok = Tokenizer(models.BPE())
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.decoder = decoders.ByteLevel()
+tok.train(files, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+tok.save(out)
+ids = {f: tok.encode(open(f, encoding="utf-8", errors="replace").read(), add_special_tokens=False).ids for f in files}
+print(json.dumps({"vocab": tok.get_vocab_size(), "ids": ids}))
+"#;
+
+#[test]
+fn prepare_data_with_a_tokenizer_json_writes_the_ids_hugging_face_gives() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let stdlib = ["json/decoder.py", "textwrap.py", "colorsys.py", "bisect.py"];
+    let mut files = Vec::new();
+    for (i, rel) in stdlib.iter().enumerate() {
+        let text = std::fs::read_to_string(Path::new("/usr/lib/python3.11").join(rel))
+            .unwrap_or_else(|_| format!("def f{i}(x):\n    return x * {i}  # ünïcode ✓\n").repeat(50));
+        let p = src.join(format!("{i}.py"));
+        std::fs::write(&p, text).unwrap();
+        files.push(p.display().to_string());
+    }
+    let tokenizer = tmp.path().join("tokenizer.json");
+    let r = Command::new(python()).args(["-c", TOKENIZER_ORACLE, &serde_json::to_string(&files).unwrap()]).arg(&tokenizer).output().unwrap();
+    let oracle: serde_json::Value = serde_json::from_slice(&ok("training a tokenizer in Python", r).stdout).unwrap();
+    let out = tmp.path().join("tok.bin");
+    let r = runner().arg("prepare-data").arg(&src).arg("-o").arg(&out).arg("--tokenizer").arg(&tokenizer).args(["--val-fraction", "0.25"]).output().unwrap();
+    ok("prepare-data --tokenizer", r);
+    let ids = |bin: &Path| -> Vec<u64> { std::fs::read(bin).unwrap().chunks(2).map(|c| u64::from(u16::from_le_bytes([c[0], c[1]]))).collect() };
+    let want = |fs: &[&String]| -> Vec<u64> { fs.iter().flat_map(|f| oracle["ids"][f.as_str()].as_array().unwrap().iter().map(|v| v.as_u64().unwrap())).collect() };
+    // sorted 0..3.py, k = 4: 3.py is held out
+    assert_eq!(ids(&out), want(&[&files[0], &files[1], &files[2]]), "training ids differ from Hugging Face's");
+    assert_eq!(ids(&data::val_path(&out)), want(&[&files[3]]), "validation ids differ from Hugging Face's");
+    let side: serde_json::Value = serde_json::from_slice(&std::fs::read(data::sidecar_path(&out)).unwrap()).unwrap();
+    assert_eq!((side["dtype"].as_str(), side["vocab_size"].as_u64()), (Some("uint16"), oracle["vocab"].as_u64()));
+    assert!(ids(&out).len() < files[..3].iter().map(|f| std::fs::metadata(f).unwrap().len() as usize).sum::<usize>(), "BPE merges bytes");
+    // a file that is not a tokenizer is refused, naming it
+    let bad = tmp.path().join("bad.json");
+    std::fs::write(&bad, "{}").unwrap();
+    let e = refused(&["prepare-data", src.to_str().unwrap(), "-o", out.to_str().unwrap(), "--tokenizer", bad.to_str().unwrap()]);
+    assert!(e.contains("bad.json") && e.contains("tokenizer.json"), "{e}");
 }
 
 /// Runs `smp-runner ARGS`, expects exit status 1 and returns stderr.

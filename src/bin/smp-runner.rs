@@ -172,6 +172,9 @@ enum Command {
         /// Only files with this extension (e.g. `py`) from directories.
         #[arg(long)]
         ext: Option<String>,
+        /// Tokenize with this Hugging Face `tokenizer.json` (default: one token per byte).
+        #[arg(long, value_name = "tokenizer.json")]
+        tokenizer: Option<PathBuf>,
     },
 }
 
@@ -474,7 +477,9 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Run { plan, opts } => run_plan(&plan, &opts),
         Command::Calibrate { output, comm_json } => calibrate(&output, comm_json.as_deref()),
-        Command::PrepareData { files, output, val_fraction, ext } => prepare_data(&files, &output, val_fraction, ext.as_deref()),
+        Command::PrepareData { files, output, val_fraction, ext, tokenizer } => {
+            prepare_data(&files, &output, val_fraction, ext.as_deref(), tokenizer.as_deref())
+        }
         Command::Launch { nproc, nnodes, node_rank, master_addr, master_port, plan, run_args } => {
             let exe = std::env::current_exe().context("cannot find the smp-runner executable")?;
             let nodes = launch::Nodes { nnodes, node_rank, master_addr, master_port };
@@ -487,8 +492,19 @@ fn run(cli: Cli) -> Result<()> {
 /// Sequence length of synthetic data and token windows without a plan or `--seq-len`.
 const DEFAULT_SEQ_LEN: i64 = 128;
 
-fn prepare_data(files: &[PathBuf], output: &Path, val_fraction: f64, ext: Option<&str>) -> Result<()> {
-    let p = data::prepare_bytes(files, ext, output, val_fraction)?;
+fn prepare_data(files: &[PathBuf], output: &Path, val_fraction: f64, ext: Option<&str>, tokenizer: Option<&Path>) -> Result<()> {
+    let tokenizer = match tokenizer {
+        Some(path) => data::TextTokenizer::from_file(path)?,
+        None => data::TextTokenizer::Bytes,
+    };
+    let p = data::prepare(files, ext, output, val_fraction, &tokenizer)?;
+    if let Some(first) = p.not_utf8.first() {
+        eprintln!(
+            "smp-runner: warning: {} files are not UTF-8 text (e.g. {}); their invalid bytes were tokenized as U+FFFD",
+            p.not_utf8.len(),
+            first.display()
+        );
+    }
     eprintln!("smp-runner: wrote {} ({} tokens from {} files)", output.display(), p.train.0, p.train.1.len());
     if !p.val.1.is_empty() {
         eprintln!("smp-runner: wrote {} ({} tokens from {} files)", data::val_path(output).display(), p.val.0, p.val.1.len());

@@ -71,7 +71,7 @@ pub struct Sidecar {
     /// Every id is below this (checked against the model's vocabulary when given).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vocab_size: Option<u64>,
-    /// How the text was tokenized (`bytes`), for the record.
+    /// How the text was tokenized (`bytes`, or the `tokenizer.json` path), for the record.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<String>,
     /// The source files, in order, for the record.
@@ -428,6 +428,8 @@ pub struct Prepared {
     pub train: (u64, Vec<PathBuf>),
     /// Validation tokens and source files (none without a validation split).
     pub val: (u64, Vec<PathBuf>),
+    /// Files that were not UTF-8 text (a tokenizer read them with U+FFFD replacements).
+    pub not_utf8: Vec<PathBuf>,
 }
 
 /// The validation file beside training file `out`: `NAME.val.bin` for `NAME.bin`.
@@ -480,11 +482,71 @@ pub fn split_files(files: &[PathBuf], val_fraction: f64) -> (Vec<PathBuf>, Vec<P
     (train, val)
 }
 
-/// Writes byte-level token files (ids 0–255, uint16) from the text of `inputs` (files, or
-/// directories walked recursively, sorted by path): `out` and, with `val_fraction` > 0, the
-/// held-out files at [`val_path`]`(out)`, each with its sidecar. Writes go to a temporary
-/// file renamed into place.
-pub fn prepare_bytes(inputs: &[PathBuf], ext: Option<&str>, out: &Path, val_fraction: f64) -> Result<Prepared, RuntimeError> {
+/// How `prepare-data` turns text into token ids.
+pub enum TextTokenizer {
+    /// One token per byte (ids 0–255).
+    Bytes,
+    /// A Hugging Face `tokenizer.json` (its own vocabulary; no special tokens added).
+    HuggingFace {
+        /// The file it was read from, for the sidecar and messages.
+        path: PathBuf,
+        /// The tokenizer.
+        tokenizer: Box<tokenizers::Tokenizer>,
+    },
+}
+
+impl TextTokenizer {
+    /// Reads a Hugging Face `tokenizer.json`.
+    pub fn from_file(path: &Path) -> Result<TextTokenizer, RuntimeError> {
+        let tokenizer = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| ferr(path, format!("not a Hugging Face tokenizer.json: {e}")))?;
+        Ok(TextTokenizer::HuggingFace { path: path.to_path_buf(), tokenizer: Box::new(tokenizer) })
+    }
+
+    /// Ids are below this.
+    pub fn vocab_size(&self) -> u64 {
+        match self {
+            TextTokenizer::Bytes => 256,
+            TextTokenizer::HuggingFace { tokenizer, .. } => tokenizer.get_vocab_size(true) as u64,
+        }
+    }
+
+    /// What the sidecar records as the tokenizer.
+    fn describe(&self) -> String {
+        match self {
+            TextTokenizer::Bytes => "bytes".into(),
+            TextTokenizer::HuggingFace { path, .. } => std::fs::canonicalize(path).unwrap_or_else(|_| path.clone()).display().to_string(),
+        }
+    }
+
+    /// The ids of the file `file`'s contents `bytes`. A tokenizer reads text: bytes that are
+    /// not UTF-8 are replaced by U+FFFD, and the second value says whether any were.
+    fn encode(&self, file: &Path, bytes: &[u8]) -> Result<(Vec<u32>, bool), RuntimeError> {
+        match self {
+            TextTokenizer::Bytes => Ok((bytes.iter().map(|&b| u32::from(b)).collect(), false)),
+            TextTokenizer::HuggingFace { path, tokenizer } => {
+                let text = String::from_utf8_lossy(bytes);
+                let lossy = matches!(text, std::borrow::Cow::Owned(_));
+                let enc = tokenizer
+                    .encode(text.as_ref(), false)
+                    .map_err(|e| ferr(file, format!("tokenizer `{}` cannot encode it: {e}", path.display())))?;
+                Ok((enc.get_ids().to_vec(), lossy))
+            }
+        }
+    }
+}
+
+/// Writes token files from the text of `inputs` (files, or directories walked recursively,
+/// sorted by path), tokenized by `tokenizer`: `out` and, with `val_fraction` > 0, the held-out
+/// files at [`val_path`]`(out)`, each with its sidecar. uint16 ids when the vocabulary fits,
+/// else uint32. Writes go to a temporary file renamed into place.
+pub fn prepare(
+    inputs: &[PathBuf],
+    ext: Option<&str>,
+    out: &Path,
+    val_fraction: f64,
+    tokenizer: &TextTokenizer,
+) -> Result<Prepared, RuntimeError> {
     if !(0.0..=0.5).contains(&val_fraction) {
         return Err(RuntimeError::Train(format!("--val-fraction {val_fraction} must lie in [0, 0.5]")));
     }
@@ -503,35 +565,46 @@ pub fn prepare_bytes(inputs: &[PathBuf], ext: Option<&str>, out: &Path, val_frac
             files.len()
         )));
     }
-    let n_train = write_bytes_file(&train, out)?;
-    let n_val = if val.is_empty() { 0 } else { write_bytes_file(&val, &val_path(out))? };
-    Ok(Prepared { train: (n_train, train), val: (n_val, val) })
+    let mut lossy = Vec::new();
+    let n_train = write_token_file(&train, out, tokenizer, &mut lossy)?;
+    let n_val = if val.is_empty() { 0 } else { write_token_file(&val, &val_path(out), tokenizer, &mut lossy)? };
+    Ok(Prepared { train: (n_train, train), val: (n_val, val), not_utf8: lossy })
 }
 
-/// Concatenates the bytes of `files` as uint16 tokens into `out` and writes its sidecar.
-fn write_bytes_file(files: &[PathBuf], out: &Path) -> Result<u64, RuntimeError> {
+/// Concatenates the tokens of `files` into `out` and writes its sidecar; files whose bytes
+/// were not all UTF-8 are added to `lossy`.
+fn write_token_file(files: &[PathBuf], out: &Path, tokenizer: &TextTokenizer, lossy: &mut Vec<PathBuf>) -> Result<u64, RuntimeError> {
     use std::io::Write;
+    let vocab = tokenizer.vocab_size();
+    let dtype = TokenDtype::for_vocab(vocab);
     let tmp = out.with_extension("bin.tmp");
     let f = std::fs::File::create(&tmp).map_err(|e| ferr(&tmp, format!("cannot create: {e}")))?;
     let mut w = std::io::BufWriter::new(f);
     let mut tokens = 0u64;
     for p in files {
         let bytes = std::fs::read(p).map_err(|e| ferr(p, format!("cannot read: {e}")))?;
-        let mut buf = Vec::with_capacity(bytes.len() * 2);
-        for b in &bytes {
-            buf.extend_from_slice(&u16::from(*b).to_le_bytes());
+        let (ids, replaced) = tokenizer.encode(p, &bytes)?;
+        if replaced {
+            lossy.push(p.clone());
+        }
+        let mut buf = Vec::with_capacity(ids.len() * dtype.bytes());
+        for &id in &ids {
+            match dtype {
+                TokenDtype::U16 => buf.extend_from_slice(&(id as u16).to_le_bytes()),
+                TokenDtype::U32 => buf.extend_from_slice(&id.to_le_bytes()),
+            }
         }
         w.write_all(&buf).map_err(|e| ferr(&tmp, format!("cannot write: {e}")))?;
-        tokens += bytes.len() as u64;
+        tokens += ids.len() as u64;
     }
     let f = w.into_inner().map_err(|e| ferr(&tmp, format!("cannot write: {e}")))?;
     f.sync_all().map_err(|e| ferr(&tmp, format!("cannot write: {e}")))?;
     std::fs::rename(&tmp, out).map_err(|e| ferr(out, format!("cannot rename {} into place: {e}", tmp.display())))?;
     let meta = Sidecar {
-        dtype: TokenDtype::U16.name().into(),
+        dtype: dtype.name().into(),
         tokens: Some(tokens),
-        vocab_size: Some(256),
-        tokenizer: Some("bytes".into()),
+        vocab_size: Some(vocab),
+        tokenizer: Some(tokenizer.describe()),
         files: files.iter().map(|p| p.display().to_string()).collect(),
     };
     let side = sidecar_path(out);
