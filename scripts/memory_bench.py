@@ -166,6 +166,7 @@ def main():
     ap.add_argument("--env", action="append", default=[], metavar="K=V", help="environment of the runs (e.g. allocator settings)")
     ap.add_argument("--plans", default="pp4,pp2×tp2", help="which plans to run")
     ap.add_argument("--microbatches", type=int, default=MICRO)
+    ap.add_argument("--steps", type=int, default=STEPS, help="0: set-up (loading) alone")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model = export(args.out, args.layers, args.d, args.vocab)
@@ -188,7 +189,7 @@ def main():
             continue
         pred = predicted(p)
         for label, exe in runners:
-            cmd = [str(exe), "launch", "--nproc", "4", str(p), "--steps", str(STEPS), "--threads", "1", "--json", "--timeout", "1200"]
+            cmd = [str(exe), "launch", "--nproc", "4", str(p), "--steps", str(args.steps), "--threads", "1", "--json", "--timeout", "1200"]
             peaks, report, wall = sampled(cmd, env)
             for st in report.get("ranks", []):
                 print({k: st.get(k) for k in ("rank", "peak_memory_bytes", "peak_state", "resident_param_bytes", "weight_bytes_read")}, file=sys.stderr)
@@ -197,7 +198,7 @@ def main():
                 want = m["params"] + m["grads"] + m["optimizer"] + m["activations"]
                 got = peaks.get(r, 0) - idle
                 read = report.get("ranks", [{}] * 4)[r].get("weight_bytes_read", {}) if report else {}
-                rows.append((f"{name}, {args.microbatches} microbatch{'es' if args.microbatches > 1 else ''}", label, r, peaks.get(r, 0), got, m, want, got / want if want else float("nan"),
+                rows.append((f"{name}, {args.microbatches} microbatch{'es' if args.microbatches > 1 else ''}, {args.steps} steps", label, r, peaks.get(r, 0), got, m, want, got / want if want else float("nan"),
                              read.get("params"), wall))
                 print(rows[-1], file=sys.stderr)
     print("| plan | runner | rank | peak RssAnon | less idle | predicted params + grads + optimizer + activations | measured / predicted | parameter bytes read |")
