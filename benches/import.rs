@@ -55,7 +55,7 @@ impl Builder {
             name: Some(name.clone()),
             data_type: Some(7),
             dims: vec![values.len() as i64],
-            raw_data: Some(values.iter().flat_map(|v| v.to_le_bytes()).collect()),
+            raw_data: Some(values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>().into()),
             ..Default::default()
         });
         name

@@ -21,7 +21,8 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let (proto_dir, out_dir) = (&args[1], &args[2]);
     let fds = protox::compile([format!("{proto_dir}/onnx.proto")], [proto_dir]).expect("protox");
-    prost_build::Config::new().out_dir(out_dir).compile_fds(fds).expect("prost-build");
+    // raw_data as `Bytes`: decoded from a memory-mapped file, it points into the map (no copy)
+    prost_build::Config::new().out_dir(out_dir).bytes([".onnx.TensorProto.raw_data"]).compile_fds(fds).expect("prost-build");
 }
 RS
 (cd "$work" && cargo run --release --quiet -- "$repo/proto" "$work/out")

@@ -62,7 +62,7 @@ fn raw_w() -> TensorProto {
         name: Some("w".into()),
         data_type: Some(1),
         dims: vec![4, 4],
-        raw_data: Some(vec![0; 64]),
+        raw_data: Some(vec![0; 64].into()),
         ..Default::default()
     }
 }

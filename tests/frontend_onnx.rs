@@ -22,7 +22,7 @@ fn raw_tensor(name: &str, data_type: i32, dims: &[i64], raw: Vec<u8>) -> TensorP
         name: Some(name.into()),
         data_type: Some(data_type),
         dims: dims.to_vec(),
-        raw_data: Some(raw),
+        raw_data: Some(raw.into()),
         ..Default::default()
     }
 }

@@ -16,6 +16,7 @@ use smp_partition::runtime::train::{self, AdamWConfig, EvalConfig, EvalRecord, L
 use smp_partition::runtime::dist::RankEnv;
 use smp_partition::runtime::checkpoint::{self, Checkpointing, Loaded, SaveConfig};
 use smp_partition::runtime::pipeline::{self, RunConfig};
+use smp_partition::runtime::weights::Source;
 use smp_partition::runtime::{ExecOptions, Executor, InitMode, Weights, export, launch, npz};
 use tch::Kind;
 
@@ -650,10 +651,13 @@ fn rank_cmd(
         rebind_batch(&mut graph, b.microbatch, &opts, model)?;
     }
     let float_kind = Some(o.dtype.kind());
-    let mut weights = Weights::load(&graph, init_mode(o.init, o.seed), float_kind)?;
+    // only the parts of weights this rank holds are read (from the model file, its external
+    // data or the checkpoint), when its stages and shards are set up
+    let mut source = Source::new(&graph, init_mode(o.init, o.seed), float_kind);
     if let Some(l) = &resume {
-        checkpoint::restore_params(l, &graph, &mut weights.tensors)?;
+        source = source.with_checkpoint(l);
     }
+    let weights = pipeline::rank_weights(plan, &source, env.rank)?;
     let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: true })?;
     let loss = loss_kind(o, &graph);
     let (data, eval_data) = open_data(&exec, o, shape, loss)?;
@@ -672,7 +676,7 @@ fn rank_cmd(
     };
     let t0 = Instant::now();
     let mut progress = Progress::new(o.steps, data.tokens_per_batch() as f64, env.rank == 0, o.json);
-    let report = pipeline::run_rank(plan, &exec, &data, eval_data.as_ref(), &cfg, env, &ckpt, &mut progress)
+    let report = pipeline::run_rank(plan, &exec, &source, &data, eval_data.as_ref(), &cfg, env, &ckpt, &mut progress)
         .with_context(|| format!("rank {} of {}", env.rank, env.world))?;
     progress.finish();
     let wall = t0.elapsed().as_secs_f64();
@@ -693,6 +697,7 @@ fn rank_cmd(
                     "peak_state": {"params": st.peak_state.params, "grads": st.peak_state.grads, "optimizer": st.peak_state.optimizer},
                     "peak_param_bytes": st.peak_param_bytes,
                     "resident_param_bytes": st.resident_param_bytes,
+                    "weight_bytes_read": {"params": st.weight_bytes_read.params, "other": st.weight_bytes_read.other},
                 })
             })
             .collect();

@@ -1,7 +1,6 @@
 //! Constant tensors: initializers, `Constant` nodes and folded shape arithmetic.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use super::DType;
 
@@ -24,7 +23,8 @@ pub struct ExternalData {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Storage {
     /// Little-endian raw bytes, exactly `numel * size_bytes` long (ONNX `raw_data` layout).
-    Raw(Arc<[u8]>),
+    /// Shared and cheap to clone; imported models keep it inside the memory-mapped file.
+    Raw(prost::bytes::Bytes),
     /// Stored in a file beside the model.
     External(ExternalData),
     /// String elements.

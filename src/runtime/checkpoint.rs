@@ -354,7 +354,8 @@ pub struct Loaded {
 }
 
 struct Shard {
-    bytes: Vec<u8>,
+    /// The file, memory-mapped (a rank reads only the pieces it needs).
+    bytes: memmap2::Mmap,
     data_start: usize,
     tensors: HashMap<String, safetensors::tensor::TensorInfo>,
 }
@@ -377,7 +378,10 @@ impl Loaded {
             if f.contains('/') || f.contains("..") {
                 return Err(ferr(&mpath, format!("names shard file `{f}` outside the checkpoint directory")));
             }
-            let bytes = std::fs::read(&p).map_err(|e| ferr(&p, format!("cannot read the shard: {e}")))?;
+            let file = File::open(&p).map_err(|e| ferr(&p, format!("cannot read the shard: {e}")))?;
+            // SAFETY: read-only; a shard rewritten while mapped is outside what the runner
+            // defends against (checkpoints are written to new files and renamed)
+            let bytes = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ferr(&p, format!("cannot map the shard: {e}")))?;
             let damaged = |e: safetensors::SafeTensorError| ferr(&p, format!("damaged safetensors header ({e}); resume from an older checkpoint directory"));
             // the parse checks the header against the file's length
             let (n, meta) = SafeTensors::read_metadata(&bytes).map_err(damaged)?;
@@ -418,6 +422,67 @@ impl Loaded {
         let (a, b) = info.data_offsets;
         let bytes = shard.bytes.get(shard.data_start + a..shard.data_start + b).ok_or_else(|| ferr(&p, format!("tensor `{}` lies outside the file", e.key)))?;
         from_bytes(dt, &dims, bytes).map_err(|m| ferr(&p, format!("tensor `{}`: {m}", e.key)))
+    }
+
+    /// Part `part` of the tensor `name` of `role` (whole shape `dims`, the model's), read from
+    /// the pieces that hold its elements and nothing else: a rank resuming under any plan reads
+    /// only what it holds. Refused when the pieces disagree on the shape or miss an element.
+    pub fn read_part(&self, name: &str, role: Role, dims: &[i64], part: &Slice) -> Result<Tensor, RuntimeError> {
+        let mpath = self.dir.join(MANIFEST);
+        let entries: Vec<&Entry> = self.manifest.tensors.iter().filter(|e| e.name == name && e.role == role).collect();
+        let Some(first) = entries.first() else {
+            return Err(ferr(
+                &mpath,
+                format!("has no {} `{name}` of this model; was it written for another model or other --trainable/--frozen flags?", role.key()),
+            ));
+        };
+        let bad = |m: String| ferr(&mpath, format!("`{name}` ({}): {m}", role.key()));
+        if first.shape != dims {
+            return Err(bad(format!("is {:?} there, but {dims:?} in the model", first.shape)));
+        }
+        // every piece's elements as runs of the whole tensor: (start, len, piece, offset in it)
+        let mut index: Vec<(u64, u64, usize, u64)> = Vec::new();
+        let mut dtype = None;
+        let mut infos = Vec::with_capacity(entries.len());
+        for (k, e) in entries.iter().enumerate() {
+            if e.shape != first.shape {
+                return Err(bad(format!("pieces disagree on its shape ({:?} vs {:?})", e.shape, first.shape)));
+            }
+            let (shard, info) = self.info(e)?;
+            let dt = ir_dtype(info.dtype).ok_or_else(|| bad(format!("unsupported type {:?}", info.dtype)))?;
+            if *dtype.get_or_insert(dt) != dt {
+                return Err(bad("pieces disagree on the element type".into()));
+            }
+            infos.push((shard, info));
+            let mut off = 0u64;
+            for (s, l) in super::weights::runs(&e.shape, &e.slice).map_err(bad)? {
+                index.push((s, l, k, off));
+                off += l;
+            }
+        }
+        index.sort_by_key(|r| r.0);
+        let dt = dtype.unwrap_or(DType::F32);
+        let size = dt.size_bytes() as usize;
+        let out_dims = super::weights::part_dims(dims, part).map_err(bad)?;
+        let mut out: Vec<u8> = Vec::with_capacity(out_dims.iter().product::<i64>().max(0) as usize * size);
+        for (start, len) in super::weights::runs(dims, part).map_err(bad)? {
+            let mut at = start;
+            while at < start + len {
+                let i = index.partition_point(|r| r.0 <= at);
+                let hit = i.checked_sub(1).map(|i| index[i]).filter(|r| at < r.0 + r.1);
+                let Some((s, l, k, off)) = hit else {
+                    return Err(bad(format!("element {at} is in no shard")));
+                };
+                let end = (start + len).min(s + l);
+                let (shard, info) = infos[k];
+                let a = shard.data_start + info.data_offsets.0 + (off + at - s) as usize * size;
+                let b = a + (end - at) as usize * size;
+                let bytes = shard.bytes.get(a..b).ok_or_else(|| ferr(&self.dir.join(&entries[k].file), format!("tensor `{}` lies outside the file", entries[k].key)))?;
+                out.extend_from_slice(bytes);
+                at = end;
+            }
+        }
+        from_bytes(dt, &out_dims, &out).map_err(bad)
     }
 
     /// The names of the checkpoint's tensors of `role`, with their whole shapes and whether
@@ -513,7 +578,7 @@ impl Loaded {
 }
 
 /// Shape of the whole `shape` cut along `axis` to `ranges`.
-fn cut_shape(shape: &[i64], axis: Option<usize>, ranges: &[[u64; 2]]) -> Result<Vec<i64>, String> {
+pub(super) fn cut_shape(shape: &[i64], axis: Option<usize>, ranges: &[[u64; 2]]) -> Result<Vec<i64>, String> {
     let mut s = shape.to_vec();
     if let Some(a) = axis {
         let dim = *shape.get(a).ok_or_else(|| format!("cut along axis {a} of a rank-{} tensor", shape.len()))?;
@@ -551,11 +616,11 @@ pub fn param_name(graph: &Graph, v: ValueId) -> String {
 }
 
 /// True for a module buffer (an initializer the record or the name rules call a buffer).
-fn is_buffer(graph: &Graph, v: ValueId) -> bool {
+pub(super) fn is_buffer(graph: &Graph, v: ValueId) -> bool {
     matches!(&graph.value(v).training, Some(Training::Frozen { reason: FrozenReason::Buffer | FrozenReason::BufferName }))
 }
 
-fn buffer_name(graph: &Graph, v: ValueId) -> String {
+pub(super) fn buffer_name(graph: &Graph, v: ValueId) -> String {
     let val = graph.value(v);
     val.record.as_ref().and_then(|r| r.name(0)).unwrap_or(&val.name).to_string()
 }

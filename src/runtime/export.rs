@@ -210,7 +210,7 @@ pub fn write_onnx(exec: &Executor<'_>, model: &Path, out: &Path, external: bool)
             }
             None => {
                 t.data_location = None;
-                t.raw_data = Some(bytes);
+                t.raw_data = Some(bytes.into());
             }
         }
     }

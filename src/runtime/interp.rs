@@ -326,7 +326,7 @@ impl<'r, 'a> Interp<'r, 'a> {
                 });
             }
             for (&i, g) in mine.iter().zip(gp) {
-                accumulate(&mut self.grads[i], g)?;
+                accumulate(&mut self.grads[i], g, exclusive(g, &got))?;
             }
         } else {
             for t in &leaves {
@@ -356,7 +356,7 @@ impl<'r, 'a> Interp<'r, 'a> {
                 let got = Tensor::f_run_backward(&[&root], &inputs, false, false)?;
                 self.observe_with_grads(got.iter().map(bytes_of).sum());
                 for (&i, g) in mine.iter().zip(&got) {
-                    accumulate(&mut self.grads[i], g)?;
+                    accumulate(&mut self.grads[i], g, exclusive(g, &got))?;
                 }
             }
         }
@@ -556,7 +556,10 @@ fn run_stage(
     }
 }
 
-fn accumulate(slot: &mut Option<Tensor>, g: &Tensor) -> Result<(), RuntimeError> {
+/// Adds gradient `g` into `slot`. The first one is kept as it is when `own` (autograd's
+/// result, aliasing nothing else: no copy, so a step holds one copy of its gradients), else
+/// copied (later sums add into it in place).
+fn accumulate(slot: &mut Option<Tensor>, g: &Tensor, own: bool) -> Result<(), RuntimeError> {
     if !g.defined() {
         return Ok(());
     }
@@ -564,9 +567,28 @@ fn accumulate(slot: &mut Option<Tensor>, g: &Tensor) -> Result<(), RuntimeError>
         Some(acc) => {
             let _ = acc.f_add_(g)?;
         }
+        None if own => *slot = Some(g.f_detach()?),
         None => *slot = Some(g.f_detach()?.f_mul_scalar(1.0)?),
     }
     Ok(())
+}
+
+/// True when gradient `g`, one of `all` (one backward's results), is contiguous and shares
+/// no memory with the others (autograd passes one tensor to several inputs through additions
+/// and identities; those must be copied before they are summed into in place).
+fn exclusive(g: &Tensor, all: &[Tensor]) -> bool {
+    let span = |t: &Tensor| {
+        let a = t.data_ptr() as usize;
+        (a, a + t.numel() * t.kind().elt_size_in_bytes())
+    };
+    if !g.defined() || !g.is_contiguous() || g.numel() == 0 {
+        return false;
+    }
+    let (a, b) = span(g);
+    all.iter().filter(|t| t.defined() && t.numel() > 0).filter(|t| {
+        let (c, d) = span(t);
+        c < b && a < d
+    }).count() == 1
 }
 
 /// Length of a message's metadata: rank, dims, kind code.

@@ -11,9 +11,10 @@
 use std::time::Duration;
 
 use super::RuntimeError;
-use super::checkpoint::{self, Checkpointing, Loaded, Piece, SaveConfig, Slice};
+use super::checkpoint::{self, Checkpointing, Loaded, Piece, Role, SaveConfig, Slice};
 use super::dist::{DistError, RankEnv};
 use super::executor::Executor;
+use super::weights::Source;
 use super::interp::Interp;
 use super::zero::Restore;
 use super::rank::{Rank, Shards, check_world};
@@ -22,6 +23,7 @@ use super::train::{AdamWConfig, EvalConfig, EvalRecord, LossKind, LrSchedule, Tr
 use crate::plan::Plan;
 
 pub use super::layout::{REPLAN, StageLayout, codegen_section, rank_programs, stage_layout};
+pub use super::rank::rank_weights;
 pub use super::report::{RankReport, RankStats, StateBytes, peak_rss_bytes};
 
 impl From<DistError> for RuntimeError {
@@ -64,6 +66,7 @@ pub struct RunConfig {
 pub fn run_rank(
     plan: &Plan,
     exec: &Executor<'_>,
+    source: &Source<'_>,
     data: &DataSource,
     eval_data: Option<&DataSource>,
     cfg: &RunConfig,
@@ -74,7 +77,7 @@ pub fn run_rank(
     codegen_section(plan)?;
     check_world(plan, env)?;
     let shards = Shards::new(plan, exec.graph(), env.rank)?;
-    let rank = Rank::new(plan, exec, &shards, data, cfg, env)?;
+    let rank = Rank::new(plan, exec, source, &shards, data, cfg, env)?;
     let restore = ckpt.resume.map(|l| restored_moments(&rank, l)).transpose()?;
     let mut interp = Interp::new(&rank, restore)?;
     let mut evals: Vec<EvalRecord> = Vec::new();
@@ -100,21 +103,24 @@ pub fn run_rank(
             save_checkpoint(&interp, &rank, env, save, step, obs)?;
         }
     }
-    let mut report = super::report::gather(&rank.groups.world, env.world, records, &interp.tally)?;
+    let mut report = super::report::gather(&rank.groups.world, env.world, records, &interp.tally, source.bytes_read())?;
     report.eval = evals;
     Ok(report)
 }
 
-/// The rank's part of the AdamW moments of a checkpoint (whole tensors cut as this rank holds
-/// its parameters).
+/// The rank's part of the AdamW moments of a checkpoint (its tensor-parallel cut of each,
+/// read from the pieces holding those elements; never the whole tensor).
 fn restored_moments(rank: &Rank<'_>, ckpt: &Loaded) -> Result<Restore, RuntimeError> {
     let ids = rank.param_ids();
-    let mut whole = checkpoint::restore_moments(ckpt, rank.graph(), &ids, rank.params.opts.0)?;
+    let graph = rank.graph();
+    let kind = rank.params.opts.0;
     let (mut exp_avg, mut exp_avg_sq) = (Vec::with_capacity(ids.len()), Vec::with_capacity(ids.len()));
-    for v in &ids {
-        let (m, s) = whole.remove(v).ok_or_else(|| terr(format!("no moments of `{}` in the checkpoint", rank.graph().value(*v).name)))?;
-        exp_avg.push(rank.local_part(*v, &m)?);
-        exp_avg_sq.push(rank.local_part(*v, &s)?);
+    for &v in &ids {
+        let name = checkpoint::param_name(graph, v);
+        let dims = graph.value(v).data.as_ref().map(|d| d.dims.clone()).unwrap_or_default();
+        let part = rank.part_of(v);
+        exp_avg.push(ckpt.read_part(&name, Role::ExpAvg, &dims, &part)?.f_to_kind(kind)?);
+        exp_avg_sq.push(ckpt.read_part(&name, Role::ExpAvgSq, &dims, &part)?.f_to_kind(kind)?);
     }
     Ok(Restore { step: ckpt.manifest.state.adamw_step, exp_avg, exp_avg_sq })
 }

@@ -14,6 +14,7 @@ use super::pipeline::{RunConfig, terr};
 use super::data::DataSource;
 use super::train::Batch;
 use super::weights::is_trainable;
+use super::weights::{Slice, Source};
 use super::{ExecOptions, RuntimeError, Weights};
 use crate::codegen::{Coord, Instr, Mesh, Purpose, RankProgram, StageView, WeightSlice, apply_shard};
 use crate::ir::{DimBindings, Graph, NodeId, Op, OpKind, ValueId, ValueKind};
@@ -165,6 +166,8 @@ impl Shards {
 pub(super) struct Rank<'a> {
     /// The model's executor (stages without tensor parallelism run its nodes).
     pub exec: &'a Executor<'a>,
+    /// Where the rank reads the parts of weights it holds.
+    pub source: &'a Source<'a>,
     /// Settings of the run.
     pub cfg: &'a RunConfig,
     /// Stages' nodes, boundary values and parameters.
@@ -218,7 +221,15 @@ pub(super) struct Rank<'a> {
 
 impl<'a> Rank<'a> {
     /// Sets up rank `env.rank` of `plan` on the model of `exec`, training on `data`.
-    pub fn new(plan: &Plan, exec: &'a Executor<'a>, shards: &'a Shards, data: &'a DataSource, cfg: &'a RunConfig, env: &RankEnv) -> Result<Rank<'a>, RuntimeError> {
+    pub fn new(
+        plan: &Plan,
+        exec: &'a Executor<'a>,
+        source: &'a Source<'a>,
+        shards: &'a Shards,
+        data: &'a DataSource,
+        cfg: &'a RunConfig,
+        env: &RankEnv,
+    ) -> Result<Rank<'a>, RuntimeError> {
         let graph = exec.graph();
         let section = layout::codegen_section(plan)?;
         let layout = layout::stage_layout(section, graph)?;
@@ -236,8 +247,9 @@ impl<'a> Rank<'a> {
 
         let groups = connect_groups(env, cfg, &mesh, &programs, &shards.kv_groups)?;
         let tensor_pg = groups.by_members.get(&tensor_groups(&mesh).into_iter().find(|g| g.contains(&me)).unwrap_or_default()).cloned();
-        let (stage_execs, by_name) = stage_executors(exec, shards, tensor_pg.as_ref())?;
-        let sliced: HashSet<&str> = shards.stages.iter().flat_map(|sh| sh.slices.iter()).map(|w| w.initializer.as_str()).collect();
+        let lazy = lazy_params(plan, &layout, &program, &my_stages);
+        let (stage_execs, by_name) = stage_executors(exec, source, shards, tensor_pg.as_ref(), &lazy)?;
+        let sliced: HashMap<&str, &WeightSlice> = shards.stages.iter().flat_map(|sh| sh.slices.iter()).map(|w| (w.initializer.as_str(), w)).collect();
         let (params, kv_groups) = own_params(plan, exec, &layout, &my_stages, (me, q, t), &sliced, &by_name, &shards.kv_groups)?;
         // a stage reads the graph inputs its nodes consume; the last one also the loss's labels
         let reads_input = my_stages.iter().flat_map(|&s| &layout.nodes[s]).any(|&n| graph.node(n).inputs.iter().flatten().any(|v| graph.inputs.contains(v)));
@@ -248,6 +260,7 @@ impl<'a> Rank<'a> {
         let shard_group = plan.parallel.sharded_dp.filter(|&n| n > 1 && n < dp).unwrap_or(dp);
         Ok(Rank {
             exec,
+            source,
             cfg,
             layout,
             me,
@@ -286,13 +299,38 @@ impl<'a> Rank<'a> {
         ids.into_iter().map(|(_, v)| v).collect()
     }
 
-    /// This rank's part of `full`, a whole tensor shaped as parameter `v` (its tensor-parallel
-    /// cut, or all of it).
-    pub fn local_part(&self, v: ValueId, full: &Tensor) -> Result<Tensor, RuntimeError> {
+    /// The part of weight `v` this rank holds: its tensor-parallel cut, or all of it.
+    pub fn part_of(&self, v: ValueId) -> Slice {
         match self.slices.get(&self.graph().value(v).name) {
-            Some(sl) => cut(full, sl),
-            None => Ok(full.f_detach()?.f_contiguous()?),
+            Some(sl) => Slice { axis: Some(sl.axis), ranges: sl.ranges.clone(), flat: None },
+            None => Slice::whole(),
         }
+    }
+
+    /// Block `index` of `parts` of stage `s`'s flat parameter vector (ZeRO 3), read from the
+    /// source: only the elements of the block, never a whole parameter.
+    pub fn read_block(&self, s: usize, parts: i64, index: i64) -> Result<Tensor, RuntimeError> {
+        let p = &self.params;
+        let ids = self.param_ids();
+        let total: i64 = p.owned[s].iter().map(|&i| p.numel(i)).sum();
+        let len = (total + parts - 1) / parts.max(1);
+        let (lo, hi) = (index * len, (index + 1) * len);
+        let mut v: Vec<Tensor> = Vec::new();
+        let mut off = 0i64;
+        for &i in &p.owned[s] {
+            let n = p.numel(i);
+            let (a, b) = (lo.max(off), hi.min(off + n));
+            if a < b {
+                let mut part = self.part_of(ids[i]);
+                part.flat = Some([(a - off) as u64, (b - off) as u64]);
+                v.push(self.source.read(ids[i], &part)?.f_to_kind(p.opts.0)?);
+            }
+            off += n;
+        }
+        if hi > lo.max(off) {
+            v.push(Tensor::f_zeros([hi - lo.max(off)], p.opts)?);
+        }
+        Ok(Tensor::f_cat(&v, 0)?)
     }
 
     /// The stage whose state a collective moves, one of this rank's.
@@ -342,15 +380,17 @@ impl<'a> Rank<'a> {
 #[allow(clippy::type_complexity)]
 fn stage_executors<'a>(
     exec: &Executor<'_>,
+    source: &Source<'_>,
     shards: &'a Shards,
     tensor_pg: Option<&Arc<ProcessGroup>>,
+    lazy: &HashSet<ValueId>,
 ) -> Result<(HashMap<usize, Executor<'a>>, HashMap<String, Tensor>), RuntimeError> {
     let mut stage_execs: HashMap<usize, Executor<'a>> = HashMap::new();
     let mut by_name: HashMap<String, Tensor> = HashMap::new();
     for sh in &shards.stages {
         let sub = &sh.graph;
         let slices: HashMap<&str, &WeightSlice> = sh.slices.iter().map(|w| (w.initializer.as_str(), w)).collect();
-        let tensors = stage_weights(exec, sub, &slices)?;
+        let tensors = stage_weights(exec, source, sub, &slices, lazy)?;
         let mut e = Executor::new(sub, Weights { tensors }, ExecOptions { float_kind: exec.float_kind(), training: true })?;
         e.tensor_group = tensor_pg.cloned();
         // a weight read by several of this rank's stages is one tensor
@@ -381,7 +421,7 @@ fn own_params(
     layout: &StageLayout,
     my_stages: &[usize],
     (me, q, t): (usize, usize, usize),
-    sliced: &HashSet<&str>,
+    sliced: &HashMap<&str, &WeightSlice>,
     by_name: &HashMap<String, Tensor>,
     kv_names: &[(String, Vec<usize>)],
 ) -> Result<(Params, Vec<(usize, Vec<usize>)>), RuntimeError> {
@@ -410,7 +450,7 @@ fn own_params(
         .map(|&v| {
             let name = graph.value(v).name.as_str();
             let shared = kv_names.iter().find(|(n, _)| n == name).map(|(_, g)| g.len());
-            first_holder(v) == Some(q) && shared.map_or(t == 0 || sliced.contains(name), |r| t % r == 0)
+            first_holder(v) == Some(q) && shared.map_or(t == 0 || sliced.contains_key(name), |r| t % r == 0)
         })
         .collect();
     let tensors: Vec<Tensor> = ids
@@ -438,7 +478,18 @@ fn own_params(
         })
         .collect::<Result<_, RuntimeError>>()?;
     let float_kind = tensors.first().map_or(Kind::Float, Tensor::kind);
-    let shapes = tensors.iter().map(Tensor::size).collect();
+    // shapes from the model and the cuts (ZeRO-3 parameters are not loaded whole)
+    let shapes = ids
+        .iter()
+        .map(|&v| {
+            let val = graph.value(v);
+            let mut dims = val.data.as_ref().map(|d| d.dims.clone()).ok_or_else(|| terr(format!("parameter `{}` has no data", val.name)))?;
+            if let Some(sl) = sliced.get(val.name.as_str()) {
+                dims[sl.axis] = sl.len() as i64;
+            }
+            Ok(dims)
+        })
+        .collect::<Result<_, RuntimeError>>()?;
     let params = Params { tensors, shapes, owned, read, counted, pos_of, opts: (float_kind, tch::Device::Cpu) };
     Ok((params, kv_groups))
 }
@@ -664,8 +715,10 @@ fn insert_copy_to_tensor_region(g: &mut Graph, pg: &crate::codegen::shard::Parti
 /// the subgraph's own data for constants the shard made.
 fn stage_weights(
     exec: &Executor<'_>,
+    source: &Source<'_>,
     sub: &Graph,
     slices: &HashMap<&str, &crate::codegen::WeightSlice>,
+    lazy: &HashSet<ValueId>,
 ) -> Result<HashMap<ValueId, Tensor>, RuntimeError> {
     let main = exec.graph();
     let mut out = HashMap::new();
@@ -674,10 +727,13 @@ fn stage_weights(
         if !matches!(v.kind, ValueKind::Initializer | ValueKind::Constant) {
             continue;
         }
-        let full = main.value_by_name(&v.name).and_then(|m| exec.weights.get(&m));
-        let t = match (full, slices.get(v.name.as_str())) {
-            (Some(full), Some(sl)) => cut(full, sl)?,
-            (Some(full), None) => full.f_detach()?,
+        // the model's weight, read in the part this rank holds (ZeRO-3 parameters not at all:
+        // their blocks are read when the shards are made)
+        let model = main.value_by_name(&v.name).filter(|&m| main.value(m).data.is_some());
+        let t = match (model, slices.get(v.name.as_str())) {
+            (Some(m), _) if lazy.contains(&m) => placeholder(main, m, exec.float_kind())?,
+            (Some(m), Some(sl)) => source.read(m, &Slice { axis: Some(sl.axis), ranges: sl.ranges.clone(), flat: None })?,
+            (Some(m), None) => source.read(m, &Slice::whole())?,
             (None, _) => {
                 let Some(data) = &v.data else { continue };
                 let crate::ir::Storage::Raw(bytes) = &data.storage else {
@@ -695,13 +751,74 @@ fn stage_weights(
     Ok(out)
 }
 
-/// This rank's tensor-parallel slice `sl` of the whole tensor `full` (its ranges along the
-/// axis, concatenated).
-pub(super) fn cut(full: &Tensor, sl: &WeightSlice) -> Result<Tensor, RuntimeError> {
-    let parts: Vec<Tensor> = sl
-        .ranges
+/// An empty stand-in for ZeRO-3 parameter `v` (its storage is swapped in when gathered).
+pub(super) fn placeholder(graph: &Graph, v: ValueId, float_kind: Option<Kind>) -> Result<Tensor, RuntimeError> {
+    let dtype = graph.value(v).data.as_ref().map_or(crate::ir::DType::F32, |d| d.dtype);
+    let kind = match float_kind {
+        Some(k) => k,
+        None => super::tensor::kind_of(dtype).map_err(|m| RuntimeError::Weight { name: graph.value(v).name.clone(), message: m })?,
+    };
+    Ok(Tensor::f_empty([0], (kind, tch::Device::Cpu))?)
+}
+
+/// The trained parameters of rank `(plan, program)` that stay sharded from the start (ZeRO 3):
+/// those owned by a stage whose parameters the program gathers. They are never loaded whole;
+/// each rank reads its block.
+pub(super) fn lazy_params(plan: &Plan, layout: &StageLayout, program: &RankProgram, my_stages: &[usize]) -> HashSet<ValueId> {
+    let dp = plan.parallel.dp;
+    let shard_group = plan.parallel.sharded_dp.filter(|&n| n > 1 && n < dp).unwrap_or(dp);
+    let zero3 = dp > 1 && (plan.parallel.zero >= 3 || shard_group < dp);
+    let mut out = HashSet::new();
+    if !zero3 {
+        return out;
+    }
+    let gathered: HashSet<usize> = program
+        .instrs
         .iter()
-        .map(|r| full.f_detach()?.f_narrow(sl.axis as i64, r[0] as i64, (r[1] - r[0]) as i64))
-        .collect::<Result<_, _>>()?;
-    Ok(Tensor::f_cat(&parts, sl.axis as i64)?.f_contiguous()?)
+        .filter_map(|i| match i {
+            Instr::AllGather { purpose: purpose @ Purpose::Zero3Params { .. }, .. } => purpose.stage(),
+            _ => None,
+        })
+        .collect();
+    let mut seen: HashSet<ValueId> = HashSet::new();
+    for &s in my_stages {
+        for &v in &layout.params[s] {
+            if seen.insert(v) && gathered.contains(&s) {
+                out.insert(v);
+            }
+        }
+    }
+    out
+}
+
+/// The whole weights the model's executor of rank `me` needs: the initializers and constants
+/// its stages read, without the parameters that tensor-parallel shards slice (their stage
+/// executors read their own parts) or that ZeRO 3 shards (empty stand-ins). Nothing of other
+/// pipeline ranks' stages is read.
+pub fn rank_weights(plan: &Plan, source: &Source<'_>, me: usize) -> Result<Weights, RuntimeError> {
+    let graph = source.graph();
+    let section = layout::codegen_section(plan)?;
+    let layout = layout::stage_layout(section, graph)?;
+    let mesh = plan.mesh();
+    let Coord { pp: q, .. } = mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
+    let mut tensors = HashMap::new();
+    if mesh.tp > 1 {
+        return Ok(Weights { tensors });
+    }
+    let programs = layout::rank_programs(plan, section)?;
+    let program = programs.iter().find(|p| p.rank == me).ok_or_else(|| terr(format!("no program for rank {me}")))?;
+    let my_stages: Vec<usize> = (0..plan.stages.len()).filter(|&s| plan.stages[s].pp_rank == q).collect();
+    let lazy = lazy_params(plan, &layout, program, &my_stages);
+    for &s in &my_stages {
+        for &n in &layout.nodes[s] {
+            for &v in graph.node(n).inputs.iter().flatten() {
+                if tensors.contains_key(&v) || graph.value(v).data.is_none() {
+                    continue;
+                }
+                let t = if lazy.contains(&v) { placeholder(graph, v, source.float_kind())? } else { source.read(v, &Slice::whole())? };
+                tensors.insert(v, t);
+            }
+        }
+    }
+    Ok(Weights { tensors })
 }

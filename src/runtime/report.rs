@@ -40,6 +40,9 @@ pub struct RankStats {
     pub peak_param_bytes: u64,
     /// Parameter bytes held between uses (after the last step).
     pub resident_param_bytes: u64,
+    /// Bytes of weights the rank read (from the model file, its external data or a
+    /// checkpoint, or generated): (trained parameters, everything else).
+    pub weight_bytes_read: super::weights::ReadBytes,
 }
 
 /// What a run measured.
@@ -78,10 +81,10 @@ impl Tally {
 }
 
 /// Every rank's measurements, gathered over `world` (each rank passes its own records).
-pub(super) fn gather(world: &ProcessGroup, size: usize, records: Vec<StepRecord>, tally: &Tally) -> Result<RankReport, RuntimeError> {
+pub(super) fn gather(world: &ProcessGroup, size: usize, records: Vec<StepRecord>, tally: &Tally, read: super::weights::ReadBytes) -> Result<RankReport, RuntimeError> {
     let timed: Vec<f64> = records.iter().skip(usize::from(records.len() > 1)).map(|s| s.time_s).collect();
     let mean = timed.iter().sum::<f64>() / timed.len().max(1) as f64;
-    const STATS: usize = 7;
+    const STATS: usize = 9;
     let p = tally.peak;
     let mine = Tensor::from_slice(&[
         mean,
@@ -91,6 +94,8 @@ pub(super) fn gather(world: &ProcessGroup, size: usize, records: Vec<StepRecord>
         p.optimizer as f64,
         tally.peak_params as f64,
         tally.resident as f64,
+        read.params as f64,
+        read.other as f64,
     ]);
     let all = Tensor::f_zeros([(STATS * size) as i64], (Kind::Double, tch::Device::Cpu))?;
     world.all_gather(&all, &mine)?;
@@ -103,6 +108,7 @@ pub(super) fn gather(world: &ProcessGroup, size: usize, records: Vec<StepRecord>
             peak_state: StateBytes { params: c[2] as u64, grads: c[3] as u64, optimizer: c[4] as u64 },
             peak_param_bytes: c[5] as u64,
             resident_param_bytes: c[6] as u64,
+            weight_bytes_read: super::weights::ReadBytes { params: c[7] as u64, other: c[8] as u64 },
         })
         .collect();
     world.barrier()?;

@@ -111,8 +111,10 @@ impl Zero {
                 }
                 let pg = rank.groups.get(g)?;
                 let (parts, index) = (pg.size() as i64, pg.index() as i64);
-                let (f, len) = p.flat(s, &p.tensors, parts)?;
-                let master = owned_copy(&f.f_narrow(0, index * len, len)?)?;
+                // the block alone, read from the model or checkpoint (never the whole stage)
+                let total: i64 = p.owned[s].iter().map(|&i| p.numel(i)).sum();
+                let len = (total + parts - 1) / parts.max(1);
+                let master = rank.read_block(s, parts, index)?;
                 p.release(s)?;
                 shards[s] = Some(Shard { master: Some(master), members: g.clone(), ..Shard::block(parts, index, len) });
             }

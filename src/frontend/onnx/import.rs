@@ -37,24 +37,38 @@ pub struct ImportedModel {
     pub graph_only: bool,
 }
 
-/// Reads and imports an ONNX model file. External data is resolved as metadata only.
+/// Reads and imports an ONNX model file. External data is resolved as metadata only. The file
+/// is memory-mapped and initializers' `raw_data` stays in the map (nothing is copied; pages
+/// are read when a weight is).
 pub fn load_model(path: &Path) -> Result<ImportedModel, ImportError> {
-    let bytes = std::fs::read(path).map_err(|e| ImportError::Io { file: path.to_path_buf(), source: e })?;
-    decode_model_bytes(&bytes, path)
+    let io = |e| ImportError::Io { file: path.to_path_buf(), source: e };
+    let file = std::fs::File::open(path).map_err(io)?;
+    if file.metadata().map_err(io)?.len() == 0 {
+        return Err(ImportError::Empty { file: path.to_path_buf() });
+    }
+    // SAFETY: read-only; a model file rewritten while mapped is outside what the importer
+    // defends against
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+    decode_model_shared(prost::bytes::Bytes::from_owner(map), path)
 }
 
 /// Imports a model from its bytes; `path` names it in errors and locates external data
 /// (relative to its folder). The file itself is not read.
 pub fn decode_model_bytes(bytes: &[u8], path: &Path) -> Result<ImportedModel, ImportError> {
+    decode_model_shared(prost::bytes::Bytes::copy_from_slice(bytes), path)
+}
+
+/// [`decode_model_bytes`] from shared bytes, which initializers' raw data points into.
+fn decode_model_shared(bytes: prost::bytes::Bytes, path: &Path) -> Result<ImportedModel, ImportError> {
     if bytes.is_empty() {
         return Err(ImportError::Empty { file: path.to_path_buf() });
     }
-    let model = ModelProto::decode(bytes).map_err(|e| ImportError::Decode {
+    let model = ModelProto::decode(bytes.clone()).map_err(|e| ImportError::Decode {
         file: path.to_path_buf(),
         what: "model",
         reason: e.to_string(),
     })?;
-    let digest = Sha256::digest(bytes);
+    let digest = Sha256::digest(&bytes);
     let mut sha256 = String::with_capacity(64);
     for b in digest {
         let _ = write!(sha256, "{b:02x}");
@@ -500,5 +514,32 @@ fn infer_attr_type(a: &AttributeProto) -> i32 {
         attr_type::STRING
     } else {
         0
+    }
+}
+
+#[cfg(test)]
+mod zero_copy {
+    use super::*;
+    use crate::ir::Storage;
+
+    /// Initializers' raw data points into the buffer the model was decoded from (for
+    /// `load_model`, the memory-mapped file): nothing is copied.
+    #[test]
+    fn raw_data_stays_in_the_decoded_buffer() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/gpt2.onnx");
+        let buf = prost::bytes::Bytes::from(std::fs::read(&path).unwrap());
+        let range = buf.as_ptr() as usize..buf.as_ptr() as usize + buf.len();
+        let m = decode_model_shared(buf.clone(), &path).unwrap();
+        let mut inside = 0;
+        for v in m.graph.initializers() {
+            if let Some(Storage::Raw(b)) = m.graph.value(v).data.as_ref().map(|d| &d.storage) {
+                if b.len() >= 1024 {
+                    assert!(range.contains(&(b.as_ptr() as usize)), "`{}` was copied", m.graph.value(v).name);
+                    inside += 1;
+                }
+            }
+        }
+        assert!(inside >= 10, "only {inside} large initializers");
+        assert_eq!(load_model(&path).unwrap().sha256, m.sha256);
     }
 }

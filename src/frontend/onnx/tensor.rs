@@ -209,10 +209,11 @@ pub(crate) fn convert(proto: &TensorProto, resolver: &mut ExternalResolver) -> R
         return Ok(Tensor { dtype, dims, storage: Storage::Strings(proto.string_data.clone()) });
     }
 
-    let bytes: Vec<u8> = if let Some(raw) = &proto.raw_data {
+    // raw_data stays where the decoder found it (inside the memory-mapped model file)
+    let bytes: prost::bytes::Bytes = if let Some(raw) = &proto.raw_data {
         raw.clone()
     } else {
-        typed_bytes(proto, dtype)
+        typed_bytes(proto, dtype).into()
     };
     if bytes.len() as u64 != want_bytes {
         let source = if proto.raw_data.is_some() { "raw_data" } else { "typed data" };
@@ -222,7 +223,7 @@ pub(crate) fn convert(proto: &TensorProto, resolver: &mut ExternalResolver) -> R
             format!("{source} has {} bytes but {dtype}{dims:?} needs {want_bytes}", bytes.len()),
         ));
     }
-    Ok(Tensor { dtype, dims, storage: Storage::Raw(bytes.into()) })
+    Ok(Tensor { dtype, dims, storage: Storage::Raw(bytes) })
 }
 
 /// Little-endian bytes from the typed repeated fields.
