@@ -584,6 +584,11 @@ fn rank_cmd(
         let opts = smp_partition::passes::AnalyzeOptions { seq_len: plan.seq_len.map(|s| s as i64), dims: plan.dims.clone() };
         rebind_batch(&mut graph, b.microbatch, &opts, model)?;
     }
+    // with tensor parallelism the shards address the model as planned; their subgraphs are
+    // fused once cut (`runtime::rank::Shards`)
+    if plan.mesh().tp <= 1 {
+        fuse_chains(&mut graph);
+    }
     let float_kind = Some(o.dtype.kind());
     let mut weights = Weights::load(&graph, init_mode(o.init, o.seed), float_kind)?;
     if let Some(l) = &resume {
@@ -704,6 +709,15 @@ fn load_decided_sha(model: &Path, opts: &ParamOptions, log: bool) -> Result<(Gra
 fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
     sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Rewrites op chains into fused ops (`passes::fuse`); the rest of each chain is left dead
+/// (node ids stay those a plan lists), and the executor does not run it.
+fn fuse_chains(graph: &mut Graph) {
+    let fused = smp_partition::passes::fuse::fuse(graph);
+    if fused.total() > 0 {
+        tracing::info!(%fused, "op chains fused");
+    }
 }
 
 /// Rewrites a model whose batch is fixed to run microbatches of `b` samples
@@ -845,6 +859,7 @@ fn train_cmd(model: &Path, o: &TrainArgs, shape: TrainShape, ckpt: Option<(Optio
             rebind_batch(&mut graph, b, &opts, model)?;
         }
     }
+    fuse_chains(&mut graph);
     let float_kind = Some(o.dtype.kind());
     smp_partition::runtime::executor::check_supported(&graph).with_context(|| format!("model `{}`", model.display()))?;
     let mut weights = Weights::load(&graph, init_mode(o.init, o.seed), float_kind)?;
