@@ -794,7 +794,9 @@ fn init_mode(init: InitArg, seed: i64) -> InitMode {
 }
 
 fn eval(model: &Path, inputs: &Path, outputs: &Path, dtype: Option<DTypeArg>, init: InitArg, seed: i64, checkpoint: Option<&Path>) -> Result<()> {
-    let (graph, sha256) = load_decided_sha(model, &ParamOptions::default(), false)?;
+    let (mut graph, sha256) = load_decided_sha(model, &ParamOptions::default(), false)?;
+    // the graph training runs, so validation and evaluation agree to the last bit
+    fuse_chains(&mut graph);
     let float_kind = dtype.map(DTypeArg::kind);
     smp_partition::runtime::executor::check_supported(&graph).with_context(|| format!("model `{}`", model.display()))?;
     let mut weights = Weights::load(&graph, init_mode(init, seed), float_kind)?;
