@@ -650,6 +650,11 @@ fn rank_cmd(
         let opts = smp_partition::passes::AnalyzeOptions { seq_len: plan.seq_len.map(|s| s as i64), dims: plan.dims.clone() };
         rebind_batch(&mut graph, b.microbatch, &opts, model)?;
     }
+    // with tensor parallelism the shards address the model as planned; their subgraphs are
+    // fused once cut (`runtime::rank::Shards`)
+    if plan.mesh().tp <= 1 {
+        fuse_chains(&mut graph);
+    }
     let float_kind = Some(o.dtype.kind());
     // only the parts of weights this rank holds are read (from the model file, its external
     // data or the checkpoint), when its stages and shards are set up
@@ -776,6 +781,15 @@ fn sha256_hex(bytes: &[u8]) -> String {
     sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// Rewrites op chains into fused ops (`passes::fuse`); the rest of each chain is left dead
+/// (node ids stay those a plan lists), and the executor does not run it.
+fn fuse_chains(graph: &mut Graph) {
+    let fused = smp_partition::passes::fuse::fuse(graph);
+    if fused.total() > 0 {
+        tracing::info!(%fused, "op chains fused");
+    }
+}
+
 /// Rewrites a model whose batch is fixed to run microbatches of `b` samples
 /// (`passes::rebatch`; refused where the rewrite is not proven).
 fn rebind_batch(graph: &mut Graph, b: i64, opts: &smp_partition::passes::AnalyzeOptions, model: &Path) -> Result<()> {
@@ -853,7 +867,9 @@ fn eval(model: &Path, inputs: &Path, outputs: &Path, dtype: Option<DTypeArg>, in
     let loaded = checkpoint.map(Loaded::open).transpose()?;
     // a checkpoint's tensors are named as its run decided what is trained
     let params = loaded.as_ref().map(|l| l.manifest.state.params()).unwrap_or_default();
-    let (graph, sha256) = load_decided_sha(model, &params, false)?;
+    let (mut graph, sha256) = load_decided_sha(model, &params, false)?;
+    // the graph training runs, so validation and evaluation agree to the last bit
+    fuse_chains(&mut graph);
     let float_kind = dtype.map(DTypeArg::kind);
     smp_partition::runtime::executor::check_supported(&graph).with_context(|| format!("model `{}`", model.display()))?;
     let mut weights = Weights::load(&graph, init_mode(init, seed), float_kind)?;
@@ -923,6 +939,7 @@ fn train_cmd(
             rebind_batch(&mut graph, b, &opts, model)?;
         }
     }
+    fuse_chains(&mut graph);
     let float_kind = Some(o.dtype.kind());
     smp_partition::runtime::executor::check_supported(&graph).with_context(|| format!("model `{}`", model.display()))?;
     let mut weights = Weights::load(&graph, init_mode(o.init, o.seed), float_kind)?;

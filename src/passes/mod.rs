@@ -9,6 +9,7 @@ use crate::ir::{self, GraphError};
 pub mod dce;
 pub mod figures;
 pub mod fold;
+pub mod fuse;
 pub mod layers;
 pub mod params;
 pub mod rebatch;

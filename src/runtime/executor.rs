@@ -40,6 +40,21 @@ pub struct Executor<'g> {
     pub tensor_group: Option<Arc<ProcessGroup>>,
     /// The statistics BatchNormalization uses in the next runs.
     norm: Cell<NormStats>,
+    /// By node index: whether the node reaches a graph output (dead ones are skipped).
+    live: Vec<bool>,
+}
+
+/// By node index: whether a graph output depends on the node.
+fn live_nodes(graph: &Graph) -> Vec<bool> {
+    let mut live = vec![false; graph.node_ids().map(|n| n.index() + 1).max().unwrap_or(0)];
+    let mut stack: Vec<NodeId> = graph.outputs.iter().filter_map(|&v| graph.value(v).producer).collect();
+    while let Some(n) = stack.pop() {
+        if std::mem::replace(&mut live[n.index()], true) {
+            continue;
+        }
+        stack.extend(graph.predecessors(n).filter(|p| !live[p.index()]));
+    }
+    live
 }
 
 /// `op_type` of the node the runner inserts where codegen lists a partial gradient (Megatron's
@@ -74,7 +89,9 @@ impl<'g> Executor<'g> {
     /// nodes, and takes the weights.
     pub fn new(graph: &'g Graph, weights: Weights, opts: ExecOptions) -> Result<Executor<'g>, RuntimeError> {
         check_supported(graph)?;
-        let order = graph.topo_order()?;
+        let live = live_nodes(graph);
+        // nodes that reach no graph output (e.g. the rest of a chain `passes::fuse` rewrote) never run
+        let order: Vec<NodeId> = graph.topo_order()?.into_iter().filter(|n| live[n.index()]).collect();
         let mut last_use = vec![None; graph.value_count()];
         for (pos, &id) in order.iter().enumerate() {
             for v in graph.node(id).inputs.iter().flatten() {
@@ -94,7 +111,7 @@ impl<'g> Executor<'g> {
         }
         let opset = graph.opsets.get("").copied().unwrap_or(21);
         let ctx = OpContext { opset, float_kind: opts.float_kind, training: opts.training, norm: NormStats::Running };
-        Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None, norm: Cell::new(NormStats::Running) })
+        Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None, norm: Cell::new(NormStats::Running), live })
     }
 
     /// Sets the statistics BatchNormalization normalises with in the runs that follow: batch
@@ -253,6 +270,7 @@ impl<'g> Executor<'g> {
         keep: &[ValueId],
     ) -> Result<HashMap<ValueId, Tensor>, RuntimeError> {
         let graph = self.graph;
+        let nodes: Vec<NodeId> = nodes.iter().copied().filter(|n| self.live.get(n.index()).copied().unwrap_or(true)).collect();
         let mut last: HashMap<ValueId, usize> = HashMap::new();
         for (pos, &id) in nodes.iter().enumerate() {
             for v in graph.node(id).inputs.iter().flatten() {

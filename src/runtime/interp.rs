@@ -94,6 +94,7 @@ impl<'r, 'a> Interp<'r, 'a> {
     pub fn run_step(&mut self, step: usize) -> Result<StepRecord, RuntimeError> {
         let r = self.rank;
         let t0 = Instant::now();
+        let c0 = train::process_cpu_s();
         self.step = step;
         self.broadcast_buffers()?;
         (self.micro, self.feeds) = r.batches(r.data, step)?;
@@ -123,7 +124,7 @@ impl<'r, 'a> Interp<'r, 'a> {
             let line = format!("[rank {}] step {step} loss {loss:.6}\n", r.me);
             let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
         }
-        Ok(StepRecord { step, loss, time_s: t0.elapsed().as_secs_f64(), lr: r.cfg.schedule.lr(step) })
+        Ok(StepRecord { step, loss, time_s: t0.elapsed().as_secs_f64(), cpu_s: train::process_cpu_s() - c0, lr: r.cfg.schedule.lr(step) })
     }
 
     /// The mean loss over the world of `batches` batches of `data`, forward only: the

@@ -154,7 +154,8 @@ impl Shards {
         let view = plan.rank_view(me).map_err(|e| terr(e.to_string()))?;
         let (model, dims) = specialised(plan, graph)?;
         for sv in &view.stages {
-            let sub = shard_subgraph(sv, &model, &dims, &mesh, me, (q, d, t), &mut out.kv_groups)?;
+            let mut sub = shard_subgraph(sv, &model, &dims, &mesh, me, (q, d, t), &mut out.kv_groups)?;
+            passes::fuse::fuse(&mut sub);
             let slices = sv.shards.iter().flat_map(|sh| sh.weight_slices.iter().cloned()).collect();
             out.stages.push(StageShard { stage: sv.stage(), graph: sub, slices });
         }

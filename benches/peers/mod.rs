@@ -1,0 +1,76 @@
+//! Shared by the runner benches: issue 14's GPT-2 (4 × 256, vocab 2048, HF's default init)
+//! exported by `benches/peers/gpt2_peer.py`, the peers' runs and step-time summaries.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn python() -> PathBuf {
+    std::env::var_os("SMP_PYTHON").map(PathBuf::from).unwrap_or_else(|| repo().join(".venv/bin/python"))
+}
+
+/// `gpt2_peer.py MODE DIR ARGS`.
+pub fn peer(mode: &str, dir: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(python());
+    c.arg(repo().join("benches/peers/gpt2_peer.py")).arg(mode).arg(dir).args(args);
+    c
+}
+
+/// Exports the model, its weights and the batch into `dir` (or reuses `$SMP_BENCH_GPT2_DIR`).
+pub fn export() -> (Option<tempfile::TempDir>, PathBuf) {
+    if let Some(d) = std::env::var_os("SMP_BENCH_GPT2_DIR").map(PathBuf::from).filter(|d| d.join("gpt2.onnx").exists()) {
+        return (None, d);
+    }
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path().to_path_buf();
+    ok("export", peer("export", &dir, &[]).output().expect("run gpt2_peer.py export"));
+    (Some(tmp), dir)
+}
+
+pub fn ok(what: &str, out: Output) -> Output {
+    assert!(out.status.success(), "{what} failed: {}", String::from_utf8_lossy(&out.stderr));
+    out
+}
+
+/// Mean step time (s) of a run's JSON, the first step excluded: the runner's `steps[].time_s`
+/// or a peer's `step_times_s`.
+pub fn mean_step(out: &Output) -> f64 {
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    let times: Vec<f64> = match v.get("step_times_s") {
+        Some(t) => t.as_array().expect("step_times_s").iter().filter_map(|x| x.as_f64()).collect(),
+        None => v["steps"].as_array().expect("steps").iter().filter_map(|s| s["time_s"].as_f64()).collect(),
+    };
+    let timed = &times[usize::from(times.len() > 1)..];
+    timed.iter().sum::<f64>() / timed.len().max(1) as f64
+}
+
+/// Mean CPU time per step (s) of a run's JSON, the first step excluded: the runner's
+/// `steps[].cpu_s` or a peer's `cpu_times_s`.
+pub fn mean_cpu(out: &Output) -> f64 {
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    let times: Vec<f64> = match v.get("cpu_times_s") {
+        Some(t) => t.as_array().expect("cpu_times_s").iter().filter_map(|x| x.as_f64()).collect(),
+        None => v["steps"].as_array().expect("steps").iter().filter_map(|s| s["cpu_s"].as_f64()).collect(),
+    };
+    let timed = &times[usize::from(times.len() > 1)..];
+    timed.iter().sum::<f64>() / timed.len().max(1) as f64
+}
+
+/// The 1-, 5- and 15-minute load averages.
+pub fn load() -> String {
+    std::fs::read_to_string("/proc/loadavg").map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" ")).unwrap_or_default()
+}
+
+/// Median of a list.
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
+}
