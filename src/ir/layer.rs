@@ -46,9 +46,9 @@ pub struct NodeFigures {
     pub param_elems: u64,
     /// Bytes of those initializers.
     pub param_bytes: u64,
-    /// Elements of those that are trained (`passes::params`): gradients and optimizer state
-    /// are kept for these only.
-    pub trained_elems: u64,
+    /// Elements of those held frozen (`passes::params`): no gradient or optimizer state is kept
+    /// for them (0, the default, when every parameter is trained).
+    pub frozen_elems: u64,
     /// Bytes of the node's outputs.
     pub output_bytes: f64,
     /// Bytes of the tensors this node keeps for its backward pass.
@@ -70,7 +70,7 @@ impl std::ops::AddAssign for NodeFigures {
         self.flops += o.flops;
         self.param_elems += o.param_elems;
         self.param_bytes += o.param_bytes;
-        self.trained_elems += o.trained_elems;
+        self.frozen_elems += o.frozen_elems;
         self.output_bytes += o.output_bytes;
         self.saved_bytes += o.saved_bytes;
         self.memory_bytes += o.memory_bytes;

@@ -2,8 +2,8 @@
 
 use crate::ir::{Graph, NodeId};
 
-/// Removes dead nodes; returns how many were removed.
-pub fn remove_dead_nodes(graph: &mut Graph) -> usize {
+/// By node index: whether a graph output depends on the node.
+pub fn live_nodes(graph: &Graph) -> Vec<bool> {
     let mut live = vec![false; graph.node_ids().map(|n| n.index() + 1).max().unwrap_or(0)];
     let mut stack: Vec<NodeId> = graph.outputs.iter().filter_map(|&v| graph.value(v).producer).collect();
     while let Some(n) = stack.pop() {
@@ -12,6 +12,12 @@ pub fn remove_dead_nodes(graph: &mut Graph) -> usize {
         }
         stack.extend(graph.predecessors(n).filter(|p| !live[p.index()]));
     }
+    live
+}
+
+/// Removes dead nodes; returns how many were removed.
+pub fn remove_dead_nodes(graph: &mut Graph) -> usize {
+    let live = live_nodes(graph);
     let dead: Vec<NodeId> = graph.node_ids().filter(|n| !live[n.index()]).collect();
     for &n in &dead {
         graph.remove_node(n);

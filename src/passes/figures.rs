@@ -159,8 +159,8 @@ pub fn compute(graph: &Graph, bindings: &DimBindings) -> Result<Figures, PassErr
                 let (e, b) = param_elems(graph, v);
                 fig.param_elems += e;
                 fig.param_bytes += b;
-                if is_trainable(graph, v) {
-                    fig.trained_elems += e;
+                if !built && !is_trainable(graph, v) {
+                    fig.frozen_elems += e;
                 }
                 if built {
                     f.total_params += e;

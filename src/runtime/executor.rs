@@ -44,19 +44,6 @@ pub struct Executor<'g> {
     live: Vec<bool>,
 }
 
-/// By node index: whether a graph output depends on the node.
-fn live_nodes(graph: &Graph) -> Vec<bool> {
-    let mut live = vec![false; graph.node_ids().map(|n| n.index() + 1).max().unwrap_or(0)];
-    let mut stack: Vec<NodeId> = graph.outputs.iter().filter_map(|&v| graph.value(v).producer).collect();
-    while let Some(n) = stack.pop() {
-        if std::mem::replace(&mut live[n.index()], true) {
-            continue;
-        }
-        stack.extend(graph.predecessors(n).filter(|p| !live[p.index()]));
-    }
-    live
-}
-
 /// `op_type` of the node the runner inserts where codegen lists a partial gradient (Megatron's
 /// *f*: identity forward, gradient all-reduced over the tensor group).
 pub const COPY_TO_TENSOR_REGION: &str = "CopyToTensorRegion";
@@ -89,7 +76,7 @@ impl<'g> Executor<'g> {
     /// nodes, and takes the weights.
     pub fn new(graph: &'g Graph, weights: Weights, opts: ExecOptions) -> Result<Executor<'g>, RuntimeError> {
         check_supported(graph)?;
-        let live = live_nodes(graph);
+        let live = crate::passes::dce::live_nodes(graph);
         // nodes that reach no graph output (e.g. the rest of a chain `passes::fuse` rewrote) never run
         let order: Vec<NodeId> = graph.topo_order()?.into_iter().filter(|n| live[n.index()]).collect();
         let mut last_use = vec![None; graph.value_count()];

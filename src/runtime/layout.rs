@@ -46,10 +46,10 @@ pub fn stage_layout(section: &CodegenSection, graph: &Graph) -> Result<StageLayo
     }
     let order = graph.topo_order()?;
     let uses = graph.uses();
-    let live = live_nodes(graph, &order, &uses);
+    let live = crate::passes::dce::live_nodes(graph);
     // folded helpers: the earliest stage among their consumers; dead nodes (the rest of a
     // fused chain) run nowhere
-    let order: Vec<NodeId> = order.into_iter().filter(|n| live.contains(n)).collect();
+    let order: Vec<NodeId> = order.into_iter().filter(|n| live[n.index()]).collect();
     for &n in order.iter().rev() {
         if stage_of.contains_key(&n) {
             continue;
@@ -109,19 +109,6 @@ pub fn stage_layout(section: &CodegenSection, graph: &Graph) -> Result<StageLayo
         params: params.into_iter().map(|c| c.into_iter().collect()).collect(),
         recompute,
     })
-}
-
-/// The nodes some graph output depends on.
-fn live_nodes(graph: &Graph, order: &[NodeId], uses: &[Vec<NodeId>]) -> BTreeSet<NodeId> {
-    let mut live = BTreeSet::new();
-    for &n in order.iter().rev() {
-        let node = graph.node(n);
-        let read = node.outputs.iter().any(|o| graph.outputs.contains(o) || uses[o.index()].iter().any(|u| live.contains(u)));
-        if read {
-            live.insert(n);
-        }
-    }
-    live
 }
 
 /// What to do with a plan the runner cannot execute as it is.

@@ -176,7 +176,7 @@ impl<'a> CostContext<'a> {
             .map(|l| {
                 let mut s = LayerShape {
                     params: l.figures.param_elems as f64,
-                    trained: l.figures.trained_elems as f64,
+                    trained: l.figures.param_elems.saturating_sub(l.figures.frozen_elems) as f64,
                     ..Default::default()
                 };
                 for &id in &l.nodes {
