@@ -230,7 +230,12 @@ mod tests {
     }
 
     fn tanh_gelu(b: &mut B, x: ValueId, swap: bool) -> ValueId {
-        let (c05, c3, ck, cs, c1) = (b.c(0.5), b.c(3.0), b.c(0.044715), b.c(SQRT_2_OVER_PI as f32), b.c(1.0));
+        tanh_gelu_with(b, x, swap, 0.044715)
+    }
+
+    /// The tanh chain with `k` in place of 0.044715.
+    fn tanh_gelu_with(b: &mut B, x: ValueId, swap: bool, k: f32) -> ValueId {
+        let (c05, c3, ck, cs, c1) = (b.c(0.5), b.c(3.0), b.c(k), b.c(SQRT_2_OVER_PI as f32), b.c(1.0));
         let half = b.op(OpKind::Mul, &[x, c05]);
         let p = b.op(OpKind::Pow, &[x, c3]);
         let q = b.op(OpKind::Mul, &[p, ck]);
@@ -278,15 +283,7 @@ mod tests {
     fn wrong_constants_or_shared_interiors_are_left_alone() {
         // 0.04 instead of 0.044715
         let (mut b, x) = graph();
-        let (c05, c3, ck, cs, c1) = (b.c(0.5), b.c(3.0), b.c(0.04), b.c(SQRT_2_OVER_PI as f32), b.c(1.0));
-        let half = b.op(OpKind::Mul, &[x, c05]);
-        let p = b.op(OpKind::Pow, &[x, c3]);
-        let q = b.op(OpKind::Mul, &[p, ck]);
-        let r = b.op(OpKind::Add, &[x, q]);
-        let s = b.op(OpKind::Mul, &[r, cs]);
-        let t = b.op(OpKind::Tanh, &[s]);
-        let u = b.op(OpKind::Add, &[t, c1]);
-        let y = b.op(OpKind::Mul, &[half, u]);
+        let y = tanh_gelu_with(&mut b, x, false, 0.04);
         b.g.outputs = vec![y];
         assert_eq!(fuse(&mut b.g).total(), 0);
 
