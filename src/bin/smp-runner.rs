@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
-use smp_partition::frontend::onnx::load_model;
+use smp_partition::frontend::onnx::{ImportedModel, load_model};
 use smp_partition::ir::{Graph, ParamTransform, RecordKind, Training};
 use smp_partition::passes::params::{self, ParamOptions};
 use smp_partition::runtime::data::{self, DataSource, Order};
@@ -474,7 +474,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Train { model, opts } => {
             let seq_len = opts.seq_len.unwrap_or(DEFAULT_SEQ_LEN);
             let shape = TrainShape { batch: opts.batch, seq_len, microbatches: opts.microbatches, predicted: None };
-            train_cmd(&model, &opts, &opts.param_options(), shape, None)
+            let params = opts.param_options();
+            train_cmd(&model, load_decided_sha(&model, &params, true)?, &opts, &params, shape, None)
         }
         Command::Run { plan, opts } => run_plan(&plan, &opts),
         Command::Calibrate { output, comm_json } => calibrate(&output, comm_json.as_deref()),
@@ -579,8 +580,14 @@ fn run_plan(path: &Path, o: &TrainArgs) -> Result<()> {
         }
     }
     match env {
-        Some(env) if !(single && env.world == 1) => rank_cmd(&plan, &model, o, &params, &shape, &env, ckpt),
-        _ => train_cmd(&model, o, &params, shape, Some(ckpt)),
+        Some(env) if !(single && env.world == 1) => {
+            let (graph, _) = decided(imported, &model, &params, env.rank == 0)?;
+            rank_cmd(&plan, &model, graph, o, &shape, &env, ckpt)
+        }
+        _ => {
+            let graph = decided(imported, &model, &params, true)?;
+            train_cmd(&model, graph, o, &params, shape, Some(ckpt))
+        }
     }
 }
 
@@ -629,12 +636,12 @@ fn loss_kind(o: &TrainArgs, graph: &Graph) -> LossKind {
     }
 }
 
-/// One rank of a multi-device plan.
+/// One rank of a multi-device plan, on `model`'s graph decided by the plan's patterns.
 fn rank_cmd(
     plan: &smp_partition::plan::Plan,
     model: &Path,
+    mut graph: Graph,
     o: &TrainArgs,
-    params: &ParamOptions,
     shape: &TrainShape,
     env: &RankEnv,
     (save, resume): (Option<SaveConfig>, Option<Loaded>),
@@ -645,7 +652,6 @@ fn rank_cmd(
     if o.save_weights.is_some() {
         bail!("--save-weights is only supported by single-process runs (`train`, or a plan of one rank)");
     }
-    let mut graph = load_decided(model, params, env.rank == 0)?;
     if let Some(b) = plan.codegen.as_ref().and_then(|c| c.batch) {
         let opts = smp_partition::passes::AnalyzeOptions { seq_len: plan.seq_len.map(|s| s as i64), dims: plan.dims.clone() };
         rebind_batch(&mut graph, b.microbatch, &opts, model)?;
@@ -759,14 +765,14 @@ fn calibrate(output: &Path, comm_json: Option<&Path>) -> Result<()> {
     Ok(())
 }
 
-/// Loads a model and decides what is trained (`passes::params`); logs the counts if `log`.
-fn load_decided(model: &Path, opts: &ParamOptions, log: bool) -> Result<Graph> {
-    Ok(load_decided_sha(model, opts, log)?.0)
-}
-
-/// [`load_decided`], with the model file's sha256.
+/// Loads a model and decides what is trained ([`decided`]): the graph and the file's sha256.
 fn load_decided_sha(model: &Path, opts: &ParamOptions, log: bool) -> Result<(Graph, String)> {
     let imported = load_model(model).with_context(|| format!("cannot load model `{}`", model.display()))?;
+    decided(imported, model, opts, log)
+}
+
+/// Decides what `model`'s imported graph trains (`passes::params`); logs the counts if `log`.
+fn decided(imported: ImportedModel, model: &Path, opts: &ParamOptions, log: bool) -> Result<(Graph, String)> {
     let mut graph = imported.graph;
     let summary = params::decide(&mut graph, opts).with_context(|| format!("model `{}`", model.display()))?;
     if log {
@@ -903,10 +909,11 @@ fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
-/// Single-process training; `ckpt`: checkpointing as a one-rank plan set it up (none: set it
-/// up here, for `train`).
+/// Single-process training of `model` (its graph, decided by `params`, and sha256); `ckpt`:
+/// checkpointing as a one-rank plan set it up (none: set it up here, for `train`).
 fn train_cmd(
     model: &Path,
+    (mut graph, sha256): (Graph, String),
     o: &TrainArgs,
     params: &ParamOptions,
     shape: TrainShape,
@@ -915,7 +922,6 @@ fn train_cmd(
     if let Some(n) = o.threads {
         tch::set_num_threads(n);
     }
-    let (mut graph, sha256) = load_decided_sha(model, params, true)?;
     let (save, resume) = match ckpt {
         Some(c) => c,
         None => o.checkpointing(model, &sha256, params, None, "train".into())?,

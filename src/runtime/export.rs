@@ -40,39 +40,32 @@ pub fn module_tensors(exec: &Executor<'_>) -> Result<BTreeMap<String, Tensor>, R
     for v in graph.initializers() {
         let Some(w) = exec.weights.get(&v) else { continue };
         let val = graph.value(v);
-        match &val.training {
+        // (the names it is written under, how the module's tensor was transformed into it)
+        let module: Option<(Vec<String>, &ParamTransform)> = match &val.training {
             Some(Training::Trained { names, transform, untied_from, .. }) => {
+                let own = checkpoint::param_name(graph, v);
+                let names = if untied_from.is_some() && own != names[0] { vec![own] } else { names.clone() };
+                Some((names, transform))
+            }
+            // a module parameter the run held frozen (`--frozen`): its value as loaded
+            Some(Training::Frozen { reason: FrozenReason::Pattern }) => match val.record.as_ref().filter(|r| r.kind == RecordKind::Parameter) {
+                Some(rec) => Some((rec.params.iter().flatten().cloned().collect(), &rec.transform)),
+                None => Some((vec![val.name.clone()], &ParamTransform::Identity)),
+            },
+            _ => None,
+        };
+        match module {
+            Some((names, transform)) => {
                 let w = w.f_detach()?;
                 let w = if *transform == ParamTransform::Transpose { w.f_tr()?.f_contiguous()? } else { w };
-                if let ParamTransform::Gather { rows, dims } = transform {
-                    out.insert(format!("{}#rows", names[0]), Tensor::from_slice(rows).f_reshape(dims.as_slice())?);
+                if let (ParamTransform::Gather { rows, dims }, Some(first)) = (transform, names.first()) {
+                    out.insert(format!("{first}#rows"), Tensor::from_slice(rows).f_reshape(dims.as_slice())?);
                 }
-                let own = checkpoint::param_name(graph, v);
-                let names: Vec<String> = if untied_from.is_some() && own != names[0] { vec![own] } else { names.clone() };
                 for n in names {
                     out.insert(n, w.shallow_clone());
                 }
             }
-            Some(Training::Frozen { reason: FrozenReason::Pattern }) => {
-                // a module parameter the run held frozen (`--frozen`): its value as loaded
-                let w = w.f_detach()?;
-                match val.record.as_ref().filter(|r| r.kind == RecordKind::Parameter) {
-                    Some(rec) => {
-                        let w = if rec.transform == ParamTransform::Transpose { w.f_tr()?.f_contiguous()? } else { w };
-                        if let ParamTransform::Gather { rows, dims } = &rec.transform {
-                            let first = rec.name(0).unwrap_or(&val.name);
-                            out.insert(format!("{first}#rows"), Tensor::from_slice(rows).f_reshape(dims.as_slice())?);
-                        }
-                        for n in rec.params.iter().flatten() {
-                            out.insert(n.clone(), w.shallow_clone());
-                        }
-                    }
-                    None => {
-                        out.insert(val.name.clone(), w);
-                    }
-                }
-            }
-            _ => {
+            None => {
                 if let Some(rec) = val.record.as_ref().filter(|r| r.kind == RecordKind::Buffer) {
                     for n in rec.params.iter().flatten() {
                         out.insert(n.clone(), w.f_detach()?);
