@@ -15,6 +15,10 @@
 //!   export with a parameter record, PyTorch loads it with `load_state_dict(strict=True)` and
 //!   gets what PyTorch trained, and trained.onnx re-imports with one initializer per tensor;
 //! - `--keep` keeps the newest checkpoints, and `--resume DIR` takes the newest;
+//! - Dropout (an export with Dropout in training mode after every attention softmax): its
+//!   masks are a function of the seed, step, node and sample alone, so a pp2 plan and a dp2
+//!   plan equal one process, a plan recomputing its activations equals the same plan keeping
+//!   them, and a resume continues bit for bit; a resume under another `--seed` is refused;
 //! - `--frozen` given to the planner: the plan records it and plans no gradients or moments
 //!   for those tensors; the run trains by it (as one process `train --frozen` does), refuses
 //!   other patterns, and `export` writes the frozen tensors as the model holds them.
@@ -87,6 +91,10 @@ fn plan_spec(name: &str) -> (&'static str, usize, Vec<&'static str>) {
         "dp2" => ("cpu:2", 2, vec!["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "0", "--microbatches", "2"]),
         "one" => ("cpu:1", 1, vec!["--pp", "1", "--tp", "1", "--dp", "1", "--microbatches", "4"]),
         "pp2-frozen" => ("cpu:2", 2, vec!["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--microbatches", "4", "--frozen", FROZEN]),
+        "drop-one" => plan_spec("one"),
+        "drop-pp2" => plan_spec("pp2"),
+        "drop-dp2" => plan_spec("dp2"),
+        "drop-pp2-recompute" => ("cpu:2", 2, vec!["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--microbatches", "4", "--checkpointing", "full"]),
         other => panic!("no plan `{other}`"),
     }
 }
@@ -101,8 +109,9 @@ fn plan(name: &str) -> (PathBuf, usize) {
         .or_insert_with(|| {
             let out = files().dir.join(format!("{name}.json"));
             let cluster = common::cluster_arg(cluster);
+            let m = if name.starts_with("drop-") { dropout_model() } else { model() };
             let r = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
-                .arg(model())
+                .arg(m)
                 .args(["--cluster", &cluster, "--seq-len", &SEQ.to_string(), "--global-batch", &BATCH.to_string(), "-o"])
                 .arg(&out)
                 .args(&flags)
@@ -615,4 +624,78 @@ fn frozen_patterns_go_from_the_plan_to_the_run_and_its_export() {
         let d = max_abs(w, &model_initializer(name).to_kind(w.kind()));
         assert_eq!(d == 0.0, held, "`{name}`: max abs change {d}");
     }
+}
+
+/// models/gpt2.onnx with a Dropout (ratio 0.25, training mode) after every attention softmax,
+/// as an export in training mode has them.
+fn dropout_model() -> PathBuf {
+    static M: OnceLock<PathBuf> = OnceLock::new();
+    M.get_or_init(|| {
+        let out = files().dir.join("gpt2-dropout.onnx");
+        let script = r#"
+import sys, onnx
+from onnx import helper, TensorProto
+m = onnx.load(sys.argv[1])
+g = m.graph
+nodes = []
+for n in g.node:
+    nodes.append(n)
+    if n.op_type != "Softmax":
+        continue
+    src, dst = n.output[0], n.output[0] + "_dropped"
+    for c in g.node:
+        for i, x in enumerate(c.input):
+            if x == src:
+                c.input[i] = dst
+    ratio, train = n.name + "_dropout_ratio", n.name + "_dropout_training"
+    g.initializer.append(helper.make_tensor(ratio, TensorProto.FLOAT, [], [0.25]))
+    g.initializer.append(helper.make_tensor(train, TensorProto.BOOL, [], [True]))
+    nodes.append(helper.make_node("Dropout", [src, ratio, train], [dst], name=n.name + "_dropout"))
+del g.node[:]
+g.node.extend(nodes)
+onnx.checker.check_model(m)
+onnx.save(m, sys.argv[2])
+print(sum(n.op_type == "Dropout" for n in g.node))
+"#;
+        let r = Command::new(repo().join(".venv/bin/python")).args(["-c", script]).arg(model()).arg(&out).output().unwrap();
+        let r = ok("inserting Dropout nodes", r);
+        assert_eq!(String::from_utf8_lossy(&r.stdout).trim(), "4", "one Dropout per block");
+        out
+    })
+    .clone()
+}
+
+fn max_rel(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| ((x - y) / y).abs()).fold(0.0, f64::max)
+}
+
+#[test]
+fn dropout_masks_follow_the_sample_so_plans_recompute_and_resume_agree() {
+    let losses = |name: &str| field(&json(&ok(name, launch(name, &[], &[]))), "steps", "loss");
+    let one = losses("drop-one");
+    let plain = field(&saved("one").report, "steps", "loss");
+    // the masks act: the first step's loss (same weights, same batch) changes
+    assert!(((one[0] - plain[0]) / plain[0]).abs() > 1e-6, "dropout changed nothing: {} vs {}", one[0], plain[0]);
+    for name in ["drop-pp2", "drop-dp2", "drop-pp2-recompute"] {
+        let got = losses(name);
+        let worst = max_rel(&got, &one);
+        eprintln!("{name} vs one process: max relative loss difference {worst:.3e}");
+        assert!(worst <= 1e-9, "{name}: {got:?} vs {one:?}");
+    }
+    // resume: the masks of steps 11-20 are those of the uninterrupted run
+    let dir = files().dir.join("ckpt-drop-pp2");
+    let all = field(&json(&ok("drop-pp2 with checkpoints", launch("drop-pp2", &["--checkpoint-dir", dir.to_str().unwrap(), "--checkpoint-every", "10"], &[]))), "steps", "loss");
+    let got = resume("drop-pp2", &step_dir(&dir, 10));
+    assert_eq!(field(&got, "steps", "loss"), all[10..].to_vec(), "resumed dropout run");
+    // another seed would draw other masks and another sample order
+    let (plan_path, nproc) = plan("drop-pp2");
+    let args: Vec<String> = run_args().into_iter().scan(false, |after_seed, a| {
+        let out = if *after_seed { "4".to_string() } else { a.clone() };
+        *after_seed = a == "--seed";
+        Some(out)
+    }).collect();
+    let r = runner().args(["launch", "--nproc", &nproc.to_string()]).arg(&plan_path).args(&args).arg("--resume").arg(step_dir(&dir, 10)).output().unwrap();
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(!r.status.success() && err.contains("--seed 3"), "{err}");
 }

@@ -355,6 +355,15 @@ impl TrainArgs {
                         describe_params(params)
                     );
                 }
+                if l.manifest.state.seed != self.seed {
+                    bail!(
+                        "checkpoint `{}` was trained with --seed {}, this run has --seed {}: the seed orders the samples and draws the dropout masks, so a resume must keep it; pass --seed {}",
+                        l.dir.display(),
+                        l.manifest.state.seed,
+                        self.seed,
+                        l.manifest.state.seed
+                    );
+                }
                 if l.manifest.state.step > self.steps {
                     bail!("checkpoint `{}` is at step {}, past --steps {}", l.dir.display(), l.manifest.state.step, self.steps);
                 }
@@ -684,6 +693,7 @@ fn rank_cmd(
         progress: o.progress,
         schedule: o.schedule()?,
         eval: o.eval()?,
+        seed: o.seed,
     };
     let t0 = Instant::now();
     let mut progress = Progress::new(o.steps, data.tokens_per_batch() as f64, env.rank == 0, o.json);
@@ -964,6 +974,7 @@ fn train_cmd(
         clip: (o.clip > 0.0).then_some(o.clip),
         schedule: o.schedule()?,
         eval: o.eval()?,
+        seed: o.seed,
     };
     let global = data.global_batch();
     let t0 = Instant::now();

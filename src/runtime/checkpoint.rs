@@ -120,7 +120,8 @@ pub struct RunState {
     /// The next global batch to read (step k reads batch k; the order is a function of the
     /// seed and the step alone).
     pub next_batch: usize,
-    /// The seed of the sample order and of random initialisation (the runner draws no other
+    /// The seed of the sample order, of random initialisation and of Dropout masks (each mask
+    /// a function of the seed, the step, the node and the sample; the runner draws no other
     /// random numbers during training).
     pub seed: i64,
     /// sha256 of the plan (none: a single-process `train` run).

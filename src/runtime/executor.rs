@@ -9,7 +9,7 @@ use tch::{Kind, Tensor};
 use std::sync::Arc;
 
 use super::dist::ProcessGroup;
-use super::ops::{self, NormStats, OpContext};
+use super::ops::{self, DropoutKey, NormStats, OpContext};
 use crate::codegen::collectives::is_collective;
 use crate::ir::{Node, Op};
 use super::tensor::kind_of;
@@ -40,6 +40,8 @@ pub struct Executor<'g> {
     pub tensor_group: Option<Arc<ProcessGroup>>,
     /// The statistics BatchNormalization uses in the next runs.
     norm: Cell<NormStats>,
+    /// The key of the Dropout masks in the next runs (none: outside a training step).
+    dropout: Cell<Option<DropoutKey>>,
     /// By node index: whether the node reaches a graph output (dead ones are skipped).
     live: Vec<bool>,
 }
@@ -97,8 +99,14 @@ impl<'g> Executor<'g> {
             }
         }
         let opset = graph.opsets.get("").copied().unwrap_or(21);
-        let ctx = OpContext { opset, float_kind: opts.float_kind, training: opts.training, norm: NormStats::Running };
-        Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None, norm: Cell::new(NormStats::Running), live })
+        let ctx = OpContext { opset, float_kind: opts.float_kind, training: opts.training, norm: NormStats::Running, dropout: None };
+        Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None, norm: Cell::new(NormStats::Running), dropout: Cell::new(None), live })
+    }
+
+    /// Sets the key Dropout masks are drawn from in the runs that follow (a training step's
+    /// microbatch); `None` draws from the global generator.
+    pub fn set_dropout_key(&self, key: Option<DropoutKey>) {
+        self.dropout.set(key);
     }
 
     /// Sets the statistics BatchNormalization normalises with in the runs that follow: batch
@@ -109,7 +117,7 @@ impl<'g> Executor<'g> {
 
     /// One node: a kernel, or a tensor-parallel collective over `tensor_group`.
     fn run_node(&self, node: &Node, inputs: &[Option<Tensor>]) -> Result<Vec<Tensor>, String> {
-        let ctx = OpContext { norm: self.norm.get(), ..self.ctx };
+        let ctx = OpContext { norm: self.norm.get(), dropout: self.dropout.get(), ..self.ctx };
         let Op::Placeholder { op_type, .. } = &node.op else {
             return ops::run(node, inputs, &ctx).map_err(|e| e.0);
         };

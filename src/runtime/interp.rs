@@ -9,7 +9,7 @@ use tch::{Kind, Tensor};
 
 use super::RuntimeError;
 use super::dist::Work;
-use super::ops::NormStats;
+use super::ops::{DropoutKey, NormStats};
 use super::pipeline::terr;
 use super::rank::Rank;
 use super::report::{Tally, bytes_of};
@@ -269,7 +269,8 @@ impl<'r, 'a> Interp<'r, 'a> {
             .collect::<Result<_, RuntimeError>>()?;
         let grad = !self.eval && !r.layout.recompute[s];
         let norm = if self.eval { NormStats::Running } else { NormStats::Batch { update: true } };
-        let (outputs, loss) = run_stage(r, s, &inputs, grad, norm, &self.micro[mb], &self.feeds[mb], self.loss_scale)?;
+        let dropout = (!self.eval).then(|| self.dropout_key(mb));
+        let (outputs, loss) = run_stage(r, s, &inputs, grad, norm, dropout, &self.micro[mb], &self.feeds[mb], self.loss_scale)?;
         if let Some(l) = loss.as_ref().filter(|_| r.t == 0) {
             self.loss_sum += l.f_double_value(&[])?;
         }
@@ -277,12 +278,22 @@ impl<'r, 'a> Interp<'r, 'a> {
         Ok(())
     }
 
+    /// The Dropout key of microbatch `mb` of this step: its first sample's index in the global
+    /// batch, as one process numbers it.
+    fn dropout_key(&self, mb: usize) -> DropoutKey {
+        let r = self.rank;
+        let share = r.data.global_batch() / r.dp.max(1) as i64;
+        let per = share / r.m.max(1) as i64;
+        DropoutKey { seed: r.cfg.seed, step: self.step as i64, first_sample: r.d as i64 * share + mb as i64 * per }
+    }
+
     fn backward(&mut self, s: usize, mb: usize) -> Result<(), RuntimeError> {
         let r = self.rank;
         let mut st = self.state.remove(&(s, mb)).ok_or_else(|| terr(format!("backward of stage {s} mb {mb} before its forward")))?;
         self.zero.ensure(r, s)?;
         if r.layout.recompute[s] {
-            let (outputs, loss) = run_stage(r, s, &st.inputs, true, NormStats::Batch { update: false }, &self.micro[mb], &self.feeds[mb], self.loss_scale)?;
+            let key = self.dropout_key(mb);
+            let (outputs, loss) = run_stage(r, s, &st.inputs, true, NormStats::Batch { update: false }, Some(key), &self.micro[mb], &self.feeds[mb], self.loss_scale)?;
             st.outputs = outputs;
             st.loss = loss;
         }
@@ -514,6 +525,7 @@ fn run_stage(
     inputs: &[(ValueId, Tensor)],
     grad: bool,
     norm: NormStats,
+    dropout: Option<DropoutKey>,
     batch: &Batch,
     given: &HashMap<ValueId, Tensor>,
     loss_scale: f64,
@@ -528,6 +540,7 @@ fn run_stage(
     let outs = match r.stage_execs.get(&s) {
         None => {
             r.exec.set_norm_stats(norm);
+            r.exec.set_dropout_key(dropout);
             let run = || r.exec.run_nodes(&r.layout.nodes[s], &feeds, &keep);
             if grad { run()? } else { tch::no_grad(run)? }
         }
@@ -543,6 +556,7 @@ fn run_stage(
                 .collect::<Result<_, _>>()?;
             let order = sg.topo_order()?;
             se.set_norm_stats(norm);
+            se.set_dropout_key(dropout);
             let run = || se.run_nodes(&order, &feeds, &lkeep);
             let outs = if grad { run()? } else { tch::no_grad(run)? };
             keep.iter().zip(&lkeep).map(|(v, l)| (*v, outs[l].shallow_clone())).collect()

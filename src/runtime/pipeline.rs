@@ -57,6 +57,8 @@ pub struct RunConfig {
     pub schedule: LrSchedule,
     /// Validation.
     pub eval: Option<EvalConfig>,
+    /// The run's seed (Dropout masks, with the step, node and sample).
+    pub seed: i64,
 }
 
 /// Runs this rank's part of `plan` for `cfg.steps` steps on `data` (step k reads its k-th

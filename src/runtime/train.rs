@@ -10,7 +10,7 @@ use tch::{Kind, Reduction, Tensor};
 use super::RuntimeError;
 use super::checkpoint::{self, Checkpointing, Piece, Role, Slice};
 use super::executor::Executor;
-use super::ops::NormStats;
+use super::ops::{DropoutKey, NormStats};
 use super::weights::is_trainable;
 use super::data::DataSource;
 use super::npz;
@@ -310,12 +310,14 @@ pub struct TrainConfig {
     pub schedule: LrSchedule,
     /// Validation, with its data.
     pub eval: Option<EvalConfig>,
+    /// The run's seed (Dropout masks, with the step, node and sample).
+    pub seed: i64,
 }
 
 impl Default for TrainConfig {
     fn default() -> Self {
         let adamw = AdamWConfig::default();
-        TrainConfig { steps: 10, microbatches: 1, loss: LossKind::CausalLm, adamw, clip: Some(1.0), schedule: LrSchedule::constant(adamw.lr), eval: None }
+        TrainConfig { steps: 10, microbatches: 1, loss: LossKind::CausalLm, adamw, clip: Some(1.0), schedule: LrSchedule::constant(adamw.lr), eval: None, seed: 0 }
     }
 }
 
@@ -603,6 +605,7 @@ pub fn train_with(
         if let Some((e, d)) = evaluation.filter(|(e, _)| e.due(step)) {
             let mut sum = 0.0;
             exec.set_norm_stats(NormStats::Running);
+            exec.set_dropout_key(None);
             for k in 1..=e.batches {
                 let scale = 1.0 / global_target_count(exec, cfg.loss, d, k)?;
                 for mb in d.replica_microbatches(k, 0, 1, m)? {
@@ -634,7 +637,9 @@ pub fn train_with(
         let mut total = 0.0;
         let scale = 1.0 / global_target_count(exec, cfg.loss, data, step)?;
         exec.set_norm_stats(NormStats::Batch { update: true });
-        for mb in &micro {
+        let per = data.global_batch() / m as i64;
+        for (i, mb) in micro.iter().enumerate() {
+            exec.set_dropout_key(Some(DropoutKey { seed: cfg.seed, step: step as i64, first_sample: i as i64 * per }));
             let feeds = feeds_of(mb)?;
             let outs = exec.forward(&feeds)?;
             let loss = loss_sum_of(exec, cfg.loss, mb, &outs)?.f_mul_scalar(scale)?;

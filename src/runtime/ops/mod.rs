@@ -45,6 +45,22 @@ pub struct OpContext {
     pub training: bool,
     /// Which statistics BatchNormalization normalises with.
     pub norm: NormStats,
+    /// In a training step, what a Dropout mask is drawn from (none: the global generator).
+    pub dropout: Option<DropoutKey>,
+}
+
+/// The key of a training step's Dropout masks. A mask is a function of the run's seed, the
+/// step, the node and the sample's index in the global batch alone, so a recomputed forward
+/// draws the masks of the first, a resumed run those of the uninterrupted one, and every plan
+/// those of one process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DropoutKey {
+    /// The run's seed.
+    pub seed: i64,
+    /// The optimizer step (the global batch's index).
+    pub step: i64,
+    /// Index in the global batch of the microbatch's first sample.
+    pub first_sample: i64,
 }
 
 /// The statistics BatchNormalization uses, whatever mode the model was exported in.

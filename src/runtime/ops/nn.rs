@@ -339,12 +339,47 @@ pub(super) fn softmax(kind: OpKind, a: &Args) -> KResult<Tensor> {
     Ok(y.f_reshape(&size)?)
 }
 
+/// Uniform numbers shaped like `x` whose row i (axis 0, the microbatch's samples) depends on
+/// `key`, the node and the global sample `key.first_sample + i` alone.
+fn keyed_uniform(x: &Tensor, node: &str, key: super::DropoutKey) -> KResult<Tensor> {
+    let size = x.size();
+    let (rows, row_shape) = match size.split_first() {
+        Some((&n, rest)) => (n, rest.to_vec()),
+        None => (1, Vec::new()),
+    };
+    // FNV-1a of the node's name, then splitmix64 over the key's parts
+    let node_key = node.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    let mix = |h: u64, part: u64| {
+        let mut z = (h ^ part).wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut out = Vec::with_capacity(rows.max(0) as usize);
+    for i in 0..rows {
+        let h = [key.seed as u64, key.step as u64, (key.first_sample + i) as u64].into_iter().fold(node_key, mix);
+        let seed = (h >> 1) as i64;
+        tch::manual_seed(seed);
+        out.push(Tensor::f_rand(&row_shape, (x.kind(), x.device()))?);
+    }
+    if size.is_empty() {
+        return Ok(out.pop().map_or_else(|| x.f_rand_like(), Ok)?);
+    }
+    Ok(Tensor::f_stack(&out, 0)?)
+}
+
 pub(super) fn dropout(a: &Args) -> KResult<Vec<Tensor>> {
     let x = a.x(0)?;
     let ratio = if a.ctx.opset >= 12 { a.scalar(1)?.unwrap_or(0.5) } else { a.float("ratio", 0.5) };
     let training = a.ctx.opset >= 12 && a.scalar(2)?.is_some_and(|v| v != 0.0);
-    let (y, mask) = if training && ratio > 0.0 {
-        let keep = x.f_rand_like()?.f_ge(ratio)?;
+    // a training executor drops only inside a training step, not in validation
+    let active = training && ratio > 0.0 && (!a.ctx.training || a.ctx.dropout.is_some());
+    let (y, mask) = if active {
+        let uniform = match a.ctx.dropout {
+            Some(key) => keyed_uniform(x, &a.node.name, key)?,
+            None => x.f_rand_like()?,
+        };
+        let keep = uniform.f_ge(ratio)?;
         (x.f_mul(&keep)?.f_div_scalar(1.0 - ratio)?, keep)
     } else {
         (x.shallow_clone(), x.f_ones_like()?.f_to_kind(Kind::Bool)?)
