@@ -861,9 +861,7 @@ fn export_cmd(ckpt: &Path, output: &Path, model: Option<&Path>, external: bool) 
             eprintln!("smp-runner: wrote {} ({} tensors, step {})", output.display(), keys.len(), l.manifest.state.step);
         }
         Some("onnx") => {
-            let bytes: u64 = graph.initializers().filter_map(|v| graph.value(v).data.as_ref()).map(|d| d.nbytes()).sum();
-            let kept_outside = graph.initializers().any(|v| graph.value(v).data.as_ref().is_some_and(|d| matches!(d.storage, smp_partition::ir::Storage::External(_))));
-            let data = export::write_onnx(&exec, &model, output, external || kept_outside || bytes > 1 << 30)?;
+            let data = export::write_onnx(&exec, &model, output, export::needs_external_data(&graph, external))?;
             let beside = data.map(|d| format!(" with its data in {}", d.display())).unwrap_or_default();
             eprintln!("smp-runner: wrote {}{beside} (step {})", output.display(), l.manifest.state.step);
         }

@@ -18,6 +18,17 @@ use crate::ir::{FrozenReason, Graph, ParamRecord, ParamTransform, RecordKind, St
 /// Initializers of at least this many bytes go to the external data file.
 const EXTERNAL_MIN_BYTES: usize = 1024;
 
+/// Above this many bytes of initializer data, an ONNX export keeps them beside the file (one
+/// protobuf message may not exceed 2 GiB).
+pub const EXTERNAL_DATA_ABOVE: u64 = 1 << 30;
+
+/// Whether an ONNX export of `graph` writes its initializers as external data: when asked,
+/// when the model kept them outside, or when they exceed [`EXTERNAL_DATA_ABOVE`] bytes.
+pub fn needs_external_data(graph: &Graph, asked: bool) -> bool {
+    let data = || graph.initializers().filter_map(|v| graph.value(v).data.as_ref());
+    asked || data().any(|d| matches!(d.storage, Storage::External(_))) || data().map(|d| d.nbytes()).sum::<u64>() > EXTERNAL_DATA_ABOVE
+}
+
 fn ferr(path: &Path, m: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::File { path: path.display().to_string(), message: m.to_string() }
 }
@@ -259,4 +270,37 @@ fn record_props(rec: &ParamRecord) -> Vec<StringStringEntryProto> {
         out.push(e("smp.sites", serde_json::to_string(&rec.sites).unwrap_or_default()));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::{DType, ExternalData, Tensor as Data};
+
+    fn graph_with(tensors: Vec<Data>) -> Graph {
+        let mut g = Graph::new("g");
+        for (i, t) in tensors.into_iter().enumerate() {
+            g.add_value(format!("w{i}"), ValueKind::Initializer, None, Some(t)).unwrap();
+        }
+        g
+    }
+
+    fn raw_f32(elems: usize) -> Data {
+        // zeroed pages are not touched, so a 1 GiB tensor costs no memory here
+        Data { dtype: DType::F32, dims: vec![elems as i64], storage: Storage::Raw(vec![0u8; elems * 4].into()) }
+    }
+
+    #[test]
+    fn initializers_go_outside_above_one_gib_when_asked_or_when_the_model_kept_them_outside() {
+        let quarter = (EXTERNAL_DATA_ABOVE / 16) as usize; // elements of a quarter GiB of f32
+        assert!(!needs_external_data(&graph_with(vec![raw_f32(quarter), raw_f32(quarter)]), false));
+        assert!(needs_external_data(&graph_with(vec![raw_f32(quarter), raw_f32(quarter)]), true));
+        // exactly 1 GiB stays inline, one element more goes outside
+        let gib = graph_with(vec![raw_f32(2 * quarter), raw_f32(2 * quarter)]);
+        assert!(!needs_external_data(&gib, false));
+        assert!(needs_external_data(&graph_with(vec![raw_f32(2 * quarter), raw_f32(2 * quarter), raw_f32(1)]), false));
+        let ext = ExternalData { location: "w.bin".into(), path: "w.bin".into(), offset: 0, length: 16, present: true };
+        let outside = Data { dtype: DType::F32, dims: vec![4], storage: Storage::External(ext) };
+        assert!(needs_external_data(&graph_with(vec![raw_f32(4), outside]), false));
+    }
 }
