@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Small real exports with weights: HF GPT-2, BERT, Llama (grouped-query attention), ViT, OPT,
 Phi and RoBERTa,
-random init (fixed seed), no dropout, eval mode, `torch.onnx.export(..., dynamo=True)` at
+HF's default init (fixed seed; the exporter merges equal-valued parameters such as norm
+weights of 1 and zero biases, and the parameter record each file carries unties them), no
+dropout, eval mode, `torch.onnx.export(..., dynamo=True)` at
 opset 18 with symbolic batch (and sequence) dims, weights inline. For each model also writes
 `models/<name>.io.npz` (inputs keyed by graph input names and outputs keyed by graph output
 names, computed by onnxruntime at batch 2, seq 16) and records it in models/manifest.json.
@@ -22,7 +24,8 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from onnx_build import REPO, float_initializer_elements, io_record, update_manifest  # noqa: E402
+from onnx_build import (REPO, float_initializer_elements, io_record, untied_float_elements,  # noqa: E402
+                        update_manifest)
 from param_record import drop_stack_traces, write_record  # noqa: E402
 
 MODELS = REPO / "models"
@@ -105,16 +108,6 @@ def roberta():
     return cfg, transformers.RobertaForMaskedLM(cfg), "input_ids", 128
 
 
-def distinct_values(model):
-    """Gives constant-initialised parameters (norm weights of 1, biases of 0) small random
-    values: the exporter merges initializers with equal contents, which would make blocks
-    share weights in the ONNX file."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.numel() > 1 and bool((p == p.flatten()[0]).all()):
-                p.add_(torch.randn_like(p) * 0.02)
-
-
 BUILDERS = {"gpt2": gpt2, "bert": bert, "llama": llama, "vit": vit, "opt": opt, "phi": phi,
             "roberta": roberta}
 
@@ -127,7 +120,6 @@ def build_model(name: str):
     cfg, hf, input_name, max_seq = BUILDERS[name]()
     cfg._attn_implementation = "eager"  # plain MatMul/Softmax attention, no fused SDPA
     hf.eval()
-    distinct_values(hf)
     return cfg, hf, input_name, max_seq
 
 
@@ -172,6 +164,7 @@ def export(name: str) -> dict:
            "dtype": "float32", "opset": OPSET, "seed": SEED,
            "hf_class": type(hf).__name__, "config": hf.config.to_diff_dict(),
            "float_initializer_elements": float_initializer_elements(proto),
+           "untied_float_elements": untied_float_elements(proto),
            "torch_parameters": sum(p.numel() for p in hf.parameters()),
            "layers": cfg.num_hidden_layers if hasattr(cfg, "num_hidden_layers") else cfg.n_layer,
            "ops": ops, "reference": f"models/{name}.io.npz",

@@ -28,6 +28,19 @@ def float_initializer_elements(model: onnx.ModelProto) -> int:
     return total
 
 
+def untied_float_elements(model: onnx.ModelProto) -> int:
+    """Elements of floating-point initializers once the parameter record unties them: an
+    initializer standing for N module tensors (the exporter merged equal values) counts N
+    times, one without a record (constants) once."""
+    total = 0
+    for t in model.graph.initializer:
+        if t.data_type not in FLOAT_TYPES:
+            continue
+        groups = next((json.loads(p.value) for p in t.metadata_props if p.key == "smp.params"), [])
+        total += int(np.prod(t.dims, dtype=np.int64)) * max(1, len(groups))
+    return total
+
+
 def update_manifest(entries: dict) -> None:
     """Merge `entries` (name -> record) into models/manifest.json, keys sorted."""
     data = {}

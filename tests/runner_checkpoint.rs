@@ -357,11 +357,23 @@ fn exports_hold_the_trained_weights() {
     let loaded = smp_partition::runtime::checkpoint::Loaded::open(&ckpt).unwrap();
     let names = loaded.names(smp_partition::runtime::checkpoint::Role::Param);
     let weights: HashMap<String, tch::Tensor> = tch::Tensor::read_safetensors(&st).unwrap().into_iter().collect();
-    let keys: std::collections::BTreeSet<&String> = weights.keys().collect();
-    assert_eq!(keys, names.keys().collect(), "safetensors keys are the parameter names");
+    // a tied tensor is written under each of its aliases, as a state_dict holds it
+    let graph = smp_partition::frontend::onnx::load_model(&model()).unwrap().graph;
+    let aliases: HashMap<String, Vec<String>> = graph
+        .initializers()
+        .filter_map(|v| graph.value(v).record.as_ref())
+        .flat_map(|r| r.params.iter())
+        .filter_map(|a| Some((a.first()?.clone(), a.clone())))
+        .collect();
+    let want_keys: std::collections::BTreeSet<String> =
+        names.keys().flat_map(|n| aliases.get(n).cloned().unwrap_or_else(|| vec![n.clone()])).collect();
+    let keys: std::collections::BTreeSet<String> = weights.keys().cloned().collect();
+    assert_eq!(keys, want_keys, "safetensors keys are the parameter names and their tied aliases");
     for name in names.keys() {
         let want = loaded.assemble(name, smp_partition::runtime::checkpoint::Role::Param).unwrap();
-        assert_eq!(max_abs(&weights[name], &want), 0.0, "`{name}`");
+        for alias in aliases.get(name).cloned().unwrap_or_else(|| vec![name.clone()]) {
+            assert_eq!(max_abs(&weights[&alias], &want), 0.0, "`{alias}` (of `{name}`)");
+        }
     }
 }
 
@@ -557,11 +569,13 @@ fn keep_holds_the_newest_checkpoints() {
     assert_eq!(got["steps"].as_array().unwrap().len(), 0, "nothing left to run");
 }
 
-/// The model's initializer `name` as loaded.
+/// The model's values of module tensor `name` as loaded.
 fn model_initializer(name: &str) -> tch::Tensor {
     use smp_partition::runtime::{InitMode, Weights};
     let graph = smp_partition::frontend::onnx::load_model(&model()).unwrap().graph;
-    let v = graph.value_by_name(name).unwrap_or_else(|| panic!("no initializer `{name}`"));
+    // the initializer standing for module tensor `name` (by the parameter record), else by name
+    let by_record = graph.initializers().find(|&v| graph.value(v).record.as_ref().is_some_and(|r| r.params.iter().flatten().any(|n| n == name)));
+    let v = by_record.or_else(|| graph.value_by_name(name)).unwrap_or_else(|| panic!("no initializer `{name}`"));
     let mut w = Weights::load(&graph, InitMode::Load, None).unwrap();
     w.tensors.remove(&v).unwrap_or_else(|| panic!("`{name}` has no data"))
 }
@@ -574,11 +588,20 @@ fn frozen_patterns_go_from_the_plan_to_the_run_and_its_export() {
     assert_eq!(fp["frozen"], serde_json::json!([FROZEN]), "the plan records the pattern");
     assert!(pp.get("frozen").is_none());
     // the first block's elements, in stage 0: the same weights, but no gradients or moments
+    // h.0's module tensors, by the parameter record (an initializer the exporter merged
+    // stands for one tensor per block)
     let graph = smp_partition::frontend::onnx::load_model(&model()).unwrap().graph;
+    let in_h0 = |n: &str| n.starts_with("model.transformer.h.0.");
     let elems: u64 = graph
         .initializers()
-        .filter(|&v| graph.value(v).name.starts_with("model.transformer.h.0."))
-        .map(|v| graph.value(v).data.as_ref().unwrap().numel())
+        .map(|v| {
+            let val = graph.value(v);
+            let copies = match &val.record {
+                Some(r) => r.params.iter().filter(|a| a.iter().any(|n| in_h0(n))).count() as u64,
+                None => u64::from(in_h0(&val.name)),
+            };
+            copies * val.data.as_ref().unwrap().numel()
+        })
         .sum();
     let mem = |p: &serde_json::Value, s: usize, k: &str| p["stages"][s]["memory_bytes"][k].as_u64().unwrap();
     eprintln!("h.0: {elems} elements; stage 0 grads {} → {}, optimizer {} → {}", mem(&pp, 0, "grads"), mem(&fp, 0, "grads"), mem(&pp, 0, "optimizer"), mem(&fp, 0, "optimizer"));

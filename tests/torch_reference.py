@@ -1,6 +1,6 @@
 """PyTorch reference training of an exported HF model, for the runner's equivalence test and
 bench: the same HF model class and config as the export (models/manifest.json), weights read
-from the ONNX initializers by name, the same data (an .npz keyed by input name), causal-LM
+from the ONNX initializers (by the parameter record, else by name), the same data (an .npz keyed by input name), causal-LM
 loss (cross-entropy of logits[:, :-1] vs ids[:, 1:]), torch.optim.AdamW and
 clip_grad_norm_, no dropout.
 
@@ -35,9 +35,20 @@ def build(model_path: Path):
 
 
 def load_onnx_weights(hf, model_path: Path):
-    """Copies initializers named `model.<param>` (or `<param>`) into the HF parameters; every
-    parameter must get one (a tied parameter needs only one of its names in the file)."""
-    inits = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(model_path)).graph.initializer}
+    """Copies the initializer standing for each HF parameter (by the parameter record, else
+    named `model.<param>` or `<param>`) into it; every parameter must get one (a tied parameter
+    needs only one of its names in the file)."""
+    inits = {}
+    for t in onnx.load(str(model_path)).graph.initializer:
+        value = numpy_helper.to_array(t)
+        inits[t.name] = value
+        # the parameter record: the module tensors an initializer stands for (several when the
+        # exporter merged equal values); only untransformed ones are copied by alias
+        rec = {p.key: p.value for p in t.metadata_props}
+        if rec.get("smp.transform", "identity") == "identity":
+            for aliases in json.loads(rec.get("smp.params", "[]")):
+                for alias in aliases:
+                    inits.setdefault(alias, value)
     names_of = {}
     for name, p in hf.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), (p, []))[1].append(name)
