@@ -5,7 +5,7 @@ use proptest::prelude::*;
 use smp_partition::solve::oracle::{brute_force_intra, brute_force_pipeline, min_max_cuts, min_max_lower_bound};
 use smp_partition::solve::problem::{
     CheckpointRule, IntraEdge, IntraLayerProblem, IntraNode, NodeOption, ParetoPoint, PipelineLayer,
-    PipelineObjective, PipelineProblem,
+    PipelineObjective, PipelineProblem, TiedCopy,
 };
 use smp_partition::solve::heuristic::incumbent;
 use smp_partition::solve::search::bounds;
@@ -31,6 +31,7 @@ fn layer() -> impl Strategy<Value = PipelineLayer> {
     (prop::collection::vec(point(), 1..=2), 0.0f64..1.0).prop_map(|(points, out)| PipelineLayer {
         points,
         output_bytes: out * GIB,
+        tied: Vec::new(),
     })
 }
 
@@ -50,14 +51,22 @@ fn instance() -> impl Strategy<Value = Instance> {
         prop::collection::vec(0.0f64..0.3, 8),
         prop::collection::vec(0.0f64..1.0, 8),
         any::<bool>(),
+        (prop::option::of(0usize..7), prop::collection::vec(0usize..7, 1..=2), 0.0f64..4.0),
     )
         .prop_filter_map(
             "layers must fill the chunks",
-            |(mut layers, dup, p, v, m, coeff, rule, cap_frac, beta, inflight, memory_obj)| {
+            |(mut layers, dup, p, v, m, coeff, rule, cap_frac, beta, inflight, memory_obj, (owner, readers, tie_bytes))| {
                 // Identical neighbours exercise the symmetry-breaking rows.
                 for l in 1..layers.len() {
                     if dup[l] {
                         layers[l] = layers[l - 1].clone();
+                    }
+                }
+                // A weight tied across layers: its readers hold a copy on devices without its owner.
+                if let Some(owner) = owner.filter(|&o| o < layers.len()) {
+                    let n = layers.len();
+                    for r in readers.into_iter().filter(|&r| r < n && r != owner) {
+                        layers[r].tied = vec![TiedCopy { weight: 0, owner, elems: 0.0, trained: 0.0, state_bytes: tie_bytes * GIB }];
                     }
                 }
                 let chunks = p * v;
@@ -166,6 +175,7 @@ proptest! {
     fn pure_cut_ilp_equals_dp(times in prop::collection::vec(0.01f64..5.0, 2..=14), p in 1usize..=5, m in 2usize..=16) {
         prop_assume!(times.len() >= p);
         let layers = times.iter().map(|&t| PipelineLayer {
+            tied: Vec::new(),
             points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, sync_s: 0.0, choice: 0 }],
             output_bytes: 0.0,
         }).collect();

@@ -12,9 +12,9 @@ use smp_partition::solve::problem::*;
 fn interleaved_decode_counts_the_boundary_transfer() {
     let first = ParetoPoint { fwd_s: 0.05, bwd_s: 0.05, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, sync_s: 0.28576900508164865, choice: 0 };
     let block = ParetoPoint { fwd_s: 0.05, bwd_s: 1.0998967206222787, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, sync_s: 0.0, choice: 0 };
-    let mut layers = vec![PipelineLayer { points: vec![first], output_bytes: 0.0 }];
+    let mut layers = vec![PipelineLayer { points: vec![first], output_bytes: 0.0, tied: Vec::new() }];
     for _ in 0..4 {
-        layers.push(PipelineLayer { points: vec![block.clone()], output_bytes: 574109555.0632125 });
+        layers.push(PipelineLayer { points: vec![block.clone()], output_bytes: 574109555.0632125, tied: Vec::new() });
     }
     let p = PipelineProblem {
         layers,
@@ -44,6 +44,7 @@ fn pure_cut_max_stage_is_at_least_the_largest_layer() {
     let layers = times
         .iter()
         .map(|&t| PipelineLayer {
+            tied: Vec::new(),
             points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, sync_s: 0.0, choice: 0 }],
             output_bytes: 0.0,
         })

@@ -97,7 +97,8 @@ pub fn is_trainable(graph: &Graph, v: ValueId) -> bool {
     super::params::is_trained(graph, v)
 }
 
-fn param_elems(graph: &Graph, v: ValueId) -> (u64, u64) {
+/// Elements and bytes of the initializer `v` (from its data, else its declared type).
+pub fn param_elems(graph: &Graph, v: ValueId) -> (u64, u64) {
     let val = graph.value(v);
     match &val.data {
         Some(t) => (t.numel(), t.numel() * t.dtype.size_bytes()),

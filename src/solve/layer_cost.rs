@@ -13,7 +13,7 @@ use crate::cost::compute::{bytes_scale, graph_float_dtype, layer_times_scaled};
 use crate::ir::{DType, LayerKind, LayeredGraph, OpKind, ValueId, ValueKind};
 
 use super::ilp::SolverOptions;
-use super::problem::{ParetoPoint, PipelineLayer};
+use super::problem::{ParetoPoint, PipelineLayer, TiedCopy};
 use super::strategy::{self, StrategyInputs};
 use crate::split::{Engine, Strategy};
 
@@ -238,12 +238,35 @@ impl<'a> CostContext<'a> {
     pub fn layer(&mut self, layer: usize, cfg: &LayerConfig) -> PipelineLayer {
         let rep = self.sig_index[layer];
         let key = (rep, cfg.tp, cfg.microbatch, cfg.zero, cfg.zero_group, cfg.dp_group, cfg.tp_group, cfg.sequence_parallel);
-        if let Some(l) = self.cache.get(&key) {
-            return l.clone();
-        }
-        let l = self.compute(rep, cfg);
-        self.cache.insert(key, l.clone());
+        let mut l = match self.cache.get(&key) {
+            Some(l) => l.clone(),
+            None => {
+                let l = self.compute(rep, cfg);
+                self.cache.insert(key, l.clone());
+                l
+            }
+        };
+        l.tied = self.tied_copies(layer, cfg);
         l
+    }
+
+    /// The weights `layer` reads that another layer owns, with the model-state bytes a copy
+    /// of each takes on the reader's device (split like its readers split it).
+    fn tied_copies(&mut self, layer: usize, cfg: &LayerConfig) -> Vec<TiedCopy> {
+        let lg = self.lg;
+        let mut out = Vec::new();
+        for &w in &lg.layers[layer].shared_params {
+            let Some(owner) = lg.layers.iter().position(|l| l.params.contains(&w)) else { continue };
+            if owner == layer {
+                continue;
+            }
+            let split = cfg.tp > 1 && self.tied_is_split(w, cfg);
+            let elems = crate::passes::figures::param_elems(&lg.graph, w).0 as f64 / if split { cfg.tp as f64 } else { 1.0 };
+            let trained = if crate::passes::figures::is_trainable(&lg.graph, w) { elems } else { 0.0 };
+            let state = model_state(elems, trained, cfg.zero, cfg.zero_group.size, self.precision);
+            out.push(TiedCopy { weight: w.index(), owner, elems, trained, state_bytes: state.total() });
+        }
+        out
     }
 
     /// The layer's tensor-strategy assignments under `cfg`: the Megatron split first, then
@@ -456,7 +479,7 @@ impl<'a> CostContext<'a> {
         let lay = &self.lg.layers[layer];
         let b = cfg.microbatch as f64;
         let points = details.iter().enumerate().map(|(i, d)| self.point(layer, d, i, cfg)).collect();
-        PipelineLayer { points, output_bytes: lay.output_bytes * b * self.bytes_scale }
+        PipelineLayer { points, output_bytes: lay.output_bytes * b * self.bytes_scale, tied: Vec::new() }
     }
 
     fn point(&self, layer: usize, d: &StrategyDetail, choice: usize, cfg: &LayerConfig) -> ParetoPoint {

@@ -2,6 +2,8 @@
 //! per layer, per-device memory with the schedule's in-flight microbatches, boundary
 //! transfers, the schedule's step time as objective.
 
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
 use good_lp::Expression;
 use serde::{Deserialize, Serialize};
 
@@ -103,12 +105,16 @@ impl PipelineProblem {
     }
 
     /// Maximal runs of consecutive identical layers (and, with a manual layout, the same
-    /// chunk): `(first layer, length)`.
+    /// chunk): `(first layer, length)`. A layer owning a tied weight is a run alone, so the
+    /// model knows its device.
     pub fn runs(&self) -> Vec<(usize, usize)> {
+        let owners: BTreeSet<usize> = self.layers.iter().flat_map(|l| l.tied.iter().map(|t| t.owner)).collect();
         let mut runs: Vec<(usize, usize)> = Vec::new();
         for l in 0..self.layers.len() {
             let same = l > 0
                 && self.layers[l] == self.layers[l - 1]
+                && !owners.contains(&l)
+                && !owners.contains(&(l - 1))
                 && self.fixed_chunks.as_ref().is_none_or(|f| f[l] == f[l - 1]);
             match runs.last_mut() {
                 Some(r) if same => r.1 += 1,
@@ -241,6 +247,47 @@ impl PipelineProblem {
                         recompute[d].push(((pt.act_bytes - pt.input_bytes) / GIB, used));
                     }
                 }
+            }
+        }
+        // A tied weight's copy: held on device d when a reader is there and its owner is not.
+        let run_of = |l: usize| runs.iter().position(|&(f, len)| l >= f && l < f + len);
+        let mut on_device: HashMap<(usize, usize), Expression> = HashMap::new();
+        let mut on = |milp: &mut Milp, r: usize, d: usize| -> Expression {
+            if let Some(e) = on_device.get(&(r, d)) {
+                return e.clone();
+            }
+            let len = runs[r].1;
+            let mut e = Expression::default();
+            if len == 1 {
+                for c in (d..v_n).step_by(p) {
+                    e += count(r, c);
+                }
+            } else {
+                let u = milp.binary();
+                for c in (d..v_n).step_by(p) {
+                    milp.constrain(count(r, c).leq(len as f64 * u.v()));
+                }
+                e = Expression::from(u.v());
+            }
+            on_device.insert((r, d), e.clone());
+            e
+        };
+        let mut copies: BTreeMap<usize, Vec<(usize, usize, f64)>> = BTreeMap::new();
+        for (r, &(first, _)) in runs.iter().enumerate() {
+            for tc in &self.layers[first].tied {
+                if let Some(ro) = run_of(tc.owner) {
+                    copies.entry(tc.weight).or_default().push((r, ro, tc.state_bytes));
+                }
+            }
+        }
+        for readers in copies.values() {
+            for d in 0..p {
+                let y = milp.continuous(0.0, f64::INFINITY);
+                for &(r, ro, bytes) in readers {
+                    let gap = on(&mut milp, r, d) - on(&mut milp, ro, d);
+                    milp.constrain(Expression::from(y.v()).geq(bytes / GIB * gap));
+                }
+                mem[d].add_mul(1.0, y.v());
             }
         }
         for d in 0..p {

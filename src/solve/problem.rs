@@ -85,6 +85,27 @@ pub struct PipelineLayer {
     pub points: Vec<ParetoPoint>,
     /// Bytes per microbatch a cut after this layer sends forward (and receives as gradient).
     pub output_bytes: f64,
+    /// Weights another layer owns that this layer reads (a tied LM head reading the
+    /// embedding): each is held again on this layer's device when its owner runs elsewhere.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tied: Vec<TiedCopy>,
+}
+
+/// A copy of a weight tied across layers, held by a reading layer's device.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TiedCopy {
+    /// The weight, as an index among the problem's tied weights (copies of one weight on one
+    /// device are held once).
+    pub weight: usize,
+    /// The layer owning the weight, whose points count it.
+    pub owner: usize,
+    /// Elements of the copy on one device (after the tensor split), and how many are trained.
+    pub elems: f64,
+    /// Trained elements of the copy.
+    pub trained: f64,
+    /// Model-state bytes of the copy on the reader's device (parameters, gradients, optimizer
+    /// state, after the tensor split and ZeRO).
+    pub state_bytes: f64,
 }
 
 /// Whether layers may be checkpointed (recomputed in the backward pass): the one
@@ -267,6 +288,9 @@ impl PipelineProblem {
                 recompute[d] = recompute[d].max(pt.act_bytes - pt.input_bytes);
             }
         }
+        for (d, bytes) in self.tied_copy_bytes(choices).into_iter().enumerate() {
+            state[d] += bytes;
+        }
         let mut transfer = 0.0;
         for l in 0..choices.len().saturating_sub(1) {
             if choices[l].chunk != choices[l + 1].chunk {
@@ -290,6 +314,28 @@ impl PipelineProblem {
             transfer_s: transfer,
             sync_s: smax,
         })
+    }
+
+    /// Per device, the model-state bytes of tied weights' copies an assignment places there: a
+    /// weight read on a device other than its owner's is held there once.
+    pub fn tied_copy_bytes(&self, choices: &[LayerChoice]) -> Vec<f64> {
+        let p = self.devices.max(1);
+        let mut held: std::collections::BTreeMap<(usize, usize), f64> = std::collections::BTreeMap::new();
+        for (l, c) in choices.iter().enumerate() {
+            let d = c.chunk % p;
+            for tc in &self.layers[l].tied {
+                let owner_d = choices.get(tc.owner).map(|o| o.chunk % p);
+                if owner_d != Some(d) {
+                    let e = held.entry((d, tc.weight)).or_insert(0.0);
+                    *e = e.max(tc.state_bytes);
+                }
+            }
+        }
+        let mut out = vec![0.0; p];
+        for ((d, _), b) in held {
+            out[d] += b;
+        }
+        out
     }
 
     /// True when every device's total bytes fit the cap and, for the memory objective, the

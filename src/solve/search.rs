@@ -686,6 +686,8 @@ pub fn decision(
     let chunks = prob.chunks();
     let lc = layer_config(spec, &cand);
     let mut stages = Vec::with_capacity(chunks);
+    // tied weights' copies, each counted once per device, in its first chunk reading it
+    let mut copies_held = std::collections::BTreeSet::new();
     for c in 0..chunks {
         let members: Vec<usize> = (0..sol.choices.len()).filter(|&l| sol.choices[l].chunk == c).collect();
         let (first, last) = (members.first().copied().unwrap_or(0), members.last().copied().unwrap_or(0));
@@ -711,6 +713,13 @@ pub fn decision(
             let held = ctx.shapes[l].params / cand.tp.max(1) as f64 + extra;
             params += held;
             trained += held * ctx.shapes[l].trained_fraction();
+            for tc in &prob.layers[l].tied {
+                let owner_rank = sol.choices.get(tc.owner).map(|o| o.chunk % cand.pp);
+                if owner_rank != Some(pp_rank) && copies_held.insert((pp_rank, tc.weight)) {
+                    params += tc.elems;
+                    trained += tc.trained;
+                }
+            }
             if ch.checkpoint {
                 kept += pt.input_bytes;
                 rec = rec.max(pt.act_bytes - pt.input_bytes);
