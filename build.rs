@@ -1,5 +1,5 @@
-//! Build script: with feature `runner`, compile the c10d shim (csrc/c10d_shim.cpp) against
-//! libtorch's headers and bake libtorch's library directory into the binaries' rpath so
+//! Build script: with feature `runner`, compile the c10d and autograd shims
+//! (csrc/c10d_shim.cpp, csrc/autograd_shim.cpp) against libtorch's headers and bake libtorch's library directory into the binaries' rpath so
 //! `smp-runner` runs without LD_LIBRARY_PATH.
 
 fn main() {
@@ -17,6 +17,7 @@ mod runner {
 
     pub fn build() {
         println!("cargo:rerun-if-changed=csrc/c10d_shim.cpp");
+        println!("cargo:rerun-if-changed=csrc/autograd_shim.cpp");
         // torch-sys declares `links = "tch"` and exports its library directory to dependents.
         println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
         let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
@@ -30,6 +31,7 @@ mod runner {
             .cpp(true)
             .std("c++17")
             .file("csrc/c10d_shim.cpp")
+            .file("csrc/autograd_shim.cpp")
             .include(&include)
             .include(include.join("torch/csrc/api/include"))
             .define("_GLIBCXX_USE_CXX11_ABI", "1")

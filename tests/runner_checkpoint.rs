@@ -89,6 +89,8 @@ fn plan_spec(name: &str) -> (&'static str, usize, Vec<&'static str>) {
         "dp2-zero3" => ("cpu:2", 2, vec!["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "3", "--microbatches", "2"]),
         "pp2tp2" => ("cpu:4", 4, vec!["--pp", "2", "--tp", "2", "--dp", "1", "--schedule", "1f1b", "--microbatches", "4", "--baseline", "megatron"]),
         "dp2" => ("cpu:2", 2, vec!["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "0", "--microbatches", "2"]),
+        "dp2-zero1" => ("cpu:2", 2, vec!["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "1", "--microbatches", "2"]),
+        "dp2-zero2" => ("cpu:2", 2, vec!["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "2", "--microbatches", "2"]),
         "one" => ("cpu:1", 1, vec!["--pp", "1", "--tp", "1", "--dp", "1", "--microbatches", "4"]),
         "pp2-frozen" => ("cpu:2", 2, vec!["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--microbatches", "4", "--frozen", FROZEN]),
         "drop-one" => plan_spec("one"),
@@ -204,6 +206,13 @@ fn tp2_resumes_bit_for_bit() {
 #[test]
 fn dp2_zero3_resumes_bit_for_bit() {
     exact_resume("dp2-zero3");
+}
+
+/// ZeRO 1 and 2 resume their optimizer blocks read as blocks from the checkpoint.
+#[test]
+fn dp2_zero1_and_zero2_resume_bit_for_bit() {
+    exact_resume("dp2-zero1");
+    exact_resume("dp2-zero2");
 }
 
 #[test]

@@ -371,6 +371,30 @@ fn zero3_holds_only_its_block_between_uses_and_trains_like_zero2() {
     }
 }
 
+/// Gradient accumulation over 4 microbatches holds one copy of each rank's gradients, as
+/// PyTorch's AccumulateGrad does: each fresh weight gradient is added into the accumulated one
+/// as it is produced, never a whole fresh set beside the accumulated set (which would peak at
+/// two copies). Every parameter here is trained and gets a gradient, so one copy is the
+/// rank's parameter bytes; the peak may add one parameter's fresh gradient in flight. Both
+/// backward forms: whole (1F1B) and split into B and W (ZB-H1).
+#[test]
+fn accumulation_over_microbatches_holds_one_copy_of_the_gradients() {
+    let dir = tempfile::tempdir().unwrap();
+    for schedule in ["1f1b", "zb-h1"] {
+        let flags = ["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", schedule, "--microbatches", "4", "--global-batch", BATCH];
+        let p = plan(dir.path(), &format!("accumulate-{schedule}"), "cpu:2", &flags);
+        let run = launch_json(2, &p, "f64", "2");
+        for rank in 0..2 {
+            let st = &run["ranks"][rank];
+            let params = st["peak_param_bytes"].as_u64().unwrap_or_else(|| panic!("rank {rank}: no peak_param_bytes: {run}"));
+            let grads = st["peak_state"]["grads"].as_u64().unwrap_or_else(|| panic!("rank {rank}: no peak_state: {run}"));
+            eprintln!("{schedule} rank {rank}: parameters {params} B, gradients at the peak {grads} B");
+            assert!(grads >= params, "{schedule} rank {rank}: {grads} B of gradients at the peak, less than one copy ({params} B)");
+            assert!(grads < 2 * params, "{schedule} rank {rank}: {grads} B of gradients at the peak, two copies of {params} B");
+        }
+    }
+}
+
 #[test]
 fn pp2_dp2_zero3_matches_single_process() {
     equivalent("pp2dp2zero3", "cpu:4", 4, &["--pp", "2", "--tp", "1", "--dp", "2", "--zero", "3", "--schedule", "1f1b", "--microbatches", "2"]);

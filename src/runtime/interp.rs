@@ -12,6 +12,7 @@ use super::dist::Work;
 use super::ops::{DropoutKey, NormStats};
 use super::pipeline::terr;
 use super::rank::Rank;
+use super::grad;
 use super::report::{Tally, bytes_of};
 use super::data::DataSource;
 use super::train::{self, Batch, StepRecord};
@@ -315,30 +316,26 @@ impl<'r, 'a> Interp<'r, 'a> {
             }
         }
         let leaves: Vec<Tensor> = st.inputs.iter().map(|(_, t)| t).filter(|t| is_float(t)).map(Tensor::shallow_clone).collect();
-        let mine = &r.params.read[s];
         let split = r.split_w.contains(&(s, mb));
         let mut in_grads: Vec<Tensor> = Vec::new();
         if let Some(root) = root.as_ref().filter(|t| t.requires_grad()) {
             let grad_leaves: Vec<&Tensor> = leaves.iter().filter(|t| t.requires_grad()).collect();
-            let mut inputs: Vec<&Tensor> = grad_leaves.clone();
-            if !split {
-                inputs.extend(mine.iter().map(|&i| &r.params.tensors[i]));
-            }
-            // B of a split backward keeps the graph for its W
-            let got = if inputs.is_empty() { Vec::new() } else { Tensor::f_run_backward(&[root], &inputs, split, false)? };
-            let (gin, gp) = got.split_at(grad_leaves.len());
-            // autograd's fresh weight gradients live beside the accumulated ones
-            self.observe_with_grads(gp.iter().map(bytes_of).sum());
-            let mut it = gin.iter();
+            let got: Vec<Option<Tensor>> = if split {
+                // B of a split backward: the inputs' gradients alone; the graph stays for its W
+                let got = if grad_leaves.is_empty() { Vec::new() } else { Tensor::f_run_backward(&[root], &grad_leaves, true, false)? };
+                got.into_iter().map(|g| g.defined().then_some(g)).collect()
+            } else {
+                // the weights' gradients go into the accumulated ones as they are produced
+                self.backward_into_params(s, root, &grad_leaves)?;
+                grad_leaves.iter().map(|t| grad::take_grad(t)).collect::<Result<_, _>>()?
+            };
+            let mut it = got.into_iter();
             for t in &leaves {
-                let g = if t.requires_grad() { it.next().map(Tensor::shallow_clone) } else { None };
-                in_grads.push(match g.filter(Tensor::defined) {
+                let g = if t.requires_grad() { it.next().flatten() } else { None };
+                in_grads.push(match g {
                     Some(g) => g,
                     None => t.f_zeros_like()?,
                 });
-            }
-            for (&i, g) in mine.iter().zip(gp) {
-                accumulate(&mut self.grads[i], g, exclusive(g, &got))?;
             }
         } else {
             for t in &leaves {
@@ -362,16 +359,42 @@ impl<'r, 'a> Interp<'r, 'a> {
         self.zero.ensure(r, s)?;
         self.pending_w.remove(&(s, mb));
         if let Some(root) = st.root.filter(|t| t.requires_grad()) {
-            let mine = &r.params.read[s];
-            let inputs: Vec<&Tensor> = mine.iter().map(|&i| &r.params.tensors[i]).collect();
-            if !inputs.is_empty() {
-                let got = Tensor::f_run_backward(&[&root], &inputs, false, false)?;
-                self.observe_with_grads(got.iter().map(bytes_of).sum());
-                for (&i, g) in mine.iter().zip(&got) {
-                    accumulate(&mut self.grads[i], g, exclusive(g, &got))?;
+            self.backward_into_params(s, &root, &[])?;
+        }
+        Ok(())
+    }
+
+    /// Backward from `root` into the leaves `extra` (left in their `.grad`) and stage `s`'s
+    /// parameters, whose gradients accumulate in place into `self.grads`: each accumulated
+    /// gradient is made its parameter's `.grad` for the pass (moved, not copied), so autograd
+    /// adds each fresh gradient into it as soon as it is produced and frees it (PyTorch's
+    /// AccumulateGrad: the first microbatch's gradient is kept as it is, later ones added in
+    /// place), then taken back. The stage holds one copy of its gradients, plus one fresh
+    /// parameter gradient in flight.
+    fn backward_into_params(&mut self, s: usize, root: &Tensor, extra: &[&Tensor]) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        let mine = &r.params.read[s];
+        let mut in_flight = 0;
+        for &i in mine {
+            let p = &r.params.tensors[i];
+            match self.grads[i].take() {
+                Some(g) => {
+                    in_flight = in_flight.max(bytes_of(&g));
+                    grad::set_grad(p, Some(&g))?;
                 }
+                None => grad::set_grad(p, None)?,
             }
         }
+        let mut inputs: Vec<&Tensor> = extra.to_vec();
+        inputs.extend(mine.iter().map(|&i| &r.params.tensors[i]));
+        let done = grad::backward_into(root, &inputs, false);
+        // the gradients come back to the store even when the pass failed
+        for &i in mine {
+            self.grads[i] = grad::take_grad(&r.params.tensors[i])?;
+        }
+        done?;
+        // a fresh gradient beside the accumulated ones, one parameter at a time
+        self.observe_with_grads(in_flight);
         Ok(())
     }
 
@@ -569,41 +592,6 @@ fn run_stage(
     } else {
         Ok((keep.iter().map(|v| (*v, outs[v].shallow_clone())).collect(), None))
     }
-}
-
-/// Adds gradient `g` into `slot`. The first one is kept as it is when `own` (autograd's
-/// result, aliasing nothing else: no copy, so a step holds one copy of its gradients), else
-/// copied (later sums add into it in place).
-fn accumulate(slot: &mut Option<Tensor>, g: &Tensor, own: bool) -> Result<(), RuntimeError> {
-    if !g.defined() {
-        return Ok(());
-    }
-    match slot {
-        Some(acc) => {
-            let _ = acc.f_add_(g)?;
-        }
-        None if own => *slot = Some(g.f_detach()?),
-        None => *slot = Some(g.f_detach()?.f_mul_scalar(1.0)?),
-    }
-    Ok(())
-}
-
-/// True when gradient `g`, one of `all` (one backward's results), is contiguous and shares
-/// no memory with the others (autograd passes one tensor to several inputs through additions
-/// and identities; those must be copied before they are summed into in place).
-fn exclusive(g: &Tensor, all: &[Tensor]) -> bool {
-    let span = |t: &Tensor| {
-        let a = t.data_ptr() as usize;
-        (a, a + t.numel() * t.kind().elt_size_in_bytes())
-    };
-    if !g.defined() || !g.is_contiguous() || g.numel() == 0 {
-        return false;
-    }
-    let (a, b) = span(g);
-    all.iter().filter(|t| t.defined() && t.numel() > 0).filter(|t| {
-        let (c, d) = span(t);
-        c < b && a < d
-    }).count() == 1
 }
 
 /// Length of a message's metadata: rank, dims, kind code.

@@ -9,6 +9,7 @@ pub mod data;
 pub mod dist;
 pub mod executor;
 pub mod export;
+mod grad;
 mod interp;
 pub mod launch;
 mod layout;

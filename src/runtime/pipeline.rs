@@ -10,16 +10,19 @@
 
 use std::time::Duration;
 
+use tch::Tensor;
+
 use super::RuntimeError;
 use super::checkpoint::{self, Checkpointing, Loaded, Piece, Role, SaveConfig, Slice};
 use super::dist::{DistError, RankEnv};
 use super::executor::Executor;
 use super::weights::Source;
 use super::interp::Interp;
-use super::zero::Restore;
+use super::zero::{self, Restore};
 use super::rank::{Rank, Shards, check_world};
 use super::data::DataSource;
 use super::train::{AdamWConfig, EvalConfig, EvalRecord, LossKind, LrSchedule, TrainObserver};
+use crate::ir::ValueId;
 use crate::plan::Plan;
 
 pub use super::layout::{REPLAN, StageLayout, codegen_section, rank_programs, stage_layout};
@@ -110,21 +113,51 @@ pub fn run_rank(
     Ok(report)
 }
 
-/// The rank's part of the AdamW moments of a checkpoint (its tensor-parallel cut of each,
-/// read from the pieces holding those elements; never the whole tensor).
+/// The rank's part of the AdamW moments of a checkpoint: its tensor-parallel cut of each, and
+/// of a stage whose optimizer state is a ZeRO block only that block, read from the pieces
+/// holding those elements (never a whole tensor it holds a part of).
 fn restored_moments(rank: &Rank<'_>, ckpt: &Loaded) -> Result<Restore, RuntimeError> {
     let ids = rank.param_ids();
     let graph = rank.graph();
     let kind = rank.params.opts.0;
-    let (mut exp_avg, mut exp_avg_sq) = (Vec::with_capacity(ids.len()), Vec::with_capacity(ids.len()));
-    for &v in &ids {
-        let name = checkpoint::param_name(graph, v);
-        let dims = graph.value(v).data.as_ref().map(|d| d.dims.clone()).unwrap_or_default();
-        let part = rank.part_of(v);
-        exp_avg.push(ckpt.read_part(&name, Role::ExpAvg, &dims, &part)?.f_to_kind(kind)?);
-        exp_avg_sq.push(ckpt.read_part(&name, Role::ExpAvgSq, &dims, &part)?.f_to_kind(kind)?);
+    let blocks = zero::zero_blocks(rank)?;
+    let mut in_block = vec![false; ids.len()];
+    for (s, b) in blocks.iter().enumerate() {
+        if b.is_some() {
+            for &i in &rank.params.owned[s] {
+                in_block[i] = true;
+            }
+        }
     }
-    Ok(Restore { step: ckpt.manifest.state.adamw_step, exp_avg, exp_avg_sq })
+    let read = |v: ValueId, role: Role, part: &Slice| -> Result<Tensor, RuntimeError> {
+        let dims = graph.value(v).data.as_ref().map(|d| d.dims.clone()).unwrap_or_default();
+        Ok(ckpt.read_part(&checkpoint::param_name(graph, v), role, &dims, part)?.f_to_kind(kind)?)
+    };
+    let (mut exp_avg, mut exp_avg_sq) = (Vec::with_capacity(ids.len()), Vec::with_capacity(ids.len()));
+    for (&v, &blocked) in ids.iter().zip(&in_block) {
+        if blocked {
+            exp_avg.push(None);
+            exp_avg_sq.push(None);
+        } else {
+            let part = rank.part_of(v);
+            exp_avg.push(Some(read(v, Role::ExpAvg, &part)?));
+            exp_avg_sq.push(Some(read(v, Role::ExpAvgSq, &part)?));
+        }
+    }
+    let blocks = blocks
+        .iter()
+        .enumerate()
+        .map(|(s, b)| {
+            b.map(|(parts, index)| {
+                Ok((
+                    rank.read_block_with(s, parts, index, |v, part| read(v, Role::ExpAvg, part))?,
+                    rank.read_block_with(s, parts, index, |v, part| read(v, Role::ExpAvgSq, part))?,
+                ))
+            })
+            .transpose()
+        })
+        .collect::<Result<_, RuntimeError>>()?;
+    Ok(Restore { step: ckpt.manifest.state.adamw_step, exp_avg, exp_avg_sq, blocks })
 }
 
 /// Writes this rank's shard of the checkpoint after `step`; rank 0 writes the manifest once

@@ -311,6 +311,13 @@ impl<'a> Rank<'a> {
     /// Block `index` of `parts` of stage `s`'s flat parameter vector (ZeRO 3), read from the
     /// source: only the elements of the block, never a whole parameter.
     pub fn read_block(&self, s: usize, parts: i64, index: i64) -> Result<Tensor, RuntimeError> {
+        self.read_block_with(s, parts, index, |v, part| self.source.read(v, part))
+    }
+
+    /// Block `index` of `parts` of stage `s`'s flat vector of per-parameter tensors shaped as
+    /// the parameters (values or moments), each piece read by `read` (parameter, its part with
+    /// the flat range wanted); the padding past the last parameter is zeros.
+    pub fn read_block_with(&self, s: usize, parts: i64, index: i64, read: impl Fn(ValueId, &Slice) -> Result<Tensor, RuntimeError>) -> Result<Tensor, RuntimeError> {
         let p = &self.params;
         let ids = self.param_ids();
         let total: i64 = p.owned[s].iter().map(|&i| p.numel(i)).sum();
@@ -324,7 +331,7 @@ impl<'a> Rank<'a> {
             if a < b {
                 let mut part = self.part_of(ids[i]);
                 part.flat = Some([(a - off) as u64, (b - off) as u64]);
-                v.push(self.source.read(ids[i], &part)?.f_to_kind(p.opts.0)?);
+                v.push(read(ids[i], &part)?.f_to_kind(p.opts.0)?);
             }
             off += n;
         }

@@ -61,15 +61,53 @@ pub(super) struct Zero {
     restore: Option<Restore>,
 }
 
-/// AdamW state restored from a checkpoint: the step count and, by parameter position, the
-/// rank's part (tensor-parallel cut) of each moment.
+/// AdamW state restored from a checkpoint: the step count, by parameter position the rank's
+/// part (tensor-parallel cut) of each moment in no ZeRO block, and by stage the rank's ZeRO
+/// block of its moments (read as the block alone: a resumed rank never holds a sharded stage's
+/// moments whole). Each optimizer takes its moments out when it is made.
 pub(super) struct Restore {
     /// AdamW updates taken.
     pub step: usize,
-    /// First moments, by position.
-    pub exp_avg: Vec<Tensor>,
+    /// First moments, by position (`None` in a ZeRO block, or taken).
+    pub exp_avg: Vec<Option<Tensor>>,
     /// Second moments, by position.
-    pub exp_avg_sq: Vec<Tensor>,
+    pub exp_avg_sq: Vec<Option<Tensor>>,
+    /// By stage: its ZeRO block of the first and second moments (`None` without a block, or
+    /// taken).
+    pub blocks: Vec<Option<(Tensor, Tensor)>>,
+}
+
+/// Per stage of `rank`: the ZeRO block (`parts`, this rank's `index`) its optimizer state is
+/// cut into, as the program's collectives cut it (the group gathering its ZeRO-3 parameters,
+/// else reduce-scattering its gradients, else under ZeRO 1 all-reducing them); `None` for a
+/// stage whose optimizer state is whole.
+pub(super) fn zero_blocks(rank: &Rank<'_>) -> Result<Vec<Option<(i64, i64)>>, RuntimeError> {
+    let mut out: Vec<Option<(i64, i64)>> = vec![None; rank.n_stages];
+    let rounds: [&dyn Fn(&Instr) -> Option<(&Vec<usize>, &Purpose)>; 3] = [
+        &|i| match i {
+            Instr::AllGather { group, purpose: purpose @ Purpose::Zero3Params { .. }, .. } if rank.zero3 => Some((group, purpose)),
+            _ => None,
+        },
+        &|i| match i {
+            Instr::ReduceScatter { group, purpose: purpose @ Purpose::DpGrads { .. }, .. } => Some((group, purpose)),
+            _ => None,
+        },
+        &|i| match i {
+            Instr::AllReduce { group, purpose: purpose @ Purpose::DpGrads { .. }, .. } if rank.zero >= 1 => Some((group, purpose)),
+            _ => None,
+        },
+    ];
+    for round in rounds {
+        for instr in &rank.program.instrs {
+            let Some((g, purpose)) = round(instr) else { continue };
+            let s = rank.stage_of(purpose)?;
+            if out[s].is_none() && !rank.params.owned[s].is_empty() {
+                let pg = rank.groups.get(g)?;
+                out[s] = Some((pg.size() as i64, pg.index() as i64));
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// A part of this rank's state to checkpoint: parameter position `pos`'s `role`, elements
@@ -81,13 +119,27 @@ pub(super) struct LocalPiece {
     pub tensor: Tensor,
 }
 
-/// The optimizer of a ZeRO block (`parts` blocks of stage `s`, this rank's `index`) or of
-/// every parameter (`block` none), fresh or with the restored moments.
-fn new_opt(restore: Option<&Restore>, p: &Params, s: usize, block: Option<(i64, i64)>, params: &[Tensor], adamw: AdamWConfig) -> Result<AdamW, RuntimeError> {
+/// The optimizer of a ZeRO block (of stage `s`) or of every parameter (`block` false), fresh
+/// or with the moments restored (taken out of `restore`; zeros where none is left).
+fn new_opt(restore: Option<&mut Restore>, s: usize, block: bool, params: &[Tensor], adamw: AdamWConfig) -> Result<AdamW, RuntimeError> {
     let Some(r) = restore else { return AdamW::new(params, adamw) };
-    let state = match block {
-        Some((parts, index)) => vec![(owned_copy(&p.block(s, &r.exp_avg, parts, index)?)?, owned_copy(&p.block(s, &r.exp_avg_sq, parts, index)?)?)],
-        None => r.exp_avg.iter().zip(&r.exp_avg_sq).map(|(m, v)| Ok((owned_copy(m)?, owned_copy(v)?))).collect::<Result<_, RuntimeError>>()?,
+    let state = if block {
+        let (m, v) = r.blocks.get_mut(s).and_then(Option::take).ok_or_else(|| terr(format!("stage {s}: the checkpoint's moments were not read as a ZeRO block")))?;
+        let want = params.first().map_or(0, Tensor::numel);
+        if m.numel() != want || v.numel() != want {
+            return Err(terr(format!("stage {s}: the restored ZeRO block of moments has {} elements, the optimizer's block {want}", m.numel())));
+        }
+        vec![(m, v)]
+    } else {
+        let mut state = Vec::with_capacity(params.len());
+        for (i, p) in params.iter().enumerate() {
+            state.push(match (r.exp_avg.get_mut(i).and_then(Option::take), r.exp_avg_sq.get_mut(i).and_then(Option::take)) {
+                (Some(m), Some(v)) => (m, v),
+                // a parameter in a ZeRO block: never stepped here
+                _ => (p.f_zeros_like()?.f_detach()?, p.f_zeros_like()?.f_detach()?),
+            });
+        }
+        state
     };
     Ok(AdamW::with_state(adamw, r.step, state))
 }
@@ -278,7 +330,6 @@ impl Zero {
     pub fn step(&mut self, rank: &Rank<'_>, grads: &[Option<Tensor>], coef: Option<f64>, lr: f64) -> Result<(), RuntimeError> {
         let p = &rank.params;
         let adamw = rank.cfg.adamw;
-        let restore = self.restore.as_ref();
         for (s, sh) in self.shards.iter_mut().enumerate() {
             let Some(sh) = sh else { continue };
             let Some(mut g) = sh.grad.take() else { continue };
@@ -289,7 +340,7 @@ impl Zero {
                 // ZeRO 3: the block is the parameters' only copy
                 let opt = match &mut sh.opt {
                     Some(o) => o,
-                    None => sh.opt.insert(new_opt(restore, p, s, Some((sh.parts, sh.index)), &[master.shallow_clone()], adamw)?),
+                    None => sh.opt.insert(new_opt(self.restore.as_mut(), s, true, &[master.shallow_clone()], adamw)?),
                 };
                 opt.set_lr(lr);
                 opt.step_with(&[master], &[g])?;
@@ -298,7 +349,7 @@ impl Zero {
             let block = owned_copy(&p.block(s, &p.tensors, sh.parts, sh.index)?)?;
             let opt = match &mut sh.opt {
                 Some(o) => o,
-                None => sh.opt.insert(new_opt(restore, p, s, Some((sh.parts, sh.index)), &[block.shallow_clone()], adamw)?),
+                None => sh.opt.insert(new_opt(self.restore.as_mut(), s, true, &[block.shallow_clone()], adamw)?),
             };
             opt.set_lr(lr);
             opt.step_with(&[block.shallow_clone()], &[g])?;
@@ -308,7 +359,7 @@ impl Zero {
         if grads.iter().any(Option::is_some) {
             let opt = match &mut self.full_opt {
                 Some(o) => o,
-                None => self.full_opt.insert(new_opt(restore, p, 0, None, &p.tensors, adamw)?),
+                None => self.full_opt.insert(new_opt(self.restore.as_mut(), 0, false, &p.tensors, adamw)?),
             };
             let gs: Vec<Tensor> = grads.iter().map(|g| g.as_ref().map_or_else(Tensor::new, Tensor::shallow_clone)).collect();
             opt.set_lr(lr);
@@ -350,9 +401,9 @@ impl Zero {
                     }
                     let (m, v) = match &sh.opt {
                         Some(o) => (o.state()[0].0.shallow_clone(), o.state()[0].1.shallow_clone()),
-                        None => match &self.restore {
+                        None => match self.restore.as_ref().and_then(|r| r.blocks.get(s)).and_then(Option::as_ref) {
                             // resumed and not stepped yet
-                            Some(r) => (p.block(s, &r.exp_avg, sh.parts, sh.index)?, p.block(s, &r.exp_avg_sq, sh.parts, sh.index)?),
+                            Some((m, v)) => (m.shallow_clone(), v.shallow_clone()),
                             None => (Tensor::f_zeros([sh.len], p.opts)?, Tensor::f_zeros([sh.len], p.opts)?),
                         },
                     };
@@ -373,9 +424,10 @@ impl Zero {
                 out.push(LocalPiece { pos: i, role: Role::Param, flat: None, tensor: p.tensors[i].f_detach()?.f_contiguous()? });
             }
             if !in_block[i] {
-                let (m, v) = match (&self.full_opt, &self.restore) {
+                let restored = self.restore.as_ref().and_then(|r| Some((r.exp_avg.get(i)?.as_ref()?, r.exp_avg_sq.get(i)?.as_ref()?)));
+                let (m, v) = match (&self.full_opt, restored) {
                     (Some(o), _) => (o.state()[i].0.shallow_clone(), o.state()[i].1.shallow_clone()),
-                    (None, Some(r)) => (r.exp_avg[i].shallow_clone(), r.exp_avg_sq[i].shallow_clone()),
+                    (None, Some((m, v))) => (m.shallow_clone(), v.shallow_clone()),
                     (None, None) => (p.zeros(i)?, p.zeros(i)?),
                 };
                 out.push(LocalPiece { pos: i, role: Role::ExpAvg, flat: None, tensor: m });

@@ -1,0 +1,70 @@
+//! Backward passes that accumulate into the leaves' `.grad`, as PyTorch's `loss.backward()`
+//! does: autograd's AccumulateGrad adds each fresh weight gradient into its leaf's `.grad` in
+//! place as soon as it is produced and frees it, so gradient accumulation over microbatches
+//! holds one copy of the gradients, never the accumulated ones beside a whole fresh set.
+//! Through csrc/autograd_shim.cpp (tch has no backward with chosen inputs that accumulates,
+//! and no way to set a leaf's `.grad`).
+
+use std::ffi::{CStr, c_char, c_int};
+
+use tch::{TchError, Tensor};
+
+use super::RuntimeError;
+
+unsafe extern "C" {
+    fn smp_autograd_free_error(e: *mut c_char);
+    fn smp_autograd_backward(
+        roots: *const *mut torch_sys::C_tensor,
+        nroots: c_int,
+        inputs: *const *mut torch_sys::C_tensor,
+        ninputs: c_int,
+        keep_graph: c_int,
+    ) -> *mut c_char;
+    fn smp_autograd_set_grad(t: *mut torch_sys::C_tensor, g: *mut torch_sys::C_tensor) -> *mut c_char;
+}
+
+fn check(call: &str, err: *mut c_char) -> Result<(), RuntimeError> {
+    if err.is_null() {
+        return Ok(());
+    }
+    // SAFETY: the shim returns a NUL-terminated malloc'd string, freed here once.
+    let message = unsafe {
+        let m = CStr::from_ptr(err).to_string_lossy().into_owned();
+        smp_autograd_free_error(err);
+        m
+    };
+    Err(RuntimeError::Torch(TchError::Torch(format!("{call}: {message}"))))
+}
+
+fn raw(t: &Tensor) -> *mut torch_sys::C_tensor {
+    t.as_ptr() as *mut torch_sys::C_tensor
+}
+
+/// Backward from the scalar `root` into the leaves `inputs` (`torch.autograd.backward(root,
+/// inputs=inputs)`): each input's gradient is accumulated into its `.grad` (kept as the
+/// `.grad` when it has none), nothing else is computed or accumulated. `keep_graph` keeps the
+/// graph for a later pass. No inputs: nothing to do.
+pub(super) fn backward_into(root: &Tensor, inputs: &[&Tensor], keep_graph: bool) -> Result<(), RuntimeError> {
+    if inputs.is_empty() {
+        return Ok(());
+    }
+    let roots = [raw(root)];
+    let ins: Vec<*mut torch_sys::C_tensor> = inputs.iter().map(|t| raw(t)).collect();
+    let n = c_int::try_from(ins.len()).map_err(|_| RuntimeError::Train(format!("a backward into {} leaves", ins.len())))?;
+    // SAFETY: live tensors for the duration of the call; the shim copies the handles.
+    check("backward", unsafe { smp_autograd_backward(roots.as_ptr(), 1, ins.as_ptr(), n, c_int::from(keep_graph)) })
+}
+
+/// Makes `g` (the same tensor, not a copy) the `.grad` of leaf `t`, or clears it (`None`).
+pub(super) fn set_grad(t: &Tensor, g: Option<&Tensor>) -> Result<(), RuntimeError> {
+    let g = g.map_or(std::ptr::null_mut(), raw);
+    // SAFETY: live tensors; the shim copies the handle of `g`.
+    check("set grad", unsafe { smp_autograd_set_grad(raw(t), g) })
+}
+
+/// Takes leaf `t`'s `.grad` out of it (clearing it): the gradient, or `None` when it had none.
+pub(super) fn take_grad(t: &Tensor) -> Result<Option<Tensor>, RuntimeError> {
+    let g = t.f_grad()?;
+    set_grad(t, None)?;
+    Ok(g.defined().then_some(g))
+}
