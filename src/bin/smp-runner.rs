@@ -640,7 +640,7 @@ fn loss_kind(o: &TrainArgs, graph: &Graph) -> LossKind {
 fn rank_cmd(
     plan: &smp_partition::plan::Plan,
     model: &Path,
-    mut graph: Graph,
+    graph: Graph,
     o: &TrainArgs,
     shape: &TrainShape,
     env: &RankEnv,
@@ -652,12 +652,9 @@ fn rank_cmd(
     if o.save_weights.is_some() {
         bail!("--save-weights is only supported by single-process runs (`train`, or a plan of one rank)");
     }
-    if let Some(b) = plan.codegen.as_ref().and_then(|c| c.batch) {
-        let opts = smp_partition::passes::AnalyzeOptions { seq_len: plan.seq_len.map(|s| s as i64), dims: plan.dims.clone() };
-        rebind_batch(&mut graph, b.microbatch, &opts, model)?;
-    }
-    // with tensor parallelism the shards address the model as planned; their subgraphs are
-    // fused once cut (`runtime::rank::Shards`)
+    // the graph the plan was made for: specialised as the planner did, its fixed batch rebound
+    let (mut graph, dims) = pipeline::planned_graph(plan, graph).with_context(|| format!("model `{}`", model.display()))?;
+    // with tensor parallelism the shard subgraphs are fused once cut (`runtime::rank::Shards`)
     if plan.mesh().tp <= 1 {
         fuse_chains(&mut graph);
     }
@@ -687,7 +684,7 @@ fn rank_cmd(
     };
     let t0 = Instant::now();
     let mut progress = Progress::new(o.steps, data.tokens_per_batch() as f64, env.rank == 0, o.json);
-    let report = pipeline::run_rank(plan, &exec, &source, &data, eval_data.as_ref(), &cfg, env, &ckpt, &mut progress)
+    let report = pipeline::run_rank(plan, &exec, &dims, &source, &data, eval_data.as_ref(), &cfg, env, &ckpt, &mut progress)
         .with_context(|| format!("rank {} of {}", env.rank, env.world))?;
     progress.finish();
     let wall = t0.elapsed().as_secs_f64();

@@ -412,6 +412,12 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
             }
         }
     }
+    // the last stage computes the loss from the graph's outputs
+    for &o in &g.outputs {
+        if producer_stage[o.index()] != usize::MAX {
+            last_reader[o.index()] = last_reader[o.index()].max(input.stages.len().saturating_sub(1));
+        }
+    }
     let mut outputs_to_next: Vec<Vec<String>> = vec![Vec::new(); input.stages.len()];
     let mut gradients_from_next: Vec<Vec<String>> = vec![Vec::new(); input.stages.len()];
     for v in g.value_ids() {
