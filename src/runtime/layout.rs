@@ -3,8 +3,8 @@
 //!
 //! The runner executes the graph the planner planned: the imported model specialised by the
 //! same library pass analysis runs ([`passes::specialise`]: dims bound, shape arithmetic folded,
-//! dead nodes removed, ids kept), with the plan's recorded rewrites applied (its fixed batch
-//! rebound, [`crate::codegen::rebatch`]). Every stage's lists are read from the plan's codegen
+//! dead nodes removed, ids kept), with the plan's recorded rewrites applied (its fused ops,
+//! [`passes::fuse::apply`]; its fixed batch rebound, [`crate::codegen::rebatch`]). Every stage's lists are read from the plan's codegen
 //! section and checked against that graph; nothing the plan holds is derived again.
 
 use std::collections::{HashMap, HashSet};
@@ -13,8 +13,8 @@ use super::RuntimeError;
 use super::pipeline::terr;
 use super::weights::is_trainable;
 use crate::codegen::encode::CODEGEN_VERSION;
-use crate::codegen::{CodegenSection, RankProgram};
-use crate::ir::{DimBindings, Graph, NodeId, ValueId, ValueKind};
+use crate::codegen::{CodegenSection, FusedNode, RankProgram};
+use crate::ir::{DimBindings, Fusion, Graph, NodeId, ValueId, ValueKind};
 use crate::passes::{self, AnalyzeOptions};
 use crate::plan::Plan;
 
@@ -43,14 +43,18 @@ pub struct StageLayout {
 pub const REPLAN: &str = "re-plan the model with this smp-partition (`smp-partition MODEL ... -o PLAN.json`)";
 
 /// The graph `plan` was made for, from the model `graph` as imported (parameters decided): the
-/// planner's specialisation ([`passes::specialise`] with the plan's dims), then the plan's
-/// fixed-batch rebinding. Returns it with its dim bindings. Its node and value ids are those
+/// planner's specialisation ([`passes::specialise`] with the plan's dims), the plan's fused ops
+/// (`fused`, each applied by [`passes::fuse::apply`], which refuses a record that does not fit),
+/// then the plan's fixed-batch rebinding. Returns it with its dim bindings. Its node and value ids are those
 /// the plan's codegen section lists; [`stage_layout`] checks them.
 pub fn planned_graph(plan: &Plan, graph: Graph) -> Result<(Graph, DimBindings), RuntimeError> {
     let section = codegen_section(plan)?;
     let opts = AnalyzeOptions { seq_len: plan.seq_len.map(|s| s as i64), dims: plan.dims.clone() };
     let (mut g, mut dims) = passes::specialise(graph, &opts)
         .map_err(|e| terr(format!("specialising the model as the planner did (dims bound, shape arithmetic folded): {e}")))?;
+    for f in &section.fused {
+        apply_fused(&mut g, f)?;
+    }
     if let Some(b) = section.batch {
         let done = crate::codegen::rebatch::rebind_graph(&mut g, &mut dims, b.microbatch)
             .map_err(|e| terr(format!("rebinding the model's fixed batch to the plan's microbatch of {}: {e}", b.microbatch)))?;
@@ -64,6 +68,22 @@ pub fn planned_graph(plan: &Plan, graph: Graph) -> Result<(Graph, DimBindings), 
         }
     }
     Ok((g, dims))
+}
+
+/// Applies one fused op of the plan to `g`; a record that does not fit the model is refused.
+fn apply_fused(g: &mut Graph, f: &FusedNode) -> Result<(), RuntimeError> {
+    let refuse = |what: String| terr(format!("the plan's fused op at node {} ({}) does not fit the model: {what}; {REPLAN}", f.node, f.op));
+    let by_id: HashMap<usize, NodeId> = g.node_ids().map(|n| (n.index(), n)).collect();
+    let node = |i: usize| by_id.get(&i).copied().ok_or_else(|| refuse(format!("the model as planned has no node {i}")));
+    let value = |name: &str| g.value_by_name(name).ok_or_else(|| refuse(format!("the model has no value `{name}`")));
+    let fusion = Fusion {
+        node: node(f.node)?,
+        op: f.op,
+        input: value(&f.input)?,
+        output: value(&f.output)?,
+        replaces: f.replaces.iter().map(|&i| node(i)).collect::<Result<_, _>>()?,
+    };
+    passes::fuse::apply(g, &fusion).map_err(|e| refuse(e.to_string()))
 }
 
 /// The stage layout of `section` on `graph` (the planned graph, [`planned_graph`]), read from

@@ -18,7 +18,6 @@ use super::weights::{Slice, Source};
 use super::{ExecOptions, RuntimeError, Weights};
 use crate::codegen::{Coord, Instr, Mesh, Purpose, RankProgram, StageView, WeightSlice, apply_shard};
 use crate::ir::{DimBindings, Graph, NodeId, Op, OpKind, ValueId, ValueKind};
-use crate::passes;
 use crate::plan::Plan;
 
 /// This rank's trained parameters: each belongs to the first of the rank's stages reading it.
@@ -154,8 +153,7 @@ impl Shards {
         let Coord { pp: q, dp: d, tp: t } = mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
         let view = plan.rank_view(me).map_err(|e| terr(e.to_string()))?;
         for sv in &view.stages {
-            let mut sub = shard_subgraph(sv, graph, dims, &mesh, me, (q, d, t), &mut out.kv_groups)?;
-            passes::fuse::fuse(&mut sub);
+            let sub = shard_subgraph(sv, graph, dims, &mesh, me, (q, d, t), &mut out.kv_groups)?;
             let slices = sv.shards.iter().flat_map(|sh| sh.weight_slices.iter().cloned()).collect();
             out.stages.push(StageShard { stage: sv.stage(), graph: sub, slices });
         }
