@@ -123,14 +123,7 @@ pub fn compute(graph: &Graph, bindings: &DimBindings) -> Result<Figures, PassErr
         dims: bindings.values.clone(),
         ..Figures::default()
     };
-    // initializers no node reads (e.g. the constants of a fused chain) are no part of the model
-    let mut read = vec![false; graph.value_count()];
-    for &id in &order {
-        for v in graph.node(id).inputs.iter().flatten() {
-            read[v.index()] = true;
-        }
-    }
-    f.total_params = graph.value_ids().filter(|&v| read[v.index()] && is_param(graph, v)).map(|v| param_elems(graph, v).0).sum();
+    f.total_params = graph.value_ids().filter(|&v| is_param(graph, v)).map(|v| param_elems(graph, v).0).sum();
 
     // Which values carry a gradient: parameters and float values computed from them.
     let mut grad = vec![false; graph.value_count()];
