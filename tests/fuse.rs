@@ -43,7 +43,7 @@ fn distance(a: &(Vec<f64>, Vec<(String, Tensor)>), b: &(Vec<f64>, Vec<(String, T
 
 fn fused(graph: &Graph) -> Graph {
     let mut g = graph.clone();
-    let f = fuse(&mut g);
+    let f = Fused::of(&fuse(&mut g));
     assert_eq!(f, Fused { gelu_tanh: 4, gelu_erf: 0 }, "one GELU per GPT-2 block");
     g.verify().expect("fused graph verifies");
     let gelus = g.node_ids().filter(|&n| g.node(n).op.is(OpKind::Gelu)).count();

@@ -594,8 +594,10 @@ fn run_plan(path: &Path, o: &TrainArgs) -> Result<()> {
             rank_cmd(&plan, &model, graph, o, &shape, &env, ckpt)
         }
         _ => {
-            let graph = decided(imported, &model, &params, true)?;
-            train_cmd(&model, graph, o, &params, shape, Some(ckpt))
+            let (graph, sha) = decided(imported, &model, &params, true)?;
+            // the graph the plan was made for, as a rank of a larger plan runs it
+            let (graph, _) = pipeline::planned_graph(&plan, graph).with_context(|| format!("model `{}` of plan `{}`", model.display(), path.display()))?;
+            train_cmd(&model, (graph, sha), o, &params, shape, Some(ckpt))
         }
     }
 }
@@ -649,7 +651,7 @@ fn loss_kind(o: &TrainArgs, graph: &Graph) -> LossKind {
 fn rank_cmd(
     plan: &smp_partition::plan::Plan,
     model: &Path,
-    mut graph: Graph,
+    graph: Graph,
     o: &TrainArgs,
     shape: &TrainShape,
     env: &RankEnv,
@@ -661,15 +663,9 @@ fn rank_cmd(
     if o.save_weights.is_some() {
         bail!("--save-weights is only supported by single-process runs (`train`, or a plan of one rank)");
     }
-    if let Some(b) = plan.codegen.as_ref().and_then(|c| c.batch) {
-        let opts = smp_partition::passes::AnalyzeOptions { seq_len: plan.seq_len.map(|s| s as i64), dims: plan.dims.clone() };
-        rebind_batch(&mut graph, b.microbatch, &opts, model)?;
-    }
-    // with tensor parallelism the shards address the model as planned; their subgraphs are
-    // fused once cut (`runtime::rank::Shards`)
-    if plan.mesh().tp <= 1 {
-        fuse_chains(&mut graph);
-    }
+    // the graph the plan was made for: specialised as the planner did, the plan's fused ops
+    // applied, its fixed batch rebound
+    let (graph, dims) = pipeline::planned_graph(plan, graph).with_context(|| format!("model `{}`", model.display()))?;
     let float_kind = Some(o.dtype.kind());
     // only the parts of weights this rank holds are read (from the model file, its external
     // data or the checkpoint), when its stages and shards are set up
@@ -697,7 +693,7 @@ fn rank_cmd(
     };
     let t0 = Instant::now();
     let mut progress = Progress::new(o.steps, data.tokens_per_batch() as f64, env.rank == 0, o.json);
-    let report = pipeline::run_rank(plan, &exec, &source, &data, eval_data.as_ref(), &cfg, env, &ckpt, &mut progress)
+    let report = pipeline::run_rank(plan, &exec, &dims, &source, &data, eval_data.as_ref(), &cfg, env, &ckpt, &mut progress)
         .with_context(|| format!("rank {} of {}", env.rank, env.world))?;
     progress.finish();
     let wall = t0.elapsed().as_secs_f64();
@@ -797,10 +793,11 @@ fn sha256_hex(bytes: &[u8]) -> String {
     sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Rewrites op chains into fused ops (`passes::fuse`); the rest of each chain is left dead
-/// (node ids stay those a plan lists), and the executor does not run it.
+/// Rewrites op chains into fused ops with the library pass analysis runs (`passes::fuse`), for
+/// the commands that run a model without a plan (`train`, `eval`); a plan's run applies the
+/// plan's own list instead (`pipeline::planned_graph`).
 fn fuse_chains(graph: &mut Graph) {
-    let fused = smp_partition::passes::fuse::fuse(graph);
+    let fused = smp_partition::passes::fuse::Fused::of(&smp_partition::passes::fuse::fuse(graph));
     if fused.total() > 0 {
         tracing::info!(%fused, "op chains fused");
     }
@@ -918,7 +915,8 @@ fn peak_rss_bytes() -> Option<u64> {
 }
 
 /// Single-process training of `model` (its graph, decided by `params`, and sha256); `ckpt`:
-/// checkpointing as a one-rank plan set it up (none: set it up here, for `train`).
+/// checkpointing as a one-rank plan set it up, whose graph is the one the plan was made for
+/// (none: `train`, which sets checkpointing up here and fuses the model's op chains at load).
 fn train_cmd(
     model: &Path,
     (mut graph, sha256): (Graph, String),
@@ -930,6 +928,7 @@ fn train_cmd(
     if let Some(n) = o.threads {
         tch::set_num_threads(n);
     }
+    let planned = ckpt.is_some();
     let (save, resume) = match ckpt {
         Some(c) => c,
         None => o.checkpointing(model, &sha256, params, None, "train".into())?,
@@ -953,7 +952,9 @@ fn train_cmd(
             rebind_batch(&mut graph, b, &opts, model)?;
         }
     }
-    fuse_chains(&mut graph);
+    if !planned {
+        fuse_chains(&mut graph);
+    }
     let float_kind = Some(o.dtype.kind());
     smp_partition::runtime::executor::check_supported(&graph).with_context(|| format!("model `{}`", model.display()))?;
     let mut weights = Weights::load(&graph, init_mode(o.init, o.seed), float_kind)?;

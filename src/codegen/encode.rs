@@ -23,13 +23,14 @@ use serde::{Deserialize, Serialize};
 use super::lower::{LowerError, LowerOptions, lower};
 use super::program::{Instr, Purpose, RankProgram};
 use super::shard::{CodegenError, LayerShard, Sharder, apply_shard};
-use crate::ir::{Graph, LayeredGraph, ScheduleError, ScheduleKind, ValueKind, compute_actions};
+use crate::ir::{FusedOp, Graph, LayeredGraph, ScheduleError, ScheduleKind, ValueKind, compute_actions};
 use crate::passes::figures::is_trainable;
 use crate::solve::Placement as AxisOrder;
 use crate::split::Strategy;
 
-/// Version of the codegen section's layout (bumped on incompatible changes).
-pub const CODEGEN_VERSION: u32 = 2;
+/// Version of the codegen section's layout (bumped on incompatible changes). 3: the graph the
+/// plan addresses has its GELU chains fused, listed in `fused`.
+pub const CODEGEN_VERSION: u32 = 3;
 
 /// What codegen needs of a plan: degrees, schedule and the stages' layer ranges.
 #[derive(Clone, Debug, PartialEq)]
@@ -99,6 +100,27 @@ pub struct CodegenSection {
     /// The model's fixed batch rebound to the plan's microbatch size, if it was.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch: Option<super::rebatch::BatchRebind>,
+    /// The op chains analysis fused into one op, in the order applied: the graph every id and
+    /// name of this section addresses is the model specialised (`passes::specialise`) with
+    /// these applied (`passes::fuse::apply`), then its batch rebound.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fused: Vec<FusedNode>,
+}
+
+/// One fused op of the plan's graph: a chain of the model's nodes computed by one op.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FusedNode {
+    /// Id of the fused node (the chain's last node, whose id and output it keeps).
+    pub node: usize,
+    /// Its op (`{"gelu": {"approximate": "tanh"}}`).
+    pub op: FusedOp,
+    /// The value it reads: the chain's input.
+    pub input: String,
+    /// The value it makes: the chain's output.
+    pub output: String,
+    /// Ids of every node of the chain, `node` included, ascending; all but `node` are removed.
+    pub replaces: Vec<usize>,
 }
 
 /// What one stage exchanges and keeps.
@@ -412,6 +434,12 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
             }
         }
     }
+    // the last stage computes the loss from the graph's outputs
+    for &o in &g.outputs {
+        if producer_stage[o.index()] != usize::MAX {
+            last_reader[o.index()] = last_reader[o.index()].max(input.stages.len().saturating_sub(1));
+        }
+    }
     let mut outputs_to_next: Vec<Vec<String>> = vec![Vec::new(); input.stages.len()];
     let mut gradients_from_next: Vec<Vec<String>> = vec![Vec::new(); input.stages.len()];
     for v in g.value_ids() {
@@ -476,7 +504,18 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
         .collect();
 
     let templates = templates(input, &stages, &tied_weights)?;
-    Ok(CodegenSection { version: CODEGEN_VERSION, tp: input.tp, shards, weight_dims, stages, tied_weights, templates, batch })
+    let fused = lg
+        .fused
+        .iter()
+        .map(|f| FusedNode {
+            node: f.node.index(),
+            op: f.op,
+            input: g.value(f.input).name.clone(),
+            output: g.value(f.output).name.clone(),
+            replaces: f.replaces.iter().map(|n| n.index()).collect(),
+        })
+        .collect();
+    Ok(CodegenSection { version: CODEGEN_VERSION, tp: input.tp, shards, weight_dims, stages, tied_weights, templates, batch, fused })
 }
 
 /// Ids as sorted half-open ranges of consecutive ids.
@@ -771,6 +810,7 @@ mod tests {
             tied_weights: vec![TiedWeight { weight: "wte".into(), stages: vec![0, 1], pp_ranks: vec![0, 1], bytes: 4 }],
             templates: Vec::new(),
             batch: None,
+            fused: Vec::new(),
         };
         let c = Coord { pp: 1, dp: 3, tp: 1 };
         let rank = |pp: usize, dp: usize, tp: usize| dp * 4 + pp * 2 + tp;

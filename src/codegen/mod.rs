@@ -10,7 +10,7 @@ pub mod shard;
 pub mod validate;
 
 pub use collectives::{CollectiveInsert, CollectiveKind, GroupKind, InputRef};
-pub use encode::{CodegenInput, CodegenSection, Coord, EncodeError, GroupRef, Mesh, RankView, StageInput, StageView, Step};
+pub use encode::{CodegenInput, CodegenSection, Coord, EncodeError, FusedNode, GroupRef, Mesh, RankView, StageInput, StageView, Step};
 pub use lower::{LowerError, LowerOptions, lower, lower_schedule};
 pub use rebatch::BatchRebind;
 pub use program::{Instr, Payload, Purpose, RankProgram};

@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::ir::{DimBindings, LayeredGraph};
+use crate::ir::{DimBindings, Graph, LayeredGraph};
 use crate::passes::{AnalyzeOptions, PassError, rebatch};
 
 /// The batch a plan's model fixed and the microbatch size its programs run.
@@ -21,13 +21,22 @@ pub struct BatchRebind {
 /// `lg` rebound to microbatches of `microbatch` samples, if its batch is fixed at another size
 /// (layers and figures kept: they are per sample). `None` when nothing changes.
 pub fn rebind(lg: &LayeredGraph, microbatch: i64) -> Result<Option<(LayeredGraph, BatchRebind)>, PassError> {
-    if !lg.dims.fixed_batch || microbatch == lg.dims.graph_batch {
+    let mut graph = lg.graph.clone();
+    let mut dims = lg.dims.clone();
+    let Some(done) = rebind_graph(&mut graph, &mut dims, microbatch)? else { return Ok(None) };
+    let rebound = LayeredGraph { graph, dims, ..lg.clone() };
+    Ok(Some((rebound, done)))
+}
+
+/// Rebinds `graph` (analysed, with `dims`) to microbatches of `microbatch` samples, if its
+/// batch is fixed at another size, and records the new batch in `dims`. The one rewrite of
+/// codegen and of the runner, which applies it to the graph a plan's section says was rebound.
+pub fn rebind_graph(graph: &mut Graph, dims: &mut DimBindings, microbatch: i64) -> Result<Option<BatchRebind>, PassError> {
+    if !dims.fixed_batch || microbatch == dims.graph_batch {
         return Ok(None);
     }
-    let mut graph = lg.graph.clone();
-    let opts = AnalyzeOptions { seq_len: None, dims: lg.dims.values.clone() };
-    let Some(done) = rebatch::rebind_batch(&mut graph, microbatch, &opts)? else { return Ok(None) };
-    let dims = DimBindings { graph_batch: microbatch, ..lg.dims.clone() };
-    let rebound = LayeredGraph { graph, dims, ..lg.clone() };
-    Ok(Some((rebound, BatchRebind { fixed: done.from, microbatch })))
+    let opts = AnalyzeOptions { seq_len: None, dims: dims.values.clone() };
+    let Some(done) = rebatch::rebind_batch(graph, microbatch, &opts)? else { return Ok(None) };
+    dims.graph_batch = microbatch;
+    Ok(Some(BatchRebind { fixed: done.from, microbatch }))
 }

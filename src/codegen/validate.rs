@@ -383,6 +383,30 @@ pub fn validate_section(section: &CodegenSection, mesh: &Mesh, microbatches: usi
             errs.push(Invalid { rank, what: format!("stage {s} expects the gradient of `{g}`, which it does not send") });
         }
     }
+    // Fused ops: each fused node runs in a stage, the nodes it replaces in none and in no other
+    // fused op.
+    let listed: BTreeMap<usize, usize> = section.stages.iter().flat_map(|st| st.node_ids().map(move |n| (n, st.stage))).collect();
+    let mut replaced: BTreeMap<usize, usize> = BTreeMap::new();
+    for f in &section.fused {
+        let mut bad = |what: String| errs.push(Invalid { rank: 0, what: format!("fused op at node {} ({}): {what}", f.node, f.op) });
+        if !f.replaces.contains(&f.node) {
+            bad("the node is not among the nodes it replaces".into());
+        }
+        if f.input.is_empty() || f.output.is_empty() || f.input == f.output {
+            bad(format!("reads `{}` and makes `{}`; both must be named and differ", f.input, f.output));
+        }
+        if !listed.contains_key(&f.node) {
+            bad("the fused node runs in no stage".into());
+        }
+        for &n in &f.replaces {
+            if let Some(other) = replaced.insert(n, f.node) {
+                bad(format!("node {n} is replaced by fused node {other} too"));
+            }
+            if let Some(s) = listed.get(&n).filter(|_| n != f.node) {
+                bad(format!("replaced node {n} still runs in stage {s}"));
+            }
+        }
+    }
     for (i, t) in section.tied_weights.iter().enumerate() {
         if let Some(&p) = t.pp_ranks.iter().find(|&&p| p >= mesh.pp) {
             errs.push(Invalid { rank: 0, what: format!("tied weight #{i} `{}` names pipeline rank {p}, but pp = {}", t.weight, mesh.pp) });

@@ -141,6 +141,8 @@ pub struct LayeredGraph {
     pub params: u64,
     /// Forward FLOPs per sample.
     pub flops_per_sample: f64,
+    /// The chains analysis fused into one op (`passes::fuse`), in the order applied.
+    pub fused: Vec<super::Fusion>,
 }
 
 impl LayeredGraph {

@@ -2,6 +2,7 @@
 
 mod display;
 mod dtype;
+mod fusion;
 mod graph;
 mod layer;
 mod op;
@@ -11,6 +12,7 @@ mod shape;
 mod tensor;
 
 pub use dtype::DType;
+pub use fusion::{FusedOp, Fusion, GeluApproximation};
 pub use graph::{Graph, GraphError, Node, NodeId, Value, ValueId, ValueKind};
 pub use layer::{DimBindings, Layer, LayerKind, LayeredGraph, NodeFigures};
 pub use op::{Attr, Attrs, Op, OpKind};

@@ -9,17 +9,21 @@
 //! runner runs as libtorch's fused `gelu` kernel.
 //!
 //! The rewrite keeps ids: the chain's last node becomes the `Gelu` node (same id, same output
-//! value) reading the chain's input, and the other nodes of the chain are left without readers
-//! (dead). [`super::dce::remove_dead_nodes`] removes them where nothing addresses them by id;
-//! the runner's executor does not run nodes that reach no graph output.
+//! value) reading the chain's input, and the chain's other nodes are removed. Each rewrite is
+//! returned as an [`ir::Fusion`](crate::ir::Fusion): analysis runs this pass and keeps the
+//! records (`LayeredGraph::fused`), the plan carries them, and the runner replays exactly them
+//! with [`apply`], which checks each against the graph (no pattern matching at run time).
 //!
 //! A chain is fused only where each interior value has the chain as its only reader and every
 //! constant equals the formula's (within f32 rounding), so the fused op computes what the chain
 //! computes, up to rounding.
 
-use crate::ir::{Attr, Graph, NodeId, OpKind, ValueId};
+use std::collections::HashSet;
 
-/// What [`fuse`] rewrote.
+use super::PassError;
+use crate::ir::{Attr, FusedOp, Fusion, GeluApproximation, Graph, NodeId, OpKind, ValueId};
+
+/// How many chains of each kind a list of rewrites fused.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Fused {
     /// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))` chains now `Gelu(approximate = "tanh")`.
@@ -29,6 +33,18 @@ pub struct Fused {
 }
 
 impl Fused {
+    /// The counts of `fusions`.
+    pub fn of(fusions: &[Fusion]) -> Fused {
+        let mut out = Fused::default();
+        for f in fusions {
+            match f.op {
+                FusedOp::Gelu { approximate: GeluApproximation::Tanh } => out.gelu_tanh += 1,
+                FusedOp::Gelu { approximate: GeluApproximation::None } => out.gelu_erf += 1,
+            }
+        }
+        out
+    }
+
     /// Chains rewritten in all.
     pub fn total(&self) -> usize {
         self.gelu_tanh + self.gelu_erf
@@ -41,9 +57,10 @@ impl std::fmt::Display for Fused {
     }
 }
 
-/// Rewrites every GELU chain of `graph` into one `Gelu` node (see the module docs).
-pub fn fuse(graph: &mut Graph) -> Fused {
-    let mut out = Fused::default();
+/// Rewrites every GELU chain of `graph` into one `Gelu` node (see the module docs); returns the
+/// rewrites in the order applied.
+pub fn fuse(graph: &mut Graph) -> Vec<Fusion> {
+    let mut out = Vec::new();
     let Ok(order) = graph.topo_order() else { return out };
     for id in order {
         if graph.try_node(id).is_none_or(|n| !n.op.is(OpKind::Mul)) {
@@ -51,22 +68,112 @@ pub fn fuse(graph: &mut Graph) -> Fused {
         }
         let m = Matcher { g: graph, uses: readers(graph) };
         let Some((x, approximate)) = m.gelu(id) else { continue };
-        let node = graph.node_mut(id);
-        node.op = crate::ir::Op::Known(OpKind::Gelu);
-        node.attrs = crate::ir::Attrs::default();
-        if approximate {
-            node.attrs.set("approximate", Attr::Str("tanh".into()));
-        }
-        node.inputs.truncate(1);
-        // rewires the node's edges to its one input
-        graph.set_input(id, 0, Some(x));
-        if approximate {
-            out.gelu_tanh += 1;
-        } else {
-            out.gelu_erf += 1;
+        let approximate = if approximate { GeluApproximation::Tanh } else { GeluApproximation::None };
+        let fusion = Fusion { node: id, op: FusedOp::Gelu { approximate }, input: x, output: graph.node(id).outputs[0], replaces: chain(graph, id, x) };
+        // the matcher proved the chain; the checks of `apply` hold by construction
+        if apply(graph, &fusion).is_ok() {
+            out.push(fusion);
         }
     }
     out
+}
+
+/// The nodes between `x` and node `last`: `last` and every producer reached backwards from it
+/// without passing through `x`, ascending.
+fn chain(g: &Graph, last: NodeId, x: ValueId) -> Vec<NodeId> {
+    let mut seen: HashSet<NodeId> = HashSet::new();
+    let mut stack = vec![last];
+    while let Some(n) = stack.pop() {
+        if !seen.insert(n) {
+            continue;
+        }
+        for &v in g.node(n).inputs.iter().flatten() {
+            if v != x
+                && let Some(p) = g.value(v).producer
+            {
+                stack.push(p);
+            }
+        }
+    }
+    let mut out: Vec<NodeId> = seen.into_iter().collect();
+    out.sort();
+    out
+}
+
+/// Applies one rewrite to `graph`: node `f.node` becomes `f.op` reading `f.input` (its output
+/// kept), the chain's other nodes are removed. Refused, naming the node, unless the record fits
+/// the graph: every replaced node exists, `f.node` is one of them and makes `f.output`, the
+/// chain is closed (its nodes read only `f.input`, constants and each other; only `f.output`
+/// leaves it) and reads `f.input`, and its ops are those of `f.op`'s formula.
+pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
+    let name = graph.try_node(f.node).map_or_else(|| format!("#{}", f.node.index()), |n| n.name.clone());
+    let bad = |msg: String| PassError::Fusion { node: name.clone(), msg };
+    if !f.replaces.contains(&f.node) {
+        return Err(bad("the node is not among the nodes it replaces".into()));
+    }
+    let mut members: HashSet<NodeId> = HashSet::new();
+    for &n in &f.replaces {
+        if graph.try_node(n).is_none() {
+            return Err(bad(format!("it replaces node #{}, which the graph does not have", n.index())));
+        }
+        if !members.insert(n) {
+            return Err(bad(format!("it lists node `{}` twice", graph.node(n).name)));
+        }
+    }
+    if graph.node(f.node).outputs != [f.output] {
+        return Err(bad(format!("the node does not make `{}` (alone)", graph.value(f.output).name)));
+    }
+    let mut reads_input = false;
+    let mut ops: HashSet<OpKind> = HashSet::new();
+    for &n in &f.replaces {
+        let node = graph.node(n);
+        if let crate::ir::Op::Known(k) = node.op {
+            ops.insert(k);
+        }
+        for &v in node.inputs.iter().flatten() {
+            let val = graph.value(v);
+            if v == f.input {
+                reads_input = true;
+            } else if let Some(p) = val.producer.filter(|p| !members.contains(p)) {
+                return Err(bad(format!("node `{}` of the chain reads `{}`, made by `{}` outside it", node.name, val.name, graph.node(p).name)));
+            } else if val.producer.is_none() && val.data.is_none() {
+                return Err(bad(format!("node `{}` of the chain reads `{}`, which is neither made in the chain nor a constant", node.name, val.name)));
+            }
+        }
+    }
+    if !reads_input {
+        return Err(bad(format!("no node of the chain reads its input `{}`", graph.value(f.input).name)));
+    }
+    let readers = readers(graph);
+    for &n in f.replaces.iter().filter(|&&n| n != f.node) {
+        for &o in &graph.node(n).outputs {
+            let inside: usize = f.replaces.iter().map(|&m| graph.node(m).inputs.iter().flatten().filter(|&&v| v == o).count()).sum();
+            if readers[o.index()] != inside {
+                return Err(bad(format!("`{}` of node `{}` is read outside the chain", graph.value(o).name, graph.node(n).name)));
+            }
+        }
+    }
+    let FusedOp::Gelu { approximate } = f.op;
+    let core = match approximate {
+        GeluApproximation::Tanh => OpKind::Tanh,
+        GeluApproximation::None => OpKind::Erf,
+    };
+    if !ops.contains(&core) || !ops.contains(&OpKind::Mul) {
+        return Err(bad(format!("the chain has no {core:?} and Mul, so it is not {}", f.op)));
+    }
+    let node = graph.node_mut(f.node);
+    node.op = crate::ir::Op::Known(OpKind::Gelu);
+    node.attrs = crate::ir::Attrs::default();
+    if approximate == GeluApproximation::Tanh {
+        node.attrs.set("approximate", Attr::Str("tanh".into()));
+    }
+    node.inputs.truncate(1);
+    // rewires the node's edges to its one input
+    graph.set_input(f.node, 0, Some(f.input));
+    for &n in f.replaces.iter().filter(|&&n| n != f.node) {
+        graph.remove_node(n);
+    }
+    Ok(())
 }
 
 /// How many nodes read each value (graph outputs count as a reader).
@@ -266,9 +373,20 @@ mod tests {
         let y3 = b.op(OpKind::Mul, &[half, u]);
         b.g.outputs = vec![y3];
         let mut g = b.g;
-        assert_eq!(fuse(&mut g), Fused { gelu_tanh: 2, gelu_erf: 1 });
+        let unfused = g.clone();
+        let fusions = fuse(&mut g);
+        assert_eq!(Fused::of(&fusions), Fused { gelu_tanh: 2, gelu_erf: 1 });
+        assert_eq!(fusions.iter().map(|f| f.replaces.len()).collect::<Vec<_>>(), [8, 8, 5]);
         g.verify().unwrap();
-        assert_eq!(crate::passes::dce::remove_dead_nodes(&mut g), 7 + 7 + 4);
+        // the chains' other nodes are gone
+        assert_eq!(crate::passes::dce::remove_dead_nodes(&mut g), 0);
+        assert_eq!(g.node_count(), 3);
+        // replaying the records on the unfused graph gives the same graph
+        let mut replayed = unfused;
+        for f in &fusions {
+            apply(&mut replayed, f).unwrap();
+        }
+        assert_eq!(format!("{replayed}"), format!("{g}"));
         let ops: Vec<String> = g.topo_order().unwrap().iter().map(|&n| {
             let node = g.node(n);
             format!("{}{}", node.op, node.attrs.str("approximate").map(|a| format!("({a})")).unwrap_or_default())
@@ -285,13 +403,37 @@ mod tests {
         let (mut b, x) = graph();
         let y = tanh_gelu_with(&mut b, x, false, 0.04);
         b.g.outputs = vec![y];
-        assert_eq!(fuse(&mut b.g).total(), 0);
+        assert!(fuse(&mut b.g).is_empty());
 
         // the tanh is also a graph output
         let (mut b, x) = graph();
         let y = tanh_gelu(&mut b, x, false);
         let tanh = b.g.value_ids().find(|&v| b.g.value(v).producer.is_some_and(|p| b.g.node(p).op.is(OpKind::Tanh))).unwrap();
         b.g.outputs = vec![y, tanh];
-        assert_eq!(fuse(&mut b.g).total(), 0);
+        assert!(fuse(&mut b.g).is_empty());
+    }
+
+    #[test]
+    fn records_that_do_not_fit_the_graph_are_refused_naming_the_node() {
+        let (mut b, x) = graph();
+        let y = tanh_gelu(&mut b, x, false);
+        b.g.outputs = vec![y];
+        let unfused = b.g.clone();
+        let mut g = b.g;
+        let f = fuse(&mut g).pop().unwrap();
+        let node = unfused.node(f.node).name.clone();
+        let refused = |f: &Fusion, want: &str| {
+            let err = apply(&mut unfused.clone(), f).unwrap_err().to_string();
+            assert!(err.contains(&format!("`{node}`")) && err.contains(want), "{err}");
+        };
+        // another input: the chain reads x, which it neither makes nor holds as a constant
+        let other = unfused.value_by_name("c1").unwrap();
+        refused(&Fusion { input: other, ..f.clone() }, "reads `x`");
+        // a node of the chain left out: its output is read by the chain, made outside it
+        refused(&Fusion { replaces: f.replaces[1..].to_vec(), ..f.clone() }, "outside it");
+        // the other approximation
+        refused(&Fusion { op: FusedOp::Gelu { approximate: GeluApproximation::None }, ..f.clone() }, "not Gelu");
+        // the record as made applies
+        apply(&mut unfused.clone(), &f).unwrap();
     }
 }

@@ -1,6 +1,8 @@
 //! Passes over the IR, one file each; [`analyze`] runs them in order:
-//! decide parameters → bind dims → shape inference → fold shape arithmetic → DCE → shape inference → figures →
-//! layer grouping.
+//! decide parameters → bind dims → shape inference → fold shape arithmetic → DCE → shape
+//! inference → fuse op chains → figures → layer grouping, with the graph verifier between them.
+//! [`specialise`] is the part up to fusion: the runner applies it to the model it loads, then
+//! the plan's recorded fusions (`fuse::apply`).
 
 use std::collections::BTreeMap;
 
@@ -77,6 +79,14 @@ pub enum PassError {
         /// Where the proof failed.
         reason: String,
     },
+    /// A fused-op record does not fit the graph.
+    #[error("fused op at node `{node}`: {msg}")]
+    Fusion {
+        /// The fused node.
+        node: String,
+        /// What does not fit.
+        msg: String,
+    },
     /// Shape inference failed at a node.
     #[error("shape inference failed at node `{node}` ({op}): {msg}")]
     Shape {
@@ -109,7 +119,12 @@ pub fn analyze_with(
     let decided = params::decide(&mut graph, param_opts)?;
     tracing::debug!(%decided, "parameters decided");
     debug_verify(&graph)?;
-    let (graph, mut dims) = specialise_decided(graph, opts)?;
+    let (mut graph, mut dims) = specialise_decided(graph, opts)?;
+    let fused = fuse::fuse(&mut graph);
+    debug_verify(&graph)?;
+    if !fused.is_empty() {
+        tracing::debug!(fused = %fuse::Fused::of(&fused), "op chains fused");
+    }
     if dims.fixed_batch {
         match rebatch::check(&graph, opts) {
             Ok(()) => dims.batch_rebinds = true,
@@ -126,6 +141,7 @@ pub fn analyze_with(
         layers,
         dims,
         graph,
+        fused,
     })
 }
 

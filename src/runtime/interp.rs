@@ -259,7 +259,7 @@ impl<'r, 'a> Interp<'r, 'a> {
             let prev = self.state.get(&(s - 1, mb)).ok_or_else(|| terr(format!("stage {s} mb {mb}: no input from stage {}", s - 1)))?;
             prev.outputs.iter().map(|(_, t)| t.shallow_clone()).collect()
         };
-        let ids: &[ValueId] = if s == 0 { &[] } else { &r.layout.crossing[s - 1] };
+        let ids: &[ValueId] = if s == 0 { &[] } else { &r.layout.outputs_to_next[s - 1] };
         if raw.len() != ids.len() {
             return Err(terr(format!("stage {s} mb {mb}: {} inputs arrived, {} expected", raw.len(), ids.len())));
         }
@@ -301,7 +301,9 @@ impl<'r, 'a> Interp<'r, 'a> {
         let mut root: Option<Tensor> = st.loss.take();
         if s != r.last_stage() {
             let gs = self.grad_for.remove(&(s, mb)).unwrap_or_default();
-            let floats: Vec<&Tensor> = st.outputs.iter().map(|(_, t)| t).filter(|t| is_float(t)).collect();
+            // the plan's gradients_from_next: the floating-point values it sent, in order
+            let want = &r.layout.gradients_from_next[s];
+            let floats: Vec<&Tensor> = st.outputs.iter().filter(|(v, _)| want.contains(v)).map(|(_, t)| t).collect();
             if gs.len() != floats.len() {
                 return Err(terr(format!("stage {s} mb {mb}: {} gradients for {} outputs", gs.len(), floats.len())));
             }
@@ -315,7 +317,9 @@ impl<'r, 'a> Interp<'r, 'a> {
                 }
             }
         }
-        let leaves: Vec<Tensor> = st.inputs.iter().map(|(_, t)| t).filter(|t| is_float(t)).map(Tensor::shallow_clone).collect();
+        // the gradients this stage sends back: the previous stage's gradients_from_next
+        let back: &[ValueId] = if s == 0 { &[] } else { &r.layout.gradients_from_next[s - 1] };
+        let leaves: Vec<Tensor> = st.inputs.iter().filter(|(v, _)| back.contains(v)).map(|(_, t)| t.shallow_clone()).collect();
         let split = r.split_w.contains(&(s, mb));
         let mut in_grads: Vec<Tensor> = Vec::new();
         if let Some(root) = root.as_ref().filter(|t| t.requires_grad()) {
@@ -434,10 +438,10 @@ impl<'r, 'a> Interp<'r, 'a> {
         let r = self.rank;
         // the sender tags with its own stage
         let (from, count) = match what {
-            Payload::Activation => (s - 1, r.layout.crossing[s - 1].len()),
+            Payload::Activation => (s - 1, r.layout.outputs_to_next[s - 1].len()),
             Payload::Gradient => {
-                let st = self.state.get(&(s, mb)).ok_or_else(|| terr(format!("gradient for stage {s} mb {mb} before its forward")))?;
-                (s + 1, st.outputs.iter().filter(|(_, t)| is_float(t)).count())
+                self.state.get(&(s, mb)).ok_or_else(|| terr(format!("gradient for stage {s} mb {mb} before its forward")))?;
+                (s + 1, r.layout.gradients_from_next[s].len())
             }
         };
         let world = &r.groups.world;
@@ -559,7 +563,7 @@ fn run_stage(
         feeds.insert(*v, t.shallow_clone());
     }
     let last = s == r.last_stage();
-    let keep: Vec<ValueId> = if last { graph.outputs.clone() } else { r.layout.crossing[s].clone() };
+    let keep: Vec<ValueId> = if last { graph.outputs.clone() } else { r.layout.outputs_to_next[s].clone() };
     let outs = match r.stage_execs.get(&s) {
         None => {
             r.exec.set_norm_stats(norm);

@@ -3,8 +3,9 @@
 //! autograd across stage boundaries, data-parallel gradient sums (bucketed), ZeRO-sharded
 //! AdamW and tied-weight gradient sums.
 //!
-//! The parts: `rank.rs` sets the rank up from the plan (its codegen section: stage node ids,
-//! programs, shards), `interp.rs` executes its program one method per instruction, `zero.rs`
+//! The parts: `layout.rs` reads the plan's stage lists on the graph the plan was made for,
+//! `rank.rs` sets the rank up from the plan (its codegen section: stage node ids, programs,
+//! shards), `interp.rs` executes its program one method per instruction, `zero.rs`
 //! holds the ZeRO state and data-parallel synchronisation, `report.rs` gathers what the ranks
 //! measured.
 
@@ -22,10 +23,10 @@ use super::zero::{self, Restore};
 use super::rank::{Rank, Shards, check_world};
 use super::data::DataSource;
 use super::train::{AdamWConfig, EvalConfig, EvalRecord, LossKind, LrSchedule, TrainObserver};
-use crate::ir::ValueId;
+use crate::ir::{DimBindings, ValueId};
 use crate::plan::Plan;
 
-pub use super::layout::{REPLAN, StageLayout, codegen_section, rank_programs, stage_layout};
+pub use super::layout::{REPLAN, StageLayout, codegen_section, planned_graph, rank_programs, stage_layout};
 pub use super::rank::rank_weights;
 pub use super::report::{RankReport, RankStats, StateBytes, peak_rss_bytes};
 
@@ -67,10 +68,13 @@ pub struct RunConfig {
 /// Runs this rank's part of `plan` for `cfg.steps` steps on `data` (step k reads its k-th
 /// global batch; each replica takes its share, and only ranks whose stages read data read it),
 /// validating on `eval_data` as `cfg.eval` says; tells `obs` of each step (with the global
-/// loss) and validation as it completes.
+/// loss) and validation as it completes. `exec` runs the graph the plan was made for
+/// ([`planned_graph`], whose dim bindings are `dims`).
+#[allow(clippy::too_many_arguments)]
 pub fn run_rank(
     plan: &Plan,
     exec: &Executor<'_>,
+    dims: &DimBindings,
     source: &Source<'_>,
     data: &DataSource,
     eval_data: Option<&DataSource>,
@@ -81,7 +85,7 @@ pub fn run_rank(
 ) -> Result<RankReport, RuntimeError> {
     codegen_section(plan)?;
     check_world(plan, env)?;
-    let shards = Shards::new(plan, exec.graph(), env.rank)?;
+    let shards = Shards::new(plan, exec.graph(), dims, env.rank)?;
     let rank = Rank::new(plan, exec, source, &shards, data, cfg, env)?;
     let restore = ckpt.resume.map(|l| restored_moments(&rank, l)).transpose()?;
     let mut interp = Interp::new(&rank, restore)?;

@@ -18,7 +18,6 @@ use super::weights::{Slice, Source};
 use super::{ExecOptions, RuntimeError, Weights};
 use crate::codegen::{Coord, Instr, Mesh, Purpose, RankProgram, StageView, WeightSlice, apply_shard};
 use crate::ir::{DimBindings, Graph, NodeId, Op, OpKind, ValueId, ValueKind};
-use crate::passes::{self, AnalyzeOptions};
 use crate::plan::Plan;
 
 /// This rank's trained parameters: each belongs to the first of the rank's stages reading it.
@@ -143,8 +142,9 @@ pub(super) struct StageShard {
 }
 
 impl Shards {
-    /// The subgraphs rank `me` of `plan` runs on the model `graph` (none when tp = 1).
-    pub fn new(plan: &Plan, graph: &Graph, me: usize) -> Result<Shards, RuntimeError> {
+    /// The subgraphs rank `me` of `plan` runs on `graph`, the graph the plan was made for
+    /// ([`layout::planned_graph`], with its `dims`); none when tp = 1.
+    pub fn new(plan: &Plan, graph: &Graph, dims: &DimBindings, me: usize) -> Result<Shards, RuntimeError> {
         let mesh = plan.mesh();
         let mut out = Shards::default();
         if mesh.tp <= 1 {
@@ -152,10 +152,8 @@ impl Shards {
         }
         let Coord { pp: q, dp: d, tp: t } = mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
         let view = plan.rank_view(me).map_err(|e| terr(e.to_string()))?;
-        let (model, dims) = specialised(plan, graph)?;
         for sv in &view.stages {
-            let mut sub = shard_subgraph(sv, &model, &dims, &mesh, me, (q, d, t), &mut out.kv_groups)?;
-            passes::fuse::fuse(&mut sub);
+            let sub = shard_subgraph(sv, graph, dims, &mesh, me, (q, d, t), &mut out.kv_groups)?;
             let slices = sv.shards.iter().flat_map(|sh| sh.weight_slices.iter().cloned()).collect();
             out.stages.push(StageShard { stage: sv.stage(), graph: sub, slices });
         }
@@ -252,8 +250,8 @@ impl<'a> Rank<'a> {
         let (stage_execs, by_name) = stage_executors(exec, source, shards, tensor_pg.as_ref(), &lazy)?;
         let sliced: HashMap<&str, &WeightSlice> = shards.stages.iter().flat_map(|sh| sh.slices.iter()).map(|w| (w.initializer.as_str(), w)).collect();
         let (params, kv_groups) = own_params(plan, exec, &layout, &my_stages, (me, q, t), &sliced, &by_name, &shards.kv_groups)?;
-        // a stage reads the graph inputs its nodes consume; the last one also the loss's labels
-        let reads_input = my_stages.iter().flat_map(|&s| &layout.nodes[s]).any(|&n| graph.node(n).inputs.iter().flatten().any(|v| graph.inputs.contains(v)));
+        // a stage reads the graph inputs the plan lists; the last one also the loss's labels
+        let reads_input = my_stages.iter().any(|&s| !layout.data_inputs[s].is_empty());
         let reads_data = reads_input || my_stages.contains(&(n_stages - 1));
         let norm_buffers = norm_buffers(exec, &stage_execs, &layout, &my_stages);
         let replica_group = (dp > 1).then(|| replica_group(&mesh, q, t));
@@ -513,15 +511,8 @@ fn input_feeds(exec: &Executor, mb: &Batch) -> Result<HashMap<ValueId, Tensor>, 
     exec.bind_inputs(f)
 }
 
-/// The model as the plan's shards address it: shape arithmetic folded into constants with the
-/// plan's dims bound (node and value ids as imported).
-fn specialised(plan: &Plan, graph: &Graph) -> Result<(Graph, DimBindings), RuntimeError> {
-    let opts = AnalyzeOptions { seq_len: plan.seq_len.map(|s| s as i64), dims: plan.dims.clone() };
-    passes::specialise(graph.clone(), &opts).map_err(|e| terr(format!("folding the model's shape arithmetic for its shards: {e}")))
-}
-
 /// The subgraph rank `me` at (pipeline rank, replica, tensor rank) runs for stage `sv`: the
-/// stage's nodes of `model` (the specialised model) with the rank's shards applied, and
+/// stage's nodes of `model` (the planned graph) with the rank's shards applied, and
 /// Megatron's *f* before its partially-gradiented inputs. Records the weights whose slice
 /// several tensor ranks share in `kv_groups` (name, the ranks sharing this rank's slice).
 #[allow(clippy::too_many_arguments)]
@@ -537,7 +528,7 @@ fn shard_subgraph(
     let listed: HashSet<usize> = sv.code.node_ids().collect();
     let nodes: Vec<NodeId> = model.topo_order()?.into_iter().filter(|n| listed.contains(&n.index())).collect();
     if nodes.len() != listed.len() {
-        return Err(terr(format!("stage {} runs nodes the model does not have; {REPLAN}", sv.stage())));
+        return Err(terr(format!("stage {} runs nodes the model as planned does not have; {REPLAN}", sv.stage())));
     }
     let mut sub = apply_shard(model, &nodes, &sv.merged_shard(), dims).map_err(|e| terr(format!("stage {} shard of rank {me}: {e}", sv.stage())))?;
     for sh in &sv.shards {

@@ -312,6 +312,11 @@ fn eval(g: &Graph, node: &Node, env: &HashMap<ValueId, T>) -> Vec<T> {
         Sqrt => f(f64::sqrt),
         Tanh => f(f64::tanh),
         Erf => f(erf),
+        // ONNX Gelu (the fused GELU chains): tanh form or exact erf form
+        Gelu if a.str("approximate") == Some("tanh") => {
+            f(|v| 0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v * v * v)).tanh()))
+        }
+        Gelu => f(|v| 0.5 * v * (1.0 + erf(v / std::f64::consts::SQRT_2))),
         Exp => f(f64::exp),
         Log => f(f64::ln),
         Sin => f(f64::sin),

@@ -108,6 +108,7 @@ pub fn gpt(shape: GptShape) -> LayeredGraph {
         node_figures: figures,
         dims: DimBindings { values: Default::default(), batch_symbol: Some("batch".into()), graph_batch: 1, fixed_batch: false, batch_rebinds: false },
         params,
+        fused: Vec::new(),
         flops_per_sample: flops,
     }
 }
