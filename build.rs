@@ -18,6 +18,7 @@ mod runner {
     pub fn build() {
         println!("cargo:rerun-if-changed=csrc/c10d_shim.cpp");
         println!("cargo:rerun-if-changed=csrc/autograd_shim.cpp");
+        println!("cargo:rerun-if-changed=csrc/shim_error.h");
         // torch-sys declares `links = "tch"` and exports its library directory to dependents.
         println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
         let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {

@@ -5,37 +5,11 @@
 // Tensors are passed as at::Tensor* (tch's C_tensor).
 
 #include <cstdlib>
-#include <cstring>
-#include <string>
 #include <vector>
 
 #include <torch/csrc/autograd/autograd.h>
 
-namespace {
-
-char* message_of(const std::string& s) {
-  char* out = static_cast<char*>(std::malloc(s.size() + 1));
-  if (out != nullptr) {
-    std::memcpy(out, s.c_str(), s.size() + 1);
-  }
-  return out;
-}
-
-template <typename F>
-char* guarded_autograd(F&& f) {
-  try {
-    f();
-    return nullptr;
-  } catch (const c10::Error& e) {
-    return message_of(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return message_of(e.what());
-  } catch (...) {
-    return message_of("unknown C++ exception");
-  }
-}
-
-}  // namespace
+#include "shim_error.h"
 
 extern "C" {
 
@@ -46,7 +20,7 @@ void smp_autograd_free_error(char* e) { std::free(e); }
 // produced (or keeps it as the `.grad` when there is none), and computes nothing the inputs do
 // not need. `keep_graph` keeps the graph for a later pass.
 char* smp_autograd_backward(at::Tensor** roots, int nroots, at::Tensor** inputs, int ninputs, int keep_graph) {
-  return guarded_autograd([&] {
+  return smp_shim::guarded([&] {
     std::vector<at::Tensor> rs, seeds, ins;
     for (int i = 0; i < nroots; ++i) {
       rs.push_back(*roots[i]);
@@ -61,7 +35,7 @@ char* smp_autograd_backward(at::Tensor** roots, int nroots, at::Tensor** inputs,
 
 // Sets `t`'s `.grad` to `g` (the same tensor, not a copy), or clears it when `g` is null.
 char* smp_autograd_set_grad(at::Tensor* t, at::Tensor* g) {
-  return guarded_autograd([&] { t->mutable_grad() = g != nullptr ? *g : at::Tensor(); });
+  return smp_shim::guarded([&] { t->mutable_grad() = g != nullptr ? *g : at::Tensor(); });
 }
 
 }  // extern "C"

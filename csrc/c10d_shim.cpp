@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <torch/csrc/autograd/custom_function.h>
+#include "shim_error.h"
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -34,27 +35,7 @@ struct Work {
   std::chrono::milliseconds timeout;
 };
 
-char* dup_message(const std::string& s) {
-  char* out = static_cast<char*>(std::malloc(s.size() + 1));
-  if (out != nullptr) {
-    std::memcpy(out, s.c_str(), s.size() + 1);
-  }
-  return out;
-}
-
-template <typename F>
-char* guarded(F&& f) {
-  try {
-    f();
-    return nullptr;
-  } catch (const c10::Error& e) {
-    return dup_message(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return dup_message(e.what());
-  } catch (...) {
-    return dup_message("unknown C++ exception");
-  }
-}
+using smp_shim::guarded;
 
 void wait_or_throw(const c10::intrusive_ptr<c10d::Work>& w, std::chrono::milliseconds timeout) {
   if (!w->wait(timeout)) {

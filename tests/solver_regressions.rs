@@ -69,3 +69,43 @@ fn pure_cut_max_stage_is_at_least_the_largest_layer() {
     let ilp_max = (sol.report.objective - total) / (2.0 - 1.0);
     assert!((ilp_max - dp).abs() <= 1e-6 * dp, "ILP max stage {ilp_max} vs DP {dp}");
 }
+
+/// A tied weight's copy (owner layer 1, read again by the last layer): the balanced cut
+/// 0-1 | 2-3 would hold the copy beside the owner's device and does not fit; 0 | 1-3 keeps
+/// owner and reader on one device, so no copy, and fits; 0-2 | 3 fits too but is slower. An
+/// ILP that ignored the copy would choose the first, one that always charged it the third.
+#[test]
+fn a_tied_copy_is_charged_only_where_the_owner_is_not() {
+    const GIB: f64 = (1u64 << 30) as f64;
+    let layer = |t: f64, tied: Vec<TiedCopy>| PipelineLayer {
+        points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: GIB, act_bytes: 0.0, input_bytes: 0.0, sync_s: 0.0, choice: 0 }],
+        output_bytes: 0.0,
+        tied,
+    };
+    let copy = TiedCopy { weight: 0, owner: 1, elems: 0.0, trained: 0.0, state_bytes: 2.0 * GIB };
+    let p = PipelineProblem {
+        layers: vec![layer(1.0, vec![]), layer(1.0, vec![]), layer(1.0, vec![]), layer(0.5, vec![copy])],
+        devices: 2,
+        virtual_stages: 1,
+        microbatches: 4,
+        in_flight: vec![1.0; 2],
+        bubble_coeff: 1.0,
+        memory_cap: 3.5 * GIB,
+        workspace: 0.0,
+        transfer_s_per_byte: vec![0.0],
+        checkpoint: CheckpointRule::Never,
+        fixed_chunks: None,
+        objective: PipelineObjective::StepTime,
+    };
+    let (best, bf_choices, _) = brute_force_pipeline(&p).expect("feasible");
+    let sol = p.solve(&SolverOptions::default()).expect("solves");
+    let chunks: Vec<usize> = sol.choices.iter().map(|c| c.chunk).collect();
+    assert_eq!(chunks, vec![0, 1, 1, 1], "the cut that keeps the owner with its reader");
+    assert_eq!(bf_choices.iter().map(|c| c.chunk).collect::<Vec<_>>(), chunks);
+    let eval = sol.eval.expect("a layout");
+    assert!((eval.step_s - best).abs() <= 1e-9 * best, "ILP {} vs brute force {best}", eval.step_s);
+    assert_eq!(eval.state_bytes, vec![GIB, 3.0 * GIB], "no copy beside its owner");
+    // the balanced cut holds the copy on device 1
+    let balanced: Vec<LayerChoice> = [0, 0, 1, 1].iter().map(|&chunk| LayerChoice { chunk, point: 0, checkpoint: false }).collect();
+    assert_eq!(p.evaluate(&balanced).expect("valid").state_bytes, vec![2.0 * GIB, 4.0 * GIB]);
+}
