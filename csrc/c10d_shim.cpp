@@ -3,6 +3,7 @@
 // heap-allocated message (free with smp_c10d_free_error) or nullptr on success.
 // Tensors are passed as at::Tensor* (tch's C_tensor).
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -37,8 +38,15 @@ struct Work {
 
 using smp_shim::guarded;
 
+// Nanoseconds this process spent waiting on c10d work, from any thread (autograd's
+// backward collectives included).
+std::atomic<int64_t> g_wait_ns{0};
+
 void wait_or_throw(const c10::intrusive_ptr<c10d::Work>& w, std::chrono::milliseconds timeout) {
-  if (!w->wait(timeout)) {
+  auto t0 = std::chrono::steady_clock::now();
+  bool done = w->wait(timeout);
+  g_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  if (!done) {
     throw std::runtime_error("timed out after " + std::to_string(timeout.count()) + " ms");
   }
 }
@@ -172,6 +180,8 @@ struct GatherAlongAxis : public torch::autograd::Function<GatherAlongAxis> {
 extern "C" {
 
 void smp_c10d_free_error(char* e) { std::free(e); }
+
+int64_t smp_c10d_wait_ns() { return g_wait_ns.load(); }
 
 char* smp_c10d_store_new(const char* host, uint16_t port, int is_server, int world, int64_t timeout_ms, void** out) {
   return guarded([&] {

@@ -68,7 +68,27 @@ fn reference(dtype: &str) -> &'static Vec<f64> {
 }
 
 fn launch(nproc: usize, plan: &Path, dtype: &str) -> Vec<f64> {
-    step_losses(&launch_json(nproc, plan, dtype, STEPS))
+    let report = launch_json(nproc, plan, dtype, STEPS);
+    check_phases(&report, plan);
+    step_losses(&report)
+}
+
+/// Each rank's `phases` account for at most its step time, every rank computes, and a plan
+/// with tensor-parallel shards spends time in collectives on every rank.
+fn check_phases(report: &serde_json::Value, plan: &Path) {
+    let sharded = shards(plan).iter().any(|sh| sh["weight_slices"].as_array().is_some_and(|w| !w.is_empty()));
+    for r in report["ranks"].as_array().expect("ranks") {
+        let ph = &r["phases"];
+        let get = |k: &str| ph[k].as_f64().unwrap_or_else(|| panic!("rank {}: no phases.{k} in {r}", r["rank"]));
+        let parts = ["compute_s", "send_s", "recv_s", "collective_s", "optimizer_s"].map(get);
+        assert!(parts.iter().all(|&x| x >= 0.0), "negative phase time: {r}");
+        let step = r["step_time_s"].as_f64().expect("step_time_s");
+        assert!(parts.iter().sum::<f64>() <= step * (1.0 + 1e-9), "phases exceed the step time: {r}");
+        assert!(get("compute_s") > 0.0, "rank computed nothing: {r}");
+        if sharded {
+            assert!(get("collective_s") > 0.0, "a tensor-parallel rank spent no time in collectives: {r}");
+        }
+    }
 }
 
 /// Plans `flags` on `cluster`, runs it in f64 and f32, and compares with the single process.

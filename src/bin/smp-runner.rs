@@ -715,6 +715,14 @@ fn rank_cmd(
                     "peak_param_bytes": st.peak_param_bytes,
                     "resident_param_bytes": st.resident_param_bytes,
                     "weight_bytes_read": {"params": st.weight_bytes_read.params, "other": st.weight_bytes_read.other},
+                    "cpu_time_s": st.cpu_time_s,
+                    "phases": {
+                        "compute_s": st.phases.compute_s,
+                        "send_s": st.phases.send_s,
+                        "recv_s": st.phases.recv_s,
+                        "collective_s": st.phases.collective_s,
+                        "optimizer_s": st.phases.optimizer_s,
+                    },
                 })
             })
             .collect();

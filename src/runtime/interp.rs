@@ -13,7 +13,7 @@ use super::ops::{DropoutKey, NormStats};
 use super::pipeline::terr;
 use super::rank::Rank;
 use super::grad;
-use super::report::{Tally, bytes_of};
+use super::report::{PhaseTimes, Tally, bytes_of};
 use super::data::DataSource;
 use super::train::{self, Batch, StepRecord};
 use super::zero::{LocalPiece, Restore, Zero};
@@ -61,6 +61,10 @@ pub(super) struct Interp<'r, 'a> {
     feeds: Vec<HashMap<ValueId, Tensor>>,
     /// A forward-only pass (validation): no autograd, no backward.
     eval: bool,
+    /// Where the step in progress spent its wall time.
+    phases: PhaseTimes,
+    /// Training steps run by this interpreter.
+    steps_run: usize,
 }
 
 impl<'r, 'a> Interp<'r, 'a> {
@@ -83,6 +87,8 @@ impl<'r, 'a> Interp<'r, 'a> {
             micro: Vec::new(),
             feeds: Vec::new(),
             eval: false,
+            phases: PhaseTimes::default(),
+            steps_run: 0,
         })
     }
 
@@ -107,16 +113,45 @@ impl<'r, 'a> Interp<'r, 'a> {
         self.loss_sum = 0.0;
         self.pending_w.clear();
         self.kv_done = r.kv_groups.is_empty();
+        self.phases = PhaseTimes::default();
         self.observe();
         for instr in &r.program.instrs {
+            if !self.kv_done && matches!(instr, Instr::AllReduce { .. } | Instr::ReduceScatter { .. } | Instr::OptimizerStep) {
+                let t = Instant::now();
+                self.sum_kv_slices()?;
+                self.phases.collective_s += t.elapsed().as_secs_f64();
+            }
+            let (t, waited) = (Instant::now(), super::dist::wait_s());
             self.exec(instr)?;
+            let mut spent = t.elapsed().as_secs_f64();
+            let p = &mut self.phases;
+            if instr.is_compute() {
+                // tensor-parallel collectives and ZeRO-3 gathers inside the passes
+                let in_collectives = (super::dist::wait_s() - waited).min(spent);
+                p.collective_s += in_collectives;
+                spent -= in_collectives;
+            }
+            *match instr {
+                Instr::Forward { .. } | Instr::Backward { .. } | Instr::BackwardWeight { .. } => &mut p.compute_s,
+                Instr::Send { .. } => &mut p.send_s,
+                Instr::Recv { .. } => &mut p.recv_s,
+                Instr::AllReduce { .. } | Instr::ReduceScatter { .. } | Instr::AllGather { .. } => &mut p.collective_s,
+                Instr::OptimizerStep => &mut p.optimizer_s,
+            } += spent;
             self.observe();
             if r.zero3 && instr.is_compute() {
                 // release what no pending weight gradient still needs
                 self.zero.release(r, &self.pending_w)?;
             }
         }
+        let t = Instant::now();
         self.wait_sends()?;
+        self.phases.send_s += t.elapsed().as_secs_f64();
+        // the first step (warm-up) is not counted, as in the step times
+        if self.steps_run > 0 {
+            self.tally.phases.add(&self.phases);
+        }
+        self.steps_run += 1;
         self.zero.release(r, &BTreeSet::new())?;
         self.tally.resident = self.zero.held(&r.params, &[]).params;
         let loss = self.loss_sum;
@@ -197,9 +232,6 @@ impl<'r, 'a> Interp<'r, 'a> {
 
     /// Executes one instruction.
     fn exec(&mut self, instr: &Instr) -> Result<(), RuntimeError> {
-        if !self.kv_done && matches!(instr, Instr::AllReduce { .. } | Instr::ReduceScatter { .. } | Instr::OptimizerStep) {
-            self.sum_kv_slices()?;
-        }
         match instr {
             Instr::Forward { stage, mb } => self.forward(*stage, *mb),
             Instr::Backward { stage, mb } => self.backward(*stage, *mb),

@@ -43,6 +43,46 @@ pub struct RankStats {
     /// Bytes of weights the rank read (from the model file, its external data or a
     /// checkpoint, or generated): (trained parameters, everything else).
     pub weight_bytes_read: super::weights::ReadBytes,
+    /// Mean CPU time per step (first step excluded), seconds.
+    pub cpu_time_s: f64,
+    /// Where the mean step's wall time went (first step excluded).
+    pub phases: PhaseTimes,
+}
+
+/// Wall seconds of a step by kind of instruction.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PhaseTimes {
+    /// Forward, backward and weight-gradient passes (recomputation included).
+    pub compute_s: f64,
+    /// Posting sends, and waiting for the step's sends to complete at its end.
+    pub send_s: f64,
+    /// Waiting for received activations and gradients.
+    pub recv_s: f64,
+    /// All-reduces, reduce-scatters and all-gathers (tensor, data and ZeRO groups).
+    pub collective_s: f64,
+    /// Gradient clipping and the optimizer update.
+    pub optimizer_s: f64,
+}
+
+impl PhaseTimes {
+    /// The sum of the phases.
+    pub fn total(&self) -> f64 {
+        self.compute_s + self.send_s + self.recv_s + self.collective_s + self.optimizer_s
+    }
+
+    fn as_array(&self) -> [f64; 5] {
+        [self.compute_s, self.send_s, self.recv_s, self.collective_s, self.optimizer_s]
+    }
+
+    fn from_slice(c: &[f64]) -> PhaseTimes {
+        PhaseTimes { compute_s: c[0], send_s: c[1], recv_s: c[2], collective_s: c[3], optimizer_s: c[4] }
+    }
+
+    /// Adds `other` into these.
+    pub fn add(&mut self, other: &PhaseTimes) {
+        let (a, b) = (self.as_array(), other.as_array());
+        *self = PhaseTimes::from_slice(&std::array::from_fn::<f64, 5, _>(|i| a[i] + b[i]));
+    }
 }
 
 /// What a run measured.
@@ -68,6 +108,8 @@ pub(super) struct Tally {
     peak_params: u64,
     /// Parameter bytes held after the last step.
     pub resident: u64,
+    /// Phase times summed over the steps after the first.
+    pub phases: PhaseTimes,
 }
 
 impl Tally {
@@ -84,7 +126,10 @@ impl Tally {
 pub(super) fn gather(world: &ProcessGroup, size: usize, records: Vec<StepRecord>, tally: &Tally, read: super::weights::ReadBytes) -> Result<RankReport, RuntimeError> {
     let timed: Vec<f64> = records.iter().skip(usize::from(records.len() > 1)).map(|s| s.time_s).collect();
     let mean = timed.iter().sum::<f64>() / timed.len().max(1) as f64;
-    const STATS: usize = 9;
+    let cpu: Vec<f64> = records.iter().skip(usize::from(records.len() > 1)).map(|s| s.cpu_s).collect();
+    let cpu_mean = cpu.iter().sum::<f64>() / cpu.len().max(1) as f64;
+    let phases = tally.phases.as_array().map(|x| x / timed.len().max(1) as f64);
+    const STATS: usize = 15;
     let p = tally.peak;
     let mine = Tensor::from_slice(&[
         mean,
@@ -96,6 +141,12 @@ pub(super) fn gather(world: &ProcessGroup, size: usize, records: Vec<StepRecord>
         tally.resident as f64,
         read.params as f64,
         read.other as f64,
+        cpu_mean,
+        phases[0],
+        phases[1],
+        phases[2],
+        phases[3],
+        phases[4],
     ]);
     let all = Tensor::f_zeros([(STATS * size) as i64], (Kind::Double, tch::Device::Cpu))?;
     world.all_gather(&all, &mine)?;
@@ -109,6 +160,8 @@ pub(super) fn gather(world: &ProcessGroup, size: usize, records: Vec<StepRecord>
             peak_param_bytes: c[5] as u64,
             resident_param_bytes: c[6] as u64,
             weight_bytes_read: super::weights::ReadBytes { params: c[7] as u64, other: c[8] as u64 },
+            cpu_time_s: c[9],
+            phases: PhaseTimes::from_slice(&c[10..15]),
         })
         .collect();
     world.barrier()?;

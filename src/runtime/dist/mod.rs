@@ -118,6 +118,13 @@ impl GlooDevice {
     }
 }
 
+/// Seconds this process has spent waiting on c10d collectives and messages so far, from any
+/// thread (the backward's tensor-parallel collectives included).
+pub fn wait_s() -> f64 {
+    // SAFETY: reads an atomic counter.
+    unsafe { ffi::smp_c10d_wait_ns() as f64 * 1e-9 }
+}
+
 /// The local address of the interface that reaches `host`: a UDP socket connected to it (no
 /// packet is sent) reports the source address the kernel chose.
 pub fn route_to(host: &str, port: u16) -> Result<std::net::IpAddr, DistError> {
