@@ -1,5 +1,7 @@
-//! `passes::fuse` on a real export: the pass fires on the GELU chains of Hugging Face GPT-2
-//! (models/gpt2.onnx, `gelu_new`), and the fused graph trains as the unfused one.
+//! `passes::fuse` on real exports: the pass fires on the GELU chains of Hugging Face GPT-2
+//! (models/gpt2.onnx, `gelu_new`) and on the eager attention of every bundled transformer, and
+//! the fused graph trains (forward and gradients) as the unfused one; each attention pattern
+//! variant is recognised and computes what its chain computes, near misses are left alone.
 #![cfg(feature = "runner")]
 
 use std::path::PathBuf;
@@ -44,7 +46,7 @@ fn distance(a: &(Vec<f64>, Vec<(String, Tensor)>), b: &(Vec<f64>, Vec<(String, T
 fn fused(graph: &Graph) -> Graph {
     let mut g = graph.clone();
     let f = Fused::of(&fuse(&mut g));
-    assert_eq!(f, Fused { gelu_tanh: 4, gelu_erf: 0 }, "one GELU per GPT-2 block");
+    assert_eq!(f, Fused { gelu_tanh: 4, gelu_erf: 0, attention: 4 }, "one GELU and one attention per GPT-2 block");
     g.verify().expect("fused graph verifies");
     let gelus = g.node_ids().filter(|&n| g.node(n).op.is(OpKind::Gelu)).count();
     assert_eq!(gelus, 4);
@@ -87,4 +89,395 @@ fn fused_gpt2_trains_as_unfused_in_f32() {
     // arithmetic into ±lr steps (see tests/train_oracle.py), the f64 test checks the weights
     let (loss, _) = distance(&fused, &unfused);
     assert!(loss < 1e-5, "fused vs unfused f32: loss {loss:.2e}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention: `passes::fuse` rewrites eager softmax attention into `ScaledDotProductAttention`.
+
+use smp_partition::frontend::onnx::load_model as load;
+use smp_partition::ir::{AttentionMask, Attrs, FusedOp, Node, Op, Shape, TensorType, ValueId, ValueKind};
+use smp_partition::passes::{self, AnalyzeOptions};
+
+/// The bundled exports with eager attention (all of `models/` but the CNN and graph-only ones),
+/// with the loss each trains with in the runner's tests.
+const ATTENTION_MODELS: [&str; 7] = ["gpt2", "llama", "opt", "phi", "bert", "roberta", "vit"];
+
+fn model(name: &str) -> Graph {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("models/{name}.onnx"));
+    load(&path).unwrap_or_else(|e| panic!("models/{name}.onnx: {e}")).graph
+}
+
+/// The model as the planner and the runner run it: specialised (dims bound, shape arithmetic
+/// folded), before fusion.
+fn specialised(name: &str) -> Graph {
+    let opts = AnalyzeOptions { seq_len: Some(16), ..Default::default() };
+    let g = model(name);
+    let symbolic = g.inputs.first().and_then(|&v| g.value(v).ty.as_ref()).and_then(|t| t.shape.as_ref()).is_some_and(|s| s.0.get(1).is_some_and(|d| d.known().is_none()));
+    let opts = if symbolic { opts } else { AnalyzeOptions::default() };
+    passes::specialise(g, &opts).unwrap_or_else(|e| panic!("{name}: {e}")).0
+}
+
+/// Output 0 of `graph` and the gradient of Σ output·R (R fixed) for every trained tensor, in
+/// `kind`, on one synthetic batch of 2 samples.
+fn forward_and_grads(graph: &Graph, kind: Kind) -> (Tensor, Vec<(String, Tensor)>) {
+    let weights = Weights::load(graph, InitMode::Load, Some(kind)).expect("weights");
+    let exec = Executor::new(graph, weights, ExecOptions { float_kind: Some(kind), training: true }).expect("executor");
+    let batch = train::synthetic_batch(&exec, 2, 16, 7).expect("batch");
+    let feeds = exec.bind_inputs(batch).expect("inputs");
+    let outs = exec.forward(&feeds).expect("forward");
+    let y = &outs[0];
+    tch::manual_seed(11);
+    let r = Tensor::randn(y.size(), (kind, tch::Device::Cpu));
+    (y * &r).sum(kind).backward();
+    let grads = exec.parameters().into_iter().map(|(n, p)| (n, p.grad())).collect();
+    (y.detach(), grads)
+}
+
+/// max |a − b| / max |b|.
+fn rel(a: &Tensor, b: &Tensor) -> f64 {
+    let d = (a - b).abs().max().double_value(&[]);
+    d / b.abs().max().double_value(&[]).max(1e-300)
+}
+
+#[test]
+fn every_bundled_export_fuses_its_attention_and_computes_the_same_in_f64() {
+    for name in ATTENTION_MODELS {
+        let unfused = specialised(name);
+        let mut all = unfused.clone();
+        let records = fuse(&mut all);
+        all.verify().unwrap_or_else(|e| panic!("{name}: {e}"));
+        // attention alone (GPT-2's GELU chains hold f32-rounded constants, see above): its
+        // records replayed on the unfused graph
+        let mut fused = unfused.clone();
+        for r in records.iter().filter(|r| matches!(r.op, FusedOp::Attention { .. })) {
+            smp_partition::passes::fuse::apply(&mut fused, r).unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+        fused.verify().unwrap_or_else(|e| panic!("{name}: {e}"));
+        let f = Fused::of(&records);
+        assert_eq!(f.attention, 4, "{name}: one attention per block ({f})");
+        let sdpa = fused.node_ids().filter(|&n| fused.node(n).op.is(OpKind::ScaledDotProductAttention)).count();
+        assert_eq!(sdpa, 4, "{name}");
+        assert_eq!(unfused.node_ids().filter(|&n| unfused.node(n).op.is(OpKind::Softmax)).count(), 4, "{name}");
+        assert_eq!(fused.node_ids().filter(|&n| fused.node(n).op.is(OpKind::Softmax)).count(), 0, "{name}: every softmax fused");
+        // the raw import (the runner's `train` without a plan) fuses them too
+        let mut raw = model(name);
+        assert_eq!(Fused::of(&fuse(&mut raw)).attention, 4, "{name}: raw import");
+
+        let (yu, gu) = forward_and_grads(&unfused, Kind::Double);
+        let (yf, gf) = forward_and_grads(&fused, Kind::Double);
+        let out = rel(&yf, &yu);
+        assert!(out < 1e-9, "{name}: output differs by {out:.2e}");
+        assert_eq!(gu.len(), gf.len());
+        // per tensor, relative to its largest element, or to a millionth of the largest gradient
+        // for tensors whose gradient is zero in exact arithmetic (OPT's key biases: a per-row
+        // constant the softmax cancels; both graphs give rounding noise there)
+        let scale = gu.iter().filter(|(_, t)| t.defined()).map(|(_, t)| t.abs().max().double_value(&[])).fold(0.0, f64::max);
+        let mut worst: (f64, &str) = (0.0, "");
+        for ((nu, tu), (nf, tf)) in gu.iter().zip(&gf) {
+            assert_eq!(nu, nf);
+            assert_eq!(tu.defined(), tf.defined(), "{name}: `{nu}` has a gradient in one graph only");
+            if tu.defined() {
+                let d = (tf - tu).abs().max().double_value(&[]) / tu.abs().max().double_value(&[]).max(1e-6 * scale);
+                if d > worst.0 {
+                    worst = (d, nu);
+                }
+            }
+        }
+        assert!(worst.0 < 1e-9, "{name}: the gradient of `{}` differs by {:.2e}", worst.1, worst.0);
+    }
+}
+
+#[test]
+fn fused_attention_runs_in_f32_like_the_chain() {
+    for name in ["gpt2", "llama"] {
+        let unfused = specialised(name);
+        let mut fused = unfused.clone();
+        for r in fuse(&mut unfused.clone()).iter().filter(|r| matches!(r.op, FusedOp::Attention { .. })) {
+            smp_partition::passes::fuse::apply(&mut fused, r).unwrap();
+        }
+        let (yu, gu) = forward_and_grads(&unfused, Kind::Float);
+        let (yf, gf) = forward_and_grads(&fused, Kind::Float);
+        assert_eq!(yf.kind(), Kind::Float);
+        assert!(rel(&yf, &yu) < 1e-4, "{name}: f32 output {:.2e}", rel(&yf, &yu));
+        for ((n, tu), (_, tf)) in gu.iter().zip(&gf) {
+            if tu.defined() {
+                assert!(rel(tf, tu) < 1e-3, "{name}: f32 gradient of `{n}` {:.2e}", rel(tf, tu));
+            }
+        }
+    }
+}
+
+/// A small attention graph: inputs q `[2, 3, 5, 4]`, kᵀ `[2, 3, 4, 6]`, v `[2, 3, 6, 4]`, built
+/// node by node.
+struct Attn {
+    g: Graph,
+    n: u32,
+}
+
+impl Attn {
+    fn new() -> (Attn, ValueId, ValueId, ValueId) {
+        let mut a = Attn { g: Graph::new("attention"), n: 0 };
+        a.g.opsets.insert(String::new(), 18);
+        let q = a.input("q", DType::F32, &[2, 3, 5, 4]);
+        let kt = a.input("kt", DType::F32, &[2, 3, 4, 6]);
+        let v = a.input("v", DType::F32, &[2, 3, 6, 4]);
+        (a, q, kt, v)
+    }
+    fn input(&mut self, name: &str, dtype: DType, dims: &[i64]) -> ValueId {
+        let v = self.g.add_value(name, ValueKind::Input, Some(TensorType { dtype, shape: Some(Shape::from_known(dims)) }), None).unwrap();
+        self.g.inputs.push(v);
+        v
+    }
+    fn konst(&mut self, t: IrTensor) -> ValueId {
+        self.n += 1;
+        self.g.add_value(format!("c{}", self.n), ValueKind::Initializer, None, Some(t)).unwrap()
+    }
+    fn scalar(&mut self, x: f32) -> ValueId {
+        self.konst(IrTensor::from_f32(vec![], &[x]))
+    }
+    fn op(&mut self, k: OpKind, ins: &[ValueId], attrs: &[(&str, smp_partition::ir::Attr)], dtype: DType, dims: &[i64]) -> ValueId {
+        self.n += 1;
+        let ty = Some(TensorType { dtype, shape: Some(Shape::from_known(dims)) });
+        let out = self.g.add_value(format!("v{}", self.n), ValueKind::Intermediate, ty, None).unwrap();
+        let mut a = Attrs::default();
+        for (name, v) in attrs {
+            a.set(name, v.clone());
+        }
+        let node = Node { name: format!("n{}", self.n), op: Op::Known(k), attrs: a, inputs: ins.iter().map(|&v| Some(v)).collect(), outputs: vec![out], namespace: None, order: self.n };
+        self.g.add_node(node).unwrap();
+        out
+    }
+    fn f(&mut self, k: OpKind, ins: &[ValueId], dims: &[i64]) -> ValueId {
+        self.op(k, ins, &[], DType::F32, dims)
+    }
+    fn softmax(&mut self, x: ValueId, axis: i64) -> ValueId {
+        self.op(OpKind::Softmax, &[x], &[("axis", smp_partition::ir::Attr::Int(axis))], DType::F32, &[2, 3, 5, 6])
+    }
+    fn finish(mut self, out: ValueId) -> Graph {
+        self.g.outputs.push(out);
+        self.g
+    }
+}
+
+const S: [i64; 4] = [2, 3, 5, 6];
+const O: [i64; 4] = [2, 3, 5, 4];
+
+/// The pattern variants: (name, graph, expected scale, expected mask).
+fn variants() -> Vec<(&'static str, Graph, f64, Option<AttentionMask>)> {
+    let mut out = Vec::new();
+    // GPT-2, Llama, BERT: Mul by a constant, Add of a float mask, Softmax, MatMul
+    {
+        let (mut a, q, kt, v) = Attn::new();
+        let m = a.input("mask", DType::F32, &[2, 1, 5, 6]);
+        let c = a.scalar(0.25);
+        let s = a.f(OpKind::MatMul, &[q, kt], &S);
+        let s = a.f(OpKind::Mul, &[s, c], &S);
+        let s = a.f(OpKind::Add, &[s, m], &S);
+        let p = a.softmax(s, -1);
+        let o = a.f(OpKind::MatMul, &[p, v], &O);
+        out.push(("mul scale, additive mask", a.finish(o), 0.25, Some(AttentionMask::Additive)));
+    }
+    // Div by √d, no mask, softmax axis written as 3
+    {
+        let (mut a, q, kt, v) = Attn::new();
+        let c = a.scalar(2.0);
+        let s = a.f(OpKind::MatMul, &[q, kt], &S);
+        let s = a.f(OpKind::Div, &[s, c], &S);
+        let p = a.softmax(s, 3);
+        let o = a.f(OpKind::MatMul, &[p, v], &O);
+        out.push(("div scale, no mask", a.finish(o), 0.5, None));
+    }
+    // torch.onnx's SDPA decomposition: √scale on q and on kᵀ, mask first in the Add
+    {
+        let (mut a, q, kt, v) = Attn::new();
+        let m = a.input("mask", DType::F32, &[5, 6]);
+        let (c1, c2) = (a.scalar(0.5), a.scalar(0.5));
+        let qs = a.f(OpKind::Mul, &[q, c1], &O);
+        let ks = a.f(OpKind::Mul, &[c2, kt], &[2, 3, 4, 6]);
+        let s = a.f(OpKind::MatMul, &[qs, ks], &S);
+        let s = a.f(OpKind::Add, &[m, s], &S);
+        let p = a.softmax(s, -1);
+        let o = a.f(OpKind::MatMul, &[p, v], &O);
+        out.push(("sqrt scale on both sides", a.finish(o), 0.25, Some(AttentionMask::Additive)));
+    }
+    // OPT: no scale (q scaled upstream), mask added
+    {
+        let (mut a, q, kt, v) = Attn::new();
+        let m = a.input("mask", DType::F32, &[2, 1, 5, 6]);
+        let s = a.f(OpKind::MatMul, &[q, kt], &S);
+        let s = a.f(OpKind::Add, &[s, m], &S);
+        let p = a.softmax(s, -1);
+        let o = a.f(OpKind::MatMul, &[p, v], &O);
+        out.push(("no scale", a.finish(o), 1.0, Some(AttentionMask::Additive)));
+    }
+    // Where(bool mask, scores, lowest float), then an inactive Dropout
+    {
+        let (mut a, q, kt, v) = Attn::new();
+        let m = a.input("keep", DType::Bool, &[1, 1, 5, 6]);
+        let c = a.scalar(0.125);
+        let lowest = a.scalar(f32::MIN);
+        let ratio = a.scalar(0.1);
+        let s = a.f(OpKind::MatMul, &[q, kt], &S);
+        let s = a.f(OpKind::Mul, &[s, c], &S);
+        let s = a.op(OpKind::Where, &[m, s, lowest], &[], DType::F32, &S);
+        let p = a.softmax(s, -1);
+        let p = a.f(OpKind::Dropout, &[p, ratio], &S);
+        let o = a.f(OpKind::MatMul, &[p, v], &O);
+        out.push(("bool mask, inactive dropout", a.finish(o), 0.125, Some(AttentionMask::Keep)));
+    }
+    out
+}
+
+/// Inputs for a variant graph: random q, kᵀ, v (gradients on), a causal keep/additive mask.
+fn feeds(g: &Graph, kind: Kind) -> Vec<(String, Tensor)> {
+    tch::manual_seed(3);
+    g.inputs
+        .iter()
+        .map(|&v| {
+            let val = g.value(v);
+            let dims = val.ty.as_ref().unwrap().shape.as_ref().unwrap().known().unwrap();
+            let t = match val.name.as_str() {
+                "keep" => Tensor::ones([5, 6], (Kind::Bool, tch::Device::Cpu)).tril(1).reshape(dims.as_slice()),
+                "mask" => {
+                    let keep = Tensor::ones([5, 6], (Kind::Bool, tch::Device::Cpu)).tril(1);
+                    let add = Tensor::zeros([5, 6], (kind, tch::Device::Cpu)).masked_fill(&keep.logical_not(), f32::MIN as f64);
+                    add.expand(dims.as_slice(), false).contiguous()
+                }
+                _ => Tensor::randn(dims.as_slice(), (kind, tch::Device::Cpu)).set_requires_grad(true),
+            };
+            (val.name.clone(), t)
+        })
+        .collect()
+}
+
+/// The output and the gradients of q, kᵀ and v of Σ output·R.
+fn run_variant(g: &Graph, kind: Kind) -> Vec<Tensor> {
+    let weights = Weights::load(g, InitMode::Load, Some(kind)).expect("weights");
+    let exec = Executor::new(g, weights, ExecOptions { float_kind: Some(kind), training: true }).expect("executor");
+    let named = feeds(g, kind);
+    let leaves: Vec<Tensor> = named.iter().filter(|(n, _)| ["q", "kt", "v"].contains(&n.as_str())).map(|(_, t)| t.shallow_clone()).collect();
+    let bound = exec.bind_inputs(named).expect("inputs");
+    let y = exec.forward(&bound).expect("forward").remove(0);
+    tch::manual_seed(5);
+    let r = Tensor::randn(y.size(), (kind, tch::Device::Cpu));
+    (&y * &r).sum(kind).backward();
+    let mut out = vec![y.detach()];
+    out.extend(leaves.iter().map(Tensor::grad));
+    out
+}
+
+#[test]
+fn each_attention_variant_is_recognised_and_computes_the_chain_in_f32_and_f64() {
+    for (what, unfused, scale, mask) in variants() {
+        let mut g = unfused.clone();
+        let records = fuse(&mut g);
+        assert_eq!(records.len(), 1, "{what}: {records:?}");
+        let f = &records[0];
+        assert_eq!(f.op, FusedOp::Attention { scale: smp_partition::ir::AttentionScale(scale), mask }, "{what}");
+        g.verify().unwrap();
+        assert_eq!(g.node_count(), 1, "{what}: the chain is one node");
+        let node = g.node(f.node);
+        assert!(node.op.is(OpKind::ScaledDotProductAttention), "{what}");
+        let names: Vec<&str> = node.inputs.iter().flatten().map(|&v| g.value(v).name.as_str()).collect();
+        let mut want = vec!["q", "kt", "v"];
+        want.extend(unfused.inputs.iter().map(|&v| unfused.value(v).name.as_str()).filter(|n| ["mask", "keep"].contains(n)));
+        assert_eq!(names, want, "{what}");
+        // shape inference knows the op
+        passes::shape_infer::infer_shapes(&mut g, &Default::default()).unwrap_or_else(|e| panic!("{what}: {e}"));
+        for (kind, tol) in [(Kind::Double, 1e-12), (Kind::Float, 1e-5)] {
+            let a = run_variant(&unfused, kind);
+            let b = run_variant(&g, kind);
+            for (i, (x, y)) in b.iter().zip(&a).enumerate() {
+                assert_eq!(x.kind(), kind);
+                let d = rel(x, y);
+                assert!(d < tol, "{what} {kind:?}: tensor {i} (output, dq, dkᵀ, dv) differs by {d:.2e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn near_misses_of_attention_are_left_alone() {
+    let chain = |f: &dyn Fn(&mut Attn, ValueId) -> ValueId, prob_out: bool| {
+        let (mut a, q, kt, v) = Attn::new();
+        let s = a.f(OpKind::MatMul, &[q, kt], &S);
+        let p = f(&mut a, s);
+        let o = a.f(OpKind::MatMul, &[p, v], &O);
+        let mut g = a.finish(o);
+        if prob_out {
+            g.outputs.push(p);
+        }
+        g
+    };
+    let cases: Vec<(&str, Graph)> = vec![
+        ("probabilities are a graph output", chain(&|a, s| a.softmax(s, -1), true)),
+        ("softmax over another axis", chain(&|a, s| a.softmax(s, 2), false)),
+        (
+            "a scale of several values",
+            chain(
+                &|a, s| {
+                    let c = a.konst(IrTensor::from_f32(vec![6], &[0.5; 6]));
+                    let s = a.f(OpKind::Mul, &[s, c], &S);
+                    a.softmax(s, -1)
+                },
+                false,
+            ),
+        ),
+        (
+            "dropout in training",
+            chain(
+                &|a, s| {
+                    let p = a.softmax(s, -1);
+                    let ratio = a.scalar(0.1);
+                    let on = a.konst(IrTensor { dtype: DType::Bool, dims: vec![], storage: Storage::Raw(vec![1u8].into()) });
+                    a.f(OpKind::Dropout, &[p, ratio, on], &S)
+                },
+                false,
+            ),
+        ),
+        (
+            "a Where filling a finite value",
+            chain(
+                &|a, s| {
+                    let m = a.input("keep", DType::Bool, &[1, 1, 5, 6]);
+                    let fill = a.scalar(-1e4);
+                    let s = a.op(OpKind::Where, &[m, s, fill], &[], DType::F32, &S);
+                    a.softmax(s, -1)
+                },
+                false,
+            ),
+        ),
+    ];
+    for (what, g) in cases {
+        let mut fused = g.clone();
+        let records = fuse(&mut fused);
+        assert!(records.is_empty(), "{what}: fused {records:?}");
+        assert_eq!(fused.node_count(), g.node_count(), "{what}: the graph is unchanged");
+    }
+    // a scores MatMul read elsewhere too
+    let (mut a, q, kt, v) = Attn::new();
+    let s = a.f(OpKind::MatMul, &[q, kt], &S);
+    let p = a.softmax(s, -1);
+    let o = a.f(OpKind::MatMul, &[p, v], &O);
+    let mut g = a.finish(o);
+    g.outputs.push(s);
+    assert!(fuse(&mut g).is_empty(), "scores read outside the chain");
+}
+
+#[test]
+fn attention_records_that_do_not_fit_are_refused_naming_the_node() {
+    let (_, unfused, _, _) = variants().remove(0);
+    let mut g = unfused.clone();
+    let f = fuse(&mut g).pop().unwrap();
+    let node = unfused.node(f.node).name.clone();
+    let refused = |f: &smp_partition::ir::Fusion, want: &str| {
+        let err = smp_partition::passes::fuse::apply(&mut unfused.clone(), f).unwrap_err().to_string();
+        assert!(err.contains(&format!("`{node}`")) && err.contains(want), "{err}");
+    };
+    let FusedOp::Attention { scale, .. } = f.op else { panic!("{:?}", f.op) };
+    refused(&smp_partition::ir::Fusion { op: FusedOp::Attention { scale: smp_partition::ir::AttentionScale(0.5), mask: Some(AttentionMask::Additive) }, ..f.clone() }, "scale by 0.25");
+    refused(&smp_partition::ir::Fusion { op: FusedOp::Attention { scale, mask: None }, ..f.clone() }, "reads 3 inputs");
+    refused(&smp_partition::ir::Fusion { op: FusedOp::Attention { scale, mask: Some(AttentionMask::Keep) }, ..f.clone() }, "mask");
+    refused(&smp_partition::ir::Fusion { inputs: vec![f.inputs[1], f.inputs[0], f.inputs[2], f.inputs[3]], replaces: f.replaces[1..].to_vec(), ..f.clone() }, "outside it");
+    smp_partition::passes::fuse::apply(&mut unfused.clone(), &f).unwrap();
 }

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use smp_partition::cost::ClusterSpec;
 use smp_partition::frontend::onnx::load_model;
-use smp_partition::ir::{Graph, NodeId, OpKind, ValueId, ValueKind};
+use smp_partition::ir::{FusedOp, Graph, NodeId, OpKind, ValueId, ValueKind};
 use smp_partition::passes::figures::is_trainable;
 use smp_partition::passes::params::{self, ParamOptions};
 use smp_partition::plan::Plan;
@@ -148,19 +148,35 @@ fn a_node_list_that_does_not_fit_the_model_is_refused_naming_the_node() {
 fn an_edited_fused_op_record_is_refused() {
     let plan = plan(2, 1);
     let fused = &plan.codegen.as_ref().unwrap().fused;
-    let node = fused[0].node;
+    let of = |attention: bool| -> Vec<usize> {
+        (0..fused.len()).filter(|&i| matches!(fused[i].op, smp_partition::ir::FusedOp::Attention { .. }) == attention).collect()
+    };
+    let (gelus, attentions) = (of(false), of(true));
+    assert!(gelus.len() >= 2 && attentions.len() >= 2, "{fused:?}");
+    let (g0, g1, a0) = (gelus[0], gelus[1], attentions[0]);
+    let node = fused[g0].node;
     // another input (the second chain's): refused when the runner applies it to the model
-    let other = fused[1].input.clone();
-    let wrong = edited(&plan, |v| v["codegen"]["fused"][0]["input"] = other.clone().into());
+    let other = fused[g1].inputs.clone();
+    let wrong = edited(&plan, |v| v["codegen"]["fused"][g0]["inputs"] = serde_json::json!(other.clone()));
     let err = planned_graph(&wrong, imported()).unwrap_err().to_string();
     assert!(err.contains(&format!("fused op at node {node}")) && err.contains("re-plan"), "{err}");
     // the other approximation: refused too
-    let erf = edited(&plan, |v| v["codegen"]["fused"][0]["op"] = serde_json::json!({"gelu": {"approximate": "none"}}));
+    let erf = edited(&plan, |v| v["codegen"]["fused"][g0]["op"] = serde_json::json!({"gelu": {"approximate": "none"}}));
     let err = planned_graph(&erf, imported()).unwrap_err().to_string();
     assert!(err.contains(&format!("fused op at node {node}")) && err.contains("re-plan"), "{err}");
+    // an attention with another scale, or its q and v swapped: refused
+    let anode = fused[a0].node;
+    let FusedOp::Attention { scale, mask } = fused[a0].op else { unreachable!() };
+    let rescaled = edited(&plan, |v| v["codegen"]["fused"][a0]["op"] = serde_json::json!({"attention": {"scale": scale.0 * 2.0, "mask": mask}}));
+    let err = planned_graph(&rescaled, imported()).unwrap_err().to_string();
+    assert!(err.contains(&format!("fused op at node {anode}")) && err.contains("scale by") && err.contains("re-plan"), "{err}");
+    let unmasked = edited(&plan, |v| v["codegen"]["fused"][a0]["op"] = serde_json::json!({"attention": {"scale": scale.0}}));
+    let err = smp_partition::plan::io::from_json(&serde_json::to_string(&unmasked).unwrap(), Path::new("edited.json")).map(|_| ()).unwrap_err();
+    let chain = std::iter::successors(Some(&err as &dyn std::error::Error), |e| e.source()).map(|e| e.to_string()).collect::<Vec<_>>().join(": ");
+    assert!(chain.contains("lists 4 inputs"), "{chain}");
     // a replaced node that still runs in a stage: refused when the plan is read
     let mut v = serde_json::to_value(&plan).unwrap();
-    let replaced = fused[0].replaces.iter().copied().find(|&n| n != node).unwrap();
+    let replaced = fused[g0].replaces.iter().copied().find(|&n| n != node).unwrap();
     v["codegen"]["stages"][0]["nodes"].as_array_mut().unwrap().push(serde_json::json!([replaced, replaced + 1]));
     let err = smp_partition::plan::io::from_json(&v.to_string(), Path::new("edited.json")).unwrap_err();
     let msg = format!("{err:#}");
@@ -168,6 +184,6 @@ fn an_edited_fused_op_record_is_refused() {
     assert!(chain.contains(&format!("replaced node {replaced} still runs")), "{msg} / {chain}");
     // an unknown op is refused by the typed contract
     let mut v = serde_json::to_value(&plan).unwrap();
-    v["codegen"]["fused"][0]["op"] = serde_json::json!({"gelu": {"approximate": "fast"}});
+    v["codegen"]["fused"][g0]["op"] = serde_json::json!({"gelu": {"approximate": "fast"}});
     assert!(smp_partition::plan::io::from_json(&v.to_string(), Path::new("edited.json")).is_err());
 }

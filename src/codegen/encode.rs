@@ -29,8 +29,9 @@ use crate::solve::Placement as AxisOrder;
 use crate::split::Strategy;
 
 /// Version of the codegen section's layout (bumped on incompatible changes). 3: the graph the
-/// plan addresses has its GELU chains fused, listed in `fused`.
-pub const CODEGEN_VERSION: u32 = 3;
+/// plan addresses has its GELU chains fused, listed in `fused`. 4: attention chains too, and a
+/// fused node lists its `inputs` (several).
+pub const CODEGEN_VERSION: u32 = 4;
 
 /// What codegen needs of a plan: degrees, schedule and the stages' layer ranges.
 #[derive(Clone, Debug, PartialEq)]
@@ -113,10 +114,12 @@ pub struct CodegenSection {
 pub struct FusedNode {
     /// Id of the fused node (the chain's last node, whose id and output it keeps).
     pub node: usize,
-    /// Its op (`{"gelu": {"approximate": "tanh"}}`).
+    /// Its op (`{"gelu": {"approximate": "tanh"}}`,
+    /// `{"attention": {"scale": 0.25, "mask": "additive"}}`).
     pub op: FusedOp,
-    /// The value it reads: the chain's input.
-    pub input: String,
+    /// The values it reads, in the op's order (a GELU's one input; an attention's q, kᵀ, v and
+    /// mask, if it has one).
+    pub inputs: Vec<String>,
     /// The value it makes: the chain's output.
     pub output: String,
     /// Ids of every node of the chain, `node` included, ascending; all but `node` are removed.
@@ -510,7 +513,7 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
         .map(|f| FusedNode {
             node: f.node.index(),
             op: f.op,
-            input: g.value(f.input).name.clone(),
+            inputs: f.inputs.iter().map(|&v| g.value(v).name.clone()).collect(),
             output: g.value(f.output).name.clone(),
             replaces: f.replaces.iter().map(|n| n.index()).collect(),
         })

@@ -392,8 +392,11 @@ pub fn validate_section(section: &CodegenSection, mesh: &Mesh, microbatches: usi
         if !f.replaces.contains(&f.node) {
             bad("the node is not among the nodes it replaces".into());
         }
-        if f.input.is_empty() || f.output.is_empty() || f.input == f.output {
-            bad(format!("reads `{}` and makes `{}`; both must be named and differ", f.input, f.output));
+        if f.inputs.len() != f.op.arity() {
+            bad(format!("lists {} inputs; {} reads {}", f.inputs.len(), f.op, f.op.arity()));
+        }
+        if f.output.is_empty() || f.inputs.iter().any(|i| i.is_empty() || *i == f.output) {
+            bad(format!("reads {:?} and makes `{}`; each must be named, and the output differ from the inputs", f.inputs, f.output));
         }
         if !listed.contains_key(&f.node) {
             bad("the fused node runs in no stage".into());

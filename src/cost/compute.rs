@@ -63,9 +63,10 @@ pub fn is_matmul_like(op: &Op) -> bool {
     matches!(op.kind(), Some(OpKind::MatMul | OpKind::Gemm | OpKind::Conv))
 }
 
-/// Backward cost as a multiple of the forward: 2 for matmul-like ops, 1 otherwise.
+/// Backward cost as a multiple of the forward: 2 for matmul-like ops and fused attention (its
+/// backward is four matmuls of the forward's two, besides the softmax), 1 otherwise.
 pub fn backward_factor(op: &Op) -> f64 {
-    if is_matmul_like(op) { 2.0 } else { 1.0 }
+    if is_matmul_like(op) || op.is(OpKind::ScaledDotProductAttention) { 2.0 } else { 1.0 }
 }
 
 /// Figures with FLOPs and bytes multiplied by `factor` (a microbatch size, or 1/t for a
@@ -108,6 +109,9 @@ pub fn node_times(op: &Op, fig: &NodeFigures, dtype: DType, spec: &ClusterSpec) 
     let fwd = node_time(fig, dtype, spec);
     if is_matmul_like(op) {
         LayerTimes { fwd, bwd: 2.0 * fwd, bwd_weight: fwd }
+    } else if op.is(OpKind::ScaledDotProductAttention) {
+        // no weights: the whole backward is input gradients
+        LayerTimes { fwd, bwd: 2.0 * fwd, bwd_weight: 0.0 }
     } else {
         LayerTimes { fwd, bwd: fwd, bwd_weight: 0.0 }
     }

@@ -7,15 +7,66 @@ use serde::{Deserialize, Serialize};
 use super::{NodeId, ValueId};
 
 /// The op of a fused node (with its attributes). The plan file spells it
-/// `{"gelu": {"approximate": "tanh"}}`.
+/// `{"gelu": {"approximate": "tanh"}}` or
+/// `{"attention": {"scale": 0.125, "mask": "additive"}}`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum FusedOp {
-    /// ONNX `Gelu` (opset 20), libtorch's fused `gelu` kernel.
+    /// ONNX `Gelu` (opset 20), libtorch's fused `gelu` kernel. One input: the chain's.
     Gelu {
         /// The `approximate` attribute.
         approximate: GeluApproximation,
     },
+    /// Softmax attention `softmax(scale·q·kᵀ (+ mask)) · v`, the IR op
+    /// [`OpKind::ScaledDotProductAttention`](super::OpKind::ScaledDotProductAttention), run as
+    /// libtorch's `scaled_dot_product_attention`. Inputs `q, kᵀ, v` and, with a mask, the mask.
+    Attention {
+        /// What the scores are multiplied by before the softmax.
+        scale: AttentionScale,
+        /// How the mask input (the fourth) applies, if there is one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mask: Option<AttentionMask>,
+    },
+}
+
+impl FusedOp {
+    /// How many inputs the fused node reads, in the order [`Fusion::inputs`] lists them.
+    pub fn arity(&self) -> usize {
+        match self {
+            FusedOp::Gelu { .. } => 1,
+            FusedOp::Attention { mask, .. } => 3 + usize::from(mask.is_some()),
+        }
+    }
+}
+
+/// An attention scale (an f64 compared and hashed by its bits; the plan file writes the number).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct AttentionScale(pub f64);
+
+impl PartialEq for AttentionScale {
+    fn eq(&self, o: &Self) -> bool {
+        self.0.to_bits() == o.0.to_bits()
+    }
+}
+
+impl Eq for AttentionScale {}
+
+impl std::hash::Hash for AttentionScale {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.0.to_bits().hash(h);
+    }
+}
+
+/// How a fused attention's mask applies to the scores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttentionMask {
+    /// A floating-point mask added to the scaled scores (`Add(scores, mask)`).
+    Additive,
+    /// A bool mask, true where a score is kept (`Where(mask, scores, -inf or the lowest
+    /// float)`); the kernel's bool mask has the same meaning.
+    Keep,
 }
 
 /// `Gelu`'s `approximate` attribute, spelled as ONNX spells it.
@@ -33,6 +84,14 @@ impl std::fmt::Display for FusedOp {
         match self {
             FusedOp::Gelu { approximate: GeluApproximation::None } => f.write_str("Gelu"),
             FusedOp::Gelu { approximate: GeluApproximation::Tanh } => f.write_str("Gelu(approximate = tanh)"),
+            FusedOp::Attention { scale, mask } => {
+                write!(f, "ScaledDotProductAttention(scale = {}", scale.0)?;
+                match mask {
+                    Some(AttentionMask::Additive) => f.write_str(", additive mask)"),
+                    Some(AttentionMask::Keep) => f.write_str(", bool mask)"),
+                    None => f.write_str(")"),
+                }
+            }
         }
     }
 }
@@ -44,8 +103,9 @@ pub struct Fusion {
     pub node: NodeId,
     /// Its op.
     pub op: FusedOp,
-    /// The value the chain computes from (the fused node's one input).
-    pub input: ValueId,
+    /// The values the chain computes from: the fused node's inputs, in the op's order
+    /// ([`FusedOp::arity`] of them; a GELU's one input, an attention's `q, kᵀ, v, mask?`).
+    pub inputs: Vec<ValueId>,
     /// The chain's output (the fused node's output).
     pub output: ValueId,
     /// Every node of the chain, `node` included, ascending; all but `node` are removed.

@@ -12,7 +12,7 @@ mod shape;
 mod tensor;
 
 pub use dtype::DType;
-pub use fusion::{FusedOp, Fusion, GeluApproximation};
+pub use fusion::{AttentionMask, AttentionScale, FusedOp, Fusion, GeluApproximation};
 pub use graph::{Graph, GraphError, Node, NodeId, Value, ValueId, ValueKind};
 pub use layer::{DimBindings, Layer, LayerKind, LayeredGraph, NodeFigures};
 pub use op::{Attr, Attrs, Op, OpKind};

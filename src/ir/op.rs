@@ -16,9 +16,10 @@ macro_rules! op_kinds {
             /// All known kinds, in declaration order.
             pub const ALL: &'static [OpKind] = &[$(OpKind::$kind,)*];
 
-            /// Looks up an ONNX `op_type` of the default domain.
+            /// Looks up an ONNX `op_type` of the default domain (never an IR-internal kind,
+            /// see [`OpKind::is_onnx`]).
             pub fn from_onnx(op_type: &str) -> Option<OpKind> {
-                match op_type { $(stringify!($kind) => Some(OpKind::$kind),)* _ => None }
+                match op_type { $(stringify!($kind) => Some(OpKind::$kind),)* _ => None }.filter(|k| k.is_onnx())
             }
 
             /// The ONNX `op_type`.
@@ -50,9 +51,20 @@ op_kinds! {
     Reshape, Transpose, Concat, Split, Slice, Gather, GatherElements, GatherND, Unsqueeze, Squeeze,
     Expand, Shape, Size, ConstantOfShape, Range, Flatten, Tile, Pad, Trilu, ScatterND,
     Constant, Dropout,
+    // IR-internal (made by `passes::fuse`, never read from a model file)
+    /// Softmax attention as one kernel (libtorch's `scaled_dot_product_attention`), inputs
+    /// `(q, kᵀ, v, mask?)`: `softmax(scale·q·kᵀ (+ mask)) · v`, reading Kᵀ (`[.., d, L]`) as the
+    /// score MatMul it replaces read it. Attribute `scale` (a one-element f64 tensor). The mask
+    /// is additive when floating point, and a keep-mask (true = attend) when bool.
+    ScaledDotProductAttention,
 }
 
 impl OpKind {
+    /// False for the IR-internal kinds that fused op chains become (no ONNX file spells them).
+    pub fn is_onnx(self) -> bool {
+        !matches!(self, OpKind::ScaledDotProductAttention)
+    }
+
     /// True for ops that only reinterpret or move data (no arithmetic, nothing saved).
     pub fn is_view(self) -> bool {
         use OpKind::*;

@@ -65,6 +65,12 @@ impl Tensor {
         Tensor { dtype: DType::F32, dims, storage: Storage::Raw(bytes.into()) }
     }
 
+    /// An f64 tensor of the given dims.
+    pub fn from_f64(dims: Vec<i64>, values: &[f64]) -> Tensor {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Tensor { dtype: DType::F64, dims, storage: Storage::Raw(bytes.into()) }
+    }
+
     /// The raw bytes, if held in memory.
     pub fn raw(&self) -> Option<&[u8]> {
         match &self.storage {

@@ -222,6 +222,14 @@ pub fn flops(sz: &Sizes, node: &Node) -> f64 {
             let bias = if input(2).is_some() { out_numel } else { 0.0 };
             2.0 * out_numel * k as f64 + bias
         }
+        ScaledDotProductAttention => {
+            // the chain's: q·kᵀ and ·v (2 flops a term), scale 1, mask 1, softmax 5 a score
+            let (Some(q), Some(v)) = (input(0).and_then(|v| sz.dims(v)), input(2).and_then(|v| sz.dims(v))) else { return 0.0 };
+            let (Some(&d), Some(&l), Some(&dv)) = (q.last(), v.get(v.len().wrapping_sub(2)), v.last()) else { return 0.0 };
+            let scores = if dv > 0 { out_numel / dv as f64 * l as f64 } else { 0.0 };
+            let mask = if input(3).is_some() { 1.0 } else { 0.0 };
+            2.0 * scores * d as f64 + 2.0 * scores * dv as f64 + (6.0 + mask) * scores
+        }
         Conv => {
             let w = input(1).and_then(|v| sz.dims(v)).unwrap_or_default();
             let per_out: i64 = w.iter().skip(1).product();
@@ -389,6 +397,21 @@ fn saved(sz: &Sizes, node: &Node, grad: &[bool], data: &[bool], batch: f64) -> S
         Where => {
             if any_rg {
                 keep(input(0));
+            }
+        }
+        ScaledDotProductAttention => {
+            // the fused kernel keeps its inputs, its output and one logsumexp per query row
+            // (at least f32), never the s × s probabilities
+            if any_rg {
+                for i in 0..4 {
+                    keep(input(i));
+                }
+                keep(output);
+                let dv = input(2).and_then(|v| sz.dims(v)).and_then(|d| d.last().copied()).filter(|&d| d > 0);
+                if let (Some(o), Some(dv)) = (output, dv) {
+                    let elem = graph.value(o).ty.as_ref().map_or(4, |t| t.dtype.size_bytes().max(4));
+                    s.extra_bytes += sz.numel(o) / dv as f64 * elem as f64 / batch;
+                }
             }
         }
         Gather | GatherElements | GatherND | ScatterND => {

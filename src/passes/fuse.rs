@@ -14,6 +14,22 @@
 //! records (`LayeredGraph::fused`), the plan carries them, and the runner replays exactly them
 //! with [`apply`], which checks each against the graph (no pattern matching at run time).
 //!
+//! Attention: eager attention as exporters spell it (Hugging Face's eager implementations,
+//! `torch.onnx`'s decomposition of `F.scaled_dot_product_attention`),
+//! `MatMul(Dropout?(Softmax(mask?(scale(MatMul(q, kᵀ))))), v)`, materialises the `s × s` scores
+//! three or four times forward and backward. The chain is the IR op
+//! [`OpKind::ScaledDotProductAttention`] (inputs `q, kᵀ, v, mask?`, attribute `scale`), which
+//! the runner runs as libtorch's `scaled_dot_product_attention`. Recognised, exactly:
+//! - scores `MatMul(q, kᵀ)` of rank-4 operands with equal leading (batch, heads) dims, `kᵀ` as
+//!   the MatMul reads it (a Transpose before it stays a node of its own);
+//! - a scale: `Mul` or `Div` of the scores by a one-element constant, and/or `Mul` of `q` and of
+//!   `kᵀ` by one each (√scale on both sides, `torch.onnx`'s decomposition), or none;
+//! - a mask, optionally: `Add` of a floating-point value of q's type that carries no gradient
+//!   (additive mask), or `Where(bool mask, scores, c)` with `c` −∞ or below −1e30 (keep mask:
+//!   the kernel's bool mask keeps where true, as the `Where` does);
+//! - `Softmax` over the last axis, then optionally a `Dropout` that is inactive (no
+//!   `training_mode`, or a constant false one, or ratio 0), then `MatMul(probabilities, v)`.
+//!
 //! A chain is fused only where each interior value has the chain as its only reader and every
 //! constant equals the formula's (within f32 rounding), so the fused op computes what the chain
 //! computes, up to rounding.
@@ -21,7 +37,9 @@
 use std::collections::HashSet;
 
 use super::PassError;
-use crate::ir::{Attr, FusedOp, Fusion, GeluApproximation, Graph, NodeId, OpKind, ValueId};
+use crate::ir::{
+    Attr, AttentionMask, AttentionScale, DType, FusedOp, Fusion, GeluApproximation, Graph, NodeId, OpKind, ValueId,
+};
 
 /// How many chains of each kind a list of rewrites fused.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -30,6 +48,8 @@ pub struct Fused {
     pub gelu_tanh: usize,
     /// `0.5·x·(1 + erf(x/√2))` chains now `Gelu`.
     pub gelu_erf: usize,
+    /// Softmax attention chains now `ScaledDotProductAttention`.
+    pub attention: usize,
 }
 
 impl Fused {
@@ -40,6 +60,7 @@ impl Fused {
             match f.op {
                 FusedOp::Gelu { approximate: GeluApproximation::Tanh } => out.gelu_tanh += 1,
                 FusedOp::Gelu { approximate: GeluApproximation::None } => out.gelu_erf += 1,
+                FusedOp::Attention { .. } => out.attention += 1,
             }
         }
         out
@@ -47,35 +68,69 @@ impl Fused {
 
     /// Chains rewritten in all.
     pub fn total(&self) -> usize {
-        self.gelu_tanh + self.gelu_erf
+        self.gelu_tanh + self.gelu_erf + self.attention
     }
 }
 
 impl std::fmt::Display for Fused {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "fused {} tanh-GELU and {} erf-GELU chains into Gelu", self.gelu_tanh, self.gelu_erf)
+        write!(
+            f,
+            "fused {} tanh-GELU and {} erf-GELU chains into Gelu, {} attention chains into ScaledDotProductAttention",
+            self.gelu_tanh, self.gelu_erf, self.attention
+        )
     }
 }
 
-/// Rewrites every GELU chain of `graph` into one `Gelu` node (see the module docs); returns the
-/// rewrites in the order applied.
+/// Rewrites every GELU and attention chain of `graph` into one node each (see the module
+/// docs); returns the rewrites in the order applied.
 pub fn fuse(graph: &mut Graph) -> Vec<Fusion> {
     let mut out = Vec::new();
     let Ok(order) = graph.topo_order() else { return out };
+    let grad = carries_gradient(graph, &order);
+    let opset = graph.opsets.get("").copied().unwrap_or(18);
+    let mut uses = readers(graph);
     for id in order {
-        if graph.try_node(id).is_none_or(|n| !n.op.is(OpKind::Mul)) {
-            continue;
-        }
-        let m = Matcher { g: graph, uses: readers(graph) };
-        let Some((x, approximate)) = m.gelu(id) else { continue };
-        let approximate = if approximate { GeluApproximation::Tanh } else { GeluApproximation::None };
-        let fusion = Fusion { node: id, op: FusedOp::Gelu { approximate }, input: x, output: graph.node(id).outputs[0], replaces: chain(graph, id, x) };
+        let Some(op) = graph.try_node(id).and_then(|n| n.op.kind()) else { continue };
+        let m = Matcher { g: graph, uses: std::mem::take(&mut uses) };
+        let fusion = match op {
+            OpKind::Mul => m.gelu(id).map(|(x, approximate)| {
+                let approximate = if approximate { GeluApproximation::Tanh } else { GeluApproximation::None };
+                Fusion { node: id, op: FusedOp::Gelu { approximate }, inputs: vec![x], output: graph.node(id).outputs[0], replaces: chain(graph, id, x) }
+            }),
+            OpKind::MatMul => m.attention(id, &grad, opset).map(|a| Fusion {
+                node: id,
+                op: FusedOp::Attention { scale: AttentionScale(a.scale), mask: a.mask },
+                inputs: a.inputs,
+                output: graph.node(id).outputs[0],
+                replaces: a.nodes,
+            }),
+            _ => None,
+        };
+        uses = m.uses;
+        let Some(fusion) = fusion else { continue };
         // the matcher proved the chain; the checks of `apply` hold by construction
         if apply(graph, &fusion).is_ok() {
             out.push(fusion);
+            uses = readers(graph);
         }
     }
     out
+}
+
+/// Which values carry a gradient: trained parameters and float values computed from them.
+fn carries_gradient(g: &Graph, order: &[NodeId]) -> Vec<bool> {
+    let mut grad: Vec<bool> = g.value_ids().map(|v| super::figures::is_trainable(g, v)).collect();
+    grad.resize(g.value_count(), false);
+    for &n in order {
+        let node = g.node(n);
+        if node.inputs.iter().flatten().any(|v| grad[v.index()]) {
+            for &o in &node.outputs {
+                grad[o.index()] = g.value(o).ty.as_ref().is_some_and(|t| t.dtype.is_float());
+            }
+        }
+    }
+    grad
 }
 
 /// The nodes between `x` and node `last`: `last` and every producer reached backwards from it
@@ -100,16 +155,24 @@ fn chain(g: &Graph, last: NodeId, x: ValueId) -> Vec<NodeId> {
     out
 }
 
-/// Applies one rewrite to `graph`: node `f.node` becomes `f.op` reading `f.input` (its output
+/// Applies one rewrite to `graph`: node `f.node` becomes `f.op` reading `f.inputs` (its output
 /// kept), the chain's other nodes are removed. Refused, naming the node, unless the record fits
 /// the graph: every replaced node exists, `f.node` is one of them and makes `f.output`, the
-/// chain is closed (its nodes read only `f.input`, constants and each other; only `f.output`
-/// leaves it) and reads `f.input`, and its ops are those of `f.op`'s formula.
+/// chain is closed (its nodes read only `f.inputs`, constants and each other; only `f.output`
+/// leaves it) and reads each of `f.inputs`, and its ops are those of `f.op`'s formula (for
+/// attention: two MatMuls and a Softmax, the mask's `Add` or `Where` exactly when it has a
+/// mask, and scalar `Mul`/`Div` constants whose product is the scale).
 pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
     let name = graph.try_node(f.node).map_or_else(|| format!("#{}", f.node.index()), |n| n.name.clone());
     let bad = |msg: String| PassError::Fusion { node: name.clone(), msg };
     if !f.replaces.contains(&f.node) {
         return Err(bad("the node is not among the nodes it replaces".into()));
+    }
+    if f.inputs.len() != f.op.arity() {
+        return Err(bad(format!("{} reads {} inputs, the record lists {}", f.op, f.op.arity(), f.inputs.len())));
+    }
+    if let Some(&v) = f.inputs.iter().find(|v| v.index() >= graph.value_count()) {
+        return Err(bad(format!("input #{} is not a value of the graph", v.index())));
     }
     let mut members: HashSet<NodeId> = HashSet::new();
     for &n in &f.replaces {
@@ -123,17 +186,20 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
     if graph.node(f.node).outputs != [f.output] {
         return Err(bad(format!("the node does not make `{}` (alone)", graph.value(f.output).name)));
     }
-    let mut reads_input = false;
-    let mut ops: HashSet<OpKind> = HashSet::new();
+    let mut read = vec![false; f.inputs.len()];
+    let mut ops: Vec<OpKind> = Vec::new();
     for &n in &f.replaces {
         let node = graph.node(n);
-        if let crate::ir::Op::Known(k) = node.op {
-            ops.insert(k);
+        match node.op {
+            crate::ir::Op::Known(k) => ops.push(k),
+            crate::ir::Op::Placeholder { .. } => return Err(bad(format!("node `{}` of the chain has op {}, which no fused op has", node.name, node.op))),
         }
         for &v in node.inputs.iter().flatten() {
             let val = graph.value(v);
-            if v == f.input {
-                reads_input = true;
+            if f.inputs.contains(&v) {
+                for (r, _) in read.iter_mut().zip(&f.inputs).filter(|(_, x)| **x == v) {
+                    *r = true;
+                }
             } else if let Some(p) = val.producer.filter(|p| !members.contains(p)) {
                 return Err(bad(format!("node `{}` of the chain reads `{}`, made by `{}` outside it", node.name, val.name, graph.node(p).name)));
             } else if val.producer.is_none() && val.data.is_none() {
@@ -141,8 +207,8 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
             }
         }
     }
-    if !reads_input {
-        return Err(bad(format!("no node of the chain reads its input `{}`", graph.value(f.input).name)));
+    if let Some(i) = read.iter().position(|r| !r) {
+        return Err(bad(format!("no node of the chain reads its input `{}`", graph.value(f.inputs[i]).name)));
     }
     let readers = readers(graph);
     for &n in f.replaces.iter().filter(|&&n| n != f.node) {
@@ -153,25 +219,80 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
             }
         }
     }
-    let FusedOp::Gelu { approximate } = f.op;
-    let core = match approximate {
-        GeluApproximation::Tanh => OpKind::Tanh,
-        GeluApproximation::None => OpKind::Erf,
+    let count = |k: OpKind| ops.iter().filter(|&&o| o == k).count();
+    let mut attrs = crate::ir::Attrs::default();
+    let kind = match f.op {
+        FusedOp::Gelu { approximate } => {
+            let core = match approximate {
+                GeluApproximation::Tanh => OpKind::Tanh,
+                GeluApproximation::None => OpKind::Erf,
+            };
+            if count(core) == 0 || count(OpKind::Mul) == 0 {
+                return Err(bad(format!("the chain has no {core:?} and Mul, so it is not {}", f.op)));
+            }
+            if approximate == GeluApproximation::Tanh {
+                attrs.set("approximate", Attr::Str("tanh".into()));
+            }
+            OpKind::Gelu
+        }
+        FusedOp::Attention { scale, mask } => {
+            check_attention(graph, f, &ops, scale.0, mask).map_err(bad)?;
+            attrs.set("scale", Attr::Tensor(crate::ir::Tensor::from_f64(vec![], &[scale.0])));
+            OpKind::ScaledDotProductAttention
+        }
     };
-    if !ops.contains(&core) || !ops.contains(&OpKind::Mul) {
-        return Err(bad(format!("the chain has no {core:?} and Mul, so it is not {}", f.op)));
-    }
     let node = graph.node_mut(f.node);
-    node.op = crate::ir::Op::Known(OpKind::Gelu);
-    node.attrs = crate::ir::Attrs::default();
-    if approximate == GeluApproximation::Tanh {
-        node.attrs.set("approximate", Attr::Str("tanh".into()));
-    }
-    node.inputs.truncate(1);
-    // rewires the node's edges to its one input
-    graph.set_input(f.node, 0, Some(f.input));
+    node.op = crate::ir::Op::Known(kind);
+    node.attrs = attrs;
+    node.inputs = f.inputs.iter().map(|&v| Some(v)).collect();
+    // rewires the node's edges to its inputs
+    graph.set_input(f.node, 0, Some(f.inputs[0]));
     for &n in f.replaces.iter().filter(|&&n| n != f.node) {
         graph.remove_node(n);
+    }
+    Ok(())
+}
+
+/// The op checks of an attention record (see [`apply`]): the chain's ops, the mask's type and
+/// the scale its constants multiply to.
+fn check_attention(g: &Graph, f: &Fusion, ops: &[OpKind], scale: f64, mask: Option<AttentionMask>) -> Result<(), String> {
+    use OpKind::*;
+    let count = |k: OpKind| ops.iter().filter(|&&o| o == k).count();
+    if !g.node(f.node).op.is(MatMul) {
+        return Err(format!("the node is a {}, not the MatMul by V", g.node(f.node).op));
+    }
+    if count(MatMul) != 2 || count(Softmax) != 1 {
+        return Err(format!("the chain has {} MatMuls and {} Softmaxes, not 2 and 1", count(MatMul), count(Softmax)));
+    }
+    if let Some(k) = ops.iter().find(|k| !matches!(k, MatMul | Softmax | Mul | Div | Add | Where | Dropout)) {
+        return Err(format!("the chain has a {k}, which attention does not"));
+    }
+    let mask_dtype = f.inputs.get(3).and_then(|&m| g.value(m).ty.as_ref()).map(|t| t.dtype);
+    let (adds, wheres) = match mask {
+        None => (0, 0),
+        Some(AttentionMask::Additive) if mask_dtype.is_some_and(|d| d.is_float()) => (1, 0),
+        Some(AttentionMask::Keep) if mask_dtype == Some(DType::Bool) => (0, 1),
+        Some(m) => return Err(format!("the mask `{}` is not a {m:?} mask's type", g.value(f.inputs[3]).name)),
+    };
+    if count(Add) != adds || count(Where) != wheres {
+        return Err(format!("the chain has {} Adds and {} Wheres, its mask ({mask:?}) needs {adds} and {wheres}", count(Add), count(Where)));
+    }
+    let mut product = 1.0;
+    for &n in &f.replaces {
+        let node = g.node(n);
+        let konst = node.inputs.iter().flatten().find_map(|&v| {
+            let val = g.value(v);
+            (val.producer.is_none() && !f.inputs.contains(&v)).then(|| val.data.as_ref().and_then(|d| d.to_f64_vec())).flatten()
+        });
+        match (node.op.kind(), konst.as_deref()) {
+            (Some(Mul), Some([c])) => product *= c,
+            (Some(Div), Some([c])) => product /= c,
+            (Some(Mul | Div), _) => return Err(format!("`{}` does not scale by one constant", node.name)),
+            _ => {}
+        }
+    }
+    if (product - scale).abs() > 1e-12 * scale.abs().max(1e-300) {
+        return Err(format!("its constants scale by {product}, the record by {scale}"));
     }
     Ok(())
 }
@@ -190,10 +311,26 @@ fn readers(g: &Graph) -> Vec<usize> {
     n
 }
 
+/// The one output of node `n`.
+fn a_out(g: &Graph, n: NodeId) -> Option<ValueId> {
+    g.node(n).outputs.first().copied()
+}
+
 struct Matcher<'g> {
     g: &'g Graph,
     uses: Vec<usize>,
 }
+
+/// What [`Matcher::attention`] found.
+struct AttentionMatch {
+    inputs: Vec<ValueId>,
+    scale: f64,
+    mask: Option<AttentionMask>,
+    nodes: Vec<NodeId>,
+}
+
+/// A `Where` fill at or below this (or −∞) masks a score out as the kernel's −∞ does.
+const MASKED_OUT: f64 = -1e30;
 
 /// √(2/π) and 1/√2 as the formulas use them.
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
@@ -245,6 +382,137 @@ impl Matcher<'_> {
             Some(b)
         } else {
             None
+        }
+    }
+
+    /// The shape of `v` when known (dims may be symbolic).
+    fn dims(&self, v: ValueId) -> Option<&[crate::ir::Dim]> {
+        self.g.value(v).ty.as_ref()?.shape.as_ref().map(|s| s.0.as_slice())
+    }
+
+    fn dtype(&self, v: ValueId) -> Option<DType> {
+        self.g.value(v).ty.as_ref().map(|t| t.dtype)
+    }
+
+    /// For a binary node with a one-element constant operand of rank at most 4: (the other
+    /// operand, the constant, whether the constant is the second operand).
+    fn scalar_operand(&self, id: NodeId) -> Option<(ValueId, f64, bool)> {
+        let (a, b) = self.pair(id)?;
+        let small = |v: ValueId| self.g.value(v).data.as_ref().is_some_and(|d| d.dims.len() <= 4);
+        if let Some(c) = self.scalar(b).filter(|_| small(b)) {
+            Some((a, c, true))
+        } else {
+            self.scalar(a).filter(|_| small(a)).map(|c| (b, c, false))
+        }
+    }
+
+    /// `id` = MatMul(Dropout?(Softmax(mask?(scale(MatMul(q, kᵀ))))), v), exactly as the module
+    /// docs list; `grad` marks values that carry a gradient (a mask must not).
+    fn attention(&self, id: NodeId, grad: &[bool], opset: i64) -> Option<AttentionMatch> {
+        use OpKind::*;
+        let mut nodes = vec![id];
+        let (mut p, v) = self.pair(id)?;
+        // an inactive dropout on the probabilities
+        if let Some(d) = self.g.value(p).producer.filter(|&d| self.g.node(d).op.is(Dropout)) {
+            let node = self.g.node(d);
+            let extra_unread = node.outputs.iter().skip(1).all(|o| self.uses[o.index()] == 0);
+            if self.uses[p.index()] != 1 || node.outputs[0] != p || !extra_unread || !self.dropout_inactive(d, opset) {
+                return None;
+            }
+            nodes.push(d);
+            p = node.inputs.first().copied().flatten()?;
+        }
+        let sm = self.inner(p, Softmax)?;
+        nodes.push(sm);
+        let x = self.g.node(sm).inputs.first().copied().flatten()?;
+        let rank = self.dims(x)?.len() as i64;
+        let axis = self.g.node(sm).attrs.int("axis", if opset >= 13 { -1 } else { 1 });
+        if rank != 4 || (axis != -1 && axis != rank - 1) {
+            return None;
+        }
+        // the mask, if any, then the scaled scores
+        let mut mask = None;
+        let mut scores = x;
+        if let Some(a) = self.inner(x, Add) {
+            let (l, r) = self.pair(a)?;
+            let (s, m) = if self.inner(l, Mul).or(self.inner(l, Div)).or(self.inner(l, MatMul)).is_some() { (l, r) } else { (r, l) };
+            if grad[m.index()] || self.dims(a_out(self.g, a)?)? != self.dims(s)? || self.dims(m)?.len() > 4 {
+                return None;
+            }
+            mask = Some((m, AttentionMask::Additive));
+            scores = s;
+            nodes.push(a);
+        } else if let Some(w) = self.inner(x, Where) {
+            let ins = &self.g.node(w).inputs;
+            let (Some(Some(c)), Some(Some(s)), Some(Some(fill))) = (ins.first(), ins.get(1), ins.get(2)) else { return None };
+            let masked_out = self.scalar(*fill).is_some_and(|f| f <= MASKED_OUT);
+            if !masked_out || self.dtype(*c) != Some(DType::Bool) || self.dims(a_out(self.g, w)?)? != self.dims(*s)? || self.dims(*c)?.len() > 4 {
+                return None;
+            }
+            mask = Some((*c, AttentionMask::Keep));
+            scores = *s;
+            nodes.push(w);
+        }
+        let mut scale = 1.0;
+        for op in [Mul, Div] {
+            if let Some(n) = self.inner(scores, op) {
+                let (other, c, second) = self.scalar_operand(n)?;
+                scale *= match op {
+                    Div if second && c != 0.0 => 1.0 / c,
+                    Div => return None,
+                    _ => c,
+                };
+                scores = other;
+                nodes.push(n);
+                break;
+            }
+        }
+        let mm = self.inner(scores, MatMul)?;
+        nodes.push(mm);
+        let (mut q, mut kt) = self.pair(mm)?;
+        // √scale on each side
+        for side in [&mut q, &mut kt] {
+            if let Some(n) = self.inner(*side, Mul)
+                && let Some((other, c, _)) = self.scalar_operand(n)
+            {
+                scale *= c;
+                *side = other;
+                nodes.push(n);
+            }
+        }
+        // rank-4 operands, equal leading dims, of one float type
+        let (qd, kd, vd, sd) = (self.dims(q)?, self.dims(kt)?, self.dims(v)?, self.dims(scores)?);
+        let dt = self.dtype(q)?;
+        let same_type = [kt, v].iter().all(|&w| self.dtype(w) == Some(dt)) && dt.is_float();
+        if qd.len() != 4 || kd.len() != 4 || vd.len() != 4 || sd.len() != 4 || !same_type {
+            return None;
+        }
+        if qd[..2] != kd[..2] || qd[..2] != vd[..2] || qd[3] != kd[2] || kd[3] != vd[2] || !scale.is_finite() {
+            return None;
+        }
+        if let Some((m, AttentionMask::Additive)) = mask
+            && self.dtype(m) != Some(dt)
+        {
+            return None;
+        }
+        let mut inputs = vec![q, kt, v];
+        inputs.extend(mask.map(|(m, _)| m));
+        nodes.sort();
+        Some(AttentionMatch { inputs, scale, mask: mask.map(|(_, k)| k), nodes })
+    }
+
+    /// Whether Dropout `d` passes its input through in training too, as the runner runs it:
+    /// before opset 12, or with no `training_mode`, a constant false one, or a constant ratio 0.
+    fn dropout_inactive(&self, d: NodeId, opset: i64) -> bool {
+        if opset < 12 {
+            return true;
+        }
+        let ins = &self.g.node(d).inputs;
+        let konst = |i: usize| ins.get(i).copied().flatten().map(|v| self.scalar(v));
+        match konst(2) {
+            None => true,
+            Some(Some(t)) => t == 0.0 || konst(1) == Some(Some(0.0)),
+            Some(None) => false,
         }
     }
 
@@ -375,7 +643,7 @@ mod tests {
         let mut g = b.g;
         let unfused = g.clone();
         let fusions = fuse(&mut g);
-        assert_eq!(Fused::of(&fusions), Fused { gelu_tanh: 2, gelu_erf: 1 });
+        assert_eq!(Fused::of(&fusions), Fused { gelu_tanh: 2, gelu_erf: 1, attention: 0 });
         assert_eq!(fusions.iter().map(|f| f.replaces.len()).collect::<Vec<_>>(), [8, 8, 5]);
         g.verify().unwrap();
         // the chains' other nodes are gone
@@ -428,7 +696,7 @@ mod tests {
         };
         // another input: the chain reads x, which it neither makes nor holds as a constant
         let other = unfused.value_by_name("c1").unwrap();
-        refused(&Fusion { input: other, ..f.clone() }, "reads `x`");
+        refused(&Fusion { inputs: vec![other], ..f.clone() }, "reads `x`");
         // a node of the chain left out: its output is read by the chain, made outside it
         refused(&Fusion { replaces: f.replaces[1..].to_vec(), ..f.clone() }, "outside it");
         // the other approximation

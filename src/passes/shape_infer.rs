@@ -517,6 +517,18 @@ fn infer_node(graph: &Graph, id: NodeId, info: &ShapeInfo, dims: &BTreeMap<Strin
             };
             one((ty_opt(cx.dtype(0), Some(matmul_shape(sa, sb)?)), None))
         }
+        ScaledDotProductAttention => {
+            let (Some(q), Some(kt), Some(v)) = (cx.shape(0), cx.shape(1), cx.shape(2)) else {
+                return one((ty_opt(cx.dtype(0), None), None));
+            };
+            let scores = matmul_shape(q, kt)?;
+            if let Some(m) = cx.shape(3)
+                && broadcast(&scores, m)? != scores
+            {
+                return Err(format!("the mask {m:?} does not broadcast to the scores {scores:?}"));
+            }
+            one((ty_opt(cx.dtype(0), Some(matmul_shape(&scores, v)?)), None))
+        }
         Gemm => {
             let (Some(sa), Some(sb)) = (cx.shape(0), cx.shape(1)) else {
                 return one((ty_opt(cx.dtype(0), None), None));

@@ -79,7 +79,7 @@ fn apply_fused(g: &mut Graph, f: &FusedNode) -> Result<(), RuntimeError> {
     let fusion = Fusion {
         node: node(f.node)?,
         op: f.op,
-        input: value(&f.input)?,
+        inputs: f.inputs.iter().map(|i| value(i)).collect::<Result<_, _>>()?,
         output: value(&f.output)?,
         replaces: f.replaces.iter().map(|&i| node(i)).collect::<Result<_, _>>()?,
     };

@@ -197,17 +197,18 @@ impl Walker<'_> {
                 let mut next_heads = heads;
                 let mut next_core = core;
                 match kind {
-                    MatMul | Gemm => {
+                    MatMul | Gemm | ScaledDotProductAttention => {
                         r.cores.insert(i);
                         next_core = Some(core.unwrap_or(i));
                         if let Some(c) = core {
                             r.post.entry(c).or_default().0.insert(i);
                         }
                         r.post.entry(i).or_default();
-                        let other = n.inputs.iter().flatten().find(|&&w| w != v).copied();
-                        if let (Some(w), Some(o)) = (other, out)
-                            && self.split_values.is_some_and(|s| !s.contains(&w))
-                            && !self.operand_ok(w, o, true)
+                        // the other operands (q, kᵀ, v and the mask of a fused attention)
+                        let others = n.inputs.iter().flatten().filter(|&&w| w != v).copied();
+                        let others: Vec<ValueId> = if kind == ScaledDotProductAttention { others.collect() } else { others.take(1).collect() };
+                        if let Some(o) = out
+                            && others.iter().any(|&w| self.split_values.is_some_and(|s| !s.contains(&w)) && !self.operand_ok(w, o, true))
                         {
                             return None;
                         }

@@ -1,5 +1,6 @@
 //! Attention: the matmuls between two activations (scores and context) split by heads when both
-//! operands are split alike (see [`Prop::matmul`]); grouped-query KV heads shared by several
+//! operands are split alike (see [`Prop::matmul`]), and so does a fused
+//! `ScaledDotProductAttention` ([`Prop::attention`]); grouped-query KV heads shared by several
 //! ranks go through `repeat_kv`'s Expand here. The planner's attention cores are found in
 //! [`super::analyse`].
 
@@ -7,6 +8,55 @@ use super::realise::{Fail, Prop, R, Sh};
 use crate::ir::{NodeId, OpKind, ValueId};
 
 impl Prop<'_, '_> {
+    /// A fused `ScaledDotProductAttention(q, kᵀ, v, mask?)`: q, kᵀ and v split alike along one
+    /// of their two leading axes (heads, or batch) run split, each rank attending over its
+    /// heads; the output is split the same way. The mask is used whole where it broadcasts
+    /// along that axis (size 1 there, as causal and padding masks `[b, 1, s, s]` are), split
+    /// with the heads when it is split alike, sliced when it is a free weight, and refused
+    /// otherwise, as an elementwise `Add` of it would be.
+    pub(super) fn attention(&mut self, id: NodeId) -> R<()> {
+        let n = self.g.node(id);
+        let o = n.outputs[0];
+        let input = |i: usize| n.inputs.get(i).copied().flatten();
+        let (Some(q), Some(kt), Some(v)) = (input(0), input(1), input(2)) else { return self.err("missing operand") };
+        let mask = input(3);
+        let mut split: Option<(usize, i64, i64, Option<ValueId>)> = None;
+        for x in [q, kt, v] {
+            let rank = self.need_shape(x)?.len();
+            match self.state(x) {
+                Sh::Split { axis, outer, inner, origin } if axis + 2 < rank => match split {
+                    Some((a, ou, inn, o2)) if (a, ou, inn, self.rep(o2)) != (axis, outer, inner, self.rep(origin)) => {
+                        return self.err("q, kᵀ and v are split differently");
+                    }
+                    _ => split = Some((axis, outer, inner, origin.or(split.and_then(|s| s.3)))),
+                },
+                Sh::Split { .. } => return self.err("q, kᵀ or v is split along an axis the scores contract or keep; attention splits by heads"),
+                Sh::Partial => return self.err("a partial sum reaches attention"),
+                Sh::Rep => return self.err(format!("`{}` is whole while another operand is split by heads", self.g.value(x).name)),
+            }
+        }
+        let Some((axis, outer, inner, origin)) = split else { return self.err("no operand is split") };
+        let rank = self.need_shape(o)?.len();
+        if let Some(m) = mask {
+            let ms = self.need_shape(m)?;
+            let off = rank.checked_sub(ms.len()).ok_or_else(|| Fail::Error(self.unsupported_last("the mask has a higher rank than the scores".into())))?;
+            match self.state(m) {
+                Sh::Split { axis: ma, outer: mo, inner: mi, origin: morigin }
+                    if (ma + off, mo, mi, self.rep(morigin)) == (axis, outer, inner, self.rep(origin)) => {}
+                Sh::Split { .. } => return self.err("the mask is split other than the heads"),
+                Sh::Partial => return self.err("the mask is a partial sum"),
+                Sh::Rep => {
+                    let broadcasts = axis < off || ms[axis - off] == 1;
+                    if !broadcasts && !(self.is_free_weight(m) && self.split_weight(m, axis - off, outer, inner)) {
+                        return self.err(format!("replicated mask `{}` would need slicing along the heads", self.g.value(m).name));
+                    }
+                }
+            }
+        }
+        self.set(o, Sh::Split { axis, outer, inner, origin });
+        Ok(())
+    }
+
     /// Grouped-query attention's `repeat_kv` when `rep` ranks share each KV head: the Expand
     /// that repeats each head `n` times along `oaxis + 1` keeps `n / rep` copies per rank, and
     /// the Reshape that merges the two axes into query heads then holds this rank's query heads

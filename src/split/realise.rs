@@ -207,7 +207,8 @@ impl<'a> Engine<'a> {
     }
 
     /// The strategy a node got: weight matmuls column/row/replicate, vocabulary lookups
-    /// vocab/replicate, matmuls of two activations heads/replicate; `None` for other nodes.
+    /// vocab/replicate, matmuls of two activations and fused attention heads/replicate; `None`
+    /// for other nodes.
     pub fn realised(&self, plan: &SplitPlan, n: NodeId) -> Option<Strategy> {
         let g = &self.lg.graph;
         let node = g.node(n);
@@ -222,6 +223,7 @@ impl<'a> Engine<'a> {
                 Some(_) => Some(Strategy::Replicate),
                 None => Some(if split(out) { Strategy::Heads } else { Strategy::Replicate }),
             },
+            OpKind::ScaledDotProductAttention => Some(if split(out) { Strategy::Heads } else { Strategy::Replicate }),
             OpKind::Gather => {
                 let w = node.inputs.first().copied().flatten().and_then(|v| self.weight_of(v))?;
                 Some(if plan.weights.contains_key(&w) { Strategy::Vocab } else { Strategy::Replicate })
@@ -688,6 +690,7 @@ impl<'s, 'a> Prop<'s, 'a> {
             Split => self.split(id),
             Softmax | LogSoftmax | LayerNormalization | ReduceMean | ReduceSum | ReduceMax | CumSum | Slice => self.norm(id, kind),
             Concat => self.concat(id),
+            ScaledDotProductAttention => self.attention(id),
             Expand => self.expand(id),
             Shape | Size => self.err("it reads the shape of a split tensor"),
             k if k.is_elementwise() => self.elementwise(id),

@@ -190,6 +190,7 @@ pub fn run(node: &Node, inputs: &[Option<Tensor>], ctx: &OpContext) -> KResult<V
         Max | Min | Sum | Mean => one(elementwise::variadic(kind, &a)),
         Where => one(elementwise::where_(&a)),
         MatMul => one(nn::matmul(&a)),
+        ScaledDotProductAttention => one(nn::scaled_dot_product_attention(&a)),
         Gemm => one(nn::gemm(&a)),
         Conv => one(nn::conv(&a)),
         LayerNormalization => nn::layer_norm(&a),

@@ -10,6 +10,25 @@ pub(super) fn matmul(a: &Args) -> KResult<Tensor> {
     Ok(a.x(0)?.f_matmul(a.x(1)?)?)
 }
 
+/// `ScaledDotProductAttention(q, kᵀ, v, mask?)` (made by `passes::fuse`): libtorch's
+/// `scaled_dot_product_attention` on `q`, `kᵀ` transposed back (a view) and `v`, with the node's
+/// `scale`, no dropout and no implicit causal mask. A bool mask keeps where true (the kernel's
+/// meaning, and the `Where` it replaced); a float mask is added to the scaled scores.
+pub(super) fn scaled_dot_product_attention(a: &Args) -> KResult<Tensor> {
+    let (q, kt, v) = (a.x(0)?, a.x(1)?, a.x(2)?);
+    let scale = match a.attrs().tensor("scale").and_then(|t| t.to_f64_vec()).as_deref() {
+        Some(&[s]) => s,
+        _ => bail!("attribute `scale` must be a one-element tensor"),
+    };
+    let k = kt.f_transpose(-2, -1)?;
+    let mask = match a.opt(3) {
+        Some(m) if m.kind() != Kind::Bool && m.kind() != q.kind() => Some(m.f_to_kind(q.kind())?),
+        Some(m) => Some(m.shallow_clone()),
+        None => None,
+    };
+    Ok(Tensor::f_scaled_dot_product_attention(q, &k, v, mask, 0.0, false, scale, false)?)
+}
+
 pub(super) fn gemm(a: &Args) -> KResult<Tensor> {
     let mut x = a.x(0)?.shallow_clone();
     let mut w = a.x(1)?.shallow_clone();
