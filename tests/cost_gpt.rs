@@ -8,7 +8,7 @@ use smp_partition::cost::compute::{graph_float_dtype, layer_times};
 use smp_partition::cost::memory::layer_activation_bytes;
 use smp_partition::cost::ClusterSpec;
 use smp_partition::frontend::onnx::load_model;
-use smp_partition::ir::{DType, LayerKind, LayeredGraph, OpKind};
+use smp_partition::ir::{DType, LayerKind, LayeredGraph};
 use smp_partition::passes::{AnalyzeOptions, analyze};
 
 fn gpt3() -> LayeredGraph {
@@ -24,9 +24,7 @@ fn gpt3_block_saved_activations_match_korthikanti_without_dropout() {
     let (s, h, a) = (2048.0, 12288.0, 96.0);
     // Korthikanti et al. 2022, Eq. 2, bytes per layer for b = 1: sbh(34 + 5as/h); without the
     // three dropout masks (2 × sbh, as²b) and the attention dropout output (2as²b):
-    // sbh(32 + 2as/h). Attention is fused (`passes::fuse`): the softmax output (2as²b) is not
-    // kept, the fused kernel's output (2sbh) and f32 logsumexp (4asb) are.
-    let expect = s * h * (32.0 + 2.0 * a * s / h) - 2.0 * a * s * s + 2.0 * s * h + 4.0 * a * s;
+    let expect = s * h * (32.0 + 2.0 * a * s / h);
     let blocks: Vec<_> = lg.layers.iter().filter(|l| l.kind == LayerKind::Block).collect();
     assert_eq!(blocks.len(), 96);
     for l in &blocks {
@@ -60,35 +58,35 @@ fn gpt3_block_flops_and_times() {
     assert!(t8.fwd > t.fwd / 8.0 && t8.fwd < t.fwd / 6.0, "t=8 fwd {}", t8.fwd);
 }
 
-/// Attention is fused (`passes::fuse`): each block's scores MatMul, scale, causal `Where`,
-/// softmax and ·V are one `ScaledDotProductAttention` node, whose figures keep the chain's
-/// FLOPs (4·a·s²·d for the two products, 7 a score for scale, mask and softmax) but read and
-/// write no `s × s` scores: it reads q, kᵀ and v and writes its output (4 × 2sh bytes in bf16),
-/// keeps those and an f32 logsumexp per query row for the backward, and no score bytes are
-/// marked, so a cluster's `fused_attention` flag changes nothing on it.
+/// Attention scores as the figures mark them, against the shapes: per block, Q·Kᵀ writes
+/// a·s² elements, the scale, the mask and the softmax each read and write them, ·V reads them
+/// (bf16: 2 bytes); the softmax output (a·s² · 2 bytes) is the saved part. With fused attention
+/// (the H100 preset) none of it is charged, so the block's forward drops by at least the
+/// materialised score traffic's time; without it (A100) nothing changes.
 #[test]
-fn gpt3_attention_is_fused_and_its_scores_never_materialise() {
+fn gpt3_attention_scores_are_marked_and_free_under_fused_attention() {
     let lg = gpt3();
-    let (s, h, a) = (2048.0, 12288.0, 96.0);
-    let d = h / a;
+    let (s, a) = (2048.0, 96.0);
+    let scores = a * s * s * 2.0;
     let block = lg.layers.iter().find(|l| l.kind == LayerKind::Block).unwrap();
-    let attn: Vec<_> = block.nodes.iter().copied().filter(|&n| lg.graph.node(n).op.is(OpKind::ScaledDotProductAttention)).collect();
-    assert_eq!(attn.len(), 1, "one fused attention per block");
-    assert!(block.nodes.iter().all(|&n| !lg.graph.node(n).op.is(OpKind::Softmax)));
-    let fig = lg.node_figures(attn[0]);
-    let flops = 4.0 * a * s * s * d + 7.0 * a * s * s;
-    assert!((fig.flops - flops).abs() < 1e-9 * flops, "flops {:.4e} vs {flops:.4e}", fig.flops);
-    let io = 4.0 * 2.0 * s * h;
-    assert!((fig.memory_bytes - io).abs() < 1e-9 * io, "memory {:.4e} vs {io:.4e}", fig.memory_bytes);
-    let saved = io + 4.0 * a * s;
-    assert!((fig.saved_bytes - saved).abs() < 1e-9 * saved, "saved {:.4e} vs {saved:.4e}", fig.saved_bytes);
+    // The graph-only export holds no constant data: its scale and its `Where` fill are unknown,
+    // so `passes::fuse` leaves the attention unfused (it fuses only what it proves).
+    assert!(lg.fused.is_empty(), "{:?}", lg.fused);
+    // Q·Kᵀ writes once; scale, mask and softmax read and write; ·V reads: 8 score passes.
     let marked: f64 = block.nodes.iter().map(|&n| lg.node_figures(n).score_bytes).sum();
-    assert_eq!(marked, 0.0);
-    assert_eq!(block.figures.score_saved_bytes, 0.0);
+    assert!((marked - 8.0 * scores).abs() < 1e-6 * scores, "score bytes {marked:.4e} vs 8 × {scores:.4e}");
+    assert_eq!(block.figures.score_saved_bytes, scores);
+    // The marked nodes are the attention core's: Q·Kᵀ, scale, mask, softmax, ·V.
+    let marked: Vec<String> =
+        block.nodes.iter().filter(|&&n| lg.node_figures(n).score_bytes > 0.0).map(|&n| lg.graph.node(n).op.to_string()).collect();
+    assert_eq!(marked, ["MatMul", "Mul", "Where", "Softmax", "MatMul"]);
     let a100 = ClusterSpec::parse("a100-80gb:8").unwrap();
     let fused_a100 = ClusterSpec { fused_attention: true, ..a100.clone() };
     let plain = layer_times(&lg, block.index, &a100, DType::BF16, 1.0, 1);
     let fused = layer_times(&lg, block.index, &fused_a100, DType::BF16, 1.0, 1);
-    assert_eq!(plain.fwd, fused.fwd);
+    let traffic = 8.0 * scores / (a100.hbm_bandwidth * a100.hbm_efficiency);
+    assert!(fused.fwd < plain.fwd && plain.fwd - fused.fwd <= traffic * 1.0001, "fwd {} → {}", plain.fwd, fused.fwd);
+    // The elementwise score ops were memory-bound: their 6 passes are all saved.
+    assert!(plain.fwd - fused.fwd >= 6.0 * scores / (a100.hbm_bandwidth * a100.hbm_efficiency) * 0.999);
     assert!(!a100.fused_attention && ClusterSpec::parse("h100-80gb:8").unwrap().fused_attention);
 }

@@ -57,8 +57,9 @@ fn the_runners_layout_is_the_plans_on_the_planners_graph() {
         let plan = plan(pp, tp);
         let section = plan.codegen.as_ref().unwrap();
         assert_eq!(section.stages.len(), 2);
-        // the plan carries the fused GELU chains (one per block of the 4-block export)
-        assert_eq!(section.fused.len(), 4, "pp {pp} tp {tp}");
+        // the plan carries the fused GELU chains and attentions (one each per block of the
+        // 4-block export)
+        assert_eq!(section.fused.len(), 8, "pp {pp} tp {tp}");
         let (g, _) = planned_graph(&plan, imported()).unwrap();
         // the planner's graph, node for node
         let analysed = load_and_analyze(&model(), &analyze_options(&options(pp, tp))).unwrap().lg.graph;
@@ -67,6 +68,7 @@ fn the_runners_layout_is_the_plans_on_the_planners_graph() {
         };
         assert_eq!(nodes(&g), nodes(&analysed), "pp {pp} tp {tp}: the runner's graph is not the planner's");
         assert_eq!(g.node_ids().filter(|&n| g.node(n).op.is(OpKind::Gelu)).count(), 4);
+        assert_eq!(g.node_ids().filter(|&n| g.node(n).op.is(OpKind::ScaledDotProductAttention)).count(), 4);
 
         let layout = stage_layout(section, &g).unwrap();
         // an independent derivation on the planned graph: which stage makes each value, which

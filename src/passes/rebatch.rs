@@ -290,11 +290,12 @@ mod tests {
         // specialised: the reshape targets are folded constants holding the batch
         let mut lg = crate::passes::analyze(gpt(cfg(4)), &AnalyzeOptions::default()).unwrap();
         assert!(lg.dims.fixed_batch && lg.dims.batch_rebinds);
-        // a causal mask folded per sample, [B, 1, S, S], added to the logits' first reshape input
+        // a causal mask folded per sample, [B, 1, S, S], doubled by a node and given to the
+        // (fused) attention as its additive mask
         let mask: Vec<f32> = (0..4).flat_map(|_| (0..64).map(|i| if i % 8 > i / 8 { -1e9 } else { 0.0 })).collect();
         let m = lg.graph.add_value("mask", ValueKind::Constant, None, Some(Tensor::from_f32(vec![4, 1, 8, 8], &mask))).unwrap();
-        let sm = lg.graph.node_ids().find(|&n| lg.graph.node(n).op.is(OpKind::Softmax)).unwrap();
-        let s = lg.graph.node(sm).inputs[0].unwrap();
+        let sm = lg.graph.node_ids().find(|&n| lg.graph.node(n).op.is(OpKind::ScaledDotProductAttention)).unwrap();
+        let s = m;
         let masked = lg.graph.add_value("masked", ValueKind::Intermediate, None, None).unwrap();
         lg.graph
             .add_node(crate::ir::Node {
@@ -307,7 +308,7 @@ mod tests {
                 order: 0,
             })
             .unwrap();
-        lg.graph.set_input(sm, 0, Some(masked));
+        lg.graph.set_input(sm, 3, Some(masked));
         let mut g = lg.graph.clone();
         let r = rebind_batch(&mut g, 3, &AnalyzeOptions::default()).unwrap().unwrap();
         assert!(!r.shape_constants.is_empty(), "{r:?}");
@@ -322,7 +323,9 @@ mod tests {
         let mut g = lg.graph.clone();
         g.value_mut(g.value_by_name("mask").unwrap()).data = Some(Tensor::from_f32(vec![4, 1, 8, 8], &per_sample));
         let e = rebind_batch(&mut g, 3, &AnalyzeOptions::default()).unwrap_err().to_string();
-        assert!(e.contains("fixed at 4") && e.contains("add_mask") && e.contains("torch.export.Dim(\"batch\")"), "{e}");
+        // (the attention that reads the doubled mask no longer broadcasts it)
+        let attention = &lg.graph.node(sm).name;
+        assert!(e.contains("fixed at 4") && e.contains(&format!("`{attention}`")) && e.contains("torch.export.Dim(\"batch\")"), "{e}");
     }
 
     #[test]
