@@ -150,6 +150,27 @@ fn transpose(x: &T, perm: &[usize]) -> T {
     T::new(x.dtype, shape, data)
 }
 
+/// Softmax of `t` along axis `ax`.
+fn softmax(t: &T, ax: usize) -> T {
+    let r = t.shape.len();
+    let mut perm: Vec<usize> = (0..r).filter(|&i| i != ax).collect();
+    perm.push(ax);
+    let xt = transpose(t, &perm);
+    let d = t.shape[ax];
+    let mut data = xt.data.clone();
+    for row in data.chunks_mut(d) {
+        let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let s: f64 = row.iter().map(|v| (v - m).exp()).sum();
+        row.iter_mut().for_each(|v| *v = (*v - m).exp() / s);
+    }
+    let y = T::new(t.dtype, xt.shape.clone(), data);
+    let mut inv = vec![0; r];
+    for (i, &p) in perm.iter().enumerate() {
+        inv[p] = i;
+    }
+    transpose(&y, &inv)
+}
+
 fn matmul(a: &T, b: &T) -> T {
     let (a2, b2) = (a.shape.len(), b.shape.len());
     let (m, k) = (a.shape[a2 - 2], a.shape[a2 - 1]);
@@ -371,26 +392,24 @@ fn eval(g: &Graph, node: &Node, env: &HashMap<ValueId, T>) -> Vec<T> {
             }
             vec![y]
         }
+        ScaledDotProductAttention => {
+            // softmax(scale·q·kᵀ (+ mask, or where the bool mask keeps)) · v
+            let scale = a.tensor("scale").and_then(|t| t.to_f64_vec()).expect("scale")[0];
+            let mut s = matmul(x(0), x(1));
+            s.data.iter_mut().for_each(|v| *v *= scale);
+            if let Some(m) = get(3) {
+                s = if m.dtype == DType::Bool {
+                    nary(&[m, &s], s.dtype, |v| if v[0] != 0.0 { v[1] } else { f64::NEG_INFINITY })
+                } else {
+                    nary(&[&s, m], s.dtype, |v| v[0] + v[1])
+                };
+            }
+            vec![matmul(&softmax(&s, s.shape.len() - 1), x(2))]
+        }
         Softmax => {
             let t = x(0);
             let ax = axis(a.int("axis", -1), t.shape.len());
-            let r = t.shape.len();
-            let mut perm: Vec<usize> = (0..r).filter(|&i| i != ax).collect();
-            perm.push(ax);
-            let xt = transpose(t, &perm);
-            let d = t.shape[ax];
-            let mut data = xt.data.clone();
-            for row in data.chunks_mut(d) {
-                let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let s: f64 = row.iter().map(|v| (v - m).exp()).sum();
-                row.iter_mut().for_each(|v| *v = (*v - m).exp() / s);
-            }
-            let y = T::new(t.dtype, xt.shape.clone(), data);
-            let mut inv = vec![0; r];
-            for (i, &p) in perm.iter().enumerate() {
-                inv[p] = i;
-            }
-            vec![transpose(&y, &inv)]
+            vec![softmax(t, ax)]
         }
         LayerNormalization => {
             let t = x(0);
