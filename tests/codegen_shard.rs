@@ -379,6 +379,16 @@ fn forced_replicate_nodes_reproduce_the_layer() {
             }
             let split: Vec<&str> = realised.iter().map(|(_, s)| s.name()).filter(|s| *s != "replicate").collect();
             assert!(split.contains(&"column") && split.contains(&"heads") && split.contains(&"row"), "{name} t={t}: {realised:?}");
+            // the heads split is the fused attention's (`passes::fuse`): it runs split by heads
+            let attention: Vec<&str> = layer
+                .nodes
+                .iter()
+                .map(|&n| g.node(n))
+                .filter(|n| n.op.is(smp_partition::ir::OpKind::ScaledDotProductAttention))
+                .map(|n| n.name.as_str())
+                .collect();
+            assert_eq!(attention.len(), 1, "{name}: the block's attention is fused");
+            assert!(realised.iter().any(|(n, s)| n == attention[0] && s.name() == "heads"), "{name} t={t}: {realised:?}");
             validate_shards(&lg.graph, &shards).unwrap();
             let graphs: Vec<Graph> = shards.iter().map(|s| apply_shard(&lg.graph, &layer.nodes, s, &lg.dims).unwrap()).collect();
             for (r, o) in run_ranks(&graphs, &env).iter().enumerate() {
