@@ -756,6 +756,8 @@ fn calibrate(output: &Path, comm_json: Option<&Path>) -> Result<()> {
         return Ok(());
     }
     let mut c = cal::measure_compute()?;
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    cal::measure_concurrency(&mut c, cores).context("measuring the rates while every core computes")?;
     let dir = std::env::temp_dir().join(format!("smp-calibrate-{}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let json = dir.join("comm.json");

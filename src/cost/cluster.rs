@@ -409,6 +409,12 @@ impl ClusterSpec {
                 message: "a `[machine]` table belongs to `preset = \"cpu\"` files only".to_string(),
             });
         }
+        if file.concurrent.is_some() {
+            return Err(ClusterError::Parse {
+                path: path.to_path_buf(),
+                message: "a `[concurrent]` table belongs to the calibration file a `cpu` machine names (`smp-runner calibrate` writes it)".to_string(),
+            });
+        }
         let name = file
             .name
             .clone()
@@ -532,6 +538,17 @@ struct ClusterFile {
     fused_attention: Option<bool>,
     price_per_device_hour: Option<f64>,
     machine: Option<MachineTable>,
+    /// Calibration files only: the fractions of one core's matmul rate and memory bandwidth it
+    /// keeps while every core of the machine runs at once (shared caches and memory).
+    concurrent: Option<ConcurrentRates>,
+}
+
+/// What one core keeps of its rates while all cores compute (`smp-runner calibrate`).
+#[derive(Clone, Copy, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConcurrentRates {
+    flops_factor: f64,
+    bandwidth_factor: f64,
 }
 
 /// A cluster file's `[machine]` table.
@@ -602,7 +619,8 @@ impl ClusterFile {
 impl ClusterSpec {
     /// The `cpu` preset for `machine`: one device per core (or `devices`, all on one node),
     /// memory = the machine's / devices. Rates come from the machine's calibration file when
-    /// it has one, else these defaults (one core, f32, Gloo over loopback): 50 GFLOP/s per core
+    /// it has one (with more than one device, scaled by its `[concurrent]` factors: what a core
+    /// keeps while all compute at once), else these defaults (one core, f32, Gloo over loopback): 50 GFLOP/s per core
     /// (bf16 the same: no AMX assumed), 10 GB/s memory bandwidth, 2 GB/s and 50 µs between
     /// ranks, efficiency 0.7 at large sizes, half at 10 MFLOP, 256 MiB workspace.
     pub fn cpu(machine: &MachineFacts, devices: Option<usize>) -> Result<ClusterSpec, ClusterError> {
@@ -640,12 +658,24 @@ impl ClusterSpec {
                 message: "a calibration file holds measured rates only (no `preset`, no `[machine]`)".to_string(),
             });
         }
+        let concurrent = file.concurrent;
         // The machine's shape stays the machine's unless the file says otherwise.
         let mut spec = file.resolve("cpu".to_string(), Some(&defaults), &path)?;
         if let Some(n) = devices {
             spec.devices = n;
         }
         spec.devices_per_node = spec.devices;
+        // several devices are several cores computing at once: each at its shared rates
+        if let Some(c) = concurrent.filter(|_| spec.devices > 1) {
+            for (name, f) in [("flops_factor", c.flops_factor), ("bandwidth_factor", c.bandwidth_factor)] {
+                if !(f > 0.0 && f <= 1.5) {
+                    return Err(ClusterError::Parse { path, message: format!("[concurrent] {name} = {f}: a fraction of the one-core rate (0 < f ≤ 1.5) was expected; re-run `smp-runner calibrate`") });
+                }
+            }
+            spec.fp32_flops *= c.flops_factor;
+            spec.bf16_flops *= c.flops_factor;
+            spec.hbm_bandwidth *= c.bandwidth_factor;
+        }
         spec.device = if spec.device.starts_with("cpu") { spec.device } else { format!("cpu ({})", spec.device) };
         spec.validate()?;
         Ok(spec)

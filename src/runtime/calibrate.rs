@@ -24,6 +24,10 @@ pub struct Calibration {
     pub p2p_bandwidth: f64,
     /// Bytes per second of a large two-rank all-reduce (buffer size over time).
     pub allreduce_bandwidth: f64,
+    /// What one core keeps of its 512 × 512 matmul rate and its memory bandwidth while every
+    /// core runs the same work at once (1 on one core).
+    #[serde(default)]
+    pub concurrent: Option<(f64, f64)>,
 }
 
 fn best_of<F: FnMut() -> Result<(), RuntimeError>>(reps: usize, mut f: F) -> Result<f64, RuntimeError> {
@@ -59,6 +63,49 @@ pub fn measure_compute() -> Result<Calibration, RuntimeError> {
     })?;
     cal.memory_bandwidth = 3.0 * (16 << 20) as f64 * 4.0 / t;
     Ok(cal)
+}
+
+/// Matmul rate and memory bandwidth per core while `cores` threads (one intra-op thread
+/// each) run the same work at once, as fractions of one thread's alone (`alone`: from
+/// [`measure_compute`]). Sets `alone.concurrent`.
+pub fn measure_concurrency(alone: &mut Calibration, cores: usize) -> Result<(), RuntimeError> {
+    let one_matmul = alone.matmul.iter().find(|p| (p.0 - 2.0 * 512f64.powi(3)).abs() < 1.0).map(|p| p.1);
+    let (Some(one_matmul), true) = (one_matmul, alone.memory_bandwidth > 0.0) else {
+        return Err(RuntimeError::Train("measure the compute rates alone before the concurrent ones".into()));
+    };
+    if cores < 2 {
+        alone.concurrent = Some((1.0, 1.0));
+        return Ok(());
+    }
+    let start = std::sync::Barrier::new(cores);
+    let per_thread: Vec<Result<(f64, f64), RuntimeError>> = std::thread::scope(|sc| {
+        let workers: Vec<_> = (0..cores)
+            .map(|_| {
+                sc.spawn(|| -> Result<(f64, f64), RuntimeError> {
+                    let opts = (Kind::Float, Device::Cpu);
+                    let (a, b) = (Tensor::f_randn([512, 512], opts)?, Tensor::f_randn([512, 512], opts)?);
+                    let (x, y) = (Tensor::f_randn([16 << 20], opts)?, Tensor::f_randn([16 << 20], opts)?);
+                    start.wait();
+                    let mm = best_of(8, || {
+                        let _ = a.f_matmul(&b)?;
+                        Ok(())
+                    })?;
+                    start.wait();
+                    let add = best_of(5, || {
+                        let _ = x.f_add(&y)?;
+                        Ok(())
+                    })?;
+                    Ok((2.0 * 512f64.powi(3) / mm, 3.0 * (16 << 20) as f64 * 4.0 / add))
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap_or_else(|_| Err(RuntimeError::Train("a calibration thread panicked".into())))).collect()
+    });
+    let rates = per_thread.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let n = rates.len() as f64;
+    let (mm, bw) = rates.iter().fold((0.0, 0.0), |acc, r| (acc.0 + r.0 / n, acc.1 + r.1 / n));
+    alone.concurrent = Some((mm / one_matmul, bw / alone.memory_bandwidth));
+    Ok(())
 }
 
 /// Ping-pong and all-reduce between ranks 0 and 1 of `env` (every rank calls this); returns
@@ -120,5 +167,9 @@ pub fn cluster_toml(cal: &Calibration) -> String {
     s.push_str(&format!("intra_node_bandwidth = {:e}\ninter_node_bandwidth = {:e}\n", cal.p2p_bandwidth, cal.p2p_bandwidth));
     s.push_str(&format!("intra_node_latency = {:e}\ninter_node_latency = {:e}\n", cal.p2p_latency, cal.p2p_latency));
     s.push_str(&format!("\n[efficiency]\npeak = {:e}\nhalf_flops = {:e}\n", curve.peak, curve.half_flops));
+    if let Some((flops, bandwidth)) = cal.concurrent {
+        s.push_str("\n# per core while every core computes, as a fraction of one core alone\n");
+        s.push_str(&format!("[concurrent]\nflops_factor = {flops:e}\nbandwidth_factor = {bandwidth:e}\n"));
+    }
     s
 }
