@@ -143,7 +143,7 @@ pub fn measure_comm(env: &RankEnv, cal: &mut Calibration) -> Result<(), RuntimeE
     // split along the sequence axis; medians, as a step meets them.
     let median = |f: &dyn Fn() -> Result<(), RuntimeError>| -> Result<f64, RuntimeError> {
         let mut ts = Vec::new();
-        for _ in 0..15 {
+        for _ in 0..25 {
             pg.barrier()?;
             let t0 = Instant::now();
             f()?;
@@ -152,7 +152,7 @@ pub fn measure_comm(env: &RankEnv, cal: &mut Calibration) -> Result<(), RuntimeE
         ts.sort_by(f64::total_cmp);
         Ok(ts[ts.len() / 2])
     };
-    for s in [8i64, 128, 512] {
+    for s in [8i64, 32, 128, 512] {
         let whole = Tensor::f_ones([8, s, 256], opts)?;
         let half = Tensor::f_ones([8, s / 2, 256], opts)?;
         let bytes = (8 * s * 256 * 4) as f64;
