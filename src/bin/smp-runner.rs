@@ -772,6 +772,8 @@ fn calibrate(output: &Path, comm_json: Option<&Path>) -> Result<()> {
     c.p2p_latency = comm.p2p_latency;
     c.p2p_bandwidth = comm.p2p_bandwidth;
     c.allreduce_bandwidth = comm.allreduce_bandwidth;
+    c.collective_samples = comm.collective_samples;
+    c.collectives = comm.collectives;
     let text = cal::cluster_toml(&c);
     if let Some(parent) = output.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;

@@ -32,6 +32,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::comm::Link;
 use crate::ir::DType;
 
 /// Errors reading a cluster spec.
@@ -188,6 +189,26 @@ pub struct ClusterSpec {
     /// may set its own). `None`: unknown, and costs are not predicted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub price_per_device_hour: Option<f64>,
+    /// Measured links of the collectives inside a node, each replacing the intra-node link
+    /// for that collective (`smp-runner calibrate` writes them; `None` for the presets).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub collectives: Option<CollectiveLinks>,
+}
+
+/// Per-collective alpha-beta links inside a node, as the runtime calls them (Gloo on `cpu`:
+/// each call pays a latency many times a message's, and copies in and out of its buffers).
+/// `α` is charged per ring step and `bw` on the ring's bytes, as in `cost::comm`: with 2 ranks
+/// an all-reduce of B costs 2α + B/bw, an all-gather of a B output or a reduce-scatter of a B
+/// input α + B/(2·bw).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CollectiveLinks {
+    /// The all-reduce (Megatron's forward *g* and backward *f*, data-parallel gradients).
+    pub all_reduce: Link,
+    /// The all-gather along an axis (tensor outputs, sequence parallelism, ZeRO weights).
+    pub all_gather: Link,
+    /// The reduce-scatter along an axis (sequence parallelism, ZeRO gradients).
+    pub reduce_scatter: Link,
 }
 
 /// What the `cpu` preset needs to know about a machine. Gathered from the host by the binaries,
@@ -304,6 +325,7 @@ fn gpu(
         fused_attention: false,
         machine: None,
         price_per_device_hour: list_price(name),
+        collectives: None,
     }
 }
 
@@ -464,10 +486,26 @@ impl ClusterSpec {
                 value: price,
             });
         }
+        let c = self.collectives;
+        let links = [("collectives.all_reduce", c.map(|c| c.all_reduce)), ("collectives.all_gather", c.map(|c| c.all_gather)), ("collectives.reduce_scatter", c.map(|c| c.reduce_scatter))];
+        for (field, link) in links.iter().filter_map(|(f, l)| l.map(|l| (*f, l))) {
+            if !(link.bandwidth > 0.0) || !link.bandwidth.is_finite() {
+                return Err(ClusterError::Invalid {
+                    source_name: self.name.clone(),
+                    field,
+                    requirement: "a link with a positive bandwidth",
+                    value: link.bandwidth,
+                });
+            }
+        }
+        let latencies = links.iter().filter_map(|(f, l)| l.map(|l| (*f, l.latency)));
         for (field, value) in [
             ("intra_node_latency", self.intra_node_latency),
             ("inter_node_latency", self.inter_node_latency),
-        ] {
+        ]
+        .into_iter()
+        .chain(latencies)
+        {
             if !(value >= 0.0) || !value.is_finite() {
                 return Err(ClusterError::Invalid {
                     source_name: self.name.clone(),
@@ -537,6 +575,7 @@ struct ClusterFile {
     workspace_bytes: Option<u64>,
     fused_attention: Option<bool>,
     price_per_device_hour: Option<f64>,
+    collectives: Option<CollectiveLinks>,
     machine: Option<MachineTable>,
     /// Calibration files only: the fractions of one core's matmul rate and memory bandwidth it
     /// keeps while every core of the machine runs at once (shared caches and memory).
@@ -612,6 +651,7 @@ impl ClusterFile {
             fused_attention: self.fused_attention.or(base.map(|b| b.fused_attention)).unwrap_or(false),
             machine: base.and_then(|b| b.machine.clone()),
             price_per_device_hour: self.price_per_device_hour.or(base.and_then(|b| b.price_per_device_hour)),
+            collectives: self.collectives.or(base.and_then(|b| b.collectives)),
         })
     }
 }
@@ -644,6 +684,7 @@ impl ClusterSpec {
             fused_attention: false,
             machine: Some(machine.clone()),
             price_per_device_hour: None,
+            collectives: None,
         };
         let Some(cal) = &machine.calibration else {
             defaults.validate()?;

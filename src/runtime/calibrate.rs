@@ -1,7 +1,8 @@
 //! `smp-runner calibrate`: measures this machine for the cost model's `cpu` preset — f32
 //! matmul rate by size on one thread (fitted to the preset's efficiency curve), memory
-//! bandwidth, and Gloo point-to-point latency / bandwidth and all-reduce bandwidth between two
-//! local ranks.
+//! bandwidth, Gloo point-to-point latency / bandwidth between two local ranks, and the
+//! latency and bandwidth of each collective as tensor parallelism calls it (the shim's
+//! autograd functions, copies included), fitted over sizes to `cost::CollectiveLinks`.
 
 use std::time::Instant;
 
@@ -9,7 +10,8 @@ use tch::{Device, Kind, Tensor};
 
 use super::RuntimeError;
 use super::dist::{Backend, ProcessGroup, RankEnv, Store};
-use crate::cost::cluster::EfficiencyCurve;
+use crate::cost::cluster::{CollectiveLinks, EfficiencyCurve};
+use crate::cost::Link;
 
 /// What `calibrate` measured.
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
@@ -28,6 +30,45 @@ pub struct Calibration {
     /// core runs the same work at once (1 on one core).
     #[serde(default)]
     pub concurrent: Option<(f64, f64)>,
+    /// Median seconds of each two-rank collective by size: `(kind, bytes, seconds)`, kind one
+    /// of `all_reduce`, `all_gather`, `reduce_scatter` (bytes: the buffer, the gathered output,
+    /// the scattered input).
+    #[serde(default)]
+    pub collective_samples: Vec<(String, f64, f64)>,
+    /// The links fitted to `collective_samples`.
+    #[serde(default)]
+    pub collectives: Option<CollectiveLinks>,
+}
+
+/// Least-squares line `t = intercept + slope·bytes` through `(bytes, t)`, intercept clamped at
+/// 0; `None` with fewer than two sizes or a slope that is not positive.
+fn fit_line(points: &[(f64, f64)]) -> Option<(f64, f64)> {
+    let n = points.len() as f64;
+    if points.len() < 2 {
+        return None;
+    }
+    let (mx, my) = (points.iter().map(|p| p.0).sum::<f64>() / n, points.iter().map(|p| p.1).sum::<f64>() / n);
+    let sxx: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    if sxx <= 0.0 {
+        return None;
+    }
+    let slope = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum::<f64>() / sxx;
+    (slope > 0.0).then_some(((my - slope * mx).max(0.0), slope))
+}
+
+/// Two-rank collective times by size → links in `cost::comm`'s terms: an all-reduce of B is
+/// 2α + B/bw (two ring steps), an all-gather or reduce-scatter α + B/(2·bw) (one step of
+/// half the bytes).
+pub fn fit_collectives(samples: &[(String, f64, f64)]) -> Option<CollectiveLinks> {
+    let link = |kind: &str, steps: f64, share: f64| {
+        let pts: Vec<(f64, f64)> = samples.iter().filter(|s| s.0 == kind).map(|s| (s.1, s.2)).collect();
+        fit_line(&pts).map(|(intercept, slope)| Link { bandwidth: share / slope, latency: intercept / steps })
+    };
+    Some(CollectiveLinks {
+        all_reduce: link("all_reduce", 2.0, 1.0)?,
+        all_gather: link("all_gather", 1.0, 0.5)?,
+        reduce_scatter: link("reduce_scatter", 1.0, 0.5)?,
+    })
 }
 
 fn best_of<F: FnMut() -> Result<(), RuntimeError>>(reps: usize, mut f: F) -> Result<f64, RuntimeError> {
@@ -145,6 +186,31 @@ pub fn measure_comm(env: &RankEnv, cal: &mut Calibration) -> Result<(), RuntimeE
         Ok(pg.all_reduce_sum(&buf)?)
     })?;
     cal.allreduce_bandwidth = (big_elems * 4) as f64 / t;
+    // The collectives as tensor and sequence parallelism call them: [8, s, 256] activations,
+    // split along the sequence axis; medians, as a step meets them.
+    let median = |f: &dyn Fn() -> Result<(), RuntimeError>| -> Result<f64, RuntimeError> {
+        let mut ts = Vec::new();
+        for _ in 0..25 {
+            pg.barrier()?;
+            let t0 = Instant::now();
+            f()?;
+            ts.push(t0.elapsed().as_secs_f64());
+        }
+        ts.sort_by(f64::total_cmp);
+        Ok(ts[ts.len() / 2])
+    };
+    for s in [8i64, 32, 128, 512] {
+        let whole = Tensor::f_ones([8, s, 256], opts)?;
+        let half = Tensor::f_ones([8, s / 2, 256], opts)?;
+        let bytes = (8 * s * 256 * 4) as f64;
+        let ar = median(&|| Ok(pg.reduce_from_tensor_region(&whole).map(drop)?))?;
+        let ag = median(&|| Ok(pg.gather_along_axis(&half, 1).map(drop)?))?;
+        let rs = median(&|| Ok(pg.reduce_scatter_along_axis(&whole, 1).map(drop)?))?;
+        for (kind, t) in [("all_reduce", ar), ("all_gather", ag), ("reduce_scatter", rs)] {
+            cal.collective_samples.push((kind.to_string(), bytes, t));
+        }
+    }
+    cal.collectives = fit_collectives(&cal.collective_samples);
     Ok(())
 }
 
@@ -171,5 +237,55 @@ pub fn cluster_toml(cal: &Calibration) -> String {
         s.push_str("\n# per core while every core computes, as a fraction of one core alone\n");
         s.push_str(&format!("[concurrent]\nflops_factor = {flops:e}\nbandwidth_factor = {bandwidth:e}\n"));
     }
+    if let Some(c) = &cal.collectives {
+        s.push_str("\n# two-rank collectives, median seconds by bytes:");
+        for (kind, bytes, t) in &cal.collective_samples {
+            s.push_str(&format!(" {kind} {bytes:.3e}:{t:.3e}"));
+        }
+        s.push('\n');
+        for (name, l) in [("all_reduce", c.all_reduce), ("all_gather", c.all_gather), ("reduce_scatter", c.reduce_scatter)] {
+            s.push_str(&format!("[collectives.{name}]\nbandwidth = {:e}\nlatency = {:e}\n", l.bandwidth, l.latency));
+        }
+    }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost::{ClusterSpec, CommModel, GroupSpan};
+
+    #[test]
+    fn fitted_collectives_price_the_measured_times() {
+        // Times of a 2-rank Gloo run on the machine (seconds by bytes).
+        let mut samples = Vec::new();
+        for (kind, a, b) in [("all_reduce", 6e-4, 1.0e-9), ("all_gather", 5e-4, 1.2e-9), ("reduce_scatter", 9e-4, 1.5e-9)] {
+            for bytes in [65536.0, 1048576.0, 4194304.0] {
+                samples.push((kind.to_string(), bytes, a + b * bytes));
+            }
+        }
+        let links = fit_collectives(&samples).unwrap();
+        let cal = Calibration { collectives: Some(links), collective_samples: samples.clone(), ..Default::default() };
+        let toml = cluster_toml(&Calibration { matmul: vec![(1e6, 1e10), (1e9, 5e10)], memory_bandwidth: 1e10, p2p_latency: 5e-5, p2p_bandwidth: 2e9, ..cal });
+        let facts = crate::cost::MachineFacts {
+            memory_bytes: 1 << 34,
+            cores: 2,
+            calibration: Some(crate::cost::CalibrationFile::new("cal.toml", toml)),
+            source: crate::cost::FactSource::Host,
+        };
+        let spec = ClusterSpec::cpu(&facts, Some(2)).unwrap();
+        assert_eq!(spec.collectives.map(|c| c.all_gather.latency > 0.0), Some(true));
+        let comm = CommModel::new(&spec);
+        let g = GroupSpan::intra_node(2);
+        for (kind, bytes, t) in &samples {
+            let priced = match kind.as_str() {
+                "all_reduce" => comm.all_reduce(*bytes, &g),
+                "all_gather" => comm.all_gather(*bytes, &g),
+                _ => comm.reduce_scatter(*bytes, &g),
+            };
+            assert!((priced / t - 1.0).abs() < 1e-3, "{kind} of {bytes} B: priced {priced}, measured {t}");
+        }
+        // Point to point keeps the message link.
+        assert!((comm.p2p(1e6, crate::cost::LinkKind::IntraNode) - (5e-5 + 1e6 / 2e9)).abs() < 1e-9);
+    }
 }
