@@ -93,6 +93,22 @@ pub enum ClusterError {
     },
 }
 
+/// The least-squares line `y = intercept + slope·x` through `(x, y)` points: `(intercept,
+/// slope)`, or `None` with fewer than two distinct `x`.
+pub fn least_squares_line(points: &[(f64, f64)]) -> Option<(f64, f64)> {
+    let n = points.len() as f64;
+    if points.len() < 2 {
+        return None;
+    }
+    let (mx, my) = (points.iter().map(|p| p.0).sum::<f64>() / n, points.iter().map(|p| p.1).sum::<f64>() / n);
+    let sxx: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    if sxx <= 0.0 {
+        return None;
+    }
+    let slope = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum::<f64>() / sxx;
+    Some((my - slope * mx, slope))
+}
+
 /// Achievable fraction of the peak compute rate as a function of the operation's size:
 /// `peak · flops / (flops + half_flops)` — small kernels are latency bound, large GEMMs reach
 /// `peak`.
@@ -121,17 +137,7 @@ impl EfficiencyCurve {
     pub fn fit(points: &[(f64, f64)]) -> Option<EfficiencyCurve> {
         let pts: Vec<(f64, f64)> =
             points.iter().filter(|(f, e)| *f > 0.0 && *e > 0.0).map(|&(f, e)| (1.0 / f, 1.0 / e)).collect();
-        let n = pts.len() as f64;
-        if pts.len() < 2 {
-            return None;
-        }
-        let (mx, my) = (pts.iter().map(|p| p.0).sum::<f64>() / n, pts.iter().map(|p| p.1).sum::<f64>() / n);
-        let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
-        if sxx <= 0.0 {
-            return None;
-        }
-        let slope = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum::<f64>() / sxx;
-        let intercept = my - slope * mx;
+        let (intercept, slope) = least_squares_line(&pts)?;
         if intercept <= 0.0 {
             return None;
         }

@@ -43,17 +43,8 @@ pub struct Calibration {
 /// Least-squares line `t = intercept + slope·bytes` through `(bytes, t)`, intercept clamped at
 /// 0; `None` with fewer than two sizes or a slope that is not positive.
 fn fit_line(points: &[(f64, f64)]) -> Option<(f64, f64)> {
-    let n = points.len() as f64;
-    if points.len() < 2 {
-        return None;
-    }
-    let (mx, my) = (points.iter().map(|p| p.0).sum::<f64>() / n, points.iter().map(|p| p.1).sum::<f64>() / n);
-    let sxx: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
-    if sxx <= 0.0 {
-        return None;
-    }
-    let slope = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum::<f64>() / sxx;
-    (slope > 0.0).then_some(((my - slope * mx).max(0.0), slope))
+    let (intercept, slope) = crate::cost::cluster::least_squares_line(points)?;
+    (slope > 0.0).then_some((intercept.max(0.0), slope))
 }
 
 /// Two-rank collective times by size → links in `cost::comm`'s terms: an all-reduce of B is
