@@ -69,7 +69,11 @@ fn main() {
     let load_before = load();
     let (mut ours, mut torch, mut single) = (Vec::new(), Vec::new(), Vec::new());
     for r in 0..rounds {
-        ours.push(mean_step(&launch(&dir, &pp2, 2, &n)));
+        let run = launch(&dir, &pp2, 2, &n);
+        for line in peers::phases(&run) {
+            println!("  pp 2 {line}");
+        }
+        ours.push(mean_step(&run));
         torch.push(mean_step(&ok("torch pipelining", peer("pipe", &dir, &["--steps", &n, "--microbatches", "8"]).output().expect("run peer"))));
         single.push(mean_step(&one_process(&dir, "8", &n)));
         println!(
@@ -105,5 +109,8 @@ fn main() {
         let out = launch(&dir, &p, *nproc, &n);
         let (pred, meas) = (predicted(&out), mean_step(&out));
         println!("| {name} | {:.1} ms | {:.1} ms | {:+.0} % |", pred * 1e3, meas * 1e3, (pred / meas - 1.0) * 100.0);
+        for line in peers::phases(&out) {
+            println!("  {name} {line}");
+        }
     }
 }

@@ -1,12 +1,13 @@
-// C ABI over libtorch's autograd for what tch does not expose: a backward pass that accumulates
-// into the `.grad` of chosen leaves (torch.autograd.backward(root, inputs=...)), and setting or
-// clearing a leaf's `.grad`. Every call catches C++ exceptions and returns a heap-allocated
+// C ABI over libtorch for what tch does not expose: a backward pass that accumulates into the
+// `.grad` of chosen leaves (torch.autograd.backward(root, inputs=...)), setting or clearing a
+// leaf's `.grad`, and the fused AdamW update (torch.optim.AdamW(fused=True)). Every call catches C++ exceptions and returns a heap-allocated
 // message (free with smp_autograd_free_error) or nullptr on success.
 // Tensors are passed as at::Tensor* (tch's C_tensor).
 
 #include <cstdlib>
 #include <vector>
 
+#include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include "shim_error.h"
@@ -36,6 +37,25 @@ char* smp_autograd_backward(at::Tensor** roots, int nroots, at::Tensor** inputs,
 // Sets `t`'s `.grad` to `g` (the same tensor, not a copy), or clears it when `g` is null.
 char* smp_autograd_set_grad(at::Tensor* t, at::Tensor* g) {
   return smp_shim::guarded([&] { t->mutable_grad() = g != nullptr ? *g : at::Tensor(); });
+}
+
+// One AdamW update of `n` parameters in place with libtorch's fused kernel, the arithmetic of
+// torch.optim.AdamW in one pass over each tensor's memory; `step` counts updates from 1.
+char* smp_fused_adamw(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_avgs, at::Tensor** exp_avg_sqs, int n,
+                      double lr, double beta1, double beta2, double weight_decay, double eps, int64_t step) {
+  return smp_shim::guarded([&] {
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> ps, gs, ms, vs, steps;
+    for (int i = 0; i < n; ++i) {
+      ps.push_back(*params[i]);
+      gs.push_back(*grads[i]);
+      ms.push_back(*exp_avgs[i]);
+      vs.push_back(*exp_avg_sqs[i]);
+      // the kernel reads each parameter's step count from a float32 scalar, as AdamW keeps it
+      steps.push_back(at::full({}, static_cast<double>(step), at::TensorOptions().dtype(at::kFloat).device(params[i]->device())));
+    }
+    at::_fused_adamw_(ps, gs, ms, vs, {}, steps, lr, beta1, beta2, weight_decay, eps, false, false);
+  });
 }
 
 }  // extern "C"

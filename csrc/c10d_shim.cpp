@@ -66,7 +66,7 @@ Group* group_of(torch::autograd::AutogradContext* ctx) {
 struct ReduceFromTensorRegion : public torch::autograd::Function<ReduceFromTensorRegion> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group) {
     (void)ctx;
-    auto out = x.contiguous().clone();
+    auto out = x.clone(at::MemoryFormat::Contiguous);
     all_reduce_in_place(reinterpret_cast<Group*>(group), out);
     return out;
   }
@@ -83,7 +83,7 @@ struct CopyToTensorRegion : public torch::autograd::Function<CopyToTensorRegion>
     return x.clone();
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
-    auto g = grads[0].contiguous().clone();
+    auto g = grads[0].clone(at::MemoryFormat::Contiguous);
     all_reduce_in_place(group_of(ctx), g);
     return {g, at::Tensor()};
   }
@@ -129,7 +129,8 @@ struct ReduceScatterAlongAxis : public torch::autograd::Function<ReduceScatterAl
     ctx->saved_data["axis"] = axis;
     int64_t size = grp->backend->getSize();
     std::vector<std::vector<at::Tensor>> ins(1);
-    for (auto& c : x.chunk(size, axis)) ins[0].push_back(c.contiguous().clone());
+    // One copy per chunk: Gloo may write into its inputs, so they never alias `x`.
+    for (auto& c : x.chunk(size, axis)) ins[0].push_back(c.clone(at::MemoryFormat::Contiguous));
     auto out = at::empty_like(ins[0][grp->backend->getRank()]);
     std::vector<at::Tensor> outs{out};
     c10d::ReduceScatterOptions opts;
@@ -151,7 +152,7 @@ struct ScatterAlongAxis : public torch::autograd::Function<ScatterAlongAxis> {
     ctx->saved_data["group"] = group;
     ctx->saved_data["axis"] = axis;
     int64_t len = x.size(axis) / grp->backend->getSize();
-    return own_chunk(grp, x, axis, len).clone();
+    return x.narrow(axis, grp->backend->getRank() * len, len).clone(at::MemoryFormat::Contiguous);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
     return gathered_grad(ctx, grads);
@@ -227,7 +228,9 @@ char* smp_c10d_group_new(void* store, const char* prefix, int rank, int size, in
         start = end + 1;
       }
       if (opts->devices.empty()) opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(std::string(gloo_host)));
-      opts->threads = 1;
+      // Two workers, as torch.distributed: with one, each collective waits milliseconds more
+      // (measured: a 1 MiB all-reduce between compute bursts, 2 local ranks).
+      opts->threads = 2;
       backend = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, opts);
     }
     *out = new Group{backend, timeout};

@@ -130,6 +130,29 @@ fn cpu_preset_takes_rates_from_the_calibration() {
 }
 
 #[test]
+fn several_cpu_devices_compute_at_the_calibrated_shared_rates() {
+    let text = "fp32_flops = 100e9\nbf16_flops = 100e9\nhbm_bandwidth = 10e9\n[concurrent]\nflops_factor = 0.9\nbandwidth_factor = 0.5\n";
+    let cal = CalibrationFile::new("cpu.toml", text.to_string());
+    // one device computes alone: its own rates
+    let one = ClusterSpec::parse_on("cpu:1", &facts(8, 2, Some(cal.clone()))).unwrap();
+    assert_eq!((one.fp32_flops, one.bf16_flops, one.hbm_bandwidth), (100e9, 100e9, 10e9));
+    // two share the machine: each at what a core keeps while every core computes
+    let two = ClusterSpec::parse_on("cpu:2", &facts(8, 2, Some(cal))).unwrap();
+    assert!((two.fp32_flops - 90e9).abs() < 1.0 && (two.bf16_flops - 90e9).abs() < 1.0, "{two:?}");
+    assert!((two.hbm_bandwidth - 5e9).abs() < 1.0, "{two:?}");
+    // a factor that is no fraction names itself and the fix
+    let bad = CalibrationFile::new("cpu.toml", "[concurrent]\nflops_factor = 0.0\nbandwidth_factor = 1.0\n".to_string());
+    let e = ClusterSpec::parse_on("cpu:2", &facts(8, 2, Some(bad))).unwrap_err().to_string();
+    assert!(e.contains("cpu.toml") && e.contains("flops_factor") && e.contains("calibrate"), "{e}");
+    // the table belongs to a calibration file, not to a cluster file
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("box.toml");
+    std::fs::write(&file, "preset = \"h100-80gb\"\n[concurrent]\nflops_factor = 0.9\nbandwidth_factor = 0.9\n").unwrap();
+    let e = ClusterSpec::parse(&format!("{}:2", file.display())).unwrap_err().to_string();
+    assert!(e.contains("box.toml") && e.contains("[concurrent]") && e.contains("calibration"), "{e}");
+}
+
+#[test]
 fn a_cluster_file_states_the_machine() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("cal.toml"), "fp32_flops = 80e9\n").unwrap();

@@ -65,3 +65,48 @@ fn the_host_is_recorded_as_the_source_and_gpu_plans_record_no_machine() {
     let gpu = plan("h100-80gb:2", &dir.path().join("gpu.plan.json"));
     assert!(gpu["cluster"].get("machine").is_none(), "{}", gpu["cluster"]);
 }
+
+/// Plans GPT-2 at tp 2 on a 2-core `cpu` machine calibrated by `cal` (TOML), with `extra`
+/// flags; returns (predicted step time, sequence parallel).
+fn tp2_on(d: &Path, name: &str, cal: &str, extra: &[&str]) -> (f64, bool) {
+    let rates = "fp32_flops = 6.7e10\nbf16_flops = 6.7e10\nhbm_bandwidth = 2.5e9\nhbm_efficiency = 1.0\n\
+                 intra_node_bandwidth = 2.35e9\ninter_node_bandwidth = 2.35e9\nintra_node_latency = 4.7e-5\n\
+                 inter_node_latency = 4.7e-5\n[efficiency]\npeak = 0.72\nhalf_flops = 1.7e5\n";
+    std::fs::write(d.join(format!("{name}.cal.toml")), format!("{rates}{cal}")).unwrap();
+    let cluster = format!("preset = \"cpu\"\n[machine]\nmemory_bytes = 8589934592\ncores = 2\ncalibration = \"{name}.cal.toml\"\n");
+    std::fs::write(d.join(format!("{name}.toml")), cluster).unwrap();
+    let out = d.join(format!("{name}{}.plan.json", extra.join("")));
+    let spec = format!("{}:2", d.join(format!("{name}.toml")).display());
+    let mut args = vec![MODEL, "--cluster", &spec, "--pp", "1", "--tp", "2", "--dp", "1", "--microbatches", "1"];
+    args.extend(["--seq-len", "16", "--global-batch", "4", "--json", "-o", out.to_str().unwrap()]);
+    args.extend(extra);
+    let v: serde_json::Value = serde_json::from_str(&ok(smp(&args))).unwrap();
+    (v["predicted"]["step_time_s"].as_f64().unwrap(), v["parallel"]["sequence_parallel"].as_bool().unwrap_or(false))
+}
+
+#[test]
+fn sequence_parallelism_is_chosen_only_where_the_calibrated_collectives_let_it_win() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let links = |ar: (f64, f64), ag: (f64, f64), rs: (f64, f64)| {
+        [("all_reduce", ar), ("all_gather", ag), ("reduce_scatter", rs)]
+            .iter()
+            .map(|(k, (bw, lat))| format!("[collectives.{k}]\nbandwidth = {bw:e}\nlatency = {lat:e}\n"))
+            .collect::<String>()
+    };
+    // Gloo over loopback on a 2-core machine (medians of `smp-runner calibrate`, issue 14):
+    // hundreds of microseconds per call. Sequence parallelism adds collectives per block (an
+    // all-gather per row split and per scatter, partial-gradient all-reduces), which lose
+    // against its ÷2 norms here.
+    let gloo = links((5e8, 2.5e-4), (4e8, 4e-4), (3e8, 4e-4));
+    let (auto, sp) = tp2_on(d, "gloo", &gloo, &[]);
+    let (forced, _) = tp2_on(d, "gloo", &gloo, &["--sequence-parallel"]);
+    let (plain, _) = tp2_on(d, "gloo", &gloo, &["--no-sequence-parallel"]);
+    assert!(!sp && auto == plain, "auto {auto} s (sp {sp}), plain {plain} s");
+    assert!(forced > plain * 1.2, "sequence parallel {forced} s vs plain {plain} s");
+    // With collectives (nearly) free, the same model and compute rates pick it.
+    let free = links((1e13, 0.0), (1e13, 0.0), (1e13, 0.0));
+    let (auto, sp) = tp2_on(d, "free", &free, &[]);
+    let (plain, _) = tp2_on(d, "free", &free, &["--no-sequence-parallel"]);
+    assert!(sp && auto < plain, "auto {auto} s (sp {sp}), plain {plain} s");
+}

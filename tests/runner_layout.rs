@@ -112,9 +112,41 @@ fn the_runners_layout_is_the_plans_on_the_planners_graph() {
                 assert_eq!(layout.outputs_to_next[s], want, "stage {s} sends what later stages read");
                 assert!(!want.is_empty());
                 assert_eq!(names(&g, &layout.gradients_from_next[s]), code.gradients_from_next);
+                // gradients come back for exactly the crossing values that have a trained
+                // parameter among their ancestors (found walking producers backwards)
+                let want: Vec<ValueId> = crossing[s].iter().copied().filter(|&v| has_trained_ancestor(&g, v)).collect();
+                assert_eq!(layout.gradients_from_next[s], want, "pp {pp} tp {tp} stage {s} gradients");
+                // GPT-2's causal mask is a float that crosses but gets no gradient
+                assert!(
+                    crossing[s].iter().any(|&v| float(&g, v) && !want.contains(&v)),
+                    "pp {pp} tp {tp} stage {s}: no constant float crosses"
+                );
             }
         }
     }
+}
+
+fn float(g: &Graph, v: ValueId) -> bool {
+    g.value(v).ty.as_ref().is_some_and(|t| t.dtype.is_float())
+}
+
+/// Whether a trained initializer is among `v`'s ancestors, only through floating-point values.
+fn has_trained_ancestor(g: &Graph, v: ValueId) -> bool {
+    let producer: HashMap<ValueId, NodeId> = g.node_ids().flat_map(|n| g.node(n).outputs.iter().map(move |&o| (o, n))).collect();
+    let mut stack = vec![v];
+    let mut seen = BTreeSet::new();
+    while let Some(v) = stack.pop() {
+        if !seen.insert(v) || !float(g, v) {
+            continue;
+        }
+        if g.value(v).kind == ValueKind::Initializer && is_trainable(g, v) {
+            return true;
+        }
+        if let Some(&n) = producer.get(&v) {
+            stack.extend(g.node(n).inputs.iter().flatten().copied());
+        }
+    }
+    false
 }
 
 fn edited(plan: &Plan, edit: impl Fn(&mut serde_json::Value)) -> Plan {

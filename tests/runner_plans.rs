@@ -279,9 +279,21 @@ fn calibrate_writes_a_cluster_file_the_cpu_preset_reads() {
     let r = Command::new(env!("CARGO_BIN_EXE_smp-runner")).args(["calibrate", "-o", toml.to_str().unwrap()]).output().unwrap();
     assert!(r.status.success(), "calibrate failed: {}", String::from_utf8_lossy(&r.stderr));
     let text = std::fs::read_to_string(&toml).unwrap();
-    let spec = smp_partition::cost::ClusterSpec::from_toml(&format!("preset = \"h100-80gb\"\n{text}"), &toml).unwrap();
+    use smp_partition::cost::{CalibrationFile, ClusterSpec, FactSource, MachineFacts};
+    let facts = MachineFacts {
+        memory_bytes: 8 << 30,
+        cores: 2,
+        calibration: Some(CalibrationFile::new(toml.display().to_string(), text.clone())),
+        source: FactSource::Host,
+    };
+    let spec = ClusterSpec::parse_on("cpu:1", &facts).unwrap();
     assert!(spec.fp32_flops > 1e8 && spec.intra_node_bandwidth > 1e6 && spec.intra_node_latency > 0.0, "{spec:?}");
     assert!(spec.efficiency.peak > 0.0 && spec.efficiency.peak <= 1.0, "{spec:?}");
+    // the rates measured while every core computed scale the per-device rates of a shared machine
+    assert!(text.contains("[concurrent]"), "{text}");
+    let shared = ClusterSpec::parse_on("cpu:2", &facts).unwrap();
+    assert!(shared.fp32_flops > 0.0 && shared.fp32_flops <= 1.5 * spec.fp32_flops, "{shared:?}");
+    assert!(shared.hbm_bandwidth > 0.0 && shared.hbm_bandwidth <= 1.5 * spec.hbm_bandwidth, "{shared:?}");
     // the cpu preset plans with it
     let m = model();
     let plan = dir.path().join("p.json");

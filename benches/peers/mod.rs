@@ -60,6 +60,32 @@ pub fn mean_cpu(out: &Output) -> f64 {
     timed.iter().sum::<f64>() / timed.len().max(1) as f64
 }
 
+/// Each rank's `phases` from a runner's launch JSON, one line per rank (ms per step).
+pub fn phases(out: &Output) -> Vec<String> {
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    let ms = |r: &serde_json::Value, k: &str| r["phases"][k].as_f64().unwrap_or(f64::NAN) * 1e3;
+    v["ranks"]
+        .as_array()
+        .map(|rs| {
+            rs.iter()
+                .map(|r| {
+                    format!(
+                        "rank {}: step {:.1}, CPU {:.1}; compute {:.1}, send {:.1}, receive wait {:.1}, collectives {:.1}, optimizer {:.1} ms",
+                        r["rank"],
+                        r["step_time_s"].as_f64().unwrap_or(f64::NAN) * 1e3,
+                        r["cpu_time_s"].as_f64().unwrap_or(f64::NAN) * 1e3,
+                        ms(r, "compute_s"),
+                        ms(r, "send_s"),
+                        ms(r, "recv_s"),
+                        ms(r, "collective_s"),
+                        ms(r, "optimizer_s")
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// The 1-, 5- and 15-minute load averages.
 pub fn load() -> String {
     std::fs::read_to_string("/proc/loadavg").map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" ")).unwrap_or_default()

@@ -756,6 +756,8 @@ fn calibrate(output: &Path, comm_json: Option<&Path>) -> Result<()> {
         return Ok(());
     }
     let mut c = cal::measure_compute()?;
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    cal::measure_concurrency(&mut c, cores).context("measuring the rates while every core computes")?;
     let dir = std::env::temp_dir().join(format!("smp-calibrate-{}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let json = dir.join("comm.json");
@@ -770,6 +772,8 @@ fn calibrate(output: &Path, comm_json: Option<&Path>) -> Result<()> {
     c.p2p_latency = comm.p2p_latency;
     c.p2p_bandwidth = comm.p2p_bandwidth;
     c.allreduce_bandwidth = comm.allreduce_bandwidth;
+    c.collective_samples = comm.collective_samples;
+    c.collectives = comm.collectives;
     let text = cal::cluster_toml(&c);
     if let Some(parent) = output.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;

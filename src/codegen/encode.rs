@@ -287,6 +287,9 @@ pub enum EncodeError {
     /// The model's fixed batch cannot be rebound to the plan's microbatch size.
     #[error(transparent)]
     Batch(#[from] crate::passes::PassError),
+    /// The graph's order, needed to find which boundary values carry gradients, is broken.
+    #[error("finding which values between stages carry gradients: {0}")]
+    Gradients(#[source] crate::passes::PassError),
     /// The input or section is inconsistent.
     #[error("codegen: {0}")]
     Inconsistent(String),
@@ -445,16 +448,17 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
     }
     let mut outputs_to_next: Vec<Vec<String>> = vec![Vec::new(); input.stages.len()];
     let mut gradients_from_next: Vec<Vec<String>> = vec![Vec::new(); input.stages.len()];
+    // only values computed from trained parameters get a gradient back (not masks or positions)
+    let carries = crate::passes::params::carries_gradient(g).map_err(EncodeError::Gradients)?;
     for v in g.value_ids() {
         let (a, b) = (producer_stage[v.index()], last_reader[v.index()]);
         if a == usize::MAX || b <= a {
             continue;
         }
         let val = g.value(v);
-        let float = val.ty.as_ref().is_some_and(|t| t.dtype.is_float());
         for s in a..b {
             outputs_to_next[s].push(val.name.clone());
-            if float {
+            if carries[v.index()] {
                 gradients_from_next[s].push(val.name.clone());
             }
         }

@@ -32,6 +32,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::comm::Link;
 use crate::ir::DType;
 
 /// Errors reading a cluster spec.
@@ -92,6 +93,22 @@ pub enum ClusterError {
     },
 }
 
+/// The least-squares line `y = intercept + slope·x` through `(x, y)` points: `(intercept,
+/// slope)`, or `None` with fewer than two distinct `x`.
+pub fn least_squares_line(points: &[(f64, f64)]) -> Option<(f64, f64)> {
+    let n = points.len() as f64;
+    if points.len() < 2 {
+        return None;
+    }
+    let (mx, my) = (points.iter().map(|p| p.0).sum::<f64>() / n, points.iter().map(|p| p.1).sum::<f64>() / n);
+    let sxx: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    if sxx <= 0.0 {
+        return None;
+    }
+    let slope = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum::<f64>() / sxx;
+    Some((my - slope * mx, slope))
+}
+
 /// Achievable fraction of the peak compute rate as a function of the operation's size:
 /// `peak · flops / (flops + half_flops)` — small kernels are latency bound, large GEMMs reach
 /// `peak`.
@@ -120,17 +137,7 @@ impl EfficiencyCurve {
     pub fn fit(points: &[(f64, f64)]) -> Option<EfficiencyCurve> {
         let pts: Vec<(f64, f64)> =
             points.iter().filter(|(f, e)| *f > 0.0 && *e > 0.0).map(|&(f, e)| (1.0 / f, 1.0 / e)).collect();
-        let n = pts.len() as f64;
-        if pts.len() < 2 {
-            return None;
-        }
-        let (mx, my) = (pts.iter().map(|p| p.0).sum::<f64>() / n, pts.iter().map(|p| p.1).sum::<f64>() / n);
-        let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
-        if sxx <= 0.0 {
-            return None;
-        }
-        let slope = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum::<f64>() / sxx;
-        let intercept = my - slope * mx;
+        let (intercept, slope) = least_squares_line(&pts)?;
         if intercept <= 0.0 {
             return None;
         }
@@ -188,6 +195,26 @@ pub struct ClusterSpec {
     /// may set its own). `None`: unknown, and costs are not predicted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub price_per_device_hour: Option<f64>,
+    /// Measured links of the collectives inside a node, each replacing the intra-node link
+    /// for that collective (`smp-runner calibrate` writes them; `None` for the presets).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub collectives: Option<CollectiveLinks>,
+}
+
+/// Per-collective alpha-beta links inside a node, as the runtime calls them (Gloo on `cpu`:
+/// each call pays a latency many times a message's, and copies in and out of its buffers).
+/// `α` is charged per ring step and `bw` on the ring's bytes, as in `cost::comm`: with 2 ranks
+/// an all-reduce of B costs 2α + B/bw, an all-gather of a B output or a reduce-scatter of a B
+/// input α + B/(2·bw).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CollectiveLinks {
+    /// The all-reduce (Megatron's forward *g* and backward *f*, data-parallel gradients).
+    pub all_reduce: Link,
+    /// The all-gather along an axis (tensor outputs, sequence parallelism, ZeRO weights).
+    pub all_gather: Link,
+    /// The reduce-scatter along an axis (sequence parallelism, ZeRO gradients).
+    pub reduce_scatter: Link,
 }
 
 /// What the `cpu` preset needs to know about a machine. Gathered from the host by the binaries,
@@ -304,6 +331,7 @@ fn gpu(
         fused_attention: false,
         machine: None,
         price_per_device_hour: list_price(name),
+        collectives: None,
     }
 }
 
@@ -409,6 +437,12 @@ impl ClusterSpec {
                 message: "a `[machine]` table belongs to `preset = \"cpu\"` files only".to_string(),
             });
         }
+        if file.concurrent.is_some() {
+            return Err(ClusterError::Parse {
+                path: path.to_path_buf(),
+                message: "a `[concurrent]` table belongs to the calibration file a `cpu` machine names (`smp-runner calibrate` writes it)".to_string(),
+            });
+        }
         let name = file
             .name
             .clone()
@@ -458,10 +492,26 @@ impl ClusterSpec {
                 value: price,
             });
         }
+        let c = self.collectives;
+        let links = [("collectives.all_reduce", c.map(|c| c.all_reduce)), ("collectives.all_gather", c.map(|c| c.all_gather)), ("collectives.reduce_scatter", c.map(|c| c.reduce_scatter))];
+        for (field, link) in links.iter().filter_map(|(f, l)| l.map(|l| (*f, l))) {
+            if !(link.bandwidth > 0.0) || !link.bandwidth.is_finite() {
+                return Err(ClusterError::Invalid {
+                    source_name: self.name.clone(),
+                    field,
+                    requirement: "a link with a positive bandwidth",
+                    value: link.bandwidth,
+                });
+            }
+        }
+        let latencies = links.iter().filter_map(|(f, l)| l.map(|l| (*f, l.latency)));
         for (field, value) in [
             ("intra_node_latency", self.intra_node_latency),
             ("inter_node_latency", self.inter_node_latency),
-        ] {
+        ]
+        .into_iter()
+        .chain(latencies)
+        {
             if !(value >= 0.0) || !value.is_finite() {
                 return Err(ClusterError::Invalid {
                     source_name: self.name.clone(),
@@ -531,7 +581,19 @@ struct ClusterFile {
     workspace_bytes: Option<u64>,
     fused_attention: Option<bool>,
     price_per_device_hour: Option<f64>,
+    collectives: Option<CollectiveLinks>,
     machine: Option<MachineTable>,
+    /// Calibration files only: the fractions of one core's matmul rate and memory bandwidth it
+    /// keeps while every core of the machine runs at once (shared caches and memory).
+    concurrent: Option<ConcurrentRates>,
+}
+
+/// What one core keeps of its rates while all cores compute (`smp-runner calibrate`).
+#[derive(Clone, Copy, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConcurrentRates {
+    flops_factor: f64,
+    bandwidth_factor: f64,
 }
 
 /// A cluster file's `[machine]` table.
@@ -595,6 +657,7 @@ impl ClusterFile {
             fused_attention: self.fused_attention.or(base.map(|b| b.fused_attention)).unwrap_or(false),
             machine: base.and_then(|b| b.machine.clone()),
             price_per_device_hour: self.price_per_device_hour.or(base.and_then(|b| b.price_per_device_hour)),
+            collectives: self.collectives.or(base.and_then(|b| b.collectives)),
         })
     }
 }
@@ -602,7 +665,8 @@ impl ClusterFile {
 impl ClusterSpec {
     /// The `cpu` preset for `machine`: one device per core (or `devices`, all on one node),
     /// memory = the machine's / devices. Rates come from the machine's calibration file when
-    /// it has one, else these defaults (one core, f32, Gloo over loopback): 50 GFLOP/s per core
+    /// it has one (with more than one device, scaled by its `[concurrent]` factors: what a core
+    /// keeps while all compute at once), else these defaults (one core, f32, Gloo over loopback): 50 GFLOP/s per core
     /// (bf16 the same: no AMX assumed), 10 GB/s memory bandwidth, 2 GB/s and 50 µs between
     /// ranks, efficiency 0.7 at large sizes, half at 10 MFLOP, 256 MiB workspace.
     pub fn cpu(machine: &MachineFacts, devices: Option<usize>) -> Result<ClusterSpec, ClusterError> {
@@ -626,6 +690,7 @@ impl ClusterSpec {
             fused_attention: false,
             machine: Some(machine.clone()),
             price_per_device_hour: None,
+            collectives: None,
         };
         let Some(cal) = &machine.calibration else {
             defaults.validate()?;
@@ -640,12 +705,24 @@ impl ClusterSpec {
                 message: "a calibration file holds measured rates only (no `preset`, no `[machine]`)".to_string(),
             });
         }
+        let concurrent = file.concurrent;
         // The machine's shape stays the machine's unless the file says otherwise.
         let mut spec = file.resolve("cpu".to_string(), Some(&defaults), &path)?;
         if let Some(n) = devices {
             spec.devices = n;
         }
         spec.devices_per_node = spec.devices;
+        // several devices are several cores computing at once: each at its shared rates
+        if let Some(c) = concurrent.filter(|_| spec.devices > 1) {
+            for (name, f) in [("flops_factor", c.flops_factor), ("bandwidth_factor", c.bandwidth_factor)] {
+                if !(f > 0.0 && f <= 1.5) {
+                    return Err(ClusterError::Parse { path, message: format!("[concurrent] {name} = {f}: a fraction of the one-core rate (0 < f ≤ 1.5) was expected; re-run `smp-runner calibrate`") });
+                }
+            }
+            spec.fp32_flops *= c.flops_factor;
+            spec.bf16_flops *= c.flops_factor;
+            spec.hbm_bandwidth *= c.bandwidth_factor;
+        }
         spec.device = if spec.device.starts_with("cpu") { spec.device } else { format!("cpu ({})", spec.device) };
         spec.validate()?;
         Ok(spec)

@@ -11,9 +11,11 @@
 //! the input each rank holds (each keeps B/n); `all_to_all(B)` — what each rank sends in total.
 
 use super::ClusterSpec;
+use super::cluster::CollectiveLinks;
 
 /// One link kind's alpha-beta parameters.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Link {
     /// Bandwidth per rank and direction, bytes/s.
     pub bandwidth: f64,
@@ -113,6 +115,9 @@ pub struct CommModel {
     pub inter: Link,
     /// Devices per node.
     pub devices_per_node: usize,
+    /// Measured per-collective links that replace `intra` for that collective (`cpu` with a
+    /// calibration file: Gloo's collectives cost far more per call than a message).
+    pub collectives: Option<CollectiveLinks>,
 }
 
 impl CommModel {
@@ -122,7 +127,13 @@ impl CommModel {
             intra: Link { bandwidth: spec.intra_node_bandwidth, latency: spec.intra_node_latency },
             inter: Link { bandwidth: spec.inter_node_bandwidth, latency: spec.inter_node_latency },
             devices_per_node: spec.devices_per_node.max(1),
+            collectives: spec.collectives,
         }
+    }
+
+    /// The intra-node link of each collective: measured where calibrated, else `intra`.
+    fn intra_for(&self, pick: fn(&CollectiveLinks) -> Link) -> Link {
+        self.collectives.as_ref().map_or(self.intra, pick)
     }
 
     /// The link of a kind.
@@ -157,8 +168,9 @@ impl CommModel {
             let n_f = n as f64;
             link.time(2.0 * (n_f - 1.0) / n_f * b, 2.0 * (n_f - 1.0))
         };
+        let intra = self.intra_for(|c| c.all_reduce);
         if group.nodes() <= 1 {
-            return ring(self.intra, n, bytes);
+            return ring(intra, n, bytes);
         }
         let flat = ring(self.inter, n, bytes);
         let k = group.per_node;
@@ -170,20 +182,31 @@ impl CommModel {
             let n_f = n as f64;
             link.time((n_f - 1.0) / n_f * b, n_f - 1.0)
         };
-        let hier = 2.0 * half(self.intra, k, bytes) + ring(self.inter, nodes, bytes / k as f64);
+        let hier = 2.0 * half(intra, k, bytes) + ring(self.inter, nodes, bytes / k as f64);
         flat.min(hier)
     }
 
     /// Ring all-gather of a `bytes` output: (n−1)/n·B/bw + (n−1)α; hierarchical across nodes
     /// where cheaper.
     pub fn all_gather(&self, bytes: f64, group: &GroupSpan) -> f64 {
+        self.ring_half(bytes, group, self.intra_for(|c| c.all_gather))
+    }
+
+    /// Ring reduce-scatter of a `bytes` input: the mirror of [`CommModel::all_gather`], on its
+    /// own measured link where calibrated.
+    pub fn reduce_scatter(&self, bytes: f64, group: &GroupSpan) -> f64 {
+        self.ring_half(bytes, group, self.intra_for(|c| c.reduce_scatter))
+    }
+
+    /// Half a ring (all-gather or reduce-scatter) of `bytes` with `intra` inside nodes.
+    fn ring_half(&self, bytes: f64, group: &GroupSpan, intra: Link) -> f64 {
         let n = group.size;
         if n <= 1 || bytes <= 0.0 {
             return 0.0;
         }
         let n_f = n as f64;
         if group.nodes() <= 1 {
-            return self.intra.time((n_f - 1.0) / n_f * bytes, n_f - 1.0);
+            return intra.time((n_f - 1.0) / n_f * bytes, n_f - 1.0);
         }
         let flat = self.inter.time((n_f - 1.0) / n_f * bytes, n_f - 1.0);
         let k = group.per_node as f64;
@@ -192,14 +215,8 @@ impl CommModel {
         }
         let nodes = group.nodes() as f64;
         // Inter-node gather of the pieces of equal local index, then intra-node gather.
-        let hier = self.inter.time((nodes - 1.0) / n_f * bytes, nodes - 1.0)
-            + self.intra.time((k - 1.0) / k * bytes, k - 1.0);
+        let hier = self.inter.time((nodes - 1.0) / n_f * bytes, nodes - 1.0) + intra.time((k - 1.0) / k * bytes, k - 1.0);
         flat.min(hier)
-    }
-
-    /// Ring reduce-scatter of a `bytes` input: the mirror of [`CommModel::all_gather`].
-    pub fn reduce_scatter(&self, bytes: f64, group: &GroupSpan) -> f64 {
-        self.all_gather(bytes, group)
     }
 
     /// All-to-all where each rank sends `bytes` in total, B/n to each peer: the intra-node

@@ -90,6 +90,26 @@ pub fn is_trained(graph: &Graph, v: ValueId) -> bool {
     }
 }
 
+/// For every value (by index): whether it carries a gradient in training, that is, it is a
+/// trained initializer or a floating-point value computed from one. Only these values need a
+/// gradient from a later pipeline stage; masks and positions computed from the data and
+/// constants do not.
+pub fn carries_gradient(graph: &Graph) -> Result<Vec<bool>, PassError> {
+    let mut carries = vec![false; graph.value_count()];
+    for v in graph.initializers() {
+        carries[v.index()] = is_trained(graph, v);
+    }
+    for n in graph.topo_order()? {
+        let node = graph.node(n);
+        if node.inputs.iter().flatten().any(|v| carries[v.index()]) {
+            for &o in &node.outputs {
+                carries[o.index()] = graph.value(o).ty.as_ref().is_some_and(|t| t.dtype.is_float());
+            }
+        }
+    }
+    Ok(carries)
+}
+
 /// Decides, for every initializer, whether it is trained, rewriting the graph as the module
 /// doc says. Returns counts for the run's log.
 pub fn decide(graph: &mut Graph, opts: &ParamOptions) -> Result<ParamSummary, PassError> {

@@ -1,7 +1,8 @@
 //! `smp-runner calibrate`: measures this machine for the cost model's `cpu` preset — f32
 //! matmul rate by size on one thread (fitted to the preset's efficiency curve), memory
-//! bandwidth, and Gloo point-to-point latency / bandwidth and all-reduce bandwidth between two
-//! local ranks.
+//! bandwidth, Gloo point-to-point latency / bandwidth between two local ranks, and the
+//! latency and bandwidth of each collective as tensor parallelism calls it (the shim's
+//! autograd functions, copies included), fitted over sizes to `cost::CollectiveLinks`.
 
 use std::time::Instant;
 
@@ -9,7 +10,8 @@ use tch::{Device, Kind, Tensor};
 
 use super::RuntimeError;
 use super::dist::{Backend, ProcessGroup, RankEnv, Store};
-use crate::cost::cluster::EfficiencyCurve;
+use crate::cost::cluster::{CollectiveLinks, EfficiencyCurve};
+use crate::cost::Link;
 
 /// What `calibrate` measured.
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
@@ -24,6 +26,40 @@ pub struct Calibration {
     pub p2p_bandwidth: f64,
     /// Bytes per second of a large two-rank all-reduce (buffer size over time).
     pub allreduce_bandwidth: f64,
+    /// What one core keeps of its 512 × 512 matmul rate and its memory bandwidth while every
+    /// core runs the same work at once (1 on one core).
+    #[serde(default)]
+    pub concurrent: Option<(f64, f64)>,
+    /// Median seconds of each two-rank collective by size: `(kind, bytes, seconds)`, kind one
+    /// of `all_reduce`, `all_gather`, `reduce_scatter` (bytes: the buffer, the gathered output,
+    /// the scattered input).
+    #[serde(default)]
+    pub collective_samples: Vec<(String, f64, f64)>,
+    /// The links fitted to `collective_samples`.
+    #[serde(default)]
+    pub collectives: Option<CollectiveLinks>,
+}
+
+/// Least-squares line `t = intercept + slope·bytes` through `(bytes, t)`, intercept clamped at
+/// 0; `None` with fewer than two sizes or a slope that is not positive.
+fn fit_line(points: &[(f64, f64)]) -> Option<(f64, f64)> {
+    let (intercept, slope) = crate::cost::cluster::least_squares_line(points)?;
+    (slope > 0.0).then_some((intercept.max(0.0), slope))
+}
+
+/// Two-rank collective times by size → links in `cost::comm`'s terms: an all-reduce of B is
+/// 2α + B/bw (two ring steps), an all-gather or reduce-scatter α + B/(2·bw) (one step of
+/// half the bytes).
+pub fn fit_collectives(samples: &[(String, f64, f64)]) -> Option<CollectiveLinks> {
+    let link = |kind: &str, steps: f64, share: f64| {
+        let pts: Vec<(f64, f64)> = samples.iter().filter(|s| s.0 == kind).map(|s| (s.1, s.2)).collect();
+        fit_line(&pts).map(|(intercept, slope)| Link { bandwidth: share / slope, latency: intercept / steps })
+    };
+    Some(CollectiveLinks {
+        all_reduce: link("all_reduce", 2.0, 1.0)?,
+        all_gather: link("all_gather", 1.0, 0.5)?,
+        reduce_scatter: link("reduce_scatter", 1.0, 0.5)?,
+    })
 }
 
 fn best_of<F: FnMut() -> Result<(), RuntimeError>>(reps: usize, mut f: F) -> Result<f64, RuntimeError> {
@@ -59,6 +95,49 @@ pub fn measure_compute() -> Result<Calibration, RuntimeError> {
     })?;
     cal.memory_bandwidth = 3.0 * (16 << 20) as f64 * 4.0 / t;
     Ok(cal)
+}
+
+/// Matmul rate and memory bandwidth per core while `cores` threads (one intra-op thread
+/// each) run the same work at once, as fractions of one thread's alone (`alone`: from
+/// [`measure_compute`]). Sets `alone.concurrent`.
+pub fn measure_concurrency(alone: &mut Calibration, cores: usize) -> Result<(), RuntimeError> {
+    let one_matmul = alone.matmul.iter().find(|p| (p.0 - 2.0 * 512f64.powi(3)).abs() < 1.0).map(|p| p.1);
+    let (Some(one_matmul), true) = (one_matmul, alone.memory_bandwidth > 0.0) else {
+        return Err(RuntimeError::Train("measure the compute rates alone before the concurrent ones".into()));
+    };
+    if cores < 2 {
+        alone.concurrent = Some((1.0, 1.0));
+        return Ok(());
+    }
+    let start = std::sync::Barrier::new(cores);
+    let per_thread: Vec<Result<(f64, f64), RuntimeError>> = std::thread::scope(|sc| {
+        let workers: Vec<_> = (0..cores)
+            .map(|_| {
+                sc.spawn(|| -> Result<(f64, f64), RuntimeError> {
+                    let opts = (Kind::Float, Device::Cpu);
+                    let (a, b) = (Tensor::f_randn([512, 512], opts)?, Tensor::f_randn([512, 512], opts)?);
+                    let (x, y) = (Tensor::f_randn([16 << 20], opts)?, Tensor::f_randn([16 << 20], opts)?);
+                    start.wait();
+                    let mm = best_of(8, || {
+                        let _ = a.f_matmul(&b)?;
+                        Ok(())
+                    })?;
+                    start.wait();
+                    let add = best_of(5, || {
+                        let _ = x.f_add(&y)?;
+                        Ok(())
+                    })?;
+                    Ok((2.0 * 512f64.powi(3) / mm, 3.0 * (16 << 20) as f64 * 4.0 / add))
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap_or_else(|_| Err(RuntimeError::Train("a calibration thread panicked".into())))).collect()
+    });
+    let rates = per_thread.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let n = rates.len() as f64;
+    let (mm, bw) = rates.iter().fold((0.0, 0.0), |acc, r| (acc.0 + r.0 / n, acc.1 + r.1 / n));
+    alone.concurrent = Some((mm / one_matmul, bw / alone.memory_bandwidth));
+    Ok(())
 }
 
 /// Ping-pong and all-reduce between ranks 0 and 1 of `env` (every rank calls this); returns
@@ -98,6 +177,31 @@ pub fn measure_comm(env: &RankEnv, cal: &mut Calibration) -> Result<(), RuntimeE
         Ok(pg.all_reduce_sum(&buf)?)
     })?;
     cal.allreduce_bandwidth = (big_elems * 4) as f64 / t;
+    // The collectives as tensor and sequence parallelism call them: [8, s, 256] activations,
+    // split along the sequence axis; medians, as a step meets them.
+    let median = |f: &dyn Fn() -> Result<(), RuntimeError>| -> Result<f64, RuntimeError> {
+        let mut ts = Vec::new();
+        for _ in 0..25 {
+            pg.barrier()?;
+            let t0 = Instant::now();
+            f()?;
+            ts.push(t0.elapsed().as_secs_f64());
+        }
+        ts.sort_by(f64::total_cmp);
+        Ok(ts[ts.len() / 2])
+    };
+    for s in [8i64, 32, 128, 512] {
+        let whole = Tensor::f_ones([8, s, 256], opts)?;
+        let half = Tensor::f_ones([8, s / 2, 256], opts)?;
+        let bytes = (8 * s * 256 * 4) as f64;
+        let ar = median(&|| Ok(pg.reduce_from_tensor_region(&whole).map(drop)?))?;
+        let ag = median(&|| Ok(pg.gather_along_axis(&half, 1).map(drop)?))?;
+        let rs = median(&|| Ok(pg.reduce_scatter_along_axis(&whole, 1).map(drop)?))?;
+        for (kind, t) in [("all_reduce", ar), ("all_gather", ag), ("reduce_scatter", rs)] {
+            cal.collective_samples.push((kind.to_string(), bytes, t));
+        }
+    }
+    cal.collectives = fit_collectives(&cal.collective_samples);
     Ok(())
 }
 
@@ -120,5 +224,59 @@ pub fn cluster_toml(cal: &Calibration) -> String {
     s.push_str(&format!("intra_node_bandwidth = {:e}\ninter_node_bandwidth = {:e}\n", cal.p2p_bandwidth, cal.p2p_bandwidth));
     s.push_str(&format!("intra_node_latency = {:e}\ninter_node_latency = {:e}\n", cal.p2p_latency, cal.p2p_latency));
     s.push_str(&format!("\n[efficiency]\npeak = {:e}\nhalf_flops = {:e}\n", curve.peak, curve.half_flops));
+    if let Some((flops, bandwidth)) = cal.concurrent {
+        s.push_str("\n# per core while every core computes, as a fraction of one core alone\n");
+        s.push_str(&format!("[concurrent]\nflops_factor = {flops:e}\nbandwidth_factor = {bandwidth:e}\n"));
+    }
+    if let Some(c) = &cal.collectives {
+        s.push_str("\n# two-rank collectives, median seconds by bytes:");
+        for (kind, bytes, t) in &cal.collective_samples {
+            s.push_str(&format!(" {kind} {bytes:.3e}:{t:.3e}"));
+        }
+        s.push('\n');
+        for (name, l) in [("all_reduce", c.all_reduce), ("all_gather", c.all_gather), ("reduce_scatter", c.reduce_scatter)] {
+            s.push_str(&format!("[collectives.{name}]\nbandwidth = {:e}\nlatency = {:e}\n", l.bandwidth, l.latency));
+        }
+    }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost::{ClusterSpec, CommModel, GroupSpan};
+
+    #[test]
+    fn fitted_collectives_price_the_measured_times() {
+        // Times of a 2-rank Gloo run on the machine (seconds by bytes).
+        let mut samples = Vec::new();
+        for (kind, a, b) in [("all_reduce", 6e-4, 1.0e-9), ("all_gather", 5e-4, 1.2e-9), ("reduce_scatter", 9e-4, 1.5e-9)] {
+            for bytes in [65536.0, 1048576.0, 4194304.0] {
+                samples.push((kind.to_string(), bytes, a + b * bytes));
+            }
+        }
+        let links = fit_collectives(&samples).unwrap();
+        let cal = Calibration { collectives: Some(links), collective_samples: samples.clone(), ..Default::default() };
+        let toml = cluster_toml(&Calibration { matmul: vec![(1e6, 1e10), (1e9, 5e10)], memory_bandwidth: 1e10, p2p_latency: 5e-5, p2p_bandwidth: 2e9, ..cal });
+        let facts = crate::cost::MachineFacts {
+            memory_bytes: 1 << 34,
+            cores: 2,
+            calibration: Some(crate::cost::CalibrationFile::new("cal.toml", toml)),
+            source: crate::cost::FactSource::Host,
+        };
+        let spec = ClusterSpec::cpu(&facts, Some(2)).unwrap();
+        assert_eq!(spec.collectives.map(|c| c.all_gather.latency > 0.0), Some(true));
+        let comm = CommModel::new(&spec);
+        let g = GroupSpan::intra_node(2);
+        for (kind, bytes, t) in &samples {
+            let priced = match kind.as_str() {
+                "all_reduce" => comm.all_reduce(*bytes, &g),
+                "all_gather" => comm.all_gather(*bytes, &g),
+                _ => comm.reduce_scatter(*bytes, &g),
+            };
+            assert!((priced / t - 1.0).abs() < 1e-3, "{kind} of {bytes} B: priced {priced}, measured {t}");
+        }
+        // Point to point keeps the message link.
+        assert!((comm.p2p(1e6, crate::cost::LinkKind::IntraNode) - (5e-5 + 1e6 / 2e9)).abs() < 1e-9);
+    }
 }

@@ -46,6 +46,8 @@ pub(super) struct Interp<'r, 'a> {
     grad_for: HashMap<(usize, usize), Vec<Tensor>>,
     /// Sends in flight.
     pending: Vec<Work>,
+    /// Header receives posted at the start of the pass, by (payload, receiving stage, microbatch).
+    headers: HashMap<(Payload, usize, usize), Work>,
     /// This rank's share of the step's loss (the global mean after the optimizer step).
     loss_sum: f64,
     /// 1 / the counted targets of the current global batch (on the last stage; 0 elsewhere).
@@ -79,6 +81,7 @@ impl<'r, 'a> Interp<'r, 'a> {
             act_in: HashMap::new(),
             grad_for: HashMap::new(),
             pending: Vec::new(),
+            headers: HashMap::new(),
             loss_sum: 0.0,
             loss_scale: 0.0,
             pending_w: BTreeSet::new(),
@@ -114,6 +117,7 @@ impl<'r, 'a> Interp<'r, 'a> {
         self.pending_w.clear();
         self.kv_done = r.kv_groups.is_empty();
         self.phases = PhaseTimes::default();
+        self.post_headers(false)?;
         self.observe();
         for instr in &r.program.instrs {
             if !self.kv_done && matches!(instr, Instr::AllReduce { .. } | Instr::ReduceScatter { .. } | Instr::OptimizerStep) {
@@ -177,6 +181,7 @@ impl<'r, 'a> Interp<'r, 'a> {
                 self.state.clear();
                 self.act_in.clear();
                 self.loss_sum = 0.0;
+                self.post_headers(true)?;
                 for instr in &r.program.instrs {
                     let forward_only = match instr {
                         Instr::Forward { .. } => true,
@@ -295,10 +300,12 @@ impl<'r, 'a> Interp<'r, 'a> {
         if raw.len() != ids.len() {
             return Err(terr(format!("stage {s} mb {mb}: {} inputs arrived, {} expected", raw.len(), ids.len())));
         }
+        // gradients flow back only into what the previous stage wants them for
+        let back: &[ValueId] = if s == 0 { &[] } else { &r.layout.gradients_from_next[s - 1] };
         let inputs: Vec<(ValueId, Tensor)> = ids
             .iter()
             .zip(raw)
-            .map(|(v, t)| Ok((*v, if is_float(&t) { t.f_detach()?.f_set_requires_grad(true)? } else { t })))
+            .map(|(v, t)| Ok((*v, if is_float(&t) && back.contains(v) { t.f_detach()?.f_set_requires_grad(true)? } else { t })))
             .collect::<Result<_, RuntimeError>>()?;
         let grad = !self.eval && !r.layout.recompute[s];
         let norm = if self.eval { NormStats::Running } else { NormStats::Batch { update: true } };
@@ -449,43 +456,80 @@ impl<'r, 'a> Interp<'r, 'a> {
                 self.grad_for.remove(&(s - 1, mb)).ok_or_else(|| terr(format!("gradient send of stage {s} mb {mb} before its backward")))?
             }
         };
+        // one header describing every tensor, then the tensors: the receiver posts all of their
+        // receives at once, so the message costs one round trip, not one per tensor
+        let ts: Vec<Tensor> = ts.iter().map(|t| t.f_detach()?.f_contiguous()).collect::<Result<_, _>>()?;
+        let mut header = vec![0i64; header_len(ts.len())];
+        header[0] = ts.len() as i64;
         for (j, t) in ts.iter().enumerate() {
-            let t = t.f_detach()?.f_contiguous()?;
-            let mut meta = vec![0i64; META];
             let size = t.size();
-            if size.len() > META - 2 {
-                return Err(terr(format!("cannot send a rank-{} tensor", size.len())));
+            if size.len() > MAX_RANK {
+                return Err(terr(format!("cannot send a rank-{} tensor (at most {MAX_RANK} axes)", size.len())));
             }
-            meta[0] = size.len() as i64;
-            meta[1..=size.len()].copy_from_slice(&size);
-            meta[META - 1] = kind_code(t.kind())?;
-            let meta = Tensor::from_slice(&meta);
-            self.pending.push(world.isend(&meta, peer, tag(what, s, mb, 2 * j))?);
-            self.pending.push(world.isend(&t, peer, tag(what, s, mb, 2 * j + 1))?);
+            let w = &mut header[1 + j * WORDS..1 + (j + 1) * WORDS];
+            w[0] = kind_code(t.kind())?;
+            w[1] = size.len() as i64;
+            w[2..2 + size.len()].copy_from_slice(&size);
+        }
+        self.pending.push(world.isend(&Tensor::from_slice(&header), peer, tag(what, s, mb, 0))?);
+        for (j, t) in ts.iter().enumerate() {
+            self.pending.push(world.isend(t, peer, tag(what, s, mb, j + 1))?);
+        }
+        Ok(())
+    }
+
+    /// The stage whose message a Recv of `what` for stage `s` takes (the sender tags with its
+    /// own stage), and how many tensors it holds.
+    fn message_of(&self, what: Payload, s: usize) -> (usize, usize) {
+        let layout = &self.rank.layout;
+        match what {
+            Payload::Activation => (s - 1, layout.outputs_to_next[s - 1].len()),
+            Payload::Gradient => (s + 1, layout.gradients_from_next[s].len()),
+        }
+    }
+
+    /// Posts the header receive of every message the program receives in this pass (`eval`:
+    /// activations only), so each header lands as soon as its sender posts it.
+    fn post_headers(&mut self, forward_only: bool) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        self.headers.clear();
+        for instr in &r.program.instrs {
+            if let Instr::Recv { from: peer, what, stage, mb, .. } = *instr {
+                if forward_only && what != Payload::Activation {
+                    continue;
+                }
+                let (from, count) = self.message_of(what, stage);
+                let buf = Tensor::f_zeros([header_len(count) as i64], (Kind::Int64, tch::Device::Cpu))?;
+                let work = r.groups.world.irecv(&buf, peer, tag(what, from, mb, 0))?;
+                self.headers.insert((what, stage, mb), work);
+            }
         }
         Ok(())
     }
 
     fn recv(&mut self, peer: usize, what: Payload, s: usize, mb: usize) -> Result<(), RuntimeError> {
         let r = self.rank;
-        // the sender tags with its own stage
-        let (from, count) = match what {
-            Payload::Activation => (s - 1, r.layout.outputs_to_next[s - 1].len()),
-            Payload::Gradient => {
-                self.state.get(&(s, mb)).ok_or_else(|| terr(format!("gradient for stage {s} mb {mb} before its forward")))?;
-                (s + 1, r.layout.gradients_from_next[s].len())
-            }
-        };
-        let world = &r.groups.world;
-        let mut got = Vec::with_capacity(count);
-        for j in 0..count {
-            let meta = Tensor::f_zeros([META as i64], (Kind::Int64, tch::Device::Cpu))?;
-            let meta = world.irecv(&meta, peer, tag(what, from, mb, 2 * j))?.wait()?;
-            let meta: Vec<i64> = Vec::<i64>::try_from(&meta).map_err(|e| terr(e.to_string()))?;
-            let rank = meta[0].clamp(0, META as i64 - 2) as usize;
-            let buf = Tensor::f_zeros(&meta[1..=rank], (code_kind(meta[META - 1])?, tch::Device::Cpu))?;
-            got.push(world.irecv(&buf, peer, tag(what, from, mb, 2 * j + 1))?.wait()?);
+        if what == Payload::Gradient {
+            self.state.get(&(s, mb)).ok_or_else(|| terr(format!("gradient for stage {s} mb {mb} before its forward")))?;
         }
+        let (from, count) = self.message_of(what, s);
+        let world = &r.groups.world;
+        let header = match self.headers.remove(&(what, s, mb)) {
+            Some(work) => work,
+            None => world.irecv(&Tensor::f_zeros([header_len(count) as i64], (Kind::Int64, tch::Device::Cpu))?, peer, tag(what, from, mb, 0))?,
+        };
+        let header: Vec<i64> = Vec::<i64>::try_from(&header.wait()?).map_err(|e| terr(e.to_string()))?;
+        if header[0] != count as i64 {
+            return Err(terr(format!("stage {s} mb {mb}: a message of {} tensors arrived from stage {from}, {count} expected", header[0])));
+        }
+        let mut works = Vec::with_capacity(count);
+        for j in 0..count {
+            let w = &header[1 + j * WORDS..1 + (j + 1) * WORDS];
+            let rank = w[1].clamp(0, MAX_RANK as i64) as usize;
+            let buf = Tensor::f_empty(&w[2..2 + rank], (code_kind(w[0])?, tch::Device::Cpu))?;
+            works.push(world.irecv(&buf, peer, tag(what, from, mb, j + 1))?);
+        }
+        let got = works.into_iter().map(|w| w.wait()).collect::<Result<Vec<_>, _>>()?;
         match what {
             Payload::Activation => self.act_in.insert((s, mb), got),
             Payload::Gradient => self.grad_for.insert((s, mb), got),
@@ -630,8 +674,15 @@ fn run_stage(
     }
 }
 
-/// Length of a message's metadata: rank, dims, kind code.
-const META: usize = 10;
+/// The most axes a sent tensor may have.
+const MAX_RANK: usize = 8;
+/// Header words per tensor of a message: kind code, rank, dims (padded to [`MAX_RANK`]).
+const WORDS: usize = 2 + MAX_RANK;
+
+/// Header length of a message of `count` tensors: the count, then each tensor's words.
+fn header_len(count: usize) -> usize {
+    1 + count * WORDS
+}
 
 fn kind_code(k: Kind) -> Result<i64, RuntimeError> {
     Ok(match k {
@@ -663,7 +714,8 @@ fn code_kind(c: i64) -> Result<Kind, RuntimeError> {
     })
 }
 
-/// The message tag of tensor `j` of a payload of `stage`'s microbatch `mb`.
+/// The message tag of part `j` of a payload of `stage`'s microbatch `mb`: 0 the header, then
+/// the tensors from 1.
 fn tag(what: Payload, stage: usize, mb: usize, j: usize) -> u32 {
     let w = usize::from(what == Payload::Gradient);
     ((((w * 64 + stage % 64) * 1024 + mb % 1024) * 1024) + j % 1024) as u32

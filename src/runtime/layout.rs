@@ -127,6 +127,7 @@ pub fn stage_layout(section: &CodegenSection, graph: &Graph) -> Result<StageLayo
     let value = |s: usize, list: &str, name: &str| {
         graph.value_by_name(name).ok_or_else(|| mismatch(format!("stage {s}'s `{list}` names `{name}`, which the model as planned does not have")))
     };
+    let carries = crate::passes::params::carries_gradient(graph).map_err(|e| terr(format!("ordering the model as planned: {e}")))?;
     let mut outputs_to_next = Vec::with_capacity(stages);
     let mut gradients_from_next = Vec::with_capacity(stages);
     let mut data_inputs = Vec::with_capacity(stages);
@@ -142,12 +143,12 @@ pub fn stage_layout(section: &CodegenSection, graph: &Graph) -> Result<StageLayo
             }
         }
         let grads = st.gradients_from_next.iter().map(|n| value(s, "gradients_from_next", n)).collect::<Result<Vec<_>, _>>()?;
-        let floats: Vec<ValueId> = sends.iter().copied().filter(|&v| graph.value(v).ty.as_ref().is_some_and(|t| t.dtype.is_float())).collect();
-        if grads != floats {
+        let carriers: Vec<ValueId> = sends.iter().copied().filter(|&v| carries[v.index()]).collect();
+        if grads != carriers {
             return Err(mismatch(format!(
-                "stage {s} expects gradients of {:?}, but of what it sends, {:?} are floating point",
+                "stage {s} expects gradients of {:?}, but of what it sends, {:?} are computed from trained parameters",
                 st.gradients_from_next,
-                floats.iter().map(|&v| graph.value(v).name.as_str()).collect::<Vec<_>>()
+                carriers.iter().map(|&v| graph.value(v).name.as_str()).collect::<Vec<_>>()
             )));
         }
         let data = st.data_inputs.iter().map(|n| value(s, "data_inputs", n)).collect::<Result<Vec<_>, _>>()?;

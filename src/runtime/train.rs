@@ -107,32 +107,23 @@ impl AdamW {
         self.step_with(params, &grads)
     }
 
-    /// One update of `params` (updated in place) from `grads` (undefined ones are skipped).
+    /// One update of `params` (updated in place) from `grads` (undefined ones are skipped),
+    /// with libtorch's fused AdamW kernel.
     pub fn step_with(&mut self, params: &[Tensor], grads: &[Tensor]) -> Result<(), RuntimeError> {
-        let _guard = tch::no_grad_guard();
         self.step += 1;
-        let AdamWConfig { lr, betas: (b1, b2), eps, weight_decay } = self.cfg;
-        let bc1 = 1.0 - b1.powi(self.step);
-        let bc2 = 1.0 - b2.powi(self.step);
-        let step_size = lr / bc1;
-        let bc2_sqrt = bc2.sqrt();
-        for ((p, g), (m, v)) in params.iter().zip(grads).zip(self.state.iter_mut()) {
-            let g = g.shallow_clone();
-            if !g.defined() {
-                continue;
+        let AdamWConfig { lr, betas, eps, weight_decay } = self.cfg;
+        let (mut ps, mut gs, mut ms, mut vs) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for ((p, g), (m, v)) in params.iter().zip(grads).zip(&self.state) {
+            if g.defined() {
+                ps.push(p);
+                // the kernel walks each tensor's memory in order (a no-op for autograd's own)
+                gs.push(g.f_contiguous()?);
+                ms.push(m);
+                vs.push(v);
             }
-            let mut p = p.shallow_clone();
-            let _ = p.f_mul_scalar_(1.0 - lr * weight_decay)?;
-            let _ = m.f_lerp_(&g, 1.0 - b1)?;
-            let _ = v.f_mul_scalar_(b2)?;
-            let _ = v.f_addcmul_(&g.f_mul_scalar(1.0 - b2)?, &g)?;
-            // in place on one fresh tensor: the same arithmetic, two passes over memory fewer
-            let mut denom = v.f_sqrt()?;
-            let _ = denom.f_div_scalar_(bc2_sqrt)?;
-            let _ = denom.f_add_scalar_(eps)?;
-            let _ = p.f_addcdiv_(&m.f_mul_scalar(-step_size)?, &denom)?;
         }
-        Ok(())
+        let update = super::grad::AdamWUpdate { lr, betas, eps, weight_decay, step: i64::from(self.step) };
+        super::grad::fused_adamw(&ps, &gs.iter().collect::<Vec<_>>(), &ms, &vs, update)
     }
 }
 

@@ -133,10 +133,17 @@ pub fn offers_from(lg: &LayeredGraph, layer: usize, sg: &SplitGraph, x: &Strateg
     let roles = &sg.roles;
     let hidden = lay.input_bytes.max(lay.output_bytes) * b * x.bytes_scale;
     let ar = x.comm.all_reduce(hidden, &x.tp_group);
+    let ag = x.comm.all_gather(hidden, &x.tp_group);
     // Sequence parallelism as codegen emits it: a row split's all-reduce becomes a
-    // reduce-scatter plus a later all-gather (the same bytes), but the reduce-scatter's backward
-    // is one more all-gather, and so is that of the residual's local scatter.
-    let sp_ag = if x.sequence_parallel { x.comm.all_gather(hidden, &x.tp_group) } else { 0.0 };
+    // reduce-scatter plus a later all-gather (before the next column split, or at the layer's
+    // exit), but the reduce-scatter's backward is one more all-gather, and so is that of the
+    // residual's local scatter. Parameters applied to a sequence chunk (the row's deferred
+    // bias, norms in `rest`) get partial gradients: one all-reduce each.
+    let sp_ag = if x.sequence_parallel { ag } else { 0.0 };
+    let row_fwd = if x.sequence_parallel { x.comm.reduce_scatter(hidden, &x.tp_group) + ag } else { ar };
+    let partial_grad = |elems: f64| {
+        if x.sequence_parallel && elems > 0.0 { x.comm.all_reduce(elems * x.dtype.size_bytes() as f64, &x.tp_group) } else { 0.0 }
+    };
     let times_at = |i: usize, share: f64| {
         let id = lay.nodes[i];
         let Some(n) = g.try_node(id) else { return (0.0, 0.0) };
@@ -223,6 +230,7 @@ pub fn offers_from(lg: &LayeredGraph, layer: usize, sg: &SplitGraph, x: &Strateg
     let mut index_of: HashMap<usize, usize> = HashMap::new();
     let mut core_index: Vec<usize> = Vec::new();
     let mut rest = [0.0f64; 6];
+    let mut rest_partial_grads = 0.0;
     for (i, role) in roles.iter().enumerate() {
         let id = lay.nodes[i];
         let name = g.try_node(id).map(|n| n.name.clone()).unwrap_or_default();
@@ -235,6 +243,7 @@ pub fn offers_from(lg: &LayeredGraph, layer: usize, sg: &SplitGraph, x: &Strateg
                 for (r, v) in rest.iter_mut().zip(f) {
                     *r += v;
                 }
+                rest_partial_grads += partial_grad(f[4]);
             }
             NodeRole::WeightMatmul => {
                 let own = figures(&mut std::iter::once((i, 1.0)));
@@ -247,7 +256,8 @@ pub fn offers_from(lg: &LayeredGraph, layer: usize, sg: &SplitGraph, x: &Strateg
                         .map(|(&n, o)| (n, 1.0 / o.iter().filter(|p| col_ok[p]).count().max(1) as f64))
                         .collect();
                     let reg = figures(&mut region.iter().copied());
-                    let exit = if sg.reach[&i].as_ref().is_some_and(|r| r.exits) { ar } else { 0.0 };
+                    // A split output that leaves the split region is all-gathered.
+                    let exit = if sg.reach[&i].as_ref().is_some_and(|r| r.exits) { ag } else { 0.0 };
                     let grad = if first_reader.get(&sg.input[&i]) == Some(&i) { ar } else { 0.0 };
                     options.push(opt(Strategy::Column, own[0] + reg[0] + exit, own[1] + reg[1] + grad, (own[4] + reg[4]) / t, 0.0));
                     options.push(opt(Strategy::Replicate, own[2] + reg[2], own[3] + reg[3], own[4] + reg[4], own[5] + reg[5]));
@@ -255,7 +265,11 @@ pub fn offers_from(lg: &LayeredGraph, layer: usize, sg: &SplitGraph, x: &Strateg
                     options.push(opt(Strategy::Replicate, own[2], own[3], own[4], own[5]));
                 }
                 if row_ok(i) {
-                    options.insert(options.len() - 1, opt(Strategy::Row, own[0] + ar, own[1] + sp_ag, own[4] / t, 0.0));
+                    let bias = match sg.kn[&i] {
+                        (Some(k), Some(n)) => (own[4] - (k * n) as f64).max(0.0),
+                        _ => 0.0,
+                    };
+                    options.insert(options.len() - 1, opt(Strategy::Row, own[0] + row_fwd, own[1] + sp_ag + partial_grad(bias), own[4] / t, 0.0));
                 }
                 index_of.insert(i, nodes.len());
                 nodes.push(NodeOffers { name, members: Vec::new(), options });
@@ -292,7 +306,7 @@ pub fn offers_from(lg: &LayeredGraph, layer: usize, sg: &SplitGraph, x: &Strateg
     let act = saved_bytes(&lay.figures, x.spec).max(lay.input_bytes) * b * x.bytes_scale / t;
     // Hook for `--sequence-parallel`: the rest runs ÷t; otherwise whole on every rank.
     let rest_option = if x.sequence_parallel {
-        opt(Strategy::Sequence, rest[0], rest[1] + sp_ag, rest[4] / t, act)
+        opt(Strategy::Sequence, rest[0], rest[1] + sp_ag + rest_partial_grads, rest[4] / t, act)
     } else {
         opt(Strategy::Follow, rest[2], rest[3], rest[4], act + rest[5])
     };
