@@ -290,11 +290,30 @@ fn scores(sz: &Sizes, order: &[NodeId], data: &[bool]) -> Vec<bool> {
     score
 }
 
+/// The s × s score traffic of the chain a fused attention replaced: q·kᵀ writes the scores,
+/// the scale, the mask and the softmax read and write them, the product with v reads them.
+/// Charged to the fused node as score bytes, so only a device whose kernel keeps the scores on
+/// chip (`ClusterSpec::fused_attention`) drops it; libtorch's CPU kernel streams them through
+/// memory and measures as fast as the chain.
+fn fused_attention_score_traffic(sz: &Sizes, node: &Node) -> f64 {
+    let input = |i: usize| node.inputs.get(i).copied().flatten();
+    let (Some(o), Some(v)) = (node.outputs.first().copied(), input(2)) else { return 0.0 };
+    let Some(vd) = sz.dims(v) else { return 0.0 };
+    let (Some(&keys), Some(&dv)) = (vd.get(vd.len().wrapping_sub(2)), vd.last()) else { return 0.0 };
+    if dv <= 0 {
+        return 0.0;
+    }
+    let scores = sz.bytes(o) / dv as f64 * keys as f64;
+    let passes = 6.0 + if input(3).is_some() { 2.0 } else { 0.0 };
+    passes * scores
+}
+
 /// The attention-score part of [`memory`]: score inputs read and score outputs written.
 fn score_bytes(sz: &Sizes, node: &Node, score: &[bool]) -> f64 {
     use OpKind::*;
     match node.op.kind() {
         None | Some(Reshape | Unsqueeze | Squeeze | Flatten | Identity | Shape | Size | Constant | Gather | GatherElements | GatherND | Slice | Expand) => 0.0,
+        Some(ScaledDotProductAttention) => fused_attention_score_traffic(sz, node),
         Some(_) => node.inputs.iter().flatten().chain(&node.outputs).filter(|v| score[v.index()]).map(|&v| sz.bytes(v)).sum(),
     }
 }
@@ -311,6 +330,9 @@ fn memory(sz: &Sizes, node: &Node) -> f64 {
         Gather | GatherElements | GatherND | Slice | Expand => {
             let idx: f64 = node.inputs.iter().skip(1).flatten().filter(|v| activation(v)).map(|&v| sz.bytes(v)).sum();
             2.0 * out + idx
+        }
+        ScaledDotProductAttention => {
+            node.inputs.iter().flatten().filter(|v| activation(v)).map(|&v| sz.bytes(v)).sum::<f64>() + out + fused_attention_score_traffic(sz, node)
         }
         _ => node.inputs.iter().flatten().filter(|v| activation(v)).map(|&v| sz.bytes(v)).sum::<f64>() + out,
     }

