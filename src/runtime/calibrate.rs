@@ -98,36 +98,55 @@ pub fn measure_compute() -> Result<Calibration, RuntimeError> {
 }
 
 /// Matmul rate and memory bandwidth per core while `cores` threads (one intra-op thread
-/// each) run the same work at once, as fractions of one thread's alone (`alone`: from
-/// [`measure_compute`]). Sets `alone.concurrent`.
-pub fn measure_concurrency(alone: &mut Calibration, cores: usize) -> Result<(), RuntimeError> {
-    let one_matmul = alone.matmul.iter().find(|p| (p.0 - 2.0 * 512f64.powi(3)).abs() < 1.0).map(|p| p.1);
-    let (Some(one_matmul), true) = (one_matmul, alone.memory_bandwidth > 0.0) else {
-        return Err(RuntimeError::Train("measure the compute rates alone before the concurrent ones".into()));
-    };
+/// each) run the same work at once, as fractions of one thread running it alone, both timed
+/// the same way: sustained loops (about 0.1 s each), the median of five. Sets
+/// `cal.concurrent`.
+pub fn measure_concurrency(cal: &mut Calibration, cores: usize) -> Result<(), RuntimeError> {
     if cores < 2 {
-        alone.concurrent = Some((1.0, 1.0));
+        cal.concurrent = Some((1.0, 1.0));
         return Ok(());
     }
-    let start = std::sync::Barrier::new(cores);
+    let alone = sustained_rates(1)?;
+    let shared = sustained_rates(cores)?;
+    // sharing never speeds a core up: a ratio above 1 is noise between the two timings
+    cal.concurrent = Some(((shared.0 / alone.0).min(1.0), (shared.1 / alone.1).min(1.0)));
+    Ok(())
+}
+
+/// Mean per-thread (matmul FLOP/s, memory bytes/s) of `threads` threads working at once.
+fn sustained_rates(threads: usize) -> Result<(f64, f64), RuntimeError> {
+    const MATMULS: usize = 24;
+    const ADDS: usize = 6;
+    let start = std::sync::Barrier::new(threads);
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
     let per_thread: Vec<Result<(f64, f64), RuntimeError>> = std::thread::scope(|sc| {
-        let workers: Vec<_> = (0..cores)
+        let workers: Vec<_> = (0..threads)
             .map(|_| {
                 sc.spawn(|| -> Result<(f64, f64), RuntimeError> {
                     let opts = (Kind::Float, Device::Cpu);
                     let (a, b) = (Tensor::f_randn([512, 512], opts)?, Tensor::f_randn([512, 512], opts)?);
-                    let (x, y) = (Tensor::f_randn([16 << 20], opts)?, Tensor::f_randn([16 << 20], opts)?);
-                    start.wait();
-                    let mm = best_of(8, || {
-                        let _ = a.f_matmul(&b)?;
-                        Ok(())
-                    })?;
-                    start.wait();
-                    let add = best_of(5, || {
-                        let _ = x.f_add(&y)?;
-                        Ok(())
-                    })?;
-                    Ok((2.0 * 512f64.powi(3) / mm, 3.0 * (16 << 20) as f64 * 4.0 / add))
+                    let (x, y) = (Tensor::f_randn([4 << 20], opts)?, Tensor::f_randn([4 << 20], opts)?);
+                    let (mut mm, mut add) = (Vec::new(), Vec::new());
+                    for _ in 0..5 {
+                        start.wait();
+                        let t0 = Instant::now();
+                        for _ in 0..MATMULS {
+                            let _ = a.f_matmul(&b)?;
+                        }
+                        mm.push(t0.elapsed().as_secs_f64());
+                        start.wait();
+                        let t0 = Instant::now();
+                        for _ in 0..ADDS {
+                            let _ = x.f_add(&y)?;
+                        }
+                        add.push(t0.elapsed().as_secs_f64());
+                    }
+                    let flops = MATMULS as f64 * 2.0 * 512f64.powi(3);
+                    let bytes = ADDS as f64 * 3.0 * (4 << 20) as f64 * 4.0;
+                    Ok((flops / median(mm), bytes / median(add)))
                 })
             })
             .collect();
@@ -135,9 +154,7 @@ pub fn measure_concurrency(alone: &mut Calibration, cores: usize) -> Result<(), 
     });
     let rates = per_thread.into_iter().collect::<Result<Vec<_>, _>>()?;
     let n = rates.len() as f64;
-    let (mm, bw) = rates.iter().fold((0.0, 0.0), |acc, r| (acc.0 + r.0 / n, acc.1 + r.1 / n));
-    alone.concurrent = Some((mm / one_matmul, bw / alone.memory_bandwidth));
-    Ok(())
+    Ok(rates.iter().fold((0.0, 0.0), |acc, r| (acc.0 + r.0 / n, acc.1 + r.1 / n)))
 }
 
 /// Ping-pong and all-reduce between ranks 0 and 1 of `env` (every rank calls this); returns
