@@ -514,10 +514,8 @@ impl<'r, 'a> Interp<'r, 'a> {
         }
         let (from, count) = self.message_of(what, s);
         let world = &r.groups.world;
-        let header = match self.headers.remove(&(what, s, mb)) {
-            Some(work) => work,
-            None => world.irecv(&Tensor::f_zeros([header_len(count) as i64], (Kind::Int64, tch::Device::Cpu))?, peer, tag(what, from, mb, 0))?,
-        };
+        // posted when the pass started (`post_headers`), like every receive of the program
+        let header = self.headers.remove(&(what, s, mb)).ok_or_else(|| terr(format!("stage {s} mb {mb}: a second receive of the same {what:?} message")))?;
         let header: Vec<i64> = Vec::<i64>::try_from(&header.wait()?).map_err(|e| terr(e.to_string()))?;
         if header[0] != count as i64 {
             return Err(terr(format!("stage {s} mb {mb}: a message of {} tensors arrived from stage {from}, {count} expected", header[0])));
