@@ -417,30 +417,6 @@ pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
     (lb, mem_lb)
 }
 
-/// The search.
-pub fn search(
-    lg: &LayeredGraph,
-    spec: &ClusterSpec,
-    cfg: &PlanOptions,
-    progress: &mut dyn FnMut(Progress),
-) -> Result<PlanDecision, SolveError> {
-    let cands = enumerate(lg, spec, cfg)?;
-    // The faithful Megatron-LM plan under the same fixed settings is the first incumbent, so
-    // the answer is never slower than it (docs/baselines.md). Skipped where it cannot apply.
-    let t0 = Instant::now();
-    let seed = if cfg.layout.is_none() && cfg.optimize.unwrap_or_default() == Optimize::Speed {
-        let base = PlanOptions { baseline: Some(super::Baseline::Megatron), ..cfg.clone() };
-        super::baseline::plan_baseline(lg, spec, &base, super::Baseline::Megatron, &mut |_| {}).ok()
-    } else {
-        None
-    };
-    let seed_s = t0.elapsed().as_secs_f64();
-    tracing::debug!("megatron seed {:?} in {seed_s:.3} s", seed.as_ref().map(|s| s.predicted.step_time_s));
-    let mut d = run(lg, spec, cfg, cands, &|_, _| None, seed, progress)?;
-    d.solver.wall_s += seed_s;
-    Ok(d)
-}
-
 /// Solves the given candidates in bound order; `fixed(cand, layers)` may impose a layout.
 /// `seed`, a plan found elsewhere (the Megatron baseline), is an incumbent from the start and
 /// is returned when nothing here is faster.
