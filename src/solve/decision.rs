@@ -1,10 +1,10 @@
 //! The planner's answer: the chosen configuration, its stages and layers, the predictions and
 //! the proof; and the search's progress.
 
-use crate::ir::{Placement, ScheduleKind};
+use crate::ir::Parallelism;
 
 use super::ilp::SolveReport;
-use super::problem::{self, CheckpointRule};
+use super::problem;
 
 /// Memory of one stage per device, bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -81,28 +81,10 @@ pub struct Predicted {
 /// The planner's answer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PlanDecision {
-    /// Pipeline degree.
-    pub pp: usize,
-    /// Tensor degree.
-    pub tp: usize,
-    /// Data-parallel degree.
-    pub dp: usize,
-    /// ZeRO stage.
-    pub zero: u8,
-    /// Sharded data-parallel group size, when that was asked for.
-    pub sharded_dp: Option<usize>,
-    /// Microbatches per step.
-    pub microbatches: usize,
+    /// The chosen parallel configuration (sequence parallelism only where tp > 1).
+    pub parallel: Parallelism,
     /// Samples per microbatch.
     pub microbatch_size: usize,
-    /// Schedule.
-    pub schedule: ScheduleKind,
-    /// Checkpointing rule the search ran under.
-    pub checkpointing: CheckpointRule,
-    /// Sequence parallelism in the tensor-parallel layers (searched unless fixed).
-    pub sequence_parallel: bool,
-    /// Placement.
-    pub placement: Placement,
     /// Stages in chunk order.
     pub stages: Vec<StageDecision>,
     /// One entry per layer.

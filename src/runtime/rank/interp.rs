@@ -212,8 +212,8 @@ impl<'r, 'a> Interp<'r, 'a> {
     /// batch, as one process numbers it.
     fn dropout_key(&self, mb: usize) -> DropoutKey {
         let r = self.rank;
-        let share = r.data.global_batch() / r.replicas.max(1) as i64;
-        let per = share / r.microbatches.max(1) as i64;
+        let share = r.data.global_batch() / r.parallel.dp.max(1) as i64;
+        let per = share / r.parallel.microbatches.max(1) as i64;
         DropoutKey { seed: r.cfg.seed, step: self.step as i64, first_sample: r.replica as i64 * share + mb as i64 * per }
     }
 
@@ -550,7 +550,7 @@ impl StepRunner for Interp<'_, '_> {
                 Instr::OptimizerStep => &mut p.optimizer_s,
             } += spent;
             self.observe();
-            if r.zero3 && instr.is_compute() {
+            if r.parallel.params_sharded() && instr.is_compute() {
                 // release what no pending weight gradient still needs
                 self.zero.release(r, &self.pending_w)?;
             }
@@ -600,7 +600,7 @@ impl StepRunner for Interp<'_, '_> {
                         continue;
                     }
                     self.exec(instr)?;
-                    if r.zero3 && instr.is_compute() {
+                    if r.parallel.params_sharded() && instr.is_compute() {
                         self.zero.release(r, &BTreeSet::new())?;
                     }
                 }

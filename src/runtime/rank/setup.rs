@@ -20,7 +20,7 @@ use crate::passes::figures::is_trainable;
 use crate::runtime::state::weights::{Slice, Source};
 use crate::runtime::{ExecOptions, RuntimeError, Weights};
 use crate::codegen::{Coord, Instr, Mesh, Purpose, RankProgram, StageView, WeightSlice, apply_shard};
-use crate::ir::{DimBindings, Graph, NodeId, Op, OpKind, ValueId, ValueKind};
+use crate::ir::{DimBindings, Graph, NodeId, Op, OpKind, Parallelism, ValueId, ValueKind};
 use crate::plan::Plan;
 
 /// How a rank of a plan runs, beside what it trains.
@@ -113,12 +113,8 @@ pub(super) struct Rank<'a> {
     pub n_stages: usize,
     /// The stages this rank runs.
     pub my_stages: Vec<usize>,
-    /// Replicas sharing a ZeRO shard (`dp` unless sharded data parallelism groups fewer).
-    pub shard_group: usize,
-    /// The plan's ZeRO stage.
-    pub zero: u8,
-    /// Parameters stay sharded between uses (ZeRO 3 or sharded data parallelism).
-    pub zero3: bool,
+    /// The plan's parallel configuration (degrees, ZeRO, microbatches, schedule).
+    pub parallel: Parallelism,
     /// The rank's program.
     pub program: RankProgram,
     /// Stages whose backward is split into B and W in the program.
@@ -141,10 +137,6 @@ pub(super) struct Rank<'a> {
     pub data: &'a DataSource,
     /// Whether this rank reads data: its stages read a graph input, or it computes the loss.
     pub reads_data: bool,
-    /// Microbatches per step.
-    pub microbatches: usize,
-    /// Replicas.
-    pub replicas: usize,
     /// With tensor parallelism, this rank's cut of each weight its shards slice, by
     /// initializer name.
     pub slices: HashMap<String, WeightSlice>,
@@ -188,7 +180,6 @@ impl<'a> Rank<'a> {
         let norm_buffers = norm_buffers(exec, &stage_execs, &layout, &my_stages);
         let replica_group = (dp > 1).then(|| replica_group(&mesh, q, t));
         let split_w = program.instrs.iter().filter_map(|i| if let Instr::BackwardWeight { stage, mb } = i { Some((*stage, *mb)) } else { None }).collect();
-        let shard_group = plan.parallel.sharded_dp.filter(|&n| n > 1 && n < dp).unwrap_or(dp);
         Ok(Rank {
             exec,
             source,
@@ -201,9 +192,7 @@ impl<'a> Rank<'a> {
             tensor_rank: t,
             n_stages,
             my_stages,
-            shard_group,
-            zero: plan.parallel.zero,
-            zero3: dp > 1 && (plan.parallel.zero >= 3 || shard_group < dp),
+            parallel: plan.parallel,
             program,
             split_w,
             params,
@@ -214,8 +203,6 @@ impl<'a> Rank<'a> {
             replica_group,
             data,
             reads_data,
-            microbatches: m,
-            replicas: dp,
             slices: shards.stages.iter().flat_map(|sh| sh.slices.iter()).map(|w| (w.initializer.clone(), w.clone())).collect(),
         })
     }
@@ -307,9 +294,9 @@ impl<'a> Rank<'a> {
     /// feeds; empty when the rank reads no data.
     pub fn batches(&self, data: &DataSource, k: usize) -> Result<(Vec<Batch>, Vec<HashMap<ValueId, Tensor>>), RuntimeError> {
         if !self.reads_data {
-            return Ok(((0..self.microbatches).map(|_| Vec::new()).collect(), (0..self.microbatches).map(|_| HashMap::new()).collect()));
+            return Ok(((0..self.parallel.microbatches.max(1)).map(|_| Vec::new()).collect(), (0..self.parallel.microbatches.max(1)).map(|_| HashMap::new()).collect()));
         }
-        let micro = data.replica_microbatches(k, self.replica, self.replicas, self.microbatches)?;
+        let micro = data.replica_microbatches(k, self.replica, self.parallel.dp, self.parallel.microbatches.max(1))?;
         let feeds = micro.iter().map(|mb| input_feeds(self.exec, mb)).collect::<Result<_, _>>()?;
         Ok((micro, feeds))
     }
@@ -698,11 +685,8 @@ pub(super) fn placeholder(graph: &Graph, v: ValueId, float_kind: Option<Kind>) -
 /// those owned by a stage whose parameters the program gathers. They are never loaded whole;
 /// each rank reads its block.
 pub(super) fn lazy_params(plan: &Plan, layout: &StageLayout, program: &RankProgram, my_stages: &[usize]) -> HashSet<ValueId> {
-    let dp = plan.parallel.dp;
-    let shard_group = plan.parallel.sharded_dp.filter(|&n| n > 1 && n < dp).unwrap_or(dp);
-    let zero3 = dp > 1 && (plan.parallel.zero >= 3 || shard_group < dp);
     let mut out = HashSet::new();
-    if !zero3 {
+    if !plan.parallel.params_sharded() {
         return out;
     }
     let gathered: HashSet<usize> = program

@@ -88,7 +88,7 @@ pub(super) fn zero_blocks(rank: &Rank<'_>) -> Result<Vec<Option<(i64, i64)>>, Ru
     let mut out: Vec<Option<(i64, i64)>> = vec![None; rank.n_stages];
     let rounds: [&dyn Fn(&Instr) -> Option<(&Vec<usize>, &Purpose)>; 3] = [
         &|i| match i {
-            Instr::AllGather { group, purpose: purpose @ Purpose::Zero3Params { .. }, .. } if rank.zero3 => Some((group, purpose)),
+            Instr::AllGather { group, purpose: purpose @ Purpose::Zero3Params { .. }, .. } if rank.parallel.params_sharded() => Some((group, purpose)),
             _ => None,
         },
         &|i| match i {
@@ -96,7 +96,7 @@ pub(super) fn zero_blocks(rank: &Rank<'_>) -> Result<Vec<Option<(i64, i64)>>, Ru
             _ => None,
         },
         &|i| match i {
-            Instr::AllReduce { group, purpose: purpose @ Purpose::DpGrads { .. }, .. } if rank.zero >= 1 => Some((group, purpose)),
+            Instr::AllReduce { group, purpose: purpose @ Purpose::DpGrads { .. }, .. } if rank.parallel.zero >= 1 => Some((group, purpose)),
             _ => None,
         },
     ];
@@ -156,7 +156,7 @@ impl Zero {
         let n = rank.n_stages;
         let p = &rank.params;
         let mut shards: Vec<Option<Shard>> = (0..n).map(|_| None).collect();
-        if rank.zero3 {
+        if rank.parallel.params_sharded() {
             let _guard = tch::no_grad_guard();
             for instr in &rank.program.instrs {
                 let Instr::AllGather { group: g, purpose: purpose @ Purpose::Zero3Params { .. }, .. } = instr else { continue };
@@ -238,7 +238,7 @@ impl Zero {
             if let Some(gs) = &sh.grad {
                 pg.all_reduce_sum(gs)?;
             }
-        } else if rank.zero >= 1 {
+        } else if rank.parallel.zero >= 1 {
             // ZeRO 1: full all-reduce, then this rank's block
             let parts = pg.size() as i64;
             let (f, len) = p.flat(s, &full_grads(p, grads)?, parts)?;
@@ -320,7 +320,7 @@ impl Zero {
         let mut sq = 0.0;
         for (s, sh) in self.shards.iter().enumerate() {
             if let Some(sh) = sh
-                && let (Some(g), true) = (&sh.grad, rank.replica < rank.shard_group)
+                && let (Some(g), true) = (&sh.grad, rank.replica < rank.parallel.zero_group())
             {
                 sq += g.f_mul(&rank.params.counted_mask(s, sh.parts, sh.index)?)?.f_square()?.f_sum(Kind::Double)?.f_double_value(&[])?;
             }
@@ -388,7 +388,7 @@ impl Zero {
             if sh.opt.is_none() && sh.master.is_none() {
                 continue;
             }
-            let writes = rank.replica < rank.shard_group;
+            let writes = rank.replica < rank.parallel.zero_group();
             let (lo, hi) = (sh.index * sh.len, (sh.index + 1) * sh.len);
             let mut off = 0i64;
             for &i in &p.owned[s] {
