@@ -629,6 +629,7 @@ const SERDE_ALLOWED: &[&str] = &[
     "codegen/",
     "split/",
     "ir/fusion.rs",
+    "ir/parallel.rs",
     "cost/",
     "solve/smp_config.rs",
     "solve/problem.rs",
