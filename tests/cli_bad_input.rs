@@ -87,9 +87,15 @@ fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
 /// Runs `smp-partition graph FILE` (text and `--json`); both must exit 1 with every
 /// `expect`ed phrase on stderr and no panic.
 fn assert_refused(path: &Path, expect: &[&str]) {
-    let file = path.display().to_string();
-    let runs = [vec!["graph".to_string(), file.clone()], vec!["graph".to_string(), file, "--json".into()]];
-    for args in runs {
+    assert_refused_with(path, &[], expect);
+}
+
+/// [`assert_refused`] with further options of `graph`.
+fn assert_refused_with(path: &Path, options: &[&str], expect: &[&str]) {
+    let mut args = vec!["graph".to_string(), path.display().to_string()];
+    args.extend(options.iter().map(|o| o.to_string()));
+    let json = args.iter().cloned().chain(["--json".to_string()]).collect();
+    for args in [args, json] {
         let out = Command::new(env!("CARGO_BIN_EXE_smp-partition")).args(&args).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{args:?}: stderr: {stderr}");
@@ -199,4 +205,20 @@ fn control_flow() {
     }
     let path = write(dir.path(), "loop.onnx", &m.encode_to_vec());
     assert_refused(&path, &["Unsupported control flow: node `the_loop` (Loop)"]);
+}
+
+/// Issue 31: tf2onnx's Keras transformer with one `ReduceProd`'s `keepdims` flipped to 0 hands
+/// its `Concat` a scalar first input; shape inference panicked (`out[ax] = 0` on rank 0).
+#[test]
+fn scalar_reaching_concat_in_a_mutated_keras_transformer() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let bytes = std::fs::read(repo.join("models/keras/keras_lm.onnx")).unwrap();
+    let mut m = ModelProto::decode(bytes.as_slice()).unwrap();
+    let g = m.graph.as_mut().unwrap();
+    let prod = g.node.iter_mut().find(|n| n.name.as_deref() == Some("ReduceProd__877")).unwrap();
+    let keepdims = prod.attribute.iter_mut().find(|a| a.name.as_deref() == Some("keepdims")).unwrap();
+    keepdims.i = Some(0);
+    let path = write(dir.path(), "keras_lm_mutated.onnx", &m.encode_to_vec());
+    assert_refused_with(&path, &["--seq-len", "16"], &["node `Concat__881` (Concat)", "`ReduceProd__877:0`", "scalar (rank 0)"]);
 }

@@ -71,6 +71,14 @@ pub enum PassError {
         /// What went wrong.
         msg: String,
     },
+    /// A graph input's or initializer's dims are out of range (negative, too many).
+    #[error("value `{value}`: {msg}")]
+    ValueShape {
+        /// The value.
+        value: String,
+        /// What is wrong.
+        msg: String,
+    },
     /// The graph is structurally broken.
     #[error(transparent)]
     Graph(#[from] GraphError),

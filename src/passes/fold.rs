@@ -15,7 +15,7 @@ pub fn fold_constants(graph: &mut Graph, dims: &DimBindings, info: &ShapeInfo) -
     // Integers can only depend on a symbolic dim through Shape or Size.
     let reads_shapes = graph.node_ids().any(|n| graph.node(n).op.is(OpKind::Shape) || graph.node(n).op.is(OpKind::Size));
     let perturbed: BTreeMap<String, i64> = if reads_shapes {
-        dims.values.iter().map(|(k, &v)| (k.clone(), v * 2 + 1)).collect()
+        dims.values.iter().map(|(k, &v)| (k.clone(), v.saturating_mul(2).saturating_add(1))).collect()
     } else {
         BTreeMap::new()
     };
