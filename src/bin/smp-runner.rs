@@ -639,7 +639,8 @@ fn loss_kind(o: &TrainArgs, graph: &Graph) -> LossKind {
         Some(LossArg::CrossEntropy) => LossKind::CrossEntropy,
         Some(LossArg::Mse) => LossKind::Mse,
         None => {
-            let scalar_out = graph.outputs.iter().any(|&v| {
+            // a scalar output that is not an auxiliary loss (a router's) is the model's own loss
+            let scalar_out = graph.outputs.iter().filter(|&&v| !graph.aux_losses.iter().any(|a| a.output == v)).any(|&v| {
                 graph.value(v).ty.as_ref().and_then(|t| t.shape.as_ref()).is_some_and(|s| s.numel() == Some(1))
             });
             if scalar_out { LossKind::Model } else { LossKind::CausalLm }

@@ -529,6 +529,7 @@ fn infer_node(graph: &Graph, id: NodeId, info: &ShapeInfo, dims: &BTreeMap<Strin
             }
             one((ty_opt(cx.dtype(0), Some(matmul_shape(&scores, v)?)), None))
         }
+        MixtureOfExperts => one(mixture_of_experts(&cx)?),
         Gemm => {
             let (Some(sa), Some(sb)) = (cx.shape(0), cx.shape(1)) else {
                 return one((ty_opt(cx.dtype(0), None), None));
@@ -628,6 +629,7 @@ fn infer_node(graph: &Graph, id: NodeId, info: &ShapeInfo, dims: &BTreeMap<Strin
             };
             one((ty_opt(cx.dtype(0), Some(out)), ints))
         }
+        TopK => top_k(&cx),
         ArgMax | ArgMin => {
             let s = match cx.shape(0) {
                 Some(x) => {
@@ -1030,6 +1032,58 @@ pub fn matmul_shape(a: &[i64], b: &[i64]) -> Result<Vec<i64>, String> {
         out.push(n);
     }
     Ok(out)
+}
+
+/// `MixtureOfExperts(x [N, H], weights [N, k], indices [N, k], gate_up [E, 2I, H], down
+/// [E, H, I])` → `[N, H]` of x's type; the operands must agree.
+fn mixture_of_experts(cx: &Ctx) -> Result<Out, String> {
+    let shapes: Option<Vec<&[i64]>> = (0..5).map(|i| cx.shape(i)).collect();
+    let Some(s) = shapes else { return Ok((ty_opt(cx.dtype(0), None), None)) };
+    let (x, w, idx, gu, down) = (s[0], s[1], s[2], s[3], s[4]);
+    let experts = cx.attrs().int("experts", 0);
+    let fits = x.len() == 2
+        && w.len() == 2
+        && w == idx
+        && w[0] == x[0]
+        && gu.len() == 3
+        && down.len() == 3
+        && gu[0] == experts
+        && down[0] == experts
+        && gu[2] == x[1]
+        && down[1] == x[1]
+        && gu[1] == 2 * down[2];
+    if !fits {
+        return Err(format!(
+            "operands x {x:?}, weights {w:?}, indices {idx:?}, gate_up {gu:?}, down {down:?} are not [N, H], [N, k], [N, k], [{experts}, 2I, H], [{experts}, H, I]"
+        ));
+    }
+    if cx.dtype(2).is_some_and(|d| d != DType::I64) {
+        return Err("the expert indices must be int64".into());
+    }
+    Ok((ty_opt(cx.dtype(0), Some(x.to_vec())), None))
+}
+
+/// ONNX `TopK(x, k)` (`k` an attribute before opset 10): values of x's type and int64
+/// indices, x's shape with `k` along `axis`.
+fn top_k(cx: &Ctx) -> Result<Vec<Out>, String> {
+    let k = match cx.need_ints(1, "k")? {
+        Some(&[k]) => Some(k),
+        Some(k) => return Err(format!("k must hold one value, it holds {k:?}")),
+        None => cx.attrs().int_opt("k"),
+    };
+    let shape = match (cx.shape(0), k) {
+        (Some(x), Some(k)) => {
+            let ax = norm_axis(cx.attrs().int("axis", -1), x.len())?;
+            if k < 0 || k > x[ax] {
+                return Err(format!("k = {k} is outside 0..={} (axis {ax} of {x:?})", x[ax]));
+            }
+            let mut out = x.to_vec();
+            out[ax] = k;
+            Some(out)
+        }
+        _ => None,
+    };
+    Ok(vec![(ty_opt(cx.dtype(0), shape.clone()), None), (ty_opt(Some(DType::I64), shape), None)])
 }
 
 #[cfg(test)]
