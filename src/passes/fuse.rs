@@ -877,7 +877,7 @@ mod tests {
         let mut g = b.g;
         let unfused = g.clone();
         let fusions = fuse(&mut g);
-        assert_eq!(Fused::of(&fusions), Fused { gelu_tanh: 2, gelu_erf: 1, attention: 0 });
+        assert_eq!(Fused::of(&fusions), Fused { gelu_tanh: 2, gelu_erf: 1, attention: 0, experts: 0 });
         assert_eq!(fusions.iter().map(|f| f.replaces.len()).collect::<Vec<_>>(), [8, 8, 5]);
         g.verify().unwrap();
         // the chains' other nodes are gone
