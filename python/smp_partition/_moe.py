@@ -4,7 +4,8 @@ transformers runs a model's routed experts through an experts implementation cho
 `set_experts_implementation` (`@use_experts_implementation` classes: Mixtral, Qwen-MoE, OLMoE,
 DeepSeek, ...). Its default, `grouped_mm`, is an opaque custom op that torch.onnx cannot export;
 `eager` loops over the experts a batch hits, which is data-dependent control flow. The export
-selects `smp_dense` instead (registered here): every expert's gated MLP on every token, weighted
+selects `smp_dense` instead (registered here, set on each experts module's config for the
+export only, so a bare MoE block exports too): every expert's gated MLP on every token, weighted
 by a one-hot of the router's choices — numerically the module (a token's unchosen experts get
 weight 0), in ops every ONNX runtime executes. The planner's fusion pass
 (`passes::fuse`, see its module docs for the exact pattern) turns each such block into one
@@ -148,13 +149,12 @@ class MoeExport:
         for name, m in self.experts:
             _check_experts(name, m)
         cfg = getattr(model, "config", None)
-        jitter = getattr(cfg, "router_jitter_noise", 0.0) or 0.0
+        jitter = max([getattr(cfg, "router_jitter_noise", 0.0) or 0.0]
+                     + [getattr(m, "jitter_noise", 0.0) or 0.0 for m in model.modules()])
         if jitter > 0:
-            raise SmpError(f"{type(model).__name__} has router_jitter_noise = {jitter}: its routers multiply the tokens by "
-                           "fresh noise in every training step, which the runner does not draw; set it to 0 to export")
-        if not hasattr(model, "set_experts_implementation"):
-            raise SmpError(f"{type(model).__name__} has routed experts but no set_experts_implementation; "
-                           "load it with transformers >= 5 to export its experts")
+            raise SmpError(f"{type(model).__name__} has router jitter noise {jitter}: its routers multiply the tokens by "
+                           "fresh noise in every training step, which the runner does not draw; set router_jitter_noise "
+                           "to 0 to export")
         if getattr(cfg, "output_router_logits", False):
             router = _router_outputs(model)
             coefficient = getattr(model, "router_aux_loss_coef", getattr(cfg, "router_aux_loss_coef", None))
@@ -209,12 +209,16 @@ class MoeExport:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
         ALL_EXPERTS_FUNCTIONS[IMPLEMENTATION] = dense_experts
-        before = self.model.get_experts_implementation()
-        cfg = self.model.config
+        # each experts module reads its config's choice at call time (the model's, or its own
+        # for a bare block)
+        configs = {id(m.config): m.config for _, m in self.experts}
+        before = {k: c._experts_implementation for k, c in configs.items()}
+        cfg = getattr(self.model, "config", None)
         asked = getattr(cfg, "output_router_logits", False)
         hooks = []
         try:
-            self.model.set_experts_implementation(IMPLEMENTATION)
+            for c in configs.values():
+                c._experts_implementation = IMPLEMENTATION
             if self.totals is not None:
                 cfg.output_router_logits = False
                 totals, index = self.totals, self.logits_index
@@ -225,8 +229,10 @@ class MoeExport:
         finally:
             for h in hooks:
                 h.remove()
-            cfg.output_router_logits = asked
-            self.model.set_experts_implementation(before)
+            if self.totals is not None:
+                cfg.output_router_logits = asked
+            for k, c in configs.items():
+                c._experts_implementation = before[k]
 
     def annotate(self, proto: Any) -> None:
         """Writes `smp.aux_loss` into the model's metadata (docs/parameter-record.md)."""
