@@ -74,18 +74,12 @@ def _check_experts(name: str, m: Any) -> None:
 
 def _router_outputs(model: Any) -> tuple[type, int] | None:
     """The router class and the index of its logits among its outputs, as the model records
-    `router_logits` (`_can_record_outputs`)."""
-    for cls in type(model).__mro__:
-        rec = getattr(cls, "_can_record_outputs", None)
-        if isinstance(rec, dict) and "router_logits" in rec:
-            r = rec["router_logits"]
-            target = getattr(r, "target_class", None)
-            if isinstance(target, type):
-                return target, int(getattr(r, "index", 0) or 0)
+    `router_logits` (`_can_record_outputs` of its pretrained classes)."""
     for m in model.modules():
         rec = getattr(m, "_can_record_outputs", None)
-        if isinstance(rec, dict) and "router_logits" in rec and isinstance(getattr(rec["router_logits"], "target_class", None), type):
-            return rec["router_logits"].target_class, int(getattr(rec["router_logits"], "index", 0) or 0)
+        recorder = rec.get("router_logits") if isinstance(rec, dict) else None
+        if isinstance(getattr(recorder, "target_class", None), type):
+            return recorder.target_class, int(getattr(recorder, "index", 0) or 0)
     return None
 
 
@@ -101,7 +95,6 @@ class _Totals:
         self.counts: Any = None
         self.probs: Any = None
         self.rows: Any = 0
-        self.layers = 0
 
     def add(self, logits: Any) -> None:
         import torch
@@ -120,7 +113,6 @@ class _Totals:
         self.counts = counts if first else self.counts + counts
         self.probs = prob_sum if first else self.probs + prob_sum
         self.rows = rows if first else self.rows + rows
-        self.layers += 1
 
     def loss(self) -> Any:
         """`load_balancing_loss_func` of the totals."""

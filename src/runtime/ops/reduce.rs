@@ -71,7 +71,8 @@ pub(super) fn cumsum(a: &Args) -> KResult<Tensor> {
 }
 
 /// ONNX `TopK(x, k)`: the `k` largest (or smallest) elements along `axis` and their int64
-/// indices, sorted (ties: the lower index first, as ONNX and libtorch both order them).
+/// indices, sorted, ties with the lower index first as ONNX specifies (a stable sort: libtorch's
+/// `topk` orders ties as it finds them).
 pub(super) fn top_k(a: &Args) -> KResult<Vec<Tensor>> {
     let x = a.x(0)?;
     let ax = axis(a.int("axis", -1), x.dim())?;
@@ -83,6 +84,6 @@ pub(super) fn top_k(a: &Args) -> KResult<Vec<Tensor>> {
     if k < 0 || k > x.size()[ax as usize] {
         super::bail!("k = {k} is outside 0..={} along axis {ax}", x.size()[ax as usize]);
     }
-    let (values, indices) = x.f_topk(k, ax, a.int("largest", 1) != 0, true)?;
-    Ok(vec![values, indices])
+    let (values, indices) = x.f_sort_stable(true, ax, a.int("largest", 1) != 0)?;
+    Ok(vec![values.f_narrow(ax, 0, k)?, indices.f_narrow(ax, 0, k)?])
 }
