@@ -26,7 +26,7 @@ use tch::Kind;
 fn step_time(graph: &Graph, dir: &Path, steps: usize) -> f64 {
     let weights = Weights::load(graph, InitMode::Load, Some(Kind::Float)).expect("weights");
     let exec = Executor::new(graph, weights, ExecOptions { float_kind: Some(Kind::Float), training: true }).expect("executor");
-    let batch = train::read_batch(&exec, &dir.join("batch.npz")).expect("batch");
+    let batch = smp_partition::runtime::data::read_batch(&exec, &dir.join("batch.npz")).expect("batch");
     let cfg = TrainConfig { steps, microbatches: 1, loss: LossKind::Mse, ..TrainConfig::default() };
     let recs = train::train(&exec, &batch, &cfg).expect("train");
     let timed = &recs[usize::from(recs.len() > 1)..];

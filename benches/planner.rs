@@ -62,14 +62,14 @@ fn error_text(e: &dyn std::error::Error) -> String {
 fn describe_decision(d: &PlanDecision) -> String {
     format!(
         "pp{} tp{}{} dp{} zero{} m{}×{} {} ckpt {}",
-        d.pp,
-        d.tp,
-        if d.sequence_parallel { " sp" } else { "" },
-        d.dp,
-        d.zero,
-        d.microbatches,
+        d.parallel.pp,
+        d.parallel.tp,
+        if d.parallel.sequence_parallel { " sp" } else { "" },
+        d.parallel.dp,
+        d.parallel.zero,
+        d.parallel.microbatches,
         d.microbatch_size,
-        d.schedule,
+        d.parallel.schedule,
         d.layers.iter().filter(|l| l.checkpoint).count()
     )
 }

@@ -257,7 +257,7 @@ fn partial_gradients_mark_megatron_f() {
 #[test]
 fn pipeline_of_sharded_stages_reproduces_the_model() {
     use smp_partition::codegen::encode::{CodegenInput, Mesh, StageInput, build};
-    use smp_partition::ir::ScheduleKind;
+    use smp_partition::ir::{CheckpointRule, Parallelism, Placement, ScheduleKind};
     for (name, t, sequence_parallel) in [("gpt2", 2usize, false), ("llama", 2, false), ("llama", 4, false), ("bert", 4, false), ("gpt2", 2, true), ("llama", 4, true)] {
         let lg = model(name);
         let inputs = feeds(&lg.graph);
@@ -269,7 +269,20 @@ fn pipeline_of_sharded_stages_reproduces_the_model() {
         let stages = (0..pp)
             .map(|s| StageInput { layers: [s * n / pp, (s + 1) * n / pp - 1], checkpointed_layers: vec![], output_bytes: 0 })
             .collect();
-        let mut input = CodegenInput { pp, tp: t, dp: 1, zero: 0, sharded_dp: None, microbatches: 1, schedule: ScheduleKind::OneFOneB, stages, replicated_layers: vec![], node_strategies: vec![], sequence_parallel, microbatch_size: None };
+        let parallel = Parallelism {
+            pp,
+            tp: t,
+            dp: 1,
+            zero: 0,
+            sharded_dp: None,
+            microbatches: 1,
+            active_microbatches: None,
+            schedule: ScheduleKind::OneFOneB,
+            checkpointing: CheckpointRule::Auto,
+            placement: Placement::CLUSTER,
+            sequence_parallel,
+        };
+        let mut input = CodegenInput { parallel, stages, replicated_layers: vec![], node_strategies: vec![], microbatch_size: None };
         if name == "bert" {
             // BERT's MLM head transform (dense, GELU, LayerNorm) splits at no degree: codegen
             // refuses it unless the plan says to replicate that layer.

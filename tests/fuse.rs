@@ -23,7 +23,7 @@ fn gpt2() -> Graph {
 fn train3(graph: &Graph, kind: Kind) -> (Vec<f64>, Vec<(String, Tensor)>) {
     let weights = Weights::load(graph, InitMode::Load, Some(kind)).expect("weights");
     let exec = Executor::new(graph, weights, ExecOptions { float_kind: Some(kind), training: true }).expect("executor");
-    let batch = train::synthetic_batch(&exec, 4, 32, 7).expect("batch");
+    let batch = smp_partition::runtime::data::synthetic_batch(&exec, 4, 32, 7).expect("batch");
     let cfg = TrainConfig { steps: 3, microbatches: 2, loss: LossKind::CausalLm, adamw: AdamWConfig::default(), clip: Some(1.0), ..TrainConfig::default() };
     let recs = train::train(&exec, &batch, &cfg).expect("train");
     (recs.iter().map(|r| r.loss).collect(), exec.parameters())
@@ -122,7 +122,7 @@ fn specialised(name: &str) -> Graph {
 fn forward_and_grads(graph: &Graph, kind: Kind) -> (Tensor, Vec<(String, Tensor)>) {
     let weights = Weights::load(graph, InitMode::Load, Some(kind)).expect("weights");
     let exec = Executor::new(graph, weights, ExecOptions { float_kind: Some(kind), training: true }).expect("executor");
-    let batch = train::synthetic_batch(&exec, 2, 16, 7).expect("batch");
+    let batch = smp_partition::runtime::data::synthetic_batch(&exec, 2, 16, 7).expect("batch");
     let feeds = exec.bind_inputs(batch).expect("inputs");
     let outs = exec.forward(&feeds).expect("forward");
     let y = &outs[0];

@@ -16,7 +16,6 @@ use common::moe::{self, MoeCase};
 use smp_partition::frontend::onnx::load_model;
 use smp_partition::ir::{FusedOp, Graph, OpKind, Tensor as IrTensor};
 use smp_partition::passes::{self, AnalyzeOptions, fuse};
-use smp_partition::runtime::train;
 use smp_partition::runtime::{ExecOptions, Executor, InitMode, Weights};
 use tch::{Kind, Tensor};
 
@@ -46,7 +45,7 @@ fn forward_and_grads(graph: &Graph) -> (Vec<Tensor>, Vec<(String, Tensor)>) {
     let kind = Kind::Double;
     let weights = Weights::load(graph, InitMode::Load, Some(kind)).expect("weights");
     let exec = Executor::new(graph, weights, ExecOptions { float_kind: Some(kind), training: true }).expect("executor");
-    let batch = train::synthetic_batch(&exec, 4, 8, 7).expect("batch");
+    let batch = smp_partition::runtime::data::synthetic_batch(&exec, 4, 8, 7).expect("batch");
     let feeds = exec.bind_inputs(batch).expect("inputs");
     let outs = exec.forward(&feeds).expect("forward");
     assert_eq!(outs.len(), 2, "logits and the auxiliary loss");

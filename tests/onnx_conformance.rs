@@ -12,7 +12,7 @@ use std::process::Command;
 
 use smp_partition::frontend::onnx::{load_model, load_tensor_pb};
 use smp_partition::ir::OpKind;
-use smp_partition::runtime::tensor::{from_ir, is_float_kind, kind_of};
+use smp_partition::runtime::kernels::tensor::{from_ir, is_float_kind, kind_of};
 use smp_partition::runtime::{ExecOptions, Executor, InitMode, Weights};
 use tch::{Kind, Tensor};
 

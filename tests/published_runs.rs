@@ -26,7 +26,7 @@ fn predicted_tflops(r: &Row, mbs: usize, v: usize) -> (f64, f64) {
     let a = load_and_analyze(&path, &AnalyzeOptions { seq_len: Some(SEQ as i64), ..Default::default() }).unwrap();
     let spec = ClusterSpec::parse(&format!("a100-80gb:{}", r.gpus)).unwrap();
     let d = plan(&a.lg, &spec, &baseline_options(r, mbs, v), &mut |_| {}).unwrap();
-    assert_eq!((d.tp, d.pp, d.microbatch_size), (r.t, r.p, mbs), "{}", r.name);
+    assert_eq!((d.parallel.tp, d.parallel.pp, d.microbatch_size), (r.t, r.p, mbs), "{}", r.name);
     // Megatron's placement: equal blocks per stage.
     let per: Vec<usize> = d.stages.iter().map(|s| (s.layers[0]..=s.layers[1]).filter(|&l| a.lg.layers[l].kind == smp_partition::ir::LayerKind::Block).count()).collect();
     assert!(per.iter().all(|&n| n == per[0]), "{}: blocks per stage {per:?}", r.name);
@@ -87,14 +87,14 @@ fn table1_automatic_plan_is_never_slower_than_the_faithful_baseline() {
             r.name,
             base.predicted.step_time_s,
             auto.predicted.step_time_s,
-            auto.pp,
-            auto.tp,
-            auto.sequence_parallel,
-            auto.dp,
-            auto.zero,
-            auto.microbatches,
+            auto.parallel.pp,
+            auto.parallel.tp,
+            auto.parallel.sequence_parallel,
+            auto.parallel.dp,
+            auto.parallel.zero,
+            auto.parallel.microbatches,
             auto.microbatch_size,
-            auto.schedule,
+            auto.parallel.schedule,
             auto.solver.status.name(),
             auto.solver.gap,
             t.elapsed().as_secs_f64()
@@ -157,14 +157,14 @@ fn llama3_405b_on_8192_h100s_against_the_published_mfu() {
     let mfu = d.predicted.mfu;
     eprintln!(
         "llama3-405b: pp{} tp{} sp {} dp{} zero{} m{}x{} {} recomputed {}: step {:.2} s, MFU {:.3}, HFU {:.3}, peak {:.1} GiB; {:.3} of the published 0.43",
-        d.pp,
-        d.tp,
-        d.sequence_parallel,
-        d.dp,
-        d.zero,
-        d.microbatches,
+        d.parallel.pp,
+        d.parallel.tp,
+        d.parallel.sequence_parallel,
+        d.parallel.dp,
+        d.parallel.zero,
+        d.parallel.microbatches,
         d.microbatch_size,
-        d.schedule,
+        d.parallel.schedule,
         d.layers.iter().filter(|l| l.checkpoint).count(),
         d.predicted.step_time_s,
         mfu,

@@ -294,7 +294,7 @@ fn eval_logits(model: &Path, inputs: &Path, out: &Path, checkpoint: Option<&Path
         c.arg("--checkpoint").arg(ck);
     }
     ok(&format!("eval of {}", model.display()), c.output().unwrap());
-    let arrays = smp_partition::runtime::npz::read_npz(out).unwrap();
+    let arrays = smp_partition::runtime::state::npz::read_npz(out).unwrap();
     arrays.into_iter().find(|(n, _)| n == "logits").expect("logits").1
 }
 
@@ -325,10 +325,10 @@ fn exports_hold_the_trained_weights() {
     for out in [&onnx, &st] {
         ok("export", runner().arg("export").arg(&dir).arg("-o").arg(out).output().unwrap());
     }
-    let io = smp_partition::runtime::npz::read_npz(&repo().join("models/gpt2.io.npz")).unwrap();
+    let io = smp_partition::runtime::state::npz::read_npz(&repo().join("models/gpt2.io.npz")).unwrap();
     let ids = io.into_iter().find(|(n, _)| n == "input_ids").expect("input_ids").1;
     let inputs = dir.join("inputs.npz");
-    smp_partition::runtime::npz::write_npz(&inputs, &[("input_ids".into(), ids, None)]).unwrap();
+    smp_partition::runtime::state::npz::write_npz(&inputs, &[("input_ids".into(), ids, None)]).unwrap();
     let exported = eval_logits(&onnx, &inputs, &dir.join("a.npz"), None);
     let own = eval_logits(&model(), &inputs, &dir.join("b.npz"), Some(&ckpt));
     let before = eval_logits(&model(), &inputs, &dir.join("c.npz"), None);
@@ -356,15 +356,15 @@ fn exports_hold_the_trained_weights() {
             let npy = dir.join("ort.npy");
             let r = Command::new(&py).args(["-c", script]).arg(m).arg(&inputs).arg(&npy).output().unwrap();
             ok(&format!("onnxruntime on {}", m.display()), r);
-            let ort = smp_partition::runtime::npz::read_npy(&npy).unwrap();
+            let ort = smp_partition::runtime::state::npz::read_npy(&npy).unwrap();
             let d = max_abs(&ort, &own);
             eprintln!("onnxruntime on {} vs the runner: max abs {d:.3e}", m.display());
             assert!(d <= 1e-4 * scale.max(1.0), "onnxruntime: {d}");
         }
     }
     // the safetensors hold every trained parameter under its name, as the checkpoint does
-    let loaded = smp_partition::runtime::checkpoint::Loaded::open(&ckpt).unwrap();
-    let names = loaded.names(smp_partition::runtime::checkpoint::Role::Param);
+    let loaded = smp_partition::runtime::state::checkpoint::Loaded::open(&ckpt).unwrap();
+    let names = loaded.names(smp_partition::runtime::state::checkpoint::Role::Param);
     let weights: HashMap<String, tch::Tensor> = tch::Tensor::read_safetensors(&st).unwrap().into_iter().collect();
     // a tied tensor is written under each of its aliases, as a state_dict holds it
     let graph = smp_partition::frontend::onnx::load_model(&model()).unwrap().graph;
@@ -379,7 +379,7 @@ fn exports_hold_the_trained_weights() {
     let keys: std::collections::BTreeSet<String> = weights.keys().cloned().collect();
     assert_eq!(keys, want_keys, "safetensors keys are the parameter names and their tied aliases");
     for name in names.keys() {
-        let want = loaded.assemble(name, smp_partition::runtime::checkpoint::Role::Param).unwrap();
+        let want = loaded.assemble(name, smp_partition::runtime::state::checkpoint::Role::Param).unwrap();
         for alias in aliases.get(name).cloned().unwrap_or_else(|| vec![name.clone()]) {
             assert_eq!(max_abs(&weights[&alias], &want), 0.0, "`{alias}` (of `{name}`)");
         }
@@ -390,7 +390,7 @@ fn exports_hold_the_trained_weights() {
 fn a_tensor_parallel_checkpoint_reassembles_to_one_process_weights() {
     // the same 10 steps under pp2×tp2 and on one process: the reassembled f64 weights and
     // moments agree
-    use smp_partition::runtime::checkpoint::{Loaded, Role};
+    use smp_partition::runtime::state::checkpoint::{Loaded, Role};
     let (a, b) = (saved("pp2tp2"), saved("one"));
     let la = Loaded::open(&step_dir(&a.dir, 10)).unwrap();
     let lb = Loaded::open(&step_dir(&b.dir, 10)).unwrap();
@@ -422,7 +422,8 @@ fn a_tensor_parallel_checkpoint_reassembles_to_one_process_weights() {
 /// (column ranges, then halves of each cut flattened), written as rank shards.
 #[test]
 fn pieces_reassemble_and_gaps_are_refused() {
-    use smp_partition::runtime::checkpoint::{self as ck, Loaded, Piece, Role, RunState, Slice};
+    use smp_partition::runtime::state::checkpoint::{self as ck, Loaded, Piece, Role, RunState};
+    use smp_partition::runtime::state::slice::Slice;
     let whole = tch::Tensor::arange(48, (tch::Kind::Double, tch::Device::Cpu)).reshape([6, 8]);
     let cuts: [Vec<[u64; 2]>; 3] = [vec![[0, 2], [6, 7]], vec![[2, 4], [7, 8]], vec![[4, 6]]];
     let write = |dir: &Path, skip: Option<(usize, usize)>| {

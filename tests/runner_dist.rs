@@ -5,7 +5,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use smp_partition::runtime::dist::{Backend, ProcessGroup, RankEnv, Store};
+use smp_partition::runtime::comm::{Backend, ProcessGroup, RankEnv, Store};
 use tch::{Kind, Tensor};
 
 fn free_port() -> u16 {

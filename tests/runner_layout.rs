@@ -14,7 +14,7 @@ use smp_partition::ir::{FusedOp, Graph, NodeId, OpKind, ValueId, ValueKind};
 use smp_partition::passes::figures::is_trainable;
 use smp_partition::passes::params::{self, ParamOptions};
 use smp_partition::plan::Plan;
-use smp_partition::runtime::pipeline::{planned_graph, stage_layout};
+use smp_partition::runtime::rank::{planned_graph, stage_layout};
 use smp_partition::solve::PlanOptions;
 use smp_partition::{compile, compile::analyze_options, load_and_analyze};
 

@@ -20,7 +20,8 @@ use std::process::Command;
 
 use smp_partition::frontend::onnx::load_model;
 use smp_partition::passes::params;
-use smp_partition::runtime::weights::{Slice, Source, is_trainable};
+use smp_partition::passes::figures::is_trainable;
+use smp_partition::runtime::state::weights::{Slice, Source};
 use smp_partition::runtime::{InitMode, Weights};
 use tch::{Kind, Tensor};
 

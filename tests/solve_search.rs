@@ -15,7 +15,7 @@ fn plans_a_small_gpt_and_the_objective_is_the_evaluated_step() {
     let lg = small();
     let spec = ClusterSpec::parse("h100-80gb:8").unwrap();
     let d = plan(&lg, &spec, &PlanOptions { global_batch: Some(64), ..Default::default() }, &mut |_| {}).unwrap();
-    assert_eq!(d.pp * d.tp * d.dp, 8);
+    assert_eq!(d.parallel.pp * d.parallel.tp * d.parallel.dp, 8);
     assert_eq!(d.solver.status, SolveStatus::Optimal);
     let eval = d.problem.evaluate(&d.choices).unwrap();
     assert!((eval.step_s - d.predicted.step_time_s).abs() <= 1e-9 * eval.step_s);
@@ -82,7 +82,7 @@ fn manual_layout_is_honoured() {
     let mut cfg = PlanOptions { global_batch: Some(64), ..Default::default() };
     cfg.layout = Some(smp_partition::solve::Layout(vec![[0, 1], [2, 7]]));
     let d = plan(&lg, &spec, &cfg, &mut |_| {}).unwrap();
-    assert_eq!(d.pp, 2);
+    assert_eq!(d.parallel.pp, 2);
     assert_eq!(d.stages[0].layers, [0, 1]);
     assert_eq!(d.stages[1].layers, [2, 7]);
 }

@@ -22,8 +22,8 @@ fn decide(kind: ScheduleKind, layers: usize, m: usize) -> PlanDecision {
 
 /// Simulated pipeline time of the decision (no transfers, no data-parallel sync).
 fn simulated(d: &PlanDecision) -> f64 {
-    let progs = lower_schedule(d.schedule, d.pp, d.microbatches, &LowerOptions::default()).unwrap();
-    let split = d.schedule == ScheduleKind::ZbH1;
+    let progs = lower_schedule(d.parallel.schedule, d.parallel.pp, d.parallel.microbatches, &LowerOptions::default()).unwrap();
+    let split = d.parallel.schedule == ScheduleKind::ZbH1;
     let table = CostTable {
         forward: d.stages.iter().map(|s| s.forward_s).collect(),
         backward_input: d.stages.iter().map(|s| if split { s.backward_s / 2.0 } else { s.backward_s }).collect(),
@@ -52,7 +52,7 @@ fn one_f_one_b_and_gpipe_objective_bounds_the_simulator_from_above() {
         let t: Vec<f64> = d.stages.iter().map(|s| s.forward_s + s.backward_s).collect();
         let spread = t.iter().cloned().fold(0.0, f64::max) - t.iter().cloned().fold(f64::INFINITY, f64::min);
         assert!(sim <= ilp * (1.0 + 1e-9), "{kind}: simulated {sim} above ILP {ilp}");
-        assert!(ilp - sim <= (d.pp as f64 - 1.0) * spread + 1e-12, "{kind}: simulated {sim} vs ILP {ilp}, spread {spread}");
+        assert!(ilp - sim <= (d.parallel.pp as f64 - 1.0) * spread + 1e-12, "{kind}: simulated {sim} vs ILP {ilp}, spread {spread}");
     }
 }
 
@@ -64,7 +64,7 @@ fn interleaved_and_zb_h1_are_within_the_stated_bound() {
         let d = decide(kind, 10, 8);
         let (sim, ilp) = (simulated(&d), ilp_pipeline(&d));
         let tmax = d.stages.iter().map(|s| s.forward_s + s.backward_s).fold(0.0, f64::max);
-        assert!((sim - ilp).abs() <= (d.pp as f64) * tmax, "{kind}: simulated {sim} vs ILP {ilp}");
+        assert!((sim - ilp).abs() <= (d.parallel.pp as f64) * tmax, "{kind}: simulated {sim} vs ILP {ilp}");
     }
 }
 
@@ -82,7 +82,7 @@ fn zb_h1_with_fewer_microbatches_than_stages_matches_the_replay() {
         eprintln!("m {m}: sim {sim} ilp {ilp} spread {spread} |F-B| {fb}");
         // Within one stage-time spread (the old c = 1/3 was off by more than that).
         assert!(
-            (sim - ilp).abs() <= spread + d.pp as f64 * fb + 1e-12,
+            (sim - ilp).abs() <= spread + d.parallel.pp as f64 * fb + 1e-12,
             "m {m}: simulated {sim} vs ILP {ilp} (spread {spread}, |F − B| {fb})"
         );
     }

@@ -92,7 +92,7 @@ fn graph_only_llama3_8b_plans_megatron_splits_and_scales_by_t() {
     let whole = megatron_plan(&a, 1);
     for tp in [2, 8] {
         let d = megatron_plan(&a, tp);
-        assert_eq!(d.tp, tp);
+        assert_eq!(d.parallel.tp, tp);
         let n = assert_megatron_blocks(&a.lg, &d, &format!("llama3-8b tp {tp}"));
         assert_eq!(n, 32 * 9);
         // The embedding splits the vocabulary.

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use super::lower::{LowerError, LowerOptions, lower};
 use super::program::{Instr, Purpose, RankProgram};
 use super::shard::{CodegenError, LayerShard, Sharder, apply_shard};
-use crate::ir::{FusedOp, Graph, LayeredGraph, ScheduleError, ScheduleKind, ValueKind, compute_actions};
+use crate::ir::{FusedOp, Graph, LayeredGraph, Parallelism, ScheduleError, ValueKind, compute_actions};
 use crate::passes::figures::is_trainable;
 use crate::solve::Placement as AxisOrder;
 use crate::split::Strategy;
@@ -37,20 +37,8 @@ pub const CODEGEN_VERSION: u32 = 5;
 /// What codegen needs of a plan: degrees, schedule and the stages' layer ranges.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CodegenInput {
-    /// Pipeline ranks.
-    pub pp: usize,
-    /// Tensor-parallel degree.
-    pub tp: usize,
-    /// Data-parallel degree.
-    pub dp: usize,
-    /// ZeRO stage (0..=3).
-    pub zero: u8,
-    /// Sharded-data-parallel group size, if used.
-    pub sharded_dp: Option<usize>,
-    /// Microbatches per step.
-    pub microbatches: usize,
-    /// The pipeline schedule.
-    pub schedule: ScheduleKind,
+    /// Degrees, ZeRO, microbatches and schedule of the plan.
+    pub parallel: Parallelism,
     /// Stages in order.
     pub stages: Vec<StageInput>,
     /// Layers whose strategy is `replicate`: kept whole where they do not divide `tp` ways
@@ -60,8 +48,6 @@ pub struct CodegenInput {
     /// the plan has none. Matmuls and lookups marked `replicate` keep their weights whole, and
     /// every choosing node's realised strategy must equal the plan's.
     pub node_strategies: Vec<Vec<(String, Strategy)>>,
-    /// Sequence parallelism: row-parallel outputs reduce-scattered over the tokens.
-    pub sequence_parallel: bool,
     /// Samples per microbatch, if known: a graph whose batch is fixed at another size is
     /// rebound to it ([`super::rebatch`]).
     pub microbatch_size: Option<i64>,
@@ -348,13 +334,13 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
     let g = &lg.graph;
     let n_layers = lg.layers.len();
     let bad = |m: String| EncodeError::Inconsistent(m);
-    if input.stages.len() != input.schedule.stages(input.pp) {
+    if input.stages.len() != input.parallel.schedule.stages(input.parallel.pp) {
         return Err(bad(format!(
             "{} stages, but schedule {} on {} pipeline ranks has {}",
             input.stages.len(),
-            input.schedule,
-            input.pp,
-            input.schedule.stages(input.pp)
+            input.parallel.schedule,
+            input.parallel.pp,
+            input.parallel.schedule.stages(input.parallel.pp)
         )));
     }
     let mut stage_of_layer = vec![usize::MAX; n_layers];
@@ -369,20 +355,20 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
     }
 
     // Shards (tp > 1 only).
-    let shards: Vec<Vec<LayerShard>> = if input.tp > 1 {
-        let sharder = Sharder::new(lg)?.with_sequence_parallel(input.sequence_parallel);
+    let shards: Vec<Vec<LayerShard>> = if input.parallel.tp > 1 {
+        let sharder = Sharder::new(lg)?.with_sequence_parallel(input.parallel.sequence_parallel);
         let mut out = Vec::with_capacity(n_layers);
         for l in 0..n_layers {
             let chosen = input.node_strategies.get(l).filter(|c| !c.is_empty());
             out.push(match chosen {
                 Some(chosen) => {
                     let keep: Vec<String> = chosen.iter().filter(|(_, s)| *s == Strategy::Replicate).map(|(n, _)| n.clone()).collect();
-                    let (shards, realised) = sharder.shard_layer_keeping(l, input.tp, &keep)?;
+                    let (shards, realised) = sharder.shard_layer_keeping(l, input.parallel.tp, &keep)?;
                     check_realised(lg, l, chosen, &realised)?;
                     shards
                 }
-                None if input.replicated_layers.contains(&l) => sharder.shard_layer(l, input.tp)?,
-                None => sharder.shard_layer_strict(l, input.tp)?,
+                None if input.replicated_layers.contains(&l) => sharder.shard_layer(l, input.parallel.tp)?,
+                None => sharder.shard_layer_strict(l, input.parallel.tp)?,
             });
         }
         out
@@ -484,7 +470,7 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
     }
     let mut tied_weights = Vec::new();
     for (weight, (stages, bytes)) in readers {
-        let pp_ranks: BTreeSet<usize> = stages.iter().map(|&s| input.schedule.rank_of_stage(s, input.pp)).collect();
+        let pp_ranks: BTreeSet<usize> = stages.iter().map(|&s| input.parallel.schedule.rank_of_stage(s, input.parallel.pp)).collect();
         if pp_ranks.len() < 2 {
             continue;
         }
@@ -524,7 +510,7 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
             replaces: f.replaces.iter().map(|n| n.index()).collect(),
         })
         .collect();
-    Ok(CodegenSection { version: CODEGEN_VERSION, tp: input.tp, shards, weight_dims, stages, tied_weights, templates, batch, fused })
+    Ok(CodegenSection { version: CODEGEN_VERSION, tp: input.parallel.tp, shards, weight_dims, stages, tied_weights, templates, batch, fused })
 }
 
 /// Ids as sorted half-open ranges of consecutive ids.
@@ -550,21 +536,21 @@ impl StageCode {
 /// The program templates: the schedule lowered with pipeline ranks as peers, plus the
 /// gradient-synchronisation epilogue and ZeRO gathers.
 fn templates(input: &CodegenInput, stages: &[StageCode], tied: &[TiedWeight]) -> Result<Vec<ProgramTemplate>, EncodeError> {
-    let p = input.pp;
-    let actions = compute_actions(input.schedule, p, input.microbatches)?;
+    let p = input.parallel.pp;
+    let actions = compute_actions(input.parallel.schedule, p, input.parallel.microbatches)?;
     let opts = LowerOptions {
         ranks: Vec::new(),
         boundary_bytes: input.stages.iter().map(|s| s.output_bytes).collect(),
         epilogue: Vec::new(),
     };
-    let lowered = lower(input.schedule, &actions, &opts)?;
-    let (dp, zero) = (input.dp, input.zero);
-    let shard_n = input.sharded_dp.filter(|&n| n > 1 && n < dp);
+    let lowered = lower(input.parallel.schedule, &actions, &opts)?;
+    let (dp, zero) = (input.parallel.dp, input.parallel.zero);
+    let shard_n = (input.parallel.zero_group() < dp).then(|| input.parallel.zero_group());
     let gather_group = if shard_n.is_some() { GroupRef::ShardGroup } else { GroupRef::Data };
-    let zero3 = dp > 1 && (zero >= 3 || shard_n.is_some());
+    let zero3 = input.parallel.params_sharded();
     let mut out = Vec::with_capacity(p);
     for (r, prog) in lowered.into_iter().enumerate() {
-        let my_stages: Vec<usize> = (0..stages.len()).filter(|&s| input.schedule.rank_of_stage(s, p) == r).collect();
+        let my_stages: Vec<usize> = (0..stages.len()).filter(|&s| input.parallel.schedule.rank_of_stage(s, p) == r).collect();
         let mut steps = Vec::with_capacity(prog.instrs.len() + 4 * my_stages.len());
         let gather = |s: usize| Step::AllGather { group: gather_group, bytes: stages[s].param_bytes, purpose: Purpose::Zero3Params { stage: s } };
         for i in prog.instrs {

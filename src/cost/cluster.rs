@@ -32,7 +32,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::comm::Link;
+use super::link::Link;
 use crate::ir::DType;
 
 /// Errors reading a cluster spec.

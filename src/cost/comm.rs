@@ -12,23 +12,7 @@
 
 use super::ClusterSpec;
 use super::cluster::CollectiveLinks;
-
-/// One link kind's alpha-beta parameters.
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Link {
-    /// Bandwidth per rank and direction, bytes/s.
-    pub bandwidth: f64,
-    /// Per-message latency, seconds.
-    pub latency: f64,
-}
-
-impl Link {
-    /// Time to move `bytes` in `messages` messages.
-    pub fn time(&self, bytes: f64, messages: f64) -> f64 {
-        bytes / self.bandwidth + messages * self.latency
-    }
-}
+pub use super::link::Link;
 
 /// Which link a transfer or group uses (spelled `intra-node`, `inter-node` in plan files).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]

@@ -5,6 +5,7 @@
 pub mod cluster;
 pub mod comm;
 pub mod compute;
+mod link;
 pub mod memory;
 
 pub use cluster::{CalibrationFile, CollectiveLinks, ClusterError, ClusterSpec, EfficiencyCurve, FactSource, LIST_PRICES, ListPrice, MachineFacts, PRESETS, list_price};

@@ -4,103 +4,23 @@
 //! [`specialise`] is the part up to fusion: the runner applies it to the model it loads, then
 //! the plan's recorded fusions (`fuse::apply`).
 
-use std::collections::BTreeMap;
-
-use crate::ir::{self, GraphError};
+use crate::ir;
 
 pub mod dce;
+mod error;
 pub mod figures;
 pub mod fold;
 pub mod fuse;
 pub mod layers;
+mod options;
 pub mod params;
 pub mod rebatch;
 pub mod shape_infer;
 #[cfg(test)]
 mod testutil;
 
-/// Options of [`analyze`]: how to bind symbolic dims.
-#[derive(Clone, Debug, Default)]
-pub struct AnalyzeOptions {
-    /// Binds the symbolic sequence dim (second dim of the first graph input).
-    pub seq_len: Option<i64>,
-    /// Binds any symbolic dim by name (`--dim NAME=V`).
-    pub dims: BTreeMap<String, i64>,
-}
-
-/// Errors of the passes. Each names the node, value or dim concerned.
-#[derive(Debug, thiserror::Error)]
-pub enum PassError {
-    /// A symbolic dim is needed but nothing binds it.
-    #[error("symbolic dim `{dim}` of input `{input}` is unbound: {fix}")]
-    UnboundDim {
-        /// The symbol.
-        dim: String,
-        /// The graph input that has it.
-        input: String,
-        /// How to bind it.
-        fix: String,
-    },
-    /// `--seq-len` asks for another sequence length than the graph's fixed one.
-    #[error("--seq-len {requested} conflicts with input `{input}`, whose sequence dim is fixed at {fixed}; drop --seq-len or re-export with a symbolic sequence dim")]
-    SeqLenConflict {
-        /// The graph input.
-        input: String,
-        /// Its fixed size.
-        fixed: i64,
-        /// What was asked.
-        requested: i64,
-    },
-    /// A binding that makes no sense (non-positive size, unknown name).
-    #[error("bad dim binding: {0}")]
-    BadBinding(String),
-    /// An initializer's parameter record cannot be applied.
-    #[error("parameter record of initializer `{value}`: {msg}; re-export with scripts/param_record.py or strip its `smp.*` metadata")]
-    ParamRecord {
-        /// The initializer.
-        value: String,
-        /// What is wrong.
-        msg: String,
-    },
-    /// A fixed batch cannot be rebound to another microbatch size.
-    #[error(
-        "the model's batch is fixed at {batch} (first dim of input `{input}`){}, and rebinding it is not proven: {reason}; \
-         plan microbatches of exactly {batch} samples, or re-export with a dynamic batch: \
-         torch.onnx.export(model, args, path, dynamo=True, dynamic_shapes=({{0: torch.export.Dim(\"batch\")}},))",
-        to.map(|t| format!(" but microbatches of {t} were asked")).unwrap_or_default()
-    )]
-    FixedBatch {
-        /// The batch the graph fixes.
-        batch: i64,
-        /// The graph input that fixes it.
-        input: String,
-        /// The microbatch size asked, if known.
-        to: Option<i64>,
-        /// Where the proof failed.
-        reason: String,
-    },
-    /// A fused-op record does not fit the graph.
-    #[error("fused op at node `{node}`: {msg}")]
-    Fusion {
-        /// The fused node.
-        node: String,
-        /// What does not fit.
-        msg: String,
-    },
-    /// Shape inference failed at a node.
-    #[error("shape inference failed at node `{node}` ({op}): {msg}")]
-    Shape {
-        /// Node name.
-        node: String,
-        /// Op type.
-        op: String,
-        /// What went wrong.
-        msg: String,
-    },
-    /// The graph is structurally broken.
-    #[error(transparent)]
-    Graph(#[from] GraphError),
-}
+pub use error::PassError;
+pub use options::AnalyzeOptions;
 
 /// Runs the pass list over an imported graph and returns it with shapes, figures and layers.
 /// What is trained is decided by [`params::decide`] with no patterns (a graph already decided,

@@ -41,6 +41,20 @@ pub struct ParamOptions {
     pub frozen: Vec<String>,
 }
 
+impl ParamOptions {
+    /// The patterns as command-line flags (`--trainable 'G' --frozen 'H'`).
+    pub fn flags(&self) -> String {
+        let t = self.trainable.iter().map(|g| format!("--trainable '{g}'"));
+        let f = self.frozen.iter().map(|g| format!("--frozen '{g}'"));
+        t.chain(f).collect::<Vec<_>>().join(" ")
+    }
+
+    /// What is trained, in words, for messages.
+    pub fn describe(&self) -> String {
+        if *self == ParamOptions::default() { "by the model's record and rules (no --trainable/--frozen)".into() } else { format!("with `{}`", self.flags()) }
+    }
+}
+
 /// What [`decide`] did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ParamSummary {

@@ -1,7 +1,7 @@
 //! The plan file from the solver's decision.
 
 use crate::cost::{ClusterSpec, CommModel, GroupSpan, LinkKind};
-use crate::ir::LayeredGraph;
+use crate::ir::{LayeredGraph, Parallelism};
 use crate::solve::{PlanDecision, PlanOptions};
 
 use super::schema::*;
@@ -42,8 +42,8 @@ pub fn from_decision(d: &PlanDecision, lg: &LayeredGraph, cluster: &ClusterSpec,
                 pp_rank: s.pp_rank,
                 layers: s.layers,
                 ranks: s.ranks.clone(),
-                tp: d.tp,
-                dp: d.dp,
+                tp: d.parallel.tp,
+                dp: d.parallel.dp,
                 forward_s: s.forward_s,
                 backward_s: s.backward_s,
                 comm_s: s.comm_s,
@@ -82,19 +82,7 @@ pub fn from_decision(d: &PlanDecision, lg: &LayeredGraph, cluster: &ClusterSpec,
             memory_limit_bytes: bytes(d.memory_limit_bytes),
             machine: cluster.machine.clone(),
         },
-        parallel: Parallel {
-            pp: d.pp,
-            tp: d.tp,
-            dp: d.dp,
-            zero: d.zero,
-            sharded_dp: d.sharded_dp,
-            microbatches: d.microbatches,
-            active_microbatches: opts.active_microbatches,
-            schedule: d.schedule,
-            checkpointing: d.checkpointing,
-            placement: d.placement,
-            sequence_parallel: d.sequence_parallel && d.tp > 1,
-        },
+        parallel: Parallelism { active_microbatches: opts.active_microbatches, ..d.parallel },
         stages,
         layer_strategies,
         communication: Vec::new(),
@@ -124,7 +112,7 @@ pub fn from_decision(d: &PlanDecision, lg: &LayeredGraph, cluster: &ClusterSpec,
         frozen: opts.params.frozen.clone(),
         codegen: None,
     };
-    plan.predicted.peak_memory_bytes = (0..d.pp).map(|r| plan.rank_memory(r).total).max().unwrap_or(0);
+    plan.predicted.peak_memory_bytes = (0..d.parallel.pp).map(|r| plan.rank_memory(r).total).max().unwrap_or(0);
     plan.communication = communication(d, cluster, &plan);
     plan
 }
@@ -145,7 +133,7 @@ fn communication(d: &PlanDecision, cluster: &ClusterSpec, plan: &Plan) -> Vec<Co
         }
         None => out.push(CommVolume { kind, link, bytes, time_s }),
     };
-    let m = d.microbatches as f64;
+    let m = d.parallel.microbatches as f64;
     // Pipeline: each boundary sends the activation forward and receives its gradient back,
     // once per microbatch; the busiest boundary per link kind.
     for (c, pair) in plan.stages.windows(2).enumerate() {
@@ -159,16 +147,16 @@ fn communication(d: &PlanDecision, cluster: &ClusterSpec, plan: &Plan) -> Vec<Co
     }
     // Data parallel: gradient all-reduce (or reduce-scatter + all-gather under ZeRO), ring
     // volume 2(d−1)/d of the stage's gradients per device, busiest stage.
-    if d.dp > 1 {
+    if d.parallel.dp > 1 {
         for s in &plan.stages {
-            let replicas: Vec<usize> = s.ranks.iter().step_by(d.tp.max(1)).copied().collect();
+            let replicas: Vec<usize> = s.ranks.iter().step_by(d.parallel.tp.max(1)).copied().collect();
             let span = GroupSpan::of_ranks(&replicas, cluster.devices_per_node);
-            let grads = if d.zero >= 2 {
-                s.memory_bytes.grads as f64 * d.dp as f64
+            let grads = if d.parallel.zero >= 2 {
+                s.memory_bytes.grads as f64 * d.parallel.dp as f64
             } else {
                 s.memory_bytes.grads as f64
             };
-            let volume = 2.0 * (d.dp as f64 - 1.0) / d.dp as f64 * grads;
+            let volume = 2.0 * (d.parallel.dp as f64 - 1.0) / d.parallel.dp as f64 * grads;
             add(Traffic::Data, span.link_kind(), volume, comm.all_reduce(grads, &span));
         }
     }

@@ -12,7 +12,8 @@ use crate::cost::{LinkKind, MachineFacts};
 use crate::codegen::encode::{CodegenInput, CodegenSection, Mesh, RankView, StageInput};
 use crate::codegen::EncodeError;
 use crate::ir::ScheduleKind;
-use crate::solve::{Baseline, CheckpointRule, Placement as AxisOrder, SolveStatus};
+use crate::ir::{CheckpointRule, Parallelism, Placement as AxisOrder};
+use crate::solve::{Baseline, SolveStatus};
 use crate::split::Strategy;
 
 /// The plan format version this build writes and reads.
@@ -29,7 +30,8 @@ pub struct Plan {
     /// The cluster it was planned on.
     pub cluster: ClusterInfo,
     /// The parallel configuration chosen.
-    pub parallel: Parallel,
+    #[serde(with = "parallel_file")]
+    pub parallel: Parallelism,
     /// Pipeline stages in execution order (one entry per virtual stage when interleaved).
     pub stages: Vec<Stage>,
     /// The tensor-split strategy chosen for each layer's nodes.
@@ -95,84 +97,36 @@ pub struct ClusterInfo {
     pub machine: Option<MachineFacts>,
 }
 
-/// The parallel configuration. The schedule, checkpointing policy and placement are typed
-/// here and spelt as strings in the file (`"schedule": "interleaved", "virtual_stages": 2`,
-/// `"checkpointing": "auto"`, `"placement": "DPT"`), parsed once when the plan is read.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(try_from = "ParallelFile", into = "ParallelFile")]
-pub struct Parallel {
-    /// Pipeline-parallel degree (devices along a pipeline).
-    pub pp: usize,
-    /// Tensor-parallel degree.
-    pub tp: usize,
-    /// Data-parallel degree.
-    pub dp: usize,
-    /// ZeRO stage (0..=3).
-    pub zero: u8,
-    /// Sharded-data-parallel group size (ZeRO-3 over groups of that many replicas), if used.
-    pub sharded_dp: Option<usize>,
-    /// Microbatches per step and pipeline.
-    pub microbatches: usize,
-    /// Cap on microbatches in flight (SMP's `active_microbatches`), if set.
-    pub active_microbatches: Option<usize>,
-    /// The pipeline schedule (file: `schedule` = its name, `virtual_stages` = V, 1 unless
-    /// interleaved).
-    pub schedule: ScheduleKind,
-    /// Checkpointing policy as requested (file: `auto`, `none` or `full`).
-    pub checkpointing: CheckpointRule,
-    /// Mesh axis order, outermost first (file: `DPT` = cluster, `TPD` = spread).
-    pub placement: AxisOrder,
-    /// Sequence parallelism within each tensor-parallel group (Megatron-LM's): row-parallel
-    /// outputs reduce-scattered over the tokens, norms and residuals on token chunks.
-    pub sequence_parallel: bool,
-}
+/// The plan file's spelling of the parallel configuration ([`Parallelism`]): the schedule,
+/// checkpointing policy and placement are typed in the IR and spelt as strings in the file
+/// (`"schedule": "interleaved", "virtual_stages": 2`, `"checkpointing": "auto"`,
+/// `"placement": "DPT"`), parsed once when the plan is read.
+mod parallel_file {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-/// [`Parallel`] as the file spells it.
-#[derive(Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ParallelFile {
-    pp: usize,
-    tp: usize,
-    dp: usize,
-    zero: u8,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    sharded_dp: Option<usize>,
-    microbatches: usize,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    active_microbatches: Option<usize>,
-    schedule: String,
-    virtual_stages: usize,
-    checkpointing: String,
-    placement: String,
-    #[serde(default, skip_serializing_if = "is_false")]
-    sequence_parallel: bool,
-}
+    use super::{AxisOrder, CheckpointRule, Parallelism, ScheduleKind, is_false};
 
-impl TryFrom<ParallelFile> for Parallel {
-    type Error = String;
-    fn try_from(f: ParallelFile) -> Result<Parallel, String> {
-        let schedule = ScheduleKind::from_parts(&f.schedule, f.virtual_stages)
-            .map_err(|e| format!("parallel.schedule `{}` with virtual_stages {}: {e}", f.schedule, f.virtual_stages))?;
-        let checkpointing = f.checkpointing.parse::<CheckpointRule>().map_err(|e| format!("parallel.checkpointing {e}"))?;
-        let placement = f.placement.parse::<AxisOrder>().map_err(|e| format!("parallel.placement {e}"))?;
-        Ok(Parallel {
-            pp: f.pp,
-            tp: f.tp,
-            dp: f.dp,
-            zero: f.zero,
-            sharded_dp: f.sharded_dp,
-            microbatches: f.microbatches,
-            active_microbatches: f.active_microbatches,
-            schedule,
-            checkpointing,
-            placement,
-            sequence_parallel: f.sequence_parallel,
-        })
+    #[derive(Serialize, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct ParallelFile {
+        pp: usize,
+        tp: usize,
+        dp: usize,
+        zero: u8,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        sharded_dp: Option<usize>,
+        microbatches: usize,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        active_microbatches: Option<usize>,
+        schedule: String,
+        virtual_stages: usize,
+        checkpointing: String,
+        placement: String,
+        #[serde(default, skip_serializing_if = "is_false")]
+        sequence_parallel: bool,
     }
-}
 
-impl From<Parallel> for ParallelFile {
-    fn from(p: Parallel) -> ParallelFile {
+    pub fn serialize<S: Serializer>(p: &Parallelism, s: S) -> Result<S::Ok, S::Error> {
         ParallelFile {
             pp: p.pp,
             tp: p.tp,
@@ -187,6 +141,29 @@ impl From<Parallel> for ParallelFile {
             placement: p.placement.to_string(),
             sequence_parallel: p.sequence_parallel,
         }
+        .serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Parallelism, D::Error> {
+        let f = ParallelFile::deserialize(d)?;
+        let bad = serde::de::Error::custom;
+        let schedule = ScheduleKind::from_parts(&f.schedule, f.virtual_stages)
+            .map_err(|e| bad(format!("parallel.schedule `{}` with virtual_stages {}: {e}", f.schedule, f.virtual_stages)))?;
+        let checkpointing = f.checkpointing.parse::<CheckpointRule>().map_err(|e| bad(format!("parallel.checkpointing {e}")))?;
+        let placement = f.placement.parse::<AxisOrder>().map_err(|e| bad(format!("parallel.placement {e}")))?;
+        Ok(Parallelism {
+            pp: f.pp,
+            tp: f.tp,
+            dp: f.dp,
+            zero: f.zero,
+            sharded_dp: f.sharded_dp,
+            microbatches: f.microbatches,
+            active_microbatches: f.active_microbatches,
+            schedule,
+            checkpointing,
+            placement,
+            sequence_parallel: f.sequence_parallel,
+        })
     }
 }
 
@@ -431,13 +408,7 @@ impl Plan {
     pub fn codegen_input(&self) -> Result<CodegenInput, EncodeError> {
         let p = &self.parallel;
         Ok(CodegenInput {
-            pp: p.pp,
-            tp: p.tp,
-            dp: p.dp,
-            zero: p.zero,
-            sharded_dp: p.sharded_dp,
-            microbatches: p.microbatches,
-            schedule: p.schedule,
+            parallel: *p,
             stages: self
                 .stages
                 .iter()
@@ -452,7 +423,6 @@ impl Plan {
                 }
                 v
             },
-            sequence_parallel: p.sequence_parallel,
             microbatch_size: Some((self.global_batch / (p.dp.max(1) * p.microbatches.max(1)) as u64) as i64),
         })
     }

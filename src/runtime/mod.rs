@@ -1,78 +1,31 @@
-//! The libtorch executor (feature `runner`): ONNX op kernels on tch, weights, a forward
-//! executor with autograd, npz files, and single-device training.
+//! The libtorch runtime (feature `runner`): it executes models and plans. This is the only
+//! module that names tch or c10d. Its rooms, bottom up (each uses only those before it):
 //!
-//! This is the only module that names tch.
+//! - `comm/`: the c10d shim (TCP store, Gloo/NCCL process groups, point-to-point work);
+//! - `kernels/`: op kernels on tch, the forward executor with autograd, tensor conversions,
+//!   the autograd shim (gradients accumulated in place, fused AdamW);
+//! - `state/`: what lives on disk or in memory between steps: weights and where they are read
+//!   from, checkpoints, npz files, the trained model out (export);
+//! - `data/`: token files, batches, their order, `prepare-data`;
+//! - `train/`: losses, the optimizer and learning rate, records and observers, and the one
+//!   training loop (`train::driver::drive`) that a single process and every rank run;
+//! - `rank/`: one rank of a plan: its layout read from the plan, its set-up (stages, shards,
+//!   parameters, process groups), the program interpreter, ZeRO state, what it measured;
+//! - `session/`: the run front door (`RunSession`): the checks of a run against its plan,
+//!   model and checkpoint, and the one report a run prints;
+//! - `launch/`: starting ranks (one host or several) and calibrating this machine.
 
-pub mod calibrate;
-pub mod checkpoint;
+pub mod comm;
 pub mod data;
-pub mod dist;
-pub mod executor;
-pub mod export;
-mod grad;
-mod interp;
+mod error;
+pub mod kernels;
 pub mod launch;
-mod layout;
-pub mod npz;
-pub mod ops;
-pub mod pipeline;
-mod rank;
-mod report;
-pub mod tensor;
+pub mod rank;
+pub mod session;
+pub mod state;
 pub mod train;
-pub mod weights;
-mod zero;
 
-pub use executor::{Executor, ExecOptions};
-pub use weights::{InitMode, Weights};
-
-/// Errors of the runtime, each naming the node, value, file or flag concerned.
-#[derive(Debug, thiserror::Error)]
-pub enum RuntimeError {
-    /// Ops without a kernel, found before execution starts.
-    #[error("the graph has ops this runner cannot execute: {0}")]
-    Unsupported(String),
-    /// A kernel failed while running a node.
-    #[error("node `{node}` ({op}): {message}")]
-    Kernel {
-        /// Node name.
-        node: String,
-        /// Op type.
-        op: String,
-        /// What went wrong.
-        message: String,
-    },
-    /// A weight could not be materialised.
-    #[error("initializer `{name}`: {message}")]
-    Weight {
-        /// Initializer name.
-        name: String,
-        /// What went wrong and how to fix it.
-        message: String,
-    },
-    /// A graph input fed by the user does not fit the graph.
-    #[error("input `{name}`: {message}")]
-    Input {
-        /// Graph input name.
-        name: String,
-        /// What went wrong.
-        message: String,
-    },
-    /// A file could not be read or written.
-    #[error("{path}: {message}")]
-    File {
-        /// The file.
-        path: String,
-        /// What went wrong.
-        message: String,
-    },
-    /// The graph itself is inconsistent.
-    #[error(transparent)]
-    Graph(#[from] crate::ir::GraphError),
-    /// Training set-up or loss problems.
-    #[error("training: {0}")]
-    Train(String),
-    /// A libtorch call outside a kernel failed.
-    #[error("libtorch: {0}")]
-    Torch(#[from] tch::TchError),
-}
+pub use error::RuntimeError;
+pub(crate) use error::terr;
+pub use kernels::executor::{ExecOptions, Executor, Weights};
+pub use state::weights::InitMode;

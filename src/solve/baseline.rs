@@ -60,15 +60,15 @@ pub fn plan_baseline(
         Baseline::Megatron => {
             // Candidates are filtered to divisible chunk counts below, so this never fails.
             let kinds = kinds.clone();
-            Box::new(move |c: &Candidate, _: &CostContext<'_>| megatron_chunks(&kinds, c.pp * c.schedule.virtual_stages()).ok())
+            Box::new(move |c: &Candidate, _: &CostContext<'_>| megatron_chunks(&kinds, c.parallel.pp * c.parallel.schedule.virtual_stages()).ok())
         }
         Baseline::Uniform => {
-            Box::new(move |c: &Candidate, _: &CostContext<'_>| Some(uniform_chunks(layers, c.pp * c.schedule.virtual_stages())))
+            Box::new(move |c: &Candidate, _: &CostContext<'_>| Some(uniform_chunks(layers, c.parallel.pp * c.parallel.schedule.virtual_stages())))
         }
         Baseline::Parameters => Box::new(move |c: &Candidate, ctx: &CostContext<'_>| {
             // Parameters per layer, with a tiny weight so parameter-free layers still count.
             let params: Vec<f64> = ctx.shapes.iter().map(|s| s.params + 1.0).collect();
-            parameter_chunks(&params, c.pp * c.schedule.virtual_stages())
+            parameter_chunks(&params, c.parallel.pp * c.parallel.schedule.virtual_stages())
         }),
     };
     let mut cfg = cfg.clone();
@@ -105,7 +105,7 @@ pub fn plan_baseline(
         megatron_chunks(&kinds, pp * v)?;
     }
     let mut cands: Vec<Candidate> =
-        enumerate(lg, spec, &cfg)?.into_iter().filter(|c| megatron_chunks(&kinds, c.pp * v).is_ok()).collect();
+        enumerate(lg, spec, &cfg)?.into_iter().filter(|c| megatron_chunks(&kinds, c.parallel.pp * v).is_ok()).collect();
     if cands.is_empty() {
         return Err(megatron_chunks(&kinds, spec.devices.max(2)).err().unwrap_or_else(|| {
             SolveError::Setting("--baseline megatron: no pipeline degree divides the model's blocks".into())
@@ -117,12 +117,12 @@ pub fn plan_baseline(
             cands = ones;
         }
     }
-    let mut pps: Vec<usize> = cands.iter().map(|c| c.pp).collect();
+    let mut pps: Vec<usize> = cands.iter().map(|c| c.parallel.pp).collect();
     pps.sort_unstable();
     pps.dedup();
     let mut last_err = None;
     for pp in pps {
-        let these: Vec<Candidate> = cands.iter().copied().filter(|c| c.pp == pp).collect();
+        let these: Vec<Candidate> = cands.iter().copied().filter(|c| c.parallel.pp == pp).collect();
         match run(lg, spec, &cfg, these, &*fixed, None, progress) {
             Ok(d) => return Ok(d),
             Err(e @ SolveError::Infeasible { .. }) => last_err = Some(e),

@@ -346,6 +346,11 @@ impl PlanOptions {
     /// Sharded data parallelism is ZeRO-3 over groups of replicas.
     fn check_sharded_dp(&mut self) -> Result<(), ConfigError> {
         let Some(sdp) = self.sharded_dp else { return Ok(()) };
+        if sdp == 1 {
+            // SMP's degree 1: sharded data parallelism is off
+            self.sharded_dp = None;
+            return Ok(());
+        }
         let sdp_src = self.source(Setting::ShardedDp);
         match self.zero {
             Some(z) if z != 3 => {

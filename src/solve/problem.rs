@@ -3,6 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::ir::CheckpointRule;
+
 /// One sharding choice of one node inside a layer (intra-layer problem).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct NodeOption {
@@ -106,49 +108,6 @@ pub struct TiedCopy {
     /// Model-state bytes of the copy on the reader's device (parameters, gradients, optimizer
     /// state, after the tensor split and ZeRO).
     pub state_bytes: f64,
-}
-
-/// Whether layers may be checkpointed (recomputed in the backward pass): the one
-/// checkpointing policy of the CLI (`--checkpointing auto|none|full`), the SMP config, the
-/// search and the plan file (`parallel.checkpointing`), which spell it by [`CheckpointRule::name`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum CheckpointRule {
-    /// The solver chooses per layer (`auto`).
-    #[default]
-    Auto,
-    /// No layer is checkpointed (`none`).
-    Never,
-    /// Every layer is checkpointed (`full`).
-    Always,
-}
-
-impl CheckpointRule {
-    /// The name the CLI and the plan file use: `auto`, `none` or `full`.
-    pub fn name(self) -> &'static str {
-        match self {
-            CheckpointRule::Auto => "auto",
-            CheckpointRule::Never => "none",
-            CheckpointRule::Always => "full",
-        }
-    }
-}
-
-impl std::fmt::Display for CheckpointRule {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl std::str::FromStr for CheckpointRule {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(CheckpointRule::Auto),
-            "none" => Ok(CheckpointRule::Never),
-            "full" => Ok(CheckpointRule::Always),
-            _ => Err(format!("`{s}`: expected auto, none or full")),
-        }
-    }
 }
 
 /// What the pipeline ILP minimises.

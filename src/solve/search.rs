@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use crate::cost::{ClusterSpec, GroupSpan, in_flight};
-use crate::ir::{LayeredGraph, ScheduleKind};
+use crate::ir::{LayeredGraph, Parallelism, ScheduleKind};
 
 use super::ilp::{SolveReport, SolveStatus, SolverOptions};
 use super::layer_cost::{CostContext, LayerConfig, tensor_split_divisor};
@@ -22,31 +22,14 @@ use super::{
 /// Default budget for a whole search when none is given, seconds.
 pub const DEFAULT_TIME_LIMIT_S: f64 = 60.0;
 
-/// One point of the configuration space.
+/// One point of the configuration space: a parallel configuration and its microbatch size.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Candidate {
-    /// Pipeline degree.
-    pub pp: usize,
-    /// Tensor degree.
-    pub tp: usize,
-    /// Data-parallel degree.
-    pub dp: usize,
-    /// ZeRO stage.
-    pub zero: u8,
-    /// Replicas the ZeRO state is sharded over (dp unless sharded-dp says less).
-    pub zero_group: usize,
-    /// Microbatches.
-    pub microbatches: usize,
+    /// Degrees, ZeRO, microbatches, schedule, checkpointing rule and placement (sequence
+    /// parallelism false at t = 1).
+    pub parallel: Parallelism,
     /// Samples per microbatch.
     pub microbatch_size: usize,
-    /// Schedule.
-    pub schedule: ScheduleKind,
-    /// Placement.
-    pub placement: Placement,
-    /// Checkpointing rule.
-    pub checkpoint: CheckpointRule,
-    /// Sequence parallelism in the tensor-parallel layers (false at t = 1).
-    pub sequence_parallel: bool,
 }
 
 /// A candidate with its flat problem and bounds.
@@ -135,18 +118,14 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
                 (None, None) if dp == 1 => vec![0],
                 (None, None) => vec![0, 1, 2, 3],
             };
-            let zero_group = match c.sharded_dp {
-                Some(s) if dp % s == 0 => s,
-                Some(s) => {
-                    if c.dp.is_some() || c.pp.is_some() && c.tp.is_some() {
-                        return Err(SolveError::Setting(format!(
-                            "--sharded-dp {s} does not divide the data-parallel degree {dp}"
-                        )));
-                    }
-                    continue;
+            if let Some(s) = c.sharded_dp
+                && dp % s != 0
+            {
+                if c.dp.is_some() || c.pp.is_some() && c.tp.is_some() {
+                    return Err(SolveError::Setting(format!("--sharded-dp {s} does not divide the data-parallel degree {dp}")));
                 }
-                None => dp,
-            };
+                continue;
+            }
             let ms: Vec<usize> = match c.microbatches {
                 Some(m) if per_replica % m == 0 => vec![m],
                 Some(_) => continue,
@@ -188,17 +167,20 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
                     for &placement in &placements {
                         for (&zero, &sequence_parallel) in zeros.iter().flat_map(|z| sps.iter().map(move |s| (z, s))) {
                             out.push(Candidate {
-                                pp,
-                                tp,
-                                dp,
-                                zero,
-                                zero_group,
-                                microbatches: m,
+                                parallel: Parallelism {
+                                    pp,
+                                    tp,
+                                    dp,
+                                    zero,
+                                    sharded_dp: c.sharded_dp,
+                                    microbatches: m,
+                                    active_microbatches: c.active_microbatches,
+                                    schedule,
+                                    checkpointing: c.checkpointing.unwrap_or(CheckpointRule::Auto),
+                                    placement,
+                                    sequence_parallel,
+                                },
                                 microbatch_size: b,
-                                schedule,
-                                placement,
-                                checkpoint: c.checkpointing.unwrap_or(CheckpointRule::Auto),
-                                sequence_parallel,
                             });
                         }
                     }
@@ -250,17 +232,17 @@ pub fn layout_chunks(layout: &[[usize; 2]], layers: usize) -> Result<Vec<usize>,
 /// The layer-cost configuration of a candidate (groups laid out by its placement).
 pub fn layer_config(spec: &ClusterSpec, cand: &Candidate) -> LayerConfig {
     let dpn = spec.devices_per_node.max(1);
-    let deg = [cand.dp, cand.pp, cand.tp];
-    let d_stride = cand.placement.stride(MeshAxis::D, deg);
-    let t_stride = cand.placement.stride(MeshAxis::T, deg);
+    let deg = [cand.parallel.dp, cand.parallel.pp, cand.parallel.tp];
+    let d_stride = cand.parallel.placement.stride(MeshAxis::D, deg);
+    let t_stride = cand.parallel.placement.stride(MeshAxis::T, deg);
     LayerConfig {
-        tp: cand.tp,
+        tp: cand.parallel.tp,
         microbatch: cand.microbatch_size,
-        zero: cand.zero,
-        zero_group: GroupSpan::strided(0, cand.zero_group.min(cand.dp).max(1), d_stride, dpn),
-        dp_group: GroupSpan::strided(0, cand.dp, d_stride, dpn),
-        tp_group: GroupSpan::strided(0, cand.tp, t_stride, dpn),
-        sequence_parallel: cand.sequence_parallel && cand.tp > 1,
+        zero: cand.parallel.zero,
+        zero_group: GroupSpan::strided(0, cand.parallel.zero_group().min(cand.parallel.dp).max(1), d_stride, dpn),
+        dp_group: GroupSpan::strided(0, cand.parallel.dp, d_stride, dpn),
+        tp_group: GroupSpan::strided(0, cand.parallel.tp, t_stride, dpn),
+        sequence_parallel: cand.parallel.sequence_parallel && cand.parallel.tp > 1,
     }
 }
 
@@ -273,21 +255,21 @@ pub fn prepare(
     fixed_chunks: Option<Vec<usize>>,
 ) -> Prepared {
     let spec = ctx.spec;
-    let deg = [cand.dp, cand.pp, cand.tp];
-    let rank = |d: usize, p: usize, t: usize| cand.placement.rank([d, p, t], deg);
+    let deg = [cand.parallel.dp, cand.parallel.pp, cand.parallel.tp];
+    let rank = |d: usize, p: usize, t: usize| cand.parallel.placement.rank([d, p, t], deg);
     let lc = layer_config(spec, cand);
     let layers = ctx.layers(&lc);
-    let v = cand.schedule.virtual_stages();
-    let chunks = cand.pp * v;
+    let v = cand.parallel.schedule.virtual_stages();
+    let chunks = cand.parallel.pp * v;
     let beta: Vec<f64> = (0..chunks.saturating_sub(1))
         .map(|c| {
-            let kind = ctx.comm.link_between(rank(0, c % cand.pp, 0), rank(0, (c + 1) % cand.pp, 0));
+            let kind = ctx.comm.link_between(rank(0, c % cand.parallel.pp, 0), rank(0, (c + 1) % cand.parallel.pp, 0));
             1.0 / ctx.comm.link(kind).bandwidth
         })
         .collect();
     let flight: Vec<f64> = (0..chunks)
         .map(|c| {
-            let f = in_flight(cand.schedule, cand.pp, cand.microbatches, c % cand.pp + 1);
+            let f = in_flight(cand.parallel.schedule, cand.parallel.pp, cand.parallel.microbatches, c % cand.parallel.pp + 1);
             match active {
                 Some(a) => f.min(a as f64),
                 None => f,
@@ -296,15 +278,15 @@ pub fn prepare(
         .collect();
     let problem = PipelineProblem {
         layers,
-        devices: cand.pp,
+        devices: cand.parallel.pp,
         virtual_stages: v,
-        microbatches: cand.microbatches,
+        microbatches: cand.parallel.microbatches,
         in_flight: flight,
-        bubble_coeff: bubble_coeff(cand.schedule, cand.pp, cand.microbatches),
+        bubble_coeff: bubble_coeff(cand.parallel.schedule, cand.parallel.pp, cand.parallel.microbatches),
         memory_cap,
         workspace: spec.workspace_bytes as f64,
         transfer_s_per_byte: beta,
-        checkpoint: cand.checkpoint,
+        checkpoint: cand.parallel.checkpointing,
         fixed_chunks,
         objective: PipelineObjective::StepTime,
     };
@@ -415,30 +397,6 @@ pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
     };
     let lb = c * busy + (m - c) * tau.max(busy / devices as f64) + transfer + sigma;
     (lb, mem_lb)
-}
-
-/// The search.
-pub fn search(
-    lg: &LayeredGraph,
-    spec: &ClusterSpec,
-    cfg: &PlanOptions,
-    progress: &mut dyn FnMut(Progress),
-) -> Result<PlanDecision, SolveError> {
-    let cands = enumerate(lg, spec, cfg)?;
-    // The faithful Megatron-LM plan under the same fixed settings is the first incumbent, so
-    // the answer is never slower than it (docs/baselines.md). Skipped where it cannot apply.
-    let t0 = Instant::now();
-    let seed = if cfg.layout.is_none() && cfg.optimize.unwrap_or_default() == Optimize::Speed {
-        let base = PlanOptions { baseline: Some(super::Baseline::Megatron), ..cfg.clone() };
-        super::baseline::plan_baseline(lg, spec, &base, super::Baseline::Megatron, &mut |_| {}).ok()
-    } else {
-        None
-    };
-    let seed_s = t0.elapsed().as_secs_f64();
-    tracing::debug!("megatron seed {:?} in {seed_s:.3} s", seed.as_ref().map(|s| s.predicted.step_time_s));
-    let mut d = run(lg, spec, cfg, cands, &|_, _| None, seed, progress)?;
-    d.solver.wall_s += seed_s;
-    Ok(d)
 }
 
 /// Solves the given candidates in bound order; `fixed(cand, layers)` may impose a layout.
@@ -682,7 +640,7 @@ pub fn decision(
     let eval = sol.eval.clone().ok_or_else(|| SolveError::Solver("the ILP's solution does not decode to a layout".into()))?;
     let lg = ctx.lg;
     let spec = ctx.spec;
-    let deg = [cand.dp, cand.pp, cand.tp];
+    let deg = [cand.parallel.dp, cand.parallel.pp, cand.parallel.tp];
     let chunks = prob.chunks();
     let lc = layer_config(spec, &cand);
     let mut stages = Vec::with_capacity(chunks);
@@ -691,11 +649,11 @@ pub fn decision(
     for c in 0..chunks {
         let members: Vec<usize> = (0..sol.choices.len()).filter(|&l| sol.choices[l].chunk == c).collect();
         let (first, last) = (members.first().copied().unwrap_or(0), members.last().copied().unwrap_or(0));
-        let pp_rank = c % cand.pp;
-        let mut ranks = Vec::with_capacity(cand.dp * cand.tp);
-        for d in 0..cand.dp {
-            for t in 0..cand.tp {
-                ranks.push(cand.placement.rank([d, pp_rank, t], deg));
+        let pp_rank = c % cand.parallel.pp;
+        let mut ranks = Vec::with_capacity(cand.parallel.dp * cand.parallel.tp);
+        for d in 0..cand.parallel.dp {
+            for t in 0..cand.parallel.tp {
+                ranks.push(cand.parallel.placement.rank([d, pp_rank, t], deg));
             }
         }
         let (mut fwd, mut bwd, mut params, mut trained, mut kept, mut rec) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0f64);
@@ -710,11 +668,11 @@ pub fn decision(
                 (Some(d), Some(m)) => d.param_elems - m.param_elems,
                 _ => 0.0,
             };
-            let held = ctx.shapes[l].params / cand.tp.max(1) as f64 + extra;
+            let held = ctx.shapes[l].params / cand.parallel.tp.max(1) as f64 + extra;
             params += held;
             trained += held * ctx.shapes[l].trained_fraction();
             for tc in &prob.layers[l].tied {
-                let owner_rank = sol.choices.get(tc.owner).map(|o| o.chunk % cand.pp);
+                let owner_rank = sol.choices.get(tc.owner).map(|o| o.chunk % cand.parallel.pp);
                 if owner_rank != Some(pp_rank) && copies_held.insert((pp_rank, tc.weight)) {
                     params += tc.elems;
                     trained += tc.trained;
@@ -728,9 +686,9 @@ pub fn decision(
                 kept += pt.act_bytes;
             }
         }
-        let st = ctx.state_split(params * cand.tp.max(1) as f64, trained * cand.tp.max(1) as f64, &lc);
+        let st = ctx.state_split(params * cand.parallel.tp.max(1) as f64, trained * cand.parallel.tp.max(1) as f64, &lc);
         let activations = prob.in_flight[c] * kept + rec;
-        let workspace = if c < cand.pp { prob.workspace } else { 0.0 };
+        let workspace = if c < cand.parallel.pp { prob.workspace } else { 0.0 };
         let comm_s = if c + 1 < chunks { 2.0 * prob.layers[last].output_bytes * prob.transfer_s_per_byte[c] } else { 0.0 };
         stages.push(StageDecision {
             index: c,
@@ -751,7 +709,7 @@ pub fn decision(
             checkpointed_layers: ckpt,
         });
     }
-    let fallback = if cand.tp > 1 { format!("megatron-tp{}", cand.tp) } else { "replicate".to_string() };
+    let fallback = if cand.parallel.tp > 1 { format!("megatron-tp{}", cand.parallel.tp) } else { "replicate".to_string() };
     let layers = sol
         .choices
         .iter()
@@ -770,10 +728,10 @@ pub fn decision(
         })
         .collect();
     let step = eval.step_s;
-    let t: Vec<f64> = (0..cand.pp).map(|d| eval.fwd_s[d] + eval.bwd_s[d]).collect();
-    let mean = t.iter().sum::<f64>() / cand.pp as f64;
+    let t: Vec<f64> = (0..cand.parallel.pp).map(|d| eval.fwd_s[d] + eval.bwd_s[d]).collect();
+    let mean = t.iter().sum::<f64>() / cand.parallel.pp as f64;
     let tmax = t.iter().cloned().fold(0.0, f64::max);
-    let m = cand.microbatches as f64;
+    let m = cand.parallel.microbatches as f64;
     let pipe = prob.bubble_coeff * t.iter().sum::<f64>() + (m - prob.bubble_coeff) * tmax;
     let bubble = if mean > 0.0 { (pipe - m * mean) / (m * mean) } else { 0.0 };
     let batch = global_batch(cfg) as f64;
@@ -789,17 +747,8 @@ pub fn decision(
         .sum();
     let hfu = if step > 0.0 { (3.0 * lg.flops_per_sample + recomputed) * batch / (step * peak) } else { 0.0 };
     Ok(PlanDecision {
-        pp: cand.pp,
-        tp: cand.tp,
-        dp: cand.dp,
-        zero: cand.zero,
-        sharded_dp: cfg.sharded_dp,
-        microbatches: cand.microbatches,
+        parallel: Parallelism { sequence_parallel: cand.parallel.sequence_parallel && cand.parallel.tp > 1, ..cand.parallel },
         microbatch_size: cand.microbatch_size,
-        schedule: cand.schedule,
-        checkpointing: cand.checkpoint,
-        sequence_parallel: cand.sequence_parallel && cand.tp > 1,
-        placement: cand.placement,
         stages,
         layers,
         predicted: Predicted {

@@ -65,7 +65,7 @@ pub fn fixture() -> Plan {
             memory_limit_bytes: 40 * GIB,
             machine: None,
         },
-        parallel: Parallel {
+        parallel: smp_partition::ir::Parallelism {
             pp: 2,
             tp: 2,
             dp: 1,

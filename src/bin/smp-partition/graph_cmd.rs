@@ -7,7 +7,7 @@ use anyhow::{Result, bail};
 use serde_json::json;
 use smp_partition::Analysed;
 use smp_partition::ir::{self, LayerKind};
-use smp_partition::passes::AnalyzeOptions;
+use smp_partition::compile::AnalyzeOptions;
 use smp_partition::solve::options::parse_dim;
 
 /// Options of `graph`.

@@ -6,11 +6,8 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use clap::Args;
 
-use smp_partition::codegen::lower::{LowerOptions, lower_schedule};
-use smp_partition::cost::{ClusterSpec, CommModel, in_flight};
-use smp_partition::ir::ScheduleKind;
 use smp_partition::plan::{Plan, dot, io, report};
-use smp_partition::sim::{CostTable, chrome_trace, simulate};
+use smp_partition::sim::{chrome_trace, plan_timeline};
 
 use crate::graph_cmd::DimArgs;
 
@@ -35,7 +32,7 @@ pub struct InspectArgs {
 pub fn run(args: &InspectArgs) -> Result<ExitCode> {
     let plan = io::load(&args.plan)?;
     if let Some(path) = &args.trace {
-        let trace = trace(&plan)?;
+        let trace = chrome_trace(&plan_timeline(&plan)?);
         std::fs::write(path, serde_json::to_string(&trace)?)
             .with_context(|| format!("writing the trace to {}", path.display()))?;
     }
@@ -49,44 +46,6 @@ pub fn run(args: &InspectArgs) -> Result<ExitCode> {
         print!("{}", report::render(&plan));
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// Lowers the plan's schedule for one data-parallel replica and tensor rank and replays it
-/// with the plan's stage times.
-fn trace(plan: &Plan) -> Result<serde_json::Value> {
-    let kind = plan.parallel.schedule;
-    let (p, m) = (plan.parallel.pp, plan.parallel.microbatches);
-    let ranks: Vec<usize> = (0..p)
-        .map(|r| plan.stages_of_rank(r).next().and_then(|s| s.ranks.first().copied()).unwrap_or(r))
-        .collect();
-    let opts = LowerOptions {
-        ranks,
-        boundary_bytes: plan.stages.iter().map(|s| s.output_bytes).collect(),
-        epilogue: Vec::new(),
-    };
-    let programs = lower_schedule(kind, p, m, &opts).context("lowering the plan's schedule")?;
-    // The plan names a preset, or records the machine of a `cpu` plan; its links are what the
-    // trace needs (a cluster file that has moved makes communication free in the trace).
-    let cluster = match &plan.cluster.machine {
-        Some(machine) => ClusterSpec::cpu(machine, Some(plan.cluster.devices)).ok(),
-        None => ClusterSpec::parse(&format!("{}:{}", plan.cluster.preset, plan.cluster.devices)).ok(),
-    };
-    let comm = cluster.map(|c| CommModel::new(&c));
-    let weight_share = if matches!(kind, ScheduleKind::ZbH1) { 0.5 } else { 0.0 };
-    let costs = CostTable {
-        forward: plan.stages.iter().map(|s| s.forward_s).collect(),
-        backward_input: plan.stages.iter().map(|s| s.backward_s * (1.0 - weight_share)).collect(),
-        backward_weight: plan.stages.iter().map(|s| s.backward_s * weight_share).collect(),
-        activation_bytes: plan
-            .stages
-            .iter()
-            .map(|s| s.memory_bytes.activations as f64 / in_flight(kind, p, m, s.pp_rank + 1).max(1.0))
-            .collect(),
-        comm,
-        optimizer: 0.0,
-    };
-    let result = simulate(&programs, &costs).context("simulating the plan")?;
-    Ok(chrome_trace(&result))
 }
 
 /// The model file a plan names: as recorded, else beside the plan file.

@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use smp_partition::compile::{Observer, Stage};
 use smp_partition::cost::ClusterSpec;
 use smp_partition::ir::ScheduleKind;
-use smp_partition::passes::params::ParamOptions;
+use smp_partition::compile::ParamOptions;
 use smp_partition::plan::{Plan, io, report};
 use smp_partition::solve::options::{Layout, parse_checkpointing, parse_dim, parse_schedule};
 use smp_partition::solve::{Baseline, CheckpointRule, Optimize, Placement, PlanOptions, Progress, SmpConfig};

@@ -282,7 +282,7 @@ fn json(rows: &[Row], model: &str, wall_s: f64) -> String {
                 let f = row.figures(plan);
                 let p = &plan.parallel;
                 // the schedule as the plan file writes it
-                let schedule = serde_json::to_value(p).map(|v| v["schedule"].clone()).unwrap_or_default();
+                let schedule = p.schedule.name();
                 serde_json::json!({
                     "cluster": row.flag, "kind": row.kind, "device": row.spec.device, "devices": row.spec.devices,
                     "pp": p.pp, "tp": p.tp, "dp": p.dp, "zero": p.zero, "microbatches": p.microbatches,

@@ -1,0 +1,198 @@
+//! The parallel configuration, one type for every stage ([`Parallelism`]: degrees, ZeRO,
+//! microbatches, schedule, checkpointing, placement), with its vocabulary: the mesh axes and
+//! their rank order (placement), and the checkpointing policy.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use super::ScheduleKind;
+
+/// A plan's parallel configuration: what the planner chose (or was told), what codegen lowers,
+/// the plan file records (its `parallel` object, through the plan's own spelling) and the
+/// runner executes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Parallelism {
+    /// Pipeline-parallel degree (devices along a pipeline).
+    pub pp: usize,
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    /// Data-parallel degree.
+    pub dp: usize,
+    /// ZeRO stage (0..=3).
+    pub zero: u8,
+    /// Sharded-data-parallel group size (ZeRO 3 over groups of that many replicas), if used.
+    pub sharded_dp: Option<usize>,
+    /// Microbatches per step and pipeline.
+    pub microbatches: usize,
+    /// Cap on microbatches in flight (SMP's `active_microbatches`), if set.
+    pub active_microbatches: Option<usize>,
+    /// The pipeline schedule.
+    pub schedule: ScheduleKind,
+    /// Checkpointing policy as requested.
+    pub checkpointing: CheckpointRule,
+    /// Mesh axis order, outermost first.
+    pub placement: Placement,
+    /// Sequence parallelism within each tensor-parallel group (Megatron-LM's): row-parallel
+    /// outputs reduce-scattered over the tokens, norms and residuals on token chunks.
+    pub sequence_parallel: bool,
+}
+
+impl Parallelism {
+    /// Devices of the mesh: pp · tp · dp.
+    pub fn devices(&self) -> usize {
+        self.pp * self.tp * self.dp
+    }
+
+    /// Replicas each ZeRO shard is spread over: the sharded-data-parallel group where it is a
+    /// proper part of the replicas, else all of them.
+    pub fn zero_group(&self) -> usize {
+        self.sharded_dp.filter(|&n| n > 1 && n < self.dp).unwrap_or(self.dp)
+    }
+
+    /// Parameters stay sharded between uses (ZeRO 3, or sharded data parallelism).
+    pub fn params_sharded(&self) -> bool {
+        self.dp > 1 && (self.zero >= 3 || self.zero_group() < self.dp)
+    }
+
+    /// Degrees as (dp, pp, tp), the order [`Placement`] takes them.
+    pub fn mesh_degrees(&self) -> [usize; 3] {
+        [self.dp, self.pp, self.tp]
+    }
+}
+
+/// One axis of the device mesh.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MeshAxis {
+    /// Data parallel.
+    D,
+    /// Pipeline parallel.
+    P,
+    /// Tensor parallel.
+    T,
+}
+
+impl MeshAxis {
+    /// Position of the axis in `(d, p, t)` triples.
+    pub fn index(self) -> usize {
+        match self {
+            MeshAxis::D => 0,
+            MeshAxis::P => 1,
+            MeshAxis::T => 2,
+        }
+    }
+}
+
+/// Rank order of the mesh, outermost axis first: the last axis gets consecutive ranks (the
+/// fastest, innermost link). SMP's `cluster` = DPT, `spread` = TPD.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Placement(pub [MeshAxis; 3]);
+
+impl Placement {
+    /// SMP's `cluster`: D outermost, T innermost (tensor groups inside a node).
+    pub const CLUSTER: Placement = Placement([MeshAxis::D, MeshAxis::P, MeshAxis::T]);
+    /// SMP's `spread`: T outermost, D innermost (data-parallel groups inside a node).
+    pub const SPREAD: Placement = Placement([MeshAxis::T, MeshAxis::P, MeshAxis::D]);
+
+    /// Global rank of mesh coordinates (d, p, t) for degrees (dp, pp, tp).
+    pub fn rank(&self, coord: [usize; 3], degrees: [usize; 3]) -> usize {
+        self.0.iter().fold(0, |r, &a| r * degrees[a.index()] + coord[a.index()])
+    }
+
+    /// Rank distance between neighbours along `axis` for degrees (dp, pp, tp).
+    pub fn stride(&self, axis: MeshAxis, degrees: [usize; 3]) -> usize {
+        let pos = self.0.iter().position(|&a| a == axis).unwrap_or(0);
+        self.0[pos + 1..].iter().map(|&a| degrees[a.index()]).product()
+    }
+
+    /// Ranks of pipeline rank `p`, data-replica-major then tensor rank (`tp · dp` of them).
+    pub fn stage_ranks(&self, p: usize, [dp, pp, tp]: [usize; 3]) -> Vec<usize> {
+        (0..dp).flat_map(|d| (0..tp).map(move |t| self.rank([d, p, t], [dp, pp, tp]))).collect()
+    }
+
+    /// `DPT`-style text.
+    pub fn name(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl fmt::Display for Placement {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for a in self.0 {
+            write!(f, "{a:?}")?;
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for Placement {
+    type Err = String;
+    /// `cluster`, `spread` or a permutation of D, P, T (any case).
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cluster" => return Ok(Placement::CLUSTER),
+            "spread" => return Ok(Placement::SPREAD),
+            _ => {}
+        }
+        let axes: Vec<MeshAxis> = s
+            .chars()
+            .map(|c| match c.to_ascii_uppercase() {
+                'D' => Some(MeshAxis::D),
+                'P' => Some(MeshAxis::P),
+                'T' => Some(MeshAxis::T),
+                _ => None,
+            })
+            .collect::<Option<_>>()
+            .unwrap_or_default();
+        let perm = axes.len() == 3 && [MeshAxis::D, MeshAxis::P, MeshAxis::T].iter().all(|a| axes.contains(a));
+        if perm {
+            Ok(Placement([axes[0], axes[1], axes[2]]))
+        } else {
+            Err(format!("`{s}`: expected cluster, spread or a permutation of D, P, T (e.g. DPT)"))
+        }
+    }
+}
+
+/// Whether layers may be checkpointed (recomputed in the backward pass): the one
+/// checkpointing policy of the CLI (`--checkpointing auto|none|full`), the SMP config, the
+/// search and the plan file (`parallel.checkpointing`), which spell it by [`CheckpointRule::name`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum CheckpointRule {
+    /// The solver chooses per layer (`auto`).
+    #[default]
+    Auto,
+    /// No layer is checkpointed (`none`).
+    Never,
+    /// Every layer is checkpointed (`full`).
+    Always,
+}
+
+impl CheckpointRule {
+    /// The name the CLI and the plan file use: `auto`, `none` or `full`.
+    pub fn name(self) -> &'static str {
+        match self {
+            CheckpointRule::Auto => "auto",
+            CheckpointRule::Never => "none",
+            CheckpointRule::Always => "full",
+        }
+    }
+}
+
+impl std::fmt::Display for CheckpointRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for CheckpointRule {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(CheckpointRule::Auto),
+            "none" => Ok(CheckpointRule::Never),
+            "full" => Ok(CheckpointRule::Always),
+            _ => Err(format!("`{s}`: expected auto, none or full")),
+        }
+    }
+}

@@ -1,0 +1,57 @@
+//! The runtime's error type, shared by every room.
+
+/// Errors of the runtime, each naming the node, value, file or flag concerned.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// Ops without a kernel, found before execution starts.
+    #[error("the graph has ops this runner cannot execute: {0}")]
+    Unsupported(String),
+    /// A kernel failed while running a node.
+    #[error("node `{node}` ({op}): {message}")]
+    Kernel {
+        /// Node name.
+        node: String,
+        /// Op type.
+        op: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// A weight could not be materialised.
+    #[error("initializer `{name}`: {message}")]
+    Weight {
+        /// Initializer name.
+        name: String,
+        /// What went wrong and how to fix it.
+        message: String,
+    },
+    /// A graph input fed by the user does not fit the graph.
+    #[error("input `{name}`: {message}")]
+    Input {
+        /// Graph input name.
+        name: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// A file could not be read or written.
+    #[error("{path}: {message}")]
+    File {
+        /// The file.
+        path: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// The graph itself is inconsistent.
+    #[error(transparent)]
+    Graph(#[from] crate::ir::GraphError),
+    /// Training set-up or loss problems.
+    #[error("training: {0}")]
+    Train(String),
+    /// A libtorch call outside a kernel failed.
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+}
+
+/// A run-time failure of training or set-up, described by `m` (names what failed and the fix).
+pub(crate) fn terr(m: impl Into<String>) -> RuntimeError {
+    RuntimeError::Train(m.into())
+}

@@ -1,0 +1,383 @@
+//! Runs an `ir::Graph` forward on tch in topological order, with autograd, freeing each
+//! intermediate after its last use.
+
+use std::cell::Cell;
+use std::collections::{BTreeMap, HashMap};
+
+use tch::{Kind, Tensor};
+
+use std::sync::Arc;
+
+use crate::runtime::comm::ProcessGroup;
+use super::ops::{self, DropoutKey, NormStats, OpContext};
+use crate::codegen::collectives::is_collective;
+use crate::ir::{Node, Op};
+use super::tensor::kind_of;
+use crate::passes::figures::is_trainable;
+use crate::runtime::RuntimeError;
+use crate::ir::{Dim, Graph, NodeId, ValueId, ValueKind};
+
+/// The initializers of a graph as tch tensors, keyed by value id.
+pub struct Weights {
+    /// Tensor per initializer (and per folded constant of the graph).
+    pub tensors: HashMap<ValueId, Tensor>,
+}
+
+/// How the executor runs.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ExecOptions {
+    /// Run every floating-point tensor in this kind (`--dtype`); `None` keeps the model's types.
+    pub float_kind: Option<Kind>,
+    /// Make trainable initializers autograd leaves.
+    pub training: bool,
+}
+
+/// A graph ready to run: execution order, last uses, weights.
+pub struct Executor<'g> {
+    graph: &'g Graph,
+    order: Vec<NodeId>,
+    /// For each value: the position in `order` after which it is dead (`usize::MAX`: a graph
+    /// output, kept; `None`: never read).
+    last_use: Vec<Option<usize>>,
+    ctx: OpContext,
+    /// Initializers and constants as tensors (trainable ones require grad when training).
+    pub weights: HashMap<ValueId, Tensor>,
+    /// The tensor-parallel group that codegen's inserted collectives (`smp` nodes) run over.
+    pub tensor_group: Option<Arc<ProcessGroup>>,
+    /// The statistics BatchNormalization uses in the next runs.
+    norm: Cell<NormStats>,
+    /// The key of the Dropout masks in the next runs (none: outside a training step).
+    dropout: Cell<Option<DropoutKey>>,
+    /// By node index: whether the node reaches a graph output (dead ones are skipped).
+    live: Vec<bool>,
+}
+
+/// `op_type` of the node the runner inserts where codegen lists a partial gradient (Megatron's
+/// *f*: identity forward, gradient all-reduced over the tensor group).
+pub const COPY_TO_TENSOR_REGION: &str = "CopyToTensorRegion";
+
+/// Lists the nodes without a kernel, or `Ok` if every node has one.
+pub fn check_supported(graph: &Graph) -> Result<(), RuntimeError> {
+    let mut missing: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for id in graph.node_ids() {
+        let node = graph.node(id);
+        if !ops::has_kernel(&node.op) && !is_collective(&node.op) {
+            missing.entry(node.op.to_string()).or_default().push(node.name.clone());
+        }
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let list: Vec<String> = missing
+        .iter()
+        .map(|(op, nodes)| {
+            let shown: Vec<&str> = nodes.iter().take(3).map(String::as_str).collect();
+            let more = if nodes.len() > 3 { format!(" and {} more", nodes.len() - 3) } else { String::new() };
+            format!("op `{op}` at node(s) {}{more}", shown.join(", "))
+        })
+        .collect();
+    Err(RuntimeError::Unsupported(list.join("; ")))
+}
+
+impl<'g> Executor<'g> {
+    /// Prepares `graph`: checks every op has a kernel (before anything runs), orders the
+    /// nodes, and takes the weights.
+    pub fn new(graph: &'g Graph, weights: Weights, opts: ExecOptions) -> Result<Executor<'g>, RuntimeError> {
+        check_supported(graph)?;
+        let live = crate::passes::dce::live_nodes(graph);
+        // nodes that reach no graph output (e.g. the rest of a chain `passes::fuse` rewrote) never run
+        let order: Vec<NodeId> = graph.topo_order()?.into_iter().filter(|n| live[n.index()]).collect();
+        let mut last_use = vec![None; graph.value_count()];
+        for (pos, &id) in order.iter().enumerate() {
+            for v in graph.node(id).inputs.iter().flatten() {
+                last_use[v.index()] = Some(pos);
+            }
+        }
+        for &out in &graph.outputs {
+            last_use[out.index()] = Some(usize::MAX);
+        }
+        let mut weights = weights.tensors;
+        if opts.training {
+            for (id, t) in weights.iter_mut() {
+                if is_trainable(graph, *id) {
+                    *t = t.f_detach()?.f_set_requires_grad(true)?;
+                }
+            }
+        }
+        let opset = graph.opsets.get("").copied().unwrap_or(21);
+        let ctx = OpContext { opset, float_kind: opts.float_kind, training: opts.training, norm: NormStats::Running, dropout: None };
+        Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None, norm: Cell::new(NormStats::Running), dropout: Cell::new(None), live })
+    }
+
+    /// Sets the key Dropout masks are drawn from in the runs that follow (a training step's
+    /// microbatch); `None` draws from the global generator.
+    pub fn set_dropout_key(&self, key: Option<DropoutKey>) {
+        self.dropout.set(key);
+    }
+
+    /// Sets the statistics BatchNormalization normalises with in the runs that follow: batch
+    /// statistics in a training forward, running statistics in validation and inference.
+    pub fn set_norm_stats(&self, norm: NormStats) {
+        self.norm.set(norm);
+    }
+
+    /// One node: a kernel, or a tensor-parallel collective over `tensor_group`.
+    fn run_node(&self, node: &Node, inputs: &[Option<Tensor>]) -> Result<Vec<Tensor>, String> {
+        let ctx = OpContext { norm: self.norm.get(), dropout: self.dropout.get(), ..self.ctx };
+        let Op::Placeholder { op_type, .. } = &node.op else {
+            return ops::run(node, inputs, &ctx).map_err(|e| e.0);
+        };
+        if !is_collective(&node.op) {
+            return ops::run(node, inputs, &ctx).map_err(|e| e.0);
+        }
+        let group = node.attrs.0.get("group").and_then(|a| if let crate::ir::Attr::Str(s) = a { Some(s.as_str()) } else { None }).unwrap_or("tensor");
+        if group != "tensor" {
+            return Err(format!("collective over the `{group}` group inside a stage graph; only `tensor` is supported"));
+        }
+        let pg = self.tensor_group.as_ref().ok_or("a tensor-parallel collective, but this run has no tensor group (tp = 1)")?;
+        let x = match inputs.first() {
+            Some(Some(t)) => t,
+            _ => return Err("collective without an input".into()),
+        };
+        let out = match op_type.as_str() {
+            "AllReduce" => pg.reduce_from_tensor_region(x),
+            COPY_TO_TENSOR_REGION => pg.copy_to_tensor_region(x),
+            "AllGather" | "ReduceScatter" | "Scatter" => {
+                let axis = node
+                    .attrs
+                    .0
+                    .get("axis")
+                    .and_then(|a| if let crate::ir::Attr::Int(i) = a { Some(*i) } else { None })
+                    .ok_or_else(|| format!("{op_type} without an `axis`"))?;
+                match op_type.as_str() {
+                    "AllGather" => pg.gather_along_axis(x, axis),
+                    "ReduceScatter" => pg.reduce_scatter_along_axis(x, axis),
+                    _ => pg.scatter_along_axis(x, axis),
+                }
+            }
+            other => return Err(format!("collective `{other}` has no runner kernel")),
+        };
+        out.map(|t| vec![t]).map_err(|e| e.to_string())
+    }
+
+    /// The kind floats are run in (`--dtype`), if forced.
+    pub fn float_kind(&self) -> Option<Kind> {
+        self.ctx.float_kind
+    }
+
+    /// The graph being run.
+    pub fn graph(&self) -> &Graph {
+        self.graph
+    }
+
+    /// The trainable parameters, by initializer name, in value order.
+    pub fn parameters(&self) -> Vec<(String, Tensor)> {
+        let mut ids: Vec<&ValueId> = self.weights.keys().filter(|id| is_trainable(self.graph, **id)).collect();
+        ids.sort();
+        ids.into_iter()
+            .map(|id| (self.graph.value(*id).name.clone(), self.weights[id].shallow_clone()))
+            .collect()
+    }
+
+    /// The graph inputs the caller must feed (initializers listed as inputs are optional).
+    pub fn required_inputs(&self) -> Vec<ValueId> {
+        self.graph
+            .inputs
+            .iter()
+            .copied()
+            .filter(|&v| self.graph.value(v).kind == ValueKind::Input)
+            .collect()
+    }
+
+    /// Matches named tensors to graph inputs, checking names, element types, ranks and known
+    /// dims, and that a symbolic dim has one size across inputs.
+    pub fn bind_inputs(&self, named: Vec<(String, Tensor)>) -> Result<HashMap<ValueId, Tensor>, RuntimeError> {
+        let graph = self.graph;
+        let names: Vec<String> = graph.inputs.iter().map(|&v| graph.value(v).name.clone()).collect();
+        let mut feeds = HashMap::new();
+        let mut symbols: HashMap<String, (i64, String)> = HashMap::new();
+        for (name, t) in named {
+            let Some(id) = graph.value_by_name(&name).filter(|id| graph.inputs.contains(id)) else {
+                return Err(RuntimeError::Input {
+                    name,
+                    message: format!("the graph has no such input; its inputs are {names:?}"),
+                });
+            };
+            let ierr = |message: String| RuntimeError::Input { name: name.clone(), message };
+            let mut t = t;
+            if let Some(ty) = &graph.value(id).ty {
+                let want = kind_of(ty.dtype).map_err(ierr)?;
+                let have = t.kind();
+                let float_ok = self.ctx.float_kind.is_some()
+                    && super::tensor::is_float_kind(want)
+                    && super::tensor::is_float_kind(have);
+                if have != want && !float_ok {
+                    return Err(ierr(format!("element type {have:?} given, the graph wants {}", ty.dtype)));
+                }
+                if let Some(shape) = &ty.shape {
+                    let size = t.size();
+                    if size.len() != shape.rank() {
+                        return Err(ierr(format!("shape {size:?} given, the graph wants {shape}")));
+                    }
+                    for (i, d) in shape.0.iter().enumerate() {
+                        match d {
+                            Dim::Known(k) if *k != size[i] => {
+                                return Err(ierr(format!(
+                                    "shape {size:?} given, the graph wants {shape} (axis {i} must be {k})"
+                                )));
+                            }
+                            Dim::Sym(s) => {
+                                if let Some((v, other)) = symbols.get(s) {
+                                    if *v != size[i] {
+                                        return Err(ierr(format!(
+                                            "axis {i} (`{s}`) is {} but input `{other}` has `{s}` = {v}",
+                                            size[i]
+                                        )));
+                                    }
+                                } else {
+                                    symbols.insert(s.clone(), (size[i], name.clone()));
+                                }
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+            }
+            if let Some(k) = self.ctx.float_kind {
+                if super::tensor::is_float_kind(t.kind()) && t.kind() != k {
+                    t = t.f_to_kind(k)?;
+                }
+            }
+            feeds.insert(id, t);
+        }
+        for id in self.required_inputs() {
+            if !feeds.contains_key(&id) {
+                let given: Vec<String> = feeds.keys().map(|v| graph.value(*v).name.clone()).collect();
+                return Err(RuntimeError::Input {
+                    name: graph.value(id).name.clone(),
+                    message: format!("missing; the given inputs are {given:?}"),
+                });
+            }
+        }
+        Ok(feeds)
+    }
+
+    /// Runs `nodes` (a subset, in execution order) on `feeds` (values produced outside the
+    /// subset); returns the values of `keep` (fed, weights, or produced by `nodes`).
+    pub fn run_nodes(
+        &self,
+        nodes: &[NodeId],
+        feeds: &HashMap<ValueId, Tensor>,
+        keep: &[ValueId],
+    ) -> Result<HashMap<ValueId, Tensor>, RuntimeError> {
+        let graph = self.graph;
+        let nodes: Vec<NodeId> = nodes.iter().copied().filter(|n| self.live.get(n.index()).copied().unwrap_or(true)).collect();
+        let mut last: HashMap<ValueId, usize> = HashMap::new();
+        for (pos, &id) in nodes.iter().enumerate() {
+            for v in graph.node(id).inputs.iter().flatten() {
+                last.insert(*v, pos);
+            }
+        }
+        for &v in keep {
+            last.insert(v, usize::MAX);
+        }
+        let mut live: HashMap<ValueId, Tensor> = HashMap::new();
+        let fetch = |live: &HashMap<ValueId, Tensor>, v: ValueId| -> Option<Tensor> {
+            live.get(&v).or_else(|| feeds.get(&v)).or_else(|| self.weights.get(&v)).map(Tensor::shallow_clone)
+        };
+        for (pos, &id) in nodes.iter().enumerate() {
+            let node = graph.node(id);
+            let kerr = |message: String| RuntimeError::Kernel { node: node.name.clone(), op: node.op.to_string(), message };
+            let mut inputs = Vec::with_capacity(node.inputs.len());
+            for v in &node.inputs {
+                inputs.push(match v {
+                    Some(v) => Some(fetch(&live, *v).ok_or_else(|| {
+                        kerr(format!("input `{}` has no value (not received, not an initializer)", graph.value(*v).name))
+                    })?),
+                    None => None,
+                });
+            }
+            let outs = self.run_node(node, &inputs).map_err(kerr)?;
+            if outs.len() < node.outputs.len() {
+                return Err(kerr(format!("kernel made {} outputs, the node has {}", outs.len(), node.outputs.len())));
+            }
+            for (&v, t) in node.outputs.iter().zip(outs) {
+                if last.contains_key(&v) {
+                    live.insert(v, t);
+                }
+            }
+            drop(inputs);
+            for v in node.inputs.iter().flatten() {
+                if last.get(v) == Some(&pos) {
+                    live.remove(v);
+                }
+            }
+        }
+        keep.iter()
+            .map(|&v| {
+                let t = fetch(&live, v).ok_or_else(|| RuntimeError::Input {
+                    name: graph.value(v).name.clone(),
+                    message: "value kept from a stage was not computed".into(),
+                })?;
+                Ok((v, t))
+            })
+            .collect()
+    }
+
+    /// Runs the graph on bound inputs; returns the graph outputs in order.
+    pub fn forward(&self, feeds: &HashMap<ValueId, Tensor>) -> Result<Vec<Tensor>, RuntimeError> {
+        let graph = self.graph;
+        let mut live: Vec<Option<Tensor>> = (0..graph.value_count()).map(|_| None).collect();
+        let fetch = |live: &Vec<Option<Tensor>>, v: ValueId| -> Option<Tensor> {
+            if let Some(t) = &live[v.index()] {
+                return Some(t.shallow_clone());
+            }
+            feeds.get(&v).or_else(|| self.weights.get(&v)).map(Tensor::shallow_clone)
+        };
+        for (pos, &id) in self.order.iter().enumerate() {
+            let node = graph.node(id);
+            let kerr = |message: String| RuntimeError::Kernel {
+                node: node.name.clone(),
+                op: node.op.to_string(),
+                message,
+            };
+            let mut inputs = Vec::with_capacity(node.inputs.len());
+            for v in &node.inputs {
+                inputs.push(match v {
+                    Some(v) => Some(fetch(&live, *v).ok_or_else(|| {
+                        kerr(format!("input `{}` has no value (not fed, not an initializer)", graph.value(*v).name))
+                    })?),
+                    None => None,
+                });
+            }
+            let outs = self.run_node(node, &inputs).map_err(kerr)?;
+            if outs.len() < node.outputs.len() {
+                return Err(kerr(format!("kernel made {} outputs, the node has {}", outs.len(), node.outputs.len())));
+            }
+            for (&v, t) in node.outputs.iter().zip(outs) {
+                live[v.index()] = Some(t);
+            }
+            drop(inputs);
+            for v in node.inputs.iter().flatten() {
+                if self.last_use[v.index()] == Some(pos) {
+                    live[v.index()] = None;
+                }
+            }
+            for &v in &node.outputs {
+                if self.last_use[v.index()].is_none() {
+                    live[v.index()] = None;
+                }
+            }
+        }
+        graph
+            .outputs
+            .iter()
+            .map(|&v| {
+                fetch(&live, v).ok_or_else(|| RuntimeError::Input {
+                    name: graph.value(v).name.clone(),
+                    message: "graph output has no value".into(),
+                })
+            })
+            .collect()
+    }
+}

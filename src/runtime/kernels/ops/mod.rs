@@ -1,0 +1,83 @@
+//! ONNX op kernels on tch: one function per `ir::OpKind`, ONNX semantics (broadcasting,
+//! attributes, opset differences, integer/bool/fp16/bf16/f64 tensors).
+
+mod args;
+mod elementwise;
+mod moe;
+mod nn;
+mod reduce;
+mod shape;
+
+use tch::Tensor;
+
+use crate::ir::{Node, Op, OpKind};
+
+pub(crate) use args::{Args, KResult, axes, axis, bail};
+pub use args::{DropoutKey, KernelError, NormStats, OpContext};
+
+/// True if the runner has a kernel for this op.
+pub fn has_kernel(op: &Op) -> bool {
+    op.kind().is_some()
+}
+
+/// Runs one node: `inputs` in node order (`None` for omitted optional inputs); returns one
+/// tensor per node output.
+pub fn run(node: &Node, inputs: &[Option<Tensor>], ctx: &OpContext) -> KResult<Vec<Tensor>> {
+    let Some(kind) = node.op.kind() else {
+        bail!("no kernel for op `{}`", node.op);
+    };
+    let a = Args { node, inputs, ctx };
+    use OpKind::*;
+    let one = |t: KResult<Tensor>| t.map(|t| vec![t]);
+    match kind {
+        Abs | Neg | Exp | Log | Sqrt | Reciprocal | Tanh | Sigmoid | Relu | Erf | Sin | Cos | Floor
+        | Ceil | Round | Sign | Not | IsNaN | IsInf | Softplus | LeakyRelu | Elu | Gelu
+        | HardSigmoid | HardSwish | Identity => one(elementwise::unary(kind, &a)),
+        Cast => one(elementwise::cast(&a)),
+        CastLike => one(elementwise::cast_like(&a)),
+        Clip => one(elementwise::clip(&a)),
+        Add | Sub | Mul | Div | Pow | Mod | Equal | Less | LessOrEqual | Greater | GreaterOrEqual
+        | And | Or | Xor => one(elementwise::binary(kind, &a)),
+        Max | Min | Sum | Mean => one(elementwise::variadic(kind, &a)),
+        Where => one(elementwise::where_(&a)),
+        MatMul => one(nn::matmul(&a)),
+        ScaledDotProductAttention => one(nn::scaled_dot_product_attention(&a)),
+        MixtureOfExperts => one(moe::mixture_of_experts(&a)),
+        Gemm => one(nn::gemm(&a)),
+        Conv => one(nn::conv(&a)),
+        LayerNormalization => nn::layer_norm(&a),
+        BatchNormalization => nn::batch_norm(&a),
+        InstanceNormalization => one(nn::instance_norm(&a)),
+        LRN => one(nn::lrn(&a)),
+        MaxPool => nn::max_pool(&a),
+        AveragePool => one(nn::avg_pool(&a)),
+        GlobalAveragePool | GlobalMaxPool => one(nn::global_pool(kind, &a)),
+        Softmax | LogSoftmax => one(nn::softmax(kind, &a)),
+        ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd => one(reduce::reduce(kind, &a)),
+        ArgMax | ArgMin => one(reduce::arg(kind, &a)),
+        CumSum => one(reduce::cumsum(&a)),
+        TopK => reduce::top_k(&a),
+        Reshape => one(shape::reshape(&a)),
+        Transpose => one(shape::transpose(&a)),
+        Concat => one(shape::concat(&a)),
+        Split => shape::split(&a),
+        Slice => one(shape::slice(&a)),
+        Gather => one(shape::gather(&a)),
+        GatherElements => one(shape::gather_elements(&a)),
+        GatherND => one(shape::gather_nd(&a)),
+        Unsqueeze => one(shape::unsqueeze(&a)),
+        Squeeze => one(shape::squeeze(&a)),
+        Expand => one(shape::expand(&a)),
+        Shape => one(shape::shape(&a)),
+        Size => one(shape::size(&a)),
+        ConstantOfShape => one(shape::constant_of_shape(&a)),
+        Range => one(shape::range(&a)),
+        Flatten => one(shape::flatten(&a)),
+        Tile => one(shape::tile(&a)),
+        Pad => one(shape::pad(&a)),
+        Trilu => one(shape::trilu(&a)),
+        ScatterND => one(shape::scatter_nd(&a)),
+        Constant => one(shape::constant(&a)),
+        Dropout => nn::dropout(&a),
+    }
+}

@@ -1,0 +1,5 @@
+//! Starting a job: the launcher that spawns local ranks with torchrun's environment (one host
+//! or several), and `calibrate`, which measures this machine for the cost model.
+
+pub mod calibrate;
+pub mod launcher;

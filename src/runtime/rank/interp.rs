@@ -1,0 +1,762 @@
+//! The interpreter of a rank's program: one method per instruction, over the state of one
+//! training step (microbatch activations, received tensors, accumulated gradients, messages in
+//! flight) and the rank's ZeRO state.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Instant;
+
+use tch::{Kind, Tensor};
+
+use crate::runtime::RuntimeError;
+use crate::runtime::comm::Work;
+use crate::runtime::kernels::ops::{DropoutKey, NormStats};
+use crate::runtime::terr;
+use super::setup::Rank;
+use crate::runtime::kernels::grad;
+use super::report::{PhaseTimes, Tally, bytes_of};
+use crate::runtime::data::DataSource;
+use crate::runtime::data::Batch;
+use crate::runtime::state::checkpoint::{self, Piece};
+use crate::runtime::state::slice::{Slice, is_transposed, param_name};
+use crate::runtime::train::{self, StepRecord, StepRunner};
+use super::zero::{Restore, Zero};
+use crate::codegen::{Instr, Payload, Purpose};
+use crate::ir::ValueId;
+
+/// One microbatch of one stage between its forward and its backward.
+struct MbState {
+    inputs: Vec<(ValueId, Tensor)>,
+    outputs: Vec<(ValueId, Tensor)>,
+    loss: Option<Tensor>,
+    /// The backward's root, kept between a split B and its W.
+    root: Option<Tensor>,
+}
+
+/// Executes a rank's program, step after step.
+pub(super) struct Interp<'r, 'a> {
+    rank: &'r Rank<'a>,
+    zero: Zero,
+    /// Peaks of the held state.
+    pub tally: Tally,
+    // the step in progress
+    /// Accumulated gradients of the parameters in no ZeRO shard (all of them before the
+    /// data-parallel synchronisation), by position.
+    grads: Vec<Option<Tensor>>,
+    state: HashMap<(usize, usize), MbState>,
+    /// Activations received for (stage, microbatch).
+    act_in: HashMap<(usize, usize), Vec<Tensor>>,
+    /// Gradients of (stage, microbatch)'s outputs: received, or computed for the previous stage.
+    grad_for: HashMap<(usize, usize), Vec<Tensor>>,
+    /// Sends in flight.
+    pending: Vec<Work>,
+    /// Header receives posted at the start of the pass, by (payload, receiving stage, microbatch).
+    headers: HashMap<(Payload, usize, usize), Work>,
+    /// This rank's share of the step's loss (the global mean after the optimizer step).
+    loss_sum: f64,
+    /// 1 / the counted targets of the current global batch (on the last stage; 0 elsewhere).
+    loss_scale: f64,
+    /// Split backwards whose weight gradient is still to come (they keep ZeRO-3 stages).
+    pending_w: BTreeSet<(usize, usize)>,
+    /// Shared KV slices' gradients summed this step.
+    kv_done: bool,
+    /// The step in progress (from 1).
+    step: usize,
+    /// This rank's microbatches of the step's batch, and their graph-input feeds.
+    micro: Vec<Batch>,
+    feeds: Vec<HashMap<ValueId, Tensor>>,
+    /// A forward-only pass (validation): no autograd, no backward.
+    eval: bool,
+    /// Where the step in progress spent its wall time.
+    phases: PhaseTimes,
+    /// Training steps run by this interpreter.
+    steps_run: usize,
+}
+
+impl<'r, 'a> Interp<'r, 'a> {
+    /// The interpreter of `rank`, before its first step.
+    pub fn new(rank: &'r Rank<'a>, restore: Option<Restore>) -> Result<Interp<'r, 'a>, RuntimeError> {
+        Ok(Interp {
+            rank,
+            zero: Zero::new(rank, restore)?,
+            tally: Tally::default(),
+            grads: Vec::new(),
+            state: HashMap::new(),
+            act_in: HashMap::new(),
+            grad_for: HashMap::new(),
+            pending: Vec::new(),
+            headers: HashMap::new(),
+            loss_sum: 0.0,
+            loss_scale: 0.0,
+            pending_w: BTreeSet::new(),
+            kv_done: true,
+            step: 0,
+            micro: Vec::new(),
+            feeds: Vec::new(),
+            eval: false,
+            phases: PhaseTimes::default(),
+            steps_run: 0,
+        })
+    }
+
+
+
+
+    /// Gives every replica replica 0's buffers (BatchNorm running statistics), as PyTorch DDP
+    /// does before each forward (`broadcast_buffers`): before each step and each validation.
+    /// Replica 0's own statistics follow only its own microbatches, as under DDP.
+    fn broadcast_buffers(&self) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        let Some(members) = r.replica_group.as_ref().filter(|_| !r.norm_buffers.is_empty()) else { return Ok(()) };
+        let pg = r.groups.get(members)?;
+        for t in &r.norm_buffers {
+            pg.broadcast(t, members[0])?;
+        }
+        Ok(())
+    }
+
+    /// The loss weight of global batch `k` of `data`: 1 / its counted targets over every
+    /// replica and microbatch on a rank that computes the loss, so the step's loss is the
+    /// global batch's mean whatever the microbatch and replica counts.
+    fn loss_scale_of(&self, data: &DataSource, k: usize) -> Result<f64, RuntimeError> {
+        let r = self.rank;
+        if !r.my_stages.contains(&r.last_stage()) {
+            return Ok(0.0);
+        }
+        Ok(1.0 / train::global_target_count(r.exec, r.cfg.loss, data, k)?)
+    }
+
+    /// Executes one instruction.
+    fn exec(&mut self, instr: &Instr) -> Result<(), RuntimeError> {
+        match instr {
+            Instr::Forward { stage, mb } => self.forward(*stage, *mb),
+            Instr::Backward { stage, mb } => self.backward(*stage, *mb),
+            Instr::BackwardWeight { stage, mb } => self.backward_weight(*stage, *mb),
+            Instr::Send { to, what, stage, mb, .. } => self.send(*to, *what, *stage, *mb),
+            Instr::Recv { from, what, stage, mb, .. } => self.recv(*from, *what, *stage, *mb),
+            Instr::AllReduce { group, purpose, .. } => self.all_reduce(group, purpose),
+            Instr::ReduceScatter { group, purpose, .. } => self.reduce_scatter(group, purpose),
+            Instr::AllGather { group, purpose, .. } => self.all_gather(group, purpose),
+            Instr::OptimizerStep => self.optimizer_step(),
+        }
+    }
+
+    /// Counts the state held now towards the peaks.
+    fn observe(&mut self) {
+        self.tally.observe(self.zero.held(&self.rank.params, &self.grads));
+    }
+
+    /// Counts the state held now plus `extra_grads` bytes of fresh gradients.
+    fn observe_with_grads(&mut self, extra_grads: u64) {
+        let mut now = self.zero.held(&self.rank.params, &self.grads);
+        now.grads += extra_grads;
+        self.tally.observe(now);
+    }
+
+    fn wait_sends(&mut self) -> Result<(), RuntimeError> {
+        for w in self.pending.drain(..) {
+            let _ = w.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Grouped-query KV slices held by several tensor ranks: each computed part of the
+    /// gradient; summed over them before any other synchronisation.
+    fn sum_kv_slices(&mut self) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        for (i, members) in &r.kv_groups {
+            let g = match self.grads[*i].take() {
+                Some(g) => g.f_contiguous()?,
+                None => r.params.zeros(*i)?,
+            };
+            r.groups.get(members)?.all_reduce_sum(&g)?;
+            self.grads[*i] = Some(g);
+        }
+        self.kv_done = true;
+        Ok(())
+    }
+
+    fn forward(&mut self, s: usize, mb: usize) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        self.zero.ensure(r, s)?;
+        let raw: Vec<Tensor> = if s == 0 {
+            Vec::new()
+        } else if let Some(t) = self.act_in.remove(&(s, mb)) {
+            t
+        } else {
+            let prev = self.state.get(&(s - 1, mb)).ok_or_else(|| terr(format!("stage {s} mb {mb}: no input from stage {}", s - 1)))?;
+            prev.outputs.iter().map(|(_, t)| t.shallow_clone()).collect()
+        };
+        let ids: &[ValueId] = if s == 0 { &[] } else { &r.layout.outputs_to_next[s - 1] };
+        if raw.len() != ids.len() {
+            return Err(terr(format!("stage {s} mb {mb}: {} inputs arrived, {} expected", raw.len(), ids.len())));
+        }
+        // gradients flow back only into what the previous stage wants them for
+        let back: &[ValueId] = if s == 0 { &[] } else { &r.layout.gradients_from_next[s - 1] };
+        let inputs: Vec<(ValueId, Tensor)> = ids
+            .iter()
+            .zip(raw)
+            .map(|(v, t)| Ok((*v, if is_float(&t) && back.contains(v) { t.f_detach()?.f_set_requires_grad(true)? } else { t })))
+            .collect::<Result<_, RuntimeError>>()?;
+        let grad = !self.eval && !r.layout.recompute[s];
+        let norm = if self.eval { NormStats::Running } else { NormStats::Batch { update: true } };
+        let dropout = (!self.eval).then(|| self.dropout_key(mb));
+        let (outputs, loss) = run_stage(r, s, &inputs, grad, norm, dropout, &self.micro[mb], &self.feeds[mb], self.loss_scale)?;
+        if let Some(l) = loss.as_ref().filter(|_| r.tensor_rank == 0) {
+            self.loss_sum += l.f_double_value(&[])?;
+        }
+        self.state.insert((s, mb), MbState { inputs, outputs, loss, root: None });
+        Ok(())
+    }
+
+    /// The Dropout key of microbatch `mb` of this step: its first sample's index in the global
+    /// batch, as one process numbers it.
+    fn dropout_key(&self, mb: usize) -> DropoutKey {
+        let r = self.rank;
+        let share = r.data.global_batch() / r.parallel.dp.max(1) as i64;
+        let per = share / r.parallel.microbatches.max(1) as i64;
+        DropoutKey { seed: r.cfg.seed, step: self.step as i64, first_sample: r.replica as i64 * share + mb as i64 * per }
+    }
+
+    fn backward(&mut self, s: usize, mb: usize) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        let mut st = self.state.remove(&(s, mb)).ok_or_else(|| terr(format!("backward of stage {s} mb {mb} before its forward")))?;
+        self.zero.ensure(r, s)?;
+        if r.layout.recompute[s] {
+            let key = self.dropout_key(mb);
+            let (outputs, loss) = run_stage(r, s, &st.inputs, true, NormStats::Batch { update: false }, Some(key), &self.micro[mb], &self.feeds[mb], self.loss_scale)?;
+            st.outputs = outputs;
+            st.loss = loss;
+        }
+        let mut root: Option<Tensor> = st.loss.take();
+        if s != r.last_stage() {
+            let gs = self.grad_for.remove(&(s, mb)).unwrap_or_default();
+            // the plan's gradients_from_next: the floating-point values it sent, in order
+            let want = &r.layout.gradients_from_next[s];
+            let floats: Vec<&Tensor> = st.outputs.iter().filter(|(v, _)| want.contains(v)).map(|(_, t)| t).collect();
+            if gs.len() != floats.len() {
+                return Err(terr(format!("stage {s} mb {mb}: {} gradients for {} outputs", gs.len(), floats.len())));
+            }
+            for (o, g) in floats.into_iter().zip(&gs) {
+                if o.requires_grad() {
+                    let term = o.f_mul(g)?.f_sum(o.kind())?;
+                    root = Some(match root {
+                        Some(acc) => acc.f_add(&term)?,
+                        None => term,
+                    });
+                }
+            }
+        }
+        // the gradients this stage sends back: the previous stage's gradients_from_next
+        let back: &[ValueId] = if s == 0 { &[] } else { &r.layout.gradients_from_next[s - 1] };
+        let leaves: Vec<Tensor> = st.inputs.iter().filter(|(v, _)| back.contains(v)).map(|(_, t)| t.shallow_clone()).collect();
+        let split = r.split_w.contains(&(s, mb));
+        let mut in_grads: Vec<Tensor> = Vec::new();
+        if let Some(root) = root.as_ref().filter(|t| t.requires_grad()) {
+            let grad_leaves: Vec<&Tensor> = leaves.iter().filter(|t| t.requires_grad()).collect();
+            let got: Vec<Option<Tensor>> = if split {
+                // B of a split backward: the inputs' gradients alone; the graph stays for its W
+                let got = if grad_leaves.is_empty() { Vec::new() } else { Tensor::f_run_backward(&[root], &grad_leaves, true, false)? };
+                got.into_iter().map(|g| g.defined().then_some(g)).collect()
+            } else {
+                // the weights' gradients go into the accumulated ones as they are produced
+                self.backward_into_params(s, root, &grad_leaves)?;
+                grad_leaves.iter().map(|t| grad::take_grad(t)).collect::<Result<_, _>>()?
+            };
+            let mut it = got.into_iter();
+            for t in &leaves {
+                let g = if t.requires_grad() { it.next().flatten() } else { None };
+                in_grads.push(match g {
+                    Some(g) => g,
+                    None => t.f_zeros_like()?,
+                });
+            }
+        } else {
+            for t in &leaves {
+                in_grads.push(t.f_zeros_like()?);
+            }
+        }
+        if split {
+            st.root = root;
+            self.state.insert((s, mb), st);
+            self.pending_w.insert((s, mb));
+        }
+        if s > 0 {
+            self.grad_for.insert((s - 1, mb), in_grads);
+        }
+        Ok(())
+    }
+
+    fn backward_weight(&mut self, s: usize, mb: usize) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        let st = self.state.remove(&(s, mb)).ok_or_else(|| terr(format!("weight gradient of stage {s} mb {mb} before its backward")))?;
+        self.zero.ensure(r, s)?;
+        self.pending_w.remove(&(s, mb));
+        if let Some(root) = st.root.filter(|t| t.requires_grad()) {
+            self.backward_into_params(s, &root, &[])?;
+        }
+        Ok(())
+    }
+
+    /// Backward from `root` into the leaves `extra` (left in their `.grad`) and stage `s`'s
+    /// parameters, whose gradients accumulate in place into `self.grads`: each accumulated
+    /// gradient is made its parameter's `.grad` for the pass (moved, not copied), so autograd
+    /// adds each fresh gradient into it as soon as it is produced and frees it (PyTorch's
+    /// AccumulateGrad: the first microbatch's gradient is kept as it is, later ones added in
+    /// place), then taken back. The stage holds one copy of its gradients, plus one fresh
+    /// parameter gradient in flight.
+    fn backward_into_params(&mut self, s: usize, root: &Tensor, extra: &[&Tensor]) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        let mine = &r.params.read[s];
+        let mut in_flight = 0;
+        for &i in mine {
+            let p = &r.params.tensors[i];
+            match self.grads[i].take() {
+                Some(g) => {
+                    in_flight = in_flight.max(bytes_of(&g));
+                    grad::set_grad(p, Some(&g))?;
+                }
+                None => grad::set_grad(p, None)?,
+            }
+        }
+        let mut inputs: Vec<&Tensor> = extra.to_vec();
+        inputs.extend(mine.iter().map(|&i| &r.params.tensors[i]));
+        let done = grad::backward_into(root, &inputs, false);
+        // the gradients come back to the store even when the pass failed
+        for &i in mine {
+            self.grads[i] = grad::take_grad(&r.params.tensors[i])?;
+        }
+        done?;
+        // a fresh gradient beside the accumulated ones, one parameter at a time
+        self.observe_with_grads(in_flight);
+        Ok(())
+    }
+
+    fn send(&mut self, peer: usize, what: Payload, s: usize, mb: usize) -> Result<(), RuntimeError> {
+        let world = &self.rank.groups.world;
+        let ts: Vec<Tensor> = match what {
+            Payload::Activation => self
+                .state
+                .get(&(s, mb))
+                .ok_or_else(|| terr(format!("send of stage {s} mb {mb} before its forward")))?
+                .outputs
+                .iter()
+                .map(|(_, t)| t.shallow_clone())
+                .collect(),
+            Payload::Gradient => {
+                self.grad_for.remove(&(s - 1, mb)).ok_or_else(|| terr(format!("gradient send of stage {s} mb {mb} before its backward")))?
+            }
+        };
+        // one header describing every tensor, then the tensors: the receiver posts all of their
+        // receives at once, so the message costs one round trip, not one per tensor
+        let ts: Vec<Tensor> = ts.iter().map(|t| t.f_detach()?.f_contiguous()).collect::<Result<_, _>>()?;
+        let mut header = vec![0i64; header_len(ts.len())];
+        header[0] = ts.len() as i64;
+        for (j, t) in ts.iter().enumerate() {
+            let size = t.size();
+            if size.len() > MAX_RANK {
+                return Err(terr(format!("cannot send a rank-{} tensor (at most {MAX_RANK} axes)", size.len())));
+            }
+            let w = &mut header[1 + j * WORDS..1 + (j + 1) * WORDS];
+            w[0] = kind_code(t.kind())?;
+            w[1] = size.len() as i64;
+            w[2..2 + size.len()].copy_from_slice(&size);
+        }
+        self.pending.push(world.isend(&Tensor::from_slice(&header), peer, tag(what, s, mb, 0))?);
+        for (j, t) in ts.iter().enumerate() {
+            self.pending.push(world.isend(t, peer, tag(what, s, mb, j + 1))?);
+        }
+        Ok(())
+    }
+
+    /// The stage whose message a Recv of `what` for stage `s` takes (the sender tags with its
+    /// own stage), and how many tensors it holds.
+    fn message_of(&self, what: Payload, s: usize) -> (usize, usize) {
+        let layout = &self.rank.layout;
+        match what {
+            Payload::Activation => (s - 1, layout.outputs_to_next[s - 1].len()),
+            Payload::Gradient => (s + 1, layout.gradients_from_next[s].len()),
+        }
+    }
+
+    /// Posts the header receive of every message the program receives in this pass (`eval`:
+    /// activations only), so each header lands as soon as its sender posts it.
+    fn post_headers(&mut self, forward_only: bool) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        self.headers.clear();
+        for instr in &r.program.instrs {
+            if let Instr::Recv { from: peer, what, stage, mb, .. } = *instr {
+                if forward_only && what != Payload::Activation {
+                    continue;
+                }
+                let (from, count) = self.message_of(what, stage);
+                let buf = Tensor::f_zeros([header_len(count) as i64], (Kind::Int64, tch::Device::Cpu))?;
+                let work = r.groups.world.irecv(&buf, peer, tag(what, from, mb, 0))?;
+                self.headers.insert((what, stage, mb), work);
+            }
+        }
+        Ok(())
+    }
+
+    fn recv(&mut self, peer: usize, what: Payload, s: usize, mb: usize) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        if what == Payload::Gradient {
+            self.state.get(&(s, mb)).ok_or_else(|| terr(format!("gradient for stage {s} mb {mb} before its forward")))?;
+        }
+        let (from, count) = self.message_of(what, s);
+        let world = &r.groups.world;
+        // posted when the pass started (`post_headers`), like every receive of the program
+        let header = self.headers.remove(&(what, s, mb)).ok_or_else(|| terr(format!("stage {s} mb {mb}: a second receive of the same {what:?} message")))?;
+        let header: Vec<i64> = Vec::<i64>::try_from(&header.wait()?).map_err(|e| terr(e.to_string()))?;
+        if header[0] != count as i64 {
+            return Err(terr(format!("stage {s} mb {mb}: a message of {} tensors arrived from stage {from}, {count} expected", header[0])));
+        }
+        let mut works = Vec::with_capacity(count);
+        for j in 0..count {
+            let w = &header[1 + j * WORDS..1 + (j + 1) * WORDS];
+            let rank = w[1].clamp(0, MAX_RANK as i64) as usize;
+            let buf = Tensor::f_empty(&w[2..2 + rank], (code_kind(w[0])?, tch::Device::Cpu))?;
+            works.push(world.irecv(&buf, peer, tag(what, from, mb, j + 1))?);
+        }
+        let got = works.into_iter().map(|w| w.wait()).collect::<Result<Vec<_>, _>>()?;
+        match what {
+            Payload::Activation => self.act_in.insert((s, mb), got),
+            Payload::Gradient => self.grad_for.insert((s, mb), got),
+        };
+        Ok(())
+    }
+
+    /// Sums a tied weight's gradient over the pipeline ranks reading it, or a stage's
+    /// gradients over its data-parallel group.
+    fn all_reduce(&mut self, g: &[usize], purpose: &Purpose) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        let pg = r.groups.get(g)?;
+        match purpose {
+            Purpose::TiedGrad { weight } => {
+                let v = r.graph().value_by_name(weight).ok_or_else(|| terr(format!("tied weight `{weight}` is not in the model")))?;
+                let i = *r.params.pos_of.get(&v).ok_or_else(|| terr(format!("tied weight `{weight}` is not on rank {}", r.global_rank)))?;
+                let g = match self.grads[i].take() {
+                    Some(g) => g.f_contiguous()?,
+                    None => r.params.zeros(i)?,
+                };
+                pg.all_reduce_sum(&g)?;
+                self.grads[i] = Some(g);
+                Ok(())
+            }
+            Purpose::DpGrads { .. } => {
+                let s = r.stage_of(purpose)?;
+                self.zero.all_reduce_grads(r, pg, s, &mut self.grads, &mut self.tally)
+            }
+            _ => Err(terr(format!("all-reduce for `{purpose}`, which is no all-reduce"))),
+        }
+    }
+
+    /// Reduce-scatters a stage's gradients over its data-parallel (or sharding) group.
+    fn reduce_scatter(&mut self, g: &[usize], purpose: &Purpose) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        if !matches!(purpose, Purpose::DpGrads { .. }) {
+            return Err(terr(format!("reduce-scatter for `{purpose}`, which is no reduce-scatter")));
+        }
+        let s = r.stage_of(purpose)?;
+        let pg = r.groups.get(g)?;
+        self.zero.reduce_scatter_grads(r, pg, s, &mut self.grads, &mut self.tally)
+    }
+
+    /// Gathers a stage's ZeRO-3 parameters before its use, or its updated ZeRO-1/2 blocks
+    /// after the optimizer step.
+    fn all_gather(&mut self, g: &[usize], purpose: &Purpose) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        match purpose {
+            Purpose::Zero3Params { .. } => self.zero.ensure(r, r.stage_of(purpose)?),
+            Purpose::ZeroParams { .. } => {
+                let s = r.stage_of(purpose)?;
+                self.zero.gather_params(r, r.groups.get(g)?, s, &self.grads, &mut self.tally)
+            }
+            _ => Err(terr(format!("all-gather for `{purpose}`, which is no all-gather"))),
+        }
+    }
+
+    /// Waits for the sends, sums the squared gradient norm and the loss over the world,
+    /// clips, and steps every optimizer.
+    fn optimizer_step(&mut self) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        self.wait_sends()?;
+        let _guard = tch::no_grad_guard();
+        // squared norm of the gradients this rank counts, and its loss share
+        let mut sq = self.zero.grad_sq(r)?;
+        if r.replica == 0 {
+            for (g, &c) in self.grads.iter().zip(&r.params.counted) {
+                if let (Some(g), true) = (g, c) {
+                    let n = g.f_norm()?.f_double_value(&[])?;
+                    sq += n * n;
+                }
+            }
+        }
+        let both = Tensor::from_slice(&[sq, self.loss_sum]);
+        r.groups.world.all_reduce_sum(&both)?;
+        let both: Vec<f64> = Vec::<f64>::try_from(&both).map_err(|e| terr(e.to_string()))?;
+        self.loss_sum = both[1];
+        let coef = r.cfg.clip.map(|c| (c / (both[0].sqrt() + 1e-6)).min(1.0));
+        if let Some(c) = coef {
+            for g in self.grads.iter_mut().flatten() {
+                let _ = g.f_mul_scalar_(c)?;
+            }
+        }
+        self.zero.step(r, &self.grads, coef, r.cfg.schedule.lr(self.step))
+    }
+}
+/// The rank's step in the one training loop: its program run once, forward-only passes for
+/// validation, and its part of each checkpoint.
+impl StepRunner for Interp<'_, '_> {
+    /// Runs the program once: one training step.
+    fn run_step(&mut self, step: usize) -> Result<StepRecord, RuntimeError> {
+        let r = self.rank;
+        let t0 = Instant::now();
+        let c0 = train::process_cpu_s();
+        self.step = step;
+        self.broadcast_buffers()?;
+        (self.micro, self.feeds) = r.batches(r.data, step)?;
+        self.loss_scale = self.loss_scale_of(r.data, step)?;
+        self.grads = (0..r.params.tensors.len()).map(|_| None).collect();
+        self.state.clear();
+        self.act_in.clear();
+        self.grad_for.clear();
+        self.loss_sum = 0.0;
+        self.pending_w.clear();
+        self.kv_done = r.kv_groups.is_empty();
+        self.phases = PhaseTimes::default();
+        self.post_headers(false)?;
+        self.observe();
+        for instr in &r.program.instrs {
+            if !self.kv_done && matches!(instr, Instr::AllReduce { .. } | Instr::ReduceScatter { .. } | Instr::OptimizerStep) {
+                let t = Instant::now();
+                self.sum_kv_slices()?;
+                self.phases.collective_s += t.elapsed().as_secs_f64();
+            }
+            let (t, waited) = (Instant::now(), crate::runtime::comm::wait_s());
+            self.exec(instr)?;
+            let mut spent = t.elapsed().as_secs_f64();
+            let p = &mut self.phases;
+            if instr.is_compute() {
+                // tensor-parallel collectives and ZeRO-3 gathers inside the passes
+                let in_collectives = (crate::runtime::comm::wait_s() - waited).min(spent);
+                p.collective_s += in_collectives;
+                spent -= in_collectives;
+            }
+            *match instr {
+                Instr::Forward { .. } | Instr::Backward { .. } | Instr::BackwardWeight { .. } => &mut p.compute_s,
+                Instr::Send { .. } => &mut p.send_s,
+                Instr::Recv { .. } => &mut p.recv_s,
+                Instr::AllReduce { .. } | Instr::ReduceScatter { .. } | Instr::AllGather { .. } => &mut p.collective_s,
+                Instr::OptimizerStep => &mut p.optimizer_s,
+            } += spent;
+            self.observe();
+            if r.parallel.params_sharded() && instr.is_compute() {
+                // release what no pending weight gradient still needs
+                self.zero.release(r, &self.pending_w)?;
+            }
+        }
+        let t = Instant::now();
+        self.wait_sends()?;
+        self.phases.send_s += t.elapsed().as_secs_f64();
+        // the first step (warm-up) is not counted, as in the step times
+        if self.steps_run > 0 {
+            self.tally.phases.add(&self.phases);
+        }
+        self.steps_run += 1;
+        self.zero.release(r, &BTreeSet::new())?;
+        self.tally.resident = self.zero.held(&r.params, &[]).params;
+        let loss = self.loss_sum;
+        if r.opts.progress {
+            // one write per line: ranks share the launcher's stderr
+            let line = format!("[rank {}] step {step} loss {loss:.6}\n", r.global_rank);
+            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+        }
+        Ok(StepRecord { step, loss, time_s: t0.elapsed().as_secs_f64(), cpu_s: train::process_cpu_s() - c0, lr: r.cfg.schedule.lr(step) })
+    }
+
+    /// The mean loss over the world of `batches` batches of `data`, forward only: the
+    /// program's forwards, activation messages and ZeRO-3 gathers, in program order.
+    fn run_eval(&mut self, data: &DataSource, batches: usize) -> Result<f64, RuntimeError> {
+        let r = self.rank;
+        self.eval = true;
+        let mut sum = 0.0;
+        self.broadcast_buffers()?;
+        let result = (|| {
+            for k in 1..=batches {
+                (self.micro, self.feeds) = r.batches(data, k)?;
+                self.loss_scale = self.loss_scale_of(data, k)?;
+                self.state.clear();
+                self.act_in.clear();
+                self.loss_sum = 0.0;
+                self.post_headers(true)?;
+                for instr in &r.program.instrs {
+                    let forward_only = match instr {
+                        Instr::Forward { .. } => true,
+                        Instr::Send { what, .. } | Instr::Recv { what, .. } => *what == Payload::Activation,
+                        Instr::AllGather { purpose, .. } => matches!(purpose, Purpose::Zero3Params { .. }),
+                        _ => false,
+                    };
+                    if !forward_only {
+                        continue;
+                    }
+                    self.exec(instr)?;
+                    if r.parallel.params_sharded() && instr.is_compute() {
+                        self.zero.release(r, &BTreeSet::new())?;
+                    }
+                }
+                self.wait_sends()?;
+                sum += self.loss_sum;
+            }
+            self.zero.release(r, &BTreeSet::new())?;
+            Ok::<(), RuntimeError>(())
+        })();
+        self.eval = false;
+        self.state.clear();
+        result?;
+        let total = Tensor::from_slice(&[sum]);
+        r.groups.world.all_reduce_sum(&total)?;
+        Ok(total.f_double_value(&[0])? / batches.max(1) as f64)
+    }
+
+    /// This rank's parameters and moments (its tensor-parallel cut, or its ZeRO block) with
+    /// where each lies in the whole tensor, and the module buffers whose live copy it holds.
+    fn checkpoint_pieces(&self) -> Result<Vec<Piece>, RuntimeError> {
+        let rank = self.rank;
+        let graph = rank.graph();
+        let ids = rank.param_ids();
+        let mut pieces = Vec::new();
+        for lp in self.zero.pieces(rank)? {
+            let v = ids[lp.pos];
+            let val = graph.value(v);
+            let shape = val.data.as_ref().map(|d| d.dims.clone()).ok_or_else(|| terr(format!("parameter `{}` has no data to checkpoint", val.name)))?;
+            let (axis, ranges) = match rank.slices.get(&val.name) {
+                Some(sl) => (Some(sl.axis), sl.ranges.clone()),
+                None => (None, Vec::new()),
+            };
+            pieces.push(Piece { name: param_name(graph, v), role: lp.role, shape, transposed: is_transposed(graph, v), slice: Slice { axis, ranges, flat: lp.flat }, tensor: lp.tensor });
+        }
+        pieces.extend(checkpoint::buffer_pieces(graph, |v| rank.live_buffer(v))?);
+        Ok(pieces)
+    }
+
+    fn rank(&self) -> usize {
+        self.rank.global_rank
+    }
+
+    fn world(&self) -> usize {
+        self.rank.world
+    }
+
+    fn barrier(&self) -> Result<(), RuntimeError> {
+        Ok(self.rank.groups.world.barrier()?)
+    }
+}
+
+
+/// Runs stage `s` on one microbatch with `inputs` from the previous stage (autograd on when
+/// `grad`), the microbatch's arrays `batch` and graph-input feeds `given`: its outputs to the
+/// next stage, or on the last stage the loss summed over the microbatch's targets times
+/// `loss_scale`. BatchNormalization uses the statistics `norm` says.
+#[allow(clippy::too_many_arguments)]
+fn run_stage(
+    r: &Rank<'_>,
+    s: usize,
+    inputs: &[(ValueId, Tensor)],
+    grad: bool,
+    norm: NormStats,
+    dropout: Option<DropoutKey>,
+    batch: &Batch,
+    given: &HashMap<ValueId, Tensor>,
+    loss_scale: f64,
+) -> Result<(Vec<(ValueId, Tensor)>, Option<Tensor>), RuntimeError> {
+    let graph = r.graph();
+    let mut feeds: HashMap<ValueId, Tensor> = given.iter().map(|(k, v)| (*k, v.shallow_clone())).collect();
+    for (v, t) in inputs {
+        feeds.insert(*v, t.shallow_clone());
+    }
+    let last = s == r.last_stage();
+    let keep: Vec<ValueId> = if last { graph.outputs.clone() } else { r.layout.outputs_to_next[s].clone() };
+    let outs = match r.stage_execs.get(&s) {
+        None => {
+            r.exec.set_norm_stats(norm);
+            r.exec.set_dropout_key(dropout);
+            let run = || r.exec.run_nodes(&r.layout.nodes[s], &feeds, &keep);
+            if grad { run()? } else { tch::no_grad(run)? }
+        }
+        Some(se) => {
+            // the shard subgraph names values as the model does
+            let sg = se.graph();
+            let local = |v: ValueId| sg.value_by_name(&graph.value(v).name);
+            let feeds: HashMap<ValueId, Tensor> =
+                feeds.iter().filter_map(|(v, t)| local(*v).filter(|l| sg.inputs.contains(l)).map(|l| (l, t.shallow_clone()))).collect();
+            let lkeep: Vec<ValueId> = keep
+                .iter()
+                .map(|v| local(*v).ok_or_else(|| terr(format!("stage {s} shard does not produce `{}`", graph.value(*v).name))))
+                .collect::<Result<_, _>>()?;
+            let order = sg.topo_order()?;
+            se.set_norm_stats(norm);
+            se.set_dropout_key(dropout);
+            let run = || se.run_nodes(&order, &feeds, &lkeep);
+            let outs = if grad { run()? } else { tch::no_grad(run)? };
+            keep.iter().zip(&lkeep).map(|(v, l)| (*v, outs[l].shallow_clone())).collect()
+        }
+    };
+    if last {
+        let outs: Vec<Tensor> = keep.iter().map(|v| outs[v].shallow_clone()).collect();
+        let loss = train::loss_sum_of(r.exec, r.cfg.loss, batch, &outs)?.f_mul_scalar(loss_scale)?;
+        Ok((Vec::new(), Some(loss)))
+    } else {
+        Ok((keep.iter().map(|v| (*v, outs[v].shallow_clone())).collect(), None))
+    }
+}
+
+/// The most axes a sent tensor may have.
+const MAX_RANK: usize = 8;
+/// Header words per tensor of a message: kind code, rank, dims (padded to [`MAX_RANK`]).
+const WORDS: usize = 2 + MAX_RANK;
+
+/// Header length of a message of `count` tensors: the count, then each tensor's words.
+fn header_len(count: usize) -> usize {
+    1 + count * WORDS
+}
+
+fn kind_code(k: Kind) -> Result<i64, RuntimeError> {
+    Ok(match k {
+        Kind::Float => 0,
+        Kind::Double => 1,
+        Kind::Int64 => 2,
+        Kind::Int => 3,
+        Kind::Bool => 4,
+        Kind::Half => 5,
+        Kind::BFloat16 => 6,
+        Kind::Uint8 => 7,
+        Kind::Int8 => 8,
+        other => return Err(terr(format!("cannot send tensors of kind {other:?}"))),
+    })
+}
+
+fn code_kind(c: i64) -> Result<Kind, RuntimeError> {
+    Ok(match c {
+        0 => Kind::Float,
+        1 => Kind::Double,
+        2 => Kind::Int64,
+        3 => Kind::Int,
+        4 => Kind::Bool,
+        5 => Kind::Half,
+        6 => Kind::BFloat16,
+        7 => Kind::Uint8,
+        8 => Kind::Int8,
+        _ => return Err(terr(format!("received an unknown tensor kind code {c}"))),
+    })
+}
+
+/// The message tag of part `j` of a payload of `stage`'s microbatch `mb`: 0 the header, then
+/// the tensors from 1.
+fn tag(what: Payload, stage: usize, mb: usize, j: usize) -> u32 {
+    let w = usize::from(what == Payload::Gradient);
+    ((((w * 64 + stage % 64) * 1024 + mb % 1024) * 1024) + j % 1024) as u32
+}
+
+fn is_float(t: &Tensor) -> bool {
+    matches!(t.kind(), Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16)
+}

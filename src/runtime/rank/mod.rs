@@ -1,0 +1,70 @@
+//! One rank of a plan: stage subgraphs of the model, the rank's program (forward, backward,
+//! weight-gradient, sends, receives, collectives, optimizer step) executed in order, with
+//! autograd across stage boundaries, data-parallel gradient sums (bucketed), ZeRO-sharded
+//! AdamW and tied-weight gradient sums.
+//!
+//! The parts: `layout` reads the plan's stage lists on the graph the plan was made for,
+//! `setup` sets the rank up from the plan (its codegen section: stage node ids, programs,
+//! shards, parameters, process groups), `interp` executes its program one method per
+//! instruction and is the rank's step in the one training loop (`train::driver`), `zero`
+//! holds the ZeRO state and data-parallel synchronisation, `report` gathers what the ranks
+//! measured.
+
+mod interp;
+mod layout;
+mod params;
+mod report;
+mod setup;
+mod zero;
+
+use crate::ir::DimBindings;
+use crate::plan::Plan;
+use crate::runtime::RuntimeError;
+use crate::runtime::comm::RankEnv;
+use crate::runtime::data::DataSource;
+use crate::runtime::kernels::executor::Executor;
+use crate::runtime::state::checkpoint::{Checkpointing, SaveConfig};
+use crate::runtime::state::weights::Source;
+use crate::runtime::train::{TrainConfig, TrainObserver, drive, save_checkpoint};
+use interp::Interp;
+use setup::{Rank, Shards, check_world};
+
+pub use layout::{REPLAN, StageLayout, codegen_section, planned_graph, rank_programs, stage_layout};
+pub use report::{PhaseTimes, RankReport, RankStats, StateBytes, peak_rss_bytes};
+pub use setup::{RankOptions, rank_weights};
+
+/// Runs this rank's part of `plan` for `cfg.steps` steps on `data` (step k reads its k-th
+/// global batch; each replica takes its share, and only ranks whose stages read data read it)
+/// in the one training loop, validating on `eval_data` as `cfg.eval` says and checkpointing as
+/// `ckpt` says (and, with `final_state`, the state after the last step as a checkpoint under
+/// its root); tells `obs` of each step (with the global loss), validation and checkpoint as
+/// it completes. `exec` runs the graph the plan was made for ([`planned_graph`], whose dim
+/// bindings are `dims`).
+#[allow(clippy::too_many_arguments)]
+pub fn run_rank(
+    plan: &Plan,
+    exec: &Executor<'_>,
+    dims: &DimBindings,
+    source: &Source<'_>,
+    (data, eval_data): (&DataSource, Option<&DataSource>),
+    (cfg, opts): (&TrainConfig, &RankOptions),
+    env: &RankEnv,
+    ckpt: &Checkpointing<'_>,
+    final_state: Option<&SaveConfig>,
+    obs: &mut dyn TrainObserver,
+) -> Result<RankReport, RuntimeError> {
+    codegen_section(plan)?;
+    check_world(plan, env)?;
+    let shards = Shards::new(plan, exec.graph(), dims, env.rank)?;
+    let rank = Rank::new(plan, exec, source, &shards, data, (cfg, opts), env)?;
+    let restore = ckpt.resume.map(|l| zero::restored_moments(&rank, l)).transpose()?;
+    let mut interp = Interp::new(&rank, restore)?;
+    let trained = drive(&mut interp, cfg.steps, cfg.eval.zip(eval_data), ckpt, obs)?;
+    if let Some(save) = final_state {
+        save_checkpoint(&interp, save, cfg.steps)?;
+    }
+    let mut report = report::gather(&rank.groups.world, env.world, trained.steps, &interp.tally, source.bytes_read())?;
+    report.eval = trained.evals;
+    report.checkpoints = trained.checkpoints;
+    Ok(report)
+}

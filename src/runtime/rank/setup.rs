@@ -1,0 +1,741 @@
+//! Setting up one rank of a plan: its place in the mesh and program, its parameters, the
+//! executors of its stages (tensor-parallel shards), its process groups and its share of the
+//! batch. Everything here is fixed for the whole run.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tch::{Kind, Tensor};
+
+use crate::runtime::comm::{Backend, ProcessGroup, RankEnv, Store};
+use crate::runtime::kernels::executor::Executor;
+use super::layout::{self, REPLAN, StageLayout};
+use crate::runtime::terr;
+use crate::runtime::train::TrainConfig;
+use super::params::Params;
+use crate::runtime::data::DataSource;
+use crate::runtime::data::Batch;
+use crate::passes::figures::is_trainable;
+use crate::runtime::state::weights::{Slice, Source};
+use crate::runtime::{ExecOptions, RuntimeError, Weights};
+use crate::codegen::{Coord, Instr, Mesh, Purpose, RankProgram, StageView, WeightSlice, apply_shard};
+use crate::ir::{DimBindings, Graph, NodeId, Op, OpKind, Parallelism, ValueId, ValueKind};
+use crate::plan::Plan;
+
+/// How a rank of a plan runs, beside what it trains.
+#[derive(Clone, Debug)]
+pub struct RankOptions {
+    /// Timeout of every collective and receive.
+    pub timeout: Duration,
+    /// Data-parallel all-reduce bucket size, bytes.
+    pub bucket_bytes: usize,
+    /// Print `[rank R] step N` on stderr after every step.
+    pub progress: bool,
+}
+
+/// The process groups this rank is in, by member list.
+pub(super) struct Groups {
+    me: usize,
+    by_members: HashMap<Vec<usize>, Arc<ProcessGroup>>,
+    /// Every rank.
+    pub world: Arc<ProcessGroup>,
+}
+
+impl Groups {
+    /// The group of exactly `members`.
+    pub fn get(&self, members: &[usize]) -> Result<&ProcessGroup, RuntimeError> {
+        self.by_members.get(members).map(|g| &**g).ok_or_else(|| terr(format!("rank {} is not in group {members:?}", self.me)))
+    }
+}
+
+/// With tensor parallelism, the subgraphs a rank runs: per stage, the stage's nodes with the
+/// rank's shards applied.
+#[derive(Default)]
+pub(super) struct Shards {
+    /// This rank's stages, in order (empty without tensor parallelism).
+    pub stages: Vec<StageShard>,
+    /// Weights whose slice several tensor ranks share, with the ranks sharing this rank's.
+    pub kv_groups: Vec<(String, Vec<usize>)>,
+}
+
+/// One stage's subgraph on one tensor rank.
+pub(super) struct StageShard {
+    /// Global stage index.
+    pub stage: usize,
+    /// The subgraph.
+    pub graph: Graph,
+    /// The weights it slices.
+    pub slices: Vec<WeightSlice>,
+}
+
+impl Shards {
+    /// The subgraphs rank `me` of `plan` runs on `graph`, the graph the plan was made for
+    /// ([`layout::planned_graph`], with its `dims`); none when tp = 1.
+    pub fn new(plan: &Plan, graph: &Graph, dims: &DimBindings, me: usize) -> Result<Shards, RuntimeError> {
+        let mesh = plan.mesh();
+        let mut out = Shards::default();
+        if mesh.tp <= 1 {
+            return Ok(out);
+        }
+        let Coord { pp: q, dp: d, tp: t } = mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
+        let view = plan.rank_view(me).map_err(|e| terr(e.to_string()))?;
+        for sv in &view.stages {
+            let sub = shard_subgraph(sv, graph, dims, &mesh, me, (q, d, t), &mut out.kv_groups)?;
+            let slices = sv.shards.iter().flat_map(|sh| sh.weight_slices.iter().cloned()).collect();
+            out.stages.push(StageShard { stage: sv.stage(), graph: sub, slices });
+        }
+        Ok(out)
+    }
+}
+
+/// One rank of a plan, set up for the run.
+pub(super) struct Rank<'a> {
+    /// The model's executor (stages without tensor parallelism run its nodes).
+    pub exec: &'a Executor<'a>,
+    /// Where the rank reads the parts of weights it holds.
+    pub source: &'a Source<'a>,
+    /// What is trained and how (loss, optimizer, schedule, clipping, seed).
+    pub cfg: &'a TrainConfig,
+    /// How the rank runs (timeouts, buckets, progress lines).
+    pub opts: &'a RankOptions,
+    /// Stages' nodes, boundary values and parameters.
+    pub layout: StageLayout,
+    /// Global rank.
+    pub global_rank: usize,
+    /// Ranks in the world.
+    pub world: usize,
+    /// Replica (data-parallel index).
+    pub replica: usize,
+    /// Tensor-parallel rank.
+    pub tensor_rank: usize,
+    /// Stages of the plan.
+    pub n_stages: usize,
+    /// The stages this rank runs.
+    pub my_stages: Vec<usize>,
+    /// The plan's parallel configuration (degrees, ZeRO, microbatches, schedule).
+    pub parallel: Parallelism,
+    /// The rank's program.
+    pub program: RankProgram,
+    /// Stages whose backward is split into B and W in the program.
+    pub split_w: BTreeSet<(usize, usize)>,
+    /// Parameters.
+    pub params: Params,
+    /// Grouped-query KV slices several tensor ranks hold: (parameter position, the ranks).
+    pub kv_groups: Vec<(usize, Vec<usize>)>,
+    /// With tensor parallelism, the executor of each stage's shard subgraph.
+    pub stage_execs: HashMap<usize, Executor<'a>>,
+    /// Process groups.
+    pub groups: Groups,
+    /// Running statistics of the BatchNormalization nodes of this rank's stages (buffers, never
+    /// trained).
+    pub norm_buffers: Vec<Tensor>,
+    /// The ranks holding the same stages and shards in every replica (this one included), when
+    /// there are several replicas: replica 0's buffers are broadcast over it.
+    pub replica_group: Option<Vec<usize>>,
+    /// The training data.
+    pub data: &'a DataSource,
+    /// Whether this rank reads data: its stages read a graph input, or it computes the loss.
+    pub reads_data: bool,
+    /// With tensor parallelism, this rank's cut of each weight its shards slice, by
+    /// initializer name.
+    pub slices: HashMap<String, WeightSlice>,
+}
+
+impl<'a> Rank<'a> {
+    /// Sets up rank `env.rank` of `plan` on the model of `exec`, training on `data`.
+    pub fn new(
+        plan: &Plan,
+        exec: &'a Executor<'a>,
+        source: &'a Source<'a>,
+        shards: &'a Shards,
+        data: &'a DataSource,
+        (cfg, opts): (&'a TrainConfig, &'a RankOptions),
+        env: &RankEnv,
+    ) -> Result<Rank<'a>, RuntimeError> {
+        let graph = exec.graph();
+        let section = layout::codegen_section(plan)?;
+        let layout = layout::stage_layout(section, graph)?;
+        let mesh = plan.mesh();
+        check_world(plan, env)?;
+        let programs = layout::rank_programs(plan, section)?;
+        let me = env.rank;
+        let Coord { pp: q, dp: d, tp: t } = mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
+        let program = programs.iter().find(|p| p.rank == me).ok_or_else(|| terr(format!("no program for rank {me}")))?.clone();
+        let m = plan.parallel.microbatches.max(1);
+        check_program(&program, plan.stages.len(), m)?;
+        let dp = mesh.dp;
+        let n_stages = plan.stages.len();
+        let my_stages: Vec<usize> = (0..n_stages).filter(|&s| plan.stages[s].pp_rank == q).collect();
+
+        let groups = connect_groups(env, opts, &mesh, &programs, &shards.kv_groups)?;
+        let tensor_pg = groups.by_members.get(&tensor_groups(&mesh).into_iter().find(|g| g.contains(&me)).unwrap_or_default()).cloned();
+        let lazy = lazy_params(plan, &layout, &program, &my_stages);
+        let (stage_execs, by_name) = stage_executors(exec, source, shards, tensor_pg.as_ref(), &lazy)?;
+        let sliced: HashMap<&str, &WeightSlice> = shards.stages.iter().flat_map(|sh| sh.slices.iter()).map(|w| (w.initializer.as_str(), w)).collect();
+        let (params, kv_groups) = own_params(plan, exec, &layout, &my_stages, (me, q, t), &sliced, &by_name, &shards.kv_groups)?;
+        // a stage reads the graph inputs the plan lists; the last one also the loss's labels
+        let reads_input = my_stages.iter().any(|&s| !layout.data_inputs[s].is_empty());
+        let reads_data = reads_input || my_stages.contains(&(n_stages - 1));
+        let norm_buffers = norm_buffers(exec, &stage_execs, &layout, &my_stages);
+        let replica_group = (dp > 1).then(|| replica_group(&mesh, q, t));
+        let split_w = program.instrs.iter().filter_map(|i| if let Instr::BackwardWeight { stage, mb } = i { Some((*stage, *mb)) } else { None }).collect();
+        Ok(Rank {
+            exec,
+            source,
+            cfg,
+            opts,
+            layout,
+            global_rank: me,
+            world: env.world,
+            replica: d,
+            tensor_rank: t,
+            n_stages,
+            my_stages,
+            parallel: plan.parallel,
+            program,
+            split_w,
+            params,
+            kv_groups,
+            stage_execs,
+            groups,
+            norm_buffers,
+            replica_group,
+            data,
+            reads_data,
+            slices: shards.stages.iter().flat_map(|sh| sh.slices.iter()).map(|w| (w.initializer.clone(), w.clone())).collect(),
+        })
+    }
+
+    /// The model graph.
+    pub fn graph(&self) -> &'a Graph {
+        self.exec.graph()
+    }
+
+    /// The value id of each parameter position.
+    pub fn param_ids(&self) -> Vec<ValueId> {
+        let mut ids: Vec<(usize, ValueId)> = self.params.pos_of.iter().map(|(&v, &i)| (i, v)).collect();
+        ids.sort();
+        ids.into_iter().map(|(_, v)| v).collect()
+    }
+
+    /// The part of weight `v` this rank holds: its tensor-parallel cut, or all of it.
+    pub fn part_of(&self, v: ValueId) -> Slice {
+        match self.slices.get(&self.graph().value(v).name) {
+            Some(sl) => Slice { axis: Some(sl.axis), ranges: sl.ranges.clone(), flat: None },
+            None => Slice::whole(),
+        }
+    }
+
+    /// Block `index` of `parts` of stage `s`'s flat parameter vector (ZeRO 3), read from the
+    /// source: only the elements of the block, never a whole parameter.
+    pub fn read_block(&self, s: usize, parts: i64, index: i64) -> Result<Tensor, RuntimeError> {
+        self.read_block_with(s, parts, index, |v, part| self.source.read(v, part))
+    }
+
+    /// Block `index` of `parts` of stage `s`'s flat vector of per-parameter tensors shaped as
+    /// the parameters (values or moments), each piece read by `read` (parameter, its part with
+    /// the flat range wanted); the padding past the last parameter is zeros.
+    pub fn read_block_with(&self, s: usize, parts: i64, index: i64, read: impl Fn(ValueId, &Slice) -> Result<Tensor, RuntimeError>) -> Result<Tensor, RuntimeError> {
+        let p = &self.params;
+        let ids = self.param_ids();
+        let total: i64 = p.owned[s].iter().map(|&i| p.numel(i)).sum();
+        let len = (total + parts - 1) / parts.max(1);
+        let (lo, hi) = (index * len, (index + 1) * len);
+        let mut v: Vec<Tensor> = Vec::new();
+        let mut off = 0i64;
+        for &i in &p.owned[s] {
+            let n = p.numel(i);
+            let (a, b) = (lo.max(off), hi.min(off + n));
+            if a < b {
+                let mut part = self.part_of(ids[i]);
+                part.flat = Some([(a - off) as u64, (b - off) as u64]);
+                v.push(read(ids[i], &part)?.f_to_kind(p.opts.0)?);
+            }
+            off += n;
+        }
+        if hi > lo.max(off) {
+            v.push(Tensor::f_zeros([hi - lo.max(off)], p.opts)?);
+        }
+        Ok(Tensor::f_cat(&v, 0)?)
+    }
+
+    /// The stage whose state a collective moves, one of this rank's.
+    pub fn stage_of(&self, purpose: &Purpose) -> Result<usize, RuntimeError> {
+        purpose
+            .stage()
+            .filter(|s| self.my_stages.contains(s))
+            .ok_or_else(|| terr(format!("collective `{purpose}` names no stage of rank {}", self.global_rank)))
+    }
+
+    /// The tensor of buffer `v` that training updates, if this rank writes it to checkpoints:
+    /// replica 0's tensor rank 0 of the first stage that reads `v` (its executor's copy).
+    pub fn live_buffer(&self, v: ValueId) -> Option<Tensor> {
+        if self.replica != 0 || self.tensor_rank != 0 {
+            return None;
+        }
+        let graph = self.graph();
+        let first = (0..self.n_stages).find(|&s| self.layout.nodes[s].iter().any(|&n| graph.node(n).inputs.contains(&Some(v))))?;
+        if !self.my_stages.contains(&first) {
+            return None;
+        }
+        match self.stage_execs.get(&first) {
+            Some(se) => se.graph().value_by_name(&graph.value(v).name).and_then(|l| se.weights.get(&l)).map(Tensor::shallow_clone),
+            None => self.exec.weights.get(&v).map(Tensor::shallow_clone),
+        }
+    }
+
+    /// The last stage (it computes the loss).
+    pub fn last_stage(&self) -> usize {
+        self.n_stages - 1
+    }
+
+    /// This replica's microbatches of batch `k` (from 1) of `data`, with their graph-input
+    /// feeds; empty when the rank reads no data.
+    pub fn batches(&self, data: &DataSource, k: usize) -> Result<(Vec<Batch>, Vec<HashMap<ValueId, Tensor>>), RuntimeError> {
+        if !self.reads_data {
+            return Ok(((0..self.parallel.microbatches.max(1)).map(|_| Vec::new()).collect(), (0..self.parallel.microbatches.max(1)).map(|_| HashMap::new()).collect()));
+        }
+        let micro = data.replica_microbatches(k, self.replica, self.parallel.dp, self.parallel.microbatches.max(1))?;
+        let feeds = micro.iter().map(|mb| input_feeds(self.exec, mb)).collect::<Result<_, _>>()?;
+        Ok((micro, feeds))
+    }
+}
+
+/// The executors of a rank's shard subgraphs, by stage, sharing one tensor per trained weight
+/// that several of them read; with those tensors by name.
+#[allow(clippy::type_complexity)]
+fn stage_executors<'a>(
+    exec: &Executor<'_>,
+    source: &Source<'_>,
+    shards: &'a Shards,
+    tensor_pg: Option<&Arc<ProcessGroup>>,
+    lazy: &HashSet<ValueId>,
+) -> Result<(HashMap<usize, Executor<'a>>, HashMap<String, Tensor>), RuntimeError> {
+    let mut stage_execs: HashMap<usize, Executor<'a>> = HashMap::new();
+    let mut by_name: HashMap<String, Tensor> = HashMap::new();
+    for sh in &shards.stages {
+        let sub = &sh.graph;
+        let slices: HashMap<&str, &WeightSlice> = sh.slices.iter().map(|w| (w.initializer.as_str(), w)).collect();
+        let tensors = stage_weights(exec, source, sub, &slices, lazy)?;
+        let mut e = Executor::new(sub, Weights { tensors }, ExecOptions { float_kind: exec.float_kind(), training: true })?;
+        e.tensor_group = tensor_pg.cloned();
+        // a weight read by several of this rank's stages is one tensor
+        for (id, w) in e.weights.iter_mut() {
+            if is_trainable(sub, *id) {
+                let name = sub.value(*id).name.clone();
+                match by_name.get(&name) {
+                    Some(first) => *w = first.shallow_clone(),
+                    None => {
+                        by_name.insert(name, w.shallow_clone());
+                    }
+                }
+            }
+        }
+        stage_execs.insert(sh.stage, e);
+    }
+    Ok((stage_execs, by_name))
+}
+
+/// This rank's parameters (each belongs to the first of the rank's stages reading it), with
+/// the positions of the KV slices in `kv_names` (name, the tensor ranks sharing it). `(me, q,
+/// t)`: the global rank, its pipeline and tensor rank; `sliced`: the weights its shards slice; `by_name`: the
+/// shards' weight tensors (with tensor parallelism).
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+fn own_params(
+    plan: &Plan,
+    exec: &Executor,
+    layout: &StageLayout,
+    my_stages: &[usize],
+    (me, q, t): (usize, usize, usize),
+    sliced: &HashMap<&str, &WeightSlice>,
+    by_name: &HashMap<String, Tensor>,
+    kv_names: &[(String, Vec<usize>)],
+) -> Result<(Params, Vec<(usize, Vec<usize>)>), RuntimeError> {
+    let graph = exec.graph();
+    let tp = plan.parallel.tp;
+    let n_stages = layout.params.len();
+    let mut ids: Vec<ValueId> = Vec::new();
+    let mut owned: Vec<Vec<usize>> = vec![Vec::new(); n_stages];
+    for &s in my_stages {
+        for &v in &layout.params[s] {
+            if !ids.contains(&v) {
+                owned[s].push(ids.len());
+                ids.push(v);
+            }
+        }
+    }
+    let pos_of: HashMap<ValueId, usize> = ids.iter().enumerate().map(|(i, v)| (*v, i)).collect();
+    let read: Vec<Vec<usize>> = layout.params.iter().map(|ps| ps.iter().filter_map(|v| pos_of.get(v).copied()).collect()).collect();
+    let first_holder = |v: ValueId| (0..n_stages).find(|&s| layout.params[s].contains(&v)).map(|s| plan.stages[s].pp_rank);
+    // norms count each element once: tied weights on their first pipeline rank, replicated
+    // gradients on the first replica (or shard group); with tensor parallelism, sliced
+    // weights on every tensor rank, replicated ones on tensor rank 0, and a slice shared by
+    // tensor ranks on the first of them
+    let counted: Vec<bool> = ids
+        .iter()
+        .map(|&v| {
+            let name = graph.value(v).name.as_str();
+            let shared = kv_names.iter().find(|(n, _)| n == name).map(|(_, g)| g.len());
+            first_holder(v) == Some(q) && shared.map_or(t == 0 || sliced.contains_key(name), |r| t % r == 0)
+        })
+        .collect();
+    let tensors: Vec<Tensor> = ids
+        .iter()
+        .map(|v| {
+            let w = if tp > 1 { by_name.get(&graph.value(*v).name) } else { exec.weights.get(v) };
+            w.map(Tensor::shallow_clone).ok_or_else(|| terr(format!("no weight for `{}` on rank {me}", graph.value(*v).name)))
+        })
+        .collect::<Result<_, _>>()?;
+    // the loaded weights of other pipeline ranks' stages (and with tensor parallelism the
+    // unsliced model the shards were cut from) are never read on this rank again
+    for (id, w) in &exec.weights {
+        if is_trainable(graph, *id) && (tp > 1 || !pos_of.contains_key(id)) {
+            w.shallow_clone().f_set_data(&Tensor::f_empty([0], (w.kind(), w.device()))?)?;
+        }
+    }
+    let kv_groups = kv_names
+        .iter()
+        .map(|(name, members)| {
+            let i = graph
+                .value_by_name(name)
+                .and_then(|v| pos_of.get(&v).copied())
+                .ok_or_else(|| terr(format!("shared KV slice `{name}` is not a parameter of rank {me}")))?;
+            Ok((i, members.clone()))
+        })
+        .collect::<Result<_, RuntimeError>>()?;
+    let float_kind = tensors.first().map_or(Kind::Float, Tensor::kind);
+    // shapes from the model and the cuts (ZeRO-3 parameters are not loaded whole)
+    let shapes = ids
+        .iter()
+        .map(|&v| {
+            let val = graph.value(v);
+            let mut dims = val.data.as_ref().map(|d| d.dims.clone()).ok_or_else(|| terr(format!("parameter `{}` has no data", val.name)))?;
+            if let Some(sl) = sliced.get(val.name.as_str()) {
+                dims[sl.axis] = sl.len() as i64;
+            }
+            Ok(dims)
+        })
+        .collect::<Result<_, RuntimeError>>()?;
+    let params = Params { tensors, shapes, owned, read, counted, pos_of, opts: (float_kind, tch::Device::Cpu) };
+    Ok((params, kv_groups))
+}
+
+/// The graph-input feeds of microbatch `mb` (its arrays that are inputs of the model).
+fn input_feeds(exec: &Executor, mb: &Batch) -> Result<HashMap<ValueId, Tensor>, RuntimeError> {
+    let graph = exec.graph();
+    let f: Vec<(String, Tensor)> = mb
+        .iter()
+        .filter(|(n, _)| graph.inputs.iter().any(|&v| graph.value(v).name == *n))
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect();
+    exec.bind_inputs(f)
+}
+
+/// The subgraph rank `me` at (pipeline rank, replica, tensor rank) runs for stage `sv`: the
+/// stage's nodes of `model` (the planned graph) with the rank's shards applied, and
+/// Megatron's *f* before its partially-gradiented inputs. Records the weights whose slice
+/// several tensor ranks share in `kv_groups` (name, the ranks sharing this rank's slice).
+#[allow(clippy::too_many_arguments)]
+fn shard_subgraph(
+    sv: &StageView<'_>,
+    model: &Graph,
+    dims: &DimBindings,
+    mesh: &Mesh,
+    me: usize,
+    (q, d, t): (usize, usize, usize),
+    kv_groups: &mut Vec<(String, Vec<usize>)>,
+) -> Result<Graph, RuntimeError> {
+    let listed: HashSet<usize> = sv.code.node_ids().collect();
+    let nodes: Vec<NodeId> = model.topo_order()?.into_iter().filter(|n| listed.contains(&n.index())).collect();
+    if nodes.len() != listed.len() {
+        return Err(terr(format!("stage {} runs nodes the model as planned does not have; {REPLAN}", sv.stage())));
+    }
+    let mut sub = apply_shard(model, &nodes, &sv.merged_shard(), dims).map_err(|e| terr(format!("stage {} shard of rank {me}: {e}", sv.stage())))?;
+    for sh in &sv.shards {
+        // a slice shared by several tensor ranks (grouped-query KV heads): its gradient is
+        // summed over the consecutive tensor ranks holding it
+        for w in sh.weight_slices.iter().filter(|w| w.replicas > 1) {
+            let r = w.replicas as usize;
+            if r > mesh.tp || mesh.tp % r != 0 {
+                return Err(terr(format!(
+                    "stage {}: weight `{}` is shared by {r} tensor ranks, which does not divide tp {}",
+                    sv.stage(),
+                    w.initializer,
+                    mesh.tp
+                )));
+            }
+            let first = t - t % r;
+            let members: Vec<usize> = (first..first + r).map(|tt| mesh.ranks[q][d * mesh.tp + tt]).collect();
+            if !kv_groups.iter().any(|(n, _)| n == &w.initializer) {
+                kv_groups.push((w.initializer.clone(), members));
+            }
+        }
+        for pg in &sh.partial_gradients {
+            insert_copy_to_tensor_region(&mut sub, pg)?;
+        }
+    }
+    Ok(sub)
+}
+
+/// The process groups of rank `env.rank`: every distinct member list in any program, the
+/// tensor groups, the KV-slice groups and the world, created in one global order by their
+/// members (creation is a rendezvous).
+fn connect_groups(
+    env: &RankEnv,
+    opts: &RankOptions,
+    mesh: &Mesh,
+    programs: &[RankProgram],
+    kv_groups: &[(String, Vec<usize>)],
+) -> Result<Groups, RuntimeError> {
+    let me = env.rank;
+    let store: Arc<Store> = Store::connect(env, opts.timeout)?;
+    let world: Vec<usize> = (0..env.world).collect();
+    let mut lists: BTreeSet<Vec<usize>> = BTreeSet::new();
+    lists.insert(world.clone());
+    if mesh.tp > 1 {
+        lists.extend(tensor_groups(mesh));
+    }
+    if mesh.dp > 1 {
+        for q in 0..mesh.pp {
+            for t in 0..mesh.tp.max(1) {
+                lists.insert(replica_group(mesh, q, t));
+            }
+        }
+    }
+    lists.extend(kv_groups.iter().map(|(_, g)| g.clone()));
+    for p in programs {
+        for i in &p.instrs {
+            if let Some((g, _)) = i.collective() {
+                lists.insert(g.to_vec());
+            }
+        }
+    }
+    let mut by_members: HashMap<Vec<usize>, Arc<ProcessGroup>> = HashMap::new();
+    for g in lists {
+        if g.contains(&me) {
+            let pg = ProcessGroup::new(&store, &g, me, opts.timeout, Backend::Gloo)?;
+            by_members.insert(g, Arc::new(pg));
+        }
+    }
+    let world = by_members[&world].clone();
+    Ok(Groups { me, by_members, world })
+}
+
+/// Rejects a world size other than the plan's.
+pub(super) fn check_world(plan: &Plan, env: &RankEnv) -> Result<(), RuntimeError> {
+    let mesh = plan.mesh();
+    let world = mesh.pp * mesh.dp * mesh.tp;
+    if env.world != world {
+        return Err(terr(format!(
+            "the plan needs {world} ranks (pp {} × dp {} × tp {}), WORLD_SIZE is {}; launch with --nproc {world}",
+            mesh.pp, mesh.dp, mesh.tp, env.world,
+        )));
+    }
+    Ok(())
+}
+
+/// The ranks at pipeline rank `q` and tensor rank `t` of every replica, replica 0 first.
+fn replica_group(mesh: &Mesh, q: usize, t: usize) -> Vec<usize> {
+    (0..mesh.dp).filter_map(|d| mesh.ranks.get(q).and_then(|rs| rs.get(d * mesh.tp.max(1) + t)).copied()).collect()
+}
+
+/// The running-statistics inputs (mean, variance) of the BatchNormalization nodes in `stages`,
+/// as the tensors the executors running those stages hold.
+fn norm_buffers(exec: &Executor<'_>, stage_execs: &HashMap<usize, Executor<'_>>, layout: &StageLayout, stages: &[usize]) -> Vec<Tensor> {
+    let graph = exec.graph();
+    let mut out = Vec::new();
+    for &s in stages {
+        for &n in &layout.nodes[s] {
+            let node = graph.node(n);
+            if node.op != Op::Known(OpKind::BatchNormalization) {
+                continue;
+            }
+            for v in node.inputs.iter().skip(3).take(2).flatten() {
+                let held = match stage_execs.get(&s) {
+                    Some(se) => se.graph().value_by_name(&graph.value(*v).name).and_then(|l| se.weights.get(&l)),
+                    None => exec.weights.get(v),
+                };
+                if let Some(t) = held {
+                    out.push(t.shallow_clone());
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The tensor-parallel groups (global ranks), one per pipeline rank and replica.
+fn tensor_groups(mesh: &Mesh) -> Vec<Vec<usize>> {
+    mesh.ranks.iter().flat_map(|rs| rs.chunks(mesh.tp.max(1)).map(<[usize]>::to_vec)).collect()
+}
+
+/// Rejects instructions that name stages or microbatches outside the plan, or messages that
+/// cross a boundary the pipeline does not have.
+fn check_program(p: &RankProgram, stages: usize, m: usize) -> Result<(), RuntimeError> {
+    use crate::codegen::Payload;
+    for i in &p.instrs {
+        let (stage, mb) = match i {
+            Instr::Forward { stage, mb } | Instr::Backward { stage, mb } | Instr::BackwardWeight { stage, mb } => (*stage, *mb),
+            Instr::Send { stage, mb, .. } | Instr::Recv { stage, mb, .. } => (*stage, *mb),
+            _ => continue,
+        };
+        let bad = stage >= stages
+            || mb >= m
+            || match i {
+                Instr::Send { what: Payload::Activation, .. } | Instr::Recv { what: Payload::Gradient, .. } => stage + 1 >= stages,
+                Instr::Send { what: Payload::Gradient, .. } | Instr::Recv { what: Payload::Activation, .. } => stage == 0,
+                _ => false,
+            };
+        if bad {
+            return Err(terr(format!(
+                "rank {}: instruction {i} does not fit the plan ({stages} stages, {m} microbatches)",
+                p.rank
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Puts Megatron's *f* before `pg.node`'s input `pg.input`: the forward reads the value
+/// unchanged, the backward all-reduces its gradient over the tensor group.
+fn insert_copy_to_tensor_region(g: &mut Graph, pg: &crate::codegen::shard::PartialGradient) -> Result<(), RuntimeError> {
+    let node = g
+        .node_ids()
+        .find(|&n| g.node(n).name == pg.node)
+        .ok_or_else(|| terr(format!("partial gradient names node `{}`, which the shard does not have", pg.node)))?;
+    let v = g
+        .node(node)
+        .inputs
+        .get(pg.input)
+        .copied()
+        .flatten()
+        .ok_or_else(|| terr(format!("partial gradient: node `{}` has no input {}", pg.node, pg.input)))?;
+    let ty = g.value(v).ty.clone();
+    let name = format!("{}.f.{}.{}", g.value(v).name, pg.node, pg.input);
+    let out = g.add_value(name.clone(), ValueKind::Intermediate, ty, None)?;
+    let order = g.node(node).order;
+    let mut attrs = crate::ir::Attrs::default();
+    attrs.set("group", crate::ir::Attr::Str("tensor".into()));
+    g.add_node(crate::ir::Node {
+        name,
+        op: crate::ir::Op::Placeholder { op_type: crate::runtime::kernels::executor::COPY_TO_TENSOR_REGION.into(), domain: crate::codegen::collectives::SMP_DOMAIN.into() },
+        attrs,
+        inputs: vec![Some(v)],
+        outputs: vec![out],
+        namespace: None,
+        order,
+    })?;
+    g.set_input(node, pg.input, Some(out));
+    Ok(())
+}
+
+/// The tensors of a shard subgraph's initializers and constants: this rank's slice of the
+/// model's weight where the shard slices it, the model's tensor where it is replicated, and
+/// the subgraph's own data for constants the shard made.
+fn stage_weights(
+    exec: &Executor<'_>,
+    source: &Source<'_>,
+    sub: &Graph,
+    slices: &HashMap<&str, &crate::codegen::WeightSlice>,
+    lazy: &HashSet<ValueId>,
+) -> Result<HashMap<ValueId, Tensor>, RuntimeError> {
+    let main = exec.graph();
+    let mut out = HashMap::new();
+    for id in sub.value_ids() {
+        let v = sub.value(id);
+        if !matches!(v.kind, ValueKind::Initializer | ValueKind::Constant) {
+            continue;
+        }
+        // the model's weight, read in the part this rank holds (ZeRO-3 parameters not at all:
+        // their blocks are read when the shards are made)
+        let model = main.value_by_name(&v.name).filter(|&m| main.value(m).data.is_some());
+        let t = match (model, slices.get(v.name.as_str())) {
+            (Some(m), _) if lazy.contains(&m) => placeholder(main, m, exec.float_kind())?,
+            (Some(m), Some(sl)) => source.read(m, &Slice { axis: Some(sl.axis), ranges: sl.ranges.clone(), flat: None })?,
+            (Some(m), None) => source.read(m, &Slice::whole())?,
+            (None, _) => {
+                let Some(data) = &v.data else { continue };
+                let crate::ir::Storage::Raw(bytes) = &data.storage else {
+                    return Err(terr(format!("shard constant `{}` has no inline data", v.name)));
+                };
+                let t = crate::runtime::kernels::tensor::from_bytes(data.dtype, &data.dims, bytes).map_err(|m| RuntimeError::Weight { name: v.name.clone(), message: m })?;
+                match exec.float_kind() {
+                    Some(k) if crate::runtime::kernels::tensor::is_float_kind(t.kind()) && t.kind() != k => t.f_to_kind(k)?,
+                    _ => t,
+                }
+            }
+        };
+        out.insert(id, t);
+    }
+    Ok(out)
+}
+
+/// An empty stand-in for ZeRO-3 parameter `v` (its storage is swapped in when gathered).
+pub(super) fn placeholder(graph: &Graph, v: ValueId, float_kind: Option<Kind>) -> Result<Tensor, RuntimeError> {
+    let dtype = graph.value(v).data.as_ref().map_or(crate::ir::DType::F32, |d| d.dtype);
+    let kind = match float_kind {
+        Some(k) => k,
+        None => crate::runtime::kernels::tensor::kind_of(dtype).map_err(|m| RuntimeError::Weight { name: graph.value(v).name.clone(), message: m })?,
+    };
+    Ok(Tensor::f_empty([0], (kind, tch::Device::Cpu))?)
+}
+
+/// The trained parameters of rank `(plan, program)` that stay sharded from the start (ZeRO 3):
+/// those owned by a stage whose parameters the program gathers. They are never loaded whole;
+/// each rank reads its block.
+pub(super) fn lazy_params(plan: &Plan, layout: &StageLayout, program: &RankProgram, my_stages: &[usize]) -> HashSet<ValueId> {
+    let mut out = HashSet::new();
+    if !plan.parallel.params_sharded() {
+        return out;
+    }
+    let gathered: HashSet<usize> = program
+        .instrs
+        .iter()
+        .filter_map(|i| match i {
+            Instr::AllGather { purpose: purpose @ Purpose::Zero3Params { .. }, .. } => purpose.stage(),
+            _ => None,
+        })
+        .collect();
+    let mut seen: HashSet<ValueId> = HashSet::new();
+    for &s in my_stages {
+        for &v in &layout.params[s] {
+            if seen.insert(v) && gathered.contains(&s) {
+                out.insert(v);
+            }
+        }
+    }
+    out
+}
+
+/// The whole weights the model's executor of rank `me` needs: the initializers and constants
+/// its stages read, without the parameters that tensor-parallel shards slice (their stage
+/// executors read their own parts) or that ZeRO 3 shards (empty stand-ins). Nothing of other
+/// pipeline ranks' stages is read.
+pub fn rank_weights(plan: &Plan, source: &Source<'_>, me: usize) -> Result<Weights, RuntimeError> {
+    let graph = source.graph();
+    let section = layout::codegen_section(plan)?;
+    let layout = layout::stage_layout(section, graph)?;
+    let mesh = plan.mesh();
+    let Coord { pp: q, .. } = mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
+    let mut tensors = HashMap::new();
+    if mesh.tp > 1 {
+        return Ok(Weights { tensors });
+    }
+    let programs = layout::rank_programs(plan, section)?;
+    let program = programs.iter().find(|p| p.rank == me).ok_or_else(|| terr(format!("no program for rank {me}")))?;
+    let my_stages: Vec<usize> = (0..plan.stages.len()).filter(|&s| plan.stages[s].pp_rank == q).collect();
+    let lazy = lazy_params(plan, &layout, program, &my_stages);
+    for &s in &my_stages {
+        for &n in &layout.nodes[s] {
+            for &v in graph.node(n).inputs.iter().flatten() {
+                if tensors.contains_key(&v) || graph.value(v).data.is_none() {
+                    continue;
+                }
+                let t = if lazy.contains(&v) { placeholder(graph, v, source.float_kind())? } else { source.read(v, &Slice::whole())? };
+                tensors.insert(v, t);
+            }
+        }
+    }
+    Ok(Weights { tensors })
+}

@@ -1,0 +1,20 @@
+//! Why a run cannot start or did not finish.
+
+use crate::runtime::RuntimeError;
+
+/// A run that cannot start or did not finish, naming the file, flag or rank and the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    /// Flags that cannot be taken.
+    #[error("{0}")]
+    Options(String),
+    /// The plan cannot be run as asked, or does not fit its model.
+    #[error("{0}")]
+    Plan(String),
+    /// The model file cannot be read or prepared.
+    #[error("{0}")]
+    Model(String),
+    /// Running failed.
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+}

@@ -1,0 +1,233 @@
+//! What a user asks of a run (the runner's flags as one typed struct), checked once: each
+//! refusal names the flag and the fix.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tch::Kind;
+
+pub use crate::passes::params::ParamOptions;
+use crate::runtime::InitMode;
+use crate::runtime::train::{AdamWConfig, EvalConfig, LossKind, LrSchedule, LrShape};
+
+use super::SessionError;
+
+/// The element type floating-point tensors run in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FloatType {
+    /// 32-bit floats.
+    #[default]
+    F32,
+    /// 64-bit floats (the verification type: runs equal to the last bits).
+    F64,
+    /// bfloat16 throughout.
+    Bf16,
+}
+
+impl FloatType {
+    /// The tch kind.
+    pub(crate) fn kind(self) -> Kind {
+        match self {
+            FloatType::F32 => Kind::Float,
+            FloatType::F64 => Kind::Double,
+            FloatType::Bf16 => Kind::BFloat16,
+        }
+    }
+}
+
+/// How weights are materialised.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum InitChoice {
+    /// Read every weight (external files must be present).
+    #[default]
+    Load,
+    /// Seeded random values for external weights, without reading their files (the run's seed).
+    Random,
+}
+
+/// The optimizer and learning rate of a run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OptimizerOptions {
+    /// Peak learning rate (`--lr`).
+    pub lr: f64,
+    /// AdamW's decoupled weight decay (`--weight-decay`).
+    pub weight_decay: f64,
+    /// Decay after the warm-up (`--lr-schedule`).
+    pub schedule: LrShape,
+    /// Steps of linear warm-up (`--warmup-steps`).
+    pub warmup_steps: usize,
+    /// Where cosine and linear schedules decay towards (`--min-lr`).
+    pub min_lr: f64,
+    /// Global gradient-norm limit; 0 disables clipping (`--clip`).
+    pub clip: f64,
+}
+
+impl Default for OptimizerOptions {
+    fn default() -> Self {
+        OptimizerOptions { lr: 1e-3, weight_decay: 0.01, schedule: LrShape::Constant, warmup_steps: 0, min_lr: 0.0, clip: 1.0 }
+    }
+}
+
+/// Training and validation data of a run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DataOptions {
+    /// A token file, or one batch repeated every step; none: seeded synthetic data (`--data`).
+    pub train: Option<PathBuf>,
+    /// Validation data (`--eval-data`).
+    pub eval: Option<PathBuf>,
+    /// Validate before the first step and after every N-th (`--eval-every`; default: before
+    /// and after the run).
+    pub eval_every: Option<usize>,
+    /// Global batches per validation (`--eval-batches`).
+    pub eval_batches: usize,
+}
+
+impl Default for DataOptions {
+    fn default() -> Self {
+        DataOptions { train: None, eval: None, eval_every: None, eval_batches: 8 }
+    }
+}
+
+/// Checkpoints of a run.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CheckpointOptions {
+    /// Where to write them (`--checkpoint-dir`).
+    pub dir: Option<PathBuf>,
+    /// After every N-th step (`--checkpoint-every`; default: after the last).
+    pub every: Option<usize>,
+    /// Keep only the K newest (`--keep`).
+    pub keep: Option<usize>,
+    /// Continue from this checkpoint (`--resume`: a `step-N` directory, or a checkpoint
+    /// directory, its newest complete one).
+    pub resume: Option<PathBuf>,
+}
+
+/// Everything a run is asked (`smp-runner train`/`run`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunOptions {
+    /// Optimizer steps of the whole run (`--steps`; a resumed run continues to it).
+    pub steps: usize,
+    /// Global batch without a plan (`--batch`; a plan's run takes the plan's).
+    pub batch: i64,
+    /// Sequence length of token windows and synthetic data (`--seq-len`; a plan's run takes
+    /// the plan's, and another value is refused).
+    pub seq_len: Option<i64>,
+    /// Microbatches per step without a plan (`--microbatches`).
+    pub microbatches: usize,
+    /// What is minimised (`--loss`; default [`LossKind::infer`]).
+    pub loss: Option<LossKind>,
+    /// Optimizer and learning rate.
+    pub optimizer: OptimizerOptions,
+    /// Floating-point type of the run (`--dtype`).
+    pub dtype: FloatType,
+    /// Data.
+    pub data: DataOptions,
+    /// Seed of random weights, synthetic data, the sample order and dropout masks (`--seed`).
+    pub seed: i64,
+    /// How weights are materialised (`--init`).
+    pub init: InitChoice,
+    /// Intra-op threads (`--threads`; default: libtorch's choice).
+    pub threads: Option<i32>,
+    /// Seconds any collective or receive may wait (`--timeout`).
+    pub timeout: Duration,
+    /// Each rank prints `[rank R] step N` on stderr after every step (`--progress`).
+    pub progress: bool,
+    /// `--trainable`/`--frozen` patterns.
+    pub params: ParamOptions,
+    /// After training, write the trained model's tensors under module parameter names
+    /// (`--save-weights FILE`, `.safetensors` or `.npz`), whatever the plan.
+    pub save_weights: Option<PathBuf>,
+    /// Checkpoints.
+    pub checkpoints: CheckpointOptions,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        RunOptions {
+            steps: 10,
+            batch: 8,
+            seq_len: None,
+            microbatches: 1,
+            loss: None,
+            optimizer: OptimizerOptions::default(),
+            dtype: FloatType::F32,
+            data: DataOptions::default(),
+            seed: 0,
+            init: InitChoice::Load,
+            threads: None,
+            timeout: Duration::from_secs(300),
+            progress: false,
+            params: ParamOptions::default(),
+            save_weights: None,
+            checkpoints: CheckpointOptions::default(),
+        }
+    }
+}
+
+/// Sequence length of synthetic data and token windows without a plan or `--seq-len`.
+pub const DEFAULT_SEQ_LEN: i64 = 128;
+
+fn refuse(m: impl Into<String>) -> SessionError {
+    SessionError::Options(m.into())
+}
+
+impl RunOptions {
+    /// Refuses flags that cannot be taken together or out of range, naming them.
+    pub fn check(&self) -> Result<(), SessionError> {
+        let o = &self.optimizer;
+        if !(o.lr > 0.0 && o.lr.is_finite()) {
+            return Err(refuse(format!("--lr {} must be a positive number", o.lr)));
+        }
+        if !(0.0..=o.lr).contains(&o.min_lr) {
+            return Err(refuse(format!("--min-lr {} must lie between 0 and --lr {}", o.min_lr, o.lr)));
+        }
+        if self.data.eval.is_none() && self.data.eval_every.is_some() {
+            return Err(refuse("--eval-every needs --eval-data (the validation data)"));
+        }
+        if self.data.eval.is_some() && self.data.eval_batches == 0 {
+            return Err(refuse("--eval-batches must be at least 1"));
+        }
+        let c = &self.checkpoints;
+        if c.dir.is_none() && (c.every.is_some() || c.keep.is_some()) {
+            return Err(refuse("--checkpoint-every and --keep need --checkpoint-dir"));
+        }
+        if c.every == Some(0) || c.keep == Some(0) {
+            return Err(refuse("--checkpoint-every and --keep must be at least 1"));
+        }
+        if let Some(p) = &self.save_weights {
+            if !matches!(p.extension().and_then(|e| e.to_str()), Some("safetensors" | "npz")) {
+                return Err(refuse(format!("--save-weights writes `.safetensors` or `.npz`, not `{}`", p.display())));
+            }
+        }
+        Ok(())
+    }
+
+    /// The learning rate of each step.
+    pub fn schedule(&self) -> LrSchedule {
+        let o = &self.optimizer;
+        LrSchedule { shape: o.schedule, base: o.lr, warmup: o.warmup_steps, min_lr: o.min_lr, total: self.steps }
+    }
+
+    /// When validation runs, if there is validation data.
+    pub fn eval(&self) -> Option<EvalConfig> {
+        self.data.eval.as_ref().map(|_| EvalConfig { every: self.data.eval_every.unwrap_or(self.steps).max(1), batches: self.data.eval_batches })
+    }
+
+    /// AdamW's settings.
+    pub fn adamw(&self) -> AdamWConfig {
+        AdamWConfig { lr: self.optimizer.lr, weight_decay: self.optimizer.weight_decay, ..AdamWConfig::default() }
+    }
+
+    /// The gradient-norm limit, if clipping.
+    pub fn clip(&self) -> Option<f64> {
+        (self.optimizer.clip > 0.0).then_some(self.optimizer.clip)
+    }
+
+    /// How initializers are materialised.
+    pub fn init_mode(&self) -> InitMode {
+        match self.init {
+            InitChoice::Load => InitMode::Load,
+            InitChoice::Random => InitMode::Random { seed: self.seed },
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! The one report of a run (`--json`): its steps, validations and checkpoints, throughput, and
+//! what each rank measured.
+
+use serde::Serialize;
+
+use crate::runtime::rank::{PhaseTimes, RankStats, StateBytes};
+use crate::runtime::train::{CheckpointRecord, EvalRecord, StepRecord};
+
+/// What a run did and measured (the runner's `--json` object).
+#[derive(Clone, Debug, Serialize)]
+pub struct RunReport {
+    /// One record per step run (global mean loss).
+    pub steps: Vec<StepRecord>,
+    /// Global samples over the measured step time.
+    pub samples_per_s: f64,
+    /// The step time: the mean over steps after the first, on the slowest rank.
+    pub measured_step_time_s: f64,
+    /// The plan's prediction, for a plan's run.
+    pub predicted_step_time_s: Option<f64>,
+    /// Wall time of the training loop.
+    pub wall_s: f64,
+    /// Every rank's measurements.
+    pub ranks: Vec<RankEntry>,
+    /// Validations.
+    pub eval: Vec<EvalRecord>,
+    /// Checkpoints completed.
+    pub checkpoints: Vec<CheckpointRecord>,
+    /// The checkpoint the run resumed from.
+    pub resumed_from: Option<String>,
+    /// Where the trained weights were written (`--save-weights`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub saved_weights: Option<String>,
+}
+
+/// One rank's line of the report.
+#[derive(Clone, Debug, Serialize)]
+pub struct RankEntry {
+    /// Global rank.
+    pub rank: usize,
+    /// Mean step time after the first step.
+    pub step_time_s: f64,
+    /// Peak resident memory of the process.
+    pub peak_memory_bytes: u64,
+    /// What a rank of a multi-rank plan measured beside.
+    #[serde(flatten)]
+    pub detail: Option<RankDetail>,
+}
+
+/// What a rank of a plan measured beside its time and peak memory.
+#[derive(Clone, Debug, Serialize)]
+pub struct RankDetail {
+    /// The planner's memory for this rank's pipeline rank.
+    pub predicted_memory_bytes: Option<u64>,
+    /// Parameters, gradients and optimizer state held at the state's peak.
+    pub peak_state_bytes: u64,
+    /// That peak by kind.
+    pub peak_state: StateEntry,
+    /// The most parameter bytes held at any point.
+    pub peak_param_bytes: u64,
+    /// Parameter bytes held between steps.
+    pub resident_param_bytes: u64,
+    /// Weight bytes read (trained parameters, everything else).
+    pub weight_bytes_read: ReadEntry,
+    /// Mean CPU time per step.
+    pub cpu_time_s: f64,
+    /// Where the mean step's wall time went.
+    pub phases: PhaseEntry,
+}
+
+/// Trained state bytes by kind.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct StateEntry {
+    /// Parameters.
+    pub params: u64,
+    /// Gradients.
+    pub grads: u64,
+    /// Optimizer moments.
+    pub optimizer: u64,
+}
+
+/// Weight bytes read.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct ReadEntry {
+    /// Trained parameters.
+    pub params: u64,
+    /// Everything else.
+    pub other: u64,
+}
+
+/// A step's wall time by kind of work.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct PhaseEntry {
+    /// Passes (recomputation included).
+    pub compute_s: f64,
+    /// Sends.
+    pub send_s: f64,
+    /// Receive waits.
+    pub recv_s: f64,
+    /// Collectives.
+    pub collective_s: f64,
+    /// Clipping and the optimizer.
+    pub optimizer_s: f64,
+}
+
+impl RankDetail {
+    /// The detail of `st`, with the plan's prediction for its rank.
+    pub fn of(st: &RankStats, predicted_memory_bytes: Option<u64>) -> RankDetail {
+        let StateBytes { params, grads, optimizer } = st.peak_state;
+        let PhaseTimes { compute_s, send_s, recv_s, collective_s, optimizer_s } = st.phases;
+        RankDetail {
+            predicted_memory_bytes,
+            peak_state_bytes: st.peak_state.total(),
+            peak_state: StateEntry { params, grads, optimizer },
+            peak_param_bytes: st.peak_param_bytes,
+            resident_param_bytes: st.resident_param_bytes,
+            weight_bytes_read: ReadEntry { params: st.weight_bytes_read.params, other: st.weight_bytes_read.other },
+            cpu_time_s: st.cpu_time_s,
+            phases: PhaseEntry { compute_s, send_s, recv_s, collective_s, optimizer_s },
+        }
+    }
+}

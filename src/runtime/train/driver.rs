@@ -1,0 +1,142 @@
+//! The one training loop of every run: validation, steps, checkpoints and progress, around a
+//! [`StepRunner`] that runs one step (a single process without a plan, or one rank of a plan).
+
+use std::path::PathBuf;
+
+use super::loss::LossKind;
+use super::optim::{AdamWConfig, LrSchedule};
+use super::records::{EvalConfig, EvalRecord, StepRecord, TrainObserver};
+use crate::runtime::RuntimeError;
+use crate::runtime::data::DataSource;
+use crate::runtime::state::checkpoint::{self, Checkpointing, Piece, SaveConfig};
+
+/// Settings of a training run.
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Microbatches per step (the global batch is split along axis 0).
+    pub microbatches: usize,
+    /// What is minimised.
+    pub loss: LossKind,
+    /// Optimizer settings.
+    pub adamw: AdamWConfig,
+    /// Global gradient-norm limit (`None`: no clipping).
+    pub clip: Option<f64>,
+    /// Learning rate of each step (its base overrides `adamw.lr`).
+    pub schedule: LrSchedule,
+    /// Validation, with its data.
+    pub eval: Option<EvalConfig>,
+    /// The run's seed (Dropout masks, with the step, node and sample).
+    pub seed: i64,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        let adamw = AdamWConfig::default();
+        TrainConfig { steps: 10, microbatches: 1, loss: LossKind::CausalLm, adamw, clip: Some(1.0), schedule: LrSchedule::constant(adamw.lr), eval: None, seed: 0 }
+    }
+}
+
+
+/// One training step, however the run executes it: the single-process trainer
+/// ([`super::single::SingleProcess`]) or a rank's program interpreter.
+pub trait StepRunner {
+    /// Runs step `step` (from 1: it reads the step-th global batch): forward, backward and the
+    /// optimizer update. Its record's loss is the global batch's mean.
+    fn run_step(&mut self, step: usize) -> Result<StepRecord, RuntimeError>;
+    /// The mean loss over `batches` global batches of `data`, forward only (the same on every
+    /// rank).
+    fn run_eval(&mut self, data: &DataSource, batches: usize) -> Result<f64, RuntimeError>;
+    /// What this process writes into a checkpoint between steps: its parameters, their AdamW
+    /// moments and the module buffers it holds the live copy of, each with its slice.
+    fn checkpoint_pieces(&self) -> Result<Vec<Piece>, RuntimeError>;
+    /// This process's rank (its checkpoint shard's index; rank 0 writes the manifest).
+    fn rank(&self) -> usize;
+    /// Ranks in the run.
+    fn world(&self) -> usize;
+    /// Waits until every rank has reached this point (nothing to wait for alone).
+    fn barrier(&self) -> Result<(), RuntimeError>;
+}
+
+/// A checkpoint a run completed (the `--json` report's `checkpoints` entries).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct CheckpointRecord {
+    /// The step after which it was written.
+    pub step: usize,
+    /// Its manifest, written last.
+    pub manifest: PathBuf,
+}
+
+/// What a run's loop did.
+#[derive(Clone, Debug, Default)]
+pub struct Trained {
+    /// One record per step run.
+    pub steps: Vec<StepRecord>,
+    /// One record per validation.
+    pub evals: Vec<EvalRecord>,
+    /// Checkpoints completed (on rank 0, which writes the manifests; empty elsewhere).
+    pub checkpoints: Vec<CheckpointRecord>,
+}
+
+/// The training loop: validates before the first step (unless resuming), then runs steps
+/// `ckpt.start_step() + 1 ..= steps`, validating on `eval` as its config says and writing
+/// checkpoints as `ckpt.save` says after each, telling `obs` of everything as it completes.
+pub fn drive(
+    runner: &mut dyn StepRunner,
+    steps: usize,
+    eval: Option<(EvalConfig, &DataSource)>,
+    ckpt: &Checkpointing<'_>,
+    obs: &mut dyn TrainObserver,
+) -> Result<Trained, RuntimeError> {
+    let mut out = Trained::default();
+    let validate = |runner: &mut dyn StepRunner, step: usize, out: &mut Trained, obs: &mut dyn TrainObserver| -> Result<(), RuntimeError> {
+        if let Some((e, data)) = eval.filter(|(e, _)| e.due(step)) {
+            let rec = EvalRecord { step, loss: runner.run_eval(data, e.batches)? };
+            obs.on_eval(&rec);
+            out.evals.push(rec);
+        }
+        Ok(())
+    };
+    let start = ckpt.start_step();
+    if start == 0 {
+        validate(runner, 0, &mut out, obs)?;
+    }
+    out.steps.reserve(steps.saturating_sub(start));
+    for step in start + 1..=steps {
+        let rec = runner.run_step(step)?;
+        obs.on_step(&rec);
+        out.steps.push(rec);
+        validate(runner, step, &mut out, obs)?;
+        if let Some(save) = ckpt.save.as_ref().filter(|s| s.due(step)) {
+            if let Some(done) = save_checkpoint(runner, save, step)? {
+                obs.on_checkpoint(done.step, &done.manifest);
+                out.checkpoints.push(done);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Writes the checkpoint of step `step`: rank 0 opens its directory, every rank writes its
+/// shard, and once all have, rank 0 writes the manifest (so a checkpoint without one is never
+/// read) and prunes old ones. Returns the record on rank 0.
+pub fn save_checkpoint(runner: &dyn StepRunner, save: &SaveConfig, step: usize) -> Result<Option<CheckpointRecord>, RuntimeError> {
+    let (rank, world) = (runner.rank(), runner.world());
+    let dir = checkpoint::step_dir(&save.root, step);
+    if rank == 0 {
+        checkpoint::begin(&dir)?;
+    }
+    runner.barrier()?;
+    checkpoint::write_shard(&dir, rank, &runner.checkpoint_pieces()?)?;
+    checkpoint::fault_point(rank, step);
+    runner.barrier()?;
+    if rank != 0 {
+        return Ok(None);
+    }
+    let manifest = checkpoint::write_manifest(&dir, save.state(step, world))?;
+    if let Some(k) = save.keep {
+        checkpoint::prune(&save.root, k)?;
+    }
+    Ok(Some(CheckpointRecord { step, manifest }))
+}

@@ -1,0 +1,185 @@
+//! What is minimised: the loss kinds, each microbatch's loss summed over its counted targets,
+//! and the counts that make a step's loss the mean over its global batch.
+
+use tch::{Kind, Reduction, Tensor};
+
+use crate::ir::ValueKind;
+use crate::runtime::RuntimeError;
+use crate::runtime::data::{Batch, DataSource};
+use crate::runtime::kernels::executor::Executor;
+use crate::runtime::kernels::tensor::is_float_kind;
+
+/// Which scalar is minimised.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LossKind {
+    /// The model's own scalar output.
+    Model,
+    /// Cross-entropy of `logits[:, :-1]` against `input_ids[:, 1:]`.
+    CausalLm,
+    /// Cross-entropy of the logits against a `labels` array (ignore index −100).
+    CrossEntropy,
+    /// Mean squared error of the first output against a `targets` (or `labels`) array.
+    Mse,
+}
+
+impl LossKind {
+    /// The loss a run minimises when none is asked: the model's own scalar output if it has
+    /// one (an auxiliary loss, such as a router's, is not one), else causal language modelling.
+    pub fn infer(graph: &crate::ir::Graph) -> LossKind {
+        let scalar_out = graph
+            .outputs
+            .iter()
+            .filter(|&&v| !graph.aux_losses.iter().any(|a| a.output == v))
+            .any(|&v| graph.value(v).ty.as_ref().and_then(|t| t.shape.as_ref()).is_some_and(|s| s.numel() == Some(1)));
+        if scalar_out { LossKind::Model } else { LossKind::CausalLm }
+    }
+
+    /// Parses a `--loss` value.
+    pub fn parse(s: &str) -> Option<LossKind> {
+        Some(match s {
+            "model" => LossKind::Model,
+            "causal-lm" => LossKind::CausalLm,
+            "cross-entropy" => LossKind::CrossEntropy,
+            "mse" => LossKind::Mse,
+            _ => return None,
+        })
+    }
+}
+
+
+/// The loss of one microbatch from the model's outputs: the mean over its counted targets.
+pub fn loss_of(exec: &Executor, kind: LossKind, mb: &Batch, outs: &[Tensor]) -> Result<Tensor, RuntimeError> {
+    Ok(loss_sum_of(exec, kind, mb, outs)?.f_div_scalar(target_count(exec, kind, mb)?)?)
+}
+
+/// The loss of one microbatch summed over its counted targets (tokens whose label is not
+/// -100, squared errors, or the model's own mean loss times its rows), plus the model's
+/// auxiliary losses (`Graph::aux_losses`: each its coefficient times its value times the counted
+/// targets). A step's loss is the sum over its microbatches and replicas divided by
+/// [`global_target_count`], so it is the mean over the whole global batch whatever the
+/// microbatch count (as PyTorch computes it on the whole batch, and as Hugging Face's
+/// `num_items_in_batch` does under gradient accumulation).
+pub fn loss_sum_of(exec: &Executor, kind: LossKind, mb: &Batch, outs: &[Tensor]) -> Result<Tensor, RuntimeError> {
+    let main = main_loss_sum(exec, kind, mb, outs)?;
+    let graph = exec.graph();
+    if graph.aux_losses.is_empty() {
+        return Ok(main);
+    }
+    // each auxiliary loss is a mean over the microbatch (as the model computes it per forward):
+    // weighted by the microbatch's counted targets, the step's loss is the model's own
+    // `loss + coefficient · aux` averaged over microbatches and replicas as the main loss is
+    let targets = target_count(exec, kind, mb)?;
+    let mut total = main;
+    for aux in &graph.aux_losses {
+        let at = graph.outputs.iter().position(|&o| o == aux.output);
+        let t = at.and_then(|i| outs.get(i)).ok_or_else(|| train_err(&format!("the auxiliary loss `{}` was not computed", graph.value(aux.output).name)))?;
+        total = total.f_add(&t.f_reshape([0i64; 0])?.f_to_kind(total.kind())?.f_mul_scalar(aux.coefficient * targets)?)?;
+    }
+    Ok(total)
+}
+
+/// [`loss_sum_of`] without the model's auxiliary losses.
+fn main_loss_sum(exec: &Executor, kind: LossKind, mb: &Batch, outs: &[Tensor]) -> Result<Tensor, RuntimeError> {
+    let first_float = outs.iter().find(|t| is_float_kind(t.kind())).ok_or_else(|| train_err("the model has no float output"))?;
+    Ok(match kind {
+        LossKind::Model => {
+            let graph = exec.graph();
+            let aux = |i: usize| graph.outputs.get(i).is_some_and(|o| graph.aux_losses.iter().any(|a| a.output == *o));
+            let t = outs
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| !aux(i))
+                .map(|(_, t)| t)
+                .find(|t| t.numel() == 1 && is_float_kind(t.kind()))
+                .ok_or_else(|| train_err("the model has no scalar output; pass --loss causal-lm|cross-entropy|mse"))?;
+            // the model's loss is a mean over its rows
+            t.f_reshape([0i64; 0])?.f_mul_scalar(batch_rows(mb)?)?
+        }
+        LossKind::CausalLm => {
+            let logits = outs
+                .iter()
+                .find(|t| t.dim() == 3 && is_float_kind(t.kind()))
+                .ok_or_else(|| train_err("causal-lm needs a [batch, seq, vocab] logits output"))?;
+            let (_, s, v) = logits.size3()?;
+            let pred = logits.f_narrow(1, 0, s - 1)?.f_reshape([-1, v])?;
+            let target = causal_targets(exec, mb)?;
+            pred.f_cross_entropy_loss(&target, None::<&Tensor>, Reduction::Sum, IGNORE_INDEX, 0.0)?
+        }
+        LossKind::CrossEntropy => {
+            let v = *first_float.size().last().unwrap_or(&1);
+            let pred = first_float.f_reshape([-1, v])?;
+            pred.f_cross_entropy_loss(&class_labels(mb)?, None::<&Tensor>, Reduction::Sum, IGNORE_INDEX, 0.0)?
+        }
+        LossKind::Mse => {
+            let target = regression_targets(mb)?;
+            first_float.f_mse_loss(&target.f_to_kind(first_float.kind())?, Reduction::Sum)?
+        }
+    })
+}
+
+/// Label value that no loss counts (PyTorch's `ignore_index` default).
+pub const IGNORE_INDEX: i64 = -100;
+
+/// How many targets of `mb` the loss counts: labels other than [`IGNORE_INDEX`], regression
+/// target elements, or the rows of a model that computes its own (mean) loss.
+pub fn target_count(exec: &Executor, kind: LossKind, mb: &Batch) -> Result<f64, RuntimeError> {
+    let counted = |t: &Tensor| -> Result<f64, RuntimeError> { Ok(t.f_ne(IGNORE_INDEX)?.f_sum(Kind::Int64)?.f_int64_value(&[])? as f64) };
+    match kind {
+        LossKind::Model => batch_rows(mb),
+        LossKind::CausalLm => counted(&causal_targets(exec, mb)?),
+        LossKind::CrossEntropy => counted(&class_labels(mb)?),
+        LossKind::Mse => Ok(regression_targets(mb)?.numel() as f64),
+    }
+}
+
+/// The targets counted in global batch `k` of `data`, over every replica and microbatch.
+pub fn global_target_count(exec: &Executor, kind: LossKind, data: &DataSource, k: usize) -> Result<f64, RuntimeError> {
+    let whole = data.replica_microbatches(k, 0, 1, 1)?;
+    let n = whole.iter().map(|mb| target_count(exec, kind, mb)).sum::<Result<f64, _>>()?;
+    if n <= 0.0 {
+        return Err(train_err(&format!("batch {k} of the data has no counted target (every label is {IGNORE_INDEX}); its loss is undefined")));
+    }
+    Ok(n)
+}
+
+fn train_err(m: &str) -> RuntimeError {
+    RuntimeError::Train(m.to_string())
+}
+
+/// Samples in a batch: the first dim of its arrays.
+fn batch_rows(mb: &Batch) -> Result<f64, RuntimeError> {
+    let (_, t) = mb.first().ok_or_else(|| train_err("a model that computes its own loss needs --data with its inputs"))?;
+    Ok(t.size().first().copied().unwrap_or(1) as f64)
+}
+
+fn find_array<'b>(mb: &'b Batch, keys: &[&str]) -> Option<&'b Tensor> {
+    mb.iter().find(|(n, _)| keys.contains(&n.as_str())).map(|(_, t)| t)
+}
+
+/// The next-token targets of a causal LM: the token ids shifted by one, flattened.
+fn causal_targets(exec: &Executor, mb: &Batch) -> Result<Tensor, RuntimeError> {
+    let graph = exec.graph();
+    let ids = exec
+        .required_inputs()
+        .into_iter()
+        .filter(|&id| {
+            let v = graph.value(id);
+            v.kind == ValueKind::Input && v.ty.as_ref().is_some_and(|t| t.dtype.is_int())
+        })
+        .max_by_key(|&id| graph.value(id).name.contains("input_ids"))
+        .ok_or_else(|| train_err("causal-lm needs an integer token-id input"))?;
+    let name = &graph.value(ids).name;
+    let ids = mb.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| train_err("token ids missing"))?;
+    let s = ids.size().get(1).copied().ok_or_else(|| train_err("causal-lm needs [batch, seq] token ids"))?;
+    Ok(ids.f_narrow(1, 1, s - 1)?.f_reshape([-1])?.f_to_kind(Kind::Int64)?)
+}
+
+fn class_labels(mb: &Batch) -> Result<Tensor, RuntimeError> {
+    let labels = find_array(mb, &["labels", "label", "targets"]).ok_or_else(|| train_err("cross-entropy needs a `labels` array in --data"))?;
+    Ok(labels.f_reshape([-1])?.f_to_kind(Kind::Int64)?)
+}
+
+fn regression_targets(mb: &Batch) -> Result<&Tensor, RuntimeError> {
+    find_array(mb, &["targets", "target", "labels"]).ok_or_else(|| train_err("mse needs a `targets` array in --data"))
+}
+

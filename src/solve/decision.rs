@@ -1,0 +1,117 @@
+//! The planner's answer: the chosen configuration, its stages and layers, the predictions and
+//! the proof; and the search's progress.
+
+use crate::ir::Parallelism;
+
+use super::ilp::SolveReport;
+use super::problem;
+
+/// Memory of one stage per device, bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StageMemory {
+    /// Weights.
+    pub params: f64,
+    /// Gradients.
+    pub grads: f64,
+    /// Optimizer state.
+    pub optimizer: f64,
+    /// Activations at the peak (in-flight microbatches and the recompute buffer).
+    pub activations: f64,
+    /// Workspace margin (counted once per device, on its first stage).
+    pub workspace: f64,
+    /// Sum.
+    pub total: f64,
+}
+
+/// One (virtual) stage of the chosen plan.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StageDecision {
+    /// Stage index (chunk; `c·p + r` is chunk c of pipeline rank r).
+    pub index: usize,
+    /// Pipeline rank running it.
+    pub pp_rank: usize,
+    /// First and last layer (inclusive).
+    pub layers: [usize; 2],
+    /// Global ranks holding it: `ranks[d·tp + t]`.
+    pub ranks: Vec<usize>,
+    /// Forward time per microbatch, seconds.
+    pub forward_s: f64,
+    /// Backward time per microbatch (recompute included), seconds.
+    pub backward_s: f64,
+    /// Time of the boundary transfer after it per microbatch (forward + backward), seconds.
+    pub comm_s: f64,
+    /// Memory per device.
+    pub memory: StageMemory,
+    /// Layers recomputed in the backward pass.
+    pub checkpointed_layers: Vec<usize>,
+}
+
+/// The tensor strategy chosen for one layer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerDecision {
+    /// Layer index.
+    pub layer: usize,
+    /// Strategy name of the layer's assignment.
+    pub strategy: String,
+    /// Per node: (node name, strategy).
+    pub nodes: Vec<(String, crate::split::Strategy)>,
+    /// Whether it is checkpointed.
+    pub checkpoint: bool,
+}
+
+/// Predicted figures of the plan.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Predicted {
+    /// Step time, seconds.
+    pub step_time_s: f64,
+    /// Samples per second.
+    pub samples_per_s: f64,
+    /// Pipeline idle time over ideal compute time.
+    pub bubble_ratio: f64,
+    /// Largest per-device memory, bytes.
+    pub peak_memory_bytes: f64,
+    /// Model FLOPs utilisation (3× forward FLOPs per sample, recompute not counted).
+    pub mfu: f64,
+    /// Hardware FLOPs utilisation: [`Predicted::mfu`]'s FLOPs plus the forward FLOPs of the
+    /// recomputed layers (Megatron-LM's equation 3 counts this way: 4× forward with full
+    /// recompute).
+    pub hfu: f64,
+}
+
+/// The planner's answer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanDecision {
+    /// The chosen parallel configuration (sequence parallelism only where tp > 1).
+    pub parallel: Parallelism,
+    /// Samples per microbatch.
+    pub microbatch_size: usize,
+    /// Stages in chunk order.
+    pub stages: Vec<StageDecision>,
+    /// One entry per layer.
+    pub layers: Vec<LayerDecision>,
+    /// Predictions.
+    pub predicted: Predicted,
+    /// Memory limit planned against, bytes.
+    pub memory_limit_bytes: f64,
+    /// Proof of the chosen candidate's ILP, with search-wide bound and gap.
+    pub solver: SolveReport,
+    /// Candidates solved exactly (by their ILP, or by a quick layout meeting their bound).
+    pub candidates_solved: u64,
+    /// Candidates skipped by bounds or memory.
+    pub candidates_skipped: u64,
+    /// The pipeline problem of the chosen candidate (dumpable, re-solvable alone).
+    pub problem: problem::PipelineProblem,
+    /// Its solution per layer.
+    pub choices: Vec<problem::LayerChoice>,
+}
+
+/// Search progress for a progress bar.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Progress {
+    /// Candidates handled (solved or skipped).
+    pub done: u64,
+    /// Candidates in total.
+    pub total: u64,
+    /// Best step time so far.
+    pub best_step_s: Option<f64>,
+}
