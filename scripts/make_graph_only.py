@@ -14,6 +14,11 @@ LayerNormalization and an LM head tied to the token embedding (Transpose of `wte
 Llama: decomposed RMSNorm, separate q/k/v with grouped-query KV heads (Expand + Reshape),
 RoPE with constant tables `rope.cos`/`rope.sin` (initializers, not trained), SwiGLU MLP, untied
 LM head.
+Mixtral: Llama with each MLP a sparse mixture of SwiGLU experts, as `smp_partition.export` writes
+one (python/smp_partition/_moe.py): router MatMul, Softmax, TopK, renormalised top-k weights,
+then the dense experts (one-hot combine weights, every expert's gate_up [E, 2F, H] and down
+[E, H, F] on every token, weighted sum), which the planner's fusion makes one MixtureOfExperts
+op (routed pairs only).
 """
 
 from __future__ import annotations
@@ -41,10 +46,45 @@ def gpt_params(layers, hidden, seq, vocab):
     return 12 * layers * h * h + 13 * layers * h + (vocab + seq) * h + 2 * h
 
 
-def llama_params(layers, hidden, heads, kv_heads, ffn, vocab):
+def llama_params(layers, hidden, heads, kv_heads, ffn, vocab, experts=None):
+    """Llama's parameters; with `experts`, each MLP is that many experts and a router."""
     h, d = hidden, hidden // heads
-    per_layer = 2 * h * h + 2 * h * kv_heads * d + 3 * h * ffn + 2 * h
+    mlp = 3 * h * ffn if experts is None else experts * 3 * h * ffn + h * experts
+    per_layer = 2 * h * h + 2 * h * kv_heads * d + mlp + 2 * h
     return layers * per_layer + 2 * vocab * h + h
+
+
+def sparse_moe(b, y, p, hidden, ffn, experts, top_k, seq, scope):
+    """Mixtral's sparse MoE block on `y` [batch, seq, hidden], as the front door exports it."""
+    h = hidden
+    tokens = b.node("Reshape", [y, b.const(f"{p}.moe.tokens_shape", np.array([-1, h], np.int64))], scope)
+    gate = scope + [(f"{p}.block_sparse_moe.gate", "TopKRouter")]
+    logits = b.node("MatMul", [tokens, b.weight(f"{p}.block_sparse_moe.gate.weight", [h, experts])], gate)
+    # the router in float32 (TopK takes no bfloat16 before opset 24), its weights back in the
+    # model's type, as Qwen3-MoE's router does
+    probs = b.node("Softmax", [b.node("Cast", [logits], gate, to=TensorProto.FLOAT)], gate, axis=-1)
+    top, idx = b.node("TopK", [probs, b.const(f"{p}.moe.k", np.array([top_k], np.int64))], gate, n_out=2,
+                      axis=-1)
+    last = b.const(f"{p}.moe.last_axis", np.array([-1], np.int64))
+    top = b.node("Div", [top, b.node("ReduceSum", [top, last], gate, keepdims=1)], gate)
+    top = b.node("Cast", [top], gate, to=b.dtype)
+    ex = scope + [(f"{p}.block_sparse_moe.experts", "Experts")]
+    ids = b.const(f"{p}.moe.expert_ids", np.arange(experts, dtype=np.int64))
+    hot = b.node("Cast", [b.node("Equal", [b.node("Unsqueeze", [idx, last], ex), ids], ex)], ex, to=b.dtype)
+    combine = b.node("ReduceSum", [b.node("Mul", [hot, b.node("Unsqueeze", [top, last], ex)], ex),
+                                   b.const(f"{p}.moe.k_axis", np.array([1], np.int64))], ex, keepdims=0)
+    gate_up = b.weight(f"{p}.block_sparse_moe.experts.gate_up_proj", [experts, 2 * ffn, h])
+    down = b.weight(f"{p}.block_sparse_moe.experts.down_proj", [experts, h, ffn])
+    g, u = b.node("Split", [b.node("MatMul", [gate_up, b.node("Transpose", [tokens], ex, perm=[1, 0])], ex)],
+                  ex, n_out=2, axis=1, num_outputs=2)
+    act = b.node("Mul", [b.node("Mul", [g, b.node("Sigmoid", [g], ex)], ex), u], ex)
+    y = b.node("MatMul", [down, act], ex)
+    weights = b.node("Unsqueeze", [b.node("Transpose", [combine], ex, perm=[1, 0]),
+                                   b.const(f"{p}.moe.expert_axis", np.array([1], np.int64))], ex)
+    out = b.node("ReduceSum", [b.node("Mul", [y, weights], ex),
+                               b.const(f"{p}.moe.sum_axis", np.array([0], np.int64))], ex, keepdims=0)
+    out = b.node("Transpose", [out], ex, perm=[1, 0])
+    return b.node("Reshape", [out, b.const(f"{p}.moe.out_shape", np.array([-1, seq, h], np.int64))], scope)
 
 
 def causal_where(b, scores, prefix, seq, scope):
@@ -139,11 +179,13 @@ def rope_tables(seq, d, theta=500000.0):
 
 
 def build_llama(name, layers, hidden, heads, kv_heads, ffn, seq, vocab,
-                dtype=TensorProto.BFLOAT16, weights_file=None):
+                dtype=TensorProto.BFLOAT16, weights_file=None, experts=None, top_k=2):
+    """Llama; with `experts`, each MLP is a sparse mixture of that many SwiGLU experts with
+    `ffn` each, top-`top_k` routed (Mixtral)."""
     h, a, kv = hidden, heads, kv_heads
     d = h // a
     rep = a // kv
-    b = GraphBuilder(": Llama", dtype, f"{name}.weights", weights_file)
+    b = GraphBuilder(": Llama" if experts is None else ": Mixtral", dtype, f"{name}.weights", weights_file)
     ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", seq])
     cos_v, sin_v = rope_tables(seq, d)
     doc = "constant of the model (RoPE table), not trained"
@@ -203,6 +245,10 @@ def build_llama(name, layers, hidden, heads, kv_heads, ffn, seq, vocab,
         x = b.node("Add", [x, o], blk)
         y = rms_norm(b, x, b.weight(f"{p}.post_attention_layernorm.weight", [h], "ones"), eps,
                      two, axes, n2)
+        if experts is not None:
+            moe = blk + [(f"{p}.block_sparse_moe", "SparseMoeBlock")]
+            x = b.node("Add", [x, sparse_moe(b, y, p, h, ffn, experts, top_k, seq, moe)], blk)
+            continue
         g = b.node("MatMul", [y, b.weight(f"{p}.mlp.gate_proj.weight", [h, ffn])], mlp)
         u = b.node("MatMul", [y, b.weight(f"{p}.mlp.up_proj.weight", [h, ffn])], mlp)
         g = b.node("Mul", [g, b.node("Sigmoid", [g], mlp)], mlp)
@@ -229,6 +275,9 @@ MEGATRON = [("1.7B", 24, 2304, 24), ("3.6B", 32, 3072, 30), ("7.5B", 32, 4096, 3
 LLAMAS = [("llama3-70b", 80, 8192, 64, 8, 28672, 4096, 128256),
           ("llama3-8b", 32, 4096, 32, 8, 14336, 8192, 128256),
           ("llama3-405b", 126, 16384, 128, 8, 53248, 8192, 128256)]
+# name, layers, hidden, heads, kv heads, expert ffn, seq, vocab, experts, top-k (Mixtral 8×7B:
+# Jiang et al. 2024, 46.7B parameters)
+MIXTRALS = [("mixtral-8x7b", 32, 4096, 32, 8, 14336, 4096, 32000, 8, 2)]
 
 
 def constants_elements(model) -> int:
@@ -258,7 +307,9 @@ def check_on_onnxruntime():
     with tempfile.TemporaryDirectory() as tmp:
         tiny = [("gpt", lambda f: build_gpt("tiny-gpt", 2, 32, 4, 8, 64, TensorProto.FLOAT, f)),
                 ("llama", lambda f: build_llama("tiny-llama", 2, 32, 4, 2, 48, 8, 64,
-                                                TensorProto.FLOAT, f))]
+                                                TensorProto.FLOAT, f)),
+                ("mixtral", lambda f: build_llama("tiny-mixtral", 2, 32, 4, 2, 48, 8, 64,
+                                                  TensorProto.FLOAT, f, experts=4, top_k=2))]
         for kind, build in tiny:
             name = f"tiny-{kind}"
             with open(Path(tmp) / f"{name}.weights", "wb") as f:
@@ -307,17 +358,25 @@ def main():
     jobs += [(n, args.out / f"{n}.onnx", "llama",
               dict(layers=l, hidden=h, heads=a, kv_heads=kv, ffn=f, seq=s, vocab=v))
              for n, l, h, a, kv, f, s, v in LLAMAS]
+    jobs += [(n, args.out / f"{n}.onnx", "mixtral",
+              dict(layers=l, hidden=h, heads=a, kv_heads=kv, ffn=f, seq=s, vocab=v, experts=e, top_k=k))
+             for n, l, h, a, kv, f, s, v, e, k in MIXTRALS]
     for key, path, kind, cfg in jobs:
         shape = {k: v for k, v in cfg.items() if k != "published_params"}
         if kind == "gpt":
             model = build_gpt(path.stem, **shape)
             params = gpt_params(cfg["layers"], cfg["hidden"], cfg["seq"], cfg["vocab"])
             formula = "12lh^2 + 13lh + (V+s)h + 2h (tied head, final LayerNorm)"
-        else:
+        elif kind == "llama":
             model = build_llama(path.stem, **shape)
             params = llama_params(cfg["layers"], cfg["hidden"], cfg["heads"], cfg["kv_heads"],
                                   cfg["ffn"], cfg["vocab"])
             formula = "l(2h^2 + 2h*kv*d + 3hF + 2h) + 2Vh + h (untied head)"
+        else:
+            model = build_llama(path.stem, **shape)
+            params = llama_params(cfg["layers"], cfg["hidden"], cfg["heads"], cfg["kv_heads"],
+                                  cfg["ffn"], cfg["vocab"], cfg["experts"])
+            formula = "l(2h^2 + 2h*kv*d + E*3hF + hE + 2h) + 2Vh + h (E experts, router, untied head)"
         check_structure(model, key)
         write_model(model, path)
         entries[key] = record(model, path, {"kind": kind, **cfg, "formula_params": params,

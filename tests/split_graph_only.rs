@@ -152,6 +152,42 @@ fn graph_only_llama_blocks_shard_their_weights_by_t() {
     }
 }
 
+/// The graph-only Mixtral 8×7B (`scripts/make_graph_only.py`: Llama with sparse MoE MLPs as
+/// the front door exports them) is planned as MoE: every block's dense experts fuse into one
+/// `MixtureOfExperts` whose figures count the 2 routed experts of each token (not the 8) and
+/// hold all 8 experts' weights, and the tensor split cuts every expert's intermediate dim t ways.
+#[test]
+fn graph_only_mixtral_fuses_its_experts_and_splits_them_by_t() {
+    let a = analysed("mixtral-8x7b");
+    let lg = &a.lg;
+    let g = &lg.graph;
+    let moe: Vec<_> = g.node_ids().filter(|&n| g.node(n).op.is(smp_partition::ir::OpKind::MixtureOfExperts)).collect();
+    assert_eq!(moe.len(), 32, "one MixtureOfExperts per block");
+    assert_eq!(lg.fused.len(), 32);
+    let (e, h, f, k, tokens) = (8.0, 4096.0, 14336.0, 2.0, 4096.0);
+    let fig = lg.node_figures(moe[0]);
+    assert_eq!(fig.param_elems as f64, e * 3.0 * h * f, "all experts' weights");
+    let routed = tokens * k * (2.0 * h * 2.0 * f + 5.0 * f + 2.0 * f * h + 2.0 * h);
+    assert!((fig.flops - routed).abs() <= 1e-9 * routed, "flops {} per sample, routed pairs {routed}", fig.flops);
+    let block = lg.layers.iter().position(|l| l.kind == LayerKind::Block).unwrap();
+    let sharder = Sharder::new(lg).unwrap();
+    for tp in [2, 8] {
+        let (shards, realised) = sharder.shard_layer_keeping(block, tp, &[]).unwrap_or_else(|e| panic!("tp {tp}: {e}"));
+        let experts: Vec<_> = realised.iter().filter(|(n, _)| *n == g.node(moe[0]).name).collect();
+        assert_eq!(experts.len(), 1, "tp {tp}: {realised:?}");
+        assert_eq!(experts[0].1, Strategy::Experts, "tp {tp}");
+        for s in &shards {
+            let slices: Vec<_> = s.weight_slices.iter().filter(|w| w.initializer.contains("experts.")).collect();
+            assert_eq!(slices.len(), 2, "tp {tp} rank {}: {:?}", s.rank, s.weight_slices);
+            for w in slices {
+                let (axis, blocks) = if w.initializer.ends_with("gate_up_proj") { (1, 2) } else { (2, 1) };
+                assert_eq!((w.axis, w.ranges.len()), (axis, blocks), "{w:?}");
+                assert_eq!(w.len() * tp as u64, blocks as u64 * f as u64, "tp {tp} rank {}: {w:?}", s.rank);
+            }
+        }
+    }
+}
+
 /// 5 f64 steps of `model` in one process, and under `--baseline megatron` at each (pp, tp):
 /// the losses must agree within 1e-9; `check` sees each plan first.
 #[cfg(feature = "runner")]

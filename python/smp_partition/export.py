@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from . import _moe
 from ._binaries import param_record
 from .errors import SmpError
 
@@ -126,7 +127,9 @@ def export(model: Any, example_inputs: Any, path: str | Path, *, dynamic: bool =
     inputs = as_tuple(example_inputs)
     names = _input_names(model, len(inputs))
     kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
-    wrapper = _wrapper(model, names, kwargs)
+    # routed experts as a dense form, and the router's auxiliary loss as an output (_moe.py)
+    moe = _moe.MoeExport(model, names)
+    wrapper = moe.wrap(_wrapper(model, names, kwargs))
     dynamic_shapes = None
     if dynamic:
         batch = torch.export.Dim("batch")
@@ -137,11 +140,11 @@ def export(model: Any, example_inputs: Any, path: str | Path, *, dynamic: bool =
             {0: batch, **({1: seq} if x.dim() >= 2 and not x.is_floating_point() else {})} for x in inputs),)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _export_mode(model), torch.no_grad(), warnings.catch_warnings():
+    with _export_mode(model), moe.exporting(), torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(wrapper, inputs, dynamo=True, opset_version=OPSET,
                                     dynamic_shapes=dynamic_shapes, input_names=names,
-                                    output_names=["logits"], verbose=False)
+                                    output_names=["logits", *moe.output_names], verbose=False)
     program.save(str(path), external_data=False)
     proto = onnx.load(str(path))
     param_record().drop_stack_traces(proto)
@@ -149,5 +152,6 @@ def export(model: Any, example_inputs: Any, path: str | Path, *, dynamic: bool =
     if record["missing"]:
         raise SmpError(f"parameters not in the export of {type(model).__name__}: {record['missing']} "
                        "(see docs/parameter-record.md, 'Merged nodes')")
+    moe.annotate(proto)
     onnx.save(proto, str(path))
     return Exported(path=path, input_names=names, record=record)

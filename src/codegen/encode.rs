@@ -30,8 +30,9 @@ use crate::split::Strategy;
 
 /// Version of the codegen section's layout (bumped on incompatible changes). 3: the graph the
 /// plan addresses has its GELU chains fused, listed in `fused`. 4: attention chains too, and a
-/// fused node lists its `inputs` (several).
-pub const CODEGEN_VERSION: u32 = 4;
+/// fused node lists its `inputs` (several). 5: mixture-of-experts chains too, and layer
+/// strategies may be `experts`.
+pub const CODEGEN_VERSION: u32 = 5;
 
 /// What codegen needs of a plan: degrees, schedule and the stages' layer ranges.
 #[derive(Clone, Debug, PartialEq)]
@@ -101,10 +102,11 @@ pub struct FusedNode {
     /// Id of the fused node (the chain's last node, whose id and output it keeps).
     pub node: usize,
     /// Its op (`{"gelu": {"approximate": "tanh"}}`,
-    /// `{"attention": {"scale": 0.25, "mask": "additive"}}`).
+    /// `{"attention": {"scale": 0.25, "mask": "additive"}}`,
+    /// `{"mixture_of_experts": {"experts": 8, "activation": "silu"}}`).
     pub op: FusedOp,
     /// The values it reads, in the op's order (a GELU's one input; an attention's q, kᵀ, v and
-    /// mask, if it has one).
+    /// mask, if it has one; a mixture of experts' x, weights, indices, gate_up and down).
     pub inputs: Vec<String>,
     /// The value it makes: the chain's output.
     pub output: String,

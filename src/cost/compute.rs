@@ -1,8 +1,9 @@
 //! Compute cost: a roofline per node — FLOPs over the size-dependent achievable rate, or
 //! bytes moved over achievable memory bandwidth, whichever is larger.
 //!
-//! Backward: matmul-like ops (MatMul, Gemm, Conv) cost 2× their forward (input gradient and
-//! weight gradient, one GEMM each, half of it the weight gradient); every other op costs 1× its
+//! Backward: matmul-like ops (MatMul, Gemm, Conv) and the routed experts of a
+//! `MixtureOfExperts` cost 2× their forward (input gradient and weight gradient, one GEMM
+//! each, half of it the weight gradient); every other op costs 1× its
 //! forward (elementwise and normalisation backwards read and write about what the forward
 //! did), of which none is weight gradient. Recompute (activation checkpointing) adds one
 //! forward to the backward.
@@ -63,10 +64,11 @@ pub fn is_matmul_like(op: &Op) -> bool {
     matches!(op.kind(), Some(OpKind::MatMul | OpKind::Gemm | OpKind::Conv))
 }
 
-/// Backward cost as a multiple of the forward: 2 for matmul-like ops and fused attention (its
-/// backward is four matmuls of the forward's two, besides the softmax), 1 otherwise.
+/// Backward cost as a multiple of the forward: 2 for matmul-like ops, fused attention (its
+/// backward is four matmuls of the forward's two, besides the softmax) and the routed experts
+/// (input and weight gradients of each expert's matmuls), 1 otherwise.
 pub fn backward_factor(op: &Op) -> f64 {
-    if is_matmul_like(op) || op.is(OpKind::ScaledDotProductAttention) { 2.0 } else { 1.0 }
+    if is_matmul_like(op) || op.is(OpKind::ScaledDotProductAttention) || op.is(OpKind::MixtureOfExperts) { 2.0 } else { 1.0 }
 }
 
 /// Figures with FLOPs and bytes multiplied by `factor` (a microbatch size, or 1/t for a
@@ -107,7 +109,7 @@ pub fn saved_bytes(fig: &NodeFigures, spec: &ClusterSpec) -> f64 {
 /// Forward, backward and weight-gradient times of one node at figures already scaled.
 pub fn node_times(op: &Op, fig: &NodeFigures, dtype: DType, spec: &ClusterSpec) -> LayerTimes {
     let fwd = node_time(fig, dtype, spec);
-    if is_matmul_like(op) {
+    if is_matmul_like(op) || op.is(OpKind::MixtureOfExperts) {
         LayerTimes { fwd, bwd: 2.0 * fwd, bwd_weight: fwd }
     } else if op.is(OpKind::ScaledDotProductAttention) {
         // no weights: the whole backward is input gradients

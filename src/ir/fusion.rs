@@ -7,8 +7,9 @@ use serde::{Deserialize, Serialize};
 use super::{NodeId, ValueId};
 
 /// The op of a fused node (with its attributes). The plan file spells it
-/// `{"gelu": {"approximate": "tanh"}}` or
-/// `{"attention": {"scale": 0.125, "mask": "additive"}}`.
+/// `{"gelu": {"approximate": "tanh"}}`,
+/// `{"attention": {"scale": 0.125, "mask": "additive"}}` or
+/// `{"mixture_of_experts": {"experts": 8, "activation": "silu"}}`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum FusedOp {
@@ -27,6 +28,24 @@ pub enum FusedOp {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         mask: Option<AttentionMask>,
     },
+    /// The routed experts of a mixture-of-experts block, the IR op
+    /// [`OpKind::MixtureOfExperts`](super::OpKind::MixtureOfExperts): each token through its
+    /// top-k experts' gated MLPs, weighted and summed. Inputs `x, weights, indices, gate_up,
+    /// down`.
+    MixtureOfExperts {
+        /// How many experts the block holds (E).
+        experts: usize,
+        /// The gate's activation.
+        activation: ExpertActivation,
+    },
+}
+
+/// The activation of an expert's gate (`act(gate·x) ⊙ up·x`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExpertActivation {
+    /// `x·σ(x)` (SwiGLU experts: Mixtral, Qwen-MoE, DeepSeek, OLMoE).
+    Silu,
 }
 
 impl FusedOp {
@@ -35,6 +54,7 @@ impl FusedOp {
         match self {
             FusedOp::Gelu { .. } => 1,
             FusedOp::Attention { mask, .. } => 3 + usize::from(mask.is_some()),
+            FusedOp::MixtureOfExperts { .. } => 5,
         }
     }
 }
@@ -92,6 +112,9 @@ impl std::fmt::Display for FusedOp {
                     None => f.write_str(")"),
                 }
             }
+            FusedOp::MixtureOfExperts { experts, activation: ExpertActivation::Silu } => {
+                write!(f, "MixtureOfExperts(experts = {experts}, activation = silu)")
+            }
         }
     }
 }
@@ -104,7 +127,8 @@ pub struct Fusion {
     /// Its op.
     pub op: FusedOp,
     /// The values the chain computes from: the fused node's inputs, in the op's order
-    /// ([`FusedOp::arity`] of them; a GELU's one input, an attention's `q, kᵀ, v, mask?`).
+    /// ([`FusedOp::arity`] of them; a GELU's one input, an attention's `q, kᵀ, v, mask?`, a
+    /// mixture of experts' `x, weights, indices, gate_up, down`).
     pub inputs: Vec<ValueId>,
     /// The chain's output (the fused node's output).
     pub output: ValueId,

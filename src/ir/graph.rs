@@ -112,6 +112,16 @@ pub enum GraphError {
     Invalid(String),
 }
 
+/// A scalar graph output the training loss adds, times `coefficient`, to the loss it computes
+/// from the main output (Hugging Face's `loss += router_aux_loss_coef · aux_loss`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AuxLoss {
+    /// The graph output holding the loss of a microbatch (a mean over its tokens).
+    pub output: ValueId,
+    /// Its weight in the training loss.
+    pub coefficient: f64,
+}
+
 /// A model graph.
 #[derive(Clone, Debug, Default)]
 pub struct Graph {
@@ -123,6 +133,9 @@ pub struct Graph {
     pub inputs: Vec<ValueId>,
     /// Graph outputs, in model order.
     pub outputs: Vec<ValueId>,
+    /// Outputs that are auxiliary losses added to the training loss (a mixture of experts'
+    /// load-balancing loss), as the export recorded them.
+    pub aux_losses: Vec<AuxLoss>,
     dag: StableDiGraph<Node, ValueId, u32>,
     values: Vec<Value>,
     by_name: HashMap<String, ValueId>,

@@ -13,8 +13,8 @@ mod shape;
 mod tensor;
 
 pub use dtype::DType;
-pub use fusion::{AttentionMask, AttentionScale, FusedOp, Fusion, GeluApproximation};
-pub use graph::{Graph, GraphError, Node, NodeId, Value, ValueId, ValueKind};
+pub use fusion::{AttentionMask, AttentionScale, ExpertActivation, FusedOp, Fusion, GeluApproximation};
+pub use graph::{AuxLoss, Graph, GraphError, Node, NodeId, Value, ValueId, ValueKind};
 pub use layer::{DimBindings, Layer, LayerKind, LayeredGraph, NodeFigures};
 pub use op::{Attr, Attrs, Op, OpKind};
 pub use parallel::{CheckpointRule, MeshAxis, Parallelism, Placement};

@@ -46,7 +46,7 @@ op_kinds! {
     MaxPool, AveragePool, GlobalAveragePool, GlobalMaxPool,
     // softmax and reductions
     Softmax, LogSoftmax, ReduceMean, ReduceSum, ReduceMax, ReduceMin, ReduceProd, ArgMax,
-    ArgMin, CumSum,
+    ArgMin, CumSum, TopK,
     // shape and data movement
     Reshape, Transpose, Concat, Split, Slice, Gather, GatherElements, GatherND, Unsqueeze, Squeeze,
     Expand, Shape, Size, ConstantOfShape, Range, Flatten, Tile, Pad, Trilu, ScatterND,
@@ -57,12 +57,21 @@ op_kinds! {
     /// score MatMul it replaces read it. Attribute `scale` (a one-element f64 tensor). The mask
     /// is additive when floating point, and a keep-mask (true = attend) when bool.
     ScaledDotProductAttention,
+    /// The routed experts of a mixture-of-experts block as one kernel that runs each token
+    /// through its top-k experts only, inputs `(x, weights, indices, gate_up, down)`: `x`
+    /// `[N, H]` tokens, `weights` `[N, k]` the router's combine weights, `indices` `[N, k]`
+    /// (int64) its chosen experts, `gate_up` `[E, 2I, H]` each expert's gate and up projections
+    /// stacked (gate rows first), `down` `[E, H, I]`. Output `[N, H]`:
+    /// `Σ_j weights[n, j] · down[e]·(silu(gate[e]·x[n]) ⊙ up[e]·x[n])` with `e = indices[n, j]`.
+    /// Attribute `experts` (E, an int). The router (logits, softmax, top-k, normalisation) stays
+    /// ordinary nodes before it.
+    MixtureOfExperts,
 }
 
 impl OpKind {
     /// False for the IR-internal kinds that fused op chains become (no ONNX file spells them).
     pub fn is_onnx(self) -> bool {
-        !matches!(self, OpKind::ScaledDotProductAttention)
+        !matches!(self, OpKind::ScaledDotProductAttention | OpKind::MixtureOfExperts)
     }
 
     /// True for ops that only reinterpret or move data (no arithmetic, nothing saved).

@@ -230,6 +230,7 @@ pub fn flops(sz: &Sizes, node: &Node) -> f64 {
             let mask = if input(3).is_some() { 1.0 } else { 0.0 };
             2.0 * scores * d as f64 + 2.0 * scores * dv as f64 + (6.0 + mask) * scores
         }
+        MixtureOfExperts => experts_work(sz, node).map_or(0.0, |w| w.flops),
         Conv => {
             let w = input(1).and_then(|v| sz.dims(v)).unwrap_or_default();
             let per_out: i64 = w.iter().skip(1).product();
@@ -259,6 +260,36 @@ pub fn flops(sz: &Sizes, node: &Node) -> f64 {
         _ if kind.is_elementwise() => out_numel,
         _ => 0.0,
     }
+}
+
+/// What a `MixtureOfExperts` node computes at the inferred batch: only the routed token-expert
+/// pairs (N·k of them) run, so work scales with k, not with the expert count E.
+struct ExpertsWork {
+    /// Forward FLOPs: per routed pair the gate and up projections (2·H·2I), the SiLU and the
+    /// gated product (5·I), the down projection (2·I·H) and the weighted add back (2·H).
+    flops: f64,
+    /// Bytes of the routed intermediates written once and read once (gathered tokens, gate and
+    /// up halves, the gated product, the experts' outputs).
+    routed_bytes: f64,
+    /// Bytes autograd keeps of them (the gathered tokens, gate and up, the activation and the
+    /// gated product, the outputs).
+    saved_bytes: f64,
+}
+
+fn experts_work(sz: &Sizes, node: &Node) -> Option<ExpertsWork> {
+    let input = |i: usize| node.inputs.get(i).copied().flatten();
+    let w = sz.dims(input(1)?)?;
+    let gu = sz.dims(input(3)?)?;
+    let (&pairs_k, &tokens) = (w.get(1)?, w.first()?);
+    let (i2, h) = (*gu.get(1)? as f64, *gu.get(2)? as f64);
+    let i = i2 / 2.0;
+    let pairs = (tokens * pairs_k) as f64;
+    let elem = sz.graph.value(input(0)?).ty.as_ref().map_or(4, |t| t.dtype.size_bytes()) as f64;
+    Some(ExpertsWork {
+        flops: pairs * (2.0 * h * i2 + 5.0 * i + 2.0 * i * h + 2.0 * h),
+        routed_bytes: pairs * (h + i2 + i + h) * elem,
+        saved_bytes: pairs * (h + i2 + 2.0 * i + h) * elem,
+    })
 }
 
 /// Which values are attention scores: the output of a matmul of two activations that is larger
@@ -333,6 +364,10 @@ fn memory(sz: &Sizes, node: &Node) -> f64 {
         }
         ScaledDotProductAttention => {
             node.inputs.iter().flatten().filter(|v| activation(v)).map(|&v| sz.bytes(v)).sum::<f64>() + out + fused_attention_score_traffic(sz, node)
+        }
+        MixtureOfExperts => {
+            let routed = experts_work(sz, node).map_or(0.0, |w| w.routed_bytes);
+            node.inputs.iter().flatten().filter(|v| activation(v)).map(|&v| sz.bytes(v)).sum::<f64>() + out + 2.0 * routed
         }
         _ => node.inputs.iter().flatten().filter(|v| activation(v)).map(|&v| sz.bytes(v)).sum::<f64>() + out,
     }
@@ -434,6 +469,16 @@ fn saved(sz: &Sizes, node: &Node, grad: &[bool], data: &[bool], batch: f64) -> S
                     let elem = graph.value(o).ty.as_ref().map_or(4, |t| t.dtype.size_bytes().max(4));
                     s.extra_bytes += sz.numel(o) / dv as f64 * elem as f64 / batch;
                 }
+            }
+        }
+        MixtureOfExperts => {
+            // the kernel's autograd keeps the routed copies (tokens, gate and up halves, the
+            // activation and the gated product, the experts' outputs) besides the router's
+            // weights and indices
+            if any_rg {
+                keep(input(1));
+                keep(input(2));
+                s.extra_bytes += experts_work(sz, node).map_or(0.0, |w| w.saved_bytes) / batch;
             }
         }
         Gather | GatherElements | GatherND | ScatterND => {

@@ -30,6 +30,23 @@
 //! - `Softmax` over the last axis, then optionally a `Dropout` that is inactive (no
 //!   `training_mode`, or a constant false one, or ratio 0), then `MatMul(probabilities, v)`.
 //!
+//! Mixture of experts: `smp_partition.export` writes a model's routed experts (transformers'
+//! experts interface: tokens, the router's top-k weights and indices, the stacked expert
+//! weights) as a dense form every runtime can execute — the combine weights `[N, E]` from a
+//! one-hot of the indices, every expert's gated MLP on every token, the weighted sum over
+//! experts — so its compute grows with the expert count. The chain is the IR op
+//! [`OpKind::MixtureOfExperts`] (inputs `x, weights, indices, gate_up, down`), whose kernel runs
+//! each token through its k experts only. Recognised, exactly (`_moe.py`'s `dense_experts`):
+//! ```text
+//! dense = ReduceSum(Mul(Cast(Equal(Unsqueeze(indices, -1), 0..E)), Unsqueeze(weights, -1)), 1)
+//! g, u  = Split(MatMul(gate_up, Transpose(x)), axis 1)
+//! out   = Transpose(ReduceSum(Mul(MatMul(down, Mul(Mul(g, Sigmoid(g)), u)),
+//!                                 Unsqueeze(Transpose(dense), 1)), 0))
+//! ```
+//! with `gate_up` `[E, 2I, H]` and `down` `[E, H, I]` initializers. The router before it
+//! (logits, softmax, top-k, normalisation) stays ordinary nodes, so every model's own routing
+//! rule is kept as exported, and its outputs may have other readers (the auxiliary loss).
+//!
 //! A chain is fused only where each interior value has the chain as its only reader and every
 //! constant equals the formula's (within f32 rounding), so the fused op computes what the chain
 //! computes, up to rounding.
@@ -38,7 +55,8 @@ use std::collections::HashSet;
 
 use super::PassError;
 use crate::ir::{
-    Attr, AttentionMask, AttentionScale, DType, FusedOp, Fusion, GeluApproximation, Graph, NodeId, OpKind, ValueId,
+    Attr, AttentionMask, AttentionScale, DType, ExpertActivation, FusedOp, Fusion, GeluApproximation, Graph, NodeId, OpKind,
+    ValueId,
 };
 
 /// How many chains of each kind a list of rewrites fused.
@@ -50,6 +68,8 @@ pub struct Fused {
     pub gelu_erf: usize,
     /// Softmax attention chains now `ScaledDotProductAttention`.
     pub attention: usize,
+    /// Dense mixture-of-experts chains now `MixtureOfExperts`.
+    pub experts: usize,
 }
 
 impl Fused {
@@ -61,6 +81,7 @@ impl Fused {
                 FusedOp::Gelu { approximate: GeluApproximation::Tanh } => out.gelu_tanh += 1,
                 FusedOp::Gelu { approximate: GeluApproximation::None } => out.gelu_erf += 1,
                 FusedOp::Attention { .. } => out.attention += 1,
+                FusedOp::MixtureOfExperts { .. } => out.experts += 1,
             }
         }
         out
@@ -68,7 +89,7 @@ impl Fused {
 
     /// Chains rewritten in all.
     pub fn total(&self) -> usize {
-        self.gelu_tanh + self.gelu_erf + self.attention
+        self.gelu_tanh + self.gelu_erf + self.attention + self.experts
     }
 }
 
@@ -76,14 +97,14 @@ impl std::fmt::Display for Fused {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "fused {} tanh-GELU and {} erf-GELU chains into Gelu, {} attention chains into ScaledDotProductAttention",
-            self.gelu_tanh, self.gelu_erf, self.attention
+            "fused {} tanh-GELU and {} erf-GELU chains into Gelu, {} attention chains into ScaledDotProductAttention, {} expert chains into MixtureOfExperts",
+            self.gelu_tanh, self.gelu_erf, self.attention, self.experts
         )
     }
 }
 
-/// Rewrites every GELU and attention chain of `graph` into one node each (see the module
-/// docs); returns the rewrites in the order applied.
+/// Rewrites every GELU, attention and mixture-of-experts chain of `graph` into one node each
+/// (see the module docs); returns the rewrites in the order applied.
 pub fn fuse(graph: &mut Graph) -> Vec<Fusion> {
     let mut out = Vec::new();
     let Ok(order) = graph.topo_order() else { return out };
@@ -104,6 +125,13 @@ pub fn fuse(graph: &mut Graph) -> Vec<Fusion> {
                 inputs: a.inputs,
                 output: graph.node(id).outputs[0],
                 replaces: a.nodes,
+            }),
+            OpKind::Transpose => m.experts(id).map(|e| Fusion {
+                node: id,
+                op: FusedOp::MixtureOfExperts { experts: e.experts, activation: ExpertActivation::Silu },
+                inputs: e.inputs,
+                output: graph.node(id).outputs[0],
+                replaces: e.nodes,
             }),
             _ => None,
         };
@@ -240,6 +268,11 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
             attrs.set("scale", Attr::Tensor(crate::ir::Tensor::from_f64(vec![], &[scale.0])));
             OpKind::ScaledDotProductAttention
         }
+        FusedOp::MixtureOfExperts { experts, activation: ExpertActivation::Silu } => {
+            check_experts(graph, f, &ops, experts).map_err(bad)?;
+            attrs.set("experts", Attr::Int(experts as i64));
+            OpKind::MixtureOfExperts
+        }
     };
     let node = graph.node_mut(f.node);
     node.op = crate::ir::Op::Known(kind);
@@ -297,6 +330,40 @@ fn check_attention(g: &Graph, f: &Fusion, ops: &[OpKind], scale: f64, mask: Opti
     Ok(())
 }
 
+/// The op checks of a mixture-of-experts record (see [`apply`]): the dense chain's ops, once
+/// each as its formula has them, the expert ids it compares the indices with (`0..experts`), and
+/// weights of `experts` experts.
+fn check_experts(g: &Graph, f: &Fusion, ops: &[OpKind], experts: usize) -> Result<(), String> {
+    use OpKind::*;
+    if !g.node(f.node).op.is(Transpose) {
+        return Err(format!("the node is a {}, not the Transpose of the combined output", g.node(f.node).op));
+    }
+    let want: [(OpKind, usize); 9] =
+        [(Transpose, 3), (ReduceSum, 2), (Mul, 4), (MatMul, 2), (Unsqueeze, 3), (Cast, 1), (Equal, 1), (Sigmoid, 1), (Split, 1)];
+    let count = |k: OpKind| ops.iter().filter(|&&o| o == k).count();
+    if let Some(k) = ops.iter().find(|k| !want.iter().any(|(w, _)| w == *k)) {
+        return Err(format!("the chain has a {k}, which the dense experts do not"));
+    }
+    if let Some((k, n)) = want.iter().find(|(k, n)| count(*k) != *n) {
+        return Err(format!("the chain has {} {k} nodes, the dense experts {n}", count(*k)));
+    }
+    for (i, what) in [(3usize, "gate_up"), (4, "down")] {
+        let lead = g.value(f.inputs[i]).ty.as_ref().and_then(|t| t.shape.as_ref()).and_then(|s| s.0.first()).and_then(|d| d.known());
+        if lead.is_some_and(|e| e != experts as i64) {
+            return Err(format!("{what} `{}` holds {} experts, the record {experts}", g.value(f.inputs[i]).name, lead.unwrap_or(0)));
+        }
+    }
+    let ids: Vec<f64> = (0..experts).map(|e| e as f64).collect();
+    let compared = f.replaces.iter().filter(|&&n| g.node(n).op.is(Equal)).flat_map(|&n| g.node(n).inputs.iter().flatten().copied()).find_map(|v| {
+        let val = g.value(v);
+        val.producer.is_none().then(|| val.data.as_ref().and_then(|d| d.to_f64_vec())).flatten()
+    });
+    if compared.as_deref() != Some(ids.as_slice()) {
+        return Err(format!("the indices are not compared with the expert ids 0..{experts}"));
+    }
+    Ok(())
+}
+
 /// How many nodes read each value (graph outputs count as a reader).
 fn readers(g: &Graph) -> Vec<usize> {
     let mut n = vec![0; g.value_count()];
@@ -326,6 +393,13 @@ struct AttentionMatch {
     inputs: Vec<ValueId>,
     scale: f64,
     mask: Option<AttentionMask>,
+    nodes: Vec<NodeId>,
+}
+
+/// What [`Matcher::experts`] found.
+struct ExpertsMatch {
+    inputs: Vec<ValueId>,
+    experts: usize,
     nodes: Vec<NodeId>,
 }
 
@@ -501,6 +575,166 @@ impl Matcher<'_> {
         Some(AttentionMatch { inputs, scale, mask: mask.map(|(_, k)| k), nodes })
     }
 
+    /// The int constant of input `i` of node `n`.
+    fn const_ints(&self, n: NodeId, i: usize) -> Option<Vec<i64>> {
+        let v = self.g.node(n).inputs.get(i).copied().flatten()?;
+        let val = self.g.value(v);
+        if val.producer.is_some() {
+            return None;
+        }
+        val.data.as_ref()?.to_f64_vec().map(|d| d.iter().map(|&x| x as i64).collect())
+    }
+
+    /// `n` is a Transpose swapping the two axes of a rank-2 value.
+    fn is_swap(&self, n: NodeId) -> bool {
+        let node = self.g.node(n);
+        let x = node.inputs.first().copied().flatten();
+        node.op.is(OpKind::Transpose)
+            && x.and_then(|x| self.dims(x)).is_some_and(|d| d.len() == 2)
+            && node.attrs.ints("perm").is_none_or(|p| p == [1, 0])
+    }
+
+    /// `n`'s axes (input 1, or the attribute before opset 13/18), normalised against `rank`.
+    fn axes_of(&self, n: NodeId, rank: usize) -> Option<Vec<usize>> {
+        let listed = self.const_ints(n, 1).or_else(|| self.g.node(n).attrs.ints("axes").map(<[i64]>::to_vec))?;
+        listed
+            .iter()
+            .map(|&a| {
+                let v = if a < 0 { a + rank as i64 } else { a };
+                (0..rank as i64).contains(&v).then_some(v as usize)
+            })
+            .collect()
+    }
+
+    /// The input of `Unsqueeze` node `n` when it adds a last axis to a rank-2 value.
+    fn unsqueezed_last(&self, n: NodeId) -> Option<ValueId> {
+        let x = self.g.node(n).inputs.first().copied().flatten()?;
+        (self.axes_of(n, 3)? == [2] && self.dims(x)?.len() == 2).then_some(x)
+    }
+
+    /// `id` = the dense mixture of experts of the module docs, ending in the Transpose back to
+    /// `[N, H]`.
+    fn experts(&self, id: NodeId) -> Option<ExpertsMatch> {
+        use OpKind::*;
+        let input0 = |n: NodeId| self.g.node(n).inputs.first().copied().flatten();
+        let reduce_sum = |v: ValueId, axis: usize| {
+            let r = self.inner(v, ReduceSum)?;
+            let x = input0(r)?;
+            let rank = self.dims(x)?.len();
+            (self.axes_of(r, rank)? == [axis] && self.g.node(r).attrs.int("keepdims", 1) == 0).then_some((r, x))
+        };
+        if !self.is_swap(id) {
+            return None;
+        }
+        let mut nodes = vec![id];
+        let (r_out, weighted) = reduce_sum(input0(id)?, 0)?;
+        let mul = self.inner(weighted, Mul)?;
+        nodes.extend([r_out, mul]);
+        let (a, b) = self.pair(mul)?;
+        let (y, du) = if self.inner(a, MatMul).is_some() { (a, b) } else { (b, a) };
+        let mm_down = self.inner(y, MatMul)?;
+        let (down, h) = self.pair(mm_down)?;
+        let unsq = self.inner(du, Unsqueeze)?;
+        let dt = input0(unsq)?;
+        if self.axes_of(unsq, 3)? != [1] {
+            return None;
+        }
+        let tr = self.inner(dt, Transpose)?;
+        if !self.is_swap(tr) {
+            return None;
+        }
+        nodes.extend([mm_down, unsq, tr]);
+        // the combine weights [N, E] from the indices and the router's weights
+        let (r_dense, prod) = reduce_sum(input0(tr)?, 1)?;
+        let m2 = self.inner(prod, Mul)?;
+        let (p, q) = self.pair(m2)?;
+        let (hot, wu) = if self.inner(p, Cast).is_some() { (p, q) } else { (q, p) };
+        let cast = self.inner(hot, Cast)?;
+        let eq = self.inner(input0(cast)?, Equal)?;
+        let (e1, e2) = self.pair(eq)?;
+        let (iu, ids) = if self.inner(e1, Unsqueeze).is_some() { (e1, e2) } else { (e2, e1) };
+        let iu = self.inner(iu, Unsqueeze)?;
+        let wun = self.inner(wu, Unsqueeze)?;
+        let (indices, weights) = (self.unsqueezed_last(iu)?, self.unsqueezed_last(wun)?);
+        nodes.extend([r_dense, m2, cast, eq, iu, wun]);
+        let float_to = DType::from_onnx(self.g.node(cast).attrs.int("to", 0) as i32);
+        let experts = self.scalar_list(ids)?;
+        if !float_to.is_some_and(|d| d.is_float()) || experts.iter().enumerate().any(|(i, &e)| e != i as f64) {
+            return None;
+        }
+        // h = silu(g) ⊙ u, g and u the halves of gate_up · xᵀ
+        let mh = self.inner(h, Mul)?;
+        let (a, b) = self.pair(mh)?;
+        let (act, u) = if self.silu(a).is_some() { (a, b) } else { (b, a) };
+        let (m_silu, sig, g) = self.silu(act)?;
+        let split = self.g.value(g).producer?;
+        let sp = self.g.node(split);
+        let two_halves = sp.outputs == [g, u]
+            && self.uses[g.index()] == 2
+            && self.uses[u.index()] == 1
+            && sp.attrs.int("axis", 0) == 1
+            && self.const_ints(split, 1).is_none_or(|s| s.len() == 2 && s[0] == s[1]);
+        if !two_halves {
+            return None;
+        }
+        let mm_gu = self.inner(input0(split)?, MatMul)?;
+        let (gate_up, xt) = self.pair(mm_gu)?;
+        let tx = self.inner(xt, Transpose)?;
+        if !self.is_swap(tx) {
+            return None;
+        }
+        let x = input0(tx)?;
+        nodes.extend([mh, m_silu, sig, split, mm_gu, tx]);
+        // operands: x [N, H], weights and indices [N, k], gate_up [E, 2I, H], down [E, H, I]
+        let e = experts.len() as i64;
+        let known = |v: ValueId| -> Option<Vec<Option<i64>>> { Some(self.dims(v)?.iter().map(|d| d.known()).collect()) };
+        let (xd, wd, id_d, gud, dd) = (known(x)?, known(weights)?, known(indices)?, known(gate_up)?, known(down)?);
+        let weight = |v: ValueId| self.g.value(v).kind == crate::ir::ValueKind::Initializer && self.dtype(v).is_some_and(|d| d.is_float());
+        let fits = xd.len() == 2
+            && wd.len() == 2
+            && wd == id_d
+            && gud.len() == 3
+            && dd.len() == 3
+            && gud[0] == Some(e)
+            && dd[0] == Some(e)
+            && gud[2].is_some()
+            && gud[2] == xd[1]
+            && dd[1] == xd[1]
+            && gud[1].zip(dd[2]).is_some_and(|(gu, i)| gu == 2 * i)
+            && self.dtype(indices) == Some(DType::I64)
+            && self.dtype(weights).is_some_and(|d| d.is_float())
+            && weight(gate_up)
+            && weight(down);
+        if !fits {
+            return None;
+        }
+        nodes.sort();
+        Some(ExpertsMatch { inputs: vec![x, weights, indices, gate_up, down], experts: experts.len(), nodes })
+    }
+
+    /// `v` = Mul(g, Sigmoid(g)) in either order, read only by the chain: (the Mul, the Sigmoid, g).
+    fn silu(&self, v: ValueId) -> Option<(NodeId, NodeId, ValueId)> {
+        let m = self.inner(v, OpKind::Mul)?;
+        let (a, b) = self.pair(m)?;
+        for (g, s) in [(a, b), (b, a)] {
+            if let Some(sig) = self.inner(s, OpKind::Sigmoid)
+                && self.g.node(sig).inputs.first().copied().flatten() == Some(g)
+            {
+                return Some((m, sig, g));
+            }
+        }
+        None
+    }
+
+    /// The values of a constant (initializer or folded) as f64.
+    fn scalar_list(&self, v: ValueId) -> Option<Vec<f64>> {
+        let val = self.g.value(v);
+        if val.producer.is_some() {
+            return None;
+        }
+        val.data.as_ref()?.to_f64_vec()
+    }
+
     /// Whether Dropout `d` passes its input through in training too, as the runner runs it:
     /// before opset 12, or with no `training_mode`, a constant false one, or a constant ratio 0.
     fn dropout_inactive(&self, d: NodeId, opset: i64) -> bool {
@@ -643,7 +877,7 @@ mod tests {
         let mut g = b.g;
         let unfused = g.clone();
         let fusions = fuse(&mut g);
-        assert_eq!(Fused::of(&fusions), Fused { gelu_tanh: 2, gelu_erf: 1, attention: 0 });
+        assert_eq!(Fused::of(&fusions), Fused { gelu_tanh: 2, gelu_erf: 1, attention: 0, experts: 0 });
         assert_eq!(fusions.iter().map(|f| f.replaces.len()).collect::<Vec<_>>(), [8, 8, 5]);
         g.verify().unwrap();
         // the chains' other nodes are gone

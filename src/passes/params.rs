@@ -459,7 +459,11 @@ fn structural(graph: &mut Graph, plain: &[ValueId], summary: &mut ParamSummary) 
             dims.len() >= 2 && x.iter().all(|&e| e == 0.0 || e <= -1e4) && x.iter().any(|&e| e <= -1e4)
         });
         let rank = dims.len();
+        // a weight a matmul contracts is no folded table, whatever its dims (stacked experts
+        // [E, H, F] whose H equals the sequence)
+        let contracted = !readers_v.is_empty() && readers_v.iter().all(|&n| graph.node(n).op.kind().is_some_and(|k| matches!(k, OpKind::MatMul | OpKind::Gemm)));
         let data_shaped = rank >= 3
+            && !contracted
             && (batch.is_some_and(|b| dims[0] == b) || seq.is_some_and(|s| dims[rank - 2] == s))
             && dims[..rank - 2].iter().skip(1).all(|&d| d == 1 || batch == Some(d));
         if only_shapes || mask_values || data_shaped {

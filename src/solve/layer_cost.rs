@@ -393,7 +393,7 @@ impl<'a> CostContext<'a> {
                 }
                 // A strategy, not parameter elements: a MatMul reading Transpose(wte) holds none.
                 let chosen = ls.megatron.get(k).and_then(|&m| ls.strategy(k, m));
-                split &= chosen.is_some_and(|s| matches!(s, Strategy::Column | Strategy::Row | Strategy::Vocab | Strategy::Heads));
+                split &= chosen.is_some_and(|s| matches!(s, Strategy::Column | Strategy::Row | Strategy::Vocab | Strategy::Heads | Strategy::Experts));
             }
         }
         self.tied_split.insert((w, cfg.tp, cfg.sequence_parallel), split);

@@ -15,6 +15,8 @@ pub enum NodeRole {
     WeightMatmul,
     /// A gather from a parameter table.
     Embedding,
+    /// A mixture of experts (split by each expert's intermediate dim, or whole).
+    Experts,
     /// Anything else (follows its input, sequence-parallel).
     Follow,
 }
@@ -69,6 +71,7 @@ fn roles_with(lg: &LayeredGraph, layer: usize, prod: &HashMap<ValueId, NodeId>) 
             Some((n, OpKind::Gather)) if n.inputs.first().copied().flatten().is_some_and(|v| is_float_init(g, v)) => {
                 NodeRole::Embedding
             }
+            Some((_, OpKind::MixtureOfExperts)) => NodeRole::Experts,
             _ => NodeRole::Follow,
         })
         .collect()
@@ -104,6 +107,9 @@ pub struct SplitGraph {
     pub(super) vocab: HashMap<usize, (Option<i64>, bool)>,
     /// Input value of each weight matmul.
     pub(super) input: HashMap<usize, Option<ValueId>>,
+    /// Per mixture of experts: each expert's intermediate dim and its routes per token over
+    /// its hidden size (the router weights' share of the tokens' bytes), where known.
+    pub(super) experts: HashMap<usize, (Option<i64>, f64)>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -180,7 +186,7 @@ impl Walker<'_> {
                         };
                         continue;
                     }
-                    NodeRole::WeightMatmul | NodeRole::Embedding => return None,
+                    NodeRole::WeightMatmul | NodeRole::Embedding | NodeRole::Experts => return None,
                     NodeRole::Follow => {}
                 }
                 let note = |r: &mut Reach, core: Option<usize>| match core {
@@ -282,6 +288,7 @@ pub fn analyse(lg: &LayeredGraph, layer: usize, facts: &GraphFacts) -> SplitGrap
     let mut kn = HashMap::new();
     let mut vocab = HashMap::new();
     let mut input = HashMap::new();
+    let mut experts = HashMap::new();
     for (i, role) in roles.iter().enumerate() {
         let Some(n) = g.try_node(lay.nodes[i]) else { continue };
         match role {
@@ -304,6 +311,15 @@ pub fn analyse(lg: &LayeredGraph, layer: usize, facts: &GraphFacts) -> SplitGrap
                 let rows = table.and_then(|t| dims(g, t)).filter(|d| d.len() == 2).and_then(|d| d[0]);
                 let is_vocab = n.attrs.int("axis", 0) == 0 && rows.is_some() && rows == vocab_rows;
                 vocab.insert(i, (rows, is_vocab));
+            }
+            NodeRole::Experts => {
+                let d = |i: usize| n.inputs.get(i).copied().flatten().and_then(|v| dims(g, v)).unwrap_or_default();
+                let inter = d(3).get(1).copied().flatten().map(|r| r / 2);
+                let routes = match (d(1).get(1).copied().flatten(), d(0).get(1).copied().flatten()) {
+                    (Some(k), Some(h)) if h > 0 => k as f64 / h as f64,
+                    _ => 0.0,
+                };
+                experts.insert(i, (inter, routes));
             }
             NodeRole::Follow => {}
         }
@@ -366,6 +382,6 @@ pub fn analyse(lg: &LayeredGraph, layer: usize, facts: &GraphFacts) -> SplitGrap
         let m = c.matmuls.clone();
         c.nodes.retain(|i| !m.contains(i));
     }
-    SplitGraph { roles, reach, cores, kn, vocab, input }
+    SplitGraph { roles, reach, cores, kn, vocab, input, experts }
 }
 

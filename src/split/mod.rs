@@ -17,13 +17,15 @@
 //! - One file per op family holds its emission rule: [`matmul`] (column/row/heads), [`gather`]
 //!   (vocabulary split), [`view`] (reshape, transpose, squeeze, split, concat, expand),
 //!   [`elementwise`], [`norm`] (softmax, layer norm, reductions), [`attention`] (shared KV
-//!   heads), and [`sequence`] (sequence parallelism over a finished placement).
+//!   heads), [`experts`] (a mixture of experts split by each expert's intermediate dim), and
+//!   [`sequence`] (sequence parallelism over a finished placement).
 
 pub mod analyse;
 mod attention;
 pub mod check;
 mod elementwise;
 pub mod error;
+mod experts;
 mod gather;
 mod matmul;
 mod norm;
@@ -61,6 +63,9 @@ pub enum Strategy {
     Vocab,
     /// An attention core split by heads.
     Heads,
+    /// A mixture of experts with every expert's MLP split by its intermediate dim (whole
+    /// tokens in, partial sums all-reduced).
+    Experts,
     /// Any other node under sequence parallelism: runs on the rank's tokens.
     Sequence,
     /// Any other node without sequence parallelism: follows its inputs.
@@ -69,8 +74,16 @@ pub enum Strategy {
 
 impl Strategy {
     /// Every strategy.
-    pub const ALL: [Strategy; 7] =
-        [Strategy::Column, Strategy::Row, Strategy::Replicate, Strategy::Vocab, Strategy::Heads, Strategy::Sequence, Strategy::Follow];
+    pub const ALL: [Strategy; 8] = [
+        Strategy::Column,
+        Strategy::Row,
+        Strategy::Replicate,
+        Strategy::Vocab,
+        Strategy::Heads,
+        Strategy::Experts,
+        Strategy::Sequence,
+        Strategy::Follow,
+    ];
 
     /// The plan file's spelling.
     pub fn name(self) -> &'static str {
@@ -80,6 +93,7 @@ impl Strategy {
             Strategy::Replicate => "replicate",
             Strategy::Vocab => "vocab",
             Strategy::Heads => "heads",
+            Strategy::Experts => "experts",
             Strategy::Sequence => "sequence",
             Strategy::Follow => "follow",
         }

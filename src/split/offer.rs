@@ -2,7 +2,9 @@
 //!
 //! Choosing nodes: matmuls with a weight operand (`column`: output sharded, input-gradient
 //! all-reduce in the backward; `row`: partial sums all-reduced in the forward; `replicate`),
-//! embedding lookups (`vocab`: one forward all-reduce; `replicate`) and attention cores (the
+//! embedding lookups (`vocab`: one forward all-reduce; `replicate`), mixtures of experts
+//! (`experts`: each expert's MLP split by its intermediate dim, one all-reduce each way;
+//! `replicate`) and attention cores (the
 //! matmuls without a parameter operand between the QKV and output projections, with the ops
 //! between them: `heads` or `replicate`). Every other op of the layer runs sharded (`sequence`)
 //! and is one aggregate `rest` node with that single option.
@@ -275,6 +277,21 @@ pub fn offers_from(lg: &LayeredGraph, layer: usize, sg: &SplitGraph, x: &Strateg
                     };
                     options.insert(options.len() - 1, opt(Strategy::Row, own[0] + row_fwd, own[1] + sp_ag + partial_grad(bias), own[4] / t, 0.0));
                 }
+                index_of.insert(i, nodes.len());
+                nodes.push(NodeOffers { name, members: Vec::new(), options });
+                members.push(vec![i]);
+            }
+            NodeRole::Experts => {
+                let own = figures(&mut std::iter::once((i, 1.0)));
+                let (inter, routes) = sg.experts[&i];
+                let mut options = Vec::new();
+                if divides(inter) {
+                    // the output's partial sums are reduced like a row split's; backward, the
+                    // gradients of the tokens and of the router's weights are all-reduced
+                    let weights_ar = x.comm.all_reduce(hidden * routes, &x.tp_group);
+                    options.push(opt(Strategy::Experts, own[0] + row_fwd, own[1] + ar + weights_ar + sp_ag, own[4] / t, 0.0));
+                }
+                options.push(opt(Strategy::Replicate, own[2], own[3], own[4], own[5]));
                 index_of.insert(i, nodes.len());
                 nodes.push(NodeOffers { name, members: Vec::new(), options });
                 members.push(vec![i]);

@@ -175,12 +175,13 @@ impl<'a> Engine<'a> {
             if !keep_whole.contains(&node.name) {
                 continue;
             }
-            let operand = match node.op.kind() {
-                Some(OpKind::MatMul | OpKind::Gemm) => node.inputs.get(1).copied().flatten(),
-                Some(OpKind::Gather) => node.inputs.first().copied().flatten(),
-                _ => None,
+            let operands = match node.op.kind() {
+                Some(OpKind::MatMul | OpKind::Gemm) => vec![node.inputs.get(1).copied().flatten()],
+                Some(OpKind::Gather) => vec![node.inputs.first().copied().flatten()],
+                Some(OpKind::MixtureOfExperts) => vec![node.inputs.get(3).copied().flatten(), node.inputs.get(4).copied().flatten()],
+                _ => Vec::new(),
             };
-            if let Some(w) = operand.and_then(|v| self.weight_of(v)) {
+            for w in operands.into_iter().flatten().filter_map(|v| self.weight_of(v)) {
                 keep.insert(w);
             }
         }
@@ -207,8 +208,8 @@ impl<'a> Engine<'a> {
     }
 
     /// The strategy a node got: weight matmuls column/row/replicate, vocabulary lookups
-    /// vocab/replicate, matmuls of two activations and fused attention heads/replicate; `None`
-    /// for other nodes.
+    /// vocab/replicate, matmuls of two activations and fused attention heads/replicate, mixtures
+    /// of experts experts/replicate; `None` for other nodes.
     pub fn realised(&self, plan: &SplitPlan, n: NodeId) -> Option<Strategy> {
         let g = &self.lg.graph;
         let node = g.node(n);
@@ -224,6 +225,10 @@ impl<'a> Engine<'a> {
                 None => Some(if split(out) { Strategy::Heads } else { Strategy::Replicate }),
             },
             OpKind::ScaledDotProductAttention => Some(if split(out) { Strategy::Heads } else { Strategy::Replicate }),
+            OpKind::MixtureOfExperts => {
+                let gate_up = node.inputs.get(3).copied().flatten()?;
+                Some(if plan.weights.contains_key(&gate_up) { Strategy::Experts } else { Strategy::Replicate })
+            }
             OpKind::Gather => {
                 let w = node.inputs.first().copied().flatten().and_then(|v| self.weight_of(v))?;
                 Some(if plan.weights.contains_key(&w) { Strategy::Vocab } else { Strategy::Replicate })
@@ -674,7 +679,7 @@ impl<'s, 'a> Prop<'s, 'a> {
             return Ok(());
         }
         let states: Vec<Sh> = ins.iter().map(|v| v.map_or(Sh::Rep, |v| self.state(v))).collect();
-        if states.iter().all(|s| *s == Sh::Rep) && !matches!(n.op.kind(), Some(MatMul | Gemm | Gather)) {
+        if states.iter().all(|s| *s == Sh::Rep) && !matches!(n.op.kind(), Some(MatMul | Gemm | Gather | MixtureOfExperts)) {
             for &o in &outs {
                 self.sh.insert(o, Sh::Rep);
             }
@@ -691,6 +696,7 @@ impl<'s, 'a> Prop<'s, 'a> {
             Softmax | LogSoftmax | LayerNormalization | ReduceMean | ReduceSum | ReduceMax | CumSum | Slice => self.norm(id, kind),
             Concat => self.concat(id),
             ScaledDotProductAttention => self.attention(id),
+            MixtureOfExperts => self.experts(id),
             Expand => self.expand(id),
             Shape | Size => self.err("it reads the shape of a split tensor"),
             k if k.is_elementwise() => self.elementwise(id),

@@ -20,12 +20,18 @@ pub fn python() -> PathBuf {
 /// keyed by the script and the export code in `scripts/` it may import (`param_record.py`,
 /// `export_models.py`, `make_graph_only.py`, `onnx_build.py`).
 pub fn exported(script: &str, marker: &str) -> PathBuf {
+    exported_in(script, marker, "")
+}
+
+/// [`exported`] with `salt` added to the key.
+fn exported_in(script: &str, marker: &str, salt: &str) -> PathBuf {
     let path = repo().join("tests").join(script);
     let mut h = Sha256::new();
     let scripts = ["param_record.py", "export_models.py", "make_graph_only.py", "onnx_build.py"].map(|s| repo().join("scripts").join(s));
     for f in std::iter::once(&path).chain(&scripts) {
         h.update(std::fs::read(f).unwrap_or_else(|e| panic!("{}: {e}", f.display())));
     }
+    h.update(salt.as_bytes());
     let key: String = h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
     let stem = script.trim_end_matches(".py");
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(stem).join(key);
@@ -34,4 +40,15 @@ pub fn exported(script: &str, marker: &str) -> PathBuf {
         assert!(r.status.success(), "tests/{script} failed: {}", String::from_utf8_lossy(&r.stderr));
     }
     dir
+}
+
+/// [`exported`] keyed also by `extra` files (paths relative to the repository), for scripts
+/// that export through code outside `scripts/` (the front door's `python/smp_partition`).
+pub fn exported_with(script: &str, marker: &str, extra: &[&str]) -> PathBuf {
+    let mut h = Sha256::new();
+    for f in extra {
+        h.update(std::fs::read(repo().join(f)).unwrap_or_else(|e| panic!("{f}: {e}")));
+    }
+    let key: String = h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
+    exported_in(script, marker, &key)
 }

@@ -3,6 +3,7 @@
 
 pub mod interp;
 pub mod machine;
+pub mod moe;
 pub mod exports;
 pub mod plan_fixture;
 pub mod runner;

@@ -35,6 +35,15 @@ pub enum ImportError {
         /// The decoder's message.
         reason: String,
     },
+    /// The model's `smp.aux_loss` metadata (written by the export) does not describe graph
+    /// outputs.
+    #[error("{file}: model metadata `smp.aux_loss`: {reason}; re-export through smp_partition.export or remove the entry")]
+    BadAuxLoss {
+        /// The file.
+        file: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
     /// A ModelProto without a graph.
     #[error("{file}: the model has no graph (ModelProto.graph is missing)")]
     MissingGraph {

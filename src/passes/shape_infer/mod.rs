@@ -12,6 +12,7 @@ mod context;
 mod elementwise;
 mod index;
 mod matmul;
+mod moe;
 mod nn;
 mod reduce;
 mod shape;
@@ -143,6 +144,7 @@ fn infer_node(cx: &Ctx, dims: &BTreeMap<String, i64>) -> Outs {
         MatMul => matmul::matmul(cx),
         Gemm => matmul::gemm(cx),
         ScaledDotProductAttention => attention::scaled_dot_product_attention(cx),
+        MixtureOfExperts => moe::mixture_of_experts(cx),
         Conv => nn::conv(cx),
         MaxPool | AveragePool => nn::pool(cx),
         GlobalAveragePool | GlobalMaxPool => nn::global_pool(cx),
@@ -152,6 +154,7 @@ fn infer_node(cx: &Ctx, dims: &BTreeMap<String, i64>) -> Outs {
         Dropout => nn::dropout(cx),
         ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd => reduce::reduce(cx, kind),
         ArgMax | ArgMin => reduce::arg(cx),
+        TopK => reduce::top_k(cx),
         CumSum => reduce::cumsum(cx),
         Shape => shape::shape(cx),
         Size => shape::size(cx),

@@ -1,6 +1,6 @@
 //! Reductions: ReduceMean, ReduceSum, ReduceMax, ReduceMin, ReduceProd (axes from the input
 //! from opset 13/18, from the attribute before; integer values folded for shape arithmetic);
-//! ArgMax, ArgMin; CumSum.
+//! ArgMax, ArgMin; TopK; CumSum.
 
 use super::context::{Ctx, MAX_EVAL_ELEMS, Outs, norm_axis, numel, one, ty_opt};
 use crate::ir::{DType, OpKind};
@@ -96,4 +96,27 @@ pub(super) fn reduce_shape(x: &[i64], axes: &[usize], keep: bool) -> Vec<i64> {
             }
         })
         .collect()
+}
+
+/// ONNX `TopK(x, k)` (`k` an attribute before opset 10): values of x's type and int64
+/// indices, x's shape with `k` along `axis`.
+pub(super) fn top_k(cx: &Ctx) -> Outs {
+    let k = match cx.need_ints(1, "k")? {
+        Some(&[k]) => Some(k),
+        Some(k) => return Err(format!("k must hold one value, it holds {k:?}")),
+        None => cx.attrs().int_opt("k"),
+    };
+    let shape = match (cx.shape(0), k) {
+        (Some(x), Some(k)) => {
+            let ax = norm_axis(cx.attrs().int("axis", -1), x.len())?;
+            if k < 0 || k > x[ax] {
+                return Err(format!("k = {k} is outside 0..={} (axis {ax} of {x:?})", x[ax]));
+            }
+            let mut out = x.to_vec();
+            out[ax] = k;
+            Some(out)
+        }
+        _ => None,
+    };
+    Ok(vec![(ty_opt(cx.dtype(0), shape.clone()), None), (ty_opt(Some(DType::I64), shape), None)])
 }

@@ -24,9 +24,13 @@ pub enum LossKind {
 
 impl LossKind {
     /// The loss a run minimises when none is asked: the model's own scalar output if it has
-    /// one, else causal language modelling.
+    /// one (an auxiliary loss, such as a router's, is not one), else causal language modelling.
     pub fn infer(graph: &crate::ir::Graph) -> LossKind {
-        let scalar_out = graph.outputs.iter().any(|&v| graph.value(v).ty.as_ref().and_then(|t| t.shape.as_ref()).is_some_and(|s| s.numel() == Some(1)));
+        let scalar_out = graph
+            .outputs
+            .iter()
+            .filter(|&&v| !graph.aux_losses.iter().any(|a| a.output == v))
+            .any(|&v| graph.value(v).ty.as_ref().and_then(|t| t.shape.as_ref()).is_some_and(|s| s.numel() == Some(1)));
         if scalar_out { LossKind::Model } else { LossKind::CausalLm }
     }
 
@@ -49,16 +53,43 @@ pub fn loss_of(exec: &Executor, kind: LossKind, mb: &Batch, outs: &[Tensor]) -> 
 }
 
 /// The loss of one microbatch summed over its counted targets (tokens whose label is not
-/// -100, squared errors, or the model's own mean loss times its rows). A step's loss is the sum
-/// over its microbatches and replicas divided by [`global_target_count`], so it is the mean over
-/// the whole global batch whatever the microbatch count (as PyTorch computes it on the whole
-/// batch, and as Hugging Face's `num_items_in_batch` does under gradient accumulation).
+/// -100, squared errors, or the model's own mean loss times its rows), plus the model's
+/// auxiliary losses (`Graph::aux_losses`: each its coefficient times its value times the counted
+/// targets). A step's loss is the sum over its microbatches and replicas divided by
+/// [`global_target_count`], so it is the mean over the whole global batch whatever the
+/// microbatch count (as PyTorch computes it on the whole batch, and as Hugging Face's
+/// `num_items_in_batch` does under gradient accumulation).
 pub fn loss_sum_of(exec: &Executor, kind: LossKind, mb: &Batch, outs: &[Tensor]) -> Result<Tensor, RuntimeError> {
+    let main = main_loss_sum(exec, kind, mb, outs)?;
+    let graph = exec.graph();
+    if graph.aux_losses.is_empty() {
+        return Ok(main);
+    }
+    // each auxiliary loss is a mean over the microbatch (as the model computes it per forward):
+    // weighted by the microbatch's counted targets, the step's loss is the model's own
+    // `loss + coefficient · aux` averaged over microbatches and replicas as the main loss is
+    let targets = target_count(exec, kind, mb)?;
+    let mut total = main;
+    for aux in &graph.aux_losses {
+        let at = graph.outputs.iter().position(|&o| o == aux.output);
+        let t = at.and_then(|i| outs.get(i)).ok_or_else(|| train_err(&format!("the auxiliary loss `{}` was not computed", graph.value(aux.output).name)))?;
+        total = total.f_add(&t.f_reshape([0i64; 0])?.f_to_kind(total.kind())?.f_mul_scalar(aux.coefficient * targets)?)?;
+    }
+    Ok(total)
+}
+
+/// [`loss_sum_of`] without the model's auxiliary losses.
+fn main_loss_sum(exec: &Executor, kind: LossKind, mb: &Batch, outs: &[Tensor]) -> Result<Tensor, RuntimeError> {
     let first_float = outs.iter().find(|t| is_float_kind(t.kind())).ok_or_else(|| train_err("the model has no float output"))?;
     Ok(match kind {
         LossKind::Model => {
+            let graph = exec.graph();
+            let aux = |i: usize| graph.outputs.get(i).is_some_and(|o| graph.aux_losses.iter().any(|a| a.output == *o));
             let t = outs
                 .iter()
+                .enumerate()
+                .filter(|&(i, _)| !aux(i))
+                .map(|(_, t)| t)
                 .find(|t| t.numel() == 1 && is_float_kind(t.kind()))
                 .ok_or_else(|| train_err("the model has no scalar output; pass --loss causal-lm|cross-entropy|mse"))?;
             // the model's loss is a mean over its rows

@@ -3,6 +3,7 @@
 
 mod args;
 mod elementwise;
+mod moe;
 mod nn;
 mod reduce;
 mod shape;
@@ -41,6 +42,7 @@ pub fn run(node: &Node, inputs: &[Option<Tensor>], ctx: &OpContext) -> KResult<V
         Where => one(elementwise::where_(&a)),
         MatMul => one(nn::matmul(&a)),
         ScaledDotProductAttention => one(nn::scaled_dot_product_attention(&a)),
+        MixtureOfExperts => one(moe::mixture_of_experts(&a)),
         Gemm => one(nn::gemm(&a)),
         Conv => one(nn::conv(&a)),
         LayerNormalization => nn::layer_norm(&a),
@@ -54,6 +56,7 @@ pub fn run(node: &Node, inputs: &[Option<Tensor>], ctx: &OpContext) -> KResult<V
         ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd => one(reduce::reduce(kind, &a)),
         ArgMax | ArgMin => one(reduce::arg(kind, &a)),
         CumSum => one(reduce::cumsum(&a)),
+        TopK => reduce::top_k(&a),
         Reshape => one(shape::reshape(&a)),
         Transpose => one(shape::transpose(&a)),
         Concat => one(shape::concat(&a)),

@@ -69,3 +69,21 @@ pub(super) fn cumsum(a: &Args) -> KResult<Tensor> {
     }
     Ok(if reverse { y.f_flip([ax])? } else { y })
 }
+
+/// ONNX `TopK(x, k)`: the `k` largest (or smallest) elements along `axis` and their int64
+/// indices, sorted, ties with the lower index first as ONNX specifies (a stable sort: libtorch's
+/// `topk` orders ties as it finds them).
+pub(super) fn top_k(a: &Args) -> KResult<Vec<Tensor>> {
+    let x = a.x(0)?;
+    let ax = axis(a.int("axis", -1), x.dim())?;
+    let k = match a.ints(1)?.as_deref() {
+        Some(&[k]) => k,
+        Some(k) => super::bail!("k must hold one value, it holds {k:?}"),
+        None => a.int("k", -1),
+    };
+    if k < 0 || k > x.size()[ax as usize] {
+        super::bail!("k = {k} is outside 0..={} along axis {ax}", x.size()[ax as usize]);
+    }
+    let (values, indices) = x.f_sort_stable(true, ax, a.int("largest", 1) != 0)?;
+    Ok(vec![values.f_narrow(ax, 0, k)?, indices.f_narrow(ax, 0, k)?])
+}

@@ -1,0 +1,46 @@
+//! Mixture of experts: each expert's gated MLP splits by its intermediate dim, as Megatron
+//! splits a dense MLP (its gate and up projections by columns, its down projection by rows).
+
+use super::realise::{Prop, R, Sh};
+use crate::ir::NodeId;
+
+impl Prop<'_, '_> {
+    /// `MixtureOfExperts(x, weights, indices, gate_up, down)` with whole tokens, router weights
+    /// and indices: rank `r` holds the `r`-th of `t` parts of every expert's intermediate dim
+    /// (`gate_up` `[E, 2I, H]` along axis 1 as two blocks, gate and up; `down` `[E, H, I]`
+    /// along axis 2), routes every token as one rank would, and makes a partial sum of the
+    /// output (all-reduced; the gradients of x and of the router's weights are partial too,
+    /// all-reduced in the backward). Whole on every rank when I does not divide by t or the
+    /// weights are kept whole.
+    pub(super) fn experts(&mut self, id: NodeId) -> R<()> {
+        let n = self.g.node(id);
+        let o = n.outputs[0];
+        let input = |i: usize| n.inputs.get(i).copied().flatten();
+        let (Some(x), Some(w), Some(idx), Some(gate_up), Some(down)) = (input(0), input(1), input(2), input(3), input(4)) else {
+            return self.err("missing operand");
+        };
+        for v in [x, w, idx] {
+            if self.state(v) != Sh::Rep {
+                return self.err(format!("`{}` reaches the experts split; they take whole tokens and routes", self.g.value(v).name));
+            }
+        }
+        let free = self.is_free_weight(gate_up) && self.is_free_weight(down);
+        let rows = self.need_shape(gate_up)?.get(1).copied().unwrap_or(0);
+        let inter = rows / 2;
+        let split = free && inter > 0 && inter % self.t == 0 && self.split_weight(gate_up, 1, 2, inter / self.t) && self.split_weight(down, 2, 1, inter / self.t);
+        if split {
+            self.set(o, Sh::Partial);
+            return Ok(());
+        }
+        for v in [gate_up, down] {
+            if let Some((init, _)) = self.weight_src.get(&v) {
+                self.kept_whole.insert(*init);
+            }
+        }
+        if self.weights.contains_key(&gate_up) || self.weights.contains_key(&down) {
+            return self.err("one expert weight is split and the other is not");
+        }
+        self.set(o, Sh::Rep);
+        Ok(())
+    }
+}
