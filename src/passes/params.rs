@@ -255,6 +255,7 @@ fn from_records(graph: &mut Graph, recorded: &[ValueId], summary: &mut ParamSumm
                     params: vec![rec.params[i].clone()],
                     transform: rec.transform.clone(),
                     sites: Vec::new(),
+                    persistent: true,
                 };
                 for i in 1..n {
                     let sites: Vec<NodeId> = rec.sites.get(i).into_iter().flatten().filter_map(|s| by_name.get(s).copied()).collect();
@@ -389,6 +390,7 @@ fn distinct_rows(graph: &mut Graph, members: &[ValueId], param: &str) -> Result<
         params: vec![aliases],
         transform: ParamTransform::Gather { dims: vec![held.len() as i64], rows: held.clone() },
         sites: Vec::new(),
+        persistent: true,
     });
     Ok((v, held))
 }
@@ -544,6 +546,7 @@ mod tests {
             params: params.iter().map(|p| vec![p.to_string()]).collect(),
             transform,
             sites: sites.iter().map(|s| s.iter().map(|x| x.to_string()).collect()).collect(),
+            persistent: true,
         }
     }
 
