@@ -58,6 +58,7 @@ enum LossArg {
     CausalLm,
     CrossEntropy,
     Mse,
+    Seq2seq,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -193,7 +194,8 @@ struct TrainArgs {
     /// Microbatches per step (gradients accumulate).
     #[arg(long, default_value_t = 1)]
     microbatches: usize,
-    /// Loss; default: the model's scalar output if it has one, else causal-lm.
+    /// Loss; default: the model's scalar output if it has one, else seq2seq for a model with
+    /// `decoder_input_ids`, else causal-lm.
     #[arg(long, value_enum)]
     loss: Option<LossArg>,
     #[arg(long, default_value_t = 1e-3)]
@@ -641,11 +643,19 @@ fn loss_kind(o: &TrainArgs, graph: &Graph) -> LossKind {
         Some(LossArg::CausalLm) => LossKind::CausalLm,
         Some(LossArg::CrossEntropy) => LossKind::CrossEntropy,
         Some(LossArg::Mse) => LossKind::Mse,
+        Some(LossArg::Seq2seq) => LossKind::Seq2Seq,
         None => {
             let scalar_out = graph.outputs.iter().any(|&v| {
                 graph.value(v).ty.as_ref().and_then(|t| t.shape.as_ref()).is_some_and(|s| s.numel() == Some(1))
             });
-            if scalar_out { LossKind::Model } else { LossKind::CausalLm }
+            let seq2seq = graph.inputs.iter().any(|&v| graph.value(v).name == train::DECODER_INPUT_IDS);
+            if scalar_out {
+                LossKind::Model
+            } else if seq2seq {
+                LossKind::Seq2Seq
+            } else {
+                LossKind::CausalLm
+            }
         }
     }
 }
