@@ -256,6 +256,17 @@ class Case:
     gradfree: dict[str, torch.Tensor]
 
 
+class ExportFailed(RuntimeError):
+    """The front door could not export the module (the reason is cached with the exports)."""
+
+
+def reason(e: BaseException) -> str:
+    """The exporter's innermost reason, on one line."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+
 def case(name: str) -> Case:
     """`name`'s module, batch, export and PyTorch training, made once and cached."""
     import smp_partition as smp
@@ -265,12 +276,18 @@ def case(name: str) -> Case:
     model = build(arch)
     data = batch(arch, model)
     d = cache_dir(arch, model)
-    meta = d / "case.json"
+    meta, failed = d / "case.json", d / "export-failed.txt"
+    if failed.is_file():
+        raise ExportFailed(failed.read_text())
     if not meta.is_file():
         d.mkdir(parents=True, exist_ok=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            exported = smp.export(model, inputs_of(data), d / "model.onnx")
+            try:
+                exported = smp.export(model, inputs_of(data), d / "model.onnx")
+            except Exception as e:
+                failed.write_text(reason(e))
+                raise ExportFailed(reason(e)) from e
         losses, trained, gradfree = train_torch(arch, model, data)
         save_file(trained, str(d / "trained.safetensors"))
         save_file({k: v.to(torch.uint8) for k, v in gradfree.items()}, str(d / "gradfree.safetensors"))
