@@ -56,3 +56,22 @@ def find_binary(name: str) -> Path:
     raise SmpError(f"`{name}` not found in $SMP_BIN_DIR, the installed wheel, on PATH or in the repository's "
                    f"target/; install the wheel (make wheel) or build it with `cargo build --features runner` "
                    f"and set SMP_BIN_DIR=target/debug")
+
+
+def _exec(name: str) -> None:
+    import sys
+
+    binary = WHEEL_BIN / name  # never PATH: that is this command itself
+    if not _executable(binary):
+        sys.exit(f"{binary} is missing: reinstall the smp-partition wheel")
+    os.execv(str(binary), [str(binary), *sys.argv[1:]])
+
+
+def smp_partition_main() -> None:
+    """The wheel's `smp-partition` command: the binary it carries."""
+    _exec("smp-partition")
+
+
+def smp_runner_main() -> None:
+    """The wheel's `smp-runner` command: the binary it carries."""
+    _exec("smp-runner")
