@@ -263,7 +263,8 @@ def export(model: Any, example_inputs: Any, path: str | Path, *, dynamic: bool =
         raise SmpError(f"parameter `{lost[0][len(PREFIX):]}` of {type(model).__name__} (module "
                        f"{_owner(wrapper, lost[0])}) is read by the exported graph but is not in the file"
                        + (f" (nor {len(lost) - 1} more)" if len(lost) > 1 else "")
-                       + "; export the module with `smp_partition.export` unchanged and report this model")
+                       + ": the exporter's optimiser rewrote what reads it, so the file would not train it as "
+                       "the module does; this is a bug of the export, please report it with the model's config")
     record["unused"] = list(record["missing"])
     if record["unused"]:
         warnings.warn(f"{type(model).__name__}: {len(record['unused'])} parameters are not read by the forward "

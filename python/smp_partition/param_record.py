@@ -67,14 +67,19 @@ def _key(a: np.ndarray):
     return (a.dtype.str, a.shape, a.tobytes())
 
 
-def _scopes(node: onnx.NodeProto) -> list[str]:
-    for p in node.metadata_props:
-        if p.key == SCOPES:
+def _names_prop(props, key: str) -> list[str]:
+    """The list of names a metadata entry `key` holds as a Python literal (empty if absent)."""
+    for p in props:
+        if p.key == key:
             try:
                 return [s for s in ast.literal_eval(p.value) if isinstance(s, str)]
             except (ValueError, SyntaxError):
                 return []
     return []
+
+
+def _scopes(node: onnx.NodeProto) -> list[str]:
+    return _names_prop(node.metadata_props, SCOPES)
 
 
 def _module_of(name: str) -> str:
@@ -231,13 +236,7 @@ def _set_model_meta(proto: onnx.ModelProto, missing: list[str]) -> None:
 
 
 def _folded_from(t: onnx.TensorProto) -> list[str]:
-    for p in t.metadata_props:
-        if p.key == FOLDED_FROM:
-            try:
-                return [s for s in ast.literal_eval(p.value) if isinstance(s, str)]
-            except (ValueError, SyntaxError):
-                return []
-    return []
+    return _names_prop(t.metadata_props, FOLDED_FROM)
 
 
 def _record_by_name(params, buffers, persistent: set[str], proto: onnx.ModelProto) -> dict:

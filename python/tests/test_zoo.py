@@ -77,6 +77,12 @@ def _one_process_f64(case: zoo.Case, data: Path, out: Path) -> tuple[list[float]
     return [float(s["loss"]) for s in report["steps"]], load_file(str(weights))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _cached() -> None:
+    """The exports and PyTorch trainings, made two at a time where the cache lacks them."""
+    zoo.fill_cache()
+
+
 def _case(name: str) -> zoo.Case:
     """The cached case; an architecture the runner cannot take yet fails with its reason."""
     arch = zoo.archs()[name]

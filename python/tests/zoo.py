@@ -299,6 +299,30 @@ def case(name: str) -> Case:
     return Case(arch, model, data, exported, info["losses"], load_file(str(d / "trained.safetensors")), gradfree)
 
 
+def missing() -> list[str]:
+    """The architectures whose export and PyTorch training are not cached yet."""
+    out = []
+    for name, arch in archs().items():
+        d = cache_dir(arch, build(arch))
+        if not (d / "case.json").is_file() and not (d / "export-failed.txt").is_file():
+            out.append(name)
+    return out
+
+
+def fill_cache(processes: int = 2) -> None:
+    """Exports and trains the uncached architectures in `processes` processes at once (each
+    export is one busy core for seconds), so a fresh checkout's first run waits less."""
+    import subprocess
+
+    todo = missing()
+    if not todo:
+        return
+    procs = [subprocess.Popen([sys.executable, __file__, *todo[i::processes]], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for i in range(min(processes, len(todo)))]
+    for p in procs:
+        p.wait()
+
+
 def main() -> None:
     torch.set_num_threads(1)
     for name in sys.argv[1:] or list(archs()):
