@@ -9,6 +9,8 @@
 #   make models   regenerate models/ (not part of test)
 #   make keras-models  regenerate models/keras/ with TensorFlow + tf2onnx in .venv-keras (not part of test)
 #   make check-cuda  build smp-runner with NCCL (feature cuda) against the NVIDIA wheels' headers
+#   make wheel    dist/smp_partition-<version>-<platform>.whl: the package and both release binaries
+#                 (not part of test; scripts/wheel-check.sh installs it into a fresh venv and runs a job)
 
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
@@ -30,10 +32,10 @@ ONNX_CASES := tests/data/onnx-cases
 export LIBTORCH_USE_PYTORCH := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: deps venv lock onnx-cases build test demo models keras-models help check-cuda
+.PHONY: deps venv lock onnx-cases build test demo models keras-models help check-cuda wheel
 
 help:
-	@sed -n '1,10p' Makefile
+	@sed -n '1,12p' Makefile
 
 ## System packages: only those missing are installed (apt-get update first).
 deps:
@@ -92,3 +94,11 @@ keras-models: venv
 ## Builds smp-runner with ProcessGroupNCCL compiled in (running it needs a GPU machine).
 check-cuda: venv
 	$(CARGO) build --features cuda --bin smp-runner
+
+## The wheel: release binaries in their own target dir, linked with an rpath relative to the
+## installed torch wheel (site-packages/smp_partition/bin → site-packages/torch/lib), no debug info.
+WHEEL_TARGET := target/wheel
+wheel: deps venv
+	SMP_TORCH_RPATH='$$ORIGIN/../../torch/lib' CARGO_PROFILE_RELEASE_DEBUG=0 \
+	  $(CARGO) build --release --features runner --bins --target-dir $(WHEEL_TARGET)
+	"$(PY)" scripts/build_wheel.py --bin-dir $(WHEEL_TARGET)/release --out dist

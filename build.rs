@@ -1,6 +1,6 @@
 //! Build script: with feature `runner`, compile the c10d and autograd shims
 //! (csrc/c10d_shim.cpp, csrc/autograd_shim.cpp) against libtorch's headers and bake libtorch's library directory into the binaries' rpath so
-//! `smp-runner` runs without LD_LIBRARY_PATH.
+//! `smp-runner` runs without LD_LIBRARY_PATH (`SMP_TORCH_RPATH` replaces it: the wheel's relative one).
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
@@ -54,7 +54,11 @@ mod runner {
         println!("cargo:rustc-link-search=native={}", lib.display());
         println!("cargo:rustc-link-lib=dylib=torch_cpu");
         println!("cargo:rustc-link-lib=dylib=c10");
-        println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+        // `make wheel` bakes a path relative to the binary instead (`$ORIGIN/../../torch/lib`:
+        // the torch wheel installed beside the package), not this build's venv
+        println!("cargo:rerun-if-env-changed=SMP_TORCH_RPATH");
+        let rpath = std::env::var("SMP_TORCH_RPATH").unwrap_or_else(|_| lib.display().to_string());
+        println!("cargo:rustc-link-arg=-Wl,-rpath,{rpath}");
     }
 
     /// Include directories for CUDA and NCCL headers: `CUDA_HOME` if set, else /usr/local/cuda

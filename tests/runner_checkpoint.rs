@@ -483,7 +483,7 @@ fn recorded_gpt2() -> serde_json::Value {
     use sha2::Digest;
     let script = repo().join("tests/train_oracle.py");
     let mut h = sha2::Sha256::new();
-    for f in [&script, &repo().join("scripts/param_record.py"), &repo().join("scripts/export_models.py")] {
+    for f in [&script, &repo().join(common::exports::PARAM_RECORD), &repo().join("scripts/export_models.py")] {
         h.update(std::fs::read(f).unwrap());
     }
     h.update(b"checkpoint:gpt2");

@@ -1,7 +1,7 @@
 //! The runner trains what PyTorch trains: small Hugging Face models at HF's default init
 //! (no perturbation: the exporter merges equal-valued parameters and folds masks and
 //! positions), exported at test time in a fixed-shape and a dynamic-shape variant with the
-//! parameter record (scripts/param_record.py), trained 5 steps by PyTorch
+//! parameter record (`smp_partition.param_record`), trained 5 steps by PyTorch
 //! (tests/train_oracle.py: AdamW lr 1e-3, weight decay 0.01 on every parameter, clip 1.0) and
 //! by `smp-runner train`. Losses must agree within 1e-5 relative and every trained parameter
 //! within 1e-5 norm-relative; the runner must train exactly the module's parameters.
@@ -43,11 +43,11 @@ fn python() -> PathBuf {
 }
 
 /// Runs tests/train_oracle.py for `models` (all but the known failures if empty), once per
-/// content of it and of scripts/param_record.py and export_models.py (which it imports).
+/// content of it and of the parameter record and export_models.py (which it imports).
 fn generate(models: &[&str]) -> Vec<serde_json::Value> {
     let script = repo().join("tests/train_oracle.py");
     let mut h = Sha256::new();
-    for f in [&script, &repo().join("scripts/param_record.py"), &repo().join("scripts/export_models.py")] {
+    for f in [&script, &repo().join("python/smp_partition/param_record.py"), &repo().join("scripts/export_models.py")] {
         h.update(std::fs::read(f).expect("read oracle script"));
     }
     h.update(models.join(",").as_bytes());

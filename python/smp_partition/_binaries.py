@@ -1,17 +1,19 @@
-"""Finding the built binaries (`smp-partition`, `smp-runner`) and the repository's scripts."""
+"""Finding the binaries (`smp-partition`, `smp-runner`): `$SMP_BIN_DIR`, the wheel, `PATH`,
+the checkout's `target/`."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 from pathlib import Path
-from types import ModuleType
 
 from .errors import SmpError
 
 #: The binaries this package drives.
 BINARIES = ("smp-partition", "smp-runner")
+
+#: Where a wheel carries the binaries (`make wheel`).
+WHEEL_BIN = Path(__file__).resolve().parent / "bin"
 
 
 def repo_root() -> Path | None:
@@ -21,21 +23,28 @@ def repo_root() -> Path | None:
     if env:
         return Path(env)
     here = Path(__file__).resolve().parent.parent.parent
-    return here if (here / "scripts" / "param_record.py").is_file() else None
+    return here if (here / "Cargo.toml").is_file() and (here / "python" / "smp_partition").is_dir() else None
+
+
+def _executable(p: Path) -> bool:
+    return p.is_file() and os.access(p, os.X_OK)
 
 
 def find_binary(name: str) -> Path:
-    """The path of binary `name`: `$SMP_BIN_DIR/name`, else `name` on `PATH`, else the newest
-    of the repository's `target/debug/name` and `target/release/name`."""
+    """The path of binary `name`: `$SMP_BIN_DIR/name`, else the one the wheel carries
+    (`smp_partition/bin/name`), else `name` on `PATH`, else the newest of the checkout's
+    `target/debug/name` and `target/release/name`."""
     if name not in BINARIES:
         raise ValueError(f"unknown binary {name!r}; expected one of {', '.join(BINARIES)}")
     env = os.environ.get("SMP_BIN_DIR")
     if env:
         p = Path(env) / name
-        if p.is_file() and os.access(p, os.X_OK):
+        if _executable(p):
             return p
         raise SmpError(f"$SMP_BIN_DIR={env} holds no executable `{name}`; build it (cargo build --features runner) "
                        f"or unset SMP_BIN_DIR")
+    if _executable(WHEEL_BIN / name):
+        return WHEEL_BIN / name
     on_path = shutil.which(name)
     if on_path:
         return Path(on_path)
@@ -44,20 +53,25 @@ def find_binary(name: str) -> Path:
     built = [p for p in built if p.is_file()]
     if built:
         return max(built, key=lambda p: p.stat().st_mtime)
-    raise SmpError(f"`{name}` not found on PATH, in $SMP_BIN_DIR or in the repository's target/; build it with "
-                   f"`cargo build --features runner` and set SMP_BIN_DIR=target/debug")
+    raise SmpError(f"`{name}` not found in $SMP_BIN_DIR, the installed wheel, on PATH or in the repository's "
+                   f"target/; install the wheel (make wheel) or build it with `cargo build --features runner` "
+                   f"and set SMP_BIN_DIR=target/debug")
 
 
-def param_record() -> ModuleType:
-    """`scripts/param_record.py` of the repository: the one implementation of the parameter
-    record (docs/parameter-record.md), shared with scripts/export_models.py."""
-    root = repo_root()
-    path = root / "scripts" / "param_record.py" if root else None
-    if path is None or not path.is_file():
-        raise SmpError("scripts/param_record.py not found: install this package from a checkout "
-                       "(pip install -e python) or set SMP_REPO to the checkout")
-    spec = importlib.util.spec_from_file_location("smp_param_record", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _exec(name: str) -> None:
+    import sys
+
+    binary = WHEEL_BIN / name  # never PATH: that is this command itself
+    if not _executable(binary):
+        sys.exit(f"{binary} is missing: reinstall the smp-partition wheel")
+    os.execv(str(binary), [str(binary), *sys.argv[1:]])
+
+
+def smp_partition_main() -> None:
+    """The wheel's `smp-partition` command: the binary it carries."""
+    _exec("smp-partition")
+
+
+def smp_runner_main() -> None:
+    """The wheel's `smp-runner` command: the binary it carries."""
+    _exec("smp-runner")

@@ -1,6 +1,15 @@
 """Exporting an `nn.Module` for the planner: `torch.onnx.export(..., dynamo=True)` with dynamic
-batch (and sequence) dims, then the parameter record (docs/parameter-record.md) written by the
-repository's one implementation, `scripts/param_record.py` (as scripts/export_models.py does)."""
+batch (and sequence) dims, optimised with every parameter kept out of the optimiser's reach,
+then the parameter record (docs/parameter-record.md, `param_record.py`) written by name.
+
+The exporter's optimiser folds and merges what it takes for constants, and a parameter is one
+to it: Gemma's RMSNorm `x * (1 + w)` is folded into one initializer and `w` is gone; equal
+norm weights are merged into one initializer, and then nodes that compute the same thing from
+it into one node; zero biases are dropped; a fixed-shape export folds the position embedding
+rows it gathers. `export` hands the parameters to the optimiser as graph inputs, so it can
+fold, merge or drop none of them (shapes and masks still fold), puts them back as
+initializers under their own names, and folds only the transposes of 2-D weights that
+`MatMul` reads (recorded as `transpose`). The file holds exactly the module's parameters."""
 
 from __future__ import annotations
 
@@ -9,10 +18,9 @@ import inspect
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from . import _moe
-from ._binaries import param_record
 from .errors import SmpError
 
 #: ONNX opset of the exports (as scripts/export_models.py).
@@ -29,19 +37,30 @@ class Exported:
     input_names: list[str]
     #: Prefix of the recorded parameter names (the export wrapper's attribute).
     prefix: str = PREFIX
-    #: `write_record`'s summary (parameters, buffers, constants, merged, restored, missing).
+    #: `write_record`'s summary (parameters, buffers, constants, merged, restored, missing;
+    #: `unused`: parameters the forward pass does not read, left out of the file).
     record: dict[str, Any] = field(default_factory=dict)
 
 
 def as_tuple(example_inputs: Any) -> tuple[Any, ...]:
-    """A tensor or a sequence of tensors as a tuple."""
+    """A tensor, a sequence of tensors or a dict of them (by input name) as a tuple."""
     import torch
 
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,)
+    if isinstance(example_inputs, Mapping):
+        return tuple(example_inputs.values())
     if isinstance(example_inputs, Sequence):
         return tuple(example_inputs)
-    raise TypeError(f"example_inputs must be a tensor or a tuple of tensors, got {type(example_inputs).__name__}")
+    raise TypeError(f"example_inputs must be a tensor, a tuple of tensors or a dict of them by input name, "
+                    f"got {type(example_inputs).__name__}")
+
+
+def token_lengths(names: Sequence[str], inputs: Sequence[Any]) -> dict[str, int]:
+    """Dim 1 of each integer input of rank >= 2 (token ids), by input name: the sequence
+    dims a dynamic export makes symbolic (`seq` for the first one's length, `seq_<name>` for
+    another length)."""
+    return {n: int(x.shape[1]) for n, x in zip(names, inputs) if x.dim() >= 2 and not x.is_floating_point()}
 
 
 def _first_tensor(out: Any) -> Any:
@@ -77,9 +96,17 @@ def _wrapper(model: Any, names: list[str], kwargs: dict[str, Any]) -> Any:
     return MainOutput()
 
 
-def _input_names(model: Any, n: int) -> list[str]:
-    params = [p for p in inspect.signature(model.forward).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+def _input_names(model: Any, example_inputs: Any) -> list[str]:
+    """The forward arguments the example inputs fill: a dict's keys, else the first
+    positional parameters of `forward`."""
+    signature = inspect.signature(model.forward).parameters
+    if isinstance(example_inputs, Mapping):
+        unknown = [k for k in example_inputs if k not in signature]
+        if unknown and not any(p.kind == p.VAR_KEYWORD for p in signature.values()):
+            raise SmpError(f"{type(model).__name__}.forward has no argument {unknown[0]!r} (example inputs by name)")
+        return list(example_inputs)
+    n = len(as_tuple(example_inputs))
+    params = [p for p in signature.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(params) < n:
         raise SmpError(f"{type(model).__name__}.forward takes {len(params)} positional inputs, {n} example inputs given")
     return [p.name for p in params[:n]]
@@ -113,19 +140,92 @@ def _export_mode(model: Any) -> Iterator[None]:
         model.train(training)
 
 
+def _optimize_keeping_parameters(model: Any, parameters: set[str]) -> set[str]:
+    """Runs the exporter's optimiser (`onnxscript.optimizer.optimize_ir`, as `optimize=True`
+    would) on `model` (an `onnx_ir.Model`) with the initializers named in `parameters` turned
+    into graph inputs meanwhile, so that nothing folds, merges or drops them; then puts them
+    back. Returns the names of those the optimised graph still reads."""
+    import onnxscript.optimizer
+
+    graph = model.graph
+    held = []
+    for name in [n for n in graph.initializers if n in parameters]:
+        value = graph.initializers.pop(name)
+        held.append((value, value.const_value))
+        value.const_value = None
+        graph.inputs.append(value)
+    try:
+        onnxscript.optimizer.optimize_ir(model)
+    finally:
+        read = set()
+        for value, tensor in held:
+            graph.inputs.remove(value)
+            value.const_value = tensor
+            if value.uses():
+                graph.register_initializer(value)
+                read.add(value.name)
+    return read
+
+
+def _fold_weight_transposes(proto: Any, parameters: set[str]) -> None:
+    """Folds `Transpose` nodes of 2-D parameters into initializers named after the node's output
+    (what the exporter's optimiser does for `MatMul`'s weights), each naming its parameter in
+    `FOLDED_FROM`; a parameter then read by no node leaves the file (its transpose holds it)."""
+    from onnx import numpy_helper
+
+    from . import param_record
+
+    graph = proto.graph
+    inits = {t.name: t for t in graph.initializer}
+    for node in list(graph.node):
+        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or node.input[0] not in parameters:
+            continue
+        weight = inits.get(node.input[0])
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), [1, 0])
+        if weight is None or len(weight.dims) != 2 or perm != [1, 0]:
+            continue
+        folded = numpy_helper.from_array(numpy_helper.to_array(weight).T.copy(), node.output[0])
+        folded.metadata_props.add(key=param_record.FOLDED_FROM, value=repr([weight.name]))
+        graph.initializer.append(folded)
+        graph.node.remove(node)
+    read = {x for n in graph.node for x in n.input} | {o.name for o in graph.output}
+    kept = [t for t in graph.initializer if t.name in read]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    names = {t.name for t in kept}
+    info = [v for v in graph.value_info if v.name not in names]
+    del graph.value_info[:]
+    graph.value_info.extend(info)
+
+
+def _owner(model: Any, name: str) -> str:
+    """`name`'s module and its class, for messages: `model.layers.0.norm (GemmaRMSNorm)`."""
+    path = name.rsplit(".", 1)[0] if "." in name else ""
+    try:
+        return f"`{path}` ({type(model.get_submodule(path)).__name__})"
+    except AttributeError:
+        return f"`{path}`"
+
+
 def export(model: Any, example_inputs: Any, path: str | Path, *, dynamic: bool = True) -> Exported:
-    """Exports `model` called on `example_inputs` to `path` (ONNX, weights inline) with
-    `torch.onnx.export(..., dynamo=True)` and writes the parameter record.
+    """Exports `model` called on `example_inputs` (a tensor, a tuple of tensors for the first
+    positional arguments of `forward`, or a dict of them by argument name) to `path` (ONNX,
+    weights inline) with `torch.onnx.export(..., dynamo=True)` and writes the parameter record.
 
     With `dynamic`, dim 0 of every input is the symbolic `batch`, and dim 1 of integer inputs
     of rank >= 2 (token ids) the symbolic `seq` (at most the model's `n_positions` or
     `max_position_embeddings`). The graph is exported in eval mode: dropout is not part of it.
-    Raises `SmpError` if a parameter of the module is found nowhere in the file."""
+    Every parameter the forward pass reads is in the file as itself (see the module doc);
+    parameters it does not read are listed in `record["unused"]` (PyTorch leaves them
+    untouched too, and `load_trained` keeps their values). Raises `SmpError` naming the
+    parameter and its module if one the graph reads is not in the file."""
     import onnx
     import torch
 
+    from . import param_record
+
     inputs = as_tuple(example_inputs)
-    names = _input_names(model, len(inputs))
+    names = _input_names(model, example_inputs)
     kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
     # routed experts as a dense form, and the router's auxiliary loss as an output (_moe.py)
     moe = _moe.MoeExport(model, names)
@@ -135,23 +235,44 @@ def export(model: Any, example_inputs: Any, path: str | Path, *, dynamic: bool =
         batch = torch.export.Dim("batch")
         max_seq = _max_positions(model)
         seq = torch.export.Dim("seq", max=max_seq) if max_seq else torch.export.Dim("seq")
+        lengths = token_lengths(names, inputs)
+        first = next(iter(lengths.values()), None)
+
+        def dims_of(name: str, x: Any) -> dict[int, Any]:
+            if name not in lengths:
+                return {0: batch}
+            # token inputs of the first one's length share `seq`; others get their own dim
+            own = seq if lengths[name] == first else torch.export.Dim(f"seq_{name}", max=max_seq or None)
+            return {0: batch, 1: own}
+
         # one entry: the wrapper's `*args`
-        dynamic_shapes = (tuple(
-            {0: batch, **({1: seq} if x.dim() >= 2 and not x.is_floating_point() else {})} for x in inputs),)
+        dynamic_shapes = (tuple(dims_of(n, x) for n, x in zip(names, inputs)),)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    parameters = {PREFIX + n for n, _ in model.named_parameters(remove_duplicate=False)}
     with _export_mode(model), moe.exporting(), torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(wrapper, inputs, dynamo=True, opset_version=OPSET,
                                     dynamic_shapes=dynamic_shapes, input_names=names,
-                                    output_names=["logits", *moe.output_names], verbose=False)
+                                    output_names=["logits", *moe.output_names], verbose=False, optimize=False)
+        read = _optimize_keeping_parameters(program.model, parameters)
     program.save(str(path), external_data=False)
     proto = onnx.load(str(path))
-    param_record().drop_stack_traces(proto)
-    record = param_record().write_record(wrapper, proto)
-    if record["missing"]:
-        raise SmpError(f"parameters not in the export of {type(model).__name__}: {record['missing']} "
-                       "(see docs/parameter-record.md, 'Merged nodes')")
+    _fold_weight_transposes(proto, read)
+    param_record.drop_stack_traces(proto)
+    record = param_record.write_record(wrapper, proto, exact_names=True)
+    lost = [n for n in record["missing"] if n in read]
+    if lost:
+        raise SmpError(f"parameter `{lost[0][len(PREFIX):]}` of {type(model).__name__} (module "
+                       f"{_owner(wrapper, lost[0])}) is read by the exported graph but is not in the file"
+                       + (f" (nor {len(lost) - 1} more)" if len(lost) > 1 else "")
+                       + ": the exporter's optimiser rewrote what reads it, so the file would not train it as "
+                       "the module does; this is a bug of the export, please report it with the model's config")
+    record["unused"] = list(record["missing"])
+    if record["unused"]:
+        warnings.warn(f"{type(model).__name__}: {len(record['unused'])} parameters are not read by the forward "
+                      f"pass on these inputs and are left out of the file (PyTorch does not train them either): "
+                      f"{', '.join(n[len(PREFIX):] for n in record['unused'][:5])}", stacklevel=2)
     moe.annotate(proto)
     onnx.save(proto, str(path))
     return Exported(path=path, input_names=names, record=record)

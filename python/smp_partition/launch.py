@@ -33,7 +33,8 @@ class Run:
     losses: list[float]
     report: dict[str, Any]
     checkpoint_dir: Path | None = None
-    #: `smp-runner export`'s weights file, once `load_trained` has written it.
+    #: The final weights (`--save-weights`: safetensors under module parameter names, the
+    #: tensors `smp-runner export` writes), which `load_trained` reads.
     trained: Path | None = None
     #: The ranks' process ids (all ended when `launch` returns).
     pids: dict[int, int] = field(default_factory=dict)
@@ -53,10 +54,16 @@ def _data_file(plan: Plan, data: Any, out: Path) -> str:
     return str(path)
 
 
+#: The final weights of a launch, in its run directory.
+TRAINED = "trained.safetensors"
+
+
 def run_args(plan: Plan, *, data: Any = None, steps: int = 10, checkpoint_dir: str | Path | None = None,
              out: Path | None = None, **options: Any) -> list[str]:
     """The options every rank's `smp-runner run` gets (see `launch`)."""
     args = ["--steps", str(steps)]
+    if out is not None:
+        args += ["--save-weights", str(out / TRAINED)]
     if data is not None:
         args += ["--data", _data_file(plan, data, out or plan.dir)]
     if checkpoint_dir is not None:
@@ -71,7 +78,9 @@ def launch(plan: Plan, *, data: Any = None, steps: int = 10, checkpoint_dir: str
 
     `data`: a token file (`.bin`), a batch file (`.npy`, `.npz`, `.safetensors`), or tensors
     (one global batch, written as `.npz` and repeated every step); default: seeded synthetic
-    data. `checkpoint_dir` is passed as `--checkpoint-dir`. Other runner options by keyword
+    data. The final weights go to `trained.safetensors` in the plan's directory (`run.trained`,
+    read by `load_trained`). `checkpoint_dir` is passed as `--checkpoint-dir`. Other runner
+    options by keyword
     (`lr=1e-3`, `weight_decay=0.0`, `clip=0`, `dtype="f64"`, `seed=1`, `threads=1`).
     `progress`: print the ranks' progress lines on stderr (True), or call this function with
     each line.
@@ -79,6 +88,7 @@ def launch(plan: Plan, *, data: Any = None, steps: int = 10, checkpoint_dir: str
     A rank's failure raises `RankFailed` naming the rank; the launcher stops the other ranks,
     and any process of the job still alive afterwards is killed: none is left behind."""
     out = plan.dir
+    (out / TRAINED).unlink(missing_ok=True)
     args = run_args(plan, data=data, steps=steps, checkpoint_dir=checkpoint_dir, out=out, **options)
     command = [str(find_binary("smp-runner")), "launch", "--nproc", str(plan.devices), str(plan.path),
                *args, "--json", "--progress"]
@@ -132,8 +142,12 @@ def launch(plan: Plan, *, data: Any = None, steps: int = 10, checkpoint_dir: str
         raise CommandError(command, code, log)
     report = _report(stdout)
     losses = [float(s["loss"]) for s in report.get("steps", [])]
+    trained = out / TRAINED
+    if not trained.is_file():
+        raise SmpError(f"smp-runner launch finished but wrote no {trained} (--save-weights); "
+                       f"is {find_binary('smp-runner')} older than this package?")
     return Run(plan=plan, dir=out, losses=losses, report=report,
-               checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None, pids=pids)
+               checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None, trained=trained, pids=pids)
 
 
 def _report(lines: list[str]) -> dict[str, Any]:

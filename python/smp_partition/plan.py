@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ._run import flag_args, run
-from .export import Exported, as_tuple, export
+from .export import Exported, as_tuple, export, token_lengths
 
 
 @dataclass(frozen=True)
@@ -105,18 +105,27 @@ class Plan:
 
 
 def planner_args(example_inputs: Any, global_batch: int | None, seq_len: int | None,
-                 config: dict[str, Any] | None, out: Path) -> list[str | Path]:
+                 config: dict[str, Any] | None, out: Path, input_names: list[str] | None = None) -> list[str | Path]:
     """The planner options `plan` and `sweep` share: `--global-batch`, `--seq-len` (by default
-    dim 1 of integer example inputs, i.e. token ids) and `--config` (the SMP parameters,
-    written to `out/smp.json`)."""
-    if seq_len is None and example_inputs is not None:
-        ids = [x for x in as_tuple(example_inputs) if x.dim() >= 2 and not x.is_floating_point()]
-        seq_len = int(ids[0].shape[1]) if ids else None
+    dim 1 of integer example inputs, i.e. token ids; a token input of another length binds its
+    own dim `seq_<name>` with `--dim`, as `export` names it) and `--config` (the SMP
+    parameters, written to `out/smp.json`)."""
+    dims: dict[str, int] = {}
+    if example_inputs is not None:
+        inputs = as_tuple(example_inputs)
+        names = input_names or [f"input{i}" for i in range(len(inputs))]
+        lengths = token_lengths(names, inputs)
+        first = next(iter(lengths.values()), None)
+        if seq_len is None:
+            seq_len = first
+        dims = {f"seq_{n}": length for n, length in lengths.items() if length != first}
     args: list[str | Path] = []
     if global_batch is not None:
         args += ["--global-batch", str(global_batch)]
     if seq_len is not None:
         args += ["--seq-len", str(seq_len)]
+    for name, value in dims.items():
+        args += ["--dim", f"{name}={value}"]
     if config:
         (out / "smp.json").write_text(json.dumps(config, indent=2))
         args += ["--config", out / "smp.json"]
@@ -126,8 +135,9 @@ def planner_args(example_inputs: Any, global_batch: int | None, seq_len: int | N
 def plan(model: Any, example_inputs: Any = None, *, cluster: str = "cpu:2", global_batch: int | None = None,
          config: dict[str, Any] | None = None, seq_len: int | None = None, workdir: str | Path | None = None,
          **flags: Any) -> Plan:
-    """Exports `model` (an `nn.Module` called on `example_inputs`; or the path of an ONNX file)
-    and plans it on `cluster` (`smp-partition MODEL --cluster CLUSTER ...`).
+    """Exports `model` (an `nn.Module` called on `example_inputs`; or an `Exported` from
+    `export`; or the path of an ONNX file) and plans it on `cluster` (`smp-partition MODEL
+    --cluster CLUSTER ...`).
 
     `config` holds SageMaker model-parallel parameters by their SMP names
     (`pipeline_parallel_degree`, `tensor_parallel_degree`, `microbatches`, `pipeline`,
@@ -138,17 +148,18 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: str = "cpu:2", glob
     out = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="smp-"))
     out.mkdir(parents=True, exist_ok=True)
     exported: Exported | None = None
-    if isinstance(model, (str, Path)):
-        onnx_path = Path(model)
-    else:
+    if isinstance(model, Exported):
+        exported = model
+    elif not isinstance(model, (str, Path)):
         if example_inputs is None:
             raise TypeError("plan(model, example_inputs, ...): example inputs are needed to export a module")
         exported = export(model, example_inputs, out / "model.onnx")
-        onnx_path = exported.path
-    args: list[str | Path] = [onnx_path.resolve(), "--cluster", cluster, "-o", out / "plan.json"]
-    args += planner_args(example_inputs, global_batch, seq_len, config, out)
+    onnx_path = Path(exported.path if exported else model).resolve()
+    args: list[str | Path] = [onnx_path, "--cluster", cluster, "-o", out / "plan.json"]
+    args += planner_args(example_inputs, global_batch, seq_len, config, out,
+                         exported.input_names if exported else None)
     args += flag_args(flags)
     run("smp-partition", args)
-    return Plan(out / "plan.json", onnx_path.resolve(),
+    return Plan(out / "plan.json", onnx_path,
                 input_names=exported.input_names if exported else [],
                 prefix=exported.prefix if exported else "")

@@ -44,14 +44,16 @@ def sweep(model: Any, example_inputs: Any = None, *, clusters: Sequence[str], gl
     keyword, SMP parameters in `config`, as in `plan`."""
     out = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="smp-sweep-"))
     out.mkdir(parents=True, exist_ok=True)
+    names = None
     if isinstance(model, (str, Path)):
         onnx_path = Path(model)
     else:
         if example_inputs is None:
             raise TypeError("sweep(model, example_inputs, ...): example inputs are needed to export a module")
-        onnx_path = export(model, example_inputs, out / "model.onnx").path
+        exported = export(model, example_inputs, out / "model.onnx")
+        onnx_path, names = exported.path, exported.input_names
     args: list[str | Path] = ["sweep", onnx_path, "--clusters", *clusters]
-    args += planner_args(example_inputs, global_batch, seq_len, config, out)
+    args += planner_args(example_inputs, global_batch, seq_len, config, out, names)
     if svg is not None:
         args += ["-o", svg]
     args += flag_args(flags) + ["--json"]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from ._binaries import find_binary
 from ._run import run as run_binary
@@ -17,29 +18,43 @@ def export_trained(run: Run, path: str | Path | None = None) -> Path:
     one file of weights under module parameter names (docs/checkpoints.md). Needs a run
     launched with `checkpoint_dir`."""
     if run.checkpoint_dir is None:
-        raise SmpError("the run kept no checkpoint: launch it with checkpoint_dir=... to get its weights back")
+        raise SmpError("the run kept no checkpoint: launch it with checkpoint_dir=... to export one")
     target = Path(path) if path else run.dir / "trained.safetensors"
     runner = find_binary("smp-runner")
     help_text = subprocess.run([str(runner), "--help"], capture_output=True, text=True).stdout
     if not any(line.strip().startswith("export") for line in help_text.splitlines()):
         raise SmpError(f"{runner} has no `export` subcommand (checkpoint export); build a runner that has it")
     run_binary("smp-runner", ["export", run.checkpoint_dir, "-o", target])
-    run.trained = target
     return target
 
 
-def state_dict_of(module: Any, tensors: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def unused_parameters(model_path: str | Path) -> list[str]:
+    """The parameters the export of `model_path` left out because its forward pass does not
+    read them (the record's `smp.missing`; `smp_partition.export` refuses any other loss)."""
+    import onnx
+
+    proto = onnx.load(str(model_path), load_external_data=False)
+    meta = {p.key: p.value for p in proto.metadata_props}
+    return list(json.loads(meta.get("smp.missing", "[]")))
+
+
+def state_dict_of(module: Any, tensors: dict[str, Any], prefix: str = "", unused: Iterable[str] = ()) -> dict[str, Any]:
     """`module`'s full state dict from `tensors` (trained parameters under module parameter
     names, optionally prefixed): names lose `prefix`; a tied parameter given under one of its
-    names fills its aliases; buffers the file lacks (not trained) keep the module's values.
-    Raises `SmpError` naming any parameter the file lacks or any name the module lacks."""
+    names fills its aliases; buffers the file lacks (not trained) keep the module's values,
+    and non-persistent buffers (no part of `state_dict`) are left out; parameters in `unused`
+    (not read by the exported forward pass, so not trained) keep the module's values.
+    Raises `SmpError` naming any other parameter the file lacks or any name the module lacks."""
     if prefix and tensors and all(k.startswith(prefix) for k in tensors):
         tensors = {k[len(prefix):]: v for k, v in tensors.items()}
+    unused = {u[len(prefix):] if prefix and u.startswith(prefix) else u for u in unused}
     params = dict(module.named_parameters(remove_duplicate=False))
     aliases: dict[int, list[str]] = {}
     for name, p in params.items():
         aliases.setdefault(id(p), []).append(name)
     current = module.state_dict(keep_vars=True)
+    non_persistent = {n for n, _ in module.named_buffers(remove_duplicate=False)} - set(current)
+    tensors = {k: v for k, v in tensors.items() if k not in non_persistent}
     unknown = sorted(k for k in tensors if k not in current)
     if unknown:
         raise SmpError(f"the trained weights hold tensors {type(module).__name__} does not have: {unknown[:10]}")
@@ -52,6 +67,8 @@ def state_dict_of(module: Any, tensors: dict[str, Any], prefix: str = "") -> dic
             given = [a for a in aliases[id(params[name])] if a in tensors]
             if given:
                 out[name] = tensors[given[0]]
+            elif any(a in unused for a in aliases[id(params[name])]):
+                out[name] = value.detach()  # not read by the forward pass: untrained, as in PyTorch
             else:
                 missing.append(name)
         else:
@@ -65,13 +82,24 @@ def load_trained(model: Any, run: Run, *, path: str | Path | None = None) -> Any
     """Loads `run`'s trained weights into `model` (the module given to `plan`) with
     `load_state_dict(strict=True)` and returns it.
 
-    The weights come from `path` or `run.trained` if given, else from `smp-runner export` of
-    the run's checkpoint directory (`trained.safetensors`: one tensor per module parameter,
-    whole, under its module name; the runner has already reassembled the shards)."""
+    The weights come from `path` if given, else from the run's final weights (`run.trained`:
+    every `launch` writes them, one tensor per module parameter, whole, under its module name),
+    else from `smp-runner export` of the run's checkpoint directory."""
     from safetensors.torch import load_file
 
-    source = Path(path) if path else run.trained or export_trained(run)
+    if path is not None:
+        source = Path(path)
+    elif run.trained is not None:
+        source = run.trained
+    elif run.checkpoint_dir is not None:
+        source = run.trained = export_trained(run)
+    else:
+        raise SmpError("the run has no final weights (run.trained) and kept no checkpoint; launch it with "
+                       "smp_partition.launch, which writes them")
+    if not source.is_file():
+        raise SmpError(f"the run's weights file {source} does not exist")
     tensors = load_file(str(source))
-    full = state_dict_of(model, tensors, run.plan.prefix)
+    unused = unused_parameters(run.plan.model_path) if run.plan.model_path.is_file() else []
+    full = state_dict_of(model, tensors, run.plan.prefix, unused)
     model.load_state_dict(full, strict=True)
     return model

@@ -21,6 +21,21 @@ def test_bin_dir_wins_and_a_missing_binary_is_named(tmp_path: Path, monkeypatch:
         smp.find_binary("ls")
 
 
+def test_the_wheel_before_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from smp_partition import _binaries
+
+    monkeypatch.delenv("SMP_BIN_DIR", raising=False)
+    wheel, path = tmp_path / "wheel", tmp_path / "path"
+    for d in (wheel, path):
+        d.mkdir()
+        (d / "smp-runner").write_text("#!/bin/sh\n")
+        (d / "smp-runner").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{path}{os.pathsep}{os.environ['PATH']}")
+    assert smp.find_binary("smp-runner") == path / "smp-runner"
+    monkeypatch.setattr(_binaries, "WHEEL_BIN", wheel)
+    assert smp.find_binary("smp-runner") == wheel / "smp-runner"
+
+
 def test_path_then_repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SMP_BIN_DIR", raising=False)
     fake = tmp_path / "smp-partition"

@@ -6,7 +6,7 @@ import subprocess
 import onnx
 
 import smp_partition as smp
-from smp_partition._binaries import param_record
+from smp_partition import param_record
 
 
 def test_plan_honours_the_smp_config_and_exposes_the_file(gpt2_plan) -> None:
@@ -38,7 +38,7 @@ def test_export_is_dynamic_and_carries_the_parameter_record(gpt2_plan) -> None:
     assert meta["smp.param_record"] == "1" and json.loads(meta["smp.missing"]) == []
     # every module parameter is named by the record (the one implementation's reader)
     named = set()
-    for rec in param_record().read_record(proto).values():
+    for rec in param_record.read_record(proto).values():
         if rec.get("smp.kind") == "parameter":
             for aliases in json.loads(rec["smp.params"]):
                 named.update(aliases)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 from pathlib import Path
 
@@ -83,3 +84,46 @@ def test_trained_weights_come_back_into_the_module(gpt2_plan, tmp_path: Path) ->
     with torch.no_grad():
         want = trained(probe).logits.numpy()
     np.testing.assert_allclose(want, got, rtol=1e-5, atol=1e-5)
+
+
+class _Buffers(torch.nn.Module):
+    """A parameter, a persistent buffer, a non-persistent one (as RoPE's `inv_freq`) and a
+    parameter the forward pass never reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+        self.unread = torch.nn.Parameter(torch.zeros(2))
+        self.register_buffer("kept", torch.arange(4.0))
+        self.register_buffer("inv_freq", torch.arange(4.0) + 10, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + self.kept) * self.w + x * self.inv_freq
+
+
+def test_non_persistent_buffers_are_never_handed_to_load_state_dict() -> None:
+    from smp_partition.trained import state_dict_of
+
+    module = _Buffers()
+    tensors = {"m.w": torch.full((4,), 2.0), "m.kept": torch.zeros(4), "m.inv_freq": torch.zeros(4)}
+    full = state_dict_of(module, tensors, "m.", unused=["m.unread"])
+    assert set(full) == {"w", "unread", "kept"}
+    module.load_state_dict(full, strict=True)
+    assert torch.equal(module.w, torch.full((4,), 2.0)) and torch.equal(module.inv_freq, torch.arange(4.0) + 10)
+    # a parameter the export read but the weights lack is refused, by name
+    with pytest.raises(smp.SmpError, match="unread"):
+        state_dict_of(_Buffers(), tensors, "m.")
+
+
+def test_the_export_records_every_parameter_by_name_and_non_persistent_buffers_as_such(tmp_path: Path) -> None:
+    import onnx
+
+    from smp_partition import param_record
+
+    exported = smp.export(_Buffers(), torch.randn(2, 4), tmp_path / "m.onnx", dynamic=False)
+    records = param_record.read_record(onnx.load(str(exported.path)))
+    by_param = {json.loads(r["smp.params"])[0][0]: r for r in records.values() if "smp.params" in r}
+    assert by_param["model.w"]["smp.kind"] == "parameter"
+    assert by_param["model.kept"]["smp.kind"] == "buffer" and "smp.persistent" not in by_param["model.kept"]
+    assert by_param["model.inv_freq"]["smp.persistent"] == "false"
+    assert exported.record["unused"] == ["model.unread"]

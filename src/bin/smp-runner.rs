@@ -52,6 +52,7 @@ enum LossArg {
     CausalLm,
     CrossEntropy,
     Mse,
+    Seq2seq,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -187,7 +188,8 @@ struct TrainArgs {
     /// Microbatches per step (gradients accumulate).
     #[arg(long, default_value_t = 1)]
     microbatches: usize,
-    /// Loss; default: the model's scalar output if it has one, else causal-lm.
+    /// Loss; default: the model's scalar output if it has one, else seq2seq for a model with
+    /// `decoder_input_ids`, else causal-lm.
     #[arg(long, value_enum)]
     loss: Option<LossArg>,
     #[arg(long, default_value_t = 1e-3)]
@@ -280,6 +282,7 @@ impl TrainArgs {
                 LossArg::CausalLm => LossKind::CausalLm,
                 LossArg::CrossEntropy => LossKind::CrossEntropy,
                 LossArg::Mse => LossKind::Mse,
+                LossArg::Seq2seq => LossKind::Seq2Seq,
             }),
             optimizer: OptimizerOptions {
                 lr: self.lr,

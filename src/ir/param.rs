@@ -41,6 +41,9 @@ pub struct ParamRecord {
     pub transform: ParamTransform,
     /// For merged initializers: the nodes (by name) that use each entry of `params`.
     pub sites: Vec<Vec<String>>,
+    /// False for a buffer the module's `state_dict` leaves out (`smp.persistent: false`,
+    /// RoPE's `inv_freq`): the trained weights written out never hold it.
+    pub persistent: bool,
 }
 
 impl ParamRecord {

@@ -29,7 +29,7 @@ pub enum PassError {
     #[error("bad dim binding: {0}")]
     BadBinding(String),
     /// An initializer's parameter record cannot be applied.
-    #[error("parameter record of initializer `{value}`: {msg}; re-export with scripts/param_record.py or strip its `smp.*` metadata")]
+    #[error("parameter record of initializer `{value}`: {msg}; re-export with `smp_partition.export` or strip its `smp.*` metadata")]
     ParamRecord {
         /// The initializer.
         value: String,

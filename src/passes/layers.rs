@@ -138,13 +138,31 @@ fn containers(name: &str) -> Vec<(String, u64)> {
     out
 }
 
-/// The prefix with the most distinct indices (at least two); ties go to the outermost.
+/// The prefix with the most distinct indices (at least two) among the outermost containers;
+/// ties go to the shortest. A container inside a block of another (T5's `block.0.layer`, a
+/// mixture's `layers.0.mlp.experts`, Swin's `layers.0.blocks`) is part of that block, however
+/// many indices it has.
 fn pick_container(counts: &HashMap<String, BTreeSet<u64>>) -> Option<String> {
     counts
         .iter()
-        .filter(|(_, s)| s.len() >= 2)
+        .filter(|(p, s)| s.len() >= 2 && !nested(p, counts))
         .max_by(|a, b| a.1.len().cmp(&b.1.len()).then(b.0.len().cmp(&a.0.len())).then(b.0.cmp(a.0)))
         .map(|(p, _)| p.clone())
+}
+
+/// Whether container `prefix` lies inside a block of another container of `counts` (one with
+/// at least two indices).
+fn nested(prefix: &str, counts: &HashMap<String, BTreeSet<u64>>) -> bool {
+    containers(prefix).iter().any(|(outer, i)| counts.get(outer).is_some_and(|s| s.len() >= 2 && s.contains(i)))
+}
+
+/// The stacks of an encoder–decoder: containers of `main`'s name under siblings of its parent
+/// (`model.encoder.block` and `model.decoder.block`), each with at least two blocks.
+fn is_stack_of(main: &str, p: &str) -> bool {
+    let split = |x: &str| x.rsplit_once('.').map(|(a, b)| (a.to_string(), b.to_string()));
+    let (Some((parent, name)), Some((other_parent, other_name))) = (split(main), split(p)) else { return false };
+    let grandparent = |x: &str| x.rsplit_once('.').map_or(String::new(), |(a, _)| a.to_string());
+    name == other_name && parent != other_parent && grandparent(&parent) == grandparent(&other_parent)
 }
 
 fn index_in(name: &str, prefix: &str) -> Option<u64> {
@@ -156,7 +174,8 @@ type Placement = (Vec<Place>, HashMap<usize, String>);
 
 /// The repeated containers whose blocks become layers: the one [`pick_container`] picks, with
 /// its siblings (containers of the same parent holding at least two blocks, as ResNet's
-/// `layer1` … `layer4`), in order of first appearance; each block's group key and name.
+/// `layer1` … `layer4`) and the other stacks of an encoder–decoder ([`is_stack_of`]), in
+/// order of first appearance; each block's group key and name.
 struct Blocks {
     prefixes: Vec<String>,
     key: HashMap<(usize, u64), usize>,
@@ -167,8 +186,11 @@ impl Blocks {
     fn pick(counts: &HashMap<String, BTreeSet<u64>>, first_seen: &HashMap<String, usize>) -> Option<Blocks> {
         let main = pick_container(counts)?;
         let parent = |p: &str| p.rsplit_once('.').map_or(String::new(), |(a, _)| a.to_string());
-        let mut prefixes: Vec<String> =
-            counts.iter().filter(|(p, s)| s.len() >= 2 && parent(p) == parent(&main)).map(|(p, _)| p.clone()).collect();
+        let mut prefixes: Vec<String> = counts
+            .iter()
+            .filter(|(p, s)| s.len() >= 2 && !nested(p, counts) && (parent(p) == parent(&main) || is_stack_of(&main, p)))
+            .map(|(p, _)| p.clone())
+            .collect();
         prefixes.sort_by_key(|p| (first_seen.get(p).copied().unwrap_or(usize::MAX), p.clone()));
         let (mut key, mut names) = (HashMap::new(), HashMap::new());
         for (c, p) in prefixes.iter().enumerate() {
@@ -661,7 +683,7 @@ pub fn signature(graph: &Graph, layer: &Layer) -> String {
 
 #[cfg(test)]
 mod tests {
-    use crate::ir::{Attr, DType, LayerKind};
+    use crate::ir::{Attr, DType, LayerKind, ValueId};
     use crate::passes::testutil::Builder;
     use crate::passes::{AnalyzeOptions, analyze};
 
@@ -735,6 +757,54 @@ mod tests {
         let layers = |lg: &crate::ir::LayeredGraph| lg.layers.iter().map(|l| (l.kind, l.nodes.clone())).collect::<Vec<_>>();
         assert_eq!(by_ns.layers.len(), 4);
         assert_eq!(layers(&by_names), layers(&by_ns));
+    }
+
+    /// An encoder–decoder as T5 exports it: `model.encoder.block.N` and `model.decoder.block.N`,
+    /// each block holding sub-layers `layer.0 … layer.K` (the decoder's three outnumber its
+    /// two blocks), every decoder block reading the encoder's output.
+    fn encoder_decoder(blocks: usize) -> crate::ir::Graph {
+        use crate::ir::OpKind::{Add, Gather, MatMul};
+        let mut b = Builder::new(18);
+        let ids = b.input("input_ids", DType::I64, &["2", "8"]);
+        let dec_ids = b.input("decoder_input_ids", DType::I64, &["2", "8"]);
+        let ns = |b: &mut Builder, path: &str| b.namespace = Some(format!(": W/model: T5{path}/op: aten.op"));
+        ns(&mut b, "/model.shared: Embedding");
+        let table = b.param("model.shared.weight", DType::F32, &[64, 16]);
+        let mut x = b.node(Gather, &[table, ids], &[]);
+        let sub = |b: &mut Builder, stack: &str, i: usize, k: usize, x: ValueId, other: Option<ValueId>| {
+            let block = format!("model.{stack}.block.{i}");
+            ns(b, &format!("/{block}: T5Block/{block}.layer.{k}: T5Layer"));
+            let w = b.param(&format!("{block}.layer.{k}.w"), DType::F32, &[16, 16]);
+            let y = b.node(MatMul, &[other.unwrap_or(x), w], &[]);
+            b.node(Add, &[x, y], &[])
+        };
+        for i in 0..blocks {
+            x = sub(&mut b, "encoder", i, 0, x, None);
+            x = sub(&mut b, "encoder", i, 1, x, None);
+        }
+        let encoded = x;
+        ns(&mut b, "/model.shared: Embedding");
+        let mut y = b.node(Gather, &[table, dec_ids], &[]);
+        for i in 0..blocks {
+            y = sub(&mut b, "decoder", i, 0, y, None);
+            y = sub(&mut b, "decoder", i, 1, y, Some(encoded));
+            y = sub(&mut b, "decoder", i, 2, y, None);
+        }
+        b.output(y);
+        b.g
+    }
+
+    #[test]
+    fn both_stacks_of_an_encoder_decoder_are_blocks_and_sub_layers_are_not() {
+        let lg = analyze(encoder_decoder(2), &AnalyzeOptions::default()).unwrap();
+        let names: Vec<&str> = lg.layers.iter().map(|l| l.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["embedding", "model.encoder.block.0", "model.encoder.block.1", "model.decoder.block.0", "model.decoder.block.1"]
+        );
+        // the encoder's output crosses into every decoder block
+        let encoded = lg.layers[2].outputs.clone();
+        assert!(lg.layers[3..].iter().all(|l| l.inputs.iter().any(|v| encoded.contains(v))), "{:?}", lg.layers);
     }
 
     #[test]

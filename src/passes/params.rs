@@ -72,6 +72,35 @@ pub struct ParamSummary {
     pub copies: usize,
     /// Initializers rewritten as a view (`Transpose`/`Gather`) of the tensor they tie to.
     pub views: usize,
+    /// Float initializers decided by the structural rules: the file carries no parameter
+    /// record, so what the exporter dropped or folded cannot be known.
+    pub without_record: usize,
+    /// Float constants held frozen that look like folded parameters.
+    pub suspects: Vec<Suspect>,
+}
+
+/// A float constant of a file without a parameter record that looks like a parameter the
+/// exporter folded (a fixed-shape export folds the position embedding rows it gathers).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Suspect {
+    /// The initializer.
+    pub name: String,
+    /// Its shape.
+    pub dims: Vec<i64>,
+    /// An `Add`/`Sub` adds it to an activation.
+    pub added_to_activations: bool,
+    /// Its rows are as wide as those of a table the model looks rows up in (`Gather`).
+    pub table_rows: bool,
+}
+
+impl std::fmt::Display for Suspect {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let why: Vec<&str> = [(self.added_to_activations, "added to activations"), (self.table_rows, "rows of a table")]
+            .into_iter()
+            .filter_map(|(on, w)| on.then_some(w))
+            .collect();
+        write!(f, "`{}` {:?} ({})", self.name, self.dims, why.join(", "))
+    }
 }
 
 impl std::fmt::Display for ParamSummary {
@@ -86,6 +115,20 @@ impl std::fmt::Display for ParamSummary {
         }
         if self.views > 0 {
             write!(f, "; {} initializers tied as views", self.views)?;
+        }
+        if self.without_record > 0 {
+            write!(
+                f,
+                "\nthe file has no parameter record, so what is trained follows structural rules: an exporter may have \
+                 dropped parameters (zero biases) or folded them into constants, and those are not trained"
+            )?;
+            if self.suspects.is_empty() {
+                write!(f, "; no constant here looks like a folded parameter")?;
+            } else {
+                let list: Vec<String> = self.suspects.iter().map(Suspect::to_string).collect();
+                write!(f, "; these float constants look like folded parameters and are held frozen: {}", list.join(", "))?;
+            }
+            write!(f, "\nto train exactly what the module trains, export it through `smp_partition.export` (it records every parameter)")?;
         }
         Ok(())
     }
@@ -269,6 +312,7 @@ fn from_records(graph: &mut Graph, recorded: &[ValueId], summary: &mut ParamSumm
                     params: vec![rec.params[i].clone()],
                     transform: rec.transform.clone(),
                     sites: Vec::new(),
+                    persistent: true,
                 };
                 for i in 1..n {
                     let sites: Vec<NodeId> = rec.sites.get(i).into_iter().flatten().filter_map(|s| by_name.get(s).copied()).collect();
@@ -403,6 +447,7 @@ fn distinct_rows(graph: &mut Graph, members: &[ValueId], param: &str) -> Result<
         params: vec![aliases],
         transform: ParamTransform::Gather { dims: vec![held.len() as i64], rows: held.clone() },
         sites: Vec::new(),
+        persistent: true,
     });
     Ok((v, held))
 }
@@ -438,10 +483,38 @@ fn fixed_dims(graph: &Graph) -> (Option<i64>, Option<i64>) {
     (batch.filter(|&b| b > 1), seq)
 }
 
+/// Widths of the rows of the tables the model looks rows up in (`Gather` of an initializer).
+fn table_row_widths(graph: &Graph) -> Vec<i64> {
+    let mut widths: Vec<i64> = graph
+        .node_ids()
+        .filter(|&n| graph.node(n).op.is(OpKind::Gather))
+        .filter_map(|n| graph.node(n).inputs.first().copied().flatten())
+        .filter(|&t| graph.value(t).kind == ValueKind::Initializer)
+        .filter_map(|t| graph.value(t).data.as_ref().filter(|d| d.dims.len() == 2 && d.dtype.is_float()).map(|d| d.dims[1]))
+        .collect();
+    widths.sort_unstable();
+    widths.dedup();
+    widths
+}
+
+/// Whether an `Add`/`Sub` among `readers` adds `v` to an activation (a value computed from
+/// the graph's inputs, not an initializer or constant).
+fn added_to_activation(graph: &Graph, v: ValueId, readers: &[NodeId]) -> bool {
+    readers.iter().any(|&n| {
+        let node = graph.node(n);
+        (node.op.is(OpKind::Add) || node.op.is(OpKind::Sub))
+            && node.inputs.iter().flatten().any(|&x| x != v && matches!(graph.value(x).kind, ValueKind::Input | ValueKind::Intermediate))
+    })
+}
+
 fn structural(graph: &mut Graph, plain: &[ValueId], summary: &mut ParamSummary) -> Result<(), PassError> {
     let users = readers(graph);
     let (batch, seq) = fixed_dims(graph);
+    let widths = table_row_widths(graph);
     for &v in plain {
+        if graph.value(v).data.as_ref().is_some_and(|d| d.dtype.is_float() && d.numel() > 1) {
+            summary.without_record += 1;
+        }
         if let Some(r) = legacy_frozen(graph, v) {
             graph.value_mut(v).training = Some(frozen(r));
             continue;
@@ -468,6 +541,17 @@ fn structural(graph: &mut Graph, plain: &[ValueId], summary: &mut ParamSummary) 
             && dims[..rank - 2].iter().skip(1).all(|&d| d == 1 || batch == Some(d));
         if only_shapes || mask_values || data_shaped {
             graph.value_mut(v).training = Some(frozen(FrozenReason::MaskOrPosition));
+            if data_shaped && !only_shapes && !mask_values {
+                let suspect = Suspect {
+                    name: graph.value(v).name.clone(),
+                    dims: dims.clone(),
+                    added_to_activations: added_to_activation(graph, v, readers_v),
+                    table_rows: dims.last().is_some_and(|d| widths.contains(d)),
+                };
+                if suspect.added_to_activations || suspect.table_rows {
+                    summary.suspects.push(suspect);
+                }
+            }
             continue;
         }
         let all_equal = vals.as_ref().is_some_and(|x| x.windows(2).all(|w| w[0] == w[1]));
@@ -562,6 +646,7 @@ mod tests {
             params: params.iter().map(|p| vec![p.to_string()]).collect(),
             transform,
             sites: sites.iter().map(|s| s.iter().map(|x| x.to_string()).collect()).collect(),
+            persistent: true,
         }
     }
 

@@ -16,9 +16,13 @@ pub fn python() -> PathBuf {
     std::env::var_os("SMP_PYTHON").map(PathBuf::from).unwrap_or_else(|| repo().join(".venv/bin/python"))
 }
 
+/// The parameter record's one implementation (in the Python package; `scripts/param_record.py`
+/// is a shim that loads it), which every export script's output depends on.
+pub const PARAM_RECORD: &str = "python/smp_partition/param_record.py";
+
 /// The directory `tests/<script> DIR` exports into, run only when DIR lacks `marker`; DIR is
-/// keyed by the script and the export code in `scripts/` it may import (`param_record.py`,
-/// `export_models.py`, `make_graph_only.py`, `onnx_build.py`).
+/// keyed by the script and the export code it may import (the parameter record,
+/// `scripts/export_models.py`, `make_graph_only.py`, `onnx_build.py`).
 pub fn exported(script: &str, marker: &str) -> PathBuf {
     exported_in(script, marker, "")
 }
@@ -27,8 +31,8 @@ pub fn exported(script: &str, marker: &str) -> PathBuf {
 fn exported_in(script: &str, marker: &str, salt: &str) -> PathBuf {
     let path = repo().join("tests").join(script);
     let mut h = Sha256::new();
-    let scripts = ["param_record.py", "export_models.py", "make_graph_only.py", "onnx_build.py"].map(|s| repo().join("scripts").join(s));
-    for f in std::iter::once(&path).chain(&scripts) {
+    let scripts = ["export_models.py", "make_graph_only.py", "onnx_build.py"].map(|s| repo().join("scripts").join(s));
+    for f in std::iter::once(&path).chain(&scripts).chain(std::iter::once(&repo().join(PARAM_RECORD))) {
         h.update(std::fs::read(f).unwrap_or_else(|e| panic!("{}: {e}", f.display())));
     }
     h.update(salt.as_bytes());

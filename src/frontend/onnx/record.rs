@@ -1,5 +1,5 @@
 //! The parameter record on initializers (`smp.*` keys of `TensorProto.metadata_props`,
-//! written by scripts/param_record.py; format in docs/parameter-record.md).
+//! written by `smp_partition.param_record`; format in docs/parameter-record.md).
 
 use std::path::Path;
 
@@ -17,7 +17,7 @@ pub(crate) fn read(t: &TensorProto, file: &Path) -> Result<Option<ParamRecord>, 
     let bad = |reason: String| ImportError::BadTensor {
         file: file.to_path_buf(),
         tensor: name.clone(),
-        reason: format!("parameter record: {reason}; re-export with scripts/param_record.py or strip the `smp.*` metadata"),
+        reason: format!("parameter record: {reason}; re-export with `smp_partition.export` or strip the `smp.*` metadata"),
     };
     let kind = match kind {
         "parameter" => RecordKind::Parameter,
@@ -58,5 +58,10 @@ pub(crate) fn read(t: &TensorProto, file: &Path) -> Result<Option<ParamRecord>, 
         }
         other => return Err(bad(format!("`smp.transform` is `{other}`, not identity, transpose or gather"))),
     };
-    Ok(Some(ParamRecord { kind, params, transform, sites }))
+    let persistent = match get("smp.persistent").unwrap_or("true") {
+        "true" => true,
+        "false" => false,
+        other => return Err(bad(format!("`smp.persistent` is `{other}`, not true or false"))),
+    };
+    Ok(Some(ParamRecord { kind, params, transform, sites, persistent }))
 }

@@ -268,10 +268,14 @@ impl<'a> Rank<'a> {
             .ok_or_else(|| terr(format!("collective `{purpose}` names no stage of rank {}", self.global_rank)))
     }
 
-    /// The tensor of buffer `v` that training updates, if this rank writes it to checkpoints:
-    /// replica 0's tensor rank 0 of the first stage that reads `v` (its executor's copy).
-    pub fn live_buffer(&self, v: ValueId) -> Option<Tensor> {
-        if self.replica != 0 || self.tensor_rank != 0 {
+    /// The tensor of buffer `v` that training updates and the part of `v` it is, if this rank
+    /// writes it to checkpoints: replica 0's tensor rank 0 of the first stage that reads `v`
+    /// (its executor's copy), or every tensor rank of it when tensor parallelism cut `v`.
+    pub fn live_buffer(&self, v: ValueId) -> Option<(Tensor, Slice)> {
+        // a buffer tensor parallelism cut (BART's `final_logits_bias`, added to vocabulary-
+        // parallel logits) is written by every tensor rank, each its part
+        let part = self.part_of(v);
+        if self.replica != 0 || (self.tensor_rank != 0 && part.axis.is_none()) {
             return None;
         }
         let graph = self.graph();
@@ -279,10 +283,11 @@ impl<'a> Rank<'a> {
         if !self.my_stages.contains(&first) {
             return None;
         }
-        match self.stage_execs.get(&first) {
+        let live = match self.stage_execs.get(&first) {
             Some(se) => se.graph().value_by_name(&graph.value(v).name).and_then(|l| se.weights.get(&l)).map(Tensor::shallow_clone),
             None => self.exec.weights.get(&v).map(Tensor::shallow_clone),
-        }
+        };
+        live.map(|t| (t, part))
     }
 
     /// The last stage (it computes the loss).

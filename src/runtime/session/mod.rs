@@ -338,7 +338,8 @@ impl RunSession {
         let l = Loaded::open(dir)?;
         let imported = load_model(&self.model).map_err(|e| SessionError::Model(format!("cannot load model `{}`: {e}", self.model.display())))?;
         let (graph, _) = decided(imported.graph, imported.sha256, &self.model, &self.opts.params, None)?;
-        let exec = export::trained_executor(&l, &graph)?;
+        // the weights as the run trained them (an f64 run's in f64)
+        let exec = export::trained_executor_in(&l, &graph, Some(self.opts.dtype.kind()))?;
         Ok(export::write_module_tensors(&exec, out)?)
     }
 

@@ -566,14 +566,16 @@ fn piece_numel(e: &Entry) -> Result<i64, String> {
     }
 }
 
-/// The module buffers of `graph` that `held` gives a tensor for, as whole pieces. BatchNorm's
-/// running statistics move during training, so each must come from the copy that trained: the
-/// caller's `held` answers only for buffers whose live copy it holds (written once per world).
-pub fn buffer_pieces(graph: &Graph, held: impl Fn(ValueId) -> Option<Tensor>) -> Result<Vec<Piece>, RuntimeError> {
+/// The module buffers of `graph` that `held` gives a tensor for, with the part of the buffer
+/// it is (whole, or a tensor-parallel cut). BatchNorm's running statistics move during
+/// training, so each must come from the copy that trained: the caller's `held` answers only
+/// for buffers whose live copy it holds (each part written once per world).
+pub fn buffer_pieces(graph: &Graph, held: impl Fn(ValueId) -> Option<(Tensor, Slice)>) -> Result<Vec<Piece>, RuntimeError> {
     let mut out = Vec::new();
     for v in graph.initializers().filter(|&v| is_buffer(graph, v)) {
-        let Some(w) = held(v).filter(|w| w.numel() > 0) else { continue };
-        out.push(Piece { name: buffer_name(graph, v), role: Role::Buffer, shape: w.size(), transposed: false, slice: Slice::whole(), tensor: w.f_detach()? });
+        let Some((w, slice)) = held(v).filter(|(w, _)| w.numel() > 0) else { continue };
+        let shape = graph.value(v).data.as_ref().map(|d| d.dims.clone()).unwrap_or_else(|| w.size());
+        out.push(Piece { name: buffer_name(graph, v), role: Role::Buffer, shape, transposed: false, slice, tensor: w.f_detach()? });
     }
     Ok(out)
 }

@@ -37,9 +37,15 @@ fn ferr(path: &Path, m: impl std::fmt::Display) -> RuntimeError {
 /// The model's initializers with the checkpoint's trained values put in (in the model's own
 /// element types), as an executor for evaluating the runner's tie nodes.
 pub fn trained_executor<'g>(ckpt: &Loaded, graph: &'g Graph) -> Result<Executor<'g>, RuntimeError> {
-    let mut weights = Weights::load(graph, InitMode::Load, None)?;
+    trained_executor_in(ckpt, graph, None)
+}
+
+/// [`trained_executor`] with the floating-point weights in `float_kind` (a run's precision,
+/// so that an f64 run's weights come out as it trained them); `None`: the model's own types.
+pub fn trained_executor_in<'g>(ckpt: &Loaded, graph: &'g Graph, float_kind: Option<tch::Kind>) -> Result<Executor<'g>, RuntimeError> {
+    let mut weights = Weights::load(graph, InitMode::Load, float_kind)?;
     checkpoint::restore_params(ckpt, graph, &mut weights.tensors)?;
-    Executor::new(graph, weights, ExecOptions { float_kind: None, training: false })
+    Executor::new(graph, weights, ExecOptions { float_kind, training: false })
 }
 
 /// The trained weights under module parameter names in the module's layout (every alias of a
@@ -78,7 +84,8 @@ pub fn module_tensors(exec: &Executor<'_>) -> Result<BTreeMap<String, Tensor>, R
                 }
             }
             None => {
-                if let Some(rec) = val.record.as_ref().filter(|r| r.kind == RecordKind::Buffer) {
+                // a non-persistent buffer is no part of the module's state (`load_state_dict`)
+                if let Some(rec) = val.record.as_ref().filter(|r| r.kind == RecordKind::Buffer && r.persistent) {
                     for n in rec.params.iter().flatten() {
                         out.insert(n.clone(), w.f_detach()?);
                     }
@@ -285,6 +292,9 @@ fn record_props(rec: &ParamRecord) -> Vec<StringStringEntryProto> {
     }
     if rec.params.len() > 1 && rec.sites.len() == rec.params.len() {
         out.push(e("smp.sites", serde_json::to_string(&rec.sites).unwrap_or_default()));
+    }
+    if !rec.persistent {
+        out.push(e("smp.persistent", "false".into()));
     }
     out
 }

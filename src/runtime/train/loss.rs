@@ -20,18 +20,31 @@ pub enum LossKind {
     CrossEntropy,
     /// Mean squared error of the first output against a `targets` (or `labels`) array.
     Mse,
+    /// A sequence-to-sequence model's loss: cross-entropy of the decoder's logits against a
+    /// `labels` array (ignore index −100), as the model computes it from `labels`; the data's
+    /// `decoder_input_ids` must be those labels shifted right by one (the model's
+    /// `prepare_decoder_input_ids_from_labels`), which is checked.
+    Seq2Seq,
 }
 
 impl LossKind {
     /// The loss a run minimises when none is asked: the model's own scalar output if it has
-    /// one (an auxiliary loss, such as a router's, is not one), else causal language modelling.
+    /// one (an auxiliary loss, such as a router's, is not one), else a sequence-to-sequence
+    /// loss for a model with decoder inputs, else causal language modelling.
     pub fn infer(graph: &crate::ir::Graph) -> LossKind {
         let scalar_out = graph
             .outputs
             .iter()
             .filter(|&&v| !graph.aux_losses.iter().any(|a| a.output == v))
             .any(|&v| graph.value(v).ty.as_ref().and_then(|t| t.shape.as_ref()).is_some_and(|s| s.numel() == Some(1)));
-        if scalar_out { LossKind::Model } else { LossKind::CausalLm }
+        let seq2seq = graph.inputs.iter().any(|&v| graph.value(v).name == DECODER_INPUT_IDS);
+        if scalar_out {
+            LossKind::Model
+        } else if seq2seq {
+            LossKind::Seq2Seq
+        } else {
+            LossKind::CausalLm
+        }
     }
 
     /// Parses a `--loss` value.
@@ -41,6 +54,7 @@ impl LossKind {
             "causal-lm" => LossKind::CausalLm,
             "cross-entropy" => LossKind::CrossEntropy,
             "mse" => LossKind::Mse,
+            "seq2seq" => LossKind::Seq2Seq,
             _ => return None,
         })
     }
@@ -105,7 +119,10 @@ fn main_loss_sum(exec: &Executor, kind: LossKind, mb: &Batch, outs: &[Tensor]) -
             let target = causal_targets(exec, mb)?;
             pred.f_cross_entropy_loss(&target, None::<&Tensor>, Reduction::Sum, IGNORE_INDEX, 0.0)?
         }
-        LossKind::CrossEntropy => {
+        LossKind::CrossEntropy | LossKind::Seq2Seq => {
+            if kind == LossKind::Seq2Seq {
+                check_decoder_inputs(mb)?;
+            }
             let v = *first_float.size().last().unwrap_or(&1);
             let pred = first_float.f_reshape([-1, v])?;
             pred.f_cross_entropy_loss(&class_labels(mb)?, None::<&Tensor>, Reduction::Sum, IGNORE_INDEX, 0.0)?
@@ -127,7 +144,7 @@ pub fn target_count(exec: &Executor, kind: LossKind, mb: &Batch) -> Result<f64, 
     match kind {
         LossKind::Model => batch_rows(mb),
         LossKind::CausalLm => counted(&causal_targets(exec, mb)?),
-        LossKind::CrossEntropy => counted(&class_labels(mb)?),
+        LossKind::CrossEntropy | LossKind::Seq2Seq => counted(&class_labels(mb)?),
         LossKind::Mse => Ok(regression_targets(mb)?.numel() as f64),
     }
 }
@@ -177,6 +194,33 @@ fn causal_targets(exec: &Executor, mb: &Batch) -> Result<Tensor, RuntimeError> {
 fn class_labels(mb: &Batch) -> Result<Tensor, RuntimeError> {
     let labels = find_array(mb, &["labels", "label", "targets"]).ok_or_else(|| train_err("cross-entropy needs a `labels` array in --data"))?;
     Ok(labels.f_reshape([-1])?.f_to_kind(Kind::Int64)?)
+}
+
+/// Graph input of a sequence-to-sequence model's decoder tokens (Hugging Face's name).
+pub const DECODER_INPUT_IDS: &str = "decoder_input_ids";
+
+/// Refuses a batch whose `decoder_input_ids` (where it holds them) are not its `labels`
+/// shifted right by one: the decoder would be taught to predict other tokens than it reads.
+fn check_decoder_inputs(mb: &Batch) -> Result<(), RuntimeError> {
+    let (Some(dec), Some(labels)) = (find_array(mb, &[DECODER_INPUT_IDS]), find_array(mb, &["labels"])) else {
+        return Ok(());
+    };
+    let (d, l) = (dec.size(), labels.size());
+    if d.len() != 2 || d != l {
+        return Err(train_err(&format!("seq2seq: `{DECODER_INPUT_IDS}` is {d:?} and `labels` {l:?}; both must be [batch, target length]")));
+    }
+    let s = l[1];
+    let prev = labels.f_narrow(1, 0, s - 1)?.f_to_kind(Kind::Int64)?;
+    let next = dec.f_narrow(1, 1, s - 1)?.f_to_kind(Kind::Int64)?;
+    let counted = prev.f_ne(IGNORE_INDEX)?;
+    let wrong = next.f_ne_tensor(&prev)?.f_logical_and(&counted)?.f_sum(Kind::Int64)?.f_int64_value(&[])?;
+    if wrong > 0 {
+        return Err(train_err(&format!(
+            "seq2seq: `{DECODER_INPUT_IDS}` are not `labels` shifted right by one ({wrong} tokens differ); make them with the model's \
+             `prepare_decoder_input_ids_from_labels(labels=labels)`"
+        )));
+    }
+    Ok(())
 }
 
 fn regression_targets(mb: &Batch) -> Result<&Tensor, RuntimeError> {

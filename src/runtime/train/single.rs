@@ -124,7 +124,7 @@ impl StepRunner for SingleProcess<'_, '_> {
                 pieces.push(Piece { name: param_name(graph, v), role, shape: t.size(), transposed: is_transposed(graph, v), slice: Slice::whole(), tensor: t.f_detach()? });
             }
         }
-        pieces.extend(checkpoint::buffer_pieces(graph, |v| self.exec.weights.get(&v).map(Tensor::shallow_clone))?);
+        pieces.extend(checkpoint::buffer_pieces(graph, |v| self.exec.weights.get(&v).map(|t| (t.shallow_clone(), Slice::whole())))?);
         Ok(pieces)
     }
 
