@@ -331,8 +331,8 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
             .ok_or_else(|| ImportError::DanglingOutput { file: file.clone(), output: name.clone() })?;
         g.outputs.push(v);
     }
-    if let Some(entry) = metadata_props.iter().find(|p| p.key.as_deref() == Some(AUX_LOSS_KEY)) {
-        g.aux_losses = aux_losses(&g, entry.value.as_deref().unwrap_or(""), &file)?;
+    if let Some(entry) = metadata_props.iter().find(|p| p.key.as_deref() == Some(super::record::AUX_LOSS_KEY)) {
+        g.aux_losses = super::record::aux_losses(&g, entry.value.as_deref().unwrap_or(""), &file)?;
     }
 
     for (domain, op_type, node, count) in unknown {
@@ -361,34 +361,6 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
         sha256,
         graph_only,
     })
-}
-
-/// The model metadata key of the auxiliary losses (docs/parameter-record.md).
-pub const AUX_LOSS_KEY: &str = "smp.aux_loss";
-
-/// The auxiliary losses of `smp.aux_loss`: a JSON list of `{"output": NAME, "coefficient": C}`,
-/// each a scalar float graph output.
-fn aux_losses(g: &Graph, text: &str, file: &Path) -> Result<Vec<crate::ir::AuxLoss>, ImportError> {
-    #[derive(serde::Deserialize)]
-    #[serde(deny_unknown_fields)]
-    struct Entry {
-        output: String,
-        coefficient: f64,
-    }
-    let bad = |reason: String| ImportError::BadAuxLoss { file: file.to_path_buf(), reason };
-    let entries: Vec<Entry> = serde_json::from_str(text).map_err(|e| bad(format!("not a JSON list of {{\"output\", \"coefficient\"}}: {e}")))?;
-    entries
-        .into_iter()
-        .map(|e| {
-            let v = g.value_by_name(&e.output).filter(|v| g.outputs.contains(v));
-            let Some(output) = v else { return Err(bad(format!("`{}` is not a graph output", e.output))) };
-            let scalar = g.value(output).ty.as_ref().is_none_or(|t| t.dtype.is_float() && t.shape.as_ref().is_none_or(|s| s.0.is_empty()));
-            if !scalar || !e.coefficient.is_finite() {
-                return Err(bad(format!("`{}` must be a scalar float output with a finite coefficient (got {})", e.output, e.coefficient)));
-            }
-            Ok(crate::ir::AuxLoss { output, coefficient: e.coefficient })
-        })
-        .collect()
 }
 
 /// Node names made unique: an empty name becomes `OpType_N`, a repeated one `name_N`.

@@ -1,5 +1,6 @@
 //! The parameter record on initializers (`smp.*` keys of `TensorProto.metadata_props`,
-//! written by `smp_partition.param_record`; format in docs/parameter-record.md).
+//! written by `smp_partition.param_record`; format in docs/parameter-record.md), and the
+//! model-level `smp.aux_loss` list of auxiliary losses.
 
 use std::path::Path;
 
@@ -64,4 +65,32 @@ pub(crate) fn read(t: &TensorProto, file: &Path) -> Result<Option<ParamRecord>, 
         other => return Err(bad(format!("`smp.persistent` is `{other}`, not true or false"))),
     };
     Ok(Some(ParamRecord { kind, params, transform, sites, persistent }))
+}
+
+/// The model metadata key of the auxiliary losses (docs/parameter-record.md).
+pub const AUX_LOSS_KEY: &str = "smp.aux_loss";
+
+/// The auxiliary losses of `smp.aux_loss`: a JSON list of `{"output": NAME, "coefficient": C}`,
+/// each a scalar float graph output.
+pub(crate) fn aux_losses(g: &crate::ir::Graph, text: &str, file: &Path) -> Result<Vec<crate::ir::AuxLoss>, ImportError> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Entry {
+        output: String,
+        coefficient: f64,
+    }
+    let bad = |reason: String| ImportError::BadAuxLoss { file: file.to_path_buf(), reason };
+    let entries: Vec<Entry> = serde_json::from_str(text).map_err(|e| bad(format!("not a JSON list of {{\"output\", \"coefficient\"}}: {e}")))?;
+    entries
+        .into_iter()
+        .map(|e| {
+            let v = g.value_by_name(&e.output).filter(|v| g.outputs.contains(v));
+            let Some(output) = v else { return Err(bad(format!("`{}` is not a graph output", e.output))) };
+            let scalar = g.value(output).ty.as_ref().is_none_or(|t| t.dtype.is_float() && t.shape.as_ref().is_none_or(|s| s.0.is_empty()));
+            if !scalar || !e.coefficient.is_finite() {
+                return Err(bad(format!("`{}` must be a scalar float output with a finite coefficient (got {})", e.output, e.coefficient)));
+            }
+            Ok(crate::ir::AuxLoss { output, coefficient: e.coefficient })
+        })
+        .collect()
 }
