@@ -149,3 +149,173 @@ fn pp2_dp2_across_two_network_namespaces_matches_one_process() {
     let err = String::from_utf8_lossy(&b.stderr);
     assert!(err.contains("Gloo"), "the failure names Gloo: {err}");
 }
+
+/// One launcher per host of the pp2 × dp2 plan with `extra` run and launch flags, started (not
+/// waited for); stderr is read line by line into `tx` by a thread.
+fn start_hosts(hosts: &Hosts, p: &Path, launch: &[&str], extra: &[String], tx: &std::sync::mpsc::Sender<(usize, String)>) -> Vec<std::process::Child> {
+    (0..2)
+        .map(|i| {
+            let mut child = Command::new("ip")
+                .args(["netns", "exec", &hosts.names[i], env!("CARGO_BIN_EXE_smp-runner"), "launch", "--nproc", "2", "--nnodes", "2"])
+                .args(["--node-rank", &i.to_string(), "--master-addr", &hosts.addrs[0], "--master-port", "29510"])
+                .args(launch)
+                .arg(p)
+                .args(extra)
+                .env_remove("GLOO_SOCKET_IFNAME")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let stderr = child.stderr.take().unwrap();
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                use std::io::BufRead;
+                for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+                    let _ = tx.send((i, line));
+                }
+            });
+            child
+        })
+        .collect()
+}
+
+/// Waits for a line of `rx` for which `until` holds; returns every line seen.
+fn lines_until(rx: &std::sync::mpsc::Receiver<(usize, String)>, limit: std::time::Duration, until: impl Fn(&(usize, String)) -> bool) -> Vec<(usize, String)> {
+    let t0 = std::time::Instant::now();
+    let mut seen = Vec::new();
+    while let Some(left) = limit.checked_sub(t0.elapsed()) {
+        match rx.recv_timeout(left) {
+            Ok(l) => {
+                let done = until(&l);
+                seen.push(l);
+                if done {
+                    break;
+                }
+            }
+            Err(_) => break,
+        }
+    }
+    seen
+}
+
+fn at_step(line: &str, n: u64) -> bool {
+    line.split("] step ").nth(1).and_then(|t| t.split(' ').next()?.parse::<u64>().ok()).is_some_and(|s| s >= n)
+}
+
+/// The link between the hosts cut mid-step: every rank ends within its timeout + 10 s, the
+/// ranks name the peer or group they waited on, and the newest complete checkpoint loads. With
+/// a restart allowed and the link back, the launchers agree through node 0's store and the run
+/// resumes and ends as one process trains.
+#[test]
+fn a_cut_link_ends_every_rank_in_time_and_with_a_restart_the_run_resumes() {
+    let hosts = match Hosts::new() {
+        Ok(h) => h,
+        Err(why) => panic!("two network namespaces joined by a veth pair are needed (root and iproute2, as CI runs): {why}"),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let p = plan(dir.path());
+    let steps = 10;
+    let r = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
+        .arg("train")
+        .arg(model())
+        .args(["--batch", BATCH, "--seq-len", SEQ, "--microbatches", "4", "--steps", &steps.to_string(), "--dtype", "f64", "--threads", "1", "--json"])
+        .output()
+        .unwrap();
+    ok("the single-process run", &r);
+    let want = losses(&r.stdout);
+    let timeout = 10u64;
+    for restart in [false, true] {
+        let ckpt = dir.path().join(format!("ckpt-{restart}"));
+        let extra: Vec<String> = ["--steps", &steps.to_string(), "--dtype", "f64", "--threads", "1", "--json", "--progress", "--timeout", &timeout.to_string(), "--checkpoint-every", "2", "--checkpoint-dir", ckpt.to_str().unwrap()]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let launch: &[&str] = if restart { &["--max-restarts", "1", "--restart-backoff", "1"] } else { &[] };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut nodes = start_hosts(&hosts, &p, launch, &extra, &tx);
+        drop(tx);
+        let seen = lines_until(&rx, std::time::Duration::from_secs(300), |(_, l)| at_step(l, 3));
+        assert!(seen.iter().any(|(_, l)| at_step(l, 3)), "no step 3 reported: {seen:?}");
+        ip(&["-n", &hosts.names[0], "link", "set", "veth0", "down"]).unwrap();
+        let cut = std::time::Instant::now();
+        if !restart {
+            let mut log = seen;
+            for n in &mut nodes {
+                let status = loop {
+                    if let Some(s) = n.try_wait().unwrap() {
+                        break s;
+                    }
+                    assert!(cut.elapsed() < std::time::Duration::from_secs(timeout + 10), "a launcher still runs {} s after the cut", cut.elapsed().as_secs());
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                };
+                assert!(!status.success());
+            }
+            log.extend(rx.iter());
+            let errors: Vec<&String> = log.iter().map(|(_, l)| l).filter(|l| l.contains("error:")).collect();
+            assert!(!errors.is_empty(), "no rank reported an error: {log:?}");
+            for e in &errors {
+                assert!(e.contains("from rank") || e.contains("to rank") || e.contains("over ranks"), "the error names no peer or group: {e}");
+            }
+            let l = smp_partition::runtime::state::checkpoint::Loaded::open(&ckpt).unwrap_or_else(|e| panic!("the newest complete checkpoint does not load: {e}"));
+            assert!(l.manifest.state.step >= 2);
+            ip(&["-n", &hosts.names[0], "link", "set", "veth0", "up"]).unwrap();
+            continue;
+        }
+        // both hosts' ranks fail; the launchers wait to agree until the link is back
+        let failed = lines_until(&rx, std::time::Duration::from_secs(timeout + 60), |(i, l)| *i == 0 && l.contains("the other ranks were stopped"));
+        assert!(failed.iter().any(|(_, l)| l.contains("the other ranks were stopped")), "{failed:?}");
+        std::thread::sleep(std::time::Duration::from_secs(2));
+        ip(&["-n", &hosts.names[0], "link", "set", "veth0", "up"]).unwrap();
+        let outs: Vec<Output> = nodes.into_iter().map(|n| n.wait_with_output().unwrap()).collect();
+        let log: Vec<(usize, String)> = rx.iter().collect();
+        for (i, o) in outs.iter().enumerate() {
+            assert!(o.status.success(), "node {i} after the restart ({:?}): {log:?}", o.status);
+        }
+        assert!(log.iter().any(|(_, l)| l.contains("restart 1 of 1")), "{log:?}");
+        let report: serde_json::Value = serde_json::from_slice(&outs[0].stdout).unwrap();
+        assert_eq!(report["restarts"].as_array().map(Vec::len), Some(1), "{report}");
+        let got: Vec<(u64, f64)> = report["steps"].as_array().unwrap().iter().map(|s| (s["step"].as_u64().unwrap(), s["loss"].as_f64().unwrap())).collect();
+        assert_eq!(got.last().map(|s| s.0), Some(steps as u64));
+        for (step, loss) in got {
+            let w = want[step as usize - 1];
+            assert!(((loss - w) / w).abs() <= 1e-9, "step {step} after the restart: {loss} vs one process {w}");
+        }
+    }
+}
+
+/// A slow link (shaped by `tc tbf`: every message queues behind a rate limit; this kernel has no
+/// netem for a fixed delay) only slows the run: the losses are those of the unshaped link.
+#[test]
+fn a_slow_link_changes_no_loss() {
+    let hosts = match Hosts::new() {
+        Ok(h) => h,
+        Err(why) => panic!("two network namespaces joined by a veth pair are needed (root and iproute2, as CI runs): {why}"),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let p = plan(dir.path());
+    let run = || {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let extra: Vec<String> = COMMON.iter().map(|s| s.to_string()).chain(["--timeout".to_string(), "120".to_string()]).collect();
+        let nodes = start_hosts(&hosts, &p, &[], &extra, &tx);
+        drop(tx);
+        let outs: Vec<Output> = nodes.into_iter().map(|n| n.wait_with_output().unwrap()).collect();
+        let log: Vec<(usize, String)> = rx.iter().collect();
+        for (i, o) in outs.iter().enumerate() {
+            assert!(o.status.success(), "node {i}: {log:?}");
+        }
+        let v: serde_json::Value = serde_json::from_slice(&outs[0].stdout).unwrap();
+        (losses(&outs[0].stdout), v["measured_step_time_s"].as_f64().unwrap())
+    };
+    let (fast, fast_s) = run();
+    for (i, dev) in ["veth0", "veth1"].iter().enumerate() {
+        let r = Command::new("tc").args(["-n", &hosts.names[i], "qdisc", "add", "dev", dev, "root", "tbf", "rate", "16mbit", "burst", "16kb", "latency", "2s"]).output().unwrap();
+        assert!(r.status.success(), "tc: {}", String::from_utf8_lossy(&r.stderr));
+    }
+    let (slow, slow_s) = run();
+    eprintln!("step {fast_s:.3} s on the free link, {slow_s:.3} s shaped to 16 Mbit/s");
+    assert_eq!(fast.len(), slow.len());
+    for (a, b) in fast.iter().zip(&slow) {
+        assert_eq!(a.to_bits(), b.to_bits(), "losses {fast:?} on the free link, {slow:?} on the shaped one");
+    }
+    assert!(slow_s > fast_s, "the shaped link did not slow the run ({slow_s} vs {fast_s} s)");
+}

@@ -72,7 +72,7 @@ def run_args(plan: Plan, *, data: Any = None, steps: int = 10, checkpoint_dir: s
 
 
 def launch(plan: Plan, *, data: Any = None, steps: int = 10, checkpoint_dir: str | Path | None = None,
-           progress: bool | Callable[[str], None] = True, **options: Any) -> Run:
+           progress: bool | Callable[[str], None] = True, max_restarts: int = 0, **options: Any) -> Run:
     """Trains `plan` on this host: `smp-runner launch --nproc N PLAN --steps STEPS ...`, one
     process per rank, and waits for it.
 
@@ -86,11 +86,15 @@ def launch(plan: Plan, *, data: Any = None, steps: int = 10, checkpoint_dir: str
     each line.
 
     A rank's failure raises `RankFailed` naming the rank; the launcher stops the other ranks,
-    and any process of the job still alive afterwards is killed: none is left behind."""
+    and any process of the job still alive afterwards is killed: none is left behind. With
+    `max_restarts=N` (torchrun's name) a run that fails after it started training is started
+    again from the newest complete checkpoint of `checkpoint_dir` (from the start without one),
+    up to N times; `run.report["restarts"]` lists them."""
     out = plan.dir
     (out / TRAINED).unlink(missing_ok=True)
     args = run_args(plan, data=data, steps=steps, checkpoint_dir=checkpoint_dir, out=out, **options)
-    command = [str(find_binary("smp-runner")), "launch", "--nproc", str(plan.devices), str(plan.path),
+    command = [str(find_binary("smp-runner")), "launch", "--nproc", str(plan.devices),
+               *(["--max-restarts", str(int(max_restarts))] if max_restarts else []), str(plan.path),
                *args, "--json", "--progress"]
     show: Callable[[str], None]
     if callable(progress):
@@ -136,8 +140,9 @@ def launch(plan: Plan, *, data: Any = None, steps: int = 10, checkpoint_dir: str
     finally:
         _reap(proc, pids)
     log = "\n".join(tail)
-    if failed:
-        raise RankFailed(failed[0][0], failed[0][1], log)
+    if failed and code != 0:
+        # the last failure ended the run (earlier ones were restarted)
+        raise RankFailed(failed[-1][0], failed[-1][1], log)
     if code != 0:
         raise CommandError(command, code, log)
     report = _report(stdout)

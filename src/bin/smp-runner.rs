@@ -1,17 +1,18 @@
 //! `smp-runner`: execute ONNX models and smp-partition plans on libtorch. Flags in, the run
 //! front door (`runtime::session`) does the work, its report out.
 //!
-//! Exit status: 0 success, 1 user error (the message on stderr names the cause), 2 usage.
+//! Exit status: 0 success, 1 user error (the message on stderr names the cause), 2 usage, 3
+//! the run failed after it started training (`launch --max-restarts` starts it again).
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use smp_partition::runtime::data;
 use smp_partition::runtime::launch::{calibrate, launcher};
 use smp_partition::runtime::session::commands::{self, EvalJob};
-use smp_partition::runtime::session::{CheckpointOptions, DataOptions, FloatType, InitChoice, OptimizerOptions, ParamOptions, RunOptions, RunSession, RunTarget};
+use smp_partition::runtime::session::{CheckpointOptions, DataOptions, FloatType, InitChoice, OnCheckpointError, OptimizerOptions, ParamOptions, RunOptions, RunSession, RunTarget, SessionError};
 use smp_partition::runtime::train::{EvalRecord, LossKind, LrShape, StepRecord, TrainObserver};
 
 #[derive(Parser)]
@@ -19,47 +20,6 @@ use smp_partition::runtime::train::{EvalRecord, LossKind, LrShape, StepRecord, T
 struct Cli {
     #[command(subcommand)]
     command: Command,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum DTypeArg {
-    F32,
-    F64,
-    Bf16,
-}
-
-impl From<DTypeArg> for FloatType {
-    fn from(d: DTypeArg) -> FloatType {
-        match d {
-            DTypeArg::F32 => FloatType::F32,
-            DTypeArg::F64 => FloatType::F64,
-            DTypeArg::Bf16 => FloatType::Bf16,
-        }
-    }
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum InitArg {
-    /// Read every weight (external files must be present).
-    Load,
-    /// Seeded random values for external weights, without reading their files.
-    Random,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum LossArg {
-    Model,
-    CausalLm,
-    CrossEntropy,
-    Mse,
-    Seq2seq,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum LrScheduleArg {
-    Constant,
-    Cosine,
-    Linear,
 }
 
 #[derive(Subcommand)]
@@ -74,11 +34,12 @@ enum Command {
         /// Where to write the outputs, keyed by graph output name.
         #[arg(long)]
         outputs: PathBuf,
-        /// Run floating-point tensors in this type (default: the model's own types).
-        #[arg(long, value_enum)]
-        dtype: Option<DTypeArg>,
-        #[arg(long, value_enum, default_value = "load")]
-        init: InitArg,
+        /// Run floating-point tensors in this type: f32, f64 or bf16 (default: the model's own).
+        #[arg(long)]
+        dtype: Option<FloatType>,
+        /// load (read every weight) or random (seeded values for external weights, unread).
+        #[arg(long, default_value = "load")]
+        init: InitChoice,
         /// Seed for `--init random`.
         #[arg(long, default_value_t = 0)]
         seed: i64,
@@ -146,6 +107,18 @@ enum Command {
         /// The rendezvous port, the same on every host (default: a free one, one host only).
         #[arg(long)]
         master_port: Option<u16>,
+        /// Start every rank again, from the newest complete checkpoint of --checkpoint-dir,
+        /// when the run fails after it started training (a rank killed, crashed or cut off), up
+        /// to N times; a user error (exit 1) is not retried.
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        max_restarts: usize,
+        /// Seconds to wait before a restart.
+        #[arg(long, value_name = "S", default_value_t = 3)]
+        restart_backoff: u64,
+        /// Node 0's port for the launchers' own store, which agrees on restarts across hosts
+        /// (default: --master-port + 1).
+        #[arg(long)]
+        restart_port: Option<u16>,
         /// The plan file.
         plan: PathBuf,
         /// Options passed to every rank's `run`.
@@ -188,17 +161,17 @@ struct TrainArgs {
     /// Microbatches per step (gradients accumulate).
     #[arg(long, default_value_t = 1)]
     microbatches: usize,
-    /// Loss; default: the model's scalar output if it has one, else seq2seq for a model with
-    /// `decoder_input_ids`, else causal-lm.
-    #[arg(long, value_enum)]
-    loss: Option<LossArg>,
+    /// Loss: model, causal-lm, cross-entropy, mse or seq2seq; default: the model's scalar
+    /// output if it has one, else seq2seq for a model with `decoder_input_ids`, else causal-lm.
+    #[arg(long)]
+    loss: Option<LossKind>,
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
     #[arg(long, default_value_t = 0.01)]
     weight_decay: f64,
-    /// Decay of the learning rate after the warm-up (towards --min-lr).
-    #[arg(long, value_enum, default_value = "constant")]
-    lr_schedule: LrScheduleArg,
+    /// Decay of the learning rate after the warm-up (towards --min-lr): constant, cosine, linear.
+    #[arg(long, default_value = "constant")]
+    lr_schedule: LrShape,
     /// Steps of linear warm-up from lr/N to lr.
     #[arg(long, default_value_t = 0)]
     warmup_steps: usize,
@@ -208,8 +181,9 @@ struct TrainArgs {
     /// Global gradient-norm limit; 0 disables clipping.
     #[arg(long, default_value_t = 1.0)]
     clip: f64,
-    #[arg(long, value_enum, default_value = "f32")]
-    dtype: DTypeArg,
+    /// Floating-point type of the run: f32, f64 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: FloatType,
     /// Training data: a token file (.bin with its .bin.json sidecar; every step a new global
     /// batch of sequence-length windows, in an order drawn from --seed), or one batch (.npy,
     /// .npz, .safetensors) repeated every step; default: seeded synthetic data.
@@ -227,8 +201,9 @@ struct TrainArgs {
     /// Seed of the weights (`--init random`), synthetic data and the token files' sample order.
     #[arg(long, default_value_t = 0)]
     seed: i64,
-    #[arg(long, value_enum, default_value = "load")]
-    init: InitArg,
+    /// load (read every weight) or random (seeded values for external weights, unread).
+    #[arg(long, default_value = "load")]
+    init: InitChoice,
     /// Intra-op threads (default: libtorch's choice).
     #[arg(long)]
     threads: Option<i32>,
@@ -262,6 +237,9 @@ struct TrainArgs {
     /// Keep only the K newest checkpoints.
     #[arg(long, value_name = "K")]
     keep: Option<usize>,
+    /// When a checkpoint cannot be written (a full disk): stop (every rank) or continue (without it).
+    #[arg(long, default_value = "stop")]
+    on_checkpoint_error: OnCheckpointError,
     /// Continue from a checkpoint: a `step-N` directory, or a checkpoint directory (its newest
     /// complete checkpoint). `--steps` stays the run's total; the plan may differ from the one
     /// that wrote it (weights and optimizer state are resharded).
@@ -277,44 +255,31 @@ impl TrainArgs {
             batch: self.batch,
             seq_len: self.seq_len,
             microbatches: self.microbatches,
-            loss: self.loss.map(|l| match l {
-                LossArg::Model => LossKind::Model,
-                LossArg::CausalLm => LossKind::CausalLm,
-                LossArg::CrossEntropy => LossKind::CrossEntropy,
-                LossArg::Mse => LossKind::Mse,
-                LossArg::Seq2seq => LossKind::Seq2Seq,
-            }),
+            loss: self.loss,
             optimizer: OptimizerOptions {
                 lr: self.lr,
                 weight_decay: self.weight_decay,
-                schedule: match self.lr_schedule {
-                    LrScheduleArg::Constant => LrShape::Constant,
-                    LrScheduleArg::Cosine => LrShape::Cosine,
-                    LrScheduleArg::Linear => LrShape::Linear,
-                },
+                schedule: self.lr_schedule,
                 warmup_steps: self.warmup_steps,
                 min_lr: self.min_lr,
                 clip: self.clip,
             },
-            dtype: self.dtype.into(),
+            dtype: self.dtype,
             data: DataOptions { train: self.data.clone(), eval: self.eval_data.clone(), eval_every: self.eval_every, eval_batches: self.eval_batches },
             seed: self.seed,
-            init: self.init.into(),
+            init: self.init,
             threads: self.threads,
             timeout: std::time::Duration::from_secs(self.timeout),
             progress: self.progress,
             params: ParamOptions { trainable: self.trainable.clone(), frozen: self.frozen.clone() },
             save_weights: self.save_weights.clone(),
-            checkpoints: CheckpointOptions { dir: self.checkpoint_dir.clone(), every: self.checkpoint_every, keep: self.keep, resume: self.resume.clone() },
-        }
-    }
-}
-
-impl From<InitArg> for InitChoice {
-    fn from(i: InitArg) -> InitChoice {
-        match i {
-            InitArg::Load => InitChoice::Load,
-            InitArg::Random => InitChoice::Random,
+            checkpoints: CheckpointOptions {
+                dir: self.checkpoint_dir.clone(),
+                every: self.checkpoint_every,
+                keep: self.keep,
+                resume: self.resume.clone(),
+                on_error: self.on_checkpoint_error,
+            },
         }
     }
 }
@@ -372,6 +337,10 @@ impl TrainObserver for Progress {
         self.line(format!("checkpoint after step {step:>4}  {}", manifest.display()));
     }
 
+    fn on_checkpoint_failed(&mut self, _step: usize, error: &str) {
+        eprintln!("smp-runner: warning: {error}; training goes on (--on-checkpoint-error continue)");
+    }
+
     fn on_eval(&mut self, e: &EvalRecord) {
         self.line(format!("eval after step {:>4}  val loss {:.6}", e.step, e.loss));
     }
@@ -389,14 +358,16 @@ fn main() {
     smp_partition::logging::init();
     if let Err(e) = run(cli) {
         eprintln!("smp-runner: error: {e:#}");
-        std::process::exit(1);
+        // 3: the run failed after it started training, and a restart can resume it
+        let interrupted = matches!(e.downcast_ref::<SessionError>(), Some(SessionError::Interrupted(_)));
+        std::process::exit(if interrupted { 3 } else { 1 });
     }
 }
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Eval { model, inputs, outputs, dtype, init, seed, checkpoint } => {
-            let job = EvalJob { model, inputs, outputs, dtype: dtype.map(FloatType::from), init: init.into(), seed, checkpoint };
+            let job = EvalJob { model, inputs, outputs, dtype, init, seed, checkpoint };
             Ok(commands::evaluate(&job)?)
         }
         Command::Export { checkpoint, output, model, external_data } => {
@@ -419,10 +390,11 @@ fn run(cli: Cli) -> Result<()> {
             }
         },
         Command::PrepareData { files, output, val_fraction, ext, tokenizer } => prepare_data(&files, &output, val_fraction, ext.as_deref(), tokenizer.as_deref()),
-        Command::Launch { nproc, nnodes, node_rank, master_addr, master_port, plan, run_args } => {
+        Command::Launch { nproc, nnodes, node_rank, master_addr, master_port, max_restarts, restart_backoff, restart_port, plan, run_args } => {
             let exe = std::env::current_exe().context("cannot find the smp-runner executable")?;
             let nodes = launcher::Nodes { nnodes, node_rank, master_addr, master_port };
-            let code = launcher::launch_on(&exe, nproc, &nodes, &plan, &run_args)?;
+            let restarts = launcher::Restarts { max: max_restarts, backoff: std::time::Duration::from_secs(restart_backoff), port: restart_port, ..Default::default() };
+            let code = launcher::launch_on(&exe, nproc, &nodes, &restarts, &plan, &run_args)?;
             std::process::exit(code)
         }
     }

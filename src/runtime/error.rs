@@ -43,6 +43,14 @@ pub enum RuntimeError {
     /// The graph itself is inconsistent.
     #[error(transparent)]
     Graph(#[from] crate::ir::GraphError),
+    /// A checkpoint could not be written (every rank agrees it was not; none is complete).
+    #[error("checkpoint of step {step} not written: {message}")]
+    CheckpointNotWritten {
+        /// The step whose checkpoint failed.
+        step: usize,
+        /// What failed (the file and the cause, on the rank it happened).
+        message: String,
+    },
     /// Training set-up or loss problems.
     #[error("training: {0}")]
     Train(String),

@@ -2,4 +2,5 @@
 //! or several), and `calibrate`, which measures this machine for the cost model.
 
 pub mod calibrate;
+pub mod coordinator;
 pub mod launcher;

@@ -127,6 +127,22 @@ impl<'r, 'a> Interp<'r, 'a> {
 
     /// Executes one instruction.
     fn exec(&mut self, instr: &Instr) -> Result<(), RuntimeError> {
+        self.run_instr(instr).map_err(|e| match e {
+            // a message or collective that failed names what it waited on: a cut link or a dead
+            // peer shows here as a timeout or a closed connection
+            RuntimeError::Train(m) => match instr {
+                Instr::Send { to, .. } => terr(format!("{instr} to rank {to}: {m}")),
+                Instr::Recv { from, .. } => terr(format!("{instr} from rank {from}: {m}")),
+                Instr::AllReduce { group, .. } | Instr::ReduceScatter { group, .. } | Instr::AllGather { group, .. } => {
+                    terr(format!("{instr} over ranks {group:?}: {m}"))
+                }
+                _ => terr(format!("{instr}: {m}")),
+            },
+            e => e,
+        })
+    }
+
+    fn run_instr(&mut self, instr: &Instr) -> Result<(), RuntimeError> {
         match instr {
             Instr::Forward { stage, mb } => self.forward(*stage, *mb),
             Instr::Backward { stage, mb } => self.backward(*stage, *mb),
@@ -649,6 +665,12 @@ impl StepRunner for Interp<'_, '_> {
 
     fn barrier(&self) -> Result<(), RuntimeError> {
         Ok(self.rank.groups.world.barrier()?)
+    }
+
+    fn agree(&self, ok: bool) -> Result<bool, RuntimeError> {
+        let failed = Tensor::from_slice(&[if ok { 0.0f64 } else { 1.0 }]);
+        self.rank.groups.world.all_reduce_sum(&failed)?;
+        Ok(failed.f_double_value(&[0])? == 0.0)
     }
 }
 

@@ -66,5 +66,6 @@ pub fn run_rank(
     let mut report = report::gather(&rank.groups.world, env.world, trained.steps, &interp.tally, source.bytes_read())?;
     report.eval = trained.evals;
     report.checkpoints = trained.checkpoints;
+    report.failed_checkpoints = trained.failed_checkpoints;
     Ok(report)
 }

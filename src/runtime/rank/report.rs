@@ -6,7 +6,7 @@ use tch::{Kind, Tensor};
 use crate::runtime::RuntimeError;
 use crate::runtime::comm::ProcessGroup;
 use crate::runtime::terr;
-use crate::runtime::train::{CheckpointRecord, EvalRecord, StepRecord};
+use crate::runtime::train::{CheckpointRecord, EvalRecord, FailedCheckpoint, StepRecord};
 
 /// Bytes of trained state: parameters (full tensors, ZeRO blocks), gradients, optimizer moments.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -96,6 +96,8 @@ pub struct RankReport {
     pub eval: Vec<EvalRecord>,
     /// Checkpoints completed (on rank 0, which writes the manifests).
     pub checkpoints: Vec<CheckpointRecord>,
+    /// Checkpoints the run went on without.
+    pub failed_checkpoints: Vec<FailedCheckpoint>,
 }
 
 /// Bytes of a tensor's elements (0 when undefined).
@@ -167,7 +169,7 @@ pub(super) fn gather(world: &ProcessGroup, size: usize, records: Vec<StepRecord>
         })
         .collect();
     world.barrier()?;
-    Ok(RankReport { steps: records, ranks, eval: Vec::new(), checkpoints: Vec::new() })
+    Ok(RankReport { steps: records, ranks, eval: Vec::new(), checkpoints: Vec::new(), failed_checkpoints: Vec::new() })
 }
 
 /// Peak resident memory of this process (bytes), from /proc.

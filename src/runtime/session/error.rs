@@ -14,7 +14,11 @@ pub enum SessionError {
     /// The model file cannot be read or prepared.
     #[error("{0}")]
     Model(String),
-    /// Running failed.
+    /// Running failed before training started.
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
+    /// The run failed after it started training (a lost peer, a crash, a checkpoint that could
+    /// not be written): a restart from the last checkpoint can resume it.
+    #[error(transparent)]
+    Interrupted(RuntimeError),
 }

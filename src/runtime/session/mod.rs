@@ -28,8 +28,8 @@ use crate::runtime::train::{self, LossKind, TrainConfig, TrainObserver, mean_ste
 use crate::runtime::{RuntimeError, Weights};
 
 pub use error::SessionError;
-pub use options::{CheckpointOptions, DataOptions, FloatType, InitChoice, OptimizerOptions, ParamOptions, RunOptions};
-pub use report::{RankDetail, RankEntry, RunReport};
+pub use options::{CheckpointOptions, DataOptions, FloatType, InitChoice, OnCheckpointError, OptimizerOptions, ParamOptions, RunOptions};
+pub use report::{RESTARTS_ENV, RankDetail, RankEntry, RestartRecord, RunReport, restarts_from_env};
 
 /// What a run executes.
 #[derive(Clone, Debug)]
@@ -160,6 +160,7 @@ impl RunSession {
             model_sha256: self.sha256.clone(),
             params: o.params.clone(),
             model_path: std::fs::canonicalize(&self.model).unwrap_or_else(|_| self.model.clone()).display().to_string(),
+            on_error: o.checkpoints.on_error,
         });
         if let Some(path) = &o.checkpoints.resume {
             let l = Loaded::open(path)?;
@@ -229,10 +230,10 @@ impl RunSession {
         let ckpt = Checkpointing { save: self.save.take(), resume: self.resume.as_ref() };
         obs.on_start(data.tokens_per_batch());
         let t0 = Instant::now();
-        let trained = train::train_with(&exec, &data, eval_data.as_ref(), &cfg, &ckpt, obs)?;
+        let trained = train::train_with(&exec, &data, eval_data.as_ref(), &cfg, &ckpt, obs).map_err(SessionError::Interrupted)?;
         let wall_s = t0.elapsed().as_secs_f64();
         let saved_weights = match &o.save_weights {
-            Some(path) => Some(export::write_module_tensors(&exec, path)?),
+            Some(path) => Some(export::write_module_tensors(&exec, path).map_err(SessionError::Interrupted)?),
             None => None,
         };
         let step_time = mean_step_time(&trained.steps);
@@ -244,7 +245,9 @@ impl RunSession {
             ranks: vec![RankEntry { rank: 0, step_time_s: step_time, peak_memory_bytes: peak_rss_bytes(), detail: None }],
             eval: trained.evals,
             checkpoints: trained.checkpoints,
+            failed_checkpoints: trained.failed_checkpoints,
             resumed_from: self.resume.as_ref().map(|l| l.dir.display().to_string()),
+            restarts: restarts_from_env(),
             saved_weights: saved_weights.map(|p| p.display().to_string()),
             steps: trained.steps,
         })
@@ -252,7 +255,10 @@ impl RunSession {
 
     fn run_rank(mut self, plan: &Plan, env: &RankEnv, obs: &mut dyn TrainObserver) -> Result<RunReport, SessionError> {
         let model = self.model.clone();
-        let in_rank = |e: RuntimeError| SessionError::Runtime(RuntimeError::Train(format!("rank {} of {}: {e}", env.rank, env.world)));
+        let in_rank = |e: RuntimeError| match e {
+            e @ RuntimeError::CheckpointNotWritten { .. } => SessionError::Interrupted(e),
+            e => SessionError::Interrupted(RuntimeError::Train(format!("rank {} of {}: {e}", env.rank, env.world))),
+        };
         // the graph the plan was made for: specialised as the planner did, the plan's fused
         // ops applied, its fixed batch rebound
         let (graph, dims) = rank::planned_graph(plan, std::mem::take(&mut self.graph)).map_err(|e| SessionError::Model(format!("model `{}`: {e}", model.display())))?;
@@ -288,7 +294,10 @@ impl RunSession {
                 if let Some(dir) = &scratch {
                     let _ = std::fs::remove_dir_all(dir);
                 }
-                saved_weights = Some(written?.display().to_string());
+                saved_weights = Some(written.map_err(|e| match e {
+                    SessionError::Runtime(e) => SessionError::Interrupted(e),
+                    e => e,
+                })?.display().to_string());
             }
         }
         let mesh = plan.mesh();
@@ -308,7 +317,9 @@ impl RunSession {
                 .collect(),
             eval: report.eval,
             checkpoints: report.checkpoints,
+            failed_checkpoints: report.failed_checkpoints,
             resumed_from: self.resume.as_ref().map(|l| l.dir.display().to_string()),
+            restarts: restarts_from_env(),
             saved_weights,
             steps: report.steps,
         })
@@ -329,6 +340,7 @@ impl RunSession {
                 model_sha256: self.sha256.clone(),
                 params: self.opts.params.clone(),
                 model_path: self.model.display().to_string(),
+                on_error: OnCheckpointError::Stop,
             }
         })
     }

@@ -8,6 +8,7 @@ use tch::Kind;
 
 pub use crate::passes::params::ParamOptions;
 use crate::runtime::InitMode;
+pub use crate::runtime::state::checkpoint::OnCheckpointError;
 use crate::runtime::train::{AdamWConfig, EvalConfig, LossKind, LrSchedule, LrShape};
 
 use super::SessionError;
@@ -35,6 +36,19 @@ impl FloatType {
     }
 }
 
+impl std::str::FromStr for FloatType {
+    type Err = String;
+    /// `f32`, `f64` or `bf16` (`--dtype`).
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(FloatType::F32),
+            "f64" => Ok(FloatType::F64),
+            "bf16" => Ok(FloatType::Bf16),
+            _ => Err(format!("`{s}`: expected f32, f64 or bf16")),
+        }
+    }
+}
+
 /// How weights are materialised.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum InitChoice {
@@ -43,6 +57,18 @@ pub enum InitChoice {
     Load,
     /// Seeded random values for external weights, without reading their files (the run's seed).
     Random,
+}
+
+impl std::str::FromStr for InitChoice {
+    type Err = String;
+    /// `load` or `random` (`--init`).
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "load" => Ok(InitChoice::Load),
+            "random" => Ok(InitChoice::Random),
+            _ => Err(format!("`{s}`: expected load or random")),
+        }
+    }
 }
 
 /// The optimizer and learning rate of a run.
@@ -100,6 +126,8 @@ pub struct CheckpointOptions {
     /// Continue from this checkpoint (`--resume`: a `step-N` directory, or a checkpoint
     /// directory, its newest complete one).
     pub resume: Option<PathBuf>,
+    /// What to do when a checkpoint cannot be written (`--on-checkpoint-error`).
+    pub on_error: OnCheckpointError,
 }
 
 /// Everything a run is asked (`smp-runner train`/`run`).

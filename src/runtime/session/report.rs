@@ -1,10 +1,10 @@
 //! The one report of a run (`--json`): its steps, validations and checkpoints, throughput, and
 //! what each rank measured.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::runtime::rank::{PhaseTimes, RankStats, StateBytes};
-use crate::runtime::train::{CheckpointRecord, EvalRecord, StepRecord};
+use crate::runtime::train::{CheckpointRecord, EvalRecord, FailedCheckpoint, StepRecord};
 
 /// What a run did and measured (the runner's `--json` object).
 #[derive(Clone, Debug, Serialize)]
@@ -25,8 +25,12 @@ pub struct RunReport {
     pub eval: Vec<EvalRecord>,
     /// Checkpoints completed.
     pub checkpoints: Vec<CheckpointRecord>,
+    /// Checkpoints the run went on without (`--on-checkpoint-error continue`).
+    pub failed_checkpoints: Vec<FailedCheckpoint>,
     /// The checkpoint the run resumed from.
     pub resumed_from: Option<String>,
+    /// The restarts `smp-runner launch --max-restarts` made before this run (its failures).
+    pub restarts: Vec<RestartRecord>,
     /// Where the trained weights were written (`--save-weights`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub saved_weights: Option<String>,
@@ -118,4 +122,27 @@ impl RankDetail {
             phases: PhaseEntry { compute_s, send_s, recv_s, collective_s, optimizer_s },
         }
     }
+}
+
+/// The environment variable through which `smp-runner launch` tells the ranks of a restarted
+/// run what failed before (a JSON list of [`RestartRecord`]s).
+pub const RESTARTS_ENV: &str = "SMP_RESTARTS";
+
+/// One restart of a run (the `--json` report's `restarts` entries).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestartRecord {
+    /// Which start this restart was (1: the first restart).
+    pub attempt: usize,
+    /// What failed: the rank and its cause.
+    pub cause: String,
+    /// The step of the checkpoint the restart resumed (none: from the start).
+    pub resumed_from_step: Option<usize>,
+    /// That checkpoint's directory.
+    pub checkpoint: Option<String>,
+}
+
+/// The restarts the launcher recorded for this run ([`RESTARTS_ENV`]; none when unset or
+/// unreadable).
+pub fn restarts_from_env() -> Vec<RestartRecord> {
+    std::env::var(RESTARTS_ENV).ok().and_then(|v| serde_json::from_str(&v).ok()).unwrap_or_default()
 }

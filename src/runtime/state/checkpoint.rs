@@ -157,9 +157,18 @@ fn index_name(rank: usize) -> String {
 /// directory.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), RuntimeError> {
     let tmp = path.with_extension(format!("{}.tmp", path.extension().and_then(|e| e.to_str()).unwrap_or("")));
-    let mut f = File::create(&tmp).map_err(|e| ferr(&tmp, format!("cannot create: {e}")))?;
-    f.write_all(bytes).map_err(|e| ferr(&tmp, format!("cannot write: {e}")))?;
-    f.sync_all().map_err(|e| ferr(&tmp, format!("cannot fsync: {e}")))?;
+    let io = |what: &str, e: std::io::Error| {
+        // a partial temporary file is never read, and would only hold the space a retry needs
+        let _ = std::fs::remove_file(&tmp);
+        if e.kind() == std::io::ErrorKind::StorageFull {
+            ferr(&tmp, format!("cannot {what}: no space left on the device ({e})"))
+        } else {
+            ferr(&tmp, format!("cannot {what}: {e}"))
+        }
+    };
+    let mut f = File::create(&tmp).map_err(|e| io("create", e))?;
+    f.write_all(bytes).map_err(|e| io("write", e))?;
+    f.sync_all().map_err(|e| io("fsync", e))?;
     drop(f);
     std::fs::rename(&tmp, path).map_err(|e| ferr(path, format!("cannot rename {} to it: {e}", tmp.display())))?;
     sync_dir(path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new(".")))
@@ -664,6 +673,30 @@ pub struct SaveConfig {
     pub params: ParamOptions,
     /// The model file.
     pub model_path: String,
+    /// What the run does when a checkpoint cannot be written.
+    pub on_error: OnCheckpointError,
+}
+
+/// What a run does when a checkpoint cannot be written (`--on-checkpoint-error`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OnCheckpointError {
+    /// Every rank stops with the error (the previous checkpoint stays the newest).
+    #[default]
+    Stop,
+    /// Every rank goes on training without that checkpoint.
+    Continue,
+}
+
+impl std::str::FromStr for OnCheckpointError {
+    type Err = String;
+    /// `stop` or `continue` (`--on-checkpoint-error`).
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "stop" => Ok(OnCheckpointError::Stop),
+            "continue" => Ok(OnCheckpointError::Continue),
+            _ => Err(format!("`{s}`: expected stop or continue")),
+        }
+    }
 }
 
 impl SaveConfig {

@@ -8,7 +8,7 @@ use super::optim::{AdamWConfig, LrSchedule};
 use super::records::{EvalConfig, EvalRecord, StepRecord, TrainObserver};
 use crate::runtime::RuntimeError;
 use crate::runtime::data::DataSource;
-use crate::runtime::state::checkpoint::{self, Checkpointing, Piece, SaveConfig};
+use crate::runtime::state::checkpoint::{self, Checkpointing, OnCheckpointError, Piece, SaveConfig};
 
 /// Settings of a training run.
 #[derive(Clone, Debug)]
@@ -57,6 +57,9 @@ pub trait StepRunner {
     fn world(&self) -> usize;
     /// Waits until every rank has reached this point (nothing to wait for alone).
     fn barrier(&self) -> Result<(), RuntimeError>;
+    /// Whether every rank says `ok` (a collective: every rank calls it, and all get the same
+    /// answer).
+    fn agree(&self, ok: bool) -> Result<bool, RuntimeError>;
 }
 
 /// A checkpoint a run completed (the `--json` report's `checkpoints` entries).
@@ -77,6 +80,17 @@ pub struct Trained {
     pub evals: Vec<EvalRecord>,
     /// Checkpoints completed (on rank 0, which writes the manifests; empty elsewhere).
     pub checkpoints: Vec<CheckpointRecord>,
+    /// Checkpoints that could not be written, with why (`--on-checkpoint-error continue`).
+    pub failed_checkpoints: Vec<FailedCheckpoint>,
+}
+
+/// A checkpoint the run went on without (the `--json` report's `failed_checkpoints`).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct FailedCheckpoint {
+    /// The step after which it was to be written.
+    pub step: usize,
+    /// Why it was not (as this rank knows it).
+    pub error: String,
 }
 
 /// The training loop: validates before the first step (unless resuming), then runs steps
@@ -109,9 +123,18 @@ pub fn drive(
         out.steps.push(rec);
         validate(runner, step, &mut out, obs)?;
         if let Some(save) = ckpt.save.as_ref().filter(|s| s.due(step)) {
-            if let Some(done) = save_checkpoint(runner, save, step)? {
-                obs.on_checkpoint(done.step, &done.manifest);
-                out.checkpoints.push(done);
+            match save_checkpoint(runner, save, step) {
+                Ok(Some(done)) => {
+                    obs.on_checkpoint(done.step, &done.manifest);
+                    out.checkpoints.push(done);
+                }
+                Ok(None) => {}
+                // every rank agreed the checkpoint failed, so every rank goes on (or stops) alike
+                Err(e @ RuntimeError::CheckpointNotWritten { .. }) if save.on_error == OnCheckpointError::Continue => {
+                    obs.on_checkpoint_failed(step, &e.to_string());
+                    out.failed_checkpoints.push(FailedCheckpoint { step, error: e.to_string() });
+                }
+                Err(e) => return Err(e),
             }
         }
     }
@@ -120,23 +143,42 @@ pub fn drive(
 
 /// Writes the checkpoint of step `step`: rank 0 opens its directory, every rank writes its
 /// shard, and once all have, rank 0 writes the manifest (so a checkpoint without one is never
-/// read) and prunes old ones. Returns the record on rank 0.
+/// read) and prunes old ones. Returns the record on rank 0. The ranks agree on each of the
+/// three: when any fails (a full disk, a missing directory), every rank returns
+/// [`RuntimeError::CheckpointNotWritten`] at the same point, none waits for a manifest that will
+/// not come, and rank 0 removes the partial directory.
 pub fn save_checkpoint(runner: &dyn StepRunner, save: &SaveConfig, step: usize) -> Result<Option<CheckpointRecord>, RuntimeError> {
     let (rank, world) = (runner.rank(), runner.world());
     let dir = checkpoint::step_dir(&save.root, step);
-    if rank == 0 {
-        checkpoint::begin(&dir)?;
+    let not_written = |mine: Option<RuntimeError>, what: &str| {
+        if rank == 0 {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        let message = match mine {
+            Some(e) => e.to_string(),
+            None => format!("{what} (see that rank's error)"),
+        };
+        RuntimeError::CheckpointNotWritten { step, message }
+    };
+    let began = if rank == 0 { checkpoint::begin(&dir) } else { Ok(()) };
+    if !runner.agree(began.is_ok())? {
+        return Err(not_written(began.err(), "rank 0 could not create the checkpoint's directory"));
     }
-    runner.barrier()?;
-    checkpoint::write_shard(&dir, rank, &runner.checkpoint_pieces()?)?;
+    let wrote = runner.checkpoint_pieces().and_then(|pieces| checkpoint::write_shard(&dir, rank, &pieces));
     checkpoint::fault_point(rank, step);
-    runner.barrier()?;
-    if rank != 0 {
-        return Ok(None);
+    if !runner.agree(wrote.is_ok())? {
+        return Err(not_written(wrote.err(), "another rank could not write its shard"));
     }
-    let manifest = checkpoint::write_manifest(&dir, save.state(step, world))?;
+    let manifest = if rank == 0 { checkpoint::write_manifest(&dir, save.state(step, world)).map(Some) } else { Ok(None) };
+    if !runner.agree(manifest.is_ok())? {
+        return Err(not_written(manifest.err(), "rank 0 could not write the manifest"));
+    }
+    let Ok(Some(manifest)) = manifest else { return Ok(None) };
     if let Some(k) = save.keep {
-        checkpoint::prune(&save.root, k)?;
+        // past the commit point: a checkpoint left unpruned costs space, never correctness
+        if let Err(e) = checkpoint::prune(&save.root, k) {
+            tracing::warn!("keeping old checkpoints: {e}");
+        }
     }
     Ok(Some(CheckpointRecord { step, manifest }))
 }

@@ -196,6 +196,14 @@ fn class_labels(mb: &Batch) -> Result<Tensor, RuntimeError> {
     Ok(labels.f_reshape([-1])?.f_to_kind(Kind::Int64)?)
 }
 
+impl std::str::FromStr for LossKind {
+    type Err = String;
+    /// `--loss`: model, causal-lm, cross-entropy, mse or seq2seq.
+    fn from_str(s: &str) -> Result<Self, String> {
+        LossKind::parse(s).ok_or_else(|| format!("`{s}`: expected model, causal-lm, cross-entropy, mse or seq2seq"))
+    }
+}
+
 /// Graph input of a sequence-to-sequence model's decoder tokens (Hugging Face's name).
 pub const DECODER_INPUT_IDS: &str = "decoder_input_ids";
 

@@ -135,6 +135,14 @@ impl LrShape {
     }
 }
 
+impl std::str::FromStr for LrShape {
+    type Err = String;
+    /// `--lr-schedule`: constant, cosine or linear.
+    fn from_str(s: &str) -> Result<Self, String> {
+        LrShape::parse(s).ok_or_else(|| format!("`{s}`: expected constant, cosine or linear"))
+    }
+}
+
 /// The learning rate of each step: a linear warm-up over `warmup` steps, then `shape` over the
 /// remaining `total − warmup`. Equals PyTorch's `SequentialLR([LinearLR(1/warmup, 1,
 /// warmup−1), CosineAnnealingLR(total−warmup, min_lr)], [warmup])` (or `LinearLR(1,

@@ -52,6 +52,8 @@ pub trait TrainObserver {
     fn on_eval(&mut self, _rec: &EvalRecord) {}
     /// A checkpoint is complete: its manifest was written to `manifest`.
     fn on_checkpoint(&mut self, _step: usize, _manifest: &Path) {}
+    /// The checkpoint of `step` could not be written, and the run goes on without it.
+    fn on_checkpoint_failed(&mut self, _step: usize, _error: &str) {}
 }
 
 /// An observer that ignores everything.

@@ -139,6 +139,10 @@ impl StepRunner for SingleProcess<'_, '_> {
     fn barrier(&self) -> Result<(), RuntimeError> {
         Ok(())
     }
+
+    fn agree(&self, ok: bool) -> Result<bool, RuntimeError> {
+        Ok(ok)
+    }
 }
 
 /// Trains on one fixed global batch for `cfg.steps` steps; returns one record per step.
