@@ -16,6 +16,7 @@ mod layout;
 pub mod npz;
 pub mod ops;
 pub mod pipeline;
+pub mod plan_check;
 mod rank;
 mod report;
 pub mod tensor;
