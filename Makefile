@@ -9,6 +9,8 @@
 #   make models   regenerate models/ (not part of test)
 #   make keras-models  regenerate models/keras/ with TensorFlow + tf2onnx in .venv-keras (not part of test)
 #   make check-cuda  build smp-runner with NCCL (feature cuda) against the NVIDIA wheels' headers
+#   make fuzz     the fuzzing harness over every input format, FUZZ_SECONDS in all (docs/fuzzing.md)
+#   make fuzz-ci  the brief run CI does: every target 20 s on its corpus
 
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
@@ -30,10 +32,10 @@ ONNX_CASES := tests/data/onnx-cases
 export LIBTORCH_USE_PYTORCH := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: deps venv lock onnx-cases build test demo models keras-models help check-cuda
+.PHONY: deps venv lock onnx-cases build test demo models keras-models help check-cuda fuzz fuzz-ci
 
 help:
-	@sed -n '1,10p' Makefile
+	@sed -n '1,12p' Makefile
 
 ## System packages: only those missing are installed (apt-get update first).
 deps:
@@ -92,3 +94,16 @@ keras-models: venv
 ## Builds smp-runner with ProcessGroupNCCL compiled in (running it needs a GPU machine).
 check-cuda: venv
 	$(CARGO) build --features cuda --bin smp-runner
+
+## Fuzzing (docs/fuzzing.md): seeds from the tools just built, then every target for
+## FUZZ_SECONDS in all (FUZZ_JOBS at once); prints inputs per target, exits 1 on a crash
+## (saved under target/fuzz/crashes/).
+FUZZ_SECONDS ?= 600
+FUZZ_JOBS ?= 1
+fuzz: deps venv onnx-cases
+	$(CARGO) build --features runner --bins --example fuzz
+	fuzz/make-seeds.sh target/debug
+	target/debug/examples/fuzz --seconds $(FUZZ_SECONDS) --jobs $(FUZZ_JOBS)
+
+fuzz-ci:
+	$(MAKE) fuzz FUZZ_SECONDS=140

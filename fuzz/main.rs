@@ -184,27 +184,43 @@ fn run_one(env: &mut Env, target: &Target, case: &Case) -> Ending {
     }
 }
 
-/// A refusal's message without the parts that differ between inputs of one kind (numbers,
-/// quoted names, paths).
+/// A refusal's message without the parts that differ between inputs of one kind: numbers, and
+/// anything quoted or bracketed (names, values, shapes, the text of the input).
 fn signature(msg: &str) -> String {
-    let mut out = String::with_capacity(msg.len().min(200));
-    let mut quoted = false;
+    let mut out = String::with_capacity(120);
+    let mut closing: Vec<char> = Vec::new();
     let mut last_digit = false;
-    for c in msg.chars().take(240) {
-        match c {
-            '`' => {
-                quoted = !quoted;
-                if quoted {
-                    out.push_str("`_`");
-                }
+    for c in msg.chars().take(400) {
+        if closing.last() == Some(&c) {
+            closing.pop();
+            continue;
+        }
+        let close = match c {
+            '`' => Some('`'),
+            '"' => Some('"'),
+            '(' => Some(')'),
+            '[' => Some(']'),
+            '{' => Some('}'),
+            _ => None,
+        };
+        if let Some(close) = close {
+            if closing.is_empty() {
+                out.push_str("_");
             }
-            _ if quoted => {}
-            '0'..='9' => {
-                if !last_digit {
-                    out.push('#');
-                }
+            if closing.len() < 8 {
+                closing.push(close);
             }
-            _ => out.push(c),
+            continue;
+        }
+        if !closing.is_empty() {
+            continue;
+        }
+        if c.is_ascii_digit() {
+            if !last_digit {
+                out.push('#');
+            }
+        } else {
+            out.push(c);
         }
         last_digit = c.is_ascii_digit();
     }

@@ -404,7 +404,7 @@ fn mutate_json(rng: &mut Rng, bytes: &[u8], twin: Option<&[u8]>, dict: &Dict) ->
                     0 => dict.word(rng),
                     1 => format!("{s}{}", dict.word(rng)),
                     2 => s.chars().rev().collect(),
-                    _ => s.repeat(1 + rng.below(64)),
+                    _ => s.repeat(1 + rng.below((65536 / s.len().max(1)).clamp(1, 64))),
                 }
             }
             serde_json::Value::Bool(b) => *b = !*b,

@@ -85,4 +85,9 @@ fn regressions_through_the_binaries_exit_1_with_a_message() {
     let npy = dir.path().join("batch.npy");
     std::fs::write(&npy, case.get("batch.npy").unwrap()).unwrap();
     refused(runner, &["train", "models/gpt2.onnx", "--steps", "1", "--data", npy.to_str().unwrap()], "needs 16777216 bytes of data");
+    // a cluster file whose `[machine]` names /dev/zero as its calibration
+    let case = Case::read(&regressions.join("cluster/calibration-names-dev-zero.case"), "cluster.toml").unwrap();
+    case.write_to(&dir.path().join("cluster"), &mut Vec::new()).unwrap();
+    let cluster = dir.path().join("cluster/cluster.toml");
+    refused(planner, &["models/gpt2.onnx", "--seq-len", "16", "--cluster", cluster.to_str().unwrap()], "is not a regular file");
 }

@@ -77,11 +77,12 @@ pub fn validate_programs(programs: &[RankProgram]) -> Result<(), ValidationError
                 Instr::Recv { from: peer, what, stage, mb, .. } => {
                     let sending = match what {
                         Payload::Activation => stage.checked_sub(1),
-                        Payload::Gradient => Some(stage + 1),
+                        Payload::Gradient => stage.checked_add(1),
                     };
                     match sending {
                         Some(s) => recvs.entry((peer, p.rank, what, s, mb)).or_default().push((p.rank, i)),
-                        None => errs.push(Invalid { rank: p.rank, what: format!("{i} receives an activation into the first stage") }),
+                        None if what == Payload::Activation => errs.push(Invalid { rank: p.rank, what: format!("{i} receives an activation into the first stage") }),
+                        None => errs.push(Invalid { rank: p.rank, what: format!("{i} receives a gradient from stage {stage} + 1, past any stage") }),
                     }
                 }
                 _ => {}
@@ -361,7 +362,7 @@ pub fn validate_section(section: &CodegenSection, mesh: &Mesh, microbatches: usi
             for (name, map) in [("forward", &fwd), ("backward", &bwd)] {
                 let mut mbs = map.get(&s).cloned().unwrap_or_default();
                 mbs.sort_unstable();
-                if mbs != (0..microbatches).collect::<Vec<_>>() {
+                if mbs.len() != microbatches || mbs.iter().enumerate().any(|(i, &mb)| i != mb) {
                     errs.push(Invalid {
                         rank,
                         what: format!("runs the {name} of stage {s} for microbatches {mbs:?}, expected each of 0..{microbatches} once"),

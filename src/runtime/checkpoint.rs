@@ -580,20 +580,23 @@ impl Loaded {
 
 /// Shape of the whole `shape` cut along `axis` to `ranges`.
 pub(super) fn cut_shape(shape: &[i64], axis: Option<usize>, ranges: &[[u64; 2]]) -> Result<Vec<i64>, String> {
+    if let Some(d) = shape.iter().find(|&&d| d < 0) {
+        return Err(format!("shape {shape:?} has a negative dim {d}"));
+    }
     let mut s = shape.to_vec();
     if let Some(a) = axis {
         let dim = *shape.get(a).ok_or_else(|| format!("cut along axis {a} of a rank-{} tensor", shape.len()))?;
         if ranges.iter().any(|r| r[0] > r[1] || r[1] > dim as u64) {
             return Err(format!("ranges {ranges:?} exceed dimension {dim} of axis {a}"));
         }
-        s[a] = ranges.iter().map(|r| (r[1] - r[0]) as i64).sum();
+        s[a] = ranges.iter().try_fold(0i64, |n, r| n.checked_add((r[1] - r[0]) as i64)).ok_or_else(|| format!("ranges {ranges:?} overflow"))?;
     }
     Ok(s)
 }
 
 fn piece_numel(e: &Entry) -> Result<i64, String> {
     let s = cut_shape(&e.shape, e.slice.axis, &e.slice.ranges)?;
-    let n: i64 = s.iter().product();
+    let n = s.iter().try_fold(1i64, |n, &d| n.checked_mul(d)).ok_or_else(|| format!("shape {s:?} has more elements than memory holds"))?;
     match e.slice.flat {
         None => Ok(n),
         Some([a, b]) if a <= b && b <= n as u64 => Ok((b - a) as i64),

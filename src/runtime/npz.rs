@@ -131,6 +131,10 @@ fn npy_header(r: &mut impl Read) -> Result<NpyHeader, String> {
         .filter(|d| !d.is_empty())
         .map(|d| d.parse::<i64>().ok().filter(|&v| v >= 0).ok_or_else(|| format!("shape `{shape}`: `{d}` is not a size")))
         .collect::<Result<Vec<i64>, String>>()?;
+    // numpy allows empty arrays of any extent; libtorch's strides must fit in i64
+    if dims.iter().try_fold(1i64, |n, &d| n.checked_mul(d.max(1))).is_none() {
+        return Err(format!("shape {dims:?} spans more elements than libtorch can index, even empty"));
+    }
     let data_bytes = dims
         .iter()
         .try_fold(dtype.size_bytes(), |n, &d| n.checked_mul(d as u64))
