@@ -58,31 +58,29 @@ impl Counting {
         }
         true
     }
+
+    /// `alloc` for `size` bytes if the bound admits them (counted unless it fails).
+    fn counted(size: usize, alloc: impl FnOnce() -> *mut u8) -> *mut u8 {
+        if !Counting::admit(size) {
+            return std::ptr::null_mut();
+        }
+        let p = alloc();
+        if p.is_null() {
+            LIVE.fetch_sub(size, Relaxed);
+        }
+        p
+    }
 }
 
 // SAFETY: forwards to the system allocator; only counts.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if !Counting::admit(layout.size()) {
-            return std::ptr::null_mut();
-        }
         // SAFETY: as the caller's contract.
-        let p = unsafe { System.alloc(layout) };
-        if p.is_null() {
-            LIVE.fetch_sub(layout.size(), Relaxed);
-        }
-        p
+        Counting::counted(layout.size(), || unsafe { System.alloc(layout) })
     }
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        if !Counting::admit(layout.size()) {
-            return std::ptr::null_mut();
-        }
         // SAFETY: as the caller's contract.
-        let p = unsafe { System.alloc_zeroed(layout) };
-        if p.is_null() {
-            LIVE.fetch_sub(layout.size(), Relaxed);
-        }
-        p
+        Counting::counted(layout.size(), || unsafe { System.alloc_zeroed(layout) })
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // SAFETY: as the caller's contract.

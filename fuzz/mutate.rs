@@ -817,84 +817,24 @@ fn mutate_npy(rng: &mut Rng, bytes: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// The members of a stored (uncompressed) zip, as numpy's `savez` writes it.
-fn unzip_stored(bytes: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
-    let mut out = Vec::new();
-    let mut at = 0;
-    while bytes.get(at..at + 4)? == b"PK\x03\x04" {
-        let h = bytes.get(at..at + 30)?;
-        let method = u16::from_le_bytes([h[8], h[9]]);
-        let size = u32::from_le_bytes(h[18..22].try_into().ok()?) as usize;
-        let name_len = u16::from_le_bytes([h[26], h[27]]) as usize;
-        let extra = u16::from_le_bytes([h[28], h[29]]) as usize;
-        if method != 0 {
-            return None;
-        }
-        let name = String::from_utf8(bytes.get(at + 30..at + 30 + name_len)?.to_vec()).ok()?;
-        let start = at + 30 + name_len + extra;
-        out.push((name, bytes.get(start..start + size)?.to_vec()));
-        at = start + size;
+/// The members of a zip (stored or deflated), each read up to 16 MiB.
+fn unzip(bytes: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
+    use std::io::Read;
+    let mut zip = zip::ZipArchive::new(std::io::Cursor::new(bytes)).ok()?;
+    let mut out = Vec::with_capacity(zip.len());
+    for i in 0..zip.len() {
+        let member = zip.by_index(i).ok()?;
+        let name = member.name().to_string();
+        let mut data = Vec::new();
+        member.take(16 << 20).read_to_end(&mut data).ok()?;
+        out.push((name, data));
     }
     Some(out)
 }
 
-fn crc32(data: &[u8]) -> u32 {
-    let mut c = 0xFFFF_FFFFu32;
-    for &b in data {
-        c ^= b as u32;
-        for _ in 0..8 {
-            c = if c & 1 != 0 { 0xEDB8_8320 ^ (c >> 1) } else { c >> 1 };
-        }
-    }
-    c ^ 0xFFFF_FFFF
-}
-
-/// A stored zip of `members`, with right checksums and sizes.
-pub fn zip_stored(members: &[(String, Vec<u8>)]) -> Vec<u8> {
-    let mut body = Vec::new();
-    let mut central = Vec::new();
-    for (name, data) in members {
-        let crc = crc32(data);
-        let offset = body.len() as u32;
-        let common = |v: &mut Vec<u8>| {
-            for x in [20u16, 0, 0, 0, 0x21] {
-                v.extend_from_slice(&x.to_le_bytes());
-            }
-            v.extend_from_slice(&crc.to_le_bytes());
-            v.extend_from_slice(&(data.len() as u32).to_le_bytes());
-            v.extend_from_slice(&(data.len() as u32).to_le_bytes());
-            v.extend_from_slice(&(name.len() as u16).to_le_bytes());
-            v.extend_from_slice(&0u16.to_le_bytes());
-        };
-        body.extend_from_slice(b"PK\x03\x04");
-        common(&mut body);
-        body.extend_from_slice(name.as_bytes());
-        body.extend_from_slice(data);
-        central.extend_from_slice(b"PK\x01\x02");
-        central.extend_from_slice(&20u16.to_le_bytes());
-        common(&mut central);
-        for x in [0u16, 0, 0] {
-            central.extend_from_slice(&x.to_le_bytes());
-        }
-        central.extend_from_slice(&0u32.to_le_bytes());
-        central.extend_from_slice(&offset.to_le_bytes());
-        central.extend_from_slice(name.as_bytes());
-    }
-    let (cd_offset, cd_len, n) = (body.len() as u32, central.len() as u32, members.len() as u16);
-    body.extend_from_slice(&central);
-    body.extend_from_slice(b"PK\x05\x06");
-    for x in [0u16, 0, n, n] {
-        body.extend_from_slice(&x.to_le_bytes());
-    }
-    body.extend_from_slice(&cd_len.to_le_bytes());
-    body.extend_from_slice(&cd_offset.to_le_bytes());
-    body.extend_from_slice(&0u16.to_le_bytes());
-    body
-}
-
 /// Mutates one member of an npz (as npy), its name, or the member list, and zips it again.
 fn mutate_npz(rng: &mut Rng, bytes: &[u8]) -> Option<Vec<u8>> {
-    let mut members = unzip_stored(bytes)?;
+    let mut members = unzip(bytes)?;
     if members.is_empty() {
         return None;
     }
@@ -910,7 +850,7 @@ fn mutate_npz(rng: &mut Rng, bytes: &[u8]) -> Option<Vec<u8>> {
         }
         _ => members[i].1 = mutate_npy(rng, &members[i].1)?,
     }
-    Some(zip_stored(&members))
+    smp_partition::runtime::npz::stored_zip(&members).ok()
 }
 
 /// Token data: cut to an odd length, extended with ids, or ids set past any vocabulary.

@@ -226,15 +226,25 @@ fn crc32(data: &[u8]) -> u32 {
 /// Writes named arrays as an uncompressed `.npz` (each `NAME.npy`). `dtypes` optionally gives
 /// the element type each array should be written as (see [`npy_bytes`]).
 pub fn write_npz(path: &Path, arrays: &[(String, Tensor, Option<DType>)]) -> Result<(), RuntimeError> {
-    let mut body: Vec<u8> = Vec::new();
-    let mut central: Vec<u8> = Vec::new();
+    let mut members = Vec::with_capacity(arrays.len());
     for (name, t, as_dtype) in arrays {
         let data = npy_bytes(t, *as_dtype).map_err(|e| ferr(path, format!("array `{name}`: {e}")))?;
-        let fname = format!("{name}.npy");
+        members.push((format!("{name}.npy"), data));
+    }
+    let bytes = stored_zip(&members).map_err(|e| ferr(path, e))?;
+    let mut f = std::fs::File::create(path).map_err(|e| ferr(path, format!("cannot create: {e}")))?;
+    f.write_all(&bytes).map_err(|e| ferr(path, format!("cannot write: {e}")))
+}
+
+/// An uncompressed zip of `members` (name, bytes), as numpy's `savez` writes one.
+pub fn stored_zip(members: &[(String, Vec<u8>)]) -> Result<Vec<u8>, String> {
+    let mut body: Vec<u8> = Vec::new();
+    let mut central: Vec<u8> = Vec::new();
+    for (fname, data) in members {
         if data.len() > u32::MAX as usize || body.len() > u32::MAX as usize {
-            return Err(ferr(path, "arrays over 4 GiB need zip64, which this writer does not do"));
+            return Err("arrays over 4 GiB need zip64, which this writer does not do".into());
         }
-        let crc = crc32(&data);
+        let crc = crc32(data);
         let offset = body.len() as u32;
         let common = |v: &mut Vec<u8>| {
             v.extend_from_slice(&20u16.to_le_bytes()); // version needed
@@ -251,7 +261,7 @@ pub fn write_npz(path: &Path, arrays: &[(String, Tensor, Option<DType>)]) -> Res
         body.extend_from_slice(&0x0403_4b50u32.to_le_bytes());
         common(&mut body);
         body.extend_from_slice(fname.as_bytes());
-        body.extend_from_slice(&data);
+        body.extend_from_slice(data);
         central.extend_from_slice(&0x0201_4b50u32.to_le_bytes());
         central.extend_from_slice(&20u16.to_le_bytes()); // made by
         common(&mut central);
@@ -262,21 +272,18 @@ pub fn write_npz(path: &Path, arrays: &[(String, Tensor, Option<DType>)]) -> Res
         central.extend_from_slice(&offset.to_le_bytes());
         central.extend_from_slice(fname.as_bytes());
     }
-    let n = arrays.len() as u16;
+    let n = members.len() as u16;
     let cd_offset = body.len() as u32;
-    let mut end = Vec::new();
-    end.extend_from_slice(&0x0605_4b50u32.to_le_bytes());
-    end.extend_from_slice(&[0, 0, 0, 0]);
-    end.extend_from_slice(&n.to_le_bytes());
-    end.extend_from_slice(&n.to_le_bytes());
-    end.extend_from_slice(&(central.len() as u32).to_le_bytes());
-    end.extend_from_slice(&cd_offset.to_le_bytes());
-    end.extend_from_slice(&0u16.to_le_bytes());
-    let mut f = std::fs::File::create(path).map_err(|e| ferr(path, format!("cannot create: {e}")))?;
-    f.write_all(&body)
-        .and_then(|_| f.write_all(&central))
-        .and_then(|_| f.write_all(&end))
-        .map_err(|e| ferr(path, format!("cannot write: {e}")))
+    let central_len = central.len() as u32;
+    body.extend_from_slice(&central);
+    body.extend_from_slice(&0x0605_4b50u32.to_le_bytes());
+    body.extend_from_slice(&[0, 0, 0, 0]);
+    body.extend_from_slice(&n.to_le_bytes());
+    body.extend_from_slice(&n.to_le_bytes());
+    body.extend_from_slice(&central_len.to_le_bytes());
+    body.extend_from_slice(&cd_offset.to_le_bytes());
+    body.extend_from_slice(&0u16.to_le_bytes());
+    Ok(body)
 }
 
 #[cfg(test)]
