@@ -184,8 +184,8 @@ fn main_file(dir: &Path, case: &Case, default: &str, ext: &str) -> Result<PathBu
     name.map(|n| dir.join(n)).ok_or_else(|| "the case has no file".into())
 }
 
-/// Elements of initializers read into tensors at most (the runner reads them all; the fuzzer
-/// skips models past this to keep its pace).
+/// Bytes of initializers read into tensors at most (the runner reads them all; the fuzzer
+/// skips larger models to keep its pace).
 const READ_LIMIT_BYTES: u64 = 64 << 20;
 
 fn onnx(env: &mut Env, case: &Case) -> Outcome {
@@ -206,7 +206,7 @@ fn onnx(env: &mut Env, case: &Case) -> Outcome {
         }
     };
     analysed.map_err(err)?;
-    let bytes: u64 = imported.graph.initializers().filter_map(|v| imported.graph.value(v).data.as_ref()).map(|t| t.nbytes()).sum();
+    let bytes: u64 = imported.graph.initializers().filter_map(|v| imported.graph.value(v).data.as_ref()).fold(0u64, |n, t| n.saturating_add(t.nbytes()));
     if bytes <= READ_LIMIT_BYTES {
         Weights::load(&imported.graph, InitMode::Load, None).map_err(err)?;
     }
