@@ -11,6 +11,8 @@
 #   make check-cuda  build smp-runner with NCCL (feature cuda) against the NVIDIA wheels' headers
 #   make wheel    dist/smp_partition-<version>-<platform>.whl: the package and both release binaries
 #                 (not part of test; scripts/wheel-check.sh installs it into a fresh venv and runs a job)
+#   make fuzz     the fuzzing harness over every input format, FUZZ_SECONDS in all (docs/fuzzing.md)
+#   make fuzz-ci  the brief run CI does: every target 20 s on its corpus
 
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
@@ -32,10 +34,10 @@ ONNX_CASES := tests/data/onnx-cases
 export LIBTORCH_USE_PYTORCH := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: deps venv lock onnx-cases build test demo models keras-models help check-cuda wheel
+.PHONY: deps venv lock onnx-cases build test demo models keras-models help check-cuda wheel fuzz fuzz-ci
 
 help:
-	@sed -n '1,12p' Makefile
+	@sed -n '1,15p' Makefile
 
 ## System packages: only those missing are installed (apt-get update first).
 deps:
@@ -102,3 +104,16 @@ wheel: deps venv
 	SMP_TORCH_RPATH='$$ORIGIN/../../torch/lib' CARGO_PROFILE_RELEASE_DEBUG=0 \
 	  $(CARGO) build --release --features runner --bins --target-dir $(WHEEL_TARGET)
 	"$(PY)" scripts/build_wheel.py --bin-dir $(WHEEL_TARGET)/release --out dist
+
+## Fuzzing (docs/fuzzing.md): seeds from the tools just built, then every target for
+## FUZZ_SECONDS in all (FUZZ_JOBS at once); prints inputs per target, exits 1 on a crash
+## (saved under target/fuzz/crashes/).
+FUZZ_SECONDS ?= 600
+FUZZ_JOBS ?= 1
+fuzz: deps venv onnx-cases
+	$(CARGO) build --features runner --bins --example fuzz
+	fuzz/make-seeds.sh target/debug
+	target/debug/examples/fuzz --seconds $(FUZZ_SECONDS) --jobs $(FUZZ_JOBS)
+
+fuzz-ci:
+	$(MAKE) fuzz FUZZ_SECONDS=140

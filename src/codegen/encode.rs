@@ -531,6 +531,17 @@ impl StageCode {
     pub fn node_ids(&self) -> impl Iterator<Item = usize> + '_ {
         self.nodes.iter().flat_map(|r| r[0]..r[1])
     }
+
+    /// Whether the stage runs node `id` (without listing its ids, which a damaged plan may
+    /// give as a range of billions).
+    pub fn runs(&self, id: usize) -> bool {
+        self.nodes.iter().any(|r| r[0] <= id && id < r[1])
+    }
+
+    /// How many nodes the stage runs.
+    pub fn node_count(&self) -> usize {
+        self.nodes.iter().fold(0usize, |n, r| n.saturating_add(r[1].saturating_sub(r[0])))
+    }
 }
 
 /// The program templates: the schedule lowered with pipeline ranks as peers, plus the

@@ -77,11 +77,12 @@ pub fn validate_programs(programs: &[RankProgram]) -> Result<(), ValidationError
                 Instr::Recv { from: peer, what, stage, mb, .. } => {
                     let sending = match what {
                         Payload::Activation => stage.checked_sub(1),
-                        Payload::Gradient => Some(stage + 1),
+                        Payload::Gradient => stage.checked_add(1),
                     };
                     match sending {
                         Some(s) => recvs.entry((peer, p.rank, what, s, mb)).or_default().push((p.rank, i)),
-                        None => errs.push(Invalid { rank: p.rank, what: format!("{i} receives an activation into the first stage") }),
+                        None if what == Payload::Activation => errs.push(Invalid { rank: p.rank, what: format!("{i} receives an activation into the first stage") }),
+                        None => errs.push(Invalid { rank: p.rank, what: format!("{i} receives a gradient from stage {stage} + 1, past any stage") }),
                     }
                 }
                 _ => {}
@@ -361,7 +362,7 @@ pub fn validate_section(section: &CodegenSection, mesh: &Mesh, microbatches: usi
             for (name, map) in [("forward", &fwd), ("backward", &bwd)] {
                 let mut mbs = map.get(&s).cloned().unwrap_or_default();
                 mbs.sort_unstable();
-                if mbs != (0..microbatches).collect::<Vec<_>>() {
+                if mbs.len() != microbatches || mbs.iter().enumerate().any(|(i, &mb)| i != mb) {
                     errs.push(Invalid {
                         rank,
                         what: format!("runs the {name} of stage {s} for microbatches {mbs:?}, expected each of 0..{microbatches} once"),
@@ -385,7 +386,27 @@ pub fn validate_section(section: &CodegenSection, mesh: &Mesh, microbatches: usi
     }
     // Fused ops: each fused node runs in a stage, the nodes it replaces in none and in no other
     // fused op.
-    let listed: BTreeMap<usize, usize> = section.stages.iter().flat_map(|st| st.node_ids().map(move |n| (n, st.stage))).collect();
+    // Node ranges: non-empty, and no node in two ranges (the runner checks them against the
+    // graph; they are never expanded here, as a damaged plan may span billions of ids).
+    let mut spans: Vec<(usize, usize, usize)> = section.stages.iter().flat_map(|st| st.nodes.iter().map(move |r| (r[0], r[1], st.stage))).collect();
+    spans.sort_unstable();
+    for (k, &(a, b, s)) in spans.iter().enumerate() {
+        if a >= b {
+            errs.push(Invalid { rank: 0, what: format!("stage {s} lists the empty node range [{a}, {b})") });
+        }
+        if let Some(&(_, prev_end, prev_stage)) = k.checked_sub(1).and_then(|j| spans.get(j))
+            && a < prev_end
+        {
+            errs.push(Invalid { rank: 0, what: format!("node {a} is listed twice (stages {prev_stage} and {s})") });
+        }
+    }
+    if !errs.is_empty() {
+        return finish(errs);
+    }
+    let stage_of = |n: usize| {
+        let i = spans.partition_point(|&(a, _, _)| a <= n);
+        i.checked_sub(1).map(|i| spans[i]).filter(|&(_, b, _)| n < b).map(|(_, _, s)| s)
+    };
     let mut replaced: BTreeMap<usize, usize> = BTreeMap::new();
     for f in &section.fused {
         let mut bad = |what: String| errs.push(Invalid { rank: 0, what: format!("fused op at node {} ({}): {what}", f.node, f.op) });
@@ -398,14 +419,14 @@ pub fn validate_section(section: &CodegenSection, mesh: &Mesh, microbatches: usi
         if f.output.is_empty() || f.inputs.iter().any(|i| i.is_empty() || *i == f.output) {
             bad(format!("reads {:?} and makes `{}`; each must be named, and the output differ from the inputs", f.inputs, f.output));
         }
-        if !listed.contains_key(&f.node) {
+        if stage_of(f.node).is_none() {
             bad("the fused node runs in no stage".into());
         }
         for &n in &f.replaces {
             if let Some(other) = replaced.insert(n, f.node) {
                 bad(format!("node {n} is replaced by fused node {other} too"));
             }
-            if let Some(s) = listed.get(&n).filter(|_| n != f.node) {
+            if let Some(s) = stage_of(n).filter(|_| n != f.node) {
                 bad(format!("replaced node {n} still runs in stage {s}"));
             }
         }

@@ -611,8 +611,7 @@ impl MachineTable {
         let calibration = match self.calibration {
             Some(rel) => {
                 let p = file.parent().unwrap_or(Path::new(".")).join(rel);
-                let text = std::fs::read_to_string(&p).map_err(|source| ClusterError::Io { path: p.clone(), source })?;
-                Some(CalibrationFile::new(p.display().to_string(), text))
+                Some(CalibrationFile::new(p.display().to_string(), read_calibration(file, &p)?))
             }
             None => None,
         };
@@ -623,6 +622,27 @@ impl MachineTable {
             source: FactSource::ClusterFile(file.display().to_string()),
         })
     }
+}
+
+/// The most bytes a calibration file may have (`smp-runner calibrate` writes a few hundred).
+const MAX_CALIBRATION_BYTES: u64 = 1 << 20;
+
+/// Reads the calibration file `p` that cluster file `file` names: a regular file of at most
+/// [`MAX_CALIBRATION_BYTES`] (a device or a pipe named by mistake would be read forever).
+fn read_calibration(file: &Path, p: &Path) -> Result<String, ClusterError> {
+    use std::io::Read;
+    let bad = |message: String| ClusterError::Parse { path: file.to_path_buf(), message };
+    let io = |source| ClusterError::Io { path: p.to_path_buf(), source };
+    let meta = std::fs::metadata(p).map_err(io)?;
+    if !meta.is_file() {
+        return Err(bad(format!("its calibration `{}` is not a regular file; name the file `smp-runner calibrate` wrote", p.display())));
+    }
+    let mut text = String::new();
+    std::fs::File::open(p).map_err(io)?.take(MAX_CALIBRATION_BYTES + 1).read_to_string(&mut text).map_err(io)?;
+    if text.len() as u64 > MAX_CALIBRATION_BYTES {
+        return Err(bad(format!("its calibration `{}` is over {MAX_CALIBRATION_BYTES} bytes; a calibration file `smp-runner calibrate` writes is a few hundred", p.display())));
+    }
+    Ok(text)
 }
 
 impl ClusterFile {

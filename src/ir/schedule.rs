@@ -61,9 +61,9 @@ impl ScheduleKind {
         }
     }
 
-    /// Total pipeline stages for `p` ranks (p · v).
+    /// Total pipeline stages for `p` ranks (p · v, saturating).
     pub fn stages(self, p: usize) -> usize {
-        p * self.virtual_stages()
+        p.saturating_mul(self.virtual_stages())
     }
 
     /// The pipeline rank that runs `stage` (stage mod p).

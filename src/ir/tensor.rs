@@ -45,12 +45,12 @@ pub struct Tensor {
 impl Tensor {
     /// Number of elements.
     pub fn numel(&self) -> u64 {
-        self.dims.iter().map(|&d| d.max(0) as u64).product()
+        self.dims.iter().fold(1u64, |n, &d| n.saturating_mul(d.max(0) as u64))
     }
 
     /// Bytes of data (as stored for external data, computed otherwise).
     pub fn nbytes(&self) -> u64 {
-        self.numel() * self.dtype.size_bytes()
+        self.numel().saturating_mul(self.dtype.size_bytes())
     }
 
     /// An i64 tensor of the given dims.

@@ -233,9 +233,9 @@ pub fn flops(sz: &Sizes, node: &Node) -> f64 {
         MixtureOfExperts => experts_work(sz, node).map_or(0.0, |w| w.flops),
         Conv => {
             let w = input(1).and_then(|v| sz.dims(v)).unwrap_or_default();
-            let per_out: i64 = w.iter().skip(1).product();
+            let per_out: f64 = w.iter().skip(1).map(|&x| x as f64).product();
             let bias = if input(2).is_some() { out_numel } else { 0.0 };
-            2.0 * out_numel * per_out as f64 + bias
+            2.0 * out_numel * per_out + bias
         }
         // No arithmetic: views, data movement, indexing, type and constant ops.
         Reshape | Transpose | Concat | Split | Slice | Gather | GatherElements | GatherND | Unsqueeze
@@ -254,8 +254,8 @@ pub fn flops(sz: &Sizes, node: &Node) -> f64 {
         ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd | ArgMax | ArgMin | CumSum
         | GlobalAveragePool | GlobalMaxPool => in_numel,
         MaxPool | AveragePool => {
-            let k: i64 = node.attrs.ints("kernel_shape").map(|k| k.iter().product()).unwrap_or(1);
-            out_numel * k as f64
+            let k: f64 = node.attrs.ints("kernel_shape").map(|k| k.iter().map(|&x| x as f64).product()).unwrap_or(1.0);
+            out_numel * k
         }
         _ if kind.is_elementwise() => out_numel,
         _ => 0.0,

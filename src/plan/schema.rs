@@ -224,9 +224,9 @@ pub struct StageMemory {
 }
 
 impl StageMemory {
-    /// The sum of the parts (what `total` must equal).
+    /// The sum of the parts (what `total` must equal), saturating at `u64::MAX`.
     pub fn sum_of_parts(&self) -> u64 {
-        self.params + self.grads + self.optimizer + self.activations + self.workspace
+        [self.grads, self.optimizer, self.activations, self.workspace].iter().fold(self.params, |a, &b| a.saturating_add(b))
     }
 }
 
@@ -387,17 +387,17 @@ impl Plan {
         self.stages.iter().filter(move |s| s.pp_rank == pp_rank)
     }
 
-    /// Memory per device of a pipeline rank: the sum of its (virtual) stages.
+    /// Memory per device of a pipeline rank: the sum of its (virtual) stages (saturating).
     pub fn rank_memory(&self, pp_rank: usize) -> StageMemory {
         let mut m = StageMemory::default();
         for s in self.stages_of_rank(pp_rank) {
             let b = s.memory_bytes;
-            m.params += b.params;
-            m.grads += b.grads;
-            m.optimizer += b.optimizer;
-            m.activations += b.activations;
-            m.workspace += b.workspace;
-            m.total += b.total;
+            m.params = m.params.saturating_add(b.params);
+            m.grads = m.grads.saturating_add(b.grads);
+            m.optimizer = m.optimizer.saturating_add(b.optimizer);
+            m.activations = m.activations.saturating_add(b.activations);
+            m.workspace = m.workspace.saturating_add(b.workspace);
+            m.total = m.total.saturating_add(b.total);
         }
         m
     }

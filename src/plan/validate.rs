@@ -1,6 +1,6 @@
 //! Structural validation of a plan: what must hold whatever the solver decided.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use super::schema::Plan;
 use crate::codegen::validate::{Invalid, ValidationErrors, validate_section};
@@ -17,6 +17,9 @@ pub enum PlanInvalid {
     /// pp·tp·dp exceeds the cluster.
     #[error("pp·tp·dp = {pp}·{tp}·{dp} = {product} ranks but the cluster has {devices} devices")]
     TooManyRanks { pp: usize, tp: usize, dp: usize, product: usize, devices: usize },
+    /// pp·tp·dp does not fit in a machine word.
+    #[error("pp·tp·dp = {pp}·{tp}·{dp} overflows: no cluster has that many devices")]
+    RankOverflow { pp: usize, tp: usize, dp: usize },
     /// Stage count disagrees with pp · virtual_stages.
     #[error("{found} stages, but pp·virtual_stages = {pp}·{v} = {expected}")]
     StageCount { found: usize, pp: usize, v: usize, expected: usize },
@@ -86,7 +89,8 @@ pub fn validate(plan: &Plan) -> Result<(), PlanInvalid> {
     if par.zero > 3 {
         return Err(PlanInvalid::Degree { field: "zero", value: par.zero.into(), expected: "0..=3" });
     }
-    let world = par.pp * par.tp * par.dp;
+    let world = par.pp.checked_mul(par.tp).and_then(|w| w.checked_mul(par.dp));
+    let world = world.ok_or(PlanInvalid::RankOverflow { pp: par.pp, tp: par.tp, dp: par.dp })?;
     if world > plan.cluster.devices {
         return Err(PlanInvalid::TooManyRanks {
             pp: par.pp,
@@ -112,7 +116,8 @@ pub fn validate(plan: &Plan) -> Result<(), PlanInvalid> {
     let mut next_layer = 0usize;
     // Ranks of the first stage seen on each pipeline rank.
     let mut rank_sets: Vec<Option<(usize, BTreeSet<usize>)>> = vec![None; par.pp];
-    let mut owner = vec![usize::MAX; world];
+    // the pipeline rank owning each global rank (a map: `world` comes from the file)
+    let mut owner: BTreeMap<usize, usize> = BTreeMap::new();
     for (position, s) in plan.stages.iter().enumerate() {
         let stage = s.index;
         if s.index != position {
@@ -128,7 +133,7 @@ pub fn validate(plan: &Plan) -> Result<(), PlanInvalid> {
         if first != next_layer {
             return Err(PlanInvalid::LayerGap { stage, first, last, expected_first: next_layer });
         }
-        next_layer = last + 1;
+        next_layer = last.checked_add(1).ok_or(PlanInvalid::LayerRange { stage, first, last })?;
         for &layer in &s.checkpointed_layers {
             if layer < first || layer > last {
                 return Err(PlanInvalid::CheckpointOutside { stage, layer, first, last });
@@ -139,21 +144,22 @@ pub fn validate(plan: &Plan) -> Result<(), PlanInvalid> {
                 return Err(PlanInvalid::StageDegree { stage, field, found, expected });
             }
         }
-        if s.ranks.len() != par.tp * par.dp {
-            return Err(PlanInvalid::RankCount { stage, found: s.ranks.len(), expected: par.tp * par.dp });
+        let per_stage = par.tp.saturating_mul(par.dp);
+        if s.ranks.len() != per_stage {
+            return Err(PlanInvalid::RankCount { stage, found: s.ranks.len(), expected: per_stage });
         }
         let set: BTreeSet<usize> = s.ranks.iter().copied().collect();
         if set.len() != s.ranks.len() {
-            return Err(PlanInvalid::RankCount { stage, found: set.len(), expected: par.tp * par.dp });
+            return Err(PlanInvalid::RankCount { stage, found: set.len(), expected: per_stage });
         }
         for &rank in &s.ranks {
             if rank >= world {
                 return Err(PlanInvalid::RankRange { stage, rank, world });
             }
-            if owner[rank] != usize::MAX && owner[rank] != s.pp_rank {
-                return Err(PlanInvalid::RankShared { stage, rank, other_pp_rank: owner[rank] });
+            if let Some(&other) = owner.get(&rank).filter(|&&o| o != s.pp_rank) {
+                return Err(PlanInvalid::RankShared { stage, rank, other_pp_rank: other });
             }
-            owner[rank] = s.pp_rank;
+            owner.insert(rank, s.pp_rank);
         }
         match &rank_sets[s.pp_rank] {
             Some((first_stage, ranks)) if *ranks != set => {

@@ -74,10 +74,11 @@ pub fn from_bytes(dtype: DType, dims: &[i64], bytes: &[u8]) -> Result<Tensor, St
     if let Some(d) = dims.iter().find(|&&d| d < 0) {
         return Err(format!("negative dimension {d} in dims {dims:?}"));
     }
-    let numel: usize = dims.iter().map(|&d| d as usize).product();
+    let too_many = || format!("dims {dims:?} of {dtype} hold more bytes than memory does");
+    let numel = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d as usize)).ok_or_else(too_many)?;
     let want = match dtype {
         DType::I4 | DType::U4 => numel.div_ceil(2),
-        _ => numel * dtype.size_bytes() as usize,
+        _ => numel.checked_mul(dtype.size_bytes() as usize).ok_or_else(too_many)?,
     };
     if bytes.len() != want {
         return Err(format!(

@@ -10,6 +10,7 @@
 //! holds the ZeRO state and data-parallel synchronisation, `report` gathers what the ranks
 //! measured.
 
+mod check;
 mod interp;
 mod layout;
 mod params;
@@ -29,6 +30,7 @@ use crate::runtime::train::{TrainConfig, TrainObserver, drive, save_checkpoint};
 use interp::Interp;
 use setup::{Rank, Shards, check_world};
 
+pub use check::check_rank;
 pub use layout::{REPLAN, StageLayout, codegen_section, planned_graph, rank_programs, stage_layout};
 pub use report::{PhaseTimes, RankReport, RankStats, StateBytes, peak_rss_bytes};
 pub use setup::{RankOptions, rank_weights};

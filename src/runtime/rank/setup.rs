@@ -451,9 +451,8 @@ fn shard_subgraph(
     (q, d, t): (usize, usize, usize),
     kv_groups: &mut Vec<(String, Vec<usize>)>,
 ) -> Result<Graph, RuntimeError> {
-    let listed: HashSet<usize> = sv.code.node_ids().collect();
-    let nodes: Vec<NodeId> = model.topo_order()?.into_iter().filter(|n| listed.contains(&n.index())).collect();
-    if nodes.len() != listed.len() {
+    let nodes: Vec<NodeId> = model.topo_order()?.into_iter().filter(|n| sv.code.runs(n.index())).collect();
+    if nodes.len() != sv.code.node_count() {
         return Err(terr(format!("stage {} runs nodes the model as planned does not have; {REPLAN}", sv.stage())));
     }
     let mut sub = apply_shard(model, &nodes, &sv.merged_shard(), dims).map_err(|e| terr(format!("stage {} shard of rank {me}: {e}", sv.stage())))?;

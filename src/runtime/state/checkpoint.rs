@@ -567,7 +567,7 @@ impl Loaded {
 
 fn piece_numel(e: &Entry) -> Result<i64, String> {
     let s = cut_shape(&e.shape, e.slice.axis, &e.slice.ranges)?;
-    let n: i64 = s.iter().product();
+    let n = s.iter().try_fold(1i64, |n, &d| n.checked_mul(d)).ok_or_else(|| format!("shape {s:?} has more elements than memory holds"))?;
     match e.slice.flat {
         None => Ok(n),
         Some([a, b]) if a <= b && b <= n as u64 => Ok((b - a) as i64),

@@ -30,13 +30,16 @@ impl Slice {
 
 /// Shape of the whole `shape` cut along `axis` to `ranges`.
 pub fn cut_shape(shape: &[i64], axis: Option<usize>, ranges: &[[u64; 2]]) -> Result<Vec<i64>, String> {
+    if let Some(d) = shape.iter().find(|&&d| d < 0) {
+        return Err(format!("shape {shape:?} has a negative dim {d}"));
+    }
     let mut s = shape.to_vec();
     if let Some(a) = axis {
         let dim = *shape.get(a).ok_or_else(|| format!("cut along axis {a} of a rank-{} tensor", shape.len()))?;
         if ranges.iter().any(|r| r[0] > r[1] || r[1] > dim as u64) {
             return Err(format!("ranges {ranges:?} exceed dimension {dim} of axis {a}"));
         }
-        s[a] = ranges.iter().map(|r| (r[1] - r[0]) as i64).sum();
+        s[a] = ranges.iter().try_fold(0i64, |n, r| n.checked_add((r[1] - r[0]) as i64)).ok_or_else(|| format!("ranges {ranges:?} overflow"))?;
     }
     Ok(s)
 }
@@ -44,7 +47,7 @@ pub fn cut_shape(shape: &[i64], axis: Option<usize>, ranges: &[[u64; 2]]) -> Res
 /// Shape of `part` of a tensor shaped `dims`: the cut, or `[n]` for a flat range.
 pub fn part_dims(dims: &[i64], part: &Slice) -> Result<Vec<i64>, String> {
     let cut = cut_shape(dims, part.axis, &part.ranges)?;
-    let n: i64 = cut.iter().product();
+    let n = cut.iter().try_fold(1i64, |n, &d| n.checked_mul(d)).ok_or_else(|| format!("shape {cut:?} has more elements than memory holds"))?;
     match part.flat {
         None => Ok(cut),
         Some([a, b]) if a <= b && b <= n as u64 => Ok(vec![(b - a) as i64]),
