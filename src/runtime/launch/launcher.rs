@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::coordinator::{self, Client, RoundFailure};
 use crate::runtime::RuntimeError;
+use crate::runtime::session::report::restarts_env_value;
 use crate::runtime::session::{RESTARTS_ENV, RestartRecord};
 use crate::runtime::state::checkpoint;
 
@@ -173,7 +174,7 @@ pub fn launch_nodes(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restarts
         if let Some(store) = &job.store {
             agree(store, round, nodes.node_rank, restarts.agree_timeout)?;
         }
-        let records = serde_json::to_string(&history).map_err(|e| RuntimeError::Train(e.to_string()))?;
+        let records = restarts_env_value(&history);
         match job.round(round, &round_args, &records)? {
             Outcome::Done => return Ok(0),
             Outcome::Signalled(sig) => {

@@ -141,6 +141,11 @@ pub struct RestartRecord {
     pub checkpoint: Option<String>,
 }
 
+/// The value of [`RESTARTS_ENV`] that tells a restarted run's ranks what failed before.
+pub fn restarts_env_value(history: &[RestartRecord]) -> String {
+    serde_json::to_string(history).unwrap_or_else(|_| "[]".into())
+}
+
 /// The restarts the launcher recorded for this run ([`RESTARTS_ENV`]; none when unset or
 /// unreadable).
 pub fn restarts_from_env() -> Vec<RestartRecord> {
