@@ -153,7 +153,8 @@ impl SmallDisk {
 
 impl Drop for SmallDisk {
     fn drop(&mut self) {
-        let _ = Command::new("umount").arg(self.dir.path()).status();
+        // lazily: a rank that was just stopped may still hold a file open
+        let _ = Command::new("umount").arg("-l").arg(self.dir.path()).status();
     }
 }
 

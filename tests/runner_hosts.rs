@@ -41,8 +41,10 @@ struct Hosts {
 
 impl Hosts {
     fn new() -> Result<Hosts, String> {
-        let pid = std::process::id();
-        let names = [format!("smp{pid}a"), format!("smp{pid}b")];
+        // unique per test: the tests of this file run in parallel in one process
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let id = format!("{}n{}", std::process::id(), NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        let names = [format!("smp{id}a"), format!("smp{id}b")];
         // each namespace has its own addresses: fixed ones cannot collide with other tests'
         let addrs = ["10.200.0.1".to_string(), "10.200.0.2".to_string()];
         ip(&["netns", "add", &names[0]])?;

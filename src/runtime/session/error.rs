@@ -22,3 +22,14 @@ pub enum SessionError {
     #[error(transparent)]
     Interrupted(RuntimeError),
 }
+
+impl SessionError {
+    /// What an error raised while training means for a restart: a data file or input found bad
+    /// mid-run fails again on every restart (not retried), anything else interrupted the run.
+    pub fn during_training(e: RuntimeError) -> SessionError {
+        match e {
+            e @ (RuntimeError::File { .. } | RuntimeError::Input { .. }) => SessionError::Runtime(e),
+            e => SessionError::Interrupted(e),
+        }
+    }
+}

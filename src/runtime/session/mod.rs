@@ -230,7 +230,7 @@ impl RunSession {
         let ckpt = Checkpointing { save: self.save.take(), resume: self.resume.as_ref() };
         obs.on_start(data.tokens_per_batch());
         let t0 = Instant::now();
-        let trained = train::train_with(&exec, &data, eval_data.as_ref(), &cfg, &ckpt, obs).map_err(SessionError::Interrupted)?;
+        let trained = train::train_with(&exec, &data, eval_data.as_ref(), &cfg, &ckpt, obs).map_err(SessionError::during_training)?;
         let wall_s = t0.elapsed().as_secs_f64();
         let saved_weights = match &o.save_weights {
             Some(path) => Some(export::write_module_tensors(&exec, path).map_err(SessionError::Interrupted)?),
@@ -256,7 +256,7 @@ impl RunSession {
     fn run_rank(mut self, plan: &Plan, env: &RankEnv, obs: &mut dyn TrainObserver) -> Result<RunReport, SessionError> {
         let model = self.model.clone();
         let in_rank = |e: RuntimeError| match e {
-            e @ RuntimeError::CheckpointNotWritten { .. } => SessionError::Interrupted(e),
+            e @ (RuntimeError::CheckpointNotWritten { .. } | RuntimeError::File { .. } | RuntimeError::Input { .. }) => SessionError::during_training(e),
             e => SessionError::Interrupted(RuntimeError::Train(format!("rank {} of {}: {e}", env.rank, env.world))),
         };
         // the graph the plan was made for: specialised as the planner did, the plan's fused
