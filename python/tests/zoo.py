@@ -42,9 +42,6 @@ class Arch:
     build: Callable[[], Any]
     #: causal-lm | masked-lm | seq2seq | image
     task: str
-    #: Why a model the runner cannot take yet fails (MoE until the MoE op lands): the row stays,
-    #: and the test fails with the runner's reason.
-    pending: str = ""
 
 
 def _t():
@@ -108,10 +105,10 @@ def archs() -> dict[str, Arch]:
             attention_dropout=0.0, max_position_embeddings=32, use_cache=False, **_tok())), "causal-lm"),
         Arch("mixtral", "decoder LM, mixture of experts (8 experts, top 2)", lambda: T.MixtralForCausalLM(T.MixtralConfig(
             num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, **no_drop, **_decoder())),
-            "causal-lm", pending="mixture-of-experts op (branch h-moe)"),
+            "causal-lm"),
         Arch("qwen3_moe", "decoder LM, mixture of experts (8 experts, top 2)", lambda: T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
             num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-            norm_topk_prob=True, **no_drop, **_decoder())), "causal-lm", pending="mixture-of-experts op (branch h-moe)"),
+            norm_topk_prob=True, **no_drop, **_decoder())), "causal-lm"),
         Arch("bert", "encoder, masked LM", lambda: T.BertForMaskedLM(T.BertConfig(
             num_hidden_layers=2, hidden_size=H, num_attention_heads=2, intermediate_size=64,
             max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
