@@ -249,7 +249,7 @@ fn plan(env: &mut Env, case: &Case) -> Outcome {
     decide(&mut graph, &ParamOptions { trainable: plan.trainable.clone(), frozen: plan.frozen.clone() }).map_err(err)?;
     let (graph, dims) = rank::planned_graph(&plan, graph).map_err(err)?;
     let mesh = plan.mesh();
-    let world = mesh.pp.saturating_mul(mesh.dp).saturating_mul(mesh.tp);
+    let world = mesh.world();
     let source = Source::new(&graph, InitMode::Load, None);
     for rank in 0..world.min(16) {
         rank::check_rank(&plan, &graph, &dims, rank).map_err(err)?;

@@ -291,7 +291,7 @@ fn pipeline_of_sharded_stages_reproduces_the_model() {
             input.replicated_layers = vec![n - 1];
         }
         let section = build(&lg, &input).unwrap();
-        let mesh = Mesh { pp, tp: t, dp: 1, ranks: (0..pp).map(|p| (0..t).map(|r| p * t + r).collect()).collect() };
+        let mesh = Mesh { ranks: (0..pp).map(|p| vec![(0..t).map(|r| p * t + r).collect()]).collect() };
         // What has arrived at the current stage: data, then the previous stage's sends.
         let mut arrived: HashMap<String, T> = inputs.clone();
         let mut last_outputs = HashMap::new();

@@ -196,17 +196,12 @@ pub struct ProgramTemplate {
 /// The device mesh: global ranks by mesh coordinates (pipeline rank, replica, tensor rank),
 /// from the plan's stages, where the placement's axis order is already applied
 /// ([`crate::plan::Plan::mesh`]). The one mesh type of codegen, the plan, the simulator and
-/// the runtime.
+/// the runtime. Its degrees are the shape of the table, not a second copy of
+/// [`crate::ir::Parallel`]'s.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Mesh {
-    /// Pipeline ranks.
-    pub pp: usize,
-    /// Tensor-parallel degree.
-    pub tp: usize,
-    /// Data-parallel degree.
-    pub dp: usize,
-    /// `ranks[pp][dp · tp + tp_rank]` = global rank.
-    pub ranks: Vec<Vec<usize>>,
+    /// `ranks[pp][dp][tp_rank]` = global rank.
+    pub ranks: Vec<Vec<Vec<usize>>>,
 }
 
 /// Mesh coordinates of a global rank.
@@ -224,37 +219,62 @@ impl Mesh {
     /// The mesh of degrees (pp, tp, dp) with ranks numbered in the axis order `order`
     /// (`--placement`; the planner numbers the plan's stages this way).
     pub fn numbered(order: AxisOrder, pp: usize, tp: usize, dp: usize) -> Mesh {
-        let ranks = (0..pp).map(|p| order.stage_ranks(p, [dp, pp, tp])).collect();
-        Mesh { pp, tp, dp, ranks }
+        Mesh::from_rows((0..pp).map(|p| order.stage_ranks(p, [dp, pp, tp])).collect(), tp)
+    }
+
+    /// The mesh whose pipeline rank `p` holds `rows[p]`: a stage's rank list (replica-major,
+    /// `tp` consecutive tensor ranks per replica).
+    pub fn from_rows(rows: Vec<Vec<usize>>, tp: usize) -> Mesh {
+        let tp = tp.max(1);
+        Mesh { ranks: rows.into_iter().map(|r| r.chunks(tp).map(<[usize]>::to_vec).collect()).collect() }
+    }
+
+    /// Pipeline ranks.
+    pub fn pp(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Data-parallel degree (replicas per pipeline rank).
+    pub fn dp(&self) -> usize {
+        self.ranks.first().map_or(0, Vec::len)
+    }
+
+    /// Tensor-parallel degree.
+    pub fn tp(&self) -> usize {
+        self.ranks.first().and_then(|r| r.first()).map_or(0, Vec::len)
     }
 
     /// Global rank at `c` (None outside the mesh).
     pub fn rank(&self, c: Coord) -> Option<usize> {
-        (c.tp < self.tp && c.dp < self.dp).then_some(())?;
-        self.ranks.get(c.pp)?.get(c.dp * self.tp + c.tp).copied()
+        self.ranks.get(c.pp)?.get(c.dp)?.get(c.tp).copied()
     }
 
     /// Coordinates of global rank `rank`.
     pub fn coord(&self, rank: usize) -> Option<Coord> {
-        self.ranks.iter().enumerate().find_map(|(pp, rs)| {
-            rs.iter().position(|&r| r == rank).map(|i| Coord { pp, dp: i / self.tp.max(1), tp: i % self.tp.max(1) })
+        self.ranks.iter().enumerate().find_map(|(pp, replicas)| {
+            replicas.iter().enumerate().find_map(|(dp, group)| group.iter().position(|&r| r == rank).map(|tp| Coord { pp, dp, tp }))
         })
     }
 
     /// Number of ranks (pp · dp · tp).
     pub fn world(&self) -> usize {
-        self.pp * self.dp * self.tp
+        self.ranks.iter().flatten().map(Vec::len).sum()
     }
 
     /// The tensor-parallel groups (global ranks in tensor-rank order), one per pipeline rank
     /// and replica.
     pub fn tensor_groups(&self) -> Vec<Vec<usize>> {
-        self.ranks.iter().flat_map(|rs| rs.chunks(self.tp.max(1)).map(<[usize]>::to_vec)).collect()
+        self.ranks.iter().flatten().cloned().collect()
+    }
+
+    /// The ranks at pipeline rank `pp` and tensor rank `tp` of every replica, replica 0 first.
+    pub fn replica_group(&self, pp: usize, tp: usize) -> Vec<usize> {
+        self.ranks.get(pp).map_or_else(Vec::new, |replicas| replicas.iter().filter_map(|g| g.get(tp).copied()).collect())
     }
 
     /// Every global rank, ascending.
     pub fn all_ranks(&self) -> Vec<usize> {
-        let mut v: Vec<usize> = self.ranks.iter().flatten().copied().collect();
+        let mut v: Vec<usize> = self.ranks.iter().flatten().flatten().copied().collect();
         v.sort_unstable();
         v
     }
@@ -636,16 +656,16 @@ impl CodegenSection {
 
     /// The process group `g` of the rank at `c`, as global ranks.
     pub fn group(&self, mesh: &Mesh, c: Coord, g: GroupRef, sharded_dp: Option<usize>) -> Option<Vec<usize>> {
-        let n = sharded_dp.filter(|&n| n > 1 && n < mesh.dp).unwrap_or(mesh.dp).max(1);
+        let n = sharded_dp.filter(|&n| n > 1 && n < mesh.dp()).unwrap_or(mesh.dp()).max(1);
         let at = |pp: usize, dp: usize, tp: usize| mesh.rank(Coord { pp, dp, tp });
         match g {
-            GroupRef::Tensor => (0..mesh.tp).map(|t| at(c.pp, c.dp, t)).collect(),
-            GroupRef::Data => (0..mesh.dp).map(|d| at(c.pp, d, c.tp)).collect(),
+            GroupRef::Tensor => (0..mesh.tp()).map(|t| at(c.pp, c.dp, t)).collect(),
+            GroupRef::Data => (0..mesh.dp()).map(|d| at(c.pp, d, c.tp)).collect(),
             GroupRef::ShardGroup => {
                 let first = c.dp / n * n;
-                (first..(first + n).min(mesh.dp)).map(|d| at(c.pp, d, c.tp)).collect()
+                (first..(first + n).min(mesh.dp())).map(|d| at(c.pp, d, c.tp)).collect()
             }
-            GroupRef::ShardPeers => (c.dp % n..mesh.dp).step_by(n).map(|d| at(c.pp, d, c.tp)).collect(),
+            GroupRef::ShardPeers => (c.dp % n..mesh.dp()).step_by(n).map(|d| at(c.pp, d, c.tp)).collect(),
             GroupRef::Tied(i) => self.tied_weights.get(i)?.pp_ranks.iter().map(|&p| at(p, c.dp, c.tp)).collect(),
         }
     }
@@ -653,7 +673,7 @@ impl CodegenSection {
     /// The concrete program of the rank at `c`.
     pub fn program(&self, mesh: &Mesh, c: Coord, sharded_dp: Option<usize>) -> Result<RankProgram, EncodeError> {
         let rank = mesh.rank(c).ok_or_else(|| {
-            EncodeError::Inconsistent(format!("pipeline rank {}, replica {}, tensor rank {} is outside the mesh (pp {}, dp {}, tp {})", c.pp, c.dp, c.tp, mesh.pp, mesh.dp, mesh.tp))
+            EncodeError::Inconsistent(format!("pipeline rank {}, replica {}, tensor rank {} is outside the mesh (pp {}, dp {}, tp {})", c.pp, c.dp, c.tp, mesh.pp(), mesh.dp(), mesh.tp()))
         })?;
         let t = self
             .templates
@@ -662,7 +682,7 @@ impl CodegenSection {
             .ok_or_else(|| EncodeError::Inconsistent(format!("no program template for pipeline rank {}", c.pp)))?;
         let peer = |pp: usize| {
             mesh.rank(Coord { pp, ..c })
-                .ok_or_else(|| EncodeError::Inconsistent(format!("rank {rank}: pipeline rank {pp} is outside the mesh (pp = {})", mesh.pp)))
+                .ok_or_else(|| EncodeError::Inconsistent(format!("rank {rank}: pipeline rank {pp} is outside the mesh (pp = {})", mesh.pp())))
         };
         let group = |g: GroupRef| {
             self.group(mesh, c, g, sharded_dp)
@@ -710,9 +730,9 @@ impl CodegenSection {
     /// The programs of every rank of the mesh.
     pub fn all_programs(&self, mesh: &Mesh, sharded_dp: Option<usize>) -> Result<Vec<RankProgram>, EncodeError> {
         let mut out = Vec::new();
-        for pp in 0..mesh.pp {
-            for dp in 0..mesh.dp {
-                for tp in 0..mesh.tp {
+        for pp in 0..mesh.pp() {
+            for dp in 0..mesh.dp() {
+                for tp in 0..mesh.tp() {
                     out.push(self.program(mesh, Coord { pp, dp, tp }, sharded_dp)?);
                 }
             }
@@ -799,7 +819,7 @@ mod tests {
     /// Ranks numbered as the DPT placement does: d·(pp·tp) + p·tp + t.
     fn mesh(pp: usize, tp: usize, dp: usize) -> Mesh {
         let m = Mesh::numbered(AxisOrder::CLUSTER, pp, tp, dp);
-        let by_hand: Vec<Vec<usize>> = (0..pp).map(|p| (0..dp).flat_map(|d| (0..tp).map(move |t| d * pp * tp + p * tp + t)).collect()).collect();
+        let by_hand: Vec<Vec<Vec<usize>>> = (0..pp).map(|p| (0..dp).map(|d| (0..tp).map(|t| d * pp * tp + p * tp + t).collect()).collect()).collect();
         assert_eq!(m.ranks, by_hand);
         m
     }

@@ -305,21 +305,21 @@ pub fn validate_shard_group(dims: &dyn Fn(&str) -> Option<Vec<i64>>, shards: &[L
 pub fn validate_section(section: &CodegenSection, mesh: &Mesh, microbatches: usize, sharded_dp: Option<usize>) -> Result<(), ValidationErrors> {
     let mut errs = Vec::new();
     let first_rank = |pp: usize, tp: usize| mesh.rank(Coord { pp, dp: 0, tp }).unwrap_or(0);
-    if section.tp != mesh.tp {
-        errs.push(Invalid { rank: 0, what: format!("codegen section is for tp = {}, the plan's tp is {}", section.tp, mesh.tp) });
+    if section.tp != mesh.tp() {
+        errs.push(Invalid { rank: 0, what: format!("codegen section is for tp = {}, the plan's tp is {}", section.tp, mesh.tp()) });
         return finish(errs);
     }
     // Templates and stages.
     let mut runner_of_stage: BTreeMap<usize, usize> = BTreeMap::new();
-    for pp in 0..mesh.pp {
+    for pp in 0..mesh.pp() {
         let found: Vec<_> = section.templates.iter().filter(|t| t.pp_rank == pp).collect();
         if found.len() != 1 {
             errs.push(Invalid { rank: first_rank(pp, 0), what: format!("pipeline rank {pp} has {} program templates, expected 1", found.len()) });
         }
     }
     for t in &section.templates {
-        if t.pp_rank >= mesh.pp {
-            errs.push(Invalid { rank: 0, what: format!("program template for pipeline rank {}, but pp = {}", t.pp_rank, mesh.pp) });
+        if t.pp_rank >= mesh.pp() {
+            errs.push(Invalid { rank: 0, what: format!("program template for pipeline rank {}, but pp = {}", t.pp_rank, mesh.pp()) });
             continue;
         }
         let rank = first_rank(t.pp_rank, 0);
@@ -432,8 +432,8 @@ pub fn validate_section(section: &CodegenSection, mesh: &Mesh, microbatches: usi
         }
     }
     for (i, t) in section.tied_weights.iter().enumerate() {
-        if let Some(&p) = t.pp_ranks.iter().find(|&&p| p >= mesh.pp) {
-            errs.push(Invalid { rank: 0, what: format!("tied weight #{i} `{}` names pipeline rank {p}, but pp = {}", t.weight, mesh.pp) });
+        if let Some(&p) = t.pp_ranks.iter().find(|&&p| p >= mesh.pp()) {
+            errs.push(Invalid { rank: 0, what: format!("tied weight #{i} `{}` names pipeline rank {p}, but pp = {}", t.weight, mesh.pp()) });
         }
     }
     // Shards.
@@ -466,11 +466,11 @@ pub fn validate_section(section: &CodegenSection, mesh: &Mesh, microbatches: usi
     // groups resolve within the same replica and tensor rank (or to groups whose members all
     // run that template), so above a few hundred ranks checking replica 0, tensor rank 0 of
     // every pipeline rank is as strong as checking all ranks.
-    let world = mesh.pp * mesh.tp * mesh.dp;
+    let world = mesh.world();
     let checked = if world <= FULL_CHECK_RANKS {
         mesh.clone()
     } else {
-        Mesh { pp: mesh.pp, tp: 1, dp: 1, ranks: (0..mesh.pp).map(|pp| vec![first_rank(pp, 0)]).collect() }
+        Mesh { ranks: (0..mesh.pp()).map(|pp| vec![vec![first_rank(pp, 0)]]).collect() }
     };
     match section.all_programs(&checked, sharded_dp) {
         Ok(programs) => validate_programs(&programs),

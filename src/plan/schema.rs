@@ -427,12 +427,12 @@ impl Plan {
         })
     }
 
-    /// Global ranks by mesh coordinates: `ranks[pp][dp · tp + tp_rank]`, from the first stage
+    /// Global ranks by mesh coordinates: `ranks[pp][dp][tp_rank]`, from the first stage
     /// of each pipeline rank (the placement's axis order is already applied there).
     pub fn mesh(&self) -> Mesh {
         let p = &self.parallel;
         let ranks = (0..p.pp).map(|r| self.stages_of_rank(r).next().map(|s| s.ranks.clone()).unwrap_or_default()).collect();
-        Mesh { pp: p.pp, tp: p.tp, dp: p.dp, ranks }
+        Mesh::from_rows(ranks, p.tp)
     }
 
     /// What global rank `rank` executes: its stages with their layer shards, boundary tensors,

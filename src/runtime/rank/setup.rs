@@ -75,7 +75,7 @@ impl Shards {
     pub fn new(plan: &Plan, graph: &Graph, dims: &DimBindings, me: usize) -> Result<Shards, RuntimeError> {
         let mesh = plan.mesh();
         let mut out = Shards::default();
-        if mesh.tp <= 1 {
+        if mesh.tp() <= 1 {
             return Ok(out);
         }
         let Coord { pp: q, dp: d, tp: t } = mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
@@ -164,12 +164,12 @@ impl<'a> Rank<'a> {
         let program = programs.iter().find(|p| p.rank == me).ok_or_else(|| terr(format!("no program for rank {me}")))?.clone();
         let m = plan.parallel.microbatches.max(1);
         check_program(&program, plan.stages.len(), m)?;
-        let dp = mesh.dp;
+        let dp = mesh.dp();
         let n_stages = plan.stages.len();
         let my_stages: Vec<usize> = (0..n_stages).filter(|&s| plan.stages[s].pp_rank == q).collect();
 
         let groups = connect_groups(env, opts, &mesh, &programs, &shards.kv_groups)?;
-        let tensor_pg = groups.by_members.get(&tensor_groups(&mesh).into_iter().find(|g| g.contains(&me)).unwrap_or_default()).cloned();
+        let tensor_pg = groups.by_members.get(&mesh.tensor_groups().into_iter().find(|g| g.contains(&me)).unwrap_or_default()).cloned();
         let lazy = lazy_params(plan, &layout, &program, &my_stages);
         let (stage_execs, by_name) = stage_executors(exec, source, shards, tensor_pg.as_ref(), &lazy)?;
         let sliced: HashMap<&str, &WeightSlice> = shards.stages.iter().flat_map(|sh| sh.slices.iter()).map(|w| (w.initializer.as_str(), w)).collect();
@@ -461,16 +461,16 @@ fn shard_subgraph(
         // summed over the consecutive tensor ranks holding it
         for w in sh.weight_slices.iter().filter(|w| w.replicas > 1) {
             let r = w.replicas as usize;
-            if r > mesh.tp || mesh.tp % r != 0 {
+            if r > mesh.tp() || mesh.tp() % r != 0 {
                 return Err(terr(format!(
                     "stage {}: weight `{}` is shared by {r} tensor ranks, which does not divide tp {}",
                     sv.stage(),
                     w.initializer,
-                    mesh.tp
+                    mesh.tp()
                 )));
             }
             let first = t - t % r;
-            let members: Vec<usize> = (first..first + r).map(|tt| mesh.ranks[q][d * mesh.tp + tt]).collect();
+            let members: Vec<usize> = (first..first + r).map(|tt| mesh.ranks[q][d][tt]).collect();
             if !kv_groups.iter().any(|(n, _)| n == &w.initializer) {
                 kv_groups.push((w.initializer.clone(), members));
             }
@@ -497,13 +497,13 @@ fn connect_groups(
     let world: Vec<usize> = (0..env.world).collect();
     let mut lists: BTreeSet<Vec<usize>> = BTreeSet::new();
     lists.insert(world.clone());
-    if mesh.tp > 1 {
-        lists.extend(tensor_groups(mesh));
+    if mesh.tp() > 1 {
+        lists.extend(mesh.tensor_groups());
     }
-    if mesh.dp > 1 {
-        for q in 0..mesh.pp {
-            for t in 0..mesh.tp.max(1) {
-                lists.insert(replica_group(mesh, q, t));
+    if mesh.dp() > 1 {
+        for q in 0..mesh.pp() {
+            for t in 0..mesh.tp().max(1) {
+                lists.insert(mesh.replica_group(q, t));
             }
         }
     }
@@ -529,19 +529,14 @@ fn connect_groups(
 /// Rejects a world size other than the plan's.
 pub(super) fn check_world(plan: &Plan, env: &RankEnv) -> Result<(), RuntimeError> {
     let mesh = plan.mesh();
-    let world = mesh.pp * mesh.dp * mesh.tp;
+    let world = mesh.world();
     if env.world != world {
         return Err(terr(format!(
             "the plan needs {world} ranks (pp {} × dp {} × tp {}), WORLD_SIZE is {}; launch with --nproc {world}",
-            mesh.pp, mesh.dp, mesh.tp, env.world,
+            mesh.pp(), mesh.dp(), mesh.tp(), env.world,
         )));
     }
     Ok(())
-}
-
-/// The ranks at pipeline rank `q` and tensor rank `t` of every replica, replica 0 first.
-fn replica_group(mesh: &Mesh, q: usize, t: usize) -> Vec<usize> {
-    (0..mesh.dp).filter_map(|d| mesh.ranks.get(q).and_then(|rs| rs.get(d * mesh.tp.max(1) + t)).copied()).collect()
 }
 
 /// The running-statistics inputs (mean, variance) of the BatchNormalization nodes in `stages`,
@@ -567,11 +562,6 @@ fn norm_buffers(exec: &Executor<'_>, stage_execs: &HashMap<usize, Executor<'_>>,
         }
     }
     out
-}
-
-/// The tensor-parallel groups (global ranks), one per pipeline rank and replica.
-fn tensor_groups(mesh: &Mesh) -> Vec<Vec<usize>> {
-    mesh.ranks.iter().flat_map(|rs| rs.chunks(mesh.tp.max(1)).map(<[usize]>::to_vec)).collect()
 }
 
 /// Rejects instructions that name stages or microbatches outside the plan, or messages that
@@ -723,7 +713,7 @@ pub fn rank_weights(plan: &Plan, source: &Source<'_>, me: usize) -> Result<Weigh
     let mesh = plan.mesh();
     let Coord { pp: q, .. } = mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
     let mut tensors = HashMap::new();
-    if mesh.tp > 1 {
+    if mesh.tp() > 1 {
         return Ok(Weights { tensors });
     }
     let programs = layout::rank_programs(plan, section)?;
