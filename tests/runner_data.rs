@@ -14,7 +14,7 @@
 
 mod common;
 
-use common::runner::{field, json, ok, random_tokens, runner};
+use common::runner::{field, json, ok, plan_into, random_tokens, runner};
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -97,17 +97,9 @@ fn reference() -> &'static serde_json::Value {
 }
 
 fn plan(dir: &Path, name: &str, cluster: &str, flags: &[&str]) -> PathBuf {
-    let out = dir.join(format!("{name}.json"));
-    let cluster = common::cluster_arg(cluster);
-    let r = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
-        .arg(model())
-        .args(["--cluster", &cluster, "--seq-len", &SEQ.to_string(), "--global-batch", &BATCH.to_string(), "-o"])
-        .arg(&out)
-        .args(flags)
-        .output()
-        .unwrap();
-    ok(&format!("planning {name}"), r);
-    out
+    let shape = ["--seq-len", &SEQ.to_string(), "--global-batch", &BATCH.to_string()].map(String::from);
+    let args: Vec<&str> = shape.iter().map(String::as_str).chain(flags.iter().copied()).collect();
+    plan_into(&model(), cluster, &args, &dir.join(format!("{name}.json")))
 }
 
 fn max_rel(got: &[f64], want: &[f64]) -> f64 {

@@ -14,7 +14,7 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::runner::{json, ok, runner};
+use common::runner::{json, ok, plan_into, runner};
 use smp_partition::runtime::state::checkpoint::{self, Loaded};
 
 fn model() -> PathBuf {
@@ -23,16 +23,8 @@ fn model() -> PathBuf {
 
 /// A plan of gpt2 (sequence 16, batch 8) on two CPU ranks.
 fn plan(dir: &Path, name: &str, flags: &[&str]) -> PathBuf {
-    let out = dir.join(format!("{name}.json"));
-    let r = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
-        .arg(model())
-        .args(["--cluster", &common::cluster_arg("cpu:2"), "--seq-len", "16", "--global-batch", "8", "-o"])
-        .arg(&out)
-        .args(flags)
-        .output()
-        .unwrap();
-    ok(&format!("planning {name}"), r);
-    out
+    let args: Vec<&str> = ["--seq-len", "16", "--global-batch", "8"].into_iter().chain(flags.iter().copied()).collect();
+    plan_into(&model(), "cpu:2", &args, &dir.join(format!("{name}.json")))
 }
 
 const STEPS: usize = 8;

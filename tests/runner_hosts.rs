@@ -79,16 +79,8 @@ fn losses(stdout: &[u8]) -> Vec<f64> {
 }
 
 fn plan(dir: &Path) -> PathBuf {
-    let out = dir.join("pp2dp2.json");
-    let r = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
-        .arg(model())
-        .args(["--cluster", &common::cluster_arg("cpu:4"), "--seq-len", SEQ, "--global-batch", BATCH, "-o"])
-        .arg(&out)
-        .args(["--pp", "2", "--tp", "1", "--dp", "2", "--schedule", "1f1b", "--microbatches", "2"])
-        .output()
-        .unwrap();
-    ok("planning pp2 × dp2", &r);
-    out
+    let args = ["--seq-len", SEQ, "--global-batch", BATCH, "--pp", "2", "--tp", "1", "--dp", "2", "--schedule", "1f1b", "--microbatches", "2"];
+    common::runner::plan_into(&model(), "cpu:4", &args, &dir.join("pp2dp2.json"))
 }
 
 const COMMON: [&str; 7] = ["--steps", STEPS, "--dtype", "f64", "--threads", "1", "--json"];

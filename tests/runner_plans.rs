@@ -28,14 +28,8 @@ fn model() -> PathBuf {
 }
 
 fn plan(dir: &Path, name: &str, cluster: &str, flags: &[&str]) -> PathBuf {
-    let out = dir.join(format!("{name}.json"));
-    let m = model();
-    let cluster = common::cluster_arg(cluster);
-    let mut args = vec![m.to_str().unwrap(), "--cluster", &cluster, "--seq-len", SEQ, "-o", out.to_str().unwrap()];
-    args.extend_from_slice(flags);
-    let r = Command::new(env!("CARGO_BIN_EXE_smp-partition")).args(&args).output().unwrap();
-    assert!(r.status.success(), "planning {name} failed: {}", String::from_utf8_lossy(&r.stderr));
-    out
+    let args: Vec<&str> = ["--seq-len", SEQ].into_iter().chain(flags.iter().copied()).collect();
+    common::runner::plan_into(&model(), cluster, &args, &dir.join(format!("{name}.json")))
 }
 
 fn json(stdout: &[u8]) -> serde_json::Value {

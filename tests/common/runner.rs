@@ -34,6 +34,21 @@ pub fn random_tokens(n: usize, seed: u64) -> Vec<u16> {
         .collect()
 }
 
+/// Plans `model` on `cluster` (a `--cluster` spec such as `cpu:2`, sized for this machine by
+/// [`super::cluster_arg`]) with the planner flags `args`, writes the plan to `out` and returns
+/// that path.
+pub fn plan_into(model: &std::path::Path, cluster: &str, args: &[&str], out: &std::path::Path) -> std::path::PathBuf {
+    let r = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
+        .arg(model)
+        .args(["--cluster", &super::cluster_arg(cluster), "-o"])
+        .arg(out)
+        .args(args)
+        .output()
+        .unwrap();
+    ok(&format!("planning {}", out.display()), r);
+    out.to_path_buf()
+}
+
 /// Plans `model` (sequence 16, batch 8, 2 microbatches) at pp × tp × dp 1 with Megatron's
 /// split on `cpu:pp·tp`, writes the plan to `out` and returns it parsed.
 pub fn plan_megatron(model: &std::path::Path, pp: usize, tp: usize, out: &std::path::Path) -> serde_json::Value {

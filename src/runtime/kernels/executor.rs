@@ -262,6 +262,26 @@ impl<'g> Executor<'g> {
         Ok(feeds)
     }
 
+    /// Runs one node on the inputs `fetch` finds (fed, received, produced or weights); the
+    /// one per-node step of [`Executor::run_nodes`] and [`Executor::forward`].
+    fn step(&self, node: &Node, fetch: impl Fn(ValueId) -> Option<Tensor>) -> Result<Vec<Tensor>, RuntimeError> {
+        let kerr = |message: String| RuntimeError::Kernel { node: node.name.clone(), op: node.op.to_string(), message };
+        let mut inputs = Vec::with_capacity(node.inputs.len());
+        for v in &node.inputs {
+            inputs.push(match v {
+                Some(v) => Some(fetch(*v).ok_or_else(|| {
+                    kerr(format!("input `{}` has no value (not fed or received, not an initializer)", self.graph.value(*v).name))
+                })?),
+                None => None,
+            });
+        }
+        let outs = self.run_node(node, &inputs).map_err(kerr)?;
+        if outs.len() < node.outputs.len() {
+            return Err(kerr(format!("kernel made {} outputs, the node has {}", outs.len(), node.outputs.len())));
+        }
+        Ok(outs)
+    }
+
     /// Runs `nodes` (a subset, in execution order) on `feeds` (values produced outside the
     /// subset); returns the values of `keep` (fed, weights, or produced by `nodes`).
     pub fn run_nodes(
@@ -287,26 +307,12 @@ impl<'g> Executor<'g> {
         };
         for (pos, &id) in nodes.iter().enumerate() {
             let node = graph.node(id);
-            let kerr = |message: String| RuntimeError::Kernel { node: node.name.clone(), op: node.op.to_string(), message };
-            let mut inputs = Vec::with_capacity(node.inputs.len());
-            for v in &node.inputs {
-                inputs.push(match v {
-                    Some(v) => Some(fetch(&live, *v).ok_or_else(|| {
-                        kerr(format!("input `{}` has no value (not received, not an initializer)", graph.value(*v).name))
-                    })?),
-                    None => None,
-                });
-            }
-            let outs = self.run_node(node, &inputs).map_err(kerr)?;
-            if outs.len() < node.outputs.len() {
-                return Err(kerr(format!("kernel made {} outputs, the node has {}", outs.len(), node.outputs.len())));
-            }
+            let outs = self.step(node, |v| fetch(&live, v))?;
             for (&v, t) in node.outputs.iter().zip(outs) {
                 if last.contains_key(&v) {
                     live.insert(v, t);
                 }
             }
-            drop(inputs);
             for v in node.inputs.iter().flatten() {
                 if last.get(v) == Some(&pos) {
                     live.remove(v);
@@ -336,28 +342,10 @@ impl<'g> Executor<'g> {
         };
         for (pos, &id) in self.order.iter().enumerate() {
             let node = graph.node(id);
-            let kerr = |message: String| RuntimeError::Kernel {
-                node: node.name.clone(),
-                op: node.op.to_string(),
-                message,
-            };
-            let mut inputs = Vec::with_capacity(node.inputs.len());
-            for v in &node.inputs {
-                inputs.push(match v {
-                    Some(v) => Some(fetch(&live, *v).ok_or_else(|| {
-                        kerr(format!("input `{}` has no value (not fed, not an initializer)", graph.value(*v).name))
-                    })?),
-                    None => None,
-                });
-            }
-            let outs = self.run_node(node, &inputs).map_err(kerr)?;
-            if outs.len() < node.outputs.len() {
-                return Err(kerr(format!("kernel made {} outputs, the node has {}", outs.len(), node.outputs.len())));
-            }
+            let outs = self.step(node, |v| fetch(&live, v))?;
             for (&v, t) in node.outputs.iter().zip(outs) {
                 live[v.index()] = Some(t);
             }
-            drop(inputs);
             for v in node.inputs.iter().flatten() {
                 if self.last_use[v.index()] == Some(pos) {
                     live[v.index()] = None;
