@@ -178,7 +178,7 @@ impl<'a> Rank<'a> {
         let reads_input = my_stages.iter().any(|&s| !layout.data_inputs[s].is_empty());
         let reads_data = reads_input || my_stages.contains(&(n_stages - 1));
         let norm_buffers = norm_buffers(exec, &stage_execs, &layout, &my_stages);
-        let replica_group = (dp > 1).then(|| replica_group(&mesh, q, t));
+        let replica_group = (dp > 1).then(|| mesh.replica_group(q, t));
         let split_w = program.instrs.iter().filter_map(|i| if let Instr::BackwardWeight { stage, mb } = i { Some((*stage, *mb)) } else { None }).collect();
         Ok(Rank {
             exec,
