@@ -283,6 +283,10 @@ fn precision_of(keys: &[(String, bool, Source)]) -> Result<Option<Sourced<Precis
     })
 }
 
+fn as_object(v: &Value) -> Option<&Map<String, Value>> {
+    v.as_object()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -335,8 +339,4 @@ mod tests {
         let e = parse(r#"{"bf16": "yes"}"#).unwrap_err().to_string();
         assert!(e.contains("`bf16`") && e.contains("true or false"), "{e}");
     }
-}
-
-fn as_object(v: &Value) -> Option<&Map<String, Value>> {
-    v.as_object()
 }

@@ -257,33 +257,6 @@ fn refuse(m: impl Into<String>) -> SessionError {
     SessionError::Options(m.into())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_plans_precision_decides_the_run_type() {
-        let p = Path::new("plan.json");
-        assert_eq!(FloatType::for_plan(Precision::F32, None, p), Ok(FloatType::F32));
-        assert_eq!(FloatType::for_plan(Precision::F32, Some(FloatType::F32), p), Ok(FloatType::F32));
-        assert_eq!(FloatType::for_plan(Precision::Bf16, None, p), Ok(FloatType::Bf16));
-        // the verification override, on every plan
-        for prec in Precision::ALL {
-            assert_eq!(FloatType::for_plan(prec, Some(FloatType::F64), p), Ok(FloatType::F64));
-        }
-        let e = FloatType::for_plan(Precision::F32, Some(FloatType::Bf16), p).unwrap_err();
-        assert!(e.contains("--dtype bf16") && e.contains("f32 precision") && e.contains("plan.json") && e.contains("--precision bf16"), "{e}");
-        let e = FloatType::for_plan(Precision::Bf16, Some(FloatType::F32), p).unwrap_err();
-        assert!(e.contains("--dtype f32") && e.contains("bf16 precision") && e.contains("--precision f32"), "{e}");
-        for prec in [Precision::Bf16Mixed, Precision::Fp16Mixed] {
-            let e = FloatType::for_plan(prec, None, p).unwrap_err();
-            assert!(e.contains(prec.name()) && e.contains("mixed precision yet") && e.contains("--dtype f64"), "{e}");
-            let e = FloatType::for_plan(prec, Some(FloatType::Bf16), p).unwrap_err();
-            assert!(e.contains("--dtype bf16") && e.contains(prec.name()), "{e}");
-        }
-    }
-}
-
 impl RunOptions {
     /// Refuses flags that cannot be taken together or out of range, naming them.
     pub fn check(&self) -> Result<(), SessionError> {
@@ -347,6 +320,33 @@ impl RunOptions {
         match self.init {
             InitChoice::Load => InitMode::Load,
             InitChoice::Random => InitMode::Random { seed: self.seed },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plans_precision_decides_the_run_type() {
+        let p = Path::new("plan.json");
+        assert_eq!(FloatType::for_plan(Precision::F32, None, p), Ok(FloatType::F32));
+        assert_eq!(FloatType::for_plan(Precision::F32, Some(FloatType::F32), p), Ok(FloatType::F32));
+        assert_eq!(FloatType::for_plan(Precision::Bf16, None, p), Ok(FloatType::Bf16));
+        // the verification override, on every plan
+        for prec in Precision::ALL {
+            assert_eq!(FloatType::for_plan(prec, Some(FloatType::F64), p), Ok(FloatType::F64));
+        }
+        let e = FloatType::for_plan(Precision::F32, Some(FloatType::Bf16), p).unwrap_err();
+        assert!(e.contains("--dtype bf16") && e.contains("f32 precision") && e.contains("plan.json") && e.contains("--precision bf16"), "{e}");
+        let e = FloatType::for_plan(Precision::Bf16, Some(FloatType::F32), p).unwrap_err();
+        assert!(e.contains("--dtype f32") && e.contains("bf16 precision") && e.contains("--precision f32"), "{e}");
+        for prec in [Precision::Bf16Mixed, Precision::Fp16Mixed] {
+            let e = FloatType::for_plan(prec, None, p).unwrap_err();
+            assert!(e.contains(prec.name()) && e.contains("mixed precision yet") && e.contains("--dtype f64"), "{e}");
+            let e = FloatType::for_plan(prec, Some(FloatType::Bf16), p).unwrap_err();
+            assert!(e.contains("--dtype bf16") && e.contains(prec.name()), "{e}");
         }
     }
 }
