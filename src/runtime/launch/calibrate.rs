@@ -297,7 +297,7 @@ pub fn cluster_toml(cal: &Calibration) -> String {
     let eff: Vec<(f64, f64)> = cal.matmul.iter().map(|&(f, r)| (f, r / peak_rate)).collect();
     let curve = EfficiencyCurve::fit(&eff).unwrap_or(EfficiencyCurve { peak: 1.0, half_flops: 0.0 });
     let mut s = String::new();
-    s.push_str("# Written by `smp-runner calibrate` (one thread per device, f32, Gloo over loopback).\n");
+    s.push_str("# Written by `smp-runner calibrate` (one thread per device; f32, bf16 and fp16 matmuls; Gloo over loopback).\n");
     for (kind, samples) in [("", &cal.matmul), (" bf16", &cal.matmul_bf16), (" fp16", &cal.matmul_fp16)] {
         if samples.is_empty() {
             continue;
