@@ -44,7 +44,7 @@ fn feasible(p: &IntraLayerProblem, cap: usize) -> Vec<Vec<usize>> {
 
 fn strategies(lg: &LayeredGraph, layer: usize, tp: usize) -> LayerStrategies {
     let spec = ClusterSpec::parse("h100-80gb:8").unwrap();
-    let ctx = CostContext::new(lg, &spec);
+    let ctx = CostContext::new(lg, &spec, spec.default_precision());
     let x = StrategyInputs {
         spec: &spec,
         comm: &ctx.comm,

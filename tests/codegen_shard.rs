@@ -281,6 +281,7 @@ fn pipeline_of_sharded_stages_reproduces_the_model() {
             checkpointing: CheckpointRule::Auto,
             placement: Placement::CLUSTER,
             sequence_parallel,
+            precision: smp_partition::ir::Precision::F32,
         };
         let mut input = CodegenInput { parallel, stages, replicated_layers: vec![], node_strategies: vec![], microbatch_size: None };
         if name == "bert" {

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use smp_partition::ir::ScheduleKind;
+use smp_partition::ir::{Precision, ScheduleKind};
 use smp_partition::solve::options::*;
 use smp_partition::solve::{Baseline, Optimize, Placement};
 
@@ -75,7 +75,9 @@ fn smp_names_map_to_settings() {
     assert_eq!(c.placement, Some(Placement::SPREAD));
     assert_eq!(c.optimize, Some(Optimize::Memory));
     assert_eq!(c.active_microbatches, Some(3));
-    assert_eq!(c.ignored_config_keys, vec!["bf16".to_string(), "ddp".to_string()]);
+    // `bf16` is a setting now (the training precision); `ddp` still changes nothing
+    assert_eq!(c.precision, Some(Precision::Bf16Mixed));
+    assert_eq!(c.ignored_config_keys, vec!["ddp".to_string()]);
 
     let c = resolve(PlanOptions::default(), Some(r#"{"pipeline_parallel_degree": 4, "pipeline": "simple"}"#))
         .unwrap();
@@ -157,11 +159,37 @@ fn flag_versus_config_conflicts_name_both() {
             "--optimize speed",
             "optimize",
         ),
+        (
+            PlanOptions { precision: Some(Precision::F32), ..Default::default() },
+            r#"{"bf16": true}"#,
+            "--precision f32",
+            "bf16",
+        ),
+        (
+            PlanOptions { precision: Some(Precision::Bf16Mixed), ..Default::default() },
+            r#"{"fp16": true}"#,
+            "--precision bf16-mixed",
+            "fp16",
+        ),
     ];
     for (req, json, flag, key) in cases {
         let msg = conflict(req, Some(json));
         assert!(msg.contains(flag) && msg.contains(key) && msg.contains("smp.json"), "{msg}");
     }
+}
+
+#[test]
+fn precision_flag_and_config_merge() {
+    let c = resolve(PlanOptions { precision: Some(Precision::Fp16Mixed), ..Default::default() }, Some(r#"{"fp16": true}"#)).unwrap();
+    assert_eq!(c.precision, Some(Precision::Fp16Mixed));
+    let c = resolve(PlanOptions::default(), Some(r#"{"fp16": false, "bf16": false}"#)).unwrap();
+    assert_eq!(c.precision, Some(Precision::F32));
+    assert!(c.source(Setting::Precision).to_string().contains("smp.json"));
+    // no key and no flag: the cluster decides
+    let c = resolve(PlanOptions::default(), None).unwrap();
+    assert_eq!(c.precision, None);
+    let gpu = smp_partition::cost::ClusterSpec::preset("h100-80gb").unwrap();
+    assert_eq!(c.precision_for(&gpu), Precision::Bf16Mixed);
 }
 
 #[test]

@@ -45,6 +45,7 @@ fn json_has_the_contract_fields() {
         "/parallel/schedule",
         "/parallel/virtual_stages",
         "/parallel/checkpointing",
+        "/parallel/precision",
         "/stages/0/index",
         "/stages/0/pp_rank",
         "/stages/0/layers/1",
@@ -72,6 +73,7 @@ fn json_has_the_contract_fields() {
         assert!(v.pointer(path).is_some(), "missing {path}");
     }
     assert_eq!(v.pointer("/stages/1/layers"), Some(&serde_json::json!([3, 5])));
+    assert_eq!(v.pointer("/parallel/precision"), Some(&serde_json::json!("bf16-mixed")));
 }
 
 fn with_version(version: serde_json::Value) -> String {
@@ -83,12 +85,12 @@ fn with_version(version: serde_json::Value) -> String {
 #[test]
 fn newer_version_is_refused_naming_file_and_both_versions() {
     let err = io::from_json(&with_version(7.into()), Path::new("p.json")).unwrap_err();
-    assert!(matches!(err, PlanIoError::Version { found: 7, supported: 1, .. }), "{err}");
+    assert!(matches!(err, PlanIoError::Version { found: 7, supported: 2, .. }), "{err}");
     let msg = err.to_string();
     assert!(
         msg.contains("p.json")
             && msg.contains("version 7")
-            && msg.contains("version 1")
+            && msg.contains("version 2")
             && msg.contains("newer"),
         "{msg}"
     );
@@ -105,6 +107,35 @@ fn older_or_missing_version_is_refused() {
     assert!(matches!(err, PlanIoError::NoVersion { .. }), "{err}");
     let err = io::from_json("{", Path::new("cut.json")).unwrap_err();
     assert!(matches!(err, PlanIoError::Parse { .. }), "{err}");
+}
+
+#[test]
+fn version_1_plan_is_refused_with_the_replan_message() {
+    // a plan written before `parallel.precision` (version 1): as this build wrote it then
+    let mut v = serde_json::to_value(fixture()).unwrap();
+    v["version"] = 1.into();
+    v["parallel"].as_object_mut().unwrap().remove("precision");
+    let err = io::from_json(&v.to_string(), Path::new("v1.json")).unwrap_err();
+    assert!(matches!(err, PlanIoError::Version { found: 1, supported: 2, .. }), "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("v1.json") && msg.contains("version 1") && msg.contains("re-plan the model"), "{msg}");
+}
+
+#[test]
+fn precision_is_read_and_checked() {
+    for p in smp_partition::ir::Precision::ALL {
+        let mut plan = fixture();
+        plan.parallel.precision = p;
+        let back = io::from_json(&io::to_json(&plan), Path::new("p.json")).unwrap();
+        assert_eq!(back.parallel.precision, p);
+    }
+    let mut v = serde_json::to_value(fixture()).unwrap();
+    v["parallel"]["precision"] = "fp8".into();
+    let msg = io::from_json(&v.to_string(), Path::new("p.json")).unwrap_err().to_string();
+    assert!(msg.contains("parallel.precision") && msg.contains("fp8") && msg.contains("bf16-mixed"), "{msg}");
+    v["parallel"].as_object_mut().unwrap().remove("precision");
+    let msg = io::from_json(&v.to_string(), Path::new("p.json")).unwrap_err().to_string();
+    assert!(msg.contains("precision"), "{msg}");
 }
 
 #[test]
@@ -276,7 +307,7 @@ fn inspect_table_snapshot() {
 #[test]
 fn inspect_json_is_the_plan_plus_findings() {
     let v = report::to_json_with_report(&fixture());
-    assert_eq!(v["version"], 1);
+    assert_eq!(v["version"], 2);
     assert_eq!(v["inspect"]["bottleneck"]["pp_rank"], 1);
     assert_eq!(v["inspect"]["bottleneck"]["reason"], "compute");
 }

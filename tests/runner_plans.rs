@@ -3,7 +3,9 @@
 //! (same seed and data) — f64 within 1e-9 relative, f32 within 1e-4. Also: default plans for
 //! cpu:2 and cpu:4 run unchanged, and a rank killed mid-step brings the whole job down.
 //! Plans without their codegen section, or of another codegen version, are refused with the
-//! command that re-plans them. Sequence-parallel plans are checked to hold their
+//! command that re-plans them. The plan's precision decides the run's type: `--dtype f64`
+//! verifies any plan, another `--dtype` that contradicts the plan is refused, and
+//! mixed-precision plans are refused until the runner executes them. Sequence-parallel plans are checked to hold their
 //! reduce-scatters, scatters and all-gathers before they run.
 #![cfg(feature = "runner")]
 
@@ -531,6 +533,58 @@ fn plans_without_their_codegen_section_or_of_another_version_are_refused() {
         assert_eq!(r.status.code(), Some(1), "{name}: {err}");
         assert!(err.contains(why) && err.contains("re-plan") && err.contains("-o PLAN.json"), "{name}: {err}");
     }
+}
+
+#[test]
+fn the_plans_precision_decides_the_run_type_and_contradictions_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = ["--pp", "1", "--tp", "1", "--dp", "1", "--microbatches", "2", "--global-batch", BATCH];
+    fn with<'a>(base: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
+        [base, extra].concat()
+    }
+    let run = |p: &Path, extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_smp-runner")).args(["run", p.to_str().unwrap(), "--steps", "2", "--threads", "1", "--json"]).args(extra).output().unwrap()
+    };
+    let precision = |p: &Path| json(&std::fs::read(p).unwrap())["parallel"]["precision"].as_str().unwrap().to_string();
+    let refused = |r: std::process::Output, wants: &[&str]| {
+        let err = String::from_utf8_lossy(&r.stderr).to_string();
+        assert_eq!(r.status.code(), Some(1), "{err}");
+        assert!(wants.iter().all(|w| err.contains(w)), "wanted {wants:?} in: {err}");
+    };
+
+    // a `cpu` plan is f32 by default: --dtype f32 agrees, bf16 contradicts it
+    let f32_plan = plan(dir.path(), "f32", "cpu:1", &base);
+    assert_eq!(precision(&f32_plan), "f32");
+    let r = run(&f32_plan, &["--dtype", "f32"]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    refused(run(&f32_plan, &["--dtype", "bf16"]), &["--dtype bf16", "f32 precision", "f32.json", "re-plan", "--precision bf16"]);
+
+    // a pure-bf16 plan runs in bf16 without --dtype (the same losses as asking for it), and
+    // f64 verifies it
+    let bf16_plan = plan(dir.path(), "bf16", "cpu:1", &with(&base, &["--precision", "bf16"]));
+    assert_eq!(precision(&bf16_plan), "bf16");
+    let run_losses = |p: &Path, extra: &[&str]| {
+        let r = run(p, extra);
+        assert!(r.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&r.stderr));
+        losses(&r.stdout)
+    };
+    let (plain, asked, f64_) = (run_losses(&bf16_plan, &[]), run_losses(&bf16_plan, &["--dtype", "bf16"]), run_losses(&bf16_plan, &["--dtype", "f64"]));
+    assert_eq!(plain, asked);
+    assert_ne!(plain, f64_, "the bf16 plan did not run in bf16");
+    refused(run(&bf16_plan, &["--dtype", "f32"]), &["--dtype f32", "bf16 precision", "--precision f32"]);
+
+    // mixed precision is planned (GPU presets default to it) but not executed yet: refused
+    // without --dtype f64, which still verifies it
+    let gpu = plan(dir.path(), "gpu", "h100-80gb:1", &base);
+    assert_eq!(precision(&gpu), "bf16-mixed");
+    let fp16 = plan(dir.path(), "fp16", "cpu:1", &with(&base, &["--precision", "fp16-mixed"]));
+    assert_eq!(precision(&fp16), "fp16-mixed");
+    for (p, name) in [(&gpu, "bf16-mixed"), (&fp16, "fp16-mixed")] {
+        refused(run(p, &[]), &[name, "mixed precision yet", "--dtype f64", "--precision f32"]);
+        refused(run(p, &["--dtype", "f32"]), &[name, "--dtype f32", "mixed precision yet"]);
+    }
+    let verified = run_losses(&fp16, &["--dtype", "f64"]);
+    assert_eq!(verified.len(), 2);
 }
 
 /// Plans `models/<name>.onnx` at `--tp <tp> --baseline megatron` on cpu:<tp>, checks the plan

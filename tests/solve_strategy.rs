@@ -30,7 +30,7 @@ fn megatron_is_an_assignment_and_the_ilp_matches_brute_force() {
     let lg = small();
     for (preset, per_node) in [("h100-80gb:8", 8), ("h100-80gb:16", 1)] {
         let spec = ClusterSpec::parse(preset).unwrap();
-        let mut ctx = CostContext::new(&lg, &spec);
+        let mut ctx = CostContext::new(&lg, &spec, spec.default_precision());
         for tp in [2, 4] {
             let lc = cfg(tp, per_node.min(tp));
             for layer in 0..lg.layers.len() {

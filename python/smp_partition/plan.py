@@ -23,6 +23,9 @@ class Parallel:
     microbatches: int
     schedule: Any
     sequence_parallel: bool
+    #: The training precision the plan was priced for and the runner executes: `f32`, `bf16`,
+    #: `bf16-mixed` or `fp16-mixed` (docs/precision.md).
+    precision: str
 
     @property
     def devices(self) -> int:
@@ -68,7 +71,8 @@ class Plan:
     def parallel(self) -> Parallel:
         p = self.data["parallel"]
         return Parallel(pp=p["pp"], tp=p["tp"], dp=p["dp"], zero=p["zero"], microbatches=p["microbatches"],
-                        schedule=p["schedule"], sequence_parallel=p.get("sequence_parallel", False))
+                        schedule=p["schedule"], sequence_parallel=p.get("sequence_parallel", False),
+                        precision=p["precision"])
 
     @property
     def predicted(self) -> Predicted:
@@ -133,16 +137,20 @@ def planner_args(example_inputs: Any, global_batch: int | None, seq_len: int | N
 
 
 def plan(model: Any, example_inputs: Any = None, *, cluster: str = "cpu:2", global_batch: int | None = None,
-         config: dict[str, Any] | None = None, seq_len: int | None = None, workdir: str | Path | None = None,
-         **flags: Any) -> Plan:
+         config: dict[str, Any] | None = None, seq_len: int | None = None, precision: str | None = None,
+         workdir: str | Path | None = None, **flags: Any) -> Plan:
     """Exports `model` (an `nn.Module` called on `example_inputs`; or an `Exported` from
     `export`; or the path of an ONNX file) and plans it on `cluster` (`smp-partition MODEL
     --cluster CLUSTER ...`).
 
     `config` holds SageMaker model-parallel parameters by their SMP names
     (`pipeline_parallel_degree`, `tensor_parallel_degree`, `microbatches`, `pipeline`,
-    `ddp`, ...), passed as `--config`; the CLI accepts and checks them. Other planner flags go
-    by keyword (`pp=2`, `schedule="1f1b"`, `memory_limit=16`, `sequence_parallel=True`).
+    `ddp`, `fp16`, `bf16`, ...), passed as `--config`; the CLI accepts and checks them.
+    `precision` (`"f32"`, `"bf16"`, `"bf16-mixed"`, `"fp16-mixed"`) is `--precision`: the
+    training precision the plan is priced for (default: the cluster's, bf16-mixed on GPUs and
+    f32 on `cpu`; SMP's `fp16`/`bf16` keys say it too, and a disagreement is an error);
+    `plan.parallel.precision` shows it. Other planner flags go by keyword (`pp=2`,
+    `schedule="1f1b"`, `memory_limit=16`, `sequence_parallel=True`).
     `seq_len` defaults to dim 1 of integer example inputs (token ids). Files go to `workdir`
     (default: a new temporary directory): `model.onnx`, `smp.json`, `plan.json`."""
     out = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="smp-"))
@@ -158,6 +166,8 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: str = "cpu:2", glob
     args: list[str | Path] = [onnx_path, "--cluster", cluster, "-o", out / "plan.json"]
     args += planner_args(example_inputs, global_batch, seq_len, config, out,
                          exported.input_names if exported else None)
+    if precision is not None:
+        args += ["--precision", str(precision)]
     args += flag_args(flags)
     run("smp-partition", args)
     return Plan(out / "plan.json", onnx_path,

@@ -52,3 +52,21 @@ def test_bad_config_names_the_setting(gpt2_plan, tmp_path) -> None:
     with pytest.raises(smp.CommandError, match="tensor_parallel_degree"):
         smp.plan(gpt2_plan[2].model_path, cluster="cpu:2", global_batch=8, seq_len=16,
                  config={"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2}, workdir=tmp_path)
+
+
+def test_precision_keyword_and_smp_keys_reach_the_plan(gpt2_plan, tmp_path) -> None:
+    import pytest
+
+    model = gpt2_plan[2].model_path
+    # the cpu cluster's default is f32; a GPU preset's bf16-mixed
+    assert gpt2_plan[2].parallel.precision == "f32"
+    gpu = smp.plan(model, cluster="h100-80gb:2", global_batch=8, seq_len=16, workdir=tmp_path / "gpu")
+    assert gpu.parallel.precision == "bf16-mixed"
+    kw = smp.plan(model, cluster="cpu:2", global_batch=8, seq_len=16, precision="bf16", workdir=tmp_path / "kw")
+    assert kw.parallel.precision == json.loads(kw.path.read_text())["parallel"]["precision"] == "bf16"
+    fp16 = smp.plan(model, cluster="h100-80gb:2", global_batch=8, seq_len=16, config={"fp16": True},
+                    workdir=tmp_path / "fp16")
+    assert fp16.parallel.precision == "fp16-mixed"
+    with pytest.raises(smp.CommandError, match="bf16"):
+        smp.plan(model, cluster="cpu:2", global_batch=8, seq_len=16, precision="f32", config={"bf16": True},
+                 workdir=tmp_path / "both")

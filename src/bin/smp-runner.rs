@@ -181,9 +181,11 @@ struct TrainArgs {
     /// Global gradient-norm limit; 0 disables clipping.
     #[arg(long, default_value_t = 1.0)]
     clip: f64,
-    /// Floating-point type of the run: f32, f64 or bf16.
-    #[arg(long, default_value = "f32")]
-    dtype: FloatType,
+    /// Floating-point type of the run: f32, f64 or bf16. Default: the plan's precision (f32
+    /// without a plan); f64 is the verification override on any plan, and another type that
+    /// contradicts the plan's precision is refused.
+    #[arg(long)]
+    dtype: Option<FloatType>,
     /// Training data: a token file (.bin with its .bin.json sidecar; every step a new global
     /// batch of sequence-length windows, in an order drawn from --seed), or one batch (.npy,
     /// .npz, .safetensors) repeated every step; default: seeded synthetic data.

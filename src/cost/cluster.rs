@@ -33,7 +33,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::link::Link;
-use crate::ir::DType;
+use crate::ir::{DType, Precision};
 
 /// Errors reading a cluster spec.
 #[derive(Debug, thiserror::Error)]
@@ -160,6 +160,10 @@ pub struct ClusterSpec {
     pub devices_per_node: usize,
     /// Dense bf16/fp16 tensor rate, FLOP/s.
     pub bf16_flops: f64,
+    /// Dense fp16 rate where it differs from `bf16_flops` (a calibrated CPU), FLOP/s; none:
+    /// the bf16 rate (GPU tensor cores run both alike).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp16_flops: Option<f64>,
     /// fp32 rate, FLOP/s (fp64 is taken as half of it).
     pub fp32_flops: f64,
     /// Memory per device, bytes.
@@ -317,6 +321,7 @@ fn gpu(
         devices: 8,
         devices_per_node: 8,
         bf16_flops: bf16_tflops * 1e12,
+        fp16_flops: None,
         fp32_flops: fp32_tflops * 1e12,
         memory_bytes: (memory_gb * GB) as u64,
         hbm_bandwidth: hbm_tb_s * 1e12,
@@ -472,7 +477,8 @@ impl ClusterSpec {
             ("efficiency.peak", self.efficiency.peak),
             ("efficiency.half_flops", self.efficiency.half_flops + 1.0),
         ];
-        for (field, value) in checks {
+        let fp16 = self.fp16_flops.map(|f| ("fp16_flops", f));
+        for (field, value) in checks.into_iter().chain(fp16) {
             if !(value > 0.0) || !value.is_finite() {
                 return Err(ClusterError::Invalid {
                     source_name: self.name.clone(),
@@ -537,15 +543,17 @@ impl ClusterSpec {
     /// Peak compute rate for arithmetic in `dtype`, FLOP/s.
     pub fn peak_flops(&self, dtype: DType) -> f64 {
         match dtype {
-            DType::BF16 | DType::F16 | DType::F8E4M3 | DType::F8E5M2 | DType::F8E4M3Fnuz | DType::F8E5M2Fnuz => self.bf16_flops,
+            DType::F16 => self.fp16_flops.unwrap_or(self.bf16_flops),
+            DType::BF16 | DType::F8E4M3 | DType::F8E5M2 | DType::F8E4M3Fnuz | DType::F8E5M2Fnuz => self.bf16_flops,
             DType::F64 => self.fp32_flops / 2.0,
             _ => self.fp32_flops,
         }
     }
 
-    /// The dtype training computes in by default: bf16 on GPUs, f32 on `cpu`.
-    pub fn default_compute_dtype(&self) -> DType {
-        if self.is_cpu() { DType::F32 } else { DType::BF16 }
+    /// The training precision of plans that do not name one: bf16 mixed precision on GPUs,
+    /// f32 on `cpu`.
+    pub fn default_precision(&self) -> Precision {
+        Precision::default_for(self.is_cpu())
     }
 
     /// True for the `cpu` preset and files based on it.
@@ -569,6 +577,7 @@ struct ClusterFile {
     devices: Option<usize>,
     devices_per_node: Option<usize>,
     bf16_flops: Option<f64>,
+    fp16_flops: Option<f64>,
     fp32_flops: Option<f64>,
     memory_bytes: Option<u64>,
     hbm_bandwidth: Option<f64>,
@@ -664,6 +673,7 @@ impl ClusterFile {
             devices: field!(devices),
             devices_per_node: field!(devices_per_node),
             bf16_flops: field!(bf16_flops),
+            fp16_flops: self.fp16_flops.or(base.and_then(|b| b.fp16_flops)),
             fp32_flops: field!(fp32_flops),
             memory_bytes: field!(memory_bytes),
             hbm_bandwidth: field!(hbm_bandwidth),
@@ -697,6 +707,7 @@ impl ClusterSpec {
             devices: n,
             devices_per_node: n,
             bf16_flops: 50e9,
+            fp16_flops: None,
             fp32_flops: 50e9,
             memory_bytes: machine.memory_bytes / n as u64,
             hbm_bandwidth: 10e9,
@@ -741,6 +752,7 @@ impl ClusterSpec {
             }
             spec.fp32_flops *= c.flops_factor;
             spec.bf16_flops *= c.flops_factor;
+            spec.fp16_flops = spec.fp16_flops.map(|f| f * c.flops_factor);
             spec.hbm_bandwidth *= c.bandwidth_factor;
         }
         spec.device = if spec.device.starts_with("cpu") { spec.device } else { format!("cpu ({})", spec.device) };

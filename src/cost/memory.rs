@@ -5,13 +5,15 @@
 //! Model state follows the ZeRO paper (Rajbhandari et al. 2020): mixed-precision Adam keeps
 //! 2 bytes of bf16 weight + 2 of bf16 gradient + 12 of optimizer state (fp32 master weight,
 //! momentum, variance) = 16Ψ; ZeRO-1 divides the 12 by the data-parallel degree d, ZeRO-2 the
-//! 14 (gradients too), ZeRO-3 all 16. Pure fp32 Adam keeps 4 + 4 + 8 (m, v).
+//! 14 (gradients too), ZeRO-3 all 16. Pure fp32 Adam keeps 4 + 4 + 8 (m, v); pure bf16 Adam
+//! 2 + 2 + 4 (bf16 m, v: PyTorch's AdamW keeps its moments in the parameters' dtype). Which
+//! applies is the plan's [`Precision`] ([`StatePrecision::of`]); docs/precision.md has the table.
 //!
 //! The workspace margin (framework, kernel workspace, fragmentation) is
 //! [`super::ClusterSpec::workspace_bytes`], subtracted by `ClusterSpec::usable_memory`.
 
 use crate::ir::schedule::interleaved_round_size;
-use crate::ir::{Layer, ScheduleKind};
+use crate::ir::{Layer, Precision, ScheduleKind};
 
 /// Bytes per parameter of weights, gradients and optimizer state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,6 +31,19 @@ impl StatePrecision {
     pub const MIXED_ADAM: StatePrecision = StatePrecision { weight: 2, grad: 2, optimizer: 12 };
     /// fp32 Adam: 4 + 4 + 8 = 16 bytes per parameter.
     pub const FP32_ADAM: StatePrecision = StatePrecision { weight: 4, grad: 4, optimizer: 8 };
+    /// Pure bf16 Adam (bf16 weights, gradients and moments, no master copy): 2 + 2 + 4 = 8
+    /// bytes per parameter.
+    pub const BF16_ADAM: StatePrecision = StatePrecision { weight: 2, grad: 2, optimizer: 4 };
+
+    /// The bytes per parameter of a training precision: `f32` [`Self::FP32_ADAM`], `bf16`
+    /// [`Self::BF16_ADAM`], `bf16-mixed` and `fp16-mixed` [`Self::MIXED_ADAM`].
+    pub fn of(precision: Precision) -> StatePrecision {
+        match precision {
+            Precision::F32 => StatePrecision::FP32_ADAM,
+            Precision::Bf16 => StatePrecision::BF16_ADAM,
+            Precision::Bf16Mixed | Precision::Fp16Mixed => StatePrecision::MIXED_ADAM,
+        }
+    }
 }
 
 /// Model-state bytes per device.
@@ -126,6 +141,29 @@ mod tests {
         assert_eq!(m(1, 64), 4.0 * psi + 12.0 * psi / 64.0);
         assert_eq!(m(2, 64), 2.0 * psi + 14.0 * psi / 64.0);
         assert_eq!(m(3, 64), 16.0 * psi / 64.0);
+    }
+
+    #[test]
+    fn state_bytes_per_mode_and_stage() {
+        // Derived from the mode's types: fp32 4 bytes, bf16/fp16 2; Adam's two moments; a
+        // master copy only in the mixed modes.
+        let (psi, d) = (1.0e6, 8usize);
+        for p in Precision::ALL {
+            let low = if p == Precision::F32 { 4.0 } else { 2.0 };
+            let (master, moments) = match p {
+                Precision::F32 => (0.0, 2.0 * 4.0),
+                Precision::Bf16 => (0.0, 2.0 * 2.0),
+                Precision::Bf16Mixed | Precision::Fp16Mixed => (4.0, 2.0 * 4.0),
+            };
+            let sp = StatePrecision::of(p);
+            let opt = master + moments;
+            let df = d as f64;
+            let st = |z| model_state(psi, psi, z, d, sp);
+            assert_eq!(st(0).total(), psi * (low + low + opt), "{p}");
+            assert_eq!(st(1).total(), psi * (low + low) + psi * opt / df, "{p}");
+            assert_eq!(st(2).total(), psi * low + psi * (low + opt) / df, "{p}");
+            assert_eq!(st(3).total(), psi * (low + low + opt) / df, "{p}");
+        }
     }
 
     #[test]

@@ -1,13 +1,13 @@
 //! The parallel configuration, one type for every stage ([`Parallelism`]: degrees, ZeRO,
-//! microbatches, schedule, checkpointing, placement), with its vocabulary: the mesh axes and
-//! their rank order (placement), and the checkpointing policy.
+//! microbatches, schedule, checkpointing, placement, precision), with its vocabulary: the mesh
+//! axes and their rank order (placement), the checkpointing policy and the training precision.
 
 use std::fmt;
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use super::ScheduleKind;
+use super::{DType, ScheduleKind};
 
 /// A plan's parallel configuration: what the planner chose (or was told), what codegen lowers,
 /// the plan file records (its `parallel` object, through the plan's own spelling) and the
@@ -37,6 +37,9 @@ pub struct Parallelism {
     /// Sequence parallelism within each tensor-parallel group (Megatron-LM's): row-parallel
     /// outputs reduce-scattered over the tokens, norms and residuals on token chunks.
     pub sequence_parallel: bool,
+    /// The training precision: the types of weights, activations, gradients and optimizer
+    /// state the cost model prices and the runner executes.
+    pub precision: Precision,
 }
 
 impl Parallelism {
@@ -194,5 +197,90 @@ impl std::str::FromStr for CheckpointRule {
             "full" => Ok(CheckpointRule::Always),
             _ => Err(format!("`{s}`: expected auto, none or full")),
         }
+    }
+}
+
+/// The training precision of a plan (`--precision`, SMP's `fp16`/`bf16`/`fp16_params`, the
+/// plan file's `parallel.precision`): what type weights, activations, gradients, master weights
+/// and optimizer state are kept in (docs/precision.md has the table).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Precision {
+    /// Everything in fp32 (`f32`): weights, activations, gradients, AdamW moments; no master copy.
+    F32,
+    /// Everything in bf16 (`bf16`): weights, activations, gradients and AdamW moments in bf16,
+    /// no fp32 master copy (PyTorch's AdamW on bf16 parameters keeps its moments in their dtype).
+    Bf16,
+    /// bf16 mixed precision (`bf16-mixed`): bf16 weights, activations and gradients for
+    /// compute, fp32 master weights and fp32 AdamW moments.
+    Bf16Mixed,
+    /// fp16 mixed precision (`fp16-mixed`): as `bf16-mixed` in fp16, with loss scaling.
+    Fp16Mixed,
+}
+
+impl Precision {
+    /// Every mode, in the order the CLI lists them.
+    pub const ALL: [Precision; 4] = [Precision::F32, Precision::Bf16, Precision::Bf16Mixed, Precision::Fp16Mixed];
+
+    /// The name the CLI, the SMP mapping and the plan file use: `f32`, `bf16`, `bf16-mixed`,
+    /// `fp16-mixed`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+            Precision::Bf16Mixed => "bf16-mixed",
+            Precision::Fp16Mixed => "fp16-mixed",
+        }
+    }
+
+    /// The default of a cluster: bf16 mixed precision on GPUs, f32 on CPUs (`cpu` = true).
+    pub fn default_for(cpu: bool) -> Precision {
+        if cpu { Precision::F32 } else { Precision::Bf16Mixed }
+    }
+
+    /// The type compute runs in (matmuls, activations kept for backward): fp32 for `f32`, bf16
+    /// for `bf16` and `bf16-mixed`, fp16 for `fp16-mixed`.
+    pub fn compute_dtype(self) -> DType {
+        match self {
+            Precision::F32 => DType::F32,
+            Precision::Bf16 | Precision::Bf16Mixed => DType::BF16,
+            Precision::Fp16Mixed => DType::F16,
+        }
+    }
+
+    /// Whether an fp32 master copy of the weights backs low-precision compute.
+    pub fn is_mixed(self) -> bool {
+        matches!(self, Precision::Bf16Mixed | Precision::Fp16Mixed)
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Precision {
+    type Err = String;
+    /// `f32`, `bf16`, `bf16-mixed` or `fp16-mixed`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        Precision::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| format!("`{s}`: expected f32, bf16, bf16-mixed or fp16-mixed"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn precision_names_round_trip() {
+        for p in Precision::ALL {
+            assert_eq!(p.name().parse::<Precision>(), Ok(p));
+        }
+        assert!("fp16".parse::<Precision>().unwrap_err().contains("fp16-mixed"));
+        assert_eq!(Precision::default_for(true), Precision::F32);
+        assert_eq!(Precision::default_for(false), Precision::Bf16Mixed);
     }
 }

@@ -224,8 +224,8 @@ pub fn render(plan: &Plan) -> String {
     }
     let _ = writeln!(
         out,
-        "parallel {parallel}, checkpointing {}, placement {}",
-        par.checkpointing, par.placement
+        "parallel {parallel}, checkpointing {}, placement {}, precision {}",
+        par.checkpointing, par.placement, par.precision
     );
     let seq = plan.seq_len.map_or(String::new(), |s| format!(", sequence {s}"));
     let _ = writeln!(out, "batch   {} per step{seq}", plan.global_batch);

@@ -12,12 +12,15 @@ use crate::cost::{LinkKind, MachineFacts};
 use crate::codegen::encode::{CodegenInput, CodegenSection, Mesh, RankView, StageInput};
 use crate::codegen::EncodeError;
 use crate::ir::ScheduleKind;
-use crate::ir::{CheckpointRule, Parallelism, Placement as AxisOrder};
+use crate::ir::{CheckpointRule, Parallelism, Placement as AxisOrder, Precision};
 use crate::solve::{Baseline, SolveStatus};
 use crate::split::Strategy;
 
 /// The plan format version this build writes and reads.
-pub const PLAN_VERSION: u32 = 1;
+///
+/// Version 2 added `parallel.precision` (the training precision the plan was priced for and
+/// the runner executes); version-1 plans are refused with the re-plan message.
+pub const PLAN_VERSION: u32 = 2;
 
 /// A partitioned execution plan.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -100,11 +103,11 @@ pub struct ClusterInfo {
 /// The plan file's spelling of the parallel configuration ([`Parallelism`]): the schedule,
 /// checkpointing policy and placement are typed in the IR and spelt as strings in the file
 /// (`"schedule": "interleaved", "virtual_stages": 2`, `"checkpointing": "auto"`,
-/// `"placement": "DPT"`), parsed once when the plan is read.
+/// `"placement": "DPT"`, `"precision": "bf16-mixed"`), parsed once when the plan is read.
 mod parallel_file {
     use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-    use super::{AxisOrder, CheckpointRule, Parallelism, ScheduleKind, is_false};
+    use super::{AxisOrder, CheckpointRule, Parallelism, Precision, ScheduleKind, is_false};
 
     #[derive(Serialize, Deserialize)]
     #[serde(deny_unknown_fields)]
@@ -124,6 +127,7 @@ mod parallel_file {
         placement: String,
         #[serde(default, skip_serializing_if = "is_false")]
         sequence_parallel: bool,
+        precision: String,
     }
 
     pub fn serialize<S: Serializer>(p: &Parallelism, s: S) -> Result<S::Ok, S::Error> {
@@ -140,6 +144,7 @@ mod parallel_file {
             checkpointing: p.checkpointing.name().to_string(),
             placement: p.placement.to_string(),
             sequence_parallel: p.sequence_parallel,
+            precision: p.precision.name().to_string(),
         }
         .serialize(s)
     }
@@ -151,6 +156,7 @@ mod parallel_file {
             .map_err(|e| bad(format!("parallel.schedule `{}` with virtual_stages {}: {e}", f.schedule, f.virtual_stages)))?;
         let checkpointing = f.checkpointing.parse::<CheckpointRule>().map_err(|e| bad(format!("parallel.checkpointing {e}")))?;
         let placement = f.placement.parse::<AxisOrder>().map_err(|e| bad(format!("parallel.placement {e}")))?;
+        let precision = f.precision.parse::<Precision>().map_err(|e| bad(format!("parallel.precision {e}")))?;
         Ok(Parallelism {
             pp: f.pp,
             tp: f.tp,
@@ -163,6 +169,7 @@ mod parallel_file {
             checkpointing,
             placement,
             sequence_parallel: f.sequence_parallel,
+            precision,
         })
     }
 }

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use crate::cost::{ClusterSpec, CommModel, GroupSpan, StatePrecision, model_state};
 use crate::cost::compute::{bytes_scale, graph_float_dtype, layer_times_scaled};
-use crate::ir::{DType, LayerKind, LayeredGraph, OpKind, ValueId, ValueKind};
+use crate::ir::{DType, LayerKind, LayeredGraph, OpKind, Precision, ValueId, ValueKind};
 
 use super::ilp::SolverOptions;
 use super::problem::{ParetoPoint, PipelineLayer, TiedCopy};
@@ -129,11 +129,13 @@ pub struct CostContext<'a> {
     pub spec: &'a ClusterSpec,
     /// Link model.
     pub comm: CommModel,
-    /// Training dtype.
+    /// The plan's training precision, which the figures below follow.
+    pub mode: Precision,
+    /// The dtype compute runs in under `mode` (its rate, its activation bytes).
     pub dtype: DType,
     /// Graph bytes → training bytes.
     pub bytes_scale: f64,
-    /// State bytes per parameter.
+    /// State bytes per parameter under `mode`.
     pub precision: StatePrecision,
     /// Per-layer shape facts.
     pub shapes: Vec<LayerShape>,
@@ -160,9 +162,10 @@ pub struct CostContext<'a> {
 }
 
 impl<'a> CostContext<'a> {
-    /// Reads the layer facts of `lg`.
-    pub fn new(lg: &'a LayeredGraph, spec: &'a ClusterSpec) -> CostContext<'a> {
-        let dtype = spec.default_compute_dtype();
+    /// Reads the layer facts of `lg`, for a plan training in `precision` (its compute rate,
+    /// activation bytes and model-state bytes).
+    pub fn new(lg: &'a LayeredGraph, spec: &'a ClusterSpec, precision: Precision) -> CostContext<'a> {
+        let dtype = precision.compute_dtype();
         let g = &lg.graph;
         let is_param = |v: Option<crate::ir::ValueId>| {
             v.is_some_and(|v| {
@@ -203,9 +206,10 @@ impl<'a> CostContext<'a> {
             lg,
             spec,
             comm: CommModel::new(spec),
+            mode: precision,
             dtype,
             bytes_scale: bytes_scale(graph_float_dtype(&lg.graph), dtype),
-            precision: if dtype == DType::F32 { StatePrecision::FP32_ADAM } else { StatePrecision::MIXED_ADAM },
+            precision: StatePrecision::of(precision),
             shapes,
             megatron_only: false,
             intra_solves: 0,

@@ -8,7 +8,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::cost::ClusterSpec;
-use crate::ir::{LayeredGraph, ScheduleKind};
+use crate::ir::{LayeredGraph, Precision, ScheduleKind};
 
 pub use super::smp_config::{ConfigError, SmpConfig, Source, Sourced};
 use super::smp_config::conflict;
@@ -58,6 +58,9 @@ pub struct PlanOptions {
     /// chunks, with the all-gathers codegen adds): `None` = searched (every tensor-parallel
     /// candidate is priced with and without it), `Some(true)` forced on, `Some(false)` off.
     pub sequence_parallel: Option<bool>,
+    /// Training precision (`--precision`, SMP's `fp16`/`bf16`/`fp16_params`); default: the
+    /// cluster's ([`ClusterSpec::default_precision`]: bf16-mixed on GPUs, f32 on `cpu`).
+    pub precision: Option<Precision>,
     /// What is trained beyond the model's own record or rules (`--trainable`/`--frozen`); the
     /// plan records them and the runner trains by them.
     pub params: crate::passes::params::ParamOptions,
@@ -100,6 +103,8 @@ pub enum Setting {
     Placement,
     /// `--layout`.
     Layout,
+    /// `--precision`.
+    Precision,
 }
 
 impl Setting {
@@ -119,6 +124,7 @@ impl Setting {
             Setting::Optimize => "optimize",
             Setting::Placement => "placement",
             Setting::Layout => "layout",
+            Setting::Precision => "precision",
         }
     }
 }
@@ -237,8 +243,15 @@ impl PlanOptions {
             Setting::Optimize => self.optimize.map(|v| v.to_string()),
             Setting::Placement => self.placement.map(|v| v.to_string()),
             Setting::Layout => self.layout.as_ref().map(|v| v.to_string()),
+            Setting::Precision => self.precision.map(|v| v.to_string()),
         };
         Source::Flag(format!("--{} {}", setting.flag(), value.unwrap_or_default()))
+    }
+
+    /// The training precision on `cluster`: as given, else the cluster's default (bf16-mixed
+    /// on GPUs, f32 on `cpu`).
+    pub fn precision_for(&self, cluster: &ClusterSpec) -> Precision {
+        self.precision.unwrap_or_else(|| cluster.default_precision())
     }
 
     /// The per-device memory limit in bytes, when one is given.
@@ -290,6 +303,7 @@ impl PlanOptions {
         self.merge(Setting::Schedule, |o| &mut o.schedule, cfg.schedule, "the pipeline schedule")?;
         self.merge(Setting::Optimize, |o| &mut o.optimize, cfg.optimize, "the objective")?;
         self.merge(Setting::Placement, |o| &mut o.placement, cfg.placement, "the placement")?;
+        self.merge(Setting::Precision, |o| &mut o.precision, cfg.precision, "the training precision")?;
         self.ignored_config_keys.extend(cfg.ignored);
         self.check_ranges()?;
         self.check_sharded_dp()?;

@@ -179,6 +179,7 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
                                     checkpointing: c.checkpointing.unwrap_or(CheckpointRule::Auto),
                                     placement,
                                     sequence_parallel,
+                                    precision: c.precision_for(spec),
                                 },
                                 microbatch_size: b,
                             });
@@ -427,7 +428,7 @@ pub fn run(
         Some(l) => Some(layout_chunks(&l.0, lg.layers.len())?),
         None => None,
     };
-    let mut ctx = CostContext::new(lg, spec);
+    let mut ctx = CostContext::new(lg, spec, cfg.precision_for(spec));
     ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron);
     let total = cands.len() as u64;
     let mut prepared: Vec<Prepared> = cands
@@ -600,7 +601,7 @@ fn infeasible(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions, cap: f64
         devices *= 2;
         let bigger = ClusterSpec { devices, ..spec.clone() };
         let Ok(cands) = enumerate(lg, &bigger, cfg) else { continue };
-        let mut ctx = CostContext::new(lg, &bigger);
+        let mut ctx = CostContext::new(lg, &bigger, cfg.precision_for(spec));
         ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron);
         let fits = cands.iter().any(|cand| prepare(&mut ctx, cand, cap, cfg.active_microbatches, None).mem_lb <= cap);
         if fits {

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use crate::ir::ScheduleKind;
+use crate::ir::{Precision, ScheduleKind};
 
 use super::{Optimize, Placement};
 
@@ -72,15 +72,12 @@ pub(crate) fn conflict(first: Source, second: Source, why: impl Into<String>) ->
     ConfigError::Conflict { first, second, why: why.into() }
 }
 
-/// SMP parameter names that change nothing in a plan (precision, DDP plumbing, tracing); read
-/// and reported as ignored.
+/// SMP parameter names that change nothing in a plan (DDP plumbing, tracing); read and
+/// reported as ignored.
 pub const SMP_IGNORED_KEYS: &[&str] = &[
     "ddp",
     "ddp_port",
     "ddp_dist_backend",
-    "fp16",
-    "bf16",
-    "fp16_params",
     "delayed_parameter_initialization",
     "skip_tracing",
     "horovod",
@@ -102,6 +99,9 @@ pub const SMP_KEYS: &[&str] = &[
     "auto_partition",
     "default_partition",
     "active_microbatches",
+    "fp16",
+    "bf16",
+    "fp16_params",
 ];
 
 /// The settings an SMP config file gives, each with its source.
@@ -127,6 +127,9 @@ pub struct SmpConfig {
     pub default_partition: Option<Sourced<usize>>,
     /// `active_microbatches`.
     pub active_microbatches: Option<Sourced<usize>>,
+    /// `fp16` / `fp16_params` (fp16-mixed) and `bf16` (bf16-mixed); all of those given false:
+    /// f32, as SMP trains without them.
+    pub precision: Option<Sourced<Precision>>,
     /// Keys read but without effect on planning.
     pub ignored: Vec<String>,
 }
@@ -162,6 +165,8 @@ impl SmpConfig {
             obj = params;
         }
         let mut cfg = SmpConfig::default();
+        // `fp16`, `fp16_params`, `bf16` as given: (key, on, source)
+        let mut precision_keys: Vec<(String, bool, Source)> = Vec::new();
         for (key, v) in obj {
             let src = |v: &Value| Source::Config { file: file_buf(), key: key.clone(), value: v.to_string() };
             let bad = |message: String| ConfigError::BadValue { file: file_buf(), key: key.clone(), message };
@@ -217,6 +222,10 @@ impl SmpConfig {
                     let o = string()?.parse::<Optimize>().map_err(bad)?;
                     cfg.optimize = Some(Sourced { value: o, source: src(v) });
                 }
+                "fp16" | "bf16" | "fp16_params" => match v.as_bool() {
+                    Some(b) => precision_keys.push((key.clone(), b, src(v))),
+                    None => return Err(bad(format!("expected true or false, found {v}"))),
+                },
                 k if SMP_IGNORED_KEYS.contains(&k) => cfg.ignored.push(key.clone()),
                 _ => {
                     return Err(ConfigError::UnknownKey {
@@ -232,10 +241,102 @@ impl SmpConfig {
                 }
             }
         }
+        cfg.precision = precision_of(&precision_keys)?;
         Ok(cfg)
     }
 }
 
+/// The training precision SMP's `fp16`, `fp16_params` and `bf16` keys ask for: a key set true
+/// turns on its mixed mode (`fp16_params` is SMP's older name for `fp16`); keys all false ask
+/// for f32, what SMP trains in without them. Keys that disagree are a conflict naming both.
+fn precision_of(keys: &[(String, bool, Source)]) -> Result<Option<Sourced<Precision>>, ConfigError> {
+    let mode = |key: &str| if key == "bf16" { Precision::Bf16Mixed } else { Precision::Fp16Mixed };
+    // fp16 and fp16_params name one switch: they must agree
+    let fp16: Vec<&(String, bool, Source)> = keys.iter().filter(|(k, _, _)| k != "bf16").collect();
+    if let [a, b] = fp16.as_slice()
+        && a.1 != b.1
+    {
+        return Err(conflict(
+            a.2.clone(),
+            b.2.clone(),
+            "`fp16_params` is SMP's older name for `fp16`: give one of them, or both alike",
+        ));
+    }
+    let on: Vec<&(String, bool, Source)> = keys.iter().filter(|(_, b, _)| *b).collect();
+    if let Some(a) = on.first()
+        && let Some(b) = on.iter().find(|b| mode(&b.0) != mode(&a.0))
+    {
+        return Err(conflict(
+            a.2.clone(),
+            b.2.clone(),
+            format!(
+                "fp16 and bf16 mixed precision cannot both be on: keep one (`--precision {}` or `--precision {}`)",
+                mode(&a.0),
+                mode(&b.0)
+            ),
+        ));
+    }
+    Ok(match (on.first(), keys.first()) {
+        (Some(k), _) => Some(Sourced { value: mode(&k.0), source: k.2.clone() }),
+        (None, Some(k)) => Some(Sourced { value: Precision::F32, source: k.2.clone() }),
+        (None, None) => None,
+    })
+}
+
 fn as_object(v: &Value) -> Option<&Map<String, Value>> {
     v.as_object()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(json: &str) -> Result<SmpConfig, ConfigError> {
+        SmpConfig::parse(json, Path::new("smp.json"))
+    }
+
+    fn precision(json: &str) -> Option<Precision> {
+        parse(json).unwrap().precision.map(|p| p.value)
+    }
+
+    #[test]
+    fn precision_keys_map_onto_the_mode() {
+        assert_eq!(precision(r#"{"fp16": true}"#), Some(Precision::Fp16Mixed));
+        assert_eq!(precision(r#"{"fp16_params": true}"#), Some(Precision::Fp16Mixed));
+        assert_eq!(precision(r#"{"fp16": true, "fp16_params": true}"#), Some(Precision::Fp16Mixed));
+        assert_eq!(precision(r#"{"bf16": true}"#), Some(Precision::Bf16Mixed));
+        assert_eq!(precision(r#"{"bf16": true, "fp16": false}"#), Some(Precision::Bf16Mixed));
+        assert_eq!(precision(r#"{"fp16": false}"#), Some(Precision::F32));
+        assert_eq!(precision(r#"{"fp16": false, "bf16": false}"#), Some(Precision::F32));
+        assert_eq!(precision(r#"{"pipeline_parallel_degree": 2}"#), None);
+        // wrapped as SageMaker's distribution argument too
+        assert_eq!(
+            precision(r#"{"smdistributed": {"modelparallel": {"parameters": {"bf16": true}}}}"#),
+            Some(Precision::Bf16Mixed)
+        );
+        // the source names the key
+        let p = parse(r#"{"bf16": true}"#).unwrap().precision.unwrap();
+        assert_eq!(p.source.to_string(), "`\"bf16\": true` in smp.json");
+    }
+
+    #[test]
+    fn precision_keys_are_no_longer_ignored() {
+        for key in ["fp16", "bf16", "fp16_params"] {
+            assert!(!SMP_IGNORED_KEYS.contains(&key) && SMP_KEYS.contains(&key), "{key}");
+            let cfg = parse(&format!(r#"{{"{key}": true}}"#)).unwrap();
+            assert!(cfg.ignored.is_empty(), "{key}");
+        }
+    }
+
+    #[test]
+    fn contradictory_precision_keys_are_refused_naming_both() {
+        let e = parse(r#"{"fp16": true, "bf16": true}"#).unwrap_err().to_string();
+        assert!(e.contains("\"fp16\": true") && e.contains("\"bf16\": true") && e.contains("--precision"), "{e}");
+        let e = parse(r#"{"fp16_params": true, "bf16": true}"#).unwrap_err().to_string();
+        assert!(e.contains("fp16_params") && e.contains("bf16"), "{e}");
+        let e = parse(r#"{"fp16": true, "fp16_params": false}"#).unwrap_err().to_string();
+        assert!(e.contains("\"fp16\": true") && e.contains("\"fp16_params\": false") && e.contains("older name"), "{e}");
+        let e = parse(r#"{"bf16": "yes"}"#).unwrap_err().to_string();
+        assert!(e.contains("`bf16`") && e.contains("true or false"), "{e}");
+    }
 }

@@ -77,6 +77,7 @@ pub fn fixture() -> Plan {
             checkpointing: smp_partition::solve::CheckpointRule::Auto,
             placement: smp_partition::solve::Placement::CLUSTER,
             sequence_parallel: false,
+            precision: smp_partition::ir::Precision::Bf16Mixed,
         },
         stages,
         layer_strategies: vec![LayerStrategy {

@@ -10,7 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use smp_partition::compile::{Observer, Stage};
 use smp_partition::cost::ClusterSpec;
-use smp_partition::ir::ScheduleKind;
+use smp_partition::ir::{Precision, ScheduleKind};
 use smp_partition::compile::ParamOptions;
 use smp_partition::plan::{Plan, io, report};
 use smp_partition::solve::options::{Layout, parse_checkpointing, parse_dim, parse_schedule};
@@ -86,6 +86,10 @@ pub struct PlanFlags {
     /// Forbid sequence parallelism (plain tensor parallelism in every tensor-parallel layer).
     #[arg(long)]
     pub no_sequence_parallel: bool,
+    /// Training precision the plan is priced for and the runner executes (default: bf16-mixed
+    /// on GPU presets, f32 on `cpu`; SMP's `fp16`/`bf16`/`fp16_params` keys say it too).
+    #[arg(long, value_name = "f32|bf16|bf16-mixed|fp16-mixed")]
+    pub precision: Option<Precision>,
     /// Manual pipeline cuts over `graph`'s layers, e.g. "0-11|12-23".
     #[arg(long, value_name = "FIRST-LAST|...")]
     pub layout: Option<Layout>,
@@ -145,6 +149,7 @@ impl PlanFlags {
                 (_, true) => Some(false),
                 _ => None,
             },
+            precision: self.precision,
             params: ParamOptions { trainable: self.trainable.clone(), frozen: self.frozen.clone() },
             cluster_flag: Some(cluster.to_string()),
             ..PlanOptions::default()

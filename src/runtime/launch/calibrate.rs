@@ -1,5 +1,6 @@
 //! `smp-runner calibrate`: measures this machine for the cost model's `cpu` preset — f32
-//! matmul rate by size on one thread (fitted to the preset's efficiency curve), memory
+//! matmul rate by size on one thread (fitted to the preset's efficiency curve), the bf16 and
+//! fp16 matmul rates (what `bf16-mixed`, `bf16` and `fp16-mixed` plans are priced at), memory
 //! bandwidth, Gloo point-to-point latency / bandwidth between two local ranks, and the
 //! latency and bandwidth of each collective as tensor parallelism calls it (the shim's
 //! autograd functions, copies included), fitted over sizes to `cost::CollectiveLinks`.
@@ -19,6 +20,13 @@ use crate::cost::Link;
 pub struct Calibration {
     /// `(flops, FLOP/s)` of square f32 matmuls, one thread.
     pub matmul: Vec<(f64, f64)>,
+    /// `(flops, FLOP/s)` of square bf16 matmuls, one thread (none in older calibrations:
+    /// the f32 rate is written for bf16 then).
+    #[serde(default)]
+    pub matmul_bf16: Vec<(f64, f64)>,
+    /// `(flops, FLOP/s)` of square fp16 matmuls, one thread.
+    #[serde(default)]
+    pub matmul_fp16: Vec<(f64, f64)>,
     /// Memory bandwidth of a large elementwise add (bytes read + written per second).
     pub memory_bandwidth: f64,
     /// Half the round-trip time of a 4-byte message between two ranks (seconds).
@@ -73,21 +81,33 @@ fn best_of<F: FnMut() -> Result<(), RuntimeError>>(reps: usize, mut f: F) -> Res
     Ok(best)
 }
 
-/// Matmul rates by size and memory bandwidth of this process (call with 1 intra-op thread).
-pub fn measure_compute() -> Result<Calibration, RuntimeError> {
-    let mut cal = Calibration::default();
-    let opts = (Kind::Float, Device::Cpu);
-    for n in [32i64, 64, 128, 256, 512, 1024] {
-        let a = Tensor::f_randn([n, n], opts)?;
-        let b = Tensor::f_randn([n, n], opts)?;
+/// `(flops, FLOP/s)` of square `kind` matmuls of each size `n`, the best of several runs.
+fn matmul_rates(kind: Kind, sizes: &[i64]) -> Result<Vec<(f64, f64)>, RuntimeError> {
+    let mut out = Vec::new();
+    for &n in sizes {
+        let a = Tensor::f_randn([n, n], (Kind::Float, Device::Cpu))?.f_to_kind(kind)?;
+        let b = Tensor::f_randn([n, n], (Kind::Float, Device::Cpu))?.f_to_kind(kind)?;
         let reps = if n <= 256 { 20 } else { 4 };
         let t = best_of(reps, || {
             let _ = a.f_matmul(&b)?;
             Ok(())
         })?;
         let flops = 2.0 * (n * n * n) as f64;
-        cal.matmul.push((flops, flops / t));
+        out.push((flops, flops / t));
     }
+    Ok(out)
+}
+
+/// Matmul rates by size and memory bandwidth of this process (call with 1 intra-op thread).
+pub fn measure_compute() -> Result<Calibration, RuntimeError> {
+    let mut cal = Calibration {
+        matmul: matmul_rates(Kind::Float, &[32, 64, 128, 256, 512, 1024])?,
+        // the low types at the sizes where a rate peaks (their curve is the f32 one's shape)
+        matmul_bf16: matmul_rates(Kind::BFloat16, &[256, 512, 1024])?,
+        matmul_fp16: matmul_rates(Kind::Half, &[256, 512, 1024])?,
+        ..Calibration::default()
+    };
+    let opts = (Kind::Float, Device::Cpu);
     let x = Tensor::f_randn([16 << 20], opts)?;
     let y = Tensor::f_randn([16 << 20], opts)?;
     let t = best_of(5, || {
@@ -277,14 +297,26 @@ pub fn cluster_toml(cal: &Calibration) -> String {
     let eff: Vec<(f64, f64)> = cal.matmul.iter().map(|&(f, r)| (f, r / peak_rate)).collect();
     let curve = EfficiencyCurve::fit(&eff).unwrap_or(EfficiencyCurve { peak: 1.0, half_flops: 0.0 });
     let mut s = String::new();
-    s.push_str("# Written by `smp-runner calibrate` (one thread per device, f32, Gloo over loopback).\n");
-    s.push_str("# matmul FLOP/s by size:");
-    for (f, r) in &cal.matmul {
-        s.push_str(&format!(" {f:.3e}:{r:.3e}"));
+    s.push_str("# Written by `smp-runner calibrate` (one thread per device; f32, bf16 and fp16 matmuls; Gloo over loopback).\n");
+    for (kind, samples) in [("", &cal.matmul), (" bf16", &cal.matmul_bf16), (" fp16", &cal.matmul_fp16)] {
+        if samples.is_empty() {
+            continue;
+        }
+        s.push_str(&format!("# matmul{kind} FLOP/s by size:"));
+        for (f, r) in samples {
+            s.push_str(&format!(" {f:.3e}:{r:.3e}"));
+        }
+        s.push('\n');
     }
-    s.push_str(&format!("\n# two-rank all-reduce: {:.3e} B/s\n", cal.allreduce_bandwidth));
+    s.push_str(&format!("# two-rank all-reduce: {:.3e} B/s\n", cal.allreduce_bandwidth));
     s.push_str("device = \"cpu core\"\n");
-    s.push_str(&format!("fp32_flops = {peak_rate:e}\nbf16_flops = {peak_rate:e}\n"));
+    // the low types' peaks, measured; an older calibration without them keeps the f32 rate
+    let peak_of = |v: &[(f64, f64)]| Some(v.iter().map(|p| p.1).fold(0.0, f64::max)).filter(|&r| r > 0.0);
+    let bf16_rate = peak_of(&cal.matmul_bf16).unwrap_or(peak_rate);
+    s.push_str(&format!("fp32_flops = {peak_rate:e}\nbf16_flops = {bf16_rate:e}\n"));
+    if let Some(fp16_rate) = peak_of(&cal.matmul_fp16) {
+        s.push_str(&format!("fp16_flops = {fp16_rate:e}\n"));
+    }
     s.push_str(&format!("hbm_bandwidth = {:e}\nhbm_efficiency = 1.0\n", cal.memory_bandwidth));
     s.push_str(&format!("intra_node_bandwidth = {:e}\ninter_node_bandwidth = {:e}\n", cal.p2p_bandwidth, cal.p2p_bandwidth));
     s.push_str(&format!("intra_node_latency = {:e}\ninter_node_latency = {:e}\n", cal.p2p_latency, cal.p2p_latency));
@@ -343,5 +375,24 @@ mod tests {
         }
         // Point to point keeps the message link.
         assert!((comm.p2p(1e6, crate::cost::LinkKind::IntraNode) - (5e-5 + 1e6 / 2e9)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn measured_low_precision_rates_are_written_and_priced() {
+        let facts = |toml: String| crate::cost::MachineFacts {
+            memory_bytes: 1 << 34,
+            cores: 1,
+            calibration: Some(crate::cost::CalibrationFile::new("cal.toml", toml)),
+            source: crate::cost::FactSource::Host,
+        };
+        let base = Calibration { matmul: vec![(1e6, 1e10), (1e9, 5e10)], memory_bandwidth: 1e10, p2p_latency: 5e-5, p2p_bandwidth: 2e9, ..Default::default() };
+        let cal = Calibration { matmul_bf16: vec![(1e8, 2e9), (1e9, 4e9)], matmul_fp16: vec![(1e8, 1e9), (1e9, 3e9)], ..base.clone() };
+        let spec = ClusterSpec::cpu(&facts(cluster_toml(&cal)), Some(1)).unwrap();
+        assert_eq!((spec.fp32_flops, spec.bf16_flops, spec.fp16_flops), (5e10, 4e9, Some(3e9)));
+        use crate::ir::DType;
+        assert_eq!((spec.peak_flops(DType::F32), spec.peak_flops(DType::BF16), spec.peak_flops(DType::F16)), (5e10, 4e9, 3e9));
+        // a calibration from before these were measured keeps the f32 rate for both
+        let old = ClusterSpec::cpu(&facts(cluster_toml(&base)), Some(1)).unwrap();
+        assert_eq!((old.bf16_flops, old.fp16_flops, old.peak_flops(DType::F16)), (5e10, None, 5e10));
     }
 }

@@ -98,6 +98,8 @@ impl RunSession {
         let plan_hash = sha256_hex(&bytes);
         rank::codegen_section(&plan).map_err(|e| plan_err(&path, e))?;
         let params = plan_params(&plan, &opts.params, &path)?;
+        // the plan's precision, or the `--dtype f64` verification override
+        let dtype = FloatType::for_plan(plan.parallel.precision, opts.dtype, &path).map_err(SessionError::Options)?;
         let p = &plan.parallel;
         let world = plan_world(&plan);
         let env = RankEnv::from_env().map_err(RuntimeError::from)?;
@@ -136,7 +138,7 @@ impl RunSession {
         let mut notes = Vec::new();
         let (graph, sha256) = decided(imported.graph, imported.sha256, &model, &params, speaks.then_some(&mut notes))?;
         let mesh = format!("pp{} dp{} tp{} zero{}", p.pp, p.dp, p.tp, p.zero);
-        let run_opts = RunOptions { params, ..opts };
+        let run_opts = RunOptions { params, dtype: Some(dtype), ..opts };
         let mut s = RunSession { opts: run_opts, model, graph, sha256, seq_len, plan: None, save: None, resume: None, notes };
         s.checkpointing(Some(plan_hash.clone()), mesh.clone())?;
         if let Some(l) = s.resume.as_ref().filter(|l| l.manifest.state.plan_hash.as_deref() != Some(plan_hash.as_str()) && speaks) {
@@ -218,7 +220,7 @@ impl RunSession {
             }
         };
         let o = &self.opts;
-        let float_kind = Some(o.dtype.kind());
+        let float_kind = Some(o.float_type().kind());
         executor::check_supported(&graph).map_err(|e| SessionError::Model(format!("model `{}`: {e}", model.display())))?;
         let mut weights = Weights::load(&graph, o.init_mode(), float_kind)?;
         if let Some(l) = &self.resume {
@@ -263,7 +265,7 @@ impl RunSession {
         // ops applied, its fixed batch rebound
         let (graph, dims) = rank::planned_graph(plan, std::mem::take(&mut self.graph)).map_err(|e| SessionError::Model(format!("model `{}`: {e}", model.display())))?;
         let o = &self.opts;
-        let float_kind = Some(o.dtype.kind());
+        let float_kind = Some(o.float_type().kind());
         // only the parts of weights this rank holds are read (from the model file, its
         // external data or the checkpoint), when its stages and shards are set up
         let mut source = Source::new(&graph, o.init_mode(), float_kind);
@@ -351,7 +353,7 @@ impl RunSession {
         let imported = load_model(&self.model).map_err(|e| SessionError::Model(format!("cannot load model `{}`: {e}", self.model.display())))?;
         let (graph, _) = decided(imported.graph, imported.sha256, &self.model, &self.opts.params, None)?;
         // the weights as the run trained them (an f64 run's in f64)
-        let exec = export::trained_executor_in(&l, &graph, Some(self.opts.dtype.kind()))?;
+        let exec = export::trained_executor_in(&l, &graph, Some(self.opts.float_type().kind()))?;
         Ok(export::write_module_tensors(&exec, out)?)
     }
 

@@ -1,12 +1,13 @@
 //! What a user asks of a run (the runner's flags as one typed struct), checked once: each
 //! refusal names the flag and the fix.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tch::Kind;
 
 pub use crate::passes::params::ParamOptions;
+use crate::ir::Precision;
 use crate::runtime::InitMode;
 pub use crate::runtime::state::checkpoint::OnCheckpointError;
 use crate::runtime::train::{AdamWConfig, EvalConfig, LossKind, LrSchedule, LrShape};
@@ -26,6 +27,56 @@ pub enum FloatType {
 }
 
 impl FloatType {
+    /// The `--dtype` spelling: `f32`, `f64` or `bf16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            FloatType::F32 => "f32",
+            FloatType::F64 => "f64",
+            FloatType::Bf16 => "bf16",
+        }
+    }
+
+    /// The type a plan trained in `precision` runs in, with `--dtype` as `given`:
+    /// - `--dtype f64` is the verification override, taken on any plan;
+    /// - otherwise the plan's precision: `f32` runs in f32 and `bf16` in bf16 throughout (bf16
+    ///   weights, gradients and AdamW moments: the runner's `--dtype bf16`); a `--dtype` that
+    ///   differs from it is refused, naming both and how to re-plan;
+    /// - `bf16-mixed` and `fp16-mixed` (fp32 master weights under low-precision compute) are
+    ///   refused: the runner does not execute mixed precision yet (issue 29, item 2).
+    pub fn for_plan(precision: Precision, given: Option<FloatType>, plan: &Path) -> Result<FloatType, String> {
+        if given == Some(FloatType::F64) {
+            return Ok(FloatType::F64);
+        }
+        let runs = match precision {
+            Precision::F32 => FloatType::F32,
+            Precision::Bf16 => FloatType::Bf16,
+            Precision::Bf16Mixed | Precision::Fp16Mixed => {
+                let asked = given.map_or(String::new(), |g| format!(" (--dtype {g} is not it either)"));
+                return Err(format!(
+                    "plan `{}` trains in {precision} precision (parallel.precision), and this smp-runner does not execute mixed precision yet (issue 29, item 2){asked}; re-plan with `smp-partition … --precision f32` (or bf16), or run it with `--dtype f64` to verify it",
+                    plan.display()
+                ));
+            }
+        };
+        match given {
+            Some(g) if g != runs => Err(format!(
+                "--dtype {g} contradicts plan `{}`, made for {precision} precision (parallel.precision); drop --dtype, or re-plan with `smp-partition … --precision {}`",
+                plan.display(),
+                Precision::ALL.into_iter().find(|p| p.compute_dtype() == g.dtype() && !p.is_mixed()).unwrap_or(Precision::F32)
+            )),
+            _ => Ok(runs),
+        }
+    }
+
+    /// The IR dtype of the type.
+    fn dtype(self) -> crate::ir::DType {
+        match self {
+            FloatType::F32 => crate::ir::DType::F32,
+            FloatType::F64 => crate::ir::DType::F64,
+            FloatType::Bf16 => crate::ir::DType::BF16,
+        }
+    }
+
     /// The tch kind.
     pub(crate) fn kind(self) -> Kind {
         match self {
@@ -33,6 +84,12 @@ impl FloatType {
             FloatType::F64 => Kind::Double,
             FloatType::Bf16 => Kind::BFloat16,
         }
+    }
+}
+
+impl std::fmt::Display for FloatType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -146,8 +203,9 @@ pub struct RunOptions {
     pub loss: Option<LossKind>,
     /// Optimizer and learning rate.
     pub optimizer: OptimizerOptions,
-    /// Floating-point type of the run (`--dtype`).
-    pub dtype: FloatType,
+    /// Floating-point type of the run (`--dtype`); none: a plan's precision
+    /// ([`FloatType::for_plan`]), f32 without a plan.
+    pub dtype: Option<FloatType>,
     /// Data.
     pub data: DataOptions,
     /// Seed of random weights, synthetic data, the sample order and dropout masks (`--seed`).
@@ -178,7 +236,7 @@ impl Default for RunOptions {
             microbatches: 1,
             loss: None,
             optimizer: OptimizerOptions::default(),
-            dtype: FloatType::F32,
+            dtype: None,
             data: DataOptions::default(),
             seed: 0,
             init: InitChoice::Load,
@@ -230,6 +288,12 @@ impl RunOptions {
         Ok(())
     }
 
+    /// The floating-point type the run computes in: `--dtype`, else f32 (a plan's run has it
+    /// set from the plan's precision when the session opens).
+    pub fn float_type(&self) -> FloatType {
+        self.dtype.unwrap_or_default()
+    }
+
     /// The learning rate of each step.
     pub fn schedule(&self) -> LrSchedule {
         let o = &self.optimizer;
@@ -256,6 +320,33 @@ impl RunOptions {
         match self.init {
             InitChoice::Load => InitMode::Load,
             InitChoice::Random => InitMode::Random { seed: self.seed },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plans_precision_decides_the_run_type() {
+        let p = Path::new("plan.json");
+        assert_eq!(FloatType::for_plan(Precision::F32, None, p), Ok(FloatType::F32));
+        assert_eq!(FloatType::for_plan(Precision::F32, Some(FloatType::F32), p), Ok(FloatType::F32));
+        assert_eq!(FloatType::for_plan(Precision::Bf16, None, p), Ok(FloatType::Bf16));
+        // the verification override, on every plan
+        for prec in Precision::ALL {
+            assert_eq!(FloatType::for_plan(prec, Some(FloatType::F64), p), Ok(FloatType::F64));
+        }
+        let e = FloatType::for_plan(Precision::F32, Some(FloatType::Bf16), p).unwrap_err();
+        assert!(e.contains("--dtype bf16") && e.contains("f32 precision") && e.contains("plan.json") && e.contains("--precision bf16"), "{e}");
+        let e = FloatType::for_plan(Precision::Bf16, Some(FloatType::F32), p).unwrap_err();
+        assert!(e.contains("--dtype f32") && e.contains("bf16 precision") && e.contains("--precision f32"), "{e}");
+        for prec in [Precision::Bf16Mixed, Precision::Fp16Mixed] {
+            let e = FloatType::for_plan(prec, None, p).unwrap_err();
+            assert!(e.contains(prec.name()) && e.contains("mixed precision yet") && e.contains("--dtype f64"), "{e}");
+            let e = FloatType::for_plan(prec, Some(FloatType::Bf16), p).unwrap_err();
+            assert!(e.contains("--dtype bf16") && e.contains(prec.name()), "{e}");
         }
     }
 }

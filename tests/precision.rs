@@ -1,0 +1,104 @@
+//! Precision as a planning choice (docs/precision.md): the plan records the mode, and the cost
+//! model prices exactly its bytes and rates. Model-state bytes of a planned stage are checked
+//! against the formula from the model's own parameter counts, per mode and ZeRO stage; the
+//! activations halve from f32 to a 2-byte mode; a GPU's fp32 rate makes an f32 plan slower.
+
+use std::path::PathBuf;
+
+use smp_partition::compile::{self, AnalyzeOptions};
+use smp_partition::cost::ClusterSpec;
+use smp_partition::ir::{CheckpointRule, Precision, ScheduleKind};
+use smp_partition::plan::Plan;
+use smp_partition::solve::PlanOptions;
+
+fn model() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/gpt2.onnx")
+}
+
+/// GPT-2 planned on `dp` H100s at pp 1 · tp 1 · dp `dp`, ZeRO `zero`, no checkpointing.
+fn plan(dp: usize, zero: u8, precision: Option<Precision>) -> Plan {
+    let cluster = format!("h100-80gb:{dp}");
+    let spec = ClusterSpec::parse(&cluster).unwrap();
+    let opts = PlanOptions {
+        global_batch: Some(8),
+        seq_len: Some(16),
+        pp: Some(1),
+        tp: Some(1),
+        dp: Some(dp),
+        zero: Some(zero),
+        microbatches: Some(2),
+        schedule: Some(ScheduleKind::OneFOneB),
+        checkpointing: Some(CheckpointRule::Never),
+        sequence_parallel: Some(false),
+        precision,
+        ..Default::default()
+    };
+    compile::compile(&model(), &spec, &opts).unwrap_or_else(|e| panic!("{cluster} dp {dp} zero {zero} {precision:?}: {e}"))
+}
+
+/// (parameter elements, trained elements) of the whole model, from the analysed graph.
+fn param_counts() -> (f64, f64) {
+    let a = compile::load_and_analyze(&model(), &AnalyzeOptions { seq_len: Some(16), ..Default::default() }).unwrap();
+    let params: u64 = a.lg.layers.iter().map(|l| l.figures.param_elems).sum();
+    let frozen: u64 = a.lg.layers.iter().map(|l| l.figures.frozen_elems).sum();
+    (params as f64, (params - frozen) as f64)
+}
+
+/// Bytes per element of each part of the model state, by the mode's types (not the cost
+/// model's table): (weight, gradient, master copy + AdamW's two moments).
+fn bytes_of(p: Precision) -> (f64, f64, f64) {
+    match p {
+        Precision::F32 => (4.0, 4.0, 2.0 * 4.0),
+        Precision::Bf16 => (2.0, 2.0, 2.0 * 2.0),
+        Precision::Bf16Mixed | Precision::Fp16Mixed => (2.0, 2.0, 4.0 + 2.0 * 4.0),
+    }
+}
+
+fn close(got: u64, want: f64, what: &str) {
+    assert!((got as f64 - want).abs() <= 1.0 + want * 1e-12, "{what}: planned {got} bytes, formula {want}");
+}
+
+#[test]
+fn model_state_per_mode_and_zero_stage_is_the_formula() {
+    let (params, trained) = param_counts();
+    assert!(params > 0.0 && trained > 0.0 && trained <= params);
+    for p in Precision::ALL {
+        let (w, g, o) = bytes_of(p);
+        for (dp, zero) in [(1usize, 0u8), (2, 0), (2, 1), (2, 2), (2, 3)] {
+            let planned = plan(dp, zero, Some(p));
+            assert_eq!(planned.parallel.precision, p);
+            let m = planned.stages[0].memory_bytes;
+            let d = dp as f64;
+            // ZeRO 1 shards the optimizer state (master copy and moments), 2 the gradients
+            // too, 3 the weights too
+            let shard = |stage: u8| if zero >= stage { d } else { 1.0 };
+            let what = format!("{p} dp {dp} ZeRO {zero}");
+            close(m.params, params * w / shard(3), &format!("{what} weights"));
+            close(m.grads, trained * g / shard(2), &format!("{what} gradients"));
+            close(m.optimizer, trained * o / shard(1), &format!("{what} optimizer state"));
+        }
+    }
+}
+
+#[test]
+fn activations_are_priced_at_the_modes_width() {
+    let f32_ = plan(1, 0, Some(Precision::F32)).stages[0].memory_bytes.activations as f64;
+    for p in [Precision::Bf16, Precision::Bf16Mixed, Precision::Fp16Mixed] {
+        let low = plan(1, 0, Some(p)).stages[0].memory_bytes.activations as f64;
+        assert!(f32_ > 0.0 && (low - f32_ / 2.0).abs() <= 2.0, "{p}: activations {low} vs f32 {f32_}");
+    }
+}
+
+#[test]
+fn compute_is_priced_at_the_modes_rate_and_gpus_default_to_bf16_mixed() {
+    let spec = ClusterSpec::parse("h100-80gb:1").unwrap();
+    assert!(spec.bf16_flops > spec.fp32_flops);
+    let default = plan(1, 0, None);
+    assert_eq!(default.parallel.precision, Precision::Bf16Mixed);
+    let f32_ = plan(1, 0, Some(Precision::F32));
+    // the same configuration, slower at the fp32 rate (and with twice the bytes moved)
+    assert!(f32_.stages[0].forward_s > default.stages[0].forward_s * 1.5, "f32 {} s vs bf16-mixed {} s", f32_.stages[0].forward_s, default.stages[0].forward_s);
+    // fp16 is priced at the bf16/fp16 tensor rate, like bf16
+    let fp16 = plan(1, 0, Some(Precision::Fp16Mixed));
+    assert_eq!(fp16.stages[0].forward_s, default.stages[0].forward_s);
+}
