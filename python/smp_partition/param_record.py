@@ -45,8 +45,8 @@ import onnx
 from onnx import numpy_helper
 
 VERSION = "1"
-K_KIND, K_PARAMS, K_TRANSFORM, K_GATHER, K_SITES, K_PERSISTENT = (
-    "smp.kind", "smp.params", "smp.transform", "smp.gather", "smp.sites", "smp.persistent")
+K_KIND, K_PARAMS, K_TRANSFORM, K_GATHER, K_SITES, K_PERSISTENT, K_TRAINABLE = (
+    "smp.kind", "smp.params", "smp.transform", "smp.gather", "smp.sites", "smp.persistent", "smp.trainable")
 SCOPES = "pkg.torch.onnx.name_scopes"
 #: Initializer metadata naming the values a folded initializer was computed from (the key
 #: onnxscript's constant folder writes; `smp_partition.export` writes it on the transposed
@@ -132,8 +132,10 @@ def write_record(module, proto: onnx.ModelProto, *, exact_names: bool = False) -
     params = _groups(module.named_parameters(remove_duplicate=False))
     buffers = _groups(module.named_buffers(remove_duplicate=False))
     persistent = set(module.state_dict().keys())
+    # parameters the module holds with requires_grad = False: loaded and written out, not trained
+    frozen = {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
     if exact_names:
-        return _record_by_name(params, buffers, persistent, proto)
+        return _record_by_name(params, buffers, persistent, frozen, proto)
     alias_of = {a: i for i, (names, _) in enumerate(params) for a in names}
     ident: dict[tuple, list[int]] = defaultdict(list)
     trans: dict[tuple, list[int]] = defaultdict(list)
@@ -193,6 +195,7 @@ def write_record(module, proto: onnx.ModelProto, *, exact_names: bool = False) -
                     summary["merged"] += 1
             found.update(hits)
             md[K_PARAMS] = json.dumps(entries)
+            _mark_frozen(md, entries, frozen)
             if gather is not None:
                 md[K_GATHER] = json.dumps(gather)
             _set(t, md)
@@ -213,7 +216,9 @@ def write_record(module, proto: onnx.ModelProto, *, exact_names: bool = False) -
         if not gemms:
             continue
         init = numpy_helper.from_array(a.copy(), _free_name(g, names[0]))
-        _set(init, {K_KIND: "parameter", K_PARAMS: json.dumps([names]), K_TRANSFORM: "identity"})
+        md = {K_KIND: "parameter", K_PARAMS: json.dumps([names]), K_TRANSFORM: "identity"}
+        _mark_frozen(md, [names], frozen)
+        _set(init, md)
         g.initializer.append(init)
         for n in gemms:
             n.input.append(init.name)
@@ -224,6 +229,12 @@ def write_record(module, proto: onnx.ModelProto, *, exact_names: bool = False) -
     summary["missing"] = [params[i][0][0] for i in range(len(params)) if i not in found]
     _set_model_meta(proto, summary["missing"])
     return summary
+
+
+def _mark_frozen(md: dict[str, str], entries: list[list[str]], frozen: set[str]) -> None:
+    """`smp.trainable: false` on a record whose module tensors are all frozen in the module."""
+    if entries and all(any(a in frozen for a in names) for names in entries):
+        md[K_TRAINABLE] = "false"
 
 
 def _set_model_meta(proto: onnx.ModelProto, missing: list[str]) -> None:
@@ -239,7 +250,7 @@ def _folded_from(t: onnx.TensorProto) -> list[str]:
     return _names_prop(t.metadata_props, FOLDED_FROM)
 
 
-def _record_by_name(params, buffers, persistent: set[str], proto: onnx.ModelProto) -> dict:
+def _record_by_name(params, buffers, persistent: set[str], frozen: set[str], proto: onnx.ModelProto) -> dict:
     """`write_record(..., exact_names=True)`."""
     param_of = {a: i for i, (names, _) in enumerate(params) for a in names}
     buffer_of = {a: i for i, (names, _) in enumerate(buffers) for a in names}
@@ -266,6 +277,7 @@ def _record_by_name(params, buffers, persistent: set[str], proto: onnx.ModelProt
             _set(t, {K_KIND: "constant"})
             summary["constants"] += 1
             continue
+        _mark_frozen(md, [params[i][0]], frozen)
         _set(t, md)
         found.add(i)
         summary["parameters"] += 1

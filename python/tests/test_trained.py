@@ -127,3 +127,66 @@ def test_the_export_records_every_parameter_by_name_and_non_persistent_buffers_a
     assert by_param["model.kept"]["smp.kind"] == "buffer" and "smp.persistent" not in by_param["model.kept"]
     assert by_param["model.inv_freq"]["smp.persistent"] == "false"
     assert exported.record["unused"] == ["model.unread"]
+
+
+class _PartlyFrozen(torch.nn.Module):
+    """A frozen layer (`requires_grad = False`, as a fine-tuning script freezes one, or a fixed
+    sinusoidal table) under a trained one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.frozen = torch.nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.frozen(x)))
+
+
+@needs_runner
+def test_parameters_the_module_freezes_are_loaded_and_written_but_not_trained(tmp_path: Path) -> None:
+    """The record marks a `requires_grad = False` parameter `smp.trainable: false`; the runner
+    trains the rest as PyTorch does (f64, AdamW lr 1e-3, weight decay 0.01, clip 1: losses and
+    weights 1e-9) and writes the frozen one out unchanged."""
+    import onnx
+
+    from smp_partition import param_record
+
+    module = _PartlyFrozen().double()
+    x = torch.randn(6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    labels = torch.tensor([0, 1, 2, 3, 4, 0])
+    exported = smp.export(module, x, tmp_path / "m.onnx", dynamic=False)
+    records = param_record.read_record(onnx.load(str(exported.path)))
+    trainable = {json.loads(r["smp.params"])[0][0]: r.get("smp.trainable", "true")
+                 for r in records.values() if r.get("smp.kind") == "parameter"}
+    assert trainable == {"model.frozen.weight": "false", "model.frozen.bias": "false",
+                         "model.head.weight": "true", "model.head.bias": "true"}
+
+    np.savez(tmp_path / "data.npz", **{exported.input_names[0]: x.numpy(), "labels": labels.numpy()})
+    weights = tmp_path / "trained.safetensors"
+    done = subprocess.run([str(smp.find_binary("smp-runner")), "train", str(exported.path), "--data",
+                           str(tmp_path / "data.npz"), "--loss", "cross-entropy", "--steps", "3", "--dtype", "f64",
+                           "--threads", "1", "--json", "--save-weights", str(weights)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    losses = [s["loss"] for s in json.loads(done.stdout)["steps"]]
+
+    ref = copy.deepcopy(module)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01, foreach=False)
+    want = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(ref(x), labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0, foreach=False)
+        opt.step()
+        want.append(loss.item())
+    np.testing.assert_allclose(losses, want, rtol=1e-9)
+
+    from safetensors.torch import load_file
+
+    got = load_file(str(weights))
+    for name, p in ref.named_parameters():
+        np.testing.assert_allclose(got[f"model.{name}"].double().numpy(), p.detach().numpy(), rtol=1e-9, atol=1e-12)
+    assert torch.equal(got["model.frozen.weight"].double(), module.frozen.weight)

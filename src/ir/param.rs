@@ -44,6 +44,9 @@ pub struct ParamRecord {
     /// False for a buffer the module's `state_dict` leaves out (`smp.persistent: false`,
     /// RoPE's `inv_freq`): the trained weights written out never hold it.
     pub persistent: bool,
+    /// False for a parameter the module holds with `requires_grad = False`
+    /// (`smp.trainable: false`): it is loaded and written out, never trained.
+    pub trainable: bool,
 }
 
 impl ParamRecord {
@@ -68,6 +71,9 @@ pub enum FrozenReason {
     BufferName,
     /// A `--frozen` pattern.
     Pattern,
+    /// The module holds the parameter frozen (`requires_grad = False`, the record's
+    /// `smp.trainable: false`).
+    Module,
 }
 
 /// How the trained-or-frozen decision was reached.

@@ -313,6 +313,7 @@ fn from_records(graph: &mut Graph, recorded: &[ValueId], summary: &mut ParamSumm
                     transform: rec.transform.clone(),
                     sites: Vec::new(),
                     persistent: true,
+                    trainable: rec.trainable,
                 };
                 for i in 1..n {
                     let sites: Vec<NodeId> = rec.sites.get(i).into_iter().flatten().filter_map(|s| by_name.get(s).copied()).collect();
@@ -397,11 +398,11 @@ fn from_records(graph: &mut Graph, recorded: &[ValueId], summary: &mut ParamSumm
             }
             summary.views += 1;
         }
-        graph.value_mut(base).training = Some(Training::Trained {
-            names: aliases,
-            transform: base_t,
-            untied_from: untied_from.get(&canon).cloned(),
-            source: DecisionSource::Record,
+        let trainable = graph.value(canon).record.as_ref().is_none_or(|r| r.trainable);
+        graph.value_mut(base).training = Some(if trainable {
+            Training::Trained { names: aliases, transform: base_t, untied_from: untied_from.get(&canon).cloned(), source: DecisionSource::Record }
+        } else {
+            frozen(FrozenReason::Module)
         });
     }
     Ok(())
@@ -448,6 +449,7 @@ fn distinct_rows(graph: &mut Graph, members: &[ValueId], param: &str) -> Result<
         transform: ParamTransform::Gather { dims: vec![held.len() as i64], rows: held.clone() },
         sites: Vec::new(),
         persistent: true,
+        trainable: members.iter().filter_map(|&m| graph.value(m).record.as_ref()).all(|r| r.trainable),
     });
     Ok((v, held))
 }
@@ -647,7 +649,25 @@ mod tests {
             transform,
             sites: sites.iter().map(|s| s.iter().map(|x| x.to_string()).collect()).collect(),
             persistent: true,
+            trainable: true,
         }
+    }
+
+    #[test]
+    fn a_parameter_the_module_holds_frozen_is_loaded_but_not_trained() {
+        let mut b = Builder::new(17);
+        let x = b.input("x", DType::F32, &["2", "2"]);
+        let w = init(&mut b, "w", &[2, 2], &[1.0, 2.0, 3.0, 4.0]);
+        let u = init(&mut b, "u", &[2, 2], &[5.0, 6.0, 7.0, 8.0]);
+        let h = b.node(OpKind::MatMul, &[x, w], &[]);
+        let y = b.node(OpKind::MatMul, &[h, u], &[]);
+        b.output(y);
+        b.g.value_mut(w).record = Some(ParamRecord { trainable: false, ..record(&["pos.weight"], ParamTransform::Identity, &[]) });
+        b.g.value_mut(u).record = Some(record(&["fc.weight"], ParamTransform::Identity, &[]));
+        let summary = decide(&mut b.g, &ParamOptions::default()).unwrap();
+        assert_eq!(b.g.value(w).training, Some(frozen(FrozenReason::Module)));
+        assert_eq!(trained_names(&b.g, u), vec!["fc.weight".to_string()]);
+        assert_eq!((summary.trained_tensors, summary.frozen_tensors), (1, 1));
     }
 
     fn trained_names(g: &Graph, v: ValueId) -> Vec<String> {

@@ -64,7 +64,12 @@ pub(crate) fn read(t: &TensorProto, file: &Path) -> Result<Option<ParamRecord>, 
         "false" => false,
         other => return Err(bad(format!("`smp.persistent` is `{other}`, not true or false"))),
     };
-    Ok(Some(ParamRecord { kind, params, transform, sites, persistent }))
+    let trainable = match get("smp.trainable").unwrap_or("true") {
+        "true" => true,
+        "false" => false,
+        other => return Err(bad(format!("`smp.trainable` is `{other}`, not true or false"))),
+    };
+    Ok(Some(ParamRecord { kind, params, transform, sites, persistent, trainable }))
 }
 
 /// The model metadata key of the auxiliary losses (docs/parameter-record.md).

@@ -65,8 +65,8 @@ pub fn module_tensors(exec: &Executor<'_>) -> Result<BTreeMap<String, Tensor>, R
                 let names = if untied_from.is_some() && own != names[0] { vec![own] } else { names.clone() };
                 Some((names, transform))
             }
-            // a module parameter the run held frozen (`--frozen`): its value as loaded
-            Some(Training::Frozen { reason: FrozenReason::Pattern }) => match val.record.as_ref().filter(|r| r.kind == RecordKind::Parameter) {
+            // a module parameter held frozen (`--frozen`, or frozen in the module): its value as loaded
+            Some(Training::Frozen { reason: FrozenReason::Pattern | FrozenReason::Module }) => match val.record.as_ref().filter(|r| r.kind == RecordKind::Parameter) {
                 Some(rec) => Some((rec.params.iter().flatten().cloned().collect(), &rec.transform)),
                 None => Some((vec![val.name.clone()], &ParamTransform::Identity)),
             },
@@ -295,6 +295,9 @@ fn record_props(rec: &ParamRecord) -> Vec<StringStringEntryProto> {
     }
     if !rec.persistent {
         out.push(e("smp.persistent", "false".into()));
+    }
+    if !rec.trainable {
+        out.push(e("smp.trainable", "false".into()));
     }
     out
 }
