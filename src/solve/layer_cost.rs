@@ -129,13 +129,11 @@ pub struct CostContext<'a> {
     pub spec: &'a ClusterSpec,
     /// Link model.
     pub comm: CommModel,
-    /// The plan's training precision, which the figures below follow.
-    pub mode: Precision,
-    /// The dtype compute runs in under `mode` (its rate, its activation bytes).
+    /// The dtype compute runs in under the plan's precision (its rate, its activation bytes).
     pub dtype: DType,
     /// Graph bytes → training bytes.
     pub bytes_scale: f64,
-    /// State bytes per parameter under `mode`.
+    /// State bytes per parameter under the plan's precision.
     pub precision: StatePrecision,
     /// Per-layer shape facts.
     pub shapes: Vec<LayerShape>,
@@ -206,7 +204,6 @@ impl<'a> CostContext<'a> {
             lg,
             spec,
             comm: CommModel::new(spec),
-            mode: precision,
             dtype,
             bytes_scale: bytes_scale(graph_float_dtype(&lg.graph), dtype),
             precision: StatePrecision::of(precision),

@@ -42,7 +42,7 @@ impl FloatType {
     ///   weights, gradients and AdamW moments: the runner's `--dtype bf16`); a `--dtype` that
     ///   differs from it is refused, naming both and how to re-plan;
     /// - `bf16-mixed` and `fp16-mixed` (fp32 master weights under low-precision compute) are
-    ///   refused: the runner does not execute mixed precision yet (issue 29, item 2).
+    ///   refused: the runner does not execute mixed precision yet.
     pub fn for_plan(precision: Precision, given: Option<FloatType>, plan: &Path) -> Result<FloatType, String> {
         if given == Some(FloatType::F64) {
             return Ok(FloatType::F64);
@@ -53,7 +53,7 @@ impl FloatType {
             Precision::Bf16Mixed | Precision::Fp16Mixed => {
                 let asked = given.map_or(String::new(), |g| format!(" (--dtype {g} is not it either)"));
                 return Err(format!(
-                    "plan `{}` trains in {precision} precision (parallel.precision), and this smp-runner does not execute mixed precision yet (issue 29, item 2){asked}; re-plan with `smp-partition … --precision f32` (or bf16), or run it with `--dtype f64` to verify it",
+                    "plan `{}` trains in {precision} precision (parallel.precision), and this smp-runner does not execute mixed precision yet{asked}; re-plan with `smp-partition … --precision f32` (or bf16), or run it with `--dtype f64` to verify it",
                     plan.display()
                 ));
             }
