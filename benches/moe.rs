@@ -25,7 +25,7 @@ use tch::Kind;
 /// Mean step time (s) of `steps` training steps of `graph` on the batch in `dir`, first excluded.
 fn step_time(graph: &Graph, dir: &Path, steps: usize) -> f64 {
     let weights = Weights::load(graph, InitMode::Load, Some(Kind::Float)).expect("weights");
-    let exec = Executor::new(graph, weights, ExecOptions { float_kind: Some(Kind::Float), training: true }).expect("executor");
+    let exec = Executor::new(graph, weights, ExecOptions { float_kind: Some(Kind::Float), training: true, autocast: None }).expect("executor");
     let batch = smp_partition::runtime::data::read_batch(&exec, &dir.join("batch.npz")).expect("batch");
     let cfg = TrainConfig { steps, microbatches: 1, loss: LossKind::Mse, ..TrainConfig::default() };
     let recs = train::train(&exec, &batch, &cfg).expect("train");

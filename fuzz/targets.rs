@@ -168,7 +168,7 @@ impl Env {
         let (graph, _) = self.imported_model(Path::new(MODEL))?;
         let graph: &'static smp_partition::ir::Graph = Box::leak(Box::new(graph));
         let weights = Weights::load(graph, InitMode::Load, None).map_err(|e| e.to_string())?;
-        let exec = Executor::new(graph, weights, ExecOptions { float_kind: None, training: false }).map_err(|e| e.to_string())?;
+        let exec = Executor::new(graph, weights, ExecOptions { float_kind: None, training: false, autocast: None }).map_err(|e| e.to_string())?;
         let exec: &'static Executor<'static> = Box::leak(Box::new(exec));
         self.exec = Some(exec);
         Ok(exec)

@@ -126,7 +126,7 @@ fn check_f32(models: &[(&str, &[usize])], sequence_parallel: bool) {
         }
         let feeds = inputs(&full, &lg);
         let weights = Weights::load(&full, InitMode::Load, Some(Kind::Double)).unwrap();
-        let ex = Executor::new(&full, weights, ExecOptions { float_kind: Some(Kind::Double), training: false }).unwrap();
+        let ex = Executor::new(&full, weights, ExecOptions { float_kind: Some(Kind::Double), training: false, autocast: None }).unwrap();
         let bound = ex.bind_inputs(feeds.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()).unwrap();
         let outs = ex.forward(&bound).unwrap();
         let mut env: HashMap<String, Tensor> = full.outputs.iter().zip(outs).map(|(&v, t)| (full.value(v).name.clone(), t)).collect();
@@ -144,7 +144,7 @@ fn check_f32(models: &[(&str, &[usize])], sequence_parallel: bool) {
                     .iter()
                     .map(|c| {
                         let w = Weights::load(&c.graph, InitMode::Load, Some(Kind::Float)).unwrap();
-                        Executor::new(&c.graph, w, ExecOptions { float_kind: Some(Kind::Float), training: false }).unwrap()
+                        Executor::new(&c.graph, w, ExecOptions { float_kind: Some(Kind::Float), training: false, autocast: None }).unwrap()
                     })
                     .collect();
                 // Collective results, zeros until computed.

@@ -22,7 +22,7 @@ fn gpt2() -> Graph {
 /// initializer name.
 fn train3(graph: &Graph, kind: Kind) -> (Vec<f64>, Vec<(String, Tensor)>) {
     let weights = Weights::load(graph, InitMode::Load, Some(kind)).expect("weights");
-    let exec = Executor::new(graph, weights, ExecOptions { float_kind: Some(kind), training: true }).expect("executor");
+    let exec = Executor::new(graph, weights, ExecOptions { float_kind: Some(kind), training: true, autocast: None }).expect("executor");
     let batch = smp_partition::runtime::data::synthetic_batch(&exec, 4, 32, 7).expect("batch");
     let cfg = TrainConfig { steps: 3, microbatches: 2, loss: LossKind::CausalLm, adamw: AdamWConfig::default(), clip: Some(1.0), ..TrainConfig::default() };
     let recs = train::train(&exec, &batch, &cfg).expect("train");
@@ -121,7 +121,7 @@ fn specialised(name: &str) -> Graph {
 /// `kind`, on one synthetic batch of 2 samples.
 fn forward_and_grads(graph: &Graph, kind: Kind) -> (Tensor, Vec<(String, Tensor)>) {
     let weights = Weights::load(graph, InitMode::Load, Some(kind)).expect("weights");
-    let exec = Executor::new(graph, weights, ExecOptions { float_kind: Some(kind), training: true }).expect("executor");
+    let exec = Executor::new(graph, weights, ExecOptions { float_kind: Some(kind), training: true, autocast: None }).expect("executor");
     let batch = smp_partition::runtime::data::synthetic_batch(&exec, 2, 16, 7).expect("batch");
     let feeds = exec.bind_inputs(batch).expect("inputs");
     let outs = exec.forward(&feeds).expect("forward");
@@ -353,7 +353,7 @@ fn feeds(g: &Graph, kind: Kind) -> Vec<(String, Tensor)> {
 /// The output and the gradients of q, kᵀ and v of Σ output·R.
 fn run_variant(g: &Graph, kind: Kind) -> Vec<Tensor> {
     let weights = Weights::load(g, InitMode::Load, Some(kind)).expect("weights");
-    let exec = Executor::new(g, weights, ExecOptions { float_kind: Some(kind), training: true }).expect("executor");
+    let exec = Executor::new(g, weights, ExecOptions { float_kind: Some(kind), training: true, autocast: None }).expect("executor");
     let named = feeds(g, kind);
     let leaves: Vec<Tensor> = named.iter().filter(|(n, _)| ["q", "kt", "v"].contains(&n.as_str())).map(|(_, t)| t.shallow_clone()).collect();
     let bound = exec.bind_inputs(named).expect("inputs");

@@ -44,7 +44,7 @@ fn experts_fused(graph: &Graph) -> (Graph, usize) {
 fn forward_and_grads(graph: &Graph) -> (Vec<Tensor>, Vec<(String, Tensor)>) {
     let kind = Kind::Double;
     let weights = Weights::load(graph, InitMode::Load, Some(kind)).expect("weights");
-    let exec = Executor::new(graph, weights, ExecOptions { float_kind: Some(kind), training: true }).expect("executor");
+    let exec = Executor::new(graph, weights, ExecOptions { float_kind: Some(kind), training: true, autocast: None }).expect("executor");
     let batch = smp_partition::runtime::data::synthetic_batch(&exec, 4, 8, 7).expect("batch");
     let feeds = exec.bind_inputs(batch).expect("inputs");
     let outs = exec.forward(&feeds).expect("forward");

@@ -179,7 +179,7 @@ fn the_first_step_reads_the_seeded_first_batch_and_later_steps_read_others() {
 fn stream(path: &Path, seed: u64) -> DataSource {
     let graph = smp_partition::frontend::onnx::load_model(&model()).unwrap().graph;
     let weights = smp_partition::runtime::Weights::load(&graph, smp_partition::runtime::InitMode::Random { seed: 0 }, None).unwrap();
-    let exec = smp_partition::runtime::Executor::new(&graph, weights, smp_partition::runtime::ExecOptions { float_kind: None, training: false }).unwrap();
+    let exec = smp_partition::runtime::Executor::new(&graph, weights, smp_partition::runtime::ExecOptions { float_kind: None, training: false, autocast: None }).unwrap();
     let file = TokenFile::open(path).unwrap();
     DataSource::Tokens(TokenStream::new(file, &exec, SEQ as i64, BATCH as i64, Order::Shuffled { seed }).unwrap())
 }

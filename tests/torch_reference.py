@@ -5,8 +5,14 @@ loss (cross-entropy of logits[:, :-1] vs ids[:, 1:]), torch.optim.AdamW and
 clip_grad_norm_, no dropout.
 
 usage: torch_reference.py MODEL.onnx --data BATCH.npz [--steps N] [--lr] [--weight-decay]
-       [--clip] [--dtype f32|f64] [--threads T] [--bench]
-Prints one JSON object: {"losses": [...], "step_times_s": [...], "trained": [names...]}.
+       [--clip] [--dtype f32|f64] [--precision f32|bf16-mixed|fp16-mixed]
+       [--loss-scale S] [--loss-scale-window N] [--threads T] [--bench]
+Mixed precision is PyTorch's own recipe: the forward and the loss under
+`torch.autocast("cpu", dtype)` over the fp32 module, fp16 with `torch.amp.GradScaler("cpu")`
+(unscale, clip, step, update).
+Prints one JSON object: {"losses": [...], "step_times_s": [...], "trained": [names...],
+"loss_scales": [...], "skipped": [...]} (the scale each step's loss was multiplied by, and
+whether the scaler skipped its update; fp16 only).
 """
 import argparse
 import json
@@ -73,6 +79,9 @@ def main():
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--dtype", choices=["f32", "f64"], default="f32")
+    ap.add_argument("--precision", choices=["f32", "bf16-mixed", "fp16-mixed"], default="f32")
+    ap.add_argument("--loss-scale", type=float, default=65536.0)
+    ap.add_argument("--loss-scale-window", type=int, default=2000)
     ap.add_argument("--threads", type=int)
     ap.add_argument("--bench", action="store_true", help="also report per-step wall times")
     args = ap.parse_args()
@@ -88,22 +97,41 @@ def main():
     ids = torch.from_numpy(np.array(data["input_ids"])).long()
     opt = torch.optim.AdamW(hf.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                             foreach=False)
-    losses, times = [], []
+    low = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(args.precision)
+    scaler = None
+    if args.precision == "fp16-mixed":
+        scaler = torch.amp.GradScaler("cpu", init_scale=args.loss_scale,
+                                      growth_interval=args.loss_scale_window)
+    losses, times, scales, skipped = [], [], [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         opt.zero_grad()
-        logits = hf(input_ids=ids, use_cache=False).logits
-        v = logits.shape[-1]
-        loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, v), ids[:, 1:].reshape(-1))
-        loss.backward()
-        if args.clip > 0:
-            torch.nn.utils.clip_grad_norm_(hf.parameters(), args.clip, foreach=False)
-        opt.step()
+        with torch.autocast("cpu", dtype=low or torch.float32, enabled=low is not None):
+            logits = hf(input_ids=ids, use_cache=False).logits
+            v = logits.shape[-1]
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, v), ids[:, 1:].reshape(-1))
+        if scaler is None:
+            loss.backward()
+            if args.clip > 0:
+                torch.nn.utils.clip_grad_norm_(hf.parameters(), args.clip, foreach=False)
+            opt.step()
+        else:
+            before = scaler.get_scale()
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            if args.clip > 0:
+                torch.nn.utils.clip_grad_norm_(hf.parameters(), args.clip, foreach=False)
+            scaler.step(opt)
+            scaler.update()
+            scales.append(before)
+            # a skipped step is one whose update backed the scale off
+            skipped.append(scaler.get_scale() < before)
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
     trained = sorted(n for n, _ in hf.named_parameters())
-    print(json.dumps({"losses": losses, "step_times_s": times, "trained": trained}))
+    print(json.dumps({"losses": losses, "step_times_s": times, "trained": trained,
+                      "loss_scales": scales, "skipped": skipped}))
 
 
 if __name__ == "__main__":

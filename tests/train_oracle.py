@@ -10,6 +10,9 @@ attention), in a fixed-shape and a dynamic-shape export variant:
   and writes the losses and the trained parameters (`<case>.trained.npz`, keyed by every
   name of each parameter, as `named_parameters(remove_duplicate=False)` of the exported
   module reports them);
+- for GPT-2, Llama and BERT (fixed shapes), trains the same 5 steps in PyTorch's own
+  bf16-mixed and fp16-mixed recipes (`torch.autocast("cpu")`, fp16 with
+  `torch.amp.GradScaler("cpu")`) and keeps their losses (`mixed`);
 - trains the same 5 steps in float64 from the same init (`<case>.trained64.npz`): how far
   PyTorch's own float32 training is from exact arithmetic, per tensor. Where an element's
   gradient cancels below float32's resolution (GPT-NeoX: one MLP weight with a gradient of
@@ -42,6 +45,7 @@ warnings.filterwarnings("ignore")
 H, VOCAB, BATCH, SEQ, STEPS, SEED = 32, 64, 2, 8, 5, 0
 LR, WD, CLIP = 1e-3, 0.01, 1.0
 KEEP_APART = {"neox_parallel"}
+MIXED = {"gpt2", "llama", "bert"}  # also trained under autocast (bf16) and GradScaler (fp16)
 GRADFREE = 1e-6  # |grad| below this times the global grad norm, at every step: gradient-free
 
 
@@ -103,6 +107,32 @@ def loss_of(kind: str, logits, x, labels):
         return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, v), x[:, 1:].reshape(-1))
     v = logits.shape[-1]
     return torch.nn.functional.cross_entropy(logits.reshape(-1, v), labels.reshape(-1), ignore_index=-100)
+
+
+def train_mixed(model, precision: str, kind: str, x, labels) -> list:
+    """PyTorch's own mixed-precision recipe from the same init: forward and loss under
+    `torch.autocast("cpu", low)` over the fp32 module, fp16 with `torch.amp.GradScaler("cpu")`
+    (scale, unscale, clip, step, update); the losses of the steps."""
+    low = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
+    scaler = torch.amp.GradScaler("cpu") if low == torch.float16 else None
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=low):
+            loss = loss_of(kind, model(x), x, labels)
+        if scaler is None:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=False)
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=False)
+            scaler.step(opt)
+            scaler.update()
+        losses.append(loss.item())
+    return losses
 
 
 def run_case(out: Path, name: str, variant: str) -> dict:
@@ -177,7 +207,12 @@ def run_case(out: Path, name: str, variant: str) -> dict:
             for a in aliases[id(p)]:
                 trained[f"{a}#gradfree"] = gradfree[n].numpy().astype(np.uint8)
     np.savez(out / f"{case}.trained.npz", **trained)
-    return {"case": case, "model": name, "variant": variant, "onnx": str(path),
+    mixed = {}
+    if variant == "fixed" and name in MIXED:
+        for precision in ("bf16-mixed", "fp16-mixed"):
+            torch.manual_seed(SEED)
+            mixed[precision] = train_mixed(LogitsOnly(cls(cfg), input_name).train(), precision, kind, x, labels)
+    return {"mixed": mixed, "case": case, "model": name, "variant": variant, "onnx": str(path),
             "data": str(out / f"{case}.data.npz"), "loss": kind, "losses": losses,
             "trained": str(out / f"{case}.trained.npz"), "trained64": str(out / f"{case}.trained64.npz"),
             "record": {k: v for k, v in record.items() if k != "restored"} | {"restored": len(record["restored"])}}

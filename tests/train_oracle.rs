@@ -250,3 +250,53 @@ fn bert_trains_as_pytorch() {
 fn vit_trains_as_pytorch() {
     oracle("vit");
 }
+
+/// Mixed precision as PyTorch's own recipe: 5 steps of a one-device plan in `bf16-mixed`
+/// (`torch.autocast("cpu", torch.bfloat16)` over fp32 weights, AdamW, clip) and `fp16-mixed`
+/// (autocast in float16 with `torch.amp.GradScaler("cpu")`) give PyTorch's losses within
+/// 1e-2 relative, and not the f32 run's exactly (the plan's precision took effect).
+fn mixed_oracle(model: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let case = cases().iter().find(|c| c["model"] == model && c["variant"] == "fixed").expect("fixed case");
+    let f32_losses: Vec<f64> = case["losses"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    for precision in ["bf16-mixed", "fp16-mixed"] {
+        let theirs: Vec<f64> = case["mixed"][precision].as_array().unwrap_or_else(|| panic!("{model}: no {precision} losses")).iter().map(|x| x.as_f64().unwrap()).collect();
+        let plan = dir.path().join(format!("{precision}.json"));
+        let r = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
+            .arg(case["onnx"].as_str().unwrap())
+            .args(["--cluster", "cpu:1", "--pp", "1", "--tp", "1", "--dp", "1", "--microbatches", "1", "--global-batch", "2", "--precision", precision, "-o"])
+            .arg(&plan)
+            .output()
+            .expect("run smp-partition");
+        assert!(r.status.success(), "{model} {precision}: plan failed: {}", String::from_utf8_lossy(&r.stderr));
+        let r = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
+            .arg("run")
+            .arg(&plan)
+            .args(["--data", case["data"].as_str().unwrap(), "--loss", case["loss"].as_str().unwrap(), "--steps", "5", "--threads", "1", "--json"])
+            .output()
+            .expect("run smp-runner");
+        assert!(r.status.success(), "{model} {precision}: run failed: {}", String::from_utf8_lossy(&r.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&r.stdout).unwrap();
+        let ours: Vec<f64> = v["steps"].as_array().unwrap().iter().map(|s| s["loss"].as_f64().unwrap()).collect();
+        let rel = ours.iter().zip(&theirs).map(|(a, b)| (a - b).abs() / b.abs()).fold(0.0, f64::max);
+        eprintln!("{model} {precision}: runner {ours:?}\n  torch {theirs:?}\n  max relative {rel:.2e}");
+        assert_eq!(ours.len(), theirs.len());
+        assert!(rel <= 1e-2, "{model} {precision}: losses differ from PyTorch's recipe by {rel:.2e} relative");
+        assert_ne!(ours, f32_losses, "{model} {precision}: the run equals f32 training exactly");
+    }
+}
+
+#[test]
+fn gpt2_trains_in_mixed_precision_as_pytorch() {
+    mixed_oracle("gpt2");
+}
+
+#[test]
+fn llama_trains_in_mixed_precision_as_pytorch() {
+    mixed_oracle("llama");
+}
+
+#[test]
+fn bert_trains_in_mixed_precision_as_pytorch() {
+    mixed_oracle("bert");
+}

@@ -12,6 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use smp_partition::runtime::data;
 use smp_partition::runtime::launch::{calibrate, launcher};
 use smp_partition::runtime::session::commands::{self, EvalJob};
+use smp_partition::runtime::train::LossScaleConfig;
 use smp_partition::runtime::session::{CheckpointOptions, DataOptions, FloatType, InitChoice, OnCheckpointError, OptimizerOptions, ParamOptions, RunOptions, RunSession, RunTarget, SessionError};
 use smp_partition::runtime::train::{EvalRecord, LossKind, LrShape, StepRecord, TrainObserver};
 
@@ -186,6 +187,14 @@ struct TrainArgs {
     /// contradicts the plan's precision is refused.
     #[arg(long)]
     dtype: Option<FloatType>,
+    /// fp16-mixed plans: the loss scale of the first step (GradScaler's `init_scale`); it halves
+    /// after a step whose gradients hold inf/NaN (skipped on every rank) and doubles after
+    /// --loss-scale-window steps in a row without.
+    #[arg(long, value_name = "S", default_value_t = 65536.0)]
+    loss_scale: f64,
+    /// fp16-mixed plans: steps without inf/NaN before the loss scale doubles (`growth_interval`).
+    #[arg(long, value_name = "N", default_value_t = 2000)]
+    loss_scale_window: u64,
     /// Training data: a token file (.bin with its .bin.json sidecar; every step a new global
     /// batch of sequence-length windows, in an order drawn from --seed), or one batch (.npy,
     /// .npz, .safetensors) repeated every step; default: seeded synthetic data.
@@ -282,6 +291,8 @@ impl TrainArgs {
                 resume: self.resume.clone(),
                 on_error: self.on_checkpoint_error,
             },
+            autocast: None,
+            loss_scale: LossScaleConfig { initial: self.loss_scale, growth_interval: self.loss_scale_window, ..LossScaleConfig::default() },
         }
     }
 }

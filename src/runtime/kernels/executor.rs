@@ -30,6 +30,9 @@ pub struct ExecOptions {
     pub float_kind: Option<Kind>,
     /// Make trainable initializers autograd leaves.
     pub training: bool,
+    /// Mixed precision: the low kind matrix products compute in, as `torch.autocast` does
+    /// (weights stay in `float_kind`).
+    pub autocast: Option<Kind>,
 }
 
 /// A graph ready to run: execution order, last uses, weights.
@@ -105,7 +108,7 @@ impl<'g> Executor<'g> {
             }
         }
         let opset = graph.opsets.get("").copied().unwrap_or(21);
-        let ctx = OpContext { opset, float_kind: opts.float_kind, training: opts.training, norm: NormStats::Running, dropout: None };
+        let ctx = OpContext { opset, float_kind: opts.float_kind, training: opts.training, norm: NormStats::Running, dropout: None, autocast: opts.autocast };
         Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None, norm: Cell::new(NormStats::Running), dropout: Cell::new(None), live })
     }
 
@@ -139,6 +142,15 @@ impl<'g> Executor<'g> {
             Some(Some(t)) => t,
             _ => return Err("collective without an input".into()),
         };
+        // sums of low-precision partials are taken in fp32 and rounded once
+        let widen = matches!(op_type.as_str(), "AllReduce" | "ReduceScatter") && matches!(x.kind(), Kind::Half | Kind::BFloat16);
+        let wide;
+        let x = if widen {
+            wide = x.f_to_kind(Kind::Float).map_err(|e| e.to_string())?;
+            &wide
+        } else {
+            x
+        };
         let out = match op_type.as_str() {
             "AllReduce" => pg.reduce_from_tensor_region(x),
             COPY_TO_TENSOR_REGION => pg.copy_to_tensor_region(x),
@@ -157,12 +169,22 @@ impl<'g> Executor<'g> {
             }
             other => return Err(format!("collective `{other}` has no runner kernel")),
         };
-        out.map(|t| vec![t]).map_err(|e| e.to_string())
+        let out = out.map_err(|e| e.to_string())?;
+        let out = match inputs.first() {
+            Some(Some(t)) if widen => out.f_to_kind(t.kind()).map_err(|e| e.to_string())?,
+            _ => out,
+        };
+        Ok(vec![out])
     }
 
     /// The kind floats are run in (`--dtype`), if forced.
     pub fn float_kind(&self) -> Option<Kind> {
         self.ctx.float_kind
+    }
+
+    /// The low kind of a mixed-precision run's matrix products, if any.
+    pub fn autocast(&self) -> Option<Kind> {
+        self.ctx.autocast
     }
 
     /// The graph being run.

@@ -16,9 +16,9 @@ use crate::runtime::kernels::grad;
 use super::report::{PhaseTimes, Tally, bytes_of};
 use crate::runtime::data::DataSource;
 use crate::runtime::data::Batch;
-use crate::runtime::state::checkpoint::{self, Piece};
+use crate::runtime::state::checkpoint::{self, Piece, RunState};
 use crate::runtime::state::slice::{Slice, is_transposed, param_name};
-use crate::runtime::train::{self, StepRecord, StepRunner};
+use crate::runtime::train::{self, LossScaler, OptimizerProgress, StepRecord, StepRunner};
 use super::zero::{Restore, Zero};
 use crate::codegen::{Instr, Payload, Purpose};
 use crate::ir::ValueId;
@@ -70,11 +70,20 @@ pub(super) struct Interp<'r, 'a> {
     phases: PhaseTimes,
     /// Training steps run by this interpreter.
     steps_run: usize,
+    /// AdamW updates taken over the run (fp16 steps with inf/NaN take none).
+    adamw_steps: usize,
+    /// The loss scale of an fp16 mixed-precision run (the same on every rank).
+    scaler: Option<LossScaler>,
+    /// The step in progress found inf/NaN and took no update.
+    skipped: bool,
 }
 
 impl<'r, 'a> Interp<'r, 'a> {
     /// The interpreter of `rank`, before its first step.
-    pub fn new(rank: &'r Rank<'a>, restore: Option<Restore>) -> Result<Interp<'r, 'a>, RuntimeError> {
+    /// With `resumed`, the run state of the checkpoint it continues.
+    pub fn new(rank: &'r Rank<'a>, restore: Option<Restore>, resumed: Option<&RunState>) -> Result<Interp<'r, 'a>, RuntimeError> {
+        let cfg = rank.cfg;
+        let scaler = cfg.autocast.filter(|a| a.scales_loss()).map(|_| LossScaler::new(cfg.loss_scale, resumed.and_then(|s| s.loss_scale)));
         Ok(Interp {
             rank,
             zero: Zero::new(rank, restore)?,
@@ -95,6 +104,9 @@ impl<'r, 'a> Interp<'r, 'a> {
             eval: false,
             phases: PhaseTimes::default(),
             steps_run: 0,
+            adamw_steps: resumed.map_or(0, |s| s.adamw_step),
+            scaler,
+            skipped: false,
         })
     }
 
@@ -243,7 +255,11 @@ impl<'r, 'a> Interp<'r, 'a> {
             st.outputs = outputs;
             st.loss = loss;
         }
-        let mut root: Option<Tensor> = st.loss.take();
+        let mut root: Option<Tensor> = match (st.loss.take(), &self.scaler) {
+            // GradScaler.scale: the scaled loss is what backward starts from
+            (Some(l), Some(sc)) => Some(l.f_mul_scalar(sc.scale())?),
+            (l, _) => l,
+        };
         if s != r.last_stage() {
             let gs = self.grad_for.remove(&(s, mb)).unwrap_or_default();
             // the plan's gradients_from_next: the floating-point values it sent, in order
@@ -497,6 +513,13 @@ impl<'r, 'a> Interp<'r, 'a> {
         let r = self.rank;
         self.wait_sends()?;
         let _guard = tch::no_grad_guard();
+        // fp16: gradients unscaled before the norm; inf/NaN on any rank skips the step on all
+        let mut found_inf = false;
+        if let Some(sc) = &self.scaler {
+            let held: Vec<Tensor> = self.grads.iter().flatten().map(Tensor::shallow_clone).collect();
+            found_inf = train::amp::unscale(&held, sc.scale())?;
+            found_inf |= self.zero.unscale_grads(sc.scale())?;
+        }
         // squared norm of the gradients this rank counts, and its loss share
         let mut sq = self.zero.grad_sq(r)?;
         if r.replica == 0 {
@@ -507,16 +530,27 @@ impl<'r, 'a> Interp<'r, 'a> {
                 }
             }
         }
-        let both = Tensor::from_slice(&[sq, self.loss_sum]);
+        let both = Tensor::from_slice(&[if found_inf { 0.0 } else { sq }, self.loss_sum, if found_inf { 1.0 } else { 0.0 }]);
         r.groups.world.all_reduce_sum(&both)?;
         let both: Vec<f64> = Vec::<f64>::try_from(&both).map_err(|e| terr(e.to_string()))?;
         self.loss_sum = both[1];
+        if let Some(sc) = self.scaler.as_mut() {
+            let found_inf = both[2] > 0.0;
+            sc.update(found_inf);
+            if found_inf {
+                // GradScaler.step: no update on any rank
+                self.skipped = true;
+                self.zero.drop_grads();
+                return Ok(());
+            }
+        }
         let coef = r.cfg.clip.map(|c| (c / (both[0].sqrt() + 1e-6)).min(1.0));
         if let Some(c) = coef {
             for g in self.grads.iter_mut().flatten() {
                 let _ = g.f_mul_scalar_(c)?;
             }
         }
+        self.adamw_steps += 1;
         self.zero.step(r, &self.grads, coef, r.cfg.schedule.lr(self.step))
     }
 }
@@ -529,6 +563,8 @@ impl StepRunner for Interp<'_, '_> {
         let t0 = Instant::now();
         let c0 = train::process_cpu_s();
         self.step = step;
+        self.skipped = false;
+        let loss_scale = self.scaler.as_ref().map(LossScaler::scale);
         self.broadcast_buffers()?;
         (self.micro, self.feeds) = r.batches(r.data, step)?;
         self.loss_scale = self.loss_scale_of(r.data, step)?;
@@ -587,7 +623,7 @@ impl StepRunner for Interp<'_, '_> {
             let line = format!("[rank {}] step {step} loss {loss:.6}\n", r.global_rank);
             let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
         }
-        Ok(StepRecord { step, loss, time_s: t0.elapsed().as_secs_f64(), cpu_s: train::process_cpu_s() - c0, lr: r.cfg.schedule.lr(step) })
+        Ok(StepRecord { step, loss, time_s: t0.elapsed().as_secs_f64(), cpu_s: train::process_cpu_s() - c0, lr: r.cfg.schedule.lr(step), loss_scale, skipped: self.skipped })
     }
 
     /// The mean loss over the world of `batches` batches of `data`, forward only: the
@@ -665,6 +701,10 @@ impl StepRunner for Interp<'_, '_> {
 
     fn barrier(&self) -> Result<(), RuntimeError> {
         Ok(self.rank.groups.world.barrier()?)
+    }
+
+    fn optimizer_progress(&self, _step: usize) -> OptimizerProgress {
+        OptimizerProgress { adamw_steps: self.adamw_steps, loss_scale: self.scaler.as_ref().map(LossScaler::state) }
     }
 
     fn agree(&self, ok: bool) -> Result<bool, RuntimeError> {

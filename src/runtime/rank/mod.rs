@@ -60,7 +60,7 @@ pub fn run_rank(
     let shards = Shards::new(plan, exec.graph(), dims, env.rank)?;
     let rank = Rank::new(plan, exec, source, &shards, data, (cfg, opts), env)?;
     let restore = ckpt.resume.map(|l| zero::restored_moments(&rank, l)).transpose()?;
-    let mut interp = Interp::new(&rank, restore)?;
+    let mut interp = Interp::new(&rank, restore, ckpt.resume.map(|l| &l.manifest.state))?;
     let trained = drive(&mut interp, cfg.steps, cfg.eval.zip(eval_data), ckpt, obs)?;
     if let Some(save) = final_state {
         save_checkpoint(&interp, save, cfg.steps)?;

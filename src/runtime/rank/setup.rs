@@ -323,7 +323,7 @@ fn stage_executors<'a>(
         let sub = &sh.graph;
         let slices: HashMap<&str, &WeightSlice> = sh.slices.iter().map(|w| (w.initializer.as_str(), w)).collect();
         let tensors = stage_weights(exec, source, sub, &slices, lazy)?;
-        let mut e = Executor::new(sub, Weights { tensors }, ExecOptions { float_kind: exec.float_kind(), training: true })?;
+        let mut e = Executor::new(sub, Weights { tensors }, ExecOptions { float_kind: exec.float_kind(), training: true, autocast: exec.autocast() })?;
         e.tensor_group = tensor_pg.cloned();
         // a weight read by several of this rank's stages is one tensor
         for (id, w) in e.weights.iter_mut() {

@@ -315,6 +315,19 @@ impl Zero {
         Ok(())
     }
 
+    /// `GradScaler.unscale_` of the sharded gradient blocks; whether any held inf or NaN.
+    pub fn unscale_grads(&self, scale: f64) -> Result<bool, RuntimeError> {
+        let blocks: Vec<Tensor> = self.shards.iter().flatten().filter_map(|sh| sh.grad.as_ref().map(Tensor::shallow_clone)).collect();
+        crate::runtime::train::amp::unscale(&blocks, scale)
+    }
+
+    /// Drops the sharded gradient blocks of a step that is skipped.
+    pub fn drop_grads(&mut self) {
+        for sh in self.shards.iter_mut().flatten() {
+            sh.grad = None;
+        }
+    }
+
     /// Squared norm of the sharded gradient blocks this rank counts.
     pub fn grad_sq(&self, rank: &Rank<'_>) -> Result<f64, RuntimeError> {
         let mut sq = 0.0;

@@ -53,7 +53,7 @@ pub fn evaluate(job: &EvalJob) -> Result<(), SessionError> {
         }
         checkpoint::restore_params(l, &graph, &mut weights.tensors)?;
     }
-    let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: false })?;
+    let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: false, autocast: None })?;
     let named = npz::read_npz(&job.inputs)?;
     let feeds = exec.bind_inputs(named).map_err(|e| SessionError::Options(format!("inputs file `{}`: {e}", job.inputs.display())))?;
     let outs = tch::no_grad(|| exec.forward(&feeds))?;

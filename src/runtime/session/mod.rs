@@ -138,7 +138,17 @@ impl RunSession {
         let mut notes = Vec::new();
         let (graph, sha256) = decided(imported.graph, imported.sha256, &model, &params, speaks.then_some(&mut notes))?;
         let mesh = format!("pp{} dp{} tp{} zero{}", p.pp, p.dp, p.tp, p.zero);
-        let run_opts = RunOptions { params, dtype: Some(dtype), ..opts };
+        // mixed precision: fp32 masters under autocast, unless `--dtype f64` verifies the plan
+        let autocast = if dtype == FloatType::F64 { None } else { crate::runtime::train::Autocast::of(plan.parallel.precision) };
+        if autocast.is_none_or(|a| !a.scales_loss()) && opts.loss_scale != crate::runtime::train::LossScaleConfig::default() {
+            return Err(SessionError::Options(format!(
+                "--loss-scale and --loss-scale-window set fp16's loss scale, and plan `{}` trains in {} precision{}; drop them, or re-plan with `--precision fp16-mixed`",
+                path.display(),
+                plan.parallel.precision,
+                if dtype == FloatType::F64 { " (verified in f64 here)" } else { "" }
+            )));
+        }
+        let run_opts = RunOptions { params, dtype: Some(dtype), autocast, ..opts };
         let mut s = RunSession { opts: run_opts, model, graph, sha256, seq_len, plan: None, save: None, resume: None, notes };
         s.checkpointing(Some(plan_hash.clone()), mesh.clone())?;
         if let Some(l) = s.resume.as_ref().filter(|l| l.manifest.state.plan_hash.as_deref() != Some(plan_hash.as_str()) && speaks) {
@@ -226,7 +236,7 @@ impl RunSession {
         if let Some(l) = &self.resume {
             checkpoint::restore_params(l, &graph, &mut weights.tensors)?;
         }
-        let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: true })?;
+        let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: true, autocast: o.autocast.map(|a| a.kind()) })?;
         let cfg = self.train_config(&graph, microbatches);
         let (data, eval_data) = open_data(&exec, o, self.seq_len, batch, cfg.loss)?;
         let ckpt = Checkpointing { save: self.save.take(), resume: self.resume.as_ref() };
@@ -273,7 +283,7 @@ impl RunSession {
             source = source.with_checkpoint(l);
         }
         let weights = rank::rank_weights(plan, &source, env.rank)?;
-        let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: true })?;
+        let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: true, autocast: o.autocast.map(|a| a.kind()) })?;
         let cfg = self.train_config(&graph, plan.parallel.microbatches.max(1));
         let (data, eval_data) = open_data(&exec, o, self.seq_len, plan.global_batch as i64, cfg.loss)?;
         let rank_opts = RankOptions { timeout: o.timeout, bucket_bytes: 25 << 20, progress: o.progress };
@@ -369,6 +379,8 @@ impl RunSession {
             schedule: o.schedule(),
             eval: o.eval(),
             seed: o.seed,
+            autocast: o.autocast,
+            loss_scale: o.loss_scale,
         }
     }
 

@@ -10,7 +10,7 @@ pub use crate::passes::params::ParamOptions;
 use crate::ir::Precision;
 use crate::runtime::InitMode;
 pub use crate::runtime::state::checkpoint::OnCheckpointError;
-use crate::runtime::train::{AdamWConfig, EvalConfig, LossKind, LrSchedule, LrShape};
+use crate::runtime::train::{AdamWConfig, Autocast, LossScaleConfig, EvalConfig, LossKind, LrSchedule, LrShape};
 
 use super::SessionError;
 
@@ -36,30 +36,23 @@ impl FloatType {
         }
     }
 
-    /// The type a plan trained in `precision` runs in, with `--dtype` as `given`:
-    /// - `--dtype f64` is the verification override, taken on any plan;
-    /// - otherwise the plan's precision: `f32` runs in f32 and `bf16` in bf16 throughout (bf16
-    ///   weights, gradients and AdamW moments: the runner's `--dtype bf16`); a `--dtype` that
-    ///   differs from it is refused, naming both and how to re-plan;
-    /// - `bf16-mixed` and `fp16-mixed` (fp32 master weights under low-precision compute) are
-    ///   refused: the runner does not execute mixed precision yet.
+    /// The type a plan trained in `precision` keeps its weights in, with `--dtype` as `given`:
+    /// - `--dtype f64` is the verification override, taken on any plan (no autocast, no loss
+    ///   scale: every equality test runs so);
+    /// - otherwise the plan's precision: `f32` runs in f32, `bf16` in bf16 throughout (bf16
+    ///   weights, gradients and AdamW moments: the runner's `--dtype bf16`), and the mixed modes
+    ///   keep fp32 weights (the masters) under a low-precision autocast ([`Autocast::of`]); a
+    ///   `--dtype` that differs from it is refused, naming both and how to re-plan.
     pub fn for_plan(precision: Precision, given: Option<FloatType>, plan: &Path) -> Result<FloatType, String> {
         if given == Some(FloatType::F64) {
             return Ok(FloatType::F64);
         }
         let runs = match precision {
-            Precision::F32 => FloatType::F32,
+            Precision::F32 | Precision::Bf16Mixed | Precision::Fp16Mixed => FloatType::F32,
             Precision::Bf16 => FloatType::Bf16,
-            Precision::Bf16Mixed | Precision::Fp16Mixed => {
-                let asked = given.map_or(String::new(), |g| format!(" (--dtype {g} is not it either)"));
-                return Err(format!(
-                    "plan `{}` trains in {precision} precision (parallel.precision), and this smp-runner does not execute mixed precision yet{asked}; re-plan with `smp-partition … --precision f32` (or bf16), or run it with `--dtype f64` to verify it",
-                    plan.display()
-                ));
-            }
         };
         match given {
-            Some(g) if g != runs => Err(format!(
+            Some(g) if g != runs || precision.is_mixed() => Err(format!(
                 "--dtype {g} contradicts plan `{}`, made for {precision} precision (parallel.precision); drop --dtype, or re-plan with `smp-partition … --precision {}`",
                 plan.display(),
                 Precision::ALL.into_iter().find(|p| p.compute_dtype() == g.dtype() && !p.is_mixed()).unwrap_or(Precision::F32)
@@ -225,6 +218,11 @@ pub struct RunOptions {
     pub save_weights: Option<PathBuf>,
     /// Checkpoints.
     pub checkpoints: CheckpointOptions,
+    /// Mixed precision: set from a mixed-precision plan's `parallel.precision` when the session
+    /// opens (never under `--dtype f64`).
+    pub autocast: Option<Autocast>,
+    /// fp16's loss scale (`--loss-scale`, `--loss-scale-window`).
+    pub loss_scale: LossScaleConfig,
 }
 
 impl Default for RunOptions {
@@ -246,6 +244,8 @@ impl Default for RunOptions {
             params: ParamOptions::default(),
             save_weights: None,
             checkpoints: CheckpointOptions::default(),
+            autocast: None,
+            loss_scale: LossScaleConfig::default(),
         }
     }
 }
@@ -279,6 +279,13 @@ impl RunOptions {
         }
         if c.every == Some(0) || c.keep == Some(0) {
             return Err(refuse("--checkpoint-every and --keep must be at least 1"));
+        }
+        let ls = &self.loss_scale;
+        if !(ls.initial > 0.0 && ls.initial.is_finite() && (ls.initial as f32).is_finite()) {
+            return Err(refuse(format!("--loss-scale {} must be a positive number within fp32's range", ls.initial)));
+        }
+        if ls.growth_interval == 0 {
+            return Err(refuse("--loss-scale-window must be at least 1"));
         }
         if let Some(p) = &self.save_weights {
             if !matches!(p.extension().and_then(|e| e.to_str()), Some("safetensors" | "npz")) {
@@ -343,8 +350,10 @@ mod tests {
         let e = FloatType::for_plan(Precision::Bf16, Some(FloatType::F32), p).unwrap_err();
         assert!(e.contains("--dtype f32") && e.contains("bf16 precision") && e.contains("--precision f32"), "{e}");
         for prec in [Precision::Bf16Mixed, Precision::Fp16Mixed] {
-            let e = FloatType::for_plan(prec, None, p).unwrap_err();
-            assert!(e.contains(prec.name()) && e.contains("mixed precision yet") && e.contains("--dtype f64"), "{e}");
+            // the masters are fp32; autocast is the session's
+            assert_eq!(FloatType::for_plan(prec, None, p), Ok(FloatType::F32));
+            let e = FloatType::for_plan(prec, Some(FloatType::F32), p).unwrap_err();
+            assert!(e.contains("--dtype f32") && e.contains(prec.name()), "{e}");
             let e = FloatType::for_plan(prec, Some(FloatType::Bf16), p).unwrap_err();
             assert!(e.contains("--dtype bf16") && e.contains(prec.name()), "{e}");
         }

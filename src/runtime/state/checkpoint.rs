@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::runtime::RuntimeError;
+use crate::runtime::train::amp::LossScaleState;
 use super::slice::{Slice, buffer_name, cut_shape, is_buffer, param_name, part_dims, runs};
 use crate::runtime::kernels::tensor::{from_bytes, to_bytes};
 use crate::ir::{DType, Graph, ValueId};
@@ -120,6 +121,10 @@ pub struct RunState {
     pub world: usize,
     /// Optimizer: AdamW's step count (every moment of the checkpoint has taken this many).
     pub adamw_step: usize,
+    /// The loss scale of an fp16 mixed-precision run (absent before it existed, and in other
+    /// runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<LossScaleState>,
 }
 
 /// The manifest of a complete checkpoint.
@@ -719,6 +724,7 @@ impl SaveConfig {
             frozen: self.params.frozen.clone(),
             world,
             adamw_step: step,
+            loss_scale: None,
         }
     }
 }

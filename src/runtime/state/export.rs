@@ -45,7 +45,7 @@ pub fn trained_executor<'g>(ckpt: &Loaded, graph: &'g Graph) -> Result<Executor<
 pub fn trained_executor_in<'g>(ckpt: &Loaded, graph: &'g Graph, float_kind: Option<tch::Kind>) -> Result<Executor<'g>, RuntimeError> {
     let mut weights = Weights::load(graph, InitMode::Load, float_kind)?;
     checkpoint::restore_params(ckpt, graph, &mut weights.tensors)?;
-    Executor::new(graph, weights, ExecOptions { float_kind, training: false })
+    Executor::new(graph, weights, ExecOptions { float_kind, training: false, autocast: None })
 }
 
 /// The trained weights under module parameter names in the module's layout (every alias of a

@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+use super::amp::{Autocast, LossScaleConfig, LossScaleState};
 use super::loss::LossKind;
 use super::optim::{AdamWConfig, LrSchedule};
 use super::records::{EvalConfig, EvalRecord, StepRecord, TrainObserver};
@@ -29,12 +30,16 @@ pub struct TrainConfig {
     pub eval: Option<EvalConfig>,
     /// The run's seed (Dropout masks, with the step, node and sample).
     pub seed: i64,
+    /// Mixed precision: the low type matrix products compute in (`None`: one type throughout).
+    pub autocast: Option<Autocast>,
+    /// The loss scale of an fp16 run (used only when `autocast` scales the loss).
+    pub loss_scale: LossScaleConfig,
 }
 
 impl Default for TrainConfig {
     fn default() -> Self {
         let adamw = AdamWConfig::default();
-        TrainConfig { steps: 10, microbatches: 1, loss: LossKind::CausalLm, adamw, clip: Some(1.0), schedule: LrSchedule::constant(adamw.lr), eval: None, seed: 0 }
+        TrainConfig { steps: 10, microbatches: 1, loss: LossKind::CausalLm, adamw, clip: Some(1.0), schedule: LrSchedule::constant(adamw.lr), eval: None, seed: 0, autocast: None, loss_scale: LossScaleConfig::default() }
     }
 }
 
@@ -60,6 +65,20 @@ pub trait StepRunner {
     /// Whether every rank says `ok` (a collective: every rank calls it, and all get the same
     /// answer).
     fn agree(&self, ok: bool) -> Result<bool, RuntimeError>;
+    /// What the optimizer has done after step `step`, for a checkpoint's manifest: an update
+    /// per step, unless fp16 loss scaling skipped some.
+    fn optimizer_progress(&self, step: usize) -> OptimizerProgress {
+        OptimizerProgress { adamw_steps: step, loss_scale: None }
+    }
+}
+
+/// What the optimizer has done, as a checkpoint records it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OptimizerProgress {
+    /// AdamW updates taken (steps skipped on inf/NaN take none).
+    pub adamw_steps: usize,
+    /// The loss scale of an fp16 run.
+    pub loss_scale: Option<LossScaleState>,
 }
 
 /// A checkpoint a run completed (the `--json` report's `checkpoints` entries).
@@ -169,7 +188,15 @@ pub fn save_checkpoint(runner: &dyn StepRunner, save: &SaveConfig, step: usize) 
     if !runner.agree(wrote.is_ok())? {
         return Err(not_written(wrote.err(), "another rank could not write its shard"));
     }
-    let manifest = if rank == 0 { checkpoint::write_manifest(&dir, save.state(step, world)).map(Some) } else { Ok(None) };
+    let manifest = if rank == 0 {
+        let mut state = save.state(step, world);
+        let progress = runner.optimizer_progress(step);
+        state.adamw_step = progress.adamw_steps;
+        state.loss_scale = progress.loss_scale;
+        checkpoint::write_manifest(&dir, state).map(Some)
+    } else {
+        Ok(None)
+    };
     if !runner.agree(manifest.is_ok())? {
         return Err(not_written(manifest.err(), "rank 0 could not write the manifest"));
     }

@@ -74,6 +74,14 @@ pub fn loss_of(exec: &Executor, kind: LossKind, mb: &Batch, outs: &[Tensor]) -> 
 /// microbatch count (as PyTorch computes it on the whole batch, and as Hugging Face's
 /// `num_items_in_batch` does under gradient accumulation).
 pub fn loss_sum_of(exec: &Executor, kind: LossKind, mb: &Batch, outs: &[Tensor]) -> Result<Tensor, RuntimeError> {
+    // autocast computes losses in fp32 (cross_entropy and mse_loss are on its fp32 list)
+    let widened: Vec<Tensor>;
+    let outs = if exec.autocast().is_some() {
+        widened = outs.iter().map(|t| if matches!(t.kind(), Kind::Half | Kind::BFloat16) { t.f_to_kind(Kind::Float) } else { Ok(t.shallow_clone()) }).collect::<Result<_, _>>()?;
+        &widened
+    } else {
+        outs
+    };
     let main = main_loss_sum(exec, kind, mb, outs)?;
     let graph = exec.graph();
     if graph.aux_losses.is_empty() {

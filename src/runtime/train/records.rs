@@ -18,6 +18,12 @@ pub struct StepRecord {
     pub cpu_s: f64,
     /// Learning rate of the step's update.
     pub lr: f64,
+    /// fp16 mixed precision: the scale the step's loss was multiplied by before backward.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    /// The step's gradients held inf or NaN somewhere, so no rank updated (fp16 loss scaling).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
 }
 
 /// CPU time (user + system) of this process so far, in seconds, from `/proc/self/stat`

@@ -7,7 +7,8 @@ use std::time::Instant;
 
 use tch::Tensor;
 
-use super::driver::{StepRunner, TrainConfig, Trained, drive};
+use super::amp::{self, LossScaler};
+use super::driver::{OptimizerProgress, StepRunner, TrainConfig, Trained, drive};
 use super::loss::{global_target_count, loss_sum_of};
 use super::optim::{AdamW, clip_grad_norm};
 use super::records::{Quiet, StepRecord, TrainObserver, process_cpu_s};
@@ -29,6 +30,10 @@ pub struct SingleProcess<'e, 'g> {
     ids: Vec<ValueId>,
     params: Vec<Tensor>,
     opt: AdamW,
+    /// AdamW updates taken (fp16 steps with inf/NaN take none).
+    adamw_steps: usize,
+    /// The loss scale of an fp16 mixed-precision run.
+    scaler: Option<LossScaler>,
     /// Names of the graph's inputs (the arrays of a batch that are fed).
     input_names: HashSet<String>,
 }
@@ -44,6 +49,8 @@ impl<'e, 'g> SingleProcess<'e, 'g> {
         if params.is_empty() {
             return Err(RuntimeError::Train("the model has no trainable initializers".into()));
         }
+        let scaler = cfg.autocast.filter(|a| a.scales_loss()).map(|_| LossScaler::new(cfg.loss_scale, resume.and_then(|l| l.manifest.state.loss_scale)));
+        let adamw_steps = resume.map_or(0, |l| l.manifest.state.adamw_step);
         let opt = match resume {
             None => AdamW::new(&params, cfg.adamw)?,
             Some(l) => {
@@ -53,7 +60,7 @@ impl<'e, 'g> SingleProcess<'e, 'g> {
             }
         };
         let input_names = graph.inputs.iter().map(|&v| graph.value(v).name.clone()).collect();
-        Ok(SingleProcess { exec, data, cfg, ids, params, opt, input_names })
+        Ok(SingleProcess { exec, data, cfg, ids, params, opt, adamw_steps, scaler, input_names })
     }
 
     fn feeds_of(&self, mb: &Batch) -> Result<std::collections::HashMap<ValueId, Tensor>, RuntimeError> {
@@ -88,16 +95,31 @@ impl StepRunner for SingleProcess<'_, '_> {
             exec.set_dropout_key(Some(DropoutKey { seed: cfg.seed, step: step as i64, first_sample: i as i64 * per }));
             let outs = exec.forward(&self.feeds_of(mb)?)?;
             let loss = loss_sum_of(exec, cfg.loss, mb, &outs)?.f_mul_scalar(scale)?;
-            loss.f_backward()?;
+            match &self.scaler {
+                Some(s) => loss.f_mul_scalar(s.scale())?.f_backward()?,
+                None => loss.f_backward()?,
+            }
             total += loss.f_double_value(&[])?;
+        }
+        let lr = cfg.schedule.lr(step);
+        let loss_scale = self.scaler.as_ref().map(LossScaler::scale);
+        let record = |skipped: bool| StepRecord { step, loss: total, time_s: t0.elapsed().as_secs_f64(), cpu_s: process_cpu_s() - c0, lr, loss_scale, skipped };
+        if let Some(s) = self.scaler.as_mut() {
+            let grads: Vec<Tensor> = self.params.iter().map(|p| p.f_grad()).collect::<Result<_, _>>()?;
+            let found_inf = amp::unscale(&grads, s.scale())?;
+            s.update(found_inf);
+            if found_inf {
+                // GradScaler.step: no update at all on a step with inf/NaN
+                return Ok(record(true));
+            }
         }
         if let Some(c) = cfg.clip {
             clip_grad_norm(&self.params, c)?;
         }
-        let lr = cfg.schedule.lr(step);
         self.opt.set_lr(lr);
         self.opt.step(&self.params)?;
-        Ok(StepRecord { step, loss: total, time_s: t0.elapsed().as_secs_f64(), cpu_s: process_cpu_s() - c0, lr })
+        self.adamw_steps += 1;
+        Ok(record(false))
     }
 
     fn run_eval(&mut self, data: &DataSource, batches: usize) -> Result<f64, RuntimeError> {
@@ -142,6 +164,10 @@ impl StepRunner for SingleProcess<'_, '_> {
 
     fn agree(&self, ok: bool) -> Result<bool, RuntimeError> {
         Ok(ok)
+    }
+
+    fn optimizer_progress(&self, _step: usize) -> OptimizerProgress {
+        OptimizerProgress { adamw_steps: self.adamw_steps, loss_scale: self.scaler.as_ref().map(LossScaler::state) }
     }
 }
 

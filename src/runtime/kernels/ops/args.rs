@@ -42,6 +42,9 @@ pub struct OpContext {
     pub norm: NormStats,
     /// In a training step, what a Dropout mask is drawn from (none: the global generator).
     pub dropout: Option<DropoutKey>,
+    /// Mixed precision: the low kind `torch.autocast` computes matrix products in (the
+    /// kernels' inputs are cast by [`super::run`], by the op's [`super::AutocastClass`]).
+    pub autocast: Option<Kind>,
 }
 
 /// The key of a training step's Dropout masks. A mask is a function of the run's seed, the

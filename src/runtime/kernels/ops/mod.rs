@@ -15,6 +15,40 @@ use crate::ir::{Node, Op, OpKind};
 pub(crate) use args::{Args, KResult, axes, axis, bail};
 pub use args::{DropoutKey, KernelError, NormStats, OpContext};
 
+/// How `torch.autocast` (CPU) runs an op in a mixed-precision run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AutocastClass {
+    /// Matrix products and convolutions: every floating-point input cast to the low type.
+    Low,
+    /// Ops autocast keeps in fp32 (products of many terms): low-type inputs widened.
+    Fp32,
+    /// Everything else runs in its inputs' types (elementwise ops promote a mixed pair to fp32).
+    AsIs,
+}
+
+impl AutocastClass {
+    /// The class of `kind`, as autocast's CPU op lists place the torch op it runs.
+    pub fn of(kind: OpKind) -> AutocastClass {
+        match kind {
+            OpKind::MatMul | OpKind::Gemm | OpKind::Conv | OpKind::ScaledDotProductAttention => AutocastClass::Low,
+            OpKind::ReduceProd => AutocastClass::Fp32,
+            _ => AutocastClass::AsIs,
+        }
+    }
+}
+
+/// `inputs` with each floating-point tensor whose kind `cast` picks converted to `to`.
+fn cast_floats(inputs: &[Option<Tensor>], cast: impl Fn(tch::Kind) -> bool, to: tch::Kind) -> KResult<Vec<Option<Tensor>>> {
+    inputs
+        .iter()
+        .map(|t| match t {
+            Some(t) if crate::runtime::kernels::tensor::is_float_kind(t.f_kind()?) && cast(t.f_kind()?) => Ok(Some(t.f_to_kind(to)?)),
+            Some(t) => Ok(Some(t.shallow_clone())),
+            None => Ok(None),
+        })
+        .collect()
+}
+
 /// True if the runner has a kernel for this op.
 pub fn has_kernel(op: &Op) -> bool {
     op.kind().is_some()
@@ -25,6 +59,18 @@ pub fn has_kernel(op: &Op) -> bool {
 pub fn run(node: &Node, inputs: &[Option<Tensor>], ctx: &OpContext) -> KResult<Vec<Tensor>> {
     let Some(kind) = node.op.kind() else {
         bail!("no kernel for op `{}`", node.op);
+    };
+    let cast: Vec<Option<Tensor>>;
+    let inputs = match (ctx.autocast, AutocastClass::of(kind)) {
+        (Some(low), AutocastClass::Low) => {
+            cast = cast_floats(inputs, |k| k != low, low)?;
+            &cast
+        }
+        (Some(_), AutocastClass::Fp32) => {
+            cast = cast_floats(inputs, |k| matches!(k, tch::Kind::Half | tch::Kind::BFloat16), tch::Kind::Float)?;
+            &cast
+        }
+        _ => inputs,
     };
     let a = Args { node, inputs, ctx };
     use OpKind::*;
