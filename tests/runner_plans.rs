@@ -5,7 +5,7 @@
 //! Plans without their codegen section, or of another codegen version, are refused with the
 //! command that re-plans them. The plan's precision decides the run's type: `--dtype f64`
 //! verifies any plan, another `--dtype` that contradicts the plan is refused, and
-//! mixed-precision plans are refused until the runner executes them. Sequence-parallel plans are checked to hold their
+//! mixed-precision plans run under autocast (tests/runner_mixed.rs holds their equalities). Sequence-parallel plans are checked to hold their
 //! reduce-scatters, scatters and all-gathers before they run.
 #![cfg(feature = "runner")]
 
@@ -573,16 +573,20 @@ fn the_plans_precision_decides_the_run_type_and_contradictions_are_refused() {
     assert_ne!(plain, f64_, "the bf16 plan did not run in bf16");
     refused(run(&bf16_plan, &["--dtype", "f32"]), &["--dtype f32", "bf16 precision", "--precision f32"]);
 
-    // mixed precision is planned (GPU presets default to it) but not executed yet: refused
-    // without --dtype f64, which still verifies it
+    // mixed precision (GPU presets default to it) runs without --dtype: fp32 weights under
+    // autocast, so not the f64 verification's losses; a --dtype other than f64 contradicts it,
+    // and the loss-scale flags belong to fp16 plans alone
     let gpu = plan(dir.path(), "gpu", "h100-80gb:1", &base);
     assert_eq!(precision(&gpu), "bf16-mixed");
     let fp16 = plan(dir.path(), "fp16", "cpu:1", &with(&base, &["--precision", "fp16-mixed"]));
     assert_eq!(precision(&fp16), "fp16-mixed");
     for (p, name) in [(&gpu, "bf16-mixed"), (&fp16, "fp16-mixed")] {
-        refused(run(p, &[]), &[name, "mixed precision yet", "--dtype f64", "--precision f32"]);
-        refused(run(p, &["--dtype", "f32"]), &[name, "--dtype f32", "mixed precision yet"]);
+        assert_ne!(run_losses(p, &[]), run_losses(p, &["--dtype", "f64"]), "{name} ran in f64");
+        refused(run(p, &["--dtype", "f32"]), &[name, "--dtype f32", "re-plan"]);
+        refused(run(p, &["--dtype", "bf16"]), &[name, "--dtype bf16", "re-plan"]);
     }
+    refused(run(&gpu, &["--loss-scale", "1024"]), &["--loss-scale", "bf16-mixed", "--precision fp16-mixed"]);
+    refused(run(&fp16, &["--loss-scale-window", "0"]), &["--loss-scale-window", "at least 1"]);
     let verified = run_losses(&fp16, &["--dtype", "f64"]);
     assert_eq!(verified.len(), 2);
 }

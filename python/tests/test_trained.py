@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 import smp_partition as smp
-from conftest import needs_runner, tiny_gpt2, tokens, torch_losses
+from conftest import BATCH, needs_runner, tiny_gpt2, tokens, torch_losses
 
 
 def _run_with(plan, trained: Path) -> smp.Run:
@@ -190,3 +190,39 @@ def test_parameters_the_module_freezes_are_loaded_and_written_but_not_trained(tm
     for name, p in ref.named_parameters():
         np.testing.assert_allclose(got[f"model.{name}"].double().numpy(), p.detach().numpy(), rtol=1e-9, atol=1e-12)
     assert torch.equal(got["model.frozen.weight"].double(), module.frozen.weight)
+
+
+@needs_runner
+def test_an_fp16_plan_trains_as_autocast_with_grad_scaler_and_gives_fp32_masters(tmp_path: Path) -> None:
+    """SMP's `fp16: true` → an fp16-mixed plan (pp 2) → launch: the losses are PyTorch's own
+    recipe's (`torch.autocast("cpu", torch.float16)`, `GradScaler("cpu")`, AdamW, clip) within
+    1e-2, and `load_trained` gives the fp32 master weights, trained."""
+    model, batch = tiny_gpt2(), tokens()
+    plan = smp.plan(model, batch, cluster="cpu:2", global_batch=BATCH,
+                    config={"pipeline_parallel_degree": 2, "microbatches": 4, "fp16": True},
+                    workdir=tmp_path)
+    assert plan.parallel.precision == "fp16-mixed"
+    run = smp.launch(plan, data=batch, steps=5)
+    reference = copy.deepcopy(model).train()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    expected = []
+    for _ in range(5):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = reference(batch, labels=batch).loss
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        expected.append(loss.item())
+    np.testing.assert_allclose(run.losses, expected, rtol=1e-2)
+    assert run.losses != torch_losses(copy.deepcopy(model), batch, 5), "the plan trained in f32"
+    trained = copy.deepcopy(model)
+    smp.load_trained(trained, run)
+    moved = 0
+    for (name, p), q in zip(trained.named_parameters(), model.parameters()):
+        assert p.dtype == torch.float32, name
+        moved += int(not torch.equal(p, q))
+    assert moved > 0
