@@ -3,13 +3,15 @@
 
 Exports a GPT-2-shaped model whose weights exceed 1 GB as ONNX external data (random init,
 fixed seed), plans it for `cpu:4` under pp 4 and under pp 2 × tp 2 (Megatron split), runs each
-plan for a few steps (4 ranks, 1 thread each, small batch, f32) and samples every rank's
+plan for a few steps (4 ranks, 1 thread each, small batch, in each `--precision` asked: f32 by
+default) and samples every rank's
 `RssAnon` from /proc/PID/status. Each rank's peak, less the peak of an idle libtorch process
 (a one-process run of the tiny models/gpt2.onnx for one step), is compared with what the plan
 predicts for the rank: parameters + gradients + optimizer state + activations of its stages.
 
     .venv/bin/python scripts/memory_bench.py --out /tmp/membench \
         [--runner target/debug/smp-runner] [--old-runner /tmp/old-smp-runner] [--keep]
+        [--plans pp2×tp2] [--precision f32,bf16,bf16-mixed,fp16-mixed]
 
 Prints a Markdown table (the rows of BENCHMARKS.md). The generated model (about 1.1 GB) is
 removed at the end unless --keep.
@@ -167,16 +169,25 @@ def main():
     ap.add_argument("--plans", default="pp4,pp2×tp2", help="which plans to run")
     ap.add_argument("--microbatches", type=int, default=MICRO)
     ap.add_argument("--steps", type=int, default=STEPS, help="0: set-up (loading) alone")
+    ap.add_argument("--precision", default="f32",
+                    help="comma-separated training precisions to plan and run (f32, bf16, bf16-mixed, fp16-mixed)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model = export(args.out, args.layers, args.d, args.vocab)
     weights = sum(f.stat().st_size for f in args.out.iterdir() if f.name.startswith(model.name) and f != model)
     print(f"model {model}: {weights / 1e9:.2f} GB external data", file=sys.stderr)
     bindir = args.runner.parent
-    plans = {
-        "pp4": plan(bindir, model, args.out, "pp4", ["--pp", "4", "--tp", "1", "--dp", "1", "--schedule", "1f1b"], args.microbatches),
-        "pp2×tp2": plan(bindir, model, args.out, "pp2tp2", ["--pp", "2", "--tp", "2", "--dp", "1", "--schedule", "1f1b", "--baseline", "megatron"], args.microbatches),
+    layouts = {
+        "pp4": ["--pp", "4", "--tp", "1", "--dp", "1", "--schedule", "1f1b"],
+        "pp2×tp2": ["--pp", "2", "--tp", "2", "--dp", "1", "--schedule", "1f1b", "--baseline", "megatron"],
     }
+    plans = {}
+    for name, flags in layouts.items():
+        if name not in args.plans.split(","):
+            continue
+        for prec in args.precision.split(","):
+            label = name if prec == "f32" and "," not in args.precision else f"{name} {prec}"
+            plans[label] = plan(bindir, model, args.out, f"{name}-{prec}".replace("×", "x"), [*flags, "--precision", prec], args.microbatches)
     idle_peaks, _, _ = sampled([str(args.runner), "train", str(REPO / "models/gpt2.onnx"), "--steps", "1", "--threads", "1",
                                 "--seq-len", str(SEQ), "--batch", "2"])
     idle = max(idle_peaks.values())
@@ -185,8 +196,6 @@ def main():
     rows = []
     env = dict(e.split("=", 1) for e in args.env)
     for name, p in plans.items():
-        if name not in args.plans.split(","):
-            continue
         pred = predicted(p)
         for label, exe in runners:
             cmd = [str(exe), "launch", "--nproc", "4", str(p), "--steps", str(args.steps), "--threads", "1", "--json", "--timeout", "1200"]
