@@ -150,3 +150,41 @@ fn mixed_precision_resumes_bit_for_bit_and_reshards() {
         assert!(worst <= 1e-3, "{name}: resharded losses {resharded:?} vs {:?} ({worst:.2e})", &whole_losses[3..]);
     }
 }
+
+/// Without a plan, `--precision` trains as a one-device plan of that precision does; it
+/// contradicts a plan's precision, or a `--dtype` other than f64, with a refusal naming both.
+#[test]
+fn precision_without_a_plan_trains_as_the_one_device_plan() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = model();
+    let train = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_smp-runner"))
+            .arg("train")
+            .arg(&m)
+            .args(["--batch", BATCH, "--seq-len", "16", "--microbatches", "4", "--steps", "4", "--threads", "1", "--json"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    for precision in ["bf16-mixed", "fp16-mixed"] {
+        let one = plan(dir.path(), precision, "cpu:1", precision, &["--pp", "1", "--tp", "1", "--dp", "1", "--microbatches", "4"]);
+        let planned = field(&launch(1, &one, 4, &[]), "steps", "loss");
+        let plain = field(&json(&ok(precision, train(&["--precision", precision]))), "steps", "loss");
+        assert_eq!(plain, planned, "{precision}: train --precision differs from its one-device plan");
+        let r = launch_refused(&one, &["--precision", "f32"]);
+        assert!(r.contains("--precision f32") && r.contains(precision) && r.contains("re-plan"), "{r}");
+    }
+    let r = train(&["--precision", "bf16-mixed", "--dtype", "bf16"]);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(!r.status.success() && err.contains("--dtype bf16") && err.contains("--precision bf16-mixed"), "{err}");
+    let r = train(&["--loss-scale", "8"]);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(!r.status.success() && err.contains("--loss-scale") && err.contains("f32"), "{err}");
+}
+
+/// The stderr of a one-process `run` of `plan` that must fail.
+fn launch_refused(plan: &Path, extra: &[&str]) -> String {
+    let r = Command::new(env!("CARGO_BIN_EXE_smp-runner")).arg("run").arg(plan).args(["--steps", "1", "--threads", "1"]).args(extra).output().unwrap();
+    assert_eq!(r.status.code(), Some(1), "{}", String::from_utf8_lossy(&r.stderr));
+    String::from_utf8_lossy(&r.stderr).to_string()
+}

@@ -12,6 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use smp_partition::runtime::data;
 use smp_partition::runtime::launch::{calibrate, launcher};
 use smp_partition::runtime::session::commands::{self, EvalJob};
+use smp_partition::ir::Precision;
 use smp_partition::runtime::train::LossScaleConfig;
 use smp_partition::runtime::session::{CheckpointOptions, DataOptions, FloatType, InitChoice, OnCheckpointError, OptimizerOptions, ParamOptions, RunOptions, RunSession, RunTarget, SessionError};
 use smp_partition::runtime::train::{EvalRecord, LossKind, LrShape, StepRecord, TrainObserver};
@@ -187,12 +188,17 @@ struct TrainArgs {
     /// contradicts the plan's precision is refused.
     #[arg(long)]
     dtype: Option<FloatType>,
-    /// fp16-mixed plans: the loss scale of the first step (GradScaler's `init_scale`); it halves
+    /// Training precision of a run without a plan: f32, bf16 (throughout), bf16-mixed or
+    /// fp16-mixed (autocast over fp32 master weights; fp16 with loss scaling). A plan's run
+    /// takes the plan's (parallel.precision) and refuses another.
+    #[arg(long)]
+    precision: Option<Precision>,
+    /// fp16-mixed runs: the loss scale of the first step (GradScaler's `init_scale`); it halves
     /// after a step whose gradients hold inf/NaN (skipped on every rank) and doubles after
     /// --loss-scale-window steps in a row without.
     #[arg(long, value_name = "S", default_value_t = 65536.0)]
     loss_scale: f64,
-    /// fp16-mixed plans: steps without inf/NaN before the loss scale doubles (`growth_interval`).
+    /// fp16-mixed runs: steps without inf/NaN before the loss scale doubles (`growth_interval`).
     #[arg(long, value_name = "N", default_value_t = 2000)]
     loss_scale_window: u64,
     /// Training data: a token file (.bin with its .bin.json sidecar; every step a new global
@@ -291,6 +297,7 @@ impl TrainArgs {
                 resume: self.resume.clone(),
                 on_error: self.on_checkpoint_error,
             },
+            precision: self.precision,
             autocast: None,
             loss_scale: LossScaleConfig { initial: self.loss_scale, growth_interval: self.loss_scale_window, ..LossScaleConfig::default() },
         }

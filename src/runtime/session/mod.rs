@@ -81,7 +81,21 @@ impl RunSession {
         }
     }
 
-    fn open_model(model: PathBuf, opts: RunOptions) -> Result<RunSession, SessionError> {
+    fn open_model(model: PathBuf, mut opts: RunOptions) -> Result<RunSession, SessionError> {
+        if let Some(precision) = opts.precision {
+            // without a plan, --precision says what a plan's parallel.precision would
+            let dtype = match opts.dtype {
+                Some(FloatType::F64) => FloatType::F64,
+                Some(d) => {
+                    return Err(SessionError::Options(format!("--dtype {d} and --precision {precision} both set the run's type: give one (--dtype f64 alone may verify a precision)")));
+                }
+                None if precision == crate::ir::Precision::Bf16 => FloatType::Bf16,
+                None => FloatType::F32,
+            };
+            opts.dtype = Some(dtype);
+            opts.autocast = if dtype == FloatType::F64 { None } else { crate::runtime::train::Autocast::of(precision) };
+        }
+        check_loss_scale(&opts, &format!("this run of `{}`", model.display()))?;
         let imported = load_model(&model).map_err(|e| SessionError::Model(format!("cannot load model `{}`: {e}", model.display())))?;
         let params = opts.params.clone();
         let mut notes = Vec::new();
@@ -138,17 +152,17 @@ impl RunSession {
         let mut notes = Vec::new();
         let (graph, sha256) = decided(imported.graph, imported.sha256, &model, &params, speaks.then_some(&mut notes))?;
         let mesh = format!("pp{} dp{} tp{} zero{}", p.pp, p.dp, p.tp, p.zero);
-        // mixed precision: fp32 masters under autocast, unless `--dtype f64` verifies the plan
-        let autocast = if dtype == FloatType::F64 { None } else { crate::runtime::train::Autocast::of(plan.parallel.precision) };
-        if autocast.is_none_or(|a| !a.scales_loss()) && opts.loss_scale != crate::runtime::train::LossScaleConfig::default() {
+        if let Some(asked) = opts.precision.filter(|&p| p != plan.parallel.precision) {
             return Err(SessionError::Options(format!(
-                "--loss-scale and --loss-scale-window set fp16's loss scale, and plan `{}` trains in {} precision{}; drop them, or re-plan with `--precision fp16-mixed`",
+                "--precision {asked} contradicts plan `{}`, made for {} precision (parallel.precision); drop --precision, or re-plan with `smp-partition … --precision {asked}`",
                 path.display(),
-                plan.parallel.precision,
-                if dtype == FloatType::F64 { " (verified in f64 here)" } else { "" }
+                plan.parallel.precision
             )));
         }
-        let run_opts = RunOptions { params, dtype: Some(dtype), autocast, ..opts };
+        // mixed precision: fp32 masters under autocast, unless `--dtype f64` verifies the plan
+        let autocast = if dtype == FloatType::F64 { None } else { crate::runtime::train::Autocast::of(plan.parallel.precision) };
+        let run_opts = RunOptions { params, dtype: Some(dtype), autocast, precision: Some(plan.parallel.precision), ..opts };
+        check_loss_scale(&run_opts, &format!("plan `{}`", path.display()))?;
         let mut s = RunSession { opts: run_opts, model, graph, sha256, seq_len, plan: None, save: None, resume: None, notes };
         s.checkpointing(Some(plan_hash.clone()), mesh.clone())?;
         if let Some(l) = s.resume.as_ref().filter(|l| l.manifest.state.plan_hash.as_deref() != Some(plan_hash.as_str()) && speaks) {
@@ -488,4 +502,16 @@ fn open_data(exec: &Executor, o: &RunOptions, seq_len: i64, batch: i64, loss: Lo
 fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
     sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Refuses fp16's loss-scale flags on a run that does not scale its loss, naming what it is.
+fn check_loss_scale(o: &RunOptions, what: &str) -> Result<(), SessionError> {
+    if o.autocast.is_some_and(|a| a.scales_loss()) || o.loss_scale == crate::runtime::train::LossScaleConfig::default() {
+        return Ok(());
+    }
+    let precision = o.precision.map_or_else(|| o.float_type().to_string(), |p| p.to_string());
+    let verified = if o.dtype == Some(FloatType::F64) && o.precision.is_some_and(|p| p.is_mixed()) { ", verified in f64 here" } else { "" };
+    Err(SessionError::Options(format!(
+        "--loss-scale and --loss-scale-window set fp16's loss scale, and {what} trains in {precision} precision{verified}; drop them, or use `--precision fp16-mixed`"
+    )))
 }

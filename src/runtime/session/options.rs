@@ -218,8 +218,11 @@ pub struct RunOptions {
     pub save_weights: Option<PathBuf>,
     /// Checkpoints.
     pub checkpoints: CheckpointOptions,
-    /// Mixed precision: set from a mixed-precision plan's `parallel.precision` when the session
-    /// opens (never under `--dtype f64`).
+    /// Training precision (`--precision`): a run without a plan trains in it; a plan's run
+    /// takes the plan's and refuses another.
+    pub precision: Option<Precision>,
+    /// Mixed precision: set from the precision when the session opens (never under
+    /// `--dtype f64`).
     pub autocast: Option<Autocast>,
     /// fp16's loss scale (`--loss-scale`, `--loss-scale-window`).
     pub loss_scale: LossScaleConfig,
@@ -244,6 +247,7 @@ impl Default for RunOptions {
             params: ParamOptions::default(),
             save_weights: None,
             checkpoints: CheckpointOptions::default(),
+            precision: None,
             autocast: None,
             loss_scale: LossScaleConfig::default(),
         }
