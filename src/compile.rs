@@ -232,6 +232,7 @@ pub fn compile_observed<'a>(
     let started = Instant::now();
     let cluster_name = options.cluster_flag.clone().unwrap_or_else(|| format!("{}:{}", cluster.name, cluster.devices));
     options.check_devices(cluster.devices, &cluster_name)?;
+    options.check_host_link(cluster, &cluster_name)?;
     let loaded;
     let analysed = match model.into() {
         Model::Analysed(a) => a,

@@ -26,6 +26,7 @@ fn usage_errors_exit_2() {
         &["m.onnx", "--layout", "0-3|5-7"],
         &["m.onnx", "--dim", "batch"],
         &["m.onnx", "--precision", "fp8"],
+        &["m.onnx", "--offload-activations", "maybe"],
         &["m.onnx", "--no-such-flag"],
         &["inspect"],
     ] {
@@ -45,12 +46,23 @@ fn user_errors_exit_1_naming_the_cause() {
     let half = dir.path().join("half.json");
     std::fs::write(&half, r#"{"fp16": true}"#).unwrap();
     let half = half.to_str().unwrap();
+    let offload = dir.path().join("offload.json");
+    std::fs::write(&offload, r#"{"offload_activations": true}"#).unwrap();
+    let offload = offload.to_str().unwrap();
     let cases: Vec<(Vec<&str>, Vec<&str>)> = vec![
         (vec!["m.onnx", "--sharded-dp", "2", "--zero", "1"], vec!["--sharded-dp 2", "--zero 1"]),
         (vec!["m.onnx", "--layout", "0-3|4-7", "--pp", "3"], vec!["--layout", "--pp 3"]),
         (vec!["m.onnx", "--config", cfg], vec!["smp.json", "colour"]),
         (vec!["m.onnx", "--config", "/nonexistent/smp.json"], vec!["/nonexistent/smp.json"]),
         (vec!["m.onnx", "--precision", "bf16-mixed", "--config", half], vec!["--precision bf16-mixed", "\"fp16\": true", "half.json"]),
+        (
+            vec!["m.onnx", "--offload-activations", "on", "--checkpointing", "none"],
+            vec!["--offload-activations on", "--checkpointing none"],
+        ),
+        (
+            vec!["m.onnx", "--offload-activations", "off", "--config", offload],
+            vec!["--offload-activations off", "\"offload_activations\": true", "offload.json"],
+        ),
         (vec!["/nonexistent/m.onnx", "--json"], vec!["/nonexistent/m.onnx"]),
         (vec!["inspect", "/nonexistent/plan.json"], vec!["/nonexistent/plan.json"]),
     ];
@@ -70,12 +82,12 @@ fn inspect_refuses_newer_plans() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("plan.json");
     let mut v = serde_json::to_value(common::fixture()).unwrap();
-    v["version"] = 3.into();
+    v["version"] = 4.into();
     std::fs::write(&path, v.to_string()).unwrap();
     let o = smp(&["inspect", path.to_str().unwrap()]);
     assert_eq!(code(&o), 1);
     let e = stderr(&o);
-    assert!(e.contains("plan.json") && e.contains("version 3") && e.contains("version 2"), "{e}");
+    assert!(e.contains("plan.json") && e.contains("version 4") && e.contains("version 3"), "{e}");
 }
 
 #[test]

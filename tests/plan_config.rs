@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use smp_partition::ir::{Precision, ScheduleKind};
+use smp_partition::ir::{OffloadRule, Precision, ScheduleKind};
 use smp_partition::solve::options::*;
 use smp_partition::solve::{Baseline, Optimize, Placement};
 
@@ -171,6 +171,30 @@ fn flag_versus_config_conflicts_name_both() {
             "--precision bf16-mixed",
             "fp16",
         ),
+        (
+            PlanOptions { offload: Some(OffloadRule::Never), ..Default::default() },
+            r#"{"offload_activations": true}"#,
+            "--offload-activations off",
+            "offload_activations",
+        ),
+        (
+            PlanOptions { offload: Some(OffloadRule::Always), ..Default::default() },
+            r#"{"sm_activation_offloading": false}"#,
+            "--offload-activations on",
+            "sm_activation_offloading",
+        ),
+        (
+            PlanOptions { offload: Some(OffloadRule::Auto), ..Default::default() },
+            r#"{"offload_activations": true}"#,
+            "--offload-activations auto",
+            "offload_activations",
+        ),
+        (
+            PlanOptions { loading_horizon: Some(2), ..Default::default() },
+            r#"{"activation_loading_horizon": 4}"#,
+            "--activation-loading-horizon 2",
+            "activation_loading_horizon",
+        ),
     ];
     for (req, json, flag, key) in cases {
         let msg = conflict(req, Some(json));
@@ -190,6 +214,47 @@ fn precision_flag_and_config_merge() {
     assert_eq!(c.precision, None);
     let gpu = smp_partition::cost::ClusterSpec::preset("h100-80gb").unwrap();
     assert_eq!(c.precision_for(&gpu), Precision::Bf16Mixed);
+}
+
+#[test]
+fn offload_flag_and_config_merge() {
+    let c = resolve(PlanOptions::default(), Some(r#"{"offload_activations": true, "activation_loading_horizon": 2}"#)).unwrap();
+    assert_eq!((c.offload, c.loading_horizon), (Some(OffloadRule::Always), Some(2)));
+    assert!(c.source(Setting::Offload).to_string().contains("offload_activations"));
+    assert!(c.ignored_config_keys.is_empty());
+    let c = resolve(PlanOptions { offload: Some(OffloadRule::Never), ..Default::default() }, Some(r#"{"sm_activation_offloading": false}"#))
+        .unwrap();
+    assert_eq!(c.offload, Some(OffloadRule::Never));
+    // no key and no flag: auto, where the cluster has a host link
+    let c = resolve(PlanOptions::default(), None).unwrap();
+    let gpu = smp_partition::cost::ClusterSpec::preset("h100-80gb").unwrap();
+    assert_eq!(c.offload_for(&gpu), OffloadRule::Auto);
+    let no_link = smp_partition::cost::ClusterSpec { host_bandwidth: None, ..gpu.clone() };
+    assert_eq!(c.offload_for(&no_link), OffloadRule::Never);
+    // forced on without a host link: refused naming the flag, the cluster and the field
+    let on = resolve(PlanOptions { offload: Some(OffloadRule::Always), ..Default::default() }, None).unwrap();
+    on.check_host_link(&gpu, "h100-80gb:8").unwrap();
+    let msg = on.check_host_link(&no_link, "c.toml").unwrap_err().to_string();
+    assert!(msg.contains("--offload-activations on") && msg.contains("--cluster c.toml") && msg.contains("host_bandwidth"), "{msg}");
+}
+
+#[test]
+fn offload_without_checkpointing_is_refused_naming_both() {
+    let req = PlanOptions {
+        offload: Some(OffloadRule::Always),
+        checkpointing: Some(smp_partition::solve::CheckpointRule::Never),
+        ..Default::default()
+    };
+    let msg = conflict(req, None);
+    assert!(msg.contains("--offload-activations on") && msg.contains("--checkpointing none"), "{msg}");
+    let req = PlanOptions { checkpointing: Some(smp_partition::solve::CheckpointRule::Never), ..Default::default() };
+    let msg = conflict(req, Some(r#"{"offload_activations": true}"#));
+    assert!(msg.contains("offload_activations") && msg.contains("--checkpointing none"), "{msg}");
+    // off (or auto) with no checkpointing is fine: nothing to offload
+    let req = PlanOptions { offload: Some(OffloadRule::Never), checkpointing: Some(smp_partition::solve::CheckpointRule::Never), ..Default::default() };
+    resolve(req, None).unwrap();
+    let e = resolve(PlanOptions { loading_horizon: Some(0), ..Default::default() }, None).unwrap_err().to_string();
+    assert!(e.contains("--activation-loading-horizon 0") && e.contains("at least 1"), "{e}");
 }
 
 #[test]

@@ -46,6 +46,8 @@ fn json_has_the_contract_fields() {
         "/parallel/virtual_stages",
         "/parallel/checkpointing",
         "/parallel/precision",
+        "/parallel/offload_activations",
+        "/parallel/activation_loading_horizon",
         "/stages/0/index",
         "/stages/0/pp_rank",
         "/stages/0/layers/1",
@@ -85,12 +87,12 @@ fn with_version(version: serde_json::Value) -> String {
 #[test]
 fn newer_version_is_refused_naming_file_and_both_versions() {
     let err = io::from_json(&with_version(7.into()), Path::new("p.json")).unwrap_err();
-    assert!(matches!(err, PlanIoError::Version { found: 7, supported: 2, .. }), "{err}");
+    assert!(matches!(err, PlanIoError::Version { found: 7, supported: 3, .. }), "{err}");
     let msg = err.to_string();
     assert!(
         msg.contains("p.json")
             && msg.contains("version 7")
-            && msg.contains("version 2")
+            && msg.contains("version 3")
             && msg.contains("newer"),
         "{msg}"
     );
@@ -116,9 +118,59 @@ fn version_1_plan_is_refused_with_the_replan_message() {
     v["version"] = 1.into();
     v["parallel"].as_object_mut().unwrap().remove("precision");
     let err = io::from_json(&v.to_string(), Path::new("v1.json")).unwrap_err();
-    assert!(matches!(err, PlanIoError::Version { found: 1, supported: 2, .. }), "{err}");
+    assert!(matches!(err, PlanIoError::Version { found: 1, supported: 3, .. }), "{err}");
     let msg = err.to_string();
     assert!(msg.contains("v1.json") && msg.contains("version 1") && msg.contains("re-plan the model"), "{msg}");
+}
+
+#[test]
+fn version_2_plan_is_refused_with_the_replan_message() {
+    // a plan written before activation offloading (version 2): as this build wrote it then
+    let mut v = serde_json::to_value(fixture()).unwrap();
+    v["version"] = 2.into();
+    let par = v["parallel"].as_object_mut().unwrap();
+    par.remove("offload_activations");
+    par.remove("activation_loading_horizon");
+    let err = io::from_json(&v.to_string(), Path::new("v2.json")).unwrap_err();
+    assert!(matches!(err, PlanIoError::Version { found: 2, supported: 3, .. }), "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("v2.json") && msg.contains("version 2") && msg.contains("re-plan the model"), "{msg}");
+}
+
+#[test]
+fn offloading_is_read_and_checked() {
+    use smp_partition::ir::OffloadRule;
+    for rule in [OffloadRule::Auto, OffloadRule::Never, OffloadRule::Always] {
+        let mut plan = fixture();
+        plan.parallel.offload = rule;
+        plan.parallel.loading_horizon = 2;
+        plan.stages[1].offloaded_layers = vec![4];
+        plan.stages[1].offloaded_bytes = 1 << 20;
+        let text = io::to_json(&plan);
+        let back = io::from_json(&text, Path::new("p.json")).unwrap();
+        assert_eq!((back.parallel.offload, back.parallel.loading_horizon), (rule, 2));
+        assert_eq!((back.stages[1].offloaded_layers.clone(), back.stages[1].offloaded_bytes), (vec![4], 1 << 20));
+        validate(&back).unwrap();
+    }
+    // stages that offload nothing write neither field
+    let v = serde_json::to_value(fixture()).unwrap();
+    assert!(v["stages"][0].get("offloaded_layers").is_none() && v["stages"][0].get("offloaded_bytes").is_none());
+    assert_eq!(v["parallel"]["offload_activations"], "auto");
+    assert_eq!(v["parallel"]["activation_loading_horizon"], 4);
+    let mut bad = v.clone();
+    bad["parallel"]["offload_activations"] = "yes".into();
+    let msg = io::from_json(&bad.to_string(), Path::new("p.json")).unwrap_err().to_string();
+    assert!(msg.contains("parallel.offload_activations") && msg.contains("auto, on or off"), "{msg}");
+    let mut bad = v.clone();
+    bad["parallel"]["activation_loading_horizon"] = 0.into();
+    let msg = io::from_json(&bad.to_string(), Path::new("p.json")).unwrap_err().to_string();
+    assert!(msg.contains("activation_loading_horizon") && msg.contains("at least 1"), "{msg}");
+    // offloading only moves what a checkpointed layer keeps
+    let mut plan = fixture();
+    plan.stages[0].offloaded_layers = vec![1];
+    let e = validate(&plan).unwrap_err();
+    assert!(matches!(e, PlanInvalid::OffloadNotCheckpointed { stage: 0, layer: 1 }), "{e}");
+    assert!(e.to_string().contains("re-plan"), "{e}");
 }
 
 #[test]
@@ -307,7 +359,7 @@ fn inspect_table_snapshot() {
 #[test]
 fn inspect_json_is_the_plan_plus_findings() {
     let v = report::to_json_with_report(&fixture());
-    assert_eq!(v["version"], 2);
+    assert_eq!(v["version"], 3);
     assert_eq!(v["inspect"]["bottleneck"]["pp_rank"], 1);
     assert_eq!(v["inspect"]["bottleneck"]["reason"], "compute");
 }

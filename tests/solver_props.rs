@@ -4,7 +4,7 @@
 use proptest::prelude::*;
 use smp_partition::solve::oracle::{brute_force_intra, brute_force_pipeline, min_max_cuts, min_max_lower_bound};
 use smp_partition::solve::problem::{
-    CheckpointRule, IntraEdge, IntraLayerProblem, IntraNode, NodeOption, ParetoPoint, PipelineLayer,
+    CheckpointRule, IntraEdge, IntraLayerProblem, IntraNode, NodeOption, OffloadRule, ParetoPoint, PipelineLayer,
     PipelineObjective, PipelineProblem, TiedCopy,
 };
 use smp_partition::solve::heuristic::incumbent;
@@ -14,8 +14,8 @@ use smp_partition::solve::{SolveStatus, SolverOptions};
 const GIB: f64 = (1u64 << 30) as f64;
 
 fn point() -> impl Strategy<Value = ParetoPoint> {
-    (0.05f64..2.0, 0.05f64..4.0, 0.0f64..8.0, 0.0f64..4.0, 0.0f64..1.0, 0.0f64..0.5).prop_map(
-        |(f, b, state, act, in_frac, sync)| ParetoPoint {
+    (0.05f64..2.0, 0.05f64..4.0, 0.0f64..8.0, 0.0f64..4.0, 0.0f64..1.0, 0.0f64..0.5, 0.0f64..3.0).prop_map(
+        |(f, b, state, act, in_frac, sync, host)| ParetoPoint {
             fwd_s: f,
             bwd_s: b,
             state_bytes: state * GIB,
@@ -23,6 +23,8 @@ fn point() -> impl Strategy<Value = ParetoPoint> {
             input_bytes: act * in_frac * GIB,
             sync_s: sync,
             choice: 0,
+            // copies from fully hidden (0) to several times the layer's compute
+            host_s: host,
         },
     )
 }
@@ -46,7 +48,7 @@ fn instance() -> impl Strategy<Value = Instance> {
         1usize..=2,
         1usize..=8,
         0usize..3,
-        0usize..3,
+        (0usize..3, 0usize..3, 1usize..=3),
         0.3f64..1.3,
         prop::collection::vec(0.0f64..0.3, 8),
         prop::collection::vec(0.0f64..1.0, 8),
@@ -55,7 +57,12 @@ fn instance() -> impl Strategy<Value = Instance> {
     )
         .prop_filter_map(
             "layers must fill the chunks",
-            |(mut layers, dup, p, v, m, coeff, rule, cap_frac, beta, inflight, memory_obj, (owner, readers, tie_bytes))| {
+            |(mut layers, dup, p, v, m, coeff, (rule, offload, horizon), cap_frac, beta, inflight, memory_obj, (owner, readers, tie_bytes))| {
+                let offload = [OffloadRule::Never, OffloadRule::Auto, OffloadRule::Always][offload];
+                if offload == OffloadRule::Auto {
+                    // three flag options per layer: keep brute force small
+                    layers.truncate(5);
+                }
                 // Identical neighbours exercise the symmetry-breaking rows.
                 for l in 1..layers.len() {
                     if dup[l] {
@@ -87,6 +94,8 @@ fn instance() -> impl Strategy<Value = Instance> {
                     workspace: 0.5 * GIB,
                     transfer_s_per_byte: beta[..chunks - 1].iter().map(|b| b / GIB).collect(),
                     checkpoint: [CheckpointRule::Auto, CheckpointRule::Never, CheckpointRule::Always][rule],
+                    offload,
+                    loading_horizon: horizon as f64,
                     fixed_chunks: None,
                     objective: if memory_obj { PipelineObjective::PeakMemory { max_step_s: 0.0 } } else { PipelineObjective::StepTime },
                 }))
@@ -125,6 +134,16 @@ proptest! {
                 let e = sol.eval.clone().unwrap();
                 prop_assert!(p.feasible(&e));
                 prop_assert!(close(p.objective_value(&e), obj), "decoded {} vs {}", p.objective_value(&e), obj);
+                if p.objective == PipelineObjective::StepTime && p.offload == OffloadRule::Auto {
+                    // offloading only where memory needs it
+                    for l in 0..sol.choices.len() {
+                        let mut fewer = sol.choices.clone();
+                        if fewer[l].offload {
+                            fewer[l].offload = false;
+                            prop_assert!(!p.feasible(&p.evaluate(&fewer).unwrap()), "layer {} offloaded without need", l);
+                        }
+                    }
+                }
             }
         }
     }
@@ -176,13 +195,14 @@ proptest! {
         prop_assume!(times.len() >= p);
         let layers = times.iter().map(|&t| PipelineLayer {
             tied: Vec::new(),
-            points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, sync_s: 0.0, choice: 0 }],
+            points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, sync_s: 0.0, choice: 0, host_s: 0.0 }],
             output_bytes: 0.0,
         }).collect();
         let prob = PipelineProblem {
             layers, devices: p, virtual_stages: 1, microbatches: m, in_flight: vec![1.0; p], bubble_coeff: 1.0,
             memory_cap: f64::INFINITY, workspace: 0.0, transfer_s_per_byte: vec![0.0; p - 1],
-            checkpoint: CheckpointRule::Never, fixed_chunks: None, objective: PipelineObjective::StepTime,
+            checkpoint: CheckpointRule::Never, offload: OffloadRule::Never, loading_horizon: 4.0, fixed_chunks: None,
+            objective: PipelineObjective::StepTime,
         };
         let (dp, _) = min_max_cuts(&times, p).unwrap();
         let fast = min_max_lower_bound(&times, p);

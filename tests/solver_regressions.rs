@@ -10,8 +10,8 @@ use smp_partition::solve::problem::*;
 /// evaluated to 7.632 (a boundary transfer of 0.247 s unaccounted).
 #[test]
 fn interleaved_decode_counts_the_boundary_transfer() {
-    let first = ParetoPoint { fwd_s: 0.05, bwd_s: 0.05, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, sync_s: 0.28576900508164865, choice: 0 };
-    let block = ParetoPoint { fwd_s: 0.05, bwd_s: 1.0998967206222787, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, sync_s: 0.0, choice: 0 };
+    let first = ParetoPoint { fwd_s: 0.05, bwd_s: 0.05, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, sync_s: 0.28576900508164865, choice: 0, host_s: 0.0 };
+    let block = ParetoPoint { fwd_s: 0.05, bwd_s: 1.0998967206222787, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, sync_s: 0.0, choice: 0, host_s: 0.0 };
     let mut layers = vec![PipelineLayer { points: vec![first], output_bytes: 0.0, tied: Vec::new() }];
     for _ in 0..4 {
         layers.push(PipelineLayer { points: vec![block.clone()], output_bytes: 574109555.0632125, tied: Vec::new() });
@@ -27,6 +27,8 @@ fn interleaved_decode_counts_the_boundary_transfer() {
         workspace: 536870912.0,
         transfer_s_per_byte: vec![2.1513388596164551e-10, 0.0, 0.0],
         checkpoint: CheckpointRule::Auto,
+        offload: OffloadRule::Never,
+        loading_horizon: 4.0,
         fixed_chunks: None,
         objective: PipelineObjective::StepTime,
     };
@@ -45,7 +47,7 @@ fn pure_cut_max_stage_is_at_least_the_largest_layer() {
         .iter()
         .map(|&t| PipelineLayer {
             tied: Vec::new(),
-            points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, sync_s: 0.0, choice: 0 }],
+            points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, sync_s: 0.0, choice: 0, host_s: 0.0 }],
             output_bytes: 0.0,
         })
         .collect();
@@ -60,6 +62,8 @@ fn pure_cut_max_stage_is_at_least_the_largest_layer() {
         workspace: 0.0,
         transfer_s_per_byte: vec![0.0; 3],
         checkpoint: CheckpointRule::Never,
+        offload: OffloadRule::Never,
+        loading_horizon: 4.0,
         fixed_chunks: None,
         objective: PipelineObjective::StepTime,
     };
@@ -78,7 +82,7 @@ fn pure_cut_max_stage_is_at_least_the_largest_layer() {
 fn a_tied_copy_is_charged_only_where_the_owner_is_not() {
     const GIB: f64 = (1u64 << 30) as f64;
     let layer = |t: f64, tied: Vec<TiedCopy>| PipelineLayer {
-        points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: GIB, act_bytes: 0.0, input_bytes: 0.0, sync_s: 0.0, choice: 0 }],
+        points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: GIB, act_bytes: 0.0, input_bytes: 0.0, sync_s: 0.0, choice: 0, host_s: 0.0 }],
         output_bytes: 0.0,
         tied,
     };
@@ -94,6 +98,8 @@ fn a_tied_copy_is_charged_only_where_the_owner_is_not() {
         workspace: 0.0,
         transfer_s_per_byte: vec![0.0],
         checkpoint: CheckpointRule::Never,
+        offload: OffloadRule::Never,
+        loading_horizon: 4.0,
         fixed_chunks: None,
         objective: PipelineObjective::StepTime,
     };
@@ -106,6 +112,6 @@ fn a_tied_copy_is_charged_only_where_the_owner_is_not() {
     assert!((eval.step_s - best).abs() <= 1e-9 * best, "ILP {} vs brute force {best}", eval.step_s);
     assert_eq!(eval.state_bytes, vec![GIB, 3.0 * GIB], "no copy beside its owner");
     // the balanced cut holds the copy on device 1
-    let balanced: Vec<LayerChoice> = [0, 0, 1, 1].iter().map(|&chunk| LayerChoice { chunk, point: 0, checkpoint: false }).collect();
+    let balanced: Vec<LayerChoice> = [0, 0, 1, 1].iter().map(|&chunk| LayerChoice { chunk, point: 0, checkpoint: false, offload: false }).collect();
     assert_eq!(p.evaluate(&balanced).expect("valid").state_bytes, vec![2.0 * GIB, 4.0 * GIB]);
 }

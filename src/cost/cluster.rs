@@ -13,6 +13,7 @@
 //! inter_node_bandwidth = 25e9
 //! fused_attention = false   # price attention scores as materialised (default per preset)
 //! price_per_device_hour = 2.99   # USD; the presets' list prices: LIST_PRICES
+//! host_bandwidth = 450e9   # device ↔ host, per direction (NVLink-C2C on GH200-class parts)
 //! ```
 //!
 //! The `cpu` preset describes one machine: its memory, its cores and, when one exists, the
@@ -203,6 +204,13 @@ pub struct ClusterSpec {
     /// for that collective (`smp-runner calibrate` writes them; `None` for the presets).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub collectives: Option<CollectiveLinks>,
+    /// Effective bandwidth between a device and host memory, per direction, bytes/s: what
+    /// activation offloading moves over. Presets: PCIe Gen3 12 GB/s (V100), Gen4 25 GB/s
+    /// (A100), Gen5 50 GB/s (H100, H200); a GH200-class part's NVLink-C2C ≈ 450 GB/s goes in a
+    /// cluster file; `cpu`: a memcpy (half the memory bandwidth: read and write). `None`: no
+    /// host link is known, and nothing is offloaded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_bandwidth: Option<f64>,
 }
 
 /// Per-collective alpha-beta links inside a node, as the runtime calls them (Gloo on `cpu`:
@@ -314,6 +322,7 @@ fn gpu(
     hbm_tb_s: f64,
     nvlink_gb_s_bidir: f64,
     network_gbit_s: f64,
+    host_gb_s: f64,
 ) -> ClusterSpec {
     ClusterSpec {
         name: name.to_string(),
@@ -337,6 +346,7 @@ fn gpu(
         machine: None,
         price_per_device_hour: list_price(name),
         collectives: None,
+        host_bandwidth: Some(host_gb_s * GB),
     }
 }
 
@@ -345,11 +355,12 @@ impl ClusterSpec {
     /// machine, so it needs [`ClusterSpec::cpu`] or [`ClusterSpec::parse_on`].
     pub fn preset(name: &str) -> Result<ClusterSpec, ClusterError> {
         Ok(match name {
-            "a100-40gb" => gpu(name, "NVIDIA A100 40GB", 312.0, 19.5, 40.0, 1.555, 600.0, 200.0),
-            "a100-80gb" => gpu(name, "NVIDIA A100 80GB", 312.0, 19.5, 80.0, 2.039, 600.0, 200.0),
-            "h100-80gb" => ClusterSpec { fused_attention: true, ..gpu(name, "NVIDIA H100 80GB SXM", 989.0, 67.0, 80.0, 3.35, 900.0, 400.0) },
-            "h200" => ClusterSpec { fused_attention: true, ..gpu(name, "NVIDIA H200 141GB SXM", 989.0, 67.0, 141.0, 4.8, 900.0, 400.0) },
-            "v100-16gb" => gpu(name, "NVIDIA V100 16GB SXM2", 125.0, 15.7, 16.0, 0.9, 300.0, 25.0),
+            // host links: PCIe Gen4 x16 (A100), Gen5 x16 (H100, H200), Gen3 x16 (V100), effective
+            "a100-40gb" => gpu(name, "NVIDIA A100 40GB", 312.0, 19.5, 40.0, 1.555, 600.0, 200.0, 25.0),
+            "a100-80gb" => gpu(name, "NVIDIA A100 80GB", 312.0, 19.5, 80.0, 2.039, 600.0, 200.0, 25.0),
+            "h100-80gb" => ClusterSpec { fused_attention: true, ..gpu(name, "NVIDIA H100 80GB SXM", 989.0, 67.0, 80.0, 3.35, 900.0, 400.0, 50.0) },
+            "h200" => ClusterSpec { fused_attention: true, ..gpu(name, "NVIDIA H200 141GB SXM", 989.0, 67.0, 141.0, 4.8, 900.0, 400.0, 50.0) },
+            "v100-16gb" => gpu(name, "NVIDIA V100 16GB SXM2", 125.0, 15.7, 16.0, 0.9, 300.0, 25.0, 12.0),
             "cpu" => return Err(ClusterError::NoMachineFacts { spec: name.to_string() }),
             other => return Err(ClusterError::UnknownPreset(other.to_string())),
         })
@@ -478,7 +489,8 @@ impl ClusterSpec {
             ("efficiency.half_flops", self.efficiency.half_flops + 1.0),
         ];
         let fp16 = self.fp16_flops.map(|f| ("fp16_flops", f));
-        for (field, value) in checks.into_iter().chain(fp16) {
+        let host = self.host_bandwidth.map(|b| ("host_bandwidth", b));
+        for (field, value) in checks.into_iter().chain(fp16).chain(host) {
             if !(value > 0.0) || !value.is_finite() {
                 return Err(ClusterError::Invalid {
                     source_name: self.name.clone(),
@@ -591,6 +603,7 @@ struct ClusterFile {
     fused_attention: Option<bool>,
     price_per_device_hour: Option<f64>,
     collectives: Option<CollectiveLinks>,
+    host_bandwidth: Option<f64>,
     machine: Option<MachineTable>,
     /// Calibration files only: the fractions of one core's matmul rate and memory bandwidth it
     /// keeps while every core of the machine runs at once (shared caches and memory).
@@ -688,6 +701,7 @@ impl ClusterFile {
             machine: base.and_then(|b| b.machine.clone()),
             price_per_device_hour: self.price_per_device_hour.or(base.and_then(|b| b.price_per_device_hour)),
             collectives: self.collectives.or(base.and_then(|b| b.collectives)),
+            host_bandwidth: self.host_bandwidth.or(base.and_then(|b| b.host_bandwidth)),
         })
     }
 }
@@ -698,7 +712,9 @@ impl ClusterSpec {
     /// it has one (with more than one device, scaled by its `[concurrent]` factors: what a core
     /// keeps while all compute at once), else these defaults (one core, f32, Gloo over loopback): 50 GFLOP/s per core
     /// (bf16 the same: no AMX assumed), 10 GB/s memory bandwidth, 2 GB/s and 50 µs between
-    /// ranks, efficiency 0.7 at large sizes, half at 10 MFLOP, 256 MiB workspace.
+    /// ranks, efficiency 0.7 at large sizes, half at 10 MFLOP, 256 MiB workspace; the "host
+    /// link" of activation offloading is a memcpy within the machine's memory, at half the
+    /// memory bandwidth (each byte is read and written).
     pub fn cpu(machine: &MachineFacts, devices: Option<usize>) -> Result<ClusterSpec, ClusterError> {
         let n = devices.unwrap_or(machine.cores).max(1);
         let defaults = ClusterSpec {
@@ -722,6 +738,7 @@ impl ClusterSpec {
             machine: Some(machine.clone()),
             price_per_device_hour: None,
             collectives: None,
+            host_bandwidth: Some(5e9),
         };
         let Some(cal) = &machine.calibration else {
             defaults.validate()?;
@@ -737,6 +754,7 @@ impl ClusterSpec {
             });
         }
         let concurrent = file.concurrent;
+        let file_host = file.host_bandwidth;
         // The machine's shape stays the machine's unless the file says otherwise.
         let mut spec = file.resolve("cpu".to_string(), Some(&defaults), &path)?;
         if let Some(n) = devices {
@@ -754,6 +772,10 @@ impl ClusterSpec {
             spec.bf16_flops *= c.flops_factor;
             spec.fp16_flops = spec.fp16_flops.map(|f| f * c.flops_factor);
             spec.hbm_bandwidth *= c.bandwidth_factor;
+        }
+        if file_host.is_none() {
+            // a memcpy at the (shared) rate calibrated
+            spec.host_bandwidth = Some(spec.hbm_bandwidth / 2.0);
         }
         spec.device = if spec.device.starts_with("cpu") { spec.device } else { format!("cpu ({})", spec.device) };
         spec.validate()?;
@@ -813,5 +835,22 @@ mod tests {
         let full = ClusterSpec::preset("v100-16gb").unwrap();
         let back = ClusterSpec::from_toml(&full.to_toml(), p).unwrap();
         assert_eq!(back, full);
+    }
+
+    #[test]
+    fn host_links_per_preset_and_file() {
+        let host = |name: &str| ClusterSpec::preset(name).unwrap().host_bandwidth;
+        assert_eq!(host("a100-80gb"), Some(25e9));
+        assert_eq!(host("h100-80gb"), Some(50e9));
+        assert_eq!(host("h200"), Some(50e9));
+        assert_eq!(host("v100-16gb"), Some(12e9));
+        let p = Path::new("c.toml");
+        let c2c = ClusterSpec::from_toml("preset = \"h200\"\nhost_bandwidth = 450e9\n", p).unwrap();
+        assert_eq!(c2c.host_bandwidth, Some(450e9));
+        let e = ClusterSpec::from_toml("preset = \"h200\"\nhost_bandwidth = 0.0\n", p).unwrap_err().to_string();
+        assert!(e.contains("host_bandwidth"), "{e}");
+        let facts = MachineFacts { memory_bytes: 8 << 30, cores: 2, calibration: None, source: FactSource::Host };
+        let cpu = ClusterSpec::cpu(&facts, None).unwrap();
+        assert_eq!(cpu.host_bandwidth, Some(cpu.hbm_bandwidth / 2.0));
     }
 }

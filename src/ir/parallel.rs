@@ -1,6 +1,7 @@
 //! The parallel configuration, one type for every stage ([`Parallelism`]: degrees, ZeRO,
 //! microbatches, schedule, checkpointing, placement, precision), with its vocabulary: the mesh
-//! axes and their rank order (placement), the checkpointing policy and the training precision.
+//! axes and their rank order (placement), the checkpointing and offloading policies and the
+//! training precision.
 
 use std::fmt;
 use std::str::FromStr;
@@ -40,6 +41,12 @@ pub struct Parallelism {
     /// The training precision: the types of weights, activations, gradients and optimizer
     /// state the cost model prices and the runner executes.
     pub precision: Precision,
+    /// Activation offloading policy as requested: whether checkpointed layers' kept inputs
+    /// may move to host memory between their forward and backward.
+    pub offload: OffloadRule,
+    /// Microbatches whose offloaded inputs are back on the device ahead of their backward
+    /// (SMP's `activation_loading_horizon`).
+    pub loading_horizon: usize,
 }
 
 impl Parallelism {
@@ -200,6 +207,54 @@ impl std::str::FromStr for CheckpointRule {
     }
 }
 
+/// Whether checkpointed layers' kept inputs move to host memory between their forward and
+/// backward: the one offloading policy of the CLI (`--offload-activations auto|on|off`), the
+/// SMP config (`offload_activations`, `sm_activation_offloading`) and the plan file
+/// (`parallel.offload_activations`), spelt by [`OffloadRule::name`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum OffloadRule {
+    /// The solver chooses per checkpointed layer, only where it makes the plan fit or faster
+    /// (`auto`).
+    #[default]
+    Auto,
+    /// No layer is offloaded (`off`).
+    Never,
+    /// Every checkpointed layer is offloaded (`on`).
+    Always,
+}
+
+impl OffloadRule {
+    /// SMP's default `activation_loading_horizon`.
+    pub const DEFAULT_HORIZON: usize = 4;
+
+    /// The name the CLI and the plan file use: `auto`, `on` or `off`.
+    pub fn name(self) -> &'static str {
+        match self {
+            OffloadRule::Auto => "auto",
+            OffloadRule::Never => "off",
+            OffloadRule::Always => "on",
+        }
+    }
+}
+
+impl fmt::Display for OffloadRule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for OffloadRule {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(OffloadRule::Auto),
+            "off" => Ok(OffloadRule::Never),
+            "on" => Ok(OffloadRule::Always),
+            _ => Err(format!("`{s}`: expected auto, on or off")),
+        }
+    }
+}
+
 /// The training precision of a plan (`--precision`, SMP's `fp16`/`bf16`/`fp16_params`, the
 /// plan file's `parallel.precision`): what type weights, activations, gradients, master weights
 /// and optimizer state are kept in (docs/precision.md has the table).
@@ -282,5 +337,13 @@ mod tests {
         assert!("fp16".parse::<Precision>().unwrap_err().contains("fp16-mixed"));
         assert_eq!(Precision::default_for(true), Precision::F32);
         assert_eq!(Precision::default_for(false), Precision::Bf16Mixed);
+    }
+
+    #[test]
+    fn offload_names_round_trip() {
+        for r in [OffloadRule::Auto, OffloadRule::Never, OffloadRule::Always] {
+            assert_eq!(r.name().parse::<OffloadRule>(), Ok(r));
+        }
+        assert!("yes".parse::<OffloadRule>().unwrap_err().contains("auto, on or off"));
     }
 }

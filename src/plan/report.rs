@@ -277,6 +277,16 @@ pub fn render(plan: &Plan) -> String {
     }
     out.push_str(&table(&rows));
     out.push('\n');
+    for st in plan.stages.iter().filter(|st| !st.offloaded_layers.is_empty()) {
+        let _ = writeln!(
+            out,
+            "offload stage {}: {} checkpointed layer(s) keep their inputs in host memory ({} per device at the peak, {} microbatches back ahead of their backward)",
+            st.index,
+            st.offloaded_layers.len(),
+            bytes(st.offloaded_bytes as f64),
+            par.loading_horizon
+        );
+    }
 
     if let Some(b) = bottleneck(plan) {
         let which = if b.stages.len() == 1 {

@@ -12,15 +12,17 @@ use crate::cost::{LinkKind, MachineFacts};
 use crate::codegen::encode::{CodegenInput, CodegenSection, Mesh, RankView, StageInput};
 use crate::codegen::EncodeError;
 use crate::ir::ScheduleKind;
-use crate::ir::{CheckpointRule, Parallelism, Placement as AxisOrder, Precision};
+use crate::ir::{CheckpointRule, OffloadRule, Parallelism, Placement as AxisOrder, Precision};
 use crate::solve::{Baseline, SolveStatus};
 use crate::split::Strategy;
 
 /// The plan format version this build writes and reads.
 ///
 /// Version 2 added `parallel.precision` (the training precision the plan was priced for and
-/// the runner executes); version-1 plans are refused with the re-plan message.
-pub const PLAN_VERSION: u32 = 2;
+/// the runner executes); version 3 `parallel.offload_activations`,
+/// `parallel.activation_loading_horizon` and each stage's `offloaded_layers` and
+/// `offloaded_bytes`. Older plans are refused with the re-plan message.
+pub const PLAN_VERSION: u32 = 3;
 
 /// A partitioned execution plan.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -103,11 +105,12 @@ pub struct ClusterInfo {
 /// The plan file's spelling of the parallel configuration ([`Parallelism`]): the schedule,
 /// checkpointing policy and placement are typed in the IR and spelt as strings in the file
 /// (`"schedule": "interleaved", "virtual_stages": 2`, `"checkpointing": "auto"`,
-/// `"placement": "DPT"`, `"precision": "bf16-mixed"`), parsed once when the plan is read.
+/// `"placement": "DPT"`, `"precision": "bf16-mixed"`, `"offload_activations": "auto"`), parsed
+/// once when the plan is read.
 mod parallel_file {
     use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-    use super::{AxisOrder, CheckpointRule, Parallelism, Precision, ScheduleKind, is_false};
+    use super::{AxisOrder, CheckpointRule, OffloadRule, Parallelism, Precision, ScheduleKind, is_false};
 
     #[derive(Serialize, Deserialize)]
     #[serde(deny_unknown_fields)]
@@ -128,6 +131,8 @@ mod parallel_file {
         #[serde(default, skip_serializing_if = "is_false")]
         sequence_parallel: bool,
         precision: String,
+        offload_activations: String,
+        activation_loading_horizon: usize,
     }
 
     pub fn serialize<S: Serializer>(p: &Parallelism, s: S) -> Result<S::Ok, S::Error> {
@@ -145,6 +150,8 @@ mod parallel_file {
             placement: p.placement.to_string(),
             sequence_parallel: p.sequence_parallel,
             precision: p.precision.name().to_string(),
+            offload_activations: p.offload.name().to_string(),
+            activation_loading_horizon: p.loading_horizon,
         }
         .serialize(s)
     }
@@ -157,6 +164,11 @@ mod parallel_file {
         let checkpointing = f.checkpointing.parse::<CheckpointRule>().map_err(|e| bad(format!("parallel.checkpointing {e}")))?;
         let placement = f.placement.parse::<AxisOrder>().map_err(|e| bad(format!("parallel.placement {e}")))?;
         let precision = f.precision.parse::<Precision>().map_err(|e| bad(format!("parallel.precision {e}")))?;
+        let offload =
+            f.offload_activations.parse::<OffloadRule>().map_err(|e| bad(format!("parallel.offload_activations {e}")))?;
+        if f.activation_loading_horizon == 0 {
+            return Err(bad("parallel.activation_loading_horizon must be at least 1".to_string()));
+        }
         Ok(Parallelism {
             pp: f.pp,
             tp: f.tp,
@@ -170,6 +182,8 @@ mod parallel_file {
             placement,
             sequence_parallel: f.sequence_parallel,
             precision,
+            offload,
+            loading_horizon: f.activation_loading_horizon,
         })
     }
 }
@@ -209,6 +223,18 @@ pub struct Stage {
     /// Layers whose activations are recomputed in the backward pass.
     #[serde(default)]
     pub checkpointed_layers: Vec<usize>,
+    /// Checkpointed layers whose kept inputs wait in host memory between their forward and
+    /// backward (activation offloading).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub offloaded_layers: Vec<usize>,
+    /// Activation bytes per device held in host memory instead of device memory at the
+    /// stage's peak (not part of `memory_bytes`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub offloaded_bytes: u64,
+}
+
+fn is_zero(b: &u64) -> bool {
+    *b == 0
 }
 
 /// Memory per device of one stage, split by kind (bytes).

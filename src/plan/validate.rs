@@ -41,6 +41,9 @@ pub enum PlanInvalid {
     /// A checkpointed layer outside the stage.
     #[error("stage {stage}: checkpointed layer {layer} is not among its layers [{first}, {last}]")]
     CheckpointOutside { stage: usize, layer: usize, first: usize, last: usize },
+    /// An offloaded layer that the stage does not checkpoint.
+    #[error("stage {stage}: layer {layer} is offloaded but not checkpointed (offloading moves what a checkpointed layer keeps); re-plan the model")]
+    OffloadNotCheckpointed { stage: usize, layer: usize },
     /// A stage's tp or dp disagrees with `parallel`.
     #[error("stage {stage}: {field} = {found}, but parallel.{field} = {expected}")]
     StageDegree { stage: usize, field: &'static str, found: usize, expected: usize },
@@ -138,6 +141,9 @@ pub fn validate(plan: &Plan) -> Result<(), PlanInvalid> {
             if layer < first || layer > last {
                 return Err(PlanInvalid::CheckpointOutside { stage, layer, first, last });
             }
+        }
+        if let Some(&layer) = s.offloaded_layers.iter().find(|l| !s.checkpointed_layers.contains(l)) {
+            return Err(PlanInvalid::OffloadNotCheckpointed { stage, layer });
         }
         for (field, found, expected) in [("tp", s.tp, par.tp), ("dp", s.dp, par.dp)] {
             if found != expected {

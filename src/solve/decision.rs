@@ -44,6 +44,10 @@ pub struct StageDecision {
     pub memory: StageMemory,
     /// Layers recomputed in the backward pass.
     pub checkpointed_layers: Vec<usize>,
+    /// Checkpointed layers whose kept inputs wait in host memory between forward and backward.
+    pub offloaded_layers: Vec<usize>,
+    /// Activation bytes per device in host memory instead of on the device at the peak.
+    pub offloaded_bytes: f64,
 }
 
 /// The tensor strategy chosen for one layer.
@@ -57,6 +61,8 @@ pub struct LayerDecision {
     pub nodes: Vec<(String, crate::split::Strategy)>,
     /// Whether it is checkpointed.
     pub checkpoint: bool,
+    /// Whether its kept inputs are offloaded to host memory.
+    pub offload: bool,
 }
 
 /// Predicted figures of the plan.

@@ -5,7 +5,7 @@
 
 use super::chunks::uniform_chunks;
 use super::oracle::min_max_lower_bound;
-use super::problem::{CheckpointRule, LayerChoice, PipelineEval, PipelineObjective, PipelineProblem};
+use super::problem::{CheckpointRule, LayerChoice, OffloadRule, PipelineEval, PipelineObjective, PipelineProblem};
 
 /// Chunks of a greedy split of `times` into exactly `chunks` non-empty contiguous parts whose
 /// largest sum is at most (about) the min-max optimum.
@@ -54,7 +54,7 @@ fn greedy(times: &[f64], chunks: usize, cap: f64) -> Option<Vec<usize>> {
 
 /// The best of a few quick layouts (the manual one if fixed; otherwise equal layer counts and
 /// the greedy min-max split), each with no recompute, full recompute and a greedy recompute
-/// that fits memory per device. `None` when none fits or the problem minimises memory.
+/// that fits memory per device, and each of those with the offloading memory needs. `None` when none fits or the problem minimises memory.
 pub fn incumbent(p: &PipelineProblem) -> Option<(Vec<LayerChoice>, PipelineEval)> {
     if p.objective != PipelineObjective::StepTime || p.validate().is_err() {
         return None;
@@ -104,21 +104,39 @@ pub fn incumbent(p: &PipelineProblem) -> Option<(Vec<LayerChoice>, PipelineEval)
     };
     for layout in layouts {
         let with = |flag: &dyn Fn(usize) -> bool| -> Vec<LayerChoice> {
-            (0..l_n).map(|l| LayerChoice { chunk: layout[l], point: point[l], checkpoint: flag(l) }).collect()
+            (0..l_n).map(|l| p.choice(layout[l], point[l], flag(l))).collect()
         };
+        let mut tries = Vec::new();
         match p.checkpoint {
-            CheckpointRule::Never => consider(with(&|_| false)),
-            CheckpointRule::Always => consider(with(&|_| true)),
+            CheckpointRule::Never => tries.push(with(&|_| false)),
+            CheckpointRule::Always => tries.push(with(&|_| true)),
             CheckpointRule::Auto => {
-                consider(with(&|_| false));
-                consider(with(&|_| true));
+                tries.push(with(&|_| false));
+                tries.push(with(&|_| true));
                 if let Some(c) = fit_by_recompute(p, with(&|_| false)) {
-                    consider(c);
+                    tries.push(c);
                 }
             }
         }
+        for c in tries {
+            if let Some(o) = fit_by_offload(p, &c) {
+                consider(o);
+            }
+            consider(c);
+        }
     }
     best
+}
+
+/// Under the `Auto` offloading rule, `choices` with every checkpointed layer offloaded, then
+/// offloading trimmed back to what memory needs; `None` when that changes nothing.
+fn fit_by_offload(p: &PipelineProblem, choices: &[LayerChoice]) -> Option<Vec<LayerChoice>> {
+    if p.offload != OffloadRule::Auto || !choices.iter().any(|c| c.checkpoint && !c.offload) {
+        return None;
+    }
+    let mut c: Vec<LayerChoice> = choices.iter().map(|&c| LayerChoice { offload: c.checkpoint, ..c }).collect();
+    p.trim_offload(&mut c);
+    c.iter().any(|c| c.offload).then_some(c)
 }
 
 /// Checkpoints layers device by device, most bytes freed per second of recompute first, until
@@ -147,7 +165,7 @@ fn fit_by_recompute(p: &PipelineProblem, mut choices: Vec<LayerChoice>) -> Optio
             let new_rec = rec.max(q.act_bytes - q.input_bytes);
             over -= freed - (new_rec - rec);
             rec = new_rec;
-            choices[l].checkpoint = true;
+            choices[l] = p.choice(choices[l].chunk, choices[l].point, true);
             if over <= 0.0 {
                 break;
             }

@@ -513,6 +513,7 @@ impl<'a> CostContext<'a> {
             input_bytes: d.input_bytes,
             sync_s: sync,
             choice,
+            host_s: self.spec.host_bandwidth.map_or(0.0, |bw| d.input_bytes / bw),
         }
     }
 

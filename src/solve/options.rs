@@ -8,7 +8,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::cost::ClusterSpec;
-use crate::ir::{LayeredGraph, Precision, ScheduleKind};
+use crate::ir::{LayeredGraph, OffloadRule, Precision, ScheduleKind};
 
 pub use super::smp_config::{ConfigError, SmpConfig, Source, Sourced};
 use super::smp_config::conflict;
@@ -61,6 +61,13 @@ pub struct PlanOptions {
     /// Training precision (`--precision`, SMP's `fp16`/`bf16`/`fp16_params`); default: the
     /// cluster's ([`ClusterSpec::default_precision`]: bf16-mixed on GPUs, f32 on `cpu`).
     pub precision: Option<Precision>,
+    /// Activation offloading of checkpointed layers (`--offload-activations`, SMP's
+    /// `offload_activations` / `sm_activation_offloading`); default: `auto` (the solver
+    /// offloads where memory needs it) on clusters with a host link.
+    pub offload: Option<OffloadRule>,
+    /// Microbatches of offloaded inputs back on the device ahead of their backward (SMP's
+    /// `activation_loading_horizon`; default [`OffloadRule::DEFAULT_HORIZON`]).
+    pub loading_horizon: Option<usize>,
     /// What is trained beyond the model's own record or rules (`--trainable`/`--frozen`); the
     /// plan records them and the runner trains by them.
     pub params: crate::passes::params::ParamOptions,
@@ -105,6 +112,12 @@ pub enum Setting {
     Layout,
     /// `--precision`.
     Precision,
+    /// `--offload-activations`.
+    Offload,
+    /// `--activation-loading-horizon`.
+    LoadingHorizon,
+    /// `--checkpointing`.
+    Checkpointing,
 }
 
 impl Setting {
@@ -125,6 +138,9 @@ impl Setting {
             Setting::Placement => "placement",
             Setting::Layout => "layout",
             Setting::Precision => "precision",
+            Setting::Offload => "offload-activations",
+            Setting::LoadingHorizon => "activation-loading-horizon",
+            Setting::Checkpointing => "checkpointing",
         }
     }
 }
@@ -244,6 +260,9 @@ impl PlanOptions {
             Setting::Placement => self.placement.map(|v| v.to_string()),
             Setting::Layout => self.layout.as_ref().map(|v| v.to_string()),
             Setting::Precision => self.precision.map(|v| v.to_string()),
+            Setting::Offload => self.offload.map(|v| v.to_string()),
+            Setting::LoadingHorizon => self.loading_horizon.map(|v| v.to_string()),
+            Setting::Checkpointing => self.checkpointing.map(|v| v.to_string()),
         };
         Source::Flag(format!("--{} {}", setting.flag(), value.unwrap_or_default()))
     }
@@ -252,6 +271,27 @@ impl PlanOptions {
     /// on GPUs, f32 on `cpu`).
     pub fn precision_for(&self, cluster: &ClusterSpec) -> Precision {
         self.precision.unwrap_or_else(|| cluster.default_precision())
+    }
+
+    /// The offloading rule on `cluster`: as given (default `auto`), but never where the
+    /// cluster has no host link ([`PlanOptions::check_host_link`] refuses a forced `on` there).
+    pub fn offload_for(&self, cluster: &ClusterSpec) -> OffloadRule {
+        match self.offload.unwrap_or_default() {
+            _ if cluster.host_bandwidth.is_none() => OffloadRule::Never,
+            rule => rule,
+        }
+    }
+
+    /// Offloading forced on needs a host link to move the activations over.
+    pub fn check_host_link(&self, cluster: &ClusterSpec, name: &str) -> Result<(), ConfigError> {
+        if self.offload == Some(OffloadRule::Always) && cluster.host_bandwidth.is_none() {
+            return Err(conflict(
+                self.source(Setting::Offload),
+                Source::Flag(format!("--cluster {name}")),
+                "the cluster states no host link to offload over; set `host_bandwidth` (bytes/s per direction) in its cluster file",
+            ));
+        }
+        Ok(())
     }
 
     /// The per-device memory limit in bytes, when one is given.
@@ -304,6 +344,8 @@ impl PlanOptions {
         self.merge(Setting::Optimize, |o| &mut o.optimize, cfg.optimize, "the objective")?;
         self.merge(Setting::Placement, |o| &mut o.placement, cfg.placement, "the placement")?;
         self.merge(Setting::Precision, |o| &mut o.precision, cfg.precision, "the training precision")?;
+        self.merge(Setting::Offload, |o| &mut o.offload, cfg.offload, "activation offloading")?;
+        self.merge(Setting::LoadingHorizon, |o| &mut o.loading_horizon, cfg.loading_horizon, "the activation loading horizon")?;
         self.ignored_config_keys.extend(cfg.ignored);
         self.check_ranges()?;
         self.check_sharded_dp()?;
@@ -317,7 +359,21 @@ impl PlanOptions {
             ));
         }
         self.check_batch()?;
+        self.check_offload()?;
         Ok(self)
+    }
+
+    /// Offloading moves what checkpointed layers keep: forcing it on needs checkpointing.
+    fn check_offload(&self) -> Result<(), ConfigError> {
+        if self.offload == Some(OffloadRule::Always) && self.checkpointing == Some(CheckpointRule::Never) {
+            return Err(conflict(
+                self.source(Setting::Offload),
+                self.source(Setting::Checkpointing),
+                "offloading moves the inputs checkpointed layers keep, and no layer is checkpointed; \
+                 give --checkpointing auto or full, or drop the offloading",
+            ));
+        }
+        Ok(())
     }
 
     /// Positive degrees, ZeRO stages, limits.
@@ -331,6 +387,7 @@ impl PlanOptions {
             (Setting::ActiveMicrobatches, self.active_microbatches.map(|v| v as u64)),
             (Setting::GlobalBatch, self.global_batch),
             (Setting::SeqLen, self.seq_len),
+            (Setting::LoadingHorizon, self.loading_horizon.map(|v| v as u64)),
         ];
         if let Some((s, _)) = positive.iter().find(|(_, v)| *v == Some(0)) {
             return Err(ConfigError::Invalid { setting: self.source(*s), why: "must be at least 1".into() });

@@ -2,9 +2,10 @@
 //! problem, brute force of the intra-layer problem, and a PipeDream-style DP over contiguous
 //! cuts minimising the largest stage time.
 
-use super::problem::{CheckpointRule, IntraLayerProblem, LayerChoice, PipelineEval, PipelineProblem};
+use super::problem::{IntraLayerProblem, LayerChoice, PipelineEval, PipelineProblem};
 
-/// Enumerates every assignment (contiguous chunks × point × checkpoint flag per layer) and
+/// Enumerates every assignment (contiguous chunks × point × checkpoint and offload flags per
+/// layer) and
 /// returns the best feasible one by the problem's objective. Exponential: tests only.
 pub fn brute_force_pipeline(p: &PipelineProblem) -> Option<(f64, Vec<LayerChoice>, PipelineEval)> {
     let l_n = p.layers.len();
@@ -12,11 +13,7 @@ pub fn brute_force_pipeline(p: &PipelineProblem) -> Option<(f64, Vec<LayerChoice
     if l_n < v_n || v_n == 0 {
         return None;
     }
-    let flags: &[bool] = match p.checkpoint {
-        CheckpointRule::Auto => &[false, true],
-        CheckpointRule::Never => &[false],
-        CheckpointRule::Always => &[true],
-    };
+    let flags = p.flag_options();
     let mut best: Option<(f64, Vec<LayerChoice>, PipelineEval)> = None;
     let mut chunk_of = vec![0usize; l_n];
     // Enumerate chunk assignments as non-decreasing sequences starting at 0, ending at v_n-1,
@@ -50,7 +47,10 @@ pub fn brute_force_pipeline(p: &PipelineProblem) -> Option<(f64, Vec<LayerChoice
         let mut idx = vec![0usize; l_n];
         loop {
             let choices: Vec<LayerChoice> = (0..l_n)
-                .map(|l| LayerChoice { chunk: layout[l], point: idx[l] / flags.len(), checkpoint: flags[idx[l] % flags.len()] })
+                .map(|l| {
+                    let (checkpoint, offload) = flags[idx[l] % flags.len()];
+                    LayerChoice { chunk: layout[l], point: idx[l] / flags.len(), checkpoint, offload }
+                })
                 .collect();
             if let Some(e) = p.evaluate(&choices)
                 && p.feasible(&e)

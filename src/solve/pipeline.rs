@@ -1,5 +1,5 @@
-//! The pipeline ILP (docs/planner.md §2): contiguous chunks, one Pareto point and a checkpoint flag
-//! per layer, per-device memory with the schedule's in-flight microbatches, boundary
+//! The pipeline ILP (docs/planner.md §2): contiguous chunks, one Pareto point, a checkpoint flag
+//! and an offload flag per layer, per-device memory with the schedule's in-flight microbatches, boundary
 //! transfers, the schedule's step time as objective.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -70,14 +70,6 @@ impl PipelineProblem {
         Ok(())
     }
 
-    fn flags(&self) -> &'static [bool] {
-        match self.checkpoint {
-            CheckpointRule::Auto => &[false, true],
-            CheckpointRule::Never => &[false],
-            CheckpointRule::Always => &[true],
-        }
-    }
-
     /// Lower bounds on the largest device time and sync time: the min-max split of the
     /// layers' least figures (or the manual layout's device sums).
     pub fn dp_bounds(&self) -> (f64, f64) {
@@ -144,16 +136,16 @@ impl PipelineProblem {
         let l_n = self.layers.len();
         let v_n = self.chunks();
         let p = self.devices;
-        let flags = self.flags();
+        let flags = self.flag_options();
         let runs = self.runs();
         let mut milp = Milp::new();
-        // options of a run: (point, checkpoint)
-        let options = |r: usize| -> Vec<(usize, bool)> {
+        // options of a run: (point, (checkpoint, offload))
+        let options = |r: usize| -> Vec<(usize, (bool, bool))> {
             let lay = &self.layers[runs[r].0];
             (0..lay.points.len()).flat_map(|j| flags.iter().map(move |&k| (j, k))).collect()
         };
         // n[r][c] = Vec<(option, col)>, empty when chunk c cannot hold run r.
-        let mut n: Vec<Vec<Vec<((usize, bool), Col)>>> = Vec::with_capacity(runs.len());
+        let mut n: Vec<Vec<Vec<((usize, (bool, bool)), Col)>>> = Vec::with_capacity(runs.len());
         for (r, &(first, len)) in runs.iter().enumerate() {
             let (lo, hi) = match &self.fixed_chunks {
                 Some(f) => (f[first], f[first]),
@@ -230,12 +222,12 @@ impl PipelineProblem {
             let lay = &self.layers[first];
             for c in 0..v_n {
                 let d = c % p;
-                for &((j, k), col) in &n[r][c] {
+                for &((j, (k, o)), col) in &n[r][c] {
                     let pt = &lay.points[j];
-                    time[d].add_mul(pt.fwd_s + pt.bwd_s + if k { pt.fwd_s } else { 0.0 }, col.v());
+                    let (f, b) = Self::layer_times(pt, k, o);
+                    time[d].add_mul(f + b, col.v());
                     sync[d].add_mul(pt.sync_s, col.v());
-                    let kept = if k { pt.input_bytes } else { pt.act_bytes };
-                    mem[d].add_mul((pt.state_bytes + self.in_flight[c] * kept) / GIB, col.v());
+                    mem[d].add_mul((pt.state_bytes + self.kept_bytes(c, pt, k, o)) / GIB, col.v());
                     if k && pt.act_bytes > pt.input_bytes {
                         let used = if len == 1 {
                             Expression::from(col.v())
@@ -361,10 +353,10 @@ impl PipelineProblem {
         for (r, &(_, len)) in runs.iter().enumerate() {
             let before = choices.len();
             for (c, opts_c) in n[r].iter().enumerate() {
-                for &((j, k), col) in opts_c {
+                for &((j, (k, o)), col) in opts_c {
                     let k_count = value(&values, col).round().max(0.0) as usize;
                     for _ in 0..k_count {
-                        choices.push(LayerChoice { chunk: c, point: j, checkpoint: k });
+                        choices.push(LayerChoice { chunk: c, point: j, checkpoint: k, offload: o });
                     }
                 }
             }
@@ -375,6 +367,8 @@ impl PipelineProblem {
                 )));
             }
         }
+        // a run's layers are interchangeable: offload only those memory needs
+        self.trim_offload(&mut choices);
         let eval = self.evaluate(&choices);
         Ok(PipelineSolution { report, choices, eval })
     }

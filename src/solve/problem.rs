@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-pub use crate::ir::CheckpointRule;
+pub use crate::ir::{CheckpointRule, OffloadRule};
 
 /// One sharding choice of one node inside a layer (intra-layer problem).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -78,6 +78,11 @@ pub struct ParetoPoint {
     pub sync_s: f64,
     /// Index of the strategy assignment this point stands for (into the layer's choices).
     pub choice: usize,
+    /// Time to copy the input (`input_bytes`) over the host link one way, seconds: what
+    /// offloading a checkpointed layer moves out after its forward and back before its
+    /// backward.
+    #[serde(default)]
+    pub host_s: f64,
 }
 
 /// A layer of the pipeline problem.
@@ -151,16 +156,111 @@ pub struct PipelineProblem {
     pub transfer_s_per_byte: Vec<f64>,
     /// Checkpointing rule.
     pub checkpoint: CheckpointRule,
+    /// Offloading rule for checkpointed layers' kept inputs (`Never` where the cluster has no
+    /// host link).
+    #[serde(default = "offload_never")]
+    pub offload: OffloadRule,
+    /// Microbatches of an offloaded layer's inputs back on the device at a time (SMP's
+    /// `activation_loading_horizon`).
+    #[serde(default = "default_horizon")]
+    pub loading_horizon: f64,
     /// Manual layout: the chunk of every layer, if fixed.
     pub fixed_chunks: Option<Vec<usize>>,
     /// What to minimise.
     pub objective: PipelineObjective,
 }
 
+fn offload_never() -> OffloadRule {
+    OffloadRule::Never
+}
+
+fn default_horizon() -> f64 {
+    OffloadRule::DEFAULT_HORIZON as f64
+}
+
 impl PipelineProblem {
     /// Number of chunks (virtual stages over all devices).
     pub fn chunks(&self) -> usize {
         self.devices * self.virtual_stages
+    }
+
+    /// The `(checkpoint, offload)` flags a layer may take under the rules: offloading moves
+    /// what a checkpointed layer keeps, so it comes only with checkpointing.
+    pub fn flag_options(&self) -> Vec<(bool, bool)> {
+        let checkpoint: &[bool] = match self.checkpoint {
+            CheckpointRule::Auto => &[false, true],
+            CheckpointRule::Never => &[false],
+            CheckpointRule::Always => &[true],
+        };
+        let mut out = Vec::with_capacity(3);
+        for &k in checkpoint {
+            match (k, self.offload) {
+                (false, _) => out.push((false, false)),
+                (true, OffloadRule::Never) => out.push((true, false)),
+                (true, OffloadRule::Always) => out.push((true, true)),
+                (true, OffloadRule::Auto) => out.extend([(true, false), (true, true)]),
+            }
+        }
+        out
+    }
+
+    /// A layer's choice with the offload flag the rule forces for `checkpoint` (on under
+    /// `Always`, off otherwise).
+    pub fn choice(&self, chunk: usize, point: usize, checkpoint: bool) -> LayerChoice {
+        LayerChoice { chunk, point, checkpoint, offload: checkpoint && self.offload == OffloadRule::Always }
+    }
+
+    /// Device bytes a layer at point `pt` keeps for its backward over the microbatches chunk
+    /// `chunk` holds at its peak: every saved activation, or only its inputs when
+    /// checkpointed, and of an offloaded layer's inputs only the `loading_horizon`
+    /// microbatches back on the device (the others wait in host memory).
+    pub fn kept_bytes(&self, chunk: usize, pt: &ParetoPoint, checkpoint: bool, offload: bool) -> f64 {
+        let f = self.in_flight[chunk];
+        if offload {
+            f.min(self.loading_horizon) * pt.input_bytes
+        } else if checkpoint {
+            f * pt.input_bytes
+        } else {
+            f * pt.act_bytes
+        }
+    }
+
+    /// Bytes an offloaded layer keeps in host memory instead of on the device at the peak.
+    pub fn offloaded_bytes(&self, chunk: usize, pt: &ParetoPoint) -> f64 {
+        let f = self.in_flight[chunk];
+        (f - f.min(self.loading_horizon)) * pt.input_bytes
+    }
+
+    /// Forward and backward time per microbatch of a layer at point `pt`: a checkpointed
+    /// layer runs its forward again in the backward; an offloaded one's copies overlap its
+    /// compute (out during its forward, back during its recompute and backward), so only what
+    /// that compute does not hide costs time.
+    pub fn layer_times(pt: &ParetoPoint, checkpoint: bool, offload: bool) -> (f64, f64) {
+        let recompute = if checkpoint { pt.fwd_s } else { 0.0 };
+        let (out, back) = if offload {
+            ((pt.host_s - pt.fwd_s).max(0.0), (pt.host_s - pt.fwd_s - recompute - pt.bwd_s).max(0.0))
+        } else {
+            (0.0, 0.0)
+        };
+        (pt.fwd_s + out, pt.bwd_s + recompute + back)
+    }
+
+    /// Turns offloading off on every layer that fits without it (step time never grows by
+    /// it), so a plan offloads only what memory needs. Only under the `Auto` rule and the
+    /// step-time objective.
+    pub fn trim_offload(&self, choices: &mut [LayerChoice]) {
+        if self.offload != OffloadRule::Auto || self.objective != PipelineObjective::StepTime {
+            return;
+        }
+        for l in 0..choices.len() {
+            if !choices[l].offload {
+                continue;
+            }
+            choices[l].offload = false;
+            if !self.evaluate(choices).is_some_and(|e| self.feasible(&e)) {
+                choices[l].offload = true;
+            }
+        }
     }
 }
 
@@ -173,6 +273,9 @@ pub struct LayerChoice {
     pub point: usize,
     /// Whether the layer is recomputed in the backward pass.
     pub checkpoint: bool,
+    /// Whether its kept inputs wait in host memory between its forward and backward.
+    #[serde(default)]
+    pub offload: bool,
 }
 
 /// A pipeline solution evaluated under the problem's model.
@@ -221,6 +324,12 @@ impl PipelineProblem {
                 CheckpointRule::Always if !c.checkpoint => return None,
                 _ => {}
             }
+            match self.offload {
+                _ if c.offload && !c.checkpoint => return None,
+                OffloadRule::Never if c.offload => return None,
+                OffloadRule::Always if c.checkpoint && !c.offload => return None,
+                _ => {}
+            }
             prev = c.chunk;
             count[c.chunk] += 1;
         }
@@ -237,12 +346,12 @@ impl PipelineProblem {
         for (l, c) in choices.iter().enumerate() {
             let pt = &self.layers[l].points[c.point];
             let d = c.chunk % p;
-            fwd[d] += pt.fwd_s;
-            bwd[d] += pt.bwd_s + if c.checkpoint { pt.fwd_s } else { 0.0 };
+            let (f, b) = Self::layer_times(pt, c.checkpoint, c.offload);
+            fwd[d] += f;
+            bwd[d] += b;
             state[d] += pt.state_bytes;
             sync[d] += pt.sync_s;
-            let kept = if c.checkpoint { pt.input_bytes } else { pt.act_bytes };
-            act[d] += self.in_flight[c.chunk] * kept;
+            act[d] += self.kept_bytes(c.chunk, pt, c.checkpoint, c.offload);
             if c.checkpoint {
                 recompute[d] = recompute[d].max(pt.act_bytes - pt.input_bytes);
             }

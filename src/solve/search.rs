@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use crate::cost::{ClusterSpec, GroupSpan, in_flight};
-use crate::ir::{LayeredGraph, Parallelism, ScheduleKind};
+use crate::ir::{LayeredGraph, OffloadRule, Parallelism, ScheduleKind};
 
 use super::ilp::{SolveReport, SolveStatus, SolverOptions};
 use super::layer_cost::{CostContext, LayerConfig, tensor_split_divisor};
@@ -180,6 +180,8 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
                                     placement,
                                     sequence_parallel,
                                     precision: c.precision_for(spec),
+                                    offload: c.offload_for(spec),
+                                    loading_horizon: c.loading_horizon.unwrap_or(OffloadRule::DEFAULT_HORIZON),
                                 },
                                 microbatch_size: b,
                             });
@@ -288,6 +290,8 @@ pub fn prepare(
         workspace: spec.workspace_bytes as f64,
         transfer_s_per_byte: beta,
         checkpoint: cand.parallel.checkpointing,
+        offload: cand.parallel.offload,
+        loading_horizon: cand.parallel.loading_horizon as f64,
         fixed_chunks,
         objective: PipelineObjective::StepTime,
     };
@@ -314,6 +318,14 @@ pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
     let (mut state, mut act_total, mut kept_min) = (0.0, 0.0, 0.0);
     // (recompute seconds, bytes it frees) per layer, for the knapsack.
     let mut items: Vec<(f64, f64)> = Vec::new();
+    let min_flight = p.in_flight.iter().cloned().fold(f64::INFINITY, f64::min);
+    let max_flight = p.in_flight.iter().cloned().fold(0.0, f64::max);
+    // An offloaded layer keeps at least this share of its inputs' in-flight bytes on the device.
+    let offloaded = if p.offload == OffloadRule::Never || p.checkpoint == CheckpointRule::Never {
+        1.0
+    } else {
+        (p.loading_horizon / max_flight.max(1e-12)).min(1.0)
+    };
     for l in &p.layers {
         let pts = &l.points;
         tmin.push(fold_min(&mut pts.iter().map(|q| q.fwd_s + q.bwd_s + if always { q.fwd_s } else { 0.0 })));
@@ -321,11 +333,13 @@ pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
         state += fold_min(&mut pts.iter().map(|q| q.state_bytes));
         let act = fold_min(&mut pts.iter().map(|q| q.act_bytes));
         let input = fold_min(&mut pts.iter().map(|q| q.input_bytes)).min(act);
+        // offloading costs no time in this bound: it frees bytes for free
+        let least = input * offloaded;
         let kept = match p.checkpoint {
             CheckpointRule::Never => act,
-            CheckpointRule::Always => input,
+            CheckpointRule::Always => least,
             CheckpointRule::Auto => {
-                items.push((fold_min(&mut pts.iter().map(|q| q.fwd_s)), act - input));
+                items.push((fold_min(&mut pts.iter().map(|q| q.fwd_s)), act - least));
                 act
             }
         };
@@ -334,8 +348,8 @@ pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
     }
     let t_sum: f64 = tmin.iter().sum();
     let s_sum: f64 = smin.iter().sum();
-    let min_flight = p.in_flight.iter().cloned().fold(f64::INFINITY, f64::min);
-    let mem_lb = (state + kept_min * min_flight) / devices as f64 + p.workspace;
+    let kept_flight = if offloaded < 1.0 { min_flight.min(p.loading_horizon) } else { min_flight };
+    let mem_lb = (state + kept_min * kept_flight) / devices as f64 + p.workspace;
     // Device d keeps at most (cap − workspace − state_d) / (least in-flight count of its
     // chunks) bytes per microbatch; summed over devices with Σ state_d = state.
     let mut f_dev = vec![f64::INFINITY; devices];
@@ -658,12 +672,13 @@ pub fn decision(
             }
         }
         let (mut fwd, mut bwd, mut params, mut trained, mut kept, mut rec) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0f64);
-        let mut ckpt = Vec::new();
+        let (mut ckpt, mut offloaded, mut host) = (Vec::new(), Vec::new(), 0.0);
         for &l in &members {
             let ch = sol.choices[l];
             let pt = &prob.layers[l].points[ch.point];
-            fwd += pt.fwd_s;
-            bwd += pt.bwd_s + if ch.checkpoint { pt.fwd_s } else { 0.0 };
+            let (f, b) = PipelineProblem::layer_times(pt, ch.checkpoint, ch.offload);
+            fwd += f;
+            bwd += b;
             // The layer's own count, plus what its assignment replicates beyond the split.
             let extra = match (ctx.detail(l, &lc, pt.choice), ctx.detail(l, &lc, 0)) {
                 (Some(d), Some(m)) => d.param_elems - m.param_elems,
@@ -679,16 +694,18 @@ pub fn decision(
                     trained += tc.trained;
                 }
             }
+            kept += prob.kept_bytes(c, pt, ch.checkpoint, ch.offload);
             if ch.checkpoint {
-                kept += pt.input_bytes;
                 rec = rec.max(pt.act_bytes - pt.input_bytes);
                 ckpt.push(l);
-            } else {
-                kept += pt.act_bytes;
+            }
+            if ch.offload {
+                host += prob.offloaded_bytes(c, pt);
+                offloaded.push(l);
             }
         }
         let st = ctx.state_split(params * cand.parallel.tp.max(1) as f64, trained * cand.parallel.tp.max(1) as f64, &lc);
-        let activations = prob.in_flight[c] * kept + rec;
+        let activations = kept + rec;
         let workspace = if c < cand.parallel.pp { prob.workspace } else { 0.0 };
         let comm_s = if c + 1 < chunks { 2.0 * prob.layers[last].output_bytes * prob.transfer_s_per_byte[c] } else { 0.0 };
         stages.push(StageDecision {
@@ -708,6 +725,8 @@ pub fn decision(
                 total: st.total() + activations + workspace,
             },
             checkpointed_layers: ckpt,
+            offloaded_layers: offloaded,
+            offloaded_bytes: host,
         });
     }
     let fallback = if cand.parallel.tp > 1 { format!("megatron-tp{}", cand.parallel.tp) } else { "replicate".to_string() };
@@ -725,7 +744,7 @@ pub fn decision(
                 }
                 None => (fallback.clone(), Vec::new()),
             };
-            LayerDecision { layer: l, strategy, nodes, checkpoint: ch.checkpoint }
+            LayerDecision { layer: l, strategy, nodes, checkpoint: ch.checkpoint, offload: ch.offload }
         })
         .collect();
     let step = eval.step_s;

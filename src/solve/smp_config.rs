@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use crate::ir::{Precision, ScheduleKind};
+use crate::ir::{OffloadRule, Precision, ScheduleKind};
 
 use super::{Optimize, Placement};
 
@@ -102,6 +102,9 @@ pub const SMP_KEYS: &[&str] = &[
     "fp16",
     "bf16",
     "fp16_params",
+    "offload_activations",
+    "sm_activation_offloading",
+    "activation_loading_horizon",
 ];
 
 /// The settings an SMP config file gives, each with its source.
@@ -130,6 +133,11 @@ pub struct SmpConfig {
     /// `fp16` / `fp16_params` (fp16-mixed) and `bf16` (bf16-mixed); all of those given false:
     /// f32, as SMP trains without them.
     pub precision: Option<Sourced<Precision>>,
+    /// `offload_activations` (SMP v1) / `sm_activation_offloading` (v2): true forces
+    /// offloading on for every checkpointed layer, false off.
+    pub offload: Option<Sourced<OffloadRule>>,
+    /// `activation_loading_horizon`.
+    pub loading_horizon: Option<Sourced<usize>>,
     /// Keys read but without effect on planning.
     pub ignored: Vec<String>,
 }
@@ -222,6 +230,21 @@ impl SmpConfig {
                     let o = string()?.parse::<Optimize>().map_err(bad)?;
                     cfg.optimize = Some(Sourced { value: o, source: src(v) });
                 }
+                "offload_activations" | "sm_activation_offloading" => {
+                    let on = v.as_bool().ok_or_else(|| bad(format!("expected true or false, found {v}")))?;
+                    let new = Sourced { value: if on { OffloadRule::Always } else { OffloadRule::Never }, source: src(v) };
+                    if let Some(old) = &cfg.offload
+                        && old.value != new.value
+                    {
+                        return Err(conflict(
+                            old.source.clone(),
+                            new.source,
+                            "`sm_activation_offloading` is SMP v2's name for `offload_activations`: give one of them, or both alike",
+                        ));
+                    }
+                    cfg.offload = Some(new);
+                }
+                "activation_loading_horizon" => cfg.loading_horizon = Some(positive()?),
                 "fp16" | "bf16" | "fp16_params" => match v.as_bool() {
                     Some(b) => precision_keys.push((key.clone(), b, src(v))),
                     None => return Err(bad(format!("expected true or false, found {v}"))),
@@ -326,6 +349,27 @@ mod tests {
             let cfg = parse(&format!(r#"{{"{key}": true}}"#)).unwrap();
             assert!(cfg.ignored.is_empty(), "{key}");
         }
+    }
+
+    #[test]
+    fn offload_keys_map_onto_the_rule() {
+        let offload = |json: &str| parse(json).unwrap().offload.map(|o| o.value);
+        assert_eq!(offload(r#"{"offload_activations": true}"#), Some(OffloadRule::Always));
+        assert_eq!(offload(r#"{"sm_activation_offloading": true}"#), Some(OffloadRule::Always));
+        assert_eq!(offload(r#"{"offload_activations": false}"#), Some(OffloadRule::Never));
+        assert_eq!(offload(r#"{"offload_activations": true, "sm_activation_offloading": true}"#), Some(OffloadRule::Always));
+        assert_eq!(offload(r#"{"microbatches": 2}"#), None);
+        let h = parse(r#"{"activation_loading_horizon": 2}"#).unwrap().loading_horizon.unwrap();
+        assert_eq!(h.value, 2);
+        for key in ["offload_activations", "sm_activation_offloading", "activation_loading_horizon"] {
+            assert!(!SMP_IGNORED_KEYS.contains(&key) && SMP_KEYS.contains(&key), "{key}");
+        }
+        let e = parse(r#"{"offload_activations": true, "sm_activation_offloading": false}"#).unwrap_err().to_string();
+        assert!(e.contains("\"offload_activations\": true") && e.contains("\"sm_activation_offloading\": false"), "{e}");
+        let e = parse(r#"{"activation_loading_horizon": 0}"#).unwrap_err().to_string();
+        assert!(e.contains("activation_loading_horizon") && e.contains("positive integer"), "{e}");
+        let e = parse(r#"{"offload_activations": "yes"}"#).unwrap_err().to_string();
+        assert!(e.contains("`offload_activations`") && e.contains("true or false"), "{e}");
     }
 
     #[test]

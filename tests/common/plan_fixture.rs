@@ -34,6 +34,8 @@ pub fn fixture() -> Plan {
             output_bytes: 1 << 20,
             memory_bytes: memory(GIB, 2 * GIB),
             checkpointed_layers: vec![],
+            offloaded_layers: vec![],
+            offloaded_bytes: 0,
         },
         Stage {
             index: 1,
@@ -48,6 +50,8 @@ pub fn fixture() -> Plan {
             output_bytes: 0,
             memory_bytes: memory(GIB, GIB),
             checkpointed_layers: vec![4],
+            offloaded_layers: vec![],
+            offloaded_bytes: 0,
         },
     ];
     let mut plan = Plan {
@@ -78,6 +82,8 @@ pub fn fixture() -> Plan {
             placement: smp_partition::solve::Placement::CLUSTER,
             sequence_parallel: false,
             precision: smp_partition::ir::Precision::Bf16Mixed,
+            offload: smp_partition::ir::OffloadRule::Auto,
+            loading_horizon: smp_partition::ir::OffloadRule::DEFAULT_HORIZON,
         },
         stages,
         layer_strategies: vec![LayerStrategy {

@@ -10,7 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use smp_partition::compile::{Observer, Stage};
 use smp_partition::cost::ClusterSpec;
-use smp_partition::ir::{Precision, ScheduleKind};
+use smp_partition::ir::{OffloadRule, Precision, ScheduleKind};
 use smp_partition::compile::ParamOptions;
 use smp_partition::plan::{Plan, io, report};
 use smp_partition::solve::options::{Layout, parse_checkpointing, parse_dim, parse_schedule};
@@ -90,6 +90,15 @@ pub struct PlanFlags {
     /// on GPU presets, f32 on `cpu`; SMP's `fp16`/`bf16`/`fp16_params` keys say it too).
     #[arg(long, value_name = "f32|bf16|bf16-mixed|fp16-mixed")]
     pub precision: Option<Precision>,
+    /// Offload checkpointed layers' kept inputs to host memory between forward and backward:
+    /// `auto` where memory needs it (the default), `on` for every checkpointed layer, `off`
+    /// (SMP's `offload_activations` / `sm_activation_offloading` say it too).
+    #[arg(long, value_name = "auto|on|off")]
+    pub offload_activations: Option<OffloadRule>,
+    /// Microbatches of offloaded inputs brought back ahead of their backward (default 4, as
+    /// SMP's `activation_loading_horizon`).
+    #[arg(long, value_name = "N")]
+    pub activation_loading_horizon: Option<usize>,
     /// Manual pipeline cuts over `graph`'s layers, e.g. "0-11|12-23".
     #[arg(long, value_name = "FIRST-LAST|...")]
     pub layout: Option<Layout>,
@@ -150,6 +159,8 @@ impl PlanFlags {
                 _ => None,
             },
             precision: self.precision,
+            offload: self.offload_activations,
+            loading_horizon: self.activation_loading_horizon,
             params: ParamOptions { trainable: self.trainable.clone(), frozen: self.frozen.clone() },
             cluster_flag: Some(cluster.to_string()),
             ..PlanOptions::default()

@@ -20,6 +20,7 @@ use crate::runtime::state::checkpoint::{self, Piece, RunState};
 use crate::runtime::state::slice::{Slice, is_transposed, param_name};
 use crate::runtime::train::{self, LossScaler, OptimizerProgress, StepRecord, StepRunner};
 use super::zero::{Restore, Zero};
+use super::offload::Offload;
 use crate::codegen::{Instr, Payload, Purpose};
 use crate::ir::ValueId;
 
@@ -76,6 +77,8 @@ pub(super) struct Interp<'r, 'a> {
     scaler: Option<LossScaler>,
     /// The step in progress found inf/NaN and took no update.
     skipped: bool,
+    /// Recomputed stages' kept inputs, offloaded where the plan says.
+    offload: Offload,
 }
 
 impl<'r, 'a> Interp<'r, 'a> {
@@ -107,6 +110,13 @@ impl<'r, 'a> Interp<'r, 'a> {
             adamw_steps: resumed.map_or(0, |s| s.adamw_step),
             scaler,
             skipped: false,
+            offload: {
+                let order = rank.program.instrs.iter().filter_map(|i| match *i {
+                    Instr::Backward { stage, mb } if rank.layout.recompute[stage] => Some((stage, mb)),
+                    _ => None,
+                });
+                Offload::new(rank.offloaded.clone(), rank.parallel.loading_horizon, order.collect())
+            },
         })
     }
 
@@ -226,12 +236,23 @@ impl<'r, 'a> Interp<'r, 'a> {
             .map(|(v, t)| Ok((*v, if is_float(&t) && back.contains(v) { t.f_detach()?.f_set_requires_grad(true)? } else { t })))
             .collect::<Result<_, RuntimeError>>()?;
         let grad = !self.eval && !r.layout.recompute[s];
+        // what a recomputed stage keeps for its backward: its inputs (the offload's to hold)
+        let kept = !self.eval && r.layout.recompute[s];
+        if kept {
+            self.offload.forward_starts(s, mb, &inputs)?;
+        }
         let norm = if self.eval { NormStats::Running } else { NormStats::Batch { update: true } };
         let dropout = (!self.eval).then(|| self.dropout_key(mb));
         let (outputs, loss) = run_stage(r, s, &inputs, grad, norm, dropout, &self.micro[mb], &self.feeds[mb], self.loss_scale)?;
         if let Some(l) = loss.as_ref().filter(|_| r.tensor_rank == 0) {
             self.loss_sum += l.f_double_value(&[])?;
         }
+        let inputs = if kept {
+            self.offload.keep(s, mb, inputs)?;
+            Vec::new()
+        } else {
+            inputs
+        };
         self.state.insert((s, mb), MbState { inputs, outputs, loss, root: None });
         Ok(())
     }
@@ -250,6 +271,7 @@ impl<'r, 'a> Interp<'r, 'a> {
         let mut st = self.state.remove(&(s, mb)).ok_or_else(|| terr(format!("backward of stage {s} mb {mb} before its forward")))?;
         self.zero.ensure(r, s)?;
         if r.layout.recompute[s] {
+            st.inputs = self.offload.take(s, mb)?;
             let key = self.dropout_key(mb);
             let (outputs, loss) = run_stage(r, s, &st.inputs, true, NormStats::Batch { update: false }, Some(key), &self.micro[mb], &self.feeds[mb], self.loss_scale)?;
             st.outputs = outputs;
@@ -574,6 +596,7 @@ impl StepRunner for Interp<'_, '_> {
         self.grad_for.clear();
         self.loss_sum = 0.0;
         self.pending_w.clear();
+        self.offload.start_step();
         self.kv_done = r.kv_groups.is_empty();
         self.phases = PhaseTimes::default();
         self.post_headers(false)?;
@@ -615,6 +638,7 @@ impl StepRunner for Interp<'_, '_> {
             self.tally.phases.add(&self.phases);
         }
         self.steps_run += 1;
+        self.tally.kept = self.offload.pool;
         self.zero.release(r, &BTreeSet::new())?;
         self.tally.resident = self.zero.held(&r.params, &[]).params;
         let loss = self.loss_sum;

@@ -7,12 +7,13 @@
 //! `setup` sets the rank up from the plan (its codegen section: stage node ids, programs,
 //! shards, parameters, process groups), `interp` executes its program one method per
 //! instruction and is the rank's step in the one training loop (`train::driver`), `zero`
-//! holds the ZeRO state and data-parallel synchronisation, `report` gathers what the ranks
-//! measured.
+//! holds the ZeRO state and data-parallel synchronisation, `offload` the kept inputs of
+//! recomputed stages and their trips to host memory, `report` gathers what the ranks measured.
 
 mod check;
 mod interp;
 mod layout;
+mod offload;
 mod params;
 mod report;
 mod setup;

@@ -47,6 +47,10 @@ pub struct RankStats {
     pub cpu_time_s: f64,
     /// Where the mean step's wall time went (first step excluded).
     pub phases: PhaseTimes,
+    /// The most bytes of recomputed stages' kept inputs resident on the device.
+    pub peak_kept_bytes: u64,
+    /// The most bytes of kept inputs offloaded to host memory.
+    pub peak_offloaded_bytes: u64,
 }
 
 /// Wall seconds of a step by kind of instruction.
@@ -105,6 +109,33 @@ pub(super) fn bytes_of(t: &Tensor) -> u64 {
     if t.defined() { (t.numel() * t.kind().elt_size_in_bytes()) as u64 } else { 0 }
 }
 
+/// Bytes of the kept-input pools, now and at their peaks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolBytes {
+    /// Kept inputs resident on the device (loaded back, or never offloaded).
+    pub device: u64,
+    /// The most `device` held.
+    pub device_peak: u64,
+    /// Kept inputs waiting in host memory.
+    pub host: u64,
+    /// The most `host` held.
+    pub host_peak: u64,
+}
+
+impl PoolBytes {
+    /// Adds `b` bytes to the device pool.
+    pub(super) fn to_device(&mut self, b: u64) {
+        self.device += b;
+        self.device_peak = self.device_peak.max(self.device);
+    }
+
+    /// Adds `b` bytes to the host pool.
+    pub(super) fn to_host(&mut self, b: u64) {
+        self.host += b;
+        self.host_peak = self.host_peak.max(self.host);
+    }
+}
+
 /// Peaks of the held state.
 #[derive(Default)]
 pub(super) struct Tally {
@@ -114,6 +145,8 @@ pub(super) struct Tally {
     pub resident: u64,
     /// Phase times summed over the steps after the first.
     pub phases: PhaseTimes,
+    /// The kept-input pools (their peaks over the run).
+    pub kept: PoolBytes,
 }
 
 impl Tally {
@@ -133,7 +166,7 @@ pub(super) fn gather(world: &ProcessGroup, size: usize, records: Vec<StepRecord>
     let cpu: Vec<f64> = records.iter().skip(usize::from(records.len() > 1)).map(|s| s.cpu_s).collect();
     let cpu_mean = cpu.iter().sum::<f64>() / cpu.len().max(1) as f64;
     let phases = tally.phases.as_array().map(|x| x / timed.len().max(1) as f64);
-    const STATS: usize = 15;
+    const STATS: usize = 17;
     let p = tally.peak;
     let mine = Tensor::from_slice(&[
         mean,
@@ -151,6 +184,8 @@ pub(super) fn gather(world: &ProcessGroup, size: usize, records: Vec<StepRecord>
         phases[2],
         phases[3],
         phases[4],
+        tally.kept.device_peak as f64,
+        tally.kept.host_peak as f64,
     ]);
     let all = Tensor::f_zeros([(STATS * size) as i64], (Kind::Double, tch::Device::Cpu))?;
     world.all_gather(&all, &mine)?;
@@ -166,6 +201,8 @@ pub(super) fn gather(world: &ProcessGroup, size: usize, records: Vec<StepRecord>
             weight_bytes_read: crate::runtime::state::weights::ReadBytes { params: c[7] as u64, other: c[8] as u64 },
             cpu_time_s: c[9],
             phases: PhaseTimes::from_slice(&c[10..15]),
+            peak_kept_bytes: c[15] as u64,
+            peak_offloaded_bytes: c[16] as u64,
         })
         .collect();
     world.barrier()?;

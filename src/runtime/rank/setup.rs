@@ -119,6 +119,8 @@ pub(super) struct Rank<'a> {
     pub program: RankProgram,
     /// Stages whose backward is split into B and W in the program.
     pub split_w: BTreeSet<(usize, usize)>,
+    /// By global stage: whether the plan offloads its kept inputs (`offloaded_layers`).
+    pub offloaded: Vec<bool>,
     /// Parameters.
     pub params: Params,
     /// Grouped-query KV slices several tensor ranks hold: (parameter position, the ranks).
@@ -195,6 +197,7 @@ impl<'a> Rank<'a> {
             parallel: plan.parallel,
             program,
             split_w,
+            offloaded: plan.stages.iter().map(|st| !st.offloaded_layers.is_empty()).collect(),
             params,
             kv_groups,
             stage_execs,

@@ -69,6 +69,11 @@ pub struct RankDetail {
     pub cpu_time_s: f64,
     /// Where the mean step's wall time went.
     pub phases: PhaseEntry,
+    /// The most bytes of recomputed stages' kept inputs on the device (the accounted device
+    /// pool of activation offloading).
+    pub peak_kept_activation_bytes: u64,
+    /// The most bytes of kept inputs offloaded to host memory.
+    pub peak_offloaded_activation_bytes: u64,
 }
 
 /// Trained state bytes by kind.
@@ -120,6 +125,8 @@ impl RankDetail {
             weight_bytes_read: ReadEntry { params: st.weight_bytes_read.params, other: st.weight_bytes_read.other },
             cpu_time_s: st.cpu_time_s,
             phases: PhaseEntry { compute_s, send_s, recv_s, collective_s, optimizer_s },
+            peak_kept_activation_bytes: st.peak_kept_bytes,
+            peak_offloaded_activation_bytes: st.peak_offloaded_bytes,
         }
     }
 }

@@ -1,0 +1,134 @@
+//! Activation offloading executed: plans of the GPT-2 export with full recompute, run by
+//! `smp-runner launch` with offloading off and on (horizon 1), in f64. The oracle is the run
+//! with offloading off: every loss equal within 1e-12 relative. The runner keeps what a
+//! recomputed stage needs for its backward, its inputs, in an accounted device pool: with
+//! offloading on, its peak must drop by the plan's `offloaded_bytes` (within 10 %) on stages
+//! whose kept inputs are one layer's (a one-layer stage after the first: the first keeps only
+//! the batch, which is data, not activations).
+#![cfg(feature = "runner")]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::runner::{field, json, ok, plan_into, runner};
+
+const STEPS: &str = "5";
+
+fn model() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/gpt2.onnx")
+}
+
+/// Plans `flags` with offloading `rule` (horizon 1) and full recompute; the plan's JSON.
+fn plan(dir: &Path, name: &str, pp: usize, flags: &[&str], rule: &str) -> (PathBuf, serde_json::Value) {
+    let base = ["--seq-len", "16", "--global-batch", "8", "--microbatches", "4", "--tp", "1", "--dp", "1", "--checkpointing", "full"];
+    let pp = pp.to_string();
+    let args: Vec<&str> = base
+        .iter()
+        .copied()
+        .chain(["--pp", &pp, "--offload-activations", rule, "--activation-loading-horizon", "1"])
+        .chain(flags.iter().copied())
+        .collect();
+    let path = plan_into(&model(), &format!("cpu:{pp}"), &args, &dir.join(format!("{name}-{rule}.json")));
+    let v = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    (path, v)
+}
+
+fn launch(nproc: usize, plan: &Path) -> serde_json::Value {
+    let r = runner()
+        .args(["launch", "--nproc", &nproc.to_string(), plan.to_str().unwrap()])
+        .args(["--steps", STEPS, "--dtype", "f64", "--threads", "1", "--json", "--timeout", "120"])
+        .output()
+        .unwrap();
+    json(&ok(&format!("launch of {}", plan.display()), r))
+}
+
+/// Per rank: (peak kept bytes on the device, peak bytes offloaded to host).
+fn pools(report: &serde_json::Value) -> Vec<(f64, f64)> {
+    field(report, "ranks", "peak_kept_activation_bytes").into_iter().zip(field(report, "ranks", "peak_offloaded_activation_bytes")).collect()
+}
+
+/// Runs `name` off and on; asserts equal losses; returns the plans and per-rank pools.
+fn off_and_on(name: &str, pp: usize, flags: &[&str]) -> [(serde_json::Value, Vec<(f64, f64)>); 2] {
+    let dir = tempfile::tempdir().unwrap();
+    let runs = ["off", "on"].map(|rule| {
+        let (path, v) = plan(dir.path(), name, pp, flags, rule);
+        let report = launch(pp, &path);
+        (v, report)
+    });
+    let (off, on) = (field(&runs[0].1, "steps", "loss"), field(&runs[1].1, "steps", "loss"));
+    assert_eq!(off.len(), on.len());
+    let worst = off.iter().zip(&on).map(|(a, b)| ((a - b) / a).abs()).fold(0.0, f64::max);
+    eprintln!("{name}: offloading on vs off, max relative loss difference {worst:.3e} over {} steps", on.len());
+    assert!(worst <= 1e-12, "{name}: losses with offloading {on:?} vs without {off:?} (max rel {worst:.3e})");
+    runs.map(|(v, report)| {
+        let p = pools(&report);
+        (v, p)
+    })
+}
+
+/// The plan of the f32 `cpu` precision prices 4-byte activations; the f64 run holds 8.
+const F64_OVER_PLAN: f64 = 2.0;
+
+/// On every one-layer stage after the first, the measured drop of the device pool's peak
+/// against the plan's `offloaded_bytes` (within 10 %); returns how many stages were compared.
+fn drops_match_the_plan(name: &str, runs: &[(serde_json::Value, Vec<(f64, f64)>); 2]) -> usize {
+    let (plan, off, on) = (&runs[1].0, &runs[0].1, &runs[1].1);
+    let mut compared = 0;
+    for st in plan["stages"].as_array().unwrap() {
+        let (index, layers) = (st["index"].as_u64().unwrap() as usize, &st["layers"]);
+        let planned = st["offloaded_bytes"].as_f64().unwrap_or(0.0) * F64_OVER_PLAN;
+        if index == 0 || layers[0] != layers[1] {
+            continue;
+        }
+        let rank = st["ranks"][0].as_u64().unwrap() as usize;
+        let measured = off[rank].0 - on[rank].0;
+        eprintln!(
+            "{name} stage {index} (layer {}): device pool peak {} → {} B, measured drop {measured} B, planned {planned} B; {} B in host memory at the peak",
+            layers[0], off[rank].0, on[rank].0, on[rank].1
+        );
+        assert!((measured - planned).abs() <= 0.1 * planned.max(1.0), "{name} stage {index}: dropped {measured} B, planned {planned} B");
+        compared += 1;
+    }
+    compared
+}
+
+/// The acceptance's plans: pp 2 under 1F1B and ZB-H1. Here the runner moves nothing — the
+/// first stage keeps only the batch and the last holds one microbatch between its forward and
+/// backward — so equality and an unchanged pool are what there is to check.
+#[test]
+fn pp2_1f1b_and_zb_h1_equal_offloading_off() {
+    for schedule in ["1f1b", "zb-h1"] {
+        let runs = off_and_on(&format!("pp2-{schedule}"), 2, &["--schedule", schedule]);
+        let (off, on) = (&runs[0].1, &runs[1].1);
+        let offloaded: usize = runs[1].0["stages"].as_array().unwrap().iter().map(|s| s["offloaded_layers"].as_array().map_or(0, Vec::len)).sum();
+        assert!(offloaded > 0, "pp2 {schedule}: `on` offloads no layer");
+        assert_eq!(on, off, "pp2 {schedule}: pools");
+    }
+}
+
+/// Where the runner keeps several microbatches' inputs: the middle stage of pp 3 (1F1B: two
+/// in flight) and the last of a pp 2 GPipe (all four). One layer per stage after the first, so
+/// the kept inputs are that layer's. Under ZB-H1 the planner counts p microbatches in flight on
+/// every rank (until their W, conservatively), more than sit between a forward and its
+/// backward, so there the drop is only checked to happen.
+#[test]
+fn offloaded_inputs_leave_the_device_pool_by_the_planned_amount() {
+    let cases: [(&str, usize, &[&str], bool); 3] = [
+        ("pp3-1f1b", 3, &["--schedule", "1f1b", "--layout", "0-3|4-4|5-5"], true),
+        ("pp2-gpipe", 2, &["--schedule", "gpipe", "--layout", "0-4|5-5"], true),
+        ("pp3-zb-h1", 3, &["--schedule", "zb-h1", "--layout", "0-3|4-4|5-5"], false),
+    ];
+    for (name, pp, flags, compare) in cases {
+        let runs = off_and_on(name, pp, flags);
+        assert!(runs[1].1.iter().any(|&(_, host)| host > 0.0), "{name}: nothing went to host memory");
+        assert!(runs[0].1.iter().all(|&(_, host)| host == 0.0), "{name}: offloading off moved bytes");
+        for (rank, (off, on)) in runs[0].1.iter().zip(&runs[1].1).enumerate() {
+            assert!(on.0 <= off.0, "{name} rank {rank}: the device pool grew with offloading ({} → {} B)", off.0, on.0);
+        }
+        if compare {
+            let compared = drops_match_the_plan(name, &runs);
+            assert!(compared > 0, "{name}: no stage to compare");
+        }
+    }
+}
