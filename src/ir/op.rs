@@ -151,6 +151,12 @@ impl fmt::Display for Op {
     }
 }
 
+/// An IR-internal attribute of `Gather` on axis 0 (`INTS`; set by `passes::params` from the
+/// parameter record's `smp.padding_rows`, never read from a model file): rows of the table
+/// whose lookups send the table no gradient, as PyTorch's `embedding(..., padding_idx)`. The
+/// forward is plain Gather; a tensor-parallel shard holds it in its own row numbers.
+pub const PADDING_ROWS: &str = "smp.padding_rows";
+
 /// One attribute value.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Attr {
