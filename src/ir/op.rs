@@ -84,6 +84,13 @@ impl OpKind {
         )
     }
 
+    /// True for ops whose training result for one sample depends on the other samples of its
+    /// forward pass: BatchNormalization, which the runner trains on the statistics of the
+    /// samples it is given (one microbatch of one replica), as a module in `train()` mode does.
+    pub fn mixes_samples(self) -> bool {
+        matches!(self, OpKind::BatchNormalization)
+    }
+
     /// True for elementwise ops (one output element per broadcast input element).
     pub fn is_elementwise(self) -> bool {
         use OpKind::*;

@@ -137,6 +137,9 @@ impl RunSession {
         let speaks = env.as_ref().is_none_or(|e| e.rank == 0);
         let mut notes = Vec::new();
         let (graph, sha256) = decided(imported.graph, imported.sha256, &model, &params, speaks.then_some(&mut notes))?;
+        if let Some(w) = plan.batch_statistics_warning().filter(|_| speaks) {
+            notes.push(format!("warning: {w}"));
+        }
         let mesh = format!("pp{} dp{} tp{} zero{}", p.pp, p.dp, p.tp, p.zero);
         let run_opts = RunOptions { params, dtype: Some(dtype), ..opts };
         let mut s = RunSession { opts: run_opts, model, graph, sha256, seq_len, plan: None, save: None, resume: None, notes };
@@ -172,7 +175,8 @@ impl RunSession {
         Ok(())
     }
 
-    /// What the session has to say before the run (what is trained, resharding), one line each.
+    /// What the session has to say before the run (what is trained, resharding, statistics
+    /// BatchNorm computes per microbatch), one line each.
     pub fn notes(&self) -> &[String] {
         &self.notes
     }
