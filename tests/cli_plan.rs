@@ -121,3 +121,103 @@ fn inspect_json_is_one_object() {
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(text.contains("bottleneck  stage 1"), "{text}");
 }
+
+/// A tiny CNN with one BatchNormalization (`bn`): `x` [8, 3, 4, 4] → 1×1 Conv → BatchNorm →
+/// Relu → GlobalAveragePool → Flatten → MatMul → `y` [8, 5].
+fn batchnorm_model(dir: &std::path::Path) -> std::path::PathBuf {
+    use prost::Message;
+    use smp_partition::frontend::onnx::proto::{
+        GraphProto, ModelProto, NodeProto, OperatorSetIdProto, TensorProto, TensorShapeProto, TypeProto, ValueInfoProto,
+        tensor_shape_proto, type_proto,
+    };
+    let info = |name: &str, dims: &[i64]| ValueInfoProto {
+        name: Some(name.into()),
+        r#type: Some(TypeProto {
+            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                elem_type: Some(1),
+                shape: Some(TensorShapeProto {
+                    dim: dims
+                        .iter()
+                        .map(|&d| tensor_shape_proto::Dimension { value: Some(tensor_shape_proto::dimension::Value::DimValue(d)), ..Default::default() })
+                        .collect(),
+                }),
+            })),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let node = |op: &str, name: &str, inputs: &[&str], output: &str| NodeProto {
+        op_type: Some(op.into()),
+        name: Some(name.into()),
+        input: inputs.iter().map(|s| (*s).into()).collect(),
+        output: vec![output.into()],
+        ..Default::default()
+    };
+    // varied values (1.0 for the variance), so no initializer looks like another
+    let init = |name: &str, dims: &[i64], one: bool| {
+        let n: i64 = dims.iter().product();
+        let raw: Vec<u8> = (0..n).flat_map(|i| if one { 1.0f32 } else { 0.1 + 0.01 * i as f32 }.to_le_bytes()).collect();
+        TensorProto { name: Some(name.into()), data_type: Some(1), dims: dims.to_vec(), raw_data: Some(raw.into()), ..Default::default() }
+    };
+    let model = ModelProto {
+        ir_version: Some(10),
+        opset_import: vec![OperatorSetIdProto { domain: Some(String::new()), version: Some(18) }],
+        graph: Some(GraphProto {
+            name: Some("cnn".into()),
+            node: vec![
+                node("Conv", "conv", &["x", "w"], "c"),
+                node("BatchNormalization", "bn", &["c", "gamma", "beta", "mean", "var"], "n"),
+                node("Relu", "relu", &["n"], "r"),
+                node("GlobalAveragePool", "pool", &["r"], "p"),
+                node("Flatten", "flatten", &["p"], "f"),
+                node("MatMul", "head", &["f", "w2"], "y"),
+            ],
+            initializer: vec![
+                init("w", &[4, 3, 1, 1], false),
+                init("gamma", &[4], false),
+                init("beta", &[4], false),
+                init("mean", &[4], false),
+                init("var", &[4], true),
+                init("w2", &[4, 5], false),
+            ],
+            input: vec![info("x", &[8, 3, 4, 4])],
+            output: vec![info("y", &[8, 5])],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let path = dir.join("cnn.onnx");
+    std::fs::write(&path, model.encode_to_vec()).unwrap();
+    path
+}
+
+#[test]
+fn batchnorm_statistics_per_microbatch_are_recorded_and_warned_about() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = batchnorm_model(dir.path());
+    let cpu1 = common::cluster_arg("cpu:1");
+    let plan = |microbatches: &str| {
+        let args = [model.to_str().unwrap(), "--cluster", &cpu1, "--global-batch", "8", "--microbatches", microbatches, "--json"];
+        let o = smp(&args);
+        assert_eq!(code(&o), 0, "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("stdout is one JSON value");
+        (v, stderr(&o))
+    };
+    // 4 microbatches of 2 samples: recorded, and a warning naming the node and the fix
+    let (v, err) = plan("4");
+    assert_eq!(v["batch_statistics"], serde_json::json!({"nodes": ["bn"], "samples": 2}));
+    for needle in ["warning: BatchNorm statistics are per microbatch", "(`bn`)", "each microbatch of 2 samples", "global batch 8 = 4 microbatches of 2", "--microbatches 1"] {
+        assert!(err.contains(needle), "`{needle}` not in: {err}");
+    }
+    // one microbatch: statistics over the whole batch, as PyTorch's; recorded, no warning
+    let (v, err) = plan("1");
+    assert_eq!(v["batch_statistics"], serde_json::json!({"nodes": ["bn"], "samples": 8}));
+    assert!(!err.contains("BatchNorm"), "{err}");
+    // the report says it too
+    let path = dir.path().join("plan.json");
+    let o = smp(&[model.to_str().unwrap(), "--cluster", &cpu1, "--global-batch", "8", "--microbatches", "2", "-o", path.to_str().unwrap()]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let o = smp(&["inspect", path.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("batchnorm 1 BatchNormalization node(s) normalise by the statistics of each microbatch of 4 samples"), "{text}");
+}

@@ -87,12 +87,19 @@ fn resnet18_pipelines_and_replicates_like_one_process() {
             .output()
             .unwrap();
         assert!(r.status.success(), "planning {name}: {}", String::from_utf8_lossy(&r.stderr));
+        // both say that the statistics are those of a microbatch (8 = 4 × 2 and 2 × 2 × 2)
+        let said = "BatchNorm statistics are per microbatch: 20 BatchNormalization node(s)";
+        let per = "normalise each microbatch of 2 samples";
+        let planner = String::from_utf8_lossy(&r.stderr);
+        assert!(planner.contains(&format!("warning: {said}")) && planner.contains(per), "planning {name}: {planner}");
         let r = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
             .args(["launch", "--nproc", "2", plan.to_str().unwrap(), "--data", data.to_str().unwrap(), "--timeout", "300"])
             .args(RUN)
             .output()
             .unwrap();
         assert!(r.status.success(), "launch {name}: {}", String::from_utf8_lossy(&r.stderr));
+        let runner = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(runner.matches(&format!("smp-runner: warning: {said}")).count(), 1, "launch {name}: {runner}");
         let got = losses(&r.stdout);
         let worst = max_rel(&got, &want);
         assert!(worst <= 1e-9, "{name}: {got:?} vs one process {want:?} (max rel {worst:.2e})");

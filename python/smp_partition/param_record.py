@@ -19,6 +19,9 @@ the exporter's own names where it kept them, and writes the answer into each ini
     smp.sites      JSON list parallel to smp.params: the nodes that use each (merged only)
     smp.persistent "false" on a buffer the module's state_dict leaves out (RoPE's inv_freq):
                    never handed back to `load_state_dict`
+    smp.trainable  "false" on a parameter the module holds with requires_grad = False
+    smp.padding_rows  JSON list of the rows of an `nn.Embedding` weight that its lookups send
+                   no gradient (`padding_idx`); a tied LM head still trains them
 
 and in the model's metadata_props `smp.param_record` = "1" and `smp.missing` (JSON list of
 parameters found nowhere in the file). Zero biases the exporter dropped from Gemm nodes are
@@ -45,8 +48,9 @@ import onnx
 from onnx import numpy_helper
 
 VERSION = "1"
-K_KIND, K_PARAMS, K_TRANSFORM, K_GATHER, K_SITES, K_PERSISTENT, K_TRAINABLE = (
-    "smp.kind", "smp.params", "smp.transform", "smp.gather", "smp.sites", "smp.persistent", "smp.trainable")
+K_KIND, K_PARAMS, K_TRANSFORM, K_GATHER, K_SITES, K_PERSISTENT, K_TRAINABLE, K_PADDING = (
+    "smp.kind", "smp.params", "smp.transform", "smp.gather", "smp.sites", "smp.persistent", "smp.trainable",
+    "smp.padding_rows")
 SCOPES = "pkg.torch.onnx.name_scopes"
 #: Initializer metadata naming the values a folded initializer was computed from (the key
 #: onnxscript's constant folder writes; `smp_partition.export` writes it on the transposed
@@ -134,8 +138,9 @@ def write_record(module, proto: onnx.ModelProto, *, exact_names: bool = False) -
     persistent = set(module.state_dict().keys())
     # parameters the module holds with requires_grad = False: loaded and written out, not trained
     frozen = {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    padding = _padding_rows(module)
     if exact_names:
-        return _record_by_name(params, buffers, persistent, frozen, proto)
+        return _record_by_name(params, buffers, persistent, frozen, padding, proto)
     alias_of = {a: i for i, (names, _) in enumerate(params) for a in names}
     ident: dict[tuple, list[int]] = defaultdict(list)
     trans: dict[tuple, list[int]] = defaultdict(list)
@@ -196,6 +201,7 @@ def write_record(module, proto: onnx.ModelProto, *, exact_names: bool = False) -
             found.update(hits)
             md[K_PARAMS] = json.dumps(entries)
             _mark_frozen(md, entries, frozen)
+            _mark_padding(md, entries, padding)
             if gather is not None:
                 md[K_GATHER] = json.dumps(gather)
             _set(t, md)
@@ -237,6 +243,39 @@ def _mark_frozen(md: dict[str, str], entries: list[list[str]], frozen: set[str])
         md[K_TRAINABLE] = "false"
 
 
+def _padding_rows(module) -> dict[str, list[int]]:
+    """By the name of its weight, the padding row of each `nn.Embedding` (subclasses included:
+    scaled word embeddings), `[]` for one without `padding_idx`: PyTorch's embedding backward
+    skips that row."""
+    import torch
+
+    rows: dict[str, list[int]] = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        if isinstance(m, torch.nn.Embedding):
+            p = m.padding_idx
+            rows[f"{name}.weight" if name else "weight"] = [] if p is None else [int(p) + m.num_embeddings if p < 0 else int(p)]
+    return rows
+
+
+def _mark_padding(md: dict[str, str], entries: list[list[str]], padding: dict[str, list[int]]) -> None:
+    """`smp.padding_rows` on the record of one module tensor that embeddings with a
+    `padding_idx` look rows up in (under any of its aliases)."""
+    if len(entries) != 1:
+        return
+    tables = {a: padding[a] for a in entries[0] if a in padding}
+    rows = sorted({r for rs in tables.values() for r in rs})
+    if not rows:
+        return
+    if any(not rs for rs in tables.values()):
+        # the record is per tensor: every lookup of it skips the rows
+        import warnings
+
+        warnings.warn(f"embeddings {sorted(tables)} share one weight but not their padding_idx; the runner "
+                      f"gives no lookup of rows {rows} a gradient (PyTorch skips them only in those with it)",
+                      stacklevel=3)
+    md[K_PADDING] = json.dumps(rows)
+
+
 def _set_model_meta(proto: onnx.ModelProto, missing: list[str]) -> None:
     meta = {p.key: p for p in proto.metadata_props}
     for k, v in (("smp.param_record", VERSION), ("smp.missing", json.dumps(missing))):
@@ -250,7 +289,8 @@ def _folded_from(t: onnx.TensorProto) -> list[str]:
     return _names_prop(t.metadata_props, FOLDED_FROM)
 
 
-def _record_by_name(params, buffers, persistent: set[str], frozen: set[str], proto: onnx.ModelProto) -> dict:
+def _record_by_name(params, buffers, persistent: set[str], frozen: set[str], padding: dict[str, list[int]],
+                    proto: onnx.ModelProto) -> dict:
     """`write_record(..., exact_names=True)`."""
     param_of = {a: i for i, (names, _) in enumerate(params) for a in names}
     buffer_of = {a: i for i, (names, _) in enumerate(buffers) for a in names}
@@ -278,6 +318,7 @@ def _record_by_name(params, buffers, persistent: set[str], frozen: set[str], pro
             summary["constants"] += 1
             continue
         _mark_frozen(md, [params[i][0]], frozen)
+        _mark_padding(md, [params[i][0]], padding)
         _set(t, md)
         found.add(i)
         summary["parameters"] += 1

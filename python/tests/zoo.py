@@ -130,6 +130,12 @@ def archs() -> dict[str, Arch]:
             dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, use_cache=False,
             decoder_start_token_id=2, forced_eos_token_id=None, bos_token_id=0, eos_token_id=0,
             pad_token_id=1)), "seq2seq"),
+        Arch("pegasus", "encoder–decoder, sinusoidal positions, padding row", lambda: T.PegasusForConditionalGeneration(
+            T.PegasusConfig(vocab_size=VOCAB, d_model=H, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+                            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, use_cache=False,
+                            decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, forced_eos_token_id=None)),
+            "seq2seq"),
         Arch("vit", "vision transformer", lambda: T.ViTForImageClassification(T.ViTConfig(
             image_size=IMAGE, patch_size=8, num_channels=3, hidden_size=H, num_hidden_layers=2,
             num_attention_heads=2, intermediate_size=64, num_labels=CLASSES, hidden_dropout_prob=0.0,

@@ -10,8 +10,8 @@ use serde::{Deserialize, Serialize};
 
 use super::collectives::{CollectiveInsert, CollectiveKind, GroupKind, InputRef, collective_node};
 use crate::ir::{
-    Attr, Attrs, DType, DimBindings, Graph, GraphError, LayeredGraph, Node, NodeId, Op, OpKind, Shape, Storage, Tensor,
-    TensorType, ValueId, ValueKind,
+    Attr, Attrs, DType, DimBindings, Graph, GraphError, LayeredGraph, Node, NodeId, Op, OpKind, PADDING_ROWS, Shape, Storage,
+    Tensor, TensorType, ValueId, ValueKind,
 };
 use crate::passes::shape_infer::{self, ShapeInfo};
 use crate::split::{Engine, SplitPlan, Strategy, TensorCollective, add_bias_name};
@@ -467,6 +467,11 @@ fn apply_shard_with(graph: &Graph, info: &ShapeInfo, layer_nodes: &[NodeId], sha
             };
             let mut gattrs = Attrs::default();
             gattrs.set("axis", Attr::Int(0));
+            // padding rows of this rank's slice of the table, in its own row numbers
+            let local: Vec<i64> = node.attrs.ints(PADDING_ROWS).unwrap_or(&[]).iter().filter(|&&p| (start..end).contains(&p)).map(|p| p - start).collect();
+            if !local.is_empty() {
+                gattrs.set(PADDING_ROWS, Attr::Ints(local));
+            }
             for n in [
                 mk(OpKind::GreaterOrEqual, vec![ids, cs], ge, fresh(&node.name, "ge"), Attrs::default()),
                 mk(OpKind::Less, vec![ids, ce], lt, fresh(&node.name, "lt"), Attrs::default()),

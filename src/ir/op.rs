@@ -84,6 +84,13 @@ impl OpKind {
         )
     }
 
+    /// True for ops whose training result for one sample depends on the other samples of its
+    /// forward pass: BatchNormalization, which the runner trains on the statistics of the
+    /// samples it is given (one microbatch of one replica), as a module in `train()` mode does.
+    pub fn mixes_samples(self) -> bool {
+        matches!(self, OpKind::BatchNormalization)
+    }
+
     /// True for elementwise ops (one output element per broadcast input element).
     pub fn is_elementwise(self) -> bool {
         use OpKind::*;
@@ -150,6 +157,12 @@ impl fmt::Display for Op {
         }
     }
 }
+
+/// An IR-internal attribute of `Gather` on axis 0 (`INTS`; set by `passes::params` from the
+/// parameter record's `smp.padding_rows`, never read from a model file): rows of the table
+/// whose lookups send the table no gradient, as PyTorch's `embedding(..., padding_idx)`. The
+/// forward is plain Gather; a tensor-parallel shard holds it in its own row numbers.
+pub const PADDING_ROWS: &str = "smp.padding_rows";
 
 /// One attribute value.
 #[derive(Clone, Debug, PartialEq)]

@@ -47,6 +47,9 @@ pub struct ParamRecord {
     /// False for a parameter the module holds with `requires_grad = False`
     /// (`smp.trainable: false`): it is loaded and written out, never trained.
     pub trainable: bool,
+    /// Rows (axis 0) of the module tensor whose lookups send it no gradient
+    /// (`smp.padding_rows`: `nn.Embedding`'s `padding_idx`); empty for most tensors.
+    pub padding_rows: Vec<i64>,
 }
 
 impl ParamRecord {

@@ -26,8 +26,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::PassError;
 use crate::ir::{
-    Attr, Attrs, DType, DecisionSource, Dim, FrozenReason, Graph, Node, NodeId, Op, OpKind, ParamRecord,
-    ParamTransform, RecordKind, Storage, Tensor, Training, ValueId, ValueKind,
+    Attr, Attrs, DType, DecisionSource, Dim, FrozenReason, Graph, Node, NodeId, Op, OpKind, PADDING_ROWS,
+    ParamRecord, ParamTransform, RecordKind, Storage, Tensor, Training, ValueId, ValueKind,
 };
 
 /// Which initializers the user forces trained or frozen (glob patterns, `*` and `?`, matched
@@ -314,6 +314,7 @@ fn from_records(graph: &mut Graph, recorded: &[ValueId], summary: &mut ParamSumm
                     sites: Vec::new(),
                     persistent: true,
                     trainable: rec.trainable,
+                    padding_rows: rec.padding_rows.clone(),
                 };
                 for i in 1..n {
                     let sites: Vec<NodeId> = rec.sites.get(i).into_iter().flatten().filter_map(|s| by_name.get(s).copied()).collect();
@@ -353,6 +354,8 @@ fn from_records(graph: &mut Graph, recorded: &[ValueId], summary: &mut ParamSumm
         let canon = *members.iter().min_by_key(|&&v| (rank(&transform(graph, v)), v)).unwrap_or(&members[0]);
         let aliases = graph.value(canon).record.as_ref().map(|r| r.params[0].clone()).unwrap_or_default();
         let ct = transform(graph, canon);
+        // before views drop their records
+        let padding = padding_rows(graph, &members);
         // the tensor views are made of, and its transform relative to the module tensor
         let (base, base_t) = match ct {
             ParamTransform::Gather { .. } => {
@@ -398,6 +401,7 @@ fn from_records(graph: &mut Graph, recorded: &[ValueId], summary: &mut ParamSumm
             }
             summary.views += 1;
         }
+        mark_padding_lookups(graph, base, &base_t, &padding);
         let trainable = graph.value(canon).record.as_ref().is_none_or(|r| r.trainable);
         graph.value_mut(base).training = Some(if trainable {
             Training::Trained { names: aliases, transform: base_t, untied_from: untied_from.get(&canon).cloned(), source: DecisionSource::Record }
@@ -406,6 +410,45 @@ fn from_records(graph: &mut Graph, recorded: &[ValueId], summary: &mut ParamSumm
         });
     }
     Ok(())
+}
+
+/// The padding rows the records of `members` (one module tensor) name, sorted, once each.
+fn padding_rows(graph: &Graph, members: &[ValueId]) -> Vec<i64> {
+    let mut rows: Vec<i64> = members.iter().filter_map(|&m| graph.value(m).record.as_ref()).flat_map(|r| r.padding_rows.iter().copied()).collect();
+    rows.sort_unstable();
+    rows.dedup();
+    rows
+}
+
+/// Marks every axis-0 `Gather` of `table` (a module tensor by `transform`) with the padding
+/// rows in the table's own row numbers ([`PADDING_ROWS`]): lookups of those rows send it no
+/// gradient, as `nn.Embedding(..., padding_idx)`'s do. Other readers (a tied LM head) are
+/// untouched, so the padding row still trains through them, as in PyTorch.
+fn mark_padding_lookups(graph: &mut Graph, table: ValueId, transform: &ParamTransform, padding: &[i64]) {
+    let rows: Vec<i64> = match transform {
+        ParamTransform::Identity => padding.to_vec(),
+        // the table holds only some rows: their positions in it
+        ParamTransform::Gather { rows: held, .. } => {
+            held.iter().enumerate().filter(|(_, r)| padding.contains(r)).map(|(i, _)| i as i64).collect()
+        }
+        // a transposed table is not looked up by the module's rows
+        ParamTransform::Transpose => Vec::new(),
+    };
+    if rows.is_empty() {
+        return;
+    }
+    let rank = graph.value(table).data.as_ref().map_or(2, |d| d.dims.len() as i64);
+    let lookups: Vec<NodeId> = graph
+        .node_ids()
+        .filter(|&n| {
+            let node = graph.node(n);
+            let axis = node.attrs.int("axis", 0);
+            node.op.is(OpKind::Gather) && node.inputs.first() == Some(&Some(table)) && (axis == 0 || axis == -rank)
+        })
+        .collect();
+    for n in lookups {
+        graph.node_mut(n).attrs.set(PADDING_ROWS, Attr::Ints(rows.clone()));
+    }
 }
 
 /// A new initializer holding the distinct rows the gather-members of one parameter hold, in
@@ -450,6 +493,7 @@ fn distinct_rows(graph: &mut Graph, members: &[ValueId], param: &str) -> Result<
         sites: Vec::new(),
         persistent: true,
         trainable: members.iter().filter_map(|&m| graph.value(m).record.as_ref()).all(|r| r.trainable),
+        padding_rows: padding_rows(graph, members),
     });
     Ok((v, held))
 }
@@ -650,6 +694,7 @@ mod tests {
             sites: sites.iter().map(|s| s.iter().map(|x| x.to_string()).collect()).collect(),
             persistent: true,
             trainable: true,
+            padding_rows: Vec::new(),
         }
     }
 
@@ -775,6 +820,36 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(b.g.value(ga.inputs[1].unwrap()).data.as_ref().unwrap().to_i64_vec().unwrap(), [0, 1, 0, 1]);
+        b.g.verify().unwrap();
+    }
+
+    #[test]
+    fn padding_rows_mark_the_lookups_of_the_table_not_its_tied_head() {
+        let mut b = Builder::new(18);
+        let ids = b.input("ids", DType::I64, &["2", "2"]);
+        let emb = init(&mut b, "wte", &[3, 2], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        let emb_t = init(&mut b, "val_9", &[2, 3], &[1.0, 3.0, 5.0, 2.0, 4.0, 6.0]);
+        // rows 0, 2 of a [4, 2] position table gathered at export; row 2 is its padding row
+        let pos = init(&mut b, "embedding_1", &[2, 2], &[7.0, 8.0, 9.0, 10.0]);
+        b.g.value_mut(emb).record = Some(ParamRecord { padding_rows: vec![1], ..record(&["wte"], ParamTransform::Identity, &[]) });
+        b.g.value_mut(emb_t).record = Some(record(&["wte"], ParamTransform::Transpose, &[]));
+        let rows = ParamTransform::Gather { dims: vec![2], rows: vec![0, 2] };
+        b.g.value_mut(pos).record = Some(ParamRecord { padding_rows: vec![2], ..record(&["wpe"], rows, &[]) });
+        let h = b.node(OpKind::Gather, &[emb, ids], &[]);
+        let h = b.node(OpKind::Add, &[h, pos], &[]);
+        let y = b.node(OpKind::MatMul, &[h, emb_t], &[]);
+        b.output(y);
+        decide(&mut b.g, &ParamOptions::default()).unwrap();
+        let padding = |n: NodeId| b.g.node(n).attrs.ints(PADDING_ROWS).map(<[i64]>::to_vec);
+        let lookup = b.g.node_ids().find(|&n| b.g.node(n).inputs.first() == Some(&Some(emb))
+            && b.g.node(n).op.is(OpKind::Gather)).unwrap();
+        assert_eq!(padding(lookup), Some(vec![1]));
+        // the head reads the same tensor through a Transpose: it keeps its gradient
+        let head = b.g.value(emb_t).producer.unwrap();
+        assert_eq!(padding(head), None);
+        // the gathered positions: row 2 of `wpe` is row 1 of the table holding rows 0 and 2
+        let tie = b.g.value(pos).producer.unwrap();
+        assert_eq!(padding(tie), Some(vec![1]));
         b.g.verify().unwrap();
     }
 

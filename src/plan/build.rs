@@ -69,6 +69,8 @@ pub fn from_decision(d: &PlanDecision, lg: &LayeredGraph, cluster: &ClusterSpec,
             nodes: l.nodes.clone(),
         })
         .collect();
+    let global_batch = opts.global_batch_for(lg, cluster);
+    let per_microbatch = global_batch / (d.parallel.dp.max(1) * d.parallel.microbatches.max(1)) as u64;
     let mut plan = Plan {
         version: PLAN_VERSION,
         model: ModelInfo {
@@ -107,11 +109,12 @@ pub fn from_decision(d: &PlanDecision, lg: &LayeredGraph, cluster: &ClusterSpec,
             wall_s,
             candidates: Candidates { solved: d.candidates_solved, skipped: d.candidates_skipped },
         },
-        global_batch: opts.global_batch_for(lg, cluster),
+        global_batch,
         seq_len: opts.seq_len,
         dims: opts.dims.iter().cloned().collect(),
         trainable: opts.params.trainable.clone(),
         frozen: opts.params.frozen.clone(),
+        batch_statistics: BatchStatistics::of(&lg.graph, per_microbatch),
         codegen: None,
     };
     plan.predicted.peak_memory_bytes = (0..d.parallel.pp).map(|r| plan.rank_memory(r).total).max().unwrap_or(0);

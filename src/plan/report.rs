@@ -229,6 +229,10 @@ pub fn render(plan: &Plan) -> String {
     );
     let seq = plan.seq_len.map_or(String::new(), |s| format!(", sequence {s}"));
     let _ = writeln!(out, "batch   {} per step{seq}", plan.global_batch);
+    if let Some(b) = &plan.batch_statistics {
+        let over = if b.samples >= plan.global_batch { "the whole batch".to_string() } else { format!("each microbatch of {} samples, not the whole batch", b.samples) };
+        let _ = writeln!(out, "batchnorm {} BatchNormalization node(s) normalise by the statistics of {over}", b.nodes.len());
+    }
     out.push('\n');
 
     let limit = plan.cluster.memory_limit_bytes as f64;

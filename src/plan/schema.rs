@@ -64,10 +64,68 @@ pub struct Plan {
     /// `--frozen` patterns the plan was made with: initializers never trained.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub frozen: Vec<String>,
+    /// The nodes that train on statistics of the samples they are given (BatchNormalization)
+    /// and how many samples that is; absent for models without them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_statistics: Option<BatchStatistics>,
     /// What each rank executes: shards, boundary tensors, program templates (absent in plans
     /// written before codegen; see docs/plan-format.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub codegen: Option<CodegenSection>,
+}
+
+/// Nodes whose training result for a sample depends on the samples beside it
+/// ([`crate::ir::OpKind::mixes_samples`]: BatchNormalization's batch statistics). Each
+/// forward pass sees one microbatch of one data-parallel replica, so the statistics are over
+/// `samples` = global batch / (dp · microbatches), not over the whole batch one PyTorch
+/// forward sees (PyTorch's pipelines and DDP without SyncBatchNorm do the same).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchStatistics {
+    /// The nodes, by name, in graph order.
+    pub nodes: Vec<String>,
+    /// Samples each forward pass computes their statistics over.
+    pub samples: u64,
+}
+
+impl BatchStatistics {
+    /// The nodes of `graph` that mix samples, run on microbatches of `samples`; `None` if it
+    /// has none.
+    pub fn of(graph: &crate::ir::Graph, samples: u64) -> Option<BatchStatistics> {
+        let order = graph.topo_order().unwrap_or_else(|_| graph.node_ids().collect());
+        let nodes: Vec<String> = order
+            .into_iter()
+            .filter(|&n| graph.node(n).op.kind().is_some_and(crate::ir::OpKind::mixes_samples))
+            .map(|n| graph.node(n).name.clone())
+            .collect();
+        (!nodes.is_empty()).then_some(BatchStatistics { nodes, samples })
+    }
+
+    /// The warning for a run of `global_batch` samples per step in `dp` replicas of
+    /// `microbatches` each, when the statistics are not over the whole batch; `how` says how to
+    /// get whole-batch statistics.
+    pub fn warning(&self, global_batch: u64, dp: usize, microbatches: usize, how: &str) -> Option<String> {
+        if self.samples >= global_batch {
+            return None;
+        }
+        const SHOWN: usize = 3;
+        let mut names: Vec<String> = self.nodes.iter().take(SHOWN).map(|n| format!("`{n}`")).collect();
+        if self.nodes.len() > SHOWN {
+            names.push(format!("and {} more", self.nodes.len() - SHOWN));
+        }
+        let split = match (dp, microbatches) {
+            (1, m) => format!("{m} microbatches"),
+            (d, 1) => format!("{d} data-parallel replicas"),
+            (d, m) => format!("{d} data-parallel replicas × {m} microbatches"),
+        };
+        Some(format!(
+            "BatchNorm statistics are per microbatch: {} BatchNormalization node(s) ({}) normalise each microbatch of {} samples by its own mean and variance (global batch {global_batch} = {split} of {}), not the whole batch of {global_batch} one PyTorch forward sees, so training differs from it from the first step; {how}",
+            self.nodes.len(),
+            names.join(", "),
+            self.samples,
+            self.samples,
+        ))
+    }
 }
 
 /// The model a plan partitions.
@@ -433,6 +491,15 @@ impl Plan {
             m.total = m.total.saturating_add(b.total);
         }
         m
+    }
+
+    /// The warning when the plan's BatchNorm statistics are not over the whole batch
+    /// ([`BatchStatistics::warning`]).
+    pub fn batch_statistics_warning(&self) -> Option<String> {
+        let p = &self.parallel;
+        let flags: Vec<&str> = [(p.microbatches > 1, "--microbatches 1"), (p.dp > 1, "--dp 1")].into_iter().filter_map(|(on, f)| on.then_some(f)).collect();
+        let how = format!("re-plan with `{}` for whole-batch statistics", flags.join(" "));
+        self.batch_statistics.as_ref()?.warning(self.global_batch, p.dp, p.microbatches, &how)
     }
 }
 

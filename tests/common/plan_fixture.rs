@@ -117,6 +117,7 @@ pub fn fixture() -> Plan {
         dims: Default::default(),
         trainable: Vec::new(),
         frozen: Vec::new(),
+        batch_statistics: None,
         codegen: None,
     };
     plan.predicted.peak_memory_bytes = plan.rank_memory(0).total.max(plan.rank_memory(1).total);

@@ -189,7 +189,11 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
     let mut cli = CliObserver { started: Instant::now(), bar: None };
     let plan = smp_partition::compile_observed(model, &cluster, &options, &mut cli);
     cli.clear_bar();
-    emit(&plan?, args)?;
+    let plan = plan?;
+    if let Some(w) = plan.batch_statistics_warning() {
+        eprintln!("warning: {w}");
+    }
+    emit(&plan, args)?;
     Ok(ExitCode::SUCCESS)
 }
 

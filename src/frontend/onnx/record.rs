@@ -69,7 +69,28 @@ pub(crate) fn read(t: &TensorProto, file: &Path) -> Result<Option<ParamRecord>, 
         "false" => false,
         other => return Err(bad(format!("`smp.trainable` is `{other}`, not true or false"))),
     };
-    Ok(Some(ParamRecord { kind, params, transform, sites, persistent, trainable }))
+    let padding_rows: Vec<i64> = match get("smp.padding_rows") {
+        None => Vec::new(),
+        Some(s) => serde_json::from_str(s).map_err(|e| bad(format!("`smp.padding_rows` is not a JSON list of row numbers: {e}")))?,
+    };
+    if !padding_rows.is_empty() {
+        if kind != RecordKind::Parameter || params.len() != 1 {
+            return Err(bad("`smp.padding_rows` belongs on a parameter record of one module tensor".into()));
+        }
+        // the module tensor's row count, where the initializer shows it
+        let rows = match transform {
+            ParamTransform::Identity => t.dims.first().copied(),
+            ParamTransform::Transpose => t.dims.get(1).copied(),
+            ParamTransform::Gather { .. } => None,
+        };
+        if let Some(&r) = padding_rows.iter().find(|&&r| r < 0) {
+            return Err(bad(format!("`smp.padding_rows` names row {r}: rows are counted from 0")));
+        }
+        if let (Some(n), Some(&r)) = (rows, padding_rows.iter().max()) && r >= n {
+            return Err(bad(format!("`smp.padding_rows` names row {r} of a tensor with {n} rows")));
+        }
+    }
+    Ok(Some(ParamRecord { kind, params, transform, sites, persistent, trainable, padding_rows }))
 }
 
 /// The model metadata key of the auxiliary losses (docs/parameter-record.md).
@@ -98,4 +119,39 @@ pub(crate) fn aux_losses(g: &crate::ir::Graph, text: &str, file: &Path) -> Resul
             Ok(crate::ir::AuxLoss { output, coefficient: e.coefficient })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frontend::onnx::proto::StringStringEntryProto;
+
+    fn table(props: &[(&str, &str)]) -> TensorProto {
+        let metadata_props = props.iter().map(|(k, v)| StringStringEntryProto { key: Some(k.to_string()), value: Some(v.to_string()) }).collect();
+        TensorProto { name: Some("emb.weight".into()), dims: vec![12, 8], metadata_props, ..Default::default() }
+    }
+
+    fn padding(extra: &[(&str, &str)]) -> Result<Vec<i64>, String> {
+        let mut props = vec![("smp.kind", "parameter"), ("smp.params", r#"[["emb.weight"]]"#)];
+        props.extend_from_slice(extra);
+        match read(&table(&props), Path::new("m.onnx")) {
+            Ok(rec) => Ok(rec.map(|r| r.padding_rows).unwrap_or_default()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    #[test]
+    fn padding_rows_are_read_and_checked_against_the_table() {
+        assert_eq!(padding(&[]), Ok(vec![]));
+        assert_eq!(padding(&[("smp.padding_rows", "[7]")]), Ok(vec![7]));
+        let err = padding(&[("smp.padding_rows", "[12]")]).unwrap_err();
+        assert!(err.contains("emb.weight") && err.contains("row 12 of a tensor with 12 rows"), "{err}");
+        let err = padding(&[("smp.padding_rows", "[-1]")]).unwrap_err();
+        assert!(err.contains("rows are counted from 0"), "{err}");
+        let err = padding(&[("smp.padding_rows", "7")]).unwrap_err();
+        assert!(err.contains("not a JSON list of row numbers"), "{err}");
+        let merged = [("smp.params", r#"[["a.weight"], ["b.weight"]]"#), ("smp.padding_rows", "[1]")];
+        let err = read(&table(&[("smp.kind", "parameter"), merged[0], merged[1]]), Path::new("m.onnx")).unwrap_err().to_string();
+        assert!(err.contains("one module tensor"), "{err}");
+    }
 }

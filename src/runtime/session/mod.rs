@@ -151,6 +151,9 @@ impl RunSession {
         let speaks = env.as_ref().is_none_or(|e| e.rank == 0);
         let mut notes = Vec::new();
         let (graph, sha256) = decided(imported.graph, imported.sha256, &model, &params, speaks.then_some(&mut notes))?;
+        if let Some(w) = plan.batch_statistics_warning().filter(|_| speaks) {
+            notes.push(format!("warning: {w}"));
+        }
         let mesh = format!("pp{} dp{} tp{} zero{}", p.pp, p.dp, p.tp, p.zero);
         if let Some(asked) = opts.precision.filter(|&p| p != plan.parallel.precision) {
             return Err(SessionError::Options(format!(
@@ -196,7 +199,8 @@ impl RunSession {
         Ok(())
     }
 
-    /// What the session has to say before the run (what is trained, resharding), one line each.
+    /// What the session has to say before the run (what is trained, resharding, statistics
+    /// BatchNorm computes per microbatch), one line each.
     pub fn notes(&self) -> &[String] {
         &self.notes
     }

@@ -299,6 +299,9 @@ fn record_props(rec: &ParamRecord) -> Vec<StringStringEntryProto> {
     if !rec.trainable {
         out.push(e("smp.trainable", "false".into()));
     }
+    if !rec.padding_rows.is_empty() {
+        out.push(e("smp.padding_rows", serde_json::to_string(&rec.padding_rows).unwrap_or_default()));
+    }
     out
 }
 

@@ -3,7 +3,7 @@
 use tch::{Kind, Tensor};
 
 use super::{Args, KResult, axes, axis, bail};
-use crate::ir::Attr;
+use crate::ir::{Attr, PADDING_ROWS};
 use crate::runtime::kernels::tensor::{from_ir, is_float_kind};
 
 fn required_ints(a: &Args, i: usize, what: &str) -> KResult<Vec<i64>> {
@@ -123,7 +123,25 @@ pub(super) fn gather(a: &Args) -> KResult<Tensor> {
     let mut shape = size[..ax as usize].to_vec();
     shape.extend(idx.size());
     shape.extend(&size[ax as usize + 1..]);
-    Ok(x.f_index_select(ax, &flat)?.f_reshape(&shape)?)
+    let rows = x.f_index_select(ax, &flat)?;
+    let rows = match a.attrs().ints(PADDING_ROWS) {
+        Some(pad) if !pad.is_empty() && ax == 0 && x.requires_grad() => without_padding_gradient(x, &flat, rows, pad)?,
+        _ => rows,
+    };
+    Ok(rows.f_reshape(&shape)?)
+}
+
+/// The looked-up `rows` of table `x` (axis 0, at `flat`), with the lookups of the padding
+/// rows read from a detached table: same values, and no gradient reaches those rows through
+/// them, as PyTorch's `embedding(..., padding_idx)` gives none (`PADDING_ROWS`).
+fn without_padding_gradient(x: &Tensor, flat: &Tensor, rows: Tensor, pad: &[i64]) -> KResult<Tensor> {
+    let pad = Tensor::f_from_slice(pad)?.f_to_device(flat.device())?;
+    let hit = Tensor::f_isin(flat, &pad, false, false)?;
+    let mut mask_shape = vec![-1i64];
+    mask_shape.extend(std::iter::repeat_n(1, x.dim().saturating_sub(1)));
+    let hit = hit.f_reshape(&mask_shape)?;
+    let held = x.f_detach()?.f_index_select(0, flat)?;
+    Ok(held.f_where_self(&hit, &rows)?)
 }
 
 pub(super) fn gather_elements(a: &Args) -> KResult<Tensor> {
