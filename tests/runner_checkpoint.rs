@@ -462,6 +462,7 @@ fn pieces_reassemble_and_gaps_are_refused() {
             frozen: Vec::new(),
             world: rank,
             adamw_step: 1,
+            loss_scale: None,
         };
         ck::write_manifest(dir, state).unwrap();
     };
