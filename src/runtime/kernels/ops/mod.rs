@@ -24,6 +24,9 @@ pub enum AutocastClass {
     Fp32,
     /// Everything else runs in its inputs' types (elementwise ops promote a mixed pair to fp32).
     AsIs,
+    /// The kernel applies autocast to the products inside it (the fused mixture of experts:
+    /// expert products in the low type, routing weights and the sum in the input's type).
+    Inside,
 }
 
 impl AutocastClass {
@@ -32,6 +35,7 @@ impl AutocastClass {
         match kind {
             OpKind::MatMul | OpKind::Gemm | OpKind::Conv | OpKind::ScaledDotProductAttention => AutocastClass::Low,
             OpKind::ReduceProd => AutocastClass::Fp32,
+            OpKind::MixtureOfExperts => AutocastClass::Inside,
             _ => AutocastClass::AsIs,
         }
     }
