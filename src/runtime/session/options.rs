@@ -9,6 +9,7 @@ use tch::Kind;
 pub use crate::passes::params::ParamOptions;
 use crate::ir::Precision;
 use crate::runtime::InitMode;
+use crate::runtime::device::DeviceRequest;
 pub use crate::runtime::state::checkpoint::OnCheckpointError;
 use crate::runtime::train::{AdamWConfig, Autocast, LossScaleConfig, EvalConfig, LossKind, LrSchedule, LrShape};
 
@@ -223,6 +224,8 @@ pub struct RunOptions {
     pub autocast: Option<Autocast>,
     /// fp16's loss scale (`--loss-scale`, `--loss-scale-window`).
     pub loss_scale: LossScaleConfig,
+    /// Where tensors live and how ranks talk (`--device`, `--share-gpu`).
+    pub device: DeviceRequest,
 }
 
 impl Default for RunOptions {
@@ -246,6 +249,7 @@ impl Default for RunOptions {
             checkpoints: CheckpointOptions::default(),
             autocast: None,
             loss_scale: LossScaleConfig::default(),
+            device: DeviceRequest::default(),
         }
     }
 }
