@@ -1,5 +1,5 @@
-//! Build script: with feature `runner`, compile the c10d and autograd shims
-//! (csrc/c10d_shim.cpp, csrc/autograd_shim.cpp) against libtorch's headers and bake libtorch's library directory into the binaries' rpath so
+//! Build script: with feature `runner`, compile the c10d, autograd and device shims
+//! (csrc/c10d_shim.cpp, csrc/autograd_shim.cpp, csrc/device_shim.cpp) against libtorch's headers and bake libtorch's library directory into the binaries' rpath so
 //! `smp-runner` runs without LD_LIBRARY_PATH (`SMP_TORCH_RPATH` replaces it: the wheel's relative one).
 
 fn main() {
@@ -13,12 +13,18 @@ fn main() {
 
 #[cfg(feature = "runner")]
 mod runner {
-    use std::path::PathBuf;
+    use std::path::{Path, PathBuf};
+
+    /// `csrc/NAME` beside this build script (scripts/gpu-check builds the same sources from
+    /// another package directory).
+    fn csrc(name: &str) -> PathBuf {
+        Path::new(file!()).parent().unwrap_or(Path::new("")).join("csrc").join(name)
+    }
 
     pub fn build() {
-        println!("cargo:rerun-if-changed=csrc/c10d_shim.cpp");
-        println!("cargo:rerun-if-changed=csrc/autograd_shim.cpp");
-        println!("cargo:rerun-if-changed=csrc/shim_error.h");
+        for f in ["c10d_shim.cpp", "autograd_shim.cpp", "device_shim.cpp", "shim_error.h"] {
+            println!("cargo:rerun-if-changed={}", csrc(f).display());
+        }
         // torch-sys declares `links = "tch"` and exports its library directory to dependents.
         println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
         let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
@@ -31,8 +37,9 @@ mod runner {
         build
             .cpp(true)
             .std("c++17")
-            .file("csrc/c10d_shim.cpp")
-            .file("csrc/autograd_shim.cpp")
+            .file(csrc("c10d_shim.cpp"))
+            .file(csrc("autograd_shim.cpp"))
+            .file(csrc("device_shim.cpp"))
             .include(&include)
             .include(include.join("torch/csrc/api/include"))
             .define("_GLIBCXX_USE_CXX11_ABI", "1")

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include "shim_error.h"
@@ -44,7 +45,7 @@ char* smp_autograd_set_grad(at::Tensor* t, at::Tensor* g) {
 char* smp_fused_adamw(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_avgs, at::Tensor** exp_avg_sqs, int n,
                       double lr, double beta1, double beta2, double weight_decay, double eps, int64_t step) {
   return smp_shim::guarded([&] {
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     std::vector<at::Tensor> ps, gs, ms, vs, steps;
     for (int i = 0; i < n; ++i) {
       ps.push_back(*params[i]);

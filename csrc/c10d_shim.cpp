@@ -2,6 +2,12 @@
 // ProcessGroupNCCL with SMP_WITH_NCCL). Every call catches C++ exceptions and returns a
 // heap-allocated message (free with smp_c10d_free_error) or nullptr on success.
 // Tensors are passed as at::Tensor* (tch's C_tensor).
+//
+// A group always has a Gloo backend; one made with `nccl` also has an NCCL backend. Each call
+// goes by its tensor: a CUDA tensor's collective to NCCL where the group has it, everything
+// else to Gloo. Gloo gets CUDA tensors through host copies (copied to the CPU before, results
+// copied back after: `--share-gpu`). Point-to-point messages always travel by Gloo, which
+// matches them by tag (NCCL matches by order only).
 
 #include <atomic>
 #include <chrono>
@@ -27,14 +33,34 @@ struct Store {
 };
 
 struct Group {
-  c10::intrusive_ptr<c10d::Backend> backend;
+  // CPU tensors, messages, barriers; CUDA tensors through host copies when `nccl` is null.
+  c10::intrusive_ptr<c10d::Backend> gloo;
+  // CUDA tensors' collectives (groups made with `nccl`, SMP_WITH_NCCL builds).
+  c10::intrusive_ptr<c10d::Backend> nccl;
   std::chrono::milliseconds timeout;
 };
 
 struct Work {
   c10::intrusive_ptr<c10d::Work> work;
   std::chrono::milliseconds timeout;
+  // A receive staged through host memory: `host` lands, then is copied into `target`.
+  at::Tensor host;
+  at::Tensor target;
 };
+
+// Whether a collective on `t` goes to NCCL.
+bool by_nccl(const Group* g, const at::Tensor& t) { return g->nccl && t.is_cuda(); }
+
+// The backend for a collective on `t`.
+c10d::Backend& backend_for(const Group* g, const at::Tensor& t) { return by_nccl(g, t) ? *g->nccl : *g->gloo; }
+
+// What Gloo reads or writes for `t`: `t` itself, or a CPU copy of a CUDA tensor.
+at::Tensor host_of(const Group* g, const at::Tensor& t) { return (t.is_cuda() && !by_nccl(g, t)) ? t.to(at::kCPU).contiguous() : t; }
+
+// Copies a host stand-in back into the tensor it stood for.
+void land(const at::Tensor& host, at::Tensor& t) {
+  if (!host.is_same(t)) t.copy_(host);
+}
 
 using smp_shim::guarded;
 
@@ -52,10 +78,12 @@ void wait_or_throw(const c10::intrusive_ptr<c10d::Work>& w, std::chrono::millise
 }
 
 void all_reduce_in_place(Group* grp, at::Tensor& t) {
-  std::vector<at::Tensor> ts{t};
+  auto h = host_of(grp, t);
+  std::vector<at::Tensor> ts{h};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  wait_or_throw(grp->backend->allreduce(ts, opts), grp->timeout);
+  wait_or_throw(backend_for(grp, t).allreduce(ts, opts), grp->timeout);
+  land(h, t);
 }
 
 Group* group_of(torch::autograd::AutogradContext* ctx) {
@@ -91,18 +119,18 @@ struct CopyToTensorRegion : public torch::autograd::Function<CopyToTensorRegion>
 
 // The members' `x` concatenated along `axis`, member order.
 at::Tensor all_gather_cat(Group* grp, const at::Tensor& x, int64_t axis) {
-  int64_t size = grp->backend->getSize();
-  auto in = x.contiguous();
+  int64_t size = grp->gloo->getSize();
+  auto in = host_of(grp, x.contiguous());
   std::vector<at::Tensor> parts;
   for (int64_t i = 0; i < size; ++i) parts.push_back(at::empty_like(in));
   std::vector<std::vector<at::Tensor>> outs{parts};
   std::vector<at::Tensor> ins{in};
-  wait_or_throw(grp->backend->allgather(outs, ins), grp->timeout);
-  return at::cat(outs[0], axis);
+  wait_or_throw(backend_for(grp, x).allgather(outs, ins), grp->timeout);
+  return at::cat(outs[0], axis).to(x.device());
 }
 
 void check_divides(Group* grp, const at::Tensor& x, int64_t axis, const char* what) {
-  int64_t size = grp->backend->getSize();
+  int64_t size = grp->gloo->getSize();
   if (axis < 0 || axis >= x.dim() || x.size(axis) % size != 0) {
     throw std::runtime_error(std::string(what) + ": axis " + std::to_string(axis) + " of a tensor with " +
                              std::to_string(x.dim()) + " axes does not split " + std::to_string(size) + " ways");
@@ -111,7 +139,7 @@ void check_divides(Group* grp, const at::Tensor& x, int64_t axis, const char* wh
 
 // This member's chunk of `len` along `axis`.
 at::Tensor own_chunk(Group* grp, const at::Tensor& x, int64_t axis, int64_t len) {
-  return x.narrow(axis, grp->backend->getRank() * len, len).contiguous();
+  return x.narrow(axis, grp->gloo->getRank() * len, len).contiguous();
 }
 
 // Backward of a split along the saved `axis`: the members' gradients gathered back.
@@ -127,16 +155,16 @@ struct ReduceScatterAlongAxis : public torch::autograd::Function<ReduceScatterAl
     check_divides(grp, x, axis, "reduce_scatter_along_axis");
     ctx->saved_data["group"] = group;
     ctx->saved_data["axis"] = axis;
-    int64_t size = grp->backend->getSize();
+    int64_t size = grp->gloo->getSize();
     std::vector<std::vector<at::Tensor>> ins(1);
     // One copy per chunk: Gloo may write into its inputs, so they never alias `x`.
-    for (auto& c : x.chunk(size, axis)) ins[0].push_back(c.clone(at::MemoryFormat::Contiguous));
-    auto out = at::empty_like(ins[0][grp->backend->getRank()]);
+    for (auto& c : x.chunk(size, axis)) ins[0].push_back(host_of(grp, c.clone(at::MemoryFormat::Contiguous)));
+    auto out = at::empty_like(ins[0][grp->gloo->getRank()]);
     std::vector<at::Tensor> outs{out};
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
-    wait_or_throw(grp->backend->reduce_scatter(outs, ins, opts), grp->timeout);
-    return out;
+    wait_or_throw(backend_for(grp, x).reduce_scatter(outs, ins, opts), grp->timeout);
+    return out.to(x.device());
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
     return gathered_grad(ctx, grads);
@@ -151,8 +179,8 @@ struct ScatterAlongAxis : public torch::autograd::Function<ScatterAlongAxis> {
     check_divides(grp, x, axis, "scatter_along_axis");
     ctx->saved_data["group"] = group;
     ctx->saved_data["axis"] = axis;
-    int64_t len = x.size(axis) / grp->backend->getSize();
-    return x.narrow(axis, grp->backend->getRank() * len, len).clone(at::MemoryFormat::Contiguous);
+    int64_t len = x.size(axis) / grp->gloo->getSize();
+    return x.narrow(axis, grp->gloo->getRank() * len, len).clone(at::MemoryFormat::Contiguous);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
     return gathered_grad(ctx, grads);
@@ -202,62 +230,63 @@ void smp_c10d_store_free(void* s) { delete static_cast<Store*>(s); }
 // A process group over `size` members; `rank` is this process's index in it. Members build it
 // with the same `prefix`, under which its keys live in the store. Gloo binds the interfaces
 // named in `gloo_ifaces` (comma-separated, as GLOO_SOCKET_IFNAME) if any, else `gloo_host`.
+// With `nccl`, the group also gets an NCCL backend for its CUDA tensors' collectives.
 char* smp_c10d_group_new(void* store, const char* prefix, int rank, int size, int64_t timeout_ms, int nccl,
                          const char* gloo_ifaces, const char* gloo_host, void** out) {
   return guarded([&] {
     auto base = static_cast<Store*>(store)->store;
-    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), base);
     auto timeout = std::chrono::milliseconds(timeout_ms);
-    c10::intrusive_ptr<c10d::Backend> backend;
+    c10::intrusive_ptr<c10d::Backend> nccl_backend;
     if (nccl != 0) {
 #ifdef SMP_WITH_NCCL
       auto opts = c10d::ProcessGroupNCCL::Options::create();
       opts->timeout = timeout;
-      backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, rank, size, opts);
+      // its own keys: the Gloo backend's live under the group's prefix
+      auto keys = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix) + "/nccl", base);
+      nccl_backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(keys, rank, size, opts);
 #else
       throw std::runtime_error("this build has no NCCL (build with feature `cuda`)");
 #endif
-    } else {
-      auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
-      std::string ifaces(gloo_ifaces);
-      size_t start = 0;
-      while (start < ifaces.size()) {
-        size_t end = ifaces.find(',', start);
-        if (end == std::string::npos) end = ifaces.size();
-        if (end > start) opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifaces.substr(start, end - start)));
-        start = end + 1;
-      }
-      if (opts->devices.empty()) opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(std::string(gloo_host)));
-      // Two workers, as torch.distributed: with one, each collective waits milliseconds more
-      // (measured: a 1 MiB all-reduce between compute bursts, 2 local ranks).
-      opts->threads = 2;
-      backend = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, opts);
     }
-    *out = new Group{backend, timeout};
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), base);
+    auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+    std::string ifaces(gloo_ifaces);
+    size_t start = 0;
+    while (start < ifaces.size()) {
+      size_t end = ifaces.find(',', start);
+      if (end == std::string::npos) end = ifaces.size();
+      if (end > start) opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifaces.substr(start, end - start)));
+      start = end + 1;
+    }
+    if (opts->devices.empty()) opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(std::string(gloo_host)));
+    // Two workers, as torch.distributed: with one, each collective waits milliseconds more
+    // (measured: a 1 MiB all-reduce between compute bursts, 2 local ranks).
+    opts->threads = 2;
+    auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, opts);
+    *out = new Group{gloo, nccl_backend, timeout};
   });
 }
 
 void smp_c10d_group_free(void* g) { delete static_cast<Group*>(g); }
 
+// Whether the group sends CUDA tensors' collectives through NCCL.
+int smp_c10d_group_has_nccl(void* g) { return static_cast<Group*>(g)->nccl ? 1 : 0; }
+
 char* smp_c10d_all_reduce_sum(void* g, at::Tensor* t) {
-  return guarded([&] {
-    auto* grp = static_cast<Group*>(g);
-    std::vector<at::Tensor> ts{*t};
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = c10d::ReduceOp::SUM;
-    wait_or_throw(grp->backend->allreduce(ts, opts), grp->timeout);
-  });
+  return guarded([&] { all_reduce_in_place(static_cast<Group*>(g), *t); });
 }
 
 // `out` holds size × numel(input), member i's input at block i.
 char* smp_c10d_all_gather(void* g, at::Tensor* out, at::Tensor* input) {
   return guarded([&] {
     auto* grp = static_cast<Group*>(g);
+    auto h_out = host_of(grp, *out);
     std::vector<std::vector<at::Tensor>> outs(1);
-    auto parts = out->reshape({-1}).chunk(grp->backend->getSize());
+    auto parts = h_out.reshape({-1}).chunk(grp->gloo->getSize());
     for (auto& p : parts) outs[0].push_back(p);
-    std::vector<at::Tensor> ins{input->reshape({-1})};
-    wait_or_throw(grp->backend->allgather(outs, ins), grp->timeout);
+    std::vector<at::Tensor> ins{host_of(grp, *input).reshape({-1})};
+    wait_or_throw(backend_for(grp, *out).allgather(outs, ins), grp->timeout);
+    land(h_out, *out);
   });
 }
 
@@ -267,44 +296,53 @@ char* smp_c10d_reduce_scatter_sum(void* g, at::Tensor* out, at::Tensor* input) {
     auto* grp = static_cast<Group*>(g);
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
-    std::vector<at::Tensor> outs{out->reshape({-1})};
+    auto h_out = host_of(grp, *out);
+    std::vector<at::Tensor> outs{h_out.reshape({-1})};
     std::vector<std::vector<at::Tensor>> ins(1);
-    auto parts = input->reshape({-1}).chunk(grp->backend->getSize());
+    auto parts = host_of(grp, *input).reshape({-1}).chunk(grp->gloo->getSize());
     for (auto& p : parts) ins[0].push_back(p);
-    wait_or_throw(grp->backend->reduce_scatter(outs, ins, opts), grp->timeout);
+    wait_or_throw(backend_for(grp, *out).reduce_scatter(outs, ins, opts), grp->timeout);
+    land(h_out, *out);
   });
 }
 
 char* smp_c10d_broadcast(void* g, at::Tensor* t, int root) {
   return guarded([&] {
     auto* grp = static_cast<Group*>(g);
-    std::vector<at::Tensor> ts{*t};
+    auto h = host_of(grp, *t);
+    std::vector<at::Tensor> ts{h};
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
-    wait_or_throw(grp->backend->broadcast(ts, opts), grp->timeout);
+    wait_or_throw(backend_for(grp, *t).broadcast(ts, opts), grp->timeout);
+    land(h, *t);
   });
 }
 
 char* smp_c10d_barrier(void* g) {
   return guarded([&] {
     auto* grp = static_cast<Group*>(g);
-    wait_or_throw(grp->backend->barrier(), grp->timeout);
+    wait_or_throw(grp->gloo->barrier(), grp->timeout);
   });
 }
 
+// Messages travel by Gloo: a CUDA tensor is copied to the host when posted (the copy is what the
+// Work keeps alive).
 char* smp_c10d_isend(void* g, at::Tensor* t, int dst, int tag, void** work) {
   return guarded([&] {
     auto* grp = static_cast<Group*>(g);
-    std::vector<at::Tensor> ts{*t};
-    *work = new Work{grp->backend->send(ts, dst, tag), grp->timeout};
+    auto h = t->is_cuda() ? t->to(at::kCPU).contiguous() : *t;
+    std::vector<at::Tensor> ts{h};
+    *work = new Work{grp->gloo->send(ts, dst, tag), grp->timeout, h, at::Tensor()};
   });
 }
 
+// A CUDA tensor receives into a host buffer, copied into it when the Work is waited for.
 char* smp_c10d_irecv(void* g, at::Tensor* t, int src, int tag, void** work) {
   return guarded([&] {
     auto* grp = static_cast<Group*>(g);
-    std::vector<at::Tensor> ts{*t};
-    *work = new Work{grp->backend->recv(ts, src, tag), grp->timeout};
+    auto h = t->is_cuda() ? at::empty(t->sizes(), t->options().device(at::kCPU)) : *t;
+    std::vector<at::Tensor> ts{h};
+    *work = new Work{grp->gloo->recv(ts, src, tag), grp->timeout, h, t->is_cuda() ? *t : at::Tensor()};
   });
 }
 
@@ -312,6 +350,7 @@ char* smp_c10d_work_wait(void* w) {
   return guarded([&] {
     auto* work = static_cast<Work*>(w);
     wait_or_throw(work->work, work->timeout);
+    if (work->target.defined()) work->target.copy_(work->host);
   });
 }
 

@@ -10,6 +10,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use smp_partition::runtime::data;
+use smp_partition::runtime::device::{DeviceKind, DeviceRequest, Ranks};
 use smp_partition::runtime::launch::{calibrate, launcher};
 use smp_partition::runtime::session::commands::{self, EvalJob};
 use smp_partition::ir::Precision;
@@ -49,6 +50,10 @@ enum Command {
         /// checkpoint directory: its newest).
         #[arg(long, value_name = "DIR")]
         checkpoint: Option<PathBuf>,
+        /// Where the pass runs: cpu, or cuda (GPU LOCAL_RANK, default 0). Default: cuda when
+        /// libtorch sees a GPU, else cpu.
+        #[arg(long)]
+        device: Option<DeviceKind>,
     },
     /// Write the trained model of a checkpoint: `-o M.onnx` (the model file with the trained
     /// weights) or `-o W.safetensors` (the weights alone, under module parameter names).
@@ -121,6 +126,14 @@ enum Command {
         /// (default: --master-port + 1).
         #[arg(long)]
         restart_port: Option<u16>,
+        /// Every rank's device (checked here against --nproc and the GPUs, then passed on):
+        /// cpu, or cuda (rank r on GPU r of its host). Default: cuda when libtorch sees a GPU.
+        #[arg(long)]
+        device: Option<DeviceKind>,
+        /// Let ranks share GPUs (more ranks than GPUs), talking by Gloo through host memory
+        /// instead of NCCL; passed on to every rank. No effect on the CPU.
+        #[arg(long)]
+        share_gpu: bool,
         /// The plan file.
         plan: PathBuf,
         /// Options passed to every rank's `run`.
@@ -230,6 +243,15 @@ struct TrainArgs {
     /// Seconds any collective or receive may wait before the rank fails.
     #[arg(long, default_value_t = 300)]
     timeout: u64,
+    /// Where tensors live: cpu, or cuda (the rank's GPU, LOCAL_RANK). Default: cuda when
+    /// libtorch sees a GPU, else cpu. Several ranks on GPUs talk by NCCL (a build with
+    /// `make check-cuda`), one GPU per rank.
+    #[arg(long)]
+    device: Option<DeviceKind>,
+    /// Ranks may share a GPU (more ranks on a host than GPUs, e.g. a 2-stage pipeline on one
+    /// GPU), talking by Gloo through host memory instead of NCCL. No effect on the CPU.
+    #[arg(long)]
+    share_gpu: bool,
     /// Each rank prints `[rank R] step N` on stderr after every step.
     #[arg(long)]
     progress: bool,
@@ -300,6 +322,7 @@ impl TrainArgs {
             precision: self.precision,
             autocast: None,
             loss_scale: LossScaleConfig { initial: self.loss_scale, growth_interval: self.loss_scale_window, ..LossScaleConfig::default() },
+            device: DeviceRequest { device: self.device, share_gpu: self.share_gpu },
         }
     }
 }
@@ -386,8 +409,8 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Eval { model, inputs, outputs, dtype, init, seed, checkpoint } => {
-            let job = EvalJob { model, inputs, outputs, dtype, init, seed, checkpoint };
+        Command::Eval { model, inputs, outputs, dtype, init, seed, checkpoint, device } => {
+            let job = EvalJob { model, inputs, outputs, dtype, init, seed, checkpoint, device: DeviceRequest { device, share_gpu: false } };
             Ok(commands::evaluate(&job)?)
         }
         Command::Export { checkpoint, output, model, external_data } => {
@@ -410,8 +433,17 @@ fn run(cli: Cli) -> Result<()> {
             }
         },
         Command::PrepareData { files, output, val_fraction, ext, tokenizer } => prepare_data(&files, &output, val_fraction, ext.as_deref(), tokenizer.as_deref()),
-        Command::Launch { nproc, nnodes, node_rank, master_addr, master_port, max_restarts, restart_backoff, restart_port, plan, run_args } => {
+        Command::Launch { nproc, nnodes, node_rank, master_addr, master_port, max_restarts, restart_backoff, restart_port, device, share_gpu, plan, mut run_args } => {
             let exe = std::env::current_exe().context("cannot find the smp-runner executable")?;
+            let asked = DeviceRequest { device, share_gpu };
+            if asked != DeviceRequest::default() {
+                if run_args.iter().any(|a| a == "--device" || a.starts_with("--device=") || a == "--share-gpu") {
+                    anyhow::bail!("--device/--share-gpu are given both to launch and in the ranks' options; give them once");
+                }
+                // one refusal here rather than one per rank: rank 0 of this host stands for all
+                asked.check(Ranks { local_rank: 0, local_world: nproc, world: nproc * nnodes })?;
+                run_args.extend(asked.args());
+            }
             let nodes = launcher::Nodes { nnodes, node_rank, master_addr, master_port };
             let restarts = launcher::Restarts { max: max_restarts, backoff: std::time::Duration::from_secs(restart_backoff), port: restart_port, ..Default::default() };
             let code = launcher::launch_on(&exe, nproc, &nodes, &restarts, &plan, &run_args)?;

@@ -2,6 +2,8 @@
 //! module that names tch or c10d. Its rooms, bottom up (each uses only those before it):
 //!
 //! - `comm/`: the c10d shim (TCP store, Gloo/NCCL process groups, point-to-point work);
+//! - `device.rs`: where a process's tensors live (`--device`, `--share-gpu`) and how its ranks
+//!   talk, checked against what libtorch sees;
 //! - `kernels/`: op kernels on tch, the forward executor with autograd, tensor conversions,
 //!   the autograd shim (gradients accumulated in place, fused AdamW);
 //! - `state/`: what lives on disk or in memory between steps: weights and where they are read
@@ -17,6 +19,7 @@
 
 pub mod comm;
 pub mod data;
+pub mod device;
 mod error;
 pub mod kernels;
 pub mod launch;

@@ -22,6 +22,7 @@ unsafe extern "C" {
         out: *mut *mut c_void,
     ) -> *mut c_char;
     pub fn smp_c10d_group_free(g: *mut c_void);
+    pub fn smp_c10d_group_has_nccl(g: *mut c_void) -> c_int;
     pub fn smp_c10d_all_reduce_sum(g: *mut c_void, t: *mut C_tensor) -> *mut c_char;
     pub fn smp_c10d_all_gather(g: *mut c_void, out: *mut C_tensor, input: *mut C_tensor) -> *mut c_char;
     pub fn smp_c10d_reduce_scatter_sum(g: *mut c_void, out: *mut C_tensor, input: *mut C_tensor) -> *mut c_char;

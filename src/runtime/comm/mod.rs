@@ -1,6 +1,11 @@
 //! Collectives and point-to-point messages between ranks through libtorch's c10d (a C++ shim,
-//! csrc/c10d_shim.cpp): a `TCPStore` for rendezvous, one `ProcessGroupGloo` (or NCCL) per
-//! group of ranks, each under its own store prefix. Every wait has a timeout.
+//! csrc/c10d_shim.cpp): a `TCPStore` for rendezvous, one `ProcessGroupGloo` per group of
+//! ranks (with [`Backend::Nccl`] also a `ProcessGroupNCCL`), each under its own store prefix.
+//! Every wait has a timeout.
+//!
+//! Each call goes by its tensor's device: a CUDA tensor's collective to NCCL where the group has
+//! it; everything else to Gloo, which takes CUDA tensors through host copies (`--share-gpu`).
+//! Messages (`isend`/`irecv`) always travel by Gloo, matched by tag.
 
 mod ffi;
 
@@ -191,12 +196,13 @@ fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// Which c10d backend a group uses.
+/// Which c10d backends a group uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
-    /// Gloo (CPU tensors).
+    /// Gloo alone: CPU tensors, and CUDA tensors through host copies.
     Gloo,
-    /// NCCL (CUDA tensors; builds with feature `cuda`).
+    /// NCCL for CUDA tensors' collectives, Gloo for the rest (messages, CPU tensors); builds
+    /// with feature `cuda`.
     Nccl,
 }
 
@@ -270,6 +276,12 @@ impl ProcessGroup {
         };
         check("ProcessGroup", err)?;
         Ok(ProcessGroup { raw: out, members: members.to_vec(), index, _store: store.clone() })
+    }
+
+    /// Whether CUDA tensors' collectives go through NCCL.
+    pub fn has_nccl(&self) -> bool {
+        // SAFETY: live group.
+        unsafe { ffi::smp_c10d_group_has_nccl(self.raw) != 0 }
     }
 
     /// Global ranks of the members, in group order.

@@ -16,7 +16,8 @@ pub type Batch = Vec<(String, Tensor)>;
 
 /// Synthetic, seeded data for every required graph input: token ids in `[0, vocab)` for
 /// integer inputs (masks get ones, position ids `0..S`), N(0, 1) for float inputs. Symbolic
-/// axis 0 is the batch, other symbolic axes the sequence length.
+/// axis 0 is the batch, other symbolic axes the sequence length. Drawn on the host, handed
+/// over on `exec`'s device (the same values on every device).
 pub fn synthetic_batch(exec: &Executor, batch: i64, seq_len: i64, seed: i64) -> Result<Batch, RuntimeError> {
     let graph = exec.graph();
     tch::manual_seed(seed);
@@ -56,7 +57,7 @@ pub fn synthetic_batch(exec: &Executor, batch: i64, seq_len: i64, seed: i64) -> 
             };
             Tensor::f_randint_low(0, vocab, &dims, (Kind::Int64, cpu))?.f_to_kind(kind)?
         };
-        out.push((v.name.clone(), t));
+        out.push((v.name.clone(), t.f_to_device(exec.device())?));
     }
     Ok(out)
 }

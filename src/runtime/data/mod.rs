@@ -81,13 +81,15 @@ impl DataSource {
 }
 
 /// Reads `--data`: a token file (`.bin`, windows of `seq_len`, `global_batch` per step, order
-/// from `seed`) or one fixed batch (`.npy`/`.npz`/`.safetensors`).
+/// from `seed`) or one fixed batch (`.npy`/`.npz`/`.safetensors`); its batches come on
+/// `exec`'s device.
 pub fn open_data(exec: &Executor, path: &Path, seq_len: i64, global_batch: i64, order: Order) -> Result<DataSource, RuntimeError> {
     if is_token_file(path) {
         let file = TokenFile::open(path)?;
         Ok(DataSource::Tokens(TokenStream::new(file, exec, seq_len, global_batch, order)?))
     } else {
-        Ok(DataSource::Fixed(read_batch(exec, path)?))
+        let batch = read_batch(exec, path)?;
+        Ok(DataSource::Fixed(batch.into_iter().map(|(n, t)| Ok((n, t.f_to_device(exec.device())?))).collect::<Result<_, RuntimeError>>()?))
     }
 }
 

@@ -237,6 +237,8 @@ pub struct TokenStream {
     /// (input name, element kind, fill), for every required graph input.
     inputs: Vec<(String, Kind, Fill)>,
     vocab: Option<i64>,
+    /// Where batches are handed over (the model's device).
+    device: tch::Device,
 }
 
 impl TokenStream {
@@ -290,7 +292,7 @@ impl TokenStream {
                 return Err(ferr(&path, format!("its sidecar gives a vocabulary of {s}, the model's is {v}; tokenize for this model")));
             }
         }
-        Ok(TokenStream { file, seq_len, global_batch, order, inputs, vocab })
+        Ok(TokenStream { file, seq_len, global_batch, order, inputs, vocab, device: exec.device() })
     }
 
     /// Windows in the file.
@@ -323,14 +325,14 @@ impl TokenStream {
             ids.extend(window);
         }
         let dims = [rows.end - rows.start, self.seq_len];
-        let cpu = tch::Device::Cpu;
+        let dev = self.device;
         let mut out = Vec::with_capacity(self.inputs.len());
         for (name, kind, fill) in &self.inputs {
             let t = match fill {
-                Fill::Ids => Tensor::f_from_slice(&ids)?.f_reshape(dims)?.f_to_kind(*kind)?,
-                Fill::Ones => Tensor::f_ones(dims, (*kind, cpu))?,
-                Fill::Zeros => Tensor::f_zeros(dims, (*kind, cpu))?,
-                Fill::Positions => Tensor::f_arange(self.seq_len, (*kind, cpu))?.f_expand(dims, false)?.f_contiguous()?,
+                Fill::Ids => Tensor::f_from_slice(&ids)?.f_reshape(dims)?.f_to_kind(*kind)?.f_to_device(dev)?,
+                Fill::Ones => Tensor::f_ones(dims, (*kind, dev))?,
+                Fill::Zeros => Tensor::f_zeros(dims, (*kind, dev))?,
+                Fill::Positions => Tensor::f_arange(self.seq_len, (*kind, dev))?.f_expand(dims, false)?.f_contiguous()?,
             };
             out.push((name.clone(), t));
         }

@@ -4,7 +4,7 @@
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
 
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use std::sync::Arc;
 
@@ -53,6 +53,8 @@ pub struct Executor<'g> {
     dropout: Cell<Option<DropoutKey>>,
     /// By node index: whether the node reaches a graph output (dead ones are skipped).
     live: Vec<bool>,
+    /// Where float weights live and kernels run (`--device`).
+    device: Device,
 }
 
 /// `op_type` of the node the runner inserts where codegen lists a partial gradient (Megatron's
@@ -84,8 +86,15 @@ pub fn check_supported(graph: &Graph) -> Result<(), RuntimeError> {
 
 impl<'g> Executor<'g> {
     /// Prepares `graph`: checks every op has a kernel (before anything runs), orders the
-    /// nodes, and takes the weights.
+    /// nodes, and takes the weights. Runs on the CPU.
     pub fn new(graph: &'g Graph, weights: Weights, opts: ExecOptions) -> Result<Executor<'g>, RuntimeError> {
+        Self::new_on(graph, weights, opts, Device::Cpu)
+    }
+
+    /// [`Executor::new`] on `device`: float weights move there (integer and boolean constants,
+    /// shape arithmetic's inputs, stay on the host until a kernel combines them with device
+    /// tensors).
+    pub fn new_on(graph: &'g Graph, weights: Weights, opts: ExecOptions, device: Device) -> Result<Executor<'g>, RuntimeError> {
         check_supported(graph)?;
         let live = crate::passes::dce::live_nodes(graph);
         // nodes that reach no graph output (e.g. the rest of a chain `passes::fuse` rewrote) never run
@@ -100,6 +109,13 @@ impl<'g> Executor<'g> {
             last_use[out.index()] = Some(usize::MAX);
         }
         let mut weights = weights.tensors;
+        if device != Device::Cpu {
+            for t in weights.values_mut() {
+                if super::tensor::is_float_kind(t.kind()) && t.device() != device {
+                    *t = t.f_to_device(device)?;
+                }
+            }
+        }
         if opts.training {
             for (id, t) in weights.iter_mut() {
                 if is_trainable(graph, *id) {
@@ -109,7 +125,7 @@ impl<'g> Executor<'g> {
         }
         let opset = graph.opsets.get("").copied().unwrap_or(21);
         let ctx = OpContext { opset, float_kind: opts.float_kind, training: opts.training, norm: NormStats::Running, dropout: None, autocast: opts.autocast };
-        Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None, norm: Cell::new(NormStats::Running), dropout: Cell::new(None), live })
+        Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None, norm: Cell::new(NormStats::Running), dropout: Cell::new(None), live, device })
     }
 
     /// Sets the key Dropout masks are drawn from in the runs that follow (a training step's
@@ -175,6 +191,11 @@ impl<'g> Executor<'g> {
             _ => out,
         };
         Ok(vec![out])
+    }
+
+    /// The device float weights live on and kernels run on.
+    pub fn device(&self) -> Device {
+        self.device
     }
 
     /// The kind floats are run in (`--dtype`), if forced.
@@ -297,11 +318,32 @@ impl<'g> Executor<'g> {
                 None => None,
             });
         }
+        let inputs = self.placed(node, inputs).map_err(|e| kerr(e.to_string()))?;
         let outs = self.run_node(node, &inputs).map_err(kerr)?;
         if outs.len() < node.outputs.len() {
             return Err(kerr(format!("kernel made {} outputs, the node has {}", outs.len(), node.outputs.len())));
         }
         Ok(outs)
+    }
+
+    /// On a GPU run, a node with an input on the GPU gets its host inputs there too (integer
+    /// constants, masks made on the host), except those its kernel reads as host numbers.
+    fn placed(&self, node: &Node, inputs: Vec<Option<Tensor>>) -> Result<Vec<Option<Tensor>>, tch::TchError> {
+        if self.device == Device::Cpu {
+            return Ok(inputs);
+        }
+        let Some(dev) = inputs.iter().flatten().map(Tensor::device).find(|d| d.is_cuda()) else {
+            return Ok(inputs);
+        };
+        let kind = node.op.kind();
+        inputs
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| match t {
+                Some(t) if t.device() != dev && !kind.is_some_and(|k| ops::reads_on_host(k, i)) => t.f_to_device(dev).map(Some),
+                t => Ok(t),
+            })
+            .collect()
     }
 
     /// Runs `nodes` (a subset, in execution order) on `feeds` (values produced outside the

@@ -468,7 +468,8 @@ impl<'r, 'a> Interp<'r, 'a> {
         for j in 0..count {
             let w = &header[1 + j * WORDS..1 + (j + 1) * WORDS];
             let rank = w[1].clamp(0, MAX_RANK as i64) as usize;
-            let buf = Tensor::f_empty(&w[2..2 + rank], (code_kind(w[0])?, tch::Device::Cpu))?;
+            // on the rank's device (a GPU's tensors travel through host copies)
+            let buf = Tensor::f_empty(&w[2..2 + rank], (code_kind(w[0])?, r.params.opts.1))?;
             works.push(world.irecv(&buf, peer, tag(what, from, mb, j + 1))?);
         }
         let got = works.into_iter().map(|w| w.wait()).collect::<Result<Vec<_>, _>>()?;
@@ -609,6 +610,9 @@ impl StepRunner for Interp<'_, '_> {
             }
             let (t, waited) = (Instant::now(), crate::runtime::comm::wait_s());
             self.exec(instr)?;
+            if instr.is_compute() {
+                r.wait_for_device();
+            }
             let mut spent = t.elapsed().as_secs_f64();
             let p = &mut self.phases;
             if instr.is_compute() {

@@ -32,6 +32,8 @@ pub struct RankOptions {
     pub bucket_bytes: usize,
     /// Print `[rank R] step N` on stderr after every step.
     pub progress: bool,
+    /// The process groups' backends: NCCL for GPU tensors' collectives, or Gloo alone.
+    pub backend: Backend,
 }
 
 /// The process groups this rank is in, by member list.
@@ -253,7 +255,7 @@ impl<'a> Rank<'a> {
             if a < b {
                 let mut part = self.part_of(ids[i]);
                 part.flat = Some([(a - off) as u64, (b - off) as u64]);
-                v.push(read(ids[i], &part)?.f_to_kind(p.opts.0)?);
+                v.push(read(ids[i], &part)?.f_to_kind(p.opts.0)?.f_to_device(p.opts.1)?);
             }
             off += n;
         }
@@ -293,6 +295,14 @@ impl<'a> Rank<'a> {
         live.map(|t| (t, part))
     }
 
+    /// On a GPU, waits until the work queued so far is done, so a pass is timed as the time its
+    /// kernels ran (nothing to wait for on the CPU).
+    pub fn wait_for_device(&self) {
+        if let tch::Device::Cuda(i) = self.params.opts.1 {
+            tch::Cuda::synchronize(i as i64);
+        }
+    }
+
     /// The last stage (it computes the loss).
     pub fn last_stage(&self) -> usize {
         self.n_stages - 1
@@ -326,7 +336,7 @@ fn stage_executors<'a>(
         let sub = &sh.graph;
         let slices: HashMap<&str, &WeightSlice> = sh.slices.iter().map(|w| (w.initializer.as_str(), w)).collect();
         let tensors = stage_weights(exec, source, sub, &slices, lazy)?;
-        let mut e = Executor::new(sub, Weights { tensors }, ExecOptions { float_kind: exec.float_kind(), training: true, autocast: exec.autocast() })?;
+        let mut e = Executor::new_on(sub, Weights { tensors }, ExecOptions { float_kind: exec.float_kind(), training: true, autocast: exec.autocast() }, exec.device())?;
         e.tensor_group = tensor_pg.cloned();
         // a weight read by several of this rank's stages is one tensor
         for (id, w) in e.weights.iter_mut() {
@@ -425,7 +435,7 @@ fn own_params(
             Ok(dims)
         })
         .collect::<Result<_, RuntimeError>>()?;
-    let params = Params { tensors, shapes, owned, read, counted, pos_of, opts: (float_kind, tch::Device::Cpu) };
+    let params = Params { tensors, shapes, owned, read, counted, pos_of, opts: (float_kind, exec.device()) };
     Ok((params, kv_groups))
 }
 
@@ -521,7 +531,7 @@ fn connect_groups(
     let mut by_members: HashMap<Vec<usize>, Arc<ProcessGroup>> = HashMap::new();
     for g in lists {
         if g.contains(&me) {
-            let pg = ProcessGroup::new(&store, &g, me, opts.timeout, Backend::Gloo)?;
+            let pg = ProcessGroup::new(&store, &g, me, opts.timeout, opts.backend)?;
             by_members.insert(g, Arc::new(pg));
         }
     }
@@ -648,7 +658,7 @@ fn stage_weights(
         // their blocks are read when the shards are made)
         let model = main.value_by_name(&v.name).filter(|&m| main.value(m).data.is_some());
         let t = match (model, slices.get(v.name.as_str())) {
-            (Some(m), _) if lazy.contains(&m) => placeholder(main, m, exec.float_kind())?,
+            (Some(m), _) if lazy.contains(&m) => placeholder(main, m, exec.float_kind(), exec.device())?,
             (Some(m), Some(sl)) => source.read(m, &Slice { axis: Some(sl.axis), ranges: sl.ranges.clone(), flat: None })?,
             (Some(m), None) => source.read(m, &Slice::whole())?,
             (None, _) => {
@@ -668,14 +678,15 @@ fn stage_weights(
     Ok(out)
 }
 
-/// An empty stand-in for ZeRO-3 parameter `v` (its storage is swapped in when gathered).
-pub(super) fn placeholder(graph: &Graph, v: ValueId, float_kind: Option<Kind>) -> Result<Tensor, RuntimeError> {
+/// An empty stand-in for ZeRO-3 parameter `v` on `device` (its storage is swapped in when
+/// gathered).
+pub(super) fn placeholder(graph: &Graph, v: ValueId, float_kind: Option<Kind>, device: tch::Device) -> Result<Tensor, RuntimeError> {
     let dtype = graph.value(v).data.as_ref().map_or(crate::ir::DType::F32, |d| d.dtype);
     let kind = match float_kind {
         Some(k) => k,
         None => crate::runtime::kernels::tensor::kind_of(dtype).map_err(|m| RuntimeError::Weight { name: graph.value(v).name.clone(), message: m })?,
     };
-    Ok(Tensor::f_empty([0], (kind, tch::Device::Cpu))?)
+    Ok(Tensor::f_empty([0], (kind, device))?)
 }
 
 /// The trained parameters of rank `(plan, program)` that stay sharded from the start (ZeRO 3):
@@ -729,7 +740,7 @@ pub fn rank_weights(plan: &Plan, source: &Source<'_>, me: usize) -> Result<Weigh
                 if tensors.contains_key(&v) || graph.value(v).data.is_none() {
                     continue;
                 }
-                let t = if lazy.contains(&v) { placeholder(graph, v, source.float_kind())? } else { source.read(v, &Slice::whole())? };
+                let t = if lazy.contains(&v) { placeholder(graph, v, source.float_kind(), source.device())? } else { source.read(v, &Slice::whole())? };
                 tensors.insert(v, t);
             }
         }

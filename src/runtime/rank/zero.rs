@@ -497,7 +497,7 @@ fn all_reduce_bucketed(pg: &ProcessGroup, grads: Vec<Tensor>, bucket_bytes: usiz
 pub(super) fn restored_moments(rank: &Rank<'_>, ckpt: &Loaded) -> Result<Restore, RuntimeError> {
     let ids = rank.param_ids();
     let graph = rank.graph();
-    let kind = rank.params.opts.0;
+    let (kind, device) = rank.params.opts;
     let blocks = zero_blocks(rank)?;
     let mut in_block = vec![false; ids.len()];
     for (s, b) in blocks.iter().enumerate() {
@@ -509,7 +509,7 @@ pub(super) fn restored_moments(rank: &Rank<'_>, ckpt: &Loaded) -> Result<Restore
     }
     let read = |v: ValueId, role: Role, part: &Slice| -> Result<Tensor, RuntimeError> {
         let dims = graph.value(v).data.as_ref().map(|d| d.dims.clone()).unwrap_or_default();
-        Ok(ckpt.read_part(&slice::param_name(graph, v), role, &dims, part)?.f_to_kind(kind)?)
+        Ok(ckpt.read_part(&slice::param_name(graph, v), role, &dims, part)?.f_to_kind(kind)?.f_to_device(device)?)
     };
     let (mut exp_avg, mut exp_avg_sq) = (Vec::with_capacity(ids.len()), Vec::with_capacity(ids.len()));
     for (&v, &blocked) in ids.iter().zip(&in_block) {

@@ -28,12 +28,18 @@ pub struct EvalJob {
     pub seed: i64,
     /// Run with the trained weights of this checkpoint.
     pub checkpoint: Option<PathBuf>,
+    /// Where the pass runs (`--device`; the outputs are written from the host).
+    pub device: crate::runtime::device::DeviceRequest,
 }
 
 /// One forward pass of `job.model` on its inputs, outputs written as npz. The graph is the one
 /// training runs (its op chains fused), so validation and evaluation agree to the last bit.
 pub fn evaluate(job: &EvalJob) -> Result<(), SessionError> {
     let model = &job.model;
+    // first: libtorch keeps its first answer about CUDA
+    let local_rank = std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    let ranks = crate::runtime::device::Ranks { local_rank, local_world: local_rank + 1, world: 1 };
+    let placement = job.device.place(ranks).map_err(|e| SessionError::Options(e.to_string()))?;
     let loaded = job.checkpoint.as_deref().map(Loaded::open).transpose()?;
     // a checkpoint's tensors are named as its run decided what is trained
     let params = loaded.as_ref().map(|l| l.manifest.state.params()).unwrap_or_default();
@@ -53,8 +59,8 @@ pub fn evaluate(job: &EvalJob) -> Result<(), SessionError> {
         }
         checkpoint::restore_params(l, &graph, &mut weights.tensors)?;
     }
-    let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: false, autocast: None })?;
-    let named = npz::read_npz(&job.inputs)?;
+    let exec = Executor::new_on(&graph, weights, ExecOptions { float_kind, training: false, autocast: None }, placement.device)?;
+    let named = npz::read_npz(&job.inputs)?.into_iter().map(|(n, t)| Ok((n, t.f_to_device(placement.device)?))).collect::<Result<Vec<_>, crate::runtime::RuntimeError>>()?;
     let feeds = exec.bind_inputs(named).map_err(|e| SessionError::Options(format!("inputs file `{}`: {e}", job.inputs.display())))?;
     let outs = tch::no_grad(|| exec.forward(&feeds))?;
     let arrays: Vec<(String, tch::Tensor, Option<crate::ir::DType>)> = graph

@@ -18,6 +18,7 @@ use crate::ir::Graph;
 use crate::passes::params;
 use crate::plan::Plan;
 use crate::runtime::comm::RankEnv;
+use crate::runtime::device::{Placement, Ranks};
 use crate::runtime::data::{self, DataSource, Order};
 use crate::runtime::kernels::executor::{self, ExecOptions, Executor};
 use crate::runtime::rank::{self, RankOptions, peak_rss_bytes};
@@ -64,6 +65,8 @@ pub struct RunSession {
     save: Option<SaveConfig>,
     resume: Option<Loaded>,
     notes: Vec<String>,
+    /// Where the run's tensors live and how its ranks talk.
+    placement: Placement,
 }
 
 fn plan_err(path: &Path, e: impl std::fmt::Display) -> SessionError {
@@ -101,7 +104,8 @@ impl RunSession {
         let mut notes = Vec::new();
         let (graph, sha256) = decided(imported.graph, imported.sha256, &model, &params, Some(&mut notes))?;
         let seq_len = opts.seq_len.unwrap_or(options::DEFAULT_SEQ_LEN);
-        let mut s = RunSession { opts, model, graph, sha256, seq_len, plan: None, save: None, resume: None, notes };
+        let placement = place(&opts, Ranks::single(), &mut notes)?;
+        let mut s = RunSession { opts, model, graph, sha256, seq_len, plan: None, save: None, resume: None, notes, placement };
         s.checkpointing(None, "train".into())?;
         Ok(s)
     }
@@ -117,6 +121,10 @@ impl RunSession {
         let p = &plan.parallel;
         let world = plan_world(&plan);
         let env = RankEnv::from_env().map_err(RuntimeError::from)?;
+        // first: libtorch keeps its first answer about CUDA
+        let ranks = env.as_ref().map_or(Ranks::single(), |e| Ranks::on_host(e.local_rank, e.world));
+        let mut device_notes = Vec::new();
+        let placement = place(&opts, ranks, &mut device_notes)?;
         if world != 1 && env.is_none() {
             return Err(SessionError::Plan(format!(
                 "plan `{}` needs {world} ranks (pp={} tp={} dp={}); start it with `smp-runner launch --nproc {world} {}` or torchrun-style RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT",
@@ -149,7 +157,7 @@ impl RunSession {
         };
         // a multi-rank plan's ranks would all say the same: rank 0 speaks
         let speaks = env.as_ref().is_none_or(|e| e.rank == 0);
-        let mut notes = Vec::new();
+        let mut notes = if speaks { device_notes } else { Vec::new() };
         let (graph, sha256) = decided(imported.graph, imported.sha256, &model, &params, speaks.then_some(&mut notes))?;
         if let Some(w) = plan.batch_statistics_warning().filter(|_| speaks) {
             notes.push(format!("warning: {w}"));
@@ -166,7 +174,7 @@ impl RunSession {
         let autocast = if dtype == FloatType::F64 { None } else { crate::runtime::train::Autocast::of(plan.parallel.precision) };
         let run_opts = RunOptions { params, dtype: Some(dtype), autocast, precision: Some(plan.parallel.precision), ..opts };
         check_loss_scale(&run_opts, &format!("plan `{}`", path.display()))?;
-        let mut s = RunSession { opts: run_opts, model, graph, sha256, seq_len, plan: None, save: None, resume: None, notes };
+        let mut s = RunSession { opts: run_opts, model, graph, sha256, seq_len, plan: None, save: None, resume: None, notes, placement };
         s.checkpointing(Some(plan_hash.clone()), mesh.clone())?;
         if let Some(l) = s.resume.as_ref().filter(|l| l.manifest.state.plan_hash.as_deref() != Some(plan_hash.as_str()) && speaks) {
             s.notes.push(format!("resharding checkpoint `{}` ({}, {} ranks) to this plan ({mesh})", l.dir.display(), l.manifest.state.mesh, l.manifest.state.world));
@@ -254,7 +262,7 @@ impl RunSession {
         if let Some(l) = &self.resume {
             checkpoint::restore_params(l, &graph, &mut weights.tensors)?;
         }
-        let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: true, autocast: o.autocast.map(|a| a.kind()) })?;
+        let exec = Executor::new_on(&graph, weights, ExecOptions { float_kind, training: true, autocast: o.autocast.map(|a| a.kind()) }, self.placement.device)?;
         let cfg = self.train_config(&graph, microbatches);
         let (data, eval_data) = open_data(&exec, o, self.seq_len, batch, cfg.loss)?;
         let ckpt = Checkpointing { save: self.save.take(), resume: self.resume.as_ref() };
@@ -296,15 +304,15 @@ impl RunSession {
         let float_kind = Some(o.float_type().kind());
         // only the parts of weights this rank holds are read (from the model file, its
         // external data or the checkpoint), when its stages and shards are set up
-        let mut source = Source::new(&graph, o.init_mode(), float_kind);
+        let mut source = Source::new(&graph, o.init_mode(), float_kind).on(self.placement.device);
         if let Some(l) = &self.resume {
             source = source.with_checkpoint(l);
         }
         let weights = rank::rank_weights(plan, &source, env.rank)?;
-        let exec = Executor::new(&graph, weights, ExecOptions { float_kind, training: true, autocast: o.autocast.map(|a| a.kind()) })?;
+        let exec = Executor::new_on(&graph, weights, ExecOptions { float_kind, training: true, autocast: o.autocast.map(|a| a.kind()) }, self.placement.device)?;
         let cfg = self.train_config(&graph, plan.parallel.microbatches.max(1));
         let (data, eval_data) = open_data(&exec, o, self.seq_len, plan.global_batch as i64, cfg.loss)?;
-        let rank_opts = RankOptions { timeout: o.timeout, bucket_bytes: 25 << 20, progress: o.progress };
+        let rank_opts = RankOptions { timeout: o.timeout, bucket_bytes: 25 << 20, progress: o.progress, backend: self.placement.backend };
         // the final weights are the last step's state, gathered as a checkpoint: the run's own
         // if its last step writes one, else one in a scratch directory beside the output
         let last = self.save.as_ref().is_some_and(|s| s.due(o.steps));
@@ -432,6 +440,16 @@ impl RunSession {
         }
         Ok(())
     }
+}
+
+/// Where a run at `ranks` places its tensors (`--device`, `--share-gpu`), with a note of it
+/// when that is a GPU.
+fn place(opts: &RunOptions, ranks: Ranks, notes: &mut Vec<String>) -> Result<Placement, SessionError> {
+    let p = opts.device.place(ranks).map_err(|e| SessionError::Options(e.to_string()))?;
+    if p.is_cuda() {
+        notes.push(p.describe());
+    }
+    Ok(p)
 }
 
 /// Ranks of `plan`.

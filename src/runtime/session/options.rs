@@ -9,6 +9,7 @@ use tch::Kind;
 pub use crate::passes::params::ParamOptions;
 use crate::ir::Precision;
 use crate::runtime::InitMode;
+use crate::runtime::device::DeviceRequest;
 pub use crate::runtime::state::checkpoint::OnCheckpointError;
 use crate::runtime::train::{AdamWConfig, Autocast, LossScaleConfig, EvalConfig, LossKind, LrSchedule, LrShape};
 
@@ -226,6 +227,8 @@ pub struct RunOptions {
     pub autocast: Option<Autocast>,
     /// fp16's loss scale (`--loss-scale`, `--loss-scale-window`).
     pub loss_scale: LossScaleConfig,
+    /// Where tensors live and how ranks talk (`--device`, `--share-gpu`).
+    pub device: DeviceRequest,
 }
 
 impl Default for RunOptions {
@@ -250,6 +253,7 @@ impl Default for RunOptions {
             precision: None,
             autocast: None,
             loss_scale: LossScaleConfig::default(),
+            device: DeviceRequest::default(),
         }
     }
 }

@@ -74,13 +74,26 @@ pub struct Source<'g> {
     ckpt: Option<&'g Loaded>,
     maps: RefCell<HashMap<PathBuf, Mmap>>,
     read: Cell<ReadBytes>,
+    device: tch::Device,
 }
 
 impl<'g> Source<'g> {
     /// The initializers of `graph` as the model file holds them (or random, `mode`), floats
     /// converted to `float_kind` when given.
     pub fn new(graph: &'g Graph, mode: InitMode, float_kind: Option<Kind>) -> Source<'g> {
-        Source { graph, mode, float_kind, ckpt: None, maps: RefCell::new(HashMap::new()), read: Cell::new(ReadBytes::default()) }
+        Source { graph, mode, float_kind, ckpt: None, maps: RefCell::new(HashMap::new()), read: Cell::new(ReadBytes::default()), device: tch::Device::Cpu }
+    }
+
+    /// Float parts are handed over on `device` (read, converted and generated on the host
+    /// first, so every device gets the same values).
+    pub fn on(mut self, device: tch::Device) -> Source<'g> {
+        self.device = device;
+        self
+    }
+
+    /// The device float parts are handed over on.
+    pub fn device(&self) -> tch::Device {
+        self.device
     }
 
     /// Trained parameters and the buffers it holds come from checkpoint `ckpt` (by name and
@@ -147,10 +160,11 @@ impl<'g> Source<'g> {
             r.other += n;
         }
         self.read.set(r);
-        Ok(match self.float_kind {
+        let t = match self.float_kind {
             Some(k) if is_float_kind(t.kind()) && t.kind() != k => t.f_to_kind(k)?,
             _ => t,
-        })
+        };
+        Ok(if is_float_kind(t.kind()) && t.device() != self.device { t.f_to_device(self.device)? } else { t })
     }
 
     /// The part from the checkpoint, for trained parameters and the buffers it holds.

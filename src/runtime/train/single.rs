@@ -55,7 +55,14 @@ impl<'e, 'g> SingleProcess<'e, 'g> {
             None => AdamW::new(&params, cfg.adamw)?,
             Some(l) => {
                 let mut moments = checkpoint::restore_moments(l, graph, &ids, params[0].kind())?;
-                let state = ids.iter().map(|v| moments.remove(v).ok_or_else(|| RuntimeError::Train("moment missing".into()))).collect::<Result<_, _>>()?;
+                let device = params[0].device();
+                let state = ids
+                    .iter()
+                    .map(|v| {
+                        let (m, s) = moments.remove(v).ok_or_else(|| RuntimeError::Train("moment missing".into()))?;
+                        Ok((m.f_to_device(device)?, s.f_to_device(device)?))
+                    })
+                    .collect::<Result<_, RuntimeError>>()?;
                 AdamW::with_state(cfg.adamw, l.manifest.state.adamw_step, state)
             }
         };

@@ -41,6 +41,20 @@ impl AutocastClass {
     }
 }
 
+/// Whether `kind`'s kernel reads input `i` as host numbers (shapes, axes, sizes, scalars):
+/// such an input stays where it is on a GPU run, every other one joins the node's device.
+pub fn reads_on_host(kind: OpKind, i: usize) -> bool {
+    use OpKind::*;
+    match kind {
+        ConstantOfShape | Range => true,
+        Reshape | Expand | Tile | Unsqueeze | Squeeze | Split | TopK | Trilu | CumSum => i == 1,
+        ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd => i == 1,
+        Slice | Pad => i >= 1,
+        Dropout => i >= 1,
+        _ => false,
+    }
+}
+
 /// `inputs` with each floating-point tensor whose kind `cast` picks converted to `to`.
 fn cast_floats(inputs: &[Option<Tensor>], cast: impl Fn(tch::Kind) -> bool, to: tch::Kind) -> KResult<Vec<Option<Tensor>>> {
     inputs

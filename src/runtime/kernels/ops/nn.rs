@@ -359,7 +359,8 @@ pub(super) fn softmax(kind: OpKind, a: &Args) -> KResult<Tensor> {
 }
 
 /// Uniform numbers shaped like `x` whose row i (axis 0, the microbatch's samples) depends on
-/// `key`, the node and the global sample `key.first_sample + i` alone.
+/// `key`, the node and the global sample `key.first_sample + i` alone. Drawn by the CPU's
+/// generator whatever `x`'s device, so a GPU run drops what the CPU run drops.
 fn keyed_uniform(x: &Tensor, node: &str, key: super::DropoutKey) -> KResult<Tensor> {
     let size = x.size();
     let (rows, row_shape) = match size.split_first() {
@@ -379,12 +380,12 @@ fn keyed_uniform(x: &Tensor, node: &str, key: super::DropoutKey) -> KResult<Tens
         let h = [key.seed as u64, key.step as u64, (key.first_sample + i) as u64].into_iter().fold(node_key, mix);
         let seed = (h >> 1) as i64;
         tch::manual_seed(seed);
-        out.push(Tensor::f_rand(&row_shape, (x.kind(), x.device()))?);
+        out.push(Tensor::f_rand(&row_shape, (x.kind(), tch::Device::Cpu))?);
     }
     if size.is_empty() {
-        return Ok(out.pop().map_or_else(|| x.f_rand_like(), Ok)?);
+        return Ok(out.pop().map_or_else(|| x.f_rand_like(), |t| t.f_to_device(x.device()))?);
     }
-    Ok(Tensor::f_stack(&out, 0)?)
+    Ok(Tensor::f_stack(&out, 0)?.f_to_device(x.device())?)
 }
 
 pub(super) fn dropout(a: &Args) -> KResult<Vec<Tensor>> {
