@@ -7,6 +7,15 @@ use tch::{Device, Kind, Tensor};
 
 use crate::ir::{self, DType, Storage};
 
+/// A detached copy of `t` in its own storage (a narrowed view would keep its whole buffer
+/// alive; a shallow clone would share it).
+pub fn owned_copy(t: &Tensor) -> Result<Tensor, tch::TchError> {
+    let t = t.f_detach()?;
+    let mut out = t.f_empty_like()?;
+    out.f_copy_(&t)?;
+    Ok(out)
+}
+
 /// The tch kind a value of `dtype` is held in.
 pub fn kind_of(dtype: DType) -> Result<Kind, String> {
     Ok(match dtype {

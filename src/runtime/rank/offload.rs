@@ -17,6 +17,7 @@ use tch::Tensor;
 
 use crate::ir::ValueId;
 use crate::runtime::RuntimeError;
+use crate::runtime::kernels::tensor::owned_copy;
 use crate::runtime::terr;
 
 use super::report::{PoolBytes, bytes_of};
@@ -55,7 +56,7 @@ impl Copier {
             .name("smp-offload".into())
             .spawn(move || {
                 for (ts, reply) in rx {
-                    let _ = reply.send(ts.iter().map(deep_copy).collect::<Result<_, _>>().map_err(|e| e.to_string()));
+                    let _ = reply.send(ts.iter().map(owned_copy).collect::<Result<_, _>>().map_err(|e| e.to_string()));
                 }
             })
             .ok();
@@ -79,13 +80,6 @@ impl Drop for Copier {
             let _ = t.join();
         }
     }
-}
-
-fn deep_copy(t: &Tensor) -> Result<Tensor, tch::TchError> {
-    let t = t.f_detach()?;
-    let mut out = t.f_empty_like()?;
-    out.f_copy_(&t)?;
-    Ok(out)
 }
 
 /// The kept inputs of a rank's recomputed stages, and where they are.
@@ -173,7 +167,7 @@ impl Offload {
                 // not loaded ahead (a backward out of the window's order): now, in place
                 self.pool.host -= bytes;
                 self.pool.to_device(bytes);
-                restore(ids, copies.iter().map(deep_copy).collect::<Result<_, _>>()?)?
+                restore(ids, copies.iter().map(owned_copy).collect::<Result<_, _>>()?)?
             }
             Kept::Loading(ids, p) => restore(ids, p.wait()?)?,
         };

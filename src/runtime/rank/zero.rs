@@ -9,6 +9,7 @@ use tch::{Kind, Tensor};
 
 use crate::runtime::RuntimeError;
 use crate::runtime::comm::ProcessGroup;
+use crate::runtime::kernels::tensor::owned_copy;
 use crate::runtime::terr;
 use super::params::Params;
 use super::setup::Rank;
@@ -40,13 +41,6 @@ impl Shard {
     fn block(parts: i64, index: i64, len: i64) -> Shard {
         Shard { parts, index, len, grad: None, updated: None, opt: None, master: None, members: Vec::new() }
     }
-}
-
-/// A copy of `t` in its own storage (a narrowed view would keep the whole buffer alive).
-fn owned_copy(t: &Tensor) -> Result<Tensor, RuntimeError> {
-    let mut c = t.f_empty_like()?;
-    let _ = c.f_copy_(t)?;
-    Ok(c)
 }
 
 /// The optimizer state of a rank and its ZeRO shards.
@@ -411,7 +405,7 @@ impl Zero {
                 let (a, b) = (lo.max(off), hi.min(off + len));
                 if a < b && writes && p.counted[i] {
                     let flat = Some([(a - off) as u64, (b - off) as u64]);
-                    let part = |t: &Tensor| -> Result<Tensor, RuntimeError> { owned_copy(&t.f_narrow(0, a - lo, b - a)?) };
+                    let part = |t: &Tensor| -> Result<Tensor, RuntimeError> { Ok(owned_copy(&t.f_narrow(0, a - lo, b - a)?)?) };
                     if let Some(m) = &sh.master {
                         out.push(LocalPiece { pos: i, role: Role::Param, flat, tensor: part(m)? });
                     }
