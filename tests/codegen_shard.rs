@@ -273,6 +273,8 @@ fn pipeline_of_sharded_stages_reproduces_the_model() {
             pp,
             tp: t,
             dp: 1,
+            cp: 1,
+            ep: 1,
             zero: 0,
             sharded_dp: None,
             microbatches: 1,

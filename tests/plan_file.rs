@@ -286,7 +286,7 @@ fn validation_errors_name_the_stage() {
 fn validation_checks_degrees_and_totals() {
     assert_eq!(
         invalid(|p| p.parallel.dp = 2),
-        PlanInvalid::TooManyRanks { pp: 2, tp: 2, dp: 2, product: 8, devices: 4 }
+        PlanInvalid::TooManyRanks { pp: 2, tp: 2, cp: 1, dp: 2, product: 8, devices: 4 }
     );
     assert!(matches!(invalid(|p| p.parallel.zero = 4), PlanInvalid::Degree { field: "zero", .. }));
     assert!(matches!(

@@ -26,11 +26,16 @@ class Parallel:
     #: The training precision the plan was priced for and the runner executes: `f32`, `bf16`,
     #: `bf16-mixed` or `fp16-mixed` (docs/precision.md).
     precision: str
+    #: Context-parallel degree: ranks each microbatch's sequence is split over.
+    cp: int = 1
+    #: Expert-parallel degree: ranks a mixture-of-experts layer's experts are split over,
+    #: carved from the data-parallel ranks (divides `dp`).
+    ep: int = 1
 
     @property
     def devices(self) -> int:
-        """Ranks the plan runs on (pp × tp × dp)."""
-        return self.pp * self.tp * self.dp
+        """Ranks the plan runs on (pp × tp × cp × dp)."""
+        return self.pp * self.tp * self.cp * self.dp
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ class Plan:
         p = self.data["parallel"]
         return Parallel(pp=p["pp"], tp=p["tp"], dp=p["dp"], zero=p["zero"], microbatches=p["microbatches"],
                         schedule=p["schedule"], sequence_parallel=p.get("sequence_parallel", False),
-                        precision=p["precision"])
+                        precision=p["precision"], cp=p.get("cp", 1), ep=p.get("ep", 1))
 
     @property
     def predicted(self) -> Predicted:

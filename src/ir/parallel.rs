@@ -21,6 +21,14 @@ pub struct Parallelism {
     pub tp: usize,
     /// Data-parallel degree.
     pub dp: usize,
+    /// Context-parallel degree: ranks the sequence of every microbatch is split over (each a
+    /// front and a back chunk). The mesh's D axis holds `dp · cp` positions, context groups are
+    /// runs of `cp` consecutive positions; weight gradients reduce over all of them.
+    pub cp: usize,
+    /// Expert-parallel degree: ranks a mixture-of-experts layer's experts are split over,
+    /// carved from the data-parallel ranks (divides `dp`; expert groups are runs of `ep`
+    /// consecutive data-parallel indices).
+    pub ep: usize,
     /// ZeRO stage (0..=3).
     pub zero: u8,
     /// Sharded-data-parallel group size (ZeRO 3 over groups of that many replicas), if used.
@@ -50,9 +58,9 @@ pub struct Parallelism {
 }
 
 impl Parallelism {
-    /// Devices of the mesh: pp · tp · dp.
+    /// Devices of the mesh: pp · tp · cp · dp.
     pub fn devices(&self) -> usize {
-        self.pp * self.tp * self.dp
+        self.pp * self.tp * self.cp * self.dp
     }
 
     /// Replicas each ZeRO shard is spread over: the sharded-data-parallel group where it is a

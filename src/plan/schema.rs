@@ -21,8 +21,9 @@ use crate::split::Strategy;
 /// Version 2 added `parallel.precision` (the training precision the plan was priced for and
 /// the runner executes); version 3 `parallel.offload_activations`,
 /// `parallel.activation_loading_horizon` and each stage's `offloaded_layers` and
-/// `offloaded_bytes`. Older plans are refused with the re-plan message.
-pub const PLAN_VERSION: u32 = 3;
+/// `offloaded_bytes`; version 4 `parallel.cp` and `parallel.ep` (context- and
+/// expert-parallel degrees). Older plans are refused with the re-plan message.
+pub const PLAN_VERSION: u32 = 4;
 
 /// A partitioned execution plan.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -176,6 +177,8 @@ mod parallel_file {
         pp: usize,
         tp: usize,
         dp: usize,
+        cp: usize,
+        ep: usize,
         zero: u8,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         sharded_dp: Option<usize>,
@@ -198,6 +201,8 @@ mod parallel_file {
             pp: p.pp,
             tp: p.tp,
             dp: p.dp,
+            cp: p.cp,
+            ep: p.ep,
             zero: p.zero,
             sharded_dp: p.sharded_dp,
             microbatches: p.microbatches,
@@ -231,6 +236,8 @@ mod parallel_file {
             pp: f.pp,
             tp: f.tp,
             dp: f.dp,
+            cp: f.cp,
+            ep: f.ep,
             zero: f.zero,
             sharded_dp: f.sharded_dp,
             microbatches: f.microbatches,

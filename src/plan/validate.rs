@@ -14,12 +14,12 @@ pub enum PlanInvalid {
     /// A degree is zero or out of range.
     #[error("parallel.{field} = {value} is out of range ({expected})")]
     Degree { field: &'static str, value: u64, expected: &'static str },
-    /// pp·tp·dp exceeds the cluster.
-    #[error("pp·tp·dp = {pp}·{tp}·{dp} = {product} ranks but the cluster has {devices} devices")]
-    TooManyRanks { pp: usize, tp: usize, dp: usize, product: usize, devices: usize },
-    /// pp·tp·dp does not fit in a machine word.
-    #[error("pp·tp·dp = {pp}·{tp}·{dp} overflows: no cluster has that many devices")]
-    RankOverflow { pp: usize, tp: usize, dp: usize },
+    /// pp·tp·cp·dp exceeds the cluster.
+    #[error("pp·tp·cp·dp = {pp}·{tp}·{cp}·{dp} = {product} ranks but the cluster has {devices} devices")]
+    TooManyRanks { pp: usize, tp: usize, cp: usize, dp: usize, product: usize, devices: usize },
+    /// pp·tp·cp·dp does not fit in a machine word.
+    #[error("pp·tp·cp·dp = {pp}·{tp}·{cp}·{dp} overflows: no cluster has that many devices")]
+    RankOverflow { pp: usize, tp: usize, cp: usize, dp: usize },
     /// Stage count disagrees with pp · virtual_stages.
     #[error("{found} stages, but pp·virtual_stages = {pp}·{v} = {expected}")]
     StageCount { found: usize, pp: usize, v: usize, expected: usize },
@@ -48,7 +48,7 @@ pub enum PlanInvalid {
     #[error("stage {stage}: {field} = {found}, but parallel.{field} = {expected}")]
     StageDegree { stage: usize, field: &'static str, found: usize, expected: usize },
     /// A stage has the wrong number of ranks.
-    #[error("stage {stage}: {found} ranks, expected tp·dp = {expected}")]
+    #[error("stage {stage}: {found} ranks, expected tp·cp·dp = {expected}")]
     RankCount { stage: usize, found: usize, expected: usize },
     /// A rank outside 0..pp·tp·dp.
     #[error("stage {stage}: rank {rank} is outside 0..{world}")]
@@ -83,21 +83,27 @@ pub fn validate(plan: &Plan) -> Result<(), PlanInvalid> {
         ("pp", par.pp),
         ("tp", par.tp),
         ("dp", par.dp),
+        ("cp", par.cp),
+        ("ep", par.ep),
         ("microbatches", par.microbatches),
     ] {
         if value == 0 {
             return Err(PlanInvalid::Degree { field, value: 0, expected: "at least 1" });
         }
     }
+    if par.dp % par.ep != 0 {
+        return Err(PlanInvalid::Degree { field: "ep", value: par.ep as u64, expected: "a divisor of parallel.dp (expert groups are carved from the data-parallel ranks)" });
+    }
     if par.zero > 3 {
         return Err(PlanInvalid::Degree { field: "zero", value: par.zero.into(), expected: "0..=3" });
     }
-    let world = par.pp.checked_mul(par.tp).and_then(|w| w.checked_mul(par.dp));
-    let world = world.ok_or(PlanInvalid::RankOverflow { pp: par.pp, tp: par.tp, dp: par.dp })?;
+    let world = par.pp.checked_mul(par.tp).and_then(|w| w.checked_mul(par.dp)).and_then(|w| w.checked_mul(par.cp));
+    let world = world.ok_or(PlanInvalid::RankOverflow { pp: par.pp, tp: par.tp, cp: par.cp, dp: par.dp })?;
     if world > plan.cluster.devices {
         return Err(PlanInvalid::TooManyRanks {
             pp: par.pp,
             tp: par.tp,
+            cp: par.cp,
             dp: par.dp,
             product: world,
             devices: plan.cluster.devices,
@@ -150,7 +156,7 @@ pub fn validate(plan: &Plan) -> Result<(), PlanInvalid> {
                 return Err(PlanInvalid::StageDegree { stage, field, found, expected });
             }
         }
-        let per_stage = par.tp.saturating_mul(par.dp);
+        let per_stage = par.tp.saturating_mul(par.dp).saturating_mul(par.cp);
         if s.ranks.len() != per_stage {
             return Err(PlanInvalid::RankCount { stage, found: s.ranks.len(), expected: per_stage });
         }

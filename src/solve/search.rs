@@ -171,6 +171,8 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
                                     pp,
                                     tp,
                                     dp,
+                                    cp: 1,
+                                    ep: 1,
                                     zero,
                                     sharded_dp: c.sharded_dp,
                                     microbatches: m,

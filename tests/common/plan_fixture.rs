@@ -73,6 +73,8 @@ pub fn fixture() -> Plan {
             pp: 2,
             tp: 2,
             dp: 1,
+            cp: 1,
+            ep: 1,
             zero: 0,
             sharded_dp: None,
             microbatches: 4,

@@ -119,6 +119,14 @@ impl RunSession {
         // the plan's precision, or the `--dtype f64` verification override
         let dtype = FloatType::for_plan(plan.parallel.precision, opts.dtype, &path).map_err(SessionError::Options)?;
         let p = &plan.parallel;
+        if p.cp > 1 || p.ep > 1 {
+            return Err(SessionError::Plan(format!(
+                "plan `{}` has cp={} ep={}: this smp-runner does not yet execute context or expert parallelism; re-plan with `--cp 1 --ep 1`",
+                path.display(),
+                p.cp,
+                p.ep
+            )));
+        }
         let world = plan_world(&plan);
         let env = RankEnv::from_env().map_err(RuntimeError::from)?;
         // first: libtorch keeps its first answer about CUDA
@@ -127,10 +135,11 @@ impl RunSession {
         let placement = place(&opts, ranks, &mut device_notes)?;
         if world != 1 && env.is_none() {
             return Err(SessionError::Plan(format!(
-                "plan `{}` needs {world} ranks (pp={} tp={} dp={}); start it with `smp-runner launch --nproc {world} {}` or torchrun-style RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT",
+                "plan `{}` needs {world} ranks (pp={} tp={} cp={} dp={}); start it with `smp-runner launch --nproc {world} {}` or torchrun-style RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT",
                 path.display(),
                 p.pp,
                 p.tp,
+                p.cp,
                 p.dp,
                 path.display()
             )));
@@ -454,7 +463,7 @@ fn place(opts: &RunOptions, ranks: Ranks, notes: &mut Vec<String>) -> Result<Pla
 
 /// Ranks of `plan`.
 fn plan_world(plan: &Plan) -> usize {
-    plan.parallel.pp * plan.parallel.tp * plan.parallel.dp
+    plan.parallel.devices()
 }
 
 /// A scratch checkpoint directory for the final weights beside `out`.
