@@ -78,6 +78,7 @@ fn layer(saved: f64, input: f64) -> Layer {
         outputs: vec![],
         figures: NodeFigures { saved_bytes: saved, ..Default::default() },
         input_bytes: input,
+        offload_bytes: input,
         output_bytes: input,
     }
 }

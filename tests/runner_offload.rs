@@ -1,10 +1,9 @@
 //! Activation offloading executed: plans of the GPT-2 export with full recompute, run by
 //! `smp-runner launch` with offloading off and on (horizon 1), in f64. The oracle is the run
-//! with offloading off: every loss equal within 1e-12 relative. The runner keeps what a
-//! recomputed stage needs for its backward, its inputs, in an accounted device pool: with
-//! offloading on, its peak must drop by the plan's `offloaded_bytes` (within 10 %) on stages
-//! whose kept inputs are one layer's (a one-layer stage after the first: the first keeps only
-//! the batch, which is data, not activations).
+//! with offloading off: every loss equal within 1e-12 relative. The runner recomputes layer by
+//! layer and keeps what each checkpointed layer's recompute starts from, its inputs, in an
+//! accounted device pool: with offloading on, its peak must drop by the plan's
+//! `offloaded_bytes` (within 10 %) on every stage that offloads.
 #![cfg(feature = "runner")]
 
 mod common;
@@ -70,65 +69,59 @@ fn off_and_on(name: &str, pp: usize, flags: &[&str]) -> [(serde_json::Value, Vec
 /// The plan of the f32 `cpu` precision prices 4-byte activations; the f64 run holds 8.
 const F64_OVER_PLAN: f64 = 2.0;
 
-/// On every one-layer stage after the first, the measured drop of the device pool's peak
-/// against the plan's `offloaded_bytes` (within 10 %); returns how many stages were compared.
+/// On every stage that offloads, the measured drop of the device pool's peak against the
+/// plan's `offloaded_bytes` (within 10 %); returns how many stages were compared.
 fn drops_match_the_plan(name: &str, runs: &[(serde_json::Value, Vec<(f64, f64)>); 2]) -> usize {
     let (plan, off, on) = (&runs[1].0, &runs[0].1, &runs[1].1);
     let mut compared = 0;
     for st in plan["stages"].as_array().unwrap() {
-        let (index, layers) = (st["index"].as_u64().unwrap() as usize, &st["layers"]);
+        let index = st["index"].as_u64().unwrap() as usize;
         let planned = st["offloaded_bytes"].as_f64().unwrap_or(0.0) * F64_OVER_PLAN;
-        if index == 0 || layers[0] != layers[1] {
+        if planned == 0.0 {
             continue;
         }
         let rank = st["ranks"][0].as_u64().unwrap() as usize;
         let measured = off[rank].0 - on[rank].0;
         eprintln!(
-            "{name} stage {index} (layer {}): device pool peak {} → {} B, measured drop {measured} B, planned {planned} B; {} B in host memory at the peak",
-            layers[0], off[rank].0, on[rank].0, on[rank].1
+            "{name} stage {index} (layers {}): device pool peak {} → {} B, measured drop {measured} B, planned {planned} B; {} B in host memory at the peak",
+            st["layers"], off[rank].0, on[rank].0, on[rank].1
         );
-        assert!((measured - planned).abs() <= 0.1 * planned.max(1.0), "{name} stage {index}: dropped {measured} B, planned {planned} B");
+        assert!((measured - planned).abs() <= 0.1 * planned, "{name} stage {index}: dropped {measured} B, planned {planned} B");
         compared += 1;
     }
     compared
 }
 
-/// The acceptance's plans: pp 2 under 1F1B and ZB-H1. Here the runner moves nothing — the
-/// first stage keeps only the batch and the last holds one microbatch between its forward and
-/// backward — so equality and an unchanged pool are what there is to check.
+/// The acceptance's plans: pp 2 under 1F1B and ZB-H1, every layer checkpointed; the layers'
+/// kept inputs that the plan offloads leave the device pool by the planned amount.
 #[test]
-fn pp2_1f1b_and_zb_h1_equal_offloading_off() {
+fn pp2_1f1b_and_zb_h1_offload_the_planned_bytes() {
     for schedule in ["1f1b", "zb-h1"] {
-        let runs = off_and_on(&format!("pp2-{schedule}"), 2, &["--schedule", schedule]);
-        let (off, on) = (&runs[0].1, &runs[1].1);
-        let offloaded: usize = runs[1].0["stages"].as_array().unwrap().iter().map(|s| s["offloaded_layers"].as_array().map_or(0, Vec::len)).sum();
-        assert!(offloaded > 0, "pp2 {schedule}: `on` offloads no layer");
-        assert_eq!(on, off, "pp2 {schedule}: pools");
+        let name = format!("pp2-{schedule}");
+        let runs = off_and_on(&name, 2, &["--schedule", schedule]);
+        assert!(runs[1].1.iter().any(|&(_, host)| host > 0.0), "{name}: nothing went to host memory");
+        let compared = drops_match_the_plan(&name, &runs);
+        assert!(compared > 0, "{name}: the plan offloads nothing");
     }
 }
 
-/// Where the runner keeps several microbatches' inputs: the middle stage of pp 3 (1F1B: two
-/// in flight) and the last of a pp 2 GPipe (all four). One layer per stage after the first, so
-/// the kept inputs are that layer's. Under ZB-H1 the planner counts p microbatches in flight on
-/// every rank (until their W, conservatively), more than sit between a forward and its
-/// backward, so there the drop is only checked to happen.
+/// Where the runner keeps several microbatches' inputs: both stages of pp 3 under 1F1B and
+/// ZB-H1 (three and two in flight between a forward and its B) and of a pp 2 GPipe (all four).
 #[test]
 fn offloaded_inputs_leave_the_device_pool_by_the_planned_amount() {
-    let cases: [(&str, usize, &[&str], bool); 3] = [
-        ("pp3-1f1b", 3, &["--schedule", "1f1b", "--layout", "0-3|4-4|5-5"], true),
-        ("pp2-gpipe", 2, &["--schedule", "gpipe", "--layout", "0-4|5-5"], true),
-        ("pp3-zb-h1", 3, &["--schedule", "zb-h1", "--layout", "0-3|4-4|5-5"], false),
+    let cases: [(&str, usize, &[&str]); 3] = [
+        ("pp3-1f1b", 3, &["--schedule", "1f1b", "--layout", "0-3|4-4|5-5"]),
+        ("pp2-gpipe", 2, &["--schedule", "gpipe", "--layout", "0-4|5-5"]),
+        ("pp3-zb-h1", 3, &["--schedule", "zb-h1", "--layout", "0-3|4-4|5-5"]),
     ];
-    for (name, pp, flags, compare) in cases {
+    for (name, pp, flags) in cases {
         let runs = off_and_on(name, pp, flags);
         assert!(runs[1].1.iter().any(|&(_, host)| host > 0.0), "{name}: nothing went to host memory");
         assert!(runs[0].1.iter().all(|&(_, host)| host == 0.0), "{name}: offloading off moved bytes");
         for (rank, (off, on)) in runs[0].1.iter().zip(&runs[1].1).enumerate() {
             assert!(on.0 <= off.0, "{name} rank {rank}: the device pool grew with offloading ({} → {} B)", off.0, on.0);
         }
-        if compare {
-            let compared = drops_match_the_plan(name, &runs);
-            assert!(compared > 0, "{name}: no stage to compare");
-        }
+        let compared = drops_match_the_plan(name, &runs);
+        assert!(compared > 0, "{name}: no stage to compare");
     }
 }

@@ -21,6 +21,7 @@ fn point() -> impl Strategy<Value = ParetoPoint> {
             state_bytes: state * GIB,
             act_bytes: act * GIB,
             input_bytes: act * in_frac * GIB,
+            offload_bytes: act * in_frac * GIB,
             sync_s: sync,
             choice: 0,
             // copies from fully hidden (0) to several times the layer's compute
@@ -88,7 +89,7 @@ fn instance() -> impl Strategy<Value = Instance> {
                     devices: p,
                     virtual_stages: v,
                     microbatches: m,
-                    in_flight: (0..chunks).map(|c| 1.0 + (inflight[c] * m as f64).floor()).collect(),
+                    in_flight: (0..chunks).map(|c| 1.0 + (inflight[c] * m as f64).floor()).collect(), kept_flight: vec![],
                     bubble_coeff: [1.0, 0.5, 1.0 / 3.0][coeff],
                     memory_cap: cap,
                     workspace: 0.5 * GIB,
@@ -195,11 +196,11 @@ proptest! {
         prop_assume!(times.len() >= p);
         let layers = times.iter().map(|&t| PipelineLayer {
             tied: Vec::new(),
-            points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, sync_s: 0.0, choice: 0, host_s: 0.0 }],
+            points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.0, choice: 0, host_s: 0.0 }],
             output_bytes: 0.0,
         }).collect();
         let prob = PipelineProblem {
-            layers, devices: p, virtual_stages: 1, microbatches: m, in_flight: vec![1.0; p], bubble_coeff: 1.0,
+            layers, devices: p, virtual_stages: 1, microbatches: m, in_flight: vec![1.0; p], kept_flight: vec![], bubble_coeff: 1.0,
             memory_cap: f64::INFINITY, workspace: 0.0, transfer_s_per_byte: vec![0.0; p - 1],
             checkpoint: CheckpointRule::Never, offload: OffloadRule::Never, loading_horizon: 4.0, fixed_chunks: None,
             objective: PipelineObjective::StepTime,

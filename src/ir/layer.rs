@@ -104,6 +104,9 @@ pub struct Layer {
     pub figures: NodeFigures,
     /// Bytes per sample of `inputs` (what checkpointing keeps).
     pub input_bytes: f64,
+    /// Bytes per sample of the computed inputs no other layer reads: what offloading this
+    /// layer moves to host memory (inputs several layers read stay on the device).
+    pub offload_bytes: f64,
     /// Bytes per sample of `outputs` (what a pipeline cut after this layer sends).
     pub output_bytes: f64,
 }

@@ -87,11 +87,21 @@ pub fn group(graph: &Graph, fig: &Figures, _dims: &DimBindings) -> Result<Vec<La
             outputs: Vec::new(),
             figures: NodeFigures::default(),
             input_bytes: 0.0,
+            offload_bytes: 0.0,
             output_bytes: 0.0,
         });
     }
     for layer in &mut layers {
         fill(graph, fig, layer, &layer_of, &uses);
+    }
+    // what offloading moves: the computed inputs no other layer reads (a mask or rotary table
+    // every block reads is kept once per stage, on the device)
+    let mut readers: HashMap<ValueId, usize> = HashMap::new();
+    for v in layers.iter().flat_map(|l| l.inputs.iter()) {
+        *readers.entry(*v).or_default() += 1;
+    }
+    for layer in &mut layers {
+        layer.offload_bytes = layer.inputs.iter().filter(|v| readers[v] == 1 && graph.value(**v).kind == ValueKind::Intermediate).map(|&v| fig.value_bytes(graph, v)).sum();
     }
     Ok(layers)
 }

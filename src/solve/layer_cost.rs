@@ -34,6 +34,8 @@ pub struct StrategyDetail {
     pub act_bytes: f64,
     /// Input bytes per microbatch.
     pub input_bytes: f64,
+    /// Of them, the bytes offloading moves (`Layer::offload_bytes`) per microbatch.
+    pub offload_bytes: f64,
 }
 
 /// The greatest common divisor of the known dimensions of the repeated blocks' weight
@@ -309,6 +311,7 @@ impl<'a> CostContext<'a> {
             act_bytes: crate::cost::compute::saved_bytes(&lay.figures, self.spec).max(lay.input_bytes) * b * self.bytes_scale / t,
             // Without sequence parallelism the layer's input is whole on every tensor rank.
             input_bytes: lay.input_bytes * b * self.bytes_scale / if cfg.sequence_parallel { t } else { 1.0 },
+            offload_bytes: lay.offload_bytes * b * self.bytes_scale / if cfg.sequence_parallel { t } else { 1.0 },
         }
     }
 
@@ -454,7 +457,7 @@ impl<'a> CostContext<'a> {
         // The fastest assignment only: the smallest is the all-split one, which Megatron's
         // split already is, so further Pareto solves would only cost time.
         let sols = ls.problem.solve(false, None, &SolverOptions::default()).ok().and_then(|(_, s)| s);
-        let input_bytes = megatron.input_bytes;
+        let (input_bytes, offload_bytes) = (megatron.input_bytes, megatron.offload_bytes);
         if let Some(s) = sols.filter(|s| s.choice != ls.megatron) {
             let d = StrategyDetail {
                 name: format!("ilp-tp{}", cfg.tp),
@@ -464,6 +467,7 @@ impl<'a> CostContext<'a> {
                 param_elems: ls.params_of(&s.choice),
                 act_bytes: s.act_bytes.max(input_bytes),
                 input_bytes,
+                offload_bytes,
             };
             let dominated = out.iter().any(|o| {
                 o.fwd_s + o.bwd_s <= d.fwd_s + d.bwd_s && o.param_elems <= d.param_elems && o.act_bytes <= d.act_bytes
@@ -511,9 +515,10 @@ impl<'a> CostContext<'a> {
             state_bytes: state.total(),
             act_bytes: d.act_bytes,
             input_bytes: d.input_bytes,
+            offload_bytes: d.offload_bytes,
             sync_s: sync,
             choice,
-            host_s: self.spec.host_bandwidth.map_or(0.0, |bw| d.input_bytes / bw),
+            host_s: self.spec.host_bandwidth.map_or(0.0, |bw| d.offload_bytes / bw),
         }
     }
 

@@ -74,11 +74,14 @@ pub struct ParetoPoint {
     pub act_bytes: f64,
     /// Input bytes per microbatch (what checkpointing keeps).
     pub input_bytes: f64,
+    /// Of them, the bytes offloading moves to host memory: the inputs no other layer reads.
+    #[serde(default)]
+    pub offload_bytes: f64,
     /// Data-parallel synchronisation time of this layer's gradients, seconds.
     pub sync_s: f64,
     /// Index of the strategy assignment this point stands for (into the layer's choices).
     pub choice: usize,
-    /// Time to copy the input (`input_bytes`) over the host link one way, seconds: what
+    /// Time to copy the offloaded input (`offload_bytes`) over the host link one way, seconds: what
     /// offloading a checkpointed layer moves out after its forward and back before its
     /// backward.
     #[serde(default)]
@@ -144,8 +147,13 @@ pub struct PipelineProblem {
     pub virtual_stages: usize,
     /// Microbatches m.
     pub microbatches: usize,
-    /// Microbatches in flight per chunk (len devices·virtual_stages).
+    /// Microbatches in flight per chunk (len devices·virtual_stages): from a forward to the
+    /// end of its backward (its W under ZB-H1).
     pub in_flight: Vec<f64>,
+    /// Microbatches per chunk between a forward and its backward's B, where that is fewer
+    /// (ZB-H1): what a checkpointed layer keeps its inputs for. Empty: `in_flight`.
+    #[serde(default)]
+    pub kept_flight: Vec<f64>,
     /// Weight of Σ T[d] in the step time (1 for GPipe/1F1B, 1/v interleaved, ~1/3 ZB-H1).
     pub bubble_coeff: f64,
     /// Device memory available, bytes.
@@ -210,16 +218,22 @@ impl PipelineProblem {
         LayerChoice { chunk, point, checkpoint, offload: checkpoint && self.offload == OffloadRule::Always }
     }
 
+    /// Microbatches of chunk `chunk` between a forward and its B.
+    fn kept_flight(&self, chunk: usize) -> f64 {
+        self.kept_flight.get(chunk).copied().unwrap_or(self.in_flight[chunk])
+    }
+
     /// Device bytes a layer at point `pt` keeps for its backward over the microbatches chunk
-    /// `chunk` holds at its peak: every saved activation, or only its inputs when
-    /// checkpointed, and of an offloaded layer's inputs only the `loading_horizon`
-    /// microbatches back on the device (the others wait in host memory).
+    /// `chunk` holds at its peak: every saved activation; or, checkpointed, its inputs from its
+    /// forward to its B and its recomputed activations from its B to its W (ZB-H1); and of an
+    /// offloaded layer's own inputs (`offload_bytes`) only the `loading_horizon` microbatches
+    /// back on the device (the others wait in host memory).
     pub fn kept_bytes(&self, chunk: usize, pt: &ParetoPoint, checkpoint: bool, offload: bool) -> f64 {
-        let f = self.in_flight[chunk];
+        let (f, k) = (self.in_flight[chunk], self.kept_flight(chunk).min(self.in_flight[chunk]));
         if offload {
-            f.min(self.loading_horizon) * pt.input_bytes
+            k * pt.input_bytes - self.offloaded_bytes(chunk, pt) + (f - k) * pt.act_bytes
         } else if checkpoint {
-            f * pt.input_bytes
+            k * pt.input_bytes + (f - k) * pt.act_bytes
         } else {
             f * pt.act_bytes
         }
@@ -227,8 +241,8 @@ impl PipelineProblem {
 
     /// Bytes an offloaded layer keeps in host memory instead of on the device at the peak.
     pub fn offloaded_bytes(&self, chunk: usize, pt: &ParetoPoint) -> f64 {
-        let f = self.in_flight[chunk];
-        (f - f.min(self.loading_horizon)) * pt.input_bytes
+        let k = self.kept_flight(chunk).min(self.in_flight[chunk]);
+        (k - k.min(self.loading_horizon)) * pt.offload_bytes
     }
 
     /// Forward and backward time per microbatch of a layer at point `pt`: a checkpointed

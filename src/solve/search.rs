@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use crate::cost::{ClusterSpec, GroupSpan, in_flight};
+use crate::cost::{ClusterSpec, GroupSpan, in_flight, kept_in_flight};
 use crate::ir::{LayeredGraph, OffloadRule, Parallelism, ScheduleKind};
 
 use super::ilp::{SolveReport, SolveStatus, SolverOptions};
@@ -281,12 +281,19 @@ pub fn prepare(
             }
         })
         .collect();
+    let kept_flight: Vec<f64> = (0..chunks)
+        .map(|c| {
+            let f = kept_in_flight(cand.parallel.schedule, cand.parallel.pp, cand.parallel.microbatches, c % cand.parallel.pp + 1);
+            active.map_or(f, |a| f.min(a as f64))
+        })
+        .collect();
     let problem = PipelineProblem {
         layers,
         devices: cand.parallel.pp,
         virtual_stages: v,
         microbatches: cand.parallel.microbatches,
         in_flight: flight,
+        kept_flight,
         bubble_coeff: bubble_coeff(cand.parallel.schedule, cand.parallel.pp, cand.parallel.microbatches),
         memory_cap,
         workspace: spec.workspace_bytes as f64,
@@ -322,7 +329,7 @@ pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
     let mut items: Vec<(f64, f64)> = Vec::new();
     let min_flight = p.in_flight.iter().cloned().fold(f64::INFINITY, f64::min);
     let max_flight = p.in_flight.iter().cloned().fold(0.0, f64::max);
-    // An offloaded layer keeps at least this share of its inputs' in-flight bytes on the device.
+    // An offloaded layer keeps at least this share of its own inputs' in-flight bytes on the device.
     let offloaded = if p.offload == OffloadRule::Never || p.checkpoint == CheckpointRule::Never {
         1.0
     } else {
@@ -335,8 +342,9 @@ pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
         state += fold_min(&mut pts.iter().map(|q| q.state_bytes));
         let act = fold_min(&mut pts.iter().map(|q| q.act_bytes));
         let input = fold_min(&mut pts.iter().map(|q| q.input_bytes)).min(act);
-        // offloading costs no time in this bound: it frees bytes for free
-        let least = input * offloaded;
+        // offloading costs no time in this bound: it frees bytes (the layer's own inputs) for free
+        let movable = pts.iter().map(|q| q.offload_bytes).fold(0.0, f64::max).min(input);
+        let least = input - movable * (1.0 - offloaded);
         let kept = match p.checkpoint {
             CheckpointRule::Never => act,
             CheckpointRule::Always => least,

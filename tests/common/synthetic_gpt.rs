@@ -95,6 +95,7 @@ pub fn gpt(shape: GptShape) -> LayeredGraph {
             outputs: vec![y],
             figures: fig,
             input_bytes: 2.0 * s * h,
+            offload_bytes: 2.0 * s * h,
             output_bytes: 2.0 * s * h,
         });
         x = y;

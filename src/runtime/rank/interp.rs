@@ -13,6 +13,7 @@ use crate::runtime::kernels::ops::{DropoutKey, NormStats};
 use crate::runtime::terr;
 use super::setup::Rank;
 use crate::runtime::kernels::grad;
+use crate::runtime::kernels::executor::Executor;
 use super::report::{PhaseTimes, Tally, bytes_of};
 use crate::runtime::data::DataSource;
 use crate::runtime::data::Batch;
@@ -25,12 +26,26 @@ use crate::codegen::{Instr, Payload, Purpose};
 use crate::ir::ValueId;
 
 /// One microbatch of one stage between its forward and its backward.
+#[derive(Default)]
 struct MbState {
     inputs: Vec<(ValueId, Tensor)>,
     outputs: Vec<(ValueId, Tensor)>,
     loss: Option<Tensor>,
-    /// The backward's root, kept between a split B and its W.
-    root: Option<Tensor>,
+    /// The backward's roots, kept between a split B and its W.
+    roots: Vec<Tensor>,
+    /// A recomputed stage's segments that kept their activations (`None` for checkpointed
+    /// ones), and on the last stage the loss taken from the graph's outputs.
+    parts: Vec<Option<Part>>,
+    loss_part: Option<Part>,
+    /// A recomputed stage's received values, as shapes (their gradients' zeros when none flows).
+    received: Vec<(ValueId, Vec<i64>, Kind, tch::Device)>,
+}
+
+/// One segment of a recomputed stage with its autograd graph: its inputs as gradient leaves
+/// and the outputs made from them, in the ids of the graph that ran it.
+struct Part {
+    inputs: Vec<(ValueId, Tensor)>,
+    outputs: Vec<(ValueId, Tensor)>,
 }
 
 /// Executes a rank's program, step after step.
@@ -235,25 +250,99 @@ impl<'r, 'a> Interp<'r, 'a> {
             .zip(raw)
             .map(|(v, t)| Ok((*v, if is_float(&t) && back.contains(v) { t.f_detach()?.f_set_requires_grad(true)? } else { t })))
             .collect::<Result<_, RuntimeError>>()?;
-        let grad = !self.eval && !r.layout.recompute[s];
-        // what a recomputed stage keeps for its backward: its inputs (the offload's to hold)
-        let kept = !self.eval && r.layout.recompute[s];
-        if kept {
-            self.offload.forward_starts(s, mb, &inputs)?;
+        if !self.eval && r.layout.recompute[s] {
+            return self.forward_segments(s, mb, inputs);
         }
+        let grad = !self.eval;
         let norm = if self.eval { NormStats::Running } else { NormStats::Batch { update: true } };
         let dropout = (!self.eval).then(|| self.dropout_key(mb));
         let (outputs, loss) = run_stage(r, s, &inputs, grad, norm, dropout, &self.micro[mb], &self.feeds[mb], self.loss_scale)?;
         if let Some(l) = loss.as_ref().filter(|_| r.tensor_rank == 0) {
             self.loss_sum += l.f_double_value(&[])?;
         }
-        let inputs = if kept {
-            self.offload.keep(s, mb, inputs)?;
-            Vec::new()
-        } else {
-            inputs
+        self.state.insert((s, mb), MbState { inputs, outputs, loss, ..MbState::default() });
+        Ok(())
+    }
+
+    /// The executor of stage `s` (its shard subgraph's under tensor parallelism) and the id
+    /// there of each model value.
+    fn stage_exec(&self, s: usize) -> (&'r Executor<'a>, impl Fn(ValueId) -> Result<ValueId, RuntimeError> + 'r) {
+        let r = self.rank;
+        let model = r.graph();
+        let ex: &'r Executor<'a> = r.stage_execs.get(&s).unwrap_or(r.exec);
+        let shard = r.stage_execs.contains_key(&s);
+        let local = move |v: ValueId| {
+            if !shard {
+                return Ok(v);
+            }
+            let name = &model.value(v).name;
+            ex.graph().value_by_name(name).ok_or_else(|| terr(format!("stage {s}'s shard subgraph has no value `{name}`")))
         };
-        self.state.insert((s, mb), MbState { inputs, outputs, loss, root: None });
+        (ex, local)
+    }
+
+    /// The forward of a recomputed stage, segment by segment (per-layer recompute): a
+    /// checkpointed layer runs without autograd and keeps its inputs (offloaded where the plan
+    /// says), the other layers keep their autograd graphs.
+    fn forward_segments(&mut self, s: usize, mb: usize, inputs: Vec<(ValueId, Tensor)>) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        let segs = r.segments.get(&s).ok_or_else(|| terr(format!("stage {s}: recomputed, but no segments were laid out for it")))?;
+        let (ex, local) = self.stage_exec(s);
+        let back: Vec<ValueId> = if s == 0 { Vec::new() } else { r.layout.gradients_from_next[s - 1].iter().map(|&v| local(v)).collect::<Result<_, _>>()? };
+        let mut received = Vec::new();
+        let mut env: HashMap<ValueId, Tensor> = HashMap::new();
+        for (v, t) in &inputs {
+            received.push((*v, t.size(), t.kind(), t.device()));
+            env.insert(local(*v)?, t.shallow_clone());
+        }
+        let given: HashMap<ValueId, Tensor> = self.feeds[mb].iter().filter_map(|(v, t)| local(*v).ok().map(|l| (l, t.shallow_clone()))).collect();
+        ex.set_norm_stats(NormStats::Batch { update: true });
+        ex.set_dropout_key(Some(self.dropout_key(mb)));
+        // received values the previous stage wants no gradient of stay plain tensors
+        let plain: BTreeSet<ValueId> = env.keys().copied().filter(|v| !back.contains(v)).collect();
+        let mut parts = Vec::with_capacity(segs.segments.len());
+        let mut kept_ids = BTreeSet::new();
+        for seg in &segs.segments {
+            let ins = segment_leaves(&env, &seg.inputs, |v| plain.contains(&v))?;
+            let mut feeds = given.iter().map(|(v, t)| (*v, t.shallow_clone())).collect::<HashMap<_, _>>();
+            feeds.extend(ins.iter().map(|(v, t)| (*v, t.shallow_clone())));
+            if seg.checkpointed {
+                let (mut stay, mut movable) = (Vec::new(), Vec::new());
+                for (v, t) in ins.iter().filter(|(v, _)| kept_ids.insert(*v)) {
+                    let d = t.f_detach()?;
+                    if segs.movable.contains(v) { movable.push((*v, d)) } else { stay.push((*v, d)) }
+                }
+                self.offload.keep(s, mb, stay, movable)?;
+                env.extend(tch::no_grad(|| ex.run_nodes(&seg.nodes, &feeds, &seg.outputs))?);
+                parts.push(None);
+            } else {
+                let outs = ex.run_nodes(&seg.nodes, &feeds, &seg.outputs)?;
+                let outputs: Vec<(ValueId, Tensor)> = seg.outputs.iter().filter_map(|v| outs.get(v).map(|t| (*v, t.shallow_clone()))).collect();
+                env.extend(outs);
+                parts.push(Some(Part { inputs: ins, outputs }));
+            }
+        }
+        self.offload.end_forward(s, mb)?;
+        let (outputs, loss, loss_part) = if s == r.last_stage() {
+            let graph = r.graph();
+            let leaves = segment_leaves(&env, &graph.outputs.iter().map(|&v| local(v)).collect::<Result<Vec<_>, _>>()?, |_| false)?;
+            let outs: Vec<Tensor> = leaves.iter().map(|(_, t)| t.shallow_clone()).collect();
+            let loss = train::loss_sum_of(r.exec, r.cfg.loss, &self.micro[mb], &outs)?.f_mul_scalar(self.loss_scale)?;
+            if r.tensor_rank == 0 {
+                self.loss_sum += loss.f_double_value(&[])?;
+            }
+            (Vec::new(), Some(loss), Some(Part { inputs: leaves, outputs: Vec::new() }))
+        } else {
+            let outputs = r.layout.outputs_to_next[s]
+                .iter()
+                .map(|&v| {
+                    let l = local(v)?;
+                    env.get(&l).map(|t| (v, t.shallow_clone())).ok_or_else(|| terr(format!("stage {s} mb {mb}: `{}` was not computed", r.graph().value(v).name)))
+                })
+                .collect::<Result<_, RuntimeError>>()?;
+            (outputs, None, None)
+        };
+        self.state.insert((s, mb), MbState { outputs, loss, parts, loss_part, received, ..MbState::default() });
         Ok(())
     }
 
@@ -271,11 +360,7 @@ impl<'r, 'a> Interp<'r, 'a> {
         let mut st = self.state.remove(&(s, mb)).ok_or_else(|| terr(format!("backward of stage {s} mb {mb} before its forward")))?;
         self.zero.ensure(r, s)?;
         if r.layout.recompute[s] {
-            st.inputs = self.offload.take(s, mb)?;
-            let key = self.dropout_key(mb);
-            let (outputs, loss) = run_stage(r, s, &st.inputs, true, NormStats::Batch { update: false }, Some(key), &self.micro[mb], &self.feeds[mb], self.loss_scale)?;
-            st.outputs = outputs;
-            st.loss = loss;
+            return self.backward_segments(s, mb, st);
         }
         let mut root: Option<Tensor> = match (st.loss.take(), &self.scaler) {
             // GradScaler.scale: the scaled loss is what backward starts from
@@ -330,7 +415,7 @@ impl<'r, 'a> Interp<'r, 'a> {
             }
         }
         if split {
-            st.root = root;
+            st.roots = root.into_iter().collect();
             self.state.insert((s, mb), st);
             self.pending_w.insert((s, mb));
         }
@@ -345,8 +430,110 @@ impl<'r, 'a> Interp<'r, 'a> {
         let st = self.state.remove(&(s, mb)).ok_or_else(|| terr(format!("weight gradient of stage {s} mb {mb} before its backward")))?;
         self.zero.ensure(r, s)?;
         self.pending_w.remove(&(s, mb));
-        if let Some(root) = st.root.filter(|t| t.requires_grad()) {
-            self.backward_into_params(s, &root, &[])?;
+        for root in st.roots.iter().filter(|t| t.requires_grad()) {
+            self.backward_into_params(s, root, &[])?;
+        }
+        Ok(())
+    }
+
+    /// The backward of a recomputed stage, segment by segment from the last: a checkpointed
+    /// segment is recomputed from its kept inputs first; each segment's inputs' gradients go to
+    /// the segments that made them, the received ones' back to the previous stage. Under a
+    /// split backward (ZB-H1) only the inputs' gradients are taken, each segment's root kept
+    /// for the W.
+    fn backward_segments(&mut self, s: usize, mb: usize, mut st: MbState) -> Result<(), RuntimeError> {
+        let r = self.rank;
+        let segs = r.segments.get(&s).ok_or_else(|| terr(format!("stage {s}: recomputed, but no segments were laid out for it")))?;
+        let (ex, local) = self.stage_exec(s);
+        let kept: HashMap<ValueId, Tensor> = self.offload.take(s, mb)?.into_iter().collect();
+        let split = r.split_w.contains(&(s, mb));
+        let mut grads: HashMap<ValueId, Tensor> = HashMap::new();
+        let mut roots = Vec::new();
+        if let Some(part) = st.loss_part.take() {
+            let root = match (st.loss.take(), &self.scaler) {
+                (Some(l), Some(sc)) => Some(l.f_mul_scalar(sc.scale())?),
+                (l, _) => l,
+            };
+            // the loss reads no parameter: nothing of it waits for a W
+            self.segment_backward(s, root, &part.inputs, split, &mut grads, &mut Vec::new())?;
+        }
+        if s != r.last_stage() {
+            let gs = self.grad_for.remove(&(s, mb)).unwrap_or_default();
+            let want = &r.layout.gradients_from_next[s];
+            if gs.len() != want.len() {
+                return Err(terr(format!("stage {s} mb {mb}: {} gradients for {} outputs", gs.len(), want.len())));
+            }
+            for (v, g) in want.iter().zip(gs) {
+                add_grad(&mut grads, local(*v)?, g)?;
+            }
+        }
+        let plain: BTreeSet<ValueId> = {
+            let back: Vec<ValueId> = if s == 0 { Vec::new() } else { r.layout.gradients_from_next[s - 1].iter().map(|&v| local(v)).collect::<Result<_, _>>()? };
+            st.received.iter().map(|(v, ..)| local(*v)).collect::<Result<Vec<_>, _>>()?.into_iter().filter(|v| !back.contains(v)).collect()
+        };
+        for (i, seg) in segs.segments.iter().enumerate().rev() {
+            let part = match st.parts.get_mut(i).and_then(Option::take) {
+                Some(p) => p,
+                None => {
+                    let ins = segment_leaves(&kept, &seg.inputs, |v| plain.contains(&v))?;
+                    let mut feeds: HashMap<ValueId, Tensor> = self.feeds[mb].iter().filter_map(|(v, t)| local(*v).ok().map(|l| (l, t.shallow_clone()))).collect();
+                    feeds.extend(ins.iter().map(|(v, t)| (*v, t.shallow_clone())));
+                    ex.set_norm_stats(NormStats::Batch { update: false });
+                    ex.set_dropout_key(Some(self.dropout_key(mb)));
+                    let outs = ex.run_nodes(&seg.nodes, &feeds, &seg.outputs)?;
+                    let outputs = seg.outputs.iter().filter_map(|v| outs.get(v).map(|t| (*v, t.shallow_clone()))).collect();
+                    Part { inputs: ins, outputs }
+                }
+            };
+            let mut root: Option<Tensor> = None;
+            for (v, o) in part.outputs.iter().filter(|(_, o)| o.requires_grad()) {
+                if let Some(g) = grads.remove(v) {
+                    let term = o.f_mul(&g)?.f_sum(o.kind())?;
+                    root = Some(match root {
+                        Some(acc) => acc.f_add(&term)?,
+                        None => term,
+                    });
+                }
+            }
+            self.segment_backward(s, root, &part.inputs, split, &mut grads, &mut roots)?;
+        }
+        let mut in_grads = Vec::new();
+        if s > 0 {
+            for &v in &r.layout.gradients_from_next[s - 1] {
+                let (_, shape, kind, device) = st.received.iter().find(|(w, ..)| *w == v).ok_or_else(|| terr(format!("stage {s} mb {mb}: `{}` was not received", r.graph().value(v).name)))?;
+                in_grads.push(match grads.remove(&local(v)?) {
+                    Some(g) => g,
+                    None => Tensor::f_zeros(shape.as_slice(), (*kind, *device))?,
+                });
+            }
+            self.grad_for.insert((s - 1, mb), in_grads);
+        }
+        if split {
+            self.state.insert((s, mb), MbState { roots, ..MbState::default() });
+            self.pending_w.insert((s, mb));
+        }
+        Ok(())
+    }
+
+    /// One segment's backward from `root` (if any flows): its inputs' gradients added into
+    /// `grads`; the parameters' accumulated too, or under a split backward `root` kept in
+    /// `roots` for the W.
+    fn segment_backward(&mut self, s: usize, root: Option<Tensor>, inputs: &[(ValueId, Tensor)], split: bool, grads: &mut HashMap<ValueId, Tensor>, roots: &mut Vec<Tensor>) -> Result<(), RuntimeError> {
+        let Some(root) = root.filter(|t| t.requires_grad()) else { return Ok(()) };
+        let leaves: Vec<(ValueId, &Tensor)> = inputs.iter().filter(|(_, t)| t.requires_grad()).map(|(v, t)| (*v, t)).collect();
+        let refs: Vec<&Tensor> = leaves.iter().map(|(_, t)| *t).collect();
+        let got: Vec<Option<Tensor>> = if split {
+            let got = if refs.is_empty() { Vec::new() } else { Tensor::f_run_backward(&[&root], &refs, true, false)? };
+            roots.push(root);
+            got.into_iter().map(|g| g.defined().then_some(g)).collect()
+        } else {
+            self.backward_into_params(s, &root, &refs)?;
+            refs.iter().map(|t| grad::take_grad(t)).collect::<Result<_, _>>()?
+        };
+        for ((v, _), g) in leaves.iter().zip(got) {
+            if let Some(g) = g {
+                add_grad(grads, *v, g)?;
+            }
         }
         Ok(())
     }
@@ -798,6 +985,29 @@ fn run_stage(
     } else {
         Ok((keep.iter().map(|v| (*v, outs[v].shallow_clone())).collect(), None))
     }
+}
+
+/// Adds `g` into the gradient of `v`.
+fn add_grad(grads: &mut HashMap<ValueId, Tensor>, v: ValueId, g: Tensor) -> Result<(), RuntimeError> {
+    let sum = match grads.remove(&v) {
+        Some(acc) => acc.f_add(&g)?,
+        None => g,
+    };
+    grads.insert(v, sum);
+    Ok(())
+}
+
+/// `ids`' tensors in `env` as fresh autograd leaves: floating-point ones require gradients
+/// unless `plain` says otherwise.
+fn segment_leaves(env: &HashMap<ValueId, Tensor>, ids: &[ValueId], plain: impl Fn(ValueId) -> bool) -> Result<Vec<(ValueId, Tensor)>, RuntimeError> {
+    ids.iter()
+        .map(|&v| {
+            let t = env.get(&v).ok_or_else(|| terr(format!("a recomputed segment reads value {v:?}, which no earlier segment made")))?;
+            let leaf = t.f_detach()?;
+            let leaf = if is_float(&leaf) && !plain(v) { leaf.f_set_requires_grad(true)? } else { leaf };
+            Ok((v, leaf))
+        })
+        .collect()
 }
 
 /// The most axes a sent tensor may have.

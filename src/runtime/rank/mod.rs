@@ -16,6 +16,7 @@ mod layout;
 mod offload;
 mod params;
 mod report;
+mod segments;
 mod setup;
 mod zero;
 

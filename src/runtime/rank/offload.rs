@@ -1,5 +1,5 @@
-//! Activation offloading: the inputs a recomputed stage keeps for its backward (what its
-//! recompute starts from) move to host memory after its forward and come back
+//! Activation offloading: the inputs an offloaded checkpointed layer keeps for its backward
+//! (what its recompute starts from) move to host memory during its stage's forward and come back
 //! `activation_loading_horizon` backwards ahead of their own, copied by a helper thread while
 //! the rank computes. On CPU the "device" is an accounted pool: the bytes of kept inputs
 //! resident on it and their peak, beside the bytes waiting in host memory, so a run shows what
@@ -33,10 +33,8 @@ impl Pending {
     }
 }
 
-/// One microbatch's kept inputs, wherever they are.
+/// One microbatch's offloaded inputs, wherever they are.
 enum Kept {
-    /// On the device.
-    Device(Vec<(ValueId, Tensor)>),
     /// In host memory: ids, copies, and whether each was a gradient leaf.
     Host(Vec<(ValueId, bool)>, Vec<Tensor>),
     /// Coming back to the device.
@@ -82,9 +80,21 @@ impl Drop for Copier {
     }
 }
 
+/// One microbatch's kept inputs of one recomputed stage: those that stay on the device, and
+/// those only offloaded layers keep (moved to host memory outside the loading window).
+#[derive(Default)]
+struct Record {
+    device: Vec<(ValueId, Tensor)>,
+    device_bytes: u64,
+    moved: Option<(Kept, u64)>,
+}
+
+/// Copies to host started during a forward: ids, copy, bytes.
+type Outgoing = Vec<(Vec<(ValueId, bool)>, Pending, u64)>;
+
 /// The kept inputs of a rank's recomputed stages, and where they are.
 pub(super) struct Offload {
-    /// By global stage: whether its kept inputs are offloaded.
+    /// By global stage: whether any of its layers' kept inputs are offloaded.
     offloaded: Vec<bool>,
     /// Backwards whose inputs are back on the device ahead of their own.
     horizon: usize,
@@ -92,9 +102,9 @@ pub(super) struct Offload {
     order: Vec<(usize, usize)>,
     /// Position in `order` of the next backward.
     next: usize,
-    kept: HashMap<(usize, usize), (Kept, u64)>,
-    /// Copies to host started at a forward's start, by (stage, microbatch).
-    outgoing: HashMap<(usize, usize), Pending>,
+    kept: HashMap<(usize, usize), Record>,
+    /// Copies to host started during a forward, by (stage, microbatch).
+    outgoing: HashMap<(usize, usize), Outgoing>,
     /// The pools.
     pub pool: PoolBytes,
     copier: Option<Copier>,
@@ -126,52 +136,61 @@ impl Offload {
         self.offloaded.get(key.0).copied().unwrap_or(false) && !self.in_window(key)
     }
 
-    /// At the start of a forward: starts copying the inputs it will keep to host memory when
-    /// they are to wait there, so the copy overlaps the forward.
-    pub fn forward_starts(&mut self, s: usize, mb: usize, inputs: &[(ValueId, Tensor)]) -> Result<(), RuntimeError> {
-        if !self.offloads((s, mb)) || inputs.is_empty() {
-            return Ok(());
+    /// During a forward, as a checkpointed layer starts: keeps the inputs it will recompute
+    /// from. `stay` remain on the device; `movable` (kept by offloaded layers only) start
+    /// their copy to host memory now, overlapping the rest of the forward, when their backward
+    /// is outside the loading window — from then on they count as host memory, as the device
+    /// frees them once the copy lands.
+    pub fn keep(&mut self, s: usize, mb: usize, stay: Vec<(ValueId, Tensor)>, movable: Vec<(ValueId, Tensor)>) -> Result<(), RuntimeError> {
+        let (stay, moving) = if self.offloads((s, mb)) { (stay, movable) } else { (stay.into_iter().chain(movable).collect(), Vec::new()) };
+        let rec = self.kept.entry((s, mb)).or_default();
+        let bytes: u64 = stay.iter().map(|(_, t)| bytes_of(t)).sum();
+        rec.device_bytes += bytes;
+        rec.device.extend(stay);
+        self.pool.to_device(bytes);
+        if !moving.is_empty() {
+            let copier = self.copier.as_ref().ok_or_else(|| terr("offloading without its thread".to_string()))?;
+            let bytes: u64 = moving.iter().map(|(_, t)| bytes_of(t)).sum();
+            let pending = copier.submit(moving.iter().map(|(_, t)| t.shallow_clone()).collect())?;
+            self.pool.to_host(bytes);
+            let ids = moving.iter().map(|(v, t)| (*v, t.requires_grad())).collect();
+            self.outgoing.entry((s, mb)).or_default().push((ids, pending, bytes));
         }
-        let copier = self.copier.as_ref().ok_or_else(|| terr("offloading without its thread".to_string()))?;
-        let pending = copier.submit(inputs.iter().map(|(_, t)| t.shallow_clone()).collect())?;
-        self.outgoing.insert((s, mb), pending);
         Ok(())
     }
 
-    /// At the end of a forward: keeps its inputs for the backward, on the device or (once the
-    /// copy started at its start is done) in host memory.
-    pub fn keep(&mut self, s: usize, mb: usize, inputs: Vec<(ValueId, Tensor)>) -> Result<(), RuntimeError> {
-        let bytes: u64 = inputs.iter().map(|(_, t)| bytes_of(t)).sum();
-        let kept = match self.outgoing.remove(&(s, mb)) {
-            Some(p) => {
-                let copies = p.wait()?;
-                self.pool.to_host(bytes);
-                Kept::Host(inputs.iter().map(|(v, t)| (*v, t.requires_grad())).collect(), copies)
-            }
-            None => {
-                self.pool.to_device(bytes);
-                Kept::Device(inputs)
-            }
-        };
-        self.kept.insert((s, mb), (kept, bytes));
+    /// At the end of a forward: waits for its copies to host memory.
+    pub fn end_forward(&mut self, s: usize, mb: usize) -> Result<(), RuntimeError> {
+        let Some(out) = self.outgoing.remove(&(s, mb)) else { return Ok(()) };
+        let (mut ids, mut copies, mut total) = (Vec::new(), Vec::new(), 0);
+        for (i, p, b) in out {
+            ids.extend(i);
+            copies.extend(p.wait()?);
+            total += b;
+        }
+        self.kept.entry((s, mb)).or_default().moved = Some((Kept::Host(ids, copies), total));
         Ok(())
     }
 
     /// At the start of a backward: its kept inputs, on the device (waiting for their copy
     /// back if it is under way). The window moves on, and the inputs now within it start back.
     pub fn take(&mut self, s: usize, mb: usize) -> Result<Vec<(ValueId, Tensor)>, RuntimeError> {
-        let (kept, bytes) = self.kept.remove(&(s, mb)).ok_or_else(|| terr(format!("stage {s} mb {mb}: backward without kept inputs")))?;
-        let inputs = match kept {
-            Kept::Device(inputs) => inputs,
-            Kept::Host(ids, copies) => {
-                // not loaded ahead (a backward out of the window's order): now, in place
-                self.pool.host -= bytes;
-                self.pool.to_device(bytes);
-                restore(ids, copies.iter().map(owned_copy).collect::<Result<_, _>>()?)?
-            }
-            Kept::Loading(ids, p) => restore(ids, p.wait()?)?,
-        };
-        self.pool.device -= bytes;
+        let rec = self.kept.remove(&(s, mb)).ok_or_else(|| terr(format!("stage {s} mb {mb}: backward without kept inputs")))?;
+        let mut inputs = rec.device;
+        self.pool.device -= rec.device_bytes;
+        if let Some((kept, bytes)) = rec.moved {
+            inputs.extend(match kept {
+                Kept::Host(ids, copies) => {
+                    // not loaded ahead (a backward out of the window's order): now, in place
+                    self.pool.host -= bytes;
+                    restore(ids, copies.iter().map(owned_copy).collect::<Result<_, _>>()?)?
+                }
+                Kept::Loading(ids, p) => {
+                    self.pool.device -= bytes;
+                    restore(ids, p.wait()?)?
+                }
+            });
+        }
         if let Some(pos) = self.order.iter().skip(self.next).position(|&k| k == (s, mb)) {
             self.next += pos + 1;
         }
@@ -183,7 +202,8 @@ impl Offload {
     fn prefetch(&mut self) -> Result<(), RuntimeError> {
         let window: Vec<(usize, usize)> = self.order.iter().skip(self.next).take(self.horizon).copied().collect();
         for key in window {
-            let Some((kept, bytes)) = self.kept.remove(&key) else { continue };
+            let Some(rec) = self.kept.get_mut(&key) else { continue };
+            let Some((kept, bytes)) = rec.moved.take() else { continue };
             let kept = match kept {
                 Kept::Host(ids, copies) => {
                     let copier = self.copier.as_ref().ok_or_else(|| terr("offloading without its thread".to_string()))?;
@@ -194,7 +214,7 @@ impl Offload {
                 }
                 other => other,
             };
-            self.kept.insert(key, (kept, bytes));
+            rec.moved = Some((kept, bytes));
         }
         Ok(())
     }

@@ -14,6 +14,7 @@ use super::layout::{self, REPLAN, StageLayout};
 use crate::runtime::terr;
 use crate::runtime::train::TrainConfig;
 use super::params::Params;
+use super::segments::{self, StageSegments};
 use crate::runtime::data::DataSource;
 use crate::runtime::data::Batch;
 use crate::passes::figures::is_trainable;
@@ -121,8 +122,10 @@ pub(super) struct Rank<'a> {
     pub program: RankProgram,
     /// Stages whose backward is split into B and W in the program.
     pub split_w: BTreeSet<(usize, usize)>,
-    /// By global stage: whether the plan offloads its kept inputs (`offloaded_layers`).
+    /// By global stage: whether the plan offloads kept inputs of its layers (`offloaded_layers`).
     pub offloaded: Vec<bool>,
+    /// This rank's recomputed stages as segments (per-layer recompute), by global stage.
+    pub segments: HashMap<usize, StageSegments>,
     /// Parameters.
     pub params: Params,
     /// Grouped-query KV slices several tensor ranks hold: (parameter position, the ranks).
@@ -183,6 +186,7 @@ impl<'a> Rank<'a> {
         let reads_data = reads_input || my_stages.contains(&(n_stages - 1));
         let norm_buffers = norm_buffers(exec, &stage_execs, &layout, &my_stages);
         let replica_group = (dp > 1).then(|| mesh.replica_group(q, t));
+        let segments = recompute_segments(plan, exec, &stage_execs, &layout, &my_stages)?;
         let split_w = program.instrs.iter().filter_map(|i| if let Instr::BackwardWeight { stage, mb } = i { Some((*stage, *mb)) } else { None }).collect();
         Ok(Rank {
             exec,
@@ -200,6 +204,7 @@ impl<'a> Rank<'a> {
             program,
             split_w,
             offloaded: plan.stages.iter().map(|st| !st.offloaded_layers.is_empty()).collect(),
+            segments,
             params,
             kv_groups,
             stage_execs,
@@ -323,6 +328,42 @@ impl<'a> Rank<'a> {
 /// The executors of a rank's shard subgraphs, by stage, sharing one tensor per trained weight
 /// that several of them read; with those tensors by name.
 #[allow(clippy::type_complexity)]
+/// The segments of each of `my_stages` the plan recomputes, in the ids of the graph that runs
+/// it: the plan's `layer_strategies` name each node's layer, its stages which are checkpointed
+/// and offloaded.
+fn recompute_segments(
+    plan: &Plan,
+    exec: &Executor<'_>,
+    stage_execs: &HashMap<usize, Executor<'_>>,
+    layout: &StageLayout,
+    my_stages: &[usize],
+) -> Result<HashMap<usize, StageSegments>, RuntimeError> {
+    let layer_of: HashMap<&str, usize> = plan.layer_strategies.iter().flat_map(|l| l.nodes.iter().map(move |(n, _)| (n.as_str(), l.layer))).collect();
+    let model = exec.graph();
+    let shared = segments::shared_inputs(model, &layer_of);
+    let mut out = HashMap::new();
+    for &s in my_stages.iter().filter(|&&s| layout.recompute[s]) {
+        let st = &plan.stages[s];
+        let checkpointed: BTreeSet<usize> = st.checkpointed_layers.iter().copied().collect();
+        let offloaded: BTreeSet<usize> = st.offloaded_layers.iter().copied().collect();
+        let received: Vec<ValueId> = if s == 0 { Vec::new() } else { layout.outputs_to_next[s - 1].clone() };
+        let yields: Vec<ValueId> = if s + 1 == layout.nodes.len() { model.outputs.clone() } else { layout.outputs_to_next[s].clone() };
+        let segs = match stage_execs.get(&s) {
+            None => segments::stage_segments(model, &layout.nodes[s], &layer_of, (&checkpointed, &offloaded), (&received.into_iter().collect(), &yields), &shared),
+            Some(se) => {
+                let sg = se.graph();
+                let local = |v: &ValueId| sg.value_by_name(&model.value(*v).name);
+                let order = sg.topo_order().map_err(|e| terr(format!("stage {s}'s shard subgraph: {e}")))?;
+                let received = received.iter().filter_map(local).collect();
+                let yields: Vec<ValueId> = yields.iter().filter_map(local).collect();
+                segments::stage_segments(sg, &order, &layer_of, (&checkpointed, &offloaded), (&received, &yields), &shared)
+            }
+        };
+        out.insert(s, segs);
+    }
+    Ok(out)
+}
+
 fn stage_executors<'a>(
     exec: &Executor<'_>,
     source: &Source<'_>,

@@ -1,0 +1,149 @@
+//! Per-layer recompute: a stage with checkpointed layers runs as segments, each checkpointed
+//! layer one segment and each run of layers that keep their activations another. A checkpointed
+//! segment's forward runs without autograd and keeps only its inputs (what its recompute starts
+//! from, the offloader's to move); its backward recomputes it from them. Every segment's
+//! floating-point inputs are fresh gradient leaves, so the backward goes segment by segment,
+//! last first, each feeding its inputs' gradients to the segments that made them: what
+//! `torch.utils.checkpoint` does around each checkpointed layer.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+use crate::ir::{Graph, NodeId, ValueId};
+
+/// A run of consecutive nodes of a stage's execution order, in the ids of the graph that runs
+/// it (the model's, or a tensor-parallel stage's shard subgraph's).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Segment {
+    /// Its nodes, in execution order.
+    pub nodes: Vec<NodeId>,
+    /// A checkpointed layer: no autograd in the forward, recomputed in the backward.
+    pub checkpointed: bool,
+    /// Values it reads that an earlier segment made or the stage received.
+    pub inputs: Vec<ValueId>,
+    /// Values it makes that a later segment reads or the stage yields.
+    pub outputs: Vec<ValueId>,
+}
+
+/// A recomputed stage's segments, and which kept values may leave the device.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(super) struct StageSegments {
+    /// In execution order.
+    pub segments: Vec<Segment>,
+    /// Kept values one offloaded layer alone reads (those the offloader moves to host memory).
+    pub movable: HashSet<ValueId>,
+}
+
+/// The segments of a stage running `order` in `graph`: `layer_of` names each node's layer
+/// (nodes it does not name, such as collectives inserted by sharding, belong to the layer of
+/// the node before them), `checkpointed` and `offloaded` the stage's layers of each kind,
+/// `received` the values the stage gets from the previous one, `yields` what it gives on and
+/// `shared` the names of values several layers of the model read (kept on the device, as the
+/// planner prices offloading: `Layer::offload_bytes`).
+pub(super) fn stage_segments(
+    graph: &Graph,
+    order: &[NodeId],
+    layer_of: &HashMap<&str, usize>,
+    (checkpointed, offloaded): (&BTreeSet<usize>, &BTreeSet<usize>),
+    (received, yields): (&HashSet<ValueId>, &[ValueId]),
+    shared: &HashSet<String>,
+) -> StageSegments {
+    // each node's layer; leading unnamed nodes take the first named one's
+    let named: Vec<Option<usize>> = order.iter().map(|&n| layer_of.get(graph.node(n).name.as_str()).copied()).collect();
+    let first = named.iter().flatten().next().copied().unwrap_or(0);
+    let mut layer = first;
+    let layers: Vec<usize> = named
+        .iter()
+        .map(|l| {
+            layer = l.unwrap_or(layer);
+            layer
+        })
+        .collect();
+    // each layer's nodes together (the order may interleave a layer's nodes with ones an
+    // earlier layer makes for later ones), where that keeps every value made before its use
+    let mut by_layer: Vec<(NodeId, usize)> = order.iter().copied().zip(layers.iter().copied()).collect();
+    by_layer.sort_by_key(|&(_, l)| l);
+    let mut made: HashSet<ValueId> = HashSet::new();
+    let mine: HashSet<ValueId> = order.iter().flat_map(|&n| graph.node(n).outputs.iter().copied()).collect();
+    let topological = by_layer.iter().all(|&(n, _)| {
+        let node = graph.node(n);
+        let ok = node.inputs.iter().flatten().all(|v| !mine.contains(v) || made.contains(v));
+        made.extend(node.outputs.iter().copied());
+        ok
+    });
+    let ordered: Vec<(NodeId, usize)> = if topological { by_layer } else { order.iter().copied().zip(layers.iter().copied()).collect() };
+    // group: a checkpointed layer alone, consecutive other layers together
+    let mut groups: Vec<(bool, Option<usize>, Vec<NodeId>)> = Vec::new();
+    for &(n, l) in &ordered {
+        let ck = checkpointed.contains(&l);
+        let key = ck.then_some(l);
+        match groups.last_mut() {
+            Some((c, k, nodes)) if *c == ck && *k == key => nodes.push(n),
+            _ => groups.push((ck, key, vec![n])),
+        }
+    }
+    let mut made_in: HashMap<ValueId, usize> = HashMap::new();
+    for (i, (_, _, nodes)) in groups.iter().enumerate() {
+        for &n in nodes {
+            for &v in &graph.node(n).outputs {
+                made_in.insert(v, i);
+            }
+        }
+    }
+    let mut segments: Vec<Segment> = groups
+        .iter()
+        .map(|(ck, _, nodes)| Segment { nodes: nodes.clone(), checkpointed: *ck, inputs: Vec::new(), outputs: Vec::new() })
+        .collect();
+    for (i, seg) in segments.iter_mut().enumerate() {
+        let mut seen = HashSet::new();
+        for &n in &seg.nodes {
+            for &v in graph.node(n).inputs.iter().flatten() {
+                let outside = made_in.get(&v).map_or(received.contains(&v), |&j| j < i);
+                if outside && seen.insert(v) {
+                    seg.inputs.push(v);
+                }
+            }
+        }
+    }
+    // outputs: read by a later segment, or yielded
+    let mut wanted: Vec<Vec<ValueId>> = vec![Vec::new(); segments.len()];
+    for &v in segments.iter().flat_map(|seg| seg.inputs.iter()).chain(yields) {
+        if let Some(&j) = made_in.get(&v).filter(|&&j| !wanted[j].contains(&v)) {
+            wanted[j].push(v);
+        }
+    }
+    for (seg, w) in segments.iter_mut().zip(wanted) {
+        seg.outputs = w;
+    }
+    // a kept value leaves the device when one offloaded layer alone reads it
+    let movable = groups
+        .iter()
+        .zip(&segments)
+        .filter(|((_, key, _), _)| key.is_some_and(|l| offloaded.contains(&l)))
+        .flat_map(|(_, seg)| seg.inputs.iter().copied())
+        .filter(|&v| !shared.contains(&graph.value(v).name))
+        .collect();
+    StageSegments { segments, movable }
+}
+
+/// Names of the values that several layers of `model` read (each a layer's input: made by
+/// another layer or given), by the layers `layer_of` names.
+pub(super) fn shared_inputs(model: &Graph, layer_of: &HashMap<&str, usize>) -> HashSet<String> {
+    let mut made_by: HashMap<ValueId, usize> = HashMap::new();
+    for n in model.node_ids() {
+        if let Some(&l) = layer_of.get(model.node(n).name.as_str()) {
+            for &v in &model.node(n).outputs {
+                made_by.insert(v, l);
+            }
+        }
+    }
+    let mut readers: HashMap<ValueId, BTreeSet<usize>> = HashMap::new();
+    for n in model.node_ids() {
+        let Some(&l) = layer_of.get(model.node(n).name.as_str()) else { continue };
+        for &v in model.node(n).inputs.iter().flatten() {
+            if made_by.get(&v).is_some_and(|&m| m != l) {
+                readers.entry(v).or_default().insert(l);
+            }
+        }
+    }
+    readers.into_iter().filter(|(_, r)| r.len() > 1).map(|(v, _)| model.value(v).name.clone()).collect()
+}
