@@ -22,6 +22,9 @@ pub(crate) struct Params {
     /// Whether this rank counts the parameter's gradient in the global norm (each element once
     /// over the world).
     pub counted: Vec<bool>,
+    /// Whether the parameter is a stacked expert weight this rank holds some experts of
+    /// (expert parallelism): its gradient sums over the ranks holding the same experts.
+    pub expert: Vec<bool>,
     /// Position of each parameter's model value.
     pub pos_of: HashMap<ValueId, usize>,
     /// Kind and device of new parameter-sized tensors.

@@ -10,6 +10,7 @@ use tch::{Kind, Tensor};
 
 use crate::runtime::comm::{Backend, ProcessGroup, RankEnv, Store};
 use crate::runtime::kernels::executor::Executor;
+use super::experts::Experts;
 use super::layout::{self, REPLAN, StageLayout};
 use crate::runtime::terr;
 use crate::runtime::train::TrainConfig;
@@ -144,6 +145,11 @@ pub(super) struct Rank<'a> {
     /// With tensor parallelism, this rank's cut of each weight its shards slice, by
     /// initializer name.
     pub slices: HashMap<String, WeightSlice>,
+    /// With expert parallelism, the experts this rank holds.
+    pub experts: Experts,
+    /// With expert parallelism, the ranks holding this rank's experts (when more than it):
+    /// its experts' gradients are summed over them.
+    pub expert_replicas: Option<Vec<usize>>,
 }
 
 impl<'a> Rank<'a> {
@@ -172,12 +178,22 @@ impl<'a> Rank<'a> {
         let n_stages = plan.stages.len();
         let my_stages: Vec<usize> = (0..n_stages).filter(|&s| plan.stages[s].pp_rank == q).collect();
 
-        let groups = connect_groups(env, opts, &mesh, &programs, &shards.kv_groups)?;
+        let ep = plan.parallel.ep.max(1);
+        let experts = Experts::of(graph, ep, d)?;
+        if ep > 1 && plan.parallel.zero > 0 {
+            return Err(terr(format!("ep {ep} with ZeRO {}: this runner shards expert weights over expert groups only; re-plan with --zero 0", plan.parallel.zero)));
+        }
+        let groups = connect_groups(env, opts, &mesh, &programs, &shards.kv_groups, ep)?;
         let tensor_pg = groups.by_members.get(&mesh.tensor_groups().into_iter().find(|g| g.contains(&me)).unwrap_or_default()).cloned();
+        let expert_pg = (ep > 1).then(|| groups.by_members.get(&Experts::group(&mesh, ep, (q, d, t))).cloned()).flatten();
+        if let Some(pg) = &expert_pg {
+            exec.set_expert_group(pg.clone());
+        }
+        let expert_replicas = Some(Experts::replicas(&mesh, ep, (q, d, t))).filter(|g| ep > 1 && g.len() > 1);
         let lazy = lazy_params(plan, &layout, &program, &my_stages);
-        let (stage_execs, by_name) = stage_executors(exec, source, shards, tensor_pg.as_ref(), &lazy)?;
+        let (stage_execs, by_name) = stage_executors(exec, source, shards, (tensor_pg.as_ref(), expert_pg.as_ref()), &lazy, &experts)?;
         let sliced: HashMap<&str, &WeightSlice> = shards.stages.iter().flat_map(|sh| sh.slices.iter()).map(|w| (w.initializer.as_str(), w)).collect();
-        let (params, kv_groups) = own_params(plan, exec, &layout, &my_stages, (me, q, t), &sliced, &by_name, &shards.kv_groups)?;
+        let (params, kv_groups) = own_params(plan, exec, &layout, &my_stages, (me, q, t), (&sliced, &experts), &by_name, &shards.kv_groups)?;
         // a stage reads the graph inputs the plan lists; the last one also the loss's labels
         let reads_input = my_stages.iter().any(|&s| !layout.data_inputs[s].is_empty());
         let reads_data = reads_input || my_stages.contains(&(n_stages - 1));
@@ -209,6 +225,8 @@ impl<'a> Rank<'a> {
             data,
             reads_data,
             slices: shards.stages.iter().flat_map(|sh| sh.slices.iter()).map(|w| (w.initializer.clone(), w.clone())).collect(),
+            experts,
+            expert_replicas,
         })
     }
 
@@ -224,12 +242,22 @@ impl<'a> Rank<'a> {
         ids.into_iter().map(|(_, v)| v).collect()
     }
 
-    /// The part of weight `v` this rank holds: its tensor-parallel cut, or all of it.
+    /// The part of weight `v` this rank holds: its experts (expert parallelism) and its
+    /// tensor-parallel cut, or all of it.
     pub fn part_of(&self, v: ValueId) -> Slice {
-        match self.slices.get(&self.graph().value(v).name) {
-            Some(sl) => Slice { axis: Some(sl.axis), ranges: sl.ranges.clone(), flat: None },
+        let name = &self.graph().value(v).name;
+        let part = match self.slices.get(name) {
+            Some(sl) => Slice { axis: Some(sl.axis), ranges: sl.ranges.clone(), ..Slice::whole() },
             None => Slice::whole(),
-        }
+        };
+        self.experts.narrow(name, part)
+    }
+
+    /// Whether this rank counts parameter position `i` in the gradient norm and writes it to
+    /// checkpoints among the replicas: replica 0, or for experts held in part the first
+    /// expert group.
+    pub fn writes_replica(&self, i: usize) -> bool {
+        self.replica == 0 || (self.params.expert[i] && self.experts.first_group(self.replica))
     }
 
     /// Block `index` of `parts` of stage `s`'s flat parameter vector (ZeRO 3), read from the
@@ -327,17 +355,21 @@ fn stage_executors<'a>(
     exec: &Executor<'_>,
     source: &Source<'_>,
     shards: &'a Shards,
-    tensor_pg: Option<&Arc<ProcessGroup>>,
+    (tensor_pg, expert_pg): (Option<&Arc<ProcessGroup>>, Option<&Arc<ProcessGroup>>),
     lazy: &HashSet<ValueId>,
+    experts: &Experts,
 ) -> Result<(HashMap<usize, Executor<'a>>, HashMap<String, Tensor>), RuntimeError> {
     let mut stage_execs: HashMap<usize, Executor<'a>> = HashMap::new();
     let mut by_name: HashMap<String, Tensor> = HashMap::new();
     for sh in &shards.stages {
         let sub = &sh.graph;
         let slices: HashMap<&str, &WeightSlice> = sh.slices.iter().map(|w| (w.initializer.as_str(), w)).collect();
-        let tensors = stage_weights(exec, source, sub, &slices, lazy)?;
+        let tensors = stage_weights(exec, source, sub, &slices, lazy, experts)?;
         let mut e = Executor::new_on(sub, Weights { tensors }, ExecOptions { float_kind: exec.float_kind(), training: true, autocast: exec.autocast() }, exec.device())?;
         e.tensor_group = tensor_pg.cloned();
+        if let Some(pg) = expert_pg {
+            e.set_expert_group(pg.clone());
+        }
         // a weight read by several of this rank's stages is one tensor
         for (id, w) in e.weights.iter_mut() {
             if is_trainable(sub, *id) {
@@ -366,7 +398,7 @@ fn own_params(
     layout: &StageLayout,
     my_stages: &[usize],
     (me, q, t): (usize, usize, usize),
-    sliced: &HashMap<&str, &WeightSlice>,
+    (sliced, experts): (&HashMap<&str, &WeightSlice>, &Experts),
     by_name: &HashMap<String, Tensor>,
     kv_names: &[(String, Vec<usize>)],
 ) -> Result<(Params, Vec<(usize, Vec<usize>)>), RuntimeError> {
@@ -432,10 +464,14 @@ fn own_params(
             if let Some(sl) = sliced.get(val.name.as_str()) {
                 dims[sl.axis] = sl.len() as i64;
             }
+            if let (Some([a, b]), Some(d)) = (experts.held(&val.name), dims.first_mut()) {
+                *d = (b - a) as i64;
+            }
             Ok(dims)
         })
         .collect::<Result<_, RuntimeError>>()?;
-    let params = Params { tensors, shapes, owned, read, counted, pos_of, opts: (float_kind, exec.device()) };
+    let expert = ids.iter().map(|&v| experts.held(&graph.value(v).name).is_some()).collect();
+    let params = Params { tensors, shapes, owned, read, counted, expert, pos_of, opts: (float_kind, exec.device()) };
     Ok((params, kv_groups))
 }
 
@@ -504,6 +540,7 @@ fn connect_groups(
     mesh: &Mesh,
     programs: &[RankProgram],
     kv_groups: &[(String, Vec<usize>)],
+    ep: usize,
 ) -> Result<Groups, RuntimeError> {
     let me = env.rank;
     let store: Arc<Store> = Store::connect(env, opts.timeout)?;
@@ -521,6 +558,7 @@ fn connect_groups(
         }
     }
     lists.extend(kv_groups.iter().map(|(_, g)| g.clone()));
+    lists.extend(Experts::all_groups(mesh, ep));
     for p in programs {
         for i in &p.instrs {
             if let Some((g, _)) = i.collective() {
@@ -646,6 +684,7 @@ fn stage_weights(
     sub: &Graph,
     slices: &HashMap<&str, &crate::codegen::WeightSlice>,
     lazy: &HashSet<ValueId>,
+    experts: &Experts,
 ) -> Result<HashMap<ValueId, Tensor>, RuntimeError> {
     let main = exec.graph();
     let mut out = HashMap::new();
@@ -659,8 +698,8 @@ fn stage_weights(
         let model = main.value_by_name(&v.name).filter(|&m| main.value(m).data.is_some());
         let t = match (model, slices.get(v.name.as_str())) {
             (Some(m), _) if lazy.contains(&m) => placeholder(main, m, exec.float_kind(), exec.device())?,
-            (Some(m), Some(sl)) => source.read(m, &Slice { axis: Some(sl.axis), ranges: sl.ranges.clone(), flat: None })?,
-            (Some(m), None) => source.read(m, &Slice::whole())?,
+            (Some(m), Some(sl)) => source.read(m, &experts.narrow(&v.name, Slice { axis: Some(sl.axis), ranges: sl.ranges.clone(), ..Slice::whole() }))?,
+            (Some(m), None) => source.read(m, &experts.narrow(&v.name, Slice::whole()))?,
             (None, _) => {
                 let Some(data) = &v.data else { continue };
                 let crate::ir::Storage::Raw(bytes) = &data.storage else {
@@ -725,11 +764,12 @@ pub fn rank_weights(plan: &Plan, source: &Source<'_>, me: usize) -> Result<Weigh
     let section = layout::codegen_section(plan)?;
     let layout = layout::stage_layout(section, graph)?;
     let mesh = plan.mesh();
-    let Coord { pp: q, .. } = mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
+    let Coord { pp: q, dp: d, .. } = mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
     let mut tensors = HashMap::new();
     if mesh.tp() > 1 {
         return Ok(Weights { tensors });
     }
+    let experts = Experts::of(graph, plan.parallel.ep, d)?;
     let programs = layout::rank_programs(plan, section)?;
     let program = programs.iter().find(|p| p.rank == me).ok_or_else(|| terr(format!("no program for rank {me}")))?;
     let my_stages: Vec<usize> = (0..plan.stages.len()).filter(|&s| plan.stages[s].pp_rank == q).collect();
@@ -740,7 +780,11 @@ pub fn rank_weights(plan: &Plan, source: &Source<'_>, me: usize) -> Result<Weigh
                 if tensors.contains_key(&v) || graph.value(v).data.is_none() {
                     continue;
                 }
-                let t = if lazy.contains(&v) { placeholder(graph, v, source.float_kind(), source.device())? } else { source.read(v, &Slice::whole())? };
+                let t = if lazy.contains(&v) {
+                    placeholder(graph, v, source.float_kind(), source.device())?
+                } else {
+                    source.read(v, &experts.narrow(&graph.value(v).name, Slice::whole()))?
+                };
                 tensors.insert(v, t);
             }
         }

@@ -248,10 +248,20 @@ impl Zero {
             let sh = self.shards[s].get_or_insert_with(|| Shard::block(parts, index, len));
             sh.grad = Some(owned_copy(&f.f_narrow(0, index * len, len)?)?);
         } else {
-            let mine: Vec<Tensor> = p.owned[s].iter().map(|&i| grads[i].as_ref().map_or_else(|| p.zeros(i), |g| Ok(g.shallow_clone()))).collect::<Result<_, _>>()?;
-            let reduced = all_reduce_bucketed(pg, mine, rank.opts.bucket_bytes)?;
-            for (&i, g) in p.owned[s].iter().zip(reduced) {
-                grads[i] = Some(g);
+            // expert parallelism: the experts' gradients over the ranks holding the same
+            // experts, everything else over the whole data-parallel group
+            let (experts, dense): (Vec<usize>, Vec<usize>) = p.owned[s].iter().partition(|&&i| p.expert[i]);
+            let over = |group: &ProcessGroup, which: &[usize], grads: &mut [Option<Tensor>]| -> Result<(), RuntimeError> {
+                let mine: Vec<Tensor> = which.iter().map(|&i| grads[i].as_ref().map_or_else(|| p.zeros(i), |g| Ok(g.shallow_clone()))).collect::<Result<_, _>>()?;
+                let reduced = all_reduce_bucketed(group, mine, rank.opts.bucket_bytes)?;
+                for (&i, g) in which.iter().zip(reduced) {
+                    grads[i] = Some(g);
+                }
+                Ok(())
+            };
+            over(pg, &dense, grads)?;
+            if let Some(members) = &rank.expert_replicas {
+                over(rank.groups.get(members)?, &experts, grads)?;
             }
         }
         Ok(())
@@ -423,11 +433,8 @@ impl Zero {
                 off += len;
             }
         }
-        if rank.replica != 0 {
-            return Ok(out);
-        }
         for i in 0..n {
-            if !p.counted[i] {
+            if !p.counted[i] || !rank.writes_replica(i) {
                 continue;
             }
             if !master_held[i] {
