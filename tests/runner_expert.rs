@@ -4,8 +4,9 @@
 //! holding half the experts, tokens routed to them by all-to-all)
 //! - ep 2 × dp 2 trains 5 f64 steps as one process within 1e-9, and 5 f32 steps as PyTorch
 //!   trains the module on the same data split (a microbatch per replica) within 1e-5;
-//! - ep 2 × pp 2 and ep 2 × tp 2 (experts also split over their intermediate dim) as one
-//!   process within 1e-9;
+//! - ep 2 × pp 2, ep 2 × tp 2 (experts also split over their intermediate dim), ep 2 × dp 4 (two
+//!   expert groups) and ep 2 under ZeRO 1, 2 and 3 at dp 2 and 4 (dense weights sharded, experts
+//!   whole on their ranks) as one process within 1e-9;
 //! - a checkpoint written under ep 2 holds whole expert tensors (each rank its experts) and
 //!   resumes under ep 1, and one written under ep 1 resumes under ep 2, within 1e-9 of the
 //!   uninterrupted run;
@@ -70,17 +71,34 @@ fn qwen3_moe_ep2_dp2_trains_as_one_process_and_as_pytorch() {
 }
 
 #[test]
-fn ep2_composes_with_pp2_and_tp2() {
+fn ep2_composes_with_pp2_tp2_and_dp4() {
     let dir = tempfile::tempdir().unwrap();
     for name in ["mixtral", "qwen3_moe"] {
         let case = moe::case(name);
         // (pp, tp, dp), microbatches per replica, and one process's microbatches (same split)
-        for ((pp, tp, dp), m, one) in [((2, 1, 2), 2, 4), ((1, 2, 2), 1, 2)] {
+        // dp 4: two expert groups, each expert's gradient summed over the 2 ranks holding it
+        for ((pp, tp, dp), m, one) in [((2, 1, 2), 2, 4), ((1, 2, 2), 1, 2), ((1, 1, 4), 1, 4)] {
             let plan = ep_plan(case, (pp, tp, dp), m, 2, dir.path());
             let d = moe::max_rel(&losses(case, &plan, pp * tp * dp, "f64"), &moe::one_process(case, one, "f64"));
             eprintln!("{name} ep2 pp{pp} tp{tp} dp{dp}: f64 vs one process {d:.1e}");
             assert!(d < 1e-9, "{name} ep2 pp{pp} tp{tp} dp{dp}: f64 losses differ from one process's by {d:.2e}");
         }
+    }
+}
+
+#[test]
+fn ep2_composes_with_zero() {
+    let case = moe::case("mixtral");
+    let dir = tempfile::tempdir().unwrap();
+    for (dp, zero) in [(2, "1"), (2, "2"), (2, "3"), (4, "1"), (4, "3")] {
+        let base = dir.path().join(format!("dp{dp}-zero{zero}.json"));
+        let p = moe::plan_dp(case, (1, 1, dp), 1, &["--zero", zero], &base);
+        assert_eq!(p["parallel"]["zero"].to_string(), zero, "the plan's ZeRO stage");
+        let plan = dir.path().join(format!("dp{dp}-zero{zero}-ep2.json"));
+        moe::with_ep(&p, 2, &plan);
+        let d = moe::max_rel(&losses(case, &plan, dp, "f64"), &moe::one_process(case, dp, "f64"));
+        eprintln!("mixtral ep2 dp{dp} ZeRO {zero}: f64 vs one process {d:.1e}");
+        assert!(d < 1e-9, "mixtral ep2 dp{dp} ZeRO {zero}: f64 losses differ from one process's by {d:.2e}");
     }
 }
 

@@ -180,9 +180,6 @@ impl<'a> Rank<'a> {
 
         let ep = plan.parallel.ep.max(1);
         let experts = Experts::of(graph, ep, d)?;
-        if ep > 1 && plan.parallel.zero > 0 {
-            return Err(terr(format!("ep {ep} with ZeRO {}: this runner shards expert weights over expert groups only; re-plan with --zero 0", plan.parallel.zero)));
-        }
         let groups = connect_groups(env, opts, &mesh, &programs, &shards.kv_groups, ep)?;
         let tensor_pg = groups.by_members.get(&mesh.tensor_groups().into_iter().find(|g| g.contains(&me)).unwrap_or_default()).cloned();
         let expert_pg = (ep > 1).then(|| groups.by_members.get(&Experts::group(&mesh, ep, (q, d, t))).cloned()).flatten();
@@ -190,7 +187,7 @@ impl<'a> Rank<'a> {
             exec.set_expert_group(pg.clone());
         }
         let expert_replicas = Some(Experts::replicas(&mesh, ep, (q, d, t))).filter(|g| ep > 1 && g.len() > 1);
-        let lazy = lazy_params(plan, &layout, &program, &my_stages);
+        let lazy = lazy_params(plan, &layout, &program, &my_stages, (graph, &experts));
         let (stage_execs, by_name) = stage_executors(exec, source, shards, (tensor_pg.as_ref(), expert_pg.as_ref()), &lazy, &experts)?;
         let sliced: HashMap<&str, &WeightSlice> = shards.stages.iter().flat_map(|sh| sh.slices.iter()).map(|w| (w.initializer.as_str(), w)).collect();
         let (params, kv_groups) = own_params(plan, exec, &layout, &my_stages, (me, q, t), (&sliced, &experts), &by_name, &shards.kv_groups)?;
@@ -272,12 +269,12 @@ impl<'a> Rank<'a> {
     pub fn read_block_with(&self, s: usize, parts: i64, index: i64, read: impl Fn(ValueId, &Slice) -> Result<Tensor, RuntimeError>) -> Result<Tensor, RuntimeError> {
         let p = &self.params;
         let ids = self.param_ids();
-        let total: i64 = p.owned[s].iter().map(|&i| p.numel(i)).sum();
+        let total: i64 = p.sharded[s].iter().map(|&i| p.numel(i)).sum();
         let len = (total + parts - 1) / parts.max(1);
         let (lo, hi) = (index * len, (index + 1) * len);
         let mut v: Vec<Tensor> = Vec::new();
         let mut off = 0i64;
-        for &i in &p.owned[s] {
+        for &i in &p.sharded[s] {
             let n = p.numel(i);
             let (a, b) = (lo.max(off), hi.min(off + n));
             if a < b {
@@ -470,8 +467,9 @@ fn own_params(
             Ok(dims)
         })
         .collect::<Result<_, RuntimeError>>()?;
-    let expert = ids.iter().map(|&v| experts.held(&graph.value(v).name).is_some()).collect();
-    let params = Params { tensors, shapes, owned, read, counted, expert, pos_of, opts: (float_kind, exec.device()) };
+    let expert: Vec<bool> = ids.iter().map(|&v| experts.held(&graph.value(v).name).is_some()).collect();
+    let sharded = owned.iter().map(|o| o.iter().copied().filter(|&i| !expert[i]).collect()).collect();
+    let params = Params { tensors, shapes, owned, sharded, read, counted, expert, pos_of, opts: (float_kind, exec.device()) };
     Ok((params, kv_groups))
 }
 
@@ -731,7 +729,8 @@ pub(super) fn placeholder(graph: &Graph, v: ValueId, float_kind: Option<Kind>, d
 /// The trained parameters of rank `(plan, program)` that stay sharded from the start (ZeRO 3):
 /// those owned by a stage whose parameters the program gathers. They are never loaded whole;
 /// each rank reads its block.
-pub(super) fn lazy_params(plan: &Plan, layout: &StageLayout, program: &RankProgram, my_stages: &[usize]) -> HashSet<ValueId> {
+/// Experts held in part (expert parallelism) are loaded as their parts: ZeRO does not shard them.
+pub(super) fn lazy_params(plan: &Plan, layout: &StageLayout, program: &RankProgram, my_stages: &[usize], (graph, experts): (&Graph, &Experts)) -> HashSet<ValueId> {
     let mut out = HashSet::new();
     if !plan.parallel.params_sharded() {
         return out;
@@ -747,7 +746,7 @@ pub(super) fn lazy_params(plan: &Plan, layout: &StageLayout, program: &RankProgr
     let mut seen: HashSet<ValueId> = HashSet::new();
     for &s in my_stages {
         for &v in &layout.params[s] {
-            if seen.insert(v) && gathered.contains(&s) {
+            if seen.insert(v) && gathered.contains(&s) && experts.held(&graph.value(v).name).is_none() {
                 out.insert(v);
             }
         }
@@ -773,7 +772,7 @@ pub fn rank_weights(plan: &Plan, source: &Source<'_>, me: usize) -> Result<Weigh
     let programs = layout::rank_programs(plan, section)?;
     let program = programs.iter().find(|p| p.rank == me).ok_or_else(|| terr(format!("no program for rank {me}")))?;
     let my_stages: Vec<usize> = (0..plan.stages.len()).filter(|&s| plan.stages[s].pp_rank == q).collect();
-    let lazy = lazy_params(plan, &layout, program, &my_stages);
+    let lazy = lazy_params(plan, &layout, program, &my_stages, (graph, &experts));
     for &s in &my_stages {
         for &n in &layout.nodes[s] {
             for &v in graph.node(n).inputs.iter().flatten() {
