@@ -8,7 +8,7 @@
 //!   (`torch.distributed.nn.functional.all_to_all_single` with split sizes, Gloo).
 //!
 //! The two alternate, ROUNDS times, each STEPS steps (first excluded); prints each round's
-//! ms/step, the medians and the ratio PyTorch / runner (≥ 1: the runner as fast or faster), and
+//! ms/step (and rank 0's CPU ms/step), the medians and the ratio PyTorch / runner (≥ 1: the runner as fast or faster), and
 //! checks both trained the same losses (within 1e-5 relative).
 //!
 //!     cargo bench --features runner --profile dev --bench expert [-- ROUNDS STEPS]
@@ -19,7 +19,7 @@ mod peers;
 use std::path::Path;
 use std::process::Command;
 
-use peers::{load, mean_step, median, ok, python, repo};
+use peers::{load, mean_cpu, mean_step, median, ok, python, repo};
 
 /// One run of the runner's ep 2 plan: its output.
 fn runner(dir: &Path, plan: &Path, steps: usize) -> std::process::Output {
@@ -67,7 +67,7 @@ fn main() {
     std::fs::write(&ep2, serde_json::to_vec(&plan).expect("plan JSON")).expect("write the ep 2 plan");
 
     let load_before = load();
-    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+    let (mut ours, mut theirs, mut ours_cpu, mut theirs_cpu) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut worst = 0.0f64;
     for r in 0..rounds {
         let (a, b) = (runner(dir, &ep2, steps), pytorch(dir, steps));
@@ -76,14 +76,24 @@ fn main() {
         worst = la.iter().zip(&lb).map(|(x, y)| (x - y).abs() / y.abs()).fold(worst, f64::max);
         ours.push(mean_step(&a));
         theirs.push(mean_step(&b));
-        println!("round {r}: runner ep 2 {:.1} ms/step, PyTorch all-to-all MoE {:.1} ms/step", ours[r] * 1e3, theirs[r] * 1e3);
+        ours_cpu.push(mean_cpu(&a));
+        theirs_cpu.push(mean_cpu(&b));
+        println!(
+            "round {r}: runner ep 2 {:.1} ms/step ({:.1} ms CPU), PyTorch all-to-all MoE {:.1} ms/step ({:.1} ms CPU)",
+            ours[r] * 1e3,
+            ours_cpu[r] * 1e3,
+            theirs[r] * 1e3,
+            theirs_cpu[r] * 1e3
+        );
     }
     assert!(worst < 1e-5, "the runner's and PyTorch's losses differ by {worst:.2e}");
     let (a, b) = (median(ours), median(theirs));
+    let (ca, cb) = (median(ours_cpu), median(theirs_cpu));
     println!("Mixtral MoE block, 8 experts top-2, hidden 256, intermediate 512, 8 × 128 tokens, ep 2 = 2 ranks × 1 thread, {rounds} rounds × {steps} steps (first excluded)");
     println!("load average before {load_before}, after {}", load());
     println!("losses agree within {worst:.1e} (relative)");
     println!("runner ep 2             {:.1} ms/step (median of rounds)", a * 1e3);
     println!("PyTorch all-to-all MoE  {:.1} ms/step", b * 1e3);
     println!("ratio PyTorch / runner {:.2} (goal: ≥ 1.0, the runner as fast or faster)", b / a);
+    println!("CPU time per step on rank 0 (less sensitive to a loaded machine): runner {:.1} ms, PyTorch {:.1} ms, ratio {:.2}", ca * 1e3, cb * 1e3, cb / ca);
 }
