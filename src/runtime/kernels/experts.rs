@@ -70,11 +70,11 @@ fn expert_major(got: &[i64], local: usize, members: usize) -> (Vec<i64>, Vec<i64
     }
     let mut order = Vec::with_capacity(at as usize);
     let mut per_expert = vec![0i64; local];
-    for l in 0..local {
+    for (l, rows) in per_expert.iter_mut().enumerate() {
         for j in 0..members {
             let i = j * local + l;
             order.extend(start[i]..start[i] + got[i]);
-            per_expert[l] += got[i];
+            *rows += got[i];
         }
     }
     (order, per_expert)
