@@ -204,6 +204,48 @@ struct GatherAlongAxis : public torch::autograd::Function<GatherAlongAxis> {
   }
 };
 
+// The rows (axis 0) of `x`, `send[j]` of them to member j in order; what the members send this
+// one, `recv[j]` rows from member j, concatenated in member order (Gloo's alltoall_base with
+// split sizes: counts per member, no padding).
+at::Tensor all_to_all_rows(Group* grp, const at::Tensor& x, std::vector<int64_t> send, std::vector<int64_t> recv) {
+  int64_t size = grp->gloo->getSize();
+  if (static_cast<int64_t>(send.size()) != size || static_cast<int64_t>(recv.size()) != size) {
+    throw std::runtime_error("all_to_all: " + std::to_string(send.size()) + " send and " + std::to_string(recv.size()) +
+                             " receive counts for a group of " + std::to_string(size));
+  }
+  int64_t sent = 0, total = 0;
+  for (auto c : send) sent += c;
+  for (auto c : recv) total += c;
+  if (x.dim() < 1 || x.size(0) != sent) {
+    throw std::runtime_error("all_to_all: the send counts sum to " + std::to_string(sent) + " rows, the tensor has " +
+                             (x.dim() < 1 ? std::string("no rows") : std::to_string(x.size(0))));
+  }
+  auto in = host_of(grp, x.contiguous());
+  auto shape = in.sizes().vec();
+  shape[0] = total;
+  auto out = at::empty(shape, in.options());
+  c10d::AllToAllOptions opts;
+  wait_or_throw(backend_for(grp, x).alltoall_base(out, in, recv, send, opts), grp->timeout);
+  return out.to(x.device());
+}
+
+// Expert parallelism's exchange: rows of `x` to the members by `send`, `recv` rows back from
+// each; the backward sends the gradient's rows back the reverse way (counts swapped).
+struct AllToAllRows : public torch::autograd::Function<AllToAllRows> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group, std::vector<int64_t> send,
+                            std::vector<int64_t> recv) {
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["send"] = send;
+    ctx->saved_data["recv"] = recv;
+    return all_to_all_rows(reinterpret_cast<Group*>(group), x, send, recv);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    auto send = ctx->saved_data["send"].toIntVector();
+    auto recv = ctx->saved_data["recv"].toIntVector();
+    return {all_to_all_rows(group_of(ctx), grads[0], recv, send), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 extern "C" {
@@ -384,6 +426,13 @@ char* smp_c10d_reduce_scatter_along_axis(void* g, at::Tensor* x, int64_t axis, a
 char* smp_c10d_scatter_along_axis(void* g, at::Tensor* x, int64_t axis, at::Tensor** out) {
   return guarded([&] {
     *out = new at::Tensor(ScatterAlongAxis::apply(*x, reinterpret_cast<int64_t>(g), axis));
+  });
+}
+
+char* smp_c10d_all_to_all_rows(void* g, at::Tensor* x, const int64_t* send, const int64_t* recv, int64_t n, at::Tensor** out) {
+  return guarded([&] {
+    std::vector<int64_t> s(send, send + n), r(recv, recv + n);
+    *out = new at::Tensor(AllToAllRows::apply(*x, reinterpret_cast<int64_t>(g), s, r));
   });
 }
 

@@ -319,7 +319,7 @@ fn checkpoint(env: &mut Env, case: &Case) -> Outcome {
             let _ = loaded.assemble(&name, role).map_err(err)?;
             let _ = loaded.read_part(&name, role, &dims, &Slice::whole()).map_err(err)?;
             if let Some(&rows) = dims.first().filter(|&&d| d >= 2) {
-                let half = Slice { axis: Some(0), ranges: vec![[0, rows as u64 / 2]], flat: Some([0, 1]) };
+                let half = Slice { axis: Some(0), ranges: vec![[0, rows as u64 / 2]], flat: Some([0, 1]), experts: None };
                 let _ = loaded.read_part(&name, role, &dims, &half).map_err(err)?;
             }
         }

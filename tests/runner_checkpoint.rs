@@ -442,7 +442,7 @@ fn pieces_reassemble_and_gaps_are_refused() {
                         role: Role::Param,
                         shape: vec![6, 8],
                         transposed: false,
-                        slice: Slice { axis: Some(1), ranges: ranges.clone(), flat: Some(flat) },
+                        slice: Slice { axis: Some(1), ranges: ranges.clone(), flat: Some(flat), experts: None },
                         tensor: local.narrow(0, flat[0] as i64, (flat[1] - flat[0]) as i64),
                     }]
                 };

@@ -107,7 +107,7 @@ fn every_part_a_rank_reads_equals_that_part_of_the_whole_tensor() {
             let ranges = vec![[0, d / 4], [d / 2, d / 2 + d / 4]];
             let cut = Tensor::cat(&[w.narrow(axis as i64, 0, (d / 4) as i64), w.narrow(axis as i64, (d / 2) as i64, (d / 4) as i64)], axis as i64);
             let n = cut.numel() as u64;
-            let part = Slice { axis: Some(axis), ranges, flat: Some([n / 3, n / 3 + n / 2]) };
+            let part = Slice { axis: Some(axis), ranges, flat: Some([n / 3, n / 3 + n / 2]), experts: None };
             let got = source.read(v, &part).unwrap();
             let want = cut.reshape([-1]).narrow(0, (n / 3) as i64, (n / 2) as i64);
             assert!(got.equal(&want), "{mode:?}: `{}`", graph.value(v).name);

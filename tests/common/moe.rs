@@ -63,16 +63,30 @@ pub fn case(name: &str) -> &'static MoeCase {
 /// case's batch, Megatron's split forced (so every expert is split at tp > 1), `extra` flags
 /// added; writes the plan to `out` and returns it parsed.
 pub fn plan(case: &MoeCase, pp: usize, tp: usize, microbatches: usize, extra: &[&str], out: &Path) -> serde_json::Value {
-    let cluster = super::cluster_arg(&format!("cpu:{}", pp * tp));
+    plan_dp(case, (pp, tp, 1), microbatches, extra, out)
+}
+
+/// [`plan`] at pp × tp × dp on `cpu:pp·tp·dp` (each replica `microbatches` microbatches of
+/// its share of the batch).
+pub fn plan_dp(case: &MoeCase, (pp, tp, dp): (usize, usize, usize), microbatches: usize, extra: &[&str], out: &Path) -> serde_json::Value {
+    let cluster = super::cluster_arg(&format!("cpu:{}", pp * tp * dp));
     let r = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
         .args([case.onnx.to_str().unwrap(), "--cluster", &cluster, "--seq-len", &case.seq.to_string()])
         .args(["--global-batch", &case.batch.to_string(), "--microbatches", &microbatches.to_string()])
-        .args(["--pp", &pp.to_string(), "--tp", &tp.to_string(), "--dp", "1", "--baseline", "megatron", "-o", out.to_str().unwrap()])
+        .args(["--pp", &pp.to_string(), "--tp", &tp.to_string(), "--dp", &dp.to_string(), "--baseline", "megatron", "-o", out.to_str().unwrap()])
         .args(extra)
         .output()
         .unwrap();
-    ok(&format!("planning {} pp{pp} tp{tp}", case.name), r);
+    ok(&format!("planning {} pp{pp} tp{tp} dp{dp}", case.name), r);
     serde_json::from_slice(&std::fs::read(out).unwrap()).unwrap()
+}
+
+/// Writes `plan` with expert-parallel degree `ep` to `out` (the planner does not choose ep on
+/// its own yet: the degree is set in the plan, which validation checks).
+pub fn with_ep(plan: &serde_json::Value, ep: usize, out: &Path) {
+    let mut p = plan.clone();
+    p["parallel"]["ep"] = serde_json::json!(ep);
+    std::fs::write(out, serde_json::to_vec_pretty(&p).unwrap()).unwrap();
 }
 
 /// The step losses of `plan` launched on its ranks for 5 steps of the case's batch in `dtype`.

@@ -428,6 +428,18 @@ impl ProcessGroup {
         })
     }
 
+    /// Expert parallelism's exchange: the rows (axis 0) of `x`, `send[j]` of them to member j
+    /// in order; returns what the members sent this one, `recv[j]` rows from member j in member
+    /// order. The backward sends the gradient's rows back the reverse way.
+    pub fn all_to_all_rows(&self, x: &Tensor, send: &[i64], recv: &[i64]) -> Result<Tensor, DistError> {
+        if send.len() != self.size() || recv.len() != self.size() {
+            return Err(DistError::Usage(format!("all_to_all: {} send and {} receive counts for a group of {}", send.len(), recv.len(), self.size())));
+        }
+        let n = send.len() as i64;
+        // SAFETY: live group, tensor and count slices of `n` each; `o` points at an out-pointer.
+        self.autograd_call("all_to_all", |o| unsafe { ffi::smp_c10d_all_to_all_rows(self.raw, raw(x), send.as_ptr(), recv.as_ptr(), n, o) })
+    }
+
     /// Sequence parallelism's scatter: this member's chunk along `axis` of a replicated `x`,
     /// without communication; the backward all-gathers the gradient.
     pub fn scatter_along_axis(&self, x: &Tensor, axis: i64) -> Result<Tensor, DistError> {

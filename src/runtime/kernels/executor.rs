@@ -47,6 +47,9 @@ pub struct Executor<'g> {
     pub weights: HashMap<ValueId, Tensor>,
     /// The tensor-parallel group that codegen's inserted collectives (`smp` nodes) run over.
     pub tensor_group: Option<Arc<ProcessGroup>>,
+    /// The expert group the `MixtureOfExperts` nodes route tokens over (expert parallelism;
+    /// unset: every expert is local).
+    expert_group: std::cell::OnceCell<Arc<ProcessGroup>>,
     /// The statistics BatchNormalization uses in the next runs.
     norm: Cell<NormStats>,
     /// The key of the Dropout masks in the next runs (none: outside a training step).
@@ -125,7 +128,13 @@ impl<'g> Executor<'g> {
         }
         let opset = graph.opsets.get("").copied().unwrap_or(21);
         let ctx = OpContext { opset, float_kind: opts.float_kind, training: opts.training, norm: NormStats::Running, dropout: None, autocast: opts.autocast };
-        Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None, norm: Cell::new(NormStats::Running), dropout: Cell::new(None), live, device })
+        Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None, expert_group: std::cell::OnceCell::new(), norm: Cell::new(NormStats::Running), dropout: Cell::new(None), live, device })
+    }
+
+    /// Makes the `MixtureOfExperts` nodes route their tokens to the experts' ranks over `pg`
+    /// (expert parallelism: this rank's expert weights hold its experts alone). Set once.
+    pub fn set_expert_group(&self, pg: Arc<ProcessGroup>) {
+        let _ = self.expert_group.set(pg);
     }
 
     /// Sets the key Dropout masks are drawn from in the runs that follow (a training step's
@@ -143,6 +152,9 @@ impl<'g> Executor<'g> {
     /// One node: a kernel, or a tensor-parallel collective over `tensor_group`.
     fn run_node(&self, node: &Node, inputs: &[Option<Tensor>]) -> Result<Vec<Tensor>, String> {
         let ctx = OpContext { norm: self.norm.get(), dropout: self.dropout.get(), ..self.ctx };
+        if let Some(pg) = self.expert_group.get().filter(|_| node.op.is(crate::ir::OpKind::MixtureOfExperts)) {
+            return super::experts::expert_parallel(inputs, &ctx, pg).map(|t| vec![t]);
+        }
         let Op::Placeholder { op_type, .. } = &node.op else {
             return ops::run(node, inputs, &ctx).map_err(|e| e.0);
         };

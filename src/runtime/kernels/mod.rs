@@ -3,6 +3,7 @@
 //! shim (`grad`: gradients accumulated in place, libtorch's fused AdamW).
 
 pub mod executor;
+mod experts;
 pub(crate) mod grad;
 pub mod ops;
 pub mod tensor;

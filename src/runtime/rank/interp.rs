@@ -732,12 +732,10 @@ impl<'r, 'a> Interp<'r, 'a> {
         }
         // squared norm of the gradients this rank counts, and its loss share
         let mut sq = self.zero.grad_sq(r)?;
-        if r.replica == 0 {
-            for (g, &c) in self.grads.iter().zip(&r.params.counted) {
-                if let (Some(g), true) = (g, c) {
-                    let n = g.f_norm()?.f_double_value(&[])?;
-                    sq += n * n;
-                }
+        for (i, (g, &c)) in self.grads.iter().zip(&r.params.counted).enumerate() {
+            if let (Some(g), true) = (g, c && r.writes_replica(i)) {
+                let n = g.f_norm()?.f_double_value(&[])?;
+                sq += n * n;
             }
         }
         let both = Tensor::from_slice(&[if found_inf { 0.0 } else { sq }, self.loss_sum, if found_inf { 1.0 } else { 0.0 }]);
@@ -896,11 +894,8 @@ impl StepRunner for Interp<'_, '_> {
             let v = ids[lp.pos];
             let val = graph.value(v);
             let shape = val.data.as_ref().map(|d| d.dims.clone()).ok_or_else(|| terr(format!("parameter `{}` has no data to checkpoint", val.name)))?;
-            let (axis, ranges) = match rank.slices.get(&val.name) {
-                Some(sl) => (Some(sl.axis), sl.ranges.clone()),
-                None => (None, Vec::new()),
-            };
-            pieces.push(Piece { name: param_name(graph, v), role: lp.role, shape, transposed: is_transposed(graph, v), slice: Slice { axis, ranges, flat: lp.flat }, tensor: lp.tensor });
+            let slice = Slice { flat: lp.flat, ..rank.part_of(v) };
+            pieces.push(Piece { name: param_name(graph, v), role: lp.role, shape, transposed: is_transposed(graph, v), slice, tensor: lp.tensor });
         }
         pieces.extend(checkpoint::buffer_pieces(graph, |v| rank.live_buffer(v))?);
         Ok(pieces)

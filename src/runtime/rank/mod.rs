@@ -11,6 +11,7 @@
 //! recomputed stages and their trips to host memory, `report` gathers what the ranks measured.
 
 mod check;
+mod experts;
 mod interp;
 mod layout;
 mod offload;

@@ -17,11 +17,17 @@ pub(crate) struct Params {
     pub shapes: Vec<Vec<i64>>,
     /// `owned[s]`: positions of the parameters stage `s` owns.
     pub owned: Vec<Vec<usize>>,
+    /// `sharded[s]`: the positions of `owned[s]` in the stage's ZeRO state (flat vector,
+    /// blocks): all but the experts held in part, whose state stays whole on their ranks.
+    pub sharded: Vec<Vec<usize>>,
     /// `read[s]`: positions of the parameters stage `s` reads.
     pub read: Vec<Vec<usize>>,
     /// Whether this rank counts the parameter's gradient in the global norm (each element once
     /// over the world).
     pub counted: Vec<bool>,
+    /// Whether the parameter is a stacked expert weight this rank holds some experts of
+    /// (expert parallelism): its gradient sums over the ranks holding the same experts.
+    pub expert: Vec<bool>,
     /// Position of each parameter's model value.
     pub pos_of: HashMap<ValueId, usize>,
     /// Kind and device of new parameter-sized tensors.
@@ -39,10 +45,10 @@ impl Params {
         Ok(Tensor::f_zeros(self.shapes[i].as_slice(), self.opts)?)
     }
 
-    /// The flat vector of stage `s`'s entries of `ts` (parameters or gradients, by position),
+    /// The flat vector of stage `s`'s ZeRO-sharded entries of `ts` (parameters or gradients, by position),
     /// padded to `parts` blocks; with the block length.
     pub fn flat(&self, s: usize, ts: &[Tensor], parts: i64) -> Result<(Tensor, i64), RuntimeError> {
-        let owned = &self.owned[s];
+        let owned = &self.sharded[s];
         let mut v: Vec<Tensor> = owned.iter().map(|&i| ts[i].f_detach().and_then(|t| t.f_reshape([-1]))).collect::<Result<_, _>>()?;
         let total: i64 = owned.iter().map(|&i| self.numel(i)).sum();
         let len = (total + parts - 1) / parts.max(1);
@@ -71,7 +77,7 @@ impl Params {
     pub fn write_flat(&self, s: usize, flat: &Tensor, copy: bool) -> Result<(), RuntimeError> {
         let _guard = tch::no_grad_guard();
         let mut off = 0;
-        for &i in &self.owned[s] {
+        for &i in &self.sharded[s] {
             let n = self.numel(i);
             let mut p = self.tensors[i].shallow_clone();
             if copy {
@@ -87,7 +93,7 @@ impl Params {
     /// Releases the storage of stage `s`'s parameters (ZeRO 3 between uses).
     pub fn release(&self, s: usize) -> Result<(), RuntimeError> {
         let empty = Tensor::f_empty([0], self.opts)?;
-        for &i in &self.owned[s] {
+        for &i in &self.sharded[s] {
             self.tensors[i].shallow_clone().f_set_data(&empty)?;
         }
         Ok(())

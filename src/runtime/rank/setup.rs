@@ -10,6 +10,7 @@ use tch::{Kind, Tensor};
 
 use crate::runtime::comm::{Backend, ProcessGroup, RankEnv, Store};
 use crate::runtime::kernels::executor::Executor;
+use super::experts::Experts;
 use super::layout::{self, REPLAN, StageLayout};
 use crate::runtime::terr;
 use crate::runtime::train::TrainConfig;
@@ -147,6 +148,11 @@ pub(super) struct Rank<'a> {
     /// With tensor parallelism, this rank's cut of each weight its shards slice, by
     /// initializer name.
     pub slices: HashMap<String, WeightSlice>,
+    /// With expert parallelism, the experts this rank holds.
+    pub experts: Experts,
+    /// With expert parallelism, the ranks holding this rank's experts (when more than it):
+    /// its experts' gradients are summed over them.
+    pub expert_replicas: Option<Vec<usize>>,
 }
 
 impl<'a> Rank<'a> {
@@ -175,12 +181,19 @@ impl<'a> Rank<'a> {
         let n_stages = plan.stages.len();
         let my_stages: Vec<usize> = (0..n_stages).filter(|&s| plan.stages[s].pp_rank == q).collect();
 
-        let groups = connect_groups(env, opts, &mesh, &programs, &shards.kv_groups)?;
+        let ep = plan.parallel.ep.max(1);
+        let experts = Experts::of(graph, ep, d)?;
+        let groups = connect_groups(env, opts, &mesh, &programs, &shards.kv_groups, ep)?;
         let tensor_pg = groups.by_members.get(&mesh.tensor_groups().into_iter().find(|g| g.contains(&me)).unwrap_or_default()).cloned();
-        let lazy = lazy_params(plan, &layout, &program, &my_stages);
-        let (stage_execs, by_name) = stage_executors(exec, source, shards, tensor_pg.as_ref(), &lazy)?;
+        let expert_pg = (ep > 1).then(|| groups.by_members.get(&Experts::group(&mesh, ep, (q, d, t))).cloned()).flatten();
+        if let Some(pg) = &expert_pg {
+            exec.set_expert_group(pg.clone());
+        }
+        let expert_replicas = Some(Experts::replicas(&mesh, ep, (q, d, t))).filter(|g| ep > 1 && g.len() > 1);
+        let lazy = lazy_params(plan, &layout, &program, &my_stages, (graph, &experts));
+        let (stage_execs, by_name) = stage_executors(exec, source, shards, (tensor_pg.as_ref(), expert_pg.as_ref()), &lazy, &experts)?;
         let sliced: HashMap<&str, &WeightSlice> = shards.stages.iter().flat_map(|sh| sh.slices.iter()).map(|w| (w.initializer.as_str(), w)).collect();
-        let (params, kv_groups) = own_params(plan, exec, &layout, &my_stages, (me, q, t), &sliced, &by_name, &shards.kv_groups)?;
+        let (params, kv_groups) = own_params(plan, exec, &layout, &my_stages, (me, q, t), (&sliced, &experts), &by_name, &shards.kv_groups)?;
         // a stage reads the graph inputs the plan lists; the last one also the loss's labels
         let reads_input = my_stages.iter().any(|&s| !layout.data_inputs[s].is_empty());
         let reads_data = reads_input || my_stages.contains(&(n_stages - 1));
@@ -214,6 +227,8 @@ impl<'a> Rank<'a> {
             data,
             reads_data,
             slices: shards.stages.iter().flat_map(|sh| sh.slices.iter()).map(|w| (w.initializer.clone(), w.clone())).collect(),
+            experts,
+            expert_replicas,
         })
     }
 
@@ -229,12 +244,22 @@ impl<'a> Rank<'a> {
         ids.into_iter().map(|(_, v)| v).collect()
     }
 
-    /// The part of weight `v` this rank holds: its tensor-parallel cut, or all of it.
+    /// The part of weight `v` this rank holds: its experts (expert parallelism) and its
+    /// tensor-parallel cut, or all of it.
     pub fn part_of(&self, v: ValueId) -> Slice {
-        match self.slices.get(&self.graph().value(v).name) {
-            Some(sl) => Slice { axis: Some(sl.axis), ranges: sl.ranges.clone(), flat: None },
+        let name = &self.graph().value(v).name;
+        let part = match self.slices.get(name) {
+            Some(sl) => Slice { axis: Some(sl.axis), ranges: sl.ranges.clone(), ..Slice::whole() },
             None => Slice::whole(),
-        }
+        };
+        self.experts.narrow(name, part)
+    }
+
+    /// Whether this rank counts parameter position `i` in the gradient norm and writes it to
+    /// checkpoints among the replicas: replica 0, or for experts held in part the first
+    /// expert group.
+    pub fn writes_replica(&self, i: usize) -> bool {
+        self.replica == 0 || (self.params.expert[i] && self.experts.first_group(self.replica))
     }
 
     /// Block `index` of `parts` of stage `s`'s flat parameter vector (ZeRO 3), read from the
@@ -249,12 +274,12 @@ impl<'a> Rank<'a> {
     pub fn read_block_with(&self, s: usize, parts: i64, index: i64, read: impl Fn(ValueId, &Slice) -> Result<Tensor, RuntimeError>) -> Result<Tensor, RuntimeError> {
         let p = &self.params;
         let ids = self.param_ids();
-        let total: i64 = p.owned[s].iter().map(|&i| p.numel(i)).sum();
+        let total: i64 = p.sharded[s].iter().map(|&i| p.numel(i)).sum();
         let len = (total + parts - 1) / parts.max(1);
         let (lo, hi) = (index * len, (index + 1) * len);
         let mut v: Vec<Tensor> = Vec::new();
         let mut off = 0i64;
-        for &i in &p.owned[s] {
+        for &i in &p.sharded[s] {
             let n = p.numel(i);
             let (a, b) = (lo.max(off), hi.min(off + n));
             if a < b {
@@ -368,17 +393,21 @@ fn stage_executors<'a>(
     exec: &Executor<'_>,
     source: &Source<'_>,
     shards: &'a Shards,
-    tensor_pg: Option<&Arc<ProcessGroup>>,
+    (tensor_pg, expert_pg): (Option<&Arc<ProcessGroup>>, Option<&Arc<ProcessGroup>>),
     lazy: &HashSet<ValueId>,
+    experts: &Experts,
 ) -> Result<(HashMap<usize, Executor<'a>>, HashMap<String, Tensor>), RuntimeError> {
     let mut stage_execs: HashMap<usize, Executor<'a>> = HashMap::new();
     let mut by_name: HashMap<String, Tensor> = HashMap::new();
     for sh in &shards.stages {
         let sub = &sh.graph;
         let slices: HashMap<&str, &WeightSlice> = sh.slices.iter().map(|w| (w.initializer.as_str(), w)).collect();
-        let tensors = stage_weights(exec, source, sub, &slices, lazy)?;
+        let tensors = stage_weights(exec, source, sub, &slices, lazy, experts)?;
         let mut e = Executor::new_on(sub, Weights { tensors }, ExecOptions { float_kind: exec.float_kind(), training: true, autocast: exec.autocast() }, exec.device())?;
         e.tensor_group = tensor_pg.cloned();
+        if let Some(pg) = expert_pg {
+            e.set_expert_group(pg.clone());
+        }
         // a weight read by several of this rank's stages is one tensor
         for (id, w) in e.weights.iter_mut() {
             if is_trainable(sub, *id) {
@@ -407,7 +436,7 @@ fn own_params(
     layout: &StageLayout,
     my_stages: &[usize],
     (me, q, t): (usize, usize, usize),
-    sliced: &HashMap<&str, &WeightSlice>,
+    (sliced, experts): (&HashMap<&str, &WeightSlice>, &Experts),
     by_name: &HashMap<String, Tensor>,
     kv_names: &[(String, Vec<usize>)],
 ) -> Result<(Params, Vec<(usize, Vec<usize>)>), RuntimeError> {
@@ -473,10 +502,15 @@ fn own_params(
             if let Some(sl) = sliced.get(val.name.as_str()) {
                 dims[sl.axis] = sl.len() as i64;
             }
+            if let (Some([a, b]), Some(d)) = (experts.held(&val.name), dims.first_mut()) {
+                *d = (b - a) as i64;
+            }
             Ok(dims)
         })
         .collect::<Result<_, RuntimeError>>()?;
-    let params = Params { tensors, shapes, owned, read, counted, pos_of, opts: (float_kind, exec.device()) };
+    let expert: Vec<bool> = ids.iter().map(|&v| experts.held(&graph.value(v).name).is_some()).collect();
+    let sharded = owned.iter().map(|o| o.iter().copied().filter(|&i| !expert[i]).collect()).collect();
+    let params = Params { tensors, shapes, owned, sharded, read, counted, expert, pos_of, opts: (float_kind, exec.device()) };
     Ok((params, kv_groups))
 }
 
@@ -545,6 +579,7 @@ fn connect_groups(
     mesh: &Mesh,
     programs: &[RankProgram],
     kv_groups: &[(String, Vec<usize>)],
+    ep: usize,
 ) -> Result<Groups, RuntimeError> {
     let me = env.rank;
     let store: Arc<Store> = Store::connect(env, opts.timeout)?;
@@ -562,6 +597,7 @@ fn connect_groups(
         }
     }
     lists.extend(kv_groups.iter().map(|(_, g)| g.clone()));
+    lists.extend(Experts::all_groups(mesh, ep));
     for p in programs {
         for i in &p.instrs {
             if let Some((g, _)) = i.collective() {
@@ -687,6 +723,7 @@ fn stage_weights(
     sub: &Graph,
     slices: &HashMap<&str, &crate::codegen::WeightSlice>,
     lazy: &HashSet<ValueId>,
+    experts: &Experts,
 ) -> Result<HashMap<ValueId, Tensor>, RuntimeError> {
     let main = exec.graph();
     let mut out = HashMap::new();
@@ -700,8 +737,8 @@ fn stage_weights(
         let model = main.value_by_name(&v.name).filter(|&m| main.value(m).data.is_some());
         let t = match (model, slices.get(v.name.as_str())) {
             (Some(m), _) if lazy.contains(&m) => placeholder(main, m, exec.float_kind(), exec.device())?,
-            (Some(m), Some(sl)) => source.read(m, &Slice { axis: Some(sl.axis), ranges: sl.ranges.clone(), flat: None })?,
-            (Some(m), None) => source.read(m, &Slice::whole())?,
+            (Some(m), Some(sl)) => source.read(m, &experts.narrow(&v.name, Slice { axis: Some(sl.axis), ranges: sl.ranges.clone(), ..Slice::whole() }))?,
+            (Some(m), None) => source.read(m, &experts.narrow(&v.name, Slice::whole()))?,
             (None, _) => {
                 let Some(data) = &v.data else { continue };
                 let crate::ir::Storage::Raw(bytes) = &data.storage else {
@@ -733,7 +770,8 @@ pub(super) fn placeholder(graph: &Graph, v: ValueId, float_kind: Option<Kind>, d
 /// The trained parameters of rank `(plan, program)` that stay sharded from the start (ZeRO 3):
 /// those owned by a stage whose parameters the program gathers. They are never loaded whole;
 /// each rank reads its block.
-pub(super) fn lazy_params(plan: &Plan, layout: &StageLayout, program: &RankProgram, my_stages: &[usize]) -> HashSet<ValueId> {
+/// Experts held in part (expert parallelism) are loaded as their parts: ZeRO does not shard them.
+pub(super) fn lazy_params(plan: &Plan, layout: &StageLayout, program: &RankProgram, my_stages: &[usize], (graph, experts): (&Graph, &Experts)) -> HashSet<ValueId> {
     let mut out = HashSet::new();
     if !plan.parallel.params_sharded() {
         return out;
@@ -749,7 +787,7 @@ pub(super) fn lazy_params(plan: &Plan, layout: &StageLayout, program: &RankProgr
     let mut seen: HashSet<ValueId> = HashSet::new();
     for &s in my_stages {
         for &v in &layout.params[s] {
-            if seen.insert(v) && gathered.contains(&s) {
+            if seen.insert(v) && gathered.contains(&s) && experts.held(&graph.value(v).name).is_none() {
                 out.insert(v);
             }
         }
@@ -766,22 +804,27 @@ pub fn rank_weights(plan: &Plan, source: &Source<'_>, me: usize) -> Result<Weigh
     let section = layout::codegen_section(plan)?;
     let layout = layout::stage_layout(section, graph)?;
     let mesh = plan.mesh();
-    let Coord { pp: q, .. } = mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
+    let Coord { pp: q, dp: d, .. } = mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
     let mut tensors = HashMap::new();
     if mesh.tp() > 1 {
         return Ok(Weights { tensors });
     }
+    let experts = Experts::of(graph, plan.parallel.ep, d)?;
     let programs = layout::rank_programs(plan, section)?;
     let program = programs.iter().find(|p| p.rank == me).ok_or_else(|| terr(format!("no program for rank {me}")))?;
     let my_stages: Vec<usize> = (0..plan.stages.len()).filter(|&s| plan.stages[s].pp_rank == q).collect();
-    let lazy = lazy_params(plan, &layout, program, &my_stages);
+    let lazy = lazy_params(plan, &layout, program, &my_stages, (graph, &experts));
     for &s in &my_stages {
         for &n in &layout.nodes[s] {
             for &v in graph.node(n).inputs.iter().flatten() {
                 if tensors.contains_key(&v) || graph.value(v).data.is_none() {
                     continue;
                 }
-                let t = if lazy.contains(&v) { placeholder(graph, v, source.float_kind(), source.device())? } else { source.read(v, &Slice::whole())? };
+                let t = if lazy.contains(&v) {
+                    placeholder(graph, v, source.float_kind(), source.device())?
+                } else {
+                    source.read(v, &experts.narrow(&graph.value(v).name, Slice::whole()))?
+                };
                 tensors.insert(v, t);
             }
         }

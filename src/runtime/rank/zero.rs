@@ -98,7 +98,7 @@ pub(super) fn zero_blocks(rank: &Rank<'_>) -> Result<Vec<Option<(i64, i64)>>, Ru
         for instr in &rank.program.instrs {
             let Some((g, purpose)) = round(instr) else { continue };
             let s = rank.stage_of(purpose)?;
-            if out[s].is_none() && !rank.params.owned[s].is_empty() {
+            if out[s].is_none() && !rank.params.sharded[s].is_empty() {
                 let pg = rank.groups.get(g)?;
                 out[s] = Some((pg.size() as i64, pg.index() as i64));
             }
@@ -155,13 +155,13 @@ impl Zero {
             for instr in &rank.program.instrs {
                 let Instr::AllGather { group: g, purpose: purpose @ Purpose::Zero3Params { .. }, .. } = instr else { continue };
                 let s = rank.stage_of(purpose)?;
-                if shards[s].is_some() || p.owned[s].is_empty() {
+                if shards[s].is_some() || p.sharded[s].is_empty() {
                     continue;
                 }
                 let pg = rank.groups.get(g)?;
                 let (parts, index) = (pg.size() as i64, pg.index() as i64);
                 // the block alone, read from the model or checkpoint (never the whole stage)
-                let total: i64 = p.owned[s].iter().map(|&i| p.numel(i)).sum();
+                let total: i64 = p.sharded[s].iter().map(|&i| p.numel(i)).sum();
                 let len = (total + parts - 1) / parts.max(1);
                 let master = rank.read_block(s, parts, index)?;
                 p.release(s)?;
@@ -171,7 +171,7 @@ impl Zero {
         let need = (0..n)
             .map(|s| {
                 (0..n)
-                    .filter(|&o| shards[o].as_ref().is_some_and(|sh| sh.master.is_some()) && p.owned[o].iter().any(|i| p.read[s].contains(i)))
+                    .filter(|&o| shards[o].as_ref().is_some_and(|sh| sh.master.is_some()) && p.sharded[o].iter().any(|i| p.read[s].contains(i)))
                     .collect()
             })
             .collect();
@@ -228,16 +228,18 @@ impl Zero {
     pub fn all_reduce_grads(&mut self, rank: &Rank<'_>, pg: &ProcessGroup, s: usize, grads: &mut [Option<Tensor>], tally: &mut Tally) -> Result<(), RuntimeError> {
         let p = &rank.params;
         if let Some(sh) = self.shards[s].as_mut().filter(|sh| sh.grad.is_some()) {
-            // sharded data parallelism: the reduced shard summed across groups
+            // sharded data parallelism: the reduced shard summed across groups (the experts
+            // were summed with the reduce-scatter)
             if let Some(gs) = &sh.grad {
                 pg.all_reduce_sum(gs)?;
             }
+            return Ok(());
         } else if rank.parallel.zero >= 1 {
             // ZeRO 1: full all-reduce, then this rank's block
             let parts = pg.size() as i64;
             let (f, len) = p.flat(s, &full_grads(p, grads)?, parts)?;
             // the flat copy is all that is left of them
-            for &i in &p.owned[s] {
+            for &i in &p.sharded[s] {
                 grads[i] = None;
             }
             pg.all_reduce_sum(&f)?;
@@ -248,13 +250,11 @@ impl Zero {
             let sh = self.shards[s].get_or_insert_with(|| Shard::block(parts, index, len));
             sh.grad = Some(owned_copy(&f.f_narrow(0, index * len, len)?)?);
         } else {
-            let mine: Vec<Tensor> = p.owned[s].iter().map(|&i| grads[i].as_ref().map_or_else(|| p.zeros(i), |g| Ok(g.shallow_clone()))).collect::<Result<_, _>>()?;
-            let reduced = all_reduce_bucketed(pg, mine, rank.opts.bucket_bytes)?;
-            for (&i, g) in p.owned[s].iter().zip(reduced) {
-                grads[i] = Some(g);
-            }
+            // expert parallelism: everything but the experts over the whole data-parallel group
+            let dense: Vec<usize> = p.owned[s].iter().copied().filter(|&i| !p.expert[i]).collect();
+            reduce_whole(rank, pg, &dense, grads)?;
         }
-        Ok(())
+        reduce_experts(rank, s, grads)
     }
 
     /// Reduce-scatters stage `s`'s gradients over `pg` (ZeRO 2 and 3): this rank keeps the
@@ -263,7 +263,7 @@ impl Zero {
         let p = &rank.params;
         let parts = pg.size() as i64;
         let (f, len) = p.flat(s, &full_grads(p, grads)?, parts)?;
-        for &i in &p.owned[s] {
+        for &i in &p.sharded[s] {
             grads[i] = None;
         }
         let out = Tensor::f_zeros([len], p.opts)?;
@@ -281,7 +281,7 @@ impl Zero {
             )));
         }
         sh.grad = Some(out);
-        Ok(())
+        reduce_experts(rank, s, grads)
     }
 
     /// ZeRO 1 and 2: all-gathers stage `s`'s parameter blocks over `pg`. Gathered every time
@@ -291,7 +291,7 @@ impl Zero {
         let p = &rank.params;
         let parts = pg.size() as i64;
         let index = pg.index() as i64;
-        let total: i64 = p.owned[s].iter().map(|&i| p.numel(i)).sum();
+        let total: i64 = p.sharded[s].iter().map(|&i| p.numel(i)).sum();
         let len = (total + parts - 1) / parts.max(1);
         let sh = self.shards[s].get_or_insert_with(|| Shard::block(parts, index, len));
         let (block, write) = match sh.updated.take() {
@@ -398,7 +398,7 @@ impl Zero {
             let writes = rank.replica < rank.parallel.zero_group();
             let (lo, hi) = (sh.index * sh.len, (sh.index + 1) * sh.len);
             let mut off = 0i64;
-            for &i in &p.owned[s] {
+            for &i in &p.sharded[s] {
                 in_block[i] = sh.opt.is_some() || sh.master.is_some();
                 master_held[i] = sh.master.is_some();
                 let len = p.numel(i);
@@ -423,11 +423,8 @@ impl Zero {
                 off += len;
             }
         }
-        if rank.replica != 0 {
-            return Ok(out);
-        }
         for i in 0..n {
-            if !p.counted[i] {
+            if !p.counted[i] || !rank.writes_replica(i) {
                 continue;
             }
             if !master_held[i] {
@@ -445,6 +442,29 @@ impl Zero {
             }
         }
         Ok(out)
+    }
+}
+
+/// Sums the gradients of positions `which` over `pg` in buckets, zeros where none arrived.
+fn reduce_whole(rank: &Rank<'_>, pg: &ProcessGroup, which: &[usize], grads: &mut [Option<Tensor>]) -> Result<(), RuntimeError> {
+    let p = &rank.params;
+    let mine: Vec<Tensor> = which.iter().map(|&i| grads[i].as_ref().map_or_else(|| p.zeros(i), |g| Ok(g.shallow_clone()))).collect::<Result<_, _>>()?;
+    let reduced = all_reduce_bucketed(pg, mine, rank.opts.bucket_bytes)?;
+    for (&i, g) in which.iter().zip(reduced) {
+        grads[i] = Some(g);
+    }
+    Ok(())
+}
+
+/// Expert parallelism: sums the gradients of stage `s`'s experts held in part over the ranks
+/// holding the same experts (none when this rank is the only one). ZeRO does not shard them:
+/// their gradients and optimizer state stay whole on their ranks.
+fn reduce_experts(rank: &Rank<'_>, s: usize, grads: &mut [Option<Tensor>]) -> Result<(), RuntimeError> {
+    let p = &rank.params;
+    let experts: Vec<usize> = p.owned[s].iter().copied().filter(|&i| p.expert[i]).collect();
+    match &rank.expert_replicas {
+        Some(members) if !experts.is_empty() => reduce_whole(rank, rank.groups.get(members)?, &experts, grads),
+        _ => Ok(()),
     }
 }
 
@@ -496,7 +516,7 @@ pub(super) fn restored_moments(rank: &Rank<'_>, ckpt: &Loaded) -> Result<Restore
     let mut in_block = vec![false; ids.len()];
     for (s, b) in blocks.iter().enumerate() {
         if b.is_some() {
-            for &i in &rank.params.owned[s] {
+            for &i in &rank.params.sharded[s] {
                 in_block[i] = true;
             }
         }

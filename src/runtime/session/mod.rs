@@ -119,12 +119,11 @@ impl RunSession {
         // the plan's precision, or the `--dtype f64` verification override
         let dtype = FloatType::for_plan(plan.parallel.precision, opts.dtype, &path).map_err(SessionError::Options)?;
         let p = &plan.parallel;
-        if p.cp > 1 || p.ep > 1 {
+        if p.cp > 1 {
             return Err(SessionError::Plan(format!(
-                "plan `{}` has cp={} ep={}: this smp-runner does not yet execute context or expert parallelism; re-plan with `--cp 1 --ep 1`",
+                "plan `{}` has cp={}: this smp-runner does not yet execute context parallelism; re-plan with `--cp 1`",
                 path.display(),
-                p.cp,
-                p.ep
+                p.cp
             )));
         }
         let world = plan_world(&plan);

@@ -16,7 +16,7 @@ use tch::{Kind, Tensor};
 
 use crate::runtime::RuntimeError;
 use crate::runtime::train::amp::LossScaleState;
-use super::slice::{Slice, buffer_name, cut_shape, is_buffer, param_name, part_dims, runs};
+use super::slice::{Slice, buffer_name, is_buffer, param_name, part_dims, runs, slice_shape};
 use crate::runtime::kernels::tensor::{from_bytes, to_bytes};
 use crate::ir::{DType, Graph, ValueId};
 use crate::passes::params::ParamOptions;
@@ -406,17 +406,6 @@ impl Loaded {
         Ok((shard, info))
     }
 
-    /// The values of one piece.
-    fn piece(&self, e: &Entry) -> Result<Tensor, RuntimeError> {
-        let p = self.dir.join(&e.file);
-        let (shard, info) = self.info(e)?;
-        let dt = ir_dtype(info.dtype).ok_or_else(|| ferr(&p, format!("tensor `{}` has unsupported type {:?}", e.key, info.dtype)))?;
-        let dims: Vec<i64> = info.shape.iter().map(|&d| d as i64).collect();
-        let (a, b) = info.data_offsets;
-        let bytes = shard.bytes.get(shard.data_start + a..shard.data_start + b).ok_or_else(|| ferr(&p, format!("tensor `{}` lies outside the file", e.key)))?;
-        from_bytes(dt, &dims, bytes).map_err(|m| ferr(&p, format!("tensor `{}`: {m}", e.key)))
-    }
-
     /// Part `part` of the tensor `name` of `role` (whole shape `dims`, the model's), read from
     /// the pieces that hold its elements and nothing else: a rank resuming under any plan reads
     /// only what it holds. Refused when the pieces disagree on the shape or miss an element.
@@ -485,93 +474,20 @@ impl Loaded {
     }
 
     /// The whole tensor `name` of `role`, reassembled from its pieces (in the initializer's
-    /// layout); refused when the pieces do not cover it.
+    /// layout, whatever tensor-parallel, expert-parallel or ZeRO parts they are); refused when
+    /// the pieces do not cover it.
     pub fn assemble(&self, name: &str, role: Role) -> Result<Tensor, RuntimeError> {
-        let mpath = self.dir.join(MANIFEST);
-        let entries: Vec<&Entry> = self.manifest.tensors.iter().filter(|e| e.name == name && e.role == role).collect();
-        let Some(first) = entries.first() else {
-            return Err(ferr(&mpath, format!("holds no {} of `{name}`", role.key())));
+        let first = self.manifest.tensors.iter().find(|e| e.name == name && e.role == role);
+        let Some(first) = first else {
+            return Err(ferr(&self.dir.join(MANIFEST), format!("holds no {} of `{name}`", role.key())));
         };
         let shape = first.shape.clone();
-        let incomplete = |m: String| ferr(&mpath, format!("`{name}` ({}): {m}", role.key()));
-        // group by tensor-parallel cut
-        let mut cuts: Vec<(Option<usize>, Vec<[u64; 2]>, Vec<&Entry>)> = Vec::new();
-        for e in &entries {
-            if e.shape != shape {
-                return Err(incomplete(format!("pieces disagree on its shape ({:?} vs {shape:?})", e.shape)));
-            }
-            match cuts.iter_mut().find(|(a, r, _)| *a == e.slice.axis && *r == e.slice.ranges) {
-                Some(c) => c.2.push(e),
-                None => cuts.push((e.slice.axis, e.slice.ranges.clone(), vec![e])),
-            }
-        }
-        let mut whole: Option<Tensor> = None;
-        let mut axis_cover: Vec<[u64; 2]> = Vec::new();
-        let mut uncut = false;
-        for (axis, ranges, es) in &cuts {
-            let local_shape = cut_shape(&shape, *axis, ranges).map_err(incomplete)?;
-            let numel: i64 = local_shape.iter().product();
-            let mut flats: Vec<([u64; 2], &Entry)> = es.iter().map(|e| (e.slice.flat.unwrap_or([0, numel as u64]), *e)).collect();
-            flats.sort_by_key(|(f, _)| *f);
-            flats.dedup_by_key(|(f, _)| *f);
-            let mut at = 0u64;
-            for (f, _) in &flats {
-                if f[0] != at {
-                    return Err(incomplete(format!("elements {at}..{} of the cut {ranges:?} are in no shard", f[0])));
-                }
-                at = f[1];
-            }
-            if at != numel as u64 {
-                return Err(incomplete(format!("elements {at}..{numel} of the cut {ranges:?} are in no shard")));
-            }
-            let parts: Vec<Tensor> = flats.iter().map(|(_, e)| self.piece(e).and_then(|t| Ok(t.f_reshape([-1])?))).collect::<Result<_, _>>()?;
-            let local = Tensor::f_cat(&parts, 0)?.f_reshape(local_shape.as_slice())?;
-            let w = match &whole {
-                Some(w) => w.shallow_clone(),
-                None => {
-                    let w = Tensor::f_zeros(shape.as_slice(), (local.kind(), tch::Device::Cpu))?;
-                    whole = Some(w.shallow_clone());
-                    w
-                }
-            };
-            match axis {
-                None => {
-                    uncut = true;
-                    w.shallow_clone().f_copy_(&local)?;
-                }
-                Some(a) => {
-                    let mut off = 0i64;
-                    for r in ranges {
-                        let len = (r[1] - r[0]) as i64;
-                        w.f_narrow(*a as i64, r[0] as i64, len)?.f_copy_(&local.f_narrow(*a as i64, off, len)?)?;
-                        off += len;
-                        axis_cover.push(*r);
-                    }
-                }
-            }
-        }
-        if !uncut {
-            let a = cuts[0].0.unwrap_or(0);
-            axis_cover.sort();
-            axis_cover.dedup();
-            let mut at = 0u64;
-            for r in &axis_cover {
-                if r[0] > at {
-                    break;
-                }
-                at = at.max(r[1]);
-            }
-            let dim = shape.get(a).copied().unwrap_or(0) as u64;
-            if at < dim {
-                return Err(incomplete(format!("rows {at}..{dim} along axis {a} are in no shard")));
-            }
-        }
-        whole.ok_or_else(|| incomplete("no pieces".into()))
+        self.read_part(name, role, &shape, &Slice::whole())
     }
 }
 
 fn piece_numel(e: &Entry) -> Result<i64, String> {
-    let s = cut_shape(&e.shape, e.slice.axis, &e.slice.ranges)?;
+    let s = slice_shape(&e.shape, &e.slice)?;
     let n = s.iter().try_fold(1i64, |n, &d| n.checked_mul(d)).ok_or_else(|| format!("shape {s:?} has more elements than memory holds"))?;
     match e.slice.flat {
         None => Ok(n),

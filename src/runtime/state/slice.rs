@@ -5,9 +5,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::ir::{DecisionSource, FrozenReason, Graph, ParamTransform, Training, ValueId};
 
-/// Where one piece of a tensor lies in the whole: the whole tensor cut along `axis` to
-/// `ranges` (concatenated in order; none: not cut), then, flattened row-major, the elements
-/// `flat` (none: all of them).
+/// Where one piece of a tensor lies in the whole: the experts `experts` (a range of axis 0:
+/// expert parallelism's part; none: all of them), cut along `axis` to `ranges` (concatenated
+/// in order; none: not cut), then, flattened row-major, the elements `flat` (none: all of them).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Slice {
     /// Axis of the tensor-parallel cut.
@@ -19,13 +19,40 @@ pub struct Slice {
     /// Half-open element range of the cut tensor, flattened (a ZeRO block's part).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flat: Option<[u64; 2]>,
+    /// Half-open range along axis 0 taken before the cut: the experts an expert-parallel rank
+    /// holds of a stacked expert weight `[E, ...]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub experts: Option<[u64; 2]>,
 }
 
 impl Slice {
     /// The whole tensor.
     pub fn whole() -> Slice {
-        Slice { axis: None, ranges: Vec::new(), flat: None }
+        Slice { axis: None, ranges: Vec::new(), flat: None, experts: None }
     }
+}
+
+/// The dims of `shape` with only `experts` of axis 0 kept, and where that block starts in the
+/// whole tensor's row-major order.
+fn expert_block(shape: &[i64], experts: Option<[u64; 2]>) -> Result<(Vec<i64>, u64), String> {
+    let Some([a, b]) = experts else { return Ok((shape.to_vec(), 0)) };
+    let Some(&e) = shape.first() else { return Err("an expert range of a scalar".into()) };
+    if a > b || b > e.max(0) as u64 {
+        return Err(format!("experts {a}..{b} exceed the {e} of axis 0"));
+    }
+    let inner: u64 = shape[1..].iter().map(|&d| d.max(0) as u64).product();
+    let mut s = shape.to_vec();
+    s[0] = (b - a) as i64;
+    Ok((s, a * inner))
+}
+
+/// Shape of the whole `shape` with `part`'s experts kept and cut as `part` says (before `flat`).
+pub fn slice_shape(shape: &[i64], part: &Slice) -> Result<Vec<i64>, String> {
+    if part.experts.is_some() && part.axis == Some(0) {
+        return Err("a cut along axis 0 of an expert-parallel part".into());
+    }
+    let (dims, _) = expert_block(shape, part.experts)?;
+    cut_shape(&dims, part.axis, &part.ranges)
 }
 
 /// Shape of the whole `shape` cut along `axis` to `ranges`.
@@ -46,7 +73,7 @@ pub fn cut_shape(shape: &[i64], axis: Option<usize>, ranges: &[[u64; 2]]) -> Res
 
 /// Shape of `part` of a tensor shaped `dims`: the cut, or `[n]` for a flat range.
 pub fn part_dims(dims: &[i64], part: &Slice) -> Result<Vec<i64>, String> {
-    let cut = cut_shape(dims, part.axis, &part.ranges)?;
+    let cut = slice_shape(dims, part)?;
     let n = cut.iter().try_fold(1i64, |n, &d| n.checked_mul(d)).ok_or_else(|| format!("shape {cut:?} has more elements than memory holds"))?;
     match part.flat {
         None => Ok(cut),
@@ -58,6 +85,12 @@ pub fn part_dims(dims: &[i64], part: &Slice) -> Result<Vec<i64>, String> {
 /// The elements of `part` of a tensor shaped `dims` as runs `(start, len)` of the whole
 /// tensor's row-major order, in the part's own order (adjacent runs merged).
 pub fn runs(dims: &[i64], part: &Slice) -> Result<Vec<(u64, u64)>, String> {
+    if part.experts.is_some() {
+        slice_shape(dims, part)?;
+        let (block, base) = expert_block(dims, part.experts)?;
+        let inner = Slice { experts: None, ..part.clone() };
+        return Ok(runs(&block, &inner)?.into_iter().map(|(s, l)| (s + base, l)).collect());
+    }
     let numel: u64 = dims.iter().map(|&d| d.max(0) as u64).product();
     let mut cut: Vec<(u64, u64)> = Vec::new();
     let push = |v: &mut Vec<(u64, u64)>, s: u64, l: u64| {

@@ -284,20 +284,28 @@ mod tests {
     fn runs_of_cuts_and_blocks_are_the_elements_a_narrow_gives() {
         let dims = [4i64, 6, 5];
         let whole = Tensor::arange(120, (Kind::Int64, tch::Device::Cpu)).reshape(dims);
-        let part = Slice { axis: Some(1), ranges: vec![[1, 3], [4, 6]], flat: Some([7, 33]) };
+        let part = Slice { axis: Some(1), ranges: vec![[1, 3], [4, 6]], flat: Some([7, 33]), experts: None };
         let cut = Tensor::cat(&[whole.narrow(1, 1, 2), whole.narrow(1, 4, 2)], 1).reshape([-1]).narrow(0, 7, 26);
         let want: Vec<i64> = Vec::try_from(&cut).unwrap();
         let got: Vec<i64> = runs(&dims, &part).unwrap().into_iter().flat_map(|(s, l)| (s..s + l).map(|i| i as i64)).collect();
         assert_eq!(got, want);
         assert_eq!(runs(&dims, &Slice::whole()).unwrap(), vec![(0, 120)]);
-        assert!(runs(&dims, &Slice { axis: Some(1), ranges: vec![[0, 7]], flat: None }).is_err());
+        assert!(runs(&dims, &Slice { axis: Some(1), ranges: vec![[0, 7]], flat: None, experts: None }).is_err());
+        // experts 1..3 of axis 0 first, then the cut and the block
+        let part = Slice { axis: Some(1), ranges: vec![[1, 3], [4, 6]], flat: Some([3, 11]), experts: Some([1, 3]) };
+        let held = whole.narrow(0, 1, 2);
+        let cut = Tensor::cat(&[held.narrow(1, 1, 2), held.narrow(1, 4, 2)], 1).reshape([-1]).narrow(0, 3, 8);
+        let want: Vec<i64> = Vec::try_from(&cut).unwrap();
+        let got: Vec<i64> = runs(&dims, &part).unwrap().into_iter().flat_map(|(s, l)| (s..s + l).map(|i| i as i64)).collect();
+        assert_eq!(got, want);
+        assert!(runs(&dims, &Slice { experts: Some([3, 5]), ..Slice::whole() }).is_err());
     }
 
     #[test]
     fn a_random_part_equals_that_part_of_the_whole() {
         let dims = [6i64, 8];
         let whole = random_part(3, "w", DType::F64, &dims, &Slice::whole(), &dims).unwrap();
-        let part = Slice { axis: Some(1), ranges: vec![[2, 6]], flat: Some([3, 17]) };
+        let part = Slice { axis: Some(1), ranges: vec![[2, 6]], flat: Some([3, 17]), experts: None };
         let got = random_part(3, "w", DType::F64, &dims, &part, &[14]).unwrap();
         let want = whole.narrow(1, 2, 4).reshape([-1]).narrow(0, 3, 14);
         assert!(got.equal(&want));

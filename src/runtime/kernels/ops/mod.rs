@@ -3,7 +3,7 @@
 
 mod args;
 mod elementwise;
-mod moe;
+pub(crate) mod moe;
 mod nn;
 mod reduce;
 mod shape;

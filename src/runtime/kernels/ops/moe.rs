@@ -14,6 +14,26 @@ use crate::runtime::kernels::tensor::to_i64_vec;
 pub(super) fn mixture_of_experts(a: &Args) -> KResult<Tensor> {
     let (x, weights, indices, gate_up, down) = (a.x(0)?, a.x(1)?, a.x(2)?, a.x(3)?, a.x(4)?);
     let experts = gate_up.size().first().copied().unwrap_or(0);
+    let routed = route(x, weights, indices, gate_up, down, experts)?;
+    let xs = x.f_index_select(0, &routed.tokens)?;
+    let ys = run_experts(&xs, &routed.counts, gate_up, down, a.ctx.autocast)?;
+    combine(x, &routed, &ys)
+}
+
+/// A microbatch's token-expert pairs sorted by expert (stably, so a token's experts keep
+/// their order).
+pub(crate) struct Routed {
+    /// The token of each sorted pair.
+    pub tokens: Tensor,
+    /// The router's weight of each sorted pair, `[P, 1]` in x's kind.
+    pub weights: Tensor,
+    /// Pairs per expert, expert order.
+    pub counts: Vec<i64>,
+}
+
+/// The pairs of `indices [N, k]` (experts `0..experts`) sorted by expert, with their tokens,
+/// router `weights [N, k]` and per-expert counts. Checks the operands' ranks.
+pub(crate) fn route(x: &Tensor, weights: &Tensor, indices: &Tensor, gate_up: &Tensor, down: &Tensor, experts: i64) -> KResult<Routed> {
     if indices.dim() != 2 || x.dim() != 2 || gate_up.dim() != 3 || down.dim() != 3 {
         bail!("operands of ranks {}, {}, {}, {}, {}; expected x [N, H], weights and indices [N, k], gate_up [E, 2I, H], down [E, H, I]", x.dim(), weights.dim(), indices.dim(), gate_up.dim(), down.dim());
     }
@@ -21,42 +41,60 @@ pub(super) fn mixture_of_experts(a: &Args) -> KResult<Tensor> {
     let flat = indices.f_reshape([-1])?.f_to_kind(Kind::Int64)?;
     let (sorted, order) = flat.f_sort_stable(true, 0, false)?;
     let ids = to_i64_vec(&sorted)?;
-    if let Some(bad) = ids.iter().find(|&&e| e < 0 || e >= experts) {
-        bail!("expert index {bad} is outside 0..{experts}");
+    let mut counts = vec![0i64; experts.max(0) as usize];
+    for &e in &ids {
+        if e < 0 || e >= experts {
+            bail!("expert index {e} is outside 0..{experts}");
+        }
+        counts[e as usize] += 1;
     }
     // routed pair p belongs to token order[p] / k
     let tokens = order.f_floor_divide_scalar(k)?;
-    let xs = x.f_index_select(0, &tokens)?;
     let ws = weights.f_reshape([-1])?.f_index_select(0, &order)?.f_to_kind(x.kind())?.f_unsqueeze(-1)?;
-    // under autocast the experts' products (and the gate between them) run in the low type,
-    // as a module's experts do; weighting and the sum into the tokens stay in x's type
+    Ok(Routed { tokens, weights: ws, counts })
+}
+
+/// Each row of `rows` (sorted by expert, `counts[e]` rows for expert e) through its expert's
+/// gated MLP (`gate_up [E, 2I, H]`, `down [E, H, I]`), unweighted, in the rows' kind. Under
+/// `autocast` the experts' products (and the gate between them) run in the low type, as a
+/// module's experts do. With no rows at all, the (empty) result still derives from `rows`, so
+/// autograd reaches what produced them.
+pub(crate) fn run_experts(rows: &Tensor, counts: &[i64], gate_up: &Tensor, down: &Tensor, autocast: Option<Kind>) -> KResult<Tensor> {
     let low = |t: Tensor| -> KResult<Tensor> {
-        Ok(match a.ctx.autocast {
+        Ok(match autocast {
             Some(k) if t.kind() != k => t.f_to_kind(k)?,
             _ => t,
         })
     };
     let mut parts = Vec::new();
     let mut start = 0i64;
-    for e in 0..experts {
-        let count = ids[start as usize..].iter().take_while(|&&i| i == e).count() as i64;
+    for (e, &count) in counts.iter().enumerate() {
         if count == 0 {
             continue;
         }
-        let xe = low(xs.f_narrow(0, start, count)?)?;
+        let e = e as i64;
+        let xe = low(rows.f_narrow(0, start, count)?)?;
         let gu = xe.f_matmul(&low(gate_up.f_get(e)?)?.f_tr()?)?;
         let halves = gu.f_chunk(2, -1)?;
         let [gate, up] = halves.as_slice() else { bail!("gate_up of expert {e} does not halve") };
         let h = gate.f_silu()?.f_mul(up)?;
-        let y = h.f_matmul(&low(down.f_get(e)?)?.f_tr()?)?.f_to_kind(x.kind())?.f_mul(&ws.f_narrow(0, start, count)?)?;
-        parts.push(y);
+        parts.push(h.f_matmul(&low(down.f_get(e)?)?.f_tr()?)?.f_to_kind(rows.kind())?);
         start += count;
     }
-    let out = x.f_zeros_like()?;
     if parts.is_empty() {
-        return Ok(out);
+        return Ok(rows.f_mul_scalar(0.0)?);
     }
-    Ok(out.f_index_add(0, &tokens, &Tensor::f_cat(&parts, 0)?)?)
+    Ok(Tensor::f_cat(&parts, 0)?)
+}
+
+/// `ys` (one row per sorted pair) scaled by the router's weights and added into their tokens'
+/// rows of a zero `x`; weighting and the sum stay in x's type.
+pub(crate) fn combine(x: &Tensor, routed: &Routed, ys: &Tensor) -> KResult<Tensor> {
+    let out = x.f_zeros_like()?;
+    if ys.size().first().copied().unwrap_or(0) == 0 {
+        return Ok(out.f_add(&ys.f_sum(ys.kind())?.f_mul_scalar(0.0)?)?);
+    }
+    Ok(out.f_index_add(0, &routed.tokens, &ys.f_mul(&routed.weights)?)?)
 }
 
 #[cfg(test)]

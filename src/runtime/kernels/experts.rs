@@ -1,0 +1,95 @@
+//! `MixtureOfExperts` under expert parallelism: the node's expert weights hold this rank's
+//! experts alone (member j of a group of e holds experts `j·E/e .. (j+1)·E/e`), so each
+//! token-expert pair travels to the rank owning its expert and back (dropless: every pair,
+//! no capacity factor):
+//! 1. the pairs are sorted by expert (as the one-rank kernel sorts them), which groups them by
+//!    owning rank; the per-expert counts go to the owners first (an all-to-all of counts);
+//! 2. the pairs' hidden vectors go by an all-to-all with those per-rank counts;
+//! 3. each rank regroups what it received by local expert and runs its experts' gated MLPs;
+//! 4. the outputs go back by the reverse all-to-all, are scaled by the router's weights and
+//!    added into their tokens, on the rank that routed them.
+//!
+//! The exchanges are autograd functions of the c10d shim: the backward of each all-to-all is
+//! the reverse all-to-all of the gradients, as the tensor-parallel collectives' backwards are
+//! collectives, so the interpreter's backward needs nothing more. Every member of a group runs
+//! the same stages in the same order (they are replicas), so their exchanges pair up.
+
+use tch::Tensor;
+
+use super::ops::OpContext;
+use super::ops::moe::{combine, route, run_experts};
+use crate::runtime::comm::ProcessGroup;
+
+/// `MixtureOfExperts(x, weights, indices, gate_up [E/e, 2I, H], down [E/e, H, I])` over the
+/// expert group `pg` of e members.
+pub(super) fn expert_parallel(inputs: &[Option<Tensor>], ctx: &OpContext, pg: &ProcessGroup) -> Result<Tensor, String> {
+    let get = |i: usize| inputs.get(i).and_then(Option::as_ref).ok_or_else(|| format!("MixtureOfExperts without operand {i}"));
+    let (x, weights, indices, gate_up, down) = (get(0)?, get(1)?, get(2)?, get(3)?, get(4)?);
+    let e = pg.size() as i64;
+    let local = gate_up.size().first().copied().unwrap_or(0);
+    if down.size().first().copied() != Some(local) || local == 0 {
+        return Err(format!("expert weights gate_up {:?} and down {:?} hold different expert counts", gate_up.size(), down.size()));
+    }
+    let routed = route(x, weights, indices, gate_up, down, local * e).map_err(|m| m.0)?;
+    let kerr = |m: tch::TchError| m.to_string();
+    // pairs per owning rank: the sorted pairs are grouped by owner, expert-minor
+    let sizes: Vec<i64> = routed.counts.chunks(local as usize).map(|c| c.iter().sum()).collect();
+    // what each member sends this rank: its pairs per expert of this rank's experts
+    let counts = Tensor::from_slice(&routed.counts);
+    let equal = vec![local; e as usize];
+    let got = pg.all_to_all_rows(&counts, &equal, &equal).map_err(|m| m.to_string())?;
+    let got = crate::runtime::kernels::tensor::to_i64_vec(&got)?;
+    let incoming: Vec<i64> = got.chunks(local as usize).map(|c| c.iter().sum()).collect();
+    let xs = x.f_index_select(0, &routed.tokens).map_err(kerr)?;
+    let received = pg.all_to_all_rows(&xs, &sizes, &incoming).map_err(|m| m.to_string())?;
+    // received rows are member-major, expert-minor: regroup them expert-major
+    let (by_expert, per_expert) = expert_major(&got, local as usize, e as usize);
+    let order = Tensor::from_slice(&by_expert).f_to_device(x.device()).map_err(kerr)?;
+    let rows = received.f_index_select(0, &order).map_err(kerr)?;
+    let ys = run_experts(&rows, &per_expert, gate_up, down, ctx.autocast).map_err(|m| m.0)?;
+    // back to member-major order, then home
+    let mut inverse = vec![0i64; by_expert.len()];
+    for (i, &r) in by_expert.iter().enumerate() {
+        inverse[r as usize] = i as i64;
+    }
+    let inverse = Tensor::from_slice(&inverse).f_to_device(x.device()).map_err(kerr)?;
+    let ys = ys.f_index_select(0, &inverse).map_err(kerr)?;
+    let back = pg.all_to_all_rows(&ys, &incoming, &sizes).map_err(|m| m.to_string())?;
+    combine(x, &routed, &back).map_err(|m| m.0)
+}
+
+/// For rows received member-major (member j's rows for local expert l counted by
+/// `got[j·local + l]`): the row order that lists them expert-major (member order within an
+/// expert, as one rank sorting the members' pairs stably would), and the rows per local expert.
+fn expert_major(got: &[i64], local: usize, members: usize) -> (Vec<i64>, Vec<i64>) {
+    let mut start = vec![0i64; members * local];
+    let mut at = 0;
+    for (i, &c) in got.iter().enumerate() {
+        start[i] = at;
+        at += c;
+    }
+    let mut order = Vec::with_capacity(at as usize);
+    let mut per_expert = vec![0i64; local];
+    for (l, rows) in per_expert.iter_mut().enumerate() {
+        for j in 0..members {
+            let i = j * local + l;
+            order.extend(start[i]..start[i] + got[i]);
+            *rows += got[i];
+        }
+    }
+    (order, per_expert)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::expert_major;
+
+    #[test]
+    fn received_rows_regroup_by_expert_in_member_order() {
+        // two members, two local experts: member 0 sent 1 row for expert 0, 2 for expert 1;
+        // member 1 sent 2 for expert 0, none for expert 1
+        let (order, per) = expert_major(&[1, 2, 2, 0], 2, 2);
+        assert_eq!(order, vec![0, 3, 4, 1, 2]);
+        assert_eq!(per, vec![3, 2]);
+    }
+}
