@@ -10,6 +10,8 @@
 //! - a checkpoint written under ep 2 holds whole expert tensors (each rank its experts) and
 //!   resumes under ep 1, and one written under ep 1 resumes under ep 2, within 1e-9 of the
 //!   uninterrupted run;
+//! - bf16-mixed and fp16-mixed plans run under ep 2 within 1e-3 of ep 1 (each expert's rows
+//!   gathered from both replicas change only the low-precision matmuls' blocking);
 //! - an expert count ep does not divide is refused naming the node.
 #![cfg(feature = "runner")]
 
@@ -153,4 +155,37 @@ fn an_expert_count_ep_does_not_divide_is_refused() {
     let r = runner().args(["launch", "--nproc", "3", plan.to_str().unwrap(), "--steps", "1", "--timeout", "60"]).output().unwrap();
     let err = String::from_utf8_lossy(&r.stderr);
     assert!(!r.status.success() && err.contains("4 experts") && err.contains("ep 3") && err.contains("MixtureOfExperts"), "{err}");
+}
+
+/// The step losses of `plan` on `nproc` ranks over 5 steps at the plan's own precision.
+fn losses_at_plan_precision(case: &MoeCase, plan: &Path, nproc: usize) -> Vec<f64> {
+    let r = runner()
+        .args(["launch", "--nproc", &nproc.to_string(), plan.to_str().unwrap(), "--data", case.data.to_str().unwrap()])
+        .args(["--steps", "5", "--threads", "1", "--json", "--timeout", "120"])
+        .output()
+        .unwrap();
+    field(&json(&ok(&format!("launching {} ({})", case.name, plan.display()), r)), "steps", "loss")
+}
+
+/// bf16-mixed and fp16-mixed plans run under ep 2 as under ep 1 (the same dp 2 split and
+/// autocast; only where the experts run differs): within 1e-3 relative, and not the f32 run.
+#[test]
+fn ep2_runs_every_mixed_precision_mode() {
+    let case = moe::case("mixtral");
+    let dir = tempfile::tempdir().unwrap();
+    let full = losses(case, &ep_plan(case, (1, 1, 2), 1, 1, dir.path()), 2, "f32");
+    for precision in ["bf16-mixed", "fp16-mixed"] {
+        let base = dir.path().join(format!("{precision}.json"));
+        let p = moe::plan_dp(case, (1, 1, 2), 1, &["--precision", precision], &base);
+        assert_eq!(p["parallel"]["precision"], precision, "the plan's precision");
+        let (one, two) = (dir.path().join(format!("{precision}-ep1.json")), dir.path().join(format!("{precision}-ep2.json")));
+        moe::with_ep(&p, 1, &one);
+        moe::with_ep(&p, 2, &two);
+        let (a, b) = (losses_at_plan_precision(case, &one, 2), losses_at_plan_precision(case, &two, 2));
+        let d = moe::max_rel(&b, &a);
+        let low = moe::max_rel(&a, &full);
+        eprintln!("mixtral {precision}: ep 2 vs ep 1 {d:.1e}; ep 1 vs f32 {low:.1e}");
+        assert!(d < 1e-3, "mixtral {precision}: ep 2 losses {b:?} vs ep 1 {a:?}");
+        assert!(low > 0.0, "mixtral {precision}: the run is the f32 one");
+    }
 }
