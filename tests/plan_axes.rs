@@ -205,23 +205,3 @@ fn infeasible_at_cp_1_names_the_least_context_degree_that_fits() {
     }
 }
 
-/// Not an assertion: the degrees the planner picks across clusters, for the docs.
-#[test]
-#[ignore]
-fn explore() {
-    let m = load("mixtral-8x7b", 4096);
-    for (cluster, batch) in [("h100-80gb:16", 64), ("h100-80gb:32", 128), ("a100-40gb:256", 512), ("a100-80gb:64", 256), ("h100-80gb:256", 512)] {
-        let spec = ClusterSpec::parse(cluster).unwrap();
-        let p = compile(&m, &spec, &options(batch, 4096)).unwrap();
-        eprintln!("mixtral {cluster} b{batch}: {}", describe(&p));
-        if let Some(a) = &p.axes { for l in smp_partition::plan::report::axes_lines(&p, a) { eprintln!("  {l}"); } }
-    }
-    let l = load("llama3-70b-8k", 8192);
-    let p = compile(&l, &ClusterSpec::parse("h100-80gb:1024").unwrap(), &options(1024, 8192)).unwrap();
-    eprintln!("llama 8k: {}", describe(&p));
-    if let Some(a) = &p.axes { for l in smp_partition::plan::report::axes_lines(&p, a) { eprintln!("  {l}"); } }
-    let l = load("llama3-70b-128k", 131_072);
-    let p = compile(&l, &ClusterSpec::parse("h100-80gb:1024").unwrap(), &options(64, 131_072)).unwrap();
-    eprintln!("llama 128k: {}", describe(&p));
-    if let Some(a) = &p.axes { for l in smp_partition::plan::report::axes_lines(&p, a) { eprintln!("  {l}"); } }
-}

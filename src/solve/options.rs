@@ -613,11 +613,14 @@ impl PlanOptions {
             };
             return Err(conflict(first, cluster_src(), why));
         }
-        if given.len() == 4 && product != devices {
+        // pp, tp and dp given leave no room for a searched context degree: it counts 1.
+        let complete = given.len() == 4 || (self.cp.is_none() && self.pp.is_some() && self.tp.is_some() && self.dp.is_some());
+        if complete && product != devices {
+            let what = if self.cp.is_some() { "pp·tp·cp·dp" } else { "pp·tp·dp" };
             return Err(conflict(
                 Source::Implied(names()),
                 cluster_src(),
-                format!("pp·tp·cp·dp = {product} must equal the device count; omit one to have it derived"),
+                format!("{what} = {product} must equal the device count; omit one to have it derived"),
             ));
         }
         if let Some(sdp) = self.sharded_dp {

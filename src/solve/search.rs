@@ -13,7 +13,7 @@ use super::layer_cost::{CostContext, LayerConfig, tensor_split_divisor};
 use super::heuristic::incumbent;
 use super::oracle::min_max_lower_bound;
 use super::pipeline::PipelineSolution;
-use super::problem::{CheckpointRule, PipelineObjective, PipelineProblem};
+use super::problem::{CheckpointRule, PipelineLayer, PipelineObjective, PipelineProblem};
 use super::{
     AxisReport, LayerDecision, MeshAxis, Optimize, PlanDecision, PlanOptions, Placement, Predicted, Progress, SolveError, StageDecision,
     StageMemory,
@@ -37,12 +37,25 @@ pub struct Candidate {
 pub struct Prepared {
     /// The configuration.
     pub cand: Candidate,
-    /// Its pipeline problem.
+    /// Its pipeline problem; its `layers` are filled from `table` only when the search
+    /// looks at the candidate beyond its bounds ([`Prepared::materialize`]).
     pub problem: PipelineProblem,
+    /// The layer table, shared with every candidate of the same layer configuration.
+    pub table: std::rc::Rc<Vec<PipelineLayer>>,
     /// Lower bound on its step time.
     pub lb: f64,
     /// Lower bound on its peak memory per device.
     pub mem_lb: f64,
+}
+
+impl Prepared {
+    /// Fills the problem's layers from the shared table (once).
+    pub fn materialize(&mut self) -> &PipelineProblem {
+        if self.problem.layers.len() != self.table.len() {
+            self.problem.layers = (*self.table).clone();
+        }
+        &self.problem
+    }
 }
 
 fn divisors(n: usize) -> Vec<usize> {
@@ -379,7 +392,7 @@ pub fn prepare(
     let spec = ctx.spec;
     let rank = |d: usize, p: usize, t: usize| cand.parallel.rank_of(d, 0, p, t);
     let lc = layer_config(spec, cand);
-    let layers = (*ctx.layers(&lc)).clone();
+    let table = ctx.layers(&lc);
     let v = cand.parallel.schedule.virtual_stages();
     let chunks = cand.parallel.pp * v;
     let beta: Vec<f64> = (0..chunks.saturating_sub(1))
@@ -398,7 +411,7 @@ pub fn prepare(
         })
         .collect();
     let problem = PipelineProblem {
-        layers,
+        layers: Vec::new(),
         devices: cand.parallel.pp,
         virtual_stages: v,
         microbatches: cand.parallel.microbatches,
@@ -413,8 +426,8 @@ pub fn prepare(
         fixed_chunks,
         objective: PipelineObjective::StepTime,
     };
-    let (lb, mem_lb) = bounds(&problem);
-    Prepared { cand: *cand, problem, lb, mem_lb }
+    let (lb, mem_lb) = bounds_with(&problem, &table);
+    Prepared { cand: *cand, problem, table, lb, mem_lb }
 }
 
 /// Lower bounds on the step time and the peak memory of any solution of `p`.
@@ -424,13 +437,18 @@ pub fn prepare(
 /// bytes the devices cannot hold), plus the cheapest transfer at every boundary, plus the
 /// min-max split of the least sync times. Infinite when memory cannot fit even so.
 pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
+    bounds_with(p, &p.layers)
+}
+
+/// [`bounds`] of `p` with `layers` in place of its own.
+fn bounds_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> (f64, f64) {
     let devices = p.devices.max(1);
     let chunks = p.chunks();
     let c = p.bubble_coeff;
     let m = p.microbatches as f64;
     let always = p.checkpoint == CheckpointRule::Always;
     let fold_min = |it: &mut dyn Iterator<Item = f64>| it.fold(f64::INFINITY, f64::min);
-    let l_n = p.layers.len();
+    let l_n = layers.len();
     let mut tmin = Vec::with_capacity(l_n);
     let mut smin = Vec::with_capacity(l_n);
     let (mut state, mut act_total, mut kept_min) = (0.0, 0.0, 0.0);
@@ -444,7 +462,7 @@ pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
     } else {
         (p.loading_horizon / max_flight.max(1e-12)).min(1.0)
     };
-    for l in &p.layers {
+    for l in layers {
         let pts = &l.points;
         tmin.push(fold_min(&mut pts.iter().map(|q| q.fwd_s + q.bwd_s + if always { q.fwd_s } else { 0.0 })));
         smin.push(fold_min(&mut pts.iter().map(|q| q.sync_s)));
@@ -520,11 +538,11 @@ pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
     let transfer = match &p.fixed_chunks {
         Some(f) => (0..l_n.saturating_sub(1))
             .filter(|&l| f[l] != f[l + 1])
-            .map(|l| 2.0 * p.layers[l].output_bytes * p.transfer_s_per_byte[f[l]])
+            .map(|l| 2.0 * layers[l].output_bytes * p.transfer_s_per_byte[f[l]])
             .sum(),
         None => {
             let least_out =
-                p.layers[..l_n.saturating_sub(1)].iter().map(|l| l.output_bytes).fold(f64::INFINITY, f64::min);
+                layers[..l_n.saturating_sub(1)].iter().map(|l| l.output_bytes).fold(f64::INFINITY, f64::min);
             if least_out.is_finite() { p.transfer_s_per_byte.iter().map(|b| 2.0 * least_out * b).sum() } else { 0.0 }
         }
     };
@@ -595,10 +613,12 @@ pub fn run(
     // them (equal layer counts included, whatever the time limit).
     let mut quick: Vec<Option<PipelineSolution>> = vec![None; fit.len()];
     let mut best: Option<(usize, PipelineSolution)> = None;
-    for (i, p) in fit.iter().enumerate() {
-        if inc_of(&best).is_some_and(|inc| p.lb >= inc * (1.0 - 1e-9)) {
+    for i in 0..fit.len() {
+        if inc_of(&best).is_some_and(|inc| fit[i].lb >= inc * (1.0 - 1e-9)) {
             break;
         }
+        fit[i].materialize();
+        let p = &fit[i];
         let Some((choices, eval)) = incumbent(&p.problem) else { continue };
         let objective = eval.step_s;
         let proven = objective <= p.lb * (1.0 + 1e-9);
@@ -621,6 +641,7 @@ pub fn run(
     let mut done = skipped;
     let mut i = 0;
     while i < fit.len() {
+        fit[i].materialize();
         let p = &fit[i];
         if quick[i].as_ref().is_some_and(|q| q.report.status == SolveStatus::Optimal) {
             // Its quick layout meets its bound: solved, without an ILP.
@@ -705,7 +726,9 @@ pub fn run(
     if c.optimize.unwrap_or_default() == Optimize::Memory {
         let max_step = sol.report.objective * 1.05;
         let mut best_mem = sol.eval.as_ref().map_or(f64::INFINITY, |e| e.total_bytes.iter().cloned().fold(0.0, f64::max));
-        for p in fit.iter().filter(|p| p.lb <= max_step) {
+        for p in fit.iter_mut().filter(|p| p.lb <= max_step) {
+            p.materialize();
+            let p = &*p;
             let remaining = limit - start.elapsed().as_secs_f64();
             if remaining <= 0.0 {
                 break;
