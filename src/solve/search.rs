@@ -157,7 +157,7 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
                 }
                 // Dominated: c·d replicas of b/c samples each run the same tokens per rank,
                 // microbatches, groups and state without the K/V exchange.
-                if cp > 1 && c.cp.is_none() && c.dp.is_none() && b % cp == 0 && !lg.dims.fixed_batch {
+                if cp > 1 && c.cp.is_none() && c.dp.is_none() && b.is_multiple_of(cp) && !lg.dims.fixed_batch {
                     continue;
                 }
                 let schedules: Vec<ScheduleKind> = match c.schedule {
@@ -297,7 +297,7 @@ impl AxisLimits {
                 "--cp {c}: the sequence of {s} tokens does not split into 2·{c} equal chunks (a front and a back chunk per context rank); choose a degree whose double divides it"
             )));
         }
-        let cap = cfg.memory_limit_bytes().map_or(spec.memory_bytes, |m| m.min(u64::MAX)) as f64;
+        let cap = cfg.memory_limit_bytes().unwrap_or(spec.memory_bytes) as f64;
         Ok(AxisLimits { seq, sample_bytes, cap, experts, cp: cfg.cp, ep: cfg.ep })
     }
 
