@@ -274,7 +274,11 @@ MEGATRON = [("1.7B", 24, 2304, 24), ("3.6B", 32, 3072, 30), ("7.5B", 32, 4096, 3
 # name, layers, hidden, heads, kv heads, ffn, seq, vocab
 LLAMAS = [("llama3-70b", 80, 8192, 64, 8, 28672, 4096, 128256),
           ("llama3-8b", 32, 4096, 32, 8, 14336, 8192, 128256),
-          ("llama3-405b", 126, 16384, 128, 8, 53248, 8192, 128256)]
+          ("llama3-405b", 126, 16384, 128, 8, 53248, 8192, 128256),
+          # 70B at Llama 3's pre-training sequence, 8,192, and at its long-context stage's,
+          # 131,072 (Dubey et al. 2024 §3.4): the context-parallel planner's cases
+          ("llama3-70b-8k", 80, 8192, 64, 8, 28672, 8192, 128256),
+          ("llama3-70b-128k", 80, 8192, 64, 8, 28672, 131072, 128256)]
 # name, layers, hidden, heads, kv heads, expert ffn, seq, vocab, experts, top-k (Mixtral 8×7B:
 # Jiang et al. 2024, 46.7B parameters)
 MIXTRALS = [("mixtral-8x7b", 32, 4096, 32, 8, 14336, 4096, 32000, 8, 2)]

@@ -82,12 +82,12 @@ fn inspect_refuses_newer_plans() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("plan.json");
     let mut v = serde_json::to_value(common::fixture()).unwrap();
-    v["version"] = 4.into();
+    v["version"] = 5.into();
     std::fs::write(&path, v.to_string()).unwrap();
     let o = smp(&["inspect", path.to_str().unwrap()]);
     assert_eq!(code(&o), 1);
     let e = stderr(&o);
-    assert!(e.contains("plan.json") && e.contains("version 4") && e.contains("version 3"), "{e}");
+    assert!(e.contains("plan.json") && e.contains("version 5") && e.contains("version 4"), "{e}");
 }
 
 #[test]
@@ -220,4 +220,33 @@ fn batchnorm_statistics_per_microbatch_are_recorded_and_warned_about() {
     let o = smp(&["inspect", path.to_str().unwrap()]);
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(text.contains("batchnorm 1 BatchNormalization node(s) normalise by the statistics of each microbatch of 4 samples"), "{text}");
+}
+
+/// `--cp`, `--ep` and `--expert-imbalance` reach the planner: a forced `--cp 1` that cannot
+/// fit names the least context degree that does, `--ep` on a dense model is refused by name,
+/// an imbalance below 1 is refused, and `--cp 2 --ep 4` plan what they force.
+#[test]
+fn context_and_expert_flags_reach_the_planner() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let llama = format!("{root}/models/llama3-70b-128k.onnx");
+    let o = smp(&[&llama, "--cluster", "h100-80gb:64", "--global-batch", "8", "--seq-len", "131072", "--cp", "1", "--memory-limit", "32", "--offload-activations", "off"]);
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert!(stderr(&o).contains("--cp 2 fits"), "{}", stderr(&o));
+    let dense = format!("{root}/models/llama3-8b.onnx");
+    let o = smp(&[&dense, "--cluster", "h100-80gb:64", "--global-batch", "512", "--ep", "2"]);
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert!(stderr(&o).contains("--ep 2: the model has no mixture-of-experts layer"), "{}", stderr(&o));
+    let mixtral = format!("{root}/models/mixtral-8x7b.onnx");
+    let o = smp(&[&mixtral, "--cluster", "h100-80gb:32", "--global-batch", "128", "--expert-imbalance", "0.9"]);
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert!(stderr(&o).contains("--expert-imbalance 0.9"), "{}", stderr(&o));
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("p.json");
+    let o = smp(&[&mixtral, "--cluster", "h100-80gb:32", "--global-batch", "128", "--cp", "2", "--ep", "4", "-o", out.to_str().unwrap()]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!((plan["parallel"]["cp"].as_u64(), plan["parallel"]["ep"].as_u64()), (Some(2), Some(4)));
+    let o = smp(&["inspect", out.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("cp 2") && text.contains("ep 4") && text.contains("experts e = 4:"), "{text}");
 }

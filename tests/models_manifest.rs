@@ -85,6 +85,8 @@ fn graph_only_sizes_match_published_figures() {
         ("gpt-1t", 1008.0, 0),
         ("llama3-8b", 8.0, 0),
         ("llama3-70b", 70.6, 1),
+        ("llama3-70b-8k", 70.6, 1),
+        ("llama3-70b-128k", 70.6, 1),
         ("mixtral-8x7b", 46.7, 1),
     ];
     for (key, billions, decimals) in published {

@@ -87,12 +87,12 @@ fn with_version(version: serde_json::Value) -> String {
 #[test]
 fn newer_version_is_refused_naming_file_and_both_versions() {
     let err = io::from_json(&with_version(7.into()), Path::new("p.json")).unwrap_err();
-    assert!(matches!(err, PlanIoError::Version { found: 7, supported: 3, .. }), "{err}");
+    assert!(matches!(err, PlanIoError::Version { found: 7, supported: 4, .. }), "{err}");
     let msg = err.to_string();
     assert!(
         msg.contains("p.json")
             && msg.contains("version 7")
-            && msg.contains("version 3")
+            && msg.contains("version 4")
             && msg.contains("newer"),
         "{msg}"
     );
@@ -118,7 +118,7 @@ fn version_1_plan_is_refused_with_the_replan_message() {
     v["version"] = 1.into();
     v["parallel"].as_object_mut().unwrap().remove("precision");
     let err = io::from_json(&v.to_string(), Path::new("v1.json")).unwrap_err();
-    assert!(matches!(err, PlanIoError::Version { found: 1, supported: 3, .. }), "{err}");
+    assert!(matches!(err, PlanIoError::Version { found: 1, supported: 4, .. }), "{err}");
     let msg = err.to_string();
     assert!(msg.contains("v1.json") && msg.contains("version 1") && msg.contains("re-plan the model"), "{msg}");
 }
@@ -132,7 +132,7 @@ fn version_2_plan_is_refused_with_the_replan_message() {
     par.remove("offload_activations");
     par.remove("activation_loading_horizon");
     let err = io::from_json(&v.to_string(), Path::new("v2.json")).unwrap_err();
-    assert!(matches!(err, PlanIoError::Version { found: 2, supported: 3, .. }), "{err}");
+    assert!(matches!(err, PlanIoError::Version { found: 2, supported: 4, .. }), "{err}");
     let msg = err.to_string();
     assert!(msg.contains("v2.json") && msg.contains("version 2") && msg.contains("re-plan the model"), "{msg}");
 }
@@ -359,7 +359,7 @@ fn inspect_table_snapshot() {
 #[test]
 fn inspect_json_is_the_plan_plus_findings() {
     let v = report::to_json_with_report(&fixture());
-    assert_eq!(v["version"], 3);
+    assert_eq!(v["version"], 4);
     assert_eq!(v["inspect"]["bottleneck"]["pp_rank"], 1);
     assert_eq!(v["inspect"]["bottleneck"]["reason"], "compute");
 }

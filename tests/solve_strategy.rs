@@ -14,15 +14,7 @@ fn small() -> smp_partition::ir::LayeredGraph {
 }
 
 fn cfg(tp: usize, per_node: usize) -> LayerConfig {
-    LayerConfig {
-        tp,
-        microbatch: 2,
-        zero: 0,
-        zero_group: GroupSpan { size: 1, per_node: 1 },
-        dp_group: GroupSpan { size: 1, per_node: 1 },
-        tp_group: GroupSpan { size: tp, per_node },
-        sequence_parallel: false,
-    }
+    LayerConfig::dense(tp, 2, 0, GroupSpan { size: 1, per_node: 1 }, GroupSpan { size: 1, per_node: 1 }, GroupSpan { size: tp, per_node }, false)
 }
 
 #[test]

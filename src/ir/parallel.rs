@@ -78,6 +78,24 @@ impl Parallelism {
     pub fn mesh_degrees(&self) -> [usize; 3] {
         [self.dp, self.pp, self.tp]
     }
+
+    /// Degrees of the placed mesh as (D, P, T): the D axis holds `dp · cp` positions, the
+    /// context ranks of a replica consecutive on it (position `d · cp + c`).
+    pub fn placed_degrees(&self) -> [usize; 3] {
+        [self.dp * self.cp.max(1), self.pp, self.tp]
+    }
+
+    /// Global rank of data-parallel index `d`, context rank `c`, pipeline rank `p` and tensor
+    /// rank `t`: the placement's order with context inside D.
+    pub fn rank_of(&self, d: usize, c: usize, p: usize, t: usize) -> usize {
+        self.placement.rank([d * self.cp.max(1) + c, p, t], self.placed_degrees())
+    }
+
+    /// Ranks of pipeline rank `p`: data-parallel index major, then context rank, then tensor
+    /// rank (`dp · cp · tp` of them).
+    pub fn stage_ranks(&self, p: usize) -> Vec<usize> {
+        self.placement.stage_ranks(p, self.placed_degrees())
+    }
 }
 
 /// One axis of the device mesh.

@@ -116,6 +116,25 @@ pub fn from_decision(d: &PlanDecision, lg: &LayeredGraph, cluster: &ClusterSpec,
         frozen: opts.params.frozen.clone(),
         batch_statistics: BatchStatistics::of(&lg.graph, per_microbatch),
         codegen: None,
+        // Where a degree was searched, or the sequence is long enough (a sample's checkpointed
+        // activations over an eighth of the device) that c = 1 deserves its reason.
+        axes: (d.axes.cp_alternatives.len() > 1
+            || d.axes.ep_alternatives.len() > 1
+            || d.parallel.cp > 1
+            || d.parallel.ep > 1
+            || d.axes.sample_input_bytes > d.memory_limit_bytes / 8.0)
+            .then(|| AxesInfo {
+            sample_input_bytes: bytes(d.axes.sample_input_bytes),
+            activation_bytes: bytes(d.axes.activation_bytes),
+            kv_transfer_s: d.axes.kv_transfer_s,
+            kv_exposed_s: d.axes.kv_exposed_s,
+            all_to_all_s: d.axes.all_to_all_s,
+            imbalance_s: d.axes.imbalance_s,
+            state_bytes: bytes(d.axes.state_bytes),
+            state_bytes_without_ep: bytes(d.axes.state_bytes_without_ep),
+            cp_searched: d.axes.cp_alternatives.clone(),
+            ep_searched: d.axes.ep_alternatives.clone(),
+        }),
     };
     plan.predicted.peak_memory_bytes = (0..d.parallel.pp).map(|r| plan.rank_memory(r).total).max().unwrap_or(0);
     plan.communication = communication(d, cluster, &plan);
@@ -152,16 +171,15 @@ fn communication(d: &PlanDecision, cluster: &ClusterSpec, plan: &Plan) -> Vec<Co
     }
     // Data parallel: gradient all-reduce (or reduce-scatter + all-gather under ZeRO), ring
     // volume 2(d−1)/d of the stage's gradients per device, busiest stage.
-    if d.parallel.dp > 1 {
+    let replicas_n = d.parallel.dp * d.parallel.cp.max(1);
+    if replicas_n > 1 {
         for s in &plan.stages {
+            // Gradients reduce over every data-parallel and context rank of a tensor rank.
             let replicas: Vec<usize> = s.ranks.iter().step_by(d.parallel.tp.max(1)).copied().collect();
             let span = GroupSpan::of_ranks(&replicas, cluster.devices_per_node);
-            let grads = if d.parallel.zero >= 2 {
-                s.memory_bytes.grads as f64 * d.parallel.dp as f64
-            } else {
-                s.memory_bytes.grads as f64
-            };
-            let volume = 2.0 * (d.parallel.dp as f64 - 1.0) / d.parallel.dp as f64 * grads;
+            let n = replicas_n as f64;
+            let grads = if d.parallel.zero >= 2 { s.memory_bytes.grads as f64 * n } else { s.memory_bytes.grads as f64 };
+            let volume = 2.0 * (n - 1.0) / n * grads;
             add(Traffic::Data, span.link_kind(), volume, comm.all_reduce(grads, &span));
         }
     }

@@ -191,6 +191,55 @@ pub fn machine_line(m: &crate::cost::MachineFacts) -> String {
     format!("{} memory, {} cores, {calibration}; {source}", bytes(m.memory_bytes as f64), m.cores)
 }
 
+/// The degrees searched, as `1: 2.345 s, 2: none fits`.
+fn searched(alts: &[(usize, Option<f64>)]) -> String {
+    alts.iter().map(|(d, lb)| format!("{d}: {}", lb.map_or("none fits".to_string(), |b| format!("≥ {}", ms(b))))).collect::<Vec<_>>().join(", ")
+}
+
+/// Why the context and expert degrees are what they are, one line each.
+pub fn axes_lines(plan: &Plan, a: &super::schema::AxesInfo) -> Vec<String> {
+    let par = &plan.parallel;
+    let mut out = Vec::new();
+    if a.cp_searched.len() > 1 || par.cp > 1 || a.sample_input_bytes > 0 {
+        let c = par.cp.max(1);
+        let why = if c > 1 {
+            let hidden = a.kv_transfer_s - a.kv_exposed_s;
+            format!(
+                "activations {} per rank, {} at c = 1; K/V all-gathers and gradient reduce-scatters {} per step, {} exposed{}",
+                bytes(a.activation_bytes as f64),
+                bytes(a.activation_bytes as f64 * c as f64),
+                ms(a.kv_transfer_s),
+                ms(a.kv_exposed_s),
+                if hidden > 0.0 { format!(" ({} hidden)", ms(hidden)) } else { String::new() }
+            )
+        } else if a.cp_searched.len() > 1 {
+            format!("activations {} per rank fit without splitting the sequence, and no split repays its exposed K/V exchange", bytes(a.activation_bytes as f64))
+        } else {
+            format!(
+                "one sample's checkpointed activations ({}) take under half a device, so memory needs no split of the sequence (c > 1 not searched)",
+                bytes(a.sample_input_bytes as f64)
+            )
+        };
+        out.push(format!("context c = {c}: {why}; step-time bound per degree searched: {}", searched(&a.cp_searched)));
+    }
+    if a.ep_searched.len() > 1 || par.ep > 1 {
+        let e = par.ep.max(1);
+        let why = if e > 1 {
+            format!(
+                "model state {} per rank, {} at e = 1; all-to-alls {} per step, load imbalance {} per step",
+                bytes(a.state_bytes as f64),
+                bytes(a.state_bytes_without_ep as f64),
+                ms(a.all_to_all_s),
+                ms(a.imbalance_s)
+            )
+        } else {
+            format!("model state {} per rank fits with every expert on every rank, so no all-to-all is worth paying", bytes(a.state_bytes as f64))
+        };
+        out.push(format!("experts e = {e}: {why}; step-time bound per degree searched: {}", searched(&a.ep_searched)));
+    }
+    out
+}
+
 /// The readable report printed by `inspect` (and after planning).
 pub fn render(plan: &Plan) -> String {
     let mut out = String::new();
@@ -213,7 +262,11 @@ pub fn render(plan: &Plan) -> String {
     if let Some(m) = &plan.cluster.machine {
         let _ = writeln!(out, "machine {}", machine_line(m));
     }
-    let mut parallel = format!("pp {} · tp {} · dp {}, ZeRO {}", par.pp, par.tp, par.dp, par.zero);
+    let mut parallel = if plan.axes.is_some() || par.cp > 1 || par.ep > 1 {
+        format!("pp {} · tp {} · cp {} · dp {} (ep {}), ZeRO {}", par.pp, par.tp, par.cp, par.dp, par.ep, par.zero)
+    } else {
+        format!("pp {} · tp {} · dp {}, ZeRO {}", par.pp, par.tp, par.dp, par.zero)
+    };
     if let Some(s) = par.sharded_dp {
         let _ = write!(parallel, " (sharded over groups of {s})");
     }
@@ -229,6 +282,11 @@ pub fn render(plan: &Plan) -> String {
     );
     let seq = plan.seq_len.map_or(String::new(), |s| format!(", sequence {s}"));
     let _ = writeln!(out, "batch   {} per step{seq}", plan.global_batch);
+    if let Some(a) = &plan.axes {
+        for line in axes_lines(plan, a) {
+            let _ = writeln!(out, "{line}");
+        }
+    }
     if let Some(b) = &plan.batch_statistics {
         let over = if b.samples >= plan.global_batch { "the whole batch".to_string() } else { format!("each microbatch of {} samples, not the whole batch", b.samples) };
         let _ = writeln!(out, "batchnorm {} BatchNormalization node(s) normalise by the statistics of {over}", b.nodes.len());

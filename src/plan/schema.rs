@@ -73,6 +73,38 @@ pub struct Plan {
     /// written before codegen; see docs/plan-format.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub codegen: Option<CodegenSection>,
+    /// Why the planner chose the context- and expert-parallel degrees (absent in plans written
+    /// before they were searched).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub axes: Option<AxesInfo>,
+}
+
+/// What the context and expert axes cost and save in the chosen plan (busiest pipeline rank,
+/// per step), and the least step-time bound of the other degrees searched.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AxesInfo {
+    /// Peak activation bytes per rank.
+    pub activation_bytes: u64,
+    /// K/V ring transfers per step (forward and backward), seconds.
+    pub kv_transfer_s: f64,
+    /// The part of them attention compute does not hide, seconds.
+    pub kv_exposed_s: f64,
+    /// Dispatch and combine all-to-alls per step, seconds.
+    pub all_to_all_s: f64,
+    /// The busiest expert rank's extra compute per step, seconds.
+    pub imbalance_s: f64,
+    /// Model-state bytes per rank.
+    pub state_bytes: u64,
+    /// Model-state bytes per rank of the same plan at expert degree 1.
+    pub state_bytes_without_ep: u64,
+    /// One sample's checkpointed activations (its layers' inputs) over the whole model: above
+    /// half a device, context degrees up to what memory needs are searched.
+    pub sample_input_bytes: u64,
+    /// Per context degree searched: `[degree, least bound in seconds or null when nothing fits]`.
+    pub cp_searched: Vec<(usize, Option<f64>)>,
+    /// Per expert degree searched, the same.
+    pub ep_searched: Vec<(usize, Option<f64>)>,
 }
 
 /// Nodes whose training result for a sample depends on the samples beside it

@@ -109,6 +109,37 @@ pub struct PlanDecision {
     pub problem: problem::PipelineProblem,
     /// Its solution per layer.
     pub choices: Vec<problem::LayerChoice>,
+    /// Why the context and expert degrees are what they are.
+    pub axes: AxisReport,
+}
+
+/// Why the search chose its context and expert degrees: what each costs and saves in the
+/// chosen plan, and the best any other degree could do.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AxisReport {
+    /// Peak activation bytes per rank of the chosen plan (busiest pipeline rank).
+    pub activation_bytes: f64,
+    /// K/V ring transfer time per step on the busiest pipeline rank, forward and backward.
+    pub kv_transfer_s: f64,
+    /// The part of it attention compute does not hide.
+    pub kv_exposed_s: f64,
+    /// Dispatch and combine all-to-all time per step on the busiest pipeline rank.
+    pub all_to_all_s: f64,
+    /// Expert-imbalance compute per step on the busiest pipeline rank.
+    pub imbalance_s: f64,
+    /// Model-state bytes per rank of the chosen plan, and of the same plan without expert
+    /// parallelism (equal at e = 1).
+    pub state_bytes: f64,
+    /// Model-state bytes per rank at e = 1, same plan otherwise.
+    pub state_bytes_without_ep: f64,
+    /// One sample's checkpointed activations over the whole model (its layers' inputs),
+    /// bytes: what decides whether context degrees above 1 are searched.
+    pub sample_input_bytes: f64,
+    /// Per context degree searched: the least step-time lower bound of its configurations
+    /// that fit memory (`None`: none fit).
+    pub cp_alternatives: Vec<(usize, Option<f64>)>,
+    /// Per expert degree searched, the same.
+    pub ep_alternatives: Vec<(usize, Option<f64>)>,
 }
 
 /// Search progress for a progress bar.

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use crate::cost::{ClusterSpec, CommModel, GroupSpan, StatePrecision, model_state};
 use crate::cost::compute::{bytes_scale, graph_float_dtype, layer_times_scaled};
-use crate::ir::{DType, LayerKind, LayeredGraph, OpKind, Precision, ValueId, ValueKind};
+use crate::ir::{DType, LayerKind, LayeredGraph, NodeFigures, OpKind, Precision, ValueId, ValueKind};
 
 use super::ilp::SolverOptions;
 use super::problem::{ParetoPoint, PipelineLayer, TiedCopy};
@@ -121,6 +121,160 @@ pub struct LayerConfig {
     /// Sequence parallelism: norms and elementwise ops run on each tensor rank's tokens (÷t)
     /// instead of replicated (what codegen's plain tensor parallelism emits).
     pub sequence_parallel: bool,
+    /// Context-parallel degree c: each rank runs 1/c of every sequence (a front and a back
+    /// chunk), K/V circulating over the context group.
+    pub cp: usize,
+    /// The context group (K/V ring).
+    pub cp_group: GroupSpan,
+    /// Expert-parallel degree e: a mixture of experts' experts split over e data-parallel
+    /// ranks, tokens sent to them and back by all-to-all.
+    pub ep: usize,
+    /// The expert group (the all-to-alls).
+    pub ep_group: GroupSpan,
+    /// The ranks holding the same experts, over which expert gradients reduce (d·c / e).
+    pub expert_dp_group: GroupSpan,
+    /// The ranks the experts' ZeRO state is divided over.
+    pub expert_zero_group: GroupSpan,
+}
+
+impl LayerConfig {
+    /// A configuration without context or expert parallelism (c = e = 1), the groups of
+    /// experts those of the dense weights.
+    pub fn dense(tp: usize, microbatch: usize, zero: u8, zero_group: GroupSpan, dp_group: GroupSpan, tp_group: GroupSpan, sequence_parallel: bool) -> LayerConfig {
+        let one = GroupSpan { size: 1, per_node: 1 };
+        LayerConfig {
+            tp,
+            microbatch,
+            zero,
+            zero_group,
+            dp_group,
+            tp_group,
+            sequence_parallel,
+            cp: 1,
+            cp_group: one,
+            ep: 1,
+            ep_group: one,
+            expert_dp_group: dp_group,
+            expert_zero_group: zero_group,
+        }
+    }
+}
+
+/// What context parallelism exchanges in a layer: the attention's K and V, and the attention
+/// compute a ring transfer overlaps with.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AttentionFacts {
+    /// K and V bytes per sample as the layer produces them (before grouped-query attention's
+    /// repetition to every head), graph dtype.
+    pub kv_bytes: f64,
+    /// Forward FLOPs per sample of the score and value products (and the fused kernel's).
+    pub flops: f64,
+}
+
+/// Per microbatch and rank, what the context and expert axes add to a layer, seconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AxisTimes {
+    /// K/V ring transfers, forward and backward (whether hidden or not).
+    pub kv_transfer_s: f64,
+    /// The forward's transfers attention compute does not hide.
+    pub kv_exposed_fwd_s: f64,
+    /// The backward's.
+    pub kv_exposed_bwd_s: f64,
+    /// Dispatch and combine all-to-alls of the forward.
+    pub all_to_all_fwd_s: f64,
+    /// Those of the backward.
+    pub all_to_all_bwd_s: f64,
+    /// The busiest expert rank's extra forward compute (twice that backward).
+    pub imbalance_fwd_s: f64,
+}
+
+/// A layer's mixture of experts, for expert parallelism.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ExpertFacts {
+    /// Experts E (0: the layer has no mixture of experts).
+    pub experts: usize,
+    /// Expert parameter elements (every expert's `gate_up` and `down`).
+    pub params: f64,
+    /// Bytes per sample of the routed tokens' hidden vectors (tokens · k · H), graph dtype:
+    /// what one all-to-all moves.
+    pub routed_bytes: f64,
+    /// The experts' figures per sample (their compute, for the imbalance).
+    pub figures: NodeFigures,
+}
+
+/// Reads the attention and expert facts of every layer.
+fn axis_facts(lg: &LayeredGraph) -> (Vec<AttentionFacts>, Vec<ExpertFacts>) {
+    let g = &lg.graph;
+    // Bytes per sample of a value: its producer's output bytes, shared among its outputs.
+    let bytes_of = |v: ValueId| -> f64 {
+        match g.value(v).producer.and_then(|id| g.try_node(id).map(|p| (id, p))) {
+            Some((id, p)) => lg.node_figures(id).output_bytes / p.outputs.len().max(1) as f64,
+            None => 0.0,
+        }
+    };
+    // The smallest form of an operand along its chain of views (K before grouped-query
+    // attention repeats it).
+    let smallest = |v: ValueId| -> f64 {
+        let (mut v, mut best) = (v, bytes_of(v));
+        for _ in 0..8 {
+            let Some(p) = g.value(v).producer.and_then(|p| g.try_node(p)) else { break };
+            if !p.op.kind().is_some_and(|k| matches!(k, OpKind::Reshape | OpKind::Transpose | OpKind::Expand | OpKind::Unsqueeze | OpKind::Squeeze | OpKind::Identity)) {
+                break;
+            }
+            let Some(src) = p.inputs.first().copied().flatten() else { break };
+            let b = bytes_of(src);
+            if b > 0.0 {
+                best = best.min(b);
+            }
+            v = src;
+        }
+        best
+    };
+    let is_activation = |v: Option<ValueId>| v.is_some_and(|v| g.value(v).kind != ValueKind::Initializer && g.value(v).producer.is_some());
+    let mut att = Vec::with_capacity(lg.layers.len());
+    let mut exp = Vec::with_capacity(lg.layers.len());
+    for l in &lg.layers {
+        let (mut a, mut e) = (AttentionFacts::default(), ExpertFacts::default());
+        for &id in &l.nodes {
+            let Some(n) = g.try_node(id) else { continue };
+            let fig = lg.node_figures(id);
+            match n.op.kind() {
+                Some(OpKind::ScaledDotProductAttention) => {
+                    for i in [1, 2] {
+                        if let Some(v) = n.inputs.get(i).copied().flatten() {
+                            a.kv_bytes += smallest(v);
+                        }
+                    }
+                    a.flops += fig.flops;
+                }
+                // Q·Kᵀ and P·V of an unfused attention: matmuls of two activations touching scores.
+                Some(OpKind::MatMul) if fig.score_bytes > 0.0 && is_activation(n.inputs.first().copied().flatten()) && is_activation(n.inputs.get(1).copied().flatten()) => {
+                    if let Some(v) = n.inputs.get(1).copied().flatten() {
+                        a.kv_bytes += smallest(v);
+                    }
+                    a.flops += fig.flops;
+                }
+                Some(OpKind::MixtureOfExperts) => {
+                    let k = n.inputs.get(1).copied().flatten().and_then(|w| g.value(w).ty.as_ref()).and_then(|t| t.shape.as_ref()).and_then(|s| s.0.get(1).and_then(|d| d.known())).unwrap_or(1).max(1) as f64;
+                    let x = n.inputs.first().copied().flatten().map_or(0.0, bytes_of);
+                    e = ExpertFacts { experts: n.attrs.int("experts", 0).max(0) as usize, params: fig.param_elems as f64, routed_bytes: x * k, figures: fig };
+                }
+                _ => {}
+            }
+        }
+        att.push(a);
+        exp.push(e);
+    }
+    (att, exp)
+}
+
+/// A layer configuration as a cache key (the layer's representative first; `usize::MAX` for
+/// the whole model).
+type LayerKey = (usize, usize, usize, u8, [GroupSpan; 7], bool, usize, usize);
+
+fn layer_key(rep: usize, cfg: &LayerConfig) -> LayerKey {
+    let groups = [cfg.zero_group, cfg.dp_group, cfg.tp_group, cfg.cp_group, cfg.ep_group, cfg.expert_dp_group, cfg.expert_zero_group];
+    (rep, cfg.tp, cfg.microbatch, cfg.zero, groups, cfg.sequence_parallel, cfg.cp, cfg.ep)
 }
 
 /// Figures of a model on a cluster, with a cache of layer points.
@@ -143,7 +297,13 @@ pub struct CostContext<'a> {
     pub megatron_only: bool,
     /// Intra-layer ILPs solved (one per distinct layer, t, microbatch and tensor group).
     pub intra_solves: usize,
-    cache: HashMap<(usize, usize, usize, u8, GroupSpan, GroupSpan, GroupSpan, bool), PipelineLayer>,
+    /// Per layer: what context parallelism exchanges.
+    pub attention: Vec<AttentionFacts>,
+    /// Per layer: its mixture of experts, if any.
+    pub experts: Vec<ExpertFacts>,
+    /// The busiest expert rank's routed tokens over the mean under expert parallelism.
+    pub expert_imbalance: f64,
+    cache: HashMap<LayerKey, PipelineLayer>,
     facts: Option<strategy::GraphFacts>,
     splits: HashMap<usize, strategy::SplitGraph>,
     /// The tensor-split engines without and with sequence parallelism (`None` inside when
@@ -157,7 +317,7 @@ pub struct CostContext<'a> {
     /// Weights more than one layer reads (another layer's `shared_params`).
     tied: std::collections::HashSet<ValueId>,
     details: HashMap<(usize, usize, usize, GroupSpan, bool), Vec<StrategyDetail>>,
-    model_cache: HashMap<(usize, usize, u8, GroupSpan, GroupSpan, GroupSpan, bool), Vec<PipelineLayer>>,
+    model_cache: HashMap<LayerKey, std::rc::Rc<Vec<PipelineLayer>>>,
     sig_index: Vec<usize>,
 }
 
@@ -202,8 +362,12 @@ impl<'a> CostContext<'a> {
             .enumerate()
             .map(|(i, l)| *sigs.entry(l.signature.as_str()).or_insert(i))
             .collect();
+        let (attention, experts) = axis_facts(lg);
         CostContext {
             lg,
+            attention,
+            experts,
+            expert_imbalance: super::options::DEFAULT_EXPERT_IMBALANCE,
             spec,
             comm: CommModel::new(spec),
             dtype,
@@ -225,22 +389,29 @@ impl<'a> CostContext<'a> {
         }
     }
 
-    /// Every layer's points under `cfg` (cached per configuration).
-    pub fn layers(&mut self, cfg: &LayerConfig) -> Vec<PipelineLayer> {
-        let key = (cfg.tp, cfg.microbatch, cfg.zero, cfg.zero_group, cfg.dp_group, cfg.tp_group, cfg.sequence_parallel);
+    /// Every layer's points under `cfg` (cached per configuration, shared by the candidates
+    /// that differ only in microbatch count, schedule or placement of equal groups).
+    pub fn layers(&mut self, cfg: &LayerConfig) -> std::rc::Rc<Vec<PipelineLayer>> {
+        let key = layer_key(usize::MAX, cfg);
         if let Some(v) = self.model_cache.get(&key) {
             return v.clone();
         }
-        let v: Vec<PipelineLayer> = (0..self.lg.layers.len()).map(|l| self.layer(l, cfg)).collect();
+        let v = std::rc::Rc::new((0..self.lg.layers.len()).map(|l| self.layer(l, cfg)).collect::<Vec<PipelineLayer>>());
         self.model_cache.insert(key, v.clone());
         v
+    }
+
+    /// Whether the model has a mixture of experts (and how many experts its layers hold in
+    /// common: expert parallelism must divide each).
+    pub fn expert_counts(&self) -> Vec<usize> {
+        self.experts.iter().filter(|e| e.experts > 0).map(|e| e.experts).collect()
     }
 
     /// The layer's Pareto points (one tensor assignment here) under `cfg`; identical layers
     /// (same signature) share one computation.
     pub fn layer(&mut self, layer: usize, cfg: &LayerConfig) -> PipelineLayer {
         let rep = self.sig_index[layer];
-        let key = (rep, cfg.tp, cfg.microbatch, cfg.zero, cfg.zero_group, cfg.dp_group, cfg.tp_group, cfg.sequence_parallel);
+        let key = layer_key(rep, cfg);
         let mut l = match self.cache.get(&key) {
             Some(l) => l.clone(),
             None => {
@@ -484,58 +655,135 @@ impl<'a> CostContext<'a> {
         let lay = &self.lg.layers[layer];
         let b = cfg.microbatch as f64;
         let points = details.iter().enumerate().map(|(i, d)| self.point(layer, d, i, cfg)).collect();
-        PipelineLayer { points, output_bytes: lay.output_bytes * b * self.bytes_scale, tied: Vec::new() }
+        PipelineLayer { points, output_bytes: lay.output_bytes * b * self.bytes_scale / cfg.cp.max(1) as f64, tied: Vec::new() }
     }
 
     fn point(&self, layer: usize, d: &StrategyDetail, choice: usize, cfg: &LayerConfig) -> ParetoPoint {
         let params = d.param_elems;
-        let trained = params * self.shapes[layer].trained_fraction();
-        let state = model_state(params, trained, cfg.zero, cfg.zero_group.size, self.precision);
-        let weight_bytes = params * self.precision.weight as f64;
-        let grad_bytes = trained * self.precision.grad as f64;
+        let fraction = self.shapes[layer].trained_fraction();
+        // Expert weights split over the expert group (its own ZeRO and gradient groups).
+        let ex = self.experts[layer];
+        let expert_held = if cfg.ep > 1 && ex.experts > 0 { (ex.params / cfg.tp.max(1) as f64).min(params) } else { 0.0 };
+        let dense = params - expert_held;
+        let experts = expert_held / cfg.ep.max(1) as f64;
         let (mut fwd_extra, mut bwd_extra) = (0.0, 0.0);
-        let sync = match cfg.zero {
-            0 => self.comm.all_reduce(grad_bytes, &cfg.dp_group),
-            1 | 2 => {
-                self.comm.reduce_scatter(grad_bytes, &cfg.zero_group)
-                    + self.comm.all_gather(weight_bytes, &cfg.zero_group)
-                    + self.outer_reduce(grad_bytes, cfg)
+        let mut state = 0.0;
+        let mut sync = 0.0;
+        for (held, zero_group, dp_group) in [(dense, cfg.zero_group, cfg.dp_group), (experts, cfg.expert_zero_group, cfg.expert_dp_group)] {
+            if held <= 0.0 && experts > 0.0 {
+                continue;
             }
-            _ => {
-                // ZeRO-3 gathers the weights before every forward and backward.
-                let gather = self.comm.all_gather(weight_bytes, &cfg.zero_group);
-                fwd_extra += gather;
-                bwd_extra += gather;
-                self.comm.reduce_scatter(grad_bytes, &cfg.zero_group) + self.outer_reduce(grad_bytes, cfg)
+            let trained = held * fraction;
+            state += model_state(held, trained, cfg.zero, zero_group.size, self.precision).total();
+            let weight_bytes = held * self.precision.weight as f64;
+            let grad_bytes = trained * self.precision.grad as f64;
+            let outer = |grad: f64| self.outer_reduce(grad, &zero_group, &dp_group);
+            sync += match cfg.zero {
+                0 => self.comm.all_reduce(grad_bytes, &dp_group),
+                1 | 2 => self.comm.reduce_scatter(grad_bytes, &zero_group) + self.comm.all_gather(weight_bytes, &zero_group) + outer(grad_bytes),
+                _ => {
+                    // ZeRO-3 gathers the weights before every forward and backward.
+                    let gather = self.comm.all_gather(weight_bytes, &zero_group);
+                    fwd_extra += gather;
+                    bwd_extra += gather;
+                    self.comm.reduce_scatter(grad_bytes, &zero_group) + outer(grad_bytes)
+                }
+            };
+            if experts <= 0.0 {
+                break;
             }
-        };
+        }
+        let c = cfg.cp.max(1) as f64;
+        // Every per-token cost runs on the rank's 1/c of the sequence (causal load balancing
+        // gives each rank a front and a back chunk, so attention's work divides by c too).
+        let (mut fwd, mut bwd) = (d.fwd_s / c, d.bwd_s / c);
+        if cfg.cp > 1 {
+            // A matmul of f/c FLOPs takes (f/c + f½)/rate on the roofline's efficiency curve,
+            // not (f + f½)/(c·rate): each of the layer's GEMMs (its weight matmuls, attention's
+            // two products) pays the half-efficiency size again on its smaller chunk.
+            let gemms = self.shapes[layer].weight_matmuls as f64 + if self.attention[layer].kv_bytes > 0.0 { 2.0 } else { 0.0 };
+            let eff = &self.spec.efficiency;
+            let per_gemm = eff.half_flops.max(0.0) * (1.0 - 1.0 / c) / (self.spec.peak_flops(self.dtype) * eff.peak.max(1e-9));
+            fwd += gemms * per_gemm;
+            bwd += 2.0 * gemms * per_gemm;
+        }
+        let ax = self.axis_times(layer, cfg);
+        fwd += ax.kv_exposed_fwd_s + ax.all_to_all_fwd_s + ax.imbalance_fwd_s;
+        bwd += ax.kv_exposed_bwd_s + ax.all_to_all_bwd_s + 2.0 * ax.imbalance_fwd_s;
         ParetoPoint {
-            fwd_s: d.fwd_s + fwd_extra,
-            bwd_s: d.bwd_s + bwd_extra,
-            state_bytes: state.total(),
-            act_bytes: d.act_bytes,
-            input_bytes: d.input_bytes,
-            offload_bytes: d.offload_bytes,
+            fwd_s: fwd + fwd_extra,
+            bwd_s: bwd + bwd_extra,
+            state_bytes: state,
+            act_bytes: d.act_bytes / c,
+            input_bytes: d.input_bytes / c,
+            offload_bytes: d.offload_bytes / c,
             sync_s: sync,
             choice,
-            host_s: self.spec.host_bandwidth.map_or(0.0, |bw| d.offload_bytes / bw),
+            host_s: self.spec.host_bandwidth.map_or(0.0, |bw| d.offload_bytes / c / bw),
         }
     }
 
+    /// What context and expert parallelism add to one microbatch of `layer` on a rank under
+    /// `cfg` (zero at c = e = 1).
+    pub fn axis_times(&self, layer: usize, cfg: &LayerConfig) -> AxisTimes {
+        let mut out = AxisTimes::default();
+        let c = cfg.cp.max(1) as f64;
+        let b = cfg.microbatch as f64;
+        let t = cfg.tp.max(1) as f64;
+        let att = self.attention[layer];
+        if cfg.cp > 1 && att.kv_bytes > 0.0 {
+            // All-gather of K and V over the context group before attention (Llama 3's
+            // scheme: with grouped-query attention K/V are a small fraction of the tokens'
+            // activations, and every rank then attends its front and back chunks to the whole
+            // sequence); the backward gathers them again and reduce-scatters their gradients.
+            // Attention needs the gathered K/V before it starts, so nothing hides the transfers.
+            let kv = att.kv_bytes * b * self.bytes_scale / t;
+            let gather = self.comm.all_gather(kv, &cfg.cp_group);
+            let scatter = self.comm.reduce_scatter(kv, &cfg.cp_group);
+            out.kv_transfer_s = 2.0 * gather + scatter;
+            out.kv_exposed_fwd_s = gather;
+            out.kv_exposed_bwd_s = gather + scatter;
+        }
+        let ex = self.experts[layer];
+        if cfg.ep > 1 && ex.experts > 0 {
+            // Dispatch and combine: two all-to-alls forward, two backward, of the routed
+            // tokens' hidden vectors ((e − 1)/e of them leave the rank); the busiest rank of
+            // the group runs `expert_imbalance` times the mean routed tokens.
+            let tokens_split = if cfg.sequence_parallel { t } else { 1.0 };
+            let routed = ex.routed_bytes * b * self.bytes_scale / c / tokens_split;
+            let a2a = self.comm.all_to_all(routed, &cfg.ep_group);
+            let mut f = crate::cost::compute::scaled(&ex.figures, b / t / c);
+            f.memory_bytes *= self.bytes_scale;
+            let run = crate::cost::compute::node_time(&f, self.dtype, self.spec);
+            out.all_to_all_fwd_s = 2.0 * a2a;
+            out.all_to_all_bwd_s = 2.0 * a2a;
+            out.imbalance_fwd_s = (self.expert_imbalance - 1.0).max(0.0) * run;
+        }
+        out
+    }
+
     /// Gradient all-reduce across sharded groups when ZeRO covers only part of the replicas.
-    fn outer_reduce(&self, grad_bytes: f64, cfg: &LayerConfig) -> f64 {
-        let outer = cfg.dp_group.size / cfg.zero_group.size.max(1);
+    fn outer_reduce(&self, grad_bytes: f64, zero_group: &GroupSpan, dp_group: &GroupSpan) -> f64 {
+        let outer = dp_group.size / zero_group.size.max(1);
         if outer <= 1 {
             return 0.0;
         }
         let span = GroupSpan { size: outer, per_node: 1 };
-        self.comm.all_reduce(grad_bytes / cfg.zero_group.size.max(1) as f64, &span)
+        self.comm.all_reduce(grad_bytes / zero_group.size.max(1) as f64, &span)
     }
 
     /// Model-state split of `params` parameters, `trained` of them trained (per device, after
     /// t and ZeRO).
-    pub fn state_split(&self, params: f64, trained: f64, cfg: &LayerConfig) -> crate::cost::ModelState {
+    /// `expert_params` of them (and `expert_trained`) are expert weights, divided over the
+    /// expert group and ZeRO-sharded over theirs.
+    pub fn state_split(&self, params: f64, trained: f64, expert_params: f64, expert_trained: f64, cfg: &LayerConfig) -> crate::cost::ModelState {
         let t = cfg.tp.max(1) as f64;
-        model_state(params / t, trained / t, cfg.zero, cfg.zero_group.size, self.precision)
+        let e = cfg.ep.max(1) as f64;
+        let dense = model_state((params - expert_params) / t, (trained - expert_trained) / t, cfg.zero, cfg.zero_group.size, self.precision);
+        if expert_params <= 0.0 {
+            return dense;
+        }
+        let ex = model_state(expert_params / t / e, expert_trained / t / e, cfg.zero, cfg.expert_zero_group.size, self.precision);
+        crate::cost::ModelState { params: dense.params + ex.params, grads: dense.grads + ex.grads, optimizer: dense.optimizer + ex.optimizer }
     }
 }

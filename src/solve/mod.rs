@@ -29,7 +29,7 @@ pub use options::{ConfigError, Layout, PlanOptions, Setting, Source, Sourced};
 pub use problem::CheckpointRule;
 pub use smp_config::SmpConfig;
 pub use crate::ir::{MeshAxis, Placement};
-pub use decision::{LayerDecision, PlanDecision, Predicted, Progress, StageDecision, StageMemory};
+pub use decision::{AxisReport, LayerDecision, PlanDecision, Predicted, Progress, StageDecision, StageMemory};
 pub use error::SolveError;
 pub use objective::{Baseline, Optimize};
 

@@ -30,6 +30,16 @@ pub struct PlanOptions {
     pub tp: Option<usize>,
     /// Data-parallel degree.
     pub dp: Option<usize>,
+    /// Context-parallel degree (`--cp`, SMP's `context_parallel_degree`): ranks each
+    /// microbatch's sequence is split over.
+    pub cp: Option<usize>,
+    /// Expert-parallel degree (`--ep`, SMP's `expert_parallel_degree`): ranks a mixture of
+    /// experts' experts are split over, carved from the data-parallel ranks.
+    pub ep: Option<usize>,
+    /// Load imbalance of expert parallelism (`--expert-imbalance`): the busiest rank of an
+    /// expert group runs this many times the mean routed tokens (default
+    /// [`DEFAULT_EXPERT_IMBALANCE`]).
+    pub expert_imbalance: Option<f64>,
     /// ZeRO stage 0..=3.
     pub zero: Option<u8>,
     /// Sharded data parallel: ZeRO-3 over groups of this many replicas.
@@ -81,6 +91,11 @@ pub struct PlanOptions {
     pub ignored_config_keys: Vec<String>,
 }
 
+/// Default of `--expert-imbalance`: with the router's auxiliary load-balancing loss, the
+/// busiest rank of an expert group takes about 10 % more routed tokens than the mean
+/// (dropless MoE training as Megatron-Core and DeepSpeed-MoE report it).
+pub const DEFAULT_EXPERT_IMBALANCE: f64 = 1.1;
+
 /// A setting of [`PlanOptions`] that can conflict with another, for provenance.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Setting {
@@ -94,6 +109,10 @@ pub enum Setting {
     Tp,
     /// `--dp`.
     Dp,
+    /// `--cp`.
+    Cp,
+    /// `--ep`.
+    Ep,
     /// `--zero`.
     Zero,
     /// `--sharded-dp`.
@@ -129,6 +148,8 @@ impl Setting {
             Setting::Pp => "pp",
             Setting::Tp => "tp",
             Setting::Dp => "dp",
+            Setting::Cp => "cp",
+            Setting::Ep => "ep",
             Setting::Zero => "zero",
             Setting::ShardedDp => "sharded-dp",
             Setting::Microbatches => "microbatches",
@@ -251,6 +272,8 @@ impl PlanOptions {
             Setting::Pp => self.pp.map(|v| v.to_string()),
             Setting::Tp => self.tp.map(|v| v.to_string()),
             Setting::Dp => self.dp.map(|v| v.to_string()),
+            Setting::Cp => self.cp.map(|v| v.to_string()),
+            Setting::Ep => self.ep.map(|v| v.to_string()),
             Setting::Zero => self.zero.map(|v| v.to_string()),
             Setting::ShardedDp => self.sharded_dp.map(|v| v.to_string()),
             Setting::Microbatches => self.microbatches.map(|v| v.to_string()),
@@ -337,6 +360,8 @@ impl PlanOptions {
         let cfg = config.unwrap_or_default();
         self.merge(Setting::Pp, |o| &mut o.pp, cfg.pp, "the pipeline-parallel degree")?;
         self.merge(Setting::Tp, |o| &mut o.tp, cfg.tp, "the tensor-parallel degree")?;
+        self.merge(Setting::Cp, |o| &mut o.cp, cfg.cp, "the context-parallel degree")?;
+        self.merge(Setting::Ep, |o| &mut o.ep, cfg.ep, "the expert-parallel degree")?;
         self.merge(Setting::ShardedDp, |o| &mut o.sharded_dp, cfg.sharded_dp, "the sharded-data-parallel degree")?;
         self.merge(Setting::Microbatches, |o| &mut o.microbatches, cfg.microbatches, "the microbatch count")?;
         self.merge(Setting::ActiveMicrobatches, |o| &mut o.active_microbatches, cfg.active_microbatches, "the in-flight cap")?;
@@ -382,6 +407,8 @@ impl PlanOptions {
             (Setting::Pp, self.pp.map(|v| v as u64)),
             (Setting::Tp, self.tp.map(|v| v as u64)),
             (Setting::Dp, self.dp.map(|v| v as u64)),
+            (Setting::Cp, self.cp.map(|v| v as u64)),
+            (Setting::Ep, self.ep.map(|v| v as u64)),
             (Setting::ShardedDp, self.sharded_dp.map(|v| v as u64)),
             (Setting::Microbatches, self.microbatches.map(|v| v as u64)),
             (Setting::ActiveMicrobatches, self.active_microbatches.map(|v| v as u64)),
@@ -402,6 +429,23 @@ impl PlanOptions {
                 setting: Source::Flag(format!("--memory-limit {g}")),
                 why: "must be a positive number of GiB".into(),
             });
+        }
+        if let Some(f) = self.expert_imbalance
+            && !(f.is_finite() && f >= 1.0)
+        {
+            return Err(ConfigError::Invalid {
+                setting: Source::Flag(format!("--expert-imbalance {f}")),
+                why: "must be a number ≥ 1 (the busiest expert rank's routed tokens over the mean)".into(),
+            });
+        }
+        if let (Some(ep), Some(dp)) = (self.ep, self.dp)
+            && dp % ep != 0
+        {
+            return Err(conflict(
+                self.source(Setting::Ep),
+                self.source(Setting::Dp),
+                format!("expert groups are carved from the data-parallel ranks: the expert-parallel degree {ep} must divide the data-parallel degree {dp}"),
+            ));
         }
         if let Some(t) = self.time_limit_s
             && !(t.is_finite() && t > 0.0)
@@ -550,7 +594,7 @@ impl PlanOptions {
         let cluster_src = || Source::Flag(format!("--cluster {cluster} ({devices} devices)"));
         let mut product = 1usize;
         let mut given: Vec<Source> = Vec::new();
-        for (s, v) in [(Setting::Pp, self.pp), (Setting::Tp, self.tp), (Setting::Dp, self.dp)] {
+        for (s, v) in [(Setting::Pp, self.pp), (Setting::Tp, self.tp), (Setting::Cp, self.cp), (Setting::Dp, self.dp)] {
             if let Some(v) = v {
                 product = product.saturating_mul(v);
                 given.push(self.source(s));
@@ -569,15 +613,18 @@ impl PlanOptions {
             };
             return Err(conflict(first, cluster_src(), why));
         }
-        if given.len() == 3 && product != devices {
+        // pp, tp and dp given leave no room for a searched context degree: it counts 1.
+        let complete = given.len() == 4 || (self.cp.is_none() && self.pp.is_some() && self.tp.is_some() && self.dp.is_some());
+        if complete && product != devices {
+            let what = if self.cp.is_some() { "pp·tp·cp·dp" } else { "pp·tp·dp" };
             return Err(conflict(
                 Source::Implied(names()),
                 cluster_src(),
-                format!("pp·tp·dp = {product} must equal the device count; omit one to have it derived"),
+                format!("{what} = {product} must equal the device count; omit one to have it derived"),
             ));
         }
         if let Some(sdp) = self.sharded_dp {
-            let dp_max = devices / self.pp.unwrap_or(1) / self.tp.unwrap_or(1);
+            let dp_max = devices / self.pp.unwrap_or(1) / self.tp.unwrap_or(1) / self.cp.unwrap_or(1);
             if sdp > dp_max {
                 return Err(conflict(
                     self.source(Setting::ShardedDp),

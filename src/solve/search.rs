@@ -13,9 +13,9 @@ use super::layer_cost::{CostContext, LayerConfig, tensor_split_divisor};
 use super::heuristic::incumbent;
 use super::oracle::min_max_lower_bound;
 use super::pipeline::PipelineSolution;
-use super::problem::{CheckpointRule, PipelineObjective, PipelineProblem};
+use super::problem::{CheckpointRule, PipelineLayer, PipelineObjective, PipelineProblem};
 use super::{
-    LayerDecision, MeshAxis, Optimize, PlanDecision, PlanOptions, Placement, Predicted, Progress, SolveError, StageDecision,
+    AxisReport, LayerDecision, MeshAxis, Optimize, PlanDecision, PlanOptions, Placement, Predicted, Progress, SolveError, StageDecision,
     StageMemory,
 };
 
@@ -37,12 +37,25 @@ pub struct Candidate {
 pub struct Prepared {
     /// The configuration.
     pub cand: Candidate,
-    /// Its pipeline problem.
+    /// Its pipeline problem; its `layers` are filled from `table` only when the search
+    /// looks at the candidate beyond its bounds ([`Prepared::materialize`]).
     pub problem: PipelineProblem,
+    /// The layer table, shared with every candidate of the same layer configuration.
+    pub table: std::rc::Rc<Vec<PipelineLayer>>,
     /// Lower bound on its step time.
     pub lb: f64,
     /// Lower bound on its peak memory per device.
     pub mem_lb: f64,
+}
+
+impl Prepared {
+    /// Fills the problem's layers from the shared table (once).
+    pub fn materialize(&mut self) -> &PipelineProblem {
+        if self.problem.layers.len() != self.table.len() {
+            self.problem.layers = (*self.table).clone();
+        }
+        &self.problem
+    }
 }
 
 fn divisors(n: usize) -> Vec<usize> {
@@ -95,6 +108,7 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
     }
     let pp_fixed = c.pp.or(layout_pp);
     let split_divisor = tensor_split_divisor(lg);
+    let axes = AxisLimits::of(lg, spec, cfg)?;
     let mut out = Vec::new();
     for pp in divisors(devices) {
         if pp_fixed.is_some_and(|f| f != pp) || pp > layers {
@@ -107,15 +121,20 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
             if c.tp.is_none() && (tp > spec.devices_per_node.max(1) || (split_divisor > 0 && split_divisor % tp as u64 != 0)) {
                 continue;
             }
-            let dp = devices / pp / tp;
+          for cp in divisors(devices / pp / tp) {
+            if !axes.context_allowed(cp, tp) {
+                continue;
+            }
+            let dp = devices / pp / tp / cp;
             if c.dp.is_some_and(|f| f != dp) || batch % dp != 0 {
                 continue;
             }
+          for ep in axes.expert_degrees(dp) {
             let per_replica = batch / dp;
             let zeros: Vec<u8> = match (c.zero, c.sharded_dp) {
                 (_, Some(_)) => vec![3],
                 (Some(z), None) => vec![z.min(3)],
-                (None, None) if dp == 1 => vec![0],
+                (None, None) if dp * cp == 1 => vec![0],
                 (None, None) => vec![0, 1, 2, 3],
             };
             if let Some(s) = c.sharded_dp
@@ -136,6 +155,11 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
                 if lg.dims.fixed_batch && !lg.dims.batch_rebinds && b as i64 != lg.dims.graph_batch {
                     continue;
                 }
+                // Dominated: c·d replicas of b/c samples each run the same tokens per rank,
+                // microbatches, groups and state without the K/V exchange.
+                if cp > 1 && c.cp.is_none() && c.dp.is_none() && b.is_multiple_of(cp) && !lg.dims.fixed_batch {
+                    continue;
+                }
                 let schedules: Vec<ScheduleKind> = match c.schedule {
                     Some(s) => vec![s],
                     None if pp == 1 => vec![ScheduleKind::OneFOneB],
@@ -147,7 +171,7 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
                         v
                     }
                 };
-                let multi = [dp, pp, tp].iter().filter(|&&x| x > 1).count() >= 2;
+                let multi = [dp * cp, pp, tp].iter().filter(|&&x| x > 1).count() >= 2;
                 let placements: Vec<Placement> = match c.placement {
                     Some(p) => vec![p],
                     None if multi => vec![Placement::CLUSTER, Placement::SPREAD],
@@ -171,8 +195,8 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
                                     pp,
                                     tp,
                                     dp,
-                                    cp: 1,
-                                    ep: 1,
+                                    cp,
+                                    ep,
                                     zero,
                                     sharded_dp: c.sharded_dp,
                                     microbatches: m,
@@ -191,13 +215,16 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
                     }
                 }
             }
+          }
+          }
         }
     }
     if out.is_empty() {
         return Err(SolveError::Setting(format!(
             "no parallel configuration satisfies the fixed settings on {devices} devices with global batch {batch} \
-             (pp·tp·dp must equal the device count, dp must divide the batch; unless fixed, tp ≤ {} and divides \
-             the blocks' weight dimensions){}",
+             (pp·tp·cp·dp must equal the device count, dp must divide the batch, ep must divide dp and the experts, \
+             2·cp must divide the sequence{}; unless fixed, tp ≤ {} and divides the blocks' weight dimensions){}",
+            axes.seq.map_or(String::new(), |s| format!(" of {s}")),
             spec.devices_per_node,
             if lg.dims.fixed_batch && !lg.dims.batch_rebinds {
                 format!(
@@ -211,6 +238,96 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
         )));
     }
     Ok(out)
+}
+
+/// What bounds the context and expert degrees of a model on a cluster.
+#[derive(Clone, Debug)]
+pub struct AxisLimits {
+    /// The sequence length, where known.
+    pub seq: Option<u64>,
+    /// Bytes of one sample's layer inputs over the whole model, training dtype: what full
+    /// recomputation keeps of it (the first rank of a 1F1B pipeline holds p microbatches of
+    /// 1/p of the layers, one sample's worth, at t = 1).
+    pub sample_bytes: f64,
+    /// Usable device memory, bytes.
+    pub cap: f64,
+    /// Expert counts of the mixture-of-experts layers (empty for a dense model).
+    pub experts: Vec<usize>,
+    /// The forced degrees.
+    pub cp: Option<usize>,
+    /// The forced expert degree.
+    pub ep: Option<usize>,
+}
+
+impl AxisLimits {
+    /// Reads the model's sequence, activations and experts; errors on a forced degree the
+    /// model cannot take.
+    pub fn of(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Result<AxisLimits, SolveError> {
+        let seq = cfg.seq_len.or_else(|| {
+            let g = &lg.graph;
+            g.inputs.iter().find_map(|&v| {
+                let shape = g.value(v).ty.as_ref()?.shape.as_ref()?;
+                (shape.rank() == 2).then(|| shape.0[1].known()).flatten().map(|s| s as u64)
+            })
+        });
+        let dtype = cfg.precision_for(spec).compute_dtype();
+        let scale = crate::cost::compute::bytes_scale(crate::cost::compute::graph_float_dtype(&lg.graph), dtype);
+        let sample_bytes = lg.layers.iter().map(|l| l.input_bytes).sum::<f64>() * scale;
+        let experts: Vec<usize> = lg
+            .layers
+            .iter()
+            .flat_map(|l| l.nodes.iter())
+            .filter_map(|&id| lg.graph.try_node(id))
+            .filter(|n| n.op.is(crate::ir::OpKind::MixtureOfExperts))
+            .map(|n| n.attrs.int("experts", 0).max(1) as usize)
+            .collect();
+        if let Some(e) = cfg.ep.filter(|&e| e > 1) {
+            if experts.is_empty() {
+                return Err(SolveError::Setting(format!("--ep {e}: the model has no mixture-of-experts layer to split over an expert group; drop --ep")));
+            }
+            if let Some(n) = experts.iter().find(|&&n| n % e != 0) {
+                return Err(SolveError::Setting(format!("--ep {e} does not divide the {n} experts of a mixture-of-experts layer")));
+            }
+        }
+        if let Some(c) = cfg.cp.filter(|&c| c > 1)
+            && let Some(s) = seq
+            && s % (2 * c as u64) != 0
+        {
+            return Err(SolveError::Setting(format!(
+                "--cp {c}: the sequence of {s} tokens does not split into 2·{c} equal chunks (a front and a back chunk per context rank); choose a degree whose double divides it"
+            )));
+        }
+        let cap = cfg.memory_limit_bytes().unwrap_or(spec.memory_bytes) as f64;
+        Ok(AxisLimits { seq, sample_bytes, cap, experts, cp: cfg.cp, ep: cfg.ep })
+    }
+
+    /// Whether the search tries context degree `c`: forced, or 1, or a sequence that splits
+    /// into 2c chunks where memory needs it — c only up to what memory needs: one sample's
+    /// checkpointed activations (its layers' inputs, what full recomputation keeps) split over
+    /// c/2 context ranks would still take more than half a device. Below that the sequence is
+    /// short enough that tensor, pipeline and data parallelism hold its tokens without an
+    /// exchange of K/V in every layer. (The rule reads the sequence alone, not the tensor
+    /// degree, so every t meets the same context degrees.)
+    pub fn context_allowed(&self, c: usize, _tp: usize) -> bool {
+        match self.cp {
+            Some(f) => f == c,
+            None if c == 1 => true,
+            None => self.seq.is_some_and(|s| s % (2 * c as u64) == 0) && self.sample_bytes / (c as f64 / 2.0) > self.cap / 2.0,
+        }
+    }
+
+    /// The expert degrees tried with `dp` data-parallel ranks: those dividing dp and every
+    /// layer's expert count (only 1 for a dense model).
+    pub fn expert_degrees(&self, dp: usize) -> Vec<usize> {
+        if self.experts.is_empty() {
+            return if self.ep.is_none_or(|e| e == 1) { vec![1] } else { Vec::new() };
+        }
+        divisors(dp)
+            .into_iter()
+            .filter(|&e| self.experts.iter().all(|&n| n % e == 0))
+            .filter(|&e| self.ep.is_none_or(|f| f == e))
+            .collect()
+    }
 }
 
 /// Turns a manual layout (`[first, last]` per chunk) into the chunk of every layer.
@@ -237,17 +354,30 @@ pub fn layout_chunks(layout: &[[usize; 2]], layers: usize) -> Result<Vec<usize>,
 /// The layer-cost configuration of a candidate (groups laid out by its placement).
 pub fn layer_config(spec: &ClusterSpec, cand: &Candidate) -> LayerConfig {
     let dpn = spec.devices_per_node.max(1);
-    let deg = [cand.parallel.dp, cand.parallel.pp, cand.parallel.tp];
-    let d_stride = cand.parallel.placement.stride(MeshAxis::D, deg);
-    let t_stride = cand.parallel.placement.stride(MeshAxis::T, deg);
+    let par = &cand.parallel;
+    let deg = par.placed_degrees();
+    let d_stride = par.placement.stride(MeshAxis::D, deg);
+    let t_stride = par.placement.stride(MeshAxis::T, deg);
+    let (dp, cp, ep) = (par.dp.max(1), par.cp.max(1), par.ep.max(1));
+    let zg = par.zero_group().min(dp).max(1);
+    // D positions d·c + k lie d_stride ranks apart; expert groups are runs of e data-parallel
+    // indices at one context rank, and the ranks holding the same experts the rest of D.
+    let at = |d: usize, k: usize| (d * cp + k) * d_stride;
+    let same_experts = |replicas: usize| -> Vec<usize> { (0..(replicas / ep).max(1)).flat_map(|j| (0..cp).map(move |k| at(j * ep, k))).collect() };
     LayerConfig {
-        tp: cand.parallel.tp,
+        tp: par.tp,
         microbatch: cand.microbatch_size,
-        zero: cand.parallel.zero,
-        zero_group: GroupSpan::strided(0, cand.parallel.zero_group().min(cand.parallel.dp).max(1), d_stride, dpn),
-        dp_group: GroupSpan::strided(0, cand.parallel.dp, d_stride, dpn),
-        tp_group: GroupSpan::strided(0, cand.parallel.tp, t_stride, dpn),
-        sequence_parallel: cand.parallel.sequence_parallel && cand.parallel.tp > 1,
+        zero: par.zero,
+        zero_group: GroupSpan::strided(0, zg * cp, d_stride, dpn),
+        dp_group: GroupSpan::strided(0, dp * cp, d_stride, dpn),
+        tp_group: GroupSpan::strided(0, par.tp, t_stride, dpn),
+        sequence_parallel: par.sequence_parallel && par.tp > 1,
+        cp,
+        cp_group: GroupSpan::strided(0, cp, d_stride, dpn),
+        ep,
+        ep_group: GroupSpan::strided(0, ep, d_stride * cp, dpn),
+        expert_dp_group: GroupSpan::of_ranks(&same_experts(dp), dpn),
+        expert_zero_group: GroupSpan::of_ranks(&same_experts(zg), dpn),
     }
 }
 
@@ -260,10 +390,9 @@ pub fn prepare(
     fixed_chunks: Option<Vec<usize>>,
 ) -> Prepared {
     let spec = ctx.spec;
-    let deg = [cand.parallel.dp, cand.parallel.pp, cand.parallel.tp];
-    let rank = |d: usize, p: usize, t: usize| cand.parallel.placement.rank([d, p, t], deg);
+    let rank = |d: usize, p: usize, t: usize| cand.parallel.rank_of(d, 0, p, t);
     let lc = layer_config(spec, cand);
-    let layers = ctx.layers(&lc);
+    let table = ctx.layers(&lc);
     let v = cand.parallel.schedule.virtual_stages();
     let chunks = cand.parallel.pp * v;
     let beta: Vec<f64> = (0..chunks.saturating_sub(1))
@@ -288,7 +417,7 @@ pub fn prepare(
         })
         .collect();
     let problem = PipelineProblem {
-        layers,
+        layers: Vec::new(),
         devices: cand.parallel.pp,
         virtual_stages: v,
         microbatches: cand.parallel.microbatches,
@@ -304,8 +433,8 @@ pub fn prepare(
         fixed_chunks,
         objective: PipelineObjective::StepTime,
     };
-    let (lb, mem_lb) = bounds(&problem);
-    Prepared { cand: *cand, problem, lb, mem_lb }
+    let (lb, mem_lb) = bounds_with(&problem, &table);
+    Prepared { cand: *cand, problem, table, lb, mem_lb }
 }
 
 /// Lower bounds on the step time and the peak memory of any solution of `p`.
@@ -315,13 +444,18 @@ pub fn prepare(
 /// bytes the devices cannot hold), plus the cheapest transfer at every boundary, plus the
 /// min-max split of the least sync times. Infinite when memory cannot fit even so.
 pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
+    bounds_with(p, &p.layers)
+}
+
+/// [`bounds`] of `p` with `layers` in place of its own.
+fn bounds_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> (f64, f64) {
     let devices = p.devices.max(1);
     let chunks = p.chunks();
     let c = p.bubble_coeff;
     let m = p.microbatches as f64;
     let always = p.checkpoint == CheckpointRule::Always;
     let fold_min = |it: &mut dyn Iterator<Item = f64>| it.fold(f64::INFINITY, f64::min);
-    let l_n = p.layers.len();
+    let l_n = layers.len();
     let mut tmin = Vec::with_capacity(l_n);
     let mut smin = Vec::with_capacity(l_n);
     let (mut state, mut act_total, mut kept_min) = (0.0, 0.0, 0.0);
@@ -335,7 +469,7 @@ pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
     } else {
         (p.loading_horizon / max_flight.max(1e-12)).min(1.0)
     };
-    for l in &p.layers {
+    for l in layers {
         let pts = &l.points;
         tmin.push(fold_min(&mut pts.iter().map(|q| q.fwd_s + q.bwd_s + if always { q.fwd_s } else { 0.0 })));
         smin.push(fold_min(&mut pts.iter().map(|q| q.sync_s)));
@@ -412,11 +546,11 @@ pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
     let transfer = match &p.fixed_chunks {
         Some(f) => (0..l_n.saturating_sub(1))
             .filter(|&l| f[l] != f[l + 1])
-            .map(|l| 2.0 * p.layers[l].output_bytes * p.transfer_s_per_byte[f[l]])
+            .map(|l| 2.0 * layers[l].output_bytes * p.transfer_s_per_byte[f[l]])
             .sum(),
         None => {
             let least_out =
-                p.layers[..l_n.saturating_sub(1)].iter().map(|l| l.output_bytes).fold(f64::INFINITY, f64::min);
+                layers[..l_n.saturating_sub(1)].iter().map(|l| l.output_bytes).fold(f64::INFINITY, f64::min);
             if least_out.is_finite() { p.transfer_s_per_byte.iter().map(|b| 2.0 * least_out * b).sum() } else { 0.0 }
         }
     };
@@ -452,8 +586,7 @@ pub fn run(
         Some(l) => Some(layout_chunks(&l.0, lg.layers.len())?),
         None => None,
     };
-    let mut ctx = CostContext::new(lg, spec, cfg.precision_for(spec));
-    ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron);
+    let mut ctx = cost_context(lg, spec, cfg);
     let total = cands.len() as u64;
     let mut prepared: Vec<Prepared> = cands
         .iter()
@@ -463,6 +596,19 @@ pub fn run(
         })
         .collect();
     tracing::debug!("prepared {} candidates in {:.3} s", prepared.len(), start.elapsed().as_secs_f64());
+    // Per context and expert degree, the least bound of its configurations that fit.
+    let alternatives = |degree: fn(&Candidate) -> usize| -> Vec<(usize, Option<f64>)> {
+        let mut by: std::collections::BTreeMap<usize, Option<f64>> = Default::default();
+        for p in &prepared {
+            let e = by.entry(degree(&p.cand)).or_insert(None);
+            if p.mem_lb <= cap && p.lb.is_finite() {
+                *e = Some(e.map_or(p.lb, |x: f64| x.min(p.lb)));
+            }
+        }
+        by.into_iter().collect()
+    };
+    let cp_alternatives = alternatives(|c| c.parallel.cp);
+    let ep_alternatives = alternatives(|c| c.parallel.ep);
     let min_mem = prepared.iter().map(|p| p.mem_lb).fold(f64::INFINITY, f64::min);
     let (mut fit, unfit): (Vec<Prepared>, Vec<Prepared>) =
         prepared.drain(..).partition(|p| p.mem_lb <= cap && p.lb.is_finite());
@@ -475,10 +621,12 @@ pub fn run(
     // them (equal layer counts included, whatever the time limit).
     let mut quick: Vec<Option<PipelineSolution>> = vec![None; fit.len()];
     let mut best: Option<(usize, PipelineSolution)> = None;
-    for (i, p) in fit.iter().enumerate() {
-        if inc_of(&best).is_some_and(|inc| p.lb >= inc * (1.0 - 1e-9)) {
+    for i in 0..fit.len() {
+        if inc_of(&best).is_some_and(|inc| fit[i].lb >= inc * (1.0 - 1e-9)) {
             break;
         }
+        fit[i].materialize();
+        let p = &fit[i];
         let Some((choices, eval)) = incumbent(&p.problem) else { continue };
         let objective = eval.step_s;
         let proven = objective <= p.lb * (1.0 + 1e-9);
@@ -501,6 +649,7 @@ pub fn run(
     let mut done = skipped;
     let mut i = 0;
     while i < fit.len() {
+        fit[i].materialize();
         let p = &fit[i];
         if quick[i].as_ref().is_some_and(|q| q.report.status == SolveStatus::Optimal) {
             // Its quick layout meets its bound: solved, without an ILP.
@@ -585,7 +734,9 @@ pub fn run(
     if c.optimize.unwrap_or_default() == Optimize::Memory {
         let max_step = sol.report.objective * 1.05;
         let mut best_mem = sol.eval.as_ref().map_or(f64::INFINITY, |e| e.total_bytes.iter().cloned().fold(0.0, f64::max));
-        for p in fit.iter().filter(|p| p.lb <= max_step) {
+        for p in fit.iter_mut().filter(|p| p.lb <= max_step) {
+            p.materialize();
+            let p = &*p;
             let remaining = limit - start.elapsed().as_secs_f64();
             if remaining <= 0.0 {
                 break;
@@ -613,20 +764,95 @@ pub fn run(
         gap,
         wall_s: start.elapsed().as_secs_f64(),
     };
-    decision(&ctx, cfg, &chosen, sol, report, solved, skipped, cap)
+    let mut d = decision(&ctx, cfg, &chosen, sol, report, solved, skipped, cap)?;
+    d.axes.cp_alternatives = cp_alternatives;
+    d.axes.sample_input_bytes = AxisLimits::of(lg, spec, cfg).map_or(0.0, |a| if a.seq.is_some() { a.sample_bytes } else { 0.0 });
+    d.axes.ep_alternatives = ep_alternatives;
+    Ok(d)
+}
+
+/// What the context and expert axes cost and save in a solved candidate, on its busiest
+/// pipeline rank.
+fn axis_report(ctx: &CostContext<'_>, cand: &Candidate, prob: &PipelineProblem, choices: &[super::problem::LayerChoice], eval: &super::problem::PipelineEval) -> AxisReport {
+    let lc = layer_config(ctx.spec, cand);
+    let p = prob.devices.max(1);
+    let busiest = (0..p).max_by(|&a, &b| (eval.fwd_s[a] + eval.bwd_s[a]).total_cmp(&(eval.fwd_s[b] + eval.bwd_s[b]))).unwrap_or(0);
+    let peak = (0..p).max_by(|&a, &b| eval.total_bytes[a].total_cmp(&eval.total_bytes[b])).unwrap_or(0);
+    let m = cand.parallel.microbatches as f64;
+    let mut r = AxisReport {
+        activation_bytes: eval.act_bytes.get(peak).copied().unwrap_or(0.0),
+        state_bytes: eval.state_bytes.get(peak).copied().unwrap_or(0.0),
+        ..Default::default()
+    };
+    r.state_bytes_without_ep = r.state_bytes;
+    let t = cand.parallel.tp.max(1) as f64;
+    for (l, ch) in choices.iter().enumerate() {
+        let d = ch.chunk % p;
+        if d == busiest {
+            let ax = ctx.axis_times(l, &lc);
+            r.kv_transfer_s += m * ax.kv_transfer_s;
+            r.kv_exposed_s += m * (ax.kv_exposed_fwd_s + ax.kv_exposed_bwd_s);
+            r.all_to_all_s += m * (ax.all_to_all_fwd_s + ax.all_to_all_bwd_s);
+            r.imbalance_s += m * 3.0 * ax.imbalance_fwd_s;
+        }
+        let ex = ctx.experts.get(l).copied().unwrap_or_default();
+        if d == peak && cand.parallel.ep > 1 && ex.experts > 0 {
+            let held = ex.params / t;
+            let trained = held * ctx.shapes[l].trained_fraction();
+            let at = |e: f64, group: usize| crate::cost::model_state(held / e, trained / e, lc.zero, group, ctx.precision).total();
+            r.state_bytes_without_ep += at(1.0, lc.zero_group.size) - at(cand.parallel.ep as f64, lc.expert_zero_group.size);
+        }
+    }
+    r
+}
+
+/// The cost context of a search under `cfg` (its precision, baseline and expert imbalance).
+pub fn cost_context<'a>(lg: &'a LayeredGraph, spec: &'a ClusterSpec, cfg: &PlanOptions) -> CostContext<'a> {
+    let mut ctx = CostContext::new(lg, spec, cfg.precision_for(spec));
+    ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron);
+    ctx.expert_imbalance = cfg.expert_imbalance.unwrap_or(super::options::DEFAULT_EXPERT_IMBALANCE);
+    ctx
+}
+
+/// The least context degree above the forced one at which some configuration's memory
+/// lower bound fits `cap`, if any.
+pub fn min_fitting_cp(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions, cap: f64) -> Option<usize> {
+    let forced = cfg.cp?;
+    let mut ctx = cost_context(lg, spec, cfg);
+    divisors(spec.devices).into_iter().filter(|&c| c > forced).find(|&c| {
+        let try_cfg = PlanOptions { cp: Some(c), ..cfg.clone() };
+        let Ok(cands) = enumerate(lg, spec, &try_cfg) else { return false };
+        cands.iter().any(|cand| {
+            let p = prepare(&mut ctx, cand, cap, cfg.active_microbatches, None);
+            p.mem_lb <= cap && p.lb.is_finite()
+        })
+    })
 }
 
 fn infeasible(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions, cap: f64, min_mem: f64) -> SolveError {
     let gib = |b: f64| b / (1u64 << 30) as f64;
     let mut fix = format!("needs at least {:.1} GiB per device", gib(min_mem));
+    if let (Some(forced), Some(c)) = (cfg.cp, min_fitting_cp(lg, spec, cfg, cap)) {
+        fix.push_str(&format!(
+            " at context-parallel degree {forced}; --cp {c} fits (the least context degree that does: it divides each rank's activations by {c})"
+        ));
+        return SolveError::Infeasible {
+            reason: format!(
+                "every configuration with --cp {forced} needs more than the {:.1} GiB per device available ({} devices of {})",
+                gib(cap),
+                spec.devices,
+                spec.device
+            ),
+            fix,
+        };
+    }
     // The smallest device count (whole nodes) whose memory lower bound fits.
     let mut devices = spec.devices;
     for _ in 0..8 {
         devices *= 2;
         let bigger = ClusterSpec { devices, ..spec.clone() };
         let Ok(cands) = enumerate(lg, &bigger, cfg) else { continue };
-        let mut ctx = CostContext::new(lg, &bigger, cfg.precision_for(spec));
-        ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron);
+        let mut ctx = cost_context(lg, &bigger, cfg);
         let fits = cands.iter().any(|cand| prepare(&mut ctx, cand, cap, cfg.active_microbatches, None).mem_lb <= cap);
         if fits {
             fix.push_str(&format!(", or about {devices} devices of this kind"));
@@ -665,7 +891,6 @@ pub fn decision(
     let eval = sol.eval.clone().ok_or_else(|| SolveError::Solver("the ILP's solution does not decode to a layout".into()))?;
     let lg = ctx.lg;
     let spec = ctx.spec;
-    let deg = [cand.parallel.dp, cand.parallel.pp, cand.parallel.tp];
     let chunks = prob.chunks();
     let lc = layer_config(spec, &cand);
     let mut stages = Vec::with_capacity(chunks);
@@ -675,12 +900,8 @@ pub fn decision(
         let members: Vec<usize> = (0..sol.choices.len()).filter(|&l| sol.choices[l].chunk == c).collect();
         let (first, last) = (members.first().copied().unwrap_or(0), members.last().copied().unwrap_or(0));
         let pp_rank = c % cand.parallel.pp;
-        let mut ranks = Vec::with_capacity(cand.parallel.dp * cand.parallel.tp);
-        for d in 0..cand.parallel.dp {
-            for t in 0..cand.parallel.tp {
-                ranks.push(cand.parallel.placement.rank([d, pp_rank, t], deg));
-            }
-        }
+        let ranks = cand.parallel.stage_ranks(pp_rank);
+        let (mut expert, mut expert_trained) = (0.0, 0.0);
         let (mut fwd, mut bwd, mut params, mut trained, mut kept, mut rec) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0f64);
         let (mut ckpt, mut offloaded, mut host) = (Vec::new(), Vec::new(), 0.0);
         for &l in &members {
@@ -697,6 +918,11 @@ pub fn decision(
             let held = ctx.shapes[l].params / cand.parallel.tp.max(1) as f64 + extra;
             params += held;
             trained += held * ctx.shapes[l].trained_fraction();
+            if cand.parallel.ep > 1 {
+                let ex = ctx.experts[l].params / cand.parallel.tp.max(1) as f64;
+                expert += ex;
+                expert_trained += ex * ctx.shapes[l].trained_fraction();
+            }
             for tc in &prob.layers[l].tied {
                 let owner_rank = sol.choices.get(tc.owner).map(|o| o.chunk % cand.parallel.pp);
                 if owner_rank != Some(pp_rank) && copies_held.insert((pp_rank, tc.weight)) {
@@ -714,7 +940,8 @@ pub fn decision(
                 offloaded.push(l);
             }
         }
-        let st = ctx.state_split(params * cand.parallel.tp.max(1) as f64, trained * cand.parallel.tp.max(1) as f64, &lc);
+        let t = cand.parallel.tp.max(1) as f64;
+        let st = ctx.state_split(params * t, trained * t, expert * t, expert_trained * t, &lc);
         let activations = kept + rec;
         let workspace = if c < cand.parallel.pp { prob.workspace } else { 0.0 };
         let comm_s = if c + 1 < chunks { 2.0 * prob.layers[last].output_bytes * prob.transfer_s_per_byte[c] } else { 0.0 };
@@ -776,7 +1003,9 @@ pub fn decision(
         .map(|(l, _)| lg.layers[l].nodes.iter().map(|&id| lg.node_figures(id).flops).sum::<f64>())
         .sum();
     let hfu = if step > 0.0 { (3.0 * lg.flops_per_sample + recomputed) * batch / (step * peak) } else { 0.0 };
+    let axes = axis_report(ctx, &cand, prob, &sol.choices, &eval);
     Ok(PlanDecision {
+        axes,
         parallel: Parallelism { sequence_parallel: cand.parallel.sequence_parallel && cand.parallel.tp > 1, ..cand.parallel },
         microbatch_size: cand.microbatch_size,
         stages,

@@ -91,6 +91,8 @@ pub const SMP_KEYS: &[&str] = &[
     "pipeline_parallel_degree",
     "partitions",
     "tensor_parallel_degree",
+    "context_parallel_degree",
+    "expert_parallel_degree",
     "sharded_data_parallel_degree",
     "microbatches",
     "pipeline",
@@ -114,6 +116,10 @@ pub struct SmpConfig {
     pub pp: Option<Sourced<usize>>,
     /// `tensor_parallel_degree`.
     pub tp: Option<Sourced<usize>>,
+    /// `context_parallel_degree`.
+    pub cp: Option<Sourced<usize>>,
+    /// `expert_parallel_degree`.
+    pub ep: Option<Sourced<usize>>,
     /// `sharded_data_parallel_degree`.
     pub sharded_dp: Option<Sourced<usize>>,
     /// `microbatches`.
@@ -202,6 +208,8 @@ impl SmpConfig {
                     cfg.pp = Some(new);
                 }
                 "tensor_parallel_degree" => cfg.tp = Some(positive()?),
+                "context_parallel_degree" => cfg.cp = Some(positive()?),
+                "expert_parallel_degree" => cfg.ep = Some(positive()?),
                 "sharded_data_parallel_degree" => cfg.sharded_dp = Some(positive()?),
                 "microbatches" => cfg.microbatches = Some(positive()?),
                 "active_microbatches" => cfg.active_microbatches = Some(positive()?),

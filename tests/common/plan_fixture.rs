@@ -121,6 +121,7 @@ pub fn fixture() -> Plan {
         frozen: Vec::new(),
         batch_statistics: None,
         codegen: None,
+        axes: None,
     };
     plan.predicted.peak_memory_bytes = plan.rank_memory(0).total.max(plan.rank_memory(1).total);
     plan

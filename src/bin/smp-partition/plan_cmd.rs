@@ -57,6 +57,17 @@ pub struct PlanFlags {
     /// Data-parallel degree (omitted = searched).
     #[arg(long, value_name = "N")]
     pub dp: Option<usize>,
+    /// Context-parallel degree: ranks each microbatch's sequence is split over (omitted = searched).
+    #[arg(long, value_name = "N")]
+    pub cp: Option<usize>,
+    /// Expert-parallel degree: ranks a mixture of experts' experts are split over, dividing the
+    /// data-parallel degree (omitted = searched; 1 for dense models).
+    #[arg(long, value_name = "N")]
+    pub ep: Option<usize>,
+    /// Expert-parallel load imbalance: the busiest rank of an expert group runs this many times
+    /// the mean routed tokens [default: 1.1]
+    #[arg(long, value_name = "F")]
+    pub expert_imbalance: Option<f64>,
     /// ZeRO stage (omitted = searched).
     #[arg(long, value_name = "0..3", value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero: Option<u8>,
@@ -142,6 +153,9 @@ impl PlanFlags {
             pp: self.pp,
             tp: self.tp,
             dp: self.dp,
+            cp: self.cp,
+            ep: self.ep,
+            expert_imbalance: self.expert_imbalance,
             zero: self.zero,
             sharded_dp: self.sharded_dp,
             microbatches: self.microbatches,
