@@ -129,9 +129,9 @@ pub fn in_flight(kind: ScheduleKind, p: usize, m: usize, stage: usize) -> f64 {
     }
 }
 
-/// Microbatches stage `stage` holds between a forward and its backward's B: what a checkpointed
-/// layer keeps its inputs for. [`in_flight`], but under ZB-H1 1F1B's count (its B run where
-/// 1F1B's backwards do; the W after it holds the recomputed activations, not the inputs).
+/// Microbatches stage `stage` holds between a forward and its backward's B: what an offloaded
+/// layer's inputs wait in host memory for. [`in_flight`], but under ZB-H1 1F1B's count (its B
+/// run where 1F1B's backwards do).
 pub fn kept_in_flight(kind: ScheduleKind, p: usize, m: usize, stage: usize) -> f64 {
     match kind {
         ScheduleKind::ZbH1 => in_flight(ScheduleKind::OneFOneB, p, m, stage),

@@ -151,7 +151,7 @@ pub struct PipelineProblem {
     /// end of its backward (its W under ZB-H1).
     pub in_flight: Vec<f64>,
     /// Microbatches per chunk between a forward and its backward's B, where that is fewer
-    /// (ZB-H1): what a checkpointed layer keeps its inputs for. Empty: `in_flight`.
+    /// (ZB-H1): what an offloaded layer's inputs wait in host memory for. Empty: `in_flight`.
     #[serde(default)]
     pub kept_flight: Vec<f64>,
     /// Weight of Σ T[d] in the step time (1 for GPipe/1F1B, 1/v interleaved, ~1/3 ZB-H1).
@@ -224,22 +224,23 @@ impl PipelineProblem {
     }
 
     /// Device bytes a layer at point `pt` keeps for its backward over the microbatches chunk
-    /// `chunk` holds at its peak: every saved activation; or, checkpointed, its inputs from its
-    /// forward to its B and its recomputed activations from its B to its W (ZB-H1); and of an
-    /// offloaded layer's own inputs (`offload_bytes`) only the `loading_horizon` microbatches
-    /// back on the device (the others wait in host memory).
+    /// `chunk` holds at its peak: every saved activation, or only its inputs when checkpointed
+    /// (counted over all of them, until their W under ZB-H1, conservatively), less what an
+    /// offloaded layer has in host memory ([`Self::offloaded_bytes`]).
     pub fn kept_bytes(&self, chunk: usize, pt: &ParetoPoint, checkpoint: bool, offload: bool) -> f64 {
-        let (f, k) = (self.in_flight[chunk], self.kept_flight(chunk).min(self.in_flight[chunk]));
+        let f = self.in_flight[chunk];
         if offload {
-            k * pt.input_bytes - self.offloaded_bytes(chunk, pt) + (f - k) * pt.act_bytes
+            f * pt.input_bytes - self.offloaded_bytes(chunk, pt)
         } else if checkpoint {
-            k * pt.input_bytes + (f - k) * pt.act_bytes
+            f * pt.input_bytes
         } else {
             f * pt.act_bytes
         }
     }
 
-    /// Bytes an offloaded layer keeps in host memory instead of on the device at the peak.
+    /// Bytes an offloaded layer keeps in host memory instead of on the device at the peak: its
+    /// own inputs (`offload_bytes`) of the microbatches between a forward and its B beyond the
+    /// `loading_horizon` back on the device (under ZB-H1 the inputs leave with the B).
     pub fn offloaded_bytes(&self, chunk: usize, pt: &ParetoPoint) -> f64 {
         let k = self.kept_flight(chunk).min(self.in_flight[chunk]);
         (k - k.min(self.loading_horizon)) * pt.offload_bytes
