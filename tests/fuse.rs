@@ -4,6 +4,8 @@
 //! variant is recognised and computes what its chain computes, near misses are left alone.
 #![cfg(feature = "runner")]
 
+mod common;
+
 use std::path::PathBuf;
 
 use smp_partition::frontend::onnx::load_model;
@@ -126,8 +128,7 @@ fn forward_and_grads(graph: &Graph, kind: Kind) -> (Tensor, Vec<(String, Tensor)
     let feeds = exec.bind_inputs(batch).expect("inputs");
     let outs = exec.forward(&feeds).expect("forward");
     let y = &outs[0];
-    tch::manual_seed(11);
-    let r = Tensor::randn(y.size(), (kind, tch::Device::Cpu));
+    let r = common::fixed_tensor(&y.size(), kind, 11.0);
     (y * &r).sum(kind).backward();
     let grads = exec.parameters().into_iter().map(|(n, p)| (n, p.grad())).collect();
     (y.detach(), grads)
@@ -330,10 +331,10 @@ fn variants() -> Vec<(&'static str, Graph, f64, Option<AttentionMask>)> {
 
 /// Inputs for a variant graph: random q, kᵀ, v (gradients on), a causal keep/additive mask.
 fn feeds(g: &Graph, kind: Kind) -> Vec<(String, Tensor)> {
-    tch::manual_seed(3);
     g.inputs
         .iter()
-        .map(|&v| {
+        .enumerate()
+        .map(|(i, &v)| {
             let val = g.value(v);
             let dims = val.ty.as_ref().unwrap().shape.as_ref().unwrap().known().unwrap();
             let t = match val.name.as_str() {
@@ -343,7 +344,7 @@ fn feeds(g: &Graph, kind: Kind) -> Vec<(String, Tensor)> {
                     let add = Tensor::zeros([5, 6], (kind, tch::Device::Cpu)).masked_fill(&keep.logical_not(), f32::MIN as f64);
                     add.expand(dims.as_slice(), false).contiguous()
                 }
-                _ => Tensor::randn(dims.as_slice(), (kind, tch::Device::Cpu)).set_requires_grad(true),
+                _ => common::fixed_tensor(&dims, kind, 3.0 + i as f64).set_requires_grad(true),
             };
             (val.name.clone(), t)
         })
@@ -358,8 +359,7 @@ fn run_variant(g: &Graph, kind: Kind) -> Vec<Tensor> {
     let leaves: Vec<Tensor> = named.iter().filter(|(n, _)| ["q", "kt", "v"].contains(&n.as_str())).map(|(_, t)| t.shallow_clone()).collect();
     let bound = exec.bind_inputs(named).expect("inputs");
     let y = exec.forward(&bound).expect("forward").remove(0);
-    tch::manual_seed(5);
-    let r = Tensor::randn(y.size(), (kind, tch::Device::Cpu));
+    let r = common::fixed_tensor(&y.size(), kind, 5.0);
     (&y * &r).sum(kind).backward();
     let mut out = vec![y.detach()];
     out.extend(leaves.iter().map(Tensor::grad));

@@ -53,8 +53,7 @@ fn forward_and_grads_in(graph: &Graph, kind: Kind, autocast: Option<Kind>) -> (V
     let feeds = exec.bind_inputs(batch).expect("inputs");
     let outs = exec.forward(&feeds).expect("forward");
     assert_eq!(outs.len(), 2, "logits and the auxiliary loss");
-    tch::manual_seed(11);
-    let r = Tensor::randn(outs[0].size(), (kind, tch::Device::Cpu));
+    let r = common::fixed_tensor(&outs[0].size(), kind, 11.0);
     ((&outs[0] * &r).sum(kind) + &outs[1] * 3.0).backward();
     let grads = exec.parameters().into_iter().map(|(n, p)| (n, p.grad())).collect();
     (outs.iter().map(Tensor::detach).collect(), grads)
