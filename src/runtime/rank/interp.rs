@@ -39,6 +39,9 @@ struct MbState {
     loss_part: Option<Part>,
     /// A recomputed stage's received values, as shapes (their gradients' zeros when none flows).
     received: Vec<(ValueId, Vec<i64>, Kind, tch::Device)>,
+    /// Of them, those the previous stage wants no gradient of (plain tensors, not leaves), in
+    /// the ids of the graph that runs the stage.
+    plain: BTreeSet<ValueId>,
 }
 
 /// One segment of a recomputed stage with its autograd graph: its inputs as gradient leaves
@@ -295,7 +298,8 @@ impl<'r, 'a> Interp<'r, 'a> {
             received.push((*v, t.size(), t.kind(), t.device()));
             env.insert(local(*v)?, t.shallow_clone());
         }
-        let given: HashMap<ValueId, Tensor> = self.feeds[mb].iter().filter_map(|(v, t)| local(*v).ok().map(|l| (l, t.shallow_clone()))).collect();
+        // a segment reads only its own inputs from outside it, so one map serves them all
+        let mut feeds = self.local_feeds(mb, &local);
         ex.set_norm_stats(NormStats::Batch { update: true });
         ex.set_dropout_key(Some(self.dropout_key(mb)));
         // received values the previous stage wants no gradient of stay plain tensors
@@ -304,7 +308,6 @@ impl<'r, 'a> Interp<'r, 'a> {
         let mut kept_ids = BTreeSet::new();
         for seg in &segs.segments {
             let ins = segment_leaves(&env, &seg.inputs, |v| plain.contains(&v))?;
-            let mut feeds = given.iter().map(|(v, t)| (*v, t.shallow_clone())).collect::<HashMap<_, _>>();
             feeds.extend(ins.iter().map(|(v, t)| (*v, t.shallow_clone())));
             if seg.checkpointed {
                 let (mut stay, mut movable) = (Vec::new(), Vec::new());
@@ -342,8 +345,13 @@ impl<'r, 'a> Interp<'r, 'a> {
                 .collect::<Result<_, RuntimeError>>()?;
             (outputs, None, None)
         };
-        self.state.insert((s, mb), MbState { outputs, loss, parts, loss_part, received, ..MbState::default() });
+        self.state.insert((s, mb), MbState { outputs, loss, parts, loss_part, received, plain, ..MbState::default() });
         Ok(())
+    }
+
+    /// Microbatch `mb`'s graph-input feeds in the ids `local` gives.
+    fn local_feeds(&self, mb: usize, local: &impl Fn(ValueId) -> Result<ValueId, RuntimeError>) -> HashMap<ValueId, Tensor> {
+        self.feeds[mb].iter().filter_map(|(v, t)| local(*v).ok().map(|l| (l, t.shallow_clone()))).collect()
     }
 
     /// The Dropout key of microbatch `mb` of this step: its first sample's index in the global
@@ -467,19 +475,15 @@ impl<'r, 'a> Interp<'r, 'a> {
                 add_grad(&mut grads, local(*v)?, g)?;
             }
         }
-        let plain: BTreeSet<ValueId> = {
-            let back: Vec<ValueId> = if s == 0 { Vec::new() } else { r.layout.gradients_from_next[s - 1].iter().map(|&v| local(v)).collect::<Result<_, _>>()? };
-            st.received.iter().map(|(v, ..)| local(*v)).collect::<Result<Vec<_>, _>>()?.into_iter().filter(|v| !back.contains(v)).collect()
-        };
+        let mut feeds = self.local_feeds(mb, &local);
+        ex.set_norm_stats(NormStats::Batch { update: false });
+        ex.set_dropout_key(Some(self.dropout_key(mb)));
         for (i, seg) in segs.segments.iter().enumerate().rev() {
             let part = match st.parts.get_mut(i).and_then(Option::take) {
                 Some(p) => p,
                 None => {
-                    let ins = segment_leaves(&kept, &seg.inputs, |v| plain.contains(&v))?;
-                    let mut feeds: HashMap<ValueId, Tensor> = self.feeds[mb].iter().filter_map(|(v, t)| local(*v).ok().map(|l| (l, t.shallow_clone()))).collect();
+                    let ins = segment_leaves(&kept, &seg.inputs, |v| st.plain.contains(&v))?;
                     feeds.extend(ins.iter().map(|(v, t)| (*v, t.shallow_clone())));
-                    ex.set_norm_stats(NormStats::Batch { update: false });
-                    ex.set_dropout_key(Some(self.dropout_key(mb)));
                     let outs = ex.run_nodes(&seg.nodes, &feeds, &seg.outputs)?;
                     let outputs = seg.outputs.iter().filter_map(|v| outs.get(v).map(|t| (*v, t.shallow_clone()))).collect();
                     Part { inputs: ins, outputs }

@@ -35,10 +35,10 @@ impl Pending {
 
 /// One microbatch's offloaded inputs, wherever they are.
 enum Kept {
-    /// In host memory: ids, copies, and whether each was a gradient leaf.
-    Host(Vec<(ValueId, bool)>, Vec<Tensor>),
+    /// In host memory: ids and copies (detached: every recompute makes its own leaves).
+    Host(Vec<ValueId>, Vec<Tensor>),
     /// Coming back to the device.
-    Loading(Vec<(ValueId, bool)>, Pending),
+    Loading(Vec<ValueId>, Pending),
 }
 
 /// The helper thread: copies tensors in order, one job at a time.
@@ -90,7 +90,7 @@ struct Record {
 }
 
 /// Copies to host started during a forward: ids, copy, bytes.
-type Outgoing = Vec<(Vec<(ValueId, bool)>, Pending, u64)>;
+type Outgoing = Vec<(Vec<ValueId>, Pending, u64)>;
 
 /// The kept inputs of a rank's recomputed stages, and where they are.
 pub(super) struct Offload {
@@ -153,7 +153,7 @@ impl Offload {
             let bytes: u64 = moving.iter().map(|(_, t)| bytes_of(t)).sum();
             let pending = copier.submit(moving.iter().map(|(_, t)| t.shallow_clone()).collect())?;
             self.pool.to_host(bytes);
-            let ids = moving.iter().map(|(v, t)| (*v, t.requires_grad())).collect();
+            let ids = moving.iter().map(|(v, _)| *v).collect();
             self.outgoing.entry((s, mb)).or_default().push((ids, pending, bytes));
         }
         Ok(())
@@ -220,13 +220,10 @@ impl Offload {
     }
 }
 
-/// Inputs back on the device, as the forward left them (gradient leaves again where they were).
-fn restore(ids: Vec<(ValueId, bool)>, copies: Vec<Tensor>) -> Result<Vec<(ValueId, Tensor)>, RuntimeError> {
+/// Inputs back on the device, paired with their ids.
+fn restore(ids: Vec<ValueId>, copies: Vec<Tensor>) -> Result<Vec<(ValueId, Tensor)>, RuntimeError> {
     if ids.len() != copies.len() {
         return Err(terr(format!("{} kept inputs came back as {} tensors", ids.len(), copies.len())));
     }
-    ids.into_iter()
-        .zip(copies)
-        .map(|((v, leaf), t)| Ok((v, if leaf { t.f_set_requires_grad(true)? } else { t })))
-        .collect()
+    Ok(ids.into_iter().zip(copies).collect())
 }
