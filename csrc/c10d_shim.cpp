@@ -204,6 +204,32 @@ struct GatherAlongAxis : public torch::autograd::Function<GatherAlongAxis> {
   }
 };
 
+// Context parallelism's gather: the members' tensors concatenated along `axis` (member
+// order); backward sums the gradient over the members, each keeping its chunk (a
+// reduce-scatter), since every member's loss reads every member's tokens.
+struct ContextGather : public torch::autograd::Function<ContextGather> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group, int64_t axis) {
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["axis"] = axis;
+    return all_gather_cat(reinterpret_cast<Group*>(group), x, axis);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    auto* grp = group_of(ctx);
+    int64_t axis = ctx->saved_data["axis"].toInt();
+    auto g = grads[0];
+    check_divides(grp, g, axis, "context_gather backward");
+    int64_t size = grp->gloo->getSize();
+    std::vector<std::vector<at::Tensor>> ins(1);
+    for (auto& c : g.chunk(size, axis)) ins[0].push_back(host_of(grp, c.clone(at::MemoryFormat::Contiguous)));
+    auto out = at::empty_like(ins[0][grp->gloo->getRank()]);
+    std::vector<at::Tensor> outs{out};
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    wait_or_throw(backend_for(grp, g).reduce_scatter(outs, ins, opts), grp->timeout);
+    return {out.to(g.device()), at::Tensor(), at::Tensor()};
+  }
+};
+
 // The rows (axis 0) of `x`, `send[j]` of them to member j in order; what the members send this
 // one, `recv[j]` rows from member j, concatenated in member order (Gloo's alltoall_base with
 // split sizes: counts per member, no padding).
@@ -414,6 +440,12 @@ char* smp_c10d_copy_to_tensor_region(void* g, at::Tensor* x, at::Tensor** out) {
 char* smp_c10d_gather_along_axis(void* g, at::Tensor* x, int64_t axis, at::Tensor** out) {
   return guarded([&] {
     *out = new at::Tensor(GatherAlongAxis::apply(*x, reinterpret_cast<int64_t>(g), axis));
+  });
+}
+
+char* smp_c10d_context_gather(void* g, at::Tensor* x, int64_t axis, at::Tensor** out) {
+  return guarded([&] {
+    *out = new at::Tensor(ContextGather::apply(*x, reinterpret_cast<int64_t>(g), axis));
   });
 }
 

@@ -8,6 +8,10 @@ use crate::ir::{Attr, Attrs, Node, Op, ValueId};
 /// The ONNX domain of inserted collective nodes.
 pub const SMP_DOMAIN: &str = "smp";
 
+/// `op_type` of the node the runner inserts where codegen lists a partial gradient (Megatron's
+/// *f*: identity forward, gradient all-reduced over the tensor group).
+pub const COPY_TO_TENSOR_REGION: &str = "CopyToTensorRegion";
+
 pub use crate::split::CollectiveKind;
 
 /// Which process group a collective runs over.

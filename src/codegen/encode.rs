@@ -575,8 +575,10 @@ fn templates(input: &CodegenInput, stages: &[StageCode], tied: &[TiedWeight]) ->
         epilogue: Vec::new(),
     };
     let lowered = lower(input.parallel.schedule, &actions, &opts)?;
-    let (dp, zero) = (input.parallel.dp, input.parallel.zero);
-    let shard_n = (input.parallel.zero_group() < dp).then(|| input.parallel.zero_group());
+    // gradients reduce, and ZeRO shards, over the whole data axis: data × context ranks
+    let mesh_parallel = crate::ir::Parallelism { dp: input.parallel.dp * input.parallel.cp.max(1), ..input.parallel };
+    let (dp, zero) = (mesh_parallel.dp, mesh_parallel.zero);
+    let shard_n = (mesh_parallel.zero_group() < dp).then(|| mesh_parallel.zero_group());
     let gather_group = if shard_n.is_some() { GroupRef::ShardGroup } else { GroupRef::Data };
     let zero3 = input.parallel.params_sharded();
     let mut out = Vec::with_capacity(p);

@@ -2,6 +2,7 @@
 //! per-rank programs (compute, sends, receives, collectives), and the validator of both.
 
 pub mod collectives;
+pub mod context;
 pub mod encode;
 pub mod lower;
 pub mod program;

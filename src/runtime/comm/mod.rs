@@ -419,6 +419,13 @@ impl ProcessGroup {
         })
     }
 
+    /// Context parallelism's gather: the members' `x` concatenated along `axis` (group order);
+    /// the backward sums the gradient over the group and keeps this member's chunk.
+    pub fn context_gather(&self, x: &Tensor, axis: i64) -> Result<Tensor, DistError> {
+        // SAFETY: as above.
+        self.autograd_call("context_gather", |o| unsafe { ffi::smp_c10d_context_gather(self.raw, raw(x), axis, o) })
+    }
+
     /// Sequence parallelism's reduce-scatter: the sum of `x` over the group, this member
     /// keeping its chunk along `axis` (group order); the backward all-gathers the gradient.
     pub fn reduce_scatter_along_axis(&self, x: &Tensor, axis: i64) -> Result<Tensor, DistError> {

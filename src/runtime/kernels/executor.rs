@@ -9,7 +9,9 @@ use tch::{Device, Kind, Tensor};
 use std::sync::Arc;
 
 use crate::runtime::comm::ProcessGroup;
+use super::context::ContextRank;
 use super::ops::{self, DropoutKey, NormStats, OpContext};
+use crate::codegen::context::{CONTEXT_GATHER, CONTEXT_GROUP, CONTEXT_LOCALIZE};
 use crate::codegen::collectives::is_collective;
 use crate::ir::{Node, Op};
 use super::tensor::kind_of;
@@ -54,15 +56,15 @@ pub struct Executor<'g> {
     norm: Cell<NormStats>,
     /// The key of the Dropout masks in the next runs (none: outside a training step).
     dropout: Cell<Option<DropoutKey>>,
+    /// The context group the inserted context-parallel nodes run over, with this rank's place.
+    context: std::cell::OnceCell<(Arc<ProcessGroup>, ContextRank)>,
     /// By node index: whether the node reaches a graph output (dead ones are skipped).
     live: Vec<bool>,
     /// Where float weights live and kernels run (`--device`).
     device: Device,
 }
 
-/// `op_type` of the node the runner inserts where codegen lists a partial gradient (Megatron's
-/// *f*: identity forward, gradient all-reduced over the tensor group).
-pub const COPY_TO_TENSOR_REGION: &str = "CopyToTensorRegion";
+pub use crate::codegen::collectives::COPY_TO_TENSOR_REGION;
 
 /// Lists the nodes without a kernel, or `Ok` if every node has one.
 pub fn check_supported(graph: &Graph) -> Result<(), RuntimeError> {
@@ -127,14 +129,26 @@ impl<'g> Executor<'g> {
             }
         }
         let opset = graph.opsets.get("").copied().unwrap_or(21);
-        let ctx = OpContext { opset, float_kind: opts.float_kind, training: opts.training, norm: NormStats::Running, dropout: None, autocast: opts.autocast };
-        Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None, expert_group: std::cell::OnceCell::new(), norm: Cell::new(NormStats::Running), dropout: Cell::new(None), live, device })
+        let ctx = OpContext { opset, float_kind: opts.float_kind, training: opts.training, norm: NormStats::Running, dropout: None, autocast: opts.autocast, context: None };
+        Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None, expert_group: std::cell::OnceCell::new(), norm: Cell::new(NormStats::Running), dropout: Cell::new(None), context: std::cell::OnceCell::new(), live, device })
     }
 
     /// Makes the `MixtureOfExperts` nodes route their tokens to the experts' ranks over `pg`
     /// (expert parallelism: this rank's expert weights hold its experts alone). Set once.
     pub fn set_expert_group(&self, pg: Arc<ProcessGroup>) {
         let _ = self.expert_group.set(pg);
+    }
+
+    /// Makes the context-parallel nodes run over `pg` (this rank holding its tokens of every
+    /// sequence). Set once.
+    pub fn set_context_group(&self, pg: Arc<ProcessGroup>) {
+        let me = ContextRank { index: pg.index(), size: pg.size() };
+        let _ = self.context.set((pg, me));
+    }
+
+    /// This rank's place in its context group, under context parallelism.
+    pub fn context_rank(&self) -> Option<ContextRank> {
+        self.context.get().map(|c| c.1)
     }
 
     /// Sets the key Dropout masks are drawn from in the runs that follow (a training step's
@@ -151,7 +165,7 @@ impl<'g> Executor<'g> {
 
     /// One node: a kernel, or a tensor-parallel collective over `tensor_group`.
     fn run_node(&self, node: &Node, inputs: &[Option<Tensor>]) -> Result<Vec<Tensor>, String> {
-        let ctx = OpContext { norm: self.norm.get(), dropout: self.dropout.get(), ..self.ctx };
+        let ctx = OpContext { norm: self.norm.get(), dropout: self.dropout.get(), context: self.context_rank(), ..self.ctx };
         if let Some(pg) = self.expert_group.get().filter(|_| node.op.is(crate::ir::OpKind::MixtureOfExperts)) {
             return super::experts::expert_parallel(inputs, &ctx, pg).map(|t| vec![t]);
         }
@@ -162,6 +176,22 @@ impl<'g> Executor<'g> {
             return ops::run(node, inputs, &ctx).map_err(|e| e.0);
         }
         let group = node.attrs.0.get("group").and_then(|a| if let crate::ir::Attr::Str(s) = a { Some(s.as_str()) } else { None }).unwrap_or("tensor");
+        if group == CONTEXT_GROUP {
+            let (pg, me) = self.context.get().ok_or("a context-parallel node, but this run has no context group (cp = 1)")?;
+            let x = match inputs.first() {
+                Some(Some(t)) => t,
+                _ => return Err(format!("{op_type} without an input")),
+            };
+            let axis = node.attrs.int("axis", -1);
+            let axis = usize::try_from(axis).map_err(|_| format!("{op_type} without a token `axis`"))?;
+            let outer = node.attrs.int("outer", 1);
+            return match op_type.as_str() {
+                CONTEXT_GATHER => super::context::gather(pg, x, axis, outer),
+                CONTEXT_LOCALIZE => super::context::localize(x, axis, outer, *me),
+                other => Err(format!("context collective `{other}` has no runner kernel")),
+            }
+            .map(|t| vec![t]);
+        }
         if group != "tensor" {
             return Err(format!("collective over the `{group}` group inside a stage graph; only `tensor` is supported"));
         }

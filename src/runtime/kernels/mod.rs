@@ -2,6 +2,7 @@
 //! autograd (`executor`), conversions between IR and tch tensors (`tensor`), and the autograd
 //! shim (`grad`: gradients accumulated in place, libtorch's fused AdamW).
 
+pub mod context;
 pub mod executor;
 mod experts;
 pub(crate) mod grad;

@@ -358,9 +358,9 @@ impl<'r, 'a> Interp<'r, 'a> {
     /// batch, as one process numbers it.
     fn dropout_key(&self, mb: usize) -> DropoutKey {
         let r = self.rank;
-        let share = r.data.global_batch() / r.parallel.dp.max(1) as i64;
+        let share = r.data.global_batch() / r.data_dp as i64;
         let per = share / r.parallel.microbatches.max(1) as i64;
-        DropoutKey { seed: r.cfg.seed, step: self.step as i64, first_sample: r.replica as i64 * share + mb as i64 * per }
+        DropoutKey { seed: r.cfg.seed, step: self.step as i64, first_sample: r.data_replica as i64 * share + mb as i64 * per }
     }
 
     fn backward(&mut self, s: usize, mb: usize) -> Result<(), RuntimeError> {

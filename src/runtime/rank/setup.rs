@@ -21,6 +21,7 @@ use crate::runtime::data::Batch;
 use crate::passes::figures::is_trainable;
 use crate::runtime::state::weights::{Slice, Source};
 use crate::runtime::{ExecOptions, RuntimeError, Weights};
+use crate::codegen::context::{Tokens, split_context};
 use crate::codegen::{Coord, Instr, Mesh, Purpose, RankProgram, StageView, WeightSlice, apply_shard};
 use crate::ir::{DimBindings, Graph, NodeId, Op, OpKind, Parallelism, ValueId, ValueKind};
 use crate::plan::Plan;
@@ -79,13 +80,32 @@ impl Shards {
     pub fn new(plan: &Plan, graph: &Graph, dims: &DimBindings, me: usize) -> Result<Shards, RuntimeError> {
         let mesh = plan.mesh();
         let mut out = Shards::default();
-        if mesh.tp() <= 1 {
+        let cp = plan.parallel.cp.max(1);
+        if !runs_stage_subgraphs(&plan.parallel) {
             return Ok(out);
         }
         let Coord { pp: q, dp: d, tp: t } = mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
         let view = plan.rank_view(me).map_err(|e| terr(e.to_string()))?;
+        // under context parallelism, the model-wide split says which tokens cross each stage
+        // boundary (the data inputs are whole: each stage cuts its own)
+        let model_tokens = if cp > 1 {
+            let split = split_context(graph, dims, cp, &HashMap::new()).map_err(|e| terr(format!("the model under cp {cp}: {e}")))?;
+            let data: HashSet<&str> = graph.inputs.iter().map(|&v| graph.value(v).name.as_str()).collect();
+            split.tokens.into_iter().filter(|(n, _)| !data.contains(n.as_str())).collect()
+        } else {
+            HashMap::new()
+        };
         for sv in &view.stages {
-            let sub = shard_subgraph(sv, graph, dims, &mesh, me, (q, d, t), &mut out.kv_groups)?;
+            let mut sub = shard_subgraph(sv, graph, dims, &mesh, me, (q, d, t), &mut out.kv_groups)?;
+            if cp > 1 {
+                let ends = sub.inputs.iter().chain(&sub.outputs).filter_map(|&v| {
+                    let name = &sub.value(v).name;
+                    model_tokens.get(name).map(|t: &Tokens| (name.clone(), *t))
+                });
+                let fixed: HashMap<String, Tokens> = ends.collect();
+                let split = split_context(&sub, dims, cp, &fixed).map_err(|e| terr(format!("stage {} of rank {me}: {e}", sv.stage())))?;
+                sub = split.graph;
+            }
             let slices = sv.shards.iter().flat_map(|sh| sh.weight_slices.iter().cloned()).collect();
             out.stages.push(StageShard { stage: sv.stage(), graph: sub, slices });
         }
@@ -109,8 +129,14 @@ pub(super) struct Rank<'a> {
     pub global_rank: usize,
     /// Ranks in the world.
     pub world: usize,
-    /// Replica (data-parallel index).
+    /// Position on the mesh's data axis (data-parallel index times cp, plus the context
+    /// index): what ZeRO shards and checkpoint writes go by.
     pub replica: usize,
+    /// The data replica whose samples this rank reads (the context group's ranks read the
+    /// same samples, each its tokens of them).
+    pub data_replica: usize,
+    /// Data replicas (the plan's dp).
+    pub data_dp: usize,
     /// Tensor-parallel rank.
     pub tensor_rank: usize,
     /// Stages of the plan.
@@ -182,8 +208,9 @@ impl<'a> Rank<'a> {
         let my_stages: Vec<usize> = (0..n_stages).filter(|&s| plan.stages[s].pp_rank == q).collect();
 
         let ep = plan.parallel.ep.max(1);
+        let cp = plan.parallel.cp.max(1);
         let experts = Experts::of(graph, ep, d)?;
-        let groups = connect_groups(env, opts, &mesh, &programs, &shards.kv_groups, ep)?;
+        let groups = connect_groups(env, opts, &mesh, &programs, &shards.kv_groups, (ep, cp))?;
         let tensor_pg = groups.by_members.get(&mesh.tensor_groups().into_iter().find(|g| g.contains(&me)).unwrap_or_default()).cloned();
         let expert_pg = (ep > 1).then(|| groups.by_members.get(&Experts::group(&mesh, ep, (q, d, t))).cloned()).flatten();
         if let Some(pg) = &expert_pg {
@@ -192,6 +219,13 @@ impl<'a> Rank<'a> {
         let expert_replicas = Some(Experts::replicas(&mesh, ep, (q, d, t))).filter(|g| ep > 1 && g.len() > 1);
         let lazy = lazy_params(plan, &layout, &program, &my_stages, (graph, &experts));
         let (stage_execs, by_name) = stage_executors(exec, source, shards, (tensor_pg.as_ref(), expert_pg.as_ref()), &lazy, &experts)?;
+        if cp > 1 {
+            let pg = groups.by_members.get(&context_group(&mesh, cp, (q, d, t))).cloned().ok_or_else(|| terr(format!("rank {me} has no context group")))?;
+            exec.set_context_group(pg.clone());
+            for e in stage_execs.values() {
+                e.set_context_group(pg.clone());
+            }
+        }
         let sliced: HashMap<&str, &WeightSlice> = shards.stages.iter().flat_map(|sh| sh.slices.iter()).map(|w| (w.initializer.as_str(), w)).collect();
         let (params, kv_groups) = own_params(plan, exec, &layout, &my_stages, (me, q, t), (&sliced, &experts), &by_name, &shards.kv_groups)?;
         // a stage reads the graph inputs the plan lists; the last one also the loss's labels
@@ -210,10 +244,12 @@ impl<'a> Rank<'a> {
             global_rank: me,
             world: env.world,
             replica: d,
+            data_replica: d / cp,
+            data_dp: plan.parallel.dp.max(1),
             tensor_rank: t,
             n_stages,
             my_stages,
-            parallel: plan.parallel,
+            parallel: mesh_parallelism(plan),
             program,
             split_w,
             offloaded: plan.stages.iter().map(|st| !st.offloaded_layers.is_empty()).collect(),
@@ -344,7 +380,7 @@ impl<'a> Rank<'a> {
         if !self.reads_data {
             return Ok(((0..self.parallel.microbatches.max(1)).map(|_| Vec::new()).collect(), (0..self.parallel.microbatches.max(1)).map(|_| HashMap::new()).collect()));
         }
-        let micro = data.replica_microbatches(k, self.replica, self.parallel.dp, self.parallel.microbatches.max(1))?;
+        let micro = data.replica_microbatches(k, self.data_replica, self.data_dp, self.parallel.microbatches.max(1))?;
         let feeds = micro.iter().map(|mb| input_feeds(self.exec, mb)).collect::<Result<_, _>>()?;
         Ok((micro, feeds))
     }
@@ -441,7 +477,7 @@ fn own_params(
     kv_names: &[(String, Vec<usize>)],
 ) -> Result<(Params, Vec<(usize, Vec<usize>)>), RuntimeError> {
     let graph = exec.graph();
-    let tp = plan.parallel.tp;
+    let subgraphs = runs_stage_subgraphs(&plan.parallel);
     let n_stages = layout.params.len();
     let mut ids: Vec<ValueId> = Vec::new();
     let mut owned: Vec<Vec<usize>> = vec![Vec::new(); n_stages];
@@ -471,14 +507,14 @@ fn own_params(
     let tensors: Vec<Tensor> = ids
         .iter()
         .map(|v| {
-            let w = if tp > 1 { by_name.get(&graph.value(*v).name) } else { exec.weights.get(v) };
+            let w = if subgraphs { by_name.get(&graph.value(*v).name) } else { exec.weights.get(v) };
             w.map(Tensor::shallow_clone).ok_or_else(|| terr(format!("no weight for `{}` on rank {me}", graph.value(*v).name)))
         })
         .collect::<Result<_, _>>()?;
     // the loaded weights of other pipeline ranks' stages (and with tensor parallelism the
     // unsliced model the shards were cut from) are never read on this rank again
     for (id, w) in &exec.weights {
-        if is_trainable(graph, *id) && (tp > 1 || !pos_of.contains_key(id)) {
+        if is_trainable(graph, *id) && (subgraphs || !pos_of.contains_key(id)) {
             w.shallow_clone().f_set_data(&Tensor::f_empty([0], (w.kind(), w.device()))?)?;
         }
     }
@@ -579,7 +615,7 @@ fn connect_groups(
     mesh: &Mesh,
     programs: &[RankProgram],
     kv_groups: &[(String, Vec<usize>)],
-    ep: usize,
+    (ep, cp): (usize, usize),
 ) -> Result<Groups, RuntimeError> {
     let me = env.rank;
     let store: Arc<Store> = Store::connect(env, opts.timeout)?;
@@ -598,6 +634,15 @@ fn connect_groups(
     }
     lists.extend(kv_groups.iter().map(|(_, g)| g.clone()));
     lists.extend(Experts::all_groups(mesh, ep));
+    if cp > 1 {
+        for q in 0..mesh.pp() {
+            for d in (0..mesh.dp()).step_by(cp) {
+                for t in 0..mesh.tp().max(1) {
+                    lists.insert(context_group(mesh, cp, (q, d, t)));
+                }
+            }
+        }
+    }
     for p in programs {
         for i in &p.instrs {
             if let Some((g, _)) = i.collective() {
@@ -614,6 +659,25 @@ fn connect_groups(
     }
     let world = by_members[&world].clone();
     Ok(Groups { me, by_members, world })
+}
+
+/// Whether a rank runs its stages as subgraphs of their own (tensor-parallel shards, or
+/// context-parallel splits) rather than the model executor's nodes.
+pub(super) fn runs_stage_subgraphs(p: &Parallelism) -> bool {
+    p.tp > 1 || p.cp > 1
+}
+
+/// The plan's parallelism as the mesh runs it: the data axis holds dp × cp positions, so
+/// gradients reduce, and ZeRO shards, over data × context ranks.
+pub(super) fn mesh_parallelism(plan: &Plan) -> Parallelism {
+    Parallelism { dp: plan.parallel.dp.max(1) * plan.parallel.cp.max(1), ..plan.parallel }
+}
+
+/// The context group of the rank at (pipeline rank, data position, tensor rank): the `cp`
+/// consecutive data positions of its data replica.
+fn context_group(mesh: &Mesh, cp: usize, (q, d, t): (usize, usize, usize)) -> Vec<usize> {
+    let first = d - d % cp;
+    (first..first + cp).map(|dd| mesh.ranks[q][dd][t]).collect()
 }
 
 /// Rejects a world size other than the plan's.
@@ -773,7 +837,7 @@ pub(super) fn placeholder(graph: &Graph, v: ValueId, float_kind: Option<Kind>, d
 /// Experts held in part (expert parallelism) are loaded as their parts: ZeRO does not shard them.
 pub(super) fn lazy_params(plan: &Plan, layout: &StageLayout, program: &RankProgram, my_stages: &[usize], (graph, experts): (&Graph, &Experts)) -> HashSet<ValueId> {
     let mut out = HashSet::new();
-    if !plan.parallel.params_sharded() {
+    if !mesh_parallelism(plan).params_sharded() {
         return out;
     }
     let gathered: HashSet<usize> = program
@@ -806,7 +870,7 @@ pub fn rank_weights(plan: &Plan, source: &Source<'_>, me: usize) -> Result<Weigh
     let mesh = plan.mesh();
     let Coord { pp: q, dp: d, .. } = mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
     let mut tensors = HashMap::new();
-    if mesh.tp() > 1 {
+    if runs_stage_subgraphs(&plan.parallel) {
         return Ok(Weights { tensors });
     }
     let experts = Experts::of(graph, plan.parallel.ep, d)?;

@@ -119,13 +119,6 @@ impl RunSession {
         // the plan's precision, or the `--dtype f64` verification override
         let dtype = FloatType::for_plan(plan.parallel.precision, opts.dtype, &path).map_err(SessionError::Options)?;
         let p = &plan.parallel;
-        if p.cp > 1 {
-            return Err(SessionError::Plan(format!(
-                "plan `{}` has cp={}: this smp-runner does not yet execute context parallelism; re-plan with `--cp 1`",
-                path.display(),
-                p.cp
-            )));
-        }
         let world = plan_world(&plan);
         let env = RankEnv::from_env().map_err(RuntimeError::from)?;
         // first: libtorch keeps its first answer about CUDA
@@ -319,6 +312,14 @@ impl RunSession {
         let weights = rank::rank_weights(plan, &source, env.rank)?;
         let exec = Executor::new_on(&graph, weights, ExecOptions { float_kind, training: true, autocast: o.autocast.map(|a| a.kind()) }, self.placement.device)?;
         let cfg = self.train_config(&graph, plan.parallel.microbatches.max(1));
+        if plan.parallel.cp > 1 && !cfg.loss.per_token() {
+            return Err(SessionError::Options(format!(
+                "plan `{}` splits each sequence over {} context ranks, but the {:?} loss is not a sum over tokens; pass --loss causal-lm or --loss cross-entropy with per-token labels, or re-plan with --cp 1",
+                plan.model.path,
+                plan.parallel.cp,
+                cfg.loss
+            )));
+        }
         let (data, eval_data) = open_data(&exec, o, self.seq_len, plan.global_batch as i64, cfg.loss)?;
         let rank_opts = RankOptions { timeout: o.timeout, bucket_bytes: 25 << 20, progress: o.progress, backend: self.placement.backend };
         // the final weights are the last step's state, gathered as a checkpoint: the run's own

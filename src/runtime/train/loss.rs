@@ -6,6 +6,7 @@ use tch::{Kind, Reduction, Tensor};
 use crate::ir::ValueKind;
 use crate::runtime::RuntimeError;
 use crate::runtime::data::{Batch, DataSource};
+use crate::runtime::kernels::context::{self, ContextRank};
 use crate::runtime::kernels::executor::Executor;
 use crate::runtime::kernels::tensor::is_float_kind;
 
@@ -45,6 +46,11 @@ impl LossKind {
         } else {
             LossKind::CausalLm
         }
+    }
+
+    /// Whether the loss is a sum over tokens (what context parallelism splits).
+    pub fn per_token(self) -> bool {
+        matches!(self, LossKind::CausalLm | LossKind::CrossEntropy)
     }
 
     /// Parses a `--loss` value.
@@ -123,8 +129,11 @@ fn main_loss_sum(exec: &Executor, kind: LossKind, mb: &Batch, outs: &[Tensor]) -
                 .find(|t| t.dim() == 3 && is_float_kind(t.kind()))
                 .ok_or_else(|| train_err("causal-lm needs a [batch, seq, vocab] logits output"))?;
             let (_, s, v) = logits.size3()?;
-            let pred = logits.f_narrow(1, 0, s - 1)?.f_reshape([-1, v])?;
-            let target = causal_targets(exec, mb)?;
+            let (pred, target) = match exec.context_rank() {
+                // every local position predicts its next token; the sequence's last predicts none
+                Some(me) => (local_tokens(logits, me, s)?.f_reshape([-1, v])?, causal_targets(exec, mb, Some(me))?),
+                None => (logits.f_narrow(1, 0, s - 1)?.f_reshape([-1, v])?, causal_targets(exec, mb, None)?),
+            };
             pred.f_cross_entropy_loss(&target, None::<&Tensor>, Reduction::Sum, IGNORE_INDEX, 0.0)?
         }
         LossKind::CrossEntropy | LossKind::Seq2Seq => {
@@ -132,8 +141,13 @@ fn main_loss_sum(exec: &Executor, kind: LossKind, mb: &Batch, outs: &[Tensor]) -
                 check_decoder_inputs(mb)?;
             }
             let v = *first_float.size().last().unwrap_or(&1);
-            let pred = first_float.f_reshape([-1, v])?;
-            pred.f_cross_entropy_loss(&class_labels(mb)?, None::<&Tensor>, Reduction::Sum, IGNORE_INDEX, 0.0)?
+            let me = exec.context_rank();
+            let pred = match me {
+                Some(me) => local_tokens(first_float, me, first_float.size().get(1).copied().unwrap_or(0))?,
+                None => first_float.shallow_clone(),
+            };
+            let pred = pred.f_reshape([-1, v])?;
+            pred.f_cross_entropy_loss(&class_labels(mb, me)?, None::<&Tensor>, Reduction::Sum, IGNORE_INDEX, 0.0)?
         }
         LossKind::Mse => {
             let target = regression_targets(mb)?;
@@ -148,19 +162,34 @@ pub const IGNORE_INDEX: i64 = -100;
 /// How many targets of `mb` the loss counts: labels other than [`IGNORE_INDEX`], regression
 /// target elements, or the rows of a model that computes its own (mean) loss.
 pub fn target_count(exec: &Executor, kind: LossKind, mb: &Batch) -> Result<f64, RuntimeError> {
+    count_targets(exec, kind, mb, exec.context_rank())
+}
+
+/// [`target_count`] of the tokens rank `me` of a context group holds (all, if none).
+fn count_targets(exec: &Executor, kind: LossKind, mb: &Batch, me: Option<ContextRank>) -> Result<f64, RuntimeError> {
     let counted = |t: &Tensor| -> Result<f64, RuntimeError> { Ok(t.f_ne(IGNORE_INDEX)?.f_sum(Kind::Int64)?.f_int64_value(&[])? as f64) };
     match kind {
         LossKind::Model => batch_rows(mb),
-        LossKind::CausalLm => counted(&causal_targets(exec, mb)?),
-        LossKind::CrossEntropy | LossKind::Seq2Seq => counted(&class_labels(mb)?),
+        LossKind::CausalLm => counted(&causal_targets(exec, mb, me)?),
+        LossKind::CrossEntropy | LossKind::Seq2Seq => counted(&class_labels(mb, me)?),
         LossKind::Mse => Ok(regression_targets(mb)?.numel() as f64),
     }
+}
+
+/// Rank `me`'s tokens (axis 1) of a `[batch, seq, ..]` output: already its own when the axis
+/// holds `seq / c` of them, cut when it holds the whole sequence `whole`.
+fn local_tokens(t: &Tensor, me: ContextRank, whole: i64) -> Result<Tensor, RuntimeError> {
+    let s = t.size().get(1).copied().ok_or_else(|| train_err("a per-token loss needs [batch, seq, ..] outputs"))?;
+    if s != whole {
+        return Ok(t.shallow_clone());
+    }
+    context::localize(t, 1, 1, me).map_err(|e| train_err(&e))
 }
 
 /// The targets counted in global batch `k` of `data`, over every replica and microbatch.
 pub fn global_target_count(exec: &Executor, kind: LossKind, data: &DataSource, k: usize) -> Result<f64, RuntimeError> {
     let whole = data.replica_microbatches(k, 0, 1, 1)?;
-    let n = whole.iter().map(|mb| target_count(exec, kind, mb)).sum::<Result<f64, _>>()?;
+    let n = whole.iter().map(|mb| count_targets(exec, kind, mb, None)).sum::<Result<f64, _>>()?;
     if n <= 0.0 {
         return Err(train_err(&format!("batch {k} of the data has no counted target (every label is {IGNORE_INDEX}); its loss is undefined")));
     }
@@ -181,8 +210,10 @@ fn find_array<'b>(mb: &'b Batch, keys: &[&str]) -> Option<&'b Tensor> {
     mb.iter().find(|(n, _)| keys.contains(&n.as_str())).map(|(_, t)| t)
 }
 
-/// The next-token targets of a causal LM: the token ids shifted by one, flattened.
-fn causal_targets(exec: &Executor, mb: &Batch) -> Result<Tensor, RuntimeError> {
+/// The next-token targets of a causal LM: the token ids shifted by one, flattened; under
+/// context parallelism (`me`), those of the rank's positions, the sequence's last position
+/// targeting nothing.
+fn causal_targets(exec: &Executor, mb: &Batch, me: Option<ContextRank>) -> Result<Tensor, RuntimeError> {
     let graph = exec.graph();
     let ids = exec
         .required_inputs()
@@ -196,11 +227,22 @@ fn causal_targets(exec: &Executor, mb: &Batch) -> Result<Tensor, RuntimeError> {
     let name = &graph.value(ids).name;
     let ids = mb.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| train_err("token ids missing"))?;
     let s = ids.size().get(1).copied().ok_or_else(|| train_err("causal-lm needs [batch, seq] token ids"))?;
-    Ok(ids.f_narrow(1, 1, s - 1)?.f_reshape([-1])?.f_to_kind(Kind::Int64)?)
+    let next = ids.f_narrow(1, 1, s - 1)?.f_to_kind(Kind::Int64)?;
+    let Some(me) = me else { return Ok(next.f_reshape([-1])?) };
+    let none = Tensor::f_full([next.size()[0], 1], IGNORE_INDEX, (Kind::Int64, next.device()))?;
+    let shifted = Tensor::f_cat(&[next, none], 1)?;
+    Ok(context::localize(&shifted, 1, 1, me).map_err(|e| train_err(&e))?.f_reshape([-1])?)
 }
 
-fn class_labels(mb: &Batch) -> Result<Tensor, RuntimeError> {
+/// The labels, flattened; under context parallelism (`me`), the rank's tokens of per-token
+/// `[batch, seq]` labels.
+fn class_labels(mb: &Batch, me: Option<ContextRank>) -> Result<Tensor, RuntimeError> {
     let labels = find_array(mb, &["labels", "label", "targets"]).ok_or_else(|| train_err("cross-entropy needs a `labels` array in --data"))?;
+    let labels = match me {
+        Some(me) if labels.dim() == 2 => context::localize(labels, 1, 1, me).map_err(|e| train_err(&e))?,
+        Some(_) => return Err(train_err(&format!("context parallelism splits tokens, but the labels are {:?}, not [batch, seq]; re-plan with --cp 1", labels.size()))),
+        None => labels.shallow_clone(),
+    };
     Ok(labels.f_reshape([-1])?.f_to_kind(Kind::Int64)?)
 }
 

@@ -45,6 +45,9 @@ pub struct OpContext {
     /// Mixed precision: the low kind `torch.autocast` computes matrix products in (the
     /// kernels' inputs are cast by [`super::run`], by the op's [`super::AutocastClass`]).
     pub autocast: Option<Kind>,
+    /// Under context parallelism, this rank's place in its group (Dropout on local tokens
+    /// draws the one-process mask and keeps the rank's rows).
+    pub context: Option<crate::runtime::kernels::context::ContextRank>,
 }
 
 /// The key of a training step's Dropout masks. A mask is a function of the run's seed, the

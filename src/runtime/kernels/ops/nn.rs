@@ -362,7 +362,12 @@ pub(super) fn softmax(kind: OpKind, a: &Args) -> KResult<Tensor> {
 /// `key`, the node and the global sample `key.first_sample + i` alone. Drawn by the CPU's
 /// generator whatever `x`'s device, so a GPU run drops what the CPU run drops.
 fn keyed_uniform(x: &Tensor, node: &str, key: super::DropoutKey) -> KResult<Tensor> {
-    let size = x.size();
+    keyed_uniform_shaped(&x.size(), x, node, key)
+}
+
+/// [`keyed_uniform`] of shape `size` (`x` gives the kind and device).
+fn keyed_uniform_shaped(size: &[i64], x: &Tensor, node: &str, key: super::DropoutKey) -> KResult<Tensor> {
+    let size = size.to_vec();
     let (rows, row_shape) = match size.split_first() {
         Some((&n, rest)) => (n, rest.to_vec()),
         None => (1, Vec::new()),
@@ -396,7 +401,19 @@ pub(super) fn dropout(a: &Args) -> KResult<Vec<Tensor>> {
     let active = training && ratio > 0.0 && (!a.ctx.training || a.ctx.dropout.is_some());
     let (y, mask) = if active {
         let uniform = match a.ctx.dropout {
-            Some(key) => keyed_uniform(x, &a.node.name, key)?,
+            Some(key) => match (a.ctx.context, a.attrs().0.get(crate::codegen::context::DROPOUT_TOKEN_AXIS)) {
+                // local tokens: the one-process mask, this rank's rows of it
+                (Some(me), Some(crate::ir::Attr::Int(axis))) => {
+                    let axis = *axis as usize;
+                    let outer = a.int(crate::codegen::context::DROPOUT_TOKEN_OUTER, 1);
+                    let mut whole = x.size();
+                    let Some(len) = whole.get_mut(axis) else { bail!("dropout token axis {axis} of a tensor of {} axes", x.dim()) };
+                    *len *= me.size as i64;
+                    let u = keyed_uniform_shaped(&whole, x, &a.node.name, key)?;
+                    crate::runtime::kernels::context::localize(&u, axis, outer, me).map_err(super::KernelError)?
+                }
+                _ => keyed_uniform(x, &a.node.name, key)?,
+            },
             None => x.f_rand_like()?,
         };
         let keep = uniform.f_ge(ratio)?;

@@ -1,0 +1,758 @@
+//! Context parallelism of a stage's graph: the tokens of every sequence split over the `c` ranks
+//! of a context group. Causal load balance: the sequence is cut into `2c` equal chunks and rank
+//! `r` holds chunks `r` and `2c − 1 − r` (a front and a back one), so every rank attends over
+//! the same number of earlier tokens.
+//!
+//! The rewrite keeps the graph's meaning (every value is the one-process value) and records,
+//! per value, whether a rank holds all of it ([`Tokens::Whole`], the same on every rank of the
+//! group) or only its tokens along one axis ([`Tokens::Local`]). It follows the data:
+//! - token ids (an integer `[batch, seq]` input that reaches an embedding lookup) are the seeds:
+//!   each rank takes its tokens of them, so the residual stream is local from the embedding on;
+//! - ops that work token by token (elementwise ops, norms and softmaxes over other axes, weight
+//!   matmuls, reshapes and transposes that keep the tokens, slices, splits and concats along
+//!   other axes, routed experts) run on the local tokens; a whole operand they combine with a
+//!   local one along the token axis (positions, rotary tables, causal masks' rows) is cut to
+//!   the rank's tokens, by [`CONTEXT_LOCALIZE`], without communication;
+//! - attention is the one place a rank needs the others' tokens: the keys and values (`kᵀ` and
+//!   `v` of the fused op, or the second operand of the score and value matmuls when attention
+//!   did not fuse) are all-gathered over the group ([`CONTEXT_GATHER`], whose backward is a
+//!   reduce-scatter), so queries stay local and the mask's columns are whole;
+//! - any other op reading a local value first gathers it (correct for every op, paid in
+//!   communication); shapes computed from a local value are the one-process shapes.
+//!
+//! Reshape and Expand targets whose token entry is the global size shrink by `c`; Dropout on
+//! local tokens draws the one-process mask and keeps the rank's rows of it.
+
+use std::collections::{HashMap, HashSet};
+
+use thiserror::Error;
+
+use super::collectives::SMP_DOMAIN;
+use crate::ir::{Attr, Attrs, DType, DimBindings, Graph, GraphError, Node, NodeId, Op, OpKind, Shape, TensorType, ValueId, ValueKind};
+use crate::passes::PassError;
+use crate::passes::shape_infer::{self, ShapeInfo};
+
+/// The all-gather of a local value over the context group (attribute `axis`, `outer`).
+pub const CONTEXT_GATHER: &str = "ContextGather";
+/// A whole value cut to this rank's tokens (attribute `axis`, `outer`).
+pub const CONTEXT_LOCALIZE: &str = "ContextLocalize";
+/// The `group` attribute of both.
+pub const CONTEXT_GROUP: &str = "context";
+/// Dropout attributes naming the token axis of a local input (and its `outer` blocks).
+pub const DROPOUT_TOKEN_AXIS: &str = "context_axis";
+/// See [`DROPOUT_TOKEN_AXIS`].
+pub const DROPOUT_TOKEN_OUTER: &str = "context_outer";
+
+/// Which tokens of a value a rank of the context group holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Tokens {
+    /// All of it (the same on every rank of the group).
+    Whole,
+    /// Its tokens along `axis`: the axis holds `outer` blocks of the sequence (tokens flattened
+    /// with the batch into axis 0 have `outer` = batch), and the rank holds its tokens of each.
+    Local {
+        /// The token axis.
+        axis: usize,
+        /// Sequence blocks along it.
+        outer: i64,
+    },
+}
+
+/// Why a graph cannot be split over a context group.
+#[derive(Debug, Error)]
+pub enum ContextError {
+    /// A node's operands do not line up with its local tokens.
+    #[error("context parallelism: node `{node}` ({op}): {msg}")]
+    Node {
+        /// The node.
+        node: String,
+        /// Its op.
+        op: String,
+        /// What is wrong.
+        msg: String,
+    },
+    /// The sequence does not cut into `2c` equal chunks.
+    #[error("context parallelism over {cp} ranks cuts each sequence into {chunks} chunks, but value `{value}` has {len} tokens; choose a sequence length divisible by {chunks} or a smaller --cp")]
+    Indivisible {
+        /// The value.
+        value: String,
+        /// Its tokens per sequence.
+        len: i64,
+        /// The context degree.
+        cp: usize,
+        /// 2·cp.
+        chunks: usize,
+    },
+    /// A stage's value leaves it with other tokens than the next stage expects.
+    #[error("context parallelism: value `{value}` leaves the stage as {got:?}, but the model's split holds it as {want:?}")]
+    Boundary {
+        /// The value.
+        value: String,
+        /// What this stage makes.
+        got: Tokens,
+        /// What the model-wide split says.
+        want: Tokens,
+    },
+    /// Shape inference failed.
+    #[error("context parallelism: {0}")]
+    Shapes(#[from] PassError),
+    /// The rewrite made an invalid graph (a bug).
+    #[error("context parallelism: {0}")]
+    Graph(#[from] GraphError),
+}
+
+/// A graph split over a context group.
+pub struct ContextSplit {
+    /// The rewritten graph (the same node and value ids, plus the inserted ones).
+    pub graph: Graph,
+    /// Each original value's tokens, by name.
+    pub tokens: HashMap<String, Tokens>,
+    /// All-gathers inserted.
+    pub gathers: usize,
+    /// Localizations inserted.
+    pub localizes: usize,
+}
+
+/// Splits `graph` (shapes bound by `dims`) over a context group of `cp` ranks. `fixed` gives
+/// the tokens of values made elsewhere (a stage's received inputs, from the model-wide split)
+/// and of values the caller needs in a given form (a stage's yields): those are checked.
+pub fn split_context(graph: &Graph, dims: &DimBindings, cp: usize, fixed: &HashMap<String, Tokens>) -> Result<ContextSplit, ContextError> {
+    let info = shape_infer::infer(graph, &dims.values, false)?;
+    let mut s = Splitter {
+        g: graph,
+        info,
+        cp: cp as i64,
+        out: graph.clone(),
+        tokens: vec![Tokens::Whole; graph.value_count()],
+        current: HashMap::new(),
+        converted: HashMap::new(),
+        counter: 0,
+        gathers: 0,
+        localizes: 0,
+    };
+    for &v in &graph.inputs {
+        if let Some(&t) = fixed.get(&graph.value(v).name) {
+            s.tokens[v.index()] = t;
+        }
+    }
+    for v in s.token_inputs() {
+        let t = Tokens::Local { axis: 1, outer: 1 };
+        s.check_divides(v, t)?;
+        let local = s.convert(v, Tokens::Whole, t, graph.value(v).name.clone(), 0)?;
+        s.current.insert(v, local);
+        s.tokens[v.index()] = t;
+    }
+    let order = graph.topo_order()?;
+    for n in order {
+        s.node(n)?;
+    }
+    for &o in &graph.outputs {
+        let name = &graph.value(o).name;
+        if let Some(&want) = fixed.get(name)
+            && want != s.tokens[o.index()]
+        {
+            return Err(ContextError::Boundary { value: name.clone(), got: s.tokens[o.index()], want });
+        }
+        if s.current.contains_key(&o) {
+            return Err(ContextError::Node {
+                node: name.clone(),
+                op: "output".into(),
+                msg: "a graph output's shape is computed from local tokens; keep the shape inside the graph".into(),
+            });
+        }
+    }
+    let tokens = graph.value_ids().map(|v| (graph.value(v).name.clone(), s.tokens[v.index()])).collect();
+    Ok(ContextSplit { graph: s.out, tokens, gathers: s.gathers, localizes: s.localizes })
+}
+
+/// How one node runs on local tokens.
+struct Decision {
+    /// Input slots read in another form: slot, the form.
+    convert: Vec<(usize, Tokens)>,
+    /// The tokens of its outputs.
+    out: Tokens,
+    /// A shape operand replaced: slot, its new values.
+    shape: Option<(usize, Vec<i64>)>,
+}
+
+impl Decision {
+    fn to(out: Tokens) -> Decision {
+        Decision { convert: Vec::new(), out, shape: None }
+    }
+}
+
+struct Splitter<'g> {
+    g: &'g Graph,
+    info: ShapeInfo,
+    cp: i64,
+    out: Graph,
+    tokens: Vec<Tokens>,
+    /// Values read through a stand-in (seeds' local ids, shapes of local values as constants).
+    current: HashMap<ValueId, ValueId>,
+    /// Conversions made: (value, form) → the converted value.
+    converted: HashMap<(ValueId, Tokens), ValueId>,
+    counter: usize,
+    gathers: usize,
+    localizes: usize,
+}
+
+fn norm_axis(axis: i64, rank: usize) -> Option<usize> {
+    let a = if axis < 0 { axis + rank as i64 } else { axis };
+    (a >= 0 && (a as usize) < rank.max(1)).then_some(a as usize)
+}
+
+impl Splitter<'_> {
+    fn shape(&self, v: ValueId) -> Option<&[i64]> {
+        self.info.types.get(v.index())?.as_ref()?.shape.as_deref()
+    }
+
+    fn err(&self, n: NodeId, msg: impl Into<String>) -> ContextError {
+        let node = self.g.node(n);
+        ContextError::Node { node: node.name.clone(), op: node.op.to_string(), msg: msg.into() }
+    }
+
+    /// Integer `[batch, seq]` graph inputs that reach an embedding lookup's indices through
+    /// elementwise ops only (token, position and segment ids; not attention masks).
+    fn token_inputs(&self) -> Vec<ValueId> {
+        let uses = self.g.uses();
+        let mut out = Vec::new();
+        for &v in &self.g.inputs {
+            let val = self.g.value(v);
+            let int = self.info.types[v.index()].as_ref().is_some_and(|t| t.dtype.is_int());
+            if val.kind != ValueKind::Input || !int || self.tokens[v.index()] != Tokens::Whole || self.shape(v).is_none_or(|s| s.len() != 2) {
+                continue;
+            }
+            let mut stack = vec![v];
+            let mut seen = HashSet::new();
+            let mut lookup = false;
+            while let Some(x) = stack.pop() {
+                for &u in &uses[x.index()] {
+                    let node = self.g.node(u);
+                    if !seen.insert(u) {
+                        continue;
+                    }
+                    match node.op.kind() {
+                        Some(OpKind::Gather) if node.inputs.get(1).copied().flatten() == Some(x) => {
+                            let data = node.inputs.first().copied().flatten();
+                            if data.is_some_and(|d| self.g.value(d).kind == ValueKind::Initializer) && node.attrs.int("axis", 0) == 0 {
+                                lookup = true;
+                            }
+                        }
+                        Some(k) if k.is_elementwise() || k == OpKind::Identity => stack.extend(node.outputs.iter().copied()),
+                        _ => {}
+                    }
+                }
+            }
+            if lookup {
+                out.push(v);
+            }
+        }
+        out
+    }
+
+    fn check_divides(&self, v: ValueId, t: Tokens) -> Result<(), ContextError> {
+        if let Tokens::Local { axis, outer } = t
+            && let Some(s) = self.shape(v)
+            && let Some(&len) = s.get(axis)
+        {
+            let chunks = 2 * self.cp;
+            let seq = len / outer.max(1);
+            if outer <= 0 || len % outer != 0 || seq % chunks != 0 || seq == 0 {
+                return Err(ContextError::Indivisible { value: self.g.value(v).name.clone(), len: seq, cp: self.cp as usize, chunks: chunks as usize });
+            }
+        }
+        Ok(())
+    }
+
+    fn fresh(&mut self, base: &str, what: &str) -> String {
+        self.counter += 1;
+        format!("{base}.{what}{}", self.counter)
+    }
+
+    /// `v` (held as `from`, read through `src`) in form `to`: the converted value's id.
+    fn convert(&mut self, v: ValueId, from: Tokens, to: Tokens, src_name: String, order: u32) -> Result<ValueId, ContextError> {
+        if let Some(&c) = self.converted.get(&(v, to)) {
+            return Ok(c);
+        }
+        let src = self.current.get(&v).copied().unwrap_or(v);
+        let mut at = src;
+        let mut held = from;
+        let emit = |s: &mut Self, op: &str, axis: usize, outer: i64, input: ValueId| -> Result<ValueId, ContextError> {
+            let name = s.fresh(&src_name, if op == CONTEXT_GATHER { "context_gather" } else { "context_local" });
+            let ty = s.g.value(v).ty.as_ref().map(|t| TensorType { dtype: t.dtype, shape: None });
+            let outv = s.out.add_value(format!("{name}.out"), ValueKind::Intermediate, ty, None)?;
+            let mut attrs = Attrs::default();
+            attrs.set("group", Attr::Str(CONTEXT_GROUP.into()));
+            attrs.set("axis", Attr::Int(axis as i64));
+            attrs.set("outer", Attr::Int(outer));
+            s.out.add_node(Node {
+                name,
+                op: Op::Placeholder { op_type: op.into(), domain: SMP_DOMAIN.into() },
+                attrs,
+                inputs: vec![Some(input)],
+                outputs: vec![outv],
+                namespace: None,
+                order,
+            })?;
+            Ok(outv)
+        };
+        if let Tokens::Local { axis, outer } = held
+            && held != to
+        {
+            at = emit(self, CONTEXT_GATHER, axis, outer, at)?;
+            self.gathers += 1;
+            held = Tokens::Whole;
+        }
+        if let (Tokens::Whole, Tokens::Local { axis, outer }) = (held, to) {
+            at = emit(self, CONTEXT_LOCALIZE, axis, outer, at)?;
+            self.localizes += 1;
+        }
+        self.converted.insert((v, to), at);
+        Ok(at)
+    }
+
+    /// Runs node `n` on local tokens: decides, inserts the conversions and rewrites.
+    fn node(&mut self, n: NodeId) -> Result<(), ContextError> {
+        let node = self.g.node(n);
+        let any_local = node.inputs.iter().flatten().any(|v| self.tokens[v.index()] != Tokens::Whole);
+        let order = node.order;
+        if !any_local {
+            // only stand-ins to rewire
+            for (slot, v) in node.inputs.iter().enumerate() {
+                if let Some(v) = *v
+                    && let Some(&c) = self.current.get(&v)
+                {
+                    self.out.set_input(n, slot, Some(c));
+                }
+            }
+            return Ok(());
+        }
+        if node.op.is(OpKind::Shape) || node.op.is(OpKind::Size) {
+            // the one-process shape: later shape arithmetic stays global
+            let o = node.outputs[0];
+            let vals = self.info.ints(o).ok_or_else(|| self.err(n, "the shape of a local value is not known statically"))?.to_vec();
+            let dims = self.shape(o).map(<[i64]>::to_vec).unwrap_or_else(|| vec![vals.len() as i64]);
+            let name = self.fresh(&self.g.value(o).name, "global");
+            let data = crate::passes::fold::int_tensor(DType::I64, dims.clone(), &vals);
+            let c = self.out.add_value(name, ValueKind::Constant, Some(TensorType { dtype: DType::I64, shape: Some(Shape::from_known(&dims)) }), Some(data))?;
+            self.current.insert(o, c);
+            return Ok(());
+        }
+        let d = match self.decide(n)? {
+            Some(d) => d,
+            None => {
+                let convert = node.inputs.iter().enumerate().filter_map(|(i, v)| v.filter(|v| self.tokens[v.index()] != Tokens::Whole).map(|_| (i, Tokens::Whole))).collect();
+                Decision { convert, out: Tokens::Whole, shape: None }
+            }
+        };
+        let node = self.g.node(n);
+        let inputs = node.inputs.clone();
+        let outputs = node.outputs.clone();
+        for (slot, v) in inputs.iter().enumerate() {
+            let Some(v) = *v else { continue };
+            if let Some(&(_, to)) = d.convert.iter().find(|c| c.0 == slot) {
+                self.check_divides(v, to)?;
+                let from = self.tokens[v.index()];
+                let c = self.convert(v, from, to, self.g.value(v).name.clone(), order)?;
+                self.out.set_input(n, slot, Some(c));
+            } else if let Some(&c) = self.current.get(&v) {
+                self.out.set_input(n, slot, Some(c));
+            }
+        }
+        if let Some((slot, vals)) = d.shape {
+            let orig = inputs[slot].ok_or_else(|| self.err(n, "no shape operand"))?;
+            let dtype = self.info.types[orig.index()].as_ref().map_or(DType::I64, |t| t.dtype);
+            let name = self.fresh(&self.g.value(orig).name, "context");
+            let dims = vec![vals.len() as i64];
+            let data = crate::passes::fold::int_tensor(dtype, dims.clone(), &vals);
+            let c = self.out.add_value(name, ValueKind::Constant, Some(TensorType { dtype, shape: Some(Shape::from_known(&dims)) }), Some(data))?;
+            self.out.set_input(n, slot, Some(c));
+        }
+        if let Tokens::Local { axis, outer } = d.out {
+            if self.g.node(n).op.is(OpKind::Dropout) {
+                let nm = self.out.node_mut(n);
+                nm.attrs.set(DROPOUT_TOKEN_AXIS, Attr::Int(axis as i64));
+                nm.attrs.set(DROPOUT_TOKEN_OUTER, Attr::Int(outer));
+            }
+            for &o in &outputs {
+                self.check_divides(o, d.out)?;
+            }
+        }
+        for &o in &outputs {
+            self.tokens[o.index()] = d.out;
+        }
+        // Dropout's mask output has the input's tokens too; TopK's indices as well
+        Ok(())
+    }
+
+    /// The placement of a node with a local input, or None to run it whole.
+    fn decide(&self, n: NodeId) -> Result<Option<Decision>, ContextError> {
+        use OpKind::*;
+        let node = self.g.node(n);
+        let tok = |v: Option<ValueId>| v.map_or(Tokens::Whole, |v| self.tokens[v.index()]);
+        let input = |i: usize| node.inputs.get(i).copied().flatten();
+        let Some(&o) = node.outputs.first() else { return Ok(None) };
+        let Some(os) = self.shape(o).map(<[i64]>::to_vec) else { return Ok(None) };
+        if let Op::Placeholder { op_type, domain } = &node.op {
+            if domain != SMP_DOMAIN {
+                return Ok(None);
+            }
+            return Ok(match op_type.as_str() {
+                "AllReduce" | super::collectives::COPY_TO_TENSOR_REGION => self.elementwise(n, &os),
+                "AllGather" | "ReduceScatter" | "Scatter" => match tok(input(0)) {
+                    Tokens::Whole if op_type == "Scatter" => {
+                        let axis = node.attrs.int("axis", 0) as usize;
+                        let t = Tokens::Local { axis, outer: 1 };
+                        Some(Decision { convert: vec![(0, t)], out: t, shape: None })
+                    }
+                    t => Some(Decision::to(t)),
+                },
+                _ => None,
+            });
+        }
+        let Some(kind) = node.op.kind() else { return Ok(None) };
+        Ok(match kind {
+            k if k.is_elementwise() || k == Identity || k == Dropout => self.elementwise(n, &os),
+            LayerNormalization | Softmax | LogSoftmax | ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd | ArgMax | ArgMin | TopK | CumSum => {
+                self.reduction(n, kind)
+            }
+            MatMul => self.matmul(n, &os),
+            Gemm => {
+                let m_axis = if node.attrs.int("transA", 0) != 0 { 1 } else { 0 };
+                match (tok(input(0)), tok(input(1))) {
+                    (Tokens::Local { axis, outer }, b) if axis == m_axis => {
+                        let out = Tokens::Local { axis: 0, outer };
+                        let mut d = self.elementwise_operands(n, &os, out, &[2]);
+                        if b != Tokens::Whole {
+                            d.convert.push((1, Tokens::Whole));
+                        }
+                        Some(d)
+                    }
+                    _ => None,
+                }
+            }
+            ScaledDotProductAttention => self.attention(n),
+            Reshape | Flatten | Squeeze | Unsqueeze => self.view(n, &os, kind == Reshape),
+            Expand => self.expand(n, &os),
+            Transpose => match tok(input(0)) {
+                Tokens::Local { axis, outer } => {
+                    let rank = os.len();
+                    let perm: Vec<i64> = node.attrs.ints("perm").map(<[i64]>::to_vec).unwrap_or_else(|| (0..rank as i64).rev().collect());
+                    perm.iter().position(|&p| p as usize == axis).map(|k| Decision::to(Tokens::Local { axis: k, outer }))
+                }
+                Tokens::Whole => None,
+            },
+            Slice => match tok(input(0)) {
+                Tokens::Local { axis, outer } if node.inputs.iter().skip(1).flatten().all(|v| self.tokens[v.index()] == Tokens::Whole) => {
+                    let rank = os.len();
+                    let axes: Option<Vec<i64>> = input(3).and_then(|v| self.info.ints(v)).map(<[i64]>::to_vec).or_else(|| node.attrs.ints("axes").map(<[i64]>::to_vec));
+                    let axes: Option<Vec<usize>> = match axes {
+                        Some(a) => a.iter().map(|&a| norm_axis(a, rank)).collect(),
+                        None => Some((0..input(1).and_then(|v| self.info.ints(v)).map_or(rank, <[i64]>::len)).collect()),
+                    };
+                    axes.filter(|a| !a.contains(&axis)).map(|_| Decision::to(Tokens::Local { axis, outer }))
+                }
+                _ => None,
+            },
+            Split => match tok(input(0)) {
+                Tokens::Local { axis, outer } => {
+                    let a = norm_axis(node.attrs.int("axis", 0), os.len());
+                    (a != Some(axis)).then(|| Decision::to(Tokens::Local { axis, outer }))
+                }
+                Tokens::Whole => None,
+            },
+            Concat => {
+                let a = norm_axis(node.attrs.int("axis", 0), os.len());
+                let first = node.inputs.iter().flatten().find_map(|v| match self.tokens[v.index()] {
+                    Tokens::Local { axis, outer } if self.shape(*v).is_some_and(|s| s.len() == os.len()) => Some(Tokens::Local { axis, outer }),
+                    _ => None,
+                });
+                match first {
+                    Some(Tokens::Local { axis, outer }) if a != Some(axis) => {
+                        let all: Vec<usize> = (0..node.inputs.len()).collect();
+                        Some(self.elementwise_operands(n, &os, Tokens::Local { axis, outer }, &all))
+                    }
+                    _ => None,
+                }
+            }
+            Gather => {
+                let g_axis = self.shape(input(0).unwrap_or(o)).and_then(|s| norm_axis(node.attrs.int("axis", 0), s.len()));
+                let ri = input(1).and_then(|v| self.shape(v)).map_or(0, <[i64]>::len);
+                match (tok(input(0)), tok(input(1)), g_axis) {
+                    (Tokens::Local { axis, outer }, Tokens::Whole, Some(g)) if axis != g => {
+                        let k = if axis < g { axis } else { axis + ri - 1 };
+                        Some(Decision::to(Tokens::Local { axis: k, outer }))
+                    }
+                    (Tokens::Whole, Tokens::Local { axis, outer }, Some(g)) => Some(Decision::to(Tokens::Local { axis: g + axis, outer })),
+                    _ => None,
+                }
+            }
+            MixtureOfExperts => {
+                let t0 = tok(input(0));
+                let same = (0..3).all(|i| tok(input(i)) == t0) && (3..node.inputs.len()).all(|i| tok(input(i)) == Tokens::Whole);
+                matches!(t0, Tokens::Local { axis: 0, .. }).then_some(()).filter(|_| same).map(|_| Decision::to(t0))
+            }
+            _ => None,
+        })
+    }
+
+    /// Output tokens of an elementwise node: those of its first local input of full rank
+    /// (else of a lower-rank one, aligned from the right); every other operand made to match.
+    fn elementwise(&self, n: NodeId, os: &[i64]) -> Option<Decision> {
+        let node = self.g.node(n);
+        let r = os.len();
+        let mut target = None;
+        for v in node.inputs.iter().flatten() {
+            if let Tokens::Local { axis, outer } = self.tokens[v.index()] {
+                let ri = self.shape(*v)?.len();
+                let t = Tokens::Local { axis: axis + (r - ri.min(r)), outer };
+                if ri == r {
+                    target = Some(t);
+                    break;
+                }
+                target.get_or_insert(t);
+            }
+        }
+        let all: Vec<usize> = (0..node.inputs.len()).collect();
+        Some(self.elementwise_operands(n, os, target?, &all))
+    }
+
+    /// `out`, with each of `slots` brought in line with it: a local operand on another axis
+    /// gathered (and cut again if it spans the tokens), a whole operand spanning the tokens cut.
+    fn elementwise_operands(&self, n: NodeId, os: &[i64], out: Tokens, slots: &[usize]) -> Decision {
+        let node = self.g.node(n);
+        let Tokens::Local { axis: ta, outer } = out else { return Decision::to(out) };
+        let r = os.len();
+        let mut convert = Vec::new();
+        for &slot in slots {
+            let Some(v) = node.inputs.get(slot).copied().flatten() else { continue };
+            let Some(vs) = self.shape(v) else { continue };
+            let ri = vs.len();
+            let off = r.saturating_sub(ri);
+            let aligned = (ta >= off && ri <= r).then(|| ta - off);
+            let t = self.tokens[v.index()];
+            if let (Tokens::Local { axis, outer: o }, Some(a)) = (t, aligned)
+                && axis == a
+                && o == outer
+            {
+                continue;
+            }
+            match aligned {
+                Some(a) if vs[a] != 1 && vs[a] == os[ta] => convert.push((slot, Tokens::Local { axis: a, outer })),
+                _ if t != Tokens::Whole => convert.push((slot, Tokens::Whole)),
+                _ => {}
+            }
+        }
+        Decision { convert, out, shape: None }
+    }
+
+    fn reduction(&self, n: NodeId, kind: OpKind) -> Option<Decision> {
+        use OpKind::*;
+        let node = self.g.node(n);
+        let x = node.inputs.first().copied().flatten()?;
+        let Tokens::Local { axis, outer } = self.tokens[x.index()] else { return None };
+        if node.inputs.iter().skip(1).flatten().any(|v| self.tokens[v.index()] != Tokens::Whole) {
+            return None;
+        }
+        let rank = self.shape(x)?.len();
+        let (touched, keep): (Vec<usize>, bool) = match kind {
+            LayerNormalization => ((norm_axis(node.attrs.int("axis", -1), rank)?..rank).collect(), true),
+            Softmax | LogSoftmax => (vec![norm_axis(node.attrs.int("axis", -1), rank)?], true),
+            TopK => (vec![norm_axis(node.attrs.int("axis", -1), rank)?], true),
+            CumSum => (vec![norm_axis(*self.info.ints(node.inputs.get(1).copied().flatten()?)?.first()?, rank)?], true),
+            ArgMax | ArgMin => (vec![norm_axis(node.attrs.int("axis", 0), rank)?], node.attrs.int("keepdims", 1) == 1),
+            _ => {
+                let axes: Vec<i64> = node
+                    .inputs
+                    .get(1)
+                    .copied()
+                    .flatten()
+                    .and_then(|v| self.info.ints(v))
+                    .map(<[i64]>::to_vec)
+                    .or_else(|| node.attrs.ints("axes").map(<[i64]>::to_vec))
+                    .unwrap_or_else(|| (0..rank as i64).collect());
+                (axes.iter().map(|&a| norm_axis(a, rank)).collect::<Option<_>>()?, node.attrs.int("keepdims", 1) == 1)
+            }
+        };
+        if touched.contains(&axis) {
+            return None;
+        }
+        let k = if keep { axis } else { axis - touched.iter().filter(|&&a| a < axis).count() };
+        Some(Decision::to(Tokens::Local { axis: k, outer }))
+    }
+
+    fn matmul(&self, n: NodeId, os: &[i64]) -> Option<Decision> {
+        let node = self.g.node(n);
+        let (a, b) = (node.inputs.first().copied().flatten()?, node.inputs.get(1).copied().flatten()?);
+        let (ra, rb, r) = (self.shape(a)?.len(), self.shape(b)?.len(), os.len());
+        if ra < 2 || rb < 2 {
+            return None;
+        }
+        let mut convert = Vec::new();
+        let mut target = None;
+        match self.tokens[a.index()] {
+            Tokens::Local { axis, .. } if axis == ra - 1 => convert.push((0, Tokens::Whole)),
+            Tokens::Local { axis, outer } => target = Some(Tokens::Local { axis: axis + (r - ra), outer }),
+            Tokens::Whole => {}
+        }
+        match self.tokens[b.index()] {
+            // a batch axis of b: the output's, unless a already holds the tokens elsewhere
+            Tokens::Local { axis, outer } if axis + 2 < rb && target.is_none_or(|t| t == Tokens::Local { axis: axis + (r - rb), outer }) => {
+                target = Some(Tokens::Local { axis: axis + (r - rb), outer });
+            }
+            Tokens::Local { .. } => convert.push((1, Tokens::Whole)),
+            Tokens::Whole => {}
+        }
+        let Some(Tokens::Local { axis: ta, outer }) = target else { return Some(Decision { convert, out: Tokens::Whole, shape: None }) };
+        // a whole operand's batch axis spanning the tokens is cut
+        for (slot, v, rv) in [(0usize, a, ra), (1, b, rb)] {
+            if convert.iter().any(|c| c.0 == slot) || self.tokens[v.index()] != Tokens::Whole {
+                continue;
+            }
+            let off = r - rv;
+            if ta >= off && ta - off + 2 < rv {
+                let k = ta - off;
+                let vs = self.shape(v)?;
+                if vs[k] != 1 && vs[k] == os[ta] {
+                    convert.push((slot, Tokens::Local { axis: k, outer }));
+                }
+            }
+        }
+        Some(Decision { convert, out: Tokens::Local { axis: ta, outer }, shape: None })
+    }
+
+    /// The fused attention `softmax(scale·q·kᵀ + mask)·v`: queries local, keys and values
+    /// gathered, the mask's rows cut to the queries.
+    fn attention(&self, n: NodeId) -> Option<Decision> {
+        let node = self.g.node(n);
+        let q = node.inputs.first().copied().flatten()?;
+        let qs = self.shape(q)?.to_vec();
+        let rq = qs.len();
+        let mut convert = Vec::new();
+        let out = match self.tokens[q.index()] {
+            Tokens::Local { axis, outer } if axis + 1 < rq => Tokens::Local { axis, outer },
+            Tokens::Local { .. } => {
+                convert.push((0, Tokens::Whole));
+                Tokens::Whole
+            }
+            Tokens::Whole => Tokens::Whole,
+        };
+        for slot in [1, 2] {
+            if node.inputs.get(slot).copied().flatten().is_some_and(|v| self.tokens[v.index()] != Tokens::Whole) {
+                convert.push((slot, Tokens::Whole));
+            }
+        }
+        if let Some(m) = node.inputs.get(3).copied().flatten() {
+            let ms = self.shape(m)?;
+            let mt = self.tokens[m.index()];
+            let Tokens::Local { axis: ta, outer } = out else {
+                if mt != Tokens::Whole {
+                    convert.push((3, Tokens::Whole));
+                }
+                return Some(Decision { convert, out, shape: None });
+            };
+            let off = rq.saturating_sub(ms.len());
+            let aligned = (ta >= off).then(|| ta - off);
+            let rows = aligned.map(|a| Tokens::Local { axis: a, outer });
+            if Some(mt) != rows {
+                match aligned {
+                    Some(a) if ms[a] != 1 && ms[a] == qs[ta] => convert.push((3, Tokens::Local { axis: a, outer })),
+                    _ if mt != Tokens::Whole => convert.push((3, Tokens::Whole)),
+                    _ => {}
+                }
+            }
+        }
+        Some(Decision { convert, out, shape: None })
+    }
+
+    /// A view that keeps the tokens in one axis: where they land; a Reshape's explicit token
+    /// entry shrinks by `c`.
+    fn view(&self, n: NodeId, os: &[i64], reshape: bool) -> Option<Decision> {
+        let node = self.g.node(n);
+        let x = node.inputs.first().copied().flatten()?;
+        let Tokens::Local { axis, outer } = self.tokens[x.index()] else { return None };
+        let is = self.shape(x)?;
+        let len = is[axis] / outer;
+        let blocks = is[..axis].iter().product::<i64>() * outer;
+        let post: i64 = is[axis + 1..].iter().product();
+        let k = (0..os.len()).find(|&k| {
+            os[k + 1..].iter().product::<i64>() == post && len > 0 && os[k] % len == 0 && os[..k].iter().product::<i64>() * (os[k] / len) == blocks
+        })?;
+        let out = Tokens::Local { axis: k, outer: os[k] / len };
+        if !reshape {
+            return Some(Decision::to(out));
+        }
+        let target = node.inputs.get(1).copied().flatten()?;
+        let vals = self.info.ints(target)?.to_vec();
+        let entry = *vals.get(k)?;
+        let copies = entry == 0 && node.attrs.int("allowzero", 0) == 0 && k == axis && is[k] == os[k];
+        let shape = if entry == os[k] {
+            let mut v = vals.clone();
+            v[k] = os[k] / self.cp;
+            Some((1, v))
+        } else if entry == -1 || copies {
+            None
+        } else {
+            return None;
+        };
+        Some(Decision { convert: Vec::new(), out, shape })
+    }
+
+    fn expand(&self, n: NodeId, os: &[i64]) -> Option<Decision> {
+        let node = self.g.node(n);
+        let x = node.inputs.first().copied().flatten()?;
+        let Tokens::Local { axis, outer } = self.tokens[x.index()] else { return None };
+        let rx = self.shape(x)?.len();
+        let k = axis + (os.len() - rx.min(os.len()));
+        let vals = self.info.ints(node.inputs.get(1).copied().flatten()?)?.to_vec();
+        let off = os.len() - vals.len().min(os.len());
+        let shape = match k.checked_sub(off).and_then(|i| vals.get(i).map(|&e| (i, e))) {
+            Some((i, e)) if e == os[k] && e != 1 => {
+                let mut v = vals.clone();
+                v[i] = e / self.cp;
+                Some((1, v))
+            }
+            _ => None,
+        };
+        Some(Decision { convert: Vec::new(), out: Tokens::Local { axis: k, outer }, shape })
+    }
+}
+
+/// Positions (in one sequence of `seq` tokens) that rank `rank` of `cp` holds, in its order:
+/// chunk `rank`, then chunk `2·cp − 1 − rank`, of `2·cp` equal chunks.
+pub fn local_positions(seq: i64, rank: usize, cp: usize) -> Vec<i64> {
+    let chunk = seq / (2 * cp as i64);
+    let front = rank as i64 * chunk;
+    let back = (2 * cp as i64 - 1 - rank as i64) * chunk;
+    (front..front + chunk).chain(back..back + chunk).collect()
+}
+
+/// Where each global position's token sits once the group's local tokens are concatenated in
+/// member order: `gathered[order[i]]` is position `i`.
+pub fn gathered_order(seq: i64, cp: usize) -> Vec<i64> {
+    let mut order = vec![0i64; seq as usize];
+    for r in 0..cp {
+        for (j, p) in local_positions(seq, r, cp).into_iter().enumerate() {
+            order[p as usize] = r as i64 * (seq / cp as i64) + j as i64;
+        }
+    }
+    order
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_hold_a_front_and_a_back_chunk_and_the_order_inverts_the_gather() {
+        assert_eq!(local_positions(8, 0, 2), vec![0, 1, 6, 7]);
+        assert_eq!(local_positions(8, 1, 2), vec![2, 3, 4, 5]);
+        for cp in [1usize, 2, 4] {
+            let seq = 16;
+            let gathered: Vec<i64> = (0..cp).flat_map(|r| local_positions(seq, r, cp)).collect();
+            let order = gathered_order(seq, cp);
+            let restored: Vec<i64> = order.iter().map(|&i| gathered[i as usize]).collect();
+            assert_eq!(restored, (0..seq).collect::<Vec<_>>(), "cp {cp}");
+        }
+    }
+}

@@ -1,0 +1,56 @@
+//! Context parallelism's two kernels (see `codegen::context`): a whole value cut to this
+//! rank's tokens, and a local value all-gathered back into the one-process order.
+
+use tch::Tensor;
+
+use crate::codegen::context::{gathered_order, local_positions};
+use crate::runtime::comm::ProcessGroup;
+
+/// This rank's place in its context group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ContextRank {
+    /// Index in the group.
+    pub index: usize,
+    /// Ranks in the group (c).
+    pub size: usize,
+}
+
+/// `x` viewed `[before, outer, tokens, after]` around `axis` (tokens along `axis` in `outer`
+/// blocks).
+fn blocked(x: &Tensor, axis: usize, outer: i64) -> Result<(Tensor, Vec<i64>), String> {
+    let size = x.size();
+    let len = *size.get(axis).ok_or_else(|| format!("token axis {axis} of a tensor of shape {size:?}"))?;
+    if outer <= 0 || len % outer != 0 {
+        return Err(format!("axis {axis} of shape {size:?} does not hold {outer} sequence blocks"));
+    }
+    let before: i64 = size[..axis].iter().product();
+    let after: i64 = size[axis + 1..].iter().product();
+    Ok((x.f_reshape([before, outer, len / outer, after]).map_err(|e| e.to_string())?, size))
+}
+
+/// The rank's tokens of the whole `x` along `axis` (`outer` sequence blocks).
+pub fn localize(x: &Tensor, axis: usize, outer: i64, me: ContextRank) -> Result<Tensor, String> {
+    let (v, mut size) = blocked(x, axis, outer)?;
+    let seq = v.size()[2];
+    let chunks = 2 * me.size as i64;
+    if seq % chunks != 0 {
+        return Err(format!("a sequence of {seq} tokens does not cut into {chunks} chunks"));
+    }
+    let idx = Tensor::from_slice(&local_positions(seq, me.index, me.size)).to_device(x.device());
+    let out = v.f_index_select(2, &idx).map_err(|e| e.to_string())?;
+    size[axis] = outer * (seq / me.size as i64);
+    out.f_reshape(size.as_slice()).map_err(|e| e.to_string())
+}
+
+/// The whole of the local `x` along `axis` over the group `pg`, tokens in one-process order;
+/// the backward sums each token's gradient over the group.
+pub fn gather(pg: &ProcessGroup, x: &Tensor, axis: usize, outer: i64) -> Result<Tensor, String> {
+    let (v, mut size) = blocked(x, axis, outer)?;
+    let local = v.size()[2];
+    let all = pg.context_gather(&v.f_contiguous().map_err(|e| e.to_string())?, 2).map_err(|e| e.to_string())?;
+    let seq = local * pg.size() as i64;
+    let idx = Tensor::from_slice(&gathered_order(seq, pg.size())).to_device(x.device());
+    let out = all.f_index_select(2, &idx).map_err(|e| e.to_string())?;
+    size[axis] = outer * seq;
+    out.f_reshape(size.as_slice()).map_err(|e| e.to_string())
+}
