@@ -171,7 +171,7 @@ struct Decision {
     convert: Vec<(usize, Tokens)>,
     /// The tokens of its outputs.
     out: Tokens,
-    /// A shape operand replaced: slot, its new values.
+    /// A shape operand divided at run time: slot, one divisor per entry.
     shape: Option<(usize, Vec<i64>)>,
 }
 
@@ -212,7 +212,7 @@ impl Splitter<'_> {
     }
 
     /// Integer `[batch, seq]` graph inputs that reach an embedding lookup's indices through
-    /// elementwise ops only (token, position and segment ids; not attention masks).
+    /// elementwise ops and views only (token, position and segment ids; not attention masks).
     fn token_inputs(&self) -> Vec<ValueId> {
         let uses = self.g.uses();
         let mut out = Vec::new();
@@ -238,7 +238,9 @@ impl Splitter<'_> {
                                 lookup = true;
                             }
                         }
-                        Some(k) if k.is_elementwise() || k == OpKind::Identity => stack.extend(node.outputs.iter().copied()),
+                        Some(k) if k.is_elementwise() || matches!(k, OpKind::Identity | OpKind::Reshape | OpKind::Unsqueeze | OpKind::Squeeze | OpKind::Flatten) => {
+                            stack.extend(node.outputs.iter().copied())
+                        }
                         _ => {}
                     }
                 }
@@ -301,6 +303,9 @@ impl Splitter<'_> {
         {
             at = emit(self, CONTEXT_GATHER, axis, outer, at)?;
             self.gathers += 1;
+            if std::env::var_os("SMP_CONTEXT_TRACE").is_some() {
+                eprintln!("context gather of `{}` (axis {axis}) for {:?}", src_name, to);
+            }
             held = Tokens::Whole;
         }
         if let (Tokens::Whole, Tokens::Local { axis, outer }) = (held, to) {
@@ -309,6 +314,15 @@ impl Splitter<'_> {
         }
         self.converted.insert((v, to), at);
         Ok(at)
+    }
+
+    /// A new node `op(a, b)` of shape arithmetic; its output.
+    fn arith(&mut self, op: OpKind, a: ValueId, b: ValueId, order: u32) -> Result<ValueId, ContextError> {
+        let base = self.out.value(a).name.clone();
+        let name = self.fresh(&base, if op == OpKind::Mul { "global" } else { "local" });
+        let out = self.out.add_value(format!("{name}.out"), ValueKind::Intermediate, None, None)?;
+        self.out.add_node(Node { name, op: Op::Known(op), attrs: Attrs::default(), inputs: vec![Some(a), Some(b)], outputs: vec![out], namespace: None, order })?;
+        Ok(out)
     }
 
     /// Runs node `n` on local tokens: decides, inserts the conversions and rewrites.
@@ -328,14 +342,28 @@ impl Splitter<'_> {
             return Ok(());
         }
         if node.op.is(OpKind::Shape) || node.op.is(OpKind::Size) {
-            // the one-process shape: later shape arithmetic stays global
+            // the one-process shape (the local one, its token entry times c): later shape
+            // arithmetic stays global
+            let x = node.inputs.first().copied().flatten().ok_or_else(|| self.err(n, "no input"))?;
+            if let Some(&c) = self.current.get(&x) {
+                self.out.set_input(n, 0, Some(c));
+            }
+            let Tokens::Local { axis, .. } = self.tokens[x.index()] else { return Ok(()) };
             let o = node.outputs[0];
-            let vals = self.info.ints(o).ok_or_else(|| self.err(n, "the shape of a local value is not known statically"))?.to_vec();
-            let dims = self.shape(o).map(<[i64]>::to_vec).unwrap_or_else(|| vec![vals.len() as i64]);
-            let name = self.fresh(&self.g.value(o).name, "global");
-            let data = crate::passes::fold::int_tensor(DType::I64, dims.clone(), &vals);
-            let c = self.out.add_value(name, ValueKind::Constant, Some(TensorType { dtype: DType::I64, shape: Some(Shape::from_known(&dims)) }), Some(data))?;
-            self.current.insert(o, c);
+            let factors: Vec<i64> = if node.op.is(OpKind::Size) {
+                vec![self.cp]
+            } else {
+                let rank = self.shape(x).map_or(0, <[i64]>::len);
+                let start = norm_axis(node.attrs.int("start", 0), rank).unwrap_or(0);
+                let end = node.attrs.0.get("end").map(|_| node.attrs.int("end", rank as i64)).map_or(rank, |e| if e < 0 { (e + rank as i64).max(0) as usize } else { (e as usize).min(rank) });
+                (start..end.max(start)).map(|i| if i == axis { self.cp } else { 1 }).collect()
+            };
+            let dims = if node.op.is(OpKind::Size) { Vec::new() } else { vec![factors.len() as i64] };
+            let name = self.fresh(&self.g.value(o).name, "context_factor");
+            let data = crate::passes::fold::int_tensor(DType::I64, dims.clone(), &factors);
+            let f = self.out.add_value(name, ValueKind::Constant, Some(TensorType { dtype: DType::I64, shape: Some(Shape::from_known(&dims)) }), Some(data))?;
+            let global = self.arith(OpKind::Mul, o, f, order)?;
+            self.current.insert(o, global);
             return Ok(());
         }
         let d = match self.decide(n)? {
@@ -359,14 +387,17 @@ impl Splitter<'_> {
                 self.out.set_input(n, slot, Some(c));
             }
         }
-        if let Some((slot, vals)) = d.shape {
+        if let Some((slot, divisors)) = d.shape {
+            // the target as given (global), its token entry divided by c at run time
             let orig = inputs[slot].ok_or_else(|| self.err(n, "no shape operand"))?;
+            let target = self.current.get(&orig).copied().unwrap_or(orig);
             let dtype = self.info.types[orig.index()].as_ref().map_or(DType::I64, |t| t.dtype);
-            let name = self.fresh(&self.g.value(orig).name, "context");
-            let dims = vec![vals.len() as i64];
-            let data = crate::passes::fold::int_tensor(dtype, dims.clone(), &vals);
+            let name = self.fresh(&self.g.value(orig).name, "context_divisors");
+            let dims = vec![divisors.len() as i64];
+            let data = crate::passes::fold::int_tensor(dtype, dims.clone(), &divisors);
             let c = self.out.add_value(name, ValueKind::Constant, Some(TensorType { dtype, shape: Some(Shape::from_known(&dims)) }), Some(data))?;
-            self.out.set_input(n, slot, Some(c));
+            let local = self.arith(OpKind::Div, target, c, order)?;
+            self.out.set_input(n, slot, Some(local));
         }
         if let Tokens::Local { axis, outer } = d.out {
             if self.g.node(n).op.is(OpKind::Dropout) {
@@ -687,8 +718,8 @@ impl Splitter<'_> {
         let entry = *vals.get(k)?;
         let copies = entry == 0 && node.attrs.int("allowzero", 0) == 0 && k == axis && is[k] == os[k];
         let shape = if entry == os[k] {
-            let mut v = vals.clone();
-            v[k] = os[k] / self.cp;
+            let mut v = vec![1; vals.len()];
+            v[k] = self.cp;
             Some((1, v))
         } else if entry == -1 || copies {
             None
@@ -708,8 +739,8 @@ impl Splitter<'_> {
         let off = os.len() - vals.len().min(os.len());
         let shape = match k.checked_sub(off).and_then(|i| vals.get(i).map(|&e| (i, e))) {
             Some((i, e)) if e == os[k] && e != 1 => {
-                let mut v = vals.clone();
-                v[i] = e / self.cp;
+                let mut v = vec![1; vals.len()];
+                v[i] = self.cp;
                 Some((1, v))
             }
             _ => None,

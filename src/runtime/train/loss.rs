@@ -131,7 +131,11 @@ fn main_loss_sum(exec: &Executor, kind: LossKind, mb: &Batch, outs: &[Tensor]) -
             let (_, s, v) = logits.size3()?;
             let (pred, target) = match exec.context_rank() {
                 // every local position predicts its next token; the sequence's last predicts none
-                Some(me) => (local_tokens(logits, me, s)?.f_reshape([-1, v])?, causal_targets(exec, mb, Some(me))?),
+                Some(me) => {
+                    let target = causal_targets(exec, mb, Some(me))?;
+                    let whole = target.size()[0] / logits.size()[0] * me.size as i64;
+                    (local_tokens(logits, me, whole)?.f_reshape([-1, v])?, target)
+                }
                 None => (logits.f_narrow(1, 0, s - 1)?.f_reshape([-1, v])?, causal_targets(exec, mb, None)?),
             };
             pred.f_cross_entropy_loss(&target, None::<&Tensor>, Reduction::Sum, IGNORE_INDEX, 0.0)?
@@ -142,12 +146,13 @@ fn main_loss_sum(exec: &Executor, kind: LossKind, mb: &Batch, outs: &[Tensor]) -
             }
             let v = *first_float.size().last().unwrap_or(&1);
             let me = exec.context_rank();
+            let labels = class_labels(mb, me)?;
             let pred = match me {
-                Some(me) => local_tokens(first_float, me, first_float.size().get(1).copied().unwrap_or(0))?,
+                Some(me) => local_tokens(first_float, me, labels.size()[0] / first_float.size()[0].max(1) * me.size as i64)?,
                 None => first_float.shallow_clone(),
             };
             let pred = pred.f_reshape([-1, v])?;
-            pred.f_cross_entropy_loss(&class_labels(mb, me)?, None::<&Tensor>, Reduction::Sum, IGNORE_INDEX, 0.0)?
+            pred.f_cross_entropy_loss(&labels, None::<&Tensor>, Reduction::Sum, IGNORE_INDEX, 0.0)?
         }
         LossKind::Mse => {
             let target = regression_targets(mb)?;
