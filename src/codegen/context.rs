@@ -101,12 +101,24 @@ pub enum ContextError {
     Graph(#[from] GraphError),
 }
 
+/// What a stage's graph is told of the values it receives and yields, from the model-wide
+/// split.
+#[derive(Clone, Debug, Default)]
+pub struct Boundary {
+    /// Tokens of received values (checked on yielded ones), by name.
+    pub tokens: HashMap<String, Tokens>,
+    /// Evaluated small integer values (shapes computed upstream), by name: dims and elements.
+    pub ints: HashMap<String, (Vec<i64>, Vec<i64>)>,
+}
+
 /// A graph split over a context group.
 pub struct ContextSplit {
     /// The rewritten graph (the same node and value ids, plus the inserted ones).
     pub graph: Graph,
     /// Each original value's tokens, by name.
     pub tokens: HashMap<String, Tokens>,
+    /// The evaluated small integer values, by name (dims and elements).
+    pub ints: HashMap<String, (Vec<i64>, Vec<i64>)>,
     /// All-gathers inserted.
     pub gathers: usize,
     /// Localizations inserted.
@@ -116,8 +128,19 @@ pub struct ContextSplit {
 /// Splits `graph` (shapes bound by `dims`) over a context group of `cp` ranks. `fixed` gives
 /// the tokens of values made elsewhere (a stage's received inputs, from the model-wide split)
 /// and of values the caller needs in a given form (a stage's yields): those are checked.
-pub fn split_context(graph: &Graph, dims: &DimBindings, cp: usize, fixed: &HashMap<String, Tokens>) -> Result<ContextSplit, ContextError> {
-    let info = shape_infer::infer(graph, &dims.values, false)?;
+pub fn split_context(graph: &Graph, dims: &DimBindings, cp: usize, boundary: &Boundary) -> Result<ContextSplit, ContextError> {
+    let fixed = &boundary.tokens;
+    // received shapes are known upstream: inferred as the constants they are
+    let mut probe = graph.clone();
+    for &v in &graph.inputs {
+        if let Some((d, vals)) = boundary.ints.get(&graph.value(v).name) {
+            let dtype = graph.value(v).ty.as_ref().map_or(DType::I64, |t| t.dtype);
+            let val = probe.value_mut(v);
+            val.kind = ValueKind::Constant;
+            val.data = Some(crate::passes::fold::int_tensor(dtype, d.clone(), vals));
+        }
+    }
+    let info = shape_infer::infer(&probe, &dims.values, false)?;
     let mut s = Splitter {
         g: graph,
         info,
@@ -153,16 +176,28 @@ pub fn split_context(graph: &Graph, dims: &DimBindings, cp: usize, fixed: &HashM
         {
             return Err(ContextError::Boundary { value: name.clone(), got: s.tokens[o.index()], want });
         }
-        if s.current.contains_key(&o) {
-            return Err(ContextError::Node {
-                node: name.clone(),
-                op: "output".into(),
-                msg: "a graph output's shape is computed from local tokens; keep the shape inside the graph".into(),
-            });
+    }
+    // an output read through a stand-in (a shape made global) leaves under its name
+    let mut outputs = s.out.outputs.clone();
+    for o in outputs.iter_mut() {
+        if let Some(&c) = s.current.get(o) {
+            let name = graph.value(*o).name.clone();
+            s.out.rename_value(*o, format!("{name}.context_local"))?;
+            s.out.rename_value(c, name)?;
+            *o = c;
         }
     }
+    s.out.outputs = outputs;
     let tokens = graph.value_ids().map(|v| (graph.value(v).name.clone(), s.tokens[v.index()])).collect();
-    Ok(ContextSplit { graph: s.out, tokens, gathers: s.gathers, localizes: s.localizes })
+    let ints = graph
+        .value_ids()
+        .filter_map(|v| {
+            let vals = s.info.ints(v)?.to_vec();
+            let d = s.shape(v).map_or_else(|| vec![vals.len() as i64], <[i64]>::to_vec);
+            Some((graph.value(v).name.clone(), (d, vals)))
+        })
+        .collect();
+    Ok(ContextSplit { graph: s.out, tokens, ints, gathers: s.gathers, localizes: s.localizes })
 }
 
 /// How one node runs on local tokens.

@@ -165,6 +165,18 @@ impl Graph {
         Ok(id)
     }
 
+    /// Renames a value; the new name must be free.
+    pub fn rename_value(&mut self, id: ValueId, name: impl Into<String>) -> Result<(), GraphError> {
+        let name = name.into();
+        if self.by_name.contains_key(&name) {
+            return Err(GraphError::DuplicateValue(name));
+        }
+        let old = std::mem::replace(&mut self.values[id.index()].name, name.clone());
+        self.by_name.remove(&old);
+        self.by_name.insert(name, id);
+        Ok(())
+    }
+
     /// Adds a node; its outputs must not have a producer yet. Wires the edges.
     pub fn add_node(&mut self, node: Node) -> Result<NodeId, GraphError> {
         for &out in &node.outputs {

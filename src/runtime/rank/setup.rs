@@ -21,7 +21,7 @@ use crate::runtime::data::Batch;
 use crate::passes::figures::is_trainable;
 use crate::runtime::state::weights::{Slice, Source};
 use crate::runtime::{ExecOptions, RuntimeError, Weights};
-use crate::codegen::context::{Tokens, split_context};
+use crate::codegen::context::{Boundary, Tokens, split_context};
 use crate::codegen::{Coord, Instr, Mesh, Purpose, RankProgram, StageView, WeightSlice, apply_shard};
 use crate::ir::{DimBindings, Graph, NodeId, Op, OpKind, Parallelism, ValueId, ValueKind};
 use crate::plan::Plan;
@@ -88,22 +88,26 @@ impl Shards {
         let view = plan.rank_view(me).map_err(|e| terr(e.to_string()))?;
         // under context parallelism, the model-wide split says which tokens cross each stage
         // boundary (the data inputs are whole: each stage cuts its own)
-        let model_tokens = if cp > 1 {
-            let split = split_context(graph, dims, cp, &HashMap::new()).map_err(|e| terr(format!("the model under cp {cp}: {e}")))?;
+        let model = if cp > 1 {
+            let split = split_context(graph, dims, cp, &Boundary::default()).map_err(|e| terr(format!("the model under cp {cp}: {e}")))?;
             let data: HashSet<&str> = graph.inputs.iter().map(|&v| graph.value(v).name.as_str()).collect();
-            split.tokens.into_iter().filter(|(n, _)| !data.contains(n.as_str())).collect()
+            Boundary { tokens: split.tokens.into_iter().filter(|(n, _)| !data.contains(n.as_str())).collect(), ints: split.ints }
         } else {
-            HashMap::new()
+            Boundary::default()
         };
         for sv in &view.stages {
             let mut sub = shard_subgraph(sv, graph, dims, &mesh, me, (q, d, t), &mut out.kv_groups)?;
             if cp > 1 {
                 let ends = sub.inputs.iter().chain(&sub.outputs).filter_map(|&v| {
                     let name = &sub.value(v).name;
-                    model_tokens.get(name).map(|t: &Tokens| (name.clone(), *t))
+                    model.tokens.get(name).map(|t: &Tokens| (name.clone(), *t))
                 });
-                let fixed: HashMap<String, Tokens> = ends.collect();
-                let split = split_context(&sub, dims, cp, &fixed).map_err(|e| terr(format!("stage {} of rank {me}: {e}", sv.stage())))?;
+                let ints = sub.inputs.iter().filter_map(|&v| {
+                    let name = &sub.value(v).name;
+                    model.ints.get(name).map(|i| (name.clone(), i.clone()))
+                });
+                let boundary = Boundary { tokens: ends.collect(), ints: ints.collect() };
+                let split = split_context(&sub, dims, cp, &boundary).map_err(|e| terr(format!("stage {} of rank {me}: {e}", sv.stage())))?;
                 sub = split.graph;
             }
             let slices = sv.shards.iter().flat_map(|sh| sh.weight_slices.iter().cloned()).collect();
