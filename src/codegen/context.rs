@@ -141,34 +141,56 @@ pub fn split_context(graph: &Graph, dims: &DimBindings, cp: usize, boundary: &Bo
         }
     }
     let info = shape_infer::infer(&probe, &dims.values, false)?;
-    let mut s = Splitter {
-        g: graph,
-        info,
-        cp: cp as i64,
-        out: graph.clone(),
-        tokens: vec![Tokens::Whole; graph.value_count()],
-        current: HashMap::new(),
-        converted: HashMap::new(),
-        counter: 0,
-        gathers: 0,
-        localizes: 0,
-    };
-    for &v in &graph.inputs {
-        if let Some(&t) = fixed.get(&graph.value(v).name) {
+    let order = graph.topo_order()?;
+    // a whole value every reader cuts the same way is made local where it is made (an
+    // elementwise op on cut operands): masks and position tables are built for the rank's
+    // rows only; repeated until nothing more moves upstream
+    let mut forced: HashMap<ValueId, Tokens> = HashMap::new();
+    let mut s = loop {
+        let mut s = Splitter {
+            g: graph,
+            info: info.clone(),
+            cp: cp as i64,
+            out: graph.clone(),
+            tokens: vec![Tokens::Whole; graph.value_count()],
+            current: HashMap::new(),
+            converted: HashMap::new(),
+            reads: HashMap::new(),
+            forced: forced.clone(),
+            counter: 0,
+            gathers: 0,
+            localizes: 0,
+        };
+        for &v in &graph.inputs {
+            if let Some(&t) = fixed.get(&graph.value(v).name) {
+                s.tokens[v.index()] = t;
+            }
+        }
+        for v in s.token_inputs() {
+            let t = Tokens::Local { axis: 1, outer: 1 };
+            s.check_divides(v, t)?;
+            let local = s.convert(v, Tokens::Whole, t, graph.value(v).name.clone(), 0)?;
+            s.current.insert(v, local);
             s.tokens[v.index()] = t;
         }
-    }
-    for v in s.token_inputs() {
-        let t = Tokens::Local { axis: 1, outer: 1 };
-        s.check_divides(v, t)?;
-        let local = s.convert(v, Tokens::Whole, t, graph.value(v).name.clone(), 0)?;
-        s.current.insert(v, local);
-        s.tokens[v.index()] = t;
-    }
-    let order = graph.topo_order()?;
-    for n in order {
-        s.node(n)?;
-    }
+        for &n in &order {
+            s.node(n)?;
+        }
+        let movable: Vec<(ValueId, Tokens)> = s
+            .reads
+            .iter()
+            .filter_map(|(&v, forms)| {
+                let [t @ Tokens::Local { .. }] = forms.as_slice() else { return None };
+                let p = graph.value(v).producer?;
+                let elementwise = graph.node(p).op.kind().is_some_and(|k| k.is_elementwise() || k == OpKind::Identity);
+                (elementwise && s.tokens[v.index()] == Tokens::Whole && !graph.outputs.contains(&v) && !forced.contains_key(&v)).then_some((v, *t))
+            })
+            .collect();
+        if movable.is_empty() || forced.len() > 4 * graph.value_count() {
+            break s;
+        }
+        forced.extend(movable);
+    };
     for &o in &graph.outputs {
         let name = &graph.value(o).name;
         if let Some(&want) = fixed.get(name)
@@ -226,6 +248,10 @@ struct Splitter<'g> {
     current: HashMap<ValueId, ValueId>,
     /// Conversions made: (value, form) → the converted value.
     converted: HashMap<(ValueId, Tokens), ValueId>,
+    /// The forms each value is read in.
+    reads: HashMap<ValueId, Vec<Tokens>>,
+    /// Whole values made local where they are made (see [`split_context`]).
+    forced: HashMap<ValueId, Tokens>,
     counter: usize,
     gathers: usize,
     localizes: usize,
@@ -338,17 +364,24 @@ impl Splitter<'_> {
         {
             at = emit(self, CONTEXT_GATHER, axis, outer, at)?;
             self.gathers += 1;
-            if std::env::var_os("SMP_CONTEXT_TRACE").is_some() {
-                eprintln!("context gather of `{}` (axis {axis}) for {:?}", src_name, to);
-            }
+            tracing::debug!(value = %src_name, axis, "context all-gather");
             held = Tokens::Whole;
         }
         if let (Tokens::Whole, Tokens::Local { axis, outer }) = (held, to) {
             at = emit(self, CONTEXT_LOCALIZE, axis, outer, at)?;
             self.localizes += 1;
+            tracing::debug!(value = %src_name, axis, "context cut");
         }
         self.converted.insert((v, to), at);
         Ok(at)
+    }
+
+    /// Records that `v` is read as `form`.
+    fn read(&mut self, v: ValueId, form: Tokens) {
+        let forms = self.reads.entry(v).or_default();
+        if !forms.contains(&form) {
+            forms.push(form);
+        }
     }
 
     /// A new node `op(a, b)` of shape arithmetic; its output.
@@ -364,8 +397,12 @@ impl Splitter<'_> {
     fn node(&mut self, n: NodeId) -> Result<(), ContextError> {
         let node = self.g.node(n);
         let any_local = node.inputs.iter().flatten().any(|v| self.tokens[v.index()] != Tokens::Whole);
+        let forced = node.outputs.first().and_then(|o| self.forced.get(o)).copied();
         let order = node.order;
-        if !any_local {
+        if !any_local && forced.is_none() {
+            for v in node.inputs.iter().flatten() {
+                self.read(*v, self.tokens[v.index()]);
+            }
             // only stand-ins to rewire
             for (slot, v) in node.inputs.iter().enumerate() {
                 if let Some(v) = *v
@@ -401,7 +438,11 @@ impl Splitter<'_> {
             self.current.insert(o, global);
             return Ok(());
         }
-        let d = match self.decide(n)? {
+        let decided = match forced {
+            Some(t) => node.outputs.first().and_then(|&o| self.shape(o)).map(<[i64]>::to_vec).map(|os| self.elementwise_operands(n, &os, t, &(0..node.inputs.len()).collect::<Vec<_>>())),
+            None => self.decide(n)?,
+        };
+        let d = match decided {
             Some(d) => d,
             None => {
                 let convert = node.inputs.iter().enumerate().filter_map(|(i, v)| v.filter(|v| self.tokens[v.index()] != Tokens::Whole).map(|_| (i, Tokens::Whole))).collect();
@@ -413,6 +454,8 @@ impl Splitter<'_> {
         let outputs = node.outputs.clone();
         for (slot, v) in inputs.iter().enumerate() {
             let Some(v) = *v else { continue };
+            let form = d.convert.iter().find(|c| c.0 == slot).map_or(self.tokens[v.index()], |c| c.1);
+            self.read(v, form);
             if let Some(&(_, to)) = d.convert.iter().find(|c| c.0 == slot) {
                 self.check_divides(v, to)?;
                 let from = self.tokens[v.index()];

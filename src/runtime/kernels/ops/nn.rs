@@ -21,6 +21,9 @@ pub(super) fn scaled_dot_product_attention(a: &Args) -> KResult<Tensor> {
         _ => bail!("attribute `scale` must be a one-element tensor"),
     };
     let k = kt.f_transpose(-2, -1)?;
+    // libtorch's fused kernels want unit-stride rows; a `kᵀ` made whole (gathered, not a view
+    // of k) would send it down the path that materialises the scores
+    let k = if k.stride().last().is_some_and(|&s| s != 1) { k.f_contiguous()? } else { k };
     let mask = match a.opt(3) {
         Some(m) if m.kind() != Kind::Bool && m.kind() != q.kind() => Some(m.f_to_kind(q.kind())?),
         Some(m) => Some(m.shallow_clone()),
