@@ -83,16 +83,6 @@ pub enum ContextError {
         /// 2·cp.
         chunks: usize,
     },
-    /// A stage's value leaves it with other tokens than the next stage expects.
-    #[error("context parallelism: value `{value}` leaves the stage as {got:?}, but the model's split holds it as {want:?}")]
-    Boundary {
-        /// The value.
-        value: String,
-        /// What this stage makes.
-        got: Tokens,
-        /// What the model-wide split says.
-        want: Tokens,
-    },
     /// Shape inference failed.
     #[error("context parallelism: {0}")]
     Shapes(#[from] PassError),
@@ -182,7 +172,7 @@ pub fn split_context(graph: &Graph, dims: &DimBindings, cp: usize, boundary: &Bo
             .filter_map(|(&v, forms)| {
                 let [t @ Tokens::Local { .. }] = forms.as_slice() else { return None };
                 let p = graph.value(v).producer?;
-                let elementwise = graph.node(p).op.kind().is_some_and(|k| k.is_elementwise() || k == OpKind::Identity);
+                let elementwise = graph.node(p).op.kind().is_some_and(|k| k.is_elementwise() || matches!(k, OpKind::Identity | OpKind::Expand));
                 (elementwise && s.tokens[v.index()] == Tokens::Whole && !graph.outputs.contains(&v) && !forced.contains_key(&v)).then_some((v, *t))
             })
             .collect();
@@ -191,17 +181,20 @@ pub fn split_context(graph: &Graph, dims: &DimBindings, cp: usize, boundary: &Bo
         }
         forced.extend(movable);
     };
-    for &o in &graph.outputs {
-        let name = &graph.value(o).name;
-        if let Some(&want) = fixed.get(name)
-            && want != s.tokens[o.index()]
-        {
-            return Err(ContextError::Boundary { value: name.clone(), got: s.tokens[o.index()], want });
-        }
-    }
-    // an output read through a stand-in (a shape made global) leaves under its name
+    // an output read through a stand-in (a shape made global), or held otherwise than the
+    // model-wide split sends it, leaves under its name in the form the next stage expects
     let mut outputs = s.out.outputs.clone();
     for o in outputs.iter_mut() {
+        let name = graph.value(*o).name.clone();
+        let got = s.tokens[o.index()];
+        let want = fixed.get(&name).copied().unwrap_or(got);
+        if want != got {
+            s.check_divides(*o, want)?;
+            let order = graph.value(*o).producer.map_or(0, |p| graph.node(p).order);
+            let c = s.convert(*o, got, want, name.clone(), order)?;
+            s.current.insert(*o, c);
+            s.tokens[o.index()] = want;
+        }
         if let Some(&c) = s.current.get(o) {
             let name = graph.value(*o).name.clone();
             s.out.rename_value(*o, format!("{name}.context_local"))?;
@@ -342,7 +335,17 @@ impl Splitter<'_> {
         let mut held = from;
         let emit = |s: &mut Self, op: &str, axis: usize, outer: i64, input: ValueId| -> Result<ValueId, ContextError> {
             let name = s.fresh(&src_name, if op == CONTEXT_GATHER { "context_gather" } else { "context_local" });
-            let ty = s.g.value(v).ty.as_ref().map(|t| TensorType { dtype: t.dtype, shape: None });
+            // declared as shape inference sees it: the whole value, or its token axis over c
+            let whole = s.info.types[v.index()].clone();
+            let ty = whole.map(|t| {
+                let shape = t.shape.map(|mut d| {
+                    if op == CONTEXT_LOCALIZE && let Some(len) = d.get_mut(axis) {
+                        *len /= s.cp;
+                    }
+                    Shape::from_known(&d)
+                });
+                TensorType { dtype: t.dtype, shape }
+            });
             let outv = s.out.add_value(format!("{name}.out"), ValueKind::Intermediate, ty, None)?;
             let mut attrs = Attrs::default();
             attrs.set("group", Attr::Str(CONTEXT_GROUP.into()));
@@ -438,9 +441,10 @@ impl Splitter<'_> {
             self.current.insert(o, global);
             return Ok(());
         }
-        let decided = match forced {
-            Some(t) => node.outputs.first().and_then(|&o| self.shape(o)).map(<[i64]>::to_vec).map(|os| self.elementwise_operands(n, &os, t, &(0..node.inputs.len()).collect::<Vec<_>>())),
-            None => self.decide(n)?,
+        let decided = match (forced, node.outputs.first().and_then(|&o| self.shape(o)).map(<[i64]>::to_vec)) {
+            (Some(t), Some(os)) if node.op.is(OpKind::Expand) => self.expand_to(n, &os, t),
+            (Some(t), Some(os)) => Some(self.elementwise_operands(n, &os, t, &(0..node.inputs.len()).collect::<Vec<_>>())),
+            _ => self.decide(n)?,
         };
         let d = match decided {
             Some(d) => d,
@@ -805,6 +809,28 @@ impl Splitter<'_> {
             return None;
         };
         Some(Decision { convert: Vec::new(), out, shape })
+    }
+
+    /// An Expand made to yield `out` (its input cut where it spans the tokens, a target entry
+    /// that names them divided).
+    fn expand_to(&self, n: NodeId, os: &[i64], out: Tokens) -> Option<Decision> {
+        let node = self.g.node(n);
+        let Tokens::Local { axis: a, outer } = out else { return None };
+        let x = node.inputs.first().copied().flatten()?;
+        let xs = self.shape(x)?;
+        let off = os.len().checked_sub(xs.len())?;
+        let mut convert = Vec::new();
+        if a >= off && xs[a - off] != 1 && xs[a - off] == os[a] {
+            convert.push((0, Tokens::Local { axis: a - off, outer }));
+        }
+        let vals = self.info.ints(node.inputs.get(1).copied().flatten()?)?;
+        let i = a.checked_sub(os.len().checked_sub(vals.len())?);
+        let shape = i.filter(|&i| vals[i] == os[a] && vals[i] != 1).map(|i| {
+            let mut d = vec![1; vals.len()];
+            d[i] = self.cp;
+            (1, d)
+        });
+        Some(Decision { convert, out, shape })
     }
 
     fn expand(&self, n: NodeId, os: &[i64]) -> Option<Decision> {

@@ -1,0 +1,72 @@
+//! The context-parallel split of whole models (`codegen::context`), checked on the graph:
+//! - on every bundled language model (GPT-2, Llama with GQA and rotary tables, BERT, OPT, Phi,
+//!   RoBERTa) the only all-gathers are each attention's keys and values (two per layer), the
+//!   residual stream and the logits are local on the token axis, and the masks every layer
+//!   reads are built for the rank's rows (no cut of a whole `seq × seq` tensor is left);
+//! - the rewritten graph still infers, with the token axes at `seq / c`;
+//! - a sequence that does not cut into 2c chunks is refused naming the value and the fix.
+
+use std::path::PathBuf;
+
+use smp_partition::codegen::context::{Boundary, ContextError, Tokens, split_context};
+use smp_partition::frontend::onnx::load_model;
+use smp_partition::ir::{LayeredGraph, Op};
+use smp_partition::passes::shape_infer;
+use smp_partition::passes::{AnalyzeOptions, analyze};
+
+fn analysed(name: &str, seq: i64) -> LayeredGraph {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models").join(format!("{name}.onnx"));
+    let graph = load_model(&path).unwrap_or_else(|e| panic!("{name}: {e}")).graph;
+    analyze(graph, &AnalyzeOptions { seq_len: Some(seq), dims: Default::default() }).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+fn placeholders(g: &smp_partition::ir::Graph, op: &str) -> Vec<String> {
+    g.node_ids()
+        .filter_map(|n| {
+            let node = g.node(n);
+            matches!(&node.op, Op::Placeholder { op_type, .. } if op_type == op).then(|| node.name.clone())
+        })
+        .collect()
+}
+
+#[test]
+fn language_models_gather_only_keys_and_values_and_keep_tokens_local() {
+    for name in ["gpt2", "llama", "bert", "opt", "phi", "roberta"] {
+        let lg = analysed(name, 32);
+        let split = split_context(&lg.graph, &lg.dims, 2, &Boundary::default()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let attention = lg.layers.len() - 1;
+        let gathers = placeholders(&split.graph, "ContextGather");
+        assert_eq!(split.gathers, gathers.len(), "{name}");
+        assert!(
+            gathers.len() <= 2 * lg.layers.len() && gathers.len() >= 2 * attention.min(2),
+            "{name}: {} all-gathers for {} layers: {gathers:?}",
+            gathers.len(),
+            lg.layers.len()
+        );
+        // logits: local on the token axis
+        let out = lg.graph.outputs[0];
+        let t = split.tokens[&lg.graph.value(out).name];
+        assert!(matches!(t, Tokens::Local { axis: 1, outer: 1 }), "{name}: logits held as {t:?}");
+        // the rewritten graph infers, every cut and gather at the local or whole size
+        let info = shape_infer::infer(&split.graph, &lg.dims.values, false).unwrap_or_else(|e| panic!("{name}: rewritten graph: {e}"));
+        let logits = info.types[out.index()].as_ref().and_then(|t| t.shape.clone()).expect("logits shape");
+        assert_eq!(logits[1], 16, "{name}: logits {logits:?} hold {} tokens, not 32 / 2", logits[1]);
+        // no whole seq × seq tensor is cut: masks are built for the rank's rows
+        for n in placeholders(&split.graph, "ContextLocalize") {
+            let node = split.graph.node(split.graph.node_ids().find(|&i| split.graph.node(i).name == n).unwrap());
+            let x = node.inputs[0].unwrap();
+            let s = info.types[x.index()].as_ref().and_then(|t| t.shape.clone()).unwrap_or_default();
+            assert!(s.iter().filter(|&&d| d == 32).count() < 2, "{name}: `{n}` cuts a whole {s:?}");
+        }
+        eprintln!("{name}: {} all-gathers, {} cuts", split.gathers, split.localizes);
+    }
+}
+
+#[test]
+fn a_sequence_that_does_not_cut_into_2c_chunks_is_refused_with_the_fix() {
+    let lg = analysed("gpt2", 12);
+    let Err(e) = split_context(&lg.graph, &lg.dims, 4, &Boundary::default()) else { panic!("cp 4 over 12 tokens was accepted") };
+    assert!(matches!(e, ContextError::Indivisible { len: 12, cp: 4, chunks: 8, .. }), "{e}");
+    let text = e.to_string();
+    assert!(text.contains("input_ids") && text.contains("divisible by 8") && text.contains("--cp"), "{text}");
+}
