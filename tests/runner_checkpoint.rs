@@ -664,39 +664,7 @@ fn frozen_patterns_go_from_the_plan_to_the_run_and_its_export() {
 /// as an export in training mode has them.
 fn dropout_model() -> PathBuf {
     static M: OnceLock<PathBuf> = OnceLock::new();
-    M.get_or_init(|| {
-        let out = files().dir.join("gpt2-dropout.onnx");
-        let script = r#"
-import sys, onnx
-from onnx import helper, TensorProto
-m = onnx.load(sys.argv[1])
-g = m.graph
-nodes = []
-for n in g.node:
-    nodes.append(n)
-    if n.op_type != "Softmax":
-        continue
-    src, dst = n.output[0], n.output[0] + "_dropped"
-    for c in g.node:
-        for i, x in enumerate(c.input):
-            if x == src:
-                c.input[i] = dst
-    ratio, train = n.name + "_dropout_ratio", n.name + "_dropout_training"
-    g.initializer.append(helper.make_tensor(ratio, TensorProto.FLOAT, [], [0.25]))
-    g.initializer.append(helper.make_tensor(train, TensorProto.BOOL, [], [True]))
-    nodes.append(helper.make_node("Dropout", [src, ratio, train], [dst], name=n.name + "_dropout"))
-del g.node[:]
-g.node.extend(nodes)
-onnx.checker.check_model(m)
-onnx.save(m, sys.argv[2])
-print(sum(n.op_type == "Dropout" for n in g.node))
-"#;
-        let r = Command::new(repo().join(".venv/bin/python")).args(["-c", script]).arg(model()).arg(&out).output().unwrap();
-        let r = ok("inserting Dropout nodes", r);
-        assert_eq!(String::from_utf8_lossy(&r.stdout).trim(), "4", "one Dropout per block");
-        out
-    })
-    .clone()
+    M.get_or_init(|| common::runner::gpt2_with_attention_dropout(&files().dir.join("gpt2-dropout.onnx"))).clone()
 }
 
 fn max_rel(a: &[f64], b: &[f64]) -> f64 {

@@ -62,3 +62,38 @@ pub fn plan_megatron(model: &std::path::Path, pp: usize, tp: usize, out: &std::p
     ok(&format!("planning {} pp{pp} tp{tp}", model.display()), r);
     serde_json::from_slice(&std::fs::read(out).unwrap()).unwrap()
 }
+
+/// Writes to `out` the bundled GPT-2 with a training-mode Dropout (ratio 0.25) after each
+/// attention softmax, and returns `out`.
+pub fn gpt2_with_attention_dropout(out: &std::path::Path) -> std::path::PathBuf {
+    let repo = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let script = r#"
+import sys, onnx
+from onnx import helper, TensorProto
+m = onnx.load(sys.argv[1])
+g = m.graph
+nodes = []
+for n in g.node:
+    nodes.append(n)
+    if n.op_type != "Softmax":
+        continue
+    src, dst = n.output[0], n.output[0] + "_dropped"
+    for c in g.node:
+        for i, x in enumerate(c.input):
+            if x == src:
+                c.input[i] = dst
+    ratio, train = n.name + "_dropout_ratio", n.name + "_dropout_training"
+    g.initializer.append(helper.make_tensor(ratio, TensorProto.FLOAT, [], [0.25]))
+    g.initializer.append(helper.make_tensor(train, TensorProto.BOOL, [], [True]))
+    nodes.append(helper.make_node("Dropout", [src, ratio, train], [dst], name=n.name + "_dropout"))
+del g.node[:]
+g.node.extend(nodes)
+onnx.checker.check_model(m)
+onnx.save(m, sys.argv[2])
+print(sum(n.op_type == "Dropout" for n in g.node))
+"#;
+    let r = Command::new(repo.join(".venv/bin/python")).args(["-c", script]).arg(repo.join("models/gpt2.onnx")).arg(out).output().unwrap();
+    let r = ok("inserting Dropout nodes", r);
+    assert_eq!(String::from_utf8_lossy(&r.stdout).trim(), "4", "one Dropout per block");
+    out.to_path_buf()
+}

@@ -97,6 +97,7 @@ impl Shards {
         };
         for sv in &view.stages {
             let mut sub = shard_subgraph(sv, graph, dims, &mesh, me, (q, d, t), &mut out.kv_groups)?;
+            pass_through(&mut sub, graph, &sv.code.outputs_to_next)?;
             if cp > 1 {
                 let ends = sub.inputs.iter().chain(&sub.outputs).filter_map(|&v| {
                     let name = &sub.value(v).name;
@@ -608,6 +609,21 @@ fn shard_subgraph(
         }
     }
     Ok(sub)
+}
+
+/// Adds to a stage's subgraph the values it passes on without reading (an interleaved
+/// schedule's later stages read what an earlier one made): inputs that are also outputs.
+fn pass_through(sub: &mut Graph, model: &Graph, names: &[String]) -> Result<(), RuntimeError> {
+    for name in names {
+        if sub.value_by_name(name).is_some() {
+            continue;
+        }
+        let ty = model.value_by_name(name).and_then(|v| model.value(v).ty.clone());
+        let v = sub.add_value(name.clone(), ValueKind::Input, ty, None).map_err(|e| terr(format!("stage subgraph: {e}")))?;
+        sub.inputs.push(v);
+        sub.outputs.push(v);
+    }
+    Ok(())
 }
 
 /// The process groups of rank `env.rank`: every distinct member list in any program, the
