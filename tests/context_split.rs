@@ -58,7 +58,7 @@ fn language_models_gather_only_keys_and_values_and_keep_tokens_local() {
             let s = info.types[x.index()].as_ref().and_then(|t| t.shape.clone()).unwrap_or_default();
             assert!(s.iter().filter(|&&d| d == 32).count() < 2, "{name}: `{n}` cuts a whole {s:?}");
         }
-        eprintln!("{name}: {} all-gathers, {} cuts", split.gathers, split.localizes);
+        eprintln!("{name}: {} all-gathers, {} cuts: {gathers:?}", split.gathers, split.localizes);
     }
 }
 

@@ -166,6 +166,21 @@ pub fn split_context(graph: &Graph, dims: &DimBindings, cp: usize, boundary: &Bo
         for &n in &order {
             s.node(n)?;
         }
+        // and a local value every reader gathers, made by a view of a local one, is made whole
+        // from the gathered input: keys and values are gathered before grouped-query attention
+        // repeats their heads
+        let gathered_views: Vec<(ValueId, Tokens)> = s
+            .reads
+            .iter()
+            .filter_map(|(&v, forms)| {
+                let [Tokens::Whole] = forms.as_slice() else { return None };
+                let p = graph.value(v).producer?;
+                let node = graph.node(p);
+                let view = node.op.kind().is_some_and(|k| matches!(k, OpKind::Reshape | OpKind::Transpose | OpKind::Unsqueeze | OpKind::Squeeze | OpKind::Expand | OpKind::Flatten | OpKind::Identity));
+                let from_local = node.inputs.first().copied().flatten().is_some_and(|x| s.tokens[x.index()] != Tokens::Whole);
+                (view && from_local && s.tokens[v.index()] != Tokens::Whole && !graph.outputs.contains(&v) && !forced.contains_key(&v)).then_some((v, Tokens::Whole))
+            })
+            .collect();
         let movable: Vec<(ValueId, Tokens)> = s
             .reads
             .iter()
@@ -176,10 +191,11 @@ pub fn split_context(graph: &Graph, dims: &DimBindings, cp: usize, boundary: &Bo
                 (elementwise && s.tokens[v.index()] == Tokens::Whole && !graph.outputs.contains(&v) && !forced.contains_key(&v)).then_some((v, *t))
             })
             .collect();
-        if movable.is_empty() || forced.len() > 4 * graph.value_count() {
+        if (movable.is_empty() && gathered_views.is_empty()) || forced.len() > 4 * graph.value_count() {
             break s;
         }
         forced.extend(movable);
+        forced.extend(gathered_views);
     };
     // an output read through a stand-in (a shape made global), or held otherwise than the
     // model-wide split sends it, leaves under its name in the form the next stage expects
@@ -243,7 +259,7 @@ struct Splitter<'g> {
     converted: HashMap<(ValueId, Tokens), ValueId>,
     /// The forms each value is read in.
     reads: HashMap<ValueId, Vec<Tokens>>,
-    /// Whole values made local where they are made (see [`split_context`]).
+    /// Values made local (or whole) where they are made (see [`split_context`]).
     forced: HashMap<ValueId, Tokens>,
     counter: usize,
     gathers: usize,
@@ -442,6 +458,7 @@ impl Splitter<'_> {
             return Ok(());
         }
         let decided = match (forced, node.outputs.first().and_then(|&o| self.shape(o)).map(<[i64]>::to_vec)) {
+            (Some(Tokens::Whole), _) => None,
             (Some(t), Some(os)) if node.op.is(OpKind::Expand) => self.expand_to(n, &os, t),
             (Some(t), Some(os)) => Some(self.elementwise_operands(n, &os, t, &(0..node.inputs.len()).collect::<Vec<_>>())),
             _ => self.decide(n)?,
