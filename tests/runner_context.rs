@@ -71,9 +71,13 @@ fn equal_to_one_process(name: &str, model_name: &str, nproc: usize, flags: &[&st
     let want = one_process(&m, per as usize, extra);
     let mut args = vec!["--steps", "5"];
     args.extend_from_slice(extra);
-    let got = field(&launch(&p, nproc, &args), "steps", "loss");
+    let report = launch(&p, nproc, &args);
+    let got = field(&report, "steps", "loss");
+    // the sequence was split: every rank all-gathers keys and values
+    let gathers = field(&report, "ranks", "context_gathers");
+    assert!(gathers.len() == nproc && gathers.iter().all(|&g| g > 0.0), "{name}: all-gathers per rank {gathers:?}");
     let worst = max_rel(&got, &want);
-    eprintln!("{name}: cp 2 vs one process, max relative loss difference {worst:.1e}");
+    eprintln!("{name}: cp 2 vs one process, max relative loss difference {worst:.1e} ({gathers:?} all-gathers per rank)");
     assert!(worst <= 1e-9, "{name}: {got:?} vs one process {want:?} ({worst:.1e})");
 }
 

@@ -1,7 +1,8 @@
 """The Hugging Face zoo (zoo.py) through the front door, as a user brings a model: each
 architecture at a small config and the library's default init, exported by `smp.export`
 (cached), planned on cpu:2 with `pipeline_parallel_degree: 2` and again with
-`tensor_parallel_degree: 2`, trained 5 f32 steps by `smp.launch` on 2 ranks and brought back
+`tensor_parallel_degree: 2` (language models also with `context_parallel_degree: 2`, each
+sequence split over 2 ranks, checked to all-gather keys and values), trained 5 f32 steps by `smp.launch` on 2 ranks and brought back
 by `smp.load_trained` (strict), then compared with the module trained by PyTorch itself:
 losses within 1e-5 relative, every parameter within 1e-4 norm-relative (elements whose true
 gradient is zero only bounded: Adam scales their rounding noise to ±lr a step). The same plans
@@ -29,6 +30,8 @@ LOSS_TOL, WEIGHT_TOL, EXACT_TOL = 1e-5, 1e-4, 1e-9
 #: 5 AdamW steps of lr 1e-3 on each side.
 NOISE_BOUND = 2.0 * zoo.STEPS * zoo.LR
 PLANS = {"pp2": {"pipeline_parallel_degree": 2, "microbatches": 2}, "tp2": {"tensor_parallel_degree": 2}}
+# context parallelism splits tokens: only for models whose loss is a sum over tokens
+TOKEN_PLANS = {"cp2": {"context_parallel_degree": 2}}
 
 
 def _norm_rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -103,7 +106,8 @@ def test_zoo(name: str, tmp_path: Path) -> None:
     exact_losses, exact = _one_process_f64(c, data_file, tmp_path)
     loss = zoo.RUNNER_LOSS[c.arch.task]
     failures, measured = [], {}
-    for label, config in PLANS.items():
+    plans = PLANS | (TOKEN_PLANS if c.arch.task in ("causal-lm", "masked-lm") else {})
+    for label, config in plans.items():
         plan = smp.plan(c.exported, zoo.inputs_of(c.data), cluster="cpu:2", global_batch=zoo.BATCH, config=config,
                         workdir=tmp_path / label)
         if c.arch.task == "seq2seq":
@@ -112,6 +116,11 @@ def test_zoo(name: str, tmp_path: Path) -> None:
             for stack in ("encoder", "decoder"):
                 assert sum(f".{stack}." in n for n in names) == 2, names
         run = smp.launch(plan, data=data_file, steps=zoo.STEPS, loss=loss, threads=1, progress=False)
+        if label in TOKEN_PLANS:
+            # the sequence was split: every rank all-gathers keys and values
+            gathers = [r.get("context_gathers", 0) for r in run.report["ranks"]]
+            if not all(g > 0 for g in gathers):
+                failures.append(f"{label}: the ranks all-gathered {gathers} keys and values")
         rel = max(abs(a - b) / abs(b) for a, b in zip(run.losses, c.losses))
         if len(run.losses) != len(c.losses) or rel > LOSS_TOL:
             failures.append(f"{label}: losses differ by {rel:.2e}: runner {run.losses}, torch {c.losses}")

@@ -108,7 +108,7 @@ impl<'r, 'a> Interp<'r, 'a> {
         Ok(Interp {
             rank,
             zero: Zero::new(rank, restore)?,
-            tally: Tally::default(),
+            tally: Tally::with_context_gathers(rank.context_gathers()),
             grads: Vec::new(),
             state: HashMap::new(),
             act_in: HashMap::new(),

@@ -51,6 +51,8 @@ pub struct RankStats {
     pub peak_kept_bytes: u64,
     /// The most bytes of kept inputs offloaded to host memory.
     pub peak_offloaded_bytes: u64,
+    /// Context-parallel all-gathers in one forward of the rank's stages (0 without cp).
+    pub context_gathers: u64,
 }
 
 /// Wall seconds of a step by kind of instruction.
@@ -147,9 +149,16 @@ pub(super) struct Tally {
     pub phases: PhaseTimes,
     /// The kept-input pools (their peaks over the run).
     pub kept: PoolBytes,
+    /// Context-parallel all-gathers in one forward of the rank's stages.
+    pub context_gathers: u64,
 }
 
 impl Tally {
+    /// An empty tally of a rank whose stages hold `n` context-parallel all-gathers.
+    pub fn with_context_gathers(n: u64) -> Tally {
+        Tally { context_gathers: n, ..Tally::default() }
+    }
+
     /// Counts `now` towards the peaks.
     pub fn observe(&mut self, now: StateBytes) {
         if now.total() > self.peak.total() {
@@ -166,7 +175,7 @@ pub(super) fn gather(world: &ProcessGroup, size: usize, records: Vec<StepRecord>
     let cpu: Vec<f64> = records.iter().skip(usize::from(records.len() > 1)).map(|s| s.cpu_s).collect();
     let cpu_mean = cpu.iter().sum::<f64>() / cpu.len().max(1) as f64;
     let phases = tally.phases.as_array().map(|x| x / timed.len().max(1) as f64);
-    const STATS: usize = 17;
+    const STATS: usize = 18;
     let p = tally.peak;
     let mine = Tensor::from_slice(&[
         mean,
@@ -186,6 +195,7 @@ pub(super) fn gather(world: &ProcessGroup, size: usize, records: Vec<StepRecord>
         phases[4],
         tally.kept.device_peak as f64,
         tally.kept.host_peak as f64,
+        tally.context_gathers as f64,
     ]);
     let all = Tensor::f_zeros([(STATS * size) as i64], (Kind::Double, tch::Device::Cpu))?;
     world.all_gather(&all, &mine)?;
@@ -203,6 +213,7 @@ pub(super) fn gather(world: &ProcessGroup, size: usize, records: Vec<StepRecord>
             phases: PhaseTimes::from_slice(&c[10..15]),
             peak_kept_bytes: c[15] as u64,
             peak_offloaded_bytes: c[16] as u64,
+            context_gathers: c[17] as u64,
         })
         .collect();
     world.barrier()?;

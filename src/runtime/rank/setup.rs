@@ -273,6 +273,12 @@ impl<'a> Rank<'a> {
         })
     }
 
+    /// Context-parallel all-gathers in one forward of this rank's stages.
+    pub fn context_gathers(&self) -> u64 {
+        let gathers = |g: &Graph| g.node_ids().filter(|&n| matches!(&g.node(n).op, Op::Placeholder { op_type, .. } if op_type == crate::codegen::context::CONTEXT_GATHER)).count();
+        self.stage_execs.values().map(|e| gathers(e.graph()) as u64).sum()
+    }
+
     /// The model graph.
     pub fn graph(&self) -> &'a Graph {
         self.exec.graph()

@@ -74,6 +74,8 @@ pub struct RankDetail {
     pub peak_kept_activation_bytes: u64,
     /// The most bytes of kept inputs offloaded to host memory.
     pub peak_offloaded_activation_bytes: u64,
+    /// Context-parallel all-gathers in one forward of the rank's stages (keys and values).
+    pub context_gathers: u64,
 }
 
 /// Trained state bytes by kind.
@@ -127,6 +129,7 @@ impl RankDetail {
             phases: PhaseEntry { compute_s, send_s, recv_s, collective_s, optimizer_s },
             peak_kept_activation_bytes: st.peak_kept_bytes,
             peak_offloaded_activation_bytes: st.peak_offloaded_bytes,
+            context_gathers: st.context_gathers,
         }
     }
 }
