@@ -8,7 +8,10 @@
 //!   cp 2 × dp 2 under ZeRO 3, cp 2 with every layer recomputed;
 //! - cp 2 under an interleaved schedule; cp 2 drawing the attention-dropout masks one process
 //!   draws (masks keyed by global token position);
-//! - a checkpoint written under cp 2 resumes under one process;
+//! - cp 2 × tp 2 without sequence parallelism; dp 2 · cp 2 · ep 2 on Mixtral (experts over 2
+//!   ranks, every sequence over 2 others);
+//! - a checkpoint written under cp 2 resumes under one process, and one written by one process
+//!   resumes under cp 2;
 //! - bf16-mixed and fp16-mixed plans run under cp 2 within 1e-3 of one process;
 //! - a plan whose loss is not per token (`--loss model`) is refused naming the fix;
 //! - measured memory: a cp 2 rank's activation peak is at most 0.6× one process's at the same
@@ -130,6 +133,32 @@ fn cp2_tp2_sequence_parallel_equals_one_process() {
 }
 
 #[test]
+fn cp2_tp2_without_sequence_parallelism_equals_one_process() {
+    let flags = ["--cp", "2", "--pp", "1", "--tp", "2", "--dp", "1", "--microbatches", "2", "--baseline", "megatron", "--no-sequence-parallel"];
+    equal_to_one_process("gpt2-cp2-tp2", "gpt2", 4, &flags, &[]);
+}
+
+#[test]
+fn cp2_with_expert_parallelism_on_mixtral_equals_one_process() {
+    // dp 2 · cp 2 · ep 2: experts split over 2 ranks, every sequence over 2 others
+    let case = common::moe::case("mixtral");
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("mixtral-cp2-ep2.json");
+    let (seq, batch) = (case.seq.to_string(), case.batch.to_string());
+    let flags = ["--seq-len", &seq, "--global-batch", &batch, "--microbatches", "1", "--pp", "1", "--tp", "1", "--dp", "2", "--cp", "2", "--ep", "2"];
+    plan_into(&case.onnx, "cpu:4", &flags, &out);
+    let p: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert_eq!((p["parallel"]["cp"].as_u64(), p["parallel"]["ep"].as_u64()), (Some(2), Some(2)), "the plan's cp and ep");
+    let want = common::moe::one_process(case, 2, "f64");
+    let report = launch(&out, 4, &["--steps", "5", "--data", case.data.to_str().unwrap()]);
+    let got = field(&report, "steps", "loss");
+    let worst = max_rel(&got, &want);
+    eprintln!("mixtral dp 2 · cp 2 · ep 2: {worst:.1e}");
+    assert!(field(&report, "ranks", "context_gathers").iter().all(|&g| g > 0.0));
+    assert!(worst <= 1e-9, "{got:?} vs {want:?}");
+}
+
+#[test]
 fn cp2_dp2_zero3_equals_one_process() {
     equal_to_one_process("gpt2-cp2-dp2-zero3", "gpt2", 4, &["--cp", "2", "--pp", "1", "--tp", "1", "--dp", "2", "--zero", "3", "--microbatches", "2"], &[]);
 }
@@ -141,7 +170,7 @@ fn cp2_with_every_layer_recomputed_equals_one_process() {
 }
 
 #[test]
-fn a_cp2_checkpoint_resumes_under_one_process() {
+fn a_cp2_checkpoint_resumes_under_one_process_and_back() {
     let dir = tempfile::tempdir().unwrap();
     let m = model("gpt2");
     let cp2 = plan(&m, 2, &CP2, dir.path(), "cp2");
@@ -154,6 +183,15 @@ fn a_cp2_checkpoint_resumes_under_one_process() {
     let want = one_process(&m, 2, &[]);
     let worst = max_rel(&got, &want);
     eprintln!("cp 2 for 3 steps, resumed under one process for 2: {worst:.1e}");
+    assert!(worst <= 1e-9, "{got:?} vs {want:?}");
+    // and back: one process's checkpoint resumed under cp 2
+    let ckpt1 = dir.path().join("ckpt-one");
+    let first = launch(&one, 1, &["--steps", "3", "--checkpoint-dir", ckpt1.to_str().unwrap(), "--checkpoint-every", "3"]);
+    let resumed = launch(&cp2, 2, &["--steps", "5", "--resume", ckpt1.join("step-00000003").to_str().unwrap()]);
+    let mut got = field(&first, "steps", "loss");
+    got.extend(field(&resumed, "steps", "loss"));
+    let worst = max_rel(&got, &want);
+    eprintln!("one process for 3 steps, resumed under cp 2 for 2: {worst:.1e}");
     assert!(worst <= 1e-9, "{got:?} vs {want:?}");
 }
 
