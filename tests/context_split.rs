@@ -5,7 +5,8 @@
 //!   residual stream and the logits are local on the token axis, and the masks every layer
 //!   reads are built for the rank's rows (no cut of a whole `seq × seq` tensor is left);
 //! - the rewritten graph still infers, with the token axes at `seq / c`;
-//! - a sequence that does not cut into 2c chunks is refused naming the value and the fix.
+//! - a sequence that does not cut into 2c chunks is refused naming the value and the fix, and
+//!   the planner refuses a context degree for a model that reads no token sequence (ViT).
 
 use std::path::PathBuf;
 
@@ -68,4 +69,17 @@ fn a_sequence_that_does_not_cut_into_2c_chunks_is_refused_with_the_fix() {
     assert!(matches!(e, ContextError::Indivisible { len: 12, cp: 4, chunks: 8, .. }), "{e}");
     let text = e.to_string();
     assert!(text.contains("input_ids") && text.contains("divisible by 8") && text.contains("--cp"), "{text}");
+}
+
+#[test]
+fn a_model_without_a_token_sequence_is_refused_a_context_degree() {
+    let vit = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/vit.onnx");
+    let r = std::process::Command::new(env!("CARGO_BIN_EXE_smp-partition"))
+        .arg(&vit)
+        .args(["--cluster", "cpu:2", "--cp", "2", "--pp", "1", "--tp", "1", "--dp", "1", "--global-batch", "8", "--json"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(!r.status.success(), "ViT was planned at cp 2");
+    assert!(err.contains("--cp 2") && err.contains("no token sequence") && err.contains("drop --cp"), "{err}");
 }

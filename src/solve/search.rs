@@ -290,6 +290,13 @@ impl AxisLimits {
             }
         }
         if let Some(c) = cfg.cp.filter(|&c| c > 1)
+            && seq.is_none()
+        {
+            return Err(SolveError::Setting(format!(
+                "--cp {c}: the model reads no token sequence (no [batch, seq] input), and context parallelism splits sequences; drop --cp"
+            )));
+        }
+        if let Some(c) = cfg.cp.filter(|&c| c > 1)
             && let Some(s) = seq
             && s % (2 * c as u64) != 0
         {

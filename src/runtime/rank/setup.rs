@@ -90,6 +90,9 @@ impl Shards {
         // boundary (the data inputs are whole: each stage cuts its own)
         let model = if cp > 1 {
             let split = split_context(graph, dims, cp, &Boundary::default()).map_err(|e| terr(format!("the model under cp {cp}: {e}")))?;
+            if split.gathers == 0 && split.localizes == 0 && me == 0 {
+                tracing::warn!(cp, "context parallelism found no token ids to split (an integer [batch, seq] input read by an embedding lookup): every rank of a context group computes whole sequences");
+            }
             let data: HashSet<&str> = graph.inputs.iter().map(|&v| graph.value(v).name.as_str()).collect();
             Boundary { tokens: split.tokens.into_iter().filter(|(n, _)| !data.contains(n.as_str())).collect(), ints: split.ints }
         } else {
