@@ -197,6 +197,7 @@ pub fn split_context(graph: &Graph, dims: &DimBindings, cp: usize, boundary: &Bo
         forced.extend(movable);
         forced.extend(gathered_views);
     };
+    schedule_gathers_late(&mut s.out);
     // an output read through a stand-in (a shape made global), or held otherwise than the
     // model-wide split sends it, leaves under its name in the form the next stage expects
     let mut outputs = s.out.outputs.clone();
@@ -229,6 +230,36 @@ pub fn split_context(graph: &Graph, dims: &DimBindings, cp: usize, boundary: &Bo
         })
         .collect();
     Ok(ContextSplit { graph: s.out, tokens, ints, gathers: s.gathers, localizes: s.localizes })
+}
+
+/// Orders each all-gather with the first op past the views that read it (attention), so the
+/// keys' and values' gathers of a layer are ready together and the runner sends them as one.
+fn schedule_gathers_late(g: &mut Graph) {
+    let uses = g.uses();
+    let gathers: Vec<NodeId> = g.node_ids().filter(|&n| matches!(&g.node(n).op, Op::Placeholder { op_type, .. } if op_type == CONTEXT_GATHER)).collect();
+    for n in gathers {
+        let mut stack: Vec<ValueId> = g.node(n).outputs.clone();
+        let mut seen = HashSet::new();
+        let mut at: Option<u32> = None;
+        while let Some(v) = stack.pop() {
+            for &u in &uses[v.index()] {
+                if !seen.insert(u) {
+                    continue;
+                }
+                let node = g.node(u);
+                let view = node.op.kind().is_some_and(|k| matches!(k, OpKind::Reshape | OpKind::Transpose | OpKind::Unsqueeze | OpKind::Squeeze | OpKind::Expand | OpKind::Flatten | OpKind::Identity));
+                if view {
+                    stack.extend(node.outputs.iter().copied());
+                } else {
+                    at = Some(at.map_or(node.order, |a| a.min(node.order)));
+                }
+            }
+        }
+        if let Some(order) = at {
+            let node = g.node_mut(n);
+            node.order = node.order.max(order);
+        }
+    }
 }
 
 /// How one node runs on local tokens.

@@ -54,3 +54,34 @@ pub fn gather(pg: &ProcessGroup, x: &Tensor, axis: usize, outer: i64) -> Result<
     size[axis] = outer * seq;
     out.f_reshape(size.as_slice()).map_err(|e| e.to_string())
 }
+
+/// [`gather`] of several local tensors (each with its token axis and blocks) as one collective:
+/// each viewed token-major, concatenated, gathered once, put back in one-process order and
+/// split again. The tensors must share a kind.
+pub fn gather_many(pg: &ProcessGroup, xs: &[(Tensor, usize, i64)]) -> Result<Vec<Tensor>, String> {
+    let e = |e: tch::TchError| e.to_string();
+    let mut rows = Vec::with_capacity(xs.len());
+    let mut shapes = Vec::with_capacity(xs.len());
+    for (x, axis, outer) in xs {
+        let (v, size) = blocked(x, *axis, *outer)?;
+        let [before, outer, tokens, after] = v.size()[..] else { return Err("a blocked view has four axes".into()) };
+        // [tokens, before · outer · after]
+        rows.push(v.f_permute([2, 0, 1, 3]).map_err(e)?.f_reshape([tokens, -1]).map_err(e)?);
+        shapes.push((size, *axis, [before, outer, after]));
+    }
+    let widths: Vec<i64> = rows.iter().map(|r| r.size()[1]).collect();
+    let all = pg.context_gather(&Tensor::f_cat(&rows, 1).map_err(e)?, 0).map_err(|e| e.to_string())?;
+    let seq = all.size()[0];
+    let idx = Tensor::from_slice(&gathered_order(seq, pg.size())).to_device(all.device());
+    let all = all.f_index_select(0, &idx).map_err(e)?;
+    let parts = all.f_split_with_sizes(&widths, 1).map_err(e)?;
+    parts
+        .into_iter()
+        .zip(shapes)
+        .map(|(p, (mut size, axis, [before, outer, after]))| {
+            let v = p.f_reshape([seq, before, outer, after]).map_err(e)?.f_permute([1, 2, 0, 3]).map_err(e)?;
+            size[axis] = outer * seq;
+            v.f_reshape(size.as_slice()).map_err(e)
+        })
+        .collect()
+}

@@ -411,9 +411,33 @@ impl<'g> Executor<'g> {
         let fetch = |live: &HashMap<ValueId, Tensor>, v: ValueId| -> Option<Tensor> {
             live.get(&v).or_else(|| feeds.get(&v)).or_else(|| self.weights.get(&v)).map(Tensor::shallow_clone)
         };
+        // context all-gathers run with every later one whose input is ready (keys and values)
+        let mut gathered: HashMap<NodeId, Tensor> = HashMap::new();
         for (pos, &id) in nodes.iter().enumerate() {
             let node = graph.node(id);
-            let outs = self.step(node, |v| fetch(&live, v))?;
+            let outs = match gathered.remove(&id) {
+                Some(t) => vec![t],
+                None if self.context_gather_input(node).is_some() => {
+                    let kind = self.context_gather_input(node).and_then(|v| fetch(&live, v)).map(|t| t.kind());
+                    let ready: Vec<NodeId> = std::iter::once(id)
+                        .chain(nodes[pos + 1..].iter().copied().filter(|&n| {
+                            let x = self.context_gather_input(graph.node(n)).and_then(|v| fetch(&live, v));
+                            x.is_some_and(|t| Some(t.kind()) == kind)
+                        }))
+                        .collect();
+                    if ready.len() == 1 {
+                        self.step(node, |v| fetch(&live, v))?
+                    } else {
+                        tracing::trace!(gathers = ready.len(), "context all-gathers sent together");
+                        let mut got = self.gather_together(&ready, |v| fetch(&live, v))?;
+                        for (n, t) in ready[1..].iter().zip(got.drain(1..)) {
+                            gathered.insert(*n, t);
+                        }
+                        got
+                    }
+                }
+                None => self.step(node, |v| fetch(&live, v))?,
+            };
             for (&v, t) in node.outputs.iter().zip(outs) {
                 if last.contains_key(&v) {
                     live.insert(v, t);
@@ -434,6 +458,30 @@ impl<'g> Executor<'g> {
                 Ok((v, t))
             })
             .collect()
+    }
+
+    /// The input of a context-parallel all-gather node, when this run has a context group.
+    fn context_gather_input(&self, node: &Node) -> Option<ValueId> {
+        self.context.get()?;
+        match &node.op {
+            Op::Placeholder { op_type, .. } if op_type == CONTEXT_GATHER => node.inputs.first().copied().flatten(),
+            _ => None,
+        }
+    }
+
+    /// The context all-gathers `nodes` as one collective; their outputs, in order.
+    fn gather_together(&self, nodes: &[NodeId], fetch: impl Fn(ValueId) -> Option<Tensor>) -> Result<Vec<Tensor>, RuntimeError> {
+        let first = self.graph.node(nodes[0]);
+        let kerr = |message: String| RuntimeError::Kernel { node: first.name.clone(), op: first.op.to_string(), message };
+        let (pg, _) = self.context.get().ok_or_else(|| kerr("no context group".into()))?;
+        let mut xs = Vec::with_capacity(nodes.len());
+        for &n in nodes {
+            let node = self.graph.node(n);
+            let x = self.context_gather_input(node).and_then(&fetch).ok_or_else(|| kerr(format!("`{}` has no input", node.name)))?;
+            let axis = usize::try_from(node.attrs.int("axis", -1)).map_err(|_| kerr(format!("`{}` has no token axis", node.name)))?;
+            xs.push((x, axis, node.attrs.int("outer", 1)));
+        }
+        super::context::gather_many(pg, &xs).map_err(kerr)
     }
 
     /// Runs the graph on bound inputs; returns the graph outputs in order.
