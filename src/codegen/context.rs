@@ -115,9 +115,10 @@ pub struct ContextSplit {
     pub localizes: usize,
 }
 
-/// Splits `graph` (shapes bound by `dims`) over a context group of `cp` ranks. `fixed` gives
-/// the tokens of values made elsewhere (a stage's received inputs, from the model-wide split)
-/// and of values the caller needs in a given form (a stage's yields): those are checked.
+/// Splits `graph` (shapes bound by `dims`) over a context group of `cp` ranks. `boundary` gives
+/// the tokens of values made elsewhere (a stage's received inputs, from the model-wide split),
+/// the form the caller needs its outputs in (a stage's yields, converted where they differ),
+/// and the values of received integer tensors (shapes computed upstream).
 pub fn split_context(graph: &Graph, dims: &DimBindings, cp: usize, boundary: &Boundary) -> Result<ContextSplit, ContextError> {
     let fixed = &boundary.tokens;
     // received shapes are known upstream: inferred as the constants they are
@@ -176,7 +177,7 @@ pub fn split_context(graph: &Graph, dims: &DimBindings, cp: usize, boundary: &Bo
                 let [Tokens::Whole] = forms.as_slice() else { return None };
                 let p = graph.value(v).producer?;
                 let node = graph.node(p);
-                let view = node.op.kind().is_some_and(|k| matches!(k, OpKind::Reshape | OpKind::Transpose | OpKind::Unsqueeze | OpKind::Squeeze | OpKind::Expand | OpKind::Flatten | OpKind::Identity));
+                let view = node.op.kind().is_some_and(moves_elements_only);
                 let from_local = node.inputs.first().copied().flatten().is_some_and(|x| s.tokens[x.index()] != Tokens::Whole);
                 (view && from_local && s.tokens[v.index()] != Tokens::Whole && !graph.outputs.contains(&v) && !forced.contains_key(&v)).then_some((v, Tokens::Whole))
             })
@@ -232,6 +233,11 @@ pub fn split_context(graph: &Graph, dims: &DimBindings, cp: usize, boundary: &Bo
     Ok(ContextSplit { graph: s.out, tokens, ints, gathers: s.gathers, localizes: s.localizes })
 }
 
+/// Ops that only move (or repeat) elements: a gather may move across them.
+fn moves_elements_only(k: OpKind) -> bool {
+    matches!(k, OpKind::Reshape | OpKind::Transpose | OpKind::Unsqueeze | OpKind::Squeeze | OpKind::Expand | OpKind::Flatten | OpKind::Identity)
+}
+
 /// Orders each all-gather with the first op past the views that read it (attention), so the
 /// keys' and values' gathers of a layer are ready together and the runner sends them as one.
 fn schedule_gathers_late(g: &mut Graph) {
@@ -247,7 +253,7 @@ fn schedule_gathers_late(g: &mut Graph) {
                     continue;
                 }
                 let node = g.node(u);
-                let view = node.op.kind().is_some_and(|k| matches!(k, OpKind::Reshape | OpKind::Transpose | OpKind::Unsqueeze | OpKind::Squeeze | OpKind::Expand | OpKind::Flatten | OpKind::Identity));
+                let view = node.op.kind().is_some_and(moves_elements_only);
                 if view {
                     stack.extend(node.outputs.iter().copied());
                 } else {
@@ -539,10 +545,10 @@ impl Splitter<'_> {
                 self.check_divides(o, d.out)?;
             }
         }
+        // every output alike (Dropout's mask, TopK's indices)
         for &o in &outputs {
             self.tokens[o.index()] = d.out;
         }
-        // Dropout's mask output has the input's tokens too; TopK's indices as well
         Ok(())
     }
 
