@@ -142,6 +142,20 @@ at::Tensor own_chunk(Group* grp, const at::Tensor& x, int64_t axis, int64_t len)
   return x.narrow(axis, grp->gloo->getRank() * len, len).contiguous();
 }
 
+// The sum of `x` over the members, this member keeping its chunk along `axis`.
+at::Tensor reduce_scatter_sum(Group* grp, const at::Tensor& x, int64_t axis) {
+  int64_t size = grp->gloo->getSize();
+  std::vector<std::vector<at::Tensor>> ins(1);
+  // One copy per chunk: Gloo may write into its inputs, so they never alias `x`.
+  for (auto& c : x.chunk(size, axis)) ins[0].push_back(host_of(grp, c.clone(at::MemoryFormat::Contiguous)));
+  auto out = at::empty_like(ins[0][grp->gloo->getRank()]);
+  std::vector<at::Tensor> outs{out};
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  wait_or_throw(backend_for(grp, x).reduce_scatter(outs, ins, opts), grp->timeout);
+  return out.to(x.device());
+}
+
 // Backward of a split along the saved `axis`: the members' gradients gathered back.
 torch::autograd::variable_list gathered_grad(torch::autograd::AutogradContext* ctx, const torch::autograd::variable_list& grads) {
   return {all_gather_cat(group_of(ctx), grads[0], ctx->saved_data["axis"].toInt()), at::Tensor(), at::Tensor()};
@@ -155,16 +169,7 @@ struct ReduceScatterAlongAxis : public torch::autograd::Function<ReduceScatterAl
     check_divides(grp, x, axis, "reduce_scatter_along_axis");
     ctx->saved_data["group"] = group;
     ctx->saved_data["axis"] = axis;
-    int64_t size = grp->gloo->getSize();
-    std::vector<std::vector<at::Tensor>> ins(1);
-    // One copy per chunk: Gloo may write into its inputs, so they never alias `x`.
-    for (auto& c : x.chunk(size, axis)) ins[0].push_back(host_of(grp, c.clone(at::MemoryFormat::Contiguous)));
-    auto out = at::empty_like(ins[0][grp->gloo->getRank()]);
-    std::vector<at::Tensor> outs{out};
-    c10d::ReduceScatterOptions opts;
-    opts.reduceOp = c10d::ReduceOp::SUM;
-    wait_or_throw(backend_for(grp, x).reduce_scatter(outs, ins, opts), grp->timeout);
-    return out.to(x.device());
+    return reduce_scatter_sum(grp, x, axis);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
     return gathered_grad(ctx, grads);
@@ -216,17 +221,8 @@ struct ContextGather : public torch::autograd::Function<ContextGather> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
     auto* grp = group_of(ctx);
     int64_t axis = ctx->saved_data["axis"].toInt();
-    auto g = grads[0];
-    check_divides(grp, g, axis, "context_gather backward");
-    int64_t size = grp->gloo->getSize();
-    std::vector<std::vector<at::Tensor>> ins(1);
-    for (auto& c : g.chunk(size, axis)) ins[0].push_back(host_of(grp, c.clone(at::MemoryFormat::Contiguous)));
-    auto out = at::empty_like(ins[0][grp->gloo->getRank()]);
-    std::vector<at::Tensor> outs{out};
-    c10d::ReduceScatterOptions opts;
-    opts.reduceOp = c10d::ReduceOp::SUM;
-    wait_or_throw(backend_for(grp, g).reduce_scatter(outs, ins, opts), grp->timeout);
-    return {out.to(g.device()), at::Tensor(), at::Tensor()};
+    check_divides(grp, grads[0], axis, "context_gather backward");
+    return {reduce_scatter_sum(grp, grads[0], axis), at::Tensor(), at::Tensor()};
   }
 };
 

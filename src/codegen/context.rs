@@ -728,18 +728,7 @@ impl Splitter<'_> {
             TopK => (vec![norm_axis(node.attrs.int("axis", -1), rank)?], true),
             CumSum => (vec![norm_axis(*self.info.ints(node.inputs.get(1).copied().flatten()?)?.first()?, rank)?], true),
             ArgMax | ArgMin => (vec![norm_axis(node.attrs.int("axis", 0), rank)?], node.attrs.int("keepdims", 1) == 1),
-            _ => {
-                let axes: Vec<i64> = node
-                    .inputs
-                    .get(1)
-                    .copied()
-                    .flatten()
-                    .and_then(|v| self.info.ints(v))
-                    .map(<[i64]>::to_vec)
-                    .or_else(|| node.attrs.ints("axes").map(<[i64]>::to_vec))
-                    .unwrap_or_else(|| (0..rank as i64).collect());
-                (axes.iter().map(|&a| norm_axis(a, rank)).collect::<Option<_>>()?, node.attrs.int("keepdims", 1) == 1)
-            }
+            _ => (shape_infer::reduced_axes(node, &self.info, rank)?, node.attrs.int("keepdims", 1) == 1),
         };
         if touched.contains(&axis) {
             return None;

@@ -178,15 +178,7 @@ impl SeqLayer<'_> {
                         if node.attrs.int("keepdims", 1) != 1 {
                             return None;
                         }
-                        let axes: Vec<i64> = node
-                            .inputs
-                            .get(1)
-                            .copied()
-                            .flatten()
-                            .and_then(|v| self.info.ints(v))
-                            .map(<[i64]>::to_vec)
-                            .or_else(|| node.attrs.ints("axes").map(<[i64]>::to_vec))?;
-                        axes.iter().map(|&a| norm_axis(a, rank)).collect::<Option<_>>()?
+                        crate::passes::shape_infer::reduced_axes(node, self.info, rank)?
                     }
                 };
                 if touched.is_empty() || touched.contains(&state.axis) {

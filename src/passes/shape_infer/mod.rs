@@ -15,6 +15,8 @@ mod matmul;
 mod moe;
 mod nn;
 mod reduce;
+
+pub use reduce::reduced_axes;
 mod shape;
 
 use std::collections::BTreeMap;

@@ -120,3 +120,22 @@ pub(super) fn top_k(cx: &Ctx) -> Outs {
     };
     Ok(vec![(ty_opt(cx.dtype(0), shape.clone()), None), (ty_opt(Some(DType::I64), shape), None)])
 }
+
+/// The axes a ReduceMean/Sum/Max/Min/Prod node reduces over an input of `rank` axes (its `axes`
+/// input or attribute; all of them when empty, none with `noop_with_empty_axes`), or None when
+/// they are not known.
+pub fn reduced_axes(node: &crate::ir::Node, info: &super::ShapeInfo, rank: usize) -> Option<Vec<usize>> {
+    let axes: Vec<i64> = match node.inputs.get(1).copied().flatten() {
+        Some(v) => info.ints(v)?.to_vec(),
+        None => node.attrs.ints("axes").map(<[i64]>::to_vec).unwrap_or_default(),
+    };
+    if axes.is_empty() {
+        return Some(if node.attrs.int("noop_with_empty_axes", 0) != 0 { Vec::new() } else { (0..rank).collect() });
+    }
+    axes.iter()
+        .map(|&a| {
+            let a = if a < 0 { a + rank as i64 } else { a };
+            (0..rank as i64).contains(&a).then_some(a as usize)
+        })
+        .collect()
+}
