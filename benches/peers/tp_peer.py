@@ -19,7 +19,7 @@ as the planner's own tp 2 plan does, or with `--vocab-embed` vocabulary-parallel
 (RowwiseParallel(input_layouts=Replicate()): masked lookup + all-reduce), as the planner's
 `--baseline megatron` plan does. RMSNorm weights stay replicated (plain tensors). Both ranks
 see the whole batch (tp replicas) and compute the same loss; the gradient norm is torch's
-norm of per-tensor norms, the sharded ones' norms reduced over the mesh (full_tensor()).
+(`clip`): the sharded gradients' squared norms summed over the mesh in one scalar all-reduce.
 
 Prints one JSON object: {"step_times_s": [...], "cpu_times_s": [...], "losses": [...]}
 (rank 0's wall and CPU time per step; the loss of the whole batch).
@@ -45,16 +45,22 @@ WORLD = 2
 
 
 def clip(params, max_norm: float) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_` over a mix of DTensor and plain gradients: per-tensor
-    2-norms (a sharded gradient's made whole over the mesh), their norm, the coefficient
-    clamped to 1 and always applied."""
-    from torch.distributed.tensor import DTensor
+    """`torch.nn.utils.clip_grad_norm_` over a mix of DTensor and plain gradients: the norm of
+    all gradients (a sharded gradient's squared norm summed over the mesh, all in one
+    all-reduce of a scalar), the coefficient clamped to 1 and always applied."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
 
-    norms = []
+    sharded, plain = [], []
     for p in params:
-        n = torch.linalg.vector_norm(p.grad)
-        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    total = torch.linalg.vector_norm(torch.stack(norms))
+        g = p.grad
+        if isinstance(g, DTensor) and not all(isinstance(pl, Replicate) for pl in g.placements):
+            sharded.append(torch.linalg.vector_norm(g.to_local()))
+        else:
+            plain.append(torch.linalg.vector_norm(g.to_local() if isinstance(g, DTensor) else g))
+    sq = torch.linalg.vector_norm(torch.stack(sharded)) ** 2
+    dist.all_reduce(sq)
+    total = torch.sqrt(sq + torch.linalg.vector_norm(torch.stack(plain)) ** 2)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         p.grad.mul_(coef)
