@@ -19,7 +19,7 @@ mod peers;
 use std::path::Path;
 use std::process::Command;
 
-use peers::{load, mean_cpu, mean_step, median, ok, python, repo};
+use peers::{load, losses, mean_cpu, mean_step, median, ok, python, repo};
 
 /// One run of the runner's ep 2 plan: its output.
 fn runner(dir: &Path, plan: &Path, steps: usize) -> std::process::Output {
@@ -37,13 +37,6 @@ fn pytorch(dir: &Path, steps: usize) -> std::process::Output {
     ok("moe_ep_peer.py", out)
 }
 
-fn losses(out: &std::process::Output) -> Vec<f64> {
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
-    match v.get("losses") {
-        Some(l) => l.as_array().expect("losses").iter().filter_map(|x| x.as_f64()).collect(),
-        None => v["steps"].as_array().expect("steps").iter().filter_map(|s| s["loss"].as_f64()).collect(),
-    }
-}
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();

@@ -27,7 +27,7 @@ mod peers;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use peers::{load, mean_cpu, mean_step, median, ok, phases, python, repo};
+use peers::{load, losses, mean_cpu, mean_step, median, ok, phases, python, repo};
 
 /// `tp_peer.py MODE DIR [STEPS] [--vocab-embed]`.
 fn peer(mode: &str, dir: &Path, steps: Option<usize>, vocab_embed: bool) -> Output {
@@ -52,13 +52,6 @@ fn runner(dir: &Path, plan: &Path, steps: usize) -> Output {
     ok("smp-runner launch (tp 2)", out)
 }
 
-fn losses(out: &Output) -> Vec<f64> {
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
-    match v.get("losses") {
-        Some(l) => l.as_array().expect("losses").iter().filter_map(|x| x.as_f64()).collect(),
-        None => v["steps"].as_array().expect("steps").iter().filter_map(|s| s["loss"].as_f64()).collect(),
-    }
-}
 
 /// The export in `$SMP_BENCH_CP_DIR` (written there if missing) or in a temporary directory.
 fn export() -> (Option<tempfile::TempDir>, PathBuf) {

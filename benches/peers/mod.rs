@@ -100,3 +100,12 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     }
     if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
 }
+
+/// The per-step losses a run printed: a peer's `losses`, or the runner's `--json` `steps`.
+pub fn losses(out: &Output) -> Vec<f64> {
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    match v.get("losses") {
+        Some(l) => l.as_array().expect("losses").iter().filter_map(|x| x.as_f64()).collect(),
+        None => v["steps"].as_array().expect("steps").iter().filter_map(|s| s["loss"].as_f64()).collect(),
+    }
+}
