@@ -28,7 +28,7 @@ mod peers;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use peers::{load, losses, mean_cpu, mean_step, median, ok, phases, python, repo};
+use peers::{launch_two, load, losses, mean_cpu, mean_step, median, ok, phases, python, repo};
 
 /// `cp_peer.py MODE DIR [STEPS]`.
 fn peer(mode: &str, dir: &Path, steps: Option<usize>) -> Output {
@@ -40,15 +40,6 @@ fn peer(mode: &str, dir: &Path, steps: Option<usize>) -> Output {
     ok(&format!("cp_peer.py {mode}"), c.output().expect("run cp_peer.py"))
 }
 
-/// One run of the runner's cp 2 plan on 2 ranks: its output.
-fn runner_cp(dir: &Path, plan: &Path, steps: usize) -> Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
-        .args(["launch", "--nproc", "2", plan.to_str().unwrap(), "--data", dir.join("batch.npz").to_str().unwrap()])
-        .args(["--steps", &steps.to_string(), "--threads", "1", "--json", "--timeout", "300"])
-        .output()
-        .expect("run smp-runner");
-    ok("smp-runner launch (cp 2)", out)
-}
 
 /// One run of the runner in one process (1 thread) on the same batch: its output.
 fn runner_one(dir: &Path, steps: usize) -> Output {
@@ -99,7 +90,7 @@ fn main() {
     let mut worst = [0.0f64; 4];
     let mut last_phases = Vec::new();
     for r in 0..rounds {
-        let outs = [runner_cp(&dir, &cp2, steps), peer("cp", &dir, Some(steps)), runner_one(&dir, steps), peer("eager", &dir, Some(steps))];
+        let outs = [launch_two(&dir, &cp2, steps, "smp-runner launch (cp 2)"), peer("cp", &dir, Some(steps)), runner_one(&dir, steps), peer("eager", &dir, Some(steps))];
         // every run against PyTorch's cp 2
         let reference = losses(&outs[1]);
         for (i, o) in outs.iter().enumerate() {

@@ -27,7 +27,7 @@ mod peers;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use peers::{load, losses, mean_cpu, mean_step, median, ok, phases, python, repo};
+use peers::{launch_two, load, losses, mean_cpu, mean_step, median, ok, phases, python, repo};
 
 /// `tp_peer.py MODE DIR [STEPS] [--vocab-embed]`.
 fn peer(mode: &str, dir: &Path, steps: Option<usize>, vocab_embed: bool) -> Output {
@@ -42,15 +42,6 @@ fn peer(mode: &str, dir: &Path, steps: Option<usize>, vocab_embed: bool) -> Outp
     ok(&format!("tp_peer.py {mode}"), c.output().expect("run tp_peer.py"))
 }
 
-/// One run of a tp 2 plan on 2 ranks: its output.
-fn runner(dir: &Path, plan: &Path, steps: usize) -> Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
-        .args(["launch", "--nproc", "2", plan.to_str().unwrap(), "--data", dir.join("batch.npz").to_str().unwrap()])
-        .args(["--steps", &steps.to_string(), "--threads", "1", "--json", "--timeout", "300"])
-        .output()
-        .expect("run smp-runner");
-    ok("smp-runner launch (tp 2)", out)
-}
 
 
 /// The export in `$SMP_BENCH_CP_DIR` (written there if missing) or in a temporary directory.
@@ -119,9 +110,9 @@ fn main() {
     let mut worst = [0.0f64; 4];
     let mut last_phases = [Vec::new(), Vec::new()];
     for r in 0..rounds {
-        let mut outs = vec![runner(&dir, &own, steps), peer("tp", &dir, Some(steps), embed[0])];
+        let mut outs = vec![launch_two(&dir, &own, steps, "smp-runner launch (tp 2)"), peer("tp", &dir, Some(steps), embed[0])];
         if !same {
-            outs.push(runner(&dir, &meg, steps));
+            outs.push(launch_two(&dir, &meg, steps, "smp-runner launch (tp 2)"));
             outs.push(peer("tp", &dir, Some(steps), embed[1]));
         }
         // every run against PyTorch's on the planner's plan

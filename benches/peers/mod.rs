@@ -109,3 +109,14 @@ pub fn losses(out: &Output) -> Vec<f64> {
         None => v["steps"].as_array().expect("steps").iter().filter_map(|s| s["loss"].as_f64()).collect(),
     }
 }
+
+/// `smp-runner launch` of `plan` on 2 ranks × 1 thread, `steps` steps on `dir/batch.npz`: its
+/// output (`what` names it in a failure).
+pub fn launch_two(dir: &Path, plan: &Path, steps: usize, what: &str) -> Output {
+    let out = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
+        .args(["launch", "--nproc", "2", plan.to_str().unwrap(), "--data", dir.join("batch.npz").to_str().unwrap()])
+        .args(["--steps", &steps.to_string(), "--threads", "1", "--json", "--timeout", "300"])
+        .output()
+        .expect("run smp-runner");
+    ok(what, out)
+}

@@ -576,7 +576,7 @@ fn templates(input: &CodegenInput, stages: &[StageCode], tied: &[TiedWeight]) ->
     };
     let lowered = lower(input.parallel.schedule, &actions, &opts)?;
     // gradients reduce, and ZeRO shards, over the whole data axis: data × context ranks
-    let mesh_parallel = crate::ir::Parallelism { dp: input.parallel.dp * input.parallel.cp.max(1), ..input.parallel };
+    let mesh_parallel = input.parallel.over_data_axis();
     let (dp, zero) = (mesh_parallel.dp, mesh_parallel.zero);
     let shard_n = (mesh_parallel.zero_group() < dp).then(|| mesh_parallel.zero_group());
     let gather_group = if shard_n.is_some() { GroupRef::ShardGroup } else { GroupRef::Data };

@@ -63,6 +63,12 @@ impl Parallelism {
         self.pp * self.tp * self.cp * self.dp
     }
 
+    /// The parallelism as the mesh runs it: its data axis holds dp · cp positions (every
+    /// context rank of every replica), so gradients reduce, and ZeRO shards, over all of them.
+    pub fn over_data_axis(&self) -> Parallelism {
+        Parallelism { dp: self.dp.max(1) * self.cp.max(1), ..*self }
+    }
+
     /// Replicas each ZeRO shard is spread over: the sharded-data-parallel group where it is a
     /// proper part of the replicas, else all of them.
     pub fn zero_group(&self) -> usize {

@@ -45,14 +45,7 @@ pub fn localize(x: &Tensor, axis: usize, outer: i64, me: ContextRank) -> Result<
 /// The whole of the local `x` along `axis` over the group `pg`, tokens in one-process order;
 /// the backward sums each token's gradient over the group.
 pub fn gather(pg: &ProcessGroup, x: &Tensor, axis: usize, outer: i64) -> Result<Tensor, String> {
-    let (v, mut size) = blocked(x, axis, outer)?;
-    let local = v.size()[2];
-    let all = pg.context_gather(&v.f_contiguous().map_err(|e| e.to_string())?, 2).map_err(|e| e.to_string())?;
-    let seq = local * pg.size() as i64;
-    let idx = Tensor::from_slice(&gathered_order(seq, pg.size())).to_device(x.device());
-    let out = all.f_index_select(2, &idx).map_err(|e| e.to_string())?;
-    size[axis] = outer * seq;
-    out.f_reshape(size.as_slice()).map_err(|e| e.to_string())
+    gather_many(pg, &[(x.shallow_clone(), axis, outer)])?.pop().ok_or_else(|| "a gather of one tensor made none".into())
 }
 
 /// [`gather`] of several local tensors (each with its token axis and blocks) as one collective:

@@ -425,16 +425,11 @@ impl<'g> Executor<'g> {
                             x.is_some_and(|t| Some(t.kind()) == kind)
                         }))
                         .collect();
-                    if ready.len() == 1 {
-                        self.step(node, |v| fetch(&live, v))?
-                    } else {
-                        tracing::trace!(gathers = ready.len(), "context all-gathers sent together");
-                        let mut got = self.gather_together(&ready, |v| fetch(&live, v))?;
-                        for (n, t) in ready[1..].iter().zip(got.drain(1..)) {
-                            gathered.insert(*n, t);
-                        }
-                        got
+                    let mut got = self.gather_together(&ready, |v| fetch(&live, v))?;
+                    for (n, t) in ready[1..].iter().zip(got.drain(1..)) {
+                        gathered.insert(*n, t);
                     }
+                    got
                 }
                 None => self.step(node, |v| fetch(&live, v))?,
             };

@@ -86,18 +86,16 @@ impl Shards {
         }
         let Coord { pp: q, dp: d, tp: t } = mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
         let view = plan.rank_view(me).map_err(|e| terr(e.to_string()))?;
-        // under context parallelism, the model-wide split says which tokens cross each stage
-        // boundary (the data inputs are whole: each stage cuts its own)
-        let model = if cp > 1 {
+        // with several stages, the model-wide split says which tokens cross each stage boundary
+        // (the data inputs are whole: each stage cuts its own)
+        let model = if cp > 1 && plan.stages.len() > 1 {
             let split = split_context(graph, dims, cp, &Boundary::default()).map_err(|e| terr(format!("the model under cp {cp}: {e}")))?;
-            if split.gathers == 0 && split.localizes == 0 && me == 0 {
-                tracing::warn!(cp, "context parallelism found no token ids to split (an integer [batch, seq] input read by an embedding lookup): every rank of a context group computes whole sequences");
-            }
             let data: HashSet<&str> = graph.inputs.iter().map(|&v| graph.value(v).name.as_str()).collect();
             Boundary { tokens: split.tokens.into_iter().filter(|(n, _)| !data.contains(n.as_str())).collect(), ints: split.ints }
         } else {
             Boundary::default()
         };
+        let mut conversions = 0;
         for sv in &view.stages {
             let mut sub = shard_subgraph(sv, graph, dims, &mesh, me, (q, d, t), &mut out.kv_groups)?;
             pass_through(&mut sub, graph, &sv.code.outputs_to_next)?;
@@ -112,10 +110,15 @@ impl Shards {
                 });
                 let boundary = Boundary { tokens: ends.collect(), ints: ints.collect() };
                 let split = split_context(&sub, dims, cp, &boundary).map_err(|e| terr(format!("stage {} of rank {me}: {e}", sv.stage())))?;
+                conversions += split.gathers + split.localizes;
                 sub = split.graph;
             }
             let slices = sv.shards.iter().flat_map(|sh| sh.weight_slices.iter().cloned()).collect();
             out.stages.push(StageShard { stage: sv.stage(), graph: sub, slices });
+        }
+        // the first stage reads the token ids: a split there always cuts something
+        if cp > 1 && conversions == 0 && view.stages.iter().any(|sv| sv.stage() == 0) {
+            tracing::warn!(cp, rank = me, "context parallelism found no token ids to split (an integer [batch, seq] input read by an embedding lookup): this rank computes whole sequences");
         }
         Ok(out)
     }
@@ -257,7 +260,7 @@ impl<'a> Rank<'a> {
             tensor_rank: t,
             n_stages,
             my_stages,
-            parallel: mesh_parallelism(plan),
+            parallel: plan.parallel.over_data_axis(),
             program,
             split_w,
             offloaded: plan.stages.iter().map(|st| !st.offloaded_layers.is_empty()).collect(),
@@ -696,12 +699,6 @@ pub(super) fn runs_stage_subgraphs(p: &Parallelism) -> bool {
     p.tp > 1 || p.cp > 1
 }
 
-/// The plan's parallelism as the mesh runs it: the data axis holds dp × cp positions, so
-/// gradients reduce, and ZeRO shards, over data × context ranks.
-pub(super) fn mesh_parallelism(plan: &Plan) -> Parallelism {
-    Parallelism { dp: plan.parallel.dp.max(1) * plan.parallel.cp.max(1), ..plan.parallel }
-}
-
 /// The context group of the rank at (pipeline rank, data position, tensor rank): the `cp`
 /// consecutive data positions of its data replica.
 fn context_group(mesh: &Mesh, cp: usize, (q, d, t): (usize, usize, usize)) -> Vec<usize> {
@@ -866,7 +863,7 @@ pub(super) fn placeholder(graph: &Graph, v: ValueId, float_kind: Option<Kind>, d
 /// Experts held in part (expert parallelism) are loaded as their parts: ZeRO does not shard them.
 pub(super) fn lazy_params(plan: &Plan, layout: &StageLayout, program: &RankProgram, my_stages: &[usize], (graph, experts): (&Graph, &Experts)) -> HashSet<ValueId> {
     let mut out = HashSet::new();
-    if !mesh_parallelism(plan).params_sharded() {
+    if !plan.parallel.over_data_axis().params_sharded() {
         return out;
     }
     let gathered: HashSet<usize> = program

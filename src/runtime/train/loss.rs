@@ -133,8 +133,7 @@ fn main_loss_sum(exec: &Executor, kind: LossKind, mb: &Batch, outs: &[Tensor]) -
                 // every local position predicts its next token; the sequence's last predicts none
                 Some(me) => {
                     let target = causal_targets(exec, mb, Some(me))?;
-                    let whole = target.size()[0] / logits.size()[0] * me.size as i64;
-                    (local_tokens(logits, me, whole)?.f_reshape([-1, v])?, target)
+                    (local_tokens(logits, me, &target)?.f_reshape([-1, v])?, target)
                 }
                 None => (logits.f_narrow(1, 0, s - 1)?.f_reshape([-1, v])?, causal_targets(exec, mb, None)?),
             };
@@ -148,7 +147,7 @@ fn main_loss_sum(exec: &Executor, kind: LossKind, mb: &Batch, outs: &[Tensor]) -
             let me = exec.context_rank();
             let labels = class_labels(mb, me)?;
             let pred = match me {
-                Some(me) => local_tokens(first_float, me, labels.size()[0] / first_float.size()[0].max(1) * me.size as i64)?,
+                Some(me) => local_tokens(first_float, me, &labels)?,
                 None => first_float.shallow_clone(),
             };
             let pred = pred.f_reshape([-1, v])?;
@@ -181,11 +180,15 @@ fn count_targets(exec: &Executor, kind: LossKind, mb: &Batch, me: Option<Context
     }
 }
 
-/// Rank `me`'s tokens (axis 1) of a `[batch, seq, ..]` output: already its own when the axis
-/// holds `seq / c` of them, cut when it holds the whole sequence `whole`.
-fn local_tokens(t: &Tensor, me: ContextRank, whole: i64) -> Result<Tensor, RuntimeError> {
-    let s = t.size().get(1).copied().ok_or_else(|| train_err("a per-token loss needs [batch, seq, ..] outputs"))?;
-    if s != whole {
+/// Rank `me`'s tokens (axis 1) of a `[batch, seq, ..]` output, lined up with its flattened
+/// `targets`: the output itself when it holds as many tokens (the split left it local), else
+/// cut from the whole sequence.
+fn local_tokens(t: &Tensor, me: ContextRank, targets: &Tensor) -> Result<Tensor, RuntimeError> {
+    let size = t.size();
+    if size.len() < 2 {
+        return Err(train_err("a per-token loss needs [batch, seq, ..] outputs"));
+    }
+    if size[0] * size[1] == targets.numel() as i64 {
         return Ok(t.shallow_clone());
     }
     context::localize(t, 1, 1, me).map_err(|e| train_err(&e))
