@@ -397,7 +397,7 @@ mod tests {
     fn damaged_graphs_are_refused_at_the_node_never_panicking() {
         let scalar = |b: &mut Builder, v: i64| b.constant(Tensor::from_i64(vec![], &[v]));
         let axis = |a: i64| ("axis", Attr::Int(a));
-        // issue 31: tf2onnx's ReduceProd with keepdims flipped hands Concat a scalar
+        // tf2onnx's ReduceProd with keepdims flipped hands Concat a scalar
         refused("scalar into Concat", "scalar (rank 0)", |b| {
             let m = b.ints(&[-1]);
             let s = scalar(b, 40);
