@@ -128,7 +128,8 @@ pub(super) fn reduce_norm(kind: OpKind, a: &Args) -> KResult<Tensor> {
     Ok(if y.f_kind()? != k { y.f_to_kind(k)? } else { y })
 }
 
-/// LpNormalization: `x / ‖x‖_p` along `axis` (p 1 or 2), no epsilon, as the ONNX reference.
+/// LpNormalization: `x / ‖x‖_p` along `axis` (p 1 or 2), no epsilon; a zero vector stays
+/// zero, as in the ONNX reference.
 pub(super) fn lp_normalization(a: &Args) -> KResult<Tensor> {
     let x = a.x(0)?;
     let ax = axis(a.int("axis", -1), x.dim())?;
@@ -137,5 +138,7 @@ pub(super) fn lp_normalization(a: &Args) -> KResult<Tensor> {
         super::bail!("p must be 1 or 2, it is {p}");
     }
     let norm = x.f_norm_scalaropt_dim(p as f64, [ax].as_slice(), true)?;
-    Ok(x.f_div(&norm)?)
+    // a zero vector stays zero (the reference's 0/0 = 0), with a finite gradient
+    let zero = norm.f_eq(0)?;
+    Ok(x.f_div(&norm.f_masked_fill(&zero, 1.0)?)?)
 }
