@@ -207,7 +207,7 @@ pub fn analyze_options(opts: &PlanOptions) -> AnalyzeOptions {
 /// Import → analyze: the graph with shapes, figures and layers. Import warnings are logged
 /// (`tracing::warn`) and returned.
 pub fn load_and_analyze(path: &Path, opts: &AnalyzeOptions) -> Result<Analysed, CompileError> {
-    import_and_analyze(path, opts, &ParamOptions::default(), &mut ())
+    import_and_analyze(path, opts, &ParamOptions::default(), &mut (), false)
 }
 
 fn import_and_analyze(
@@ -215,9 +215,14 @@ fn import_and_analyze(
     opts: &AnalyzeOptions,
     params: &ParamOptions,
     observer: &mut dyn Observer,
+    executable: bool,
 ) -> Result<Analysed, CompileError> {
     observer.stage(Stage::Import);
     let imported = onnx::load_model(path).map_err(|source| CompileError::Import { path: path.to_path_buf(), source })?;
+    if executable {
+        // before analysis, which cannot see into them either
+        check_executable(&imported.graph, &path.display().to_string())?;
+    }
     let warnings: Vec<String> = imported.warnings.iter().map(|w| w.to_string()).collect();
     for w in &warnings {
         tracing::warn!("{}: {w}", path.display());
@@ -248,13 +253,13 @@ pub fn compile_observed<'a>(
     let analysed = match model.into() {
         Model::Analysed(a) => a,
         Model::Onnx(path) => {
-            loaded = import_and_analyze(path, &analyze_options(options), &options.params, observer)?;
+            loaded = import_and_analyze(path, &analyze_options(options), &options.params, observer, true)?;
             &loaded
         }
     };
     let lg = &analysed.lg;
     let model_name = &analysed.model.path;
-    check_executable(lg, model_name)?;
+    check_executable(&lg.graph, model_name)?;
     options.check_layers(lg.layers.len(), model_name)?;
     if options.global_batch.is_none() {
         let batch = options.global_batch_for(lg, cluster);
@@ -283,10 +288,10 @@ pub fn compile_observed<'a>(
 
 /// Refuses a graph holding ops the IR does not know (kept as placeholders by the importer):
 /// the runner executes every op the IR knows and no other, so no plan of it could run.
-pub fn check_executable(lg: &LayeredGraph, model: &str) -> Result<(), CompileError> {
+pub fn check_executable(graph: &crate::ir::Graph, model: &str) -> Result<(), CompileError> {
     let mut unknown: BTreeMap<String, (usize, String)> = BTreeMap::new();
-    for id in lg.graph.node_ids() {
-        let node = lg.graph.node(id);
+    for id in graph.node_ids() {
+        let node = graph.node(id);
         if let crate::ir::Op::Placeholder { op_type, domain } = &node.op {
             let name = if domain.is_empty() { op_type.clone() } else { format!("{domain}.{op_type}") };
             unknown.entry(name).or_insert_with(|| (0, node.name.clone())).0 += 1;
