@@ -16,11 +16,11 @@ from ._binaries import find_binary
 from .errors import CommandError, RankFailed, SmpError
 from .export import Exported, export
 from .launch import Run, launch, launch_command, verify_plan
-from .plan import Parallel, Plan, Predicted, plan
+from .plan import EngineConfig, Gap, Parallel, Plan, Predicted, plan
 from .sweep import Sweep, sweep
 from .trained import export_trained, load_trained
 
 __all__ = [
-    "CommandError", "Exported", "Parallel", "Plan", "Predicted", "RankFailed", "Run", "SmpError", "Sweep",
+    "CommandError", "EngineConfig", "Exported", "Gap", "Parallel", "Plan", "Predicted", "RankFailed", "Run", "SmpError", "Sweep",
     "export", "export_trained", "find_binary", "launch", "launch_command", "load_trained", "plan", "sweep", "verify_plan",
 ]

@@ -418,7 +418,9 @@ pub fn write(plan: &Plan, shape: &ModelShape) -> Result<Written, String> {
     let per_node = plan.cluster.devices_per_node.max(1).min(plan.cluster.devices.max(1));
     let nodes = plan.cluster.devices.div_ceil(per_node);
     let text: String = args.iter().map(|a| a.iter().map(|w| shell_quote(w)).collect::<Vec<_>>().join(" ")).collect::<Vec<_>>().join("\n");
-    let launch = format!("torchrun --nnodes {nodes} --nproc-per-node {per_node} pretrain_gpt.py $(cat megatron.args) --data-path DATA --save CHECKPOINTS");
+    // Megatron-LM's validate_args requires it with tensor or context parallelism before Blackwell
+    let env = if p.tp > 1 || p.cp > 1 { "CUDA_DEVICE_MAX_CONNECTIONS=1 " } else { "" };
+    let launch = format!("{env}torchrun --nnodes {nodes} --nproc-per-node {per_node} pretrain_gpt.py $(cat megatron.args) --data-path DATA --save CHECKPOINTS");
     Ok(Written {
         files: vec![EmittedFile { name: "megatron.args".into(), text: text + "\n" }],
         launch,

@@ -202,6 +202,10 @@ fn entries(plan: &Plan, shape: &ModelShape) -> Result<Vec<Entry>, String> {
     e.push(("training", "local_batch_size", int(local_batch as usize)));
     e.push(("training", "global_batch_size", int(plan.global_batch as usize)));
     e.push(("training", "seq_len", int(plan.seq_len.or(shape.seq).unwrap_or(0) as usize)));
+    // its trainer refuses CUDA graphs with pipelining and with expert parallelism's default dispatcher
+    if p.pp > 1 || p.ep > 1 {
+        e.push(("training", "disable_cuda_graphs", toml::Value::Boolean(true)));
+    }
     match p.precision {
         Precision::Bf16 => e.push(("training", "dtype", toml::Value::String("bfloat16".into()))),
         Precision::F32 => e.push(("training", "mixed_precision_param", toml::Value::String("float32".into()))),

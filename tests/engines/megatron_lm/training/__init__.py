@@ -1,0 +1,1 @@
+"""Megatron-LM's `megatron.training` package, reduced to its argument parsing (README.md)."""
