@@ -213,7 +213,7 @@ pub fn load_and_analyze(path: &Path, opts: &AnalyzeOptions) -> Result<Analysed, 
 /// Import → analyze as `compile` does for `options` (their sequence length, dims and trained
 /// parameters): a model analysed once for compiling several requests.
 pub fn analyze_for(path: &Path, options: &PlanOptions) -> Result<Analysed, CompileError> {
-    import_and_analyze(path, &analyze_options(options), &options.params, &mut ())
+    import_and_analyze(path, &analyze_options(options), &options.params, &mut (), false)
 }
 
 fn import_and_analyze(

@@ -7,6 +7,7 @@
     run = smp.launch(plan, data=batch, steps=100, checkpoint_dir="ckpt")
     smp.load_trained(model, run)                 # trained weights back into the module
     smp.sweep(model, example_inputs, clusters=["a100-80gb:256,512", "h100-80gb:256,512"])
+    plan.emit("megatron", "mlm/")                # the plan as Megatron-LM arguments (or torchtitan, ...)
 
 Pure Python around the built binaries (`smp-partition`, `smp-runner`), found in $SMP_BIN_DIR,
 on PATH, or in the repository's target/. Needs torch==2.13.0 (the binaries link against it).

@@ -126,6 +126,10 @@ class Plan:
         return EngineConfig.from_json(json.loads(run("smp-partition", args)))
 
 
+#: The engines as their users call them.
+ENGINE_TITLES = {"megatron": "Megatron-LM", "torchtitan": "torchtitan", "deepspeed": "DeepSpeed", "smp": "SMP"}
+
+
 @dataclass(frozen=True)
 class Gap:
     """One thing an engine cannot express of a plan: what the plan chose, why the engine
@@ -183,7 +187,8 @@ class EngineConfig:
         return paths
 
     def __str__(self) -> str:
-        lines = [f"{self.engine} cannot express {g.chose} ({g.why}); nearest: {g.nearest}" for g in self.gaps]
+        title = ENGINE_TITLES.get(self.engine, self.engine)
+        lines = [f"{title} cannot express {g.chose} ({g.why}); nearest: {g.nearest}" for g in self.gaps]
         for name, text in self.files.items():
             lines += [f"--- {name} ---", text.rstrip("\n")]
         lines.append(f"launch: {self.launch}")

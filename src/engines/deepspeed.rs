@@ -231,7 +231,9 @@ pub fn write(plan: &Plan, shape: &ModelShape) -> Result<Written, String> {
         cfg.insert("expert_parallel".into(), json!({ "enabled": true, "autoep_size": p.ep }));
     }
     if p.cp > 1 {
+        // deepspeed.initialize builds its (data, sequence) mesh from both
         cfg.insert("sequence_parallel_size".into(), json!(p.cp));
+        cfg.insert("data_parallel_size".into(), json!(p.dp));
     }
     let text = serde_json::to_string_pretty(&Value::Object(cfg)).map_err(|e| e.to_string())? + "\n";
     let per_node = plan.cluster.devices_per_node.max(1).min(plan.cluster.devices.max(1));
@@ -331,6 +333,11 @@ pub fn read(text: &str, origin: Origin, shape: &ModelShape, devices: Option<usiz
         return Err(refuse("process topology", format!("world size {world} is not divisible by pipeline stages {pp} × AutoTP size {tp} × sequence-parallel size {cp}")));
     }
     let dp = world / (pp * tp * cp);
+    if let Some(given) = get("data_parallel_size").as_ref().and_then(int_of)
+        && given != dp as i64
+    {
+        return Err(refuse("initialize_mesh_device", format!("data_parallel_size {given} × sequence_parallel_size {cp} does not make the {} ranks left of {world} after pipeline {pp} × AutoTP {tp}", world / (pp * tp))));
+    }
     let mut reading = Reading::default();
     let mut o = PlanOptions { megatron_split: true, ..PlanOptions::default() };
     o.pp = Some(pp);

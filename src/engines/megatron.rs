@@ -404,6 +404,8 @@ pub fn write(plan: &Plan, shape: &ModelShape) -> Result<Written, String> {
         z => {
             arg(&["--use-megatron-fsdp"]);
             arg(&["--data-parallel-sharding-strategy", if z == 2 { "optim_grads" } else { "optim_grads_params" }]);
+            // validate_args: Megatron-FSDP saves only this format
+            arg(&["--ckpt-format", "fsdp_dtensor"]);
         }
     }
     // precision
@@ -418,14 +420,15 @@ pub fn write(plan: &Plan, shape: &ModelShape) -> Result<Written, String> {
     let per_node = plan.cluster.devices_per_node.max(1).min(plan.cluster.devices.max(1));
     let nodes = plan.cluster.devices.div_ceil(per_node);
     let text: String = args.iter().map(|a| a.iter().map(|w| shell_quote(w)).collect::<Vec<_>>().join(" ")).collect::<Vec<_>>().join("\n");
-    // Megatron-LM's validate_args requires it with tensor or context parallelism before Blackwell
-    let env = if p.tp > 1 || p.cp > 1 { "CUDA_DEVICE_MAX_CONNECTIONS=1 " } else { "" };
-    let launch = format!("{env}torchrun --nnodes {nodes} --nproc-per-node {per_node} pretrain_gpt.py $(cat megatron.args) --data-path DATA --save CHECKPOINTS");
+    // Megatron-LM's validate_args requires it with tensor or context parallelism before
+    // Blackwell, and refuses it with Megatron-FSDP (ZeRO 2, 3)
+    let env = if (p.tp > 1 || p.cp > 1) && p.zero < 2 { "CUDA_DEVICE_MAX_CONNECTIONS=1 " } else { "" };
+    let launch = format!("{env}torchrun --nnodes {nodes} --nproc-per-node {per_node} pretrain_gpt.py $(cat megatron.args) --data-path DATA");
     Ok(Written {
         files: vec![EmittedFile { name: "megatron.args".into(), text: text + "\n" }],
         launch,
         notes: vec![
-            "the data, tokenizer, learning-rate schedule and checkpoint paths are yours to add (the plan does not decide them)".into(),
+            "the data, tokenizer, learning-rate schedule and checkpoints (--save with --save-interval) are yours to add (the plan does not decide them)".into(),
             "rotary base, norm epsilon and initialisation are not read from the graph; set them as your model has them".into(),
         ],
     })
@@ -514,7 +517,7 @@ const NO_EFFECT: &[&str] = &[
     "accumulate-allreduce-grads-in-fp32", "bf16-reduce", "moe-grouped-gemm", "moe-router-load-balancing-type", "moe-aux-loss-coeff",
     "moe-token-dispatcher-type", "moe-router-dtype", "hysteresis", "loss-scale-window", "min-loss-scale", "initial-loss-scale", "group-query-attention",
     "tokenizer-type", "vocab-size", "position-embedding-type", "normalization", "swiglu", "untie-embeddings-and-output-weights", "disable-bias-linear",
-    "max-position-embeddings", "kv-channels",
+    "max-position-embeddings", "kv-channels", "no-rope-fusion", "no-gradient-accumulation-fusion", "no-bias-swiglu-fusion", "no-bias-dropout-fusion",
 ];
 
 /// Reads `pretrain_gpt.py` arguments (optionally after a launcher, `torchrun … pretrain_gpt.py`)

@@ -1,8 +1,9 @@
 """The `train.py` of the DeepSpeed launch line `smp-partition emit --engine deepspeed` writes,
 for the tiny Llama (tiny_llama.py): the pipeline module of the emitted deepspeed_pipeline.py
 over the model's layers, the emitted ds_config.json with the runner's optimizer (AdamW, lr 1e-3,
-weight decay 0.01) and gradient clipping (1.0) added, one global batch repeated every step.
-Rank 0 writes the step losses as JSON. Run under torchrun on the CPU with Gloo."""
+weight decay 0.01) and no gradient clipping (DeepSpeed's pipeline engine, in fp32 with the
+optimizer given, clips by the norm of the first stage's gradients alone; the runner by all),
+one global batch repeated every step. Rank 0 writes the step losses as JSON. Run under torchrun on the CPU with Gloo."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def main() -> None:
     tiny_llama.load(named, load_file(args.weights))
     ds_config = str(Path(args.emitted) / "ds_config.json")
     config = json.loads(Path(ds_config).read_text())
-    config["gradient_clipping"] = 1.0
+    config["gradient_clipping"] = 0.0
     net = PlannedPipeline([m for _, m in named], ds_config=ds_config, loss_fn=tiny_llama.causal_lm_loss)
     opt = torch.optim.AdamW([p for p in net.parameters()], lr=1e-3, weight_decay=0.01)
     engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config)

@@ -39,8 +39,7 @@ def degrees(plan: dict[str, Any]) -> dict[str, Any]:
 
 
 def virtual_stages(plan: dict[str, Any]) -> int:
-    s = plan["parallel"]["schedule"]
-    return int(s.get("interleaved", {}).get("virtual_stages", 1)) if isinstance(s, dict) else 1
+    return int(plan["parallel"].get("virtual_stages", 1))
 
 
 def recomputed_per_stage(plan: dict[str, Any], kinds: list[str]) -> list[int]:
@@ -111,8 +110,7 @@ def megatron_parse(words: list[str], env: dict[str, str], world: int):
         del env["CUDA_DEVICE_MAX_CONNECTIONS"]
         os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
     err = io.StringIO()
-    with environment(env, ["pretrain_gpt.py", *words, *MEGATRON_HERE_ONLY]), contextlib.redirect_stderr(err), \
-            contextlib.redirect_stdout(io.StringIO()):
+    with environment(env, ["pretrain_gpt.py", *words, *MEGATRON_HERE_ONLY]), contextlib.redirect_stderr(err):
         try:
             args = arguments.parse_args()
         except SystemExit as e:
@@ -164,7 +162,7 @@ def check_megatron(p: Planned) -> None:
            "cp": config.context_parallel_size, "ep": config.expert_model_parallel_size}
     assert got == d, f"{p.case.name}: Megatron-LM runs {got}, the plan {d}"
     assert (config.virtual_pipeline_model_parallel_size or 1) == virtual_stages(plan)
-    assert config.sequence_parallel == (plan["parallel"]["sequence_parallel"] and d["tp"] > 1)
+    assert config.sequence_parallel == (plan["parallel"].get("sequence_parallel", False) and d["tp"] > 1)
     calc = ConstantNumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size, args.data_parallel_size, False, 0)
     assert (args.global_batch_size, calc.num_micro_batches) == (plan["global_batch"], plan["parallel"]["microbatches"])
     blocks = blocks_per_stage(plan, p.kinds)
@@ -206,6 +204,7 @@ def torchtitan_model(config, blocks: int):
 
 
 def check_torchtitan(p: Planned) -> None:
+    import torch
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
     from torchtitan.distributed import pipeline_parallel as tpp
     from torchtitan.distributed.parallel_dims import ParallelDims
@@ -230,7 +229,7 @@ def check_torchtitan(p: Planned) -> None:
     assert (dims.pp, dims.tp, dims.cp, dims.ep, dims.dp_replicate * dims.dp_shard) == (d["pp"], d["tp"], d["cp"], d["ep"], d["dp"])
     zero = plan["parallel"]["zero"]
     assert dims.dp_shard * dims.cp > 1 or zero == 0 or d["dp"] * d["cp"] == 1, "ZeRO without FSDP"
-    assert par.enable_sequence_parallel == (plan["parallel"]["sequence_parallel"] or d["tp"] == 1)
+    assert par.enable_sequence_parallel == (plan["parallel"].get("sequence_parallel", False) or d["tp"] == 1)
     # the trainer's batch arithmetic (trainer.py: global batch over local batch × batch degree)
     batch_degree = dims.dp_replicate * dims.dp_shard
     assert tr.global_batch_size % (tr.local_batch_size * batch_degree) == 0
@@ -248,8 +247,17 @@ def check_torchtitan(p: Planned) -> None:
             tpp._get_pp_rank_to_stage_indices_mapping(r, d["pp"], par.pipeline_parallel_schedule, len(parts))
         blocks = blocks_per_stage(plan, p.kinds)
         model = torchtitan_model(config, sum(blocks))
+        # every module named exists, and every module of the model is in exactly one part
+        named = [n for names in parts for n in names]
+        for n in named:
+            model.get_submodule(n)
+        containers = (torch.nn.ModuleDict, torch.nn.ModuleList, tpp.ModuleDict, tpp.ModuleList)
+        whole = []
+        for n, c in model.named_children():
+            whole += [f"{n}.{k}" for k, _ in c.named_children()] if isinstance(c, containers) else [n]
+        assert sorted(named) == sorted(whole), f"{p.case.name}: parts {parts}"
         split = [tpp._split_module(model, names) for names in parts]
-        got = [sum(1 for _ in m.layers.values()) if hasattr(m, "layers") and m.layers is not None else 0 for m in split]
+        got = [len(list(m.layers.children())) for m in split]
         assert got == blocks, f"{p.case.name}: torchtitan's module split {got}, the plan {blocks}"
     else:
         assert accumulation == m
@@ -285,6 +293,8 @@ class DataParallelOnly:
 def deepspeed_comm():
     import deepspeed
 
+    # DeepSpeed builds its shared-memory op for the CPU with the venv's ninja
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, rank=0, world_size=1, verbose=False)
@@ -316,7 +326,8 @@ def check_deepspeed(p: Planned) -> None:
     if d["tp"] > 1:
         assert cfg.tensor_parallel_config.autotp_size == d["tp"]
     if d["cp"] > 1:
-        assert cfg.sequence_parallel_size == d["cp"]
+        # deepspeed.initialize's (data, sequence) mesh
+        assert (raw["data_parallel_size"], raw["sequence_parallel_size"]) == (d["dp"], d["cp"])
     pipe = cfg.pipeline
     assert pipe["stages"] == d["pp"]
     if d["pp"] > 1:
