@@ -179,8 +179,18 @@ def check_megatron(p: Planned) -> None:
 # torchtitan
 
 
+# The compute capability of the plans' devices (H100: 9.0), which torchtitan's float8 converter
+# (in its Llama 3 405B registration) asks of the machine; this one has no GPU.
+PLANNED_CAPABILITY = (9, 0)
+
+
 def torchtitan_parse(words: list[str]):
+    import torch
+    from torchtitan.components.quantization import float8
     from torchtitan.config import ConfigManager
+
+    if not torch.cuda.is_available():
+        float8.has_cuda_capability = lambda major, minor: PLANNED_CAPABILITY >= (major, minor)
 
     with contextlib.redirect_stderr(io.StringIO()) as err:
         try:
