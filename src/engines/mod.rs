@@ -72,6 +72,34 @@ pub fn read(engine: Engine, text: &str, origin: Origin, shape: &ModelShape, devi
     Ok((reading, world))
 }
 
+/// The sequence length a configuration states (Megatron-LM's `--seq-length`, torchtitan's
+/// `training.seq_len`), read before the model is: a graph whose sequence is symbolic is
+/// analysed at it.
+pub fn sequence_length(engine: Engine, text: &str) -> Option<u64> {
+    let flag_value = |flags: &[&str]| -> Option<u64> {
+        let words = split_words(text).ok()?;
+        words.iter().enumerate().rev().find_map(|(i, w)| {
+            flags.iter().find_map(|f| match w.strip_prefix(f) {
+                Some("") => words.get(i + 1)?.parse().ok(),
+                Some(rest) => rest.strip_prefix('=')?.parse().ok(),
+                None => None,
+            })
+        })
+    };
+    match engine {
+        Engine::Megatron => flag_value(&["--seq-length"]),
+        Engine::Torchtitan => {
+            if text.lines().any(|l| l.trim_start().starts_with('[')) {
+                let doc: toml::Table = toml::from_str(text).ok()?;
+                doc.get("training")?.get("seq_len")?.as_integer().and_then(|v| u64::try_from(v).ok())
+            } else {
+                flag_value(&["--training.seq-len", "--training.seq_len"])
+            }
+        }
+        Engine::DeepSpeed | Engine::Smp => None,
+    }
+}
+
 /// A gap with the step time of the plan changed only by it.
 #[derive(Clone, Debug)]
 pub struct PricedGap {
@@ -196,8 +224,20 @@ pub fn emit(engine: Engine, plan: &Plan, analysed: &Analysed, cluster: &ClusterS
     if let Some(g) = left.first() {
         return Err(EngineError::Structure { engine, model: plan.model.path.clone(), why: format!("the nearest configuration still cannot be expressed ({g}); a planner bug") });
     }
-    let written = write(engine, target, &shape)?;
+    let mut written = write(engine, target, &shape)?;
+    written.notes.push(checked_note(engine).into());
     Ok(Emission { engine, gaps: priced, plan_step_s: plan.predicted.step_time_s, nearest, over_memory, written })
+}
+
+/// What has checked an engine's configurations, and what has not been done with them yet
+/// (docs/engines.md, "What you cannot do yet").
+fn checked_note(engine: Engine) -> &'static str {
+    match engine {
+        Engine::Megatron => "written for Megatron-Core 0.16's pretrain_gpt.py and accepted by its own argument checks; not yet run on GPUs from smp-partition (docs/engines.md)",
+        Engine::Torchtitan => "written for torchtitan 0.3 and accepted by its config manager and ParallelDims; not yet run on GPUs from smp-partition (docs/engines.md)",
+        Engine::DeepSpeed => "written for DeepSpeed 0.19 and accepted by its config class; its pipeline trained a tiny model on CPUs as smp-runner does, not yet run on GPUs from smp-partition (docs/engines.md)",
+        Engine::Smp => "SMP's parameters as --config reads them; SMP's own code has not checked them (SageMaker's containers ship it; no package registry has it) (docs/engines.md)",
+    }
 }
 
 /// Compiles a fully fixed request; where the devices' memory does not hold it, compiles it

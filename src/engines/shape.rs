@@ -151,7 +151,7 @@ impl ModelShape {
                 if !is_init(g, *table) {
                     continue;
                 }
-                if g.value(*index).kind == ValueKind::Input && self.vocab.is_none() {
+                if from_input(g, *index) && self.vocab.is_none() {
                     self.vocab = Some(rows as u64);
                     self.hidden = Some(cols as u64);
                 } else if self.positions == Positions::Unknown {
@@ -187,6 +187,8 @@ impl ModelShape {
                 }
                 OpKind::MatMul | OpKind::Gemm => {
                     let Some(w) = input(1).filter(|&w| is_init(g, w)) else { continue };
+                    // Gemm's third input: the bias (a Conv1D or Linear exported as addmm)
+                    self.linear_bias |= k == OpKind::Gemm && input(2).is_some_and(|b| is_init(g, b));
                     if let Some([rows, cols]) = dims(g, w).and_then(|d| <[i64; 2]>::try_from(d).ok())
                         && let Some(h) = self.hidden
                     {
@@ -280,6 +282,24 @@ impl ModelShape {
     pub fn layer_of_block(&self, b: usize) -> Option<usize> {
         (0..self.kinds.len()).filter(|&l| self.is_block(l)).nth(b)
     }
+}
+
+/// Whether `v` is a graph input, or one reshaped, cast or unsqueezed (the token ids a
+/// `view` flattens before the embedding's Gather).
+fn from_input(g: &Graph, v: ValueId) -> bool {
+    let mut v = v;
+    for _ in 0..4 {
+        if g.value(v).kind == ValueKind::Input {
+            return true;
+        }
+        let Some(p) = g.value(v).producer else { return false };
+        if !matches!(kind(g, p), Some(OpKind::Reshape | OpKind::Cast | OpKind::Unsqueeze | OpKind::Squeeze | OpKind::Flatten | OpKind::Identity)) {
+            return false;
+        }
+        let Some(Some(x)) = g.node(p).inputs.first().copied() else { return false };
+        v = x;
+    }
+    false
 }
 
 /// A symbolic batch or sequence dim is still a dim: its rank with placeholder sizes.

@@ -36,7 +36,8 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     torch.manual_seed(0)
     named = tiny_llama.layers()
-    tiny_llama.load(named, load_file(args.weights))
+    # the runner names them as the exported wrapper holds the Hugging Face model: `model.` first
+    tiny_llama.load(named, {k.removeprefix("model."): v for k, v in load_file(args.weights).items()})
     ds_config = str(Path(args.emitted) / "ds_config.json")
     config = json.loads(Path(ds_config).read_text())
     config["gradient_clipping"] = 0.0

@@ -90,7 +90,12 @@ pub fn run(model: &Path, spec: &str, args: &PlanArgs) -> Result<ExitCode> {
         params: smp_partition::compile::ParamOptions { trainable: f.trainable.clone(), frozen: f.frozen.clone() },
         ..PlanOptions::default()
     };
-    let mut analysed = analyze_for(model, &base).with_context(|| format!("reading {}", model.display()))?;
+    // a graph whose sequence is symbolic is analysed at the configuration's length
+    let first = match (f.seq_len, engines::sequence_length(engine, &text)) {
+        (None, Some(seq)) => PlanOptions { seq_len: Some(seq), ..base.clone() },
+        _ => base.clone(),
+    };
+    let mut analysed = analyze_for(model, &first).with_context(|| format!("reading {}", model.display()))?;
     // the device count: --cluster PRESET:N, else the launcher's
     let explicit_count = args.cluster.as_deref().filter(|c| c.contains(':') || Path::new(c).is_file());
     let host = smp_partition::host::machine_facts()?;
@@ -101,7 +106,9 @@ pub fn run(model: &Path, spec: &str, args: &PlanArgs) -> Result<ExitCode> {
     let shape = ModelShape::of(&analysed.lg);
     let (mut reading, world) = engines::read(engine, &text, origin.clone(), &shape, devices).with_context(|| format!("--from-engine {name}:{}", origin.name()))?;
     // the configuration's sequence length binds the model's, unless --seq-len did
-    if let (Some(read), None) = (reading.options.seq_len, f.seq_len) {
+    if let (Some(read), None) = (reading.options.seq_len, f.seq_len)
+        && first.seq_len != Some(read)
+    {
         let rebound = PlanOptions { seq_len: Some(read), ..base.clone() };
         analysed = analyze_for(model, &rebound).with_context(|| format!("reading {} at sequence length {read}", model.display()))?;
     } else if let (Some(read), Some(flag)) = (reading.options.seq_len, f.seq_len)
