@@ -949,7 +949,8 @@ mod tests {
         assert_eq!(even_or_uneven(8, 2, 2, None, None, false, false).unwrap(), [2, 2, 2, 2]);
         assert_eq!(even_or_uneven(126, 16, 1, Some(7), Some(7), false, false).unwrap().iter().sum::<usize>(), 126);
         assert!(even_or_uneven(10, 4, 1, None, None, false, false).unwrap_err().contains("should be divisible"));
-        assert!(even_or_uneven(10, 4, 1, Some(1), Some(1), false, false).unwrap_err().contains("middle stage"));
+        assert_eq!(even_or_uneven(10, 4, 1, Some(1), Some(1), false, false).unwrap(), [1, 4, 4, 1]);
+        assert!(even_or_uneven(10, 4, 1, Some(1), Some(2), false, false).unwrap_err().contains("middle stage"));
         assert_eq!(even_or_uneven(6, 2, 1, None, None, true, true).unwrap(), [3, 3]);
         assert_eq!(even_or_uneven(6, 4, 1, None, None, true, true).unwrap(), [1, 2, 2, 1]);
     }
