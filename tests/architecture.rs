@@ -785,12 +785,25 @@ fn only_runtime_names_tch_or_c10d() {
     assert!(bad.is_empty(), "files outside src/runtime/ naming tch or c10d: {bad:?}");
 }
 
+/// ONNX is canonicalised once, by the importer (`frontend/onnx/canonical.rs`): no later stage
+/// reads the opset, so none can branch on it. `ir/` keeps the opsets for the IR dump.
+#[test]
+fn only_the_importer_reads_the_opset() {
+    let bad: Vec<String> = all_tokens()
+        .into_iter()
+        .filter(|(p, toks)| !p.starts_with("frontend/onnx") && !p.starts_with("ir") && toks.iter().any(|t| t == "opset" || t == "opsets"))
+        .map(|(p, _)| p.display().to_string())
+        .collect();
+    assert!(bad.is_empty(), "files outside the ONNX importer reading the opset (canonicalise the form in frontend/onnx/canonical.rs instead): {bad:?}");
+}
+
 /// Where serde may appear: the files of a file format, as docs/architecture.md lists them.
 const SERDE_ALLOWED: &[&str] = &[
     "plan/",
     "codegen/",
     "split/",
     "ir/fusion.rs",
+    "ir/collective.rs",
     "ir/parallel.rs",
     "cost/",
     "solve/smp_config.rs",

@@ -12,10 +12,10 @@
 //!   matmuls, reshapes and transposes that keep the tokens, slices, splits and concats along
 //!   other axes, routed experts) run on the local tokens; a whole operand they combine with a
 //!   local one along the token axis (positions, rotary tables, causal masks' rows) is cut to
-//!   the rank's tokens, by [`CONTEXT_LOCALIZE`], without communication;
+//!   the rank's tokens, by a `TokenLocalize` op, without communication;
 //! - attention is the one place a rank needs the others' tokens: the keys and values (`kᵀ` and
 //!   `v` of the fused op, or the second operand of the score and value matmuls when attention
-//!   did not fuse) are all-gathered over the group ([`CONTEXT_GATHER`], whose backward is a
+//!   did not fuse) are all-gathered over the group (a `TokenGather` op, whose backward is a
 //!   reduce-scatter), so queries stay local and the mask's columns are whole;
 //! - any other op reading a local value first gathers it (correct for every op, paid in
 //!   communication); shapes computed from a local value are the one-process shapes.
@@ -27,17 +27,10 @@ use std::collections::{HashMap, HashSet};
 
 use thiserror::Error;
 
-use super::collectives::SMP_DOMAIN;
-use crate::ir::{Attr, Attrs, DType, DimBindings, Graph, GraphError, Node, NodeId, Op, OpKind, Shape, TensorType, ValueId, ValueKind};
+use crate::ir::{Attr, Attrs, CollectiveKind, DType, DimBindings, Graph, GraphError, GroupKind, Node, NodeId, Op, OpKind, Shape, TensorType, ValueId, ValueKind};
 use crate::passes::PassError;
 use crate::passes::shape_infer::{self, ShapeInfo};
 
-/// The all-gather of a local value over the context group (attribute `axis`, `outer`).
-pub const CONTEXT_GATHER: &str = "ContextGather";
-/// A whole value cut to this rank's tokens (attribute `axis`, `outer`).
-pub const CONTEXT_LOCALIZE: &str = "ContextLocalize";
-/// The `group` attribute of both.
-pub const CONTEXT_GROUP: &str = "context";
 /// Dropout attributes naming the token axis of a local input (and its `outer` blocks).
 pub const DROPOUT_TOKEN_AXIS: &str = "context_axis";
 /// See [`DROPOUT_TOKEN_AXIS`].
@@ -238,11 +231,16 @@ fn moves_elements_only(k: OpKind) -> bool {
     matches!(k, OpKind::Reshape | OpKind::Transpose | OpKind::Unsqueeze | OpKind::Squeeze | OpKind::Expand | OpKind::Flatten | OpKind::Identity)
 }
 
+/// True for a context all-gather node.
+pub fn is_token_gather(op: &Op) -> bool {
+    matches!(op, Op::Collective { kind: CollectiveKind::TokenGather { .. }, .. })
+}
+
 /// Orders each all-gather with the first op past the views that read it (attention), so the
 /// keys' and values' gathers of a layer are ready together and the runner sends them as one.
 fn schedule_gathers_late(g: &mut Graph) {
     let uses = g.uses();
-    let gathers: Vec<NodeId> = g.node_ids().filter(|&n| matches!(&g.node(n).op, Op::Placeholder { op_type, .. } if op_type == CONTEXT_GATHER)).collect();
+    let gathers: Vec<NodeId> = g.node_ids().filter(|&n| is_token_gather(&g.node(n).op)).collect();
     for n in gathers {
         let mut stack: Vec<ValueId> = g.node(n).outputs.clone();
         let mut seen = HashSet::new();
@@ -386,13 +384,15 @@ impl Splitter<'_> {
         let src = self.current.get(&v).copied().unwrap_or(v);
         let mut at = src;
         let mut held = from;
-        let emit = |s: &mut Self, op: &str, axis: usize, outer: i64, input: ValueId| -> Result<ValueId, ContextError> {
-            let name = s.fresh(&src_name, if op == CONTEXT_GATHER { "context_gather" } else { "context_local" });
+        let emit = |s: &mut Self, kind: CollectiveKind, input: ValueId| -> Result<ValueId, ContextError> {
+            let gather = matches!(kind, CollectiveKind::TokenGather { .. });
+            let axis = kind.axis().unwrap_or(0);
+            let name = s.fresh(&src_name, if gather { "context_gather" } else { "context_local" });
             // declared as shape inference sees it: the whole value, or its token axis over c
             let whole = s.info.types[v.index()].clone();
             let ty = whole.map(|t| {
                 let shape = t.shape.map(|mut d| {
-                    if op == CONTEXT_LOCALIZE && let Some(len) = d.get_mut(axis) {
+                    if !gather && let Some(len) = d.get_mut(axis) {
                         *len /= s.cp;
                     }
                     Shape::from_known(&d)
@@ -400,14 +400,10 @@ impl Splitter<'_> {
                 TensorType { dtype: t.dtype, shape }
             });
             let outv = s.out.add_value(format!("{name}.out"), ValueKind::Intermediate, ty, None)?;
-            let mut attrs = Attrs::default();
-            attrs.set("group", Attr::Str(CONTEXT_GROUP.into()));
-            attrs.set("axis", Attr::Int(axis as i64));
-            attrs.set("outer", Attr::Int(outer));
             s.out.add_node(Node {
                 name,
-                op: Op::Placeholder { op_type: op.into(), domain: SMP_DOMAIN.into() },
-                attrs,
+                op: Op::Collective { kind, group: GroupKind::Context },
+                attrs: Attrs::default(),
                 inputs: vec![Some(input)],
                 outputs: vec![outv],
                 namespace: None,
@@ -418,13 +414,13 @@ impl Splitter<'_> {
         if let Tokens::Local { axis, outer } = held
             && held != to
         {
-            at = emit(self, CONTEXT_GATHER, axis, outer, at)?;
+            at = emit(self, CollectiveKind::TokenGather { axis, outer }, at)?;
             self.gathers += 1;
             tracing::debug!(value = %src_name, axis, "context all-gather");
             held = Tokens::Whole;
         }
         if let (Tokens::Whole, Tokens::Local { axis, outer }) = (held, to) {
-            at = emit(self, CONTEXT_LOCALIZE, axis, outer, at)?;
+            at = emit(self, CollectiveKind::TokenLocalize { axis, outer }, at)?;
             self.localizes += 1;
             tracing::debug!(value = %src_name, axis, "context cut");
         }
@@ -560,22 +556,19 @@ impl Splitter<'_> {
         let input = |i: usize| node.inputs.get(i).copied().flatten();
         let Some(&o) = node.outputs.first() else { return Ok(None) };
         let Some(os) = self.shape(o).map(<[i64]>::to_vec) else { return Ok(None) };
-        if let Op::Placeholder { op_type, domain } = &node.op {
-            if domain != SMP_DOMAIN {
-                return Ok(None);
-            }
-            return Ok(match op_type.as_str() {
-                "AllReduce" | super::collectives::COPY_TO_TENSOR_REGION => self.elementwise(n, &os),
-                "AllGather" | "ReduceScatter" | "Scatter" => match tok(input(0)) {
-                    Tokens::Whole if op_type == "Scatter" => {
-                        let axis = node.attrs.int("axis", 0) as usize;
-                        let t = Tokens::Local { axis, outer: 1 };
-                        Some(Decision { convert: vec![(0, t)], out: t, shape: None })
-                    }
-                    t => Some(Decision::to(t)),
-                },
-                _ => None,
+        if let Op::Collective { kind, .. } = &node.op {
+            return Ok(match *kind {
+                CollectiveKind::AllReduce | CollectiveKind::CopyToRegion => self.elementwise(n, &os),
+                CollectiveKind::Scatter { axis } if tok(input(0)) == Tokens::Whole => {
+                    let t = Tokens::Local { axis, outer: 1 };
+                    Some(Decision { convert: vec![(0, t)], out: t, shape: None })
+                }
+                CollectiveKind::AllGather { .. } | CollectiveKind::ReduceScatter { .. } | CollectiveKind::Scatter { .. } => Some(Decision::to(tok(input(0)))),
+                CollectiveKind::TokenGather { .. } | CollectiveKind::TokenLocalize { .. } => None,
             });
+        }
+        if let Op::Placeholder { .. } = &node.op {
+            return Ok(None);
         }
         let Some(kind) = node.op.kind() else { return Ok(None) };
         Ok(match kind {
@@ -612,7 +605,7 @@ impl Splitter<'_> {
             Slice => match tok(input(0)) {
                 Tokens::Local { axis, outer } if node.inputs.iter().skip(1).flatten().all(|v| self.tokens[v.index()] == Tokens::Whole) => {
                     let rank = os.len();
-                    let axes: Option<Vec<i64>> = input(3).and_then(|v| self.info.ints(v)).map(<[i64]>::to_vec).or_else(|| node.attrs.ints("axes").map(<[i64]>::to_vec));
+                    let axes: Option<Vec<i64>> = input(3).and_then(|v| self.info.ints(v)).map(<[i64]>::to_vec);
                     let axes: Option<Vec<usize>> = match axes {
                         Some(a) => a.iter().map(|&a| norm_axis(a, rank)).collect(),
                         None => Some((0..input(1).and_then(|v| self.info.ints(v)).map_or(rank, <[i64]>::len)).collect()),

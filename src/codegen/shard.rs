@@ -287,7 +287,6 @@ impl Sharder<'_> {
 fn apply_shard_with(graph: &Graph, info: &ShapeInfo, layer_nodes: &[NodeId], shard: &LayerShard, dims: &DimBindings) -> Result<Graph, CodegenError> {
     let bad = |msg: String| CodegenError::BadShard { layer: shard.layer, rank: shard.rank, msg };
     let mut g = Graph::new(format!("{}.layer{}.tp{}", graph.name, shard.layer, shard.rank));
-    g.opsets = graph.opsets.clone();
     let (inputs, outputs) = layer_boundary(graph, layer_nodes);
     let slices: HashMap<&str, &WeightSlice> = shard.weight_slices.iter().map(|s| (s.initializer.as_str(), s)).collect();
     let collect: HashMap<&str, &CollectiveInsert> =
@@ -378,7 +377,7 @@ fn apply_shard_with(graph: &Graph, info: &ShapeInfo, layer_nodes: &[NodeId], sha
                         if graph.value(v).name != c.after_value {
                             return Err(bad(format!("collective on `{}` names input {slot} of `{}`, which reads `{}`", c.after_value, node.name, graph.value(v).name)));
                         }
-                        let name = fresh(&c.after_value, c.kind.op_type());
+                        let name = fresh(&c.after_value, c.kind.name());
                         let out = g.add_value(format!("{name}.out"), ValueKind::Intermediate, None, None)?;
                         emit_collective(&mut g, c, &name, id, out, full_shape(v).as_deref(), dtype_of(v), shard.tp, node.order)?;
                         scoped_out.insert(ci, out);
@@ -502,7 +501,7 @@ fn apply_shard_with(graph: &Graph, info: &ShapeInfo, layer_nodes: &[NodeId], sha
             // Re-point: nobias → collective → reduced; reduced + beta·C → full.
             let c = after[0].2;
             let ck = collect[graph.value(c).name.as_str()];
-            let cname = fresh(&node.name, ck.kind.op_type());
+            let cname = fresh(&node.name, ck.kind.name());
             emit_collective(&mut g, ck, &cname, nb, reduced, full_shape(c).as_deref(), dtype_of(c), shard.tp, node.order)?;
             let mut b = bias.ok_or_else(|| bad("no bias".into()))?;
             if beta != 1.0 {
@@ -520,7 +519,7 @@ fn apply_shard_with(graph: &Graph, info: &ShapeInfo, layer_nodes: &[NodeId], sha
         }
         for (local, full, o) in after {
             let c = collect[graph.value(o).name.as_str()];
-            let name = fresh(&graph.value(o).name, c.kind.op_type());
+            let name = fresh(&graph.value(o).name, c.kind.name());
             emit_collective(&mut g, c, &name, local, full, full_shape(o).as_deref(), dtype_of(o), shard.tp, node.order)?;
         }
     }

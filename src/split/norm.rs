@@ -33,7 +33,7 @@ impl Prop<'_, '_> {
                 }
             }
             _ => {
-                let axes: Vec<i64> = inp(1).and_then(|v| self.ints(v)).map(<[i64]>::to_vec).or_else(|| n.attrs.ints("axes").map(<[i64]>::to_vec)).unwrap_or_default();
+                let axes: Vec<i64> = inp(1).and_then(|v| self.ints(v)).map(<[i64]>::to_vec).unwrap_or_default();
                 if axes.is_empty() { (0..rank).collect() } else { axes.iter().filter_map(|&a| norm_axis(a, rank)).collect() }
             }
         };

@@ -20,57 +20,13 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
-use serde::{Deserialize, Serialize};
 
 use super::Strategy;
 use super::error::SplitError;
 use super::rewrite::{ConstantRewrite, NodeRewrite, PartialGradient};
+pub use crate::ir::CollectiveKind;
 use crate::ir::{Graph, LayeredGraph, NodeId, OpKind, ValueId, ValueKind};
 use crate::passes::shape_infer::{self, ShapeInfo};
-
-/// What a collective computes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum CollectiveKind {
-    /// Sum over the group; every member gets the sum.
-    AllReduce,
-    /// Concatenation of the members' parts along `axis`, in group order.
-    AllGather {
-        /// Axis of the gathered (full) tensor.
-        axis: usize,
-    },
-    /// Sum over the group, each member keeping its slice along `axis`.
-    ReduceScatter {
-        /// Axis of the full tensor that is scattered.
-        axis: usize,
-    },
-    /// No communication: each member keeps its own slice along `axis` of a replicated tensor
-    /// (the backward all-gathers the gradient).
-    Scatter {
-        /// Axis of the full tensor that is sliced.
-        axis: usize,
-    },
-}
-
-impl CollectiveKind {
-    /// The `op_type` of the inserted node.
-    pub fn op_type(self) -> &'static str {
-        match self {
-            CollectiveKind::AllReduce => "AllReduce",
-            CollectiveKind::AllGather { .. } => "AllGather",
-            CollectiveKind::ReduceScatter { .. } => "ReduceScatter",
-            CollectiveKind::Scatter { .. } => "Scatter",
-        }
-    }
-
-    /// The axis, for gathers and scatters.
-    pub fn axis(self) -> Option<usize> {
-        match self {
-            CollectiveKind::AllReduce => None,
-            CollectiveKind::AllGather { axis } | CollectiveKind::ReduceScatter { axis } | CollectiveKind::Scatter { axis } => Some(axis),
-        }
-    }
-}
 
 /// A collective on one value of the layer (codegen names it in the plan's shard).
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -109,7 +109,7 @@ impl Prop<'_, '_> {
         let xr = self.need_shape(x)?.len();
         let orank = self.need_shape(n.outputs[0])?.len();
         let axes = || -> Vec<i64> {
-            n.inputs.get(1).copied().flatten().and_then(|v| self.ints(v)).map(<[i64]>::to_vec).or_else(|| n.attrs.ints("axes").map(<[i64]>::to_vec)).unwrap_or_default()
+            n.inputs.get(1).copied().flatten().and_then(|v| self.ints(v)).map(<[i64]>::to_vec).unwrap_or_default()
         };
         Ok(match kind {
             OpKind::Transpose => {
@@ -192,8 +192,6 @@ impl Prop<'_, '_> {
                     } else {
                         self.rewrites.push(NodeRewrite::DivideShape { node: n.name.clone(), input: 1, divisors: vec![ways; vals.len()] });
                     }
-                } else if n.attrs.ints("split").is_some() {
-                    return self.err("split sizes as an attribute (opset < 13)");
                 }
                 for (&o, &s) in outs.iter().zip(&sizes) {
                     self.set(o, Sh::Split { axis: ax, outer: s / block, inner, origin });

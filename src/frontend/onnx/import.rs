@@ -141,7 +141,7 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
     }
 
     let mut g = Graph::new(graph_proto.name.unwrap_or_default());
-    g.opsets = opsets.clone();
+    g.opsets = opsets;
     let mut resolver = ExternalResolver::new(path);
     let mut syms = 0usize;
 
@@ -335,6 +335,14 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
         g.aux_losses = super::record::aux_losses(&g, entry.value.as_deref().unwrap_or(""), &file)?;
     }
 
+    // the last step: one form for every opset, so nothing after the importer reads the opset
+    let opset = *g.opsets.entry(String::new()).or_insert(super::canonical::DEFAULT_OPSET);
+    let canonical = super::canonical::canonicalise(&mut g, opset, &file)?;
+    if canonical != super::canonical::Canonicalised::default() {
+        tracing::debug!(?canonical, opset, "{}: opset-dependent forms canonicalised", file.display());
+    }
+    g.verify().map_err(|e| ImportError::Graph { file: file.clone(), source: e })?;
+
     for (domain, op_type, node, count) in unknown {
         warnings.push(ImportWarning::UnknownOp { domain, op_type, node, count });
     }
@@ -350,6 +358,7 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
         tracing::debug!("{}: inlined {} model-local function call(s)", file.display(), funcs.calls());
     }
 
+    let opsets = g.opsets.clone();
     Ok(ImportedModel {
         graph: g,
         path: file,
