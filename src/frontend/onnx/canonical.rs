@@ -145,6 +145,11 @@ impl Canon<'_> {
         flatten.attrs.set("axis", Attr::Int(axis));
         let shape_of = self.derived(&node, "shape", OpKind::Shape, vec![Some(x)], vec![shape]);
         let reshape = self.derived(&node, "reshape", OpKind::Reshape, vec![Some(soft), Some(shape)], vec![]);
+        let readers: Vec<(NodeId, usize)> = self
+            .g
+            .node_ids()
+            .flat_map(|n| self.g.node(n).inputs.iter().enumerate().filter(|(_, v)| **v == Some(y)).map(move |(slot, _)| (n, slot)).collect::<Vec<_>>())
+            .collect();
         // the softmax node keeps its name and now makes the 2-D value; Reshape makes `y`
         let graph_err = |file: &Path, e| ImportError::Graph { file: file.to_path_buf(), source: e };
         self.g.remove_node(id);
@@ -157,6 +162,10 @@ impl Canon<'_> {
         self.g.add_node(softmax).map_err(|e| graph_err(self.file, e))?;
         let reshape = Node { outputs: vec![y], ..reshape };
         self.g.add_node(reshape).map_err(|e| graph_err(self.file, e))?;
+        // the readers of `y` now read it from the Reshape: their edges follow
+        for (reader, slot) in readers {
+            self.g.set_input(reader, slot, Some(y));
+        }
         self.done.softmax_rewrites += 1;
         Ok(())
     }
@@ -260,12 +269,17 @@ mod tests {
     #[test]
     fn softmax_before_13_over_a_middle_axis_is_flatten_softmax_reshape() {
         let (mut g, _, y) = graph(OpKind::Softmax, &[("axis", Attr::Int(1))], 3);
+        // a reader of the softmax's output keeps reading it
+        let z = g.add_value("z", ValueKind::Intermediate, None, None).unwrap();
+        let reader = g.add_node(Node { name: "r".into(), op: Op::Known(OpKind::Relu), attrs: Attrs::default(), inputs: vec![Some(y)], outputs: vec![z], namespace: None, order: 1 }).unwrap();
+        g.outputs = vec![z];
         let done = canonicalise(&mut g, 11, Path::new("m.onnx")).unwrap();
+        assert_eq!(g.predecessors(reader).collect::<Vec<_>>(), vec![g.value(y).producer.unwrap()]);
         assert_eq!(done.softmax_rewrites, 1);
         g.verify().unwrap();
         let order = g.topo_order().unwrap();
         let kinds: Vec<OpKind> = order.iter().filter_map(|&n| g.node(n).op.kind()).collect();
-        assert!(kinds.ends_with(&[OpKind::Softmax, OpKind::Reshape]), "{kinds:?}");
+        assert!(kinds.ends_with(&[OpKind::Softmax, OpKind::Reshape, OpKind::Relu]), "{kinds:?}");
         assert!(kinds.contains(&OpKind::Flatten) && kinds.contains(&OpKind::Shape), "{kinds:?}");
         let reshape = g.value(y).producer.unwrap();
         assert!(g.node(reshape).op.is(OpKind::Reshape));

@@ -35,6 +35,8 @@ pub struct ImportedModel {
     pub sha256: String,
     /// Whether external data is missing (the model is graph-only: shapes, no weights).
     pub graph_only: bool,
+    /// What canonicalising the opset-dependent forms rewrote.
+    pub canonicalised: super::canonical::Canonicalised,
 }
 
 /// Reads and imports an ONNX model file. External data is resolved as metadata only. The file
@@ -337,9 +339,9 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
 
     // the last step: one form for every opset, so nothing after the importer reads the opset
     let opset = *g.opsets.entry(String::new()).or_insert(super::canonical::DEFAULT_OPSET);
-    let canonical = super::canonical::canonicalise(&mut g, opset, &file)?;
-    if canonical != super::canonical::Canonicalised::default() {
-        tracing::debug!(?canonical, opset, "{}: opset-dependent forms canonicalised", file.display());
+    let canonicalised = super::canonical::canonicalise(&mut g, opset, &file)?;
+    if canonicalised != super::canonical::Canonicalised::default() {
+        tracing::debug!(?canonicalised, opset, "{}: opset-dependent forms canonicalised", file.display());
     }
     g.verify().map_err(|e| ImportError::Graph { file: file.clone(), source: e })?;
 
@@ -369,6 +371,7 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
         warnings,
         sha256,
         graph_only,
+        canonicalised,
     })
 }
 
