@@ -1,4 +1,4 @@
-//! The context-parallel split of whole models (`codegen::context`), checked on the graph:
+//! The context-parallel split of whole models (`split::context`), checked on the graph:
 //! - on every bundled language model (GPT-2, Llama with GQA and rotary tables, BERT, OPT, Phi,
 //!   RoBERTa) the only all-gathers are each attention's keys and values (two per layer; RoBERTa
 //!   adds two for its position ids, a cumulative sum over the tokens), the
@@ -10,7 +10,7 @@
 
 use std::path::PathBuf;
 
-use smp_partition::codegen::context::{Boundary, ContextError, Tokens, split_context};
+use smp_partition::split::context::{Boundary, ContextError, Tokens, split_context};
 use smp_partition::frontend::onnx::load_model;
 use smp_partition::ir::{LayeredGraph, OpKind};
 use smp_partition::passes::shape_infer;

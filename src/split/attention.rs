@@ -6,6 +6,7 @@
 
 use super::realise::{Fail, Prop, R, Sh};
 use crate::ir::{NodeId, OpKind, ValueId};
+use super::context::{Decision, Splitter, Tokens};
 
 impl Prop<'_, '_> {
     /// A fused `ScaledDotProductAttention(q, kᵀ, v, mask?)`: q, kᵀ and v split alike along one
@@ -90,5 +91,52 @@ impl Prop<'_, '_> {
         self.shrink_shape_entry_by(id, 1, pos + 1, copies, rep)?;
         self.set(o, Sh::Split { axis: oaxis + 1, outer: 1, inner: copies / rep, origin: None });
         Ok(())
+    }
+}
+
+/// Context parallelism.
+impl Splitter<'_> {
+    /// The fused attention `softmax(scale·q·kᵀ + mask)·v`: queries local, keys and values
+    /// gathered, the mask's rows cut to the queries.
+    pub(super) fn attention(&self, n: NodeId) -> Option<Decision> {
+        let node = self.g.node(n);
+        let q = node.inputs.first().copied().flatten()?;
+        let qs = self.shape(q)?.to_vec();
+        let rq = qs.len();
+        let mut convert = Vec::new();
+        let out = match self.tokens[q.index()] {
+            Tokens::Local { axis, outer } if axis + 1 < rq => Tokens::Local { axis, outer },
+            Tokens::Local { .. } => {
+                convert.push((0, Tokens::Whole));
+                Tokens::Whole
+            }
+            Tokens::Whole => Tokens::Whole,
+        };
+        for slot in [1, 2] {
+            if node.inputs.get(slot).copied().flatten().is_some_and(|v| self.tokens[v.index()] != Tokens::Whole) {
+                convert.push((slot, Tokens::Whole));
+            }
+        }
+        if let Some(m) = node.inputs.get(3).copied().flatten() {
+            let ms = self.shape(m)?;
+            let mt = self.tokens[m.index()];
+            let Tokens::Local { axis: ta, outer } = out else {
+                if mt != Tokens::Whole {
+                    convert.push((3, Tokens::Whole));
+                }
+                return Some(Decision { convert, out, shape: None });
+            };
+            let off = rq.saturating_sub(ms.len());
+            let aligned = (ta >= off).then(|| ta - off);
+            let rows = aligned.map(|a| Tokens::Local { axis: a, outer });
+            if Some(mt) != rows {
+                match aligned {
+                    Some(a) if ms[a] != 1 && ms[a] == qs[ta] => convert.push((3, Tokens::Local { axis: a, outer })),
+                    _ if mt != Tokens::Whole => convert.push((3, Tokens::Whole)),
+                    _ => {}
+                }
+            }
+        }
+        Some(Decision { convert, out, shape: None })
     }
 }

@@ -3,6 +3,7 @@
 
 use super::realise::{Prop, R, Sh};
 use crate::ir::{NodeId, OpKind, ValueId};
+use super::context::{Decision, Splitter, Tokens};
 
 impl Prop<'_, '_> {
     /// Unary ops (and views that map axes): the output takes the input's placement.
@@ -88,5 +89,29 @@ impl Prop<'_, '_> {
         }
         self.sh.insert(o, Sh::Split { axis, outer, inner, origin });
         Ok(())
+    }
+}
+
+/// Context parallelism.
+impl Splitter<'_> {
+    /// Output tokens of an elementwise node: those of its first local input of full rank
+    /// (else of a lower-rank one, aligned from the right); every other operand made to match.
+    pub(super) fn elementwise(&self, n: NodeId, os: &[i64]) -> Option<Decision> {
+        let node = self.g.node(n);
+        let r = os.len();
+        let mut target = None;
+        for v in node.inputs.iter().flatten() {
+            if let Tokens::Local { axis, outer } = self.tokens[v.index()] {
+                let ri = self.shape(*v)?.len();
+                let t = Tokens::Local { axis: axis + (r - ri.min(r)), outer };
+                if ri == r {
+                    target = Some(t);
+                    break;
+                }
+                target.get_or_insert(t);
+            }
+        }
+        let all: Vec<usize> = (0..node.inputs.len()).collect();
+        Some(self.elementwise_operands(n, os, target?, &all))
     }
 }

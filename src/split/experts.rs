@@ -3,6 +3,7 @@
 
 use super::realise::{Prop, R, Sh};
 use crate::ir::NodeId;
+use super::context::{Decision, Splitter, Tokens};
 
 impl Prop<'_, '_> {
     /// `MixtureOfExperts(x, weights, indices, gate_up, down)` with whole tokens, router weights
@@ -42,5 +43,18 @@ impl Prop<'_, '_> {
         }
         self.set(o, Sh::Rep);
         Ok(())
+    }
+}
+
+/// Context parallelism.
+impl Splitter<'_> {
+    /// Routed experts run on local tokens: the tokens, the router's weights and indices local
+    /// alike along the token axis, the expert weights whole.
+    pub(super) fn experts(&self, n: NodeId) -> Option<Decision> {
+        let node = self.g.node(n);
+        let tok = |i: usize| node.inputs.get(i).copied().flatten().map_or(Tokens::Whole, |v| self.tokens[v.index()]);
+        let t0 = tok(0);
+        let same = (0..3).all(|i| tok(i) == t0) && (3..node.inputs.len()).all(|i| tok(i) == Tokens::Whole);
+        matches!(t0, Tokens::Local { axis: 0, .. }).then_some(()).filter(|_| same).map(|_| Decision::to(t0))
     }
 }

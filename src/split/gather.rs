@@ -3,6 +3,8 @@
 
 use super::realise::{Prop, R, Sh};
 use crate::ir::NodeId;
+use super::axes::norm_axis;
+use super::context::{Decision, Splitter, Tokens};
 
 impl Prop<'_, '_> {
     pub(super) fn gather(&mut self, id: NodeId) -> R<()> {
@@ -42,6 +44,27 @@ impl Prop<'_, '_> {
                 Ok(())
             }
             _ => self.err("gather from a split table"),
+        }
+    }
+}
+
+/// Context parallelism.
+impl Splitter<'_> {
+    /// A lookup: local rows of the table along another axis, or local indices into a whole
+    /// table (token ids into an embedding), stay local.
+    pub(super) fn gather(&self, n: NodeId) -> Option<Decision> {
+        let node = self.g.node(n);
+        let input = |i: usize| node.inputs.get(i).copied().flatten();
+        let tok = |i: usize| input(i).map_or(Tokens::Whole, |v| self.tokens[v.index()]);
+        let g_axis = self.shape(input(0).unwrap_or(*node.outputs.first()?)).and_then(|s| norm_axis(node.attrs.int("axis", 0), s.len()));
+        let ri = input(1).and_then(|v| self.shape(v)).map_or(0, <[i64]>::len);
+        match (tok(0), tok(1), g_axis) {
+            (Tokens::Local { axis, outer }, Tokens::Whole, Some(g)) if axis != g => {
+                let k = if axis < g { axis } else { axis + ri - 1 };
+                Some(Decision::to(Tokens::Local { axis: k, outer }))
+            }
+            (Tokens::Whole, Tokens::Local { axis, outer }, Some(g)) => Some(Decision::to(Tokens::Local { axis: g + axis, outer })),
+            _ => None,
         }
     }
 }

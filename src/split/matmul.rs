@@ -5,6 +5,7 @@
 use super::realise::{Fail, Prop, R, Sh};
 use super::rewrite::NodeRewrite;
 use crate::ir::{NodeId, OpKind, ValueId};
+use super::context::{Decision, Splitter, Tokens};
 
 impl Prop<'_, '_> {
     pub(super) fn matmul(&mut self, id: NodeId) -> R<()> {
@@ -122,6 +123,67 @@ impl Prop<'_, '_> {
     pub(super) fn init_of(&self, v: ValueId) -> Option<ValueId> {
         match self.state(v) {
             Sh::Split { origin, .. } => origin,
+            _ => None,
+        }
+    }
+}
+
+/// Context parallelism.
+impl Splitter<'_> {
+    pub(super) fn matmul(&self, n: NodeId, os: &[i64]) -> Option<Decision> {
+        let node = self.g.node(n);
+        let (a, b) = (node.inputs.first().copied().flatten()?, node.inputs.get(1).copied().flatten()?);
+        let (ra, rb, r) = (self.shape(a)?.len(), self.shape(b)?.len(), os.len());
+        if ra < 2 || rb < 2 {
+            return None;
+        }
+        let mut convert = Vec::new();
+        let mut target = None;
+        match self.tokens[a.index()] {
+            Tokens::Local { axis, .. } if axis == ra - 1 => convert.push((0, Tokens::Whole)),
+            Tokens::Local { axis, outer } => target = Some(Tokens::Local { axis: axis + (r - ra), outer }),
+            Tokens::Whole => {}
+        }
+        match self.tokens[b.index()] {
+            // a batch axis of b: the output's, unless a already holds the tokens elsewhere
+            Tokens::Local { axis, outer } if axis + 2 < rb && target.is_none_or(|t| t == Tokens::Local { axis: axis + (r - rb), outer }) => {
+                target = Some(Tokens::Local { axis: axis + (r - rb), outer });
+            }
+            Tokens::Local { .. } => convert.push((1, Tokens::Whole)),
+            Tokens::Whole => {}
+        }
+        let Some(Tokens::Local { axis: ta, outer }) = target else { return Some(Decision { convert, out: Tokens::Whole, shape: None }) };
+        // a whole operand's batch axis spanning the tokens is cut
+        for (slot, v, rv) in [(0usize, a, ra), (1, b, rb)] {
+            if convert.iter().any(|c| c.0 == slot) || self.tokens[v.index()] != Tokens::Whole {
+                continue;
+            }
+            let off = r - rv;
+            if ta >= off && ta - off + 2 < rv {
+                let k = ta - off;
+                let vs = self.shape(v)?;
+                if vs[k] != 1 && vs[k] == os[ta] {
+                    convert.push((slot, Tokens::Local { axis: k, outer }));
+                }
+            }
+        }
+        Some(Decision { convert, out: Tokens::Local { axis: ta, outer }, shape: None })
+    }
+
+    /// Gemm on local rows of A: its rows stay local, B whole, C cut like the rows.
+    pub(super) fn gemm(&self, n: NodeId, os: &[i64]) -> Option<Decision> {
+        let node = self.g.node(n);
+        let tok = |i: usize| node.inputs.get(i).copied().flatten().map_or(Tokens::Whole, |v| self.tokens[v.index()]);
+        let m_axis = if node.attrs.int("transA", 0) != 0 { 1 } else { 0 };
+        match (tok(0), tok(1)) {
+            (Tokens::Local { axis, outer }, b) if axis == m_axis => {
+                let out = Tokens::Local { axis: 0, outer };
+                let mut d = self.elementwise_operands(n, os, out, &[2]);
+                if b != Tokens::Whole {
+                    d.convert.push((1, Tokens::Whole));
+                }
+                Some(d)
+            }
             _ => None,
         }
     }

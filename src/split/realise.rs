@@ -337,10 +337,7 @@ pub(super) fn lcm(a: i64, b: i64) -> i64 {
     a / gcd(a, b) * b
 }
 
-pub(super) fn norm_axis(axis: i64, rank: usize) -> Option<usize> {
-    let a = if axis < 0 { axis + rank as i64 } else { axis };
-    (a >= 0 && (a as usize) < rank.max(1)).then_some(a as usize)
-}
+pub(super) use super::axes::norm_axis;
 
 impl<'s, 'a> Prop<'s, 'a> {
     pub(super) fn new(

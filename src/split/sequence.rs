@@ -14,6 +14,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+use super::axes::{keeps_axes, touched_axes};
 use super::error::SplitError;
 use super::realise::{CollectiveKind, Prop, R, Sh, TensorCollective};
 use super::rewrite::{NodeRewrite, PartialGradient, add_bias_name};
@@ -67,11 +68,6 @@ struct Decision {
     out: Seq,
     scatters: Vec<(usize, ValueId)>,
     shape_entry: Option<(usize, i64)>,
-}
-
-fn norm_axis(axis: i64, rank: usize) -> Option<usize> {
-    let a = if axis < 0 { axis + rank as i64 } else { axis };
-    (a >= 0 && (a as usize) < rank.max(1)).then_some(a as usize)
 }
 
 impl SeqLayer<'_> {
@@ -171,16 +167,10 @@ impl SeqLayer<'_> {
                     return None;
                 }
                 let rank = self.shape(x)?.len();
-                let touched: Vec<usize> = match kind {
-                    LayerNormalization => (norm_axis(node.attrs.int("axis", -1), rank)?..rank).collect(),
-                    Softmax | LogSoftmax => vec![norm_axis(node.attrs.int("axis", -1), rank)?],
-                    _ => {
-                        if node.attrs.int("keepdims", 1) != 1 {
-                            return None;
-                        }
-                        crate::passes::shape_infer::reduced_axes(node, self.info, rank)?
-                    }
-                };
+                if !keeps_axes(node) {
+                    return None;
+                }
+                let touched = touched_axes(node, self.info, rank)?;
                 if touched.is_empty() || touched.contains(&state.axis) {
                     return None;
                 }

@@ -21,7 +21,7 @@ use crate::runtime::data::Batch;
 use crate::passes::figures::is_trainable;
 use crate::runtime::state::weights::{Slice, Source};
 use crate::runtime::{ExecOptions, RuntimeError, Weights};
-use crate::codegen::context::{Boundary, Tokens, split_context};
+use crate::split::context::{Boundary, Tokens, split_context};
 use crate::codegen::{Coord, Instr, Mesh, Purpose, RankProgram, StageView, WeightSlice, apply_shard};
 use crate::ir::{DimBindings, Graph, NodeId, Op, OpKind, Parallelism, ValueId, ValueKind};
 use crate::plan::Plan;
@@ -281,7 +281,7 @@ impl<'a> Rank<'a> {
 
     /// Context-parallel all-gathers in one forward of this rank's stages.
     pub fn context_gathers(&self) -> u64 {
-        let gathers = |g: &Graph| g.node_ids().filter(|&n| crate::codegen::context::is_token_gather(&g.node(n).op)).count();
+        let gathers = |g: &Graph| g.node_ids().filter(|&n| crate::split::context::is_token_gather(&g.node(n).op)).count();
         self.stage_execs.values().map(|e| gathers(e.graph()) as u64).sum()
     }
 

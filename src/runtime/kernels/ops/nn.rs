@@ -395,11 +395,11 @@ pub(super) fn dropout(a: &Args) -> KResult<Vec<Tensor>> {
     let active = training && ratio > 0.0 && (!a.ctx.training || a.ctx.dropout.is_some());
     let (y, mask) = if active {
         let uniform = match a.ctx.dropout {
-            Some(key) => match (a.ctx.context, a.attrs().0.get(crate::codegen::context::DROPOUT_TOKEN_AXIS)) {
+            Some(key) => match (a.ctx.context, a.attrs().0.get(crate::split::context::DROPOUT_TOKEN_AXIS)) {
                 // local tokens: the one-process mask, this rank's rows of it
                 (Some(me), Some(crate::ir::Attr::Int(axis))) => {
                     let axis = *axis as usize;
-                    let outer = a.int(crate::codegen::context::DROPOUT_TOKEN_OUTER, 1);
+                    let outer = a.int(crate::split::context::DROPOUT_TOKEN_OUTER, 1);
                     let mut whole = x.size();
                     let Some(len) = whole.get_mut(axis) else { bail!("dropout token axis {axis} of a tensor of {} axes", x.dim()) };
                     *len *= me.size as i64;

@@ -28,6 +28,8 @@ use std::collections::{HashMap, HashSet};
 use thiserror::Error;
 
 use crate::ir::{Attr, Attrs, CollectiveKind, DType, DimBindings, Graph, GraphError, GroupKind, Node, NodeId, Op, OpKind, Shape, TensorType, ValueId, ValueKind};
+use super::axes::norm_axis;
+use super::family::{Family, family};
 use crate::passes::PassError;
 use crate::passes::shape_infer::{self, ShapeInfo};
 
@@ -267,27 +269,27 @@ fn schedule_gathers_late(g: &mut Graph) {
 }
 
 /// How one node runs on local tokens.
-struct Decision {
+pub(super) struct Decision {
     /// Input slots read in another form: slot, the form.
-    convert: Vec<(usize, Tokens)>,
+    pub(super) convert: Vec<(usize, Tokens)>,
     /// The tokens of its outputs.
-    out: Tokens,
+    pub(super) out: Tokens,
     /// A shape operand divided at run time: slot, one divisor per entry.
-    shape: Option<(usize, Vec<i64>)>,
+    pub(super) shape: Option<(usize, Vec<i64>)>,
 }
 
 impl Decision {
-    fn to(out: Tokens) -> Decision {
+    pub(super) fn to(out: Tokens) -> Decision {
         Decision { convert: Vec::new(), out, shape: None }
     }
 }
 
-struct Splitter<'g> {
-    g: &'g Graph,
-    info: ShapeInfo,
-    cp: i64,
+pub(super) struct Splitter<'g> {
+    pub(super) g: &'g Graph,
+    pub(super) info: ShapeInfo,
+    pub(super) cp: i64,
     out: Graph,
-    tokens: Vec<Tokens>,
+    pub(super) tokens: Vec<Tokens>,
     /// Values read through a stand-in (seeds' local ids, shapes of local values as constants).
     current: HashMap<ValueId, ValueId>,
     /// Conversions made: (value, form) → the converted value.
@@ -301,13 +303,9 @@ struct Splitter<'g> {
     localizes: usize,
 }
 
-fn norm_axis(axis: i64, rank: usize) -> Option<usize> {
-    let a = if axis < 0 { axis + rank as i64 } else { axis };
-    (a >= 0 && (a as usize) < rank.max(1)).then_some(a as usize)
-}
 
 impl Splitter<'_> {
-    fn shape(&self, v: ValueId) -> Option<&[i64]> {
+    pub(super) fn shape(&self, v: ValueId) -> Option<&[i64]> {
         self.info.types.get(v.index())?.as_ref()?.shape.as_deref()
     }
 
@@ -550,7 +548,6 @@ impl Splitter<'_> {
 
     /// The placement of a node with a local input, or None to run it whole.
     fn decide(&self, n: NodeId) -> Result<Option<Decision>, ContextError> {
-        use OpKind::*;
         let node = self.g.node(n);
         let tok = |v: Option<ValueId>| v.map_or(Tokens::Whole, |v| self.tokens[v.index()]);
         let input = |i: usize| node.inputs.get(i).copied().flatten();
@@ -571,115 +568,30 @@ impl Splitter<'_> {
             return Ok(None);
         }
         let Some(kind) = node.op.kind() else { return Ok(None) };
-        Ok(match kind {
-            k if k.is_elementwise() || k == Identity || k == Dropout => self.elementwise(n, &os),
-            LayerNormalization | Softmax | LogSoftmax | ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd | ArgMax | ArgMin | TopK | CumSum => {
-                self.reduction(n, kind)
-            }
-            MatMul => self.matmul(n, &os),
-            Gemm => {
-                let m_axis = if node.attrs.int("transA", 0) != 0 { 1 } else { 0 };
-                match (tok(input(0)), tok(input(1))) {
-                    (Tokens::Local { axis, outer }, b) if axis == m_axis => {
-                        let out = Tokens::Local { axis: 0, outer };
-                        let mut d = self.elementwise_operands(n, &os, out, &[2]);
-                        if b != Tokens::Whole {
-                            d.convert.push((1, Tokens::Whole));
-                        }
-                        Some(d)
-                    }
-                    _ => None,
-                }
-            }
-            ScaledDotProductAttention => self.attention(n),
-            Reshape | Flatten | Squeeze | Unsqueeze => self.view(n, &os, kind == Reshape),
-            Expand => self.expand(n, &os),
-            Transpose => match tok(input(0)) {
-                Tokens::Local { axis, outer } => {
-                    let rank = os.len();
-                    let perm: Vec<i64> = node.attrs.ints("perm").map(<[i64]>::to_vec).unwrap_or_else(|| (0..rank as i64).rev().collect());
-                    perm.iter().position(|&p| p as usize == axis).map(|k| Decision::to(Tokens::Local { axis: k, outer }))
-                }
-                Tokens::Whole => None,
+        use OpKind::*;
+        Ok(match family(kind) {
+            Family::Elementwise => self.elementwise(n, &os),
+            Family::Norm => self.reduction(n),
+            Family::Matmul if kind == Gemm => self.gemm(n, &os),
+            Family::Matmul => self.matmul(n, &os),
+            Family::Attention => self.attention(n),
+            Family::View => match kind {
+                Expand => self.expand(n, &os),
+                Transpose => self.transpose(n, &os),
+                Split => self.split(n, &os),
+                Concat => self.concat(n, &os),
+                _ => self.view(n, &os, kind == Reshape),
             },
-            Slice => match tok(input(0)) {
-                Tokens::Local { axis, outer } if node.inputs.iter().skip(1).flatten().all(|v| self.tokens[v.index()] == Tokens::Whole) => {
-                    let rank = os.len();
-                    let axes: Option<Vec<i64>> = input(3).and_then(|v| self.info.ints(v)).map(<[i64]>::to_vec);
-                    let axes: Option<Vec<usize>> = match axes {
-                        Some(a) => a.iter().map(|&a| norm_axis(a, rank)).collect(),
-                        None => Some((0..input(1).and_then(|v| self.info.ints(v)).map_or(rank, <[i64]>::len)).collect()),
-                    };
-                    axes.filter(|a| !a.contains(&axis)).map(|_| Decision::to(Tokens::Local { axis, outer }))
-                }
-                _ => None,
-            },
-            Split => match tok(input(0)) {
-                Tokens::Local { axis, outer } => {
-                    let a = norm_axis(node.attrs.int("axis", 0), os.len());
-                    (a != Some(axis)).then(|| Decision::to(Tokens::Local { axis, outer }))
-                }
-                Tokens::Whole => None,
-            },
-            Concat => {
-                let a = norm_axis(node.attrs.int("axis", 0), os.len());
-                let first = node.inputs.iter().flatten().find_map(|v| match self.tokens[v.index()] {
-                    Tokens::Local { axis, outer } if self.shape(*v).is_some_and(|s| s.len() == os.len()) => Some(Tokens::Local { axis, outer }),
-                    _ => None,
-                });
-                match first {
-                    Some(Tokens::Local { axis, outer }) if a != Some(axis) => {
-                        let all: Vec<usize> = (0..node.inputs.len()).collect();
-                        Some(self.elementwise_operands(n, &os, Tokens::Local { axis, outer }, &all))
-                    }
-                    _ => None,
-                }
-            }
-            Gather => {
-                let g_axis = self.shape(input(0).unwrap_or(o)).and_then(|s| norm_axis(node.attrs.int("axis", 0), s.len()));
-                let ri = input(1).and_then(|v| self.shape(v)).map_or(0, <[i64]>::len);
-                match (tok(input(0)), tok(input(1)), g_axis) {
-                    (Tokens::Local { axis, outer }, Tokens::Whole, Some(g)) if axis != g => {
-                        let k = if axis < g { axis } else { axis + ri - 1 };
-                        Some(Decision::to(Tokens::Local { axis: k, outer }))
-                    }
-                    (Tokens::Whole, Tokens::Local { axis, outer }, Some(g)) => Some(Decision::to(Tokens::Local { axis: g + axis, outer })),
-                    _ => None,
-                }
-            }
-            MixtureOfExperts => {
-                let t0 = tok(input(0));
-                let same = (0..3).all(|i| tok(input(i)) == t0) && (3..node.inputs.len()).all(|i| tok(input(i)) == Tokens::Whole);
-                matches!(t0, Tokens::Local { axis: 0, .. }).then_some(()).filter(|_| same).map(|_| Decision::to(t0))
-            }
-            _ => None,
+            Family::Gather => self.gather(n),
+            Family::Experts => self.experts(n),
+            // Shape and Size are rewritten in `node`; the others read no local value
+            Family::Shape | Family::Whole => None,
         })
-    }
-
-    /// Output tokens of an elementwise node: those of its first local input of full rank
-    /// (else of a lower-rank one, aligned from the right); every other operand made to match.
-    fn elementwise(&self, n: NodeId, os: &[i64]) -> Option<Decision> {
-        let node = self.g.node(n);
-        let r = os.len();
-        let mut target = None;
-        for v in node.inputs.iter().flatten() {
-            if let Tokens::Local { axis, outer } = self.tokens[v.index()] {
-                let ri = self.shape(*v)?.len();
-                let t = Tokens::Local { axis: axis + (r - ri.min(r)), outer };
-                if ri == r {
-                    target = Some(t);
-                    break;
-                }
-                target.get_or_insert(t);
-            }
-        }
-        let all: Vec<usize> = (0..node.inputs.len()).collect();
-        Some(self.elementwise_operands(n, os, target?, &all))
     }
 
     /// `out`, with each of `slots` brought in line with it: a local operand on another axis
     /// gathered (and cut again if it spans the tokens), a whole operand spanning the tokens cut.
-    fn elementwise_operands(&self, n: NodeId, os: &[i64], out: Tokens, slots: &[usize]) -> Decision {
+    pub(super) fn elementwise_operands(&self, n: NodeId, os: &[i64], out: Tokens, slots: &[usize]) -> Decision {
         let node = self.g.node(n);
         let Tokens::Local { axis: ta, outer } = out else { return Decision::to(out) };
         let r = os.len();
@@ -706,187 +618,11 @@ impl Splitter<'_> {
         Decision { convert, out, shape: None }
     }
 
-    fn reduction(&self, n: NodeId, kind: OpKind) -> Option<Decision> {
-        use OpKind::*;
-        let node = self.g.node(n);
-        let x = node.inputs.first().copied().flatten()?;
-        let Tokens::Local { axis, outer } = self.tokens[x.index()] else { return None };
-        if node.inputs.iter().skip(1).flatten().any(|v| self.tokens[v.index()] != Tokens::Whole) {
-            return None;
-        }
-        let rank = self.shape(x)?.len();
-        let (touched, keep): (Vec<usize>, bool) = match kind {
-            LayerNormalization => ((norm_axis(node.attrs.int("axis", -1), rank)?..rank).collect(), true),
-            Softmax | LogSoftmax => (vec![norm_axis(node.attrs.int("axis", -1), rank)?], true),
-            TopK => (vec![norm_axis(node.attrs.int("axis", -1), rank)?], true),
-            CumSum => (vec![norm_axis(*self.info.ints(node.inputs.get(1).copied().flatten()?)?.first()?, rank)?], true),
-            ArgMax | ArgMin => (vec![norm_axis(node.attrs.int("axis", 0), rank)?], node.attrs.int("keepdims", 1) == 1),
-            _ => (shape_infer::reduced_axes(node, &self.info, rank)?, node.attrs.int("keepdims", 1) == 1),
-        };
-        if touched.contains(&axis) {
-            return None;
-        }
-        let k = if keep { axis } else { axis - touched.iter().filter(|&&a| a < axis).count() };
-        Some(Decision::to(Tokens::Local { axis: k, outer }))
-    }
 
-    fn matmul(&self, n: NodeId, os: &[i64]) -> Option<Decision> {
-        let node = self.g.node(n);
-        let (a, b) = (node.inputs.first().copied().flatten()?, node.inputs.get(1).copied().flatten()?);
-        let (ra, rb, r) = (self.shape(a)?.len(), self.shape(b)?.len(), os.len());
-        if ra < 2 || rb < 2 {
-            return None;
-        }
-        let mut convert = Vec::new();
-        let mut target = None;
-        match self.tokens[a.index()] {
-            Tokens::Local { axis, .. } if axis == ra - 1 => convert.push((0, Tokens::Whole)),
-            Tokens::Local { axis, outer } => target = Some(Tokens::Local { axis: axis + (r - ra), outer }),
-            Tokens::Whole => {}
-        }
-        match self.tokens[b.index()] {
-            // a batch axis of b: the output's, unless a already holds the tokens elsewhere
-            Tokens::Local { axis, outer } if axis + 2 < rb && target.is_none_or(|t| t == Tokens::Local { axis: axis + (r - rb), outer }) => {
-                target = Some(Tokens::Local { axis: axis + (r - rb), outer });
-            }
-            Tokens::Local { .. } => convert.push((1, Tokens::Whole)),
-            Tokens::Whole => {}
-        }
-        let Some(Tokens::Local { axis: ta, outer }) = target else { return Some(Decision { convert, out: Tokens::Whole, shape: None }) };
-        // a whole operand's batch axis spanning the tokens is cut
-        for (slot, v, rv) in [(0usize, a, ra), (1, b, rb)] {
-            if convert.iter().any(|c| c.0 == slot) || self.tokens[v.index()] != Tokens::Whole {
-                continue;
-            }
-            let off = r - rv;
-            if ta >= off && ta - off + 2 < rv {
-                let k = ta - off;
-                let vs = self.shape(v)?;
-                if vs[k] != 1 && vs[k] == os[ta] {
-                    convert.push((slot, Tokens::Local { axis: k, outer }));
-                }
-            }
-        }
-        Some(Decision { convert, out: Tokens::Local { axis: ta, outer }, shape: None })
-    }
 
-    /// The fused attention `softmax(scale·q·kᵀ + mask)·v`: queries local, keys and values
-    /// gathered, the mask's rows cut to the queries.
-    fn attention(&self, n: NodeId) -> Option<Decision> {
-        let node = self.g.node(n);
-        let q = node.inputs.first().copied().flatten()?;
-        let qs = self.shape(q)?.to_vec();
-        let rq = qs.len();
-        let mut convert = Vec::new();
-        let out = match self.tokens[q.index()] {
-            Tokens::Local { axis, outer } if axis + 1 < rq => Tokens::Local { axis, outer },
-            Tokens::Local { .. } => {
-                convert.push((0, Tokens::Whole));
-                Tokens::Whole
-            }
-            Tokens::Whole => Tokens::Whole,
-        };
-        for slot in [1, 2] {
-            if node.inputs.get(slot).copied().flatten().is_some_and(|v| self.tokens[v.index()] != Tokens::Whole) {
-                convert.push((slot, Tokens::Whole));
-            }
-        }
-        if let Some(m) = node.inputs.get(3).copied().flatten() {
-            let ms = self.shape(m)?;
-            let mt = self.tokens[m.index()];
-            let Tokens::Local { axis: ta, outer } = out else {
-                if mt != Tokens::Whole {
-                    convert.push((3, Tokens::Whole));
-                }
-                return Some(Decision { convert, out, shape: None });
-            };
-            let off = rq.saturating_sub(ms.len());
-            let aligned = (ta >= off).then(|| ta - off);
-            let rows = aligned.map(|a| Tokens::Local { axis: a, outer });
-            if Some(mt) != rows {
-                match aligned {
-                    Some(a) if ms[a] != 1 && ms[a] == qs[ta] => convert.push((3, Tokens::Local { axis: a, outer })),
-                    _ if mt != Tokens::Whole => convert.push((3, Tokens::Whole)),
-                    _ => {}
-                }
-            }
-        }
-        Some(Decision { convert, out, shape: None })
-    }
 
-    /// A view that keeps the tokens in one axis: where they land; a Reshape's explicit token
-    /// entry shrinks by `c`.
-    fn view(&self, n: NodeId, os: &[i64], reshape: bool) -> Option<Decision> {
-        let node = self.g.node(n);
-        let x = node.inputs.first().copied().flatten()?;
-        let Tokens::Local { axis, outer } = self.tokens[x.index()] else { return None };
-        let is = self.shape(x)?;
-        let len = is[axis] / outer;
-        let blocks = is[..axis].iter().product::<i64>() * outer;
-        let post: i64 = is[axis + 1..].iter().product();
-        let k = (0..os.len()).find(|&k| {
-            os[k + 1..].iter().product::<i64>() == post && len > 0 && os[k] % len == 0 && os[..k].iter().product::<i64>() * (os[k] / len) == blocks
-        })?;
-        let out = Tokens::Local { axis: k, outer: os[k] / len };
-        if !reshape {
-            return Some(Decision::to(out));
-        }
-        let target = node.inputs.get(1).copied().flatten()?;
-        let vals = self.info.ints(target)?.to_vec();
-        let entry = *vals.get(k)?;
-        let copies = entry == 0 && node.attrs.int("allowzero", 0) == 0 && k == axis && is[k] == os[k];
-        let shape = if entry == os[k] {
-            let mut v = vec![1; vals.len()];
-            v[k] = self.cp;
-            Some((1, v))
-        } else if entry == -1 || copies {
-            None
-        } else {
-            return None;
-        };
-        Some(Decision { convert: Vec::new(), out, shape })
-    }
 
-    /// An Expand made to yield `out` (its input cut where it spans the tokens, a target entry
-    /// that names them divided).
-    fn expand_to(&self, n: NodeId, os: &[i64], out: Tokens) -> Option<Decision> {
-        let node = self.g.node(n);
-        let Tokens::Local { axis: a, outer } = out else { return None };
-        let x = node.inputs.first().copied().flatten()?;
-        let xs = self.shape(x)?;
-        let off = os.len().checked_sub(xs.len())?;
-        let mut convert = Vec::new();
-        if a >= off && xs[a - off] != 1 && xs[a - off] == os[a] {
-            convert.push((0, Tokens::Local { axis: a - off, outer }));
-        }
-        let vals = self.info.ints(node.inputs.get(1).copied().flatten()?)?;
-        let i = a.checked_sub(os.len().checked_sub(vals.len())?);
-        let shape = i.filter(|&i| vals[i] == os[a] && vals[i] != 1).map(|i| {
-            let mut d = vec![1; vals.len()];
-            d[i] = self.cp;
-            (1, d)
-        });
-        Some(Decision { convert, out, shape })
-    }
 
-    fn expand(&self, n: NodeId, os: &[i64]) -> Option<Decision> {
-        let node = self.g.node(n);
-        let x = node.inputs.first().copied().flatten()?;
-        let Tokens::Local { axis, outer } = self.tokens[x.index()] else { return None };
-        let rx = self.shape(x)?.len();
-        let k = axis + (os.len() - rx.min(os.len()));
-        let vals = self.info.ints(node.inputs.get(1).copied().flatten()?)?.to_vec();
-        let off = os.len() - vals.len().min(os.len());
-        let shape = match k.checked_sub(off).and_then(|i| vals.get(i).map(|&e| (i, e))) {
-            Some((i, e)) if e == os[k] && e != 1 => {
-                let mut v = vec![1; vals.len()];
-                v[i] = self.cp;
-                Some((1, v))
-            }
-            _ => None,
-        };
-        Some(Decision { convert: Vec::new(), out: Tokens::Local { axis: k, outer }, shape })
-    }
 }
 
 /// Positions (in one sequence of `seq` tokens) that rank `rank` of `cp` holds, in its order:
