@@ -7,13 +7,14 @@
 //!   of the other reductions (before 18) and of `Squeeze`/`Unsqueeze` (before 13); `split` of
 //!   `Split` (before 13); `starts`/`ends`/`axes` of `Slice` (before 10); `min`/`max` of `Clip`
 //!   (before 11); `pads`/`value` of `Pad` (before 11); `k` of `TopK` (before 10); `ratio` of
-//!   `Dropout` (before 12, which had no training mode: the node stays inactive);
+//!   `Dropout` (before 12, which had no training mode: the node stays inactive); `Resize`'s
+//!   `scales` moves to input 2 behind an empty `roi` (before 11);
 //! - `Softmax` and `LogSoftmax` before 13, which coerce their input to 2-D at `axis` (default
 //!   1), normalise over the last axis: unchanged where `axis` is the last axis, otherwise
 //!   `Flatten(axis)` → softmax over the last axis → `Reshape` back to `Shape(x)`;
 //! - every defaulted axis is written out: `axis` of `Softmax`/`LogSoftmax` (−1), `Gather`,
 //!   `GatherElements`, `Split`, `ArgMax`, `ArgMin` (0), `Flatten` (1), `LayerNormalization` and
-//!   `TopK` (−1).
+//!   `TopK` (−1); and `mode` of `GridSample` (`bilinear` before 20, `linear` from 20).
 
 use std::path::Path;
 
@@ -58,7 +59,9 @@ impl Canon<'_> {
         use OpKind::*;
         match kind {
             ReduceSum if opset < 13 => self.attr_to_input(id, "axes", 1, IntsOrScalar::Ints)?,
-            ReduceMean | ReduceMax | ReduceMin | ReduceProd if opset < 18 => self.attr_to_input(id, "axes", 1, IntsOrScalar::Ints)?,
+            ReduceMean | ReduceMax | ReduceMin | ReduceProd | ReduceL1 | ReduceL2 | ReduceLogSumExp | ReduceSumSquare if opset < 18 => {
+                self.attr_to_input(id, "axes", 1, IntsOrScalar::Ints)?
+            }
             Squeeze | Unsqueeze if opset < 13 => self.attr_to_input(id, "axes", 1, IntsOrScalar::Ints)?,
             Split if opset < 13 => self.attr_to_input(id, "split", 1, IntsOrScalar::Ints)?,
             Slice if opset < 10 => {
@@ -80,6 +83,11 @@ impl Canon<'_> {
                 self.attr_to_input(id, "ratio", 1, IntsOrScalar::Float32)?;
                 self.g.node_mut(id).attrs.0.remove("is_test");
             }
+            Resize if opset < 11 => self.resize_without_roi(id),
+            _ => {}
+        }
+        match kind {
+            GridSample => self.default_str(id, "mode", if opset < 20 { "bilinear" } else { "linear" }),
             _ => {}
         }
         match kind {
@@ -98,6 +106,22 @@ impl Canon<'_> {
             attrs.set("axis", Attr::Int(axis));
             self.done.axes_written += 1;
         }
+    }
+
+    fn default_str(&mut self, id: NodeId, name: &str, value: &str) {
+        let attrs = &mut self.g.node_mut(id).attrs;
+        if attrs.get(name).is_none() {
+            attrs.set(name, Attr::Str(value.to_string()));
+            self.done.axes_written += 1;
+        }
+    }
+
+    /// Resize at opset 10 is `(X, scales)`: from 11 it is `(X, roi, scales, sizes)`.
+    fn resize_without_roi(&mut self, id: NodeId) {
+        let scales = self.g.node(id).inputs.get(1).copied().flatten();
+        self.g.set_input(id, 1, None);
+        self.g.set_input(id, 2, scales);
+        self.done.attrs_to_inputs += 1;
     }
 
     /// Moves attribute `name` of node `id` into input `slot` as a constant.
