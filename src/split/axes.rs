@@ -13,7 +13,7 @@ pub fn norm_axis(axis: i64, rank: usize) -> Option<usize> {
 
 /// The axes of `node`'s first input (of `rank` axes) that the op combines or selects along:
 /// the normalised axes of LayerNormalization (`axis` to the last), Softmax, LogSoftmax, TopK,
-/// ArgMax, ArgMin and CumSum, the reduced axes of the reductions, the sliced axes of Slice.
+/// LpNormalization, ArgMax, ArgMin and CumSum, the reduced axes of the reductions, the sliced axes of Slice.
 /// `None` for other ops and where the axes are not known (an axes input not evaluated).
 /// Nodes are in the importer's canonical form: defaulted axes are written out, axes that
 /// became inputs are inputs.
@@ -23,10 +23,10 @@ pub fn touched_axes(node: &Node, info: &ShapeInfo, rank: usize) -> Option<Vec<us
     let axis = |default: i64| norm_axis(node.attrs.int("axis", default), rank);
     match node.op.kind()? {
         LayerNormalization => Some((axis(-1)?..rank).collect()),
-        Softmax | LogSoftmax | TopK => Some(vec![axis(-1)?]),
+        Softmax | LogSoftmax | TopK | LpNormalization => Some(vec![axis(-1)?]),
         ArgMax | ArgMin => Some(vec![axis(0)?]),
         CumSum => Some(vec![norm_axis(*info.ints(input(1)?)?.first()?, rank)?]),
-        ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd => shape_infer::reduced_axes(node, info, rank),
+        k if k.is_reduction() => shape_infer::reduced_axes(node, info, rank),
         Slice => match input(3) {
             Some(a) => info.ints(a)?.iter().map(|&a| norm_axis(a, rank)).collect(),
             None => Some((0..info.ints(input(1)?)?.len()).collect()),
@@ -40,7 +40,7 @@ pub fn touched_axes(node: &Node, info: &ShapeInfo, rank: usize) -> Option<Vec<us
 pub fn keeps_axes(node: &Node) -> bool {
     use OpKind::*;
     match node.op.kind() {
-        Some(ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd | ArgMax | ArgMin) => node.attrs.int("keepdims", 1) == 1,
+        Some(k) if k.is_reduction() || matches!(k, ArgMax | ArgMin) => node.attrs.int("keepdims", 1) == 1,
         _ => true,
     }
 }

@@ -30,7 +30,8 @@ pub enum Family {
     /// Ops that make values from shapes or nothing (Shape, Size, Constant, ConstantOfShape,
     /// Range): they read no split data.
     Shape,
-    /// Ops with no split rule (convolutions, pooling, batch statistics, index scatters): they run
+    /// Ops with no split rule (convolutions, pooling, batch statistics, index scatters, einsum,
+    /// resampling, one-hot): they run
     /// whole on every rank, reading whole inputs.
     Whole,
 }
@@ -43,17 +44,17 @@ pub fn family(kind: OpKind) -> Family {
         Abs | Neg | Exp | Log | Sqrt | Reciprocal | Tanh | Sigmoid | Relu | Erf | Sin | Cos | Floor | Ceil | Round | Sign | Not | IsNaN
         | IsInf | Softplus | LeakyRelu | Elu | Gelu | HardSigmoid | HardSwish | Identity | Cast | CastLike | Clip | Add | Sub | Mul
         | Div | Pow | Mod | Max | Min | Sum | Mean | Equal | Less | LessOrEqual | Greater | GreaterOrEqual | And | Or | Xor | Where
-        | Dropout => F::Elementwise,
+        | BitShift | Dropout => F::Elementwise,
         MatMul | Gemm => F::Matmul,
         ScaledDotProductAttention => F::Attention,
         LayerNormalization | Softmax | LogSoftmax | ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd | ArgMax | ArgMin
-        | CumSum | TopK | Slice => F::Norm,
+        | CumSum | TopK | Slice | ReduceL1 | ReduceL2 | ReduceLogSumExp | ReduceSumSquare | LpNormalization => F::Norm,
         Reshape | Transpose | Concat | Split | Unsqueeze | Squeeze | Expand | Flatten => F::View,
         Gather => F::Gather,
         MixtureOfExperts => F::Experts,
         Shape | Size | ConstantOfShape | Range | Constant => F::Shape,
         Conv | BatchNormalization | InstanceNormalization | LRN | MaxPool | AveragePool | GlobalAveragePool | GlobalMaxPool
-        | GatherElements | GatherND | Tile | Pad | Trilu | ScatterND => F::Whole,
+        | GatherElements | GatherND | Tile | Pad | Trilu | ScatterND | ScatterElements | OneHot | Einsum | Resize | GridSample => F::Whole,
     }
 }
 
