@@ -1,10 +1,11 @@
 //! Gathers: the vocabulary table splits by rows (a masked lookup whose output is a partial sum);
 //! other gathers follow a table split on another axis.
 
-use super::realise::{Prop, R, Sh};
-use crate::ir::NodeId;
 use super::axes::norm_axis;
 use super::context::{Decision, Splitter, Tokens};
+use super::emit::{Fresh, derived, i64_const, scalar_const};
+use super::realise::{Prop, R, Sh};
+use crate::ir::{Attr, DType, Graph, GraphError, Node, NodeId, OpKind, PADDING_ROWS, ValueId, ValueKind};
 
 impl Prop<'_, '_> {
     pub(super) fn gather(&mut self, id: NodeId) -> R<()> {
@@ -46,6 +47,41 @@ impl Prop<'_, '_> {
             _ => self.err("gather from a split table"),
         }
     }
+}
+
+/// Emission: the vocabulary-split lookup `node` on this rank's rows `[start, end)` of the table.
+/// Ids outside them read row 0 and their rows are zeroed, so the output is this rank's part of a
+/// sum: `where(in_range, gather(table, where(in_range, ids − start, 0)), 0)`.
+pub fn emit_masked_gather(g: &mut Graph, node: &Node, (table, ids): (ValueId, ValueId), out: ValueId, (start, end): (i64, i64), id_dtype: DType, fresh: &Fresh) -> Result<(), GraphError> {
+    let name = node.name.as_str();
+    let fdt = g.value(table).ty.as_ref().map_or(DType::F32, |t| t.dtype);
+    let cs = scalar_const(g, fresh.name(name, "vocab_start"), id_dtype, start)?;
+    let ce = scalar_const(g, fresh.name(name, "vocab_end"), id_dtype, end)?;
+    let zi = scalar_const(g, fresh.name(name, "zero_index"), id_dtype, 0)?;
+    let zf = scalar_const(g, fresh.name(name, "zero"), fdt, 0)?;
+    let axes = i64_const(g, fresh.name(name, "last_axis"), &[-1])?;
+    let mut val = |what: &str| g.add_value(fresh.name(name, what), ValueKind::Intermediate, None, None);
+    let (ge, lt, inr, sh, safe, got, m) = (val("ge")?, val("lt")?, val("in_range")?, val("shifted")?, val("safe")?, val("rows")?, val("mask")?);
+    let mut lookup = derived(node, name.to_string(), OpKind::Gather, vec![table, safe], got);
+    lookup.attrs.set("axis", Attr::Int(0));
+    // padding rows of this rank's slice of the table, in its own row numbers
+    let local: Vec<i64> = node.attrs.ints(PADDING_ROWS).unwrap_or(&[]).iter().filter(|&&p| (start..end).contains(&p)).map(|p| p - start).collect();
+    if !local.is_empty() {
+        lookup.attrs.set(PADDING_ROWS, Attr::Ints(local));
+    }
+    for n in [
+        derived(node, fresh.name(name, "ge"), OpKind::GreaterOrEqual, vec![ids, cs], ge),
+        derived(node, fresh.name(name, "lt"), OpKind::Less, vec![ids, ce], lt),
+        derived(node, fresh.name(name, "and"), OpKind::And, vec![ge, lt], inr),
+        derived(node, fresh.name(name, "sub"), OpKind::Sub, vec![ids, cs], sh),
+        derived(node, fresh.name(name, "where_index"), OpKind::Where, vec![inr, sh, zi], safe),
+        lookup,
+        derived(node, fresh.name(name, "unsqueeze"), OpKind::Unsqueeze, vec![inr, axes], m),
+        derived(node, fresh.name(name, "where_rows"), OpKind::Where, vec![m, got, zf], out),
+    ] {
+        g.add_node(n)?;
+    }
+    Ok(())
 }
 
 /// Context parallelism.

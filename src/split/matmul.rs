@@ -2,10 +2,11 @@
 //! split), an input split along the contracted axis splits it by rows (partial sums, a deferred
 //! Gemm bias). Matmuls of two activations split by heads (the attention core).
 
-use super::realise::{Fail, Prop, R, Sh};
-use super::rewrite::NodeRewrite;
-use crate::ir::{NodeId, OpKind, ValueId};
 use super::context::{Decision, Splitter, Tokens};
+use super::emit::{Fresh, derived, float_scalar};
+use super::realise::{Fail, Prop, R, Sh};
+use super::rewrite::{NodeRewrite, add_bias_name};
+use crate::ir::{DType, Graph, GraphError, Node, NodeId, OpKind, Shape, TensorType, ValueId, ValueKind};
 
 impl Prop<'_, '_> {
     pub(super) fn matmul(&mut self, id: NodeId) -> R<()> {
@@ -126,6 +127,39 @@ impl Prop<'_, '_> {
             _ => None,
         }
     }
+}
+
+/// Emission: a row-split Gemm whose bias `C` (`bias`, read at input 2) is deferred
+/// (`NodeRewrite::DeferBias`). The Gemm runs on `inputs` A and B into a partial sum, `reduce` (the caller's collective) combines it into a value of
+/// type `reduced_ty`, and `reduced + beta·C` makes `full`.
+pub fn emit_deferred_bias<E: From<GraphError>>(
+    g: &mut Graph,
+    node: &Node,
+    (inputs, mut bias): (&[Option<ValueId>], ValueId),
+    (reduced_ty, full): (Option<TensorType>, ValueId),
+    fresh: &Fresh,
+    reduce: impl FnOnce(&mut Graph, ValueId, ValueId) -> Result<(), E>,
+) -> Result<(), E> {
+    let name = node.name.as_str();
+    let nobias = g.add_value(fresh.name(name, "nobias"), ValueKind::Intermediate, None, None)?;
+    let mut attrs = node.attrs.clone();
+    let beta = attrs.float("beta", 1.0);
+    attrs.0.remove("beta");
+    let inputs_ab = inputs.iter().take(2).copied().collect();
+    g.add_node(Node { name: name.to_string(), op: node.op.clone(), attrs, inputs: inputs_ab, outputs: vec![nobias], namespace: node.namespace.clone(), order: node.order })?;
+    let reduced = g.add_value(fresh.name(name, "reduced"), ValueKind::Intermediate, reduced_ty, None)?;
+    reduce(g, nobias, reduced)?;
+    if beta != 1.0 {
+        let bt = g.value(bias).ty.as_ref().map_or(DType::F32, |t| t.dtype);
+        let s = g.add_value(fresh.name(name, "beta"), ValueKind::Constant, Some(TensorType { dtype: bt, shape: Some(Shape(vec![])) }), Some(float_scalar(bt, beta)))?;
+        let scaled = g.add_value(fresh.name(name, "scaled_bias"), ValueKind::Intermediate, None, None)?;
+        let mut scale = derived(node, fresh.name(name, "scale_bias"), OpKind::Mul, vec![bias, s], scaled);
+        scale.namespace = None;
+        g.add_node(scale)?;
+        bias = scaled;
+    }
+    g.add_node(derived(node, add_bias_name(name), OpKind::Add, vec![reduced, bias], full))?;
+    Ok(())
 }
 
 /// Context parallelism.
