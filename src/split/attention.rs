@@ -7,6 +7,8 @@
 use super::realise::{Fail, Prop, R, Sh};
 use crate::ir::{NodeId, OpKind, ValueId};
 use super::context::{Decision, Splitter, Tokens};
+use super::offer::{Feasible, Offer, Pricer};
+use super::Strategy;
 
 impl Prop<'_, '_> {
     /// A fused `ScaledDotProductAttention(q, kᵀ, v, mask?)`: q, kᵀ and v split alike along one
@@ -92,6 +94,19 @@ impl Prop<'_, '_> {
         self.set(o, Sh::Split { axis: oaxis + 1, outer: 1, inner: copies / rep, origin: None });
         Ok(())
     }
+}
+
+/// Offers: attention core `k` (its matmuls and the ops between them) split by heads, when its
+/// heads divide and every projection feeding it splits by columns, or whole.
+pub(super) fn core_offers(p: &Pricer<'_>, f: &Feasible<'_>, k: usize) -> Vec<Offer> {
+    let c = &f.sg.cores[k];
+    let all = p.figures(c.nodes.iter().chain(c.matmuls.iter()).map(|&i| (i, 1.0)));
+    let mut options = Vec::new();
+    if f.core_ok[k] && c.producers.iter().all(|q| f.col_ok[q]) {
+        options.push(p.opt(Strategy::Heads, all[0], all[1], all[4] / p.t, 0.0));
+    }
+    options.push(p.replicate(&all));
+    options
 }
 
 /// Context parallelism.

@@ -4,6 +4,8 @@
 use super::realise::{Prop, R, Sh};
 use crate::ir::NodeId;
 use super::context::{Decision, Splitter, Tokens};
+use super::offer::{Offer, Pricer};
+use super::Strategy;
 
 impl Prop<'_, '_> {
     /// `MixtureOfExperts(x, weights, indices, gate_up, down)` with whole tokens, router weights
@@ -44,6 +46,21 @@ impl Prop<'_, '_> {
         self.set(o, Sh::Rep);
         Ok(())
     }
+}
+
+/// Offers: every expert's MLP split by its intermediate dim `inter` (where it divides), or whole.
+/// `routes` is the router weights' share of the tokens' bytes.
+pub(super) fn experts_offers(p: &Pricer<'_>, (inter, routes): (Option<i64>, f64), i: usize) -> Vec<Offer> {
+    let own = p.figures([(i, 1.0)]);
+    let mut options = Vec::new();
+    if p.divides(inter) {
+        // the output's partial sums are reduced like a row split's; backward, the gradients of
+        // the tokens and of the router's weights are all-reduced
+        let weights_ar = p.x.comm.all_reduce(p.hidden * routes, &p.x.tp_group);
+        options.push(p.opt(Strategy::Experts, own[0] + p.row_fwd, own[1] + p.ar + weights_ar + p.sp_ag, own[4] / p.t, 0.0));
+    }
+    options.push(p.replicate(&own));
+    options
 }
 
 /// Context parallelism.

@@ -3,6 +3,8 @@
 
 use super::axes::norm_axis;
 use super::context::{Decision, Splitter, Tokens};
+use super::offer::{Offer, Pricer};
+use super::Strategy;
 use super::emit::{Fresh, derived, i64_const, scalar_const};
 use super::realise::{Prop, R, Sh};
 use crate::ir::{Attr, DType, Graph, GraphError, Node, NodeId, OpKind, PADDING_ROWS, ValueId, ValueKind};
@@ -47,6 +49,18 @@ impl Prop<'_, '_> {
             _ => self.err("gather from a split table"),
         }
     }
+}
+
+/// Offers: the vocabulary table split by rows (where it is the vocabulary and its `rows` divide;
+/// one forward all-reduce), or whole.
+pub(super) fn embedding_offers(p: &Pricer<'_>, (rows, is_vocab): (Option<i64>, bool), i: usize) -> Vec<Offer> {
+    let own = p.figures([(i, 1.0)]);
+    let mut options = Vec::new();
+    if is_vocab && p.divides(rows) {
+        options.push(p.opt(Strategy::Vocab, own[0] + p.ar, own[1], own[4] / p.t, 0.0));
+    }
+    options.push(p.replicate(&own));
+    options
 }
 
 /// Emission: the vocabulary-split lookup `node` on this rank's rows `[start, end)` of the table.

@@ -3,6 +3,8 @@
 //! Gemm bias). Matmuls of two activations split by heads (the attention core).
 
 use super::context::{Decision, Splitter, Tokens};
+use super::offer::{Feasible, Offer, Pricer};
+use super::Strategy;
 use super::emit::{Fresh, derived, float_scalar};
 use super::realise::{Fail, Prop, R, Sh};
 use super::rewrite::{NodeRewrite, add_bias_name};
@@ -160,6 +162,42 @@ pub fn emit_deferred_bias<E: From<GraphError>>(
     }
     g.add_node(derived(node, add_bias_name(name), OpKind::Add, vec![reduced, bias], full))?;
     Ok(())
+}
+
+/// Offers: a weight matmul splits by columns (with the ops its split flows through before its
+/// row consumer), by rows (when a column split or a heads core feeds it), or stays whole.
+pub(super) fn weight_matmul_offers(p: &Pricer<'_>, f: &Feasible<'_>, i: usize) -> Vec<Offer> {
+    let sg = f.sg;
+    let own = p.figures([(i, 1.0)]);
+    let mut options = Vec::new();
+    if f.col_ok[&i] {
+        // The ops it feeds before its consumer run split with it (or whole).
+        let region: Vec<(usize, f64)> = f
+            .owner_share
+            .iter()
+            .filter(|(n, o)| o.contains(&i) && !f.in_core.contains(n))
+            .map(|(&n, o)| (n, 1.0 / o.iter().filter(|q| f.col_ok[q]).count().max(1) as f64))
+            .collect();
+        let reg = p.figures(region.iter().copied());
+        // A split output that leaves the split region is all-gathered by codegen, but priced
+        // as an all-reduce (twice its traffic): the exact price moves Megatron's Table 1 76.1B
+        // row past 10 % of its published rate (tests/published_runs.rs), whose runs use a
+        // vocabulary-parallel loss this model does not price; both belong together.
+        let exit = if sg.reach[&i].as_ref().is_some_and(|r| r.exits) { p.ar } else { 0.0 };
+        let grad = if f.first_reader.get(&sg.input[&i]) == Some(&i) { p.ar } else { 0.0 };
+        options.push(p.opt(Strategy::Column, own[0] + reg[0] + exit, own[1] + reg[1] + grad, (own[4] + reg[4]) / p.t, 0.0));
+        options.push(p.opt(Strategy::Replicate, own[2] + reg[2], own[3] + reg[3], own[4] + reg[4], own[5] + reg[5]));
+    } else {
+        options.push(p.replicate(&own));
+    }
+    if f.row_ok(p, i) {
+        let bias = match sg.kn[&i] {
+            (Some(k), Some(n)) => (own[4] - (k * n) as f64).max(0.0),
+            _ => 0.0,
+        };
+        options.insert(options.len() - 1, p.opt(Strategy::Row, own[0] + p.row_fwd, own[1] + p.sp_ag + p.partial_grad(bias), own[4] / p.t, 0.0));
+    }
+    options
 }
 
 /// Context parallelism.
