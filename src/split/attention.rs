@@ -4,11 +4,11 @@
 //! ranks go through `repeat_kv`'s Expand here. The planner's attention cores are found in
 //! [`super::analyse`].
 
-use super::realise::{Fail, Prop, R, Sh};
-use crate::ir::{NodeId, OpKind, ValueId};
+use super::Strategy;
 use super::context::{Decision, Splitter, Tokens};
 use super::offer::{Feasible, Offer, Pricer};
-use super::Strategy;
+use super::realise::{Fail, Prop, R, Sh};
+use crate::ir::{NodeId, OpKind, ValueId};
 
 impl Prop<'_, '_> {
     /// A fused `ScaledDotProductAttention(q, kᵀ, v, mask?)`: q, kᵀ and v split alike along one

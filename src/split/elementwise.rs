@@ -1,9 +1,12 @@
 //! Elementwise ops: unary ops follow their input; n-ary ops need equally split inputs (a
 //! replicated full-size weight operand is sliced with them); partial sums pass linear ops only.
 
-use super::realise::{Prop, R, Sh};
-use crate::ir::{NodeId, OpKind, ValueId};
+use std::collections::HashMap;
+
 use super::context::{Decision, Splitter, Tokens};
+use super::realise::{Prop, R, Sh};
+use super::sequence::{Decision as SeqDecision, Seq, SeqLayer};
+use crate::ir::{Node, NodeId, OpKind, ValueId};
 
 impl Prop<'_, '_> {
     /// Unary ops (and views that map axes): the output takes the input's placement.
@@ -89,6 +92,34 @@ impl Prop<'_, '_> {
         }
         self.sh.insert(o, Sh::Split { axis, outer, inner, origin });
         Ok(())
+    }
+}
+
+/// Sequence parallelism.
+impl SeqLayer<'_> {
+    /// An elementwise op on token chunks: every token-split operand placed alike and as large
+    /// as the output along the token axis; a replicated operand spanning the tokens is sliced.
+    pub(super) fn elementwise(&self, node: &Node, seq: &HashMap<ValueId, Seq>, state: Seq, os: &[i64]) -> Option<SeqDecision> {
+        let mut scatters = Vec::new();
+        for (slot, v) in node.inputs.iter().enumerate() {
+            let Some(v) = *v else { continue };
+            let vs = self.shape(v)?;
+            if let Some(s) = seq.get(&v) {
+                if *s != state || vs.len() != os.len() || vs[state.axis] != os[state.axis] {
+                    return None;
+                }
+                continue;
+            }
+            let off = os.len().checked_sub(vs.len())?;
+            if state.axis < off || vs[state.axis - off] == 1 {
+                continue;
+            }
+            if vs.len() != os.len() || vs[state.axis] != os[state.axis] {
+                return None;
+            }
+            scatters.push((slot, v));
+        }
+        Some(SeqDecision { out: state, scatters, shape_entry: None })
     }
 }
 

@@ -1,11 +1,11 @@
 //! Mixture of experts: each expert's gated MLP splits by its intermediate dim, as Megatron
 //! splits a dense MLP (its gate and up projections by columns, its down projection by rows).
 
-use super::realise::{Prop, R, Sh};
-use crate::ir::NodeId;
+use super::Strategy;
 use super::context::{Decision, Splitter, Tokens};
 use super::offer::{Offer, Pricer};
-use super::Strategy;
+use super::realise::{Prop, R, Sh};
+use crate::ir::NodeId;
 
 impl Prop<'_, '_> {
     /// `MixtureOfExperts(x, weights, indices, gate_up, down)` with whole tokens, router weights

@@ -1,11 +1,11 @@
 //! Gathers: the vocabulary table splits by rows (a masked lookup whose output is a partial sum);
 //! other gathers follow a table split on another axis.
 
+use super::Strategy;
 use super::axes::norm_axis;
 use super::context::{Decision, Splitter, Tokens};
-use super::offer::{Offer, Pricer};
-use super::Strategy;
 use super::emit::{Fresh, derived, i64_const, scalar_const};
+use super::offer::{Offer, Pricer};
 use super::realise::{Prop, R, Sh};
 use crate::ir::{Attr, DType, Graph, GraphError, Node, NodeId, OpKind, PADDING_ROWS, ValueId, ValueKind};
 

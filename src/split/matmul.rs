@@ -2,10 +2,10 @@
 //! split), an input split along the contracted axis splits it by rows (partial sums, a deferred
 //! Gemm bias). Matmuls of two activations split by heads (the attention core).
 
-use super::context::{Decision, Splitter, Tokens};
-use super::offer::{Feasible, Offer, Pricer};
 use super::Strategy;
+use super::context::{Decision, Splitter, Tokens};
 use super::emit::{Fresh, derived, float_scalar};
+use super::offer::{Feasible, Offer, Pricer};
 use super::realise::{Fail, Prop, R, Sh};
 use super::rewrite::{NodeRewrite, add_bias_name};
 use crate::ir::{DType, Graph, GraphError, Node, NodeId, OpKind, Shape, TensorType, ValueId, ValueKind};

@@ -1,10 +1,13 @@
 //! Norms and reductions (Softmax, LayerNormalization, Reduce*, CumSum, Slice): they run split
 //! only when they do not work along the split axis; a norm's scale and bias stay whole.
 
+use std::collections::HashMap;
+
 use super::axes::{keeps_axes, touched_axes};
-use super::realise::{Prop, R, Sh};
-use crate::ir::{NodeId, OpKind, ValueId};
 use super::context::{Decision, Splitter, Tokens};
+use super::realise::{Prop, R, Sh};
+use super::sequence::{Decision as SeqDecision, Seq, SeqLayer};
+use crate::ir::{Node, NodeId, OpKind, ValueId};
 
 impl Prop<'_, '_> {
     /// Norm-like ops over axes other than the split one.
@@ -39,6 +42,40 @@ impl Prop<'_, '_> {
             self.sh.insert(o, Sh::Split { axis, outer, inner, origin });
         }
         Ok(())
+    }
+}
+
+/// Sequence parallelism.
+impl SeqLayer<'_> {
+    /// A norm, softmax or reduction kept on token chunks when it works along other axes and its
+    /// scale and bias broadcast over the tokens. The other ops of the family (scans, top-k,
+    /// slices, argmax and the rest of the reductions) read their tokens gathered.
+    pub(super) fn norm(&self, node: &Node, seq: &HashMap<ValueId, Seq>, state: Seq) -> Option<SeqDecision> {
+        use OpKind::*;
+        if !matches!(node.op.kind()?, LayerNormalization | Softmax | LogSoftmax | ReduceMean | ReduceSum | ReduceMax | ReduceMin) {
+            return None;
+        }
+        let x = node.inputs.first().copied().flatten()?;
+        if seq.get(&x) != Some(&state) || node.inputs.iter().skip(1).flatten().any(|v| seq.contains_key(v)) {
+            return None;
+        }
+        let rank = self.shape(x)?.len();
+        if !keeps_axes(node) {
+            return None;
+        }
+        let touched = touched_axes(node, self.info, rank)?;
+        if touched.is_empty() || touched.contains(&state.axis) {
+            return None;
+        }
+        // scale and bias of a norm: broadcast over the tokens
+        for v in node.inputs.iter().skip(1).flatten() {
+            let vs = self.shape(*v)?;
+            let off = rank.checked_sub(vs.len())?;
+            if state.axis >= off && vs[state.axis - off] != 1 {
+                return None;
+            }
+        }
+        Some(SeqDecision { out: state, scatters: Vec::new(), shape_entry: None })
     }
 }
 

@@ -23,6 +23,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use super::Strategy;
 use super::error::SplitError;
+use super::family::{Family, family};
 use super::rewrite::{ConstantRewrite, NodeRewrite, PartialGradient};
 pub use crate::ir::CollectiveKind;
 use crate::ir::{Graph, LayeredGraph, NodeId, OpKind, ValueId, ValueKind};
@@ -639,21 +640,32 @@ impl<'s, 'a> Prop<'s, 'a> {
             return Ok(());
         }
         let Some(kind) = n.op.kind() else { return self.err("unknown op with a split input") };
-        match kind {
-            MatMul | Gemm => self.matmul(id),
-            Gather => self.gather(id),
-            Reshape => self.reshape(id),
-            Transpose | Squeeze | Unsqueeze | Identity | Cast | Neg | Sqrt | Tanh | Erf | Sigmoid | Relu | Gelu
-            | Reciprocal | Exp | Log | Abs | Not | IsNaN | Dropout | Softplus => self.unary(id, kind),
-            Split => self.split(id),
-            Softmax | LogSoftmax | LayerNormalization | ReduceMean | ReduceSum | ReduceMax | CumSum | Slice => self.norm(id, kind),
-            Concat => self.concat(id),
-            ScaledDotProductAttention => self.attention(id),
-            MixtureOfExperts => self.experts(id),
-            Expand => self.expand(id),
-            Shape | Size => self.err("it reads the shape of a split tensor"),
-            k if k.is_elementwise() => self.elementwise(id),
-            _ => self.err("no sharding rule for this op"),
+        // the rules are in the family files
+        match family(kind) {
+            Family::Matmul => self.matmul(id),
+            Family::Gather => self.gather(id),
+            Family::Attention => self.attention(id),
+            Family::Experts => self.experts(id),
+            Family::Elementwise => match kind {
+                Identity | Cast | Neg | Sqrt | Tanh | Erf | Sigmoid | Relu | Gelu | Reciprocal | Exp | Log | Abs | Not | IsNaN | Dropout | Softplus => {
+                    self.unary(id, kind)
+                }
+                _ => self.elementwise(id),
+            },
+            Family::Norm => match kind {
+                Softmax | LogSoftmax | LayerNormalization | ReduceMean | ReduceSum | ReduceMax | CumSum | Slice => self.norm(id, kind),
+                _ => self.err("no sharding rule for this op"),
+            },
+            Family::View => match kind {
+                Reshape => self.reshape(id),
+                Transpose | Squeeze | Unsqueeze => self.unary(id, kind),
+                Split => self.split(id),
+                Concat => self.concat(id),
+                Expand => self.expand(id),
+                _ => self.err("no sharding rule for this op"),
+            },
+            Family::Shape if matches!(kind, Shape | Size) => self.err("it reads the shape of a split tensor"),
+            Family::Shape | Family::Whole => self.err("no sharding rule for this op"),
         }
     }
 }

@@ -1,10 +1,13 @@
 //! Views: Reshape, Transpose/Squeeze/Unsqueeze (axis mapping), Split, Concat, Expand. A split
 //! axis survives a view when a rank's block stays contiguous; shape operands shrink with it.
 
+use std::collections::HashMap;
+
+use super::context::{Decision, Splitter, Tokens};
 use super::realise::{Fail, Prop, R, Sh, gcd, lcm, norm_axis};
 use super::rewrite::{ConstantRewrite, NodeRewrite};
-use crate::ir::{NodeId, OpKind, ValueId, ValueKind};
-use super::context::{Decision, Splitter, Tokens};
+use super::sequence::{Decision as SeqDecision, Seq, SeqLayer};
+use crate::ir::{Node, NodeId, OpKind, ValueId, ValueKind};
 
 impl Prop<'_, '_> {
     /// Reshape: the split axis moves to the output axis holding the same block; partial sums stay partial.
@@ -201,6 +204,33 @@ impl Prop<'_, '_> {
             }
             Sh::Rep => Ok(()),
         }
+    }
+}
+
+/// Sequence parallelism.
+impl SeqLayer<'_> {
+    /// A Reshape that keeps each token's chunk in one axis: the tokens land there; a target
+    /// entry naming the global token count shrinks by t.
+    pub(super) fn reshape(&self, node: &Node, seq: &HashMap<ValueId, Seq>, state: Seq, os: &[i64]) -> Option<SeqDecision> {
+        let x = node.inputs.first().copied().flatten()?;
+        if seq.get(&x) != Some(&state) {
+            return None;
+        }
+        let is = self.shape(x)?;
+        let len = is[state.axis] / state.outer;
+        let blocks = is[..state.axis].iter().product::<i64>() * state.outer;
+        let post: i64 = is[state.axis + 1..].iter().product();
+        let k = (0..os.len()).find(|&k| os[k + 1..].iter().product::<i64>() == post && os[k] % len == 0 && os[..k].iter().product::<i64>() * (os[k] / len) == blocks)?;
+        let target = node.inputs.get(1).copied().flatten()?;
+        let vals = self.info.ints(target)?;
+        let entry = *vals.get(k)?;
+        let copies_split = entry == 0 && node.attrs.int("allowzero", 0) == 0 && k == state.axis && is[k] == os[k];
+        if !(entry == -1 || entry == os[k] || copies_split) {
+            return None;
+        }
+        let shape_entry = (entry == os[k]).then_some((k, os[k]));
+        let flat = k == 0 && (state.flat || state.axis > 0);
+        Some(SeqDecision { out: Seq { axis: k, outer: os[k] / len, flat }, scatters: Vec::new(), shape_entry })
     }
 }
 
