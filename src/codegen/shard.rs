@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::collectives::{CollectiveInsert, CollectiveKind, GroupKind, InputRef, collective_node};
 use crate::ir::{
-    Attr, Attrs, DType, DimBindings, Graph, GraphError, LayeredGraph, Node, NodeId, Op, OpKind, PADDING_ROWS, Shape, Storage,
+    Attrs, DType, DimBindings, Graph, LayeredGraph, Node, NodeId, Op, OpKind, Shape, Storage,
     Tensor, TensorType, ValueId, ValueKind,
 };
 use crate::passes::shape_infer::{self, ShapeInfo};
