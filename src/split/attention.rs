@@ -96,17 +96,20 @@ impl Prop<'_, '_> {
     }
 }
 
-/// Offers: attention core `k` (its matmuls and the ops between them) split by heads, when its
-/// heads divide and every projection feeding it splits by columns, or whole.
-pub(super) fn core_offers(p: &Pricer<'_>, f: &Feasible<'_>, k: usize) -> Vec<Offer> {
-    let c = &f.sg.cores[k];
-    let all = p.figures(c.nodes.iter().chain(c.matmuls.iter()).map(|&i| (i, 1.0)));
-    let mut options = Vec::new();
-    if f.core_ok[k] && c.producers.iter().all(|q| f.col_ok[q]) {
-        options.push(p.opt(Strategy::Heads, all[0], all[1], all[4] / p.t, 0.0));
+/// Offers.
+impl Pricer<'_> {
+    /// Attention core `k` (its matmuls and the ops between them) split by heads, when its heads
+    /// divide and every projection feeding it splits by columns, or whole.
+    pub(super) fn core_offers(&self, f: &Feasible<'_>, k: usize) -> Vec<Offer> {
+        let c = &f.sg.cores[k];
+        let all = self.figures(c.nodes.iter().chain(c.matmuls.iter()).map(|&i| (i, 1.0)));
+        let mut options = Vec::new();
+        if f.core_ok[k] && c.producers.iter().all(|q| f.col_ok[q]) {
+            options.push(self.opt(Strategy::Heads, all[0], all[1], all[4] / self.t, 0.0));
+        }
+        options.push(self.replicate(&all));
+        options
     }
-    options.push(p.replicate(&all));
-    options
 }
 
 /// Context parallelism.

@@ -48,19 +48,22 @@ impl Prop<'_, '_> {
     }
 }
 
-/// Offers: every expert's MLP split by its intermediate dim `inter` (where it divides), or whole.
-/// `routes` is the router weights' share of the tokens' bytes.
-pub(super) fn experts_offers(p: &Pricer<'_>, (inter, routes): (Option<i64>, f64), i: usize) -> Vec<Offer> {
-    let own = p.figures([(i, 1.0)]);
-    let mut options = Vec::new();
-    if p.divides(inter) {
-        // the output's partial sums are reduced like a row split's; backward, the gradients of
-        // the tokens and of the router's weights are all-reduced
-        let weights_ar = p.x.comm.all_reduce(p.hidden * routes, &p.x.tp_group);
-        options.push(p.opt(Strategy::Experts, own[0] + p.row_fwd, own[1] + p.ar + weights_ar + p.sp_ag, own[4] / p.t, 0.0));
+/// Offers.
+impl Pricer<'_> {
+    /// Every expert's MLP split by its intermediate dim `inter` (where it divides), or whole.
+    /// `routes` is the router weights' share of the tokens' bytes.
+    pub(super) fn experts_offers(&self, (inter, routes): (Option<i64>, f64), i: usize) -> Vec<Offer> {
+        let own = self.figures([(i, 1.0)]);
+        let mut options = Vec::new();
+        if self.divides(inter) {
+            // the output's partial sums are reduced like a row split's; backward, the gradients
+            // of the tokens and of the router's weights are all-reduced
+            let weights_ar = self.x.comm.all_reduce(self.hidden * routes, &self.x.tp_group);
+            options.push(self.opt(Strategy::Experts, own[0] + self.row_fwd, own[1] + self.ar + weights_ar + self.sp_ag, own[4] / self.t, 0.0));
+        }
+        options.push(self.replicate(&own));
+        options
     }
-    options.push(p.replicate(&own));
-    options
 }
 
 /// Context parallelism.

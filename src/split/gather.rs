@@ -51,16 +51,19 @@ impl Prop<'_, '_> {
     }
 }
 
-/// Offers: the vocabulary table split by rows (where it is the vocabulary and its `rows` divide;
-/// one forward all-reduce), or whole.
-pub(super) fn embedding_offers(p: &Pricer<'_>, (rows, is_vocab): (Option<i64>, bool), i: usize) -> Vec<Offer> {
-    let own = p.figures([(i, 1.0)]);
-    let mut options = Vec::new();
-    if is_vocab && p.divides(rows) {
-        options.push(p.opt(Strategy::Vocab, own[0] + p.ar, own[1], own[4] / p.t, 0.0));
+/// Offers.
+impl Pricer<'_> {
+    /// The vocabulary table split by rows (where it is the vocabulary and its `rows` divide;
+    /// one forward all-reduce), or whole.
+    pub(super) fn embedding_offers(&self, (rows, is_vocab): (Option<i64>, bool), i: usize) -> Vec<Offer> {
+        let own = self.figures([(i, 1.0)]);
+        let mut options = Vec::new();
+        if is_vocab && self.divides(rows) {
+            options.push(self.opt(Strategy::Vocab, own[0] + self.ar, own[1], own[4] / self.t, 0.0));
+        }
+        options.push(self.replicate(&own));
+        options
     }
-    options.push(p.replicate(&own));
-    options
 }
 
 /// Emission: the vocabulary-split lookup `node` on this rank's rows `[start, end)` of the table.

@@ -164,40 +164,44 @@ pub fn emit_deferred_bias<E: From<GraphError>>(
     Ok(())
 }
 
-/// Offers: a weight matmul splits by columns (with the ops its split flows through before its
-/// row consumer), by rows (when a column split or a heads core feeds it), or stays whole.
-pub(super) fn weight_matmul_offers(p: &Pricer<'_>, f: &Feasible<'_>, i: usize) -> Vec<Offer> {
-    let sg = f.sg;
-    let own = p.figures([(i, 1.0)]);
-    let mut options = Vec::new();
-    if f.col_ok[&i] {
-        // The ops it feeds before its consumer run split with it (or whole).
-        let region: Vec<(usize, f64)> = f
-            .owner_share
-            .iter()
-            .filter(|(n, o)| o.contains(&i) && !f.in_core.contains(n))
-            .map(|(&n, o)| (n, 1.0 / o.iter().filter(|q| f.col_ok[q]).count().max(1) as f64))
-            .collect();
-        let reg = p.figures(region.iter().copied());
-        // A split output that leaves the split region is all-gathered by codegen, but priced
-        // as an all-reduce (twice its traffic): the exact price moves Megatron's Table 1 76.1B
-        // row past 10 % of its published rate (tests/published_runs.rs), whose runs use a
-        // vocabulary-parallel loss this model does not price; both belong together.
-        let exit = if sg.reach[&i].as_ref().is_some_and(|r| r.exits) { p.ar } else { 0.0 };
-        let grad = if f.first_reader.get(&sg.input[&i]) == Some(&i) { p.ar } else { 0.0 };
-        options.push(p.opt(Strategy::Column, own[0] + reg[0] + exit, own[1] + reg[1] + grad, (own[4] + reg[4]) / p.t, 0.0));
-        options.push(p.opt(Strategy::Replicate, own[2] + reg[2], own[3] + reg[3], own[4] + reg[4], own[5] + reg[5]));
-    } else {
-        options.push(p.replicate(&own));
+/// Offers.
+impl Pricer<'_> {
+    /// A weight matmul splits by columns (with the ops its split flows through before its row
+    /// consumer), by rows (when a column split or a heads core feeds it), or stays whole.
+    pub(super) fn weight_matmul_offers(&self, f: &Feasible<'_>, i: usize) -> Vec<Offer> {
+        let sg = f.sg;
+        let own = self.figures([(i, 1.0)]);
+        let mut options = Vec::new();
+        if f.col_ok[&i] {
+            // The ops it feeds before its consumer run split with it (or whole).
+            let region: Vec<(usize, f64)> = f
+                .owner_share
+                .iter()
+                .filter(|(n, o)| o.contains(&i) && !f.in_core.contains(n))
+                .map(|(&n, o)| (n, 1.0 / o.iter().filter(|q| f.col_ok[q]).count().max(1) as f64))
+                .collect();
+            let reg = self.figures(region.iter().copied());
+            // A split output that leaves the split region is all-gathered by codegen, but
+            // priced as an all-reduce (twice its traffic): the exact price moves Megatron's
+            // Table 1 76.1B row past 10 % of its published rate (tests/published_runs.rs),
+            // whose runs use a vocabulary-parallel loss this model does not price; both belong
+            // together.
+            let exit = if sg.reach[&i].as_ref().is_some_and(|r| r.exits) { self.ar } else { 0.0 };
+            let grad = if f.first_reader.get(&sg.input[&i]) == Some(&i) { self.ar } else { 0.0 };
+            options.push(self.opt(Strategy::Column, own[0] + reg[0] + exit, own[1] + reg[1] + grad, (own[4] + reg[4]) / self.t, 0.0));
+            options.push(self.opt(Strategy::Replicate, own[2] + reg[2], own[3] + reg[3], own[4] + reg[4], own[5] + reg[5]));
+        } else {
+            options.push(self.replicate(&own));
+        }
+        if f.row_ok(self, i) {
+            let bias = match sg.kn[&i] {
+                (Some(k), Some(n)) => (own[4] - (k * n) as f64).max(0.0),
+                _ => 0.0,
+            };
+            options.insert(options.len() - 1, self.opt(Strategy::Row, own[0] + self.row_fwd, own[1] + self.sp_ag + self.partial_grad(bias), own[4] / self.t, 0.0));
+        }
+        options
     }
-    if f.row_ok(p, i) {
-        let bias = match sg.kn[&i] {
-            (Some(k), Some(n)) => (own[4] - (k * n) as f64).max(0.0),
-            _ => 0.0,
-        };
-        options.insert(options.len() - 1, p.opt(Strategy::Row, own[0] + p.row_fwd, own[1] + p.sp_ag + p.partial_grad(bias), own[4] / p.t, 0.0));
-    }
-    options
 }
 
 /// Context parallelism.

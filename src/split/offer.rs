@@ -148,9 +148,9 @@ pub fn offers_from(lg: &LayeredGraph, layer: usize, sg: &SplitGraph, x: &Strateg
                 rest_partial_grads += p.partial_grad(fig[4]);
                 continue;
             }
-            NodeRole::WeightMatmul => super::matmul::weight_matmul_offers(&p, &f, i),
-            NodeRole::Experts => super::experts::experts_offers(&p, sg.experts[&i], i),
-            NodeRole::Embedding => super::gather::embedding_offers(&p, sg.vocab[&i], i),
+            NodeRole::WeightMatmul => p.weight_matmul_offers(&f, i),
+            NodeRole::Experts => p.experts_offers(sg.experts[&i], i),
+            NodeRole::Embedding => p.embedding_offers(sg.vocab[&i], i),
         };
         index_of.insert(i, nodes.len());
         nodes.push(NodeOffers { name, members: Vec::new(), options });
@@ -161,7 +161,7 @@ pub fn offers_from(lg: &LayeredGraph, layer: usize, sg: &SplitGraph, x: &Strateg
         let first = c.matmuls.iter().next().copied().unwrap_or(0);
         let name = g.try_node(lay.nodes[first]).map(|n| format!("attention@{}", n.name)).unwrap_or_default();
         core_index.push(nodes.len());
-        nodes.push(NodeOffers { name, members: Vec::new(), options: super::attention::core_offers(&p, &f, k) });
+        nodes.push(NodeOffers { name, members: Vec::new(), options: p.core_offers(&f, k) });
         members.push(c.matmuls.iter().copied().collect());
     }
     let act = saved_bytes(&lay.figures, x.spec).max(lay.input_bytes) * p.b * x.bytes_scale / p.t;
