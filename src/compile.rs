@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use crate::codegen::stage_graph::StageGraphError;
 use crate::codegen::{self, EncodeError};
 use crate::cost::ClusterSpec;
 use crate::frontend::onnx::{self, ImportError};
@@ -127,6 +128,17 @@ pub enum CompileError {
         #[source]
         source: EncodeError,
     },
+    /// Context parallelism cannot split the model as planned: found when the plan is made,
+    /// not when it runs.
+    #[error("{model} cannot run under context parallelism {cp} as planned: {reason}")]
+    Context {
+        /// The model, as named.
+        model: String,
+        /// The context degree.
+        cp: usize,
+        /// Why, naming the value or node and the fix.
+        reason: StageGraphError,
+    },
     /// The finished plan fails its checks.
     #[error("the planner produced an inconsistent plan (a bug)")]
     Validate(#[source] PlanInvalid),
@@ -140,7 +152,7 @@ impl CompileError {
             CompileError::Analyze { .. } | CompileError::NotExecutable { .. } => Stage::Analyze,
             CompileError::Options(_) | CompileError::Solve { .. } => Stage::Solve,
             CompileError::Assemble(_) => Stage::Assemble,
-            CompileError::Realised { .. } | CompileError::Codegen { .. } => Stage::Codegen,
+            CompileError::Realised { .. } | CompileError::Codegen { .. } | CompileError::Context { .. } => Stage::Codegen,
             CompileError::Validate(_) => Stage::Validate,
         }
     }
@@ -279,6 +291,9 @@ pub fn compile_observed<'a>(
     if options.sequence_parallel == Some(true) && plan.parallel.tp == 1 {
         observer.note("--sequence-parallel has no effect at tp = 1");
     }
+    // the stage subgraphs each rank will run, split over its context group: a refusal is ours
+    codegen::stage_graph::check_context_split(lg, &section, &plan.mesh(), &plan.parallel)
+        .map_err(|reason| CompileError::Context { model: model_name.clone(), cp: plan.parallel.cp, reason })?;
     plan.codegen = Some(section);
 
     observer.stage(Stage::Validate);

@@ -71,6 +71,32 @@ fn a_sequence_that_does_not_cut_into_2c_chunks_is_refused_with_the_fix() {
     assert!(text.contains("input_ids") && text.contains("divisible by 8") && text.contains("--cp"), "{text}");
 }
 
+/// A context-parallel refusal is the planner's: `smp-partition` builds each rank's stage
+/// subgraphs under cp when it plans, so a sequence that does not cut into 2c chunks is refused
+/// there (naming the value and the fix), not by every rank of the runner at start-up. With one
+/// stage and with two (where the split of the whole model says what crosses the boundary).
+#[test]
+fn a_context_refusal_is_reported_by_the_planner_naming_the_value_and_the_fix() {
+    let gpt2 = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/gpt2.onnx");
+    for (devices, pp) in [("cpu:4", "1"), ("cpu:8", "2")] {
+        let r = std::process::Command::new(env!("CARGO_BIN_EXE_smp-partition"))
+            .arg(&gpt2)
+            .args(["--cluster", devices, "--cp", "4", "--pp", pp, "--tp", "1", "--dp", "1", "--seq-len", "12", "--global-batch", "8", "--json"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert!(!r.status.success(), "GPT-2 over 12 tokens was planned at cp 4 (pp {pp})");
+        assert!(err.contains("context parallelism 4") && err.contains("input_ids") && err.contains("divisible by 8") && err.contains("--cp"), "pp {pp}: {err}");
+    }
+    // a sequence that cuts is planned
+    let r = std::process::Command::new(env!("CARGO_BIN_EXE_smp-partition"))
+        .arg(&gpt2)
+        .args(["--cluster", "cpu:4", "--cp", "4", "--pp", "1", "--tp", "1", "--dp", "1", "--seq-len", "16", "--global-batch", "8", "--json"])
+        .output()
+        .unwrap();
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+}
+
 #[test]
 fn a_model_without_a_token_sequence_is_refused_a_context_degree() {
     let vit = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/vit.onnx");

@@ -7,6 +7,7 @@ pub mod lower;
 pub mod program;
 pub mod rebatch;
 pub mod shard;
+pub mod stage_graph;
 pub mod validate;
 
 pub use collectives::{CollectiveInsert, CollectiveKind, GroupKind, InputRef};
