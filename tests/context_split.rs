@@ -71,29 +71,55 @@ fn a_sequence_that_does_not_cut_into_2c_chunks_is_refused_with_the_fix() {
     assert!(text.contains("input_ids") && text.contains("divisible by 8") && text.contains("--cp"), "{text}");
 }
 
+/// A model with a second token sequence of its own fixed length (decoder ids beside the input
+/// ids), written by onnx's helpers.
+fn two_sequences(dir: &std::path::Path) -> PathBuf {
+    let script = r#"
+import sys, numpy as np, onnx
+from onnx import helper, TensorProto, numpy_helper
+V, H = 32, 8
+rng = np.random.default_rng(0)
+inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n) for n, s in [("embed", (V, H)), ("dec_embed", (V, H)), ("head", (H, V))]]
+inits.append(numpy_helper.from_array(np.array([1], dtype=np.int64), "axes"))
+nodes = [helper.make_node("Gather", ["embed", "input_ids"], ["h"]),
+         helper.make_node("Gather", ["dec_embed", "decoder_ids"], ["d"]),
+         helper.make_node("ReduceMean", ["d", "axes"], ["dm"], keepdims=1),
+         helper.make_node("Add", ["h", "dm"], ["x"]),
+         helper.make_node("MatMul", ["x", "head"], ["logits"])]
+g = helper.make_graph(nodes, "two_sequences",
+    [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+     helper.make_tensor_value_info("decoder_ids", TensorProto.INT64, ["batch", 12])],
+    [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", V])], inits)
+onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]), sys.argv[1])
+"#;
+    let path = dir.join("two.onnx");
+    let python = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
+    let st = std::process::Command::new(python).args(["-c", script]).arg(&path).status().expect("python (run `make venv`)");
+    assert!(st.success());
+    path
+}
+
 /// A context-parallel refusal is the planner's: `smp-partition` builds each rank's stage
-/// subgraphs under cp when it plans, so a sequence that does not cut into 2c chunks is refused
-/// there (naming the value and the fix), not by every rank of the runner at start-up. With one
-/// stage and with two (where the split of the whole model says what crosses the boundary).
+/// subgraphs under cp when it plans, so a token sequence the split cannot cut into 2c chunks
+/// (here a second one, of 12 tokens, beside the 16 the options check) is refused there, naming
+/// the value and the fix, not by every rank of the runner at start-up.
 #[test]
 fn a_context_refusal_is_reported_by_the_planner_naming_the_value_and_the_fix() {
-    let gpt2 = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/gpt2.onnx");
-    for (devices, pp) in [("cpu:4", "1"), ("cpu:8", "2")] {
-        let r = std::process::Command::new(env!("CARGO_BIN_EXE_smp-partition"))
-            .arg(&gpt2)
-            .args(["--cluster", devices, "--cp", "4", "--pp", pp, "--tp", "1", "--dp", "1", "--seq-len", "12", "--global-batch", "8", "--json"])
+    let dir = tempfile::tempdir().unwrap();
+    let model = two_sequences(dir.path());
+    let plan = |cp: &str, devices: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_smp-partition"))
+            .arg(&model)
+            .args(["--cluster", devices, "--cp", cp, "--pp", "1", "--tp", "1", "--dp", "1", "--seq-len", "16", "--global-batch", "8", "--json"])
             .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&r.stderr);
-        assert!(!r.status.success(), "GPT-2 over 12 tokens was planned at cp 4 (pp {pp})");
-        assert!(err.contains("context parallelism 4") && err.contains("input_ids") && err.contains("divisible by 8") && err.contains("--cp"), "pp {pp}: {err}");
-    }
-    // a sequence that cuts is planned
-    let r = std::process::Command::new(env!("CARGO_BIN_EXE_smp-partition"))
-        .arg(&gpt2)
-        .args(["--cluster", "cpu:4", "--cp", "4", "--pp", "1", "--tp", "1", "--dp", "1", "--seq-len", "16", "--global-batch", "8", "--json"])
-        .output()
-        .unwrap();
+            .unwrap()
+    };
+    let r = plan("4", "cpu:4");
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(!r.status.success(), "a 12-token sequence was planned at cp 4");
+    assert!(err.contains("context parallelism 4") && err.contains("`decoder_ids` has 12 tokens") && err.contains("divisible by 8") && err.contains("--cp"), "{err}");
+    // 12 tokens cut into 2·2 chunks
+    let r = plan("2", "cpu:2");
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
 }
 

@@ -23,7 +23,7 @@ use crate::runtime::state::weights::{Slice, Source};
 use crate::runtime::{ExecOptions, RuntimeError, Weights};
 use crate::codegen::stage_graph::{self, StageGraphError, runs_stage_subgraphs};
 use crate::codegen::{Coord, Instr, Mesh, Purpose, RankProgram, WeightSlice};
-use crate::ir::{DimBindings, Graph, NodeId, Op, OpKind, Parallelism, ValueId, ValueKind};
+use crate::ir::{DimBindings, Graph, Op, OpKind, Parallelism, ValueId, ValueKind};
 use crate::plan::Plan;
 
 /// How a rank of a plan runs, beside what it trains.
