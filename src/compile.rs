@@ -287,12 +287,13 @@ pub fn compile_observed<'a>(
     let input = plan.codegen_input().map_err(CompileError::Assemble)?;
 
     observer.stage(Stage::Codegen);
-    let section = codegen::encode::build(lg, &input).map_err(|e| codegen_error(e, model_name, &plan))?;
+    let mut section = codegen::encode::build(lg, &input).map_err(|e| codegen_error(e, model_name, &plan))?;
     if options.sequence_parallel == Some(true) && plan.parallel.tp == 1 {
         observer.note("--sequence-parallel has no effect at tp = 1");
     }
-    // the stage subgraphs each rank will run, split over its context group: a refusal is ours
-    codegen::stage_graph::check_context_split(lg, &section, &plan.mesh(), &plan.parallel)
+    // the stages each rank will run, split over its context group: a refusal is the planner's,
+    // and what crosses each stage boundary is recorded for the runner
+    codegen::stage_graph::plan_context(lg, &mut section, &plan.mesh(), &plan.parallel)
         .map_err(|reason| CompileError::Context { model: model_name.clone(), cp: plan.parallel.cp, reason })?;
     plan.codegen = Some(section);
 

@@ -11,7 +11,7 @@ pub mod stage_graph;
 pub mod validate;
 
 pub use collectives::{CollectiveInsert, CollectiveKind, GroupKind, InputRef};
-pub use encode::{CodegenInput, CodegenSection, Coord, EncodeError, FusedNode, GroupRef, Mesh, RankView, StageInput, StageView, Step};
+pub use encode::{CodegenInput, CodegenSection, Coord, EncodeError, FusedNode, GroupRef, IntValue, Mesh, RankView, StageContext, StageInput, StageView, Step, TokenAxis};
 pub use lower::{LowerError, LowerOptions, lower, lower_schedule};
 pub use rebatch::BatchRebind;
 pub use program::{Instr, Payload, Purpose, RankProgram};

@@ -1,18 +1,21 @@
 //! Each rank's planned graph. The planned graph is the imported model as the planner analysed
 //! it: specialised ([`passes::specialise`]: dims bound, shape arithmetic folded, dead nodes
-//! removed, ids kept), the plan's fused ops applied ([`passes::fuse::apply`]) and its fixed batch
-//! rebound ([`super::rebatch`]) — [`planned_graph`], which the runner calls on the model it
-//! loads. A rank runs its stages as subgraphs of it with the rank's tensor shards applied (Megatron's *f* before each partial gradient,
-//! the values a stage passes on added) and, under context parallelism, split over the rank's
-//! context group ([`crate::split::context`]). Codegen builds them when it plans, so a model the
-//! split refuses is the planner's error naming the node, and the runner builds the same
-//! subgraphs from the plan at start-up.
+//! removed, ids kept), the plan's fused ops applied ([`passes::fuse::apply`]) and its fixed
+//! batch rebound ([`super::rebatch`]): [`planned_graph`], which the runner calls on the model it
+//! loads. A rank runs its stages as subgraphs of it with the rank's tensor shards applied
+//! (Megatron's *f* before each partial gradient, the values a stage passes on added) and, under
+//! context parallelism, split over the rank's context group ([`crate::split::context`]).
+//!
+//! The planner splits every stage when it plans ([`plan_context`]), so a model the split
+//! refuses is its error, naming the value or node, and it records what crosses each stage's
+//! boundary (the split of the whole model, done once); the runner builds its subgraphs from the
+//! plan ([`rank_graphs`]) without splitting the whole model again.
 
 use std::collections::{HashMap, HashSet};
 
 use thiserror::Error;
 
-use super::encode::{CodegenSection, EncodeError, FusedNode, Mesh, RankView, StageView};
+use super::encode::{CodegenSection, EncodeError, FusedNode, IntValue, Mesh, RankView, StageContext, StageView, TokenAxis};
 use super::shard::{CodegenError, PartialGradient, WeightSlice, apply_shard};
 use crate::ir::{Attrs, CollectiveKind, DimBindings, Fusion, Graph, GraphError, GroupKind, LayeredGraph, Node, NodeId, Op, Parallelism, ValueKind};
 use crate::passes::{self, AnalyzeOptions, PassError};
@@ -150,6 +153,13 @@ pub enum StageGraphError {
         #[source]
         source: ContextError,
     },
+    /// A plan with several stages under context parallelism lacks the record of what crosses a
+    /// stage's boundary.
+    #[error("stage {stage} has no record of the tokens crossing its boundary under context parallelism")]
+    NoContextRecord {
+        /// The stage.
+        stage: usize,
+    },
     /// Context parallelism refuses a stage's subgraph.
     #[error("stage {stage} under cp {cp}: {source}")]
     Context {
@@ -201,22 +211,34 @@ pub fn runs_stage_subgraphs(p: &Parallelism) -> bool {
 }
 
 /// The stage subgraphs rank `view.rank` runs on `graph`, the planned graph (with its `dims`),
-/// under `parallel` on `mesh`; `stages` is the plan's stage count. Empty where the rank's stages
-/// run on the model's executor ([`runs_stage_subgraphs`]).
+/// under `parallel` on `mesh`. Each stage's context split starts from the boundary the plan
+/// records (`StageCode::context`, required with several stages); `stages` is the plan's stage
+/// count. Empty where the rank's stages run on the model's executor
+/// ([`runs_stage_subgraphs`]).
 pub fn rank_graphs(view: &RankView<'_>, graph: &Graph, dims: &DimBindings, (mesh, parallel, stages): (&Mesh, &Parallelism, usize)) -> Result<RankGraphs, StageGraphError> {
+    let mut out = RankGraphs::default();
     if !runs_stage_subgraphs(parallel) {
-        return Ok(RankGraphs::default());
+        return Ok(out);
     }
     let cp = parallel.cp.max(1);
-    let model = if cp > 1 && stages > 1 { model_boundary(graph, dims, cp)? } else { Boundary::default() };
-    rank_graphs_within(view, graph, dims, (mesh, cp), &model)
+    for sv in &view.stages {
+        let sub = stage_subgraph(sv, graph, dims, (mesh, view), &mut out.kv_groups)?;
+        let boundary = match &sv.code.context {
+            Some(c) => boundary_of(c),
+            None if cp > 1 && stages > 1 => return Err(StageGraphError::NoContextRecord { stage: sv.stage() }),
+            None => Boundary::default(),
+        };
+        out.stages.push(context_split(sv, sub, dims, cp, &boundary)?);
+    }
+    Ok(out)
 }
 
-/// Builds, when it plans, the stage subgraphs of the ranks of each pipeline rank (tensor rank
-/// 0, data replica 0: the others differ only in their weights' ranges) of a plan under
-/// context parallelism, which is where a model the context split refuses is found: the error
-/// names the value or node and the fix. `lg` is the analysed model, `section` its codegen.
-pub fn check_context_split(lg: &LayeredGraph, section: &CodegenSection, mesh: &Mesh, parallel: &Parallelism) -> Result<(), StageGraphError> {
+/// Splits, when planning under context parallelism, the stages of the ranks of each pipeline
+/// rank (tensor rank 0, data replica 0: the others differ only in their weights' ranges) as the
+/// runner will: a model the split refuses is found here, the error naming the value or node and
+/// the fix. With several stages, the split of the whole model says what crosses each stage's
+/// boundary, and `section` records it per stage for the runner. `lg` is the analysed model.
+pub fn plan_context(lg: &LayeredGraph, section: &mut CodegenSection, mesh: &Mesh, parallel: &Parallelism) -> Result<(), StageGraphError> {
     let cp = parallel.cp.max(1);
     if cp == 1 {
         return Ok(());
@@ -226,40 +248,68 @@ pub fn check_context_split(lg: &LayeredGraph, section: &CodegenSection, mesh: &M
         None => None,
     };
     let lg = rebound.as_ref().map_or(lg, |(l, _)| l);
-    let model = if section.stages.len() > 1 { model_boundary(&lg.graph, &lg.dims, cp)? } else { Boundary::default() };
+    let model = if section.stages.len() > 1 { Some(model_boundary(&lg.graph, &lg.dims, cp)?) } else { None };
+    let mut records = Vec::new();
     for q in 0..mesh.pp() {
         let Some(&rank) = mesh.ranks.get(q).and_then(|r| r.first()).and_then(|r| r.first()) else { continue };
         let view = section.rank_view(mesh, rank, parallel.sharded_dp)?;
-        rank_graphs_within(&view, &lg.graph, &lg.dims, (mesh, cp), &model)?;
+        let mut kv_groups = Vec::new();
+        for sv in &view.stages {
+            let sub = stage_subgraph(sv, &lg.graph, &lg.dims, (mesh, &view), &mut kv_groups)?;
+            let boundary = model.as_ref().map(|m| stage_boundary(&sub, m)).unwrap_or_default();
+            context_split(sv, sub, &lg.dims, cp, &boundary)?;
+            if model.is_some() {
+                records.push((sv.stage(), record_of(&boundary)));
+            }
+        }
+    }
+    for (s, record) in records {
+        if let Some(st) = section.stages.get_mut(s) {
+            st.context = Some(record);
+        }
     }
     Ok(())
 }
 
-/// [`rank_graphs`] with the model-wide token boundary (`model`) already found.
-fn rank_graphs_within(view: &RankView<'_>, graph: &Graph, dims: &DimBindings, (mesh, cp): (&Mesh, usize), model: &Boundary) -> Result<RankGraphs, StageGraphError> {
-    let mut out = RankGraphs::default();
-    for sv in &view.stages {
-        let mut sub = shard_subgraph(sv, graph, dims, mesh, view, &mut out.kv_groups)?;
-        pass_through(&mut sub, graph, &sv.code.outputs_to_next)?;
-        let mut context_conversions = 0;
-        if cp > 1 {
-            let ends = sub.inputs.iter().chain(&sub.outputs).filter_map(|&v| {
-                let name = &sub.value(v).name;
-                model.tokens.get(name).map(|t: &Tokens| (name.clone(), *t))
-            });
-            let ints = sub.inputs.iter().filter_map(|&v| {
-                let name = &sub.value(v).name;
-                model.ints.get(name).map(|i| (name.clone(), i.clone()))
-            });
-            let boundary = Boundary { tokens: ends.collect(), ints: ints.collect() };
-            let split = split_context(&sub, dims, cp, &boundary).map_err(|source| StageGraphError::Context { stage: sv.stage(), cp, source })?;
-            context_conversions = split.gathers + split.localizes;
-            sub = split.graph;
-        }
-        let slices = sv.shards.iter().flat_map(|sh| sh.weight_slices.iter().cloned()).collect();
-        out.stages.push(StageGraph { stage: sv.stage(), graph: sub, slices, context_conversions });
+/// Stage `sv`'s subgraph split over its context group of `cp` (unchanged at cp 1), starting
+/// from `boundary`.
+fn context_split(sv: &StageView<'_>, sub: Graph, dims: &DimBindings, cp: usize, boundary: &Boundary) -> Result<StageGraph, StageGraphError> {
+    let slices = sv.shards.iter().flat_map(|sh| sh.weight_slices.iter().cloned()).collect();
+    if cp == 1 {
+        return Ok(StageGraph { stage: sv.stage(), graph: sub, slices, context_conversions: 0 });
     }
-    Ok(out)
+    let split = split_context(&sub, dims, cp, boundary).map_err(|source| StageGraphError::Context { stage: sv.stage(), cp, source })?;
+    Ok(StageGraph { stage: sv.stage(), graph: split.graph, slices, context_conversions: split.gathers + split.localizes })
+}
+
+/// What of the whole model's split `model` a stage's subgraph `sub` receives and yields.
+fn stage_boundary(sub: &Graph, model: &Boundary) -> Boundary {
+    let ends = sub.inputs.iter().chain(&sub.outputs).filter_map(|&v| {
+        let name = &sub.value(v).name;
+        model.tokens.get(name).map(|t: &Tokens| (name.clone(), *t))
+    });
+    let ints = sub.inputs.iter().filter_map(|&v| {
+        let name = &sub.value(v).name;
+        model.ints.get(name).map(|i| (name.clone(), i.clone()))
+    });
+    Boundary { tokens: ends.collect(), ints: ints.collect() }
+}
+
+/// The plan's record of a stage boundary.
+fn record_of(b: &Boundary) -> StageContext {
+    let tokens = b.tokens.iter().filter_map(|(n, t)| match *t {
+        Tokens::Local { axis, outer } => Some((n.clone(), TokenAxis { axis, outer })),
+        Tokens::Whole => None,
+    });
+    let ints = b.ints.iter().map(|(n, (dims, values))| (n.clone(), IntValue { dims: dims.clone(), values: values.clone() }));
+    StageContext { tokens: tokens.collect(), ints: ints.collect() }
+}
+
+/// The stage boundary a plan records.
+fn boundary_of(c: &StageContext) -> Boundary {
+    let tokens = c.tokens.iter().map(|(n, t)| (n.clone(), Tokens::Local { axis: t.axis, outer: t.outer }));
+    let ints = c.ints.iter().map(|(n, i)| (n.clone(), (i.dims.clone(), i.values.clone())));
+    Boundary { tokens: tokens.collect(), ints: ints.collect() }
 }
 
 /// With several stages, the split of the whole model says which tokens cross each stage
@@ -270,9 +320,10 @@ fn model_boundary(graph: &Graph, dims: &DimBindings, cp: usize) -> Result<Bounda
     Ok(Boundary { tokens: split.tokens.into_iter().filter(|(n, _)| !data.contains(n.as_str())).collect(), ints: split.ints })
 }
 
-/// Stage `sv`'s nodes of `model` with the rank's shards applied; the groups of tensor ranks
-/// sharing a slice (grouped-query KV heads) are added to `kv_groups`.
-fn shard_subgraph(sv: &StageView<'_>, model: &Graph, dims: &DimBindings, mesh: &Mesh, view: &RankView<'_>, kv_groups: &mut Vec<(String, Vec<usize>)>) -> Result<Graph, StageGraphError> {
+/// Stage `sv`'s nodes of `model` with the rank's shards applied and the values it passes on
+/// added; the groups of tensor ranks sharing a slice (grouped-query KV heads) are added to
+/// `kv_groups`.
+fn stage_subgraph(sv: &StageView<'_>, model: &Graph, dims: &DimBindings, (mesh, view): (&Mesh, &RankView<'_>), kv_groups: &mut Vec<(String, Vec<usize>)>) -> Result<Graph, StageGraphError> {
     let stage = sv.stage();
     let nodes: Vec<NodeId> = model.topo_order()?.into_iter().filter(|n| sv.code.runs(n.index())).collect();
     if nodes.len() != sv.code.node_count() {
@@ -298,6 +349,7 @@ fn shard_subgraph(sv: &StageView<'_>, model: &Graph, dims: &DimBindings, mesh: &
             insert_copy_to_tensor_region(&mut sub, pg)?;
         }
     }
+    pass_through(&mut sub, model, &sv.code.outputs_to_next)?;
     Ok(sub)
 }
 

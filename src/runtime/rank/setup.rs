@@ -86,7 +86,7 @@ impl Shards {
         mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
         let view = plan.rank_view(me).map_err(|e| terr(e.to_string()))?;
         let built = stage_graph::rank_graphs(&view, graph, dims, (&mesh, &plan.parallel, plan.stages.len())).map_err(|e| match e {
-            StageGraphError::Nodes { .. } => terr(format!("{e}; {REPLAN}")),
+            StageGraphError::Nodes { .. } | StageGraphError::NoContextRecord { .. } => terr(format!("{e}; {REPLAN}")),
             e => terr(format!("rank {me}: {e}")),
         })?;
         let conversions: usize = built.stages.iter().map(|s| s.context_conversions).sum();
