@@ -797,6 +797,19 @@ fn only_the_importer_reads_the_opset() {
     assert!(bad.is_empty(), "files outside the ONNX importer reading the opset (canonicalise the form in frontend/onnx/canonical.rs instead): {bad:?}");
 }
 
+/// The plan carries what runs: the runner rebuilds the planned graph and its stage subgraphs
+/// through codegen (`codegen::stage_graph`), the one place that applies the plan's records, and
+/// runs none of analysis's rewrites itself.
+#[test]
+fn the_runtime_runs_no_analysis_rewrite() {
+    let bad: Vec<String> = all_tokens()
+        .into_iter()
+        .filter(|(p, toks)| p.starts_with("runtime") && toks.windows(3).any(|w| w[0] == "passes" && w[1] == "::" && ["specialise", "fuse", "rebatch"].contains(&w[2].as_str())))
+        .map(|(p, _)| p.display().to_string())
+        .collect();
+    assert!(bad.is_empty(), "runtime files using passes::specialise, fuse or rebatch (go through codegen::stage_graph): {bad:?}");
+}
+
 /// Adding an op is a checklist (docs/architecture.md, "Adding an op"): `split::family::family`
 /// places every `OpKind` in one family (an exhaustive match), and each of split's engines
 /// dispatches on the family with an arm for every one of them and no catch-all, so a new op or

@@ -11,7 +11,7 @@
 //! boundary (the split of the whole model, done once); the runner builds its subgraphs from the
 //! plan ([`rank_graphs`]) without splitting the whole model again.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use thiserror::Error;
 
@@ -60,11 +60,12 @@ pub enum PlannedGraphError {
 }
 
 /// The graph a plan with codegen section `section` was made for, from the model `graph` as
-/// imported (parameters decided), analysed with `opts` (the plan's sequence length and dims):
-/// specialised, the plan's fused ops applied (a record that does not fit is refused), its fixed
-/// batch rebound. Its node and value ids are those the section lists.
-pub fn planned_graph(graph: Graph, section: &CodegenSection, opts: &AnalyzeOptions) -> Result<(Graph, DimBindings), PlannedGraphError> {
-    let (mut g, mut dims) = passes::specialise(graph, opts).map_err(PlannedGraphError::Specialise)?;
+/// imported (parameters decided) at the plan's sequence length and dims: specialised, the
+/// plan's fused ops applied (a record that does not fit is refused), its fixed batch rebound.
+/// Its node and value ids are those the section lists.
+pub fn planned_graph(graph: Graph, section: &CodegenSection, (seq_len, dims): (Option<i64>, &BTreeMap<String, i64>)) -> Result<(Graph, DimBindings), PlannedGraphError> {
+    let opts = AnalyzeOptions { seq_len, dims: dims.clone() };
+    let (mut g, mut dims) = passes::specialise(graph, &opts).map_err(PlannedGraphError::Specialise)?;
     for f in &section.fused {
         apply_fused(&mut g, f)?;
     }

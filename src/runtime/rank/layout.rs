@@ -16,7 +16,6 @@ use crate::codegen::encode::CODEGEN_VERSION;
 use crate::codegen::stage_graph::{self, PlannedGraphError};
 use crate::codegen::{CodegenSection, RankProgram};
 use crate::ir::{DimBindings, Graph, NodeId, ValueId, ValueKind};
-use crate::passes::AnalyzeOptions;
 use crate::plan::Plan;
 
 /// Which nodes and values each (global) stage of a plan owns, as the plan's codegen section
@@ -49,8 +48,7 @@ pub const REPLAN: &str = "re-plan the model with this smp-partition (`smp-partit
 /// and value ids are those the plan's codegen section lists; [`stage_layout`] checks them.
 pub fn planned_graph(plan: &Plan, graph: Graph) -> Result<(Graph, DimBindings), RuntimeError> {
     let section = codegen_section(plan)?;
-    let opts = AnalyzeOptions { seq_len: plan.seq_len.map(|s| s as i64), dims: plan.dims.clone() };
-    stage_graph::planned_graph(graph, section, &opts).map_err(|e| match e {
+    stage_graph::planned_graph(graph, section, (plan.seq_len.map(|s| s as i64), &plan.dims)).map_err(|e| match e {
         e @ PlannedGraphError::Specialise(_) => terr(e.to_string()),
         e => terr(format!("{e}; {REPLAN}")),
     })

@@ -136,8 +136,7 @@ impl RunSession {
                 path.display()
             )));
         }
-        let given = PathBuf::from(&plan.model.path);
-        let model = if given.is_relative() && !given.exists() { path.parent().map(|d| d.join(&given)).filter(|m| m.exists()).unwrap_or(given) } else { given };
+        let model = plan.model_file(&path);
         let imported = load_model(&model).map_err(|e| SessionError::Model(format!("model `{}` of plan `{}`: {e}", model.display(), path.display())))?;
         if imported.sha256 != plan.model.sha256 {
             return Err(SessionError::Plan(format!(
