@@ -1,4 +1,4 @@
-//! The context-parallel split of whole models (`codegen::context`), checked on the graph:
+//! The context-parallel split of whole models (`split::context`), checked on the graph:
 //! - on every bundled language model (GPT-2, Llama with GQA and rotary tables, BERT, OPT, Phi,
 //!   RoBERTa) the only all-gathers are each attention's keys and values (two per layer; RoBERTa
 //!   adds two for its position ids, a cumulative sum over the tokens), the
@@ -10,9 +10,9 @@
 
 use std::path::PathBuf;
 
-use smp_partition::codegen::context::{Boundary, ContextError, Tokens, split_context};
+use smp_partition::split::context::{Boundary, ContextError, Tokens, split_context};
 use smp_partition::frontend::onnx::load_model;
-use smp_partition::ir::{LayeredGraph, Op, OpKind};
+use smp_partition::ir::{LayeredGraph, OpKind};
 use smp_partition::passes::shape_infer;
 use smp_partition::passes::{AnalyzeOptions, analyze};
 
@@ -22,11 +22,11 @@ fn analysed(name: &str, seq: i64) -> LayeredGraph {
     analyze(graph, &AnalyzeOptions { seq_len: Some(seq), dims: Default::default() }).unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
-fn placeholders(g: &smp_partition::ir::Graph, op: &str) -> Vec<String> {
+fn collectives(g: &smp_partition::ir::Graph, op: &str) -> Vec<String> {
     g.node_ids()
         .filter_map(|n| {
             let node = g.node(n);
-            matches!(&node.op, Op::Placeholder { op_type, .. } if op_type == op).then(|| node.name.clone())
+            (node.op.collective().map(|(k, _)| k.name()) == Some(op)).then(|| node.name.clone())
         })
         .collect()
 }
@@ -37,7 +37,7 @@ fn language_models_gather_only_keys_and_values_and_keep_tokens_local() {
         let lg = analysed(name, 32);
         let split = split_context(&lg.graph, &lg.dims, 2, &Boundary::default()).unwrap_or_else(|e| panic!("{name}: {e}"));
         let attention = lg.graph.node_ids().filter(|&n| [OpKind::ScaledDotProductAttention, OpKind::Softmax].iter().any(|&k| lg.graph.node(n).op.is(k))).count();
-        let gathers = placeholders(&split.graph, "ContextGather");
+        let gathers = collectives(&split.graph, "TokenGather");
         assert_eq!(split.gathers, gathers.len(), "{name}");
         // RoBERTa's position ids are a cumulative sum over the tokens: its padding mask is gathered
         let extra = if name == "roberta" { 2 } else { 0 };
@@ -52,7 +52,7 @@ fn language_models_gather_only_keys_and_values_and_keep_tokens_local() {
         let logits = info.types[out.index()].as_ref().and_then(|t| t.shape.clone()).expect("logits shape");
         assert_eq!(logits[1], 16, "{name}: logits {logits:?} hold {} tokens, not 32 / 2", logits[1]);
         // no whole seq × seq tensor is cut: masks are built for the rank's rows
-        for n in placeholders(&split.graph, "ContextLocalize") {
+        for n in collectives(&split.graph, "TokenLocalize") {
             let node = split.graph.node(split.graph.node_ids().find(|&i| split.graph.node(i).name == n).unwrap());
             let x = node.inputs[0].unwrap();
             let s = info.types[x.index()].as_ref().and_then(|t| t.shape.clone()).unwrap_or_default();

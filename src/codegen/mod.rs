@@ -2,7 +2,6 @@
 //! per-rank programs (compute, sends, receives, collectives), and the validator of both.
 
 pub mod collectives;
-pub mod context;
 pub mod encode;
 pub mod lower;
 pub mod program;

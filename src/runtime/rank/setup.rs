@@ -21,7 +21,7 @@ use crate::runtime::data::Batch;
 use crate::passes::figures::is_trainable;
 use crate::runtime::state::weights::{Slice, Source};
 use crate::runtime::{ExecOptions, RuntimeError, Weights};
-use crate::codegen::context::{Boundary, Tokens, split_context};
+use crate::split::context::{Boundary, Tokens, split_context};
 use crate::codegen::{Coord, Instr, Mesh, Purpose, RankProgram, StageView, WeightSlice, apply_shard};
 use crate::ir::{DimBindings, Graph, NodeId, Op, OpKind, Parallelism, ValueId, ValueKind};
 use crate::plan::Plan;
@@ -281,7 +281,7 @@ impl<'a> Rank<'a> {
 
     /// Context-parallel all-gathers in one forward of this rank's stages.
     pub fn context_gathers(&self) -> u64 {
-        let gathers = |g: &Graph| g.node_ids().filter(|&n| matches!(&g.node(n).op, Op::Placeholder { op_type, .. } if op_type == crate::codegen::context::CONTEXT_GATHER)).count();
+        let gathers = |g: &Graph| g.node_ids().filter(|&n| crate::split::context::is_token_gather(&g.node(n).op)).count();
         self.stage_execs.values().map(|e| gathers(e.graph()) as u64).sum()
     }
 
@@ -789,12 +789,10 @@ fn insert_copy_to_tensor_region(g: &mut Graph, pg: &crate::codegen::shard::Parti
     let name = format!("{}.f.{}.{}", g.value(v).name, pg.node, pg.input);
     let out = g.add_value(name.clone(), ValueKind::Intermediate, ty, None)?;
     let order = g.node(node).order;
-    let mut attrs = crate::ir::Attrs::default();
-    attrs.set("group", crate::ir::Attr::Str("tensor".into()));
     g.add_node(crate::ir::Node {
         name,
-        op: crate::ir::Op::Placeholder { op_type: crate::runtime::kernels::executor::COPY_TO_TENSOR_REGION.into(), domain: crate::codegen::collectives::SMP_DOMAIN.into() },
-        attrs,
+        op: crate::ir::Op::Collective { kind: crate::ir::CollectiveKind::CopyToRegion, group: crate::ir::GroupKind::Tensor },
+        attrs: crate::ir::Attrs::default(),
         inputs: vec![Some(v)],
         outputs: vec![out],
         namespace: None,
