@@ -1,4 +1,4 @@
-//! Planner speed, old binary against new, alternated in one run (issue 30: adding the
+//! Planner speed, old binary against new, alternated in one run (the change that added the
 //! context- and expert-parallel axes must not make planning slower).
 //!
 //! The old binary is main's before the axes (`SMP_PARTITION_OLD`, default

@@ -1,4 +1,4 @@
-//! Pipeline throughput and the `cpu` cost model on issue 14's setup (HF GPT-2 4 × 256, vocab
+//! Pipeline throughput and the `cpu` cost model on the GPT-2 bench setup (HF GPT-2 4 × 256, vocab
 //! 2048, batch 8 × 128, 1 thread per rank, `benches/peers/gpt2_peer.py`), runs alternated in
 //! one process, ROUNDS times, STEPS steps each (first excluded):
 //! - smp-runner pp 2, 1F1B, 8 microbatches, blocks split 2 | 2 (`--layout 0-2|3-5`), 2 ranks;

@@ -3,7 +3,7 @@
 //! Run: `cargo bench --bench planner` (or `--profile dev` for a quick look).
 //! Every case goes through `compile()` (solve, assemble, codegen, validate); the wall time is
 //! the plan's own `solver.wall_s` (search and assembly), as before.
-//! Goals (issue 19): GPT-3 175B on a100-80gb:1024, batch 1536, seq 2048 in ≤ 0.5 s; the 1T
+//! Goals: GPT-3 175B on a100-80gb:1024, batch 1536, seq 2048 in ≤ 0.5 s; the 1T
 //! model on a100-80gb:3072, batch 3072, in ≤ 5 s (default flags, optimal or gap ≤ 1 %);
 //! Megatron Table 1: the faithful `--baseline megatron` against the published TFLOP/s per GPU
 //! (±10 %), and the automatic plan against it (≥ 1.0× on every row);

@@ -1,6 +1,6 @@
 //! `smp-partition sweep` of the graph-only GPT-3 175B over six clusters (a100-80gb and
 //! h100-80gb at 256, 512 and 1024 devices; batch 1536, seq 2048), end to end as a user runs it
-//! (the binary: import, analysis, six plans, table, SVG chart). Goal (issue 18): ≤ 10 s.
+//! (the binary: import, analysis, six plans, table, SVG chart). Goal: ≤ 10 s.
 //!
 //! Peer, measured side by side in the same run: the six single `smp-partition MODEL --cluster
 //! C` plans one after the other, as a user would without `sweep`.

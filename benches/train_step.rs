@@ -1,4 +1,4 @@
-//! `smp-runner train` against PyTorch eager, 1 process, 1 thread each, on issue 14's setup:
+//! `smp-runner train` against PyTorch eager, 1 process, 1 thread each, on the GPT-2 bench setup:
 //! HF GPT-2 (4 blocks × 256, vocab 2048, HF's default init) exported with dynamic batch and
 //! sequence and its parameter record, batch 8 × 128, AdamW, clip 1.0, causal-LM loss
 //! (`benches/peers/gpt2_peer.py`). The two run alternately, ROUNDS times, each STEPS steps

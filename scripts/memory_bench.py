@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Memory benchmark of only-own-shard weights (issue 15, not CI).
+"""Memory benchmark of only-own-shard weights (not CI).
 
 Exports a GPT-2-shaped model whose weights exceed 1 GB as ONNX external data (random init,
 fixed seed), plans it for `cpu:4` under pp 4 and under pp 2 × tp 2 (Megatron split), runs each

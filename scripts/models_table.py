@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Prints the models table of README.md (markdown) from models/manifest.json."""
+"""Prints the models table of docs/models.md (markdown) from models/manifest.json."""
 
 import json
 from pathlib import Path

@@ -60,6 +60,17 @@ pub enum CompileError {
         #[source]
         source: PassError,
     },
+    /// The model has ops the runner has no kernel for: refused before planning, since no plan
+    /// of it could run.
+    #[error(
+        "{model} has ops the runner cannot execute: {ops}; a plan of it could not run. Re-export the model with ops the runner executes (docs/conformance.md lists them), e.g. with another opset or without custom-domain fusions"
+    )]
+    NotExecutable {
+        /// The model, as named.
+        model: String,
+        /// Each op with its node count and first node (`com.microsoft.FusedMatMul (2 nodes, first `n`)`).
+        ops: String,
+    },
     /// The options conflict with the cluster or the model.
     #[error(transparent)]
     Options(#[from] ConfigError),
@@ -126,7 +137,7 @@ impl CompileError {
     pub fn stage(&self) -> Stage {
         match self {
             CompileError::Import { .. } => Stage::Import,
-            CompileError::Analyze { .. } => Stage::Analyze,
+            CompileError::Analyze { .. } | CompileError::NotExecutable { .. } => Stage::Analyze,
             CompileError::Options(_) | CompileError::Solve { .. } => Stage::Solve,
             CompileError::Assemble(_) => Stage::Assemble,
             CompileError::Realised { .. } | CompileError::Codegen { .. } => Stage::Codegen,
@@ -196,7 +207,7 @@ pub fn analyze_options(opts: &PlanOptions) -> AnalyzeOptions {
 /// Import → analyze: the graph with shapes, figures and layers. Import warnings are logged
 /// (`tracing::warn`) and returned.
 pub fn load_and_analyze(path: &Path, opts: &AnalyzeOptions) -> Result<Analysed, CompileError> {
-    import_and_analyze(path, opts, &ParamOptions::default(), &mut ())
+    import_and_analyze(path, opts, &ParamOptions::default(), &mut (), false)
 }
 
 fn import_and_analyze(
@@ -204,9 +215,14 @@ fn import_and_analyze(
     opts: &AnalyzeOptions,
     params: &ParamOptions,
     observer: &mut dyn Observer,
+    executable: bool,
 ) -> Result<Analysed, CompileError> {
     observer.stage(Stage::Import);
     let imported = onnx::load_model(path).map_err(|source| CompileError::Import { path: path.to_path_buf(), source })?;
+    if executable {
+        // before analysis, which cannot see into them either
+        check_executable(&imported.graph, &path.display().to_string())?;
+    }
     let warnings: Vec<String> = imported.warnings.iter().map(|w| w.to_string()).collect();
     for w in &warnings {
         tracing::warn!("{}: {w}", path.display());
@@ -237,12 +253,13 @@ pub fn compile_observed<'a>(
     let analysed = match model.into() {
         Model::Analysed(a) => a,
         Model::Onnx(path) => {
-            loaded = import_and_analyze(path, &analyze_options(options), &options.params, observer)?;
+            loaded = import_and_analyze(path, &analyze_options(options), &options.params, observer, true)?;
             &loaded
         }
     };
     let lg = &analysed.lg;
     let model_name = &analysed.model.path;
+    check_executable(&lg.graph, model_name)?;
     options.check_layers(lg.layers.len(), model_name)?;
     if options.global_batch.is_none() {
         let batch = options.global_batch_for(lg, cluster);
@@ -267,6 +284,24 @@ pub fn compile_observed<'a>(
     observer.stage(Stage::Validate);
     validate(&plan).map_err(CompileError::Validate)?;
     Ok(plan)
+}
+
+/// Refuses a graph holding ops the IR does not know (kept as placeholders by the importer):
+/// the runner executes every op the IR knows and no other, so no plan of it could run.
+pub fn check_executable(graph: &crate::ir::Graph, model: &str) -> Result<(), CompileError> {
+    let mut unknown: BTreeMap<String, (usize, String)> = BTreeMap::new();
+    for id in graph.node_ids() {
+        let node = graph.node(id);
+        if let crate::ir::Op::Placeholder { op_type, domain } = &node.op {
+            let name = if domain.is_empty() { op_type.clone() } else { format!("{domain}.{op_type}") };
+            unknown.entry(name).or_insert_with(|| (0, node.name.clone())).0 += 1;
+        }
+    }
+    if unknown.is_empty() {
+        return Ok(());
+    }
+    let ops = unknown.iter().map(|(op, (n, first))| format!("{op} ({n} node{}, first `{first}`)", if *n == 1 { "" } else { "s" })).collect::<Vec<_>>().join(", ");
+    Err(CompileError::NotExecutable { model: model.to_string(), ops })
 }
 
 /// A codegen failure on a plan the solver made: the solver offered what codegen cannot emit.

@@ -574,6 +574,18 @@ fn no_import_circles_between_files() {
     assert!(circles.is_empty(), "import circles between files of src/ (break each by moving the shared item down):\n{}", circles.join("\n"));
 }
 
+/// The module-level import edges of the library: module → the modules its files use.
+fn module_edges(lib: &Library) -> BTreeMap<String, BTreeMap<String, String>> {
+    let mut out: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    for ((a, b), via) in lib.edges() {
+        let (ta, tb) = (top(&a), top(&b));
+        if ta != tb {
+            out.entry(ta).or_default().entry(tb).or_insert_with(|| format!("{} (`{via}`)", lib.file(&a)));
+        }
+    }
+    out
+}
+
 #[test]
 fn imports_between_modules_follow_the_architecture_table() {
     let doc = std::fs::read_to_string(repo().join("docs/architecture.md")).expect("docs/architecture.md");
@@ -583,14 +595,164 @@ fn imports_between_modules_follow_the_architecture_table() {
     let tops: BTreeSet<String> = lib.files.keys().map(|m| top(m)).collect();
     let missing: Vec<&String> = tops.iter().filter(|t| !table.contains_key(*t)).collect();
     assert!(missing.is_empty(), "modules missing from the allowed-imports table of docs/architecture.md: {missing:?}");
+    let used = module_edges(&lib);
     let mut bad = Vec::new();
-    for ((a, b), via) in lib.edges() {
-        let (ta, tb) = (top(&a), top(&b));
-        if ta != tb && !table[&ta].contains(&tb) {
-            bad.push(format!("{} uses {tb} (`{via}`)", lib.file(&a)));
+    for (a, targets) in &used {
+        for (b, via) in targets {
+            if !table[a].contains(b) {
+                bad.push(format!("{via} uses {b}"));
+            }
         }
     }
     assert!(bad.is_empty(), "imports the allowed-imports table of docs/architecture.md forbids:\n{}", bad.join("\n"));
+    // the table states the imports that exist, no more: an allowed edge no import uses is stale
+    let mut stale = Vec::new();
+    for (a, may) in &table {
+        for b in may {
+            if !used.get(a).is_some_and(|u| u.contains_key(b)) {
+                stale.push(format!("`{a}` may use `{b}`, but no file of {a} does"));
+            }
+        }
+    }
+    assert!(stale.is_empty(), "allowed imports in docs/architecture.md that no import uses (remove them from the table):\n{}", stale.join("\n"));
+}
+
+/// The allowed-imports table is ordered bottom up: a module uses only modules on rows above it.
+#[test]
+fn the_allowed_imports_table_points_only_down_the_spine() {
+    let doc = std::fs::read_to_string(repo().join("docs/architecture.md")).expect("docs/architecture.md");
+    let rows = table_rows(doc.split("## Allowed imports").nth(1).expect("an `## Allowed imports` section"));
+    let mut seen = BTreeSet::new();
+    let mut bad = Vec::new();
+    for (module, may) in &rows {
+        for m in may {
+            if !seen.contains(m) {
+                bad.push(format!("`{module}` may use `{m}`, which is not on a row above it"));
+            }
+        }
+        seen.insert(module.clone());
+    }
+    assert!(bad.is_empty(), "the allowed-imports table points up the spine:\n{}", bad.join("\n"));
+}
+
+/// The rows of the first markdown table in `section` whose first cell is code: (first cell,
+/// the code spans of the second cell).
+fn table_rows(section: &str) -> Vec<(String, Vec<String>)> {
+    let mut out = Vec::new();
+    for line in section.lines().skip_while(|l| !l.starts_with('|')).take_while(|l| l.starts_with('|')) {
+        let cells: Vec<&str> = line.trim_matches('|').split('|').map(str::trim).collect();
+        let (Some(first), Some(second)) = (cells.first(), cells.get(1)) else { continue };
+        if !first.starts_with('`') {
+            continue;
+        }
+        let may = second.split(',').map(|s| s.trim().trim_matches('`').to_string()).filter(|s| !s.is_empty() && s != "—").collect();
+        out.push((first.trim_matches('`').to_string(), may));
+    }
+    out
+}
+
+/// The runtime's rooms, bottom up, as the rooms table of docs/architecture.md lists them
+/// (`runtime/error.rs`, `runtime/comm/`, …).
+fn runtime_rooms(doc: &str) -> Vec<String> {
+    let section = doc.split("The runtime's rooms, bottom up").nth(1).expect("docs/architecture.md lists the runtime's rooms");
+    table_rows(section).into_iter().map(|(room, _)| room).filter(|r| r.starts_with("runtime/")).collect()
+}
+
+/// The room of a runtime file (`None`: the runtime's facade, `runtime/mod.rs`).
+fn room_of(rooms: &[String], file: &str) -> Option<usize> {
+    rooms.iter().position(|r| if r.ends_with('/') { file.starts_with(r.as_str()) } else { file == r })
+}
+
+/// Each runtime room uses only the rooms above it in the rooms table (bottom up), and every
+/// runtime file lies in a room.
+#[test]
+fn runtime_rooms_use_only_the_rooms_above_them() {
+    let doc = std::fs::read_to_string(repo().join("docs/architecture.md")).expect("docs/architecture.md");
+    let rooms = runtime_rooms(&doc);
+    assert!(rooms.len() >= 5, "the rooms table of docs/architecture.md: {rooms:?}");
+    let sources = library_sources(&repo().join("src"));
+    let lib = Library::new(&sources);
+    let homeless: Vec<String> = lib
+        .files
+        .values()
+        .map(|(p, _)| p.display().to_string())
+        .filter(|f| f.starts_with("runtime/") && f != "runtime/mod.rs" && room_of(&rooms, f).is_none())
+        .collect();
+    assert!(homeless.is_empty(), "runtime files in no room of docs/architecture.md's rooms table: {homeless:?}");
+    let mut bad = Vec::new();
+    for ((a, b), via) in lib.edges() {
+        let (fa, fb) = (lib.file(&a), lib.file(&b));
+        if let (Some(ra), Some(rb)) = (room_of(&rooms, &fa), room_of(&rooms, &fb)) {
+            if rb > ra {
+                bad.push(format!("{fa} ({}) uses {fb} ({}) through `{via}`, a room below it", rooms[ra], rooms[rb]));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "runtime rooms importing a room below them in docs/architecture.md's table:\n{}", bad.join("\n"));
+}
+
+/// The folders docs/architecture.md's file map covers, and those it describes as a whole.
+const MAPPED_ROOTS: &[&str] = &["src", "benches", "scripts", "tests", "python", "csrc", "proto", "fuzz"];
+const UNMAPPED_DIRS: &[&str] = &["tests/data", "tests/snapshots", "fuzz/corpus"];
+
+/// The files under the mapped roots, as `dir/name` relative to the repository (build outputs,
+/// caches and hidden files left out).
+fn files_on_disk() -> BTreeSet<String> {
+    let root = repo();
+    let mut out = BTreeSet::new();
+    let mut stack: Vec<PathBuf> = MAPPED_ROOTS.iter().map(|r| root.join(r)).collect();
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        for e in entries {
+            let p = e.expect("directory entry").path();
+            let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let rel = p.strip_prefix(&root).expect("under the repository").to_string_lossy().replace('\\', "/");
+            if name.starts_with('.') || name == "__pycache__" || name == "target" || name.ends_with(".egg-info") || name.ends_with(".pyc") {
+                continue;
+            }
+            if p.is_dir() {
+                if !UNMAPPED_DIRS.contains(&rel.as_str()) {
+                    stack.push(p);
+                }
+            } else {
+                out.insert(rel);
+            }
+        }
+    }
+    out
+}
+
+/// The files the `## Files` section of docs/architecture.md lists: `### \`dir/\`` headings,
+/// then table rows whose first cell is a file name.
+fn files_on_the_map(doc: &str) -> BTreeSet<String> {
+    let section = doc.split("\n## Files\n").nth(1).expect("docs/architecture.md has a `## Files` section");
+    let section = section.split("\n## ").next().unwrap_or(section);
+    let mut out = BTreeSet::new();
+    let mut dir = None;
+    for line in section.lines() {
+        if let Some(h) = line.strip_prefix("### `") {
+            dir = Some(h.trim_end_matches('`').to_string());
+        } else if let (Some(d), Some(row)) = (&dir, line.strip_prefix("| `")) {
+            let name = row.split('`').next().unwrap_or_default();
+            out.insert(format!("{d}{name}"));
+        }
+    }
+    out
+}
+
+/// docs/architecture.md lists every file of the code, tests, benches, scripts and the Python
+/// package, and no file that is gone.
+#[test]
+fn every_file_is_on_the_map() {
+    let doc = std::fs::read_to_string(repo().join("docs/architecture.md")).expect("docs/architecture.md");
+    let listed = files_on_the_map(&doc);
+    let disk = files_on_disk();
+    let missing: Vec<&String> = disk.difference(&listed).collect();
+    let gone: Vec<&String> = listed.difference(&disk).collect();
+    assert!(
+        missing.is_empty() && gone.is_empty(),
+        "docs/architecture.md's file map is out of date (run `python3 scripts/file_map.py`, then check its lines):\nmissing: {missing:?}\nlisted but gone: {gone:?}"
+    );
 }
 
 /// Every Rust file under `src/` (binaries included), relative to `src/`, with its tokens.

@@ -114,3 +114,33 @@ fn tied_weights_are_sliced_alike_by_every_stage() {
     let base_wte = base.codegen.as_ref().and_then(|c| c.tied_weights.iter().find(|t| t.weight == "wte.weight")).expect("wte is tied");
     assert_eq!(wte.bytes, base_wte.bytes);
 }
+
+/// An op the runner cannot execute (the importer keeps it as a placeholder) is refused at plan
+/// time, naming the op, its node count and first node, before analysis tries to see into it.
+#[test]
+fn ops_the_runner_cannot_execute_are_refused_at_plan_time() {
+    use prost::Message;
+    use smp_partition::frontend::onnx::proto::ModelProto;
+
+    let bytes = std::fs::read(GPT2).unwrap();
+    let mut model = ModelProto::decode(bytes.as_slice()).unwrap();
+    let graph = model.graph.as_mut().unwrap();
+    let mut renamed = Vec::new();
+    for node in graph.node.iter_mut().filter(|n| n.op_type.as_deref() == Some("Softmax")) {
+        node.op_type = Some("FancySoftmax".into());
+        node.domain = Some("com.example".into());
+        renamed.push(node.name.clone().unwrap_or_default());
+    }
+    assert!(!renamed.is_empty());
+    model.opset_import.push(smp_partition::frontend::onnx::proto::OperatorSetIdProto { domain: Some("com.example".into()), version: Some(1) });
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fancy.onnx");
+    std::fs::write(&path, model.encode_to_vec()).unwrap();
+    let cluster = ClusterSpec::parse("h100-80gb:2").unwrap();
+    let opts = PlanOptions { seq_len: Some(16), ..Default::default() };
+    let e = compile(path.as_path(), &cluster, &opts).unwrap_err();
+    assert_eq!(e.stage(), Stage::Analyze);
+    let text = e.to_string();
+    let want = format!("com.example.FancySoftmax ({} node{}, first `{}`)", renamed.len(), if renamed.len() == 1 { "" } else { "s" }, renamed[0]);
+    assert!(text.contains("the runner cannot execute") && text.contains(&want), "{text}");
+}

@@ -1,4 +1,4 @@
-//! The context- and expert-parallel axes of the search (issue 30): the planner chooses c > 1
+//! The context- and expert-parallel axes of the search: the planner chooses c > 1
 //! for long sequences and c = 1 for ordinary ones on the graph-only Llama-3-70B, e > 1 for the
 //! graph-only Mixtral 8×7B, each proven optimal and explained by `inspect`; the flags, SMP keys
 //! and their conflicts; the infeasible message's least context degree.

@@ -94,7 +94,7 @@ fn sequence_parallelism_is_chosen_only_where_the_calibrated_collectives_let_it_w
             .map(|(k, (bw, lat))| format!("[collectives.{k}]\nbandwidth = {bw:e}\nlatency = {lat:e}\n"))
             .collect::<String>()
     };
-    // Gloo over loopback on a 2-core machine (medians of `smp-runner calibrate`, issue 14):
+    // Gloo over loopback on a 2-core machine (medians of `smp-runner calibrate`):
     // hundreds of microseconds per call. Sequence parallelism adds collectives per block (an
     // all-gather per row split and per scatter, partial-gradient all-reduces), which lose
     // against its ÷2 norms here.

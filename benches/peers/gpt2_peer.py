@@ -1,4 +1,4 @@
-"""PyTorch peers of the runner benches (benches/train_step.rs, benches/pipeline.rs) on issue 14's
+"""PyTorch peers of the runner benches (benches/train_step.rs, benches/pipeline.rs) on the GPT-2
 setup: HF GPT-2 (4 blocks × hidden 256, 4 heads, vocab 2048, HF's default init, dropout off,
 eager attention), batch 8 × 128, AdamW lr 1e-3 weight decay 0.01, clip 1.0, causal-LM loss.
 

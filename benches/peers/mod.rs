@@ -1,4 +1,4 @@
-//! Shared by the runner benches: issue 14's GPT-2 (4 × 256, vocab 2048, HF's default init)
+//! Shared by the runner benches: the bench GPT-2 (4 × 256, vocab 2048, HF's default init)
 //! exported by `benches/peers/gpt2_peer.py`, the peers' runs and step-time summaries.
 #![allow(dead_code)]
 

@@ -15,12 +15,12 @@ on PATH, or in the repository's target/. Needs torch==2.13.0 (the binaries link 
 from ._binaries import find_binary
 from .errors import CommandError, RankFailed, SmpError
 from .export import Exported, export
-from .launch import Run, launch, launch_command
+from .launch import Run, launch, launch_command, verify_plan
 from .plan import Parallel, Plan, Predicted, plan
 from .sweep import Sweep, sweep
 from .trained import export_trained, load_trained
 
 __all__ = [
     "CommandError", "Exported", "Parallel", "Plan", "Predicted", "RankFailed", "Run", "SmpError", "Sweep",
-    "export", "export_trained", "find_binary", "launch", "launch_command", "load_trained", "plan", "sweep",
+    "export", "export_trained", "find_binary", "launch", "launch_command", "load_trained", "plan", "sweep", "verify_plan",
 ]

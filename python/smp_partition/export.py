@@ -9,7 +9,13 @@ it into one node; zero biases are dropped; a fixed-shape export folds the positi
 rows it gathers. `export` hands the parameters to the optimiser as graph inputs, so it can
 fold, merge or drop none of them (shapes and masks still fold), puts them back as
 initializers under their own names, and folds only the transposes of 2-D weights that
-`MatMul` reads (recorded as `transpose`). The file holds exactly the module's parameters."""
+`MatMul` reads (recorded as `transpose`). The file holds exactly the module's parameters.
+
+Buffers that training moves (BatchNorm's running statistics) are held out of the optimiser the
+same way: running statistics start as zeros and ones, so the optimiser would merge every
+layer's into one pair and the runner would train that pair for all of them. Their counters
+(`num_batches_tracked`), which the eval-mode graph never reads, are recorded on the model
+(`smp.counters`) and advanced by `load_trained` as PyTorch advances them."""
 
 from __future__ import annotations
 
@@ -140,11 +146,38 @@ def _export_mode(model: Any) -> Iterator[None]:
         model.train(training)
 
 
+def running_statistics(model: Any, prefix: str = "") -> tuple[set[str], dict[str, str]]:
+    """The buffers a training forward of `model` moves, by name with `prefix`: the running
+    means and variances of its BatchNorm (and InstanceNorm with `track_running_stats`)
+    modules; and their counters, {`num_batches_tracked`: the running mean it counts for}.
+    Raises `SmpError` naming a module whose statistics are a cumulative average
+    (`momentum=None`), which the runner does not compute."""
+    import torch
+
+    moved: set[str] = set()
+    counters: dict[str, str] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, torch.nn.modules.batchnorm._NormBase) or not m.track_running_stats:
+            continue
+        if m.running_mean is None or m.running_var is None:
+            continue
+        base = f"{prefix}{name}." if name else prefix
+        if m.momentum is None:
+            raise SmpError(f"module `{name}` ({type(m).__name__}) keeps its running statistics as a cumulative "
+                           "average (momentum=None), which the runner does not compute; give it a momentum "
+                           "(PyTorch's default is 0.1)")
+        moved |= {base + "running_mean", base + "running_var"}
+        if getattr(m, "num_batches_tracked", None) is not None:
+            counters[base + "num_batches_tracked"] = base + "running_mean"
+    return moved, counters
+
+
 def _optimize_keeping_parameters(model: Any, parameters: set[str]) -> set[str]:
     """Runs the exporter's optimiser (`onnxscript.optimizer.optimize_ir`, as `optimize=True`
-    would) on `model` (an `onnx_ir.Model`) with the initializers named in `parameters` turned
-    into graph inputs meanwhile, so that nothing folds, merges or drops them; then puts them
-    back. Returns the names of those the optimised graph still reads."""
+    would) on `model` (an `onnx_ir.Model`) with the initializers named in `parameters` (the
+    module's parameters and the buffers training moves) turned into graph inputs meanwhile, so
+    that nothing folds, merges or drops them; then puts them back. Returns the names of those
+    the optimised graph still reads."""
     import onnxscript.optimizer
 
     graph = model.graph
@@ -250,15 +283,16 @@ def export(model: Any, example_inputs: Any, path: str | Path, *, dynamic: bool =
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     parameters = {PREFIX + n for n, _ in model.named_parameters(remove_duplicate=False)}
+    statistics, counters = running_statistics(model, PREFIX)
     with _export_mode(model), moe.exporting(), torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(wrapper, inputs, dynamo=True, opset_version=OPSET,
                                     dynamic_shapes=dynamic_shapes, input_names=names,
                                     output_names=["logits", *moe.output_names], verbose=False, optimize=False)
-        read = _optimize_keeping_parameters(program.model, parameters)
+        read = _optimize_keeping_parameters(program.model, parameters | statistics)
     program.save(str(path), external_data=False)
     proto = onnx.load(str(path))
-    _fold_weight_transposes(proto, read)
+    _fold_weight_transposes(proto, read & parameters)
     param_record.drop_stack_traces(proto)
     record = param_record.write_record(wrapper, proto, exact_names=True)
     lost = [n for n in record["missing"] if n in read]
@@ -273,6 +307,9 @@ def export(model: Any, example_inputs: Any, path: str | Path, *, dynamic: bool =
         warnings.warn(f"{type(model).__name__}: {len(record['unused'])} parameters are not read by the forward "
                       f"pass on these inputs and are left out of the file (PyTorch does not train them either): "
                       f"{', '.join(n[len(PREFIX):] for n in record['unused'][:5])}", stacklevel=2)
+    # counters of the statistics the graph reads (the others' modules never run)
+    record["counters"] = {c: m for c, m in counters.items() if m in read}
+    param_record.set_counters(proto, record["counters"])
     moe.annotate(proto)
     onnx.save(proto, str(path))
     return Exported(path=path, input_names=names, record=record)

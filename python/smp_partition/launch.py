@@ -38,6 +38,8 @@ class Run:
     trained: Path | None = None
     #: The ranks' process ids (all ended when `launch` returns).
     pids: dict[int, int] = field(default_factory=dict)
+    #: What `launch(verify=...)` found before the run (`smp-runner launch --verify`'s report).
+    verify: dict[str, Any] | None = None
 
     @property
     def restarts(self) -> list[dict[str, Any]]:
@@ -84,8 +86,29 @@ def run_args(plan: Plan, *, data: Any = None, steps: int = 10, checkpoint_dir: s
     return args + flag_args(options)
 
 
+def verify_plan(plan: Plan, *, data: Any = None, steps: int = 3, **options: Any) -> dict[str, Any]:
+    """`smp-runner launch --verify STEPS`: the plan's ranks and one process each train `steps`
+    steps in f64 on `data` with `options` (as `launch` takes them); returns the report
+    (`loss`, `parameters`, `buffers`: the largest relative difference of each and where;
+    `passed`; `expected_difference`: why the plan says it differs, where it does). Raises
+    `SmpError` when the plan differs from one process beyond f64 rounding without a reason."""
+    out = plan.dir
+    args = run_args(plan, data=data, steps=steps, **options)
+    command = [str(find_binary("smp-runner")), "launch", "--verify", str(int(steps)), "--nproc", str(plan.devices),
+               str(plan.path), *args, "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=out)
+    try:
+        report = _report(done.stdout.splitlines())
+    except SmpError:
+        raise CommandError(command, done.returncode, done.stderr) from None
+    if not report.get("passed") and not report.get("expected_difference"):
+        lines = [ln.removeprefix("smp-runner: ") for ln in done.stderr.splitlines() if ln.startswith("smp-runner: ")]
+        raise SmpError("the plan does not train as one process does:\n" + "\n".join(lines[-5:]))
+    return report
+
+
 def launch(plan: Plan, *, data: Any = None, steps: int = 10, checkpoint_dir: str | Path | None = None,
-           progress: bool | Callable[[str], None] = True, max_restarts: int = 0,
+           progress: bool | Callable[[str], None] = True, max_restarts: int = 0, verify: bool | int = False,
            elastic: tuple[int, int] | None = None, rejoin_timeout: float | None = None,
            drop_stragglers: int | None = None, **options: Any) -> Run:
     """Trains `plan` on this host: `smp-runner launch --nproc N PLAN --steps STEPS ...`, one
@@ -111,7 +134,14 @@ def launch(plan: Plan, *, data: Any = None, steps: int = 10, checkpoint_dir: str
     it while MIN devices remain; the launcher plans the model again for the devices left with
     the plan's own planning request and resumes the newest complete checkpoint of
     `checkpoint_dir` on the new plan, keeping the global batch. `run.restarts` lists each change
-    with its plans; `rejoin_timeout` is `--rejoin-timeout` in seconds."""
+    with its plans; `rejoin_timeout` is `--rejoin-timeout` in seconds.
+
+    `verify=True` (or a number of steps, default 3) first checks the plan against one process
+    in f64 on the same data and options (`verify_plan`), raising `SmpError` before the run if it
+    trains differently; the check's report is `run.verify`."""
+    checked = None
+    if verify:
+        checked = verify_plan(plan, data=data, steps=3 if verify is True else int(verify), **options)
     out = plan.dir
     (out / TRAINED).unlink(missing_ok=True)
     args = run_args(plan, data=data, steps=steps, checkpoint_dir=checkpoint_dir, out=out, **options)
@@ -183,7 +213,8 @@ def launch(plan: Plan, *, data: Any = None, steps: int = 10, checkpoint_dir: str
         raise SmpError(f"smp-runner launch finished but wrote no {trained} (--save-weights); "
                        f"is {find_binary('smp-runner')} older than this package?")
     return Run(plan=plan, dir=out, losses=losses, report=report,
-               checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None, trained=trained, pids=pids)
+               checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None, trained=trained, pids=pids,
+               verify=checked)
 
 
 def _report(lines: list[str]) -> dict[str, Any]:

@@ -285,6 +285,32 @@ def _set_model_meta(proto: onnx.ModelProto, missing: list[str]) -> None:
             proto.metadata_props.add(key=k, value=v)
 
 
+#: On the model: JSON {counter buffer: the running mean it counts the training forwards of}.
+COUNTERS = "smp.counters"
+
+
+def set_counters(proto: onnx.ModelProto, counters: dict[str, str]) -> None:
+    """Records the BatchNorm counters (`num_batches_tracked`) of the running statistics in the
+    file: PyTorch adds one per training forward of the module, and the eval-mode graph never
+    reads them, so the file holds them only here."""
+    meta = {p.key: p for p in proto.metadata_props}
+    value = json.dumps(dict(sorted(counters.items())))
+    if COUNTERS in meta:
+        meta[COUNTERS].value = value
+    elif counters:
+        proto.metadata_props.add(key=COUNTERS, value=value)
+
+
+def read_counters(proto: onnx.ModelProto) -> dict[str, str]:
+    """`set_counters`' record ({} for a file without one)."""
+    meta = {p.key: p.value for p in proto.metadata_props}
+    try:
+        found = json.loads(meta.get(COUNTERS, "{}"))
+    except ValueError:
+        return {}
+    return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
+
+
 def _folded_from(t: onnx.TensorProto) -> list[str]:
     return _names_prop(t.metadata_props, FOLDED_FROM)
 

@@ -38,6 +38,24 @@ def unused_parameters(model_path: str | Path) -> list[str]:
     return list(json.loads(meta.get("smp.missing", "[]")))
 
 
+def counters(model_path: str | Path) -> dict[str, str]:
+    """The BatchNorm counters the export of `model_path` recorded (`smp.counters`):
+    {`num_batches_tracked` buffer: the running mean whose training forwards it counts}."""
+    import onnx
+
+    from .param_record import read_counters
+
+    return read_counters(onnx.load(str(model_path), load_external_data=False))
+
+
+def training_forwards(run: Run) -> int:
+    """How many training forwards each module of `run` made on the replica whose buffers the
+    trained weights hold: one per microbatch of every step (a resumed run's steps count from
+    the start), as PyTorch's `num_batches_tracked` counts them."""
+    steps = [int(s.get("step", 0)) for s in run.report.get("steps", [])]
+    return (max(steps) if steps else 0) * max(1, int(run.plan.parallel.microbatches))
+
+
 def state_dict_of(module: Any, tensors: dict[str, Any], prefix: str = "", unused: Iterable[str] = ()) -> dict[str, Any]:
     """`module`'s full state dict from `tensors` (trained parameters under module parameter
     names, optionally prefixed): names lose `prefix`; a tied parameter given under one of its
@@ -82,6 +100,8 @@ def load_trained(model: Any, run: Run, *, path: str | Path | None = None) -> Any
     """Loads `run`'s trained weights into `model` (the module given to `plan`) with
     `load_state_dict(strict=True)` and returns it.
 
+    Parameters and the buffers training moves (BatchNorm's running statistics) come back under
+    their own names; BatchNorm's `num_batches_tracked` advances by the run's training forwards.
     The weights come from `path` if given, else from the run's final weights (`run.trained`:
     every `launch` writes them, one tensor per module parameter, whole, under its module name),
     else from `smp-runner export` of the run's checkpoint directory."""
@@ -101,5 +121,12 @@ def load_trained(model: Any, run: Run, *, path: str | Path | None = None) -> Any
     tensors = load_file(str(source))
     unused = unused_parameters(run.plan.model_path) if run.plan.model_path.is_file() else []
     full = state_dict_of(model, tensors, run.plan.prefix, unused)
+    if run.plan.model_path.is_file():
+        forwards = training_forwards(run)
+        prefix = run.plan.prefix
+        for counter in counters(run.plan.model_path):
+            name = counter[len(prefix):] if counter.startswith(prefix) else counter
+            if name in full and counter not in tensors and name not in tensors:
+                full[name] = full[name] + forwards
     model.load_state_dict(full, strict=True)
     return model

@@ -4,8 +4,11 @@ architecture at a small config and the library's default init, exported by `smp.
 `tensor_parallel_degree: 2` (language models also with `context_parallel_degree: 2`, each
 sequence split over 2 ranks, checked to all-gather keys and values), trained 5 f32 steps by `smp.launch` on 2 ranks and brought back
 by `smp.load_trained` (strict), then compared with the module trained by PyTorch itself:
-losses within 1e-5 relative, every parameter within 1e-4 norm-relative (elements whose true
-gradient is zero only bounded: Adam scales their rounding noise to ±lr a step). The same plans
+losses within 1e-5 relative, every parameter and every persistent buffer (BatchNorm's running
+statistics; its counters exactly) within 1e-4 norm-relative (elements whose true gradient is
+zero only bounded: Adam scales their rounding noise to ±lr a step), and the loaded module's
+eval-mode output within 1e-4 of the PyTorch-trained module's. Models with BatchNorm are planned
+with one microbatch, so that each forward normalises over the whole batch as PyTorch's does. The same plans
 in f64 must equal one process (`smp-runner train --dtype f64`) within 1e-9. A model the runner
 cannot take yet fails with its reason."""
 
@@ -67,6 +70,16 @@ def _compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], gradfr
     return worst, errors
 
 
+def _compare_buffers(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float) -> list[str]:
+    """Floating-point buffers within `tol` norm-relative, integer ones (counters) equal."""
+    floats = {k: v for k, v in want.items() if v.is_floating_point()}
+    _, errors = _compare(got, floats, {}, tol)
+    for name, w in want.items():
+        if not w.is_floating_point() and name in got and not torch.equal(got[name].to(w.dtype), w):
+            errors.append(f"`{name}` is {got[name].tolist()}, PyTorch's {w.tolist()}")
+    return errors
+
+
 def _one_process_f64(case: zoo.Case, data: Path, out: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
     """`smp-runner train --dtype f64`: the model trained in one process (losses, weights)."""
     weights = out / "one-process.safetensors"
@@ -107,6 +120,8 @@ def test_zoo(name: str, tmp_path: Path) -> None:
     loss = zoo.RUNNER_LOSS[c.arch.task]
     failures, measured = [], {}
     plans = PLANS | (TOKEN_PLANS if c.arch.task in ("causal-lm", "masked-lm") else {})
+    if zoo.has_batch_statistics(c.model):
+        plans = {label: config | {"microbatches": 1} for label, config in plans.items()}
     for label, config in plans.items():
         plan = smp.plan(c.exported, zoo.inputs_of(c.data), cluster="cpu:2", global_batch=zoo.BATCH, config=config,
                         workdir=tmp_path / label)
@@ -127,6 +142,12 @@ def test_zoo(name: str, tmp_path: Path) -> None:
         trained = smp.load_trained(copy.deepcopy(c.model), run)
         worst, errors = _compare(dict(trained.named_parameters()), c.trained, c.gradfree, WEIGHT_TOL)
         failures += [f"{label}: {e}" for e in errors]
+        failures += [f"{label}: buffer {e}" for e in _compare_buffers(dict(trained.named_buffers()), c.buffers,
+                                                                      WEIGHT_TOL)]
+        logits_rel = _norm_rel(zoo.eval_logits(trained, c.data), c.eval_logits)
+        if logits_rel > WEIGHT_TOL:
+            failures.append(f"{label}: the loaded module's eval-mode output differs by {logits_rel:.2e}")
+        worst = max(worst, logits_rel)
         # f64: the plan equals one process
         run64 = smp.launch(plan, data=data_file, steps=zoo.STEPS, loss=loss, threads=1, dtype="f64", progress=False)
         rel64 = max(abs(a - b) / abs(b) for a, b in zip(run64.losses, exact_losses))

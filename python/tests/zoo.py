@@ -144,6 +144,9 @@ def archs() -> dict[str, Arch]:
             image_size=IMAGE, patch_size=4, num_channels=3, embed_dim=16, depths=[2, 2], num_heads=[2, 4],
             window_size=4, mlp_ratio=2.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
             drop_path_rate=0.0, num_labels=CLASSES)), "image"),
+        Arch("regnet", "vision CNN, BatchNorm (running statistics trained as buffers)", lambda: T.RegNetForImageClassification(T.RegNetConfig(
+            num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], groups_width=8, layer_type="y",
+            num_labels=CLASSES)), "image"),
         Arch("convnext", "vision CNN (depthwise convolutions, layer scale)", lambda: T.ConvNextForImageClassification(T.ConvNextConfig(
             num_channels=3, patch_size=4, num_stages=2, hidden_sizes=[16, 32], depths=[2, 2],
             drop_path_rate=0.0, image_size=IMAGE, num_labels=CLASSES)), "image"),
@@ -208,9 +211,31 @@ def logits_of(model: Any, data: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(**inputs_of(data), **kwargs).logits
 
 
+def persistent_buffers(model: Any) -> dict[str, torch.Tensor]:
+    """The module's buffers in its state dict (BatchNorm's running statistics and counters)."""
+    state = model.state_dict()
+    return {n: b.detach().clone() for n, b in model.named_buffers() if n in state}
+
+
+def has_batch_statistics(model: Any) -> bool:
+    """Whether the module trains on batch statistics (BatchNorm): the plans then keep one
+    microbatch, so that each forward sees the whole batch, as PyTorch's does."""
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def eval_logits(model: Any, data: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The module's eval-mode output on the batch (BatchNorm on its running statistics)."""
+    training = model.training
+    model.eval()
+    with torch.no_grad():
+        out = logits_of(model, data).detach().clone()
+    model.train(training)
+    return out
+
+
 def train_torch(arch: Arch, model: Any, data: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
     """STEPS steps of PyTorch training as the runner trains; returns (losses, trained state
-    dict, gradient-free masks by parameter name)."""
+    dict, gradient-free masks by parameter name, persistent buffers, eval-mode logits)."""
     model = copy.deepcopy(model).to(dtype).train()
     data = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in data.items()}
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
@@ -226,7 +251,8 @@ def train_torch(arch: Arch, model: Any, data: dict[str, torch.Tensor], dtype: to
             gradfree[n] &= g.abs() <= GRADFREE * norm * min(1.0, CLIP / (float(norm) + 1e-6))
         opt.step()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, gradfree
+    return (losses, {n: p.detach().clone() for n, p in model.named_parameters()}, gradfree, persistent_buffers(model),
+            eval_logits(model, data))
 
 
 def cache_dir(arch: Arch, model: Any) -> Path:
@@ -239,7 +265,7 @@ def cache_dir(arch: Arch, model: Any) -> Path:
     h = hashlib.sha256()
     for f in (REPO / "python/smp_partition/export.py", REPO / "python/smp_partition/param_record.py"):
         h.update(f.read_bytes())
-    for fn in (build, batch, inputs_of, loss_of, logits_of, train_torch):
+    for fn in (build, batch, inputs_of, loss_of, logits_of, persistent_buffers, eval_logits, train_torch):
         h.update(inspect.getsource(fn).encode())
     h.update(repr((type(model).__name__, model.config.to_json_string(), arch.task, H, VOCAB, SEQ, BATCH, STEPS, SEED,
                    LR, WD, CLIP, IMAGE, CLASSES, GRADFREE, transformers.__version__, torch.__version__)).encode())
@@ -257,6 +283,10 @@ class Case:
     losses: list[float]
     trained: dict[str, torch.Tensor]
     gradfree: dict[str, torch.Tensor]
+    #: Persistent buffers after PyTorch's training (running statistics, counters).
+    buffers: dict[str, torch.Tensor]
+    #: The trained module's eval-mode output on the batch.
+    eval_logits: torch.Tensor
 
 
 class ExportFailed(RuntimeError):
@@ -291,15 +321,19 @@ def case(name: str) -> Case:
             except Exception as e:
                 failed.write_text(reason(e))
                 raise ExportFailed(reason(e)) from e
-        losses, trained, gradfree = train_torch(arch, model, data)
+        losses, trained, gradfree, buffers, logits = train_torch(arch, model, data)
         save_file(trained, str(d / "trained.safetensors"))
+        save_file({**buffers, "#eval_logits": logits}, str(d / "buffers.safetensors"))
         save_file({k: v.to(torch.uint8) for k, v in gradfree.items()}, str(d / "gradfree.safetensors"))
         meta.write_text(json.dumps({"losses": losses, "input_names": exported.input_names,
                                     "record": exported.record}))
     info = json.loads(meta.read_text())
     exported = smp.Exported(path=d / "model.onnx", input_names=info["input_names"], record=info["record"])
     gradfree = {k: v.bool() for k, v in load_file(str(d / "gradfree.safetensors")).items()}
-    return Case(arch, model, data, exported, info["losses"], load_file(str(d / "trained.safetensors")), gradfree)
+    buffers = load_file(str(d / "buffers.safetensors"))
+    logits = buffers.pop("#eval_logits")
+    return Case(arch, model, data, exported, info["losses"], load_file(str(d / "trained.safetensors")), gradfree,
+                buffers, logits)
 
 
 def missing() -> list[str]:

@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use smp_partition::runtime::data;
 use smp_partition::runtime::device::{DeviceKind, DeviceRequest, Ranks};
-use smp_partition::runtime::launch::{calibrate, launcher};
+use smp_partition::runtime::launch::{calibrate, launcher, verify};
 use smp_partition::runtime::session::commands::{self, EvalJob};
 use smp_partition::ir::Precision;
 use smp_partition::runtime::train::LossScaleConfig;
@@ -134,6 +134,12 @@ enum Command {
         /// instead of NCCL; passed on to every rank. No effect on the CPU.
         #[arg(long)]
         share_gpu: bool,
+        /// Check the plan before a long job instead of running it: its ranks train K steps
+        /// (default 3) in f64 on the given data and options, one process trains the same, and
+        /// the largest differences in losses, parameters and buffers are reported (exit 1 past
+        /// 1e-9 unless the plan says why). Files go to PLAN.verify/ beside the plan.
+        #[arg(long, value_name = "K", num_args = 0..=1, default_missing_value = "3")]
+        verify: Option<usize>,
         /// The plan file.
         plan: PathBuf,
         /// Options passed to every rank's `run`.
@@ -433,7 +439,21 @@ fn run(cli: Cli) -> Result<()> {
             }
         },
         Command::PrepareData { files, output, val_fraction, ext, tokenizer } => prepare_data(&files, &output, val_fraction, ext.as_deref(), tokenizer.as_deref()),
-        Command::Launch { nproc, nnodes, node_rank, master_addr, master_port, max_restarts, restart_backoff, restart_port, device, share_gpu, plan, mut run_args } => {
+        Command::Launch { verify: Some(steps), nproc, nnodes, plan, run_args, .. } => {
+            if nnodes != 1 {
+                anyhow::bail!("--verify runs on one host (the plan's {nproc} ranks and one process); drop --nnodes");
+            }
+            let exe = std::env::current_exe().context("cannot find the smp-runner executable")?;
+            let report = verify::verify(&exe, nproc, &plan, &run_args, steps.max(1), &plan.with_extension("verify"))?;
+            for line in report.lines() {
+                eprintln!("smp-runner: {line}");
+            }
+            if run_args.iter().any(|a| a == "--json") {
+                println!("{}", serde_json::to_string(&report)?);
+            }
+            std::process::exit(if report.passed || report.expected_difference.is_some() { 0 } else { 1 })
+        }
+        Command::Launch { nproc, nnodes, node_rank, master_addr, master_port, max_restarts, restart_backoff, restart_port, device, share_gpu, plan, mut run_args, verify: None } => {
             let exe = std::env::current_exe().context("cannot find the smp-runner executable")?;
             let asked = DeviceRequest { device, share_gpu };
             if asked != DeviceRequest::default() {

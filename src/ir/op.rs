@@ -51,6 +51,10 @@ op_kinds! {
     Reshape, Transpose, Concat, Split, Slice, Gather, GatherElements, GatherND, Unsqueeze, Squeeze,
     Expand, Shape, Size, ConstantOfShape, Range, Flatten, Tile, Pad, Trilu, ScatterND,
     Constant, Dropout,
+    // what the exporters emit beside: norms of reductions, einsum, resampling, scatters by
+    // element, one-hot, bit shifts
+    ReduceL1, ReduceL2, ReduceLogSumExp, ReduceSumSquare, LpNormalization, Einsum, Resize,
+    GridSample, ScatterElements, OneHot, BitShift,
     // IR-internal (made by `passes::fuse`, never read from a model file)
     /// Softmax attention as one kernel (libtorch's `scaled_dot_product_attention`), inputs
     /// `(q, kᵀ, v, mask?)`: `softmax(scale·q·kᵀ (+ mask)) · v`, reading Kᵀ (`[.., d, L]`) as the
@@ -100,8 +104,15 @@ impl OpKind {
                 | Floor | Ceil | Round | Sign | Not | IsNaN | IsInf | Softplus | LeakyRelu | Elu
                 | Gelu | HardSigmoid | HardSwish | Cast | CastLike | Clip | Add | Sub | Mul | Div
                 | Pow | Mod | Max | Min | Sum | Mean | Equal | Less | LessOrEqual | Greater
-                | GreaterOrEqual | And | Or | Xor | Where
+                | GreaterOrEqual | And | Or | Xor | Where | BitShift
         )
+    }
+
+    /// True for reductions over the `axes` input (opset 18; an attribute before, ReduceSum's
+    /// from 13).
+    pub fn is_reduction(self) -> bool {
+        use OpKind::*;
+        matches!(self, ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd | ReduceL1 | ReduceL2 | ReduceLogSumExp | ReduceSumSquare)
     }
 }
 

@@ -257,6 +257,21 @@ pub fn flops(sz: &Sizes, node: &Node) -> f64 {
             let k: f64 = node.attrs.ints("kernel_shape").map(|k| k.iter().map(|&x| x as f64).product()).unwrap_or(1.0);
             out_numel * k
         }
+        // a multiply and an add per output element and contracted label
+        Einsum => {
+            let shapes: Option<Vec<Vec<i64>>> = node.inputs.iter().map(|v| v.and_then(|v| sz.dims(v))).collect();
+            let contracted = shapes.and_then(|s| {
+                let refs: Vec<&[i64]> = s.iter().map(Vec::as_slice).collect();
+                node.attrs.str("equation").and_then(|e| crate::passes::shape_infer::einsum_contracted(e, &refs))
+            });
+            2.0 * out_numel * contracted.unwrap_or(1) as f64
+        }
+        ReduceL1 | ReduceSumSquare => 2.0 * in_numel,
+        ReduceL2 | ReduceLogSumExp => 3.0 * in_numel,
+        LpNormalization => 4.0 * in_numel,
+        // separable taps: a multiply-add per tap per resized axis (linear: 2 taps)
+        Resize => 4.0 * out_numel,
+        GridSample => 10.0 * out_numel,
         _ if kind.is_elementwise() => out_numel,
         _ => 0.0,
     }

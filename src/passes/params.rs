@@ -505,7 +505,9 @@ fn is_shape_slot(op: &Op, slot: usize) -> bool {
         Some(Reshape | Expand | Tile | Unsqueeze | Squeeze | Split | Gather | GatherElements | GatherND) => slot >= 1,
         Some(Slice | Pad | Range | ConstantOfShape) => true,
         Some(Where) => slot == 0,
-        Some(ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd) => slot >= 1,
+        Some(k) if k.is_reduction() => slot >= 1,
+        Some(Resize) => slot >= 1,
+        Some(OneHot) => slot == 1,
         _ => false,
     }
 }

@@ -9,14 +9,19 @@ mod attention;
 mod bind;
 mod constant;
 mod context;
+mod einsum;
 mod elementwise;
 mod index;
 mod matmul;
 mod moe;
 mod nn;
 mod reduce;
+mod resample;
+mod scatter;
 
+pub use einsum::{einsum_contracted, einsum_shape};
 pub use reduce::reduced_axes;
+pub use resample::{ResizeTarget, resize_target};
 mod shape;
 
 use std::collections::BTreeMap;
@@ -155,6 +160,14 @@ fn infer_node(cx: &Ctx, dims: &BTreeMap<String, i64>) -> Outs {
         InstanceNormalization | LRN | Softmax | LogSoftmax => nn::same_as_input(cx),
         Dropout => nn::dropout(cx),
         ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd => reduce::reduce(cx, kind),
+        ReduceL1 | ReduceL2 | ReduceLogSumExp | ReduceSumSquare => reduce::reduce(cx, kind),
+        LpNormalization => nn::same_as_input(cx),
+        Einsum => einsum::einsum(cx),
+        Resize => resample::resize(cx),
+        GridSample => resample::grid_sample(cx),
+        ScatterElements => scatter::scatter_elements(cx),
+        OneHot => scatter::one_hot(cx),
+        BitShift => elementwise::arithmetic(cx, kind),
         ArgMax | ArgMin => reduce::arg(cx),
         TopK => reduce::top_k(cx),
         CumSum => reduce::cumsum(cx),
@@ -397,7 +410,7 @@ mod tests {
     fn damaged_graphs_are_refused_at_the_node_never_panicking() {
         let scalar = |b: &mut Builder, v: i64| b.constant(Tensor::from_i64(vec![], &[v]));
         let axis = |a: i64| ("axis", Attr::Int(a));
-        // issue 31: tf2onnx's ReduceProd with keepdims flipped hands Concat a scalar
+        // tf2onnx's ReduceProd with keepdims flipped hands Concat a scalar
         refused("scalar into Concat", "scalar (rank 0)", |b| {
             let m = b.ints(&[-1]);
             let s = scalar(b, 40);

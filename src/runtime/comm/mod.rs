@@ -25,10 +25,12 @@ impl From<DistError> for crate::runtime::RuntimeError {
 #[derive(Debug, thiserror::Error)]
 pub enum DistError {
     /// c10d raised an error (peer gone, timeout, bad tensor).
-    #[error("c10d {call}: {message}")]
+    #[error("c10d {call}{}: {message}", over.as_ref().map(|m| format!(" over ranks {m:?}")).unwrap_or_default())]
     C10d {
         /// The call that failed.
         call: &'static str,
+        /// The global ranks of the group it ran over, for a group's call.
+        over: Option<Vec<usize>>,
         /// libtorch's message.
         message: String,
     },
@@ -50,7 +52,7 @@ fn check(call: &'static str, err: *mut c_char) -> Result<(), DistError> {
         ffi::smp_c10d_free_error(err);
         m
     };
-    Err(DistError::C10d { call, message })
+    Err(DistError::C10d { call, over: None, message })
 }
 
 fn raw(t: &Tensor) -> *mut torch_sys::C_tensor {
@@ -299,6 +301,14 @@ impl ProcessGroup {
         self.members.len()
     }
 
+    /// [`check`] with the group's members named, so a timed-out collective says whom it waited on.
+    fn checked(&self, call: &'static str, err: *mut c_char) -> Result<(), DistError> {
+        check(call, err).map_err(|e| match e {
+            DistError::C10d { call, message, .. } => DistError::C10d { call, over: Some(self.members.clone()), message },
+            other => other,
+        })
+    }
+
     fn peer_index(&self, call: &str, global: usize) -> Result<i32, DistError> {
         self.members
             .iter()
@@ -311,7 +321,7 @@ impl ProcessGroup {
     pub fn all_reduce_sum(&self, t: &Tensor) -> Result<(), DistError> {
         need_contiguous("all_reduce", t)?;
         // SAFETY: live group and tensor.
-        check("all_reduce", unsafe { ffi::smp_c10d_all_reduce_sum(self.raw, raw(t)) })
+        self.checked("all_reduce", unsafe { ffi::smp_c10d_all_reduce_sum(self.raw, raw(t)) })
     }
 
     /// Concatenates every member's `input` (flattened) into `out`, member order.
@@ -327,7 +337,7 @@ impl ProcessGroup {
             )));
         }
         // SAFETY: live group and tensors.
-        check("all_gather", unsafe { ffi::smp_c10d_all_gather(self.raw, raw(out), raw(input)) })
+        self.checked("all_gather", unsafe { ffi::smp_c10d_all_gather(self.raw, raw(out), raw(input)) })
     }
 
     /// Sums `input` (flattened, `size` equal blocks) over the members; this member's block
@@ -344,7 +354,7 @@ impl ProcessGroup {
             )));
         }
         // SAFETY: live group and tensors.
-        check("reduce_scatter", unsafe { ffi::smp_c10d_reduce_scatter_sum(self.raw, raw(out), raw(input)) })
+        self.checked("reduce_scatter", unsafe { ffi::smp_c10d_reduce_scatter_sum(self.raw, raw(out), raw(input)) })
     }
 
     /// Copies global rank `root`'s `t` into every member's `t`.
@@ -352,13 +362,13 @@ impl ProcessGroup {
         need_contiguous("broadcast", t)?;
         let root = self.peer_index("broadcast", root)?;
         // SAFETY: live group and tensor.
-        check("broadcast", unsafe { ffi::smp_c10d_broadcast(self.raw, raw(t), root) })
+        self.checked("broadcast", unsafe { ffi::smp_c10d_broadcast(self.raw, raw(t), root) })
     }
 
     /// Waits for every member.
     pub fn barrier(&self) -> Result<(), DistError> {
         // SAFETY: live group.
-        check("barrier", unsafe { ffi::smp_c10d_barrier(self.raw) })
+        self.checked("barrier", unsafe { ffi::smp_c10d_barrier(self.raw) })
     }
 
     /// Posts `t` to global rank `dst` without waiting.
@@ -386,7 +396,7 @@ impl ProcessGroup {
     fn autograd_call(&self, call: &'static str, f: impl FnOnce(*mut *mut torch_sys::C_tensor) -> *mut c_char) -> Result<Tensor, DistError> {
         let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
         let err = f(&mut out);
-        check(call, err)?;
+        self.checked(call, err)?;
         if out.is_null() {
             return Err(DistError::Usage(format!("{call}: no tensor returned")));
         }

@@ -1,6 +1,8 @@
 //! Starting a job: the launcher that spawns local ranks with torchrun's environment (one host
-//! or several), and `calibrate`, which measures this machine for the cost model.
+//! or several), `verify` (a plan against one process, in f64, before a long job), and
+//! `calibrate`, which measures this machine for the cost model.
 
 pub mod calibrate;
 pub mod coordinator;
 pub mod launcher;
+pub mod verify;

@@ -161,3 +161,70 @@ pub fn restarts_env_value(history: &[RestartRecord]) -> String {
 pub fn restarts_from_env() -> Vec<RestartRecord> {
     std::env::var(RESTARTS_ENV).ok().and_then(|v| serde_json::from_str(&v).ok()).unwrap_or_default()
 }
+
+/// The losses of a run's `--json` report (the last JSON object in `stdout`), in step order.
+pub fn losses_of_report(stdout: &str) -> Option<Vec<f64>> {
+    let report: serde_json::Value = stdout.lines().rev().filter(|l| l.trim_start().starts_with('{')).find_map(|l| serde_json::from_str(l).ok())?;
+    report.get("steps")?.as_array()?.iter().map(|s| s.get("loss")?.as_f64()).collect()
+}
+
+/// The worst difference of one kind between a plan's run and one process's.
+#[derive(Clone, Debug, Serialize)]
+pub struct VerifyDiff {
+    /// The tensor (module name) or step.
+    pub name: String,
+    /// Relative difference (norm-relative for tensors).
+    pub rel: f64,
+}
+
+/// What `smp-runner launch --verify` found (its `--json` object).
+#[derive(Clone, Debug, Serialize)]
+pub struct VerifyReport {
+    /// Steps each side trained, in f64.
+    pub steps: usize,
+    /// The largest difference f64 rounding explains.
+    pub tolerance: f64,
+    /// The plan's losses.
+    pub plan_losses: Vec<f64>,
+    /// One process's losses.
+    pub one_process_losses: Vec<f64>,
+    /// The worst step's loss.
+    pub loss: Option<VerifyDiff>,
+    /// The worst parameter.
+    pub parameters: Option<VerifyDiff>,
+    /// The worst buffer (running statistics).
+    pub buffers: Option<VerifyDiff>,
+    /// Tensors compared.
+    pub tensors: usize,
+    /// Every difference within `tolerance`.
+    pub passed: bool,
+    /// What the plan says makes it differ from one process (BatchNorm statistics per
+    /// microbatch or replica), where it does.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expected_difference: Option<String>,
+}
+
+impl VerifyReport {
+    /// The report as lines for a person.
+    pub fn lines(&self) -> Vec<String> {
+        let show = |what: &str, d: &Option<VerifyDiff>| match d {
+            Some(d) => format!("{what}: largest difference {:.2e} ({})", d.rel, d.name),
+            None => format!("{what}: none"),
+        };
+        let mut out = vec![
+            format!("verified {} f64 steps of the plan against one process ({} tensors)", self.steps, self.tensors),
+            show("losses", &self.loss),
+            show("parameters", &self.parameters),
+            show("buffers", &self.buffers),
+        ];
+        out.push(if self.passed {
+            format!("the plan trains as one process does (every difference ≤ {:.0e})", self.tolerance)
+        } else {
+            match &self.expected_difference {
+                Some(why) => format!("the plan differs from one process beyond {:.0e}, as it says it will: {why}", self.tolerance),
+                None => format!("the plan differs from one process beyond {:.0e}: this plan does not train the model right; please report it with the plan and model", self.tolerance),
+            }
+        });
+        out
+    }
+}

@@ -15,11 +15,19 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::runtime::RuntimeError;
-use crate::runtime::train::amp::LossScaleState;
 use super::slice::{Slice, buffer_name, is_buffer, param_name, part_dims, runs, slice_shape};
 use crate::runtime::kernels::tensor::{from_bytes, to_bytes};
 use crate::ir::{DType, Graph, ValueId};
 use crate::passes::params::ParamOptions;
+
+/// The loss scale between steps (what a checkpoint keeps of a `GradScaler`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LossScaleState {
+    /// The scale the next step multiplies its loss by.
+    pub scale: f64,
+    /// Steps in a row without inf/NaN since the scale last changed.
+    pub growth_tracker: u64,
+}
 
 /// Version of the manifest format.
 pub const FORMAT: u32 = 1;

@@ -6,6 +6,7 @@ use tch::{Kind, Tensor};
 
 use crate::ir::Precision;
 use crate::runtime::RuntimeError;
+use crate::runtime::state::checkpoint::LossScaleState;
 
 /// The low type a mixed-precision run computes its matrix products in (`torch.autocast`'s
 /// `dtype`). Weights, their gradients and AdamW's state stay fp32: the weights are the masters.
@@ -58,15 +59,6 @@ impl Default for LossScaleConfig {
     fn default() -> Self {
         LossScaleConfig { initial: 65536.0, growth_factor: 2.0, backoff_factor: 0.5, growth_interval: 2000 }
     }
-}
-
-/// The loss scale between steps (what a checkpoint keeps of a `GradScaler`).
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct LossScaleState {
-    /// The scale the next step multiplies its loss by.
-    pub scale: f64,
-    /// Steps in a row without inf/NaN since the scale last changed.
-    pub growth_tracker: u64,
 }
 
 /// The dynamic loss scale of an fp16 run: `GradScaler.update` after each step, in fp32 as

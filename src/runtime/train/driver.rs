@@ -3,7 +3,8 @@
 
 use std::path::PathBuf;
 
-use super::amp::{Autocast, LossScaleConfig, LossScaleState};
+use super::amp::{Autocast, LossScaleConfig};
+use crate::runtime::state::checkpoint::LossScaleState;
 use super::loss::LossKind;
 use super::optim::{AdamWConfig, LrSchedule};
 use super::records::{EvalConfig, EvalRecord, StepRecord, TrainObserver};

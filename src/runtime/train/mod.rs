@@ -10,7 +10,7 @@ pub mod optim;
 pub mod records;
 pub mod single;
 
-pub use amp::{Autocast, LossScaleConfig, LossScaleState, LossScaler};
+pub use amp::{Autocast, LossScaleConfig, LossScaler};
 pub use driver::{CheckpointRecord, OptimizerProgress, FailedCheckpoint, StepRunner, TrainConfig, Trained, drive, save_checkpoint};
 pub use loss::{IGNORE_INDEX, LossKind, global_target_count, loss_of, loss_sum_of, target_count};
 pub use optim::{AdamW, AdamWConfig, LrSchedule, LrShape, clip_grad_norm};

@@ -203,3 +203,18 @@ pub(super) fn where_(a: &Args) -> KResult<Tensor> {
     let c = a.x(0)?.f_to_kind(Kind::Bool)?;
     Ok(a.x(1)?.f_where_self(&c, a.x(2)?)?)
 }
+
+/// BitShift (unsigned integers): shifted in int64, where every unsigned value up to 32 bits
+/// is exact, and wrapped back to the input's width.
+pub(super) fn bit_shift(a: &Args) -> KResult<Tensor> {
+    let x = a.x(0)?;
+    let y = a.x(1)?;
+    let k = x.f_kind()?;
+    let (xi, yi) = (x.f_to_kind(Kind::Int64)?, y.f_to_kind(Kind::Int64)?);
+    let r = match a.attrs().str("direction") {
+        Some("LEFT") => xi.f_bitwise_left_shift(&yi)?,
+        Some("RIGHT") => xi.f_bitwise_right_shift(&yi)?,
+        other => bail!("direction must be LEFT or RIGHT, it is {other:?}"),
+    };
+    Ok(r.f_to_kind(k)?)
+}

@@ -2,10 +2,13 @@
 //! attributes, opset differences, integer/bool/fp16/bf16/f64 tensors).
 
 mod args;
+mod einsum;
 mod elementwise;
 pub(crate) mod moe;
 mod nn;
 mod reduce;
+mod resample;
+mod scatter;
 mod shape;
 
 use tch::Tensor;
@@ -33,8 +36,9 @@ impl AutocastClass {
     /// The class of `kind`, as autocast's CPU op lists place the torch op it runs.
     pub fn of(kind: OpKind) -> AutocastClass {
         match kind {
-            OpKind::MatMul | OpKind::Gemm | OpKind::Conv | OpKind::ScaledDotProductAttention => AutocastClass::Low,
-            OpKind::ReduceProd => AutocastClass::Fp32,
+            // einsum contracts with batched matrix products, which autocast runs in the low type
+            OpKind::MatMul | OpKind::Gemm | OpKind::Conv | OpKind::ScaledDotProductAttention | OpKind::Einsum => AutocastClass::Low,
+            OpKind::ReduceProd | OpKind::ReduceL2 | OpKind::ReduceLogSumExp | OpKind::ReduceSumSquare | OpKind::LpNormalization | OpKind::GridSample => AutocastClass::Fp32,
             OpKind::MixtureOfExperts => AutocastClass::Inside,
             _ => AutocastClass::AsIs,
         }
@@ -48,7 +52,9 @@ pub fn reads_on_host(kind: OpKind, i: usize) -> bool {
     match kind {
         ConstantOfShape | Range => true,
         Reshape | Expand | Tile | Unsqueeze | Squeeze | Split | TopK | Trilu | CumSum => i == 1,
-        ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd => i == 1,
+        k if k.is_reduction() => i == 1,
+        OneHot => i == 1,
+        Resize => i >= 1,
         Slice | Pad => i >= 1,
         Dropout => i >= 1,
         _ => false,
@@ -118,6 +124,14 @@ pub fn run(node: &Node, inputs: &[Option<Tensor>], ctx: &OpContext) -> KResult<V
         GlobalAveragePool | GlobalMaxPool => one(nn::global_pool(kind, &a)),
         Softmax | LogSoftmax => one(nn::softmax(kind, &a)),
         ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd => one(reduce::reduce(kind, &a)),
+        ReduceL1 | ReduceL2 | ReduceLogSumExp | ReduceSumSquare => one(reduce::reduce_norm(kind, &a)),
+        LpNormalization => one(reduce::lp_normalization(&a)),
+        Einsum => one(einsum::einsum(&a)),
+        Resize => one(resample::resize(&a)),
+        GridSample => one(resample::grid_sample(&a)),
+        ScatterElements => one(scatter::scatter_elements(&a)),
+        OneHot => one(scatter::one_hot(&a)),
+        BitShift => one(elementwise::bit_shift(&a)),
         ArgMax | ArgMin => one(reduce::arg(kind, &a)),
         CumSum => one(reduce::cumsum(&a)),
         TopK => reduce::top_k(&a),

@@ -87,3 +87,58 @@ pub(super) fn top_k(a: &Args) -> KResult<Vec<Tensor>> {
     let (values, indices) = x.f_sort_stable(true, ax, a.int("largest", 1) != 0)?;
     Ok(vec![values.f_narrow(ax, 0, k)?, indices.f_narrow(ax, 0, k)?])
 }
+
+/// The axes a reduction's node lists (the `axes` input from opset 18, the attribute before),
+/// normalised; `None` when it reduces nothing (`noop_with_empty_axes` with no axes).
+fn reduced_dims(a: &Args, rank: usize) -> KResult<Option<Vec<i64>>> {
+    let listed = if a.ctx.opset >= 18 { a.ints(1)? } else { a.attrs().ints("axes").map(<[i64]>::to_vec) };
+    let listed = listed.unwrap_or_default();
+    if listed.is_empty() {
+        if a.int("noop_with_empty_axes", 0) != 0 {
+            return Ok(None);
+        }
+        return Ok(Some((0..rank as i64).collect()));
+    }
+    Ok(Some(axes(&listed, rank)?))
+}
+
+/// ReduceL1, ReduceL2, ReduceLogSumExp, ReduceSumSquare. ReduceL2 is `torch.norm`,
+/// whose gradient at a zero vector is zero (√Σx² would give NaN), as PyTorch's.
+pub(super) fn reduce_norm(kind: OpKind, a: &Args) -> KResult<Tensor> {
+    let x = a.x(0)?;
+    let keep = a.int("keepdims", 1) != 0;
+    let k = x.f_kind()?;
+    let Some(dims) = reduced_dims(a, x.dim())? else {
+        // nothing reduced: each element alone
+        return Ok(match kind {
+            OpKind::ReduceL1 | OpKind::ReduceL2 => x.f_abs()?,
+            OpKind::ReduceSumSquare => x.f_mul(x)?,
+            _ => x.shallow_clone(),
+        });
+    };
+    let float = is_float_kind(k);
+    let xf = if float { x.shallow_clone() } else { x.f_to_kind(Kind::Double)? };
+    let y = match kind {
+        OpKind::ReduceL1 => xf.f_abs()?.f_sum_dim_intlist(dims.as_slice(), keep, None::<Kind>)?,
+        OpKind::ReduceL2 => xf.f_norm_scalaropt_dim(2.0, dims.as_slice(), keep)?,
+        OpKind::ReduceSumSquare => xf.f_mul(&xf)?.f_sum_dim_intlist(dims.as_slice(), keep, None::<Kind>)?,
+        _ => xf.f_logsumexp(dims.as_slice(), keep)?,
+    };
+    // integer inputs: ONNX keeps the type (ReduceL2 of ints rounds down, as the reference casts)
+    Ok(if y.f_kind()? != k { y.f_to_kind(k)? } else { y })
+}
+
+/// LpNormalization: `x / ‖x‖_p` along `axis` (p 1 or 2), no epsilon; a zero vector stays
+/// zero, as in the ONNX reference.
+pub(super) fn lp_normalization(a: &Args) -> KResult<Tensor> {
+    let x = a.x(0)?;
+    let ax = axis(a.int("axis", -1), x.dim())?;
+    let p = a.int("p", 2);
+    if p != 1 && p != 2 {
+        super::bail!("p must be 1 or 2, it is {p}");
+    }
+    let norm = x.f_norm_scalaropt_dim(p as f64, [ax].as_slice(), true)?;
+    // a zero vector stays zero (the reference's 0/0 = 0), with a finite gradient
+    let zero = norm.f_eq(0)?;
+    Ok(x.f_div(&norm.f_masked_fill(&zero, 1.0)?)?)
+}
