@@ -7,7 +7,6 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::passes::params::ParamOptions;
 use crate::solve::options::{Layout, parse_checkpointing, parse_schedule};
 use crate::solve::PlanOptions;
 
@@ -155,7 +154,7 @@ impl PlanRequest {
     /// The planner's options this request records (provenance aside: every setting reads as a
     /// flag).
     pub fn options(&self) -> Result<PlanOptions, RequestError> {
-        Ok(PlanOptions {
+        let mut options = PlanOptions {
             global_batch: self.global_batch,
             seq_len: self.seq_len,
             dims: self.dims.iter().map(|(k, v)| (k.clone(), *v)).collect(),
@@ -181,10 +180,12 @@ impl PlanRequest {
             precision: read("precision", &self.precision, |s| s.parse())?,
             offload: read("offload_activations", &self.offload_activations, |s| s.parse())?,
             loading_horizon: self.activation_loading_horizon,
-            params: ParamOptions { trainable: self.trainable.clone(), frozen: self.frozen.clone() },
             cluster_flag: Some(self.cluster.clone()),
             ..PlanOptions::default()
-        })
+        };
+        options.params.trainable = self.trainable.clone();
+        options.params.frozen = self.frozen.clone();
+        Ok(options)
     }
 
     /// The request's cluster with `devices` devices: its preset or file with the count replaced.
