@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cost::{LinkKind, MachineFacts};
 
+use super::request::PlanRequest;
 use crate::codegen::encode::{CodegenInput, CodegenSection, Mesh, RankView, StageInput};
 use crate::codegen::EncodeError;
 use crate::ir::ScheduleKind;
@@ -78,6 +79,10 @@ pub struct Plan {
     /// before they were searched).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub axes: Option<AxesInfo>,
+    /// What the plan was asked for: the planner's options and the cluster as named, so it can
+    /// be made again for another device count (absent in plans written before it was recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<PlanRequest>,
 }
 
 /// What the context and expert axes cost and save in the chosen plan (busiest pipeline rank,
