@@ -363,3 +363,89 @@ fn inspect_json_is_the_plan_plus_findings() {
     assert_eq!(v["inspect"]["bottleneck"]["pp_rank"], 1);
     assert_eq!(v["inspect"]["bottleneck"]["reason"], "compute");
 }
+
+/// Every count the file sets that the runner or the tools allocate from is refused past its
+/// bound, naming the field, before anything is allocated (the fuzzer found a plan without a
+/// codegen section whose `microbatches` of `usize::MAX` overflowed the schedule's lowering).
+#[test]
+fn every_count_past_its_bound_is_refused_naming_it() {
+    use smp_partition::ir::limits::*;
+    let cases: Vec<(&str, Box<dyn Fn(&mut Plan)>)> = vec![
+        ("parallel.microbatches = 18446744073709551615", Box::new(|p| p.parallel.microbatches = usize::MAX)),
+        ("parallel.microbatches = 3", Box::new(|p| p.parallel.microbatches = 3)),
+        ("global_batch = 0", Box::new(|p| p.global_batch = 0)),
+        ("global_batch = 4294967296", Box::new(|p| p.global_batch = 1 << 32)),
+        ("cluster.devices = 1048577", Box::new(|p| p.cluster.devices = MAX_DEVICES + 1)),
+        ("cluster.devices_per_node = 5", Box::new(|p| p.cluster.devices_per_node = 5)),
+        ("parallel.active_microbatches = 5", Box::new(|p| p.parallel.active_microbatches = Some(5))),
+        ("parallel.sharded_dp = 2", Box::new(|p| p.parallel.sharded_dp = Some(2))),
+        ("parallel.activation_loading_horizon = 9", Box::new(|p| p.parallel.loading_horizon = 9)),
+        ("model.layers = 1048577", Box::new(|p| {
+            p.model.layers = MAX_LAYERS + 1;
+            p.stages[1].layers[1] = MAX_LAYERS;
+        })),
+        ("layer_strategies[].layer = 6", Box::new(|p| p.layer_strategies[0].layer = 6)),
+        ("seq_len = 0", Box::new(|p| p.seq_len = Some(0))),
+        ("dims.heads = -1", Box::new(|p| {
+            p.dims.insert("heads".into(), -1);
+        })),
+    ];
+    for (want, change) in &cases {
+        let mut plan = fixture();
+        change(&mut plan);
+        let msg = validate(&plan).map(|_| "accepted".to_string()).unwrap_or_else(|e| e.to_string());
+        assert!(msg.contains(want), "`{want}`: {msg}");
+    }
+    // the schedule's size: pp·v·m stage-microbatches, even where the batch divides
+    let mut plan = fixture();
+    plan.global_batch = MAX_STAGE_MICROBATCHES as u64;
+    plan.parallel.microbatches = MAX_STAGE_MICROBATCHES;
+    let msg = validate(&plan).unwrap_err().to_string();
+    assert!(msg.contains("parallel.microbatches = 65536") && msg.contains("2·1·65536"), "{msg}");
+    plan.parallel.microbatches = MAX_STAGE_MICROBATCHES / 2;
+    validate(&plan).unwrap();
+    // a horizon up to a step's backwards, or the default, stands
+    let mut plan = fixture();
+    plan.parallel.loading_horizon = 8;
+    validate(&plan).unwrap_err();
+    plan.parallel.loading_horizon = 4;
+    validate(&plan).unwrap();
+}
+
+/// The planning request a plan records reads back into the planner's options it came from.
+#[test]
+fn the_planning_request_reads_back_into_its_options() {
+    use smp_partition::ir::ScheduleKind;
+    use smp_partition::plan::PlanRequest;
+    use smp_partition::solve::PlanOptions;
+    let options = PlanOptions {
+        global_batch: Some(8),
+        seq_len: Some(16),
+        dims: vec![("heads".into(), 4)],
+        pp: Some(2),
+        zero: Some(1),
+        schedule: Some(ScheduleKind::Interleaved { virtual_stages: 2 }),
+        checkpointing: Some(smp_partition::solve::CheckpointRule::Always),
+        optimize: Some("memory".parse().unwrap()),
+        placement: Some("TPD".parse().unwrap()),
+        layout: Some("0-1|2-3|4-4|5-5".parse().unwrap()),
+        memory_limit_gib: Some(12.5),
+        sequence_parallel: Some(false),
+        precision: Some(smp_partition::ir::Precision::Bf16Mixed),
+        offload: Some(smp_partition::ir::OffloadRule::Always),
+        loading_horizon: Some(2),
+        params: smp_partition::compile::ParamOptions { trainable: vec!["*.bias".into()], frozen: vec!["wte".into()] },
+        cluster_flag: Some("tests/data/cpu.toml:4".into()),
+        ..PlanOptions::default()
+    };
+    let request = PlanRequest::of(&options, "cpu:4");
+    let mut plan = fixture();
+    plan.request = Some(request.clone());
+    let back = io::from_json(&io::to_json(&plan), Path::new("p.json")).unwrap();
+    assert_eq!(back.request.as_ref(), Some(&request));
+    assert_eq!(request.options().unwrap(), options);
+    assert_eq!(request.cluster_with(2), "tests/data/cpu.toml:2");
+    assert_eq!(PlanRequest { cluster: "h100-80gb".into(), ..PlanRequest::default() }.cluster_with(6), "h100-80gb:6");
+    let bad = PlanRequest { schedule: Some("ring".into()), ..request };
+    assert!(bad.options().unwrap_err().to_string().contains("request.schedule `ring`"));
+}

@@ -1,5 +1,6 @@
 //! The shared vocabulary of every stage: graph, ops, tensor types, layers.
 
+mod collective;
 mod display;
 mod dtype;
 mod fusion;
@@ -12,12 +13,13 @@ pub mod schedule;
 mod shape;
 mod tensor;
 
+pub use collective::{CollectiveKind, GroupKind};
 pub use dtype::DType;
 pub use fusion::{AttentionMask, AttentionScale, ExpertActivation, FusedOp, Fusion, GeluApproximation};
 pub use graph::{AuxLoss, Graph, GraphError, Node, NodeId, Value, ValueId, ValueKind};
 pub use layer::{DimBindings, Layer, LayerKind, LayeredGraph, NodeFigures};
 pub use op::{Attr, Attrs, Op, OpKind, PADDING_ROWS};
-pub use parallel::{CheckpointRule, MeshAxis, OffloadRule, Parallelism, Placement, Precision};
+pub use parallel::{CheckpointRule, MeshAxis, OffloadRule, Parallelism, Placement, Precision, limits};
 pub use param::{DecisionSource, FrozenReason, ParamRecord, ParamTransform, RecordKind, Training};
 pub use schedule::{Action, ActionKind, ScheduleError, ScheduleKind, compute_actions};
 pub use shape::{Dim, Shape, TensorType};

@@ -10,6 +10,32 @@ use serde::{Deserialize, Serialize};
 
 use super::{DType, ScheduleKind};
 
+/// Bounds on the counts of a step, held by the planner (which searches nothing past them) and by
+/// a plan file's validation (which refuses a file past them before anything is allocated from
+/// its counts).
+pub mod limits {
+    /// The most devices a cluster may have (a million: 60 times the largest training runs
+    /// published). Every rank list, mesh and per-device table is bounded by it.
+    pub const MAX_DEVICES: usize = 1 << 20;
+    /// The most samples a step may hold (the global batch).
+    pub const MAX_GLOBAL_BATCH: u64 = 1 << 31;
+    /// The most layers a model may have.
+    pub const MAX_LAYERS: usize = 1 << 20;
+    /// The most stage-microbatches a step may run: stages (pp · virtual stages) times
+    /// microbatches. Each is a forward and a backward action of the lowered schedule with their
+    /// sends and receives, so this bounds the programs a schedule lowers to.
+    pub const MAX_STAGE_MICROBATCHES: usize = 1 << 16;
+    /// The most a bound dim (the sequence length, `--dim NAME=V`) may be.
+    pub const MAX_DIM: u64 = 1 << 31;
+
+    /// The largest activation loading horizon worth recording for `microbatches` microbatches
+    /// of `virtual_stages` chunks per rank: a rank runs microbatches · virtual stages
+    /// backwards per step and a larger horizon means the same; the default is always allowed.
+    pub fn max_loading_horizon(microbatches: usize, virtual_stages: usize) -> usize {
+        microbatches.saturating_mul(virtual_stages).max(super::OffloadRule::DEFAULT_HORIZON)
+    }
+}
+
 /// A plan's parallel configuration: what the planner chose (or was told), what codegen lowers,
 /// the plan file records (its `parallel` object, through the plan's own spelling) and the
 /// runner executes.

@@ -115,6 +115,7 @@ pub fn from_decision(d: &PlanDecision, lg: &LayeredGraph, cluster: &ClusterSpec,
         trainable: opts.params.trainable.clone(),
         frozen: opts.params.frozen.clone(),
         batch_statistics: BatchStatistics::of(&lg.graph, per_microbatch),
+        request: Some(super::request::PlanRequest::of(opts, &format!("{}:{}", cluster.name, cluster.devices))),
         codegen: None,
         // Where a degree was searched, or the sequence is long enough (a sample's checkpointed
         // activations over an eighth of the device) that c = 1 deserves its reason.

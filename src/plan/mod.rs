@@ -6,9 +6,11 @@ pub mod build;
 pub mod dot;
 pub mod io;
 pub mod report;
+pub mod request;
 pub mod schema;
 pub mod validate;
 
 pub use io::{PlanIoError, load, save};
+pub use request::{PlanRequest, RequestError};
 pub use schema::{PLAN_VERSION, Plan};
 pub use validate::{PlanInvalid, validate};

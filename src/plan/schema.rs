@@ -3,12 +3,14 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
 use crate::cost::{LinkKind, MachineFacts};
 
+use super::request::PlanRequest;
 use crate::codegen::encode::{CodegenInput, CodegenSection, Mesh, RankView, StageInput};
 use crate::codegen::EncodeError;
 use crate::ir::ScheduleKind;
@@ -77,6 +79,10 @@ pub struct Plan {
     /// before they were searched).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub axes: Option<AxesInfo>,
+    /// What the plan was asked for: the planner's options and the cluster as named, so it can
+    /// be made again for another device count (absent in plans written before it was recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<PlanRequest>,
 }
 
 /// What the context and expert axes cost and save in the chosen plan (busiest pipeline rank,
@@ -543,6 +549,17 @@ impl Plan {
 }
 
 impl Plan {
+    /// The model file this plan was made for, located from `plan_file` (the plan's own path):
+    /// the recorded path where it exists or is absolute, else that path in the plan's folder
+    /// when the model is there (a plan moved with its model). The one rule for every reader.
+    pub fn model_file(&self, plan_file: &Path) -> PathBuf {
+        let recorded = PathBuf::from(&self.model.path);
+        if recorded.exists() || recorded.is_absolute() {
+            return recorded;
+        }
+        plan_file.parent().map(|d| d.join(&recorded)).filter(|m| m.exists()).unwrap_or(recorded)
+    }
+
     /// What codegen needs of this plan.
     pub fn codegen_input(&self) -> Result<CodegenInput, EncodeError> {
         let p = &self.parallel;

@@ -4,6 +4,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::schema::Plan;
 use crate::codegen::validate::{Invalid, ValidationErrors, validate_section};
+use crate::ir::OffloadRule;
+use crate::ir::limits::{MAX_DEVICES, MAX_DIM, MAX_GLOBAL_BATCH, MAX_LAYERS, MAX_STAGE_MICROBATCHES, max_loading_horizon};
 
 /// A structural inconsistency in a plan.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -74,6 +76,18 @@ pub enum PlanInvalid {
     /// A negative or non-finite time or ratio.
     #[error("{field} = {value} is not a finite non-negative number")]
     BadNumber { field: String, value: f64 },
+    /// A count the file sets is past what the plan's other figures allow.
+    #[error("{field} = {value} is out of range: {bound}")]
+    Count { field: String, value: String, bound: String },
+    /// The global batch does not split into whole samples per replica and microbatch.
+    #[error(
+        "global_batch = {global_batch} does not split into parallel.dp = {dp} replicas × parallel.microbatches = {microbatches} microbatches of whole samples; re-plan the model"
+    )]
+    BatchSplit { global_batch: u64, dp: usize, microbatches: usize },
+}
+
+fn count(field: impl Into<String>, value: impl std::fmt::Display, bound: impl Into<String>) -> PlanInvalid {
+    PlanInvalid::Count { field: field.into(), value: value.to_string(), bound: bound.into() }
 }
 
 /// Checks the invariants every plan must satisfy; the error names the stage concerned.
@@ -109,6 +123,7 @@ pub fn validate(plan: &Plan) -> Result<(), PlanInvalid> {
             devices: plan.cluster.devices,
         });
     }
+    check_counts(plan)?;
     if plan.stages.is_empty() {
         return Err(PlanInvalid::NoStages);
     }
@@ -214,6 +229,74 @@ pub fn validate(plan: &Plan) -> Result<(), PlanInvalid> {
     }
     if let Some(section) = &plan.codegen {
         validate_codegen(plan, section)?;
+    }
+    Ok(())
+}
+
+/// The counts the file sets that nothing else bounds, each against what bounds it: the
+/// cluster's devices, the global batch against its replicas and microbatches, the schedule's
+/// size, the loading horizon, the bound dims and the layers.
+fn check_counts(plan: &Plan) -> Result<(), PlanInvalid> {
+    let par = &plan.parallel;
+    let c = &plan.cluster;
+    if c.devices == 0 || c.devices > MAX_DEVICES {
+        return Err(count("cluster.devices", c.devices, format!("1..={MAX_DEVICES}")));
+    }
+    if c.devices_per_node == 0 || c.devices_per_node > c.devices {
+        return Err(count("cluster.devices_per_node", c.devices_per_node, format!("1..=cluster.devices ({})", c.devices)));
+    }
+    if plan.global_batch == 0 || plan.global_batch > MAX_GLOBAL_BATCH {
+        return Err(count("global_batch", plan.global_batch, format!("1..={MAX_GLOBAL_BATCH} samples")));
+    }
+    // every replica's microbatches hold whole samples, as the planner splits them
+    let per_replica = plan.global_batch / par.dp as u64;
+    if plan.global_batch % par.dp as u64 != 0 || per_replica % par.microbatches as u64 != 0 {
+        return Err(PlanInvalid::BatchSplit { global_batch: plan.global_batch, dp: par.dp, microbatches: par.microbatches });
+    }
+    let v = par.schedule.virtual_stages();
+    let stage_microbatches = par.pp.saturating_mul(v).saturating_mul(par.microbatches);
+    if stage_microbatches > MAX_STAGE_MICROBATCHES {
+        return Err(count(
+            "parallel.microbatches",
+            par.microbatches,
+            format!(
+                "pp·virtual_stages·microbatches = {}·{v}·{} stage-microbatches per step is past the most a schedule may run ({MAX_STAGE_MICROBATCHES})",
+                par.pp, par.microbatches
+            ),
+        ));
+    }
+    if let Some(a) = par.active_microbatches
+        && (a == 0 || a > par.microbatches)
+    {
+        return Err(count("parallel.active_microbatches", a, format!("1..=parallel.microbatches ({})", par.microbatches)));
+    }
+    if let Some(s) = par.sharded_dp
+        && (s == 0 || par.dp % s != 0)
+    {
+        return Err(count("parallel.sharded_dp", s, format!("a divisor of parallel.dp ({})", par.dp)));
+    }
+    let horizon = max_loading_horizon(par.microbatches, v);
+    if par.loading_horizon > horizon {
+        return Err(count(
+            "parallel.activation_loading_horizon",
+            par.loading_horizon,
+            format!("at most the {horizon} backwards a rank runs per step (microbatches · virtual stages, or the default {})", OffloadRule::DEFAULT_HORIZON),
+        ));
+    }
+    if plan.model.layers == 0 || plan.model.layers > MAX_LAYERS {
+        return Err(count("model.layers", plan.model.layers, format!("1..={MAX_LAYERS}")));
+    }
+    if let Some(l) = plan.layer_strategies.iter().find(|l| l.layer >= plan.model.layers) {
+        return Err(count("layer_strategies[].layer", l.layer, format!("below model.layers ({})", plan.model.layers)));
+    }
+    if let Some(s) = plan.seq_len.filter(|&s| s == 0 || s > MAX_DIM) {
+        return Err(count("seq_len", s, format!("1..={MAX_DIM}")));
+    }
+    if let Some((name, &v)) = plan.dims.iter().find(|&(_, &v)| v < 1 || v as u64 > MAX_DIM) {
+        return Err(count(format!("dims.{name}"), v, format!("1..={MAX_DIM}")));
+    }
+    if let Some(b) = plan.batch_statistics.as_ref().filter(|b| b.samples == 0 || b.samples > plan.global_batch) {
+        return Err(count("batch_statistics.samples", b.samples, format!("1..=global_batch ({})", plan.global_batch)));
     }
     Ok(())
 }

@@ -8,7 +8,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::cost::ClusterSpec;
-use crate::ir::{LayeredGraph, OffloadRule, Precision, ScheduleKind};
+use crate::ir::{LayeredGraph, OffloadRule, Precision, ScheduleKind, limits};
 
 pub use super::smp_config::{ConfigError, SmpConfig, Source, Sourced};
 use super::smp_config::conflict;
@@ -485,6 +485,17 @@ impl PlanOptions {
         if self.zero.is_some_and(|z| z > 3) {
             return Err(ConfigError::Invalid { setting: self.source(Setting::Zero), why: "ZeRO stages are 0, 1, 2 and 3".into() });
         }
+        let too_large = [
+            (Setting::GlobalBatch, self.global_batch, limits::MAX_GLOBAL_BATCH, "samples per step"),
+            (Setting::SeqLen, self.seq_len, limits::MAX_DIM, "tokens"),
+            (Setting::Microbatches, self.microbatches.map(|m| m as u64), limits::MAX_STAGE_MICROBATCHES as u64, "microbatches per step"),
+        ];
+        if let Some((s, _, max, what)) = too_large.iter().find(|(_, v, max, _)| v.is_some_and(|v| v > *max)) {
+            return Err(ConfigError::Invalid { setting: self.source(*s), why: format!("must be at most {max} {what}") });
+        }
+        if let Some((name, v)) = self.dims.iter().find(|(_, v)| *v < 1 || *v as u64 > limits::MAX_DIM) {
+            return Err(ConfigError::Invalid { setting: Source::Flag(format!("--dim {name}={v}")), why: format!("must be in 1..={}", limits::MAX_DIM) });
+        }
         if let Some(g) = self.memory_limit_gib
             && !(g.is_finite() && g > 0.0)
         {
@@ -655,6 +666,9 @@ impl PlanOptions {
     /// h100-80gb:8`).
     pub fn check_devices(&self, devices: usize, cluster: &str) -> Result<(), ConfigError> {
         let cluster_src = || Source::Flag(format!("--cluster {cluster} ({devices} devices)"));
+        if devices > limits::MAX_DEVICES {
+            return Err(ConfigError::Invalid { setting: cluster_src(), why: format!("plans are made for at most {} devices", limits::MAX_DEVICES) });
+        }
         let mut product = 1usize;
         let mut given: Vec<Source> = Vec::new();
         for (s, v) in [(Setting::Pp, self.pp), (Setting::Tp, self.tp), (Setting::Cp, self.cp), (Setting::Dp, self.dp)] {

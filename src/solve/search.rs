@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use crate::cost::{ClusterSpec, GroupSpan, in_flight, kept_in_flight};
-use crate::ir::{LayeredGraph, OffloadRule, Parallelism, ScheduleKind};
+use crate::ir::{LayeredGraph, OffloadRule, Parallelism, ScheduleKind, limits};
 
 use super::ilp::{SolveReport, SolveStatus, SolverOptions};
 use super::layer_cost::{CostContext, LayerConfig, tensor_split_divisor};
@@ -188,6 +188,10 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
                     if pp * schedule.virtual_stages() > layers {
                         continue;
                     }
+                    // the schedule's size a plan may hold (`ir::limits`)
+                    if pp.saturating_mul(schedule.virtual_stages()).saturating_mul(m) > limits::MAX_STAGE_MICROBATCHES {
+                        continue;
+                    }
                     for &placement in &placements {
                         for (&zero, &sequence_parallel) in zeros.iter().flat_map(|z| sps.iter().map(move |s| (z, s))) {
                             out.push(Candidate {
@@ -207,7 +211,10 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
                                     sequence_parallel,
                                     precision: c.precision_for(spec),
                                     offload: c.offload_for(spec),
-                                    loading_horizon: c.loading_horizon.unwrap_or(OffloadRule::DEFAULT_HORIZON),
+                                    loading_horizon: c
+                                        .loading_horizon
+                                        .unwrap_or(OffloadRule::DEFAULT_HORIZON)
+                                        .min(limits::max_loading_horizon(m, schedule.virtual_stages())),
                                 },
                                 microbatch_size: b,
                             });

@@ -120,6 +120,7 @@ pub fn fixture() -> Plan {
         trainable: Vec::new(),
         frozen: Vec::new(),
         batch_statistics: None,
+        request: None,
         codegen: None,
         axes: None,
     };
