@@ -369,7 +369,7 @@ pub fn write(plan: &Plan, shape: &ModelShape) -> Result<Written, String> {
     }
     if p.cp > 1 {
         arg(&["--context-parallel-size", &p.cp.to_string()]);
-        arg(&["--cp-comm-type", "allgather"]);
+        arg(&["--cp-comm-type", "all_gather"]);
     }
     if shape.experts.is_some() {
         arg(&["--expert-model-parallel-size", &p.ep.to_string()]);
@@ -765,12 +765,12 @@ pub fn read(text: &str, origin: Origin, shape: &ModelShape, devices: Option<usiz
     }
     o.sequence_parallel = Some(sp && tp > 1);
     if let Some(kind) = a.text("cp-comm-type")?
-        && kind != "allgather"
+        && kind != "all_gather"
         && cp > 1
     {
         reading.unpriced.push(Unpriced {
             setting: format!("--cp-comm-type {kind}"),
-            why: "the planner prices context parallelism as the all-gather of keys and values (--cp-comm-type allgather)".into(),
+            why: "the planner prices context parallelism as the all-gather of keys and values (--cp-comm-type all_gather)".into(),
         });
     }
     // ZeRO

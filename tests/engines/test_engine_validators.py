@@ -1,9 +1,8 @@
 """Every configuration `smp-partition emit` writes, fed to the engine's own parsing and
-validation, and what the engine makes of it compared with the plan: Megatron-LM's
-`parse_args`, `validate_args` and `core_transformer_config_from_args` (megatron_lm/, as
-released with megatron-core 0.16.1) building Megatron-Core's `TransformerConfig` (with its
-`ModelParallelConfig` and `PipelineParallelLayerLayout`), its microbatch calculator and its
-per-stage layer counts; torchtitan 0.3's `ConfigManager`, `ParallelDims`, its pipeline's stage
+validation, and what the engine makes of it compared with the plan: Megatron's arguments read
+by our own parser (megatron_args.py) into Megatron-Core 0.16's `TransformerConfig` (with its
+`ModelParallelConfig` and `PipelineParallelLayerLayout`), its rank generator, microbatch
+calculator and per-stage layer counts; torchtitan 0.3's `ConfigManager`, `ParallelDims`, its pipeline's stage
 mapping and module split on the model built on the meta device; DeepSpeed 0.19's
 `DeepSpeedConfig` and its pipeline partitioning functions.
 
@@ -24,13 +23,10 @@ from typing import Any
 
 import pytest
 
+import megatron_args
 from conftest import Planned, blocks_per_stage, layer_kinds, MODELS
 
 HERE = Path(__file__).resolve().parent
-
-# What this machine needs and the plans' clusters do not: Transformer Engine is not installed
-# here (its fused rotary embedding is Megatron-LM's default).
-MEGATRON_HERE_ONLY = ["--no-rope-fusion"]
 
 
 def degrees(plan: dict[str, Any]) -> dict[str, Any]:
@@ -76,68 +72,6 @@ def launcher_world(words: list[str]) -> int:
 # Megatron-LM
 
 
-@contextlib.contextmanager
-def environment(env: dict[str, str], argv: list[str]):
-    saved_env, saved_argv = dict(os.environ), sys.argv
-    os.environ.update(env)
-    sys.argv = argv
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved_env)
-        sys.argv = saved_argv
-
-
-def megatron_arguments():
-    """Megatron-LM's `megatron.training.arguments` (megatron_lm/), beside the wheel's core."""
-    import megatron
-
-    path = str(HERE / "megatron_lm")
-    if path not in list(megatron.__path__):
-        megatron.__path__.append(path)
-    from megatron.training import arguments
-
-    return arguments
-
-
-def megatron_parse(words: list[str], env: dict[str, str], world: int):
-    """`pretrain_gpt.py WORDS` as Megatron-LM starts it: parse_args, validate_args and the
-    TransformerConfig. Raises what Megatron-LM raises (argparse's exit as a ValueError)."""
-    arguments = megatron_arguments()
-    env = {"WORLD_SIZE": str(world), "RANK": "0", "CUDA_DEVICE_MAX_CONNECTIONS": "", **env}
-    if not env["CUDA_DEVICE_MAX_CONNECTIONS"]:
-        del env["CUDA_DEVICE_MAX_CONNECTIONS"]
-        os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
-    err = io.StringIO()
-    with environment(env, ["pretrain_gpt.py", *words, *MEGATRON_HERE_ONLY]), contextlib.redirect_stderr(err):
-        try:
-            args = arguments.parse_args()
-        except SystemExit as e:
-            raise ValueError(f"argparse refused the arguments: {err.getvalue().strip().splitlines()[-1:]}") from e
-        arguments.validate_args(args)
-        config = arguments.core_transformer_config_from_args(args)
-    return args, config
-
-
-def megatron_blocks(config) -> list[int]:
-    """Transformer layers Megatron-Core builds per (virtual) stage, in pipeline order."""
-    from megatron.core.transformer.enums import LayerType
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
-
-    pp = config.pipeline_model_parallel_size
-    vp = config.virtual_pipeline_model_parallel_size or 1
-    layout = config.pipeline_model_parallel_layout
-    out = []
-    for v in range(vp):
-        for r in range(pp):
-            if layout is not None:
-                out.append(layout.layout[r][v].count(LayerType.decoder))
-            else:
-                out.append(get_num_layers_to_build(config, vp_stage=v if vp > 1 else None, pp_rank=r))
-    return out
-
-
 def megatron_recomputed(config, blocks: list[int]) -> list[int]:
     """Layers Megatron-Core recomputes per (virtual) stage (full granularity)."""
     if config.recompute_granularity != "full":
@@ -156,23 +90,27 @@ def check_megatron(p: Planned) -> None:
     world = launcher_world(words)
     assert world == p.plan["cluster"]["devices"], (world, e["launch"])
     script = words.index("pretrain_gpt.py")
-    args, config = megatron_parse(words[script + 1:], env, world)
+    parsed = megatron_args.parse(words[script + 1:], env, world)
+    config = megatron_args.transformer_config(parsed)
+    args = parsed.args
+    dp = megatron_args.data_parallel_group_size(parsed, config)
     d = degrees(plan)
-    got = {"pp": config.pipeline_model_parallel_size, "tp": config.tensor_model_parallel_size, "dp": args.data_parallel_size,
+    got = {"pp": config.pipeline_model_parallel_size, "tp": config.tensor_model_parallel_size, "dp": dp,
            "cp": config.context_parallel_size, "ep": config.expert_model_parallel_size}
-    assert got == d, f"{p.case.name}: Megatron-LM runs {got}, the plan {d}"
+    assert got == d, f"{p.case.name}: Megatron-Core runs {got}, the plan {d}"
     assert (config.virtual_pipeline_model_parallel_size or 1) == virtual_stages(plan)
     assert config.sequence_parallel == (plan["parallel"].get("sequence_parallel", False) and d["tp"] > 1)
-    calc = ConstantNumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size, args.data_parallel_size, False, 0)
+    calc = ConstantNumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size, dp, False, 0)
     assert (args.global_batch_size, calc.num_micro_batches) == (plan["global_batch"], plan["parallel"]["microbatches"])
     blocks = blocks_per_stage(plan, p.kinds)
     if d["pp"] > 1:
-        assert megatron_blocks(config) == blocks, f"{p.case.name}: Megatron-Core's layers per stage"
+        assert megatron_args.blocks_per_stage(config) == blocks, f"{p.case.name}: Megatron-Core's layers per stage"
     assert config.num_layers == sum(blocks)
     assert megatron_recomputed(config, blocks) == recomputed_per_stage(plan, p.kinds), p.case.name
     precision = plan["parallel"]["precision"]
     assert (config.bf16, config.fp16) == (precision in ("bf16", "bf16-mixed"), precision == "fp16-mixed")
     assert args.use_distributed_optimizer == (plan["parallel"]["zero"] == 1)
+    assert args.use_megatron_fsdp == (plan["parallel"]["zero"] >= 2)
 
 
 # ---------------------------------------------------------------------------------------------
