@@ -331,3 +331,40 @@ def test_torchtitan_accepts_every_emitted_job(planned: list[Planned]) -> None:
 def test_deepspeed_accepts_every_emitted_config(planned: list[Planned], deepspeed_comm) -> None:
     for p in planned:
         check_deepspeed(p)
+
+
+def test_megatron_core_refuses_broken_argument_lists(planned: list[Planned]) -> None:
+    """The Megatron check has teeth: an emitted list with one change Megatron-Core refuses."""
+    import re
+
+    def refused(p: Planned, edit) -> str:
+        env, words = launch_words(p.emitted["megatron"]["launch"], p.files("megatron"))
+        world = launcher_world(words)
+        words = edit(words[words.index("pretrain_gpt.py") + 1:])
+        with pytest.raises(megatron_args.MegatronRefused) as e:
+            parsed = megatron_args.parse(words, env, world)
+            megatron_args.blocks_per_stage(megatron_args.transformer_config(parsed))
+        return str(e.value)
+
+    def set_flag(flag: str, value: str):
+        def edit(words: list[str]) -> list[str]:
+            i = words.index(flag)
+            return words[:i + 1] + [value] + words[i + 2:]
+        return edit
+
+    def with_layout(p: Planned) -> bool:
+        return "--pipeline-model-parallel-layout" in p.files("megatron")["megatron.args"]
+
+    def with_first_last(p: Planned) -> bool:
+        return "--decoder-first-pipeline-num-layers" in p.files("megatron")["megatron.args"]
+
+    layout = next(p for p in planned if with_layout(p))
+    text = layout.files("megatron")["megatron.args"]
+    s = re.search(r"--pipeline-model-parallel-layout '?([^'\n]+)'?", text).group(1)
+    one_less = re.sub(r"t\*(\d+)", lambda m: f"t*{int(m.group(1)) - 1}", s, count=1)
+    assert "decoder layers" in refused(layout, set_flag("--pipeline-model-parallel-layout", one_less))
+    uneven = next(p for p in planned if with_first_last(p))
+    first = int(re.search(r"--decoder-first-pipeline-num-layers (\d+)", uneven.files("megatron")["megatron.args"]).group(1))
+    assert "middle" in refused(uneven, set_flag("--decoder-first-pipeline-num-layers", str(first + 1)))
+    tp8 = next(p for p in planned if degrees(p.sent["megatron"])["tp"] == 8)
+    assert "tensor_model_parallel_size" in refused(tp8, set_flag("--num-attention-heads", "12"))
