@@ -43,18 +43,8 @@ def first_sentence(text):
     s = text[:end].rstrip('.')
     if len(s) > 220: s = s[:220].rsplit(' ',1)[0] + ' …'
     return s.replace('|','\\|')
-# Files of another project, copied unchanged (their folder's README.md says from where).
-VENDORED = {
- 'tests/engines/megatron_lm/LICENSE': "Megatron-LM's license",
- 'tests/engines/megatron_lm/training/arguments.py': "Megatron-LM's argument parsing and checks (`parse_args`, `validate_args`, `core_transformer_config_from_args`)",
- 'tests/engines/megatron_lm/training/argument_utils.py': "Megatron-LM's arguments from dataclasses",
- 'tests/engines/megatron_lm/training/common_config.py': "Megatron-LM's profiling and RNG configuration",
- 'tests/engines/megatron_lm/training/resilience_config.py': "Megatron-LM's straggler and rerun configuration",
- 'tests/engines/megatron_lm/training/training_config.py': "Megatron-LM's training, scheduler, logging, checkpoint and validation configuration",
-}
 def doc(f):
     if f in GEN: return GEN[f] + ('' if f.endswith('py.typed') else ' *(generated)*')
-    if f in VENDORED: return VENDORED[f] + ' *(Megatron-LM core_v0.16.1, unchanged)*'
     src = open(f, errors='replace').read()
     if f.endswith('.rs'):
         lines=[]

@@ -113,9 +113,11 @@ fn round_trip(engine: Engine, what: &str, plan: &Plan, a: &Analysed, cluster: &C
 
 /// Requests covering what the engines express: the automatic plan, interleaving, uneven
 /// cuts, recompute (full and per stage), ZeRO stages, context and expert parallelism, fp16.
+/// One of each kind: Llama 3 70B's automatic search (15 s) and a second interleaved plan on
+/// Llama 3 405B (34 s) exercised nothing the others do not.
 fn requests(name: &str) -> Vec<(&'static str, PlanOptions)> {
     let base = PlanOptions { global_batch: Some(512), ..PlanOptions::default() };
-    let mut out = vec![("automatic", base.clone())];
+    let mut out = if name == "llama3-70b.onnx" { vec![] } else { vec![("automatic", base.clone())] };
     match name {
         "llama3-8b.onnx" => {
             out.push(("pp 2 tp 4 zero 1 fp16", PlanOptions { pp: Some(2), tp: Some(4), zero: Some(1), precision: Some(Precision::Fp16Mixed), ..base.clone() }));
@@ -127,9 +129,6 @@ fn requests(name: &str) -> Vec<(&'static str, PlanOptions)> {
                 PlanOptions { pp: Some(4), tp: Some(8), schedule: Some(ScheduleKind::Interleaved { virtual_stages: 2 }), checkpointing: Some(smp_partition::solve::CheckpointRule::Always), ..base.clone() },
             ));
             out.push(("pp 8 tp 4 1f1b", PlanOptions { pp: Some(8), tp: Some(4), schedule: Some(ScheduleKind::OneFOneB), placement: Some(Placement::SPREAD), ..base.clone() }));
-        }
-        "llama3-405b.onnx" => {
-            out.push(("pp 16 tp 8 interleaved:2", PlanOptions { pp: Some(16), tp: Some(8), schedule: Some(ScheduleKind::Interleaved { virtual_stages: 2 }), ..base.clone() }));
         }
         "gpt3-175b.onnx" => {
             out.push(("pp 8 tp 8 1f1b zero 1", PlanOptions { pp: Some(8), tp: Some(8), zero: Some(1), schedule: Some(ScheduleKind::OneFOneB), ..base.clone() }));
@@ -159,12 +158,14 @@ fn round_trips_on_the_bundled_large_models() {
         let a = analyse(name);
         let cluster = cluster_for(name);
         for (what, req) in requests(name) {
+            let start = std::time::Instant::now();
             let plan = compile(&a, &cluster, &req);
             for engine in [Engine::Megatron, Engine::Torchtitan, Engine::DeepSpeed] {
                 let (e, delta) = round_trip(engine, &format!("{name} {what}"), &plan, &a, &cluster, &|_| {});
                 worst = worst.max(delta);
                 lines.push(format!("{name} {what} → {engine}: {} gap(s), {:.3} s against {:.3} s", e.gaps.len(), e.step_s(), e.plan_step_s));
             }
+            lines.push(format!("{name} {what}: planned and read back in {:.1} s", start.elapsed().as_secs_f64()));
         }
     }
     for l in &lines {

@@ -318,7 +318,7 @@ def layer_params(model: Path) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_megatron_lm_accepts_every_emitted_argument_list(planned: list[Planned]) -> None:
+def test_megatron_core_accepts_every_emitted_argument_list(planned: list[Planned]) -> None:
     for p in planned:
         check_megatron(p)
 
