@@ -11,7 +11,10 @@
 //! POLL <round>                               → RUNNING <joining devices> | FAILED <final> <at> <grow> <lost> <text>
 //! PLAN <round> <decision>                    → OK      node 0 publishes the round's plan
 //! PLAN? <round>                              → WAIT | <decision>
+//! DONE <round>                               → OK      node 0: the job ended well in this round
 //! ```
+//!
+//! Once the job is done, `POLL` and `READY` of any later round answer `DONE`.
 //!
 //! A round is one start of every rank; it ends for everyone at the first failure any launcher
 //! reports. Without `--elastic` it begins once every launcher is READY. Under `--elastic` the
@@ -97,6 +100,8 @@ struct State {
     plans: BTreeMap<u32, String>,
     /// The newest decided round.
     current: Option<u32>,
+    /// The round in which the job ended well.
+    done: Option<u32>,
 }
 
 impl State {
@@ -172,6 +177,9 @@ fn respond(line: &str, state: &Mutex<State>, nnodes: usize, elastic: Option<&Ela
     let (round, rest) = rest.split_once(' ').unwrap_or((rest, ""));
     let Ok(r) = round.parse::<u32>() else { return Ok("ERROR unknown request".into()) };
     let words: Vec<&str> = rest.split(' ').collect();
+    if s.done.is_some_and(|d| r >= d) && matches!(verb, "READY" | "POLL") {
+        return Ok("DONE".into());
+    }
     Ok(match (verb, elastic) {
         ("READY", None) => {
             let node = words.first().and_then(|n| n.parse::<usize>().ok()).unwrap_or(usize::MAX);
@@ -238,11 +246,18 @@ fn respond(line: &str, state: &Mutex<State>, nnodes: usize, elastic: Option<&Ela
             "OK".into()
         }
         ("PLAN?", _) => s.plans.get(&r).cloned().unwrap_or_else(|| "WAIT".into()),
+        ("DONE", _) => {
+            s.done = Some(r);
+            "OK".into()
+        }
         _ => "ERROR unknown request".into(),
     })
 }
 
 fn parse_poll(reply: &str) -> Option<RoundState> {
+    if reply == "DONE" {
+        return Some(RoundState::Done);
+    }
     if let Some(j) = reply.strip_prefix("RUNNING") {
         return Some(RoundState::Running { joining: j.trim().parse().unwrap_or(0) });
     }
@@ -272,6 +287,8 @@ pub enum Membership {
     Members(Members),
     /// This launcher is not in the round; the newest decided round is this one.
     Late(u32),
+    /// The job has ended.
+    Done,
 }
 
 /// What the store says of a round in progress.
@@ -281,6 +298,8 @@ pub enum RoundState {
     Running { joining: usize },
     /// Ended by a failure (or to grow).
     Failed(RoundFailure),
+    /// The job ended well.
+    Done,
 }
 
 impl Client {
@@ -312,6 +331,8 @@ impl Client {
             Membership::Members(parse_members(m))
         } else if let Some(c) = reply.strip_prefix("LATE ") {
             Membership::Late(c.trim().parse().ok()?)
+        } else if reply == "DONE" {
+            Membership::Done
         } else {
             Membership::Wait
         })
@@ -337,13 +358,18 @@ impl Client {
     pub fn failure(&self, round: u32) -> Option<RoundFailure> {
         match self.poll(round)? {
             RoundState::Failed(f) => Some(f),
-            RoundState::Running { .. } => None,
+            RoundState::Running { .. } | RoundState::Done => None,
         }
     }
 
     /// Node 0: publishes the plan decision of `round` (one line).
     pub fn publish(&self, round: u32, decision: &str) -> bool {
         self.ask(&format!("PLAN {round} {}", decision.replace('\n', " "))).is_some_and(|r| r == "OK")
+    }
+
+    /// Node 0: the job ended well in `round`.
+    pub fn done(&self, round: u32) -> bool {
+        self.ask(&format!("DONE {round}")).is_some_and(|r| r == "OK")
     }
 
     /// The plan decision of `round`, once node 0 has published it.
@@ -389,6 +415,10 @@ mod tests {
         assert_eq!(ask(&s, &rules, "PLAN? 2"), "WAIT");
         assert_eq!(ask(&s, &rules, "PLAN 2 GO abc 4 0:0:2,1:2:2 - /x/plan.json"), "OK");
         assert_eq!(ask(&s, &rules, "PLAN? 2"), "GO abc 4 0:0:2,1:2:2 - /x/plan.json");
+        // the job ends: a launcher waiting for a later round hears it
+        assert_eq!(ask(&s, &rules, "DONE 2"), "OK");
+        assert_eq!(ask(&s, &rules, "READY 3 1 2 d"), "DONE");
+        assert_eq!(ask(&s, &rules, "POLL 2"), "DONE");
     }
 
     #[test]

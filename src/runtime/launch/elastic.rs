@@ -20,9 +20,9 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::coordinator::{self, Client, ElasticRules, Members, Membership, RoundFailure};
+use super::coordinator::{self, Client, ElasticRules, Members, Membership, RoundFailure, RoundState};
 use super::heartbeat;
-use super::launcher::{Job, Nodes, Outcome, Restarts, RoundSpec, GrowWatch, catch_signals, caught, flag_value, rendezvous, run_args, with_resume};
+use super::launcher::{GrowWatch, Job, Nodes, Outcome, Restarts, RoundEnd, RoundSpec, catch_signals, caught, flag_value, rendezvous, run_args, with_resume};
 use crate::plan::Plan;
 use crate::runtime::RuntimeError;
 use crate::runtime::rank::DROP_STRAGGLERS_ENV;
@@ -343,6 +343,10 @@ pub fn launch_elastic(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restar
                     round = current + 1;
                     continue;
                 }
+                Some(Membership::Done) => {
+                    eprintln!("smp-runner launch: the job ended before host {node} could join");
+                    return Ok(0);
+                }
                 Some(Membership::Wait) | None => {}
             }
             if !joining && started.elapsed() > restarts.agree_timeout {
@@ -399,12 +403,25 @@ pub fn launch_elastic(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restar
         let fault_at = planner.history.last().filter(|_| round > 0).and_then(|r| r.fault_at_unix_s);
         let grow = (node == 0).then(|| GrowWatch { root: &root, devices: world, max: elastic.max });
         let spec = RoundSpec { round, args: &round_args, restarts_json: &records, world, first_rank, slots: &slots[..count.min(slots.len())], env: &env, grow, fault_at_unix_s: fault_at };
-        let end = job.round(&spec)?;
+        let end = if count == 0 {
+            // a plan of fewer devices than the members have: this host sits the round out
+            eprintln!("smp-runner launch: host {node} runs no rank of start {round} (its plan uses {world} devices)");
+            idle_round(&store, round)
+        } else {
+            job.round(&spec)?
+        };
         if let (Some(last), Some(t)) = (planner.history.last_mut().filter(|_| round > 0), end.first_step_unix_s) {
             last.fault_to_first_step_s = last.fault_at_unix_s.map(|f| (t - f).max(0.0));
         }
         match end.outcome {
-            Outcome::Done => return Ok(0),
+            Outcome::Done => {
+                if node == 0 {
+                    // launchers waiting to join, or sitting the round out, hear that it ended
+                    let _ = store.done(round);
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+                return Ok(0);
+            }
             Outcome::Signalled(sig) => {
                 eprintln!("smp-runner launch: stopped by signal {sig}");
                 return Ok(128 + sig);
@@ -424,6 +441,33 @@ pub fn launch_elastic(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restar
                 round += 1;
             }
         }
+    }
+}
+
+/// A round this host runs no rank of: it ends when the store says so (a failure elsewhere, a
+/// growth, the job done), or when node 0 is gone for a minute.
+fn idle_round(store: &Client, round: u32) -> RoundEnd {
+    let mut heard = Instant::now();
+    loop {
+        let outcome = match store.poll(round) {
+            Some(RoundState::Failed(f)) => Outcome::Failed(f),
+            Some(RoundState::Done) => Outcome::Done,
+            Some(RoundState::Running { .. }) => {
+                heard = Instant::now();
+                if caught() != 0 {
+                    Outcome::Signalled(caught())
+                } else {
+                    std::thread::sleep(Duration::from_millis(250));
+                    continue;
+                }
+            }
+            None if heard.elapsed() > Duration::from_secs(60) => Outcome::Failed(RoundFailure::new(true, "node 0's launcher has been unreachable for 60 s")),
+            None => {
+                std::thread::sleep(Duration::from_millis(250));
+                continue;
+            }
+        };
+        return RoundEnd { outcome, lost_slots: Vec::new(), first_step_unix_s: None };
     }
 }
 
