@@ -91,6 +91,8 @@ pub(super) struct Stragglers {
     wait: f64,
     steps: usize,
     first: usize,
+    /// The run's first step (warm-up, slow everywhere) is not judged.
+    warmed: bool,
     in_a_row: Vec<usize>,
     /// Every rank named so far, window by window.
     pub named: Vec<StragglerRecord>,
@@ -102,14 +104,14 @@ impl Stragglers {
     /// The watch of a rank among `world` whose stages the plan predicts to compute for
     /// `predicted_s` per step.
     pub fn new(opts: StragglerOptions, world: usize, predicted_s: f64) -> Stragglers {
-        Stragglers { opts, predicted_s, busy: 0.0, wait: 0.0, steps: 0, first: 0, in_a_row: vec![0; world], named: Vec::new(), leave: None }
+        Stragglers { opts, predicted_s, busy: 0.0, wait: 0.0, steps: 0, first: 0, warmed: false, in_a_row: vec![0; world], named: Vec::new(), leave: None }
     }
 
     /// Counts a step (`step_s` wall seconds, `wait_s` of them waiting on peers); at a window's
     /// end gathers every rank's figures over `world` (a collective: every rank calls this after
     /// every step) and returns the ranks named.
     pub fn after_step(&mut self, world: &ProcessGroup, step: usize, step_s: f64, wait_s: f64) -> Result<Vec<StragglerRecord>, RuntimeError> {
-        if self.opts.window == 0 || world.size() < 2 {
+        if self.opts.window == 0 || world.size() < 2 || !std::mem::replace(&mut self.warmed, true) {
             return Ok(Vec::new());
         }
         if self.steps == 0 {
