@@ -299,7 +299,17 @@ pub fn launch_elastic(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restar
     let root = if root.is_relative() { std::env::current_dir().map(|d| d.join(&root)).unwrap_or(root) } else { root };
     let first_plan = if plan.is_relative() { std::env::current_dir().map(|d| d.join(plan)).unwrap_or_else(|_| plan.to_path_buf()) } else { plan.to_path_buf() };
     catch_signals();
-    let store_port = restarts.port.unwrap_or(port.wrapping_add(1));
+    // one host: any free port; several: one every launcher knows
+    let store_port = match (restarts.port, nodes.nnodes) {
+        (Some(p), _) => p,
+        (None, 1) => loop {
+            let p = super::launcher::free_port()?;
+            if p != port {
+                break p;
+            }
+        },
+        (None, _) => port.wrapping_add(1),
+    };
     let node = nodes.node_rank;
     if node == 0 {
         coordinator::serve(store_port, nodes.nnodes, Some(ElasticRules { max_devices: elastic.max, rejoin_timeout: elastic.rejoin_timeout }))?;
@@ -382,11 +392,12 @@ pub fn launch_elastic(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restar
                 std::thread::sleep(Duration::from_millis(200));
             }
         };
-        let Decision::Go { sha, world, ranges, resume, plan: plan_path } = decision else {
-            if let Decision::Stop(why) = decision {
+        let (sha, world, assigned, resume, plan_path) = match decision {
+            Decision::Go { sha, world, ranges, resume, plan } => (sha, world, ranges, resume, plan),
+            Decision::Stop(why) => {
                 eprintln!("smp-runner launch: {why}");
+                return Ok(1);
             }
-            return Ok(1);
         };
         if node != 0 && sha256_file(&plan_path).ok().as_deref() != Some(sha.as_str()) {
             return Err(RuntimeError::Train(format!(
@@ -394,7 +405,7 @@ pub fn launch_elastic(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restar
                 plan_path.display()
             )));
         }
-        let (first_rank, count) = ranges.get(&node).copied().unwrap_or((0, 0));
+        let (first_rank, count) = assigned.get(&node).copied().unwrap_or((0, 0));
         let mut round_args = run_args(&plan_path, args);
         if let Some(step) = resume {
             round_args = with_resume(&round_args, &checkpoint::step_dir(&root, step));
