@@ -412,7 +412,8 @@ pub fn launch_elastic(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restar
         }
         let records = restarts_env_value(&planner.history);
         let fault_at = planner.history.last().filter(|_| round > 0).and_then(|r| r.fault_at_unix_s);
-        let grow = (node == 0).then(|| GrowWatch { root: &root, devices: world, max: elastic.max });
+        let last_step = flag_value(&base, "--steps").and_then(|s| s.parse().ok());
+        let grow = (node == 0).then(|| GrowWatch { root: &root, devices: world, max: elastic.max, last_step });
         let spec = RoundSpec { round, args: &round_args, restarts_json: &records, world, first_rank, slots: &slots[..count.min(slots.len())], env: &env, grow, fault_at_unix_s: fault_at };
         let end = if count == 0 {
             // a plan of fewer devices than the members have: this host sits the round out

@@ -267,6 +267,8 @@ pub(super) struct GrowWatch<'s> {
     pub devices: usize,
     /// The most it may have.
     pub max: usize,
+    /// The run's last step (`--steps`): a checkpoint of it ends the run, not the round.
+    pub last_step: Option<usize>,
 }
 
 /// One start of this host's ranks.
@@ -372,6 +374,7 @@ impl<'a> Job<'a> {
         let mut waits_since: Vec<Option<Instant>> = vec![None; n];
         let mut first_step: Option<f64> = None;
         let mut grow_from: Option<usize> = None;
+        let mut succeeded = 0;
         let mut last_grow_check = Instant::now();
         loop {
             let sig = caught();
@@ -388,6 +391,7 @@ impl<'a> Job<'a> {
                 match c.try_wait() {
                     Ok(Some(status)) => {
                         let rank = spec.first_rank + r;
+                        succeeded += usize::from(status.success());
                         if !status.success() && forwarded == 0 && stop_sent.is_none() {
                             match status.code() {
                                 Some(EXIT_LEFT) => {
@@ -422,8 +426,8 @@ impl<'a> Job<'a> {
                 }
                 self.judge(spec, &mut children, &watches, &mut waits_since, (&mut failed, &mut lost_slots, &mut untold_lost));
             }
-            if let (Some(g), Some(store), None) = (&spec.grow, &self.store, &failed) {
-                if last_grow_check.elapsed() > Duration::from_secs(1) {
+            if let (Some(g), Some(store), None, true) = (&spec.grow, &self.store, &failed, running == n) {
+                if last_grow_check.elapsed() > Duration::from_millis(250) {
                     last_grow_check = Instant::now();
                     grow_when_due(store, spec.round, g, &mut grow_from);
                 }
@@ -487,6 +491,8 @@ impl<'a> Job<'a> {
         }
         let outcome = match (failed, forwarded) {
             (_, sig) if sig != 0 => Outcome::Signalled(sig),
+            // the run ended here as the others were told to grow: it is done
+            (Some(f), _) if f.grow && succeeded == n => Outcome::Done,
             (Some(f), _) => Outcome::Failed(f),
             (None, _) => Outcome::Done,
         };
@@ -551,6 +557,9 @@ impl<'a> Job<'a> {
 /// after the next checkpoint completes.
 fn grow_when_due(store: &Client, round: u32, g: &GrowWatch<'_>, grow_from: &mut Option<usize>) {
     let newest = checkpoint::complete(g.root).last().map_or(0, |(s, _)| *s);
+    if g.last_step.is_some_and(|last| newest >= last) {
+        return;
+    }
     match grow_from {
         None => {
             if g.devices < g.max && matches!(store.poll(round), Some(RoundState::Running { joining }) if joining > 0) {
