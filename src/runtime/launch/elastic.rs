@@ -326,6 +326,14 @@ pub fn launch_elastic(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restar
     }
     let mut round: u32 = 0;
     loop {
+        if node == 0 && slots.is_empty() {
+            // rank 0 and the store live here: the job cannot go on
+            let why = "the job stops: host 0, which holds the rendezvous and rank 0, has no device left";
+            let _ = store.publish(round, &Decision::Stop(why.into()).words());
+            eprintln!("smp-runner launch: {why}");
+            std::thread::sleep(Duration::from_secs(2));
+            return Ok(1);
+        }
         // the round's members: wait for the others, or to join a later round
         let started = Instant::now();
         let mut joining = false;
@@ -358,6 +366,10 @@ pub fn launch_elastic(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restar
                     return Ok(0);
                 }
                 Some(Membership::Wait) | None => {}
+            }
+            if let (true, Some(Decision::Stop(why))) = (node != 0, store.decision(round).as_deref().and_then(Decision::parse)) {
+                eprintln!("smp-runner launch: {why}");
+                return Ok(1);
             }
             if !joining && started.elapsed() > restarts.agree_timeout {
                 return Err(RuntimeError::Train(format!(

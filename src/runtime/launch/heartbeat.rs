@@ -137,6 +137,8 @@ impl Beat {
 
 static PHASE: Mutex<Option<(Phase, Instant)>> = Mutex::new(None);
 static FIRST_STEP: Mutex<Option<f64>> = Mutex::new(None);
+/// Wakes the heartbeat thread for a beat now (the first step's end is news to the launcher).
+static NUDGE: (Mutex<bool>, std::sync::Condvar) = (Mutex::new(false), std::sync::Condvar::new());
 
 /// Seconds since the Unix epoch now.
 pub fn unix_now_s() -> f64 {
@@ -150,10 +152,15 @@ pub fn first_step_at() -> Option<f64> {
 
 /// Records that the run's first step ended now (the first call counts); returns when.
 pub fn first_step_done() -> f64 {
-    match FIRST_STEP.lock() {
+    let t = match FIRST_STEP.lock() {
         Ok(mut t) => *t.get_or_insert_with(unix_now_s),
         Err(_) => unix_now_s(),
+    };
+    if let Ok(mut n) = NUDGE.0.lock() {
+        *n = true;
+        NUDGE.1.notify_all();
     }
+    t
 }
 
 /// Records the phase this rank enters (read by its heartbeat thread).
@@ -186,7 +193,12 @@ fn beat_forever(path: &Path) {
         if std::fs::write(&tmp, beat.render()).is_ok() {
             let _ = std::fs::rename(&tmp, path);
         }
-        std::thread::sleep(INTERVAL);
+        // the interval, or less when nudged
+        if let Ok(n) = NUDGE.0.lock() {
+            if let Ok(mut n) = NUDGE.1.wait_timeout_while(n, INTERVAL, |n| !*n).map(|(n, _)| n) {
+                *n = false;
+            }
+        }
     }
 }
 
@@ -231,6 +243,9 @@ pub enum Verdict {
     /// Alive and waiting on peers past its phase's timeout: the text names the collective or
     /// message and its group.
     Waits(String),
+    /// Alive, past its phase's timeout without waiting on any peer: stuck computing (or ending
+    /// after an error); hung if it stays so.
+    Stuck(String),
 }
 
 /// A launcher's view of one rank's heartbeat file.
@@ -305,7 +320,7 @@ impl Watch {
         }
         match waiting {
             Some(w) => Verdict::Waits(format!("has waited {} s in {} in {phase} ({flag} {})", secs(Duration::from_secs_f64(w.waited_s)), w.what, secs(limit))),
-            None => Verdict::Hung(format!("has spent {} s in {phase} without waiting on any peer ({flag} {})", secs(phase_age), secs(limit))),
+            None => Verdict::Stuck(format!("has spent {} s in {phase} without waiting on any peer ({flag} {})", secs(phase_age), secs(limit))),
         }
     }
 }
@@ -355,9 +370,9 @@ mod tests {
             Verdict::Waits(m) => assert!(m.contains("all_reduce over ranks [0, 1]") && m.contains("step 4"), "{m}"),
             v => panic!("{v:?}"),
         }
-        // alive, computing past the timeout: hung
+        // alive, computing past the timeout: stuck
         w.last = Some((Beat { count: 5, phase: Phase::Step(4), phase_s: 6.0, first_step_unix_s: None, waiting: None }, start));
-        assert!(matches!(w.verdict_at(&t, start + Duration::from_secs(1)), Verdict::Hung(m) if m.contains("without waiting")));
+        assert!(matches!(w.verdict_at(&t, start + Duration::from_secs(1)), Verdict::Stuck(m) if m.contains("without waiting")));
         // a checkpoint has its own limit, but silence in it is judged as in a step
         w.last = Some((Beat { count: 6, phase: Phase::Checkpoint(4), phase_s: 6.0, first_step_unix_s: None, waiting: None }, start));
         assert_eq!(w.verdict_at(&t, start + Duration::from_secs(1)), Verdict::Fine);

@@ -481,6 +481,13 @@ impl<'a> Job<'a> {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+        // the last beats: rank 0 may have ended its first step since the last look
+        if first_step.is_none() && spec.first_rank == 0 {
+            if let Some(w) = watches.first_mut() {
+                w.poll();
+                first_step = w.beat().and_then(|b| b.first_step_unix_s);
+            }
+        }
         // the failure as every host reported it (devices lost elsewhere included)
         if let (Some(store), Some(f)) = (&self.store, &mut failed) {
             if let Some(RoundState::Failed(all)) = store.poll(spec.round) {
@@ -523,8 +530,16 @@ impl<'a> Job<'a> {
         for (r, v) in verdicts.into_iter().enumerate() {
             let Some(child) = children[r].as_mut() else { continue };
             let rank = spec.first_rank + r;
+            // stuck computing past the timeout, and still so after the grace in which a
+            // failure elsewhere ends the round: hung
+            let grace = (self.timeouts.step / 2).max(Duration::from_secs(2));
+            let v = match v {
+                Verdict::Stuck(why) if failed.is_none() && waits_since[r].get_or_insert_with(Instant::now).elapsed() > grace => Verdict::Hung(why),
+                v => v,
+            };
             match v {
                 Verdict::Fine => waits_since[r] = None,
+                Verdict::Stuck(_) => {}
                 Verdict::Hung(why) => {
                     let _ = child.kill();
                     let _ = child.wait();
@@ -543,7 +558,6 @@ impl<'a> Job<'a> {
                 }
                 Verdict::Waits(why) => {
                     let since = *waits_since[r].get_or_insert_with(Instant::now);
-                    let grace = (self.timeouts.step / 2).max(Duration::from_secs(2));
                     if since.elapsed() > grace && failed.is_none() {
                         *failed = Some(RoundFailure::new(false, format!("rank {rank} {why}")));
                     }

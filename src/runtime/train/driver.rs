@@ -158,7 +158,8 @@ pub fn drive(
     out.steps.reserve(steps.saturating_sub(start));
     for step in start + 1..=steps {
         heartbeat::set_phase(Phase::Step(step));
-        let rec = runner.run_step(step)?;
+        // a rank ending on an error is not stuck in its step
+        let rec = runner.run_step(step).inspect_err(|_| heartbeat::set_phase(Phase::Finish))?;
         if step == start + 1 {
             heartbeat::first_step_done();
         }
@@ -178,7 +179,10 @@ pub fn drive(
                     obs.on_checkpoint_failed(step, &e.to_string());
                     out.failed_checkpoints.push(FailedCheckpoint { step, error: e.to_string() });
                 }
-                Err(e) => return Err(e),
+                Err(e) => {
+                    heartbeat::set_phase(Phase::Finish);
+                    return Err(e);
+                }
             }
         }
         if let Some(leave) = runner.leaving() {
