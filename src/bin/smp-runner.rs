@@ -13,7 +13,6 @@ use smp_partition::runtime::data;
 use smp_partition::runtime::device::{DeviceKind, DeviceRequest, Ranks};
 use smp_partition::runtime::RuntimeError;
 use smp_partition::runtime::launch::elastic::{self, Elastic};
-use smp_partition::runtime::launch::heartbeat::Timeouts;
 use smp_partition::runtime::launch::{calibrate, launcher, verify};
 use smp_partition::runtime::session::commands::{self, EvalJob};
 use smp_partition::ir::Precision;
@@ -531,7 +530,7 @@ fn run(cli: Cli) -> Result<()> {
             }
             let nodes = launcher::Nodes { nnodes, node_rank, master_addr, master_port };
             let secs = std::time::Duration::from_secs;
-            let timeouts = Timeouts { startup: secs(startup_timeout), step: secs(step_timeout), checkpoint: secs(checkpoint_timeout) };
+            let timeouts = launcher::Timeouts { startup: secs(startup_timeout), step: secs(step_timeout), checkpoint: secs(checkpoint_timeout) };
             let restarts = launcher::Restarts { max: max_restarts, backoff: secs(restart_backoff), port: restart_port, timeouts, ..Default::default() };
             let code = match elastic {
                 Some((min, max)) => {

@@ -53,7 +53,7 @@ pub struct RoundFailure {
 impl RoundFailure {
     /// A failure `what` seen now, losing no device.
     pub fn new(fatal: bool, what: impl Into<String>) -> RoundFailure {
-        RoundFailure { fatal, what: what.into(), at_unix_s: super::heartbeat::unix_now_s(), lost: Vec::new(), grow: false }
+        RoundFailure { fatal, what: what.into(), at_unix_s: crate::runtime::heartbeat::unix_now_s(), lost: Vec::new(), grow: false }
     }
 }
 

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use super::coordinator::{self, Client, ElasticRules, Members, Membership, RoundFailure, RoundState};
-use super::heartbeat;
+use crate::runtime::heartbeat;
 use super::launcher::{GrowWatch, Job, Nodes, Outcome, Restarts, RoundEnd, RoundSpec, catch_signals, caught, flag_value, rendezvous, run_args, with_resume};
 use crate::plan::Plan;
 use crate::runtime::RuntimeError;

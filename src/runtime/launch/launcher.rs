@@ -24,7 +24,8 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 use super::coordinator::{self, Client, RoundFailure, RoundState};
-use super::heartbeat::{self, HEARTBEAT_ENV, Timeouts, Verdict, Watch};
+use crate::runtime::heartbeat::{self, HEARTBEAT_ENV, Verdict, Watch};
+pub use crate::runtime::heartbeat::Timeouts;
 use crate::runtime::RuntimeError;
 use crate::runtime::session::report::restarts_env_value;
 use crate::runtime::session::{RESTARTS_ENV, RestartRecord};

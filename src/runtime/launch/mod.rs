@@ -6,6 +6,5 @@
 pub mod calibrate;
 pub mod coordinator;
 pub mod elastic;
-pub mod heartbeat;
 pub mod launcher;
 pub mod verify;

@@ -112,7 +112,7 @@ impl RunSession {
 
     fn open_plan(path: PathBuf, opts: RunOptions) -> Result<RunSession, SessionError> {
         // signs of life for the launcher from the start (loading counts against start-up's timeout)
-        crate::runtime::launch::heartbeat::start_from_env();
+        crate::runtime::heartbeat::start_from_env();
         let plan = crate::plan::load(&path).map_err(|e| SessionError::Plan(e.to_string()))?;
         let bytes = std::fs::read(&path).map_err(|e| SessionError::Plan(format!("cannot read plan `{}`: {e}", path.display())))?;
         let plan_hash = sha256_hex(&bytes);
@@ -288,7 +288,7 @@ impl RunSession {
             checkpoints: trained.checkpoints,
             failed_checkpoints: trained.failed_checkpoints,
             resumed_from: self.resume.as_ref().map(|l| l.dir.display().to_string()),
-            restarts: report::restarts_with_first_step(crate::runtime::launch::heartbeat::first_step_at()),
+            restarts: report::restarts_with_first_step(crate::runtime::heartbeat::first_step_at()),
             stragglers: Vec::new(),
             saved_weights: saved_weights.map(|p| p.display().to_string()),
             steps: trained.steps,
@@ -374,7 +374,7 @@ impl RunSession {
             checkpoints: report.checkpoints,
             failed_checkpoints: report.failed_checkpoints,
             resumed_from: self.resume.as_ref().map(|l| l.dir.display().to_string()),
-            restarts: report::restarts_with_first_step(crate::runtime::launch::heartbeat::first_step_at()),
+            restarts: report::restarts_with_first_step(crate::runtime::heartbeat::first_step_at()),
             stragglers: report.stragglers,
             saved_weights,
             steps: report.steps,

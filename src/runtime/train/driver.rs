@@ -10,7 +10,7 @@ use super::optim::{AdamWConfig, LrSchedule};
 use super::records::{EvalConfig, EvalRecord, StepRecord, TrainObserver};
 use crate::runtime::RuntimeError;
 use crate::runtime::data::DataSource;
-use crate::runtime::launch::heartbeat::{self, Phase};
+use crate::runtime::heartbeat::{self, Phase};
 use crate::runtime::state::checkpoint::{self, Checkpointing, OnCheckpointError, Piece, SaveConfig};
 
 /// Settings of a training run.
