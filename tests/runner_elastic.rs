@@ -10,7 +10,9 @@
 //! - a rank slowed (stopped and continued in turn, as `cpulimit` throttles): named a straggler,
 //!   no loss changed;
 //! - fewer devices left than `--elastic`'s least: the job stops cleanly, its last checkpoint
-//!   loadable, saying how many devices were left and the fewest the planner needs.
+//!   loadable, saying how many devices were left and the fewest the planner needs;
+//! - on one host, `--drop-stragglers 1`: a slowed rank leaves the job after a checkpoint of the
+//!   step it was named at, and the job goes on from that step without its device.
 //!
 //! The tests need root and iproute2, as CI runs them; without them they fail saying so. They
 //! run one at a time (each keeps four ranks busy on a small machine).
@@ -326,4 +328,70 @@ fn fewer_devices_than_the_least_stop_the_job_cleanly() {
     let l = Loaded::open(&ckpt).unwrap_or_else(|e| panic!("the newest checkpoint does not load: {e}"));
     assert!(l.manifest.state.step >= 2, "{stop}");
     assert!(stop.contains(&format!("step {}", l.manifest.state.step)), "{stop}");
+}
+
+/// `--drop-stragglers 1` on one host: a rank slowed (as above) is named over a window, every
+/// rank writes a checkpoint of that step and ends, and the job goes on without its device, from
+/// that very step.
+#[test]
+fn a_straggler_named_under_drop_stragglers_leaves_the_job() {
+    let _one = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["--seq-len", "16", "--global-batch", "8", "--pp", "1", "--tp", "1", "--dp", "2", "--microbatches", "1"];
+    let p = plan_into(&model(), "cpu:2", &args, &dir.path().join("dp2.json"));
+    let data = tokens(dir.path());
+    let ckpt = dir.path().join("ckpt");
+    let steps = 40;
+    let mut launcher = runner()
+        .args(["launch", "--nproc", "2", "--elastic", "1:2", "--drop-stragglers", "1", "--restart-backoff", "0"])
+        .arg(&p)
+        .args(run_args(&data, steps, &ckpt, &["--straggler-window", "3", "--checkpoint-every", "100"]))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = mpsc::channel();
+    let stderr = launcher.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send((0usize, line));
+        }
+    });
+    let mut log = lines_until(&rx, Duration::from_secs(300), |(_, l)| l.starts_with("[rank 1] step 1 "));
+    let pid: i32 = log.iter().find_map(|(_, l)| l.strip_prefix("smp-runner launch: rank 1: pid ")?.trim().parse().ok()).unwrap_or_else(|| panic!("{}", text(&log)));
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let throttle = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let signal = |s: &str| {
+                let _ = std::process::Command::new("kill").args([s, &pid.to_string()]).stderr(std::process::Stdio::null()).status();
+            };
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                signal("-STOP");
+                std::thread::sleep(Duration::from_millis(60));
+                signal("-CONT");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        })
+    };
+    log.extend(lines_until(&rx, Duration::from_secs(300), |(_, l)| l.contains("the job's devices change")));
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    throttle.join().unwrap();
+    let out = launcher.wait_with_output().unwrap();
+    log.extend(rx.iter());
+    assert!(out.status.success(), "{:?}:\n{}", out.status, text(&log));
+    let report = json(&out);
+    let change = &report["restarts"][0];
+    assert_eq!(change["membership"]["lost"], serde_json::json!(["host 0 device 1"]), "{report}");
+    assert_eq!(change["membership"]["devices"], serde_json::json!([2, 1]), "{report}");
+    assert!(change["cause"].as_str().unwrap().contains("rank 1 left the job"), "{change}");
+    assert!(log.iter().any(|(_, l)| l.contains("straggler: rank 1")), "{}", text(&log));
+    assert!(log.iter().any(|(_, l)| l.contains("leave the job after step")), "the ranks say why they end:\n{}", text(&log));
+    // the checkpoint of the step it was named at, written before the ranks ended, resumed
+    let from = change["resumed_from_step"].as_u64().unwrap();
+    let steps_after = steps_of(&report);
+    assert_eq!(steps_after.first().map(|s| s.0), Some(from + 1), "{report}");
+    assert_eq!(steps_after.last().map(|s| s.0), Some(steps as u64));
+    assert!(from % 3 == 1, "named at the end of a window (steps 2-4, 5-7, …): step {from}");
 }
