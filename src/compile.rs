@@ -10,10 +10,11 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use crate::codegen::stage_graph::StageGraphError;
 use crate::codegen::{self, EncodeError};
 use crate::cost::ClusterSpec;
 use crate::frontend::onnx::{self, ImportError};
-use crate::ir::LayeredGraph;
+use crate::ir::{DimBindings, Graph, LayeredGraph};
 pub use crate::passes::AnalyzeOptions;
 pub use crate::passes::params::ParamOptions;
 use crate::passes::{self, PassError};
@@ -127,6 +128,25 @@ pub enum CompileError {
         #[source]
         source: EncodeError,
     },
+    /// Context parallelism cannot split the model as planned: found when the plan is made,
+    /// not when it runs.
+    #[error("{model} cannot run under context parallelism {cp} as planned: {reason}")]
+    Context {
+        /// The model, as named.
+        model: String,
+        /// The context degree.
+        cp: usize,
+        /// Why, naming the value or node and the fix.
+        reason: StageGraphError,
+    },
+    /// A plan's model does not rebuild the graph the plan was made for.
+    #[error("{} does not rebuild the graph the plan was made for: {reason}; re-plan it with this smp-partition", .path.display())]
+    Planned {
+        /// The model file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
     /// The finished plan fails its checks.
     #[error("the planner produced an inconsistent plan (a bug)")]
     Validate(#[source] PlanInvalid),
@@ -140,7 +160,7 @@ impl CompileError {
             CompileError::Analyze { .. } | CompileError::NotExecutable { .. } => Stage::Analyze,
             CompileError::Options(_) | CompileError::Solve { .. } => Stage::Solve,
             CompileError::Assemble(_) => Stage::Assemble,
-            CompileError::Realised { .. } | CompileError::Codegen { .. } => Stage::Codegen,
+            CompileError::Realised { .. } | CompileError::Codegen { .. } | CompileError::Context { .. } | CompileError::Planned { .. } => Stage::Codegen,
             CompileError::Validate(_) => Stage::Validate,
         }
     }
@@ -202,6 +222,34 @@ impl<'a> From<&'a Analysed> for Model<'a> {
 /// The analysis options `opts` asks for (`seq_len`, `dims`).
 pub fn analyze_options(opts: &PlanOptions) -> AnalyzeOptions {
     AnalyzeOptions { seq_len: opts.seq_len.map(|s| s as i64), dims: opts.dims.iter().cloned().collect::<BTreeMap<_, _>>() }
+}
+
+/// A plan's model, rebuilt as the runner rebuilds it.
+#[derive(Debug)]
+pub struct PlannedModel {
+    /// The model file ([`Plan::model_file`]).
+    pub path: PathBuf,
+    /// Whether it is the file the plan was made for (same SHA-256).
+    pub same_file: bool,
+    /// The planned graph: the ids the plan's codegen section lists.
+    pub graph: Graph,
+    /// Its dim bindings.
+    pub dims: DimBindings,
+}
+
+/// The graph `plan` (read from `plan_file`) was made for, rebuilt from its model file with the
+/// plan's parameter patterns, dims and records, as the runner rebuilds it
+/// ([`codegen::stage_graph::planned_graph`]); no analysis or search runs again.
+pub fn load_planned(plan: &Plan, plan_file: &Path) -> Result<PlannedModel, CompileError> {
+    let path = plan.model_file(plan_file);
+    let imported = onnx::load_model(&path).map_err(|source| CompileError::Import { path: path.clone(), source })?;
+    let refuse = |reason: String| CompileError::Planned { path: path.clone(), reason };
+    let section = plan.codegen.as_ref().ok_or_else(|| refuse("the plan has no codegen section".into()))?;
+    let mut graph = imported.graph;
+    let params = ParamOptions { trainable: plan.trainable.clone(), frozen: plan.frozen.clone() };
+    passes::params::decide(&mut graph, &params).map_err(|e| refuse(e.to_string()))?;
+    let (graph, dims) = codegen::stage_graph::planned_graph(graph, section, (plan.seq_len.map(|s| s as i64), &plan.dims)).map_err(|e| refuse(e.to_string()))?;
+    Ok(PlannedModel { same_file: imported.sha256 == plan.model.sha256, path, graph, dims })
 }
 
 /// Import → analyze: the graph with shapes, figures and layers. Import warnings are logged
@@ -275,10 +323,14 @@ pub fn compile_observed<'a>(
     let input = plan.codegen_input().map_err(CompileError::Assemble)?;
 
     observer.stage(Stage::Codegen);
-    let section = codegen::encode::build(lg, &input).map_err(|e| codegen_error(e, model_name, &plan))?;
+    let mut section = codegen::encode::build(lg, &input).map_err(|e| codegen_error(e, model_name, &plan))?;
     if options.sequence_parallel == Some(true) && plan.parallel.tp == 1 {
         observer.note("--sequence-parallel has no effect at tp = 1");
     }
+    // the stages each rank will run, split over its context group: a refusal is the planner's,
+    // and what crosses each stage boundary is recorded for the runner
+    codegen::stage_graph::plan_context(lg, &mut section, &plan.mesh(), &plan.parallel)
+        .map_err(|reason| CompileError::Context { model: model_name.clone(), cp: plan.parallel.cp, reason })?;
     plan.codegen = Some(section);
 
     observer.stage(Stage::Validate);

@@ -20,5 +20,5 @@ pub mod split;
 #[cfg(feature = "runner")]
 pub mod runtime;
 
-pub use compile::{Analysed, CompileError, Model, Observer, Stage, compile, compile_observed, load_and_analyze};
+pub use compile::{Analysed, CompileError, Model, Observer, PlannedModel, Stage, compile, compile_observed, load_and_analyze, load_planned};
 pub use solve::PlanOptions;

@@ -785,12 +785,85 @@ fn only_runtime_names_tch_or_c10d() {
     assert!(bad.is_empty(), "files outside src/runtime/ naming tch or c10d: {bad:?}");
 }
 
+/// ONNX is canonicalised once, by the importer (`frontend/onnx/canonical.rs`): no later stage
+/// reads the opset, so none can branch on it. `ir/` keeps the opsets for the IR dump.
+#[test]
+fn only_the_importer_reads_the_opset() {
+    let bad: Vec<String> = all_tokens()
+        .into_iter()
+        .filter(|(p, toks)| !p.starts_with("frontend/onnx") && !p.starts_with("ir") && toks.iter().any(|t| t == "opset" || t == "opsets"))
+        .map(|(p, _)| p.display().to_string())
+        .collect();
+    assert!(bad.is_empty(), "files outside the ONNX importer reading the opset (canonicalise the form in frontend/onnx/canonical.rs instead): {bad:?}");
+}
+
+/// The plan carries what runs: the runner rebuilds the planned graph and its stage subgraphs
+/// through codegen (`codegen::stage_graph`), the one place that applies the plan's records, and
+/// runs none of analysis's rewrites itself.
+#[test]
+fn the_runtime_runs_no_analysis_rewrite() {
+    let bad: Vec<String> = all_tokens()
+        .into_iter()
+        .filter(|(p, toks)| p.starts_with("runtime") && toks.windows(3).any(|w| w[0] == "passes" && w[1] == "::" && ["specialise", "fuse", "rebatch"].contains(&w[2].as_str())))
+        .map(|(p, _)| p.display().to_string())
+        .collect();
+    assert!(bad.is_empty(), "runtime files using passes::specialise, fuse or rebatch (go through codegen::stage_graph): {bad:?}");
+}
+
+/// Adding an op is a checklist (docs/architecture.md, "Adding an op"): `split::family::family`
+/// places every `OpKind` in one family (an exhaustive match), and each of split's engines
+/// dispatches on the family with an arm for every one of them and no catch-all, so a new op or
+/// family cannot fall through an engine unnoticed.
+#[test]
+fn every_split_engine_has_an_arm_for_every_op_family() {
+    let read = |f: &str| strip(&std::fs::read_to_string(repo().join("src/split").join(f)).expect("split source"));
+    let family_src = read("family.rs");
+    let start = family_src.find("pub enum Family").expect("split/family.rs declares `pub enum Family`");
+    let body = &family_src[start..family_src[start..].find('}').map(|e| start + e).expect("the enum's end")];
+    let families: Vec<String> = tokens(body).into_iter().skip(3).filter(|t| is_ident(t) && t.chars().next().is_some_and(char::is_uppercase)).collect();
+    assert!(families.len() >= 8, "families read from split/family.rs: {families:?}");
+    for engine in ["realise.rs", "sequence.rs", "context.rs"] {
+        let src = read(engine);
+        let at: Vec<usize> = src.match_indices("match family(").map(|(i, _)| i).collect();
+        assert_eq!(at.len(), 1, "split/{engine} dispatches on the family once");
+        let open = at[0] + src[at[0]..].find('{').expect("the match's block");
+        let (mut depth, mut end) = (0usize, open);
+        for (i, c) in src[open..].char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' => depth -= 1,
+                _ => {}
+            }
+            if depth == 0 {
+                end = open + i;
+                break;
+            }
+        }
+        let block = &src[open + 1..end];
+        for f in &families {
+            assert!(block.contains(&format!("Family::{f}")), "split/{engine}'s family dispatch has no arm for Family::{f}");
+        }
+        // arms at the block's own depth: none may be a catch-all
+        let (mut d, mut top) = (0i32, String::new());
+        for c in block.chars() {
+            match c {
+                '{' | '(' | '[' => d += 1,
+                '}' | ')' | ']' => d -= 1,
+                _ if d == 0 => top.push(c),
+                _ => {}
+            }
+        }
+        assert!(!tokens(&top).windows(2).any(|w| w[0] == "_" && w[1] == "="), "split/{engine}'s family dispatch has a catch-all arm");
+    }
+}
+
 /// Where serde may appear: the files of a file format, as docs/architecture.md lists them.
 const SERDE_ALLOWED: &[&str] = &[
     "plan/",
     "codegen/",
     "split/",
     "ir/fusion.rs",
+    "ir/collective.rs",
     "ir/parallel.rs",
     "cost/",
     "solve/smp_config.rs",

@@ -11,7 +11,7 @@ use std::path::Path;
 
 use smp_partition::codegen::{Sharder, apply_shard};
 use smp_partition::frontend::onnx::load_model;
-use smp_partition::ir::{Attr, Dim, Graph, LayeredGraph, Op, ValueId, ValueKind};
+use smp_partition::ir::{Dim, Graph, LayeredGraph, ValueId, ValueKind};
 use smp_partition::passes::{AnalyzeOptions, analyze};
 use smp_partition::runtime::{ExecOptions, Executor, InitMode, Weights};
 use tch::{Device, Kind, Tensor};
@@ -81,20 +81,14 @@ fn cut(mut g: Graph) -> Cut {
     let ids: Vec<_> = g.node_ids().collect();
     for id in ids {
         let node = g.node(id).clone();
-        let Op::Placeholder { op_type, domain } = &node.op else { continue };
-        if domain != "smp" {
-            continue;
-        }
-        let axis = match node.attrs.get("axis") {
-            Some(Attr::Int(a)) => *a as usize,
-            _ => 0,
-        };
+        let Some((kind, _)) = node.op.collective() else { continue };
+        let (op_type, axis) = (kind.name().to_string(), kind.axis().unwrap_or(0));
         let (local, result) = (node.inputs[0].unwrap(), node.outputs[0]);
         g.remove_node(id);
         g.value_mut(result).kind = ValueKind::Input;
         g.inputs.push(result);
         g.outputs.push(local);
-        collectives.push((op_type.clone(), axis, local, result));
+        collectives.push((op_type, axis, local, result));
     }
     Cut { graph: g, collectives, outputs }
 }

@@ -11,7 +11,7 @@ use common::interp::{Exec, T, combine};
 use smp_partition::codegen::validate::validate_shards;
 use smp_partition::codegen::{CollectiveKind, LayerShard, Sharder, apply_shard};
 use smp_partition::frontend::onnx::load_model;
-use smp_partition::ir::{Attr, DType, Graph, LayerKind, LayeredGraph, Op};
+use smp_partition::ir::{DType, Graph, LayerKind, LayeredGraph, Op};
 use smp_partition::passes::{AnalyzeOptions, analyze};
 
 const BATCH: usize = 2;
@@ -84,12 +84,8 @@ fn run_ranks(graphs: &[Graph], feeds: &HashMap<String, T>) -> Vec<HashMap<String
         assert!(pending.iter().all(Option::is_some), "ranks disagree on collectives");
         let parts: Vec<T> = ex.iter().zip(&pending).map(|(e, p)| e.env[&e.g.node(p.unwrap()).inputs[0].unwrap()].clone()).collect();
         let node = ex[0].g.node(pending[0].unwrap());
-        let Op::Placeholder { op_type, .. } = &node.op else { unreachable!() };
-        let axis = match node.attrs.get("axis") {
-            Some(Attr::Int(a)) => *a as usize,
-            _ => 0,
-        };
-        let outs = combine(op_type, axis, &parts);
+        let (kind, _) = node.op.collective().expect("a collective");
+        let outs = combine(kind.name(), kind.axis().unwrap_or(0), &parts);
         for (e, o) in ex.iter_mut().zip(outs) {
             e.finish_collective(o);
         }

@@ -940,7 +940,9 @@ fn light_models_import_and_match_the_onnx_package() {
         let want = &oracle[name];
         assert_eq!(float_elems, want["float_initializer_elems"].as_u64().unwrap(), "{name}: float initializer elements");
         assert_eq!(g.initializers().count() as u64, want["initializers"].as_u64().unwrap(), "{name}: initializers");
-        assert_eq!(g.node_count() as u64, want["nodes"].as_u64().unwrap(), "{name}: nodes");
+        // a Softmax before opset 13 over a middle (or unknown) axis is canonicalised into four nodes
+        let canonical_nodes = 3 * m.canonicalised.softmax_rewrites as u64;
+        assert_eq!(g.node_count() as u64, want["nodes"].as_u64().unwrap() + canonical_nodes, "{name}: nodes");
         assert_eq!(g.inputs.len() as u64, want["inputs"].as_u64().unwrap(), "{name}: inputs");
         assert_eq!(g.outputs.len() as u64, want["outputs"].as_u64().unwrap(), "{name}: outputs");
         assert!(m.warnings.is_empty(), "{name}: {:?}", m.warnings);

@@ -1,41 +1,11 @@
 //! Collectives inserted by tensor-parallel sharding: what they are (plan-file content) and the
-//! IR node each becomes (`Op::Placeholder { domain: "smp", .. }`).
+//! IR node each becomes (`Op::Collective`).
 
 use serde::{Deserialize, Serialize};
 
-use crate::ir::{Attr, Attrs, Node, Op, ValueId};
+use crate::ir::{Attrs, Node, Op, ValueId};
 
-/// The ONNX domain of inserted collective nodes.
-pub const SMP_DOMAIN: &str = "smp";
-
-/// `op_type` of the node the runner inserts where codegen lists a partial gradient (Megatron's
-/// *f*: identity forward, gradient all-reduced over the tensor group).
-pub const COPY_TO_TENSOR_REGION: &str = "CopyToTensorRegion";
-
-pub use crate::split::CollectiveKind;
-
-/// Which process group a collective runs over.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum GroupKind {
-    /// The stage's tensor-parallel ranks.
-    Tensor,
-    /// The data-parallel replicas of a tensor rank.
-    Data,
-    /// The stages sharing a tied weight.
-    TiedWeight,
-}
-
-impl GroupKind {
-    /// The name written into the node's `group` attribute.
-    pub fn name(self) -> &'static str {
-        match self {
-            GroupKind::Tensor => "tensor",
-            GroupKind::Data => "data",
-            GroupKind::TiedWeight => "tied_weight",
-        }
-    }
-}
+pub use crate::ir::{CollectiveKind, GroupKind};
 
 /// A collective inserted into a layer's shard.
 ///
@@ -79,25 +49,7 @@ pub struct InputRef {
     pub input: usize,
 }
 
-/// True if the node is a collective inserted by codegen.
-pub fn is_collective(op: &Op) -> bool {
-    matches!(op, Op::Placeholder { domain, .. } if domain == SMP_DOMAIN)
-}
-
 /// The IR node of a collective reading `input` and writing `output`.
 pub fn collective_node(name: String, kind: CollectiveKind, group: GroupKind, input: ValueId, output: ValueId, order: u32) -> Node {
-    let mut attrs = Attrs::default();
-    attrs.set("group", Attr::Str(group.name().to_string()));
-    if let Some(axis) = kind.axis() {
-        attrs.set("axis", Attr::Int(axis as i64));
-    }
-    Node {
-        name,
-        op: Op::Placeholder { op_type: kind.op_type().to_string(), domain: SMP_DOMAIN.to_string() },
-        attrs,
-        inputs: vec![Some(input)],
-        outputs: vec![output],
-        namespace: None,
-        order,
-    }
+    Node { name, op: Op::Collective { kind, group }, attrs: Attrs::default(), inputs: vec![Some(input)], outputs: vec![output], namespace: None, order }
 }

@@ -32,7 +32,7 @@ use crate::split::Strategy;
 /// plan addresses has its GELU chains fused, listed in `fused`. 4: attention chains too, and a
 /// fused node lists its `inputs` (several). 5: mixture-of-experts chains too, and layer
 /// strategies may be `experts`.
-pub const CODEGEN_VERSION: u32 = 5;
+pub const CODEGEN_VERSION: u32 = 6;
 
 /// What codegen needs of a plan: degrees, schedule and the stages' layer ranges.
 #[derive(Clone, Debug, PartialEq)]
@@ -145,6 +145,44 @@ pub struct StageCode {
     pub params: Vec<String>,
     /// Bytes of those parameters on one tensor rank (what data-parallel sync moves).
     pub param_bytes: u64,
+    /// Under context parallelism with several stages: how the split of the whole model holds
+    /// what crosses this stage's boundary, which the stage's own split starts from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<StageContext>,
+}
+
+/// What a stage's context split is told of the values it receives and yields (the split of the
+/// whole model, done once when planning).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageContext {
+    /// Values a rank holds its tokens of (received, or checked when yielded), by name; the
+    /// others are whole.
+    #[serde(default)]
+    pub tokens: BTreeMap<String, TokenAxis>,
+    /// Small integer values computed upstream that the stage reads (shapes), by name.
+    #[serde(default)]
+    pub ints: BTreeMap<String, IntValue>,
+}
+
+/// A value's token axis under context parallelism (`split::context::Tokens::Local`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenAxis {
+    /// The axis.
+    pub axis: usize,
+    /// Sequence blocks along it (the batch, when the tokens are flattened with it).
+    pub outer: i64,
+}
+
+/// A small integer tensor: its dims and elements.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IntValue {
+    /// Dims.
+    pub dims: Vec<i64>,
+    /// Elements, row-major.
+    pub values: Vec<i64>,
 }
 
 /// A weight whose gradient is summed across the stages that read it.
@@ -515,6 +553,7 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
             checkpointed_layers: st.checkpointed_layers.clone(),
             params: stage_params[s].keys().cloned().collect(),
             param_bytes: stage_params[s].values().sum(),
+            context: None,
         })
         .collect();
 

@@ -2,16 +2,16 @@
 //! per-rank programs (compute, sends, receives, collectives), and the validator of both.
 
 pub mod collectives;
-pub mod context;
 pub mod encode;
 pub mod lower;
 pub mod program;
 pub mod rebatch;
 pub mod shard;
+pub mod stage_graph;
 pub mod validate;
 
 pub use collectives::{CollectiveInsert, CollectiveKind, GroupKind, InputRef};
-pub use encode::{CodegenInput, CodegenSection, Coord, EncodeError, FusedNode, GroupRef, Mesh, RankView, StageInput, StageView, Step};
+pub use encode::{CodegenInput, CodegenSection, Coord, EncodeError, FusedNode, GroupRef, IntValue, Mesh, RankView, StageContext, StageInput, StageView, Step, TokenAxis};
 pub use lower::{LowerError, LowerOptions, lower, lower_schedule};
 pub use rebatch::BatchRebind;
 pub use program::{Instr, Payload, Purpose, RankProgram};

@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 use crate::ir::{DimBindings, Graph, LayeredGraph};
 use crate::passes::{AnalyzeOptions, PassError, rebatch};
 
+pub use crate::passes::rebatch::Rebatched;
+
 /// The batch a plan's model fixed and the microbatch size its programs run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -39,4 +41,16 @@ pub fn rebind_graph(graph: &mut Graph, dims: &mut DimBindings, microbatch: i64) 
     let Some(done) = rebatch::rebind_batch(graph, microbatch, &opts)? else { return Ok(None) };
     dims.graph_batch = microbatch;
     Ok(Some(BatchRebind { fixed: done.from, microbatch }))
+}
+
+/// The batch `graph` fixes (its first input's), if it fixes one.
+pub fn fixed_batch(graph: &Graph) -> Option<i64> {
+    rebatch::fixed_batch(graph).map(|(_, b)| b)
+}
+
+/// Rebinds the batch `graph` fixes to `microbatch` samples for a run without a plan, with its
+/// symbolic sequence (if any) bound to `seq_len`: the same proven rewrite as a plan's.
+pub fn rebind_unplanned(graph: &mut Graph, microbatch: i64, seq_len: Option<i64>) -> Result<Option<Rebatched>, PassError> {
+    let opts = AnalyzeOptions { seq_len, ..Default::default() };
+    rebatch::rebind_batch(graph, microbatch, &opts)
 }

@@ -10,11 +10,12 @@ use serde::{Deserialize, Serialize};
 
 use super::collectives::{CollectiveInsert, CollectiveKind, GroupKind, InputRef, collective_node};
 use crate::ir::{
-    Attr, Attrs, DType, DimBindings, Graph, GraphError, LayeredGraph, Node, NodeId, Op, OpKind, PADDING_ROWS, Shape, Storage,
+    Attrs, DType, DimBindings, Graph, LayeredGraph, Node, NodeId, Op, OpKind, Shape, Storage,
     Tensor, TensorType, ValueId, ValueKind,
 };
 use crate::passes::shape_infer::{self, ShapeInfo};
-use crate::split::{Engine, SplitPlan, Strategy, TensorCollective, add_bias_name};
+use crate::split::emit::{Fresh, derived, i64_const};
+use crate::split::{Engine, SplitPlan, Strategy, TensorCollective, emit_deferred_bias, emit_masked_gather};
 pub use crate::split::{ConstantRewrite, NodeRewrite, PartialGradient, SplitError as CodegenError};
 
 /// A slice of an initializer along one axis: the concatenation of `ranges` (start, end).
@@ -252,20 +253,9 @@ pub fn slice_tensor(t: &Tensor, axis: usize, ranges: &[[u64; 2]]) -> Option<Tens
     Some(Tensor { dtype: t.dtype, dims: new_dims, storage: Storage::Raw(out.into()) })
 }
 
-fn scalar_const(g: &mut Graph, name: String, dtype: DType, v: i64) -> Result<ValueId, GraphError> {
-    let size = dtype.size_bytes() as usize;
-    let bytes: Vec<u8> = if dtype.is_float() { vec![0; size] } else { v.to_le_bytes()[..size.min(8)].to_vec() };
-    let t = Tensor { dtype, dims: vec![], storage: Storage::Raw(bytes.into()) };
-    g.add_value(name, ValueKind::Constant, Some(TensorType { dtype, shape: Some(Shape(vec![])) }), Some(t))
-}
-
-fn i64_const(g: &mut Graph, name: String, vals: &[i64]) -> Result<ValueId, GraphError> {
-    let t = Tensor::from_i64(vec![vals.len() as i64], vals);
-    g.add_value(name, ValueKind::Constant, Some(TensorType { dtype: DType::I64, shape: Some(Shape::from_known(&[vals.len() as i64])) }), Some(t))
-}
-
 /// Builds the rank's subgraph of a layer: weights sliced, constants rewritten, rewrites
-/// applied, collectives inserted as `smp` placeholder nodes; shape-inferred and verified.
+/// applied (the family files' emission rules in `split`), collectives inserted as typed
+/// `Op::Collective` nodes; shape-inferred and verified.
 ///
 /// Integer inputs the shard needs for its shapes (shape arithmetic that depends on the batch
 /// or sequence, computed by an earlier layer) stay inputs; inference evaluates them at the
@@ -285,288 +275,285 @@ impl Sharder<'_> {
 }
 
 fn apply_shard_with(graph: &Graph, info: &ShapeInfo, layer_nodes: &[NodeId], shard: &LayerShard, dims: &DimBindings) -> Result<Graph, CodegenError> {
-    let bad = |msg: String| CodegenError::BadShard { layer: shard.layer, rank: shard.rank, msg };
-    let mut g = Graph::new(format!("{}.layer{}.tp{}", graph.name, shard.layer, shard.rank));
-    g.opsets = graph.opsets.clone();
+    let mut b = ShardBuild::new(graph, info, shard)?;
     let (inputs, outputs) = layer_boundary(graph, layer_nodes);
-    let slices: HashMap<&str, &WeightSlice> = shard.weight_slices.iter().map(|s| (s.initializer.as_str(), s)).collect();
-    let collect: HashMap<&str, &CollectiveInsert> =
-        shard.collectives.iter().filter(|c| c.readers.is_empty()).map(|c| (c.after_value.as_str(), c)).collect();
-    // collectives read only at some node inputs: (node, slot) → index into `shard.collectives`
-    let mut scoped_at: HashMap<(&str, usize), usize> = HashMap::new();
-    for (i, c) in shard.collectives.iter().enumerate() {
-        for r in &c.readers {
-            if scoped_at.insert((r.node.as_str(), r.input), i).is_some() {
-                return Err(bad(format!("input {} of node `{}` is read through two collectives", r.input, r.node)));
+    for &v in &inputs {
+        b.copy(v)?;
+    }
+    let node_by_name: HashMap<&str, NodeId> = layer_nodes.iter().map(|&n| (graph.node(n).name.as_str(), n)).collect();
+    for c in &shard.constant_rewrites {
+        if !node_by_name.contains_key(c.node.as_str()) {
+            return Err(b.bad(format!("constant rewrite names node `{}`, which is not in the layer", c.node)));
+        }
+    }
+    let mut topo: Vec<NodeId> = layer_nodes.to_vec();
+    let pos: HashMap<NodeId, usize> = graph.topo_order()?.into_iter().enumerate().map(|(i, n)| (n, i)).collect();
+    topo.sort_by_key(|n| pos.get(n).copied().unwrap_or(usize::MAX));
+    for &nid in &topo {
+        b.node(graph.node(nid))?;
+    }
+    b.check_collectives(&node_by_name)?;
+    for o in outputs {
+        let v = b.map[&o];
+        b.g.outputs.push(v);
+    }
+    b.finish(dims)
+}
+
+/// One rank's subgraph of a layer in the making (see [`apply_shard`]).
+struct ShardBuild<'a> {
+    graph: &'a Graph,
+    info: &'a ShapeInfo,
+    shard: &'a LayerShard,
+    g: Graph,
+    slices: HashMap<&'a str, &'a WeightSlice>,
+    /// Collectives every reader reads, by the value they combine.
+    collect: HashMap<&'a str, &'a CollectiveInsert>,
+    /// Collectives read only at some node inputs: (node, slot) → index into `shard.collectives`.
+    scoped_at: HashMap<(&'a str, usize), usize>,
+    /// Their results, once made.
+    scoped_out: HashMap<usize, ValueId>,
+    /// Model value → subgraph value.
+    map: HashMap<ValueId, ValueId>,
+    fresh: Fresh,
+}
+
+impl<'a> ShardBuild<'a> {
+    fn new(graph: &'a Graph, info: &'a ShapeInfo, shard: &'a LayerShard) -> Result<ShardBuild<'a>, CodegenError> {
+        let mut b = ShardBuild {
+            graph,
+            info,
+            shard,
+            g: Graph::new(format!("{}.layer{}.tp{}", graph.name, shard.layer, shard.rank)),
+            slices: shard.weight_slices.iter().map(|s| (s.initializer.as_str(), s)).collect(),
+            collect: shard.collectives.iter().filter(|c| c.readers.is_empty()).map(|c| (c.after_value.as_str(), c)).collect(),
+            scoped_at: HashMap::new(),
+            scoped_out: HashMap::new(),
+            map: HashMap::new(),
+            fresh: Fresh::default(),
+        };
+        for (i, c) in shard.collectives.iter().enumerate() {
+            for r in &c.readers {
+                if b.scoped_at.insert((r.node.as_str(), r.input), i).is_some() {
+                    return Err(b.bad(format!("input {} of node `{}` is read through two collectives", r.input, r.node)));
+                }
             }
         }
-    }
-    let mut scoped_out: HashMap<usize, ValueId> = HashMap::new();
-    let full_shape = |v: ValueId| info.types[v.index()].as_ref().and_then(|t| t.shape.clone());
-    let dtype_of = |v: ValueId| info.types[v.index()].as_ref().map_or(DType::F32, |t| t.dtype);
-    let mut map: HashMap<ValueId, ValueId> = HashMap::new();
-    for s in &shard.weight_slices {
-        if graph.value_by_name(&s.initializer).is_none() {
-            return Err(bad(format!("weight slice names `{}`, which the model does not have", s.initializer)));
+        for s in &shard.weight_slices {
+            if graph.value_by_name(&s.initializer).is_none() {
+                return Err(b.bad(format!("weight slice names `{}`, which the model does not have", s.initializer)));
+            }
         }
+        Ok(b)
     }
-    // Values from outside the layer.
-    let copy = |g: &mut Graph, map: &mut HashMap<ValueId, ValueId>, v: ValueId| -> Result<ValueId, CodegenError> {
-        if let Some(&m) = map.get(&v) {
+
+    fn bad(&self, msg: String) -> CodegenError {
+        CodegenError::BadShard { layer: self.shard.layer, rank: self.shard.rank, msg }
+    }
+
+    fn full_shape(&self, v: ValueId) -> Option<Vec<i64>> {
+        self.info.types[v.index()].as_ref().and_then(|t| t.shape.clone())
+    }
+
+    fn dtype_of(&self, v: ValueId) -> DType {
+        self.info.types[v.index()].as_ref().map_or(DType::F32, |t| t.dtype)
+    }
+
+    /// The subgraph's copy of model value `v` from outside the layer: an initializer or
+    /// constant (sliced to the rank's part where the shard slices it), or an input.
+    fn copy(&mut self, v: ValueId) -> Result<ValueId, CodegenError> {
+        if let Some(&m) = self.map.get(&v) {
             return Ok(m);
         }
-        let val = graph.value(v);
+        let val = self.graph.value(v);
         let (kind, mut ty, mut data) = match val.kind {
             ValueKind::Initializer | ValueKind::Constant => (val.kind, val.ty.clone(), val.data.clone()),
             _ => (ValueKind::Input, val.ty.clone(), None),
         };
-        if let Some(s) = slices.get(val.name.as_str()) {
+        if let Some(s) = self.slices.get(val.name.as_str()) {
             let shape = ty.as_ref().and_then(|t| t.shape.as_ref()).and_then(Shape::known).or_else(|| data.as_ref().map(|d| d.dims.clone()));
-            let Some(mut shape) = shape else { return Err(bad(format!("`{}` has no known shape", val.name))) };
+            let Some(mut shape) = shape else { return Err(self.bad(format!("`{}` has no known shape", val.name))) };
             if s.axis >= shape.len() || s.ranges.iter().any(|r| r[0] > r[1] || r[1] > shape[s.axis] as u64) {
-                return Err(bad(format!("slice of `{}` along axis {} is out of range for shape {shape:?}", val.name, s.axis)));
+                return Err(self.bad(format!("slice of `{}` along axis {} is out of range for shape {shape:?}", val.name, s.axis)));
             }
             shape[s.axis] = s.len() as i64;
             if let Some(d) = &data
                 && let Storage::Raw(_) = d.storage
             {
-                data = Some(slice_tensor(d, s.axis, &s.ranges).ok_or_else(|| bad(format!("cannot slice `{}`", val.name)))?);
+                data = Some(slice_tensor(d, s.axis, &s.ranges).ok_or_else(|| self.bad(format!("cannot slice `{}`", val.name)))?);
             } else if data.is_some() {
                 data = None;
             }
             let dtype = ty.as_ref().map(|t| t.dtype).or(data.as_ref().map(|d| d.dtype)).unwrap_or(DType::F32);
             ty = Some(TensorType { dtype, shape: Some(Shape::from_known(&shape)) });
         }
-        let id = g.add_value(val.name.clone(), kind, ty, data)?;
+        let id = self.g.add_value(val.name.clone(), kind, ty, data)?;
         if kind == ValueKind::Input {
-            g.inputs.push(id);
+            self.g.inputs.push(id);
         }
-        map.insert(v, id);
+        self.map.insert(v, id);
         Ok(id)
-    };
-    for &v in &inputs {
-        copy(&mut g, &mut map, v)?;
     }
-    let node_by_name: HashMap<&str, NodeId> = layer_nodes.iter().map(|&n| (graph.node(n).name.as_str(), n)).collect();
-    for c in &shard.constant_rewrites {
-        if !node_by_name.contains_key(c.node.as_str()) {
-            return Err(bad(format!("constant rewrite names node `{}`, which is not in the layer", c.node)));
+
+    /// What `node` reads at `slot` (model value `v`): through the collective scoped to that
+    /// input, a rewritten constant, or a shape divided at run time.
+    fn operand(&mut self, node: &'a Node, slot: usize, v: ValueId) -> Result<ValueId, CodegenError> {
+        let mut id = self.copy(v)?;
+        if let Some(&ci) = self.scoped_at.get(&(node.name.as_str(), slot)) {
+            id = match self.scoped_out.get(&ci) {
+                Some(&x) => x,
+                None => {
+                    let c = &self.shard.collectives[ci];
+                    if self.graph.value(v).name != c.after_value {
+                        return Err(self.bad(format!("collective on `{}` names input {slot} of `{}`, which reads `{}`", c.after_value, node.name, self.graph.value(v).name)));
+                    }
+                    let name = self.fresh.name(&c.after_value, c.kind.name());
+                    let out = self.g.add_value(format!("{name}.out"), ValueKind::Intermediate, None, None)?;
+                    let (shape, dtype) = (self.full_shape(v), self.dtype_of(v));
+                    emit_collective(&mut self.g, c, &name, id, out, shape.as_deref(), dtype, self.shard.tp, node.order)?;
+                    self.scoped_out.insert(ci, out);
+                    out
+                }
+            };
         }
+        if let Some(c) = self.shard.constant_rewrites.iter().find(|c| c.node == node.name && c.input == slot) {
+            let val = self.graph.value(v);
+            let dtype = val.data.as_ref().map_or(DType::I64, |d| d.dtype);
+            let dims = val.data.as_ref().map_or(vec![c.new_values.len() as i64], |d| d.dims.clone());
+            let t = crate::passes::fold::int_tensor(dtype, dims.clone(), &c.new_values);
+            id = self.g.add_value(self.fresh.name(&val.name, "tp"), ValueKind::Constant, Some(TensorType { dtype, shape: Some(Shape::from_known(&dims)) }), Some(t))?;
+        }
+        for r in &self.shard.rewrites {
+            if let NodeRewrite::DivideShape { node: rn, input, divisors } = r
+                && *rn == node.name
+                && *input == slot
+            {
+                let d = i64_const(&mut self.g, self.fresh.name(&node.name, "divisors"), divisors)?;
+                let out = self.g.add_value(self.fresh.name(&node.name, "shape"), ValueKind::Intermediate, None, None)?;
+                self.g.add_node(derived(node, self.fresh.name(&node.name, "divide_shape"), OpKind::Div, vec![id, d], out))?;
+                id = out;
+            }
+        }
+        Ok(id)
     }
-    let counter = std::cell::Cell::new(0u32);
-    let fresh = |base: &str, what: &str| -> String {
-        counter.set(counter.get() + 1);
-        format!("{base}.{what}{}", counter.get())
-    };
-    let mut topo: Vec<NodeId> = layer_nodes.to_vec();
-    let pos: HashMap<NodeId, usize> = graph.topo_order()?.into_iter().enumerate().map(|(i, n)| (n, i)).collect();
-    topo.sort_by_key(|n| pos.get(n).copied().unwrap_or(usize::MAX));
-    for &nid in &topo {
-        let node = graph.node(nid);
+
+    /// Emits `node` as the shard has it: masked (a vocabulary-split lookup), with its bias
+    /// deferred past the collective (a row-split Gemm), or as it is; then the collectives that
+    /// combine its outputs.
+    fn node(&mut self, node: &'a Node) -> Result<(), CodegenError> {
         let mut inputs: Vec<Option<ValueId>> = Vec::with_capacity(node.inputs.len());
         for (slot, v) in node.inputs.iter().enumerate() {
-            let Some(v) = *v else {
-                inputs.push(None);
-                continue;
-            };
-            let mut id = copy(&mut g, &mut map, v)?;
-            if let Some(&ci) = scoped_at.get(&(node.name.as_str(), slot)) {
-                id = match scoped_out.get(&ci) {
-                    Some(&x) => x,
-                    None => {
-                        let c = &shard.collectives[ci];
-                        if graph.value(v).name != c.after_value {
-                            return Err(bad(format!("collective on `{}` names input {slot} of `{}`, which reads `{}`", c.after_value, node.name, graph.value(v).name)));
-                        }
-                        let name = fresh(&c.after_value, c.kind.op_type());
-                        let out = g.add_value(format!("{name}.out"), ValueKind::Intermediate, None, None)?;
-                        emit_collective(&mut g, c, &name, id, out, full_shape(v).as_deref(), dtype_of(v), shard.tp, node.order)?;
-                        scoped_out.insert(ci, out);
-                        out
-                    }
-                };
-            }
-            if let Some(c) = shard.constant_rewrites.iter().find(|c| c.node == node.name && c.input == slot) {
-                let val = graph.value(v);
-                let dtype = val.data.as_ref().map_or(DType::I64, |d| d.dtype);
-                let dims_ = val.data.as_ref().map_or(vec![c.new_values.len() as i64], |d| d.dims.clone());
-                let t = crate::passes::fold::int_tensor(dtype, dims_.clone(), &c.new_values);
-                id = g.add_value(fresh(&val.name, "tp"), ValueKind::Constant, Some(TensorType { dtype, shape: Some(Shape::from_known(&dims_)) }), Some(t))?;
-            }
-            for r in &shard.rewrites {
-                if let NodeRewrite::DivideShape { node: rn, input, divisors } = r
-                    && *rn == node.name
-                    && *input == slot
-                {
-                    let d = i64_const(&mut g, fresh(&node.name, "divisors"), divisors)?;
-                    let out = g.add_value(fresh(&node.name, "shape"), ValueKind::Intermediate, None, None)?;
-                    g.add_node(Node {
-                        name: fresh(&node.name, "divide_shape"),
-                        op: Op::Known(OpKind::Div),
-                        attrs: Attrs::default(),
-                        inputs: vec![Some(id), Some(d)],
-                        outputs: vec![out],
-                        namespace: node.namespace.clone(),
-                        order: node.order,
-                    })?;
-                    id = out;
-                }
-            }
-            inputs.push(Some(id));
+            inputs.push(match *v {
+                Some(v) => Some(self.operand(node, slot, v)?),
+                None => None,
+            });
         }
-        let defer = shard.rewrites.iter().any(|r| matches!(r, NodeRewrite::DeferBias { node: n } if *n == node.name));
-        let masked = shard.rewrites.iter().find_map(|r| match r {
+        let defer = self.shard.rewrites.iter().any(|r| matches!(r, NodeRewrite::DeferBias { node: n } if *n == node.name));
+        let masked = self.shard.rewrites.iter().find_map(|r| match r {
             NodeRewrite::MaskedGather { node: n, start, end } if *n == node.name => Some((*start, *end)),
             _ => None,
         });
+        // an output a collective combines: the node makes `{name}.local`, the collective `name`
         let mut outs = Vec::with_capacity(node.outputs.len());
         let mut after: Vec<(ValueId, ValueId, ValueId)> = Vec::new();
         for &o in &node.outputs {
-            let val = graph.value(o);
-            if let Some(c) = collect.get(val.name.as_str()) {
-                let local = g.add_value(format!("{}.local", val.name), ValueKind::Intermediate, None, None)?;
-                let full = g.add_value(val.name.clone(), ValueKind::Intermediate, val.ty.clone(), None)?;
-                map.insert(o, full);
+            let val = self.graph.value(o);
+            if self.collect.contains_key(val.name.as_str()) {
+                let local = self.g.add_value(format!("{}.local", val.name), ValueKind::Intermediate, None, None)?;
+                let full = self.g.add_value(val.name.clone(), ValueKind::Intermediate, val.ty.clone(), None)?;
+                self.map.insert(o, full);
                 outs.push(local);
                 after.push((local, full, o));
-                let _ = c;
             } else {
-                let id = g.add_value(val.name.clone(), ValueKind::Intermediate, None, None)?;
-                map.insert(o, id);
+                let id = self.g.add_value(val.name.clone(), ValueKind::Intermediate, None, None)?;
+                self.map.insert(o, id);
                 outs.push(id);
             }
         }
-        let mut emit_outs = outs.clone();
-        if let Some((start, end)) = masked {
+        let bias = inputs.get(2).copied().flatten();
+        if let Some(rows) = masked {
             let (Some(table), Some(ids)) = (inputs.first().copied().flatten(), inputs.get(1).copied().flatten()) else {
-                return Err(bad(format!("masked gather `{}` lacks operands", node.name)));
+                return Err(self.bad(format!("masked gather `{}` lacks operands", node.name)));
             };
-            let idt = graph.value(node.inputs[1].unwrap_or(node.outputs[0])).ty.as_ref().map_or(DType::I64, |t| t.dtype);
-            let fdt = g.value(table).ty.as_ref().map_or(DType::F32, |t| t.dtype);
-            let cs = scalar_const(&mut g, fresh(&node.name, "vocab_start"), idt, start)?;
-            let ce = scalar_const(&mut g, fresh(&node.name, "vocab_end"), idt, end)?;
-            let zi = scalar_const(&mut g, fresh(&node.name, "zero_index"), idt, 0)?;
-            let zf = scalar_const(&mut g, fresh(&node.name, "zero"), fdt, 0)?;
-            let axes = i64_const(&mut g, fresh(&node.name, "last_axis"), &[-1])?;
-            let val = |g: &mut Graph, what: &str| g.add_value(fresh(&node.name, what), ValueKind::Intermediate, None, None);
-            let ge = val(&mut g, "ge")?;
-            let lt = val(&mut g, "lt")?;
-            let inr = val(&mut g, "in_range")?;
-            let sh = val(&mut g, "shifted")?;
-            let safe = val(&mut g, "safe")?;
-            let got = val(&mut g, "rows")?;
-            let m = val(&mut g, "mask")?;
-            let mk = |op: OpKind, ins: Vec<ValueId>, out: ValueId, name: String, attrs: Attrs| Node {
-                name,
-                op: Op::Known(op),
-                attrs,
-                inputs: ins.into_iter().map(Some).collect(),
-                outputs: vec![out],
-                namespace: node.namespace.clone(),
-                order: node.order,
+            let id_dtype = self.graph.value(node.inputs[1].unwrap_or(node.outputs[0])).ty.as_ref().map_or(DType::I64, |t| t.dtype);
+            emit_masked_gather(&mut self.g, node, (table, ids), outs[0], rows, id_dtype, &self.fresh)?;
+        } else if let (true, true, Some(bias)) = (defer, node.op.is(OpKind::Gemm), bias) {
+            // the bias joins after the collective; until then the local output is the bias-free sum
+            let Some(&(_, full, o)) = after.first() else {
+                return Err(self.bad(format!("Gemm `{}` defers its bias but nothing reduces its output", node.name)));
             };
-            let mut gattrs = Attrs::default();
-            gattrs.set("axis", Attr::Int(0));
-            // padding rows of this rank's slice of the table, in its own row numbers
-            let local: Vec<i64> = node.attrs.ints(PADDING_ROWS).unwrap_or(&[]).iter().filter(|&&p| (start..end).contains(&p)).map(|p| p - start).collect();
-            if !local.is_empty() {
-                gattrs.set(PADDING_ROWS, Attr::Ints(local));
-            }
-            for n in [
-                mk(OpKind::GreaterOrEqual, vec![ids, cs], ge, fresh(&node.name, "ge"), Attrs::default()),
-                mk(OpKind::Less, vec![ids, ce], lt, fresh(&node.name, "lt"), Attrs::default()),
-                mk(OpKind::And, vec![ge, lt], inr, fresh(&node.name, "and"), Attrs::default()),
-                mk(OpKind::Sub, vec![ids, cs], sh, fresh(&node.name, "sub"), Attrs::default()),
-                mk(OpKind::Where, vec![inr, sh, zi], safe, fresh(&node.name, "where_index"), Attrs::default()),
-                mk(OpKind::Gather, vec![table, safe], got, node.name.clone(), gattrs),
-                mk(OpKind::Unsqueeze, vec![inr, axes], m, fresh(&node.name, "unsqueeze"), Attrs::default()),
-                mk(OpKind::Where, vec![m, got, zf], emit_outs[0], fresh(&node.name, "where_rows"), Attrs::default()),
-            ] {
-                g.add_node(n)?;
-            }
-        } else if defer && node.op.is(OpKind::Gemm) && inputs.get(2).copied().flatten().is_some() {
-            let bias = inputs[2];
-            let nb = g.add_value(fresh(&node.name, "nobias"), ValueKind::Intermediate, None, None)?;
-            let mut ins = inputs.clone();
-            ins.truncate(2);
-            let mut attrs = node.attrs.clone();
-            let beta = attrs.float("beta", 1.0);
-            attrs.0.remove("beta");
-            g.add_node(Node { name: node.name.clone(), op: node.op.clone(), attrs, inputs: ins, outputs: vec![nb], namespace: node.namespace.clone(), order: node.order })?;
-            // The bias joins after the collective; until then the local output is the bias-free sum.
-            let Some(&(local, full, _)) = after.first() else {
-                return Err(bad(format!("Gemm `{}` defers its bias but nothing reduces its output", node.name)));
+            let c = self.collect[self.graph.value(o).name.as_str()];
+            let (shape, dtype, tp) = (self.full_shape(o), self.dtype_of(o), self.shard.tp);
+            let fresh = &self.fresh;
+            let reduce = |g: &mut Graph, partial: ValueId, reduced: ValueId| {
+                emit_collective(g, c, &fresh.name(&node.name, c.kind.name()), partial, reduced, shape.as_deref(), dtype, tp, node.order)
             };
-            let _ = local;
-            let reduced = g.add_value(fresh(&node.name, "reduced"), ValueKind::Intermediate, graph.value(node.outputs[0]).ty.clone(), None)?;
-            // Re-point: nobias → collective → reduced; reduced + beta·C → full.
-            let c = after[0].2;
-            let ck = collect[graph.value(c).name.as_str()];
-            let cname = fresh(&node.name, ck.kind.op_type());
-            emit_collective(&mut g, ck, &cname, nb, reduced, full_shape(c).as_deref(), dtype_of(c), shard.tp, node.order)?;
-            let mut b = bias.ok_or_else(|| bad("no bias".into()))?;
-            if beta != 1.0 {
-                let bt = g.value(b).ty.as_ref().map_or(DType::F32, |t| t.dtype);
-                let s = g.add_value(fresh(&node.name, "beta"), ValueKind::Constant, Some(TensorType { dtype: bt, shape: Some(Shape(vec![])) }), Some(float_scalar(bt, beta)))?;
-                let sb = g.add_value(fresh(&node.name, "scaled_bias"), ValueKind::Intermediate, None, None)?;
-                g.add_node(Node { name: fresh(&node.name, "scale_bias"), op: Op::Known(OpKind::Mul), attrs: Attrs::default(), inputs: vec![Some(b), Some(s)], outputs: vec![sb], namespace: None, order: node.order })?;
-                b = sb;
-            }
-            g.add_node(Node { name: add_bias_name(&node.name), op: Op::Known(OpKind::Add), attrs: Attrs::default(), inputs: vec![Some(reduced), Some(b)], outputs: vec![full], namespace: node.namespace.clone(), order: node.order })?;
+            emit_deferred_bias(&mut self.g, node, (&inputs[..2], bias), (self.graph.value(o).ty.clone(), full), fresh, reduce)?;
             after.clear();
-            emit_outs.clear();
         } else {
-            g.add_node(Node { name: node.name.clone(), op: node.op.clone(), attrs: node.attrs.clone(), inputs, outputs: emit_outs.clone(), namespace: node.namespace.clone(), order: node.order })?;
+            self.g.add_node(Node { name: node.name.clone(), op: node.op.clone(), attrs: node.attrs.clone(), inputs, outputs: outs, namespace: node.namespace.clone(), order: node.order })?;
         }
         for (local, full, o) in after {
-            let c = collect[graph.value(o).name.as_str()];
-            let name = fresh(&graph.value(o).name, c.kind.op_type());
-            emit_collective(&mut g, c, &name, local, full, full_shape(o).as_deref(), dtype_of(o), shard.tp, node.order)?;
+            let c = self.collect[self.graph.value(o).name.as_str()];
+            let name = self.fresh.name(&self.graph.value(o).name, c.kind.name());
+            let (shape, dtype) = (self.full_shape(o), self.dtype_of(o));
+            emit_collective(&mut self.g, c, &name, local, full, shape.as_deref(), dtype, self.shard.tp, node.order)?;
         }
+        Ok(())
     }
-    for (i, c) in shard.collectives.iter().enumerate() {
-        if !c.readers.is_empty() {
-            if !scoped_out.contains_key(&i) {
-                let r = &c.readers[0];
-                return Err(bad(format!("collective on `{}` names input {} of `{}`, which the layer does not read", c.after_value, r.input, r.node)));
+
+    /// Every collective of the shard was placed: a scoped one at an input the layer reads, any
+    /// other after a value the layer makes.
+    fn check_collectives(&self, node_by_name: &HashMap<&str, NodeId>) -> Result<(), CodegenError> {
+        let graph = self.graph;
+        for (i, c) in self.shard.collectives.iter().enumerate() {
+            if !c.readers.is_empty() {
+                if !self.scoped_out.contains_key(&i) {
+                    let r = &c.readers[0];
+                    return Err(self.bad(format!("collective on `{}` names input {} of `{}`, which the layer does not read", c.after_value, r.input, r.node)));
+                }
+                continue;
             }
-            continue;
-        }
-        if !graph.value_by_name(&c.after_value).is_some_and(|v| map.contains_key(&v) && graph.value(v).producer.is_some_and(|p| node_by_name.contains_key(graph.node(p).name.as_str()))) {
-            return Err(bad(format!("collective after `{}`, which the layer does not produce", c.after_value)));
-        }
-    }
-    for o in outputs {
-        g.outputs.push(map[&o]);
-    }
-    g.verify()?;
-    // Infer on a probe where integer inputs are constants at the bound dims.
-    let mut probe = g.clone();
-    let mut kept = Vec::new();
-    for &v in &g.inputs {
-        let global = graph.value_by_name(&g.value(v).name);
-        let ints = global.and_then(|gv| info.ints(gv).map(|x| (gv, x)));
-        match ints {
-            Some((gv, vals)) => {
-                let ty = info.types[gv.index()].as_ref();
-                let dtype = ty.map_or(DType::I64, |t| t.dtype);
-                let shape = ty.and_then(|t| t.shape.clone()).unwrap_or_else(|| vec![vals.len() as i64]);
-                let val = probe.value_mut(v);
-                val.kind = ValueKind::Constant;
-                val.data = Some(crate::passes::fold::int_tensor(dtype, shape, vals));
+            let made_here = |v: ValueId| self.map.contains_key(&v) && graph.value(v).producer.is_some_and(|p| node_by_name.contains_key(graph.node(p).name.as_str()));
+            if !graph.value_by_name(&c.after_value).is_some_and(made_here) {
+                return Err(self.bad(format!("collective after `{}`, which the layer does not produce", c.after_value)));
             }
-            None => kept.push(v),
         }
+        Ok(())
     }
-    probe.inputs = kept;
-    shape_infer::infer_shapes(&mut probe, dims)?;
-    for v in g.value_ids().collect::<Vec<_>>() {
-        if g.value(v).kind == ValueKind::Intermediate {
-            g.value_mut(v).ty = probe.value(v).ty.clone();
+
+    /// The verified subgraph, its values typed by inference on a probe where integer inputs
+    /// are constants at the bound dims.
+    fn finish(self, dims: &DimBindings) -> Result<Graph, CodegenError> {
+        let mut g = self.g;
+        g.verify()?;
+        let mut probe = g.clone();
+        let mut kept = Vec::new();
+        for &v in &g.inputs {
+            let global = self.graph.value_by_name(&g.value(v).name);
+            let ints = global.and_then(|gv| self.info.ints(gv).map(|x| (gv, x)));
+            match ints {
+                Some((gv, vals)) => {
+                    let ty = self.info.types[gv.index()].as_ref();
+                    let dtype = ty.map_or(DType::I64, |t| t.dtype);
+                    let shape = ty.and_then(|t| t.shape.clone()).unwrap_or_else(|| vec![vals.len() as i64]);
+                    let val = probe.value_mut(v);
+                    val.kind = ValueKind::Constant;
+                    val.data = Some(crate::passes::fold::int_tensor(dtype, shape, vals));
+                }
+                None => kept.push(v),
+            }
         }
+        probe.inputs = kept;
+        shape_infer::infer_shapes(&mut probe, dims)?;
+        for v in g.value_ids().collect::<Vec<_>>() {
+            if g.value(v).kind == ValueKind::Intermediate {
+                g.value_mut(v).ty = probe.value(v).ty.clone();
+            }
+        }
+        g.verify()?;
+        Ok(g)
     }
-    g.verify()?;
-    Ok(g)
 }
 
 /// Adds the nodes of collective `c` from `input` to `output`: the collective node, wrapped in
@@ -649,11 +636,4 @@ fn emit_collective(
     reshape(g, "unview", vout, tback, output)?;
     g.value_mut(output).ty = None;
     Ok(())
-}
-
-fn float_scalar(dtype: DType, v: f32) -> Tensor {
-    match dtype {
-        DType::F64 => Tensor { dtype, dims: vec![], storage: Storage::Raw((v as f64).to_le_bytes().to_vec().into()) },
-        _ => Tensor::from_f32(vec![], &[v]),
-    }
 }

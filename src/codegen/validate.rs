@@ -198,7 +198,7 @@ pub fn validate_shard_group(dims: &dyn Fn(&str) -> Option<Vec<i64>>, shards: &[L
             let n = lead.collectives.len().max(s.collectives.len());
             if let Some(k) = (0..n).find(|&k| lead.collectives.get(k) != s.collectives.get(k)) {
                 let show = |c: Option<&CollectiveInsert>| match c {
-                    Some(c) => format!("{} of `{}`", c.kind.op_type(), c.after_value),
+                    Some(c) => format!("{} of `{}`", c.kind.name(), c.after_value),
                     None => "nothing".to_string(),
                 };
                 errs.push(Invalid {

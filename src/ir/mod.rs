@@ -1,5 +1,6 @@
 //! The shared vocabulary of every stage: graph, ops, tensor types, layers.
 
+mod collective;
 mod display;
 mod dtype;
 mod fusion;
@@ -12,6 +13,7 @@ pub mod schedule;
 mod shape;
 mod tensor;
 
+pub use collective::{CollectiveKind, GroupKind};
 pub use dtype::DType;
 pub use fusion::{AttentionMask, AttentionScale, ExpertActivation, FusedOp, Fusion, GeluApproximation};
 pub use graph::{AuxLoss, Graph, GraphError, Node, NodeId, Value, ValueId, ValueKind};

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use super::Tensor;
+use super::{CollectiveKind, GroupKind, Tensor};
 
 macro_rules! op_kinds {
     ($($(#[$doc:meta])* $kind:ident),* $(,)?) => {
@@ -108,8 +108,8 @@ impl OpKind {
         )
     }
 
-    /// True for reductions over the `axes` input (opset 18; an attribute before, ReduceSum's
-    /// from 13).
+    /// True for reductions over the `axes` input (the importer moves older opsets' attribute
+    /// there).
     pub fn is_reduction(self) -> bool {
         use OpKind::*;
         matches!(self, ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd | ReduceL1 | ReduceL2 | ReduceLogSumExp | ReduceSumSquare)
@@ -122,11 +122,20 @@ impl fmt::Display for OpKind {
     }
 }
 
-/// A node's operator: a known kind, or a placeholder for one the IR does not know.
+/// A node's operator: a known kind, a collective codegen inserted, or a placeholder for one
+/// the IR does not know.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Op {
     /// A default-domain operator the IR knows.
     Known(OpKind),
+    /// A collective or a conversion between the ranks' parts of a value, over one group
+    /// (inserted by codegen; never in a model file).
+    Collective {
+        /// What it computes.
+        kind: CollectiveKind,
+        /// Over which group.
+        group: GroupKind,
+    },
     /// An operator the IR does not know; kept with its declared output types, if any.
     Placeholder {
         /// ONNX `op_type`.
@@ -141,7 +150,7 @@ impl Op {
     pub fn kind(&self) -> Option<OpKind> {
         match self {
             Op::Known(k) => Some(*k),
-            Op::Placeholder { .. } => None,
+            Op::Collective { .. } | Op::Placeholder { .. } => None,
         }
     }
 
@@ -150,10 +159,19 @@ impl Op {
         self.kind() == Some(kind)
     }
 
-    /// The op type as ONNX spells it.
+    /// The collective, if this is one.
+    pub fn collective(&self) -> Option<(CollectiveKind, GroupKind)> {
+        match self {
+            Op::Collective { kind, group } => Some((*kind, *group)),
+            _ => None,
+        }
+    }
+
+    /// The op type as ONNX spells it (a collective's kind name).
     pub fn name(&self) -> &str {
         match self {
             Op::Known(k) => k.name(),
+            Op::Collective { kind, .. } => kind.name(),
             Op::Placeholder { op_type, .. } => op_type,
         }
     }
@@ -163,6 +181,7 @@ impl fmt::Display for Op {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Op::Known(k) => f.write_str(k.name()),
+            Op::Collective { kind, group } => write!(f, "{}@{group}", kind.name()),
             Op::Placeholder { op_type, domain } if domain.is_empty() => write!(f, "?{op_type}"),
             Op::Placeholder { op_type, domain } => write!(f, "?{domain}.{op_type}"),
         }

@@ -109,7 +109,6 @@ pub fn fuse(graph: &mut Graph) -> Vec<Fusion> {
     let mut out = Vec::new();
     let Ok(order) = graph.topo_order() else { return out };
     let grad = carries_gradient(graph, &order);
-    let opset = graph.opsets.get("").copied().unwrap_or(18);
     let mut uses = readers(graph);
     for id in order {
         let Some(op) = graph.try_node(id).and_then(|n| n.op.kind()) else { continue };
@@ -119,7 +118,7 @@ pub fn fuse(graph: &mut Graph) -> Vec<Fusion> {
                 let approximate = if approximate { GeluApproximation::Tanh } else { GeluApproximation::None };
                 Fusion { node: id, op: FusedOp::Gelu { approximate }, inputs: vec![x], output: graph.node(id).outputs[0], replaces: chain(graph, id, x) }
             }),
-            OpKind::MatMul => m.attention(id, &grad, opset).map(|a| Fusion {
+            OpKind::MatMul => m.attention(id, &grad).map(|a| Fusion {
                 node: id,
                 op: FusedOp::Attention { scale: AttentionScale(a.scale), mask: a.mask },
                 inputs: a.inputs,
@@ -220,7 +219,7 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
         let node = graph.node(n);
         match node.op {
             crate::ir::Op::Known(k) => ops.push(k),
-            crate::ir::Op::Placeholder { .. } => return Err(bad(format!("node `{}` of the chain has op {}, which no fused op has", node.name, node.op))),
+            crate::ir::Op::Collective { .. } | crate::ir::Op::Placeholder { .. } => return Err(bad(format!("node `{}` of the chain has op {}, which no fused op has", node.name, node.op))),
         }
         for &v in node.inputs.iter().flatten() {
             let val = graph.value(v);
@@ -482,7 +481,7 @@ impl Matcher<'_> {
 
     /// `id` = MatMul(Dropout?(Softmax(mask?(scale(MatMul(q, kᵀ))))), v), exactly as the module
     /// docs list; `grad` marks values that carry a gradient (a mask must not).
-    fn attention(&self, id: NodeId, grad: &[bool], opset: i64) -> Option<AttentionMatch> {
+    fn attention(&self, id: NodeId, grad: &[bool]) -> Option<AttentionMatch> {
         use OpKind::*;
         let mut nodes = vec![id];
         let (mut p, v) = self.pair(id)?;
@@ -490,7 +489,7 @@ impl Matcher<'_> {
         if let Some(d) = self.g.value(p).producer.filter(|&d| self.g.node(d).op.is(Dropout)) {
             let node = self.g.node(d);
             let extra_unread = node.outputs.iter().skip(1).all(|o| self.uses[o.index()] == 0);
-            if self.uses[p.index()] != 1 || node.outputs[0] != p || !extra_unread || !self.dropout_inactive(d, opset) {
+            if self.uses[p.index()] != 1 || node.outputs[0] != p || !extra_unread || !self.dropout_inactive(d) {
                 return None;
             }
             nodes.push(d);
@@ -500,7 +499,7 @@ impl Matcher<'_> {
         nodes.push(sm);
         let x = self.g.node(sm).inputs.first().copied().flatten()?;
         let rank = self.dims(x)?.len() as i64;
-        let axis = self.g.node(sm).attrs.int("axis", if opset >= 13 { -1 } else { 1 });
+        let axis = self.g.node(sm).attrs.int("axis", -1);
         if rank != 4 || (axis != -1 && axis != rank - 1) {
             return None;
         }
@@ -594,9 +593,9 @@ impl Matcher<'_> {
             && node.attrs.ints("perm").is_none_or(|p| p == [1, 0])
     }
 
-    /// `n`'s axes (input 1, or the attribute before opset 13/18), normalised against `rank`.
+    /// `n`'s axes (input 1), normalised against `rank`.
     fn axes_of(&self, n: NodeId, rank: usize) -> Option<Vec<usize>> {
-        let listed = self.const_ints(n, 1).or_else(|| self.g.node(n).attrs.ints("axes").map(<[i64]>::to_vec))?;
+        let listed = self.const_ints(n, 1)?;
         listed
             .iter()
             .map(|&a| {
@@ -736,11 +735,8 @@ impl Matcher<'_> {
     }
 
     /// Whether Dropout `d` passes its input through in training too, as the runner runs it:
-    /// before opset 12, or with no `training_mode`, a constant false one, or a constant ratio 0.
-    fn dropout_inactive(&self, d: NodeId, opset: i64) -> bool {
-        if opset < 12 {
-            return true;
-        }
+    /// with no `training_mode`, a constant false one, or a constant ratio 0.
+    fn dropout_inactive(&self, d: NodeId) -> bool {
         let ins = &self.g.node(d).inputs;
         let konst = |i: usize| ins.get(i).copied().flatten().map(|v| self.scalar(v));
         match konst(2) {

@@ -704,7 +704,7 @@ mod tests {
         assert_eq!(keras_segment("keras_lm"), "keras_lm");
         assert_eq!(keras_segment("_3"), "_3");
         assert_eq!(keras_segment("conv2d_"), "conv2d_");
-        let mut b = Builder::new(18);
+        let mut b = Builder::new();
         let x = b.input("x", DType::F32, &["2", "4"]);
         let w = b.param("w", DType::F32, &[4, 4]);
         let y = b.node(crate::ir::OpKind::MatMul, &[x, w], &[]);
@@ -717,7 +717,7 @@ mod tests {
     /// matmuls, then Inception-style modules (parallel branches joined by a concat), of
     /// uneven widths.
     fn branchy() -> crate::ir::Graph {
-        let mut b = Builder::new(17);
+        let mut b = Builder::new();
         let mut x = b.input("pixels", DType::F32, &["4", "64"]);
         let mut width = 64;
         for (i, w) in [64, 128, 128, 256].into_iter().enumerate() {
@@ -774,7 +774,7 @@ mod tests {
     /// two blocks), every decoder block reading the encoder's output.
     fn encoder_decoder(blocks: usize) -> crate::ir::Graph {
         use crate::ir::OpKind::{Add, Gather, MatMul};
-        let mut b = Builder::new(18);
+        let mut b = Builder::new();
         let ids = b.input("input_ids", DType::I64, &["2", "8"]);
         let dec_ids = b.input("decoder_input_ids", DType::I64, &["2", "8"]);
         let ns = |b: &mut Builder, path: &str| b.namespace = Some(format!(": W/model: T5{path}/op: aten.op"));

@@ -702,7 +702,7 @@ mod tests {
 
     #[test]
     fn a_parameter_the_module_holds_frozen_is_loaded_but_not_trained() {
-        let mut b = Builder::new(17);
+        let mut b = Builder::new();
         let x = b.input("x", DType::F32, &["2", "2"]);
         let w = init(&mut b, "w", &[2, 2], &[1.0, 2.0, 3.0, 4.0]);
         let u = init(&mut b, "u", &[2, 2], &[5.0, 6.0, 7.0, 8.0]);
@@ -726,7 +726,7 @@ mod tests {
 
     /// Two Mul nodes reading `w`; returns (builder, w, [mul nodes' outputs]).
     fn two_users(vals: &[f32]) -> (Builder, ValueId, [ValueId; 2]) {
-        let mut b = Builder::new(18);
+        let mut b = Builder::new();
         let x = b.input("x", DType::F32, &["b", "4"]);
         let w = init(&mut b, "w", &[4], vals);
         let y1 = b.node(OpKind::Mul, &[x, w], &[]);
@@ -764,7 +764,7 @@ mod tests {
 
     #[test]
     fn masks_and_patterns_freeze() {
-        let mut b = Builder::new(18);
+        let mut b = Builder::new();
         let x = b.input("x", DType::F32, &["b", "1", "2", "2"]);
         let m = init(&mut b, "val_7", &[1, 1, 2, 2], &[0.0, f32::MIN, 0.0, 0.0]);
         let w = init(&mut b, "scale", &[2], &[0.5, 2.0]);
@@ -792,7 +792,7 @@ mod tests {
 
     #[test]
     fn views_of_one_parameter_become_nodes() {
-        let mut b = Builder::new(18);
+        let mut b = Builder::new();
         let ids = b.input("ids", DType::I64, &["2", "2"]);
         let emb = init(&mut b, "wte", &[3, 2], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
         let emb_t = init(&mut b, "val_9", &[2, 3], &[1.0, 3.0, 5.0, 2.0, 4.0, 6.0]);
@@ -827,7 +827,7 @@ mod tests {
 
     #[test]
     fn padding_rows_mark_the_lookups_of_the_table_not_its_tied_head() {
-        let mut b = Builder::new(18);
+        let mut b = Builder::new();
         let ids = b.input("ids", DType::I64, &["2", "2"]);
         let emb = init(&mut b, "wte", &[3, 2], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
         let emb_t = init(&mut b, "val_9", &[2, 3], &[1.0, 3.0, 5.0, 2.0, 4.0, 6.0]);

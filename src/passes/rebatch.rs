@@ -332,7 +332,7 @@ mod tests {
     fn a_batch_moved_out_of_the_first_dim_is_refused_naming_the_node() {
         // [B, S, H] → Transpose → [S, B, H] → Reshape [S, B·H]: the batch is no longer the
         // outer factor of the first dim (8 = 2·B would rewrite, and the element counts fit)
-        let mut b = Builder::new(18);
+        let mut b = Builder::new();
         let x = b.input("x", DType::F32, &["4", "8", "16"]);
         let x = b.node(OpKind::Transpose, &[x], &[("perm", crate::ir::Attr::Ints(vec![1, 0, 2]))]);
         let t = b.ints(&[8, 64]);
@@ -349,7 +349,7 @@ mod tests {
     #[test]
     fn a_flattening_reshape_follows_the_batch() {
         // [B, S, H] → Reshape [B·S, H] → MatMul → Reshape [B, S, H] (GPT-2's Conv1D)
-        let mut b = Builder::new(18);
+        let mut b = Builder::new();
         let x = b.input("x", DType::F32, &["4", "8", "16"]);
         let t = b.ints(&[32, 16]);
         let y = b.node(OpKind::Reshape, &[x, t], &[]);
@@ -380,7 +380,7 @@ mod tests {
     #[test]
     fn positions_gathered_per_sample_are_cut() {
         // OPT's fixed export: position rows gathered for every sample, [B, S] indices
-        let mut b = Builder::new(18);
+        let mut b = Builder::new();
         let ids = b.input("input_ids", DType::I64, &["4", "8"]);
         let wte = b.param("wte", DType::F32, &[32, 16]);
         let wpe = b.param("wpe", DType::F32, &[8, 16]);

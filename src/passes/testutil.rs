@@ -14,10 +14,9 @@ pub struct Builder {
 }
 
 impl Builder {
-    pub fn new(opset: i64) -> Builder {
-        let mut g = Graph::new("test");
-        g.opsets.insert(String::new(), opset);
-        Builder { g, next: 0, namespace: None }
+    /// An empty graph; what it builds is in the canonical form the ONNX importer writes.
+    pub fn new() -> Builder {
+        Builder { g: Graph::new("test"), next: 0, namespace: None }
     }
 
     fn fresh(&mut self, p: &str) -> String {
@@ -121,7 +120,7 @@ pub struct Gpt {
 /// A Megatron-style pre-LN GPT: embedding, blocks (LN → QKV → attention with Softmax → proj
 /// → add → LN → fc1 → Gelu → fc2 → add), final LN and an LM head tied to the embedding.
 pub fn gpt(c: Gpt) -> Graph {
-    let mut b = Builder::new(18);
+    let mut b = Builder::new();
     let (h, a) = (c.hidden, c.heads);
     let d = h / a;
     let bs = c.batch.map(|x| x.to_string()).unwrap_or("batch".into());

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
@@ -548,6 +549,17 @@ impl Plan {
 }
 
 impl Plan {
+    /// The model file this plan was made for, located from `plan_file` (the plan's own path):
+    /// the recorded path where it exists or is absolute, else that path in the plan's folder
+    /// when the model is there (a plan moved with its model). The one rule for every reader.
+    pub fn model_file(&self, plan_file: &Path) -> PathBuf {
+        let recorded = PathBuf::from(&self.model.path);
+        if recorded.exists() || recorded.is_absolute() {
+            return recorded;
+        }
+        plan_file.parent().map(|d| d.join(&recorded)).filter(|m| m.exists()).unwrap_or(recorded)
+    }
+
     /// What codegen needs of this plan.
     pub fn codegen_input(&self) -> Result<CodegenInput, EncodeError> {
         let p = &self.parallel;

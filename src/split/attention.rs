@@ -4,6 +4,9 @@
 //! ranks go through `repeat_kv`'s Expand here. The planner's attention cores are found in
 //! [`super::analyse`].
 
+use super::Strategy;
+use super::context::{Decision, Splitter, Tokens};
+use super::offer::{Feasible, Offer, Pricer};
 use super::realise::{Fail, Prop, R, Sh};
 use crate::ir::{NodeId, OpKind, ValueId};
 
@@ -90,5 +93,68 @@ impl Prop<'_, '_> {
         self.shrink_shape_entry_by(id, 1, pos + 1, copies, rep)?;
         self.set(o, Sh::Split { axis: oaxis + 1, outer: 1, inner: copies / rep, origin: None });
         Ok(())
+    }
+}
+
+/// Offers.
+impl Pricer<'_> {
+    /// Attention core `k` (its matmuls and the ops between them) split by heads, when its heads
+    /// divide and every projection feeding it splits by columns, or whole.
+    pub(super) fn core_offers(&self, f: &Feasible<'_>, k: usize) -> Vec<Offer> {
+        let c = &f.sg.cores[k];
+        let all = self.figures(c.nodes.iter().chain(c.matmuls.iter()).map(|&i| (i, 1.0)));
+        let mut options = Vec::new();
+        if f.core_ok[k] && c.producers.iter().all(|q| f.col_ok[q]) {
+            options.push(self.opt(Strategy::Heads, all[0], all[1], all[4] / self.t, 0.0));
+        }
+        options.push(self.replicate(&all));
+        options
+    }
+}
+
+/// Context parallelism.
+impl Splitter<'_> {
+    /// The fused attention `softmax(scale·q·kᵀ + mask)·v`: queries local, keys and values
+    /// gathered, the mask's rows cut to the queries.
+    pub(super) fn attention(&self, n: NodeId) -> Option<Decision> {
+        let node = self.g.node(n);
+        let q = node.inputs.first().copied().flatten()?;
+        let qs = self.shape(q)?.to_vec();
+        let rq = qs.len();
+        let mut convert = Vec::new();
+        let out = match self.tokens[q.index()] {
+            Tokens::Local { axis, outer } if axis + 1 < rq => Tokens::Local { axis, outer },
+            Tokens::Local { .. } => {
+                convert.push((0, Tokens::Whole));
+                Tokens::Whole
+            }
+            Tokens::Whole => Tokens::Whole,
+        };
+        for slot in [1, 2] {
+            if node.inputs.get(slot).copied().flatten().is_some_and(|v| self.tokens[v.index()] != Tokens::Whole) {
+                convert.push((slot, Tokens::Whole));
+            }
+        }
+        if let Some(m) = node.inputs.get(3).copied().flatten() {
+            let ms = self.shape(m)?;
+            let mt = self.tokens[m.index()];
+            let Tokens::Local { axis: ta, outer } = out else {
+                if mt != Tokens::Whole {
+                    convert.push((3, Tokens::Whole));
+                }
+                return Some(Decision { convert, out, shape: None });
+            };
+            let off = rq.saturating_sub(ms.len());
+            let aligned = (ta >= off).then(|| ta - off);
+            let rows = aligned.map(|a| Tokens::Local { axis: a, outer });
+            if Some(mt) != rows {
+                match aligned {
+                    Some(a) if ms[a] != 1 && ms[a] == qs[ta] => convert.push((3, Tokens::Local { axis: a, outer })),
+                    _ if mt != Tokens::Whole => convert.push((3, Tokens::Whole)),
+                    _ => {}
+                }
+            }
+        }
+        Some(Decision { convert, out, shape: None })
     }
 }

@@ -1,8 +1,12 @@
 //! Elementwise ops: unary ops follow their input; n-ary ops need equally split inputs (a
 //! replicated full-size weight operand is sliced with them); partial sums pass linear ops only.
 
+use std::collections::HashMap;
+
+use super::context::{Decision, Splitter, Tokens};
 use super::realise::{Prop, R, Sh};
-use crate::ir::{NodeId, OpKind, ValueId};
+use super::sequence::{Decision as SeqDecision, Seq, SeqLayer};
+use crate::ir::{Node, NodeId, OpKind, ValueId};
 
 impl Prop<'_, '_> {
     /// Unary ops (and views that map axes): the output takes the input's placement.
@@ -88,5 +92,57 @@ impl Prop<'_, '_> {
         }
         self.sh.insert(o, Sh::Split { axis, outer, inner, origin });
         Ok(())
+    }
+}
+
+/// Sequence parallelism.
+impl SeqLayer<'_> {
+    /// An elementwise op on token chunks: every token-split operand placed alike and as large
+    /// as the output along the token axis; a replicated operand spanning the tokens is sliced.
+    pub(super) fn elementwise(&self, node: &Node, seq: &HashMap<ValueId, Seq>, state: Seq, os: &[i64]) -> Option<SeqDecision> {
+        let mut scatters = Vec::new();
+        for (slot, v) in node.inputs.iter().enumerate() {
+            let Some(v) = *v else { continue };
+            let vs = self.shape(v)?;
+            if let Some(s) = seq.get(&v) {
+                if *s != state || vs.len() != os.len() || vs[state.axis] != os[state.axis] {
+                    return None;
+                }
+                continue;
+            }
+            let off = os.len().checked_sub(vs.len())?;
+            if state.axis < off || vs[state.axis - off] == 1 {
+                continue;
+            }
+            if vs.len() != os.len() || vs[state.axis] != os[state.axis] {
+                return None;
+            }
+            scatters.push((slot, v));
+        }
+        Some(SeqDecision { out: state, scatters, shape_entry: None })
+    }
+}
+
+/// Context parallelism.
+impl Splitter<'_> {
+    /// Output tokens of an elementwise node: those of its first local input of full rank
+    /// (else of a lower-rank one, aligned from the right); every other operand made to match.
+    pub(super) fn elementwise(&self, n: NodeId, os: &[i64]) -> Option<Decision> {
+        let node = self.g.node(n);
+        let r = os.len();
+        let mut target = None;
+        for v in node.inputs.iter().flatten() {
+            if let Tokens::Local { axis, outer } = self.tokens[v.index()] {
+                let ri = self.shape(*v)?.len();
+                let t = Tokens::Local { axis: axis + (r - ri.min(r)), outer };
+                if ri == r {
+                    target = Some(t);
+                    break;
+                }
+                target.get_or_insert(t);
+            }
+        }
+        let all: Vec<usize> = (0..node.inputs.len()).collect();
+        Some(self.elementwise_operands(n, os, target?, &all))
     }
 }

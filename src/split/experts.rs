@@ -1,6 +1,9 @@
 //! Mixture of experts: each expert's gated MLP splits by its intermediate dim, as Megatron
 //! splits a dense MLP (its gate and up projections by columns, its down projection by rows).
 
+use super::Strategy;
+use super::context::{Decision, Splitter, Tokens};
+use super::offer::{Offer, Pricer};
 use super::realise::{Prop, R, Sh};
 use crate::ir::NodeId;
 
@@ -42,5 +45,36 @@ impl Prop<'_, '_> {
         }
         self.set(o, Sh::Rep);
         Ok(())
+    }
+}
+
+/// Offers.
+impl Pricer<'_> {
+    /// Every expert's MLP split by its intermediate dim `inter` (where it divides), or whole.
+    /// `routes` is the router weights' share of the tokens' bytes.
+    pub(super) fn experts_offers(&self, (inter, routes): (Option<i64>, f64), i: usize) -> Vec<Offer> {
+        let own = self.figures([(i, 1.0)]);
+        let mut options = Vec::new();
+        if self.divides(inter) {
+            // the output's partial sums are reduced like a row split's; backward, the gradients
+            // of the tokens and of the router's weights are all-reduced
+            let weights_ar = self.x.comm.all_reduce(self.hidden * routes, &self.x.tp_group);
+            options.push(self.opt(Strategy::Experts, own[0] + self.row_fwd, own[1] + self.ar + weights_ar + self.sp_ag, own[4] / self.t, 0.0));
+        }
+        options.push(self.replicate(&own));
+        options
+    }
+}
+
+/// Context parallelism.
+impl Splitter<'_> {
+    /// Routed experts run on local tokens: the tokens, the router's weights and indices local
+    /// alike along the token axis, the expert weights whole.
+    pub(super) fn experts(&self, n: NodeId) -> Option<Decision> {
+        let node = self.g.node(n);
+        let tok = |i: usize| node.inputs.get(i).copied().flatten().map_or(Tokens::Whole, |v| self.tokens[v.index()]);
+        let t0 = tok(0);
+        let same = (0..3).all(|i| tok(i) == t0) && (3..node.inputs.len()).all(|i| tok(i) == Tokens::Whole);
+        matches!(t0, Tokens::Local { axis: 0, .. }).then_some(()).filter(|_| same).map(|_| Decision::to(t0))
     }
 }

@@ -1,8 +1,13 @@
 //! Norms and reductions (Softmax, LayerNormalization, Reduce*, CumSum, Slice): they run split
 //! only when they do not work along the split axis; a norm's scale and bias stay whole.
 
-use super::realise::{Prop, R, Sh, norm_axis};
-use crate::ir::{NodeId, OpKind, ValueId};
+use std::collections::HashMap;
+
+use super::axes::{keeps_axes, touched_axes};
+use super::context::{Decision, Splitter, Tokens};
+use super::realise::{Prop, R, Sh};
+use super::sequence::{Decision as SeqDecision, Seq, SeqLayer};
+use crate::ir::{Node, NodeId, OpKind, ValueId};
 
 impl Prop<'_, '_> {
     /// Norm-like ops over axes other than the split one.
@@ -18,24 +23,8 @@ impl Prop<'_, '_> {
             return self.err("a partial sum reaches a normalisation");
         };
         let rank = self.need_shape(x)?.len();
-        let touched: Vec<usize> = match kind {
-            Softmax | LogSoftmax => vec![norm_axis(n.attrs.int("axis", -1), rank).unwrap_or(rank)],
-            LayerNormalization => {
-                let a = norm_axis(n.attrs.int("axis", -1), rank).unwrap_or(0);
-                (a..rank).collect()
-            }
-            CumSum => inp(1).and_then(|v| self.ints(v)).map(|a| a.iter().filter_map(|&a| norm_axis(a, rank)).collect()).unwrap_or_default(),
-            Slice => {
-                let starts = inp(1).and_then(|v| self.ints(v)).map_or(0, <[i64]>::len);
-                match inp(3).and_then(|v| self.ints(v)) {
-                    Some(a) => a.iter().filter_map(|&a| norm_axis(a, rank)).collect(),
-                    None => (0..starts).collect(),
-                }
-            }
-            _ => {
-                let axes: Vec<i64> = inp(1).and_then(|v| self.ints(v)).map(<[i64]>::to_vec).or_else(|| n.attrs.ints("axes").map(<[i64]>::to_vec)).unwrap_or_default();
-                if axes.is_empty() { (0..rank).collect() } else { axes.iter().filter_map(|&a| norm_axis(a, rank)).collect() }
-            }
+        let Some(touched) = touched_axes(n, &self.s.info, rank) else {
+            return self.err("the axes it works along are not known");
         };
         if touched.contains(&axis) {
             return self.err(format!("it works along the split axis {axis}"));
@@ -47,12 +36,65 @@ impl Prop<'_, '_> {
                 }
             }
         }
-        let keep = !matches!(kind, ReduceMean | ReduceSum | ReduceMax) || n.attrs.int("keepdims", 1) == 1;
-        let axis = if keep { axis } else { axis - touched.iter().filter(|&&a| a < axis).count() };
+        let axis = if keeps_axes(n) { axis } else { axis - touched.iter().filter(|&&a| a < axis).count() };
         self.set(outs[0], Sh::Split { axis, outer, inner, origin });
         for &o in &outs[1..] {
             self.sh.insert(o, Sh::Split { axis, outer, inner, origin });
         }
         Ok(())
+    }
+}
+
+/// Sequence parallelism.
+impl SeqLayer<'_> {
+    /// A norm, softmax or reduction kept on token chunks when it works along other axes and its
+    /// scale and bias broadcast over the tokens. The other ops of the family (scans, top-k,
+    /// slices, argmax and the rest of the reductions) read their tokens gathered.
+    pub(super) fn norm(&self, node: &Node, seq: &HashMap<ValueId, Seq>, state: Seq) -> Option<SeqDecision> {
+        use OpKind::*;
+        if !matches!(node.op.kind()?, LayerNormalization | Softmax | LogSoftmax | ReduceMean | ReduceSum | ReduceMax | ReduceMin) {
+            return None;
+        }
+        let x = node.inputs.first().copied().flatten()?;
+        if seq.get(&x) != Some(&state) || node.inputs.iter().skip(1).flatten().any(|v| seq.contains_key(v)) {
+            return None;
+        }
+        let rank = self.shape(x)?.len();
+        if !keeps_axes(node) {
+            return None;
+        }
+        let touched = touched_axes(node, self.info, rank)?;
+        if touched.is_empty() || touched.contains(&state.axis) {
+            return None;
+        }
+        // scale and bias of a norm: broadcast over the tokens
+        for v in node.inputs.iter().skip(1).flatten() {
+            let vs = self.shape(*v)?;
+            let off = rank.checked_sub(vs.len())?;
+            if state.axis >= off && vs[state.axis - off] != 1 {
+                return None;
+            }
+        }
+        Some(SeqDecision { out: state, scatters: Vec::new(), shape_entry: None })
+    }
+}
+
+/// Context parallelism.
+impl Splitter<'_> {
+    /// An op along some axes on local tokens: local where it does not work along the token
+    /// axis and its other operands are whole.
+    pub(super) fn reduction(&self, n: NodeId) -> Option<Decision> {
+        let node = self.g.node(n);
+        let x = node.inputs.first().copied().flatten()?;
+        let Tokens::Local { axis, outer } = self.tokens[x.index()] else { return None };
+        if node.inputs.iter().skip(1).flatten().any(|v| self.tokens[v.index()] != Tokens::Whole) {
+            return None;
+        }
+        let touched = touched_axes(node, &self.info, self.shape(x)?.len())?;
+        if touched.contains(&axis) {
+            return None;
+        }
+        let k = if keeps_axes(node) { axis } else { axis - touched.iter().filter(|&&a| a < axis).count() };
+        Some(Decision::to(Tokens::Local { axis: k, outer }))
     }
 }

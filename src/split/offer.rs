@@ -29,10 +29,9 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
-
 use crate::cost::compute::{node_times, saved_bytes, scaled};
 use crate::cost::{ClusterSpec, CommModel, GroupSpan};
-use crate::ir::{DType, LayeredGraph, ValueId};
+use crate::ir::{DType, Layer, LayeredGraph, ValueId};
 
 use super::Strategy;
 use super::analyse::{GraphFacts, NodeRole, SplitGraph, analyse};
@@ -127,229 +126,236 @@ pub fn offers(lg: &LayeredGraph, layer: usize, x: &StrategyInputs<'_>) -> LayerO
 
 /// [`offers`] from a layer's analysed split structure.
 pub fn offers_from(lg: &LayeredGraph, layer: usize, sg: &SplitGraph, x: &StrategyInputs<'_>) -> LayerOffers {
-    let lay = &lg.layers[layer];
-    let g = &lg.graph;
-    let tp = x.tp.max(1) as i64;
-    let t = tp as f64;
-    let b = x.microbatch;
-    let roles = &sg.roles;
-    let hidden = lay.input_bytes.max(lay.output_bytes) * b * x.bytes_scale;
-    let ar = x.comm.all_reduce(hidden, &x.tp_group);
-    let ag = x.comm.all_gather(hidden, &x.tp_group);
-    // Sequence parallelism as codegen emits it: a row split's all-reduce becomes a
-    // reduce-scatter plus a later all-gather (before the next column split, or at the layer's
-    // exit), but the reduce-scatter's backward is one more all-gather, and so is that of the
-    // residual's local scatter. Parameters applied to a sequence chunk (the row's deferred
-    // bias, norms in `rest`) get partial gradients: one all-reduce each.
-    let sp_ag = if x.sequence_parallel { ag } else { 0.0 };
-    let row_fwd = if x.sequence_parallel { x.comm.reduce_scatter(hidden, &x.tp_group) + ag } else { ar };
-    let partial_grad = |elems: f64| {
-        if x.sequence_parallel && elems > 0.0 { x.comm.all_reduce(elems * x.dtype.size_bytes() as f64, &x.tp_group) } else { 0.0 }
+    let p = Pricer::new(lg, layer, x);
+    let f = Feasible::new(sg, &p);
+    let (lay, g) = (p.lay, &lg.graph);
+    let mut nodes = Vec::new();
+    let mut members = Vec::new();
+    let mut index_of: HashMap<usize, usize> = HashMap::new();
+    let mut rest = [0.0f64; 6];
+    let mut rest_partial_grads = 0.0;
+    for (i, role) in sg.roles.iter().enumerate() {
+        let name = g.try_node(lay.nodes[i]).map(|n| n.name.clone()).unwrap_or_default();
+        let options = match role {
+            NodeRole::Follow => {
+                if f.in_core.contains(&i) || f.owner_share.get(&i).is_some_and(|o| o.iter().any(|q| f.col_ok[q])) {
+                    continue;
+                }
+                let fig = p.figures([(i, 1.0)]);
+                for (r, v) in rest.iter_mut().zip(fig) {
+                    *r += v;
+                }
+                rest_partial_grads += p.partial_grad(fig[4]);
+                continue;
+            }
+            NodeRole::WeightMatmul => p.weight_matmul_offers(&f, i),
+            NodeRole::Experts => p.experts_offers(sg.experts[&i], i),
+            NodeRole::Embedding => p.embedding_offers(sg.vocab[&i], i),
+        };
+        index_of.insert(i, nodes.len());
+        nodes.push(NodeOffers { name, members: Vec::new(), options });
+        members.push(vec![i]);
+    }
+    let mut core_index: Vec<usize> = Vec::new();
+    for (k, c) in sg.cores.iter().enumerate() {
+        let first = c.matmuls.iter().next().copied().unwrap_or(0);
+        let name = g.try_node(lay.nodes[first]).map(|n| format!("attention@{}", n.name)).unwrap_or_default();
+        core_index.push(nodes.len());
+        nodes.push(NodeOffers { name, members: Vec::new(), options: p.core_offers(&f, k) });
+        members.push(c.matmuls.iter().copied().collect());
+    }
+    let act = saved_bytes(&lay.figures, x.spec).max(lay.input_bytes) * p.b * x.bytes_scale / p.t;
+    // Hook for `--sequence-parallel`: the rest runs ÷t; otherwise whole on every rank.
+    let rest_option = if x.sequence_parallel {
+        p.opt(Strategy::Sequence, rest[0], rest[1] + p.sp_ag + rest_partial_grads, rest[4] / p.t, act)
+    } else {
+        p.opt(Strategy::Follow, rest[2], rest[3], rest[4], act + rest[5])
     };
-    let times_at = |i: usize, share: f64| {
-        let id = lay.nodes[i];
-        let Some(n) = g.try_node(id) else { return (0.0, 0.0) };
-        let mut f = scaled(&lg.node_figures(id), share);
-        f.memory_bytes *= x.bytes_scale;
-        let tm = node_times(&n.op, &f, x.dtype, x.spec);
+    nodes.push(NodeOffers { name: "rest".into(), members: Vec::new(), options: vec![rest_option] });
+    for (node, m) in nodes.iter_mut().zip(members) {
+        node.members = m;
+    }
+    LayerOffers { nodes, couplings: f.couplings(&index_of, &core_index) }
+}
+
+/// What pricing a layer's offers at one tensor degree needs: the layer, the inputs, and the
+/// collective times every family's offers share.
+pub(super) struct Pricer<'a> {
+    pub lg: &'a LayeredGraph,
+    pub lay: &'a Layer,
+    pub x: &'a StrategyInputs<'a>,
+    /// The tensor degree.
+    pub tp: i64,
+    /// The same, as a divisor.
+    pub t: f64,
+    /// Samples per microbatch.
+    pub b: f64,
+    /// Bytes of the layer's larger boundary value per microbatch.
+    pub hidden: f64,
+    /// All-reduce of `hidden` over the tensor group.
+    pub ar: f64,
+    /// Sequence parallelism's extra all-gather (0 without it).
+    pub sp_ag: f64,
+    /// A row split's forward collective: an all-reduce, or under sequence parallelism a
+    /// reduce-scatter plus a later all-gather.
+    pub row_fwd: f64,
+}
+
+impl<'a> Pricer<'a> {
+    fn new(lg: &'a LayeredGraph, layer: usize, x: &'a StrategyInputs<'a>) -> Pricer<'a> {
+        let lay = &lg.layers[layer];
+        let tp = x.tp.max(1) as i64;
+        let b = x.microbatch;
+        let hidden = lay.input_bytes.max(lay.output_bytes) * b * x.bytes_scale;
+        let ar = x.comm.all_reduce(hidden, &x.tp_group);
+        let ag = x.comm.all_gather(hidden, &x.tp_group);
+        // Sequence parallelism as codegen emits it: a row split's all-reduce becomes a
+        // reduce-scatter plus a later all-gather (before the next column split, or at the layer's
+        // exit), but the reduce-scatter's backward is one more all-gather, and so is that of the
+        // residual's local scatter. Parameters applied to a sequence chunk (the row's deferred
+        // bias, norms in `rest`) get partial gradients: one all-reduce each.
+        let sp_ag = if x.sequence_parallel { ag } else { 0.0 };
+        let row_fwd = if x.sequence_parallel { x.comm.reduce_scatter(hidden, &x.tp_group) + ag } else { ar };
+        Pricer { lg, lay, x, tp, t: tp as f64, b, hidden, ar, sp_ag, row_fwd }
+    }
+
+    /// The all-reduce of a parameter's partial gradient under sequence parallelism (0 without).
+    pub fn partial_grad(&self, elems: f64) -> f64 {
+        if self.x.sequence_parallel && elems > 0.0 { self.x.comm.all_reduce(elems * self.x.dtype.size_bytes() as f64, &self.x.tp_group) } else { 0.0 }
+    }
+
+    /// Forward and backward time of layer node `i` on `share` samples.
+    fn times_at(&self, i: usize, share: f64) -> (f64, f64) {
+        let id = self.lay.nodes[i];
+        let Some(n) = self.lg.graph.try_node(id) else { return (0.0, 0.0) };
+        let mut f = scaled(&self.lg.node_figures(id), share);
+        f.memory_bytes *= self.x.bytes_scale;
+        let tm = node_times(&n.op, &f, self.x.dtype, self.x.spec);
         (tm.fwd, tm.bwd)
-    };
-    let divides = |d: Option<i64>| d.is_none_or(|d| d > 0 && d % tp == 0);
-    // Split and whole figures of a node set: (fwd/t, bwd/t, fwd, bwd, params, extra act).
-    let figures = |nodes: &mut dyn Iterator<Item = (usize, f64)>| {
+    }
+
+    /// Whether a dim (unknown: yes) divides by the tensor degree.
+    pub fn divides(&self, d: Option<i64>) -> bool {
+        d.is_none_or(|d| d > 0 && d % self.tp == 0)
+    }
+
+    /// Split and whole figures of weighted layer nodes: (fwd/t, bwd/t, fwd, bwd, params,
+    /// activation bytes a split saves).
+    pub fn figures(&self, nodes: impl IntoIterator<Item = (usize, f64)>) -> [f64; 6] {
+        let (b, t) = (self.b, self.t);
         let mut s = [0.0f64; 6];
         for (i, w) in nodes {
-            let fig = lg.node_figures(lay.nodes[i]);
-            let (sf, sb) = times_at(i, b / t);
-            let (rf, rb) = times_at(i, b);
+            let fig = self.lg.node_figures(self.lay.nodes[i]);
+            let (sf, sb) = self.times_at(i, b / t);
+            let (rf, rb) = self.times_at(i, b);
             s[0] += w * sf;
             s[1] += w * sb;
             s[2] += w * rf;
             s[3] += w * rb;
             s[4] += w * fig.param_elems as f64;
-            s[5] += w * saved_bytes(&fig, x.spec) * b * x.bytes_scale * (1.0 - 1.0 / t);
+            s[5] += w * saved_bytes(&fig, self.x.spec) * b * self.x.bytes_scale * (1.0 - 1.0 / t);
         }
         s
-    };
-    let opt = |strategy: Strategy, fwd: f64, bwd: f64, elems: f64, act: f64| Offer {
-        strategy,
-        fwd_s: fwd,
-        bwd_s: bwd,
-        param_elems: elems,
-        param_bytes: elems * x.state_bytes_per_param,
-        act_bytes: act,
-    };
-    // Which columns and cores can split.
-    let core_of = |m: usize| sg.cores.iter().position(|c| c.matmuls.contains(&m));
-    // Query heads divide by t; fewer (grouped-query KV) heads may be shared by t / h ranks.
-    let core_ok: Vec<bool> = sg
-        .cores
-        .iter()
-        .map(|c| c.heads.last().is_none_or(|&q| q % tp == 0) && c.heads.iter().all(|&h| h % tp == 0 || tp % h == 0))
-        .collect();
-    let mut col_ok: BTreeMap<usize, bool> = BTreeMap::new();
-    for (&p, r) in &sg.reach {
-        let ok = r.as_ref().is_some_and(|r| {
-            divides(sg.kn[&p].1) && r.cores.iter().chain(r.post.keys()).all(|&m| core_of(m).is_none_or(|c| core_ok[c]))
-        });
-        col_ok.insert(p, ok);
-    }
-    // Row consumers and the producers/cores feeding them.
-    let mut fed_by: BTreeMap<usize, (BTreeSet<usize>, BTreeSet<usize>)> = BTreeMap::new();
-    for (&p, r) in &sg.reach {
-        if let Some(r) = r.as_ref().filter(|_| col_ok[&p]) {
-            for &c in &r.consumers {
-                fed_by.entry(c).or_default().0.insert(p);
-            }
-        }
-    }
-    for (k, c) in sg.cores.iter().enumerate() {
-        for &m in &c.consumers {
-            fed_by.entry(m).or_default().1.insert(k);
-        }
-    }
-    let row_ok = |i: usize| fed_by.contains_key(&i) && divides(sg.kn[&i].0);
-    // Ownership of the non-choosing nodes: cores, then producers (shared evenly), then rest.
-    let mut owner_share: HashMap<usize, Vec<usize>> = HashMap::new();
-    for (&p, r) in &sg.reach {
-        if let Some(r) = r {
-            for &i in &r.pre {
-                owner_share.entry(i).or_default().push(p);
-            }
-        }
-    }
-    let in_core: HashSet<usize> = sg.cores.iter().flat_map(|c| c.nodes.iter().chain(c.matmuls.iter()).copied()).collect();
-    // First column reader of each input value pays the backward input-gradient all-reduce.
-    let mut first_reader: HashMap<Option<ValueId>, usize> = HashMap::new();
-    for &p in sg.reach.keys() {
-        if col_ok[&p] {
-            first_reader.entry(sg.input[&p]).or_insert(p);
-        }
     }
 
-    let mut nodes = Vec::new();
-    let mut members = Vec::new();
-    let mut index_of: HashMap<usize, usize> = HashMap::new();
-    let mut core_index: Vec<usize> = Vec::new();
-    let mut rest = [0.0f64; 6];
-    let mut rest_partial_grads = 0.0;
-    for (i, role) in roles.iter().enumerate() {
-        let id = lay.nodes[i];
-        let name = g.try_node(id).map(|n| n.name.clone()).unwrap_or_default();
-        match role {
-            NodeRole::Follow => {
-                if in_core.contains(&i) || owner_share.get(&i).is_some_and(|o| o.iter().any(|p| col_ok[p])) {
-                    continue;
-                }
-                let f = figures(&mut std::iter::once((i, 1.0)));
-                for (r, v) in rest.iter_mut().zip(f) {
-                    *r += v;
-                }
-                rest_partial_grads += partial_grad(f[4]);
-            }
-            NodeRole::WeightMatmul => {
-                let own = figures(&mut std::iter::once((i, 1.0)));
-                let mut options = Vec::new();
-                if col_ok[&i] {
-                    // The ops it feeds before its consumer run split with it (or whole).
-                    let region: Vec<(usize, f64)> = owner_share
-                        .iter()
-                        .filter(|(n, o)| o.contains(&i) && !in_core.contains(n))
-                        .map(|(&n, o)| (n, 1.0 / o.iter().filter(|p| col_ok[p]).count().max(1) as f64))
-                        .collect();
-                    let reg = figures(&mut region.iter().copied());
-                    // A split output that leaves the split region is all-gathered by codegen,
-                    // but priced as an all-reduce (twice its traffic): the exact price moves
-                    // Megatron's Table 1 76.1B row past 10 % of its published rate
-                    // (tests/published_runs.rs), whose runs use a vocabulary-parallel loss
-                    // this model does not price; both belong together.
-                    let exit = if sg.reach[&i].as_ref().is_some_and(|r| r.exits) { ar } else { 0.0 };
-                    let grad = if first_reader.get(&sg.input[&i]) == Some(&i) { ar } else { 0.0 };
-                    options.push(opt(Strategy::Column, own[0] + reg[0] + exit, own[1] + reg[1] + grad, (own[4] + reg[4]) / t, 0.0));
-                    options.push(opt(Strategy::Replicate, own[2] + reg[2], own[3] + reg[3], own[4] + reg[4], own[5] + reg[5]));
-                } else {
-                    options.push(opt(Strategy::Replicate, own[2], own[3], own[4], own[5]));
-                }
-                if row_ok(i) {
-                    let bias = match sg.kn[&i] {
-                        (Some(k), Some(n)) => (own[4] - (k * n) as f64).max(0.0),
-                        _ => 0.0,
-                    };
-                    options.insert(options.len() - 1, opt(Strategy::Row, own[0] + row_fwd, own[1] + sp_ag + partial_grad(bias), own[4] / t, 0.0));
-                }
-                index_of.insert(i, nodes.len());
-                nodes.push(NodeOffers { name, members: Vec::new(), options });
-                members.push(vec![i]);
-            }
-            NodeRole::Experts => {
-                let own = figures(&mut std::iter::once((i, 1.0)));
-                let (inter, routes) = sg.experts[&i];
-                let mut options = Vec::new();
-                if divides(inter) {
-                    // the output's partial sums are reduced like a row split's; backward, the
-                    // gradients of the tokens and of the router's weights are all-reduced
-                    let weights_ar = x.comm.all_reduce(hidden * routes, &x.tp_group);
-                    options.push(opt(Strategy::Experts, own[0] + row_fwd, own[1] + ar + weights_ar + sp_ag, own[4] / t, 0.0));
-                }
-                options.push(opt(Strategy::Replicate, own[2], own[3], own[4], own[5]));
-                index_of.insert(i, nodes.len());
-                nodes.push(NodeOffers { name, members: Vec::new(), options });
-                members.push(vec![i]);
-            }
-            NodeRole::Embedding => {
-                let own = figures(&mut std::iter::once((i, 1.0)));
-                let (rows, is_vocab) = sg.vocab[&i];
-                let mut options = Vec::new();
-                if is_vocab && divides(rows) {
-                    options.push(opt(Strategy::Vocab, own[0] + ar, own[1], own[4] / t, 0.0));
-                }
-                options.push(opt(Strategy::Replicate, own[2], own[3], own[4], own[5]));
-                index_of.insert(i, nodes.len());
-                nodes.push(NodeOffers { name, members: Vec::new(), options });
-                members.push(vec![i]);
-            }
-        }
+    /// An offer of `strategy` at these times and sizes.
+    pub fn opt(&self, strategy: Strategy, fwd: f64, bwd: f64, elems: f64, act: f64) -> Offer {
+        Offer { strategy, fwd_s: fwd, bwd_s: bwd, param_elems: elems, param_bytes: elems * self.x.state_bytes_per_param, act_bytes: act }
     }
-    for (k, c) in sg.cores.iter().enumerate() {
-        let all = figures(&mut c.nodes.iter().chain(c.matmuls.iter()).map(|&i| (i, 1.0)));
-        let split = core_ok[k] && c.producers.iter().all(|p| col_ok[p]);
-        let mut options = Vec::new();
-        if split {
-            options.push(opt(Strategy::Heads, all[0], all[1], all[4] / t, 0.0));
-        }
-        options.push(opt(Strategy::Replicate, all[2], all[3], all[4], all[5]));
-        let first = c.matmuls.iter().next().copied().unwrap_or(0);
-        let name = g.try_node(lay.nodes[first]).map(|n| format!("attention@{}", n.name)).unwrap_or_default();
-        core_index.push(nodes.len());
-        nodes.push(NodeOffers { name, members: Vec::new(), options });
-        members.push(c.matmuls.iter().copied().collect());
-    }
-    let act = saved_bytes(&lay.figures, x.spec).max(lay.input_bytes) * b * x.bytes_scale / t;
-    // Hook for `--sequence-parallel`: the rest runs ÷t; otherwise whole on every rank.
-    let rest_option = if x.sequence_parallel {
-        opt(Strategy::Sequence, rest[0], rest[1] + sp_ag + rest_partial_grads, rest[4] / t, act)
-    } else {
-        opt(Strategy::Follow, rest[2], rest[3], rest[4], act + rest[5])
-    };
-    nodes.push(NodeOffers { name: "rest".into(), members: Vec::new(), options: vec![rest_option] });
 
-    // Feasibility: split producers ⇔ row consumers / heads cores.
-    let mut couplings = Vec::new();
-    for (&c, (prods, cores)) in &fed_by {
-        for p in prods {
-            couplings.push(Coupling { from: index_of[p], to: index_of[&c], split_from: Strategy::Column, split_to: Strategy::Row });
-        }
-        for &k in cores {
-            couplings.push(Coupling { from: core_index[k], to: index_of[&c], split_from: Strategy::Heads, split_to: Strategy::Row });
-        }
+    /// The whole (replicated) offer from a node set's figures.
+    pub fn replicate(&self, f: &[f64; 6]) -> Offer {
+        self.opt(Strategy::Replicate, f[2], f[3], f[4], f[5])
     }
-    for (k, c) in sg.cores.iter().enumerate() {
-        for p in &c.producers {
-            couplings.push(Coupling { from: index_of[p], to: core_index[k], split_from: Strategy::Column, split_to: Strategy::Heads });
+}
+
+/// Which splits of a layer's structure divide at the tensor degree, and who owns the nodes
+/// that are not choosing ones.
+pub(super) struct Feasible<'a> {
+    pub sg: &'a SplitGraph,
+    /// Per attention core: its heads divide (or grouped KV heads are shared).
+    pub core_ok: Vec<bool>,
+    /// Per weight matmul: a column split divides and every core it reaches can split.
+    pub col_ok: BTreeMap<usize, bool>,
+    /// Row consumers: the column producers and cores feeding them.
+    pub fed_by: BTreeMap<usize, (BTreeSet<usize>, BTreeSet<usize>)>,
+    /// Non-choosing nodes run split with these column producers.
+    pub owner_share: HashMap<usize, Vec<usize>>,
+    /// The nodes of attention cores.
+    pub in_core: HashSet<usize>,
+    /// The first column reader of each input value (it pays the backward all-reduce).
+    pub first_reader: HashMap<Option<ValueId>, usize>,
+}
+
+impl<'a> Feasible<'a> {
+    fn new(sg: &'a SplitGraph, p: &Pricer<'_>) -> Feasible<'a> {
+        let tp = p.tp;
+        let core_of = |m: usize| sg.cores.iter().position(|c| c.matmuls.contains(&m));
+        // Query heads divide by t; fewer (grouped-query KV) heads may be shared by t / h ranks.
+        let core_ok: Vec<bool> = sg
+            .cores
+            .iter()
+            .map(|c| c.heads.last().is_none_or(|&q| q % tp == 0) && c.heads.iter().all(|&h| h % tp == 0 || tp % h == 0))
+            .collect();
+        let mut col_ok: BTreeMap<usize, bool> = BTreeMap::new();
+        for (&m, r) in &sg.reach {
+            let ok = r.as_ref().is_some_and(|r| p.divides(sg.kn[&m].1) && r.cores.iter().chain(r.post.keys()).all(|&m| core_of(m).is_none_or(|c| core_ok[c])));
+            col_ok.insert(m, ok);
         }
+        let mut fed_by: BTreeMap<usize, (BTreeSet<usize>, BTreeSet<usize>)> = BTreeMap::new();
+        for (&m, r) in &sg.reach {
+            if let Some(r) = r.as_ref().filter(|_| col_ok[&m]) {
+                for &c in &r.consumers {
+                    fed_by.entry(c).or_default().0.insert(m);
+                }
+            }
+        }
+        for (k, c) in sg.cores.iter().enumerate() {
+            for &m in &c.consumers {
+                fed_by.entry(m).or_default().1.insert(k);
+            }
+        }
+        // Ownership of the non-choosing nodes: cores, then producers (shared evenly), then rest.
+        let mut owner_share: HashMap<usize, Vec<usize>> = HashMap::new();
+        for (&m, r) in &sg.reach {
+            if let Some(r) = r {
+                for &i in &r.pre {
+                    owner_share.entry(i).or_default().push(m);
+                }
+            }
+        }
+        let in_core: HashSet<usize> = sg.cores.iter().flat_map(|c| c.nodes.iter().chain(c.matmuls.iter()).copied()).collect();
+        let mut first_reader: HashMap<Option<ValueId>, usize> = HashMap::new();
+        for &m in sg.reach.keys() {
+            if col_ok[&m] {
+                first_reader.entry(sg.input[&m]).or_insert(m);
+            }
+        }
+        Feasible { sg, core_ok, col_ok, fed_by, owner_share, in_core, first_reader }
     }
-    for (node, m) in nodes.iter_mut().zip(members) {
-        node.members = m;
+
+    /// Whether weight matmul `i` can split by rows: something split feeds it and its
+    /// contracted dim divides.
+    pub fn row_ok(&self, p: &Pricer<'_>, i: usize) -> bool {
+        self.fed_by.contains_key(&i) && p.divides(self.sg.kn[&i].0)
     }
-    LayerOffers { nodes, couplings }
+
+    /// Split producers ⇔ row consumers / heads cores.
+    fn couplings(&self, index_of: &HashMap<usize, usize>, core_index: &[usize]) -> Vec<Coupling> {
+        let mut couplings = Vec::new();
+        for (&c, (prods, cores)) in &self.fed_by {
+            for m in prods {
+                couplings.push(Coupling { from: index_of[m], to: index_of[&c], split_from: Strategy::Column, split_to: Strategy::Row });
+            }
+            for &k in cores {
+                couplings.push(Coupling { from: core_index[k], to: index_of[&c], split_from: Strategy::Heads, split_to: Strategy::Row });
+            }
+        }
+        for (k, c) in self.sg.cores.iter().enumerate() {
+            for m in &c.producers {
+                couplings.push(Coupling { from: index_of[m], to: core_index[k], split_from: Strategy::Column, split_to: Strategy::Heads });
+            }
+        }
+        couplings
+    }
 }

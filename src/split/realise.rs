@@ -20,57 +20,14 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
-use serde::{Deserialize, Serialize};
 
 use super::Strategy;
 use super::error::SplitError;
+use super::family::{Family, family};
 use super::rewrite::{ConstantRewrite, NodeRewrite, PartialGradient};
+pub use crate::ir::CollectiveKind;
 use crate::ir::{Graph, LayeredGraph, NodeId, OpKind, ValueId, ValueKind};
 use crate::passes::shape_infer::{self, ShapeInfo};
-
-/// What a collective computes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum CollectiveKind {
-    /// Sum over the group; every member gets the sum.
-    AllReduce,
-    /// Concatenation of the members' parts along `axis`, in group order.
-    AllGather {
-        /// Axis of the gathered (full) tensor.
-        axis: usize,
-    },
-    /// Sum over the group, each member keeping its slice along `axis`.
-    ReduceScatter {
-        /// Axis of the full tensor that is scattered.
-        axis: usize,
-    },
-    /// No communication: each member keeps its own slice along `axis` of a replicated tensor
-    /// (the backward all-gathers the gradient).
-    Scatter {
-        /// Axis of the full tensor that is sliced.
-        axis: usize,
-    },
-}
-
-impl CollectiveKind {
-    /// The `op_type` of the inserted node.
-    pub fn op_type(self) -> &'static str {
-        match self {
-            CollectiveKind::AllReduce => "AllReduce",
-            CollectiveKind::AllGather { .. } => "AllGather",
-            CollectiveKind::ReduceScatter { .. } => "ReduceScatter",
-            CollectiveKind::Scatter { .. } => "Scatter",
-        }
-    }
-
-    /// The axis, for gathers and scatters.
-    pub fn axis(self) -> Option<usize> {
-        match self {
-            CollectiveKind::AllReduce => None,
-            CollectiveKind::AllGather { axis } | CollectiveKind::ReduceScatter { axis } | CollectiveKind::Scatter { axis } => Some(axis),
-        }
-    }
-}
 
 /// A collective on one value of the layer (codegen names it in the plan's shard).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -381,10 +338,7 @@ pub(super) fn lcm(a: i64, b: i64) -> i64 {
     a / gcd(a, b) * b
 }
 
-pub(super) fn norm_axis(axis: i64, rank: usize) -> Option<usize> {
-    let a = if axis < 0 { axis + rank as i64 } else { axis };
-    (a >= 0 && (a as usize) < rank.max(1)).then_some(a as usize)
-}
+pub(super) use super::axes::norm_axis;
 
 impl<'s, 'a> Prop<'s, 'a> {
     pub(super) fn new(
@@ -686,21 +640,32 @@ impl<'s, 'a> Prop<'s, 'a> {
             return Ok(());
         }
         let Some(kind) = n.op.kind() else { return self.err("unknown op with a split input") };
-        match kind {
-            MatMul | Gemm => self.matmul(id),
-            Gather => self.gather(id),
-            Reshape => self.reshape(id),
-            Transpose | Squeeze | Unsqueeze | Identity | Cast | Neg | Sqrt | Tanh | Erf | Sigmoid | Relu | Gelu
-            | Reciprocal | Exp | Log | Abs | Not | IsNaN | Dropout | Softplus => self.unary(id, kind),
-            Split => self.split(id),
-            Softmax | LogSoftmax | LayerNormalization | ReduceMean | ReduceSum | ReduceMax | CumSum | Slice => self.norm(id, kind),
-            Concat => self.concat(id),
-            ScaledDotProductAttention => self.attention(id),
-            MixtureOfExperts => self.experts(id),
-            Expand => self.expand(id),
-            Shape | Size => self.err("it reads the shape of a split tensor"),
-            k if k.is_elementwise() => self.elementwise(id),
-            _ => self.err("no sharding rule for this op"),
+        // the rules are in the family files
+        match family(kind) {
+            Family::Matmul => self.matmul(id),
+            Family::Gather => self.gather(id),
+            Family::Attention => self.attention(id),
+            Family::Experts => self.experts(id),
+            Family::Elementwise => match kind {
+                Identity | Cast | Neg | Sqrt | Tanh | Erf | Sigmoid | Relu | Gelu | Reciprocal | Exp | Log | Abs | Not | IsNaN | Dropout | Softplus => {
+                    self.unary(id, kind)
+                }
+                _ => self.elementwise(id),
+            },
+            Family::Norm => match kind {
+                Softmax | LogSoftmax | LayerNormalization | ReduceMean | ReduceSum | ReduceMax | CumSum | Slice => self.norm(id, kind),
+                _ => self.err("no sharding rule for this op"),
+            },
+            Family::View => match kind {
+                Reshape => self.reshape(id),
+                Transpose | Squeeze | Unsqueeze => self.unary(id, kind),
+                Split => self.split(id),
+                Concat => self.concat(id),
+                Expand => self.expand(id),
+                _ => self.err("no sharding rule for this op"),
+            },
+            Family::Shape if matches!(kind, Shape | Size) => self.err("it reads the shape of a split tensor"),
+            Family::Shape | Family::Whole => self.err("no sharding rule for this op"),
         }
     }
 }

@@ -15,6 +15,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use super::error::SplitError;
+use super::family::{Family, family};
 use super::realise::{CollectiveKind, Prop, R, Sh, TensorCollective};
 use super::rewrite::{NodeRewrite, PartialGradient, add_bias_name};
 use crate::ir::{Graph, NodeId, OpKind, ValueId, ValueKind};
@@ -22,12 +23,12 @@ use crate::passes::shape_infer::ShapeInfo;
 
 /// Placement of a token-split value (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-struct Seq {
-    axis: usize,
-    outer: i64,
+pub(super) struct Seq {
+    pub(super) axis: usize,
+    pub(super) outer: i64,
     /// The axis holds the batch too (tokens flattened into axis 0), so `outer` is the batch the
     /// shapes were inferred at, not necessarily the one run: collectives go through a view.
-    flat: bool,
+    pub(super) flat: bool,
 }
 
 /// What sequence parallelism adds to a layer's tensor-parallel plan.
@@ -62,20 +63,16 @@ pub(super) struct SeqLayer<'s> {
     pub t: i64,
 }
 
-/// A node that runs on token chunks: its outputs' placement, the replicated inputs it slices.
-struct Decision {
-    out: Seq,
-    scatters: Vec<(usize, ValueId)>,
-    shape_entry: Option<(usize, i64)>,
-}
-
-fn norm_axis(axis: i64, rank: usize) -> Option<usize> {
-    let a = if axis < 0 { axis + rank as i64 } else { axis };
-    (a >= 0 && (a as usize) < rank.max(1)).then_some(a as usize)
+/// A node that runs on token chunks: its outputs' placement, the replicated inputs it slices,
+/// and the target entry of a Reshape that names the tokens (entry, global size).
+pub(super) struct Decision {
+    pub(super) out: Seq,
+    pub(super) scatters: Vec<(usize, ValueId)>,
+    pub(super) shape_entry: Option<(usize, i64)>,
 }
 
 impl SeqLayer<'_> {
-    fn shape(&self, v: ValueId) -> Option<&[i64]> {
+    pub(super) fn shape(&self, v: ValueId) -> Option<&[i64]> {
         self.info.types[v.index()].as_ref().and_then(|t| t.shape.as_deref())
     }
 
@@ -130,95 +127,23 @@ impl SeqLayer<'_> {
         }
     }
 
-    /// How node `n` runs when its inputs in `seq` are token-split, or None if it cannot.
+    /// How node `n` runs when its inputs in `seq` are token-split, or None if it cannot (the
+    /// rules are in the family files: elementwise.rs, norm.rs, view.rs).
     fn decide(&self, n: NodeId, seq: &HashMap<ValueId, Seq>, tp_rep: &dyn Fn(ValueId) -> bool) -> Option<Decision> {
-        use OpKind::*;
         let node = self.g.node(n);
         let kind = node.op.kind()?;
         if node.inputs.iter().flatten().chain(&node.outputs).any(|&v| !tp_rep(v)) {
             return None;
         }
-        let x = node.inputs.first().copied().flatten()?;
         let o = *node.outputs.first()?;
         let os = self.shape(o)?;
-        let first = node.inputs.iter().flatten().find_map(|v| seq.get(v).map(|s| (*v, *s)))?;
-        let state = first.1;
-        match kind {
-            k if k.is_elementwise() || k == Dropout || k == Identity => {
-                let mut scatters = Vec::new();
-                for (slot, v) in node.inputs.iter().enumerate() {
-                    let Some(v) = *v else { continue };
-                    let vs = self.shape(v)?;
-                    if let Some(s) = seq.get(&v) {
-                        if *s != state || vs.len() != os.len() || vs[state.axis] != os[state.axis] {
-                            return None;
-                        }
-                        continue;
-                    }
-                    let off = os.len().checked_sub(vs.len())?;
-                    if state.axis < off || vs[state.axis - off] == 1 {
-                        continue;
-                    }
-                    if vs.len() != os.len() || vs[state.axis] != os[state.axis] {
-                        return None;
-                    }
-                    scatters.push((slot, v));
-                }
-                Some(Decision { out: state, scatters, shape_entry: None })
-            }
-            LayerNormalization | Softmax | LogSoftmax | ReduceMean | ReduceSum | ReduceMax | ReduceMin => {
-                if seq.get(&x) != Some(&state) || node.inputs.iter().skip(1).flatten().any(|v| seq.contains_key(v)) {
-                    return None;
-                }
-                let rank = self.shape(x)?.len();
-                let touched: Vec<usize> = match kind {
-                    LayerNormalization => (norm_axis(node.attrs.int("axis", -1), rank)?..rank).collect(),
-                    Softmax | LogSoftmax => vec![norm_axis(node.attrs.int("axis", -1), rank)?],
-                    _ => {
-                        if node.attrs.int("keepdims", 1) != 1 {
-                            return None;
-                        }
-                        crate::passes::shape_infer::reduced_axes(node, self.info, rank)?
-                    }
-                };
-                if touched.is_empty() || touched.contains(&state.axis) {
-                    return None;
-                }
-                // scale and bias of a norm: broadcast over the tokens
-                for v in node.inputs.iter().skip(1).flatten() {
-                    let vs = self.shape(*v)?;
-                    let off = rank.checked_sub(vs.len())?;
-                    if state.axis >= off && vs[state.axis - off] != 1 {
-                        return None;
-                    }
-                }
-                Some(Decision { out: state, scatters: Vec::new(), shape_entry: None })
-            }
-            Reshape => {
-                if seq.get(&x) != Some(&state) {
-                    return None;
-                }
-                let is = self.shape(x)?;
-                let len = is[state.axis] / state.outer;
-                let blocks = is[..state.axis].iter().product::<i64>() * state.outer;
-                let post: i64 = is[state.axis + 1..].iter().product();
-                let k = (0..os.len()).find(|&k| {
-                    os[k + 1..].iter().product::<i64>() == post
-                        && os[k] % len == 0
-                        && os[..k].iter().product::<i64>() * (os[k] / len) == blocks
-                })?;
-                let target = node.inputs.get(1).copied().flatten()?;
-                let vals = self.info.ints(target)?;
-                let entry = *vals.get(k)?;
-                let copies_split = entry == 0 && node.attrs.int("allowzero", 0) == 0 && k == state.axis && is[k] == os[k];
-                if !(entry == -1 || entry == os[k] || copies_split) {
-                    return None;
-                }
-                let shape_entry = (entry == os[k]).then_some((k, os[k]));
-                let flat = k == 0 && (state.flat || state.axis > 0);
-                Some(Decision { out: Seq { axis: k, outer: os[k] / len, flat }, scatters: Vec::new(), shape_entry })
-            }
-            _ => None,
+        let state = node.inputs.iter().flatten().find_map(|v| seq.get(v).copied())?;
+        match family(kind) {
+            Family::Elementwise => self.elementwise(node, seq, state, os),
+            Family::Norm => self.norm(node, seq, state),
+            Family::View if kind == OpKind::Reshape => self.reshape(node, seq, state, os),
+            // other views, contractions, lookups and the rest read their tokens gathered
+            Family::View | Family::Matmul | Family::Attention | Family::Gather | Family::Experts | Family::Shape | Family::Whole => None,
         }
     }
 }

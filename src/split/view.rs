@@ -1,9 +1,13 @@
 //! Views: Reshape, Transpose/Squeeze/Unsqueeze (axis mapping), Split, Concat, Expand. A split
 //! axis survives a view when a rank's block stays contiguous; shape operands shrink with it.
 
+use std::collections::HashMap;
+
+use super::context::{Decision, Splitter, Tokens};
 use super::realise::{Fail, Prop, R, Sh, gcd, lcm, norm_axis};
 use super::rewrite::{ConstantRewrite, NodeRewrite};
-use crate::ir::{NodeId, OpKind, ValueId, ValueKind};
+use super::sequence::{Decision as SeqDecision, Seq, SeqLayer};
+use crate::ir::{Node, NodeId, OpKind, ValueId, ValueKind};
 
 impl Prop<'_, '_> {
     /// Reshape: the split axis moves to the output axis holding the same block; partial sums stay partial.
@@ -109,7 +113,7 @@ impl Prop<'_, '_> {
         let xr = self.need_shape(x)?.len();
         let orank = self.need_shape(n.outputs[0])?.len();
         let axes = || -> Vec<i64> {
-            n.inputs.get(1).copied().flatten().and_then(|v| self.ints(v)).map(<[i64]>::to_vec).or_else(|| n.attrs.ints("axes").map(<[i64]>::to_vec)).unwrap_or_default()
+            n.inputs.get(1).copied().flatten().and_then(|v| self.ints(v)).map(<[i64]>::to_vec).unwrap_or_default()
         };
         Ok(match kind {
             OpKind::Transpose => {
@@ -192,8 +196,6 @@ impl Prop<'_, '_> {
                     } else {
                         self.rewrites.push(NodeRewrite::DivideShape { node: n.name.clone(), input: 1, divisors: vec![ways; vals.len()] });
                     }
-                } else if n.attrs.ints("split").is_some() {
-                    return self.err("split sizes as an attribute (opset < 13)");
                 }
                 for (&o, &s) in outs.iter().zip(&sizes) {
                     self.set(o, Sh::Split { axis: ax, outer: s / block, inner, origin });
@@ -203,4 +205,142 @@ impl Prop<'_, '_> {
             Sh::Rep => Ok(()),
         }
     }
+}
+
+/// Sequence parallelism.
+impl SeqLayer<'_> {
+    /// A Reshape that keeps each token's chunk in one axis: the tokens land there; a target
+    /// entry naming the global token count shrinks by t.
+    pub(super) fn reshape(&self, node: &Node, seq: &HashMap<ValueId, Seq>, state: Seq, os: &[i64]) -> Option<SeqDecision> {
+        let x = node.inputs.first().copied().flatten()?;
+        if seq.get(&x) != Some(&state) {
+            return None;
+        }
+        let is = self.shape(x)?;
+        let len = is[state.axis] / state.outer;
+        let blocks = is[..state.axis].iter().product::<i64>() * state.outer;
+        let post: i64 = is[state.axis + 1..].iter().product();
+        let k = (0..os.len()).find(|&k| os[k + 1..].iter().product::<i64>() == post && os[k] % len == 0 && os[..k].iter().product::<i64>() * (os[k] / len) == blocks)?;
+        let target = node.inputs.get(1).copied().flatten()?;
+        let vals = self.info.ints(target)?;
+        let entry = *vals.get(k)?;
+        let copies_split = entry == 0 && node.attrs.int("allowzero", 0) == 0 && k == state.axis && is[k] == os[k];
+        if !(entry == -1 || entry == os[k] || copies_split) {
+            return None;
+        }
+        let shape_entry = (entry == os[k]).then_some((k, os[k]));
+        let flat = k == 0 && (state.flat || state.axis > 0);
+        Some(SeqDecision { out: Seq { axis: k, outer: os[k] / len, flat }, scatters: Vec::new(), shape_entry })
+    }
+}
+
+/// Context parallelism.
+impl Splitter<'_> {
+    /// A view that keeps the tokens in one axis: where they land; a Reshape's explicit token
+    /// entry shrinks by `c`.
+    pub(super) fn view(&self, n: NodeId, os: &[i64], reshape: bool) -> Option<Decision> {
+        let node = self.g.node(n);
+        let x = node.inputs.first().copied().flatten()?;
+        let Tokens::Local { axis, outer } = self.tokens[x.index()] else { return None };
+        let is = self.shape(x)?;
+        let len = is[axis] / outer;
+        let blocks = is[..axis].iter().product::<i64>() * outer;
+        let post: i64 = is[axis + 1..].iter().product();
+        let k = (0..os.len()).find(|&k| {
+            os[k + 1..].iter().product::<i64>() == post && len > 0 && os[k] % len == 0 && os[..k].iter().product::<i64>() * (os[k] / len) == blocks
+        })?;
+        let out = Tokens::Local { axis: k, outer: os[k] / len };
+        if !reshape {
+            return Some(Decision::to(out));
+        }
+        let target = node.inputs.get(1).copied().flatten()?;
+        let vals = self.info.ints(target)?.to_vec();
+        let entry = *vals.get(k)?;
+        let copies = entry == 0 && node.attrs.int("allowzero", 0) == 0 && k == axis && is[k] == os[k];
+        let shape = if entry == os[k] {
+            let mut v = vec![1; vals.len()];
+            v[k] = self.cp;
+            Some((1, v))
+        } else if entry == -1 || copies {
+            None
+        } else {
+            return None;
+        };
+        Some(Decision { convert: Vec::new(), out, shape })
+    }
+
+    /// An Expand made to yield `out` (its input cut where it spans the tokens, a target entry
+    /// that names them divided).
+    pub(super) fn expand_to(&self, n: NodeId, os: &[i64], out: Tokens) -> Option<Decision> {
+        let node = self.g.node(n);
+        let Tokens::Local { axis: a, outer } = out else { return None };
+        let x = node.inputs.first().copied().flatten()?;
+        let xs = self.shape(x)?;
+        let off = os.len().checked_sub(xs.len())?;
+        let mut convert = Vec::new();
+        if a >= off && xs[a - off] != 1 && xs[a - off] == os[a] {
+            convert.push((0, Tokens::Local { axis: a - off, outer }));
+        }
+        let vals = self.info.ints(node.inputs.get(1).copied().flatten()?)?;
+        let i = a.checked_sub(os.len().checked_sub(vals.len())?);
+        let shape = i.filter(|&i| vals[i] == os[a] && vals[i] != 1).map(|i| {
+            let mut d = vec![1; vals.len()];
+            d[i] = self.cp;
+            (1, d)
+        });
+        Some(Decision { convert, out, shape })
+    }
+
+    pub(super) fn expand(&self, n: NodeId, os: &[i64]) -> Option<Decision> {
+        let node = self.g.node(n);
+        let x = node.inputs.first().copied().flatten()?;
+        let Tokens::Local { axis, outer } = self.tokens[x.index()] else { return None };
+        let rx = self.shape(x)?.len();
+        let k = axis + (os.len() - rx.min(os.len()));
+        let vals = self.info.ints(node.inputs.get(1).copied().flatten()?)?.to_vec();
+        let off = os.len() - vals.len().min(os.len());
+        let shape = match k.checked_sub(off).and_then(|i| vals.get(i).map(|&e| (i, e))) {
+            Some((i, e)) if e == os[k] && e != 1 => {
+                let mut v = vec![1; vals.len()];
+                v[i] = self.cp;
+                Some((1, v))
+            }
+            _ => None,
+        };
+        Some(Decision { convert: Vec::new(), out: Tokens::Local { axis: k, outer }, shape })
+    }
+
+    /// A transpose moves the token axis where the permutation puts it.
+    pub(super) fn transpose(&self, n: NodeId, os: &[i64]) -> Option<Decision> {
+        let node = self.g.node(n);
+        let Tokens::Local { axis, outer } = self.tokens[node.inputs.first().copied().flatten()?.index()] else { return None };
+        let perm: Vec<i64> = node.attrs.ints("perm").map(<[i64]>::to_vec).unwrap_or_else(|| (0..os.len() as i64).rev().collect());
+        perm.iter().position(|&p| p as usize == axis).map(|k| Decision::to(Tokens::Local { axis: k, outer }))
+    }
+
+    /// A split along another axis keeps the tokens local in every part.
+    pub(super) fn split(&self, n: NodeId, os: &[i64]) -> Option<Decision> {
+        let node = self.g.node(n);
+        let Tokens::Local { axis, outer } = self.tokens[node.inputs.first().copied().flatten()?.index()] else { return None };
+        let a = norm_axis(node.attrs.int("axis", 0), os.len());
+        (a != Some(axis)).then(|| Decision::to(Tokens::Local { axis, outer }))
+    }
+
+    /// A concat along another axis: every operand brought to the first local one's tokens.
+    pub(super) fn concat(&self, n: NodeId, os: &[i64]) -> Option<Decision> {
+        let node = self.g.node(n);
+        let a = norm_axis(node.attrs.int("axis", 0), os.len());
+        let first = node.inputs.iter().flatten().find_map(|v| match self.tokens[v.index()] {
+            Tokens::Local { axis, outer } if self.shape(*v).is_some_and(|s| s.len() == os.len()) => Some(Tokens::Local { axis, outer }),
+            _ => None,
+        });
+        match first {
+            Some(Tokens::Local { axis, outer }) if a != Some(axis) => {
+                let all: Vec<usize> = (0..node.inputs.len()).collect();
+                Some(self.elementwise_operands(n, os, Tokens::Local { axis, outer }, &all))
+            }
+            _ => None,
+        }
+    }
+
 }

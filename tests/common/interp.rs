@@ -287,14 +287,12 @@ impl<'g> Exec<'g> {
         Exec { g, env, order: g.topo_order().unwrap(), pos: 0 }
     }
 
-    /// Runs until the next `smp` collective (returned, not run) or the end (None).
+    /// Runs until the next collective (returned, not run) or the end (None).
     pub fn run_until_collective(&mut self) -> Option<NodeId> {
         while self.pos < self.order.len() {
             let id = self.order[self.pos];
             let node = self.g.node(id);
-            if let Op::Placeholder { domain, .. } = &node.op
-                && domain == "smp"
-            {
+            if node.op.collective().is_some() {
                 return Some(id);
             }
             let outs = eval(self.g, node, &self.env);
@@ -701,7 +699,7 @@ fn eval(g: &Graph, node: &Node, env: &HashMap<ValueId, T>) -> Vec<T> {
     }
 }
 
-/// What each of `parts.len()` ranks gets from an `smp` collective `op_type` along `axis`, given
+/// What each of `parts.len()` ranks gets from a collective `op_type` along `axis`, given
 /// every rank's input (rank order): the reference for the runner's collectives.
 pub fn combine(op_type: &str, axis: usize, parts: &[T]) -> Vec<T> {
     let t = parts.len();

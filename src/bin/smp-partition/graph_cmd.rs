@@ -22,7 +22,7 @@ pub struct GraphArgs {
     pub json: bool,
 }
 
-/// Batch and dim bindings (`graph`, and `inspect --dot` from a plan).
+/// Batch and dim bindings of `graph`.
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct DimArgs {
     /// Samples per training step (figures are then given per global batch).

@@ -9,7 +9,6 @@ use clap::Args;
 use smp_partition::plan::{Plan, dot, io, report};
 use smp_partition::sim::{chrome_trace, plan_timeline};
 
-use crate::graph_cmd::DimArgs;
 
 /// Options of `inspect`.
 #[derive(Args, Debug)]
@@ -23,7 +22,8 @@ pub struct InspectArgs {
     /// Write the simulated timeline as a Perfetto/Chrome trace.
     #[arg(long, value_name = "TRACE.json")]
     pub trace: Option<PathBuf>,
-    /// Write the model graph coloured by stage as Graphviz DOT (needs the plan's model file).
+    /// Write the graph the plan runs as Graphviz DOT: per stage, what its first rank executes,
+    /// collectives included (needs the plan's model file).
     #[arg(long, value_name = "GRAPH.dot")]
     pub dot: Option<PathBuf>,
 }
@@ -48,28 +48,11 @@ pub fn run(args: &InspectArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The model file a plan names: as recorded, else beside the plan file.
-fn model_path(plan: &Plan, plan_file: &Path) -> PathBuf {
-    let recorded = PathBuf::from(&plan.model.path);
-    if recorded.exists() || recorded.is_absolute() {
-        return recorded;
-    }
-    match plan_file.parent() {
-        Some(dir) if dir.join(&recorded).exists() => dir.join(&recorded),
-        _ => recorded,
-    }
-}
-
+/// The DOT of what the plan runs, on the graph rebuilt from its model file as the runner does.
 fn graph_dot(plan: &Plan, plan_file: &Path) -> Result<String> {
-    let path = model_path(plan, plan_file);
-    let dims = DimArgs {
-        global_batch: None,
-        seq_len: plan.seq_len.map(|s| s as i64),
-        dims: plan.dims.iter().map(|(k, v)| (k.clone(), *v)).collect(),
-    };
-    let analysed = smp_partition::load_and_analyze(&path, &dims.analyze_options()).context("--dot needs the model the plan was made for")?;
-    if analysed.model.sha256 != plan.model.sha256 {
-        tracing::warn!("{}: the file changed since the plan was made (SHA-256 differs)", path.display());
+    let planned = smp_partition::load_planned(plan, plan_file).context("--dot needs the model the plan was made for")?;
+    if !planned.same_file {
+        tracing::warn!("{}: the file changed since the plan was made (SHA-256 differs)", planned.path.display());
     }
-    Ok(dot::to_dot(&analysed.lg, plan).with_context(|| path.display().to_string())?)
+    Ok(dot::to_dot(plan, &planned.graph, &planned.dims).with_context(|| planned.path.display().to_string())?)
 }

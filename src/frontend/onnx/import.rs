@@ -35,6 +35,8 @@ pub struct ImportedModel {
     pub sha256: String,
     /// Whether external data is missing (the model is graph-only: shapes, no weights).
     pub graph_only: bool,
+    /// What canonicalising the opset-dependent forms rewrote.
+    pub canonicalised: super::canonical::Canonicalised,
 }
 
 /// Reads and imports an ONNX model file. External data is resolved as metadata only. The file
@@ -141,7 +143,7 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
     }
 
     let mut g = Graph::new(graph_proto.name.unwrap_or_default());
-    g.opsets = opsets.clone();
+    g.opsets = opsets;
     let mut resolver = ExternalResolver::new(path);
     let mut syms = 0usize;
 
@@ -335,6 +337,14 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
         g.aux_losses = super::record::aux_losses(&g, entry.value.as_deref().unwrap_or(""), &file)?;
     }
 
+    // the last step: one form for every opset, so nothing after the importer reads the opset
+    let opset = *g.opsets.entry(String::new()).or_insert(super::canonical::DEFAULT_OPSET);
+    let canonicalised = super::canonical::canonicalise(&mut g, opset, &file)?;
+    if canonicalised != super::canonical::Canonicalised::default() {
+        tracing::debug!(?canonicalised, opset, "{}: opset-dependent forms canonicalised", file.display());
+    }
+    g.verify().map_err(|e| ImportError::Graph { file: file.clone(), source: e })?;
+
     for (domain, op_type, node, count) in unknown {
         warnings.push(ImportWarning::UnknownOp { domain, op_type, node, count });
     }
@@ -350,6 +360,7 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
         tracing::debug!("{}: inlined {} model-local function call(s)", file.display(), funcs.calls());
     }
 
+    let opsets = g.opsets.clone();
     Ok(ImportedModel {
         graph: g,
         path: file,
@@ -360,6 +371,7 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
         warnings,
         sha256,
         graph_only,
+        canonicalised,
     })
 }
 

@@ -51,8 +51,6 @@ pub(super) struct Ctx<'a> {
     pub(super) graph: &'a Graph,
     pub(super) node: &'a Node,
     pub(super) info: &'a ShapeInfo,
-    /// Default-domain opset of the model.
-    pub(super) opset: i64,
 }
 
 impl Ctx<'_> {

@@ -33,7 +33,7 @@ pub(super) fn concat(cx: &Ctx) -> Outs {
     one((ty_opt(dtype, Some(out)), ints))
 }
 
-/// Split(x, sizes?) along `axis` into the node's outputs: by sizes (input or attribute), or
+/// Split(x, sizes?) along `axis` into the node's outputs: by sizes, or
 /// in equal chunks (the last smaller).
 pub(super) fn split(cx: &Ctx) -> Outs {
     let n = cx.node.outputs.len();
@@ -42,13 +42,10 @@ pub(super) fn split(cx: &Ctx) -> Outs {
     let d = x[ax];
     let sizes: Vec<i64> = match cx.need_ints(1, "split sizes")? {
         Some(s) => s.to_vec(),
-        None => match cx.attrs().ints("split") {
-            Some(s) => s.to_vec(),
-            None => {
-                let chunk = (d + n as i64 - 1) / (n as i64).max(1);
-                (0..n as i64).map(|i| chunk.min(d - i * chunk).max(0)).collect()
-            }
-        },
+        None => {
+            let chunk = (d + n as i64 - 1) / (n as i64).max(1);
+            (0..n as i64).map(|i| chunk.min(d - i * chunk).max(0)).collect()
+        }
     };
     let total = sizes.iter().try_fold(0i64, |acc, &s| if s < 0 { None } else { acc.checked_add(s) });
     if sizes.len() != n || total != Some(d) {
@@ -67,26 +64,13 @@ pub(super) fn split(cx: &Ctx) -> Outs {
     Ok(outs)
 }
 
-/// Slice(x, starts, ends, axes?, steps?) (attributes before opset 10), numpy clamping.
+/// Slice(x, starts, ends, axes?, steps?), numpy clamping.
 pub(super) fn slice(cx: &Ctx) -> Outs {
     let Some(x) = cx.shape(0) else { return one(cx.same(0)) };
-    let a = cx.attrs();
-    type Ranges = (Vec<i64>, Vec<i64>, Option<Vec<i64>>, Option<Vec<i64>>);
-    let (starts, ends, axes, steps): Ranges = if cx.opset >= 10 || cx.node.inputs.len() > 1 {
-        (
-            cx.need_ints(1, "starts")?.ok_or("no starts")?.to_vec(),
-            cx.need_ints(2, "ends")?.ok_or("no ends")?.to_vec(),
-            cx.need_ints(3, "axes")?.map(<[i64]>::to_vec),
-            cx.need_ints(4, "steps")?.map(<[i64]>::to_vec),
-        )
-    } else {
-        (
-            a.ints("starts").ok_or("no starts")?.to_vec(),
-            a.ints("ends").ok_or("no ends")?.to_vec(),
-            a.ints("axes").map(<[i64]>::to_vec),
-            None,
-        )
-    };
+    let starts = cx.need_ints(1, "starts")?.ok_or("no starts")?.to_vec();
+    let ends = cx.need_ints(2, "ends")?.ok_or("no ends")?.to_vec();
+    let axes = cx.need_ints(3, "axes")?.map(<[i64]>::to_vec);
+    let steps = cx.need_ints(4, "steps")?.map(<[i64]>::to_vec);
     if starts.len() != ends.len() {
         return Err("starts and ends differ in length".into());
     }
@@ -174,10 +158,7 @@ pub(super) fn scatter_nd(cx: &Ctx) -> Outs {
 
 /// Pad(x, pads, value?, axes?): each padded dim grows by its two pads.
 pub(super) fn pad(cx: &Ctx) -> Outs {
-    let pads: Vec<i64> = match cx.need_ints(1, "pads")? {
-        Some(p) => p.to_vec(),
-        None => cx.attrs().ints("pads").ok_or("no pads")?.to_vec(),
-    };
+    let pads: Vec<i64> = cx.need_ints(1, "pads")?.ok_or("no pads")?.to_vec();
     let Some(x) = cx.shape(0) else { return one(cx.same(0)) };
     let axes: Vec<usize> = match cx.need_ints(3, "axes")? {
         Some(ax) => ax.iter().map(|&v| dim_axis(v, x.len())).collect::<Result<_, _>>()?,

@@ -1,5 +1,5 @@
-//! Reductions: ReduceMean, ReduceSum, ReduceMax, ReduceMin, ReduceProd (axes from the input
-//! from opset 13/18, from the attribute before; integer values folded for shape arithmetic);
+//! Reductions: ReduceMean, ReduceSum, ReduceMax, ReduceMin, ReduceProd (axes from the input;
+//! integer values folded for shape arithmetic);
 //! ArgMax, ArgMin; TopK; CumSum.
 
 use super::context::{Ctx, MAX_EVAL_ELEMS, Outs, norm_axis, numel, one, ty_opt};
@@ -11,10 +11,7 @@ pub(super) fn reduce(cx: &Ctx, kind: OpKind) -> Outs {
     use OpKind::*;
     let a = cx.attrs();
     let Some(x) = cx.shape(0) else { return one((ty_opt(cx.dtype(0), None), None)) };
-    let axes: Vec<i64> = match cx.need_ints(1, "axes")? {
-        Some(ax) => ax.to_vec(),
-        None => a.ints("axes").map(<[i64]>::to_vec).unwrap_or_default(),
-    };
+    let axes: Vec<i64> = cx.need_ints(1, "axes")?.map(<[i64]>::to_vec).unwrap_or_default();
     let noop = a.int("noop_with_empty_axes", 0) != 0;
     if axes.is_empty() && noop {
         return one(cx.same(0));
@@ -98,13 +95,13 @@ pub(super) fn reduce_shape(x: &[i64], axes: &[usize], keep: bool) -> Vec<i64> {
         .collect()
 }
 
-/// ONNX `TopK(x, k)` (`k` an attribute before opset 10): values of x's type and int64
+/// ONNX `TopK(x, k)`: values of x's type and int64
 /// indices, x's shape with `k` along `axis`.
 pub(super) fn top_k(cx: &Ctx) -> Outs {
     let k = match cx.need_ints(1, "k")? {
         Some(&[k]) => Some(k),
         Some(k) => return Err(format!("k must hold one value, it holds {k:?}")),
-        None => cx.attrs().int_opt("k"),
+        None => return Err("no k".into()),
     };
     let shape = match (cx.shape(0), k) {
         (Some(x), Some(k)) => {
@@ -122,12 +119,12 @@ pub(super) fn top_k(cx: &Ctx) -> Outs {
 }
 
 /// The axes a ReduceMean/Sum/Max/Min/Prod node reduces over an input of `rank` axes (its `axes`
-/// input or attribute; all of them when empty, none with `noop_with_empty_axes`), or None when
+/// input; all of them when empty or absent, none with `noop_with_empty_axes`), or None when
 /// they are not known.
 pub fn reduced_axes(node: &crate::ir::Node, info: &super::ShapeInfo, rank: usize) -> Option<Vec<usize>> {
     let axes: Vec<i64> = match node.inputs.get(1).copied().flatten() {
         Some(v) => info.ints(v)?.to_vec(),
-        None => node.attrs.ints("axes").map(<[i64]>::to_vec).unwrap_or_default(),
+        None => Vec::new(),
     };
     if axes.is_empty() {
         return Some(if node.attrs.int("noop_with_empty_axes", 0) != 0 { Vec::new() } else { (0..rank).collect() });

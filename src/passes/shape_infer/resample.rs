@@ -81,7 +81,7 @@ pub(super) fn constant_numbers(cx: &Ctx, v: ValueId) -> Option<Vec<f64>> {
 /// Resize: the input's type with the resized dims (scales and sizes must be constants).
 pub(super) fn resize(cx: &Ctx) -> Outs {
     let Some(x) = cx.shape(0) else { return one((ty_opt(cx.dtype(0), None), None)) };
-    let (scales_at, sizes_at) = if cx.opset >= 11 { (2, 3) } else { (1, usize::MAX) };
+    let (scales_at, sizes_at) = (2, 3);
     let numbers = |i: usize| -> Result<Option<Vec<f64>>, String> {
         match cx.input(i) {
             None => Ok(None),

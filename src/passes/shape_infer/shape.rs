@@ -100,10 +100,7 @@ pub(super) fn transpose(cx: &Ctx) -> Outs {
 
 /// Unsqueeze(x, axes): a 1 inserted at each of `axes` (of the output).
 pub(super) fn unsqueeze(cx: &Ctx) -> Outs {
-    let axes: Vec<i64> = match cx.need_ints(1, "axes")? {
-        Some(x) => x.to_vec(),
-        None => cx.attrs().ints("axes").ok_or("no axes")?.to_vec(),
-    };
+    let axes: Vec<i64> = cx.need_ints(1, "axes")?.ok_or("no axes")?.to_vec();
     let Some(x) = cx.shape(0) else { return one(cx.same(0)) };
     let r = x.len() + axes.len();
     let mut ax: Vec<usize> = axes.iter().map(|&v| norm_axis(v, r)).collect::<Result<_, _>>()?;
@@ -122,10 +119,7 @@ pub(super) fn unsqueeze(cx: &Ctx) -> Outs {
 
 /// Squeeze(x, axes?): the given axes removed, or every dim of size 1.
 pub(super) fn squeeze(cx: &Ctx) -> Outs {
-    let axes: Option<Vec<i64>> = match cx.need_ints(1, "axes")? {
-        Some(x) => Some(x.to_vec()),
-        None => cx.attrs().ints("axes").map(<[i64]>::to_vec),
-    };
+    let axes: Option<Vec<i64>> = cx.need_ints(1, "axes")?.map(<[i64]>::to_vec);
     let Some(x) = cx.shape(0) else { return one(cx.same(0)) };
     let out: Vec<i64> = match axes {
         Some(axes) => {

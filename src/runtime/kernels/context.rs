@@ -1,9 +1,9 @@
-//! Context parallelism's two kernels (see `codegen::context`): a whole value cut to this
+//! Context parallelism's two kernels (see `split::context`): a whole value cut to this
 //! rank's tokens, and a local value all-gathered back into the one-process order.
 
 use tch::Tensor;
 
-use crate::codegen::context::{gathered_order, local_positions};
+use crate::split::context::{gathered_order, local_positions};
 use crate::runtime::comm::ProcessGroup;
 
 /// This rank's place in its context group.

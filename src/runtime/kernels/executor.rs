@@ -11,9 +11,7 @@ use std::sync::Arc;
 use crate::runtime::comm::ProcessGroup;
 use super::context::ContextRank;
 use super::ops::{self, DropoutKey, NormStats, OpContext};
-use crate::codegen::context::{CONTEXT_GATHER, CONTEXT_GROUP, CONTEXT_LOCALIZE};
-use crate::codegen::collectives::is_collective;
-use crate::ir::{Node, Op};
+use crate::ir::{CollectiveKind, GroupKind, Node, Op};
 use super::tensor::kind_of;
 use crate::passes::figures::is_trainable;
 use crate::runtime::RuntimeError;
@@ -47,7 +45,7 @@ pub struct Executor<'g> {
     ctx: OpContext,
     /// Initializers and constants as tensors (trainable ones require grad when training).
     pub weights: HashMap<ValueId, Tensor>,
-    /// The tensor-parallel group that codegen's inserted collectives (`smp` nodes) run over.
+    /// The tensor-parallel group that codegen's inserted collectives run over.
     pub tensor_group: Option<Arc<ProcessGroup>>,
     /// The expert group the `MixtureOfExperts` nodes route tokens over (expert parallelism;
     /// unset: every expert is local).
@@ -64,14 +62,12 @@ pub struct Executor<'g> {
     device: Device,
 }
 
-pub use crate::codegen::collectives::COPY_TO_TENSOR_REGION;
-
 /// Lists the nodes without a kernel, or `Ok` if every node has one.
 pub fn check_supported(graph: &Graph) -> Result<(), RuntimeError> {
     let mut missing: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for id in graph.node_ids() {
         let node = graph.node(id);
-        if !ops::has_kernel(&node.op) && !is_collective(&node.op) {
+        if !ops::has_kernel(&node.op) && node.op.collective().is_none() {
             missing.entry(node.op.to_string()).or_default().push(node.name.clone());
         }
     }
@@ -128,8 +124,7 @@ impl<'g> Executor<'g> {
                 }
             }
         }
-        let opset = graph.opsets.get("").copied().unwrap_or(21);
-        let ctx = OpContext { opset, float_kind: opts.float_kind, training: opts.training, norm: NormStats::Running, dropout: None, autocast: opts.autocast, context: None };
+        let ctx = OpContext { float_kind: opts.float_kind, training: opts.training, norm: NormStats::Running, dropout: None, autocast: opts.autocast, context: None };
         Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None, expert_group: std::cell::OnceCell::new(), norm: Cell::new(NormStats::Running), dropout: Cell::new(None), context: std::cell::OnceCell::new(), live, device })
     }
 
@@ -169,39 +164,28 @@ impl<'g> Executor<'g> {
         if let Some(pg) = self.expert_group.get().filter(|_| node.op.is(crate::ir::OpKind::MixtureOfExperts)) {
             return super::experts::expert_parallel(inputs, &ctx, pg).map(|t| vec![t]);
         }
-        let Op::Placeholder { op_type, .. } = &node.op else {
+        let Op::Collective { kind, group } = node.op else {
             return ops::run(node, inputs, &ctx).map_err(|e| e.0);
         };
-        if !is_collective(&node.op) {
-            return ops::run(node, inputs, &ctx).map_err(|e| e.0);
-        }
-        let group = node.attrs.0.get("group").and_then(|a| if let crate::ir::Attr::Str(s) = a { Some(s.as_str()) } else { None }).unwrap_or("tensor");
-        if group == CONTEXT_GROUP {
+        let x = match inputs.first() {
+            Some(Some(t)) => t,
+            _ => return Err(format!("{} without an input", node.op)),
+        };
+        if group == GroupKind::Context {
             let (pg, me) = self.context.get().ok_or("a context-parallel node, but this run has no context group (cp = 1)")?;
-            let x = match inputs.first() {
-                Some(Some(t)) => t,
-                _ => return Err(format!("{op_type} without an input")),
-            };
-            let axis = node.attrs.int("axis", -1);
-            let axis = usize::try_from(axis).map_err(|_| format!("{op_type} without a token `axis`"))?;
-            let outer = node.attrs.int("outer", 1);
-            return match op_type.as_str() {
-                CONTEXT_GATHER => super::context::gather(pg, x, axis, outer),
-                CONTEXT_LOCALIZE => super::context::localize(x, axis, outer, *me),
-                other => Err(format!("context collective `{other}` has no runner kernel")),
+            return match kind {
+                CollectiveKind::TokenGather { axis, outer } => super::context::gather(pg, x, axis, outer),
+                CollectiveKind::TokenLocalize { axis, outer } => super::context::localize(x, axis, outer, *me),
+                other => Err(format!("{} over the context group has no runner kernel", other.name())),
             }
             .map(|t| vec![t]);
         }
-        if group != "tensor" {
+        if group != GroupKind::Tensor {
             return Err(format!("collective over the `{group}` group inside a stage graph; only `tensor` is supported"));
         }
         let pg = self.tensor_group.as_ref().ok_or("a tensor-parallel collective, but this run has no tensor group (tp = 1)")?;
-        let x = match inputs.first() {
-            Some(Some(t)) => t,
-            _ => return Err("collective without an input".into()),
-        };
         // sums of low-precision partials are taken in fp32 and rounded once
-        let widen = matches!(op_type.as_str(), "AllReduce" | "ReduceScatter") && matches!(x.kind(), Kind::Half | Kind::BFloat16);
+        let widen = kind.sums() && matches!(x.kind(), Kind::Half | Kind::BFloat16);
         let wide;
         let x = if widen {
             wide = x.f_to_kind(Kind::Float).map_err(|e| e.to_string())?;
@@ -209,23 +193,13 @@ impl<'g> Executor<'g> {
         } else {
             x
         };
-        let out = match op_type.as_str() {
-            "AllReduce" => pg.reduce_from_tensor_region(x),
-            COPY_TO_TENSOR_REGION => pg.copy_to_tensor_region(x),
-            "AllGather" | "ReduceScatter" | "Scatter" => {
-                let axis = node
-                    .attrs
-                    .0
-                    .get("axis")
-                    .and_then(|a| if let crate::ir::Attr::Int(i) = a { Some(*i) } else { None })
-                    .ok_or_else(|| format!("{op_type} without an `axis`"))?;
-                match op_type.as_str() {
-                    "AllGather" => pg.gather_along_axis(x, axis),
-                    "ReduceScatter" => pg.reduce_scatter_along_axis(x, axis),
-                    _ => pg.scatter_along_axis(x, axis),
-                }
-            }
-            other => return Err(format!("collective `{other}` has no runner kernel")),
+        let out = match kind {
+            CollectiveKind::AllReduce => pg.reduce_from_tensor_region(x),
+            CollectiveKind::CopyToRegion => pg.copy_to_tensor_region(x),
+            CollectiveKind::AllGather { axis } => pg.gather_along_axis(x, axis as i64),
+            CollectiveKind::ReduceScatter { axis } => pg.reduce_scatter_along_axis(x, axis as i64),
+            CollectiveKind::Scatter { axis } => pg.scatter_along_axis(x, axis as i64),
+            other => return Err(format!("{} over the tensor group has no runner kernel", other.name())),
         };
         let out = out.map_err(|e| e.to_string())?;
         let out = match inputs.first() {
@@ -459,7 +433,7 @@ impl<'g> Executor<'g> {
     fn context_gather_input(&self, node: &Node) -> Option<ValueId> {
         self.context.get()?;
         match &node.op {
-            Op::Placeholder { op_type, .. } if op_type == CONTEXT_GATHER => node.inputs.first().copied().flatten(),
+            Op::Collective { kind: CollectiveKind::TokenGather { .. }, .. } => node.inputs.first().copied().flatten(),
             _ => None,
         }
     }
@@ -473,8 +447,10 @@ impl<'g> Executor<'g> {
         for &n in nodes {
             let node = self.graph.node(n);
             let x = self.context_gather_input(node).and_then(&fetch).ok_or_else(|| kerr(format!("`{}` has no input", node.name)))?;
-            let axis = usize::try_from(node.attrs.int("axis", -1)).map_err(|_| kerr(format!("`{}` has no token axis", node.name)))?;
-            xs.push((x, axis, node.attrs.int("outer", 1)));
+            let Op::Collective { kind: CollectiveKind::TokenGather { axis, outer }, .. } = node.op else {
+                return Err(kerr(format!("`{}` is not a context all-gather", node.name)));
+            };
+            xs.push((x, axis, outer));
         }
         super::context::gather_many(pg, &xs).map_err(kerr)
     }

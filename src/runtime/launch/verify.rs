@@ -9,14 +9,13 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 
 use tch::{Kind, Tensor};
 
 use crate::frontend::onnx::load_model;
 use crate::ir::RecordKind;
-use crate::plan::Plan;
 use crate::runtime::RuntimeError;
 use crate::runtime::session::report::{VerifyDiff, VerifyReport, losses_of_report};
 
@@ -62,16 +61,6 @@ fn user_args(args: &[String]) -> Vec<String> {
         }
     }
     out
-}
-
-/// The model file a plan names (relative paths against the plan's folder, as a run resolves it).
-fn model_of(plan: &Plan, plan_path: &Path) -> PathBuf {
-    let given = PathBuf::from(&plan.model.path);
-    if given.is_relative() && !given.exists() {
-        plan_path.parent().map(|d| d.join(&given)).filter(|m| m.exists()).unwrap_or(given)
-    } else {
-        given
-    }
 }
 
 /// Runs `exe ARGS`, its stdout captured (one JSON report), its stderr passed on; the losses.
@@ -123,7 +112,7 @@ fn worst_of(names: &BTreeSet<String>, plan: &BTreeMap<String, Tensor>, one: &BTr
 /// `steps` f64 steps with the user's `run_args`, in `work` (created; left for inspection).
 pub fn verify(exe: &Path, nproc: usize, plan_path: &Path, run_args: &[String], steps: usize, work: &Path) -> Result<VerifyReport, RuntimeError> {
     let plan = crate::plan::io::load(plan_path).map_err(|e| verr(e.to_string()))?;
-    let model = model_of(&plan, plan_path);
+    let model = plan.model_file(plan_path);
     std::fs::create_dir_all(work).map_err(|e| verr(format!("cannot create `{}`: {e}", work.display())))?;
     let (plan_weights, one_weights) = (work.join("plan.safetensors"), work.join("one-process.safetensors"));
     let user = user_args(run_args);

@@ -1,11 +1,11 @@
 //! What a rank reads of its plan, in runtime terms: the graph the plan was made for, the nodes,
 //! boundary values, data inputs and parameters of each stage, and every rank's program.
 //!
-//! The runner executes the graph the planner planned: the imported model specialised by the
-//! same library pass analysis runs ([`passes::specialise`]: dims bound, shape arithmetic folded,
-//! dead nodes removed, ids kept), with the plan's recorded rewrites applied (its fused ops,
-//! [`passes::fuse::apply`]; its fixed batch rebound, [`crate::codegen::rebatch`]). Every stage's lists are read from the plan's codegen
-//! section and checked against that graph; nothing the plan holds is derived again.
+//! The runner executes the graph the planner planned, rebuilt by codegen from the model it loads
+//! and the plan's records ([`crate::codegen::stage_graph::planned_graph`]: the planner's
+//! specialisation, the plan's fused ops, its fixed batch rebound). Every stage's lists are read
+//! from the plan's codegen section and checked against that graph; nothing the plan holds is
+//! derived again.
 
 use std::collections::{HashMap, HashSet};
 
@@ -13,9 +13,9 @@ use crate::runtime::RuntimeError;
 use crate::runtime::terr;
 use crate::passes::figures::is_trainable;
 use crate::codegen::encode::CODEGEN_VERSION;
-use crate::codegen::{CodegenSection, FusedNode, RankProgram};
-use crate::ir::{DimBindings, Fusion, Graph, NodeId, ValueId, ValueKind};
-use crate::passes::{self, AnalyzeOptions};
+use crate::codegen::stage_graph::{self, PlannedGraphError};
+use crate::codegen::{CodegenSection, RankProgram};
+use crate::ir::{DimBindings, Graph, NodeId, ValueId, ValueKind};
 use crate::plan::Plan;
 
 /// Which nodes and values each (global) stage of a plan owns, as the plan's codegen section
@@ -42,48 +42,16 @@ pub struct StageLayout {
 /// What to do with a plan the runner cannot execute as it is.
 pub const REPLAN: &str = "re-plan the model with this smp-partition (`smp-partition MODEL ... -o PLAN.json`)";
 
-/// The graph `plan` was made for, from the model `graph` as imported (parameters decided): the
-/// planner's specialisation ([`passes::specialise`] with the plan's dims), the plan's fused ops
-/// (`fused`, each applied by [`passes::fuse::apply`], which refuses a record that does not fit),
-/// then the plan's fixed-batch rebinding. Returns it with its dim bindings. Its node and value ids are those
-/// the plan's codegen section lists; [`stage_layout`] checks them.
+/// The graph `plan` was made for, from the model `graph` as imported (parameters decided), as
+/// codegen rebuilds it ([`crate::codegen::stage_graph::planned_graph`]: specialised with the
+/// plan's dims, its fused ops applied, its fixed batch rebound), with its dim bindings. Its node
+/// and value ids are those the plan's codegen section lists; [`stage_layout`] checks them.
 pub fn planned_graph(plan: &Plan, graph: Graph) -> Result<(Graph, DimBindings), RuntimeError> {
     let section = codegen_section(plan)?;
-    let opts = AnalyzeOptions { seq_len: plan.seq_len.map(|s| s as i64), dims: plan.dims.clone() };
-    let (mut g, mut dims) = passes::specialise(graph, &opts)
-        .map_err(|e| terr(format!("specialising the model as the planner did (dims bound, shape arithmetic folded): {e}")))?;
-    for f in &section.fused {
-        apply_fused(&mut g, f)?;
-    }
-    if let Some(b) = section.batch {
-        let done = crate::codegen::rebatch::rebind_graph(&mut g, &mut dims, b.microbatch)
-            .map_err(|e| terr(format!("rebinding the model's fixed batch to the plan's microbatch of {}: {e}", b.microbatch)))?;
-        if done.map(|d| d.fixed) != Some(b.fixed) {
-            return Err(terr(format!(
-                "the plan rebinds a fixed batch of {} to {}, but the model's batch is {}; {REPLAN}",
-                b.fixed,
-                b.microbatch,
-                crate::passes::rebatch::fixed_batch(&g).map_or("not fixed".to_string(), |(_, f)| f.to_string())
-            )));
-        }
-    }
-    Ok((g, dims))
-}
-
-/// Applies one fused op of the plan to `g`; a record that does not fit the model is refused.
-fn apply_fused(g: &mut Graph, f: &FusedNode) -> Result<(), RuntimeError> {
-    let refuse = |what: String| terr(format!("the plan's fused op at node {} ({}) does not fit the model: {what}; {REPLAN}", f.node, f.op));
-    let by_id: HashMap<usize, NodeId> = g.node_ids().map(|n| (n.index(), n)).collect();
-    let node = |i: usize| by_id.get(&i).copied().ok_or_else(|| refuse(format!("the model as planned has no node {i}")));
-    let value = |name: &str| g.value_by_name(name).ok_or_else(|| refuse(format!("the model has no value `{name}`")));
-    let fusion = Fusion {
-        node: node(f.node)?,
-        op: f.op,
-        inputs: f.inputs.iter().map(|i| value(i)).collect::<Result<_, _>>()?,
-        output: value(&f.output)?,
-        replaces: f.replaces.iter().map(|&i| node(i)).collect::<Result<_, _>>()?,
-    };
-    passes::fuse::apply(g, &fusion).map_err(|e| refuse(e.to_string()))
+    stage_graph::planned_graph(graph, section, (plan.seq_len.map(|s| s as i64), &plan.dims)).map_err(|e| match e {
+        e @ PlannedGraphError::Specialise(_) => terr(e.to_string()),
+        e => terr(format!("{e}; {REPLAN}")),
+    })
 }
 
 /// The stage layout of `section` on `graph` (the planned graph, [`planned_graph`]), read from

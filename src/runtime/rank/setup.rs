@@ -21,9 +21,9 @@ use crate::runtime::data::Batch;
 use crate::passes::figures::is_trainable;
 use crate::runtime::state::weights::{Slice, Source};
 use crate::runtime::{ExecOptions, RuntimeError, Weights};
-use crate::codegen::context::{Boundary, Tokens, split_context};
-use crate::codegen::{Coord, Instr, Mesh, Purpose, RankProgram, StageView, WeightSlice, apply_shard};
-use crate::ir::{DimBindings, Graph, NodeId, Op, OpKind, Parallelism, ValueId, ValueKind};
+use crate::codegen::stage_graph::{self, StageGraphError, runs_stage_subgraphs};
+use crate::codegen::{Coord, Instr, Mesh, Purpose, RankProgram, WeightSlice};
+use crate::ir::{DimBindings, Graph, Op, OpKind, Parallelism, ValueId, ValueKind};
 use crate::plan::Plan;
 
 /// How a rank of a plan runs, beside what it trains.
@@ -78,51 +78,26 @@ pub(super) struct StageShard {
 
 impl Shards {
     /// The subgraphs rank `me` of `plan` runs on `graph`, the graph the plan was made for
-    /// ([`layout::planned_graph`], with its `dims`); none when tp = 1.
+    /// ([`layout::planned_graph`], with its `dims`), as codegen builds them
+    /// ([`crate::codegen::stage_graph`]); none when its stages run on the model's executor.
     pub fn new(plan: &Plan, graph: &Graph, dims: &DimBindings, me: usize) -> Result<Shards, RuntimeError> {
         let mesh = plan.mesh();
-        let mut out = Shards::default();
-        let cp = plan.parallel.cp.max(1);
         if !runs_stage_subgraphs(&plan.parallel) {
-            return Ok(out);
+            return Ok(Shards::default());
         }
-        let Coord { pp: q, dp: d, tp: t } = mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
+        mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
         let view = plan.rank_view(me).map_err(|e| terr(e.to_string()))?;
-        // with several stages, the model-wide split says which tokens cross each stage boundary
-        // (the data inputs are whole: each stage cuts its own)
-        let model = if cp > 1 && plan.stages.len() > 1 {
-            let split = split_context(graph, dims, cp, &Boundary::default()).map_err(|e| terr(format!("the model under cp {cp}: {e}")))?;
-            let data: HashSet<&str> = graph.inputs.iter().map(|&v| graph.value(v).name.as_str()).collect();
-            Boundary { tokens: split.tokens.into_iter().filter(|(n, _)| !data.contains(n.as_str())).collect(), ints: split.ints }
-        } else {
-            Boundary::default()
-        };
-        let mut conversions = 0;
-        for sv in &view.stages {
-            let mut sub = shard_subgraph(sv, graph, dims, &mesh, me, (q, d, t), &mut out.kv_groups)?;
-            pass_through(&mut sub, graph, &sv.code.outputs_to_next)?;
-            if cp > 1 {
-                let ends = sub.inputs.iter().chain(&sub.outputs).filter_map(|&v| {
-                    let name = &sub.value(v).name;
-                    model.tokens.get(name).map(|t: &Tokens| (name.clone(), *t))
-                });
-                let ints = sub.inputs.iter().filter_map(|&v| {
-                    let name = &sub.value(v).name;
-                    model.ints.get(name).map(|i| (name.clone(), i.clone()))
-                });
-                let boundary = Boundary { tokens: ends.collect(), ints: ints.collect() };
-                let split = split_context(&sub, dims, cp, &boundary).map_err(|e| terr(format!("stage {} of rank {me}: {e}", sv.stage())))?;
-                conversions += split.gathers + split.localizes;
-                sub = split.graph;
-            }
-            let slices = sv.shards.iter().flat_map(|sh| sh.weight_slices.iter().cloned()).collect();
-            out.stages.push(StageShard { stage: sv.stage(), graph: sub, slices });
-        }
+        let built = stage_graph::rank_graphs(&view, graph, dims, (&mesh, &plan.parallel, plan.stages.len())).map_err(|e| match e {
+            StageGraphError::Nodes { .. } | StageGraphError::NoContextRecord { .. } => terr(format!("{e}; {REPLAN}")),
+            e => terr(format!("rank {me}: {e}")),
+        })?;
+        let conversions: usize = built.stages.iter().map(|s| s.context_conversions).sum();
         // the first stage reads the token ids: a split there always cuts something
-        if cp > 1 && conversions == 0 && view.stages.iter().any(|sv| sv.stage() == 0) {
-            tracing::warn!(cp, rank = me, "context parallelism found no token ids to split (an integer [batch, seq] input read by an embedding lookup): this rank computes whole sequences");
+        if plan.parallel.cp > 1 && conversions == 0 && view.stages.iter().any(|sv| sv.stage() == 0) {
+            tracing::warn!(cp = plan.parallel.cp, rank = me, "context parallelism found no token ids to split (an integer [batch, seq] input read by an embedding lookup): this rank computes whole sequences");
         }
-        Ok(out)
+        let stages = built.stages.into_iter().map(|s| StageShard { stage: s.stage, graph: s.graph, slices: s.slices }).collect();
+        Ok(Shards { stages, kv_groups: built.kv_groups })
     }
 }
 
@@ -287,7 +262,7 @@ impl<'a> Rank<'a> {
 
     /// Context-parallel all-gathers in one forward of this rank's stages.
     pub fn context_gathers(&self) -> u64 {
-        let gathers = |g: &Graph| g.node_ids().filter(|&n| matches!(&g.node(n).op, Op::Placeholder { op_type, .. } if op_type == crate::codegen::context::CONTEXT_GATHER)).count();
+        let gathers = |g: &Graph| g.node_ids().filter(|&n| crate::split::context::is_token_gather(&g.node(n).op)).count();
         self.stage_execs.values().map(|e| gathers(e.graph()) as u64).sum()
     }
 
@@ -584,66 +559,6 @@ fn input_feeds(exec: &Executor, mb: &Batch) -> Result<HashMap<ValueId, Tensor>, 
     exec.bind_inputs(f)
 }
 
-/// The subgraph rank `me` at (pipeline rank, replica, tensor rank) runs for stage `sv`: the
-/// stage's nodes of `model` (the planned graph) with the rank's shards applied, and
-/// Megatron's *f* before its partially-gradiented inputs. Records the weights whose slice
-/// several tensor ranks share in `kv_groups` (name, the ranks sharing this rank's slice).
-#[allow(clippy::too_many_arguments)]
-fn shard_subgraph(
-    sv: &StageView<'_>,
-    model: &Graph,
-    dims: &DimBindings,
-    mesh: &Mesh,
-    me: usize,
-    (q, d, t): (usize, usize, usize),
-    kv_groups: &mut Vec<(String, Vec<usize>)>,
-) -> Result<Graph, RuntimeError> {
-    let nodes: Vec<NodeId> = model.topo_order()?.into_iter().filter(|n| sv.code.runs(n.index())).collect();
-    if nodes.len() != sv.code.node_count() {
-        return Err(terr(format!("stage {} runs nodes the model as planned does not have; {REPLAN}", sv.stage())));
-    }
-    let mut sub = apply_shard(model, &nodes, &sv.merged_shard(), dims).map_err(|e| terr(format!("stage {} shard of rank {me}: {e}", sv.stage())))?;
-    for sh in &sv.shards {
-        // a slice shared by several tensor ranks (grouped-query KV heads): its gradient is
-        // summed over the consecutive tensor ranks holding it
-        for w in sh.weight_slices.iter().filter(|w| w.replicas > 1) {
-            let r = w.replicas as usize;
-            if r > mesh.tp() || mesh.tp() % r != 0 {
-                return Err(terr(format!(
-                    "stage {}: weight `{}` is shared by {r} tensor ranks, which does not divide tp {}",
-                    sv.stage(),
-                    w.initializer,
-                    mesh.tp()
-                )));
-            }
-            let first = t - t % r;
-            let members: Vec<usize> = (first..first + r).map(|tt| mesh.ranks[q][d][tt]).collect();
-            if !kv_groups.iter().any(|(n, _)| n == &w.initializer) {
-                kv_groups.push((w.initializer.clone(), members));
-            }
-        }
-        for pg in &sh.partial_gradients {
-            insert_copy_to_tensor_region(&mut sub, pg)?;
-        }
-    }
-    Ok(sub)
-}
-
-/// Adds to a stage's subgraph the values it passes on without reading (an interleaved
-/// schedule's later stages read what an earlier one made): inputs that are also outputs.
-fn pass_through(sub: &mut Graph, model: &Graph, names: &[String]) -> Result<(), RuntimeError> {
-    for name in names {
-        if sub.value_by_name(name).is_some() {
-            continue;
-        }
-        let ty = model.value_by_name(name).and_then(|v| model.value(v).ty.clone());
-        let v = sub.add_value(name.clone(), ValueKind::Input, ty, None).map_err(|e| terr(format!("stage subgraph: {e}")))?;
-        sub.inputs.push(v);
-        sub.outputs.push(v);
-    }
-    Ok(())
-}
-
 /// The process groups of rank `env.rank`: every distinct member list in any program, the
 /// tensor groups, the KV-slice groups and the world, created in one global order by their
 /// members (creation is a rendezvous).
@@ -697,12 +612,6 @@ fn connect_groups(
     }
     let world = by_members[&world].clone();
     Ok(Groups { me, by_members, world })
-}
-
-/// Whether a rank runs its stages as subgraphs of their own (tensor-parallel shards, or
-/// context-parallel splits) rather than the model executor's nodes.
-pub(super) fn runs_stage_subgraphs(p: &Parallelism) -> bool {
-    p.tp > 1 || p.cp > 1
 }
 
 /// The context group of the rank at (pipeline rank, data position, tensor rank): the `cp`
@@ -774,39 +683,6 @@ fn check_program(p: &RankProgram, stages: usize, m: usize) -> Result<(), Runtime
             )));
         }
     }
-    Ok(())
-}
-
-/// Puts Megatron's *f* before `pg.node`'s input `pg.input`: the forward reads the value
-/// unchanged, the backward all-reduces its gradient over the tensor group.
-fn insert_copy_to_tensor_region(g: &mut Graph, pg: &crate::codegen::shard::PartialGradient) -> Result<(), RuntimeError> {
-    let node = g
-        .node_ids()
-        .find(|&n| g.node(n).name == pg.node)
-        .ok_or_else(|| terr(format!("partial gradient names node `{}`, which the shard does not have", pg.node)))?;
-    let v = g
-        .node(node)
-        .inputs
-        .get(pg.input)
-        .copied()
-        .flatten()
-        .ok_or_else(|| terr(format!("partial gradient: node `{}` has no input {}", pg.node, pg.input)))?;
-    let ty = g.value(v).ty.clone();
-    let name = format!("{}.f.{}.{}", g.value(v).name, pg.node, pg.input);
-    let out = g.add_value(name.clone(), ValueKind::Intermediate, ty, None)?;
-    let order = g.node(node).order;
-    let mut attrs = crate::ir::Attrs::default();
-    attrs.set("group", crate::ir::Attr::Str("tensor".into()));
-    g.add_node(crate::ir::Node {
-        name,
-        op: crate::ir::Op::Placeholder { op_type: crate::runtime::kernels::executor::COPY_TO_TENSOR_REGION.into(), domain: crate::codegen::collectives::SMP_DOMAIN.into() },
-        attrs,
-        inputs: vec![Some(v)],
-        outputs: vec![out],
-        namespace: None,
-        order,
-    })?;
-    g.set_input(node, pg.input, Some(out));
     Ok(())
 }
 

@@ -138,8 +138,7 @@ impl RunSession {
                 path.display()
             )));
         }
-        let given = PathBuf::from(&plan.model.path);
-        let model = if given.is_relative() && !given.exists() { path.parent().map(|d| d.join(&given)).filter(|m| m.exists()).unwrap_or(given) } else { given };
+        let model = plan.model_file(&path);
         let imported = load_model(&model).map_err(|e| SessionError::Model(format!("model `{}` of plan `{}`: {e}", model.display(), path.display())))?;
         if imported.sha256 != plan.model.sha256 {
             return Err(SessionError::Plan(format!(
@@ -429,9 +428,9 @@ impl RunSession {
     }
 
     /// A model whose batch is fixed runs the microbatch size asked (the data's batch, split):
-    /// its graph is rewritten where the rewrite is proven (`passes::rebatch`), else refused.
+    /// its graph is rewritten where the rewrite is proven (`codegen::rebatch`), else refused.
     fn rebind_fixed_batch(&self, graph: &mut Graph) -> Result<(), SessionError> {
-        let Some((_, fixed)) = crate::passes::rebatch::fixed_batch(graph) else { return Ok(()) };
+        let Some(fixed) = crate::codegen::rebatch::fixed_batch(graph) else { return Ok(()) };
         let o = &self.opts;
         let (global, seq) = match &o.data.train {
             Some(path) if !data::is_token_file(path) => {
@@ -451,8 +450,7 @@ impl RunSession {
             .and_then(|&v| graph.value(v).ty.as_ref())
             .and_then(|t| t.shape.as_ref())
             .is_some_and(|s| matches!(s.0.get(1), Some(crate::ir::Dim::Sym(_))));
-        let opts = crate::passes::AnalyzeOptions { seq_len: symbolic_seq.then_some(seq), ..Default::default() };
-        let done = crate::passes::rebatch::rebind_batch(graph, b, &opts).map_err(|e| SessionError::Model(format!("model `{}`: {e}", self.model.display())))?;
+        let done = crate::codegen::rebatch::rebind_unplanned(graph, b, symbolic_seq.then_some(seq)).map_err(|e| SessionError::Model(format!("model `{}`: {e}", self.model.display())))?;
         if let Some(r) = done {
             tracing::info!(from = r.from, to = r.to, shape_constants = r.shape_constants.len(), constants = r.constants.len(), "fixed batch rebound");
         }
@@ -508,12 +506,11 @@ fn decided(mut graph: Graph, sha256: String, model: &Path, opts: &ParamOptions, 
     Ok((graph, sha256))
 }
 
-/// Rewrites op chains into fused ops with the library pass analysis runs (`passes::fuse`), for
-/// a model run without a plan; a plan's run applies the plan's own list
-/// ([`rank::planned_graph`]).
+/// Rewrites op chains into fused ops as analysis does, for a model run without a plan; a plan's
+/// run applies the plan's own list ([`rank::planned_graph`]).
 pub(crate) fn fuse_chains(graph: &mut Graph) {
-    let fused = crate::passes::fuse::Fused::of(&crate::passes::fuse::fuse(graph));
-    if fused.total() > 0 {
+    let fused = crate::codegen::stage_graph::fuse_unplanned(graph);
+    if !fused.is_empty() {
         tracing::info!(%fused, "op chains fused");
     }
 }

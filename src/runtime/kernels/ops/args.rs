@@ -28,11 +28,10 @@ macro_rules! bail {
 }
 pub(crate) use bail;
 
-/// How kernels run: the opset and dtype policy.
+/// How kernels run: the dtype policy and the step's context. (Every node is in the canonical
+/// form the importer writes, so no kernel reads the model's opset.)
 #[derive(Clone, Copy, Debug)]
 pub struct OpContext {
-    /// Default-domain opset of the model.
-    pub opset: i64,
     /// When set, every floating-point tensor a kernel creates (casts, constants) uses this kind
     /// (the `--dtype` of a run), so a model exported in f32 runs in f64 or bf16.
     pub float_kind: Option<Kind>,

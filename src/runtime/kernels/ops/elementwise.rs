@@ -125,20 +125,7 @@ fn to_kind_onnx(a: &Args, x: &Tensor, k: Kind) -> KResult<Tensor> {
 
 pub(super) fn clip(a: &Args) -> KResult<Tensor> {
     let x = a.x(0)?;
-    let k = x.f_kind()?;
-    let (lo, hi) = if a.ctx.opset < 11 {
-        let lo = a.attrs().get("min").map(|_| a.float("min", f32::MIN));
-        let hi = a.attrs().get("max").map(|_| a.float("max", f32::MAX));
-        let mk = |v: Option<f64>| -> KResult<Option<Tensor>> {
-            Ok(match v {
-                Some(v) => Some(Tensor::f_scalar_tensor(v, (k, x.device()))?),
-                None => None,
-            })
-        };
-        (mk(lo)?, mk(hi)?)
-    } else {
-        (a.opt(1).map(|t| t.shallow_clone()), a.opt(2).map(|t| t.shallow_clone()))
-    };
+    let (lo, hi) = (a.opt(1).map(|t| t.shallow_clone()), a.opt(2).map(|t| t.shallow_clone()));
     if lo.is_none() && hi.is_none() {
         return Ok(x.shallow_clone());
     }

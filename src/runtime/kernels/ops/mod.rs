@@ -1,5 +1,5 @@
 //! ONNX op kernels on tch: one function per `ir::OpKind`, ONNX semantics (broadcasting,
-//! attributes, opset differences, integer/bool/fp16/bf16/f64 tensors).
+//! attributes in the canonical form the importer writes (no opset differences), integer/bool/fp16/bf16/f64 tensors).
 
 mod args;
 mod einsum;

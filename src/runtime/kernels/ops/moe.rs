@@ -130,7 +130,7 @@ mod tests {
         let idx = Tensor::from_slice(&[0i64, 2, 1, 0, 2, 1, 0, 1, 2, 2]).reshape([5, 2]);
         let node = Node { name: "moe".into(), op: Op::Known(OpKind::MixtureOfExperts), attrs: Attrs::default(), inputs: Vec::new(), outputs: Vec::new(), namespace: None, order: 0 };
         let inputs: Vec<Option<Tensor>> = [&x, &w, &idx, &gu, &down].iter().map(|t| Some(t.shallow_clone())).collect();
-        let ctx = |autocast| OpContext { opset: 18, float_kind: None, training: false, norm: NormStats::Running, dropout: None, autocast, context: None };
+        let ctx = |autocast| OpContext { float_kind: None, training: false, norm: NormStats::Running, dropout: None, autocast, context: None };
         for (autocast, low) in [(Some(Kind::BFloat16), Kind::BFloat16), (None, Kind::Float)] {
             let got = run(&node, &inputs, &ctx(autocast)).unwrap().remove(0);
             assert_eq!(got.kind(), Kind::Float);

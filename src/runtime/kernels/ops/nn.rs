@@ -348,17 +348,8 @@ pub(super) fn softmax(kind: OpKind, a: &Args) -> KResult<Tensor> {
     let x = a.x(0)?;
     let log = kind == OpKind::LogSoftmax;
     let rank = x.dim();
-    if a.ctx.opset >= 13 {
-        let ax = axis(a.int("axis", -1), rank)?;
-        return Ok(if log { x.f_log_softmax(ax, None::<Kind>)? } else { x.f_softmax(ax, None::<Kind>)? });
-    }
-    // before opset 13: coerced to 2-D at `axis`
-    let ax = axis(a.int("axis", 1), rank)? as usize;
-    let size = x.size();
-    let rows: i64 = size[..ax].iter().product();
-    let flat = x.f_reshape([rows, -1])?;
-    let y = if log { flat.f_log_softmax(1, None::<Kind>)? } else { flat.f_softmax(1, None::<Kind>)? };
-    Ok(y.f_reshape(&size)?)
+    let ax = axis(a.int("axis", -1), rank)?;
+    Ok(if log { x.f_log_softmax(ax, None::<Kind>)? } else { x.f_softmax(ax, None::<Kind>)? })
 }
 
 /// Uniform numbers shaped like `x` whose row i (axis 0, the microbatch's samples) depends on
@@ -398,17 +389,17 @@ fn keyed_uniform_shaped(size: &[i64], x: &Tensor, node: &str, key: super::Dropou
 
 pub(super) fn dropout(a: &Args) -> KResult<Vec<Tensor>> {
     let x = a.x(0)?;
-    let ratio = if a.ctx.opset >= 12 { a.scalar(1)?.unwrap_or(0.5) } else { a.float("ratio", 0.5) };
-    let training = a.ctx.opset >= 12 && a.scalar(2)?.is_some_and(|v| v != 0.0);
+    let ratio = a.scalar(1)?.unwrap_or(0.5);
+    let training = a.scalar(2)?.is_some_and(|v| v != 0.0);
     // a training executor drops only inside a training step, not in validation
     let active = training && ratio > 0.0 && (!a.ctx.training || a.ctx.dropout.is_some());
     let (y, mask) = if active {
         let uniform = match a.ctx.dropout {
-            Some(key) => match (a.ctx.context, a.attrs().0.get(crate::codegen::context::DROPOUT_TOKEN_AXIS)) {
+            Some(key) => match (a.ctx.context, a.attrs().0.get(crate::split::context::DROPOUT_TOKEN_AXIS)) {
                 // local tokens: the one-process mask, this rank's rows of it
                 (Some(me), Some(crate::ir::Attr::Int(axis))) => {
                     let axis = *axis as usize;
-                    let outer = a.int(crate::codegen::context::DROPOUT_TOKEN_OUTER, 1);
+                    let outer = a.int(crate::split::context::DROPOUT_TOKEN_OUTER, 1);
                     let mut whole = x.size();
                     let Some(len) = whole.get_mut(axis) else { bail!("dropout token axis {axis} of a tensor of {} axes", x.dim()) };
                     *len *= me.size as i64;

@@ -10,9 +10,7 @@ pub(super) fn reduce(kind: OpKind, a: &Args) -> KResult<Tensor> {
     let x = a.x(0)?;
     let rank = x.dim();
     let keep = a.int("keepdims", 1) != 0;
-    let axes_from_input = if kind == OpKind::ReduceSum { a.ctx.opset >= 13 } else { a.ctx.opset >= 18 };
-    let listed = if axes_from_input { a.ints(1)? } else { a.attrs().ints("axes").map(<[i64]>::to_vec) };
-    let listed = listed.unwrap_or_default();
+    let listed = a.ints(1)?.unwrap_or_default();
     let dims: Vec<i64> = if listed.is_empty() {
         if a.int("noop_with_empty_axes", 0) != 0 {
             return Ok(x.shallow_clone());
@@ -79,7 +77,7 @@ pub(super) fn top_k(a: &Args) -> KResult<Vec<Tensor>> {
     let k = match a.ints(1)?.as_deref() {
         Some(&[k]) => k,
         Some(k) => super::bail!("k must hold one value, it holds {k:?}"),
-        None => a.int("k", -1),
+        None => super::bail!("input `k` is required"),
     };
     if k < 0 || k > x.size()[ax as usize] {
         super::bail!("k = {k} is outside 0..={} along axis {ax}", x.size()[ax as usize]);
@@ -88,11 +86,9 @@ pub(super) fn top_k(a: &Args) -> KResult<Vec<Tensor>> {
     Ok(vec![values.f_narrow(ax, 0, k)?, indices.f_narrow(ax, 0, k)?])
 }
 
-/// The axes a reduction's node lists (the `axes` input from opset 18, the attribute before),
-/// normalised; `None` when it reduces nothing (`noop_with_empty_axes` with no axes).
+/// The axes a reduction's node lists (its `axes` input), normalised; `None` when it reduces nothing (`noop_with_empty_axes` with no axes).
 fn reduced_dims(a: &Args, rank: usize) -> KResult<Option<Vec<i64>>> {
-    let listed = if a.ctx.opset >= 18 { a.ints(1)? } else { a.attrs().ints("axes").map(<[i64]>::to_vec) };
-    let listed = listed.unwrap_or_default();
+    let listed = a.ints(1)?.unwrap_or_default();
     if listed.is_empty() {
         if a.int("noop_with_empty_axes", 0) != 0 {
             return Ok(None);

@@ -162,21 +162,17 @@ fn listed(a: &Args, i: usize) -> KResult<Option<Vec<f64>>> {
     }
 }
 
-/// Resize (opset 10's `(X, scales)`, 11's `(X, roi, scales, sizes)`, 18's `axes`, `antialias`
-/// and `keep_aspect_ratio_policy`).
+/// Resize `(X, roi, scales, sizes)` with `axes`, `antialias` and `keep_aspect_ratio_policy`
+/// (opset 10's `(X, scales)` is canonicalised into this form).
 pub(super) fn resize(a: &Args) -> KResult<Tensor> {
     let x = a.x(0)?;
     let shape = x.size();
     let rank = shape.len();
-    let (roi, scales, sizes) = if a.ctx.opset >= 11 {
-        let sizes = match a.opt(3) {
-            Some(t) if t.numel() > 0 => Some(to_i64_vec(t)?),
-            _ => None,
-        };
-        (listed(a, 1)?, listed(a, 2)?, sizes)
-    } else {
-        (None, listed(a, 1)?, None)
+    let sizes = match a.opt(3) {
+        Some(t) if t.numel() > 0 => Some(to_i64_vec(t)?),
+        _ => None,
     };
+    let (roi, scales) = (listed(a, 1)?, listed(a, 2)?);
     let axes: Vec<usize> = match a.attrs().ints("axes") {
         Some(list) => list.iter().map(|&ax| axis(ax, rank).map(|v| v as usize)).collect::<KResult<_>>()?,
         None => (0..rank).collect(),
@@ -218,12 +214,13 @@ pub(super) fn resize(a: &Args) -> KResult<Tensor> {
     Ok(if y.f_kind()? != kind { y.f_to_kind(kind)? } else { y })
 }
 
-/// GridSample (opset 16's bilinear/nearest/bicubic, 20's linear/nearest/cubic) on 4-D and 5-D
+/// GridSample (opset 16's bilinear/nearest/bicubic, 20's linear/nearest/cubic; the importer
+/// writes the opset's default mode out) on 4-D and 5-D
 /// inputs (5-D: no cubic), as libtorch's `grid_sampler`.
 pub(super) fn grid_sample(a: &Args) -> KResult<Tensor> {
     let x = a.x(0)?;
     let grid = a.x(1)?;
-    let mode = match a.attrs().str("mode").unwrap_or(if a.ctx.opset >= 20 { "linear" } else { "bilinear" }) {
+    let mode = match a.attrs().str("mode").unwrap_or("linear") {
         "bilinear" | "linear" => 0,
         "nearest" => 1,
         "bicubic" | "cubic" => 2,

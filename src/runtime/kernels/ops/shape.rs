@@ -59,7 +59,7 @@ pub(super) fn split(a: &Args) -> KResult<Vec<Tensor>> {
     let x = a.x(0)?;
     let ax = axis(a.int("axis", 0), x.dim())?;
     let dim = x.size()[ax as usize];
-    let given = if a.ctx.opset >= 13 { a.ints(1)? } else { a.attrs().ints("split").map(<[i64]>::to_vec) };
+    let given = a.ints(1)?;
     let sizes = match given {
         Some(s) => s,
         None => {
@@ -77,12 +77,7 @@ pub(super) fn split(a: &Args) -> KResult<Vec<Tensor>> {
 pub(super) fn slice(a: &Args) -> KResult<Tensor> {
     let x = a.x(0)?;
     let rank = x.dim();
-    let (starts, ends, ax, steps) = if a.ctx.opset < 10 {
-        let get = |n: &str| a.attrs().ints(n).map(<[i64]>::to_vec);
-        (get("starts").unwrap_or_default(), get("ends").unwrap_or_default(), get("axes"), None)
-    } else {
-        (required_ints(a, 1, "starts")?, required_ints(a, 2, "ends")?, a.ints(3)?, a.ints(4)?)
-    };
+    let (starts, ends, ax, steps) = (required_ints(a, 1, "starts")?, required_ints(a, 2, "ends")?, a.ints(3)?, a.ints(4)?);
     let ax = match ax {
         Some(v) => axes(&v, rank)?,
         None => (0..starts.len() as i64).collect(),
@@ -177,13 +172,9 @@ pub(super) fn gather_nd(a: &Args) -> KResult<Tensor> {
     Ok(y.f_reshape(&shape)?)
 }
 
-fn axes_arg(a: &Args, since: i64) -> KResult<Option<Vec<i64>>> {
-    if a.ctx.opset >= since { a.ints(1) } else { Ok(a.attrs().ints("axes").map(<[i64]>::to_vec)) }
-}
-
 pub(super) fn unsqueeze(a: &Args) -> KResult<Tensor> {
     let x = a.x(0)?;
-    let Some(list) = axes_arg(a, 13)? else { bail!("`axes` is required") };
+    let Some(list) = a.ints(1)? else { bail!("`axes` is required") };
     let mut ax = axes(&list, x.dim() + list.len())?;
     ax.sort_unstable();
     let mut y = x.shallow_clone();
@@ -195,7 +186,7 @@ pub(super) fn unsqueeze(a: &Args) -> KResult<Tensor> {
 
 pub(super) fn squeeze(a: &Args) -> KResult<Tensor> {
     let x = a.x(0)?;
-    match axes_arg(a, 13)? {
+    match a.ints(1)? {
         Some(list) if !list.is_empty() => {
             let ax = axes(&list, x.dim())?;
             let size = x.size();
@@ -311,12 +302,7 @@ pub(super) fn pad(a: &Args) -> KResult<Tensor> {
     let x = a.x(0)?;
     let rank = x.dim();
     let mode = a.attrs().str("mode").unwrap_or("constant");
-    let (pads, value, ax) = if a.ctx.opset < 11 {
-        let p = a.attrs().ints("pads").map(<[i64]>::to_vec).unwrap_or_default();
-        (p, a.float("value", 0.0), None)
-    } else {
-        (required_ints(a, 1, "pads")?, a.scalar(2)?.unwrap_or(0.0), a.ints(3)?)
-    };
+    let (pads, value, ax) = (required_ints(a, 1, "pads")?, a.scalar(2)?.unwrap_or(0.0), a.ints(3)?);
     let ax = match ax {
         Some(v) => axes(&v, rank)?,
         None => (0..rank as i64).collect(),

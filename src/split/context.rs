@@ -12,10 +12,10 @@
 //!   matmuls, reshapes and transposes that keep the tokens, slices, splits and concats along
 //!   other axes, routed experts) run on the local tokens; a whole operand they combine with a
 //!   local one along the token axis (positions, rotary tables, causal masks' rows) is cut to
-//!   the rank's tokens, by [`CONTEXT_LOCALIZE`], without communication;
+//!   the rank's tokens, by a `TokenLocalize` op, without communication;
 //! - attention is the one place a rank needs the others' tokens: the keys and values (`kᵀ` and
 //!   `v` of the fused op, or the second operand of the score and value matmuls when attention
-//!   did not fuse) are all-gathered over the group ([`CONTEXT_GATHER`], whose backward is a
+//!   did not fuse) are all-gathered over the group (a `TokenGather` op, whose backward is a
 //!   reduce-scatter), so queries stay local and the mask's columns are whole;
 //! - any other op reading a local value first gathers it (correct for every op, paid in
 //!   communication); shapes computed from a local value are the one-process shapes.
@@ -27,17 +27,12 @@ use std::collections::{HashMap, HashSet};
 
 use thiserror::Error;
 
-use super::collectives::SMP_DOMAIN;
-use crate::ir::{Attr, Attrs, DType, DimBindings, Graph, GraphError, Node, NodeId, Op, OpKind, Shape, TensorType, ValueId, ValueKind};
+use crate::ir::{Attr, Attrs, CollectiveKind, DType, DimBindings, Graph, GraphError, GroupKind, Node, NodeId, Op, OpKind, Shape, TensorType, ValueId, ValueKind};
+use super::axes::norm_axis;
+use super::family::{Family, family};
 use crate::passes::PassError;
 use crate::passes::shape_infer::{self, ShapeInfo};
 
-/// The all-gather of a local value over the context group (attribute `axis`, `outer`).
-pub const CONTEXT_GATHER: &str = "ContextGather";
-/// A whole value cut to this rank's tokens (attribute `axis`, `outer`).
-pub const CONTEXT_LOCALIZE: &str = "ContextLocalize";
-/// The `group` attribute of both.
-pub const CONTEXT_GROUP: &str = "context";
 /// Dropout attributes naming the token axis of a local input (and its `outer` blocks).
 pub const DROPOUT_TOKEN_AXIS: &str = "context_axis";
 /// See [`DROPOUT_TOKEN_AXIS`].
@@ -238,11 +233,16 @@ fn moves_elements_only(k: OpKind) -> bool {
     matches!(k, OpKind::Reshape | OpKind::Transpose | OpKind::Unsqueeze | OpKind::Squeeze | OpKind::Expand | OpKind::Flatten | OpKind::Identity)
 }
 
+/// True for a context all-gather node.
+pub fn is_token_gather(op: &Op) -> bool {
+    matches!(op, Op::Collective { kind: CollectiveKind::TokenGather { .. }, .. })
+}
+
 /// Orders each all-gather with the first op past the views that read it (attention), so the
 /// keys' and values' gathers of a layer are ready together and the runner sends them as one.
 fn schedule_gathers_late(g: &mut Graph) {
     let uses = g.uses();
-    let gathers: Vec<NodeId> = g.node_ids().filter(|&n| matches!(&g.node(n).op, Op::Placeholder { op_type, .. } if op_type == CONTEXT_GATHER)).collect();
+    let gathers: Vec<NodeId> = g.node_ids().filter(|&n| is_token_gather(&g.node(n).op)).collect();
     for n in gathers {
         let mut stack: Vec<ValueId> = g.node(n).outputs.clone();
         let mut seen = HashSet::new();
@@ -269,27 +269,27 @@ fn schedule_gathers_late(g: &mut Graph) {
 }
 
 /// How one node runs on local tokens.
-struct Decision {
+pub(super) struct Decision {
     /// Input slots read in another form: slot, the form.
-    convert: Vec<(usize, Tokens)>,
+    pub(super) convert: Vec<(usize, Tokens)>,
     /// The tokens of its outputs.
-    out: Tokens,
+    pub(super) out: Tokens,
     /// A shape operand divided at run time: slot, one divisor per entry.
-    shape: Option<(usize, Vec<i64>)>,
+    pub(super) shape: Option<(usize, Vec<i64>)>,
 }
 
 impl Decision {
-    fn to(out: Tokens) -> Decision {
+    pub(super) fn to(out: Tokens) -> Decision {
         Decision { convert: Vec::new(), out, shape: None }
     }
 }
 
-struct Splitter<'g> {
-    g: &'g Graph,
-    info: ShapeInfo,
-    cp: i64,
+pub(super) struct Splitter<'g> {
+    pub(super) g: &'g Graph,
+    pub(super) info: ShapeInfo,
+    pub(super) cp: i64,
     out: Graph,
-    tokens: Vec<Tokens>,
+    pub(super) tokens: Vec<Tokens>,
     /// Values read through a stand-in (seeds' local ids, shapes of local values as constants).
     current: HashMap<ValueId, ValueId>,
     /// Conversions made: (value, form) → the converted value.
@@ -303,13 +303,9 @@ struct Splitter<'g> {
     localizes: usize,
 }
 
-fn norm_axis(axis: i64, rank: usize) -> Option<usize> {
-    let a = if axis < 0 { axis + rank as i64 } else { axis };
-    (a >= 0 && (a as usize) < rank.max(1)).then_some(a as usize)
-}
 
 impl Splitter<'_> {
-    fn shape(&self, v: ValueId) -> Option<&[i64]> {
+    pub(super) fn shape(&self, v: ValueId) -> Option<&[i64]> {
         self.info.types.get(v.index())?.as_ref()?.shape.as_deref()
     }
 
@@ -386,13 +382,15 @@ impl Splitter<'_> {
         let src = self.current.get(&v).copied().unwrap_or(v);
         let mut at = src;
         let mut held = from;
-        let emit = |s: &mut Self, op: &str, axis: usize, outer: i64, input: ValueId| -> Result<ValueId, ContextError> {
-            let name = s.fresh(&src_name, if op == CONTEXT_GATHER { "context_gather" } else { "context_local" });
+        let emit = |s: &mut Self, kind: CollectiveKind, input: ValueId| -> Result<ValueId, ContextError> {
+            let gather = matches!(kind, CollectiveKind::TokenGather { .. });
+            let axis = kind.axis().unwrap_or(0);
+            let name = s.fresh(&src_name, if gather { "context_gather" } else { "context_local" });
             // declared as shape inference sees it: the whole value, or its token axis over c
             let whole = s.info.types[v.index()].clone();
             let ty = whole.map(|t| {
                 let shape = t.shape.map(|mut d| {
-                    if op == CONTEXT_LOCALIZE && let Some(len) = d.get_mut(axis) {
+                    if !gather && let Some(len) = d.get_mut(axis) {
                         *len /= s.cp;
                     }
                     Shape::from_known(&d)
@@ -400,14 +398,10 @@ impl Splitter<'_> {
                 TensorType { dtype: t.dtype, shape }
             });
             let outv = s.out.add_value(format!("{name}.out"), ValueKind::Intermediate, ty, None)?;
-            let mut attrs = Attrs::default();
-            attrs.set("group", Attr::Str(CONTEXT_GROUP.into()));
-            attrs.set("axis", Attr::Int(axis as i64));
-            attrs.set("outer", Attr::Int(outer));
             s.out.add_node(Node {
                 name,
-                op: Op::Placeholder { op_type: op.into(), domain: SMP_DOMAIN.into() },
-                attrs,
+                op: Op::Collective { kind, group: GroupKind::Context },
+                attrs: Attrs::default(),
                 inputs: vec![Some(input)],
                 outputs: vec![outv],
                 namespace: None,
@@ -418,13 +412,13 @@ impl Splitter<'_> {
         if let Tokens::Local { axis, outer } = held
             && held != to
         {
-            at = emit(self, CONTEXT_GATHER, axis, outer, at)?;
+            at = emit(self, CollectiveKind::TokenGather { axis, outer }, at)?;
             self.gathers += 1;
             tracing::debug!(value = %src_name, axis, "context all-gather");
             held = Tokens::Whole;
         }
         if let (Tokens::Whole, Tokens::Local { axis, outer }) = (held, to) {
-            at = emit(self, CONTEXT_LOCALIZE, axis, outer, at)?;
+            at = emit(self, CollectiveKind::TokenLocalize { axis, outer }, at)?;
             self.localizes += 1;
             tracing::debug!(value = %src_name, axis, "context cut");
         }
@@ -554,139 +548,50 @@ impl Splitter<'_> {
 
     /// The placement of a node with a local input, or None to run it whole.
     fn decide(&self, n: NodeId) -> Result<Option<Decision>, ContextError> {
-        use OpKind::*;
         let node = self.g.node(n);
         let tok = |v: Option<ValueId>| v.map_or(Tokens::Whole, |v| self.tokens[v.index()]);
         let input = |i: usize| node.inputs.get(i).copied().flatten();
         let Some(&o) = node.outputs.first() else { return Ok(None) };
         let Some(os) = self.shape(o).map(<[i64]>::to_vec) else { return Ok(None) };
-        if let Op::Placeholder { op_type, domain } = &node.op {
-            if domain != SMP_DOMAIN {
-                return Ok(None);
-            }
-            return Ok(match op_type.as_str() {
-                "AllReduce" | super::collectives::COPY_TO_TENSOR_REGION => self.elementwise(n, &os),
-                "AllGather" | "ReduceScatter" | "Scatter" => match tok(input(0)) {
-                    Tokens::Whole if op_type == "Scatter" => {
-                        let axis = node.attrs.int("axis", 0) as usize;
-                        let t = Tokens::Local { axis, outer: 1 };
-                        Some(Decision { convert: vec![(0, t)], out: t, shape: None })
-                    }
-                    t => Some(Decision::to(t)),
-                },
-                _ => None,
+        if let Op::Collective { kind, .. } = &node.op {
+            return Ok(match *kind {
+                CollectiveKind::AllReduce | CollectiveKind::CopyToRegion => self.elementwise(n, &os),
+                CollectiveKind::Scatter { axis } if tok(input(0)) == Tokens::Whole => {
+                    let t = Tokens::Local { axis, outer: 1 };
+                    Some(Decision { convert: vec![(0, t)], out: t, shape: None })
+                }
+                CollectiveKind::AllGather { .. } | CollectiveKind::ReduceScatter { .. } | CollectiveKind::Scatter { .. } => Some(Decision::to(tok(input(0)))),
+                CollectiveKind::TokenGather { .. } | CollectiveKind::TokenLocalize { .. } => None,
             });
         }
-        let Some(kind) = node.op.kind() else { return Ok(None) };
-        Ok(match kind {
-            k if k.is_elementwise() || k == Identity || k == Dropout => self.elementwise(n, &os),
-            LayerNormalization | Softmax | LogSoftmax | ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd | ArgMax | ArgMin | TopK | CumSum => {
-                self.reduction(n, kind)
-            }
-            MatMul => self.matmul(n, &os),
-            Gemm => {
-                let m_axis = if node.attrs.int("transA", 0) != 0 { 1 } else { 0 };
-                match (tok(input(0)), tok(input(1))) {
-                    (Tokens::Local { axis, outer }, b) if axis == m_axis => {
-                        let out = Tokens::Local { axis: 0, outer };
-                        let mut d = self.elementwise_operands(n, &os, out, &[2]);
-                        if b != Tokens::Whole {
-                            d.convert.push((1, Tokens::Whole));
-                        }
-                        Some(d)
-                    }
-                    _ => None,
-                }
-            }
-            ScaledDotProductAttention => self.attention(n),
-            Reshape | Flatten | Squeeze | Unsqueeze => self.view(n, &os, kind == Reshape),
-            Expand => self.expand(n, &os),
-            Transpose => match tok(input(0)) {
-                Tokens::Local { axis, outer } => {
-                    let rank = os.len();
-                    let perm: Vec<i64> = node.attrs.ints("perm").map(<[i64]>::to_vec).unwrap_or_else(|| (0..rank as i64).rev().collect());
-                    perm.iter().position(|&p| p as usize == axis).map(|k| Decision::to(Tokens::Local { axis: k, outer }))
-                }
-                Tokens::Whole => None,
-            },
-            Slice => match tok(input(0)) {
-                Tokens::Local { axis, outer } if node.inputs.iter().skip(1).flatten().all(|v| self.tokens[v.index()] == Tokens::Whole) => {
-                    let rank = os.len();
-                    let axes: Option<Vec<i64>> = input(3).and_then(|v| self.info.ints(v)).map(<[i64]>::to_vec).or_else(|| node.attrs.ints("axes").map(<[i64]>::to_vec));
-                    let axes: Option<Vec<usize>> = match axes {
-                        Some(a) => a.iter().map(|&a| norm_axis(a, rank)).collect(),
-                        None => Some((0..input(1).and_then(|v| self.info.ints(v)).map_or(rank, <[i64]>::len)).collect()),
-                    };
-                    axes.filter(|a| !a.contains(&axis)).map(|_| Decision::to(Tokens::Local { axis, outer }))
-                }
-                _ => None,
-            },
-            Split => match tok(input(0)) {
-                Tokens::Local { axis, outer } => {
-                    let a = norm_axis(node.attrs.int("axis", 0), os.len());
-                    (a != Some(axis)).then(|| Decision::to(Tokens::Local { axis, outer }))
-                }
-                Tokens::Whole => None,
-            },
-            Concat => {
-                let a = norm_axis(node.attrs.int("axis", 0), os.len());
-                let first = node.inputs.iter().flatten().find_map(|v| match self.tokens[v.index()] {
-                    Tokens::Local { axis, outer } if self.shape(*v).is_some_and(|s| s.len() == os.len()) => Some(Tokens::Local { axis, outer }),
-                    _ => None,
-                });
-                match first {
-                    Some(Tokens::Local { axis, outer }) if a != Some(axis) => {
-                        let all: Vec<usize> = (0..node.inputs.len()).collect();
-                        Some(self.elementwise_operands(n, &os, Tokens::Local { axis, outer }, &all))
-                    }
-                    _ => None,
-                }
-            }
-            Gather => {
-                let g_axis = self.shape(input(0).unwrap_or(o)).and_then(|s| norm_axis(node.attrs.int("axis", 0), s.len()));
-                let ri = input(1).and_then(|v| self.shape(v)).map_or(0, <[i64]>::len);
-                match (tok(input(0)), tok(input(1)), g_axis) {
-                    (Tokens::Local { axis, outer }, Tokens::Whole, Some(g)) if axis != g => {
-                        let k = if axis < g { axis } else { axis + ri - 1 };
-                        Some(Decision::to(Tokens::Local { axis: k, outer }))
-                    }
-                    (Tokens::Whole, Tokens::Local { axis, outer }, Some(g)) => Some(Decision::to(Tokens::Local { axis: g + axis, outer })),
-                    _ => None,
-                }
-            }
-            MixtureOfExperts => {
-                let t0 = tok(input(0));
-                let same = (0..3).all(|i| tok(input(i)) == t0) && (3..node.inputs.len()).all(|i| tok(input(i)) == Tokens::Whole);
-                matches!(t0, Tokens::Local { axis: 0, .. }).then_some(()).filter(|_| same).map(|_| Decision::to(t0))
-            }
-            _ => None,
-        })
-    }
-
-    /// Output tokens of an elementwise node: those of its first local input of full rank
-    /// (else of a lower-rank one, aligned from the right); every other operand made to match.
-    fn elementwise(&self, n: NodeId, os: &[i64]) -> Option<Decision> {
-        let node = self.g.node(n);
-        let r = os.len();
-        let mut target = None;
-        for v in node.inputs.iter().flatten() {
-            if let Tokens::Local { axis, outer } = self.tokens[v.index()] {
-                let ri = self.shape(*v)?.len();
-                let t = Tokens::Local { axis: axis + (r - ri.min(r)), outer };
-                if ri == r {
-                    target = Some(t);
-                    break;
-                }
-                target.get_or_insert(t);
-            }
+        if let Op::Placeholder { .. } = &node.op {
+            return Ok(None);
         }
-        let all: Vec<usize> = (0..node.inputs.len()).collect();
-        Some(self.elementwise_operands(n, os, target?, &all))
+        let Some(kind) = node.op.kind() else { return Ok(None) };
+        use OpKind::*;
+        Ok(match family(kind) {
+            Family::Elementwise => self.elementwise(n, &os),
+            Family::Norm => self.reduction(n),
+            Family::Matmul if kind == Gemm => self.gemm(n, &os),
+            Family::Matmul => self.matmul(n, &os),
+            Family::Attention => self.attention(n),
+            Family::View => match kind {
+                Expand => self.expand(n, &os),
+                Transpose => self.transpose(n, &os),
+                Split => self.split(n, &os),
+                Concat => self.concat(n, &os),
+                _ => self.view(n, &os, kind == Reshape),
+            },
+            Family::Gather => self.gather(n),
+            Family::Experts => self.experts(n),
+            // Shape and Size are rewritten in `node`; the others read no local value
+            Family::Shape | Family::Whole => None,
+        })
     }
 
     /// `out`, with each of `slots` brought in line with it: a local operand on another axis
     /// gathered (and cut again if it spans the tokens), a whole operand spanning the tokens cut.
-    fn elementwise_operands(&self, n: NodeId, os: &[i64], out: Tokens, slots: &[usize]) -> Decision {
+    pub(super) fn elementwise_operands(&self, n: NodeId, os: &[i64], out: Tokens, slots: &[usize]) -> Decision {
         let node = self.g.node(n);
         let Tokens::Local { axis: ta, outer } = out else { return Decision::to(out) };
         let r = os.len();
@@ -713,187 +618,11 @@ impl Splitter<'_> {
         Decision { convert, out, shape: None }
     }
 
-    fn reduction(&self, n: NodeId, kind: OpKind) -> Option<Decision> {
-        use OpKind::*;
-        let node = self.g.node(n);
-        let x = node.inputs.first().copied().flatten()?;
-        let Tokens::Local { axis, outer } = self.tokens[x.index()] else { return None };
-        if node.inputs.iter().skip(1).flatten().any(|v| self.tokens[v.index()] != Tokens::Whole) {
-            return None;
-        }
-        let rank = self.shape(x)?.len();
-        let (touched, keep): (Vec<usize>, bool) = match kind {
-            LayerNormalization => ((norm_axis(node.attrs.int("axis", -1), rank)?..rank).collect(), true),
-            Softmax | LogSoftmax => (vec![norm_axis(node.attrs.int("axis", -1), rank)?], true),
-            TopK => (vec![norm_axis(node.attrs.int("axis", -1), rank)?], true),
-            CumSum => (vec![norm_axis(*self.info.ints(node.inputs.get(1).copied().flatten()?)?.first()?, rank)?], true),
-            ArgMax | ArgMin => (vec![norm_axis(node.attrs.int("axis", 0), rank)?], node.attrs.int("keepdims", 1) == 1),
-            _ => (shape_infer::reduced_axes(node, &self.info, rank)?, node.attrs.int("keepdims", 1) == 1),
-        };
-        if touched.contains(&axis) {
-            return None;
-        }
-        let k = if keep { axis } else { axis - touched.iter().filter(|&&a| a < axis).count() };
-        Some(Decision::to(Tokens::Local { axis: k, outer }))
-    }
 
-    fn matmul(&self, n: NodeId, os: &[i64]) -> Option<Decision> {
-        let node = self.g.node(n);
-        let (a, b) = (node.inputs.first().copied().flatten()?, node.inputs.get(1).copied().flatten()?);
-        let (ra, rb, r) = (self.shape(a)?.len(), self.shape(b)?.len(), os.len());
-        if ra < 2 || rb < 2 {
-            return None;
-        }
-        let mut convert = Vec::new();
-        let mut target = None;
-        match self.tokens[a.index()] {
-            Tokens::Local { axis, .. } if axis == ra - 1 => convert.push((0, Tokens::Whole)),
-            Tokens::Local { axis, outer } => target = Some(Tokens::Local { axis: axis + (r - ra), outer }),
-            Tokens::Whole => {}
-        }
-        match self.tokens[b.index()] {
-            // a batch axis of b: the output's, unless a already holds the tokens elsewhere
-            Tokens::Local { axis, outer } if axis + 2 < rb && target.is_none_or(|t| t == Tokens::Local { axis: axis + (r - rb), outer }) => {
-                target = Some(Tokens::Local { axis: axis + (r - rb), outer });
-            }
-            Tokens::Local { .. } => convert.push((1, Tokens::Whole)),
-            Tokens::Whole => {}
-        }
-        let Some(Tokens::Local { axis: ta, outer }) = target else { return Some(Decision { convert, out: Tokens::Whole, shape: None }) };
-        // a whole operand's batch axis spanning the tokens is cut
-        for (slot, v, rv) in [(0usize, a, ra), (1, b, rb)] {
-            if convert.iter().any(|c| c.0 == slot) || self.tokens[v.index()] != Tokens::Whole {
-                continue;
-            }
-            let off = r - rv;
-            if ta >= off && ta - off + 2 < rv {
-                let k = ta - off;
-                let vs = self.shape(v)?;
-                if vs[k] != 1 && vs[k] == os[ta] {
-                    convert.push((slot, Tokens::Local { axis: k, outer }));
-                }
-            }
-        }
-        Some(Decision { convert, out: Tokens::Local { axis: ta, outer }, shape: None })
-    }
 
-    /// The fused attention `softmax(scale·q·kᵀ + mask)·v`: queries local, keys and values
-    /// gathered, the mask's rows cut to the queries.
-    fn attention(&self, n: NodeId) -> Option<Decision> {
-        let node = self.g.node(n);
-        let q = node.inputs.first().copied().flatten()?;
-        let qs = self.shape(q)?.to_vec();
-        let rq = qs.len();
-        let mut convert = Vec::new();
-        let out = match self.tokens[q.index()] {
-            Tokens::Local { axis, outer } if axis + 1 < rq => Tokens::Local { axis, outer },
-            Tokens::Local { .. } => {
-                convert.push((0, Tokens::Whole));
-                Tokens::Whole
-            }
-            Tokens::Whole => Tokens::Whole,
-        };
-        for slot in [1, 2] {
-            if node.inputs.get(slot).copied().flatten().is_some_and(|v| self.tokens[v.index()] != Tokens::Whole) {
-                convert.push((slot, Tokens::Whole));
-            }
-        }
-        if let Some(m) = node.inputs.get(3).copied().flatten() {
-            let ms = self.shape(m)?;
-            let mt = self.tokens[m.index()];
-            let Tokens::Local { axis: ta, outer } = out else {
-                if mt != Tokens::Whole {
-                    convert.push((3, Tokens::Whole));
-                }
-                return Some(Decision { convert, out, shape: None });
-            };
-            let off = rq.saturating_sub(ms.len());
-            let aligned = (ta >= off).then(|| ta - off);
-            let rows = aligned.map(|a| Tokens::Local { axis: a, outer });
-            if Some(mt) != rows {
-                match aligned {
-                    Some(a) if ms[a] != 1 && ms[a] == qs[ta] => convert.push((3, Tokens::Local { axis: a, outer })),
-                    _ if mt != Tokens::Whole => convert.push((3, Tokens::Whole)),
-                    _ => {}
-                }
-            }
-        }
-        Some(Decision { convert, out, shape: None })
-    }
 
-    /// A view that keeps the tokens in one axis: where they land; a Reshape's explicit token
-    /// entry shrinks by `c`.
-    fn view(&self, n: NodeId, os: &[i64], reshape: bool) -> Option<Decision> {
-        let node = self.g.node(n);
-        let x = node.inputs.first().copied().flatten()?;
-        let Tokens::Local { axis, outer } = self.tokens[x.index()] else { return None };
-        let is = self.shape(x)?;
-        let len = is[axis] / outer;
-        let blocks = is[..axis].iter().product::<i64>() * outer;
-        let post: i64 = is[axis + 1..].iter().product();
-        let k = (0..os.len()).find(|&k| {
-            os[k + 1..].iter().product::<i64>() == post && len > 0 && os[k] % len == 0 && os[..k].iter().product::<i64>() * (os[k] / len) == blocks
-        })?;
-        let out = Tokens::Local { axis: k, outer: os[k] / len };
-        if !reshape {
-            return Some(Decision::to(out));
-        }
-        let target = node.inputs.get(1).copied().flatten()?;
-        let vals = self.info.ints(target)?.to_vec();
-        let entry = *vals.get(k)?;
-        let copies = entry == 0 && node.attrs.int("allowzero", 0) == 0 && k == axis && is[k] == os[k];
-        let shape = if entry == os[k] {
-            let mut v = vec![1; vals.len()];
-            v[k] = self.cp;
-            Some((1, v))
-        } else if entry == -1 || copies {
-            None
-        } else {
-            return None;
-        };
-        Some(Decision { convert: Vec::new(), out, shape })
-    }
 
-    /// An Expand made to yield `out` (its input cut where it spans the tokens, a target entry
-    /// that names them divided).
-    fn expand_to(&self, n: NodeId, os: &[i64], out: Tokens) -> Option<Decision> {
-        let node = self.g.node(n);
-        let Tokens::Local { axis: a, outer } = out else { return None };
-        let x = node.inputs.first().copied().flatten()?;
-        let xs = self.shape(x)?;
-        let off = os.len().checked_sub(xs.len())?;
-        let mut convert = Vec::new();
-        if a >= off && xs[a - off] != 1 && xs[a - off] == os[a] {
-            convert.push((0, Tokens::Local { axis: a - off, outer }));
-        }
-        let vals = self.info.ints(node.inputs.get(1).copied().flatten()?)?;
-        let i = a.checked_sub(os.len().checked_sub(vals.len())?);
-        let shape = i.filter(|&i| vals[i] == os[a] && vals[i] != 1).map(|i| {
-            let mut d = vec![1; vals.len()];
-            d[i] = self.cp;
-            (1, d)
-        });
-        Some(Decision { convert, out, shape })
-    }
 
-    fn expand(&self, n: NodeId, os: &[i64]) -> Option<Decision> {
-        let node = self.g.node(n);
-        let x = node.inputs.first().copied().flatten()?;
-        let Tokens::Local { axis, outer } = self.tokens[x.index()] else { return None };
-        let rx = self.shape(x)?.len();
-        let k = axis + (os.len() - rx.min(os.len()));
-        let vals = self.info.ints(node.inputs.get(1).copied().flatten()?)?.to_vec();
-        let off = os.len() - vals.len().min(os.len());
-        let shape = match k.checked_sub(off).and_then(|i| vals.get(i).map(|&e| (i, e))) {
-            Some((i, e)) if e == os[k] && e != 1 => {
-                let mut v = vec![1; vals.len()];
-                v[i] = self.cp;
-                Some((1, v))
-            }
-            _ => None,
-        };
-        Some(Decision { convert: Vec::new(), out: Tokens::Local { axis: k, outer }, shape })
-    }
 }
 
 /// Positions (in one sequence of `seq` tokens) that rank `rank` of `cp` holds, in its order:
