@@ -233,7 +233,7 @@ pub fn emit(engine: Engine, plan: &Plan, analysed: &Analysed, cluster: &ClusterS
 /// (docs/engines.md, "What you cannot do yet").
 fn checked_note(engine: Engine) -> &'static str {
     match engine {
-        Engine::Megatron => "written for Megatron-Core 0.16's pretrain_gpt.py and accepted by its own argument checks; not yet run on GPUs from smp-partition (docs/engines.md)",
+        Engine::Megatron => "written for Megatron-Core 0.16's pretrain_gpt.py and accepted by Megatron-Core's own configuration checks (TransformerConfig, its pipeline layout; Megatron-LM's script checks are not run); not yet run on GPUs from smp-partition (docs/engines.md)",
         Engine::Torchtitan => "written for torchtitan 0.3 and accepted by its config manager and ParallelDims; not yet run on GPUs from smp-partition (docs/engines.md)",
         Engine::DeepSpeed => "written for DeepSpeed 0.19 and accepted by its config class; its pipeline trained a tiny model on CPUs as smp-runner does, not yet run on GPUs from smp-partition (docs/engines.md)",
         Engine::Smp => "SMP's parameters as --config reads them; SMP's own code has not checked them (SageMaker's containers ship it; no package registry has it) (docs/engines.md)",
