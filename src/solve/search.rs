@@ -3,6 +3,8 @@
 //! ones whose memory cannot fit, solve the pipeline ILP in bound order and stop when the next
 //! bound reaches the incumbent.
 
+use std::collections::HashMap;
+use std::rc::Rc;
 use std::time::Instant;
 
 use crate::cost::{ClusterSpec, GroupSpan, in_flight, kept_in_flight};
@@ -13,7 +15,7 @@ use super::layer_cost::{CostContext, LayerConfig, tensor_split_divisor};
 use super::heuristic::incumbent;
 use super::oracle::min_max_lower_bound;
 use super::pipeline::PipelineSolution;
-use super::problem::{CheckpointRule, PipelineLayer, PipelineObjective, PipelineProblem};
+use super::problem::{CheckpointRule, LayerChoice, PipelineEval, PipelineLayer, PipelineObjective, PipelineProblem};
 use super::{
     AxisReport, LayerDecision, MeshAxis, Optimize, PlanDecision, PlanOptions, Placement, Predicted, Progress, SolveError, StageDecision,
     StageMemory,
@@ -41,7 +43,7 @@ pub struct Prepared {
     /// looks at the candidate beyond its bounds ([`Prepared::materialize`]).
     pub problem: PipelineProblem,
     /// The layer table, shared with every candidate of the same layer configuration.
-    pub table: std::rc::Rc<Vec<PipelineLayer>>,
+    pub table: Rc<Vec<PipelineLayer>>,
     /// Lower bound on its step time.
     pub lb: f64,
     /// Lower bound on its peak memory per device.
@@ -86,152 +88,209 @@ fn global_batch(cfg: &PlanOptions) -> usize {
 
 /// Enumerates the candidates `cfg` allows on `spec`.
 pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Result<Vec<Candidate>, SolveError> {
-    let c = cfg;
-    let devices = spec.devices;
-    let layers = lg.layers.len();
-    let batch = global_batch(cfg);
-    if batch == 0 {
-        return Err(SolveError::Setting("--global-batch must be at least 1".into()));
-    }
-    if layers == 0 {
-        return Err(SolveError::Setting("the model has no layers to place".into()));
-    }
-    let fixed_v = c.schedule.map(|s| s.virtual_stages()).unwrap_or(1);
-    let layout_pp = c.layout.as_ref().map(|l| l.stages() / fixed_v.max(1));
-    if let (Some(a), Some(b)) = (c.pp, layout_pp)
-        && a != b
-    {
-        return Err(SolveError::Setting(format!(
-            "--pp {a} conflicts with --layout, which has {} stages",
-            c.layout.as_ref().map_or(0, |l| l.stages())
-        )));
-    }
-    let pp_fixed = c.pp.or(layout_pp);
-    let split_divisor = tensor_split_divisor(lg);
-    let axes = AxisLimits::of(lg, spec, cfg)?;
-    let mut out = Vec::new();
-    for pp in divisors(devices) {
-        if pp_fixed.is_some_and(|f| f != pp) || pp > layers {
-            continue;
+    Grid::of(lg, spec, cfg)?.candidates(cfg)
+}
+
+/// One point of the degree grid.
+#[derive(Clone, Copy, Debug)]
+struct Degrees {
+    pp: usize,
+    tp: usize,
+    cp: usize,
+    dp: usize,
+    ep: usize,
+}
+
+/// The degrees a model can take on a cluster: every (pp, tp, cp, dp, ep) that the fixed
+/// pipeline, context, data and expert degrees, the batch and the model allow. A rule (the
+/// search's settings, or Megatron-LM's) expands it into candidates with
+/// [`Grid::candidates`]; the search and its Megatron-LM seed read one grid.
+pub struct Grid<'a> {
+    lg: &'a LayeredGraph,
+    spec: &'a ClusterSpec,
+    batch: usize,
+    split_divisor: u64,
+    axes: AxisLimits,
+    degrees: Vec<Degrees>,
+}
+
+impl<'a> Grid<'a> {
+    /// The grid of `lg` on `spec` under the degrees `cfg` fixes; errors on settings that
+    /// contradict each other or the model.
+    pub fn of(lg: &'a LayeredGraph, spec: &'a ClusterSpec, cfg: &PlanOptions) -> Result<Grid<'a>, SolveError> {
+        let c = cfg;
+        let devices = spec.devices;
+        let layers = lg.layers.len();
+        let batch = global_batch(cfg);
+        if batch == 0 {
+            return Err(SolveError::Setting("--global-batch must be at least 1".into()));
         }
-        for tp in divisors(devices / pp) {
-            if c.tp.is_some_and(|f| f != tp) {
+        if layers == 0 {
+            return Err(SolveError::Setting("the model has no layers to place".into()));
+        }
+        let fixed_v = c.schedule.map(|s| s.virtual_stages()).unwrap_or(1);
+        let layout_pp = c.layout.as_ref().map(|l| l.stages() / fixed_v.max(1));
+        if let (Some(a), Some(b)) = (c.pp, layout_pp)
+            && a != b
+        {
+            return Err(SolveError::Setting(format!(
+                "--pp {a} conflicts with --layout, which has {} stages",
+                c.layout.as_ref().map_or(0, |l| l.stages())
+            )));
+        }
+        let pp_fixed = c.pp.or(layout_pp);
+        let axes = AxisLimits::of(lg, spec, cfg)?;
+        let mut degrees = Vec::new();
+        for pp in divisors(devices) {
+            if pp_fixed.is_some_and(|f| f != pp) || pp > layers {
                 continue;
             }
-            if c.tp.is_none() && (tp > spec.devices_per_node.max(1) || (split_divisor > 0 && split_divisor % tp as u64 != 0)) {
-                continue;
-            }
-          for cp in divisors(devices / pp / tp) {
-            if !axes.context_allowed(cp, tp) {
-                continue;
-            }
-            let dp = devices / pp / tp / cp;
-            if c.dp.is_some_and(|f| f != dp) || batch % dp != 0 {
-                continue;
-            }
-          for ep in axes.expert_degrees(dp) {
-            let per_replica = batch / dp;
-            let zeros: Vec<u8> = match (c.zero, c.sharded_dp) {
-                (_, Some(_)) => vec![3],
-                (Some(z), None) => vec![z.min(3)],
-                (None, None) if dp * cp == 1 => vec![0],
-                (None, None) => vec![0, 1, 2, 3],
-            };
-            if let Some(s) = c.sharded_dp
-                && dp % s != 0
-            {
-                if c.dp.is_some() || c.pp.is_some() && c.tp.is_some() {
-                    return Err(SolveError::Setting(format!("--sharded-dp {s} does not divide the data-parallel degree {dp}")));
-                }
-                continue;
-            }
-            let ms: Vec<usize> = match c.microbatches {
-                Some(m) if per_replica % m == 0 => vec![m],
-                Some(_) => continue,
-                None => divisors(per_replica),
-            };
-            for m in ms {
-                let b = per_replica / m;
-                if lg.dims.fixed_batch && !lg.dims.batch_rebinds && b as i64 != lg.dims.graph_batch {
-                    continue;
-                }
-                // Dominated: c·d replicas of b/c samples each run the same tokens per rank,
-                // microbatches, groups and state without the K/V exchange.
-                if cp > 1 && c.cp.is_none() && c.dp.is_none() && b.is_multiple_of(cp) && !lg.dims.fixed_batch {
-                    continue;
-                }
-                let schedules: Vec<ScheduleKind> = match c.schedule {
-                    Some(s) => vec![s],
-                    None if pp == 1 => vec![ScheduleKind::OneFOneB],
-                    None => {
-                        let mut v = vec![ScheduleKind::OneFOneB, ScheduleKind::ZbH1, ScheduleKind::GPipe];
-                        if layers >= 2 * pp && m >= pp && m % pp == 0 {
-                            v.push(ScheduleKind::Interleaved { virtual_stages: 2 });
-                        }
-                        v
-                    }
-                };
-                let multi = [dp * cp, pp, tp].iter().filter(|&&x| x > 1).count() >= 2;
-                let placements: Vec<Placement> = match c.placement {
-                    Some(p) => vec![p],
-                    None if multi => vec![Placement::CLUSTER, Placement::SPREAD],
-                    None => vec![Placement::CLUSTER],
-                };
-                // Searched on tensor-parallel candidates unless fixed; meaningless at t = 1.
-                let sps: &[bool] = match c.sequence_parallel {
-                    _ if tp == 1 => &[false],
-                    Some(true) => &[true],
-                    Some(false) => &[false],
-                    None => &[false, true],
-                };
-                for &schedule in &schedules {
-                    if pp * schedule.virtual_stages() > layers {
+            for tp in divisors(devices / pp) {
+                for cp in divisors(devices / pp / tp) {
+                    let dp = devices / pp / tp / cp;
+                    if !axes.context_allowed(cp, tp) || c.dp.is_some_and(|f| f != dp) || batch % dp != 0 {
                         continue;
                     }
-                    // the schedule's size a plan may hold (`ir::limits`)
-                    if pp.saturating_mul(schedule.virtual_stages()).saturating_mul(m) > limits::MAX_STAGE_MICROBATCHES {
-                        continue;
+                    degrees.extend(axes.expert_degrees(dp).into_iter().map(|ep| Degrees { pp, tp, cp, dp, ep }));
+                }
+            }
+        }
+        Ok(Grid { lg, spec, batch, split_divisor: tensor_split_divisor(lg), axes, degrees })
+    }
+
+    /// The candidates the settings `c` allow, in grid order: ZeRO stages, microbatch counts,
+    /// schedules, placements and sequence parallelism as `c` fixes or leaves them open.
+    /// Errors when none is left or a setting contradicts a degree.
+    pub fn candidates(&self, c: &PlanOptions) -> Result<Vec<Candidate>, SolveError> {
+        let mut out = Vec::new();
+        for d in &self.degrees {
+            if self.tensor_allowed(c, d.tp) {
+                self.expand(c, d, &mut out)?;
+            }
+        }
+        if out.is_empty() {
+            return Err(self.none_left());
+        }
+        Ok(out)
+    }
+
+    /// Tensor degree `tp` under `c`: the fixed one, else within a node and dividing the
+    /// blocks' weight dimensions.
+    fn tensor_allowed(&self, c: &PlanOptions, tp: usize) -> bool {
+        match c.tp {
+            Some(f) => f == tp,
+            None => tp <= self.spec.devices_per_node.max(1) && (self.split_divisor == 0 || self.split_divisor % tp as u64 == 0),
+        }
+    }
+
+    /// Pushes the candidates of one grid point under `c`.
+    fn expand(&self, c: &PlanOptions, d: &Degrees, out: &mut Vec<Candidate>) -> Result<(), SolveError> {
+        let Degrees { pp, tp, cp, dp, ep } = *d;
+        let (lg, spec) = (self.lg, self.spec);
+        let layers = lg.layers.len();
+        let per_replica = self.batch / dp;
+        let zeros: Vec<u8> = match (c.zero, c.sharded_dp) {
+            (_, Some(_)) => vec![3],
+            (Some(z), None) => vec![z.min(3)],
+            (None, None) if dp * cp == 1 => vec![0],
+            (None, None) => vec![0, 1, 2, 3],
+        };
+        if let Some(s) = c.sharded_dp
+            && dp % s != 0
+        {
+            if c.dp.is_some() || c.pp.is_some() && c.tp.is_some() {
+                return Err(SolveError::Setting(format!("--sharded-dp {s} does not divide the data-parallel degree {dp}")));
+            }
+            return Ok(());
+        }
+        let ms: Vec<usize> = match c.microbatches {
+            Some(m) if per_replica % m == 0 => vec![m],
+            Some(_) => return Ok(()),
+            None => divisors(per_replica),
+        };
+        for m in ms {
+            let b = per_replica / m;
+            if lg.dims.fixed_batch && !lg.dims.batch_rebinds && b as i64 != lg.dims.graph_batch {
+                continue;
+            }
+            // Dominated: c·d replicas of b/c samples each run the same tokens per rank,
+            // microbatches, groups and state without the K/V exchange.
+            if cp > 1 && c.cp.is_none() && c.dp.is_none() && b.is_multiple_of(cp) && !lg.dims.fixed_batch {
+                continue;
+            }
+            let schedules: Vec<ScheduleKind> = match c.schedule {
+                Some(s) => vec![s],
+                None if pp == 1 => vec![ScheduleKind::OneFOneB],
+                None => {
+                    let mut v = vec![ScheduleKind::OneFOneB, ScheduleKind::ZbH1, ScheduleKind::GPipe];
+                    if layers >= 2 * pp && m >= pp && m % pp == 0 {
+                        v.push(ScheduleKind::Interleaved { virtual_stages: 2 });
                     }
-                    for &placement in &placements {
-                        for (&zero, &sequence_parallel) in zeros.iter().flat_map(|z| sps.iter().map(move |s| (z, s))) {
-                            out.push(Candidate {
-                                parallel: Parallelism {
-                                    pp,
-                                    tp,
-                                    dp,
-                                    cp,
-                                    ep,
-                                    zero,
-                                    sharded_dp: c.sharded_dp,
-                                    microbatches: m,
-                                    active_microbatches: c.active_microbatches,
-                                    schedule,
-                                    checkpointing: c.checkpointing.unwrap_or(CheckpointRule::Auto),
-                                    placement,
-                                    sequence_parallel,
-                                    precision: c.precision_for(spec),
-                                    offload: c.offload_for(spec),
-                                    loading_horizon: c
-                                        .loading_horizon
-                                        .unwrap_or(OffloadRule::DEFAULT_HORIZON)
-                                        .min(limits::max_loading_horizon(m, schedule.virtual_stages())),
-                                },
-                                microbatch_size: b,
-                            });
-                        }
+                    v
+                }
+            };
+            let multi = [dp * cp, pp, tp].iter().filter(|&&x| x > 1).count() >= 2;
+            let placements: Vec<Placement> = match c.placement {
+                Some(p) => vec![p],
+                None if multi => vec![Placement::CLUSTER, Placement::SPREAD],
+                None => vec![Placement::CLUSTER],
+            };
+            // Searched on tensor-parallel candidates unless fixed; meaningless at t = 1.
+            let sps: &[bool] = match c.sequence_parallel {
+                _ if tp == 1 => &[false],
+                Some(true) => &[true],
+                Some(false) => &[false],
+                None => &[false, true],
+            };
+            for &schedule in &schedules {
+                if pp * schedule.virtual_stages() > layers {
+                    continue;
+                }
+                // the schedule's size a plan may hold (`ir::limits`)
+                if pp.saturating_mul(schedule.virtual_stages()).saturating_mul(m) > limits::MAX_STAGE_MICROBATCHES {
+                    continue;
+                }
+                for &placement in &placements {
+                    for (&zero, &sequence_parallel) in zeros.iter().flat_map(|z| sps.iter().map(move |s| (z, s))) {
+                        let parallel = Parallelism {
+                            pp,
+                            tp,
+                            dp,
+                            cp,
+                            ep,
+                            zero,
+                            sharded_dp: c.sharded_dp,
+                            microbatches: m,
+                            active_microbatches: c.active_microbatches,
+                            schedule,
+                            checkpointing: c.checkpointing.unwrap_or(CheckpointRule::Auto),
+                            placement,
+                            sequence_parallel,
+                            precision: c.precision_for(spec),
+                            offload: c.offload_for(spec),
+                            loading_horizon: c
+                                .loading_horizon
+                                .unwrap_or(OffloadRule::DEFAULT_HORIZON)
+                                .min(limits::max_loading_horizon(m, schedule.virtual_stages())),
+                        };
+                        out.push(Candidate { parallel, microbatch_size: b });
                     }
                 }
             }
-          }
-          }
         }
+        Ok(())
     }
-    if out.is_empty() {
-        return Err(SolveError::Setting(format!(
-            "no parallel configuration satisfies the fixed settings on {devices} devices with global batch {batch} \
+
+    /// The error when no candidate is left: what the degrees must satisfy.
+    fn none_left(&self) -> SolveError {
+        let (lg, spec) = (self.lg, self.spec);
+        SolveError::Setting(format!(
+            "no parallel configuration satisfies the fixed settings on {} devices with global batch {} \
              (pp·tp·cp·dp must equal the device count, dp must divide the batch, ep must divide dp and the experts, \
              2·cp must divide the sequence{}; unless fixed, tp ≤ {} and divides the blocks' weight dimensions){}",
-            axes.seq.map_or(String::new(), |s| format!(" of {s}")),
+            spec.devices,
+            self.batch,
+            self.axes.seq.map_or(String::new(), |s| format!(" of {s}")),
             spec.devices_per_node,
             if lg.dims.fixed_batch && !lg.dims.batch_rebinds {
                 format!(
@@ -242,9 +301,8 @@ pub fn enumerate(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions) -> Re
             } else {
                 String::new()
             }
-        )));
+        ))
     }
-    Ok(out)
 }
 
 /// What bounds the context and expert degrees of a model on a cluster.
@@ -403,10 +461,21 @@ pub fn prepare(
     active: Option<usize>,
     fixed_chunks: Option<Vec<usize>>,
 ) -> Prepared {
+    let table = ctx.layers(&layer_config(ctx.spec, cand));
+    prepare_on(ctx, cand, memory_cap, active, fixed_chunks, table)
+}
+
+/// [`prepare`] over a given layer table.
+fn prepare_on(
+    ctx: &CostContext<'_>,
+    cand: &Candidate,
+    memory_cap: f64,
+    active: Option<usize>,
+    fixed_chunks: Option<Vec<usize>>,
+    table: Rc<Vec<PipelineLayer>>,
+) -> Prepared {
     let spec = ctx.spec;
     let rank = |d: usize, p: usize, t: usize| cand.parallel.rank_of(d, 0, p, t);
-    let lc = layer_config(spec, cand);
-    let table = ctx.layers(&lc);
     let v = cand.parallel.schedule.virtual_stages();
     let chunks = cand.parallel.pp * v;
     let beta: Vec<f64> = (0..chunks.saturating_sub(1))
@@ -572,146 +641,180 @@ fn bounds_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> (f64, f64) {
     (lb, mem_lb)
 }
 
-/// Solves the given candidates in bound order; `fixed(cand, layers)` may impose a layout.
-/// `seed`, a plan found elsewhere (the Megatron baseline), is an incumbent from the start and
-/// is returned when nothing here is faster.
-#[allow(clippy::too_many_arguments)]
-pub fn run(
-    lg: &LayeredGraph,
-    spec: &ClusterSpec,
-    cfg: &PlanOptions,
-    cands: Vec<Candidate>,
-    fixed: &dyn Fn(&Candidate, &CostContext<'_>) -> Option<Vec<usize>>,
-    seed: Option<PlanDecision>,
-    progress: &mut dyn FnMut(Progress),
-) -> Result<PlanDecision, SolveError> {
-    let seed_obj = seed.as_ref().map_or(f64::INFINITY, |s| s.predicted.step_time_s);
-    // The least objective found so far, the seed's included.
-    let inc_of = |best: &Option<(usize, PipelineSolution)>| {
-        let b = best.as_ref().map_or(f64::INFINITY, |b| b.1.report.objective);
-        let m = b.min(seed_obj);
-        m.is_finite().then_some(m)
-    };
-    let start = Instant::now();
-    let c = cfg;
-    let limit = c.time_limit_s.unwrap_or(DEFAULT_TIME_LIMIT_S);
-    let cap = c.memory_limit_bytes().map_or(spec.memory_bytes, |m| m.min(u64::MAX)) as f64;
-    let layout = match &c.layout {
-        Some(l) => Some(layout_chunks(&l.0, lg.layers.len())?),
-        None => None,
-    };
-    let mut ctx = cost_context(lg, spec, cfg);
-    let total = cands.len() as u64;
-    let mut prepared: Vec<Prepared> = cands
-        .iter()
-        .map(|cand| {
-            let f = layout.clone().or_else(|| fixed(cand, &ctx));
-            prepare(&mut ctx, cand, cap, c.active_microbatches, f)
-        })
-        .collect();
-    tracing::debug!("prepared {} candidates in {:.3} s", prepared.len(), start.elapsed().as_secs_f64());
-    // Per context and expert degree, the least bound of its configurations that fit.
-    let alternatives = |degree: fn(&Candidate) -> usize| -> Vec<(usize, Option<f64>)> {
-        let mut by: std::collections::BTreeMap<usize, Option<f64>> = Default::default();
-        for p in &prepared {
-            let e = by.entry(degree(&p.cand)).or_insert(None);
-            if p.mem_lb <= cap && p.lb.is_finite() {
-                *e = Some(e.map_or(p.lb, |x: f64| x.min(p.lb)));
-            }
+/// A layout rule: the chunk of every layer a candidate must take, where the rule fixes one.
+pub type LayoutRule<'r> = &'r dyn Fn(&Candidate, &CostContext<'_>) -> Option<Vec<usize>>;
+
+/// The search of one model on one cluster: its settings, cost context and layer tables,
+/// shared by every phase — preparing candidates, quick layouts, branch and bound in bound
+/// order, the least-memory pass and the decision — and by the Megatron-LM seed, which runs
+/// under its own rule ([`Search::with_rule`]) on the same tables.
+pub struct Search<'a> {
+    lg: &'a LayeredGraph,
+    spec: &'a ClusterSpec,
+    /// The settings in force (the Megatron-LM rule's while it seeds the search).
+    cfg: PlanOptions,
+    ctx: CostContext<'a>,
+    /// Usable memory per device, bytes.
+    cap: f64,
+    /// Whether tables keep only each layer's first point, the Megatron split (the Megatron
+    /// rule on a context that also holds the intra-layer assignments).
+    megatron_view: bool,
+    /// Those tables, by the full table they cut down.
+    megatron_tables: HashMap<*const Vec<PipelineLayer>, Rc<Vec<PipelineLayer>>>,
+    /// Whether a search nothing fits in works out the fix (an unused seed's failure is
+    /// dropped unread).
+    pub explain: bool,
+}
+
+/// What branch and bound carries between phases.
+struct Frontier {
+    /// The candidates whose bounds fit, in bound order.
+    fit: Vec<Prepared>,
+    /// Their quick layouts, where computed.
+    quick: Vec<Option<PipelineSolution>>,
+    /// The best solution found and its candidate.
+    best: Option<(usize, PipelineSolution)>,
+    /// The seed's step time (∞ without one).
+    seed_obj: f64,
+    solved: u64,
+    skipped: u64,
+    done: u64,
+    total: u64,
+    /// The least bound among candidates not proven.
+    open_bound: f64,
+}
+
+/// HiGHS single-threaded, so ties resolve the same way every run.
+fn ilp_options(remaining: f64) -> SolverOptions {
+    SolverOptions { time_limit_s: Some(remaining.max(0.05)), threads: Some(1), mip_rel_gap: 0.0 }
+}
+
+/// Per context or expert degree, the least bound of its configurations that fit.
+fn alternatives(prepared: &[Prepared], cap: f64, degree: fn(&Candidate) -> usize) -> Vec<(usize, Option<f64>)> {
+    let mut by: std::collections::BTreeMap<usize, Option<f64>> = Default::default();
+    for p in prepared {
+        let e = by.entry(degree(&p.cand)).or_insert(None);
+        if p.mem_lb <= cap && p.lb.is_finite() {
+            *e = Some(e.map_or(p.lb, |x: f64| x.min(p.lb)));
         }
-        by.into_iter().collect()
-    };
-    let cp_alternatives = alternatives(|c| c.parallel.cp);
-    let ep_alternatives = alternatives(|c| c.parallel.ep);
-    let min_mem = prepared.iter().map(|p| p.mem_lb).fold(f64::INFINITY, f64::min);
-    let (mut fit, unfit): (Vec<Prepared>, Vec<Prepared>) =
-        prepared.drain(..).partition(|p| p.mem_lb <= cap && p.lb.is_finite());
-    let mut skipped = unfit.len() as u64;
-    fit.sort_by(|a, b| a.lb.total_cmp(&b.lb));
-    // HiGHS single-threaded, so ties resolve the same way every run.
-    let opts = |remaining: f64| SolverOptions { time_limit_s: Some(remaining.max(0.05)), threads: Some(1), mip_rel_gap: 0.0 };
-    // Quick layouts first, in bound order while a bound can still beat the best of them: an
-    // incumbent before any ILP, and the guarantee that the answer is no worse than any of
-    // them (equal layer counts included, whatever the time limit).
-    let mut quick: Vec<Option<PipelineSolution>> = vec![None; fit.len()];
-    let mut best: Option<(usize, PipelineSolution)> = None;
-    for i in 0..fit.len() {
-        if inc_of(&best).is_some_and(|inc| fit[i].lb >= inc * (1.0 - 1e-9)) {
-            break;
-        }
-        fit[i].materialize();
-        let p = &fit[i];
-        let Some((choices, eval)) = incumbent(&p.problem) else { continue };
-        let objective = eval.step_s;
-        let proven = objective <= p.lb * (1.0 + 1e-9);
-        let report = SolveReport {
-            status: if proven { SolveStatus::Optimal } else { SolveStatus::Feasible },
-            objective,
-            bound: if proven { objective } else { p.lb },
-            gap: if proven || objective <= 0.0 { 0.0 } else { (objective - p.lb) / objective },
-            wall_s: 0.0,
-        };
-        let sol = PipelineSolution { report, choices, eval: Some(eval) };
-        if best.as_ref().is_none_or(|b| objective < b.1.report.objective) {
-            best = Some((i, sol.clone()));
-        }
-        quick[i] = Some(sol);
     }
-    tracing::debug!("quick layouts done at {:.3} s, incumbent {:?}", start.elapsed().as_secs_f64(), best.as_ref().map(|b| b.1.report.objective));
-    let mut solved = 0u64;
-    let mut open_bound = f64::INFINITY; // least bound among candidates not proven
-    let mut done = skipped;
-    let mut i = 0;
-    while i < fit.len() {
-        fit[i].materialize();
-        let p = &fit[i];
-        if quick[i].as_ref().is_some_and(|q| q.report.status == SolveStatus::Optimal) {
-            // Its quick layout meets its bound: solved, without an ILP.
-            solved += 1;
-            done += 1;
+    by.into_iter().collect()
+}
+
+impl Frontier {
+    /// Splits `prepared` into those whose bounds fit (sorted by bound) and the skipped rest.
+    fn new(mut prepared: Vec<Prepared>, cap: f64, seed_obj: f64) -> Frontier {
+        let total = prepared.len() as u64;
+        let (mut fit, unfit): (Vec<Prepared>, Vec<Prepared>) = prepared.drain(..).partition(|p| p.mem_lb <= cap && p.lb.is_finite());
+        fit.sort_by(|a, b| a.lb.total_cmp(&b.lb));
+        let skipped = unfit.len() as u64;
+        Frontier { quick: vec![None; fit.len()], fit, best: None, seed_obj, solved: 0, skipped, done: skipped, total, open_bound: f64::INFINITY }
+    }
+
+    /// The least objective found so far, the seed's included.
+    fn incumbent(&self) -> Option<f64> {
+        let b = self.best.as_ref().map_or(f64::INFINITY, |b| b.1.report.objective);
+        let m = b.min(self.seed_obj);
+        m.is_finite().then_some(m)
+    }
+
+    fn progress(&self) -> Progress {
+        Progress { done: self.done, total: self.total, best_step_s: self.best.as_ref().map(|b| b.1.report.objective) }
+    }
+
+    /// Quick layouts first, in bound order while a bound can still beat the best of them: an
+    /// incumbent before any ILP, and the guarantee that the answer is no worse than any of
+    /// them (equal layer counts included, whatever the time limit).
+    fn quick_layouts(&mut self) {
+        for i in 0..self.fit.len() {
+            if self.incumbent().is_some_and(|inc| self.fit[i].lb >= inc * (1.0 - 1e-9)) {
+                break;
+            }
+            self.fit[i].materialize();
+            let p = &self.fit[i];
+            let Some((choices, eval)) = incumbent(&p.problem) else { continue };
+            let objective = eval.step_s;
+            let proven = objective <= p.lb * (1.0 + 1e-9);
+            let report = SolveReport {
+                status: if proven { SolveStatus::Optimal } else { SolveStatus::Feasible },
+                objective,
+                bound: if proven { objective } else { p.lb },
+                gap: if proven || objective <= 0.0 { 0.0 } else { (objective - p.lb) / objective },
+                wall_s: 0.0,
+            };
+            let sol = PipelineSolution { report, choices, eval: Some(eval) };
+            if self.best.as_ref().is_none_or(|b| objective < b.1.report.objective) {
+                self.best = Some((i, sol.clone()));
+            }
+            self.quick[i] = Some(sol);
+        }
+    }
+
+    /// The pipeline ILP of each candidate in bound order until the next bound reaches the
+    /// incumbent or the time runs out.
+    fn branch_and_bound(&mut self, start: Instant, limit: f64, progress: &mut dyn FnMut(Progress)) -> Result<(), SolveError> {
+        let mut i = 0;
+        while i < self.fit.len() {
+            self.fit[i].materialize();
+            if self.quick[i].as_ref().is_some_and(|q| q.report.status == SolveStatus::Optimal) {
+                // Its quick layout meets its bound: solved, without an ILP.
+                self.solved += 1;
+                self.done += 1;
+                i += 1;
+                continue;
+            }
+            let p = &self.fit[i];
+            let incumbent = self.incumbent();
+            if incumbent.is_some_and(|inc| p.lb >= inc * (1.0 - 1e-9)) {
+                break;
+            }
+            let remaining = limit - start.elapsed().as_secs_f64();
+            if remaining <= 0.0 && incumbent.is_some() {
+                self.open_bound = self.open_bound.min(p.lb);
+                break;
+            }
+            // One ILP may use a fifth of the budget, so several candidates get a look.
+            let sol = p.problem.solve_below(&ilp_options(remaining.min((limit / 5.0).max(0.2))), incumbent)?;
+            self.solved += 1;
+            self.done += 1;
+            tracing::debug!(
+                "solved {:?} lb {:.4} -> {:?} {:.4} bound {:.4} in {:.3} s",
+                p.cand,
+                p.lb,
+                sol.report.status,
+                sol.report.objective,
+                sol.report.bound,
+                sol.report.wall_s
+            );
+            self.take(i, sol, incumbent);
+            progress(self.progress());
             i += 1;
-            continue;
         }
-        let incumbent = inc_of(&best);
-        if incumbent.is_some_and(|inc| p.lb >= inc * (1.0 - 1e-9)) {
-            break;
-        }
-        let remaining = limit - start.elapsed().as_secs_f64();
-        if remaining <= 0.0 && incumbent.is_some() {
-            open_bound = open_bound.min(p.lb);
-            break;
-        }
-        // One ILP may use a fifth of the budget, so several candidates get a look.
-        let sol = p.problem.solve_below(&opts(remaining.min((limit / 5.0).max(0.2))), incumbent)?;
-        solved += 1;
-        done += 1;
-        tracing::debug!(
-            "solved {:?} lb {:.4} -> {:?} {:.4} bound {:.4} in {:.3} s",
-            p.cand,
-            p.lb,
-            sol.report.status,
-            sol.report.objective,
-            sol.report.bound,
-            sol.report.wall_s
-        );
+        self.skipped += (self.fit.len() - i) as u64;
+        Ok(())
+    }
+
+    /// Records candidate `i`'s ILP solution against the incumbent it was solved below.
+    fn take(&mut self, i: usize, sol: PipelineSolution, incumbent: Option<f64>) {
+        let lb = self.fit[i].lb;
         match sol.report.status {
             SolveStatus::Optimal | SolveStatus::Feasible => {
                 if sol.report.status == SolveStatus::Feasible {
-                    open_bound = open_bound.min(sol.report.bound.max(p.lb));
+                    self.open_bound = self.open_bound.min(sol.report.bound.max(lb));
                 }
                 // The ILP's proof replaces this candidate's own quick layout.
-                let same = best.as_ref().is_some_and(|b| b.0 == i) && sol.report.status == SolveStatus::Optimal;
+                let same = self.best.as_ref().is_some_and(|b| b.0 == i) && sol.report.status == SolveStatus::Optimal;
                 if same || incumbent.is_none_or(|inc| sol.report.objective < inc) {
-                    best = Some((i, sol));
+                    self.best = Some((i, sol));
                 }
             }
-            SolveStatus::TimeLimit => open_bound = open_bound.min(sol.report.bound.max(p.lb)),
+            SolveStatus::TimeLimit => self.open_bound = self.open_bound.min(sol.report.bound.max(lb)),
             SolveStatus::Infeasible => {
                 // Nothing in this candidate beats the incumbent: when the incumbent is this
                 // candidate's own quick layout, that layout is its optimum.
-                if let Some((bi, b)) = best.as_mut()
+                if let Some((bi, b)) = self.best.as_mut()
                     && *bi == i
-                    && b.report.objective <= seed_obj
+                    && b.report.objective <= self.seed_obj
                 {
                     b.report.status = SolveStatus::Optimal;
                     b.report.bound = b.report.objective;
@@ -719,16 +822,12 @@ pub fn run(
                 }
             }
         }
-        progress(Progress { done, total, best_step_s: best.as_ref().map(|b| b.1.report.objective) });
-        i += 1;
     }
-    skipped += (fit.len() - i) as u64;
-    progress(Progress { done: total, total, best_step_s: inc_of(&best) });
-    if let Some(mut s) = seed
-        && best.as_ref().is_none_or(|b| seed_obj <= b.1.report.objective)
-    {
-        // Nothing searched beats the seed: it is the answer, with this search's bound.
-        let bound = open_bound.min(seed_obj);
+
+    /// The seed as the answer, with this search's bound and counts.
+    fn seed_answer(&self, mut s: PlanDecision, start: Instant) -> PlanDecision {
+        let seed_obj = self.seed_obj;
+        let bound = self.open_bound.min(seed_obj);
         let gap = if seed_obj > 0.0 { ((seed_obj - bound) / seed_obj).max(0.0) } else { 0.0 };
         s.solver = SolveReport {
             status: if gap <= 1e-6 { SolveStatus::Optimal } else { SolveStatus::Feasible },
@@ -737,18 +836,151 @@ pub fn run(
             gap,
             wall_s: start.elapsed().as_secs_f64(),
         };
-        s.candidates_solved += solved;
-        s.candidates_skipped += skipped;
-        return Ok(s);
+        s.candidates_solved += self.solved;
+        s.candidates_skipped += self.skipped;
+        s
     }
-    let Some((bi, mut sol)) = best else {
-        return Err(infeasible(lg, spec, cfg, cap, min_mem));
-    };
-    let mut chosen = fit[bi].clone();
-    if c.optimize.unwrap_or_default() == Optimize::Memory {
+
+    /// The proof of the chosen solution under objective `optimize`.
+    fn report(&self, chosen: &Prepared, sol: &PipelineSolution, optimize: Optimize, start: Instant) -> SolveReport {
+        let objective = sol.report.objective;
+        let bound = match optimize {
+            Optimize::Speed => self.open_bound.min(objective).min(sol.report.bound.max(chosen.lb)),
+            Optimize::Memory => sol.report.bound,
+        };
+        let gap = if objective > 0.0 { ((objective - bound) / objective).max(0.0) } else { 0.0 };
+        SolveReport {
+            status: if gap <= 1e-6 && sol.report.status == SolveStatus::Optimal { SolveStatus::Optimal } else { SolveStatus::Feasible },
+            objective,
+            bound,
+            gap,
+            wall_s: start.elapsed().as_secs_f64(),
+        }
+    }
+}
+
+impl<'a> Search<'a> {
+    /// A search of `lg` on `spec` under `cfg`.
+    pub fn new(lg: &'a LayeredGraph, spec: &'a ClusterSpec, cfg: &PlanOptions) -> Search<'a> {
+        Search {
+            lg,
+            spec,
+            cfg: cfg.clone(),
+            ctx: cost_context(lg, spec, cfg),
+            cap: cfg.memory_limit_bytes().unwrap_or(spec.memory_bytes) as f64,
+            megatron_view: false,
+            megatron_tables: HashMap::new(),
+            explain: true,
+        }
+    }
+
+    /// The model searched.
+    pub fn model(&self) -> &'a LayeredGraph {
+        self.lg
+    }
+
+    /// The cluster searched.
+    pub fn cluster(&self) -> &'a ClusterSpec {
+        self.spec
+    }
+
+    /// The settings in force.
+    pub fn settings(&self) -> &PlanOptions {
+        &self.cfg
+    }
+
+    /// The degree grid under the settings in force.
+    pub fn grid(&self) -> Result<Grid<'a>, SolveError> {
+        Grid::of(self.lg, self.spec, &self.cfg)
+    }
+
+    /// Runs `f` under the rule `cfg` (Megatron-LM's when `megatron`: each layer's Megatron
+    /// split only), on this search's cost context and tables; the settings in force return
+    /// afterwards.
+    pub fn with_rule<T>(&mut self, cfg: PlanOptions, megatron: bool, f: impl FnOnce(&mut Self) -> T) -> T {
+        let outer = std::mem::replace(&mut self.cfg, cfg);
+        let view = std::mem::replace(&mut self.megatron_view, megatron && !self.ctx.megatron_only);
+        let out = f(self);
+        self.cfg = outer;
+        self.megatron_view = view;
+        out
+    }
+
+    /// The layer table of a layer configuration under the rule in force.
+    fn table(&mut self, lc: &LayerConfig) -> Rc<Vec<PipelineLayer>> {
+        let full = self.ctx.layers(lc);
+        if !self.megatron_view {
+            return full;
+        }
+        self.megatron_tables
+            .entry(Rc::as_ptr(&full))
+            .or_insert_with(|| {
+                Rc::new(full.iter().map(|l| PipelineLayer { points: l.points.iter().take(1).cloned().collect(), ..l.clone() }).collect())
+            })
+            .clone()
+    }
+
+    /// Every candidate's problem and bounds; a manual layout, else `fixed`, places the layers.
+    fn prepare_all(&mut self, cands: &[Candidate], fixed: LayoutRule<'_>) -> Result<Vec<Prepared>, SolveError> {
+        let layout = match &self.cfg.layout {
+            Some(l) => Some(layout_chunks(&l.0, self.lg.layers.len())?),
+            None => None,
+        };
+        let mut out = Vec::with_capacity(cands.len());
+        for cand in cands {
+            let f = layout.clone().or_else(|| fixed(cand, &self.ctx));
+            let table = self.table(&layer_config(self.spec, cand));
+            out.push(prepare_on(&self.ctx, cand, self.cap, self.cfg.active_microbatches, f, table));
+        }
+        Ok(out)
+    }
+
+    /// Solves `cands` in bound order; `fixed(cand, ctx)` may impose a layout. `seed`, a plan
+    /// found under another rule (the Megatron baseline), is an incumbent from the start and
+    /// is returned when nothing here is faster.
+    pub fn solve(&mut self, cands: Vec<Candidate>, fixed: LayoutRule<'_>, seed: Option<PlanDecision>, progress: &mut dyn FnMut(Progress)) -> Result<PlanDecision, SolveError> {
+        let start = Instant::now();
+        let limit = self.cfg.time_limit_s.unwrap_or(DEFAULT_TIME_LIMIT_S);
+        let prepared = self.prepare_all(&cands, fixed)?;
+        tracing::debug!("prepared {} candidates in {:.3} s", prepared.len(), start.elapsed().as_secs_f64());
+        let cp_alternatives = alternatives(&prepared, self.cap, |c| c.parallel.cp);
+        let ep_alternatives = alternatives(&prepared, self.cap, |c| c.parallel.ep);
+        let min_mem = prepared.iter().map(|p| p.mem_lb).fold(f64::INFINITY, f64::min);
+        let seed_obj = seed.as_ref().map_or(f64::INFINITY, |s| s.predicted.step_time_s);
+        let mut st = Frontier::new(prepared, self.cap, seed_obj);
+        st.quick_layouts();
+        tracing::debug!("quick layouts done at {:.3} s, incumbent {:?}", start.elapsed().as_secs_f64(), st.best.as_ref().map(|b| b.1.report.objective));
+        st.branch_and_bound(start, limit, progress)?;
+        progress(Progress { done: st.total, total: st.total, best_step_s: st.incumbent() });
+        if let Some(s) = seed
+            && st.best.as_ref().is_none_or(|b| seed_obj <= b.1.report.objective)
+        {
+            // Nothing searched beats the seed: it is the answer, with this search's bound.
+            return Ok(st.seed_answer(s, start));
+        }
+        let Some((bi, sol)) = st.best.take() else {
+            return Err(self.infeasible(min_mem));
+        };
+        let optimize = self.cfg.optimize.unwrap_or_default();
+        let (chosen, sol) = match optimize {
+            Optimize::Memory => self.least_memory(&mut st, bi, sol, start, limit)?,
+            Optimize::Speed => (st.fit[bi].clone(), sol),
+        };
+        let report = st.report(&chosen, &sol, optimize, start);
+        let mut d = self.decision(&chosen, sol, report, st.solved, st.skipped)?;
+        d.axes.cp_alternatives = cp_alternatives;
+        d.axes.sample_input_bytes = AxisLimits::of(self.lg, self.spec, &self.cfg).map_or(0.0, |a| if a.seq.is_some() { a.sample_bytes } else { 0.0 });
+        d.axes.ep_alternatives = ep_alternatives;
+        Ok(d)
+    }
+
+    /// `--optimize memory`: the least peak memory within 5 % of the fastest step, over the
+    /// candidates whose bound allows it.
+    fn least_memory(&mut self, st: &mut Frontier, bi: usize, mut sol: PipelineSolution, start: Instant, limit: f64) -> Result<(Prepared, PipelineSolution), SolveError> {
+        let mut chosen = st.fit[bi].clone();
         let max_step = sol.report.objective * 1.05;
         let mut best_mem = sol.eval.as_ref().map_or(f64::INFINITY, |e| e.total_bytes.iter().cloned().fold(0.0, f64::max));
-        for p in fit.iter_mut().filter(|p| p.lb <= max_step) {
+        for p in st.fit.iter_mut().filter(|p| p.lb <= max_step) {
             p.materialize();
             let p = &*p;
             let remaining = limit - start.elapsed().as_secs_f64();
@@ -756,33 +988,24 @@ pub fn run(
                 break;
             }
             let prob = PipelineProblem { objective: PipelineObjective::PeakMemory { max_step_s: max_step }, ..p.problem.clone() };
-            let s = prob.solve(&opts(remaining))?;
-            solved += 1;
+            let s = prob.solve(&ilp_options(remaining))?;
+            st.solved += 1;
             if matches!(s.report.status, SolveStatus::Optimal | SolveStatus::Feasible) && s.report.objective < best_mem {
                 best_mem = s.report.objective;
                 chosen = Prepared { problem: prob, ..p.clone() };
                 sol = s;
             }
         }
+        Ok((chosen, sol))
     }
-    let objective = sol.report.objective;
-    let bound = match c.optimize.unwrap_or_default() {
-        Optimize::Speed => open_bound.min(objective).min(sol.report.bound.max(chosen.lb)),
-        Optimize::Memory => sol.report.bound,
-    };
-    let gap = if objective > 0.0 { ((objective - bound) / objective).max(0.0) } else { 0.0 };
-    let report = SolveReport {
-        status: if gap <= 1e-6 && sol.report.status == SolveStatus::Optimal { SolveStatus::Optimal } else { SolveStatus::Feasible },
-        objective,
-        bound,
-        gap,
-        wall_s: start.elapsed().as_secs_f64(),
-    };
-    let mut d = decision(&ctx, cfg, &chosen, sol, report, solved, skipped, cap)?;
-    d.axes.cp_alternatives = cp_alternatives;
-    d.axes.sample_input_bytes = AxisLimits::of(lg, spec, cfg).map_or(0.0, |a| if a.seq.is_some() { a.sample_bytes } else { 0.0 });
-    d.axes.ep_alternatives = ep_alternatives;
-    Ok(d)
+
+    /// Why nothing fits, with the fix (or, for an unused seed, the bare fact).
+    fn infeasible(&self, min_mem: f64) -> SolveError {
+        if self.explain {
+            return infeasible(self.lg, self.spec, &self.cfg, self.cap, min_mem);
+        }
+        SolveError::Infeasible { reason: "no configuration of this rule fits".into(), fix: String::new() }
+    }
 }
 
 /// What the context and expert axes cost and save in a solved candidate, on its busiest
@@ -888,155 +1111,165 @@ fn infeasible(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions, cap: f64
     }
 }
 
-/// Builds the decision record from a solved candidate.
-#[allow(clippy::too_many_arguments)]
-pub fn decision(
-    ctx: &CostContext<'_>,
-    cfg: &PlanOptions,
-    chosen: &Prepared,
-    sol: PipelineSolution,
-    report: SolveReport,
-    solved: u64,
-    skipped: u64,
-    cap: f64,
-) -> Result<PlanDecision, SolveError> {
-    let cand = chosen.cand;
-    let prob = &chosen.problem;
-    let eval = sol.eval.clone().ok_or_else(|| SolveError::Solver("the ILP's solution does not decode to a layout".into()))?;
-    let lg = ctx.lg;
-    let spec = ctx.spec;
-    let chunks = prob.chunks();
-    let lc = layer_config(spec, &cand);
-    let mut stages = Vec::with_capacity(chunks);
-    // tied weights' copies, each counted once per device, in its first chunk reading it
-    let mut copies_held = std::collections::BTreeSet::new();
-    for c in 0..chunks {
-        let members: Vec<usize> = (0..sol.choices.len()).filter(|&l| sol.choices[l].chunk == c).collect();
-        let (first, last) = (members.first().copied().unwrap_or(0), members.last().copied().unwrap_or(0));
-        let pp_rank = c % cand.parallel.pp;
-        let ranks = cand.parallel.stage_ranks(pp_rank);
-        let (mut expert, mut expert_trained) = (0.0, 0.0);
-        let (mut fwd, mut bwd, mut params, mut trained, mut kept, mut rec) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0f64);
-        let (mut ckpt, mut offloaded, mut host) = (Vec::new(), Vec::new(), 0.0);
-        for &l in &members {
-            let ch = sol.choices[l];
-            let pt = &prob.layers[l].points[ch.point];
-            let (f, b) = PipelineProblem::layer_times(pt, ch.checkpoint, ch.offload);
-            fwd += f;
-            bwd += b;
-            // The layer's own count, plus what its assignment replicates beyond the split.
-            let extra = match (ctx.detail(l, &lc, pt.choice), ctx.detail(l, &lc, 0)) {
-                (Some(d), Some(m)) => d.param_elems - m.param_elems,
-                _ => 0.0,
-            };
-            let held = ctx.shapes[l].params / cand.parallel.tp.max(1) as f64 + extra;
-            params += held;
-            trained += held * ctx.shapes[l].trained_fraction();
-            if cand.parallel.ep > 1 {
-                let ex = ctx.experts[l].params / cand.parallel.tp.max(1) as f64;
-                expert += ex;
-                expert_trained += ex * ctx.shapes[l].trained_fraction();
-            }
-            for tc in &prob.layers[l].tied {
-                let owner_rank = sol.choices.get(tc.owner).map(|o| o.chunk % cand.parallel.pp);
-                if owner_rank != Some(pp_rank) && copies_held.insert((pp_rank, tc.weight)) {
-                    params += tc.elems;
-                    trained += tc.trained;
-                }
-            }
-            kept += prob.kept_bytes(c, pt, ch.checkpoint, ch.offload);
-            if ch.checkpoint {
-                rec = rec.max(pt.act_bytes - pt.input_bytes);
-                ckpt.push(l);
-            }
-            if ch.offload {
-                host += prob.offloaded_bytes(c, pt);
-                offloaded.push(l);
-            }
-        }
-        let t = cand.parallel.tp.max(1) as f64;
-        let st = ctx.state_split(params * t, trained * t, expert * t, expert_trained * t, &lc);
-        let activations = kept + rec;
-        let workspace = if c < cand.parallel.pp { prob.workspace } else { 0.0 };
-        let comm_s = if c + 1 < chunks { 2.0 * prob.layers[last].output_bytes * prob.transfer_s_per_byte[c] } else { 0.0 };
-        stages.push(StageDecision {
-            index: c,
-            pp_rank,
-            layers: [first, last],
-            ranks,
-            forward_s: fwd,
-            backward_s: bwd,
-            comm_s,
-            memory: StageMemory {
-                params: st.params,
-                grads: st.grads,
-                optimizer: st.optimizer,
-                activations,
-                workspace,
-                total: st.total() + activations + workspace,
-            },
-            checkpointed_layers: ckpt,
-            offloaded_layers: offloaded,
-            offloaded_bytes: host,
-        });
-    }
-    let fallback = if cand.parallel.tp > 1 { format!("megatron-tp{}", cand.parallel.tp) } else { "replicate".to_string() };
-    let layers = sol
-        .choices
-        .iter()
-        .enumerate()
-        .map(|(l, ch)| {
-            let choice = prob.layers[l].points.get(ch.point).map_or(0, |p| p.choice);
-            let (strategy, nodes) = match ctx.detail(l, &lc, choice) {
-                // Identical layers share the representative's detail: name this layer's nodes.
-                Some(d) => {
-                    let names = lg.layers[l].nodes.iter().map(|&id| lg.graph.try_node(id).map(|n| n.name.clone()).unwrap_or_default());
-                    (d.name.clone(), names.zip(&d.nodes).map(|(n, (_, s))| (n, s.clone())).collect())
-                }
-                None => (fallback.clone(), Vec::new()),
-            };
-            LayerDecision { layer: l, strategy, nodes, checkpoint: ch.checkpoint, offload: ch.offload }
+impl Search<'_> {
+    /// Builds the decision record from a solved candidate.
+    fn decision(&self, chosen: &Prepared, sol: PipelineSolution, report: SolveReport, solved: u64, skipped: u64) -> Result<PlanDecision, SolveError> {
+        let ctx = &self.ctx;
+        let cand = chosen.cand;
+        let prob = &chosen.problem;
+        let eval = sol.eval.clone().ok_or_else(|| SolveError::Solver("the ILP's solution does not decode to a layout".into()))?;
+        let stages = self.stage_decisions(&cand, prob, &sol.choices);
+        let layers = self.layer_decisions(&cand, prob, &sol.choices);
+        let predicted = self.predicted(&cand, prob, &sol.choices, &eval);
+        let axes = axis_report(ctx, &cand, prob, &sol.choices, &eval);
+        Ok(PlanDecision {
+            axes,
+            parallel: Parallelism { sequence_parallel: cand.parallel.sequence_parallel && cand.parallel.tp > 1, ..cand.parallel },
+            microbatch_size: cand.microbatch_size,
+            stages,
+            layers,
+            predicted,
+            memory_limit_bytes: self.cap,
+            solver: report,
+            candidates_solved: solved,
+            candidates_skipped: skipped,
+            problem: prob.clone(),
+            choices: sol.choices,
         })
-        .collect();
-    let step = eval.step_s;
-    let t: Vec<f64> = (0..cand.parallel.pp).map(|d| eval.fwd_s[d] + eval.bwd_s[d]).collect();
-    let mean = t.iter().sum::<f64>() / cand.parallel.pp as f64;
-    let tmax = t.iter().cloned().fold(0.0, f64::max);
-    let m = cand.parallel.microbatches as f64;
-    let pipe = prob.bubble_coeff * t.iter().sum::<f64>() + (m - prob.bubble_coeff) * tmax;
-    let bubble = if mean > 0.0 { (pipe - m * mean) / (m * mean) } else { 0.0 };
-    let batch = global_batch(cfg) as f64;
-    let peak = spec.peak_flops(ctx.dtype) * spec.devices as f64;
-    let mfu = if step > 0.0 { 3.0 * lg.flops_per_sample * batch / (step * peak) } else { 0.0 };
-    // Recomputed layers run their forward pass twice.
-    let recomputed: f64 = sol
-        .choices
-        .iter()
-        .enumerate()
-        .filter(|(_, ch)| ch.checkpoint)
-        .map(|(l, _)| lg.layers[l].nodes.iter().map(|&id| lg.node_figures(id).flops).sum::<f64>())
-        .sum();
-    let hfu = if step > 0.0 { (3.0 * lg.flops_per_sample + recomputed) * batch / (step * peak) } else { 0.0 };
-    let axes = axis_report(ctx, &cand, prob, &sol.choices, &eval);
-    Ok(PlanDecision {
-        axes,
-        parallel: Parallelism { sequence_parallel: cand.parallel.sequence_parallel && cand.parallel.tp > 1, ..cand.parallel },
-        microbatch_size: cand.microbatch_size,
-        stages,
-        layers,
-        predicted: Predicted {
+    }
+
+    /// Each chunk's layers, ranks, times and memory.
+    fn stage_decisions(&self, cand: &Candidate, prob: &PipelineProblem, choices: &[LayerChoice]) -> Vec<StageDecision> {
+        let ctx = &self.ctx;
+        let chunks = prob.chunks();
+        let lc = layer_config(self.spec, cand);
+        let mut stages = Vec::with_capacity(chunks);
+        // tied weights' copies, each counted once per device, in its first chunk reading it
+        let mut copies_held = std::collections::BTreeSet::new();
+        for c in 0..chunks {
+            let members: Vec<usize> = (0..choices.len()).filter(|&l| choices[l].chunk == c).collect();
+            let (first, last) = (members.first().copied().unwrap_or(0), members.last().copied().unwrap_or(0));
+            let pp_rank = c % cand.parallel.pp;
+            let ranks = cand.parallel.stage_ranks(pp_rank);
+            let (mut expert, mut expert_trained) = (0.0, 0.0);
+            let (mut fwd, mut bwd, mut params, mut trained, mut kept, mut rec) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0f64);
+            let (mut ckpt, mut offloaded, mut host) = (Vec::new(), Vec::new(), 0.0);
+            for &l in &members {
+                let ch = choices[l];
+                let pt = &prob.layers[l].points[ch.point];
+                let (f, b) = PipelineProblem::layer_times(pt, ch.checkpoint, ch.offload);
+                fwd += f;
+                bwd += b;
+                // The layer's own count, plus what its assignment replicates beyond the split.
+                let extra = match (ctx.detail(l, &lc, pt.choice), ctx.detail(l, &lc, 0)) {
+                    (Some(d), Some(m)) => d.param_elems - m.param_elems,
+                    _ => 0.0,
+                };
+                let held = ctx.shapes[l].params / cand.parallel.tp.max(1) as f64 + extra;
+                params += held;
+                trained += held * ctx.shapes[l].trained_fraction();
+                if cand.parallel.ep > 1 {
+                    let ex = ctx.experts[l].params / cand.parallel.tp.max(1) as f64;
+                    expert += ex;
+                    expert_trained += ex * ctx.shapes[l].trained_fraction();
+                }
+                for tc in &prob.layers[l].tied {
+                    let owner_rank = choices.get(tc.owner).map(|o| o.chunk % cand.parallel.pp);
+                    if owner_rank != Some(pp_rank) && copies_held.insert((pp_rank, tc.weight)) {
+                        params += tc.elems;
+                        trained += tc.trained;
+                    }
+                }
+                kept += prob.kept_bytes(c, pt, ch.checkpoint, ch.offload);
+                if ch.checkpoint {
+                    rec = rec.max(pt.act_bytes - pt.input_bytes);
+                    ckpt.push(l);
+                }
+                if ch.offload {
+                    host += prob.offloaded_bytes(c, pt);
+                    offloaded.push(l);
+                }
+            }
+            let t = cand.parallel.tp.max(1) as f64;
+            let st = ctx.state_split(params * t, trained * t, expert * t, expert_trained * t, &lc);
+            let activations = kept + rec;
+            let workspace = if c < cand.parallel.pp { prob.workspace } else { 0.0 };
+            let comm_s = if c + 1 < chunks { 2.0 * prob.layers[last].output_bytes * prob.transfer_s_per_byte[c] } else { 0.0 };
+            stages.push(StageDecision {
+                index: c,
+                pp_rank,
+                layers: [first, last],
+                ranks,
+                forward_s: fwd,
+                backward_s: bwd,
+                comm_s,
+                memory: StageMemory {
+                    params: st.params,
+                    grads: st.grads,
+                    optimizer: st.optimizer,
+                    activations,
+                    workspace,
+                    total: st.total() + activations + workspace,
+                },
+                checkpointed_layers: ckpt,
+                offloaded_layers: offloaded,
+                offloaded_bytes: host,
+            });
+        }
+        stages
+    }
+
+    /// Each layer's strategy, node by node, and its checkpoint and offload flags.
+    fn layer_decisions(&self, cand: &Candidate, prob: &PipelineProblem, choices: &[LayerChoice]) -> Vec<LayerDecision> {
+        let (ctx, lg) = (&self.ctx, self.lg);
+        let lc = layer_config(self.spec, cand);
+        let fallback = if cand.parallel.tp > 1 { format!("megatron-tp{}", cand.parallel.tp) } else { "replicate".to_string() };
+        choices
+            .iter()
+            .enumerate()
+            .map(|(l, ch)| {
+                let choice = prob.layers[l].points.get(ch.point).map_or(0, |p| p.choice);
+                let (strategy, nodes) = match ctx.detail(l, &lc, choice) {
+                    // Identical layers share the representative's detail: name this layer's nodes.
+                    Some(d) => {
+                        let names = lg.layers[l].nodes.iter().map(|&id| lg.graph.try_node(id).map(|n| n.name.clone()).unwrap_or_default());
+                        (d.name.clone(), names.zip(&d.nodes).map(|(n, (_, s))| (n, s.clone())).collect())
+                    }
+                    None => (fallback.clone(), Vec::new()),
+                };
+                LayerDecision { layer: l, strategy, nodes, checkpoint: ch.checkpoint, offload: ch.offload }
+            })
+            .collect()
+    }
+
+    /// The step time, throughput, bubble, peak memory and utilisation of a solution.
+    fn predicted(&self, cand: &Candidate, prob: &PipelineProblem, choices: &[LayerChoice], eval: &PipelineEval) -> Predicted {
+        let (lg, spec) = (self.lg, self.spec);
+        let step = eval.step_s;
+        let t: Vec<f64> = (0..cand.parallel.pp).map(|d| eval.fwd_s[d] + eval.bwd_s[d]).collect();
+        let mean = t.iter().sum::<f64>() / cand.parallel.pp as f64;
+        let tmax = t.iter().cloned().fold(0.0, f64::max);
+        let m = cand.parallel.microbatches as f64;
+        let pipe = prob.bubble_coeff * t.iter().sum::<f64>() + (m - prob.bubble_coeff) * tmax;
+        let bubble = if mean > 0.0 { (pipe - m * mean) / (m * mean) } else { 0.0 };
+        let batch = global_batch(&self.cfg) as f64;
+        let peak = spec.peak_flops(self.ctx.dtype) * spec.devices as f64;
+        let mfu = if step > 0.0 { 3.0 * lg.flops_per_sample * batch / (step * peak) } else { 0.0 };
+        // Recomputed layers run their forward pass twice.
+        let recomputed: f64 = choices
+            .iter()
+            .enumerate()
+            .filter(|(_, ch)| ch.checkpoint)
+            .map(|(l, _)| lg.layers[l].nodes.iter().map(|&id| lg.node_figures(id).flops).sum::<f64>())
+            .sum();
+        let hfu = if step > 0.0 { (3.0 * lg.flops_per_sample + recomputed) * batch / (step * peak) } else { 0.0 };
+        Predicted {
             step_time_s: step,
             samples_per_s: if step > 0.0 { batch / step } else { 0.0 },
             bubble_ratio: bubble,
             peak_memory_bytes: eval.total_bytes.iter().cloned().fold(0.0, f64::max),
             mfu,
             hfu,
-        },
-        memory_limit_bytes: cap,
-        solver: report,
-        candidates_solved: solved,
-        candidates_skipped: skipped,
-        problem: prob.clone(),
-        choices: sol.choices,
-    })
+        }
+    }
 }
