@@ -4,6 +4,8 @@
 //! Entry point: [`plan`].
 
 pub mod baseline;
+mod bounds;
+mod candidates;
 pub mod chunks;
 mod decision;
 mod error;
