@@ -490,7 +490,7 @@ impl<'a> Search<'a> {
 
 /// What the context and expert axes cost and save in a solved candidate, on its busiest
 /// pipeline rank.
-fn axis_report(ctx: &CostContext<'_>, cand: &Candidate, prob: &PipelineProblem, choices: &[super::problem::LayerChoice], eval: &super::problem::PipelineEval) -> AxisReport {
+fn axis_report(ctx: &CostContext<'_>, cand: &Candidate, prob: &PipelineProblem, choices: &[LayerChoice], eval: &PipelineEval) -> AxisReport {
     let lc = layer_config(ctx.spec, cand);
     let p = prob.devices.max(1);
     let busiest = (0..p).max_by(|&a, &b| (eval.fwd_s[a] + eval.bwd_s[a]).total_cmp(&(eval.fwd_s[b] + eval.bwd_s[b]))).unwrap_or(0);
