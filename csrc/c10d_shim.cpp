@@ -9,11 +9,13 @@
 // copied back after: `--share-gpu`). Point-to-point messages always travel by Gloo, which
 // matches them by tag (NCCL matches by order only).
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -38,11 +40,26 @@ struct Group {
   // CUDA tensors' collectives (groups made with `nccl`, SMP_WITH_NCCL builds).
   c10::intrusive_ptr<c10d::Backend> nccl;
   std::chrono::milliseconds timeout;
+  // The members' global ranks (from the group's store prefix `pg/0,1,...`), for naming waits.
+  std::vector<std::string> members;
+
+  // `call over ranks [a, b]`: what a wait on this group is, in words.
+  std::string over(const char* call) const {
+    std::string s = std::string(call) + " over ranks [";
+    for (size_t i = 0; i < members.size(); ++i) s += (i ? ", " : "") + members[i];
+    return s + "]";
+  }
+  // The global rank of member `i`.
+  std::string member(int i) const {
+    return i >= 0 && static_cast<size_t>(i) < members.size() ? members[i] : "member " + std::to_string(i);
+  }
 };
 
 struct Work {
   c10::intrusive_ptr<c10d::Work> work;
   std::chrono::milliseconds timeout;
+  // What waiting on it is (`recv from rank 3`).
+  std::string what;
   // A receive staged through host memory: `host` lands, then is copied into `target`.
   at::Tensor host;
   at::Tensor target;
@@ -68,9 +85,36 @@ using smp_shim::guarded;
 // backward collectives included).
 std::atomic<int64_t> g_wait_ns{0};
 
-void wait_or_throw(const c10::intrusive_ptr<c10d::Work>& w, std::chrono::milliseconds timeout) {
+// The wait in progress, for a heartbeat to report: how many threads wait, since when (steady
+// clock, ns) the first of them does, and what the latest waits on.
+std::atomic<int> g_waiters{0};
+std::atomic<int64_t> g_waiting_since{0};
+std::mutex g_waiting_mu;
+std::string g_waiting_what;
+
+int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void wait_or_throw(const c10::intrusive_ptr<c10d::Work>& w, std::chrono::milliseconds timeout, const std::string& what) {
   auto t0 = std::chrono::steady_clock::now();
-  bool done = w->wait(timeout);
+  {
+    std::lock_guard<std::mutex> lock(g_waiting_mu);
+    g_waiting_what = what;
+    if (g_waiters++ == 0) g_waiting_since = steady_ns();
+  }
+  bool done = false;
+  try {
+    done = w->wait(timeout);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(g_waiting_mu);
+    if (--g_waiters == 0) g_waiting_since = 0;
+    throw;
+  }
+  {
+    std::lock_guard<std::mutex> lock(g_waiting_mu);
+    if (--g_waiters == 0) g_waiting_since = 0;
+  }
   g_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   if (!done) {
     throw std::runtime_error("timed out after " + std::to_string(timeout.count()) + " ms");
@@ -82,7 +126,7 @@ void all_reduce_in_place(Group* grp, at::Tensor& t) {
   std::vector<at::Tensor> ts{h};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  wait_or_throw(backend_for(grp, t).allreduce(ts, opts), grp->timeout);
+  wait_or_throw(backend_for(grp, t).allreduce(ts, opts), grp->timeout, grp->over("all_reduce"));
   land(h, t);
 }
 
@@ -125,7 +169,7 @@ at::Tensor all_gather_cat(Group* grp, const at::Tensor& x, int64_t axis) {
   for (int64_t i = 0; i < size; ++i) parts.push_back(at::empty_like(in));
   std::vector<std::vector<at::Tensor>> outs{parts};
   std::vector<at::Tensor> ins{in};
-  wait_or_throw(backend_for(grp, x).allgather(outs, ins), grp->timeout);
+  wait_or_throw(backend_for(grp, x).allgather(outs, ins), grp->timeout, grp->over("all_gather"));
   return at::cat(outs[0], axis).to(x.device());
 }
 
@@ -152,7 +196,7 @@ at::Tensor reduce_scatter_sum(Group* grp, const at::Tensor& x, int64_t axis) {
   std::vector<at::Tensor> outs{out};
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  wait_or_throw(backend_for(grp, x).reduce_scatter(outs, ins, opts), grp->timeout);
+  wait_or_throw(backend_for(grp, x).reduce_scatter(outs, ins, opts), grp->timeout, grp->over("reduce_scatter"));
   return out.to(x.device());
 }
 
@@ -247,7 +291,7 @@ at::Tensor all_to_all_rows(Group* grp, const at::Tensor& x, std::vector<int64_t>
   shape[0] = total;
   auto out = at::empty(shape, in.options());
   c10d::AllToAllOptions opts;
-  wait_or_throw(backend_for(grp, x).alltoall_base(out, in, recv, send, opts), grp->timeout);
+  wait_or_throw(backend_for(grp, x).alltoall_base(out, in, recv, send, opts), grp->timeout, grp->over("all_to_all"));
   return out.to(x.device());
 }
 
@@ -275,6 +319,21 @@ extern "C" {
 void smp_c10d_free_error(char* e) { std::free(e); }
 
 int64_t smp_c10d_wait_ns() { return g_wait_ns.load(); }
+
+// Whether some thread waits on c10d work now: then `buf` (of `cap` bytes) gets what it waits on,
+// NUL-terminated and cut to fit, and `*waited_ns` how long the wait has lasted.
+int smp_c10d_waiting(char* buf, int cap, int64_t* waited_ns) {
+  std::lock_guard<std::mutex> lock(g_waiting_mu);
+  int64_t since = g_waiting_since.load();
+  if (g_waiters.load() == 0 || since == 0) return 0;
+  *waited_ns = steady_ns() - since;
+  if (cap > 0) {
+    size_t n = std::min(g_waiting_what.size(), static_cast<size_t>(cap - 1));
+    std::memcpy(buf, g_waiting_what.data(), n);
+    buf[n] = 0;
+  }
+  return 1;
+}
 
 char* smp_c10d_store_new(const char* host, uint16_t port, int is_server, int world, int64_t timeout_ms, void** out) {
   return guarded([&] {
@@ -327,7 +386,16 @@ char* smp_c10d_group_new(void* store, const char* prefix, int rank, int size, in
     // (measured: a 1 MiB all-reduce between compute bursts, 2 local ranks).
     opts->threads = 2;
     auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, opts);
-    *out = new Group{gloo, nccl_backend, timeout};
+    std::vector<std::string> members;
+    std::string names(prefix);
+    names = names.substr(names.find('/') == std::string::npos ? 0 : names.find('/') + 1);
+    for (size_t at = 0; at < names.size();) {
+      size_t end = names.find(',', at);
+      if (end == std::string::npos) end = names.size();
+      members.push_back(names.substr(at, end - at));
+      at = end + 1;
+    }
+    *out = new Group{gloo, nccl_backend, timeout, members};
   });
 }
 
@@ -349,7 +417,7 @@ char* smp_c10d_all_gather(void* g, at::Tensor* out, at::Tensor* input) {
     auto parts = h_out.reshape({-1}).chunk(grp->gloo->getSize());
     for (auto& p : parts) outs[0].push_back(p);
     std::vector<at::Tensor> ins{host_of(grp, *input).reshape({-1})};
-    wait_or_throw(backend_for(grp, *out).allgather(outs, ins), grp->timeout);
+    wait_or_throw(backend_for(grp, *out).allgather(outs, ins), grp->timeout, grp->over("all_gather"));
     land(h_out, *out);
   });
 }
@@ -365,7 +433,7 @@ char* smp_c10d_reduce_scatter_sum(void* g, at::Tensor* out, at::Tensor* input) {
     std::vector<std::vector<at::Tensor>> ins(1);
     auto parts = host_of(grp, *input).reshape({-1}).chunk(grp->gloo->getSize());
     for (auto& p : parts) ins[0].push_back(p);
-    wait_or_throw(backend_for(grp, *out).reduce_scatter(outs, ins, opts), grp->timeout);
+    wait_or_throw(backend_for(grp, *out).reduce_scatter(outs, ins, opts), grp->timeout, grp->over("reduce_scatter"));
     land(h_out, *out);
   });
 }
@@ -377,7 +445,7 @@ char* smp_c10d_broadcast(void* g, at::Tensor* t, int root) {
     std::vector<at::Tensor> ts{h};
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
-    wait_or_throw(backend_for(grp, *t).broadcast(ts, opts), grp->timeout);
+    wait_or_throw(backend_for(grp, *t).broadcast(ts, opts), grp->timeout, grp->over("broadcast"));
     land(h, *t);
   });
 }
@@ -385,7 +453,7 @@ char* smp_c10d_broadcast(void* g, at::Tensor* t, int root) {
 char* smp_c10d_barrier(void* g) {
   return guarded([&] {
     auto* grp = static_cast<Group*>(g);
-    wait_or_throw(grp->gloo->barrier(), grp->timeout);
+    wait_or_throw(grp->gloo->barrier(), grp->timeout, grp->over("barrier"));
   });
 }
 
@@ -396,7 +464,7 @@ char* smp_c10d_isend(void* g, at::Tensor* t, int dst, int tag, void** work) {
     auto* grp = static_cast<Group*>(g);
     auto h = t->is_cuda() ? t->to(at::kCPU).contiguous() : *t;
     std::vector<at::Tensor> ts{h};
-    *work = new Work{grp->gloo->send(ts, dst, tag), grp->timeout, h, at::Tensor()};
+    *work = new Work{grp->gloo->send(ts, dst, tag), grp->timeout, "send to rank " + grp->member(dst), h, at::Tensor()};
   });
 }
 
@@ -406,14 +474,14 @@ char* smp_c10d_irecv(void* g, at::Tensor* t, int src, int tag, void** work) {
     auto* grp = static_cast<Group*>(g);
     auto h = t->is_cuda() ? at::empty(t->sizes(), t->options().device(at::kCPU)) : *t;
     std::vector<at::Tensor> ts{h};
-    *work = new Work{grp->gloo->recv(ts, src, tag), grp->timeout, h, t->is_cuda() ? *t : at::Tensor()};
+    *work = new Work{grp->gloo->recv(ts, src, tag), grp->timeout, "recv from rank " + grp->member(src), h, t->is_cuda() ? *t : at::Tensor()};
   });
 }
 
 char* smp_c10d_work_wait(void* w) {
   return guarded([&] {
     auto* work = static_cast<Work*>(w);
-    wait_or_throw(work->work, work->timeout);
+    wait_or_throw(work->work, work->timeout, work->what);
     if (work->target.defined()) work->target.copy_(work->host);
   });
 }

@@ -13,6 +13,8 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
+use common::netns::{Hosts, ip, lines_until, step_of};
+
 const SEQ: &str = "16";
 const BATCH: &str = "8";
 const STEPS: &str = "6";
@@ -23,50 +25,6 @@ fn repo() -> PathBuf {
 
 fn model() -> PathBuf {
     repo().join("models/gpt2.onnx")
-}
-
-fn ip(args: &[&str]) -> Result<(), String> {
-    let r = Command::new("ip").args(args).output().map_err(|e| format!("cannot run `ip` ({e})"))?;
-    if r.status.success() {
-        Ok(())
-    } else {
-        Err(format!("`ip {}` failed: {}", args.join(" "), String::from_utf8_lossy(&r.stderr).trim()))
-    }
-}
-
-/// Two namespaces joined by a veth pair, removed on drop.
-struct Hosts {
-    names: [String; 2],
-    addrs: [String; 2],
-}
-
-impl Hosts {
-    fn new() -> Result<Hosts, String> {
-        // unique per test: the tests of this file run in parallel in one process
-        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let id = format!("{}n{}", std::process::id(), NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
-        let names = [format!("smp{id}a"), format!("smp{id}b")];
-        // each namespace has its own addresses: fixed ones cannot collide with other tests'
-        let addrs = ["10.200.0.1".to_string(), "10.200.0.2".to_string()];
-        ip(&["netns", "add", &names[0]])?;
-        let hosts = Hosts { names: names.clone(), addrs: addrs.clone() };
-        ip(&["netns", "add", &names[1]])?;
-        ip(&["link", "add", "veth0", "netns", &names[0], "type", "veth", "peer", "name", "veth1", "netns", &names[1]])?;
-        for (i, dev) in ["veth0", "veth1"].iter().enumerate() {
-            ip(&["-n", &names[i], "addr", "add", &format!("{}/30", addrs[i]), "dev", dev])?;
-            ip(&["-n", &names[i], "link", "set", dev, "up"])?;
-            ip(&["-n", &names[i], "link", "set", "lo", "up"])?;
-        }
-        Ok(hosts)
-    }
-}
-
-impl Drop for Hosts {
-    fn drop(&mut self) {
-        for n in &self.names {
-            let _ = Command::new("ip").args(["netns", "del", n]).output();
-        }
-    }
 }
 
 fn ok(what: &str, r: &Output) {
@@ -87,10 +45,7 @@ const COMMON: [&str; 7] = ["--steps", STEPS, "--dtype", "f64", "--threads", "1",
 
 #[test]
 fn pp2_dp2_across_two_network_namespaces_matches_one_process() {
-    let hosts = match Hosts::new() {
-        Ok(h) => h,
-        Err(why) => panic!("two network namespaces joined by a veth pair are needed (root and iproute2, as CI runs): {why}"),
-    };
+    let hosts = Hosts::needed();
     let dir = tempfile::tempdir().unwrap();
     let p = plan(dir.path());
     let r = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
@@ -143,55 +98,14 @@ fn pp2_dp2_across_two_network_namespaces_matches_one_process() {
 }
 
 /// One launcher per host of the pp2 × dp2 plan with `extra` run and launch flags, started (not
-/// waited for); stderr is read line by line into `tx` by a thread.
+/// waited for); stderr is read line by line into `tx`.
 fn start_hosts(hosts: &Hosts, p: &Path, launch: &[&str], extra: &[String], tx: &std::sync::mpsc::Sender<(usize, String)>) -> Vec<std::process::Child> {
-    (0..2)
-        .map(|i| {
-            let mut child = Command::new("ip")
-                .args(["netns", "exec", &hosts.names[i], env!("CARGO_BIN_EXE_smp-runner"), "launch", "--nproc", "2", "--nnodes", "2"])
-                .args(["--node-rank", &i.to_string(), "--master-addr", &hosts.addrs[0], "--master-port", "29510"])
-                .args(launch)
-                .arg(p)
-                .args(extra)
-                .env_remove("GLOO_SOCKET_IFNAME")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap();
-            let stderr = child.stderr.take().unwrap();
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                use std::io::BufRead;
-                for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
-                    let _ = tx.send((i, line));
-                }
-            });
-            child
-        })
-        .collect()
-}
-
-/// Waits for a line of `rx` for which `until` holds; returns every line seen.
-fn lines_until(rx: &std::sync::mpsc::Receiver<(usize, String)>, limit: std::time::Duration, until: impl Fn(&(usize, String)) -> bool) -> Vec<(usize, String)> {
-    let t0 = std::time::Instant::now();
-    let mut seen = Vec::new();
-    while let Some(left) = limit.checked_sub(t0.elapsed()) {
-        match rx.recv_timeout(left) {
-            Ok(l) => {
-                let done = until(&l);
-                seen.push(l);
-                if done {
-                    break;
-                }
-            }
-            Err(_) => break,
-        }
-    }
-    seen
+    let launch: Vec<&str> = ["--nproc", "2"].into_iter().chain(launch.iter().copied()).collect();
+    (0..2).map(|i| hosts.start(i, 2, 29510, &launch, p, extra, tx)).collect()
 }
 
 fn at_step(line: &str, n: u64) -> bool {
-    line.split("] step ").nth(1).and_then(|t| t.split(' ').next()?.parse::<u64>().ok()).is_some_and(|s| s >= n)
+    step_of(line).is_some_and(|s| s >= n)
 }
 
 /// The link between the hosts cut mid-step: every rank ends within its timeout + 10 s, the
@@ -200,10 +114,7 @@ fn at_step(line: &str, n: u64) -> bool {
 /// resumes and ends as one process trains.
 #[test]
 fn a_cut_link_ends_every_rank_in_time_and_with_a_restart_the_run_resumes() {
-    let hosts = match Hosts::new() {
-        Ok(h) => h,
-        Err(why) => panic!("two network namespaces joined by a veth pair are needed (root and iproute2, as CI runs): {why}"),
-    };
+    let hosts = Hosts::needed();
     let dir = tempfile::tempdir().unwrap();
     let p = plan(dir.path());
     let steps = 10;
@@ -279,10 +190,7 @@ fn a_cut_link_ends_every_rank_in_time_and_with_a_restart_the_run_resumes() {
 /// netem for a fixed delay) only slows the run: the losses are those of the unshaped link.
 #[test]
 fn a_slow_link_changes_no_loss() {
-    let hosts = match Hosts::new() {
-        Ok(h) => h,
-        Err(why) => panic!("two network namespaces joined by a veth pair are needed (root and iproute2, as CI runs): {why}"),
-    };
+    let hosts = Hosts::needed();
     let dir = tempfile::tempdir().unwrap();
     let p = plan(dir.path());
     let run = || {

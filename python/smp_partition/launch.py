@@ -41,6 +41,19 @@ class Run:
     #: What `launch(verify=...)` found before the run (`smp-runner launch --verify`'s report).
     verify: dict[str, Any] | None = None
 
+    @property
+    def restarts(self) -> list[dict[str, Any]]:
+        """The restarts the launcher made (`max_restarts`) and, under `elastic`, each change of
+        the job's devices: `cause`, `resumed_from_step`, `checkpoint`, and for a change
+        `membership` (`lost` and `joined` hosts or devices, `devices`, `plans` and `meshes`
+        before and after with their `predicted_step_time_s`) and `fault_to_first_step_s`."""
+        return list(self.report.get("restarts", []))
+
+    @property
+    def stragglers(self) -> list[dict[str, Any]]:
+        """The ranks named stragglers, one entry per rank and window of steps."""
+        return list(self.report.get("stragglers", []))
+
 
 def _data_file(plan: Plan, data: Any, out: Path) -> str:
     """`data` as `--data`: a path as is; a tensor, array or dict of them as an .npz of one batch
@@ -96,7 +109,8 @@ def verify_plan(plan: Plan, *, data: Any = None, steps: int = 3, **options: Any)
 
 def launch(plan: Plan, *, data: Any = None, steps: int = 10, checkpoint_dir: str | Path | None = None,
            progress: bool | Callable[[str], None] = True, max_restarts: int = 0, verify: bool | int = False,
-           **options: Any) -> Run:
+           elastic: tuple[int, int] | None = None, rejoin_timeout: float | None = None,
+           drop_stragglers: int | None = None, **options: Any) -> Run:
     """Trains `plan` on this host: `smp-runner launch --nproc N PLAN --steps STEPS ...`, one
     process per rank, and waits for it.
 
@@ -113,20 +127,46 @@ def launch(plan: Plan, *, data: Any = None, steps: int = 10, checkpoint_dir: str
     and any process of the job still alive afterwards is killed: none is left behind. With
     `max_restarts=N` (torchrun's name) a run that fails after it started training is started
     again from the newest complete checkpoint of `checkpoint_dir` (from the start without one),
-    up to N times; `run.report["restarts"]` lists them.
+    up to N times; `run.restarts` lists them.
+
+    `elastic=(MIN, MAX)` (`--elastic MIN:MAX`, devices): a rank found hung (or, with
+    `drop_stragglers=N`, named a straggler N windows in a row) leaves the job instead of ending
+    it while MIN devices remain; the launcher plans the model again for the devices left with
+    the plan's own planning request and resumes the newest complete checkpoint of
+    `checkpoint_dir` on the new plan, keeping the global batch. `run.restarts` lists each change
+    with its plans; `rejoin_timeout` is `--rejoin-timeout` in seconds. `startup_timeout`,
+    `step_timeout` and `checkpoint_timeout` (seconds) are the launcher's phase timeouts: a rank
+    past one, or silent for the step's, is named hung and (under `elastic`) dropped.
+    `run.stragglers` lists the ranks named stragglers (`straggler_factor`, `straggler_window`).
 
     `verify=True` (or a number of steps, default 3) first checks the plan against one process
     in f64 on the same data and options (`verify_plan`), raising `SmpError` before the run if it
     trains differently; the check's report is `run.verify`."""
+    # the phase timeouts are the launcher's (it watches the ranks' heartbeats), not the ranks'
+    timeout_flags: list[str] = []
+    for phase in ("startup", "step", "checkpoint"):
+        seconds = options.pop(f"{phase}_timeout", None)
+        if seconds is not None:
+            timeout_flags += [f"--{phase}-timeout", str(int(seconds))]
     checked = None
     if verify:
         checked = verify_plan(plan, data=data, steps=3 if verify is True else int(verify), **options)
     out = plan.dir
     (out / TRAINED).unlink(missing_ok=True)
+    launch_flags = ["--max-restarts", str(int(max_restarts))] if max_restarts else []
+    if elastic is not None:
+        low, high = elastic
+        launch_flags += ["--elastic", f"{int(low)}:{int(high)}"]
+        if rejoin_timeout is not None:
+            launch_flags += ["--rejoin-timeout", str(int(rejoin_timeout))]
+        if drop_stragglers is not None:
+            launch_flags += ["--drop-stragglers", str(int(drop_stragglers))]
+    elif rejoin_timeout is not None or drop_stragglers is not None:
+        raise ValueError("rejoin_timeout and drop_stragglers apply under elastic=(MIN, MAX)")
+    launch_flags += timeout_flags
     args = run_args(plan, data=data, steps=steps, checkpoint_dir=checkpoint_dir, out=out, **options)
-    command = [str(find_binary("smp-runner")), "launch", "--nproc", str(plan.devices),
-               *(["--max-restarts", str(int(max_restarts))] if max_restarts else []), str(plan.path),
-               *args, "--json", "--progress"]
+    command = [str(find_binary("smp-runner")), "launch", "--nproc", str(plan.devices), *launch_flags,
+               str(plan.path), *args, "--json", "--progress"]
     show: Callable[[str], None]
     if callable(progress):
         show = progress

@@ -66,3 +66,29 @@ def test_launch_command_for_several_hosts(gpt2_plan) -> None:
     assert "--data tokens.bin" in text and "srun --nodes=2" in text and "$SLURM_NODEID" in text
     with pytest.raises(smp.SmpError):
         smp.launch_command(plan, ["a", "b", "c"])
+
+
+def test_elastic_drops_a_hung_rank_and_lists_the_change_in_run_restarts(gpt2_plan, tmp_path) -> None:
+    _, batch, plan = gpt2_plan
+    pids: dict[int, int] = {}
+    lines: list[str] = []
+
+    def stop_rank_1(line: str) -> None:
+        lines.append(line)
+        if m := re.match(r"smp-runner launch: rank (\d+): pid (\d+)", line):
+            pids.setdefault(int(m.group(1)), int(m.group(2)))
+        # rank 1 stops (SIGSTOP) after its third step: the launcher finds it hung and drops it
+        if line.startswith("[rank 1] step 3 ") and 1 in pids:
+            os.kill(pids[1], signal.SIGSTOP)
+
+    run = smp.launch(plan, data=batch, steps=6, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=1,
+                     step_timeout=5, elastic=(1, 2), rejoin_timeout=2, progress=stop_rank_1)
+    assert any("is hung" in line for line in lines), lines
+    change = run.restarts[-1]
+    assert change["membership"]["devices"] == [2, 1], change
+    assert change["membership"]["lost"] == ["host 0 device 1"], change
+    assert (tmp_path / "ckpt" / "plans").is_dir()
+    assert run.report["steps"][-1]["step"] == 6
+    assert run.losses and all(loss == loss for loss in run.losses)
+    with pytest.raises(ValueError):
+        smp.launch(plan, steps=1, rejoin_timeout=3)

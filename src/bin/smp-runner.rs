@@ -11,6 +11,8 @@ use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use smp_partition::runtime::data;
 use smp_partition::runtime::device::{DeviceKind, DeviceRequest, Ranks};
+use smp_partition::runtime::RuntimeError;
+use smp_partition::runtime::launch::elastic::{self, Elastic};
 use smp_partition::runtime::launch::{calibrate, launcher, verify};
 use smp_partition::runtime::session::commands::{self, EvalJob};
 use smp_partition::ir::Precision;
@@ -122,10 +124,36 @@ enum Command {
         /// Seconds to wait before a restart.
         #[arg(long, value_name = "S", default_value_t = 3)]
         restart_backoff: u64,
-        /// Node 0's port for the launchers' own store, which agrees on restarts across hosts
-        /// (default: --master-port + 1).
+        /// Node 0's port for the launchers' own store, which agrees on restarts (and the
+        /// devices of an elastic job) across hosts (default: --master-port + 1).
         #[arg(long)]
         restart_port: Option<u16>,
+        /// An elastic job of MIN to MAX devices: when a host or a rank is lost (and does not
+        /// come back within --rejoin-timeout), the survivors plan the model again for the
+        /// devices left with the plan's own planning request, and resume the newest checkpoint
+        /// of --checkpoint-dir on the new plan (kept under its plans/); a host started later
+        /// joins at the next checkpoint. Needs --checkpoint-dir on storage every host reads.
+        #[arg(long, value_name = "MIN:MAX", value_parser = parse_elastic)]
+        elastic: Option<(usize, usize)>,
+        /// Under --elastic: seconds the survivors wait for a lost host's launcher to come back
+        /// before going on without it.
+        #[arg(long, value_name = "S", default_value_t = 30)]
+        rejoin_timeout: u64,
+        /// Under --elastic: a rank named a straggler N windows in a row leaves the job, as a
+        /// lost host does (after a checkpoint of that step). Off by default.
+        #[arg(long, value_name = "N")]
+        drop_stragglers: Option<usize>,
+        /// Seconds from a rank's start to its first step (loading, connecting) before it is hung.
+        #[arg(long, value_name = "S", default_value_t = 600)]
+        startup_timeout: u64,
+        /// Seconds one step (or validation) may take, and a rank go without a sign of life in
+        /// it, before it is hung: named with what its peers wait on, and killed (under --elastic
+        /// its device is lost).
+        #[arg(long, value_name = "S", default_value_t = 300)]
+        step_timeout: u64,
+        /// Seconds writing a checkpoint (or the end of the run) may take before a rank is hung.
+        #[arg(long, value_name = "S", default_value_t = 600)]
+        checkpoint_timeout: u64,
         /// Every rank's device (checked here against --nproc and the GPUs, then passed on):
         /// cpu, or cuda (rank r on GPU r of its host). Default: cuda when libtorch sees a GPU.
         #[arg(long)]
@@ -261,6 +289,14 @@ struct TrainArgs {
     /// Each rank prints `[rank R] step N` on stderr after every step.
     #[arg(long)]
     progress: bool,
+    /// A rank whose busy time per step (the step less its waits on peers, against the plan's
+    /// prediction for its stages) exceeds the median rank's by this factor over a window is
+    /// named a straggler (in the progress lines and the report).
+    #[arg(long, value_name = "F", default_value_t = 1.5)]
+    straggler_factor: f64,
+    /// Steps per straggler window (0: no straggler watch).
+    #[arg(long, value_name = "N", default_value_t = 5)]
+    straggler_window: usize,
     /// Train initializers matching this glob (`*`, `?`) that the rules would freeze; matched
     /// against initializer and module parameter names. Repeatable.
     #[arg(long, value_name = "GLOB")]
@@ -316,6 +352,8 @@ impl TrainArgs {
             threads: self.threads,
             timeout: std::time::Duration::from_secs(self.timeout),
             progress: self.progress,
+            straggler_factor: self.straggler_factor,
+            straggler_window: self.straggler_window,
             params: ParamOptions { trainable: self.trainable.clone(), frozen: self.frozen.clone() },
             save_weights: self.save_weights.clone(),
             checkpoints: CheckpointOptions {
@@ -407,9 +445,15 @@ fn main() {
     smp_partition::logging::init();
     if let Err(e) = run(cli) {
         eprintln!("smp-runner: error: {e:#}");
-        // 3: the run failed after it started training, and a restart can resume it
-        let interrupted = matches!(e.downcast_ref::<SessionError>(), Some(SessionError::Interrupted(_)));
-        std::process::exit(if interrupted { 3 } else { 1 });
+        // 3: the run failed after it started training, and a restart can resume it; 4 and 5:
+        // this rank leaves an elastic job, or stops as others leave it
+        let code = match e.downcast_ref::<SessionError>() {
+            Some(SessionError::Interrupted(RuntimeError::Leave { leaving: true, .. })) => launcher::EXIT_LEFT,
+            Some(SessionError::Interrupted(RuntimeError::Leave { leaving: false, .. })) => launcher::EXIT_STOPPED,
+            Some(SessionError::Interrupted(_)) => 3,
+            _ => 1,
+        };
+        std::process::exit(code);
     }
 }
 
@@ -453,7 +497,27 @@ fn run(cli: Cli) -> Result<()> {
             }
             std::process::exit(if report.passed || report.expected_difference.is_some() { 0 } else { 1 })
         }
-        Command::Launch { nproc, nnodes, node_rank, master_addr, master_port, max_restarts, restart_backoff, restart_port, device, share_gpu, plan, mut run_args, verify: None } => {
+        Command::Launch {
+            nproc,
+            nnodes,
+            node_rank,
+            master_addr,
+            master_port,
+            max_restarts,
+            restart_backoff,
+            restart_port,
+            elastic,
+            rejoin_timeout,
+            drop_stragglers,
+            startup_timeout,
+            step_timeout,
+            checkpoint_timeout,
+            device,
+            share_gpu,
+            plan,
+            mut run_args,
+            verify: None,
+        } => {
             let exe = std::env::current_exe().context("cannot find the smp-runner executable")?;
             let asked = DeviceRequest { device, share_gpu };
             if asked != DeviceRequest::default() {
@@ -465,8 +529,22 @@ fn run(cli: Cli) -> Result<()> {
                 run_args.extend(asked.args());
             }
             let nodes = launcher::Nodes { nnodes, node_rank, master_addr, master_port };
-            let restarts = launcher::Restarts { max: max_restarts, backoff: std::time::Duration::from_secs(restart_backoff), port: restart_port, ..Default::default() };
-            let code = launcher::launch_on(&exe, nproc, &nodes, &restarts, &plan, &run_args)?;
+            let secs = std::time::Duration::from_secs;
+            let timeouts = launcher::Timeouts { startup: secs(startup_timeout), step: secs(step_timeout), checkpoint: secs(checkpoint_timeout) };
+            let restarts = launcher::Restarts { max: max_restarts, backoff: secs(restart_backoff), port: restart_port, timeouts, ..Default::default() };
+            let code = match elastic {
+                Some((min, max)) => {
+                    let planner = replan::Planner;
+                    let elastic = Elastic { min, max, rejoin_timeout: secs(rejoin_timeout), drop_stragglers, replanner: &planner };
+                    elastic::launch_elastic(&exe, nproc, &nodes, &restarts, &elastic, &plan, &run_args)?
+                }
+                None => {
+                    if drop_stragglers.is_some() {
+                        anyhow::bail!("--drop-stragglers applies under --elastic MIN:MAX (a dropped rank's device leaves the job)");
+                    }
+                    launcher::launch_on(&exe, nproc, &nodes, &restarts, &plan, &run_args)?
+                }
+            };
             std::process::exit(code)
         }
     }
@@ -489,6 +567,80 @@ fn train(target: RunTarget, o: &TrainArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     }
     Ok(())
+}
+
+/// `--elastic MIN:MAX`.
+fn parse_elastic(s: &str) -> Result<(usize, usize), String> {
+    let bad = || format!("`{s}`: expected MIN:MAX devices, e.g. 2:4");
+    let (a, b) = s.split_once(':').ok_or_else(bad)?;
+    let (min, max) = (a.trim().parse::<usize>().map_err(|_| bad())?, b.trim().parse::<usize>().map_err(|_| bad())?);
+    if min == 0 || min > max {
+        return Err(format!("`{s}`: MIN must be at least 1 and at most MAX"));
+    }
+    Ok((min, max))
+}
+
+/// Re-planning for an elastic job: the plan's recorded request, planned again for the devices
+/// left (the planner's front door, `compile`).
+mod replan {
+    use std::path::{Path, PathBuf};
+
+    use smp_partition::cost::ClusterSpec;
+    use smp_partition::plan::Plan;
+    use smp_partition::runtime::launch::elastic::Replanner;
+
+    /// The planner, as `smp-partition` runs it.
+    pub struct Planner;
+
+    /// The model file `plan` names, as a run of the plan at `path` finds it (relative to the
+    /// plan's directory when not found as given), absolute.
+    fn model_of(plan: &Plan, path: &Path) -> PathBuf {
+        let given = PathBuf::from(&plan.model.path);
+        let found = if given.is_relative() && !given.exists() { path.parent().map(|d| d.join(&given)).filter(|m| m.exists()).unwrap_or(given) } else { given };
+        std::fs::canonicalize(&found).unwrap_or(found)
+    }
+
+    impl Replanner for Planner {
+        fn replan(&self, plan: &Plan, path: &Path, devices: usize) -> Result<Plan, String> {
+            let request = plan.request.as_ref().ok_or_else(|| {
+                format!("plan `{}` records no planning request (it was made before plans recorded one): make it again with this smp-partition to run it elastically", path.display())
+            })?;
+            let mut opts = request.options().map_err(|e| format!("plan `{}`: {e}", path.display()))?;
+            // the global batch the run trains with; how it is split is the planner's again
+            opts.global_batch = Some(plan.global_batch);
+            opts.dp = None;
+            opts.microbatches = None;
+            opts.active_microbatches = None;
+            opts.sharded_dp = None;
+            // degrees the user fixed stay while they divide the devices; otherwise searched
+            let fixed: usize = [opts.pp, opts.tp, opts.cp].iter().flatten().product();
+            if devices % fixed.max(1) != 0 {
+                (opts.pp, opts.tp, opts.cp, opts.layout) = (None, None, None, None);
+            }
+            let fixed: usize = [opts.pp, opts.tp, opts.cp].iter().flatten().product();
+            if opts.ep.is_some_and(|e| (devices / fixed.max(1)) % e != 0) {
+                opts.ep = None;
+            }
+            let cluster_name = request.cluster_with(devices);
+            opts.cluster_flag = Some(cluster_name.clone());
+            let host = smp_partition::host::machine_facts().map_err(|e| e.to_string())?;
+            let cluster = ClusterSpec::parse_on(&cluster_name, &host).map_err(|e| format!("--cluster {cluster_name}: {e}"))?;
+            let model = model_of(plan, path);
+            smp_partition::compile(&model, &cluster, &opts).map_err(|e| {
+                let mut m = e.to_string();
+                let mut src = std::error::Error::source(&e);
+                while let Some(s) = src {
+                    m += &format!(": {s}");
+                    src = s.source();
+                }
+                m
+            })
+        }
+
+        fn least_devices(&self, plan: &Plan, path: &Path, most: usize) -> Option<usize> {
+            (1..=most).find(|&n| self.replan(plan, path, n).is_ok())
+        }
+    }
 }
 
 fn prepare_data(files: &[PathBuf], output: &Path, val_fraction: f64, ext: Option<&str>, tokenizer: Option<&Path>) -> Result<()> {

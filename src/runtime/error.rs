@@ -51,6 +51,19 @@ pub enum RuntimeError {
         /// What failed (the file and the cause, on the rank it happened).
         message: String,
     },
+    /// Ranks leave the job after a step (stragglers dropped under `launch --elastic`): every
+    /// rank ends the run, and the launcher plans the job again without them.
+    #[error("ranks {ranks:?} leave the job after step {step}: {why}")]
+    Leave {
+        /// The global ranks that leave.
+        ranks: Vec<usize>,
+        /// Why.
+        why: String,
+        /// The step after which they leave.
+        step: usize,
+        /// Whether this process is one of them.
+        leaving: bool,
+    },
     /// Training set-up or loss problems.
     #[error("training: {0}")]
     Train(String),

@@ -4,6 +4,8 @@
 //! - `comm/`: the c10d shim (TCP store, Gloo/NCCL process groups, point-to-point work);
 //! - `device.rs`: where a process's tensors live (`--device`, `--share-gpu`) and how its ranks
 //!   talk, checked against what libtorch sees;
+//! - `heartbeat.rs`: a rank's signs of life to its launcher (phase, waits), and the launcher's
+//!   judgement of them (hung, waiting);
 //! - `kernels/`: op kernels on tch, the forward executor with autograd, tensor conversions,
 //!   the autograd shim (gradients accumulated in place, fused AdamW);
 //! - `formats/`: file formats the rooms share (numpy's npz and npy arrays);
@@ -16,13 +18,15 @@
 //!   parameters, process groups), the program interpreter, ZeRO state, what it measured;
 //! - `session/`: the run front door (`RunSession`): the checks of a run against its plan,
 //!   model and checkpoint, and the one report a run prints;
-//! - `launch/`: starting ranks (one host or several) and calibrating this machine.
+//! - `launch/`: starting ranks (one host or several), elastic jobs, and calibrating this
+//!   machine.
 
 pub mod comm;
 pub mod data;
 pub mod device;
 mod error;
 pub mod formats;
+pub mod heartbeat;
 pub mod kernels;
 pub mod launch;
 pub mod rank;

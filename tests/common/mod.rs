@@ -5,6 +5,7 @@ pub mod interp;
 pub mod machine;
 pub mod moe;
 pub mod exports;
+pub mod netns;
 pub mod plan_fixture;
 pub mod runner;
 pub mod synthetic_gpt;

@@ -8,6 +8,7 @@ use torch_sys::C_tensor;
 unsafe extern "C" {
     pub fn smp_c10d_free_error(e: *mut c_char);
     pub fn smp_c10d_wait_ns() -> i64;
+    pub fn smp_c10d_waiting(buf: *mut c_char, cap: c_int, waited_ns: *mut i64) -> c_int;
     pub fn smp_c10d_store_new(host: *const c_char, port: u16, is_server: c_int, world: c_int, timeout_ms: i64, out: *mut *mut c_void) -> *mut c_char;
     pub fn smp_c10d_store_free(s: *mut c_void);
     pub fn smp_c10d_group_new(

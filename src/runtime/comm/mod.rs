@@ -138,6 +138,29 @@ pub fn wait_s() -> f64 {
     unsafe { ffi::smp_c10d_wait_ns() as f64 * 1e-9 }
 }
 
+/// A wait on c10d work in progress (a collective or a message), as a heartbeat reports it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Waiting {
+    /// What is waited on: `all_reduce over ranks [0, 1]`, `recv from rank 3`.
+    pub what: String,
+    /// How long the wait has lasted, in seconds.
+    pub waited_s: f64,
+}
+
+/// The wait on c10d work some thread of this process is in now (the latest to begin, with how
+/// long waits have lasted without a break), if any.
+pub fn waiting() -> Option<Waiting> {
+    let mut buf = [0u8; 256];
+    let mut ns = 0i64;
+    // SAFETY: the shim writes at most `buf.len()` bytes, NUL-terminated, and one i64.
+    let on = unsafe { ffi::smp_c10d_waiting(buf.as_mut_ptr().cast(), buf.len() as i32, &mut ns) };
+    if on == 0 {
+        return None;
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    Some(Waiting { what: String::from_utf8_lossy(&buf[..end]).into_owned(), waited_s: ns.max(0) as f64 * 1e-9 })
+}
+
 /// The local address of the interface that reaches `host`: a UDP socket connected to it (no
 /// packet is sent) reports the source address the kernel chose.
 pub fn route_to(host: &str, port: u16) -> Result<std::net::IpAddr, DistError> {

@@ -3,12 +3,19 @@
 //! as torchrun's static rendezvous). Forwards SIGINT/SIGTERM, and when a rank fails names it,
 //! stops the others and waits for all.
 //!
+//! Every rank sends its launcher signs of life ([`heartbeat`]); a rank silent past its phase's
+//! timeout (start-up, step, checkpoint), or in a phase past it without waiting on any peer, is
+//! hung: the launcher names it, with what its peers wait on, kills it and ends the run as for
+//! a failure. A rank alive but waiting on peers past the timeout ends the run naming the
+//! collective or message and its group.
+//!
 //! With `--max-restarts N` (torchrun's name) a run that fails after it started training (a rank
-//! killed by a signal, crashed, or lost a peer: any exit but 0, 1 and 2) starts again, every
-//! rank, from the newest complete checkpoint under its `--checkpoint-dir` (from the start
+//! killed by a signal, crashed, hung or lost a peer: any exit but 0, 1 and 2) starts again,
+//! every rank, from the newest complete checkpoint under its `--checkpoint-dir` (from the start
 //! without one), after a short back-off, up to N times. Exit 1 is a user error found before
 //! the first step (a bad flag, file or plan) and exit 2 a usage error: neither is retried. The
-//! launchers of several hosts agree on each restart through node 0's [`coordinator`].
+//! launchers of several hosts agree on each restart through node 0's [`coordinator`]. Under
+//! `--elastic` ([`super::elastic`]) the launchers also agree on the job's devices.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -16,7 +23,9 @@ use std::process::{Child, Command, ExitStatus};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
-use super::coordinator::{self, Client, RoundFailure};
+use super::coordinator::{self, Client, RoundFailure, RoundState};
+use crate::runtime::heartbeat::{self, HEARTBEAT_ENV, Verdict, Watch};
+pub use crate::runtime::heartbeat::Timeouts;
 use crate::runtime::RuntimeError;
 use crate::runtime::session::report::restarts_env_value;
 use crate::runtime::session::{RESTARTS_ENV, RestartRecord};
@@ -25,6 +34,11 @@ use crate::runtime::state::checkpoint;
 const SIGINT: i32 = 2;
 const SIGKILL: i32 = 9;
 const SIGTERM: i32 = 15;
+
+/// A rank's exit status when it leaves the job (dropped as a straggler under `--elastic`).
+pub const EXIT_LEFT: i32 = 4;
+/// A rank's exit status when it stopped because others leave the job.
+pub const EXIT_STOPPED: i32 = 5;
 
 static CAUGHT: AtomicI32 = AtomicI32::new(0);
 
@@ -42,6 +56,20 @@ fn send(child: &Child, sig: i32) {
     unsafe {
         kill(child.id() as i32, sig);
     }
+}
+
+/// Installs the launcher's SIGINT/SIGTERM handler (forwarded to the ranks).
+pub(super) fn catch_signals() {
+    // SAFETY: installs an async-signal-safe handler (one atomic store).
+    unsafe {
+        signal(SIGINT, on_signal as *const () as usize);
+        signal(SIGTERM, on_signal as *const () as usize);
+    }
+}
+
+/// The signal the launcher was asked to stop by, if any.
+pub(super) fn caught() -> i32 {
+    CAUGHT.load(Ordering::SeqCst)
 }
 
 fn describe(status: ExitStatus) -> String {
@@ -85,7 +113,7 @@ impl Default for Nodes {
     }
 }
 
-/// Restarts of a failed run.
+/// Restarts of a failed run, and when a rank counts as hung.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Restarts {
     /// Starts after the first, at most (`--max-restarts`).
@@ -96,11 +124,13 @@ pub struct Restarts {
     pub agree_timeout: Duration,
     /// Node 0's port for the launchers' own store (default: the rendezvous port + 1).
     pub port: Option<u16>,
+    /// The phase timeouts past which a rank is hung.
+    pub timeouts: Timeouts,
 }
 
 impl Default for Restarts {
     fn default() -> Self {
-        Restarts { max: 0, backoff: Duration::from_secs(3), agree_timeout: Duration::from_secs(600), port: None }
+        Restarts { max: 0, backoff: Duration::from_secs(3), agree_timeout: Duration::from_secs(600), port: None, timeouts: Timeouts::default() }
     }
 }
 
@@ -113,9 +143,14 @@ pub fn launch(exe: &Path, nproc: usize, plan: &Path, args: &[String]) -> Result<
 /// Runs `exe run PLAN ARGS` as this node's `nproc` ranks of `nodes`, restarting as `restarts`
 /// says; exit code as [`launch`].
 pub fn launch_on(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restarts, plan: &Path, args: &[String]) -> Result<i32, RuntimeError> {
+    launch_nodes(exe, nproc, nodes, restarts, &run_args(plan, args))
+}
+
+/// `run PLAN ARGS` as arguments of `exe`.
+pub(super) fn run_args(plan: &Path, args: &[String]) -> Vec<OsString> {
     let mut all: Vec<OsString> = vec!["run".into(), plan.as_os_str().to_owned()];
     all.extend(args.iter().map(OsString::from));
-    launch_nodes(exe, nproc, nodes, restarts, &all)
+    all
 }
 
 /// Runs `exe ARGS` as ranks 0..nproc with torchrun's environment, never restarted; exit code
@@ -124,9 +159,8 @@ pub fn launch_args(exe: &Path, nproc: usize, args: &[OsString]) -> Result<i32, R
     launch_nodes(exe, nproc, &Nodes::default(), &Restarts::default(), args)
 }
 
-/// Runs `exe ARGS` as this node's `nproc` ranks of `nodes`, restarted as `restarts` says;
-/// exit code as [`launch`].
-pub fn launch_nodes(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restarts, args: &[OsString]) -> Result<i32, RuntimeError> {
+/// Checks `nproc` and `nodes`; the rendezvous address and port.
+pub(super) fn rendezvous(nproc: usize, nodes: &Nodes) -> Result<(String, u16), RuntimeError> {
     if nproc == 0 {
         return Err(RuntimeError::Train("--nproc must be at least 1".into()));
     }
@@ -143,22 +177,25 @@ pub fn launch_nodes(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restarts
         Some(p) => p,
         None => free_port()?,
     };
-    let addr = nodes.master_addr.clone().unwrap_or_else(|| "127.0.0.1".into());
-    // SAFETY: installs an async-signal-safe handler (one atomic store).
-    unsafe {
-        signal(SIGINT, on_signal as *const () as usize);
-        signal(SIGTERM, on_signal as *const () as usize);
-    }
+    Ok((nodes.master_addr.clone().unwrap_or_else(|| "127.0.0.1".into()), port))
+}
+
+/// Runs `exe ARGS` as this node's `nproc` ranks of `nodes`, restarted as `restarts` says;
+/// exit code as [`launch`].
+pub fn launch_nodes(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restarts, args: &[OsString]) -> Result<i32, RuntimeError> {
+    let (addr, port) = rendezvous(nproc, nodes)?;
+    catch_signals();
     let store = if nodes.nnodes > 1 && restarts.max > 0 {
         let store_port = restarts.port.unwrap_or(port.wrapping_add(1));
         if nodes.node_rank == 0 {
-            coordinator::serve(store_port, nodes.nnodes)?;
+            coordinator::serve(store_port, nodes.nnodes, None)?;
         }
         Some(Client::new(&addr, store_port))
     } else {
         None
     };
-    let job = Job { exe, nproc, nodes, addr, port, store };
+    let job = Job::new(exe, nodes, addr, port, store, restarts.timeouts)?;
+    let slots: Vec<usize> = (0..nproc).collect();
     let mut history: Vec<RestartRecord> = Vec::new();
     for round in 0..=restarts.max as u32 {
         let (round_args, resumed) = if round == 0 { (args.to_vec(), None) } else { resume_args(args) };
@@ -175,7 +212,8 @@ pub fn launch_nodes(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restarts
             agree(store, round, nodes.node_rank, restarts.agree_timeout)?;
         }
         let records = restarts_env_value(&history);
-        match job.round(round, &round_args, &records)? {
+        let spec = RoundSpec { round, args: &round_args, restarts_json: &records, world: nodes.nnodes * nproc, first_rank: nodes.node_rank * nproc, slots: &slots, env: &[], grow: None, fault_at_unix_s: None };
+        match job.round(&spec)?.outcome {
             Outcome::Done => return Ok(0),
             Outcome::Signalled(sig) => {
                 eprintln!("smp-runner launch: stopped by signal {sig}");
@@ -186,7 +224,15 @@ pub fn launch_nodes(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restarts
                 if f.fatal || round as usize == restarts.max {
                     return Ok(1);
                 }
-                history.push(RestartRecord { attempt: round as usize + 1, cause: f.what, resumed_from_step: None, checkpoint: None });
+                history.push(RestartRecord {
+                    attempt: round as usize + 1,
+                    cause: f.what,
+                    resumed_from_step: None,
+                    checkpoint: None,
+                    membership: None,
+                    fault_at_unix_s: Some(f.at_unix_s),
+                    fault_to_first_step_s: None,
+                });
                 std::thread::sleep(restarts.backoff);
             }
         }
@@ -195,47 +241,117 @@ pub fn launch_nodes(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restarts
 }
 
 /// How one start of every rank ended.
-enum Outcome {
+pub(super) enum Outcome {
     /// Every rank (of this host) succeeded.
     Done,
-    /// A rank failed (here or on another host).
+    /// A rank failed (here or on another host), or the round ended to grow the job.
     Failed(RoundFailure),
     /// The launcher was asked to stop.
     Signalled(i32),
 }
 
+/// A round's end: how, and what this host saw of it.
+pub(super) struct RoundEnd {
+    /// How it ended.
+    pub outcome: Outcome,
+    /// This host's device slots whose ranks were found hung or left the job.
+    pub lost_slots: Vec<usize>,
+    /// When global rank 0 (if it ran here) ended its first step, in seconds since the Unix epoch.
+    pub first_step_unix_s: Option<f64>,
+}
+
+/// Node 0 under `--elastic`: what it watches to grow the job at the next checkpoint.
+pub(super) struct GrowWatch<'s> {
+    /// The checkpoint directory.
+    pub root: &'s Path,
+    /// The job's devices now.
+    pub devices: usize,
+    /// The most it may have.
+    pub max: usize,
+    /// The run's last step (`--steps`): a checkpoint of it ends the run, not the round.
+    pub last_step: Option<usize>,
+}
+
+/// One start of this host's ranks.
+pub(super) struct RoundSpec<'s> {
+    /// The round (0: the first start).
+    pub round: u32,
+    /// Every rank's arguments (`run PLAN …`).
+    pub args: &'s [OsString],
+    /// The restarts so far, for the ranks' report ([`RESTARTS_ENV`]).
+    pub restarts_json: &'s str,
+    /// Ranks in the job.
+    pub world: usize,
+    /// This host's first global rank.
+    pub first_rank: usize,
+    /// This host's device slots, one rank each (local rank i on slot `slots[i]`).
+    pub slots: &'s [usize],
+    /// More environment for every rank.
+    pub env: &'s [(String, String)],
+    /// Under `--elastic`, node 0: grow at the next checkpoint when hosts wait to join.
+    pub grow: Option<GrowWatch<'s>>,
+    /// The fault this round recovers from, for the line naming its first step.
+    pub fault_at_unix_s: Option<f64>,
+}
+
 /// What every round of this host starts.
-struct Job<'a> {
+pub(super) struct Job<'a> {
     exe: &'a Path,
-    nproc: usize,
     nodes: &'a Nodes,
     addr: String,
     port: u16,
-    store: Option<Client>,
+    /// Node 0's store, when the launchers agree through one.
+    pub store: Option<Client>,
+    timeouts: Timeouts,
+    /// Where the ranks' heartbeats go (removed with the job).
+    beats: PathBuf,
 }
 
-impl Job<'_> {
-    /// Starts this host's ranks with `args` and watches them until all have ended.
-    fn round(&self, round: u32, args: &[OsString], restarts_json: &str) -> Result<Outcome, RuntimeError> {
-        let (nodes, nproc) = (self.nodes, self.nproc);
-        let world = nodes.nnodes * nproc;
-        let mut children: Vec<Option<Child>> = Vec::with_capacity(nproc);
-        for r in 0..nproc {
-            let rank = nodes.node_rank * nproc + r;
-            let spawned = Command::new(self.exe)
-                .args(args)
+impl Drop for Job<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.beats);
+    }
+}
+
+impl<'a> Job<'a> {
+    /// The job of this host: ranks of `exe`, rendezvous at `addr:port`.
+    pub fn new(exe: &'a Path, nodes: &'a Nodes, addr: String, port: u16, store: Option<Client>, timeouts: Timeouts) -> Result<Job<'a>, RuntimeError> {
+        let beats = std::env::temp_dir().join(format!("smp-launch-{}-{}", std::process::id(), nodes.node_rank));
+        std::fs::create_dir_all(&beats).map_err(|e| RuntimeError::File { path: beats.display().to_string(), message: format!("cannot create the heartbeat directory: {e}") })?;
+        Ok(Job { exe, nodes, addr, port, store, timeouts, beats })
+    }
+
+    /// Starts this host's ranks as `spec` says and watches them until all have ended.
+    pub fn round(&self, spec: &RoundSpec<'_>) -> Result<RoundEnd, RuntimeError> {
+        let node = self.nodes.node_rank;
+        let n = spec.slots.len();
+        let mut children: Vec<Option<Child>> = Vec::with_capacity(n);
+        let mut watches: Vec<Watch> = Vec::with_capacity(n);
+        let visible = visible_devices(spec.slots);
+        for (r, _) in spec.slots.iter().enumerate() {
+            let rank = spec.first_rank + r;
+            let watch = Watch::new(self.beats.join(format!("round-{}-rank-{rank}", spec.round)));
+            let mut cmd = Command::new(self.exe);
+            cmd.args(spec.args)
                 .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
+                .env("WORLD_SIZE", spec.world.to_string())
                 .env("LOCAL_RANK", r.to_string())
-                .env("LOCAL_WORLD_SIZE", nproc.to_string())
+                .env("LOCAL_WORLD_SIZE", n.to_string())
                 .env("MASTER_ADDR", &self.addr)
                 .env("MASTER_PORT", self.port.to_string())
-                .env(RESTARTS_ENV, restarts_json)
-                .spawn();
-            match spawned {
+                .env(RESTARTS_ENV, spec.restarts_json)
+                .env(HEARTBEAT_ENV, watch.path());
+            if let Some(v) = &visible {
+                cmd.env("CUDA_VISIBLE_DEVICES", v);
+            }
+            for (k, v) in spec.env {
+                cmd.env(k, v);
+            }
+            match cmd.spawn() {
                 Ok(c) => {
                     eprintln!("smp-runner launch: rank {rank}: pid {}", c.id());
                     children.push(Some(c));
+                    watches.push(watch);
                 }
                 Err(e) => {
                     for c in children.iter_mut().flatten() {
@@ -247,12 +363,22 @@ impl Job<'_> {
             }
         }
         let mut failed: Option<RoundFailure> = None;
+        // what the store has heard from here: the failure, then each device lost after it
         let mut told = false;
+        let mut untold_lost: Vec<(usize, usize)> = Vec::new();
+        let mut lost_slots: Vec<usize> = Vec::new();
         let mut stop_sent: Option<Instant> = None;
         let mut forwarded = 0;
+        let mut stopping_since: Option<Instant> = None;
         let mut last_poll = Instant::now();
+        let mut last_watch = Instant::now();
+        let mut waits_since: Vec<Option<Instant>> = vec![None; n];
+        let mut first_step: Option<f64> = None;
+        let mut grow_from: Option<usize> = None;
+        let mut succeeded = 0;
+        let mut last_grow_check = Instant::now();
         loop {
-            let sig = CAUGHT.load(Ordering::SeqCst);
+            let sig = caught();
             if sig != 0 && sig != forwarded {
                 forwarded = sig;
                 for c in children.iter().flatten() {
@@ -265,9 +391,22 @@ impl Job<'_> {
                 let Some(c) = slot else { continue };
                 match c.try_wait() {
                     Ok(Some(status)) => {
-                        if !status.success() && failed.is_none() && forwarded == 0 {
-                            let rank = nodes.node_rank * nproc + r;
-                            failed = Some(RoundFailure { fatal: fatal(status), what: format!("rank {rank} {} first", describe(status)) });
+                        let rank = spec.first_rank + r;
+                        succeeded += usize::from(status.success());
+                        if !status.success() && forwarded == 0 && stop_sent.is_none() {
+                            match status.code() {
+                                Some(EXIT_LEFT) => {
+                                    lost_slots.push(spec.slots[r]);
+                                    untold_lost.push((node, spec.slots[r]));
+                                    let f = failed.get_or_insert_with(|| RoundFailure::new(false, format!("rank {rank} left the job (see its error above)")));
+                                    f.lost.push((node, spec.slots[r]));
+                                }
+                                Some(EXIT_STOPPED) => {
+                                    stopping_since.get_or_insert_with(Instant::now);
+                                }
+                                _ if failed.is_none() => failed = Some(RoundFailure::new(fatal(status), format!("rank {rank} {} first", describe(status)))),
+                                _ => {}
+                            }
                         }
                         *slot = None;
                     }
@@ -275,22 +414,56 @@ impl Job<'_> {
                     Err(_) => *slot = None,
                 }
             }
+            if last_watch.elapsed() > Duration::from_millis(250) && forwarded == 0 {
+                last_watch = Instant::now();
+                for w in &mut watches {
+                    w.poll();
+                }
+                if first_step.is_none() && spec.first_rank == 0 {
+                    first_step = watches.first().and_then(|w| w.beat()).and_then(|b| b.first_step_unix_s);
+                    if let (Some(t), Some(fault)) = (first_step, spec.fault_at_unix_s) {
+                        eprintln!("smp-runner launch: the first step after the restart ended {:.1} s after the fault", (t - fault).max(0.0));
+                    }
+                }
+                self.judge(spec, &mut children, &watches, &mut waits_since, (&mut failed, &mut lost_slots, &mut untold_lost));
+            }
+            if let (Some(g), Some(store), None, true) = (&spec.grow, &self.store, &failed, running == n) {
+                if last_grow_check.elapsed() > Duration::from_millis(250) {
+                    last_grow_check = Instant::now();
+                    grow_when_due(store, spec.round, g, &mut grow_from);
+                }
+            }
             if let Some(store) = &self.store {
                 // tell the other hosts (again, until the store hears it), or hear from them
                 if let (Some(f), false) = (&failed, told) {
-                    told = store.fail(round, f);
+                    told = store.fail(spec.round, f);
+                    if told {
+                        untold_lost.clear();
+                    }
+                }
+                if told && !untold_lost.is_empty() {
+                    let more = RoundFailure { lost: untold_lost.clone(), ..RoundFailure::new(false, "devices lost") };
+                    if store.fail(spec.round, &more) {
+                        untold_lost.clear();
+                    }
                 }
                 if failed.is_none() && last_poll.elapsed() > Duration::from_millis(250) {
                     last_poll = Instant::now();
-                    failed = store.failure(round);
-                    told = failed.is_some();
+                    if let Some(RoundState::Failed(f)) = store.poll(spec.round) {
+                        failed = Some(f);
+                        told = true;
+                    }
                 }
             }
-            if running == 0 {
+            if stopping_since.is_some_and(|t| t.elapsed() > Duration::from_secs(10)) && failed.is_none() {
+                // ranks stopped for others leaving, and no word of who: end the round anyway
+                failed = Some(RoundFailure::new(false, "ranks stopped for a change of the job's devices"));
+            }
+            if running == 0 && (failed.is_some() || stopping_since.is_none() || forwarded != 0) {
                 if let (Some(store), Some(f), false) = (&self.store, &failed, told) {
                     // the others must hear of it before they can agree on what comes next
                     let deadline = Instant::now() + Duration::from_secs(600);
-                    while !store.fail(round, f) && Instant::now() < deadline {
+                    while !store.fail(spec.round, f) && Instant::now() < deadline {
                         std::thread::sleep(Duration::from_secs(1));
                     }
                 }
@@ -309,12 +482,122 @@ impl Job<'_> {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        Ok(match (failed, forwarded) {
+        // the last beats: rank 0 may have ended its first step since the last look
+        if first_step.is_none() && spec.first_rank == 0 {
+            if let Some(w) = watches.first_mut() {
+                w.poll();
+                first_step = w.beat().and_then(|b| b.first_step_unix_s);
+            }
+        }
+        // the failure as every host reported it (devices lost elsewhere included)
+        if let (Some(store), Some(f)) = (&self.store, &mut failed) {
+            if let Some(RoundState::Failed(all)) = store.poll(spec.round) {
+                f.lost = all.lost;
+                f.at_unix_s = f.at_unix_s.min(all.at_unix_s);
+                f.grow = all.grow;
+            }
+        }
+        let outcome = match (failed, forwarded) {
             (_, sig) if sig != 0 => Outcome::Signalled(sig),
+            // the run ended here as the others were told to grow: it is done
+            (Some(f), _) if f.grow && succeeded == n => Outcome::Done,
             (Some(f), _) => Outcome::Failed(f),
             (None, _) => Outcome::Done,
-        })
+        };
+        Ok(RoundEnd { outcome, lost_slots, first_step_unix_s: first_step })
     }
+
+    /// Judges the running ranks by their heartbeats: a hung one is killed and its device lost;
+    /// one waiting on peers past its timeout (beyond a grace in which the hung peer's own
+    /// launcher may name it) ends the round.
+    fn judge(
+        &self,
+        spec: &RoundSpec<'_>,
+        children: &mut [Option<Child>],
+        watches: &[Watch],
+        waits_since: &mut [Option<Instant>],
+        (failed, lost_slots, untold_lost): (&mut Option<RoundFailure>, &mut Vec<usize>, &mut Vec<(usize, usize)>),
+    ) {
+        let node = self.nodes.node_rank;
+        let verdicts: Vec<Verdict> = watches.iter().map(|w| w.verdict(&self.timeouts)).collect();
+        // what the others here wait on, named beside a hung rank
+        let waiters: Vec<String> = children
+            .iter()
+            .zip(watches)
+            .enumerate()
+            .filter(|(_, (c, _))| c.is_some())
+            .filter_map(|(r, (_, w))| Some(format!("rank {} waits in {}", spec.first_rank + r, w.beat()?.waiting.as_ref()?.what)))
+            .collect();
+        for (r, v) in verdicts.into_iter().enumerate() {
+            let Some(child) = children[r].as_mut() else { continue };
+            let rank = spec.first_rank + r;
+            // stuck computing past the timeout, and still so after the grace in which a
+            // failure elsewhere ends the round: hung
+            let grace = (self.timeouts.step / 2).max(Duration::from_secs(2));
+            let v = match v {
+                Verdict::Stuck(why) if failed.is_none() && waits_since[r].get_or_insert_with(Instant::now).elapsed() > grace => Verdict::Hung(why),
+                v => v,
+            };
+            match v {
+                Verdict::Fine => waits_since[r] = None,
+                Verdict::Stuck(_) => {}
+                Verdict::Hung(why) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    children[r] = None;
+                    let others: Vec<&String> = waiters.iter().filter(|w| !w.starts_with(&format!("rank {rank} "))).collect();
+                    let peers = if others.is_empty() { String::new() } else { format!("; {}", others.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")) };
+                    let what = format!("rank {rank} is hung: {why}{peers}");
+                    eprintln!("smp-runner launch: {what}; it was killed");
+                    let at = heartbeat::unix_now_s() - watches[r].last_alive().elapsed().as_secs_f64();
+                    lost_slots.push(spec.slots[r]);
+                    untold_lost.push((node, spec.slots[r]));
+                    let f = failed.get_or_insert_with(|| RoundFailure { at_unix_s: at, ..RoundFailure::new(false, what) });
+                    if !f.lost.contains(&(node, spec.slots[r])) {
+                        f.lost.push((node, spec.slots[r]));
+                    }
+                }
+                Verdict::Waits(why) => {
+                    let since = *waits_since[r].get_or_insert_with(Instant::now);
+                    if since.elapsed() > grace && failed.is_none() {
+                        *failed = Some(RoundFailure::new(false, format!("rank {rank} {why}")));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Node 0 under `--elastic`: once launchers wait to join (and the job has room), the round ends
+/// after the next checkpoint completes.
+fn grow_when_due(store: &Client, round: u32, g: &GrowWatch<'_>, grow_from: &mut Option<usize>) {
+    let newest = checkpoint::complete(g.root).last().map_or(0, |(s, _)| *s);
+    if g.last_step.is_some_and(|last| newest >= last) {
+        return;
+    }
+    match grow_from {
+        None => {
+            if g.devices < g.max && matches!(store.poll(round), Some(RoundState::Running { joining }) if joining > 0) {
+                eprintln!("smp-runner launch: hosts wait to join; the job grows after the next checkpoint");
+                *grow_from = Some(newest);
+            }
+        }
+        Some(from) if newest > *from => {
+            let _ = store.grow(round, heartbeat::unix_now_s());
+        }
+        Some(_) => {}
+    }
+}
+
+/// `CUDA_VISIBLE_DEVICES` for ranks on device `slots` (local rank i sees slot i as its GPU 0..),
+/// when some device was dropped; none while the slots are 0..n.
+fn visible_devices(slots: &[usize]) -> Option<String> {
+    if slots.iter().enumerate().all(|(i, &s)| i == s) {
+        return None;
+    }
+    let base: Option<Vec<String>> = std::env::var("CUDA_VISIBLE_DEVICES").ok().map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
+    let names: Vec<String> = slots.iter().map(|&s| base.as_ref().and_then(|b| b.get(s).cloned()).unwrap_or_else(|| s.to_string())).collect();
+    Some(names.join(","))
 }
 
 /// Waits until every host's launcher is ready for `round` (a host whose link is down keeps
@@ -335,40 +618,42 @@ fn agree(store: &Client, round: u32, node: usize, timeout: Duration) -> Result<(
     }
 }
 
-/// The arguments of a restart: `--resume` set to the run's `--checkpoint-dir` when it holds a
-/// complete checkpoint (its newest is resumed), with that checkpoint's step and directory.
-fn resume_args(args: &[OsString]) -> (Vec<OsString>, Option<(usize, PathBuf)>) {
+/// The value of `flag` in `args` (`--flag V` or `--flag=V`).
+pub(super) fn flag_value(args: &[OsString], flag: &str) -> Option<String> {
     let text: Vec<String> = args.iter().map(|a| a.to_string_lossy().into_owned()).collect();
-    let value_of = |flag: &str| -> Option<String> {
-        text.iter().enumerate().find_map(|(i, a)| {
-            if a == flag {
-                text.get(i + 1).cloned()
-            } else {
-                a.strip_prefix(&format!("{flag}=")).map(str::to_string)
-            }
-        })
-    };
-    let Some(root) = value_of("--checkpoint-dir").map(PathBuf::from) else { return (args.to_vec(), None) };
-    let Some((step, dir)) = checkpoint::complete(&root).pop() else { return (args.to_vec(), None) };
+    text.iter().enumerate().find_map(|(i, a)| if a == flag { text.get(i + 1).cloned() } else { a.strip_prefix(&format!("{flag}=")).map(str::to_string) })
+}
+
+/// `args` with `--resume DIR` (any earlier `--resume` dropped).
+pub(super) fn with_resume(args: &[OsString], dir: &Path) -> Vec<OsString> {
     let mut out: Vec<OsString> = Vec::with_capacity(args.len() + 2);
     let mut skip = false;
-    for (i, a) in args.iter().enumerate() {
+    for a in args {
         if skip {
             skip = false;
             continue;
         }
-        if text[i] == "--resume" {
+        let t = a.to_string_lossy();
+        if t == "--resume" {
             skip = true;
             continue;
         }
-        if text[i].starts_with("--resume=") {
+        if t.starts_with("--resume=") {
             continue;
         }
         out.push(a.clone());
     }
     out.push("--resume".into());
-    out.push(dir.clone().into_os_string());
-    (out, Some((step, dir)))
+    out.push(dir.as_os_str().to_owned());
+    out
+}
+
+/// The arguments of a restart: `--resume` set to the run's `--checkpoint-dir` when it holds a
+/// complete checkpoint (its newest is resumed), with that checkpoint's step and directory.
+fn resume_args(args: &[OsString]) -> (Vec<OsString>, Option<(usize, PathBuf)>) {
+    let Some(root) = flag_value(args, "--checkpoint-dir").map(PathBuf::from) else { return (args.to_vec(), None) };
+    let Some((step, dir)) = checkpoint::complete(&root).pop() else { return (args.to_vec(), None) };
+    (with_resume(args, &dir), Some((step, dir)))
 }
 
 #[cfg(test)]
@@ -395,6 +680,15 @@ mod tests {
         let plain: Vec<OsString> = ["run", "p.json"].iter().map(OsString::from).collect();
         assert_eq!(resume_args(&plain), (plain.clone(), None));
         let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn ranks_on_dropped_devices_see_the_others() {
+        assert_eq!(visible_devices(&[0, 1]), None);
+        // SAFETY-free: the variable is read, not set, here
+        if std::env::var("CUDA_VISIBLE_DEVICES").is_err() {
+            assert_eq!(visible_devices(&[0, 2, 3]).as_deref(), Some("0,2,3"));
+        }
     }
 
     fn tempfile_dir() -> PathBuf {

@@ -19,9 +19,10 @@ use crate::runtime::data::DataSource;
 use crate::runtime::data::Batch;
 use crate::runtime::state::checkpoint::{self, Piece, RunState};
 use crate::runtime::state::slice::{Slice, is_transposed, param_name};
-use crate::runtime::train::{self, LossScaler, OptimizerProgress, StepRecord, StepRunner};
+use crate::runtime::train::{self, Leave, LossScaler, OptimizerProgress, StepRecord, StepRunner};
 use super::zero::{Restore, Zero};
 use super::offload::Offload;
+use super::straggler::{self, Stragglers};
 use crate::codegen::{Instr, Payload, Purpose};
 use crate::ir::ValueId;
 
@@ -97,6 +98,8 @@ pub(super) struct Interp<'r, 'a> {
     skipped: bool,
     /// Recomputed stages' kept inputs, offloaded where the plan says.
     offload: Offload,
+    /// Ranks slower than the others, window by window.
+    pub stragglers: Stragglers,
 }
 
 impl<'r, 'a> Interp<'r, 'a> {
@@ -135,6 +138,7 @@ impl<'r, 'a> Interp<'r, 'a> {
                 });
                 Offload::new(rank.offloaded.clone(), rank.parallel.loading_horizon, order.collect())
             },
+            stragglers: Stragglers::new(rank.opts.stragglers, rank.world, rank.predicted_compute_s),
         })
     }
 
@@ -774,6 +778,7 @@ impl StepRunner for Interp<'_, '_> {
         let r = self.rank;
         let t0 = Instant::now();
         let c0 = train::process_cpu_s();
+        let waited0 = crate::runtime::comm::wait_s();
         self.step = step;
         self.skipped = false;
         let loss_scale = self.scaler.as_ref().map(LossScaler::scale);
@@ -835,12 +840,24 @@ impl StepRunner for Interp<'_, '_> {
         self.zero.release(r, &BTreeSet::new())?;
         self.tally.resident = self.zero.held(&r.params, &[]).params;
         let loss = self.loss_sum;
+        let time_s = t0.elapsed().as_secs_f64();
+        let cpu_s = train::process_cpu_s() - c0;
+        let named = self.stragglers.after_step(&r.groups.world, step, time_s, crate::runtime::comm::wait_s() - waited0)?;
+        let mut line = String::new();
         if r.opts.progress {
-            // one write per line: ranks share the launcher's stderr
-            let line = format!("[rank {}] step {step} loss {loss:.6}\n", r.global_rank);
+            line += &format!("[rank {}] step {step} loss {loss:.6}\n", r.global_rank);
+        }
+        if r.global_rank == 0 {
+            // named in the progress line, with or without --progress
+            for s in &named {
+                line += &format!("[rank {}] step {step} {}\n", r.global_rank, straggler::describe(s));
+            }
+        }
+        if !line.is_empty() {
+            // one write: ranks share the launcher's stderr
             let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
         }
-        Ok(StepRecord { step, loss, time_s: t0.elapsed().as_secs_f64(), cpu_s: train::process_cpu_s() - c0, lr: r.cfg.schedule.lr(step), loss_scale, skipped: self.skipped })
+        Ok(StepRecord { step, loss, time_s, cpu_s, lr: r.cfg.schedule.lr(step), loss_scale, skipped: self.skipped })
     }
 
     /// The mean loss over the world of `batches` batches of `data`, forward only: the
@@ -919,6 +936,10 @@ impl StepRunner for Interp<'_, '_> {
 
     fn optimizer_progress(&self, _step: usize) -> OptimizerProgress {
         OptimizerProgress { adamw_steps: self.adamw_steps, loss_scale: self.scaler.as_ref().map(LossScaler::state) }
+    }
+
+    fn leaving(&self) -> Option<Leave> {
+        self.stragglers.leave.clone()
     }
 
     fn agree(&self, ok: bool) -> Result<bool, RuntimeError> {

@@ -19,6 +19,7 @@ mod params;
 mod report;
 mod segments;
 mod setup;
+mod straggler;
 mod zero;
 
 use crate::ir::DimBindings;
@@ -37,6 +38,7 @@ pub use check::check_rank;
 pub use layout::{REPLAN, StageLayout, codegen_section, planned_graph, rank_programs, stage_layout};
 pub use report::{PhaseTimes, RankReport, RankStats, StateBytes, peak_rss_bytes};
 pub use setup::{RankOptions, rank_weights};
+pub use straggler::{DROP_STRAGGLERS_ENV, StragglerOptions};
 
 /// What one rank of a plan runs with, handed from the run session to the rank.
 pub struct RankRun<'a, 'g> {
@@ -83,5 +85,6 @@ pub fn run_rank(run: &RankRun<'_, '_>, obs: &mut dyn TrainObserver) -> Result<Ra
     report.eval = trained.evals;
     report.checkpoints = trained.checkpoints;
     report.failed_checkpoints = trained.failed_checkpoints;
+    report.stragglers = std::mem::take(&mut interp.stragglers.named);
     Ok(report)
 }

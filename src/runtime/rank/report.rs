@@ -6,7 +6,7 @@ use tch::{Kind, Tensor};
 use crate::runtime::RuntimeError;
 use crate::runtime::comm::ProcessGroup;
 use crate::runtime::terr;
-use crate::runtime::train::{CheckpointRecord, EvalRecord, FailedCheckpoint, StepRecord};
+use crate::runtime::train::{CheckpointRecord, EvalRecord, FailedCheckpoint, StepRecord, StragglerRecord};
 
 /// Bytes of trained state: parameters (full tensors, ZeRO blocks), gradients, optimizer moments.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -104,6 +104,8 @@ pub struct RankReport {
     pub checkpoints: Vec<CheckpointRecord>,
     /// Checkpoints the run went on without.
     pub failed_checkpoints: Vec<FailedCheckpoint>,
+    /// Ranks named stragglers, window by window (the same on every rank).
+    pub stragglers: Vec<StragglerRecord>,
 }
 
 /// Bytes of a tensor's elements (0 when undefined).
@@ -217,7 +219,7 @@ pub(super) fn gather(world: &ProcessGroup, size: usize, records: Vec<StepRecord>
         })
         .collect();
     world.barrier()?;
-    Ok(RankReport { steps: records, ranks, eval: Vec::new(), checkpoints: Vec::new(), failed_checkpoints: Vec::new() })
+    Ok(RankReport { steps: records, ranks, eval: Vec::new(), checkpoints: Vec::new(), failed_checkpoints: Vec::new(), stragglers: Vec::new() })
 }
 
 /// Peak resident memory of this process (bytes), from /proc.

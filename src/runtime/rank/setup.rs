@@ -37,6 +37,8 @@ pub struct RankOptions {
     pub progress: bool,
     /// The process groups' backends: NCCL for GPU tensors' collectives, or Gloo alone.
     pub backend: Backend,
+    /// How stragglers are found.
+    pub stragglers: super::straggler::StragglerOptions,
 }
 
 /// The process groups this rank is in, by member list.
@@ -165,6 +167,9 @@ pub(super) struct Rank<'a> {
     /// With expert parallelism, the ranks holding this rank's experts (when more than it):
     /// its experts' gradients are summed over them.
     pub expert_replicas: Option<Vec<usize>>,
+    /// The forward and backward seconds the plan predicts for this rank's stages (what its
+    /// busy time is judged against for stragglers).
+    pub predicted_compute_s: f64,
 }
 
 impl<'a> Rank<'a> {
@@ -251,6 +256,7 @@ impl<'a> Rank<'a> {
             slices: shards.stages.iter().flat_map(|sh| sh.slices.iter()).map(|w| (w.initializer.clone(), w.clone())).collect(),
             experts,
             expert_replicas,
+            predicted_compute_s: plan.stages_of_rank(q).map(|s| s.forward_s + s.backward_s).filter(|x| x.is_finite()).sum(),
         })
     }
 

@@ -30,7 +30,7 @@ use crate::runtime::{RuntimeError, Weights};
 
 pub use error::SessionError;
 pub use options::{CheckpointOptions, DataOptions, FloatType, InitChoice, OnCheckpointError, OptimizerOptions, ParamOptions, RunOptions};
-pub use report::{RESTARTS_ENV, RankDetail, RankEntry, RestartRecord, RunReport, restarts_from_env};
+pub use report::{MembershipChange, RESTARTS_ENV, RankDetail, RankEntry, RestartRecord, RunReport, restarts_from_env};
 
 /// What a run executes.
 #[derive(Clone, Debug)]
@@ -111,6 +111,8 @@ impl RunSession {
     }
 
     fn open_plan(path: PathBuf, opts: RunOptions) -> Result<RunSession, SessionError> {
+        // signs of life for the launcher from the start (loading counts against start-up's timeout)
+        crate::runtime::heartbeat::start_from_env();
         let plan = crate::plan::load(&path).map_err(|e| SessionError::Plan(e.to_string()))?;
         let bytes = std::fs::read(&path).map_err(|e| SessionError::Plan(format!("cannot read plan `{}`: {e}", path.display())))?;
         let plan_hash = sha256_hex(&bytes);
@@ -285,7 +287,8 @@ impl RunSession {
             checkpoints: trained.checkpoints,
             failed_checkpoints: trained.failed_checkpoints,
             resumed_from: self.resume.as_ref().map(|l| l.dir.display().to_string()),
-            restarts: restarts_from_env(),
+            restarts: report::restarts_with_first_step(crate::runtime::heartbeat::first_step_at()),
+            stragglers: Vec::new(),
             saved_weights: saved_weights.map(|p| p.display().to_string()),
             steps: trained.steps,
         })
@@ -294,7 +297,7 @@ impl RunSession {
     fn run_rank(mut self, plan: &Plan, env: &RankEnv, obs: &mut dyn TrainObserver) -> Result<RunReport, SessionError> {
         let model = self.model.clone();
         let in_rank = |e: RuntimeError| match e {
-            e @ (RuntimeError::CheckpointNotWritten { .. } | RuntimeError::File { .. } | RuntimeError::Input { .. }) => SessionError::during_training(e),
+            e @ (RuntimeError::CheckpointNotWritten { .. } | RuntimeError::File { .. } | RuntimeError::Input { .. } | RuntimeError::Leave { .. }) => SessionError::during_training(e),
             e => SessionError::Interrupted(RuntimeError::Train(format!("rank {} of {}: {e}", env.rank, env.world))),
         };
         // the graph the plan was made for: specialised as the planner did, the plan's fused
@@ -320,7 +323,12 @@ impl RunSession {
             )));
         }
         let (data, eval_data) = open_data(&exec, o, self.seq_len, plan.global_batch as i64, cfg.loss)?;
-        let rank_opts = RankOptions { timeout: o.timeout, bucket_bytes: 25 << 20, progress: o.progress, backend: self.placement.backend };
+        let stragglers = rank::StragglerOptions {
+            factor: o.straggler_factor,
+            window: o.straggler_window,
+            drop_after: std::env::var(rank::DROP_STRAGGLERS_ENV).ok().and_then(|v| v.parse().ok()).filter(|&n: &usize| n > 0),
+        };
+        let rank_opts = RankOptions { timeout: o.timeout, bucket_bytes: 25 << 20, progress: o.progress, backend: self.placement.backend, stragglers };
         // the final weights are the last step's state, gathered as a checkpoint: the run's own
         // if its last step writes one, else one in a scratch directory beside the output
         let last = self.save.as_ref().is_some_and(|s| s.due(o.steps));
@@ -366,7 +374,8 @@ impl RunSession {
             checkpoints: report.checkpoints,
             failed_checkpoints: report.failed_checkpoints,
             resumed_from: self.resume.as_ref().map(|l| l.dir.display().to_string()),
-            restarts: restarts_from_env(),
+            restarts: report::restarts_with_first_step(crate::runtime::heartbeat::first_step_at()),
+            stragglers: report.stragglers,
             saved_weights,
             steps: report.steps,
         })

@@ -212,6 +212,11 @@ pub struct RunOptions {
     pub timeout: Duration,
     /// Each rank prints `[rank R] step N` on stderr after every step (`--progress`).
     pub progress: bool,
+    /// A rank whose busy time per step exceeds the median rank's by this factor is named a
+    /// straggler (`--straggler-factor`).
+    pub straggler_factor: f64,
+    /// Steps per straggler window (`--straggler-window`; 0: no straggler watch).
+    pub straggler_window: usize,
     /// `--trainable`/`--frozen` patterns.
     pub params: ParamOptions,
     /// After training, write the trained model's tensors under module parameter names
@@ -247,6 +252,8 @@ impl Default for RunOptions {
             threads: None,
             timeout: Duration::from_secs(300),
             progress: false,
+            straggler_factor: 1.5,
+            straggler_window: 5,
             params: ParamOptions::default(),
             save_weights: None,
             checkpoints: CheckpointOptions::default(),
@@ -294,6 +301,9 @@ impl RunOptions {
         }
         if ls.growth_interval == 0 {
             return Err(refuse("--loss-scale-window must be at least 1"));
+        }
+        if !(self.straggler_factor > 1.0 && self.straggler_factor.is_finite()) {
+            return Err(refuse(format!("--straggler-factor {} must be a number above 1", self.straggler_factor)));
         }
         if let Some(p) = &self.save_weights {
             if !matches!(p.extension().and_then(|e| e.to_str()), Some("safetensors" | "npz")) {

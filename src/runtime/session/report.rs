@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::runtime::rank::{PhaseTimes, RankStats, StateBytes};
-use crate::runtime::train::{CheckpointRecord, EvalRecord, FailedCheckpoint, StepRecord};
+use crate::runtime::train::{CheckpointRecord, EvalRecord, FailedCheckpoint, StepRecord, StragglerRecord};
 
 /// What a run did and measured (the runner's `--json` object).
 #[derive(Clone, Debug, Serialize)]
@@ -29,8 +29,11 @@ pub struct RunReport {
     pub failed_checkpoints: Vec<FailedCheckpoint>,
     /// The checkpoint the run resumed from.
     pub resumed_from: Option<String>,
-    /// The restarts `smp-runner launch --max-restarts` made before this run (its failures).
+    /// The restarts `smp-runner launch --max-restarts` made before this run (its failures),
+    /// and under `--elastic` each change of the job's devices.
     pub restarts: Vec<RestartRecord>,
+    /// Ranks named stragglers, one entry per rank and window of steps.
+    pub stragglers: Vec<StragglerRecord>,
     /// Where the trained weights were written (`--save-weights`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub saved_weights: Option<String>,
@@ -139,16 +142,42 @@ impl RankDetail {
 pub const RESTARTS_ENV: &str = "SMP_RESTARTS";
 
 /// One restart of a run (the `--json` report's `restarts` entries).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RestartRecord {
     /// Which start this restart was (1: the first restart).
     pub attempt: usize,
-    /// What failed: the rank and its cause.
+    /// What failed: the rank and its cause (or, growing, the hosts that joined).
     pub cause: String,
     /// The step of the checkpoint the restart resumed (none: from the start).
     pub resumed_from_step: Option<usize>,
     /// That checkpoint's directory.
     pub checkpoint: Option<String>,
+    /// Under `launch --elastic`, the change of the job's devices this restart made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub membership: Option<MembershipChange>,
+    /// When the launcher saw the fault (or decided to grow), in seconds since the Unix epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fault_at_unix_s: Option<f64>,
+    /// Seconds from then to the end of the first step after the restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fault_to_first_step_s: Option<f64>,
+}
+
+/// A change of an elastic job's devices: who left or joined, and the plans before and after.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MembershipChange {
+    /// Hosts or devices lost (`host 1`, `host 0 device 1`).
+    pub lost: Vec<String>,
+    /// Hosts or devices that joined.
+    pub joined: Vec<String>,
+    /// Devices before and after.
+    pub devices: [usize; 2],
+    /// The plan files before and after (the new one kept beside the checkpoints).
+    pub plans: [String; 2],
+    /// Their meshes (`pp2 dp2 tp1 zero0`).
+    pub meshes: [String; 2],
+    /// Their predicted step times.
+    pub predicted_step_time_s: [f64; 2],
 }
 
 /// The value of [`RESTARTS_ENV`] that tells a restarted run's ranks what failed before.
@@ -160,6 +189,18 @@ pub fn restarts_env_value(history: &[RestartRecord]) -> String {
 /// unreadable).
 pub fn restarts_from_env() -> Vec<RestartRecord> {
     std::env::var(RESTARTS_ENV).ok().and_then(|v| serde_json::from_str(&v).ok()).unwrap_or_default()
+}
+
+/// The restarts of this run ([`restarts_from_env`]) with the time from the latest fault to the
+/// end of this run's first step (`first_step_unix_s`), when it ran one.
+pub fn restarts_with_first_step(first_step_unix_s: Option<f64>) -> Vec<RestartRecord> {
+    let mut all = restarts_from_env();
+    if let (Some(last), Some(t)) = (all.last_mut(), first_step_unix_s) {
+        if let (None, Some(fault)) = (last.fault_to_first_step_s, last.fault_at_unix_s) {
+            last.fault_to_first_step_s = Some((t - fault).max(0.0));
+        }
+    }
+    all
 }
 
 /// The losses of a run's `--json` report (the last JSON object in `stdout`), in step order.

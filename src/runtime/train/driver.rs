@@ -10,6 +10,7 @@ use super::optim::{AdamWConfig, LrSchedule};
 use super::records::{EvalConfig, EvalRecord, StepRecord, TrainObserver};
 use crate::runtime::RuntimeError;
 use crate::runtime::data::DataSource;
+use crate::runtime::heartbeat::{self, Phase};
 use crate::runtime::state::checkpoint::{self, Checkpointing, OnCheckpointError, Piece, SaveConfig};
 
 /// Settings of a training run.
@@ -66,11 +67,28 @@ pub trait StepRunner {
     /// Whether every rank says `ok` (a collective: every rank calls it, and all get the same
     /// answer).
     fn agree(&self, ok: bool) -> Result<bool, RuntimeError>;
+    /// Ranks that must leave the job after the step just run (a straggler dropped under
+    /// `launch --elastic --drop-stragglers`): the same answer on every rank.
+    fn leaving(&self) -> Option<Leave> {
+        None
+    }
     /// What the optimizer has done after step `step`, for a checkpoint's manifest: an update
     /// per step, unless fp16 loss scaling skipped some.
     fn optimizer_progress(&self, step: usize) -> OptimizerProgress {
         OptimizerProgress { adamw_steps: step, loss_scale: None }
     }
+}
+
+/// Ranks leaving the job: every rank ends the run after a checkpoint of the step, and the
+/// launcher plans the job again without them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Leave {
+    /// The global ranks that leave.
+    pub ranks: Vec<usize>,
+    /// Why, in words.
+    pub why: String,
+    /// The step after which they leave.
+    pub step: usize,
 }
 
 /// What the optimizer has done, as a checkpoint records it.
@@ -126,6 +144,7 @@ pub fn drive(
     let mut out = Trained::default();
     let validate = |runner: &mut dyn StepRunner, step: usize, out: &mut Trained, obs: &mut dyn TrainObserver| -> Result<(), RuntimeError> {
         if let Some((e, data)) = eval.filter(|(e, _)| e.due(step)) {
+            heartbeat::set_phase(Phase::Eval(step));
             let rec = EvalRecord { step, loss: runner.run_eval(data, e.batches)? };
             obs.on_eval(&rec);
             out.evals.push(rec);
@@ -138,11 +157,17 @@ pub fn drive(
     }
     out.steps.reserve(steps.saturating_sub(start));
     for step in start + 1..=steps {
-        let rec = runner.run_step(step)?;
+        heartbeat::set_phase(Phase::Step(step));
+        // a rank ending on an error is not stuck in its step
+        let rec = runner.run_step(step).inspect_err(|_| heartbeat::set_phase(Phase::Finish))?;
+        if step == start + 1 {
+            heartbeat::first_step_done();
+        }
         obs.on_step(&rec);
         out.steps.push(rec);
         validate(runner, step, &mut out, obs)?;
         if let Some(save) = ckpt.save.as_ref().filter(|s| s.due(step)) {
+            heartbeat::set_phase(Phase::Checkpoint(step));
             match save_checkpoint(runner, save, step) {
                 Ok(Some(done)) => {
                     obs.on_checkpoint(done.step, &done.manifest);
@@ -154,10 +179,24 @@ pub fn drive(
                     obs.on_checkpoint_failed(step, &e.to_string());
                     out.failed_checkpoints.push(FailedCheckpoint { step, error: e.to_string() });
                 }
-                Err(e) => return Err(e),
+                Err(e) => {
+                    heartbeat::set_phase(Phase::Finish);
+                    return Err(e);
+                }
             }
         }
+        if let Some(leave) = runner.leaving() {
+            // the job goes on without them from this step: its checkpoint first, if the run keeps any
+            if let Some(save) = ckpt.save.as_ref().filter(|s| !s.due(step)) {
+                heartbeat::set_phase(Phase::Checkpoint(step));
+                if let Some(done) = save_checkpoint(runner, save, step)? {
+                    obs.on_checkpoint(done.step, &done.manifest);
+                }
+            }
+            return Err(RuntimeError::Leave { leaving: leave.ranks.contains(&runner.rank()), ranks: leave.ranks, why: leave.why, step });
+        }
     }
+    heartbeat::set_phase(Phase::Finish);
     Ok(out)
 }
 

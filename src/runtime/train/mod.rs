@@ -11,8 +11,8 @@ pub mod records;
 pub mod single;
 
 pub use amp::{Autocast, LossScaleConfig, LossScaler};
-pub use driver::{CheckpointRecord, OptimizerProgress, FailedCheckpoint, StepRunner, TrainConfig, Trained, drive, save_checkpoint};
+pub use driver::{CheckpointRecord, FailedCheckpoint, Leave, OptimizerProgress, StepRunner, TrainConfig, Trained, drive, save_checkpoint};
 pub use loss::{IGNORE_INDEX, LossKind, global_target_count, loss_of, loss_sum_of, target_count};
 pub use optim::{AdamW, AdamWConfig, LrSchedule, LrShape, clip_grad_norm};
-pub use records::{EvalConfig, EvalRecord, Quiet, StepRecord, TrainObserver, mean_step_time, process_cpu_s};
+pub use records::{EvalConfig, EvalRecord, Quiet, StepRecord, StragglerRecord, TrainObserver, mean_step_time, process_cpu_s};
 pub use single::{SingleProcess, train, train_with};

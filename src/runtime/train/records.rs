@@ -38,6 +38,27 @@ pub fn process_cpu_s() -> f64 {
     (tick(11) + tick(12)) as f64 / 100.0
 }
 
+/// A rank named a straggler over a window of steps (the `--json` report's `stragglers`
+/// entries): its busy time (the step less its waits on peers) against the median rank's.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct StragglerRecord {
+    /// Global rank.
+    pub rank: usize,
+    /// The window's first and last step.
+    pub steps: [usize; 2],
+    /// Its mean busy seconds per step.
+    pub compute_s: f64,
+    /// Its mean seconds per step waiting on peers.
+    pub wait_s: f64,
+    /// What it would compute per step at the median rank's pace (the median's busy time
+    /// relative to the plan's prediction, times this rank's prediction).
+    pub median_compute_s: f64,
+    /// Its pace over the median's.
+    pub ratio: f64,
+    /// Windows in a row it has been named, this one included.
+    pub windows_in_a_row: usize,
+}
+
 /// One validation result (the `--json` contract's `eval` entries).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub struct EvalRecord {
