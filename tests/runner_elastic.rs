@@ -161,6 +161,12 @@ fn a_lost_host_is_planned_around_and_the_job_grows_when_it_comes_back() {
     assert_eq!(lost["membership"]["devices"], serde_json::json!([4, 2]), "{lost}");
     assert_eq!(grown["membership"]["joined"], serde_json::json!(["host 1"]), "{grown}");
     assert_eq!(grown["membership"]["devices"], serde_json::json!([2, 4]), "{grown}");
+    for change in [lost, grown] {
+        let m = &change["membership"];
+        assert_eq!(m["meshes"].as_array().map(Vec::len), Some(2), "{change}");
+        let predicted = m["predicted_step_time_s"].as_array().unwrap_or_else(|| panic!("no predicted step times: {change}"));
+        assert!(predicted.len() == 2 && predicted.iter().all(|t| t.as_f64().is_some_and(|t| t > 0.0)), "{change}");
+    }
     let s1 = lost["resumed_from_step"].as_u64().unwrap() as usize;
     let s2 = grown["resumed_from_step"].as_u64().unwrap() as usize;
     // at most the steps since the last checkpoint are lost
@@ -221,6 +227,9 @@ fn a_stopped_rank_is_named_hung_within_the_step_timeout_and_dropped() {
     let named = stopped.elapsed();
     let hung = log.last().map(|(_, l)| l.clone()).unwrap_or_default();
     assert!(hung.contains("rank 3 is hung") && hung.contains("no sign of life"), "{}", text(&log));
+    // what its host's other rank waits on: the collective or message and its group
+    let wait = hung.split("rank 2 waits in ").nth(1).unwrap_or_else(|| panic!("rank 2's wait not named: {hung}"));
+    assert!(wait.contains(" over ranks [") || wait.starts_with("recv from rank ") || wait.starts_with("send to rank "), "{hung}");
     assert!(named <= Duration::from_secs(step_timeout + 5), "named hung {:.1} s after SIGSTOP (step timeout {step_timeout} s)", named.as_secs_f64());
     let outs = wait_all(nodes);
     log.extend(rx.iter());

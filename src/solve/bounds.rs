@@ -39,7 +39,6 @@ pub(super) fn bounds_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> (f64
     let chunks = p.chunks();
     let c = p.bubble_coeff;
     let m = p.microbatches as f64;
-    let always = p.checkpoint == CheckpointRule::Always;
     let fold_min = |it: &mut dyn Iterator<Item = f64>| it.fold(f64::INFINITY, f64::min);
     let l_n = layers.len();
     let mut tmin = Vec::with_capacity(l_n);
@@ -55,8 +54,10 @@ pub(super) fn bounds_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> (f64
     } else {
         (p.loading_horizon / max_flight.max(1e-12)).min(1.0)
     };
-    for l in layers {
+    for (i, l) in layers.iter().enumerate() {
         let pts = &l.points;
+        let rule = p.checkpoint_of(i);
+        let always = rule == CheckpointRule::Always;
         tmin.push(fold_min(&mut pts.iter().map(|q| q.fwd_s + q.bwd_s + if always { q.fwd_s } else { 0.0 })));
         smin.push(fold_min(&mut pts.iter().map(|q| q.sync_s)));
         state += fold_min(&mut pts.iter().map(|q| q.state_bytes));
@@ -65,7 +66,7 @@ pub(super) fn bounds_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> (f64
         // offloading costs no time in this bound: it frees bytes (the layer's own inputs) for free
         let movable = pts.iter().map(|q| q.offload_bytes).fold(0.0, f64::max).min(input);
         let least = input - movable * (1.0 - offloaded);
-        let kept = match p.checkpoint {
+        let kept = match rule {
             CheckpointRule::Never => act,
             CheckpointRule::Always => least,
             CheckpointRule::Auto => {
@@ -74,7 +75,7 @@ pub(super) fn bounds_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> (f64
             }
         };
         act_total += kept;
-        kept_min += if p.checkpoint == CheckpointRule::Never { act } else { input };
+        kept_min += if rule == CheckpointRule::Never { act } else { input };
     }
     let t_sum: f64 = tmin.iter().sum();
     let s_sum: f64 = smin.iter().sum();

@@ -61,18 +61,19 @@ pub fn prepare(
     memory_cap: f64,
     active: Option<usize>,
     fixed_chunks: Option<Vec<usize>>,
+    fixed_checkpoints: Option<Vec<bool>>,
 ) -> Prepared {
     let table = ctx.layers(&layer_config(ctx.spec, cand));
-    prepare_on(ctx, cand, memory_cap, active, fixed_chunks, table)
+    prepare_on(ctx, cand, memory_cap, active, (fixed_chunks, fixed_checkpoints), table)
 }
 
-/// [`prepare`] over a given layer table.
+/// [`prepare`] over a given layer table, with the fixed chunks and recompute flags.
 fn prepare_on(
     ctx: &CostContext<'_>,
     cand: &Candidate,
     memory_cap: f64,
     active: Option<usize>,
-    fixed_chunks: Option<Vec<usize>>,
+    (fixed_chunks, fixed_checkpoints): (Option<Vec<usize>>, Option<Vec<bool>>),
     table: Rc<Vec<PipelineLayer>>,
 ) -> Prepared {
     let spec = ctx.spec;
@@ -115,6 +116,7 @@ fn prepare_on(
         offload: cand.parallel.offload,
         loading_horizon: cand.parallel.loading_horizon as f64,
         fixed_chunks,
+        fixed_checkpoints,
         objective: PipelineObjective::StepTime,
     };
     let (lb, mem_lb) = bounds_with(&problem, &table);
@@ -410,7 +412,8 @@ impl<'a> Search<'a> {
         for cand in cands {
             let f = layout.clone().or_else(|| fixed(cand, &self.ctx));
             let table = self.table(&layer_config(self.spec, cand));
-            out.push(prepare_on(&self.ctx, cand, self.cap, self.cfg.active_microbatches, f, table));
+            let checkpoints = self.cfg.checkpoint_flags(self.lg.layers.len());
+            out.push(prepare_on(&self.ctx, cand, self.cap, self.cfg.active_microbatches, (f, checkpoints), table));
         }
         Ok(out)
     }
@@ -526,7 +529,7 @@ fn axis_report(ctx: &CostContext<'_>, cand: &Candidate, prob: &PipelineProblem, 
 /// The cost context of a search under `cfg` (its precision, baseline and expert imbalance).
 pub fn cost_context<'a>(lg: &'a LayeredGraph, spec: &'a ClusterSpec, cfg: &PlanOptions) -> CostContext<'a> {
     let mut ctx = CostContext::new(lg, spec, cfg.precision_for(spec));
-    ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron);
+    ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron) || cfg.megatron_split;
     ctx.expert_imbalance = cfg.expert_imbalance.unwrap_or(super::options::DEFAULT_EXPERT_IMBALANCE);
     ctx
 }
@@ -540,7 +543,7 @@ pub fn min_fitting_cp(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions, 
         let try_cfg = PlanOptions { cp: Some(c), ..cfg.clone() };
         let Ok(cands) = enumerate(lg, spec, &try_cfg) else { return false };
         cands.iter().any(|cand| {
-            let p = prepare(&mut ctx, cand, cap, cfg.active_microbatches, None);
+            let p = prepare(&mut ctx, cand, cap, cfg.active_microbatches, None, cfg.checkpoint_flags(lg.layers.len()));
             p.mem_lb <= cap && p.lb.is_finite()
         })
     })
@@ -570,7 +573,7 @@ fn infeasible(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions, cap: f64
         let bigger = ClusterSpec { devices, ..spec.clone() };
         let Ok(cands) = enumerate(lg, &bigger, cfg) else { continue };
         let mut ctx = cost_context(lg, &bigger, cfg);
-        let fits = cands.iter().any(|cand| prepare(&mut ctx, cand, cap, cfg.active_microbatches, None).mem_lb <= cap);
+        let fits = cands.iter().any(|cand| prepare(&mut ctx, cand, cap, cfg.active_microbatches, None, cfg.checkpoint_flags(lg.layers.len())).mem_lb <= cap);
         if fits {
             fix.push_str(&format!(", or about {devices} devices of this kind"));
             break;
