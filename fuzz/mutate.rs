@@ -850,7 +850,7 @@ fn mutate_npz(rng: &mut Rng, bytes: &[u8]) -> Option<Vec<u8>> {
         }
         _ => members[i].1 = mutate_npy(rng, &members[i].1)?,
     }
-    smp_partition::runtime::state::npz::stored_zip(&members).ok()
+    smp_partition::runtime::formats::npz::stored_zip(&members).ok()
 }
 
 /// Token data: cut to an odd length, extended with ids, or ids set past any vocabulary.

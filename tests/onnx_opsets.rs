@@ -16,7 +16,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use smp_partition::frontend::onnx::load_model;
-use smp_partition::runtime::state::npz::read_npz;
+use smp_partition::runtime::formats::npz::read_npz;
 
 /// The exports' directory, generated once per content of the script.
 fn exports() -> &'static Path {

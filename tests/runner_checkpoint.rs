@@ -294,7 +294,7 @@ fn eval_logits(model: &Path, inputs: &Path, out: &Path, checkpoint: Option<&Path
         c.arg("--checkpoint").arg(ck);
     }
     ok(&format!("eval of {}", model.display()), c.output().unwrap());
-    let arrays = smp_partition::runtime::state::npz::read_npz(out).unwrap();
+    let arrays = smp_partition::runtime::formats::npz::read_npz(out).unwrap();
     arrays.into_iter().find(|(n, _)| n == "logits").expect("logits").1
 }
 
@@ -325,10 +325,10 @@ fn exports_hold_the_trained_weights() {
     for out in [&onnx, &st] {
         ok("export", runner().arg("export").arg(&dir).arg("-o").arg(out).output().unwrap());
     }
-    let io = smp_partition::runtime::state::npz::read_npz(&repo().join("models/gpt2.io.npz")).unwrap();
+    let io = smp_partition::runtime::formats::npz::read_npz(&repo().join("models/gpt2.io.npz")).unwrap();
     let ids = io.into_iter().find(|(n, _)| n == "input_ids").expect("input_ids").1;
     let inputs = dir.join("inputs.npz");
-    smp_partition::runtime::state::npz::write_npz(&inputs, &[("input_ids".into(), ids, None)]).unwrap();
+    smp_partition::runtime::formats::npz::write_npz(&inputs, &[("input_ids".into(), ids, None)]).unwrap();
     let exported = eval_logits(&onnx, &inputs, &dir.join("a.npz"), None);
     let own = eval_logits(&model(), &inputs, &dir.join("b.npz"), Some(&ckpt));
     let before = eval_logits(&model(), &inputs, &dir.join("c.npz"), None);
@@ -356,7 +356,7 @@ fn exports_hold_the_trained_weights() {
             let npy = dir.join("ort.npy");
             let r = Command::new(&py).args(["-c", script]).arg(m).arg(&inputs).arg(&npy).output().unwrap();
             ok(&format!("onnxruntime on {}", m.display()), r);
-            let ort = smp_partition::runtime::state::npz::read_npy(&npy).unwrap();
+            let ort = smp_partition::runtime::formats::npz::read_npy(&npy).unwrap();
             let d = max_abs(&ort, &own);
             eprintln!("onnxruntime on {} vs the runner: max abs {d:.3e}", m.display());
             assert!(d <= 1e-4 * scale.max(1.0), "onnxruntime: {d}");

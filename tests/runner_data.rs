@@ -142,7 +142,7 @@ fn window(tokens: &[u16], w: usize) -> Vec<i64> {
 fn write_batch(path: &Path, rows: &[Vec<i64>]) {
     let flat: Vec<i64> = rows.concat();
     let t = Tensor::from_slice(&flat).reshape([rows.len() as i64, SEQ as i64]);
-    smp_partition::runtime::state::npz::write_npz(path, &[("input_ids".into(), t, None)]).unwrap();
+    smp_partition::runtime::formats::npz::write_npz(path, &[("input_ids".into(), t, None)]).unwrap();
 }
 
 #[test]
@@ -231,7 +231,7 @@ fn validation_loss_is_a_forward_pass_on_the_validation_batches() {
         write_batch(&inputs, &rows);
         let r = runner().arg("eval").arg(model()).args(["--dtype", "f64", "--inputs"]).arg(&inputs).arg("--outputs").arg(&outputs).output().unwrap();
         ok("eval", r);
-        let outs = smp_partition::runtime::state::npz::read_npz(&outputs).unwrap();
+        let outs = smp_partition::runtime::formats::npz::read_npz(&outputs).unwrap();
         let logits = &outs.iter().find(|(n, _)| n == "logits").unwrap().1;
         let ids = Tensor::from_slice(&rows.concat()).reshape([BATCH as i64, SEQ as i64]);
         sum += ce_of_logits(logits, &ids);

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use smp_partition::frontend::onnx::load_model;
-use smp_partition::runtime::state::npz;
+use smp_partition::runtime::formats::npz;
 use tch::{Kind, Tensor};
 
 fn repo() -> PathBuf {

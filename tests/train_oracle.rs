@@ -24,7 +24,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use sha2::{Digest, Sha256};
-use smp_partition::runtime::state::npz;
+use smp_partition::runtime::formats::npz;
 use tch::{Kind, Tensor};
 
 const LOSS_TOL: f64 = 1e-5;

@@ -412,27 +412,7 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
         return Err(bad(format!("layer {l} is in no stage")));
     }
 
-    // Shards (tp > 1 only).
-    let shards: Vec<Vec<LayerShard>> = if input.parallel.tp > 1 {
-        let sharder = Sharder::new(lg)?.with_sequence_parallel(input.parallel.sequence_parallel);
-        let mut out = Vec::with_capacity(n_layers);
-        for l in 0..n_layers {
-            let chosen = input.node_strategies.get(l).filter(|c| !c.is_empty());
-            out.push(match chosen {
-                Some(chosen) => {
-                    let keep: Vec<String> = chosen.iter().filter(|(_, s)| *s == Strategy::Replicate).map(|(n, _)| n.clone()).collect();
-                    let (shards, realised) = sharder.shard_layer_keeping(l, input.parallel.tp, &keep)?;
-                    check_realised(lg, l, chosen, &realised)?;
-                    shards
-                }
-                None if input.replicated_layers.contains(&l) => sharder.shard_layer(l, input.parallel.tp)?,
-                None => sharder.shard_layer_strict(l, input.parallel.tp)?,
-            });
-        }
-        out
-    } else {
-        Vec::new()
-    };
+    let shards = layer_shards(lg, input)?;
     let mut weight_dims = BTreeMap::new();
     for w in shards.iter().flatten().flat_map(|s| &s.weight_slices) {
         if !weight_dims.contains_key(&w.initializer)
@@ -461,54 +441,7 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
         }
     };
 
-    // Boundary tensors: a value produced in stage a and read in stage b > a crosses every
-    // boundary from a to b.
-    let mut producer_stage = vec![usize::MAX; g.value_count()];
-    for (li, layer) in lg.layers.iter().enumerate() {
-        for &n in &layer.nodes {
-            for &o in &g.node(n).outputs {
-                producer_stage[o.index()] = stage_of_layer[li];
-            }
-        }
-    }
-    let mut last_reader = vec![0usize; g.value_count()];
-    let mut data_inputs: Vec<BTreeSet<String>> = vec![BTreeSet::new(); input.stages.len()];
-    for (li, layer) in lg.layers.iter().enumerate() {
-        let s = stage_of_layer[li];
-        for &n in &layer.nodes {
-            for v in g.node(n).inputs.iter().flatten() {
-                let val = g.value(*v);
-                if val.kind == ValueKind::Input {
-                    data_inputs[s].insert(val.name.clone());
-                } else if producer_stage[v.index()] != usize::MAX {
-                    last_reader[v.index()] = last_reader[v.index()].max(s);
-                }
-            }
-        }
-    }
-    // the last stage computes the loss from the graph's outputs
-    for &o in &g.outputs {
-        if producer_stage[o.index()] != usize::MAX {
-            last_reader[o.index()] = last_reader[o.index()].max(input.stages.len().saturating_sub(1));
-        }
-    }
-    let mut outputs_to_next: Vec<Vec<String>> = vec![Vec::new(); input.stages.len()];
-    let mut gradients_from_next: Vec<Vec<String>> = vec![Vec::new(); input.stages.len()];
-    // only values computed from trained parameters get a gradient back (not masks or positions)
-    let carries = crate::passes::params::carries_gradient(g).map_err(EncodeError::Gradients)?;
-    for v in g.value_ids() {
-        let (a, b) = (producer_stage[v.index()], last_reader[v.index()]);
-        if a == usize::MAX || b <= a {
-            continue;
-        }
-        let val = g.value(v);
-        for s in a..b {
-            outputs_to_next[s].push(val.name.clone());
-            if carries[v.index()] {
-                gradients_from_next[s].push(val.name.clone());
-            }
-        }
-    }
+    let (mut outputs_to_next, mut gradients_from_next, mut data_inputs) = boundaries(lg, input, &stage_of_layer)?;
 
     // Parameters per stage, and tied weights.
     let mut stage_params: Vec<BTreeMap<String, u64>> = vec![BTreeMap::new(); input.stages.len()];
@@ -570,6 +503,86 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
         })
         .collect();
     Ok(CodegenSection { version: CODEGEN_VERSION, tp: input.parallel.tp, shards, weight_dims, stages, tied_weights, templates, batch, fused })
+}
+
+/// The shards of every layer at tp > 1 (none at tp = 1): as the solver chose per node where it
+/// chose, whole where it replicated the layer, else strict (a weight that does not divide is an
+/// error).
+fn layer_shards(lg: &LayeredGraph, input: &CodegenInput) -> Result<Vec<Vec<LayerShard>>, EncodeError> {
+    if input.parallel.tp <= 1 {
+        return Ok(Vec::new());
+    }
+    let sharder = Sharder::new(lg)?.with_sequence_parallel(input.parallel.sequence_parallel);
+    let mut out = Vec::with_capacity(lg.layers.len());
+    for l in 0..lg.layers.len() {
+        let chosen = input.node_strategies.get(l).filter(|c| !c.is_empty());
+        out.push(match chosen {
+            Some(chosen) => {
+                let keep: Vec<String> = chosen.iter().filter(|(_, s)| *s == Strategy::Replicate).map(|(n, _)| n.clone()).collect();
+                let (shards, realised) = sharder.shard_layer_keeping(l, input.parallel.tp, &keep)?;
+                check_realised(lg, l, chosen, &realised)?;
+                shards
+            }
+            None if input.replicated_layers.contains(&l) => sharder.shard_layer(l, input.parallel.tp)?,
+            None => sharder.shard_layer_strict(l, input.parallel.tp)?,
+        });
+    }
+    Ok(out)
+}
+
+/// Per stage, what crosses its boundaries: the values it sends to the next stage, the subset
+/// whose gradients come back, and the graph inputs it reads. A value produced in stage a and
+/// read in stage b > a crosses every boundary from a to b.
+#[allow(clippy::type_complexity)]
+fn boundaries(lg: &LayeredGraph, input: &CodegenInput, stage_of_layer: &[usize]) -> Result<(Vec<Vec<String>>, Vec<Vec<String>>, Vec<BTreeSet<String>>), EncodeError> {
+    let g = &lg.graph;
+    let mut producer_stage = vec![usize::MAX; g.value_count()];
+    for (li, layer) in lg.layers.iter().enumerate() {
+        for &n in &layer.nodes {
+            for &o in &g.node(n).outputs {
+                producer_stage[o.index()] = stage_of_layer[li];
+            }
+        }
+    }
+    let mut last_reader = vec![0usize; g.value_count()];
+    let mut data_inputs: Vec<BTreeSet<String>> = vec![BTreeSet::new(); input.stages.len()];
+    for (li, layer) in lg.layers.iter().enumerate() {
+        let s = stage_of_layer[li];
+        for &n in &layer.nodes {
+            for v in g.node(n).inputs.iter().flatten() {
+                let val = g.value(*v);
+                if val.kind == ValueKind::Input {
+                    data_inputs[s].insert(val.name.clone());
+                } else if producer_stage[v.index()] != usize::MAX {
+                    last_reader[v.index()] = last_reader[v.index()].max(s);
+                }
+            }
+        }
+    }
+    // the last stage computes the loss from the graph's outputs
+    for &o in &g.outputs {
+        if producer_stage[o.index()] != usize::MAX {
+            last_reader[o.index()] = last_reader[o.index()].max(input.stages.len().saturating_sub(1));
+        }
+    }
+    let mut outputs_to_next: Vec<Vec<String>> = vec![Vec::new(); input.stages.len()];
+    let mut gradients_from_next: Vec<Vec<String>> = vec![Vec::new(); input.stages.len()];
+    // only values computed from trained parameters get a gradient back (not masks or positions)
+    let carries = crate::passes::params::carries_gradient(g).map_err(EncodeError::Gradients)?;
+    for v in g.value_ids() {
+        let (a, b) = (producer_stage[v.index()], last_reader[v.index()]);
+        if a == usize::MAX || b <= a {
+            continue;
+        }
+        let val = g.value(v);
+        for s in a..b {
+            outputs_to_next[s].push(val.name.clone());
+            if carries[v.index()] {
+                gradients_from_next[s].push(val.name.clone());
+            }
+        }
+    }
+    Ok((outputs_to_next, gradients_from_next, data_inputs))
 }
 
 /// Ids as sorted half-open ranges of consecutive ids.

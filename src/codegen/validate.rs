@@ -304,12 +304,82 @@ pub fn validate_shard_group(dims: &dyn Fn(&str) -> Option<Vec<i64>>, shards: &[L
 /// Messages name a global rank; shard problems name the first global rank running the shard.
 pub fn validate_section(section: &CodegenSection, mesh: &Mesh, microbatches: usize, sharded_dp: Option<usize>) -> Result<(), ValidationErrors> {
     let mut errs = Vec::new();
-    let first_rank = |pp: usize, tp: usize| mesh.rank(Coord { pp, dp: 0, tp }).unwrap_or(0);
+    let first_rank = |pp: usize, tp: usize| first_rank(mesh, pp, tp);
     if section.tp != mesh.tp() {
         errs.push(Invalid { rank: 0, what: format!("codegen section is for tp = {}, the plan's tp is {}", section.tp, mesh.tp()) });
         return finish(errs);
     }
-    // Templates and stages.
+    let runner_of_stage = check_templates(section, mesh, microbatches, &mut errs);
+    for s in 0..section.stages.len() {
+        if !runner_of_stage.contains_key(&s) {
+            errs.push(Invalid { rank: 0, what: format!("stage {s} is run by no pipeline rank") });
+        }
+        let code = &section.stages[s];
+        let rank = runner_of_stage.get(&s).map_or(0, |&pp| first_rank(pp, 0));
+        if code.stage != s {
+            errs.push(Invalid { rank, what: format!("stage entry {s} says stage {}", code.stage) });
+        }
+        if let Some(g) = code.gradients_from_next.iter().find(|g| !code.outputs_to_next.contains(g)) {
+            errs.push(Invalid { rank, what: format!("stage {s} expects the gradient of `{g}`, which it does not send") });
+        }
+    }
+    // Node ranges: non-empty, and no node in two ranges (the runner checks them against the
+    // graph; they are never expanded here, as a damaged plan may span billions of ids).
+    let mut spans: Vec<(usize, usize, usize)> = section.stages.iter().flat_map(|st| st.nodes.iter().map(move |r| (r[0], r[1], st.stage))).collect();
+    spans.sort_unstable();
+    for (k, &(a, b, s)) in spans.iter().enumerate() {
+        if a >= b {
+            errs.push(Invalid { rank: 0, what: format!("stage {s} lists the empty node range [{a}, {b})") });
+        }
+        if let Some(&(_, prev_end, prev_stage)) = k.checked_sub(1).and_then(|j| spans.get(j))
+            && a < prev_end
+        {
+            errs.push(Invalid { rank: 0, what: format!("node {a} is listed twice (stages {prev_stage} and {s})") });
+        }
+    }
+    if !errs.is_empty() {
+        return finish(errs);
+    }
+    let stage_of = |n: usize| {
+        let i = spans.partition_point(|&(a, _, _)| a <= n);
+        i.checked_sub(1).map(|i| spans[i]).filter(|&(_, b, _)| n < b).map(|(_, _, s)| s)
+    };
+    check_fused(section, &stage_of, &mut errs);
+    for (i, t) in section.tied_weights.iter().enumerate() {
+        if let Some(&p) = t.pp_ranks.iter().find(|&&p| p >= mesh.pp()) {
+            errs.push(Invalid { rank: 0, what: format!("tied weight #{i} `{}` names pipeline rank {p}, but pp = {}", t.weight, mesh.pp()) });
+        }
+    }
+    check_shards(section, mesh, &runner_of_stage, &mut errs);
+    if !errs.is_empty() {
+        return finish(errs);
+    }
+    // Replicas and tensor ranks of a pipeline rank share its template, and their peers and
+    // groups resolve within the same replica and tensor rank (or to groups whose members all
+    // run that template), so above a few hundred ranks checking replica 0, tensor rank 0 of
+    // every pipeline rank is as strong as checking all ranks.
+    let world = mesh.world();
+    let checked = if world <= FULL_CHECK_RANKS {
+        mesh.clone()
+    } else {
+        Mesh { ranks: (0..mesh.pp()).map(|pp| vec![vec![first_rank(pp, 0)]]).collect() }
+    };
+    match section.all_programs(&checked, sharded_dp) {
+        Ok(programs) => validate_programs(&programs),
+        Err(e) => finish(vec![Invalid { rank: 0, what: e.to_string() }]),
+    }
+}
+
+/// Global rank of replica 0 at (pipeline rank, tensor rank).
+fn first_rank(mesh: &Mesh, pp: usize, tp: usize) -> usize {
+    mesh.rank(Coord { pp, dp: 0, tp }).unwrap_or(0)
+}
+
+/// One program template per pipeline rank, each running its own stages only, each stage's
+/// forward and backward once per microbatch, one optimizer step last. Returns the pipeline
+/// rank running each stage.
+fn check_templates(section: &CodegenSection, mesh: &Mesh, microbatches: usize, errs: &mut Vec<Invalid>) -> BTreeMap<usize, usize> {
+    let first_rank = |pp: usize, tp: usize| first_rank(mesh, pp, tp);
     let mut runner_of_stage: BTreeMap<usize, usize> = BTreeMap::new();
     for pp in 0..mesh.pp() {
         let found: Vec<_> = section.templates.iter().filter(|t| t.pp_rank == pp).collect();
@@ -371,42 +441,11 @@ pub fn validate_section(section: &CodegenSection, mesh: &Mesh, microbatches: usi
             }
         }
     }
-    for s in 0..section.stages.len() {
-        if !runner_of_stage.contains_key(&s) {
-            errs.push(Invalid { rank: 0, what: format!("stage {s} is run by no pipeline rank") });
-        }
-        let code = &section.stages[s];
-        let rank = runner_of_stage.get(&s).map_or(0, |&pp| first_rank(pp, 0));
-        if code.stage != s {
-            errs.push(Invalid { rank, what: format!("stage entry {s} says stage {}", code.stage) });
-        }
-        if let Some(g) = code.gradients_from_next.iter().find(|g| !code.outputs_to_next.contains(g)) {
-            errs.push(Invalid { rank, what: format!("stage {s} expects the gradient of `{g}`, which it does not send") });
-        }
-    }
-    // Fused ops: each fused node runs in a stage, the nodes it replaces in none and in no other
-    // fused op.
-    // Node ranges: non-empty, and no node in two ranges (the runner checks them against the
-    // graph; they are never expanded here, as a damaged plan may span billions of ids).
-    let mut spans: Vec<(usize, usize, usize)> = section.stages.iter().flat_map(|st| st.nodes.iter().map(move |r| (r[0], r[1], st.stage))).collect();
-    spans.sort_unstable();
-    for (k, &(a, b, s)) in spans.iter().enumerate() {
-        if a >= b {
-            errs.push(Invalid { rank: 0, what: format!("stage {s} lists the empty node range [{a}, {b})") });
-        }
-        if let Some(&(_, prev_end, prev_stage)) = k.checked_sub(1).and_then(|j| spans.get(j))
-            && a < prev_end
-        {
-            errs.push(Invalid { rank: 0, what: format!("node {a} is listed twice (stages {prev_stage} and {s})") });
-        }
-    }
-    if !errs.is_empty() {
-        return finish(errs);
-    }
-    let stage_of = |n: usize| {
-        let i = spans.partition_point(|&(a, _, _)| a <= n);
-        i.checked_sub(1).map(|i| spans[i]).filter(|&(_, b, _)| n < b).map(|(_, _, s)| s)
-    };
+    runner_of_stage
+}
+
+/// Each fused node runs in a stage, the nodes it replaces in none and in no other fused op.
+fn check_fused(section: &CodegenSection, stage_of: &dyn Fn(usize) -> Option<usize>, errs: &mut Vec<Invalid>) {
     let mut replaced: BTreeMap<usize, usize> = BTreeMap::new();
     for f in &section.fused {
         let mut bad = |what: String| errs.push(Invalid { rank: 0, what: format!("fused op at node {} ({}): {what}", f.node, f.op) });
@@ -431,12 +470,11 @@ pub fn validate_section(section: &CodegenSection, mesh: &Mesh, microbatches: usi
             }
         }
     }
-    for (i, t) in section.tied_weights.iter().enumerate() {
-        if let Some(&p) = t.pp_ranks.iter().find(|&&p| p >= mesh.pp()) {
-            errs.push(Invalid { rank: 0, what: format!("tied weight #{i} `{}` names pipeline rank {p}, but pp = {}", t.weight, mesh.pp()) });
-        }
-    }
-    // Shards.
+}
+
+/// Every layer has `tp` shards that agree with each other and with the sliced weights' dims.
+fn check_shards(section: &CodegenSection, mesh: &Mesh, runner_of_stage: &BTreeMap<usize, usize>, errs: &mut Vec<Invalid>) {
+    let first_rank = |pp: usize, tp: usize| first_rank(mesh, pp, tp);
     if section.tp > 1 {
         let layers = section.stages.last().map_or(0, |s| s.layers[1] + 1);
         if section.shards.len() != layers {
@@ -458,23 +496,6 @@ pub fn validate_section(section: &CodegenSection, mesh: &Mesh, microbatches: usi
                 errs.extend(es.into_iter().map(|e| Invalid { rank: first_rank(pp, e.rank), what: format!("layer {l} (tensor rank {}): {}", e.rank, e.what) }));
             }
         }
-    }
-    if !errs.is_empty() {
-        return finish(errs);
-    }
-    // Replicas and tensor ranks of a pipeline rank share its template, and their peers and
-    // groups resolve within the same replica and tensor rank (or to groups whose members all
-    // run that template), so above a few hundred ranks checking replica 0, tensor rank 0 of
-    // every pipeline rank is as strong as checking all ranks.
-    let world = mesh.world();
-    let checked = if world <= FULL_CHECK_RANKS {
-        mesh.clone()
-    } else {
-        Mesh { ranks: (0..mesh.pp()).map(|pp| vec![vec![first_rank(pp, 0)]]).collect() }
-    };
-    match section.all_programs(&checked, sharded_dp) {
-        Ok(programs) => validate_programs(&programs),
-        Err(e) => finish(vec![Invalid { rank: 0, what: e.to_string() }]),
     }
 }
 

@@ -243,6 +243,14 @@ pub fn axes_lines(plan: &Plan, a: &super::schema::AxesInfo) -> Vec<String> {
 /// The readable report printed by `inspect` (and after planning).
 pub fn render(plan: &Plan) -> String {
     let mut out = String::new();
+    header(plan, &mut out);
+    stage_table(plan, &mut out);
+    summary(plan, &mut out);
+    out
+}
+
+/// The model, cluster, parallel configuration and batch lines.
+fn header(plan: &Plan, out: &mut String) {
     let par = &plan.parallel;
     let _ = writeln!(
         out,
@@ -293,6 +301,11 @@ pub fn render(plan: &Plan) -> String {
     }
     out.push('\n');
 
+}
+
+/// One row per stage (times and memory), then the stages that offload.
+fn stage_table(plan: &Plan, out: &mut String) {
+    let par = &plan.parallel;
     let limit = plan.cluster.memory_limit_bytes as f64;
     let mut rows = vec![
         [
@@ -350,6 +363,10 @@ pub fn render(plan: &Plan) -> String {
         );
     }
 
+}
+
+/// The bottleneck, bubble, communication, prediction and solver lines.
+fn summary(plan: &Plan, out: &mut String) {
     if let Some(b) = bottleneck(plan) {
         let which = if b.stages.len() == 1 {
             format!("stage {}", b.stages[0])
@@ -403,5 +420,4 @@ pub fn render(plan: &Plan) -> String {
         sv.candidates.skipped,
         sv.wall_s
     );
-    out
 }

@@ -8,8 +8,9 @@
 //!   judgement of them (hung, waiting);
 //! - `kernels/`: op kernels on tch, the forward executor with autograd, tensor conversions,
 //!   the autograd shim (gradients accumulated in place, fused AdamW);
+//! - `formats/`: file formats the rooms share (numpy's npz and npy arrays);
 //! - `state/`: what lives on disk or in memory between steps: weights and where they are read
-//!   from, checkpoints, npz files, the trained model out (export);
+//!   from, checkpoints, the trained model out (export);
 //! - `data/`: token files, batches, their order, `prepare-data`;
 //! - `train/`: losses, the optimizer and learning rate, records and observers, and the one
 //!   training loop (`train::driver::drive`) that a single process and every rank run;
@@ -24,6 +25,7 @@ pub mod comm;
 pub mod data;
 pub mod device;
 mod error;
+pub mod formats;
 pub mod heartbeat;
 pub mod kernels;
 pub mod launch;

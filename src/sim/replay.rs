@@ -268,240 +268,279 @@ type CollKey = (Purpose, Vec<usize>, usize);
 
 /// Replays `programs` with `durations`; fails on deadlock naming the stuck ranks.
 pub fn simulate(programs: &[RankProgram], durations: &dyn Durations) -> Result<SimResult, SimError> {
-    let n = programs.len();
-    let mut index_of: HashMap<usize, usize> = HashMap::new();
-    for (i, p) in programs.iter().enumerate() {
-        if index_of.insert(p.rank, i).is_some() {
-            return Err(SimError::DuplicateRank(p.rank));
-        }
-    }
-    let last_stage = programs
-        .iter()
-        .flat_map(|p| p.instrs.iter())
-        .filter_map(|i| match i {
-            Instr::Forward { stage, .. } | Instr::Backward { stage, .. } | Instr::BackwardWeight { stage, .. } => {
-                Some(*stage)
-            }
-            _ => None,
-        })
-        .max()
-        .unwrap_or(0);
-    let has_w: Vec<HashSet<(usize, usize)>> = programs
-        .iter()
-        .map(|p| {
-            p.instrs
-                .iter()
-                .filter_map(|i| match i {
-                    Instr::BackwardWeight { stage, mb } => Some((*stage, *mb)),
-                    _ => None,
-                })
-                .collect()
-        })
-        .collect();
-
-    let mut pc = vec![0usize; n];
-    let mut now = vec![0.0f64; n];
-    let mut busy = vec![0.0f64; n];
-    let mut live_bytes = vec![0.0f64; n];
-    let mut live_count = vec![0usize; n];
-    let mut peak_bytes = vec![0.0f64; n];
-    let mut peak_count = vec![0usize; n];
-    let mut outstanding = vec![0usize; n];
-    let mut max_outstanding = vec![0usize; n];
-    let mut tokens: Vec<HashMap<(Token, usize, usize), f64>> = vec![HashMap::new(); n];
-    let mut forward_done: Vec<HashSet<(usize, usize)>> = vec![HashSet::new(); n];
-    let mut backward_done: Vec<HashSet<(usize, usize)>> = vec![HashSet::new(); n];
-    let mut messages: HashMap<MsgKey, f64> = HashMap::new();
-    let mut coll_seen: Vec<HashMap<(Purpose, Vec<usize>), usize>> = vec![HashMap::new(); n];
-    let mut coll_arrivals: HashMap<CollKey, Vec<(usize, f64, f64)>> = HashMap::new();
-    let mut coll_registered = vec![false; n];
-    let mut events = Vec::new();
-
+    let mut s = Replay::new(programs, durations)?;
     // Worklist: a rank runs until it blocks; sending to a rank or arriving at a collective
     // wakes the ranks that may be waiting for it.
-    let mut queued = vec![true; n];
-    let mut queue: std::collections::VecDeque<usize> = (0..n).collect();
-    while let Some(r) = queue.pop_front() {
-        queued[r] = false;
-        {
-            let prog = &programs[r];
-            while let Some(instr) = prog.instrs.get(pc[r]) {
-                let rank = prog.rank;
-                let t = now[r];
-                let name = || instr.to_string();
-                match instr {
-                    Instr::Forward { stage, mb } => {
-                        let (s, mb) = (*stage, *mb);
-                        let ready = if s == 0 { Some(t) } else { tokens[r].get(&(Token::Act, s, mb)).copied() };
-                        let Some(ready) = ready else { break };
-                        let start = t.max(ready);
-                        let end = start + durations.duration(rank, instr);
-                        live_bytes[r] += durations.activation_bytes(rank, s);
-                        live_count[r] += 1;
-                        peak_bytes[r] = peak_bytes[r].max(live_bytes[r]);
-                        peak_count[r] = peak_count[r].max(live_count[r]);
-                        busy[r] += end - start;
-                        forward_done[r].insert((s, mb));
-                        tokens[r].insert((Token::Act, s + 1, mb), end);
-                        events.push(SimEvent { rank, name: name(), kind: EventKind::Forward, stage_mb: Some((s, mb)), start, end });
-                        now[r] = end;
-                    }
-                    Instr::Backward { stage, mb } => {
-                        let (s, mb) = (*stage, *mb);
-                        if !forward_done[r].contains(&(s, mb)) {
-                            break;
-                        }
-                        let ready = if s == last_stage { Some(t) } else { tokens[r].get(&(Token::Grad, s, mb)).copied() };
-                        let Some(ready) = ready else { break };
-                        let start = t.max(ready);
-                        let split = has_w[r].contains(&(s, mb));
-                        let mut dur = durations.duration(rank, instr);
-                        if !split {
-                            dur += durations.duration(rank, &Instr::BackwardWeight { stage: s, mb });
-                            live_bytes[r] -= durations.activation_bytes(rank, s);
-                            live_count[r] = live_count[r].saturating_sub(1);
-                        }
-                        let end = start + dur;
-                        busy[r] += dur;
-                        backward_done[r].insert((s, mb));
-                        if s > 0 {
-                            tokens[r].insert((Token::Grad, s - 1, mb), end);
-                        }
-                        events.push(SimEvent { rank, name: name(), kind: EventKind::Backward, stage_mb: Some((s, mb)), start, end });
-                        now[r] = end;
-                    }
-                    Instr::BackwardWeight { stage, mb } => {
-                        let (s, mb) = (*stage, *mb);
-                        if !backward_done[r].contains(&(s, mb)) {
-                            break;
-                        }
-                        let end = t + durations.duration(rank, instr);
-                        busy[r] += end - t;
-                        live_bytes[r] -= durations.activation_bytes(rank, s);
-                        live_count[r] = live_count[r].saturating_sub(1);
-                        events.push(SimEvent {
-                            rank,
-                            name: name(),
-                            kind: EventKind::BackwardWeight,
-                            stage_mb: Some((s, mb)),
-                            start: t,
-                            end,
-                        });
-                        now[r] = end;
-                    }
-                    Instr::Send { to: peer, what, stage, mb, .. } => {
-                        let arrival = t + durations.duration(rank, instr);
-                        messages.insert((rank, *peer, *what, *stage, *mb), arrival);
-                        if let Some(&pi) = index_of.get(peer)
-                            && !queued[pi]
-                        {
-                            queued[pi] = true;
-                            queue.push_back(pi);
-                        }
-                        outstanding[r] += 1;
-                        max_outstanding[r] = max_outstanding[r].max(outstanding[r]);
-                        events.push(SimEvent {
-                            rank,
-                            name: name(),
-                            kind: EventKind::Transfer,
-                            stage_mb: Some((*stage, *mb)),
-                            start: t,
-                            end: arrival,
-                        });
-                    }
-                    Instr::Recv { from: peer, what, stage, mb, .. } => {
-                        let sender_stage = match what {
-                            Payload::Activation => stage.wrapping_sub(1),
-                            Payload::Gradient => stage + 1,
-                        };
-                        let key = (*peer, rank, *what, sender_stage, *mb);
-                        let Some(arrival) = messages.remove(&key) else { break };
-                        if let Some(&si) = index_of.get(peer) {
-                            outstanding[si] = outstanding[si].saturating_sub(1);
-                        }
-                        let end = t.max(arrival);
-                        let token = match what {
-                            Payload::Activation => Token::Act,
-                            Payload::Gradient => Token::Grad,
-                        };
-                        tokens[r].insert((token, *stage, *mb), end);
-                        now[r] = end;
-                    }
-                    Instr::AllReduce { group, purpose: tag, .. }
-                    | Instr::ReduceScatter { group, purpose: tag, .. }
-                    | Instr::AllGather { group, purpose: tag, .. } => {
-                        if !group.contains(&rank) {
-                            return Err(SimError::NotInGroup { rank, at: name(), group: group.clone() });
-                        }
-                        let seen = coll_seen[r].get(&(tag.clone(), group.clone())).copied().unwrap_or(0);
-                        let key = (tag.clone(), group.clone(), seen);
-                        let arrivals = coll_arrivals.entry(key.clone()).or_default();
-                        if !coll_registered[r] {
-                            arrivals.push((rank, t, durations.duration(rank, instr)));
-                            coll_registered[r] = true;
-                            for member in group {
-                                if let Some(&mi) = index_of.get(member)
-                                    && mi != r
-                                    && !queued[mi]
-                                {
-                                    queued[mi] = true;
-                                    queue.push_back(mi);
-                                }
-                            }
-                        }
-                        if arrivals.len() < group.len() {
-                            break;
-                        }
-                        let start = arrivals.iter().map(|a| a.1).fold(0.0, f64::max);
-                        let end = start + arrivals.iter().map(|a| a.2).fold(0.0, f64::max);
-                        coll_registered[r] = false;
-                        *coll_seen[r].entry((tag.clone(), group.clone())).or_default() += 1;
-                        events.push(SimEvent { rank, name: name(), kind: EventKind::Collective, stage_mb: None, start, end });
-                        now[r] = end;
-                    }
-                    Instr::OptimizerStep => {
-                        let end = t + durations.duration(rank, instr);
-                        events.push(SimEvent { rank, name: name(), kind: EventKind::Optimizer, stage_mb: None, start: t, end });
-                        now[r] = end;
-                    }
-                }
-                pc[r] += 1;
+    while let Some(r) = s.queue.pop_front() {
+        s.queued[r] = false;
+        while let Some(instr) = programs[r].instrs.get(s.pc[r]) {
+            if !s.step(r, instr)? {
+                break;
             }
+            s.pc[r] += 1;
         }
     }
-    if pc.iter().zip(programs).any(|(&i, p)| i < p.instrs.len()) {
-        return Err(SimError::Deadlock { stuck: explain(programs, &pc, &messages, &coll_arrivals, &coll_seen) });
-    }
+    s.finish()
+}
 
-    if let Some(((from, to, what, stage, mb), _)) = messages.iter().min_by_key(|(k, _)| (k.0, k.3, k.4)) {
-        let at = Instr::<usize, Vec<usize>>::Send { to: *to, what: *what, stage: *stage, mb: *mb, bytes: 0 }.to_string();
-        return Err(SimError::UnreceivedSend { rank: *from, at, peer: *to });
-    }
+/// The replay's state, per rank by index into the programs.
+struct Replay<'p> {
+    programs: &'p [RankProgram],
+    durations: &'p dyn Durations,
+    index_of: HashMap<usize, usize>,
+    last_stage: usize,
+    /// (stage, microbatch) pairs whose weight gradient runs apart (`W`).
+    has_w: Vec<HashSet<(usize, usize)>>,
+    pc: Vec<usize>,
+    now: Vec<f64>,
+    busy: Vec<f64>,
+    live_bytes: Vec<f64>,
+    live_count: Vec<usize>,
+    peak_bytes: Vec<f64>,
+    peak_count: Vec<usize>,
+    outstanding: Vec<usize>,
+    max_outstanding: Vec<usize>,
+    tokens: Vec<HashMap<(Token, usize, usize), f64>>,
+    forward_done: Vec<HashSet<(usize, usize)>>,
+    backward_done: Vec<HashSet<(usize, usize)>>,
+    messages: HashMap<MsgKey, f64>,
+    coll_seen: Vec<HashMap<(Purpose, Vec<usize>), usize>>,
+    coll_arrivals: HashMap<CollKey, Vec<(usize, f64, f64)>>,
+    coll_registered: Vec<bool>,
+    events: Vec<SimEvent>,
+    queued: Vec<bool>,
+    queue: std::collections::VecDeque<usize>,
+}
 
-    let step_time = now.iter().copied().fold(0.0, f64::max);
-    let compute_end = events.iter().filter(|e| e.kind.is_compute()).map(|e| e.end).fold(0.0, f64::max);
-    let ideal = busy.iter().copied().fold(0.0, f64::max);
-    let bubble_ratio = if ideal > 0.0 { (compute_end - ideal) / ideal } else { 0.0 };
-    let ranks = programs
-        .iter()
-        .enumerate()
-        .map(|(r, p)| RankStats {
-            rank: p.rank,
-            busy: busy[r],
-            idle: step_time - busy[r],
-            finish: now[r],
-            peak_activation_bytes: peak_bytes[r],
-            peak_in_flight: peak_count[r],
-            max_outstanding_sends: max_outstanding[r],
+impl<'p> Replay<'p> {
+    fn new(programs: &'p [RankProgram], durations: &'p dyn Durations) -> Result<Replay<'p>, SimError> {
+        let n = programs.len();
+        let mut index_of: HashMap<usize, usize> = HashMap::new();
+        for (i, p) in programs.iter().enumerate() {
+            if index_of.insert(p.rank, i).is_some() {
+                return Err(SimError::DuplicateRank(p.rank));
+            }
+        }
+        let last_stage = programs
+            .iter()
+            .flat_map(|p| p.instrs.iter())
+            .filter_map(|i| match i {
+                Instr::Forward { stage, .. } | Instr::Backward { stage, .. } | Instr::BackwardWeight { stage, .. } => Some(*stage),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0);
+        let has_w = programs
+            .iter()
+            .map(|p| {
+                p.instrs
+                    .iter()
+                    .filter_map(|i| match i {
+                        Instr::BackwardWeight { stage, mb } => Some((*stage, *mb)),
+                        _ => None,
+                    })
+                    .collect()
+            })
+            .collect();
+        Ok(Replay {
+            programs,
+            durations,
+            index_of,
+            last_stage,
+            has_w,
+            pc: vec![0; n],
+            now: vec![0.0; n],
+            busy: vec![0.0; n],
+            live_bytes: vec![0.0; n],
+            live_count: vec![0; n],
+            peak_bytes: vec![0.0; n],
+            peak_count: vec![0; n],
+            outstanding: vec![0; n],
+            max_outstanding: vec![0; n],
+            tokens: vec![HashMap::new(); n],
+            forward_done: vec![HashSet::new(); n],
+            backward_done: vec![HashSet::new(); n],
+            messages: HashMap::new(),
+            coll_seen: vec![HashMap::new(); n],
+            coll_arrivals: HashMap::new(),
+            coll_registered: vec![false; n],
+            events: Vec::new(),
+            queued: vec![true; n],
+            queue: (0..n).collect(),
         })
-        .collect();
-    Ok(SimResult {
-        step_time,
-        ranks,
-        bubble_ratio,
-        peak_activation_bytes: peak_bytes.iter().copied().fold(0.0, f64::max),
-        events,
-    })
+    }
+
+    /// Queues the program of global rank `rank`, unless it is queued already.
+    fn wake(&mut self, rank: usize) {
+        if let Some(&i) = self.index_of.get(&rank)
+            && !self.queued[i]
+        {
+            self.queued[i] = true;
+            self.queue.push_back(i);
+        }
+    }
+
+    /// Runs `instr`, the next instruction of program `r`; false when it must wait.
+    fn step(&mut self, r: usize, instr: &Instr) -> Result<bool, SimError> {
+        let rank = self.programs[r].rank;
+        let t = self.now[r];
+        match instr {
+            Instr::Forward { stage, mb } => {
+                let (s, mb) = (*stage, *mb);
+                let ready = if s == 0 { Some(t) } else { self.tokens[r].get(&(Token::Act, s, mb)).copied() };
+                let Some(ready) = ready else { return Ok(false) };
+                let start = t.max(ready);
+                let end = start + self.durations.duration(rank, instr);
+                self.live_bytes[r] += self.durations.activation_bytes(rank, s);
+                self.live_count[r] += 1;
+                self.peak_bytes[r] = self.peak_bytes[r].max(self.live_bytes[r]);
+                self.peak_count[r] = self.peak_count[r].max(self.live_count[r]);
+                self.busy[r] += end - start;
+                self.forward_done[r].insert((s, mb));
+                self.tokens[r].insert((Token::Act, s + 1, mb), end);
+                self.compute(r, instr, EventKind::Forward, Some((s, mb)), (start, end));
+            }
+            Instr::Backward { stage, mb } => return Ok(self.backward(r, instr, (*stage, *mb))),
+            Instr::BackwardWeight { stage, mb } => {
+                let (s, mb) = (*stage, *mb);
+                if !self.backward_done[r].contains(&(s, mb)) {
+                    return Ok(false);
+                }
+                let end = t + self.durations.duration(rank, instr);
+                self.busy[r] += end - t;
+                self.live_bytes[r] -= self.durations.activation_bytes(rank, s);
+                self.live_count[r] = self.live_count[r].saturating_sub(1);
+                self.compute(r, instr, EventKind::BackwardWeight, Some((s, mb)), (t, end));
+            }
+            Instr::Send { to: peer, what, stage, mb, .. } => {
+                let arrival = t + self.durations.duration(rank, instr);
+                self.messages.insert((rank, *peer, *what, *stage, *mb), arrival);
+                self.wake(*peer);
+                self.outstanding[r] += 1;
+                self.max_outstanding[r] = self.max_outstanding[r].max(self.outstanding[r]);
+                self.events.push(SimEvent { rank, name: instr.to_string(), kind: EventKind::Transfer, stage_mb: Some((*stage, *mb)), start: t, end: arrival });
+            }
+            Instr::Recv { from: peer, what, stage, mb, .. } => {
+                let sender_stage = match what {
+                    Payload::Activation => stage.wrapping_sub(1),
+                    Payload::Gradient => stage + 1,
+                };
+                let Some(arrival) = self.messages.remove(&(*peer, rank, *what, sender_stage, *mb)) else { return Ok(false) };
+                if let Some(&si) = self.index_of.get(peer) {
+                    self.outstanding[si] = self.outstanding[si].saturating_sub(1);
+                }
+                let end = t.max(arrival);
+                let token = match what {
+                    Payload::Activation => Token::Act,
+                    Payload::Gradient => Token::Grad,
+                };
+                self.tokens[r].insert((token, *stage, *mb), end);
+                self.now[r] = end;
+            }
+            Instr::AllReduce { group, purpose, .. } | Instr::ReduceScatter { group, purpose, .. } | Instr::AllGather { group, purpose, .. } => {
+                return self.collective(r, instr, (purpose, group));
+            }
+            Instr::OptimizerStep => {
+                let end = t + self.durations.duration(rank, instr);
+                self.compute(r, instr, EventKind::Optimizer, None, (t, end));
+            }
+        }
+        Ok(true)
+    }
+
+    /// Records a compute event of program `r` from `start` to `end`, where the rank now is.
+    fn compute(&mut self, r: usize, instr: &Instr, kind: EventKind, stage_mb: Option<(usize, usize)>, (start, end): (f64, f64)) {
+        self.events.push(SimEvent { rank: self.programs[r].rank, name: instr.to_string(), kind, stage_mb, start, end });
+        self.now[r] = end;
+    }
+
+    /// `B(s, mb)` of program `r`: after its forward and the gradient from the next stage (the
+    /// whole backward when the program has no `W` for it); false when it must wait.
+    fn backward(&mut self, r: usize, instr: &Instr, (s, mb): (usize, usize)) -> bool {
+        let rank = self.programs[r].rank;
+        let t = self.now[r];
+        if !self.forward_done[r].contains(&(s, mb)) {
+            return false;
+        }
+        let ready = if s == self.last_stage { Some(t) } else { self.tokens[r].get(&(Token::Grad, s, mb)).copied() };
+        let Some(ready) = ready else { return false };
+        let start = t.max(ready);
+        let mut dur = self.durations.duration(rank, instr);
+        if !self.has_w[r].contains(&(s, mb)) {
+            dur += self.durations.duration(rank, &Instr::BackwardWeight { stage: s, mb });
+            self.live_bytes[r] -= self.durations.activation_bytes(rank, s);
+            self.live_count[r] = self.live_count[r].saturating_sub(1);
+        }
+        let end = start + dur;
+        self.busy[r] += dur;
+        self.backward_done[r].insert((s, mb));
+        if s > 0 {
+            self.tokens[r].insert((Token::Grad, s - 1, mb), end);
+        }
+        self.compute(r, instr, EventKind::Backward, Some((s, mb)), (start, end));
+        true
+    }
+
+    /// A collective of program `r` over `group`: it arrives (waking the other members), and
+    /// runs when the last member has; false until then.
+    fn collective(&mut self, r: usize, instr: &Instr, (tag, group): (&Purpose, &Vec<usize>)) -> Result<bool, SimError> {
+        let rank = self.programs[r].rank;
+        if !group.contains(&rank) {
+            return Err(SimError::NotInGroup { rank, at: instr.to_string(), group: group.clone() });
+        }
+        let seen = self.coll_seen[r].get(&(tag.clone(), group.clone())).copied().unwrap_or(0);
+        let key = (tag.clone(), group.clone(), seen);
+        if !self.coll_registered[r] {
+            let arrival = (rank, self.now[r], self.durations.duration(rank, instr));
+            self.coll_arrivals.entry(key.clone()).or_default().push(arrival);
+            self.coll_registered[r] = true;
+            for &member in group.iter().filter(|&&m| m != rank) {
+                self.wake(member);
+            }
+        }
+        let arrivals = &self.coll_arrivals[&key];
+        if arrivals.len() < group.len() {
+            return Ok(false);
+        }
+        let start = arrivals.iter().map(|a| a.1).fold(0.0, f64::max);
+        let end = start + arrivals.iter().map(|a| a.2).fold(0.0, f64::max);
+        self.coll_registered[r] = false;
+        *self.coll_seen[r].entry((tag.clone(), group.clone())).or_default() += 1;
+        self.events.push(SimEvent { rank, name: instr.to_string(), kind: EventKind::Collective, stage_mb: None, start, end });
+        self.now[r] = end;
+        Ok(true)
+    }
+
+    /// The result once every rank has run as far as it can: a deadlock or an unreceived send
+    /// is an error.
+    fn finish(self) -> Result<SimResult, SimError> {
+        let programs = self.programs;
+        if self.pc.iter().zip(programs).any(|(&i, p)| i < p.instrs.len()) {
+            return Err(SimError::Deadlock { stuck: explain(programs, &self.pc, &self.messages, &self.coll_arrivals, &self.coll_seen) });
+        }
+        if let Some(((from, to, what, stage, mb), _)) = self.messages.iter().min_by_key(|(k, _)| (k.0, k.3, k.4)) {
+            let at = Instr::<usize, Vec<usize>>::Send { to: *to, what: *what, stage: *stage, mb: *mb, bytes: 0 }.to_string();
+            return Err(SimError::UnreceivedSend { rank: *from, at, peer: *to });
+        }
+        let step_time = self.now.iter().copied().fold(0.0, f64::max);
+        let compute_end = self.events.iter().filter(|e| e.kind.is_compute()).map(|e| e.end).fold(0.0, f64::max);
+        let ideal = self.busy.iter().copied().fold(0.0, f64::max);
+        let bubble_ratio = if ideal > 0.0 { (compute_end - ideal) / ideal } else { 0.0 };
+        let ranks = programs
+            .iter()
+            .enumerate()
+            .map(|(r, p)| RankStats {
+                rank: p.rank,
+                busy: self.busy[r],
+                idle: step_time - self.busy[r],
+                finish: self.now[r],
+                peak_activation_bytes: self.peak_bytes[r],
+                peak_in_flight: self.peak_count[r],
+                max_outstanding_sends: self.max_outstanding[r],
+            })
+            .collect();
+        Ok(SimResult { step_time, ranks, bubble_ratio, peak_activation_bytes: self.peak_bytes.iter().copied().fold(0.0, f64::max), events: self.events })
+    }
 }
 
 fn explain(

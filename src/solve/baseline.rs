@@ -1,5 +1,6 @@
 //! Peers' ways of planning, for comparison: Megatron-LM's rule and DeepSpeed's `uniform` and
-//! `parameters` partition methods. They reuse the search with a fixed layout per candidate.
+//! `parameters` partition methods. They reuse the search with a fixed layout per candidate;
+//! Megatron-LM's rule also seeds the search, on the search's own enumeration and layer tables.
 //! docs/baselines.md sets each choice against the paper and the peers' code.
 
 use crate::cost::ClusterSpec;
@@ -8,7 +9,7 @@ use crate::ir::{LayerKind, LayeredGraph, ScheduleKind};
 use super::chunks::{parameter_chunks, uniform_chunks};
 use super::layer_cost::CostContext;
 use super::problem::CheckpointRule;
-use super::search::{Candidate, enumerate, run};
+use super::search::{Candidate, Grid, Search};
 use super::{Baseline, PlanDecision, PlanOptions, Progress, SolveError};
 
 /// Megatron-LM's placement over `chunks` (virtual) stages: `blocks / chunks` consecutive
@@ -54,14 +55,10 @@ pub fn plan_baseline(
     which: Baseline,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<PlanDecision, SolveError> {
+    let mut search = Search::new(lg, spec, cfg);
     let layers = lg.layers.len();
-    let kinds: Vec<LayerKind> = lg.layers.iter().map(|l| l.kind).collect();
     let fixed: Box<dyn Fn(&Candidate, &CostContext<'_>) -> Option<Vec<usize>>> = match which {
-        Baseline::Megatron => {
-            // Candidates are filtered to divisible chunk counts below, so this never fails.
-            let kinds = kinds.clone();
-            Box::new(move |c: &Candidate, _: &CostContext<'_>| megatron_chunks(&kinds, c.parallel.pp * c.parallel.schedule.virtual_stages()).ok())
-        }
+        Baseline::Megatron => return megatron(&mut search, None, progress),
         Baseline::Uniform => {
             Box::new(move |c: &Candidate, _: &CostContext<'_>| Some(uniform_chunks(layers, c.parallel.pp * c.parallel.schedule.virtual_stages())))
         }
@@ -71,21 +68,20 @@ pub fn plan_baseline(
             parameter_chunks(&params, c.parallel.pp * c.parallel.schedule.virtual_stages())
         }),
     };
-    let mut cfg = cfg.clone();
-    if which != Baseline::Megatron {
-        let cands = enumerate(lg, spec, &cfg)?;
-        return run(lg, spec, &cfg, cands, &*fixed, None, progress);
-    }
+    let cands = search.grid()?.candidates(cfg)?;
+    search.solve(cands, &*fixed, None, progress)
+}
+
+/// Megatron-LM as Table 1 of Narayanan et al. (2021) ran it, where `cfg` leaves a setting
+/// open: t = GPUs per node, 1F1B unless an interleaved schedule is given, no ZeRO, full
+/// recompute of every block, the cluster placement, no sequence parallelism.
+fn megatron_settings(cfg: &PlanOptions, spec: &ClusterSpec) -> Result<PlanOptions, SolveError> {
     if cfg.layout.is_some() {
         return Err(SolveError::Setting(
             "--baseline megatron places the layers itself; drop --layout (or drop --baseline to use the layout)".into(),
         ));
     }
-    // Megatron-LM as Table 1 of Narayanan et al. (2021) ran it: t = GPUs per node (unless
-    // fixed), 1F1B unless an interleaved schedule is given, microbatch size 1 unless the
-    // microbatches are fixed, no ZeRO, full recompute of every block; p the smallest that
-    // fits among those dividing the blocks, d the rest.
-    let c = &mut cfg;
+    let mut c = PlanOptions { baseline: Some(Baseline::Megatron), ..cfg.clone() };
     if c.tp.is_none() {
         let mut t = spec.devices_per_node.max(1).min(spec.devices);
         while spec.devices % t != 0 {
@@ -99,13 +95,28 @@ pub fn plan_baseline(
     c.checkpointing.get_or_insert(CheckpointRule::Always);
     // Sequence parallelism came after the paper (Korthikanti et al. 2022): off unless forced.
     c.sequence_parallel.get_or_insert(false);
-    let v = c.schedule.map_or(1, |s| s.virtual_stages());
-    if let Some(pp) = c.pp {
+    Ok(c)
+}
+
+/// Megatron-LM's plan under the search's fixed settings, on the search's cost context and
+/// layer tables (each layer's Megatron split): microbatch size 1 unless the microbatches are
+/// fixed, p the smallest that fits among those dividing the blocks, d the rest. Its
+/// candidates come from `grid` (the search's own enumeration) when given. The
+/// `--baseline megatron` plan, and the search's first incumbent.
+pub fn megatron(search: &mut Search<'_>, grid: Option<&Grid<'_>>, progress: &mut dyn FnMut(Progress)) -> Result<PlanDecision, SolveError> {
+    let (lg, spec) = (search.model(), search.cluster());
+    let cfg = megatron_settings(search.settings(), spec)?;
+    let kinds: Vec<LayerKind> = lg.layers.iter().map(|l| l.kind).collect();
+    let v = cfg.schedule.map_or(1, |s| s.virtual_stages());
+    if let Some(pp) = cfg.pp {
         // Refuse a block count the fixed degree does not divide, as Megatron-LM does.
         megatron_chunks(&kinds, pp * v)?;
     }
-    let mut cands: Vec<Candidate> =
-        enumerate(lg, spec, &cfg)?.into_iter().filter(|c| megatron_chunks(&kinds, c.parallel.pp * v).is_ok()).collect();
+    let enumerated = match grid {
+        Some(g) => g.candidates(&cfg)?,
+        None => Grid::of(lg, spec, &cfg)?.candidates(&cfg)?,
+    };
+    let mut cands: Vec<Candidate> = enumerated.into_iter().filter(|c| megatron_chunks(&kinds, c.parallel.pp * v).is_ok()).collect();
     if cands.is_empty() {
         return Err(megatron_chunks(&kinds, spec.devices.max(2)).err().unwrap_or_else(|| {
             SolveError::Setting("--baseline megatron: no pipeline degree divides the model's blocks".into())
@@ -120,16 +131,20 @@ pub fn plan_baseline(
     let mut pps: Vec<usize> = cands.iter().map(|c| c.parallel.pp).collect();
     pps.sort_unstable();
     pps.dedup();
-    let mut last_err = None;
-    for pp in pps {
-        let these: Vec<Candidate> = cands.iter().copied().filter(|c| c.parallel.pp == pp).collect();
-        match run(lg, spec, &cfg, these, &*fixed, None, progress) {
-            Ok(d) => return Ok(d),
-            Err(e @ SolveError::Infeasible { .. }) => last_err = Some(e),
-            Err(e) => return Err(e),
+    // Candidates are filtered to divisible chunk counts above, so this never fails.
+    let fixed = |c: &Candidate, _: &CostContext<'_>| megatron_chunks(&kinds, c.parallel.pp * c.parallel.schedule.virtual_stages()).ok();
+    search.with_rule(cfg, true, |search| {
+        let mut last_err = None;
+        for pp in pps {
+            let these: Vec<Candidate> = cands.iter().copied().filter(|c| c.parallel.pp == pp).collect();
+            match search.solve(these, &fixed, None, progress) {
+                Ok(d) => return Ok(d),
+                Err(e @ SolveError::Infeasible { .. }) => last_err = Some(e),
+                Err(e) => return Err(e),
+            }
         }
-    }
-    Err(last_err.unwrap_or_else(|| SolveError::Setting("the Megatron rule found no configuration".into())))
+        Err(last_err.unwrap_or_else(|| SolveError::Setting("the Megatron rule found no configuration".into())))
+    })
 }
 
 #[cfg(test)]

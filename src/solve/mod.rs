@@ -4,6 +4,8 @@
 //! Entry point: [`plan`].
 
 pub mod baseline;
+mod bounds;
+mod candidates;
 pub mod chunks;
 mod decision;
 mod error;
@@ -53,19 +55,25 @@ pub fn plan(
 
 /// The search, seeded with the faithful Megatron-LM plan under the same fixed settings as the
 /// first incumbent, so the answer is never slower than it (docs/baselines.md). The seed is
-/// skipped where it cannot apply.
+/// skipped where it cannot apply. Both run on one [`search::Search`] over one enumeration:
+/// the seed's candidates are the grid's under Megatron-LM's rule, its layer tables the
+/// search's own cut to each layer's Megatron split.
 fn search_seeded(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions, progress: &mut dyn FnMut(Progress)) -> Result<PlanDecision, SolveError> {
-    let cands = search::enumerate(lg, spec, cfg)?;
+    let mut search = search::Search::new(lg, spec, cfg);
+    let grid = search.grid()?;
+    let cands = grid.candidates(cfg)?;
     let t0 = Instant::now();
     let seed = if cfg.layout.is_none() && cfg.optimize.unwrap_or_default() == Optimize::Speed {
-        let base = PlanOptions { baseline: Some(Baseline::Megatron), ..cfg.clone() };
-        baseline::plan_baseline(lg, spec, &base, Baseline::Megatron, &mut |_| {}).ok()
+        search.explain = false;
+        let seed = baseline::megatron(&mut search, Some(&grid), &mut |_| {}).ok();
+        search.explain = true;
+        seed
     } else {
         None
     };
     let seed_s = t0.elapsed().as_secs_f64();
     tracing::debug!("megatron seed {:?} in {seed_s:.3} s", seed.as_ref().map(|s| s.predicted.step_time_s));
-    let mut d = search::run(lg, spec, cfg, cands, &|_, _| None, seed, progress)?;
+    let mut d = search.solve(cands, &|_, _| None, seed, progress)?;
     d.solver.wall_s += seed_s;
     Ok(d)
 }

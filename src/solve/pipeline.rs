@@ -146,19 +146,55 @@ impl PipelineProblem {
     /// A plain constraint, so HiGHS prunes by it like by any other row.
     pub fn solve_below(&self, opts: &SolverOptions, cutoff: Option<f64>) -> Result<PipelineSolution, SolveError> {
         self.validate()?;
-        let l_n = self.layers.len();
-        let v_n = self.chunks();
-        let p = self.devices;
         let runs = self.runs();
         let mut milp = Milp::new();
+        let n = self.counts(&mut milp, &runs);
+        let h = self.chunk_order(&mut milp, &runs, &n);
+        let mut dev = self.device_sums(&mut milp, &runs, &n);
+        self.tied_copies(&mut milp, &runs, &n, &mut dev.mem);
+        self.cap_memory(&mut milp, &mut dev);
+        let transfer = self.transfer(&runs, &h);
+        let step = self.step_time(&mut milp, &dev, transfer);
+        let (report, values) = match self.objective {
+            PipelineObjective::StepTime => {
+                if let Some(u) = cutoff {
+                    milp.constrain(step.clone().leq(u));
+                }
+                milp.minimise(step, 0.0, opts)?
+            }
+            PipelineObjective::PeakMemory { max_step_s } => {
+                milp.constrain(step.leq(max_step_s));
+                let peak = milp.continuous(0.0, f64::INFINITY);
+                for d in 0..self.devices {
+                    milp.constrain(Expression::from(peak.v()).geq(dev.mem[d].clone()));
+                }
+                let (mut r, v) = milp.minimise(Expression::from(peak.v()), self.workspace / GIB, opts)?;
+                r.objective *= GIB;
+                r.bound *= GIB;
+                (r, v)
+            }
+        };
+        if values.is_empty() {
+            return Ok(PipelineSolution { report, choices: Vec::new(), eval: None });
+        }
+        let mut choices = decode(&values, &runs, &n)?;
+        // a run's layers are interchangeable: offload only those memory needs
+        self.trim_offload(&mut choices);
+        let eval = self.evaluate(&choices);
+        Ok(PipelineSolution { report, choices, eval })
+    }
+
+    /// The count columns `n[r][c]`: layers of run r on chunk c with each option (point ×
+    /// checkpoint and offload flags); empty where chunk c cannot hold run r.
+    fn counts(&self, milp: &mut Milp, runs: &[(usize, usize)]) -> Counts {
+        let (l_n, v_n) = (self.layers.len(), self.chunks());
         // options of a run: (point, (checkpoint, offload)); a run's layers share their rule
         let options = |r: usize| -> Vec<(usize, (bool, bool))> {
             let lay = &self.layers[runs[r].0];
             let flags = self.flag_options(runs[r].0);
             (0..lay.points.len()).flat_map(|j| flags.iter().map(move |&k| (j, k))).collect()
         };
-        // n[r][c] = Vec<(option, col)>, empty when chunk c cannot hold run r.
-        let mut n: Vec<Vec<Vec<((usize, (bool, bool)), Col)>>> = Vec::with_capacity(runs.len());
+        let mut n: Counts = Vec::with_capacity(runs.len());
         for (r, &(first, len)) in runs.iter().enumerate() {
             let (lo, hi) = match &self.fixed_chunks {
                 Some(f) => (f[first], f[first]),
@@ -174,27 +210,21 @@ impl PipelineProblem {
             }
             n.push(per_chunk);
         }
-        let count = |r: usize, c: usize| -> Expression {
-            let mut e = Expression::default();
-            for &(_, col) in &n[r][c] {
-                e.add_mul(1.0, col.v());
-            }
-            e
-        };
-        let cum = |r: usize, c: usize| -> Expression {
-            let mut e = Expression::default();
-            for cc in 0..=c {
-                e += count(r, cc);
-            }
-            e
-        };
+        n
+    }
+
+    /// Every run placed whole, every chunk non-empty, and chunks taking the layers in order:
+    /// `h[r][c]` = some of run r lies in chunks ≤ c, `z[r][c]` = all of it does, and
+    /// `h[r+1][c] ≤ z[r][c]`. Returns h.
+    fn chunk_order(&self, milp: &mut Milp, runs: &[(usize, usize)], n: &Counts) -> Vec<Vec<Expression>> {
+        let v_n = self.chunks();
         for (r, &(_, len)) in runs.iter().enumerate() {
-            milp.constrain(cum(r, v_n - 1).eq(len as f64));
+            milp.constrain(cum(n, r, v_n - 1).eq(len as f64));
         }
         for c in 0..v_n {
             let mut e = Expression::default();
             for r in 0..runs.len() {
-                e += count(r, c);
+                e += count(n, r, c);
             }
             milp.constrain(e.geq(1.0));
         }
@@ -205,7 +235,7 @@ impl PipelineProblem {
             let mut hr = Vec::with_capacity(v_n);
             let mut zr = Vec::with_capacity(v_n);
             for c in 0..v_n.saturating_sub(1) {
-                let u = cum(r, c);
+                let u = cum(n, r, c);
                 let hc = milp.binary();
                 milp.constrain(u.clone().leq(len as f64 * hc.v()));
                 milp.constrain(u.clone().geq(hc.v()));
@@ -226,21 +256,28 @@ impl PipelineProblem {
                 milp.constrain(h[r + 1][c].clone().leq(z[r][c].clone()));
             }
         }
-        // Per device time, sync, memory.
-        let mut time = vec![Expression::default(); p];
-        let mut sync = vec![Expression::default(); p];
-        let mut mem = vec![Expression::default(); p];
-        let mut recompute: Vec<Vec<(f64, Expression)>> = vec![Vec::new(); p];
+        h
+    }
+
+    /// Per device: compute time, sync time, memory, and the recompute buffers it may need.
+    fn device_sums(&self, milp: &mut Milp, runs: &[(usize, usize)], n: &Counts) -> DeviceSums {
+        let p = self.devices;
+        let mut s = DeviceSums {
+            time: vec![Expression::default(); p],
+            sync: vec![Expression::default(); p],
+            mem: vec![Expression::default(); p],
+            recompute: vec![Vec::new(); p],
+        };
         for (r, &(first, len)) in runs.iter().enumerate() {
             let lay = &self.layers[first];
-            for c in 0..v_n {
+            for c in 0..self.chunks() {
                 let d = c % p;
                 for &((j, (k, o)), col) in &n[r][c] {
                     let pt = &lay.points[j];
                     let (f, b) = Self::layer_times(pt, k, o);
-                    time[d].add_mul(f + b, col.v());
-                    sync[d].add_mul(pt.sync_s, col.v());
-                    mem[d].add_mul((pt.state_bytes + self.kept_bytes(c, pt, k, o)) / GIB, col.v());
+                    s.time[d].add_mul(f + b, col.v());
+                    s.sync[d].add_mul(pt.sync_s, col.v());
+                    s.mem[d].add_mul((pt.state_bytes + self.kept_bytes(c, pt, k, o)) / GIB, col.v());
                     if k && pt.act_bytes > pt.input_bytes {
                         let used = if len == 1 {
                             Expression::from(col.v())
@@ -249,12 +286,17 @@ impl PipelineProblem {
                             milp.constrain(Expression::from(col.v()).leq(len as f64 * w.v()));
                             Expression::from(w.v())
                         };
-                        recompute[d].push(((pt.act_bytes - pt.input_bytes) / GIB, used));
+                        s.recompute[d].push(((pt.act_bytes - pt.input_bytes) / GIB, used));
                     }
                 }
             }
         }
-        // A tied weight's copy: held on device d when a reader is there and its owner is not.
+        s
+    }
+
+    /// A tied weight's copy: held on device d when a reader is there and its owner is not.
+    fn tied_copies(&self, milp: &mut Milp, runs: &[(usize, usize)], n: &Counts, mem: &mut [Expression]) {
+        let (p, v_n) = (self.devices, self.chunks());
         let run_of = |l: usize| runs.iter().position(|&(f, len)| l >= f && l < f + len);
         let mut on_device: HashMap<(usize, usize), Expression> = HashMap::new();
         let mut on = |milp: &mut Milp, r: usize, d: usize| -> Expression {
@@ -265,12 +307,12 @@ impl PipelineProblem {
             let mut e = Expression::default();
             if len == 1 {
                 for c in (d..v_n).step_by(p) {
-                    e += count(r, c);
+                    e += count(n, r, c);
                 }
             } else {
                 let u = milp.binary();
                 for c in (d..v_n).step_by(p) {
-                    milp.constrain(count(r, c).leq(len as f64 * u.v()));
+                    milp.constrain(count(n, r, c).leq(len as f64 * u.v()));
                 }
                 e = Expression::from(u.v());
             }
@@ -286,29 +328,36 @@ impl PipelineProblem {
             }
         }
         for readers in copies.values() {
-            for d in 0..p {
+            for (d, mem_d) in mem.iter_mut().enumerate() {
                 let y = milp.continuous(0.0, f64::INFINITY);
                 for &(r, ro, bytes) in readers {
-                    let gap = on(&mut milp, r, d) - on(&mut milp, ro, d);
+                    let gap = on(milp, r, d) - on(milp, ro, d);
                     milp.constrain(Expression::from(y.v()).geq(bytes / GIB * gap));
                 }
-                mem[d].add_mul(1.0, y.v());
+                mem_d.add_mul(1.0, y.v());
             }
         }
-        for d in 0..p {
-            if !recompute[d].is_empty() {
+    }
+
+    /// Each device's memory, its largest recompute buffer added, under the cap.
+    fn cap_memory(&self, milp: &mut Milp, dev: &mut DeviceSums) {
+        for d in 0..self.devices {
+            if !dev.recompute[d].is_empty() {
                 let rb = milp.continuous(0.0, f64::INFINITY);
-                for (bytes, used) in &recompute[d] {
+                for (bytes, used) in &dev.recompute[d] {
                     milp.constrain(Expression::from(rb.v()).geq(*bytes * used.clone()));
                 }
-                mem[d].add_mul(1.0, rb.v());
+                dev.mem[d].add_mul(1.0, rb.v());
             }
-            milp.constrain(mem[d].clone().leq((self.memory_cap - self.workspace) / GIB));
+            milp.constrain(dev.mem[d].clone().leq((self.memory_cap - self.workspace) / GIB));
         }
-        // Boundary c carries the output of the run holding chunk c's last layer:
-        // h[r][c] − h[r+1][c] is exactly "chunk c ends inside run r".
+    }
+
+    /// The boundary transfers: boundary c carries the output of the run holding chunk c's
+    /// last layer, and h[r][c] − h[r+1][c] is exactly "chunk c ends inside run r".
+    fn transfer(&self, runs: &[(usize, usize)], h: &[Vec<Expression>]) -> Expression {
         let mut transfer = Expression::default();
-        for c in 0..v_n.saturating_sub(1) {
+        for c in 0..self.chunks().saturating_sub(1) {
             for (r, &(first, _)) in runs.iter().enumerate() {
                 let w = 2.0 * self.layers[first].output_bytes * self.transfer_s_per_byte[c];
                 if w != 0.0 {
@@ -319,11 +368,16 @@ impl PipelineProblem {
                 }
             }
         }
+        transfer
+    }
+
+    /// The schedule's step time: c·Σ T + (m − c)·max T + transfers + max sync.
+    fn step_time(&self, milp: &mut Milp, dev: &DeviceSums, transfer: Expression) -> Expression {
         let tmax = milp.continuous(0.0, f64::INFINITY);
         let smax = milp.continuous(0.0, f64::INFINITY);
-        for d in 0..p {
-            milp.constrain(Expression::from(tmax.v()).geq(time[d].clone()));
-            milp.constrain(Expression::from(smax.v()).geq(sync[d].clone()));
+        for d in 0..self.devices {
+            milp.constrain(Expression::from(tmax.v()).geq(dev.time[d].clone()));
+            milp.constrain(Expression::from(smax.v()).geq(dev.sync[d].clone()));
         }
         // Integrality cuts the LP cannot see: no layout beats the min-max split of the
         // layers' least times (PipeDream's DP), nor of their least sync times.
@@ -334,55 +388,65 @@ impl PipelineProblem {
         milp.constrain(Expression::from(smax.v()).geq(sigma));
         let c = self.bubble_coeff;
         let mut step = Expression::default();
-        for t in &time {
+        for t in &dev.time {
             step += c * t.clone();
         }
         step += (self.microbatches as f64 - c) * tmax.v();
         step += transfer;
         step += smax.v();
-        let (report, values) = match self.objective {
-            PipelineObjective::StepTime => {
-                if let Some(u) = cutoff {
-                    milp.constrain(step.clone().leq(u));
-                }
-                milp.minimise(step, 0.0, opts)?
-            }
-            PipelineObjective::PeakMemory { max_step_s } => {
-                milp.constrain(step.leq(max_step_s));
-                let peak = milp.continuous(0.0, f64::INFINITY);
-                for d in 0..p {
-                    milp.constrain(Expression::from(peak.v()).geq(mem[d].clone()));
-                }
-                let (mut r, v) = milp.minimise(Expression::from(peak.v()), self.workspace / GIB, opts)?;
-                r.objective *= GIB;
-                r.bound *= GIB;
-                (r, v)
-            }
-        };
-        if values.is_empty() {
-            return Ok(PipelineSolution { report, choices: Vec::new(), eval: None });
-        }
-        let mut choices: Vec<LayerChoice> = Vec::with_capacity(l_n);
-        for (r, &(_, len)) in runs.iter().enumerate() {
-            let before = choices.len();
-            for (c, opts_c) in n[r].iter().enumerate() {
-                for &((j, (k, o)), col) in opts_c {
-                    let k_count = value(&values, col).round().max(0.0) as usize;
-                    for _ in 0..k_count {
-                        choices.push(LayerChoice { chunk: c, point: j, checkpoint: k, offload: o });
-                    }
-                }
-            }
-            if choices.len() - before != len {
-                return Err(SolveError::Solver(format!(
-                    "HiGHS returned {} layers for a run of {len}; numerical trouble",
-                    choices.len() - before
-                )));
-            }
-        }
-        // a run's layers are interchangeable: offload only those memory needs
-        self.trim_offload(&mut choices);
-        let eval = self.evaluate(&choices);
-        Ok(PipelineSolution { report, choices, eval })
+        step
     }
+}
+
+/// Count columns per run, per chunk: (option, column).
+type Counts = Vec<Vec<Vec<((usize, (bool, bool)), Col)>>>;
+
+/// Per-device sums of the pipeline ILP.
+struct DeviceSums {
+    time: Vec<Expression>,
+    sync: Vec<Expression>,
+    mem: Vec<Expression>,
+    /// (bytes in GiB, whether used) of each recompute buffer a device may need.
+    recompute: Vec<Vec<(f64, Expression)>>,
+}
+
+/// Layers of run r on chunk c.
+fn count(n: &Counts, r: usize, c: usize) -> Expression {
+    let mut e = Expression::default();
+    for &(_, col) in &n[r][c] {
+        e.add_mul(1.0, col.v());
+    }
+    e
+}
+
+/// Layers of run r on chunks ≤ c.
+fn cum(n: &Counts, r: usize, c: usize) -> Expression {
+    let mut e = Expression::default();
+    for cc in 0..=c {
+        e += count(n, r, cc);
+    }
+    e
+}
+
+/// The layer choices of a solution, run by run.
+fn decode(values: &[f64], runs: &[(usize, usize)], n: &Counts) -> Result<Vec<LayerChoice>, SolveError> {
+    let mut choices: Vec<LayerChoice> = Vec::with_capacity(runs.iter().map(|r| r.1).sum());
+    for (r, &(_, len)) in runs.iter().enumerate() {
+        let before = choices.len();
+        for (c, opts_c) in n[r].iter().enumerate() {
+            for &((j, (k, o)), col) in opts_c {
+                let k_count = value(values, col).round().max(0.0) as usize;
+                for _ in 0..k_count {
+                    choices.push(LayerChoice { chunk: c, point: j, checkpoint: k, offload: o });
+                }
+            }
+        }
+        if choices.len() - before != len {
+            return Err(SolveError::Solver(format!(
+                "HiGHS returned {} layers for a run of {len}; numerical trouble",
+                choices.len() - before
+            )));
+        }
+    }
+    Ok(choices)
 }

@@ -4,7 +4,7 @@
 //! catch-all arm, so a new op is placed by adding it to [`family`] (the add-an-op checklist is
 //! in docs/architecture.md).
 
-use crate::ir::OpKind;
+use crate::ir::{Node, OpKind, ValueId};
 
 /// How an op family splits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -34,6 +34,26 @@ pub enum Family {
     /// resampling, one-hot): they run
     /// whole on every rank, reading whole inputs.
     Whole,
+}
+
+impl Family {
+    /// The weight operands a choosing node of this family splits or keeps whole: a matmul's
+    /// `B`, a lookup's table, the experts' gate-up and down projections; none for the others.
+    pub fn weight_operands(self, node: &Node) -> Vec<ValueId> {
+        let input = |i: usize| node.inputs.get(i).copied().flatten();
+        match self {
+            Family::Matmul => input(1).into_iter().collect(),
+            Family::Gather => input(0).into_iter().collect(),
+            Family::Experts => [input(3), input(4)].into_iter().flatten().collect(),
+            Family::Elementwise | Family::Attention | Family::Norm | Family::View | Family::Shape | Family::Whole => Vec::new(),
+        }
+    }
+
+    /// Whether this family's nodes choose a strategy of their own (weight matmuls, lookups,
+    /// experts): they are placed even when every input is whole.
+    pub fn chooses(self) -> bool {
+        matches!(self, Family::Matmul | Family::Gather | Family::Experts)
+    }
 }
 
 /// The family of `kind`.

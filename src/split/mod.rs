@@ -14,11 +14,17 @@
 //!   a rank-independent [`SplitPlan`] (weight splits, rewrites, collectives) and, per choosing
 //!   node, the strategy it realised. [`Engine::check_offers`] keeps every offer the solver sees
 //!   to what emission realises (an offer the emitter does not realise is withdrawn).
-//! - One file per op family holds its emission rule: [`matmul`] (column/row/heads), [`gather`]
-//!   (vocabulary split), [`view`] (reshape, transpose, squeeze, split, concat, expand),
-//!   [`elementwise`], [`norm`] (softmax, layer norm, reductions), [`attention`] (shared KV
-//!   heads), [`experts`] (a mixture of experts split by each expert's intermediate dim), and
-//!   [`sequence`] (sequence parallelism over a finished placement).
+//! - One file per op family ([`family`] places every op kind in one) holds everything about how
+//!   the family splits, each engine's rule as a method of that engine's type: tensor-parallel
+//!   propagation (`Prop`), sequence parallelism's token rules (`SeqLayer`, driven by
+//!   [`sequence`]), context parallelism's token rules (`Splitter`, driven by [`context`]), its
+//!   offers and their prices (`Pricer`, driven by [`offer`]) and its emission where it rewrites
+//!   nodes ([`emit_masked_gather`], [`emit_deferred_bias`]): `matmul` (column/row/heads, the
+//!   deferred Gemm bias), `gather` (the vocabulary split, the masked lookup), `view` (reshape,
+//!   transpose, squeeze, split, concat, expand), `elementwise`, `norm` (norms, softmaxes,
+//!   reductions, scans, slices: the axes they work along are [`axes::touched_axes`]),
+//!   `attention` (heads, shared KV heads), `experts` (each expert's intermediate dim). Every
+//!   engine dispatches on the family with no catch-all (tests/architecture.rs).
 
 pub mod analyse;
 mod attention;

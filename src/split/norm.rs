@@ -1,5 +1,6 @@
-//! Norms and reductions (Softmax, LayerNormalization, Reduce*, CumSum, Slice): they run split
-//! only when they do not work along the split axis; a norm's scale and bias stay whole.
+//! Norms and reductions (Softmax, LayerNormalization, Reduce*, CumSum, Slice, TopK, ArgMax,
+//! LpNormalization): they run split, on token chunks or on local tokens only when they do not
+//! work along the split or token axis; a norm's scale and bias stay whole.
 
 use std::collections::HashMap;
 

@@ -132,13 +132,8 @@ impl<'a> Engine<'a> {
             if !keep_whole.contains(&node.name) {
                 continue;
             }
-            let operands = match node.op.kind() {
-                Some(OpKind::MatMul | OpKind::Gemm) => vec![node.inputs.get(1).copied().flatten()],
-                Some(OpKind::Gather) => vec![node.inputs.first().copied().flatten()],
-                Some(OpKind::MixtureOfExperts) => vec![node.inputs.get(3).copied().flatten(), node.inputs.get(4).copied().flatten()],
-                _ => Vec::new(),
-            };
-            for w in operands.into_iter().flatten().filter_map(|v| self.weight_of(v)) {
+            let operands = node.op.kind().map_or(Vec::new(), |k| family(k).weight_operands(node));
+            for w in operands.into_iter().filter_map(|v| self.weight_of(v)) {
                 keep.insert(w);
             }
         }
@@ -172,8 +167,9 @@ impl<'a> Engine<'a> {
         let node = g.node(n);
         let out = *node.outputs.first()?;
         let split = |v: ValueId| matches!(plan.placements.get(&v), Some(Sh::Split { .. }));
-        match node.op.kind()? {
-            OpKind::MatMul | OpKind::Gemm => match node.inputs.get(1).copied().flatten().and_then(|w| self.weight_of(w)) {
+        let fam = family(node.op.kind()?);
+        match fam {
+            Family::Matmul => match node.inputs.get(1).copied().flatten().and_then(|w| self.weight_of(w)) {
                 Some(w) if plan.weights.contains_key(&w) => {
                     let gathered = plan.collectives.iter().any(|c| c.value == out && matches!(c.op, CollectiveKind::AllGather { .. }));
                     Some(if split(out) || gathered { Strategy::Column } else { Strategy::Row })
@@ -181,16 +177,16 @@ impl<'a> Engine<'a> {
                 Some(_) => Some(Strategy::Replicate),
                 None => Some(if split(out) { Strategy::Heads } else { Strategy::Replicate }),
             },
-            OpKind::ScaledDotProductAttention => Some(if split(out) { Strategy::Heads } else { Strategy::Replicate }),
-            OpKind::MixtureOfExperts => {
-                let gate_up = node.inputs.get(3).copied().flatten()?;
+            Family::Attention => Some(if split(out) { Strategy::Heads } else { Strategy::Replicate }),
+            Family::Experts => {
+                let gate_up = *fam.weight_operands(node).first()?;
                 Some(if plan.weights.contains_key(&gate_up) { Strategy::Experts } else { Strategy::Replicate })
             }
-            OpKind::Gather => {
+            Family::Gather => {
                 let w = node.inputs.first().copied().flatten().and_then(|v| self.weight_of(v))?;
                 Some(if plan.weights.contains_key(&w) { Strategy::Vocab } else { Strategy::Replicate })
             }
-            _ => None,
+            Family::Elementwise | Family::Norm | Family::View | Family::Shape | Family::Whole => None,
         }
     }
 
@@ -633,7 +629,7 @@ impl<'s, 'a> Prop<'s, 'a> {
             return Ok(());
         }
         let states: Vec<Sh> = ins.iter().map(|v| v.map_or(Sh::Rep, |v| self.state(v))).collect();
-        if states.iter().all(|s| *s == Sh::Rep) && !matches!(n.op.kind(), Some(MatMul | Gemm | Gather | MixtureOfExperts)) {
+        if states.iter().all(|s| *s == Sh::Rep) && !n.op.kind().is_some_and(|k| family(k).chooses()) {
             for &o in &outs {
                 self.sh.insert(o, Sh::Rep);
             }

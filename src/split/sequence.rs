@@ -279,14 +279,16 @@ impl Prop<'_, '_> {
             .filter(|c| c.op == CollectiveKind::AllReduce && c.readers.is_empty())
             .map(|c| c.value)
             .filter(|&v| {
-                // a matmul's output, or the experts' `[N, H]` output reshaped to the tokens' shape
-                let made_by = |v: ValueId, ops: &[OpKind]| {
-                    self.g.value(v).producer.filter(|p| self.in_layer.contains(p) && ops.iter().any(|&k| self.g.node(*p).op.is(k)))
+                // a matmul's or the experts' output, or the experts' `[N, H]` output reshaped to the
+                // tokens' shape
+                let made_by = |v: ValueId, families: &[Family]| {
+                    self.g.value(v).producer.filter(|p| self.in_layer.contains(p) && self.g.node(*p).op.kind().is_some_and(|k| families.contains(&family(k))))
                 };
-                let experts_reshaped = made_by(v, &[OpKind::Reshape])
+                let experts_reshaped = made_by(v, &[Family::View])
+                    .filter(|&p| self.g.node(p).op.is(OpKind::Reshape))
                     .and_then(|p| self.g.node(p).inputs.first().copied().flatten())
-                    .is_some_and(|x| made_by(x, &[OpKind::MixtureOfExperts]).is_some());
-                made_by(v, &[OpKind::MatMul, OpKind::Gemm, OpKind::MixtureOfExperts]).is_some() || experts_reshaped
+                    .is_some_and(|x| made_by(x, &[Family::Experts]).is_some());
+                made_by(v, &[Family::Matmul, Family::Experts]).is_some() || experts_reshaped
             })
             .collect();
         if candidates.is_empty() {

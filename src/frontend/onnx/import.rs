@@ -10,9 +10,9 @@ use sha2::{Digest, Sha256};
 
 use super::error::{ImportError, ImportWarning, MAX_IR_VERSION};
 use super::inline::{Functions, normalize_domain};
-use super::proto::{AttributeProto, ModelProto, NodeProto, TypeProto, ValueInfoProto, type_proto};
+use super::proto::{AttributeProto, ModelProto, NodeProto, SparseTensorProto, TensorProto, TypeProto, ValueInfoProto, type_proto};
 use super::tensor::{ExternalResolver, convert};
-use crate::ir::{Attr, Attrs, DType, Dim, Graph, Node, Op, OpKind, Shape, TensorType, ValueId, ValueKind};
+use crate::ir::{Attr, Attrs, DType, Dim, Graph, GraphError, Node, Op, OpKind, Shape, TensorType, ValueId, ValueKind};
 
 /// An imported model: the graph plus what the file said about itself.
 #[derive(Clone, Debug)]
@@ -116,10 +116,7 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
     let ModelProto { graph, functions, producer_name, producer_version, metadata_props, .. } = model;
     let graph_proto = graph.ok_or_else(|| ImportError::MissingGraph { file: file.clone() })?;
     if opsets.is_empty() && ir_version >= 3 {
-        warnings.push(ImportWarning::Other(format!(
-            "{}: the model imports no opset (ModelProto.opset_import is empty)",
-            file.display()
-        )));
+        warnings.push(ImportWarning::Other(format!("{}: the model imports no opset (ModelProto.opset_import is empty)", file.display())));
     }
 
     // Nodes, with model-local functions inlined.
@@ -127,26 +124,11 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
     let mut funcs = Functions::new(&functions);
     funcs.expand(graph_proto.node, &file, 0, &mut nodes)?;
     let names = unique_node_names(&nodes);
-    for (n, name) in nodes.iter().zip(&names) {
-        let op_type = n.op_type.as_deref().unwrap_or("");
-        let default_domain = normalize_domain(n.domain.as_deref().unwrap_or("")).is_empty();
-        let has_subgraph = n.attribute.iter().any(|a| {
-            matches!(a.r#type, Some(attr_type::GRAPH) | Some(attr_type::GRAPHS)) || a.g.is_some() || !a.graphs.is_empty()
-        });
-        if has_subgraph || (default_domain && CONTROL_FLOW.contains(&op_type)) {
-            return Err(ImportError::ControlFlow {
-                file,
-                node: name.clone(),
-                op_type: op_type.to_string(),
-            });
-        }
-    }
+    refuse_control_flow(&nodes, &names, &file)?;
 
-    let mut g = Graph::new(graph_proto.name.unwrap_or_default());
+    let mut g = Graph::new(graph_proto.name.clone().unwrap_or_default());
     g.opsets = opsets;
-    let mut resolver = ExternalResolver::new(path);
-    let mut syms = 0usize;
-
+    let mut imp = Importer { file, g, names, producer_of: Vec::new(), resolver: ExternalResolver::new(path), syms: 0, warnings };
     // Declared types: value_info, then outputs and inputs (which win).
     let mut declared: HashMap<&str, &TypeProto> = HashMap::new();
     for vi in graph_proto.value_info.iter().chain(&graph_proto.output).chain(&graph_proto.input) {
@@ -154,183 +136,15 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
             declared.insert(name, ty);
         }
     }
-
-    // The node (index in `nodes`) defining each value, by value index; NONE for
-    // initializers and graph inputs.
-    const NONE: usize = usize::MAX;
-    let mut producer_of: Vec<usize> = Vec::new();
-    let describe = |g: &Graph, producer_of: &[usize], v: ValueId| -> String {
-        match (g.value(v).kind, producer_of.get(v.index()).filter(|&&i| i != NONE)) {
-            (_, Some(&i)) => format!("node `{}`", names[i]),
-            (ValueKind::Initializer, _) => "an initializer".to_string(),
-            _ => "a graph input".to_string(),
-        }
-    };
-
-    if !graph_proto.sparse_initializer.is_empty() {
-        let name = graph_proto.sparse_initializer[0]
-            .values
-            .as_ref()
-            .and_then(|v| v.name.clone())
-            .unwrap_or_default();
-        return Err(ImportError::BadTensor { file, tensor: name, reason: "sparse initializers are not supported".into() });
-    }
-    for t in &graph_proto.initializer {
-        let tensor = convert(t, &mut resolver)?;
-        let name = t.name.clone().unwrap_or_default();
-        if let Some(v) = g.value_by_name(&name) {
-            return Err(ImportError::DuplicateOutput {
-                file,
-                value: name,
-                first: describe(&g, &producer_of, v),
-                second: "an initializer".into(),
-            });
-        }
-        let record = super::record::read(t, &file)?;
-        let ty = TensorType { dtype: tensor.dtype, shape: Some(Shape::from_known(&tensor.dims)) };
-        let id = g
-            .add_value(name, ValueKind::Initializer, Some(ty), Some(tensor))
-            .map_err(|e| ImportError::Graph { file: file.clone(), source: e })?;
-        g.value_mut(id).record = record;
-    }
-    for vi in &graph_proto.input {
-        let name = vi.name.clone().unwrap_or_default();
-        match g.value_by_name(&name) {
-            Some(v) if g.value(v).kind == ValueKind::Initializer => continue,
-            Some(v) => {
-                return Err(ImportError::DuplicateOutput {
-                    file,
-                    value: name,
-                    first: describe(&g, &producer_of, v),
-                    second: "a graph input".into(),
-                });
-            }
-            None => {}
-        }
-        let ty = value_type(vi, &mut syms);
-        let id = g
-            .add_value(name, ValueKind::Input, ty, None)
-            .map_err(|e| ImportError::Graph { file: file.clone(), source: e })?;
-        g.inputs.push(id);
-    }
-
-    // Every node output, before any node: the file need not be topologically sorted.
-    let mut node_outputs: Vec<Vec<ValueId>> = Vec::with_capacity(nodes.len());
-    for (i, n) in nodes.iter().enumerate() {
-        let mut outs = Vec::with_capacity(n.output.len());
-        for out in n.output.iter().filter(|o| !o.is_empty()) {
-            if let Some(v) = g.value_by_name(out) {
-                return Err(ImportError::DuplicateOutput {
-                    file,
-                    value: out.clone(),
-                    first: describe(&g, &producer_of, v),
-                    second: format!("node `{}`", names[i]),
-                });
-            }
-            let ty = declared.get(out.as_str()).and_then(|t| type_from_proto(t, &mut syms));
-            let id = g
-                .add_value(out.clone(), ValueKind::Intermediate, ty, None)
-                .map_err(|e| ImportError::Graph { file: file.clone(), source: e })?;
-            producer_of.resize(id.index(), NONE);
-            producer_of.push(i);
-            outs.push(id);
-        }
-        node_outputs.push(outs);
-    }
-
-    // Inputs by name, and the dependencies between nodes.
-    let mut node_inputs: Vec<Vec<Option<ValueId>>> = Vec::with_capacity(nodes.len());
-    let mut dependents: Vec<Vec<usize>> = vec![Vec::new(); nodes.len()];
-    let mut indegree = vec![0usize; nodes.len()];
-    for (i, n) in nodes.iter().enumerate() {
-        let mut ins = Vec::with_capacity(n.input.len());
-        let mut preds: Vec<usize> = Vec::new();
-        for input in &n.input {
-            if input.is_empty() {
-                ins.push(None);
-                continue;
-            }
-            let v = g.value_by_name(input).ok_or_else(|| ImportError::DanglingInput {
-                file: file.clone(),
-                node: names[i].clone(),
-                input: input.clone(),
-            })?;
-            if let Some(&p) = producer_of.get(v.index()).filter(|&&p| p != NONE) {
-                if !preds.contains(&p) {
-                    preds.push(p);
-                    dependents[p].push(i);
-                    indegree[i] += 1;
-                }
-            }
-            ins.push(Some(v));
-        }
-        node_inputs.push(ins);
-    }
-
-    // Topological order, ties broken by file position.
-    let mut ready: BinaryHeap<Reverse<usize>> = (0..nodes.len()).filter(|&i| indegree[i] == 0).map(Reverse).collect();
-    let mut order = Vec::with_capacity(nodes.len());
-    while let Some(Reverse(i)) = ready.pop() {
-        order.push(i);
-        for &d in &dependents[i] {
-            indegree[d] -= 1;
-            if indegree[d] == 0 {
-                ready.push(Reverse(d));
-            }
-        }
-    }
-    if order.len() != nodes.len() {
-        let stuck = (0..nodes.len()).find(|&i| indegree[i] > 0).unwrap_or(0);
-        return Err(ImportError::Cycle { file, node: names[stuck].clone() });
-    }
-
-    let mut unknown: Vec<(String, String, String, usize)> = Vec::new();
-    let mut node_protos: Vec<Option<NodeProto>> = nodes.into_iter().map(Some).collect();
-    for i in order {
-        let Some(n) = node_protos[i].take() else { continue };
-        let name = names[i].clone();
-        let op_type = n.op_type.unwrap_or_default();
-        let domain = normalize_domain(n.domain.as_deref().unwrap_or("")).to_string();
-        let op = match (domain.is_empty(), OpKind::from_onnx(&op_type)) {
-            (true, Some(kind)) => Op::Known(kind),
-            _ => {
-                match unknown.iter_mut().find(|u| u.0 == domain && u.1 == op_type) {
-                    Some(u) => u.3 += 1,
-                    None => unknown.push((domain.clone(), op_type.clone(), name.clone(), 1)),
-                }
-                Op::Placeholder { op_type: op_type.clone(), domain }
-            }
-        };
-        let attrs = parse_attrs(&n.attribute, &name, &file, &mut resolver, &mut warnings)?;
-        if op.is(OpKind::Constant) {
-            if let (Some(&out), Some(ty)) = (node_outputs[i].first(), constant_type(&attrs)) {
-                if g.value(out).ty.is_none() {
-                    g.value_mut(out).ty = Some(ty);
-                }
-            }
-        }
-        let namespace = n
-            .metadata_props
-            .iter()
-            .find(|p| p.key.as_deref() == Some("namespace"))
-            .and_then(|p| p.value.clone());
-        let node = Node {
-            name,
-            op,
-            attrs,
-            inputs: std::mem::take(&mut node_inputs[i]),
-            outputs: std::mem::take(&mut node_outputs[i]),
-            namespace,
-            order: i as u32,
-        };
-        g.add_node(node).map_err(|e| ImportError::Graph { file: file.clone(), source: e })?;
-    }
+    imp.initializers_and_inputs(&graph_proto.initializer, &graph_proto.sparse_initializer, &graph_proto.input)?;
+    let outputs = imp.node_outputs(&nodes, &declared)?;
+    let (inputs, order) = imp.node_inputs(&nodes)?;
+    let unknown = imp.add_nodes(nodes, order, inputs, outputs)?;
+    let Importer { file, mut g, resolver, mut warnings, .. } = imp;
 
     for vi in &graph_proto.output {
         let name = vi.name.clone().unwrap_or_default();
-        let v = g
-            .value_by_name(&name)
-            .ok_or_else(|| ImportError::DanglingOutput { file: file.clone(), output: name.clone() })?;
+        let v = g.value_by_name(&name).ok_or_else(|| ImportError::DanglingOutput { file: file.clone(), output: name.clone() })?;
         g.outputs.push(v);
     }
     if let Some(entry) = metadata_props.iter().find(|p| p.key.as_deref() == Some(super::record::AUX_LOSS_KEY)) {
@@ -350,16 +164,11 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
     }
     let graph_only = !resolver.missing.is_empty();
     if let Some((tensor, path)) = resolver.missing.first() {
-        warnings.push(ImportWarning::MissingExternalData {
-            tensors: resolver.missing.len(),
-            first_file: path.clone(),
-            first_tensor: tensor.clone(),
-        });
+        warnings.push(ImportWarning::MissingExternalData { tensors: resolver.missing.len(), first_file: path.clone(), first_tensor: tensor.clone() });
     }
     if funcs.calls() > 0 {
         tracing::debug!("{}: inlined {} model-local function call(s)", file.display(), funcs.calls());
     }
-
     let opsets = g.opsets.clone();
     Ok(ImportedModel {
         graph: g,
@@ -373,6 +182,185 @@ fn import_model(model: ModelProto, path: &Path, sha256: String) -> Result<Import
         graph_only,
         canonicalised,
     })
+}
+
+/// Refuses control flow: a node with a subgraph attribute, or a default-domain control-flow op.
+fn refuse_control_flow(nodes: &[NodeProto], names: &[String], file: &Path) -> Result<(), ImportError> {
+    for (n, name) in nodes.iter().zip(names) {
+        let op_type = n.op_type.as_deref().unwrap_or("");
+        let default_domain = normalize_domain(n.domain.as_deref().unwrap_or("")).is_empty();
+        let has_subgraph = n.attribute.iter().any(|a| matches!(a.r#type, Some(attr_type::GRAPH) | Some(attr_type::GRAPHS)) || a.g.is_some() || !a.graphs.is_empty());
+        if has_subgraph || (default_domain && CONTROL_FLOW.contains(&op_type)) {
+            return Err(ImportError::ControlFlow { file: file.to_path_buf(), node: name.clone(), op_type: op_type.to_string() });
+        }
+    }
+    Ok(())
+}
+
+/// No producing node: an initializer or a graph input (see [`Importer::producer_of`]).
+const NONE: usize = usize::MAX;
+
+/// The graph being imported, with what the import's steps share.
+struct Importer {
+    file: PathBuf,
+    g: Graph,
+    /// Unique node names, by node index in the file (functions inlined).
+    names: Vec<String>,
+    /// The node (index) defining each value, by value index; [`NONE`] for initializers and
+    /// graph inputs.
+    producer_of: Vec<usize>,
+    resolver: ExternalResolver,
+    /// Symbolic dims named so far.
+    syms: usize,
+    warnings: Vec<ImportWarning>,
+}
+
+impl Importer {
+    fn graph_err(&self, e: GraphError) -> ImportError {
+        ImportError::Graph { file: self.file.clone(), source: e }
+    }
+
+    /// What defines value `v`, for an error naming both definitions of a name.
+    fn describe(&self, v: ValueId) -> String {
+        match (self.g.value(v).kind, self.producer_of.get(v.index()).filter(|&&i| i != NONE)) {
+            (_, Some(&i)) => format!("node `{}`", self.names[i]),
+            (ValueKind::Initializer, _) => "an initializer".to_string(),
+            _ => "a graph input".to_string(),
+        }
+    }
+
+    /// The initializers (with their parameter records), then the graph inputs that are not
+    /// initializers.
+    fn initializers_and_inputs(&mut self, initializers: &[TensorProto], sparse: &[SparseTensorProto], inputs: &[ValueInfoProto]) -> Result<(), ImportError> {
+        if let Some(s) = sparse.first() {
+            let name = s.values.as_ref().and_then(|v| v.name.clone()).unwrap_or_default();
+            return Err(ImportError::BadTensor { file: self.file.clone(), tensor: name, reason: "sparse initializers are not supported".into() });
+        }
+        for t in initializers {
+            let tensor = convert(t, &mut self.resolver)?;
+            let name = t.name.clone().unwrap_or_default();
+            if let Some(v) = self.g.value_by_name(&name) {
+                return Err(ImportError::DuplicateOutput { file: self.file.clone(), value: name, first: self.describe(v), second: "an initializer".into() });
+            }
+            let record = super::record::read(t, &self.file)?;
+            let ty = TensorType { dtype: tensor.dtype, shape: Some(Shape::from_known(&tensor.dims)) };
+            let id = self.g.add_value(name, ValueKind::Initializer, Some(ty), Some(tensor)).map_err(|e| self.graph_err(e))?;
+            self.g.value_mut(id).record = record;
+        }
+        for vi in inputs {
+            let name = vi.name.clone().unwrap_or_default();
+            match self.g.value_by_name(&name) {
+                Some(v) if self.g.value(v).kind == ValueKind::Initializer => continue,
+                Some(v) => {
+                    return Err(ImportError::DuplicateOutput { file: self.file.clone(), value: name, first: self.describe(v), second: "a graph input".into() });
+                }
+                None => {}
+            }
+            let ty = value_type(vi, &mut self.syms);
+            let id = self.g.add_value(name, ValueKind::Input, ty, None).map_err(|e| self.graph_err(e))?;
+            self.g.inputs.push(id);
+        }
+        Ok(())
+    }
+
+    /// Every node output, before any node (the file need not be topologically sorted), typed
+    /// where `declared`; by node index.
+    fn node_outputs(&mut self, nodes: &[NodeProto], declared: &HashMap<&str, &TypeProto>) -> Result<Vec<Vec<ValueId>>, ImportError> {
+        let mut node_outputs: Vec<Vec<ValueId>> = Vec::with_capacity(nodes.len());
+        for (i, n) in nodes.iter().enumerate() {
+            let mut outs = Vec::with_capacity(n.output.len());
+            for out in n.output.iter().filter(|o| !o.is_empty()) {
+                if let Some(v) = self.g.value_by_name(out) {
+                    return Err(ImportError::DuplicateOutput { file: self.file.clone(), value: out.clone(), first: self.describe(v), second: format!("node `{}`", self.names[i]) });
+                }
+                let ty = declared.get(out.as_str()).and_then(|t| type_from_proto(t, &mut self.syms));
+                let id = self.g.add_value(out.clone(), ValueKind::Intermediate, ty, None).map_err(|e| self.graph_err(e))?;
+                self.producer_of.resize(id.index(), NONE);
+                self.producer_of.push(i);
+                outs.push(id);
+            }
+            node_outputs.push(outs);
+        }
+        Ok(node_outputs)
+    }
+
+    /// Each node's inputs by name, and the nodes in topological order (ties broken by file
+    /// position).
+    fn node_inputs(&self, nodes: &[NodeProto]) -> Result<(Vec<Vec<Option<ValueId>>>, Vec<usize>), ImportError> {
+        let mut node_inputs: Vec<Vec<Option<ValueId>>> = Vec::with_capacity(nodes.len());
+        let mut dependents: Vec<Vec<usize>> = vec![Vec::new(); nodes.len()];
+        let mut indegree = vec![0usize; nodes.len()];
+        for (i, n) in nodes.iter().enumerate() {
+            let mut ins = Vec::with_capacity(n.input.len());
+            let mut preds: Vec<usize> = Vec::new();
+            for input in &n.input {
+                if input.is_empty() {
+                    ins.push(None);
+                    continue;
+                }
+                let v = self.g.value_by_name(input).ok_or_else(|| ImportError::DanglingInput { file: self.file.clone(), node: self.names[i].clone(), input: input.clone() })?;
+                if let Some(&p) = self.producer_of.get(v.index()).filter(|&&p| p != NONE)
+                    && !preds.contains(&p)
+                {
+                    preds.push(p);
+                    dependents[p].push(i);
+                    indegree[i] += 1;
+                }
+                ins.push(Some(v));
+            }
+            node_inputs.push(ins);
+        }
+        let mut ready: BinaryHeap<Reverse<usize>> = (0..nodes.len()).filter(|&i| indegree[i] == 0).map(Reverse).collect();
+        let mut order = Vec::with_capacity(nodes.len());
+        while let Some(Reverse(i)) = ready.pop() {
+            order.push(i);
+            for &d in &dependents[i] {
+                indegree[d] -= 1;
+                if indegree[d] == 0 {
+                    ready.push(Reverse(d));
+                }
+            }
+        }
+        if order.len() != nodes.len() {
+            let stuck = (0..nodes.len()).find(|&i| indegree[i] > 0).unwrap_or(0);
+            return Err(ImportError::Cycle { file: self.file.clone(), node: self.names[stuck].clone() });
+        }
+        Ok((node_inputs, order))
+    }
+
+    /// Adds the nodes in `order`; returns the ops the IR does not know (domain, op type, first
+    /// node, count), kept as placeholders.
+    fn add_nodes(&mut self, nodes: Vec<NodeProto>, order: Vec<usize>, mut inputs: Vec<Vec<Option<ValueId>>>, mut outputs: Vec<Vec<ValueId>>) -> Result<Vec<(String, String, String, usize)>, ImportError> {
+        let mut unknown: Vec<(String, String, String, usize)> = Vec::new();
+        let mut node_protos: Vec<Option<NodeProto>> = nodes.into_iter().map(Some).collect();
+        for i in order {
+            let Some(n) = node_protos[i].take() else { continue };
+            let name = self.names[i].clone();
+            let op_type = n.op_type.unwrap_or_default();
+            let domain = normalize_domain(n.domain.as_deref().unwrap_or("")).to_string();
+            let op = match (domain.is_empty(), OpKind::from_onnx(&op_type)) {
+                (true, Some(kind)) => Op::Known(kind),
+                _ => {
+                    match unknown.iter_mut().find(|u| u.0 == domain && u.1 == op_type) {
+                        Some(u) => u.3 += 1,
+                        None => unknown.push((domain.clone(), op_type.clone(), name.clone(), 1)),
+                    }
+                    Op::Placeholder { op_type: op_type.clone(), domain }
+                }
+            };
+            let attrs = parse_attrs(&n.attribute, &name, &self.file, &mut self.resolver, &mut self.warnings)?;
+            if op.is(OpKind::Constant)
+                && let (Some(&out), Some(ty)) = (outputs[i].first(), constant_type(&attrs))
+                && self.g.value(out).ty.is_none()
+            {
+                self.g.value_mut(out).ty = Some(ty);
+            }
+            let namespace = n.metadata_props.iter().find(|p| p.key.as_deref() == Some("namespace")).and_then(|p| p.value.clone());
+            let node = Node { name, op, attrs, inputs: std::mem::take(&mut inputs[i]), outputs: std::mem::take(&mut outputs[i]), namespace, order: i as u32 };
+            self.g.add_node(node).map_err(|e| self.graph_err(e))?;
+        }
+        Ok(unknown)
+    }
 }
 
 /// Node names made unique: an empty name becomes `OpType_N`, a repeated one `name_N`.

@@ -9,7 +9,7 @@ use crate::ir::Dim;
 use crate::runtime::RuntimeError;
 use crate::runtime::kernels::executor::Executor;
 use crate::runtime::kernels::tensor::{is_float_kind, kind_of};
-use crate::runtime::state::npz;
+use crate::runtime::formats::npz;
 
 /// A global batch: arrays keyed by graph input name, plus `labels`/`targets` if given.
 pub type Batch = Vec<(String, Tensor)>;

@@ -32,7 +32,7 @@ use crate::runtime::state::checkpoint::{Checkpointing, SaveConfig};
 use crate::runtime::state::weights::Source;
 use crate::runtime::train::{TrainConfig, TrainObserver, drive, save_checkpoint};
 use interp::Interp;
-use setup::{Rank, Shards, check_world};
+use setup::{Rank, Shards};
 
 pub use check::check_rank;
 pub use layout::{REPLAN, StageLayout, codegen_section, planned_graph, rank_programs, stage_layout};
@@ -40,28 +40,39 @@ pub use report::{PhaseTimes, RankReport, RankStats, StateBytes, peak_rss_bytes};
 pub use setup::{RankOptions, rank_weights};
 pub use straggler::{DROP_STRAGGLERS_ENV, StragglerOptions};
 
-/// Runs this rank's part of `plan` for `cfg.steps` steps on `data` (step k reads its k-th
+/// What one rank of a plan runs with, handed from the run session to the rank.
+pub struct RankRun<'a, 'g> {
+    /// The plan (its codegen section checked by [`planned_graph`]).
+    pub plan: &'a Plan,
+    /// The executor of the graph the plan was made for ([`planned_graph`]).
+    pub exec: &'a Executor<'g>,
+    /// That graph's dim bindings.
+    pub dims: &'a DimBindings,
+    /// Where the rank reads the parts of weights it holds.
+    pub source: &'a Source<'g>,
+    /// The training data.
+    pub data: &'a DataSource,
+    /// The validation data, if any.
+    pub eval_data: Option<&'a DataSource>,
+    /// What is trained and how.
+    pub cfg: &'a TrainConfig,
+    /// How the rank runs (timeouts, buckets, progress lines, backend).
+    pub opts: &'a RankOptions,
+    /// This process's place in the world.
+    pub env: &'a RankEnv,
+    /// Checkpoints written and resumed.
+    pub ckpt: &'a Checkpointing<'a>,
+    /// With `Some`, the state after the last step is written as a checkpoint under its root.
+    pub final_state: Option<&'a SaveConfig>,
+}
+
+/// Runs this rank's part of `run.plan` for `cfg.steps` steps on `data` (step k reads its k-th
 /// global batch; each replica takes its share, and only ranks whose stages read data read it)
 /// in the one training loop, validating on `eval_data` as `cfg.eval` says and checkpointing as
-/// `ckpt` says (and, with `final_state`, the state after the last step as a checkpoint under
-/// its root); tells `obs` of each step (with the global loss), validation and checkpoint as
-/// it completes. `exec` runs the graph the plan was made for ([`planned_graph`], whose dim
-/// bindings are `dims`).
-#[allow(clippy::too_many_arguments)]
-pub fn run_rank(
-    plan: &Plan,
-    exec: &Executor<'_>,
-    dims: &DimBindings,
-    source: &Source<'_>,
-    (data, eval_data): (&DataSource, Option<&DataSource>),
-    (cfg, opts): (&TrainConfig, &RankOptions),
-    env: &RankEnv,
-    ckpt: &Checkpointing<'_>,
-    final_state: Option<&SaveConfig>,
-    obs: &mut dyn TrainObserver,
-) -> Result<RankReport, RuntimeError> {
-    codegen_section(plan)?;
-    check_world(plan, env)?;
+/// `ckpt` says (and `final_state`); tells `obs` of each step (with the global loss), validation
+/// and checkpoint as it completes.
+pub fn run_rank(run: &RankRun<'_, '_>, obs: &mut dyn TrainObserver) -> Result<RankReport, RuntimeError> {
+    let RankRun { plan, exec, dims, source, data, eval_data, cfg, opts, env, ckpt, final_state } = *run;
     let shards = Shards::new(plan, exec.graph(), dims, env.rank)?;
     let rank = Rank::new(plan, exec, source, &shards, data, (cfg, opts), env)?;
     let restore = ckpt.resume.map(|l| zero::restored_moments(&rank, l)).transpose()?;

@@ -8,7 +8,8 @@ use super::{SessionError, decided, fuse_chains};
 use crate::frontend::onnx::load_model;
 use crate::runtime::kernels::executor::{self, ExecOptions, Executor};
 use crate::runtime::state::checkpoint::{self, Loaded};
-use crate::runtime::state::{export, npz};
+use crate::runtime::formats::npz;
+use crate::runtime::state::export;
 use crate::runtime::{InitMode, Weights};
 
 /// What `eval` runs: a model, its inputs and where its outputs go.

@@ -21,7 +21,7 @@ use crate::runtime::comm::RankEnv;
 use crate::runtime::device::{Placement, Ranks};
 use crate::runtime::data::{self, DataSource, Order};
 use crate::runtime::kernels::executor::{self, ExecOptions, Executor};
-use crate::runtime::rank::{self, RankOptions, peak_rss_bytes};
+use crate::runtime::rank::{self, RankOptions, RankRun, peak_rss_bytes};
 use crate::runtime::state::checkpoint::{self, Checkpointing, Loaded, SaveConfig};
 use crate::runtime::state::export;
 use crate::runtime::state::weights::Source;
@@ -337,7 +337,8 @@ impl RunSession {
         let ckpt = Checkpointing { save: self.save.clone(), resume: self.resume.as_ref() };
         obs.on_start(data.tokens_per_batch());
         let t0 = Instant::now();
-        let report = rank::run_rank(plan, &exec, &dims, &source, (&data, eval_data.as_ref()), (&cfg, &rank_opts), env, &ckpt, final_state.as_ref(), obs).map_err(in_rank)?;
+        let run = RankRun { plan, exec: &exec, dims: &dims, source: &source, data: &data, eval_data: eval_data.as_ref(), cfg: &cfg, opts: &rank_opts, env, ckpt: &ckpt, final_state: final_state.as_ref() };
+        let report = rank::run_rank(&run, obs).map_err(in_rank)?;
         let wall_s = t0.elapsed().as_secs_f64();
         let step_time = report.ranks.iter().map(|r| r.step_time_s).fold(0.0, f64::max);
         let mut saved_weights = None;
@@ -434,7 +435,7 @@ impl RunSession {
         let o = &self.opts;
         let (global, seq) = match &o.data.train {
             Some(path) if !data::is_token_file(path) => {
-                let size = crate::runtime::state::npz::read_npz(path)?.first().map(|(_, t)| t.size()).unwrap_or_default();
+                let size = crate::runtime::formats::npz::read_npz(path)?.first().map(|(_, t)| t.size()).unwrap_or_default();
                 (size.first().copied().unwrap_or(o.batch), size.get(1).copied().unwrap_or(self.seq_len))
             }
             _ => (o.batch, self.seq_len),

@@ -112,7 +112,7 @@ pub fn write_module_tensors(exec: &Executor<'_>, out: &Path) -> Result<PathBuf, 
         }
         Some("npz") => {
             let arrays: Vec<(String, Tensor, Option<crate::ir::DType>)> = module_tensors(exec)?.into_iter().map(|(k, t)| (k, t, None)).collect();
-            super::npz::write_npz(out, &arrays)?;
+            crate::runtime::formats::npz::write_npz(out, &arrays)?;
         }
         _ => return Err(ferr(out, "the trained weights are written as `.safetensors` or `.npz`")),
     }

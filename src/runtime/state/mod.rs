@@ -1,10 +1,9 @@
 //! State that outlives a step: weights and the sources they are read from (model file,
 //! external data, checkpoint, seeded random values), checkpoints (sharded safetensors and a
-//! manifest, resharded on resume), npz files, and the trained model out (`export`). `slice` is
+//! manifest, resharded on resume), and the trained model out (`export`). `slice` is
 //! the leaf they share: where a piece lies in the whole tensor and what it is named.
 
 pub mod checkpoint;
 pub mod export;
-pub mod npz;
 pub mod slice;
 pub mod weights;

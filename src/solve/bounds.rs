@@ -1,0 +1,146 @@
+//! Lower bounds on a candidate's step time and peak memory without an ILP (docs/planner.md
+//! §3): what the outer search sorts and prunes its candidates by.
+
+use crate::ir::{OffloadRule, ScheduleKind};
+
+use super::oracle::min_max_lower_bound;
+use super::problem::{CheckpointRule, PipelineLayer, PipelineProblem};
+
+/// Bubble weight c of Σ T[d] in the step time c·Σ T + (m − c)·max T (see
+/// `PipelineProblem`) for `p` pipeline ranks and `m` microbatches.
+///
+/// GPipe and 1F1B: c = 1, so equal stages give (m + p − 1)·T — a bubble of (p − 1)/m for
+/// every m, m < p included (Narayanan et al. 2021). Interleaved: 1/v. ZB-H1 (Qi et al. 2024,
+/// F = B = W = T/3): c = 1/3 when m ≥ p; with fewer microbatches the backward chain of the
+/// last one cannot overlap, and the schedule takes (2p + 2m − 1)·T/3 on equal stages, so
+/// c = (2p − m − 1) / (3(p − 1)) (2/3 for one microbatch, 1/3 at m = p).
+pub fn bubble_coeff(kind: ScheduleKind, p: usize, m: usize) -> f64 {
+    match kind {
+        ScheduleKind::GPipe | ScheduleKind::OneFOneB => 1.0,
+        ScheduleKind::Interleaved { virtual_stages } => 1.0 / virtual_stages.max(1) as f64,
+        ScheduleKind::ZbH1 if m >= p || p < 2 => 1.0 / 3.0,
+        ScheduleKind::ZbH1 => (2 * p - m - 1) as f64 / (3 * (p - 1)) as f64,
+    }
+}
+
+/// Lower bounds on the step time and the peak memory of any solution of `p`.
+///
+/// Step time: the schedule's bubble with perfectly balanced devices over the least layer
+/// times, plus the recompute that memory forces (a fractional knapsack over the activation
+/// bytes the devices cannot hold), plus the cheapest transfer at every boundary, plus the
+/// min-max split of the least sync times. Infinite when memory cannot fit even so.
+pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
+    bounds_with(p, &p.layers)
+}
+
+/// [`bounds`] of `p` with `layers` in place of its own.
+pub(super) fn bounds_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> (f64, f64) {
+    let devices = p.devices.max(1);
+    let chunks = p.chunks();
+    let c = p.bubble_coeff;
+    let m = p.microbatches as f64;
+    let fold_min = |it: &mut dyn Iterator<Item = f64>| it.fold(f64::INFINITY, f64::min);
+    let l_n = layers.len();
+    let mut tmin = Vec::with_capacity(l_n);
+    let mut smin = Vec::with_capacity(l_n);
+    let (mut state, mut act_total, mut kept_min) = (0.0, 0.0, 0.0);
+    // (recompute seconds, bytes it frees) per layer, for the knapsack.
+    let mut items: Vec<(f64, f64)> = Vec::new();
+    let min_flight = p.in_flight.iter().cloned().fold(f64::INFINITY, f64::min);
+    let max_flight = p.in_flight.iter().cloned().fold(0.0, f64::max);
+    // An offloaded layer keeps at least this share of its own inputs' in-flight bytes on the device.
+    let offloaded = if p.offload == OffloadRule::Never || p.checkpoint == CheckpointRule::Never {
+        1.0
+    } else {
+        (p.loading_horizon / max_flight.max(1e-12)).min(1.0)
+    };
+    for (i, l) in layers.iter().enumerate() {
+        let pts = &l.points;
+        let rule = p.checkpoint_of(i);
+        let always = rule == CheckpointRule::Always;
+        tmin.push(fold_min(&mut pts.iter().map(|q| q.fwd_s + q.bwd_s + if always { q.fwd_s } else { 0.0 })));
+        smin.push(fold_min(&mut pts.iter().map(|q| q.sync_s)));
+        state += fold_min(&mut pts.iter().map(|q| q.state_bytes));
+        let act = fold_min(&mut pts.iter().map(|q| q.act_bytes));
+        let input = fold_min(&mut pts.iter().map(|q| q.input_bytes)).min(act);
+        // offloading costs no time in this bound: it frees bytes (the layer's own inputs) for free
+        let movable = pts.iter().map(|q| q.offload_bytes).fold(0.0, f64::max).min(input);
+        let least = input - movable * (1.0 - offloaded);
+        let kept = match rule {
+            CheckpointRule::Never => act,
+            CheckpointRule::Always => least,
+            CheckpointRule::Auto => {
+                items.push((fold_min(&mut pts.iter().map(|q| q.fwd_s)), act - least));
+                act
+            }
+        };
+        act_total += kept;
+        kept_min += if rule == CheckpointRule::Never { act } else { input };
+    }
+    let t_sum: f64 = tmin.iter().sum();
+    let s_sum: f64 = smin.iter().sum();
+    let kept_flight = if offloaded < 1.0 { min_flight.min(p.loading_horizon) } else { min_flight };
+    let mem_lb = (state + kept_min * kept_flight) / devices as f64 + p.workspace;
+    // Device d keeps at most (cap − workspace − state_d) / (least in-flight count of its
+    // chunks) bytes per microbatch; summed over devices with Σ state_d = state.
+    let mut f_dev = vec![f64::INFINITY; devices];
+    for (ch, &f) in p.in_flight.iter().enumerate() {
+        f_dev[ch % devices] = f_dev[ch % devices].min(f.max(1e-12));
+    }
+    let room = p.memory_cap - p.workspace;
+    let f_max = f_dev.iter().cloned().fold(0.0, f64::max);
+    let keep_cap = f_dev.iter().map(|f| room / f).sum::<f64>() - state / f_max;
+    let mut need = act_total - keep_cap;
+    let mut recompute = 0.0;
+    if need > 0.0 {
+        items.sort_by(|a, b| (a.0 * b.1).total_cmp(&(b.0 * a.1)));
+        for (t, bytes) in items {
+            if need <= 0.0 {
+                break;
+            }
+            if bytes <= 0.0 {
+                continue;
+            }
+            let take = (need / bytes).min(1.0);
+            recompute += take * t;
+            need -= take * bytes;
+        }
+        if need > 1e-9 * act_total.max(1.0) {
+            return (f64::INFINITY, mem_lb);
+        }
+    }
+    let busy = t_sum + recompute;
+    let (tau, sigma) = match &p.fixed_chunks {
+        Some(f) => {
+            let mut t = vec![0.0; devices];
+            let mut s = vec![0.0; devices];
+            for (l, &ch) in f.iter().enumerate() {
+                t[ch % devices] += tmin[l];
+                s[ch % devices] += smin[l];
+            }
+            (t.iter().cloned().fold(0.0, f64::max), s.iter().cloned().fold(0.0, f64::max))
+        }
+        None => {
+            let tau = min_max_lower_bound(&tmin, chunks);
+            let sigma = if p.virtual_stages == 1 {
+                min_max_lower_bound(&smin, devices)
+            } else {
+                (s_sum / devices as f64).max(smin.iter().cloned().fold(0.0, f64::max))
+            };
+            (tau, sigma)
+        }
+    };
+    let transfer = match &p.fixed_chunks {
+        Some(f) => (0..l_n.saturating_sub(1))
+            .filter(|&l| f[l] != f[l + 1])
+            .map(|l| 2.0 * layers[l].output_bytes * p.transfer_s_per_byte[f[l]])
+            .sum(),
+        None => {
+            let least_out =
+                layers[..l_n.saturating_sub(1)].iter().map(|l| l.output_bytes).fold(f64::INFINITY, f64::min);
+            if least_out.is_finite() { p.transfer_s_per_byte.iter().map(|b| 2.0 * least_out * b).sum() } else { 0.0 }
+        }
+    };
+    let lb = c * busy + (m - c) * tau.max(busy / devices as f64) + transfer + sigma;
+    (lb, mem_lb)
+}
