@@ -6,6 +6,9 @@
 #                 Python package's pytest (python/, installed into .venv)
 #   make venv     .venv brought to exactly requirements.lock (uv pip sync)
 #   make lock     re-resolve requirements.in into requirements.lock (then make venv)
+#   make engines-venv  .venv-engines brought to exactly requirements-engines.lock: Megatron-Core,
+#                 torchtitan, DeepSpeed, whose own code checks what `emit` writes (part of test)
+#   make engines-lock  re-resolve requirements-engines.in into requirements-engines.lock
 #   make models   regenerate models/ (not part of test)
 #   make keras-models  regenerate models/keras/ with TensorFlow + tf2onnx in .venv-keras (not part of test)
 #   make check-cuda  build smp-runner with NCCL (feature cuda) against the NVIDIA wheels' headers
@@ -34,7 +37,7 @@ ONNX_CASES := tests/data/onnx-cases
 export LIBTORCH_USE_PYTORCH := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: deps venv lock onnx-cases build test demo models keras-models help check-cuda wheel fuzz fuzz-ci
+.PHONY: deps venv lock engines-venv engines-lock onnx-cases build test demo models keras-models help check-cuda wheel fuzz fuzz-ci
 
 help:
 	@sed -n '1,15p' Makefile
@@ -62,6 +65,14 @@ venv: | deps
 lock: | deps
 	@scripts/venv.sh --lock
 
+## The engines' own venv (their pins conflict with .venv's): exactly requirements-engines.lock.
+ENGINES_VENV := .venv-engines
+engines-venv: venv
+	@scripts/venv-engines.sh
+
+engines-lock: venv
+	@scripts/venv-engines.sh --lock
+
 ## ONNX operator conformance cases from the installed onnx wheel (stamped, gitignored).
 onnx-cases: venv
 	@"$(PY)" scripts/gen_onnx_cases.py --out $(ONNX_CASES)
@@ -69,11 +80,13 @@ onnx-cases: venv
 build: deps venv
 	$(CARGO) build --release --all-targets --features "$(FEATURES)"
 
-test: deps venv onnx-cases
+test: deps venv engines-venv onnx-cases
 	$(CARGO) test --features "$(FEATURES)"
 	@# the Python package (python/) into .venv, then its pytest against the binaries just built
 	"$(VENV)/bin/uv" pip install --python "$(PY)" --quiet --no-deps --no-build-isolation -e python
 	SMP_BIN_DIR=$(CURDIR)/target/debug "$(PY)" -m pytest python/tests -q -p no:cacheprovider
+	@# emitted engine configurations through the engines' own parsers and validators
+	SMP_BIN_DIR=$(CURDIR)/target/debug "$(ENGINES_VENV)/bin/python" -m pytest tests/engines -q -p no:cacheprovider
 
 demo: deps
 	$(CARGO) build --bin smp-partition

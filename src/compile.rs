@@ -258,6 +258,12 @@ pub fn load_and_analyze(path: &Path, opts: &AnalyzeOptions) -> Result<Analysed, 
     import_and_analyze(path, opts, &ParamOptions::default(), &mut (), false)
 }
 
+/// Import → analyze as `compile` does for `options` (their sequence length, dims and trained
+/// parameters): a model analysed once for compiling several requests.
+pub fn analyze_for(path: &Path, options: &PlanOptions) -> Result<Analysed, CompileError> {
+    import_and_analyze(path, &analyze_options(options), &options.params, &mut (), false)
+}
+
 fn import_and_analyze(
     path: &Path,
     opts: &AnalyzeOptions,

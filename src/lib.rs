@@ -1,12 +1,14 @@
 //! smp-partition: a compiler for model-parallel training.
 //!
 //! The spine, one direction: `frontend` → `ir` → `passes` → `cost` → `split` → `solve` →
-//! `codegen` → `plan` → `sim` → `runtime`. Every stage may use `ir` and the stages before it.
+//! `codegen` → `plan` → `sim` → `runtime`; `engines` writes plans as other engines'
+//! configurations and reads theirs into requests for `compile`. Every stage may use `ir` and the stages before it.
 //! [`compile()`] drives the stages from a model file to a validated plan (docs/architecture.md).
 
 pub mod codegen;
 pub mod compile;
 pub mod cost;
+pub mod engines;
 pub mod frontend;
 pub mod host;
 pub mod ir;

@@ -872,6 +872,7 @@ const SERDE_ALLOWED: &[&str] = &[
     "solve/pipeline.rs",
     "frontend/onnx/record.rs",
     "sim/trace.rs",
+    "engines/",
     "runtime/data/",
     "runtime/state/",
     "runtime/launch/calibrate.rs",

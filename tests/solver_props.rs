@@ -98,6 +98,7 @@ fn instance() -> impl Strategy<Value = Instance> {
                     offload,
                     loading_horizon: horizon as f64,
                     fixed_chunks: None,
+                    fixed_checkpoints: None,
                     objective: if memory_obj { PipelineObjective::PeakMemory { max_step_s: 0.0 } } else { PipelineObjective::StepTime },
                 }))
             },
@@ -202,7 +203,7 @@ proptest! {
         let prob = PipelineProblem {
             layers, devices: p, virtual_stages: 1, microbatches: m, in_flight: vec![1.0; p], kept_flight: vec![], bubble_coeff: 1.0,
             memory_cap: f64::INFINITY, workspace: 0.0, transfer_s_per_byte: vec![0.0; p - 1],
-            checkpoint: CheckpointRule::Never, offload: OffloadRule::Never, loading_horizon: 4.0, fixed_chunks: None,
+            checkpoint: CheckpointRule::Never, offload: OffloadRule::Never, loading_horizon: 4.0, fixed_chunks: None, fixed_checkpoints: None,
             objective: PipelineObjective::StepTime,
         };
         let (dp, _) = min_max_cuts(&times, p).unwrap();

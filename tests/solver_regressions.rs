@@ -30,6 +30,7 @@ fn interleaved_decode_counts_the_boundary_transfer() {
         offload: OffloadRule::Never,
         loading_horizon: 4.0,
         fixed_chunks: None,
+        fixed_checkpoints: None,
         objective: PipelineObjective::StepTime,
     };
     let (best, _, _) = brute_force_pipeline(&p).expect("feasible");
@@ -65,6 +66,7 @@ fn pure_cut_max_stage_is_at_least_the_largest_layer() {
         offload: OffloadRule::Never,
         loading_horizon: 4.0,
         fixed_chunks: None,
+        fixed_checkpoints: None,
         objective: PipelineObjective::StepTime,
     };
     let (dp, _) = smp_partition::solve::oracle::min_max_cuts(&times, 4).expect("cuts");
@@ -101,6 +103,7 @@ fn a_tied_copy_is_charged_only_where_the_owner_is_not() {
         offload: OffloadRule::Never,
         loading_horizon: 4.0,
         fixed_chunks: None,
+        fixed_checkpoints: None,
         objective: PipelineObjective::StepTime,
     };
     let (best, bf_choices, _) = brute_force_pipeline(&p).expect("feasible");

@@ -7,6 +7,7 @@
     run = smp.launch(plan, data=batch, steps=100, checkpoint_dir="ckpt")
     smp.load_trained(model, run)                 # trained weights back into the module
     smp.sweep(model, example_inputs, clusters=["a100-80gb:256,512", "h100-80gb:256,512"])
+    plan.emit("megatron", "mlm/")                # the plan as Megatron-LM arguments (or torchtitan, ...)
 
 Pure Python around the built binaries (`smp-partition`, `smp-runner`), found in $SMP_BIN_DIR,
 on PATH, or in the repository's target/. Needs torch==2.13.0 (the binaries link against it).
@@ -16,11 +17,11 @@ from ._binaries import find_binary
 from .errors import CommandError, RankFailed, SmpError
 from .export import Exported, export
 from .launch import Run, launch, launch_command, verify_plan
-from .plan import Parallel, Plan, Predicted, plan
+from .plan import EngineConfig, Gap, Parallel, Plan, Predicted, plan
 from .sweep import Sweep, sweep
 from .trained import export_trained, load_trained
 
 __all__ = [
-    "CommandError", "Exported", "Parallel", "Plan", "Predicted", "RankFailed", "Run", "SmpError", "Sweep",
+    "CommandError", "EngineConfig", "Exported", "Gap", "Parallel", "Plan", "Predicted", "RankFailed", "Run", "SmpError", "Sweep",
     "export", "export_trained", "find_binary", "launch", "launch_command", "load_trained", "plan", "sweep", "verify_plan",
 ]

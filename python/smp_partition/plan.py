@@ -112,6 +112,89 @@ class Plan:
     def __repr__(self) -> str:
         return self.inspect()
 
+    def emit(self, engine: str, output: str | Path | None = None, *, cluster: str | None = None) -> EngineConfig:
+        """`smp-partition emit PLAN --engine ENGINE`: the plan as the configuration of `engine`
+        (`"megatron"`, `"torchtitan"`, `"deepspeed"` or `"smp"`), with what that engine cannot
+        express, priced, and the nearest configuration it can run (docs/engines.md). `output`:
+        a directory to write the files into as well. `cluster` prices on another cluster
+        (default: the plan's)."""
+        args: list[str | Path] = ["emit", self.path, "--engine", engine, "--model", self.model_path, "--json"]
+        if output is not None:
+            args += ["-o", Path(output)]
+        if cluster is not None:
+            args += ["--cluster", cluster]
+        return EngineConfig.from_json(json.loads(run("smp-partition", args)))
+
+
+#: The engines as their users call them.
+ENGINE_TITLES = {"megatron": "Megatron-LM", "torchtitan": "torchtitan", "deepspeed": "DeepSpeed", "smp": "SMP"}
+
+
+@dataclass(frozen=True)
+class Gap:
+    """One thing an engine cannot express of a plan: what the plan chose, why the engine
+    cannot say it, what its configuration says instead, and the predicted step with only that
+    change (`None`: not priced alone)."""
+
+    field: str
+    chose: str
+    why: str
+    nearest: str
+    priced: bool
+    step_time_s: float | None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """A plan as an engine's configuration (`Plan.emit`)."""
+
+    engine: str
+    #: File name → text (`megatron.args`, `torchtitan.toml`, `ds_config.json`, `smp.json`, ...).
+    files: dict[str, str]
+    #: The launch line that runs the files.
+    launch: str
+    #: What the user supplies that the plan does not decide (data, tokenizer, model code).
+    notes: list[str]
+    #: What the engine cannot express; empty when it expresses the whole plan.
+    gaps: list[Gap]
+    #: The plan's predicted step time, seconds.
+    plan_step_time_s: float
+    #: The predicted step time of what the configuration runs (the nearest plan), seconds.
+    step_time_s: float
+    #: The plan the configuration runs when a gap changed it (as a plan file's dict), else None.
+    nearest: dict[str, Any] | None
+    #: Peak and available bytes per device when the nearest plan does not fit, else None.
+    over_memory: tuple[int, int] | None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> EngineConfig:
+        over = d.get("over_memory")
+        return cls(engine=d["engine"], files={f["name"]: f["text"] for f in d["files"]}, launch=d["launch"],
+                   notes=list(d["notes"]),
+                   gaps=[Gap(g["field"], g["chose"], g["why"], g["nearest"], g["priced"], g["step_time_s"])
+                         for g in d["gaps"]],
+                   plan_step_time_s=d["plan_step_time_s"], step_time_s=d["step_time_s"], nearest=d.get("nearest"),
+                   over_memory=(over["peak_bytes"], over["limit_bytes"]) if over else None)
+
+    def write(self, directory: str | Path) -> list[Path]:
+        """Writes the files into `directory` (created if missing); returns their paths."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for name, text in self.files.items():
+            (out / name).write_text(text)
+            paths.append(out / name)
+        return paths
+
+    def __str__(self) -> str:
+        title = ENGINE_TITLES.get(self.engine, self.engine)
+        lines = [f"{title} cannot express {g.chose} ({g.why}); nearest: {g.nearest}" for g in self.gaps]
+        for name, text in self.files.items():
+            lines += [f"--- {name} ---", text.rstrip("\n")]
+        lines.append(f"launch: {self.launch}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
 
 def planner_args(example_inputs: Any, global_batch: int | None, seq_len: int | None,
                  config: dict[str, Any] | None, out: Path, input_names: list[str] | None = None) -> list[str | Path]:

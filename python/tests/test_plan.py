@@ -70,3 +70,36 @@ def test_precision_keyword_and_smp_keys_reach_the_plan(gpt2_plan, tmp_path) -> N
     with pytest.raises(smp.CommandError, match="bf16"):
         smp.plan(model, cluster="cpu:2", global_batch=8, seq_len=16, precision="f32", config={"bf16": True},
                  workdir=tmp_path / "both")
+
+
+def test_emit_writes_the_engine_configuration_that_reads_back(gpt2_plan, tmp_path) -> None:
+    plan = gpt2_plan[2]
+    cfg = plan.emit("megatron", tmp_path / "megatron")
+    assert isinstance(cfg, smp.EngineConfig) and cfg.engine == "megatron"
+    args = cfg.files["megatron.args"]
+    assert (tmp_path / "megatron" / "megatron.args").read_text() == args
+    assert "--pipeline-model-parallel-size 2" in args.splitlines()
+    assert "pretrain_gpt.py $(cat megatron.args)" in cfg.launch and cfg.notes
+    # read back as a team's configuration: the same plan
+    binary = str(smp.find_binary("smp-partition"))
+    done = subprocess.run([binary, str(plan.model_path), "--from-engine", f"megatron:{tmp_path / 'megatron' / 'megatron.args'}",
+                           "--cluster", "cpu:2", "--json"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    back = json.loads(done.stdout)
+    assert [s["layers"] for s in back["stages"]] == [s["layers"] for s in plan.stages]
+    assert (back["parallel"]["pp"], back["parallel"]["microbatches"]) == (plan.parallel.pp, plan.parallel.microbatches)
+    if not cfg.gaps:
+        assert abs(back["predicted"]["step_time_s"] / plan.predicted.step_time_s - 1) <= 1e-3
+    assert cfg.write(tmp_path / "again") == [tmp_path / "again" / "megatron.args"]
+
+
+def test_emit_names_and_prices_what_the_engine_cannot_express(gpt2_plan, tmp_path) -> None:
+    gpipe = smp.plan(gpt2_plan[2].model_path, cluster="cpu:2", global_batch=8, seq_len=16, pp=2, microbatches=4,
+                     schedule="gpipe", workdir=tmp_path)
+    cfg = gpipe.emit("deepspeed")
+    gap = next(g for g in cfg.gaps if "gpipe" in g.chose.lower())
+    assert gap.priced and gap.step_time_s is not None and "1F1B" in gap.nearest
+    assert cfg.nearest is not None and cfg.nearest["parallel"]["schedule"] == "1f1b"
+    assert cfg.step_time_s == cfg.nearest["predicted"]["step_time_s"]
+    assert cfg.plan_step_time_s == gpipe.predicted.step_time_s
+    assert "cannot express" in str(cfg) and "ds_config.json" in cfg.files

@@ -61,12 +61,14 @@ pub fn incumbent(p: &PipelineProblem) -> Option<(Vec<LayerChoice>, PipelineEval)
     }
     let chunks = p.chunks();
     let l_n = p.layers.len();
-    let always = p.checkpoint == CheckpointRule::Always;
+    let always = |i: usize| p.checkpoint_of(i) == CheckpointRule::Always;
     // The fastest point of each layer.
     let point: Vec<usize> = p
         .layers
         .iter()
-        .map(|l| {
+        .enumerate()
+        .map(|(i, l)| {
+            let always = always(i);
             (0..l.points.len())
                 .min_by(|&a, &b| {
                     let t = |j: usize| l.points[j].fwd_s + l.points[j].bwd_s + if always { l.points[j].fwd_s } else { 0.0 };
@@ -83,7 +85,7 @@ pub fn incumbent(p: &PipelineProblem) -> Option<(Vec<LayerChoice>, PipelineEval)
             let times: Vec<f64> = (0..l_n)
                 .map(|l| {
                     let q = &p.layers[l].points[point[l]];
-                    q.fwd_s + q.bwd_s + if always { q.fwd_s } else { 0.0 }
+                    q.fwd_s + q.bwd_s + if always(l) { q.fwd_s } else { 0.0 }
                 })
                 .collect();
             if let Some(g) = greedy_min_max_chunks(&times, chunks)
@@ -104,7 +106,7 @@ pub fn incumbent(p: &PipelineProblem) -> Option<(Vec<LayerChoice>, PipelineEval)
     };
     for layout in layouts {
         let with = |flag: &dyn Fn(usize) -> bool| -> Vec<LayerChoice> {
-            (0..l_n).map(|l| p.choice(layout[l], point[l], flag(l))).collect()
+            (0..l_n).map(|l| p.choice(l, layout[l], point[l], flag(l))).collect()
         };
         let mut tries = Vec::new();
         match p.checkpoint {
@@ -150,7 +152,7 @@ fn fit_by_recompute(p: &PipelineProblem, mut choices: Vec<LayerChoice>) -> Optio
             continue;
         }
         let mut order: Vec<(f64, usize)> = (0..choices.len())
-            .filter(|&l| choices[l].chunk % p.devices == d)
+            .filter(|&l| choices[l].chunk % p.devices == d && p.checkpoint_of(l) != CheckpointRule::Never)
             .filter_map(|l| {
                 let q = &p.layers[l].points[choices[l].point];
                 let freed = p.in_flight[choices[l].chunk] * (q.act_bytes - q.input_bytes);
@@ -165,7 +167,7 @@ fn fit_by_recompute(p: &PipelineProblem, mut choices: Vec<LayerChoice>) -> Optio
             let new_rec = rec.max(q.act_bytes - q.input_bytes);
             over -= freed - (new_rec - rec);
             rec = new_rec;
-            choices[l] = p.choice(choices[l].chunk, choices[l].point, true);
+            choices[l] = p.choice(l, choices[l].chunk, choices[l].point, true);
             if over <= 0.0 {
                 break;
             }

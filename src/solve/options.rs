@@ -3,7 +3,7 @@
 //! ([`PlanOptions::resolve`]), and the search reads it. Every conflict is an error naming both
 //! settings and where each came from.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::str::FromStr;
 
@@ -52,6 +52,14 @@ pub struct PlanOptions {
     pub schedule: Option<ScheduleKind>,
     /// Checkpointing rule (default: the solver chooses per layer).
     pub checkpointing: Option<CheckpointRule>,
+    /// Fixed recompute (`--recompute-layers`): exactly these layers (`graph`'s indices) are
+    /// checkpointed, the others not, as an engine's configuration names them; excludes
+    /// `checkpointing`.
+    pub checkpointed_layers: Option<BTreeSet<usize>>,
+    /// Every layer split as Megatron-LM splits it (columns then rows, the vocabulary of the
+    /// embedding and head), as the engines' tensor parallelism does, instead of the intra-layer
+    /// ILP's choice.
+    pub megatron_split: bool,
     /// Objective (default: speed).
     pub optimize: Option<Optimize>,
     /// Mesh axis order.
@@ -137,6 +145,8 @@ pub enum Setting {
     LoadingHorizon,
     /// `--checkpointing`.
     Checkpointing,
+    /// `--recompute-layers`.
+    CheckpointedLayers,
 }
 
 impl Setting {
@@ -162,6 +172,7 @@ impl Setting {
             Setting::Offload => "offload-activations",
             Setting::LoadingHorizon => "activation-loading-horizon",
             Setting::Checkpointing => "checkpointing",
+            Setting::CheckpointedLayers => "recompute-layers",
         }
     }
 }
@@ -249,6 +260,43 @@ impl FromStr for Layout {
     }
 }
 
+/// `"1-7,9"` for `--recompute-layers`: layer indices and inclusive ranges, comma-separated;
+/// `none` (or an empty string) is no layer.
+pub fn parse_layer_set(s: &str) -> Result<BTreeSet<usize>, String> {
+    let mut out = BTreeSet::new();
+    let s = s.trim();
+    if s.is_empty() || s == "none" {
+        return Ok(out);
+    }
+    for part in s.split(',') {
+        let part = part.trim();
+        let range = match part.split_once('-') {
+            Some((a, b)) => a.trim().parse::<usize>().ok().zip(b.trim().parse::<usize>().ok()),
+            None => part.parse::<usize>().ok().map(|a| (a, a)),
+        };
+        match range {
+            Some((a, b)) if a <= b => out.extend(a..=b),
+            _ => return Err(format!("`{part}`: expected a layer index or FIRST-LAST, e.g. \"1-7,9\"")),
+        }
+    }
+    Ok(out)
+}
+
+/// A layer set in the form [`parse_layer_set`] reads (`1-7,9`; `none` when empty).
+pub fn format_layer_set(set: &BTreeSet<usize>) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut it = set.iter().copied().peekable();
+    while let Some(a) = it.next() {
+        let mut b = a;
+        while it.peek() == Some(&(b + 1)) {
+            b += 1;
+            it.next();
+        }
+        parts.push(if a == b { a.to_string() } else { format!("{a}-{b}") });
+    }
+    if parts.is_empty() { "none".to_string() } else { parts.join(",") }
+}
+
 /// `NAME=V` for `--dim`.
 pub fn parse_dim(s: &str) -> Result<(String, i64), String> {
     match s.split_once('=') {
@@ -286,6 +334,7 @@ impl PlanOptions {
             Setting::Offload => self.offload.map(|v| v.to_string()),
             Setting::LoadingHorizon => self.loading_horizon.map(|v| v.to_string()),
             Setting::Checkpointing => self.checkpointing.map(|v| v.to_string()),
+            Setting::CheckpointedLayers => self.checkpointed_layers.as_ref().map(|v| format_layer_set(v)),
         };
         Source::Flag(format!("--{} {}", setting.flag(), value.unwrap_or_default()))
     }
@@ -315,6 +364,11 @@ impl PlanOptions {
             ));
         }
         Ok(())
+    }
+
+    /// The fixed recompute as one flag per layer of a model of `layers` layers, if fixed.
+    pub fn checkpoint_flags(&self, layers: usize) -> Option<Vec<bool>> {
+        self.checkpointed_layers.as_ref().map(|set| (0..layers).map(|l| set.contains(&l)).collect())
     }
 
     /// The per-device memory limit in bytes, when one is given.
@@ -390,10 +444,19 @@ impl PlanOptions {
 
     /// Offloading moves what checkpointed layers keep: forcing it on needs checkpointing.
     fn check_offload(&self) -> Result<(), ConfigError> {
-        if self.offload == Some(OffloadRule::Always) && self.checkpointing == Some(CheckpointRule::Never) {
+        if let (Some(rule), Some(_)) = (self.checkpointing, &self.checkpointed_layers) {
+            return Err(conflict(
+                self.source(Setting::CheckpointedLayers),
+                self.source(Setting::Checkpointing),
+                format!("the recomputed layers are given one by one; drop the `{rule}` rule"),
+            ));
+        }
+        let none_checkpointed = self.checkpointing == Some(CheckpointRule::Never) || self.checkpointed_layers.as_ref().is_some_and(BTreeSet::is_empty);
+        if self.offload == Some(OffloadRule::Always) && none_checkpointed {
+            let which = if self.checkpointed_layers.is_some() { Setting::CheckpointedLayers } else { Setting::Checkpointing };
             return Err(conflict(
                 self.source(Setting::Offload),
-                self.source(Setting::Checkpointing),
+                self.source(which),
                 "offloading moves the inputs checkpointed layers keep, and no layer is checkpointed; \
                  give --checkpointing auto or full, or drop the offloading",
             ));
@@ -650,9 +713,16 @@ impl PlanOptions {
         Ok(())
     }
 
-    /// Checks the manual layout against the model's layer count.
+    /// Checks the manual layout and the recomputed layers against the model's layer count.
     pub fn check_layers(&self, layers: usize, model: &str) -> Result<(), ConfigError> {
         let last = layers.saturating_sub(1);
+        if let Some(beyond) = self.checkpointed_layers.as_ref().and_then(|s| s.iter().find(|&&l| l >= layers)) {
+            return Err(conflict(
+                self.source(Setting::CheckpointedLayers),
+                Source::Implied(format!("{model} ({layers} layers, 0..={last})")),
+                format!("layer {beyond} does not exist"),
+            ));
+        }
         if let Some(l) = &self.layout
             && l.last_layer() + 1 != layers
         {

@@ -13,7 +13,7 @@ pub fn brute_force_pipeline(p: &PipelineProblem) -> Option<(f64, Vec<LayerChoice
     if l_n < v_n || v_n == 0 {
         return None;
     }
-    let flags = p.flag_options();
+    let flags: Vec<Vec<(bool, bool)>> = (0..l_n).map(|l| p.flag_options(l)).collect();
     let mut best: Option<(f64, Vec<LayerChoice>, PipelineEval)> = None;
     let mut chunk_of = vec![0usize; l_n];
     // Enumerate chunk assignments as non-decreasing sequences starting at 0, ending at v_n-1,
@@ -43,13 +43,14 @@ pub fn brute_force_pipeline(p: &PipelineProblem) -> Option<(f64, Vec<LayerChoice
         {
             continue;
         }
-        let per_layer: Vec<usize> = p.layers.iter().map(|l| l.points.len() * flags.len()).collect();
+        let per_layer: Vec<usize> = p.layers.iter().enumerate().map(|(l, lay)| lay.points.len() * flags[l].len()).collect();
         let mut idx = vec![0usize; l_n];
         loop {
             let choices: Vec<LayerChoice> = (0..l_n)
                 .map(|l| {
-                    let (checkpoint, offload) = flags[idx[l] % flags.len()];
-                    LayerChoice { chunk: layout[l], point: idx[l] / flags.len(), checkpoint, offload }
+                    let f = &flags[l];
+                    let (checkpoint, offload) = f[idx[l] % f.len()];
+                    LayerChoice { chunk: layout[l], point: idx[l] / f.len(), checkpoint, offload }
                 })
                 .collect();
             if let Some(e) = p.evaluate(&choices)

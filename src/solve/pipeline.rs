@@ -67,19 +67,31 @@ impl PipelineProblem {
                 return Err(SolveError::Problem("manual layout is not contiguous over the stages".into()));
             }
         }
+        if let Some(fixed) = &self.fixed_checkpoints
+            && fixed.len() != self.layers.len()
+        {
+            return Err(SolveError::Problem(format!(
+                "fixed recompute names {} layers, the model has {}",
+                fixed.len(),
+                self.layers.len()
+            )));
+        }
         Ok(())
     }
 
     /// Lower bounds on the largest device time and sync time: the min-max split of the
     /// layers' least figures (or the manual layout's device sums).
     pub fn dp_bounds(&self) -> (f64, f64) {
-        let always = self.checkpoint == CheckpointRule::Always;
         let p = self.devices;
         let v_n = self.chunks();
         let tmin: Vec<f64> = self
             .layers
             .iter()
-            .map(|l| l.points.iter().map(|q| q.fwd_s + q.bwd_s + if always { q.fwd_s } else { 0.0 }).fold(f64::INFINITY, f64::min))
+            .enumerate()
+            .map(|(i, l)| {
+                let always = self.checkpoint_of(i) == CheckpointRule::Always;
+                l.points.iter().map(|q| q.fwd_s + q.bwd_s + if always { q.fwd_s } else { 0.0 }).fold(f64::INFINITY, f64::min)
+            })
             .collect();
         let smin: Vec<f64> = self.layers.iter().map(|l| l.points.iter().map(|q| q.sync_s).fold(f64::INFINITY, f64::min)).collect();
         if let Some(f) = &self.fixed_chunks {
@@ -107,7 +119,8 @@ impl PipelineProblem {
                 && self.layers[l] == self.layers[l - 1]
                 && !owners.contains(&l)
                 && !owners.contains(&(l - 1))
-                && self.fixed_chunks.as_ref().is_none_or(|f| f[l] == f[l - 1]);
+                && self.fixed_chunks.as_ref().is_none_or(|f| f[l] == f[l - 1])
+                && self.checkpoint_of(l) == self.checkpoint_of(l - 1);
             match runs.last_mut() {
                 Some(r) if same => r.1 += 1,
                 _ => runs.push((l, 1)),
@@ -136,12 +149,12 @@ impl PipelineProblem {
         let l_n = self.layers.len();
         let v_n = self.chunks();
         let p = self.devices;
-        let flags = self.flag_options();
         let runs = self.runs();
         let mut milp = Milp::new();
-        // options of a run: (point, (checkpoint, offload))
+        // options of a run: (point, (checkpoint, offload)); a run's layers share their rule
         let options = |r: usize| -> Vec<(usize, (bool, bool))> {
             let lay = &self.layers[runs[r].0];
+            let flags = self.flag_options(runs[r].0);
             (0..lay.points.len()).flat_map(|j| flags.iter().map(move |&k| (j, k))).collect()
         };
         // n[r][c] = Vec<(option, col)>, empty when chunk c cannot hold run r.

@@ -174,6 +174,11 @@ pub struct PipelineProblem {
     pub loading_horizon: f64,
     /// Manual layout: the chunk of every layer, if fixed.
     pub fixed_chunks: Option<Vec<usize>>,
+    /// Fixed recompute: whether each layer is checkpointed, if fixed (overrides `checkpoint`
+    /// layer by layer: an engine's configuration read back names exactly the layers it
+    /// recomputes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fixed_checkpoints: Option<Vec<bool>>,
     /// What to minimise.
     pub objective: PipelineObjective,
 }
@@ -192,10 +197,20 @@ impl PipelineProblem {
         self.devices * self.virtual_stages
     }
 
-    /// The `(checkpoint, offload)` flags a layer may take under the rules: offloading moves
+    /// The checkpointing rule of layer `l`: its fixed flag where recompute is fixed, else the
+    /// problem's rule.
+    pub fn checkpoint_of(&self, l: usize) -> CheckpointRule {
+        match self.fixed_checkpoints.as_ref().and_then(|f| f.get(l)) {
+            Some(true) => CheckpointRule::Always,
+            Some(false) => CheckpointRule::Never,
+            None => self.checkpoint,
+        }
+    }
+
+    /// The `(checkpoint, offload)` flags layer `l` may take under the rules: offloading moves
     /// what a checkpointed layer keeps, so it comes only with checkpointing.
-    pub fn flag_options(&self) -> Vec<(bool, bool)> {
-        let checkpoint: &[bool] = match self.checkpoint {
+    pub fn flag_options(&self, l: usize) -> Vec<(bool, bool)> {
+        let checkpoint: &[bool] = match self.checkpoint_of(l) {
             CheckpointRule::Auto => &[false, true],
             CheckpointRule::Never => &[false],
             CheckpointRule::Always => &[true],
@@ -212,9 +227,14 @@ impl PipelineProblem {
         out
     }
 
-    /// A layer's choice with the offload flag the rule forces for `checkpoint` (on under
-    /// `Always`, off otherwise).
-    pub fn choice(&self, chunk: usize, point: usize, checkpoint: bool) -> LayerChoice {
+    /// Layer `l`'s choice with the offload flag the rule forces for `checkpoint` (on under
+    /// `Always`, off otherwise); a fixed recompute flag overrides `checkpoint`.
+    pub fn choice(&self, l: usize, chunk: usize, point: usize, checkpoint: bool) -> LayerChoice {
+        let checkpoint = match self.checkpoint_of(l) {
+            CheckpointRule::Always => true,
+            CheckpointRule::Never => false,
+            CheckpointRule::Auto => checkpoint,
+        };
         LayerChoice { chunk, point, checkpoint, offload: checkpoint && self.offload == OffloadRule::Always }
     }
 
@@ -334,7 +354,7 @@ impl PipelineProblem {
             {
                 return None;
             }
-            match self.checkpoint {
+            match self.checkpoint_of(l) {
                 CheckpointRule::Never if c.checkpoint => return None,
                 CheckpointRule::Always if !c.checkpoint => return None,
                 _ => {}

@@ -402,6 +402,7 @@ pub fn prepare(
     memory_cap: f64,
     active: Option<usize>,
     fixed_chunks: Option<Vec<usize>>,
+    fixed_checkpoints: Option<Vec<bool>>,
 ) -> Prepared {
     let spec = ctx.spec;
     let rank = |d: usize, p: usize, t: usize| cand.parallel.rank_of(d, 0, p, t);
@@ -445,6 +446,7 @@ pub fn prepare(
         offload: cand.parallel.offload,
         loading_horizon: cand.parallel.loading_horizon as f64,
         fixed_chunks,
+        fixed_checkpoints,
         objective: PipelineObjective::StepTime,
     };
     let (lb, mem_lb) = bounds_with(&problem, &table);
@@ -467,7 +469,6 @@ fn bounds_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> (f64, f64) {
     let chunks = p.chunks();
     let c = p.bubble_coeff;
     let m = p.microbatches as f64;
-    let always = p.checkpoint == CheckpointRule::Always;
     let fold_min = |it: &mut dyn Iterator<Item = f64>| it.fold(f64::INFINITY, f64::min);
     let l_n = layers.len();
     let mut tmin = Vec::with_capacity(l_n);
@@ -483,8 +484,10 @@ fn bounds_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> (f64, f64) {
     } else {
         (p.loading_horizon / max_flight.max(1e-12)).min(1.0)
     };
-    for l in layers {
+    for (i, l) in layers.iter().enumerate() {
         let pts = &l.points;
+        let rule = p.checkpoint_of(i);
+        let always = rule == CheckpointRule::Always;
         tmin.push(fold_min(&mut pts.iter().map(|q| q.fwd_s + q.bwd_s + if always { q.fwd_s } else { 0.0 })));
         smin.push(fold_min(&mut pts.iter().map(|q| q.sync_s)));
         state += fold_min(&mut pts.iter().map(|q| q.state_bytes));
@@ -493,7 +496,7 @@ fn bounds_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> (f64, f64) {
         // offloading costs no time in this bound: it frees bytes (the layer's own inputs) for free
         let movable = pts.iter().map(|q| q.offload_bytes).fold(0.0, f64::max).min(input);
         let least = input - movable * (1.0 - offloaded);
-        let kept = match p.checkpoint {
+        let kept = match rule {
             CheckpointRule::Never => act,
             CheckpointRule::Always => least,
             CheckpointRule::Auto => {
@@ -502,7 +505,7 @@ fn bounds_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> (f64, f64) {
             }
         };
         act_total += kept;
-        kept_min += if p.checkpoint == CheckpointRule::Never { act } else { input };
+        kept_min += if rule == CheckpointRule::Never { act } else { input };
     }
     let t_sum: f64 = tmin.iter().sum();
     let s_sum: f64 = smin.iter().sum();
@@ -606,7 +609,7 @@ pub fn run(
         .iter()
         .map(|cand| {
             let f = layout.clone().or_else(|| fixed(cand, &ctx));
-            prepare(&mut ctx, cand, cap, c.active_microbatches, f)
+            prepare(&mut ctx, cand, cap, c.active_microbatches, f, c.checkpoint_flags(lg.layers.len()))
         })
         .collect();
     tracing::debug!("prepared {} candidates in {:.3} s", prepared.len(), start.elapsed().as_secs_f64());
@@ -823,7 +826,7 @@ fn axis_report(ctx: &CostContext<'_>, cand: &Candidate, prob: &PipelineProblem, 
 /// The cost context of a search under `cfg` (its precision, baseline and expert imbalance).
 pub fn cost_context<'a>(lg: &'a LayeredGraph, spec: &'a ClusterSpec, cfg: &PlanOptions) -> CostContext<'a> {
     let mut ctx = CostContext::new(lg, spec, cfg.precision_for(spec));
-    ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron);
+    ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron) || cfg.megatron_split;
     ctx.expert_imbalance = cfg.expert_imbalance.unwrap_or(super::options::DEFAULT_EXPERT_IMBALANCE);
     ctx
 }
@@ -837,7 +840,7 @@ pub fn min_fitting_cp(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions, 
         let try_cfg = PlanOptions { cp: Some(c), ..cfg.clone() };
         let Ok(cands) = enumerate(lg, spec, &try_cfg) else { return false };
         cands.iter().any(|cand| {
-            let p = prepare(&mut ctx, cand, cap, cfg.active_microbatches, None);
+            let p = prepare(&mut ctx, cand, cap, cfg.active_microbatches, None, cfg.checkpoint_flags(lg.layers.len()));
             p.mem_lb <= cap && p.lb.is_finite()
         })
     })
@@ -867,7 +870,7 @@ fn infeasible(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions, cap: f64
         let bigger = ClusterSpec { devices, ..spec.clone() };
         let Ok(cands) = enumerate(lg, &bigger, cfg) else { continue };
         let mut ctx = cost_context(lg, &bigger, cfg);
-        let fits = cands.iter().any(|cand| prepare(&mut ctx, cand, cap, cfg.active_microbatches, None).mem_lb <= cap);
+        let fits = cands.iter().any(|cand| prepare(&mut ctx, cand, cap, cfg.active_microbatches, None, cfg.checkpoint_flags(lg.layers.len())).mem_lb <= cap);
         if fits {
             fix.push_str(&format!(", or about {devices} devices of this kind"));
             break;

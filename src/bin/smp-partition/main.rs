@@ -1,5 +1,7 @@
 //! `smp-partition`: plan a model for model-parallel training, inspect plans.
 
+mod emit_cmd;
+mod from_engine_cmd;
 mod graph_cmd;
 mod inspect_cmd;
 mod plan_cmd;
@@ -26,6 +28,9 @@ enum Command {
     Graph(graph_cmd::GraphArgs),
     /// Explain a plan file: stages, bottleneck, memory, communication, the solver's proof.
     Inspect(inspect_cmd::InspectArgs),
+    /// Write a plan as the configuration of Megatron-LM, torchtitan, DeepSpeed or SMP, saying
+    /// what the engine cannot express and pricing the nearest configuration it can run.
+    Emit(emit_cmd::EmitArgs),
     /// Plan one model on several clusters: predicted step time, tokens/s, MFU, memory and
     /// cost per cluster, as a table and an SVG chart ("what should I rent?").
     Sweep(sweep_cmd::SweepArgs),
@@ -44,6 +49,7 @@ fn main() -> ExitCode {
         Some(Command::Inspect(args)) => inspect_cmd::run(&args),
         Some(Command::Graph(args)) => graph_cmd::run(&args).map(|()| ExitCode::SUCCESS),
         Some(Command::Sweep(args)) => sweep_cmd::run(&args),
+        Some(Command::Emit(args)) => emit_cmd::run(&args),
         None => plan_cmd::run(&cli.plan),
     };
     match result {

@@ -1,5 +1,6 @@
 //! The main job: `smp-partition MODEL.onnx [options]` plans a model and writes the plan.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -8,12 +9,13 @@ use anyhow::{Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use smp_partition::compile::{Observer, Stage};
+use smp_partition::compile::{Analysed, Observer, Stage};
 use smp_partition::cost::ClusterSpec;
 use smp_partition::ir::{OffloadRule, Precision, ScheduleKind};
 use smp_partition::compile::ParamOptions;
+use smp_partition::engines::Engine;
 use smp_partition::plan::{Plan, io, report};
-use smp_partition::solve::options::{Layout, parse_checkpointing, parse_dim, parse_schedule};
+use smp_partition::solve::options::{Layout, parse_checkpointing, parse_dim, parse_layer_set, parse_schedule};
 use smp_partition::solve::{Baseline, CheckpointRule, Optimize, Placement, PlanOptions, Progress, SmpConfig};
 
 /// Options of the planning job (flattened into the top-level command).
@@ -23,9 +25,10 @@ pub struct PlanArgs {
     #[arg(value_name = "MODEL.onnx")]
     pub model: Option<PathBuf>,
     /// Cluster: a preset (a100-40gb, a100-80gb, h100-80gb, h200, v100-16gb, cpu) with an
-    /// optional device count, or a cluster TOML file.
-    #[arg(long, value_name = "PRESET[:N]|FILE.toml", default_value = "h100-80gb:8")]
-    pub cluster: String,
+    /// optional device count, or a cluster TOML file [default: h100-80gb:8; with
+    /// --from-engine, h100-80gb with the launcher's device count]
+    #[arg(long, value_name = "PRESET[:N]|FILE.toml")]
+    pub cluster: Option<String>,
     #[command(flatten)]
     pub flags: PlanFlags,
     /// Write the plan here.
@@ -34,7 +37,23 @@ pub struct PlanArgs {
     /// Print the plan as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
+    /// Plan the configuration a team runs in another engine today and print it beside the
+    /// automatic plan: `megatron:ARGS`, `torchtitan:TOML` (or its command line),
+    /// `deepspeed:JSON[,LAUNCHER]`, each a file or the text itself. `-o` and `--json` give that
+    /// configuration's plan.
+    #[arg(long, value_name = "ENGINE:CONFIG")]
+    pub from_engine: Option<String>,
+    /// Also write the plan as this engine's configuration (with --from-engine: the automatic
+    /// plan), saying what the engine cannot express, priced.
+    #[arg(long, value_name = "megatron|torchtitan|deepspeed|smp")]
+    pub emit: Option<Engine>,
+    /// Write --emit's files into this directory (default: print them).
+    #[arg(long, value_name = "DIR", requires = "emit")]
+    pub emit_dir: Option<PathBuf>,
 }
+
+/// The cluster when `--cluster` is not given.
+pub const DEFAULT_CLUSTER: &str = "h100-80gb:8";
 
 /// What the user asks of a plan, cluster aside (shared by planning and `sweep`).
 #[derive(Args, Debug, Default)]
@@ -83,6 +102,9 @@ pub struct PlanFlags {
     /// Activation checkpointing.
     #[arg(long, value_name = "auto|none|full", value_parser = parse_checkpointing)]
     pub checkpointing: Option<CheckpointRule>,
+    /// Recompute exactly these layers of `graph` (e.g. "1-7,9"; "none"), the others not.
+    #[arg(long, value_name = "LIST", value_parser = parse_layer_set, conflicts_with = "checkpointing")]
+    pub recompute_layers: Option<BTreeSet<usize>>,
     /// Objective: speed, or least memory within 5 % of the fastest step.
     #[arg(long, value_name = "speed|memory")]
     pub optimize: Option<Optimize>,
@@ -138,7 +160,12 @@ pub struct PlanFlags {
 impl PlanArgs {
     /// The flags and `--config` merged and checked, as the library's options.
     pub fn options(&self) -> Result<PlanOptions> {
-        self.flags.options(&self.cluster)
+        self.flags.options(self.cluster_text())
+    }
+
+    /// `--cluster` as given, or the default.
+    pub fn cluster_text(&self) -> &str {
+        self.cluster.as_deref().unwrap_or(DEFAULT_CLUSTER)
     }
 }
 
@@ -161,6 +188,7 @@ impl PlanFlags {
             microbatches: self.microbatches,
             schedule: self.schedule,
             checkpointing: self.checkpointing,
+            checkpointed_layers: self.recompute_layers.clone(),
             optimize: self.optimize,
             placement: self.placement,
             layout: self.layout.clone(),
@@ -197,10 +225,13 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
         eprintln!("error: give MODEL.onnx to plan, or a subcommand (graph, inspect, sweep); see --help");
         return Ok(ExitCode::from(2));
     };
+    if let Some(spec) = &args.from_engine {
+        return crate::from_engine_cmd::run(model, spec, args);
+    }
     let options = args.options()?;
     let host = smp_partition::host::machine_facts()?;
-    let cluster = ClusterSpec::parse_on(&args.cluster, &host).with_context(|| format!("--cluster {}", args.cluster))?;
-    let mut cli = CliObserver { started: Instant::now(), bar: None };
+    let cluster = ClusterSpec::parse_on(args.cluster_text(), &host).with_context(|| format!("--cluster {}", args.cluster_text()))?;
+    let mut cli = CliObserver::new();
     let plan = smp_partition::compile_observed(model, &cluster, &options, &mut cli);
     cli.clear_bar();
     let plan = plan?;
@@ -208,17 +239,49 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
         eprintln!("warning: {w}");
     }
     emit(&plan, args)?;
+    if let Some(engine) = args.emit {
+        let analysed = smp_partition::compile::analyze_for(model, &options).with_context(|| format!("reading {}", model.display()))?;
+        emit_engine(engine, &plan, &analysed, &cluster, args)?;
+    }
     Ok(ExitCode::SUCCESS)
 }
 
+/// `--emit ENGINE`: the plan as the engine's configuration, after the plan's own output
+/// (which `--json` keeps to one object: the emission then goes to stderr's notes only as
+/// files under `--emit-dir`).
+pub fn emit_engine(engine: Engine, plan: &Plan, analysed: &Analysed, cluster: &ClusterSpec, args: &PlanArgs) -> Result<()> {
+    let emission = smp_partition::engines::emit(engine, plan, analysed, cluster).with_context(|| format!("--emit {}", engine.name()))?;
+    if args.json {
+        if args.emit_dir.is_none() {
+            eprintln!("note: --emit with --json writes the configuration only with --emit-dir");
+        }
+        for l in emission.gap_lines() {
+            eprintln!("note: {l}");
+        }
+        if let Some(dir) = &args.emit_dir {
+            crate::emit_cmd::show(&emission, Some(dir), true).map(|_| ())?;
+        }
+        return Ok(());
+    }
+    println!();
+    println!("{} configuration:", engine);
+    crate::emit_cmd::show(&emission, args.emit_dir.as_deref(), false)
+}
+
 /// Notes on stderr, and a progress bar once the search runs past one second.
-struct CliObserver {
+pub struct CliObserver {
     started: Instant,
     bar: Option<ProgressBar>,
 }
 
 impl CliObserver {
-    fn clear_bar(&mut self) {
+    /// An observer whose clock starts now.
+    pub fn new() -> CliObserver {
+        CliObserver { started: Instant::now(), bar: None }
+    }
+
+    /// Removes the progress bar.
+    pub fn clear_bar(&mut self) {
         if let Some(b) = self.bar.take() {
             b.finish_and_clear();
         }
@@ -256,7 +319,7 @@ impl Observer for CliObserver {
 }
 
 /// Writes the plan (`-o`) and prints it (`--json`) or its report.
-fn emit(plan: &Plan, args: &PlanArgs) -> Result<()> {
+pub fn emit(plan: &Plan, args: &PlanArgs) -> Result<()> {
     if let Some(path) = &args.output {
         io::save(plan, path).with_context(|| format!("writing the plan to {}", path.display()))?;
     }

@@ -1,0 +1,311 @@
+//! Plans written as engine configurations and read back (`smp_partition::engines`): the round
+//! trip gives the same plan (degrees, cuts, recompute, schedule, microbatches, step within
+//! 0.1 %) on the bundled large models for Megatron-LM, torchtitan and DeepSpeed; what an engine
+//! cannot express is named and priced and the configuration written is the nearest plan it can
+//! run; configurations the engines refuse are refused naming the engine's check; and Megatron-LM
+//! arguments for Llama 3 405B on 8,192 H100s price the published run.
+//!
+//! The engines' own parsers and validators check the same configurations in
+//! tests/engines/test_engine_validators.py (`make test`, in `.venv-engines`).
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use smp_partition::compile::{Analysed, analyze_for};
+use smp_partition::cost::ClusterSpec;
+use smp_partition::engines::{self, Engine, ModelShape, Origin, checkpointed};
+use smp_partition::ir::{LayerKind, Placement, Precision, ScheduleKind};
+use smp_partition::plan::Plan;
+use smp_partition::solve::PlanOptions;
+
+fn model(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("models").join(name)
+}
+
+fn analyse(name: &str) -> Analysed {
+    analyze_for(&model(name), &PlanOptions::default()).unwrap_or_else(|e| panic!("{name}: {e:#}"))
+}
+
+fn compile(a: &Analysed, cluster: &ClusterSpec, opts: &PlanOptions) -> Plan {
+    smp_partition::compile(a, cluster, opts).unwrap_or_else(|e| panic!("{}: {:#}", a.model.path, anyhow_chain(&e)))
+}
+
+fn anyhow_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(&format!(": {c}"));
+        src = c.source();
+    }
+    s
+}
+
+/// Blocks recomputed per stage, and whether any other layer is (Megatron says recompute as a
+/// count per stage; which blocks of a stage a plan names is the decoding's choice and costs the
+/// same, the blocks being identical).
+fn recompute_counts(p: &Plan, kinds: &[LayerKind]) -> (Vec<usize>, bool) {
+    let set = checkpointed(p);
+    let mut stages: Vec<_> = p.stages.iter().collect();
+    stages.sort_by_key(|s| s.index);
+    let counts = stages.iter().map(|s| (s.layers[0]..=s.layers[1]).filter(|l| set.contains(l)).count()).collect();
+    (counts, set.iter().any(|&l| kinds[l] != LayerKind::Block))
+}
+
+/// The round trip holds: `back` (read from the configuration of `sent`) is `sent`. Returns the
+/// relative difference of their predicted steps.
+fn assert_same(engine: Engine, what: &str, sent: &Plan, back: &Plan, kinds: &[LayerKind]) -> f64 {
+    let (a, b) = (&sent.parallel, &back.parallel);
+    let ctx = format!("{engine} round trip of {what}");
+    assert_eq!((a.pp, a.tp, a.dp, a.cp, a.ep), (b.pp, b.tp, b.dp, b.cp, b.ep), "{ctx}: degrees");
+    assert_eq!((a.zero, a.sharded_dp), (b.zero, b.sharded_dp), "{ctx}: ZeRO");
+    assert_eq!(a.schedule, b.schedule, "{ctx}: schedule");
+    assert_eq!((a.microbatches, sent.global_batch), (b.microbatches, back.global_batch), "{ctx}: batch");
+    assert_eq!(a.sequence_parallel, b.sequence_parallel, "{ctx}: sequence parallelism");
+    assert_eq!(a.precision, b.precision, "{ctx}: precision");
+    assert!(engines::same_ranks(a.placement, b.placement, a), "{ctx}: rank order {} against {}", a.placement, b.placement);
+    let cuts = |p: &Plan| {
+        let mut s: Vec<_> = p.stages.iter().map(|s| (s.index, s.layers)).collect();
+        s.sort();
+        s
+    };
+    assert_eq!(cuts(sent), cuts(back), "{ctx}: cuts");
+    assert_eq!(recompute_counts(sent, kinds), recompute_counts(back, kinds), "{ctx}: recompute per stage");
+    let off = |p: &Plan| p.stages.iter().map(|s| s.offloaded_layers.len()).sum::<usize>();
+    assert_eq!(off(sent), off(back), "{ctx}: offloaded layers");
+    let (x, y) = (sent.predicted.step_time_s, back.predicted.step_time_s);
+    assert!((y / x - 1.0).abs() <= 1e-3, "{ctx}: step {y} s read back against {x} s");
+    (y / x - 1.0).abs()
+}
+
+/// Emits `plan` for `engine`, reads every written form back, compiles it and compares.
+fn round_trip(engine: Engine, what: &str, plan: &Plan, a: &Analysed, cluster: &ClusterSpec, extra: &dyn Fn(&mut PlanOptions)) -> (engines::Emission, f64) {
+    let e = engines::emit(engine, plan, a, cluster).unwrap_or_else(|err| panic!("{engine} emit of {what}: {}", anyhow_chain(&err)));
+    let sent = e.nearest.as_ref().unwrap_or(plan);
+    let shape = ModelShape::of(&a.lg);
+    let kinds: Vec<LayerKind> = a.lg.layers.iter().map(|l| l.kind).collect();
+    let file = &e.written.files[0];
+    let mut forms = vec![(file.name.clone(), file.text.clone())];
+    if engine == Engine::Torchtitan {
+        forms.push(("command line".into(), e.written.launch.clone()));
+    }
+    if engine == Engine::Megatron {
+        forms.push(("launch line".into(), e.written.launch.replace("$(cat megatron.args)", &file.text.replace('\n', " "))));
+    }
+    let mut worst: f64 = 0.0;
+    for (form, text) in forms {
+        let origin = Origin { what: PathBuf::from(&form) };
+        let (reading, world) = engines::read(engine, &text, origin, &shape, Some(cluster.devices)).unwrap_or_else(|err| panic!("{engine} read of {what} ({form}): {err}\n{text}"));
+        assert_eq!(world, cluster.devices, "{engine} {what} ({form}): device count");
+        // a difference the emission named without a price (DeepSpeed's Ulysses for context
+        // parallelism) is named again when read
+        let named = e.gaps.iter().filter(|g| g.gap.change.is_none()).count();
+        assert_eq!(reading.unpriced.len(), named, "{engine} {what} ({form}): unpriced settings in an emitted configuration: {:?}", reading.unpriced);
+        let mut opts = reading.options.clone();
+        opts.dims = plan.dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        opts.memory_limit_gib = Some(sent.cluster.memory_limit_bytes as f64 / (1u64 << 30) as f64);
+        extra(&mut opts);
+        let opts = opts.resolve(None).unwrap_or_else(|err| panic!("{engine} {what} ({form}): {err}"));
+        let back = compile(a, cluster, &opts);
+        worst = worst.max(assert_same(engine, &format!("{what} ({form})"), sent, &back, &kinds));
+    }
+    (e, worst)
+}
+
+/// Requests covering what the engines express: the automatic plan, interleaving, uneven
+/// cuts, recompute (full and per stage), ZeRO stages, context and expert parallelism, fp16.
+/// One of each kind: Llama 3 70B's automatic search (15 s) and a second interleaved plan on
+/// Llama 3 405B (34 s) exercised nothing the others do not.
+fn requests(name: &str) -> Vec<(&'static str, PlanOptions)> {
+    let base = PlanOptions { global_batch: Some(512), ..PlanOptions::default() };
+    let mut out = if name == "llama3-70b.onnx" { vec![] } else { vec![("automatic", base.clone())] };
+    match name {
+        "llama3-8b.onnx" => {
+            out.push(("pp 2 tp 4 zero 1 fp16", PlanOptions { pp: Some(2), tp: Some(4), zero: Some(1), precision: Some(Precision::Fp16Mixed), ..base.clone() }));
+            out.push(("tp 8 cp 2 zero 3", PlanOptions { pp: Some(1), tp: Some(8), cp: Some(2), zero: Some(3), ..base.clone() }));
+        }
+        "llama3-70b.onnx" => {
+            out.push((
+                "pp 4 interleaved:2 full recompute",
+                PlanOptions { pp: Some(4), tp: Some(8), schedule: Some(ScheduleKind::Interleaved { virtual_stages: 2 }), checkpointing: Some(smp_partition::solve::CheckpointRule::Always), ..base.clone() },
+            ));
+            out.push(("pp 8 tp 4 1f1b", PlanOptions { pp: Some(8), tp: Some(4), schedule: Some(ScheduleKind::OneFOneB), placement: Some(Placement::SPREAD), ..base.clone() }));
+        }
+        "gpt3-175b.onnx" => {
+            out.push(("pp 8 tp 8 1f1b zero 1", PlanOptions { pp: Some(8), tp: Some(8), zero: Some(1), schedule: Some(ScheduleKind::OneFOneB), ..base.clone() }));
+        }
+        "mixtral-8x7b.onnx" => {
+            out.push(("pp 2 ep 8 zero 1", PlanOptions { pp: Some(2), tp: Some(1), ep: Some(8), zero: Some(1), schedule: Some(ScheduleKind::OneFOneB), ..base.clone() }));
+        }
+        _ => {}
+    }
+    out
+}
+
+fn cluster_for(name: &str) -> ClusterSpec {
+    let devices = match name {
+        "llama3-405b.onnx" => 2048,
+        "llama3-8b.onnx" => 64,
+        _ => 512,
+    };
+    ClusterSpec::parse(&format!("h100-80gb:{devices}")).expect("preset")
+}
+
+#[test]
+fn round_trips_on_the_bundled_large_models() {
+    let mut lines = Vec::new();
+    let mut worst: f64 = 0.0;
+    for name in ["llama3-8b.onnx", "llama3-70b.onnx", "llama3-405b.onnx", "gpt3-175b.onnx", "mixtral-8x7b.onnx"] {
+        let a = analyse(name);
+        let cluster = cluster_for(name);
+        for (what, req) in requests(name) {
+            let start = std::time::Instant::now();
+            let plan = compile(&a, &cluster, &req);
+            for engine in [Engine::Megatron, Engine::Torchtitan, Engine::DeepSpeed] {
+                let (e, delta) = round_trip(engine, &format!("{name} {what}"), &plan, &a, &cluster, &|_| {});
+                worst = worst.max(delta);
+                lines.push(format!("{name} {what} → {engine}: {} gap(s), {:.3} s against {:.3} s", e.gaps.len(), e.step_s(), e.plan_step_s));
+            }
+            lines.push(format!("{name} {what}: planned and read back in {:.1} s", start.elapsed().as_secs_f64()));
+        }
+    }
+    for l in &lines {
+        eprintln!("{l}");
+    }
+    eprintln!("largest difference of a step read back: {:.2e} (relative)", worst);
+}
+
+#[test]
+fn what_an_engine_cannot_express_is_priced_and_the_nearest_plan_is_written() {
+    let a = analyse("llama3-70b.onnx");
+    let cluster = ClusterSpec::parse("h100-80gb:512").expect("preset");
+    let req = PlanOptions { global_batch: Some(512), pp: Some(4), tp: Some(8), schedule: Some(ScheduleKind::ZbH1), ..PlanOptions::default() };
+    let plan = compile(&a, &cluster, &req);
+    let e = engines::emit(Engine::Torchtitan, &plan, &a, &cluster).expect("emit");
+    let lines = e.gap_lines();
+    let zb = lines.iter().find(|l| l.contains("cannot express ZB-H1")).unwrap_or_else(|| panic!("{lines:?}"));
+    assert!(zb.contains("nearest: 1F1B, predicted") && zb.contains("against the plan's"), "{zb}");
+    let nearest = e.nearest.as_ref().expect("a nearest plan");
+    assert_eq!(nearest.parallel.schedule, ScheduleKind::OneFOneB);
+    // priced as the planner prices 1F1B with the same cuts
+    let fixed = PlanOptions { schedule: Some(ScheduleKind::OneFOneB), ..engines::exact_request(&plan) };
+    let direct = compile(&a, &cluster, &fixed);
+    let alone = e.gaps.iter().find(|g| g.gap.field == engines::PlanField::Schedule).and_then(|g| g.step_s).expect("priced");
+    assert!((alone / direct.predicted.step_time_s - 1.0).abs() < 1e-9, "{alone} against {}", direct.predicted.step_time_s);
+    // the configuration says 1F1B
+    assert!(e.written.files[0].text.contains("pipeline_parallel_schedule = \"1F1B\""), "{}", e.written.files[0].text);
+    // and the engine can express the whole nearest plan
+    let shape = ModelShape::of(&a.lg);
+    assert!(engines::gaps(Engine::Torchtitan, nearest, &shape).expect("gaps").iter().all(|g| g.change.is_none()));
+}
+
+#[test]
+fn megatron_recompute_per_stage_is_a_count_and_one_by_one_is_a_gap() {
+    let a = analyse("llama3-70b.onnx");
+    let shape = ModelShape::of(&a.lg);
+    let cluster = ClusterSpec::parse("h100-80gb:512").expect("preset");
+    let n = a.lg.layers.len();
+    // blocks 1..=3 of the first stage only: Megatron recomputes a count per stage
+    let set: BTreeSet<usize> = [1, 2, 3].into_iter().collect();
+    let req = PlanOptions { global_batch: Some(512), pp: Some(4), tp: Some(8), schedule: Some(ScheduleKind::OneFOneB), checkpointed_layers: Some(set.clone()), ..PlanOptions::default() };
+    let plan = compile(&a, &cluster, &req);
+    assert_eq!(checkpointed(&plan), set, "the planner recomputes exactly the layers asked");
+    let e = engines::emit(Engine::Megatron, &plan, &a, &cluster).expect("emit");
+    let g = e.gaps.iter().find(|g| g.gap.field == engines::PlanField::Recompute).expect("a recompute gap");
+    assert!(g.gap.nearest.contains("--recompute-method block --recompute-num-layers 3"), "{}", g.gap);
+    let nearest = e.nearest.as_ref().expect("nearest");
+    let (counts, other) = recompute_counts(nearest, &a.lg.layers.iter().map(|l| l.kind).collect::<Vec<_>>());
+    assert_eq!(counts, vec![3; 4]);
+    assert!(!other);
+    assert!(e.written.files[0].text.contains("--recompute-num-layers 3"));
+    assert!(engines::gaps(Engine::Megatron, nearest, &shape).expect("gaps").is_empty());
+    assert!(n > 80);
+}
+
+fn read_err(engine: Engine, text: &str, shape: &ModelShape, devices: usize) -> String {
+    match engines::read(engine, text, Origin { what: PathBuf::from("test") }, shape, Some(devices)) {
+        Ok((r, _)) => panic!("{engine} accepted {text}: {:?}", r.options),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn configurations_the_engines_refuse_are_refused_naming_their_check() {
+    let a = analyse("llama3-8b.onnx");
+    let shape = ModelShape::of(&a.lg);
+    let m = read_err(Engine::Megatron, "--tensor-model-parallel-size 3 --pipeline-model-parallel-size 2 --num-layers 32", &shape, 64);
+    assert!(m.contains("initialize_model_parallel") && m.contains("world_size (64) is not divisible"), "{m}");
+    let m = read_err(Engine::Megatron, "--pipeline-model-parallel-size 3 --num-layers 32", &shape, 48);
+    assert!(m.contains("should be divisible by pipeline_model_parallel_size"), "{m}");
+    let m = read_err(Engine::Megatron, "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout 'Et*15|t*16L'", &shape, 8);
+    assert!(m.contains("PipelineParallelLayerLayout") && m.contains("must match num_layers 32"), "{m}");
+    let m = read_err(Engine::Megatron, "--micro-batch-size 3 --global-batch-size 64", &shape, 8);
+    assert!(m.contains("num_microbatches_calculator"), "{m}");
+    let m = read_err(Engine::Megatron, "--num-layers 40", &shape, 8);
+    assert!(m.contains("--num-layers 40") && m.contains("32 transformer blocks"), "{m}");
+    let m = read_err(Engine::Torchtitan, "[parallelism]\ndata_parallel_shard_degree = 3\ntensor_parallel_degree = 2\n", &shape, 8);
+    assert!(m.contains("ParallelDims") && m.contains("!= WORLD_SIZE(8)"), "{m}");
+    let m = read_err(Engine::Torchtitan, "[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule = \"Interleaved1F1B\"\nmodule_fqns_per_model_part = [[\"tok_embeddings\", \"layers.0\"], [\"layers.1\"]]\n", &shape, 8);
+    assert!(m.contains("pipeline module split"), "{m}");
+    let m = read_err(Engine::DeepSpeed, r#"{"train_batch_size": 100, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 4}"#, &shape, 8);
+    assert!(m.contains("_batch_assertion"), "{m}");
+    let m = read_err(Engine::DeepSpeed, r#"{"train_batch_size": 64, "zero_optimization": {"stage": 3}, "pipeline": {"stages": 2}}"#, &shape, 8);
+    assert!(m.contains("ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"), "{m}");
+    let m = read_err(Engine::DeepSpeed, r#"{"train_batch_size": 64, "bf16": {"enabled": true}, "fp16": {"enabled": true}}"#, &shape, 8);
+    assert!(m.contains("cannot be simultaneously enabled"), "{m}");
+}
+
+#[test]
+fn settings_the_planner_cannot_price_are_named() {
+    let a = analyse("llama3-8b.onnx");
+    let shape = ModelShape::of(&a.lg);
+    let text = "--tensor-model-parallel-size 8 --recompute-granularity selective --cp-comm-type p2p --context-parallel-size 2 --seq-length 8192 --some-new-flag 3 --lr 1e-4";
+    let (r, _) = engines::read(Engine::Megatron, text, Origin { what: PathBuf::from("args") }, &shape, Some(64)).expect("read");
+    let named: Vec<&str> = r.unpriced.iter().map(|u| u.setting.as_str()).collect();
+    assert!(named.iter().any(|s| s.contains("selective")), "{named:?}");
+    assert!(named.iter().any(|s| s.contains("--cp-comm-type p2p")), "{named:?}");
+    assert!(named.iter().any(|s| s.contains("--some-new-flag 3")), "{named:?}");
+    assert!(r.no_effect.iter().any(|s| s == "--lr 1e-4"), "{:?}", r.no_effect);
+}
+
+/// Llama 3 405B pre-training as a team writes it for Megatron-LM (Llama Team 2024, Table 4):
+/// 8,192 H100s, TP 8, PP 16 interleaved, DP 64, sequence 8,192, 16 M tokens per batch, no
+/// recompute, the first and last stage one layer lighter (the embedding and the loss counted as
+/// layers). Priced within 10 % of the published 43 % MFU, with the automatic plan beside it.
+#[test]
+fn llama3_405b_megatron_arguments_price_the_published_run() {
+    let a = analyze_for(&model("llama3-405b.onnx"), &PlanOptions { seq_len: Some(8192), ..PlanOptions::default() }).expect("analyse");
+    let shape = ModelShape::of(&a.lg);
+    let args = "torchrun --nnodes 1024 --nproc-per-node 8 pretrain_gpt.py \
+        --num-layers 126 --hidden-size 16384 --ffn-hidden-size 53248 --num-attention-heads 128 \
+        --group-query-attention --num-query-groups 8 --seq-length 8192 --max-position-embeddings 8192 \
+        --position-embedding-type rope --normalization RMSNorm --swiglu --untie-embeddings-and-output-weights \
+        --tensor-model-parallel-size 8 --sequence-parallel --pipeline-model-parallel-size 16 \
+        --num-virtual-stages-per-pipeline-rank 2 \
+        --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split \
+        --micro-batch-size 1 --global-batch-size 2048 --use-distributed-optimizer --bf16";
+    let (reading, world) = engines::read(Engine::Megatron, args, Origin { what: PathBuf::from("llama3-405b.args") }, &shape, None).expect("read");
+    assert_eq!(world, 8192);
+    assert!(reading.unpriced.is_empty(), "{:?}", reading.unpriced);
+    let cluster = ClusterSpec::parse("h100-80gb:8192").expect("preset");
+    let opts = reading.options.clone().resolve(None).expect("resolve");
+    let (yours, over) = engines::price(Engine::Megatron, &a, &cluster, &opts).expect("price");
+    let p = &yours.parallel;
+    assert_eq!((p.tp, p.pp, p.dp, p.schedule, p.microbatches), (8, 16, 64, ScheduleKind::Interleaved { virtual_stages: 2 }, 32));
+    // first and last (virtual) stage one layer lighter: 3 blocks beside the embedding and the loss
+    let mut stages: Vec<_> = yours.stages.iter().collect();
+    stages.sort_by_key(|s| s.index);
+    let blocks = |s: &smp_partition::plan::schema::Stage| (s.layers[0]..=s.layers[1]).filter(|&l| a.lg.layers[l].kind == LayerKind::Block).count();
+    assert_eq!((blocks(stages[0]), blocks(stages[1]), blocks(stages[31])), (3, 4, 3));
+    assert!(checkpointed(&yours).is_empty(), "no recompute");
+    let mfu = yours.predicted.mfu;
+    let auto = PlanOptions { global_batch: Some(2048), seq_len: Some(8192), precision: opts.precision, time_limit_s: Some(120.0), ..PlanOptions::default() };
+    let ours = compile(&a, &cluster, &auto);
+    let columns = [
+        engines::Column { title: "yours (Megatron-LM arguments)".into(), plan: &yours, over_memory: over },
+        engines::Column { title: "ours (searched)".into(), plan: &ours, over_memory: None },
+    ];
+    eprintln!("{}", engines::side_by_side(&columns));
+    eprintln!("{}; {}", engines::summary("yours", &yours), engines::summary("ours", &ours));
+    eprintln!("llama3-405b from Megatron-LM arguments: MFU {mfu:.3}, {:.3} of the published 0.43", mfu / 0.43);
+    assert!((mfu / 0.43 - 1.0).abs() <= 0.10, "predicted MFU {mfu:.3} against the published 0.43");
+}
