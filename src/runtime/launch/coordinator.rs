@@ -215,7 +215,11 @@ fn respond(line: &str, state: &Mutex<State>, nnodes: usize, elastic: Option<&Ela
             let lost = words.get(2).map(|w| parse_lost(w)).unwrap_or_default();
             let what = words.get(3..).map(|w| w.join(" ")).unwrap_or_default();
             s.failed_at.entry(r).or_insert_with(Instant::now);
-            let f = s.failed.entry(r).or_insert(RoundFailure { fatal, what, at_unix_s: at, lost: Vec::new(), grow: false });
+            let f = s.failed.entry(r).or_insert(RoundFailure { fatal, what: what.clone(), at_unix_s: at, lost: Vec::new(), grow: false });
+            // a failure that lost a device (a hung rank) is the cause of the others it brings
+            if f.lost.is_empty() && !lost.is_empty() {
+                f.what = what;
+            }
             f.fatal |= fatal;
             f.at_unix_s = f.at_unix_s.min(at);
             for l in lost {
@@ -435,6 +439,13 @@ mod tests {
                 assert_eq!(f.at_unix_s, 40.0);
                 assert_eq!(f.what, "rank 1 is hung");
             }
+            other => panic!("{other:?}"),
+        }
+        // a rank failing on a peer reported before the hung peer: the hung one is the cause
+        ask(&s, &rules, "FAIL 5 0 60 - rank 0 exited with status 3 first");
+        ask(&s, &rules, "FAIL 5 0 55 1:1 rank 3 is hung");
+        match parse_poll(&ask(&s, &rules, "POLL 5")) {
+            Some(RoundState::Failed(f)) => assert_eq!((f.what.as_str(), f.lost, f.at_unix_s), ("rank 3 is hung", vec![(1, 1)], 55.0)),
             other => panic!("{other:?}"),
         }
         // a third host would pass the most devices: left out; a host without devices too
