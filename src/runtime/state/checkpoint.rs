@@ -454,7 +454,14 @@ impl Loaded {
         let dt = dtype.unwrap_or(DType::F32);
         let size = dt.size_bytes() as usize;
         let out_dims = part_dims(dims, part).map_err(bad)?;
-        let mut out: Vec<u8> = Vec::with_capacity(out_dims.iter().product::<i64>().max(0) as usize * size);
+        // a part larger than all its pieces together misses elements: refused before allocating
+        let held: u64 = index.iter().map(|r| r.1).sum();
+        let wanted = out_dims.iter().try_fold(1u64, |n, &d| n.checked_mul(u64::try_from(d).ok()?));
+        let wanted = match wanted {
+            Some(n) if n <= held => n,
+            _ => return Err(bad(format!("its pieces hold {held} elements, fewer than the {out_dims:?} asked for: some element is in no shard"))),
+        };
+        let mut out: Vec<u8> = Vec::with_capacity(wanted as usize * size);
         for (start, len) in runs(dims, part).map_err(bad)? {
             let mut at = start;
             while at < start + len {
