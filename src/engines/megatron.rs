@@ -284,8 +284,29 @@ pub fn write(plan: &Plan, shape: &ModelShape) -> Result<Written, String> {
     let p = &plan.parallel;
     let stages = stage_roles(plan, shape)?;
     let mut args: Vec<Vec<String>> = Vec::new();
+    model_args(&mut args, plan, shape);
+    parallel_args(&mut args, plan, shape, &stages);
+    training_args(&mut args, plan, shape, &stages);
+    let per_node = plan.cluster.devices_per_node.max(1).min(plan.cluster.devices.max(1));
+    let nodes = plan.cluster.devices.div_ceil(per_node);
+    let text: String = args.iter().map(|a| a.iter().map(|w| shell_quote(w)).collect::<Vec<_>>().join(" ")).collect::<Vec<_>>().join("\n");
+    // Megatron-LM's validate_args requires it with tensor or context parallelism before
+    // Blackwell, and refuses it with Megatron-FSDP (ZeRO 2, 3)
+    let env = if (p.tp > 1 || p.cp > 1) && p.zero < 2 { "CUDA_DEVICE_MAX_CONNECTIONS=1 " } else { "" };
+    let launch = format!("{env}torchrun --nnodes {nodes} --nproc-per-node {per_node} pretrain_gpt.py $(cat megatron.args) --data-path DATA");
+    Ok(Written {
+        files: vec![EmittedFile { name: "megatron.args".into(), text: text + "\n" }],
+        launch,
+        notes: vec![
+            "the data, tokenizer, learning-rate schedule and checkpoints (--save with --save-interval) are yours to add (the plan does not decide them)".into(),
+            "rotary base, norm epsilon and initialisation are not read from the graph; set them as your model has them".into(),
+        ],
+    })
+}
+
+/// The model's flags: sizes, positions, norm, MLP, experts, vocabulary.
+fn model_args(args: &mut Vec<Vec<String>>, plan: &Plan, shape: &ModelShape) {
     let mut arg = |words: &[&str]| args.push(words.iter().map(|w| w.to_string()).collect());
-    // model
     arg(&["--num-layers", &shape.blocks.to_string()]);
     if let Some(h) = shape.hidden {
         arg(&["--hidden-size", &h.to_string()]);
@@ -343,13 +364,18 @@ pub fn write(plan: &Plan, shape: &ModelShape) -> Result<Written, String> {
         arg(&["--tokenizer-type", "NullTokenizer"]);
         arg(&["--vocab-size", &v.to_string()]);
     }
-    // parallelism
+}
+
+/// The parallelism flags: TP, PP (with its cuts), CP, EP and the rank order.
+fn parallel_args(args: &mut Vec<Vec<String>>, plan: &Plan, shape: &ModelShape, stages: &[StageRoles]) {
+    let p = &plan.parallel;
+    let mut arg = |words: &[&str]| args.push(words.iter().map(|w| w.to_string()).collect());
     arg(&["--tensor-model-parallel-size", &p.tp.to_string()]);
     if p.tp > 1 && p.sequence_parallel {
         arg(&["--sequence-parallel"]);
     }
     arg(&["--pipeline-model-parallel-size", &p.pp.to_string()]);
-    let cuts = cuts_of(plan, &stages);
+    let cuts = cuts_of(plan, stages);
     if let ScheduleKind::Interleaved { virtual_stages } = p.schedule
         && !matches!(cuts, Cuts::Layout(_))
     {
@@ -378,13 +404,19 @@ pub fn write(plan: &Plan, shape: &ModelShape) -> Result<Written, String> {
     if !same_ranks(p.placement, DEFAULT_ORDER, p) {
         arg(&["--use-tp-pp-dp-mapping"]);
     }
+}
+
+/// The batch, recompute, ZeRO and precision flags.
+fn training_args(args: &mut Vec<Vec<String>>, plan: &Plan, shape: &ModelShape, stages: &[StageRoles]) {
+    let p = &plan.parallel;
+    let mut arg = |words: &[&str]| args.push(words.iter().map(|w| w.to_string()).collect());
     // batch
     let dp = p.dp.max(1) as u64;
     let mbs = plan.global_batch / (dp * p.microbatches.max(1) as u64);
     arg(&["--micro-batch-size", &mbs.to_string()]);
     arg(&["--global-batch-size", &plan.global_batch.to_string()]);
     // recompute
-    match recompute_of(plan, &stages, shape) {
+    match recompute_of(plan, stages, shape) {
         Some(Recompute::None) | None => {}
         Some(Recompute::Full) => {
             arg(&["--recompute-granularity", "full"]);
@@ -417,21 +449,6 @@ pub fn write(plan: &Plan, shape: &ModelShape) -> Result<Written, String> {
         }
         Precision::F32 => {}
     }
-    let per_node = plan.cluster.devices_per_node.max(1).min(plan.cluster.devices.max(1));
-    let nodes = plan.cluster.devices.div_ceil(per_node);
-    let text: String = args.iter().map(|a| a.iter().map(|w| shell_quote(w)).collect::<Vec<_>>().join(" ")).collect::<Vec<_>>().join("\n");
-    // Megatron-LM's validate_args requires it with tensor or context parallelism before
-    // Blackwell, and refuses it with Megatron-FSDP (ZeRO 2, 3)
-    let env = if (p.tp > 1 || p.cp > 1) && p.zero < 2 { "CUDA_DEVICE_MAX_CONNECTIONS=1 " } else { "" };
-    let launch = format!("{env}torchrun --nnodes {nodes} --nproc-per-node {per_node} pretrain_gpt.py $(cat megatron.args) --data-path DATA");
-    Ok(Written {
-        files: vec![EmittedFile { name: "megatron.args".into(), text: text + "\n" }],
-        launch,
-        notes: vec![
-            "the data, tokenizer, learning-rate schedule and checkpoints (--save with --save-interval) are yours to add (the plan does not decide them)".into(),
-            "rotary base, norm epsilon and initialisation are not read from the graph; set them as your model has them".into(),
-        ],
-    })
 }
 
 /// A value of an argument list, by flag.
