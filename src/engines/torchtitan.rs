@@ -508,6 +508,7 @@ struct Dims {
 }
 
 /// The batch a job sets: per rank, in all, and the gradient-accumulation steps between them.
+#[derive(Clone, Copy)]
 struct Batch {
     local: usize,
     global: usize,
@@ -625,6 +626,7 @@ impl JobReading<'_> {
     /// The pipeline: its schedule, its stages' layers and the microbatches.
     fn pipeline(&mut self, d: &Dims, b: &Batch) -> Result<(), EngineError> {
         let (e, shape, pp) = (&mut self.e, self.shape, d.pp);
+        let Batch { local, global, accumulation } = *b;
         let schedule_name = e.text("parallelism.pipeline_parallel_schedule")?.unwrap_or_else(|| "1F1B".into());
         let mbs = e.count("parallelism.pipeline_parallel_microbatch_size", 1)?;
         let fqns = e.parts("parallelism.module_fqns_per_model_part")?;
@@ -633,8 +635,8 @@ impl JobReading<'_> {
         let last_less = e.count("parallelism.pipeline_parallel_last_stage_less_layers", 1)?;
         let o = &mut self.o;
         if pp > 1 {
-            if b.local % mbs != 0 {
-                return Err(refuse("pipeline schedule set-up", format!("Batch size {} must be divisible by microbatch_size {mbs}.", b.local)));
+            if local % mbs != 0 {
+                return Err(refuse("pipeline schedule set-up", format!("Batch size {local} must be divisible by microbatch_size {mbs}.")));
             }
             let single = matches!(schedule_name.as_str(), "1F1B" | "GPipe");
             let multi = matches!(schedule_name.as_str(), "Interleaved1F1B" | "LoopedBFS" | "InterleavedZeroBubble" | "ZBVZeroBubble" | "DualPipeV");
@@ -681,18 +683,18 @@ impl JobReading<'_> {
             let layout = super::stages::layout_from_blocks(&blocks_per_stage, shape).ok_or_else(|| refuse("pipeline module split", format!("stages {blocks_per_stage:?} leave a stage without layers")))?;
             o.sources.insert(Setting::Layout, e.source("parallelism.module_fqns_per_model_part", format!("{blocks_per_stage:?} layers per stage")));
             o.layout = Some(layout);
-            let m = b.local / mbs * b.accumulation;
-            if b.accumulation > 1 {
+            let m = local / mbs * accumulation;
+            if accumulation > 1 {
                 self.reading.unpriced.push(Unpriced {
-                    setting: format!("{} gradient-accumulation steps of the pipeline", b.accumulation),
+                    setting: format!("{accumulation} gradient-accumulation steps of the pipeline"),
                     why: format!("priced as one pipeline flush of all {m} microbatches"),
                 });
             }
             o.microbatches = Some(m);
         } else {
-            o.microbatches = Some(b.accumulation);
+            o.microbatches = Some(accumulation);
         }
-        o.sources.insert(Setting::Microbatches, Source::Implied(format!("{} microbatches (training.local_batch_size {}, global_batch_size {})", o.microbatches.unwrap_or(1), b.local, b.global)));
+        o.sources.insert(Setting::Microbatches, Source::Implied(format!("{} microbatches (training.local_batch_size {local}, global_batch_size {global})", o.microbatches.unwrap_or(1))));
         Ok(())
     }
 

@@ -454,9 +454,9 @@ impl ElasticRun<'_> {
                 return Ok(ControlFlow::Break(1));
             }
             if !joining && started.elapsed() > self.restarts.agree_timeout {
+                let round = self.round;
                 return Err(RuntimeError::Train(format!(
-                    "the launchers did not agree on start {} within {} s: node 0's launcher is gone or unreachable",
-                    self.round,
+                    "the launchers did not agree on start {round} within {} s: node 0's launcher is gone or unreachable",
                     self.restarts.agree_timeout.as_secs()
                 )));
             }
