@@ -239,11 +239,7 @@ fn a_stopped_rank_is_named_hung_within_the_step_timeout_and_dropped() {
     let report = json(&outs[0]);
     let change = &report["restarts"][0];
     assert_eq!(change["membership"]["lost"], serde_json::json!(["host 1 device 1"]), "{report}");
-    // the hang is named in the log above within the step timeout; the report's cause is the
-    // hang, or (a known race: the coordinator can close the round on the peer's failure before
-    // the hung host's report arrives) the exit of a peer it brought, never anything else
-    let cause = change["cause"].as_str().unwrap();
-    assert!(cause.contains("rank 3 is hung") || cause.contains("exited with status"), "{change}");
+    assert!(change["cause"].as_str().unwrap().contains("rank 3 is hung"), "{change}");
     let devices = change["membership"]["devices"][1].as_u64().unwrap() as usize;
     assert!((2..=3).contains(&devices), "{change}");
     let from = change["resumed_from_step"].as_u64().unwrap() as usize;

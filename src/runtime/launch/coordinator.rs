@@ -14,7 +14,10 @@
 //! DONE <round>                               → OK      node 0: the job ended well in this round
 //! ```
 //!
-//! Once the job is done, `POLL` and `READY` of any later round answer `DONE`.
+//! Once the job is done, `POLL` and `READY` of any later round answer `DONE`. Under
+//! `--elastic`, a round whose first failure loses no device (a peer's exit, which a hung rank
+//! may have brought) is told to the others one heartbeat later, or at once when a report that
+//! loses a device comes first: that one is then the round's cause.
 //!
 //! A round is one start of every rank; it ends for everyone at the first failure any launcher
 //! reports. Without `--elastic` it begins once every launcher is READY. Under `--elastic` the
@@ -97,6 +100,11 @@ struct State {
     failed: BTreeMap<u32, RoundFailure>,
     /// When each round's failure was first reported.
     failed_at: BTreeMap<u32, Instant>,
+    /// Under `--elastic`, per round whose first failure lost no device (a peer's exit, perhaps
+    /// brought by a hang): until when the others are not told of it, so that a hang their
+    /// launchers find meanwhile becomes the round's cause. Ends early at a report losing a
+    /// device.
+    held: BTreeMap<u32, Instant>,
     plans: BTreeMap<u32, String>,
     /// The newest decided round.
     current: Option<u32>,
@@ -137,6 +145,11 @@ impl State {
         }
         self.decided.insert(r, members);
         self.current = Some(self.current.map_or(r, |c| c.max(r)));
+    }
+
+    /// Whether round `r`'s failure is still held from the others at `now`.
+    fn held(&self, r: u32, now: Instant) -> bool {
+        self.held.get(&r).is_some_and(|&until| now < until)
     }
 
     /// Devices of launchers waiting to join the round after `r`.
@@ -191,6 +204,12 @@ fn respond(line: &str, state: &Mutex<State>, nnodes: usize, elastic: Option<&Ela
             let (Some(node), Some(devices), Some(instance)) = (words.first().and_then(|n| n.parse::<usize>().ok()), words.get(1).and_then(|d| d.parse::<usize>().ok()), words.get(2)) else {
                 return Ok("ERROR READY needs a node, devices and an instance".into());
             };
+            // a member of r - 1 ready for r knows how r - 1 ended: no need to hold it longer
+            if let Some(p) = r.checked_sub(1)
+                && s.decided.get(&p).is_some_and(|m| m.get(&node).is_some_and(|(_, i)| i == instance))
+            {
+                s.held.remove(&p);
+            }
             if let Some(current) = s.current.filter(|&c| r < c) {
                 return Ok(format!("LATE {current}"));
             }
@@ -215,6 +234,13 @@ fn respond(line: &str, state: &Mutex<State>, nnodes: usize, elastic: Option<&Ela
             let lost = words.get(2).map(|w| parse_lost(w)).unwrap_or_default();
             let what = words.get(3..).map(|w| w.join(" ")).unwrap_or_default();
             s.failed_at.entry(r).or_insert_with(Instant::now);
+            if elastic.is_some() && !fatal && lost.is_empty() && !s.failed.contains_key(&r) {
+                // a peer's exit first: a hang may have brought it, its report one beat away
+                s.held.insert(r, Instant::now() + crate::runtime::heartbeat::INTERVAL);
+            }
+            if !lost.is_empty() {
+                s.held.remove(&r);
+            }
             let f = s.failed.entry(r).or_insert(RoundFailure { fatal, what: what.clone(), at_unix_s: at, lost: Vec::new(), grow: false });
             // a failure that lost a device (a hung rank) is the cause of the others it brings
             if f.lost.is_empty() && !lost.is_empty() {
@@ -240,7 +266,7 @@ fn respond(line: &str, state: &Mutex<State>, nnodes: usize, elastic: Option<&Ela
                 // a round waiting for a member decides when the rejoin timeout passes
                 s.try_decide(r + 1, rules, nnodes);
             }
-            match s.failed.get(&r) {
+            match s.failed.get(&r).filter(|_| !s.held(r, Instant::now())) {
                 Some(f) => format!("FAILED {} {} {} {} {}", u8::from(f.fatal), f.at_unix_s, u8::from(f.grow), lost_words(&f.lost), f.what),
                 None => format!("RUNNING {}", s.joining(r)),
             }
@@ -401,8 +427,10 @@ mod tests {
         assert_eq!(ask(&s, &rules, "POLL 0"), "RUNNING 0");
         // host 1 dies: host 0's rank fails; host 0 waits for host 1 until the rejoin timeout
         assert_eq!(ask(&s, &rules, "FAIL 0 0 100.5 - rank 0 exited with status 3 first"), "OK");
-        assert!(ask(&s, &rules, "POLL 0").starts_with("FAILED 0 100.5 0 - rank 0 exited"));
+        // held from the others a beat (it lost no device), until host 0 is ready for round 1
+        assert_eq!(ask(&s, &rules, "POLL 0"), "RUNNING 0");
         assert_eq!(ask(&s, &rules, "READY 1 0 2 a"), "WAIT");
+        assert!(ask(&s, &rules, "POLL 0").starts_with("FAILED 0 100.5 0 - rank 0 exited"));
         std::thread::sleep(Duration::from_millis(80));
         assert_eq!(ask(&s, &rules, "READY 1 0 2 a"), "MEMBERS 0:2");
         // host 1's old launcher, back too late; a new one for round 0 is late as well
@@ -423,6 +451,49 @@ mod tests {
         assert_eq!(ask(&s, &rules, "DONE 2"), "OK");
         assert_eq!(ask(&s, &rules, "READY 3 1 2 d"), "DONE");
         assert_eq!(ask(&s, &rules, "POLL 2"), "DONE");
+    }
+
+    #[test]
+    fn a_peer_s_exit_is_held_a_heartbeat_so_that_a_hang_found_meanwhile_is_the_cause() {
+        let rules = ElasticRules { max_devices: 4, rejoin_timeout: Duration::from_secs(60) };
+        let s = Mutex::new(State::default());
+        ask(&s, &rules, "READY 0 0 2 a");
+        assert_eq!(ask(&s, &rules, "READY 0 1 2 b"), "MEMBERS 0:2,1:2");
+        // host 0's rank exits on a collective timeout: the others are not told yet
+        assert_eq!(ask(&s, &rules, "FAIL 0 0 60 - rank 0 exited with status 1 first"), "OK");
+        assert_eq!(ask(&s, &rules, "POLL 0"), "RUNNING 0");
+        // host 1 finds the rank that brought it hung: told at once, the hang the cause
+        assert_eq!(ask(&s, &rules, "FAIL 0 0 55 1:1 rank 3 is hung"), "OK");
+        match parse_poll(&ask(&s, &rules, "POLL 0")) {
+            Some(RoundState::Failed(f)) => assert_eq!((f.what.as_str(), f.lost, f.at_unix_s), ("rank 3 is hung", vec![(1, 1)], 55.0)),
+            other => panic!("{other:?}"),
+        }
+        // no hang reported: the exit is told once the beat has passed
+        assert_eq!(ask(&s, &rules, "FAIL 1 0 70 - rank 1 exited with status 1 first"), "OK");
+        assert_eq!(ask(&s, &rules, "POLL 1"), "RUNNING 0");
+        let until = s.lock().unwrap().held[&1];
+        assert!(until <= Instant::now() + crate::runtime::heartbeat::INTERVAL);
+        assert!(s.lock().unwrap().held(1, until - Duration::from_millis(1)));
+        assert!(!s.lock().unwrap().held(1, until));
+        s.lock().unwrap().held.insert(1, Instant::now());
+        assert!(ask(&s, &rules, "POLL 1").starts_with("FAILED 0 70 0 - rank 1 exited"));
+        // a member ready for the next round knows this one failed: the hold ends (a launcher
+        // waiting to join does not end it)
+        let t = Mutex::new(State::default());
+        ask(&t, &rules, "READY 0 0 2 a");
+        assert_eq!(ask(&t, &rules, "READY 0 1 2 b"), "MEMBERS 0:2,1:2");
+        assert_eq!(ask(&t, &rules, "FAIL 0 0 75 - rank 0 exited with status 1 first"), "OK");
+        t.lock().unwrap().held.insert(0, Instant::now() + Duration::from_secs(60));
+        assert_eq!(ask(&t, &rules, "POLL 0"), "RUNNING 0");
+        assert_eq!(ask(&t, &rules, "READY 1 2 2 c"), "WAIT");
+        assert_eq!(ask(&t, &rules, "POLL 0"), "RUNNING 2");
+        assert_eq!(ask(&t, &rules, "READY 1 1 2 b"), "WAIT");
+        assert!(ask(&t, &rules, "POLL 0").starts_with("FAILED 0 75 0 - rank 0 exited"));
+        // a user error, and any failure without --elastic, is told at once
+        assert_eq!(ask(&s, &rules, "FAIL 2 1 80 - rank 0 exited with status 1 first"), "OK");
+        assert!(ask(&s, &rules, "POLL 2").starts_with("FAILED 1 80"));
+        assert_eq!(respond("FAIL 3 0 90 - rank 0 exited with status 3 first", &s, 2, None).unwrap(), "OK");
+        assert!(respond("POLL 3", &s, 2, None).unwrap().starts_with("FAILED 0 90"));
     }
 
     #[test]

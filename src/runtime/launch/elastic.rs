@@ -471,6 +471,10 @@ impl ElasticRun<'_> {
             // the failure as every host has reported it by now (each reports before it is ready)
             let mut failure = self.last_failure.take();
             if let (Some(f), Some(all)) = (failure.as_mut(), round.checked_sub(1).and_then(|r| store.failure(r))) {
+                // the store's cause: a hang reported anywhere, over the exit of a peer it brought
+                if !all.what.is_empty() {
+                    f.what = all.what;
+                }
                 f.lost = all.lost;
                 f.grow = all.grow;
                 f.at_unix_s = f.at_unix_s.min(all.at_unix_s);

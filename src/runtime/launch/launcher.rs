@@ -331,6 +331,7 @@ impl<'a> Job<'a> {
             failed: None,
             told: false,
             untold_lost: Vec::new(),
+            untold_hang: None,
             lost_slots: Vec::new(),
             stop_sent: None,
             forwarded: 0,
@@ -434,7 +435,7 @@ impl<'a> Job<'a> {
                 eprintln!("smp-runner launch: the first step after the restart ended {:.1} s after the fault", (t - fault).max(0.0));
             }
         }
-        self.judge(spec, &mut w.children, &w.watches, &mut w.waits_since, (&mut w.failed, &mut w.lost_slots, &mut w.untold_lost));
+        self.judge(spec, w);
     }
 
     /// How the round ended, with the failure as every host reported it.
@@ -467,14 +468,9 @@ impl<'a> Job<'a> {
     /// Judges the running ranks by their heartbeats: a hung one is killed and its device lost;
     /// one waiting on peers past its timeout (beyond a grace in which the hung peer's own
     /// launcher may name it) ends the round.
-    fn judge(
-        &self,
-        spec: &RoundSpec<'_>,
-        children: &mut [Option<Child>],
-        watches: &[Watch],
-        waits_since: &mut [Option<Instant>],
-        (failed, lost_slots, untold_lost): (&mut Option<RoundFailure>, &mut Vec<usize>, &mut Vec<(usize, usize)>),
-    ) {
+    fn judge(&self, spec: &RoundSpec<'_>, w: &mut RoundWatch) {
+        let RoundWatch { children, watches, waits_since, failed, lost_slots, untold_lost, untold_hang, .. } = w;
+        let watches: &[Watch] = watches;
         let node = self.nodes.node_rank;
         let verdicts: Vec<Verdict> = watches.iter().map(|w| w.verdict(&self.timeouts)).collect();
         // what the others here wait on, named beside a hung rank
@@ -509,6 +505,10 @@ impl<'a> Job<'a> {
                     let at = heartbeat::unix_now_s() - watches[r].last_alive().elapsed().as_secs_f64();
                     lost_slots.push(spec.slots[r]);
                     untold_lost.push((node, spec.slots[r]));
+                    if failed.is_some() {
+                        // the round had failed already: its devices lost are told with the hang
+                        untold_hang.get_or_insert_with(|| what.clone());
+                    }
                     let f = failed.get_or_insert_with(|| RoundFailure { at_unix_s: at, ..RoundFailure::new(false, what) });
                     if !f.lost.contains(&(node, spec.slots[r])) {
                         f.lost.push((node, spec.slots[r]));
@@ -535,6 +535,8 @@ struct RoundWatch {
     told: bool,
     /// Devices lost here after the store heard of the failure.
     untold_lost: Vec<(usize, usize)>,
+    /// The first hang found here after the round failed: what the devices lost are told with.
+    untold_hang: Option<String>,
     lost_slots: Vec<usize>,
     stop_sent: Option<Instant>,
     /// The signal forwarded to the ranks (0: none).
@@ -604,12 +606,15 @@ impl RoundWatch {
             self.told = store.fail(round, f);
             if self.told {
                 self.untold_lost.clear();
+                self.untold_hang = None;
             }
         }
         if self.told && !self.untold_lost.is_empty() {
-            let more = RoundFailure { lost: self.untold_lost.clone(), ..RoundFailure::new(false, "devices lost") };
+            let what = self.untold_hang.clone().unwrap_or_else(|| "devices lost".into());
+            let more = RoundFailure { lost: self.untold_lost.clone(), ..RoundFailure::new(false, what) };
             if store.fail(round, &more) {
                 self.untold_lost.clear();
+                self.untold_hang = None;
             }
         }
         if self.failed.is_none() && self.last_poll.elapsed() > Duration::from_millis(250) {
