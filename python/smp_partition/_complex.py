@@ -84,9 +84,6 @@ class Complex:
         # a tensor method this class does not define: refused by name
         raise self._mode.refuse(f"Tensor.{name}")
 
-    def _via(self, name: str) -> Callable[..., Any]:
-        return lambda *a, **k: self._mode.method(name, self, *a, **k)
-
     def __mul__(self, o: Any) -> Any: return self._mode.method("mul", self, o)
     def __rmul__(self, o: Any) -> Any: return self._mode.method("mul", self, o)
     def __add__(self, o: Any) -> Any: return self._mode.method("add", self, o)
@@ -209,22 +206,17 @@ class RealComplex:
             if x.shape[-1] != 2:
                 raise self.refuse("torch.view_as_complex (last dim not 2)")
             return self._pair(x.select(-1, 0), x.select(-1, 1))
-        if func is torch.polar:
-            magnitude, angle = (list(args) + [kwargs.get("abs"), kwargs.get("angle")])[:2] if len(args) == 2 else (
-                kwargs.get("abs", args[0] if args else None), kwargs.get("angle"))
-            return self._pair(magnitude * torch.cos(angle), magnitude * torch.sin(angle))
-        if func is torch.complex:
-            re, im = (list(args) + [kwargs.get("real"), kwargs.get("imag")])[:2] if args else (
-                kwargs["real"], kwargs["imag"])
-            return self._pair(re, im)
+        if func is torch.polar or func is torch.complex:
+            first, second = ("abs", "angle") if func is torch.polar else ("real", "imag")
+            bound = {**dict(zip((first, second), args)), **kwargs}
+            a, b = bound[first], bound[second]
+            return self._pair(a * torch.cos(b), a * torch.sin(b)) if func is torch.polar else self._pair(a, b)
         if any(isinstance(a, Complex) for a in _flat(args, kwargs)):
             if name in ("view_as_real",):
                 (x,) = args
                 return torch.stack((x.re, x.im), dim=-1)
             if name in ("real", "imag") and isinstance(args[0], Complex) and len(args) == 1:
                 return args[0].re if name == "real" else args[0].im
-            if name == "get" and func.__qualname__.endswith(("real.__get__", "imag.__get__")):
-                return args[0].re if "real" in func.__qualname__ else args[0].im
             if name in ("stack", "cat"):
                 parts = args[0]
                 dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
