@@ -257,7 +257,8 @@ impl Walker<'_> {
                             return None;
                         }
                     }
-                    k if k.is_elementwise() && k != Where => {
+                    // (a `Where` of heads is above: its mask broadcasts over them)
+                    k if k.is_elementwise() => {
                         note(&mut r, core);
                         if let Some(o) = out
                             && n.inputs.iter().flatten().any(|&w| w != v && !self.operand_ok(w, o, heads))
