@@ -388,6 +388,9 @@ impl<'a> ShardBuild<'a> {
             ty = Some(TensorType { dtype, shape: Some(Shape::from_known(&shape)) });
         }
         let id = self.g.add_value(val.name.clone(), kind, ty, data)?;
+        // the model's decision of what is trained (a learned scalar is trained on every rank)
+        let copied = self.g.value_mut(id);
+        (copied.training, copied.record) = (val.training.clone(), val.record.clone());
         if kind == ValueKind::Input {
             self.g.inputs.push(id);
         }

@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
+use super::family::{Opaque, opaque_nodes, tp_rule};
 use crate::ir::{Graph, LayeredGraph, NodeId, OpKind, ValueId, ValueKind};
 
 /// What a node of a layer is to the tensor split.
@@ -110,6 +111,9 @@ pub struct SplitGraph {
     /// Per mixture of experts: each expert's intermediate dim and its routes per token over
     /// its hidden size (the router weights' share of the tokens' bytes), where known.
     pub(super) experts: HashMap<usize, (Option<i64>, f64)>,
+    /// Nodes the engines cannot see into ([`super::family::opaque`]): choosing ones are
+    /// offered `replicate` only.
+    pub(super) opaque: BTreeSet<usize>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -126,6 +130,8 @@ struct Walker<'g> {
     index: &'g HashMap<NodeId, usize>,
     uses: &'g [Vec<NodeId>],
     roles: &'g [NodeRole],
+    /// Nodes no split may flow into.
+    opaque: &'g HashMap<NodeId, Opaque>,
     /// Values a column split reaches (from any producer); `None` in the permissive pass.
     split_values: Option<&'g HashSet<ValueId>>,
     heads_seen: BTreeSet<i64>,
@@ -176,6 +182,10 @@ impl Walker<'_> {
                     r.exits |= !heads && core.is_none();
                     continue;
                 };
+                // emission keeps these whole: a split cannot reach them
+                if self.opaque.contains_key(&u) {
+                    return None;
+                }
                 let n = self.g.node(u);
                 let first = n.inputs.first().copied().flatten() == Some(v);
                 match self.roles[i] {
@@ -200,6 +210,9 @@ impl Walker<'_> {
                 use OpKind::*;
                 let out = n.outputs.first().copied();
                 let kind = n.op.kind()?;
+                if !tp_rule(kind) {
+                    return None;
+                }
                 let mut next_heads = heads;
                 let mut next_core = core;
                 match kind {
@@ -244,7 +257,8 @@ impl Walker<'_> {
                             return None;
                         }
                     }
-                    k if k.is_elementwise() && k != Where => {
+                    // (a `Where` of heads is above: its mask broadcasts over them)
+                    k if k.is_elementwise() => {
                         note(&mut r, core);
                         if let Some(o) = out
                             && n.inputs.iter().flatten().any(|&w| w != v && !self.operand_ok(w, o, heads))
@@ -267,12 +281,14 @@ impl Walker<'_> {
 pub struct GraphFacts {
     producers: HashMap<ValueId, NodeId>,
     uses: Vec<Vec<NodeId>>,
+    opaque: HashMap<NodeId, Opaque>,
 }
 
 impl GraphFacts {
-    /// Producers and readers of every value of `lg`'s graph.
+    /// Producers and readers of every value of `lg`'s graph, and the nodes the engines cannot
+    /// see into.
     pub fn new(lg: &LayeredGraph) -> GraphFacts {
-        GraphFacts { producers: producers(&lg.graph), uses: lg.graph.uses() }
+        GraphFacts { producers: producers(&lg.graph), uses: lg.graph.uses(), opaque: opaque_nodes(lg) }
     }
 }
 
@@ -329,8 +345,8 @@ pub fn analyse(lg: &LayeredGraph, layer: usize, facts: &GraphFacts) -> SplitGrap
     // Permissive pass: every value a column split could reach.
     let mut split_values: HashSet<ValueId> = HashSet::new();
     {
-        let mut w = Walker { g, index: &index, uses, roles: &roles, split_values: None, heads_seen: BTreeSet::new() };
-        for &p in &producers_list {
+        let mut w = Walker { g, index: &index, uses, roles: &roles, opaque: &facts.opaque, split_values: None, heads_seen: BTreeSet::new() };
+        for &p in producers_list.iter().filter(|&&p| !facts.opaque.contains_key(&lay.nodes[p])) {
             if let (Some(o), Some(r)) = (out_of(p), out_of(p).and_then(|o| w.walk(o, p))) {
                 split_values.insert(o);
                 for &i in r.pre.iter().chain(r.cores.iter()).chain(r.post.values().flat_map(|x| x.0.iter())) {
@@ -343,10 +359,10 @@ pub fn analyse(lg: &LayeredGraph, layer: usize, facts: &GraphFacts) -> SplitGrap
     }
     let mut reach = BTreeMap::new();
     let mut heads_of: HashMap<usize, BTreeSet<i64>> = HashMap::new();
-    let mut w = Walker { g, index: &index, uses, roles: &roles, split_values: Some(&split_values), heads_seen: BTreeSet::new() };
+    let mut w = Walker { g, index: &index, uses, roles: &roles, opaque: &facts.opaque, split_values: Some(&split_values), heads_seen: BTreeSet::new() };
     for &p in &producers_list {
         w.heads_seen.clear();
-        let r = out_of(p).and_then(|o| w.walk(o, p));
+        let r = out_of(p).filter(|_| !facts.opaque.contains_key(&lay.nodes[p])).and_then(|o| w.walk(o, p));
         heads_of.insert(p, w.heads_seen.clone());
         reach.insert(p, r);
     }
@@ -382,6 +398,7 @@ pub fn analyse(lg: &LayeredGraph, layer: usize, facts: &GraphFacts) -> SplitGrap
         let m = c.matmuls.clone();
         c.nodes.retain(|i| !m.contains(i));
     }
-    SplitGraph { roles, reach, cores, kn, vocab, input, experts }
+    let opaque = (0..lay.nodes.len()).filter(|&i| facts.opaque.contains_key(&lay.nodes[i])).collect();
+    SplitGraph { roles, reach, cores, kn, vocab, input, experts, opaque }
 }
 

@@ -29,7 +29,7 @@ use thiserror::Error;
 
 use crate::ir::{Attr, Attrs, CollectiveKind, DType, DimBindings, Graph, GraphError, GroupKind, Node, NodeId, Op, OpKind, Shape, TensorType, ValueId, ValueKind};
 use super::axes::norm_axis;
-use super::family::{Family, family};
+use super::family::{Family, family, opaque};
 use crate::passes::PassError;
 use crate::passes::shape_infer::{self, ShapeInfo};
 
@@ -128,6 +128,7 @@ pub fn split_context(graph: &Graph, dims: &DimBindings, cp: usize, boundary: &Bo
     }
     let info = shape_infer::infer(&probe, &dims.values, false)?;
     let order = graph.topo_order()?;
+    let uses = graph.uses();
     // a whole value every reader cuts the same way is made local where it is made (an
     // elementwise op on cut operands): masks and position tables are built for the rank's
     // rows only; repeated until nothing more moves upstream
@@ -135,6 +136,7 @@ pub fn split_context(graph: &Graph, dims: &DimBindings, cp: usize, boundary: &Bo
     let mut s = loop {
         let mut s = Splitter {
             g: graph,
+            uses: &uses,
             info: info.clone(),
             cp: cp as i64,
             out: graph.clone(),
@@ -286,6 +288,8 @@ impl Decision {
 
 pub(super) struct Splitter<'g> {
     pub(super) g: &'g Graph,
+    /// Each value's readers.
+    uses: &'g [Vec<NodeId>],
     pub(super) info: ShapeInfo,
     pub(super) cp: i64,
     out: Graph,
@@ -317,7 +321,7 @@ impl Splitter<'_> {
     /// Integer `[batch, seq]` graph inputs that reach an embedding lookup's indices through
     /// elementwise ops and views only (token, position and segment ids; not attention masks).
     fn token_inputs(&self) -> Vec<ValueId> {
-        let uses = self.g.uses();
+        let uses = self.uses;
         let mut out = Vec::new();
         for &v in &self.g.inputs {
             let val = self.g.value(v);
@@ -564,7 +568,8 @@ impl Splitter<'_> {
                 CollectiveKind::TokenGather { .. } | CollectiveKind::TokenLocalize { .. } => None,
             });
         }
-        if let Op::Placeholder { .. } = &node.op {
+        // the rule the tensor split keeps whole by: such a node reads whole inputs
+        if opaque(self.g, &self.info, self.uses, n).is_some() {
             return Ok(None);
         }
         let Some(kind) = node.op.kind() else { return Ok(None) };

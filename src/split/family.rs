@@ -4,7 +4,10 @@
 //! catch-all arm, so a new op is placed by adding it to [`family`] (the add-an-op checklist is
 //! in docs/architecture.md).
 
-use crate::ir::{Node, OpKind, ValueId};
+use std::collections::HashMap;
+
+use crate::ir::{Graph, LayeredGraph, Node, NodeId, OpKind, ValueId};
+use crate::passes::shape_infer::{self, ShapeInfo};
 
 /// How an op family splits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -76,6 +79,70 @@ pub fn family(kind: OpKind) -> Family {
         Conv | BatchNormalization | InstanceNormalization | LRN | MaxPool | AveragePool | GlobalAveragePool | GlobalMaxPool
         | GatherElements | GatherND | Tile | Pad | Trilu | ScatterND | ScatterElements | OneHot | Einsum | Resize | GridSample => F::Whole,
     }
+}
+
+/// Whether tensor-parallel propagation has a rule for `kind` reading a split input. Ops
+/// without one run whole, and a split never flows into them: the offers' walk
+/// ([`super::analyse`]) and the emission (`Prop::node`) both ask this.
+pub fn tp_rule(kind: OpKind) -> bool {
+    use OpKind::*;
+    match family(kind) {
+        Family::Matmul | Family::Gather | Family::Attention | Family::Experts | Family::Elementwise => true,
+        Family::Norm => matches!(kind, Softmax | LogSoftmax | LayerNormalization | ReduceMean | ReduceSum | ReduceMax | CumSum | Slice),
+        Family::View => matches!(kind, Reshape | Transpose | Squeeze | Unsqueeze | Split | Concat | Expand),
+        Family::Shape | Family::Whole => false,
+    }
+}
+
+/// Why the split engines cannot see into a node: it runs whole on every rank, reading whole
+/// inputs, it chooses no split of its own, and no split flows into it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Opaque {
+    /// An op the IR does not know (a placeholder).
+    UnknownOp(String),
+    /// The shape of an input or output is unknown at the planned dims.
+    UnknownShape(String),
+}
+
+impl std::fmt::Display for Opaque {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Opaque::UnknownOp(op) => write!(f, "the op `{op}` is unknown to the planner"),
+            Opaque::UnknownShape(v) => write!(f, "the shape of `{v}` is unknown"),
+        }
+    }
+}
+
+/// Whether (and why) the split engines cannot see into node `id` of `g`, with shapes `info`
+/// (inferred at the planned dims) and each value's readers `uses`. The one rule both sides
+/// share: the offers ([`super::analyse`]) give such a node no split, and emission keeps it
+/// whole.
+pub fn opaque(g: &Graph, info: &ShapeInfo, uses: &[Vec<NodeId>], id: NodeId) -> Option<Opaque> {
+    let node = g.try_node(id)?;
+    if node.op.kind().is_none() {
+        return Some(Opaque::UnknownOp(node.op.to_string()));
+    }
+    let known = |v: ValueId| info.types.get(v.index()).and_then(|t| t.as_ref()).is_some_and(|t| t.shape.is_some());
+    let read = node.inputs.iter().flatten();
+    // every input, and the outputs something reads
+    let made = node.outputs.iter().filter(|&&v| uses.get(v.index()).is_some_and(|u| !u.is_empty()) || g.outputs.contains(&v));
+    read.chain(made).find(|&&v| !known(v)).map(|&v| Opaque::UnknownShape(g.value(v).name.clone()))
+}
+
+/// Every node of `lg` the split engines cannot see into ([`opaque`]), shapes inferred at the
+/// graph's bound dims as the engines infer them.
+pub fn opaque_nodes(lg: &LayeredGraph) -> HashMap<NodeId, Opaque> {
+    match shape_infer::infer(&lg.graph, &lg.dims.values, false) {
+        Ok(info) => opaque_with(&lg.graph, &info),
+        // no shapes at all: nothing can be seen into
+        Err(_) => lg.graph.node_ids().map(|n| (n, Opaque::UnknownShape(lg.graph.node(n).name.clone()))).collect(),
+    }
+}
+
+/// [`opaque_nodes`] from shapes already inferred.
+pub fn opaque_with(g: &Graph, info: &ShapeInfo) -> HashMap<NodeId, Opaque> {
+    let uses = g.uses();
+    g.node_ids().filter_map(|n| opaque(g, info, &uses, n).map(|o| (n, o))).collect()
 }
 
 #[cfg(test)]

@@ -148,6 +148,8 @@ pub fn offers_from(lg: &LayeredGraph, layer: usize, sg: &SplitGraph, x: &Strateg
                 rest_partial_grads += p.partial_grad(fig[4]);
                 continue;
             }
+            // what emission keeps whole is offered whole
+            _ if sg.opaque.contains(&i) => vec![p.replicate(&p.figures([(i, 1.0)]))],
             NodeRole::WeightMatmul => p.weight_matmul_offers(&f, i),
             NodeRole::Experts => p.experts_offers(sg.experts[&i], i),
             NodeRole::Embedding => p.embedding_offers(sg.vocab[&i], i),

@@ -23,7 +23,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use super::Strategy;
 use super::error::SplitError;
-use super::family::{Family, family};
+use super::family::{Family, Opaque, family, opaque_with, tp_rule};
 use super::rewrite::{ConstantRewrite, NodeRewrite, PartialGradient};
 pub use crate::ir::CollectiveKind;
 use crate::ir::{Graph, LayeredGraph, NodeId, OpKind, ValueId, ValueKind};
@@ -61,6 +61,8 @@ pub struct Engine<'a> {
     pub(super) grad: Vec<bool>,
     /// Whether row-parallel outputs are reduce-scattered over the tokens (sequence parallelism).
     pub(super) sequence_parallel: bool,
+    /// Nodes the engine cannot see into ([`super::family::opaque`]): kept whole.
+    pub(super) opaque: HashMap<NodeId, Opaque>,
 }
 
 impl<'a> Engine<'a> {
@@ -93,7 +95,8 @@ impl<'a> Engine<'a> {
                 }
             }
         }
-        Ok(Engine { lg, info, uses, vocab, grad, sequence_parallel: false })
+        let opaque = opaque_with(g, &info);
+        Ok(Engine { lg, info, uses, vocab, grad, sequence_parallel: false, opaque })
     }
 
     /// Turns sequence parallelism on or off (default off): each row-parallel all-reduce becomes
@@ -629,13 +632,29 @@ impl<'s, 'a> Prop<'s, 'a> {
             return Ok(());
         }
         let states: Vec<Sh> = ins.iter().map(|v| v.map_or(Sh::Rep, |v| self.state(v))).collect();
-        if states.iter().all(|s| *s == Sh::Rep) && !n.op.kind().is_some_and(|k| family(k).chooses()) {
+        let opaque = self.s.opaque.get(&id);
+        if states.iter().all(|s| *s == Sh::Rep) && (opaque.is_some() || !n.op.kind().is_some_and(|k| family(k).chooses())) {
+            // an opaque choosing node keeps its weights whole (the offers give it `replicate` only)
+            if opaque.is_some() {
+                let weights = n.op.kind().map_or(Vec::new(), |k| family(k).weight_operands(n));
+                for w in weights {
+                    if let Some((init, _)) = self.weight_src.get(&w) {
+                        self.kept_whole.insert(*init);
+                    }
+                }
+            }
             for &o in &outs {
                 self.sh.insert(o, Sh::Rep);
             }
             return Ok(());
         }
+        if let Some(why) = opaque {
+            return self.err(why.to_string());
+        }
         let Some(kind) = n.op.kind() else { return self.err("unknown op with a split input") };
+        if !tp_rule(kind) {
+            return self.err(if matches!(kind, Shape | Size) { "it reads the shape of a split tensor" } else { "no sharding rule for this op" });
+        }
         // the rules are in the family files
         match family(kind) {
             Family::Matmul => self.matmul(id),
@@ -648,19 +667,15 @@ impl<'s, 'a> Prop<'s, 'a> {
                 }
                 _ => self.elementwise(id),
             },
-            Family::Norm => match kind {
-                Softmax | LogSoftmax | LayerNormalization | ReduceMean | ReduceSum | ReduceMax | CumSum | Slice => self.norm(id, kind),
-                _ => self.err("no sharding rule for this op"),
-            },
+            // the ops `tp_rule` names
+            Family::Norm => self.norm(id, kind),
             Family::View => match kind {
                 Reshape => self.reshape(id),
-                Transpose | Squeeze | Unsqueeze => self.unary(id, kind),
                 Split => self.split(id),
                 Concat => self.concat(id),
                 Expand => self.expand(id),
-                _ => self.err("no sharding rule for this op"),
+                _ => self.unary(id, kind),
             },
-            Family::Shape if matches!(kind, Shape | Size) => self.err("it reads the shape of a split tensor"),
             Family::Shape | Family::Whole => self.err("no sharding rule for this op"),
         }
     }
