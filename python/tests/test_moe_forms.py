@@ -1,7 +1,8 @@
 """Mixture-of-experts routing in the forms models use, through the front door: each model is
 exported, the plan fuses its routed experts into `MixtureOfExperts` (no data-dependent shape
 in the graph), and it trains as PyTorch trains it (losses within 1e-5 relative, the trained
-router and expert weights within 1e-4 norm-relative after `load_trained`).
+router and expert weights within 1e-4 norm-relative after `load_trained`) at pp 2, tp 2, ep 2,
+pp 2 × ep 2 and cp 2 (cp 2 also in f64 against one process).
 
 DeepSeek-V3: sigmoid router with a bias correction (`e_score_correction_bias`) that only
 chooses, group-limited top-k (`n_group` groups, the best `topk_group` of them by their two best
@@ -11,6 +12,8 @@ expert beside the routed ones, a dense first layer; multi-head latent attention 
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +83,9 @@ PLANS = {
     "pp2": ("cpu:2", {"pipeline_parallel_degree": 2, "microbatches": 2}),
     "tp2": ("cpu:2", {"tensor_parallel_degree": 2}),
     "ep2": ("cpu:2", {"expert_parallel_degree": 2}),
+    # the router's GatherElements runs on the gathered tokens (flattened with the batch) and
+    # its weights are cut back: checked also in f64 against one process
+    "cp2": ("cpu:2", {"context_parallel_degree": 2}),
     "pp2-ep2": ("cpu:4", {"pipeline_parallel_degree": 2, "microbatches": 2, "expert_parallel_degree": 2}),
 }
 
@@ -104,3 +110,14 @@ def test_deepseek_v3_trains_as_pytorch(deepseek, label: str, tmp_path: Path) -> 
     print(f"deepseek_v3 {label}: losses {rel:.1e}, MoE weights {worst:.1e}")
     assert len(run.losses) == len(want_losses) and rel <= LOSS_TOL, (run.losses, want_losses)
     assert worst <= WEIGHT_TOL
+    if label == "cp2":
+        assert all(r.get("context_gathers", 0) > 0 for r in run.report["ranks"])
+        one = subprocess.run([str(smp.find_binary("smp-runner")), "train", str(exported.path), "--data",
+                              str(tmp_path / "data.npz"), "--loss", "causal-lm", "--steps", "2", "--dtype", "f64",
+                              "--threads", "1", "--json"], capture_output=True, text=True, check=True)
+        exact = [float(s["loss"]) for s in json.loads(one.stdout)["steps"]]
+        run64 = smp.launch(plan, data=tmp_path / "data.npz", steps=2, loss="causal-lm", threads=1, dtype="f64",
+                           progress=False)
+        rel64 = max(abs(a - b) / abs(b) for a, b in zip(run64.losses, exact))
+        print(f"deepseek_v3 cp2 f64: {rel64:.1e} from one process")
+        assert rel64 <= 1e-9, (run64.losses, exact)
