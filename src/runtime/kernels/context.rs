@@ -101,3 +101,30 @@ pub fn gather_many(pg: &ProcessGroup, xs: &[(Tensor, usize, Blocks)]) -> Result<
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_are_counted_from_the_tensor_run() {
+        // [batch · seq] tokens inferred at batch 1 (outer 1), seq 8 over 2 ranks, run at batch 4
+        let b = Blocks { outer: 1, seq: 8 };
+        assert_eq!(b.count(32, 1), 4, "a whole axis of 4 sequences");
+        assert_eq!(b.count(16, 2), 4, "a rank's 4 halves");
+        assert_eq!(b.count(4, 2), 1, "one sequence's half");
+        // unknown or inconsistent: the inferred blocks
+        assert_eq!(Blocks { outer: 3, seq: 0 }.count(24, 2), 3);
+        assert_eq!(Blocks { outer: 2, seq: 8 }.count(12, 1), 2);
+    }
+
+    #[test]
+    fn a_flattened_axis_gathered_by_blocks_is_the_one_process_order() {
+        // 2 sequences of 4 tokens flattened [8]; rank r holds chunks r and 3 − r of each
+        let whole = Tensor::from_slice(&[0i64, 1, 2, 3, 10, 11, 12, 13]);
+        let blocks = Blocks { outer: 1, seq: 4 };
+        let parts: Vec<Tensor> = (0..2).map(|index| localize(&whole, 0, blocks, ContextRank { index, size: 2 }).unwrap()).collect();
+        assert_eq!(Vec::<i64>::try_from(&parts[0]).unwrap(), vec![0, 3, 10, 13]);
+        assert_eq!(Vec::<i64>::try_from(&parts[1]).unwrap(), vec![1, 2, 11, 12]);
+    }
+}
