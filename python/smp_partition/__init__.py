@@ -14,7 +14,7 @@ on PATH, or in the repository's target/. Needs torch==2.13.0 (the binaries link 
 """
 
 from ._binaries import find_binary
-from .errors import CommandError, RankFailed, SmpError
+from .errors import CommandError, ExportError, RankFailed, SmpError
 from .export import Exported, export
 from .launch import Run, launch, launch_command, verify_plan
 from .plan import EngineConfig, Gap, Parallel, Plan, Predicted, plan
@@ -22,6 +22,6 @@ from .sweep import Sweep, sweep
 from .trained import export_trained, load_trained
 
 __all__ = [
-    "CommandError", "EngineConfig", "Exported", "Gap", "Parallel", "Plan", "Predicted", "RankFailed", "Run", "SmpError", "Sweep",
+    "CommandError", "EngineConfig", "ExportError", "Exported", "Gap", "Parallel", "Plan", "Predicted", "RankFailed", "Run", "SmpError", "Sweep",
     "export", "export_trained", "find_binary", "launch", "launch_command", "load_trained", "plan", "sweep", "verify_plan",
 ]

@@ -7,6 +7,11 @@ class SmpError(RuntimeError):
     """A step of smp_partition failed; the message names the cause and the fix."""
 
 
+class ExportError(SmpError):
+    """`torch.onnx.export` could not capture the model: the message names the module and the
+    construct it stopped on; the exporter's own error is the `__cause__`."""
+
+
 class CommandError(SmpError):
     """A binary exited with an error.
 

@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
-from . import _moe
-from .errors import SmpError
+from . import _complex, _moe, _trace
+from .errors import ExportError, SmpError
 
 #: ONNX opset of the exports (as scripts/export_models.py).
 OPSET = 18
@@ -85,7 +87,10 @@ def _first_tensor(out: Any) -> Any:
     raise SmpError(f"the model returned {type(out).__name__}; return a tensor (or an object with `.logits`)")
 
 
-def _wrapper(model: Any, names: list[str], kwargs: dict[str, Any]) -> Any:
+def _wrapper(model: Any, names: list[str], kwargs: dict[str, Any],
+             tracing: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> Any:
+    """The module the exporter traces: `model` on its inputs by name, its main output, the
+    forward run inside `tracing()`."""
     import torch
 
     class MainOutput(torch.nn.Module):
@@ -97,7 +102,8 @@ def _wrapper(model: Any, names: list[str], kwargs: dict[str, Any]) -> Any:
             self.model = model
 
         def forward(self, *args: Any) -> Any:
-            return _first_tensor(self.model(**dict(zip(names, args)), **kwargs))
+            with tracing():
+                return _first_tensor(self.model(**dict(zip(names, args)), **kwargs))
 
     return MainOutput()
 
@@ -240,6 +246,41 @@ def _owner(model: Any, name: str) -> str:
         return f"`{path}`"
 
 
+def _dynamic_shapes(model: Any, names: list[str], inputs: Sequence[Any], lengths: dict[str, int]) -> Any:
+    """`torch.export` dynamic shapes: dim 0 of every input the symbolic `batch`; dim 1 of the
+    token inputs in `lengths` the symbolic `seq` (token inputs of the first one's length share
+    it, the others get their own), at most the model's maximum positions."""
+    import torch
+
+    batch = torch.export.Dim("batch")
+    max_seq = _max_positions(model)
+    seq = torch.export.Dim("seq", max=max_seq) if max_seq else torch.export.Dim("seq")
+    first = next(iter(lengths.values()), None)
+
+    def dims_of(name: str) -> dict[int, Any]:
+        if name not in lengths:
+            return {0: batch}
+        own = seq if lengths[name] == first else torch.export.Dim(f"seq_{name}", max=max_seq or None)
+        return {0: batch, 1: own}
+
+    # one entry: the wrapper's `*args`
+    return (tuple(dims_of(n) for n in names),)
+
+
+def _refusal(model: Any, e: BaseException, modules: _trace.ModuleStack, fixed: int | None = None) -> SmpError:
+    """The exporter's failure `e` as an error naming the module and the construct."""
+    for x in _trace.causes(e):
+        if isinstance(x, SmpError):
+            return x  # already says what and where (a complex op this export does not cover)
+    where = modules.where_failed()
+    tried = (f" (also with the sequence length fixed to the example's, {fixed})" if fixed is not None else "")
+    advice = ("make the shape depend on input shapes only (e.g. compute every branch and mask, or pad to a fixed "
+              "size), or export a module without it" if _trace.is_data_dependent(e)
+              else "the exporter's error is attached as the cause")
+    return ExportError(f"{type(model).__name__} cannot be exported to ONNX{tried}: torch.onnx.export stopped on "
+                       f"{_trace.construct(e)}" + (f" in module {where}" if where else "") + f"; {advice}")
+
+
 def export(model: Any, example_inputs: Any, path: str | Path, *, dynamic: bool = True) -> Exported:
     """Exports `model` called on `example_inputs` (a tensor, a tuple of tensors for the first
     positional arguments of `forward`, or a dict of them by argument name) to `path` (ONNX,
@@ -251,7 +292,12 @@ def export(model: Any, example_inputs: Any, path: str | Path, *, dynamic: bool =
     Every parameter the forward pass reads is in the file as itself (see the module doc);
     parameters it does not read are listed in `record["unused"]` (PyTorch leaves them
     untouched too, and `load_trained` keeps their values). Raises `SmpError` naming the
-    parameter and its module if one the graph reads is not in the file."""
+    parameter and its module if one the graph reads is not in the file.
+
+    Complex values (complex rotary embeddings) are exported in real arithmetic (`_complex.py`).
+    If the exporter cannot trace the symbolic sequence length, the export is tried again with
+    it fixed to the example's (with a warning); if that fails too, `ExportError` names the
+    module being traced and the construct, the exporter's error as its `__cause__`."""
     import onnx
     import torch
 
@@ -260,35 +306,54 @@ def export(model: Any, example_inputs: Any, path: str | Path, *, dynamic: bool =
     inputs = as_tuple(example_inputs)
     names = _input_names(model, example_inputs)
     kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    modules = _trace.ModuleStack(model)
+
+    @contextlib.contextmanager
+    def tracing() -> Iterator[None]:
+        # the module being traced (for messages); complex values as real pairs (_complex.py)
+        with modules.forward(), _complex.RealComplex(modules.innermost):
+            yield
+
     # routed experts as a dense form, and the router's auxiliary loss as an output (_moe.py)
     moe = _moe.MoeExport(model, names)
-    wrapper = moe.wrap(_wrapper(model, names, kwargs))
-    dynamic_shapes = None
-    if dynamic:
-        batch = torch.export.Dim("batch")
-        max_seq = _max_positions(model)
-        seq = torch.export.Dim("seq", max=max_seq) if max_seq else torch.export.Dim("seq")
-        lengths = token_lengths(names, inputs)
-        first = next(iter(lengths.values()), None)
-
-        def dims_of(name: str, x: Any) -> dict[int, Any]:
-            if name not in lengths:
-                return {0: batch}
-            # token inputs of the first one's length share `seq`; others get their own dim
-            own = seq if lengths[name] == first else torch.export.Dim(f"seq_{name}", max=max_seq or None)
-            return {0: batch, 1: own}
-
-        # one entry: the wrapper's `*args`
-        dynamic_shapes = (tuple(dims_of(n, x) for n, x in zip(names, inputs)),)
+    wrapper = moe.wrap(_wrapper(model, names, kwargs, tracing))
+    lengths = token_lengths(names, inputs)
+    dynamic_shapes = _dynamic_shapes(model, names, inputs, lengths) if dynamic else None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     parameters = {PREFIX + n for n, _ in model.named_parameters(remove_duplicate=False)}
     statistics, counters = running_statistics(model, PREFIX)
-    with _export_mode(model), moe.exporting(), torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(wrapper, inputs, dynamo=True, opset_version=OPSET,
-                                    dynamic_shapes=dynamic_shapes, input_names=names,
-                                    output_names=["logits", *moe.output_names], verbose=False, optimize=False)
+
+    def capture(shapes: Any) -> Any:
+        # torch.export prints the partial graph of a failed attempt to stderr: a failure is
+        # refused by name instead (the exporter's error its cause); a success's output is kept
+        printed = io.StringIO()
+        with warnings.catch_warnings(), contextlib.redirect_stderr(printed):
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(wrapper, inputs, dynamo=True, opset_version=OPSET, dynamic_shapes=shapes,
+                                        input_names=names, output_names=["logits", *moe.output_names],
+                                        verbose=False, optimize=False)
+        sys.stderr.write(printed.getvalue())
+        return program
+
+    with _export_mode(model), moe.exporting(), torch.no_grad(), modules.running():
+        try:
+            program = capture(dynamic_shapes)
+        except Exception as e:  # noqa: BLE001 - every exporter failure is refused by name below
+            if not (dynamic and lengths) or any(isinstance(x, SmpError) for x in _trace.causes(e)):
+                raise _refusal(model, e, modules) from e
+            # a fixed sequence length decides what a symbolic one often cannot (data-dependent
+            # shapes, guards on the length, value ranges)
+            first = next(iter(lengths.values()))
+            warnings.warn(f"{type(model).__name__}: the export with a symbolic sequence length stopped on "
+                          f"{_trace.construct(e)} in module {modules.where_failed() or 'the model'}; exported "
+                          f"again with the sequence length fixed to the example's ({first}): plan and train on "
+                          f"sequences of exactly {first} tokens", stacklevel=2)
+            modules.failed_in = None
+            try:
+                program = capture(_dynamic_shapes(model, names, inputs, {}))
+            except Exception as again:  # noqa: BLE001
+                raise _refusal(model, again, modules, fixed=first) from again
         read = _optimize_keeping_parameters(program.model, parameters | statistics)
     program.save(str(path), external_data=False)
     proto = onnx.load(str(path))

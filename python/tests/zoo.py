@@ -85,6 +85,11 @@ def archs() -> dict[str, Arch]:
         Arch("gemma2", "decoder LM, soft-capping, sliding window, zero-initialised norms", lambda: T.Gemma2ForCausalLM(T.Gemma2Config(
             num_key_value_heads=2, head_dim=8, sliding_window=4, attn_logit_softcapping=50.0,
             final_logit_softcapping=30.0, **no_drop, **_decoder())), "causal-lm"),
+        # dense layers only (no mixture-of-experts layer), full causal attention in every layer
+        # (attention_chunk_size=None: the chunked mask exports a `Mod` the runner lacks)
+        Arch("llama4", "decoder LM, complex-valued rotary (exported in real arithmetic), q/k L2 norms", lambda: T.Llama4ForCausalLM(
+            T.Llama4TextConfig(num_key_value_heads=2, head_dim=8, intermediate_size_mlp=64, moe_layers=[],
+                               attention_chunk_size=None, **no_drop, **_decoder())), "causal-lm"),
         Arch("bloom", "decoder LM, ALiBi", lambda: T.BloomForCausalLM(T.BloomConfig(
             n_layer=2, hidden_size=H, n_head=4, hidden_dropout=0.0, attention_dropout=0.0,
             use_cache=False, **_tok())), "causal-lm"),
@@ -263,8 +268,8 @@ def cache_dir(arch: Arch, model: Any) -> Path:
     import transformers
 
     h = hashlib.sha256()
-    for f in (REPO / "python/smp_partition/export.py", REPO / "python/smp_partition/param_record.py"):
-        h.update(f.read_bytes())
+    for source in ("export.py", "param_record.py", "_complex.py", "_trace.py", "_moe.py"):
+        h.update((REPO / "python/smp_partition" / source).read_bytes())
     for fn in (build, batch, inputs_of, loss_of, logits_of, persistent_buffers, eval_logits, train_torch):
         h.update(inspect.getsource(fn).encode())
     h.update(repr((type(model).__name__, model.config.to_json_string(), arch.task, H, VOCAB, SEQ, BATCH, STEPS, SEED,

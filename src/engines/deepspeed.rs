@@ -291,184 +291,259 @@ fn int_of(v: &Value) -> Option<i64> {
 /// Reads `ds_config.json` (and, after a comma in the `--from-engine` argument, the launcher
 /// line) into the planner's request for a model of `shape` on `devices` devices.
 pub fn read(text: &str, origin: Origin, shape: &ModelShape, devices: Option<usize>) -> Result<(Reading, Option<usize>), EngineError> {
-    let syntax = |why: String| EngineError::Syntax { engine: ENGINE, what: origin.name(), why };
-    let refuse = |check: &str, why: String| EngineError::Refused { engine: ENGINE, check: check.into(), why };
-    // the JSON, then an optional launcher line after it
-    let (json_text, launcher_text) = split_json(text).map_err(&syntax)?;
+    let (cfg, world) = config_and_world(text, &origin, devices)?;
+    let mut r = DsReading { cfg, used: BTreeSet::new(), origin, shape, o: PlanOptions { megatron_split: true, ..PlanOptions::default() }, reading: Reading::default() };
+    let pipe = r.get("pipeline").unwrap_or(Value::Null);
+    let d = r.topology(world, &pipe)?;
+    r.batch(d.dp)?;
+    r.zero(d.pp)?;
+    r.precision()?;
+    r.cuts(d.pp, &pipe)?;
+    r.checkpointing(&pipe)?;
+    r.o.sequence_parallel = Some(false);
+    r.o.placement = Some(reader_order(TOPOLOGY, [d.dp * d.cp, d.pp, d.tp]));
+    r.leftovers();
+    r.reading.options = r.o;
+    Ok((r.reading, Some(world)))
+}
+
+/// A refusal by DeepSpeed's `check`.
+fn refuse(check: &str, why: String) -> EngineError {
+    EngineError::Refused { engine: ENGINE, check: check.into(), why }
+}
+
+/// A syntax error in the configuration `origin` names.
+fn syntax(origin: &Origin, why: String) -> EngineError {
+    EngineError::Syntax { engine: ENGINE, what: origin.name(), why }
+}
+
+/// The JSON object (and the launcher line after it, if any) and the device count: given, or
+/// the launcher's.
+fn config_and_world(text: &str, origin: &Origin, devices: Option<usize>) -> Result<(Map<String, Value>, usize), EngineError> {
+    let (json_text, launcher_text) = split_json(text).map_err(|why| syntax(origin, why))?;
     let launcher = match launcher_text {
-        Some(l) => Launcher::read(&split_words(l).map_err(&syntax)?).map_err(&syntax)?.0,
+        Some(l) => Launcher::read(&split_words(l).map_err(|why| syntax(origin, why))?).map_err(|why| syntax(origin, why))?.0,
         None => Launcher::default(),
     };
-    let cfg: Map<String, Value> = match serde_json::from_str(json_text).map_err(|e| syntax(e.to_string()))? {
+    let cfg: Map<String, Value> = match serde_json::from_str(json_text).map_err(|e| syntax(origin, e.to_string()))? {
         Value::Object(m) => m,
-        _ => return Err(syntax("not a JSON object".into())),
+        _ => return Err(syntax(origin, "not a JSON object".into())),
     };
     let world = match (devices, launcher.devices()) {
         (Some(d), Some(l)) if d != l => return Err(EngineError::Missing { engine: ENGINE, why: format!("the launcher starts {l} processes but --cluster has {d} devices; give --cluster PRESET:{l}") }),
         (Some(d), _) | (None, Some(d)) => d,
         (None, None) => return Err(EngineError::Missing { engine: ENGINE, why: "no device count: give --cluster PRESET:N or the launcher line after the file (deepspeed:ds_config.json,\"deepspeed --num_nodes N --num_gpus G …\")".into() }),
     };
-    let mut used: BTreeSet<&str> = BTreeSet::new();
-    let mut get = |k: &'static str| {
-        used.insert(k);
-        cfg.get(k).cloned()
-    };
-    let src = |k: &str, v: &dyn ToString| origin.source(k, v.to_string());
-    let pipe = get("pipeline").unwrap_or(Value::Null);
-    let pp = match pipe.get("stages") {
-        None | Some(Value::Null) => 1,
-        Some(Value::String(s)) if s == "auto" => 1,
-        Some(v) => int_of(v).filter(|&x| x >= 1).ok_or_else(|| syntax(format!("pipeline.stages = {v}: expected a stage count")))? as usize,
-    };
-    let tp = match get("tensor_parallel") {
-        Some(t) => t.get("autotp_size").and_then(int_of).filter(|&x| x >= 1).unwrap_or(1) as usize,
-        None => 1,
-    };
-    let ep = match get("expert_parallel") {
-        Some(e) if e.get("enabled").and_then(Value::as_bool).unwrap_or(false) => e.get("autoep_size").and_then(int_of).filter(|&x| x >= 1).unwrap_or(1) as usize,
-        _ => 1,
-    };
-    let cp = get("sequence_parallel_size").as_ref().and_then(int_of).filter(|&x| x >= 1).unwrap_or(1) as usize;
-    if world % (pp * tp * cp) != 0 {
-        return Err(refuse("process topology", format!("world size {world} is not divisible by pipeline stages {pp} × AutoTP size {tp} × sequence-parallel size {cp}")));
+    Ok((cfg, world))
+}
+
+/// The topology's degrees.
+struct Topology {
+    pp: usize,
+    tp: usize,
+    cp: usize,
+    dp: usize,
+}
+
+/// A `ds_config.json` being read: the keys read so far, the request, and what is not priced.
+struct DsReading<'s> {
+    cfg: Map<String, Value>,
+    used: BTreeSet<&'static str>,
+    origin: Origin,
+    shape: &'s ModelShape,
+    o: PlanOptions,
+    reading: Reading,
+}
+
+impl DsReading<'_> {
+    /// A top-level key's value, marked read.
+    fn get(&mut self, k: &'static str) -> Option<Value> {
+        self.used.insert(k);
+        self.cfg.get(k).cloned()
     }
-    let dp = world / (pp * tp * cp);
-    if let Some(given) = get("data_parallel_size").as_ref().and_then(int_of)
-        && given != dp as i64
-    {
-        return Err(refuse("initialize_mesh_device", format!("data_parallel_size {given} × sequence_parallel_size {cp} does not make the {} ranks left of {world} after pipeline {pp} × AutoTP {tp}", world / (pp * tp))));
-    }
-    let mut reading = Reading::default();
-    let mut o = PlanOptions { megatron_split: true, ..PlanOptions::default() };
-    o.pp = Some(pp);
-    o.tp = Some(tp);
-    o.cp = Some(cp);
-    o.dp = Some(dp);
-    o.sources.insert(Setting::Pp, src("pipeline.stages", &pp));
-    o.sources.insert(Setting::Tp, src("tensor_parallel.autotp_size", &tp));
-    o.sources.insert(Setting::Cp, src("sequence_parallel_size", &cp));
-    o.sources.insert(Setting::Dp, Source::Implied(format!("data parallel {dp} = {world} ranks / (pp {pp} · tp {tp} · sp {cp})")));
-    if cp > 1 {
-        reading.unpriced.push(Unpriced { setting: format!("sequence_parallel_size {cp}"), why: "DeepSpeed-Ulysses' all-to-all is priced as the planner's context parallelism (all-gathered keys and values)".into() });
-    }
-    if ep > 1 || shape.experts.is_some() {
-        if ep > 1 && dp % ep != 0 {
-            return Err(refuse("AutoEP", format!("autoep_size {ep} must divide the data-parallel size {dp}")));
-        }
-        o.ep = Some(ep);
-        o.sources.insert(Setting::Ep, src("expert_parallel.autoep_size", &ep));
-    }
-    // batch: DeepSpeed's _configure_train_batch_size
-    let tbs = get("train_batch_size").as_ref().and_then(int_of);
-    let mbs = get("train_micro_batch_size_per_gpu").as_ref().and_then(int_of);
-    let gas = get("gradient_accumulation_steps").as_ref().and_then(int_of);
-    let d = dp as i64;
-    let (tbs, mbs, gas) = match (tbs, mbs, gas) {
-        (Some(t), Some(m), Some(g)) => (t, m, g),
-        (Some(t), Some(m), None) => (t, m, t / (m * d).max(1)),
-        (Some(t), None, Some(g)) => (t, t / (g * d).max(1), g),
-        (None, Some(m), Some(g)) => (m * g * d, m, g),
-        (Some(t), None, None) => (t, t / d.max(1), 1),
-        (None, Some(m), None) => (m * d, m, 1),
-        _ => return Err(refuse("_configure_train_batch_size", "Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided".into())),
-    };
-    if tbs < 1 || mbs < 1 || gas < 1 || tbs != mbs * gas * d {
-        return Err(refuse(
-            "_batch_assertion",
-            format!("Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size {tbs} != {mbs} * {gas} * {d}"),
-        ));
-    }
-    o.global_batch = Some(tbs as u64);
-    o.microbatches = Some(gas as usize);
-    o.sources.insert(Setting::GlobalBatch, src("train_batch_size", &tbs));
-    o.sources.insert(Setting::Microbatches, src("gradient_accumulation_steps", &gas));
-    // ZeRO
-    let zero_cfg = get("zero_optimization").unwrap_or(Value::Null);
-    let zero = zero_cfg.get("stage").and_then(int_of).unwrap_or(0);
-    if !(0..=3).contains(&zero) {
-        return Err(refuse("DeepSpeedZeroConfig", format!("zero_optimization.stage = {zero}: stages are 0 to 3")));
-    }
-    if pp > 1 && zero >= 2 {
-        return Err(refuse("PipelineEngine.__init__", "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism".into()));
-    }
-    o.zero = Some(zero as u8);
-    o.sources.insert(Setting::Zero, src("zero_optimization.stage", &zero));
-    for key in ["offload_optimizer", "offload_param"] {
-        if let Some(v) = zero_cfg.get(key)
-            && v.get("device").and_then(Value::as_str).is_some_and(|d| d != "none")
-        {
-            reading.unpriced.push(Unpriced { setting: format!("zero_optimization.{key} = {v}"), why: "offloading optimizer state or parameters is not priced".into() });
-        }
-    }
-    // precision
-    let enabled = |v: Option<Value>| v.and_then(|x| x.get("enabled").and_then(Value::as_bool)).unwrap_or(false);
-    let (bf16, fp16) = (enabled(get("bf16")), enabled(get("fp16")));
-    if bf16 && fp16 {
-        return Err(refuse("DeepSpeedConfig._initialize_params", "bfloat16 and fp16 modes cannot be simultaneously enabled".into()));
-    }
-    o.precision = Some(if bf16 {
-        Precision::Bf16Mixed
-    } else if fp16 {
-        Precision::Fp16Mixed
-    } else {
-        Precision::F32
-    });
-    // pipeline cuts
-    let layers = shape.kinds.len();
-    if pp > 1 {
-        let bounds: Vec<usize> = match pipe.get("partition") {
-            None | Some(Value::Null) => partition_balanced(&shape.layer_params.iter().map(|&x| x as f64).collect::<Vec<_>>(), pp),
-            Some(Value::String(s)) if s == "uniform" => partition_uniform(layers, pp),
-            Some(Value::String(s)) if s == "parameters" || s == "best" => partition_balanced(&shape.layer_params.iter().map(|&x| x as f64).collect::<Vec<_>>(), pp),
-            Some(Value::Array(a)) => a.iter().map(|v| int_of(v).filter(|&x| x >= 0).map(|x| x as usize)).collect::<Option<Vec<_>>>().ok_or_else(|| syntax("pipeline.partition: expected stage boundaries (layer indices)".into()))?,
-            Some(other) => return Err(syntax(format!("pipeline.partition = {other}: expected \"uniform\", \"parameters\" or the stage boundaries"))),
+
+    /// Pipeline stages, AutoTP, AutoEP and sequence parallelism on `world` ranks; the data
+    /// parallelism left.
+    fn topology(&mut self, world: usize, pipe: &Value) -> Result<Topology, EngineError> {
+        let pp = match pipe.get("stages") {
+            None | Some(Value::Null) => 1,
+            Some(Value::String(s)) if s == "auto" => 1,
+            Some(v) => int_of(v).filter(|&x| x >= 1).ok_or_else(|| syntax(&self.origin, format!("pipeline.stages = {v}: expected a stage count")))? as usize,
         };
-        if bounds.len() != pp + 1 || bounds[0] != 0 || bounds[pp] != layers || bounds.windows(2).any(|w| w[1] <= w[0]) {
-            return Err(refuse("PipelineModule._partition_layers", format!("stage boundaries {bounds:?} must rise from 0 to the {layers} layers in {pp} non-empty stages")));
+        let tp = match self.get("tensor_parallel") {
+            Some(t) => t.get("autotp_size").and_then(int_of).filter(|&x| x >= 1).unwrap_or(1) as usize,
+            None => 1,
+        };
+        let ep = match self.get("expert_parallel") {
+            Some(e) if e.get("enabled").and_then(Value::as_bool).unwrap_or(false) => e.get("autoep_size").and_then(int_of).filter(|&x| x >= 1).unwrap_or(1) as usize,
+            _ => 1,
+        };
+        let cp = self.get("sequence_parallel_size").as_ref().and_then(int_of).filter(|&x| x >= 1).unwrap_or(1) as usize;
+        if world % (pp * tp * cp) != 0 {
+            return Err(refuse("process topology", format!("world size {world} is not divisible by pipeline stages {pp} × AutoTP size {tp} × sequence-parallel size {cp}")));
         }
-        let layout = crate::solve::Layout(bounds.windows(2).map(|w| [w[0], w[1] - 1]).collect());
-        o.sources.insert(Setting::Layout, src("pipeline.partition", &format!("{bounds:?}")));
-        o.layout = Some(layout);
-        o.schedule = Some(ScheduleKind::OneFOneB);
-        o.sources.insert(Setting::Schedule, Source::Implied("1F1B (DeepSpeed's pipeline schedule)".into()));
-    }
-    // activation checkpointing
-    let interval = pipe.get("activation_checkpoint_interval").and_then(int_of).unwrap_or(0);
-    let set = match interval {
-        0 => BTreeSet::new(),
-        1 => all_blocks(shape),
-        k if k > 1 => {
-            reading.unpriced.push(Unpriced { setting: format!("pipeline.activation_checkpoint_interval {k}"), why: format!("one checkpoint per {k} layers is priced as every transformer layer recomputed, each keeping its input") });
-            all_blocks(shape)
+        let dp = world / (pp * tp * cp);
+        if let Some(given) = self.get("data_parallel_size").as_ref().and_then(int_of)
+            && given != dp as i64
+        {
+            return Err(refuse("initialize_mesh_device", format!("data_parallel_size {given} × sequence_parallel_size {cp} does not make the {} ranks left of {world} after pipeline {pp} × AutoTP {tp}", world / (pp * tp))));
         }
-        k => return Err(syntax(format!("pipeline.activation_checkpoint_interval = {k} must be ≥ 0"))),
-    };
-    o.sources.insert(Setting::CheckpointedLayers, src("pipeline.activation_checkpoint_interval", &interval));
-    let act = get("activation_checkpointing").unwrap_or(Value::Null);
-    let cpu = act.get("cpu_checkpointing").and_then(Value::as_bool).unwrap_or(false);
-    if act.get("partition_activations").and_then(Value::as_bool).unwrap_or(false) {
-        reading.unpriced.push(Unpriced { setting: "activation_checkpointing.partition_activations".into(), why: "partitioning checkpoints over the tensor ranks is not priced".into() });
-    }
-    o.offload = Some(if cpu && !set.is_empty() { OffloadRule::Always } else { OffloadRule::Never });
-    if cpu {
-        o.loading_horizon = Some(1);
-        o.sources.insert(Setting::Offload, src("activation_checkpointing.cpu_checkpointing", &cpu));
-    }
-    o.checkpointed_layers = Some(set);
-    o.sequence_parallel = Some(false);
-    o.placement = Some(reader_order(TOPOLOGY, [dp * cp, pp, tp]));
-    for (k, v) in &cfg {
-        if used.contains(k.as_str()) {
-            continue;
+        let (o, origin) = (&mut self.o, &self.origin);
+        o.pp = Some(pp);
+        o.tp = Some(tp);
+        o.cp = Some(cp);
+        o.dp = Some(dp);
+        o.sources.insert(Setting::Pp, origin.source("pipeline.stages", pp));
+        o.sources.insert(Setting::Tp, origin.source("tensor_parallel.autotp_size", tp));
+        o.sources.insert(Setting::Cp, origin.source("sequence_parallel_size", cp));
+        o.sources.insert(Setting::Dp, Source::Implied(format!("data parallel {dp} = {world} ranks / (pp {pp} · tp {tp} · sp {cp})")));
+        if cp > 1 {
+            self.reading.unpriced.push(Unpriced { setting: format!("sequence_parallel_size {cp}"), why: "DeepSpeed-Ulysses' all-to-all is priced as the planner's context parallelism (all-gathered keys and values)".into() });
         }
-        if NO_EFFECT.contains(&k.as_str()) {
-            reading.no_effect.push(format!("{k} = {v}"));
+        if ep > 1 || self.shape.experts.is_some() {
+            if ep > 1 && dp % ep != 0 {
+                return Err(refuse("AutoEP", format!("autoep_size {ep} must divide the data-parallel size {dp}")));
+            }
+            o.ep = Some(ep);
+            o.sources.insert(Setting::Ep, origin.source("expert_parallel.autoep_size", ep));
+        }
+        Ok(Topology { pp, tp, cp, dp })
+    }
+
+    /// The batch, as DeepSpeed's `_configure_train_batch_size` completes it from any two.
+    fn batch(&mut self, dp: usize) -> Result<(), EngineError> {
+        let tbs = self.get("train_batch_size").as_ref().and_then(int_of);
+        let mbs = self.get("train_micro_batch_size_per_gpu").as_ref().and_then(int_of);
+        let gas = self.get("gradient_accumulation_steps").as_ref().and_then(int_of);
+        let d = dp as i64;
+        let (tbs, mbs, gas) = match (tbs, mbs, gas) {
+            (Some(t), Some(m), Some(g)) => (t, m, g),
+            (Some(t), Some(m), None) => (t, m, t / (m * d).max(1)),
+            (Some(t), None, Some(g)) => (t, t / (g * d).max(1), g),
+            (None, Some(m), Some(g)) => (m * g * d, m, g),
+            (Some(t), None, None) => (t, t / d.max(1), 1),
+            (None, Some(m), None) => (m * d, m, 1),
+            _ => return Err(refuse("_configure_train_batch_size", "Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided".into())),
+        };
+        if tbs < 1 || mbs < 1 || gas < 1 || tbs != mbs * gas * d {
+            return Err(refuse(
+                "_batch_assertion",
+                format!("Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size {tbs} != {mbs} * {gas} * {d}"),
+            ));
+        }
+        let o = &mut self.o;
+        o.global_batch = Some(tbs as u64);
+        o.microbatches = Some(gas as usize);
+        o.sources.insert(Setting::GlobalBatch, self.origin.source("train_batch_size", tbs));
+        o.sources.insert(Setting::Microbatches, self.origin.source("gradient_accumulation_steps", gas));
+        Ok(())
+    }
+
+    /// The ZeRO stage (none above 1 with a pipeline) and its offloading.
+    fn zero(&mut self, pp: usize) -> Result<(), EngineError> {
+        let zero_cfg = self.get("zero_optimization").unwrap_or(Value::Null);
+        let zero = zero_cfg.get("stage").and_then(int_of).unwrap_or(0);
+        if !(0..=3).contains(&zero) {
+            return Err(refuse("DeepSpeedZeroConfig", format!("zero_optimization.stage = {zero}: stages are 0 to 3")));
+        }
+        if pp > 1 && zero >= 2 {
+            return Err(refuse("PipelineEngine.__init__", "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism".into()));
+        }
+        self.o.zero = Some(zero as u8);
+        self.o.sources.insert(Setting::Zero, self.origin.source("zero_optimization.stage", zero));
+        for key in ["offload_optimizer", "offload_param"] {
+            if let Some(v) = zero_cfg.get(key)
+                && v.get("device").and_then(Value::as_str).is_some_and(|d| d != "none")
+            {
+                self.reading.unpriced.push(Unpriced { setting: format!("zero_optimization.{key} = {v}"), why: "offloading optimizer state or parameters is not priced".into() });
+            }
+        }
+        Ok(())
+    }
+
+    /// bf16, fp16 (not both) or f32.
+    fn precision(&mut self) -> Result<(), EngineError> {
+        let enabled = |v: Option<Value>| v.and_then(|x| x.get("enabled").and_then(Value::as_bool)).unwrap_or(false);
+        let bf16 = enabled(self.get("bf16"));
+        let fp16 = enabled(self.get("fp16"));
+        if bf16 && fp16 {
+            return Err(refuse("DeepSpeedConfig._initialize_params", "bfloat16 and fp16 modes cannot be simultaneously enabled".into()));
+        }
+        self.o.precision = Some(if bf16 {
+            Precision::Bf16Mixed
+        } else if fp16 {
+            Precision::Fp16Mixed
         } else {
-            reading.unpriced.push(Unpriced { setting: format!("{k} = {v}"), why: "not a setting the planner knows; not priced".into() });
+            Precision::F32
+        });
+        Ok(())
+    }
+
+    /// The pipeline's stage boundaries (`pipeline.partition`) and its schedule.
+    fn cuts(&mut self, pp: usize, pipe: &Value) -> Result<(), EngineError> {
+        let (shape, origin, o) = (self.shape, &self.origin, &mut self.o);
+        let layers = shape.kinds.len();
+        if pp > 1 {
+            let bounds: Vec<usize> = match pipe.get("partition") {
+                None | Some(Value::Null) => partition_balanced(&shape.layer_params.iter().map(|&x| x as f64).collect::<Vec<_>>(), pp),
+                Some(Value::String(s)) if s == "uniform" => partition_uniform(layers, pp),
+                Some(Value::String(s)) if s == "parameters" || s == "best" => partition_balanced(&shape.layer_params.iter().map(|&x| x as f64).collect::<Vec<_>>(), pp),
+                Some(Value::Array(a)) => a.iter().map(|v| int_of(v).filter(|&x| x >= 0).map(|x| x as usize)).collect::<Option<Vec<_>>>().ok_or_else(|| syntax(origin, "pipeline.partition: expected stage boundaries (layer indices)".into()))?,
+                Some(other) => return Err(syntax(origin, format!("pipeline.partition = {other}: expected \"uniform\", \"parameters\" or the stage boundaries"))),
+            };
+            if bounds.len() != pp + 1 || bounds[0] != 0 || bounds[pp] != layers || bounds.windows(2).any(|w| w[1] <= w[0]) {
+                return Err(refuse("PipelineModule._partition_layers", format!("stage boundaries {bounds:?} must rise from 0 to the {layers} layers in {pp} non-empty stages")));
+            }
+            let layout = crate::solve::Layout(bounds.windows(2).map(|w| [w[0], w[1] - 1]).collect());
+            o.sources.insert(Setting::Layout, origin.source("pipeline.partition", format!("{bounds:?}")));
+            o.layout = Some(layout);
+            o.schedule = Some(ScheduleKind::OneFOneB);
+            o.sources.insert(Setting::Schedule, Source::Implied("1F1B (DeepSpeed's pipeline schedule)".into()));
+        }
+        Ok(())
+    }
+
+    /// Activation checkpointing (the pipeline's interval) and its CPU offloading.
+    fn checkpointing(&mut self, pipe: &Value) -> Result<(), EngineError> {
+        let interval = pipe.get("activation_checkpoint_interval").and_then(int_of).unwrap_or(0);
+        let set = match interval {
+            0 => BTreeSet::new(),
+            1 => all_blocks(self.shape),
+            k if k > 1 => {
+                self.reading.unpriced.push(Unpriced { setting: format!("pipeline.activation_checkpoint_interval {k}"), why: format!("one checkpoint per {k} layers is priced as every transformer layer recomputed, each keeping its input") });
+                all_blocks(self.shape)
+            }
+            k => return Err(syntax(&self.origin, format!("pipeline.activation_checkpoint_interval = {k} must be ≥ 0"))),
+        };
+        self.o.sources.insert(Setting::CheckpointedLayers, self.origin.source("pipeline.activation_checkpoint_interval", interval));
+        let act = self.get("activation_checkpointing").unwrap_or(Value::Null);
+        let cpu = act.get("cpu_checkpointing").and_then(Value::as_bool).unwrap_or(false);
+        if act.get("partition_activations").and_then(Value::as_bool).unwrap_or(false) {
+            self.reading.unpriced.push(Unpriced { setting: "activation_checkpointing.partition_activations".into(), why: "partitioning checkpoints over the tensor ranks is not priced".into() });
+        }
+        let o = &mut self.o;
+        o.offload = Some(if cpu && !set.is_empty() { OffloadRule::Always } else { OffloadRule::Never });
+        if cpu {
+            o.loading_horizon = Some(1);
+            o.sources.insert(Setting::Offload, self.origin.source("activation_checkpointing.cpu_checkpointing", cpu));
+        }
+        o.checkpointed_layers = Some(set);
+        Ok(())
+    }
+
+    /// The keys no step read: of no effect, or not priced.
+    fn leftovers(&mut self) {
+        for (k, v) in &self.cfg {
+            if self.used.contains(k.as_str()) {
+                continue;
+            }
+            if NO_EFFECT.contains(&k.as_str()) {
+                self.reading.no_effect.push(format!("{k} = {v}"));
+            } else {
+                self.reading.unpriced.push(Unpriced { setting: format!("{k} = {v}"), why: "not a setting the planner knows; not priced".into() });
+            }
         }
     }
-    reading.options = o;
-    Ok((reading, Some(world)))
 }
 
 /// A JSON object, then optionally the launcher line after it (`{…},deepspeed --num_gpus 8 …`

@@ -541,6 +541,28 @@ const NO_EFFECT: &[&str] = &[
 /// into the planner's request for a model of `shape` on `devices` devices (`None`: from the
 /// launcher line). Refused as Megatron-Core refuses it, naming the check.
 pub fn read(text: &str, origin: Origin, shape: &ModelShape, devices: Option<usize>) -> Result<(Reading, Option<usize>), EngineError> {
+    let (words, world) = words_and_world(text, &origin, devices)?;
+    let mut r = ArgsReading { a: Args::parse(&words, origin.clone())?, origin, shape, o: PlanOptions { megatron_split: true, ..PlanOptions::default() }, reading: Reading::default() };
+    let sizes = r.parallel(world)?;
+    r.model()?;
+    let m = r.batch(&sizes)?;
+    r.schedule(&sizes, m)?;
+    r.recompute()?;
+    r.sequence_parallel(&sizes)?;
+    r.zero_and_precision(&sizes)?;
+    r.placement(&sizes);
+    r.leftovers();
+    r.reading.options = r.o;
+    Ok((r.reading, Some(world)))
+}
+
+/// A refusal by Megatron-Core's `check`.
+fn refuse(check: &str, why: String) -> EngineError {
+    EngineError::Refused { engine: ENGINE, check: check.into(), why }
+}
+
+/// The arguments after an optional launcher, and the device count (given, or the launcher's).
+fn words_and_world(text: &str, origin: &Origin, devices: Option<usize>) -> Result<(Vec<String>, usize), EngineError> {
     let words = split_words(text).map_err(|why| EngineError::Syntax { engine: ENGINE, what: origin.name(), why })?;
     let (launcher, words) = if words.iter().any(|w| w.ends_with(".py")) || words.first().is_some_and(|w| !w.starts_with("--")) {
         let (l, rest) = Launcher::read(&words).map_err(|why| EngineError::Syntax { engine: ENGINE, what: origin.name(), why })?;
@@ -558,298 +580,366 @@ pub fn read(text: &str, origin: Origin, shape: &ModelShape, devices: Option<usiz
         (Some(d), _) | (None, Some(d)) => d,
         (None, None) => return Err(EngineError::Missing { engine: ENGINE, why: "no device count: give --cluster PRESET:N or the launcher line (torchrun --nnodes … --nproc-per-node …)".into() }),
     };
-    let mut a = Args::parse(&words, origin.clone())?;
-    let refuse = |check: &str, why: String| EngineError::Refused { engine: ENGINE, check: check.into(), why };
-    let tp = a.count("tensor-model-parallel-size")?.unwrap_or(1);
-    let pp = a.count("pipeline-model-parallel-size")?.unwrap_or(1);
-    let cp = a.count("context-parallel-size")?.unwrap_or(1);
-    let ep = a.count("expert-model-parallel-size")?.unwrap_or(1);
-    let etp = a.count("expert-tensor-parallel-size")?;
-    for (flag, v) in [("tensor-model-parallel-size", tp), ("pipeline-model-parallel-size", pp), ("context-parallel-size", cp), ("expert-model-parallel-size", ep)] {
-        if v == 0 {
-            return Err(refuse("argument parsing", format!("--{flag} must be at least 1")));
-        }
-    }
-    if world % (tp * pp * cp) != 0 {
-        return Err(refuse(
-            "parallel_state.initialize_model_parallel",
-            format!("world_size ({world}) is not divisible by tensor_model_parallel_size ({tp}) x pipeline_model_parallel_size ({pp}) x context_parallel_size ({cp})"),
-        ));
-    }
-    let dp = world / (tp * pp * cp);
-    let etp_v = etp.unwrap_or(tp);
-    if world % (etp_v * ep * pp) != 0 {
-        return Err(refuse(
-            "parallel_state.initialize_model_parallel",
-            format!("world_size ({world}) is not divisible by expert_tensor_parallel_size ({etp_v}) x expert_model_parallel_size ({ep}) x pipeline_model_parallel_size ({pp})"),
-        ));
-    }
-    let mut reading = Reading::default();
-    let mut o = PlanOptions { megatron_split: true, ..PlanOptions::default() };
-    let src = |a: &Args, flag: &str, v: &dyn ToString| a.source(flag, v.to_string());
-    o.tp = Some(tp);
-    o.pp = Some(pp);
-    o.cp = Some(cp);
-    o.dp = Some(dp);
-    o.sources.insert(Setting::Tp, src(&a, "tensor-model-parallel-size", &tp));
-    o.sources.insert(Setting::Pp, src(&a, "pipeline-model-parallel-size", &pp));
-    o.sources.insert(Setting::Cp, src(&a, "context-parallel-size", &cp));
-    o.sources.insert(Setting::Dp, crate::solve::Source::Implied(format!("data-parallel size {dp} = {world} ranks / (tp {tp} · pp {pp} · cp {cp})")));
-    if ep > 1 || shape.experts.is_some() {
-        o.ep = Some(ep);
-        o.sources.insert(Setting::Ep, src(&a, "expert-model-parallel-size", &ep));
-    }
-    if etp.is_some_and(|e| e != tp) {
-        reading.unpriced.push(Unpriced {
-            setting: format!("--expert-tensor-parallel-size {etp_v}"),
-            why: format!("the planner splits experts over the tensor ranks (tp {tp}); priced so"),
-        });
-    }
-    if ep > 1 && dp * cp % ep != 0 {
-        return Err(refuse("parallel_state.initialize_model_parallel", format!("expert_model_parallel_size ({ep}) must divide the data-parallel ranks ({dp}) times context_parallel_size ({cp})")));
-    }
-    if ep > 1 && dp % ep != 0 {
-        return Err(EngineError::Missing {
-            engine: ENGINE,
-            why: format!("expert parallelism {ep} over data {dp} × context {cp} ranks spans context groups; the planner carves expert groups from the data-parallel ranks only (ep must divide {dp})"),
-        });
-    }
-    // the model
-    let layers = a.count("num-layers")?;
-    if let Some(n) = layers
-        && n != shape.blocks
-    {
-        return Err(EngineError::Model { engine: ENGINE, why: format!("--num-layers {n}, but the model has {} transformer blocks", shape.blocks) });
-    }
-    for (flag, ours) in [
-        ("hidden-size", shape.hidden),
-        ("num-attention-heads", shape.heads),
-        ("ffn-hidden-size", shape.ffn),
-        ("num-query-groups", shape.kv_heads),
-        ("num-experts", shape.experts),
-        ("moe-router-topk", shape.top_k),
-        ("moe-ffn-hidden-size", shape.ffn),
-        ("vocab-size", shape.vocab),
-    ] {
-        if let (Some(v), Some(ours)) = (a.count(flag)?, ours)
-            && v as u64 != ours
-        {
-            return Err(EngineError::Model { engine: ENGINE, why: format!("--{flag} {v}, but the model's is {ours}") });
-        }
-    }
-    // sequence and batch
-    let seq = a.count("seq-length")?;
-    if let Some(s) = seq {
-        o.seq_len = Some(s as u64);
-        o.sources.insert(Setting::SeqLen, src(&a, "seq-length", &s));
-        if cp > 1 && s % (2 * cp) != 0 {
-            return Err(refuse("context parallelism's load balancing", format!("--seq-length {s} must be divisible by 2 × context_parallel_size ({})", 2 * cp)));
-        }
-    }
-    let mbs = a.count("micro-batch-size")?.unwrap_or(1);
-    let gbs = a.count("global-batch-size")?.unwrap_or(mbs * dp);
-    if mbs == 0 || gbs % (mbs * dp) != 0 {
-        return Err(refuse(
-            "num_microbatches_calculator",
-            format!("global batch size ({gbs}) is not divisible by micro batch size ({mbs}) times data parallel size ({dp})"),
-        ));
-    }
-    let m = gbs / (mbs * dp);
-    o.global_batch = Some(gbs as u64);
-    o.sources.insert(Setting::GlobalBatch, src(&a, "global-batch-size", &gbs));
-    o.microbatches = Some(m);
-    o.sources.insert(Setting::Microbatches, crate::solve::Source::Implied(format!("{m} microbatches = --global-batch-size {gbs} / (--micro-batch-size {mbs} · data-parallel {dp})")));
-    // schedule and cuts
-    let layout_text = a.text("pipeline-model-parallel-layout")?;
-    let v_flag = a.count("num-virtual-stages-per-pipeline-rank")?;
-    let per_vstage = a.count("num-layers-per-virtual-pipeline-stage")?;
-    let first = a.count("decoder-first-pipeline-num-layers")?;
-    let last = a.count("decoder-last-pipeline-num-layers")?;
-    let acc_emb = a.has("account-for-embedding-in-pipeline-split");
-    let acc_loss = a.has("account-for-loss-in-pipeline-split");
-    let blocks = shape.blocks;
-    let mut v = match (v_flag, per_vstage) {
-        (Some(_), Some(_)) => return Err(refuse("argument validation", "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank cannot be set at the same time".into())),
-        (Some(v), None) => Some(v),
-        (None, Some(k)) => {
-            if k == 0 || blocks % (pp * k) != 0 {
-                return Err(refuse("argument validation", format!("number of layers ({blocks}) must be divisible by pipeline-model-parallel-size ({pp}) × --num-layers-per-virtual-pipeline-stage ({k})")));
+    Ok((words, world))
+}
+
+/// The parallel sizes an argument list sets, on `world` ranks.
+struct Sizes {
+    tp: usize,
+    pp: usize,
+    cp: usize,
+    dp: usize,
+}
+
+/// An argument list being read: its flags, the request so far, and what is not priced.
+struct ArgsReading<'s> {
+    a: Args,
+    origin: Origin,
+    shape: &'s ModelShape,
+    o: PlanOptions,
+    reading: Reading,
+}
+
+impl ArgsReading<'_> {
+    /// Tensor, pipeline, context, expert and data parallelism, checked as
+    /// `initialize_model_parallel` checks them.
+    fn parallel(&mut self, world: usize) -> Result<Sizes, EngineError> {
+        let (a, o) = (&mut self.a, &mut self.o);
+        let tp = a.count("tensor-model-parallel-size")?.unwrap_or(1);
+        let pp = a.count("pipeline-model-parallel-size")?.unwrap_or(1);
+        let cp = a.count("context-parallel-size")?.unwrap_or(1);
+        let ep = a.count("expert-model-parallel-size")?.unwrap_or(1);
+        let etp = a.count("expert-tensor-parallel-size")?;
+        for (flag, v) in [("tensor-model-parallel-size", tp), ("pipeline-model-parallel-size", pp), ("context-parallel-size", cp), ("expert-model-parallel-size", ep)] {
+            if v == 0 {
+                return Err(refuse("argument parsing", format!("--{flag} must be at least 1")));
             }
-            Some(blocks / (pp * k))
         }
-        (None, None) => None,
-    };
-    let block_counts: Vec<usize> = if let Some(text) = &layout_text {
-        if first.is_some() || last.is_some() || acc_emb || acc_loss {
-            return Err(refuse("TransformerConfig.__post_init__", "pipeline_model_parallel_layout cannot be set with other pipeline layout arguments".into()));
+        if world % (tp * pp * cp) != 0 {
+            return Err(refuse(
+                "parallel_state.initialize_model_parallel",
+                format!("world_size ({world}) is not divisible by tensor_model_parallel_size ({tp}) x pipeline_model_parallel_size ({pp}) x context_parallel_size ({cp})"),
+            ));
         }
-        let stages = parse_layout(text).map_err(|why| EngineError::Syntax { engine: ENGINE, what: origin.name(), why })?;
-        if stages.len() % pp != 0 {
-            return Err(refuse("PipelineParallelLayerLayout", format!("pipeline_model_parallel_layout must be divisible by pipeline_model_parallel_size (len(layout)={}, pipeline_model_parallel_size={pp})", stages.len())));
+        let dp = world / (tp * pp * cp);
+        let etp_v = etp.unwrap_or(tp);
+        if world % (etp_v * ep * pp) != 0 {
+            return Err(refuse(
+                "parallel_state.initialize_model_parallel",
+                format!("world_size ({world}) is not divisible by expert_tensor_parallel_size ({etp_v}) x expert_model_parallel_size ({ep}) x pipeline_model_parallel_size ({pp})"),
+            ));
         }
-        let detected = stages.len() / pp;
-        if let Some(vf) = v
-            && vf != detected
+        o.tp = Some(tp);
+        o.pp = Some(pp);
+        o.cp = Some(cp);
+        o.dp = Some(dp);
+        o.sources.insert(Setting::Tp, a.source("tensor-model-parallel-size", tp));
+        o.sources.insert(Setting::Pp, a.source("pipeline-model-parallel-size", pp));
+        o.sources.insert(Setting::Cp, a.source("context-parallel-size", cp));
+        o.sources.insert(Setting::Dp, crate::solve::Source::Implied(format!("data-parallel size {dp} = {world} ranks / (tp {tp} · pp {pp} · cp {cp})")));
+        if ep > 1 || self.shape.experts.is_some() {
+            o.ep = Some(ep);
+            o.sources.insert(Setting::Ep, a.source("expert-model-parallel-size", ep));
+        }
+        if etp.is_some_and(|e| e != tp) {
+            self.reading.unpriced.push(Unpriced {
+                setting: format!("--expert-tensor-parallel-size {etp_v}"),
+                why: format!("the planner splits experts over the tensor ranks (tp {tp}); priced so"),
+            });
+        }
+        if ep > 1 && dp * cp % ep != 0 {
+            return Err(refuse("parallel_state.initialize_model_parallel", format!("expert_model_parallel_size ({ep}) must divide the data-parallel ranks ({dp}) times context_parallel_size ({cp})")));
+        }
+        if ep > 1 && dp % ep != 0 {
+            return Err(EngineError::Missing {
+                engine: ENGINE,
+                why: format!("expert parallelism {ep} over data {dp} × context {cp} ranks spans context groups; the planner carves expert groups from the data-parallel ranks only (ep must divide {dp})"),
+            });
+        }
+        Ok(Sizes { tp, pp, cp, dp })
+    }
+
+    /// The model's sizes, each checked against the graph's.
+    fn model(&mut self) -> Result<(), EngineError> {
+        let (a, shape) = (&mut self.a, self.shape);
+        let layers = a.count("num-layers")?;
+        if let Some(n) = layers
+            && n != shape.blocks
         {
-            return Err(refuse("TransformerConfig.__post_init__", format!("virtual_pipeline_model_parallel_size conflicts with pipeline_model_parallel_layout ({vf} against {detected})")));
+            return Err(EngineError::Model { engine: ENGINE, why: format!("--num-layers {n}, but the model has {} transformer blocks", shape.blocks) });
         }
-        v = Some(detected);
-        check_layout(&stages, blocks).map_err(|why| refuse("PipelineParallelLayerLayout.validate_layer_layout", why))?;
-        stages.iter().map(|s| s.iter().filter(|&&c| c == 't').count()).collect()
-    } else {
+        for (flag, ours) in [
+            ("hidden-size", shape.hidden),
+            ("num-attention-heads", shape.heads),
+            ("ffn-hidden-size", shape.ffn),
+            ("num-query-groups", shape.kv_heads),
+            ("num-experts", shape.experts),
+            ("moe-router-topk", shape.top_k),
+            ("moe-ffn-hidden-size", shape.ffn),
+            ("vocab-size", shape.vocab),
+        ] {
+            if let (Some(v), Some(ours)) = (a.count(flag)?, ours)
+                && v as u64 != ours
+            {
+                return Err(EngineError::Model { engine: ENGINE, why: format!("--{flag} {v}, but the model's is {ours}") });
+            }
+        }
+        Ok(())
+    }
+
+    /// The sequence length and the batch; the microbatches per step.
+    fn batch(&mut self, s: &Sizes) -> Result<usize, EngineError> {
+        let (a, o) = (&mut self.a, &mut self.o);
+        let (cp, dp) = (s.cp, s.dp);
+        let seq = a.count("seq-length")?;
+        if let Some(s) = seq {
+            o.seq_len = Some(s as u64);
+            o.sources.insert(Setting::SeqLen, a.source("seq-length", s));
+            if cp > 1 && s % (2 * cp) != 0 {
+                return Err(refuse("context parallelism's load balancing", format!("--seq-length {s} must be divisible by 2 × context_parallel_size ({})", 2 * cp)));
+            }
+        }
+        let mbs = a.count("micro-batch-size")?.unwrap_or(1);
+        let gbs = a.count("global-batch-size")?.unwrap_or(mbs * dp);
+        if mbs == 0 || gbs % (mbs * dp) != 0 {
+            return Err(refuse(
+                "num_microbatches_calculator",
+                format!("global batch size ({gbs}) is not divisible by micro batch size ({mbs}) times data parallel size ({dp})"),
+            ));
+        }
+        let m = gbs / (mbs * dp);
+        o.global_batch = Some(gbs as u64);
+        o.sources.insert(Setting::GlobalBatch, a.source("global-batch-size", gbs));
+        o.microbatches = Some(m);
+        o.sources.insert(Setting::Microbatches, crate::solve::Source::Implied(format!("{m} microbatches = --global-batch-size {gbs} / (--micro-batch-size {mbs} · data-parallel {dp})")));
+        Ok(m)
+    }
+
+    /// The pipeline schedule and the stages' cuts, for `m` microbatches.
+    fn schedule(&mut self, s: &Sizes, m: usize) -> Result<(), EngineError> {
+        let pp = s.pp;
+        let shape = self.shape;
+        let (v, layout_text, block_counts) = self.cuts(pp)?;
+        let (a, o) = (&mut self.a, &mut self.o);
         let vs = v.unwrap_or(1);
-        even_or_uneven(blocks, pp, vs, first, last, acc_emb, acc_loss).map_err(|why| refuse("TransformerConfig.__post_init__", why))?
-    };
-    let vs = v.unwrap_or(1);
-    if vs > 1 && pp == 1 {
-        return Err(refuse("argument validation", "virtual pipeline stages need pipeline-model-parallel-size > 1".into()));
+        if vs > 1 && pp == 1 {
+            return Err(refuse("argument validation", "virtual pipeline stages need pipeline-model-parallel-size > 1".into()));
+        }
+        let schedule = if vs > 1 { ScheduleKind::Interleaved { virtual_stages: vs } } else { ScheduleKind::OneFOneB };
+        if vs > 1 && (m < pp || m % pp != 0) {
+            return Err(refuse(
+                "schedules.forward_backward_pipelining_with_interleaving",
+                format!("the number of contiguous micro-batches in a virtual pipeline stage should range in [PP={pp}, M={m}], and M a multiple of PP"),
+            ));
+        }
+        o.schedule = Some(schedule);
+        if pp * vs > 1 {
+            let layout = layout_from_blocks(&block_counts, shape).ok_or_else(|| refuse("layer placement", format!("{} transformer layers in stages {block_counts:?} leave a stage without layers", shape.blocks)))?;
+            let text = layout_text.clone().unwrap_or_else(|| format!("{block_counts:?} transformer layers per stage"));
+            o.sources.insert(Setting::Layout, a.source("pipeline-model-parallel-layout", text));
+            o.layout = Some(layout);
+        }
+        if pp > 1 {
+            o.sources.insert(Setting::Schedule, crate::solve::Source::Implied(format!("{schedule} (Megatron's pipeline schedule)")));
+        }
+        Ok(())
     }
-    let schedule = if vs > 1 { ScheduleKind::Interleaved { virtual_stages: vs } } else { ScheduleKind::OneFOneB };
-    if vs > 1 && (m < pp || m % pp != 0) {
-        return Err(refuse(
-            "schedules.forward_backward_pipelining_with_interleaving",
-            format!("the number of contiguous micro-batches in a virtual pipeline stage should range in [PP={pp}, M={m}], and M a multiple of PP"),
-        ));
+
+    /// The virtual stages per rank (if set), the layout text (if given) and the blocks of each
+    /// (virtual) stage in chunk order.
+    fn cuts(&mut self, pp: usize) -> Result<(Option<usize>, Option<String>, Vec<usize>), EngineError> {
+        let a = &mut self.a;
+        let layout_text = a.text("pipeline-model-parallel-layout")?;
+        let v_flag = a.count("num-virtual-stages-per-pipeline-rank")?;
+        let per_vstage = a.count("num-layers-per-virtual-pipeline-stage")?;
+        let first = a.count("decoder-first-pipeline-num-layers")?;
+        let last = a.count("decoder-last-pipeline-num-layers")?;
+        let acc_emb = a.has("account-for-embedding-in-pipeline-split");
+        let acc_loss = a.has("account-for-loss-in-pipeline-split");
+        let blocks = self.shape.blocks;
+        let mut v = match (v_flag, per_vstage) {
+            (Some(_), Some(_)) => return Err(refuse("argument validation", "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank cannot be set at the same time".into())),
+            (Some(v), None) => Some(v),
+            (None, Some(k)) => {
+                if k == 0 || blocks % (pp * k) != 0 {
+                    return Err(refuse("argument validation", format!("number of layers ({blocks}) must be divisible by pipeline-model-parallel-size ({pp}) × --num-layers-per-virtual-pipeline-stage ({k})")));
+                }
+                Some(blocks / (pp * k))
+            }
+            (None, None) => None,
+        };
+        let block_counts: Vec<usize> = if let Some(text) = &layout_text {
+            if first.is_some() || last.is_some() || acc_emb || acc_loss {
+                return Err(refuse("TransformerConfig.__post_init__", "pipeline_model_parallel_layout cannot be set with other pipeline layout arguments".into()));
+            }
+            let stages = parse_layout(text).map_err(|why| EngineError::Syntax { engine: ENGINE, what: self.origin.name(), why })?;
+            if stages.len() % pp != 0 {
+                return Err(refuse("PipelineParallelLayerLayout", format!("pipeline_model_parallel_layout must be divisible by pipeline_model_parallel_size (len(layout)={}, pipeline_model_parallel_size={pp})", stages.len())));
+            }
+            let detected = stages.len() / pp;
+            if let Some(vf) = v
+                && vf != detected
+            {
+                return Err(refuse("TransformerConfig.__post_init__", format!("virtual_pipeline_model_parallel_size conflicts with pipeline_model_parallel_layout ({vf} against {detected})")));
+            }
+            v = Some(detected);
+            check_layout(&stages, blocks).map_err(|why| refuse("PipelineParallelLayerLayout.validate_layer_layout", why))?;
+            stages.iter().map(|s| s.iter().filter(|&&c| c == 't').count()).collect()
+        } else {
+            let vs = v.unwrap_or(1);
+            even_or_uneven(blocks, pp, vs, first, last, acc_emb, acc_loss).map_err(|why| refuse("TransformerConfig.__post_init__", why))?
+        };
+        Ok((v, layout_text, block_counts))
     }
-    o.schedule = Some(schedule);
-    if pp * vs > 1 {
-        let layout = layout_from_blocks(&block_counts, shape).ok_or_else(|| refuse("layer placement", format!("{} transformer layers in stages {block_counts:?} leave a stage without layers", blocks)))?;
-        let text = layout_text.clone().unwrap_or_else(|| format!("{block_counts:?} transformer layers per stage"));
-        o.sources.insert(Setting::Layout, a.source("pipeline-model-parallel-layout", text));
-        o.layout = Some(layout);
-    }
-    if pp > 1 {
-        o.sources.insert(Setting::Schedule, crate::solve::Source::Implied(format!("{schedule} (Megatron's pipeline schedule)")));
-    }
-    // recompute
-    let granularity = a.text("recompute-granularity")?;
-    let method = a.text("recompute-method")?;
-    let num = a.count("recompute-num-layers")?;
-    let modules = a.text("recompute-modules")?;
-    let layout = o.layout.clone().unwrap_or_else(|| Layout(vec![[0, shape.kinds.len() - 1]]));
-    let recompute: BTreeSet<usize> = match (granularity.as_deref(), method.as_deref()) {
-        (None, _) => BTreeSet::new(),
-        (Some("selective"), _) => {
-            if num.is_some() {
-                return Err(refuse("TransformerConfig.__post_init__", "When using recompute_granularity: selective recompute_num_layers must be None.".into()));
+
+    /// Activation recompute (full: uniform or block; selective is not priced) and CPU offloading.
+    fn recompute(&mut self) -> Result<(), EngineError> {
+        let (a, o, reading, shape) = (&mut self.a, &mut self.o, &mut self.reading, self.shape);
+        let granularity = a.text("recompute-granularity")?;
+        let method = a.text("recompute-method")?;
+        let num = a.count("recompute-num-layers")?;
+        let modules = a.text("recompute-modules")?;
+        let layout = o.layout.clone().unwrap_or_else(|| Layout(vec![[0, shape.kinds.len() - 1]]));
+        let recompute: BTreeSet<usize> = match (granularity.as_deref(), method.as_deref()) {
+            (None, _) => BTreeSet::new(),
+            (Some("selective"), _) => {
+                if num.is_some() {
+                    return Err(refuse("TransformerConfig.__post_init__", "When using recompute_granularity: selective recompute_num_layers must be None.".into()));
+                }
+                reading.unpriced.push(Unpriced {
+                    setting: format!("--recompute-granularity selective{}", modules.map(|m| format!(" --recompute-modules {m}")).unwrap_or_default()),
+                    why: "the planner recomputes whole layers; selective recompute (core attention by default) is priced as no recompute, so memory is overstated".into(),
+                });
+                BTreeSet::new()
+            }
+            (Some("full"), None) => return Err(refuse("TransformerConfig.__post_init__", "Using recompute_granularity: full so recompute_method must be \"block\" or \"uniform\"".into())),
+            (Some("full"), Some(method)) => {
+                let Some(n) = num else {
+                    return Err(refuse("TransformerConfig.__post_init__", "When using recompute_granularity: full recompute_num_layers must be between 1 and num_layers_per_pipeline_rank".into()));
+                };
+                match method {
+                    "uniform" => {
+                        if n > 1 {
+                            reading.unpriced.push(Unpriced {
+                                setting: format!("--recompute-method uniform --recompute-num-layers {n}"),
+                                why: format!("keeping one input per {n} layers is priced as every layer recomputed and keeping its own input"),
+                            });
+                        }
+                        all_blocks(shape)
+                    }
+                    "block" => {
+                        let roles: Vec<StageRoles> = layout.0.iter().map(|&l| roles_of(l, shape)).collect();
+                        first_blocks_per_stage(&roles, n, shape)
+                    }
+                    other => return Err(refuse("TransformerConfig.__post_init__", format!("recompute_method: {other} must be \"block\" or \"uniform\"."))),
+                }
+            }
+            (Some(other), _) => return Err(refuse("TransformerConfig.__post_init__", format!("When using recompute_granularity: {other} must be \"full\" or \"selective\"."))),
+        };
+        o.sources.insert(Setting::CheckpointedLayers, a.source("recompute-granularity", granularity.clone().unwrap_or_else(|| "(none)".into())));
+        o.checkpointed_layers = Some(recompute);
+        if a.has("cpu-offloading") {
+            if granularity.is_some() {
+                return Err(refuse("TransformerConfig.__post_init__", "CPU offloading can not be used with activation recompute".into()));
             }
             reading.unpriced.push(Unpriced {
-                setting: format!("--recompute-granularity selective{}", modules.map(|m| format!(" --recompute-modules {m}")).unwrap_or_default()),
-                why: "the planner recomputes whole layers; selective recompute (core attention by default) is priced as no recompute, so memory is overstated".into(),
+                setting: "--cpu-offloading".into(),
+                why: "Megatron's CPU offloading of layers it does not recompute is not priced; priced without offloading".into(),
             });
-            BTreeSet::new()
         }
-        (Some("full"), None) => return Err(refuse("TransformerConfig.__post_init__", "Using recompute_granularity: full so recompute_method must be \"block\" or \"uniform\"".into())),
-        (Some("full"), Some(method)) => {
-            let Some(n) = num else {
-                return Err(refuse("TransformerConfig.__post_init__", "When using recompute_granularity: full recompute_num_layers must be between 1 and num_layers_per_pipeline_rank".into()));
+        o.offload = Some(OffloadRule::Never);
+        Ok(())
+    }
+
+    /// Sequence parallelism and the context-parallel communication.
+    fn sequence_parallel(&mut self, s: &Sizes) -> Result<(), EngineError> {
+        let (a, o, reading) = (&mut self.a, &mut self.o, &mut self.reading);
+        let sp = a.has("sequence-parallel");
+        if sp && s.tp == 1 {
+            reading.no_effect.push("--sequence-parallel (Megatron-LM turns it off at tensor-model-parallel-size 1)".into());
+        }
+        o.sequence_parallel = Some(sp && s.tp > 1);
+        if let Some(kind) = a.text("cp-comm-type")?
+            && kind != "all_gather"
+            && s.cp > 1
+        {
+            reading.unpriced.push(Unpriced {
+                setting: format!("--cp-comm-type {kind}"),
+                why: "the planner prices context parallelism as the all-gather of keys and values (--cp-comm-type all_gather)".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// ZeRO (the distributed optimizer or Megatron-FSDP) and the precision.
+    fn zero_and_precision(&mut self, s: &Sizes) -> Result<(), EngineError> {
+        let (a, o, reading) = (&mut self.a, &mut self.o, &mut self.reading);
+        let dist_opt = a.has("use-distributed-optimizer");
+        let fsdp = a.has("use-megatron-fsdp");
+        let strategy = a.text("data-parallel-sharding-strategy")?;
+        let zero = if fsdp {
+            if s.pp > 1 {
+                return Err(refuse("argument validation", "Megatron-FSDP does not run with pipeline parallelism (--pipeline-model-parallel-size > 1)".into()));
+            }
+            match strategy.as_deref().unwrap_or("optim_grads_params") {
+                "no_shard" => 0,
+                "optim" => 1,
+                "optim_grads" => 2,
+                "optim_grads_params" => 3,
+                other => return Err(refuse("argument parsing", format!("--data-parallel-sharding-strategy {other}: expected no_shard, optim, optim_grads or optim_grads_params"))),
+            }
+        } else if dist_opt {
+            1
+        } else {
+            0
+        };
+        o.zero = Some(zero);
+        let zero_flag = if fsdp { "use-megatron-fsdp" } else { "use-distributed-optimizer" };
+        o.sources.insert(Setting::Zero, a.source(zero_flag, zero));
+        let (bf16, fp16) = (a.has("bf16"), a.has("fp16"));
+        if bf16 && fp16 {
+            return Err(refuse("argument validation", "--bf16 and --fp16 cannot both be set".into()));
+        }
+        o.precision = Some(if bf16 {
+            Precision::Bf16Mixed
+        } else if fp16 {
+            Precision::Fp16Mixed
+        } else {
+            Precision::F32
+        });
+        if let Some(s) = a.text("loss-scale")? {
+            reading.unpriced.push(Unpriced { setting: format!("--loss-scale {s}"), why: "a static loss scale changes no step time or memory the planner prices".into() });
+        }
+        Ok(())
+    }
+
+    /// The rank order.
+    fn placement(&mut self, s: &Sizes) {
+        let (a, o, reading) = (&mut self.a, &mut self.o, &mut self.reading);
+        let order = if a.has("use-tp-pp-dp-mapping") { Placement::CLUSTER } else { DEFAULT_ORDER };
+        o.placement = Some(reader_order(order, [s.dp * s.cp, s.pp, s.tp]));
+        if a.has("use-tp-pp-dp-mapping") && s.cp > 1 && s.pp > 1 {
+            reading.unpriced.push(Unpriced {
+                setting: "--use-tp-pp-dp-mapping with context parallelism".into(),
+                why: "Megatron places the context ranks inside the pipeline ranks in this order; the planner's DPT order places them inside the data ranks".into(),
+            });
+        }
+    }
+
+    /// The flags no step read: of no effect, or not priced.
+    fn leftovers(&mut self) {
+        for (flag, value) in self.a.unused() {
+            let text = match &value {
+                Some(v) => format!("--{flag} {v}"),
+                None => format!("--{flag}"),
             };
-            match method {
-                "uniform" => {
-                    if n > 1 {
-                        reading.unpriced.push(Unpriced {
-                            setting: format!("--recompute-method uniform --recompute-num-layers {n}"),
-                            why: format!("keeping one input per {n} layers is priced as every layer recomputed and keeping its own input"),
-                        });
-                    }
-                    all_blocks(shape)
-                }
-                "block" => {
-                    let roles: Vec<StageRoles> = layout.0.iter().map(|&l| roles_of(l, shape)).collect();
-                    first_blocks_per_stage(&roles, n, shape)
-                }
-                other => return Err(refuse("TransformerConfig.__post_init__", format!("recompute_method: {other} must be \"block\" or \"uniform\"."))),
+            if NO_EFFECT.contains(&flag.as_str()) {
+                self.reading.no_effect.push(text);
+            } else {
+                self.reading.unpriced.push(Unpriced { setting: text, why: "not a setting the planner knows; not priced".into() });
             }
         }
-        (Some(other), _) => return Err(refuse("TransformerConfig.__post_init__", format!("When using recompute_granularity: {other} must be \"full\" or \"selective\"."))),
-    };
-    o.sources.insert(Setting::CheckpointedLayers, a.source("recompute-granularity", granularity.clone().unwrap_or_else(|| "(none)".into())));
-    o.checkpointed_layers = Some(recompute);
-    if a.has("cpu-offloading") {
-        if granularity.is_some() {
-            return Err(refuse("TransformerConfig.__post_init__", "CPU offloading can not be used with activation recompute".into()));
-        }
-        reading.unpriced.push(Unpriced {
-            setting: "--cpu-offloading".into(),
-            why: "Megatron's CPU offloading of layers it does not recompute is not priced; priced without offloading".into(),
-        });
     }
-    o.offload = Some(OffloadRule::Never);
-    // sequence parallelism
-    let sp = a.has("sequence-parallel");
-    if sp && tp == 1 {
-        reading.no_effect.push("--sequence-parallel (Megatron-LM turns it off at tensor-model-parallel-size 1)".into());
-    }
-    o.sequence_parallel = Some(sp && tp > 1);
-    if let Some(kind) = a.text("cp-comm-type")?
-        && kind != "all_gather"
-        && cp > 1
-    {
-        reading.unpriced.push(Unpriced {
-            setting: format!("--cp-comm-type {kind}"),
-            why: "the planner prices context parallelism as the all-gather of keys and values (--cp-comm-type all_gather)".into(),
-        });
-    }
-    // ZeRO
-    let dist_opt = a.has("use-distributed-optimizer");
-    let fsdp = a.has("use-megatron-fsdp");
-    let strategy = a.text("data-parallel-sharding-strategy")?;
-    let zero = if fsdp {
-        if pp > 1 {
-            return Err(refuse("argument validation", "Megatron-FSDP does not run with pipeline parallelism (--pipeline-model-parallel-size > 1)".into()));
-        }
-        match strategy.as_deref().unwrap_or("optim_grads_params") {
-            "no_shard" => 0,
-            "optim" => 1,
-            "optim_grads" => 2,
-            "optim_grads_params" => 3,
-            other => return Err(refuse("argument parsing", format!("--data-parallel-sharding-strategy {other}: expected no_shard, optim, optim_grads or optim_grads_params"))),
-        }
-    } else if dist_opt {
-        1
-    } else {
-        0
-    };
-    o.zero = Some(zero);
-    let zero_flag = if fsdp { "use-megatron-fsdp" } else { "use-distributed-optimizer" };
-    o.sources.insert(Setting::Zero, a.source(zero_flag, zero));
-    // precision
-    let (bf16, fp16) = (a.has("bf16"), a.has("fp16"));
-    if bf16 && fp16 {
-        return Err(refuse("argument validation", "--bf16 and --fp16 cannot both be set".into()));
-    }
-    o.precision = Some(if bf16 {
-        Precision::Bf16Mixed
-    } else if fp16 {
-        Precision::Fp16Mixed
-    } else {
-        Precision::F32
-    });
-    if let Some(s) = a.text("loss-scale")? {
-        reading.unpriced.push(Unpriced { setting: format!("--loss-scale {s}"), why: "a static loss scale changes no step time or memory the planner prices".into() });
-    }
-    // placement
-    let order = if a.has("use-tp-pp-dp-mapping") { Placement::CLUSTER } else { DEFAULT_ORDER };
-    o.placement = Some(reader_order(order, [dp * cp, pp, tp]));
-    if a.has("use-tp-pp-dp-mapping") && cp > 1 && pp > 1 {
-        reading.unpriced.push(Unpriced {
-            setting: "--use-tp-pp-dp-mapping with context parallelism".into(),
-            why: "Megatron places the context ranks inside the pipeline ranks in this order; the planner's DPT order places them inside the data ranks".into(),
-        });
-    }
-    for (flag, value) in a.unused() {
-        let text = match &value {
-            Some(v) => format!("--{flag} {v}"),
-            None => format!("--{flag}"),
-        };
-        if NO_EFFECT.contains(&flag.as_str()) {
-            reading.no_effect.push(text);
-        } else {
-            reading.unpriced.push(Unpriced { setting: text, why: "not a setting the planner knows; not priced".into() });
-        }
-    }
-    reading.options = o;
-    Ok((reading, Some(world)))
 }
 
 /// `PipelineParallelLayerLayout.validate_layer_layout` for a model of `blocks` decoder layers.

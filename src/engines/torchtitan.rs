@@ -473,212 +473,289 @@ pub fn generated_blocks(stages: usize, layers: usize, input_weight: usize, outpu
 /// `shape` on `devices` devices (`None`: from the launcher line).
 pub fn read(text: &str, origin: Origin, shape: &ModelShape, devices: Option<usize>) -> Result<(Reading, Option<usize>), EngineError> {
     let (map, launcher) = entries_of(text, &origin)?;
-    let mut e = Entries { origin: origin.clone(), map, used: BTreeSet::new() };
-    let refuse = |check: &str, why: String| EngineError::Refused { engine: ENGINE, check: check.into(), why };
+    let e = Entries { origin: origin.clone(), map, used: BTreeSet::new() };
     let world = match (devices, launcher.devices()) {
         (Some(d), Some(l)) if d != l => return Err(EngineError::Missing { engine: ENGINE, why: format!("the launcher starts {l} processes but --cluster has {d} devices; give --cluster PRESET:{l}") }),
         (Some(d), _) | (None, Some(d)) => d,
         (None, None) => return Err(EngineError::Missing { engine: ENGINE, why: "no device count: give --cluster PRESET:N or the launcher line (torchrun --nnodes … --nproc-per-node …)".into() }),
     };
-    let replicate = e.count("parallelism.data_parallel_replicate_degree", 1)?;
-    let shard_raw = e.int("parallelism.data_parallel_shard_degree")?.unwrap_or(-1);
-    let tp = e.count("parallelism.tensor_parallel_degree", 1)?;
-    let pp = e.count("parallelism.pipeline_parallel_degree", 1)?;
-    let cp = e.count("parallelism.context_parallel_degree", 1)?;
-    let ep = e.count("parallelism.expert_parallel_degree", 1)?;
-    if shard_raw != -1 && shard_raw < 1 {
-        return Err(refuse("ParallelDims._validate", "dp_shard must -1 or >=1.".into()));
-    }
-    let shard = if shard_raw < 0 { world / (replicate * cp * tp * pp) } else { shard_raw as usize };
-    if shard < 1 || replicate * shard * cp * tp * pp != world {
-        return Err(refuse(
-            "ParallelDims._validate",
-            format!("Invalid parallel dims: dp_replicate({replicate}) * dp_shard({shard}) * cp({cp}) * tp({tp}) * pp({pp}) != WORLD_SIZE({world})"),
-        ));
-    }
-    if ep > 1 && (shard * cp * tp) % ep != 0 {
-        return Err(refuse("ParallelDims (expert mesh)", format!("the dense region dp_shard({shard}) * cp({cp}) * tp({tp}) is not divisible by ep({ep})")));
-    }
-    let dp = replicate * shard;
-    let mut reading = Reading::default();
-    let mut o = PlanOptions { megatron_split: true, ..PlanOptions::default() };
-    o.pp = Some(pp);
-    o.tp = Some(tp);
-    o.cp = Some(cp);
-    o.dp = Some(dp);
-    o.sources.insert(Setting::Pp, e.source("parallelism.pipeline_parallel_degree", pp));
-    o.sources.insert(Setting::Tp, e.source("parallelism.tensor_parallel_degree", tp));
-    o.sources.insert(Setting::Cp, e.source("parallelism.context_parallel_degree", cp));
-    o.sources.insert(Setting::Dp, Source::Implied(format!("data parallel {dp} = data_parallel_replicate_degree {replicate} × data_parallel_shard_degree {shard}")));
-    if ep > 1 || shape.experts.is_some() {
-        if ep > 1 && dp % ep != 0 {
-            return Err(EngineError::Missing { engine: ENGINE, why: format!("expert parallelism {ep} borrows tensor or context ranks here; the planner carves expert groups from the {dp} data-parallel ranks (ep must divide it)") });
+    let mut r = JobReading { e, shape, o: PlanOptions { megatron_split: true, ..PlanOptions::default() }, reading: Reading::default() };
+    let dims = r.dims(world)?;
+    r.sharding(&dims)?;
+    let batch = r.batch(&dims)?;
+    r.pipeline(&dims, &batch)?;
+    r.precision()?;
+    r.checkpointing()?;
+    r.o.placement = Some(reader_order(MESH_ORDER, [dims.dp * dims.cp, dims.pp, dims.tp]));
+    r.leftovers();
+    r.reading.options = r.o;
+    Ok((r.reading, Some(world)))
+}
+
+/// A refusal by torchtitan's `check`.
+fn refuse(check: &str, why: String) -> EngineError {
+    EngineError::Refused { engine: ENGINE, check: check.into(), why }
+}
+
+/// The parallel degrees a job sets.
+struct Dims {
+    replicate: usize,
+    shard: usize,
+    tp: usize,
+    pp: usize,
+    cp: usize,
+    dp: usize,
+}
+
+/// The batch a job sets: per rank, in all, and the gradient-accumulation steps between them.
+#[derive(Clone, Copy)]
+struct Batch {
+    local: usize,
+    global: usize,
+    accumulation: usize,
+}
+
+/// A job's entries being read: the request so far, and what is not priced.
+struct JobReading<'s> {
+    e: Entries,
+    shape: &'s ModelShape,
+    o: PlanOptions,
+    reading: Reading,
+}
+
+impl JobReading<'_> {
+    /// The mesh's degrees on `world` ranks, checked as `ParallelDims` checks them.
+    fn dims(&mut self, world: usize) -> Result<Dims, EngineError> {
+        let (e, o) = (&mut self.e, &mut self.o);
+        let replicate = e.count("parallelism.data_parallel_replicate_degree", 1)?;
+        let shard_raw = e.int("parallelism.data_parallel_shard_degree")?.unwrap_or(-1);
+        let tp = e.count("parallelism.tensor_parallel_degree", 1)?;
+        let pp = e.count("parallelism.pipeline_parallel_degree", 1)?;
+        let cp = e.count("parallelism.context_parallel_degree", 1)?;
+        let ep = e.count("parallelism.expert_parallel_degree", 1)?;
+        if shard_raw != -1 && shard_raw < 1 {
+            return Err(refuse("ParallelDims._validate", "dp_shard must -1 or >=1.".into()));
         }
-        o.ep = Some(ep);
-        o.sources.insert(Setting::Ep, e.source("parallelism.expert_parallel_degree", ep));
-        if ep > 1 && tp > 1 {
-            reading.unpriced.push(Unpriced { setting: format!("expert_parallel_degree = {ep} with tensor_parallel_degree = {tp}"), why: "torchtitan does not tensor-split experts; priced as experts split over the tensor ranks".into() });
+        let shard = if shard_raw < 0 { world / (replicate * cp * tp * pp) } else { shard_raw as usize };
+        if shard < 1 || replicate * shard * cp * tp * pp != world {
+            return Err(refuse(
+                "ParallelDims._validate",
+                format!("Invalid parallel dims: dp_replicate({replicate}) * dp_shard({shard}) * cp({cp}) * tp({tp}) * pp({pp}) != WORLD_SIZE({world})"),
+            ));
         }
-    }
-    let reshard = e.text("parallelism.fsdp_reshard_after_forward")?.unwrap_or_else(|| "default".into());
-    let sharded = shard > 1 || cp > 1;
-    let zero = match (sharded, reshard.as_str()) {
-        (false, _) => 0,
-        (true, "always") => 3,
-        (true, "never") => 2,
-        (true, "default") => {
-            if pp > 1 {
-                2
-            } else {
-                3
+        if ep > 1 && (shard * cp * tp) % ep != 0 {
+            return Err(refuse("ParallelDims (expert mesh)", format!("the dense region dp_shard({shard}) * cp({cp}) * tp({tp}) is not divisible by ep({ep})")));
+        }
+        let dp = replicate * shard;
+        o.pp = Some(pp);
+        o.tp = Some(tp);
+        o.cp = Some(cp);
+        o.dp = Some(dp);
+        o.sources.insert(Setting::Pp, e.source("parallelism.pipeline_parallel_degree", pp));
+        o.sources.insert(Setting::Tp, e.source("parallelism.tensor_parallel_degree", tp));
+        o.sources.insert(Setting::Cp, e.source("parallelism.context_parallel_degree", cp));
+        o.sources.insert(Setting::Dp, Source::Implied(format!("data parallel {dp} = data_parallel_replicate_degree {replicate} × data_parallel_shard_degree {shard}")));
+        if ep > 1 || self.shape.experts.is_some() {
+            if ep > 1 && dp % ep != 0 {
+                return Err(EngineError::Missing { engine: ENGINE, why: format!("expert parallelism {ep} borrows tensor or context ranks here; the planner carves expert groups from the {dp} data-parallel ranks (ep must divide it)") });
+            }
+            o.ep = Some(ep);
+            o.sources.insert(Setting::Ep, e.source("parallelism.expert_parallel_degree", ep));
+            if ep > 1 && tp > 1 {
+                self.reading.unpriced.push(Unpriced { setting: format!("expert_parallel_degree = {ep} with tensor_parallel_degree = {tp}"), why: "torchtitan does not tensor-split experts; priced as experts split over the tensor ranks".into() });
             }
         }
-        (true, other) => return Err(refuse("config parsing", format!("parallelism.fsdp_reshard_after_forward = {other}: expected default, always or never"))),
-    };
-    o.zero = Some(zero);
-    o.sources.insert(Setting::Zero, e.source("parallelism.fsdp_reshard_after_forward", &reshard));
-    if replicate > 1 && shard > 1 {
-        if zero == 2 {
-            reading.unpriced.push(Unpriced { setting: "HSDP without resharding after forward".into(), why: "priced as ZeRO 3 over the shard groups".into() });
-            o.zero = Some(3);
-        }
-        o.sharded_dp = Some(shard);
-        o.sources.insert(Setting::ShardedDp, e.source("parallelism.data_parallel_shard_degree", shard));
+        Ok(Dims { replicate, shard, tp, pp, cp, dp })
     }
-    let sp = e.flag("parallelism.enable_sequence_parallel")?.unwrap_or(true);
-    o.sequence_parallel = Some(sp && tp > 1);
-    // batch
-    let local = e.int("training.local_batch_size")?.unwrap_or(8);
-    let global = e.int("training.global_batch_size")?.unwrap_or(-1);
-    if local < 1 {
-        return Err(refuse("TrainingConfig", format!("training.local_batch_size = {local} must be >= 1")));
-    }
-    let local = local as usize;
-    let global = if global < 0 { local * dp } else { global as usize };
-    if global % (local * dp) != 0 {
-        return Err(refuse("Trainer (gradient accumulation)", format!("global batch size {global} must be a multiple of local batch size {local} times data-parallel degree {dp}")));
-    }
-    let accumulation = global / (local * dp);
-    o.global_batch = Some(global as u64);
-    o.sources.insert(Setting::GlobalBatch, e.source("training.global_batch_size", global));
-    let seq = e.int("training.seq_len")?.unwrap_or(2048);
-    o.seq_len = Some(seq as u64);
-    o.sources.insert(Setting::SeqLen, e.source("training.seq_len", seq));
-    // pipeline
-    let schedule_name = e.text("parallelism.pipeline_parallel_schedule")?.unwrap_or_else(|| "1F1B".into());
-    let mbs = e.count("parallelism.pipeline_parallel_microbatch_size", 1)?;
-    let fqns = e.parts("parallelism.module_fqns_per_model_part")?;
-    let layers_per_stage = e.int("parallelism.pipeline_parallel_layers_per_stage")?;
-    let first_less = e.count("parallelism.pipeline_parallel_first_stage_less_layers", 1)?;
-    let last_less = e.count("parallelism.pipeline_parallel_last_stage_less_layers", 1)?;
-    if pp > 1 {
-        if local % mbs != 0 {
-            return Err(refuse("pipeline schedule set-up", format!("Batch size {local} must be divisible by microbatch_size {mbs}.")));
-        }
-        let single = matches!(schedule_name.as_str(), "1F1B" | "GPipe");
-        let multi = matches!(schedule_name.as_str(), "Interleaved1F1B" | "LoopedBFS" | "InterleavedZeroBubble" | "ZBVZeroBubble" | "DualPipeV");
-        if !single && !multi {
-            return Err(refuse("torch.distributed.pipelining.get_schedule_class", format!("Unknown schedule type {schedule_name}")));
-        }
-        let blocks_per_stage: Vec<usize> = match &fqns {
-            Some(parts) => blocks_from_fqns(parts, shape).map_err(|why| refuse("pipeline module split", why))?,
-            None => {
-                let stages = match layers_per_stage {
-                    Some(k) if k >= 1 => (shape.blocks + first_less + last_less).div_ceil(k as usize),
-                    Some(k) => return Err(refuse("config", format!("pipeline_parallel_layers_per_stage = {k} must be >= 1"))),
-                    None => pp * if single { 1 } else { 2 },
-                };
-                generated_blocks(stages, shape.blocks, first_less, last_less).map_err(|why| refuse("_generate_llm_fqn_per_model_part", why))?
-            }
-        };
-        let n = blocks_per_stage.len();
-        if n % pp != 0 {
-            return Err(refuse("_get_pipeline_metadata", format!("Number of virtual stages ({n}) must be divisible by pipeline parallel size ({pp})")));
-        }
-        let v = n / pp;
-        if single && v != 1 {
-            return Err(refuse("_get_pipeline_metadata", format!("Single stage schedule requires exactly 1 stage per rank, but got {v} stages per rank")));
-        }
-        if multi && v < 2 {
-            return Err(refuse("_get_pipeline_metadata", format!("Multi-stage schedule requires at least 2 stages per rank, but got {v} stages per rank")));
-        }
-        let schedule = match schedule_name.as_str() {
-            "1F1B" => ScheduleKind::OneFOneB,
-            "GPipe" => ScheduleKind::GPipe,
-            other => {
-                if other != "Interleaved1F1B" {
-                    reading.unpriced.push(Unpriced {
-                        setting: format!("pipeline_parallel_schedule = \"{other}\""),
-                        why: format!("the planner has no model of {other}; priced as interleaved 1F1B with {v} stages per rank"),
-                    });
+
+    /// FSDP's resharding as a ZeRO stage (HSDP's shard groups), and sequence parallelism.
+    fn sharding(&mut self, d: &Dims) -> Result<(), EngineError> {
+        let (e, o) = (&mut self.e, &mut self.o);
+        let reshard = e.text("parallelism.fsdp_reshard_after_forward")?.unwrap_or_else(|| "default".into());
+        let sharded = d.shard > 1 || d.cp > 1;
+        let zero = match (sharded, reshard.as_str()) {
+            (false, _) => 0,
+            (true, "always") => 3,
+            (true, "never") => 2,
+            (true, "default") => {
+                if d.pp > 1 {
+                    2
+                } else {
+                    3
                 }
-                ScheduleKind::Interleaved { virtual_stages: v }
+            }
+            (true, other) => return Err(refuse("config parsing", format!("parallelism.fsdp_reshard_after_forward = {other}: expected default, always or never"))),
+        };
+        o.zero = Some(zero);
+        o.sources.insert(Setting::Zero, e.source("parallelism.fsdp_reshard_after_forward", &reshard));
+        if d.replicate > 1 && d.shard > 1 {
+            if zero == 2 {
+                self.reading.unpriced.push(Unpriced { setting: "HSDP without resharding after forward".into(), why: "priced as ZeRO 3 over the shard groups".into() });
+                o.zero = Some(3);
+            }
+            o.sharded_dp = Some(d.shard);
+            o.sources.insert(Setting::ShardedDp, e.source("parallelism.data_parallel_shard_degree", d.shard));
+        }
+        let sp = e.flag("parallelism.enable_sequence_parallel")?.unwrap_or(true);
+        o.sequence_parallel = Some(sp && d.tp > 1);
+        Ok(())
+    }
+
+    /// The batch and the sequence length.
+    fn batch(&mut self, d: &Dims) -> Result<Batch, EngineError> {
+        let (e, o, dp) = (&mut self.e, &mut self.o, d.dp);
+        let local = e.int("training.local_batch_size")?.unwrap_or(8);
+        let global = e.int("training.global_batch_size")?.unwrap_or(-1);
+        if local < 1 {
+            return Err(refuse("TrainingConfig", format!("training.local_batch_size = {local} must be >= 1")));
+        }
+        let local = local as usize;
+        let global = if global < 0 { local * dp } else { global as usize };
+        if global % (local * dp) != 0 {
+            return Err(refuse("Trainer (gradient accumulation)", format!("global batch size {global} must be a multiple of local batch size {local} times data-parallel degree {dp}")));
+        }
+        let accumulation = global / (local * dp);
+        o.global_batch = Some(global as u64);
+        o.sources.insert(Setting::GlobalBatch, e.source("training.global_batch_size", global));
+        let seq = e.int("training.seq_len")?.unwrap_or(2048);
+        o.seq_len = Some(seq as u64);
+        o.sources.insert(Setting::SeqLen, e.source("training.seq_len", seq));
+        Ok(Batch { local, global, accumulation })
+    }
+
+    /// The pipeline: its schedule, its stages' layers and the microbatches.
+    fn pipeline(&mut self, d: &Dims, b: &Batch) -> Result<(), EngineError> {
+        let (e, shape, pp) = (&mut self.e, self.shape, d.pp);
+        let Batch { local, global, accumulation } = *b;
+        let schedule_name = e.text("parallelism.pipeline_parallel_schedule")?.unwrap_or_else(|| "1F1B".into());
+        let mbs = e.count("parallelism.pipeline_parallel_microbatch_size", 1)?;
+        let fqns = e.parts("parallelism.module_fqns_per_model_part")?;
+        let layers_per_stage = e.int("parallelism.pipeline_parallel_layers_per_stage")?;
+        let first_less = e.count("parallelism.pipeline_parallel_first_stage_less_layers", 1)?;
+        let last_less = e.count("parallelism.pipeline_parallel_last_stage_less_layers", 1)?;
+        let o = &mut self.o;
+        if pp > 1 {
+            if local % mbs != 0 {
+                return Err(refuse("pipeline schedule set-up", format!("Batch size {local} must be divisible by microbatch_size {mbs}.")));
+            }
+            let single = matches!(schedule_name.as_str(), "1F1B" | "GPipe");
+            let multi = matches!(schedule_name.as_str(), "Interleaved1F1B" | "LoopedBFS" | "InterleavedZeroBubble" | "ZBVZeroBubble" | "DualPipeV");
+            if !single && !multi {
+                return Err(refuse("torch.distributed.pipelining.get_schedule_class", format!("Unknown schedule type {schedule_name}")));
+            }
+            let blocks_per_stage: Vec<usize> = match &fqns {
+                Some(parts) => blocks_from_fqns(parts, shape).map_err(|why| refuse("pipeline module split", why))?,
+                None => {
+                    let stages = match layers_per_stage {
+                        Some(k) if k >= 1 => (shape.blocks + first_less + last_less).div_ceil(k as usize),
+                        Some(k) => return Err(refuse("config", format!("pipeline_parallel_layers_per_stage = {k} must be >= 1"))),
+                        None => pp * if single { 1 } else { 2 },
+                    };
+                    generated_blocks(stages, shape.blocks, first_less, last_less).map_err(|why| refuse("_generate_llm_fqn_per_model_part", why))?
+                }
+            };
+            let n = blocks_per_stage.len();
+            if n % pp != 0 {
+                return Err(refuse("_get_pipeline_metadata", format!("Number of virtual stages ({n}) must be divisible by pipeline parallel size ({pp})")));
+            }
+            let v = n / pp;
+            if single && v != 1 {
+                return Err(refuse("_get_pipeline_metadata", format!("Single stage schedule requires exactly 1 stage per rank, but got {v} stages per rank")));
+            }
+            if multi && v < 2 {
+                return Err(refuse("_get_pipeline_metadata", format!("Multi-stage schedule requires at least 2 stages per rank, but got {v} stages per rank")));
+            }
+            let schedule = match schedule_name.as_str() {
+                "1F1B" => ScheduleKind::OneFOneB,
+                "GPipe" => ScheduleKind::GPipe,
+                other => {
+                    if other != "Interleaved1F1B" {
+                        self.reading.unpriced.push(Unpriced {
+                            setting: format!("pipeline_parallel_schedule = \"{other}\""),
+                            why: format!("the planner has no model of {other}; priced as interleaved 1F1B with {v} stages per rank"),
+                        });
+                    }
+                    ScheduleKind::Interleaved { virtual_stages: v }
+                }
+            };
+            o.schedule = Some(schedule);
+            o.sources.insert(Setting::Schedule, e.source("parallelism.pipeline_parallel_schedule", &schedule_name));
+            let layout = super::stages::layout_from_blocks(&blocks_per_stage, shape).ok_or_else(|| refuse("pipeline module split", format!("stages {blocks_per_stage:?} leave a stage without layers")))?;
+            o.sources.insert(Setting::Layout, e.source("parallelism.module_fqns_per_model_part", format!("{blocks_per_stage:?} layers per stage")));
+            o.layout = Some(layout);
+            let m = local / mbs * accumulation;
+            if accumulation > 1 {
+                self.reading.unpriced.push(Unpriced {
+                    setting: format!("{accumulation} gradient-accumulation steps of the pipeline"),
+                    why: format!("priced as one pipeline flush of all {m} microbatches"),
+                });
+            }
+            o.microbatches = Some(m);
+        } else {
+            o.microbatches = Some(accumulation);
+        }
+        o.sources.insert(Setting::Microbatches, Source::Implied(format!("{} microbatches (training.local_batch_size {local}, global_batch_size {global})", o.microbatches.unwrap_or(1))));
+        Ok(())
+    }
+
+    /// The training dtype and mixed precision.
+    fn precision(&mut self) -> Result<(), EngineError> {
+        let (e, o) = (&mut self.e, &mut self.o);
+        let dtype = e.text("training.dtype")?.unwrap_or_else(|| "float32".into());
+        let mixed = e.text("training.mixed_precision_param")?.unwrap_or_else(|| "bfloat16".into());
+        o.precision = Some(match (dtype.as_str(), mixed.as_str()) {
+            ("bfloat16", _) => Precision::Bf16,
+            ("float32", "float32") => Precision::F32,
+            ("float32", "bfloat16") => Precision::Bf16Mixed,
+            (d, m) => return Err(refuse("config parsing", format!("training.dtype = {d}, mixed_precision_param = {m}: expected bfloat16 or float32"))),
+        });
+        o.sources.insert(Setting::Precision, e.source("training.mixed_precision_param", &mixed));
+        Ok(())
+    }
+
+    /// Activation checkpointing and CPU offloading.
+    fn checkpointing(&mut self) -> Result<(), EngineError> {
+        let (e, o, reading) = (&mut self.e, &mut self.o, &mut self.reading);
+        let mode = e.text("activation_checkpoint.mode")?;
+        let set = match mode.as_deref() {
+            Some("full") => all_blocks(self.shape),
+            Some("none") => BTreeSet::new(),
+            Some(m @ ("selective" | "memory-budget" | "memory_budget")) => {
+                reading.unpriced.push(Unpriced { setting: format!("activation_checkpoint {m}"), why: "per-op recompute is not priced; priced as no recompute, so memory is overstated".into() });
+                BTreeSet::new()
+            }
+            Some(other) => return Err(refuse("config parsing", format!("activation_checkpoint mode `{other}`: expected selective, full, memory-budget or none"))),
+            None => {
+                reading.unpriced.push(Unpriced { setting: "activation_checkpoint not given".into(), why: "your --config's policy applies; priced as no recompute".into() });
+                BTreeSet::new()
             }
         };
-        o.schedule = Some(schedule);
-        o.sources.insert(Setting::Schedule, e.source("parallelism.pipeline_parallel_schedule", &schedule_name));
-        let layout = super::stages::layout_from_blocks(&blocks_per_stage, shape).ok_or_else(|| refuse("pipeline module split", format!("stages {blocks_per_stage:?} leave a stage without layers")))?;
-        o.sources.insert(Setting::Layout, e.source("parallelism.module_fqns_per_model_part", format!("{blocks_per_stage:?} layers per stage")));
-        o.layout = Some(layout);
-        let m = local / mbs * accumulation;
-        if accumulation > 1 {
-            reading.unpriced.push(Unpriced {
-                setting: format!("{accumulation} gradient-accumulation steps of the pipeline"),
-                why: format!("priced as one pipeline flush of all {m} microbatches"),
+        o.checkpointed_layers = Some(set);
+        o.sources.insert(Setting::CheckpointedLayers, e.source("activation_checkpoint.mode", mode.unwrap_or_else(|| "(not given)".into())));
+        o.offload = Some(OffloadRule::Never);
+        if e.flag("training.enable_cpu_offload")? == Some(true) {
+            reading.unpriced.push(Unpriced { setting: "training.enable_cpu_offload = true".into(), why: "FSDP's CPU offloading of parameters, gradients and optimizer state is not priced".into() });
+        }
+        Ok(())
+    }
+
+    /// The entries no step read: of no effect, or not priced.
+    fn leftovers(&mut self) {
+        let e = &self.e;
+        let unused: Vec<(String, Val)> = e.map.iter().filter(|(k, _)| !e.used.contains(*k)).map(|(k, v)| (k.clone(), v.clone())).collect();
+        for (k, v) in unused {
+            let text = format!("{k} = {}", match v {
+                Val::Toml(t) => t.to_string(),
+                Val::Words(w) => w.join(" "),
+                Val::Flag(b) => b.to_string(),
             });
-        }
-        o.microbatches = Some(m);
-    } else {
-        o.microbatches = Some(accumulation);
-    }
-    o.sources.insert(Setting::Microbatches, Source::Implied(format!("{} microbatches (training.local_batch_size {local}, global_batch_size {global})", o.microbatches.unwrap_or(1))));
-    // precision
-    let dtype = e.text("training.dtype")?.unwrap_or_else(|| "float32".into());
-    let mixed = e.text("training.mixed_precision_param")?.unwrap_or_else(|| "bfloat16".into());
-    o.precision = Some(match (dtype.as_str(), mixed.as_str()) {
-        ("bfloat16", _) => Precision::Bf16,
-        ("float32", "float32") => Precision::F32,
-        ("float32", "bfloat16") => Precision::Bf16Mixed,
-        (d, m) => return Err(refuse("config parsing", format!("training.dtype = {d}, mixed_precision_param = {m}: expected bfloat16 or float32"))),
-    });
-    o.sources.insert(Setting::Precision, e.source("training.mixed_precision_param", &mixed));
-    // activation checkpointing
-    let mode = e.text("activation_checkpoint.mode")?;
-    let set = match mode.as_deref() {
-        Some("full") => all_blocks(shape),
-        Some("none") => BTreeSet::new(),
-        Some(m @ ("selective" | "memory-budget" | "memory_budget")) => {
-            reading.unpriced.push(Unpriced { setting: format!("activation_checkpoint {m}"), why: "per-op recompute is not priced; priced as no recompute, so memory is overstated".into() });
-            BTreeSet::new()
-        }
-        Some(other) => return Err(refuse("config parsing", format!("activation_checkpoint mode `{other}`: expected selective, full, memory-budget or none"))),
-        None => {
-            reading.unpriced.push(Unpriced { setting: "activation_checkpoint not given".into(), why: "your --config's policy applies; priced as no recompute".into() });
-            BTreeSet::new()
-        }
-    };
-    o.checkpointed_layers = Some(set);
-    o.sources.insert(Setting::CheckpointedLayers, e.source("activation_checkpoint.mode", mode.unwrap_or_else(|| "(not given)".into())));
-    o.offload = Some(OffloadRule::Never);
-    if e.flag("training.enable_cpu_offload")? == Some(true) {
-        reading.unpriced.push(Unpriced { setting: "training.enable_cpu_offload = true".into(), why: "FSDP's CPU offloading of parameters, gradients and optimizer state is not priced".into() });
-    }
-    o.placement = Some(reader_order(MESH_ORDER, [dp * cp, pp, tp]));
-    let unused: Vec<(String, Val)> = e.map.iter().filter(|(k, _)| !e.used.contains(*k)).map(|(k, v)| (k.clone(), v.clone())).collect();
-    for (k, v) in unused {
-        let text = format!("{k} = {}", match v {
-            Val::Toml(t) => t.to_string(),
-            Val::Words(w) => w.join(" "),
-            Val::Flag(b) => b.to_string(),
-        });
-        if NO_EFFECT.contains(&k.as_str()) {
-            reading.no_effect.push(text);
-        } else {
-            reading.unpriced.push(Unpriced { setting: text, why: "not a setting the planner knows; not priced".into() });
+            if NO_EFFECT.contains(&k.as_str()) {
+                self.reading.no_effect.push(text);
+            } else {
+                self.reading.unpriced.push(Unpriced { setting: text, why: "not a setting the planner knows; not priced".into() });
+            }
         }
     }
-    reading.options = o;
-    Ok((reading, Some(world)))
 }
 
 /// Blocks per stage from `module_fqns_per_model_part`, checking the parts cover the model's

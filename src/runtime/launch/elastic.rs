@@ -17,6 +17,7 @@
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -277,6 +278,55 @@ impl Planner<'_> {
 /// [`super::launcher::launch`].
 pub fn launch_elastic(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restarts, elastic: &Elastic<'_>, plan: &Path, args: &[String]) -> Result<i32, RuntimeError> {
     let (addr, port) = rendezvous(nproc, nodes)?;
+    let (root, first_plan, base) = elastic_paths(nproc, nodes, elastic, plan, args)?;
+    catch_signals();
+    // one host: any free port; several: one every launcher knows
+    let store_port = match (restarts.port, nodes.nnodes) {
+        (Some(p), _) => p,
+        (None, 1) => loop {
+            let p = super::launcher::free_port()?;
+            if p != port {
+                break p;
+            }
+        },
+        (None, _) => port.wrapping_add(1),
+    };
+    let node = nodes.node_rank;
+    if node == 0 {
+        coordinator::serve(store_port, nodes.nnodes, Some(ElasticRules { max_devices: elastic.max, rejoin_timeout: elastic.rejoin_timeout }))?;
+    }
+    let store = Client::new(&addr, store_port);
+    let job = Job::new(exe, nodes, addr, port, Some(store.clone()), restarts.timeouts)?;
+    let mut env: Vec<(String, String)> = Vec::new();
+    if let Some(n) = elastic.drop_stragglers {
+        env.push((DROP_STRAGGLERS_ENV.to_string(), n.to_string()));
+    }
+    let mut run = ElasticRun {
+        node,
+        store,
+        instance: format!("{}-{}", std::process::id(), heartbeat::unix_now_s()),
+        slots: (0..nproc).collect(),
+        planner: Planner { elastic, root: root.clone(), max_restarts: restarts.max, restarts_used: 0, current: None, history: Vec::new() },
+        last_failure: None,
+        env,
+        round: 0,
+        restarts,
+        elastic,
+        root,
+        first_plan,
+        base,
+        args,
+    };
+    loop {
+        if let ControlFlow::Break(code) = run.next_round(&job)? {
+            return Ok(code);
+        }
+    }
+}
+
+/// `--elastic`'s checks; the checkpoint directory and the first plan as absolute paths, and
+/// the ranks' arguments.
+fn elastic_paths(nproc: usize, nodes: &Nodes, elastic: &Elastic<'_>, plan: &Path, args: &[String]) -> Result<(PathBuf, PathBuf, Vec<OsString>), RuntimeError> {
     if elastic.min == 0 || elastic.min > elastic.max {
         return Err(RuntimeError::Train(format!("--elastic {}:{}: give MIN:MAX devices with 1 ≤ MIN ≤ MAX", elastic.min, elastic.max)));
     }
@@ -298,117 +348,58 @@ pub fn launch_elastic(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restar
     // a path every host and the re-planned plans agree on
     let root = if root.is_relative() { std::env::current_dir().map(|d| d.join(&root)).unwrap_or(root) } else { root };
     let first_plan = if plan.is_relative() { std::env::current_dir().map(|d| d.join(plan)).unwrap_or_else(|_| plan.to_path_buf()) } else { plan.to_path_buf() };
-    catch_signals();
-    // one host: any free port; several: one every launcher knows
-    let store_port = match (restarts.port, nodes.nnodes) {
-        (Some(p), _) => p,
-        (None, 1) => loop {
-            let p = super::launcher::free_port()?;
-            if p != port {
-                break p;
-            }
-        },
-        (None, _) => port.wrapping_add(1),
-    };
-    let node = nodes.node_rank;
-    if node == 0 {
-        coordinator::serve(store_port, nodes.nnodes, Some(ElasticRules { max_devices: elastic.max, rejoin_timeout: elastic.rejoin_timeout }))?;
-    }
-    let store = Client::new(&addr, store_port);
-    let job = Job::new(exe, nodes, addr, port, Some(store.clone()), restarts.timeouts)?;
-    let instance = format!("{}-{}", std::process::id(), heartbeat::unix_now_s());
-    let mut slots: Vec<usize> = (0..nproc).collect();
-    let mut planner = Planner { elastic, root: root.clone(), max_restarts: restarts.max, restarts_used: 0, current: None, history: Vec::new() };
-    let mut last_failure: Option<RoundFailure> = None;
-    let mut env: Vec<(String, String)> = Vec::new();
-    if let Some(n) = elastic.drop_stragglers {
-        env.push((DROP_STRAGGLERS_ENV.to_string(), n.to_string()));
-    }
-    let mut round: u32 = 0;
-    loop {
-        if node == 0 && slots.is_empty() {
+    Ok((root, first_plan, base))
+}
+
+/// This host's launcher across the rounds of an elastic job.
+struct ElasticRun<'r> {
+    node: usize,
+    store: Client,
+    /// This launcher's name in the store (pid and start time).
+    instance: String,
+    /// This host's device slots still in the job.
+    slots: Vec<usize>,
+    planner: Planner<'r>,
+    last_failure: Option<RoundFailure>,
+    /// More environment for every rank.
+    env: Vec<(String, String)>,
+    round: u32,
+    restarts: &'r Restarts,
+    elastic: &'r Elastic<'r>,
+    root: PathBuf,
+    first_plan: PathBuf,
+    /// The ranks' arguments.
+    base: Vec<OsString>,
+    args: &'r [String],
+}
+
+impl ElasticRun<'_> {
+    /// One round: its members, node 0's decision, this host's ranks, and how it ended; breaks
+    /// with the launcher's exit code when the job ends.
+    fn next_round(&mut self, job: &Job<'_>) -> Result<ControlFlow<i32>, RuntimeError> {
+        let (node, round) = (self.node, self.round);
+        if node == 0 && self.slots.is_empty() {
             // rank 0 and the store live here: the job cannot go on
             let why = "the job stops: host 0, which holds the rendezvous and rank 0, has no device left";
-            let _ = store.publish(round, &Decision::Stop(why.into()).words());
+            let _ = self.store.publish(round, &Decision::Stop(why.into()).words());
             eprintln!("smp-runner launch: {why}");
             std::thread::sleep(Duration::from_secs(2));
-            return Ok(1);
+            return Ok(ControlFlow::Break(1));
         }
-        // the round's members: wait for the others, or to join a later round
-        let started = Instant::now();
-        let mut joining = false;
-        let mut heard = Instant::now();
-        let members = loop {
-            let sig = caught();
-            if sig != 0 {
-                eprintln!("smp-runner launch: stopped by signal {sig}");
-                return Ok(128 + sig);
-            }
-            let reply = store.ready_with(round, node, slots.len(), &instance);
-            if reply.is_some() {
-                heard = Instant::now();
-            } else if joining && heard.elapsed() > Duration::from_secs(60) {
-                eprintln!("smp-runner launch: node 0's launcher has been unreachable for 60 s: the job ended or failed before host {node} could join");
-                return Ok(1);
-            }
-            match reply {
-                Some(Membership::Members(m)) => break m,
-                Some(Membership::Late(current)) => {
-                    if !joining {
-                        eprintln!("smp-runner launch: host {node} waits to join the job (its round {current} runs without it)");
-                        joining = true;
-                    }
-                    round = current + 1;
-                    continue;
-                }
-                Some(Membership::Done) => {
-                    eprintln!("smp-runner launch: the job ended before host {node} could join");
-                    return Ok(0);
-                }
-                Some(Membership::Wait) | None => {}
-            }
-            if let (true, Some(Decision::Stop(why))) = (node != 0, store.decision(round).as_deref().and_then(Decision::parse)) {
-                eprintln!("smp-runner launch: {why}");
-                return Ok(1);
-            }
-            if !joining && started.elapsed() > restarts.agree_timeout {
-                return Err(RuntimeError::Train(format!(
-                    "the launchers did not agree on start {round} within {} s: node 0's launcher is gone or unreachable",
-                    restarts.agree_timeout.as_secs()
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(200));
+        let members = match self.members()? {
+            ControlFlow::Continue(m) => m,
+            ControlFlow::Break(code) => return Ok(ControlFlow::Break(code)),
         };
-        let decision = if node == 0 {
-            // the failure as every host has reported it by now (each reports before it is ready)
-            let mut failure = last_failure.take();
-            if let (Some(f), Some(all)) = (failure.as_mut(), round.checked_sub(1).and_then(|r| store.failure(r))) {
-                f.lost = all.lost;
-                f.grow = all.grow;
-                f.at_unix_s = f.at_unix_s.min(all.at_unix_s);
-            }
-            let d = planner.decide(round, &members, failure, &first_plan)?;
-            let text = d.words();
-            while !store.publish(round, &text) {
-                std::thread::sleep(Duration::from_millis(200));
-            }
-            d
-        } else {
-            loop {
-                if let Some(d) = store.decision(round).as_deref().and_then(Decision::parse) {
-                    break d;
-                }
-                if caught() != 0 {
-                    return Ok(128 + caught());
-                }
-                std::thread::sleep(Duration::from_millis(200));
-            }
+        let round = self.round;
+        let decision = match self.decision(&members)? {
+            ControlFlow::Continue(d) => d,
+            ControlFlow::Break(code) => return Ok(ControlFlow::Break(code)),
         };
         let (sha, world, assigned, resume, plan_path) = match decision {
             Decision::Go { sha, world, ranges, resume, plan } => (sha, world, ranges, resume, plan),
             Decision::Stop(why) => {
                 eprintln!("smp-runner launch: {why}");
-                return Ok(1);
+                return Ok(ControlFlow::Break(1));
             }
         };
         if node != 0 && sha256_file(&plan_path).ok().as_deref() != Some(sha.as_str()) {
@@ -418,51 +409,146 @@ pub fn launch_elastic(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restar
             )));
         }
         let (first_rank, count) = assigned.get(&node).copied().unwrap_or((0, 0));
-        let mut round_args = run_args(&plan_path, args);
-        if let Some(step) = resume {
-            round_args = with_resume(&round_args, &checkpoint::step_dir(&root, step));
+        let end = self.run_ranks(job, &plan_path, resume, world, first_rank, count)?;
+        Ok(self.ended(end))
+    }
+
+    /// The round's members: waits for the others, or to join a later round (which moves
+    /// `round` on).
+    fn members(&mut self) -> Result<ControlFlow<i32, Members>, RuntimeError> {
+        let node = self.node;
+        let started = Instant::now();
+        let mut joining = false;
+        let mut heard = Instant::now();
+        loop {
+            let sig = caught();
+            if sig != 0 {
+                eprintln!("smp-runner launch: stopped by signal {sig}");
+                return Ok(ControlFlow::Break(128 + sig));
+            }
+            let reply = self.store.ready_with(self.round, node, self.slots.len(), &self.instance);
+            if reply.is_some() {
+                heard = Instant::now();
+            } else if joining && heard.elapsed() > Duration::from_secs(60) {
+                eprintln!("smp-runner launch: node 0's launcher has been unreachable for 60 s: the job ended or failed before host {node} could join");
+                return Ok(ControlFlow::Break(1));
+            }
+            match reply {
+                Some(Membership::Members(m)) => return Ok(ControlFlow::Continue(m)),
+                Some(Membership::Late(current)) => {
+                    if !joining {
+                        eprintln!("smp-runner launch: host {node} waits to join the job (its round {current} runs without it)");
+                        joining = true;
+                    }
+                    self.round = current + 1;
+                    continue;
+                }
+                Some(Membership::Done) => {
+                    eprintln!("smp-runner launch: the job ended before host {node} could join");
+                    return Ok(ControlFlow::Break(0));
+                }
+                Some(Membership::Wait) | None => {}
+            }
+            if let (true, Some(Decision::Stop(why))) = (node != 0, self.store.decision(self.round).as_deref().and_then(Decision::parse)) {
+                eprintln!("smp-runner launch: {why}");
+                return Ok(ControlFlow::Break(1));
+            }
+            if !joining && started.elapsed() > self.restarts.agree_timeout {
+                let round = self.round;
+                return Err(RuntimeError::Train(format!(
+                    "the launchers did not agree on start {round} within {} s: node 0's launcher is gone or unreachable",
+                    self.restarts.agree_timeout.as_secs()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(200));
         }
-        let records = restarts_env_value(&planner.history);
-        let fault_at = planner.history.last().filter(|_| round > 0).and_then(|r| r.fault_at_unix_s);
-        let last_step = flag_value(&base, "--steps").and_then(|s| s.parse().ok());
-        let grow = (node == 0).then(|| GrowWatch { root: &root, devices: world, max: elastic.max, last_step });
-        let spec = RoundSpec { round, args: &round_args, restarts_json: &records, world, first_rank, slots: &slots[..count.min(slots.len())], env: &env, grow, fault_at_unix_s: fault_at };
+    }
+
+    /// The round's decision: node 0 makes and publishes it, the others read it.
+    fn decision(&mut self, members: &Members) -> Result<ControlFlow<i32, Decision>, RuntimeError> {
+        let (store, round) = (&self.store, self.round);
+        if self.node == 0 {
+            // the failure as every host has reported it by now (each reports before it is ready)
+            let mut failure = self.last_failure.take();
+            if let (Some(f), Some(all)) = (failure.as_mut(), round.checked_sub(1).and_then(|r| store.failure(r))) {
+                f.lost = all.lost;
+                f.grow = all.grow;
+                f.at_unix_s = f.at_unix_s.min(all.at_unix_s);
+            }
+            let d = self.planner.decide(round, members, failure, &self.first_plan)?;
+            let text = d.words();
+            while !store.publish(round, &text) {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            return Ok(ControlFlow::Continue(d));
+        }
+        loop {
+            if let Some(d) = store.decision(round).as_deref().and_then(Decision::parse) {
+                return Ok(ControlFlow::Continue(d));
+            }
+            if caught() != 0 {
+                return Ok(ControlFlow::Break(128 + caught()));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Runs this host's `count` ranks (from global rank `first_rank`) of the plan at
+    /// `plan_path` on `world` devices, resuming step `resume`; none: it sits the round out.
+    fn run_ranks(&mut self, job: &Job<'_>, plan_path: &Path, resume: Option<usize>, world: usize, first_rank: usize, count: usize) -> Result<RoundEnd, RuntimeError> {
+        let (node, round, root) = (self.node, self.round, &self.root);
+        let mut round_args = run_args(plan_path, self.args);
+        if let Some(step) = resume {
+            round_args = with_resume(&round_args, &checkpoint::step_dir(root, step));
+        }
+        let records = restarts_env_value(&self.planner.history);
+        let fault_at = self.planner.history.last().filter(|_| round > 0).and_then(|r| r.fault_at_unix_s);
+        let last_step = flag_value(&self.base, "--steps").and_then(|s| s.parse().ok());
+        let grow = (node == 0).then(|| GrowWatch { root, devices: world, max: self.elastic.max, last_step });
+        let spec = RoundSpec { round, args: &round_args, restarts_json: &records, world, first_rank, slots: &self.slots[..count.min(self.slots.len())], env: &self.env, grow, fault_at_unix_s: fault_at };
         let end = if count == 0 {
             // a plan of fewer devices than the members have: this host sits the round out
             eprintln!("smp-runner launch: host {node} runs no rank of start {round} (its plan uses {world} devices)");
-            idle_round(&store, round)
+            idle_round(&self.store, round)
         } else {
             job.round(&spec)?
         };
-        if let (Some(last), Some(t)) = (planner.history.last_mut().filter(|_| round > 0), end.first_step_unix_s) {
+        if let (Some(last), Some(t)) = (self.planner.history.last_mut().filter(|_| round > 0), end.first_step_unix_s) {
             last.fault_to_first_step_s = last.fault_at_unix_s.map(|f| (t - f).max(0.0));
         }
+        Ok(end)
+    }
+
+    /// What follows a round's end: the job done, stopped, or the next round without the
+    /// devices lost.
+    fn ended(&mut self, end: RoundEnd) -> ControlFlow<i32> {
         match end.outcome {
             Outcome::Done => {
-                if node == 0 {
+                if self.node == 0 {
                     // launchers waiting to join, or sitting the round out, hear that it ended
-                    let _ = store.done(round);
+                    let _ = self.store.done(self.round);
                     std::thread::sleep(Duration::from_secs(1));
                 }
-                return Ok(0);
+                ControlFlow::Break(0)
             }
             Outcome::Signalled(sig) => {
                 eprintln!("smp-runner launch: stopped by signal {sig}");
-                return Ok(128 + sig);
+                ControlFlow::Break(128 + sig)
             }
             Outcome::Failed(f) => {
-                slots.retain(|s| !end.lost_slots.contains(s));
+                self.slots.retain(|s| !end.lost_slots.contains(s));
                 if f.grow {
                     eprintln!("smp-runner launch: the ranks were stopped after the checkpoint to take in the hosts waiting to join");
                 } else {
                     eprintln!("smp-runner launch: {}; the other ranks were stopped", f.what);
                     if f.fatal {
-                        return Ok(1);
+                        return ControlFlow::Break(1);
                     }
-                    std::thread::sleep(restarts.backoff);
+                    std::thread::sleep(self.restarts.backoff);
                 }
-                last_failure = Some(f);
-                round += 1;
+                self.last_failure = Some(f);
+                self.round += 1;
+                ControlFlow::Continue(())
             }
         }
     }

@@ -323,7 +323,65 @@ impl<'a> Job<'a> {
 
     /// Starts this host's ranks as `spec` says and watches them until all have ended.
     pub fn round(&self, spec: &RoundSpec<'_>) -> Result<RoundEnd, RuntimeError> {
-        let node = self.nodes.node_rank;
+        let n = spec.slots.len();
+        let (children, watches) = self.spawn(spec)?;
+        let mut w = RoundWatch {
+            children,
+            watches,
+            failed: None,
+            told: false,
+            untold_lost: Vec::new(),
+            lost_slots: Vec::new(),
+            stop_sent: None,
+            forwarded: 0,
+            stopping_since: None,
+            last_poll: Instant::now(),
+            last_watch: Instant::now(),
+            waits_since: vec![None; n],
+            first_step: None,
+            grow_from: None,
+            succeeded: 0,
+            last_grow_check: Instant::now(),
+        };
+        loop {
+            w.forward_signal();
+            let running = w.reap(spec, self.nodes.node_rank);
+            if w.last_watch.elapsed() > Duration::from_millis(250) && w.forwarded == 0 {
+                w.last_watch = Instant::now();
+                self.look(spec, &mut w);
+            }
+            if let (Some(g), Some(store), None, true) = (&spec.grow, &self.store, &w.failed, running == n) {
+                if w.last_grow_check.elapsed() > Duration::from_millis(250) {
+                    w.last_grow_check = Instant::now();
+                    grow_when_due(store, spec.round, g, &mut w.grow_from);
+                }
+            }
+            if let Some(store) = &self.store {
+                w.exchange(store, spec.round);
+            }
+            if w.stopping_since.is_some_and(|t| t.elapsed() > Duration::from_secs(10)) && w.failed.is_none() {
+                // ranks stopped for others leaving, and no word of who: end the round anyway
+                w.failed = Some(RoundFailure::new(false, "ranks stopped for a change of the job's devices"));
+            }
+            if running == 0 && (w.failed.is_some() || w.stopping_since.is_none() || w.forwarded != 0) {
+                if let (Some(store), Some(f), false) = (&self.store, &w.failed, w.told) {
+                    // the others must hear of it before they can agree on what comes next
+                    let deadline = Instant::now() + Duration::from_secs(600);
+                    while !store.fail(spec.round, f) && Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_secs(1));
+                    }
+                }
+                break;
+            }
+            w.stop_children();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(self.end_of(spec, w))
+    }
+
+    /// Starts this host's ranks: their processes and their heartbeat watches; none left
+    /// running if one cannot start.
+    fn spawn(&self, spec: &RoundSpec<'_>) -> Result<(Vec<Option<Child>>, Vec<Watch>), RuntimeError> {
         let n = spec.slots.len();
         let mut children: Vec<Option<Child>> = Vec::with_capacity(n);
         let mut watches: Vec<Watch> = Vec::with_capacity(n);
@@ -362,149 +420,48 @@ impl<'a> Job<'a> {
                 }
             }
         }
-        let mut failed: Option<RoundFailure> = None;
-        // what the store has heard from here: the failure, then each device lost after it
-        let mut told = false;
-        let mut untold_lost: Vec<(usize, usize)> = Vec::new();
-        let mut lost_slots: Vec<usize> = Vec::new();
-        let mut stop_sent: Option<Instant> = None;
-        let mut forwarded = 0;
-        let mut stopping_since: Option<Instant> = None;
-        let mut last_poll = Instant::now();
-        let mut last_watch = Instant::now();
-        let mut waits_since: Vec<Option<Instant>> = vec![None; n];
-        let mut first_step: Option<f64> = None;
-        let mut grow_from: Option<usize> = None;
-        let mut succeeded = 0;
-        let mut last_grow_check = Instant::now();
-        loop {
-            let sig = caught();
-            if sig != 0 && sig != forwarded {
-                forwarded = sig;
-                for c in children.iter().flatten() {
-                    send(c, sig);
-                }
-                stop_sent.get_or_insert_with(Instant::now);
-            }
-            let mut running = 0;
-            for (r, slot) in children.iter_mut().enumerate() {
-                let Some(c) = slot else { continue };
-                match c.try_wait() {
-                    Ok(Some(status)) => {
-                        let rank = spec.first_rank + r;
-                        succeeded += usize::from(status.success());
-                        if !status.success() && forwarded == 0 && stop_sent.is_none() {
-                            match status.code() {
-                                Some(EXIT_LEFT) => {
-                                    lost_slots.push(spec.slots[r]);
-                                    untold_lost.push((node, spec.slots[r]));
-                                    let f = failed.get_or_insert_with(|| RoundFailure::new(false, format!("rank {rank} left the job (see its error above)")));
-                                    f.lost.push((node, spec.slots[r]));
-                                }
-                                Some(EXIT_STOPPED) => {
-                                    stopping_since.get_or_insert_with(Instant::now);
-                                }
-                                _ if failed.is_none() => failed = Some(RoundFailure::new(fatal(status), format!("rank {rank} {} first", describe(status)))),
-                                _ => {}
-                            }
-                        }
-                        *slot = None;
-                    }
-                    Ok(None) => running += 1,
-                    Err(_) => *slot = None,
-                }
-            }
-            if last_watch.elapsed() > Duration::from_millis(250) && forwarded == 0 {
-                last_watch = Instant::now();
-                for w in &mut watches {
-                    w.poll();
-                }
-                if first_step.is_none() && spec.first_rank == 0 {
-                    first_step = watches.first().and_then(|w| w.beat()).and_then(|b| b.first_step_unix_s);
-                    if let (Some(t), Some(fault)) = (first_step, spec.fault_at_unix_s) {
-                        eprintln!("smp-runner launch: the first step after the restart ended {:.1} s after the fault", (t - fault).max(0.0));
-                    }
-                }
-                self.judge(spec, &mut children, &watches, &mut waits_since, (&mut failed, &mut lost_slots, &mut untold_lost));
-            }
-            if let (Some(g), Some(store), None, true) = (&spec.grow, &self.store, &failed, running == n) {
-                if last_grow_check.elapsed() > Duration::from_millis(250) {
-                    last_grow_check = Instant::now();
-                    grow_when_due(store, spec.round, g, &mut grow_from);
-                }
-            }
-            if let Some(store) = &self.store {
-                // tell the other hosts (again, until the store hears it), or hear from them
-                if let (Some(f), false) = (&failed, told) {
-                    told = store.fail(spec.round, f);
-                    if told {
-                        untold_lost.clear();
-                    }
-                }
-                if told && !untold_lost.is_empty() {
-                    let more = RoundFailure { lost: untold_lost.clone(), ..RoundFailure::new(false, "devices lost") };
-                    if store.fail(spec.round, &more) {
-                        untold_lost.clear();
-                    }
-                }
-                if failed.is_none() && last_poll.elapsed() > Duration::from_millis(250) {
-                    last_poll = Instant::now();
-                    if let Some(RoundState::Failed(f)) = store.poll(spec.round) {
-                        failed = Some(f);
-                        told = true;
-                    }
-                }
-            }
-            if stopping_since.is_some_and(|t| t.elapsed() > Duration::from_secs(10)) && failed.is_none() {
-                // ranks stopped for others leaving, and no word of who: end the round anyway
-                failed = Some(RoundFailure::new(false, "ranks stopped for a change of the job's devices"));
-            }
-            if running == 0 && (failed.is_some() || stopping_since.is_none() || forwarded != 0) {
-                if let (Some(store), Some(f), false) = (&self.store, &failed, told) {
-                    // the others must hear of it before they can agree on what comes next
-                    let deadline = Instant::now() + Duration::from_secs(600);
-                    while !store.fail(spec.round, f) && Instant::now() < deadline {
-                        std::thread::sleep(Duration::from_secs(1));
-                    }
-                }
-                break;
-            }
-            if failed.is_some() && stop_sent.is_none() {
-                for c in children.iter().flatten() {
-                    send(c, SIGTERM);
-                }
-                stop_sent = Some(Instant::now());
-            }
-            if stop_sent.is_some_and(|t| t.elapsed() > Duration::from_secs(5)) {
-                for c in children.iter().flatten() {
-                    send(c, SIGKILL);
-                }
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        Ok((children, watches))
+    }
+
+    /// Reads the heartbeats: rank 0's first step, then the verdict on each rank.
+    fn look(&self, spec: &RoundSpec<'_>, w: &mut RoundWatch) {
+        for watch in &mut w.watches {
+            watch.poll();
         }
+        if w.first_step.is_none() && spec.first_rank == 0 {
+            w.first_step = w.watches.first().and_then(|b| b.beat()).and_then(|b| b.first_step_unix_s);
+            if let (Some(t), Some(fault)) = (w.first_step, spec.fault_at_unix_s) {
+                eprintln!("smp-runner launch: the first step after the restart ended {:.1} s after the fault", (t - fault).max(0.0));
+            }
+        }
+        self.judge(spec, &mut w.children, &w.watches, &mut w.waits_since, (&mut w.failed, &mut w.lost_slots, &mut w.untold_lost));
+    }
+
+    /// How the round ended, with the failure as every host reported it.
+    fn end_of(&self, spec: &RoundSpec<'_>, mut w: RoundWatch) -> RoundEnd {
         // the last beats: rank 0 may have ended its first step since the last look
-        if first_step.is_none() && spec.first_rank == 0 {
-            if let Some(w) = watches.first_mut() {
-                w.poll();
-                first_step = w.beat().and_then(|b| b.first_step_unix_s);
+        if w.first_step.is_none() && spec.first_rank == 0 {
+            if let Some(first) = w.watches.first_mut() {
+                first.poll();
+                w.first_step = first.beat().and_then(|b| b.first_step_unix_s);
             }
         }
         // the failure as every host reported it (devices lost elsewhere included)
-        if let (Some(store), Some(f)) = (&self.store, &mut failed) {
+        if let (Some(store), Some(f)) = (&self.store, &mut w.failed) {
             if let Some(RoundState::Failed(all)) = store.poll(spec.round) {
                 f.lost = all.lost;
                 f.at_unix_s = f.at_unix_s.min(all.at_unix_s);
                 f.grow = all.grow;
             }
         }
-        let outcome = match (failed, forwarded) {
+        let outcome = match (w.failed, w.forwarded) {
             (_, sig) if sig != 0 => Outcome::Signalled(sig),
             // the run ended here as the others were told to grow: it is done
-            (Some(f), _) if f.grow && succeeded == n => Outcome::Done,
+            (Some(f), _) if f.grow && w.succeeded == spec.slots.len() => Outcome::Done,
             (Some(f), _) => Outcome::Failed(f),
             (None, _) => Outcome::Done,
         };
-        Ok(RoundEnd { outcome, lost_slots, first_step_unix_s: first_step })
+        RoundEnd { outcome, lost_slots: w.lost_slots, first_step_unix_s: w.first_step }
     }
 
     /// Judges the running ranks by their heartbeats: a hung one is killed and its device lost;
@@ -563,6 +520,118 @@ impl<'a> Job<'a> {
                         *failed = Some(RoundFailure::new(false, format!("rank {rank} {why}")));
                     }
                 }
+            }
+        }
+    }
+}
+
+/// What a launcher knows of a round while it watches this host's ranks.
+struct RoundWatch {
+    /// The ranks' processes; none once ended.
+    children: Vec<Option<Child>>,
+    watches: Vec<Watch>,
+    failed: Option<RoundFailure>,
+    /// Whether the store has heard of `failed`.
+    told: bool,
+    /// Devices lost here after the store heard of the failure.
+    untold_lost: Vec<(usize, usize)>,
+    lost_slots: Vec<usize>,
+    stop_sent: Option<Instant>,
+    /// The signal forwarded to the ranks (0: none).
+    forwarded: i32,
+    /// When a rank first stopped for others leaving.
+    stopping_since: Option<Instant>,
+    last_poll: Instant,
+    last_watch: Instant,
+    waits_since: Vec<Option<Instant>>,
+    first_step: Option<f64>,
+    grow_from: Option<usize>,
+    succeeded: usize,
+    last_grow_check: Instant,
+}
+
+impl RoundWatch {
+    /// Forwards a newly caught signal to every rank.
+    fn forward_signal(&mut self) {
+        let sig = caught();
+        if sig != 0 && sig != self.forwarded {
+            self.forwarded = sig;
+            for c in self.children.iter().flatten() {
+                send(c, sig);
+            }
+            self.stop_sent.get_or_insert_with(Instant::now);
+        }
+    }
+
+    /// Collects the ranks that ended, noting the first failure and devices left; the number
+    /// still running.
+    fn reap(&mut self, spec: &RoundSpec<'_>, node: usize) -> usize {
+        let mut running = 0;
+        for (r, slot) in self.children.iter_mut().enumerate() {
+            let Some(c) = slot else { continue };
+            match c.try_wait() {
+                Ok(Some(status)) => {
+                    let rank = spec.first_rank + r;
+                    self.succeeded += usize::from(status.success());
+                    if !status.success() && self.forwarded == 0 && self.stop_sent.is_none() {
+                        match status.code() {
+                            Some(EXIT_LEFT) => {
+                                self.lost_slots.push(spec.slots[r]);
+                                self.untold_lost.push((node, spec.slots[r]));
+                                let f = self.failed.get_or_insert_with(|| RoundFailure::new(false, format!("rank {rank} left the job (see its error above)")));
+                                f.lost.push((node, spec.slots[r]));
+                            }
+                            Some(EXIT_STOPPED) => {
+                                self.stopping_since.get_or_insert_with(Instant::now);
+                            }
+                            _ if self.failed.is_none() => self.failed = Some(RoundFailure::new(fatal(status), format!("rank {rank} {} first", describe(status)))),
+                            _ => {}
+                        }
+                    }
+                    *slot = None;
+                }
+                Ok(None) => running += 1,
+                Err(_) => *slot = None,
+            }
+        }
+        running
+    }
+
+    /// Tells the other hosts of the failure (again, until the store hears it) and of devices
+    /// lost since, or hears of theirs.
+    fn exchange(&mut self, store: &Client, round: u32) {
+        if let (Some(f), false) = (&self.failed, self.told) {
+            self.told = store.fail(round, f);
+            if self.told {
+                self.untold_lost.clear();
+            }
+        }
+        if self.told && !self.untold_lost.is_empty() {
+            let more = RoundFailure { lost: self.untold_lost.clone(), ..RoundFailure::new(false, "devices lost") };
+            if store.fail(round, &more) {
+                self.untold_lost.clear();
+            }
+        }
+        if self.failed.is_none() && self.last_poll.elapsed() > Duration::from_millis(250) {
+            self.last_poll = Instant::now();
+            if let Some(RoundState::Failed(f)) = store.poll(round) {
+                self.failed = Some(f);
+                self.told = true;
+            }
+        }
+    }
+
+    /// After a failure, asks the ranks to stop, then kills them 5 s later.
+    fn stop_children(&mut self) {
+        if self.failed.is_some() && self.stop_sent.is_none() {
+            for c in self.children.iter().flatten() {
+                send(c, SIGTERM);
+            }
+            self.stop_sent = Some(Instant::now());
+        }
+        if self.stop_sent.is_some_and(|t| t.elapsed() > Duration::from_secs(5)) {
+            for c in self.children.iter().flatten() {
+                send(c, SIGKILL);
             }
         }
     }
