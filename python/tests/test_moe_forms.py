@@ -32,12 +32,13 @@ LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-4
 
 def _deepseek_v3() -> torch.nn.Module:
     cfg = transformers.DeepseekV3Config(
-        num_hidden_layers=2, hidden_size=zoo.H, num_attention_heads=4, intermediate_size=64, max_position_embeddings=32,
-        use_cache=False, tie_word_embeddings=False, attention_dropout=0.0, **zoo._tok(),
+        num_hidden_layers=2, hidden_size=zoo.H, num_attention_heads=4, num_key_value_heads=4, intermediate_size=64,
+        max_position_embeddings=32, use_cache=False, tie_word_embeddings=False, attention_dropout=0.0, **zoo._tok(),
         # routed experts: 4 in 2 groups, top 2 of the best group, one shared expert; layer 0 dense
         n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
         first_k_dense_replace=1, moe_intermediate_size=32,
-        # multi-head latent attention (its key/value heads are the attention heads)
+        # multi-head latent attention (its key/value heads are the attention heads; the
+        # config's default is 128)
         q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
     model = transformers.DeepseekV3ForCausalLM(cfg)
     # a bias correction that changes which experts are chosen (a trained model's is never 0)
