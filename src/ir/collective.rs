@@ -40,8 +40,14 @@ pub enum CollectiveKind {
     TokenGather {
         /// The token axis.
         axis: usize,
-        /// Sequence blocks in that axis (tokens flattened with the batch: `batch` blocks).
+        /// Sequence blocks in that axis (tokens flattened with the batch: `batch` blocks) at
+        /// the batch the shapes were inferred at.
         outer: i64,
+        /// Tokens of one whole sequence block along the axis (0: unknown, `outer` is used): the
+        /// kernel counts the blocks of the tensor it runs on by it, so a token axis flattened
+        /// with the batch is cut right at any batch.
+        #[serde(default)]
+        seq: i64,
     },
     /// Context parallelism: a whole value cut to this member's tokens along `axis`, without
     /// communication.
@@ -50,6 +56,9 @@ pub enum CollectiveKind {
         axis: usize,
         /// Sequence blocks in that axis.
         outer: i64,
+        /// Tokens of one whole sequence block along the axis (see `TokenGather`).
+        #[serde(default)]
+        seq: i64,
     },
 }
 

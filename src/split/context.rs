@@ -416,18 +416,27 @@ impl Splitter<'_> {
         if let Tokens::Local { axis, outer } = held
             && held != to
         {
-            at = emit(self, CollectiveKind::TokenGather { axis, outer }, at)?;
+            let seq = self.block_tokens(v, axis, outer);
+            at = emit(self, CollectiveKind::TokenGather { axis, outer, seq }, at)?;
             self.gathers += 1;
             tracing::debug!(value = %src_name, axis, "context all-gather");
             held = Tokens::Whole;
         }
         if let (Tokens::Whole, Tokens::Local { axis, outer }) = (held, to) {
-            at = emit(self, CollectiveKind::TokenLocalize { axis, outer }, at)?;
+            let seq = self.block_tokens(v, axis, outer);
+            at = emit(self, CollectiveKind::TokenLocalize { axis, outer, seq }, at)?;
             self.localizes += 1;
             tracing::debug!(value = %src_name, axis, "context cut");
         }
         self.converted.insert((v, to), at);
         Ok(at)
+    }
+
+    /// Tokens of one whole sequence block of `v` along `axis` (`outer` blocks at the inferred
+    /// batch); 0 when its shape is unknown.
+    fn block_tokens(&self, v: ValueId, axis: usize, outer: i64) -> i64 {
+        let len = self.shape(v).and_then(|s| s.get(axis).copied()).unwrap_or(0);
+        if outer > 0 && len > 0 && len % outer == 0 { len / outer } else { 0 }
     }
 
     /// Records that `v` is read as `form`.

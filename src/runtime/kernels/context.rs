@@ -15,6 +15,26 @@ pub struct ContextRank {
     pub size: usize,
 }
 
+/// How a token axis holds its sequences: `outer` blocks at the batch the plan inferred shapes
+/// at, and `seq` tokens in one whole block (0: unknown). A token axis flattened with the batch
+/// holds as many blocks as the batch run, so the blocks are counted from `seq` where known.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Blocks {
+    /// Blocks at the inferred batch.
+    pub outer: i64,
+    /// Tokens of one whole block.
+    pub seq: i64,
+}
+
+impl Blocks {
+    /// The blocks of an axis of `len` tokens holding `per_block` of each block's `seq`
+    /// tokens out of `seq` (the whole block, or one rank's share of it).
+    fn count(self, len: i64, share: i64) -> i64 {
+        let per_block = if share > 0 { self.seq / share } else { 0 };
+        if self.seq > 0 && per_block > 0 && self.seq % share == 0 && len % per_block == 0 { len / per_block } else { self.outer }
+    }
+}
+
 /// `x` viewed `[before, outer, tokens, after]` around `axis` (tokens along `axis` in `outer`
 /// blocks).
 fn blocked(x: &Tensor, axis: usize, outer: i64) -> Result<(Tensor, Vec<i64>), String> {
@@ -28,8 +48,10 @@ fn blocked(x: &Tensor, axis: usize, outer: i64) -> Result<(Tensor, Vec<i64>), St
     Ok((x.f_reshape([before, outer, len / outer, after]).map_err(|e| e.to_string())?, size))
 }
 
-/// The rank's tokens of the whole `x` along `axis` (`outer` sequence blocks).
-pub fn localize(x: &Tensor, axis: usize, outer: i64, me: ContextRank) -> Result<Tensor, String> {
+/// The rank's tokens of the whole `x` along `axis` (sequence blocks as `blocks` says).
+pub fn localize(x: &Tensor, axis: usize, blocks: Blocks, me: ContextRank) -> Result<Tensor, String> {
+    let len = x.size().get(axis).copied().unwrap_or(0);
+    let outer = blocks.count(len, 1);
     let (v, mut size) = blocked(x, axis, outer)?;
     let seq = v.size()[2];
     let chunks = 2 * me.size as i64;
@@ -44,19 +66,20 @@ pub fn localize(x: &Tensor, axis: usize, outer: i64, me: ContextRank) -> Result<
 
 /// The whole of the local `x` along `axis` over the group `pg`, tokens in one-process order;
 /// the backward sums each token's gradient over the group.
-pub fn gather(pg: &ProcessGroup, x: &Tensor, axis: usize, outer: i64) -> Result<Tensor, String> {
-    gather_many(pg, &[(x.shallow_clone(), axis, outer)])?.pop().ok_or_else(|| "a gather of one tensor made none".into())
+pub fn gather(pg: &ProcessGroup, x: &Tensor, axis: usize, blocks: Blocks) -> Result<Tensor, String> {
+    gather_many(pg, &[(x.shallow_clone(), axis, blocks)])?.pop().ok_or_else(|| "a gather of one tensor made none".into())
 }
 
 /// [`gather`] of several local tensors (each with its token axis and blocks) as one collective:
 /// each viewed token-major, concatenated, gathered once, put back in one-process order and
 /// split again. The tensors must share a kind.
-pub fn gather_many(pg: &ProcessGroup, xs: &[(Tensor, usize, i64)]) -> Result<Vec<Tensor>, String> {
+pub fn gather_many(pg: &ProcessGroup, xs: &[(Tensor, usize, Blocks)]) -> Result<Vec<Tensor>, String> {
     let e = |e: tch::TchError| e.to_string();
     let mut rows = Vec::with_capacity(xs.len());
     let mut shapes = Vec::with_capacity(xs.len());
-    for (x, axis, outer) in xs {
-        let (v, size) = blocked(x, *axis, *outer)?;
+    for (x, axis, blocks) in xs {
+        let len = x.size().get(*axis).copied().unwrap_or(0);
+        let (v, size) = blocked(x, *axis, blocks.count(len, pg.size() as i64))?;
         let [before, outer, tokens, after] = v.size()[..] else { return Err("a blocked view has four axes".into()) };
         // [tokens, before · outer · after]
         rows.push(v.f_permute([2, 0, 1, 3]).map_err(e)?.f_reshape([tokens, -1]).map_err(e)?);
@@ -77,4 +100,31 @@ pub fn gather_many(pg: &ProcessGroup, xs: &[(Tensor, usize, i64)]) -> Result<Vec
             v.f_reshape(size.as_slice()).map_err(e)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_are_counted_from_the_tensor_run() {
+        // [batch · seq] tokens inferred at batch 1 (outer 1), seq 8 over 2 ranks, run at batch 4
+        let b = Blocks { outer: 1, seq: 8 };
+        assert_eq!(b.count(32, 1), 4, "a whole axis of 4 sequences");
+        assert_eq!(b.count(16, 2), 4, "a rank's 4 halves");
+        assert_eq!(b.count(4, 2), 1, "one sequence's half");
+        // unknown or inconsistent: the inferred blocks
+        assert_eq!(Blocks { outer: 3, seq: 0 }.count(24, 2), 3);
+        assert_eq!(Blocks { outer: 2, seq: 8 }.count(12, 1), 2);
+    }
+
+    #[test]
+    fn a_flattened_axis_gathered_by_blocks_is_the_one_process_order() {
+        // 2 sequences of 4 tokens flattened [8]; rank r holds chunks r and 3 − r of each
+        let whole = Tensor::from_slice(&[0i64, 1, 2, 3, 10, 11, 12, 13]);
+        let blocks = Blocks { outer: 1, seq: 4 };
+        let parts: Vec<Tensor> = (0..2).map(|index| localize(&whole, 0, blocks, ContextRank { index, size: 2 }).unwrap()).collect();
+        assert_eq!(Vec::<i64>::try_from(&parts[0]).unwrap(), vec![0, 3, 10, 13]);
+        assert_eq!(Vec::<i64>::try_from(&parts[1]).unwrap(), vec![1, 2, 11, 12]);
+    }
 }

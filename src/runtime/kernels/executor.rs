@@ -174,8 +174,8 @@ impl<'g> Executor<'g> {
         if group == GroupKind::Context {
             let (pg, me) = self.context.get().ok_or("a context-parallel node, but this run has no context group (cp = 1)")?;
             return match kind {
-                CollectiveKind::TokenGather { axis, outer } => super::context::gather(pg, x, axis, outer),
-                CollectiveKind::TokenLocalize { axis, outer } => super::context::localize(x, axis, outer, *me),
+                CollectiveKind::TokenGather { axis, outer, seq } => super::context::gather(pg, x, axis, super::context::Blocks { outer, seq }),
+                CollectiveKind::TokenLocalize { axis, outer, seq } => super::context::localize(x, axis, super::context::Blocks { outer, seq }, *me),
                 other => Err(format!("{} over the context group has no runner kernel", other.name())),
             }
             .map(|t| vec![t]);
@@ -447,10 +447,10 @@ impl<'g> Executor<'g> {
         for &n in nodes {
             let node = self.graph.node(n);
             let x = self.context_gather_input(node).and_then(&fetch).ok_or_else(|| kerr(format!("`{}` has no input", node.name)))?;
-            let Op::Collective { kind: CollectiveKind::TokenGather { axis, outer }, .. } = node.op else {
+            let Op::Collective { kind: CollectiveKind::TokenGather { axis, outer, seq }, .. } = node.op else {
                 return Err(kerr(format!("`{}` is not a context all-gather", node.name)));
             };
-            xs.push((x, axis, outer));
+            xs.push((x, axis, super::context::Blocks { outer, seq }));
         }
         super::context::gather_many(pg, &xs).map_err(kerr)
     }

@@ -191,7 +191,7 @@ fn local_tokens(t: &Tensor, me: ContextRank, targets: &Tensor) -> Result<Tensor,
     if size[0] * size[1] == targets.numel() as i64 {
         return Ok(t.shallow_clone());
     }
-    context::localize(t, 1, 1, me).map_err(|e| train_err(&e))
+    context::localize(t, 1, context::Blocks { outer: 1, seq: 0 }, me).map_err(|e| train_err(&e))
 }
 
 /// The targets counted in global batch `k` of `data`, over every replica and microbatch.
@@ -239,7 +239,7 @@ fn causal_targets(exec: &Executor, mb: &Batch, me: Option<ContextRank>) -> Resul
     let Some(me) = me else { return Ok(next.f_reshape([-1])?) };
     let none = Tensor::f_full([next.size()[0], 1], IGNORE_INDEX, (Kind::Int64, next.device()))?;
     let shifted = Tensor::f_cat(&[next, none], 1)?;
-    Ok(context::localize(&shifted, 1, 1, me).map_err(|e| train_err(&e))?.f_reshape([-1])?)
+    Ok(context::localize(&shifted, 1, context::Blocks { outer: 1, seq: 0 }, me).map_err(|e| train_err(&e))?.f_reshape([-1])?)
 }
 
 /// The labels, flattened; under context parallelism (`me`), the rank's tokens of per-token
@@ -247,7 +247,7 @@ fn causal_targets(exec: &Executor, mb: &Batch, me: Option<ContextRank>) -> Resul
 fn class_labels(mb: &Batch, me: Option<ContextRank>) -> Result<Tensor, RuntimeError> {
     let labels = find_array(mb, &["labels", "label", "targets"]).ok_or_else(|| train_err("cross-entropy needs a `labels` array in --data"))?;
     let labels = match me {
-        Some(me) if labels.dim() == 2 => context::localize(labels, 1, 1, me).map_err(|e| train_err(&e))?,
+        Some(me) if labels.dim() == 2 => context::localize(labels, 1, context::Blocks { outer: 1, seq: 0 }, me).map_err(|e| train_err(&e))?,
         Some(_) => return Err(train_err(&format!("context parallelism splits tokens, but the labels are {:?}, not [batch, seq]; re-plan with --cp 1", labels.size()))),
         None => labels.shallow_clone(),
     };

@@ -404,7 +404,7 @@ pub(super) fn dropout(a: &Args) -> KResult<Vec<Tensor>> {
                     let Some(len) = whole.get_mut(axis) else { bail!("dropout token axis {axis} of a tensor of {} axes", x.dim()) };
                     *len *= me.size as i64;
                     let u = keyed_uniform_shaped(&whole, x, &a.node.name, key)?;
-                    crate::runtime::kernels::context::localize(&u, axis, outer, me).map_err(super::KernelError)?
+                    crate::runtime::kernels::context::localize(&u, axis, crate::runtime::kernels::context::Blocks { outer, seq: 0 }, me).map_err(super::KernelError)?
                 }
                 _ => keyed_uniform(x, &a.node.name, key)?,
             },
