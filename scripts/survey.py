@@ -205,7 +205,7 @@ def passed(row: dict) -> bool:
 def f64_only(row: dict) -> bool:
     """Outside tolerance in f32 only: every such plan equals one process in f64 (≤ 1e-9) and
     PyTorch's own f32 run drifts from its f64 run by at least as much."""
-    if "error" in row or not all(isinstance(v, float) for v in row["plans"].values()):
+    if passed(row) or "error" in row or not all(isinstance(v, float) for v in row["plans"].values()):
         return False
     for label, v in row["plans"].items():
         if v <= LOSS_TOL:
