@@ -63,7 +63,22 @@ def _groups(named):
     by_id: dict[int, tuple[list[str], object]] = {}
     for name, t in named:
         by_id.setdefault(id(t), ([], t))[0].append(name)
-    return [(sorted(names), t.detach().cpu().numpy()) for names, t in by_id.values()]
+    return [(sorted(names), _to_numpy(t)) for names, t in by_id.values()]
+
+
+def _to_numpy(t) -> np.ndarray:
+    """`t` as numpy; the dtypes numpy lacks (bfloat16, float8) as `ml_dtypes`' types of the same
+    bytes, as `onnx.numpy_helper.to_array` gives their initializers."""
+    import torch
+
+    t = t.detach().cpu()
+    lacking = {torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
+    if t.dtype in lacking:
+        import ml_dtypes
+
+        raw = t.contiguous().view(torch.int16 if t.dtype == torch.bfloat16 else torch.uint8).numpy()
+        return raw.view(getattr(ml_dtypes, lacking[t.dtype]))
+    return t.numpy()
 
 
 def _key(a: np.ndarray):

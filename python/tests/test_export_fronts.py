@@ -179,3 +179,32 @@ def test_a_shape_no_length_decides_is_refused_naming_module_and_construct(tmp_pa
     assert refused.value.__cause__ is not None
     assert "GuardOnDataDependentSymNode" in repr(refused.value.__cause__.__cause__) or "data-dependent" in str(
         refused.value.__cause__)
+
+
+class BFloat16Normalizer(nn.Module):
+    """Embeddings scaled by a bfloat16 buffer, as RecurrentGemma's `normalizer` (a dtype numpy
+    lacks, held beside float32 parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.out = nn.Linear(HIDDEN, VOCAB)
+        self.register_buffer("normalizer", torch.tensor(HIDDEN ** 0.5, dtype=torch.bfloat16), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(input_ids) * self.normalizer.type(torch.float32))
+
+
+def test_a_bfloat16_buffer_is_recorded_and_the_export_matches_the_module(tmp_path: Path) -> None:
+    import onnx
+    import onnxruntime as ort
+
+    torch.manual_seed(0)
+    model = BFloat16Normalizer()
+    exported = smp.export(model, _ids(), tmp_path / "bf16.onnx")
+    proto = onnx.load(str(exported.path))
+    kinds = {t.name: {p.key: p.value for p in t.metadata_props}.get("smp.kind") for t in proto.graph.initializer}
+    assert [k for n, k in kinds.items() if n.endswith("embed.weight")] == ["parameter"], kinds
+    with torch.no_grad():
+        got = ort.InferenceSession(str(exported.path)).run(None, {"input_ids": _ids().numpy()})[0]
+        np.testing.assert_allclose(got, model.eval()(_ids()).numpy(), rtol=1e-5, atol=1e-6)
