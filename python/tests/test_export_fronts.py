@@ -113,14 +113,18 @@ def test_a_complex_op_it_does_not_cover_is_refused_naming_the_op_and_module(tmp_
     assert "module `block` (Spectral)" in text, text
 
 
-class Windows(nn.Module):
-    """Mixes tokens within windows whose count it reads back from a tensor (`.item()`): a
-    data-dependent value with a symbolic length, a constant with a fixed one."""
+class _EmbedOut(nn.Module):
+    """An embedding and an output projection around whatever `forward` does between them."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, 16)
         self.out = nn.Linear(16, VOCAB)
+
+
+class Windows(_EmbedOut):
+    """Mixes tokens within windows whose count it reads back from a tensor (`.item()`): a
+    data-dependent value with a symbolic length, a constant with a fixed one."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)
@@ -130,14 +134,9 @@ class Windows(nn.Module):
         return self.out(x)
 
 
-class HitTokens(nn.Module):
+class HitTokens(_EmbedOut):
     """Branches on how many tokens of the batch pass a test (as a loop over the experts a
     batch hits does): data-dependent at any length."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, 16)
-        self.out = nn.Linear(16, VOCAB)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)
