@@ -360,6 +360,7 @@ pub fn estimate<'a>(
     observer: &mut dyn Observer,
 ) -> Result<Estimate, CompileError> {
     let cluster_name = options.cluster_flag.clone().unwrap_or_else(|| format!("{}:{}", cluster.name, cluster.devices));
+    options.check_devices(cluster.devices, &cluster_name)?;
     let pinned = options.clone().pinned_for_estimate(cluster.devices, &cluster_name)?;
     pinned.check_devices(cluster.devices, &cluster_name)?;
     let loaded;
