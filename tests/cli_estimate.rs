@@ -57,15 +57,15 @@ fn flags_of(plan: &serde_json::Value) -> Vec<String> {
 
 #[test]
 fn the_estimate_of_a_planned_configuration_is_the_plans_prediction() {
-    for limit in ["4", "0.3"] {
-        let mut args = BASE.to_vec();
-        args.pop();
-        args.extend(["--memory-limit", limit, "--json"]);
-        let plan: serde_json::Value = serde_json::from_str(&ok(&args)).unwrap();
+    // roomy; and tight enough that the planner picks ZeRO 2 and recomputes layers
+    for (seq, batch, limit) in [("64", "8", "4"), ("256", "32", "0.27")] {
+        let common = [MODEL, "--cluster", "tests/data/cpu.toml:4", "--seq-len", seq, "--global-batch", batch, "--memory-limit", limit, "--json"];
+        let plan: serde_json::Value = serde_json::from_str(&ok(&common)).unwrap();
         let flags = flags_of(&plan);
-        let mut extra: Vec<&str> = flags.iter().map(String::as_str).collect();
-        extra.extend(["--memory-limit", limit]);
-        let e = estimate_json(&extra);
+        let mut args = common.to_vec();
+        args.push("--estimate");
+        args.extend(flags.iter().map(String::as_str));
+        let e: serde_json::Value = serde_json::from_str(&ok(&args)).unwrap();
         let (planned, estimated) = (plan["predicted"]["step_time_s"].as_f64().unwrap(), e["step_time_s"].as_f64().unwrap());
         assert!((planned - estimated).abs() <= 1e-9 * planned, "limit {limit}: step {estimated} s estimated, {planned} s planned ({flags:?})");
         // the plan records its offloading rule (`auto`), the estimate what it pins (`off`/`on`)
