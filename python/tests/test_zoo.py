@@ -35,6 +35,9 @@ NOISE_BOUND = 2.0 * zoo.STEPS * zoo.LR
 PLANS = {"pp2": {"pipeline_parallel_degree": 2, "microbatches": 2}, "tp2": {"tensor_parallel_degree": 2}}
 # context parallelism splits tokens: only for models whose loss is a sum over tokens
 TOKEN_PLANS = {"cp2": {"context_parallel_degree": 2}}
+# expert parallelism: the routed experts split over 2 ranks (pp 2 × ep 2 on 4)
+EXPERT_PLANS = {"ep2": {"expert_parallel_degree": 2},
+                "pp2-ep2": {"pipeline_parallel_degree": 2, "microbatches": 2, "expert_parallel_degree": 2}}
 
 
 def _norm_rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -104,6 +107,20 @@ def _case(name: str) -> zoo.Case:
     return zoo.case(name)
 
 
+def _fused(plan: smp.Plan) -> list[str]:
+    """The fused ops of the plan, by kind (`mixture_of_experts`, `attention`, ...)."""
+    return [next(iter(f["op"])) if isinstance(f["op"], dict) else f["op"] for f in plan.data["codegen"].get("fused", [])]
+
+
+def _cluster(config: dict) -> str:
+    """The ranks a plan's degrees take."""
+    ranks = 1
+    for key in ("pipeline_parallel_degree", "tensor_parallel_degree", "context_parallel_degree",
+                "expert_parallel_degree"):
+        ranks *= config.get(key, 1)
+    return f"cpu:{ranks}"
+
+
 def _layer_names(plan: smp.Plan) -> list[str]:
     return [layer["name"] for layer in plan.data["layer_strategies"]]
 
@@ -119,12 +136,18 @@ def test_zoo(name: str, tmp_path: Path) -> None:
     exact_losses, exact = _one_process_f64(c, data_file, tmp_path)
     loss = zoo.RUNNER_LOSS[c.arch.task]
     failures, measured = [], {}
-    plans = PLANS | (TOKEN_PLANS if c.arch.task in ("causal-lm", "masked-lm") else {})
+    plans = (PLANS | (TOKEN_PLANS if c.arch.task in ("causal-lm", "masked-lm") else {})
+             | (EXPERT_PLANS if c.arch.expert_parallel else {}))
     if zoo.has_batch_statistics(c.model):
         plans = {label: config | {"microbatches": 1} for label, config in plans.items()}
     for label, config in plans.items():
-        plan = smp.plan(c.exported, zoo.inputs_of(c.data), cluster="cpu:2", global_batch=zoo.BATCH, config=config,
-                        workdir=tmp_path / label)
+        plan = smp.plan(c.exported, zoo.inputs_of(c.data), cluster=_cluster(config), global_batch=zoo.BATCH,
+                        config=config, workdir=tmp_path / label)
+        moe = _fused(plan).count("mixture_of_experts")
+        if moe != c.arch.moe_layers:
+            failures.append(f"{label}: {moe} fused mixture-of-experts ops, expected {c.arch.moe_layers}")
+        if plan.parallel.ep != config.get("expert_parallel_degree", 1):
+            failures.append(f"{label}: the plan's expert parallelism is {plan.parallel.ep}")
         if c.arch.task == "seq2seq":
             # both stacks' blocks are layers the plan can cut between
             names = _layer_names(plan)
