@@ -179,7 +179,7 @@ class _LoopBlock:
             bias = block.get_parameter(bias_name) if bias_name else None
             x = hidden_states.reshape(-1, hidden_states.shape[-1])
             logits = torch.nn.functional.linear(x, weight, bias)
-            probs = torch.softmax(logits.float(), dim=-1)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
             top, index = torch.topk(probs, top_k, dim=-1)
             if normalise:
                 top = top / top.sum(dim=-1, keepdim=True)
@@ -266,9 +266,12 @@ def _loop_blocks(model: Any) -> list[_LoopBlock]:
                 with torch.no_grad():
                     got = candidate.forward(candidate.stacked_module())(probe)
                 g = got[0] if with_logits else got
-                ok = torch.allclose(g, main, rtol=1e-9, atol=1e-12)
+                # f32 steps inside a block (its softmax) round at 1e-7; a wrong top-k or
+                # normalisation is off by O(1)
+                ok = torch.allclose(g, main, rtol=1e-5, atol=1e-7)
                 if ok and with_logits:
-                    ok = isinstance(want[1], torch.Tensor) and torch.allclose(got[1], want[1].reshape(got[1].shape))
+                    ok = isinstance(want[1], torch.Tensor) and want[1].numel() == got[1].numel() and torch.allclose(
+                        got[1], want[1].reshape(got[1].shape), rtol=1e-5, atol=1e-7)
                 if ok:
                     found = (top_k, normalise)
                     break

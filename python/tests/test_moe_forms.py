@@ -20,3 +20,78 @@ def test_the_bias_correction_changes_the_routing() -> None:
         gate.e_score_correction_bias.zero_()
         _, _, without = gate(x)
     assert not torch.equal(with_bias.sort(-1).values, without.sort(-1).values)
+
+
+class _Unnormalised(zoo.LoopMoe):
+    """`LoopMoe` whose top-k weights are the router's probabilities as they are."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        weights, chosen = torch.topk(torch.softmax(self.gate(x), dim=-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in chosen.unique():
+            token, slot = torch.where(chosen == e)
+            out.index_add_(0, token, self.experts[int(e)](x[token]) * weights[token, slot, None])
+        return out.view(b, s, h)
+
+
+def _relu_experts(block: zoo.LoopMoe) -> zoo.LoopMoe:
+    for expert in block.experts:
+        expert.forward = lambda x, e=expert: e.w2(torch.relu(e.w1(x)) * e.w3(x))
+    return block
+
+
+def test_a_per_expert_loop_is_recognised_by_what_it_computes() -> None:
+    """Top-k and normalisation are read off the block's output (a probe in f64), the gate and
+    up projections off each expert's; a block computing anything else is left alone."""
+    from smp_partition import _moe
+
+    torch.manual_seed(0)
+    blocks = {"top 2, normalised": zoo.LoopMoe(8, 6, 4, 2), "top 3, normalised": zoo.LoopMoe(8, 6, 4, 3),
+              "top 2, unnormalised": _Unnormalised(8, 6, 4, 2), "relu experts": _relu_experts(zoo.LoopMoe(8, 6, 4, 2))}
+    found = {}
+    for label, block in blocks.items():
+        loops = _moe._loop_blocks(block)
+        found[label] = [(b.top_k, b.normalise, b.order[0]) for b in loops]
+    assert found == {"top 2, normalised": [(2, True, ("w1", "w3", "w2"))],
+                     "top 3, normalised": [(3, True, ("w1", "w3", "w2"))],
+                     "top 2, unnormalised": [(2, False, ("w1", "w3", "w2"))], "relu experts": []}
+    # the dense form equals the block's loop
+    block = blocks["top 2, unnormalised"]
+    (loop,) = _moe._loop_blocks(block)
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        assert torch.allclose(loop.forward(loop.stacked_module())(x), block(x), atol=1e-6)
+
+
+def test_a_router_whose_experts_all_score_alike_is_warned_about_at_export(tmp_path) -> None:
+    """A zero-initialised router ties every expert score at the first step, and the exported
+    top-k breaks ties otherwise than PyTorch's: the export says so, naming the router; a
+    router with distinct rows (or a bias correction that parts them) is not named."""
+    import warnings
+
+    import smp_partition as smp
+
+    arch = zoo.archs()["loop_moe"]
+    model = zoo.build(arch)
+    data = zoo.inputs_of(zoo.batch(arch, model))
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.weight.zero_()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        smp.export(model, data, tmp_path / "model.onnx")
+    said = [str(w.message) for w in seen if "router weight" in str(w.message)]
+    assert len(said) == 1, said
+    assert "`model.layers.1.mlp.gate.weight`" in said[0] and "tie" in said[0]
+    # the interface form (DeepSeek-V3): a zero router, but a bias correction that parts the experts
+    from smp_partition import _moe
+
+    ds = zoo.build(zoo.archs()["deepseek_v3"])
+    with torch.no_grad():
+        ds.model.layers[1].mlp.gate.weight.zero_()
+    experts = [(n, m, int(m.gate_up_proj.shape[0])) for n, m in _moe._experts_modules(ds)]
+    assert _moe.tied_routers(ds, experts) == []
+    with torch.no_grad():
+        ds.model.layers[1].mlp.gate.e_score_correction_bias.zero_()
+    assert _moe.tied_routers(ds, experts) == ["model.layers.1.mlp.gate.weight"]

@@ -2,7 +2,9 @@
 architecture at a small config and the library's default init, exported by `smp.export`
 (cached), planned on cpu:2 with `pipeline_parallel_degree: 2` and again with
 `tensor_parallel_degree: 2` (language models also with `context_parallel_degree: 2`, each
-sequence split over 2 ranks, checked to all-gather keys and values), trained 5 f32 steps by `smp.launch` on 2 ranks and brought back
+sequence split over 2 ranks, checked to all-gather keys and values; mixture-of-experts
+entries marked so also at `expert_parallel_degree: 2` and pp 2 × ep 2 on 4 ranks, each MoE
+layer checked fused into one `MixtureOfExperts`), trained 5 f32 steps by `smp.launch` on 2 ranks and brought back
 by `smp.load_trained` (strict), then compared with the module trained by PyTorch itself:
 losses within 1e-5 relative, every parameter and every persistent buffer (BatchNorm's running
 statistics; its counters exactly) within 1e-4 norm-relative (elements whose true gradient is
@@ -133,6 +135,11 @@ def test_zoo(name: str, tmp_path: Path) -> None:
     import numpy as np
 
     np.savez(data_file, **{k: v.numpy() for k, v in data.items()})
+    if c.arch.ops:
+        import onnx
+
+        held = {n.op_type for n in onnx.load(str(c.exported.path)).graph.node}
+        assert set(c.arch.ops) <= held, f"the export holds none of {sorted(set(c.arch.ops) - held)}"
     exact_losses, exact = _one_process_f64(c, data_file, tmp_path)
     loss = zoo.RUNNER_LOSS[c.arch.task]
     failures, measured = [], {}

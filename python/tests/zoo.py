@@ -47,6 +47,8 @@ class Arch:
     moe_layers: int = 0
     #: Also trained at ep 2 and pp 2 × ep 2 (expert parallelism).
     expert_parallel: bool = False
+    #: ONNX ops its export must hold (what the entry stands for).
+    ops: tuple[str, ...] = ()
 
 
 def _t():
@@ -238,7 +240,7 @@ def archs() -> dict[str, Arch]:
         # zero-initialised per-channel gamma and beta
         Arch("convnextv2", "vision CNN, global response normalisation (L2 norms: ReduceL2)", lambda: T.ConvNextV2ForImageClassification(
             T.ConvNextV2Config(num_channels=3, patch_size=4, num_stages=2, hidden_sizes=[16, 32], depths=[2, 2],
-                               drop_path_rate=0.0, image_size=IMAGE, num_labels=CLASSES)), "image"),
+                               drop_path_rate=0.0, image_size=IMAGE, num_labels=CLASSES)), "image", ops=("ReduceL2",)),
     ]
     return {x.name: x for x in a}
 
