@@ -12,6 +12,17 @@ weight 0), in ops every ONNX runtime executes. The planner's fusion pass
 `MixtureOfExperts` op whose kernel runs only the routed tokens. The router itself (logits,
 softmax, top-k, the model's own normalisation) is exported as the model computes it.
 
+Per-expert modules looped over the experts a batch hits (Mixtral's earlier form, and models
+written that way): a block holding a router weight `[E, H]` and an `nn.ModuleList` of E gated
+MLPs (three bias-free linears, `down(silu(gate(x)) * up(x))`) is recognised by what it
+computes: on a probe in f64, each expert must equal that MLP (gate and up told apart so), and
+the block must equal softmax routing with some top-k, normalised or not. For the export only,
+the list is swapped for its stacked weights, `gate_up_proj [E, 2I, H]` and `down_proj
+[E, H, I]` under the list's name, and the block computes the dense form above; the file's
+metadata `smp.stacked` names the module tensors each stacked weight is made of, and
+`load_trained` splits the trained ones back. A block that matches no such form is left as it
+is (its export then meets the data-dependent loop and is refused by name).
+
 The auxiliary load-balancing loss. When the model's config asks for it
 (`output_router_logits`), Hugging Face adds `router_aux_loss_coef · aux` to the loss of every
 forward, with `aux = E · Σ_e f_e · P_e`: `f_e` the share of top-k choices that went to expert
@@ -83,6 +94,194 @@ def _router_outputs(model: Any) -> tuple[type, int] | None:
     return None
 
 
+def tied_routers(model: Any, experts: list[tuple[str, Any, int]]) -> list[str]:
+    """Routers whose every expert scores the same on every token: in the block around each
+    experts module (`(name, module, experts)`), a weight `[E, H]` whose E rows are identical
+    (zero-initialised), with every `[E]` bias or correction beside it constant."""
+    named = dict(model.named_modules())
+    out = []
+    for name, module, count in experts:
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        block = named.get(parent, model)
+        inside = {id(p) for p in module.parameters()}
+        tensors = [(n, t) for n, t in [*block.named_parameters(), *block.named_buffers()] if id(t) not in inside]
+        routers = [n for n, t in tensors if t.dim() == 2 and t.shape[0] == count and t.shape[1] > 1]
+        biases = [t for _, t in tensors if t.dim() == 1 and t.shape[0] == count]
+        for n, t in tensors:
+            if n in routers and bool((t == t[:1]).all()) and all(bool((b == b[:1]).all()) for b in biases):
+                out.append(f"{parent}.{n}" if parent else n)
+    return out
+
+
+def warn_tied_routers(model: Any, experts: list[tuple[str, Any, int]]) -> None:
+    """Warns, naming each router of `tied_routers`, that training will not follow PyTorch's."""
+    import warnings
+
+    for name in tied_routers(model, experts):
+        warnings.warn(f"{type(model).__name__}: router weight `{name}` is the same for every expert (zero-initialised?), "
+                      "so every token's expert scores tie at the first step; the exported top-k takes the lower "
+                      "expert index first where PyTorch's topk may not, so training will not follow PyTorch's from "
+                      "that step; initialise the router's weights (e.g. normal, std 0.02) or load trained ones",
+                      stacklevel=4)
+
+
+#: Model metadata: JSON {stacked weight: [[module tensors of expert e, concatenated on dim 0]]}.
+STACKED_KEY = "smp.stacked"
+
+
+class _LoopBlock:
+    """One recognised per-expert-loop block (see the module docs)."""
+
+    def __init__(self, name: str, block: Any, list_name: str, router: str, bias: str | None,
+                 order: list[tuple[str, str, str]], top_k: int, normalise: bool, with_logits: bool) -> None:
+        self.name, self.block, self.list_name = name, block, list_name
+        self.router, self.bias, self.order = router, bias, order
+        self.top_k, self.normalise, self.with_logits = top_k, normalise, with_logits
+
+    def path(self, tensor: str) -> str:
+        return f"{self.name}.{tensor}" if self.name else tensor
+
+    def stacked(self) -> dict[str, list[list[str]]]:
+        """{stacked weight: per expert, the module tensors it concatenates} (module names)."""
+        lst = self.path(self.list_name)
+        return {f"{lst}.gate_up_proj": [[f"{lst}.{e}.{g}.weight", f"{lst}.{e}.{u}.weight"]
+                                        for e, (g, u, _) in enumerate(self.order)],
+                f"{lst}.down_proj": [[f"{lst}.{e}.{d}.weight"] for e, (_, _, d) in enumerate(self.order)]}
+
+    def stacked_module(self) -> Any:
+        import torch
+
+        experts = getattr(self.block, self.list_name)
+
+        class Stacked(torch.nn.Module):
+            """The experts' weights stacked (dense_experts reads these names)."""
+
+            def __init__(self, order: list[tuple[str, str, str]]) -> None:
+                super().__init__()
+                mods = [dict(m.named_children()) for m in experts]
+                self.gate_up_proj = torch.nn.Parameter(torch.stack(
+                    [torch.cat([m[g].weight, m[u].weight]) for m, (g, u, _) in zip(mods, order)]).detach().clone())
+                self.down_proj = torch.nn.Parameter(
+                    torch.stack([m[d].weight for m, (_, _, d) in zip(mods, order)]).detach().clone())
+                self.act_fn = torch.nn.functional.silu
+
+        return Stacked(self.order)
+
+    def forward(self, stacked: Any) -> Any:
+        import torch
+
+        block, top_k, normalise, with_logits = self.block, self.top_k, self.normalise, self.with_logits
+        router, bias_name = self.router, self.bias
+
+        def forward(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+            # read through the module at call time, so that the exporter sees parameters
+            weight = block.get_parameter(router)
+            bias = block.get_parameter(bias_name) if bias_name else None
+            x = hidden_states.reshape(-1, hidden_states.shape[-1])
+            logits = torch.nn.functional.linear(x, weight, bias)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+            top, index = torch.topk(probs, top_k, dim=-1)
+            if normalise:
+                top = top / top.sum(dim=-1, keepdim=True)
+            y = dense_experts(stacked, x, index, top.to(x.dtype)).reshape(hidden_states.shape)
+            return (y, logits) if with_logits else y
+
+        return forward
+
+
+def _gated_order(expert: Any) -> tuple[str, str, str] | None:
+    """(gate, up, down) child names if `expert` computes `down(silu(gate(x)) * up(x))` with three
+    bias-free linears (checked on a probe in f64), else None."""
+    import copy
+
+    import torch
+
+    lins = [(n, m) for n, m in expert.named_children() if isinstance(m, torch.nn.Linear)]
+    if len(lins) != 3 or any(m.bias is not None for _, m in lins) or sum(1 for _ in expert.parameters()) != 3:
+        return None
+    e = copy.deepcopy(expert).double().eval()
+    mods = dict(e.named_children())
+    for d, _ in lins:
+        a, b = [n for n, _ in lins if n != d]
+        h = mods[a].in_features
+        if (mods[a].weight.shape != mods[b].weight.shape or mods[d].in_features != mods[a].out_features
+                or mods[d].out_features != h):
+            continue
+        probe = torch.randn(5, h, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            try:
+                want = e(probe)
+            except Exception:  # noqa: BLE001 - an expert that does not take [N, H] is not one
+                return None
+            for g, u in ((a, b), (b, a)):
+                got = mods[d](torch.nn.functional.silu(mods[g](probe)) * mods[u](probe))
+                if isinstance(want, torch.Tensor) and got.shape == want.shape and torch.allclose(
+                        got, want, rtol=1e-10, atol=1e-12):
+                    return g, u, d
+    return None
+
+
+def _loop_blocks(model: Any) -> list[_LoopBlock]:
+    """The per-expert-loop blocks of `model` (module docs), recognised by what they compute."""
+    import copy
+
+    import torch
+
+    out = []
+    for name, block in model.named_modules():
+        lists = [(n, m) for n, m in block.named_children() if isinstance(m, torch.nn.ModuleList) and len(m) >= 2]
+        if len(lists) != 1:
+            continue
+        list_name, experts = lists[0]
+        count = len(experts)
+        inside = {id(p) for p in experts.parameters()}
+        outside = [(n, p) for n, p in block.named_parameters() if id(p) not in inside]
+        routers = [n for n, p in outside if p.dim() == 2 and p.shape[0] == count]
+        if len(routers) != 1 or len(outside) > 2:
+            continue
+        router = routers[0]
+        bias = router[:-len("weight")] + "bias" if router.endswith("weight") else None
+        bias = bias if bias in dict(outside) else None
+        if len(outside) == 2 and bias is None:
+            continue
+        order = [_gated_order(m) for m in experts]
+        if any(o is None for o in order) or any(not p.requires_grad for p in experts.parameters()):
+            continue
+        h = dict(outside)[router].shape[1]
+        probe = torch.randn(2, 3, h, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        copied = copy.deepcopy(block).double().eval()
+        try:
+            with torch.no_grad():
+                want = copied(probe)
+        except Exception:  # noqa: BLE001 - a block that does not take hidden states is not one
+            continue
+        with_logits = isinstance(want, tuple) and len(want) == 2
+        main = want[0] if with_logits else want
+        if not isinstance(main, torch.Tensor) or main.shape != probe.shape:
+            continue
+        found = None
+        for top_k in range(1, count + 1):
+            for normalise in (True, False):
+                candidate = _LoopBlock(name, copied, list_name, router, bias, order, top_k, normalise, with_logits)
+                with torch.no_grad():
+                    got = candidate.forward(candidate.stacked_module())(probe)
+                g = got[0] if with_logits else got
+                # f32 steps inside a block (its softmax) round at 1e-7; a wrong top-k or
+                # normalisation is off by O(1)
+                ok = torch.allclose(g, main, rtol=1e-5, atol=1e-7)
+                if ok and with_logits:
+                    ok = isinstance(want[1], torch.Tensor) and want[1].numel() == got[1].numel() and torch.allclose(
+                        got[1], want[1].reshape(got[1].shape), rtol=1e-5, atol=1e-7)
+                if ok:
+                    found = (top_k, normalise)
+                    break
+            if found:
+                break
+        if found:
+            out.append(_LoopBlock(name, block, list_name, router, bias, order, found[0], found[1], with_logits))
+    return out
+
+
 class _Totals:
     """Running sums of the routers' statistics during one forward (see the module docs)."""
 
@@ -136,10 +335,15 @@ class MoeExport:
         self.coefficient: float | None = None
         self.mask_input = "attention_mask" if "attention_mask" in input_names else None
         self.input_names = input_names
+        self.loops = _loop_blocks(model)
+        if self.loops:
+            warn_tied_routers(model, [(b.path(b.list_name), getattr(b.block, b.list_name), len(getattr(b.block, b.list_name)))
+                                      for b in self.loops])
         if not self.experts:
             return
         for name, m in self.experts:
             _check_experts(name, m)
+        warn_tied_routers(model, [(n, m, int(m.gate_up_proj.shape[0])) for n, m in self.experts])
         cfg = getattr(model, "config", None)
         jitter = max([getattr(cfg, "router_jitter_noise", 0.0) or 0.0]
                      + [getattr(m, "jitter_noise", 0.0) or 0.0 for m in model.modules()])
@@ -160,6 +364,11 @@ class MoeExport:
             self.router, self.logits_index = router
             self.coefficient = float(coefficient)
             self.totals = _Totals(int(experts), int(top_k))
+
+    @property
+    def stacked(self) -> dict[str, list[list[str]]]:
+        """{stacked weight: per expert, its module tensors} of the per-expert-loop blocks."""
+        return {k: v for b in self.loops for k, v in b.stacked().items()}
 
     @property
     def output_names(self) -> list[str]:
@@ -194,10 +403,34 @@ class MoeExport:
     @contextlib.contextmanager
     def exporting(self) -> Iterator[None]:
         """Dense experts, router hooks, and the model's own auxiliary loss off (its
-        `torch.histc` does not export); all restored afterwards."""
-        if not self.experts:
+        `torch.histc` does not export), per-expert-loop blocks stacked; all restored afterwards."""
+        with self._stacking():
+            if not self.experts:
+                yield
+                return
+            with self._interface():
+                yield
+
+    @contextlib.contextmanager
+    def _stacking(self) -> Iterator[None]:
+        """Each per-expert-loop block as its stacked dense form (module docs)."""
+        swapped = []
+        try:
+            for b in self.loops:
+                original = getattr(b.block, b.list_name)
+                stacked = b.stacked_module()
+                setattr(b.block, b.list_name, stacked)
+                swapped.append((b, original))
+                b.block.forward = b.forward(stacked)
             yield
-            return
+        finally:
+            for b, original in swapped:
+                setattr(b.block, b.list_name, original)
+                del b.block.forward
+
+    @contextlib.contextmanager
+    def _interface(self) -> Iterator[None]:
+        """The experts interface as `smp_dense`."""
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
         ALL_EXPERTS_FUNCTIONS[IMPLEMENTATION] = dense_experts
@@ -225,6 +458,29 @@ class MoeExport:
                 cfg.output_router_logits = asked
             for k, c in configs.items():
                 c._experts_implementation = before[k]
+
+    def record_stacked(self, proto: Any, record: dict, prefix: str) -> None:
+        """Marks each stacked weight of `proto` a trained parameter under its own name, writes
+        `smp.stacked`, and drops the module tensors it stands for from `record["missing"]`."""
+        if not self.loops:
+            return
+        from . import param_record as pr
+
+        stacked = {prefix + k: [[prefix + n for n in parts] for parts in v] for k, v in self.stacked.items()}
+        for t in proto.graph.initializer:
+            if t.name in stacked:
+                del t.metadata_props[:]
+                pr._set(t, {pr.K_KIND: "parameter", pr.K_TRANSFORM: "identity", pr.K_PARAMS: json.dumps([[t.name]])})
+                record["parameters"] += 1
+                record["constants"] -= 1
+        absent = [k for k in stacked if k not in {t.name for t in proto.graph.initializer}]
+        if absent:
+            raise SmpError(f"the stacked expert weights {absent} are not in the exported file; this is a bug of the "
+                           "export, please report it with the model")
+        parts = {n for v in stacked.values() for e in v for n in e}
+        record["missing"] = [n for n in record["missing"] if n not in parts]
+        pr._set_model_meta(proto, record["missing"])
+        proto.metadata_props.add(key=STACKED_KEY, value=json.dumps(stacked))
 
     def annotate(self, proto: Any) -> None:
         """Writes `smp.aux_loss` into the model's metadata (docs/parameter-record.md)."""

@@ -322,6 +322,7 @@ def export(model: Any, example_inputs: Any, path: str | Path, *, dynamic: bool =
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     parameters = {PREFIX + n for n, _ in model.named_parameters(remove_duplicate=False)}
+    parameters |= {PREFIX + n for n in moe.stacked}
     statistics, counters = running_statistics(model, PREFIX)
 
     def capture(shapes: Any) -> Any:
@@ -360,6 +361,7 @@ def export(model: Any, example_inputs: Any, path: str | Path, *, dynamic: bool =
     _fold_weight_transposes(proto, read & parameters)
     param_record.drop_stack_traces(proto)
     record = param_record.write_record(wrapper, proto, exact_names=True)
+    moe.record_stacked(proto, record, PREFIX)
     lost = [n for n in record["missing"] if n in read]
     if lost:
         raise SmpError(f"parameter `{lost[0][len(PREFIX):]}` of {type(model).__name__} (module "

@@ -48,6 +48,34 @@ def counters(model_path: str | Path) -> dict[str, str]:
     return read_counters(onnx.load(str(model_path), load_external_data=False))
 
 
+def stacked_experts(model_path: str | Path) -> dict[str, list[list[str]]]:
+    """The stacked expert weights of the export `model_path` (`smp.stacked`): {stacked weight:
+    per expert, the module tensors concatenated on dim 0}."""
+    import onnx
+
+    proto = onnx.load(str(model_path), load_external_data=False)
+    entry = next((p.value for p in proto.metadata_props if p.key == "smp.stacked"), None)
+    return json.loads(entry) if entry else {}
+
+
+def unstacked(tensors: dict[str, Any], stacked: dict[str, list[list[str]]]) -> dict[str, Any]:
+    """`tensors` with each stacked expert weight split back into its module tensors."""
+    if not stacked:
+        return tensors
+    out = {k: v for k, v in tensors.items() if k not in stacked}
+    for name, experts in stacked.items():
+        if name not in tensors:
+            continue
+        whole = tensors[name]
+        if whole.shape[0] != len(experts):
+            raise SmpError(f"trained `{name}` has {whole.shape[0]} experts, the export stacked {len(experts)}")
+        for e, parts in enumerate(experts):
+            rows = whole[e].shape[0] // len(parts)
+            for i, part in enumerate(parts):
+                out[part] = whole[e][i * rows:(i + 1) * rows].clone()
+    return out
+
+
 def training_forwards(run: Run) -> int:
     """How many training forwards each module of `run` made on the replica whose buffers the
     trained weights hold: one per microbatch of every step (a resumed run's steps count from
@@ -119,6 +147,8 @@ def load_trained(model: Any, run: Run, *, path: str | Path | None = None) -> Any
     if not source.is_file():
         raise SmpError(f"the run's weights file {source} does not exist")
     tensors = load_file(str(source))
+    if run.plan.model_path.is_file():
+        tensors = unstacked(tensors, stacked_experts(run.plan.model_path))
     unused = unused_parameters(run.plan.model_path) if run.plan.model_path.is_file() else []
     full = state_dict_of(model, tensors, run.plan.prefix, unused)
     if run.plan.model_path.is_file():

@@ -2,7 +2,9 @@
 architecture at a small config and the library's default init, exported by `smp.export`
 (cached), planned on cpu:2 with `pipeline_parallel_degree: 2` and again with
 `tensor_parallel_degree: 2` (language models also with `context_parallel_degree: 2`, each
-sequence split over 2 ranks, checked to all-gather keys and values), trained 5 f32 steps by `smp.launch` on 2 ranks and brought back
+sequence split over 2 ranks, checked to all-gather keys and values; mixture-of-experts
+entries marked so also at `expert_parallel_degree: 2` and pp 2 × ep 2 on 4 ranks, each MoE
+layer checked fused into one `MixtureOfExperts`), trained 5 f32 steps by `smp.launch` on 2 ranks and brought back
 by `smp.load_trained` (strict), then compared with the module trained by PyTorch itself:
 losses within 1e-5 relative, every parameter and every persistent buffer (BatchNorm's running
 statistics; its counters exactly) within 1e-4 norm-relative (elements whose true gradient is
@@ -35,6 +37,9 @@ NOISE_BOUND = 2.0 * zoo.STEPS * zoo.LR
 PLANS = {"pp2": {"pipeline_parallel_degree": 2, "microbatches": 2}, "tp2": {"tensor_parallel_degree": 2}}
 # context parallelism splits tokens: only for models whose loss is a sum over tokens
 TOKEN_PLANS = {"cp2": {"context_parallel_degree": 2}}
+# expert parallelism: the routed experts split over 2 ranks (pp 2 × ep 2 on 4)
+EXPERT_PLANS = {"ep2": {"expert_parallel_degree": 2},
+                "pp2-ep2": {"pipeline_parallel_degree": 2, "microbatches": 2, "expert_parallel_degree": 2}}
 
 
 def _norm_rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -104,6 +109,20 @@ def _case(name: str) -> zoo.Case:
     return zoo.case(name)
 
 
+def _fused(plan: smp.Plan) -> list[str]:
+    """The fused ops of the plan, by kind (`mixture_of_experts`, `attention`, ...)."""
+    return [next(iter(f["op"])) if isinstance(f["op"], dict) else f["op"] for f in plan.data["codegen"].get("fused", [])]
+
+
+def _cluster(config: dict) -> str:
+    """The ranks a plan's degrees take."""
+    ranks = 1
+    for key in ("pipeline_parallel_degree", "tensor_parallel_degree", "context_parallel_degree",
+                "expert_parallel_degree"):
+        ranks *= config.get(key, 1)
+    return f"cpu:{ranks}"
+
+
 def _layer_names(plan: smp.Plan) -> list[str]:
     return [layer["name"] for layer in plan.data["layer_strategies"]]
 
@@ -116,15 +135,26 @@ def test_zoo(name: str, tmp_path: Path) -> None:
     import numpy as np
 
     np.savez(data_file, **{k: v.numpy() for k, v in data.items()})
+    if c.arch.ops:
+        import onnx
+
+        held = {n.op_type for n in onnx.load(str(c.exported.path)).graph.node}
+        assert set(c.arch.ops) <= held, f"the export holds none of {sorted(set(c.arch.ops) - held)}"
     exact_losses, exact = _one_process_f64(c, data_file, tmp_path)
     loss = zoo.RUNNER_LOSS[c.arch.task]
     failures, measured = [], {}
-    plans = PLANS | (TOKEN_PLANS if c.arch.task in ("causal-lm", "masked-lm") else {})
+    plans = (PLANS | (TOKEN_PLANS if c.arch.task in ("causal-lm", "masked-lm") else {})
+             | (EXPERT_PLANS if c.arch.expert_parallel else {}))
     if zoo.has_batch_statistics(c.model):
         plans = {label: config | {"microbatches": 1} for label, config in plans.items()}
     for label, config in plans.items():
-        plan = smp.plan(c.exported, zoo.inputs_of(c.data), cluster="cpu:2", global_batch=zoo.BATCH, config=config,
-                        workdir=tmp_path / label)
+        plan = smp.plan(c.exported, zoo.inputs_of(c.data), cluster=_cluster(config), global_batch=zoo.BATCH,
+                        config=config, workdir=tmp_path / label)
+        moe = _fused(plan).count("mixture_of_experts")
+        if moe != c.arch.moe_layers:
+            failures.append(f"{label}: {moe} fused mixture-of-experts ops, expected {c.arch.moe_layers}")
+        if plan.parallel.ep != config.get("expert_parallel_degree", 1):
+            failures.append(f"{label}: the plan's expert parallelism is {plan.parallel.ep}")
         if c.arch.task == "seq2seq":
             # both stacks' blocks are layers the plan can cut between
             names = _layer_names(plan)

@@ -10,6 +10,7 @@ transformers version.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -42,6 +43,12 @@ class Arch:
     build: Callable[[], Any]
     #: causal-lm | masked-lm | seq2seq | image
     task: str
+    #: Routed mixture-of-experts layers, each fused into one `MixtureOfExperts` in every plan.
+    moe_layers: int = 0
+    #: Also trained at ep 2 and pp 2 × ep 2 (expert parallelism).
+    expert_parallel: bool = False
+    #: ONNX ops its export must hold (what the entry stands for).
+    ops: tuple[str, ...] = ()
 
 
 def _t():
@@ -58,6 +65,76 @@ def _decoder(**extra: Any) -> dict[str, Any]:
     """The shared small decoder shape (rotary models): 2 layers, hidden 32, 4 heads."""
     return dict(num_hidden_layers=2, hidden_size=H, num_attention_heads=4, intermediate_size=64,
                 max_position_embeddings=32, use_cache=False, **_tok(), **extra)
+
+
+def _deepseek_v3() -> Any:
+    """DeepSeek-V3: sigmoid router with a bias correction (`e_score_correction_bias`) that only
+    chooses, group-limited top-k (`n_group` groups, the best `topk_group` of them by their two
+    best scores, a scatter of the chosen groups into a mask), normalised and scaled weights, a
+    shared expert beside the routed ones, a dense first layer; multi-head latent attention."""
+    T = _t()
+    cfg = T.DeepseekV3Config(
+        num_hidden_layers=2, hidden_size=H, num_attention_heads=4, num_key_value_heads=4, intermediate_size=64,
+        max_position_embeddings=32, use_cache=False, tie_word_embeddings=False, attention_dropout=0.0, **_tok(),
+        # routed experts: 4 in 2 groups, top 2 of the best group, one shared expert; layer 0 dense
+        n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+        first_k_dense_replace=1, moe_intermediate_size=32,
+        # multi-head latent attention (its key/value heads are the attention heads; the
+        # config's default is 128)
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+    model = T.DeepseekV3ForCausalLM(cfg)
+    # a bias correction that changes which experts are chosen (a trained model's is never 0)
+    for m in model.modules():
+        if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor):
+            m.e_score_correction_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.25]))
+    return model
+
+
+class LoopExpert(torch.nn.Module):
+    """One expert of `LoopMoe`: a gated MLP, `w2(silu(w1(x)) * w3(x))`."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Linear(hidden, inner, bias=False)
+        self.w2 = torch.nn.Linear(inner, hidden, bias=False)
+        self.w3 = torch.nn.Linear(hidden, inner, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class LoopMoe(torch.nn.Module):
+    """Mixtral's earlier mixture-of-experts block: a router and a list of expert modules, each
+    run on the tokens routed to it, looped over the experts the batch hits."""
+
+    def __init__(self, hidden: int, inner: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.gate = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = torch.nn.ModuleList(LoopExpert(hidden, inner) for _ in range(experts))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        weights = torch.nn.functional.softmax(self.gate(x), dim=1, dtype=torch.float)
+        weights, chosen = torch.topk(weights, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        mask = torch.nn.functional.one_hot(chosen, num_classes=len(self.experts)).permute(2, 1, 0)
+        for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+            slot, token = torch.where(mask[e[0]])
+            out.index_add_(0, token, self.experts[int(e[0])](x[token]) * weights[token, slot, None])
+        return out.view(b, s, h)
+
+
+def _loop_moe() -> Any:
+    """Mixtral with each layer's experts as `LoopMoe` (4 experts, top 2)."""
+    T = _t()
+    model = T.MixtralForCausalLM(T.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                                 attention_dropout=0.0, **_decoder()))
+    for layer in model.model.layers:
+        layer.mlp = LoopMoe(H, 32, 4, 2)
+    return model
 
 
 def archs() -> dict[str, Arch]:
@@ -110,10 +187,14 @@ def archs() -> dict[str, Arch]:
             attention_dropout=0.0, max_position_embeddings=32, use_cache=False, **_tok())), "causal-lm"),
         Arch("mixtral", "decoder LM, mixture of experts (8 experts, top 2)", lambda: T.MixtralForCausalLM(T.MixtralConfig(
             num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, **no_drop, **_decoder())),
-            "causal-lm"),
+            "causal-lm", moe_layers=2),
         Arch("qwen3_moe", "decoder LM, mixture of experts (8 experts, top 2)", lambda: T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
             num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-            norm_topk_prob=True, **no_drop, **_decoder())), "causal-lm"),
+            norm_topk_prob=True, **no_drop, **_decoder())), "causal-lm", moe_layers=2),
+        Arch("deepseek_v3", "decoder LM, group-limited routing with bias correction, shared expert, latent attention",
+             _deepseek_v3, "causal-lm", moe_layers=1, expert_parallel=True),
+        Arch("loop_moe", "decoder LM, per-expert modules looped over the experts hit (4 experts, top 2)", _loop_moe,
+             "causal-lm", moe_layers=2, expert_parallel=True),
         Arch("bert", "encoder, masked LM", lambda: T.BertForMaskedLM(T.BertConfig(
             num_hidden_layers=2, hidden_size=H, num_attention_heads=2, intermediate_size=64,
             max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
@@ -155,6 +236,11 @@ def archs() -> dict[str, Arch]:
         Arch("convnext", "vision CNN (depthwise convolutions, layer scale)", lambda: T.ConvNextForImageClassification(T.ConvNextConfig(
             num_channels=3, patch_size=4, num_stages=2, hidden_sizes=[16, 32], depths=[2, 2],
             drop_path_rate=0.0, image_size=IMAGE, num_labels=CLASSES)), "image"),
+        # global response normalisation: each channel's L2 norm over the image (`ReduceL2`),
+        # zero-initialised per-channel gamma and beta
+        Arch("convnextv2", "vision CNN, global response normalisation (L2 norms: ReduceL2)", lambda: T.ConvNextV2ForImageClassification(
+            T.ConvNextV2Config(num_channels=3, patch_size=4, num_stages=2, hidden_sizes=[16, 32], depths=[2, 2],
+                               drop_path_rate=0.0, image_size=IMAGE, num_labels=CLASSES)), "image", ops=("ReduceL2",)),
     ]
     return {x.name: x for x in a}
 
@@ -268,6 +354,9 @@ def cache_dir(arch: Arch, model: Any) -> Path:
     import transformers
 
     h = hashlib.sha256()
+    for fn in (arch.build, LoopMoe, LoopExpert):
+        with contextlib.suppress(OSError, TypeError):
+            h.update(inspect.getsource(fn).encode())
     for source in ("export.py", "param_record.py", "_complex.py", "_trace.py", "_moe.py"):
         h.update((REPO / "python/smp_partition" / source).read_bytes())
     for fn in (build, batch, inputs_of, loss_of, logits_of, persistent_buffers, eval_logits, train_torch):
