@@ -35,6 +35,39 @@ pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
 
 /// [`bounds`] of `p` with `layers` in place of its own.
 pub(super) fn bounds_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> (f64, f64) {
+    bounds_spread(p, layers, false)
+}
+
+/// The step-time bound of `p` with `layers` in place of its own, tightened for interleaved
+/// schedules by [`spread_lower_bound`] (a device's chunks need not be neighbours, so the
+/// contiguous split of [`bounds`] says little there). What the search prunes by once an
+/// incumbent exists; it orders candidates by [`bounds`] alone, so ties resolve as before.
+pub(super) fn pruning_bound(p: &PipelineProblem, layers: &[PipelineLayer]) -> f64 {
+    bounds_spread(p, layers, true).0
+}
+
+/// The least possible load of the busiest of `bins` bins holding `times`, however they are
+/// spread (contiguous or not): of the k·bins + 1 largest items, some bin holds k + 1, so its
+/// load is at least the k + 1 smallest of them, for every k with k·bins < n.
+pub fn spread_lower_bound(times: &[f64], bins: usize) -> f64 {
+    if bins == 0 || times.is_empty() {
+        return 0.0;
+    }
+    let mut sorted = times.to_vec();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    let mut best = 0.0f64;
+    let mut k = 0;
+    while k * bins < sorted.len() {
+        let top = k * bins;
+        best = best.max(sorted[top - k..=top].iter().sum());
+        k += 1;
+    }
+    best
+}
+
+/// [`bounds_with`], with the spread bound on the busiest device's compute and sync under an
+/// interleaved schedule when `spread`.
+fn bounds_spread(p: &PipelineProblem, layers: &[PipelineLayer], spread: bool) -> (f64, f64) {
     let devices = p.devices.max(1);
     let chunks = p.chunks();
     let c = p.bubble_coeff;
@@ -127,7 +160,11 @@ pub(super) fn bounds_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> (f64
             } else {
                 (s_sum / devices as f64).max(smin.iter().cloned().fold(0.0, f64::max))
             };
-            (tau, sigma)
+            if spread && p.virtual_stages > 1 {
+                (tau.max(spread_lower_bound(&tmin, devices)), sigma.max(spread_lower_bound(&smin, devices)))
+            } else {
+                (tau, sigma)
+            }
         }
     };
     let transfer = match &p.fixed_chunks {

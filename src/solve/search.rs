@@ -11,7 +11,7 @@ use std::time::Instant;
 use crate::cost::{ClusterSpec, in_flight, kept_in_flight};
 use crate::ir::{LayeredGraph, Parallelism};
 
-use super::bounds::bounds_with;
+use super::bounds::{bounds_with, pruning_bound};
 use super::candidates::{divisors, global_batch};
 use super::heuristic::incumbent;
 use super::ilp::{SolveReport, SolveStatus, SolverOptions};
@@ -249,6 +249,18 @@ impl Frontier {
             let incumbent = self.incumbent();
             if incumbent.is_some_and(|inc| p.lb >= inc * (1.0 - 1e-9)) {
                 break;
+            }
+            // The interleaved bound, tighter than the order's: a candidate it puts above the
+            // incumbent cannot beat it (the margin covers the ILP's rounding), so its ILP would
+            // only prove that.
+            if let Some(inc) = incumbent
+                && p.problem.virtual_stages > 1
+                && pruning_bound(&p.problem, &p.table) >= inc * (1.0 + 1e-6)
+            {
+                self.skipped += 1;
+                self.done += 1;
+                i += 1;
+                continue;
             }
             let remaining = limit - start.elapsed().as_secs_f64();
             if remaining <= 0.0 && incumbent.is_some() {
