@@ -8,7 +8,7 @@ use smp_partition::solve::problem::{
     PipelineObjective, PipelineProblem, TiedCopy,
 };
 use smp_partition::solve::heuristic::incumbent;
-use smp_partition::solve::search::bounds;
+use smp_partition::solve::search::{bounds, pruning_bound, spread_lower_bound};
 use smp_partition::solve::{SolveStatus, SolverOptions};
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -162,6 +162,9 @@ proptest! {
             None => prop_assert!(quick.is_none(), "a quick layout where brute force finds none"),
             Some((obj, _, e)) => {
                 prop_assert!(lb <= obj * (1.0 + 1e-9) + 1e-12, "bound {} above the optimum {}", lb, obj);
+                // The interleaved pruning bound: never looser than the order's, never above the optimum.
+                let tight = pruning_bound(&p);
+                prop_assert!(tight >= lb && tight <= obj * (1.0 + 1e-9) + 1e-12, "pruning bound {} vs bound {} and optimum {}", tight, lb, obj);
                 let peak = e.total_bytes.iter().cloned().fold(0.0, f64::max);
                 prop_assert!(mem_lb <= peak * (1.0 + 1e-9) + 1e-6, "memory bound {} above {}", mem_lb, peak);
                 if let Some((choices, e)) = quick {
@@ -190,6 +193,25 @@ proptest! {
         } else {
             prop_assert_eq!(sol.report.status, SolveStatus::Infeasible, "found {} below the optimum {}", sol.report.objective, obj);
         }
+    }
+
+    #[test]
+    fn spread_bound_never_exceeds_the_best_assignment(times in prop::collection::vec(0.0f64..5.0, 1..=8), bins in 1usize..=4) {
+        // Brute force: every assignment of the items to bins, contiguous or not.
+        let n = times.len();
+        let mut best = f64::INFINITY;
+        for code in 0..bins.pow(n as u32) {
+            let mut load = vec![0.0; bins];
+            let mut c = code;
+            for &t in &times {
+                load[c % bins] += t;
+                c /= bins;
+            }
+            best = best.min(load.iter().cloned().fold(0.0, f64::max));
+        }
+        let lb = spread_lower_bound(&times, bins);
+        prop_assert!(lb <= best * (1.0 + 1e-12), "spread bound {} above the best assignment {}", lb, best);
+        prop_assert!(lb >= times.iter().cloned().fold(0.0, f64::max), "spread bound {} below the largest item", lb);
     }
 
     #[test]
@@ -248,4 +270,16 @@ proptest! {
             }
         }
     }
+}
+
+/// GPT-3's 96 equal blocks with a lighter head and embedding on 8 devices: some device holds
+/// 12 blocks and the head (or 13 blocks), above the mean load of 12.05 blocks that the
+/// interleaved bound used alone.
+#[test]
+fn spread_bound_sees_the_head_beside_twelve_blocks() {
+    let mut times = vec![0.03];
+    times.extend(std::iter::repeat_n(1.0, 96));
+    times.push(0.4);
+    let lb = spread_lower_bound(&times, 8);
+    assert!((lb - 12.4).abs() < 1e-9, "{lb}");
 }

@@ -1,6 +1,9 @@
 //! Lower bounds on a candidate's step time and peak memory without an ILP (docs/planner.md
 //! §3): what the outer search sorts and prunes its candidates by.
 
+use std::collections::HashMap;
+use std::rc::Rc;
+
 use crate::ir::{OffloadRule, ScheduleKind};
 
 use super::oracle::min_max_lower_bound;
@@ -35,11 +38,122 @@ pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
 
 /// [`bounds`] of `p` with `layers` in place of its own.
 pub(super) fn bounds_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> (f64, f64) {
+    bounds_spread(p, layers, &table_facts(layers), None, false)
+}
+
+/// What the bounds read of one layer: its least figures over its points.
+#[derive(Clone, Copy, Debug)]
+struct LayerFacts {
+    /// Least forward + backward time, and with the recompute of a layer always checkpointed.
+    t: f64,
+    t_always: f64,
+    /// Least sync time, model-state bytes, saved-activation bytes, input bytes (at most `act`),
+    /// forward time.
+    s: f64,
+    state: f64,
+    act: f64,
+    input: f64,
+    fwd: f64,
+    /// The most bytes offloading may move (at most `input`).
+    movable: f64,
+}
+
+fn table_facts(layers: &[PipelineLayer]) -> Vec<LayerFacts> {
+    let fold_min = |it: &mut dyn Iterator<Item = f64>| it.fold(f64::INFINITY, f64::min);
+    layers
+        .iter()
+        .map(|l| {
+            let pts = &l.points;
+            let act = fold_min(&mut pts.iter().map(|q| q.act_bytes));
+            let input = fold_min(&mut pts.iter().map(|q| q.input_bytes)).min(act);
+            LayerFacts {
+                t: fold_min(&mut pts.iter().map(|q| q.fwd_s + q.bwd_s + 0.0)),
+                t_always: fold_min(&mut pts.iter().map(|q| q.fwd_s + q.bwd_s + q.fwd_s)),
+                s: fold_min(&mut pts.iter().map(|q| q.sync_s)),
+                state: fold_min(&mut pts.iter().map(|q| q.state_bytes)),
+                act,
+                input,
+                fwd: fold_min(&mut pts.iter().map(|q| q.fwd_s)),
+                movable: pts.iter().map(|q| q.offload_bytes).fold(0.0, f64::max).min(input),
+            }
+        })
+        .collect()
+}
+
+/// A table's facts, with the table kept alive so its address names it for the memo's lifetime.
+struct SharedFacts {
+    _table: Rc<Vec<PipelineLayer>>,
+    layers: Vec<LayerFacts>,
+}
+
+/// Min-max splits already computed, by the times' bits and the part count.
+type Splits = HashMap<(Vec<u64>, usize), f64>;
+
+/// The bounds' work shared by the candidates of one search: each layer table's least
+/// figures, computed once per table, and the min-max splits of least times, computed once
+/// per distinct times and part count (tables differing only in ZeRO or data-parallel groups
+/// share their times). The bounds are the same numbers [`bounds`] gives.
+#[derive(Default)]
+pub struct BoundMemo {
+    tables: HashMap<*const Vec<PipelineLayer>, SharedFacts>,
+    splits: Splits,
+}
+
+/// [`bounds_with`] over a shared `table`, with the work shared through `memo`.
+pub(super) fn bounds_shared(p: &PipelineProblem, table: &Rc<Vec<PipelineLayer>>, memo: &mut BoundMemo) -> (f64, f64) {
+    let shared = memo
+        .tables
+        .entry(Rc::as_ptr(table))
+        .or_insert_with(|| SharedFacts { _table: table.clone(), layers: table_facts(table) });
+    bounds_spread(p, table, &shared.layers, Some(&mut memo.splits), false)
+}
+
+/// The step-time bound of `p`, tightened for interleaved schedules by [`spread_lower_bound`]
+/// (a device's chunks need not be neighbours, so the contiguous split of [`bounds`] says little
+/// there). What the search prunes by once an incumbent exists; it orders candidates by
+/// [`bounds`] alone, so ties resolve as before.
+pub fn pruning_bound(p: &PipelineProblem) -> f64 {
+    pruning_bound_with(p, &p.layers)
+}
+
+/// [`pruning_bound`] of `p` with `layers` in place of its own.
+pub(super) fn pruning_bound_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> f64 {
+    bounds_spread(p, layers, &table_facts(layers), None, true).0
+}
+
+/// The least possible load of the busiest of `bins` bins holding `times`, however they are
+/// spread (contiguous or not): of the k·bins + 1 largest items, some bin holds k + 1, so its
+/// load is at least the k + 1 smallest of them, for every k with k·bins < n.
+pub fn spread_lower_bound(times: &[f64], bins: usize) -> f64 {
+    if bins == 0 || times.is_empty() {
+        return 0.0;
+    }
+    let mut sorted = times.to_vec();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    let mut best = 0.0f64;
+    let mut k = 0;
+    while k * bins < sorted.len() {
+        let top = k * bins;
+        best = best.max(sorted[top - k..=top].iter().sum());
+        k += 1;
+    }
+    best
+}
+
+/// [`bounds_with`] from the layers' `facts`, with the spread bound on the busiest device's
+/// compute and sync under an interleaved schedule when `spread`; `splits` remembers the
+/// min-max splits of the table's least times where they depend on the table alone.
+fn bounds_spread(
+    p: &PipelineProblem,
+    layers: &[PipelineLayer],
+    facts: &[LayerFacts],
+    mut splits: Option<&mut Splits>,
+    spread: bool,
+) -> (f64, f64) {
     let devices = p.devices.max(1);
     let chunks = p.chunks();
     let c = p.bubble_coeff;
     let m = p.microbatches as f64;
-    let fold_min = |it: &mut dyn Iterator<Item = f64>| it.fold(f64::INFINITY, f64::min);
     let l_n = layers.len();
     let mut tmin = Vec::with_capacity(l_n);
     let mut smin = Vec::with_capacity(l_n);
@@ -54,29 +168,33 @@ pub(super) fn bounds_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> (f64
     } else {
         (p.loading_horizon / max_flight.max(1e-12)).min(1.0)
     };
-    for (i, l) in layers.iter().enumerate() {
-        let pts = &l.points;
+    for (i, f) in facts.iter().enumerate() {
         let rule = p.checkpoint_of(i);
         let always = rule == CheckpointRule::Always;
-        tmin.push(fold_min(&mut pts.iter().map(|q| q.fwd_s + q.bwd_s + if always { q.fwd_s } else { 0.0 })));
-        smin.push(fold_min(&mut pts.iter().map(|q| q.sync_s)));
-        state += fold_min(&mut pts.iter().map(|q| q.state_bytes));
-        let act = fold_min(&mut pts.iter().map(|q| q.act_bytes));
-        let input = fold_min(&mut pts.iter().map(|q| q.input_bytes)).min(act);
+        tmin.push(if always { f.t_always } else { f.t });
+        smin.push(f.s);
+        state += f.state;
+        let (act, input) = (f.act, f.input);
         // offloading costs no time in this bound: it frees bytes (the layer's own inputs) for free
-        let movable = pts.iter().map(|q| q.offload_bytes).fold(0.0, f64::max).min(input);
-        let least = input - movable * (1.0 - offloaded);
+        let least = input - f.movable * (1.0 - offloaded);
         let kept = match rule {
             CheckpointRule::Never => act,
             CheckpointRule::Always => least,
             CheckpointRule::Auto => {
-                items.push((fold_min(&mut pts.iter().map(|q| q.fwd_s)), act - least));
+                items.push((f.fwd, act - least));
                 act
             }
         };
         act_total += kept;
         kept_min += if rule == CheckpointRule::Never { act } else { input };
     }
+    let mut split = |parts: usize, times: &[f64]| match splits.as_deref_mut() {
+        Some(memo) => {
+            let key = (times.iter().map(|t| t.to_bits()).collect(), parts);
+            *memo.entry(key).or_insert_with(|| min_max_lower_bound(times, parts))
+        }
+        None => min_max_lower_bound(times, parts),
+    };
     let t_sum: f64 = tmin.iter().sum();
     let s_sum: f64 = smin.iter().sum();
     let kept_flight = if offloaded < 1.0 { min_flight.min(p.loading_horizon) } else { min_flight };
@@ -121,13 +239,17 @@ pub(super) fn bounds_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> (f64
             (t.iter().cloned().fold(0.0, f64::max), s.iter().cloned().fold(0.0, f64::max))
         }
         None => {
-            let tau = min_max_lower_bound(&tmin, chunks);
+            let tau = split(chunks, &tmin);
             let sigma = if p.virtual_stages == 1 {
-                min_max_lower_bound(&smin, devices)
+                split(devices, &smin)
             } else {
                 (s_sum / devices as f64).max(smin.iter().cloned().fold(0.0, f64::max))
             };
-            (tau, sigma)
+            if spread && p.virtual_stages > 1 {
+                (tau.max(spread_lower_bound(&tmin, devices)), sigma.max(spread_lower_bound(&smin, devices)))
+            } else {
+                (tau, sigma)
+            }
         }
     };
     let transfer = match &p.fixed_chunks {

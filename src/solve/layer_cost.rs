@@ -396,7 +396,25 @@ impl<'a> CostContext<'a> {
         if let Some(v) = self.model_cache.get(&key) {
             return v.clone();
         }
-        let v = std::rc::Rc::new((0..self.lg.layers.len()).map(|l| self.layer(l, cfg)).collect::<Vec<PipelineLayer>>());
+        // Identical layers share their representative's points: one cache look-up per
+        // representative, not per layer.
+        let n = self.lg.layers.len();
+        let mut by_rep: Vec<Option<PipelineLayer>> = vec![None; n];
+        let mut v = Vec::with_capacity(n);
+        for l in 0..n {
+            let rep = self.sig_index[l];
+            let mut layer = match &by_rep[rep] {
+                Some(x) => x.clone(),
+                None => {
+                    let x = self.rep_layer(rep, cfg);
+                    by_rep[rep] = Some(x.clone());
+                    x
+                }
+            };
+            layer.tied = self.tied_copies(l, cfg);
+            v.push(layer);
+        }
+        let v = std::rc::Rc::new(v);
         self.model_cache.insert(key, v.clone());
         v
     }
@@ -410,18 +428,22 @@ impl<'a> CostContext<'a> {
     /// The layer's Pareto points (one tensor assignment here) under `cfg`; identical layers
     /// (same signature) share one computation.
     pub fn layer(&mut self, layer: usize, cfg: &LayerConfig) -> PipelineLayer {
-        let rep = self.sig_index[layer];
+        let mut l = self.rep_layer(self.sig_index[layer], cfg);
+        l.tied = self.tied_copies(layer, cfg);
+        l
+    }
+
+    /// The points of representative layer `rep` under `cfg` (cached), without tied copies.
+    fn rep_layer(&mut self, rep: usize, cfg: &LayerConfig) -> PipelineLayer {
         let key = layer_key(rep, cfg);
-        let mut l = match self.cache.get(&key) {
+        match self.cache.get(&key) {
             Some(l) => l.clone(),
             None => {
                 let l = self.compute(rep, cfg);
                 self.cache.insert(key, l.clone());
                 l
             }
-        };
-        l.tied = self.tied_copies(layer, cfg);
-        l
+        }
     }
 
     /// The weights `layer` reads that another layer owns, with the model-state bytes a copy

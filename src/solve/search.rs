@@ -11,7 +11,7 @@ use std::time::Instant;
 use crate::cost::{ClusterSpec, in_flight, kept_in_flight};
 use crate::ir::{LayeredGraph, Parallelism};
 
-use super::bounds::bounds_with;
+use super::bounds::{BoundMemo, bounds_shared, pruning_bound_with};
 use super::candidates::{divisors, global_batch};
 use super::heuristic::incumbent;
 use super::ilp::{SolveReport, SolveStatus, SolverOptions};
@@ -22,7 +22,7 @@ use super::{
     AxisReport, LayerDecision, Optimize, PlanDecision, PlanOptions, Predicted, Progress, SolveError, StageDecision, StageMemory,
 };
 
-pub use super::bounds::{bounds, bubble_coeff};
+pub use super::bounds::{bounds, bubble_coeff, pruning_bound, spread_lower_bound};
 pub use super::candidates::{AxisLimits, Candidate, Grid, enumerate, layer_config, layout_chunks};
 
 /// Default budget for a whole search when none is given, seconds.
@@ -64,7 +64,7 @@ pub fn prepare(
     fixed_checkpoints: Option<Vec<bool>>,
 ) -> Prepared {
     let table = ctx.layers(&layer_config(ctx.spec, cand));
-    prepare_on(ctx, cand, memory_cap, active, (fixed_chunks, fixed_checkpoints), table)
+    prepare_on(ctx, cand, memory_cap, active, (fixed_chunks, fixed_checkpoints), table, &mut BoundMemo::default())
 }
 
 /// [`prepare`] over a given layer table, with the fixed chunks and recompute flags.
@@ -75,6 +75,7 @@ fn prepare_on(
     active: Option<usize>,
     (fixed_chunks, fixed_checkpoints): (Option<Vec<usize>>, Option<Vec<bool>>),
     table: Rc<Vec<PipelineLayer>>,
+    memo: &mut BoundMemo,
 ) -> Prepared {
     let spec = ctx.spec;
     let rank = |d: usize, p: usize, t: usize| cand.parallel.rank_of(d, 0, p, t);
@@ -119,7 +120,7 @@ fn prepare_on(
         fixed_checkpoints,
         objective: PipelineObjective::StepTime,
     };
-    let (lb, mem_lb) = bounds_with(&problem, &table);
+    let (lb, mem_lb) = bounds_shared(&problem, &table, memo);
     Prepared { cand: *cand, problem, table, lb, mem_lb }
 }
 
@@ -143,6 +144,8 @@ pub struct Search<'a> {
     megatron_view: bool,
     /// Those tables, by the full table they cut down.
     megatron_tables: HashMap<*const Vec<PipelineLayer>, Rc<Vec<PipelineLayer>>>,
+    /// The bounds' work per layer table, shared by every phase.
+    bound_memo: BoundMemo,
     /// Whether a search nothing fits in works out the fix (an unused seed's failure is
     /// dropped unread).
     pub explain: bool,
@@ -250,6 +253,18 @@ impl Frontier {
             if incumbent.is_some_and(|inc| p.lb >= inc * (1.0 - 1e-9)) {
                 break;
             }
+            // The interleaved bound, tighter than the order's: a candidate it puts above the
+            // incumbent cannot beat it (the margin covers the ILP's rounding), so its ILP would
+            // only prove that.
+            if let Some(inc) = incumbent
+                && p.problem.virtual_stages > 1
+                && pruning_bound_with(&p.problem, &p.table) >= inc * (1.0 + 1e-6)
+            {
+                self.skipped += 1;
+                self.done += 1;
+                i += 1;
+                continue;
+            }
             let remaining = limit - start.elapsed().as_secs_f64();
             if remaining <= 0.0 && incumbent.is_some() {
                 self.open_bound = self.open_bound.min(p.lb);
@@ -352,6 +367,7 @@ impl<'a> Search<'a> {
             cap: cfg.memory_limit_bytes().unwrap_or(spec.memory_bytes) as f64,
             megatron_view: false,
             megatron_tables: HashMap::new(),
+            bound_memo: BoundMemo::default(),
             explain: true,
         }
     }
@@ -413,7 +429,7 @@ impl<'a> Search<'a> {
             let f = layout.clone().or_else(|| fixed(cand, &self.ctx));
             let table = self.table(&layer_config(self.spec, cand));
             let checkpoints = self.cfg.checkpoint_flags(self.lg.layers.len());
-            out.push(prepare_on(&self.ctx, cand, self.cap, self.cfg.active_microbatches, (f, checkpoints), table));
+            out.push(prepare_on(&self.ctx, cand, self.cap, self.cfg.active_microbatches, (f, checkpoints), table, &mut self.bound_memo));
         }
         Ok(out)
     }
