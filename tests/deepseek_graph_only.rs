@@ -49,7 +49,8 @@ fn deepseek_v3_on_256_h100s_is_planned_optimal_with_its_experts_split() {
 
 #[test]
 fn deepseek_v3_latent_attention_splits_by_heads_under_megatron_tp() {
-    let r = plan_json(&["--cluster", "h100-80gb:64", "--global-batch", "64", "--baseline", "megatron", "--tp", "8", "--pp", "8"]);
+    // Megatron-LM's equal blocks per stage: one block per stage
+    let r = plan_json(&["--cluster", "h100-80gb:488", "--global-batch", "61", "--baseline", "megatron", "--tp", "8", "--pp", "61", "--dp", "1"]);
     let plan = &r["plan"];
     let mut blocks = 0;
     for l in plan["layer_strategies"].as_array().unwrap() {
@@ -58,9 +59,6 @@ fn deepseek_v3_latent_attention_splits_by_heads_under_megatron_tp() {
             continue;
         }
         blocks += 1;
-        let of = |needle: &str| -> Vec<String> {
-            nodes.iter().filter(|n| n[0].as_str().unwrap().contains(needle)).map(|n| n[1].as_str().unwrap().to_string()).collect()
-        };
         // the matmuls of the attention, in order: q_a, q_b, kv_a, kv_b, scores, context, o
         let att: Vec<String> = nodes
             .iter()
@@ -68,7 +66,6 @@ fn deepseek_v3_latent_attention_splits_by_heads_under_megatron_tp() {
             .map(|n| n[1].as_str().unwrap().to_string())
             .collect();
         assert_eq!(att, ["replicate", "column", "replicate", "column", "heads", "heads", "row"], "{}: {nodes:?}", l["name"]);
-        assert!(of("experts").iter().all(|s| s == "experts" || s == "follow"), "{}", l["name"]);
     }
     assert_eq!(blocks, 61);
 }
