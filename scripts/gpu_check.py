@@ -22,8 +22,10 @@ The checks: `eval` on GPU against CPU; 20 GPT-2 steps in f32 and in bf16-mixed o
 the same run on CPU; a 2-stage pipeline on the one GPU (`--share-gpu`) against the one-rank
 run; a bf16-mixed block stack (GPT-2 blocks, 8 × 1024) trained by the runner beside PyTorch
 eager on the same module (`torch.autocast("cuda", torch.bfloat16)`, fused AdamW, clip 1.0);
-and per layer (one layer per pipeline stage, one microbatch, so the stages run one at a time)
-the planner's predicted forward + backward time against the measured one.
+per layer (one layer per pipeline stage, one microbatch, so the stages run one at a time)
+the planner's predicted forward + backward time against the measured one; and last, the GPU's
+bf16 matrix-product efficiency by shape (m, n, k), for the cost model's GEMM efficiency
+(DIR/gemm.json).
 """
 
 from __future__ import annotations
@@ -317,10 +319,59 @@ def remote(args: argparse.Namespace) -> None:
     R.check("gpt2-pp2", pp2_check)
     R.check("blocks", blocks_check)
     R.check("layers", layers_check)
+    R.check("gemm", lambda: gemm_check(R, dev_))
     (out / "gpu-check.json").write_text(json.dumps(R.results, indent=1))
     text = "\n".join([*head, *R.lines, ""])
     (out / "gpu-check.md").write_text(text)
     print(text)
+
+
+# the GEMM grid: tokens (m) against the weight's two sides (n, k); the rehearsal's is tiny
+GEMM_SIDES = [64, 128] if SMALL else [256, 512, 1024, 2048, 4096, 8192, 16384]
+# H100/H200 SXM dense bf16 peak (NVIDIA's data sheet: 989.4 TFLOP/s without sparsity)
+BF16_PEAK_TFLOPS = 989.4
+
+
+def gemm_check(R: Remote, device: str) -> None:
+    """bf16 `m x k @ k x n` timed per shape (CUDA events, mean of the repeats after warm-ups),
+    as TFLOP/s and as a fraction of the data-sheet peak; every shape in gemm.json, the cubes
+    and a few token-heavy shapes in the report."""
+    import torch
+
+    if device != "cuda":
+        R.lines.append("- **GEMM efficiency by shape**: skipped (needs the GPU)")
+        return
+    torch.manual_seed(0)
+    rows = []
+    for m in GEMM_SIDES:
+        for n in GEMM_SIDES:
+            for k in GEMM_SIDES:
+                a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+                flop = 2.0 * m * n * k
+                reps = max(5, min(200, int(2e12 / flop)))
+                for _ in range(3):
+                    torch.matmul(a, b)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(reps):
+                    torch.matmul(a, b)
+                end.record()
+                torch.cuda.synchronize()
+                s = start.elapsed_time(end) / 1e3 / reps
+                tflops = flop / s / 1e12
+                rows.append({"m": m, "n": n, "k": k, "seconds": s, "tflops": tflops, "efficiency": tflops / BF16_PEAK_TFLOPS})
+    (R.out / "gemm.json").write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtype": "bfloat16", "peak_tflops": BF16_PEAK_TFLOPS, "shapes": rows}, indent=0))
+    R.results["gemm"] = {"shapes": len(rows)}
+    by = {(r["m"], r["n"], r["k"]): r for r in rows}
+    R.lines += [
+        f"- **GEMM efficiency by shape** (bf16 `torch.matmul`, m × k by k × n, CUDA events; fraction of the {BF16_PEAK_TFLOPS} TFLOP/s data-sheet peak; all {len(rows)} shapes in gemm.json):",
+        "",
+        "  | m = n = k | TFLOP/s | efficiency |",
+        "  |---|---|---|",
+        *[f"  | {d} | {by[d, d, d]['tflops']:.0f} | {by[d, d, d]['efficiency']:.2f} |" for d in GEMM_SIDES],
+        "",
+    ]
 
 
 def eager_blocks(steps: int, device: str) -> dict:

@@ -19,8 +19,9 @@ pub use crate::passes::AnalyzeOptions;
 pub use crate::passes::params::ParamOptions;
 use crate::passes::{self, PassError};
 use crate::plan::build::{self, ModelRef};
+use crate::plan::estimate::Estimate;
 use crate::plan::{Plan, PlanInvalid, validate};
-use crate::solve::{self, ConfigError, PlanOptions, Progress, SolveError};
+use crate::solve::{self, ConfigError, PlanOptions, Progress, Setting, SolveError, Source};
 
 /// The stages of [`compile`], in order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -342,6 +343,60 @@ pub fn compile_observed<'a>(
     observer.stage(Stage::Validate);
     validate(&plan).map_err(CompileError::Validate)?;
     Ok(plan)
+}
+
+/// Memory per device a configuration is priced under when it does not fit the real one
+/// (GiB): so that `estimate` still prices it and says by how much it is over.
+const UNLIMITED_GIB: f64 = 1.0e9;
+
+/// Prices the one configuration `options` give (`--estimate`): every setting the search would
+/// choose is fixed ([`PlanOptions::pinned_for_estimate`]), the plan is compiled under the
+/// device's memory and, where it does not fit, again without the limit so that its memory is
+/// still known. Settings the model or cluster cannot honour are errors naming the setting.
+pub fn estimate<'a>(
+    model: impl Into<Model<'a>>,
+    cluster: &ClusterSpec,
+    options: &PlanOptions,
+    observer: &mut dyn Observer,
+) -> Result<Estimate, CompileError> {
+    let cluster_name = options.cluster_flag.clone().unwrap_or_else(|| format!("{}:{}", cluster.name, cluster.devices));
+    options.check_devices(cluster.devices, &cluster_name)?;
+    let pinned = options.clone().pinned_for_estimate(cluster.devices, &cluster_name)?;
+    pinned.check_devices(cluster.devices, &cluster_name)?;
+    let loaded;
+    let analysed = match model.into() {
+        Model::Analysed(a) => a,
+        Model::Onnx(path) => {
+            loaded = import_and_analyze(path, &analyze_options(&pinned), &pinned.params, observer, true)?;
+            &loaded
+        }
+    };
+    let lg = &analysed.lg;
+    let tp = pinned.tp.unwrap_or(1);
+    let divisor = solve::layer_cost::tensor_split_divisor(lg);
+    if tp > 1 && divisor != 0 && divisor % tp as u64 != 0 {
+        let fits: Vec<String> = (2..=cluster.devices as u64).filter(|t| divisor % t == 0 && cluster.devices as u64 % t == 0).map(|t| t.to_string()).collect();
+        let fix = if fits.is_empty() { "use --tp 1".to_string() } else { format!("use --tp {}", fits.join(" or ")) };
+        return Err(ConfigError::Conflict {
+            first: pinned.source(Setting::Tp),
+            second: Source::Implied(format!("{} (its heads and blocks' weight dimensions share the divisor {divisor})", analysed.model.path)),
+            why: format!("the tensor-parallel degree must divide {divisor} so that heads and weights split evenly; {fix}"),
+        }
+        .into());
+    }
+    pinned.check_microbatches(pinned.global_batch_for(lg, cluster))?;
+    let capacity_bytes = pinned.memory_limit_bytes().unwrap_or(cluster.memory_bytes);
+    let plan = match compile_observed(analysed, cluster, &pinned, observer) {
+        Ok(plan) => plan,
+        Err(CompileError::Solve { source: SolveError::Infeasible { .. }, .. }) => {
+            let unlimited = PlanOptions { memory_limit_gib: Some(UNLIMITED_GIB), ..pinned.clone() };
+            let mut plan = compile_observed(analysed, cluster, &unlimited, observer)?;
+            plan.cluster.memory_limit_bytes = capacity_bytes;
+            plan
+        }
+        Err(e) => return Err(e),
+    };
+    Ok(Estimate { plan, capacity_bytes, cuts_chosen: pinned.layout.is_none() })
 }
 
 /// Refuses a graph holding ops the IR does not know (kept as placeholders by the importer):

@@ -22,5 +22,5 @@ pub mod split;
 #[cfg(feature = "runner")]
 pub mod runtime;
 
-pub use compile::{Analysed, CompileError, Model, Observer, PlannedModel, Stage, compile, compile_observed, load_and_analyze, load_planned};
+pub use compile::{Analysed, CompileError, Model, Observer, PlannedModel, Stage, compile, compile_observed, estimate, load_and_analyze, load_planned};
 pub use solve::PlanOptions;

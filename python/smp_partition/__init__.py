@@ -7,6 +7,7 @@
     run = smp.launch(plan, data=batch, steps=100, checkpoint_dir="ckpt")
     smp.load_trained(model, run)                 # trained weights back into the module
     smp.sweep(model, example_inputs, clusters=["a100-80gb:256,512", "h100-80gb:256,512"])
+    smp.estimate(model, example_inputs, cluster="h100-80gb:8", pp=2, microbatches=4)  # will it fit?
     plan.emit("megatron", "mlm/")                # the plan as Megatron-LM arguments (or torchtitan, ...)
 
 Pure Python around the built binaries (`smp-partition`, `smp-runner`), found in $SMP_BIN_DIR,
@@ -14,6 +15,7 @@ on PATH, or in the repository's target/. Needs torch==2.13.0 (the binaries link 
 """
 
 from ._binaries import find_binary
+from .estimate import DeviceMemory, Estimate, RankEstimate, estimate
 from .errors import CommandError, ExportError, RankFailed, SmpError
 from .export import Exported, export
 from .launch import Run, launch, launch_command, verify_plan
@@ -22,6 +24,6 @@ from .sweep import Sweep, sweep
 from .trained import export_trained, load_trained
 
 __all__ = [
-    "CommandError", "EngineConfig", "ExportError", "Exported", "Gap", "Parallel", "Plan", "Predicted", "RankFailed", "Run", "SmpError", "Sweep",
-    "export", "export_trained", "find_binary", "launch", "launch_command", "load_trained", "plan", "sweep", "verify_plan",
+    "CommandError", "DeviceMemory", "EngineConfig", "Estimate", "ExportError", "Exported", "Gap", "Parallel", "Plan", "Predicted", "RankEstimate", "RankFailed", "Run", "SmpError", "Sweep",
+    "estimate", "export", "export_trained", "find_binary", "launch", "launch_command", "load_trained", "plan", "sweep", "verify_plan",
 ]

@@ -4,6 +4,7 @@
 
 pub mod build;
 pub mod dot;
+pub mod estimate;
 pub mod io;
 pub mod report;
 pub mod request;

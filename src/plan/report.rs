@@ -100,7 +100,8 @@ pub fn to_json_with_report(plan: &Plan) -> serde_json::Value {
     v
 }
 
-fn ms(s: f64) -> String {
+/// Seconds as `1.234 s` or `12.345 ms`.
+pub(super) fn ms(s: f64) -> String {
     if s >= 1.0 { format!("{s:.3} s") } else { format!("{:.3} ms", s * 1e3) }
 }
 
@@ -152,7 +153,7 @@ fn ranks(r: &[usize]) -> String {
 }
 
 /// Renders a table as aligned columns (first column left, the rest right).
-fn table(rows: &[Vec<String>]) -> String {
+pub(super) fn table(rows: &[Vec<String>]) -> String {
     let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
     let widths: Vec<usize> = (0..cols)
         .map(|c| rows.iter().filter_map(|r| r.get(c)).map(|s| s.chars().count()).max().unwrap_or(0))
@@ -250,7 +251,7 @@ pub fn render(plan: &Plan) -> String {
 }
 
 /// The model, cluster, parallel configuration and batch lines.
-fn header(plan: &Plan, out: &mut String) {
+pub(super) fn header(plan: &Plan, out: &mut String) {
     let par = &plan.parallel;
     let _ = writeln!(
         out,

@@ -662,6 +662,85 @@ impl PlanOptions {
         Ok(())
     }
 
+    /// The one configuration `--estimate` prices: every setting the search would choose is
+    /// fixed, as given or at its default (pp, tp, cp, ep 1; dp the devices left; ZeRO 0; one
+    /// microbatch without a pipeline; 1F1B; no recompute; no offloading; no sequence
+    /// parallelism; the `cluster` placement). Only the pipeline cuts are left to the planner
+    /// when `--layout` is not given. Errors name the setting and the fix.
+    pub fn pinned_for_estimate(mut self, devices: usize, cluster: &str) -> Result<PlanOptions, ConfigError> {
+        let estimate = || Source::Flag("--estimate".to_string());
+        let refuse = |setting: Source, why: String| Err(conflict(setting, estimate(), why));
+        if let Some(b) = self.baseline {
+            return refuse(Source::Flag(format!("--baseline {b}")), "an estimate prices the configuration you give; drop --baseline".into());
+        }
+        if self.checkpointing == Some(CheckpointRule::Auto) {
+            return refuse(
+                self.source(Setting::Checkpointing),
+                "`auto` leaves recompute to the search; say --checkpointing none|full or --recompute-layers LIST".into(),
+            );
+        }
+        if self.offload == Some(OffloadRule::Auto) {
+            return refuse(self.source(Setting::Offload), "`auto` leaves offloading to the search; say --offload-activations on|off".into());
+        }
+        let (pp, tp, cp) = (self.pp.unwrap_or(1), self.tp.unwrap_or(1), self.cp.unwrap_or(1));
+        let model_ranks = pp.saturating_mul(tp).saturating_mul(cp).max(1);
+        let dp = match self.dp {
+            Some(dp) => dp,
+            None if devices % model_ranks == 0 => devices / model_ranks,
+            None => {
+                return Err(conflict(
+                    Source::Implied(format!("pp·tp·cp = {pp}·{tp}·{cp} = {model_ranks}")),
+                    Source::Flag(format!("--cluster {cluster} ({devices} devices)")),
+                    format!("{model_ranks} does not divide the {devices} devices; give degrees whose product divides them"),
+                ));
+            }
+        };
+        (self.pp, self.tp, self.cp, self.dp) = (Some(pp), Some(tp), Some(cp), Some(dp));
+        self.ep.get_or_insert(1);
+        if self.sharded_dp.is_none() {
+            self.zero.get_or_insert(0);
+        }
+        if self.microbatches.is_none() {
+            if pp > 1 {
+                return refuse(
+                    self.source(Setting::Pp),
+                    format!("a pipeline of {pp} stages needs its microbatches per step: add --microbatches M (M ≥ {pp} keeps every stage busy)"),
+                );
+            }
+            self.microbatches = Some(1);
+        }
+        self.schedule.get_or_insert(ScheduleKind::OneFOneB);
+        if self.checkpointed_layers.is_none() {
+            self.checkpointing.get_or_insert(CheckpointRule::Never);
+        }
+        self.offload.get_or_insert(OffloadRule::Never);
+        self.sequence_parallel.get_or_insert(false);
+        self.placement.get_or_insert(Placement::CLUSTER);
+        self.optimize.get_or_insert(Optimize::Speed);
+        Ok(self)
+    }
+
+    /// `--microbatches` against the batch each replica runs, for `--estimate`'s message.
+    pub fn check_microbatches(&self, batch: u64) -> Result<(), ConfigError> {
+        let (Some(m), Some(dp)) = (self.microbatches, self.dp) else { return Ok(()) };
+        let per_replica = batch / dp.max(1) as u64;
+        if batch % dp.max(1) as u64 != 0 {
+            return Err(conflict(
+                self.source(Setting::Dp),
+                Source::Implied(format!("global batch {batch}")),
+                "the data-parallel degree must divide the global batch; change --global-batch or --dp",
+            ));
+        }
+        if m == 0 || per_replica % m as u64 != 0 {
+            return Err(conflict(
+                self.source(Setting::Microbatches),
+                Source::Implied(format!("{per_replica} samples per data-parallel replica (global batch {batch} / dp {dp})")),
+                "the microbatch count must divide each replica's samples; give a divisor, or change --global-batch",
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks the degrees against the cluster's device count, described by `cluster` (`--cluster
     /// h100-80gb:8`).
     pub fn check_devices(&self, devices: usize, cluster: &str) -> Result<(), ConfigError> {

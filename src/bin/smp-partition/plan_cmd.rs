@@ -50,6 +50,12 @@ pub struct PlanArgs {
     /// Write --emit's files into this directory (default: print them).
     #[arg(long, value_name = "DIR", requires = "emit")]
     pub emit_dir: Option<PathBuf>,
+    /// Price only the configuration given by the flags (settings not given take their
+    /// defaults: pp, tp, cp, ep 1, dp the devices left, ZeRO 0, 1F1B, no recompute, no
+    /// offloading): memory per device by part against the device's capacity, and the step
+    /// time, without searching other configurations. With --json, as one JSON object.
+    #[arg(long, conflicts_with_all = ["from_engine", "emit", "output"])]
+    pub estimate: bool,
 }
 
 /// The cluster when `--cluster` is not given.
@@ -232,6 +238,17 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
     let host = smp_partition::host::machine_facts()?;
     let cluster = ClusterSpec::parse_on(args.cluster_text(), &host).with_context(|| format!("--cluster {}", args.cluster_text()))?;
     let mut cli = CliObserver::new();
+    if args.estimate {
+        let estimate = smp_partition::estimate(model, &cluster, &options, &mut cli);
+        cli.clear_bar();
+        let estimate = estimate?;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&estimate.report())?);
+        } else {
+            print!("{}", estimate.render());
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let plan = smp_partition::compile_observed(model, &cluster, &options, &mut cli);
     cli.clear_bar();
     let plan = plan?;
