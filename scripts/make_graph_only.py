@@ -265,6 +265,115 @@ def build_llama(name, layers, hidden, heads, kv_heads, ffn, seq, vocab,
     return b.model(name, [ids], [out])
 
 
+def deepseek_params(layers, dense_layers, hidden, heads, q_lora, kv_lora, rope, nope, v_dim, ffn,
+                    moe_ffn, experts, shared, vocab):
+    """DeepSeek-V3's parameters: latent attention, dense MLPs in the first `dense_layers`,
+    routed experts (and their router) with `shared` shared experts in the others."""
+    h, a = hidden, heads
+    att = h * q_lora + q_lora + q_lora * a * (nope + rope) + h * (kv_lora + rope) + kv_lora \
+        + kv_lora * a * (nope + v_dim) + a * v_dim * h
+    dense = 3 * h * ffn
+    moe = experts * 3 * h * moe_ffn + h * experts + shared * 3 * h * moe_ffn
+    return layers * (att + 2 * h) + dense_layers * dense + (layers - dense_layers) * moe \
+        + 2 * vocab * h + h
+
+
+def build_deepseek(name, layers, dense_layers, hidden, heads, q_lora, kv_lora, rope, nope, v_dim,
+                   ffn, moe_ffn, experts, top_k, shared, seq, vocab, dtype=TensorProto.BFLOAT16,
+                   weights_file=None):
+    """DeepSeek-V3: multi-head latent attention (q through a `q_lora` bottleneck with its
+    RMSNorm; keys and values through one `kv_lora` latent with its RMSNorm, per-head `nope`
+    keys and `v_dim` values expanded from it; a decoupled `rope` key shared by every head,
+    broadcast over them and concatenated to each head's key), the first `dense_layers` MLPs
+    dense, the others `experts` routed SwiGLU experts (top `top_k`, routed as Mixtral's above:
+    the router's form does not change the plan) beside `shared` shared experts."""
+    h, a = hidden, heads
+    qk = nope + rope
+    b = GraphBuilder(": DeepseekV3", dtype, f"{name}.weights", weights_file)
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", seq])
+    cos_v, sin_v = rope_tables(seq, rope)
+    doc = "constant of the model (RoPE table), not trained"
+    cos = b.weight("rope.cos", [seq, rope], values=cos_v, doc=doc)
+    sin = b.weight("rope.sin", [seq, rope], values=sin_v, doc=doc)
+    emb = [("embed_tokens", "Embedding")]
+    x = b.node("Gather", [b.weight("embed_tokens.weight", [vocab, h]), "input_ids"], emb, axis=0)
+    q_shape = b.const("q.shape", np.array([0, 0, a, qk], np.int64))
+    q_split = b.const("q.split", np.array([nope, rope], np.int64))
+    kv_split = b.const("kv_a.split", np.array([kv_lora, rope], np.int64))
+    kv_shape = b.const("kv.shape", np.array([0, 0, a, nope + v_dim], np.int64))
+    kv_heads_split = b.const("kv.split", np.array([nope, v_dim], np.int64))
+    rot_shape = b.const("k_rot.shape", np.array([0, 0, 1, rope], np.int64))
+    rot_heads = b.const("k_rot.heads", np.array([1, a, 1, 1], np.int64))
+    merge_shape = b.const("merge.shape", np.array([0, 0, a * v_dim], np.int64))
+    half = b.const("rope.half_split", np.array([rope // 2, rope // 2], np.int64))
+    axes = b.const("norm.axes", np.array([-1], np.int64))
+
+    def rope_of(t, scope):
+        x1, x2 = b.node("Split", [t, half], scope, n_out=2, axis=-1)
+        rot = b.node("Concat", [b.node("Neg", [x2], scope), x1], scope, axis=-1)
+        return b.node("Add", [b.node("Mul", [t, cos], scope), b.node("Mul", [rot, sin], scope)], scope)
+
+    def swiglu(y, prefix, f, scope):
+        g = b.node("MatMul", [y, b.weight(f"{prefix}.gate_proj.weight", [h, f])], scope)
+        u = b.node("MatMul", [y, b.weight(f"{prefix}.up_proj.weight", [h, f])], scope)
+        g = b.node("Mul", [g, b.node("Sigmoid", [g], scope)], scope)
+        return b.node("MatMul", [b.node("Mul", [g, u], scope), b.weight(f"{prefix}.down_proj.weight", [f, h])],
+                      scope)
+
+    for i in range(layers):
+        p = f"layers.{i}"
+        blk = [(p, "DecoderLayer")]
+        n1 = blk + [(f"{p}.input_layernorm", "RMSNorm")]
+        att = blk + [(f"{p}.self_attn", "Attention")]
+        n2 = blk + [(f"{p}.post_attention_layernorm", "RMSNorm")]
+        eps = b.const(f"{p}.norm.eps", np.array(1e-6, np.float32))
+        two = b.const(f"{p}.norm.exponent", np.array(2.0, np.float32))
+        y = rms_norm(b, x, b.weight(f"{p}.input_layernorm.weight", [h], "ones"), eps, two, axes, n1)
+        # queries: low rank, normalised, per head [nope | rope]
+        q = b.node("MatMul", [y, b.weight(f"{p}.self_attn.q_a_proj.weight", [h, q_lora])], att)
+        q = rms_norm(b, q, b.weight(f"{p}.self_attn.q_a_layernorm.weight", [q_lora], "ones"), eps, two, axes, att)
+        q = b.node("MatMul", [q, b.weight(f"{p}.self_attn.q_b_proj.weight", [q_lora, a * qk])], att)
+        q = b.node("Transpose", [b.node("Reshape", [q, q_shape], att)], att, perm=[0, 2, 1, 3])
+        q_pass, q_rot = b.node("Split", [q, q_split], att, n_out=2, axis=-1)
+        q = b.node("Concat", [q_pass, rope_of(q_rot, att)], att, axis=-1)
+        # keys and values: one latent and one rotary key for all heads
+        kv = b.node("MatMul", [y, b.weight(f"{p}.self_attn.kv_a_proj_with_mqa.weight", [h, kv_lora + rope])], att)
+        latent, k_rot = b.node("Split", [kv, kv_split], att, n_out=2, axis=-1)
+        latent = rms_norm(b, latent, b.weight(f"{p}.self_attn.kv_a_layernorm.weight", [kv_lora], "ones"), eps,
+                          two, axes, att)
+        kv = b.node("MatMul", [latent, b.weight(f"{p}.self_attn.kv_b_proj.weight", [kv_lora, a * (nope + v_dim)])],
+                    att)
+        kv = b.node("Transpose", [b.node("Reshape", [kv, kv_shape], att)], att, perm=[0, 2, 1, 3])
+        k_nope, v = b.node("Split", [kv, kv_heads_split], att, n_out=2, axis=-1)
+        k_rot = b.node("Transpose", [b.node("Reshape", [k_rot, rot_shape], att)], att, perm=[0, 2, 1, 3])
+        k_rot = b.node("Expand", [rope_of(k_rot, att), rot_heads], att)
+        k = b.node("Concat", [k_nope, k_rot], att, axis=-1)
+        s = b.node("MatMul", [q, b.node("Transpose", [k], att, perm=[0, 1, 3, 2])], att)
+        s = b.node("Mul", [s, b.const(f"{p}.attn.scale", np.array(1.0 / np.sqrt(qk), np.float32))], att)
+        s = b.node("Softmax", [causal_where(b, s, p, seq, att)], att, axis=-1)
+        o = b.node("MatMul", [s, v], att)
+        o = b.node("Reshape", [b.node("Transpose", [o], att, perm=[0, 2, 1, 3]), merge_shape], att)
+        o = b.node("MatMul", [o, b.weight(f"{p}.self_attn.o_proj.weight", [a * v_dim, h])], att)
+        x = b.node("Add", [x, o], blk)
+        y = rms_norm(b, x, b.weight(f"{p}.post_attention_layernorm.weight", [h], "ones"), eps, two, axes, n2)
+        if i < dense_layers:
+            x = b.node("Add", [x, swiglu(y, f"{p}.mlp", ffn, blk + [(f"{p}.mlp", "MLP")])], blk)
+            continue
+        moe = blk + [(f"{p}.mlp", "MoE")]
+        routed = sparse_moe(b, y, p, h, moe_ffn, experts, top_k, seq, moe)
+        for j in range(shared):
+            routed = b.node("Add", [routed, swiglu(y, f"{p}.mlp.shared_experts.{j}", moe_ffn,
+                                                   moe + [(f"{p}.mlp.shared_experts", "MLP")])], moe)
+        x = b.node("Add", [x, routed], blk)
+    nf = [("norm", "RMSNorm")]
+    x = rms_norm(b, x, b.weight("norm.weight", [h], "ones"), b.const("norm.eps", np.array(1e-6, np.float32)),
+                 b.const("norm.exponent", np.array(2.0, np.float32)), axes, nf)
+    b.node("MatMul", [x, b.weight("lm_head.weight", [h, vocab])], [("lm_head", "Linear")])
+    b.nodes[-1].output[0] = "logits"
+    out = helper.make_tensor_value_info("logits", dtype, ["batch", seq, vocab])
+    return b.model(name, [ids], [out])
+
+
 # name, layers, hidden, heads, seq, vocab (GPT); Megatron-LM Table 1 in megatron/.
 GPTS = [("gpt3-175b", 96, 12288, 96, 2048, 51200), ("gpt-1t", 128, 25600, 160, 2048, 51200)]
 MEGATRON = [("1.7B", 24, 2304, 24), ("3.6B", 32, 3072, 30), ("7.5B", 32, 4096, 36),
@@ -282,6 +391,10 @@ LLAMAS = [("llama3-70b", 80, 8192, 64, 8, 28672, 4096, 128256),
 # name, layers, hidden, heads, kv heads, expert ffn, seq, vocab, experts, top-k (Mixtral 8×7B:
 # Jiang et al. 2024, 46.7B parameters)
 MIXTRALS = [("mixtral-8x7b", 32, 4096, 32, 8, 14336, 4096, 32000, 8, 2)]
+# DeepSeek-V3 (DeepSeek-AI 2024, 671B parameters): its config.json's shapes, sequence 4,096
+DEEPSEEKS = [("deepseek-v3", dict(layers=61, dense_layers=3, hidden=7168, heads=128, q_lora=1536, kv_lora=512,
+                                  rope=64, nope=128, v_dim=128, ffn=18432, moe_ffn=2048, experts=256, top_k=8,
+                                  shared=1, seq=4096, vocab=129280))]
 
 
 def constants_elements(model) -> int:
@@ -313,7 +426,9 @@ def check_on_onnxruntime():
                 ("llama", lambda f: build_llama("tiny-llama", 2, 32, 4, 2, 48, 8, 64,
                                                 TensorProto.FLOAT, f)),
                 ("mixtral", lambda f: build_llama("tiny-mixtral", 2, 32, 4, 2, 48, 8, 64,
-                                                  TensorProto.FLOAT, f, experts=4, top_k=2))]
+                                                  TensorProto.FLOAT, f, experts=4, top_k=2)),
+                ("deepseek", lambda f: build_deepseek("tiny-deepseek", 3, 1, 32, 4, 16, 16, 4, 4, 8, 48, 16, 4,
+                                                      2, 1, 8, 64, TensorProto.FLOAT, f))]
         for kind, build in tiny:
             name = f"tiny-{kind}"
             with open(Path(tmp) / f"{name}.weights", "wb") as f:
@@ -350,6 +465,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="run tiny twins on onnxruntime")
     ap.add_argument("--out", type=Path, default=MODELS)
+    ap.add_argument("--only", help="write only this model (e.g. deepseek-v3)")
     args = ap.parse_args()
     if args.check:
         check_on_onnxruntime()
@@ -365,6 +481,8 @@ def main():
     jobs += [(n, args.out / f"{n}.onnx", "mixtral",
               dict(layers=l, hidden=h, heads=a, kv_heads=kv, ffn=f, seq=s, vocab=v, experts=e, top_k=k))
              for n, l, h, a, kv, f, s, v, e, k in MIXTRALS]
+    jobs += [(n, args.out / f"{n}.onnx", "deepseek", cfg) for n, cfg in DEEPSEEKS]
+    jobs = [j for j in jobs if args.only in (None, j[0])]
     for key, path, kind, cfg in jobs:
         shape = {k: v for k, v in cfg.items() if k != "published_params"}
         if kind == "gpt":
@@ -376,6 +494,11 @@ def main():
             params = llama_params(cfg["layers"], cfg["hidden"], cfg["heads"], cfg["kv_heads"],
                                   cfg["ffn"], cfg["vocab"])
             formula = "l(2h^2 + 2h*kv*d + 3hF + 2h) + 2Vh + h (untied head)"
+        elif kind == "deepseek":
+            model = build_deepseek(path.stem, **shape)
+            params = deepseek_params(**{k: v for k, v in cfg.items() if k not in ("top_k", "seq")})
+            formula = ("l(latent attention + 2h) + l_dense*3hF + (l - l_dense)(E*3hF_e + hE + shared*3hF_e)"
+                       " + 2Vh + h")
         else:
             model = build_llama(path.stem, **shape)
             params = llama_params(cfg["layers"], cfg["hidden"], cfg["heads"], cfg["kv_heads"],

@@ -5,10 +5,14 @@ heads (`repeat_kv` as Expand(Unsqueeze(kv), [1, 1, rep, 1, 1]) and a Reshape to 
 [0, heads, seq, d]), RoPE on constant tables, SwiGLU, untied head; fixed sequence 16, symbolic
 batch.
 
+A DeepSeek-V3 twin (`build_deepseek`): latent attention over 4 heads (q and kv through
+16-wide low-rank bottlenecks, the 4-dim rotary key shared by the heads), a dense first layer,
+then 4 routed experts top 2 beside a shared expert.
+
 Also a twin whose 3 KV heads neither divide nor are divided by t = 2 (6 query heads).
 
 usage: graph_only_exports.py OUT_DIR
-Writes OUT_DIR/{llama-gqa,llama-kv3}.onnx and their external data OUT_DIR/*.weights.
+Writes OUT_DIR/{llama-gqa,deepseek-mla,llama-kv3}.onnx and their external data OUT_DIR/*.weights.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 from onnx import TensorProto
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from make_graph_only import build_llama  # noqa: E402
+from make_graph_only import build_deepseek, build_llama  # noqa: E402
 from onnx_build import write_model  # noqa: E402
 
 
@@ -32,6 +36,11 @@ def main():
                                 ffn=2 * hidden, seq=16, vocab=256, dtype=TensorProto.FLOAT,
                                 weights_file=f)
         write_model(model, out / f"{name}.onnx")
+    with open(out / "deepseek-mla.weights", "wb") as f:
+        model = build_deepseek("deepseek-mla", layers=2, dense_layers=1, hidden=32, heads=4, q_lora=16, kv_lora=16,
+                               rope=4, nope=4, v_dim=8, ffn=48, moe_ffn=16, experts=4, top_k=2, shared=1, seq=16,
+                               vocab=256, dtype=TensorProto.FLOAT, weights_file=f)
+    write_model(model, out / "deepseek-mla.onnx")
 
 
 if __name__ == "__main__":

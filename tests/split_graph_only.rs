@@ -289,3 +289,27 @@ fn tiny_graph_only_llama_with_indivisible_kv_heads_splits_its_mlp() {
         }
     });
 }
+
+/// A tiny graph-only DeepSeek-V3 (latent attention over 4 heads, a dense layer, then routed
+/// experts beside a shared expert): at tp 2 and pp 2 × tp 2 the attention splits by heads
+/// (`q_b_proj`, `kv_b_proj` by columns, `o_proj` by rows, the low-rank down-projections
+/// whole; the rotary key's Expand over the heads cut to each rank's 2), equal to one process.
+#[cfg(feature = "runner")]
+#[test]
+fn tiny_graph_only_deepseek_latent_attention_splits_by_heads_and_runs_equal_one_process() {
+    runs_equal_one_process(&exports().join("deepseek-mla.onnx"), &[(1, 2), (2, 2)], |pp, tp, plan| {
+        for shards in plan["codegen"]["shards"].as_array().unwrap() {
+            let s = &shards[0];
+            let sliced: Vec<&str> = s["weight_slices"].as_array().unwrap().iter().map(|w| w["initializer"].as_str().unwrap()).collect();
+            if !sliced.iter().any(|w| w.contains("self_attn")) {
+                continue;
+            }
+            for w in ["q_b_proj", "kv_b_proj", "o_proj"] {
+                assert!(sliced.iter().any(|n| n.contains(w)), "pp{pp} tp{tp}: {w} not sliced: {sliced:?}");
+            }
+            assert!(!sliced.iter().any(|n| n.contains("q_a_proj") || n.contains("kv_a_proj")), "pp{pp} tp{tp}: {sliced:?}");
+            let rewrites = s["constant_rewrites"].as_array().unwrap();
+            assert!(rewrites.iter().any(|r| r["value"] == "k_rot.heads" && r["new_values"] == serde_json::json!([1, 2, 1, 1])), "{rewrites:?}");
+        }
+    });
+}

@@ -134,6 +134,8 @@ struct Walker<'g> {
     opaque: &'g HashMap<NodeId, Opaque>,
     /// Values a column split reaches (from any producer); `None` in the permissive pass.
     split_values: Option<&'g HashSet<ValueId>>,
+    /// The node producing each value.
+    producers: &'g HashMap<ValueId, NodeId>,
     heads_seen: BTreeSet<i64>,
 }
 
@@ -157,11 +159,19 @@ impl Walker<'_> {
         }
         let (Some(wd), Some(od)) = (dims(self.g, w), dims(self.g, out)) else { return false };
         if heads {
-            // [b, h, s, d] or [b, s, h, d]: a size-1 axis 1 or 2, or a lower rank, broadcasts.
-            wd.len() < od.len() || (wd.len() == 4 && (wd[1] == Some(1) || wd[2] == Some(1)))
+            // [b, h, s, d] or [b, s, h, d]: a size-1 axis 1 or 2, or a lower rank, broadcasts;
+            // so does one head expanded over all of them (latent attention's rotary key)
+            let broadcast = |d: &[Option<i64>]| d.len() < od.len() || (d.len() == 4 && (d[1] == Some(1) || d[2] == Some(1)));
+            broadcast(&wd) || self.expanded_head(w).is_some_and(|xd| broadcast(&xd))
         } else {
             wd.is_empty() || wd.last().copied().flatten() == Some(1)
         }
+    }
+
+    /// The dims of the input of the Expand producing `w`, when one produces it.
+    fn expanded_head(&self, w: ValueId) -> Option<Vec<Option<i64>>> {
+        let n = self.g.try_node(*self.producers.get(&w)?)?;
+        n.op.is(OpKind::Expand).then(|| n.inputs.first().copied().flatten().and_then(|x| dims(self.g, x)))?
     }
 
     /// Follows the split from `start` (output of weight matmul `from`).
@@ -345,7 +355,7 @@ pub fn analyse(lg: &LayeredGraph, layer: usize, facts: &GraphFacts) -> SplitGrap
     // Permissive pass: every value a column split could reach.
     let mut split_values: HashSet<ValueId> = HashSet::new();
     {
-        let mut w = Walker { g, index: &index, uses, roles: &roles, opaque: &facts.opaque, split_values: None, heads_seen: BTreeSet::new() };
+        let mut w = Walker { g, index: &index, uses, roles: &roles, opaque: &facts.opaque, split_values: None, producers: prod, heads_seen: BTreeSet::new() };
         for &p in producers_list.iter().filter(|&&p| !facts.opaque.contains_key(&lay.nodes[p])) {
             if let (Some(o), Some(r)) = (out_of(p), out_of(p).and_then(|o| w.walk(o, p))) {
                 split_values.insert(o);
@@ -359,7 +369,7 @@ pub fn analyse(lg: &LayeredGraph, layer: usize, facts: &GraphFacts) -> SplitGrap
     }
     let mut reach = BTreeMap::new();
     let mut heads_of: HashMap<usize, BTreeSet<i64>> = HashMap::new();
-    let mut w = Walker { g, index: &index, uses, roles: &roles, opaque: &facts.opaque, split_values: Some(&split_values), heads_seen: BTreeSet::new() };
+    let mut w = Walker { g, index: &index, uses, roles: &roles, opaque: &facts.opaque, split_values: Some(&split_values), producers: prod, heads_seen: BTreeSet::new() };
     for &p in &producers_list {
         w.heads_seen.clear();
         let r = out_of(p).filter(|_| !facts.opaque.contains_key(&lay.nodes[p])).and_then(|o| w.walk(o, p));

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use super::context::{Decision, Splitter, Tokens};
 use super::realise::{Fail, Prop, R, Sh, gcd, lcm, norm_axis};
-use super::rewrite::{ConstantRewrite, NodeRewrite};
+use super::rewrite::{ConstantRewrite, NodeRewrite, PartialGradient};
 use super::sequence::{Decision as SeqDecision, Seq, SeqLayer};
 use crate::ir::{Node, NodeId, OpKind, ValueId, ValueKind};
 
@@ -65,7 +65,18 @@ impl Prop<'_, '_> {
         let o = outs[0];
         let rank = self.need_shape(o)?.len();
         let cat = norm_axis(n.attrs.int("axis", 0), rank).unwrap_or(0);
-        let first = states[0];
+        let first = states.iter().copied().find(|s| *s != Sh::Rep).unwrap_or(Sh::Rep);
+        if let Sh::Split { axis, outer: 1, .. } = first
+            && axis != cat
+            && states.iter().all(|s| *s == first || *s == Sh::Rep)
+        {
+            for (slot, s) in states.iter().enumerate() {
+                if let (Sh::Rep, Some(v)) = (s, ins[slot]) {
+                    self.expand_into_heads(v, id, axis, first)?;
+                }
+            }
+        }
+        let states: Vec<Sh> = ins.iter().map(|v| v.map_or(Sh::Rep, |v| self.state(v))).collect();
         if states.iter().any(|s| *s != first) {
             return self.err("inputs are placed differently");
         }
@@ -75,6 +86,34 @@ impl Prop<'_, '_> {
             return self.err("it concatenates along the split axis");
         }
         self.set(o, first);
+        Ok(())
+    }
+
+    /// A whole operand `v` of Concat `cat` beside ones split along `axis` (heads): when an
+    /// Expand in the layer makes it from one head broadcast over all of them (latent
+    /// attention's rotary key) and only `cat` reads it, that Expand yields this rank's heads
+    /// instead, and the gradient it sends back is this rank's part (all-reduced). Otherwise
+    /// `v` stays whole (and the Concat refuses).
+    fn expand_into_heads(&mut self, v: ValueId, cat: NodeId, axis: usize, split: Sh) -> R<()> {
+        let Some(&e) = self.nodes.iter().find(|&&n| self.g.node(n).outputs.contains(&v)) else { return Ok(()) };
+        let en = self.g.node(e);
+        let Some(x) = en.inputs.first().copied().flatten() else { return Ok(()) };
+        let only_cat = self.s.uses[v.index()].iter().all(|&u| u == cat) && !self.g.outputs.contains(&v);
+        if !en.op.is(OpKind::Expand) || !only_cat || self.state(x) != Sh::Rep {
+            return Ok(());
+        }
+        let (xs, os) = (self.need_shape(x)?, self.need_shape(v)?);
+        let Some(xaxis) = (axis + xs.len()).checked_sub(os.len()) else { return Ok(()) };
+        if xs.get(xaxis) != Some(&1) || os[axis] % self.t != 0 {
+            return Ok(());
+        }
+        let slen = en.inputs.get(1).copied().flatten().and_then(|s| self.ints(s)).map_or(0, <[i64]>::len);
+        let Some(pos) = (slen + axis).checked_sub(os.len()) else { return Ok(()) };
+        self.shrink_shape_entry_by(e, 1, pos, os[axis], self.t)?;
+        if self.s.grad[x.index()] {
+            self.partial_gradients.push(PartialGradient { node: en.name.clone(), input: 0, value: self.g.value(x).name.clone() });
+        }
+        self.set(v, split);
         Ok(())
     }
 
