@@ -178,6 +178,18 @@ def rope_tables(seq, d, theta=500000.0):
     return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
 
 
+def token_inputs(b, seq, rope_dim, vocab, h):
+    """The token ids input, the RoPE tables (`rope_dim` wide) and the embedded tokens."""
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", seq])
+    cos_v, sin_v = rope_tables(seq, rope_dim)
+    doc = "constant of the model (RoPE table), not trained"
+    cos = b.weight("rope.cos", [seq, rope_dim], values=cos_v, doc=doc)
+    sin = b.weight("rope.sin", [seq, rope_dim], values=sin_v, doc=doc)
+    emb = [("embed_tokens", "Embedding")]
+    x = b.node("Gather", [b.weight("embed_tokens.weight", [vocab, h]), "input_ids"], emb, axis=0)
+    return ids, cos, sin, x
+
+
 def build_llama(name, layers, hidden, heads, kv_heads, ffn, seq, vocab,
                 dtype=TensorProto.BFLOAT16, weights_file=None, experts=None, top_k=2):
     """Llama; with `experts`, each MLP is a sparse mixture of that many SwiGLU experts with
@@ -186,13 +198,7 @@ def build_llama(name, layers, hidden, heads, kv_heads, ffn, seq, vocab,
     d = h // a
     rep = a // kv
     b = GraphBuilder(": Llama" if experts is None else ": Mixtral", dtype, f"{name}.weights", weights_file)
-    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", seq])
-    cos_v, sin_v = rope_tables(seq, d)
-    doc = "constant of the model (RoPE table), not trained"
-    cos = b.weight("rope.cos", [seq, d], values=cos_v, doc=doc)
-    sin = b.weight("rope.sin", [seq, d], values=sin_v, doc=doc)
-    emb = [("embed_tokens", "Embedding")]
-    x = b.node("Gather", [b.weight("embed_tokens.weight", [vocab, h]), "input_ids"], emb, axis=0)
+    ids, cos, sin, x = token_inputs(b, seq, d, vocab, h)
     q_shape = b.const("q.shape", np.array([0, 0, a, d], np.int64))
     kv_shape = b.const("kv.shape", np.array([0, 0, kv, d], np.int64))
     rep_shape = b.const("kv.repeat", np.array([1, 1, rep, 1, 1], np.int64))
@@ -290,13 +296,7 @@ def build_deepseek(name, layers, dense_layers, hidden, heads, q_lora, kv_lora, r
     h, a = hidden, heads
     qk = nope + rope
     b = GraphBuilder(": DeepseekV3", dtype, f"{name}.weights", weights_file)
-    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", seq])
-    cos_v, sin_v = rope_tables(seq, rope)
-    doc = "constant of the model (RoPE table), not trained"
-    cos = b.weight("rope.cos", [seq, rope], values=cos_v, doc=doc)
-    sin = b.weight("rope.sin", [seq, rope], values=sin_v, doc=doc)
-    emb = [("embed_tokens", "Embedding")]
-    x = b.node("Gather", [b.weight("embed_tokens.weight", [vocab, h]), "input_ids"], emb, axis=0)
+    ids, cos, sin, x = token_inputs(b, seq, rope, vocab, h)
     q_shape = b.const("q.shape", np.array([0, 0, a, qk], np.int64))
     q_split = b.const("q.split", np.array([nope, rope], np.int64))
     kv_split = b.const("kv_a.split", np.array([kv_lora, rope], np.int64))

@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ._run import flag_args, run
-from .export import Exported, export
-from .plan import planner_args
+from .plan import exported_model, planner_args
 
 
 @dataclass(frozen=True)
@@ -73,15 +72,7 @@ def estimate(model: Any, example_inputs: Any = None, *, cluster: str = "cpu:2", 
     `model` is exported as in `plan`. Raises `CommandError` naming the setting when the
     configuration cannot be expressed."""
     out = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="smp-estimate-"))
-    out.mkdir(parents=True, exist_ok=True)
-    exported: Exported | None = None
-    if isinstance(model, Exported):
-        exported = model
-    elif not isinstance(model, (str, Path)):
-        if example_inputs is None:
-            raise TypeError("estimate(model, example_inputs, ...): example inputs are needed to export a module")
-        exported = export(model, example_inputs, out / "model.onnx")
-    onnx_path = Path(exported.path if exported else model).resolve()
+    exported, onnx_path = exported_model(model, example_inputs, out, "estimate")
     args: list[str | Path] = [onnx_path, "--cluster", cluster, "--estimate", "--json"]
     args += planner_args(example_inputs, global_batch, seq_len, config, out,
                          exported.input_names if exported else None)

@@ -224,6 +224,20 @@ def planner_args(example_inputs: Any, global_batch: int | None, seq_len: int | N
     return args
 
 
+def exported_model(model: Any, example_inputs: Any, out: Path, caller: str) -> tuple[Exported | None, Path]:
+    """`model` as the ONNX file the planner reads: an `Exported` as it is, a path as given, an
+    `nn.Module` exported into `out/model.onnx` on `example_inputs`."""
+    out.mkdir(parents=True, exist_ok=True)
+    exported: Exported | None = None
+    if isinstance(model, Exported):
+        exported = model
+    elif not isinstance(model, (str, Path)):
+        if example_inputs is None:
+            raise TypeError(f"{caller}(model, example_inputs, ...): example inputs are needed to export a module")
+        exported = export(model, example_inputs, out / "model.onnx")
+    return exported, Path(exported.path if exported else model).resolve()
+
+
 def plan(model: Any, example_inputs: Any = None, *, cluster: str = "cpu:2", global_batch: int | None = None,
          config: dict[str, Any] | None = None, seq_len: int | None = None, precision: str | None = None,
          workdir: str | Path | None = None, **flags: Any) -> Plan:
@@ -242,15 +256,7 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: str = "cpu:2", glob
     `seq_len` defaults to dim 1 of integer example inputs (token ids). Files go to `workdir`
     (default: a new temporary directory): `model.onnx`, `smp.json`, `plan.json`."""
     out = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="smp-"))
-    out.mkdir(parents=True, exist_ok=True)
-    exported: Exported | None = None
-    if isinstance(model, Exported):
-        exported = model
-    elif not isinstance(model, (str, Path)):
-        if example_inputs is None:
-            raise TypeError("plan(model, example_inputs, ...): example inputs are needed to export a module")
-        exported = export(model, example_inputs, out / "model.onnx")
-    onnx_path = Path(exported.path if exported else model).resolve()
+    exported, onnx_path = exported_model(model, example_inputs, out, "plan")
     args: list[str | Path] = [onnx_path, "--cluster", cluster, "-o", out / "plan.json"]
     args += planner_args(example_inputs, global_batch, seq_len, config, out,
                          exported.input_names if exported else None)
