@@ -101,13 +101,21 @@ fn gpt_matmul_flops_match_the_closed_form() {
 }
 
 #[test]
-fn transformer_blocks_are_n_layers_with_one_signature() {
+fn transformer_blocks_are_n_layers_with_one_signature_per_kind() {
     for (name, v) in entries() {
         let Some(n) = v["layers"].as_u64() else { continue };
         let lg = load(v["file"].as_str().unwrap(), seq_of(&v));
         let blocks: Vec<_> = lg.layers.iter().filter(|l| l.kind == LayerKind::Block).collect();
         assert_eq!(blocks.len() as u64, n, "{name}: {:?}", lg.layers.iter().map(|l| &l.name).collect::<Vec<_>>());
-        assert!(blocks.iter().all(|b| b.signature == blocks[0].signature), "{name}: blocks differ");
+        // The first `dense_layers` blocks (DeepSeek's dense MLPs) share one signature, the rest another.
+        let dense = v["dense_layers"].as_u64().unwrap_or(0) as usize;
+        let (first, rest) = blocks.split_at(dense.min(blocks.len()));
+        for part in [first, rest] {
+            assert!(part.iter().all(|b| b.signature == part[0].signature), "{name}: blocks differ");
+        }
+        if let (Some(a), Some(b)) = (first.first(), rest.first()) {
+            assert_ne!(a.signature, b.signature, "{name}: the dense blocks should differ from the expert blocks");
+        }
         assert_eq!(lg.layers.first().map(|l| l.kind), Some(LayerKind::Embedding), "{name}");
         assert_eq!(lg.layers.last().map(|l| l.kind), Some(LayerKind::Head), "{name}");
     }
