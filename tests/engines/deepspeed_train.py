@@ -57,6 +57,10 @@ def main() -> None:
     losses = [float(engine.train_batch(data_iter=it)) for _ in range(args.steps)]
     if torch.distributed.get_rank() == 0:
         Path(args.out).write_text(json.dumps({"losses": losses, "parts": list(net.parts)}))
+    # both ranks leave together and close Gloo's threads first: a rank exiting while its peer
+    # still talks aborts in Gloo's teardown ("terminate called without an active exception")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
