@@ -21,7 +21,7 @@ use crate::passes::{self, PassError};
 use crate::plan::build::{self, ModelRef};
 use crate::plan::estimate::Estimate;
 use crate::plan::{Plan, PlanInvalid, validate};
-use crate::solve::{self, ConfigError, PlanOptions, Progress, Setting, SolveError, Source};
+use crate::solve::{self, ConfigError, PlanOptions, Progress, SolveError};
 
 /// The stages of [`compile`], in order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -372,18 +372,6 @@ pub fn estimate<'a>(
         }
     };
     let lg = &analysed.lg;
-    let tp = pinned.tp.unwrap_or(1);
-    let divisor = solve::layer_cost::tensor_split_divisor(lg);
-    if tp > 1 && divisor != 0 && divisor % tp as u64 != 0 {
-        let fits: Vec<String> = (2..=cluster.devices as u64).filter(|t| divisor % t == 0 && cluster.devices as u64 % t == 0).map(|t| t.to_string()).collect();
-        let fix = if fits.is_empty() { "use --tp 1".to_string() } else { format!("use --tp {}", fits.join(" or ")) };
-        return Err(ConfigError::Conflict {
-            first: pinned.source(Setting::Tp),
-            second: Source::Implied(format!("{} (its heads and blocks' weight dimensions share the divisor {divisor})", analysed.model.path)),
-            why: format!("the tensor-parallel degree must divide {divisor} so that heads and weights split evenly; {fix}"),
-        }
-        .into());
-    }
     pinned.check_microbatches(pinned.global_batch_for(lg, cluster))?;
     let capacity_bytes = pinned.memory_limit_bytes().unwrap_or(cluster.memory_bytes);
     let plan = match compile_observed(analysed, cluster, &pinned, observer) {

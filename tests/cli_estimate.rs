@@ -126,10 +126,15 @@ fn configurations_that_cannot_be_expressed_name_the_setting_and_the_fix() {
             assert!(err.contains(n), "{extra:?}: `{n}` missing from: {err}");
         }
     }
-    // A tensor degree that does not split the heads evenly (gpt2 here has heads and widths
-    // divisible by 2 and 4, not 3).
-    let o = smp(&[MODEL, "--cluster", "tests/data/cpu.toml:3", "--seq-len", "64", "--global-batch", "6", "--estimate", "--tp", "3"]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("--tp 3") && err.contains("must divide"), "{err}");
+    // A tensor degree that splits none of gpt2's heads (4) is planned, its layers kept whole,
+    // and the estimate prices that same plan rather than refusing what planning accepts.
+    let common = [MODEL, "--cluster", "tests/data/cpu.toml:3", "--seq-len", "64", "--global-batch", "6", "--tp", "3", "--json"];
+    let plan: serde_json::Value = serde_json::from_str(&ok(&common)).unwrap();
+    let flags = flags_of(&plan);
+    let mut args = vec![MODEL, "--cluster", "tests/data/cpu.toml:3", "--seq-len", "64", "--global-batch", "6", "--json", "--estimate"];
+    args.extend(flags.iter().map(String::as_str));
+    let e: serde_json::Value = serde_json::from_str(&ok(&args)).unwrap();
+    let (planned, estimated) = (plan["predicted"]["step_time_s"].as_f64().unwrap(), e["step_time_s"].as_f64().unwrap());
+    assert!((planned - estimated).abs() <= 1e-9 * planned, "--tp 3: step {estimated} s estimated, {planned} s planned");
+    assert_eq!(e["parallel"]["tp"], 3);
 }
