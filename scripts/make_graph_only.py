@@ -388,6 +388,9 @@ LLAMAS = [("llama3-70b", 80, 8192, 64, 8, 28672, 4096, 128256),
           # 131,072 (Dubey et al. 2024 §3.4): the context-parallel planner's cases
           ("llama3-70b-8k", 80, 8192, 64, 8, 28672, 8192, 128256),
           ("llama3-70b-128k", 80, 8192, 64, 8, 28672, 131072, 128256)]
+# 405B at the sequences of torchtitan's context-parallel sweep (32K to 256K; 128K is also Llama 3's
+# long-context stage): the published-run checks of context parallelism
+LLAMAS += [(f"llama3-405b-{k}k", 126, 16384, 128, 8, 53248, k * 1024, 128256) for k in (32, 64, 128, 256)]
 # name, layers, hidden, heads, kv heads, expert ffn, seq, vocab, experts, top-k (Mixtral 8×7B:
 # Jiang et al. 2024, 46.7B parameters)
 MIXTRALS = [("mixtral-8x7b", 32, 4096, 32, 8, 14336, 4096, 32000, 8, 2)]

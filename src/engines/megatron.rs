@@ -123,7 +123,7 @@ pub fn layout_string(stages: &[StageRoles]) -> String {
         }
         // a run of equal stages that does not include the last one
         let run = j - i;
-        if run >= 2 && j <= n - 1 {
+        if run >= 2 && j < n {
             out.push_str(&format!("({}|)*{run}", text[i]));
         } else {
             for t in &text[i..j] {
