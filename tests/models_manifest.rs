@@ -89,6 +89,7 @@ fn graph_only_sizes_match_published_figures() {
         ("llama3-70b-128k", 70.6, 1),
         ("mixtral-8x7b", 46.7, 1),
         ("deepseek-v3", 671.0, 0),
+        ("qwen3-235b-a22b", 235.0, 0),
     ];
     for (key, billions, decimals) in published {
         let entry = &models[key];
