@@ -32,7 +32,8 @@ fn every_entry_matches_its_file() {
             .unwrap_or_else(|e| panic!("{name}: {}: {e}", file.display()))
             .len();
         assert_eq!(size, int(entry, "file_bytes"), "{name}: manifest is stale; run make models");
-        assert!(size < 2_000_000, "{name}: {size} bytes, models must stay small");
+        // Qwen3-235B-A22B (94 MoE layers with per-head norms) is the largest, 2.8 MB.
+        assert!(size < 3_000_000, "{name}: {size} bytes, models must stay small");
         if entry["graph_only"].as_bool().unwrap() {
             let weights = file.with_file_name(format!(
                 "{}.weights",
