@@ -501,7 +501,7 @@ def main():
     jobs += [(n, args.out / f"{n}.onnx", "mixtral",
               dict(layers=l, hidden=h, heads=a, kv_heads=kv, ffn=f, seq=s, vocab=v, experts=e, top_k=k))
              for n, l, h, a, kv, f, s, v, e, k in MIXTRALS]
-    jobs += [(n, args.out / f"{n}.onnx", "mixtral", cfg) for n, cfg in QWEN3_MOES]
+    jobs += [(n, args.out / f"{n}.onnx", "qwen3-moe", cfg) for n, cfg in QWEN3_MOES]
     jobs += [(n, args.out / f"{n}.onnx", "deepseek", cfg) for n, cfg in DEEPSEEKS]
     jobs = [j for j in jobs if args.only in (None, j[0])]
     for key, path, kind, cfg in jobs:
