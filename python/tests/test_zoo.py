@@ -211,3 +211,29 @@ def test_the_encoder_output_reaches_every_stage_that_reads_it(tmp_path: Path) ->
     trained = smp.load_trained(copy.deepcopy(c.model), run)
     worst, errors = _compare(dict(trained.named_parameters()), c.trained, c.gradfree, WEIGHT_TOL)
     assert not errors, errors
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_per_head_norms_split_with_their_heads(name: str, tmp_path: Path) -> None:
+    """Qwen3 normalises q and k over each head's dims: under Megatron's split each tensor rank
+    holds its heads with their norms (q, k, v by columns, attention by heads), and trains as
+    PyTorch does and, in f64, as one process."""
+    import numpy as np
+
+    c = _case(name)
+    data = {k: v for k, v in c.data.items() if k in c.exported.input_names or k == "labels"}
+    data_file = tmp_path / "data.npz"
+    np.savez(data_file, **{k: v.numpy() for k, v in data.items()})
+    plan = smp.plan(c.exported, zoo.inputs_of(c.data), cluster="cpu:2", global_batch=zoo.BATCH,
+                    config={"tensor_parallel_degree": 2}, workdir=tmp_path / "tp2", baseline="megatron")
+    block = next(layer for layer in plan.data["layer_strategies"] if ".layers.0" in layer["name"])
+    kinds = [s for _, s in block["nodes"]]
+    assert kinds.count("column") >= 3 and "heads" in kinds, block
+    loss = zoo.RUNNER_LOSS[c.arch.task]
+    run = smp.launch(plan, data=data_file, steps=zoo.STEPS, loss=loss, threads=1, progress=False)
+    rel = max(abs(a - b) / abs(b) for a, b in zip(run.losses, c.losses))
+    assert len(run.losses) == len(c.losses) and rel <= LOSS_TOL, (run.losses, c.losses)
+    exact_losses, _ = _one_process_f64(c, data_file, tmp_path)
+    run64 = smp.launch(plan, data=data_file, steps=zoo.STEPS, loss=loss, threads=1, dtype="f64", progress=False)
+    rel64 = max(abs(a - b) / abs(b) for a, b in zip(run64.losses, exact_losses))
+    assert rel64 <= EXACT_TOL, (run64.losses, exact_losses)

@@ -168,6 +168,23 @@ impl Walker<'_> {
         }
     }
 
+    /// Whether a reduction or norm of a 4-d heads value works along the last axis only (each
+    /// head's own dims) and keeps every axis: the heads axis passes through it.
+    fn along_head_dims_only(&self, n: &crate::ir::Node) -> bool {
+        if n.attrs.int("keepdims", 1) != 1 {
+            return false;
+        }
+        let axes: Option<Vec<i64>> = if n.op.is(OpKind::LayerNormalization) {
+            Some(vec![n.attrs.int("axis", -1)])
+        } else {
+            match n.inputs.get(1).copied().flatten() {
+                Some(a) => self.g.value(a).data.as_ref().and_then(|t| t.to_i64_vec()),
+                None => n.attrs.ints("axes").map(<[i64]>::to_vec),
+            }
+        };
+        axes.is_some_and(|a| !a.is_empty() && a.iter().all(|&x| x == -1 || x == 3))
+    }
+
     /// The dims of the input of the Expand producing `w`, when one produces it.
     fn expanded_head(&self, w: ValueId) -> Option<Vec<Option<i64>>> {
         let n = self.g.try_node(*self.producers.get(&w)?)?;
@@ -263,6 +280,15 @@ impl Walker<'_> {
                         if matches!(kind, Concat | Where)
                             && let Some(o) = out
                             && n.inputs.iter().flatten().any(|&w| w != v && !self.operand_ok(w, o, true))
+                        {
+                            return None;
+                        }
+                    }
+                    // a per-head norm (Qwen3's q and k norms): along each head's own dims only
+                    ReduceMean | ReduceSum | ReduceMax | ReduceMin | LayerNormalization if heads && self.along_head_dims_only(n) => {
+                        note(&mut r, core);
+                        if let Some(o) = out
+                            && n.inputs.iter().skip(1).flatten().any(|&w| !self.operand_ok(w, o, true))
                         {
                             return None;
                         }

@@ -429,7 +429,8 @@ impl<'s, 'a> Prop<'s, 'a> {
         for &n in self.nodes {
             self.current = Some(n);
             // Replicated inputs that get a gradient, and the collectives so far: a node that
-            // turns them into a split or partial output sends back a partial gradient.
+            // turns them into a split or partial output sends back a partial gradient. A weight
+            // it reads whole (a per-head norm's scale over split heads) is one of them.
             let rep_inputs: Vec<(usize, ValueId)> = self
                 .g
                 .node(n)
@@ -437,7 +438,7 @@ impl<'s, 'a> Prop<'s, 'a> {
                 .iter()
                 .enumerate()
                 .filter_map(|(slot, v)| v.map(|v| (slot, v)))
-                .filter(|&(_, v)| self.s.grad[v.index()] && self.state(v) == Sh::Rep && !self.weight_src.contains_key(&v))
+                .filter(|&(_, v)| self.s.grad[v.index()] && self.state(v) == Sh::Rep)
                 .collect();
             let collectives_before = self.collectives.len();
             match self.node(n) {
@@ -447,9 +448,12 @@ impl<'s, 'a> Prop<'s, 'a> {
                         self.collectives[collectives_before..].iter().any(|c| c.value == o && c.op == CollectiveKind::AllReduce)
                     };
                     let split_out = node.outputs.iter().any(|&o| matches!(self.state(o), Sh::Split { .. } | Sh::Partial) || reduced(o));
+                    // a weight added after the all-reduce (a row split's bias) is whole
+                    let split_only = node.outputs.iter().all(|&o| matches!(self.state(o), Sh::Split { .. }) && !reduced(o));
                     if split_out {
                         for (slot, v) in rep_inputs {
-                            if self.state(v) == Sh::Rep && !self.g.value(v).kind.eq(&ValueKind::Initializer) {
+                            let weight = self.g.value(v).kind == ValueKind::Initializer;
+                            if self.state(v) == Sh::Rep && (!weight || split_only) {
                                 self.partial_gradients.push(PartialGradient { node: node.name.clone(), input: slot, value: self.g.value(v).name.clone() });
                             }
                         }
