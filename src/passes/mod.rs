@@ -86,8 +86,12 @@ fn specialise_decided(mut graph: ir::Graph, opts: &AnalyzeOptions) -> Result<(ir
     debug_verify(&graph)?;
     let folded = fold::fold_constants(&mut graph, &dims, &info)?;
     debug_verify(&graph)?;
+    let mut removed = dce::remove_dead_nodes(&mut graph);
+    // after dead-node removal: the Shape reads of folded index arithmetic are gone
     let assigned = slice_assign::concat_slice_assignments(&mut graph);
-    let removed = dce::remove_dead_nodes(&mut graph);
+    if assigned > 0 {
+        removed += dce::remove_dead_nodes(&mut graph);
+    }
     debug_verify(&graph)?;
     if folded > 0 || removed > 0 || assigned > 0 {
         shape_infer::infer_shapes(&mut graph, &dims)?;

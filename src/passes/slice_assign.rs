@@ -28,13 +28,19 @@ pub fn concat_slice_assignments(graph: &mut Graph) -> usize {
         }
         let readers = readers(graph);
         let Some(m) = find(graph, &readers, id) else { continue };
-        let node = graph.node_mut(id);
+        let node = graph.node_mut(m.concat);
         node.op = Op::Known(OpKind::Concat);
         let mut attrs = Attrs::default();
         attrs.set("axis", Attr::Int(m.axis));
         node.attrs = attrs;
         node.inputs = m.pieces.iter().map(|&v| Some(v)).collect();
-        graph.set_input(id, 0, Some(m.pieces[0]));
+        graph.set_input(m.concat, 0, Some(m.pieces[0]));
+        if let Some(perm) = m.then_transpose {
+            graph.node_mut(id).attrs.set("perm", Attr::Ints(perm));
+            // the reused ScatterND's output is now in the pieces' layout: inference retypes it
+            let out = graph.node(m.concat).outputs[0];
+            graph.value_mut(out).ty = None;
+        }
         for n in m.remove {
             graph.remove_node(n);
         }
@@ -45,11 +51,16 @@ pub fn concat_slice_assignments(graph: &mut Graph) -> usize {
 
 /// A chain found at its last node.
 struct Chain {
+    /// The node that becomes the `Concat`: the last node, or the last `ScatterND` where the
+    /// last node is a `Transpose` that does more than bring the axis back.
+    concat: NodeId,
     /// The pieces in axis order (their values before the frame's `Transpose`).
     pieces: Vec<ValueId>,
-    /// The concatenation axis in the output's layout.
+    /// The concatenation axis in the pieces' layout.
     axis: i64,
-    /// The chain's nodes other than the last.
+    /// The last node's new permutation, where it stays a `Transpose` after the `Concat`.
+    then_transpose: Option<Vec<i64>>,
+    /// The chain's nodes to remove.
     remove: Vec<NodeId>,
 }
 
@@ -135,15 +146,23 @@ fn rows(g: &Graph, scatter: NodeId, len: i64) -> Option<(i64, i64)> {
 /// The chain ending at node `last`, if its ranges tile the axis exactly.
 fn find(g: &Graph, readers: &[usize], last: NodeId) -> Option<Chain> {
     let node = g.node(last);
-    // the frame: the permutation bringing the assigned axis to the front, or none
-    let (mut scatter, frame) = match node.op.kind()? {
+    // the last ScatterND, and the Transpose after it, if any
+    let (mut scatter, after) = match node.op.kind()? {
         OpKind::ScatterND => (last, None),
         OpKind::Transpose => {
             let s = only_reader_of(g, readers, node.inputs.first().copied().flatten()?, OpKind::ScatterND)?;
-            (s, Some(inverse(&perm_of(g, last)?)))
+            (s, Some(perm_of(g, last)?))
         }
         _ => return None,
     };
+    let first_scatter = scatter;
+    // the frame: the permutation bringing the assigned axis to the front (the updates'
+    // Transpose), or none
+    let update = g.node(scatter).inputs.get(2).copied().flatten()?;
+    let frame = only_reader_of(g, readers, update, OpKind::Transpose).and_then(|t| perm_of(g, t));
+    if frame.is_some() && after.is_none() {
+        return None;
+    }
     let data_of = |s: NodeId| g.node(s).inputs.first().copied().flatten();
     let len = g.value(data_of(scatter)?).ty.as_ref()?.shape.as_ref()?.0.first()?.known()?;
     let mut remove = Vec::new();
@@ -160,7 +179,7 @@ fn find(g: &Graph, readers: &[usize], last: NodeId) -> Option<Chain> {
             None => update,
         };
         ranges.push((start, n, piece));
-        if scatter != last {
+        if scatter != first_scatter {
             remove.push(scatter);
         }
         let data = data_of(scatter)?;
@@ -209,7 +228,19 @@ fn find(g: &Graph, readers: &[usize], last: NodeId) -> Option<Chain> {
         return None;
     }
     let axis = frame.as_ref().map_or(0, |p| p[0] as i64);
-    Some(Chain { pieces: ranges.into_iter().map(|r| r.2).collect(), axis, remove })
+    let pieces = ranges.into_iter().map(|r| r.2).collect();
+    // the last Transpose of the Concat's output in the frame: `frame` then `after`
+    let then = after.map(|q| q.iter().map(|&i| frame.as_ref().map_or(i, |p| p[i]) as i64).collect::<Vec<i64>>());
+    match then {
+        Some(r) if r.iter().enumerate().any(|(i, &a)| a != i as i64) => {
+            Some(Chain { concat: first_scatter, pieces, axis, then_transpose: Some(r), remove })
+        }
+        Some(_) => {
+            remove.push(first_scatter);
+            Some(Chain { concat: last, pieces, axis, then_transpose: None, remove })
+        }
+        None => Some(Chain { concat: last, pieces, axis, then_transpose: None, remove }),
+    }
 }
 
 #[cfg(test)]
@@ -228,6 +259,12 @@ mod tests {
     /// as the exporter writes it (a Transpose bringing the last axis to the front and back).
     /// Returns the graph, the output and the pieces in axis order.
     fn chain(ranges: &[(i64, i64)], d: i64) -> (Graph, ValueId, Vec<ValueId>) {
+        chain_then(ranges, d, &[3, 1, 2, 0])
+    }
+
+    /// [`chain`] whose last Transpose is by `last` (the exporter merges the one bringing the
+    /// axis back with a later one).
+    fn chain_then(ranges: &[(i64, i64)], d: i64, last: &[i64]) -> (Graph, ValueId, Vec<ValueId>) {
         let mut b = Builder::new();
         let perm = Attr::Ints(vec![3, 1, 2, 0]);
         let shape = b.ints(&[2, 4, 3, d]);
@@ -241,7 +278,8 @@ mod tests {
             let idx = rows_idx(&mut b, a, e - a);
             let u = b.node(OpKind::Transpose, &[piece], &[("perm", perm.clone())]);
             let s = b.node(OpKind::ScatterND, &[t, idx, u], &[("reduction", Attr::Str("none".into()))]);
-            cur = b.node(OpKind::Transpose, &[s], &[("perm", perm.clone())]);
+            let back = if i + 1 == ranges.len() { Attr::Ints(last.to_vec()) } else { perm.clone() };
+            cur = b.node(OpKind::Transpose, &[s], &[("perm", back)]);
         }
         let out = b.node(OpKind::Relu, &[cur], &[]);
         b.output(out);
@@ -286,6 +324,25 @@ mod tests {
     #[test]
     fn pieces_assigned_in_reverse_order_concatenate_in_axis_order() {
         assert_concat(&[(5, 8), (1, 5), (0, 1)], 8);
+    }
+
+    #[test]
+    fn a_last_transpose_that_does_more_stays_after_the_concat() {
+        let (mut g, out, pieces) = chain_then(&[(0, 4), (4, 6)], 6, &[3, 1, 0, 2]);
+        let last = g.value(out).producer.unwrap();
+        let scatter = g.node(last).inputs[0].and_then(|v| g.value(v).producer).unwrap();
+        assert_eq!(concat_slice_assignments(&mut g), 1);
+        crate::passes::dce::remove_dead_nodes(&mut g);
+        g.verify().unwrap();
+        // the Transpose by [3, 1, 0, 2] of the frame [3, 1, 2, 0]: swaps the last two axes
+        assert_eq!(g.node(last).attrs.ints("perm"), Some(&[0, 1, 3, 2][..]));
+        let cat = g.node(scatter);
+        assert!(cat.op.is(OpKind::Concat), "{}", cat.op);
+        assert_eq!(cat.attrs.int_opt("axis"), Some(3));
+        assert_eq!(cat.inputs, pieces.iter().map(|&p| Some(p)).collect::<Vec<_>>());
+        assert_eq!(g.node_count(), 3);
+        crate::passes::shape_infer::infer_shapes(&mut g, &Default::default()).unwrap();
+        assert_eq!(g.value(out).ty.as_ref().unwrap().shape.as_ref().unwrap().known(), Some(vec![2, 4, 6, 3]));
     }
 
     fn assert_untouched(ranges: &[(i64, i64)], d: i64) {
