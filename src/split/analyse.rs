@@ -29,7 +29,7 @@ fn is_float_init(g: &Graph, v: ValueId) -> bool {
 
 /// The parameter behind a weight operand (itself, or the input of a Transpose of it) and
 /// whether it is transposed.
-fn weight_param(g: &Graph, producers: &HashMap<ValueId, NodeId>, v: ValueId) -> Option<(ValueId, bool)> {
+pub(super) fn weight_param(g: &Graph, producers: &HashMap<ValueId, NodeId>, v: ValueId) -> Option<(ValueId, bool)> {
     if is_float_init(g, v) {
         return Some((v, false));
     }
@@ -114,6 +114,14 @@ pub struct SplitGraph {
     /// Nodes the engines cannot see into ([`super::family::opaque`]): choosing ones are
     /// offered `replicate` only.
     pub(super) opaque: BTreeSet<usize>,
+}
+
+impl SplitGraph {
+    /// Whether a head split reaches the attention core at node index `i` of the layer (a core
+    /// between column-split producers and row-split consumers was found around it).
+    pub fn heads_reach(&self, i: usize) -> bool {
+        self.cores.iter().any(|c| c.matmuls.contains(&i) || c.nodes.contains(&i))
+    }
 }
 
 #[derive(Clone, Debug, Default)]

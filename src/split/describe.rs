@@ -1,0 +1,150 @@
+//! What a layer's attention and experts are, in the words a user knows them by, read off what
+//! its fused nodes compute (never names): the head count of each attention core and whether its
+//! key shares one rotary part over every head (latent attention, DeepSeek's MLA), and each
+//! mixture of experts' routed experts, top-k and shared experts beside them. `plan` carries it
+//! per layer, so that `inspect` names the choices made for each.
+
+use std::collections::HashMap;
+
+use super::analyse::weight_param;
+use crate::ir::{Graph, LayeredGraph, NodeId, OpKind, ValueId};
+
+/// The attention and experts of one layer.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LayerParts {
+    /// Its attention cores, in layer order.
+    pub attention: Vec<AttentionPart>,
+    /// Its mixtures of experts, in layer order.
+    pub experts: Vec<ExpertsPart>,
+}
+
+/// The kind of an attention core.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionForm {
+    /// Every head with its own key and value.
+    MultiHead,
+    /// Latent attention: keys and values expanded per head from a shared latent, the key's
+    /// rotary part one head broadcast over all of them (DeepSeek-V2/V3's MLA).
+    Latent,
+}
+
+/// One attention core.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AttentionPart {
+    /// The fused attention node.
+    pub node: String,
+    /// What it is.
+    pub form: AttentionForm,
+    /// Its query heads, where known.
+    pub heads: Option<i64>,
+}
+
+/// One mixture of experts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertsPart {
+    /// The fused experts node.
+    pub node: String,
+    /// Routed experts.
+    pub routed: usize,
+    /// Experts each token is routed to, where known.
+    pub top_k: Option<i64>,
+    /// Shared experts beside the routed ones: a gated MLP whose output is added to the
+    /// experts', counted in experts' widths (0 when there is none).
+    pub shared: i64,
+}
+
+/// The attention and experts of layer `layer`.
+pub fn describe(lg: &LayeredGraph, layer: usize) -> LayerParts {
+    let g = &lg.graph;
+    let mut out = LayerParts::default();
+    let mut readers: HashMap<ValueId, Vec<NodeId>> = HashMap::new();
+    for id in g.node_ids() {
+        for &v in g.node(id).inputs.iter().flatten() {
+            readers.entry(v).or_default().push(id);
+        }
+    }
+    for &id in &lg.layers[layer].nodes {
+        let Some(n) = g.try_node(id) else { continue };
+        let input = |i: usize| n.inputs.get(i).copied().flatten();
+        let dims = |v: Option<ValueId>| -> Vec<Option<i64>> {
+            v.and_then(|v| g.value(v).ty.as_ref()?.shape.as_ref().map(|s| s.0.iter().map(|d| d.known()).collect()))
+                .unwrap_or_default()
+        };
+        match n.op.kind() {
+            Some(OpKind::ScaledDotProductAttention) => {
+                let q = dims(input(0));
+                let heads = if q.len() == 4 { q[1] } else { None };
+                let form = match input(1) {
+                    Some(k) if shares_a_head(g, k) => AttentionForm::Latent,
+                    _ => AttentionForm::MultiHead,
+                };
+                out.attention.push(AttentionPart { node: n.name.clone(), form, heads });
+            }
+            Some(OpKind::MixtureOfExperts) => {
+                let routed = usize::try_from(n.attrs.int("experts", 0)).unwrap_or(0);
+                let top_k = dims(input(1)).get(1).copied().flatten();
+                let width = dims(input(3)).get(1).copied().flatten().map(|r| r / 2);
+                let shared = match (width, n.outputs.first()) {
+                    (Some(w), Some(&o)) if w > 0 => shared_width(g, &readers, o).map_or(0, |s| s / w),
+                    _ => 0,
+                };
+                out.experts.push(ExpertsPart { node: n.name.clone(), routed, top_k, shared });
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Whether key `k` (as the attention reads it) is, through views, a Concat one of whose parts
+/// is one head expanded over all of them.
+fn shares_a_head(g: &Graph, k: ValueId) -> bool {
+    let mut v = k;
+    for _ in 0..8 {
+        let Some(n) = g.value(v).producer.map(|p| g.node(p)) else { return false };
+        match n.op.kind() {
+            Some(OpKind::Transpose | OpKind::Reshape | OpKind::Identity) => match n.inputs.first().copied().flatten() {
+                Some(x) => v = x,
+                None => return false,
+            },
+            Some(OpKind::Concat) => {
+                return n.inputs.iter().flatten().any(|&part| {
+                    let Some(e) = g.value(part).producer.map(|p| g.node(p)).filter(|e| e.op.is(OpKind::Expand)) else {
+                        return false;
+                    };
+                    let shape = |v: Option<ValueId>| g.value(v?).ty.as_ref()?.shape.as_ref()?.known();
+                    matches!((shape(e.inputs.first().copied().flatten()), shape(Some(part))),
+                        (Some(x), Some(o)) if x.len() == 4 && o.len() == 4 && x[1] == 1 && o[1] > 1)
+                });
+            }
+            _ => return false,
+        }
+    }
+    false
+}
+
+/// The intermediate width of the MLP whose output is added to the experts' output `o` (through
+/// views): its down-projection's contracted size.
+fn shared_width(g: &Graph, readers: &HashMap<ValueId, Vec<NodeId>>, o: ValueId) -> Option<i64> {
+    let mut v = o;
+    for _ in 0..4 {
+        let [r] = readers.get(&v)?.as_slice() else { return None };
+        let n = g.node(*r);
+        match n.op.kind()? {
+            OpKind::Reshape | OpKind::Transpose | OpKind::Squeeze | OpKind::Unsqueeze => v = *n.outputs.first()?,
+            OpKind::Add => {
+                let other = n.inputs.iter().flatten().copied().find(|&x| x != v)?;
+                let mm = g.node(g.value(other).producer?);
+                if !mm.op.is(OpKind::MatMul) {
+                    return None;
+                }
+                let producers: HashMap<ValueId, NodeId> = mm.inputs.get(1).copied().flatten().and_then(|w| g.value(w).producer.map(|p| (w, p))).into_iter().collect();
+                let (w, transposed) = weight_param(g, &producers, mm.inputs.get(1).copied().flatten()?)?;
+                let d = g.value(w).ty.as_ref()?.shape.as_ref()?.known()?;
+                return if d.len() == 2 { Some(if transposed { d[1] } else { d[0] }) } else { None };
+            }
+            _ => return None,
+        }
+    }
+    None
+}
