@@ -200,7 +200,8 @@ fn layer_parts(
     par: &Parallelism,
     facts: &mut Option<split::GraphFacts>,
 ) -> Vec<LayerPart> {
-    let described = split::describe(lg, layer);
+    let facts = facts.get_or_insert_with(|| split::GraphFacts::new(lg));
+    let described = split::describe(lg, layer, &split::analyse(lg, layer, facts));
     let strategy = |node: &str| nodes.iter().find(|(n, _)| n == node).map(|(_, s)| *s);
     let mut out = Vec::new();
     for a in described.attention {
@@ -208,18 +209,12 @@ fn layer_parts(
             split::AttentionForm::MultiHead => AttentionKind::MultiHead,
             split::AttentionForm::Latent => AttentionKind::Latent,
         };
-        let heads_split = strategy(&a.node) == Some(Strategy::Heads);
-        let whole_because = (par.tp > 1 && !heads_split).then(|| match a.heads {
+        let heads_split = a.nodes.iter().any(|n| strategy(n) == Some(Strategy::Heads));
+        let whole_because = (!heads_split).then(|| match a.heads {
+            _ if par.tp == 1 => "no tensor parallelism (tp 1)".to_string(),
+            _ if !a.splittable => "no head split reaches it (an op on the way has no split rule)".to_string(),
             Some(h) if h % par.tp as i64 != 0 => format!("{h} heads do not divide {} ways", par.tp),
-            _ => {
-                let facts = facts.get_or_insert_with(|| split::GraphFacts::new(lg));
-                let i = lg.layers[layer].nodes.iter().position(|&n| lg.graph.try_node(n).is_some_and(|x| x.name == a.node));
-                if i.is_some_and(|i| split::analyse(lg, layer, facts).heads_reach(i)) {
-                    "the solver replicates it (cheaper than splitting it here)".to_string()
-                } else {
-                    "no head split reaches it (an op on the way has no split rule)".to_string()
-                }
-            }
+            _ => "the solver replicates it (cheaper than splitting it here)".to_string(),
         });
         out.push(LayerPart::Attention { form, heads: a.heads, split: if heads_split { par.tp } else { 1 }, whole_because });
     }

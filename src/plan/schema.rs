@@ -399,7 +399,7 @@ pub enum LayerPart {
         heads: Option<i64>,
         /// Ways its heads are split over the tensor ranks (1: whole).
         split: usize,
-        /// Why it is whole on every tensor rank at tp > 1.
+        /// Why it is whole on every tensor rank, when it is.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         whole_because: Option<String>,
     },

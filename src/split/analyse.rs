@@ -117,10 +117,10 @@ pub struct SplitGraph {
 }
 
 impl SplitGraph {
-    /// Whether a head split reaches the attention core at node index `i` of the layer (a core
-    /// between column-split producers and row-split consumers was found around it).
-    pub fn heads_reach(&self, i: usize) -> bool {
-        self.cores.iter().any(|c| c.matmuls.contains(&i) || c.nodes.contains(&i))
+    /// Per attention core: its matmuls (layer node indices, ascending: the scores' first, or
+    /// the one fused attention) and the most heads its 4-D reshapes name, if any.
+    pub fn core_matmuls(&self) -> Vec<(Vec<usize>, Option<i64>)> {
+        self.cores.iter().map(|c| (c.matmuls.iter().copied().collect(), c.heads.iter().max().copied())).collect()
     }
 }
 

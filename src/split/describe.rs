@@ -1,12 +1,15 @@
 //! What a layer's attention and experts are, in the words a user knows them by, read off what
-//! its fused nodes compute (never names): the head count of each attention core and whether its
-//! key shares one rotary part over every head (latent attention, DeepSeek's MLA), and each
-//! mixture of experts' routed experts, top-k and shared experts beside them. `plan` carries it
-//! per layer, so that `inspect` names the choices made for each.
+//! its nodes compute (never names): each attention core the split analysis finds ([`analyse`]:
+//! the matmuls of two activations between the projections, or a fused attention), its heads and
+//! whether its key shares one rotary part over every head (latent attention, DeepSeek's MLA);
+//! each mixture of experts' routed experts, top-k and the shared experts beside them. `plan`
+//! carries it per layer, so that `inspect` names the choices made for each.
+//!
+//! [`analyse`]: super::analyse
 
 use std::collections::HashMap;
 
-use super::analyse::weight_param;
+use super::analyse::{SplitGraph, weight_param};
 use crate::ir::{Graph, LayeredGraph, NodeId, OpKind, ValueId};
 
 /// The attention and experts of one layer.
@@ -31,12 +34,14 @@ pub enum AttentionForm {
 /// One attention core.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AttentionPart {
-    /// The fused attention node.
-    pub node: String,
+    /// Its matmuls (the scores' and the context's, or the one fused attention node).
+    pub nodes: Vec<String>,
     /// What it is.
     pub form: AttentionForm,
     /// Its query heads, where known.
     pub heads: Option<i64>,
+    /// Whether a head split reaches it (the analysis found it between projections it can split).
+    pub splittable: bool,
 }
 
 /// One mixture of experts.
@@ -53,9 +58,10 @@ pub struct ExpertsPart {
     pub shared: i64,
 }
 
-/// The attention and experts of layer `layer`.
-pub fn describe(lg: &LayeredGraph, layer: usize) -> LayerParts {
+/// The attention and experts of layer `layer`, whose split structure is `sg`.
+pub fn describe(lg: &LayeredGraph, layer: usize, sg: &SplitGraph) -> LayerParts {
     let g = &lg.graph;
+    let nodes = &lg.layers[layer].nodes;
     let mut out = LayerParts::default();
     let mut readers: HashMap<ValueId, Vec<NodeId>> = HashMap::new();
     for id in g.node_ids() {
@@ -63,22 +69,38 @@ pub fn describe(lg: &LayeredGraph, layer: usize) -> LayerParts {
             readers.entry(v).or_default().push(id);
         }
     }
-    for &id in &lg.layers[layer].nodes {
+    let dims = |v: Option<ValueId>| -> Vec<Option<i64>> {
+        v.and_then(|v| g.value(v).ty.as_ref()?.shape.as_ref().map(|s| s.0.iter().map(|d| d.known()).collect()))
+            .unwrap_or_default()
+    };
+    // (first matmul's layer index, part)
+    let mut attention: Vec<(usize, AttentionPart)> = Vec::new();
+    let attention_part = |first: NodeId, matmuls: Vec<NodeId>, splittable: bool, heads: Option<i64>| {
+        let n = g.node(first);
+        let q = dims(n.inputs.first().copied().flatten());
+        let heads = if q.len() == 4 { q[1] } else { None }.or(heads);
+        let form = match n.inputs.get(1).copied().flatten() {
+            Some(k) if shares_a_head(g, k) => AttentionForm::Latent,
+            _ => AttentionForm::MultiHead,
+        };
+        let names = matmuls.iter().map(|&m| g.node(m).name.clone()).collect();
+        AttentionPart { nodes: names, form, heads, splittable }
+    };
+    let mut in_core = vec![false; nodes.len()];
+    for (matmuls, heads) in sg.core_matmuls() {
+        let Some(&first) = matmuls.first() else { continue };
+        for &i in &matmuls {
+            in_core[i] = true;
+        }
+        let ids: Vec<NodeId> = matmuls.iter().map(|&i| nodes[i]).collect();
+        attention.push((first, attention_part(nodes[first], ids, true, heads)));
+    }
+    for (i, &id) in nodes.iter().enumerate() {
         let Some(n) = g.try_node(id) else { continue };
         let input = |i: usize| n.inputs.get(i).copied().flatten();
-        let dims = |v: Option<ValueId>| -> Vec<Option<i64>> {
-            v.and_then(|v| g.value(v).ty.as_ref()?.shape.as_ref().map(|s| s.0.iter().map(|d| d.known()).collect()))
-                .unwrap_or_default()
-        };
         match n.op.kind() {
-            Some(OpKind::ScaledDotProductAttention) => {
-                let q = dims(input(0));
-                let heads = if q.len() == 4 { q[1] } else { None };
-                let form = match input(1) {
-                    Some(k) if shares_a_head(g, k) => AttentionForm::Latent,
-                    _ => AttentionForm::MultiHead,
-                };
-                out.attention.push(AttentionPart { node: n.name.clone(), form, heads });
+            Some(OpKind::ScaledDotProductAttention) if !in_core[i] => {
+                attention.push((i, attention_part(id, vec![id], false, None)));
             }
             Some(OpKind::MixtureOfExperts) => {
                 let routed = usize::try_from(n.attrs.int("experts", 0)).unwrap_or(0);
@@ -93,6 +115,8 @@ pub fn describe(lg: &LayeredGraph, layer: usize) -> LayerParts {
             _ => {}
         }
     }
+    attention.sort_by_key(|a| a.0);
+    out.attention = attention.into_iter().map(|a| a.1).collect();
     out
 }
 
