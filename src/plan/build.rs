@@ -205,9 +205,10 @@ fn layer_parts(
     let strategy = |node: &str| nodes.iter().find(|(n, _)| n == node).map(|(_, s)| *s);
     let mut out = Vec::new();
     for a in described.attention {
-        let form = match a.form {
-            split::AttentionForm::MultiHead => AttentionKind::MultiHead,
-            split::AttentionForm::Latent => AttentionKind::Latent,
+        let (form, kv_heads) = match a.form {
+            split::AttentionForm::MultiHead => (AttentionKind::MultiHead, None),
+            split::AttentionForm::GroupedQuery { kv_heads } => (AttentionKind::GroupedQuery, Some(kv_heads)),
+            split::AttentionForm::Latent => (AttentionKind::Latent, None),
         };
         let heads_split = a.nodes.iter().any(|n| strategy(n) == Some(Strategy::Heads));
         let whole_because = (!heads_split).then(|| match a.heads {
@@ -216,7 +217,7 @@ fn layer_parts(
             Some(h) if h % par.tp as i64 != 0 => format!("{h} heads do not divide {} ways", par.tp),
             _ => "the solver replicates it (cheaper than splitting it here)".to_string(),
         });
-        out.push(LayerPart::Attention { form, heads: a.heads, split: if heads_split { par.tp } else { 1 }, whole_because });
+        out.push(LayerPart::Attention { form, heads: a.heads, kv_heads, split: if heads_split { par.tp } else { 1 }, whole_because });
     }
     for e in described.experts {
         let split = if strategy(&e.node) == Some(Strategy::Experts) { par.tp } else { 1 };

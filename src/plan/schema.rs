@@ -385,7 +385,8 @@ pub struct LayerStrategy {
 }
 
 /// An attention core or a mixture of experts of a layer, and how the plan runs it. The plan
-/// file spells it `{"attention": {"form": "latent", "heads": 128, "split": 8}}` or
+/// file spells it `{"attention": {"form": "latent", "heads": 128, "split": 8}}`,
+/// `{"attention": {"form": "grouped_query", "heads": 64, "kv_heads": 8, "split": 1, "whole_because": "…"}}` or
 /// `{"experts": {"routed": 256, "top_k": 8, "shared": 1, "ep": 8, "split": 1}}`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
@@ -397,6 +398,9 @@ pub enum LayerPart {
         /// Query heads, where known.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         heads: Option<i64>,
+        /// Key and value heads of grouped-query attention.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        kv_heads: Option<i64>,
         /// Ways its heads are split over the tensor ranks (1: whole).
         split: usize,
         /// Why it is whole on every tensor rank, when it is.
@@ -426,6 +430,8 @@ pub enum LayerPart {
 pub enum AttentionKind {
     /// Every head with its own key and value.
     MultiHead,
+    /// Groups of query heads sharing a key and value head (`kv_heads` of them).
+    GroupedQuery,
     /// Latent attention (DeepSeek's MLA): a shared latent, one rotary key over every head.
     Latent,
 }
@@ -433,14 +439,21 @@ pub enum AttentionKind {
 impl fmt::Display for LayerPart {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            LayerPart::Attention { form, heads, split, whole_because } => {
+            LayerPart::Attention { form, heads, kv_heads, split, whole_because } => {
                 f.write_str("attention: ")?;
-                f.write_str(match form {
-                    AttentionKind::MultiHead => "multi-head",
-                    AttentionKind::Latent => "latent (MLA)",
+                f.write_str(match (form, kv_heads) {
+                    (AttentionKind::MultiHead, _) => "multi-head",
+                    (AttentionKind::GroupedQuery, Some(1)) => "multi-query",
+                    (AttentionKind::GroupedQuery, _) => "grouped-query",
+                    (AttentionKind::Latent, _) => "latent (MLA)",
                 })?;
                 if let Some(h) = heads {
                     write!(f, ", {h} heads")?;
+                }
+                if let (AttentionKind::GroupedQuery, Some(kv)) = (form, kv_heads)
+                    && *kv > 1
+                {
+                    write!(f, " sharing {kv} KV heads")?;
                 }
                 match (split, whole_because) {
                     (s, _) if *s > 1 => write!(f, ", split by heads {s} ways"),

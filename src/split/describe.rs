@@ -26,6 +26,12 @@ pub struct LayerParts {
 pub enum AttentionForm {
     /// Every head with its own key and value.
     MultiHead,
+    /// Groups of query heads sharing a key and value head, broadcast over the group
+    /// (grouped-query attention; multi-query with one KV head).
+    GroupedQuery {
+        /// Key and value heads.
+        kv_heads: i64,
+    },
     /// Latent attention: keys and values expanded per head from a shared latent, the key's
     /// rotary part one head broadcast over all of them (DeepSeek-V2/V3's MLA).
     Latent,
@@ -79,10 +85,7 @@ pub fn describe(lg: &LayeredGraph, layer: usize, sg: &SplitGraph) -> LayerParts 
         let n = g.node(first);
         let q = dims(n.inputs.first().copied().flatten());
         let heads = if q.len() == 4 { q[1] } else { None }.or(heads);
-        let form = match n.inputs.get(1).copied().flatten() {
-            Some(k) if shares_a_head(g, k) => AttentionForm::Latent,
-            _ => AttentionForm::MultiHead,
-        };
+        let form = n.inputs.get(1).copied().flatten().map_or(AttentionForm::MultiHead, |k| key_form(g, k));
         let names = matmuls.iter().map(|&m| g.node(m).name.clone()).collect();
         AttentionPart { nodes: names, form, heads, splittable }
     };
@@ -120,31 +123,48 @@ pub fn describe(lg: &LayeredGraph, layer: usize, sg: &SplitGraph) -> LayerParts 
     out
 }
 
-/// Whether key `k` (as the attention reads it) is, through views, a Concat one of whose parts
-/// is one head expanded over all of them.
-fn shares_a_head(g: &Graph, k: ValueId) -> bool {
+/// What key `k` (as the attention reads it) says of the attention, through views: a Concat one
+/// of whose parts is one head expanded over all of them is latent attention's; a 5-D Expand
+/// broadcasting each head over a group (`[b, kv, 1, s, d]` to `[b, kv, g, s, d]`) is
+/// grouped-query attention's.
+fn key_form(g: &Graph, k: ValueId) -> AttentionForm {
+    let shape = |v: Option<ValueId>| g.value(v?).ty.as_ref()?.shape.as_ref()?.known();
     let mut v = k;
     for _ in 0..8 {
-        let Some(n) = g.value(v).producer.map(|p| g.node(p)) else { return false };
+        let Some(n) = g.value(v).producer.map(|p| g.node(p)) else { break };
         match n.op.kind() {
             Some(OpKind::Transpose | OpKind::Reshape | OpKind::Identity) => match n.inputs.first().copied().flatten() {
                 Some(x) => v = x,
-                None => return false,
+                None => break,
             },
+            Some(OpKind::Expand) => {
+                if let (Some(x), Some(o)) = (shape(n.inputs.first().copied().flatten()), shape(Some(v)))
+                    && x.len() == 5
+                    && o.len() == 5
+                    && x[2] == 1
+                    && o[2] > 1
+                {
+                    return AttentionForm::GroupedQuery { kv_heads: x[1] };
+                }
+                break;
+            }
             Some(OpKind::Concat) => {
-                return n.inputs.iter().flatten().any(|&part| {
+                let latent = n.inputs.iter().flatten().any(|&part| {
                     let Some(e) = g.value(part).producer.map(|p| g.node(p)).filter(|e| e.op.is(OpKind::Expand)) else {
                         return false;
                     };
-                    let shape = |v: Option<ValueId>| g.value(v?).ty.as_ref()?.shape.as_ref()?.known();
                     matches!((shape(e.inputs.first().copied().flatten()), shape(Some(part))),
                         (Some(x), Some(o)) if x.len() == 4 && o.len() == 4 && x[1] == 1 && o[1] > 1)
                 });
+                if latent {
+                    return AttentionForm::Latent;
+                }
+                break;
             }
-            _ => return false,
+            _ => break,
         }
     }
-    false
+    AttentionForm::MultiHead
 }
 
 /// The intermediate width of the MLP whose output is added to the experts' output `o` (through
