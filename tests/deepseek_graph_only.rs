@@ -1,7 +1,8 @@
 //! The graph-only DeepSeek-V3 (`scripts/make_graph_only.py`: 61 layers, hidden 7168, 128
 //! heads of multi-head latent attention, the first 3 MLPs dense, then 256 routed experts top 8
 //! beside one shared expert; 671.03B parameters) planned on 256 H100s: the solver proves its
-//! plan optimal and `inspect` names the expert-parallel choice. Under Megatron's tensor split
+//! plan optimal and `inspect` names the expert-parallel choice and, per layer, the attention
+//! and expert choices (snapshots of its `choices` lines). Under Megatron's tensor split
 //! the latent attention splits by heads: the up-projections `q_b_proj` and `kv_b_proj` by
 //! columns, the attention core by heads (the rotary key, one head expanded over all of them,
 //! expanded over each rank's heads only), `o_proj` by rows, and the low-rank down-projections
@@ -45,6 +46,12 @@ fn deepseek_v3_on_256_h100s_is_planned_optimal_with_its_experts_split() {
     assert_eq!(moe, 58, "{fused:?}");
     assert!(text.contains("671.03B params, 63 layers"), "{text}");
     assert!(text.contains(&format!("experts e = {ep}:")) && text.contains("optimal:"), "{text}");
+    insta::assert_snapshot!("deepseek_v3_h100x256_choices", choices(text));
+}
+
+/// `inspect`'s per-layer lines naming the attention and expert choices.
+fn choices(text: &str) -> String {
+    text.lines().filter(|l| l.starts_with("choices ")).collect::<Vec<_>>().join("\n")
 }
 
 #[test]
@@ -68,4 +75,5 @@ fn deepseek_v3_latent_attention_splits_by_heads_under_megatron_tp() {
         assert_eq!(att, ["replicate", "column", "replicate", "column", "heads", "heads", "row"], "{}: {nodes:?}", l["name"]);
     }
     assert_eq!(blocks, 61);
+    insta::assert_snapshot!("deepseek_v3_megatron_tp8_choices", choices(r["inspect"].as_str().unwrap()));
 }

@@ -1,6 +1,6 @@
 //! Passes over the IR, one file each; [`analyze`] runs them in order:
-//! decide parameters → bind dims → shape inference → fold shape arithmetic → DCE → shape
-//! inference → fuse op chains → figures → layer grouping, with the graph verifier between them.
+//! decide parameters → bind dims → shape inference → fold shape arithmetic → slice assignments
+//! into Concat → DCE → shape inference → fuse op chains → figures → layer grouping, with the graph verifier between them.
 //! [`specialise`] is the part up to fusion: the runner applies it to the model it loads, then
 //! the plan's recorded fusions (`fuse::apply`).
 
@@ -16,6 +16,7 @@ mod options;
 pub mod params;
 pub mod rebatch;
 pub mod shape_infer;
+pub mod slice_assign;
 #[cfg(test)]
 mod testutil;
 
@@ -66,7 +67,8 @@ pub fn analyze_with(
 }
 
 /// The first half of [`analyze`]: decides what is trained (keeping an earlier decision), binds dims, infers shapes, folds
-/// shape arithmetic into constants and removes dead nodes. Node and value ids are kept, so the
+/// shape arithmetic into constants, rewrites slice assignments that cover an axis into `Concat`
+/// ([`slice_assign`]) and removes dead nodes. Node and value ids are kept, so the
 /// result is the graph codegen's shards address (the runner applies a plan's shards to it, on a
 /// graph whose parameters were decided the same way).
 pub fn specialise(mut graph: ir::Graph, opts: &AnalyzeOptions) -> Result<(ir::Graph, ir::DimBindings), PassError> {
@@ -84,13 +86,18 @@ fn specialise_decided(mut graph: ir::Graph, opts: &AnalyzeOptions) -> Result<(ir
     debug_verify(&graph)?;
     let folded = fold::fold_constants(&mut graph, &dims, &info)?;
     debug_verify(&graph)?;
-    let removed = dce::remove_dead_nodes(&mut graph);
+    let mut removed = dce::remove_dead_nodes(&mut graph);
+    // after dead-node removal: the Shape reads of folded index arithmetic are gone
+    let assigned = slice_assign::concat_slice_assignments(&mut graph);
+    if assigned > 0 {
+        removed += dce::remove_dead_nodes(&mut graph);
+    }
     debug_verify(&graph)?;
-    if folded > 0 || removed > 0 {
+    if folded > 0 || removed > 0 || assigned > 0 {
         shape_infer::infer_shapes(&mut graph, &dims)?;
         debug_verify(&graph)?;
     }
-    tracing::debug!(folded, removed, nodes = graph.node_count(), "shape arithmetic folded, dead nodes removed");
+    tracing::debug!(folded, assigned, removed, nodes = graph.node_count(), "shape arithmetic folded, slice assignments concatenated, dead nodes removed");
     Ok((graph, dims))
 }
 

@@ -2,6 +2,7 @@
 
 use crate::cost::{ClusterSpec, CommModel, GroupSpan, LinkKind};
 use crate::ir::{LayeredGraph, Parallelism};
+use crate::split::{self, Strategy};
 use crate::solve::{PlanDecision, PlanOptions};
 
 use super::schema::*;
@@ -59,6 +60,7 @@ pub fn from_decision(d: &PlanDecision, lg: &LayeredGraph, cluster: &ClusterSpec,
             }
         })
         .collect();
+    let mut facts = None;
     let layer_strategies = d
         .layers
         .iter()
@@ -67,6 +69,7 @@ pub fn from_decision(d: &PlanDecision, lg: &LayeredGraph, cluster: &ClusterSpec,
             name: lg.layers.get(l.layer).map(|x| x.name.clone()).unwrap_or_default(),
             strategy: l.strategy.clone(),
             nodes: l.nodes.clone(),
+            parts: if l.layer < lg.layers.len() { layer_parts(lg, l.layer, &l.nodes, &d.parallel, &mut facts) } else { Vec::new() },
         })
         .collect();
     let global_batch = opts.global_batch_for(lg, cluster);
@@ -183,6 +186,42 @@ fn communication(d: &PlanDecision, cluster: &ClusterSpec, plan: &Plan) -> Vec<Co
             let volume = 2.0 * (n - 1.0) / n * grads;
             add(Traffic::Data, span.link_kind(), volume, comm.all_reduce(grads, &span));
         }
+    }
+    out
+}
+
+/// The attention cores and mixtures of experts of layer `layer` ([`split::describe`]) and how
+/// the plan runs each (`nodes`: the plan's strategy per node); `facts` is the split analysis'
+/// graph facts, made on first need.
+fn layer_parts(
+    lg: &LayeredGraph,
+    layer: usize,
+    nodes: &[(String, Strategy)],
+    par: &Parallelism,
+    facts: &mut Option<split::GraphFacts>,
+) -> Vec<LayerPart> {
+    let facts = facts.get_or_insert_with(|| split::GraphFacts::new(lg));
+    let described = split::describe(lg, layer, &split::analyse(lg, layer, facts));
+    let strategy = |node: &str| nodes.iter().find(|(n, _)| n == node).map(|(_, s)| *s);
+    let mut out = Vec::new();
+    for a in described.attention {
+        let (form, kv_heads) = match a.form {
+            split::AttentionForm::MultiHead => (AttentionKind::MultiHead, None),
+            split::AttentionForm::GroupedQuery { kv_heads } => (AttentionKind::GroupedQuery, Some(kv_heads)),
+            split::AttentionForm::Latent => (AttentionKind::Latent, None),
+        };
+        let heads_split = a.nodes.iter().any(|n| strategy(n) == Some(Strategy::Heads));
+        let whole_because = (!heads_split).then(|| match a.heads {
+            _ if par.tp == 1 => "no tensor parallelism (tp 1)".to_string(),
+            _ if !a.splittable => "no head split reaches it (an op on the way has no split rule)".to_string(),
+            Some(h) if h % par.tp as i64 != 0 => format!("{h} heads do not divide {} ways", par.tp),
+            _ => "the solver replicates it (cheaper than splitting it here)".to_string(),
+        });
+        out.push(LayerPart::Attention { form, heads: a.heads, kv_heads, split: if heads_split { par.tp } else { 1 }, whole_because });
+    }
+    for e in described.experts {
+        let split = if strategy(&e.node) == Some(Strategy::Experts) { par.tp } else { 1 };
+        out.push(LayerPart::Experts { routed: e.routed, top_k: e.top_k, shared: e.shared, ep: par.ep, split });
     }
     out
 }

@@ -246,8 +246,40 @@ pub fn render(plan: &Plan) -> String {
     let mut out = String::new();
     header(plan, &mut out);
     stage_table(plan, &mut out);
+    for line in choice_lines(plan) {
+        let _ = writeln!(out, "{line}");
+    }
     summary(plan, &mut out);
     out
+}
+
+/// What each layer's attention and experts are and how the plan runs them, runs of layers
+/// alike in one line: `choices layers 4-61 (layers.3 … layers.60): attention: latent (MLA),
+/// 128 heads, split by heads 8 ways; experts: 256 routed top 8 + 1 shared, ep 2`.
+pub fn choice_lines(plan: &Plan) -> Vec<String> {
+    let mut runs: Vec<(usize, usize, &str, &str, String)> = Vec::new();
+    for l in &plan.layer_strategies {
+        if l.parts.is_empty() {
+            continue;
+        }
+        let text = l.parts.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ");
+        match runs.last_mut() {
+            Some(r) if r.4 == text && r.1 + 1 == l.layer => {
+                r.1 = l.layer;
+                r.3 = &l.name;
+            }
+            _ => runs.push((l.layer, l.layer, &l.name, &l.name, text)),
+        }
+    }
+    runs.into_iter()
+        .map(|(a, b, first, last, text)| {
+            if a == b {
+                format!("choices layer {a} ({first}): {text}")
+            } else {
+                format!("choices layers {a}-{b} ({first} … {last}): {text}")
+            }
+        })
+        .collect()
 }
 
 /// The model, cluster, parallel configuration and batch lines.

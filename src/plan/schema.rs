@@ -378,6 +378,105 @@ pub struct LayerStrategy {
     pub strategy: String,
     /// Strategy per node, in the layer's node order: `[node, strategy]`.
     pub nodes: Vec<(String, Strategy)>,
+    /// The layer's attention cores and mixtures of experts and how this plan runs each (what
+    /// `inspect` names per layer); absent when it has none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub parts: Vec<LayerPart>,
+}
+
+/// An attention core or a mixture of experts of a layer, and how the plan runs it. The plan
+/// file spells it `{"attention": {"form": "latent", "heads": 128, "split": 8}}`,
+/// `{"attention": {"form": "grouped_query", "heads": 64, "kv_heads": 8, "split": 1, "whole_because": "…"}}` or
+/// `{"experts": {"routed": 256, "top_k": 8, "shared": 1, "ep": 8, "split": 1}}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum LayerPart {
+    /// An attention core.
+    Attention {
+        /// What it is.
+        form: AttentionKind,
+        /// Query heads, where known.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        heads: Option<i64>,
+        /// Key and value heads of grouped-query attention.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        kv_heads: Option<i64>,
+        /// Ways its heads are split over the tensor ranks (1: whole).
+        split: usize,
+        /// Why it is whole on every tensor rank, when it is.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        whole_because: Option<String>,
+    },
+    /// A mixture of experts.
+    Experts {
+        /// Routed experts.
+        routed: usize,
+        /// Experts each token is routed to, where known.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        top_k: Option<i64>,
+        /// Shared experts beside the routed ones.
+        #[serde(default)]
+        shared: i64,
+        /// Ranks its routed experts are spread over (expert parallelism).
+        ep: usize,
+        /// Ways each expert's MLP is split by its intermediate dim over the tensor ranks.
+        split: usize,
+    },
+}
+
+/// The kind of an attention core, as the plan file spells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttentionKind {
+    /// Every head with its own key and value.
+    MultiHead,
+    /// Groups of query heads sharing a key and value head (`kv_heads` of them).
+    GroupedQuery,
+    /// Latent attention (DeepSeek's MLA): a shared latent, one rotary key over every head.
+    Latent,
+}
+
+impl fmt::Display for LayerPart {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LayerPart::Attention { form, heads, kv_heads, split, whole_because } => {
+                f.write_str("attention: ")?;
+                f.write_str(match (form, kv_heads) {
+                    (AttentionKind::MultiHead, _) => "multi-head",
+                    (AttentionKind::GroupedQuery, Some(1)) => "multi-query",
+                    (AttentionKind::GroupedQuery, _) => "grouped-query",
+                    (AttentionKind::Latent, _) => "latent (MLA)",
+                })?;
+                if let Some(h) = heads {
+                    write!(f, ", {h} heads")?;
+                }
+                if let (AttentionKind::GroupedQuery, Some(kv)) = (form, kv_heads)
+                    && *kv > 1
+                {
+                    write!(f, " sharing {kv} KV heads")?;
+                }
+                match (split, whole_because) {
+                    (s, _) if *s > 1 => write!(f, ", split by heads {s} ways"),
+                    (_, Some(why)) => write!(f, ", kept whole: {why}"),
+                    _ => f.write_str(", whole"),
+                }
+            }
+            LayerPart::Experts { routed, top_k, shared, ep, split } => {
+                write!(f, "experts: {routed} routed")?;
+                if let Some(k) = top_k {
+                    write!(f, " top {k}")?;
+                }
+                if *shared > 0 {
+                    write!(f, " + {shared} shared")?;
+                }
+                write!(f, ", ep {ep}")?;
+                if *split > 1 {
+                    write!(f, ", each expert split {split} ways by its intermediate dim")?;
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 /// What a traffic entry of the plan carries (spelled `tensor`, `pipeline`, `data`).

@@ -29,7 +29,7 @@ fn is_float_init(g: &Graph, v: ValueId) -> bool {
 
 /// The parameter behind a weight operand (itself, or the input of a Transpose of it) and
 /// whether it is transposed.
-fn weight_param(g: &Graph, producers: &HashMap<ValueId, NodeId>, v: ValueId) -> Option<(ValueId, bool)> {
+pub(super) fn weight_param(g: &Graph, producers: &HashMap<ValueId, NodeId>, v: ValueId) -> Option<(ValueId, bool)> {
     if is_float_init(g, v) {
         return Some((v, false));
     }
@@ -114,6 +114,14 @@ pub struct SplitGraph {
     /// Nodes the engines cannot see into ([`super::family::opaque`]): choosing ones are
     /// offered `replicate` only.
     pub(super) opaque: BTreeSet<usize>,
+}
+
+impl SplitGraph {
+    /// Per attention core: its matmuls (layer node indices, ascending: the scores' first, or
+    /// the one fused attention) and the most heads its 4-D reshapes name, if any.
+    pub fn core_matmuls(&self) -> Vec<(Vec<usize>, Option<i64>)> {
+        self.cores.iter().map(|c| (c.matmuls.iter().copied().collect(), c.heads.iter().max().copied())).collect()
+    }
 }
 
 #[derive(Clone, Debug, Default)]

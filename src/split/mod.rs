@@ -9,7 +9,8 @@
 //! - [`offer`]: "which strategies can this node take, at what cost": per layer and tensor
 //!   degree, the choosing nodes (weight matmuls, embedding lookups, attention cores), their
 //!   priced [`Strategy`] options and the pairs that must split together. The structure behind
-//!   it (roles, where a column split flows, attention cores) is [`analyse`].
+//!   it (roles, where a column split flows, attention cores) is [`analyse`]; what a layer's
+//!   attention and experts are, in words, is [`describe`].
 //! - [`realise`]: "emit this strategy": propagation of placements through the layer, producing
 //!   a rank-independent [`SplitPlan`] (weight splits, rewrites, collectives) and, per choosing
 //!   node, the strategy it realised. [`Engine::check_offers`] keeps every offer the solver sees
@@ -31,6 +32,7 @@ mod attention;
 pub mod axes;
 pub mod check;
 pub mod context;
+pub mod describe;
 mod elementwise;
 pub mod emit;
 pub mod error;
@@ -48,6 +50,7 @@ mod view;
 
 pub use analyse::{GraphFacts, NodeRole, SplitGraph, analyse, roles};
 pub use check::{forced_assignment, isolated_assignment};
+pub use describe::{AttentionForm, AttentionPart, ExpertsPart, LayerParts, describe};
 pub use error::SplitError;
 pub use gather::emit_masked_gather;
 pub use matmul::emit_deferred_bias;

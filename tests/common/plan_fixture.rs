@@ -93,6 +93,7 @@ pub fn fixture() -> Plan {
             name: "h.0".into(),
             strategy: "megatron".into(),
             nodes: vec![("h.0.attn.qkv".into(), smp_partition::split::Strategy::Column), ("h.0.attn.proj".into(), smp_partition::split::Strategy::Row)],
+            parts: vec![],
         }],
         communication: vec![
             CommVolume { kind: Traffic::Tensor, link: LinkKind::IntraNode, bytes: 3.0e8, time_s: 0.012 },
