@@ -8,6 +8,9 @@
 //! 14 (gradients too), ZeRO-3 all 16. Pure fp32 Adam keeps 4 + 4 + 8 (m, v); pure bf16 Adam
 //! 2 + 2 + 4 (bf16 m, v: PyTorch's AdamW keeps its moments in the parameters' dtype). Which
 //! applies is the plan's [`Precision`] ([`StatePrecision::of`]); docs/precision.md has the table.
+//! The planner prices memory in the layout the runner holds ([`StatePrecision::held`]): its
+//! mixed precision is `torch.autocast` over fp32 weights, which are the masters, with fp32
+//! gradients (4 + 4 + 8), so ZeRO 1 and 2 leave the masters whole on every replica.
 //!
 //! The workspace margin (framework, kernel workspace, fragmentation) is
 //! [`super::ClusterSpec::workspace_bytes`], subtracted by `ClusterSpec::usable_memory`.
@@ -34,6 +37,19 @@ impl StatePrecision {
     /// Pure bf16 Adam (bf16 weights, gradients and moments, no master copy): 2 + 2 + 4 = 8
     /// bytes per parameter.
     pub const BF16_ADAM: StatePrecision = StatePrecision { weight: 2, grad: 2, optimizer: 4 };
+
+    /// Mixed precision as `smp-runner` holds it (`torch.autocast` over fp32 parameters): fp32
+    /// weights, which are the master copy, fp32 gradients and fp32 moments: 4 + 4 + 8 = 16
+    /// bytes per parameter, of which ZeRO 1 and 2 shard only the moments (and 2 the
+    /// gradients), never a master copy apart from the weights.
+    pub const AUTOCAST_ADAM: StatePrecision = StatePrecision { weight: 4, grad: 4, optimizer: 8 };
+
+    /// What the runner holds per parameter for state priced as `self`: [`Self::AUTOCAST_ADAM`]
+    /// for [`Self::MIXED_ADAM`] (whose 2 + 2 bytes still size the collectives' messages in the
+    /// time model), `self` otherwise.
+    pub fn held(self) -> StatePrecision {
+        if self == StatePrecision::MIXED_ADAM { StatePrecision::AUTOCAST_ADAM } else { self }
+    }
 
     /// The bytes per parameter of a training precision: `f32` [`Self::FP32_ADAM`], `bf16`
     /// [`Self::BF16_ADAM`], `bf16-mixed` and `fp16-mixed` [`Self::MIXED_ADAM`].
@@ -66,7 +82,8 @@ impl ModelState {
 
 /// Model state per device for `params` parameters, `trained` of them trained (frozen ones keep
 /// no gradient or optimizer state), held by a data-parallel group of `dp` replicas under ZeRO
-/// `zero` (0..=3; larger values act as 3).
+/// `zero` (0..=3; larger values act as 3), `precision` bytes per parameter (the planner passes
+/// [`StatePrecision::held`], the runner's layout).
 pub fn model_state(params: f64, trained: f64, zero: u8, dp: usize, precision: StatePrecision) -> ModelState {
     let d = dp.max(1) as f64;
     let shard = |stage: u8| if zero >= stage { d } else { 1.0 };
@@ -78,11 +95,16 @@ pub fn model_state(params: f64, trained: f64, zero: u8, dp: usize, precision: St
 }
 
 /// Activation bytes one layer keeps per microbatch of `batch` samples: everything its ops
-/// save for backward, or only its input when checkpointed. `bytes_scale` converts the graph's
-/// dtype to the training dtype (see `compute::bytes_scale`).
+/// save for backward, or only its input when checkpointed, less the inputs other layers read
+/// too (its `shared_input_bytes`, which its stage holds once: [`stage_activation_bytes`]).
+/// `bytes_scale` converts the graph's dtype to the training dtype (see `compute::bytes_scale`).
 pub fn layer_activation_bytes(layer: &Layer, batch: f64, checkpointed: bool, bytes_scale: f64) -> f64 {
-    let per_sample = if checkpointed { layer.input_bytes } else { layer.figures.saved_bytes };
-    per_sample * batch * bytes_scale
+    let per_sample = if checkpointed {
+        layer.input_bytes - layer.shared_input_bytes
+    } else {
+        layer.figures.saved_bytes - layer.shared_saved_bytes
+    };
+    per_sample.max(0.0) * batch * bytes_scale
 }
 
 /// Extra bytes while a checkpointed layer recomputes: its full saved activations for one
@@ -91,10 +113,12 @@ pub fn recompute_extra_bytes(layer: &Layer, batch: f64, bytes_scale: f64) -> f64
     ((layer.figures.saved_bytes - layer.input_bytes).max(0.0)) * batch * bytes_scale
 }
 
-/// Peak activation bytes of a stage: `in_flight` microbatches of every layer's kept bytes,
-/// plus the largest recompute working set among its checkpointed layers.
+/// Peak activation bytes of a stage: `in_flight` microbatches of every layer's kept bytes and
+/// of the inputs its layers share (a mask, rotary tables: one tensor however many layers read
+/// it), plus the largest recompute working set among its checkpointed layers.
 pub fn stage_activation_bytes(layers: &[(&Layer, bool)], batch: f64, in_flight: f64, bytes_scale: f64) -> f64 {
-    let kept: f64 = layers.iter().map(|&(l, ck)| layer_activation_bytes(l, batch, ck, bytes_scale)).sum();
+    let shared = layers.iter().map(|&(l, _)| l.shared_input_bytes).fold(0.0, f64::max) * batch * bytes_scale;
+    let kept: f64 = layers.iter().map(|&(l, ck)| layer_activation_bytes(l, batch, ck, bytes_scale)).sum::<f64>() + shared;
     let recompute = layers
         .iter()
         .filter(|&&(_, ck)| ck)
@@ -154,6 +178,18 @@ mod tests {
     }
 
     #[test]
+    fn mixed_precision_under_zero_1_and_2_holds_whole_fp32_masters() {
+        // the runner's autocast keeps fp32 weights (the masters) and fp32 gradients on every
+        // replica: ZeRO 1 shards only the moments, not a 2 + 2 + 12/d layout
+        let (psi, d) = (1.0e6, 8usize);
+        let st = |z| model_state(psi, psi, z, d, StatePrecision::MIXED_ADAM.held());
+        assert_eq!(st(1), ModelState { params: 4.0 * psi, grads: 4.0 * psi, optimizer: 8.0 * psi / 8.0 });
+        assert_eq!(st(2), ModelState { params: 4.0 * psi, grads: 4.0 * psi / 8.0, optimizer: 8.0 * psi / 8.0 });
+        assert_eq!(st(0).total(), 16.0 * psi);
+        assert_eq!(st(3).total(), 16.0 * psi / 8.0);
+    }
+
+    #[test]
     fn state_bytes_per_mode_and_stage() {
         // Derived from the mode's types: fp32 4 bytes, bf16/fp16 2; Adam's two moments; a
         // master copy only in the mixed modes.
@@ -174,6 +210,39 @@ mod tests {
             assert_eq!(st(2).total(), psi * low + psi * (low + opt) / df, "{p}");
             assert_eq!(st(3).total(), psi * (low + low + opt) / df, "{p}");
         }
+    }
+
+    fn block(saved: f64, input: f64, shared: f64) -> Layer {
+        Layer {
+            index: 1,
+            name: "layers.0".into(),
+            kind: crate::ir::LayerKind::Block,
+            nodes: Vec::new(),
+            signature: String::new(),
+            params: Vec::new(),
+            shared_params: Vec::new(),
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            figures: crate::ir::NodeFigures { saved_bytes: saved, ..Default::default() },
+            input_bytes: input,
+            offload_bytes: input - shared,
+            output_bytes: input - shared,
+            shared_input_bytes: shared,
+            shared_saved_bytes: shared,
+        }
+    }
+
+    #[test]
+    fn a_mask_every_layer_reads_is_held_once_per_stage() {
+        // four blocks, each saving 100 bytes of its own and the 400-byte mask they all read
+        let l = block(500.0, 410.0, 400.0);
+        let stage = [(&l, false), (&l, false), (&l, false), (&l, false)];
+        // 2 microbatches in flight of batch 3: 4 × 100 + one mask, not four
+        assert_eq!(stage_activation_bytes(&stage, 3.0, 2.0, 1.0), 2.0 * 3.0 * (4.0 * 100.0 + 400.0));
+        // checkpointed, each keeps its own 10-byte input and the stage the mask once; the
+        // recompute set is the layer's saved bytes beyond its input
+        let ck = [(&l, true), (&l, true)];
+        assert_eq!(stage_activation_bytes(&ck, 1.0, 1.0, 1.0), 2.0 * 10.0 + 400.0 + 90.0);
     }
 
     #[test]

@@ -459,7 +459,7 @@ impl<'a> CostContext<'a> {
             let split = cfg.tp > 1 && self.tied_is_split(w, cfg);
             let elems = crate::passes::figures::param_elems(&lg.graph, w).0 as f64 / if split { cfg.tp as f64 } else { 1.0 };
             let trained = if crate::passes::figures::is_trainable(&lg.graph, w) { elems } else { 0.0 };
-            let state = model_state(elems, trained, cfg.zero, cfg.zero_group.size, self.precision);
+            let state = model_state(elems, trained, cfg.zero, cfg.zero_group.size, self.precision.held());
             out.push(TiedCopy { weight: w.index(), owner, elems, trained, state_bytes: state.total() });
         }
         out
@@ -696,7 +696,7 @@ impl<'a> CostContext<'a> {
                 continue;
             }
             let trained = held * fraction;
-            state += model_state(held, trained, cfg.zero, zero_group.size, self.precision).total();
+            state += model_state(held, trained, cfg.zero, zero_group.size, self.precision.held()).total();
             let weight_bytes = held * self.precision.weight as f64;
             let grad_bytes = trained * self.precision.grad as f64;
             let outer = |grad: f64| self.outer_reduce(grad, &zero_group, &dp_group);
@@ -732,12 +732,21 @@ impl<'a> CostContext<'a> {
         let ax = self.axis_times(layer, cfg);
         fwd += ax.kv_exposed_fwd_s + ax.all_to_all_fwd_s + ax.imbalance_fwd_s;
         bwd += ax.kv_exposed_bwd_s + ax.all_to_all_bwd_s + 2.0 * ax.imbalance_fwd_s;
+        // A mask or rotary table every layer reads is one tensor, held whole on every tensor
+        // rank, per chunk: taken out of the layer's bytes (which split it like the layer).
+        let lay = &self.lg.layers[layer];
+        let b = cfg.microbatch as f64;
+        let t = cfg.tp.max(1) as f64;
+        let shared = lay.shared_input_bytes * b * self.bytes_scale / c;
+        let input_bytes = (d.input_bytes / c - shared / if cfg.sequence_parallel { t } else { 1.0 }).max(0.0);
+        let act_bytes = (d.act_bytes / c - lay.shared_saved_bytes * b * self.bytes_scale / c / t).max(input_bytes);
         ParetoPoint {
             fwd_s: fwd + fwd_extra,
             bwd_s: bwd + bwd_extra,
             state_bytes: state,
-            act_bytes: d.act_bytes / c,
-            input_bytes: d.input_bytes / c,
+            act_bytes,
+            input_bytes,
+            shared_bytes: shared,
             offload_bytes: d.offload_bytes / c,
             sync_s: sync,
             choice,
@@ -801,11 +810,11 @@ impl<'a> CostContext<'a> {
     pub fn state_split(&self, params: f64, trained: f64, expert_params: f64, expert_trained: f64, cfg: &LayerConfig) -> crate::cost::ModelState {
         let t = cfg.tp.max(1) as f64;
         let e = cfg.ep.max(1) as f64;
-        let dense = model_state((params - expert_params) / t, (trained - expert_trained) / t, cfg.zero, cfg.zero_group.size, self.precision);
+        let dense = model_state((params - expert_params) / t, (trained - expert_trained) / t, cfg.zero, cfg.zero_group.size, self.precision.held());
         if expert_params <= 0.0 {
             return dense;
         }
-        let ex = model_state(expert_params / t / e, expert_trained / t / e, cfg.zero, cfg.expert_zero_group.size, self.precision);
+        let ex = model_state(expert_params / t / e, expert_trained / t / e, cfg.zero, cfg.expert_zero_group.size, self.precision.held());
         crate::cost::ModelState { params: dense.params + ex.params, grads: dense.grads + ex.grads, optimizer: dense.optimizer + ex.optimizer }
     }
 }

@@ -535,7 +535,7 @@ fn axis_report(ctx: &CostContext<'_>, cand: &Candidate, prob: &PipelineProblem, 
         if d == peak && cand.parallel.ep > 1 && ex.experts > 0 {
             let held = ex.params / t;
             let trained = held * ctx.shapes[l].trained_fraction();
-            let at = |e: f64, group: usize| crate::cost::model_state(held / e, trained / e, lc.zero, group, ctx.precision).total();
+            let at = |e: f64, group: usize| crate::cost::model_state(held / e, trained / e, lc.zero, group, ctx.precision.held()).total();
             r.state_bytes_without_ep += at(1.0, lc.zero_group.size) - at(cand.parallel.ep as f64, lc.expert_zero_group.size);
         }
     }
@@ -645,6 +645,7 @@ impl Search<'_> {
         let mut stages = Vec::with_capacity(chunks);
         // tied weights' copies, each counted once per device, in its first chunk reading it
         let mut copies_held = std::collections::BTreeSet::new();
+        let chunk_extra = prob.chunk_extra_bytes(choices);
         for c in 0..chunks {
             let members: Vec<usize> = (0..choices.len()).filter(|&l| choices[l].chunk == c).collect();
             let (first, last) = (members.first().copied().unwrap_or(0), members.last().copied().unwrap_or(0));
@@ -691,7 +692,7 @@ impl Search<'_> {
             }
             let t = cand.parallel.tp.max(1) as f64;
             let st = ctx.state_split(params * t, trained * t, expert * t, expert_trained * t, &lc);
-            let activations = kept + rec;
+            let activations = kept + rec + chunk_extra[c];
             let workspace = if c < cand.parallel.pp { prob.workspace } else { 0.0 };
             let comm_s = if c + 1 < chunks { 2.0 * prob.layers[last].output_bytes * prob.transfer_s_per_byte[c] } else { 0.0 };
             stages.push(StageDecision {
