@@ -44,14 +44,13 @@ fn param_counts() -> (f64, f64) {
     (params as f64, (params - frozen) as f64)
 }
 
-/// Bytes per element of each part of the model state, by the types the runner holds (not the
-/// cost model's table): (weight, gradient, AdamW's two moments). Mixed precision runs
-/// `torch.autocast` over fp32 weights, which are the master copy, with fp32 gradients.
+/// Bytes per element of each part of the model state, by the mode's types (not the cost
+/// model's table): (weight, gradient, master copy + AdamW's two moments).
 fn bytes_of(p: Precision) -> (f64, f64, f64) {
     match p {
         Precision::F32 => (4.0, 4.0, 2.0 * 4.0),
         Precision::Bf16 => (2.0, 2.0, 2.0 * 2.0),
-        Precision::Bf16Mixed | Precision::Fp16Mixed => (4.0, 4.0, 2.0 * 4.0),
+        Precision::Bf16Mixed | Precision::Fp16Mixed => (2.0, 2.0, 4.0 + 2.0 * 4.0),
     }
 }
 
@@ -70,8 +69,8 @@ fn model_state_per_mode_and_zero_stage_is_the_formula() {
             assert_eq!(planned.parallel.precision, p);
             let m = planned.stages[0].memory_bytes;
             let d = dp as f64;
-            // ZeRO 1 shards the optimizer state (the moments), 2 the gradients too, 3 the
-            // weights too
+            // ZeRO 1 shards the optimizer state (master copy and moments), 2 the gradients
+            // too, 3 the weights too
             let shard = |stage: u8| if zero >= stage { d } else { 1.0 };
             let what = format!("{p} dp {dp} ZeRO {zero}");
             close(m.params, params * w / shard(3), &format!("{what} weights"));

@@ -8,9 +8,6 @@
 //! 14 (gradients too), ZeRO-3 all 16. Pure fp32 Adam keeps 4 + 4 + 8 (m, v); pure bf16 Adam
 //! 2 + 2 + 4 (bf16 m, v: PyTorch's AdamW keeps its moments in the parameters' dtype). Which
 //! applies is the plan's [`Precision`] ([`StatePrecision::of`]); docs/precision.md has the table.
-//! The planner prices memory in the layout the runner holds ([`StatePrecision::held`]): its
-//! mixed precision is `torch.autocast` over fp32 weights, which are the masters, with fp32
-//! gradients (4 + 4 + 8), so ZeRO 1 and 2 leave the masters whole on every replica.
 //!
 //! The workspace margin (framework, kernel workspace, fragmentation) is
 //! [`super::ClusterSpec::workspace_bytes`], subtracted by `ClusterSpec::usable_memory`.
@@ -37,19 +34,6 @@ impl StatePrecision {
     /// Pure bf16 Adam (bf16 weights, gradients and moments, no master copy): 2 + 2 + 4 = 8
     /// bytes per parameter.
     pub const BF16_ADAM: StatePrecision = StatePrecision { weight: 2, grad: 2, optimizer: 4 };
-
-    /// Mixed precision as `smp-runner` holds it (`torch.autocast` over fp32 parameters): fp32
-    /// weights, which are the master copy, fp32 gradients and fp32 moments: 4 + 4 + 8 = 16
-    /// bytes per parameter, of which ZeRO 1 and 2 shard only the moments (and 2 the
-    /// gradients), never a master copy apart from the weights.
-    pub const AUTOCAST_ADAM: StatePrecision = StatePrecision { weight: 4, grad: 4, optimizer: 8 };
-
-    /// What the runner holds per parameter for state priced as `self`: [`Self::AUTOCAST_ADAM`]
-    /// for [`Self::MIXED_ADAM`] (whose 2 + 2 bytes still size the collectives' messages in the
-    /// time model), `self` otherwise.
-    pub fn held(self) -> StatePrecision {
-        if self == StatePrecision::MIXED_ADAM { StatePrecision::AUTOCAST_ADAM } else { self }
-    }
 
     /// The bytes per parameter of a training precision: `f32` [`Self::FP32_ADAM`], `bf16`
     /// [`Self::BF16_ADAM`], `bf16-mixed` and `fp16-mixed` [`Self::MIXED_ADAM`].
@@ -82,8 +66,7 @@ impl ModelState {
 
 /// Model state per device for `params` parameters, `trained` of them trained (frozen ones keep
 /// no gradient or optimizer state), held by a data-parallel group of `dp` replicas under ZeRO
-/// `zero` (0..=3; larger values act as 3), `precision` bytes per parameter (the planner passes
-/// [`StatePrecision::held`], the runner's layout).
+/// `zero` (0..=3; larger values act as 3).
 pub fn model_state(params: f64, trained: f64, zero: u8, dp: usize, precision: StatePrecision) -> ModelState {
     let d = dp.max(1) as f64;
     let shard = |stage: u8| if zero >= stage { d } else { 1.0 };
@@ -175,18 +158,6 @@ mod tests {
         assert_eq!(m(1, 64), 4.0 * psi + 12.0 * psi / 64.0);
         assert_eq!(m(2, 64), 2.0 * psi + 14.0 * psi / 64.0);
         assert_eq!(m(3, 64), 16.0 * psi / 64.0);
-    }
-
-    #[test]
-    fn mixed_precision_under_zero_1_and_2_holds_whole_fp32_masters() {
-        // the runner's autocast keeps fp32 weights (the masters) and fp32 gradients on every
-        // replica: ZeRO 1 shards only the moments, not a 2 + 2 + 12/d layout
-        let (psi, d) = (1.0e6, 8usize);
-        let st = |z| model_state(psi, psi, z, d, StatePrecision::MIXED_ADAM.held());
-        assert_eq!(st(1), ModelState { params: 4.0 * psi, grads: 4.0 * psi, optimizer: 8.0 * psi / 8.0 });
-        assert_eq!(st(2), ModelState { params: 4.0 * psi, grads: 4.0 * psi / 8.0, optimizer: 8.0 * psi / 8.0 });
-        assert_eq!(st(0).total(), 16.0 * psi);
-        assert_eq!(st(3).total(), 16.0 * psi / 8.0);
     }
 
     #[test]

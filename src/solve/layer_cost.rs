@@ -459,7 +459,7 @@ impl<'a> CostContext<'a> {
             let split = cfg.tp > 1 && self.tied_is_split(w, cfg);
             let elems = crate::passes::figures::param_elems(&lg.graph, w).0 as f64 / if split { cfg.tp as f64 } else { 1.0 };
             let trained = if crate::passes::figures::is_trainable(&lg.graph, w) { elems } else { 0.0 };
-            let state = model_state(elems, trained, cfg.zero, cfg.zero_group.size, self.precision.held());
+            let state = model_state(elems, trained, cfg.zero, cfg.zero_group.size, self.precision);
             out.push(TiedCopy { weight: w.index(), owner, elems, trained, state_bytes: state.total() });
         }
         out
@@ -696,7 +696,7 @@ impl<'a> CostContext<'a> {
                 continue;
             }
             let trained = held * fraction;
-            state += model_state(held, trained, cfg.zero, zero_group.size, self.precision.held()).total();
+            state += model_state(held, trained, cfg.zero, zero_group.size, self.precision).total();
             let weight_bytes = held * self.precision.weight as f64;
             let grad_bytes = trained * self.precision.grad as f64;
             let outer = |grad: f64| self.outer_reduce(grad, &zero_group, &dp_group);
@@ -810,11 +810,11 @@ impl<'a> CostContext<'a> {
     pub fn state_split(&self, params: f64, trained: f64, expert_params: f64, expert_trained: f64, cfg: &LayerConfig) -> crate::cost::ModelState {
         let t = cfg.tp.max(1) as f64;
         let e = cfg.ep.max(1) as f64;
-        let dense = model_state((params - expert_params) / t, (trained - expert_trained) / t, cfg.zero, cfg.zero_group.size, self.precision.held());
+        let dense = model_state((params - expert_params) / t, (trained - expert_trained) / t, cfg.zero, cfg.zero_group.size, self.precision);
         if expert_params <= 0.0 {
             return dense;
         }
-        let ex = model_state(expert_params / t / e, expert_trained / t / e, cfg.zero, cfg.expert_zero_group.size, self.precision.held());
+        let ex = model_state(expert_params / t / e, expert_trained / t / e, cfg.zero, cfg.expert_zero_group.size, self.precision);
         crate::cost::ModelState { params: dense.params + ex.params, grads: dense.grads + ex.grads, optimizer: dense.optimizer + ex.optimizer }
     }
 }

@@ -262,8 +262,7 @@ impl PipelineProblem {
 
     /// [`PipelineProblem::chunk_extra_bytes`] in the model: chunk c holds the largest shared
     /// input of the runs it meets (run r meets chunk c exactly when h[r][c] − z[r][c−1] is 1,
-    /// with h[r][last] = 1 and z[r][−1] = 0), and, before the last chunk, the output of the run
-    /// it ends in (h[r][c] − h[r+1][c]), for its in-flight microbatches.
+    /// with h[r][last] = 1 and z[r][−1] = 0), for its in-flight microbatches.
     fn chunk_extras(&self, milp: &mut Milp, runs: &[(usize, usize)], h: &[Vec<Expression>], z: &[Vec<Expression>], mem: &mut [Expression]) {
         let (p, v_n) = (self.devices, self.chunks());
         let h_at = |r: usize, c: usize| if c + 1 < v_n { h[r][c].clone() } else { Expression::from(1.0) };
@@ -276,14 +275,6 @@ impl PipelineProblem {
                     let y = *held.get_or_insert_with(|| milp.continuous(0.0, f64::INFINITY));
                     let meets = if c == 0 { h_at(r, c) } else { h_at(r, c) - z[r][c - 1].clone() };
                     milp.constrain(Expression::from(y.v()).geq((f * shared / GIB) * meets));
-                }
-                let sent = self.layers[first].output_bytes;
-                if c + 1 < v_n && sent > 0.0 {
-                    let ends = match h.get(r + 1) {
-                        Some(next) => h[r][c].clone() - next[c].clone(),
-                        None => h[r][c].clone(),
-                    };
-                    mem[c % p] += (f * sent / GIB) * ends;
                 }
             }
             if let Some(y) = held {

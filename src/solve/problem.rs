@@ -264,26 +264,18 @@ impl PipelineProblem {
     }
 
     /// Per chunk, the bytes its layers' own points do not count: the inputs several of its
-    /// layers read (a mask, rotary tables), held once (the largest layer's `shared_bytes`), and
-    /// the outputs it sent on, which it keeps until their gradients come back (the last layer's
-    /// `output_bytes`); each for the chunk's in-flight microbatches.
+    /// layers read (a mask, rotary tables), held once (the largest layer's `shared_bytes`), for
+    /// the chunk's in-flight microbatches.
     pub fn chunk_extra_bytes(&self, choices: &[LayerChoice]) -> Vec<f64> {
         let chunks = self.chunks();
         let mut shared = vec![0.0f64; chunks];
-        let mut last = vec![None; chunks];
         for (l, c) in choices.iter().enumerate() {
             let Some(pt) = self.layers.get(l).and_then(|x| x.points.get(c.point)) else { continue };
             if c.chunk < chunks {
                 shared[c.chunk] = shared[c.chunk].max(pt.shared_bytes);
-                last[c.chunk] = Some(l);
             }
         }
-        (0..chunks)
-            .map(|c| {
-                let sent = if c + 1 < chunks { last[c].map_or(0.0, |l| self.layers[l].output_bytes) } else { 0.0 };
-                self.in_flight[c] * (shared[c] + sent)
-            })
-            .collect()
+        (0..chunks).map(|c| self.in_flight[c] * shared[c]).collect()
     }
 
     /// Bytes an offloaded layer keeps in host memory instead of on the device at the peak: its

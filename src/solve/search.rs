@@ -535,7 +535,7 @@ fn axis_report(ctx: &CostContext<'_>, cand: &Candidate, prob: &PipelineProblem, 
         if d == peak && cand.parallel.ep > 1 && ex.experts > 0 {
             let held = ex.params / t;
             let trained = held * ctx.shapes[l].trained_fraction();
-            let at = |e: f64, group: usize| crate::cost::model_state(held / e, trained / e, lc.zero, group, ctx.precision.held()).total();
+            let at = |e: f64, group: usize| crate::cost::model_state(held / e, trained / e, lc.zero, group, ctx.precision).total();
             r.state_bytes_without_ep += at(1.0, lc.zero_group.size) - at(cand.parallel.ep as f64, lc.expert_zero_group.size);
         }
     }
