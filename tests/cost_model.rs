@@ -80,6 +80,8 @@ fn layer(saved: f64, input: f64) -> Layer {
         input_bytes: input,
         offload_bytes: input,
         output_bytes: input,
+        shared_input_bytes: 0.0,
+        shared_saved_bytes: 0.0,
     }
 }
 

@@ -10,8 +10,8 @@ use smp_partition::solve::problem::*;
 /// evaluated to 7.632 (a boundary transfer of 0.247 s unaccounted).
 #[test]
 fn interleaved_decode_counts_the_boundary_transfer() {
-    let first = ParetoPoint { fwd_s: 0.05, bwd_s: 0.05, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.28576900508164865, choice: 0, host_s: 0.0 };
-    let block = ParetoPoint { fwd_s: 0.05, bwd_s: 1.0998967206222787, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.0, choice: 0, host_s: 0.0 };
+    let first = ParetoPoint { fwd_s: 0.05, bwd_s: 0.05, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.28576900508164865, choice: 0, host_s: 0.0, shared_bytes: 0.0 };
+    let block = ParetoPoint { fwd_s: 0.05, bwd_s: 1.0998967206222787, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.0, choice: 0, host_s: 0.0, shared_bytes: 0.0 };
     let mut layers = vec![PipelineLayer { points: vec![first], output_bytes: 0.0, tied: Vec::new() }];
     for _ in 0..4 {
         layers.push(PipelineLayer { points: vec![block.clone()], output_bytes: 574109555.0632125, tied: Vec::new() });
@@ -48,7 +48,7 @@ fn pure_cut_max_stage_is_at_least_the_largest_layer() {
         .iter()
         .map(|&t| PipelineLayer {
             tied: Vec::new(),
-            points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.0, choice: 0, host_s: 0.0 }],
+            points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.0, choice: 0, host_s: 0.0, shared_bytes: 0.0 }],
             output_bytes: 0.0,
         })
         .collect();
@@ -84,7 +84,7 @@ fn pure_cut_max_stage_is_at_least_the_largest_layer() {
 fn a_tied_copy_is_charged_only_where_the_owner_is_not() {
     const GIB: f64 = (1u64 << 30) as f64;
     let layer = |t: f64, tied: Vec<TiedCopy>| PipelineLayer {
-        points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: GIB, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.0, choice: 0, host_s: 0.0 }],
+        points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: GIB, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.0, choice: 0, host_s: 0.0, shared_bytes: 0.0 }],
         output_bytes: 0.0,
         tied,
     };
@@ -117,4 +117,52 @@ fn a_tied_copy_is_charged_only_where_the_owner_is_not() {
     // the balanced cut holds the copy on device 1
     let balanced: Vec<LayerChoice> = [0, 0, 1, 1].iter().map(|&chunk| LayerChoice { chunk, point: 0, checkpoint: false, offload: false }).collect();
     assert_eq!(p.evaluate(&balanced).expect("valid").state_bytes, vec![2.0 * GIB, 4.0 * GIB]);
+}
+
+/// Four identical blocks (1 GiB of their own activations each) reading one 2 GiB mask, over 2
+/// devices: each device holds the mask once, not once per block. Only the balanced cut fits
+/// 4.5 GiB (4.0 GiB on each device; 1 | 3 and 3 | 1 need 5.0); a mask counted per block
+/// (6 GiB a device) fits nothing.
+#[test]
+fn a_shared_mask_is_held_once_per_chunk() {
+    const GIB: f64 = (1u64 << 30) as f64;
+    let block = PipelineLayer {
+        points: vec![ParetoPoint { fwd_s: 1.0 / 3.0, bwd_s: 2.0 / 3.0, state_bytes: 0.0, act_bytes: GIB, input_bytes: 0.25 * GIB, offload_bytes: 0.0, sync_s: 0.0, choice: 0, host_s: 0.0, shared_bytes: 2.0 * GIB }],
+        output_bytes: 0.5 * GIB,
+        tied: Vec::new(),
+    };
+    let problem = |cap: f64, objective: PipelineObjective| PipelineProblem {
+        layers: vec![block.clone(); 4],
+        devices: 2,
+        virtual_stages: 1,
+        microbatches: 4,
+        in_flight: vec![1.0; 2],
+        kept_flight: vec![],
+        bubble_coeff: 1.0,
+        memory_cap: cap,
+        workspace: 0.0,
+        transfer_s_per_byte: vec![0.0],
+        checkpoint: CheckpointRule::Never,
+        offload: OffloadRule::Never,
+        loading_horizon: 4.0,
+        fixed_chunks: None,
+        fixed_checkpoints: None,
+        objective,
+    };
+    let balanced: Vec<LayerChoice> = [0, 0, 1, 1].iter().map(|&chunk| LayerChoice { chunk, point: 0, checkpoint: false, offload: false }).collect();
+    let p = problem(4.5 * GIB, PipelineObjective::StepTime);
+    assert_eq!(p.evaluate(&balanced).expect("valid").act_bytes, vec![4.0 * GIB, 4.0 * GIB]);
+    let sol = p.solve(&SolverOptions::default()).expect("solves");
+    assert_eq!(sol.choices.iter().map(|c| c.chunk).collect::<Vec<_>>(), vec![0, 0, 1, 1]);
+    assert_eq!(sol.eval.expect("a layout").act_bytes, vec![4.0 * GIB, 4.0 * GIB]);
+    // the ILP's own memory rows agree with the evaluation
+    let peak = problem(f64::INFINITY, PipelineObjective::PeakMemory { max_step_s: 1e9 }).solve(&SolverOptions::default()).expect("solves");
+    assert!((peak.report.objective - 4.0 * GIB).abs() < 1e-6 * GIB, "least peak {} GiB", peak.report.objective / GIB);
+    let tight = problem(3.9 * GIB, PipelineObjective::StepTime).solve(&SolverOptions::default()).expect("solves");
+    assert!(tight.choices.is_empty(), "fits 3.9 GiB: {:?}", tight.choices);
+    // checkpointed, each block keeps its own input and the mask stays held once
+    let ck: Vec<LayerChoice> = balanced.iter().map(|c| LayerChoice { checkpoint: true, ..*c }).collect();
+    let mut q = problem(f64::INFINITY, PipelineObjective::StepTime);
+    q.checkpoint = CheckpointRule::Always;
+    assert_eq!(q.evaluate(&ck).expect("valid").act_bytes, vec![(2.0 * 0.25 + 2.0 + 0.75) * GIB; 2]);
 }

@@ -78,11 +78,16 @@ pub fn model_state(params: f64, trained: f64, zero: u8, dp: usize, precision: St
 }
 
 /// Activation bytes one layer keeps per microbatch of `batch` samples: everything its ops
-/// save for backward, or only its input when checkpointed. `bytes_scale` converts the graph's
-/// dtype to the training dtype (see `compute::bytes_scale`).
+/// save for backward, or only its input when checkpointed, less the inputs other layers read
+/// too (its `shared_input_bytes`, which its stage holds once: [`stage_activation_bytes`]).
+/// `bytes_scale` converts the graph's dtype to the training dtype (see `compute::bytes_scale`).
 pub fn layer_activation_bytes(layer: &Layer, batch: f64, checkpointed: bool, bytes_scale: f64) -> f64 {
-    let per_sample = if checkpointed { layer.input_bytes } else { layer.figures.saved_bytes };
-    per_sample * batch * bytes_scale
+    let per_sample = if checkpointed {
+        layer.input_bytes - layer.shared_input_bytes
+    } else {
+        layer.figures.saved_bytes - layer.shared_saved_bytes
+    };
+    per_sample.max(0.0) * batch * bytes_scale
 }
 
 /// Extra bytes while a checkpointed layer recomputes: its full saved activations for one
@@ -91,10 +96,12 @@ pub fn recompute_extra_bytes(layer: &Layer, batch: f64, bytes_scale: f64) -> f64
     ((layer.figures.saved_bytes - layer.input_bytes).max(0.0)) * batch * bytes_scale
 }
 
-/// Peak activation bytes of a stage: `in_flight` microbatches of every layer's kept bytes,
-/// plus the largest recompute working set among its checkpointed layers.
+/// Peak activation bytes of a stage: `in_flight` microbatches of every layer's kept bytes and
+/// of the inputs its layers share (a mask, rotary tables: one tensor however many layers read
+/// it), plus the largest recompute working set among its checkpointed layers.
 pub fn stage_activation_bytes(layers: &[(&Layer, bool)], batch: f64, in_flight: f64, bytes_scale: f64) -> f64 {
-    let kept: f64 = layers.iter().map(|&(l, ck)| layer_activation_bytes(l, batch, ck, bytes_scale)).sum();
+    let shared = layers.iter().map(|&(l, _)| l.shared_input_bytes).fold(0.0, f64::max) * batch * bytes_scale;
+    let kept: f64 = layers.iter().map(|&(l, ck)| layer_activation_bytes(l, batch, ck, bytes_scale)).sum::<f64>() + shared;
     let recompute = layers
         .iter()
         .filter(|&&(_, ck)| ck)
@@ -174,6 +181,39 @@ mod tests {
             assert_eq!(st(2).total(), psi * low + psi * (low + opt) / df, "{p}");
             assert_eq!(st(3).total(), psi * (low + low + opt) / df, "{p}");
         }
+    }
+
+    fn block(saved: f64, input: f64, shared: f64) -> Layer {
+        Layer {
+            index: 1,
+            name: "layers.0".into(),
+            kind: crate::ir::LayerKind::Block,
+            nodes: Vec::new(),
+            signature: String::new(),
+            params: Vec::new(),
+            shared_params: Vec::new(),
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            figures: crate::ir::NodeFigures { saved_bytes: saved, ..Default::default() },
+            input_bytes: input,
+            offload_bytes: input - shared,
+            output_bytes: input - shared,
+            shared_input_bytes: shared,
+            shared_saved_bytes: shared,
+        }
+    }
+
+    #[test]
+    fn a_mask_every_layer_reads_is_held_once_per_stage() {
+        // four blocks, each saving 100 bytes of its own and the 400-byte mask they all read
+        let l = block(500.0, 410.0, 400.0);
+        let stage = [(&l, false), (&l, false), (&l, false), (&l, false)];
+        // 2 microbatches in flight of batch 3: 4 × 100 + one mask, not four
+        assert_eq!(stage_activation_bytes(&stage, 3.0, 2.0, 1.0), 2.0 * 3.0 * (4.0 * 100.0 + 400.0));
+        // checkpointed, each keeps its own 10-byte input and the stage the mask once; the
+        // recompute set is the layer's saved bytes beyond its input
+        let ck = [(&l, true), (&l, true)];
+        assert_eq!(stage_activation_bytes(&ck, 1.0, 1.0, 1.0), 2.0 * 10.0 + 400.0 + 90.0);
     }
 
     #[test]

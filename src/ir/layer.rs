@@ -109,6 +109,11 @@ pub struct Layer {
     pub offload_bytes: f64,
     /// Bytes per sample of `outputs` (what a pipeline cut after this layer sends).
     pub output_bytes: f64,
+    /// Bytes per sample of the inputs other layers read too (an attention mask, rotary
+    /// tables): one tensor per stage however many of its layers read it.
+    pub shared_input_bytes: f64,
+    /// Of `figures.saved_bytes`, the bytes of those shared inputs.
+    pub shared_saved_bytes: f64,
 }
 
 /// How symbolic dims were bound and how figures relate to samples.

@@ -388,6 +388,32 @@ fn memory(sz: &Sizes, node: &Node) -> f64 {
     }
 }
 
+/// Whether libtorch's `scaled_dot_product_attention` on CPU, as the runner calls it (no
+/// dropout, no grouped-query flag, unit-stride keys), takes its fused kernel for `node`: q, kᵀ
+/// and v of rank 4 with equal batch and head counts and one head size, and a mask, if any, of
+/// rank 2 or 4 whose every dim is the scores' or 1 (`sdp_utils_cpp`'s conditions). Otherwise it
+/// runs the math path, which materialises the scores.
+fn attention_fuses(sz: &Sizes, node: &Node) -> bool {
+    let dims = |i: usize| node.inputs.get(i).copied().flatten().and_then(|v| sz.dims(v));
+    let (Some(q), Some(kt), Some(v)) = (dims(0), dims(1), dims(2)) else { return true };
+    if q.len() != 4 || kt.len() != 4 || v.len() != 4 {
+        return false;
+    }
+    let (b, h, rows, d, keys) = (q[0], q[1], q[2], q[3], kt[3]);
+    if kt[0] != b || v[0] != b || kt[1] != h || v[1] != h || kt[2] != d || v[3] != d {
+        return false;
+    }
+    let Some(node_mask) = node.inputs.get(3).copied().flatten() else { return true };
+    let Some(m) = sz.dims(node_mask) else { return true };
+    let fits = |got: i64, want: i64| got == want || got == 1;
+    let n = m.len();
+    match n {
+        2 => fits(m[0], rows) && fits(m[1], keys),
+        4 => fits(m[0], b) && fits(m[1], h) && fits(m[2], rows) && fits(m[3], keys),
+        _ => false,
+    }
+}
+
 /// The tensors autograd keeps for this node's backward.
 fn saved(sz: &Sizes, node: &Node, grad: &[bool], data: &[bool], batch: f64) -> Saved {
     let graph = sz.graph;
@@ -469,6 +495,18 @@ fn saved(sz: &Sizes, node: &Node, grad: &[bool], data: &[bool], batch: f64) -> S
         Where => {
             if any_rg {
                 keep(input(0));
+            }
+        }
+        ScaledDotProductAttention if any_rg && !attention_fuses(sz, node) => {
+            // libtorch's math path: the two products keep q and kᵀ (scaled copies), v and the
+            // s × s probabilities; the output and the mask are not kept
+            for i in 0..3 {
+                keep(input(i));
+            }
+            let dv = input(2).and_then(|v| sz.dims(v)).and_then(|d| d.last().copied()).filter(|&d| d > 0);
+            let keys = input(2).and_then(|v| sz.dims(v)).and_then(|d| d.get(d.len().wrapping_sub(2)).copied());
+            if let (Some(o), Some(dv), Some(keys)) = (output, dv, keys) {
+                s.extra_bytes += sz.bytes(o) / dv as f64 * keys as f64 / batch;
             }
         }
         ScaledDotProductAttention => {

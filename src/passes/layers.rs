@@ -89,6 +89,8 @@ pub fn group(graph: &Graph, fig: &Figures, _dims: &DimBindings) -> Result<Vec<La
             input_bytes: 0.0,
             offload_bytes: 0.0,
             output_bytes: 0.0,
+            shared_input_bytes: 0.0,
+            shared_saved_bytes: 0.0,
         });
     }
     for layer in &mut layers {
@@ -102,6 +104,18 @@ pub fn group(graph: &Graph, fig: &Figures, _dims: &DimBindings) -> Result<Vec<La
     }
     for layer in &mut layers {
         layer.offload_bytes = layer.inputs.iter().filter(|v| readers[v] == 1 && graph.value(**v).kind == ValueKind::Intermediate).map(|&v| fig.value_bytes(graph, v)).sum();
+        // the same tensor for every reader: the memory model holds it once per stage
+        let shared: Vec<ValueId> = layer.inputs.iter().copied().filter(|v| readers[v] > 1).collect();
+        layer.shared_input_bytes = shared.iter().map(|&v| fig.value_bytes(graph, v)).fold(0.0, |a, b| a + b);
+        let mut saved: Vec<ValueId> = Vec::new();
+        for &n in &layer.nodes {
+            for &v in &fig.saved[n.index()].values {
+                if shared.contains(&v) && !saved.contains(&v) {
+                    saved.push(v);
+                }
+            }
+        }
+        layer.shared_saved_bytes = saved.iter().map(|&v| fig.value_bytes(graph, v)).fold(0.0, |a, b| a + b);
     }
     Ok(layers)
 }

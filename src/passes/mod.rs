@@ -263,4 +263,33 @@ mod tests {
         assert_eq!(b4.flops_per_sample, b1.flops_per_sample);
         assert_eq!(b4.layers[1].figures.saved_bytes, b1.layers[1].figures.saved_bytes);
     }
+
+    /// What the runner's `scaled_dot_product_attention` keeps: on its fused path (a mask of
+    /// rank 2 or 4) q, kᵀ, v, the mask, the output and a logsumexp per head and query row; on
+    /// the math path libtorch takes for a rank-3 mask, q, kᵀ, v and the h × s × s probabilities.
+    #[test]
+    fn fused_attention_keeps_its_output_and_logsumexp_the_math_path_its_probabilities() {
+        use crate::passes::testutil::Builder;
+        let (h, s, d) = (4i64, 64i64, 8i64);
+        let saved = |mask_dims: &[&str]| {
+            let mut b = Builder::new();
+            let x = b.input("x", DType::F32, &["1", "4", "64", "8"]);
+            let mask = b.input("mask", DType::F32, mask_dims);
+            let w = b.param("w", DType::F32, &[d, d]);
+            let q = b.node(OpKind::MatMul, &[x, w], &[]);
+            let kt = b.node(OpKind::Transpose, &[q], &[("perm", ir::Attr::Ints(vec![0, 1, 3, 2]))]);
+            let scale = ir::Attr::Tensor(ir::Tensor::from_f64(vec![], &[0.125]));
+            let o = b.node(OpKind::ScaledDotProductAttention, &[q, kt, q, mask], &[("scale", scale)]);
+            b.output(o);
+            let lg = analyze(b.g, &AnalyzeOptions::default()).unwrap();
+            let sdpa = lg.graph.node_ids().find(|&n| lg.graph.node(n).op.is(OpKind::ScaledDotProductAttention)).unwrap();
+            lg.node_figures(sdpa).saved_bytes
+        };
+        let (qb, scores) = ((h * s * d * 4) as f64, (h * s * s * 4) as f64);
+        // q is also v: kept once
+        let fused = 2.0 * qb + (s * s * 4) as f64 + qb + (h * s * 4) as f64;
+        assert_eq!(saved(&["1", "1", "64", "64"]), fused);
+        assert_eq!(saved(&["64", "64"]), fused);
+        assert_eq!(saved(&["1", "64", "64"]), 2.0 * qb + scores);
+    }
 }

@@ -737,12 +737,21 @@ impl<'a> CostContext<'a> {
         let ax = self.axis_times(layer, cfg);
         fwd += ax.kv_exposed_fwd_s + ax.all_to_all_fwd_s + ax.imbalance_fwd_s;
         bwd += ax.kv_exposed_bwd_s + ax.all_to_all_bwd_s + 2.0 * ax.imbalance_fwd_s;
+        // A mask or rotary table every layer reads is one tensor, held whole on every tensor
+        // rank, per chunk: taken out of the layer's bytes (which split it like the layer).
+        let lay = &self.lg.layers[layer];
+        let b = cfg.microbatch as f64;
+        let t = cfg.tp.max(1) as f64;
+        let shared = lay.shared_input_bytes * b * self.bytes_scale / c;
+        let input_bytes = (d.input_bytes / c - shared / if cfg.sequence_parallel { t } else { 1.0 }).max(0.0);
+        let act_bytes = (d.act_bytes / c - lay.shared_saved_bytes * b * self.bytes_scale / c / t).max(input_bytes);
         ParetoPoint {
             fwd_s: fwd + fwd_extra,
             bwd_s: bwd + bwd_extra,
             state_bytes: state,
-            act_bytes: d.act_bytes / c,
-            input_bytes: d.input_bytes / c,
+            act_bytes,
+            input_bytes,
+            shared_bytes: shared,
             offload_bytes: d.offload_bytes / c,
             sync_s: sync,
             choice,

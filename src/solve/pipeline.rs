@@ -149,9 +149,10 @@ impl PipelineProblem {
         let runs = self.runs();
         let mut milp = Milp::new();
         let n = self.counts(&mut milp, &runs);
-        let h = self.chunk_order(&mut milp, &runs, &n);
+        let (h, z) = self.chunk_order(&mut milp, &runs, &n);
         let mut dev = self.device_sums(&mut milp, &runs, &n);
         self.tied_copies(&mut milp, &runs, &n, &mut dev.mem);
+        self.chunk_extras(&mut milp, &runs, &h, &z, &mut dev.mem);
         self.cap_memory(&mut milp, &mut dev);
         let transfer = self.transfer(&runs, &h);
         let step = self.step_time(&mut milp, &dev, transfer);
@@ -215,8 +216,8 @@ impl PipelineProblem {
 
     /// Every run placed whole, every chunk non-empty, and chunks taking the layers in order:
     /// `h[r][c]` = some of run r lies in chunks ≤ c, `z[r][c]` = all of it does, and
-    /// `h[r+1][c] ≤ z[r][c]`. Returns h.
-    fn chunk_order(&self, milp: &mut Milp, runs: &[(usize, usize)], n: &Counts) -> Vec<Vec<Expression>> {
+    /// `h[r+1][c] ≤ z[r][c]`. Returns h and z.
+    fn chunk_order(&self, milp: &mut Milp, runs: &[(usize, usize)], n: &Counts) -> (Vec<Vec<Expression>>, Vec<Vec<Expression>>) {
         let v_n = self.chunks();
         for (r, &(_, len)) in runs.iter().enumerate() {
             milp.constrain(cum(n, r, v_n - 1).eq(len as f64));
@@ -256,7 +257,30 @@ impl PipelineProblem {
                 milp.constrain(h[r + 1][c].clone().leq(z[r][c].clone()));
             }
         }
-        h
+        (h, z)
+    }
+
+    /// [`PipelineProblem::chunk_extra_bytes`] in the model: chunk c holds the largest shared
+    /// input of the runs it meets (run r meets chunk c exactly when h[r][c] − z[r][c−1] is 1,
+    /// with h[r][last] = 1 and z[r][−1] = 0), for its in-flight microbatches.
+    fn chunk_extras(&self, milp: &mut Milp, runs: &[(usize, usize)], h: &[Vec<Expression>], z: &[Vec<Expression>], mem: &mut [Expression]) {
+        let (p, v_n) = (self.devices, self.chunks());
+        let h_at = |r: usize, c: usize| if c + 1 < v_n { h[r][c].clone() } else { Expression::from(1.0) };
+        for c in 0..v_n {
+            let f = self.in_flight[c];
+            let mut held: Option<Col> = None;
+            for (r, &(first, _)) in runs.iter().enumerate() {
+                let shared = self.layers[first].points.iter().map(|q| q.shared_bytes).fold(0.0, f64::max);
+                if shared > 0.0 {
+                    let y = *held.get_or_insert_with(|| milp.continuous(0.0, f64::INFINITY));
+                    let meets = if c == 0 { h_at(r, c) } else { h_at(r, c) - z[r][c - 1].clone() };
+                    milp.constrain(Expression::from(y.v()).geq((f * shared / GIB) * meets));
+                }
+            }
+            if let Some(y) = held {
+                mem[c % p].add_mul(1.0, y.v());
+            }
+        }
     }
 
     /// Per device: compute time, sync time, memory, and the recompute buffers it may need.

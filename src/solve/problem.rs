@@ -70,10 +70,14 @@ pub struct ParetoPoint {
     pub bwd_s: f64,
     /// Model-state bytes per device (params, grads, optimizer; after ZeRO division).
     pub state_bytes: f64,
-    /// Saved-activation bytes per microbatch (includes the layer's input).
+    /// Saved-activation bytes per microbatch (includes the layer's input), less `shared_bytes`.
     pub act_bytes: f64,
-    /// Input bytes per microbatch (what checkpointing keeps).
+    /// Input bytes per microbatch (what checkpointing keeps), less `shared_bytes`.
     pub input_bytes: f64,
+    /// Bytes per microbatch of the inputs other layers read too (an attention mask, rotary
+    /// tables): held once per chunk, not once per layer ([`PipelineProblem::chunk_extra_bytes`]).
+    #[serde(default)]
+    pub shared_bytes: f64,
     /// Of them, the bytes offloading moves to host memory: the inputs no other layer reads.
     #[serde(default)]
     pub offload_bytes: f64,
@@ -244,7 +248,8 @@ impl PipelineProblem {
     }
 
     /// Device bytes a layer at point `pt` keeps for its backward over the microbatches chunk
-    /// `chunk` holds at its peak: every saved activation, or only its inputs when checkpointed
+    /// `chunk` holds at its peak (its shared inputs apart: [`Self::chunk_extra_bytes`]): every
+    /// saved activation, or only its inputs when checkpointed
     /// (counted over all of them, until their W under ZB-H1, conservatively), less what an
     /// offloaded layer has in host memory ([`Self::offloaded_bytes`]).
     pub fn kept_bytes(&self, chunk: usize, pt: &ParetoPoint, checkpoint: bool, offload: bool) -> f64 {
@@ -256,6 +261,21 @@ impl PipelineProblem {
         } else {
             f * pt.act_bytes
         }
+    }
+
+    /// Per chunk, the bytes its layers' own points do not count: the inputs several of its
+    /// layers read (a mask, rotary tables), held once (the largest layer's `shared_bytes`), for
+    /// the chunk's in-flight microbatches.
+    pub fn chunk_extra_bytes(&self, choices: &[LayerChoice]) -> Vec<f64> {
+        let chunks = self.chunks();
+        let mut shared = vec![0.0f64; chunks];
+        for (l, c) in choices.iter().enumerate() {
+            let Some(pt) = self.layers.get(l).and_then(|x| x.points.get(c.point)) else { continue };
+            if c.chunk < chunks {
+                shared[c.chunk] = shared[c.chunk].max(pt.shared_bytes);
+            }
+        }
+        (0..chunks).map(|c| self.in_flight[c] * shared[c]).collect()
     }
 
     /// Bytes an offloaded layer keeps in host memory instead of on the device at the peak: its
@@ -393,6 +413,9 @@ impl PipelineProblem {
         }
         for (d, bytes) in self.tied_copy_bytes(choices).into_iter().enumerate() {
             state[d] += bytes;
+        }
+        for (c, bytes) in self.chunk_extra_bytes(choices).into_iter().enumerate() {
+            act[c % p] += bytes;
         }
         let mut transfer = 0.0;
         for l in 0..choices.len().saturating_sub(1) {

@@ -646,6 +646,7 @@ impl Search<'_> {
         let mut stages = Vec::with_capacity(chunks);
         // tied weights' copies, each counted once per device, in its first chunk reading it
         let mut copies_held = std::collections::BTreeSet::new();
+        let chunk_extra = prob.chunk_extra_bytes(choices);
         for c in 0..chunks {
             let members: Vec<usize> = (0..choices.len()).filter(|&l| choices[l].chunk == c).collect();
             let (first, last) = (members.first().copied().unwrap_or(0), members.last().copied().unwrap_or(0));
@@ -692,7 +693,7 @@ impl Search<'_> {
             }
             let t = cand.parallel.tp.max(1) as f64;
             let st = ctx.state_split(params * t, trained * t, expert * t, expert_trained * t, &lc);
-            let activations = kept + rec;
+            let activations = kept + rec + chunk_extra[c];
             let workspace = if c < cand.parallel.pp { prob.workspace } else { 0.0 };
             let comm_s = if c + 1 < chunks { 2.0 * prob.layers[last].output_bytes * prob.transfer_s_per_byte[c] } else { 0.0 };
             stages.push(StageDecision {

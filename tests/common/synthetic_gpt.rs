@@ -97,6 +97,8 @@ pub fn gpt(shape: GptShape) -> LayeredGraph {
             input_bytes: 2.0 * s * h,
             offload_bytes: 2.0 * s * h,
             output_bytes: 2.0 * s * h,
+            shared_input_bytes: 0.0,
+            shared_saved_bytes: 0.0,
         });
         x = y;
     }

@@ -98,6 +98,9 @@ fn to_json(path: &Path, a: &Analysed, global_batch: Option<u64>) -> serde_json::
                 "activation_bytes": l.figures.saved_bytes,
                 "input_bytes": l.input_bytes,
                 "output_bytes": l.output_bytes,
+                "shared_inputs": l.inputs.iter().filter(|v| lg.layers.iter().filter(|o| o.inputs.contains(v)).count() > 1).map(|&v| g.value(v).name.clone()).collect::<Vec<_>>(),
+                "shared_input_bytes": l.shared_input_bytes,
+                "shared_saved_bytes": l.shared_saved_bytes,
                 "signature": l.signature,
             })
         })
