@@ -1,5 +1,7 @@
-"""Per-step CPU time by op family from two `perf record` profiles of the same program, one of
-LONG steps and one of SHORT steps (the difference drops start-up and the first step):
+"""Per-step CPU time by op family, from two `perf record` profiles of one program.
+
+One profile is of LONG steps and one of SHORT steps (their difference drops start-up and the
+first step):
 
     op_families.py LONG.perf SHORT.perf STEPS_DIFFERENCE [FREQUENCY]
 

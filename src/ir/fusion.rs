@@ -79,6 +79,18 @@ pub enum ExpertActivation {
 }
 
 impl FusedOp {
+    /// The op the fused node runs.
+    pub fn op_kind(&self) -> super::OpKind {
+        use super::OpKind;
+        match self {
+            FusedOp::Gelu { .. } => OpKind::Gelu,
+            FusedOp::Attention { .. } => OpKind::ScaledDotProductAttention,
+            FusedOp::MixtureOfExperts { .. } => OpKind::MixtureOfExperts,
+            FusedOp::RmsNorm { .. } => OpKind::RMSNormalization,
+            FusedOp::SwiGlu => OpKind::SwiGlu,
+        }
+    }
+
     /// How many inputs the fused node reads, in the order [`Fusion::inputs`] lists them.
     pub fn arity(&self) -> usize {
         match self {
