@@ -533,6 +533,22 @@ fn norm_variants() -> Vec<(&'static str, Graph)> {
                 a.f(OpKind::Mul, &[r, x], &X)
             }),
         ),
+        ("HF under mixed precision: Cast up to f32, the norm, Cast back, bf16 weight", {
+            use smp_partition::ir::Attr;
+            let mut a = Attn { g: Graph::new("rms_norm"), n: 0 };
+            a.g.opsets.insert(String::new(), 18);
+            let x = a.input("x", DType::BF16, &X);
+            let w = a.input("w", DType::BF16, &[8]);
+            let x32 = a.op(OpKind::Cast, &[x], &[("to", Attr::Int(1))], DType::F32, &X);
+            let two = a.scalar(2.0);
+            let sq = a.f(OpKind::Pow, &[x32, two], &X);
+            let r = root_of_mean(&mut a, sq, -1, false);
+            let r = a.f(OpKind::Reciprocal, &[r], &[2, 5, 1]);
+            let n = a.f(OpKind::Mul, &[x32, r], &X);
+            let n = a.op(OpKind::Cast, &[n], &[("to", Attr::Int(16))], DType::BF16, &X);
+            let y = a.op(OpKind::Mul, &[w, n], &[], DType::BF16, &X);
+            a.finish(y)
+        }),
         (
             "Div(x, Sqrt)",
             norm_graph(&|a, x| {

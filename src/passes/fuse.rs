@@ -54,7 +54,9 @@
 //! the runner runs as libtorch's `rms_norm`. Recognised, in any operand order: the square as
 //! `Pow(x, 2)` or `Mul(x, x)`; `ReduceMean` over the last axis only, keeping it; `Add` of one
 //! constant ε; the inverse root as `Reciprocal(Sqrt(·))` or `Div(1, Sqrt(·))`, multiplied into
-//! `x`, or `Div(x, Sqrt(·))`; then `Mul` by a rank-1 weight as long as the last axis.
+//! `x`, or `Div(x, Sqrt(·))`; then `Mul` by a rank-1 weight as long as the last axis. Under
+//! mixed precision (HF computes the norm in f32) the chain may sit between a `Cast` of `x` up
+//! and a `Cast` back to `x`'s type before the weight; the fused op reads `x` as it was.
 //!
 //! SwiGLU: a gated MLP's `silu(gate) ⊙ up`, exported as `Mul(Mul(g, Sigmoid(g)), u)` (any
 //! operand order), is the IR op [`OpKind::SwiGlu`] (inputs `gate, up`): libtorch's `silu` and
@@ -384,10 +386,10 @@ fn check_rms_norm(g: &Graph, f: &Fusion, ops: &[OpKind], epsilon: f64) -> Result
     if !g.node(f.node).op.is(Mul) {
         return Err(format!("the node is a {}, not the Mul by the weight", g.node(f.node).op));
     }
-    if let Some(k) = ops.iter().find(|k| !matches!(k, Pow | Mul | ReduceMean | Add | Sqrt | Reciprocal | Div)) {
+    if let Some(k) = ops.iter().find(|k| !matches!(k, Pow | Mul | ReduceMean | Add | Sqrt | Reciprocal | Div | Cast)) {
         return Err(format!("the chain has a {k}, which RMSNorm does not"));
     }
-    if count(ReduceMean) != 1 || count(Sqrt) != 1 || count(Add) != 1 {
+    if count(ReduceMean) != 1 || count(Sqrt) != 1 || count(Add) != 1 || !matches!(count(Cast), 0 | 2) {
         return Err(format!("the chain has {} ReduceMeans, {} Sqrts and {} Adds, not one each", count(ReduceMean), count(Sqrt), count(Add)));
     }
     let added = f.replaces.iter().filter(|&&n| g.node(n).op.is(Add)).flat_map(|&n| g.node(n).inputs.iter().flatten().copied()).find_map(|v| {
@@ -823,8 +825,26 @@ impl Matcher<'_> {
         use OpKind::*;
         let (a, b) = self.pair(id)?;
         for (w, normed) in [(a, b), (b, a)] {
+            // mixed precision: the norm in f32 between a Cast up and a Cast back
+            let cast_back = self.inner(normed, Cast);
+            let normed = match cast_back {
+                Some(c) => self.g.node(c).inputs.first().copied().flatten()?,
+                None => normed,
+            };
             let Some(n) = self.inner(normed, Mul).or_else(|| self.inner(normed, Div)) else { continue };
             let Some((x, mut nodes, eps)) = self.rms_normed(n) else { continue };
+            let x = match cast_back {
+                Some(back) => {
+                    let Some((x0, up)) = self.cast_up(x, &nodes) else { continue };
+                    let to = DType::from_onnx(self.g.node(back).attrs.int("to", 0) as i32);
+                    if to.is_none() || to != self.dtype(x0) {
+                        continue;
+                    }
+                    nodes.extend([back, up]);
+                    x0
+                }
+                None => x,
+            };
             // a weight as long as x's last axis, broadcast over the rest
             let (wd, xd) = (self.dims(w)?, self.dims(x)?);
             let float = |v: ValueId| self.dtype(v).is_some_and(|d| d.is_float());
@@ -836,6 +856,15 @@ impl Matcher<'_> {
             return Some((x, w, eps, nodes));
         }
         None
+    }
+
+    /// `x` = Cast(x0) to a float type, read only by `nodes`: (x0, the Cast).
+    fn cast_up(&self, x: ValueId, nodes: &[NodeId]) -> Option<(ValueId, NodeId)> {
+        let up = self.g.value(x).producer.filter(|&p| self.g.node(p).op.is(OpKind::Cast))?;
+        let x0 = self.g.node(up).inputs.first().copied().flatten()?;
+        let reads: usize = nodes.iter().map(|&n| self.g.node(n).inputs.iter().flatten().filter(|&&v| v == x).count()).sum();
+        let float = |v: ValueId| self.dtype(v).is_some_and(|d| d.is_float());
+        (reads == self.uses[x.index()] && float(x) && float(x0)).then_some((x0, up))
     }
 
     /// `n` = Mul(x, Reciprocal(Sqrt(·))), Mul(x, Div(1, Sqrt(·))) or Div(x, Sqrt(·)), the root of
