@@ -48,7 +48,7 @@ fn distance(a: &(Vec<f64>, Vec<(String, Tensor)>), b: &(Vec<f64>, Vec<(String, T
 fn fused(graph: &Graph) -> Graph {
     let mut g = graph.clone();
     let f = Fused::of(&fuse(&mut g));
-    assert_eq!(f, Fused { gelu_tanh: 4, gelu_erf: 0, attention: 4, experts: 0 }, "one GELU and one attention per GPT-2 block");
+    assert_eq!(f, Fused { gelu_tanh: 4, gelu_erf: 0, attention: 4, ..Fused::default() }, "one GELU and one attention per GPT-2 block");
     g.verify().expect("fused graph verifies");
     let gelus = g.node_ids().filter(|&n| g.node(n).op.is(OpKind::Gelu)).count();
     assert_eq!(gelus, 4);
@@ -480,4 +480,249 @@ fn attention_records_that_do_not_fit_are_refused_naming_the_node() {
     refused(&smp_partition::ir::Fusion { op: FusedOp::Attention { scale, mask: Some(AttentionMask::Keep) }, ..f.clone() }, "mask");
     refused(&smp_partition::ir::Fusion { inputs: vec![f.inputs[1], f.inputs[0], f.inputs[2], f.inputs[3]], replaces: f.replaces[1..].to_vec(), ..f.clone() }, "outside it");
     smp_partition::passes::fuse::apply(&mut unfused.clone(), &f).unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm and SwiGLU: `passes::fuse` rewrites them into `RMSNormalization` and `SwiGlu`.
+
+const X: [i64; 3] = [2, 5, 8];
+
+/// A graph of inputs `x` `[2, 5, 8]`, `w` `[8]` and the RMSNorm chain `build` makes of them.
+fn norm_graph(build: &dyn Fn(&mut Attn, ValueId) -> ValueId) -> Graph {
+    let mut a = Attn { g: Graph::new("rms_norm"), n: 0 };
+    a.g.opsets.insert(String::new(), 18);
+    let x = a.input("x", DType::F32, &X);
+    let w = a.input("w", DType::F32, &[8]);
+    let n = build(&mut a, x);
+    let y = a.f(OpKind::Mul, &[w, n], &X);
+    a.finish(y)
+}
+
+/// `ReduceMean(sq, [axis], keepdims 1) + ε` (ε first when `eps_first`), then its Sqrt.
+fn root_of_mean(a: &mut Attn, sq: ValueId, axis: i64, eps_first: bool) -> ValueId {
+    let axes = a.konst(IrTensor::from_i64(vec![1], &[axis]));
+    let mut kept = X.to_vec();
+    let ax = if axis < 0 { (axis + 3) as usize } else { axis as usize };
+    kept[ax] = 1;
+    let m = a.op(OpKind::ReduceMean, &[sq, axes], &[("keepdims", smp_partition::ir::Attr::Int(1))], DType::F32, &kept);
+    let eps = a.scalar(1e-6);
+    let s = a.f(OpKind::Add, &(if eps_first { [eps, m] } else { [m, eps] }), &kept);
+    a.f(OpKind::Sqrt, &[s], &kept)
+}
+
+/// The RMSNorm variants: (name, graph).
+fn norm_variants() -> Vec<(&'static str, Graph)> {
+    vec![
+        (
+            "HF Llama: Pow, Reciprocal(Sqrt), x first",
+            norm_graph(&|a, x| {
+                let two = a.scalar(2.0);
+                let sq = a.f(OpKind::Pow, &[x, two], &X);
+                let r = root_of_mean(a, sq, -1, false);
+                let r = a.f(OpKind::Reciprocal, &[r], &[2, 5, 1]);
+                a.f(OpKind::Mul, &[x, r], &X)
+            }),
+        ),
+        (
+            "Mul(x, x), ε first, Div(1, Sqrt), root first, axis written as 2",
+            norm_graph(&|a, x| {
+                let sq = a.f(OpKind::Mul, &[x, x], &X);
+                let r = root_of_mean(a, sq, 2, true);
+                let one = a.scalar(1.0);
+                let r = a.f(OpKind::Div, &[one, r], &[2, 5, 1]);
+                a.f(OpKind::Mul, &[r, x], &X)
+            }),
+        ),
+        ("HF under mixed precision: Cast up to f32, the norm, Cast back, bf16 weight", {
+            use smp_partition::ir::Attr;
+            let mut a = Attn { g: Graph::new("rms_norm"), n: 0 };
+            a.g.opsets.insert(String::new(), 18);
+            let x = a.input("x", DType::BF16, &X);
+            let w = a.input("w", DType::BF16, &[8]);
+            let x32 = a.op(OpKind::Cast, &[x], &[("to", Attr::Int(1))], DType::F32, &X);
+            let two = a.scalar(2.0);
+            let sq = a.f(OpKind::Pow, &[x32, two], &X);
+            let r = root_of_mean(&mut a, sq, -1, false);
+            let r = a.f(OpKind::Reciprocal, &[r], &[2, 5, 1]);
+            let n = a.f(OpKind::Mul, &[x32, r], &X);
+            let n = a.op(OpKind::Cast, &[n], &[("to", Attr::Int(16))], DType::BF16, &X);
+            let y = a.op(OpKind::Mul, &[w, n], &[], DType::BF16, &X);
+            a.finish(y)
+        }),
+        (
+            "Div(x, Sqrt)",
+            norm_graph(&|a, x| {
+                let two = a.scalar(2.0);
+                let sq = a.f(OpKind::Pow, &[x, two], &X);
+                let r = root_of_mean(a, sq, -1, false);
+                a.f(OpKind::Div, &[x, r], &X)
+            }),
+        ),
+    ]
+}
+
+/// The SwiGLU variants over inputs `g` and `u` `[2, 5, 8]`: (name, graph).
+fn swiglu_variants() -> Vec<(&'static str, Graph)> {
+    let make = |gate_first: bool, sig_first: bool| {
+        let mut a = Attn { g: Graph::new("swiglu"), n: 0 };
+        a.g.opsets.insert(String::new(), 18);
+        let g = a.input("g", DType::F32, &X);
+        let u = a.input("u", DType::F32, &X);
+        let s = a.f(OpKind::Sigmoid, &[g], &X);
+        let act = a.f(OpKind::Mul, &(if sig_first { [s, g] } else { [g, s] }), &X);
+        let y = a.f(OpKind::Mul, &(if gate_first { [act, u] } else { [u, act] }), &X);
+        a.finish(y)
+    };
+    vec![("HF: Mul(Mul(g, Sigmoid(g)), u)", make(true, false)), ("Mul(u, Mul(Sigmoid(g), g))", make(false, true))]
+}
+
+/// The output and every input's gradient of Σ output·R, inputs fixed (gradients on).
+fn run_with_input_grads(g: &Graph, kind: Kind) -> Vec<Tensor> {
+    let weights = Weights::load(g, InitMode::Load, Some(kind)).expect("weights");
+    let exec = Executor::new(g, weights, ExecOptions { float_kind: Some(kind), training: true, autocast: None }).expect("executor");
+    let named = feeds(g, kind);
+    let leaves: Vec<Tensor> = named.iter().map(|(_, t)| t.shallow_clone()).collect();
+    let bound = exec.bind_inputs(named).expect("inputs");
+    let y = exec.forward(&bound).expect("forward").remove(0);
+    let r = common::fixed_tensor(&y.size(), kind, 5.0);
+    (&y * &r).sum(kind).backward();
+    let mut out = vec![y.detach()];
+    out.extend(leaves.iter().map(Tensor::grad));
+    out
+}
+
+#[test]
+fn each_rms_norm_and_swiglu_variant_is_recognised_and_computes_the_chain_in_f64_and_f32() {
+    let cases = norm_variants().into_iter().map(|(w, g)| (w, g, OpKind::RMSNormalization)).chain(swiglu_variants().into_iter().map(|(w, g)| (w, g, OpKind::SwiGlu)));
+    for (what, unfused, kind_want) in cases {
+        let mut g = unfused.clone();
+        let records = fuse(&mut g);
+        assert_eq!(records.len(), 1, "{what}: {records:?}");
+        let f = &records[0];
+        match kind_want {
+            OpKind::RMSNormalization => assert_eq!(f.op, FusedOp::RmsNorm { epsilon: smp_partition::ir::Epsilon(1e-6_f32 as f64) }, "{what}"),
+            _ => assert_eq!(f.op, FusedOp::SwiGlu, "{what}"),
+        }
+        g.verify().unwrap();
+        assert_eq!(g.node_count(), 1, "{what}: the chain is one node");
+        let node = g.node(f.node);
+        assert!(node.op.is(kind_want), "{what}");
+        let names: Vec<&str> = node.inputs.iter().flatten().map(|&v| g.value(v).name.as_str()).collect();
+        assert_eq!(names, if kind_want == OpKind::SwiGlu { ["g", "u"] } else { ["x", "w"] }, "{what}");
+        passes::shape_infer::infer_shapes(&mut g, &Default::default()).unwrap_or_else(|e| panic!("{what}: {e}"));
+        // the replayed record gives the same graph
+        let mut replayed = unfused.clone();
+        smp_partition::passes::fuse::apply(&mut replayed, f).unwrap();
+        assert_eq!(format!("{replayed}"), format!("{g}"), "{what}");
+        for (kind, tol) in [(Kind::Double, 1e-12), (Kind::Float, 1e-5)] {
+            let a = run_with_input_grads(&unfused, kind);
+            let b = run_with_input_grads(&g, kind);
+            assert_eq!(a.len(), 3);
+            for (i, (x, y)) in b.iter().zip(&a).enumerate() {
+                assert_eq!(x.kind(), kind);
+                let d = rel(x, y);
+                assert!(d <= tol, "{what} {kind:?}: tensor {i} (output, then the inputs' gradients) differs by {d:.2e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn near_misses_of_rms_norm_and_swiglu_are_left_alone() {
+    let cases: Vec<(&str, Graph)> = vec![
+        (
+            "a mean over another axis",
+            norm_graph(&|a, x| {
+                let two = a.scalar(2.0);
+                let sq = a.f(OpKind::Pow, &[x, two], &X);
+                let r = root_of_mean(a, sq, 1, false);
+                let r = a.f(OpKind::Reciprocal, &[r], &[2, 1, 8]);
+                a.f(OpKind::Mul, &[x, r], &X)
+            }),
+        ),
+        (
+            "a cube",
+            norm_graph(&|a, x| {
+                let three = a.scalar(3.0);
+                let sq = a.f(OpKind::Pow, &[x, three], &X);
+                let r = root_of_mean(a, sq, -1, false);
+                let r = a.f(OpKind::Reciprocal, &[r], &[2, 5, 1]);
+                a.f(OpKind::Mul, &[x, r], &X)
+            }),
+        ),
+        (
+            "the root of another tensor's mean square",
+            norm_graph(&|a, x| {
+                let y = a.input("y", DType::F32, &X);
+                let two = a.scalar(2.0);
+                let sq = a.f(OpKind::Pow, &[y, two], &X);
+                let r = root_of_mean(a, sq, -1, false);
+                let r = a.f(OpKind::Reciprocal, &[r], &[2, 5, 1]);
+                a.f(OpKind::Mul, &[x, r], &X)
+            }),
+        ),
+        ("a SiLU of another tensor", {
+            let mut a = Attn { g: Graph::new("swiglu"), n: 0 };
+            let (g, h, u) = (a.input("g", DType::F32, &X), a.input("h", DType::F32, &X), a.input("u", DType::F32, &X));
+            let s = a.f(OpKind::Sigmoid, &[h], &X);
+            let act = a.f(OpKind::Mul, &[g, s], &X);
+            let y = a.f(OpKind::Mul, &[act, u], &X);
+            a.finish(y)
+        }),
+    ];
+    for (what, g) in cases {
+        let mut fused = g.clone();
+        let records = fuse(&mut fused);
+        assert!(records.is_empty(), "{what}: fused {records:?}");
+    }
+    // the activation read outside the chain
+    let (_, mut g) = swiglu_variants().remove(0);
+    let act = g.value_ids().find(|&v| g.value(v).producer.is_some_and(|p| g.node(p).op.is(OpKind::Mul) && g.node(p).inputs.iter().flatten().any(|&i| g.value(i).producer.is_some_and(|q| g.node(q).op.is(OpKind::Sigmoid))))).unwrap();
+    g.outputs.push(act);
+    assert!(fuse(&mut g).is_empty(), "the SiLU is a graph output");
+}
+
+#[test]
+fn rms_norm_and_swiglu_records_that_do_not_fit_are_refused_naming_the_node() {
+    let (_, unfused) = norm_variants().remove(0);
+    let mut g = unfused.clone();
+    let f = fuse(&mut g).pop().unwrap();
+    let node = unfused.node(f.node).name.clone();
+    let refused = |f: &smp_partition::ir::Fusion, want: &str| {
+        let err = smp_partition::passes::fuse::apply(&mut unfused.clone(), f).unwrap_err().to_string();
+        assert!(err.contains(&format!("`{node}`")) && err.contains(want), "{err}");
+    };
+    refused(&smp_partition::ir::Fusion { op: FusedOp::RmsNorm { epsilon: smp_partition::ir::Epsilon(1e-5) }, ..f.clone() }, "ε");
+    refused(&smp_partition::ir::Fusion { op: FusedOp::SwiGlu, ..f.clone() }, "SwiGLU");
+    smp_partition::passes::fuse::apply(&mut unfused.clone(), &f).unwrap();
+}
+
+#[test]
+fn llama_fuses_its_norms_and_gates_and_computes_the_same_in_f64() {
+    let unfused = specialised("llama");
+    let mut all = unfused.clone();
+    let records = fuse(&mut all);
+    all.verify().unwrap();
+    let f = Fused::of(&records);
+    // two norms per block and the final one; one gated MLP per block
+    assert_eq!((f.rms_norm, f.swiglu, f.attention), (9, 4, 4), "{f}");
+    for k in [OpKind::Pow, OpKind::ReduceMean, OpKind::Sqrt, OpKind::Reciprocal, OpKind::Sigmoid] {
+        assert_eq!(all.node_ids().filter(|&n| all.node(n).op.is(k)).count(), 0, "every {k} fused");
+    }
+    // the norm and gate records alone, replayed on the unfused graph
+    let mut fused = unfused.clone();
+    for r in records.iter().filter(|r| matches!(r.op, FusedOp::RmsNorm { .. } | FusedOp::SwiGlu)) {
+        smp_partition::passes::fuse::apply(&mut fused, r).unwrap();
+    }
+    let (yu, gu) = forward_and_grads(&unfused, Kind::Double);
+    let (yf, gf) = forward_and_grads(&fused, Kind::Double);
+    let out = rel(&yf, &yu);
+    assert!(out <= 1e-12, "output differs by {out:.2e}");
+    for ((nu, tu), (_, tf)) in gu.iter().zip(&gf) {
+        assert_eq!(tu.defined(), tf.defined(), "`{nu}`");
+        if tu.defined() {
+            let d = rel(tf, tu);
+            assert!(d <= 1e-12, "the gradient of `{nu}` differs by {d:.2e}");
+        }
+    }
 }

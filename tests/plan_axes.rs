@@ -112,9 +112,10 @@ fn llama3_70b_at_sequence_8192_keeps_the_sequence_whole() {
     assert!(line.contains("checkpointed activations"), "{line}");
 }
 
-/// Mixtral 8×7B (graph-only, its experts fused to `MixtureOfExperts`) at sequence 4,096, 128
-/// sequences on 32 H100s (four nodes): the experts are 45 of its 47B parameters, and
-/// splitting them over an expert group divides their state, which the ranks need.
+/// Mixtral 8×7B (graph-only, its experts fused to `MixtureOfExperts`) at sequence 4,096, 96
+/// sequences on 24 H100s (three nodes): the experts are 45 of its 47B parameters, and
+/// splitting them over an expert group divides their state, which the ranks need (on 32 H100s
+/// a pipeline of 8 stages holds them at e = 1 since the RMSNorm chains are fused).
 #[test]
 fn mixtral_8x7b_chooses_expert_parallelism() {
     let a = load("mixtral-8x7b", 4096);
@@ -122,7 +123,7 @@ fn mixtral_8x7b_chooses_expert_parallelism() {
     assert_eq!(fused, 32, "every block's experts are recognised");
     let moe_nodes = a.lg.layers.iter().flat_map(|l| &l.nodes).filter(|&&id| a.lg.graph.try_node(id).is_some_and(|n| n.op.is(OpKind::MixtureOfExperts))).count();
     assert_eq!(moe_nodes, 32);
-    let p = plan_of(&a, "h100-80gb:32", &options(128, 4096));
+    let p = plan_of(&a, "h100-80gb:24", &options(96, 4096));
     assert!(p.parallel.ep > 1, "{}", describe(&p));
     assert_eq!(p.parallel.dp % p.parallel.ep, 0);
     optimal(&p);

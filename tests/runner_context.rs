@@ -108,7 +108,9 @@ fn cp2_with_unfused_attention_equals_one_process() {
     let m = common::exports::exported("graph_only_exports.py", "llama-gqa.onnx").join("llama-gqa.onnx");
     let p = plan(&m, 2, &CP2, dir.path(), "llama-gqa-cp2");
     let fused = serde_json::from_slice::<serde_json::Value>(&std::fs::read(&p).unwrap()).unwrap()["codegen"]["fused"].clone();
-    assert!(fused.as_array().is_none_or(Vec::is_empty), "the graph-only twin's attention fused: {fused}");
+    // its RMSNorm and SwiGLU chains fuse, its attention does not
+    let attention = fused.as_array().map_or(0, |a| a.iter().filter(|f| f["op"].get("attention").is_some()).count());
+    assert_eq!(attention, 0, "the graph-only twin's attention fused: {fused}");
     let want = one_process(&m, 2, &[]);
     let got = field(&launch(&p, 2, &["--steps", "5"]), "steps", "loss");
     let worst = max_rel(&got, &want);

@@ -8,6 +8,7 @@ hidden 256, 8 query heads over 2 KV heads (grouped-query attention), MLP interme
                                 DIR/llama.pt, the batch DIR/batch.npz (input_ids, 8 × 128)
     cp_peer.py cp DIR STEPS     context parallelism over 2 ranks (Gloo, 1 thread each)
     cp_peer.py eager DIR STEPS  the same training in one process (1 thread), for reference
+    cp_peer.py profile DIR STEPS  `eager` under torch.profiler: each aten op's self CPU ms per step
 
 Context parallelism, written by hand (Llama-3-style all-gather of keys and values): the
 sequence is cut into 2·c = 4 equal chunks and rank r holds chunks r and 2c−1−r of every
@@ -113,6 +114,34 @@ def eager(d: Path, steps: int) -> dict:
     return {"step_times_s": times, "cpu_times_s": cpus, "losses": losses}
 
 
+def profile(d: Path, steps: int) -> None:
+    """`eager` under torch.profiler (CPU, one warm-up step outside it): each aten op's self CPU
+    time per step (ms) and calls per step, one JSON object per op, largest first."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.set_num_threads(1)
+    hf, ids = load(d, "sdpa")
+    opt = optimizer(hf.parameters())
+
+    def step() -> None:
+        opt.zero_grad()
+        logits = hf(input_ids=ids, use_cache=False).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), CLIP)
+        opt.step()
+
+    step()
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    for e in rows:
+        if e.self_cpu_time_total > 0:
+            print(json.dumps({"op": e.key, "self_ms": e.self_cpu_time_total / 1e3 / steps, "calls": e.count / steps}))
+
+
 def cp_rank(rank: int, world: int, d: str, steps: int, port: int) -> None:
     import torch.distributed as dist
     from torch.distributed.nn.functional import all_gather
@@ -182,12 +211,14 @@ def main() -> None:
         export(d)
     elif mode == "eager":
         print(json.dumps(eager(d, int(sys.argv[3]))), flush=True)
+    elif mode == "profile":
+        profile(d, int(sys.argv[3]))
     elif mode == "cp":
         import torch.multiprocessing as mp
 
         mp.spawn(cp_rank, args=(WORLD, str(d), int(sys.argv[3]), free_port()), nprocs=WORLD)
     else:
-        sys.exit(f"unknown mode {mode}: export, cp or eager")
+        sys.exit(f"unknown mode {mode}: export, cp, eager or profile")
 
 
 if __name__ == "__main__":

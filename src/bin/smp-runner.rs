@@ -443,6 +443,9 @@ fn main() {
         }
     };
     smp_partition::logging::init();
+    if !smp_partition::runtime::allocator::keep_freed_buffers() {
+        tracing::debug!("the C library's allocator keeps its own policy (not glibc)");
+    }
     if let Err(e) = run(cli) {
         eprintln!("smp-runner: error: {e:#}");
         // 3: the run failed after it started training, and a restart can resume it; 4 and 5:

@@ -31,8 +31,8 @@ use crate::split::Strategy;
 /// Version of the codegen section's layout (bumped on incompatible changes). 3: the graph the
 /// plan addresses has its GELU chains fused, listed in `fused`. 4: attention chains too, and a
 /// fused node lists its `inputs` (several). 5: mixture-of-experts chains too, and layer
-/// strategies may be `experts`.
-pub const CODEGEN_VERSION: u32 = 6;
+/// strategies may be `experts`. 7: RMSNorm and SwiGLU chains too.
+pub const CODEGEN_VERSION: u32 = 7;
 
 /// What codegen needs of a plan: degrees, schedule and the stages' layer ranges.
 #[derive(Clone, Debug, PartialEq)]

@@ -207,9 +207,10 @@ impl ModelShape {
                     self.linear_bias |= from_matmul && bias;
                 }
                 OpKind::LayerNormalization => self.norm = Some(Norm::LayerNorm),
+                OpKind::RMSNormalization if self.norm.is_none() => self.norm = Some(Norm::RmsNorm),
                 OpKind::ReduceMean if self.norm.is_none() => self.norm = Some(Norm::RmsNorm),
                 OpKind::Gelu | OpKind::Erf | OpKind::Tanh if self.mlp.is_none() => self.mlp = Some(Mlp::Gelu),
-                OpKind::Sigmoid => self.mlp = Some(Mlp::SwiGlu),
+                OpKind::Sigmoid | OpKind::SwiGlu => self.mlp = Some(Mlp::SwiGlu),
                 OpKind::Sin | OpKind::Cos => self.positions = rope_if_unknown(self.positions),
                 OpKind::TopK => {
                     if let Some(k) = input(1).and_then(|v| g.value(v).data.as_ref()).and_then(|t| t.to_i64_vec()).and_then(|v| v.first().copied()) {

@@ -8,8 +8,9 @@ use super::{NodeId, ValueId};
 
 /// The op of a fused node (with its attributes). The plan file spells it
 /// `{"gelu": {"approximate": "tanh"}}`,
-/// `{"attention": {"scale": 0.125, "mask": "additive"}}` or
-/// `{"mixture_of_experts": {"experts": 8, "activation": "silu"}}`.
+/// `{"attention": {"scale": 0.125, "mask": "additive"}}`,
+/// `{"mixture_of_experts": {"experts": 8, "activation": "silu"}}`,
+/// `{"rms_norm": {"epsilon": 1e-6}}` or `"swiglu"`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum FusedOp {
@@ -38,6 +39,35 @@ pub enum FusedOp {
         /// The gate's activation.
         activation: ExpertActivation,
     },
+    /// Root-mean-square norm over the last axis, `x / √(mean(x², -1) + ε) · w`, the ONNX op
+    /// `RMSNormalization` (opset 23, `axis` −1), run as libtorch's `rms_norm`. Inputs `x, w`.
+    RmsNorm {
+        /// What is added to the mean square.
+        epsilon: Epsilon,
+    },
+    /// The elementwise half of a gated MLP, `silu(gate) ⊙ up`, the IR op
+    /// [`OpKind::SwiGlu`](super::OpKind::SwiGlu). Inputs `gate, up`.
+    #[serde(rename = "swiglu")]
+    SwiGlu,
+}
+
+/// A norm's ε (an f64 compared and hashed by its bits; the plan file writes the number).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Epsilon(pub f64);
+
+impl PartialEq for Epsilon {
+    fn eq(&self, o: &Self) -> bool {
+        self.0.to_bits() == o.0.to_bits()
+    }
+}
+
+impl Eq for Epsilon {}
+
+impl std::hash::Hash for Epsilon {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.0.to_bits().hash(h);
+    }
 }
 
 /// The activation of an expert's gate (`act(gate·x) ⊙ up·x`).
@@ -49,12 +79,25 @@ pub enum ExpertActivation {
 }
 
 impl FusedOp {
+    /// The op the fused node runs.
+    pub fn op_kind(&self) -> super::OpKind {
+        use super::OpKind;
+        match self {
+            FusedOp::Gelu { .. } => OpKind::Gelu,
+            FusedOp::Attention { .. } => OpKind::ScaledDotProductAttention,
+            FusedOp::MixtureOfExperts { .. } => OpKind::MixtureOfExperts,
+            FusedOp::RmsNorm { .. } => OpKind::RMSNormalization,
+            FusedOp::SwiGlu => OpKind::SwiGlu,
+        }
+    }
+
     /// How many inputs the fused node reads, in the order [`Fusion::inputs`] lists them.
     pub fn arity(&self) -> usize {
         match self {
             FusedOp::Gelu { .. } => 1,
             FusedOp::Attention { mask, .. } => 3 + usize::from(mask.is_some()),
             FusedOp::MixtureOfExperts { .. } => 5,
+            FusedOp::RmsNorm { .. } | FusedOp::SwiGlu => 2,
         }
     }
 }
@@ -115,6 +158,8 @@ impl std::fmt::Display for FusedOp {
             FusedOp::MixtureOfExperts { experts, activation: ExpertActivation::Silu } => {
                 write!(f, "MixtureOfExperts(experts = {experts}, activation = silu)")
             }
+            FusedOp::RmsNorm { epsilon } => write!(f, "RMSNormalization(epsilon = {})", epsilon.0),
+            FusedOp::SwiGlu => f.write_str("SwiGlu"),
         }
     }
 }
@@ -128,7 +173,8 @@ pub struct Fusion {
     pub op: FusedOp,
     /// The values the chain computes from: the fused node's inputs, in the op's order
     /// ([`FusedOp::arity`] of them; a GELU's one input, an attention's `q, kᵀ, v, mask?`, a
-    /// mixture of experts' `x, weights, indices, gate_up, down`).
+    /// mixture of experts' `x, weights, indices, gate_up, down`, an RMS norm's `x, w`, a
+    /// SwiGLU's `gate, up`).
     pub inputs: Vec<ValueId>,
     /// The chain's output (the fused node's output).
     pub output: ValueId,

@@ -41,7 +41,7 @@ op_kinds! {
     // contractions
     MatMul, Gemm, Conv,
     // normalisation
-    LayerNormalization, BatchNormalization, InstanceNormalization, LRN,
+    LayerNormalization, BatchNormalization, InstanceNormalization, LRN, RMSNormalization,
     // pooling
     MaxPool, AveragePool, GlobalAveragePool, GlobalMaxPool,
     // softmax and reductions
@@ -70,12 +70,15 @@ op_kinds! {
     /// Attribute `experts` (E, an int). The router (logits, softmax, top-k, normalisation) stays
     /// ordinary nodes before it.
     MixtureOfExperts,
+    /// The elementwise half of a gated MLP (SwiGLU), inputs `(gate, up)` broadcast together:
+    /// `silu(gate) ⊙ up` = `gate·σ(gate)·up`, run as libtorch's `silu` and one multiply.
+    SwiGlu,
 }
 
 impl OpKind {
     /// False for the IR-internal kinds that fused op chains become (no ONNX file spells them).
     pub fn is_onnx(self) -> bool {
-        !matches!(self, OpKind::ScaledDotProductAttention | OpKind::MixtureOfExperts)
+        !matches!(self, OpKind::ScaledDotProductAttention | OpKind::MixtureOfExperts | OpKind::SwiGlu)
     }
 
     /// True for ops that only reinterpret or move data (no arithmetic, nothing saved).
@@ -104,7 +107,7 @@ impl OpKind {
                 | Floor | Ceil | Round | Sign | Not | IsNaN | IsInf | Softplus | LeakyRelu | Elu
                 | Gelu | HardSigmoid | HardSwish | Cast | CastLike | Clip | Add | Sub | Mul | Div
                 | Pow | Mod | Max | Min | Sum | Mean | Equal | Less | LessOrEqual | Greater
-                | GreaterOrEqual | And | Or | Xor | Where | BitShift
+                | GreaterOrEqual | And | Or | Xor | Where | BitShift | SwiGlu
         )
     }
 

@@ -249,6 +249,10 @@ pub fn flops(sz: &Sizes, node: &Node) -> f64 {
         Mean => node.inputs.len().max(1) as f64 * out_numel,
         Softmax | LogSoftmax => 5.0 * in_numel,
         LayerNormalization | InstanceNormalization => 8.0 * in_numel,
+        // square, mean, scale by the inverse root, weight
+        RMSNormalization => 4.0 * in_numel,
+        // sigmoid (4), its product with the gate and the product with up
+        SwiGlu => 6.0 * out_numel,
         BatchNormalization => 4.0 * in_numel,
         LRN => (node.attrs.int("size", 1) as f64 + 3.0) * in_numel,
         ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd | ArgMax | ArgMin | CumSum
@@ -469,9 +473,19 @@ fn saved(sz: &Sizes, node: &Node, grad: &[bool], data: &[bool], batch: f64) -> S
             }
         }
         Gelu | Erf | Log | Sin | Cos | Softplus | LeakyRelu | HardSigmoid | HardSwish | Abs | Clip
-        | LayerNormalization | BatchNormalization | InstanceNormalization | AveragePool => {
+        | LayerNormalization | RMSNormalization | BatchNormalization | InstanceNormalization | AveragePool => {
             if any_rg {
                 keep(input(0));
+            }
+        }
+        SwiGlu => {
+            // the gate and up, and silu(gate) for up's gradient
+            if any_rg {
+                keep(input(0));
+                keep(input(1));
+                if let Some(o) = output {
+                    s.extra_bytes += sz.bytes(o) / batch;
+                }
             }
         }
         Tanh | Sigmoid | Exp | Sqrt | Relu | Reciprocal | Elu | Softmax | LogSoftmax => {

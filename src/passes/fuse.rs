@@ -47,6 +47,22 @@
 //! (logits, softmax, top-k, normalisation) stays ordinary nodes, so every model's own routing
 //! rule is kept as exported, and its outputs may have other readers (the auxiliary loss).
 //!
+//! RMSNorm: Hugging Face's Llama-family norm exports as
+//! `Mul(w, Mul(x, Reciprocal(Sqrt(Add(ReduceMean(Pow(x, 2), [-1]), ε)))))`: six elementwise
+//! passes forward and more backward, with the square as a `powf` per element (the exponent is a
+//! tensor). The chain is the ONNX op `RMSNormalization` (`axis` −1, attribute `epsilon`), which
+//! the runner runs as libtorch's `rms_norm`. Recognised, in any operand order: the square as
+//! `Pow(x, 2)` or `Mul(x, x)`; `ReduceMean` over the last axis only, keeping it; `Add` of one
+//! constant ε; the inverse root as `Reciprocal(Sqrt(·))` or `Div(1, Sqrt(·))`, multiplied into
+//! `x`, or `Div(x, Sqrt(·))`; then `Mul` by a rank-1 weight as long as the last axis. Under
+//! mixed precision (HF computes the norm in f32) the chain may sit between a `Cast` of `x` up
+//! and a `Cast` back to `x`'s type before the weight; the fused op reads `x` as it was.
+//!
+//! SwiGLU: a gated MLP's `silu(gate) ⊙ up`, exported as `Mul(Mul(g, Sigmoid(g)), u)` (any
+//! operand order), is the IR op [`OpKind::SwiGlu`] (inputs `gate, up`): libtorch's `silu` and
+//! one multiply instead of three passes. Both are matched after the other fusions, so a
+//! mixture of experts' dense form keeps its own SiLU gate.
+//!
 //! A chain is fused only where each interior value has the chain as its only reader and every
 //! constant equals the formula's (within f32 rounding), so the fused op computes what the chain
 //! computes, up to rounding.
@@ -55,8 +71,8 @@ use std::collections::HashSet;
 
 use super::PassError;
 use crate::ir::{
-    Attr, AttentionMask, AttentionScale, DType, ExpertActivation, FusedOp, Fusion, GeluApproximation, Graph, NodeId, OpKind,
-    ValueId,
+    Attr, AttentionMask, AttentionScale, DType, Epsilon, ExpertActivation, FusedOp, Fusion, GeluApproximation, Graph, NodeId,
+    OpKind, ValueId,
 };
 
 /// How many chains of each kind a list of rewrites fused.
@@ -70,6 +86,10 @@ pub struct Fused {
     pub attention: usize,
     /// Dense mixture-of-experts chains now `MixtureOfExperts`.
     pub experts: usize,
+    /// RMSNorm chains now `RMSNormalization`.
+    pub rms_norm: usize,
+    /// `silu(gate) ⊙ up` chains now `SwiGlu`.
+    pub swiglu: usize,
 }
 
 impl Fused {
@@ -82,6 +102,8 @@ impl Fused {
                 FusedOp::Gelu { approximate: GeluApproximation::None } => out.gelu_erf += 1,
                 FusedOp::Attention { .. } => out.attention += 1,
                 FusedOp::MixtureOfExperts { .. } => out.experts += 1,
+                FusedOp::RmsNorm { .. } => out.rms_norm += 1,
+                FusedOp::SwiGlu => out.swiglu += 1,
             }
         }
         out
@@ -89,7 +111,7 @@ impl Fused {
 
     /// Chains rewritten in all.
     pub fn total(&self) -> usize {
-        self.gelu_tanh + self.gelu_erf + self.attention + self.experts
+        self.gelu_tanh + self.gelu_erf + self.attention + self.experts + self.rms_norm + self.swiglu
     }
 }
 
@@ -97,41 +119,56 @@ impl std::fmt::Display for Fused {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "fused {} tanh-GELU and {} erf-GELU chains into Gelu, {} attention chains into ScaledDotProductAttention, {} expert chains into MixtureOfExperts",
-            self.gelu_tanh, self.gelu_erf, self.attention, self.experts
+            "fused {} tanh-GELU and {} erf-GELU chains into Gelu, {} attention chains into ScaledDotProductAttention, {} expert chains into MixtureOfExperts, {} RMSNorm chains into RMSNormalization, {} SwiGLU chains into SwiGlu",
+            self.gelu_tanh, self.gelu_erf, self.attention, self.experts, self.rms_norm, self.swiglu
         )
     }
 }
 
-/// Rewrites every GELU, attention and mixture-of-experts chain of `graph` into one node each
-/// (see the module docs); returns the rewrites in the order applied.
+/// Rewrites every GELU, attention, mixture-of-experts, RMSNorm and SwiGLU chain of `graph`
+/// into one node each (see the module docs); returns the rewrites in the order applied.
 pub fn fuse(graph: &mut Graph) -> Vec<Fusion> {
     let mut out = Vec::new();
-    let Ok(order) = graph.topo_order() else { return out };
+    // the norm and gate chains after the others: a dense mixture of experts holds a SiLU gate
+    for late in [false, true] {
+        fuse_sweep(graph, late, &mut out);
+    }
+    out
+}
+
+/// One sweep of [`fuse`] over the graph in topological order: the GELU, attention and
+/// experts chains, or (`late`) the RMSNorm and SwiGLU chains.
+fn fuse_sweep(graph: &mut Graph, late: bool, out: &mut Vec<Fusion>) {
+    let Ok(order) = graph.topo_order() else { return };
     let grad = carries_gradient(graph, &order);
     let mut uses = readers(graph);
     for id in order {
         let Some(op) = graph.try_node(id).and_then(|n| n.op.kind()) else { continue };
         let m = Matcher { g: graph, uses: std::mem::take(&mut uses) };
-        let fusion = match op {
-            OpKind::Mul => m.gelu(id).map(|(x, approximate)| {
+        let output = || graph.node(id).outputs[0];
+        let fusion = match (late, op) {
+            (false, OpKind::Mul) => m.gelu(id).map(|(x, approximate)| {
                 let approximate = if approximate { GeluApproximation::Tanh } else { GeluApproximation::None };
-                Fusion { node: id, op: FusedOp::Gelu { approximate }, inputs: vec![x], output: graph.node(id).outputs[0], replaces: chain(graph, id, x) }
+                Fusion { node: id, op: FusedOp::Gelu { approximate }, inputs: vec![x], output: output(), replaces: chain(graph, id, x) }
             }),
-            OpKind::MatMul => m.attention(id, &grad).map(|a| Fusion {
+            (false, OpKind::MatMul) => m.attention(id, &grad).map(|a| Fusion {
                 node: id,
                 op: FusedOp::Attention { scale: AttentionScale(a.scale), mask: a.mask },
                 inputs: a.inputs,
-                output: graph.node(id).outputs[0],
+                output: output(),
                 replaces: a.nodes,
             }),
-            OpKind::Transpose => m.experts(id).map(|e| Fusion {
+            (false, OpKind::Transpose) => m.experts(id).map(|e| Fusion {
                 node: id,
                 op: FusedOp::MixtureOfExperts { experts: e.experts, activation: ExpertActivation::Silu },
                 inputs: e.inputs,
-                output: graph.node(id).outputs[0],
+                output: output(),
                 replaces: e.nodes,
             }),
+            (true, OpKind::Mul) => m
+                .rms_norm(id)
+                .map(|(x, w, epsilon, nodes)| Fusion { node: id, op: FusedOp::RmsNorm { epsilon: Epsilon(epsilon) }, inputs: vec![x, w], output: output(), replaces: nodes })
+                .or_else(|| m.swiglu(id).map(|(gate, up, nodes)| Fusion { node: id, op: FusedOp::SwiGlu, inputs: vec![gate, up], output: output(), replaces: nodes })),
             _ => None,
         };
         uses = m.uses;
@@ -142,7 +179,6 @@ pub fn fuse(graph: &mut Graph) -> Vec<Fusion> {
             uses = readers(graph);
         }
     }
-    out
 }
 
 /// Which values carry a gradient: trained parameters and float values computed from them.
@@ -272,6 +308,19 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
             attrs.set("experts", Attr::Int(experts as i64));
             OpKind::MixtureOfExperts
         }
+        FusedOp::RmsNorm { epsilon } => {
+            check_rms_norm(graph, f, &ops, epsilon.0).map_err(bad)?;
+            attrs.set("axis", Attr::Int(-1));
+            attrs.set("epsilon", Attr::Float(epsilon.0 as f32));
+            OpKind::RMSNormalization
+        }
+        FusedOp::SwiGlu => {
+            use OpKind::*;
+            if !graph.node(f.node).op.is(Mul) || count(Mul) != 2 || count(Sigmoid) != 1 || ops.len() != 3 {
+                return Err(bad(format!("the chain's ops are {ops:?}, not SwiGLU's two Muls and a Sigmoid")));
+            }
+            OpKind::SwiGlu
+        }
     };
     let node = graph.node_mut(f.node);
     node.op = crate::ir::Op::Known(kind);
@@ -327,6 +376,30 @@ fn check_attention(g: &Graph, f: &Fusion, ops: &[OpKind], scale: f64, mask: Opti
         return Err(format!("its constants scale by {product}, the record by {scale}"));
     }
     Ok(())
+}
+
+/// The op checks of an RMSNorm record (see [`apply`]): the node is the weight's `Mul`, the
+/// chain's ops are the norm's (one `ReduceMean`, `Sqrt` and `Add`), and the `Add` adds ε.
+fn check_rms_norm(g: &Graph, f: &Fusion, ops: &[OpKind], epsilon: f64) -> Result<(), String> {
+    use OpKind::*;
+    let count = |k: OpKind| ops.iter().filter(|&&o| o == k).count();
+    if !g.node(f.node).op.is(Mul) {
+        return Err(format!("the node is a {}, not the Mul by the weight", g.node(f.node).op));
+    }
+    if let Some(k) = ops.iter().find(|k| !matches!(k, Pow | Mul | ReduceMean | Add | Sqrt | Reciprocal | Div | Cast)) {
+        return Err(format!("the chain has a {k}, which RMSNorm does not"));
+    }
+    if count(ReduceMean) != 1 || count(Sqrt) != 1 || count(Add) != 1 || !matches!(count(Cast), 0 | 2) {
+        return Err(format!("the chain has {} ReduceMeans, {} Sqrts and {} Adds, not one each", count(ReduceMean), count(Sqrt), count(Add)));
+    }
+    let added = f.replaces.iter().filter(|&&n| g.node(n).op.is(Add)).flat_map(|&n| g.node(n).inputs.iter().flatten().copied()).find_map(|v| {
+        let val = g.value(v);
+        (val.producer.is_none() && !f.inputs.contains(&v)).then(|| val.data.as_ref().and_then(|d| d.to_f64_vec())).flatten()
+    });
+    match added.as_deref() {
+        Some([e]) if (e - epsilon).abs() <= 1e-12 * epsilon.abs().max(1e-300) => Ok(()),
+        _ => Err(format!("its Add does not add ε = {epsilon}")),
+    }
 }
 
 /// The op checks of a mixture-of-experts record (see [`apply`]): the dense chain's ops, once
@@ -746,6 +819,132 @@ impl Matcher<'_> {
         }
     }
 
+    /// `id` = Mul(w, x·(mean(x², -1) + ε)^-½) as the module docs list it, in any operand order:
+    /// (x, w, ε, the chain's nodes ascending).
+    fn rms_norm(&self, id: NodeId) -> Option<(ValueId, ValueId, f64, Vec<NodeId>)> {
+        use OpKind::*;
+        let (a, b) = self.pair(id)?;
+        for (w, normed) in [(a, b), (b, a)] {
+            // mixed precision: the norm in f32 between a Cast up and a Cast back
+            let cast_back = self.inner(normed, Cast);
+            let normed = match cast_back {
+                Some(c) => self.g.node(c).inputs.first().copied().flatten()?,
+                None => normed,
+            };
+            let Some(n) = self.inner(normed, Mul).or_else(|| self.inner(normed, Div)) else { continue };
+            let Some((x, mut nodes, eps)) = self.rms_normed(n) else { continue };
+            let x = match cast_back {
+                Some(back) => {
+                    let Some((x0, up)) = self.cast_up(x, &nodes) else { continue };
+                    let to = DType::from_onnx(self.g.node(back).attrs.int("to", 0) as i32);
+                    if to.is_none() || to != self.dtype(x0) {
+                        continue;
+                    }
+                    nodes.extend([back, up]);
+                    x0
+                }
+                None => x,
+            };
+            // a weight as long as x's last axis, broadcast over the rest
+            let (wd, xd) = (self.dims(w)?, self.dims(x)?);
+            let float = |v: ValueId| self.dtype(v).is_some_and(|d| d.is_float());
+            if wd.len() != 1 || xd.last() != wd.first() || wd[0].known().is_none() || !float(w) || self.dtype(w) != self.dtype(x) {
+                continue;
+            }
+            nodes.push(id);
+            nodes.sort();
+            return Some((x, w, eps, nodes));
+        }
+        None
+    }
+
+    /// `x` = Cast(x0) to a float type, read only by `nodes`: (x0, the Cast).
+    fn cast_up(&self, x: ValueId, nodes: &[NodeId]) -> Option<(ValueId, NodeId)> {
+        let up = self.g.value(x).producer.filter(|&p| self.g.node(p).op.is(OpKind::Cast))?;
+        let x0 = self.g.node(up).inputs.first().copied().flatten()?;
+        let reads: usize = nodes.iter().map(|&n| self.g.node(n).inputs.iter().flatten().filter(|&&v| v == x).count()).sum();
+        let float = |v: ValueId| self.dtype(v).is_some_and(|d| d.is_float());
+        (reads == self.uses[x.index()] && float(x) && float(x0)).then_some((x0, up))
+    }
+
+    /// `n` = Mul(x, Reciprocal(Sqrt(·))), Mul(x, Div(1, Sqrt(·))) or Div(x, Sqrt(·)), the root of
+    /// `mean(x², -1) + ε`: (x, the nodes, ε).
+    fn rms_normed(&self, n: NodeId) -> Option<(ValueId, Vec<NodeId>, f64)> {
+        use OpKind::*;
+        let (a, b) = self.pair(n)?;
+        let mut nodes = vec![n];
+        if self.g.node(n).op.is(Div) {
+            let sq = self.inner(b, Sqrt)?;
+            let (x, rest, eps) = self.mean_square(sq)?;
+            nodes.extend(rest);
+            return (x == a).then_some((a, nodes, eps));
+        }
+        for (x, r) in [(a, b), (b, a)] {
+            let inv = self.inner(r, Reciprocal).map(|i| (i, self.g.node(i).inputs.first().copied().flatten())).or_else(|| {
+                let d = self.inner(r, Div)?;
+                let (one, s) = self.pair(d)?;
+                self.is_const(one, 1.0).then_some((d, Some(s)))
+            });
+            let Some((inv, Some(s))) = inv else { continue };
+            let Some(sq) = self.inner(s, Sqrt) else { continue };
+            let Some((x2, rest, eps)) = self.mean_square(sq) else { continue };
+            if x2 != x {
+                continue;
+            }
+            nodes.push(inv);
+            nodes.extend(rest);
+            return Some((x, nodes, eps));
+        }
+        None
+    }
+
+    /// `sq` = Sqrt(Add(ReduceMean(Pow(x, 2) | Mul(x, x), [-1], keepdims 1), ε)): (x, the nodes
+    /// from the Sqrt down, ε).
+    fn mean_square(&self, sq: NodeId) -> Option<(ValueId, Vec<NodeId>, f64)> {
+        use OpKind::*;
+        let add = self.inner(self.g.node(sq).inputs.first().copied().flatten()?, Add)?;
+        let (p, q) = self.pair(add)?;
+        let (m, eps) = match (self.scalar(q), self.scalar(p)) {
+            (Some(e), _) => (p, e),
+            (None, Some(e)) => (q, e),
+            _ => return None,
+        };
+        let mean = self.inner(m, ReduceMean)?;
+        let squared = self.g.node(mean).inputs.first().copied().flatten()?;
+        let rank = self.dims(squared)?.len();
+        let last_kept = self.axes_of(mean, rank)? == [rank - 1] && self.g.node(mean).attrs.int("keepdims", 1) == 1;
+        if !last_kept || !(eps > 0.0 && eps.is_finite()) {
+            return None;
+        }
+        let x = if let Some(pw) = self.inner(squared, Pow) {
+            let (base, exp) = self.pair(pw)?;
+            self.is_const(exp, 2.0).then_some((base, pw))
+        } else {
+            let mm = self.inner(squared, Mul)?;
+            let (l, r) = self.pair(mm)?;
+            (l == r).then_some((l, mm))
+        };
+        let (x, square) = x?;
+        self.dtype(x).is_some_and(|d| d.is_float()).then_some((x, vec![sq, add, mean, square], eps))
+    }
+
+    /// `id` = Mul(Mul(g, Sigmoid(g)), u) in any operand order, g and u of one float type:
+    /// (g, u, the chain's nodes ascending).
+    fn swiglu(&self, id: NodeId) -> Option<(ValueId, ValueId, Vec<NodeId>)> {
+        let (a, b) = self.pair(id)?;
+        for (act, up) in [(a, b), (b, a)] {
+            let Some((m, sig, gate)) = self.silu(act) else { continue };
+            let ty = self.dtype(gate);
+            if gate == up || !ty.is_some_and(|d| d.is_float()) || self.dtype(up) != ty {
+                continue;
+            }
+            let mut nodes = vec![id, m, sig];
+            nodes.sort();
+            return Some((gate, up, nodes));
+        }
+        None
+    }
+
     /// `id` = Mul(Mul(x, 0.5), Add(1, tanh(...)|erf(...))) in any operand order: (x, tanh form).
     fn gelu(&self, id: NodeId) -> Option<(ValueId, bool)> {
         let (a, b) = self.pair(id)?;
@@ -873,7 +1072,7 @@ mod tests {
         let mut g = b.g;
         let unfused = g.clone();
         let fusions = fuse(&mut g);
-        assert_eq!(Fused::of(&fusions), Fused { gelu_tanh: 2, gelu_erf: 1, attention: 0, experts: 0 });
+        assert_eq!(Fused::of(&fusions), Fused { gelu_tanh: 2, gelu_erf: 1, ..Fused::default() });
         assert_eq!(fusions.iter().map(|f| f.replaces.len()).collect::<Vec<_>>(), [8, 8, 5]);
         g.verify().unwrap();
         // the chains' other nodes are gone

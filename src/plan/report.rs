@@ -323,6 +323,9 @@ pub(super) fn header(plan: &Plan, out: &mut String) {
     );
     let seq = plan.seq_len.map_or(String::new(), |s| format!(", sequence {s}"));
     let _ = writeln!(out, "batch   {} per step{seq}", plan.global_batch);
+    if let Some(line) = fused_line(plan) {
+        let _ = writeln!(out, "fused   {line}");
+    }
     if let Some(a) = &plan.axes {
         for line in axes_lines(plan, a) {
             let _ = writeln!(out, "{line}");
@@ -334,6 +337,21 @@ pub(super) fn header(plan: &Plan, out: &mut String) {
     }
     out.push('\n');
 
+}
+
+/// The op chains the plan's graph runs as one fused op each, counted by op
+/// (`4 ScaledDotProductAttention, 9 RMSNormalization, 4 SwiGlu`); None when there are none.
+fn fused_line(plan: &Plan) -> Option<String> {
+    let fused = &plan.codegen.as_ref()?.fused;
+    let mut counts: Vec<(crate::ir::OpKind, usize)> = Vec::new();
+    for f in fused {
+        let k = f.op.op_kind();
+        match counts.iter_mut().find(|(c, _)| *c == k) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((k, 1)),
+        }
+    }
+    (!counts.is_empty()).then(|| counts.iter().map(|(k, n)| format!("{n} {k}")).collect::<Vec<_>>().join(", ") + " (op chains run as one kernel each)")
 }
 
 /// One row per stage (times and memory), then the stages that offload.

@@ -1,6 +1,8 @@
 //! The libtorch runtime (feature `runner`): it executes models and plans. This is the only
 //! module that names tch or c10d. Its rooms, bottom up (each uses only those before it):
 //!
+//! - `allocator.rs`: the host allocator's policy for a training process (freed buffers kept
+//!   for the next step);
 //! - `comm/`: the c10d shim (TCP store, Gloo/NCCL process groups, point-to-point work);
 //! - `device.rs`: where a process's tensors live (`--device`, `--share-gpu`) and how its ranks
 //!   talk, checked against what libtorch sees;
@@ -21,6 +23,7 @@
 //! - `launch/`: starting ranks (one host or several), elastic jobs, and calibrating this
 //!   machine.
 
+pub mod allocator;
 pub mod comm;
 pub mod data;
 pub mod device;

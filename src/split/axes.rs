@@ -12,7 +12,7 @@ pub fn norm_axis(axis: i64, rank: usize) -> Option<usize> {
 }
 
 /// The axes of `node`'s first input (of `rank` axes) that the op combines or selects along:
-/// the normalised axes of LayerNormalization (`axis` to the last), Softmax, LogSoftmax, TopK,
+/// the normalised axes of LayerNormalization and RMSNormalization (`axis` to the last), Softmax, LogSoftmax, TopK,
 /// LpNormalization, ArgMax, ArgMin and CumSum, the reduced axes of the reductions, the sliced axes of Slice.
 /// `None` for other ops and where the axes are not known (an axes input not evaluated).
 /// Nodes are in the importer's canonical form: defaulted axes are written out, axes that
@@ -22,7 +22,7 @@ pub fn touched_axes(node: &Node, info: &ShapeInfo, rank: usize) -> Option<Vec<us
     let input = |i: usize| node.inputs.get(i).copied().flatten();
     let axis = |default: i64| norm_axis(node.attrs.int("axis", default), rank);
     match node.op.kind()? {
-        LayerNormalization => Some((axis(-1)?..rank).collect()),
+        LayerNormalization | RMSNormalization => Some((axis(-1)?..rank).collect()),
         Softmax | LogSoftmax | TopK | LpNormalization => Some(vec![axis(-1)?]),
         ArgMax | ArgMin => Some(vec![axis(0)?]),
         CumSum => Some(vec![norm_axis(*info.ints(input(1)?)?.first()?, rank)?]),

@@ -67,11 +67,11 @@ pub fn family(kind: OpKind) -> Family {
         Abs | Neg | Exp | Log | Sqrt | Reciprocal | Tanh | Sigmoid | Relu | Erf | Sin | Cos | Floor | Ceil | Round | Sign | Not | IsNaN
         | IsInf | Softplus | LeakyRelu | Elu | Gelu | HardSigmoid | HardSwish | Identity | Cast | CastLike | Clip | Add | Sub | Mul
         | Div | Pow | Mod | Max | Min | Sum | Mean | Equal | Less | LessOrEqual | Greater | GreaterOrEqual | And | Or | Xor | Where
-        | BitShift | Dropout => F::Elementwise,
+        | BitShift | Dropout | SwiGlu => F::Elementwise,
         MatMul | Gemm => F::Matmul,
         ScaledDotProductAttention => F::Attention,
-        LayerNormalization | Softmax | LogSoftmax | ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd | ArgMax | ArgMin
-        | CumSum | TopK | Slice | ReduceL1 | ReduceL2 | ReduceLogSumExp | ReduceSumSquare | LpNormalization => F::Norm,
+        LayerNormalization | RMSNormalization | Softmax | LogSoftmax | ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd
+        | ArgMax | ArgMin | CumSum | TopK | Slice | ReduceL1 | ReduceL2 | ReduceLogSumExp | ReduceSumSquare | LpNormalization => F::Norm,
         Reshape | Transpose | Concat | Split | Unsqueeze | Squeeze | Expand | Flatten => F::View,
         Gather => F::Gather,
         MixtureOfExperts => F::Experts,
@@ -88,7 +88,7 @@ pub fn tp_rule(kind: OpKind) -> bool {
     use OpKind::*;
     match family(kind) {
         Family::Matmul | Family::Gather | Family::Attention | Family::Experts | Family::Elementwise => true,
-        Family::Norm => matches!(kind, Softmax | LogSoftmax | LayerNormalization | ReduceMean | ReduceSum | ReduceMax | CumSum | Slice),
+        Family::Norm => matches!(kind, Softmax | LogSoftmax | LayerNormalization | RMSNormalization | ReduceMean | ReduceSum | ReduceMax | CumSum | Slice),
         Family::View => matches!(kind, Reshape | Transpose | Squeeze | Unsqueeze | Split | Concat | Expand),
         Family::Shape | Family::Whole => false,
     }

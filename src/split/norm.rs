@@ -1,4 +1,4 @@
-//! Norms and reductions (Softmax, LayerNormalization, Reduce*, CumSum, Slice, TopK, ArgMax,
+//! Norms and reductions (Softmax, LayerNormalization, RMSNormalization, Reduce*, CumSum, Slice, TopK, ArgMax,
 //! LpNormalization): they run split, on token chunks or on local tokens only when they do not
 //! work along the split or token axis; a norm's scale and bias stay whole.
 
@@ -30,7 +30,7 @@ impl Prop<'_, '_> {
         if touched.contains(&axis) {
             return self.err(format!("it works along the split axis {axis}"));
         }
-        if kind == LayerNormalization {
+        if matches!(kind, LayerNormalization | RMSNormalization) {
             for (i, s) in states.iter().enumerate().skip(1) {
                 if *s != Sh::Rep || inp(i).is_some_and(|v| self.weights.contains_key(&v)) {
                     return self.err("split norm weights");
@@ -53,7 +53,7 @@ impl SeqLayer<'_> {
     /// slices, argmax and the rest of the reductions) read their tokens gathered.
     pub(super) fn norm(&self, node: &Node, seq: &HashMap<ValueId, Seq>, state: Seq) -> Option<SeqDecision> {
         use OpKind::*;
-        if !matches!(node.op.kind()?, LayerNormalization | Softmax | LogSoftmax | ReduceMean | ReduceSum | ReduceMax | ReduceMin) {
+        if !matches!(node.op.kind()?, LayerNormalization | RMSNormalization | Softmax | LogSoftmax | ReduceMean | ReduceSum | ReduceMax | ReduceMin) {
             return None;
         }
         let x = node.inputs.first().copied().flatten()?;

@@ -349,6 +349,8 @@ fn eval(g: &Graph, node: &Node, env: &HashMap<ValueId, T>) -> Vec<T> {
         Add => bin(&|p, q| p + q, None),
         Sub => bin(&|p, q| p - q, None),
         Mul => bin(&|p, q| p * q, None),
+        // the fused gated MLP: silu(gate) · up
+        SwiGlu => bin(&|g, u| g / (1.0 + (-g).exp()) * u, None),
         Div => bin(&move |p, q| if int { (p / q).trunc() } else { p / q }, None),
         Pow => bin(&|p, q| p.powf(q), None),
         Max => bin(&|p: f64, q| p.max(q), None),
@@ -427,6 +429,20 @@ fn eval(g: &Graph, node: &Node, env: &HashMap<ValueId, T>) -> Vec<T> {
                 y = nary(&[&y, b], y.dtype, |v| v[0] + v[1]);
             }
             vec![y]
+        }
+        RMSNormalization => {
+            let t = x(0);
+            let ax = axis(a.int("axis", -1), t.shape.len());
+            let d: usize = t.shape[ax..].iter().product();
+            let eps = a.float("epsilon", 1e-5) as f64;
+            let mut data = t.data.clone();
+            for row in data.chunks_mut(d) {
+                let ms = row.iter().map(|v| v * v).sum::<f64>() / d as f64;
+                let s = 1.0 / (ms + eps).sqrt();
+                row.iter_mut().for_each(|v| *v *= s);
+            }
+            let y = T::new(t.dtype, t.shape.clone(), data);
+            vec![nary(&[&y, x(1)], y.dtype, |v| v[0] * v[1])]
         }
         Reshape => {
             let t = x(0);

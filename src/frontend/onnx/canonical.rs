@@ -92,7 +92,7 @@ impl Canon<'_> {
         }
         match kind {
             Softmax | LogSoftmax if opset < 13 => self.coerced_softmax(id)?,
-            Softmax | LogSoftmax | LayerNormalization | TopK => self.default_axis(id, -1),
+            Softmax | LogSoftmax | LayerNormalization | RMSNormalization | TopK => self.default_axis(id, -1),
             Gather | GatherElements | Split | ArgMax | ArgMin => self.default_axis(id, 0),
             Flatten => self.default_axis(id, 1),
             _ => {}

@@ -145,7 +145,7 @@ fn infer_node(cx: &Ctx, dims: &BTreeMap<String, i64>) -> Outs {
         | Sin | Cos | Floor | Ceil | Round | Softplus | LeakyRelu | Elu | Gelu | HardSigmoid | HardSwish
         | Clip => elementwise::unary(cx, kind),
         Cast | CastLike => elementwise::cast(cx, kind),
-        Add | Sub | Mul | Div | Mod | Pow | Max | Min | Sum | Mean => elementwise::arithmetic(cx, kind),
+        Add | Sub | Mul | Div | Mod | Pow | Max | Min | Sum | Mean | SwiGlu => elementwise::arithmetic(cx, kind),
         Equal | Less | LessOrEqual | Greater | GreaterOrEqual | And | Or | Xor => elementwise::compare(cx, kind),
         Where => elementwise::where_(cx),
         MatMul => matmul::matmul(cx),
@@ -157,7 +157,7 @@ fn infer_node(cx: &Ctx, dims: &BTreeMap<String, i64>) -> Outs {
         GlobalAveragePool | GlobalMaxPool => nn::global_pool(cx),
         LayerNormalization => nn::layer_norm(cx),
         BatchNormalization => nn::batch_norm(cx),
-        InstanceNormalization | LRN | Softmax | LogSoftmax => nn::same_as_input(cx),
+        InstanceNormalization | LRN | RMSNormalization | Softmax | LogSoftmax => nn::same_as_input(cx),
         Dropout => nn::dropout(cx),
         ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd => reduce::reduce(cx, kind),
         ReduceL1 | ReduceL2 | ReduceLogSumExp | ReduceSumSquare => reduce::reduce(cx, kind),

@@ -116,6 +116,8 @@ pub fn run(node: &Node, inputs: &[Option<Tensor>], ctx: &OpContext) -> KResult<V
         Gemm => one(nn::gemm(&a)),
         Conv => one(nn::conv(&a)),
         LayerNormalization => nn::layer_norm(&a),
+        RMSNormalization => one(nn::rms_norm(&a)),
+        SwiGlu => one(nn::swiglu(&a)),
         BatchNormalization => nn::batch_norm(&a),
         InstanceNormalization => one(nn::instance_norm(&a)),
         LRN => one(nn::lrn(&a)),

@@ -176,6 +176,27 @@ pub(super) fn layer_norm(a: &Args) -> KResult<Vec<Tensor>> {
     Ok(out)
 }
 
+/// `RMSNormalization(x, scale)` (ONNX opset 23, and the fused RMSNorm chain of
+/// `passes::fuse`): `x / √(mean(x², axes) + ε) · scale` over the axes from `axis` on, as
+/// libtorch's `rms_norm`; a scale of another shape or type multiplies the normed `x`.
+pub(super) fn rms_norm(a: &Args) -> KResult<Tensor> {
+    let x = a.x(0)?;
+    let ax = axis(a.int("axis", -1), x.dim())? as usize;
+    let shape = x.size()[ax..].to_vec();
+    let eps = a.float("epsilon", 1e-5);
+    let w = a.x(1)?;
+    if w.size() == shape && w.f_kind()? == x.f_kind()? {
+        Ok(x.f_rms_norm(&shape, Some(w), eps)?)
+    } else {
+        Ok(x.f_rms_norm(&shape, None::<&Tensor>, eps)?.f_mul(w)?)
+    }
+}
+
+/// `SwiGlu(gate, up)` (made by `passes::fuse`): `silu(gate) ⊙ up`, broadcast.
+pub(super) fn swiglu(a: &Args) -> KResult<Tensor> {
+    Ok(a.x(0)?.f_silu()?.f_mul(a.x(1)?)?)
+}
+
 /// Reshapes a per-channel vector to broadcast against `[N, C, ...]` of `rank`.
 fn per_channel(v: &Tensor, rank: usize) -> KResult<Tensor> {
     let mut shape = vec![1i64; rank.max(2)];
