@@ -797,6 +797,11 @@ impl StepRunner for Interp<'_, '_> {
         self.phases = PhaseTimes::default();
         self.post_headers(false)?;
         self.observe();
+        if self.steps_run == 1 {
+            // the first step (warm-up: the optimizer's moments are made in its update) is not
+            // counted when later steps run, as in the step times
+            self.tally.memory = memory::PeakTracker::default();
+        }
         self.tally.memory.start_step(self.zero.held(&r.params, &self.grads), self.offload.pool.host);
         for instr in &r.program.instrs {
             if !self.kv_done && matches!(instr, Instr::AllReduce { .. } | Instr::ReduceScatter { .. } | Instr::OptimizerStep) {
