@@ -7,8 +7,6 @@
 //! On a GPU the device's tensors are the CUDA caching allocator's, which this does not read
 //! yet: there the measured parts are absent.
 
-use super::report::StateBytes;
-
 unsafe extern "C" {
     fn smp_memory_install();
     fn smp_memory_live() -> u64;
@@ -39,6 +37,24 @@ pub fn open_window() {
 pub fn window_peak() -> u64 {
     // SAFETY: reads atomic counters.
     unsafe { smp_memory_window_peak() }
+}
+
+/// Bytes of trained state: parameters (full tensors, ZeRO blocks), gradients, optimizer moments.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StateBytes {
+    /// Parameters.
+    pub params: u64,
+    /// Gradients.
+    pub grads: u64,
+    /// Optimizer state.
+    pub optimizer: u64,
+}
+
+impl StateBytes {
+    /// The sum of the three.
+    pub fn total(&self) -> u64 {
+        self.params + self.grads + self.optimizer
+    }
 }
 
 /// A rank's memory at its peak, by part (bytes).
@@ -158,6 +174,8 @@ mod tests {
         assert_eq!(t.peak, p);
         // offloaded bytes are host memory: not in the device total
         t.observe(Window { before: 400, after: 500, peak: 520 }, state, 100);
-        assert_eq!((t.peak.offloaded, t.peak.total, t.peak.activations, t.peak.temporaries), (100, 420, 40, 20));
+        assert_eq!(t.peak, p, "420 bytes on the device do not pass 430");
+        t.observe(Window { before: 400, after: 500, peak: 560 }, state, 100);
+        assert_eq!((t.peak.offloaded, t.peak.total, t.peak.activations, t.peak.temporaries), (100, 460, 40, 60));
     }
 }

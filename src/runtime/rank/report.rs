@@ -6,27 +6,10 @@ use tch::{Kind, Tensor};
 use crate::runtime::RuntimeError;
 use crate::runtime::comm::ProcessGroup;
 
+pub use super::memory::StateBytes;
 use super::memory::{MemoryParts, PeakTracker};
 use crate::runtime::terr;
 use crate::runtime::train::{CheckpointRecord, EvalRecord, FailedCheckpoint, StepRecord, StragglerRecord};
-
-/// Bytes of trained state: parameters (full tensors, ZeRO blocks), gradients, optimizer moments.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StateBytes {
-    /// Parameters.
-    pub params: u64,
-    /// Gradients.
-    pub grads: u64,
-    /// Optimizer state.
-    pub optimizer: u64,
-}
-
-impl StateBytes {
-    /// The sum of the three.
-    pub fn total(&self) -> u64 {
-        self.params + self.grads + self.optimizer
-    }
-}
 
 /// What one rank measured.
 #[derive(Clone, Debug, Default, PartialEq)]
