@@ -46,11 +46,12 @@ def gpt_params(layers, hidden, seq, vocab):
     return 12 * layers * h * h + 13 * layers * h + (vocab + seq) * h + 2 * h
 
 
-def llama_params(layers, hidden, heads, kv_heads, ffn, vocab, experts=None):
-    """Llama's parameters; with `experts`, each MLP is that many experts and a router."""
-    h, d = hidden, hidden // heads
+def llama_params(layers, hidden, heads, kv_heads, ffn, vocab, experts=None, head_dim=None, qk_norm=False):
+    """Llama's parameters; with `experts`, each MLP is that many experts and a router; with
+    `qk_norm`, an RMSNorm weight per head dimension on q and on k (Qwen3)."""
+    h, d = hidden, head_dim or hidden // heads
     mlp = 3 * h * ffn if experts is None else experts * 3 * h * ffn + h * experts
-    per_layer = 2 * h * h + 2 * h * kv_heads * d + mlp + 2 * h
+    per_layer = 2 * h * heads * d + 2 * h * kv_heads * d + mlp + 2 * h + (2 * d if qk_norm else 0)
     return layers * per_layer + 2 * vocab * h + h
 
 
@@ -191,19 +192,23 @@ def token_inputs(b, seq, rope_dim, vocab, h):
 
 
 def build_llama(name, layers, hidden, heads, kv_heads, ffn, seq, vocab,
-                dtype=TensorProto.BFLOAT16, weights_file=None, experts=None, top_k=2):
+                dtype=TensorProto.BFLOAT16, weights_file=None, experts=None, top_k=2, head_dim=None,
+                qk_norm=False):
     """Llama; with `experts`, each MLP is a sparse mixture of that many SwiGLU experts with
-    `ffn` each, top-`top_k` routed (Mixtral)."""
+    `ffn` each, top-`top_k` routed (Mixtral). Qwen3's differences: `head_dim` need not be
+    hidden / heads, and `qk_norm` puts an RMSNorm over each head's dimension on q and on k
+    before the rotary embedding."""
     h, a, kv = hidden, heads, kv_heads
-    d = h // a
+    d = head_dim or h // a
     rep = a // kv
-    b = GraphBuilder(": Llama" if experts is None else ": Mixtral", dtype, f"{name}.weights", weights_file)
+    kind = ": Llama" if experts is None else ": Qwen3-MoE" if qk_norm else ": Mixtral"
+    b = GraphBuilder(kind, dtype, f"{name}.weights", weights_file)
     ids, cos, sin, x = token_inputs(b, seq, d, vocab, h)
     q_shape = b.const("q.shape", np.array([0, 0, a, d], np.int64))
     kv_shape = b.const("kv.shape", np.array([0, 0, kv, d], np.int64))
     rep_shape = b.const("kv.repeat", np.array([1, 1, rep, 1, 1], np.int64))
     gqa_shape = b.const("kv.merged_shape", np.array([0, a, seq, d], np.int64))
-    merge_shape = b.const("merge.shape", np.array([0, 0, h], np.int64))
+    merge_shape = b.const("merge.shape", np.array([0, 0, a * d], np.int64))
     half = b.const("rope.half_split", np.array([d // 2, d // 2], np.int64))
     axes = b.const("norm.axes", np.array([-1], np.int64))
     unsq = b.const("kv.unsqueeze_axes", np.array([2], np.int64))
@@ -225,12 +230,17 @@ def build_llama(name, layers, hidden, heads, kv_heads, ffn, seq, vocab,
         two = b.const(f"{p}.norm.exponent", np.array(2.0, np.float32))
         y = rms_norm(b, x, b.weight(f"{p}.input_layernorm.weight", [h], "ones"), eps, two,
                      axes, n1)
-        q = b.node("MatMul", [y, b.weight(f"{p}.self_attn.q_proj.weight", [h, h])], att)
+        q = b.node("MatMul", [y, b.weight(f"{p}.self_attn.q_proj.weight", [h, a * d])], att)
         k = b.node("MatMul", [y, b.weight(f"{p}.self_attn.k_proj.weight", [h, kv * d])], att)
         v = b.node("MatMul", [y, b.weight(f"{p}.self_attn.v_proj.weight", [h, kv * d])], att)
         q = b.node("Transpose", [b.node("Reshape", [q, q_shape], att)], att, perm=[0, 2, 1, 3])
         k = b.node("Transpose", [b.node("Reshape", [k, kv_shape], att)], att, perm=[0, 2, 1, 3])
         v = b.node("Transpose", [b.node("Reshape", [v, kv_shape], att)], att, perm=[0, 2, 1, 3])
+        if qk_norm:
+            q = rms_norm(b, q, b.weight(f"{p}.self_attn.q_norm.weight", [d], "ones"), eps, two, axes,
+                         att + [(f"{p}.self_attn.q_norm", "RMSNorm")])
+            k = rms_norm(b, k, b.weight(f"{p}.self_attn.k_norm.weight", [d], "ones"), eps, two, axes,
+                         att + [(f"{p}.self_attn.k_norm", "RMSNorm")])
         q, k = rope(q, att), rope(k, att)
 
         def repeat_kv(t):
@@ -247,7 +257,7 @@ def build_llama(name, layers, hidden, heads, kv_heads, ffn, seq, vocab,
         o = b.node("MatMul", [s, v], att)
         o = b.node("Reshape", [b.node("Transpose", [o], att, perm=[0, 2, 1, 3]), merge_shape],
                    att)
-        o = b.node("MatMul", [o, b.weight(f"{p}.self_attn.o_proj.weight", [h, h])], att)
+        o = b.node("MatMul", [o, b.weight(f"{p}.self_attn.o_proj.weight", [a * d, h])], att)
         x = b.node("Add", [x, o], blk)
         y = rms_norm(b, x, b.weight(f"{p}.post_attention_layernorm.weight", [h], "ones"), eps,
                      two, axes, n2)
@@ -388,9 +398,16 @@ LLAMAS = [("llama3-70b", 80, 8192, 64, 8, 28672, 4096, 128256),
           # 131,072 (Dubey et al. 2024 §3.4): the context-parallel planner's cases
           ("llama3-70b-8k", 80, 8192, 64, 8, 28672, 8192, 128256),
           ("llama3-70b-128k", 80, 8192, 64, 8, 28672, 131072, 128256)]
+# 405B at the sequences of torchtitan's context-parallel sweep (32K to 256K; 128K is also Llama 3's
+# long-context stage): the published-run checks of context parallelism
+LLAMAS += [(f"llama3-405b-{k}k", 126, 16384, 128, 8, 53248, k * 1024, 128256) for k in (32, 64, 128, 256)]
 # name, layers, hidden, heads, kv heads, expert ffn, seq, vocab, experts, top-k (Mixtral 8×7B:
 # Jiang et al. 2024, 46.7B parameters)
 MIXTRALS = [("mixtral-8x7b", 32, 4096, 32, 8, 14336, 4096, 32000, 8, 2)]
+# Qwen3-235B-A22B (its config.json: head dim 128 with 64 heads over hidden 4,096, QK norms, 128
+# experts top 8 in every layer, 235B parameters), sequence 4,096 as Megatron-Core's published runs
+QWEN3_MOES = [("qwen3-235b-a22b", dict(layers=94, hidden=4096, heads=64, kv_heads=4, ffn=1536, seq=4096,
+                                       vocab=151936, experts=128, top_k=8, head_dim=128, qk_norm=True))]
 # DeepSeek-V3 (DeepSeek-AI 2024, 671B parameters): its config.json's shapes, sequence 4,096
 DEEPSEEKS = [("deepseek-v3", dict(layers=61, dense_layers=3, hidden=7168, heads=128, q_lora=1536, kv_lora=512,
                                   rope=64, nope=128, v_dim=128, ffn=18432, moe_ffn=2048, experts=256, top_k=8,
@@ -427,6 +444,9 @@ def check_on_onnxruntime():
                                                 TensorProto.FLOAT, f)),
                 ("mixtral", lambda f: build_llama("tiny-mixtral", 2, 32, 4, 2, 48, 8, 64,
                                                   TensorProto.FLOAT, f, experts=4, top_k=2)),
+                ("qwen3-moe", lambda f: build_llama("tiny-qwen3-moe", 2, 32, 4, 2, 48, 8, 64,
+                                                    TensorProto.FLOAT, f, experts=4, top_k=2, head_dim=16,
+                                                    qk_norm=True)),
                 ("deepseek", lambda f: build_deepseek("tiny-deepseek", 3, 1, 32, 4, 16, 16, 4, 4, 8, 48, 16, 4,
                                                       2, 1, 8, 64, TensorProto.FLOAT, f))]
         for kind, build in tiny:
@@ -481,6 +501,7 @@ def main():
     jobs += [(n, args.out / f"{n}.onnx", "mixtral",
               dict(layers=l, hidden=h, heads=a, kv_heads=kv, ffn=f, seq=s, vocab=v, experts=e, top_k=k))
              for n, l, h, a, kv, f, s, v, e, k in MIXTRALS]
+    jobs += [(n, args.out / f"{n}.onnx", "qwen3-moe", cfg) for n, cfg in QWEN3_MOES]
     jobs += [(n, args.out / f"{n}.onnx", "deepseek", cfg) for n, cfg in DEEPSEEKS]
     jobs = [j for j in jobs if args.only in (None, j[0])]
     for key, path, kind, cfg in jobs:
@@ -502,7 +523,8 @@ def main():
         else:
             model = build_llama(path.stem, **shape)
             params = llama_params(cfg["layers"], cfg["hidden"], cfg["heads"], cfg["kv_heads"],
-                                  cfg["ffn"], cfg["vocab"], cfg["experts"])
+                                  cfg["ffn"], cfg["vocab"], cfg["experts"], cfg.get("head_dim"),
+                                  cfg.get("qk_norm", False))
             formula = "l(2h^2 + 2h*kv*d + E*3hF + hE + 2h) + 2Vh + h (E experts, router, untied head)"
         check_structure(model, key)
         write_model(model, path)

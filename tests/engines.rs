@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use smp_partition::compile::{Analysed, analyze_for};
 use smp_partition::cost::ClusterSpec;
 use smp_partition::engines::{self, Engine, ModelShape, Origin, checkpointed};
-use smp_partition::ir::{LayerKind, Placement, Precision, ScheduleKind};
+use smp_partition::ir::{ExpertDispatch, LayerKind, Placement, Precision, ScheduleKind};
 use smp_partition::plan::Plan;
 use smp_partition::solve::PlanOptions;
 
@@ -308,4 +308,45 @@ fn llama3_405b_megatron_arguments_price_the_published_run() {
     eprintln!("{}; {}", engines::summary("yours", &yours), engines::summary("ours", &ours));
     eprintln!("llama3-405b from Megatron-LM arguments: MFU {mfu:.3}, {:.3} of the published 0.43", mfu / 0.43);
     assert!((mfu / 0.43 - 1.0).abs() <= 0.10, "predicted MFU {mfu:.3} against the published 0.43");
+}
+
+/// Qwen3-235B-A22B as Megatron-Core's MoE model zoo ran it on 256 H100s
+/// (yanring/Megatron-MoE-ModelZoo, `best_practice/Qwen3/readme.md`: bf16, sequence 4,096, global
+/// batch 2,048, microbatch 1): TP 4, PP 8 with VPP 4, EP 8, ETP 1, no recompute, the DeepEP
+/// dispatcher, 29.0 s per step. The dispatcher is read from the arguments: DeepEP sends a token
+/// once per node holding its experts, the all-to-all dispatcher once per token–expert pair.
+/// Expert-TP 1 is not expressible (experts split over the tensor ranks) and is listed unpriced.
+#[test]
+fn qwen3_moe_megatron_arguments_price_the_published_run_with_its_dispatcher() {
+    let a = analyze_for(&model("qwen3-235b-a22b.onnx"), &PlanOptions { seq_len: Some(4096), ..PlanOptions::default() }).expect("analyse");
+    let shape = ModelShape::of(&a.lg);
+    let args = |dispatcher: &str| {
+        format!(
+            "torchrun --nnodes 32 --nproc-per-node 8 pretrain_gpt.py \
+            --num-layers 94 --hidden-size 4096 --num-attention-heads 64 --group-query-attention --num-query-groups 4 \
+            --num-experts 128 --moe-router-topk 8 --moe-ffn-hidden-size 1536 --seq-length 4096 --max-position-embeddings 4096 \
+            --position-embedding-type rope --normalization RMSNorm --swiglu --untie-embeddings-and-output-weights \
+            --tensor-model-parallel-size 4 --sequence-parallel --pipeline-model-parallel-size 8 --num-virtual-stages-per-pipeline-rank 4 \
+            --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split \
+            --expert-model-parallel-size 8 --expert-tensor-parallel-size 1 {dispatcher} \
+            --micro-batch-size 1 --global-batch-size 2048 --use-distributed-optimizer --bf16"
+        )
+    };
+    let cluster = ClusterSpec::parse("h100-80gb:256").expect("preset");
+    let mut steps = Vec::new();
+    for (dispatcher, expect) in [("--moe-token-dispatcher-type flex --moe-enable-deepep", ExpertDispatch::PerNode), ("--moe-token-dispatcher-type alltoall", ExpertDispatch::AllToAll)] {
+        let (reading, world) = engines::read(Engine::Megatron, &args(dispatcher), Origin { what: PathBuf::from("qwen3.args") }, &shape, None).expect("read");
+        assert_eq!(world, 256);
+        assert_eq!(reading.options.expert_dispatch, Some(expect));
+        assert!(reading.unpriced.iter().any(|u| u.setting == "--expert-tensor-parallel-size 1"), "{:?}", reading.unpriced);
+        let opts = reading.options.clone().resolve(None).expect("resolve");
+        let (yours, _) = engines::price(Engine::Megatron, &a, &cluster, &opts).expect("price");
+        let p = &yours.parallel;
+        assert_eq!((p.tp, p.pp, p.dp, p.ep, p.microbatches), (4, 8, 8, 8, 256));
+        steps.push(yours.predicted.step_time_s);
+    }
+    let (deepep, all_to_all) = (steps[0], steps[1]);
+    eprintln!("qwen3-235b-a22b TP4 PP8 VPP4 EP8: DeepEP {deepep:.2} s ({:.3} of the published 29.0 s), all-to-all dispatcher {all_to_all:.2} s", deepep / 29.0);
+    assert!(deepep < all_to_all, "the per-node dispatch moves fewer bytes");
+    assert!((deepep / 29.0 - 1.0).abs() <= 0.10, "predicted {deepep:.2} s against the published 29.0 s");
 }

@@ -32,7 +32,8 @@ fn every_entry_matches_its_file() {
             .unwrap_or_else(|e| panic!("{name}: {}: {e}", file.display()))
             .len();
         assert_eq!(size, int(entry, "file_bytes"), "{name}: manifest is stale; run make models");
-        assert!(size < 2_000_000, "{name}: {size} bytes, models must stay small");
+        // Qwen3-235B-A22B (94 MoE layers with per-head norms) is the largest, 2.8 MB.
+        assert!(size < 3_000_000, "{name}: {size} bytes, models must stay small");
         if entry["graph_only"].as_bool().unwrap() {
             let weights = file.with_file_name(format!(
                 "{}.weights",
@@ -89,6 +90,7 @@ fn graph_only_sizes_match_published_figures() {
         ("llama3-70b-128k", 70.6, 1),
         ("mixtral-8x7b", 46.7, 1),
         ("deepseek-v3", 671.0, 0),
+        ("qwen3-235b-a22b", 235.0, 0),
     ];
     for (key, billions, decimals) in published {
         let entry = &models[key];

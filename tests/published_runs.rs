@@ -7,11 +7,14 @@
 //! step time is turned into per-GPU TFLOP/s as the paper counts them (equation 3:
 //! F = 96·B·s·l·h²·(1 + s/6h + V/16lh), recompute included) and compared with the published
 //! per-GPU figure. docs/baselines.md explains the choices; BENCHMARKS.md has the table.
-//! Also one run on H100s: Llama 3 405B on 8,192 GPUs against its published 43 % MFU.
+//! Also runs on H100s: Llama 3 405B on 8,192 GPUs (43 % MFU) and in its long-context stage (38 %),
+//! and torchtitan's Llama 3.1 405B schedule and context-parallel comparisons (docs/planner.md,
+//! "Published checks", lists every check with its source, bound and ratio).
 
 use std::path::Path;
 
 use smp_partition::cost::ClusterSpec;
+use smp_partition::ir::ScheduleKind;
 use smp_partition::load_and_analyze;
 use smp_partition::passes::AnalyzeOptions;
 use smp_partition::solve::plan;
@@ -176,4 +179,113 @@ fn llama3_405b_on_8192_h100s_against_the_published_mfu() {
         eprintln!("  stage {} layers {:?}: fwd {:.3} bwd {:.3} comm {:.3} mem {:.1} GiB", s.index, s.layers, s.forward_s, s.backward_s, s.comm_s, s.memory.total / (1u64 << 30) as f64);
     }
     assert!((mfu / 0.43 - 1.0).abs() <= 0.10, "predicted MFU {mfu:.3} against the published 0.43");
+}
+
+/// The torchtitan runs' settings that are not degrees: full recompute, FSDP (ZeRO 3), one
+/// microbatch per pipeline stage (torchtitan's default), the schedule.
+struct Torchtitan {
+    microbatches: usize,
+    schedule: smp_partition::ir::ScheduleKind,
+}
+
+/// Llama 3 405B planned with t, cp, p, d and the batch pinned and `uniform` cuts (equal layers
+/// per stage, as Meta and torchtitan cut); torchtitan's other settings where given, else searched.
+fn llama3_405b_step(devices: usize, seq: u64, batch: u64, degrees: [usize; 4], titan: Option<Torchtitan>) -> smp_partition::solve::PlanDecision {
+    let [tp, cp, pp, dp] = degrees;
+    // The graph-only models fix their sequence: 8,192, or 32K to 256K (`-{k}k`).
+    let file = if seq == 8192 { "llama3-405b.onnx".to_string() } else { format!("llama3-405b-{}k.onnx", seq / 1024) };
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models").join(file);
+    let a = load_and_analyze(&path, &AnalyzeOptions { seq_len: Some(seq as i64), ..Default::default() }).unwrap();
+    let spec = ClusterSpec::parse(&format!("h100-80gb:{devices}")).unwrap();
+    let opts = smp_partition::solve::PlanOptions {
+        global_batch: Some(batch),
+        seq_len: Some(seq),
+        baseline: Some(smp_partition::solve::Baseline::Uniform),
+        tp: Some(tp),
+        cp: Some(cp),
+        pp: Some(pp),
+        dp: Some(dp),
+        zero: titan.as_ref().map(|_| 3),
+        microbatches: titan.as_ref().map(|t| t.microbatches),
+        schedule: titan.as_ref().map(|t| t.schedule),
+        checkpointing: titan.as_ref().map(|_| smp_partition::ir::CheckpointRule::Always),
+            // torchtitan's H100s hold 96 GB; its rows are compared with each other, not with a limit.
+        memory_limit_gib: titan.as_ref().map(|_| 1e6),
+        ..Default::default()
+    };
+    let d = plan(&a.lg, &spec, &opts, &mut |_| {}).unwrap();
+    let p = &d.parallel;
+    assert_eq!((p.tp, p.cp, p.pp, p.dp), (tp, cp, pp, dp));
+    eprintln!(
+        "405b seq {seq} batch {batch} tp{tp} cp{cp} pp{pp} dp{dp} zero{} m{} {}: step {:.2} s, {:.1} tokens/s/GPU",
+        p.zero,
+        p.microbatches,
+        p.schedule,
+        d.predicted.step_time_s,
+        (batch * seq) as f64 / d.predicted.step_time_s / devices as f64
+    );
+    d
+}
+
+/// Llama 3's long-context stage (Llama Team 2024, Table 4): 16,384 H100s, t 8, cp 16, p 16,
+/// d 8, sequence 131,072, 16 sequences per data-parallel rank, 380 TFLOP/s per GPU = 38 % MFU.
+#[test]
+fn llama3_405b_long_context_stage_against_the_published_mfu() {
+    let d = llama3_405b_step(16384, 131072, 128, [8, 16, 16, 8], None);
+    let mfu = d.predicted.mfu;
+    eprintln!("llama3-405b at 131,072: MFU {mfu:.3}, {:.3} of the published 0.38", mfu / 0.38);
+    assert!((mfu / 0.38 - 1.0).abs() <= 0.10, "predicted MFU {mfu:.3} against the published 0.38");
+}
+
+/// torchtitan's context-parallel sweep (benchmarks/llama3_h100_202412_torchtitan.md in
+/// pytorch/torchtitan, Table 6): Llama 3.1 405B on 512 H100s, t 8, p 8 under 1F1B, FSDP over the
+/// rest, local batch 8 (so 2M tokens a step in every row), full recompute; sequence 32K, 64K,
+/// 128K, 256K at cp 1, 2, 4, 8: 76, 47, 31 and 16 tokens/s per GPU. The runs used Float8
+/// linears, which this planner does not price, so the ratios between rows are held (within
+/// 15 %), not the throughput. Microbatches: torchtitan's default, one per stage.
+///
+/// Not met (docs/planner.md, "Published checks"): the predicted ratios are 1.37, 1.59 and 2.10×
+/// the published ones. One term explains all three rows: a row's time per token is linear work
+/// plus attention work growing with the sequence, and the published rows fit an attention cost at
+/// 32K of 1.19× the linear layers' (within 0.03 on every row), where this model prices 0.22×
+/// (FLOPs alone say 0.17×). Float8 linears account for at most 2× of that 5.4×; the rest is the
+/// speed of torchtitan's ring attention per FLOP, which Meta's own long-context run (the test
+/// above, 1.03) does not show. Run on demand: `cargo test --features runner --test
+/// published_runs -- --ignored torchtitan_context`.
+#[test]
+#[ignore = "not met: attention's time per FLOP in torchtitan's context-parallel runs (see the doc comment)"]
+fn torchtitan_context_parallel_sweep_ratios() {
+    let published = [(1usize, 32768u64, 76.0), (2, 65536, 47.0), (4, 131072, 31.0), (8, 262144, 16.0)];
+    let tps: Vec<f64> = published
+        .iter()
+        .map(|&(cp, seq, _)| {
+            let dp = 8 / cp;
+            let batch = 8 * dp as u64;
+            let d = llama3_405b_step(512, seq, batch, [8, cp, 8, dp], Some(Torchtitan { microbatches: 8, schedule: ScheduleKind::OneFOneB }));
+            (batch * seq) as f64 / d.predicted.step_time_s / 512.0
+        })
+        .collect();
+    let mut report = String::new();
+    for (i, &(cp, seq, tokens)) in published.iter().enumerate() {
+        let (pred, publ) = (tps[i] / tps[0], tokens / published[0].2);
+        report += &format!("cp {cp} at {seq}: predicted {:.1} tokens/s/GPU, ratio to cp 1 {pred:.3} (published {publ:.3}, {:.3})\n", tps[i], pred / publ);
+    }
+    eprint!("{report}");
+    for (i, &(_, _, tokens)) in published.iter().enumerate().skip(1) {
+        let ratio = (tps[i] / tps[0]) / (tokens / published[0].2);
+        assert!((ratio - 1.0).abs() <= 0.15, "{report}");
+    }
+}
+
+/// torchtitan's schedule comparison (same source, Table 5): Llama 3.1 405B on 512 H100s, FSDP 8,
+/// t 8, p 8, local batch 32 (global 256), sequence 8,192, full recompute: interleaved 1F1B 128
+/// tokens/s per GPU against 1F1B's 100, 1.28×. Microbatches: torchtitan's default, one per
+/// stage (8 under 1F1B; 16 under interleaved with two stages per rank).
+#[test]
+fn torchtitan_interleaved_against_1f1b_ratio() {
+    let one = llama3_405b_step(512, 8192, 256, [8, 1, 8, 8], Some(Torchtitan { microbatches: 8, schedule: ScheduleKind::OneFOneB }));
+    let inter = llama3_405b_step(512, 8192, 256, [8, 1, 8, 8], Some(Torchtitan { microbatches: 16, schedule: ScheduleKind::Interleaved { virtual_stages: 2 } }));
+    let ratio = one.predicted.step_time_s / inter.predicted.step_time_s;
+    eprintln!("interleaved / 1F1B throughput: predicted {ratio:.3}, published 1.28 ({:.3})", ratio / 1.28);
+    assert!((ratio / 1.28 - 1.0).abs() <= 0.10, "predicted {ratio:.3} against the published 1.28");
 }

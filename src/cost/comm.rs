@@ -218,6 +218,34 @@ impl CommModel {
         intra + inter + (n_f - 1.0) * alpha
     }
 
+    /// Dispatch (or combine) of routed tokens as DeepEP runs it, where each rank holds
+    /// `tokens_bytes` of tokens, each routed to `top_k` of `experts` experts spread evenly over
+    /// the group: a token crosses the network once per other node holding one of its experts,
+    /// and NVLink carries its copies to the experts' ranks inside each node, the two links at
+    /// once. With uniform routing a node holding E/m of the E experts is hit with probability
+    /// 1 − C(E − E/m, k)/C(E, k) ([`nodes_hit`]).
+    pub fn per_node_dispatch(&self, tokens_bytes: f64, experts: usize, top_k: usize, group: &GroupSpan) -> f64 {
+        let n = group.size;
+        if n <= 1 || tokens_bytes <= 0.0 || experts == 0 {
+            return 0.0;
+        }
+        let per_node = group.per_node.clamp(1, n);
+        let nodes = n.div_ceil(per_node);
+        let k = top_k.clamp(1, experts);
+        // copies a token sends inside its own node: its experts on the other local ranks
+        let intra_pairs = k as f64 * (per_node - 1) as f64 / n as f64;
+        let intra = tokens_bytes * intra_pairs / self.intra.bandwidth;
+        if nodes <= 1 {
+            return intra + (per_node - 1) as f64 * self.intra.latency;
+        }
+        let remote_nodes = (nodes - 1) as f64 * nodes_hit(experts, experts / nodes, k);
+        // pairs on remote nodes arrive over the network once per node, then fan out over NVLink
+        let forwarded = k as f64 * (n - per_node) as f64 / n as f64 - remote_nodes;
+        let inter = tokens_bytes * remote_nodes / self.inter.bandwidth;
+        let fan_out = tokens_bytes * forwarded.max(0.0) / self.intra.bandwidth;
+        inter.max(intra + fan_out) + (nodes - 1) as f64 * self.inter.latency
+    }
+
     /// Pipelined ring broadcast: B/bw + (n−1)α on the slowest link spanned.
     pub fn broadcast(&self, bytes: f64, group: &GroupSpan) -> f64 {
         if group.size <= 1 || bytes <= 0.0 {
@@ -225,6 +253,20 @@ impl CommModel {
         }
         self.link(group.link_kind()).time(bytes, (group.size - 1) as f64)
     }
+}
+
+/// The probability that a token routed to `k` distinct experts of `experts` hits at least one
+/// of `held` given experts: 1 − C(E − held, k)/C(E, k).
+pub fn nodes_hit(experts: usize, held: usize, k: usize) -> f64 {
+    if held == 0 || k == 0 {
+        return 0.0;
+    }
+    if held + k > experts {
+        return 1.0;
+    }
+    // C(E − h, k)/C(E, k) = Π_{i<k} (E − h − i)/(E − i)
+    let miss: f64 = (0..k).map(|i| (experts - held - i) as f64 / (experts - i) as f64).product();
+    1.0 - miss
 }
 
 #[cfg(test)]
@@ -241,5 +283,42 @@ mod tests {
         let g = GroupSpan::strided(0, 16, 2, 8);
         assert_eq!((g.per_node, g.nodes()), (4, 4));
         assert_eq!(GroupSpan::of_ranks(&[0, 1, 8, 9], 8), GroupSpan { size: 4, per_node: 2 });
+    }
+
+    /// Every k-subset of `experts`, as bit masks.
+    fn subsets(experts: usize, k: usize) -> Vec<u32> {
+        (0u32..1 << experts).filter(|m| m.count_ones() as usize == k).collect()
+    }
+
+    #[test]
+    fn nodes_hit_equals_enumeration() {
+        for (experts, held, k) in [(8, 2, 2), (8, 2, 3), (12, 3, 4), (12, 6, 2), (10, 1, 1), (9, 3, 7), (6, 6, 2)] {
+            let all = subsets(experts, k);
+            let held_mask = (1u32 << held) - 1;
+            let hit = all.iter().filter(|&&m| m & held_mask != 0).count() as f64 / all.len() as f64;
+            assert!((nodes_hit(experts, held, k) - hit).abs() < 1e-12, "E {experts} held {held} k {k}");
+        }
+    }
+
+    #[test]
+    fn per_node_dispatch_sends_each_token_once_per_node() {
+        let spec = ClusterSpec::parse("h100-80gb:256").unwrap();
+        let comm = CommModel::new(&spec);
+        // 128 experts top 8 over an expert group of 8 ranks on 4 nodes (2 per node)
+        let group = GroupSpan { size: 8, per_node: 2 };
+        let tokens = 1e9;
+        let pairs = comm.all_to_all(8.0 * tokens, &group);
+        let per_node = comm.per_node_dispatch(tokens, 128, 8, &group);
+        // the network carries 3 remote nodes × P(hit) copies instead of 8 × 6/8 pairs
+        let remote = 3.0 * nodes_hit(128, 32, 8);
+        let network = tokens * remote / comm.inter.bandwidth;
+        assert!(per_node >= network && per_node < network * 1.01, "{per_node} vs {network}");
+        let saved = 6.0 / remote;
+        assert!(saved > 2.0 && saved < 2.3, "{saved}");
+        assert!(per_node < pairs / 2.0, "{per_node} vs {pairs}");
+        // inside one node nothing crosses the network: the pairs on the other local ranks
+        let node = GroupSpan { size: 8, per_node: 8 };
+        let local = comm.per_node_dispatch(tokens, 128, 8, &node);
+        assert!((local - comm.all_to_all(8.0 * tokens, &node)).abs() < 1e-9 * local, "{local}");
     }
 }

@@ -6,7 +6,7 @@
 
 use std::collections::BTreeSet;
 
-use crate::ir::{OffloadRule, Placement, Precision, ScheduleKind};
+use crate::ir::{ExpertDispatch, OffloadRule, Placement, Precision, ScheduleKind};
 use crate::plan::Plan;
 use crate::solve::{Layout, PlanOptions, Setting};
 
@@ -123,7 +123,7 @@ pub fn layout_string(stages: &[StageRoles]) -> String {
         }
         // a run of equal stages that does not include the last one
         let run = j - i;
-        if run >= 2 && j <= n - 1 {
+        if run >= 2 && j < n {
             out.push_str(&format!("({}|)*{run}", text[i]));
         } else {
             for t in &text[i..j] {
@@ -532,7 +532,7 @@ const NO_EFFECT: &[&str] = &[
     "no-load-rng", "exit-interval", "distributed-timeout-minutes", "timing-log-level", "use-rotary-position-embeddings", "no-position-embedding",
     "overlap-grad-reduce", "overlap-param-gather", "tp-comm-overlap", "manual-gc", "ckpt-format", "use-dist-ckpt", "async-save", "micro-batch-size-per-gpu",
     "accumulate-allreduce-grads-in-fp32", "bf16-reduce", "moe-grouped-gemm", "moe-router-load-balancing-type", "moe-aux-loss-coeff",
-    "moe-token-dispatcher-type", "moe-router-dtype", "hysteresis", "loss-scale-window", "min-loss-scale", "initial-loss-scale", "group-query-attention",
+    "moe-router-dtype", "hysteresis", "loss-scale-window", "min-loss-scale", "initial-loss-scale", "group-query-attention",
     "tokenizer-type", "vocab-size", "position-embedding-type", "normalization", "swiglu", "untie-embeddings-and-output-weights", "disable-bias-linear",
     "max-position-embeddings", "kv-channels", "no-rope-fusion", "no-gradient-accumulation-fusion", "no-bias-swiglu-fusion", "no-bias-dropout-fusion",
 ];
@@ -549,6 +549,7 @@ pub fn read(text: &str, origin: Origin, shape: &ModelShape, devices: Option<usiz
     r.schedule(&sizes, m)?;
     r.recompute()?;
     r.sequence_parallel(&sizes)?;
+    r.dispatcher()?;
     r.zero_and_precision(&sizes)?;
     r.placement(&sizes);
     r.leftovers();
@@ -868,6 +869,32 @@ impl ArgsReading<'_> {
                 why: "the planner prices context parallelism as the all-gather of keys and values (--cp-comm-type all_gather)".into(),
             });
         }
+        Ok(())
+    }
+
+    /// How routed tokens reach their experts: `--moe-token-dispatcher-type alltoall` sends each
+    /// token–expert pair, `flex` (DeepEP or HybridEP, `--moe-enable-deepep` or
+    /// `--moe-flex-dispatcher-backend`) each token once per node.
+    fn dispatcher(&mut self) -> Result<(), EngineError> {
+        let (a, o, reading) = (&mut self.a, &mut self.o, &mut self.reading);
+        let kind = a.text("moe-token-dispatcher-type")?;
+        let deepep = a.has("moe-enable-deepep");
+        let backend = a.text("moe-flex-dispatcher-backend")?;
+        let dispatch = match (kind.as_deref(), deepep || backend.is_some()) {
+            (Some("flex"), _) => Some(ExpertDispatch::PerNode),
+            (Some("alltoall"), false) | (None, false) => kind.as_ref().map(|_| ExpertDispatch::AllToAll),
+            (Some("alltoall") | None, true) => {
+                return Err(refuse("moe_token_dispatcher_type", "DeepEP (--moe-enable-deepep, --moe-flex-dispatcher-backend) needs --moe-token-dispatcher-type flex".into()));
+            }
+            (Some(other), _) => {
+                reading.unpriced.push(Unpriced {
+                    setting: format!("--moe-token-dispatcher-type {other}"),
+                    why: "the planner prices expert dispatch as all-to-all (alltoall) or once per node (flex)".into(),
+                });
+                None
+            }
+        };
+        o.expert_dispatch = dispatch.filter(|_| self.shape.experts.is_some());
         Ok(())
     }
 

@@ -265,6 +265,47 @@ impl std::str::FromStr for CheckpointRule {
     }
 }
 
+/// How a mixture of experts' routed tokens reach the ranks holding their experts, as the
+/// engine that runs the plan dispatches them: `smp-runner` and Megatron-Core's `alltoall`
+/// dispatcher send every token–expert pair (`all-to-all`); DeepEP (Megatron-Core's `flex`
+/// dispatcher) sends a token once to each node holding one of its experts and forwards it over
+/// NVLink inside the node (`per-node`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ExpertDispatch {
+    /// One copy per token–expert pair (`all-to-all`).
+    #[default]
+    AllToAll,
+    /// One copy per token and destination node (`per-node`).
+    PerNode,
+}
+
+impl ExpertDispatch {
+    /// The name the plan file uses: `all-to-all` or `per-node`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ExpertDispatch::AllToAll => "all-to-all",
+            ExpertDispatch::PerNode => "per-node",
+        }
+    }
+}
+
+impl std::fmt::Display for ExpertDispatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for ExpertDispatch {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "all-to-all" => Ok(ExpertDispatch::AllToAll),
+            "per-node" => Ok(ExpertDispatch::PerNode),
+            _ => Err(format!("`{s}`: expected all-to-all or per-node")),
+        }
+    }
+}
+
 /// Whether checkpointed layers' kept inputs move to host memory between their forward and
 /// backward: the one offloading policy of the CLI (`--offload-activations auto|on|off`), the
 /// SMP config (`offload_activations`, `sm_activation_offloading`) and the plan file

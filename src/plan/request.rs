@@ -44,6 +44,10 @@ pub struct PlanRequest {
     /// `--expert-imbalance`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expert_imbalance: Option<f64>,
+    /// How routed tokens reach their experts (`all-to-all`, `per-node`), where an engine's
+    /// configuration set it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_dispatch: Option<String>,
     /// `--zero`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zero: Option<u8>,
@@ -130,6 +134,7 @@ impl PlanRequest {
             cp: options.cp,
             ep: options.ep,
             expert_imbalance: options.expert_imbalance,
+            expert_dispatch: options.expert_dispatch.map(|d| d.name().to_string()),
             zero: options.zero,
             sharded_dp: options.sharded_dp,
             microbatches: options.microbatches,
@@ -164,6 +169,7 @@ impl PlanRequest {
             cp: self.cp,
             ep: self.ep,
             expert_imbalance: self.expert_imbalance,
+            expert_dispatch: read("expert_dispatch", &self.expert_dispatch, |s| s.parse())?,
             zero: self.zero,
             sharded_dp: self.sharded_dp,
             microbatches: self.microbatches,

@@ -198,6 +198,8 @@ pub struct ExpertFacts {
     /// Bytes per sample of the routed tokens' hidden vectors (tokens · k · H), graph dtype:
     /// what one all-to-all moves.
     pub routed_bytes: f64,
+    /// Experts each token is routed to (top-k).
+    pub top_k: usize,
     /// The experts' figures per sample (their compute, for the imbalance).
     pub figures: NodeFigures,
 }
@@ -257,7 +259,7 @@ fn axis_facts(lg: &LayeredGraph) -> (Vec<AttentionFacts>, Vec<ExpertFacts>) {
                 Some(OpKind::MixtureOfExperts) => {
                     let k = n.inputs.get(1).copied().flatten().and_then(|w| g.value(w).ty.as_ref()).and_then(|t| t.shape.as_ref()).and_then(|s| s.0.get(1).and_then(|d| d.known())).unwrap_or(1).max(1) as f64;
                     let x = n.inputs.first().copied().flatten().map_or(0.0, bytes_of);
-                    e = ExpertFacts { experts: n.attrs.int("experts", 0).max(0) as usize, params: fig.param_elems as f64, routed_bytes: x * k, figures: fig };
+                    e = ExpertFacts { experts: n.attrs.int("experts", 0).max(0) as usize, params: fig.param_elems as f64, routed_bytes: x * k, top_k: k as usize, figures: fig };
                 }
                 _ => {}
             }
@@ -303,6 +305,8 @@ pub struct CostContext<'a> {
     pub experts: Vec<ExpertFacts>,
     /// The busiest expert rank's routed tokens over the mean under expert parallelism.
     pub expert_imbalance: f64,
+    /// How routed tokens reach their experts.
+    pub expert_dispatch: crate::ir::ExpertDispatch,
     cache: HashMap<LayerKey, PipelineLayer>,
     facts: Option<strategy::GraphFacts>,
     splits: HashMap<usize, strategy::SplitGraph>,
@@ -368,6 +372,7 @@ impl<'a> CostContext<'a> {
             attention,
             experts,
             expert_imbalance: super::options::DEFAULT_EXPERT_IMBALANCE,
+            expert_dispatch: crate::ir::ExpertDispatch::default(),
             spec,
             comm: CommModel::new(spec),
             dtype,
@@ -773,7 +778,10 @@ impl<'a> CostContext<'a> {
             // the group runs `expert_imbalance` times the mean routed tokens.
             let tokens_split = if cfg.sequence_parallel { t } else { 1.0 };
             let routed = ex.routed_bytes * b * self.bytes_scale / c / tokens_split;
-            let a2a = self.comm.all_to_all(routed, &cfg.ep_group);
+            let a2a = match self.expert_dispatch {
+                crate::ir::ExpertDispatch::AllToAll => self.comm.all_to_all(routed, &cfg.ep_group),
+                crate::ir::ExpertDispatch::PerNode => self.comm.per_node_dispatch(routed / ex.top_k.max(1) as f64, ex.experts, ex.top_k, &cfg.ep_group),
+            };
             let mut f = crate::cost::compute::scaled(&ex.figures, b / t / c);
             f.memory_bytes *= self.bytes_scale;
             let run = crate::cost::compute::node_time(&f, self.dtype, self.spec);

@@ -8,7 +8,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::cost::ClusterSpec;
-use crate::ir::{LayeredGraph, OffloadRule, Precision, ScheduleKind, limits};
+use crate::ir::{ExpertDispatch, LayeredGraph, OffloadRule, Precision, ScheduleKind, limits};
 
 pub use super::smp_config::{ConfigError, SmpConfig, Source, Sourced};
 use super::smp_config::conflict;
@@ -40,6 +40,9 @@ pub struct PlanOptions {
     /// expert group runs this many times the mean routed tokens (default
     /// [`DEFAULT_EXPERT_IMBALANCE`]).
     pub expert_imbalance: Option<f64>,
+    /// How routed tokens reach their experts (default: all-to-all, as `smp-runner` sends
+    /// them); `per-node` prices an engine's DeepEP dispatcher.
+    pub expert_dispatch: Option<ExpertDispatch>,
     /// ZeRO stage 0..=3.
     pub zero: Option<u8>,
     /// Sharded data parallel: ZeRO-3 over groups of this many replicas.

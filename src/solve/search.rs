@@ -547,6 +547,7 @@ pub fn cost_context<'a>(lg: &'a LayeredGraph, spec: &'a ClusterSpec, cfg: &PlanO
     let mut ctx = CostContext::new(lg, spec, cfg.precision_for(spec));
     ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron) || cfg.megatron_split;
     ctx.expert_imbalance = cfg.expert_imbalance.unwrap_or(super::options::DEFAULT_EXPERT_IMBALANCE);
+    ctx.expert_dispatch = cfg.expert_dispatch.unwrap_or_default();
     ctx
 }
 
