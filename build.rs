@@ -1,5 +1,5 @@
 //! Build script: with feature `runner`, compile the c10d, autograd and device shims
-//! (csrc/c10d_shim.cpp, csrc/autograd_shim.cpp, csrc/device_shim.cpp) against libtorch's headers and bake libtorch's library directory into the binaries' rpath so
+//! (csrc/c10d_shim.cpp, csrc/autograd_shim.cpp, csrc/device_shim.cpp, csrc/memory_shim.cpp) against libtorch's headers and bake libtorch's library directory into the binaries' rpath so
 //! `smp-runner` runs without LD_LIBRARY_PATH (`SMP_TORCH_RPATH` replaces it: the wheel's relative one).
 
 fn main() {
@@ -22,7 +22,7 @@ mod runner {
     }
 
     pub fn build() {
-        for f in ["c10d_shim.cpp", "autograd_shim.cpp", "device_shim.cpp", "shim_error.h"] {
+        for f in ["c10d_shim.cpp", "autograd_shim.cpp", "device_shim.cpp", "memory_shim.cpp", "shim_error.h"] {
             println!("cargo:rerun-if-changed={}", csrc(f).display());
         }
         // torch-sys declares `links = "tch"` and exports its library directory to dependents.
@@ -40,6 +40,7 @@ mod runner {
             .file(csrc("c10d_shim.cpp"))
             .file(csrc("autograd_shim.cpp"))
             .file(csrc("device_shim.cpp"))
+            .file(csrc("memory_shim.cpp"))
             .include(&include)
             .include(include.join("torch/csrc/api/include"))
             .define("_GLIBCXX_USE_CXX11_ABI", "1")

@@ -43,7 +43,7 @@ pub fn run(args: &InspectArgs) -> Result<ExitCode> {
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report::to_json_with_report(&plan))?);
     } else {
-        print!("{}", report::render(&plan));
+        print!("{}{}", report::render(&plan), report::memory_parts(&plan));
     }
     Ok(ExitCode::SUCCESS)
 }

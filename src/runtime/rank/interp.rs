@@ -21,6 +21,7 @@ use crate::runtime::state::checkpoint::{self, Piece, RunState};
 use crate::runtime::state::slice::{Slice, is_transposed, param_name};
 use crate::runtime::train::{self, Leave, LossScaler, OptimizerProgress, StepRecord, StepRunner};
 use super::zero::{Restore, Zero};
+use super::memory;
 use super::offload::Offload;
 use super::straggler::{self, Stragglers};
 use crate::codegen::{Instr, Payload, Purpose};
@@ -111,7 +112,7 @@ impl<'r, 'a> Interp<'r, 'a> {
         Ok(Interp {
             rank,
             zero: Zero::new(rank, restore)?,
-            tally: Tally::with_context_gathers(rank.context_gathers()),
+            tally: Tally::new(rank.context_gathers(), rank.params.opts.1.is_cuda()),
             grads: Vec::new(),
             state: HashMap::new(),
             act_in: HashMap::new(),
@@ -796,6 +797,12 @@ impl StepRunner for Interp<'_, '_> {
         self.phases = PhaseTimes::default();
         self.post_headers(false)?;
         self.observe();
+        if self.steps_run == 1 {
+            // the first step (warm-up: the optimizer's moments are made in its update) is not
+            // counted when later steps run, as in the step times
+            self.tally.memory = memory::PeakTracker::default();
+        }
+        self.tally.memory.start_step(self.zero.held(&r.params, &self.grads), self.offload.pool.host);
         for instr in &r.program.instrs {
             if !self.kv_done && matches!(instr, Instr::AllReduce { .. } | Instr::ReduceScatter { .. } | Instr::OptimizerStep) {
                 let t = Instant::now();
@@ -803,6 +810,7 @@ impl StepRunner for Interp<'_, '_> {
                 self.phases.collective_s += t.elapsed().as_secs_f64();
             }
             let (t, waited) = (Instant::now(), crate::runtime::comm::wait_s());
+            let live_before = memory::Window::open();
             self.exec(instr)?;
             if instr.is_compute() {
                 r.wait_for_device();
@@ -823,6 +831,8 @@ impl StepRunner for Interp<'_, '_> {
                 Instr::OptimizerStep => &mut p.optimizer_s,
             } += spent;
             self.observe();
+            let held = self.zero.held(&r.params, &self.grads);
+            self.tally.memory.observe(memory::Window::close(live_before), held, self.offload.pool.host);
             if r.parallel.params_sharded() && instr.is_compute() {
                 // release what no pending weight gradient still needs
                 self.zero.release(r, &self.pending_w)?;

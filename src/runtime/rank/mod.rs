@@ -8,12 +8,13 @@
 //! shards, parameters, process groups), `interp` executes its program one method per
 //! instruction and is the rank's step in the one training loop (`train::driver`), `zero`
 //! holds the ZeRO state and data-parallel synchronisation, `offload` the kept inputs of
-//! recomputed stages and their trips to host memory, `report` gathers what the ranks measured.
+//! recomputed stages and their trips to host memory, `report` gathers what the ranks measured, `memory` counts the bytes of the tensors a rank holds.
 
 mod check;
 mod experts;
 mod interp;
 mod layout;
+mod memory;
 mod offload;
 mod params;
 mod report;
@@ -36,6 +37,7 @@ use setup::{Rank, Shards};
 
 pub use check::check_rank;
 pub use layout::{REPLAN, StageLayout, codegen_section, planned_graph, rank_programs, stage_layout};
+pub use memory::MemoryParts;
 pub use report::{PhaseTimes, RankReport, RankStats, StateBytes, peak_rss_bytes};
 pub use setup::{RankOptions, rank_weights};
 pub use straggler::{DROP_STRAGGLERS_ENV, StragglerOptions};
@@ -73,6 +75,7 @@ pub struct RankRun<'a, 'g> {
 /// and checkpoint as it completes.
 pub fn run_rank(run: &RankRun<'_, '_>, obs: &mut dyn TrainObserver) -> Result<RankReport, RuntimeError> {
     let RankRun { plan, exec, dims, source, data, eval_data, cfg, opts, env, ckpt, final_state } = *run;
+    memory::install();
     let shards = Shards::new(plan, exec.graph(), dims, env.rank)?;
     let rank = Rank::new(plan, exec, source, &shards, data, (cfg, opts), env)?;
     let restore = ckpt.resume.map(|l| zero::restored_moments(&rank, l)).transpose()?;

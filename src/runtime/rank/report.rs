@@ -5,26 +5,11 @@ use tch::{Kind, Tensor};
 
 use crate::runtime::RuntimeError;
 use crate::runtime::comm::ProcessGroup;
+
+pub use super::memory::StateBytes;
+use super::memory::{MemoryParts, PeakTracker};
 use crate::runtime::terr;
 use crate::runtime::train::{CheckpointRecord, EvalRecord, FailedCheckpoint, StepRecord, StragglerRecord};
-
-/// Bytes of trained state: parameters (full tensors, ZeRO blocks), gradients, optimizer moments.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StateBytes {
-    /// Parameters.
-    pub params: u64,
-    /// Gradients.
-    pub grads: u64,
-    /// Optimizer state.
-    pub optimizer: u64,
-}
-
-impl StateBytes {
-    /// The sum of the three.
-    pub fn total(&self) -> u64 {
-        self.params + self.grads + self.optimizer
-    }
-}
 
 /// What one rank measured.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -53,6 +38,9 @@ pub struct RankStats {
     pub peak_offloaded_bytes: u64,
     /// Context-parallel all-gathers in one forward of the rank's stages (0 without cp).
     pub context_gathers: u64,
+    /// The bytes of the tensors held at the rank's peak, by part (none on a GPU, whose
+    /// allocator is not read yet).
+    pub memory: Option<MemoryParts>,
 }
 
 /// Wall seconds of a step by kind of instruction.
@@ -153,12 +141,17 @@ pub(super) struct Tally {
     pub kept: PoolBytes,
     /// Context-parallel all-gathers in one forward of the rank's stages.
     pub context_gathers: u64,
+    /// The highest instruction window of the tensors' bytes and its parts.
+    pub memory: PeakTracker,
+    /// Whether the rank's tensors are on a GPU (the counting allocator sees only the CPU's).
+    pub on_gpu: bool,
 }
 
 impl Tally {
-    /// An empty tally of a rank whose stages hold `n` context-parallel all-gathers.
-    pub fn with_context_gathers(n: u64) -> Tally {
-        Tally { context_gathers: n, ..Tally::default() }
+    /// An empty tally of a rank whose stages hold `n` context-parallel all-gathers, its tensors
+    /// on a GPU or not.
+    pub fn new(n: u64, on_gpu: bool) -> Tally {
+        Tally { context_gathers: n, on_gpu, ..Tally::default() }
     }
 
     /// Counts `now` towards the peaks.
@@ -177,7 +170,7 @@ pub(super) fn gather(world: &ProcessGroup, size: usize, records: Vec<StepRecord>
     let cpu: Vec<f64> = records.iter().skip(usize::from(records.len() > 1)).map(|s| s.cpu_s).collect();
     let cpu_mean = cpu.iter().sum::<f64>() / cpu.len().max(1) as f64;
     let phases = tally.phases.as_array().map(|x| x / timed.len().max(1) as f64);
-    const STATS: usize = 18;
+    const STATS: usize = 27;
     let p = tally.peak;
     let mine = Tensor::from_slice(&[
         mean,
@@ -198,7 +191,11 @@ pub(super) fn gather(world: &ProcessGroup, size: usize, records: Vec<StepRecord>
         tally.kept.device_peak as f64,
         tally.kept.host_peak as f64,
         tally.context_gathers as f64,
-    ]);
+        f64::from(u8::from(tally.memory.seen && !tally.on_gpu)),
+    ]
+    .into_iter()
+    .chain(tally.memory.peak.to_array().map(|b| b as f64))
+    .collect::<Vec<f64>>());
     let all = Tensor::f_zeros([(STATS * size) as i64], (Kind::Double, tch::Device::Cpu))?;
     world.all_gather(&all, &mine)?;
     let all: Vec<f64> = Vec::<f64>::try_from(&all).map_err(|e| terr(e.to_string()))?;
@@ -216,6 +213,7 @@ pub(super) fn gather(world: &ProcessGroup, size: usize, records: Vec<StepRecord>
             peak_kept_bytes: c[15] as u64,
             peak_offloaded_bytes: c[16] as u64,
             context_gathers: c[17] as u64,
+            memory: (c[18] > 0.5).then(|| MemoryParts::from_slice(&c[19..27].iter().map(|&b| b as u64).collect::<Vec<u64>>())),
         })
         .collect();
     world.barrier()?;

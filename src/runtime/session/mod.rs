@@ -366,7 +366,7 @@ impl RunSession {
                 .iter()
                 .enumerate()
                 .map(|(r, st)| {
-                    let predicted = mesh.coord(r).map(|c| plan.rank_memory(c.pp).total);
+                    let predicted = mesh.coord(r).map(|c| report::MemoryEntry::predicted(plan, c.pp));
                     RankEntry { rank: r, step_time_s: st.step_time_s, peak_memory_bytes: st.peak_rss_bytes, detail: Some(RankDetail::of(st, predicted)) }
                 })
                 .collect(),

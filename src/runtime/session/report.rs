@@ -3,7 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::runtime::rank::{PhaseTimes, RankStats, StateBytes};
+use crate::plan::Plan;
+use crate::runtime::rank::{MemoryParts, PhaseTimes, RankStats, StateBytes};
 use crate::runtime::train::{CheckpointRecord, EvalRecord, FailedCheckpoint, StepRecord, StragglerRecord};
 
 /// What a run did and measured (the runner's `--json` object).
@@ -79,6 +80,55 @@ pub struct RankDetail {
     pub peak_offloaded_activation_bytes: u64,
     /// Context-parallel all-gathers in one forward of the rank's stages (keys and values).
     pub context_gathers: u64,
+    /// The rank's memory by part: what the plan predicts and what the rank measured.
+    pub memory: MemoryReport,
+}
+
+/// A rank's memory by part, predicted and measured (bytes).
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct MemoryReport {
+    /// The plan's figures for the rank's pipeline rank (the sum of its stages').
+    pub predicted: Option<MemoryEntry>,
+    /// The bytes of the tensors the rank held at its peak (a counting CPU allocator; absent on
+    /// a GPU).
+    pub measured: Option<MemoryEntry>,
+}
+
+/// Memory by part (bytes): `total` is what the device holds, every part but `offloaded`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct MemoryEntry {
+    /// Parameters.
+    pub params: u64,
+    /// Gradients.
+    pub grads: u64,
+    /// Optimizer state (moments, master weights).
+    pub optimizer: u64,
+    /// Kept activations (checkpointed inputs, microbatches in flight, received values).
+    pub activations: u64,
+    /// Kept inputs in host memory (activation offloading).
+    pub offloaded: u64,
+    /// Transient bytes at the peak (the plan's workspace margin).
+    pub temporaries: u64,
+    /// Tensors held through a step that are no part above (data batches, constants, buffers);
+    /// the plan predicts none.
+    pub other: u64,
+    /// The device's bytes at the peak.
+    pub total: u64,
+}
+
+impl MemoryEntry {
+    /// The plan's figures for pipeline rank `pp`.
+    pub fn predicted(plan: &Plan, pp: usize) -> MemoryEntry {
+        let m = plan.rank_memory(pp);
+        let offloaded = plan.stages_of_rank(pp).map(|s| s.offloaded_bytes).fold(0u64, u64::saturating_add);
+        MemoryEntry { params: m.params, grads: m.grads, optimizer: m.optimizer, activations: m.activations, offloaded, temporaries: m.workspace, other: 0, total: m.total }
+    }
+
+    /// What a rank measured.
+    pub fn measured(m: &MemoryParts) -> MemoryEntry {
+        let MemoryParts { params, grads, optimizer, activations, offloaded, temporaries, other, total } = *m;
+        MemoryEntry { params, grads, optimizer, activations, offloaded, temporaries, other, total }
+    }
 }
 
 /// Trained state bytes by kind.
@@ -118,7 +168,8 @@ pub struct PhaseEntry {
 
 impl RankDetail {
     /// The detail of `st`, with the plan's prediction for its rank.
-    pub fn of(st: &RankStats, predicted_memory_bytes: Option<u64>) -> RankDetail {
+    pub fn of(st: &RankStats, predicted: Option<MemoryEntry>) -> RankDetail {
+        let predicted_memory_bytes = predicted.map(|p| p.total);
         let StateBytes { params, grads, optimizer } = st.peak_state;
         let PhaseTimes { compute_s, send_s, recv_s, collective_s, optimizer_s } = st.phases;
         RankDetail {
@@ -133,6 +184,7 @@ impl RankDetail {
             peak_kept_activation_bytes: st.peak_kept_bytes,
             peak_offloaded_activation_bytes: st.peak_offloaded_bytes,
             context_gathers: st.context_gathers,
+            memory: MemoryReport { predicted, measured: st.memory.as_ref().map(MemoryEntry::measured) },
         }
     }
 }

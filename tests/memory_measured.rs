@@ -1,0 +1,191 @@
+//! Memory predicted against measured, by part: plans of the bundled Llama (and
+//! tests/moe_oracle.py's small Mixtral) at a sequence where activations dominate, each run 2 steps
+//! by `smp-runner launch`; every rank's `--json` entry carries the plan's figures for its pipeline
+//! rank and the bytes of the tensors it held at its peak (a counting CPU allocator), by part. The
+//! oracle is the measurement: each part and the rank's total (predicted: less the workspace
+//! margin) must be within 10 % of what the rank measured (the first step, a warm-up, is not
+//! counted). Cases not yet within 10 % are listed in `KNOWN_GAPS` with their cause; a listed gap
+//! that closes fails the test too, so the list stays honest.
+//!
+//! The plan prices no transient: it reserves its preset's fixed workspace margin instead (256 MiB
+//! on `cpu`), so `temporaries` is only held to not exceeding that margin, and the predicted total
+//! is compared without it.
+#![cfg(feature = "runner")]
+
+mod common;
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use common::runner::{json, ok, plan_into, runner};
+
+/// The parts compared, in the report's order (`total`: the predicted one less the workspace
+/// margin, which is slack, not a prediction of what the rank holds).
+const PARTS: [&str; 6] = ["params", "grads", "optimizer", "activations", "offloaded", "total"];
+
+/// Relative bound on every part and the held total.
+const BOUND: f64 = 0.10;
+
+/// Parts smaller than this share of the rank's measured total are compared against it instead.
+const FLOOR: f64 = 0.01;
+
+/// A plan of the matrix on 2 ranks: its name, model and planner flags (beside the shared ones;
+/// a one-rank plan runs as one process, which reports no parts).
+struct Case {
+    name: &'static str,
+    model: &'static str,
+    flags: &'static [&'static str],
+}
+
+const CASES: &[Case] = &[
+    Case { name: "pp2-gpipe", model: "llama", flags: &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "gpipe", "--checkpointing", "none"] },
+    Case { name: "pp2-1f1b", model: "llama", flags: &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--checkpointing", "none"] },
+    Case { name: "pp2-interleaved", model: "llama", flags: &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "interleaved:2", "--microbatches", "4", "--checkpointing", "none"] },
+    Case { name: "pp2-zb-h1", model: "llama", flags: &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "zb-h1", "--checkpointing", "none"] },
+    Case { name: "tp2", model: "llama", flags: &["--pp", "1", "--tp", "2", "--dp", "1", "--no-sequence-parallel", "--checkpointing", "none"] },
+    Case { name: "tp2-sp", model: "llama", flags: &["--pp", "1", "--tp", "2", "--dp", "1", "--sequence-parallel", "--checkpointing", "none"] },
+    Case { name: "cp2", model: "llama", flags: &["--pp", "1", "--tp", "1", "--dp", "1", "--cp", "2", "--checkpointing", "none"] },
+    Case { name: "dp2-zero1", model: "llama", flags: &["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "1", "--checkpointing", "none"] },
+    Case { name: "dp2-zero2", model: "llama", flags: &["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "2", "--checkpointing", "none"] },
+    Case { name: "dp2-zero3", model: "llama", flags: &["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "3", "--checkpointing", "none"] },
+    Case { name: "dp2-recompute-none", model: "llama", flags: &["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "0", "--checkpointing", "none"] },
+    Case { name: "dp2-recompute-selective", model: "llama", flags: &["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "0", "--recompute-layers", "1-2"] },
+    Case { name: "dp2-recompute-full", model: "llama", flags: &["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "0", "--checkpointing", "full"] },
+    Case { name: "pp2-offload", model: "llama", flags: &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--checkpointing", "full", "--offload-activations", "on", "--activation-loading-horizon", "1"] },
+    Case { name: "pp2-bf16-mixed", model: "llama", flags: &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--checkpointing", "none", "--precision", "bf16-mixed"] },
+    Case { name: "pp2-fp16-mixed", model: "llama", flags: &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--checkpointing", "none", "--precision", "fp16-mixed"] },
+    Case { name: "mixtral-dp2-ep2", model: "mixtral", flags: &["--pp", "1", "--tp", "1", "--dp", "2", "--ep", "2", "--checkpointing", "none"] },
+];
+
+/// A (case, part) not yet within the bound, with why (ratios: predicted / measured, per rank).
+struct Gap {
+    case: &'static str,
+    part: &'static str,
+    cause: &'static str,
+}
+
+const KNOWN_GAPS: &[Gap] = &[
+    Gap { case: "pp2-gpipe", part: "grads", cause: "the last rank peaks after its last forward, before any gradient exists (the runner frees them at each step's start); the plan counts them held (0 measured against 0.42 MiB)" },
+    Gap { case: "pp2-gpipe", part: "activations", cause: "1.12× on rank 0: the plan counts the attention mask in every layer and fused attention's scores (runner: one mask per stage, attention keeps its output)" },
+    Gap { case: "pp2-1f1b", part: "activations", cause: "1.12× on rank 0: the plan counts the attention mask in every layer and fused attention's scores (runner: one mask per stage, attention keeps its output)" },
+    Gap { case: "pp2-interleaved", part: "activations", cause: "0.54× on rank 1: the runner holds more microbatches' activations under interleaving than the plan counts (not analysed yet)" },
+    Gap { case: "pp2-interleaved", part: "total", cause: "0.55× on rank 1: its activations" },
+    Gap { case: "pp2-zb-h1", part: "grads", cause: "as pp2-gpipe: the last rank peaks before any gradient exists" },
+    Gap { case: "pp2-zb-h1", part: "activations", cause: "1.12× on rank 0: the plan counts the attention mask in every layer and fused attention's scores (runner: one mask per stage, attention keeps its output)" },
+    Gap { case: "tp2", part: "activations", cause: "0.87×: the runner holds more than the plan's split activations without sequence parallelism (not analysed yet)" },
+    Gap { case: "tp2", part: "total", cause: "0.82×: its activations and a 2 MiB transient the plan prices in its margin only" },
+    Gap { case: "tp2-sp", part: "total", cause: "0.89×: a 2 MiB transient the plan prices in its margin only" },
+    Gap { case: "dp2-zero1", part: "activations", cause: "1.20×: the plan counts the attention mask in every layer and fused attention's scores (runner: one mask per stage, attention keeps its output)" },
+    Gap { case: "dp2-zero1", part: "total", cause: "1.11×: its activations" },
+    Gap { case: "dp2-zero2", part: "grads", cause: "0.50×: the runner accumulates whole gradients over the microbatches and reduce-scatters at the step's end; the plan counts a 1/dp block" },
+    Gap { case: "dp2-zero2", part: "activations", cause: "1.20×: the plan counts the attention mask in every layer and fused attention's scores (runner: one mask per stage, attention keeps its output)" },
+    Gap { case: "dp2-zero3", part: "params", cause: "0.33×: the runner gathers a whole stage's parameters for its passes beside its block; the plan counts the block" },
+    Gap { case: "dp2-zero3", part: "grads", cause: "0.50×: as dp2-zero2" },
+    Gap { case: "dp2-zero3", part: "activations", cause: "1.14×: the plan counts the attention mask in every layer and fused attention's scores (runner: one mask per stage, attention keeps its output)" },
+    Gap { case: "dp2-recompute-none", part: "activations", cause: "1.20×: the plan counts the attention mask in every layer and fused attention's scores (runner: one mask per stage, attention keeps its output)" },
+    Gap { case: "dp2-recompute-none", part: "total", cause: "1.10×: its activations" },
+    Gap { case: "dp2-recompute-selective", part: "activations", cause: "0.82×: recomputed layers' activations at the backward's peak (not analysed yet)" },
+    Gap { case: "dp2-recompute-selective", part: "total", cause: "0.69×: a recomputed layer's backward holds 4.8 MiB of transient the plan does not count" },
+    Gap { case: "dp2-recompute-full", part: "activations", cause: "4.24×: the plan counts a recomputed layer's activations as kept; the runner makes and frees them inside the backward instruction (measured as temporaries)" },
+    Gap { case: "dp2-recompute-full", part: "total", cause: "0.60×: a recomputed layer's backward holds 13.4 MiB (its recomputed activations and their gradients) the plan does not count" },
+    Gap { case: "pp2-offload", part: "activations", cause: "2.97× on rank 0: as dp2-recompute-full (the recomputed layer's activations are transient)" },
+    Gap { case: "pp2-offload", part: "offloaded", cause: "rank 0 peaks when none of its kept inputs is in host memory; the plan counts 0.50 MiB there at its peak" },
+    Gap { case: "pp2-offload", part: "total", cause: "0.47× on rank 0: a recomputed layer's backward holds 28.9 MiB of transient the plan does not count" },
+    Gap { case: "pp2-bf16-mixed", part: "params", cause: "0.50×: the runner keeps fp32 parameters (autocast casts per op) where the plan counts 16-bit working weights" },
+    Gap { case: "pp2-bf16-mixed", part: "grads", cause: "0.50×: the runner's gradients are fp32 (of the fp32 parameters); the plan counts 16-bit ones" },
+    Gap { case: "pp2-bf16-mixed", part: "optimizer", cause: "1.50×: the runner's fp32 parameters are the master weights, so it holds no separate copy; the plan counts one (the state's sum agrees: 1.67 MiB)" },
+    Gap { case: "pp2-bf16-mixed", part: "activations", cause: "0.59-0.64×: the plan counts every activation at 2 bytes; under autocast some stay fp32 (norms, softmax, the loss run in fp32; not analysed further)" },
+    Gap { case: "pp2-bf16-mixed", part: "total", cause: "0.55-0.65×: its activations" },
+    Gap { case: "pp2-fp16-mixed", part: "params", cause: "0.50×: the runner keeps fp32 parameters (autocast casts per op) where the plan counts 16-bit working weights" },
+    Gap { case: "pp2-fp16-mixed", part: "grads", cause: "0.50×: the runner's gradients are fp32 (of the fp32 parameters); the plan counts 16-bit ones" },
+    Gap { case: "pp2-fp16-mixed", part: "optimizer", cause: "1.50×: the runner's fp32 parameters are the master weights, so it holds no separate copy; the plan counts one (the state's sum agrees: 1.67 MiB)" },
+    Gap { case: "pp2-fp16-mixed", part: "activations", cause: "0.59-0.64×: the plan counts every activation at 2 bytes; under autocast some stay fp32 (norms, softmax, the loss run in fp32; not analysed further)" },
+    Gap { case: "pp2-fp16-mixed", part: "total", cause: "0.55-0.65×: its activations" },
+    Gap { case: "mixtral-dp2-ep2", part: "activations", cause: "1.10× on rank 1, at the bound: the plan counts the attention mask in every layer and fused attention's scores (runner: one mask per stage, attention keeps its output)" },
+];
+
+/// The bundled model `name`, or the small Mixtral of tests/moe_oracle.py.
+fn model(name: &str) -> PathBuf {
+    if name == "mixtral" {
+        return common::moe::case(name).onnx.clone();
+    }
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models").join(format!("{name}.onnx"))
+}
+
+/// Part `part` of a `memory.predicted` object (`total` without the workspace margin).
+fn predicted(m: &serde_json::Value, part: &str) -> f64 {
+    let get = |k: &str| m[k].as_f64().unwrap_or_else(|| panic!("no `{k}` in {m}"));
+    if part == "total" { get("total") - get("temporaries") } else { get(part) }
+}
+
+/// Part `part` of a `memory.measured` object.
+fn measured(m: &serde_json::Value, part: &str) -> f64 {
+    m[part].as_f64().unwrap_or_else(|| panic!("no `{part}` in {m}"))
+}
+
+/// Runs `case` for 2 steps; per rank, its `memory` object.
+fn measure(case: &Case, dir: &Path) -> Vec<serde_json::Value> {
+    let mut args: Vec<&str> = vec!["--seq-len", "512", "--global-batch", "4"];
+    if !case.flags.contains(&"--microbatches") {
+        args.extend_from_slice(&["--microbatches", "2"]);
+    }
+    args.extend_from_slice(case.flags);
+    let plan = plan_into(&model(case.model), "cpu:2", &args, &dir.join(format!("{}.json", case.name)));
+    let r = runner()
+        .args(["launch", "--nproc", "2", plan.to_str().unwrap(), "--steps", "2", "--threads", "1", "--json", "--timeout", "300"])
+        .output()
+        .unwrap();
+    let report = json(&ok(&format!("launching {}", case.name), r));
+    report["ranks"].as_array().unwrap().iter().map(|r| r["memory"].clone()).collect()
+}
+
+#[test]
+fn every_rank_holds_the_memory_its_plan_predicts_by_part() {
+    for g in KNOWN_GAPS {
+        assert!(CASES.iter().any(|c| c.name == g.case) && PARTS.contains(&g.part), "known gap {} {}: no such case or part", g.case, g.part);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut table = String::from("| case | rank | params | grads | optimizer | activations | offloaded | total (less the margin) | temporaries (measured / margin) |\n|---|---|---|---|---|---|---|---|---|\n");
+    let mut failures = Vec::new();
+    let mut outside = String::new();
+    let mib = |b: f64| b / (1u64 << 20) as f64;
+    for case in CASES {
+        let ranks = measure(case, dir.path());
+        // per part: whether every rank is within the bound
+        let mut within = [true; PARTS.len()];
+        for (rank, m) in ranks.iter().enumerate() {
+            let (pred, meas) = (&m["predicted"], &m["measured"]);
+            assert!(meas.is_object(), "{} rank {rank}: nothing measured ({m})", case.name);
+            let total = measured(meas, "total");
+            let _ = write!(table, "| {} | {rank} |", case.name);
+            for (i, p) in PARTS.iter().enumerate() {
+                let (want, got) = (predicted(pred, p), measured(meas, p));
+                let ok = (want - got).abs() <= (BOUND * got).max(FLOOR * total);
+                within[i] &= ok;
+                let ratio = if got > 0.0 { format!("{:.2}×", want / got) } else if want == 0.0 { "=".into() } else { "∞".into() };
+                let _ = write!(table, " {:.2} / {:.2} ({ratio}) |", mib(want), mib(got));
+            }
+            let (margin, temp) = (predicted(pred, "temporaries"), measured(meas, "temporaries"));
+            let _ = writeln!(table, " {:.2} / {:.0} |", mib(temp), mib(margin));
+            if temp > margin {
+                failures.push(format!("{} rank {rank}: a transient of {:.2} MiB exceeds the plan's margin {:.0} MiB", case.name, mib(temp), mib(margin)));
+            }
+        }
+        for (i, p) in PARTS.iter().enumerate() {
+            let listed = KNOWN_GAPS.iter().any(|g| g.case == case.name && g.part == *p);
+            if !within[i] {
+                let _ = writeln!(outside, "    Gap {{ case: \"{}\", part: \"{p}\", cause: \"\" }},", case.name);
+            }
+            match (within[i], listed) {
+                (false, false) => failures.push(format!("{} {p}: outside {:.0} % on some rank and not a known gap", case.name, BOUND * 100.0)),
+                (true, true) => failures.push(format!("{} {p}: listed as a known gap but now within {:.0} %: remove it from KNOWN_GAPS", case.name, BOUND * 100.0)),
+                _ => {}
+            }
+        }
+    }
+    eprintln!("memory: predicted / measured MiB (ratio)\n{table}\nparts outside {:.0} % on some rank:\n{outside}", BOUND * 100.0);
+    for g in KNOWN_GAPS {
+        eprintln!("known gap: {} {}: {}", g.case, g.part, g.cause);
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
