@@ -182,7 +182,7 @@ impl Walker<'_> {
         if n.attrs.int("keepdims", 1) != 1 {
             return false;
         }
-        let axes: Option<Vec<i64>> = if n.op.is(OpKind::LayerNormalization) {
+        let axes: Option<Vec<i64>> = if n.op.is(OpKind::LayerNormalization) || n.op.is(OpKind::RMSNormalization) {
             Some(vec![n.attrs.int("axis", -1)])
         } else {
             match n.inputs.get(1).copied().flatten() {
@@ -293,7 +293,7 @@ impl Walker<'_> {
                         }
                     }
                     // a per-head norm (Qwen3's q and k norms): along each head's own dims only
-                    ReduceMean | ReduceSum | ReduceMax | ReduceMin | LayerNormalization if heads && self.along_head_dims_only(n) => {
+                    ReduceMean | ReduceSum | ReduceMax | ReduceMin | LayerNormalization | RMSNormalization if heads && self.along_head_dims_only(n) => {
                         note(&mut r, core);
                         if let Some(o) = out
                             && n.inputs.iter().skip(1).flatten().any(|&w| !self.operand_ok(w, o, true))
