@@ -437,7 +437,7 @@ fn check_experts(g: &Graph, f: &Fusion, ops: &[OpKind], experts: usize) -> Resul
 }
 
 /// How many nodes read each value (graph outputs count as a reader).
-fn readers(g: &Graph) -> Vec<usize> {
+pub(super) fn readers(g: &Graph) -> Vec<usize> {
     let mut n = vec![0; g.value_count()];
     for id in g.node_ids() {
         for v in g.node(id).inputs.iter().flatten() {

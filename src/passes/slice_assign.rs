@@ -16,6 +16,7 @@
 //! address the same graph without a record in the plan.
 
 use crate::ir::{Attr, Attrs, Graph, NodeId, Op, OpKind, ValueId};
+use super::fuse::readers;
 
 /// Rewrites every exactly covering slice-assignment chain of `graph` into a `Concat`; returns
 /// how many it rewrote.
@@ -62,20 +63,6 @@ struct Chain {
     then_transpose: Option<Vec<i64>>,
     /// The chain's nodes to remove.
     remove: Vec<NodeId>,
-}
-
-/// How many nodes read each value (graph outputs count as readers).
-fn readers(g: &Graph) -> Vec<usize> {
-    let mut n = vec![0; g.value_count()];
-    for id in g.node_ids() {
-        for v in g.node(id).inputs.iter().flatten() {
-            n[v.index()] += 1;
-        }
-    }
-    for v in &g.outputs {
-        n[v.index()] += 1;
-    }
-    n
 }
 
 /// The permutation of Transpose node `n` (reversed axes without `perm`), if its rank is known.
