@@ -182,13 +182,11 @@ impl Walker<'_> {
         if n.attrs.int("keepdims", 1) != 1 {
             return false;
         }
+        // (nodes are in the importer's canonical form: a reduction's axes are its input 1)
         let axes: Option<Vec<i64>> = if n.op.is(OpKind::LayerNormalization) || n.op.is(OpKind::RMSNormalization) {
             Some(vec![n.attrs.int("axis", -1)])
         } else {
-            match n.inputs.get(1).copied().flatten() {
-                Some(a) => self.g.value(a).data.as_ref().and_then(|t| t.to_i64_vec()),
-                None => n.attrs.ints("axes").map(<[i64]>::to_vec),
-            }
+            n.inputs.get(1).copied().flatten().and_then(|a| self.g.value(a).data.as_ref()?.to_i64_vec())
         };
         axes.is_some_and(|a| !a.is_empty() && a.iter().all(|&x| x == -1 || x == 3))
     }

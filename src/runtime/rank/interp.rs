@@ -831,8 +831,8 @@ impl StepRunner for Interp<'_, '_> {
                 Instr::OptimizerStep => &mut p.optimizer_s,
             } += spent;
             self.observe();
-            let held = self.zero.held(&r.params, &self.grads);
-            self.tally.memory.observe(memory::Window::close(live_before), held, self.offload.pool.host);
+            let (zero, grads) = (&self.zero, &self.grads);
+            self.tally.memory.observe(memory::Window::close(live_before), self.offload.pool.host, || zero.held(&r.params, grads));
             if r.parallel.params_sharded() && instr.is_compute() {
                 // release what no pending weight gradient still needs
                 self.zero.release(r, &self.pending_w)?;
