@@ -669,7 +669,7 @@ impl Search<'_> {
                 let held = ctx.shapes[l].params / cand.parallel.tp.max(1) as f64 + extra;
                 params += held;
                 trained += held * ctx.shapes[l].trained_fraction();
-                if cand.parallel.ep > 1 {
+                if cand.parallel.ep > 1 || cand.parallel.experts_folded() {
                     let ex = ctx.experts[l].params / cand.parallel.tp.max(1) as f64;
                     expert += ex;
                     expert_trained += ex * ctx.shapes[l].trained_fraction();
