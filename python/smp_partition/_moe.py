@@ -16,7 +16,8 @@ Per-expert modules looped over the experts a batch hits (Mixtral's earlier form,
 written that way): a block holding a router weight `[E, H]` and an `nn.ModuleList` of E gated
 MLPs (three bias-free linears, `down(silu(gate(x)) * up(x))`) is recognised by what it
 computes: on a probe in f64, each expert must equal that MLP (gate and up told apart so), and
-the block must equal softmax routing with some top-k, normalised or not. For the export only,
+the block must equal some top-k routing (the softmax's top-k, normalised or not, or the sigmoid
+of the top logits) weighting each expert's output or the token entering it. For the export only,
 the list is swapped for its stacked weights, `gate_up_proj [E, 2I, H]` and `down_proj
 [E, H, I]` under the list's name, and the block computes the dense form above; the file's
 metadata `smp.stacked` names the module tensors each stacked weight is made of, and
@@ -52,6 +53,7 @@ is (Hugging Face's gradient accumulation). With one microbatch it is the loss of
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 from typing import Any, Iterator
 
@@ -162,10 +164,10 @@ class _LoopBlock:
     """One recognised per-expert-loop block (see the module docs)."""
 
     def __init__(self, name: str, block: Any, list_name: str, router: str, bias: str | None,
-                 order: list[tuple[str, str, str]], top_k: int, normalise: bool, with_logits: bool) -> None:
+                 order: list[tuple[str, str, str]], top_k: int, scoring: str, weighting: str, with_logits: bool) -> None:
         self.name, self.block, self.list_name = name, block, list_name
         self.router, self.bias, self.order = router, bias, order
-        self.top_k, self.normalise, self.with_logits = top_k, normalise, with_logits
+        self.top_k, self.scoring, self.weighting, self.with_logits = top_k, scoring, weighting, with_logits
 
     def path(self, tensor: str) -> str:
         return f"{self.name}.{tensor}" if self.name else tensor
@@ -199,8 +201,9 @@ class _LoopBlock:
     def forward(self, stacked: Any) -> Any:
         import torch
 
-        block, top_k, normalise, with_logits = self.block, self.top_k, self.normalise, self.with_logits
+        block, top_k, scoring, with_logits = self.block, self.top_k, self.scoring, self.with_logits
         router, bias_name = self.router, self.bias
+        dense = dense_experts_input if self.weighting == "input" else dense_experts
 
         def forward(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
             # read through the module at call time, so that the exporter sees parameters
@@ -208,14 +211,31 @@ class _LoopBlock:
             bias = block.get_parameter(bias_name) if bias_name else None
             x = hidden_states.reshape(-1, hidden_states.shape[-1])
             logits = torch.nn.functional.linear(x, weight, bias)
-            probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
-            top, index = torch.topk(probs, top_k, dim=-1)
-            if normalise:
-                top = top / top.sum(dim=-1, keepdim=True)
-            y = dense_experts(stacked, x, index, top.to(x.dtype)).reshape(hidden_states.shape)
+            top, index = _routed(logits, top_k, scoring)
+            y = dense(stacked, x, index, top.to(x.dtype)).reshape(hidden_states.shape)
             return (y, logits) if with_logits else y
 
         return forward
+
+
+#: Routing rules a recognised block is tried against (`_routed`), and where its weights apply.
+_SCORINGS = ("softmax-normalised", "softmax", "sigmoid")
+_WEIGHTINGS = ("output", "input")
+
+
+def _routed(logits: Any, top_k: int, scoring: str) -> tuple[Any, Any]:
+    """(weights, indices) `[N, k]` of the router's `logits` under `scoring`: the softmax's top-k,
+    renormalised over the k or not, or the sigmoid of the top-k logits."""
+    import torch
+
+    if scoring == "sigmoid":
+        top, index = torch.topk(logits, top_k, dim=-1)
+        return torch.sigmoid(top.float()).to(logits.dtype), index
+    probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+    top, index = torch.topk(probs, top_k, dim=-1)
+    if scoring == "softmax-normalised":
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top, index
 
 
 def _gated_order(expert: Any) -> tuple[str, str, str] | None:
@@ -289,25 +309,17 @@ def _loop_blocks(model: Any) -> list[_LoopBlock]:
         if not isinstance(main, torch.Tensor) or main.shape != probe.shape:
             continue
         found = None
-        for top_k in range(1, count + 1):
-            for normalise in (True, False):
-                candidate = _LoopBlock(name, copied, list_name, router, bias, order, top_k, normalise, with_logits)
-                with torch.no_grad():
-                    got = candidate.forward(candidate.stacked_module())(probe)
-                g = got[0] if with_logits else got
-                # f32 steps inside a block (its softmax) round at 1e-7; a wrong top-k or
-                # normalisation is off by O(1)
-                ok = torch.allclose(g, main, rtol=1e-5, atol=1e-7)
-                if ok and with_logits:
-                    ok = isinstance(want[1], torch.Tensor) and want[1].numel() == got[1].numel() and torch.allclose(
-                        got[1], want[1].reshape(got[1].shape), rtol=1e-5, atol=1e-7)
-                if ok:
-                    found = (top_k, normalise)
-                    break
-            if found:
+        for top_k, scoring, weighting in itertools.product(range(1, count + 1), _SCORINGS, _WEIGHTINGS):
+            candidate = _LoopBlock(name, copied, list_name, router, bias, order, top_k, scoring, weighting, with_logits)
+            with torch.no_grad():
+                got = candidate.forward(candidate.stacked_module())(probe)
+            # f32 steps inside a block (its softmax) round at 1e-7; a wrong top-k or
+            # normalisation is off by O(1)
+            if _same_outputs(got, want, with_logits):
+                found = (top_k, scoring, weighting)
                 break
         if found:
-            out.append(_LoopBlock(name, block, list_name, router, bias, order, found[0], found[1], with_logits))
+            out.append(_LoopBlock(name, block, list_name, router, bias, order, *found, with_logits))
     return out
 
 
@@ -368,14 +380,7 @@ class _StackedBlock:
                                          down_proj=getattr(stacked, down_name), act_fn=torch.nn.functional.silu)
             x = hidden_states.reshape(-1, hidden_states.shape[-1])
             logits = torch.nn.functional.linear(x, block.get_parameter(router))
-            if scoring == "sigmoid":
-                top, index = torch.topk(logits, top_k, dim=-1)
-                top = torch.sigmoid(top.float()).to(x.dtype)
-            else:
-                probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
-                top, index = torch.topk(probs, top_k, dim=-1)
-                if scoring == "softmax-normalised":
-                    top = top / top.sum(dim=-1, keepdim=True)
+            top, index = _routed(logits, top_k, scoring)
             y = dense(view, x, index, top.to(x.dtype))
             if shared_name is not None:
                 y = y + block.get_submodule(shared_name)(x)
@@ -401,9 +406,19 @@ def _gate_up_down(experts: Any) -> tuple[tuple[str, str], bool] | None:
     return None
 
 
-#: Routing rules a stacked-weight block is tried against, and where its weights apply.
-_SCORINGS = ("sigmoid", "softmax-normalised", "softmax")
-_WEIGHTINGS = ("input", "output")
+
+
+def _same_outputs(got: Any, want: Any, with_logits: bool) -> bool:
+    """A candidate form's outputs on the probe equal the block's (and its router logits, when
+    it returns them), within the rounding of the f32 steps inside a block."""
+    import torch
+
+    g, w = (got[0], want[0]) if with_logits else (got, want)
+    ok = isinstance(w, torch.Tensor) and g.shape == w.shape and torch.allclose(g, w, rtol=1e-5, atol=1e-7)
+    if ok and with_logits:
+        ok = isinstance(want[1], torch.Tensor) and want[1].numel() == got[1].numel() and torch.allclose(
+            got[1], want[1].reshape(got[1].shape), rtol=1e-5, atol=1e-7)
+    return ok
 
 
 def _stacked_blocks(model: Any, taken: set[int]) -> list[_StackedBlock]:
@@ -447,24 +462,13 @@ def _stacked_blocks(model: Any, taken: set[int]) -> list[_StackedBlock]:
         flat = main.shape != probe.shape
         shared = others[0] if others else None
         match = None
-        for top_k in range(1, count + 1):
-            for scoring in _SCORINGS:
-                for weighting in _WEIGHTINGS:
-                    c = _StackedBlock(name, copied, experts_name, weights, transposed, router, shared, top_k, scoring,
-                                      weighting, flat, with_logits)
-                    with torch.no_grad():
-                        got = c.forward(c.stacked_module())(probe)
-                    g = got[0] if with_logits else got
-                    ok = g.shape == main.shape and torch.allclose(g, main, rtol=1e-5, atol=1e-7)
-                    if ok and with_logits:
-                        ok = isinstance(want[1], torch.Tensor) and want[1].numel() == got[1].numel() and torch.allclose(
-                            got[1], want[1].reshape(got[1].shape), rtol=1e-5, atol=1e-7)
-                    if ok:
-                        match = (top_k, scoring, weighting)
-                        break
-                if match:
-                    break
-            if match:
+        for top_k, scoring, weighting in itertools.product(range(1, count + 1), _SCORINGS, _WEIGHTINGS):
+            c = _StackedBlock(name, copied, experts_name, weights, transposed, router, shared, top_k, scoring,
+                              weighting, flat, with_logits)
+            with torch.no_grad():
+                got = c.forward(c.stacked_module())(probe)
+            if _same_outputs(got, want, with_logits):
+                match = (top_k, scoring, weighting)
                 break
         if match:
             out.append(_StackedBlock(name, block, experts_name, weights, transposed, router, shared, *match, flat,
