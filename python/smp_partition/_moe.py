@@ -10,7 +10,9 @@ by a one-hot of the router's choices — numerically the module (a token's uncho
 weight 0), in ops every ONNX runtime executes. The planner's fusion pass
 (`passes::fuse`, see its module docs for the exact pattern) turns each such block into one
 `MixtureOfExperts` op whose kernel runs only the routed tokens. The router itself (logits,
-softmax, top-k, the model's own normalisation) is exported as the model computes it.
+softmax, top-k, the model's own normalisation) is exported as the model computes it. Experts
+stored transposed (`is_transposed`: `[E, H, 2I]`, `[E, I, H]`) are exported in the dense form's
+layout, named in `smp.transposed` as stacked-weight blocks' are (below).
 
 Per-expert modules looped over the experts a batch hits (Mixtral's earlier form, and models
 written that way): a block holding a router weight `[E, H]` and an `nn.ModuleList` of E gated
@@ -103,13 +105,13 @@ def _experts_modules(model: Any) -> list[tuple[str, Any]]:
 
 def _check_experts(name: str, m: Any) -> None:
     unsupported = [what for what, bad in (
-        ("no gate projection", not m.has_gate), ("biases", m.has_bias), ("transposed weights", m.is_transposed),
+        ("no gate projection", not m.has_gate), ("biases", m.has_bias),
         ("interleaved gate and up rows", not m.is_concatenated), ("a norm after each expert", m.has_post_expert_norm),
     ) if bad]
     if unsupported or not hasattr(m, "gate_up_proj") or not hasattr(m, "down_proj"):
         raise SmpError(f"experts `{name}` ({type(m).__name__}) have {', '.join(unsupported) or 'no gate_up_proj/down_proj'}; "
                        "the mixture-of-experts export takes gated experts with stacked gate_up_proj [E, 2I, H] and "
-                       "down_proj [E, H, I] weights")
+                       "down_proj [E, H, I] weights (or both transposed)")
 
 
 def _router_outputs(model: Any) -> tuple[type, int] | None:
@@ -571,8 +573,10 @@ class MoeExport:
 
     @property
     def transposed(self) -> list[str]:
-        """The exported expert weights stored with their last two axes swapped (module names)."""
-        return [n for b in self.blocks for n in b.transposed_names()]
+        """The exported expert weights stored with their last two axes swapped (module names):
+        those of stacked-weight blocks and of experts-interface modules marked `is_transposed`."""
+        interface = [f"{name}.{w}" for name, m in self.experts if m.is_transposed for w in ("gate_up_proj", "down_proj")]
+        return interface + [n for b in self.blocks for n in b.transposed_names()]
 
     @property
     def output_names(self) -> list[str]:
@@ -636,6 +640,7 @@ class MoeExport:
     @contextlib.contextmanager
     def _interface(self) -> Iterator[None]:
         """The experts interface as `smp_dense`."""
+        import torch
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
         ALL_EXPERTS_FUNCTIONS[IMPLEMENTATION] = dense_experts
@@ -646,7 +651,13 @@ class MoeExport:
         cfg = getattr(self.model, "config", None)
         asked = getattr(cfg, "output_router_logits", False)
         hooks = []
+        # transposed experts (`[E, H, 2I]`, `[E, I, H]`) hold the dense form's layout for the export
+        transposed = [m for _, m in self.experts if m.is_transposed]
+        originals = [(m.gate_up_proj, m.down_proj) for m in transposed]
         try:
+            for m in transposed:
+                for w in ("gate_up_proj", "down_proj"):
+                    setattr(m, w, torch.nn.Parameter(getattr(m, w).detach().transpose(1, 2).contiguous()))
             for c in configs.values():
                 c._experts_implementation = IMPLEMENTATION
             if self.totals is not None:
@@ -657,6 +668,8 @@ class MoeExport:
                         hooks.append(m.register_forward_hook(lambda _m, _a, out: totals.add(out[index])))
             yield
         finally:
+            for m, (gate_up, down) in zip(transposed, originals):
+                m.gate_up_proj, m.down_proj = gate_up, down
             for h in hooks:
                 h.remove()
             if self.totals is not None:
