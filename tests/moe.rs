@@ -147,9 +147,15 @@ fn near_misses_are_left_alone_and_records_that_do_not_fit_are_refused() {
     assert_eq!(fused, 1, "the block whose combine weights leave the chain stays dense");
     assert!(fuse::apply(&mut shared, &first).unwrap_err().to_string().contains("read outside the chain"));
     // a record claiming another expert count
-    let wrong = smp_partition::ir::Fusion { op: FusedOp::MixtureOfExperts { experts: 8, activation: smp_partition::ir::ExpertActivation::Silu }, ..first.clone() };
+    let silu = smp_partition::ir::ExpertActivation::Silu;
+    let wrong = smp_partition::ir::Fusion { op: FusedOp::MixtureOfExperts { experts: 8, activation: silu, weighting: Default::default() }, ..first.clone() };
     let err = fuse::apply(&mut dense.clone(), &wrong).unwrap_err().to_string();
     assert!(err.contains("4 experts, the record 8"), "{err}");
+    // a record claiming the router's weights scale the tokens going in, where they scale the outputs
+    let input = smp_partition::ir::ExpertWeighting::Input;
+    let wrong = smp_partition::ir::Fusion { op: FusedOp::MixtureOfExperts { experts: 4, activation: silu, weighting: input }, ..first.clone() };
+    let err = fuse::apply(&mut dense.clone(), &wrong).unwrap_err().to_string();
+    assert!(err.contains("does not read a MatMul"), "{err}");
     fuse::apply(&mut dense.clone(), &first).expect("the record as made applies");
 }
 

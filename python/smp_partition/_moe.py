@@ -10,18 +10,33 @@ by a one-hot of the router's choices — numerically the module (a token's uncho
 weight 0), in ops every ONNX runtime executes. The planner's fusion pass
 (`passes::fuse`, see its module docs for the exact pattern) turns each such block into one
 `MixtureOfExperts` op whose kernel runs only the routed tokens. The router itself (logits,
-softmax, top-k, the model's own normalisation) is exported as the model computes it.
+softmax, top-k, the model's own normalisation) is exported as the model computes it. Experts
+stored transposed (`is_transposed`: `[E, H, 2I]`, `[E, I, H]`) are exported in the dense form's
+layout, named in `smp.transposed` as stacked-weight blocks' are (below).
 
 Per-expert modules looped over the experts a batch hits (Mixtral's earlier form, and models
 written that way): a block holding a router weight `[E, H]` and an `nn.ModuleList` of E gated
 MLPs (three bias-free linears, `down(silu(gate(x)) * up(x))`) is recognised by what it
 computes: on a probe in f64, each expert must equal that MLP (gate and up told apart so), and
-the block must equal softmax routing with some top-k, normalised or not. For the export only,
+the block must equal some top-k routing (the softmax's top-k, normalised or not, or the sigmoid
+of the top logits) weighting each expert's output or the token entering it. For the export only,
 the list is swapped for its stacked weights, `gate_up_proj [E, 2I, H]` and `down_proj
 [E, H, I]` under the list's name, and the block computes the dense form above; the file's
 metadata `smp.stacked` names the module tensors each stacked weight is made of, and
 `load_trained` splits the trained ones back. A block that matches no such form is left as it
 is (its export then meets the data-dependent loop and is refused by name).
+
+Stacked-weight blocks with their own routing (Llama 4's form, and models written that way): a
+block holding a router weight `[E, H]`, one child with two 3-D weights of E experts (a gate-up
+and a down projection, `[E, 2I, H]`/`[E, H, I]` or transposed `[E, H, 2I]`/`[E, I, H]`) and
+optionally one shared expert is recognised by what it computes: on a probe in f64 the block must
+equal some top-k routing — the sigmoid of the top logits, or the softmax's top-k, normalised or
+not — weighting either each expert's output or the token entering it (Llama 4 scales the token:
+`Σ expert(w·x)`), plus the shared expert. For the export only it computes the dense form above
+(`dense_experts`, or `dense_experts_input` for input weighting, which `passes::fuse` records as
+`weighting = "input"`); transposed weights are exported as `[E, 2I, H]`/`[E, H, I]` under their
+own names, the file's metadata `smp.transposed` names them, and `load_trained` transposes the
+trained ones back.
 
 The auxiliary load-balancing loss. When the model's config asks for it
 (`output_router_logits`), Hugging Face adds `router_aux_loss_coef · aux` to the loss of every
@@ -40,6 +55,7 @@ is (Hugging Face's gradient accumulation). With one microbatch it is the loss of
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 from typing import Any, Iterator
 
@@ -67,6 +83,21 @@ def dense_experts(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights
     return out.transpose(0, 1).to(hidden_states.dtype)
 
 
+def dense_experts_input(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+    """`dense_experts` with the router's weights scaling each token going into its experts
+    (`Σ_j expert_j(w_j·x)`) instead of their outputs."""
+    import torch
+
+    experts = self.gate_up_proj.shape[0]
+    ids = torch.arange(experts, device=hidden_states.device)
+    one_hot = (top_k_index.unsqueeze(-1) == ids).to(top_k_weights.dtype)            # [N, k, E]
+    combine = (one_hot * top_k_weights.unsqueeze(-1)).sum(1)                         # [N, E]
+    scaled = combine.transpose(0, 1).unsqueeze(1) * hidden_states.transpose(0, 1)   # [E, H, N]
+    gate, up = torch.matmul(self.gate_up_proj, scaled).chunk(2, dim=1)
+    y = torch.matmul(self.down_proj, self.act_fn(gate) * up)                         # [E, H, N]
+    return y.sum(0).transpose(0, 1).to(hidden_states.dtype)
+
+
 def _experts_modules(model: Any) -> list[tuple[str, Any]]:
     """The `@use_experts_implementation` modules of `model` (they carry `has_gate`)."""
     return [(n, m) for n, m in model.named_modules() if hasattr(m, "has_gate") and hasattr(m, "is_concatenated")]
@@ -74,13 +105,13 @@ def _experts_modules(model: Any) -> list[tuple[str, Any]]:
 
 def _check_experts(name: str, m: Any) -> None:
     unsupported = [what for what, bad in (
-        ("no gate projection", not m.has_gate), ("biases", m.has_bias), ("transposed weights", m.is_transposed),
+        ("no gate projection", not m.has_gate), ("biases", m.has_bias),
         ("interleaved gate and up rows", not m.is_concatenated), ("a norm after each expert", m.has_post_expert_norm),
     ) if bad]
     if unsupported or not hasattr(m, "gate_up_proj") or not hasattr(m, "down_proj"):
         raise SmpError(f"experts `{name}` ({type(m).__name__}) have {', '.join(unsupported) or 'no gate_up_proj/down_proj'}; "
                        "the mixture-of-experts export takes gated experts with stacked gate_up_proj [E, 2I, H] and "
-                       "down_proj [E, H, I] weights")
+                       "down_proj [E, H, I] weights (or both transposed)")
 
 
 def _router_outputs(model: Any) -> tuple[type, int] | None:
@@ -127,16 +158,18 @@ def warn_tied_routers(model: Any, experts: list[tuple[str, Any, int]]) -> None:
 
 #: Model metadata: JSON {stacked weight: [[module tensors of expert e, concatenated on dim 0]]}.
 STACKED_KEY = "smp.stacked"
+#: The model metadata key listing the expert weights exported with their last two axes swapped.
+TRANSPOSED_KEY = "smp.transposed"
 
 
 class _LoopBlock:
     """One recognised per-expert-loop block (see the module docs)."""
 
     def __init__(self, name: str, block: Any, list_name: str, router: str, bias: str | None,
-                 order: list[tuple[str, str, str]], top_k: int, normalise: bool, with_logits: bool) -> None:
+                 order: list[tuple[str, str, str]], top_k: int, scoring: str, weighting: str, with_logits: bool) -> None:
         self.name, self.block, self.list_name = name, block, list_name
         self.router, self.bias, self.order = router, bias, order
-        self.top_k, self.normalise, self.with_logits = top_k, normalise, with_logits
+        self.top_k, self.scoring, self.weighting, self.with_logits = top_k, scoring, weighting, with_logits
 
     def path(self, tensor: str) -> str:
         return f"{self.name}.{tensor}" if self.name else tensor
@@ -170,8 +203,9 @@ class _LoopBlock:
     def forward(self, stacked: Any) -> Any:
         import torch
 
-        block, top_k, normalise, with_logits = self.block, self.top_k, self.normalise, self.with_logits
+        block, top_k, scoring, with_logits = self.block, self.top_k, self.scoring, self.with_logits
         router, bias_name = self.router, self.bias
+        dense = dense_experts_input if self.weighting == "input" else dense_experts
 
         def forward(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
             # read through the module at call time, so that the exporter sees parameters
@@ -179,14 +213,31 @@ class _LoopBlock:
             bias = block.get_parameter(bias_name) if bias_name else None
             x = hidden_states.reshape(-1, hidden_states.shape[-1])
             logits = torch.nn.functional.linear(x, weight, bias)
-            probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
-            top, index = torch.topk(probs, top_k, dim=-1)
-            if normalise:
-                top = top / top.sum(dim=-1, keepdim=True)
-            y = dense_experts(stacked, x, index, top.to(x.dtype)).reshape(hidden_states.shape)
+            top, index = _routed(logits, top_k, scoring)
+            y = dense(stacked, x, index, top.to(x.dtype)).reshape(hidden_states.shape)
             return (y, logits) if with_logits else y
 
         return forward
+
+
+#: Routing rules a recognised block is tried against (`_routed`), and where its weights apply.
+_SCORINGS = ("softmax-normalised", "softmax", "sigmoid")
+_WEIGHTINGS = ("output", "input")
+
+
+def _routed(logits: Any, top_k: int, scoring: str) -> tuple[Any, Any]:
+    """(weights, indices) `[N, k]` of the router's `logits` under `scoring`: the softmax's top-k,
+    renormalised over the k or not, or the sigmoid of the top-k logits."""
+    import torch
+
+    if scoring == "sigmoid":
+        top, index = torch.topk(logits, top_k, dim=-1)
+        return torch.sigmoid(top.float()).to(logits.dtype), index
+    probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+    top, index = torch.topk(probs, top_k, dim=-1)
+    if scoring == "softmax-normalised":
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top, index
 
 
 def _gated_order(expert: Any) -> tuple[str, str, str] | None:
@@ -260,25 +311,170 @@ def _loop_blocks(model: Any) -> list[_LoopBlock]:
         if not isinstance(main, torch.Tensor) or main.shape != probe.shape:
             continue
         found = None
-        for top_k in range(1, count + 1):
-            for normalise in (True, False):
-                candidate = _LoopBlock(name, copied, list_name, router, bias, order, top_k, normalise, with_logits)
-                with torch.no_grad():
-                    got = candidate.forward(candidate.stacked_module())(probe)
-                g = got[0] if with_logits else got
-                # f32 steps inside a block (its softmax) round at 1e-7; a wrong top-k or
-                # normalisation is off by O(1)
-                ok = torch.allclose(g, main, rtol=1e-5, atol=1e-7)
-                if ok and with_logits:
-                    ok = isinstance(want[1], torch.Tensor) and want[1].numel() == got[1].numel() and torch.allclose(
-                        got[1], want[1].reshape(got[1].shape), rtol=1e-5, atol=1e-7)
-                if ok:
-                    found = (top_k, normalise)
-                    break
-            if found:
+        for top_k, scoring, weighting in itertools.product(range(1, count + 1), _SCORINGS, _WEIGHTINGS):
+            candidate = _LoopBlock(name, copied, list_name, router, bias, order, top_k, scoring, weighting, with_logits)
+            with torch.no_grad():
+                got = candidate.forward(candidate.stacked_module())(probe)
+            # f32 steps inside a block (its softmax) round at 1e-7; a wrong top-k or
+            # normalisation is off by O(1)
+            if _same_outputs(got, want, with_logits):
+                found = (top_k, scoring, weighting)
                 break
         if found:
-            out.append(_LoopBlock(name, block, list_name, router, bias, order, found[0], found[1], with_logits))
+            out.append(_LoopBlock(name, block, list_name, router, bias, order, *found, with_logits))
+    return out
+
+
+class _StackedBlock:
+    """One recognised stacked-weight block with its own routing (see the module docs)."""
+
+    def __init__(self, name: str, block: Any, experts_name: str, weights: tuple[str, str], transposed: bool,
+                 router: str, shared: str | None, top_k: int, scoring: str, weighting: str, flat: bool,
+                 with_logits: bool) -> None:
+        self.name, self.block, self.experts_name, self.weights = name, block, experts_name, weights
+        self.transposed, self.router, self.shared = transposed, router, shared
+        self.top_k, self.scoring, self.weighting = top_k, scoring, weighting
+        self.flat, self.with_logits = flat, with_logits
+
+    def path(self, tensor: str) -> str:
+        return f"{self.name}.{tensor}" if self.name else tensor
+
+    def transposed_names(self) -> list[str]:
+        """The exported weights stored with their last two axes swapped (module names)."""
+        if not self.transposed:
+            return []
+        return [self.path(f"{self.experts_name}.{w}") for w in self.weights]
+
+    def stacked_module(self) -> Any:
+        """The experts' weights in the dense form's layout, `[E, 2I, H]` and `[E, H, I]`, under
+        their own names (the experts module itself when they already are)."""
+        import torch
+
+        experts = getattr(self.block, self.experts_name)
+        if not self.transposed:
+            return experts
+        names = self.weights
+
+        class Stacked(torch.nn.Module):
+            """The experts' weights, each with its last two axes swapped."""
+
+            def __init__(self) -> None:
+                super().__init__()
+                for attr in names:
+                    w = getattr(experts, attr).transpose(1, 2)
+                    setattr(self, attr, torch.nn.Parameter(w.detach().clone().contiguous()))
+
+        return Stacked()
+
+    def forward(self, stacked: Any) -> Any:
+        import torch
+
+        import types
+
+        block, router, shared_name = self.block, self.router, self.shared
+        top_k, scoring, with_logits, flat = self.top_k, self.scoring, self.with_logits, self.flat
+        dense = dense_experts_input if self.weighting == "input" else dense_experts
+        gate_up_name, down_name = self.weights
+
+        def forward(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+            # read through the modules at call time, so that the exporter sees parameters
+            view = types.SimpleNamespace(gate_up_proj=getattr(stacked, gate_up_name),
+                                         down_proj=getattr(stacked, down_name), act_fn=torch.nn.functional.silu)
+            x = hidden_states.reshape(-1, hidden_states.shape[-1])
+            logits = torch.nn.functional.linear(x, block.get_parameter(router))
+            top, index = _routed(logits, top_k, scoring)
+            y = dense(view, x, index, top.to(x.dtype))
+            if shared_name is not None:
+                y = y + block.get_submodule(shared_name)(x)
+            y = y if flat else y.reshape(hidden_states.shape)
+            return (y, logits) if with_logits else y
+
+        return forward
+
+
+def _gate_up_down(experts: Any) -> tuple[tuple[str, str], bool] | None:
+    """((gate-up name, down name), transposed) of a module holding exactly two 3-D weights of
+    one expert count whose shapes chain as `[E, 2I, H]`·`[E, H, I]` or transposed
+    `[E, H, 2I]`·`[E, I, H]`, else None."""
+    ws = [(n, p) for n, p in experts.named_parameters(recurse=False) if p.dim() == 3]
+    if len(ws) != 2 or sum(1 for _ in experts.parameters()) != 2 or ws[0][1].shape[0] != ws[1][1].shape[0]:
+        return None
+    for (a, wa), (b, wb) in ((ws[0], ws[1]), (ws[1], ws[0])):
+        (_, p, q), (_, r, t) = wa.shape, wb.shape
+        if p == 2 * t and q == r and p != q:  # [E, 2I, H], [E, H, I]
+            return (a, b), False
+        if q == 2 * r and p == t and p != q:  # [E, H, 2I], [E, I, H]
+            return (a, b), True
+    return None
+
+
+
+
+def _same_outputs(got: Any, want: Any, with_logits: bool) -> bool:
+    """A candidate form's outputs on the probe equal the block's (and its router logits, when
+    it returns them), within the rounding of the f32 steps inside a block."""
+    import torch
+
+    g, w = (got[0], want[0]) if with_logits else (got, want)
+    ok = isinstance(w, torch.Tensor) and g.shape == w.shape and torch.allclose(g, w, rtol=1e-5, atol=1e-7)
+    if ok and with_logits:
+        ok = isinstance(want[1], torch.Tensor) and want[1].numel() == got[1].numel() and torch.allclose(
+            got[1], want[1].reshape(got[1].shape), rtol=1e-5, atol=1e-7)
+    return ok
+
+
+def _stacked_blocks(model: Any, taken: set[int]) -> list[_StackedBlock]:
+    """The stacked-weight blocks of `model` (module docs), recognised by what they compute;
+    experts modules in `taken` (the experts interface's) are left to it."""
+    import copy
+
+    import torch
+
+    out = []
+    for name, block in model.named_modules():
+        children = dict(block.named_children())
+        found = [(n, m, _gate_up_down(m)) for n, m in children.items() if id(m) not in taken]
+        found = [(n, m, g) for n, m, g in found if g is not None]
+        if len(found) != 1 or any(not p.requires_grad for p in found[0][1].parameters()):
+            continue
+        experts_name, experts, (weights, transposed) = found[0]
+        count = getattr(experts, weights[0]).shape[0]
+        inside = {id(p) for p in experts.parameters()}
+        routers = [n for n, p in block.named_parameters() if id(p) not in inside and p.dim() == 2 and p.shape[0] == count]
+        others = [n for n, m in children.items() if n != experts_name and any(True for _ in m.parameters())
+                  and not any(r.startswith(n + ".") for r in routers)]
+        if len(routers) != 1 or len(others) > 1:
+            continue
+        router = routers[0]
+        router_owner = router.rsplit(".", 1)[0] if "." in router else None
+        if router_owner is not None and sum(1 for _ in block.get_submodule(router_owner).parameters()) != 1:
+            continue  # a router with a bias or a correction: not a form tried here
+        h = block.get_parameter(router).shape[1]
+        probe = torch.randn(2, 3, h, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        copied = copy.deepcopy(block).double().eval()
+        try:
+            with torch.no_grad():
+                want = copied(probe)
+        except Exception:  # noqa: BLE001 - a block that does not take hidden states is not one
+            continue
+        with_logits = isinstance(want, tuple) and len(want) == 2
+        main = want[0] if with_logits else want
+        if not isinstance(main, torch.Tensor) or main.numel() != probe.numel():
+            continue
+        flat = main.shape != probe.shape
+        shared = others[0] if others else None
+        match = None
+        for top_k, scoring, weighting in itertools.product(range(1, count + 1), _SCORINGS, _WEIGHTINGS):
+            c = _StackedBlock(name, copied, experts_name, weights, transposed, router, shared, top_k, scoring,
+                              weighting, flat, with_logits)
+            with torch.no_grad():
+                got = c.forward(c.stacked_module())(probe)
+            if _same_outputs(got, want, with_logits):
+                match = (top_k, scoring, weighting)
+                break
+        if match:
+            out.append(_StackedBlock(name, block, experts_name, weights, transposed, router, shared, *match, flat,
+                                     with_logits))
     return out
 
 
@@ -339,6 +535,11 @@ class MoeExport:
         if self.loops:
             warn_tied_routers(model, [(b.path(b.list_name), getattr(b.block, b.list_name), len(getattr(b.block, b.list_name)))
                                       for b in self.loops])
+        self.blocks = _stacked_blocks(model, {id(m) for _, m in self.experts})
+        if self.blocks:
+            warn_tied_routers(model, [(b.path(b.experts_name), getattr(b.block, b.experts_name),
+                                       int(getattr(getattr(b.block, b.experts_name), b.weights[0]).shape[0]))
+                                      for b in self.blocks])
         if not self.experts:
             return
         for name, m in self.experts:
@@ -369,6 +570,13 @@ class MoeExport:
     def stacked(self) -> dict[str, list[list[str]]]:
         """{stacked weight: per expert, its module tensors} of the per-expert-loop blocks."""
         return {k: v for b in self.loops for k, v in b.stacked().items()}
+
+    @property
+    def transposed(self) -> list[str]:
+        """The exported expert weights stored with their last two axes swapped (module names):
+        those of stacked-weight blocks and of experts-interface modules marked `is_transposed`."""
+        interface = [f"{name}.{w}" for name, m in self.experts if m.is_transposed for w in ("gate_up_proj", "down_proj")]
+        return interface + [n for b in self.blocks for n in b.transposed_names()]
 
     @property
     def output_names(self) -> list[str]:
@@ -413,24 +621,26 @@ class MoeExport:
 
     @contextlib.contextmanager
     def _stacking(self) -> Iterator[None]:
-        """Each per-expert-loop block as its stacked dense form (module docs)."""
+        """Each per-expert-loop block as its stacked dense form, each stacked-weight block as
+        its dense form (module docs)."""
         swapped = []
         try:
-            for b in self.loops:
-                original = getattr(b.block, b.list_name)
+            for b, child in [(b, b.list_name) for b in self.loops] + [(b, b.experts_name) for b in self.blocks]:
+                original = getattr(b.block, child)
                 stacked = b.stacked_module()
-                setattr(b.block, b.list_name, stacked)
-                swapped.append((b, original))
+                setattr(b.block, child, stacked)
+                swapped.append((b.block, child, original))
                 b.block.forward = b.forward(stacked)
             yield
         finally:
-            for b, original in swapped:
-                setattr(b.block, b.list_name, original)
-                del b.block.forward
+            for block, child, original in swapped:
+                setattr(block, child, original)
+                del block.forward
 
     @contextlib.contextmanager
     def _interface(self) -> Iterator[None]:
         """The experts interface as `smp_dense`."""
+        import torch
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
         ALL_EXPERTS_FUNCTIONS[IMPLEMENTATION] = dense_experts
@@ -441,7 +651,13 @@ class MoeExport:
         cfg = getattr(self.model, "config", None)
         asked = getattr(cfg, "output_router_logits", False)
         hooks = []
+        # transposed experts (`[E, H, 2I]`, `[E, I, H]`) hold the dense form's layout for the export
+        transposed = [m for _, m in self.experts if m.is_transposed]
+        originals = [(m.gate_up_proj, m.down_proj) for m in transposed]
         try:
+            for m in transposed:
+                for w in ("gate_up_proj", "down_proj"):
+                    setattr(m, w, torch.nn.Parameter(getattr(m, w).detach().transpose(1, 2).contiguous()))
             for c in configs.values():
                 c._experts_implementation = IMPLEMENTATION
             if self.totals is not None:
@@ -452,6 +668,8 @@ class MoeExport:
                         hooks.append(m.register_forward_hook(lambda _m, _a, out: totals.add(out[index])))
             yield
         finally:
+            for m, (gate_up, down) in zip(transposed, originals):
+                m.gate_up_proj, m.down_proj = gate_up, down
             for h in hooks:
                 h.remove()
             if self.totals is not None:
@@ -461,7 +679,9 @@ class MoeExport:
 
     def record_stacked(self, proto: Any, record: dict, prefix: str) -> None:
         """Marks each stacked weight of `proto` a trained parameter under its own name, writes
-        `smp.stacked`, and drops the module tensors it stands for from `record["missing"]`."""
+        `smp.stacked`, and drops the module tensors it stands for from `record["missing"]`;
+        writes `smp.transposed` for the weights exported transposed."""
+        self._record_transposed(proto, prefix)
         if not self.loops:
             return
         from . import param_record as pr
@@ -481,6 +701,16 @@ class MoeExport:
         record["missing"] = [n for n in record["missing"] if n not in parts]
         pr._set_model_meta(proto, record["missing"])
         proto.metadata_props.add(key=STACKED_KEY, value=json.dumps(stacked))
+
+    def _record_transposed(self, proto: Any, prefix: str) -> None:
+        if not self.transposed:
+            return
+        names = [prefix + n for n in self.transposed]
+        absent = [n for n in names if n not in {t.name for t in proto.graph.initializer}]
+        if absent:
+            raise SmpError(f"the transposed expert weights {absent} are not in the exported file; this is a bug of "
+                           "the export, please report it with the model")
+        proto.metadata_props.add(key=TRANSPOSED_KEY, value=json.dumps(names))
 
     def annotate(self, proto: Any) -> None:
         """Writes `smp.aux_loss` into the model's metadata (docs/parameter-record.md)."""

@@ -58,6 +58,21 @@ def stacked_experts(model_path: str | Path) -> dict[str, list[list[str]]]:
     return json.loads(entry) if entry else {}
 
 
+def transposed_experts(model_path: str | Path) -> list[str]:
+    """The expert weights the export `model_path` stored with their last two axes swapped
+    (`smp.transposed`)."""
+    import onnx
+
+    proto = onnx.load(str(model_path), load_external_data=False)
+    entry = next((p.value for p in proto.metadata_props if p.key == "smp.transposed"), None)
+    return json.loads(entry) if entry else []
+
+
+def untransposed(tensors: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """`tensors` with each of `names` given back its module layout (last two axes swapped)."""
+    return {k: (v.transpose(-2, -1).contiguous() if k in names else v) for k, v in tensors.items()}
+
+
 def unstacked(tensors: dict[str, Any], stacked: dict[str, list[list[str]]]) -> dict[str, Any]:
     """`tensors` with each stacked expert weight split back into its module tensors."""
     if not stacked:
@@ -148,7 +163,8 @@ def load_trained(model: Any, run: Run, *, path: str | Path | None = None) -> Any
         raise SmpError(f"the run's weights file {source} does not exist")
     tensors = load_file(str(source))
     if run.plan.model_path.is_file():
-        tensors = unstacked(tensors, stacked_experts(run.plan.model_path))
+        tensors = unstacked(untransposed(tensors, transposed_experts(run.plan.model_path)),
+                            stacked_experts(run.plan.model_path))
     unused = unused_parameters(run.plan.model_path) if run.plan.model_path.is_file() else []
     full = state_dict_of(model, tensors, run.plan.prefix, unused)
     if run.plan.model_path.is_file():

@@ -162,11 +162,14 @@ def archs() -> dict[str, Arch]:
         Arch("gemma2", "decoder LM, soft-capping, sliding window, zero-initialised norms", lambda: T.Gemma2ForCausalLM(T.Gemma2Config(
             num_key_value_heads=2, head_dim=8, sliding_window=4, attn_logit_softcapping=50.0,
             final_logit_softcapping=30.0, **no_drop, **_decoder())), "causal-lm"),
-        # dense layers only (no mixture-of-experts layer), full causal attention in every layer
-        # (attention_chunk_size=None: the chunked mask exports a `Mod` the runner lacks)
-        Arch("llama4", "decoder LM, complex-valued rotary (exported in real arithmetic), q/k L2 norms", lambda: T.Llama4ForCausalLM(
-            T.Llama4TextConfig(num_key_value_heads=2, head_dim=8, intermediate_size_mlp=64, moe_layers=[],
-                               attention_chunk_size=None, **no_drop, **_decoder())), "causal-lm"),
+        # a dense layer, then a mixture-of-experts layer (stacked weights stored transposed,
+        # sigmoid top-1 routing scaling the tokens going in, a shared expert); chunked attention
+        # (its mask exports a `Mod`)
+        Arch("llama4", "decoder LM, complex-valued rotary (exported in real arithmetic), q/k L2 norms, chunked "
+             "attention, input-weighted experts", lambda: T.Llama4ForCausalLM(
+                 T.Llama4TextConfig(num_key_value_heads=2, head_dim=8, intermediate_size_mlp=64,
+                                    num_local_experts=4, num_experts_per_tok=1, moe_layers=[1], attention_chunk_size=4,
+                                    **no_drop, **_decoder())), "causal-lm", moe_layers=1, expert_parallel=True),
         Arch("bloom", "decoder LM, ALiBi", lambda: T.BloomForCausalLM(T.BloomConfig(
             n_layer=2, hidden_size=H, n_head=4, hidden_dropout=0.0, attention_dropout=0.0,
             use_cache=False, **_tok())), "causal-lm"),

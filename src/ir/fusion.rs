@@ -9,7 +9,8 @@ use super::{NodeId, ValueId};
 /// The op of a fused node (with its attributes). The plan file spells it
 /// `{"gelu": {"approximate": "tanh"}}`,
 /// `{"attention": {"scale": 0.125, "mask": "additive"}}`,
-/// `{"mixture_of_experts": {"experts": 8, "activation": "silu"}}`,
+/// `{"mixture_of_experts": {"experts": 8, "activation": "silu"}}` (with `"weighting": "input"`
+/// where the router's weights scale the tokens going in),
 /// `{"rms_norm": {"epsilon": 1e-6}}` or `"swiglu"`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
@@ -38,6 +39,9 @@ pub enum FusedOp {
         experts: usize,
         /// The gate's activation.
         activation: ExpertActivation,
+        /// Where the router's weights apply.
+        #[serde(default, skip_serializing_if = "ExpertWeighting::is_output")]
+        weighting: ExpertWeighting,
     },
     /// Root-mean-square norm over the last axis, `x / √(mean(x², -1) + ε) · w`, the ONNX op
     /// `RMSNormalization` (opset 23, `axis` −1), run as libtorch's `rms_norm`. Inputs `x, w`.
@@ -76,6 +80,44 @@ impl std::hash::Hash for Epsilon {
 pub enum ExpertActivation {
     /// `x·σ(x)` (SwiGLU experts: Mixtral, Qwen-MoE, DeepSeek, OLMoE).
     Silu,
+}
+
+/// Where a mixture of experts applies the router's weights: to each expert's output (Mixtral,
+/// Qwen-MoE, DeepSeek: `Σ w·expert(x)`) or to the token entering it (Llama 4:
+/// `Σ expert(w·x)`). The experts are nonlinear, so the two differ.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExpertWeighting {
+    /// `Σ_j w_j · expert_j(x)`.
+    #[default]
+    Output,
+    /// `Σ_j expert_j(w_j · x)`.
+    Input,
+}
+
+impl ExpertWeighting {
+    /// True for the default, [`ExpertWeighting::Output`] (the plan file leaves it out).
+    pub fn is_output(&self) -> bool {
+        *self == ExpertWeighting::Output
+    }
+
+    /// The weighting of a `MixtureOfExperts` node with these attributes (`weighting` absent:
+    /// output; `"input"`: input), or the attribute's value when it is neither.
+    pub fn of_node(attrs: &super::Attrs) -> Result<ExpertWeighting, String> {
+        match attrs.str("weighting") {
+            None | Some("output") => Ok(ExpertWeighting::Output),
+            Some("input") => Ok(ExpertWeighting::Input),
+            Some(other) => Err(other.to_string()),
+        }
+    }
+
+    /// The node attribute `weighting` spells it as (none for the default).
+    pub fn attr(&self) -> Option<&'static str> {
+        match self {
+            ExpertWeighting::Output => None,
+            ExpertWeighting::Input => Some("input"),
+        }
+    }
 }
 
 impl FusedOp {
@@ -155,8 +197,12 @@ impl std::fmt::Display for FusedOp {
                     None => f.write_str(")"),
                 }
             }
-            FusedOp::MixtureOfExperts { experts, activation: ExpertActivation::Silu } => {
-                write!(f, "MixtureOfExperts(experts = {experts}, activation = silu)")
+            FusedOp::MixtureOfExperts { experts, activation: ExpertActivation::Silu, weighting } => {
+                write!(f, "MixtureOfExperts(experts = {experts}, activation = silu")?;
+                match weighting.attr() {
+                    Some(w) => write!(f, ", weighting = {w})"),
+                    None => f.write_str(")"),
+                }
             }
             FusedOp::RmsNorm { epsilon } => write!(f, "RMSNormalization(epsilon = {})", epsilon.0),
             FusedOp::SwiGlu => f.write_str("SwiGlu"),

@@ -28,6 +28,18 @@ pub enum PassError {
     /// A binding that makes no sense (non-positive size, unknown name).
     #[error("bad dim binding: {0}")]
     BadBinding(String),
+    /// A `--frozen` or `--trainable` pattern names no initializer and no module tensor.
+    #[error("{flag} '{pattern}' matches no parameter of the model (the nearest name is `{nearest}`){hint}; fix the pattern, or drop it")]
+    PatternMatchesNothing {
+        /// `--frozen` or `--trainable`.
+        flag: &'static str,
+        /// The glob pattern.
+        pattern: String,
+        /// The name sharing the longest prefix with the pattern.
+        nearest: String,
+        /// More on why, where known.
+        hint: String,
+    },
     /// An initializer's parameter record cannot be applied.
     #[error("parameter record of initializer `{value}`: {msg}; re-export with `smp_partition.export` or strip its `smp.*` metadata")]
     ParamRecord {

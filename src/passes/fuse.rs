@@ -71,7 +71,7 @@ use std::collections::HashSet;
 
 use super::PassError;
 use crate::ir::{
-    Attr, AttentionMask, AttentionScale, DType, Epsilon, ExpertActivation, FusedOp, Fusion, GeluApproximation, Graph, NodeId,
+    Attr, AttentionMask, AttentionScale, DType, Epsilon, ExpertActivation, ExpertWeighting, FusedOp, Fusion, GeluApproximation, Graph, NodeId,
     OpKind, ValueId,
 };
 
@@ -160,7 +160,7 @@ fn fuse_sweep(graph: &mut Graph, late: bool, out: &mut Vec<Fusion>) {
             }),
             (false, OpKind::Transpose) => m.experts(id).map(|e| Fusion {
                 node: id,
-                op: FusedOp::MixtureOfExperts { experts: e.experts, activation: ExpertActivation::Silu },
+                op: FusedOp::MixtureOfExperts { experts: e.experts, activation: ExpertActivation::Silu, weighting: e.weighting },
                 inputs: e.inputs,
                 output: output(),
                 replaces: e.nodes,
@@ -303,9 +303,12 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
             attrs.set("scale", Attr::Tensor(crate::ir::Tensor::from_f64(vec![], &[scale.0])));
             OpKind::ScaledDotProductAttention
         }
-        FusedOp::MixtureOfExperts { experts, activation: ExpertActivation::Silu } => {
-            check_experts(graph, f, &ops, experts).map_err(bad)?;
+        FusedOp::MixtureOfExperts { experts, activation: ExpertActivation::Silu, weighting } => {
+            check_experts(graph, f, &ops, experts, weighting).map_err(bad)?;
             attrs.set("experts", Attr::Int(experts as i64));
+            if let Some(w) = weighting.attr() {
+                attrs.set("weighting", Attr::Str(w.into()));
+            }
             OpKind::MixtureOfExperts
         }
         FusedOp::RmsNorm { epsilon } => {
@@ -405,10 +408,18 @@ fn check_rms_norm(g: &Graph, f: &Fusion, ops: &[OpKind], epsilon: f64) -> Result
 /// The op checks of a mixture-of-experts record (see [`apply`]): the dense chain's ops, once
 /// each as its formula has them, the expert ids it compares the indices with (`0..experts`), and
 /// weights of `experts` experts.
-fn check_experts(g: &Graph, f: &Fusion, ops: &[OpKind], experts: usize) -> Result<(), String> {
+fn check_experts(g: &Graph, f: &Fusion, ops: &[OpKind], experts: usize, weighting: ExpertWeighting) -> Result<(), String> {
     use OpKind::*;
     if !g.node(f.node).op.is(Transpose) {
         return Err(format!("the node is a {}, not the Transpose of the combined output", g.node(f.node).op));
+    }
+    // the expert sum reads the weighted outputs (a Mul) or, with the tokens weighted going in,
+    // the experts' outputs themselves (a MatMul)
+    let summed = g.node(f.node).inputs.first().copied().flatten().and_then(|v| g.value(v).producer);
+    let summand = summed.and_then(|r| g.node(r).inputs.first().copied().flatten()).and_then(|v| g.value(v).producer);
+    let want_op = if weighting == ExpertWeighting::Input { MatMul } else { Mul };
+    if !summand.is_some_and(|n| g.node(n).op.is(want_op)) {
+        return Err(format!("the expert sum does not read a {want_op}, as {weighting:?} weighting does"));
     }
     let want: [(OpKind, usize); 9] =
         [(Transpose, 3), (ReduceSum, 2), (Mul, 4), (MatMul, 2), (Unsqueeze, 3), (Cast, 1), (Equal, 1), (Sigmoid, 1), (Split, 1)];
@@ -472,6 +483,7 @@ struct AttentionMatch {
 struct ExpertsMatch {
     inputs: Vec<ValueId>,
     experts: usize,
+    weighting: ExpertWeighting,
     nodes: Vec<NodeId>,
 }
 
@@ -689,51 +701,26 @@ impl Matcher<'_> {
     fn experts(&self, id: NodeId) -> Option<ExpertsMatch> {
         use OpKind::*;
         let input0 = |n: NodeId| self.g.node(n).inputs.first().copied().flatten();
-        let reduce_sum = |v: ValueId, axis: usize| {
-            let r = self.inner(v, ReduceSum)?;
-            let x = input0(r)?;
-            let rank = self.dims(x)?.len();
-            (self.axes_of(r, rank)? == [axis] && self.g.node(r).attrs.int("keepdims", 1) == 0).then_some((r, x))
-        };
         if !self.is_swap(id) {
             return None;
         }
         let mut nodes = vec![id];
-        let (r_out, weighted) = reduce_sum(input0(id)?, 0)?;
-        let mul = self.inner(weighted, Mul)?;
-        nodes.extend([r_out, mul]);
-        let (a, b) = self.pair(mul)?;
-        let (y, du) = if self.inner(a, MatMul).is_some() { (a, b) } else { (b, a) };
-        let mm_down = self.inner(y, MatMul)?;
+        let (r_out, summand) = self.reduce_sum(input0(id)?, 0)?;
+        nodes.push(r_out);
+        // Output weighting: Mul(MatMul(down, h), Unsqueeze(Transpose(dense), 1)); input
+        // weighting: MatMul(down, h), the tokens scaled before gate_up instead
+        let (mm_down, output_combine) = match self.inner(summand, MatMul) {
+            Some(mm) => (mm, None),
+            None => {
+                let mul = self.inner(summand, Mul)?;
+                nodes.push(mul);
+                let (a, b) = self.pair(mul)?;
+                let (y, du) = if self.inner(a, MatMul).is_some() { (a, b) } else { (b, a) };
+                (self.inner(y, MatMul)?, Some(du))
+            }
+        };
         let (down, h) = self.pair(mm_down)?;
-        let unsq = self.inner(du, Unsqueeze)?;
-        let dt = input0(unsq)?;
-        if self.axes_of(unsq, 3)? != [1] {
-            return None;
-        }
-        let tr = self.inner(dt, Transpose)?;
-        if !self.is_swap(tr) {
-            return None;
-        }
-        nodes.extend([mm_down, unsq, tr]);
-        // the combine weights [N, E] from the indices and the router's weights
-        let (r_dense, prod) = reduce_sum(input0(tr)?, 1)?;
-        let m2 = self.inner(prod, Mul)?;
-        let (p, q) = self.pair(m2)?;
-        let (hot, wu) = if self.inner(p, Cast).is_some() { (p, q) } else { (q, p) };
-        let cast = self.inner(hot, Cast)?;
-        let eq = self.inner(input0(cast)?, Equal)?;
-        let (e1, e2) = self.pair(eq)?;
-        let (iu, ids) = if self.inner(e1, Unsqueeze).is_some() { (e1, e2) } else { (e2, e1) };
-        let iu = self.inner(iu, Unsqueeze)?;
-        let wun = self.inner(wu, Unsqueeze)?;
-        let (indices, weights) = (self.unsqueezed_last(iu)?, self.unsqueezed_last(wun)?);
-        nodes.extend([r_dense, m2, cast, eq, iu, wun]);
-        let float_to = DType::from_onnx(self.g.node(cast).attrs.int("to", 0) as i32);
-        let experts = self.scalar_list(ids)?;
-        if !float_to.is_some_and(|d| d.is_float()) || experts.iter().enumerate().any(|(i, &e)| e != i as f64) {
-            return None;
-        }
+        nodes.push(mm_down);
         // h = silu(g) ⊙ u, g and u the halves of gate_up · xᵀ
         let mh = self.inner(h, Mul)?;
         let (a, b) = self.pair(mh)?;
@@ -751,12 +738,25 @@ impl Matcher<'_> {
         }
         let mm_gu = self.inner(input0(split)?, MatMul)?;
         let (gate_up, xt) = self.pair(mm_gu)?;
+        nodes.extend([mh, m_silu, sig, split, mm_gu]);
+        // the combine weights: after the experts, or scaling xᵀ before them
+        let (xt, du, weighting) = match output_combine {
+            Some(du) => (xt, du, ExpertWeighting::Output),
+            None => {
+                let scale = self.inner(xt, Mul)?;
+                nodes.push(scale);
+                let (a, b) = self.pair(scale)?;
+                let (du, xt) = if self.inner(a, Unsqueeze).is_some() { (a, b) } else { (b, a) };
+                (xt, du, ExpertWeighting::Input)
+            }
+        };
         let tx = self.inner(xt, Transpose)?;
         if !self.is_swap(tx) {
             return None;
         }
         let x = input0(tx)?;
-        nodes.extend([mh, m_silu, sig, split, mm_gu, tx]);
+        nodes.push(tx);
+        let (weights, indices, experts) = self.combine_weights(du, &mut nodes)?;
         // operands: x [N, H], weights and indices [N, k], gate_up [E, 2I, H], down [E, H, I]
         let e = experts.len() as i64;
         let known = |v: ValueId| -> Option<Vec<Option<i64>>> { Some(self.dims(v)?.iter().map(|d| d.known()).collect()) };
@@ -781,7 +781,50 @@ impl Matcher<'_> {
             return None;
         }
         nodes.sort();
-        Some(ExpertsMatch { inputs: vec![x, weights, indices, gate_up, down], experts: experts.len(), nodes })
+        Some(ExpertsMatch { inputs: vec![x, weights, indices, gate_up, down], experts: experts.len(), weighting, nodes })
+    }
+
+    /// `v` = ReduceSum over `axis` alone, not kept, read only by the chain: (the node, its input).
+    fn reduce_sum(&self, v: ValueId, axis: usize) -> Option<(NodeId, ValueId)> {
+        let r = self.inner(v, OpKind::ReduceSum)?;
+        let x = self.g.node(r).inputs.first().copied().flatten()?;
+        let rank = self.dims(x)?.len();
+        (self.axes_of(r, rank)? == [axis] && self.g.node(r).attrs.int("keepdims", 1) == 0).then_some((r, x))
+    }
+
+    /// `du` = Unsqueeze(Transpose(dense), 1) with `dense [N, E]` = ReduceSum(Mul(Cast(Equal(
+    /// Unsqueeze(indices, -1), 0..E)), Unsqueeze(weights, -1)), 1): (weights, indices, the
+    /// expert ids), the nodes added to `nodes`.
+    fn combine_weights(&self, du: ValueId, nodes: &mut Vec<NodeId>) -> Option<(ValueId, ValueId, Vec<f64>)> {
+        use OpKind::*;
+        let input0 = |n: NodeId| self.g.node(n).inputs.first().copied().flatten();
+        let unsq = self.inner(du, Unsqueeze)?;
+        let dt = input0(unsq)?;
+        if self.axes_of(unsq, 3)? != [1] {
+            return None;
+        }
+        let tr = self.inner(dt, Transpose)?;
+        if !self.is_swap(tr) {
+            return None;
+        }
+        let (dense, prod) = self.reduce_sum(input0(tr)?, 1)?;
+        let m2 = self.inner(prod, Mul)?;
+        let (p, q) = self.pair(m2)?;
+        let (hot, wu) = if self.inner(p, Cast).is_some() { (p, q) } else { (q, p) };
+        let cast = self.inner(hot, Cast)?;
+        let eq = self.inner(input0(cast)?, Equal)?;
+        let (e1, e2) = self.pair(eq)?;
+        let (iu, ids) = if self.inner(e1, Unsqueeze).is_some() { (e1, e2) } else { (e2, e1) };
+        let iu = self.inner(iu, Unsqueeze)?;
+        let wun = self.inner(wu, Unsqueeze)?;
+        let (indices, weights) = (self.unsqueezed_last(iu)?, self.unsqueezed_last(wun)?);
+        nodes.extend([unsq, tr, dense, m2, cast, eq, iu, wun]);
+        let float_to = DType::from_onnx(self.g.node(cast).attrs.int("to", 0) as i32);
+        let experts = self.scalar_list(ids)?;
+        if !float_to.is_some_and(|d| d.is_float()) || experts.iter().enumerate().any(|(i, &e)| e != i as f64) {
+            return None;
+        }
+        Some((weights, indices, experts))
     }
 
     /// `v` = Mul(g, Sigmoid(g)) in either order, read only by the chain: (the Mul, the Sigmoid, g).

@@ -179,7 +179,7 @@ pub fn decide(graph: &mut Graph, opts: &ParamOptions) -> Result<ParamSummary, Pa
         from_records(graph, &recorded, &mut summary)?;
     }
     structural(graph, &plain, &mut summary)?;
-    apply_patterns(graph, opts);
+    apply_patterns(graph, opts)?;
     for v in graph.initializers().collect::<Vec<_>>() {
         let n = graph.value(v).data.as_ref().map_or(0, Tensor::numel);
         if is_trained(graph, v) {
@@ -652,16 +652,27 @@ pub fn glob(pattern: &str, text: &str) -> bool {
     p[pi..].iter().all(|&c| c == '*')
 }
 
-fn apply_patterns(graph: &mut Graph, opts: &ParamOptions) {
+fn apply_patterns(graph: &mut Graph, opts: &ParamOptions) -> Result<(), PassError> {
     if opts.trainable.is_empty() && opts.frozen.is_empty() {
-        return;
+        return Ok(());
     }
-    for v in graph.initializers().collect::<Vec<_>>() {
+    // an initializer's own name and the module tensors it stands for
+    let names_of = |graph: &Graph, v: ValueId| {
         let val = graph.value(v);
         let mut names = vec![val.name.clone()];
         if let Some(Training::Trained { names: n, .. }) = &val.training {
             names.extend(n.iter().cloned());
         }
+        names
+    };
+    let every: Vec<String> = graph.initializers().flat_map(|v| names_of(graph, v)).collect();
+    for (flag, patterns) in [("--frozen", &opts.frozen), ("--trainable", &opts.trainable)] {
+        if let Some(p) = patterns.iter().find(|p| !every.iter().any(|n| glob(p, n))) {
+            return Err(unmatched(flag, p, &every));
+        }
+    }
+    for v in graph.initializers().collect::<Vec<_>>() {
+        let names = names_of(graph, v);
         let hit = |pats: &[String]| pats.iter().any(|p| names.iter().any(|n| glob(p, n)));
         if hit(&opts.frozen) {
             graph.value_mut(v).training = Some(frozen(FrozenReason::Pattern));
@@ -674,6 +685,23 @@ fn apply_patterns(graph: &mut Graph, opts: &ParamOptions) {
             });
         }
     }
+    Ok(())
+}
+
+/// The error for `pattern` of `flag` matching none of `names`: the name sharing the longest
+/// literal prefix with it, and why when that name is a mixture of experts' stacked weight.
+fn unmatched(flag: &'static str, pattern: &str, names: &[String]) -> PassError {
+    let literal: String = pattern.chars().take_while(|c| !matches!(c, '*' | '?')).collect();
+    let shared = |n: &String| n.chars().zip(literal.chars()).take_while(|(a, b)| a == b).count();
+    let nearest = names.iter().max_by_key(|n| (shared(n), std::cmp::Reverse(n.len()))).cloned().unwrap_or_default();
+    // the front door stacks per-expert weights into one tensor per block (`smp.stacked`)
+    let stacked = ["gate_up_proj", "down_proj"].iter().any(|w| nearest.ends_with(w)) && !literal.starts_with(&nearest);
+    let hint = if stacked {
+        format!(": `{nearest}` holds every expert of its block stacked, and a stacked weight is trained or frozen whole; name it (or its block's experts with `*`) to freeze them all")
+    } else {
+        String::new()
+    };
+    PassError::PatternMatchesNothing { flag, pattern: pattern.to_string(), nearest, hint }
 }
 
 #[cfg(test)]
@@ -775,6 +803,34 @@ mod tests {
         decide(&mut b.g, &opts).unwrap();
         assert_eq!(b.g.value(m).training, Some(Training::Frozen { reason: FrozenReason::MaskOrPosition }));
         assert_eq!(b.g.value(w).training, Some(Training::Frozen { reason: FrozenReason::Pattern }));
+    }
+
+    #[test]
+    fn a_pattern_that_matches_nothing_is_refused_naming_the_nearest_parameter() {
+        let build = || {
+            let mut b = Builder::new();
+            let x = b.input("x", DType::F32, &["2", "2"]);
+            let w = init(&mut b, "mlp.experts.gate_up_proj", &[2, 2], &[1.0, 2.0, 3.0, 4.0]);
+            let u = init(&mut b, "mlp.fc.weight", &[2, 2], &[5.0, 6.0, 7.0, 8.0]);
+            let h = b.node(OpKind::MatMul, &[x, w], &[]);
+            let y = b.node(OpKind::MatMul, &[h, u], &[]);
+            b.output(y);
+            b
+        };
+        let refused = |frozen: &str| {
+            let opts = ParamOptions { frozen: vec![frozen.into()], ..Default::default() };
+            decide(&mut build().g, &opts).map(|_| ()).unwrap_err().to_string()
+        };
+        let err = refused("mlp.fc.bias");
+        assert!(err.contains("--frozen 'mlp.fc.bias' matches no parameter") && err.contains("nearest name is `mlp.fc.weight`"), "{err}");
+        assert!(!err.contains("stacked"), "{err}");
+        // one expert of a stacked weight: frozen whole or not at all
+        let err = refused("mlp.experts.3.*");
+        assert!(err.contains("`mlp.experts.gate_up_proj` holds every expert of its block stacked"), "{err}");
+        let trainable = ParamOptions { trainable: vec!["nothing*".into()], ..Default::default() };
+        assert!(decide(&mut build().g, &trainable).unwrap_err().to_string().starts_with("--trainable 'nothing*'"));
+        let ok = ParamOptions { frozen: vec!["mlp.experts.*".into()], ..Default::default() };
+        decide(&mut build().g, &ok).expect("a pattern naming the stacked weight applies");
     }
 
     #[test]

@@ -162,7 +162,7 @@ impl<'g> Executor<'g> {
     fn run_node(&self, node: &Node, inputs: &[Option<Tensor>]) -> Result<Vec<Tensor>, String> {
         let ctx = OpContext { norm: self.norm.get(), dropout: self.dropout.get(), context: self.context_rank(), ..self.ctx };
         if let Some(pg) = self.expert_group.get().filter(|_| node.op.is(crate::ir::OpKind::MixtureOfExperts)) {
-            return super::experts::expert_parallel(inputs, &ctx, pg).map(|t| vec![t]);
+            return super::experts::expert_parallel(node, inputs, &ctx, pg).map(|t| vec![t]);
         }
         let Op::Collective { kind, group } = node.op else {
             return ops::run(node, inputs, &ctx).map_err(|e| e.0);

@@ -6,8 +6,8 @@
 //!    owning rank; the per-expert counts go to the owners first (an all-to-all of counts);
 //! 2. the pairs' hidden vectors go by an all-to-all with those per-rank counts;
 //! 3. each rank regroups what it received by local expert and runs its experts' gated MLPs;
-//! 4. the outputs go back by the reverse all-to-all, are scaled by the router's weights and
-//!    added into their tokens, on the rank that routed them.
+//! 4. the outputs go back by the reverse all-to-all, are scaled by the router's weights (unless
+//!    the tokens were, before step 2) and added into their tokens, on the rank that routed them.
 //!
 //! The exchanges are autograd functions of the c10d shim: the backward of each all-to-all is
 //! the reverse all-to-all of the gradients, as the tensor-parallel collectives' backwards are
@@ -22,7 +22,7 @@ use crate::runtime::comm::ProcessGroup;
 
 /// `MixtureOfExperts(x, weights, indices, gate_up [E/e, 2I, H], down [E/e, H, I])` over the
 /// expert group `pg` of e members.
-pub(super) fn expert_parallel(inputs: &[Option<Tensor>], ctx: &OpContext, pg: &ProcessGroup) -> Result<Tensor, String> {
+pub(super) fn expert_parallel(node: &crate::ir::Node, inputs: &[Option<Tensor>], ctx: &OpContext, pg: &ProcessGroup) -> Result<Tensor, String> {
     let get = |i: usize| inputs.get(i).and_then(Option::as_ref).ok_or_else(|| format!("MixtureOfExperts without operand {i}"));
     let (x, weights, indices, gate_up, down) = (get(0)?, get(1)?, get(2)?, get(3)?, get(4)?);
     let e = pg.size() as i64;
@@ -30,7 +30,7 @@ pub(super) fn expert_parallel(inputs: &[Option<Tensor>], ctx: &OpContext, pg: &P
     if down.size().first().copied() != Some(local) || local == 0 {
         return Err(format!("expert weights gate_up {:?} and down {:?} hold different expert counts", gate_up.size(), down.size()));
     }
-    let routed = route(x, weights, indices, gate_up, down, local * e).map_err(|m| m.0)?;
+    let routed = route(x, weights, indices, gate_up, down, local * e, &node.attrs).map_err(|m| m.0)?;
     let kerr = |m: tch::TchError| m.to_string();
     // pairs per owning rank: the sorted pairs are grouped by owner, expert-minor
     let sizes: Vec<i64> = routed.counts.chunks(local as usize).map(|c| c.iter().sum()).collect();
@@ -40,7 +40,7 @@ pub(super) fn expert_parallel(inputs: &[Option<Tensor>], ctx: &OpContext, pg: &P
     let got = pg.all_to_all_rows(&counts, &equal, &equal).map_err(|m| m.to_string())?;
     let got = crate::runtime::kernels::tensor::to_i64_vec(&got)?;
     let incoming: Vec<i64> = got.chunks(local as usize).map(|c| c.iter().sum()).collect();
-    let xs = x.f_index_select(0, &routed.tokens).map_err(kerr)?;
+    let xs = routed.rows_in(x).map_err(|m| m.0)?;
     let received = pg.all_to_all_rows(&xs, &sizes, &incoming).map_err(|m| m.to_string())?;
     // received rows are member-major, expert-minor: regroup them expert-major
     let (by_expert, per_expert) = expert_major(&got, local as usize, e as usize);

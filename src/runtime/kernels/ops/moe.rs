@@ -1,12 +1,14 @@
 //! `MixtureOfExperts` (made by `passes::fuse`): each token runs through its top-k experts only.
 //! The token-expert pairs are sorted by expert (stably, so a token's experts keep their order),
 //! each expert's tokens go through its gated MLP as two matmuls, the results are scaled by the
-//! router's weights and added back into their tokens' rows. Every step is a differentiable
+//! router's weights (or, with `weighting = "input"`, the tokens are scaled going in) and added
+//! back into their tokens' rows. Every step is a differentiable
 //! libtorch op, so autograd gives the gradients of x, the router's weights and the experts.
 
 use tch::{Kind, Tensor};
 
 use super::{Args, KResult, bail};
+use crate::ir::{Attrs, ExpertWeighting};
 use crate::runtime::kernels::tensor::to_i64_vec;
 
 /// `MixtureOfExperts(x [N, H], weights [N, k], indices [N, k], gate_up [E, 2I, H],
@@ -14,8 +16,8 @@ use crate::runtime::kernels::tensor::to_i64_vec;
 pub(super) fn mixture_of_experts(a: &Args) -> KResult<Tensor> {
     let (x, weights, indices, gate_up, down) = (a.x(0)?, a.x(1)?, a.x(2)?, a.x(3)?, a.x(4)?);
     let experts = gate_up.size().first().copied().unwrap_or(0);
-    let routed = route(x, weights, indices, gate_up, down, experts)?;
-    let xs = x.f_index_select(0, &routed.tokens)?;
+    let routed = route(x, weights, indices, gate_up, down, experts, a.attrs())?;
+    let xs = routed.rows_in(x)?;
     let ys = run_experts(&xs, &routed.counts, gate_up, down, a.ctx.autocast)?;
     combine(x, &routed, &ys)
 }
@@ -29,11 +31,29 @@ pub(crate) struct Routed {
     pub weights: Tensor,
     /// Pairs per expert, expert order.
     pub counts: Vec<i64>,
+    /// Where the weights apply.
+    pub weighting: ExpertWeighting,
+}
+
+impl Routed {
+    /// The sorted pairs' rows of `x`, scaled by their weights when the weighting is the input's.
+    pub(crate) fn rows_in(&self, x: &Tensor) -> KResult<Tensor> {
+        let rows = x.f_index_select(0, &self.tokens)?;
+        Ok(match self.weighting {
+            ExpertWeighting::Input => rows.f_mul(&self.weights)?,
+            ExpertWeighting::Output => rows,
+        })
+    }
 }
 
 /// The pairs of `indices [N, k]` (experts `0..experts`) sorted by expert, with their tokens,
-/// router `weights [N, k]` and per-expert counts. Checks the operands' ranks.
-pub(crate) fn route(x: &Tensor, weights: &Tensor, indices: &Tensor, gate_up: &Tensor, down: &Tensor, experts: i64) -> KResult<Routed> {
+/// router `weights [N, k]` and per-expert counts, weighted as the node's `attrs` say. Checks the
+/// operands' ranks.
+pub(crate) fn route(x: &Tensor, weights: &Tensor, indices: &Tensor, gate_up: &Tensor, down: &Tensor, experts: i64, attrs: &Attrs) -> KResult<Routed> {
+    let weighting = match ExpertWeighting::of_node(attrs) {
+        Ok(w) => w,
+        Err(other) => bail!("weighting `{other}` is neither `input` nor `output`"),
+    };
     if indices.dim() != 2 || x.dim() != 2 || gate_up.dim() != 3 || down.dim() != 3 {
         bail!("operands of ranks {}, {}, {}, {}, {}; expected x [N, H], weights and indices [N, k], gate_up [E, 2I, H], down [E, H, I]", x.dim(), weights.dim(), indices.dim(), gate_up.dim(), down.dim());
     }
@@ -51,7 +71,7 @@ pub(crate) fn route(x: &Tensor, weights: &Tensor, indices: &Tensor, gate_up: &Te
     // routed pair p belongs to token order[p] / k
     let tokens = order.f_floor_divide_scalar(k)?;
     let ws = weights.f_reshape([-1])?.f_index_select(0, &order)?.f_to_kind(x.kind())?.f_unsqueeze(-1)?;
-    Ok(Routed { tokens, weights: ws, counts })
+    Ok(Routed { tokens, weights: ws, counts, weighting })
 }
 
 /// Each row of `rows` (sorted by expert, `counts[e]` rows for expert e) through its expert's
@@ -87,14 +107,18 @@ pub(crate) fn run_experts(rows: &Tensor, counts: &[i64], gate_up: &Tensor, down:
     Ok(Tensor::f_cat(&parts, 0)?)
 }
 
-/// `ys` (one row per sorted pair) scaled by the router's weights and added into their tokens'
-/// rows of a zero `x`; weighting and the sum stay in x's type.
+/// `ys` (one row per sorted pair) scaled by the router's weights (unless they scaled the
+/// input) and added into their tokens' rows of a zero `x`; weighting and the sum stay in x's type.
 pub(crate) fn combine(x: &Tensor, routed: &Routed, ys: &Tensor) -> KResult<Tensor> {
     let out = x.f_zeros_like()?;
     if ys.size().first().copied().unwrap_or(0) == 0 {
         return Ok(out.f_add(&ys.f_sum(ys.kind())?.f_mul_scalar(0.0)?)?);
     }
-    Ok(out.f_index_add(0, &routed.tokens, &ys.f_mul(&routed.weights)?)?)
+    let ys = match routed.weighting {
+        ExpertWeighting::Output => ys.f_mul(&routed.weights)?,
+        ExpertWeighting::Input => ys.shallow_clone(),
+    };
+    Ok(out.f_index_add(0, &routed.tokens, &ys)?)
 }
 
 #[cfg(test)]
@@ -140,5 +164,46 @@ mod tests {
         }
         let (a, b) = (run(&node, &inputs, &ctx(Some(Kind::BFloat16))).unwrap().remove(0), run(&node, &inputs, &ctx(None)).unwrap().remove(0));
         assert!((&a - &b).abs().max().double_value(&[]) > 1e-4, "autocast changed nothing");
+    }
+
+    #[test]
+    fn input_weighting_scales_each_token_going_into_its_expert_in_f64_forward_and_backward() {
+        tch::manual_seed(5);
+        let f = (Kind::Double, Device::Cpu);
+        let leaf = |t: Tensor| t.set_requires_grad(true);
+        let (x, gu, down) = (leaf(Tensor::randn([5, 8], f)), leaf(Tensor::randn([3, 12, 8], f)), leaf(Tensor::randn([3, 8, 6], f)));
+        let w = leaf(Tensor::rand([5, 2], f));
+        let idx = Tensor::from_slice(&[0i64, 2, 1, 0, 2, 1, 0, 1, 2, 2]).reshape([5, 2]);
+        let mut attrs = Attrs::default();
+        attrs.set("weighting", crate::ir::Attr::Str("input".into()));
+        let node = Node { name: "moe".into(), op: Op::Known(OpKind::MixtureOfExperts), attrs, inputs: Vec::new(), outputs: Vec::new(), namespace: None, order: 0 };
+        let inputs: Vec<Option<Tensor>> = [&x, &w, &idx, &gu, &down].iter().map(|t| Some(t.shallow_clone())).collect();
+        let ctx = OpContext { float_kind: None, training: true, norm: NormStats::Running, dropout: None, autocast: None, context: None };
+        let got = run(&node, &inputs, &ctx).unwrap().remove(0);
+        // Σ_j expert_j(w_j · x), token by token
+        let mut rows = Vec::new();
+        for t in 0..5 {
+            let mut acc = x.get(t).zeros_like();
+            for j in 0..2 {
+                let e = idx.int64_value(&[t, j]);
+                let xin = x.get(t) * w.get(t).get(j);
+                let h = gu.get(e).matmul(&xin);
+                let halves = h.chunk(2, -1);
+                acc = acc + down.get(e).matmul(&(halves[0].silu() * &halves[1]));
+            }
+            rows.push(acc);
+        }
+        let want = Tensor::stack(&rows, 0);
+        let rel = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]) / b.abs().max().double_value(&[]);
+        assert!(rel(&got, &want) < 1e-14, "forward {:.2e}", rel(&got, &want));
+        let r = Tensor::randn([5, 8], f);
+        let grads = |y: &Tensor| Tensor::run_backward(&[(y * &r).sum(Kind::Double)], &[&x, &w, &gu, &down], false, false);
+        let (a, b) = (grads(&got), grads(&want));
+        for (name, ga, gb) in [("x", &a[0], &b[0]), ("weights", &a[1], &b[1]), ("gate_up", &a[2], &b[2]), ("down", &a[3], &b[3])] {
+            assert!(rel(ga, gb) < 1e-12, "gradient of {name}: {:.2e}", rel(ga, gb));
+        }
+        // output weighting differs: the experts are not linear
+        let out = run(&Node { attrs: Attrs::default(), ..node.clone() }, &inputs, &ctx).unwrap().remove(0);
+        assert!(rel(&out, &want) > 1e-3);
     }
 }
