@@ -294,4 +294,16 @@ fn expert_tensor_flag_folds_expert_groups_over_tensor_and_data_ranks() {
     let o = smp(&["inspect", dir.path().join("folded.json").to_str().unwrap()]);
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(text.contains("ep 4 · etp 1 over tp × dp") && text.contains("ep 4 folded over tensor × data ranks (expert-tensor 1"), "{text}");
+    // written as Megatron-LM arguments and read back: the same folded degrees
+    let emitted = dir.path().join("emitted");
+    let o = smp(&["emit", dir.path().join("folded.json").to_str().unwrap(), "--engine", "megatron", "-o", emitted.to_str().unwrap()]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let args = std::fs::read_to_string(emitted.join("megatron.args")).unwrap();
+    assert!(args.contains("--expert-model-parallel-size 4") && args.contains("--expert-tensor-parallel-size 1"), "{args}");
+    let back = dir.path().join("back.json");
+    let from = format!("megatron:{}", emitted.join("megatron.args").display());
+    let o = smp(&[&mixtral, "--cluster", "h100-80gb:32", "--from-engine", &from, "-o", back.to_str().unwrap()]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let back: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&back).unwrap()).unwrap();
+    assert_eq!((back["parallel"]["tp"].as_u64(), back["parallel"]["ep"].as_u64(), back["parallel"]["etp"].as_u64()), (Some(2), Some(4), Some(1)));
 }

@@ -399,7 +399,7 @@ fn parallel_args(args: &mut Vec<Vec<String>>, plan: &Plan, shape: &ModelShape, s
     }
     if shape.experts.is_some() {
         arg(&["--expert-model-parallel-size", &p.ep.to_string()]);
-        arg(&["--expert-tensor-parallel-size", &p.tp.to_string()]);
+        arg(&["--expert-tensor-parallel-size", &p.etp.to_string()]);
     }
     if !same_ranks(p.placement, DEFAULT_ORDER, p) {
         arg(&["--use-tp-pp-dp-mapping"]);
