@@ -96,6 +96,15 @@ fn cp2_llama_with_grouped_query_attention_and_rotary_tables_equals_one_process()
     equal_to_one_process("llama-cp2", "llama", 2, &CP2, &[]);
 }
 
+/// ZeRO shards over the whole data axis, data × context ranks: at cp 2 and dp 1 the parameters
+/// are sharded over the two context ranks and gathered around each use (the gathers were left
+/// out, and the ranks trained apart from the second step).
+#[test]
+fn cp2_llama_under_zero_3_over_the_context_ranks_equals_one_process() {
+    let flags: Vec<&str> = CP2.iter().copied().chain(["--zero", "3"]).collect();
+    equal_to_one_process("llama-cp2-zero3", "llama", 2, &flags, &[]);
+}
+
 #[test]
 fn cp2_bert_bidirectional_equals_one_process() {
     equal_to_one_process("bert-cp2", "bert", 2, &CP2, &[]);

@@ -274,8 +274,6 @@ def _gated_order(expert: Any) -> tuple[str, str, str] | None:
 
 def _loop_blocks(model: Any) -> list[_LoopBlock]:
     """The per-expert-loop blocks of `model` (module docs), recognised by what they compute."""
-    import copy
-
     import torch
 
     out = []
@@ -298,18 +296,10 @@ def _loop_blocks(model: Any) -> list[_LoopBlock]:
         order = [_gated_order(m) for m in experts]
         if any(o is None for o in order) or any(not p.requires_grad for p in experts.parameters()):
             continue
-        h = dict(outside)[router].shape[1]
-        probe = torch.randn(2, 3, h, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-        copied = copy.deepcopy(block).double().eval()
-        try:
-            with torch.no_grad():
-                want = copied(probe)
-        except Exception:  # noqa: BLE001 - a block that does not take hidden states is not one
+        probed = _probe(block, dict(outside)[router].shape[1], seed=1)
+        if probed is None or probed.main.shape != probed.x.shape:
             continue
-        with_logits = isinstance(want, tuple) and len(want) == 2
-        main = want[0] if with_logits else want
-        if not isinstance(main, torch.Tensor) or main.shape != probe.shape:
-            continue
+        copied, probe, want, with_logits = probed.copied, probed.x, probed.want, probed.with_logits
         found = None
         for top_k, scoring, weighting in itertools.product(range(1, count + 1), _SCORINGS, _WEIGHTINGS):
             candidate = _LoopBlock(name, copied, list_name, router, bias, order, top_k, scoring, weighting, with_logits)
@@ -410,6 +400,34 @@ def _gate_up_down(experts: Any) -> tuple[tuple[str, str], bool] | None:
 
 
 
+class _Probed:
+    """A block's f64 copy run on a probe `x [2, 3, H]`: what it returned (`want`), its main
+    output, and whether it returned router logits beside it."""
+
+    def __init__(self, copied: Any, x: Any, want: Any) -> None:
+        self.copied, self.x, self.want = copied, x, want
+        self.with_logits = isinstance(want, tuple) and len(want) == 2
+        self.main = want[0] if self.with_logits else want
+
+
+def _probe(block: Any, hidden: int, seed: int) -> _Probed | None:
+    """`block` run in f64 on a random probe of hidden size `hidden`, or None when it does not
+    take hidden states and return a tensor (then it is no mixture-of-experts block)."""
+    import copy
+
+    import torch
+
+    x = torch.randn(2, 3, hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    copied = copy.deepcopy(block).double().eval()
+    try:
+        with torch.no_grad():
+            want = copied(x)
+    except Exception:  # noqa: BLE001 - a block that does not take hidden states is not one
+        return None
+    probed = _Probed(copied, x, want)
+    return probed if isinstance(probed.main, torch.Tensor) else None
+
+
 def _same_outputs(got: Any, want: Any, with_logits: bool) -> bool:
     """A candidate form's outputs on the probe equal the block's (and its router logits, when
     it returns them), within the rounding of the f32 steps inside a block."""
@@ -426,8 +444,6 @@ def _same_outputs(got: Any, want: Any, with_logits: bool) -> bool:
 def _stacked_blocks(model: Any, taken: set[int]) -> list[_StackedBlock]:
     """The stacked-weight blocks of `model` (module docs), recognised by what they compute;
     experts modules in `taken` (the experts interface's) are left to it."""
-    import copy
-
     import torch
 
     out = []
@@ -449,19 +465,11 @@ def _stacked_blocks(model: Any, taken: set[int]) -> list[_StackedBlock]:
         router_owner = router.rsplit(".", 1)[0] if "." in router else None
         if router_owner is not None and sum(1 for _ in block.get_submodule(router_owner).parameters()) != 1:
             continue  # a router with a bias or a correction: not a form tried here
-        h = block.get_parameter(router).shape[1]
-        probe = torch.randn(2, 3, h, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-        copied = copy.deepcopy(block).double().eval()
-        try:
-            with torch.no_grad():
-                want = copied(probe)
-        except Exception:  # noqa: BLE001 - a block that does not take hidden states is not one
+        probed = _probe(block, block.get_parameter(router).shape[1], seed=2)
+        if probed is None or probed.main.numel() != probed.x.numel():
             continue
-        with_logits = isinstance(want, tuple) and len(want) == 2
-        main = want[0] if with_logits else want
-        if not isinstance(main, torch.Tensor) or main.numel() != probe.numel():
-            continue
-        flat = main.shape != probe.shape
+        copied, probe, want, with_logits = probed.copied, probed.x, probed.want, probed.with_logits
+        flat = probed.main.shape != probe.shape
         shared = others[0] if others else None
         match = None
         for top_k, scoring, weighting in itertools.product(range(1, count + 1), _SCORINGS, _WEIGHTINGS):

@@ -632,7 +632,7 @@ fn templates(input: &CodegenInput, stages: &[StageCode], tied: &[TiedWeight]) ->
     let (dp, zero) = (mesh_parallel.dp, mesh_parallel.zero);
     let shard_n = (mesh_parallel.zero_group() < dp).then(|| mesh_parallel.zero_group());
     let gather_group = if shard_n.is_some() { GroupRef::ShardGroup } else { GroupRef::Data };
-    let zero3 = input.parallel.params_sharded();
+    let zero3 = mesh_parallel.params_sharded();
     let mut out = Vec::with_capacity(p);
     for (r, prog) in lowered.into_iter().enumerate() {
         let my_stages: Vec<usize> = (0..stages.len()).filter(|&s| input.parallel.schedule.rank_of_stage(s, p) == r).collect();
