@@ -250,3 +250,60 @@ fn context_and_expert_flags_reach_the_planner() {
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(text.contains("cp 2") && text.contains("ep 4") && text.contains("experts e = 4:"), "{text}");
 }
+
+/// `--etp` (Megatron-Core's expert-tensor-parallel size) folds the expert group over tensor ×
+/// data ranks: ep 4 over tp 2 × dp 2 is refused without it (naming `--etp 1` as the fix) and
+/// planned with it; an expert-tensor degree not dividing tp is refused; and the folded plan
+/// holds each expert on etp · ep = 4 ranks, so its stages' model state equals the unfolded
+/// ep 2 (experts split over tp 2) plan's, byte for byte.
+#[test]
+fn expert_tensor_flag_folds_expert_groups_over_tensor_and_data_ranks() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let mixtral = format!("{root}/models/mixtral-8x7b.onnx");
+    let dir = tempfile::tempdir().unwrap();
+    let base = ["--cluster", "h100-80gb:32", "--global-batch", "128", "--pp", "8", "--tp", "2", "--dp", "2", "--microbatches", "16", "--baseline", "megatron"];
+    let run = |extra: &[&str]| {
+        let mut args = vec![mixtral.as_str()];
+        args.extend(base);
+        args.extend(extra);
+        smp(&args)
+    };
+    let o = run(&["--ep", "4"]);
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert!(stderr(&o).contains("must divide the data-parallel degree 2") && stderr(&o).contains("--etp 1"), "{}", stderr(&o));
+    let o = run(&["--ep", "4", "--etp", "3"]);
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert!(stderr(&o).contains("`--etp 3` conflicts with `--tp 2`"), "{}", stderr(&o));
+    let plan_of = |extra: &[&str], name: &str| -> serde_json::Value {
+        let out = dir.path().join(name);
+        let mut args = extra.to_vec();
+        args.extend(["-o", out.to_str().unwrap()]);
+        let o = run(&args);
+        assert_eq!(code(&o), 0, "{}", stderr(&o));
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap()
+    };
+    let folded = plan_of(&["--ep", "4", "--etp", "1"], "folded.json");
+    let unfolded = plan_of(&["--ep", "2"], "unfolded.json");
+    assert_eq!((folded["parallel"]["ep"].as_u64(), folded["parallel"]["etp"].as_u64()), (Some(4), Some(1)));
+    assert_eq!((folded["request"]["etp"].as_u64(), unfolded["parallel"].get("etp")), (Some(1), None));
+    for s in 0..8 {
+        for part in ["params", "grads", "optimizer"] {
+            assert_eq!(folded["stages"][s]["memory_bytes"][part], unfolded["stages"][s]["memory_bytes"][part], "stage {s} {part}");
+        }
+    }
+    let o = smp(&["inspect", dir.path().join("folded.json").to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("ep 4 · etp 1 over tp × dp") && text.contains("ep 4 folded over tensor × data ranks (expert-tensor 1"), "{text}");
+    // written as Megatron-LM arguments and read back: the same folded degrees
+    let emitted = dir.path().join("emitted");
+    let o = smp(&["emit", dir.path().join("folded.json").to_str().unwrap(), "--engine", "megatron", "-o", emitted.to_str().unwrap()]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let args = std::fs::read_to_string(emitted.join("megatron.args")).unwrap();
+    assert!(args.contains("--expert-model-parallel-size 4") && args.contains("--expert-tensor-parallel-size 1"), "{args}");
+    let back = dir.path().join("back.json");
+    let from = format!("megatron:{}", emitted.join("megatron.args").display());
+    let o = smp(&[&mixtral, "--cluster", "h100-80gb:32", "--from-engine", &from, "-o", back.to_str().unwrap()]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let back: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&back).unwrap()).unwrap();
+    assert_eq!((back["parallel"]["tp"].as_u64(), back["parallel"]["ep"].as_u64(), back["parallel"]["etp"].as_u64()), (Some(2), Some(4), Some(1)));
+}

@@ -271,6 +271,7 @@ fn pipeline_of_sharded_stages_reproduces_the_model() {
             dp: 1,
             cp: 1,
             ep: 1,
+            etp: t,
             zero: 0,
             sharded_dp: None,
             microbatches: 1,

@@ -315,58 +315,137 @@ fn llama3_405b_megatron_arguments_price_the_published_run() {
 /// batch 2,048, microbatch 1): TP 4, PP 8 with VPP 4, EP 8, ETP 1, no recompute, the DeepEP
 /// dispatcher, 29.0 s per step. The dispatcher is read from the arguments: DeepEP sends a token
 /// once per node holding its experts, the all-to-all dispatcher once per token–expert pair.
-/// Expert-TP 1 is not expressible (experts split over the tensor ranks) and is listed unpriced.
+/// Expert-TP 1 is priced: the expert group of 8 folds over the 4 tensor × 8 data ranks,
+/// Megatron-Core's order puts it on 8 consecutive ranks (tensor ranks fastest), one node, where
+/// the per-node de-duplication saves nothing; across nodes (the EP 32 row) it does.
 ///
-/// The dispatcher's reading and effect are checked always; the published step on demand
-/// ([`qwen3_moe_megatron_arguments_against_the_published_step`]).
+/// The dispatcher's reading and effect are checked always; the published steps on demand
+/// ([`qwen3_moe_megatron_arguments_against_the_published_step`] and the folded rows).
 #[test]
 fn qwen3_moe_megatron_arguments_price_the_published_run_with_its_dispatcher() {
     let (deepep, all_to_all) = qwen3_zoo_tp4_steps();
-    eprintln!("qwen3-235b-a22b TP4 PP8 VPP4 EP8: DeepEP {deepep:.2} s ({:.3} of the published 29.0 s), all-to-all dispatcher {all_to_all:.2} s", deepep / 29.0);
-    assert!(deepep < all_to_all, "the per-node dispatch moves fewer bytes");
+    eprintln!("qwen3-235b-a22b TP4 PP8 VPP4 EP8 ETP1: DeepEP {deepep:.2} s ({:.3} of the published 29.0 s), all-to-all dispatcher {all_to_all:.2} s", deepep / 29.0);
+    assert!((deepep / all_to_all - 1.0).abs() < 1e-9, "an expert group inside one node: both dispatchers send the same bytes over NVLink");
+    let a = analyze_for(&model("qwen3-235b-a22b.onnx"), &PlanOptions { seq_len: Some(4096), ..PlanOptions::default() }).expect("analyse");
+    let ep32 = |dispatcher: &str| {
+        qwen3_zoo_step(
+            &a,
+            &format!("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 8 --num-virtual-stages-per-pipeline-rank 4 --expert-model-parallel-size 32 --expert-tensor-parallel-size 1 {dispatcher}"),
+            (2, 8, 16, 32, 1, 128),
+        )
+    };
+    let (deepep, all_to_all) = (ep32("--moe-token-dispatcher-type flex --moe-enable-deepep"), ep32("--moe-token-dispatcher-type alltoall"));
+    eprintln!("qwen3-235b-a22b TP2 PP8 VPP4 EP32 ETP1 (4 nodes): DeepEP {deepep:.2} s, all-to-all dispatcher {all_to_all:.2} s");
+    assert!(deepep < all_to_all, "across nodes the per-node dispatch moves fewer bytes");
 }
 
-/// The model zoo's TP 4 row against its published 29.0 s. Not met: 0.72 since the per-head QK
-/// norms split with their heads (0.905 before, when q, k, v stayed replicated). The expert
-/// GEMMs are priced as one GEMM of all the rank's experts; at 4,096 tokens top 8 of 128 experts
-/// each expert's GEMM has 256 rows per microbatch, far below the size the 75 % efficiency holds
-/// for (docs/planner.md). Run on demand: `cargo test --features runner --test engines --
+/// The model zoo's TP 4 row against its published 29.0 s. Not met: 0.562 with expert-TP 1
+/// priced (0.721 when the experts were split 4 ways and the expert group of 8 spanned four
+/// nodes; now it is 8 consecutive ranks of one node, all-to-alls 1.9 s of the 16.3 s). The
+/// expert GEMMs are priced as one GEMM of all the rank's experts (2,048 rows per expert per
+/// microbatch here) and the attention's GEMMs at TP 4 at the one efficiency of every GEMM
+/// (docs/planner.md). Run on demand: `cargo test --features runner --test engines --
 /// --ignored qwen3`.
 #[test]
-#[ignore = "not met: 0.72 of the published step (per-expert GEMMs priced at the size of all experts together)"]
+#[ignore = "not met: 0.562 of the published step (GEMMs priced at one efficiency whatever their size; the expert group inside one node)"]
 fn qwen3_moe_megatron_arguments_against_the_published_step() {
     let (deepep, _) = qwen3_zoo_tp4_steps();
     assert!((deepep / 29.0 - 1.0).abs() <= 0.10, "predicted {deepep:.2} s against the published 29.0 s");
 }
 
+/// The model zoo's Qwen3-235B-A22B arguments with `parallel` (degrees, recompute, dispatcher)
+/// on 256 H100s: the plan Megatron-LM's reader prices, with its (tp, pp, dp, ep, etp,
+/// microbatches) checked against `want`.
+fn qwen3_zoo_step(a: &Analysed, parallel: &str, want: (usize, usize, usize, usize, usize, usize)) -> f64 {
+    let shape = ModelShape::of(&a.lg);
+    let args = format!(
+        "torchrun --nnodes 32 --nproc-per-node 8 pretrain_gpt.py \
+        --num-layers 94 --hidden-size 4096 --num-attention-heads 64 --group-query-attention --num-query-groups 4 \
+        --num-experts 128 --moe-router-topk 8 --moe-ffn-hidden-size 1536 --seq-length 4096 --max-position-embeddings 4096 \
+        --position-embedding-type rope --normalization RMSNorm --swiglu --untie-embeddings-and-output-weights \
+        --sequence-parallel --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split \
+        {parallel} --micro-batch-size 1 --global-batch-size 2048 --use-distributed-optimizer --bf16"
+    );
+    let cluster = ClusterSpec::parse("h100-80gb:256").expect("preset");
+    let (reading, world) = engines::read(Engine::Megatron, &args, Origin { what: PathBuf::from("qwen3.args") }, &shape, None).expect("read");
+    assert_eq!(world, 256);
+    let dispatch = if parallel.contains("deepep") { ExpertDispatch::PerNode } else { ExpertDispatch::AllToAll };
+    assert_eq!(reading.options.expert_dispatch, Some(dispatch));
+    assert!(!reading.unpriced.iter().any(|u| u.setting.starts_with("--expert-tensor-parallel-size")), "{:?}", reading.unpriced);
+    let opts = reading.options.clone().resolve(None).expect("resolve");
+    let (yours, _) = engines::price(Engine::Megatron, a, &cluster, &opts).expect("price");
+    let p = &yours.parallel;
+    assert_eq!((p.tp, p.pp, p.dp, p.ep, p.etp, p.microbatches), want);
+    let pr = &yours.predicted;
+    let (a2a, imbalance) = yours.axes.as_ref().map_or((0.0, 0.0), |x| (x.all_to_all_s, x.imbalance_s));
+    eprintln!(
+        "{parallel}: step {:.2} s, all-to-alls {a2a:.2} s, imbalance {imbalance:.2} s, bubble {:.3}, MFU {:.3}, peak {:.1} GiB",
+        pr.step_time_s,
+        pr.bubble_ratio,
+        pr.mfu,
+        pr.peak_memory_bytes as f64 / (1u64 << 30) as f64
+    );
+    pr.step_time_s
+}
+
 /// The zoo's TP 4 arguments priced with the DeepEP and the all-to-all dispatchers: step seconds.
 fn qwen3_zoo_tp4_steps() -> (f64, f64) {
     let a = analyze_for(&model("qwen3-235b-a22b.onnx"), &PlanOptions { seq_len: Some(4096), ..PlanOptions::default() }).expect("analyse");
-    let shape = ModelShape::of(&a.lg);
-    let args = |dispatcher: &str| {
-        format!(
-            "torchrun --nnodes 32 --nproc-per-node 8 pretrain_gpt.py \
-            --num-layers 94 --hidden-size 4096 --num-attention-heads 64 --group-query-attention --num-query-groups 4 \
-            --num-experts 128 --moe-router-topk 8 --moe-ffn-hidden-size 1536 --seq-length 4096 --max-position-embeddings 4096 \
-            --position-embedding-type rope --normalization RMSNorm --swiglu --untie-embeddings-and-output-weights \
-            --tensor-model-parallel-size 4 --sequence-parallel --pipeline-model-parallel-size 8 --num-virtual-stages-per-pipeline-rank 4 \
-            --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split \
-            --expert-model-parallel-size 8 --expert-tensor-parallel-size 1 {dispatcher} \
-            --micro-batch-size 1 --global-batch-size 2048 --use-distributed-optimizer --bf16"
-        )
-    };
-    let cluster = ClusterSpec::parse("h100-80gb:256").expect("preset");
+    let degrees = "--tensor-model-parallel-size 4 --pipeline-model-parallel-size 8 --num-virtual-stages-per-pipeline-rank 4 \
+        --expert-model-parallel-size 8 --expert-tensor-parallel-size 1";
     let mut steps = Vec::new();
-    for (dispatcher, expect) in [("--moe-token-dispatcher-type flex --moe-enable-deepep", ExpertDispatch::PerNode), ("--moe-token-dispatcher-type alltoall", ExpertDispatch::AllToAll)] {
-        let (reading, world) = engines::read(Engine::Megatron, &args(dispatcher), Origin { what: PathBuf::from("qwen3.args") }, &shape, None).expect("read");
-        assert_eq!(world, 256);
-        assert_eq!(reading.options.expert_dispatch, Some(expect));
-        assert!(reading.unpriced.iter().any(|u| u.setting == "--expert-tensor-parallel-size 1"), "{:?}", reading.unpriced);
-        let opts = reading.options.clone().resolve(None).expect("resolve");
-        let (yours, _) = engines::price(Engine::Megatron, &a, &cluster, &opts).expect("price");
-        let p = &yours.parallel;
-        assert_eq!((p.tp, p.pp, p.dp, p.ep, p.microbatches), (4, 8, 8, 8, 256));
-        steps.push(yours.predicted.step_time_s);
+    for dispatcher in ["--moe-token-dispatcher-type flex --moe-enable-deepep", "--moe-token-dispatcher-type alltoall"] {
+        steps.push(qwen3_zoo_step(&a, &format!("{degrees} {dispatcher}"), (4, 8, 8, 8, 1, 256)));
     }
     (steps[0], steps[1])
+}
+
+/// The model zoo's two Qwen3 rows whose expert groups fold over tensor × data ranks with
+/// expert-TP 1: TP 2 PP 8 VPP 4 EP 32 (over 2 × 16 ranks) with DeepEP, 19.7 s, and TP 2 PP 32
+/// VPP 3 EP 8 (over 2 × 4 ranks) with the all-to-all dispatcher, 24.2 s; both recompute
+/// norms and activation functions only (`--recompute-granularity selective`, priced as no
+/// recompute). Predicted steps (seconds) in that order.
+fn qwen3_zoo_folded_steps() -> (f64, f64) {
+    let a = analyze_for(&model("qwen3-235b-a22b.onnx"), &PlanOptions { seq_len: Some(4096), ..PlanOptions::default() }).expect("analyse");
+    let ep32 = qwen3_zoo_step(
+        &a,
+        "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 8 --num-virtual-stages-per-pipeline-rank 4 \
+        --expert-model-parallel-size 32 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type flex --moe-enable-deepep \
+        --recompute-granularity selective",
+        (2, 8, 16, 32, 1, 128),
+    );
+    let pp32 = qwen3_zoo_step(
+        &a,
+        "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 32 --num-virtual-stages-per-pipeline-rank 3 \
+        --expert-model-parallel-size 8 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall \
+        --recompute-granularity selective",
+        (2, 32, 4, 8, 1, 512),
+    );
+    (ep32, pp32)
+}
+
+/// The zoo's TP 2 PP 8 VPP 4 EP 32 ETP 1 row (DeepEP) against its published 19.7 s. Not met:
+/// 0.847 (16.7 s: all-to-alls across the 4 nodes of the expert group 5.4 s, with DeepEP's
+/// per-node de-duplication and no overlap with compute; imbalance 0.35 s; bubble 0.08). The
+/// selective recompute of norms and activation functions is priced as none (its compute
+/// missing; memory 92 GiB predicted over the 74.5 GiB the preset allows). Run on demand with
+/// the other Qwen3 rows.
+#[test]
+#[ignore = "not met: 0.847 of the published 19.7 s (norm and activation recompute priced as none; all-to-alls not overlapped)"]
+fn qwen3_moe_megatron_folded_ep32_against_the_published_step() {
+    let (ep32, pp32) = qwen3_zoo_folded_steps();
+    eprintln!("qwen3-235b-a22b TP2 PP8 VPP4 EP32 ETP1: {ep32:.2} s ({:.3} of 19.7 s); TP2 PP32 VPP3 EP8 ETP1: {pp32:.2} s ({:.3} of 24.2 s)", ep32 / 19.7, pp32 / 24.2);
+    assert!((ep32 / 19.7 - 1.0).abs() <= 0.10, "predicted {ep32:.2} s against the published 19.7 s");
+}
+
+/// The zoo's TP 2 PP 32 VPP 3 EP 8 ETP 1 row (all-to-all dispatcher) against its published
+/// 24.2 s. Not met: 0.695 (16.8 s; the expert group of 8 is one node, all-to-alls 1.2 s). At
+/// data-parallel 4 each expert's GEMM has 1,024 rows per microbatch, priced at the efficiency
+/// of one GEMM over all the rank's experts (the issue measured compute alone at 0.65 of the
+/// published step at that size); norm and activation recompute priced as none.
+#[test]
+#[ignore = "not met: 0.695 of the published 24.2 s (per-expert GEMMs of 1,024 rows priced at the size of all experts together)"]
+fn qwen3_moe_megatron_folded_pp32_against_the_published_step() {
+    let (_, pp32) = qwen3_zoo_folded_steps();
+    assert!((pp32 / 24.2 - 1.0).abs() <= 0.10, "predicted {pp32:.2} s against the published 24.2 s");
 }

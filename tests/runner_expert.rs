@@ -189,3 +189,21 @@ fn ep2_runs_every_mixed_precision_mode() {
         assert!(low > 0.0, "mixtral {precision}: the run is the f32 one");
     }
 }
+
+/// A plan whose expert group folds over tensor × data ranks (tp 2 · dp 1 · ep 2 · etp 1,
+/// Megatron-Core's layout) is planned and priced, and refused by the runner at start, naming the
+/// degrees and the fix: the runner forms expert groups from the data-parallel ranks only.
+#[test]
+fn a_folded_expert_plan_is_priced_and_refused_at_start() {
+    let case = moe::case("mixtral");
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("tp2-ep2-etp1.json");
+    let p = moe::plan_dp(case, (1, 2, 1), 1, &["--ep", "2", "--etp", "1"], &out);
+    assert_eq!((&p["parallel"]["ep"], &p["parallel"]["etp"]), (&serde_json::json!(2), &serde_json::json!(1)), "{}", p["parallel"]);
+    let r = runner()
+        .args(["launch", "--nproc", "2", out.to_str().unwrap(), "--data", case.data.to_str().unwrap(), "--steps", "1", "--timeout", "60"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(!r.status.success() && err.contains("etp 1 below tp 2") && err.contains("--etp 2"), "{err}");
+}

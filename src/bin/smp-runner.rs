@@ -620,9 +620,17 @@ mod replan {
             if devices % fixed.max(1) != 0 {
                 (opts.pp, opts.tp, opts.cp, opts.layout) = (None, None, None, None);
             }
+            if opts.tp.is_none() {
+                opts.etp = None;
+            }
             let fixed: usize = [opts.pp, opts.tp, opts.cp].iter().flatten().product();
-            if opts.ep.is_some_and(|e| (devices / fixed.max(1)) % e != 0) {
-                opts.ep = None;
+            // folded expert groups span tp · dp / etp ranks; otherwise dp
+            let room = match (opts.etp, opts.tp) {
+                (Some(et), Some(tp)) if et != tp => devices / fixed.max(1) * tp / et.max(1),
+                _ => devices / fixed.max(1),
+            };
+            if opts.ep.is_some_and(|e| room % e != 0) {
+                (opts.ep, opts.etp) = (None, None);
             }
             let cluster_name = request.cluster_with(devices);
             opts.cluster_flag = Some(cluster_name.clone());

@@ -263,6 +263,7 @@ pub fn exact_request(plan: &Plan) -> PlanOptions {
         dp: Some(p.dp),
         cp: Some(p.cp),
         ep: Some(p.ep),
+        etp: Some(p.etp),
         zero: Some(p.zero),
         sharded_dp: p.sharded_dp,
         microbatches: Some(p.microbatches),

@@ -399,7 +399,7 @@ fn parallel_args(args: &mut Vec<Vec<String>>, plan: &Plan, shape: &ModelShape, s
     }
     if shape.experts.is_some() {
         arg(&["--expert-model-parallel-size", &p.ep.to_string()]);
-        arg(&["--expert-tensor-parallel-size", &p.tp.to_string()]);
+        arg(&["--expert-tensor-parallel-size", &p.etp.to_string()]);
     }
     if !same_ranks(p.placement, DEFAULT_ORDER, p) {
         arg(&["--use-tp-pp-dp-mapping"]);
@@ -642,19 +642,27 @@ impl ArgsReading<'_> {
             o.ep = Some(ep);
             o.sources.insert(Setting::Ep, a.source("expert-model-parallel-size", ep));
         }
-        if etp.is_some_and(|e| e != tp) {
-            self.reading.unpriced.push(Unpriced {
-                setting: format!("--expert-tensor-parallel-size {etp_v}"),
-                why: format!("the planner splits experts over the tensor ranks (tp {tp}); priced so"),
-            });
+        if (tp * cp * dp) % (etp_v * ep) != 0 {
+            return Err(refuse(
+                "parallel_state.initialize_model_parallel",
+                format!("expert_tensor_parallel_size ({etp_v}) x expert_model_parallel_size ({ep}) must divide tensor_model_parallel_size ({tp}) x context_parallel_size ({cp}) x data_parallel_size ({dp})"),
+            ));
         }
-        if ep > 1 && dp * cp % ep != 0 {
-            return Err(refuse("parallel_state.initialize_model_parallel", format!("expert_model_parallel_size ({ep}) must divide the data-parallel ranks ({dp}) times context_parallel_size ({cp})")));
-        }
-        if ep > 1 && dp % ep != 0 {
+        if etp_v != tp {
+            if tp % etp_v != 0 || cp > 1 {
+                return Err(EngineError::Missing {
+                    engine: ENGINE,
+                    why: format!(
+                        "--expert-tensor-parallel-size {etp_v} with tensor {tp} and context {cp} ranks: the planner folds expert groups over tensor × data ranks only with an expert-tensor degree dividing the tensor degree and no context parallelism"
+                    ),
+                });
+            }
+            o.etp = Some(etp_v);
+            o.sources.insert(Setting::Etp, a.source("expert-tensor-parallel-size", etp_v));
+        } else if ep > 1 && dp % ep != 0 {
             return Err(EngineError::Missing {
                 engine: ENGINE,
-                why: format!("expert parallelism {ep} over data {dp} × context {cp} ranks spans context groups; the planner carves expert groups from the data-parallel ranks only (ep must divide {dp})"),
+                why: format!("expert parallelism {ep} over data {dp} × context {cp} ranks spans context groups; the planner carves expert groups from the data-parallel ranks only at expert-tensor = tensor degree (ep must divide {dp})"),
             });
         }
         Ok(Sizes { tp, pp, cp, dp })

@@ -108,10 +108,10 @@ pub fn gaps(plan: &Plan, shape: &ModelShape) -> Result<Vec<Gap>, String> {
                 Some(Change::Zero(2)),
             ));
         }
-        if p.tp > 1 {
+        if p.etp > 1 {
             out.push(gap(
                 PlanField::Expert,
-                format!("experts split over the {} tensor ranks", p.tp),
+                format!("experts split over the {} tensor ranks", p.etp),
                 "its experts are not tensor-split: expert parallelism borrows the tensor ranks instead",
                 "torchtitan's expert placement (not priced: the planner has no model of it)",
                 None,

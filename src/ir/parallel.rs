@@ -51,10 +51,14 @@ pub struct Parallelism {
     /// front and a back chunk). The mesh's D axis holds `dp · cp` positions, context groups are
     /// runs of `cp` consecutive positions; weight gradients reduce over all of them.
     pub cp: usize,
-    /// Expert-parallel degree: ranks a mixture-of-experts layer's experts are split over,
-    /// carved from the data-parallel ranks (divides `dp`; expert groups are runs of `ep`
-    /// consecutive data-parallel indices).
+    /// Expert-parallel degree: ranks a mixture-of-experts layer's experts are split over.
+    /// With `etp == tp` carved from the data-parallel ranks (divides `dp`; expert groups are
+    /// runs of `ep` consecutive data-parallel indices at one tensor rank); with `etp < tp` folded
+    /// over tensor × data ranks as Megatron-Core does (see [`Parallelism::expert_position`]).
     pub ep: usize,
+    /// Expert-tensor-parallel degree (Megatron-Core's `--expert-tensor-parallel-size`): ranks
+    /// each expert's weights are split over, `tp` unless folded; `ep · etp` divides `tp · dp`.
+    pub etp: usize,
     /// ZeRO stage (0..=3).
     pub zero: u8,
     /// Sharded-data-parallel group size (ZeRO 3 over groups of that many replicas), if used.
@@ -104,6 +108,29 @@ impl Parallelism {
     /// Parameters stay sharded between uses (ZeRO 3, or sharded data parallelism).
     pub fn params_sharded(&self) -> bool {
         self.dp > 1 && (self.zero >= 3 || self.zero_group() < self.dp)
+    }
+
+    /// Expert groups folded over tensor × data ranks: the expert-tensor degree differs from the
+    /// tensor degree, so a stage's `dp · tp` ranks are re-factored as `etp × ep × expert-dp`.
+    pub fn experts_folded(&self) -> bool {
+        self.etp != self.tp
+    }
+
+    /// Where data-parallel index `d` and tensor rank `t` sit in the folded expert mesh of a
+    /// stage (context degree 1): `(etp rank, ep rank, expert-dp index)`. The stage's positions
+    /// `i = d · tp + t` are taken expert-tensor rank fastest, then expert rank, then the
+    /// replicas holding the same experts (Megatron-Core's order).
+    pub fn expert_position(&self, d: usize, t: usize) -> (usize, usize, usize) {
+        let (etp, ep) = (self.etp.max(1), self.ep.max(1));
+        let i = d * self.tp.max(1) + t;
+        (i % etp, (i / etp) % ep, i / (etp * ep))
+    }
+
+    /// The (data-parallel index, tensor rank) of a folded expert-mesh position.
+    pub fn expert_member(&self, etp_rank: usize, ep_rank: usize, edp: usize) -> (usize, usize) {
+        let (etp, ep, tp) = (self.etp.max(1), self.ep.max(1), self.tp.max(1));
+        let i = etp_rank + etp * (ep_rank + ep * edp);
+        (i / tp, i % tp)
     }
 
     /// Degrees as (dp, pp, tp), the order [`Placement`] takes them.

@@ -126,6 +126,7 @@ pub fn from_decision(d: &PlanDecision, lg: &LayeredGraph, cluster: &ClusterSpec,
             || d.axes.ep_alternatives.len() > 1
             || d.parallel.cp > 1
             || d.parallel.ep > 1
+            || d.parallel.experts_folded()
             || d.axes.sample_input_bytes > d.memory_limit_bytes / 8.0)
             .then(|| AxesInfo {
             sample_input_bytes: bytes(d.axes.sample_input_bytes),
@@ -220,8 +221,9 @@ fn layer_parts(
         out.push(LayerPart::Attention { form, heads: a.heads, kv_heads, split: if heads_split { par.tp } else { 1 }, whole_because });
     }
     for e in described.experts {
-        let split = if strategy(&e.node) == Some(Strategy::Experts) { par.tp } else { 1 };
-        out.push(LayerPart::Experts { routed: e.routed, top_k: e.top_k, shared: e.shared, ep: par.ep, split });
+        let folded = par.experts_folded();
+        let split = if folded { par.etp } else if strategy(&e.node) == Some(Strategy::Experts) { par.tp } else { 1 };
+        out.push(LayerPart::Experts { routed: e.routed, top_k: e.top_k, shared: e.shared, ep: par.ep, split, folded });
     }
     out
 }

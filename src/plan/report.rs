@@ -316,7 +316,9 @@ pub(super) fn header(plan: &Plan, out: &mut String) {
     if let Some(m) = &plan.cluster.machine {
         let _ = writeln!(out, "machine {}", machine_line(m));
     }
-    let mut parallel = if plan.axes.is_some() || par.cp > 1 || par.ep > 1 {
+    let mut parallel = if par.experts_folded() {
+        format!("pp {} · tp {} · cp {} · dp {} (ep {} · etp {} over tp × dp), ZeRO {}", par.pp, par.tp, par.cp, par.dp, par.ep, par.etp, par.zero)
+    } else if plan.axes.is_some() || par.cp > 1 || par.ep > 1 {
         format!("pp {} · tp {} · cp {} · dp {} (ep {}), ZeRO {}", par.pp, par.tp, par.cp, par.dp, par.ep, par.zero)
     } else {
         format!("pp {} · tp {} · dp {}, ZeRO {}", par.pp, par.tp, par.dp, par.zero)

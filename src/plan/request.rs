@@ -41,6 +41,9 @@ pub struct PlanRequest {
     /// `--ep`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ep: Option<usize>,
+    /// `--etp`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etp: Option<usize>,
     /// `--expert-imbalance`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expert_imbalance: Option<f64>,
@@ -133,6 +136,7 @@ impl PlanRequest {
             dp: options.dp,
             cp: options.cp,
             ep: options.ep,
+            etp: options.etp,
             expert_imbalance: options.expert_imbalance,
             expert_dispatch: options.expert_dispatch.map(|d| d.name().to_string()),
             zero: options.zero,
@@ -168,6 +172,7 @@ impl PlanRequest {
             dp: self.dp,
             cp: self.cp,
             ep: self.ep,
+            etp: self.etp,
             expert_imbalance: self.expert_imbalance,
             expert_dispatch: read("expert_dispatch", &self.expert_dispatch, |s| s.parse())?,
             zero: self.zero,

@@ -217,6 +217,9 @@ mod parallel_file {
         dp: usize,
         cp: usize,
         ep: usize,
+        /// The expert-tensor degree where it differs from `tp` (folded expert groups).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        etp: Option<usize>,
         zero: u8,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         sharded_dp: Option<usize>,
@@ -241,6 +244,7 @@ mod parallel_file {
             dp: p.dp,
             cp: p.cp,
             ep: p.ep,
+            etp: p.experts_folded().then_some(p.etp),
             zero: p.zero,
             sharded_dp: p.sharded_dp,
             microbatches: p.microbatches,
@@ -276,6 +280,7 @@ mod parallel_file {
             dp: f.dp,
             cp: f.cp,
             ep: f.ep,
+            etp: f.etp.unwrap_or(f.tp),
             zero: f.zero,
             sharded_dp: f.sharded_dp,
             microbatches: f.microbatches,
@@ -419,8 +424,13 @@ pub enum LayerPart {
         shared: i64,
         /// Ranks its routed experts are spread over (expert parallelism).
         ep: usize,
-        /// Ways each expert's MLP is split by its intermediate dim over the tensor ranks.
+        /// Ways each expert's MLP is split by its intermediate dim over the tensor ranks (the
+        /// expert-tensor degree).
         split: usize,
+        /// The expert group folds over tensor × data ranks (expert-tensor degree below the
+        /// tensor degree): each tensor rank routes its own tokens.
+        #[serde(default, skip_serializing_if = "is_false")]
+        folded: bool,
     },
 }
 
@@ -461,7 +471,7 @@ impl fmt::Display for LayerPart {
                     _ => f.write_str(", whole"),
                 }
             }
-            LayerPart::Experts { routed, top_k, shared, ep, split } => {
+            LayerPart::Experts { routed, top_k, shared, ep, split, folded } => {
                 write!(f, "experts: {routed} routed")?;
                 if let Some(k) = top_k {
                     write!(f, " top {k}")?;
@@ -470,7 +480,9 @@ impl fmt::Display for LayerPart {
                     write!(f, " + {shared} shared")?;
                 }
                 write!(f, ", ep {ep}")?;
-                if *split > 1 {
+                if *folded {
+                    write!(f, " folded over tensor × data ranks (expert-tensor {split}, each tensor rank routing its own tokens)")?;
+                } else if *split > 1 {
                     write!(f, ", each expert split {split} ways by its intermediate dim")?;
                 }
                 Ok(())

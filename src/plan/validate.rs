@@ -105,8 +105,14 @@ pub fn validate(plan: &Plan) -> Result<(), PlanInvalid> {
             return Err(PlanInvalid::Degree { field, value: 0, expected: "at least 1" });
         }
     }
-    if par.dp % par.ep != 0 {
-        return Err(PlanInvalid::Degree { field: "ep", value: par.ep as u64, expected: "a divisor of parallel.dp (expert groups are carved from the data-parallel ranks)" });
+    if par.etp == 0 || par.tp % par.etp != 0 {
+        return Err(PlanInvalid::Degree { field: "etp", value: par.etp as u64, expected: "a divisor of parallel.tp" });
+    }
+    if !par.experts_folded() && par.dp % par.ep != 0 {
+        return Err(PlanInvalid::Degree { field: "ep", value: par.ep as u64, expected: "a divisor of parallel.dp (expert groups are carved from the data-parallel ranks; with parallel.etp below parallel.tp they fold over tensor × data ranks)" });
+    }
+    if par.experts_folded() && ((par.tp * par.dp) % (par.ep * par.etp) != 0 || par.cp > 1) {
+        return Err(PlanInvalid::Degree { field: "ep", value: par.ep as u64, expected: "with parallel.ep · parallel.etp dividing parallel.tp · parallel.dp and parallel.cp 1 (folded expert groups)" });
     }
     if par.zero > 3 {
         return Err(PlanInvalid::Degree { field: "zero", value: par.zero.into(), expected: "0..=3" });

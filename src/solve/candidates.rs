@@ -42,6 +42,7 @@ struct Degrees {
     cp: usize,
     dp: usize,
     ep: usize,
+    etp: usize,
 }
 
 /// The degrees a model can take on a cluster: every (pp, tp, cp, dp, ep) that the fixed
@@ -94,7 +95,7 @@ impl<'a> Grid<'a> {
                     if !axes.context_allowed(cp, tp) || c.dp.is_some_and(|f| f != dp) || batch % dp != 0 {
                         continue;
                     }
-                    degrees.extend(axes.expert_degrees(dp).into_iter().map(|ep| Degrees { pp, tp, cp, dp, ep }));
+                    degrees.extend(axes.expert_degrees(dp, tp, cp).into_iter().map(|(ep, etp)| Degrees { pp, tp, cp, dp, ep, etp }));
                 }
             }
         }
@@ -128,7 +129,7 @@ impl<'a> Grid<'a> {
 
     /// Pushes the candidates of one grid point under `c`.
     fn expand(&self, c: &PlanOptions, d: &Degrees, out: &mut Vec<Candidate>) -> Result<(), SolveError> {
-        let Degrees { pp, tp, cp, dp, ep } = *d;
+        let Degrees { pp, tp, cp, dp, ep, etp } = *d;
         let (lg, spec) = (self.lg, self.spec);
         let layers = lg.layers.len();
         let per_replica = self.batch / dp;
@@ -201,6 +202,7 @@ impl<'a> Grid<'a> {
                             dp,
                             cp,
                             ep,
+                            etp,
                             zero,
                             sharded_dp: c.sharded_dp,
                             microbatches: m,
@@ -229,7 +231,7 @@ impl<'a> Grid<'a> {
         let (lg, spec) = (self.lg, self.spec);
         SolveError::Setting(format!(
             "no parallel configuration satisfies the fixed settings on {} devices with global batch {} \
-             (pp·tp·cp·dp must equal the device count, dp must divide the batch, ep must divide dp and the experts, \
+             (pp·tp·cp·dp must equal the device count, dp must divide the batch, ep must divide the experts and dp (tp·dp/etp with --etp below tp), \
              2·cp must divide the sequence{}; unless fixed, tp ≤ {} and divides the blocks' weight dimensions){}",
             spec.devices,
             self.batch,
@@ -265,6 +267,8 @@ pub struct AxisLimits {
     pub cp: Option<usize>,
     /// The forced expert degree.
     pub ep: Option<usize>,
+    /// The forced expert-tensor degree.
+    pub etp: Option<usize>,
 }
 
 impl AxisLimits {
@@ -313,7 +317,7 @@ impl AxisLimits {
             )));
         }
         let cap = cfg.memory_limit_bytes().unwrap_or(spec.memory_bytes) as f64;
-        Ok(AxisLimits { seq, sample_bytes, cap, experts, cp: cfg.cp, ep: cfg.ep })
+        Ok(AxisLimits { seq, sample_bytes, cap, experts, cp: cfg.cp, ep: cfg.ep, etp: cfg.etp })
     }
 
     /// Whether the search tries context degree `c`: forced, or 1, or a sequence that splits
@@ -331,16 +335,23 @@ impl AxisLimits {
         }
     }
 
-    /// The expert degrees tried with `dp` data-parallel ranks: those dividing dp and every
-    /// layer's expert count (only 1 for a dense model).
-    pub fn expert_degrees(&self, dp: usize) -> Vec<usize> {
-        if self.experts.is_empty() {
-            return if self.ep.is_none_or(|e| e == 1) { vec![1] } else { Vec::new() };
+    /// The (expert, expert-tensor) degrees tried with `dp` data-parallel and `tp` tensor ranks:
+    /// the expert-tensor degree as forced (else `tp`), the expert degrees dividing every layer's
+    /// expert count and `tp · dp / etp` (that is dp at etp = tp); only (1, tp) for a dense
+    /// model. Folded groups (etp < tp) are not built with context parallelism.
+    pub fn expert_degrees(&self, dp: usize, tp: usize, cp: usize) -> Vec<(usize, usize)> {
+        let etp = self.etp.unwrap_or(tp);
+        if tp % etp.max(1) != 0 || (etp != tp && cp > 1) {
+            return Vec::new();
         }
-        divisors(dp)
+        if self.experts.is_empty() {
+            return if self.ep.is_none_or(|e| e == 1) { vec![(1, etp)] } else { Vec::new() };
+        }
+        divisors(tp * dp / etp)
             .into_iter()
             .filter(|&e| self.experts.iter().all(|&n| n % e == 0))
             .filter(|&e| self.ep.is_none_or(|f| f == e))
+            .map(|e| (e, etp))
             .collect()
     }
 }
@@ -379,6 +390,17 @@ pub fn layer_config(spec: &ClusterSpec, cand: &Candidate) -> LayerConfig {
     // indices at one context rank, and the ranks holding the same experts the rest of D.
     let at = |d: usize, k: usize| (d * cp + k) * d_stride;
     let same_experts = |replicas: usize| -> Vec<usize> { (0..(replicas / ep).max(1)).flat_map(|j| (0..cp).map(move |k| at(j * ep, k))).collect() };
+    let (ep_group, expert_dp_group, expert_zero_group) = if par.experts_folded() {
+        // Folded over a stage's tp · dp ranks (context degree 1): the expert group of the
+        // first expert-tensor rank and replica of experts, and the replicas holding its experts.
+        let rank = |(d, t): (usize, usize)| par.rank_of(d, 0, 0, t);
+        let edp = (par.tp * dp / (par.etp.max(1) * ep)).max(1);
+        let group: Vec<usize> = (0..ep).map(|e| rank(par.expert_member(0, e, 0))).collect();
+        let same = |n: usize| -> Vec<usize> { (0..n.max(1)).map(|j| rank(par.expert_member(0, 0, j))).collect() };
+        (GroupSpan::of_ranks(&group, dpn), GroupSpan::of_ranks(&same(edp), dpn), GroupSpan::of_ranks(&same(edp * zg / dp), dpn))
+    } else {
+        (GroupSpan::strided(0, ep, d_stride * cp, dpn), GroupSpan::of_ranks(&same_experts(dp), dpn), GroupSpan::of_ranks(&same_experts(zg), dpn))
+    };
     LayerConfig {
         tp: par.tp,
         microbatch: cand.microbatch_size,
@@ -390,9 +412,10 @@ pub fn layer_config(spec: &ClusterSpec, cand: &Candidate) -> LayerConfig {
         cp,
         cp_group: GroupSpan::strided(0, cp, d_stride, dpn),
         ep,
-        ep_group: GroupSpan::strided(0, ep, d_stride * cp, dpn),
-        expert_dp_group: GroupSpan::of_ranks(&same_experts(dp), dpn),
-        expert_zero_group: GroupSpan::of_ranks(&same_experts(zg), dpn),
+        etp: par.etp.max(1),
+        ep_group,
+        expert_dp_group,
+        expert_zero_group,
     }
 }
 

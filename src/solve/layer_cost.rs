@@ -129,6 +129,9 @@ pub struct LayerConfig {
     /// Expert-parallel degree e: a mixture of experts' experts split over e data-parallel
     /// ranks, tokens sent to them and back by all-to-all.
     pub ep: usize,
+    /// Expert-tensor degree: ranks each expert's weights split over (`tp`, or below it when
+    /// expert groups fold over tensor × data ranks and each tensor rank routes its own tokens).
+    pub etp: usize,
     /// The expert group (the all-to-alls).
     pub ep_group: GroupSpan,
     /// The ranks holding the same experts, over which expert gradients reduce (d·c / e).
@@ -153,6 +156,7 @@ impl LayerConfig {
             cp: 1,
             cp_group: one,
             ep: 1,
+            etp: tp,
             ep_group: one,
             expert_dp_group: dp_group,
             expert_zero_group: zero_group,
@@ -272,11 +276,11 @@ fn axis_facts(lg: &LayeredGraph) -> (Vec<AttentionFacts>, Vec<ExpertFacts>) {
 
 /// A layer configuration as a cache key (the layer's representative first; `usize::MAX` for
 /// the whole model).
-type LayerKey = (usize, usize, usize, u8, [GroupSpan; 7], bool, usize, usize);
+type LayerKey = (usize, usize, usize, u8, [GroupSpan; 7], bool, usize, usize, usize);
 
 fn layer_key(rep: usize, cfg: &LayerConfig) -> LayerKey {
     let groups = [cfg.zero_group, cfg.dp_group, cfg.tp_group, cfg.cp_group, cfg.ep_group, cfg.expert_dp_group, cfg.expert_zero_group];
-    (rep, cfg.tp, cfg.microbatch, cfg.zero, groups, cfg.sequence_parallel, cfg.cp, cfg.ep)
+    (rep, cfg.tp, cfg.microbatch, cfg.zero, groups, cfg.sequence_parallel, cfg.cp, cfg.ep, cfg.etp)
 }
 
 /// Figures of a model on a cluster, with a cache of layer points.
@@ -690,9 +694,14 @@ impl<'a> CostContext<'a> {
         let fraction = self.shapes[layer].trained_fraction();
         // Expert weights split over the expert group (its own ZeRO and gradient groups).
         let ex = self.experts[layer];
-        let expert_held = if cfg.ep > 1 && ex.experts > 0 { (ex.params / cfg.tp.max(1) as f64).min(params) } else { 0.0 };
+        let folded = cfg.etp != cfg.tp && ex.experts > 0;
+        // expert ops the assignment splits over the tensor ranks
+        let split_experts = d.nodes.iter().filter(|(_, s)| *s == crate::split::Strategy::Experts).count();
+        let in_detail = if split_experts > 0 { ex.params / cfg.tp.max(1) as f64 } else { ex.params };
+        let expert_held = if (cfg.ep > 1 || folded) && ex.experts > 0 { in_detail.min(params) } else { 0.0 };
         let dense = params - expert_held;
-        let experts = expert_held / cfg.ep.max(1) as f64;
+        // folded: every expert split over its expert-tensor ranks only
+        let experts = if folded { ex.params / cfg.etp.max(1) as f64 } else { expert_held } / cfg.ep.max(1) as f64;
         let (mut fwd_extra, mut bwd_extra) = (0.0, 0.0);
         let mut state = 0.0;
         let mut sync = 0.0;
@@ -733,6 +742,19 @@ impl<'a> CostContext<'a> {
             let per_gemm = eff.half_flops.max(0.0) * (1.0 - 1.0 / c) / (self.spec.peak_flops(self.dtype) * eff.peak.max(1e-9));
             fwd += gemms * per_gemm;
             bwd += 2.0 * gemms * per_gemm;
+        }
+        if folded && split_experts > 0 {
+            // The assignment priced the experts split over the tensor ranks with their tensor
+            // collectives (the partial output reduced, the tokens' gradient all-reduced); folded,
+            // each tensor rank runs its own tokens: nothing under sequence parallelism (the tokens
+            // are already the rank's), else the outputs and the tokens' gradients all-gathered.
+            let hidden = self.lg.layers[layer].input_bytes.max(self.lg.layers[layer].output_bytes) * cfg.microbatch as f64 * self.bytes_scale / c;
+            let (ar, ag) = (self.comm.all_reduce(hidden, &cfg.tp_group), self.comm.all_gather(hidden, &cfg.tp_group));
+            let (rs, n) = (self.comm.reduce_scatter(hidden, &cfg.tp_group), split_experts as f64);
+            let (was_fwd, was_bwd) = if cfg.sequence_parallel { (rs + ag, ar + ag) } else { (ar, ar) };
+            let (now_fwd, now_bwd) = if cfg.sequence_parallel { (0.0, 0.0) } else { (ag, ag) };
+            fwd = (fwd + n * (now_fwd - was_fwd)).max(0.0);
+            bwd = (bwd + n * (now_bwd - was_bwd)).max(0.0);
         }
         let ax = self.axis_times(layer, cfg);
         fwd += ax.kv_exposed_fwd_s + ax.all_to_all_fwd_s + ax.imbalance_fwd_s;
@@ -781,11 +803,13 @@ impl<'a> CostContext<'a> {
             out.kv_exposed_bwd_s = gather + scatter;
         }
         let ex = self.experts[layer];
-        if cfg.ep > 1 && ex.experts > 0 {
+        if (cfg.ep > 1 || cfg.etp != cfg.tp) && ex.experts > 0 {
             // Dispatch and combine: two all-to-alls forward, two backward, of the routed
             // tokens' hidden vectors ((e − 1)/e of them leave the rank); the busiest rank of
             // the group runs `expert_imbalance` times the mean routed tokens.
-            let tokens_split = if cfg.sequence_parallel { t } else { 1.0 };
+            // each rank sends its own tokens: its sequence-parallel chunk, or, folded, its
+            // expert-tensor group's share of the tensor group's tokens
+            let tokens_split = if cfg.sequence_parallel { t } else { t / cfg.etp.clamp(1, cfg.tp.max(1)) as f64 };
             let routed = ex.routed_bytes * b * self.bytes_scale / c / tokens_split;
             let a2a = match self.expert_dispatch {
                 crate::ir::ExpertDispatch::AllToAll => self.comm.all_to_all(routed, &cfg.ep_group),
@@ -818,11 +842,12 @@ impl<'a> CostContext<'a> {
     pub fn state_split(&self, params: f64, trained: f64, expert_params: f64, expert_trained: f64, cfg: &LayerConfig) -> crate::cost::ModelState {
         let t = cfg.tp.max(1) as f64;
         let e = cfg.ep.max(1) as f64;
+        let et = cfg.etp.max(1) as f64;
         let dense = model_state((params - expert_params) / t, (trained - expert_trained) / t, cfg.zero, cfg.zero_group.size, self.precision);
         if expert_params <= 0.0 {
             return dense;
         }
-        let ex = model_state(expert_params / t / e, expert_trained / t / e, cfg.zero, cfg.expert_zero_group.size, self.precision);
+        let ex = model_state(expert_params / et / e, expert_trained / et / e, cfg.zero, cfg.expert_zero_group.size, self.precision);
         crate::cost::ModelState { params: dense.params + ex.params, grads: dense.grads + ex.grads, optimizer: dense.optimizer + ex.optimizer }
     }
 }

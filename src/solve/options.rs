@@ -34,8 +34,12 @@ pub struct PlanOptions {
     /// microbatch's sequence is split over.
     pub cp: Option<usize>,
     /// Expert-parallel degree (`--ep`, SMP's `expert_parallel_degree`): ranks a mixture of
-    /// experts' experts are split over, carved from the data-parallel ranks.
+    /// experts' experts are split over, carved from the data-parallel ranks (or folded over
+    /// tensor × data ranks when `etp` is below `tp`).
     pub ep: Option<usize>,
+    /// Expert-tensor-parallel degree (`--etp`, Megatron-Core's `--expert-tensor-parallel-size`):
+    /// ranks each expert's weights are split over (default: `tp`); `ep · etp` divides `tp · dp`.
+    pub etp: Option<usize>,
     /// Load imbalance of expert parallelism (`--expert-imbalance`): the busiest rank of an
     /// expert group runs this many times the mean routed tokens (default
     /// [`DEFAULT_EXPERT_IMBALANCE`]).
@@ -124,6 +128,8 @@ pub enum Setting {
     Cp,
     /// `--ep`.
     Ep,
+    /// `--etp`.
+    Etp,
     /// `--zero`.
     Zero,
     /// `--sharded-dp`.
@@ -163,6 +169,7 @@ impl Setting {
             Setting::Dp => "dp",
             Setting::Cp => "cp",
             Setting::Ep => "ep",
+            Setting::Etp => "etp",
             Setting::Zero => "zero",
             Setting::ShardedDp => "sharded-dp",
             Setting::Microbatches => "microbatches",
@@ -325,6 +332,7 @@ impl PlanOptions {
             Setting::Dp => self.dp.map(|v| v.to_string()),
             Setting::Cp => self.cp.map(|v| v.to_string()),
             Setting::Ep => self.ep.map(|v| v.to_string()),
+            Setting::Etp => self.etp.map(|v| v.to_string()),
             Setting::Zero => self.zero.map(|v| v.to_string()),
             Setting::ShardedDp => self.sharded_dp.map(|v| v.to_string()),
             Setting::Microbatches => self.microbatches.map(|v| v.to_string()),
@@ -475,6 +483,7 @@ impl PlanOptions {
             (Setting::Dp, self.dp.map(|v| v as u64)),
             (Setting::Cp, self.cp.map(|v| v as u64)),
             (Setting::Ep, self.ep.map(|v| v as u64)),
+            (Setting::Etp, self.etp.map(|v| v as u64)),
             (Setting::ShardedDp, self.sharded_dp.map(|v| v as u64)),
             (Setting::Microbatches, self.microbatches.map(|v| v as u64)),
             (Setting::ActiveMicrobatches, self.active_microbatches.map(|v| v as u64)),
@@ -515,14 +524,45 @@ impl PlanOptions {
                 why: "must be a number ≥ 1 (the busiest expert rank's routed tokens over the mean)".into(),
             });
         }
-        if let (Some(ep), Some(dp)) = (self.ep, self.dp)
-            && dp % ep != 0
+        if let (Some(etp), Some(tp)) = (self.etp, self.tp)
+            && tp % etp != 0
         {
             return Err(conflict(
-                self.source(Setting::Ep),
-                self.source(Setting::Dp),
-                format!("expert groups are carved from the data-parallel ranks: the expert-parallel degree {ep} must divide the data-parallel degree {dp}"),
+                self.source(Setting::Etp),
+                self.source(Setting::Tp),
+                format!("the expert-tensor degree {etp} must divide the tensor degree {tp} (give --etp 1 or --etp {tp})"),
             ));
+        }
+        let folded = self.etp.is_some_and(|e| self.tp.is_none_or(|t| t != e));
+        if folded
+            && let Some(cp) = self.cp.filter(|&c| c > 1)
+        {
+            return Err(conflict(
+                self.source(Setting::Etp),
+                self.source(Setting::Cp),
+                format!("expert groups folded over tensor × data ranks are not built with context parallelism ({cp}); drop --etp or give --cp 1"),
+            ));
+        }
+        match (self.ep, self.dp, self.tp) {
+            (Some(ep), Some(dp), tp) if !folded && dp % ep != 0 => {
+                let hint = tp.filter(|&t| t > 1 && (t * dp) % ep == 0).map_or(String::new(), |_| "; or fold the groups over the tensor ranks too with --etp 1".to_string());
+                return Err(conflict(
+                    self.source(Setting::Ep),
+                    self.source(Setting::Dp),
+                    format!("expert groups are carved from the data-parallel ranks at --etp = --tp: the expert-parallel degree {ep} must divide the data-parallel degree {dp}{hint}"),
+                ));
+            }
+            (Some(ep), Some(dp), Some(tp)) if folded => {
+                let etp = self.etp.unwrap_or(tp);
+                if (tp * dp) % (ep * etp) != 0 {
+                    return Err(conflict(
+                        self.source(Setting::Ep),
+                        self.source(Setting::Etp),
+                        format!("folded expert groups re-factor a stage's tp · dp = {} ranks as expert-tensor × expert-parallel × expert-data: ep · etp = {ep} · {etp} must divide them", tp * dp),
+                    ));
+                }
+            }
+            _ => {}
         }
         if let Some(t) = self.time_limit_s
             && !(t.is_finite() && t > 0.0)
@@ -700,6 +740,7 @@ impl PlanOptions {
         };
         (self.pp, self.tp, self.cp, self.dp) = (Some(pp), Some(tp), Some(cp), Some(dp));
         self.ep.get_or_insert(1);
+        self.etp.get_or_insert(tp);
         if self.sharded_dp.is_none() {
             self.zero.get_or_insert(0);
         }

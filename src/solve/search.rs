@@ -532,11 +532,13 @@ fn axis_report(ctx: &CostContext<'_>, cand: &Candidate, prob: &PipelineProblem, 
             r.imbalance_s += m * 3.0 * ax.imbalance_fwd_s;
         }
         let ex = ctx.experts.get(l).copied().unwrap_or_default();
-        if d == peak && cand.parallel.ep > 1 && ex.experts > 0 {
+        if d == peak && (cand.parallel.ep > 1 || cand.parallel.experts_folded()) && ex.experts > 0 {
             let held = ex.params / t;
             let trained = held * ctx.shapes[l].trained_fraction();
             let at = |e: f64, group: usize| crate::cost::model_state(held / e, trained / e, lc.zero, group, ctx.precision).total();
-            r.state_bytes_without_ep += at(1.0, lc.zero_group.size) - at(cand.parallel.ep as f64, lc.expert_zero_group.size);
+            // experts split over ep · etp ranks where `held` counts them split over tp
+            let e = cand.parallel.ep as f64 * cand.parallel.etp.max(1) as f64 / cand.parallel.tp.max(1) as f64;
+            r.state_bytes_without_ep += at(1.0, lc.zero_group.size) - at(e, lc.expert_zero_group.size);
         }
     }
     r
@@ -669,7 +671,7 @@ impl Search<'_> {
                 let held = ctx.shapes[l].params / cand.parallel.tp.max(1) as f64 + extra;
                 params += held;
                 trained += held * ctx.shapes[l].trained_fraction();
-                if cand.parallel.ep > 1 {
+                if cand.parallel.ep > 1 || cand.parallel.experts_folded() {
                     let ex = ctx.experts[l].params / cand.parallel.tp.max(1) as f64;
                     expert += ex;
                     expert_trained += ex * ctx.shapes[l].trained_fraction();

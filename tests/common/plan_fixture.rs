@@ -75,6 +75,7 @@ pub fn fixture() -> Plan {
             dp: 1,
             cp: 1,
             ep: 1,
+            etp: 2,
             zero: 0,
             sharded_dp: None,
             microbatches: 4,

@@ -45,6 +45,7 @@ fn check_flags(args: &PlanArgs) -> Result<()> {
         (f.tp.is_some(), "--tp"),
         (f.dp.is_some(), "--dp"),
         (f.cp.is_some(), "--cp"),
+        (f.etp.is_some(), "--etp"),
         (f.zero.is_some(), "--zero"),
         (f.sharded_dp.is_some(), "--sharded-dp"),
         (f.microbatches.is_some(), "--microbatches"),
@@ -132,6 +133,7 @@ pub fn run(model: &Path, spec: &str, args: &PlanArgs) -> Result<ExitCode> {
             _ => o.ep = Some(ep),
         }
     }
+
     let options = reading.options.clone().resolve(None).context("--from-engine")?;
     let (yours, over) = engines::price(engine, &analysed, &cluster, &options).with_context(|| format!("planning the {engine} configuration"))?;
     // ours: the same model, cluster, batch and precision, everything else searched

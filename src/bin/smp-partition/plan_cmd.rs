@@ -89,6 +89,11 @@ pub struct PlanFlags {
     /// data-parallel degree (omitted = searched; 1 for dense models).
     #[arg(long, value_name = "N")]
     pub ep: Option<usize>,
+    /// Expert-tensor-parallel degree: ranks each expert's weights are split over (Megatron-Core's
+    /// expert-tensor-parallel size) [default: tp]; below tp the expert groups fold over tensor ×
+    /// data ranks, ep · etp dividing tp · dp.
+    #[arg(long, value_name = "N")]
+    pub etp: Option<usize>,
     /// Expert-parallel load imbalance: the busiest rank of an expert group runs this many times
     /// the mean routed tokens [default: 1.1]
     #[arg(long, value_name = "F")]
@@ -188,6 +193,7 @@ impl PlanFlags {
             dp: self.dp,
             cp: self.cp,
             ep: self.ep,
+            etp: self.etp,
             expert_imbalance: self.expert_imbalance,
             zero: self.zero,
             sharded_dp: self.sharded_dp,

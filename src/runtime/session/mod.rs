@@ -117,6 +117,16 @@ impl RunSession {
         let bytes = std::fs::read(&path).map_err(|e| SessionError::Plan(format!("cannot read plan `{}`: {e}", path.display())))?;
         let plan_hash = sha256_hex(&bytes);
         rank::codegen_section(&plan).map_err(|e| plan_err(&path, e))?;
+        if plan.parallel.experts_folded() {
+            let p = &plan.parallel;
+            return Err(plan_err(
+                &path,
+                format!(
+                    "its expert groups fold over tensor × data ranks (ep {}, etp {} below tp {}), which smp-runner does not execute yet: it forms expert groups from the data-parallel ranks with every expert split over the tensor ranks; re-plan with --etp {} (ep dividing dp {})",
+                    p.ep, p.etp, p.tp, p.tp, p.dp
+                ),
+            ));
+        }
         let params = plan_params(&plan, &opts.params, &path)?;
         // the plan's precision, or the `--dtype f64` verification override
         let dtype = FloatType::for_plan(plan.parallel.precision, opts.dtype, &path).map_err(SessionError::Options)?;
