@@ -8,8 +8,9 @@
 //! that closes fails the test too, so the list stays honest.
 //!
 //! The plan prices no transient: it reserves its preset's fixed workspace margin instead (256 MiB
-//! on `cpu`), so `temporaries` is only held to not exceeding that margin, and the predicted total
-//! is compared without it.
+//! on `cpu`), so `temporaries` is only held to not exceeding that margin, and the totals compared
+//! are what the rank holds beside transients: the predicted total without the margin against the
+//! measured one without the peak instruction's temporaries.
 #![cfg(feature = "runner")]
 
 mod common;
@@ -19,8 +20,8 @@ use std::path::{Path, PathBuf};
 
 use common::runner::{json, ok, plan_into, runner};
 
-/// The parts compared, in the report's order (`total`: the predicted one less the workspace
-/// margin, which is slack, not a prediction of what the rank holds).
+/// The parts compared, in the report's order (`total`: what the rank holds beside transients,
+/// the predicted one less the workspace margin and the measured one less its temporaries).
 const PARTS: [&str; 6] = ["params", "grads", "optimizer", "activations", "offloaded", "total"];
 
 /// Relative bound on every part and the held total.
@@ -67,53 +68,43 @@ struct Gap {
 /// Parts whose measurement moves between runs, so they may land either side of the bound:
 /// under tensor parallelism the rank's highest window is either in the forward (gradients freed
 /// at the step's start: 0 held) or in the backward (all held), two windows within 1.5 MiB of each
-/// other that the collectives' own buffers decide. (case, part, why)
-const UNSTEADY: &[(&str, &str, &str)] = &[
-    ("tp2", "grads", "the peak falls in the forward (no gradients held) or the backward (all held), run by run"),
-    ("tp2-sp", "grads", "as tp2"),
+/// other that the collectives' own buffers decide. (case, part, the looser bound it is held to
+/// instead, if any, why)
+const UNSTEADY: &[(&str, &str, Option<f64>, &str)] = &[
+    ("tp2", "grads", None, "the peak falls in the forward (no gradients held) or the backward (all held), run by run"),
+    ("tp2-sp", "grads", None, "as tp2"),
+    ("mixtral-dp2-ep2", "activations", Some(0.2), "0.88-0.92× run to run: what the expert all-to-all holds at the peak moves with the peer's timing (4.94-5.07 MiB measured)"),
+    ("mixtral-dp2-ep2", "total", Some(0.2), "as its activations: 0.89-0.92×"),
 ];
 
 const KNOWN_GAPS: &[Gap] = &[
     Gap { case: "pp2-gpipe", part: "grads", cause: "the last rank peaks after its last forward, before any gradient exists (the runner frees them at each step's start); the plan counts them held (0 measured against 0.42 MiB)" },
-    Gap { case: "pp2-gpipe", part: "activations", cause: "0.89× on rank 1: the plan's kept activations now fall short of what the runner holds at its peak (since the mask is counted once per stage and fused attention keeps no scores); the rest is not analysed yet" },
-    Gap { case: "pp2-gpipe", part: "total", cause: "0.85× on rank 1: its activations, and a transient of up to 3.5 MiB the plan prices in its workspace margin only" },
-    Gap { case: "pp2-1f1b", part: "activations", cause: "0.89× on rank 1: the plan's kept activations now fall short of what the runner holds at its peak (since the mask is counted once per stage and fused attention keeps no scores); the rest is not analysed yet" },
-    Gap { case: "pp2-1f1b", part: "total", cause: "0.80× on rank 1: its activations, and a transient of up to 3.5 MiB the plan prices in its workspace margin only" },
-    Gap { case: "pp2-interleaved", part: "activations", cause: "0.46× on rank 1: the runner holds more microbatches' activations under interleaving than the plan counts (not analysed yet)" },
-    Gap { case: "pp2-interleaved", part: "total", cause: "0.48× on rank 1: its activations" },
     Gap { case: "pp2-zb-h1", part: "grads", cause: "as pp2-gpipe: the last rank peaks after its last forward, before any gradient exists (the runner frees them at each step's start); the plan counts them held" },
-    Gap { case: "pp2-zb-h1", part: "activations", cause: "0.88× on rank 1: the plan's kept activations now fall short of what the runner holds at its peak (since the mask is counted once per stage and fused attention keeps no scores); the rest is not analysed yet" },
-    Gap { case: "pp2-zb-h1", part: "total", cause: "0.84× on rank 1: its activations, and a transient of up to 3.5 MiB the plan prices in its workspace margin only" },
-    Gap { case: "tp2", part: "activations", cause: "0.68×: the runner holds more than the plan's split activations without sequence parallelism (not analysed yet)" },
-    Gap { case: "tp2", part: "total", cause: "0.61-0.65×: its activations, and a transient of up to 3.5 MiB the plan prices in its workspace margin only" },
-    Gap { case: "tp2-sp", part: "activations", cause: "0.76-0.81×: the plan's kept activations now fall short of what the runner holds at its peak (since the mask is counted once per stage and fused attention keeps no scores); the rest is not analysed yet" },
-    Gap { case: "tp2-sp", part: "total", cause: "0.73-0.77×: its activations, and a transient of up to 3.5 MiB the plan prices in its workspace margin only" },
-    Gap { case: "cp2", part: "activations", cause: "0.84×: the plan's kept activations now fall short of what the runner holds at its peak (since the mask is counted once per stage and fused attention keeps no scores); the rest is not analysed yet" },
-    Gap { case: "cp2", part: "total", cause: "0.82×: its activations" },
+    Gap { case: "tp2", part: "activations", cause: "0.71×: without sequence parallelism the runner holds more than the plan's split activations; the column-split projections' whole inputs (the norms' outputs) are one part the plan divides by t, the rest is not analysed yet" },
+    Gap { case: "tp2", part: "total", cause: "0.73×: its activations" },
+    Gap { case: "tp2-sp", part: "activations", cause: "0.83×: the runner holds more than the plan's split activations (the gathered inputs of the column-split projections are a lead, not analysed yet)" },
+    Gap { case: "tp2-sp", part: "total", cause: "0.85×: its activations" },
     Gap { case: "dp2-zero2", part: "grads", cause: "0.50×: the runner accumulates whole gradients over the microbatches and reduce-scatters at the step's end; the plan counts a 1/dp block" },
-    Gap { case: "dp2-zero2", part: "total", cause: "0.89×: its gradients" },
     Gap { case: "dp2-zero3", part: "params", cause: "0.33×: the runner gathers a whole stage's parameters for its passes beside its block; the plan counts the block" },
     Gap { case: "dp2-zero3", part: "grads", cause: "0.50×: as dp2-zero2" },
-    Gap { case: "dp2-zero3", part: "total", cause: "0.79×: its parameters and gradients" },
-    Gap { case: "dp2-recompute-selective", part: "activations", cause: "0.56×: a recomputed layer's activations are made and freed inside its backward instruction, so they are measured as temporaries; the plan counts them kept" },
-    Gap { case: "dp2-recompute-selective", part: "total", cause: "0.50×: a recomputed layer's backward holds its recomputed activations and their gradients (up to 28.6 MiB), which the plan does not count" },
-    Gap { case: "dp2-recompute-full", part: "activations", cause: "2.19×: a recomputed layer's activations are made and freed inside its backward instruction, so they are measured as temporaries; the plan counts them kept" },
-    Gap { case: "dp2-recompute-full", part: "total", cause: "0.40×: a recomputed layer's backward holds its recomputed activations and their gradients (up to 28.6 MiB), which the plan does not count" },
-    Gap { case: "pp2-offload", part: "activations", cause: "1.64-1.89×: as dp2-recompute-full (the recomputed layer's activations are transient)" },
+    Gap { case: "dp2-zero3", part: "total", cause: "0.88×: its parameters and gradients" },
+    Gap { case: "dp2-recompute-selective", part: "activations", cause: "0.60×: the plan counts kept activations for 1 of the 2 recomputed layers' backward at a time; the runner's recomputed segment holds its recomputed activations and their gradients beside the kept ones (not analysed further)" },
+    Gap { case: "dp2-recompute-selective", part: "total", cause: "0.67×: its activations" },
+    Gap { case: "dp2-recompute-full", part: "activations", cause: "2.19×: the plan counts a recomputed layer's working set among the activations; the runner makes and frees it inside the backward instruction, measured as temporaries (13.3 MiB)" },
+    Gap { case: "dp2-recompute-full", part: "total", cause: "1.43×: its activations (the recompute working set is a transient in the runner)" },
+    Gap { case: "pp2-offload", part: "activations", cause: "1.64-1.89×: as dp2-recompute-full (the recomputed layer's working set is a transient)" },
     Gap { case: "pp2-offload", part: "offloaded", cause: "rank 0 peaks when none of its kept inputs is in host memory; the plan counts 0.50 MiB there at its peak" },
-    Gap { case: "pp2-offload", part: "total", cause: "0.32× on rank 0: a recomputed layer's backward holds its recomputed activations and their gradients (up to 28.6 MiB), which the plan does not count" },
+    Gap { case: "pp2-offload", part: "total", cause: "1.47-1.67×: its activations" },
     Gap { case: "pp2-bf16-mixed", part: "params", cause: "0.50×: the runner keeps fp32 parameters (autocast casts per op) where the plan counts 16-bit working weights" },
     Gap { case: "pp2-bf16-mixed", part: "grads", cause: "0.50×: the runner's gradients are fp32 (of the fp32 parameters); the plan counts 16-bit ones" },
     Gap { case: "pp2-bf16-mixed", part: "optimizer", cause: "1.50×: the runner's fp32 parameters are the master weights, so it holds no separate copy; the plan counts one (the state's sum agrees)" },
-    Gap { case: "pp2-bf16-mixed", part: "activations", cause: "0.49-0.54×: the plan counts every activation at 2 bytes; under autocast some stay fp32 (norms, softmax, the loss); not analysed further" },
-    Gap { case: "pp2-bf16-mixed", part: "total", cause: "0.47-0.56×: its activations" },
-    Gap { case: "pp2-fp16-mixed", part: "params", cause: "0.50×: the runner keeps fp32 parameters (autocast casts per op) where the plan counts 16-bit working weights" },
-    Gap { case: "pp2-fp16-mixed", part: "grads", cause: "0.50×: the runner's gradients are fp32 (of the fp32 parameters); the plan counts 16-bit ones" },
-    Gap { case: "pp2-fp16-mixed", part: "optimizer", cause: "1.50×: the runner's fp32 parameters are the master weights, so it holds no separate copy; the plan counts one (the state's sum agrees)" },
-    Gap { case: "pp2-fp16-mixed", part: "activations", cause: "0.49-0.54×: the plan counts every activation at 2 bytes; under autocast some stay fp32 (norms, softmax, the loss); not analysed further" },
-    Gap { case: "pp2-fp16-mixed", part: "total", cause: "0.47-0.56×: its activations" },
-    Gap { case: "mixtral-dp2-ep2", part: "activations", cause: "0.88-0.90×: the plan's kept activations now fall short of what the runner holds at its peak (since the mask is counted once per stage and fused attention keeps no scores); the rest is not analysed yet" },
-    Gap { case: "mixtral-dp2-ep2", part: "total", cause: "0.84-0.86×: its activations" },
+    Gap { case: "pp2-bf16-mixed", part: "activations", cause: "0.53-0.54×: the plan counts every activation at 2 bytes; under autocast only the matrix products' outputs are 16-bit, the rest stays fp32 (norms, residual sums, softmax, the loss)" },
+    Gap { case: "pp2-bf16-mixed", part: "total", cause: "0.57-0.59×: its activations" },
+    Gap { case: "pp2-fp16-mixed", part: "params", cause: "0.50×: as pp2-bf16-mixed" },
+    Gap { case: "pp2-fp16-mixed", part: "grads", cause: "0.50×: as pp2-bf16-mixed" },
+    Gap { case: "pp2-fp16-mixed", part: "optimizer", cause: "1.50×: as pp2-bf16-mixed" },
+    Gap { case: "pp2-fp16-mixed", part: "activations", cause: "0.53-0.54×: as pp2-bf16-mixed" },
+    Gap { case: "pp2-fp16-mixed", part: "total", cause: "0.57-0.59×: its activations" },
 ];
 
 /// The bundled model `name`, or the small Mixtral of tests/moe_oracle.py.
@@ -130,9 +121,10 @@ fn predicted(m: &serde_json::Value, part: &str) -> f64 {
     if part == "total" { get("total") - get("temporaries") } else { get(part) }
 }
 
-/// Part `part` of a `memory.measured` object.
+/// Part `part` of a `memory.measured` object (`total` without the temporaries).
 fn measured(m: &serde_json::Value, part: &str) -> f64 {
-    m[part].as_f64().unwrap_or_else(|| panic!("no `{part}` in {m}"))
+    let get = |k: &str| m[k].as_f64().unwrap_or_else(|| panic!("no `{k}` in {m}"));
+    if part == "total" { get("total") - get("temporaries") } else { get(part) }
 }
 
 /// Runs `case` for 2 steps; per rank, its `memory` object.
@@ -157,7 +149,7 @@ fn every_rank_holds_the_memory_its_plan_predicts_by_part() {
         assert!(CASES.iter().any(|c| c.name == g.case) && PARTS.contains(&g.part), "known gap {} {}: no such case or part", g.case, g.part);
     }
     let dir = tempfile::tempdir().unwrap();
-    let mut table = String::from("| case | rank | params | grads | optimizer | activations | offloaded | total (less the margin) | temporaries (measured / margin) |\n|---|---|---|---|---|---|---|---|---|\n");
+    let mut table = String::from("| case | rank | params | grads | optimizer | activations | offloaded | total (held beside transients) | temporaries (measured / margin) |\n|---|---|---|---|---|---|---|---|---|\n");
     let mut failures = Vec::new();
     let mut outside = String::new();
     let mib = |b: f64| b / (1u64 << 20) as f64;
@@ -165,6 +157,8 @@ fn every_rank_holds_the_memory_its_plan_predicts_by_part() {
         let ranks = measure(case, dir.path());
         // per part: whether every rank is within the bound
         let mut within = [true; PARTS.len()];
+        // per part: whether every rank is within an unsteady part's looser bound
+        let mut loosely = [true; PARTS.len()];
         for (rank, m) in ranks.iter().enumerate() {
             let (pred, meas) = (&m["predicted"], &m["measured"]);
             assert!(meas.is_object(), "{} rank {rank}: nothing measured ({m})", case.name);
@@ -172,8 +166,11 @@ fn every_rank_holds_the_memory_its_plan_predicts_by_part() {
             let _ = write!(table, "| {} | {rank} |", case.name);
             for (i, p) in PARTS.iter().enumerate() {
                 let (want, got) = (predicted(pred, p), measured(meas, p));
-                let ok = (want - got).abs() <= (BOUND * got).max(FLOOR * total);
-                within[i] &= ok;
+                let near = |bound: f64| (want - got).abs() <= (bound * got).max(FLOOR * total);
+                within[i] &= near(BOUND);
+                if let Some(&(.., Some(loose), _)) = UNSTEADY.iter().find(|&&(c, part, ..)| c == case.name && part == *p) {
+                    loosely[i] &= near(loose);
+                }
                 let ratio = if got > 0.0 { format!("{:.2}×", want / got) } else if want == 0.0 { "=".into() } else { "∞".into() };
                 let _ = write!(table, " {:.2} / {:.2} ({ratio}) |", mib(want), mib(got));
             }
@@ -185,7 +182,10 @@ fn every_rank_holds_the_memory_its_plan_predicts_by_part() {
         }
         for (i, p) in PARTS.iter().enumerate() {
             let listed = KNOWN_GAPS.iter().any(|g| g.case == case.name && g.part == *p);
-            if UNSTEADY.iter().any(|&(c, part, _)| c == case.name && part == *p) {
+            if let Some(&(.., loose, _)) = UNSTEADY.iter().find(|&&(c, part, ..)| c == case.name && part == *p) {
+                if !loosely[i] {
+                    failures.push(format!("{} {p}: outside even its unsteady bound of {:.0} % on some rank", case.name, loose.unwrap_or(0.0) * 100.0));
+                }
                 continue;
             }
             if !within[i] {

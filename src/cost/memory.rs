@@ -12,7 +12,7 @@
 //! The workspace margin (framework, kernel workspace, fragmentation) is
 //! [`super::ClusterSpec::workspace_bytes`], subtracted by `ClusterSpec::usable_memory`.
 
-use crate::ir::schedule::interleaved_round_size;
+use crate::ir::schedule::{ActionKind, compute_actions, interleaved_round_size};
 use crate::ir::{Layer, Precision, ScheduleKind};
 
 /// Bytes per parameter of weights, gradients and optimizer state.
@@ -119,7 +119,8 @@ pub fn stage_activation_bytes(layers: &[(&Layer, bool)], batch: f64, in_flight: 
 ///   forwards before the first backward (its warm-up count + 1; g = p when p divides m, see
 ///   `interleaved_round_size`), each chunk 1/v of the rank's layers: that count / v. For s = 1
 ///   and g = p this is p + (p − 1)/v, Korthikanti et al. 2022 §4.2.3's factor
-///   p·(1 + (p − 1)/(p·v)).
+///   p·(1 + (p − 1)/(p·v)). An average over the rank's chunks: the plan counts each chunk's
+///   own ([`stage_in_flights`]).
 /// - ZB-H1: min(p, m) on every rank (Qi et al. 2024 cap in-flight microbatches at 1F1B's
 ///   peak, p; later ranks defer W into that room). Counted in full until W, conservatively.
 pub fn in_flight(kind: ScheduleKind, p: usize, m: usize, stage: usize) -> f64 {
@@ -134,6 +135,36 @@ pub fn in_flight(kind: ScheduleKind, p: usize, m: usize, stage: usize) -> f64 {
         }
         ScheduleKind::ZbH1 => p.min(m) as f64,
     }
+}
+
+/// Per pipeline stage (0-based, `p`·v of them; stage s runs on rank s mod p), the most
+/// microbatches whose activations it holds at once: forwards its rank has run and not yet
+/// matched by their backward, in the order [`compute_actions`] gives the rank. Under
+/// interleaving each chunk counts its own, which [`in_flight`]'s rank-wide average does not: the
+/// last rank runs its last chunk's forward and backward back to back while its first chunk's
+/// microbatches pile up (p 2, 4 microbatches, 2 chunks: 3 and 1, not 1.5 each). A rank's chunks
+/// may peak at different moments, so their sum bounds its peak from above. Other schedules:
+/// [`in_flight`] of the stage's rank.
+pub fn stage_in_flights(kind: ScheduleKind, p: usize, m: usize) -> Vec<f64> {
+    let stages = kind.stages(p.max(1));
+    let ScheduleKind::Interleaved { .. } = kind else {
+        return (0..stages).map(|s| in_flight(kind, p, m, s % p.max(1) + 1)).collect();
+    };
+    let Ok(ranks) = compute_actions(kind, p, m) else {
+        return (0..stages).map(|s| in_flight(kind, p, m, s % p.max(1) + 1)).collect();
+    };
+    let (mut alive, mut most) = (vec![0usize; stages], vec![0usize; stages]);
+    for a in ranks.iter().flatten().filter(|a| a.stage < stages) {
+        match a.kind {
+            ActionKind::Forward => {
+                alive[a.stage] += 1;
+                most[a.stage] = most[a.stage].max(alive[a.stage]);
+            }
+            ActionKind::Backward => alive[a.stage] = alive[a.stage].saturating_sub(1),
+            _ => {}
+        }
+    }
+    most.into_iter().map(|n| n as f64).collect()
 }
 
 /// Microbatches stage `stage` holds between a forward and its backward's B: what an offloaded
@@ -214,6 +245,23 @@ mod tests {
         // recompute set is the layer's saved bytes beyond its input
         let ck = [(&l, true), (&l, true)];
         assert_eq!(stage_activation_bytes(&ck, 1.0, 1.0, 1.0), 2.0 * 10.0 + 400.0 + 90.0);
+    }
+
+    #[test]
+    fn each_chunk_counts_its_own_microbatches_under_interleaving() {
+        // p 2, 4 microbatches, 2 chunks (stages 0 and 2 on rank 0, 1 and 3 on rank 1): rank 1
+        // runs its last stage's forward and backward back to back, its first stage's pile up
+        let il = ScheduleKind::Interleaved { virtual_stages: 2 };
+        assert_eq!(stage_in_flights(il, 2, 4), vec![4.0, 3.0, 2.0, 1.0]);
+        // the rank-wide average it replaces: 2.5 and 1.5 for every chunk of the rank
+        assert_eq!((in_flight(il, 2, 4, 1), in_flight(il, 2, 4, 2)), (2.5, 1.5));
+        // without chunks, a stage's count is its rank's
+        for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::ZbH1] {
+            for (p, m) in [(1, 1), (2, 4), (4, 8), (4, 2)] {
+                let want: Vec<f64> = (1..=p).map(|s| in_flight(kind, p, m, s)).collect();
+                assert_eq!(stage_in_flights(kind, p, m), want, "{kind} p {p} m {m}");
+            }
+        }
     }
 
     #[test]

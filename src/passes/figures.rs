@@ -148,6 +148,7 @@ pub fn compute(graph: &Graph, bindings: &DimBindings) -> Result<Figures, PassErr
     }
 
     let score = scores(&sz, &order, &data);
+    let loss_input = loss_input(&sz, &grad);
 
     for &id in &order {
         let node = graph.node(id);
@@ -172,7 +173,8 @@ pub fn compute(graph: &Graph, bindings: &DimBindings) -> Result<Figures, PassErr
         fig.output_bytes = node.outputs.iter().map(|&o| sz.bytes(o)).sum::<f64>() / batch;
         fig.memory_bytes = memory(&sz, node) / batch;
         fig.score_bytes = score_bytes(&sz, node, &score).min(fig.memory_bytes * batch) / batch;
-        let saved = saved(&sz, node, &grad, &data, batch);
+        let mut saved = saved(&sz, node, &grad, &data, batch);
+        saved.extra_bytes += loss_kept_bytes(&sz, node, loss_input) / batch;
         fig.saved_bytes = saved.values.iter().map(|&v| sz.bytes(v)).sum::<f64>() / batch + saved.extra_bytes;
         fig.score_saved_bytes = saved.values.iter().filter(|v| score[v.index()]).map(|&v| sz.bytes(v)).sum::<f64>() / batch;
         f.total_flops += fig.flops;
@@ -416,6 +418,20 @@ fn attention_fuses(sz: &Sizes, node: &Node) -> bool {
         4 => fits(m[0], b) && fits(m[1], h) && fits(m[2], rows) && fits(m[3], keys),
         _ => false,
     }
+}
+
+/// The graph output a training loss reads: the first one carrying a gradient that is not a
+/// scalar (a scalar output is a loss the model computes itself, its saved tensors in the graph).
+fn loss_input(sz: &Sizes, grad: &[bool]) -> Option<ValueId> {
+    sz.graph.outputs.iter().copied().find(|&o| grad[o.index()] && sz.numel(o) > 1.0)
+}
+
+/// What the loss keeps of `node`'s output `loss_input` until its backward: one copy in at least
+/// f32, as losses compute in f32 (cross entropy's log-probabilities, the squared error's
+/// input); the output itself is not kept.
+fn loss_kept_bytes(sz: &Sizes, node: &Node, loss_input: Option<ValueId>) -> f64 {
+    let Some(o) = loss_input.filter(|o| node.outputs.contains(o)) else { return 0.0 };
+    sz.numel(o) * sz.graph.value(o).ty.as_ref().map_or(4, |t| t.dtype.size_bytes().max(4)) as f64
 }
 
 /// The tensors autograd keeps for this node's backward.

@@ -4,7 +4,7 @@
 
 use super::{CostTable, SimResult, simulate};
 use crate::codegen::lower::{LowerOptions, lower_schedule};
-use crate::cost::{ClusterSpec, CommModel, in_flight};
+use crate::cost::{ClusterSpec, CommModel, stage_in_flights};
 use crate::ir::ScheduleKind;
 use crate::plan::Plan;
 
@@ -35,11 +35,12 @@ pub fn plan_timeline(plan: &Plan) -> Result<SimResult, TimelineError> {
     };
     let comm = cluster.map(|c| CommModel::new(&c));
     let weight_share = if matches!(kind, ScheduleKind::ZbH1) { 0.5 } else { 0.0 };
+    let flights = stage_in_flights(kind, p, m);
     let costs = CostTable {
         forward: plan.stages.iter().map(|s| s.forward_s).collect(),
         backward_input: plan.stages.iter().map(|s| s.backward_s * (1.0 - weight_share)).collect(),
         backward_weight: plan.stages.iter().map(|s| s.backward_s * weight_share).collect(),
-        activation_bytes: plan.stages.iter().map(|s| s.memory_bytes.activations as f64 / in_flight(kind, p, m, s.pp_rank + 1).max(1.0)).collect(),
+        activation_bytes: plan.stages.iter().map(|s| s.memory_bytes.activations as f64 / flights.get(s.index).copied().unwrap_or(1.0).max(1.0)).collect(),
         comm,
         optimizer: 0.0,
     };

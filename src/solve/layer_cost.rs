@@ -171,6 +171,9 @@ pub struct AttentionFacts {
     /// K and V bytes per sample as the layer produces them (before grouped-query attention's
     /// repetition to every head), graph dtype.
     pub kv_bytes: f64,
+    /// K and V bytes per sample as attention keeps them for its backward (after the
+    /// repetition), graph dtype: whole over the sequence on every context rank.
+    pub kv_saved_bytes: f64,
     /// Forward FLOPs per sample of the score and value products (and the fused kernel's).
     pub flops: f64,
 }
@@ -249,6 +252,7 @@ fn axis_facts(lg: &LayeredGraph) -> (Vec<AttentionFacts>, Vec<ExpertFacts>) {
                     for i in [1, 2] {
                         if let Some(v) = n.inputs.get(i).copied().flatten() {
                             a.kv_bytes += smallest(v);
+                            a.kv_saved_bytes += bytes_of(v);
                         }
                     }
                     a.flops += fig.flops;
@@ -257,6 +261,7 @@ fn axis_facts(lg: &LayeredGraph) -> (Vec<AttentionFacts>, Vec<ExpertFacts>) {
                 Some(OpKind::MatMul) if fig.score_bytes > 0.0 && is_activation(n.inputs.first().copied().flatten()) && is_activation(n.inputs.get(1).copied().flatten()) => {
                     if let Some(v) = n.inputs.get(1).copied().flatten() {
                         a.kv_bytes += smallest(v);
+                        a.kv_saved_bytes += bytes_of(v);
                     }
                     a.flops += fig.flops;
                 }
@@ -766,7 +771,9 @@ impl<'a> CostContext<'a> {
         let t = cfg.tp.max(1) as f64;
         let shared = lay.shared_input_bytes * b * self.bytes_scale / c;
         let input_bytes = (d.input_bytes / c - shared / if cfg.sequence_parallel { t } else { 1.0 }).max(0.0);
-        let act_bytes = (d.act_bytes / c - lay.shared_saved_bytes * b * self.bytes_scale / c / t).max(input_bytes);
+        // the K and V attention keeps were gathered over the context group: whole, not ÷c
+        let kv_whole = self.attention[layer].kv_saved_bytes * b * self.bytes_scale / t * (1.0 - 1.0 / c);
+        let act_bytes = (d.act_bytes / c - lay.shared_saved_bytes * b * self.bytes_scale / c / t + kv_whole).max(input_bytes);
         ParetoPoint {
             fwd_s: fwd + fwd_extra,
             bwd_s: bwd + bwd_extra,

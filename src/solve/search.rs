@@ -8,8 +8,8 @@ use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::Instant;
 
-use crate::cost::{ClusterSpec, in_flight, kept_in_flight};
-use crate::ir::{LayeredGraph, Parallelism};
+use crate::cost::{ClusterSpec, kept_in_flight, stage_in_flights};
+use crate::ir::{LayeredGraph, Parallelism, ScheduleKind};
 
 use super::bounds::{BoundMemo, bounds_shared, pruning_bound_with};
 use super::candidates::{divisors, global_batch};
@@ -87,18 +87,12 @@ fn prepare_on(
             1.0 / ctx.comm.link(kind).bandwidth
         })
         .collect();
-    let flight: Vec<f64> = (0..chunks)
-        .map(|c| {
-            let f = in_flight(cand.parallel.schedule, cand.parallel.pp, cand.parallel.microbatches, c % cand.parallel.pp + 1);
-            match active {
-                Some(a) => f.min(a as f64),
-                None => f,
-            }
-        })
-        .collect();
+    let (kind, pp, m) = (cand.parallel.schedule, cand.parallel.pp, cand.parallel.microbatches);
+    let stage_flight = stage_in_flights(kind, pp, m);
+    let flight: Vec<f64> = (0..chunks).map(|c| active.map_or(stage_flight[c], |a| stage_flight[c].min(a as f64))).collect();
     let kept_flight: Vec<f64> = (0..chunks)
         .map(|c| {
-            let f = kept_in_flight(cand.parallel.schedule, cand.parallel.pp, cand.parallel.microbatches, c % cand.parallel.pp + 1);
+            let f = if kind == ScheduleKind::ZbH1 { kept_in_flight(kind, pp, m, c % pp + 1) } else { stage_flight[c] };
             active.map_or(f, |a| f.min(a as f64))
         })
         .collect();
