@@ -312,7 +312,7 @@ impl<'r, 'a> Interp<'r, 'a> {
         let mut parts = Vec::with_capacity(segs.segments.len());
         let mut kept_ids = BTreeSet::new();
         for seg in &segs.segments {
-            let ins = segment_leaves(&env, &seg.inputs, |v| plain.contains(&v))?;
+            let ins = segment_leaves(&env, &seg.inputs, |v| plain.contains(&v) || segs.no_gradient.contains(&v))?;
             feeds.extend(ins.iter().map(|(v, t)| (*v, t.shallow_clone())));
             if seg.checkpointed {
                 let (mut stay, mut movable) = (Vec::new(), Vec::new());
@@ -487,7 +487,7 @@ impl<'r, 'a> Interp<'r, 'a> {
             let part = match st.parts.get_mut(i).and_then(Option::take) {
                 Some(p) => p,
                 None => {
-                    let ins = segment_leaves(&kept, &seg.inputs, |v| st.plain.contains(&v))?;
+                    let ins = segment_leaves(&kept, &seg.inputs, |v| st.plain.contains(&v) || segs.no_gradient.contains(&v))?;
                     feeds.extend(ins.iter().map(|(v, t)| (*v, t.shallow_clone())));
                     let outs = ex.run_nodes(&seg.nodes, &feeds, &seg.outputs)?;
                     let outputs = seg.outputs.iter().filter_map(|v| outs.get(v).map(|t| (*v, t.shallow_clone()))).collect();

@@ -31,6 +31,10 @@ pub(super) struct StageSegments {
     pub segments: Vec<Segment>,
     /// Kept values one offloaded layer alone reads (those the offloader moves to host memory).
     pub movable: HashSet<ValueId>,
+    /// Segment inputs that carry no gradient in the model (masks, positions, rotary tables made
+    /// from the data and constants): plain tensors, never gradient leaves. A mask made a leaf
+    /// would also turn fused attention into its math path, which keeps the s × s probabilities.
+    pub no_gradient: HashSet<ValueId>,
 }
 
 /// The segments of a stage running `order` in `graph`: `layer_of` names each node's layer
@@ -122,7 +126,7 @@ pub(super) fn stage_segments(
         .flat_map(|(_, seg)| seg.inputs.iter().copied())
         .filter(|&v| !shared.contains(&graph.value(v).name))
         .collect();
-    StageSegments { segments, movable }
+    StageSegments { segments, movable, no_gradient: HashSet::new() }
 }
 
 /// Names of the values that several layers of `model` read (each a layer's input: made by

@@ -400,6 +400,7 @@ fn recompute_segments(
     let layer_of: HashMap<&str, usize> = plan.layer_strategies.iter().flat_map(|l| l.nodes.iter().map(move |(n, _)| (n.as_str(), l.layer))).collect();
     let model = exec.graph();
     let shared = segments::shared_inputs(model, &layer_of);
+    let carries = crate::passes::params::carries_gradient(model).map_err(|e| terr(format!("laying out recomputed segments: {e}")))?;
     let mut out = HashMap::new();
     for &s in my_stages.iter().filter(|&&s| layout.recompute[s]) {
         let st = &plan.stages[s];
@@ -407,17 +408,25 @@ fn recompute_segments(
         let offloaded: BTreeSet<usize> = st.offloaded_layers.iter().copied().collect();
         let received: Vec<ValueId> = if s == 0 { Vec::new() } else { layout.outputs_to_next[s - 1].clone() };
         let yields: Vec<ValueId> = if s + 1 == layout.nodes.len() { model.outputs.clone() } else { layout.outputs_to_next[s].clone() };
-        let segs = match stage_execs.get(&s) {
-            None => segments::stage_segments(model, &layout.nodes[s], &layer_of, (&checkpointed, &offloaded), (&received.into_iter().collect(), &yields), &shared),
+        let (mut segs, graph) = match stage_execs.get(&s) {
+            None => (segments::stage_segments(model, &layout.nodes[s], &layer_of, (&checkpointed, &offloaded), (&received.into_iter().collect(), &yields), &shared), model),
             Some(se) => {
                 let sg = se.graph();
                 let local = |v: &ValueId| sg.value_by_name(&model.value(*v).name);
                 let order = sg.topo_order().map_err(|e| terr(format!("stage {s}'s shard subgraph: {e}")))?;
                 let received = received.iter().filter_map(local).collect();
                 let yields: Vec<ValueId> = yields.iter().filter_map(local).collect();
-                segments::stage_segments(sg, &order, &layer_of, (&checkpointed, &offloaded), (&received, &yields), &shared)
+                (segments::stage_segments(sg, &order, &layer_of, (&checkpointed, &offloaded), (&received, &yields), &shared), sg)
             }
         };
+        // by name: a shard subgraph's values are the model's (its collectives' outputs, unnamed
+        // there, carry what they gather)
+        segs.no_gradient = segs
+            .segments
+            .iter()
+            .flat_map(|seg| seg.inputs.iter().copied())
+            .filter(|&v| model.value_by_name(&graph.value(v).name).is_some_and(|m| !carries[m.index()]))
+            .collect();
         out.insert(s, segs);
     }
     Ok(out)
