@@ -152,7 +152,7 @@ struct ReduceFromTensorRegion : public torch::autograd::Function<ReduceFromTenso
 struct CopyToTensorRegion : public torch::autograd::Function<CopyToTensorRegion> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group) {
     ctx->saved_data["group"] = group;
-    return x.clone();
+    return x;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
     auto g = grads[0].clone(at::MemoryFormat::Contiguous);
