@@ -2,15 +2,16 @@
 //! tests/moe_oracle.py's small Mixtral) at a sequence where activations dominate, each run 2 steps
 //! by `smp-runner launch`; every rank's `--json` entry carries the plan's figures for its pipeline
 //! rank and the bytes of the tensors it held at its peak (a counting CPU allocator), by part. The
-//! oracle is the measurement: each part and the rank's total (predicted: less the workspace
-//! margin) must be within 10 % of what the rank measured (the first step, a warm-up, is not
+//! oracle is the measurement: each part and the rank's total (predicted: less its transients)
+//! must be within 10 % of what the rank measured (the first step, a warm-up, is not
 //! counted). Cases not yet within 10 % are listed in `KNOWN_GAPS` with their cause; a listed gap
 //! that closes fails the test too, so the list stays honest.
 //!
-//! The plan prices no transient: it reserves its preset's fixed workspace margin instead (256 MiB
-//! on `cpu`), so `temporaries` is only held to not exceeding that margin, and the totals compared
-//! are what the rank holds beside transients: the predicted total without the margin against the
-//! measured one without the peak instruction's temporaries.
+//! The plan prices one transient, the recompute working set (a checkpointed layer's activations,
+//! rebuilt and freed inside its backward), and reserves its preset's fixed workspace margin for
+//! the rest (256 MiB on `cpu`), so `temporaries` is only held to not exceeding the two, and the
+//! totals compared are what the rank holds beside transients: the predicted total without them
+//! against the measured one without the peak instruction's temporaries.
 #![cfg(feature = "runner")]
 
 mod common;
@@ -88,13 +89,9 @@ const KNOWN_GAPS: &[Gap] = &[
     Gap { case: "dp2-zero3", part: "params", cause: "0.33×: the runner gathers a whole stage's parameters for its passes beside its block; the plan counts the block" },
     Gap { case: "dp2-zero3", part: "grads", cause: "0.50×: as dp2-zero2" },
     Gap { case: "dp2-zero3", part: "total", cause: "0.88×: its parameters and gradients" },
-    Gap { case: "dp2-recompute-selective", part: "activations", cause: "1.33×: the plan counts the recompute working set of one recomputed layer among the kept activations; the runner makes and frees it inside the backward instruction (measured as temporaries)" },
-    Gap { case: "dp2-recompute-selective", part: "total", cause: "1.22×: its activations (the recompute working set is a transient in the runner)" },
-    Gap { case: "dp2-recompute-full", part: "activations", cause: "2.19×: the plan counts a recomputed layer's working set (2.2 MiB) among the activations; the runner makes and frees it inside the backward instruction, measured as temporaries (2.45 MiB)" },
-    Gap { case: "dp2-recompute-full", part: "total", cause: "1.43×: its activations (the recompute working set is a transient in the runner)" },
-    Gap { case: "pp2-offload", part: "activations", cause: "1.64-1.89×: as dp2-recompute-full (the recomputed layer's working set is a transient)" },
+    Gap { case: "pp2-offload", part: "activations", cause: "0.94× on rank 0, 0.62× on rank 1 (2.88 against 4.65 MiB): the last stage keeps the loss's f32 copy of the logits (1.0 MiB), which the runner computes outside every recomputed segment while the plan counts it in the checkpointed head layer's recompute working set; counting it kept instead was tried (rank 1 0.83×) but puts dp2-recompute-full at 1.18×, whose peak falls in a backward after the loss has freed it; the other 0.8 MiB is not analysed yet" },
     Gap { case: "pp2-offload", part: "offloaded", cause: "rank 0 peaks when none of its kept inputs is in host memory; the plan counts 0.50 MiB there at its peak" },
-    Gap { case: "pp2-offload", part: "total", cause: "1.47-1.67×: its activations" },
+    Gap { case: "pp2-offload", part: "total", cause: "0.96× on rank 0, 0.72× on rank 1: its activations" },
     Gap { case: "pp2-bf16-mixed", part: "params", cause: "0.50×: the runner keeps fp32 parameters (autocast casts per op) where the plan counts 16-bit working weights" },
     Gap { case: "pp2-bf16-mixed", part: "grads", cause: "0.50×: the runner's gradients are fp32 (of the fp32 parameters); the plan counts 16-bit ones" },
     Gap { case: "pp2-bf16-mixed", part: "optimizer", cause: "1.50×: the runner's fp32 parameters are the master weights, so it holds no separate copy; the plan counts one (the state's sum agrees)" },
@@ -115,7 +112,8 @@ fn model(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models").join(format!("{name}.onnx"))
 }
 
-/// Part `part` of a `memory.predicted` object (`total` without the workspace margin).
+/// Part `part` of a `memory.predicted` object (`total` without the transients: the workspace
+/// margin and the recompute working set).
 fn predicted(m: &serde_json::Value, part: &str) -> f64 {
     let get = |k: &str| m[k].as_f64().unwrap_or_else(|| panic!("no `{k}` in {m}"));
     if part == "total" { get("total") - get("temporaries") } else { get(part) }
@@ -149,7 +147,7 @@ fn every_rank_holds_the_memory_its_plan_predicts_by_part() {
         assert!(CASES.iter().any(|c| c.name == g.case) && PARTS.contains(&g.part), "known gap {} {}: no such case or part", g.case, g.part);
     }
     let dir = tempfile::tempdir().unwrap();
-    let mut table = String::from("| case | rank | params | grads | optimizer | activations | offloaded | total (held beside transients) | temporaries (measured / margin) |\n|---|---|---|---|---|---|---|---|---|\n");
+    let mut table = String::from("| case | rank | params | grads | optimizer | activations | offloaded | total (held beside transients) | temporaries (measured / margin + recompute) |\n|---|---|---|---|---|---|---|---|---|\n");
     let mut failures = Vec::new();
     let mut outside = String::new();
     let mib = |b: f64| b / (1u64 << 20) as f64;
@@ -181,7 +179,7 @@ fn every_rank_holds_the_memory_its_plan_predicts_by_part() {
             let (margin, temp) = (predicted(pred, "temporaries"), measured(meas, "temporaries"));
             let _ = writeln!(table, " {:.2} / {:.0} |", mib(temp), mib(margin));
             if temp > margin {
-                failures.push(format!("{} rank {rank}: a transient of {:.2} MiB exceeds the plan's margin {:.0} MiB", case.name, mib(temp), mib(margin)));
+                failures.push(format!("{} rank {rank}: a transient of {:.2} MiB exceeds the plan's margin and recompute working set {:.0} MiB", case.name, mib(temp), mib(margin)));
             }
         }
         for (i, p) in PARTS.iter().enumerate() {

@@ -22,6 +22,8 @@ class DeviceMemory:
     grads: int
     optimizer: int
     activations: int
+    #: A checkpointed layer's activations rebuilt inside its backward (a transient).
+    recompute: int
     offloaded: int
     temporaries: int
     total: int

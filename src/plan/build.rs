@@ -33,6 +33,7 @@ pub fn from_decision(d: &PlanDecision, lg: &LayeredGraph, cluster: &ClusterSpec,
                 grads: bytes(m.grads),
                 optimizer: bytes(m.optimizer),
                 activations: bytes(m.activations),
+                recompute: bytes(m.recompute),
                 workspace: bytes(m.workspace),
                 total: 0,
             };

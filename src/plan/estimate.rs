@@ -32,11 +32,13 @@ pub struct DeviceMemory {
     pub optimizer: u64,
     /// Kept activations of the microbatches in flight.
     pub activations: u64,
+    /// The recompute working set: a checkpointed layer's activations rebuilt inside its backward.
+    pub recompute: u64,
     /// Activations held in host memory instead (not part of `total`).
     pub offloaded: u64,
     /// Temporaries: the workspace margin the cost model charges.
     pub temporaries: u64,
-    /// Device bytes: params + grads + optimizer + activations + temporaries.
+    /// Device bytes: params + grads + optimizer + activations + recompute + temporaries.
     pub total: u64,
 }
 
@@ -103,6 +105,7 @@ impl Estimate {
                     grads: m.grads,
                     optimizer: m.optimizer,
                     activations: m.activations,
+                    recompute: m.recompute,
                     offloaded,
                     temporaries: m.workspace,
                     total: m.total,
@@ -151,7 +154,7 @@ impl Estimate {
         let mut out = String::new();
         header(&self.plan, &mut out);
         let mut rows = vec![
-            ["pp", "stages", "layers", "params", "grads", "optim", "activ", "offloaded", "temps", "total", "of capacity"]
+            ["pp", "stages", "layers", "params", "grads", "optim", "activ", "recompute", "offloaded", "temps", "total", "of capacity"]
                 .map(String::from)
                 .to_vec(),
         ];
@@ -166,6 +169,7 @@ impl Estimate {
                 bytes(m.grads as f64),
                 bytes(m.optimizer as f64),
                 bytes(m.activations as f64),
+                bytes(m.recompute as f64),
                 bytes(m.offloaded as f64),
                 bytes(m.temporaries as f64),
                 bytes(m.total as f64),

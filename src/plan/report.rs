@@ -283,16 +283,17 @@ pub fn choice_lines(plan: &Plan) -> Vec<String> {
 }
 
 /// The memory of each stage by the parts a run's `--json` report measures (`inspect`):
-/// parameters, gradients, optimizer state, kept activations, bytes offloaded to host memory
-/// (not in the total), the workspace margin the plan reserves for temporaries, and the total.
+/// parameters, gradients, optimizer state, kept activations, the recompute working set, bytes
+/// offloaded to host memory (not in the total), the workspace margin the plan reserves for
+/// temporaries, and the total.
 pub fn memory_parts(plan: &Plan) -> String {
-    let mut rows = vec![["stage", "pp", "params", "grads", "optimizer", "activations", "offloaded", "temporaries", "total"].map(String::from).to_vec()];
+    let mut rows = vec![["stage", "pp", "params", "grads", "optimizer", "activations", "recompute", "offloaded", "temporaries", "total"].map(String::from).to_vec()];
     for s in &plan.stages {
         let m = s.memory_bytes;
-        let cells = [m.params, m.grads, m.optimizer, m.activations, s.offloaded_bytes, m.workspace, m.total].map(|b| bytes(b as f64));
+        let cells = [m.params, m.grads, m.optimizer, m.activations, m.recompute, s.offloaded_bytes, m.workspace, m.total].map(|b| bytes(b as f64));
         rows.push([s.index.to_string(), s.pp_rank.to_string()].into_iter().chain(cells).collect());
     }
-    format!("memory per device by part (temporaries: the workspace margin reserved; offloaded: host memory, not in the total)\n{}\n", table(&rows))
+    format!("memory per device by part (recompute: a checkpointed layer's activations rebuilt inside its backward, a transient; temporaries: the workspace margin reserved; offloaded: host memory, not in the total)\n{}\n", table(&rows))
 }
 
 /// The model, cluster, parallel configuration and batch lines.

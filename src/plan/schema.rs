@@ -357,6 +357,11 @@ pub struct StageMemory {
     pub optimizer: u64,
     /// Saved activations of the microbatches in flight.
     pub activations: u64,
+    /// The largest recompute working set of the stage's checkpointed layers: activations
+    /// rebuilt inside a backward and freed after it (0 without checkpointing; absent in plans
+    /// written before it was its own part, whose `activations` include it).
+    #[serde(default)]
+    pub recompute: u64,
     /// Workspace margin.
     #[serde(default)]
     pub workspace: u64,
@@ -367,7 +372,7 @@ pub struct StageMemory {
 impl StageMemory {
     /// The sum of the parts (what `total` must equal), saturating at `u64::MAX`.
     pub fn sum_of_parts(&self) -> u64 {
-        [self.grads, self.optimizer, self.activations, self.workspace].iter().fold(self.params, |a, &b| a.saturating_add(b))
+        [self.grads, self.optimizer, self.activations, self.recompute, self.workspace].iter().fold(self.params, |a, &b| a.saturating_add(b))
     }
 }
 
@@ -643,6 +648,7 @@ impl Plan {
             m.grads = m.grads.saturating_add(b.grads);
             m.optimizer = m.optimizer.saturating_add(b.optimizer);
             m.activations = m.activations.saturating_add(b.activations);
+            m.recompute = m.recompute.saturating_add(b.recompute);
             m.workspace = m.workspace.saturating_add(b.workspace);
             m.total = m.total.saturating_add(b.total);
         }

@@ -15,8 +15,12 @@ pub struct StageMemory {
     pub grads: f64,
     /// Optimizer state.
     pub optimizer: f64,
-    /// Activations at the peak (in-flight microbatches and the recompute buffer).
+    /// Kept activations at the peak (the in-flight microbatches').
     pub activations: f64,
+    /// The largest recompute working set among the stage's checkpointed layers: a layer's
+    /// activations rebuilt inside its backward and freed after it (a transient, apart from the
+    /// kept activations).
+    pub recompute: f64,
     /// Workspace margin (counted once per device, on its first stage).
     pub workspace: f64,
     /// Sum.

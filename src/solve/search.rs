@@ -689,7 +689,7 @@ impl Search<'_> {
             }
             let t = cand.parallel.tp.max(1) as f64;
             let st = ctx.state_split(params * t, trained * t, expert * t, expert_trained * t, &lc);
-            let activations = kept + rec + chunk_extra[c];
+            let activations = kept + chunk_extra[c];
             let workspace = if c < cand.parallel.pp { prob.workspace } else { 0.0 };
             let comm_s = if c + 1 < chunks { 2.0 * prob.layers[last].output_bytes * prob.transfer_s_per_byte[c] } else { 0.0 };
             stages.push(StageDecision {
@@ -705,8 +705,9 @@ impl Search<'_> {
                     grads: st.grads,
                     optimizer: st.optimizer,
                     activations,
+                    recompute: rec,
                     workspace,
-                    total: st.total() + activations + workspace,
+                    total: st.total() + activations + rec + workspace,
                 },
                 checkpointed_layers: ckpt,
                 offloaded_layers: offloaded,

@@ -12,6 +12,7 @@ fn memory(params: u64, activations: u64) -> StageMemory {
         grads: params,
         optimizer: 6 * params,
         activations,
+        recompute: 0,
         workspace: GIB / 4,
         total: 0,
     };

@@ -107,7 +107,8 @@ pub struct MemoryEntry {
     pub activations: u64,
     /// Kept inputs in host memory (activation offloading).
     pub offloaded: u64,
-    /// Transient bytes at the peak (the plan's workspace margin).
+    /// Transient bytes at the peak (predicted: the plan's workspace margin and its recompute
+    /// working set, which the backward that rebuilds it frees).
     pub temporaries: u64,
     /// Tensors held through a step that are no part above (data batches, constants, buffers);
     /// the plan predicts none.
@@ -121,7 +122,7 @@ impl MemoryEntry {
     pub fn predicted(plan: &Plan, pp: usize) -> MemoryEntry {
         let m = plan.rank_memory(pp);
         let offloaded = plan.stages_of_rank(pp).map(|s| s.offloaded_bytes).fold(0u64, u64::saturating_add);
-        MemoryEntry { params: m.params, grads: m.grads, optimizer: m.optimizer, activations: m.activations, offloaded, temporaries: m.workspace, other: 0, total: m.total }
+        MemoryEntry { params: m.params, grads: m.grads, optimizer: m.optimizer, activations: m.activations, offloaded, temporaries: m.workspace.saturating_add(m.recompute), other: 0, total: m.total }
     }
 
     /// What a rank measured.
