@@ -112,6 +112,35 @@ fn older_or_missing_version_is_refused() {
 }
 
 #[test]
+fn a_plan_written_before_the_recompute_part_reads_with_none() {
+    // version 4 before `memory_bytes.recompute`: its activations held the working set
+    let mut v = serde_json::to_value(fixture()).unwrap();
+    for s in v["stages"].as_array_mut().unwrap() {
+        let m = s["memory_bytes"].as_object_mut().unwrap();
+        assert_eq!(m.remove("recompute"), Some(0.into()), "the fixture writes the part");
+    }
+    let plan = io::from_json(&v.to_string(), Path::new("before.json")).unwrap();
+    validate(&plan).unwrap();
+    assert!(plan.stages.iter().all(|s| s.memory_bytes.recompute == 0 && s.memory_bytes.total == s.memory_bytes.sum_of_parts()));
+}
+
+#[test]
+fn the_recompute_part_is_in_the_total() {
+    let mut plan = fixture();
+    let m = &mut plan.stages[0].memory_bytes;
+    m.recompute = GIB;
+    assert_eq!(m.sum_of_parts(), m.params + m.grads + m.optimizer + m.activations + m.workspace + GIB);
+    m.total = m.sum_of_parts();
+    let rank = plan.stages[0].pp_rank;
+    assert_eq!(plan.rank_memory(rank).recompute, GIB);
+    // the peak the plan states must count it too
+    let needed = (0..plan.parallel.pp).map(|r| plan.rank_memory(r).total).max().unwrap();
+    assert!(matches!(validate(&plan), Err(PlanInvalid::PeakMemory { expected, .. }) if expected == needed));
+    plan.predicted.peak_memory_bytes = needed;
+    validate(&plan).unwrap();
+}
+
+#[test]
 fn version_1_plan_is_refused_with_the_replan_message() {
     // a plan written before `parallel.precision` (version 1): as this build wrote it then
     let mut v = serde_json::to_value(fixture()).unwrap();
