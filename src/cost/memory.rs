@@ -147,13 +147,9 @@ pub fn in_flight(kind: ScheduleKind, p: usize, m: usize, stage: usize) -> f64 {
 /// [`in_flight`] of the stage's rank.
 pub fn stage_in_flights(kind: ScheduleKind, p: usize, m: usize) -> Vec<f64> {
     let stages = kind.stages(p.max(1));
-    let ScheduleKind::Interleaved { virtual_stages } = kind else {
+    let ScheduleKind::Interleaved { .. } = kind else {
         return (0..stages).map(|s| in_flight(kind, p, m, s % p.max(1) + 1)).collect();
     };
-    // the search asks once per candidate; the schedule's walk is p·m·v actions
-    if let Some(hit) = INTERLEAVED_FLIGHTS.with(|c| c.borrow().get(&(virtual_stages, p, m)).cloned()) {
-        return hit;
-    }
     let Ok(ranks) = compute_actions(kind, p, m) else {
         return (0..stages).map(|s| in_flight(kind, p, m, s % p.max(1) + 1)).collect();
     };
@@ -168,14 +164,7 @@ pub fn stage_in_flights(kind: ScheduleKind, p: usize, m: usize) -> Vec<f64> {
             _ => {}
         }
     }
-    let counts: Vec<f64> = most.into_iter().map(|n| n as f64).collect();
-    INTERLEAVED_FLIGHTS.with(|c| c.borrow_mut().insert((virtual_stages, p, m), counts.clone()));
-    counts
-}
-
-thread_local! {
-    /// [`stage_in_flights`] of the interleaved schedules read so far, by (v, p, m).
-    static INTERLEAVED_FLIGHTS: std::cell::RefCell<std::collections::HashMap<(usize, usize, usize), Vec<f64>>> = Default::default();
+    most.into_iter().map(|n| n as f64).collect()
 }
 
 /// Microbatches stage `stage` holds between a forward and its backward's B: what an offloaded

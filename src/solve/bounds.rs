@@ -92,11 +92,21 @@ type Splits = HashMap<(Vec<u64>, usize), f64>;
 /// The bounds' work shared by the candidates of one search: each layer table's least
 /// figures, computed once per table, and the min-max splits of least times, computed once
 /// per distinct times and part count (tables differing only in ZeRO or data-parallel groups
-/// share their times). The bounds are the same numbers [`bounds`] gives.
+/// share their times). The bounds are the same numbers [`bounds`] gives. Also each
+/// schedule's in-flight counts, which candidates of one (schedule, p, m) share (an interleaved
+/// schedule's are read off its p·m·v actions).
 #[derive(Default)]
 pub struct BoundMemo {
     tables: HashMap<*const Vec<PipelineLayer>, SharedFacts>,
     splits: Splits,
+    flights: HashMap<(ScheduleKind, usize, usize), Rc<Vec<f64>>>,
+}
+
+impl BoundMemo {
+    /// [`crate::cost::stage_in_flights`], computed once per (schedule, p, m).
+    pub(super) fn stage_in_flights(&mut self, kind: ScheduleKind, p: usize, m: usize) -> Rc<Vec<f64>> {
+        self.flights.entry((kind, p, m)).or_insert_with(|| Rc::new(crate::cost::stage_in_flights(kind, p, m))).clone()
+    }
 }
 
 /// [`bounds_with`] over a shared `table`, with the work shared through `memo`.

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::Instant;
 
-use crate::cost::{ClusterSpec, kept_in_flight, stage_in_flights};
+use crate::cost::{ClusterSpec, kept_in_flight};
 use crate::ir::{LayeredGraph, Parallelism, ScheduleKind};
 
 use super::bounds::{BoundMemo, bounds_shared, pruning_bound_with};
@@ -88,7 +88,7 @@ fn prepare_on(
         })
         .collect();
     let (kind, pp, m) = (cand.parallel.schedule, cand.parallel.pp, cand.parallel.microbatches);
-    let stage_flight = stage_in_flights(kind, pp, m);
+    let stage_flight = memo.stage_in_flights(kind, pp, m);
     let flight: Vec<f64> = (0..chunks).map(|c| active.map_or(stage_flight[c], |a| stage_flight[c].min(a as f64))).collect();
     let kept_flight: Vec<f64> = (0..chunks)
         .map(|c| {
