@@ -12,7 +12,12 @@ weight 0), in ops every ONNX runtime executes. The planner's fusion pass
 `MixtureOfExperts` op whose kernel runs only the routed tokens. The router itself (logits,
 softmax, top-k, the model's own normalisation) is exported as the model computes it. Experts
 stored transposed (`is_transposed`: `[E, H, 2I]`, `[E, I, H]`) are exported in the dense form's
-layout, named in `smp.transposed` as stacked-weight blocks' are (below).
+layout, named in `smp.transposed` as stacked-weight blocks' are (below). Experts-interface
+classes outside that form — biases, a gate function of their own (`_apply_gate`: gpt-oss's
+interleaved clamped gate, DeepSeek-V4's clamped SiLU), no gate, a norm after each expert — are
+exported as transformers' own experts function computes them (`dense_general`: the module's own
+gate, weights in their stored layout), which the fusion pass leaves as ops: they run densely, and
+the export warns so, naming them.
 
 Per-expert modules looped over the experts a batch hits (Mixtral's earlier form, and models
 written that way): a block holding a router weight `[E, H]` and an `nn.ModuleList` of E gated
@@ -69,18 +74,76 @@ AUX_OUTPUT, AUX_KEY = "aux_loss", "smp.aux_loss"
 
 def dense_experts(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
     """transformers' experts interface (`hidden_states [N, H]`, `top_k_index` and
-    `top_k_weights [N, k]`) as a dense computation over all experts; the pattern
-    `passes::fuse` recognises."""
+    `top_k_weights [N, k]`) as a dense computation over all experts: for experts of the form
+    `passes::fuse` fuses (`fusable`), its exact pattern; for any other, `dense_general`."""
     import torch
 
-    experts = self.gate_up_proj.shape[0]
+    experts = _expert_count(self)
     ids = torch.arange(experts, device=hidden_states.device)
     one_hot = (top_k_index.unsqueeze(-1) == ids).to(top_k_weights.dtype)            # [N, k, E]
     combine = (one_hot * top_k_weights.unsqueeze(-1)).sum(1)                         # [N, E]
+    if not fusable(self):
+        return dense_general(self, hidden_states, combine)
     gate, up = torch.matmul(self.gate_up_proj, hidden_states.transpose(0, 1)).chunk(2, dim=1)
     y = torch.matmul(self.down_proj, self.act_fn(gate) * up)                         # [E, H, N]
     out = (y * combine.transpose(0, 1).unsqueeze(1)).sum(0)                          # [H, N]
     return out.transpose(0, 1).to(hidden_states.dtype)
+
+
+def fusable(m: Any) -> bool:
+    """Whether experts-interface module `m` computes the form `passes::fuse` turns into the
+    fused `MixtureOfExperts` op: gated experts `act(gate)·up` over concatenated `[gate; up]`
+    rows (the interface's default gate), without biases or a norm after each expert."""
+    from transformers.integrations import moe
+
+    default = getattr(moe, "_default_apply_gate", None)
+    return (bool(m.has_gate) and not m.has_bias and not getattr(m, "has_post_expert_norm", False)
+            and getattr(type(m), "_apply_gate", default) is default)
+
+
+def _expert_count(m: Any) -> int:
+    return int((m.gate_up_proj if m.has_gate else m.up_proj).shape[0])
+
+
+def _unfused_parts(m: Any) -> list[str]:
+    """What keeps experts module `m` from the fused form, in words."""
+    from transformers.integrations import moe
+
+    default = getattr(moe, "_default_apply_gate", None)
+    return [what for what, present in (
+        ("no gate projection", not m.has_gate), ("biases", m.has_bias),
+        ("a gate function of their own (`_apply_gate`)", m.has_gate and getattr(type(m), "_apply_gate", default) is not default),
+        ("a norm after each expert", getattr(m, "has_post_expert_norm", False)),
+    ) if present]
+
+
+def dense_general(self: Any, hidden_states: Any, combine: Any) -> Any:
+    """Any experts-interface module as transformers' own experts function computes it (the
+    module's gate function or activation, biases, weights in their stored layout, a norm after
+    each expert), on every token for every expert, weighted by `combine [N, E]`. Not fused:
+    it runs as the ops it exports to."""
+    import torch
+
+    def linear(x: Any, w: Any) -> Any:  # x [.., N, in] by each expert's weight
+        return torch.matmul(x, w if self.is_transposed else w.transpose(1, 2))
+
+    if self.has_gate:
+        h = linear(hidden_states, self.gate_up_proj)                                 # [E, N, 2I]
+        if self.has_bias:
+            h = h + self.gate_up_proj_bias.unsqueeze(1)
+        h = self._apply_gate(h)                                                     # [E, N, I]
+    else:
+        h = linear(hidden_states, self.up_proj)
+        if self.has_bias:
+            h = h + self.up_proj_bias.unsqueeze(1)
+        h = self.act_fn(h)
+    y = linear(h, self.down_proj)                                                   # [E, N, H]
+    if self.has_bias:
+        y = y + self.down_proj_bias.unsqueeze(1)
+    if getattr(self, "has_post_expert_norm", False):
+        y = self.post_expert_norm(y)
+    out = (y * combine.transpose(0, 1).unsqueeze(-1)).sum(0)                         # [N, H]
+    return out.to(hidden_states.dtype)
 
 
 def dense_experts_input(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
@@ -104,14 +167,29 @@ def _experts_modules(model: Any) -> list[tuple[str, Any]]:
 
 
 def _check_experts(name: str, m: Any) -> None:
-    unsupported = [what for what, bad in (
-        ("no gate projection", not m.has_gate), ("biases", m.has_bias),
-        ("interleaved gate and up rows", not m.is_concatenated), ("a norm after each expert", m.has_post_expert_norm),
-    ) if bad]
-    if unsupported or not hasattr(m, "gate_up_proj") or not hasattr(m, "down_proj"):
-        raise SmpError(f"experts `{name}` ({type(m).__name__}) have {', '.join(unsupported) or 'no gate_up_proj/down_proj'}; "
-                       "the mixture-of-experts export takes gated experts with stacked gate_up_proj [E, 2I, H] and "
-                       "down_proj [E, H, I] weights (or both transposed)")
+    first = "gate_up_proj" if m.has_gate else "up_proj"
+    if not hasattr(m, first) or not hasattr(m, "down_proj"):
+        raise SmpError(f"experts `{name}` ({type(m).__name__}) have no {first}/down_proj; the mixture-of-experts "
+                       "export takes stacked expert weights: gate_up_proj [E, 2I, H] (or up_proj [E, I, H]) and "
+                       "down_proj [E, H, I], or both transposed")
+
+
+def warn_unfused(model: Any, experts: list[tuple[str, Any]]) -> None:
+    """Warns, once per experts class, that experts outside the fused form run densely."""
+    import warnings
+
+    seen = set()
+    for name, m in experts:
+        if fusable(m) or type(m) in seen:
+            continue
+        seen.add(type(m))
+        count = _expert_count(m)
+        top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+        share = f" ({count}/{top_k} = {count / top_k:.3g}× the routed FLOPs)" if top_k else ""
+        warnings.warn(f"{type(model).__name__}: experts `{name}` ({type(m).__name__}) have "
+                      f"{', '.join(_unfused_parts(m))}, which the fused expert kernel does not compute; they train "
+                      f"as exported, densely: every expert on every token{share}, and expert parallelism is not "
+                      "available for them", stacklevel=4)
 
 
 def _router_outputs(model: Any) -> tuple[type, int] | None:
@@ -552,7 +630,8 @@ class MoeExport:
             return
         for name, m in self.experts:
             _check_experts(name, m)
-        warn_tied_routers(model, [(n, m, int(m.gate_up_proj.shape[0])) for n, m in self.experts])
+        warn_unfused(model, self.experts)
+        warn_tied_routers(model, [(n, m, _expert_count(m)) for n, m in self.experts])
         cfg = getattr(model, "config", None)
         jitter = max([getattr(cfg, "router_jitter_noise", 0.0) or 0.0]
                      + [getattr(m, "jitter_noise", 0.0) or 0.0 for m in model.modules()])
@@ -583,7 +662,7 @@ class MoeExport:
     def transposed(self) -> list[str]:
         """The exported expert weights stored with their last two axes swapped (module names):
         those of stacked-weight blocks and of experts-interface modules marked `is_transposed`."""
-        interface = [f"{name}.{w}" for name, m in self.experts if m.is_transposed for w in ("gate_up_proj", "down_proj")]
+        interface = [f"{name}.{w}" for name, m in self.experts if m.is_transposed and fusable(m) for w in ("gate_up_proj", "down_proj")]
         return interface + [n for b in self.blocks for n in b.transposed_names()]
 
     @property
@@ -659,8 +738,9 @@ class MoeExport:
         cfg = getattr(self.model, "config", None)
         asked = getattr(cfg, "output_router_logits", False)
         hooks = []
-        # transposed experts (`[E, H, 2I]`, `[E, I, H]`) hold the dense form's layout for the export
-        transposed = [m for _, m in self.experts if m.is_transposed]
+        # transposed experts (`[E, H, 2I]`, `[E, I, H]`) of the fused form hold its layout for the
+        # export; others are exported as stored (`dense_general` reads either)
+        transposed = [m for _, m in self.experts if m.is_transposed and fusable(m)]
         originals = [(m.gate_up_proj, m.down_proj) for m in transposed]
         try:
             for m in transposed:

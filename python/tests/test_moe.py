@@ -71,3 +71,84 @@ def test_router_jitter_is_refused_with_the_fix(tmp_path: Path) -> None:
     model = _mixtral(router_jitter_noise=0.1)
     with pytest.raises(smp.SmpError, match="router_jitter_noise to 0"):
         smp.export(model, torch.zeros(1, 4, dtype=torch.long), tmp_path / "m.onnx")
+
+
+def _experts_class(form: str):
+    """A transformers experts-interface class of one form the fused kernel does not take, with
+    transformers' own `batched_mm` as its reference forward."""
+    from transformers.integrations.moe import use_experts_implementation
+
+    flags = {"clamped-gate": {}, "biases-interleaved": dict(is_concatenated=False, is_transposed=True, has_bias=True),
+             "ungated": dict(has_gate=False), "post-norm": dict(has_post_expert_norm=True)}[form]
+
+    class Experts(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            e, h, i = 4, 16, 12
+            g = torch.Generator().manual_seed(5)
+            first = "gate_up_proj" if flags.get("has_gate", True) else "up_proj"
+            rows = 2 * i if first == "gate_up_proj" else i
+            shape = (e, h, rows) if flags.get("is_transposed") else (e, rows, h)
+            setattr(self, first, torch.nn.Parameter(torch.randn(*shape, generator=g) * 0.3))
+            self.down_proj = torch.nn.Parameter(torch.randn(*((e, i, h) if flags.get("is_transposed") else (e, h, i)), generator=g) * 0.3)
+            if flags.get("has_bias"):
+                setattr(self, first + "_bias", torch.nn.Parameter(torch.randn(e, rows, generator=g) * 0.3))
+                self.down_proj_bias = torch.nn.Parameter(torch.randn(e, h, generator=g) * 0.3)
+            self.act_fn = torch.nn.functional.gelu if form == "ungated" else torch.nn.functional.silu
+            self.limit = 0.2
+            if form == "post-norm":
+                self.post_expert_norm = torch.nn.LayerNorm(h)
+
+        if form == "clamped-gate":
+            # DeepSeek-V4's, GLM-5's and Step-3's form: the interface's layout, a gate of its own
+            def _apply_gate(self, gate_up):
+                gate, up = gate_up.chunk(2, dim=-1)
+                return self.act_fn(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+        elif form == "biases-interleaved":
+            # gpt-oss's: gate and up rows interleaved, a clamped, scaled sigmoid gate
+            def _apply_gate(self, gate_up):
+                gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(-self.limit, self.limit)
+                return (up + 1) * gate * torch.sigmoid(gate * 1.702)
+
+    return use_experts_implementation(**flags)(Experts)
+
+
+class _Block(torch.nn.Module):
+    """A softmax top-2 router over 4 experts of `form`."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        config = transformers.PretrainedConfig()
+        config._experts_implementation = "batched_mm"
+        self.config = config
+        self.router = torch.nn.Linear(16, 4, bias=False)
+        torch.nn.init.normal_(self.router.weight, std=0.5, generator=torch.Generator().manual_seed(6))
+        self.experts = _experts_class(form)(config)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = hidden_states.reshape(-1, 16)
+        weights, index = torch.topk(torch.softmax(self.router(x), dim=-1), 2, dim=-1)
+        return self.experts(x, index, weights).reshape(hidden_states.shape)
+
+
+@pytest.mark.parametrize("form", ["clamped-gate", "biases-interleaved", "ungated", "post-norm"])
+def test_experts_outside_the_fused_form_export_as_the_module_computes_them(form: str, tmp_path: Path) -> None:
+    # the dense form once multiplied act(gate)·up whatever the module's own gate: a clamped gate
+    # (DeepSeek-V4) exported without its clamp, silently
+    import onnxruntime as ort
+
+    block = _Block(form)
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(7))
+    with pytest.warns(UserWarning, match="densely: every expert on every token"):
+        exported = smp.export(block, x, tmp_path / "block.onnx")
+    assert block.config._experts_implementation == "batched_mm"
+    (y,) = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"]).run(None, {"hidden_states": x.numpy()})
+    with torch.no_grad():
+        want = block(x).numpy()
+    assert np.abs(want).max() > 1e-2
+    assert np.abs(y - want).max() < 1e-5 * np.abs(want).max()
+    if form == "clamped-gate":
+        # the clamp binds: without it the block computes something else
+        with torch.no_grad():
+            block.experts.limit = 1e9
+            assert np.abs(block(x).numpy() - want).max() > 1e-2 * np.abs(want).max()
