@@ -82,7 +82,7 @@ def dense_experts(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights
     ids = torch.arange(experts, device=hidden_states.device)
     one_hot = (top_k_index.unsqueeze(-1) == ids).to(top_k_weights.dtype)            # [N, k, E]
     combine = (one_hot * top_k_weights.unsqueeze(-1)).sum(1)                         # [N, E]
-    if not fusable(self):
+    if not _FUSABLE.get(id(self), True):
         return dense_general(self, hidden_states, combine)
     gate, up = torch.matmul(self.gate_up_proj, hidden_states.transpose(0, 1)).chunk(2, dim=1)
     y = torch.matmul(self.down_proj, self.act_fn(gate) * up)                         # [E, H, N]
@@ -90,19 +90,40 @@ def dense_experts(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights
     return out.transpose(0, 1).to(hidden_states.dtype)
 
 
+#: `fusable` of each experts-interface module being exported, by id (decided before tracing: its
+#: probe does not trace); the stacked modules of recognised blocks are of the fused form.
+_FUSABLE: dict[int, bool] = {}
+
+
 def fusable(m: Any) -> bool:
     """Whether experts-interface module `m` computes the form `passes::fuse` turns into the
-    fused `MixtureOfExperts` op: gated experts `act(gate)·up` over concatenated `[gate; up]`
+    fused `MixtureOfExperts` op: gated experts `silu(gate)·up` over concatenated `[gate; up]`
     rows (the interface's default gate), without biases or a norm after each expert."""
     from transformers.integrations import moe
 
     default = getattr(moe, "_default_apply_gate", None)
     return (bool(m.has_gate) and not m.has_bias and not getattr(m, "has_post_expert_norm", False)
-            and getattr(type(m), "_apply_gate", default) is default)
+            and getattr(type(m), "_apply_gate", default) is default and _is_silu(getattr(m, "act_fn", None)))
+
+
+def _is_silu(act: Any) -> bool:
+    """Whether `act` computes SiLU, on a probe (the fused kernel's only gate activation)."""
+    import torch
+
+    if not callable(act):
+        return False
+    probe = torch.linspace(-6.0, 6.0, 25)
+    try:
+        with torch.no_grad():
+            got = act(probe)
+    except Exception:  # noqa: BLE001 - an activation that cannot take a probe is not SiLU
+        return False
+    return isinstance(got, torch.Tensor) and got.shape == probe.shape and bool(
+        torch.allclose(got.float(), torch.nn.functional.silu(probe), rtol=1e-6, atol=1e-7))
 
 
 def _expert_count(m: Any) -> int:
-    return int((m.gate_up_proj if m.has_gate else m.up_proj).shape[0])
+    return int((m.gate_up_proj if getattr(m, "has_gate", True) else m.up_proj).shape[0])
 
 
 def _unfused_parts(m: Any) -> list[str]:
@@ -113,6 +134,8 @@ def _unfused_parts(m: Any) -> list[str]:
     return [what for what, present in (
         ("no gate projection", not m.has_gate), ("biases", m.has_bias),
         ("a gate function of their own (`_apply_gate`)", m.has_gate and getattr(type(m), "_apply_gate", default) is not default),
+        ("a gate activation other than SiLU", m.has_gate and getattr(type(m), "_apply_gate", default) is default
+         and not _is_silu(getattr(m, "act_fn", None))),
         ("a norm after each expert", getattr(m, "has_post_expert_norm", False)),
     ) if present]
 
@@ -746,6 +769,7 @@ class MoeExport:
             for m in transposed:
                 for w in ("gate_up_proj", "down_proj"):
                     setattr(m, w, torch.nn.Parameter(getattr(m, w).detach().transpose(1, 2).contiguous()))
+            _FUSABLE.update({id(m): fusable(m) for _, m in self.experts})
             for c in configs.values():
                 c._experts_implementation = IMPLEMENTATION
             if self.totals is not None:
@@ -756,6 +780,8 @@ class MoeExport:
                         hooks.append(m.register_forward_hook(lambda _m, _a, out: totals.add(out[index])))
             yield
         finally:
+            for _, m in self.experts:
+                _FUSABLE.pop(id(m), None)
             for m, (gate_up, down) in zip(transposed, originals):
                 m.gate_up_proj, m.down_proj = gate_up, down
             for h in hooks:

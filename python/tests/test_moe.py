@@ -79,7 +79,7 @@ def _experts_class(form: str):
     from transformers.integrations.moe import use_experts_implementation
 
     flags = {"clamped-gate": {}, "biases-interleaved": dict(is_concatenated=False, is_transposed=True, has_bias=True),
-             "ungated": dict(has_gate=False), "post-norm": dict(has_post_expert_norm=True)}[form]
+             "ungated": dict(has_gate=False), "post-norm": dict(has_post_expert_norm=True), "gelu-gate": {}}[form]
 
     class Experts(torch.nn.Module):
         def __init__(self, config):
@@ -94,7 +94,7 @@ def _experts_class(form: str):
             if flags.get("has_bias"):
                 setattr(self, first + "_bias", torch.nn.Parameter(torch.randn(e, rows, generator=g) * 0.3))
                 self.down_proj_bias = torch.nn.Parameter(torch.randn(e, h, generator=g) * 0.3)
-            self.act_fn = torch.nn.functional.gelu if form == "ungated" else torch.nn.functional.silu
+            self.act_fn = torch.nn.functional.gelu if form in ("ungated", "gelu-gate") else torch.nn.SiLU()
             self.limit = 0.2
             if form == "post-norm":
                 self.post_expert_norm = torch.nn.LayerNorm(h)
@@ -131,7 +131,7 @@ class _Block(torch.nn.Module):
         return self.experts(x, index, weights).reshape(hidden_states.shape)
 
 
-@pytest.mark.parametrize("form", ["clamped-gate", "biases-interleaved", "ungated", "post-norm"])
+@pytest.mark.parametrize("form", ["clamped-gate", "biases-interleaved", "ungated", "post-norm", "gelu-gate"])
 def test_experts_outside_the_fused_form_export_as_the_module_computes_them(form: str, tmp_path: Path) -> None:
     # the dense form once multiplied act(gate)·up whatever the module's own gate: a clamped gate
     # (DeepSeek-V4) exported without its clamp, silently
