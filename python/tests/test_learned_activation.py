@@ -5,7 +5,9 @@ per-channel vectors (a negative slope, a scale) along the intermediate dim. Expo
 sliced with it, the scalar is replicated and its gradient summed over the tensor ranks) and
 cp 2 (tp 2 as the Megatron split), trained 5 f32 steps by `smp.launch` and brought back by `smp.load_trained`: losses within
 1e-5 relative of PyTorch's own training, every parameter within 1e-4 norm-relative; in f64 the
-same plans equal one process (`smp-runner train --dtype f64`) within 1e-12."""
+same plans equal one process (`smp-runner train --dtype f64`) within 1e-12. At ep 2 the model's
+second block is a Mixtral mixture of experts (fused, its experts split over the two ranks), so
+the first block's activation parameters are replicated over the expert group's data ranks."""
 
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ PLANS = {
     "tp2": {"tensor_parallel_degree": 2},
     "cp2": {"context_parallel_degree": 2},
 }
+#: Plans of the model whose second block is a mixture of experts.
+MOE_PLANS = {"ep2": {"expert_parallel_degree": 2}}
 #: Planner flags per plan: at this size the planner's own choice under tp 2 replicates the MLP,
 #: so the Megatron split (every MLP split by its intermediate dim) is asked for.
 FLAGS = {"tp2": {"baseline": "megatron"}}
@@ -65,11 +69,31 @@ class Block(nn.Module):
         return x + self.down(self.act(self.up(self.norm(x))))
 
 
-class TokenModel(nn.Module):
+class MoeBlock(nn.Module):
+    """A Mixtral mixture of experts (4 experts, top 2) with a residual."""
+
     def __init__(self) -> None:
+        import transformers
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+        super().__init__()
+        self.norm = nn.LayerNorm(H)
+        self.moe = MixtralSparseMoeBlock(transformers.MixtralConfig(hidden_size=H, intermediate_size=INTER,
+                                                                    num_local_experts=4, num_experts_per_tok=2))
+        g = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for p in self.moe.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(self.norm(x))
+
+
+class TokenModel(nn.Module):
+    def __init__(self, moe: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, H)
-        self.blocks = nn.ModuleList([Block(), Block()])
+        self.blocks = nn.ModuleList([Block(), MoeBlock() if moe else Block()])
         self.norm = nn.LayerNorm(H)
         self.head = nn.Linear(H, VOCAB, bias=False)
 
@@ -129,9 +153,9 @@ def _one_process_f64(model_path: Path, data: Path, out: Path) -> tuple[list[floa
 
 
 @pytest.fixture(scope="module")
-def case(tmp_path_factory: pytest.TempPathFactory):
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     torch.manual_seed(0)
-    model = TokenModel().train()
+    model = TokenModel(moe=request.param).train()
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     work = tmp_path_factory.mktemp("learned_activation")
     exported = smp.export(model, (ids,), work / "model.onnx")
@@ -142,11 +166,16 @@ def case(tmp_path_factory: pytest.TempPathFactory):
     return model, ids, exported, data, losses, trained, exact_losses, exact
 
 
-@pytest.mark.parametrize("label", list(PLANS))
+@pytest.mark.parametrize(("label", "case"), [(k, False) for k in PLANS] + [(k, True) for k in MOE_PLANS],
+                         indirect=["case"], ids=list(PLANS) + list(MOE_PLANS))
 def test_learned_activation_parameters_train_as_pytorch(label: str, case, tmp_path: Path) -> None:
     model, ids, exported, data, losses, trained, exact_losses, exact = case
-    plan = smp.plan(exported, (ids,), cluster="cpu:2", global_batch=BATCH, config=PLANS[label], workdir=tmp_path,
-                    **FLAGS.get(label, {}))
+    moe = isinstance(model.blocks[1], MoeBlock)
+    plan = smp.plan(exported, (ids,), cluster="cpu:2", global_batch=BATCH, config={**PLANS, **MOE_PLANS}[label],
+                    workdir=tmp_path, **FLAGS.get(label, {}))
+    if moe:
+        fused = json.dumps(plan.data["codegen"].get("fused", []))
+        assert plan.parallel.ep == 2 and "mixture_of_experts" in fused, (plan.parallel, fused)
     if label == "tp2":
         # the intermediate dim is split: the per-channel vectors are sliced with it
         sliced = _sliced(plan)
@@ -160,7 +189,7 @@ def test_learned_activation_parameters_train_as_pytorch(label: str, case, tmp_pa
     errors = {n: _norm_rel(got[n], w) for n, w in trained.items() if _norm_rel(got[n], w) > WEIGHT_TOL}
     assert not errors, (label, errors)
     # the activation's own parameters moved, as PyTorch moved them
-    for n in ("blocks.0.act.alpha_p", "blocks.1.act.slope", "blocks.1.act.scale"):
+    for n in ("blocks.0.act.alpha_p", "blocks.0.act.slope") + (() if moe else ("blocks.1.act.scale",)):
         assert not torch.equal(got[n], initial[n]), (label, n)
     # f64: the plan equals one process
     run64 = smp.launch(plan, data=data, steps=STEPS, loss="causal-lm", threads=1, dtype="f64", progress=False)
