@@ -1,8 +1,10 @@
 """PyTorch side of the mixture-of-experts tests (tests/moe.rs), and helpers the zoo test can
 call for its MoE rows.
 
-Small Mixtral (top-2 of 4 experts, renormalised) and Qwen3-MoE (top-2 of 4, `norm_topk_prob`
-off) at Hugging Face's default init, with the router's auxiliary loss on
+Small Mixtral (top-2 of 4 experts, renormalised), Qwen3-MoE (top-2 of 4, `norm_topk_prob`
+off) and Mixtral with DeepSeek-V4's clamped SwiGLU experts (`mixtral_clamped`: the gate clamped
+to at most 0.05, the up projection to ±0.05, a limit its activations reach; PyTorch runs them
+through transformers' `batched_mm`, which applies the experts' own gate) at Hugging Face's default init, with the router's auxiliary loss on
 (`output_router_logits`, coefficient 0.02), eager attention, dropout off:
 - exported through the front door (`smp_partition.export`: dense experts and the `aux_loss`
   output, see python/smp_partition/_moe.py);
@@ -51,12 +53,30 @@ def configs() -> dict:
     }
 
 
+#: The clamped case's limit.
+LIMIT = 0.05
+
+
+class ClampedExperts(T.models.mixtral.modeling_mixtral.MixtralExperts):
+    """Mixtral's experts with DeepSeek-V4's gate: `silu(min(g, L)) · clip(u, −L, L)`."""
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+
+
 def build(name: str):
     """The model `name` at HF's default init (seed 0), eager attention."""
-    cls, cfg = configs()[name]
+    cls, cfg = configs()["mixtral" if name == "mixtral_clamped" else name]
     cfg._attn_implementation = "eager"
     torch.manual_seed(SEED)
-    return cls(cfg)
+    model = cls(cfg)
+    if name == "mixtral_clamped":
+        cfg._experts_implementation = "batched_mm"
+        for m in model.modules():
+            if isinstance(m, T.models.mixtral.modeling_mixtral.MixtralExperts):
+                m.__class__, m.limit = ClampedExperts, LIMIT
+    return model
 
 
 def tokens():
@@ -92,7 +112,7 @@ def main() -> None:
     torch.set_num_threads(1)
     ids = tokens()
     cases = []
-    for name in configs():
+    for name in [*configs(), "mixtral_clamped"]:
         path = out / f"{name}.onnx"
         smp.export(build(name), ids, path)
         np.savez(out / f"{name}.data.npz", input_ids=ids.numpy())

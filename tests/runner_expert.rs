@@ -3,7 +3,8 @@
 //! planner's pp/tp/dp plans with `parallel.ep` set to 2 (expert groups of 2 replicas, each
 //! holding half the experts, tokens routed to them by all-to-all)
 //! - ep 2 × dp 2 trains 5 f64 steps as one process within 1e-9, and 5 f32 steps as PyTorch
-//!   trains the module on the same data split (a microbatch per replica) within 1e-5;
+//!   trains the module on the same data split (a microbatch per replica) within 1e-5 (also with
+//!   DeepSeek-V4's clamped experts);
 //! - ep 2 × pp 2, ep 2 × tp 2 (experts also split over their intermediate dim), ep 2 × dp 4 (two
 //!   expert groups) and ep 2 under ZeRO 1, 2 and 3 at dp 2 and 4 (dense weights sharded, experts
 //!   whole on their ranks) as one process within 1e-9;
@@ -65,6 +66,12 @@ fn ep2_dp2(name: &str) {
 #[test]
 fn mixtral_ep2_dp2_trains_as_one_process_and_as_pytorch() {
     ep2_dp2("mixtral");
+}
+
+/// DeepSeek-V4's clamped experts: each expert's rank applies the clamp to its tokens.
+#[test]
+fn clamped_experts_ep2_dp2_train_as_one_process_and_as_pytorch() {
+    ep2_dp2("mixtral_clamped");
 }
 
 #[test]

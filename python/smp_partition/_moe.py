@@ -12,9 +12,11 @@ weight 0), in ops every ONNX runtime executes. The planner's fusion pass
 `MixtureOfExperts` op whose kernel runs only the routed tokens. The router itself (logits,
 softmax, top-k, the model's own normalisation) is exported as the model computes it. Experts
 stored transposed (`is_transposed`: `[E, H, 2I]`, `[E, I, H]`) are exported in the dense form's
-layout, named in `smp.transposed` as stacked-weight blocks' are (below). Experts-interface
-classes outside that form — biases, a gate function of their own (`_apply_gate`: gpt-oss's
-interleaved clamped gate, DeepSeek-V4's clamped SiLU), no gate, a norm after each expert — are
+layout, named in `smp.transposed` as stacked-weight blocks' are (below). A gate function of the
+class's own that computes the clamped SwiGLU of DeepSeek-V4 and GLM-5 (`gate_form`, on a probe in
+f64) exports as the dense form with its two clamps, which the fusion pass fuses with the limit.
+Experts-interface classes outside those forms — biases, any other gate function (gpt-oss's
+interleaved clamped gate), a gate activation other than SiLU, no gate, a norm after each expert — are
 exported as transformers' own experts function computes them (`dense_general`: the module's own
 gate, weights in their stored layout), which the fusion pass leaves as ops: they run densely, and
 the export warns so, naming them.
@@ -74,36 +76,70 @@ AUX_OUTPUT, AUX_KEY = "aux_loss", "smp.aux_loss"
 
 def dense_experts(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
     """transformers' experts interface (`hidden_states [N, H]`, `top_k_index` and
-    `top_k_weights [N, k]`) as a dense computation over all experts: for experts of the form
-    `passes::fuse` fuses (`fusable`), its exact pattern; for any other, `dense_general`."""
+    `top_k_weights [N, k]`) as a dense computation over all experts: for experts of a form
+    `passes::fuse` fuses (`gate_form`), its exact pattern; for any other, `dense_general`."""
     import torch
 
     experts = _expert_count(self)
     ids = torch.arange(experts, device=hidden_states.device)
     one_hot = (top_k_index.unsqueeze(-1) == ids).to(top_k_weights.dtype)            # [N, k, E]
     combine = (one_hot * top_k_weights.unsqueeze(-1)).sum(1)                         # [N, E]
-    if not _FUSABLE.get(id(self), True):
+    form = _FORMS.get(id(self), ("silu", None))
+    if form is None:
         return dense_general(self, hidden_states, combine)
     gate, up = torch.matmul(self.gate_up_proj, hidden_states.transpose(0, 1)).chunk(2, dim=1)
-    y = torch.matmul(self.down_proj, self.act_fn(gate) * up)                         # [E, H, N]
+    if form[0] == "clamped_silu":
+        gate, up = gate.clamp(max=form[1]), up.clamp(min=-form[1], max=form[1])
+    y = torch.matmul(self.down_proj, torch.nn.functional.silu(gate) * up)            # [E, H, N]
     out = (y * combine.transpose(0, 1).unsqueeze(1)).sum(0)                          # [H, N]
     return out.transpose(0, 1).to(hidden_states.dtype)
 
 
-#: `fusable` of each experts-interface module being exported, by id (decided before tracing: its
-#: probe does not trace); the stacked modules of recognised blocks are of the fused form.
-_FUSABLE: dict[int, bool] = {}
+#: `gate_form` of each experts-interface module being exported, by id (decided before tracing:
+#: its probe does not trace); the stacked modules of recognised blocks are of the SiLU form.
+_FORMS: dict[int, tuple[str, float | None] | None] = {}
+
+
+def gate_form(m: Any) -> tuple[str, float | None] | None:
+    """The fused `MixtureOfExperts` activation that experts-interface module `m` computes, with
+    its limit: `("silu", None)` for `silu(gate)·up` (the interface's default gate with a SiLU
+    activation), `("clamped_silu", L)` for `silu(min(gate, L))·clip(up, −L, L)` (DeepSeek-V4's and
+    GLM-5's gate of their own, recognised on a probe in f64); `None` where the fused kernel does not
+    compute the experts: biases, no gate, a norm after each expert, any other gate."""
+    import torch
+    from transformers.integrations import moe
+
+    if not m.has_gate or m.has_bias or getattr(m, "has_post_expert_norm", False):
+        return None
+    if not _is_silu(getattr(m, "act_fn", None)):
+        return None
+    default = getattr(moe, "_default_apply_gate", None)
+    gate = getattr(type(m), "_apply_gate", default)
+    if gate is default:
+        return ("silu", None)
+    limits = {float(v) for k in ("limit", "swiglu_limit") if isinstance(v := getattr(m, k, None), (int, float))
+              and not isinstance(v, bool) and v > 0}
+    if len(limits) != 1:
+        return None
+    (limit,) = limits
+    rows = int(m.gate_up_proj.shape[1])
+    probe = torch.randn(64, rows, generator=torch.Generator().manual_seed(11), dtype=torch.float64) * 2 * limit
+    g, u = probe.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(g.clamp(max=limit)) * u.clamp(min=-limit, max=limit)
+    try:
+        with torch.no_grad():
+            got = m._apply_gate(probe)
+    except Exception:  # noqa: BLE001 - a gate that cannot take a probe is not a known form
+        return None
+    same = isinstance(got, torch.Tensor) and got.shape == want.shape and bool(
+        torch.allclose(got.double(), want, rtol=1e-12, atol=1e-12 * limit))
+    return ("clamped_silu", limit) if same else None
 
 
 def fusable(m: Any) -> bool:
-    """Whether experts-interface module `m` computes the form `passes::fuse` turns into the
-    fused `MixtureOfExperts` op: gated experts `silu(gate)·up` over concatenated `[gate; up]`
-    rows (the interface's default gate), without biases or a norm after each expert."""
-    from transformers.integrations import moe
-
-    default = getattr(moe, "_default_apply_gate", None)
-    return (bool(m.has_gate) and not m.has_bias and not getattr(m, "has_post_expert_norm", False)
-            and getattr(type(m), "_apply_gate", default) is default and _is_silu(getattr(m, "act_fn", None)))
+    """Whether experts-interface module `m` computes a form the fused `MixtureOfExperts` op
+    computes (`gate_form`)."""
+    return gate_form(m) is not None
 
 
 def _is_silu(act: Any) -> bool:
@@ -131,11 +167,11 @@ def _unfused_parts(m: Any) -> list[str]:
     from transformers.integrations import moe
 
     default = getattr(moe, "_default_apply_gate", None)
+    own = m.has_gate and getattr(type(m), "_apply_gate", default) is not default
     return [what for what, present in (
         ("no gate projection", not m.has_gate), ("biases", m.has_bias),
-        ("a gate function of their own (`_apply_gate`)", m.has_gate and getattr(type(m), "_apply_gate", default) is not default),
-        ("a gate activation other than SiLU", m.has_gate and getattr(type(m), "_apply_gate", default) is default
-         and not _is_silu(getattr(m, "act_fn", None))),
+        ("a gate function of their own (`_apply_gate`) other than the clamped SiLU the kernel computes", own),
+        ("a gate activation other than SiLU", m.has_gate and not own and not _is_silu(getattr(m, "act_fn", None))),
         ("a norm after each expert", getattr(m, "has_post_expert_norm", False)),
     ) if present]
 
@@ -769,7 +805,7 @@ class MoeExport:
             for m in transposed:
                 for w in ("gate_up_proj", "down_proj"):
                     setattr(m, w, torch.nn.Parameter(getattr(m, w).detach().transpose(1, 2).contiguous()))
-            _FUSABLE.update({id(m): fusable(m) for _, m in self.experts})
+            _FORMS.update({id(m): gate_form(m) for _, m in self.experts})
             for c in configs.values():
                 c._experts_implementation = IMPLEMENTATION
             if self.totals is not None:
@@ -781,7 +817,7 @@ class MoeExport:
             yield
         finally:
             for _, m in self.experts:
-                _FUSABLE.pop(id(m), None)
+                _FORMS.pop(id(m), None)
             for m, (gate_up, down) in zip(transposed, originals):
                 m.gate_up_proj, m.down_proj = gate_up, down
             for h in hooks:

@@ -10,7 +10,8 @@ use super::{NodeId, ValueId};
 /// `{"gelu": {"approximate": "tanh"}}`,
 /// `{"attention": {"scale": 0.125, "mask": "additive"}}`,
 /// `{"mixture_of_experts": {"experts": 8, "activation": "silu"}}` (with `"weighting": "input"`
-/// where the router's weights scale the tokens going in),
+/// where the router's weights scale the tokens going in; a clamped gate's activation is
+/// `{"clamped_silu": {"limit": 7.0}}`),
 /// `{"rms_norm": {"epsilon": 1e-6}}` or `"swiglu"`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
@@ -55,31 +56,91 @@ pub enum FusedOp {
     SwiGlu,
 }
 
-/// A norm's ε (an f64 compared and hashed by its bits; the plan file writes the number).
-#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct Epsilon(pub f64);
+/// A newtype over an f64 attribute of a fused op, compared and hashed by its bits (the plan file
+/// writes the number).
+macro_rules! exact_f64 {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+        #[serde(transparent)]
+        pub struct $name(pub f64);
 
-impl PartialEq for Epsilon {
-    fn eq(&self, o: &Self) -> bool {
-        self.0.to_bits() == o.0.to_bits()
-    }
+        impl PartialEq for $name {
+            fn eq(&self, o: &Self) -> bool {
+                self.0.to_bits() == o.0.to_bits()
+            }
+        }
+
+        impl Eq for $name {}
+
+        impl std::hash::Hash for $name {
+            fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+                self.0.to_bits().hash(h);
+            }
+        }
+    };
 }
 
-impl Eq for Epsilon {}
+exact_f64!(
+    /// A norm's ε.
+    Epsilon
+);
 
-impl std::hash::Hash for Epsilon {
-    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
-        self.0.to_bits().hash(h);
-    }
-}
+exact_f64!(
+    /// An attention scale.
+    AttentionScale
+);
+
+exact_f64!(
+    /// The bound of a clamped expert gate: the gate is clamped to at most it, the up projection
+    /// to ±it.
+    ClampLimit
+);
 
 /// The activation of an expert's gate (`act(gate·x) ⊙ up·x`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ExpertActivation {
-    /// `x·σ(x)` (SwiGLU experts: Mixtral, Qwen-MoE, DeepSeek, OLMoE).
+    /// `silu(g) ⊙ u` (SwiGLU experts: Mixtral, Qwen-MoE, DeepSeek-V3, OLMoE).
     Silu,
+    /// `silu(min(g, limit)) ⊙ clip(u, −limit, limit)` (DeepSeek-V4, GLM-5: a SwiGLU whose
+    /// projections are clamped).
+    ClampedSilu {
+        /// The clamp's bound.
+        limit: ClampLimit,
+    },
+}
+
+impl ExpertActivation {
+    /// The activation of a `MixtureOfExperts` node with these attributes (`activation` absent:
+    /// SiLU; `"clamped_silu"` with a one-element tensor `limit`), or what is wrong with them.
+    pub fn of_node(attrs: &super::Attrs) -> Result<ExpertActivation, String> {
+        match attrs.str("activation") {
+            None | Some("silu") => Ok(ExpertActivation::Silu),
+            Some("clamped_silu") => match attrs.tensor("limit").and_then(|t| t.to_f64_vec()).as_deref() {
+                Some(&[limit]) if limit > 0.0 && limit.is_finite() => Ok(ExpertActivation::ClampedSilu { limit: ClampLimit(limit) }),
+                _ => Err("activation `clamped_silu` without a positive one-element `limit`".to_string()),
+            },
+            Some(other) => Err(format!("activation `{other}` is neither `silu` nor `clamped_silu`")),
+        }
+    }
+
+    /// Writes the node attributes [`ExpertActivation::of_node`] reads (none for SiLU).
+    pub fn set_attrs(&self, attrs: &mut super::Attrs) {
+        if let ExpertActivation::ClampedSilu { limit } = self {
+            attrs.set("activation", super::Attr::Str("clamped_silu".into()));
+            attrs.set("limit", super::Attr::Tensor(super::Tensor::from_f64(vec![], &[limit.0])));
+        }
+    }
+}
+
+impl std::fmt::Display for ExpertActivation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ExpertActivation::Silu => f.write_str("silu"),
+            ExpertActivation::ClampedSilu { limit } => write!(f, "clamped_silu(limit = {})", limit.0),
+        }
+    }
 }
 
 /// Where a mixture of experts applies the router's weights: to each expert's output (Mixtral,
@@ -144,25 +205,6 @@ impl FusedOp {
     }
 }
 
-/// An attention scale (an f64 compared and hashed by its bits; the plan file writes the number).
-#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct AttentionScale(pub f64);
-
-impl PartialEq for AttentionScale {
-    fn eq(&self, o: &Self) -> bool {
-        self.0.to_bits() == o.0.to_bits()
-    }
-}
-
-impl Eq for AttentionScale {}
-
-impl std::hash::Hash for AttentionScale {
-    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
-        self.0.to_bits().hash(h);
-    }
-}
-
 /// How a fused attention's mask applies to the scores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -197,8 +239,8 @@ impl std::fmt::Display for FusedOp {
                     None => f.write_str(")"),
                 }
             }
-            FusedOp::MixtureOfExperts { experts, activation: ExpertActivation::Silu, weighting } => {
-                write!(f, "MixtureOfExperts(experts = {experts}, activation = silu")?;
+            FusedOp::MixtureOfExperts { experts, activation, weighting } => {
+                write!(f, "MixtureOfExperts(experts = {experts}, activation = {activation}")?;
                 match weighting.attr() {
                     Some(w) => write!(f, ", weighting = {w})"),
                     None => f.write_str(")"),

@@ -43,7 +43,9 @@
 //! out   = Transpose(ReduceSum(Mul(MatMul(down, Mul(Mul(g, Sigmoid(g)), u)),
 //!                                 Unsqueeze(Transpose(dense), 1)), 0))
 //! ```
-//! with `gate_up` `[E, 2I, H]` and `down` `[E, H, I]` initializers. The router before it
+//! with `gate_up` `[E, 2I, H]` and `down` `[E, H, I]` initializers. A clamped SwiGLU
+//! (DeepSeek-V4, GLM-5) clamps the halves first, `g` by `Clip(g, , L)` and `u` by
+//! `Clip(u, −L, L)`, one constant L: the op's activation is then `clamped_silu` with that limit. The router before it
 //! (logits, softmax, top-k, normalisation) stays ordinary nodes, so every model's own routing
 //! rule is kept as exported, and its outputs may have other readers (the auxiliary loss).
 //!
@@ -71,7 +73,7 @@ use std::collections::HashSet;
 
 use super::PassError;
 use crate::ir::{
-    Attr, AttentionMask, AttentionScale, DType, Epsilon, ExpertActivation, ExpertWeighting, FusedOp, Fusion, GeluApproximation, Graph, NodeId,
+    Attr, AttentionMask, AttentionScale, ClampLimit, DType, Epsilon, ExpertActivation, ExpertWeighting, FusedOp, Fusion, GeluApproximation, Graph, NodeId,
     OpKind, ValueId,
 };
 
@@ -160,7 +162,7 @@ fn fuse_sweep(graph: &mut Graph, late: bool, out: &mut Vec<Fusion>) {
             }),
             (false, OpKind::Transpose) => m.experts(id).map(|e| Fusion {
                 node: id,
-                op: FusedOp::MixtureOfExperts { experts: e.experts, activation: ExpertActivation::Silu, weighting: e.weighting },
+                op: FusedOp::MixtureOfExperts { experts: e.experts, activation: e.activation, weighting: e.weighting },
                 inputs: e.inputs,
                 output: output(),
                 replaces: e.nodes,
@@ -303,9 +305,10 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
             attrs.set("scale", Attr::Tensor(crate::ir::Tensor::from_f64(vec![], &[scale.0])));
             OpKind::ScaledDotProductAttention
         }
-        FusedOp::MixtureOfExperts { experts, activation: ExpertActivation::Silu, weighting } => {
-            check_experts(graph, f, &ops, experts, weighting).map_err(bad)?;
+        FusedOp::MixtureOfExperts { experts, activation, weighting } => {
+            check_experts(graph, f, &ops, experts, activation, weighting).map_err(bad)?;
             attrs.set("experts", Attr::Int(experts as i64));
+            activation.set_attrs(&mut attrs);
             if let Some(w) = weighting.attr() {
                 attrs.set("weighting", Attr::Str(w.into()));
             }
@@ -408,7 +411,7 @@ fn check_rms_norm(g: &Graph, f: &Fusion, ops: &[OpKind], epsilon: f64) -> Result
 /// The op checks of a mixture-of-experts record (see [`apply`]): the dense chain's ops, once
 /// each as its formula has them, the expert ids it compares the indices with (`0..experts`), and
 /// weights of `experts` experts.
-fn check_experts(g: &Graph, f: &Fusion, ops: &[OpKind], experts: usize, weighting: ExpertWeighting) -> Result<(), String> {
+fn check_experts(g: &Graph, f: &Fusion, ops: &[OpKind], experts: usize, activation: ExpertActivation, weighting: ExpertWeighting) -> Result<(), String> {
     use OpKind::*;
     if !g.node(f.node).op.is(Transpose) {
         return Err(format!("the node is a {}, not the Transpose of the combined output", g.node(f.node).op));
@@ -421,8 +424,9 @@ fn check_experts(g: &Graph, f: &Fusion, ops: &[OpKind], experts: usize, weightin
     if !summand.is_some_and(|n| g.node(n).op.is(want_op)) {
         return Err(format!("the expert sum does not read a {want_op}, as {weighting:?} weighting does"));
     }
-    let want: [(OpKind, usize); 9] =
-        [(Transpose, 3), (ReduceSum, 2), (Mul, 4), (MatMul, 2), (Unsqueeze, 3), (Cast, 1), (Equal, 1), (Sigmoid, 1), (Split, 1)];
+    let clips = if matches!(activation, ExpertActivation::ClampedSilu { .. }) { 2 } else { 0 };
+    let want: [(OpKind, usize); 10] =
+        [(Transpose, 3), (ReduceSum, 2), (Mul, 4), (MatMul, 2), (Unsqueeze, 3), (Cast, 1), (Equal, 1), (Sigmoid, 1), (Split, 1), (Clip, clips)];
     let count = |k: OpKind| ops.iter().filter(|&&o| o == k).count();
     if let Some(k) = ops.iter().find(|k| !want.iter().any(|(w, _)| w == *k)) {
         return Err(format!("the chain has a {k}, which the dense experts do not"));
@@ -434,6 +438,21 @@ fn check_experts(g: &Graph, f: &Fusion, ops: &[OpKind], experts: usize, weightin
         let lead = g.value(f.inputs[i]).ty.as_ref().and_then(|t| t.shape.as_ref()).and_then(|s| s.0.first()).and_then(|d| d.known());
         if lead.is_some_and(|e| e != experts as i64) {
             return Err(format!("{what} `{}` holds {} experts, the record {experts}", g.value(f.inputs[i]).name, lead.unwrap_or(0)));
+        }
+    }
+    if let ExpertActivation::ClampedSilu { limit } = activation {
+        // the gate clamped to at most the limit, the up projection to ± it
+        let konst = |v: Option<ValueId>| v.and_then(|v| g.value(v).data.as_ref().filter(|_| g.value(v).producer.is_none()).and_then(|d| d.to_f64_vec()));
+        let mut bounds: Vec<(Option<Vec<f64>>, Option<Vec<f64>>)> = f
+            .replaces
+            .iter()
+            .filter(|&&n| g.node(n).op.is(Clip))
+            .map(|&n| (konst(g.node(n).inputs.get(1).copied().flatten()), konst(g.node(n).inputs.get(2).copied().flatten())))
+            .collect();
+        bounds.sort_by_key(|b| b.0.is_some());
+        let l = limit.0;
+        if bounds != [(None, Some(vec![l])), (Some(vec![-l]), Some(vec![l]))] {
+            return Err(format!("its Clip bounds {bounds:?} are not the gate's (none, {l}) and the up projection's ({}, {l})", -l));
         }
     }
     let ids: Vec<f64> = (0..experts).map(|e| e as f64).collect();
@@ -483,6 +502,7 @@ struct AttentionMatch {
 struct ExpertsMatch {
     inputs: Vec<ValueId>,
     experts: usize,
+    activation: ExpertActivation,
     weighting: ExpertWeighting,
     nodes: Vec<NodeId>,
 }
@@ -726,10 +746,19 @@ impl Matcher<'_> {
         let (a, b) = self.pair(mh)?;
         let (act, u) = if self.silu(a).is_some() { (a, b) } else { (b, a) };
         let (m_silu, sig, g) = self.silu(act)?;
+        // a clamped SwiGLU clamps both halves first: the gate to at most the limit, up to ± it
+        let (g, u, activation) = match (self.clip(g, 2, true), self.clip(u, 1, false)) {
+            (Some((cg, g0, limit)), Some((cu, u0, limit_up))) if limit.to_bits() == limit_up.to_bits() => {
+                nodes.extend([cg, cu]);
+                (g0, u0, ExpertActivation::ClampedSilu { limit: ClampLimit(limit) })
+            }
+            _ => (g, u, ExpertActivation::Silu),
+        };
+        let gate_reads = if activation == ExpertActivation::Silu { 2 } else { 1 };
         let split = self.g.value(g).producer?;
         let sp = self.g.node(split);
         let two_halves = sp.outputs == [g, u]
-            && self.uses[g.index()] == 2
+            && self.uses[g.index()] == gate_reads
             && self.uses[u.index()] == 1
             && sp.attrs.int("axis", 0) == 1
             && self.const_ints(split, 1).is_none_or(|s| s.len() == 2 && s[0] == s[1]);
@@ -781,7 +810,7 @@ impl Matcher<'_> {
             return None;
         }
         nodes.sort();
-        Some(ExpertsMatch { inputs: vec![x, weights, indices, gate_up, down], experts: experts.len(), weighting, nodes })
+        Some(ExpertsMatch { inputs: vec![x, weights, indices, gate_up, down], experts: experts.len(), activation, weighting, nodes })
     }
 
     /// `v` = ReduceSum over `axis` alone, not kept, read only by the chain: (the node, its input).
@@ -825,6 +854,26 @@ impl Matcher<'_> {
             return None;
         }
         Some((weights, indices, experts))
+    }
+
+    /// `v` = Clip(x, lo, hi) read by the chain alone, `reads` times, with a positive constant
+    /// `hi` and `lo` absent (`upper_only`) or −`hi`: (the Clip, x, hi).
+    fn clip(&self, v: ValueId, reads: usize, upper_only: bool) -> Option<(NodeId, ValueId, f64)> {
+        let p = self.g.value(v).producer?;
+        let n = self.g.node(p);
+        if !n.op.is(OpKind::Clip) || n.outputs.len() != 1 || self.uses[v.index()] != reads {
+            return None;
+        }
+        let x = n.inputs.first().copied().flatten()?;
+        let hi = self.scalar(n.inputs.get(2).copied().flatten()?)?;
+        if !(hi > 0.0 && hi.is_finite()) {
+            return None;
+        }
+        match (n.inputs.get(1).copied().flatten(), upper_only) {
+            (None, true) => Some((p, x, hi)),
+            (Some(lo), false) if self.scalar(lo).is_some_and(|l| l.to_bits() == (-hi).to_bits()) => Some((p, x, hi)),
+            _ => None,
+        }
     }
 
     /// `v` = Mul(g, Sigmoid(g)) in either order, read only by the chain: (the Mul, the Sigmoid, g).

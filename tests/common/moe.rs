@@ -13,7 +13,7 @@ use super::runner::{json, ok, runner};
 /// One exported MoE model with its data and PyTorch's losses.
 #[derive(Clone, Debug)]
 pub struct MoeCase {
-    /// `mixtral` or `qwen3_moe`.
+    /// `mixtral`, `qwen3_moe` or `mixtral_clamped`.
     pub name: String,
     /// The front door's export.
     pub onnx: PathBuf,

@@ -46,7 +46,7 @@ pub(super) fn expert_parallel(node: &crate::ir::Node, inputs: &[Option<Tensor>],
     let (by_expert, per_expert) = expert_major(&got, local as usize, e as usize);
     let order = Tensor::from_slice(&by_expert).f_to_device(x.device()).map_err(kerr)?;
     let rows = received.f_index_select(0, &order).map_err(kerr)?;
-    let ys = run_experts(&rows, &per_expert, gate_up, down, ctx.autocast).map_err(|m| m.0)?;
+    let ys = run_experts(&rows, &per_expert, gate_up, down, routed.activation, ctx.autocast).map_err(|m| m.0)?;
     // back to member-major order, then home
     let mut inverse = vec![0i64; by_expert.len()];
     for (i, &r) in by_expert.iter().enumerate() {

@@ -125,7 +125,16 @@ fn to_kind_onnx(a: &Args, x: &Tensor, k: Kind) -> KResult<Tensor> {
 
 pub(super) fn clip(a: &Args) -> KResult<Tensor> {
     let x = a.x(0)?;
-    let (lo, hi) = (a.opt(1).map(|t| t.shallow_clone()), a.opt(2).map(|t| t.shallow_clone()));
+    // ONNX's bounds are of x's type; under autocast x may be in the low type where the bounds
+    // stay fp32, and the result keeps x's type as torch's clamp by a number does
+    let bound = |i: usize| -> KResult<Option<Tensor>> {
+        Ok(match a.opt(i) {
+            Some(t) if t.kind() != x.kind() && is_float_kind(x.f_kind()?) => Some(t.f_to_kind(x.kind())?),
+            Some(t) => Some(t.shallow_clone()),
+            None => None,
+        })
+    };
+    let (lo, hi) = (bound(1)?, bound(2)?);
     if lo.is_none() && hi.is_none() {
         return Ok(x.shallow_clone());
     }

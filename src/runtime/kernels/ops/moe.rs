@@ -8,7 +8,7 @@
 use tch::{Kind, Tensor};
 
 use super::{Args, KResult, bail};
-use crate::ir::{Attrs, ExpertWeighting};
+use crate::ir::{Attrs, ExpertActivation, ExpertWeighting};
 use crate::runtime::kernels::tensor::to_i64_vec;
 
 /// `MixtureOfExperts(x [N, H], weights [N, k], indices [N, k], gate_up [E, 2I, H],
@@ -18,7 +18,7 @@ pub(super) fn mixture_of_experts(a: &Args) -> KResult<Tensor> {
     let experts = gate_up.size().first().copied().unwrap_or(0);
     let routed = route(x, weights, indices, gate_up, down, experts, a.attrs())?;
     let xs = routed.rows_in(x)?;
-    let ys = run_experts(&xs, &routed.counts, gate_up, down, a.ctx.autocast)?;
+    let ys = run_experts(&xs, &routed.counts, gate_up, down, routed.activation, a.ctx.autocast)?;
     combine(x, &routed, &ys)
 }
 
@@ -33,6 +33,8 @@ pub(crate) struct Routed {
     pub counts: Vec<i64>,
     /// Where the weights apply.
     pub weighting: ExpertWeighting,
+    /// The experts' gate.
+    pub activation: ExpertActivation,
 }
 
 impl Routed {
@@ -54,6 +56,10 @@ pub(crate) fn route(x: &Tensor, weights: &Tensor, indices: &Tensor, gate_up: &Te
         Ok(w) => w,
         Err(other) => bail!("weighting `{other}` is neither `input` nor `output`"),
     };
+    let activation = match ExpertActivation::of_node(attrs) {
+        Ok(a) => a,
+        Err(why) => bail!("{why}"),
+    };
     if indices.dim() != 2 || x.dim() != 2 || gate_up.dim() != 3 || down.dim() != 3 {
         bail!("operands of ranks {}, {}, {}, {}, {}; expected x [N, H], weights and indices [N, k], gate_up [E, 2I, H], down [E, H, I]", x.dim(), weights.dim(), indices.dim(), gate_up.dim(), down.dim());
     }
@@ -71,15 +77,15 @@ pub(crate) fn route(x: &Tensor, weights: &Tensor, indices: &Tensor, gate_up: &Te
     // routed pair p belongs to token order[p] / k
     let tokens = order.f_floor_divide_scalar(k)?;
     let ws = weights.f_reshape([-1])?.f_index_select(0, &order)?.f_to_kind(x.kind())?.f_unsqueeze(-1)?;
-    Ok(Routed { tokens, weights: ws, counts, weighting })
+    Ok(Routed { tokens, weights: ws, counts, weighting, activation })
 }
 
 /// Each row of `rows` (sorted by expert, `counts[e]` rows for expert e) through its expert's
-/// gated MLP (`gate_up [E, 2I, H]`, `down [E, H, I]`), unweighted, in the rows' kind. Under
+/// gated MLP (`gate_up [E, 2I, H]`, `down [E, H, I]`, the gate `activation`), unweighted, in the rows' kind. Under
 /// `autocast` the experts' products (and the gate between them) run in the low type, as a
 /// module's experts do. With no rows at all, the (empty) result still derives from `rows`, so
 /// autograd reaches what produced them.
-pub(crate) fn run_experts(rows: &Tensor, counts: &[i64], gate_up: &Tensor, down: &Tensor, autocast: Option<Kind>) -> KResult<Tensor> {
+pub(crate) fn run_experts(rows: &Tensor, counts: &[i64], gate_up: &Tensor, down: &Tensor, activation: ExpertActivation, autocast: Option<Kind>) -> KResult<Tensor> {
     let low = |t: Tensor| -> KResult<Tensor> {
         Ok(match autocast {
             Some(k) if t.kind() != k => t.f_to_kind(k)?,
@@ -97,7 +103,13 @@ pub(crate) fn run_experts(rows: &Tensor, counts: &[i64], gate_up: &Tensor, down:
         let gu = xe.f_matmul(&low(gate_up.f_get(e)?)?.f_tr()?)?;
         let halves = gu.f_chunk(2, -1)?;
         let [gate, up] = halves.as_slice() else { bail!("gate_up of expert {e} does not halve") };
-        let h = gate.f_silu()?.f_mul(up)?;
+        let h = match activation {
+            ExpertActivation::Silu => gate.f_silu()?.f_mul(up)?,
+            ExpertActivation::ClampedSilu { limit } => {
+                let l = limit.0;
+                gate.f_clamp_max(l)?.f_silu()?.f_mul(&up.f_clamp(-l, l)?)?
+            }
+        };
         parts.push(h.f_matmul(&low(down.f_get(e)?)?.f_tr()?)?.f_to_kind(rows.kind())?);
         start += count;
     }
