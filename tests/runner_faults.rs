@@ -123,6 +123,23 @@ fn a_user_error_is_not_retried() {
     assert!(err.contains("--seq-len 32"), "the cause is named: {err}");
 }
 
+/// A rendezvous port another process holds: rank 0 says so, naming the port and the fix, and
+/// exits with the status a launcher that chose the port retries on (it chooses again; a port
+/// the user gave is kept). The retry itself is the launcher's unit test.
+#[test]
+fn a_taken_rendezvous_port_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = plan(dir.path(), "dp2", &["--pp", "1", "--tp", "1", "--dp", "2"]);
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = held.local_addr().unwrap().port().to_string();
+    let r = runner().args(["launch", "--nproc", "2", "--master-port", &port]).arg(&p).args(["--steps", "1", "--timeout", "60"]).output().unwrap();
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(1), "{err}");
+    assert!(err.contains(&format!("the rendezvous port {port} is in use")) && err.contains("--master-port"), "{err}");
+    assert!(err.contains("rank 0 found the rendezvous port taken"), "{err}");
+    drop(held);
+}
+
 /// A small tmpfs mounted at a temporary directory (root only), unmounted on drop.
 struct SmallDisk {
     dir: tempfile::TempDir,

@@ -2,7 +2,8 @@
 //! front door (`runtime::session`) does the work, its report out.
 //!
 //! Exit status: 0 success, 1 user error (the message on stderr names the cause), 2 usage, 3
-//! the run failed after it started training (`launch --max-restarts` starts it again).
+//! the run failed after it started training (`launch --max-restarts` starts it again), 4 and 5
+//! a rank leaves or stops in an elastic job, 6 rank 0 found the rendezvous port taken.
 
 use std::path::{Path, PathBuf};
 
@@ -449,10 +450,12 @@ fn main() {
     if let Err(e) = run(cli) {
         eprintln!("smp-runner: error: {e:#}");
         // 3: the run failed after it started training, and a restart can resume it; 4 and 5:
-        // this rank leaves an elastic job, or stops as others leave it
+        // this rank leaves an elastic job, or stops as others leave it; 6: rank 0 found the
+        // rendezvous port taken (a launcher that chose it picks another)
         let code = match e.downcast_ref::<SessionError>() {
             Some(SessionError::Interrupted(RuntimeError::Leave { leaving: true, .. })) => launcher::EXIT_LEFT,
             Some(SessionError::Interrupted(RuntimeError::Leave { leaving: false, .. })) => launcher::EXIT_STOPPED,
+            Some(SessionError::Interrupted(RuntimeError::PortInUse { .. })) => launcher::EXIT_PORT_IN_USE,
             Some(SessionError::Interrupted(_)) => 3,
             _ => 1,
         };

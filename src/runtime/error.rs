@@ -64,6 +64,15 @@ pub enum RuntimeError {
         /// Whether this process is one of them.
         leaving: bool,
     },
+    /// Rank 0 could not listen on the rendezvous port (exit status
+    /// [`EXIT_PORT_IN_USE`](crate::runtime::launch::launcher::EXIT_PORT_IN_USE)).
+    #[error("the rendezvous port {port} is in use ({message}); free it or give another with --master-port (launch picks a free one when none is given)")]
+    PortInUse {
+        /// The port.
+        port: u16,
+        /// libtorch's message.
+        message: String,
+    },
     /// Training set-up or loss problems.
     #[error("training: {0}")]
     Train(String),

@@ -17,7 +17,10 @@ use tch::Tensor;
 
 impl From<DistError> for crate::runtime::RuntimeError {
     fn from(e: DistError) -> Self {
-        crate::runtime::RuntimeError::Train(e.to_string())
+        match e {
+            DistError::PortInUse { port, message } => crate::runtime::RuntimeError::PortInUse { port, message },
+            e => crate::runtime::RuntimeError::Train(e.to_string()),
+        }
     }
 }
 
@@ -40,6 +43,14 @@ pub enum DistError {
     /// A tensor or group does not fit the call.
     #[error("{0}")]
     Usage(String),
+    /// Rank 0 could not listen on the rendezvous port: another process holds it.
+    #[error("c10d TCPStore: port {port} is in use ({message})")]
+    PortInUse {
+        /// The port.
+        port: u16,
+        /// libtorch's message.
+        message: String,
+    },
 }
 
 fn check(call: &'static str, err: *mut c_char) -> Result<(), DistError> {
@@ -200,7 +211,12 @@ impl Store {
         let err = unsafe {
             ffi::smp_c10d_store_new(host.as_ptr(), env.master_port, i32::from(env.rank == 0), env.world as i32, millis(timeout), &mut out)
         };
-        check("TCPStore", err)?;
+        check("TCPStore", err).map_err(|e| match e {
+            DistError::C10d { message, .. } if env.rank == 0 && (message.contains("EADDRINUSE") || message.contains("address already in use")) => {
+                DistError::PortInUse { port: env.master_port, message }
+            }
+            e => e,
+        })?;
         Ok(Arc::new(Store { raw: out, device }))
     }
 

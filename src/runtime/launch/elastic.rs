@@ -581,7 +581,7 @@ fn idle_round(store: &Client, round: u32) -> RoundEnd {
                 continue;
             }
         };
-        return RoundEnd { outcome, lost_slots: Vec::new(), first_step_unix_s: None };
+        return RoundEnd { outcome, lost_slots: Vec::new(), first_step_unix_s: None, port_taken: false };
     }
 }
 

@@ -39,6 +39,12 @@ const SIGTERM: i32 = 15;
 pub const EXIT_LEFT: i32 = 4;
 /// A rank's exit status when it stopped because others leave the job.
 pub const EXIT_STOPPED: i32 = 5;
+/// Rank 0's exit status when it could not listen on the rendezvous port: another process took
+/// it between the launcher's choice and the store's bind. A launcher that chose the port
+/// itself picks another and starts the round again.
+pub const EXIT_PORT_IN_USE: i32 = 6;
+/// How many times a launcher that chose the rendezvous port picks another one when it is taken.
+const PORT_RETRIES: usize = 3;
 
 static CAUGHT: AtomicI32 = AtomicI32::new(0);
 
@@ -194,7 +200,9 @@ pub fn launch_nodes(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restarts
     } else {
         None
     };
-    let job = Job::new(exe, nodes, addr, port, store, restarts.timeouts)?;
+    let chose_port = nodes.master_port.is_none() && nodes.nnodes == 1;
+    let mut job = Job::new(exe, nodes, addr.clone(), port, store, restarts.timeouts)?;
+    let mut port_retries = 0;
     let slots: Vec<usize> = (0..nproc).collect();
     let mut history: Vec<RestartRecord> = Vec::new();
     for round in 0..=restarts.max as u32 {
@@ -213,7 +221,18 @@ pub fn launch_nodes(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restarts
         }
         let records = restarts_env_value(&history);
         let spec = RoundSpec { round, args: &round_args, restarts_json: &records, world: nodes.nnodes * nproc, first_rank: nodes.node_rank * nproc, slots: &slots, env: &[], grow: None, fault_at_unix_s: None };
-        match job.round(&spec)?.outcome {
+        let end = loop {
+            let end = job.round(&spec)?;
+            if !(end.port_taken && chose_port && port_retries < PORT_RETRIES) {
+                break end;
+            }
+            // the free port was taken before rank 0 listened on it: not a fault of the run
+            port_retries += 1;
+            let (taken, port) = (job.port, free_port()?);
+            eprintln!("smp-runner launch: the rendezvous port {taken} was taken before rank 0 listened on it; starting again on port {port}");
+            job = Job::new(exe, nodes, addr.clone(), port, None, restarts.timeouts)?;
+        };
+        match end.outcome {
             Outcome::Done => return Ok(0),
             Outcome::Signalled(sig) => {
                 eprintln!("smp-runner launch: stopped by signal {sig}");
@@ -258,6 +277,8 @@ pub(super) struct RoundEnd {
     pub lost_slots: Vec<usize>,
     /// When global rank 0 (if it ran here) ended its first step, in seconds since the Unix epoch.
     pub first_step_unix_s: Option<f64>,
+    /// Whether the round failed because rank 0 found the rendezvous port taken.
+    pub port_taken: bool,
 }
 
 /// Node 0 under `--elastic`: what it watches to grow the job at the next checkpoint.
@@ -343,6 +364,7 @@ impl<'a> Job<'a> {
             grow_from: None,
             succeeded: 0,
             last_grow_check: Instant::now(),
+            port_taken: false,
         };
         loop {
             w.forward_signal();
@@ -462,7 +484,7 @@ impl<'a> Job<'a> {
             (Some(f), _) => Outcome::Failed(f),
             (None, _) => Outcome::Done,
         };
-        RoundEnd { outcome, lost_slots: w.lost_slots, first_step_unix_s: w.first_step }
+        RoundEnd { outcome, lost_slots: w.lost_slots, first_step_unix_s: w.first_step, port_taken: w.port_taken }
     }
 
     /// Judges the running ranks by their heartbeats: a hung one is killed and its device lost;
@@ -550,6 +572,8 @@ struct RoundWatch {
     grow_from: Option<usize>,
     succeeded: usize,
     last_grow_check: Instant,
+    /// Whether rank 0 exited for the rendezvous port being taken ([`EXIT_PORT_IN_USE`]).
+    port_taken: bool,
 }
 
 impl RoundWatch {
@@ -585,6 +609,10 @@ impl RoundWatch {
                             }
                             Some(EXIT_STOPPED) => {
                                 self.stopping_since.get_or_insert_with(Instant::now);
+                            }
+                            Some(EXIT_PORT_IN_USE) if self.failed.is_none() => {
+                                self.port_taken = true;
+                                self.failed = Some(RoundFailure::new(false, format!("rank {rank} found the rendezvous port taken")));
                             }
                             _ if self.failed.is_none() => self.failed = Some(RoundFailure::new(fatal(status), format!("rank {rank} {} first", describe(status)))),
                             _ => {}
@@ -754,6 +782,46 @@ mod tests {
         let plain: Vec<OsString> = ["run", "p.json"].iter().map(OsString::from).collect();
         assert_eq!(resume_args(&plain), (plain.clone(), None));
         let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// A rank program that, as rank 0 of the first start, exits as finding the rendezvous port
+    /// taken, and otherwise succeeds; every rank's MASTER_PORT goes to `ports`, one per line.
+    fn port_script(dir: &Path) -> (PathBuf, PathBuf) {
+        use std::os::unix::fs::PermissionsExt;
+        let (script, ports, marker) = (dir.join("rank.sh"), dir.join("ports"), dir.join("taken"));
+        let body = format!(
+            "#!/bin/sh\necho \"$RANK $MASTER_PORT\" >> '{p}'\nif [ \"$RANK\" = 0 ] && [ ! -e '{m}' ]; then touch '{m}'; exit {EXIT_PORT_IN_USE}; fi\nexit 0\n",
+            p = ports.display(),
+            m = marker.display()
+        );
+        std::fs::write(&script, body).unwrap();
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        (script, ports)
+    }
+
+    #[test]
+    fn a_rendezvous_port_taken_before_rank_0_listens_is_chosen_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let (script, ports) = port_script(dir.path());
+        assert_eq!(launch_nodes(&script, 2, &Nodes::default(), &Restarts::default(), &[]).unwrap(), 0, "the second start succeeds");
+        let seen: Vec<(String, String)> =
+            std::fs::read_to_string(&ports).unwrap().lines().map(|l| l.split_once(' ').map(|(r, p)| (r.to_string(), p.to_string())).unwrap()).collect();
+        let first = seen.iter().find(|(r, _)| r == "0").map(|(_, p)| p.clone()).unwrap();
+        let again: Vec<&String> = seen.iter().filter(|(_, p)| *p != first).map(|(_, p)| p).collect();
+        assert_eq!(again.len(), 2, "both ranks started again on another port: {seen:?}");
+        assert_eq!(again[0], again[1]);
+        // a port the user gave is not replaced: the launch fails, restarts or not
+        let dir = tempfile::tempdir().unwrap();
+        let (script, _) = port_script(dir.path());
+        let given = Nodes { master_port: Some(free_port().unwrap()), ..Nodes::default() };
+        let restarts = Restarts { max: 1, backoff: Duration::from_millis(1), ..Restarts::default() };
+        assert_eq!(launch_nodes(&script, 2, &given, &Restarts::default(), &[]).unwrap(), 1);
+        let dir = tempfile::tempdir().unwrap();
+        let (script, ports) = port_script(dir.path());
+        // with a restart, the run starts again on the port given (and succeeds: the script takes it once)
+        assert_eq!(launch_nodes(&script, 2, &given, &restarts, &[]).unwrap(), 0);
+        let text = std::fs::read_to_string(&ports).unwrap();
+        assert!(text.lines().all(|l| l.ends_with(&given.master_port.unwrap().to_string())), "{text}");
     }
 
     #[test]

@@ -307,7 +307,9 @@ impl RunSession {
     fn run_rank(mut self, plan: &Plan, env: &RankEnv, obs: &mut dyn TrainObserver) -> Result<RunReport, SessionError> {
         let model = self.model.clone();
         let in_rank = |e: RuntimeError| match e {
-            e @ (RuntimeError::CheckpointNotWritten { .. } | RuntimeError::File { .. } | RuntimeError::Input { .. } | RuntimeError::Leave { .. }) => SessionError::during_training(e),
+            e @ (RuntimeError::CheckpointNotWritten { .. } | RuntimeError::File { .. } | RuntimeError::Input { .. } | RuntimeError::Leave { .. } | RuntimeError::PortInUse { .. }) => {
+                SessionError::during_training(e)
+            }
             e => SessionError::Interrupted(RuntimeError::Train(format!("rank {} of {}: {e}", env.rank, env.world))),
         };
         // the graph the plan was made for: specialised as the planner did, the plan's fused
