@@ -726,3 +726,29 @@ fn llama_fuses_its_norms_and_gates_and_computes_the_same_in_f64() {
         }
     }
 }
+
+/// Seeded batches drawn on two threads at once are each the batch its seed draws alone: the
+/// draws come from libtorch's one global generator (this binary's tests draw in parallel, and
+/// once gave the fused and unfused Llama different tokens).
+#[test]
+fn seeded_batches_drawn_on_two_threads_at_once_are_their_own() {
+    let g = specialised("gpt2");
+    let draw = |seed: i64| -> Vec<Vec<f64>> {
+        let weights = Weights::load(&g, InitMode::Load, Some(Kind::Float)).expect("weights");
+        let exec = Executor::new(&g, weights, ExecOptions { float_kind: Some(Kind::Float), training: false, autocast: None }).expect("executor");
+        let batch = smp_partition::runtime::data::synthetic_batch(&exec, 4, 64, seed).expect("batch");
+        batch.into_iter().map(|(_, t)| Vec::<f64>::try_from(t.to_kind(Kind::Double).flatten(0, -1)).expect("values")).collect()
+    };
+    let alone = [draw(7), draw(8)];
+    std::thread::scope(|s| {
+        for (i, seed) in [7i64, 8].into_iter().enumerate() {
+            let (draw, want) = (&draw, &alone[i]);
+            s.spawn(move || {
+                for round in 0..100 {
+                    let got = draw(seed);
+                    assert!(&got == want, "seed {seed}, round {round}: another thread's numbers");
+                }
+            });
+        }
+    });
+}
