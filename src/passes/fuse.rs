@@ -443,7 +443,8 @@ fn check_experts(g: &Graph, f: &Fusion, ops: &[OpKind], experts: usize, activati
     if let ExpertActivation::ClampedSilu { limit } = activation {
         // the gate clamped to at most the limit, the up projection to ± it
         let konst = |v: Option<ValueId>| v.and_then(|v| g.value(v).data.as_ref().filter(|_| g.value(v).producer.is_none()).and_then(|d| d.to_f64_vec()));
-        let mut bounds: Vec<(Option<Vec<f64>>, Option<Vec<f64>>)> = f
+        type Bounds = (Option<Vec<f64>>, Option<Vec<f64>>);
+        let mut bounds: Vec<Bounds> = f
             .replaces
             .iter()
             .filter(|&&n| g.node(n).op.is(Clip))
@@ -866,7 +867,7 @@ impl Matcher<'_> {
         }
         let x = n.inputs.first().copied().flatten()?;
         let hi = self.scalar(n.inputs.get(2).copied().flatten()?)?;
-        if !(hi > 0.0 && hi.is_finite()) {
+        if hi <= 0.0 || !hi.is_finite() {
             return None;
         }
         match (n.inputs.get(1).copied().flatten(), upper_only) {

@@ -19,12 +19,12 @@ pub type Batch = Vec<(String, Tensor)>;
 /// axis 0 is the batch, other symbolic axes the sequence length. Drawn on the host, handed
 /// over on `exec`'s device (the same values on every device).
 pub fn synthetic_batch(exec: &Executor, batch: i64, seq_len: i64, seed: i64) -> Result<Batch, RuntimeError> {
-    // the draws come from libtorch's one global generator: seeding it and drawing are one step,
-    // or a batch drawn on another thread at the same time takes this one's numbers
-    static DRAWING: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _drawing = DRAWING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    crate::runtime::kernels::tensor::seeded(seed, || draw_batch(exec, batch, seq_len))
+}
+
+/// [`synthetic_batch`]'s draws from the generator as seeded.
+fn draw_batch(exec: &Executor, batch: i64, seq_len: i64) -> Result<Batch, RuntimeError> {
     let graph = exec.graph();
-    tch::manual_seed(seed);
     let vocab = vocab_size(exec);
     let mut out = Vec::new();
     for id in exec.required_inputs() {

@@ -7,6 +7,16 @@ use tch::{Device, Kind, Tensor};
 
 use crate::ir::{self, DType, Storage};
 
+/// `draw` run with libtorch's global CPU generator seeded to `seed`, as one step: seeding and
+/// drawing from the process's one generator are locked against every other seeded draw, or a
+/// draw on another thread at the same time would take this one's numbers.
+pub fn seeded<T>(seed: i64, draw: impl FnOnce() -> T) -> T {
+    static DRAWING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _drawing = DRAWING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    tch::manual_seed(seed);
+    draw()
+}
+
 /// A detached copy of `t` in its own storage (a narrowed view would keep its whole buffer
 /// alive; a shallow clone would share it).
 pub fn owned_copy(t: &Tensor) -> Result<Tensor, tch::TchError> {

@@ -399,8 +399,7 @@ fn keyed_uniform_shaped(size: &[i64], x: &Tensor, node: &str, key: super::Dropou
     for i in 0..rows {
         let h = [key.seed as u64, key.step as u64, (key.first_sample + i) as u64].into_iter().fold(node_key, mix);
         let seed = (h >> 1) as i64;
-        tch::manual_seed(seed);
-        out.push(Tensor::f_rand(&row_shape, (x.kind(), tch::Device::Cpu))?);
+        out.push(crate::runtime::kernels::tensor::seeded(seed, || Tensor::f_rand(&row_shape, (x.kind(), tch::Device::Cpu)))?);
     }
     if size.is_empty() {
         return Ok(out.pop().map_or_else(|| x.f_rand_like(), |t| t.f_to_device(x.device()))?);
