@@ -95,8 +95,9 @@ def dense_experts(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights
     return out.transpose(0, 1).to(hidden_states.dtype)
 
 
-#: `gate_form` of each experts-interface module being exported, by id (decided before tracing:
-#: its probe does not trace); the stacked modules of recognised blocks are of the SiLU form.
+#: `gate_form` of each experts-interface module being exported, by id (`MoeExport.forms`,
+#: decided before tracing: its probe does not trace); the stacked modules of recognised blocks
+#: are of the SiLU form.
 _FORMS: dict[int, tuple[str, float | None] | None] = {}
 
 
@@ -134,12 +135,6 @@ def gate_form(m: Any) -> tuple[str, float | None] | None:
     same = isinstance(got, torch.Tensor) and got.shape == want.shape and bool(
         torch.allclose(got.double(), want, rtol=1e-12, atol=1e-12 * limit))
     return ("clamped_silu", limit) if same else None
-
-
-def fusable(m: Any) -> bool:
-    """Whether experts-interface module `m` computes a form the fused `MixtureOfExperts` op
-    computes (`gate_form`)."""
-    return gate_form(m) is not None
 
 
 def _is_silu(act: Any) -> bool:
@@ -233,13 +228,14 @@ def _check_experts(name: str, m: Any) -> None:
                        "down_proj [E, H, I], or both transposed")
 
 
-def warn_unfused(model: Any, experts: list[tuple[str, Any]]) -> None:
-    """Warns, once per experts class, that experts outside the fused form run densely."""
+def warn_unfused(model: Any, experts: list[tuple[str, Any]], forms: dict) -> None:
+    """Warns, once per experts class, that experts outside the fused forms (`forms`: each
+    module's `gate_form`, by id) run densely."""
     import warnings
 
     seen = set()
     for name, m in experts:
-        if fusable(m) or type(m) in seen:
+        if forms[id(m)] is not None or type(m) in seen:
             continue
         seen.add(type(m))
         count = _expert_count(m)
@@ -676,6 +672,7 @@ class MoeExport:
         self.coefficient: float | None = None
         self.mask_input = "attention_mask" if "attention_mask" in input_names else None
         self.input_names = input_names
+        self.forms: dict[int, tuple[str, float | None] | None] = {}
         self.loops = _loop_blocks(model)
         if self.loops:
             warn_tied_routers(model, [(b.path(b.list_name), getattr(b.block, b.list_name), len(getattr(b.block, b.list_name)))
@@ -689,7 +686,9 @@ class MoeExport:
             return
         for name, m in self.experts:
             _check_experts(name, m)
-        warn_unfused(model, self.experts)
+        #: each experts-interface module's `gate_form`, by id (None: it runs densely)
+        self.forms = {id(m): gate_form(m) for _, m in self.experts}
+        warn_unfused(model, self.experts, self.forms)
         warn_tied_routers(model, [(n, m, _expert_count(m)) for n, m in self.experts])
         cfg = getattr(model, "config", None)
         jitter = max([getattr(cfg, "router_jitter_noise", 0.0) or 0.0]
@@ -721,7 +720,7 @@ class MoeExport:
     def transposed(self) -> list[str]:
         """The exported expert weights stored with their last two axes swapped (module names):
         those of stacked-weight blocks and of experts-interface modules marked `is_transposed`."""
-        interface = [f"{name}.{w}" for name, m in self.experts if m.is_transposed and fusable(m) for w in ("gate_up_proj", "down_proj")]
+        interface = [f"{name}.{w}" for name, m in self.experts if m.is_transposed and self.forms[id(m)] for w in ("gate_up_proj", "down_proj")]
         return interface + [n for b in self.blocks for n in b.transposed_names()]
 
     @property
@@ -799,13 +798,13 @@ class MoeExport:
         hooks = []
         # transposed experts (`[E, H, 2I]`, `[E, I, H]`) of the fused form hold its layout for the
         # export; others are exported as stored (`dense_general` reads either)
-        transposed = [m for _, m in self.experts if m.is_transposed and fusable(m)]
+        transposed = [m for _, m in self.experts if m.is_transposed and self.forms[id(m)]]
         originals = [(m.gate_up_proj, m.down_proj) for m in transposed]
         try:
             for m in transposed:
                 for w in ("gate_up_proj", "down_proj"):
                     setattr(m, w, torch.nn.Parameter(getattr(m, w).detach().transpose(1, 2).contiguous()))
-            _FORMS.update({id(m): gate_form(m) for _, m in self.experts})
+            _FORMS.update(self.forms)
             for c in configs.values():
                 c._experts_implementation = IMPLEMENTATION
             if self.totals is not None:

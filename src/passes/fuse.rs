@@ -442,7 +442,7 @@ fn check_experts(g: &Graph, f: &Fusion, ops: &[OpKind], experts: usize, activati
     }
     if let ExpertActivation::ClampedSilu { limit } = activation {
         // the gate clamped to at most the limit, the up projection to ± it
-        let konst = |v: Option<ValueId>| v.and_then(|v| g.value(v).data.as_ref().filter(|_| g.value(v).producer.is_none()).and_then(|d| d.to_f64_vec()));
+        let konst = |v: Option<ValueId>| v.and_then(|v| constant_f64s(g, v));
         type Bounds = (Option<Vec<f64>>, Option<Vec<f64>>);
         let mut bounds: Vec<Bounds> = f
             .replaces
@@ -457,14 +457,20 @@ fn check_experts(g: &Graph, f: &Fusion, ops: &[OpKind], experts: usize, activati
         }
     }
     let ids: Vec<f64> = (0..experts).map(|e| e as f64).collect();
-    let compared = f.replaces.iter().filter(|&&n| g.node(n).op.is(Equal)).flat_map(|&n| g.node(n).inputs.iter().flatten().copied()).find_map(|v| {
-        let val = g.value(v);
-        val.producer.is_none().then(|| val.data.as_ref().and_then(|d| d.to_f64_vec())).flatten()
-    });
+    let compared = f.replaces.iter().filter(|&&n| g.node(n).op.is(Equal)).flat_map(|&n| g.node(n).inputs.iter().flatten().copied()).find_map(|v| constant_f64s(g, v));
     if compared.as_deref() != Some(ids.as_slice()) {
         return Err(format!("the indices are not compared with the expert ids 0..{experts}"));
     }
     Ok(())
+}
+
+/// The values of `v` when it is a constant (an initializer or folded value, made by no node).
+fn constant_f64s(g: &Graph, v: ValueId) -> Option<Vec<f64>> {
+    let val = g.value(v);
+    if val.producer.is_some() {
+        return None;
+    }
+    val.data.as_ref()?.to_f64_vec()
 }
 
 /// How many nodes read each value (graph outputs count as a reader).
@@ -893,11 +899,7 @@ impl Matcher<'_> {
 
     /// The values of a constant (initializer or folded) as f64.
     fn scalar_list(&self, v: ValueId) -> Option<Vec<f64>> {
-        let val = self.g.value(v);
-        if val.producer.is_some() {
-            return None;
-        }
-        val.data.as_ref()?.to_f64_vec()
+        constant_f64s(self.g, v)
     }
 
     /// Whether Dropout `d` passes its input through in training too, as the runner runs it:

@@ -201,7 +201,7 @@ pub fn launch_nodes(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restarts
         None
     };
     let chose_port = nodes.master_port.is_none() && nodes.nnodes == 1;
-    let mut job = Job::new(exe, nodes, addr.clone(), port, store, restarts.timeouts)?;
+    let mut job = Job::new(exe, nodes, addr, port, store, restarts.timeouts)?;
     let mut port_retries = 0;
     let slots: Vec<usize> = (0..nproc).collect();
     let mut history: Vec<RestartRecord> = Vec::new();
@@ -228,9 +228,8 @@ pub fn launch_nodes(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restarts
             }
             // the free port was taken before rank 0 listened on it: not a fault of the run
             port_retries += 1;
-            let (taken, port) = (job.port, free_port()?);
-            eprintln!("smp-runner launch: the rendezvous port {taken} was taken before rank 0 listened on it; starting again on port {port}");
-            job = Job::new(exe, nodes, addr.clone(), port, None, restarts.timeouts)?;
+            let taken = std::mem::replace(&mut job.port, free_port()?);
+            eprintln!("smp-runner launch: the rendezvous port {taken} was taken before rank 0 listened on it; starting again on port {}", job.port);
         };
         match end.outcome {
             Outcome::Done => return Ok(0),
