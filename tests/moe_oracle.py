@@ -2,9 +2,11 @@
 call for its MoE rows.
 
 Small Mixtral (top-2 of 4 experts, renormalised), Qwen3-MoE (top-2 of 4, `norm_topk_prob`
-off) and Mixtral with DeepSeek-V4's clamped SwiGLU experts (`mixtral_clamped`: the gate clamped
-to at most 0.05, the up projection to ±0.05, a limit its activations reach; PyTorch runs them
-through transformers' `batched_mm`, which applies the experts' own gate) at Hugging Face's default init, with the router's auxiliary loss on
+off), gpt-oss (top-2 of 4, experts with biases, interleaved gate and up rows and a clamped swish
+gate at a limit of 0.05) and Mixtral with DeepSeek-V4's clamped SwiGLU experts (`mixtral_clamped`:
+the gate clamped to at most 0.05, the up projection to ±0.05, a limit its activations reach;
+PyTorch runs them through transformers' `batched_mm`, which applies the experts' own gate) at
+Hugging Face's default init, with the router's auxiliary loss on
 (`output_router_logits`, coefficient 0.02), eager attention, dropout off:
 - exported through the front door (`smp_partition.export`: dense experts and the `aux_loss`
   output, see python/smp_partition/_moe.py);
@@ -39,6 +41,10 @@ LR, WD, CLIP = 1e-3, 0.01, 1.0
 AUX_COEF = 0.02
 
 
+#: The clamped cases' limit.
+LIMIT = 0.05
+
+
 def configs() -> dict:
     """Name → (model class, config): small MoE causal LMs of two families."""
     common = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
@@ -50,11 +56,12 @@ def configs() -> dict:
         "qwen3_moe": (T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig(
             moe_intermediate_size=24, intermediate_size=48, num_experts=4, num_experts_per_tok=2,
             norm_topk_prob=False, head_dim=8, **common)),
+        # experts with biases, gate and up rows interleaved and transposed, a clamped swish gate
+        # at a limit its activations reach; sliding-window layers alternating with full ones
+        "gpt_oss": (T.GptOssForCausalLM, T.GptOssConfig(
+            intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=LIMIT, head_dim=8,
+            sliding_window=4, **common)),
     }
-
-
-#: The clamped case's limit.
-LIMIT = 0.05
 
 
 class ClampedExperts(T.models.mixtral.modeling_mixtral.MixtralExperts):

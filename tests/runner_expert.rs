@@ -74,6 +74,12 @@ fn clamped_experts_ep2_dp2_train_as_one_process_and_as_pytorch() {
     ep2_dp2("mixtral_clamped");
 }
 
+/// gpt-oss's experts: each expert's rank adds its biases (sliced with its experts).
+#[test]
+fn gpt_oss_experts_ep2_dp2_train_as_one_process_and_as_pytorch() {
+    ep2_dp2("gpt_oss");
+}
+
 #[test]
 fn qwen3_moe_ep2_dp2_trains_as_one_process_and_as_pytorch() {
     ep2_dp2("qwen3_moe");
@@ -82,7 +88,8 @@ fn qwen3_moe_ep2_dp2_trains_as_one_process_and_as_pytorch() {
 #[test]
 fn ep2_composes_with_pp2_tp2_and_dp4() {
     let dir = tempfile::tempdir().unwrap();
-    for name in ["mixtral", "qwen3_moe"] {
+    // gpt-oss: at tp 2 each expert's rank adds its share of the down bias
+    for name in ["mixtral", "qwen3_moe", "gpt_oss"] {
         let case = moe::case(name);
         // (pp, tp, dp), microbatches per replica, and one process's microbatches (same split)
         // dp 4: two expert groups, each expert's gradient summed over the 2 ranks holding it

@@ -64,7 +64,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 from .errors import SmpError
 
@@ -84,57 +84,113 @@ def dense_experts(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights
     ids = torch.arange(experts, device=hidden_states.device)
     one_hot = (top_k_index.unsqueeze(-1) == ids).to(top_k_weights.dtype)            # [N, k, E]
     combine = (one_hot * top_k_weights.unsqueeze(-1)).sum(1)                         # [N, E]
-    form = _FORMS.get(id(self), ("silu", None))
+    form = _FORMS.get(id(self), GateForm("silu"))
     if form is None:
         return dense_general(self, hidden_states, combine)
-    gate, up = torch.matmul(self.gate_up_proj, hidden_states.transpose(0, 1)).chunk(2, dim=1)
-    if form[0] == "clamped_silu":
-        gate, up = gate.clamp(max=form[1]), up.clamp(min=-form[1], max=form[1])
-    y = torch.matmul(self.down_proj, torch.nn.functional.silu(gate) * up)            # [E, H, N]
+    # weights in the fused layout (`MoeExport._interface`): gate_up [E, 2I, H], gate rows first
+    gate_up = torch.matmul(self.gate_up_proj, hidden_states.transpose(0, 1))         # [E, 2I, N]
+    if form.biases:
+        gate_up = gate_up + self.gate_up_proj_bias.unsqueeze(-1)
+    gate, up = gate_up.chunk(2, dim=1)
+    if form.kind == "clamped_silu":
+        gate, up = gate.clamp(max=form.limit), up.clamp(min=-form.limit, max=form.limit)
+    if form.kind == "clamped_swish":
+        gate, up = gate.clamp(max=form.limit), up.clamp(min=-form.limit, max=form.limit)
+        h = gate * torch.sigmoid(gate * form.alpha) * (up + 1)
+    else:
+        h = torch.nn.functional.silu(gate) * up
+    y = torch.matmul(self.down_proj, h)                                              # [E, H, N]
+    if form.biases:
+        y = y + self.down_proj_bias.unsqueeze(-1)
     out = (y * combine.transpose(0, 1).unsqueeze(1)).sum(0)                          # [H, N]
     return out.transpose(0, 1).to(hidden_states.dtype)
+
+
+class GateForm(NamedTuple):
+    """A form of experts the fused `MixtureOfExperts` op computes: its activation (`kind`:
+    "silu", "clamped_silu" or "clamped_swish", with its `limit` and swish `alpha`), whether
+    the experts carry biases, and whether the module stores its gate and up rows interleaved
+    (gate, up, gate, ...), which the export de-interleaves (gate rows first)."""
+
+    kind: str
+    limit: float | None = None
+    alpha: float | None = None
+    biases: bool = False
+    interleaved: bool = False
 
 
 #: `gate_form` of each experts-interface module being exported, by id (`MoeExport.forms`,
 #: decided before tracing: its probe does not trace); the stacked modules of recognised blocks
 #: are of the SiLU form.
-_FORMS: dict[int, tuple[str, float | None] | None] = {}
+_FORMS: dict[int, GateForm | None] = {}
 
 
-def gate_form(m: Any) -> tuple[str, float | None] | None:
-    """The fused `MixtureOfExperts` activation that experts-interface module `m` computes, with
-    its limit: `("silu", None)` for `silu(gate)·up` (the interface's default gate with a SiLU
-    activation), `("clamped_silu", L)` for `silu(min(gate, L))·clip(up, −L, L)` (DeepSeek-V4's and
-    GLM-5's gate of their own, recognised on a probe in f64); `None` where the fused kernel does not
-    compute the experts: biases, no gate, a norm after each expert, any other gate."""
+def _positive_attr(m: Any, names: tuple[str, ...]) -> float | None:
+    """The one positive number `m` holds under any of `names` (None: none, or several differing)."""
+    found = {float(v) for k in names if isinstance(v := getattr(m, k, None), (int, float))
+             and not isinstance(v, bool) and v > 0}
+    return found.pop() if len(found) == 1 else None
+
+
+def gate_form(m: Any) -> GateForm | None:
+    """The fused `MixtureOfExperts` form that experts-interface module `m` computes: "silu" for
+    `silu(gate)·up` (the interface's default gate with a SiLU activation); for a gate function of
+    the class's own, recognised on a probe in f64, "clamped_silu" for `silu(min(gate, L))·clip(up,
+    −L, L)` (DeepSeek-V4's and GLM-5's) and "clamped_swish" for `g·σ(α·g)·(clip(up, −L, L) + 1)`
+    with `g = min(gate, L)` (gpt-oss's, its gate and up rows interleaved); biases or not. `None`
+    where the fused kernel does not compute the experts: no gate, a norm after each expert, any
+    other gate."""
     import torch
     from transformers.integrations import moe
 
-    if not m.has_gate or m.has_bias or getattr(m, "has_post_expert_norm", False):
+    if not m.has_gate or getattr(m, "has_post_expert_norm", False):
         return None
-    if not _is_silu(getattr(m, "act_fn", None)):
-        return None
+    biases = bool(m.has_bias)
     default = getattr(moe, "_default_apply_gate", None)
     gate = getattr(type(m), "_apply_gate", default)
     if gate is default:
-        return ("silu", None)
-    limits = {float(v) for k in ("limit", "swiglu_limit") if isinstance(v := getattr(m, k, None), (int, float))
-              and not isinstance(v, bool) and v > 0}
-    if len(limits) != 1:
+        return GateForm("silu", biases=biases) if _is_silu(getattr(m, "act_fn", None)) else None
+    limit = _positive_attr(m, ("limit", "swiglu_limit"))
+    if limit is None:
         return None
-    (limit,) = limits
+    alpha = _positive_attr(m, ("alpha", "swiglu_alpha"))
     # the gate acts elementwise on the two halves of its input's last axis: any even width probes it
     probe = torch.randn(64, 16, generator=torch.Generator().manual_seed(11), dtype=torch.float64) * 2 * limit
-    g, u = probe.chunk(2, dim=-1)
-    want = torch.nn.functional.silu(g.clamp(max=limit)) * u.clamp(min=-limit, max=limit)
     try:
         with torch.no_grad():
             got = m._apply_gate(probe)
     except Exception:  # noqa: BLE001 - a gate that cannot take a probe is not a known form
         return None
-    same = isinstance(got, torch.Tensor) and got.shape == want.shape and bool(
-        torch.allclose(got.double(), want, rtol=1e-12, atol=1e-12 * limit))
-    return ("clamped_silu", limit) if same else None
+    if not isinstance(got, torch.Tensor):
+        return None
+    for interleaved in (False, True):
+        g, u = (probe[:, 0::2], probe[:, 1::2]) if interleaved else probe.chunk(2, dim=-1)
+        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+        forms = [GateForm("clamped_silu", limit, biases=biases, interleaved=interleaved)]
+        scale = alpha if alpha is not None else _swish_scale(got, g, u)
+        if scale is not None:
+            forms.append(GateForm("clamped_swish", limit, scale, biases, interleaved))
+        for form in forms:
+            want = torch.nn.functional.silu(g) * u if form.kind == "clamped_silu" else g * torch.sigmoid(g * scale) * (u + 1)
+            if got.shape == want.shape and bool(torch.allclose(got.double(), want, rtol=1e-12, atol=1e-12 * limit)):
+                return form
+    return None
+
+
+def _swish_scale(got: Any, g: Any, u: Any) -> float | None:
+    """The α a gate output `got` would have as `g·σ(α·g)·(u + 1)` (a class holding α as a
+    constant, not an attribute), from the probe's well-conditioned entries; None where there is
+    none (the caller checks the whole probe against it)."""
+    import torch
+
+    if got.shape != g.shape:
+        return None
+    ratio = got.double() / (g * (u + 1))
+    usable = (g.abs() > 1e-3) & ((u + 1).abs() > 1e-3) & (ratio > 1e-6) & (ratio < 1 - 1e-6)
+    if not bool(usable.any()):
+        return None
+    estimates = torch.logit(ratio[usable]) / g[usable]
+    return float(estimates.median()) if bool(torch.isfinite(estimates).all()) else None
 
 
 def _is_silu(act: Any) -> bool:
@@ -164,8 +220,9 @@ def _unfused_parts(m: Any) -> list[str]:
     default = getattr(moe, "_default_apply_gate", None)
     own = m.has_gate and getattr(type(m), "_apply_gate", default) is not default
     return [what for what, present in (
-        ("no gate projection", not m.has_gate), ("biases", m.has_bias),
-        ("a gate function of their own (`_apply_gate`) other than the clamped SiLU the kernel computes", own),
+        ("no gate projection", not m.has_gate),
+        ("a gate function of their own (`_apply_gate`) other than the clamped SiLU and clamped swish the kernel "
+         "computes", own),
         ("a gate activation other than SiLU", m.has_gate and not own and not _is_silu(getattr(m, "act_fn", None))),
         ("a norm after each expert", getattr(m, "has_post_expert_norm", False)),
     ) if present]
@@ -293,6 +350,9 @@ def warn_tied_routers(model: Any, experts: list[tuple[str, Any, int]]) -> None:
 STACKED_KEY = "smp.stacked"
 #: The model metadata key listing the expert weights exported with their last two axes swapped.
 TRANSPOSED_KEY = "smp.transposed"
+#: The model metadata key listing the expert weights exported with their gate and up rows
+#: de-interleaved (axis 1: the module's even entries, then its odd ones).
+DEINTERLEAVED_KEY = "smp.deinterleaved"
 
 
 class _LoopBlock:
@@ -661,6 +721,30 @@ class _Totals:
         return torch.sum(tokens_per_expert * router_prob_per_expert.unsqueeze(0)) * self.experts
 
 
+def fused_layout(m: Any, form: GateForm) -> dict[str, Any]:
+    """The weights of experts module `m` (of fused form `form`) that the export holds in another
+    layout than the module's, in the fused op's: gate_up `[E, 2I, H]` and down `[E, H, I]`
+    (transposed from `[E, H, 2I]`, `[E, I, H]`), gate rows before up rows (de-interleaved along
+    axis 1, the gate-up bias with them). `load_trained` undoes both (`smp.transposed`,
+    `smp.deinterleaved`)."""
+    out = {}
+    if m.is_transposed:
+        for w in ("gate_up_proj", "down_proj"):
+            out[w] = getattr(m, w).detach().transpose(1, 2).contiguous()
+    if form.interleaved:
+        for w in ("gate_up_proj",) + (("gate_up_proj_bias",) if form.biases else ()):
+            t = out.get(w, getattr(m, w).detach())
+            out[w] = deinterleave(t)
+    return out
+
+
+def deinterleave(t: Any) -> Any:
+    """`t` with axis 1's even entries first, then its odd ones."""
+    import torch
+
+    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).contiguous()
+
+
 class MoeExport:
     """What the export of one model does about its routed experts (nothing for a model
     without them): the experts implementation, the router hooks, the extra output."""
@@ -722,6 +806,14 @@ class MoeExport:
         those of stacked-weight blocks and of experts-interface modules marked `is_transposed`."""
         interface = [f"{name}.{w}" for name, m in self.experts if m.is_transposed and self.forms[id(m)] for w in ("gate_up_proj", "down_proj")]
         return interface + [n for b in self.blocks for n in b.transposed_names()]
+
+    @property
+    def deinterleaved(self) -> list[str]:
+        """The exported expert weights whose axis 1 (gate-up rows, in the exported layout) holds
+        the module's even entries first, then its odd ones: the gate-up weights and biases of
+        experts that store their gate and up rows interleaved (module names)."""
+        return [f"{name}.{w}" for name, m in self.experts if (f := self.forms[id(m)]) is not None and f.interleaved
+                for w in ("gate_up_proj",) + (("gate_up_proj_bias",) if f.biases else ())]
 
     @property
     def output_names(self) -> list[str]:
@@ -796,14 +888,16 @@ class MoeExport:
         cfg = getattr(self.model, "config", None)
         asked = getattr(cfg, "output_router_logits", False)
         hooks = []
-        # transposed experts (`[E, H, 2I]`, `[E, I, H]`) of the fused form hold its layout for the
-        # export; others are exported as stored (`dense_general` reads either)
-        transposed = [m for _, m in self.experts if m.is_transposed and self.forms[id(m)]]
-        originals = [(m.gate_up_proj, m.down_proj) for m in transposed]
+        # experts of a fused form hold its layout for the export: transposed ones (`[E, H, 2I]`,
+        # `[E, I, H]`) swap their last axes, interleaved gate and up rows are put gate rows first;
+        # others are exported as stored (`dense_general` reads either)
+        fused = [m for _, m in self.experts if self.forms[id(m)] is not None]
+        held = ("gate_up_proj", "down_proj", "gate_up_proj_bias")
+        originals = [{w: getattr(m, w) for w in held if hasattr(m, w)} for m in fused]
         try:
-            for m in transposed:
-                for w in ("gate_up_proj", "down_proj"):
-                    setattr(m, w, torch.nn.Parameter(getattr(m, w).detach().transpose(1, 2).contiguous()))
+            for m in fused:
+                for w, t in fused_layout(m, self.forms[id(m)]).items():
+                    setattr(m, w, torch.nn.Parameter(t))
             _FORMS.update(self.forms)
             for c in configs.values():
                 c._experts_implementation = IMPLEMENTATION
@@ -817,8 +911,9 @@ class MoeExport:
         finally:
             for _, m in self.experts:
                 _FORMS.pop(id(m), None)
-            for m, (gate_up, down) in zip(transposed, originals):
-                m.gate_up_proj, m.down_proj = gate_up, down
+            for m, before_export in zip(fused, originals):
+                for w, t in before_export.items():
+                    setattr(m, w, t)
             for h in hooks:
                 h.remove()
             if self.totals is not None:
@@ -829,7 +924,7 @@ class MoeExport:
     def record_stacked(self, proto: Any, record: dict, prefix: str) -> None:
         """Marks each stacked weight of `proto` a trained parameter under its own name, writes
         `smp.stacked`, and drops the module tensors it stands for from `record["missing"]`;
-        writes `smp.transposed` for the weights exported transposed."""
+        writes `smp.transposed` and `smp.deinterleaved` for the weights exported so."""
         self._record_transposed(proto, prefix)
         if not self.loops:
             return
@@ -852,14 +947,18 @@ class MoeExport:
         proto.metadata_props.add(key=STACKED_KEY, value=json.dumps(stacked))
 
     def _record_transposed(self, proto: Any, prefix: str) -> None:
-        if not self.transposed:
-            return
-        names = [prefix + n for n in self.transposed]
-        absent = [n for n in names if n not in {t.name for t in proto.graph.initializer}]
-        if absent:
-            raise SmpError(f"the transposed expert weights {absent} are not in the exported file; this is a bug of "
-                           "the export, please report it with the model")
-        proto.metadata_props.add(key=TRANSPOSED_KEY, value=json.dumps(names))
+        """Writes `smp.transposed` and `smp.deinterleaved` for the weights exported so."""
+        initializers = {t.name for t in proto.graph.initializer}
+        for key, what, names in ((TRANSPOSED_KEY, "transposed", self.transposed),
+                                 (DEINTERLEAVED_KEY, "de-interleaved", self.deinterleaved)):
+            if not names:
+                continue
+            names = [prefix + n for n in names]
+            absent = [n for n in names if n not in initializers]
+            if absent:
+                raise SmpError(f"the {what} expert weights {absent} are not in the exported file; this is a bug of "
+                               "the export, please report it with the model")
+            proto.metadata_props.add(key=key, value=json.dumps(names))
 
     def annotate(self, proto: Any) -> None:
         """Writes `smp.aux_loss` into the model's metadata (docs/parameter-record.md)."""

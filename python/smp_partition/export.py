@@ -361,7 +361,8 @@ def export(model: Any, example_inputs: Any, path: str | Path, *, dynamic: bool =
     _fold_weight_transposes(proto, read & parameters)
     param_record.drop_stack_traces(proto)
     record = param_record.write_record(wrapper, proto, exact_names=True,
-                                       swapped=frozenset(PREFIX + n for n in moe.transposed))
+                                       swapped=frozenset(PREFIX + n for n in moe.transposed),
+                                       deinterleaved=frozenset(PREFIX + n for n in moe.deinterleaved))
     moe.record_stacked(proto, record, PREFIX)
     lost = [n for n in record["missing"] if n in read]
     if lost:

@@ -140,7 +140,7 @@ def _buffer_entry(names: list[str], persistent: set[str]) -> dict[str, str]:
 
 
 def write_record(module, proto: onnx.ModelProto, *, exact_names: bool = False,
-                 swapped: frozenset[str] = frozenset()) -> dict:
+                 swapped: frozenset[str] = frozenset(), deinterleaved: frozenset[str] = frozenset()) -> dict:
     """Writes the parameter record of `module`'s export `proto` (in place). Returns a summary:
     {"parameters": n, "buffers": n, "constants": n, "merged": n, "restored": [...],
      "missing": [...]}.
@@ -149,7 +149,8 @@ def write_record(module, proto: onnx.ModelProto, *, exact_names: bool = False,
     name, `smp_partition.export`), initializers are matched by name only: a parameter's own,
     or a 2-D parameter's transpose that names it in `FOLDED_FROM`; nothing is matched by value
     (a constant of ones is not a norm weight). Initializers named in `swapped` hold their
-    parameter with its last two axes swapped (`smp.transposed`)."""
+    parameter with its last two axes swapped (`smp.transposed`); those in `deinterleaved` then
+    hold axis 1's even entries first, its odd ones after (`smp.deinterleaved`)."""
     params = _groups(module.named_parameters(remove_duplicate=False))
     buffers = _groups(module.named_buffers(remove_duplicate=False))
     persistent = set(module.state_dict().keys())
@@ -157,7 +158,7 @@ def write_record(module, proto: onnx.ModelProto, *, exact_names: bool = False,
     frozen = {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
     padding = _padding_rows(module)
     if exact_names:
-        return _record_by_name(params, buffers, persistent, frozen, padding, proto, swapped)
+        return _record_by_name(params, buffers, persistent, frozen, padding, proto, swapped, deinterleaved)
     alias_of = {a: i for i, (names, _) in enumerate(params) for a in names}
     ident: dict[tuple, list[int]] = defaultdict(list)
     trans: dict[tuple, list[int]] = defaultdict(list)
@@ -333,7 +334,8 @@ def _folded_from(t: onnx.TensorProto) -> list[str]:
 
 
 def _record_by_name(params, buffers, persistent: set[str], frozen: set[str], padding: dict[str, list[int]],
-                    proto: onnx.ModelProto, swapped: frozenset[str] = frozenset()) -> dict:
+                    proto: onnx.ModelProto, swapped: frozenset[str] = frozenset(),
+                    deinterleaved: frozenset[str] = frozenset()) -> dict:
     """`write_record(..., exact_names=True)`."""
     param_of = {a: i for i, (names, _) in enumerate(params) for a in names}
     buffer_of = {a: i for i, (names, _) in enumerate(buffers) for a in names}
@@ -345,6 +347,8 @@ def _record_by_name(params, buffers, persistent: set[str], frozen: set[str], pad
         if t.name in param_of:
             i = param_of[t.name]
             value = np.swapaxes(params[i][1], -1, -2) if t.name in swapped else params[i][1]
+            if t.name in deinterleaved:
+                value = np.concatenate([value[:, 0::2], value[:, 1::2]], axis=1)
             if _key(a) != _key(value):
                 raise ValueError(f"initializer `{t.name}` does not hold the module's value of that parameter")
             md = {K_KIND: "parameter", K_TRANSFORM: "identity", K_PARAMS: json.dumps([params[i][0]])}

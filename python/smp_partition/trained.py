@@ -68,6 +68,42 @@ def transposed_experts(model_path: str | Path) -> list[str]:
     return json.loads(entry) if entry else []
 
 
+def deinterleaved_experts(model_path: str | Path) -> list[str]:
+    """The expert weights the export `model_path` stored with their gate and up rows
+    de-interleaved (`smp.deinterleaved`: axis 1 holds the module's even entries, then its odd
+    ones)."""
+    import onnx
+
+    proto = onnx.load(str(model_path), load_external_data=False)
+    entry = next((p.value for p in proto.metadata_props if p.key == "smp.deinterleaved"), None)
+    return json.loads(entry) if entry else []
+
+
+def reinterleaved(tensors: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """`tensors` with axis 1 of each of `names` interleaved back (the first half's entries at
+    the even places, the second half's at the odd ones)."""
+    out = dict(tensors)
+    for k in names:
+        if k not in tensors:
+            continue
+        t = tensors[k]
+        if t.shape[1] % 2:
+            raise SmpError(f"trained `{k}` has {t.shape[1]} gate and up rows, which do not halve")
+        half = t.shape[1] // 2
+        back = t.clone()
+        back[:, 0::2], back[:, 1::2] = t[:, :half], t[:, half:]
+        out[k] = back
+    return out
+
+
+def in_module_layout(tensors: dict[str, Any], model_path: str | Path) -> dict[str, Any]:
+    """Trained `tensors` of the export `model_path` in its module's layout: expert weights
+    interleaved back, transposed back and split back into their module tensors, in the reverse
+    order of the export's."""
+    tensors = reinterleaved(tensors, deinterleaved_experts(model_path))
+    return unstacked(untransposed(tensors, transposed_experts(model_path)), stacked_experts(model_path))
+
+
 def untransposed(tensors: dict[str, Any], names: list[str]) -> dict[str, Any]:
     """`tensors` with each of `names` given back its module layout (last two axes swapped)."""
     return {k: (v.transpose(-2, -1).contiguous() if k in names else v) for k, v in tensors.items()}
@@ -163,8 +199,7 @@ def load_trained(model: Any, run: Run, *, path: str | Path | None = None) -> Any
         raise SmpError(f"the run's weights file {source} does not exist")
     tensors = load_file(str(source))
     if run.plan.model_path.is_file():
-        tensors = unstacked(untransposed(tensors, transposed_experts(run.plan.model_path)),
-                            stacked_experts(run.plan.model_path))
+        tensors = in_module_layout(tensors, run.plan.model_path)
     unused = unused_parameters(run.plan.model_path) if run.plan.model_path.is_file() else []
     full = state_dict_of(model, tensors, run.plan.prefix, unused)
     if run.plan.model_path.is_file():

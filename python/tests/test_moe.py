@@ -140,8 +140,8 @@ def test_experts_of_every_form_export_as_the_module_computes_them(form: str, tmp
 
     block = _Block(form)
     x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(7))
-    if form == "clamped-gate":
-        # the fused kernel computes this one: its dense form carries the two clamps, no warning
+    if form in ("clamped-gate", "biases-interleaved"):
+        # the fused kernel computes these: their dense form carries the two clamps, no warning
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             exported = smp.export(block, x, tmp_path / "block.onnx")
@@ -161,3 +161,27 @@ def test_experts_of_every_form_export_as_the_module_computes_them(form: str, tmp
         with torch.no_grad():
             block.experts.limit = 1e9
             assert np.abs(block(x).numpy() - want).max() > 1e-2 * np.abs(want).max()
+
+
+def test_interleaved_experts_are_exported_gate_rows_first_and_given_back_as_the_module_holds_them(tmp_path: Path) -> None:
+    # gpt-oss's layout: [E, H, 2I] with gate and up columns alternating; the fused op takes
+    # [E, 2I, H], gate rows first
+    from onnx import numpy_helper
+
+    from smp_partition.trained import in_module_layout
+
+    block = _Block("biases-interleaved")
+    exported = smp.export(block, torch.randn(2, 8, 16), tmp_path / "block.onnx")
+    proto = onnx.load(str(exported.path))
+    meta = {p.key: json.loads(p.value) for p in proto.metadata_props if p.key.startswith("smp.")}
+    names = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()) for t in proto.graph.initializer}
+    gate_up, bias = (next(n for n in names if n.endswith(w)) for w in ("experts.gate_up_proj", "experts.gate_up_proj_bias"))
+    assert set(meta["smp.deinterleaved"]) == {gate_up, bias} and gate_up in meta["smp.transposed"]
+    module = block.experts
+    i = module.down_proj.shape[1]
+    # exported: rows 0..I the module's even columns (gate), rows I..2I its odd ones (up)
+    assert torch.equal(names[gate_up][:, :i], module.gate_up_proj.detach()[:, :, 0::2].transpose(1, 2))
+    assert torch.equal(names[gate_up][:, i:], module.gate_up_proj.detach()[:, :, 1::2].transpose(1, 2))
+    assert torch.equal(names[bias][:, :i], module.gate_up_proj_bias.detach()[:, 0::2])
+    back = in_module_layout({k: names[k] for k in (gate_up, bias)}, exported.path)
+    assert torch.equal(back[gate_up], module.gate_up_proj.detach()) and torch.equal(back[bias], module.gate_up_proj_bias.detach())

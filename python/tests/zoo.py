@@ -194,13 +194,13 @@ def archs() -> dict[str, Arch]:
         Arch("qwen3_moe", "decoder LM, mixture of experts (8 experts, top 2)", lambda: T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
             num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
             norm_topk_prob=True, **no_drop, **_decoder())), "causal-lm", moe_layers=2),
-        # experts outside the fused form (biases, interleaved gate and up rows, a clamped gate of
-        # their own at a limit the activations reach) run densely as exported; attention sinks;
-        # sliding-window layers alternating with full ones
-        Arch("gpt_oss", "decoder LM, experts with biases and a clamped gate of their own (run densely), attention "
-             "sinks, alternating sliding window", lambda: T.GptOssForCausalLM(T.GptOssConfig(
+        # experts with biases, interleaved gate and up rows and a clamped swish gate of their own
+        # at a limit the activations reach, fused; attention sinks; sliding-window layers
+        # alternating with full ones
+        Arch("gpt_oss", "decoder LM, experts with biases, interleaved gate and up rows and a clamped swish gate "
+             "(fused), attention sinks, alternating sliding window", lambda: T.GptOssForCausalLM(T.GptOssConfig(
                  num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=0.05,
-                 sliding_window=4, **no_drop, **_decoder())), "causal-lm", moe_layers=0),
+                 sliding_window=4, **no_drop, **_decoder())), "causal-lm", moe_layers=2, expert_parallel=True),
         Arch("deepseek_v3", "decoder LM, group-limited routing with bias correction, shared expert, latent attention",
              _deepseek_v3, "causal-lm", moe_layers=1, expert_parallel=True),
         Arch("loop_moe", "decoder LM, per-expert modules looped over the experts hit (4 experts, top 2)", _loop_moe,

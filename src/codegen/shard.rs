@@ -494,7 +494,11 @@ impl<'a> ShardBuild<'a> {
             emit_deferred_bias(&mut self.g, node, (&inputs[..2], bias), (self.graph.value(o).ty.clone(), full), fresh, reduce)?;
             after.clear();
         } else {
-            self.g.add_node(Node { name: node.name.clone(), op: node.op.clone(), attrs: node.attrs.clone(), inputs, outputs: outs, namespace: node.namespace.clone(), order: node.order })?;
+            let mut attrs = node.attrs.clone();
+            if self.shard.rewrites.iter().any(|r| matches!(r, NodeRewrite::ShareExpertBias { node: n } if *n == node.name)) {
+                attrs.set("down_bias_share", crate::ir::Attr::Int(self.shard.tp as i64));
+            }
+            self.g.add_node(Node { name: node.name.clone(), op: node.op.clone(), attrs, inputs, outputs: outs, namespace: node.namespace.clone(), order: node.order })?;
         }
         for (local, full, o) in after {
             let c = self.collect[self.graph.value(o).name.as_str()];

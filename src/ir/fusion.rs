@@ -10,8 +10,9 @@ use super::{NodeId, ValueId};
 /// `{"gelu": {"approximate": "tanh"}}`,
 /// `{"attention": {"scale": 0.125, "mask": "additive"}}`,
 /// `{"mixture_of_experts": {"experts": 8, "activation": "silu"}}` (with `"weighting": "input"`
-/// where the router's weights scale the tokens going in; a clamped gate's activation is
-/// `{"clamped_silu": {"limit": 7.0}}`),
+/// where the router's weights scale the tokens going in, `"biases": true` where the experts
+/// carry biases; a clamped gate's activation is `{"clamped_silu": {"limit": 7.0}}`, gpt-oss's
+/// `{"clamped_swish": {"alpha": 1.702, "limit": 7.0}}`),
 /// `{"rms_norm": {"epsilon": 1e-6}}` or `"swiglu"`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
@@ -34,7 +35,7 @@ pub enum FusedOp {
     /// The routed experts of a mixture-of-experts block, the IR op
     /// [`OpKind::MixtureOfExperts`](super::OpKind::MixtureOfExperts): each token through its
     /// top-k experts' gated MLPs, weighted and summed. Inputs `x, weights, indices, gate_up,
-    /// down`.
+    /// down`, then, with `biases`, `gate_up_bias [E, 2I]` and `down_bias [E, H]`.
     MixtureOfExperts {
         /// How many experts the block holds (E).
         experts: usize,
@@ -43,6 +44,9 @@ pub enum FusedOp {
         /// Where the router's weights apply.
         #[serde(default, skip_serializing_if = "ExpertWeighting::is_output")]
         weighting: ExpertWeighting,
+        /// Whether each expert adds a bias after its gate-up and its down projection.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        biases: bool,
     },
     /// Root-mean-square norm over the last axis, `x / √(mean(x², -1) + ε) · w`, the ONNX op
     /// `RMSNormalization` (opset 23, `axis` −1), run as libtorch's `rms_norm`. Inputs `x, w`.
@@ -97,6 +101,11 @@ exact_f64!(
     ClampLimit
 );
 
+exact_f64!(
+    /// The factor α inside a swish gate's sigmoid, `g·σ(α·g)`.
+    SwishScale
+);
+
 /// The activation of an expert's gate (`act(gate·x) ⊙ up·x`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -109,27 +118,49 @@ pub enum ExpertActivation {
         /// The clamp's bound.
         limit: ClampLimit,
     },
+    /// `min(g, limit)·σ(alpha·min(g, limit)) ⊙ (clip(u, −limit, limit) + 1)` (gpt-oss: a
+    /// clamped swish gate, the up projection offset by one).
+    ClampedSwish {
+        /// The factor inside the sigmoid.
+        alpha: SwishScale,
+        /// The clamp's bound.
+        limit: ClampLimit,
+    },
 }
 
 impl ExpertActivation {
     /// The activation of a `MixtureOfExperts` node with these attributes (`activation` absent:
-    /// SiLU; `"clamped_silu"` with a one-element tensor `limit`), or what is wrong with them.
+    /// SiLU; `"clamped_silu"` with a one-element tensor `limit`; `"clamped_swish"` with `limit`
+    /// and `alpha`), or what is wrong with them.
     pub fn of_node(attrs: &super::Attrs) -> Result<ExpertActivation, String> {
+        let number = |act: &str, key: &str| match attrs.tensor(key).and_then(|t| t.to_f64_vec()).as_deref() {
+            Some(&[v]) if v > 0.0 && v.is_finite() => Ok(v),
+            _ => Err(format!("activation `{act}` without a positive one-element `{key}`")),
+        };
         match attrs.str("activation") {
             None | Some("silu") => Ok(ExpertActivation::Silu),
-            Some("clamped_silu") => match attrs.tensor("limit").and_then(|t| t.to_f64_vec()).as_deref() {
-                Some(&[limit]) if limit > 0.0 && limit.is_finite() => Ok(ExpertActivation::ClampedSilu { limit: ClampLimit(limit) }),
-                _ => Err("activation `clamped_silu` without a positive one-element `limit`".to_string()),
-            },
-            Some(other) => Err(format!("activation `{other}` is neither `silu` nor `clamped_silu`")),
+            Some(act @ "clamped_silu") => Ok(ExpertActivation::ClampedSilu { limit: ClampLimit(number(act, "limit")?) }),
+            Some(act @ "clamped_swish") => {
+                Ok(ExpertActivation::ClampedSwish { alpha: SwishScale(number(act, "alpha")?), limit: ClampLimit(number(act, "limit")?) })
+            }
+            Some(other) => Err(format!("activation `{other}` is none of `silu`, `clamped_silu`, `clamped_swish`")),
         }
     }
 
     /// Writes the node attributes [`ExpertActivation::of_node`] reads (none for SiLU).
     pub fn set_attrs(&self, attrs: &mut super::Attrs) {
-        if let ExpertActivation::ClampedSilu { limit } = self {
-            attrs.set("activation", super::Attr::Str("clamped_silu".into()));
-            attrs.set("limit", super::Attr::Tensor(super::Tensor::from_f64(vec![], &[limit.0])));
+        let number = |v: f64| super::Attr::Tensor(super::Tensor::from_f64(vec![], &[v]));
+        match self {
+            ExpertActivation::Silu => {}
+            ExpertActivation::ClampedSilu { limit } => {
+                attrs.set("activation", super::Attr::Str("clamped_silu".into()));
+                attrs.set("limit", number(limit.0));
+            }
+            ExpertActivation::ClampedSwish { alpha, limit } => {
+                attrs.set("activation", super::Attr::Str("clamped_swish".into()));
+                attrs.set("alpha", number(alpha.0));
+                attrs.set("limit", number(limit.0));
+            }
         }
     }
 }
@@ -139,6 +170,7 @@ impl std::fmt::Display for ExpertActivation {
         match self {
             ExpertActivation::Silu => f.write_str("silu"),
             ExpertActivation::ClampedSilu { limit } => write!(f, "clamped_silu(limit = {})", limit.0),
+            ExpertActivation::ClampedSwish { alpha, limit } => write!(f, "clamped_swish(alpha = {}, limit = {})", alpha.0, limit.0),
         }
     }
 }
@@ -199,7 +231,7 @@ impl FusedOp {
         match self {
             FusedOp::Gelu { .. } => 1,
             FusedOp::Attention { mask, .. } => 3 + usize::from(mask.is_some()),
-            FusedOp::MixtureOfExperts { .. } => 5,
+            FusedOp::MixtureOfExperts { biases, .. } => 5 + 2 * usize::from(*biases),
             FusedOp::RmsNorm { .. } | FusedOp::SwiGlu => 2,
         }
     }
@@ -239,8 +271,11 @@ impl std::fmt::Display for FusedOp {
                     None => f.write_str(")"),
                 }
             }
-            FusedOp::MixtureOfExperts { experts, activation, weighting } => {
+            FusedOp::MixtureOfExperts { experts, activation, weighting, biases } => {
                 write!(f, "MixtureOfExperts(experts = {experts}, activation = {activation}")?;
+                if *biases {
+                    f.write_str(", biases")?;
+                }
                 match weighting.attr() {
                     Some(w) => write!(f, ", weighting = {w})"),
                     None => f.write_str(")"),
@@ -261,7 +296,7 @@ pub struct Fusion {
     pub op: FusedOp,
     /// The values the chain computes from: the fused node's inputs, in the op's order
     /// ([`FusedOp::arity`] of them; a GELU's one input, an attention's `q, kᵀ, v, mask?`, a
-    /// mixture of experts' `x, weights, indices, gate_up, down`, an RMS norm's `x, w`, a
+    /// mixture of experts' `x, weights, indices, gate_up, down` (and its biases), an RMS norm's `x, w`, a
     /// SwiGLU's `gate, up`).
     pub inputs: Vec<ValueId>,
     /// The chain's output (the fused node's output).

@@ -15,7 +15,7 @@ mod tensor;
 
 pub use collective::{CollectiveKind, GroupKind};
 pub use dtype::DType;
-pub use fusion::{AttentionMask, AttentionScale, ClampLimit, Epsilon, ExpertActivation, ExpertWeighting, FusedOp, Fusion, GeluApproximation};
+pub use fusion::{AttentionMask, AttentionScale, ClampLimit, Epsilon, ExpertActivation, ExpertWeighting, FusedOp, Fusion, GeluApproximation, SwishScale};
 pub use graph::{AuxLoss, Graph, GraphError, Node, NodeId, Value, ValueId, ValueKind};
 pub use layer::{DimBindings, Layer, LayerKind, LayeredGraph, NodeFigures};
 pub use op::{Attr, Attrs, Op, OpKind, PADDING_ROWS};

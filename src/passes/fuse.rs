@@ -74,7 +74,7 @@ use std::collections::HashSet;
 use super::PassError;
 use crate::ir::{
     Attr, AttentionMask, AttentionScale, ClampLimit, DType, Epsilon, ExpertActivation, ExpertWeighting, FusedOp, Fusion, GeluApproximation, Graph, NodeId,
-    OpKind, ValueId,
+    OpKind, SwishScale, ValueId,
 };
 
 /// How many chains of each kind a list of rewrites fused.
@@ -162,7 +162,7 @@ fn fuse_sweep(graph: &mut Graph, late: bool, out: &mut Vec<Fusion>) {
             }),
             (false, OpKind::Transpose) => m.experts(id).map(|e| Fusion {
                 node: id,
-                op: FusedOp::MixtureOfExperts { experts: e.experts, activation: e.activation, weighting: e.weighting },
+                op: FusedOp::MixtureOfExperts { experts: e.experts, activation: e.activation, weighting: e.weighting, biases: e.biases },
                 inputs: e.inputs,
                 output: output(),
                 replaces: e.nodes,
@@ -305,8 +305,8 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
             attrs.set("scale", Attr::Tensor(crate::ir::Tensor::from_f64(vec![], &[scale.0])));
             OpKind::ScaledDotProductAttention
         }
-        FusedOp::MixtureOfExperts { experts, activation, weighting } => {
-            check_experts(graph, f, &ops, experts, activation, weighting).map_err(bad)?;
+        FusedOp::MixtureOfExperts { experts, activation, weighting, biases } => {
+            check_experts(graph, f, &ops, experts, activation, weighting, biases).map_err(bad)?;
             attrs.set("experts", Attr::Int(experts as i64));
             activation.set_attrs(&mut attrs);
             if let Some(w) = weighting.attr() {
@@ -411,7 +411,7 @@ fn check_rms_norm(g: &Graph, f: &Fusion, ops: &[OpKind], epsilon: f64) -> Result
 /// The op checks of a mixture-of-experts record (see [`apply`]): the dense chain's ops, once
 /// each as its formula has them, the expert ids it compares the indices with (`0..experts`), and
 /// weights of `experts` experts.
-fn check_experts(g: &Graph, f: &Fusion, ops: &[OpKind], experts: usize, activation: ExpertActivation, weighting: ExpertWeighting) -> Result<(), String> {
+fn check_experts(g: &Graph, f: &Fusion, ops: &[OpKind], experts: usize, activation: ExpertActivation, weighting: ExpertWeighting, biases: bool) -> Result<(), String> {
     use OpKind::*;
     if !g.node(f.node).op.is(Transpose) {
         return Err(format!("the node is a {}, not the Transpose of the combined output", g.node(f.node).op));
@@ -424,9 +424,23 @@ fn check_experts(g: &Graph, f: &Fusion, ops: &[OpKind], experts: usize, activati
     if !summand.is_some_and(|n| g.node(n).op.is(want_op)) {
         return Err(format!("the expert sum does not read a {want_op}, as {weighting:?} weighting does"));
     }
-    let clips = if matches!(activation, ExpertActivation::ClampedSilu { .. }) { 2 } else { 0 };
-    let want: [(OpKind, usize); 10] =
-        [(Transpose, 3), (ReduceSum, 2), (Mul, 4), (MatMul, 2), (Unsqueeze, 3), (Cast, 1), (Equal, 1), (Sigmoid, 1), (Split, 1), (Clip, clips)];
+    let clips = if activation == ExpertActivation::Silu { 0 } else { 2 };
+    // gpt-oss's gate scales g inside the sigmoid and offsets u; each bias is an Unsqueeze and an Add
+    let swish = usize::from(matches!(activation, ExpertActivation::ClampedSwish { .. }));
+    let biased = 2 * usize::from(biases);
+    let want: [(OpKind, usize); 11] = [
+        (Transpose, 3),
+        (ReduceSum, 2),
+        (Mul, 4 + swish),
+        (MatMul, 2),
+        (Unsqueeze, 3 + biased),
+        (Cast, 1),
+        (Equal, 1),
+        (Sigmoid, 1),
+        (Split, 1),
+        (Clip, clips),
+        (Add, swish + biased),
+    ];
     let count = |k: OpKind| ops.iter().filter(|&&o| o == k).count();
     if let Some(k) = ops.iter().find(|k| !want.iter().any(|(w, _)| w == *k)) {
         return Err(format!("the chain has a {k}, which the dense experts do not"));
@@ -440,7 +454,22 @@ fn check_experts(g: &Graph, f: &Fusion, ops: &[OpKind], experts: usize, activati
             return Err(format!("{what} `{}` holds {} experts, the record {experts}", g.value(f.inputs[i]).name, lead.unwrap_or(0)));
         }
     }
-    if let ExpertActivation::ClampedSilu { limit } = activation {
+    if let ExpertActivation::ClampedSwish { alpha, .. } = activation {
+        // one Mul by α (inside the sigmoid) and one Add of 1 (to the up projection)
+        let constants = |k: OpKind| -> Vec<f64> {
+            f.replaces
+                .iter()
+                .filter(|&&n| g.node(n).op.is(k))
+                .flat_map(|&n| g.node(n).inputs.iter().flatten().filter_map(|&v| constant_f64s(g, v)).filter(|c| c.len() == 1).flatten().collect::<Vec<_>>())
+                .collect()
+        };
+        let (scales, offsets) = (constants(Mul), constants(Add));
+        let near = |c: &[f64], want: f64| matches!(c, [v] if (v - want).abs() <= 1e-6 * want.abs());
+        if !near(&scales, alpha.0) || !near(&offsets, 1.0) {
+            return Err(format!("its gate's constants (scales {scales:?}, offsets {offsets:?}) are not the swish's α {} and the up projection's + 1", alpha.0));
+        }
+    }
+    if let ExpertActivation::ClampedSilu { limit } | ExpertActivation::ClampedSwish { limit, .. } = activation {
         // the gate clamped to at most the limit, the up projection to ± it
         let konst = |v: Option<ValueId>| v.and_then(|v| constant_f64s(g, v));
         type Bounds = (Option<Vec<f64>>, Option<Vec<f64>>);
@@ -511,6 +540,7 @@ struct ExpertsMatch {
     experts: usize,
     activation: ExpertActivation,
     weighting: ExpertWeighting,
+    biases: bool,
     nodes: Vec<NodeId>,
 }
 
@@ -736,30 +766,51 @@ impl Matcher<'_> {
         nodes.push(r_out);
         // Output weighting: Mul(MatMul(down, h), Unsqueeze(Transpose(dense), 1)); input
         // weighting: MatMul(down, h), the tokens scaled before gate_up instead
-        let (mm_down, output_combine) = match self.inner(summand, MatMul) {
-            Some(mm) => (mm, None),
+        // Output weighting: Mul(MatMul(down, h) (+ its bias), Unsqueeze(Transpose(dense), 1))
+        let (mm_down, output_combine, down_bias) = match self.inner(summand, MatMul) {
+            Some(mm) => (mm, None, None),
             None => {
                 let mul = self.inner(summand, Mul)?;
                 nodes.push(mul);
                 let (a, b) = self.pair(mul)?;
-                let (y, du) = if self.inner(a, MatMul).is_some() { (a, b) } else { (b, a) };
-                (self.inner(y, MatMul)?, Some(du))
+                let is_y = |v: ValueId| self.inner(v, MatMul).is_some() || self.bias_add(v).is_some();
+                let (y, du) = if is_y(a) { (a, b) } else { (b, a) };
+                let (y, bias) = match self.bias_add(y) {
+                    Some((add, unsq, y0, bias)) => {
+                        nodes.extend([add, unsq]);
+                        (y0, Some(bias))
+                    }
+                    None => (y, None),
+                };
+                (self.inner(y, MatMul)?, Some(du), bias)
             }
         };
         let (down, h) = self.pair(mm_down)?;
         nodes.push(mm_down);
-        // h = silu(g) ⊙ u, g and u the halves of gate_up · xᵀ
+        // h = act(g) ⊙ u, g and u the halves of gate_up · xᵀ (+ its bias)
         let mh = self.inner(h, Mul)?;
         let (a, b) = self.pair(mh)?;
-        let (act, u) = if self.silu(a).is_some() { (a, b) } else { (b, a) };
-        let (m_silu, sig, g) = self.silu(act)?;
-        // a clamped SwiGLU clamps both halves first: the gate to at most the limit, up to ± it
-        let (g, u, activation) = match (self.clip(g, 2, true), self.clip(u, 1, false)) {
-            (Some((cg, g0, limit)), Some((cu, u0, limit_up))) if limit.to_bits() == limit_up.to_bits() => {
-                nodes.extend([cg, cu]);
-                (g0, u0, ExpertActivation::ClampedSilu { limit: ClampLimit(limit) })
+        let (g, u, activation) = if let Some((gate_nodes, g, u, alpha)) = self.swish_gate(a, b) {
+            // gpt-oss: min(g, L)·σ(α·min(g, L)) ⊙ (clip(u, ±L) + 1)
+            let ((cg, g0, limit), (cu, u0, limit_up)) = (self.clip(g, 2, true)?, self.clip(u, 1, false)?);
+            if limit.to_bits() != limit_up.to_bits() {
+                return None;
             }
-            _ => (g, u, ExpertActivation::Silu),
+            nodes.extend(gate_nodes);
+            nodes.extend([cg, cu]);
+            (g0, u0, ExpertActivation::ClampedSwish { alpha: SwishScale(alpha), limit: ClampLimit(limit) })
+        } else {
+            let (act, u) = if self.silu(a).is_some() { (a, b) } else { (b, a) };
+            let (m_silu, sig, g) = self.silu(act)?;
+            nodes.extend([m_silu, sig]);
+            // a clamped SwiGLU clamps both halves first: the gate to at most the limit, up to ± it
+            match (self.clip(g, 2, true), self.clip(u, 1, false)) {
+                (Some((cg, g0, limit)), Some((cu, u0, limit_up))) if limit.to_bits() == limit_up.to_bits() => {
+                    nodes.extend([cg, cu]);
+                    (g0, u0, ExpertActivation::ClampedSilu { limit: ClampLimit(limit) })
+                }
+                _ => (g, u, ExpertActivation::Silu),
+            }
         };
         let gate_reads = if activation == ExpertActivation::Silu { 2 } else { 1 };
         let split = self.g.value(g).producer?;
@@ -772,9 +823,19 @@ impl Matcher<'_> {
         if !two_halves {
             return None;
         }
-        let mm_gu = self.inner(input0(split)?, MatMul)?;
+        let (projected, gate_up_bias) = match self.bias_add(input0(split)?) {
+            Some((add, unsq, m, bias)) => {
+                nodes.extend([add, unsq]);
+                (m, Some(bias))
+            }
+            None => (input0(split)?, None),
+        };
+        if gate_up_bias.is_some() != down_bias.is_some() {
+            return None;
+        }
+        let mm_gu = self.inner(projected, MatMul)?;
         let (gate_up, xt) = self.pair(mm_gu)?;
-        nodes.extend([mh, m_silu, sig, split, mm_gu]);
+        nodes.extend([mh, split, mm_gu]);
         // the combine weights: after the experts, or scaling xᵀ before them
         let (xt, du, weighting) = match output_combine {
             Some(du) => (xt, du, ExpertWeighting::Output),
@@ -816,8 +877,48 @@ impl Matcher<'_> {
         if !fits {
             return None;
         }
+        let mut inputs = vec![x, weights, indices, gate_up, down];
+        if let (Some(gb), Some(db)) = (gate_up_bias, down_bias) {
+            // gate_up_bias [E, 2I], down_bias [E, H]
+            let (gbd, dbd) = (known(gb)?, known(db)?);
+            if gbd != [Some(e), gud[1]] || dbd != [Some(e), xd[1]] || !weight(gb) || !weight(db) {
+                return None;
+            }
+            inputs.extend([gb, db]);
+        }
         nodes.sort();
-        Some(ExpertsMatch { inputs: vec![x, weights, indices, gate_up, down], experts: experts.len(), activation, weighting, nodes })
+        let biases = inputs.len() == 7;
+        Some(ExpertsMatch { inputs, experts: experts.len(), activation, weighting, biases, nodes })
+    }
+
+    /// `v` = Add(m, Unsqueeze(bias, 2)) in either order, read only by the chain, `m` made by a
+    /// MatMul and `bias` of rank 2: (the Add, the Unsqueeze, m, bias).
+    fn bias_add(&self, v: ValueId) -> Option<(NodeId, NodeId, ValueId, ValueId)> {
+        let add = self.inner(v, OpKind::Add)?;
+        let (a, b) = self.pair(add)?;
+        [(a, b), (b, a)].into_iter().find_map(|(m, u)| {
+            self.inner(m, OpKind::MatMul)?;
+            let unsq = self.inner(u, OpKind::Unsqueeze)?;
+            Some((add, unsq, m, self.unsqueezed_last(unsq)?))
+        })
+    }
+
+    /// `a` and `b`, in either order, = Mul(g, Sigmoid(Mul(g, α))) and Add(u, 1), each read only
+    /// by the chain (gpt-oss's gate before its clamps): (their four nodes, g, u, α).
+    fn swish_gate(&self, a: ValueId, b: ValueId) -> Option<(Vec<NodeId>, ValueId, ValueId, f64)> {
+        use OpKind::*;
+        [(a, b), (b, a)].into_iter().find_map(|(s, p)| {
+            let add = self.inner(p, Add)?;
+            let u = self.with_const(add, 1.0)?;
+            let m = self.inner(s, Mul)?;
+            let (x, y) = self.pair(m)?;
+            [(x, y), (y, x)].into_iter().find_map(|(g, sv)| {
+                let sig = self.inner(sv, Sigmoid)?;
+                let scale = self.inner(self.g.node(sig).inputs.first().copied().flatten()?, Mul)?;
+                let (other, alpha, _) = self.scalar_operand(scale)?;
+                (other == g && alpha > 0.0 && alpha.is_finite()).then(|| (vec![add, m, sig, scale], g, u, alpha))
+            })
+        })
     }
 
     /// `v` = ReduceSum over `axis` alone, not kept, read only by the chain: (the node, its input).

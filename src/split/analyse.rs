@@ -108,9 +108,10 @@ pub struct SplitGraph {
     pub(super) vocab: HashMap<usize, (Option<i64>, bool)>,
     /// Input value of each weight matmul.
     pub(super) input: HashMap<usize, Option<ValueId>>,
-    /// Per mixture of experts: each expert's intermediate dim and its routes per token over
-    /// its hidden size (the router weights' share of the tokens' bytes), where known.
-    pub(super) experts: HashMap<usize, (Option<i64>, f64)>,
+    /// Per mixture of experts: each expert's intermediate dim, its routes per token over
+    /// the hidden size (the router weights' share of the tokens' bytes), and the elements of
+    /// its down-projection biases (0 without).
+    pub(super) experts: HashMap<usize, (Option<i64>, f64, f64)>,
     /// Nodes the engines cannot see into ([`super::family::opaque`]): choosing ones are
     /// offered `replicate` only.
     pub(super) opaque: BTreeSet<usize>,
@@ -377,7 +378,11 @@ pub fn analyse(lg: &LayeredGraph, layer: usize, facts: &GraphFacts) -> SplitGrap
                     (Some(k), Some(h)) if h > 0 => k as f64 / h as f64,
                     _ => 0.0,
                 };
-                experts.insert(i, (inter, routes));
+                let bias_elems = match d(6).as_slice() {
+                    [Some(e), Some(h)] => (e * h) as f64,
+                    _ => 0.0,
+                };
+                experts.insert(i, (inter, routes, bias_elems));
             }
             NodeRole::Follow => {}
         }

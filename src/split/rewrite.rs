@@ -28,6 +28,13 @@ pub enum NodeRewrite {
         /// The Gemm.
         node: String,
     },
+    /// Experts split by their intermediate dim whose outputs are partial sums: each tensor rank
+    /// adds its share of the down-projection bias, `bias / tp` (the kernel's attribute
+    /// `down_bias_share`), so the reduced sum holds it once.
+    ShareExpertBias {
+        /// The `MixtureOfExperts` node.
+        node: String,
+    },
     /// A vocabulary-parallel lookup: indices outside `[start, end)` read row 0 and are zeroed.
     MaskedGather {
         /// The Gather.

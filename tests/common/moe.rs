@@ -141,6 +141,17 @@ pub fn check_plan(case: &MoeCase, pp: usize, tp: usize, extra: &[&str]) -> (f64,
             assert_eq!(s["axis"], 1, "{s}");
             assert_eq!(s["ranges"].as_array().unwrap().len(), 2, "gate and up rows of each expert: {s}");
         }
+        // experts with biases: the gate-up bias splits with its rows; the down bias is shared
+        // (each rank adds bias / tp) and its gradient all-reduced
+        let shards = || p["codegen"]["shards"].as_array().unwrap().iter().map(|layer| &layer[0]);
+        let named = |list: &str, key: &str, suffix: &str| shards().flat_map(|s| s[list].as_array().into_iter().flatten().cloned().collect::<Vec<_>>()).filter(|x| x[key].as_str().is_some_and(|n| n.ends_with(suffix))).count();
+        let biased = named("weight_slices", "initializer", "experts.gate_up_proj_bias");
+        if biased > 0 {
+            assert_eq!(biased, 2, "{}: every block's gate-up bias splits", case.name);
+            assert_eq!(named("partial_gradients", "value", "experts.down_proj_bias"), 2, "{}: every down bias's gradient is all-reduced", case.name);
+            let shared = shards().flat_map(|s| s["rewrites"].as_array().into_iter().flatten().cloned().collect::<Vec<_>>()).filter(|r| r["rewrite"] == "share_expert_bias").count();
+            assert_eq!(shared, 2, "{}: every block's down bias is shared", case.name);
+        }
     }
     let f32 = launch(case, &out, pp * tp, "f32");
     let f64 = launch(case, &out, pp * tp, "f64");

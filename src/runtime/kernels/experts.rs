@@ -17,20 +17,23 @@
 use tch::Tensor;
 
 use super::ops::OpContext;
-use super::ops::moe::{combine, route, run_experts};
+use super::ops::moe::{ExpertWeights, combine, route, run_experts};
 use crate::runtime::comm::ProcessGroup;
 
-/// `MixtureOfExperts(x, weights, indices, gate_up [E/e, 2I, H], down [E/e, H, I])` over the
-/// expert group `pg` of e members.
+/// `MixtureOfExperts(x, weights, indices, gate_up [E/e, 2I, H], down [E/e, H, I],
+/// gate_up_bias [E/e, 2I]?, down_bias [E/e, H]?)` over the expert group `pg` of e members.
 pub(super) fn expert_parallel(node: &crate::ir::Node, inputs: &[Option<Tensor>], ctx: &OpContext, pg: &ProcessGroup) -> Result<Tensor, String> {
     let get = |i: usize| inputs.get(i).and_then(Option::as_ref).ok_or_else(|| format!("MixtureOfExperts without operand {i}"));
-    let (x, weights, indices, gate_up, down) = (get(0)?, get(1)?, get(2)?, get(3)?, get(4)?);
+    let (x, weights, indices) = (get(0)?, get(1)?, get(2)?);
+    let opt = |i: usize| inputs.get(i).and_then(Option::as_ref);
+    let experts = ExpertWeights::of(&[opt(3), opt(4), opt(5), opt(6)], &node.attrs).map_err(|m| m.0)?;
+    let (gate_up, down) = (experts.gate_up, experts.down);
     let e = pg.size() as i64;
     let local = gate_up.size().first().copied().unwrap_or(0);
     if down.size().first().copied() != Some(local) || local == 0 {
         return Err(format!("expert weights gate_up {:?} and down {:?} hold different expert counts", gate_up.size(), down.size()));
     }
-    let routed = route(x, weights, indices, gate_up, down, local * e, &node.attrs).map_err(|m| m.0)?;
+    let routed = route(x, weights, indices, &experts, local * e, &node.attrs).map_err(|m| m.0)?;
     let kerr = |m: tch::TchError| m.to_string();
     // pairs per owning rank: the sorted pairs are grouped by owner, expert-minor
     let sizes: Vec<i64> = routed.counts.chunks(local as usize).map(|c| c.iter().sum()).collect();
@@ -46,7 +49,7 @@ pub(super) fn expert_parallel(node: &crate::ir::Node, inputs: &[Option<Tensor>],
     let (by_expert, per_expert) = expert_major(&got, local as usize, e as usize);
     let order = Tensor::from_slice(&by_expert).f_to_device(x.device()).map_err(kerr)?;
     let rows = received.f_index_select(0, &order).map_err(kerr)?;
-    let ys = run_experts(&rows, &per_expert, gate_up, down, routed.activation, ctx.autocast).map_err(|m| m.0)?;
+    let ys = run_experts(&rows, &per_expert, &experts, routed.activation, ctx.autocast).map_err(|m| m.0)?;
     // back to member-major order, then home
     let mut inverse = vec![0i64; by_expert.len()];
     for (i, &r) in by_expert.iter().enumerate() {

@@ -16,8 +16,9 @@ use crate::runtime::RuntimeError;
 use crate::runtime::state::slice::Slice;
 use crate::runtime::terr;
 
-/// The operand positions of `MixtureOfExperts` that are stacked expert weights.
-const EXPERT_OPERANDS: [usize; 2] = [3, 4];
+/// The operand positions of `MixtureOfExperts` that are stacked expert weights (the biases,
+/// 5 and 6, are optional).
+const EXPERT_OPERANDS: [usize; 4] = [3, 4, 5, 6];
 
 /// A rank's part of the experts.
 #[derive(Clone, Debug, Default)]
@@ -46,6 +47,9 @@ impl Experts {
             }
             for i in EXPERT_OPERANDS {
                 let Some(v) = node.inputs.get(i).copied().flatten() else {
+                    if i >= 5 {
+                        continue;
+                    }
                     return Err(terr(format!("MixtureOfExperts node `{}` has no operand {i}", node.name)));
                 };
                 let val = graph.value(v);

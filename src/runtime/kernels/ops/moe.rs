@@ -2,7 +2,8 @@
 //! The token-expert pairs are sorted by expert (stably, so a token's experts keep their order),
 //! each expert's tokens go through its gated MLP as two matmuls, the results are scaled by the
 //! router's weights (or, with `weighting = "input"`, the tokens are scaled going in) and added
-//! back into their tokens' rows. Every step is a differentiable
+//! back into their tokens' rows. Experts with biases (gpt-oss) add them after each projection.
+//! Every step is a differentiable
 //! libtorch op, so autograd gives the gradients of x, the router's weights and the experts.
 
 use tch::{Kind, Tensor};
@@ -12,14 +13,55 @@ use crate::ir::{Attrs, ExpertActivation, ExpertWeighting};
 use crate::runtime::kernels::tensor::to_i64_vec;
 
 /// `MixtureOfExperts(x [N, H], weights [N, k], indices [N, k], gate_up [E, 2I, H],
-/// down [E, H, I])` → `[N, H]`.
+/// down [E, H, I], gate_up_bias [E, 2I]?, down_bias [E, H]?)` → `[N, H]`.
 pub(super) fn mixture_of_experts(a: &Args) -> KResult<Tensor> {
-    let (x, weights, indices, gate_up, down) = (a.x(0)?, a.x(1)?, a.x(2)?, a.x(3)?, a.x(4)?);
-    let experts = gate_up.size().first().copied().unwrap_or(0);
-    let routed = route(x, weights, indices, gate_up, down, experts, a.attrs())?;
+    let (x, weights, indices) = (a.x(0)?, a.x(1)?, a.x(2)?);
+    let experts = ExpertWeights::of(&[a.opt(3), a.opt(4), a.opt(5), a.opt(6)], a.attrs())?;
+    let count = experts.gate_up.size().first().copied().unwrap_or(0);
+    let routed = route(x, weights, indices, &experts, count, a.attrs())?;
     let xs = routed.rows_in(x)?;
-    let ys = run_experts(&xs, &routed.counts, gate_up, down, routed.activation, a.ctx.autocast)?;
+    let ys = run_experts(&xs, &routed.counts, &experts, routed.activation, a.ctx.autocast)?;
     combine(x, &routed, &ys)
+}
+
+/// The experts' weights of a `MixtureOfExperts` node (operands 3 to 6).
+pub(crate) struct ExpertWeights<'a> {
+    /// `[E, 2I, H]`: each expert's gate rows, then its up rows.
+    pub gate_up: &'a Tensor,
+    /// `[E, H, I]`.
+    pub down: &'a Tensor,
+    /// `[E, 2I]`, added after the gate-up projection.
+    pub gate_up_bias: Option<&'a Tensor>,
+    /// `[E, H]`, added after the down projection: this rank's share of it, the whole bias over
+    /// the node's `down_bias_share` (the tensor ranks whose partial outputs are summed).
+    pub down_bias: Option<Tensor>,
+}
+
+impl<'a> ExpertWeights<'a> {
+    /// The weights among `operands` (gate_up, down, gate_up_bias, down_bias; the biases both
+    /// present or both absent), the down bias divided by the attribute `down_bias_share`.
+    pub(crate) fn of(operands: &[Option<&'a Tensor>; 4], attrs: &Attrs) -> KResult<ExpertWeights<'a>> {
+        let [Some(gate_up), Some(down), gate_up_bias, down_bias] = *operands else { bail!("missing the expert weights gate_up or down (operands 3 and 4)") };
+        if gate_up.dim() != 3 || down.dim() != 3 {
+            bail!("expert weights of ranks {} and {}; expected gate_up [E, 2I, H] and down [E, H, I]", gate_up.dim(), down.dim());
+        }
+        let down_bias = match (gate_up_bias, down_bias) {
+            (None, None) => None,
+            (Some(gb), Some(db)) => {
+                let (e, rows, h) = (gate_up.size()[0], gate_up.size()[1], down.size()[1]);
+                if gb.size() != [e, rows] || db.size() != [e, h] {
+                    bail!("expert biases {:?} and {:?}; expected gate_up_bias [{e}, {rows}] and down_bias [{e}, {h}]", gb.size(), db.size());
+                }
+                let share = attrs.int("down_bias_share", 1);
+                if share < 1 {
+                    bail!("down_bias_share {share} is not a positive count of ranks");
+                }
+                Some(if share == 1 { db.shallow_clone() } else { db.f_div_scalar(share as f64)? })
+            }
+            _ => bail!("an expert bias without the other: gate_up_bias and down_bias come together"),
+        };
+        Ok(ExpertWeights { gate_up, down, gate_up_bias, down_bias })
+    }
 }
 
 /// A microbatch's token-expert pairs sorted by expert (stably, so a token's experts keep
@@ -51,7 +93,8 @@ impl Routed {
 /// The pairs of `indices [N, k]` (experts `0..experts`) sorted by expert, with their tokens,
 /// router `weights [N, k]` and per-expert counts, weighted as the node's `attrs` say. Checks the
 /// operands' ranks.
-pub(crate) fn route(x: &Tensor, weights: &Tensor, indices: &Tensor, gate_up: &Tensor, down: &Tensor, experts: i64, attrs: &Attrs) -> KResult<Routed> {
+pub(crate) fn route(x: &Tensor, weights: &Tensor, indices: &Tensor, w: &ExpertWeights, experts: i64, attrs: &Attrs) -> KResult<Routed> {
+    let (gate_up, down) = (w.gate_up, w.down);
     let weighting = match ExpertWeighting::of_node(attrs) {
         Ok(w) => w,
         Err(other) => bail!("weighting `{other}` is neither `input` nor `output`"),
@@ -81,11 +124,13 @@ pub(crate) fn route(x: &Tensor, weights: &Tensor, indices: &Tensor, gate_up: &Te
 }
 
 /// Each row of `rows` (sorted by expert, `counts[e]` rows for expert e) through its expert's
-/// gated MLP (`gate_up [E, 2I, H]`, `down [E, H, I]`, the gate `activation`), unweighted, in the rows' kind. Under
+/// gated MLP (`w`: `gate_up [E, 2I, H]`, `down [E, H, I]` and their biases; the gate
+/// `activation`), unweighted, in the rows' kind. Under
 /// `autocast` the experts' products (and the gate between them) run in the low type, as a
 /// module's experts do. With no rows at all, the (empty) result still derives from `rows`, so
 /// autograd reaches what produced them.
-pub(crate) fn run_experts(rows: &Tensor, counts: &[i64], gate_up: &Tensor, down: &Tensor, activation: ExpertActivation, autocast: Option<Kind>) -> KResult<Tensor> {
+pub(crate) fn run_experts(rows: &Tensor, counts: &[i64], w: &ExpertWeights, activation: ExpertActivation, autocast: Option<Kind>) -> KResult<Tensor> {
+    let (gate_up, down) = (w.gate_up, w.down);
     let low = |t: Tensor| -> KResult<Tensor> {
         Ok(match autocast {
             Some(k) if t.kind() != k => t.f_to_kind(k)?,
@@ -100,7 +145,10 @@ pub(crate) fn run_experts(rows: &Tensor, counts: &[i64], gate_up: &Tensor, down:
         }
         let e = e as i64;
         let xe = low(rows.f_narrow(0, start, count)?)?;
-        let gu = xe.f_matmul(&low(gate_up.f_get(e)?)?.f_tr()?)?;
+        let mut gu = xe.f_matmul(&low(gate_up.f_get(e)?)?.f_tr()?)?;
+        if let Some(b) = w.gate_up_bias {
+            gu = gu.f_add(&low(b.f_get(e)?)?)?;
+        }
         let halves = gu.f_chunk(2, -1)?;
         let [gate, up] = halves.as_slice() else { bail!("gate_up of expert {e} does not halve") };
         let h = match activation {
@@ -109,8 +157,17 @@ pub(crate) fn run_experts(rows: &Tensor, counts: &[i64], gate_up: &Tensor, down:
                 let l = limit.0;
                 gate.f_clamp_max(l)?.f_silu()?.f_mul(&up.f_clamp(-l, l)?)?
             }
+            ExpertActivation::ClampedSwish { alpha, limit } => {
+                let (a, l) = (alpha.0, limit.0);
+                let g = gate.f_clamp_max(l)?;
+                g.f_mul(&g.f_mul_scalar(a)?.f_sigmoid()?)?.f_mul(&up.f_clamp(-l, l)?.f_add_scalar(1.0)?)?
+            }
         };
-        parts.push(h.f_matmul(&low(down.f_get(e)?)?.f_tr()?)?.f_to_kind(rows.kind())?);
+        let mut y = h.f_matmul(&low(down.f_get(e)?)?.f_tr()?)?;
+        if let Some(b) = &w.down_bias {
+            y = y.f_add(&low(b.f_get(e)?)?)?;
+        }
+        parts.push(y.f_to_kind(rows.kind())?);
         start += count;
     }
     if parts.is_empty() {
@@ -176,6 +233,58 @@ mod tests {
         }
         let (a, b) = (run(&node, &inputs, &ctx(Some(Kind::BFloat16))).unwrap().remove(0), run(&node, &inputs, &ctx(None)).unwrap().remove(0));
         assert!((&a - &b).abs().max().double_value(&[]) > 1e-4, "autocast changed nothing");
+    }
+
+    #[test]
+    fn biased_experts_with_a_clamped_swish_gate_are_computed_as_by_hand_in_f64_and_share_their_down_bias() {
+        tch::manual_seed(9);
+        let f = (Kind::Double, Device::Cpu);
+        let leaf = |t: Tensor| t.set_requires_grad(true);
+        let (e, h, i, n, k) = (3, 8, 6, 5, 2);
+        let (x, gu, down) = (leaf(Tensor::randn([n, h], f)), leaf(Tensor::randn([e, 2 * i, h], f)), leaf(Tensor::randn([e, h, i], f)));
+        let (gub, db) = (leaf(Tensor::randn([e, 2 * i], f)), leaf(Tensor::randn([e, h], f)));
+        let w = leaf(Tensor::rand([n, k], f));
+        let idx = Tensor::from_slice(&[0i64, 2, 1, 0, 2, 1, 0, 1, 2, 2]).reshape([n, k]);
+        let (alpha, limit) = (1.702, 0.8);
+        let mut attrs = Attrs::default();
+        crate::ir::ExpertActivation::ClampedSwish { alpha: crate::ir::SwishScale(alpha), limit: crate::ir::ClampLimit(limit) }.set_attrs(&mut attrs);
+        let node = Node { name: "moe".into(), op: Op::Known(OpKind::MixtureOfExperts), attrs, inputs: Vec::new(), outputs: Vec::new(), namespace: None, order: 0 };
+        let inputs: Vec<Option<Tensor>> = [&x, &w, &idx, &gu, &down, &gub, &db].iter().map(|t| Some(t.shallow_clone())).collect();
+        let ctx = OpContext { float_kind: None, training: true, norm: NormStats::Running, dropout: None, autocast: None, context: None };
+        let got = run(&node, &inputs, &ctx).unwrap().remove(0);
+        // Σ_j w_j · (down_e · (g·σ(α·g) ⊙ (clip(u, ±L) + 1)) + db_e), g = min(gate, L), token by token
+        let mut rows = Vec::new();
+        for t in 0..n {
+            let mut acc = x.get(t).zeros_like();
+            for j in 0..k {
+                let ex = idx.int64_value(&[t, j]);
+                let z = gu.get(ex).matmul(&x.get(t)) + gub.get(ex);
+                let halves = z.chunk(2, -1);
+                let g = halves[0].clamp_max(limit);
+                let act = &g * (&g * alpha).sigmoid() * (halves[1].clamp(-limit, limit) + 1.0);
+                acc = acc + (down.get(ex).matmul(&act) + db.get(ex)) * w.get(t).get(j);
+            }
+            rows.push(acc);
+        }
+        let want = Tensor::stack(&rows, 0);
+        let rel = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]) / b.abs().max().double_value(&[]);
+        assert!(rel(&got, &want) < 1e-14, "forward {:.2e}", rel(&got, &want));
+        let r = Tensor::randn([n, h], f);
+        let params = [&x, &w, &gu, &down, &gub, &db];
+        let grads = |y: &Tensor| Tensor::run_backward(&[(y * &r).sum(Kind::Double)], &params, false, false);
+        let (a, b) = (grads(&got), grads(&want));
+        for (name, ga, gb) in ["x", "weights", "gate_up", "down", "gate_up_bias", "down_bias"].iter().zip(&a).zip(&b).map(|((n, a), b)| (n, a, b)) {
+            assert!(rel(ga, gb) < 1e-12, "gradient of {name}: {:.2e}", rel(ga, gb));
+        }
+        // shared over 2 tensor ranks, each adds half of the down bias: the two halves of a zero
+        // expert sum make the whole bias term
+        let mut halved = node.clone();
+        halved.attrs.set("down_bias_share", crate::ir::Attr::Int(2));
+        let zero = |t: &Tensor| Some(t.zeros_like());
+        let same = |t: &Tensor| Some(t.shallow_clone());
+        let only_bias: Vec<Option<Tensor>> = vec![same(&x), same(&w), same(&idx), zero(&gu), zero(&down), zero(&gub), same(&db)];
+        let (whole, half) = (run(&node, &only_bias, &ctx).unwrap().remove(0), run(&halved, &only_bias, &ctx).unwrap().remove(0));
+        assert!(rel(&(&half * 2.0), &whole) < 1e-15 && whole.abs().max().double_value(&[]) > 0.1);
     }
 
     #[test]
