@@ -13,10 +13,12 @@ weight 0), in ops every ONNX runtime executes. The planner's fusion pass
 softmax, top-k, the model's own normalisation) is exported as the model computes it. Experts
 stored transposed (`is_transposed`: `[E, H, 2I]`, `[E, I, H]`) are exported in the dense form's
 layout, named in `smp.transposed` as stacked-weight blocks' are (below). A gate function of the
-class's own that computes the clamped SwiGLU of DeepSeek-V4 and GLM-5 (`gate_form`, on a probe in
-f64) exports as the dense form with its two clamps, which the fusion pass fuses with the limit.
-Experts-interface classes outside those forms — biases, any other gate function (gpt-oss's
-interleaved clamped gate), a gate activation other than SiLU, no gate, a norm after each expert — are
+class's own that computes the clamped SwiGLU of DeepSeek-V4 and GLM-5, or gpt-oss's clamped swish
+`g'·σ(α·g')·(clip(u, ±L) + 1)` (`gate_form`, on a probe in f64), exports as the dense form with its
+clamps, which the fusion pass fuses with the limit (and α). Biases are added in the dense form
+after each projection, and gate and up rows stored interleaved (gpt-oss) are exported gate rows
+first, named in `smp.deinterleaved`. Experts-interface classes outside those forms — any other
+gate function, a gate activation other than SiLU, no gate, a norm after each expert — are
 exported as transformers' own experts function computes them (`dense_general`: the module's own
 gate, weights in their stored layout), which the fusion pass leaves as ops: they run densely, and
 the export warns so, naming them.

@@ -45,7 +45,11 @@
 //! ```
 //! with `gate_up` `[E, 2I, H]` and `down` `[E, H, I]` initializers. A clamped SwiGLU
 //! (DeepSeek-V4, GLM-5) clamps the halves first, `g` by `Clip(g, , L)` and `u` by
-//! `Clip(u, −L, L)`, one constant L: the op's activation is then `clamped_silu` with that limit. The router before it
+//! `Clip(u, −L, L)`, one constant L: the op's activation is then `clamped_silu` with that limit.
+//! gpt-oss's gate, after the same two clamps, is `Mul(Mul(g, Sigmoid(Mul(g, α))), Add(u, 1))`:
+//! `clamped_swish` with α and L. Experts with biases add `Unsqueeze(gate_up_bias [E, 2I], -1)`
+//! to the gate-up MatMul and `Unsqueeze(down_bias [E, H], -1)` to the down MatMul (both or
+//! neither, output weighting): the op then reads them as its sixth and seventh inputs. The router before it
 //! (logits, softmax, top-k, normalisation) stays ordinary nodes, so every model's own routing
 //! rule is kept as exported, and its outputs may have other readers (the auxiliary loss).
 //!
