@@ -257,6 +257,8 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
     }
     let mut read = vec![false; f.inputs.len()];
     let mut ops: Vec<OpKind> = Vec::new();
+    // nodes outside the chain that it reads and that compute from its indices alone (`index_only`)
+    let mut external: Vec<NodeId> = Vec::new();
     for &n in &f.replaces {
         let node = graph.node(n);
         match node.op {
@@ -270,10 +272,21 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
                     *r = true;
                 }
             } else if let Some(p) = val.producer.filter(|p| !members.contains(p)) {
-                return Err(bad(format!("node `{}` of the chain reads `{}`, made by `{}` outside it", node.name, val.name, graph.node(p).name)));
+                match index_only(graph, f, p, &members) {
+                    Some(nodes) => external.extend(nodes),
+                    None => return Err(bad(format!("node `{}` of the chain reads `{}`, made by `{}` outside it", node.name, val.name, graph.node(p).name))),
+                }
             } else if val.producer.is_none() && val.data.is_none() {
                 return Err(bad(format!("node `{}` of the chain reads `{}`, which is neither made in the chain nor a constant", node.name, val.name)));
             }
+        }
+    }
+    external.sort();
+    external.dedup();
+    for &n in &external {
+        ops.extend(graph.node(n).op.kind());
+        for (r, x) in read.iter_mut().zip(&f.inputs) {
+            *r |= graph.node(n).inputs.contains(&Some(*x));
         }
     }
     if let Some(i) = read.iter().position(|r| !r) {
@@ -310,7 +323,7 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
             OpKind::ScaledDotProductAttention
         }
         FusedOp::MixtureOfExperts { experts, activation, weighting, biases } => {
-            check_experts(graph, f, &ops, experts, activation, weighting, biases).map_err(bad)?;
+            check_experts(graph, f, &ops, &external, experts, activation, weighting, biases).map_err(bad)?;
             attrs.set("experts", Attr::Int(experts as i64));
             activation.set_attrs(&mut attrs);
             if let Some(w) = weighting.attr() {
@@ -342,6 +355,36 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
         graph.remove_node(n);
     }
     Ok(())
+}
+
+/// For a mixture-of-experts record, node `p` outside its chain with every node it reads from
+/// (outside the chain too), when together they compute from the record's indices and constants
+/// alone: the one-hot of the indices, which blocks routing by the same indices (hash routing on
+/// the same tokens) share once the exporter merged their identical nodes. The chain reads it
+/// where it stands, and the node stays for its other readers. `None` for any other node or
+/// record.
+fn index_only(g: &Graph, f: &Fusion, p: NodeId, members: &HashSet<NodeId>) -> Option<Vec<NodeId>> {
+    let FusedOp::MixtureOfExperts { .. } = f.op else { return None };
+    let indices = f.inputs[2];
+    let (mut seen, mut stack) = (Vec::new(), vec![p]);
+    while let Some(n) = stack.pop() {
+        if seen.contains(&n) {
+            continue;
+        }
+        if seen.len() >= 8 || members.contains(&n) {
+            return None;
+        }
+        seen.push(n);
+        for &v in g.node(n).inputs.iter().flatten() {
+            match g.value(v).producer {
+                _ if v == indices => {}
+                Some(q) => stack.push(q),
+                None if g.value(v).data.is_some() => {}
+                None => return None,
+            }
+        }
+    }
+    Some(seen)
 }
 
 /// The op checks of an attention record (see [`apply`]): the chain's ops, the mask's type and
@@ -415,7 +458,8 @@ fn check_rms_norm(g: &Graph, f: &Fusion, ops: &[OpKind], epsilon: f64) -> Result
 /// The op checks of a mixture-of-experts record (see [`apply`]): the dense chain's ops, once
 /// each as its formula has them, the expert ids it compares the indices with (`0..experts`), and
 /// weights of `experts` experts.
-fn check_experts(g: &Graph, f: &Fusion, ops: &[OpKind], experts: usize, activation: ExpertActivation, weighting: ExpertWeighting, biases: bool) -> Result<(), String> {
+#[allow(clippy::too_many_arguments)]
+fn check_experts(g: &Graph, f: &Fusion, ops: &[OpKind], external: &[NodeId], experts: usize, activation: ExpertActivation, weighting: ExpertWeighting, biases: bool) -> Result<(), String> {
     use OpKind::*;
     if !g.node(f.node).op.is(Transpose) {
         return Err(format!("the node is a {}, not the Transpose of the combined output", g.node(f.node).op));
@@ -490,7 +534,7 @@ fn check_experts(g: &Graph, f: &Fusion, ops: &[OpKind], experts: usize, activati
         }
     }
     let ids: Vec<f64> = (0..experts).map(|e| e as f64).collect();
-    let compared = f.replaces.iter().filter(|&&n| g.node(n).op.is(Equal)).flat_map(|&n| g.node(n).inputs.iter().flatten().copied()).find_map(|v| constant_f64s(g, v));
+    let compared = f.replaces.iter().chain(external).filter(|&&n| g.node(n).op.is(Equal)).flat_map(|&n| g.node(n).inputs.iter().flatten().copied()).find_map(|v| constant_f64s(g, v));
     if compared.as_deref() != Some(ids.as_slice()) {
         return Err(format!("the indices are not compared with the expert ids 0..{experts}"));
     }
@@ -561,6 +605,13 @@ impl Matcher<'_> {
         let p = self.g.value(v).producer?;
         let n = self.g.node(p);
         (n.op.is(op) && n.outputs.len() == 1 && self.uses[v.index()] == 1).then_some(p)
+    }
+
+    /// The node making `v`, with its op, whatever reads `v`.
+    fn made_by(&self, v: ValueId, op: OpKind) -> Option<NodeId> {
+        let p = self.g.value(v).producer?;
+        let n = self.g.node(p);
+        (n.op.is(op) && n.outputs.len() == 1).then_some(p)
     }
 
     /// The two inputs of a binary node.
@@ -951,15 +1002,21 @@ impl Matcher<'_> {
         let (dense, prod) = self.reduce_sum(input0(tr)?, 1)?;
         let m2 = self.inner(prod, Mul)?;
         let (p, q) = self.pair(m2)?;
-        let (hot, wu) = if self.inner(p, Cast).is_some() { (p, q) } else { (q, p) };
-        let cast = self.inner(hot, Cast)?;
-        let eq = self.inner(input0(cast)?, Equal)?;
+        // the one-hot of the indices may have other readers (blocks routing by the same
+        // indices share it once exported): `apply` keeps it for them
+        let (hot, wu) = if self.made_by(p, Cast).is_some() { (p, q) } else { (q, p) };
+        let cast = self.made_by(hot, Cast)?;
+        let eq = self.made_by(input0(cast)?, Equal)?;
         let (e1, e2) = self.pair(eq)?;
-        let (iu, ids) = if self.inner(e1, Unsqueeze).is_some() { (e1, e2) } else { (e2, e1) };
-        let iu = self.inner(iu, Unsqueeze)?;
+        let (unsqueezed, ids) = if self.made_by(e1, Unsqueeze).is_some() { (e1, e2) } else { (e2, e1) };
+        let iu = self.made_by(unsqueezed, Unsqueeze)?;
         let wun = self.inner(wu, Unsqueeze)?;
         let (indices, weights) = (self.unsqueezed_last(iu)?, self.unsqueezed_last(wun)?);
-        nodes.extend([unsq, tr, dense, m2, cast, eq, iu, wun]);
+        nodes.extend([unsq, tr, dense, m2, wun]);
+        // a one-hot other nodes read too stays where it is (`apply` reads it there)
+        if [hot, input0(cast)?, unsqueezed].iter().all(|v| self.uses[v.index()] == 1) {
+            nodes.extend([cast, eq, iu]);
+        }
         let float_to = DType::from_onnx(self.g.node(cast).attrs.int("to", 0) as i32);
         let experts = self.scalar_list(ids)?;
         if !float_to.is_some_and(|d| d.is_float()) || experts.iter().enumerate().any(|(i, &e)| e != i as f64) {
