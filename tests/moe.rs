@@ -166,6 +166,27 @@ fn near_misses_are_left_alone_and_records_that_do_not_fit_are_refused() {
     let fused = fuse::Fused::of(&fuse::fuse(&mut shared.clone())).experts;
     assert_eq!(fused, 1, "the block whose combine weights leave the chain stays dense");
     assert!(fuse::apply(&mut shared, &first).unwrap_err().to_string().contains("read outside the chain"));
+    // the indices' one-hot read outside too (two blocks routing by the same indices share it
+    // once exported, as DeepSeek-V4's hash-routed layers do): both blocks still fuse, the first
+    // reading it where it stands
+    let mut hot_shared = dense.clone();
+    let cast = first.replaces.iter().copied().find(|&n| hot_shared.node(n).op.is(OpKind::Cast)).unwrap();
+    let hot = hot_shared.node(cast).outputs[0];
+    hot_shared.outputs.push(hot);
+    let records = fuse::fuse(&mut hot_shared.clone());
+    assert_eq!(fuse::Fused::of(&records).experts, 2, "a shared one-hot stops no block");
+    let reading = records.iter().find(|r| r.node == first.node).unwrap();
+    assert!(!reading.replaces.contains(&cast), "the shared one-hot is not replaced");
+    let mut applied = hot_shared.clone();
+    fuse::apply(&mut applied, reading).expect("a record reading the shared one-hot applies");
+    assert!(applied.try_node(cast).is_some(), "the one-hot stays for its other reader");
+    applied.verify().expect("the graph verifies");
+    assert!(fuse::apply(&mut hot_shared.clone(), &first).unwrap_err().to_string().contains("read outside the chain"));
+    // a chain reading, outside itself, anything but the indices' one-hot is refused
+    let weighted = first.replaces.iter().copied().find(|&n| dense.node(n).op.is(OpKind::Mul) && dense.node(n).inputs.contains(&Some(hot))).unwrap();
+    let outside = smp_partition::ir::Fusion { replaces: first.replaces.iter().copied().filter(|&n| n != weighted).collect(), ..first.clone() };
+    let err = fuse::apply(&mut dense.clone(), &outside).unwrap_err().to_string();
+    assert!(err.contains("outside it"), "{err}");
     // a record claiming another expert count
     let silu = smp_partition::ir::ExpertActivation::Silu;
     let wrong = smp_partition::ir::Fusion { op: FusedOp::MixtureOfExperts { experts: 8, activation: silu, weighting: Default::default(), biases: false }, ..first.clone() };
