@@ -371,6 +371,7 @@ fn index_only(g: &Graph, f: &Fusion, p: NodeId, members: &HashSet<NodeId>) -> Op
         if seen.contains(&n) {
             continue;
         }
+        // a one-hot is three nodes (Unsqueeze, Equal, Cast): a longer computation is not one
         if seen.len() >= 8 || members.contains(&n) {
             return None;
         }
