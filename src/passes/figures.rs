@@ -287,7 +287,8 @@ pub fn flops(sz: &Sizes, node: &Node) -> f64 {
 /// pairs (N·k of them) run, so work scales with k, not with the expert count E.
 struct ExpertsWork {
     /// Forward FLOPs: per routed pair the gate and up projections (2·H·2I), the SiLU and the
-    /// gated product (5·I), the down projection (2·I·H) and the weighted add back (2·H).
+    /// gated product (5·I), the down projection (2·I·H), the weighted add back (2·H) and, with
+    /// biases, their adds (2I + H).
     flops: f64,
     /// Bytes of the routed intermediates written once and read once (gathered tokens, gate and
     /// up halves, the gated product, the experts' outputs).
@@ -306,8 +307,10 @@ fn experts_work(sz: &Sizes, node: &Node) -> Option<ExpertsWork> {
     let i = i2 / 2.0;
     let pairs = (tokens * pairs_k) as f64;
     let elem = sz.graph.value(input(0)?).ty.as_ref().map_or(4, |t| t.dtype.size_bytes()) as f64;
+    // experts with biases add one after each projection
+    let biases = if input(5).is_some() { i2 + h } else { 0.0 };
     Some(ExpertsWork {
-        flops: pairs * (2.0 * h * i2 + 5.0 * i + 2.0 * i * h + 2.0 * h),
+        flops: pairs * (2.0 * h * i2 + 5.0 * i + 2.0 * i * h + 2.0 * h + biases),
         routed_bytes: pairs * (h + i2 + i + h) * elem,
         saved_bytes: pairs * (h + i2 + 2.0 * i + h) * elem,
     })
