@@ -138,6 +138,11 @@ fn embeds(graph: &Graph, n: NodeId) -> bool {
     false
 }
 
+/// The innermost module path of a node's namespace (the module that made it), if any.
+pub(crate) fn innermost_module(ns: &str) -> Option<String> {
+    module_paths(ns).last().map(str::to_string)
+}
+
 /// Module paths of a namespace (`path: class` segments joined by `/`; the last is the op).
 fn module_paths(ns: &str) -> impl Iterator<Item = &str> {
     let segs: Vec<&str> = ns.split('/').collect();

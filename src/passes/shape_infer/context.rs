@@ -78,6 +78,12 @@ impl Ctx<'_> {
             None => Ok(None),
             Some(v) => match self.info.ints(v) {
                 Some(x) => Ok(Some(x)),
+                None if reads_input_values(self.graph, v) => Err(format!(
+                    "its {what} (`{}`) is computed from the values of the graph's inputs, not only from shapes (a \
+                     data-dependent size, such as the tokens routed to each expert); the planner needs every shape \
+                     fixed before training: export the module in a form whose shapes do not depend on the data",
+                    self.graph.value(v).name
+                )),
                 None => Err(format!(
                     "its {what} (`{}`) is not a constant after binding dims; it must be computable from shapes",
                     self.graph.value(v).name
@@ -153,3 +159,27 @@ pub(super) fn check_dims(s: &[i64]) -> Result<(), String> {
     numel(s).map(|_| ())
 }
 
+
+/// Whether `v` is computed from the values (not only the shapes) of a graph input: some path
+/// back from it reaches an input other than through `Shape` or `Size`.
+fn reads_input_values(graph: &Graph, v: ValueId) -> bool {
+    use crate::ir::OpKind;
+    let (mut seen, mut stack) = (std::collections::HashSet::new(), vec![v]);
+    while let Some(v) = stack.pop() {
+        if !seen.insert(v) {
+            continue;
+        }
+        let Some(p) = graph.value(v).producer else {
+            if graph.inputs.contains(&v) {
+                return true;
+            }
+            continue;
+        };
+        let node = graph.node(p);
+        if node.op.is(OpKind::Shape) || node.op.is(OpKind::Size) {
+            continue;
+        }
+        stack.extend(node.inputs.iter().flatten().copied());
+    }
+    false
+}

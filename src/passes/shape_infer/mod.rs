@@ -110,7 +110,14 @@ pub fn infer(graph: &Graph, dims: &BTreeMap<String, i64>, warn: bool) -> Result<
                 }
                 Ok(outs)
             })
-            .map_err(|msg| PassError::Shape { node: node.name.clone(), op: node.op.to_string(), msg })?;
+            .map_err(|msg| {
+                let module = node.namespace.as_deref().and_then(crate::passes::layers::innermost_module);
+                let msg = match module {
+                    Some(m) => format!("in module `{m}`, {msg}"),
+                    None => msg,
+                };
+                PassError::Shape { node: node.name.clone(), op: node.op.to_string(), msg }
+            })?;
         for (i, &o) in node.outputs.iter().enumerate() {
             let (ty, ints) = outs.get(i).cloned().unwrap_or((None, None));
             if ty.is_none() && warn {
@@ -410,6 +417,11 @@ mod tests {
         refused("scalar into Split", "out of range for rank 0", |b| {
             let s = scalar(b, 4);
             b.node(OpKind::Split, &[s], &[axis(0)])
+        });
+        // sizes counted from the data (tokens per routed expert, JetMoE): named as such
+        refused("split sizes from the data", "computed from the values of the graph's inputs", |b| {
+            let (x, counts) = (b.input("x", DType::F32, &["8", "4"]), b.input("counts", DType::I64, &["2"]));
+            b.node_n(OpKind::Split, &[Some(x), Some(counts)], &[axis(0)], 2)[0]
         });
         refused("scalar into Gather", "out of range for rank 0", |b| {
             let (s, i) = (scalar(b, 4), b.ints(&[0]));
