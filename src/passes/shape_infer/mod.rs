@@ -111,7 +111,7 @@ pub fn infer(graph: &Graph, dims: &BTreeMap<String, i64>, warn: bool) -> Result<
                 Ok(outs)
             })
             .map_err(|msg| {
-                let module = node.namespace.as_deref().and_then(crate::passes::layers::innermost_module);
+                let module = module_near(graph, id);
                 let msg = match module {
                     Some(m) => format!("in module `{m}`, {msg}"),
                     None => msg,
@@ -200,6 +200,17 @@ fn infer_node(cx: &Ctx, dims: &BTreeMap<String, i64>) -> Outs {
         ConstantOfShape => constant::constant_of_shape(cx),
         Range => constant::range(cx),
     }
+}
+
+/// The module that made node `id` (its namespace), or, for a node the exporter's optimiser made
+/// without one, the module of the nearest node before or after it that has one.
+fn module_near(graph: &Graph, id: crate::ir::NodeId) -> Option<String> {
+    use crate::passes::layers::innermost_module;
+    let of = |n: crate::ir::NodeId| graph.node(n).namespace.as_deref().and_then(innermost_module);
+    let node = graph.node(id);
+    of(id)
+        .or_else(|| node.inputs.iter().flatten().filter_map(|&v| graph.value(v).producer).find_map(of))
+        .or_else(|| graph.node_ids().filter(|&n| graph.node(n).inputs.iter().flatten().any(|v| node.outputs.contains(v))).find_map(of))
 }
 
 #[cfg(test)]
