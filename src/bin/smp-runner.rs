@@ -166,7 +166,8 @@ enum Command {
         /// Check the plan before a long job instead of running it: its ranks train K steps
         /// (default 3) in f64 on the given data and options, one process trains the same, and
         /// the largest differences in losses, parameters and buffers are reported (exit 1 past
-        /// 1e-9 unless the plan says why). Files go to PLAN.verify/ beside the plan.
+        /// 1e-9 unless the plan says why), with the model's own f32 sensitivity (one process in
+        /// f32 against f64). Files go to PLAN.verify/ beside the plan.
         #[arg(long, value_name = "K", num_args = 0..=1, default_missing_value = "3")]
         verify: Option<usize>,
         /// The plan file.

@@ -5,7 +5,11 @@
 //! (norm-relative), each naming its worst tensor. Exact arithmetic makes them equal, so f64
 //! leaves only rounding (the zoo measures ≤ 1e-12); anything past [`TOLERANCE`] is a wrong
 //! result of the plan, except where the plan itself says why (BatchNorm statistics per
-//! microbatch or per replica, which the report then names).
+//! microbatch or per replica, which the report then names). One process also trains the K
+//! steps in f32: how far its losses land from its f64 ones is the model's own sensitivity to
+//! f32 rounding, which the report gives, with a warning where it is past
+//! [`F32_SENSITIVE`](crate::runtime::session::report::F32_SENSITIVE) (f32 runs of such a model,
+//! a plan's or PyTorch's, differ by about that much: compare them in f64).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
@@ -92,6 +96,19 @@ fn norm_rel(got: &Tensor, want: &Tensor) -> Result<f64, RuntimeError> {
     Ok(if scale > 0.0 { diff / scale } else { diff })
 }
 
+/// `names` of `got` against `want` as one vector, norm-relative (a tensor near zero in `want`
+/// weighs by its size, not by its own scale).
+fn norm_rel_over(names: &BTreeSet<String>, got: &BTreeMap<String, Tensor>, want: &BTreeMap<String, Tensor>) -> Result<f64, RuntimeError> {
+    let (mut diff, mut scale) = (0.0, 0.0);
+    for name in names {
+        let (Some(g), Some(w)) = (got.get(name), want.get(name)) else { continue };
+        let w = w.f_to_kind(Kind::Double)?;
+        diff += g.f_to_kind(Kind::Double)?.f_sub(&w)?.f_square()?.f_sum(Kind::Double)?.double_value(&[]);
+        scale += w.f_square()?.f_sum(Kind::Double)?.double_value(&[]);
+    }
+    Ok(if scale > 0.0 { (diff / scale).sqrt() } else { diff.sqrt() })
+}
+
 /// The worst of `names` (norm-relative) between the plan's weights and one process's.
 fn worst_of(names: &BTreeSet<String>, plan: &BTreeMap<String, Tensor>, one: &BTreeMap<String, Tensor>) -> Result<Option<VerifyDiff>, RuntimeError> {
     let mut worst: Option<VerifyDiff> = None;
@@ -137,14 +154,18 @@ pub fn verify(exe: &Path, nproc: usize, plan_path: &Path, run_args: &[String], s
         one.extend(["--seq-len".into(), s.to_string().into()]);
     }
     let one_losses = run_capturing(exe, &one, "one process")?;
-
-    let mut loss = None::<VerifyDiff>;
-    for (k, (a, b)) in plan_losses.iter().zip(&one_losses).enumerate() {
-        let rel = (a - b).abs() / b.abs().max(f64::MIN_POSITIVE);
-        if loss.as_ref().is_none_or(|d| rel > d.rel) {
-            loss = Some(VerifyDiff { name: format!("step {}", k + 1), rel });
-        }
+    // the model's own f32 sensitivity: the same one-process run in f32
+    let f32_weights = work.join("one-process-f32.safetensors");
+    let mut one32 = one.clone();
+    if let Some(at) = one32.iter().position(|a| a == "--dtype") {
+        one32[at + 1] = "f32".into();
     }
+    if let Some(at) = one32.iter().position(|a| a == "--save-weights") {
+        one32[at + 1] = f32_weights.as_os_str().to_owned();
+    }
+    let f32_losses = run_capturing(exe, &one32, "one process in f32")?;
+
+    let (loss, f32_drift) = (worst_step(&plan_losses, &one_losses), worst_step(&f32_losses, &one_losses));
     if plan_losses.len() != one_losses.len() {
         return Err(verr(format!("the plan ran {} steps, one process {}", plan_losses.len(), one_losses.len())));
     }
@@ -166,6 +187,7 @@ pub fn verify(exe: &Path, nproc: usize, plan_path: &Path, run_args: &[String], s
         .collect();
     let (buffer_names, param_names): (BTreeSet<String>, BTreeSet<String>) = want.keys().cloned().partition(|k| buffers.contains(k));
     let parameters = worst_of(&param_names, &got, &want)?;
+    let f32_parameter_drift = Some(VerifyDiff { name: "all parameters together".into(), rel: norm_rel_over(&param_names, &read_weights(&f32_weights)?, &want)? });
     let buffer = worst_of(&buffer_names, &got, &want)?;
     let worst = [&loss, &parameters, &buffer].into_iter().flatten().map(|d| d.rel).fold(0.0, f64::max);
     let explained = plan.batch_statistics_warning();
@@ -181,12 +203,47 @@ pub fn verify(exe: &Path, nproc: usize, plan_path: &Path, run_args: &[String], s
         tensors: want.len(),
         passed,
         expected_difference: if passed { None } else { explained },
+        f32_drift,
+        f32_parameter_drift,
     })
+}
+
+/// The step whose loss differs most, relative, between `got` and `want`.
+fn worst_step(got: &[f64], want: &[f64]) -> Option<VerifyDiff> {
+    let mut worst = None::<VerifyDiff>;
+    for (k, (a, b)) in got.iter().zip(want).enumerate() {
+        let rel = (a - b).abs() / b.abs().max(f64::MIN_POSITIVE);
+        if worst.as_ref().is_none_or(|d| rel > d.rel) {
+            worst = Some(VerifyDiff { name: format!("step {}", k + 1), rel });
+        }
+    }
+    worst
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_model_sensitive_to_f32_rounding_is_named_so() {
+        let report = |drift: f64| VerifyReport {
+            steps: 3,
+            tolerance: TOLERANCE,
+            plan_losses: vec![1.0; 3],
+            one_process_losses: vec![1.0; 3],
+            loss: None,
+            parameters: None,
+            buffers: None,
+            tensors: 4,
+            passed: true,
+            expected_difference: None,
+            f32_drift: Some(VerifyDiff { name: "step 3".into(), rel: drift }),
+            f32_parameter_drift: Some(VerifyDiff { name: "conv.weight".into(), rel: 0.2 }),
+        };
+        let sensitive = |drift: f64| report(drift).lines().iter().any(|l| l.contains("sensitive to f32 rounding"));
+        assert!(sensitive(0.3) && !sensitive(2e-7));
+        assert!(report(0.3).lines().iter().any(|l| l.contains("3.00e-1 (step 3), its weights by 2.00e-1 (conv.weight)")));
+    }
 
     #[test]
     fn the_checks_own_options_are_dropped_from_the_users() {

@@ -296,7 +296,17 @@ pub struct VerifyReport {
     /// microbatch or replica), where it does.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub expected_difference: Option<String>,
+    /// The model's own sensitivity to f32 rounding: one process's losses over the same steps in
+    /// f32 against its f64 ones, the worst step (relative). Two f32 runs that round differently
+    /// (a plan's and PyTorch's, or two plans') differ by about as much.
+    pub f32_drift: Option<VerifyDiff>,
+    /// The same run's parameters, f32 against f64, all together (norm-relative).
+    pub f32_parameter_drift: Option<VerifyDiff>,
 }
+
+/// An f32 loss drift past this (relative, over the check's steps) makes f32 comparisons of the
+/// model's runs at the usual 1e-5 meaningless: compare in f64.
+pub const F32_SENSITIVE: f64 = 1e-5;
 
 impl VerifyReport {
     /// The report as lines for a person.
@@ -311,6 +321,16 @@ impl VerifyReport {
             show("parameters", &self.parameters),
             show("buffers", &self.buffers),
         ];
+        if let Some(d) = &self.f32_drift {
+            let weights = self.f32_parameter_drift.as_ref().map_or(String::new(), |w| format!(", its weights by {:.2e} ({})", w.rel, w.name));
+            out.push(format!("f32 rounding: one process's f32 losses differ from its f64 losses by {:.2e} ({}){weights}", d.rel, d.name));
+            if d.rel > F32_SENSITIVE {
+                out.push(format!(
+                    "the model is sensitive to f32 rounding: any two f32 runs of it that round differently (a plan's and PyTorch's, or two plans') differ in loss by about {:.0e} within {} steps; compare them in f64, as this check does",
+                    d.rel, self.steps
+                ));
+            }
+        }
         out.push(if self.passed {
             format!("the plan trains as one process does (every difference ≤ {:.0e})", self.tolerance)
         } else {
