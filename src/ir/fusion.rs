@@ -169,8 +169,9 @@ impl std::fmt::Display for ExpertActivation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             ExpertActivation::Silu => f.write_str("silu"),
-            ExpertActivation::ClampedSilu { limit } => write!(f, "clamped_silu(limit = {})", limit.0),
-            ExpertActivation::ClampedSwish { alpha, limit } => write!(f, "clamped_swish(alpha = {}, limit = {})", alpha.0, limit.0),
+            // the exporters' constants are f32: shown as such (the plan file keeps every digit)
+            ExpertActivation::ClampedSilu { limit } => write!(f, "clamped_silu(limit = {})", limit.0 as f32),
+            ExpertActivation::ClampedSwish { alpha, limit } => write!(f, "clamped_swish(alpha = {}, limit = {})", alpha.0 as f32, limit.0 as f32),
         }
     }
 }

@@ -356,12 +356,17 @@ pub(super) fn header(plan: &Plan, out: &mut String) {
 }
 
 /// The op chains the plan's graph runs as one fused op each, counted by op
-/// (`4 ScaledDotProductAttention, 9 RMSNormalization, 4 SwiGlu`); None when there are none.
+/// (`4 ScaledDotProductAttention, 9 RMSNormalization, 4 SwiGlu`), mixtures of experts by their
+/// whole form (`2 MixtureOfExperts(experts = 4, activation = clamped_swish(..), biases)`: what
+/// the kernel computes is what a user checks); None when there are none.
 fn fused_line(plan: &Plan) -> Option<String> {
     let fused = &plan.codegen.as_ref()?.fused;
-    let mut counts: Vec<(crate::ir::OpKind, usize)> = Vec::new();
+    let mut counts: Vec<(String, usize)> = Vec::new();
     for f in fused {
-        let k = f.op.op_kind();
+        let k = match f.op {
+            crate::ir::FusedOp::MixtureOfExperts { .. } => f.op.to_string(),
+            _ => f.op.op_kind().to_string(),
+        };
         match counts.iter_mut().find(|(c, _)| *c == k) {
             Some((_, n)) => *n += 1,
             None => counts.push((k, 1)),
