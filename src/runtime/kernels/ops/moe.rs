@@ -262,7 +262,7 @@ mod tests {
                 let halves = z.chunk(2, -1);
                 let g = halves[0].clamp_max(limit);
                 let act = &g * (&g * alpha).sigmoid() * (halves[1].clamp(-limit, limit) + 1.0);
-                acc = acc + (down.get(ex).matmul(&act) + db.get(ex)) * w.get(t).get(j);
+                acc += (down.get(ex).matmul(&act) + db.get(ex)) * w.get(t).get(j);
             }
             rows.push(acc);
         }
