@@ -752,3 +752,78 @@ fn seeded_batches_drawn_on_two_threads_at_once_are_their_own() {
         }
     });
 }
+
+// Rotary embedding: the `ApplyRotary` kernel against the chains HF's exports write (the
+// dynamo exporter's Llama `rotate_half`, and GPT-J's `rotate_every_two`).
+
+const Q: [i64; 4] = [2, 3, 5, 8];
+
+/// Inputs `x` `[2, 3, 5, 8]`, `cos` and `sin` `[2, 1, 5, 8]`, and the rotation `rot` makes of
+/// `x`, then `x·cos + rot·sin` (each form as the exporter writes it).
+fn rotary_graph(rot: &dyn Fn(&mut Attn, ValueId) -> ValueId) -> Graph {
+    let mut a = Attn { g: Graph::new("rotary"), n: 0 };
+    a.g.opsets.insert(String::new(), 18);
+    let x = a.input("x", DType::F32, &Q);
+    let cos = a.input("cos", DType::F32, &[2, 1, 5, 8]);
+    let sin = a.input("sin", DType::F32, &[2, 1, 5, 8]);
+    let r = rot(&mut a, x);
+    let xc = a.f(OpKind::Mul, &[x, cos], &Q);
+    let rs = a.f(OpKind::Mul, &[r, sin], &Q);
+    let y = a.f(OpKind::Add, &[xc, rs], &Q);
+    a.finish(y)
+}
+
+fn ints(a: &mut Attn, v: &[i64]) -> ValueId {
+    a.konst(IrTensor::from_i64(vec![v.len() as i64], v))
+}
+
+/// `Concat(Neg(x[..., 4:]), x[..., :4])`.
+fn rotate_half(a: &mut Attn, x: ValueId) -> ValueId {
+    let (z, h, end, last) = (ints(a, &[0]), ints(a, &[4]), ints(a, &[i64::MAX]), ints(a, &[3]));
+    let x1 = a.f(OpKind::Slice, &[x, z, h, last], &[2, 3, 5, 4]);
+    let x2 = a.f(OpKind::Slice, &[x, h, end, last], &[2, 3, 5, 4]);
+    let n = a.f(OpKind::Neg, &[x2], &[2, 3, 5, 4]);
+    a.op(OpKind::Concat, &[n, x1], &[("axis", smp_partition::ir::Attr::Int(-1))], DType::F32, &Q)
+}
+
+/// `Reshape(Concat(Unsqueeze(Neg(x[..., 1::2]), -1), Unsqueeze(x[..., ::2], -1)), [.., 8])`.
+fn rotate_every_two(a: &mut Attn, x: ValueId) -> ValueId {
+    let (z, one, end, last, two, m1) = (ints(a, &[0]), ints(a, &[1]), ints(a, &[i64::MAX]), ints(a, &[3]), ints(a, &[2]), ints(a, &[-1]));
+    let even = a.f(OpKind::Slice, &[x, z, end, last, two], &[2, 3, 5, 4]);
+    let odd = a.f(OpKind::Slice, &[x, one, end, last, two], &[2, 3, 5, 4]);
+    let n = a.f(OpKind::Neg, &[odd], &[2, 3, 5, 4]);
+    let n = a.f(OpKind::Unsqueeze, &[n, m1], &[2, 3, 5, 4, 1]);
+    let e = a.f(OpKind::Unsqueeze, &[even, m1], &[2, 3, 5, 4, 1]);
+    let s = a.op(OpKind::Concat, &[n, e], &[("axis", smp_partition::ir::Attr::Int(-1))], DType::F32, &[2, 3, 5, 4, 2]);
+    let shape = ints(a, &Q);
+    a.f(OpKind::Reshape, &[s, shape], &Q)
+}
+
+/// The one-node `ApplyRotary(x, cos, sin)` graph.
+fn rotary_node(interleaved: bool) -> Graph {
+    let mut a = Attn { g: Graph::new("rotary"), n: 0 };
+    a.g.opsets.insert(String::new(), 18);
+    let x = a.input("x", DType::F32, &Q);
+    let cos = a.input("cos", DType::F32, &[2, 1, 5, 8]);
+    let sin = a.input("sin", DType::F32, &[2, 1, 5, 8]);
+    let y = a.op(OpKind::ApplyRotary, &[x, cos, sin], &[("interleaved", smp_partition::ir::Attr::Int(interleaved as i64))], DType::F32, &Q);
+    a.finish(y)
+}
+
+#[test]
+fn apply_rotary_computes_both_exported_chains_in_f64_forward_and_backward() {
+    for (what, chain, interleaved) in
+        [("half rotation", rotary_graph(&rotate_half), false), ("interleaved", rotary_graph(&rotate_every_two), true)]
+    {
+        let want = run_with_input_grads(&chain, Kind::Double);
+        let got = run_with_input_grads(&rotary_node(interleaved), Kind::Double);
+        assert_eq!(want.len(), 4, "{what}");
+        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert_eq!(w.size(), g.size(), "{what}, tensor {i}");
+            assert!(rel(w, g) <= 1e-12, "{what}, tensor {i} (output, then x, cos, sin's gradients): {}", rel(w, g));
+        }
+        // the other form's kernel differs: the test would catch a swapped attribute
+        let other = run_with_input_grads(&rotary_node(!interleaved), Kind::Double);
+        assert!(rel(&want[0], &other[0]) > 1e-3, "{what}");
+    }
+}

@@ -77,7 +77,9 @@ pub fn family(kind: OpKind) -> Family {
         MixtureOfExperts => F::Experts,
         Shape | Size | ConstantOfShape | Range | Constant => F::Shape,
         Conv | BatchNormalization | InstanceNormalization | LRN | MaxPool | AveragePool | GlobalAveragePool | GlobalMaxPool
-        | GatherElements | GatherND | Tile | Pad | Trilu | ScatterND | ScatterElements | OneHot | Einsum | Resize | GridSample => F::Whole,
+        | GatherElements | GatherND | Tile | Pad | Trilu | ScatterND | ScatterElements | OneHot | Einsum | Resize | GridSample
+        // held whole until its rules split heads and tokens (slicing the tables alike), never the last axis
+        | ApplyRotary => F::Whole,
     }
 }
 
