@@ -1007,3 +1007,28 @@ fn llama_fuses_its_rotary_embeddings_and_computes_the_same_in_f64() {
         }
     }
 }
+
+#[test]
+fn a_fused_rotary_is_priced_as_its_chain_less_the_intermediates_it_no_longer_writes() {
+    let opts = AnalyzeOptions { seq_len: Some(16), ..Default::default() };
+    let (unfused, dims) = passes::specialise(model("llama"), &opts).unwrap();
+    let mut fused = unfused.clone();
+    let records: Vec<_> = fuse(&mut unfused.clone()).into_iter().filter(|r| matches!(r.op, FusedOp::Rotary { .. })).collect();
+    for r in &records {
+        smp_partition::passes::fuse::apply(&mut fused, r).unwrap();
+    }
+    let (fu, ff) = (passes::figures::compute(&unfused, &dims).unwrap(), passes::figures::compute(&fused, &dims).unwrap());
+    assert!((ff.total_flops - fu.total_flops).abs() <= 1e-9 * fu.total_flops, "flops {} against the chains' {}", ff.total_flops, fu.total_flops);
+    for r in &records {
+        let [x, cos, sin] = r.inputs[..] else { panic!("{r:?}") };
+        let chain: f64 = r.replaces.iter().map(|n| fu.per_node[n.index()].memory_bytes).sum();
+        let node = ff.per_node[r.node.index()].memory_bytes;
+        // the fused node reads x and the tables and writes its output; the chain's nodes also
+        // wrote and read back each half, their negation, the rotation and the two products
+        let want = 2.0 * fu.value_bytes(&unfused, x) + fu.value_bytes(&unfused, cos) + fu.value_bytes(&unfused, sin);
+        assert!((node - want).abs() <= 1e-9 * want, "{node} bytes, not {want}");
+        assert!(node < chain / 3.0, "{node} bytes against the chain's {chain}");
+        let saved: f64 = r.replaces.iter().map(|n| fu.per_node[n.index()].saved_bytes).sum();
+        assert!(ff.per_node[r.node.index()].saved_bytes <= saved, "saved");
+    }
+}

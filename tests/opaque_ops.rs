@@ -292,8 +292,6 @@ fn through(kind: OpKind, m: &mut Model) -> Option<i64> {
             m.node("Reshape", "to3", &["g4", "to3"], &["b"], vec![]);
             H
         }
-        // IR-internal, made by fusion (no ONNX file spells it): held whole until its split rules exist
-        ApplyRotary => return None,
         k if tp_rule(k) => return None,
         k => panic!("no test graph for `{k}`, an op without a tensor-split rule: add one to `through`"),
     })

@@ -255,8 +255,8 @@ pub fn flops(sz: &Sizes, node: &Node) -> f64 {
         RMSNormalization => 4.0 * in_numel,
         // sigmoid (4), its product with the gate and the product with up
         SwiGlu => 6.0 * out_numel,
-        // two products, the rotation's negation and the sum
-        ApplyRotary => 4.0 * out_numel,
+        // the chain's count: two products, the sum, and the negation of half the channels
+        ApplyRotary => 3.5 * out_numel,
         BatchNormalization => 4.0 * in_numel,
         LRN => (node.attrs.int("size", 1) as f64 + 3.0) * in_numel,
         ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd | ArgMax | ArgMin | CumSum
