@@ -251,8 +251,8 @@ fn chain(g: &Graph, last: NodeId, x: ValueId) -> Vec<NodeId> {
 /// Applies one rewrite to `graph`: node `f.node` becomes `f.op` reading `f.inputs` (its output
 /// kept), the chain's other nodes are removed. Refused, naming the node, unless the record fits
 /// the graph: every replaced node exists, `f.node` is one of them and makes `f.output`, the
-/// chain is closed (its nodes read only `f.inputs`, constants and each other; only `f.output`
-/// leaves it) and reads each of `f.inputs`, and its ops are those of `f.op`'s formula (for
+/// chain is closed (its nodes read only `f.inputs`, constants and each other, and a pairwise
+/// rotary's `Reshape` its target shape; only `f.output` leaves it) and reads each of `f.inputs`, and its ops are those of `f.op`'s formula (for
 /// attention: two MatMuls and a Softmax, the mask's `Add` or `Where` exactly when it has a
 /// mask, and scalar `Mul`/`Div` constants whose product is the scale; for a rotary embedding:
 /// the chain the matcher finds at the node, of the record's inputs and form).
@@ -296,6 +296,8 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
                 for (r, _) in read.iter_mut().zip(&f.inputs).filter(|(_, x)| **x == v) {
                     *r = true;
                 }
+            } else if shape_operand(f, node, v) {
+                // read where it stands (the rotary check below holds the reshape's output dims)
             } else if let Some(p) = val.producer.filter(|p| !members.contains(p)) {
                 match index_only(graph, f, p, &members) {
                     Some(nodes) => external.extend(nodes),
@@ -390,6 +392,13 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
         graph.remove_node(n);
     }
     Ok(())
+}
+
+/// Whether `v`, read by `node` of a rotary record's chain, is the target shape of its pairwise
+/// rotation's `Reshape`: a dynamic-shape export computes it from the input's shape outside the
+/// chain.
+fn shape_operand(f: &Fusion, node: &crate::ir::Node, v: ValueId) -> bool {
+    matches!(f.op, FusedOp::Rotary { interleaved: true }) && node.op.is(OpKind::Reshape) && node.inputs.get(1) == Some(&Some(v))
 }
 
 /// For a mixture-of-experts record, node `p` outside its chain with every node it reads from
@@ -1292,8 +1301,8 @@ impl Matcher<'_> {
         }
         // the pairwise rotation: [−x₁, x₀, −x₃, x₂, …] as pairs stacked on a new last axis, flattened
         let reshape = self.inner(r, Reshape)?;
+        // (its target may be computed from the input's shape: the output's dims are checked)
         let stacked = self.g.node(reshape).inputs.first().copied().flatten()?;
-        self.const_ints(reshape, 1)?;
         let cat = self.inner(stacked, Concat)?;
         let [Some(u1), Some(u2)] = self.g.node(cat).inputs[..] else { return None };
         let (un1, un2) = (self.inner(u1, Unsqueeze)?, self.inner(u2, Unsqueeze)?);
