@@ -752,3 +752,297 @@ fn seeded_batches_drawn_on_two_threads_at_once_are_their_own() {
         }
     });
 }
+
+// Rotary embedding: the `ApplyRotary` kernel against the chains HF's exports write (the
+// dynamo exporter's Llama `rotate_half`, and GPT-J's `rotate_every_two`).
+
+const Q: [i64; 4] = [2, 3, 5, 8];
+
+/// Inputs `x` `[2, 3, 5, 8]`, `cos` and `sin` `[2, 1, 5, 8]`, and the rotation `rot` makes of
+/// `x`, then `x·cos + rot·sin` (each form as the exporter writes it).
+fn rotary_graph(rot: &dyn Fn(&mut Attn, ValueId) -> ValueId) -> Graph {
+    rotary_chain(rot, false)
+}
+
+/// [`rotary_graph`], with every operand order swapped when `swap`
+/// (`Add(Mul(sin, rot), Mul(cos, x))`).
+fn rotary_chain(rot: &dyn Fn(&mut Attn, ValueId) -> ValueId, swap: bool) -> Graph {
+    let mut a = Attn { g: Graph::new("rotary"), n: 0 };
+    a.g.opsets.insert(String::new(), 18);
+    let x = a.input("x", DType::F32, &Q);
+    let cos = a.input("cos", DType::F32, &[2, 1, 5, 8]);
+    let sin = a.input("sin", DType::F32, &[2, 1, 5, 8]);
+    let r = rot(&mut a, x);
+    let order = |p: ValueId, q: ValueId| if swap { [q, p] } else { [p, q] };
+    let xc = a.f(OpKind::Mul, &order(x, cos), &Q);
+    let rs = a.f(OpKind::Mul, &order(r, sin), &Q);
+    let y = a.f(OpKind::Add, &order(xc, rs), &Q);
+    a.finish(y)
+}
+
+fn ints(a: &mut Attn, v: &[i64]) -> ValueId {
+    a.konst(IrTensor::from_i64(vec![v.len() as i64], v))
+}
+
+/// `Concat(Neg(x[..., 4:]), x[..., :4])`.
+fn rotate_half(a: &mut Attn, x: ValueId) -> ValueId {
+    let (z, h, end, last) = (ints(a, &[0]), ints(a, &[4]), ints(a, &[i64::MAX]), ints(a, &[3]));
+    let x1 = a.f(OpKind::Slice, &[x, z, h, last], &[2, 3, 5, 4]);
+    let x2 = a.f(OpKind::Slice, &[x, h, end, last], &[2, 3, 5, 4]);
+    let n = a.f(OpKind::Neg, &[x2], &[2, 3, 5, 4]);
+    a.op(OpKind::Concat, &[n, x1], &[("axis", smp_partition::ir::Attr::Int(-1))], DType::F32, &Q)
+}
+
+/// `Reshape(Concat(Unsqueeze(Neg(x[..., 1::2]), -1), Unsqueeze(x[..., ::2], -1)), [.., 8])`.
+fn rotate_every_two(a: &mut Attn, x: ValueId) -> ValueId {
+    let (z, one, end, last, two, m1) = (ints(a, &[0]), ints(a, &[1]), ints(a, &[i64::MAX]), ints(a, &[3]), ints(a, &[2]), ints(a, &[-1]));
+    let even = a.f(OpKind::Slice, &[x, z, end, last, two], &[2, 3, 5, 4]);
+    let odd = a.f(OpKind::Slice, &[x, one, end, last, two], &[2, 3, 5, 4]);
+    let n = a.f(OpKind::Neg, &[odd], &[2, 3, 5, 4]);
+    let n = a.f(OpKind::Unsqueeze, &[n, m1], &[2, 3, 5, 4, 1]);
+    let e = a.f(OpKind::Unsqueeze, &[even, m1], &[2, 3, 5, 4, 1]);
+    let s = a.op(OpKind::Concat, &[n, e], &[("axis", smp_partition::ir::Attr::Int(-1))], DType::F32, &[2, 3, 5, 4, 2]);
+    let shape = ints(a, &Q);
+    a.f(OpKind::Reshape, &[s, shape], &Q)
+}
+
+/// [`rotate_every_two`] with the reshape's target computed from `x`'s shape, as a dynamic-shape
+/// export writes it (`Shape(x)` outside the chain).
+fn rotate_every_two_to_shape(a: &mut Attn, x: ValueId) -> ValueId {
+    let shape = a.op(OpKind::Shape, &[x], &[], DType::I64, &[4]);
+    let r = rotate_every_two(a, x);
+    let reshape = a.g.value(r).producer.unwrap();
+    a.g.set_input(reshape, 1, Some(shape));
+    r
+}
+
+/// The one-node `ApplyRotary(x, cos, sin)` graph.
+fn rotary_node(interleaved: bool) -> Graph {
+    let mut a = Attn { g: Graph::new("rotary"), n: 0 };
+    a.g.opsets.insert(String::new(), 18);
+    let x = a.input("x", DType::F32, &Q);
+    let cos = a.input("cos", DType::F32, &[2, 1, 5, 8]);
+    let sin = a.input("sin", DType::F32, &[2, 1, 5, 8]);
+    let y = a.op(OpKind::ApplyRotary, &[x, cos, sin], &[("interleaved", smp_partition::ir::Attr::Int(interleaved as i64))], DType::F32, &Q);
+    a.finish(y)
+}
+
+#[test]
+fn apply_rotary_computes_both_exported_chains_in_f64_forward_and_backward() {
+    for (what, chain, interleaved) in
+        [("half rotation", rotary_graph(&rotate_half), false), ("interleaved", rotary_graph(&rotate_every_two), true)]
+    {
+        let want = run_with_input_grads(&chain, Kind::Double);
+        let got = run_with_input_grads(&rotary_node(interleaved), Kind::Double);
+        assert_eq!(want.len(), 4, "{what}");
+        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert_eq!(w.size(), g.size(), "{what}, tensor {i}");
+            assert!(rel(w, g) <= 1e-12, "{what}, tensor {i} (output, then x, cos, sin's gradients): {}", rel(w, g));
+        }
+        // the other form's kernel differs: the test would catch a swapped attribute
+        let other = run_with_input_grads(&rotary_node(!interleaved), Kind::Double);
+        assert!(rel(&want[0], &other[0]) > 1e-3, "{what}");
+    }
+}
+
+#[test]
+fn both_rotary_forms_in_any_operand_order_become_one_apply_rotary_computing_the_chain() {
+    for (what, rot, interleaved, nodes) in [
+        ("half rotation", &rotate_half as &dyn Fn(&mut Attn, ValueId) -> ValueId, false, 1),
+        ("interleaved", &rotate_every_two, true, 1),
+        // the Shape stays for whatever else reads it
+        ("interleaved to a computed shape", &rotate_every_two_to_shape, true, 2),
+    ] {
+        for swap in [false, true] {
+            let unfused = rotary_chain(rot, swap);
+            let mut g = unfused.clone();
+            let records = fuse(&mut g);
+            assert_eq!(records.len(), 1, "{what}, swapped {swap}: {records:?}");
+            let f = &records[0];
+            assert_eq!(f.op, FusedOp::Rotary { interleaved }, "{what}");
+            assert_eq!(Fused::of(&records).rotary, 1);
+            g.verify().unwrap();
+            assert_eq!(g.node_count(), nodes, "{what}: the chain is one node");
+            let node = g.node(f.node);
+            assert!(node.op.is(OpKind::ApplyRotary), "{what}");
+            let names: Vec<&str> = node.inputs.iter().flatten().map(|&v| g.value(v).name.as_str()).collect();
+            assert_eq!(names, ["x", "cos", "sin"], "{what}");
+            passes::shape_infer::infer_shapes(&mut g, &Default::default()).unwrap_or_else(|e| panic!("{what}: {e}"));
+            // the replayed record gives the same graph; the other form's record is refused
+            let mut replayed = unfused.clone();
+            smp_partition::passes::fuse::apply(&mut replayed, f).unwrap();
+            assert_eq!(format!("{replayed}"), format!("{g}"), "{what}");
+            let other = smp_partition::ir::Fusion { op: FusedOp::Rotary { interleaved: !interleaved }, ..f.clone() };
+            let err = smp_partition::passes::fuse::apply(&mut unfused.clone(), &other).unwrap_err().to_string();
+            // (the half form's record does not read a computed shape at all)
+            assert!(err.contains(&format!("`{}`", unfused.node(f.node).name)) && (err.contains("rot(x)") || err.contains("outside it")), "{err}");
+            let swapped = smp_partition::ir::Fusion { inputs: vec![f.inputs[0], f.inputs[2], f.inputs[1]], ..f.clone() };
+            assert!(smp_partition::passes::fuse::apply(&mut unfused.clone(), &swapped).is_err(), "{what}: cos and sin swapped");
+            for (kind, tol) in [(Kind::Double, 1e-12), (Kind::Float, 1e-6)] {
+                let a = run_with_input_grads(&unfused, kind);
+                let b = run_with_input_grads(&g, kind);
+                assert_eq!(a.len(), 4);
+                for (i, (x, y)) in b.iter().zip(&a).enumerate() {
+                    let d = rel(x, y);
+                    assert!(d <= tol, "{what} {kind:?}: tensor {i} (output, then x, cos, sin's gradients) differs by {d:.2e}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn near_misses_of_rotary_are_left_alone() {
+    // a rotation by a quarter of the axis
+    let quarter = |a: &mut Attn, x: ValueId| {
+        let (z, h, end, last) = (ints(a, &[0]), ints(a, &[2]), ints(a, &[i64::MAX]), ints(a, &[3]));
+        let x1 = a.f(OpKind::Slice, &[x, z, h, last], &[2, 3, 5, 2]);
+        let x2 = a.f(OpKind::Slice, &[x, h, end, last], &[2, 3, 5, 6]);
+        let n = a.f(OpKind::Neg, &[x2], &[2, 3, 5, 6]);
+        a.op(OpKind::Concat, &[n, x1], &[("axis", smp_partition::ir::Attr::Int(-1))], DType::F32, &Q)
+    };
+    // the halves negated the other way round: [x₁, −x₂]... written as Concat(x₁, Neg(x₂))
+    let other_sign = |a: &mut Attn, x: ValueId| {
+        let (z, h, end, last) = (ints(a, &[0]), ints(a, &[4]), ints(a, &[i64::MAX]), ints(a, &[3]));
+        let x1 = a.f(OpKind::Slice, &[x, z, h, last], &[2, 3, 5, 4]);
+        let x2 = a.f(OpKind::Slice, &[x, h, end, last], &[2, 3, 5, 4]);
+        let n = a.f(OpKind::Neg, &[x2], &[2, 3, 5, 4]);
+        a.op(OpKind::Concat, &[x1, n], &[("axis", smp_partition::ir::Attr::Int(-1))], DType::F32, &Q)
+    };
+    // pairs taken with the wrong step (x[..., ::1] is not the even channels)
+    let wrong_step = |a: &mut Attn, x: ValueId| {
+        let (z, one, four, end, last, m1) = (ints(a, &[0]), ints(a, &[1]), ints(a, &[4]), ints(a, &[i64::MAX]), ints(a, &[3]), ints(a, &[-1]));
+        let even = a.f(OpKind::Slice, &[x, z, four, last, one], &[2, 3, 5, 4]);
+        let two = ints(a, &[2]);
+        let odd = a.f(OpKind::Slice, &[x, one, end, last, two], &[2, 3, 5, 4]);
+        let n = a.f(OpKind::Neg, &[odd], &[2, 3, 5, 4]);
+        let n = a.f(OpKind::Unsqueeze, &[n, m1], &[2, 3, 5, 4, 1]);
+        let e = a.f(OpKind::Unsqueeze, &[even, m1], &[2, 3, 5, 4, 1]);
+        let s = a.op(OpKind::Concat, &[n, e], &[("axis", smp_partition::ir::Attr::Int(-1))], DType::F32, &[2, 3, 5, 4, 2]);
+        let shape = ints(a, &Q);
+        a.f(OpKind::Reshape, &[s, shape], &Q)
+    };
+    // the rotation of another tensor
+    let another = |a: &mut Attn, _x: ValueId| {
+        let y = a.input("y", DType::F32, &Q);
+        rotate_half(a, y)
+    };
+    let cases: [(&str, &dyn Fn(&mut Attn, ValueId) -> ValueId); 4] =
+        [("a quarter rotation", &quarter), ("the other sign", &other_sign), ("a wrong step", &wrong_step), ("another tensor's rotation", &another)];
+    for (what, rot) in cases {
+        let mut g = rotary_graph(rot);
+        let records = fuse(&mut g);
+        assert!(records.iter().all(|r| !matches!(r.op, FusedOp::Rotary { .. })), "{what}: fused {records:?}");
+    }
+    // the rotation read outside the chain
+    let mut g = rotary_graph(&rotate_half);
+    let rot = g.value_ids().find(|&v| g.value(v).producer.is_some_and(|p| g.node(p).op.is(OpKind::Concat))).unwrap();
+    g.outputs.push(rot);
+    assert!(fuse(&mut g).is_empty(), "the rotation is a graph output");
+    // tables longer than x along an axis (the sum grows past x's shape)
+    let mut a = Attn { g: Graph::new("rotary"), n: 0 };
+    let x = a.input("x", DType::F32, &[2, 1, 5, 8]);
+    let cos = a.input("cos", DType::F32, &[2, 3, 5, 8]);
+    let sin = a.input("sin", DType::F32, &[2, 1, 5, 8]);
+    let r = rotate_half_of(&mut a, x, &[2, 1, 5]);
+    let xc = a.f(OpKind::Mul, &[x, cos], &Q);
+    let rs = a.f(OpKind::Mul, &[r, sin], &[2, 1, 5, 8]);
+    let y = a.f(OpKind::Add, &[xc, rs], &Q);
+    let mut g = a.finish(y);
+    assert!(fuse(&mut g).is_empty(), "cos longer than x");
+}
+
+/// [`rotate_half`] of `x` with leading dims `lead` and last axis 8.
+fn rotate_half_of(a: &mut Attn, x: ValueId, lead: &[i64]) -> ValueId {
+    let half: Vec<i64> = lead.iter().copied().chain([4]).collect();
+    let whole: Vec<i64> = lead.iter().copied().chain([8]).collect();
+    let (z, h, end, last) = (ints(a, &[0]), ints(a, &[4]), ints(a, &[i64::MAX]), ints(a, &[-1]));
+    let x1 = a.f(OpKind::Slice, &[x, z, h, last], &half);
+    let x2 = a.f(OpKind::Slice, &[x, h, end, last], &half);
+    let n = a.f(OpKind::Neg, &[x2], &half);
+    a.op(OpKind::Concat, &[n, x1], &[("axis", smp_partition::ir::Attr::Int(-1))], DType::F32, &whole)
+}
+
+#[test]
+fn a_partial_rotary_fuses_its_rotated_slice_and_computes_the_chain() {
+    // Phi / GPT-NeoX: the first 8 of 12 channels rotated, the last 4 passed through
+    let mut a = Attn { g: Graph::new("partial"), n: 0 };
+    a.g.opsets.insert(String::new(), 18);
+    let full = a.input("x", DType::F32, &[2, 3, 5, 12]);
+    let cos = a.input("cos", DType::F32, &[2, 1, 5, 8]);
+    let sin = a.input("sin", DType::F32, &[2, 1, 5, 8]);
+    let (z, eight, end, last) = (ints(&mut a, &[0]), ints(&mut a, &[8]), ints(&mut a, &[i64::MAX]), ints(&mut a, &[-1]));
+    let x = a.f(OpKind::Slice, &[full, z, eight, last], &Q);
+    let pass = a.f(OpKind::Slice, &[full, eight, end, last], &[2, 3, 5, 4]);
+    let r = rotate_half_of(&mut a, x, &[2, 3, 5]);
+    let xc = a.f(OpKind::Mul, &[x, cos], &Q);
+    let rs = a.f(OpKind::Mul, &[r, sin], &Q);
+    let y = a.f(OpKind::Add, &[xc, rs], &Q);
+    let y = a.op(OpKind::Concat, &[y, pass], &[("axis", smp_partition::ir::Attr::Int(-1))], DType::F32, &[2, 3, 5, 12]);
+    let unfused = a.finish(y);
+    let mut g = unfused.clone();
+    let records = fuse(&mut g);
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!(records[0].op, FusedOp::Rotary { interleaved: false });
+    assert_eq!(g.node_count(), 4, "the two slices, the rotary and the concat");
+    let (want, got) = (run_with_input_grads(&unfused, Kind::Double), run_with_input_grads(&g, Kind::Double));
+    for (i, (w, f)) in want.iter().zip(&got).enumerate() {
+        assert!(rel(f, w) <= 1e-12, "tensor {i}: {:.2e}", rel(f, w));
+    }
+}
+
+#[test]
+fn llama_fuses_its_rotary_embeddings_and_computes_the_same_in_f64() {
+    for name in ["llama", "phi"] {
+        let unfused = specialised(name);
+        let mut all = unfused.clone();
+        let records = fuse(&mut all);
+        all.verify().unwrap();
+        let f = Fused::of(&records);
+        // q and k in each of the 4 blocks
+        assert_eq!(f.rotary, 8, "{name}: {f}");
+        assert_eq!(all.node_ids().filter(|&n| all.node(n).op.is(OpKind::Neg)).count(), 0, "{name}: every rotation fused");
+        // the rotary records alone, replayed on the unfused graph
+        let mut fused = unfused.clone();
+        for r in records.iter().filter(|r| matches!(r.op, FusedOp::Rotary { .. })) {
+            smp_partition::passes::fuse::apply(&mut fused, r).unwrap();
+        }
+        let (yu, gu) = forward_and_grads(&unfused, Kind::Double);
+        let (yf, gf) = forward_and_grads(&fused, Kind::Double);
+        let out = rel(&yf, &yu);
+        assert!(out <= 1e-12, "{name}: output differs by {out:.2e}");
+        assert_eq!(gu.len(), gf.len());
+        for ((nu, tu), (_, tf)) in gu.iter().zip(&gf) {
+            assert_eq!(tu.defined(), tf.defined(), "{name}: `{nu}`");
+            if tu.defined() {
+                let d = rel(tf, tu);
+                assert!(d <= 1e-12, "{name}: the gradient of `{nu}` differs by {d:.2e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_fused_rotary_is_priced_as_its_chain_less_the_intermediates_it_no_longer_writes() {
+    let opts = AnalyzeOptions { seq_len: Some(16), ..Default::default() };
+    let (unfused, dims) = passes::specialise(model("llama"), &opts).unwrap();
+    let mut fused = unfused.clone();
+    let records: Vec<_> = fuse(&mut unfused.clone()).into_iter().filter(|r| matches!(r.op, FusedOp::Rotary { .. })).collect();
+    for r in &records {
+        smp_partition::passes::fuse::apply(&mut fused, r).unwrap();
+    }
+    let (fu, ff) = (passes::figures::compute(&unfused, &dims).unwrap(), passes::figures::compute(&fused, &dims).unwrap());
+    assert!((ff.total_flops - fu.total_flops).abs() <= 1e-9 * fu.total_flops, "flops {} against the chains' {}", ff.total_flops, fu.total_flops);
+    for r in &records {
+        let [x, cos, sin] = r.inputs[..] else { panic!("{r:?}") };
+        let chain: f64 = r.replaces.iter().map(|n| fu.per_node[n.index()].memory_bytes).sum();
+        let node = ff.per_node[r.node.index()].memory_bytes;
+        // the fused node reads x and the tables and writes its output; the chain's nodes also
+        // wrote and read back each half, their negation, the rotation and the two products
+        let want = 2.0 * fu.value_bytes(&unfused, x) + fu.value_bytes(&unfused, cos) + fu.value_bytes(&unfused, sin);
+        assert!((node - want).abs() <= 1e-9 * want, "{node} bytes, not {want}");
+        assert!(node < chain / 3.0, "{node} bytes against the chain's {chain}");
+        let saved: f64 = r.replaces.iter().map(|n| fu.per_node[n.index()].saved_bytes).sum();
+        assert!(ff.per_node[r.node.index()].saved_bytes <= saved, "saved");
+    }
+}

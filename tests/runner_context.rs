@@ -70,6 +70,10 @@ fn equal_to_one_process(name: &str, model_name: &str, nproc: usize, flags: &[&st
     let p = plan(&m, nproc, flags, dir.path(), name);
     let parsed: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
     assert_eq!(parsed["parallel"]["cp"], 2, "{name}: the plan's cp");
+    if model_name == "llama" {
+        let rotary = parsed["codegen"]["fused"].as_array().unwrap().iter().filter(|f| f["op"].get("rotary").is_some()).count();
+        assert_eq!(rotary, 8, "{name}: q's and k's rotary embeddings fused in every block");
+    }
     let per = parsed["parallel"]["microbatches"].as_u64().unwrap() * parsed["parallel"]["dp"].as_u64().unwrap();
     let want = one_process(&m, per as usize, extra);
     let mut args = vec!["--steps", "5"];

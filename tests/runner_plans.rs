@@ -458,6 +458,20 @@ fn llama_tp4_sums_shared_kv_slice_gradients() {
     assert!(r.status.success(), "planning llama tp4 failed: {}", String::from_utf8_lossy(&r.stderr));
     let text = std::fs::read_to_string(&out).unwrap();
     assert!(text.contains("\"replicas\""), "the tp-4 llama plan shares no KV slice; the test needs one");
+    // q's and k's rotary embeddings run fused, on their heads' split (the node follows it)
+    let parsed: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let rotary: Vec<&str> = parsed["codegen"]["fused"].as_array().unwrap().iter().filter(|f| f["op"].get("rotary").is_some()).map(|f| f["output"].as_str().unwrap()).collect();
+    assert_eq!(rotary.len(), 8, "every q and k rotary embedding fused");
+    let strategy: std::collections::HashMap<&str, &str> = parsed["layer_strategies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|l| l["nodes"].as_array().unwrap().iter().map(|n| (n[0].as_str().unwrap(), n[1].as_str().unwrap())))
+        .collect();
+    for out in rotary {
+        // the export names each node after its output
+        assert_eq!(strategy.get(format!("node_{out}").as_str()), Some(&"follow"), "the rotary making `{out}`");
+    }
     let want = {
         let r = Command::new(env!("CARGO_BIN_EXE_smp-runner"))
             .args(["train", m.to_str().unwrap(), "--batch", BATCH, "--seq-len", SEQ, "--microbatches", "2"])

@@ -39,6 +39,9 @@ NOISE_BOUND = 2.0 * zoo.STEPS * zoo.LR
 PLANS = {"pp2": {"pipeline_parallel_degree": 2, "microbatches": 2}, "tp2": {"tensor_parallel_degree": 2}}
 # context parallelism splits tokens: only for models whose loss is a sum over tokens
 TOKEN_PLANS = {"cp2": {"context_parallel_degree": 2}}
+# rotary embeddings each plan runs fused (q's and k's in each of the 2 blocks): the half
+# rotation (Llama, Qwen, Phi's and GPT-NeoX's partial rotary) and GPT-J's interleaved one
+ROTARY = {"llama": 4, "qwen3": 4, "qwen3_moe": 4, "phi": 4, "gpt_neox": 4, "gptj": 4}
 # expert parallelism: the routed experts split over 2 ranks (pp 2 × ep 2 on 4)
 EXPERT_PLANS = {"ep2": {"expert_parallel_degree": 2},
                 "pp2-ep2": {"pipeline_parallel_degree": 2, "microbatches": 2, "expert_parallel_degree": 2}}
@@ -155,6 +158,9 @@ def test_zoo(name: str, tmp_path: Path) -> None:
         moe = _fused(plan).count("mixture_of_experts")
         if moe != c.arch.moe_layers:
             failures.append(f"{label}: {moe} fused mixture-of-experts ops, expected {c.arch.moe_layers}")
+        rotary = _fused(plan).count("rotary")
+        if name in ROTARY and rotary != ROTARY[name]:
+            failures.append(f"{label}: {rotary} fused rotary embeddings, expected {ROTARY[name]}")
         if plan.parallel.ep != config.get("expert_parallel_degree", 1):
             failures.append(f"{label}: the plan's expert parallelism is {plan.parallel.ep}")
         if c.arch.task == "seq2seq":

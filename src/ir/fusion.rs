@@ -13,7 +13,7 @@ use super::{NodeId, ValueId};
 /// where the router's weights scale the tokens going in, `"biases": true` where the experts
 /// carry biases; a clamped gate's activation is `{"clamped_silu": {"limit": 7.0}}`, gpt-oss's
 /// `{"clamped_swish": {"alpha": 1.702, "limit": 7.0}}`),
-/// `{"rms_norm": {"epsilon": 1e-6}}` or `"swiglu"`.
+/// `{"rms_norm": {"epsilon": 1e-6}}`, `"swiglu"` or `{"rotary": {"interleaved": false}}`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum FusedOp {
@@ -58,6 +58,13 @@ pub enum FusedOp {
     /// [`OpKind::SwiGlu`](super::OpKind::SwiGlu). Inputs `gate, up`.
     #[serde(rename = "swiglu")]
     SwiGlu,
+    /// Rotary position embedding `x·cos + rot(x)·sin`, the IR op
+    /// [`OpKind::ApplyRotary`](super::OpKind::ApplyRotary). Inputs `x, cos, sin`.
+    Rotary {
+        /// Whether `rot` turns pairs of neighbours (GPT-J's `rotate_every_two`) rather than the
+        /// two halves of the last axis (Llama's `rotate_half`).
+        interleaved: bool,
+    },
 }
 
 /// A newtype over an f64 attribute of a fused op, compared and hashed by its bits (the plan file
@@ -224,6 +231,7 @@ impl FusedOp {
             FusedOp::MixtureOfExperts { .. } => OpKind::MixtureOfExperts,
             FusedOp::RmsNorm { .. } => OpKind::RMSNormalization,
             FusedOp::SwiGlu => OpKind::SwiGlu,
+            FusedOp::Rotary { .. } => OpKind::ApplyRotary,
         }
     }
 
@@ -234,6 +242,7 @@ impl FusedOp {
             FusedOp::Attention { mask, .. } => 3 + usize::from(mask.is_some()),
             FusedOp::MixtureOfExperts { biases, .. } => 5 + 2 * usize::from(*biases),
             FusedOp::RmsNorm { .. } | FusedOp::SwiGlu => 2,
+            FusedOp::Rotary { .. } => 3,
         }
     }
 }
@@ -284,6 +293,8 @@ impl std::fmt::Display for FusedOp {
             }
             FusedOp::RmsNorm { epsilon } => write!(f, "RMSNormalization(epsilon = {})", epsilon.0),
             FusedOp::SwiGlu => f.write_str("SwiGlu"),
+            FusedOp::Rotary { interleaved: false } => f.write_str("ApplyRotary"),
+            FusedOp::Rotary { interleaved: true } => f.write_str("ApplyRotary(interleaved)"),
         }
     }
 }
@@ -298,7 +309,7 @@ pub struct Fusion {
     /// The values the chain computes from: the fused node's inputs, in the op's order
     /// ([`FusedOp::arity`] of them; a GELU's one input, an attention's `q, kᵀ, v, mask?`, a
     /// mixture of experts' `x, weights, indices, gate_up, down` (and its biases), an RMS norm's `x, w`, a
-    /// SwiGLU's `gate, up`).
+    /// SwiGLU's `gate, up`, a rotary embedding's `x, cos, sin`).
     pub inputs: Vec<ValueId>,
     /// The chain's output (the fused node's output).
     pub output: ValueId,

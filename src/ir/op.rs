@@ -73,12 +73,17 @@ op_kinds! {
     /// The elementwise half of a gated MLP (SwiGLU), inputs `(gate, up)` broadcast together:
     /// `silu(gate) ⊙ up` = `gate·σ(gate)·up`, run as libtorch's `silu` and one multiply.
     SwiGlu,
+    /// Rotary position embedding with whole-width tables, inputs `(x, cos, sin)` broadcast
+    /// together (`x` `[.., d]`, `d` even): `x·cos + rot(x)·sin`, where `rot` is the half
+    /// rotation `[−x₂, x₁]` of `x`'s two halves, or with attribute `interleaved` 1 (ONNX's
+    /// name) the pairwise one `[−x₁, x₀, −x₃, x₂, …]`. Mixes along the last axis only.
+    ApplyRotary,
 }
 
 impl OpKind {
     /// False for the IR-internal kinds that fused op chains become (no ONNX file spells them).
     pub fn is_onnx(self) -> bool {
-        !matches!(self, OpKind::ScaledDotProductAttention | OpKind::MixtureOfExperts | OpKind::SwiGlu)
+        !matches!(self, OpKind::ScaledDotProductAttention | OpKind::MixtureOfExperts | OpKind::SwiGlu | OpKind::ApplyRotary)
     }
 
     /// True for ops that only reinterpret or move data (no arithmetic, nothing saved).

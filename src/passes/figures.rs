@@ -255,6 +255,8 @@ pub fn flops(sz: &Sizes, node: &Node) -> f64 {
         RMSNormalization => 4.0 * in_numel,
         // sigmoid (4), its product with the gate and the product with up
         SwiGlu => 6.0 * out_numel,
+        // the chain's count: two products, the sum, and the negation of half the channels
+        ApplyRotary => 3.5 * out_numel,
         BatchNormalization => 4.0 * in_numel,
         LRN => (node.attrs.int("size", 1) as f64 + 3.0) * in_numel,
         ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd | ArgMax | ArgMin | CumSum
@@ -505,6 +507,16 @@ fn saved(sz: &Sizes, node: &Node, grad: &[bool], data: &[bool], batch: f64) -> S
                 if let Some(o) = output {
                     s.extra_bytes += sz.bytes(o) / batch;
                 }
+            }
+        }
+        ApplyRotary => {
+            // x's gradient needs the tables; the tables' need x
+            if rg(0) {
+                keep(input(1));
+                keep(input(2));
+            }
+            if rg(1) || rg(2) {
+                keep(input(0));
             }
         }
         Tanh | Sigmoid | Exp | Sqrt | Relu | Reciprocal | Elu | Softmax | LogSoftmax => {

@@ -69,6 +69,20 @@
 //! one multiply instead of three passes. Both are matched after the other fusions, so a
 //! mixture of experts' dense form keeps its own SiLU gate.
 //!
+//! Rotary position embedding: `x·cos + rot(x)·sin`, exported as `Add(Mul(x, cos), Mul(rot(x),
+//! sin))` (any operand order), is the IR op [`OpKind::ApplyRotary`] (inputs `x, cos, sin`): one
+//! kernel instead of six to nine passes. `rot` is recognised in the two forms the exporters write,
+//! on `x`'s last axis `d` (known, even):
+//! - the half rotation (Llama's `rotate_half`): `Concat(Neg(Slice(x, d/2:)), Slice(x, :d/2))`;
+//! - the pairwise one (GPT-J's `rotate_every_two`, attribute `interleaved`):
+//!   `Reshape(Concat(Unsqueeze(Neg(Slice(x, 1::2)), -1), Unsqueeze(Slice(x, 0::2), -1), -1))`
+//!   back to `x`'s shape.
+//!
+//! `cos` and `sin` broadcast to `x` (none longer than it along any axis) and the output has
+//! `x`'s shape. A partial rotary (Phi, GPT-NeoX, GPT-J: the first channels rotated, the rest
+//! concatenated back unchanged) fuses where `x` is the rotated slice: the slice and the concat
+//! around it stay nodes of their own. The op's record is checked by matching the chain again.
+//!
 //! A chain is fused only where each interior value has the chain as its only reader and every
 //! constant equals the formula's (within f32 rounding), so the fused op computes what the chain
 //! computes, up to rounding.
@@ -96,6 +110,8 @@ pub struct Fused {
     pub rms_norm: usize,
     /// `silu(gate) ⊙ up` chains now `SwiGlu`.
     pub swiglu: usize,
+    /// `x·cos + rot(x)·sin` chains now `ApplyRotary`, both forms.
+    pub rotary: usize,
 }
 
 impl Fused {
@@ -110,6 +126,7 @@ impl Fused {
                 FusedOp::MixtureOfExperts { .. } => out.experts += 1,
                 FusedOp::RmsNorm { .. } => out.rms_norm += 1,
                 FusedOp::SwiGlu => out.swiglu += 1,
+                FusedOp::Rotary { .. } => out.rotary += 1,
             }
         }
         out
@@ -117,7 +134,7 @@ impl Fused {
 
     /// Chains rewritten in all.
     pub fn total(&self) -> usize {
-        self.gelu_tanh + self.gelu_erf + self.attention + self.experts + self.rms_norm + self.swiglu
+        self.gelu_tanh + self.gelu_erf + self.attention + self.experts + self.rms_norm + self.swiglu + self.rotary
     }
 }
 
@@ -125,13 +142,13 @@ impl std::fmt::Display for Fused {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "fused {} tanh-GELU and {} erf-GELU chains into Gelu, {} attention chains into ScaledDotProductAttention, {} expert chains into MixtureOfExperts, {} RMSNorm chains into RMSNormalization, {} SwiGLU chains into SwiGlu",
-            self.gelu_tanh, self.gelu_erf, self.attention, self.experts, self.rms_norm, self.swiglu
+            "fused {} tanh-GELU and {} erf-GELU chains into Gelu, {} attention chains into ScaledDotProductAttention, {} expert chains into MixtureOfExperts, {} RMSNorm chains into RMSNormalization, {} SwiGLU chains into SwiGlu, {} rotary chains into ApplyRotary",
+            self.gelu_tanh, self.gelu_erf, self.attention, self.experts, self.rms_norm, self.swiglu, self.rotary
         )
     }
 }
 
-/// Rewrites every GELU, attention, mixture-of-experts, RMSNorm and SwiGLU chain of `graph`
+/// Rewrites every GELU, attention, mixture-of-experts, rotary, RMSNorm and SwiGLU chain of `graph`
 /// into one node each (see the module docs); returns the rewrites in the order applied.
 pub fn fuse(graph: &mut Graph) -> Vec<Fusion> {
     let mut out = Vec::new();
@@ -142,8 +159,8 @@ pub fn fuse(graph: &mut Graph) -> Vec<Fusion> {
     out
 }
 
-/// One sweep of [`fuse`] over the graph in topological order: the GELU, attention and
-/// experts chains, or (`late`) the RMSNorm and SwiGLU chains.
+/// One sweep of [`fuse`] over the graph in topological order: the GELU, attention, experts
+/// and rotary chains, or (`late`) the RMSNorm and SwiGLU chains.
 fn fuse_sweep(graph: &mut Graph, late: bool, out: &mut Vec<Fusion>) {
     let Ok(order) = graph.topo_order() else { return };
     let grad = carries_gradient(graph, &order);
@@ -170,6 +187,13 @@ fn fuse_sweep(graph: &mut Graph, late: bool, out: &mut Vec<Fusion>) {
                 inputs: e.inputs,
                 output: output(),
                 replaces: e.nodes,
+            }),
+            (false, OpKind::Add) => m.rotary(id).map(|r| Fusion {
+                node: id,
+                op: FusedOp::Rotary { interleaved: r.interleaved },
+                inputs: r.inputs.to_vec(),
+                output: output(),
+                replaces: r.nodes,
             }),
             (true, OpKind::Mul) => m
                 .rms_norm(id)
@@ -227,10 +251,11 @@ fn chain(g: &Graph, last: NodeId, x: ValueId) -> Vec<NodeId> {
 /// Applies one rewrite to `graph`: node `f.node` becomes `f.op` reading `f.inputs` (its output
 /// kept), the chain's other nodes are removed. Refused, naming the node, unless the record fits
 /// the graph: every replaced node exists, `f.node` is one of them and makes `f.output`, the
-/// chain is closed (its nodes read only `f.inputs`, constants and each other; only `f.output`
-/// leaves it) and reads each of `f.inputs`, and its ops are those of `f.op`'s formula (for
+/// chain is closed (its nodes read only `f.inputs`, constants and each other, and a pairwise
+/// rotary's `Reshape` its target shape; only `f.output` leaves it) and reads each of `f.inputs`, and its ops are those of `f.op`'s formula (for
 /// attention: two MatMuls and a Softmax, the mask's `Add` or `Where` exactly when it has a
-/// mask, and scalar `Mul`/`Div` constants whose product is the scale).
+/// mask, and scalar `Mul`/`Div` constants whose product is the scale; for a rotary embedding:
+/// the chain the matcher finds at the node, of the record's inputs and form).
 pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
     let name = graph.try_node(f.node).map_or_else(|| format!("#{}", f.node.index()), |n| n.name.clone());
     let bad = |msg: String| PassError::Fusion { node: name.clone(), msg };
@@ -271,6 +296,8 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
                 for (r, _) in read.iter_mut().zip(&f.inputs).filter(|(_, x)| **x == v) {
                     *r = true;
                 }
+            } else if shape_operand(f, node, v) {
+                // read where it stands (the rotary check below holds the reshape's output dims)
             } else if let Some(p) = val.producer.filter(|p| !members.contains(p)) {
                 match index_only(graph, f, p, &members) {
                     Some(nodes) => external.extend(nodes),
@@ -344,6 +371,16 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
             }
             OpKind::SwiGlu
         }
+        FusedOp::Rotary { interleaved } => {
+            let m = Matcher { g: graph, uses: readers };
+            let found = m.rotary(f.node);
+            if !found.as_ref().is_some_and(|r| r.inputs[..] == f.inputs[..] && r.interleaved == interleaved && r.nodes == f.replaces) {
+                let form = if interleaved { "pairwise" } else { "half" };
+                return Err(bad(format!("the chain is not x·cos + rot(x)·sin with the {form} rotation, of its inputs")));
+            }
+            attrs.set("interleaved", Attr::Int(i64::from(interleaved)));
+            OpKind::ApplyRotary
+        }
     };
     let node = graph.node_mut(f.node);
     node.op = crate::ir::Op::Known(kind);
@@ -355,6 +392,13 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
         graph.remove_node(n);
     }
     Ok(())
+}
+
+/// Whether `v`, read by `node` of a rotary record's chain, is the target shape of its pairwise
+/// rotation's `Reshape`: a dynamic-shape export computes it from the input's shape outside the
+/// chain.
+fn shape_operand(f: &Fusion, node: &crate::ir::Node, v: ValueId) -> bool {
+    matches!(f.op, FusedOp::Rotary { interleaved: true }) && node.op.is(OpKind::Reshape) && node.inputs.get(1) == Some(&Some(v))
 }
 
 /// For a mixture-of-experts record, node `p` outside its chain with every node it reads from
@@ -593,6 +637,15 @@ struct ExpertsMatch {
     nodes: Vec<NodeId>,
 }
 
+/// What [`Matcher::rotary`] found.
+#[derive(Debug, PartialEq, Eq)]
+struct RotaryMatch {
+    /// `x, cos, sin`.
+    inputs: [ValueId; 3],
+    interleaved: bool,
+    nodes: Vec<NodeId>,
+}
+
 /// A `Where` fill at or below this (or −∞) masks a score out as the kernel's −∞ does.
 const MASKED_OUT: f64 = -1e30;
 
@@ -793,14 +846,7 @@ impl Matcher<'_> {
 
     /// `n`'s axes (input 1), normalised against `rank`.
     fn axes_of(&self, n: NodeId, rank: usize) -> Option<Vec<usize>> {
-        let listed = self.const_ints(n, 1)?;
-        listed
-            .iter()
-            .map(|&a| {
-                let v = if a < 0 { a + rank as i64 } else { a };
-                (0..rank as i64).contains(&v).then_some(v as usize)
-            })
-            .collect()
+        self.axes_of_at(n, 1, rank)
     }
 
     /// The input of `Unsqueeze` node `n` when it adds a last axis to a rank-2 value.
@@ -1201,6 +1247,124 @@ impl Matcher<'_> {
             return Some((gate, up, nodes));
         }
         None
+    }
+
+    /// `id` = Add(Mul(x, cos), Mul(rot(x), sin)) as the module docs list it, in any operand
+    /// order.
+    fn rotary(&self, id: NodeId) -> Option<RotaryMatch> {
+        use OpKind::*;
+        let (a, b) = self.pair(id)?;
+        let out = self.g.node(id).outputs.first().copied()?;
+        for (plain, rotated) in [(a, b), (b, a)] {
+            let (Some(by_cos), Some(by_sin)) = (self.inner(plain, Mul), self.inner(rotated, Mul)) else { continue };
+            let (p, q) = self.pair(by_sin)?;
+            for (r, sin) in [(p, q), (q, p)] {
+                let Some((x, interleaved, rot_nodes)) = self.rotation(r) else { continue };
+                let (u, v) = self.pair(by_cos)?;
+                let cos = if u == x { v } else if v == x { u } else { continue };
+                if cos == x || sin == x || !self.broadcasts_to(cos, x) || !self.broadcasts_to(sin, x) || self.dims(out) != self.dims(x) {
+                    continue;
+                }
+                let ty = self.dtype(x);
+                if !ty.is_some_and(|d| d.is_float()) || self.dtype(cos) != ty || self.dtype(sin) != ty {
+                    continue;
+                }
+                let mut nodes = vec![id, by_cos, by_sin];
+                nodes.extend(rot_nodes);
+                nodes.sort();
+                return Some(RotaryMatch { inputs: [x, cos, sin], interleaved, nodes });
+            }
+        }
+        None
+    }
+
+    /// Whether `t` broadcasts to `x`'s shape without growing it: no more axes, each (aligned
+    /// from the right) 1 or `x`'s.
+    fn broadcasts_to(&self, t: ValueId, x: ValueId) -> bool {
+        let (Some(td), Some(xd)) = (self.dims(t), self.dims(x)) else { return false };
+        td.len() <= xd.len() && td.iter().rev().zip(xd.iter().rev()).all(|(a, b)| a == b || a.known() == Some(1))
+    }
+
+    /// `r` = rot(x) in one of the module docs' two forms: (x, whether pairwise, its nodes).
+    fn rotation(&self, r: ValueId) -> Option<(ValueId, bool, Vec<NodeId>)> {
+        use OpKind::*;
+        if let Some(cat) = self.inner(r, Concat) {
+            // the half rotation: [−x[d/2:], x[:d/2]]
+            let [Some(neg_out), Some(first)] = self.g.node(cat).inputs[..] else { return None };
+            let neg = self.inner(neg_out, Neg)?;
+            let (s2, (x, start2, end2, step2)) = self.slice_of(self.g.node(neg).inputs.first().copied().flatten()?)?;
+            let (s1, (x1, start1, end1, step1)) = self.slice_of(first)?;
+            let d = self.last_dim(x)?;
+            let rank = self.dims(x)?.len() as i64;
+            let axis = self.g.node(cat).attrs.int("axis", 0);
+            let halves = (start1, end1, step1, start2, end2, step2) == (0, d / 2, 1, d / 2, d, 1);
+            return (x1 == x && halves && (axis == -1 || axis == rank - 1)).then(|| (x, false, vec![cat, neg, s1, s2]));
+        }
+        // the pairwise rotation: [−x₁, x₀, −x₃, x₂, …] as pairs stacked on a new last axis, flattened
+        let reshape = self.inner(r, Reshape)?;
+        // (its target may be computed from the input's shape: the output's dims are checked)
+        let stacked = self.g.node(reshape).inputs.first().copied().flatten()?;
+        let cat = self.inner(stacked, Concat)?;
+        let [Some(u1), Some(u2)] = self.g.node(cat).inputs[..] else { return None };
+        let (un1, un2) = (self.inner(u1, Unsqueeze)?, self.inner(u2, Unsqueeze)?);
+        let neg = self.inner(self.g.node(un1).inputs.first().copied().flatten()?, Neg)?;
+        let (odd, (x, start1, end1, step1)) = self.slice_of(self.g.node(neg).inputs.first().copied().flatten()?)?;
+        let (even, (x0, start0, end0, step0)) = self.slice_of(self.g.node(un2).inputs.first().copied().flatten()?)?;
+        let d = self.last_dim(x)?;
+        let rank = self.dims(x)?.len();
+        let axis = self.g.node(cat).attrs.int("axis", 0);
+        let last_new = |n: NodeId| self.axes_of(n, rank + 1).is_some_and(|a| a == [rank]);
+        let pairs = (start0, end0, step0, start1, end1, step1) == (0, d, 2, 1, d, 2);
+        let ok = x0 == x
+            && pairs
+            && (axis == -1 || axis == rank as i64)
+            && last_new(un1)
+            && last_new(un2)
+            && self.dims(r) == self.dims(x);
+        ok.then(|| (x, true, vec![reshape, cat, un1, un2, neg, odd, even]))
+    }
+
+    /// The known, even last axis of `x`.
+    fn last_dim(&self, x: ValueId) -> Option<i64> {
+        let d = self.dims(x)?.last()?.known()?;
+        (d >= 2 && d % 2 == 0).then_some(d)
+    }
+
+    /// `v` = Slice(x) along x's last axis only, read only by the chain: (the Slice, (x, start,
+    /// end, step)) with start and end clamped to `0..=d` and a positive step.
+    fn slice_of(&self, v: ValueId) -> Option<(NodeId, (ValueId, i64, i64, i64))> {
+        let s = self.inner(v, OpKind::Slice)?;
+        let x = self.g.node(s).inputs.first().copied().flatten()?;
+        let rank = self.dims(x)?.len();
+        let d = self.dims(x)?.last()?.known()?;
+        let one = |i: usize| -> Option<i64> {
+            match self.const_ints(s, i)?.as_slice() {
+                [c] => Some(*c),
+                _ => None,
+            }
+        };
+        let (start, end) = (one(1)?, one(2)?);
+        let axes_ok = match self.g.node(s).inputs.get(3).copied().flatten() {
+            Some(_) => self.axes_of_at(s, 3, rank)? == [rank - 1],
+            None => rank == 1,
+        };
+        let step = match self.g.node(s).inputs.get(4).copied().flatten() {
+            Some(_) => one(4)?,
+            None => 1,
+        };
+        let clamp = |c: i64| if c < 0 { (c.saturating_add(d)).max(0) } else { c.min(d) };
+        (axes_ok && step > 0).then_some((s, (x, clamp(start), clamp(end), step)))
+    }
+
+    /// The axes of input `i` of `n`, normalised against `rank`.
+    fn axes_of_at(&self, n: NodeId, i: usize, rank: usize) -> Option<Vec<usize>> {
+        self.const_ints(n, i)?
+            .iter()
+            .map(|&a| {
+                let v = if a < 0 { a + rank as i64 } else { a };
+                (0..rank as i64).contains(&v).then_some(v as usize)
+            })
+            .collect()
     }
 
     /// `id` = Mul(Mul(x, 0.5), Add(1, tanh(...)|erf(...))) in any operand order: (x, tanh form).

@@ -300,6 +300,15 @@ impl Walker<'_> {
                             return None;
                         }
                     }
+                    // a rotary embedding of heads: its tables broadcast over them
+                    ApplyRotary if heads => {
+                        note(&mut r, core);
+                        if let Some(o) = out
+                            && n.inputs.iter().flatten().any(|&w| w != v && !self.operand_ok(w, o, true))
+                        {
+                            return None;
+                        }
+                    }
                     // (a `Where` of heads is above: its mask broadcasts over them)
                     k if k.is_elementwise() => {
                         note(&mut r, core);

@@ -185,7 +185,7 @@ pub fn split_context(graph: &Graph, dims: &DimBindings, cp: usize, boundary: &Bo
             .filter_map(|(&v, forms)| {
                 let [t @ Tokens::Local { .. }] = forms.as_slice() else { return None };
                 let p = graph.value(v).producer?;
-                let elementwise = graph.node(p).op.kind().is_some_and(|k| k.is_elementwise() || matches!(k, OpKind::Identity | OpKind::Expand));
+                let elementwise = graph.node(p).op.kind().is_some_and(|k| k.is_elementwise() || matches!(k, OpKind::Identity | OpKind::Expand | OpKind::ApplyRotary));
                 (elementwise && s.tokens[v.index()] == Tokens::Whole && !graph.outputs.contains(&v) && !forced.contains_key(&v)).then_some((v, *t))
             })
             .collect();

@@ -1,5 +1,7 @@
 //! Elementwise ops: unary ops follow their input; n-ary ops need equally split inputs (a
 //! replicated full-size weight operand is sliced with them); partial sums pass linear ops only.
+//! `ApplyRotary` splits as they do (its tables broadcast over the heads, sliced along the tokens
+//! with `x`), except along its last axis, which its rotation mixes.
 
 use std::collections::HashMap;
 
@@ -7,6 +9,12 @@ use super::context::{Decision, Splitter, Tokens};
 use super::realise::{Prop, R, Sh};
 use super::sequence::{Decision as SeqDecision, Seq, SeqLayer};
 use crate::ir::{Node, NodeId, OpKind, ValueId};
+
+/// Whether an op of the family run on a part of its output of `rank` axes, cut along `axis`,
+/// computes that part: false only for `ApplyRotary` cut along its last axis.
+fn splits_along(kind: Option<OpKind>, axis: usize, rank: usize) -> bool {
+    kind != Some(OpKind::ApplyRotary) || axis + 1 < rank
+}
 
 impl Prop<'_, '_> {
     /// Unary ops (and views that map axes): the output takes the input's placement.
@@ -76,6 +84,9 @@ impl Prop<'_, '_> {
             self.sh.insert(o, Sh::Rep);
             return Ok(());
         };
+        if !splits_along(kind, axis, os.len()) {
+            return self.err(format!("it works along the split axis {axis}"));
+        }
         for v in ins.iter().flatten().copied() {
             if self.state(v) != Sh::Rep {
                 continue;
@@ -100,6 +111,9 @@ impl SeqLayer<'_> {
     /// An elementwise op on token chunks: every token-split operand placed alike and as large
     /// as the output along the token axis; a replicated operand spanning the tokens is sliced.
     pub(super) fn elementwise(&self, node: &Node, seq: &HashMap<ValueId, Seq>, state: Seq, os: &[i64]) -> Option<SeqDecision> {
+        if !splits_along(node.op.kind(), state.axis, os.len()) {
+            return None;
+        }
         let mut scatters = Vec::new();
         for (slot, v) in node.inputs.iter().enumerate() {
             let Some(v) = *v else { continue };
@@ -141,6 +155,11 @@ impl Splitter<'_> {
                 }
                 target.get_or_insert(t);
             }
+        }
+        if let Some(Tokens::Local { axis, .. }) = target
+            && !splits_along(node.op.kind(), axis, r)
+        {
+            return None;
         }
         let all: Vec<usize> = (0..node.inputs.len()).collect();
         Some(self.elementwise_operands(n, os, target?, &all))

@@ -13,7 +13,8 @@ use crate::passes::shape_infer::{self, ShapeInfo};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Family {
     /// Elementwise ops (and Identity, Dropout): one output element per broadcast input element
-    /// (`elementwise.rs`).
+    /// (`elementwise.rs`); and the rotary embedding, which broadcasts alike but mixes along its
+    /// last axis, so no split cuts that one.
     Elementwise,
     /// Matmuls and Gemm: a weight operand splits by columns or rows, two activations by heads
     /// (`matmul.rs`).
@@ -67,7 +68,9 @@ pub fn family(kind: OpKind) -> Family {
         Abs | Neg | Exp | Log | Sqrt | Reciprocal | Tanh | Sigmoid | Relu | Erf | Sin | Cos | Floor | Ceil | Round | Sign | Not | IsNaN
         | IsInf | Softplus | LeakyRelu | Elu | Gelu | HardSigmoid | HardSwish | Identity | Cast | CastLike | Clip | Add | Sub | Mul
         | Div | Pow | Mod | Max | Min | Sum | Mean | Equal | Less | LessOrEqual | Greater | GreaterOrEqual | And | Or | Xor | Where
-        | BitShift | Dropout | SwiGlu => F::Elementwise,
+        | BitShift | Dropout | SwiGlu
+        // broadcast like the rest, but mixing along the last axis (elementwise.rs keeps it whole)
+        | ApplyRotary => F::Elementwise,
         MatMul | Gemm => F::Matmul,
         ScaledDotProductAttention => F::Attention,
         LayerNormalization | RMSNormalization | Softmax | LogSoftmax | ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd

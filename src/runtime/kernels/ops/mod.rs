@@ -118,6 +118,7 @@ pub fn run(node: &Node, inputs: &[Option<Tensor>], ctx: &OpContext) -> KResult<V
         LayerNormalization => nn::layer_norm(&a),
         RMSNormalization => one(nn::rms_norm(&a)),
         SwiGlu => one(nn::swiglu(&a)),
+        ApplyRotary => one(nn::apply_rotary(&a)),
         BatchNormalization => nn::batch_norm(&a),
         InstanceNormalization => one(nn::instance_norm(&a)),
         LRN => one(nn::lrn(&a)),

@@ -197,6 +197,23 @@ pub(super) fn swiglu(a: &Args) -> KResult<Tensor> {
     Ok(a.x(0)?.f_silu()?.f_mul(a.x(1)?)?)
 }
 
+/// `ApplyRotary(x, cos, sin)` (see [`OpKind::ApplyRotary`](crate::ir::OpKind::ApplyRotary)):
+/// `x·cos + rot(x)·sin`, the products and sum of the exported chain, one `addcmul` for the last.
+pub(super) fn apply_rotary(a: &Args) -> KResult<Tensor> {
+    let (x, cos, sin) = (a.x(0)?, a.x(1)?, a.x(2)?);
+    let d = x.size().last().copied().unwrap_or(0);
+    if d < 2 || d % 2 != 0 {
+        bail!("ApplyRotary needs an even last axis of x, it has {d}");
+    }
+    let rot = if a.int("interleaved", 0) != 0 {
+        let pairs = x.f_unflatten(-1, [d / 2, 2])?;
+        Tensor::f_stack(&[pairs.f_select(-1, 1)?.f_neg()?, pairs.f_select(-1, 0)?], -1)?.f_flatten(-2, -1)?
+    } else {
+        Tensor::f_cat(&[x.f_narrow(-1, d / 2, d / 2)?.f_neg()?, x.f_narrow(-1, 0, d / 2)?], -1)?
+    };
+    Ok(x.f_mul(cos)?.f_addcmul(&rot, sin)?)
+}
+
 /// Reshapes a per-channel vector to broadcast against `[N, C, ...]` of `rank`.
 fn per_channel(v: &Tensor, rank: usize) -> KResult<Tensor> {
     let mut shape = vec![1i64; rank.max(2)];
