@@ -327,6 +327,26 @@ fn eval(g: &Graph, node: &Node, env: &HashMap<ValueId, T>) -> Vec<T> {
     let int = x(0).is_int();
     match kind {
         Identity | Dropout => vec![x(0).clone()],
+        // x·cos + rot(x)·sin, rot on the last axis: (−second half, first half), or per pair
+        // (−odd, even) when interleaved
+        ApplyRotary => {
+            let xv = x(0);
+            let d = *xv.shape.last().expect("ApplyRotary of a scalar");
+            let interleaved = a.int("interleaved", 0) != 0;
+            let mut rot = xv.data.clone();
+            for (out, row) in rot.chunks_mut(d).zip(xv.data.chunks(d)) {
+                for (j, o) in out.iter_mut().enumerate() {
+                    *o = match (interleaved, j % 2 == 0, j < d / 2) {
+                        (true, true, _) => -row[j + 1],
+                        (true, false, _) => row[j - 1],
+                        (false, _, true) => -row[j + d / 2],
+                        (false, _, false) => row[j - d / 2],
+                    };
+                }
+            }
+            let rot = T::new(xv.dtype, xv.shape.clone(), rot);
+            vec![nary(&[xv, x(1), &rot, x(2)], xv.dtype, |v| v[0] * v[1] + v[2] * v[3])]
+        }
         Neg => f(|v| -v),
         Sqrt => f(f64::sqrt),
         Tanh => f(f64::tanh),
