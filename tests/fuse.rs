@@ -899,22 +899,20 @@ fn both_rotary_forms_in_any_operand_order_become_one_apply_rotary_computing_the_
 
 #[test]
 fn near_misses_of_rotary_are_left_alone() {
+    // x's last axis (8) cut at `at`, the second part negated, concatenated negated part first
+    // (`neg_first`) or last
+    let cut = |a: &mut Attn, x: ValueId, at: i64, neg_first: bool| {
+        let (z, h, end, last) = (ints(a, &[0]), ints(a, &[at]), ints(a, &[i64::MAX]), ints(a, &[3]));
+        let x1 = a.f(OpKind::Slice, &[x, z, h, last], &[2, 3, 5, at]);
+        let x2 = a.f(OpKind::Slice, &[x, h, end, last], &[2, 3, 5, 8 - at]);
+        let n = a.f(OpKind::Neg, &[x2], &[2, 3, 5, 8 - at]);
+        let parts = if neg_first { [n, x1] } else { [x1, n] };
+        a.op(OpKind::Concat, &parts, &[("axis", smp_partition::ir::Attr::Int(-1))], DType::F32, &Q)
+    };
     // a rotation by a quarter of the axis
-    let quarter = |a: &mut Attn, x: ValueId| {
-        let (z, h, end, last) = (ints(a, &[0]), ints(a, &[2]), ints(a, &[i64::MAX]), ints(a, &[3]));
-        let x1 = a.f(OpKind::Slice, &[x, z, h, last], &[2, 3, 5, 2]);
-        let x2 = a.f(OpKind::Slice, &[x, h, end, last], &[2, 3, 5, 6]);
-        let n = a.f(OpKind::Neg, &[x2], &[2, 3, 5, 6]);
-        a.op(OpKind::Concat, &[n, x1], &[("axis", smp_partition::ir::Attr::Int(-1))], DType::F32, &Q)
-    };
-    // the halves negated the other way round: [x₁, −x₂]... written as Concat(x₁, Neg(x₂))
-    let other_sign = |a: &mut Attn, x: ValueId| {
-        let (z, h, end, last) = (ints(a, &[0]), ints(a, &[4]), ints(a, &[i64::MAX]), ints(a, &[3]));
-        let x1 = a.f(OpKind::Slice, &[x, z, h, last], &[2, 3, 5, 4]);
-        let x2 = a.f(OpKind::Slice, &[x, h, end, last], &[2, 3, 5, 4]);
-        let n = a.f(OpKind::Neg, &[x2], &[2, 3, 5, 4]);
-        a.op(OpKind::Concat, &[x1, n], &[("axis", smp_partition::ir::Attr::Int(-1))], DType::F32, &Q)
-    };
+    let quarter = |a: &mut Attn, x: ValueId| cut(a, x, 2, true);
+    // the halves negated the other way round: Concat(x₁, Neg(x₂))
+    let other_sign = |a: &mut Attn, x: ValueId| cut(a, x, 4, false);
     // pairs taken with the wrong step (x[..., ::1] is not the even channels)
     let wrong_step = |a: &mut Attn, x: ValueId| {
         let (z, one, four, end, last, m1) = (ints(a, &[0]), ints(a, &[1]), ints(a, &[4]), ints(a, &[i64::MAX]), ints(a, &[3]), ints(a, &[-1]));
