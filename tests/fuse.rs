@@ -801,8 +801,14 @@ fn rotate_half(a: &mut Attn, x: ValueId) -> ValueId {
 
 /// `Reshape(Concat(Unsqueeze(Neg(x[..., 1::2]), -1), Unsqueeze(x[..., ::2], -1)), [.., 8])`.
 fn rotate_every_two(a: &mut Attn, x: ValueId) -> ValueId {
+    rotate_pairs(a, x, (i64::MAX, 2))
+}
+
+/// [`rotate_every_two`] with the "even" channels taken as `x[..., 0:end:step]`.
+fn rotate_pairs(a: &mut Attn, x: ValueId, (even_end, even_step): (i64, i64)) -> ValueId {
     let (z, one, end, last, two, m1) = (ints(a, &[0]), ints(a, &[1]), ints(a, &[i64::MAX]), ints(a, &[3]), ints(a, &[2]), ints(a, &[-1]));
-    let even = a.f(OpKind::Slice, &[x, z, end, last, two], &[2, 3, 5, 4]);
+    let (e_end, e_step) = (ints(a, &[even_end]), ints(a, &[even_step]));
+    let even = a.f(OpKind::Slice, &[x, z, e_end, last, e_step], &[2, 3, 5, 4]);
     let odd = a.f(OpKind::Slice, &[x, one, end, last, two], &[2, 3, 5, 4]);
     let n = a.f(OpKind::Neg, &[odd], &[2, 3, 5, 4]);
     let n = a.f(OpKind::Unsqueeze, &[n, m1], &[2, 3, 5, 4, 1]);
@@ -914,18 +920,7 @@ fn near_misses_of_rotary_are_left_alone() {
     // the halves negated the other way round: Concat(x₁, Neg(x₂))
     let other_sign = |a: &mut Attn, x: ValueId| cut(a, x, 4, false);
     // pairs taken with the wrong step (x[..., ::1] is not the even channels)
-    let wrong_step = |a: &mut Attn, x: ValueId| {
-        let (z, one, four, end, last, m1) = (ints(a, &[0]), ints(a, &[1]), ints(a, &[4]), ints(a, &[i64::MAX]), ints(a, &[3]), ints(a, &[-1]));
-        let even = a.f(OpKind::Slice, &[x, z, four, last, one], &[2, 3, 5, 4]);
-        let two = ints(a, &[2]);
-        let odd = a.f(OpKind::Slice, &[x, one, end, last, two], &[2, 3, 5, 4]);
-        let n = a.f(OpKind::Neg, &[odd], &[2, 3, 5, 4]);
-        let n = a.f(OpKind::Unsqueeze, &[n, m1], &[2, 3, 5, 4, 1]);
-        let e = a.f(OpKind::Unsqueeze, &[even, m1], &[2, 3, 5, 4, 1]);
-        let s = a.op(OpKind::Concat, &[n, e], &[("axis", smp_partition::ir::Attr::Int(-1))], DType::F32, &[2, 3, 5, 4, 2]);
-        let shape = ints(a, &Q);
-        a.f(OpKind::Reshape, &[s, shape], &Q)
-    };
+    let wrong_step = |a: &mut Attn, x: ValueId| rotate_pairs(a, x, (4, 1));
     // the rotation of another tensor
     let another = |a: &mut Attn, _x: ValueId| {
         let y = a.input("y", DType::F32, &Q);
