@@ -94,10 +94,9 @@ def dense_experts(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights
     if form.biases:
         gate_up = gate_up + self.gate_up_proj_bias.unsqueeze(-1)
     gate, up = gate_up.chunk(2, dim=1)
-    if form.kind == "clamped_silu":
+    if form.limit is not None:  # the clamped forms
         gate, up = gate.clamp(max=form.limit), up.clamp(min=-form.limit, max=form.limit)
     if form.kind == "clamped_swish":
-        gate, up = gate.clamp(max=form.limit), up.clamp(min=-form.limit, max=form.limit)
         h = gate * torch.sigmoid(gate * form.alpha) * (up + 1)
     else:
         h = torch.nn.functional.silu(gate) * up
