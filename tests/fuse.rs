@@ -799,6 +799,40 @@ fn rotate_half(a: &mut Attn, x: ValueId) -> ValueId {
     a.op(OpKind::Concat, &[n, x1], &[("axis", smp_partition::ir::Attr::Int(-1))], DType::F32, &Q)
 }
 
+/// `Concat(Neg(h₁), h₀)` with `h₀, h₁ = Split(x, [4, 4], -1)` (`torch.chunk(x, 2, -1)`).
+fn rotate_half_split(a: &mut Attn, x: ValueId) -> ValueId {
+    split_rotation(a, x, Some([4, 4]), false)
+}
+
+/// `Concat(Neg(p), q)` of a two-way `Split` of `x`'s last axis by `sizes` (equal halves where
+/// `None`), `p` its second part (its first when `negate_first`) and `q` the other.
+fn split_rotation(a: &mut Attn, x: ValueId, sizes: Option<[i64; 2]>, negate_first: bool) -> ValueId {
+    let [s0, s1] = sizes.unwrap_or([4, 4]);
+    let mut ins = vec![Some(x)];
+    if let Some(sz) = sizes {
+        ins.push(Some(ints(a, &sz)));
+    }
+    a.n += 1;
+    let outs: Vec<ValueId> = [s0, s1]
+        .iter()
+        .enumerate()
+        .map(|(i, &w)| {
+            let ty = Some(TensorType { dtype: DType::F32, shape: Some(Shape::from_known(&[2, 3, 5, w])) });
+            a.g.add_value(format!("split{}_{i}", a.n), ValueKind::Intermediate, ty, None).unwrap()
+        })
+        .collect();
+    let mut attrs = Attrs::default();
+    attrs.set("axis", smp_partition::ir::Attr::Int(-1));
+    if sizes.is_none() {
+        attrs.set("num_outputs", smp_partition::ir::Attr::Int(2));
+    }
+    let node = Node { name: format!("split{}", a.n), op: Op::Known(OpKind::Split), attrs, inputs: ins, outputs: outs.clone(), namespace: None, order: a.n };
+    a.g.add_node(node).unwrap();
+    let (negated, kept) = if negate_first { (outs[0], outs[1]) } else { (outs[1], outs[0]) };
+    let n = a.f(OpKind::Neg, &[negated], &[2, 3, 5, if negate_first { s0 } else { s1 }]);
+    a.op(OpKind::Concat, &[n, kept], &[("axis", smp_partition::ir::Attr::Int(-1))], DType::F32, &Q)
+}
+
 /// `Reshape(Concat(Unsqueeze(Neg(x[..., 1::2]), -1), Unsqueeze(x[..., ::2], -1)), [.., 8])`.
 fn rotate_every_two(a: &mut Attn, x: ValueId) -> ValueId {
     rotate_pairs(a, x, (i64::MAX, 2))
@@ -861,6 +895,8 @@ fn apply_rotary_computes_both_exported_chains_in_f64_forward_and_backward() {
 fn both_rotary_forms_in_any_operand_order_become_one_apply_rotary_computing_the_chain() {
     for (what, rot, interleaved, nodes) in [
         ("half rotation", &rotate_half as &dyn Fn(&mut Attn, ValueId) -> ValueId, false, 1),
+        ("half rotation by one Split", &rotate_half_split, false, 1),
+        ("half rotation by a Split without sizes", &|a: &mut Attn, x: ValueId| split_rotation(a, x, None, false), false, 1),
         ("interleaved", &rotate_every_two, true, 1),
         // the Shape stays for whatever else reads it
         ("interleaved to a computed shape", &rotate_every_two_to_shape, true, 2),
@@ -926,8 +962,17 @@ fn near_misses_of_rotary_are_left_alone() {
         let y = a.input("y", DType::F32, &Q);
         rotate_half(a, y)
     };
-    let cases: [(&str, &dyn Fn(&mut Attn, ValueId) -> ValueId); 4] =
-        [("a quarter rotation", &quarter), ("the other sign", &other_sign), ("a wrong step", &wrong_step), ("another tensor's rotation", &another)];
+    // a Split into unequal parts, and one whose first half is the negated one
+    let uneven = |a: &mut Attn, x: ValueId| split_rotation(a, x, Some([2, 6]), false);
+    let split_other_sign = |a: &mut Attn, x: ValueId| split_rotation(a, x, Some([4, 4]), true);
+    let cases: [(&str, &dyn Fn(&mut Attn, ValueId) -> ValueId); 6] = [
+        ("a quarter rotation", &quarter),
+        ("the other sign", &other_sign),
+        ("a wrong step", &wrong_step),
+        ("another tensor's rotation", &another),
+        ("an uneven Split", &uneven),
+        ("a Split negating its first half", &split_other_sign),
+    ];
     for (what, rot) in cases {
         let mut g = rotary_graph(rot);
         let records = fuse(&mut g);

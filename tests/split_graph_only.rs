@@ -163,11 +163,13 @@ fn graph_only_mixtral_fuses_its_experts_and_splits_them_by_t() {
     let g = &lg.graph;
     let moe: Vec<_> = g.node_ids().filter(|&n| g.node(n).op.is(smp_partition::ir::OpKind::MixtureOfExperts)).collect();
     assert_eq!(moe.len(), 32, "one MixtureOfExperts per block");
-    // the experts, and the 2 RMSNorms of each block and the final one (its SwiGLU gates are the experts')
+    // the experts, the 2 RMSNorms of each block and the final one (its SwiGLU gates are the experts')
     let count = |f: fn(&smp_partition::ir::FusedOp) -> bool| lg.fused.iter().filter(|r| f(&r.op)).count();
     assert_eq!(count(|op| matches!(op, smp_partition::ir::FusedOp::MixtureOfExperts { .. })), 32);
     assert_eq!(count(|op| matches!(op, smp_partition::ir::FusedOp::RmsNorm { .. })), 65);
-    assert_eq!(lg.fused.len(), 97);
+    // q's and k's rotary embeddings, their halves cut by one Split
+    assert_eq!(count(|op| matches!(op, smp_partition::ir::FusedOp::Rotary { interleaved: false })), 64);
+    assert_eq!(lg.fused.len(), 161);
     let (e, h, f, k, tokens) = (8.0, 4096.0, 14336.0, 2.0, 4096.0);
     let fig = lg.node_figures(moe[0]);
     assert_eq!(fig.param_elems as f64, e * 3.0 * h * f, "all experts' weights");

@@ -73,7 +73,8 @@
 //! sin))` (any operand order), is the IR op [`OpKind::ApplyRotary`] (inputs `x, cos, sin`): one
 //! kernel instead of six to nine passes. `rot` is recognised in the two forms the exporters write,
 //! on `x`'s last axis `d` (known, even):
-//! - the half rotation (Llama's `rotate_half`): `Concat(Neg(Slice(x, d/2:)), Slice(x, :d/2))`;
+//! - the half rotation (Llama's `rotate_half`): `Concat(Neg(Slice(x, d/2:)), Slice(x, :d/2))`,
+//!   or with both halves cut by one `Split` (`torch.chunk`);
 //! - the pairwise one (GPT-J's `rotate_every_two`, attribute `interleaved`):
 //!   `Reshape(Concat(Unsqueeze(Neg(Slice(x, 1::2)), -1), Unsqueeze(Slice(x, 0::2), -1), -1))`
 //!   back to `x`'s shape.
@@ -1292,11 +1293,17 @@ impl Matcher<'_> {
             // the half rotation: [−x[d/2:], x[:d/2]]
             let [Some(neg_out), Some(first)] = self.g.node(cat).inputs[..] else { return None };
             let neg = self.inner(neg_out, Neg)?;
-            let (s2, (x, start2, end2, step2)) = self.slice_of(self.g.node(neg).inputs.first().copied().flatten()?)?;
+            let second = self.g.node(neg).inputs.first().copied().flatten()?;
+            let axis = self.g.node(cat).attrs.int("axis", 0);
+            if let Some((split, x)) = self.halves_split(first, second) {
+                // the same rotation cut by one Split into halves (`torch.chunk(x, 2, -1)`)
+                let rank = self.dims(x)?.len() as i64;
+                return (axis == -1 || axis == rank - 1).then(|| (x, false, vec![cat, neg, split]));
+            }
+            let (s2, (x, start2, end2, step2)) = self.slice_of(second)?;
             let (s1, (x1, start1, end1, step1)) = self.slice_of(first)?;
             let d = self.last_dim(x)?;
             let rank = self.dims(x)?.len() as i64;
-            let axis = self.g.node(cat).attrs.int("axis", 0);
             let halves = (start1, end1, step1, start2, end2, step2) == (0, d / 2, 1, d / 2, d, 1);
             return (x1 == x && halves && (axis == -1 || axis == rank - 1)).then(|| (x, false, vec![cat, neg, s1, s2]));
         }
@@ -1322,6 +1329,29 @@ impl Matcher<'_> {
             && last_new(un2)
             && self.dims(r) == self.dims(x);
         ok.then(|| (x, true, vec![reshape, cat, un1, un2, neg, odd, even]))
+    }
+
+    /// `first` and `second` = the two outputs, in order, of one `Split` cutting some `x` into
+    /// equal halves along its last axis, each read only by the chain: (the Split, x).
+    fn halves_split(&self, first: ValueId, second: ValueId) -> Option<(NodeId, ValueId)> {
+        let s = self.g.value(first).producer?;
+        let node = self.g.node(s);
+        if !node.op.is(OpKind::Split) || node.outputs != [first, second] || self.g.value(second).producer != Some(s) {
+            return None;
+        }
+        if self.uses[first.index()] != 1 || self.uses[second.index()] != 1 {
+            return None;
+        }
+        let x = node.inputs.first().copied().flatten()?;
+        let d = self.last_dim(x)?;
+        let rank = self.dims(x)?.len() as i64;
+        let axis = node.attrs.int("axis", 0);
+        let sizes_ok = match node.inputs.get(1).copied().flatten() {
+            Some(_) => self.const_ints(s, 1)? == [d / 2, d / 2],
+            // before opset 13 the sizes are an attribute; without them the outputs are equal
+            None => node.attrs.ints("split").is_none_or(|v| v == [d / 2, d / 2]),
+        };
+        ((axis == -1 || axis == rank - 1) && sizes_ok).then_some((s, x))
     }
 
     /// The known, even last axis of `x`.
