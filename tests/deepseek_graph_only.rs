@@ -46,6 +46,12 @@ fn deepseek_v3_on_256_h100s_is_planned_optimal_with_its_experts_split() {
     assert_eq!(moe, 58, "{fused:?}");
     assert!(text.contains("671.03B params, 63 layers"), "{text}");
     assert!(text.contains(&format!("experts e = {ep}:")) && text.contains("optimal:"), "{text}");
+    // the model state reported is the fullest rank's, and at e = 1 it would not fit the device
+    let state = |s: &serde_json::Value| ["params", "grads", "optimizer"].iter().map(|k| s["memory_bytes"][k].as_u64().unwrap()).sum::<u64>();
+    let fullest = plan["stages"].as_array().unwrap().iter().map(state).max().unwrap();
+    let axes = &plan["axes"];
+    assert_eq!(axes["state_bytes"].as_u64(), Some(fullest), "{axes}");
+    assert!(axes["state_bytes_without_ep"].as_u64().unwrap() > plan["cluster"]["memory_limit_bytes"].as_u64().unwrap(), "{axes}");
     insta::assert_snapshot!("deepseek_v3_h100x256_choices", choices(text));
 }
 

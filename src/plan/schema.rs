@@ -100,9 +100,9 @@ pub struct AxesInfo {
     pub all_to_all_s: f64,
     /// The busiest expert rank's extra compute per step, seconds.
     pub imbalance_s: f64,
-    /// Model-state bytes per rank.
+    /// Model-state bytes of the pipeline rank holding the most.
     pub state_bytes: u64,
-    /// Model-state bytes per rank of the same plan at expert degree 1.
+    /// That rank's model-state bytes in the same plan at expert degree 1.
     pub state_bytes_without_ep: u64,
     /// One sample's checkpointed activations (its layers' inputs) over the whole model: above
     /// half a device, context degrees up to what memory needs are searched.

@@ -131,10 +131,9 @@ pub struct AxisReport {
     pub all_to_all_s: f64,
     /// Expert-imbalance compute per step on the busiest pipeline rank.
     pub imbalance_s: f64,
-    /// Model-state bytes per rank of the chosen plan, and of the same plan without expert
-    /// parallelism (equal at e = 1).
+    /// Model-state bytes of the chosen plan's pipeline rank holding the most.
     pub state_bytes: f64,
-    /// Model-state bytes per rank at e = 1, same plan otherwise.
+    /// The same rank's model-state bytes at e = 1, same plan otherwise (equal at e = 1).
     pub state_bytes_without_ep: f64,
     /// One sample's checkpointed activations over the whole model (its layers' inputs),
     /// bytes: what decides whether context degrees above 1 are searched.

@@ -508,10 +508,13 @@ fn axis_report(ctx: &CostContext<'_>, cand: &Candidate, prob: &PipelineProblem, 
     let p = prob.devices.max(1);
     let busiest = (0..p).max_by(|&a, &b| (eval.fwd_s[a] + eval.bwd_s[a]).total_cmp(&(eval.fwd_s[b] + eval.bwd_s[b]))).unwrap_or(0);
     let peak = (0..p).max_by(|&a, &b| eval.total_bytes[a].total_cmp(&eval.total_bytes[b])).unwrap_or(0);
+    // the model state is reported where it is largest: the rank whose whole memory peaks may
+    // hold no experts (a last stage of the head alone)
+    let fullest = (0..p).max_by(|&a, &b| eval.state_bytes[a].total_cmp(&eval.state_bytes[b])).unwrap_or(0);
     let m = cand.parallel.microbatches as f64;
     let mut r = AxisReport {
         activation_bytes: eval.act_bytes.get(peak).copied().unwrap_or(0.0),
-        state_bytes: eval.state_bytes.get(peak).copied().unwrap_or(0.0),
+        state_bytes: eval.state_bytes.get(fullest).copied().unwrap_or(0.0),
         ..Default::default()
     };
     r.state_bytes_without_ep = r.state_bytes;
@@ -526,7 +529,7 @@ fn axis_report(ctx: &CostContext<'_>, cand: &Candidate, prob: &PipelineProblem, 
             r.imbalance_s += m * 3.0 * ax.imbalance_fwd_s;
         }
         let ex = ctx.experts.get(l).copied().unwrap_or_default();
-        if d == peak && (cand.parallel.ep > 1 || cand.parallel.experts_folded()) && ex.experts > 0 {
+        if d == fullest && (cand.parallel.ep > 1 || cand.parallel.experts_folded()) && ex.experts > 0 {
             let held = ex.params / t;
             let trained = held * ctx.shapes[l].trained_fraction();
             let at = |e: f64, group: usize| crate::cost::model_state(held / e, trained / e, lc.zero, group, ctx.precision).total();
