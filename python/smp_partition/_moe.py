@@ -47,6 +47,20 @@ not — weighting either each expert's output or the token entering it (Llama 4 
 own names, the file's metadata `smp.transposed` names them, and `load_trained` transposes the
 trained ones back.
 
+The same form with the two weights in two children of the block (JetMoE: `input_linear`,
+`output_linear`), and with a bias `[H]` of the block's own added to the experts' sum, is
+recognised the same way; the bias is drawn at random on the probe, so a form without it cannot
+match a block that adds it.
+
+Mixtures of attention heads (JetMoE's attention): a module with `map` (each token's k routed
+query projections, `[B, S, k, O]`, its router logits and the routing) and `reduce` (the k
+attention outputs' routed output projections, weighted by the router, summed, plus a bias), a
+router weight `[E, H]` and two children holding one weight each, `[E, O, H]` and `[E, H, O]`.
+Recognised on a probe in f64 against the module's own `map` and `reduce`, both are replaced for
+the export by dense ones (`_HeadsBlock.methods`): every expert's projection as one matrix
+product over the stacked weights, the chosen ones picked (and weighted) by a one-hot. No fused
+op covers them: they run densely, E/k times their routed FLOPs, and the export warns so.
+
 The auxiliary load-balancing loss. When the model's config asks for it
 (`output_router_logits`), Hugging Face adds `router_aux_loss_coef · aux` to the loss of every
 forward, with `aux = E · Σ_e f_e · P_e`: `f_e` the share of top-k choices that went to expert
@@ -510,18 +524,29 @@ def _loop_blocks(model: Any) -> list[_LoopBlock]:
 
 
 class _StackedBlock:
-    """One recognised stacked-weight block with its own routing (see the module docs)."""
+    """One recognised stacked-weight block with its own routing (see the module docs). With
+    `experts_name` None the two weights are in two children of the block (JetMoE's
+    `input_linear`/`output_linear`) and `weights` are their paths in the block."""
 
-    def __init__(self, name: str, block: Any, experts_name: str, weights: tuple[str, str], transposed: bool,
+    def __init__(self, name: str, block: Any, experts_name: str | None, weights: tuple[str, str], transposed: bool,
                  router: str, shared: str | None, top_k: int, scoring: str, weighting: str, flat: bool,
-                 with_logits: bool) -> None:
+                 with_logits: bool, bias: str | None = None) -> None:
         self.name, self.block, self.experts_name, self.weights = name, block, experts_name, weights
         self.transposed, self.router, self.shared = transposed, router, shared
         self.top_k, self.scoring, self.weighting = top_k, scoring, weighting
-        self.flat, self.with_logits = flat, with_logits
+        self.flat, self.with_logits, self.bias = flat, with_logits, bias
 
     def path(self, tensor: str) -> str:
         return f"{self.name}.{tensor}" if self.name else tensor
+
+    def experts(self) -> tuple[str, Any]:
+        """(module name, a module holding exactly the experts' weights)."""
+        import torch
+
+        if self.experts_name is not None:
+            return self.path(self.experts_name), getattr(self.block, self.experts_name)
+        owners = [w.rsplit(".", 1)[0] for w in self.weights]
+        return self.path(owners[0]), torch.nn.ModuleList([self.block.get_submodule(o) for o in owners])
 
     def transposed_names(self) -> list[str]:
         """The exported weights stored with their last two axes swapped (module names)."""
@@ -531,9 +556,12 @@ class _StackedBlock:
 
     def stacked_module(self) -> Any:
         """The experts' weights in the dense form's layout, `[E, 2I, H]` and `[E, H, I]`, under
-        their own names (the experts module itself when they already are)."""
+        their own names (the experts module itself when they already are; the block, for
+        weights in two children)."""
         import torch
 
+        if self.experts_name is None:
+            return self.block
         experts = getattr(self.block, self.experts_name)
         if not self.transposed:
             return experts
@@ -555,25 +583,44 @@ class _StackedBlock:
 
         import types
 
-        block, router, shared_name = self.block, self.router, self.shared
+        block, router, shared_name, bias = self.block, self.router, self.shared, self.bias
         top_k, scoring, with_logits, flat = self.top_k, self.scoring, self.with_logits, self.flat
         dense = dense_experts_input if self.weighting == "input" else dense_experts
         gate_up_name, down_name = self.weights
 
         def forward(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
             # read through the modules at call time, so that the exporter sees parameters
-            view = types.SimpleNamespace(gate_up_proj=getattr(stacked, gate_up_name),
-                                         down_proj=getattr(stacked, down_name), act_fn=torch.nn.functional.silu)
+            view = types.SimpleNamespace(gate_up_proj=stacked.get_parameter(gate_up_name),
+                                         down_proj=stacked.get_parameter(down_name), act_fn=torch.nn.functional.silu)
             x = hidden_states.reshape(-1, hidden_states.shape[-1])
             logits = torch.nn.functional.linear(x, block.get_parameter(router))
             top, index = _routed(logits, top_k, scoring)
             y = dense(view, x, index, top.to(x.dtype))
+            if bias is not None:
+                y = y + block.get_parameter(bias)
             if shared_name is not None:
                 y = y + block.get_submodule(shared_name)(x)
             y = y if flat else y.reshape(hidden_states.shape)
             return (y, logits) if with_logits else y
 
         return forward
+
+
+def _chained_pair(block: Any) -> tuple[str, str] | None:
+    """(gate-up path, down path) where two children of `block` each hold one weight, 3-D, of
+    one expert count, chaining as `[E, 2I, H]`·`[E, H, I]`; else None."""
+    ws = []
+    for n, m in block.named_children():
+        params = list(m.named_parameters())
+        if len(params) == 1 and params[0][1].dim() == 3:
+            ws.append((f"{n}.{params[0][0]}", params[0][1]))
+    if len(ws) != 2 or ws[0][1].shape[0] != ws[1][1].shape[0]:
+        return None
+    for (a, wa), (b, wb) in ((ws[0], ws[1]), (ws[1], ws[0])):
+        (_, p, q), (_, r, t) = wa.shape, wb.shape
+        if p == 2 * t and q == r and p != q:
+            return a, b
+    return None
 
 
 def _gate_up_down(experts: Any) -> tuple[tuple[str, str], bool] | None:
@@ -604,15 +651,22 @@ class _Probed:
         self.main = want[0] if self.with_logits else want
 
 
-def _probe(block: Any, hidden: int, seed: int) -> _Probed | None:
+def _probe(block: Any, hidden: int, seed: int, randomised: tuple[str, ...] = ()) -> _Probed | None:
     """`block` run in f64 on a random probe of hidden size `hidden`, or None when it does not
-    take hidden states and return a tensor (then it is no mixture-of-experts block)."""
+    take hidden states and return a tensor (then it is no mixture-of-experts block). The
+    parameters named in `randomised` are drawn at random first (a zero-initialised bias would
+    otherwise match a form without it)."""
     import copy
 
     import torch
 
-    x = torch.randn(2, 3, hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, hidden, dtype=torch.float64, generator=gen)
     copied = copy.deepcopy(block).double().eval()
+    with torch.no_grad():
+        for n in randomised:
+            p = copied.get_parameter(n)
+            p.copy_(torch.randn(p.shape, dtype=p.dtype, generator=gen))
     try:
         with torch.no_grad():
             want = copied(x)
@@ -645,13 +699,25 @@ def _stacked_blocks(model: Any, taken: set[int]) -> list[_StackedBlock]:
         children = dict(block.named_children())
         found = [(n, m, _gate_up_down(m)) for n, m in children.items() if id(m) not in taken]
         found = [(n, m, g) for n, m, g in found if g is not None]
-        if len(found) != 1 or any(not p.requires_grad for p in found[0][1].parameters()):
+        pair = _chained_pair(block) if not found else None
+        if pair is not None:
+            # the two weights in two children: the experts are those children
+            owners = [w.split(".", 1)[0] for w in pair]
+            experts_name, weights, transposed = None, pair, False
+            expert_params = [p for o in owners for p in children[o].parameters()]
+            count = block.get_parameter(pair[0]).shape[0]
+        elif len(found) == 1:
+            experts_name, experts, (weights, transposed) = found[0]
+            owners = [experts_name]
+            expert_params = list(experts.parameters())
+            count = getattr(experts, weights[0]).shape[0]
+        else:
             continue
-        experts_name, experts, (weights, transposed) = found[0]
-        count = getattr(experts, weights[0]).shape[0]
-        inside = {id(p) for p in experts.parameters()}
+        if any(not p.requires_grad for p in expert_params) or any(id(children[o]) in taken for o in owners):
+            continue
+        inside = {id(p) for p in expert_params}
         routers = [n for n, p in block.named_parameters() if id(p) not in inside and p.dim() == 2 and p.shape[0] == count]
-        others = [n for n, m in children.items() if n != experts_name and any(True for _ in m.parameters())
+        others = [n for n, m in children.items() if n not in owners and any(True for _ in m.parameters())
                   and not any(r.startswith(n + ".") for r in routers)]
         if len(routers) != 1 or len(others) > 1:
             continue
@@ -659,16 +725,22 @@ def _stacked_blocks(model: Any, taken: set[int]) -> list[_StackedBlock]:
         router_owner = router.rsplit(".", 1)[0] if "." in router else None
         if router_owner is not None and sum(1 for _ in block.get_submodule(router_owner).parameters()) != 1:
             continue  # a router with a bias or a correction: not a form tried here
-        probed = _probe(block, block.get_parameter(router).shape[1], seed=2)
+        hidden = block.get_parameter(router).shape[1]
+        # a bias of the block's own, `[H]`, added to the experts' sum (JetMoE), drawn at random
+        # on the probe so that a form without it cannot match
+        own = [n for n, p in block.named_parameters(recurse=False) if p.dim() == 1 and p.shape[0] == hidden]
+        own = own if len(own) == 1 else []
+        probed = _probe(block, hidden, seed=2, randomised=tuple(own))
         if probed is None or probed.main.numel() != probed.x.numel():
             continue
         copied, probe, want, with_logits = probed.copied, probed.x, probed.want, probed.with_logits
         flat = probed.main.shape != probe.shape
         shared = others[0] if others else None
         match = None
-        for top_k, scoring, weighting in itertools.product(range(1, count + 1), _SCORINGS, _WEIGHTINGS):
+        for bias, top_k, scoring, weighting in itertools.product([None] + own, range(1, count + 1), _SCORINGS,
+                                                                 _WEIGHTINGS):
             c = _StackedBlock(name, copied, experts_name, weights, transposed, router, shared, top_k, scoring,
-                              weighting, flat, with_logits)
+                              weighting, flat, with_logits, bias)
             with torch.no_grad():
                 got = c.forward(c.stacked_module())(probe)
             if _same_outputs(got, want, with_logits):
@@ -676,8 +748,122 @@ def _stacked_blocks(model: Any, taken: set[int]) -> list[_StackedBlock]:
                 break
         if match:
             out.append(_StackedBlock(name, block, experts_name, weights, transposed, router, shared, *match, flat,
-                                     with_logits))
+                                     with_logits, bias))
     return out
+
+
+class _HeadsBlock:
+    """One recognised mixture of attention heads (module docs): `map` gives each token k routed
+    query projections, `reduce` sums the k attention outputs' routed output projections,
+    weighted by the router, plus the block's bias."""
+
+    def __init__(self, name: str, block: Any, weights: tuple[str, str], router: str, bias: str | None,
+                 top_k: int, scoring: str) -> None:
+        self.name, self.block, self.weights, self.router = name, block, weights, router
+        self.bias, self.top_k, self.scoring = bias, top_k, scoring
+
+    def experts(self) -> int:
+        return int(self.block.get_parameter(self.weights[0]).shape[0])
+
+    def methods(self) -> tuple[Any, Any]:
+        """The dense `map` and `reduce`: every expert's projection on every token (as plain
+        matrix products over the stacked weights), the routed ones picked by a one-hot."""
+        import torch
+
+        block, (w_in, w_out), router, bias = self.block, self.weights, self.router, self.bias
+        top_k, scoring = self.top_k, self.scoring
+
+        def map(layer_input: Any) -> Any:  # noqa: A001 - the module's own method name
+            b, n, h = layer_input.shape
+            x = layer_input.reshape(-1, h)
+            logits = torch.nn.functional.linear(x, block.get_parameter(router))
+            top, index = _routed(logits, top_k, scoring)
+            weight = block.get_parameter(w_in)  # [E, O, H]
+            e, o = weight.shape[0], weight.shape[1]
+            every = (x @ weight.reshape(e * o, h).t()).reshape(-1, e, o)
+            picked = torch.nn.functional.one_hot(index, e).to(x.dtype) @ every  # [N, k, O]
+            return picked.reshape(b, n, top_k, o), logits, (index, top.to(x.dtype))
+
+        def reduce(layer_input: Any, topo: Any) -> Any:
+            b, n, k, o = layer_input.shape
+            index, top = topo
+            weight = block.get_parameter(w_out)  # [E, H, O]
+            e, h = weight.shape[0], weight.shape[1]
+            routed = torch.nn.functional.one_hot(index, e).to(layer_input.dtype) * top.unsqueeze(-1)  # [N, k, E]
+            per_expert = routed.transpose(1, 2) @ layer_input.reshape(-1, k, o)  # [N, E, O]
+            y = per_expert.reshape(-1, e * o) @ weight.transpose(1, 2).reshape(e * o, h)
+            if bias is not None:
+                y = y + block.get_parameter(bias)
+            return y.reshape(b, n, h)
+
+        return map, reduce
+
+
+def _heads_blocks(model: Any) -> list[_HeadsBlock]:
+    """The mixtures of attention heads of `model`: modules with `map` and `reduce`, a router
+    weight `[E, H]` and two children each holding one weight of E experts, `[E, O, H]` and
+    `[E, H, O]`, whose dense `map` and `reduce` equal the module's own on a probe in f64."""
+    import copy
+
+    import torch
+
+    out = []
+    for name, block in model.named_modules():
+        if not (callable(getattr(block, "map", None)) and callable(getattr(block, "reduce", None))):
+            continue
+        ws = [(f"{n}.{q}", p) for n, m in block.named_children() for q, p in m.named_parameters() if p.dim() == 3]
+        if len(ws) != 2:
+            continue
+        (a, wa), (c, wc) = ws
+        if wa.shape[1:] != wc.shape[1:][::-1]:
+            continue
+        e, hidden = wa.shape[0], wa.shape[2]
+        routers = [n for n, p in block.named_parameters() if p.dim() == 2 and tuple(p.shape) == (e, hidden)]
+        own = [n for n, p in block.named_parameters(recurse=False) if p.dim() == 1 and p.shape[0] == hidden]
+        if len(routers) != 1 or len(own) > 1:
+            continue
+        copied = copy.deepcopy(block).double().eval()
+        gen = torch.Generator().manual_seed(3)
+        x = torch.randn(2, 3, hidden, dtype=torch.float64, generator=gen)
+        with torch.no_grad():  # a zero bias would match the forms without it
+            for n in own:
+                copied.get_parameter(n).copy_(torch.randn(hidden, dtype=torch.float64, generator=gen))
+        try:
+            with torch.no_grad():
+                q, logits, topo = copied.map(x)
+                heads = torch.randn(q.shape, dtype=torch.float64, generator=gen)
+                want = copied.reduce(heads, topo)
+        except Exception:  # noqa: BLE001 - not a mixture of heads by this protocol
+            continue
+        match = None
+        for bias, top_k, scoring in itertools.product([None] + own, range(1, e + 1), _SCORINGS):
+            if top_k != q.shape[2]:
+                continue
+            m_map, m_reduce = _HeadsBlock(name, copied, (a, c), routers[0], bias, top_k, scoring).methods()
+            with torch.no_grad():
+                got_q, got_logits, got_topo = m_map(x)
+                got = m_reduce(heads, got_topo)
+            if (got_q.shape == q.shape and torch.allclose(got_q, q, rtol=1e-5, atol=1e-7)
+                    and torch.allclose(got_logits, logits.reshape(got_logits.shape).to(got_logits.dtype), rtol=1e-5, atol=1e-7)
+                    and got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-7)):
+                match = (bias, top_k, scoring)
+                break
+        if match:
+            bias, top_k, scoring = match
+            out.append(_HeadsBlock(name, block, (a, c), routers[0], bias, top_k, scoring))
+    return out
+
+
+def warn_dense_heads(model: Any, heads: list[_HeadsBlock]) -> None:
+    """Warns that each mixture of attention heads runs densely, naming it."""
+    import warnings
+
+    for h in heads:
+        e = h.experts()
+        warnings.warn(f"{type(model).__name__}: mixture of attention heads `{h.name}` ({type(h.block).__name__}) is "
+                      f"exported densely: every expert's query and output projection on every token ({e}/{h.top_k} = "
+                      f"{e / h.top_k:.3g}× their routed FLOPs), the routed ones picked by a one-hot; it trains as "
+                      "the module does, without expert parallelism", stacklevel=4)
 
 
 class _Totals:
@@ -763,9 +949,10 @@ class MoeExport:
             warn_tied_routers(model, [(b.path(b.list_name), getattr(b.block, b.list_name), len(getattr(b.block, b.list_name)))
                                       for b in self.loops])
         self.blocks = _stacked_blocks(model, {id(m) for _, m in self.experts})
+        self.heads = _heads_blocks(model)
+        warn_dense_heads(model, self.heads)
         if self.blocks:
-            warn_tied_routers(model, [(b.path(b.experts_name), getattr(b.block, b.experts_name),
-                                       int(getattr(getattr(b.block, b.experts_name), b.weights[0]).shape[0]))
+            warn_tied_routers(model, [(*b.experts(), int(b.stacked_module().get_parameter(b.weights[0]).shape[0]))
                                       for b in self.blocks])
         if not self.experts:
             return
@@ -861,19 +1048,26 @@ class MoeExport:
     def _stacking(self) -> Iterator[None]:
         """Each per-expert-loop block as its stacked dense form, each stacked-weight block as
         its dense form (module docs)."""
-        swapped = []
+        swapped, forwards = [], []
         try:
             for b, child in [(b, b.list_name) for b in self.loops] + [(b, b.experts_name) for b in self.blocks]:
-                original = getattr(b.block, child)
                 stacked = b.stacked_module()
-                setattr(b.block, child, stacked)
-                swapped.append((b.block, child, original))
+                if child is not None:
+                    swapped.append((b.block, child, getattr(b.block, child)))
+                    setattr(b.block, child, stacked)
                 b.block.forward = b.forward(stacked)
+                forwards.append(b.block)
+            for h in self.heads:
+                h.block.map, h.block.reduce = h.methods()
             yield
         finally:
             for block, child, original in swapped:
                 setattr(block, child, original)
+            for block in forwards:
                 del block.forward
+            for h in self.heads:
+                for method in ("map", "reduce"):
+                    h.block.__dict__.pop(method, None)
 
     @contextlib.contextmanager
     def _interface(self) -> Iterator[None]:

@@ -185,3 +185,39 @@ def test_interleaved_experts_are_exported_gate_rows_first_and_given_back_as_the_
     assert torch.equal(names[bias][:, :i], module.gate_up_proj_bias.detach()[:, 0::2])
     back = in_module_layout({k: names[k] for k in (gate_up, bias)}, exported.path)
     assert torch.equal(back[gate_up], module.gate_up_proj.detach()) and torch.equal(back[bias], module.gate_up_proj_bias.detach())
+
+
+def test_jetmoe_heads_and_experts_export_as_the_module_computes_them(tmp_path: Path) -> None:
+    # JetMoE: a mixture of attention heads (routed query and output projections, `map` and
+    # `reduce`) and experts whose weights sit in two modules, each with a bias after the sum;
+    # the biases are drawn non-zero, so a form that dropped them would differ
+    import onnxruntime as ort
+
+    cfg = transformers.JetMoeConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                    kv_channels=8, intermediate_size=48, vocab_size=64, max_position_embeddings=32,
+                                    num_local_experts=4, num_experts_per_tok=2, use_cache=False)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.JetMoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.bias") or name.endswith("experts.bias"):
+                p.normal_(std=0.5)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with pytest.warns(UserWarning, match=r"mixture of attention heads `model.layers.0.self_attention.experts` \(JetMoeMoA\) "
+                                         r"is exported densely"):
+        exported = smp.export(model, ids, tmp_path / "jetmoe.onnx")
+    assert exported.record["missing"] == []
+    # both dense: the module's own routing (sorting the pairs by expert, splitting them by the
+    # routed counts, adding them back by index) reaches the graph nowhere
+    ops = {n.op_type for n in onnx.load(str(exported.path)).graph.node}
+    assert ops.isdisjoint({"Sort", "ScatterND", "ScatterElements"}), ops
+    sess = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    for batch in (ids, torch.randint(0, 64, (3, 5), generator=torch.Generator().manual_seed(2))):
+        with torch.no_grad():
+            want = model(batch).logits.numpy()
+        got = sess.run(None, {"input_ids": batch.numpy()})[0]
+        assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
+    # the module is given back as it was
+    assert "map" not in model.model.layers[0].self_attention.experts.__dict__
+    assert "forward" not in model.model.layers[0].mlp.__dict__

@@ -217,6 +217,12 @@ def archs() -> dict[str, Arch]:
              expert_parallel=True, weight_tol=1e-3),
         Arch("deepseek_v3", "decoder LM, group-limited routing with bias correction, shared expert, latent attention",
              _deepseek_v3, "causal-lm", moe_layers=1, expert_parallel=True),
+        # routed query and output projections (a mixture of attention heads, exported densely)
+        # and experts whose weights sit in two modules, with a bias after their sum
+        Arch("jetmoe", "decoder LM, mixture of attention heads (dense), experts in two stacked modules with an "
+             "output bias", lambda: T.JetMoeForCausalLM(T.JetMoeConfig(
+                 num_key_value_heads=2, kv_channels=8, num_local_experts=4, num_experts_per_tok=2, **no_drop,
+                 **_decoder())), "causal-lm", moe_layers=2, expert_parallel=True),
         Arch("loop_moe", "decoder LM, per-expert modules looped over the experts hit (4 experts, top 2)", _loop_moe,
              "causal-lm", moe_layers=2, expert_parallel=True),
         Arch("bert", "encoder, masked LM", lambda: T.BertForMaskedLM(T.BertConfig(
