@@ -752,6 +752,105 @@ def _stacked_blocks(model: Any, taken: set[int]) -> list[_StackedBlock]:
     return out
 
 
+#: Router settings that make training draw at random: noise on the router's input (Mixtral's
+#: `jitter_noise`, PhiMoE's `input_jitter_noise`) or the margin within which PhiMoE's SparseMixer
+#: samples among near-best experts (`router_jitter_noise`); at 0 each trains as it evaluates.
+_NOISE_ATTRS = ("jitter_noise", "input_jitter_noise", "router_jitter_noise")
+
+
+def _training_differs(block: Any, hidden: int, zero_noise: bool) -> str | None:
+    """What of `block` (an f64 copy, its dropout off) differs between two training-mode
+    forwards and backwards on one probe, or between training and evaluation mode ("its output
+    differs", "its gradients differ"), else None; tried as the block is and with its scores
+    nearly tied (every 2-D weight reading the hidden state drawn to its rows' mean, the router's
+    among them, where a sampling router samples and a top-k one still chooses alike). With `zero_noise`, the noise
+    attributes of `_NOISE_ATTRS` are set to 0 on the copy first. A block that does not take
+    hidden states alone gives None."""
+    for tied in (False, True):
+        differs = _differs_once(block, hidden, zero_noise, tied)
+        if differs is not None:
+            return differs
+    return None
+
+
+def _differs_once(block: Any, hidden: int, zero_noise: bool, tied: bool) -> str | None:
+    """One probe of `_training_differs`."""
+    import copy
+
+    import torch
+
+    copied = copy.deepcopy(block).double()
+    if tied:
+        with torch.no_grad():
+            for p in copied.parameters():
+                if p.dim() == 2 and p.shape[1] == hidden:
+                    mean = p.mean(dim=0, keepdim=True)
+                    p.copy_(mean + 1e-3 * (p - mean))
+    for m in copied.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+        cfg = getattr(m, "config", None)
+        if getattr(cfg, "_experts_implementation", None) not in (None, "eager"):
+            cfg._experts_implementation = "eager"  # the copy's own config: grouped_mm takes no f64
+        for attr in _NOISE_ATTRS if zero_noise else ():
+            if isinstance(getattr(m, attr, None), float):
+                setattr(m, attr, 0.0)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, hidden, dtype=torch.float64, generator=gen)
+    params = [p for p in copied.parameters() if p.requires_grad]
+
+    def run(training: bool, seed: int) -> tuple[Any, list[Any]] | None:
+        copied.train(training)
+        torch.manual_seed(seed)
+        xi = x.clone().requires_grad_(True)
+        try:
+            y = copied(xi * 1.0)  # not the leaf itself: routers may scale their input in place
+        except Exception:  # noqa: BLE001 - a block that does not take hidden states alone
+            return None
+        y = y[0] if isinstance(y, tuple) else y
+        if not isinstance(y, torch.Tensor) or not y.requires_grad:
+            return None
+        weights = torch.randn(y.shape, dtype=y.dtype, generator=torch.Generator().manual_seed(6))
+        grads = torch.autograd.grad((y * weights).sum(), [xi, *params], allow_unused=True)
+        return y.detach(), [g for g in grads if g is not None]
+
+    with torch.random.fork_rng():
+        runs = [run(True, 11), run(True, 12), run(False, 11)]
+    if any(r is None for r in runs):
+        return None
+    (y0, g0) = runs[0]
+    for y, g in runs[1:]:
+        if not torch.allclose(y, y0, rtol=1e-9, atol=1e-12):
+            return "its output differs"
+        if len(g) != len(g0) or not all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(g, g0)):
+            return "its gradients differ"
+    return None
+
+
+def check_deterministic_training(model: Any, name: str, block: Any) -> None:
+    """Raises `SmpError` naming mixture-of-experts block `name` when it trains otherwise than
+    its evaluation-mode graph computes (sampled routing, noise on the tokens, a gradient of its
+    own in training): the export is that graph, which the runner trains, so PyTorch's training
+    would not be followed. The fix is named when zeroing the router's noise removes it."""
+    hidden = next((int(p.shape[-1]) for p in block.parameters() if p.dim() == 2), None)
+    differs = _training_differs(block, hidden, zero_noise=False) if hidden is not None else None
+    if differs is None:
+        return
+    what = f"`{name}` ({type(block).__name__})" if name else type(block).__name__
+    found = f"{differs} between training-mode runs, or from evaluation mode, on the same tokens"
+    if _training_differs(block, hidden, zero_noise=True) is None:
+        noise = sorted({f"{a} = {getattr(m, a)}" for m in block.modules() for a in _NOISE_ATTRS
+                        if isinstance(getattr(m, a, None), float) and getattr(m, a) > 0})
+        raise SmpError(f"{type(model).__name__}: mixture-of-experts block {what} trains otherwise than it evaluates "
+                       f"({found}: {', '.join(noise)} draws at random in training), while the runner trains the "
+                       "evaluation-mode graph; with them at 0 it trains as it evaluates: set them to 0 in the config "
+                       "(router_jitter_noise, input_jitter_noise) to export")
+    raise SmpError(f"{type(model).__name__}: mixture-of-experts block {what} trains otherwise than it evaluates "
+                   f"({found}, with its routers' noise settings at 0: routing sampled in training, or a gradient "
+                   "estimator of its own), while the runner trains the evaluation-mode graph; no setting of the "
+                   "model makes the two the same, so it cannot be trained as PyTorch trains it")
+
+
 class _HeadsBlock:
     """One recognised mixture of attention heads (module docs): `map` gives each token k routed
     query projections, `reduce` sums the k attention outputs' routed output projections,
@@ -951,6 +1050,8 @@ class MoeExport:
         self.blocks = _stacked_blocks(model, {id(m) for _, m in self.experts})
         self.heads = _heads_blocks(model)
         warn_dense_heads(model, self.heads)
+        for b in [*self.loops, *self.blocks]:
+            check_deterministic_training(model, b.name, b.block)
         if self.blocks:
             warn_tied_routers(model, [(*b.experts(), int(b.stacked_module().get_parameter(b.weights[0]).shape[0]))
                                       for b in self.blocks])
@@ -963,12 +1064,10 @@ class MoeExport:
         warn_unfused(model, self.experts, self.forms)
         warn_tied_routers(model, [(n, m, _expert_count(m)) for n, m in self.experts])
         cfg = getattr(model, "config", None)
-        jitter = max([getattr(cfg, "router_jitter_noise", 0.0) or 0.0]
-                     + [getattr(m, "jitter_noise", 0.0) or 0.0 for m in model.modules()])
-        if jitter > 0:
-            raise SmpError(f"{type(model).__name__} has router jitter noise {jitter}: its routers multiply the tokens by "
-                           "fresh noise in every training step, which the runner does not draw; set router_jitter_noise "
-                           "to 0 to export")
+        named = dict(model.named_modules())
+        for name, _ in self.experts:
+            parent = name.rsplit(".", 1)[0] if "." in name else ""
+            check_deterministic_training(model, parent, named.get(parent, model))
         if getattr(cfg, "output_router_logits", False):
             router = _router_outputs(model)
             coefficient = getattr(model, "router_aux_loss_coef", getattr(cfg, "router_aux_loss_coef", None))

@@ -152,6 +152,36 @@ def _export_mode(model: Any) -> Iterator[None]:
         model.train(training)
 
 
+def dropout_settings(model: Any) -> list[str]:
+    """Where `model` drops activations in training: its dropout modules with p > 0, and its
+    modules' own dropout probabilities above 0 (Hugging Face attention's `attention_dropout`,
+    applied as a function), each by name."""
+    import torch
+
+    found = []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            if m.p > 0:
+                found.append(f"`{name}` (p = {m.p:g})")
+            continue
+        found += [f"`{name}.{k}` = {v:g}" if name else f"`{k}` = {v:g}" for k, v in vars(m).items()
+                  if "dropout" in k and isinstance(v, float) and v > 0]
+    return found
+
+
+def warn_dropout(model: Any) -> None:
+    """Warns, naming where, when `model` applies dropout in training: the export is in
+    evaluation mode, so the plan trains without it."""
+    import warnings
+
+    found = dropout_settings(model)
+    if found:
+        shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        warnings.warn(f"{type(model).__name__} applies dropout in training ({shown}); the graph is exported in "
+                      "evaluation mode, so the plan trains without dropout where PyTorch's training applies it; set "
+                      "the dropout probabilities to 0 to train the same model both ways", stacklevel=3)
+
+
 def running_statistics(model: Any, prefix: str = "") -> tuple[set[str], dict[str, str]]:
     """The buffers a training forward of `model` moves, by name with `prefix`: the running
     means and variances of its BatchNorm (and InstanceNorm with `track_running_stats`)
@@ -314,6 +344,7 @@ def export(model: Any, example_inputs: Any, path: str | Path, *, dynamic: bool =
         with modules.forward(), _complex.RealComplex(modules.innermost):
             yield
 
+    warn_dropout(model)
     # routed experts as a dense form, and the router's auxiliary loss as an output (_moe.py)
     moe = _moe.MoeExport(model, names)
     wrapper = moe.wrap(_wrapper(model, names, kwargs, tracing))

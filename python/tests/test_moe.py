@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -70,8 +71,31 @@ def test_a_bare_block_exports_without_an_auxiliary_loss(tmp_path: Path) -> None:
 
 def test_router_jitter_is_refused_with_the_fix(tmp_path: Path) -> None:
     model = _mixtral(router_jitter_noise=0.1)
-    with pytest.raises(smp.SmpError, match="router_jitter_noise to 0"):
+    with pytest.raises(smp.SmpError, match=r"`model.layers.0.mlp` \(MixtralSparseMoeBlock\) trains otherwise than it "
+                                           r"evaluates \(its output differs.*jitter_noise = 0.1 draws at random.*set "
+                                           r"them to 0"):
         smp.export(model, torch.zeros(1, 4, dtype=torch.long), tmp_path / "m.onnx")
+
+
+def test_routing_sampled_in_training_is_refused_with_the_setting_that_removes_it(tmp_path: Path) -> None:
+    # PhiMoE's SparseMixer samples its experts (Gumbel) among those within a margin of the best
+    # (`router_jitter_noise`, not noise on the tokens) and has a gradient estimator of its own
+    # (Heun's method) in training; at margin 0 only the best remains and it trains as it evaluates
+    def phimoe(margin: float) -> Any:
+        cfg = transformers.PhimoeConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                        intermediate_size=48, vocab_size=64, max_position_embeddings=32,
+                                        num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=margin,
+                                        use_cache=False)
+        torch.manual_seed(0)
+        return transformers.PhimoeForCausalLM(cfg)
+
+    model = phimoe(0.01)
+    with pytest.raises(smp.SmpError, match=r"`model.layers.0.mlp` \(PhimoeSparseMoeBlock\) trains otherwise than it "
+                                           r"evaluates .*router_jitter_noise = 0.01 draws at random.*set them to 0"):
+        smp.export(model, torch.zeros(1, 4, dtype=torch.long), tmp_path / "m.onnx")
+    # the check leaves the module as it was
+    assert model.training and model.model.layers[0].mlp.router.router_jitter_noise == 0.01
+    smp.export(phimoe(0.0), torch.zeros(1, 4, dtype=torch.long), tmp_path / "m0.onnx")
 
 
 def _experts_class(form: str):

@@ -9,6 +9,7 @@ import re
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 
 import smp_partition as smp
@@ -46,3 +47,27 @@ def test_a_record_free_export_names_the_constants_it_suspects_and_the_fix(tmp_pa
     suspect = re.search(r"`([^`]+)` \[1, " + str(SEQ) + r", 32\] \(added to activations, rows of a table\)", text)
     assert suspect, text
     assert "export it through `smp_partition.export`" in text, text
+
+
+def test_dropout_in_training_is_named_with_the_fix(tmp_path: Path) -> None:
+    # the export is the evaluation-mode graph: a model that drops activations in training is
+    # trained without dropout by the plan, which the export says, naming where
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
+                                                                 n_positions=32, resid_pdrop=0.1, embd_pdrop=0.0,
+                                                                 attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    with pytest.warns(UserWarning, match=r"applies dropout in training \(`transformer.h.0.attn.resid_dropout` \(p = 0.1\), "
+                                         r"`transformer.h.0.mlp.dropout` \(p = 0.1\)\).*set the dropout probabilities to 0"):
+        smp.export(model, tokens(), tmp_path / "m.onnx")
+    # a Llama's attention dropout is a function of its attention module, named by its attribute
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=64,
+        max_position_embeddings=32, attention_dropout=0.2, use_cache=False))
+    with pytest.warns(UserWarning, match=r"applies dropout in training \(`model.layers.0.self_attn.attention_dropout` = 0.2\)"):
+        smp.export(llama, tokens(), tmp_path / "l.onnx")
+    # none without dropout
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        smp.export(tiny_gpt2(), tokens(), tmp_path / "g.onnx")
