@@ -2,7 +2,7 @@
 //! §3): what the outer search sorts and prunes its candidates by.
 
 use std::collections::HashMap;
-use std::rc::Rc;
+use std::sync::Arc;
 
 use crate::ir::{OffloadRule, ScheduleKind};
 
@@ -82,7 +82,7 @@ fn table_facts(layers: &[PipelineLayer]) -> Vec<LayerFacts> {
 
 /// A table's facts, with the table kept alive so its address names it for the memo's lifetime.
 struct SharedFacts {
-    _table: Rc<Vec<PipelineLayer>>,
+    _table: Arc<Vec<PipelineLayer>>,
     layers: Vec<LayerFacts>,
 }
 
@@ -99,21 +99,21 @@ type Splits = HashMap<(Vec<u64>, usize), f64>;
 pub struct BoundMemo {
     tables: HashMap<*const Vec<PipelineLayer>, SharedFacts>,
     splits: Splits,
-    flights: HashMap<(ScheduleKind, usize, usize), Rc<Vec<f64>>>,
+    flights: HashMap<(ScheduleKind, usize, usize), Arc<Vec<f64>>>,
 }
 
 impl BoundMemo {
     /// [`crate::cost::stage_in_flights`], computed once per (schedule, p, m).
-    pub(super) fn stage_in_flights(&mut self, kind: ScheduleKind, p: usize, m: usize) -> Rc<Vec<f64>> {
-        self.flights.entry((kind, p, m)).or_insert_with(|| Rc::new(crate::cost::stage_in_flights(kind, p, m))).clone()
+    pub(super) fn stage_in_flights(&mut self, kind: ScheduleKind, p: usize, m: usize) -> Arc<Vec<f64>> {
+        self.flights.entry((kind, p, m)).or_insert_with(|| Arc::new(crate::cost::stage_in_flights(kind, p, m))).clone()
     }
 }
 
 /// [`bounds_with`] over a shared `table`, with the work shared through `memo`.
-pub(super) fn bounds_shared(p: &PipelineProblem, table: &Rc<Vec<PipelineLayer>>, memo: &mut BoundMemo) -> (f64, f64) {
+pub(super) fn bounds_shared(p: &PipelineProblem, table: &Arc<Vec<PipelineLayer>>, memo: &mut BoundMemo) -> (f64, f64) {
     let shared = memo
         .tables
-        .entry(Rc::as_ptr(table))
+        .entry(Arc::as_ptr(table))
         .or_insert_with(|| SharedFacts { _table: table.clone(), layers: table_facts(table) });
     bounds_spread(p, table, &shared.layers, Some(&mut memo.splits), false)
 }

@@ -7,12 +7,13 @@
 //! (sequence parallel), so compute, parameters and saved activations divide by t.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use crate::cost::{ClusterSpec, CommModel, GroupSpan, StatePrecision, model_state};
 use crate::cost::compute::{bytes_scale, graph_float_dtype, layer_times_scaled};
 use crate::ir::{DType, LayerKind, LayeredGraph, NodeFigures, OpKind, Precision, ValueId, ValueKind};
 
-use super::ilp::SolverOptions;
+use super::ilp::{IntraSolution, SolverOptions};
 use super::problem::{ParetoPoint, PipelineLayer, TiedCopy};
 use super::strategy::{self, StrategyInputs};
 use crate::split::{Engine, Strategy};
@@ -279,6 +280,14 @@ fn axis_facts(lg: &LayeredGraph) -> (Vec<AttentionFacts>, Vec<ExpertFacts>) {
     (att, exp)
 }
 
+/// The intra-layer ILP's fastest assignment of `ls`; `None` when the solve fails or finds
+/// none, which leaves the Megatron split (always valid). The fastest only: the smallest is the
+/// all-split one, which Megatron's split already is, so further Pareto solves would only cost
+/// time.
+fn fastest(ls: &strategy::LayerStrategies) -> Option<IntraSolution> {
+    ls.problem.solve(false, None, &SolverOptions::default()).ok().and_then(|(_, s)| s)
+}
+
 /// A layer configuration as a cache key (the layer's representative first; `usize::MAX` for
 /// the whole model).
 type LayerKey = (usize, usize, usize, u8, [GroupSpan; 7], bool, usize, usize, usize);
@@ -330,7 +339,7 @@ pub struct CostContext<'a> {
     /// Weights more than one layer reads (another layer's `shared_params`).
     tied: std::collections::HashSet<ValueId>,
     details: HashMap<(usize, usize, usize, GroupSpan, bool), Vec<StrategyDetail>>,
-    model_cache: HashMap<LayerKey, std::rc::Rc<Vec<PipelineLayer>>>,
+    model_cache: HashMap<LayerKey, Arc<Vec<PipelineLayer>>>,
     sig_index: Vec<usize>,
 }
 
@@ -405,7 +414,7 @@ impl<'a> CostContext<'a> {
 
     /// Every layer's points under `cfg` (cached per configuration, shared by the candidates
     /// that differ only in microbatch count, schedule or placement of equal groups).
-    pub fn layers(&mut self, cfg: &LayerConfig) -> std::rc::Rc<Vec<PipelineLayer>> {
+    pub fn layers(&mut self, cfg: &LayerConfig) -> Arc<Vec<PipelineLayer>> {
         let key = layer_key(usize::MAX, cfg);
         if let Some(v) = self.model_cache.get(&key) {
             return v.clone();
@@ -428,7 +437,7 @@ impl<'a> CostContext<'a> {
             layer.tied = self.tied_copies(l, cfg);
             v.push(layer);
         }
-        let v = std::rc::Rc::new(v);
+        let v = Arc::new(v);
         self.model_cache.insert(key, v.clone());
         v
     }
@@ -494,8 +503,13 @@ impl<'a> CostContext<'a> {
 
     /// The assignment behind point `choice` of `layer` under `cfg`, if computed.
     pub fn detail(&self, layer: usize, cfg: &LayerConfig, choice: usize) -> Option<&StrategyDetail> {
-        let rep = *self.sig_index.get(layer)?;
-        self.details.get(&(rep, cfg.tp, cfg.microbatch, cfg.tp_group, cfg.sequence_parallel))?.get(choice)
+        self.detail_list(layer, cfg).get(choice)
+    }
+
+    /// The assignments of `layer` under `cfg` computed so far (empty before [`Self::details`]).
+    fn detail_list(&self, layer: usize, cfg: &LayerConfig) -> &[StrategyDetail] {
+        let Some(&rep) = self.sig_index.get(layer) else { return &[] };
+        self.details.get(&(rep, cfg.tp, cfg.microbatch, cfg.tp_group, cfg.sequence_parallel)).map_or(&[], |v| v.as_slice())
     }
 
     fn megatron_detail(&self, layer: usize, cfg: &LayerConfig) -> StrategyDetail {
@@ -612,6 +626,48 @@ impl<'a> CostContext<'a> {
     }
 
     fn solve_details(&mut self, layer: usize, cfg: &LayerConfig) -> Vec<StrategyDetail> {
+        let (out, ls) = self.start_details(layer, cfg);
+        let Some(ls) = ls else { return out };
+        self.intra_solves += 1;
+        let sol = fastest(&ls);
+        self.finish_details(layer, cfg, out, &ls, sol)
+    }
+
+    /// Solves, on up to `threads` threads, the intra-layer ILPs that the tables of `cfgs`
+    /// need and the cache lacks (one per layer representative and configuration), so that
+    /// building those tables solves none. The results are those of solving them one by one:
+    /// each ILP is solved alone on one HiGHS thread, and taken in the order they were met.
+    pub fn prefetch_details(&mut self, cfgs: &[LayerConfig], threads: usize) {
+        let mut reps: Vec<usize> = self.sig_index.clone();
+        reps.sort_unstable();
+        reps.dedup();
+        let mut seen = std::collections::HashSet::new();
+        let mut jobs = Vec::new();
+        for cfg in cfgs {
+            for &rep in &reps {
+                let key = (rep, cfg.tp, cfg.microbatch, cfg.tp_group, cfg.sequence_parallel);
+                if self.details.contains_key(&key) || !seen.insert(key) {
+                    continue;
+                }
+                match self.start_details(rep, cfg) {
+                    (out, Some(ls)) => jobs.push((key, *cfg, out, ls)),
+                    (out, None) => {
+                        self.details.insert(key, out);
+                    }
+                }
+            }
+        }
+        let sols = super::parallel::map(&jobs, threads, |(_, _, _, ls)| fastest(ls));
+        for ((key, cfg, out, ls), sol) in jobs.into_iter().zip(sols) {
+            self.intra_solves += 1;
+            let d = self.finish_details(key.0, &cfg, out, &ls, sol);
+            self.details.insert(key, d);
+        }
+    }
+
+    /// The serial part of a layer's details: the Megatron split, and the intra-layer problem
+    /// whose fastest assignment may add a point (`None` when there is none to solve).
+    fn start_details(&mut self, layer: usize, cfg: &LayerConfig) -> (Vec<StrategyDetail>, Option<strategy::LayerStrategies>) {
         let mut megatron = self.megatron_detail(layer, cfg);
         let lay = &self.lg.layers[layer];
         if cfg.tp <= 1 {
@@ -621,7 +677,7 @@ impl<'a> CostContext<'a> {
                 .iter()
                 .map(|&id| (g.try_node(id).map(|n| n.name.clone()).unwrap_or_default(), Strategy::Replicate))
                 .collect();
-            return vec![megatron];
+            return (vec![megatron], None);
         }
         let mut offers = self.layer_offers(layer, cfg);
         let mut ls = strategy::from_offers(offers.clone());
@@ -655,16 +711,17 @@ impl<'a> CostContext<'a> {
             megatron.param_elems = ls.params_of(&ls.megatron);
             megatron.act_bytes = m.act_bytes.max(megatron.input_bytes);
         }
-        let mut out = vec![megatron.clone()];
+        let out = vec![megatron];
         if self.megatron_only {
-            return out;
+            return (out, None);
         }
-        self.intra_solves += 1;
-        // A failed or empty solve leaves the Megatron split, which is always valid.
-        // The fastest assignment only: the smallest is the all-split one, which Megatron's
-        // split already is, so further Pareto solves would only cost time.
-        let sols = ls.problem.solve(false, None, &SolverOptions::default()).ok().and_then(|(_, s)| s);
-        let (input_bytes, offload_bytes) = (megatron.input_bytes, megatron.offload_bytes);
+        (out, Some(ls))
+    }
+
+    /// The details from the Megatron split `out` and the intra-layer ILP's fastest assignment
+    /// `sol` of `ls`: that assignment is added where it differs and is not dominated.
+    fn finish_details(&self, layer: usize, cfg: &LayerConfig, mut out: Vec<StrategyDetail>, ls: &strategy::LayerStrategies, sols: Option<IntraSolution>) -> Vec<StrategyDetail> {
+        let (input_bytes, offload_bytes) = (out[0].input_bytes, out[0].offload_bytes);
         if let Some(s) = sols.filter(|s| s.choice != ls.megatron) {
             let d = StrategyDetail {
                 name: format!("ilp-tp{}", cfg.tp),
@@ -687,7 +744,8 @@ impl<'a> CostContext<'a> {
     }
 
     fn compute(&mut self, layer: usize, cfg: &LayerConfig) -> PipelineLayer {
-        let details = self.details(layer, cfg).to_vec();
+        self.details(layer, cfg);
+        let details = self.detail_list(layer, cfg);
         let lay = &self.lg.layers[layer];
         let b = cfg.microbatch as f64;
         let points = details.iter().enumerate().map(|(i, d)| self.point(layer, d, i, cfg)).collect();

@@ -5,10 +5,10 @@
 //! `bounds.rs`; [`Search`] holds one search's phases.
 
 use std::collections::HashMap;
-use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Instant;
 
-use crate::cost::{ClusterSpec, kept_in_flight};
+use crate::cost::{ClusterSpec, CommModel, kept_in_flight};
 use crate::ir::{LayeredGraph, Parallelism, ScheduleKind};
 
 use super::bounds::{BoundMemo, bounds_shared, pruning_bound_with};
@@ -37,7 +37,7 @@ pub struct Prepared {
     /// looks at the candidate beyond its bounds ([`Prepared::materialize`]).
     pub problem: PipelineProblem,
     /// The layer table, shared with every candidate of the same layer configuration.
-    pub table: Rc<Vec<PipelineLayer>>,
+    pub table: Arc<Vec<PipelineLayer>>,
     /// Lower bound on its step time.
     pub lb: f64,
     /// Lower bound on its peak memory per device.
@@ -64,17 +64,24 @@ pub fn prepare(
     fixed_checkpoints: Option<Vec<bool>>,
 ) -> Prepared {
     let table = ctx.layers(&layer_config(ctx.spec, cand));
-    prepare_on(ctx, cand, memory_cap, active, (fixed_chunks, fixed_checkpoints), table, &mut BoundMemo::default())
+    let links = Links { spec: ctx.spec, comm: ctx.comm };
+    prepare_on(&links, cand, memory_cap, active, (fixed_chunks, fixed_checkpoints), table, &mut BoundMemo::default())
+}
+
+/// What preparing a candidate reads of the cluster (shared by the threads preparing them).
+struct Links<'a> {
+    spec: &'a ClusterSpec,
+    comm: CommModel,
 }
 
 /// [`prepare`] over a given layer table, with the fixed chunks and recompute flags.
 fn prepare_on(
-    ctx: &CostContext<'_>,
+    ctx: &Links<'_>,
     cand: &Candidate,
     memory_cap: f64,
     active: Option<usize>,
     (fixed_chunks, fixed_checkpoints): (Option<Vec<usize>>, Option<Vec<bool>>),
-    table: Rc<Vec<PipelineLayer>>,
+    table: Arc<Vec<PipelineLayer>>,
     memo: &mut BoundMemo,
 ) -> Prepared {
     let spec = ctx.spec;
@@ -137,9 +144,9 @@ pub struct Search<'a> {
     /// rule on a context that also holds the intra-layer assignments).
     megatron_view: bool,
     /// Those tables, by the full table they cut down.
-    megatron_tables: HashMap<*const Vec<PipelineLayer>, Rc<Vec<PipelineLayer>>>,
-    /// The bounds' work per layer table, shared by every phase.
-    bound_memo: BoundMemo,
+    megatron_tables: HashMap<*const Vec<PipelineLayer>, Arc<Vec<PipelineLayer>>>,
+    /// Threads the intra-layer ILPs and the bounds run on ([`super::parallel::threads`]).
+    pub threads: usize,
     /// Whether a search nothing fits in works out the fix (an unused seed's failure is
     /// dropped unread).
     pub explain: bool,
@@ -361,7 +368,7 @@ impl<'a> Search<'a> {
             cap: cfg.memory_limit_bytes().unwrap_or(spec.memory_bytes) as f64,
             megatron_view: false,
             megatron_tables: HashMap::new(),
-            bound_memo: BoundMemo::default(),
+            threads: super::parallel::threads(),
             explain: true,
         }
     }
@@ -399,33 +406,46 @@ impl<'a> Search<'a> {
     }
 
     /// The layer table of a layer configuration under the rule in force.
-    fn table(&mut self, lc: &LayerConfig) -> Rc<Vec<PipelineLayer>> {
+    fn table(&mut self, lc: &LayerConfig) -> Arc<Vec<PipelineLayer>> {
         let full = self.ctx.layers(lc);
         if !self.megatron_view {
             return full;
         }
         self.megatron_tables
-            .entry(Rc::as_ptr(&full))
+            .entry(Arc::as_ptr(&full))
             .or_insert_with(|| {
-                Rc::new(full.iter().map(|l| PipelineLayer { points: l.points.iter().take(1).cloned().collect(), ..l.clone() }).collect())
+                Arc::new(full.iter().map(|l| PipelineLayer { points: l.points.iter().take(1).cloned().collect(), ..l.clone() }).collect())
             })
             .clone()
     }
 
     /// Every candidate's problem and bounds; a manual layout, else `fixed`, places the layers.
+    /// The intra-layer ILPs and the bounds run on [`Self::threads`] threads; the layer tables
+    /// are built in between, one by one from the caches the ILPs filled.
     fn prepare_all(&mut self, cands: &[Candidate], fixed: LayoutRule<'_>) -> Result<Vec<Prepared>, SolveError> {
         let layout = match &self.cfg.layout {
             Some(l) => Some(layout_chunks(&l.0, self.lg.layers.len())?),
             None => None,
         };
-        let mut out = Vec::with_capacity(cands.len());
-        for cand in cands {
-            let f = layout.clone().or_else(|| fixed(cand, &self.ctx));
-            let table = self.table(&layer_config(self.spec, cand));
-            let checkpoints = self.cfg.checkpoint_flags(self.lg.layers.len());
-            out.push(prepare_on(&self.ctx, cand, self.cap, self.cfg.active_microbatches, (f, checkpoints), table, &mut self.bound_memo));
-        }
-        Ok(out)
+        let configs: Vec<LayerConfig> = cands.iter().map(|c| layer_config(self.spec, c)).collect();
+        self.ctx.prefetch_details(&configs, self.threads);
+        let jobs: Vec<_> = cands
+            .iter()
+            .zip(&configs)
+            .map(|(cand, lc)| (cand, layout.clone().or_else(|| fixed(cand, &self.ctx)), self.table(lc)))
+            .collect();
+        let checkpoints = self.cfg.checkpoint_flags(self.lg.layers.len());
+        let (cap, active) = (self.cap, self.cfg.active_microbatches);
+        let links = Links { spec: self.spec, comm: self.ctx.comm };
+        // Runs of neighbours (which mostly share their tables) per thread, each with its memo.
+        let runs: Vec<_> = jobs.chunks(jobs.len().div_ceil(4 * self.threads).max(64)).collect();
+        let prepared = super::parallel::map(&runs, self.threads, |run| {
+            let mut memo = BoundMemo::default();
+            run.iter()
+                .map(|(cand, f, table)| prepare_on(&links, cand, cap, active, (f.clone(), checkpoints.clone()), table.clone(), &mut memo))
+                .collect::<Vec<_>>()
+        });
+        Ok(prepared.into_iter().flatten().collect())
     }
 
     /// Solves `cands` in bound order; `fixed(cand, ctx)` may impose a layout. `seed`, a plan
@@ -435,7 +455,13 @@ impl<'a> Search<'a> {
         let start = Instant::now();
         let limit = self.cfg.time_limit_s.unwrap_or(DEFAULT_TIME_LIMIT_S);
         let prepared = self.prepare_all(&cands, fixed)?;
-        tracing::debug!("prepared {} candidates in {:.3} s", prepared.len(), start.elapsed().as_secs_f64());
+        tracing::debug!(
+            "prepared {} candidates in {:.3} s ({} intra-layer ILPs so far, {} threads)",
+            prepared.len(),
+            start.elapsed().as_secs_f64(),
+            self.ctx.intra_solves,
+            self.threads
+        );
         let cp_alternatives = alternatives(&prepared, self.cap, |c| c.parallel.cp);
         let ep_alternatives = alternatives(&prepared, self.cap, |c| c.parallel.ep);
         let min_mem = prepared.iter().map(|p| p.mem_lb).fold(f64::INFINITY, f64::min);
