@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use crate::ir::{OffloadRule, ScheduleKind};
 
+use super::layer_cost::CompactTable;
 use super::oracle::min_max_lower_bound;
 use super::problem::{CheckpointRule, PipelineLayer, PipelineProblem};
 
@@ -38,7 +39,7 @@ pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
 
 /// [`bounds`] of `p` with `layers` in place of its own.
 pub(super) fn bounds_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> (f64, f64) {
-    bounds_spread(p, layers, &table_facts(layers), None, false)
+    bounds_spread(p, &table_facts(layers), None, false)
 }
 
 /// What the bounds read of one layer: its least figures over its points.
@@ -56,6 +57,8 @@ struct LayerFacts {
     fwd: f64,
     /// The most bytes offloading may move (at most `input`).
     movable: f64,
+    /// Bytes a cut after it sends.
+    out: f64,
 }
 
 fn table_facts(layers: &[PipelineLayer]) -> Vec<LayerFacts> {
@@ -75,14 +78,16 @@ fn table_facts(layers: &[PipelineLayer]) -> Vec<LayerFacts> {
                 input,
                 fwd: fold_min(&mut pts.iter().map(|q| q.fwd_s)),
                 movable: pts.iter().map(|q| q.offload_bytes).fold(0.0, f64::max).min(input),
+                out: l.output_bytes,
             }
         })
         .collect()
 }
 
-/// A table's facts, with the table kept alive so its address names it for the memo's lifetime.
+/// A table's facts per layer, with the table kept alive so its address names it for the
+/// memo's lifetime.
 struct SharedFacts {
-    _table: Arc<Vec<PipelineLayer>>,
+    _table: Arc<CompactTable>,
     layers: Vec<LayerFacts>,
 }
 
@@ -97,7 +102,7 @@ type Splits = HashMap<(Vec<u64>, usize), f64>;
 /// schedule's are read off its p·m·v actions).
 #[derive(Default)]
 pub struct BoundMemo {
-    tables: HashMap<*const Vec<PipelineLayer>, SharedFacts>,
+    tables: HashMap<*const CompactTable, SharedFacts>,
     splits: Splits,
     flights: HashMap<(ScheduleKind, usize, usize), Arc<Vec<f64>>>,
 }
@@ -109,13 +114,14 @@ impl BoundMemo {
     }
 }
 
-/// [`bounds_with`] over a shared `table`, with the work shared through `memo`.
-pub(super) fn bounds_shared(p: &PipelineProblem, table: &Arc<Vec<PipelineLayer>>, memo: &mut BoundMemo) -> (f64, f64) {
-    let shared = memo
-        .tables
-        .entry(Arc::as_ptr(table))
-        .or_insert_with(|| SharedFacts { _table: table.clone(), layers: table_facts(table) });
-    bounds_spread(p, table, &shared.layers, Some(&mut memo.splits), false)
+/// [`bounds_with`] over the layers of a shared compact `table`, with the work shared
+/// through `memo`.
+pub(super) fn bounds_shared(p: &PipelineProblem, table: &Arc<CompactTable>, memo: &mut BoundMemo) -> (f64, f64) {
+    let shared = memo.tables.entry(Arc::as_ptr(table)).or_insert_with(|| {
+        let distinct = table_facts(&table.distinct);
+        SharedFacts { _table: table.clone(), layers: table.of_layer.iter().map(|&i| distinct[i]).collect() }
+    });
+    bounds_spread(p, &shared.layers, Some(&mut memo.splits), false)
 }
 
 /// The step-time bound of `p`, tightened for interleaved schedules by [`spread_lower_bound`]
@@ -128,7 +134,7 @@ pub fn pruning_bound(p: &PipelineProblem) -> f64 {
 
 /// [`pruning_bound`] of `p` with `layers` in place of its own.
 pub(super) fn pruning_bound_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> f64 {
-    bounds_spread(p, layers, &table_facts(layers), None, true).0
+    bounds_spread(p, &table_facts(layers), None, true).0
 }
 
 /// The least possible load of the busiest of `bins` bins holding `times`, however they are
@@ -155,7 +161,6 @@ pub fn spread_lower_bound(times: &[f64], bins: usize) -> f64 {
 /// min-max splits of the table's least times where they depend on the table alone.
 fn bounds_spread(
     p: &PipelineProblem,
-    layers: &[PipelineLayer],
     facts: &[LayerFacts],
     mut splits: Option<&mut Splits>,
     spread: bool,
@@ -164,7 +169,7 @@ fn bounds_spread(
     let chunks = p.chunks();
     let c = p.bubble_coeff;
     let m = p.microbatches as f64;
-    let l_n = layers.len();
+    let l_n = facts.len();
     let mut tmin = Vec::with_capacity(l_n);
     let mut smin = Vec::with_capacity(l_n);
     let (mut state, mut act_total, mut kept_min) = (0.0, 0.0, 0.0);
@@ -265,11 +270,10 @@ fn bounds_spread(
     let transfer = match &p.fixed_chunks {
         Some(f) => (0..l_n.saturating_sub(1))
             .filter(|&l| f[l] != f[l + 1])
-            .map(|l| 2.0 * layers[l].output_bytes * p.transfer_s_per_byte[f[l]])
+            .map(|l| 2.0 * facts[l].out * p.transfer_s_per_byte[f[l]])
             .sum(),
         None => {
-            let least_out =
-                layers[..l_n.saturating_sub(1)].iter().map(|l| l.output_bytes).fold(f64::INFINITY, f64::min);
+            let least_out = facts[..l_n.saturating_sub(1)].iter().map(|l| l.out).fold(f64::INFINITY, f64::min);
             if least_out.is_finite() { p.transfer_s_per_byte.iter().map(|b| 2.0 * least_out * b).sum() } else { 0.0 }
         }
     };

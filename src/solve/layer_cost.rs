@@ -297,6 +297,25 @@ fn layer_key(rep: usize, cfg: &LayerConfig) -> LayerKey {
     (rep, cfg.tp, cfg.microbatch, cfg.zero, groups, cfg.sequence_parallel, cfg.cp, cfg.ep, cfg.etp)
 }
 
+/// Each distinct layer's points under one configuration, and which of them every layer
+/// takes: all a candidate's bounds read. The per-layer table ([`CostContext::layers`]) is
+/// built only for the candidates the search looks at beyond their bounds.
+#[derive(Clone, Debug)]
+pub struct CompactTable {
+    /// The points of each distinct layer (identical layers share one entry; no tied copies).
+    pub distinct: Vec<PipelineLayer>,
+    /// For every layer, its entry in `distinct`.
+    pub of_layer: Arc<Vec<usize>>,
+}
+
+impl CompactTable {
+    /// The table with only each layer's first point (its Megatron split).
+    pub fn first_points(&self) -> CompactTable {
+        let distinct = self.distinct.iter().map(|l| PipelineLayer { points: l.points.iter().take(1).cloned().collect(), ..l.clone() }).collect();
+        CompactTable { distinct, of_layer: self.of_layer.clone() }
+    }
+}
+
 /// Figures of a model on a cluster, with a cache of layer points.
 pub struct CostContext<'a> {
     /// The model.
@@ -340,7 +359,12 @@ pub struct CostContext<'a> {
     tied: std::collections::HashSet<ValueId>,
     details: HashMap<(usize, usize, usize, GroupSpan, bool), Vec<StrategyDetail>>,
     model_cache: HashMap<LayerKey, Arc<Vec<PipelineLayer>>>,
+    compact_cache: HashMap<LayerKey, Arc<CompactTable>>,
+    /// Per layer, the first layer of its signature (its representative).
     sig_index: Vec<usize>,
+    /// The representatives in layer order, and every layer's position among them.
+    reps: Vec<usize>,
+    rep_slot: Arc<Vec<usize>>,
 }
 
 impl<'a> CostContext<'a> {
@@ -378,13 +402,24 @@ impl<'a> CostContext<'a> {
             })
             .collect();
         let mut sigs: HashMap<&str, usize> = HashMap::new();
-        let sig_index = lg
+        let sig_index: Vec<usize> = lg
             .layers
             .iter()
             .enumerate()
             .map(|(i, l)| *sigs.entry(l.signature.as_str()).or_insert(i))
             .collect();
         let (attention, experts) = axis_facts(lg);
+        let mut reps: Vec<usize> = Vec::new();
+        let rep_slot = sig_index
+            .iter()
+            .map(|&r| match reps.iter().position(|&x| x == r) {
+                Some(i) => i,
+                None => {
+                    reps.push(r);
+                    reps.len() - 1
+                }
+            })
+            .collect();
         CostContext {
             lg,
             attention,
@@ -408,7 +443,10 @@ impl<'a> CostContext<'a> {
             tied: lg.layers.iter().flat_map(|l| l.shared_params.iter().copied()).collect(),
             details: HashMap::new(),
             model_cache: HashMap::new(),
+            compact_cache: HashMap::new(),
             sig_index,
+            reps,
+            rep_slot: Arc::new(rep_slot),
         }
     }
 
@@ -419,26 +457,24 @@ impl<'a> CostContext<'a> {
         if let Some(v) = self.model_cache.get(&key) {
             return v.clone();
         }
-        // Identical layers share their representative's points: one cache look-up per
-        // representative, not per layer.
-        let n = self.lg.layers.len();
-        let mut by_rep: Vec<Option<PipelineLayer>> = vec![None; n];
-        let mut v = Vec::with_capacity(n);
-        for l in 0..n {
-            let rep = self.sig_index[l];
-            let mut layer = match &by_rep[rep] {
-                Some(x) => x.clone(),
-                None => {
-                    let x = self.rep_layer(rep, cfg);
-                    by_rep[rep] = Some(x.clone());
-                    x
-                }
-            };
-            layer.tied = self.tied_copies(l, cfg);
-            v.push(layer);
-        }
+        let c = self.compact(cfg);
+        let v: Vec<PipelineLayer> =
+            (0..self.lg.layers.len()).map(|l| PipelineLayer { tied: self.tied_copies(l, cfg), ..c.distinct[c.of_layer[l]].clone() }).collect();
         let v = Arc::new(v);
         self.model_cache.insert(key, v.clone());
+        v
+    }
+
+    /// Each distinct layer's points under `cfg` (cached per configuration): identical
+    /// layers share their representative's.
+    pub fn compact(&mut self, cfg: &LayerConfig) -> Arc<CompactTable> {
+        let key = layer_key(usize::MAX, cfg);
+        if let Some(v) = self.compact_cache.get(&key) {
+            return v.clone();
+        }
+        let distinct = (0..self.reps.len()).map(|i| self.rep_layer(self.reps[i], cfg)).collect();
+        let v = Arc::new(CompactTable { distinct, of_layer: self.rep_slot.clone() });
+        self.compact_cache.insert(key, v.clone());
         v
     }
 
@@ -638,9 +674,7 @@ impl<'a> CostContext<'a> {
     /// building those tables solves none. The results are those of solving them one by one:
     /// each ILP is solved alone on one HiGHS thread, and taken in the order they were met.
     pub fn prefetch_details(&mut self, cfgs: &[LayerConfig], threads: usize) {
-        let mut reps: Vec<usize> = self.sig_index.clone();
-        reps.sort_unstable();
-        reps.dedup();
+        let reps = self.reps.clone();
         let mut seen = std::collections::HashSet::new();
         let mut jobs = Vec::new();
         for cfg in cfgs {
