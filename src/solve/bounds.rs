@@ -85,10 +85,20 @@ fn table_facts(layers: &[PipelineLayer]) -> Vec<LayerFacts> {
 }
 
 /// A table's facts per layer, with the table kept alive so its address names it for the
-/// memo's lifetime.
+/// memo's lifetime, and the min-max splits of its least compute and sync times by part count.
 struct SharedFacts {
     _table: Arc<CompactTable>,
     layers: Vec<LayerFacts>,
+    compute: HashMap<usize, f64>,
+    sync: HashMap<usize, f64>,
+}
+
+/// Where [`bounds_spread`] remembers min-max splits: per table (by part count) and shared by
+/// the tables with equal times.
+struct SplitMemo<'m> {
+    compute: &'m mut HashMap<usize, f64>,
+    sync: &'m mut HashMap<usize, f64>,
+    shared: &'m mut Splits,
 }
 
 /// Min-max splits already computed, by the times' bits and the part count.
@@ -119,9 +129,11 @@ impl BoundMemo {
 pub(super) fn bounds_shared(p: &PipelineProblem, table: &Arc<CompactTable>, memo: &mut BoundMemo) -> (f64, f64) {
     let shared = memo.tables.entry(Arc::as_ptr(table)).or_insert_with(|| {
         let distinct = table_facts(&table.distinct);
-        SharedFacts { _table: table.clone(), layers: table.of_layer.iter().map(|&i| distinct[i]).collect() }
+        let layers = table.of_layer.iter().map(|&i| distinct[i]).collect();
+        SharedFacts { _table: table.clone(), layers, compute: HashMap::new(), sync: HashMap::new() }
     });
-    bounds_spread(p, &shared.layers, Some(&mut memo.splits), false)
+    let splits = SplitMemo { compute: &mut shared.compute, sync: &mut shared.sync, shared: &mut memo.splits };
+    bounds_spread(p, &shared.layers, Some(splits), false)
 }
 
 /// The step-time bound of `p`, tightened for interleaved schedules by [`spread_lower_bound`]
@@ -159,12 +171,7 @@ pub fn spread_lower_bound(times: &[f64], bins: usize) -> f64 {
 /// [`bounds_with`] from the layers' `facts`, with the spread bound on the busiest device's
 /// compute and sync under an interleaved schedule when `spread`; `splits` remembers the
 /// min-max splits of the table's least times where they depend on the table alone.
-fn bounds_spread(
-    p: &PipelineProblem,
-    facts: &[LayerFacts],
-    mut splits: Option<&mut Splits>,
-    spread: bool,
-) -> (f64, f64) {
+fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<SplitMemo<'_>>, spread: bool) -> (f64, f64) {
     let devices = p.devices.max(1);
     let chunks = p.chunks();
     let c = p.bubble_coeff;
@@ -173,8 +180,7 @@ fn bounds_spread(
     let mut tmin = Vec::with_capacity(l_n);
     let mut smin = Vec::with_capacity(l_n);
     let (mut state, mut act_total, mut kept_min) = (0.0, 0.0, 0.0);
-    // (recompute seconds, bytes it frees) per layer, for the knapsack.
-    let mut items: Vec<(f64, f64)> = Vec::new();
+    let mut any_always = false;
     let min_flight = p.in_flight.iter().cloned().fold(f64::INFINITY, f64::min);
     let max_flight = p.in_flight.iter().cloned().fold(0.0, f64::max);
     // An offloaded layer keeps at least this share of its own inputs' in-flight bytes on the device.
@@ -186,6 +192,7 @@ fn bounds_spread(
     for (i, f) in facts.iter().enumerate() {
         let rule = p.checkpoint_of(i);
         let always = rule == CheckpointRule::Always;
+        any_always |= always;
         tmin.push(if always { f.t_always } else { f.t });
         smin.push(f.s);
         state += f.state;
@@ -195,18 +202,25 @@ fn bounds_spread(
         let kept = match rule {
             CheckpointRule::Never => act,
             CheckpointRule::Always => least,
-            CheckpointRule::Auto => {
-                items.push((f.fwd, act - least));
-                act
-            }
+            CheckpointRule::Auto => act,
         };
         act_total += kept;
         kept_min += if rule == CheckpointRule::Never { act } else { input };
     }
-    let mut split = |parts: usize, times: &[f64]| match splits.as_deref_mut() {
+    // The table's own memo where the times are its least times as they are (the sync times
+    // always; the compute times unless a layer is always recomputed), else the shared one.
+    let mut split = |parts: usize, times: &[f64], sync: bool| match splits.as_mut() {
         Some(memo) => {
+            let own = if sync { Some(&mut *memo.sync) } else if any_always { None } else { Some(&mut *memo.compute) };
+            if let Some(&v) = own.as_ref().and_then(|o| o.get(&parts)) {
+                return v;
+            }
             let key = (times.iter().map(|t| t.to_bits()).collect(), parts);
-            *memo.entry(key).or_insert_with(|| min_max_lower_bound(times, parts))
+            let v = *memo.shared.entry(key).or_insert_with(|| min_max_lower_bound(times, parts));
+            if let Some(o) = own {
+                o.insert(parts, v);
+            }
+            v
         }
         None => min_max_lower_bound(times, parts),
     };
@@ -226,6 +240,11 @@ fn bounds_spread(
     let mut need = act_total - keep_cap;
     let mut recompute = 0.0;
     if need > 0.0 {
+        // (recompute seconds, bytes it frees) per layer the rule lets recompute, for the knapsack.
+        let mut items: Vec<(f64, f64)> = (0..l_n)
+            .filter(|&i| p.checkpoint_of(i) == CheckpointRule::Auto)
+            .map(|i| (facts[i].fwd, facts[i].act - (facts[i].input - facts[i].movable * (1.0 - offloaded))))
+            .collect();
         items.sort_by(|a, b| (a.0 * b.1).total_cmp(&(b.0 * a.1)));
         for (t, bytes) in items {
             if need <= 0.0 {
@@ -254,9 +273,9 @@ fn bounds_spread(
             (t.iter().cloned().fold(0.0, f64::max), s.iter().cloned().fold(0.0, f64::max))
         }
         None => {
-            let tau = split(chunks, &tmin);
+            let tau = split(chunks, &tmin, false);
             let sigma = if p.virtual_stages == 1 {
-                split(devices, &smin)
+                split(devices, &smin, true)
             } else {
                 (s_sum / devices as f64).max(smin.iter().cloned().fold(0.0, f64::max))
             };
