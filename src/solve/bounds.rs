@@ -299,3 +299,98 @@ fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<S
     let lb = c * busy + (m - c) * tau.max(busy / devices as f64) + transfer + sigma;
     (lb, mem_lb)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::{BoundMemo, bounds_shared, bounds_with};
+    use crate::ir::{OffloadRule, ScheduleKind};
+    use crate::solve::layer_cost::CompactTable;
+    use crate::solve::problem::{CheckpointRule, ParetoPoint, PipelineLayer, PipelineObjective, PipelineProblem};
+
+    fn point(t: f64, state: f64, act: f64) -> ParetoPoint {
+        ParetoPoint {
+            fwd_s: t,
+            bwd_s: 2.0 * t,
+            state_bytes: state,
+            act_bytes: act,
+            input_bytes: act / 4.0,
+            shared_bytes: 0.0,
+            offload_bytes: act / 8.0,
+            sync_s: state * 1e-12,
+            choice: 0,
+            host_s: 0.0,
+        }
+    }
+
+    /// Three distinct layers (embedding, block, head) over `n` layers; `scale` the states.
+    fn table(n: usize, scale: f64) -> Arc<CompactTable> {
+        let layer = |pts: Vec<ParetoPoint>, out: f64| PipelineLayer { points: pts, output_bytes: out, tied: Vec::new() };
+        let distinct = vec![
+            layer(vec![point(1e-3, 4e9 * scale, 1e9)], 2e7),
+            layer(vec![point(5e-3, 2e9 * scale, 3e9), point(4e-3, 3e9 * scale, 4e9)], 2e7),
+            layer(vec![point(2e-3, 4e9 * scale, 2e9)], 0.0),
+        ];
+        let of_layer = (0..n).map(|l| if l == 0 { 0 } else if l + 1 == n { 2 } else { 1 }).collect();
+        Arc::new(CompactTable { distinct, of_layer: Arc::new(of_layer) })
+    }
+
+    fn problem(devices: usize, v: usize, m: usize, cap: f64, checkpoint: CheckpointRule, fixed: Option<Vec<bool>>) -> PipelineProblem {
+        let chunks = devices * v;
+        let kind = if v > 1 { ScheduleKind::Interleaved { virtual_stages: v } } else { ScheduleKind::OneFOneB };
+        PipelineProblem {
+            layers: Vec::new(),
+            devices,
+            virtual_stages: v,
+            microbatches: m,
+            in_flight: (0..chunks).map(|c| (devices - c % devices) as f64).collect(),
+            kept_flight: (0..chunks).map(|c| (devices - c % devices) as f64).collect(),
+            bubble_coeff: super::bubble_coeff(kind, devices, m),
+            memory_cap: cap,
+            workspace: 1e9,
+            transfer_s_per_byte: vec![1e-11; chunks.saturating_sub(1)],
+            checkpoint,
+            offload: OffloadRule::Auto,
+            loading_horizon: 1.0,
+            fixed_chunks: None,
+            fixed_checkpoints: fixed,
+            objective: PipelineObjective::StepTime,
+        }
+    }
+
+    /// The memo's bounds (one memo over many problems and tables, each problem twice) are
+    /// those computed from scratch on the full per-layer tables.
+    #[test]
+    fn shared_bounds_equal_bounds_from_scratch() {
+        let n = 12;
+        let tables = [table(n, 1.0), table(n, 2.0), table(n, 1.0)];
+        let mut memo = BoundMemo::default();
+        let mut finite = 0;
+        for _ in 0..2 {
+            for t in &tables {
+                let full: Vec<PipelineLayer> = (0..n).map(|l| t.distinct[t.of_layer[l]].clone()).collect();
+                for (devices, v) in [(1, 1), (2, 1), (3, 1), (4, 1), (2, 2), (3, 2)] {
+                    for cap in [80e9, 40e9, 20e9] {
+                        let mut every = vec![false; n];
+                        every[3] = true;
+                        for (rule, fixed) in [
+                            (CheckpointRule::Auto, None),
+                            (CheckpointRule::Never, None),
+                            (CheckpointRule::Always, None),
+                            (CheckpointRule::Auto, Some(every)),
+                        ] {
+                            let p = problem(devices, v, 8, cap, rule, fixed);
+                            let shared = bounds_shared(&p, t, &mut memo);
+                            let scratch = bounds_with(&p, &full);
+                            assert_eq!(shared.0.to_bits(), scratch.0.to_bits(), "p {devices} v {v} cap {cap} {rule:?}");
+                            assert_eq!(shared.1.to_bits(), scratch.1.to_bits());
+                            finite += usize::from(shared.0.is_finite());
+                        }
+                    }
+                }
+            }
+        }
+        assert!(finite > 0, "some problems must fit");
+    }
+}
