@@ -284,8 +284,14 @@ fn axis_facts(lg: &LayeredGraph) -> (Vec<AttentionFacts>, Vec<ExpertFacts>) {
 /// none, which leaves the Megatron split (always valid). The fastest only: the smallest is the
 /// all-split one, which Megatron's split already is, so further Pareto solves would only cost
 /// time.
+/// A problem with one option per node has one assignment, the ILP's answer when it is
+/// allowed: read without building the ILP.
 fn fastest(ls: &strategy::LayerStrategies) -> Option<IntraSolution> {
-    ls.problem.solve(false, None, &SolverOptions::default()).ok().and_then(|(_, s)| s)
+    let p = &ls.problem;
+    if p.memory_cap.is_none() && p.nodes.iter().all(|n| n.options.len() == 1) {
+        return p.validate().ok().and_then(|_| p.evaluate(&vec![0; p.nodes.len()]));
+    }
+    p.solve(false, None, &SolverOptions::default()).ok().and_then(|(_, s)| s)
 }
 
 /// A layer configuration as a cache key (the layer's representative first; `usize::MAX` for
