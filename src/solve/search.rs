@@ -187,8 +187,13 @@ impl Frontier {
     /// Splits `prepared` into those whose bounds fit (sorted by bound) and the skipped rest.
     fn new(mut prepared: Vec<Prepared>, cap: f64, seed_obj: f64) -> Frontier {
         let total = prepared.len() as u64;
-        let (mut fit, unfit): (Vec<Prepared>, Vec<Prepared>) = prepared.drain(..).partition(|p| p.mem_lb <= cap && p.lb.is_finite());
-        fit.sort_by(|a, b| a.lb.total_cmp(&b.lb));
+        let (fit, unfit): (Vec<Prepared>, Vec<Prepared>) = prepared.drain(..).partition(|p| p.mem_lb <= cap && p.lb.is_finite());
+        // A stable sort of their indices by bound (ties in enumeration order), then each moved
+        // once: sorting the large records themselves moved each many times.
+        let mut order: Vec<usize> = (0..fit.len()).collect();
+        order.sort_by(|&a, &b| fit[a].lb.total_cmp(&fit[b].lb));
+        let mut slots: Vec<Option<Prepared>> = fit.into_iter().map(Some).collect();
+        let fit: Vec<Prepared> = order.into_iter().filter_map(|i| slots[i].take()).collect();
         let skipped = unfit.len() as u64;
         Frontier { quick: vec![None; fit.len()], fit, best: None, seed_obj, solved: 0, skipped, done: skipped, total, open_bound: f64::INFINITY }
     }
