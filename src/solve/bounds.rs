@@ -1,11 +1,11 @@
 //! Lower bounds on a candidate's step time and peak memory without an ILP (docs/planner.md
 //! §3): what the outer search sorts and prunes its candidates by.
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::ir::{OffloadRule, ScheduleKind};
 
+use super::hash::FastMap;
 use super::layer_cost::CompactTable;
 use super::oracle::min_max_lower_bound;
 use super::problem::{CheckpointRule, PipelineLayer, PipelineProblem};
@@ -89,20 +89,24 @@ fn table_facts(layers: &[PipelineLayer]) -> Vec<LayerFacts> {
 struct SharedFacts {
     _table: Arc<CompactTable>,
     layers: Vec<LayerFacts>,
-    compute: HashMap<usize, f64>,
-    sync: HashMap<usize, f64>,
+    compute: FastMap<usize, f64>,
+    sync: FastMap<usize, f64>,
 }
 
 /// Where [`bounds_spread`] remembers min-max splits: per table (by part count) and shared by
 /// the tables with equal times.
 struct SplitMemo<'m> {
-    compute: &'m mut HashMap<usize, f64>,
-    sync: &'m mut HashMap<usize, f64>,
-    shared: &'m mut Splits,
+    compute: &'m mut FastMap<usize, f64>,
+    sync: &'m mut FastMap<usize, f64>,
+    shared: &'m Mutex<Splits>,
 }
 
 /// Min-max splits already computed, by the times' bits and the part count.
-type Splits = HashMap<(Vec<u64>, usize), f64>;
+type Splits = FastMap<(Vec<u64>, usize), f64>;
+
+/// [`Splits`] shared by the memos of several threads.
+#[derive(Clone, Default)]
+pub struct SharedSplits(Arc<Mutex<Splits>>);
 
 /// The bounds' work shared by the candidates of one search: each layer table's least
 /// figures, computed once per table, and the min-max splits of least times, computed once
@@ -112,12 +116,18 @@ type Splits = HashMap<(Vec<u64>, usize), f64>;
 /// schedule's are read off its p·m·v actions).
 #[derive(Default)]
 pub struct BoundMemo {
-    tables: HashMap<*const CompactTable, SharedFacts>,
-    splits: Splits,
-    flights: HashMap<(ScheduleKind, usize, usize), Arc<Vec<f64>>>,
+    tables: FastMap<*const CompactTable, SharedFacts>,
+    splits: SharedSplits,
+    flights: FastMap<(ScheduleKind, usize, usize), Arc<Vec<f64>>>,
 }
 
 impl BoundMemo {
+    /// A memo of its own tables whose min-max splits by times are `splits` (another thread's
+    /// memo may share them).
+    pub(super) fn sharing(splits: SharedSplits) -> BoundMemo {
+        BoundMemo { splits, ..Default::default() }
+    }
+
     /// [`crate::cost::stage_in_flights`], computed once per (schedule, p, m).
     pub(super) fn stage_in_flights(&mut self, kind: ScheduleKind, p: usize, m: usize) -> Arc<Vec<f64>> {
         self.flights.entry((kind, p, m)).or_insert_with(|| Arc::new(crate::cost::stage_in_flights(kind, p, m))).clone()
@@ -130,9 +140,9 @@ pub(super) fn bounds_shared(p: &PipelineProblem, table: &Arc<CompactTable>, memo
     let shared = memo.tables.entry(Arc::as_ptr(table)).or_insert_with(|| {
         let distinct = table_facts(&table.distinct);
         let layers = table.of_layer.iter().map(|&i| distinct[i]).collect();
-        SharedFacts { _table: table.clone(), layers, compute: HashMap::new(), sync: HashMap::new() }
+        SharedFacts { _table: table.clone(), layers, compute: FastMap::default(), sync: FastMap::default() }
     });
-    let splits = SplitMemo { compute: &mut shared.compute, sync: &mut shared.sync, shared: &mut memo.splits };
+    let splits = SplitMemo { compute: &mut shared.compute, sync: &mut shared.sync, shared: &memo.splits.0 };
     bounds_spread(p, &shared.layers, Some(splits), false)
 }
 
@@ -215,8 +225,13 @@ fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<S
             if let Some(&v) = own.as_ref().and_then(|o| o.get(&parts)) {
                 return v;
             }
-            let key = (times.iter().map(|t| t.to_bits()).collect(), parts);
-            let v = *memo.shared.entry(key).or_insert_with(|| min_max_lower_bound(times, parts));
+            let key: (Vec<u64>, usize) = (times.iter().map(|t| t.to_bits()).collect(), parts);
+            let known = memo.shared.lock().unwrap_or_else(PoisonError::into_inner).get(&key).copied();
+            let v = known.unwrap_or_else(|| {
+                let v = min_max_lower_bound(times, parts);
+                memo.shared.lock().unwrap_or_else(PoisonError::into_inner).insert(key, v);
+                v
+            });
             if let Some(o) = own {
                 o.insert(parts, v);
             }

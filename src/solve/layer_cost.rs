@@ -13,6 +13,7 @@ use crate::cost::{ClusterSpec, CommModel, GroupSpan, StatePrecision, model_state
 use crate::cost::compute::{bytes_scale, graph_float_dtype, layer_times_scaled};
 use crate::ir::{DType, LayerKind, LayeredGraph, NodeFigures, OpKind, Precision, ValueId, ValueKind};
 
+use super::hash::FastMap;
 use super::ilp::{IntraSolution, SolverOptions};
 use super::problem::{ParetoPoint, PipelineLayer, TiedCopy};
 use super::strategy::{self, StrategyInputs};
@@ -350,7 +351,7 @@ pub struct CostContext<'a> {
     pub expert_imbalance: f64,
     /// How routed tokens reach their experts.
     pub expert_dispatch: crate::ir::ExpertDispatch,
-    cache: HashMap<LayerKey, PipelineLayer>,
+    cache: FastMap<LayerKey, PipelineLayer>,
     facts: Option<strategy::GraphFacts>,
     splits: HashMap<usize, strategy::SplitGraph>,
     /// The tensor-split engines without and with sequence parallelism (`None` inside when
@@ -363,9 +364,9 @@ pub struct CostContext<'a> {
     tied_split: HashMap<(ValueId, usize, bool), bool>,
     /// Weights more than one layer reads (another layer's `shared_params`).
     tied: std::collections::HashSet<ValueId>,
-    details: HashMap<(usize, usize, usize, GroupSpan, bool), Vec<StrategyDetail>>,
-    model_cache: HashMap<LayerKey, Arc<Vec<PipelineLayer>>>,
-    compact_cache: HashMap<LayerKey, Arc<CompactTable>>,
+    details: FastMap<(usize, usize, usize, GroupSpan, bool), Vec<StrategyDetail>>,
+    model_cache: FastMap<LayerKey, Arc<Vec<PipelineLayer>>>,
+    compact_cache: FastMap<LayerKey, Arc<CompactTable>>,
     /// Per layer, the first layer of its signature (its representative).
     sig_index: Vec<usize>,
     /// The representatives in layer order, and every layer's position among them.
@@ -440,16 +441,16 @@ impl<'a> CostContext<'a> {
             shapes,
             megatron_only: false,
             intra_solves: 0,
-            cache: HashMap::new(),
+            cache: FastMap::default(),
             facts: None,
             splits: HashMap::new(),
             engines: [None, None],
             withdrawn: HashMap::new(),
             tied_split: HashMap::new(),
             tied: lg.layers.iter().flat_map(|l| l.shared_params.iter().copied()).collect(),
-            details: HashMap::new(),
-            model_cache: HashMap::new(),
-            compact_cache: HashMap::new(),
+            details: FastMap::default(),
+            model_cache: FastMap::default(),
+            compact_cache: FastMap::default(),
             sig_index,
             reps,
             rep_slot: Arc::new(rep_slot),

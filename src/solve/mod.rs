@@ -9,6 +9,7 @@ mod candidates;
 pub mod chunks;
 mod decision;
 mod error;
+mod hash;
 pub mod heuristic;
 pub mod ilp;
 pub mod layer_cost;

@@ -11,7 +11,7 @@ use std::time::Instant;
 use crate::cost::{ClusterSpec, CommModel, kept_in_flight};
 use crate::ir::{LayeredGraph, Parallelism, ScheduleKind};
 
-use super::bounds::{BoundMemo, bounds_shared};
+use super::bounds::{BoundMemo, SharedSplits, bounds_shared};
 use super::candidates::{divisors, global_batch};
 use super::heuristic::incumbent;
 use super::ilp::{SolveReport, SolveStatus, SolverOptions};
@@ -464,8 +464,9 @@ impl<'a> Search<'a> {
         let links = Links { spec: self.spec, comm: self.ctx.comm };
         // Runs of neighbours (which mostly share their tables) per thread, each with its memo.
         let runs: Vec<_> = jobs.chunks(jobs.len().div_ceil(4 * self.threads).max(64)).collect();
+        let splits = SharedSplits::default();
         let prepared = super::parallel::map(&runs, self.threads, |run| {
-            let mut memo = BoundMemo::default();
+            let mut memo = BoundMemo::sharing(splits.clone());
             run.iter()
                 .map(|(cand, lc, f, table)| prepare_on(&links, cand, cap, active, (f.clone(), checkpoints.clone()), (*lc, table), &mut memo))
                 .collect::<Vec<_>>()
