@@ -307,3 +307,36 @@ fn expert_tensor_flag_folds_expert_groups_over_tensor_and_data_ranks() {
     let back: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&back).unwrap()).unwrap();
     assert_eq!((back["parallel"]["tp"].as_u64(), back["parallel"]["ep"].as_u64(), back["parallel"]["etp"].as_u64()), (Some(2), Some(4), Some(1)));
 }
+
+/// The plan file of `args` planned on `threads` threads, without its planning time.
+fn plan_on_threads(args: &[&str], threads: &str, out: &std::path::Path) -> serde_json::Value {
+    let o = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
+        .args(args)
+        .args(["-o", out.to_str().unwrap()])
+        .env("SMP_PLANNER_THREADS", threads)
+        .output()
+        .unwrap();
+    assert_eq!(code(&o), 0, "{args:?} on {threads} threads: {}", stderr(&o));
+    let mut plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out).unwrap()).unwrap();
+    plan["solver"].as_object_mut().unwrap().remove("wall_s");
+    plan
+}
+
+/// The intra-layer ILPs, the candidates' bounds and the layers' shards run on every core:
+/// the plan is the same on one thread as on several.
+#[test]
+fn plans_do_not_depend_on_the_thread_count() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let dir = tempfile::tempdir().unwrap();
+    let gpt2 = format!("{root}/models/gpt2.onnx");
+    let llama = format!("{root}/models/llama3-8b.onnx");
+    for args in [
+        vec![gpt2.as_str(), "--cluster", "a100-80gb:64", "--global-batch", "512", "--seq-len", "1024"],
+        vec![llama.as_str(), "--cluster", "h100-80gb:32", "--global-batch", "256", "--seq-len", "8192"],
+    ] {
+        let one = plan_on_threads(&args, "1", &dir.path().join("one.json"));
+        let three = plan_on_threads(&args, "3", &dir.path().join("three.json"));
+        assert!(one == three, "{args:?}: the plans differ between 1 and 3 threads");
+        assert!(one["solver"]["candidates"]["skipped"].as_u64().unwrap() > 100, "{args:?}: a search worth spreading");
+    }
+}

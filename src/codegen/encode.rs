@@ -513,10 +513,9 @@ fn layer_shards(lg: &LayeredGraph, input: &CodegenInput) -> Result<Vec<Vec<Layer
         return Ok(Vec::new());
     }
     let sharder = Sharder::new(lg)?.with_sequence_parallel(input.parallel.sequence_parallel);
-    let mut out = Vec::with_capacity(lg.layers.len());
-    for l in 0..lg.layers.len() {
+    let shard = |&l: &usize| -> Result<Vec<LayerShard>, EncodeError> {
         let chosen = input.node_strategies.get(l).filter(|c| !c.is_empty());
-        out.push(match chosen {
+        Ok(match chosen {
             Some(chosen) => {
                 let keep: Vec<String> = chosen.iter().filter(|(_, s)| *s == Strategy::Replicate).map(|(n, _)| n.clone()).collect();
                 let (shards, realised) = sharder.shard_layer_keeping(l, input.parallel.tp, &keep)?;
@@ -525,9 +524,11 @@ fn layer_shards(lg: &LayeredGraph, input: &CodegenInput) -> Result<Vec<Vec<Layer
             }
             None if input.replicated_layers.contains(&l) => sharder.shard_layer(l, input.parallel.tp)?,
             None => sharder.shard_layer_strict(l, input.parallel.tp)?,
-        });
-    }
-    Ok(out)
+        })
+    };
+    // Layer by layer on every core; the first error in layer order, as one by one.
+    let layers: Vec<usize> = (0..lg.layers.len()).collect();
+    crate::solve::parallel::map(&layers, crate::solve::parallel::threads(), shard).into_iter().collect()
 }
 
 /// Per stage, what crosses its boundaries: the values it sends to the next stage, the subset

@@ -72,11 +72,13 @@ impl GroupSpan {
 
     /// The group of explicit global ranks.
     pub fn of_ranks(ranks: &[usize], devices_per_node: usize) -> GroupSpan {
-        let mut per: std::collections::BTreeMap<usize, usize> = Default::default();
+        let dpn = devices_per_node.max(1);
+        let nodes = ranks.iter().max().map_or(0, |&r| r / dpn + 1);
+        let mut per = vec![0usize; nodes];
         for &r in ranks {
-            *per.entry(r / devices_per_node.max(1)).or_default() += 1;
+            per[r / dpn] += 1;
         }
-        GroupSpan { size: ranks.len(), per_node: per.values().copied().max().unwrap_or(1) }
+        GroupSpan { size: ranks.len(), per_node: per.into_iter().max().filter(|&n| n > 0).unwrap_or(1) }
     }
 
     /// Nodes the group touches.

@@ -62,6 +62,8 @@ pub fn from_decision(d: &PlanDecision, lg: &LayeredGraph, cluster: &ClusterSpec,
         })
         .collect();
     let mut facts = None;
+    // Identical layers (one signature) under the same strategies have the same parts.
+    let mut parts_of: std::collections::HashMap<(&str, Vec<Strategy>), Vec<LayerPart>> = Default::default();
     let layer_strategies = d
         .layers
         .iter()
@@ -70,7 +72,14 @@ pub fn from_decision(d: &PlanDecision, lg: &LayeredGraph, cluster: &ClusterSpec,
             name: lg.layers.get(l.layer).map(|x| x.name.clone()).unwrap_or_default(),
             strategy: l.strategy.clone(),
             nodes: l.nodes.clone(),
-            parts: if l.layer < lg.layers.len() { layer_parts(lg, l.layer, &l.nodes, &d.parallel, &mut facts) } else { Vec::new() },
+            parts: match lg.layers.get(l.layer) {
+                Some(x) if x.signature.is_empty() => layer_parts(lg, l.layer, &l.nodes, &d.parallel, &mut facts),
+                Some(x) => parts_of
+                    .entry((x.signature.as_str(), l.nodes.iter().map(|(_, s)| *s).collect()))
+                    .or_insert_with(|| layer_parts(lg, l.layer, &l.nodes, &d.parallel, &mut facts))
+                    .clone(),
+                None => Vec::new(),
+            },
         })
         .collect();
     let global_batch = opts.global_batch_for(lg, cluster);

@@ -1,11 +1,12 @@
 //! Lower bounds on a candidate's step time and peak memory without an ILP (docs/planner.md
 //! §3): what the outer search sorts and prunes its candidates by.
 
-use std::collections::HashMap;
-use std::rc::Rc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::ir::{OffloadRule, ScheduleKind};
 
+use super::hash::FastMap;
+use super::layer_cost::CompactTable;
 use super::oracle::min_max_lower_bound;
 use super::problem::{CheckpointRule, PipelineLayer, PipelineProblem};
 
@@ -38,7 +39,7 @@ pub fn bounds(p: &PipelineProblem) -> (f64, f64) {
 
 /// [`bounds`] of `p` with `layers` in place of its own.
 pub(super) fn bounds_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> (f64, f64) {
-    bounds_spread(p, layers, &table_facts(layers), None, false)
+    bounds_spread(p, &table_facts(layers), None, false)
 }
 
 /// What the bounds read of one layer: its least figures over its points.
@@ -56,6 +57,8 @@ struct LayerFacts {
     fwd: f64,
     /// The most bytes offloading may move (at most `input`).
     movable: f64,
+    /// Bytes a cut after it sends.
+    out: f64,
 }
 
 fn table_facts(layers: &[PipelineLayer]) -> Vec<LayerFacts> {
@@ -75,19 +78,35 @@ fn table_facts(layers: &[PipelineLayer]) -> Vec<LayerFacts> {
                 input,
                 fwd: fold_min(&mut pts.iter().map(|q| q.fwd_s)),
                 movable: pts.iter().map(|q| q.offload_bytes).fold(0.0, f64::max).min(input),
+                out: l.output_bytes,
             }
         })
         .collect()
 }
 
-/// A table's facts, with the table kept alive so its address names it for the memo's lifetime.
+/// A table's facts per layer, with the table kept alive so its address names it for the
+/// memo's lifetime, and the min-max splits of its least compute and sync times by part count.
 struct SharedFacts {
-    _table: Rc<Vec<PipelineLayer>>,
+    _table: Arc<CompactTable>,
     layers: Vec<LayerFacts>,
+    compute: FastMap<usize, f64>,
+    sync: FastMap<usize, f64>,
+}
+
+/// Where [`bounds_spread`] remembers min-max splits: per table (by part count) and shared by
+/// the tables with equal times.
+struct SplitMemo<'m> {
+    compute: &'m mut FastMap<usize, f64>,
+    sync: &'m mut FastMap<usize, f64>,
+    shared: &'m Mutex<Splits>,
 }
 
 /// Min-max splits already computed, by the times' bits and the part count.
-type Splits = HashMap<(Vec<u64>, usize), f64>;
+type Splits = FastMap<(Vec<u64>, usize), f64>;
+
+/// [`Splits`] shared by the memos of several threads.
+#[derive(Clone, Default)]
+pub struct SharedSplits(Arc<Mutex<Splits>>);
 
 /// The bounds' work shared by the candidates of one search: each layer table's least
 /// figures, computed once per table, and the min-max splits of least times, computed once
@@ -97,25 +116,34 @@ type Splits = HashMap<(Vec<u64>, usize), f64>;
 /// schedule's are read off its p·m·v actions).
 #[derive(Default)]
 pub struct BoundMemo {
-    tables: HashMap<*const Vec<PipelineLayer>, SharedFacts>,
-    splits: Splits,
-    flights: HashMap<(ScheduleKind, usize, usize), Rc<Vec<f64>>>,
+    tables: FastMap<*const CompactTable, SharedFacts>,
+    splits: SharedSplits,
+    flights: FastMap<(ScheduleKind, usize, usize), Arc<Vec<f64>>>,
 }
 
 impl BoundMemo {
+    /// A memo of its own tables whose min-max splits by times are `splits` (another thread's
+    /// memo may share them).
+    pub(super) fn sharing(splits: SharedSplits) -> BoundMemo {
+        BoundMemo { splits, ..Default::default() }
+    }
+
     /// [`crate::cost::stage_in_flights`], computed once per (schedule, p, m).
-    pub(super) fn stage_in_flights(&mut self, kind: ScheduleKind, p: usize, m: usize) -> Rc<Vec<f64>> {
-        self.flights.entry((kind, p, m)).or_insert_with(|| Rc::new(crate::cost::stage_in_flights(kind, p, m))).clone()
+    pub(super) fn stage_in_flights(&mut self, kind: ScheduleKind, p: usize, m: usize) -> Arc<Vec<f64>> {
+        self.flights.entry((kind, p, m)).or_insert_with(|| Arc::new(crate::cost::stage_in_flights(kind, p, m))).clone()
     }
 }
 
-/// [`bounds_with`] over a shared `table`, with the work shared through `memo`.
-pub(super) fn bounds_shared(p: &PipelineProblem, table: &Rc<Vec<PipelineLayer>>, memo: &mut BoundMemo) -> (f64, f64) {
-    let shared = memo
-        .tables
-        .entry(Rc::as_ptr(table))
-        .or_insert_with(|| SharedFacts { _table: table.clone(), layers: table_facts(table) });
-    bounds_spread(p, table, &shared.layers, Some(&mut memo.splits), false)
+/// [`bounds_with`] over the layers of a shared compact `table`, with the work shared
+/// through `memo`.
+pub(super) fn bounds_shared(p: &PipelineProblem, table: &Arc<CompactTable>, memo: &mut BoundMemo) -> (f64, f64) {
+    let shared = memo.tables.entry(Arc::as_ptr(table)).or_insert_with(|| {
+        let distinct = table_facts(&table.distinct);
+        let layers = table.of_layer.iter().map(|&i| distinct[i]).collect();
+        SharedFacts { _table: table.clone(), layers, compute: FastMap::default(), sync: FastMap::default() }
+    });
+    let splits = SplitMemo { compute: &mut shared.compute, sync: &mut shared.sync, shared: &memo.splits.0 };
+    bounds_spread(p, &shared.layers, Some(splits), false)
 }
 
 /// The step-time bound of `p`, tightened for interleaved schedules by [`spread_lower_bound`]
@@ -128,7 +156,7 @@ pub fn pruning_bound(p: &PipelineProblem) -> f64 {
 
 /// [`pruning_bound`] of `p` with `layers` in place of its own.
 pub(super) fn pruning_bound_with(p: &PipelineProblem, layers: &[PipelineLayer]) -> f64 {
-    bounds_spread(p, layers, &table_facts(layers), None, true).0
+    bounds_spread(p, &table_facts(layers), None, true).0
 }
 
 /// The least possible load of the busiest of `bins` bins holding `times`, however they are
@@ -153,23 +181,16 @@ pub fn spread_lower_bound(times: &[f64], bins: usize) -> f64 {
 /// [`bounds_with`] from the layers' `facts`, with the spread bound on the busiest device's
 /// compute and sync under an interleaved schedule when `spread`; `splits` remembers the
 /// min-max splits of the table's least times where they depend on the table alone.
-fn bounds_spread(
-    p: &PipelineProblem,
-    layers: &[PipelineLayer],
-    facts: &[LayerFacts],
-    mut splits: Option<&mut Splits>,
-    spread: bool,
-) -> (f64, f64) {
+fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<SplitMemo<'_>>, spread: bool) -> (f64, f64) {
     let devices = p.devices.max(1);
     let chunks = p.chunks();
     let c = p.bubble_coeff;
     let m = p.microbatches as f64;
-    let l_n = layers.len();
+    let l_n = facts.len();
     let mut tmin = Vec::with_capacity(l_n);
     let mut smin = Vec::with_capacity(l_n);
     let (mut state, mut act_total, mut kept_min) = (0.0, 0.0, 0.0);
-    // (recompute seconds, bytes it frees) per layer, for the knapsack.
-    let mut items: Vec<(f64, f64)> = Vec::new();
+    let mut any_always = false;
     let min_flight = p.in_flight.iter().cloned().fold(f64::INFINITY, f64::min);
     let max_flight = p.in_flight.iter().cloned().fold(0.0, f64::max);
     // An offloaded layer keeps at least this share of its own inputs' in-flight bytes on the device.
@@ -181,6 +202,7 @@ fn bounds_spread(
     for (i, f) in facts.iter().enumerate() {
         let rule = p.checkpoint_of(i);
         let always = rule == CheckpointRule::Always;
+        any_always |= always;
         tmin.push(if always { f.t_always } else { f.t });
         smin.push(f.s);
         state += f.state;
@@ -190,18 +212,30 @@ fn bounds_spread(
         let kept = match rule {
             CheckpointRule::Never => act,
             CheckpointRule::Always => least,
-            CheckpointRule::Auto => {
-                items.push((f.fwd, act - least));
-                act
-            }
+            CheckpointRule::Auto => act,
         };
         act_total += kept;
         kept_min += if rule == CheckpointRule::Never { act } else { input };
     }
-    let mut split = |parts: usize, times: &[f64]| match splits.as_deref_mut() {
+    // The table's own memo where the times are its least times as they are (the sync times
+    // always; the compute times unless a layer is always recomputed), else the shared one.
+    let mut split = |parts: usize, times: &[f64], sync: bool| match splits.as_mut() {
         Some(memo) => {
-            let key = (times.iter().map(|t| t.to_bits()).collect(), parts);
-            *memo.entry(key).or_insert_with(|| min_max_lower_bound(times, parts))
+            let own = if sync { Some(&mut *memo.sync) } else if any_always { None } else { Some(&mut *memo.compute) };
+            if let Some(&v) = own.as_ref().and_then(|o| o.get(&parts)) {
+                return v;
+            }
+            let key: (Vec<u64>, usize) = (times.iter().map(|t| t.to_bits()).collect(), parts);
+            let known = memo.shared.lock().unwrap_or_else(PoisonError::into_inner).get(&key).copied();
+            let v = known.unwrap_or_else(|| {
+                let v = min_max_lower_bound(times, parts);
+                memo.shared.lock().unwrap_or_else(PoisonError::into_inner).insert(key, v);
+                v
+            });
+            if let Some(o) = own {
+                o.insert(parts, v);
+            }
+            v
         }
         None => min_max_lower_bound(times, parts),
     };
@@ -221,6 +255,11 @@ fn bounds_spread(
     let mut need = act_total - keep_cap;
     let mut recompute = 0.0;
     if need > 0.0 {
+        // (recompute seconds, bytes it frees) per layer the rule lets recompute, for the knapsack.
+        let mut items: Vec<(f64, f64)> = (0..l_n)
+            .filter(|&i| p.checkpoint_of(i) == CheckpointRule::Auto)
+            .map(|i| (facts[i].fwd, facts[i].act - (facts[i].input - facts[i].movable * (1.0 - offloaded))))
+            .collect();
         items.sort_by(|a, b| (a.0 * b.1).total_cmp(&(b.0 * a.1)));
         for (t, bytes) in items {
             if need <= 0.0 {
@@ -249,9 +288,9 @@ fn bounds_spread(
             (t.iter().cloned().fold(0.0, f64::max), s.iter().cloned().fold(0.0, f64::max))
         }
         None => {
-            let tau = split(chunks, &tmin);
+            let tau = split(chunks, &tmin, false);
             let sigma = if p.virtual_stages == 1 {
-                split(devices, &smin)
+                split(devices, &smin, true)
             } else {
                 (s_sum / devices as f64).max(smin.iter().cloned().fold(0.0, f64::max))
             };
@@ -265,14 +304,108 @@ fn bounds_spread(
     let transfer = match &p.fixed_chunks {
         Some(f) => (0..l_n.saturating_sub(1))
             .filter(|&l| f[l] != f[l + 1])
-            .map(|l| 2.0 * layers[l].output_bytes * p.transfer_s_per_byte[f[l]])
+            .map(|l| 2.0 * facts[l].out * p.transfer_s_per_byte[f[l]])
             .sum(),
         None => {
-            let least_out =
-                layers[..l_n.saturating_sub(1)].iter().map(|l| l.output_bytes).fold(f64::INFINITY, f64::min);
+            let least_out = facts[..l_n.saturating_sub(1)].iter().map(|l| l.out).fold(f64::INFINITY, f64::min);
             if least_out.is_finite() { p.transfer_s_per_byte.iter().map(|b| 2.0 * least_out * b).sum() } else { 0.0 }
         }
     };
     let lb = c * busy + (m - c) * tau.max(busy / devices as f64) + transfer + sigma;
     (lb, mem_lb)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::{BoundMemo, bounds_shared, bounds_with};
+    use crate::ir::{OffloadRule, ScheduleKind};
+    use crate::solve::layer_cost::CompactTable;
+    use crate::solve::problem::{CheckpointRule, ParetoPoint, PipelineLayer, PipelineObjective, PipelineProblem};
+
+    fn point(t: f64, state: f64, act: f64) -> ParetoPoint {
+        ParetoPoint {
+            fwd_s: t,
+            bwd_s: 2.0 * t,
+            state_bytes: state,
+            act_bytes: act,
+            input_bytes: act / 4.0,
+            shared_bytes: 0.0,
+            offload_bytes: act / 8.0,
+            sync_s: state * 1e-12,
+            choice: 0,
+            host_s: 0.0,
+        }
+    }
+
+    /// Three distinct layers (embedding, block, head) over `n` layers; `scale` the states.
+    fn table(n: usize, scale: f64) -> Arc<CompactTable> {
+        let layer = |pts: Vec<ParetoPoint>, out: f64| PipelineLayer { points: pts, output_bytes: out, tied: Vec::new() };
+        let distinct = vec![
+            layer(vec![point(1e-3, 4e9 * scale, 1e9)], 2e7),
+            layer(vec![point(5e-3, 2e9 * scale, 3e9), point(4e-3, 3e9 * scale, 4e9)], 2e7),
+            layer(vec![point(2e-3, 4e9 * scale, 2e9)], 0.0),
+        ];
+        let of_layer = (0..n).map(|l| if l == 0 { 0 } else if l + 1 == n { 2 } else { 1 }).collect();
+        Arc::new(CompactTable { distinct, of_layer: Arc::new(of_layer) })
+    }
+
+    fn problem(devices: usize, v: usize, m: usize, cap: f64, checkpoint: CheckpointRule, fixed: Option<Vec<bool>>) -> PipelineProblem {
+        let chunks = devices * v;
+        let kind = if v > 1 { ScheduleKind::Interleaved { virtual_stages: v } } else { ScheduleKind::OneFOneB };
+        PipelineProblem {
+            layers: Vec::new(),
+            devices,
+            virtual_stages: v,
+            microbatches: m,
+            in_flight: (0..chunks).map(|c| (devices - c % devices) as f64).collect(),
+            kept_flight: (0..chunks).map(|c| (devices - c % devices) as f64).collect(),
+            bubble_coeff: super::bubble_coeff(kind, devices, m),
+            memory_cap: cap,
+            workspace: 1e9,
+            transfer_s_per_byte: vec![1e-11; chunks.saturating_sub(1)],
+            checkpoint,
+            offload: OffloadRule::Auto,
+            loading_horizon: 1.0,
+            fixed_chunks: None,
+            fixed_checkpoints: fixed,
+            objective: PipelineObjective::StepTime,
+        }
+    }
+
+    /// The memo's bounds (one memo over many problems and tables, each problem twice) are
+    /// those computed from scratch on the full per-layer tables.
+    #[test]
+    fn shared_bounds_equal_bounds_from_scratch() {
+        let n = 12;
+        let tables = [table(n, 1.0), table(n, 2.0), table(n, 1.0)];
+        let mut memo = BoundMemo::default();
+        let mut finite = 0;
+        for _ in 0..2 {
+            for t in &tables {
+                let full: Vec<PipelineLayer> = (0..n).map(|l| t.distinct[t.of_layer[l]].clone()).collect();
+                for (devices, v) in [(1, 1), (2, 1), (3, 1), (4, 1), (2, 2), (3, 2)] {
+                    for cap in [80e9, 40e9, 20e9] {
+                        let mut every = vec![false; n];
+                        every[3] = true;
+                        for (rule, fixed) in [
+                            (CheckpointRule::Auto, None),
+                            (CheckpointRule::Never, None),
+                            (CheckpointRule::Always, None),
+                            (CheckpointRule::Auto, Some(every)),
+                        ] {
+                            let p = problem(devices, v, 8, cap, rule, fixed);
+                            let shared = bounds_shared(&p, t, &mut memo);
+                            let scratch = bounds_with(&p, &full);
+                            assert_eq!(shared.0.to_bits(), scratch.0.to_bits(), "p {devices} v {v} cap {cap} {rule:?}");
+                            assert_eq!(shared.1.to_bits(), scratch.1.to_bits());
+                            finite += usize::from(shared.0.is_finite());
+                        }
+                    }
+                }
+            }
+        }
+        assert!(finite > 0, "some problems must fit");
+    }
 }

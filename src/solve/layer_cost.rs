@@ -7,12 +7,14 @@
 //! (sequence parallel), so compute, parameters and saved activations divide by t.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use crate::cost::{ClusterSpec, CommModel, GroupSpan, StatePrecision, model_state};
 use crate::cost::compute::{bytes_scale, graph_float_dtype, layer_times_scaled};
 use crate::ir::{DType, LayerKind, LayeredGraph, NodeFigures, OpKind, Precision, ValueId, ValueKind};
 
-use super::ilp::SolverOptions;
+use super::hash::FastMap;
+use super::ilp::{IntraSolution, SolverOptions};
 use super::problem::{ParetoPoint, PipelineLayer, TiedCopy};
 use super::strategy::{self, StrategyInputs};
 use crate::split::{Engine, Strategy};
@@ -279,6 +281,20 @@ fn axis_facts(lg: &LayeredGraph) -> (Vec<AttentionFacts>, Vec<ExpertFacts>) {
     (att, exp)
 }
 
+/// The intra-layer ILP's fastest assignment of `ls`; `None` when the solve fails or finds
+/// none, which leaves the Megatron split (always valid). The fastest only: the smallest is the
+/// all-split one, which Megatron's split already is, so further Pareto solves would only cost
+/// time.
+/// A problem with one option per node has one assignment, the ILP's answer when it is
+/// allowed: read without building the ILP.
+fn fastest(ls: &strategy::LayerStrategies) -> Option<IntraSolution> {
+    let p = &ls.problem;
+    if p.memory_cap.is_none() && p.nodes.iter().all(|n| n.options.len() == 1) {
+        return p.validate().ok().and_then(|_| p.evaluate(&vec![0; p.nodes.len()]));
+    }
+    p.solve(false, None, &SolverOptions::default()).ok().and_then(|(_, s)| s)
+}
+
 /// A layer configuration as a cache key (the layer's representative first; `usize::MAX` for
 /// the whole model).
 type LayerKey = (usize, usize, usize, u8, [GroupSpan; 7], bool, usize, usize, usize);
@@ -286,6 +302,25 @@ type LayerKey = (usize, usize, usize, u8, [GroupSpan; 7], bool, usize, usize, us
 fn layer_key(rep: usize, cfg: &LayerConfig) -> LayerKey {
     let groups = [cfg.zero_group, cfg.dp_group, cfg.tp_group, cfg.cp_group, cfg.ep_group, cfg.expert_dp_group, cfg.expert_zero_group];
     (rep, cfg.tp, cfg.microbatch, cfg.zero, groups, cfg.sequence_parallel, cfg.cp, cfg.ep, cfg.etp)
+}
+
+/// Each distinct layer's points under one configuration, and which of them every layer
+/// takes: all a candidate's bounds read. The per-layer table ([`CostContext::layers`]) is
+/// built only for the candidates the search looks at beyond their bounds.
+#[derive(Clone, Debug)]
+pub struct CompactTable {
+    /// The points of each distinct layer (identical layers share one entry; no tied copies).
+    pub distinct: Vec<PipelineLayer>,
+    /// For every layer, its entry in `distinct`.
+    pub of_layer: Arc<Vec<usize>>,
+}
+
+impl CompactTable {
+    /// The table with only each layer's first point (its Megatron split).
+    pub fn first_points(&self) -> CompactTable {
+        let distinct = self.distinct.iter().map(|l| PipelineLayer { points: l.points.iter().take(1).cloned().collect(), ..l.clone() }).collect();
+        CompactTable { distinct, of_layer: self.of_layer.clone() }
+    }
 }
 
 /// Figures of a model on a cluster, with a cache of layer points.
@@ -316,7 +351,7 @@ pub struct CostContext<'a> {
     pub expert_imbalance: f64,
     /// How routed tokens reach their experts.
     pub expert_dispatch: crate::ir::ExpertDispatch,
-    cache: HashMap<LayerKey, PipelineLayer>,
+    cache: FastMap<LayerKey, PipelineLayer>,
     facts: Option<strategy::GraphFacts>,
     splits: HashMap<usize, strategy::SplitGraph>,
     /// The tensor-split engines without and with sequence parallelism (`None` inside when
@@ -329,9 +364,14 @@ pub struct CostContext<'a> {
     tied_split: HashMap<(ValueId, usize, bool), bool>,
     /// Weights more than one layer reads (another layer's `shared_params`).
     tied: std::collections::HashSet<ValueId>,
-    details: HashMap<(usize, usize, usize, GroupSpan, bool), Vec<StrategyDetail>>,
-    model_cache: HashMap<LayerKey, std::rc::Rc<Vec<PipelineLayer>>>,
+    details: FastMap<(usize, usize, usize, GroupSpan, bool), Vec<StrategyDetail>>,
+    model_cache: FastMap<LayerKey, Arc<Vec<PipelineLayer>>>,
+    compact_cache: FastMap<LayerKey, Arc<CompactTable>>,
+    /// Per layer, the first layer of its signature (its representative).
     sig_index: Vec<usize>,
+    /// The representatives in layer order, and every layer's position among them.
+    reps: Vec<usize>,
+    rep_slot: Arc<Vec<usize>>,
 }
 
 impl<'a> CostContext<'a> {
@@ -369,13 +409,24 @@ impl<'a> CostContext<'a> {
             })
             .collect();
         let mut sigs: HashMap<&str, usize> = HashMap::new();
-        let sig_index = lg
+        let sig_index: Vec<usize> = lg
             .layers
             .iter()
             .enumerate()
             .map(|(i, l)| *sigs.entry(l.signature.as_str()).or_insert(i))
             .collect();
         let (attention, experts) = axis_facts(lg);
+        let mut reps: Vec<usize> = Vec::new();
+        let rep_slot = sig_index
+            .iter()
+            .map(|&r| match reps.iter().position(|&x| x == r) {
+                Some(i) => i,
+                None => {
+                    reps.push(r);
+                    reps.len() - 1
+                }
+            })
+            .collect();
         CostContext {
             lg,
             attention,
@@ -390,46 +441,47 @@ impl<'a> CostContext<'a> {
             shapes,
             megatron_only: false,
             intra_solves: 0,
-            cache: HashMap::new(),
+            cache: FastMap::default(),
             facts: None,
             splits: HashMap::new(),
             engines: [None, None],
             withdrawn: HashMap::new(),
             tied_split: HashMap::new(),
             tied: lg.layers.iter().flat_map(|l| l.shared_params.iter().copied()).collect(),
-            details: HashMap::new(),
-            model_cache: HashMap::new(),
+            details: FastMap::default(),
+            model_cache: FastMap::default(),
+            compact_cache: FastMap::default(),
             sig_index,
+            reps,
+            rep_slot: Arc::new(rep_slot),
         }
     }
 
     /// Every layer's points under `cfg` (cached per configuration, shared by the candidates
     /// that differ only in microbatch count, schedule or placement of equal groups).
-    pub fn layers(&mut self, cfg: &LayerConfig) -> std::rc::Rc<Vec<PipelineLayer>> {
+    pub fn layers(&mut self, cfg: &LayerConfig) -> Arc<Vec<PipelineLayer>> {
         let key = layer_key(usize::MAX, cfg);
         if let Some(v) = self.model_cache.get(&key) {
             return v.clone();
         }
-        // Identical layers share their representative's points: one cache look-up per
-        // representative, not per layer.
-        let n = self.lg.layers.len();
-        let mut by_rep: Vec<Option<PipelineLayer>> = vec![None; n];
-        let mut v = Vec::with_capacity(n);
-        for l in 0..n {
-            let rep = self.sig_index[l];
-            let mut layer = match &by_rep[rep] {
-                Some(x) => x.clone(),
-                None => {
-                    let x = self.rep_layer(rep, cfg);
-                    by_rep[rep] = Some(x.clone());
-                    x
-                }
-            };
-            layer.tied = self.tied_copies(l, cfg);
-            v.push(layer);
-        }
-        let v = std::rc::Rc::new(v);
+        let c = self.compact(cfg);
+        let v: Vec<PipelineLayer> =
+            (0..self.lg.layers.len()).map(|l| PipelineLayer { tied: self.tied_copies(l, cfg), ..c.distinct[c.of_layer[l]].clone() }).collect();
+        let v = Arc::new(v);
         self.model_cache.insert(key, v.clone());
+        v
+    }
+
+    /// Each distinct layer's points under `cfg` (cached per configuration): identical
+    /// layers share their representative's.
+    pub fn compact(&mut self, cfg: &LayerConfig) -> Arc<CompactTable> {
+        let key = layer_key(usize::MAX, cfg);
+        if let Some(v) = self.compact_cache.get(&key) {
+            return v.clone();
+        }
+        let distinct = (0..self.reps.len()).map(|i| self.rep_layer(self.reps[i], cfg)).collect();
+        let v = Arc::new(CompactTable { distinct, of_layer: self.rep_slot.clone() });
+        self.compact_cache.insert(key, v.clone());
         v
     }
 
@@ -494,8 +546,13 @@ impl<'a> CostContext<'a> {
 
     /// The assignment behind point `choice` of `layer` under `cfg`, if computed.
     pub fn detail(&self, layer: usize, cfg: &LayerConfig, choice: usize) -> Option<&StrategyDetail> {
-        let rep = *self.sig_index.get(layer)?;
-        self.details.get(&(rep, cfg.tp, cfg.microbatch, cfg.tp_group, cfg.sequence_parallel))?.get(choice)
+        self.detail_list(layer, cfg).get(choice)
+    }
+
+    /// The assignments of `layer` under `cfg` computed so far (empty before [`Self::details`]).
+    fn detail_list(&self, layer: usize, cfg: &LayerConfig) -> &[StrategyDetail] {
+        let Some(&rep) = self.sig_index.get(layer) else { return &[] };
+        self.details.get(&(rep, cfg.tp, cfg.microbatch, cfg.tp_group, cfg.sequence_parallel)).map_or(&[], |v| v.as_slice())
     }
 
     fn megatron_detail(&self, layer: usize, cfg: &LayerConfig) -> StrategyDetail {
@@ -612,6 +669,46 @@ impl<'a> CostContext<'a> {
     }
 
     fn solve_details(&mut self, layer: usize, cfg: &LayerConfig) -> Vec<StrategyDetail> {
+        let (out, ls) = self.start_details(layer, cfg);
+        let Some(ls) = ls else { return out };
+        self.intra_solves += 1;
+        let sol = fastest(&ls);
+        self.finish_details(layer, cfg, out, &ls, sol)
+    }
+
+    /// Solves, on up to `threads` threads, the intra-layer ILPs that the tables of `cfgs`
+    /// need and the cache lacks (one per layer representative and configuration), so that
+    /// building those tables solves none. The results are those of solving them one by one:
+    /// each ILP is solved alone on one HiGHS thread, and taken in the order they were met.
+    pub fn prefetch_details(&mut self, cfgs: &[LayerConfig], threads: usize) {
+        let reps = self.reps.clone();
+        let mut seen = std::collections::HashSet::new();
+        let mut jobs = Vec::new();
+        for cfg in cfgs {
+            for &rep in &reps {
+                let key = (rep, cfg.tp, cfg.microbatch, cfg.tp_group, cfg.sequence_parallel);
+                if self.details.contains_key(&key) || !seen.insert(key) {
+                    continue;
+                }
+                match self.start_details(rep, cfg) {
+                    (out, Some(ls)) => jobs.push((key, *cfg, out, ls)),
+                    (out, None) => {
+                        self.details.insert(key, out);
+                    }
+                }
+            }
+        }
+        let sols = super::parallel::map(&jobs, threads, |(_, _, _, ls)| fastest(ls));
+        for ((key, cfg, out, ls), sol) in jobs.into_iter().zip(sols) {
+            self.intra_solves += 1;
+            let d = self.finish_details(key.0, &cfg, out, &ls, sol);
+            self.details.insert(key, d);
+        }
+    }
+
+    /// The serial part of a layer's details: the Megatron split, and the intra-layer problem
+    /// whose fastest assignment may add a point (`None` when there is none to solve).
+    fn start_details(&mut self, layer: usize, cfg: &LayerConfig) -> (Vec<StrategyDetail>, Option<strategy::LayerStrategies>) {
         let mut megatron = self.megatron_detail(layer, cfg);
         let lay = &self.lg.layers[layer];
         if cfg.tp <= 1 {
@@ -621,7 +718,7 @@ impl<'a> CostContext<'a> {
                 .iter()
                 .map(|&id| (g.try_node(id).map(|n| n.name.clone()).unwrap_or_default(), Strategy::Replicate))
                 .collect();
-            return vec![megatron];
+            return (vec![megatron], None);
         }
         let mut offers = self.layer_offers(layer, cfg);
         let mut ls = strategy::from_offers(offers.clone());
@@ -655,16 +752,17 @@ impl<'a> CostContext<'a> {
             megatron.param_elems = ls.params_of(&ls.megatron);
             megatron.act_bytes = m.act_bytes.max(megatron.input_bytes);
         }
-        let mut out = vec![megatron.clone()];
+        let out = vec![megatron];
         if self.megatron_only {
-            return out;
+            return (out, None);
         }
-        self.intra_solves += 1;
-        // A failed or empty solve leaves the Megatron split, which is always valid.
-        // The fastest assignment only: the smallest is the all-split one, which Megatron's
-        // split already is, so further Pareto solves would only cost time.
-        let sols = ls.problem.solve(false, None, &SolverOptions::default()).ok().and_then(|(_, s)| s);
-        let (input_bytes, offload_bytes) = (megatron.input_bytes, megatron.offload_bytes);
+        (out, Some(ls))
+    }
+
+    /// The details from the Megatron split `out` and the intra-layer ILP's fastest assignment
+    /// `sol` of `ls`: that assignment is added where it differs and is not dominated.
+    fn finish_details(&self, layer: usize, cfg: &LayerConfig, mut out: Vec<StrategyDetail>, ls: &strategy::LayerStrategies, sols: Option<IntraSolution>) -> Vec<StrategyDetail> {
+        let (input_bytes, offload_bytes) = (out[0].input_bytes, out[0].offload_bytes);
         if let Some(s) = sols.filter(|s| s.choice != ls.megatron) {
             let d = StrategyDetail {
                 name: format!("ilp-tp{}", cfg.tp),
@@ -687,7 +785,8 @@ impl<'a> CostContext<'a> {
     }
 
     fn compute(&mut self, layer: usize, cfg: &LayerConfig) -> PipelineLayer {
-        let details = self.details(layer, cfg).to_vec();
+        self.details(layer, cfg);
+        let details = self.detail_list(layer, cfg);
         let lay = &self.lg.layers[layer];
         let b = cfg.microbatch as f64;
         let points = details.iter().enumerate().map(|(i, d)| self.point(layer, d, i, cfg)).collect();

@@ -5,17 +5,17 @@
 //! `bounds.rs`; [`Search`] holds one search's phases.
 
 use std::collections::HashMap;
-use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Instant;
 
-use crate::cost::{ClusterSpec, kept_in_flight};
+use crate::cost::{ClusterSpec, CommModel, kept_in_flight};
 use crate::ir::{LayeredGraph, Parallelism, ScheduleKind};
 
-use super::bounds::{BoundMemo, bounds_shared, pruning_bound_with};
+use super::bounds::{BoundMemo, SharedSplits, bounds_shared};
 use super::candidates::{divisors, global_batch};
 use super::heuristic::incumbent;
 use super::ilp::{SolveReport, SolveStatus, SolverOptions};
-use super::layer_cost::{CostContext, LayerConfig};
+use super::layer_cost::{CompactTable, CostContext, LayerConfig};
 use super::pipeline::PipelineSolution;
 use super::problem::{LayerChoice, PipelineEval, PipelineLayer, PipelineObjective, PipelineProblem};
 use super::{
@@ -33,25 +33,16 @@ pub const DEFAULT_TIME_LIMIT_S: f64 = 60.0;
 pub struct Prepared {
     /// The configuration.
     pub cand: Candidate,
-    /// Its pipeline problem; its `layers` are filled from `table` only when the search
-    /// looks at the candidate beyond its bounds ([`Prepared::materialize`]).
+    /// Its pipeline problem; its `layers` stay empty until the search looks at the
+    /// candidate beyond its bounds (`Search::materialize`), the bounds reading the compact
+    /// table its layer configuration shares with other candidates.
     pub problem: PipelineProblem,
-    /// The layer table, shared with every candidate of the same layer configuration.
-    pub table: Rc<Vec<PipelineLayer>>,
+    /// Its layer configuration, which names that table.
+    pub config: LayerConfig,
     /// Lower bound on its step time.
     pub lb: f64,
     /// Lower bound on its peak memory per device.
     pub mem_lb: f64,
-}
-
-impl Prepared {
-    /// Fills the problem's layers from the shared table (once).
-    pub fn materialize(&mut self) -> &PipelineProblem {
-        if self.problem.layers.len() != self.table.len() {
-            self.problem.layers = (*self.table).clone();
-        }
-        &self.problem
-    }
 }
 
 /// Builds the pipeline problem of a candidate.
@@ -63,18 +54,29 @@ pub fn prepare(
     fixed_chunks: Option<Vec<usize>>,
     fixed_checkpoints: Option<Vec<bool>>,
 ) -> Prepared {
-    let table = ctx.layers(&layer_config(ctx.spec, cand));
-    prepare_on(ctx, cand, memory_cap, active, (fixed_chunks, fixed_checkpoints), table, &mut BoundMemo::default())
+    let config = layer_config(ctx.spec, cand);
+    let table = ctx.compact(&config);
+    let links = Links { spec: ctx.spec, comm: ctx.comm };
+    let mut p = prepare_on(&links, cand, memory_cap, active, (fixed_chunks, fixed_checkpoints), (config, &table), &mut BoundMemo::default());
+    p.problem.layers = (*ctx.layers(&config)).clone();
+    p
 }
 
-/// [`prepare`] over a given layer table, with the fixed chunks and recompute flags.
+/// What preparing a candidate reads of the cluster (shared by the threads preparing them).
+struct Links<'a> {
+    spec: &'a ClusterSpec,
+    comm: CommModel,
+}
+
+/// [`prepare`] of the configuration `config` over its compact `table`, with the fixed chunks
+/// and recompute flags (the problem's layers left empty).
 fn prepare_on(
-    ctx: &CostContext<'_>,
+    ctx: &Links<'_>,
     cand: &Candidate,
     memory_cap: f64,
     active: Option<usize>,
     (fixed_chunks, fixed_checkpoints): (Option<Vec<usize>>, Option<Vec<bool>>),
-    table: Rc<Vec<PipelineLayer>>,
+    (config, table): (LayerConfig, &Arc<CompactTable>),
     memo: &mut BoundMemo,
 ) -> Prepared {
     let spec = ctx.spec;
@@ -114,8 +116,8 @@ fn prepare_on(
         fixed_checkpoints,
         objective: PipelineObjective::StepTime,
     };
-    let (lb, mem_lb) = bounds_shared(&problem, &table, memo);
-    Prepared { cand: *cand, problem, table, lb, mem_lb }
+    let (lb, mem_lb) = bounds_shared(&problem, table, memo);
+    Prepared { cand: *cand, problem, config, lb, mem_lb }
 }
 
 /// A layout rule: the chunk of every layer a candidate must take, where the rule fixes one.
@@ -136,10 +138,11 @@ pub struct Search<'a> {
     /// Whether tables keep only each layer's first point, the Megatron split (the Megatron
     /// rule on a context that also holds the intra-layer assignments).
     megatron_view: bool,
-    /// Those tables, by the full table they cut down.
-    megatron_tables: HashMap<*const Vec<PipelineLayer>, Rc<Vec<PipelineLayer>>>,
-    /// The bounds' work per layer table, shared by every phase.
-    bound_memo: BoundMemo,
+    /// Those tables, by the full table they cut down; and the compact ones.
+    megatron_tables: HashMap<*const Vec<PipelineLayer>, Arc<Vec<PipelineLayer>>>,
+    megatron_compact: HashMap<*const CompactTable, Arc<CompactTable>>,
+    /// Threads the intra-layer ILPs and the bounds run on ([`super::parallel::threads`]).
+    pub threads: usize,
     /// Whether a search nothing fits in works out the fix (an unused seed's failure is
     /// dropped unread).
     pub explain: bool,
@@ -184,8 +187,13 @@ impl Frontier {
     /// Splits `prepared` into those whose bounds fit (sorted by bound) and the skipped rest.
     fn new(mut prepared: Vec<Prepared>, cap: f64, seed_obj: f64) -> Frontier {
         let total = prepared.len() as u64;
-        let (mut fit, unfit): (Vec<Prepared>, Vec<Prepared>) = prepared.drain(..).partition(|p| p.mem_lb <= cap && p.lb.is_finite());
-        fit.sort_by(|a, b| a.lb.total_cmp(&b.lb));
+        let (fit, unfit): (Vec<Prepared>, Vec<Prepared>) = prepared.drain(..).partition(|p| p.mem_lb <= cap && p.lb.is_finite());
+        // A stable sort of their indices by bound (ties in enumeration order), then each moved
+        // once: sorting the large records themselves moved each many times.
+        let mut order: Vec<usize> = (0..fit.len()).collect();
+        order.sort_by(|&a, &b| fit[a].lb.total_cmp(&fit[b].lb));
+        let mut slots: Vec<Option<Prepared>> = fit.into_iter().map(Some).collect();
+        let fit: Vec<Prepared> = order.into_iter().filter_map(|i| slots[i].take()).collect();
         let skipped = unfit.len() as u64;
         Frontier { quick: vec![None; fit.len()], fit, best: None, seed_obj, solved: 0, skipped, done: skipped, total, open_bound: f64::INFINITY }
     }
@@ -204,12 +212,12 @@ impl Frontier {
     /// Quick layouts first, in bound order while a bound can still beat the best of them: an
     /// incumbent before any ILP, and the guarantee that the answer is no worse than any of
     /// them (equal layer counts included, whatever the time limit).
-    fn quick_layouts(&mut self) {
+    fn quick_layouts(&mut self, materialize: &mut dyn FnMut(&mut Prepared)) {
         for i in 0..self.fit.len() {
             if self.incumbent().is_some_and(|inc| self.fit[i].lb >= inc * (1.0 - 1e-9)) {
                 break;
             }
-            self.fit[i].materialize();
+            materialize(&mut self.fit[i]);
             let p = &self.fit[i];
             let Some((choices, eval)) = incumbent(&p.problem) else { continue };
             let objective = eval.step_s;
@@ -231,10 +239,16 @@ impl Frontier {
 
     /// The pipeline ILP of each candidate in bound order until the next bound reaches the
     /// incumbent or the time runs out.
-    fn branch_and_bound(&mut self, start: Instant, limit: f64, progress: &mut dyn FnMut(Progress)) -> Result<(), SolveError> {
+    fn branch_and_bound(
+        &mut self,
+        start: Instant,
+        limit: f64,
+        materialize: &mut dyn FnMut(&mut Prepared),
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<(), SolveError> {
         let mut i = 0;
         while i < self.fit.len() {
-            self.fit[i].materialize();
+            materialize(&mut self.fit[i]);
             if self.quick[i].as_ref().is_some_and(|q| q.report.status == SolveStatus::Optimal) {
                 // Its quick layout meets its bound: solved, without an ILP.
                 self.solved += 1;
@@ -252,7 +266,7 @@ impl Frontier {
             // only prove that.
             if let Some(inc) = incumbent
                 && p.problem.virtual_stages > 1
-                && pruning_bound_with(&p.problem, &p.table) >= inc * (1.0 + 1e-6)
+                && pruning_bound(&p.problem) >= inc * (1.0 + 1e-6)
             {
                 self.skipped += 1;
                 self.done += 1;
@@ -361,7 +375,8 @@ impl<'a> Search<'a> {
             cap: cfg.memory_limit_bytes().unwrap_or(spec.memory_bytes) as f64,
             megatron_view: false,
             megatron_tables: HashMap::new(),
-            bound_memo: BoundMemo::default(),
+            megatron_compact: HashMap::new(),
+            threads: super::parallel::threads(),
             explain: true,
         }
     }
@@ -399,33 +414,64 @@ impl<'a> Search<'a> {
     }
 
     /// The layer table of a layer configuration under the rule in force.
-    fn table(&mut self, lc: &LayerConfig) -> Rc<Vec<PipelineLayer>> {
+    fn table(&mut self, lc: &LayerConfig) -> Arc<Vec<PipelineLayer>> {
         let full = self.ctx.layers(lc);
         if !self.megatron_view {
             return full;
         }
         self.megatron_tables
-            .entry(Rc::as_ptr(&full))
+            .entry(Arc::as_ptr(&full))
             .or_insert_with(|| {
-                Rc::new(full.iter().map(|l| PipelineLayer { points: l.points.iter().take(1).cloned().collect(), ..l.clone() }).collect())
+                Arc::new(full.iter().map(|l| PipelineLayer { points: l.points.iter().take(1).cloned().collect(), ..l.clone() }).collect())
             })
             .clone()
     }
 
+    /// The compact layer table of a layer configuration under the rule in force.
+    fn compact(&mut self, lc: &LayerConfig) -> Arc<CompactTable> {
+        let full = self.ctx.compact(lc);
+        if !self.megatron_view {
+            return full;
+        }
+        self.megatron_compact.entry(Arc::as_ptr(&full)).or_insert_with(|| Arc::new(full.first_points())).clone()
+    }
+
+    /// Fills a candidate's problem's layers from its layer table under the rule in force
+    /// (once).
+    fn materialize(&mut self, p: &mut Prepared) {
+        if p.problem.layers.len() != self.lg.layers.len() {
+            p.problem.layers = (*self.table(&p.config)).clone();
+        }
+    }
+
     /// Every candidate's problem and bounds; a manual layout, else `fixed`, places the layers.
+    /// The intra-layer ILPs and the bounds run on [`Self::threads`] threads; the layer tables
+    /// are built in between, one by one from the caches the ILPs filled.
     fn prepare_all(&mut self, cands: &[Candidate], fixed: LayoutRule<'_>) -> Result<Vec<Prepared>, SolveError> {
         let layout = match &self.cfg.layout {
             Some(l) => Some(layout_chunks(&l.0, self.lg.layers.len())?),
             None => None,
         };
-        let mut out = Vec::with_capacity(cands.len());
-        for cand in cands {
-            let f = layout.clone().or_else(|| fixed(cand, &self.ctx));
-            let table = self.table(&layer_config(self.spec, cand));
-            let checkpoints = self.cfg.checkpoint_flags(self.lg.layers.len());
-            out.push(prepare_on(&self.ctx, cand, self.cap, self.cfg.active_microbatches, (f, checkpoints), table, &mut self.bound_memo));
-        }
-        Ok(out)
+        let configs: Vec<LayerConfig> = cands.iter().map(|c| layer_config(self.spec, c)).collect();
+        self.ctx.prefetch_details(&configs, self.threads);
+        let jobs: Vec<_> = cands
+            .iter()
+            .zip(&configs)
+            .map(|(cand, lc)| (cand, *lc, layout.clone().or_else(|| fixed(cand, &self.ctx)), self.compact(lc)))
+            .collect();
+        let checkpoints = self.cfg.checkpoint_flags(self.lg.layers.len());
+        let (cap, active) = (self.cap, self.cfg.active_microbatches);
+        let links = Links { spec: self.spec, comm: self.ctx.comm };
+        // Runs of neighbours (which mostly share their tables) per thread, each with its memo.
+        let runs: Vec<_> = jobs.chunks(jobs.len().div_ceil(4 * self.threads).max(64)).collect();
+        let splits = SharedSplits::default();
+        let prepared = super::parallel::map(&runs, self.threads, |run| {
+            let mut memo = BoundMemo::sharing(splits.clone());
+            run.iter()
+                .map(|(cand, lc, f, table)| prepare_on(&links, cand, cap, active, (f.clone(), checkpoints.clone()), (*lc, table), &mut memo))
+                .collect::<Vec<_>>()
+        });
+        Ok(prepared.into_iter().flatten().collect())
     }
 
     /// Solves `cands` in bound order; `fixed(cand, ctx)` may impose a layout. `seed`, a plan
@@ -435,15 +481,21 @@ impl<'a> Search<'a> {
         let start = Instant::now();
         let limit = self.cfg.time_limit_s.unwrap_or(DEFAULT_TIME_LIMIT_S);
         let prepared = self.prepare_all(&cands, fixed)?;
-        tracing::debug!("prepared {} candidates in {:.3} s", prepared.len(), start.elapsed().as_secs_f64());
+        tracing::debug!(
+            "prepared {} candidates in {:.3} s ({} intra-layer ILPs so far, {} threads)",
+            prepared.len(),
+            start.elapsed().as_secs_f64(),
+            self.ctx.intra_solves,
+            self.threads
+        );
         let cp_alternatives = alternatives(&prepared, self.cap, |c| c.parallel.cp);
         let ep_alternatives = alternatives(&prepared, self.cap, |c| c.parallel.ep);
         let min_mem = prepared.iter().map(|p| p.mem_lb).fold(f64::INFINITY, f64::min);
         let seed_obj = seed.as_ref().map_or(f64::INFINITY, |s| s.predicted.step_time_s);
         let mut st = Frontier::new(prepared, self.cap, seed_obj);
-        st.quick_layouts();
+        st.quick_layouts(&mut |p| self.materialize(p));
         tracing::debug!("quick layouts done at {:.3} s, incumbent {:?}", start.elapsed().as_secs_f64(), st.best.as_ref().map(|b| b.1.report.objective));
-        st.branch_and_bound(start, limit, progress)?;
+        st.branch_and_bound(start, limit, &mut |p| self.materialize(p), progress)?;
         progress(Progress { done: st.total, total: st.total, best_step_s: st.incumbent() });
         if let Some(s) = seed
             && st.best.as_ref().is_none_or(|b| seed_obj <= b.1.report.objective)
@@ -474,7 +526,7 @@ impl<'a> Search<'a> {
         let max_step = sol.report.objective * 1.05;
         let mut best_mem = sol.eval.as_ref().map_or(f64::INFINITY, |e| e.total_bytes.iter().cloned().fold(0.0, f64::max));
         for p in st.fit.iter_mut().filter(|p| p.lb <= max_step) {
-            p.materialize();
+            self.materialize(p);
             let p = &*p;
             let remaining = limit - start.elapsed().as_secs_f64();
             if remaining <= 0.0 {
