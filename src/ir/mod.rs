@@ -18,7 +18,7 @@ pub use dtype::DType;
 pub use fusion::{AttentionMask, AttentionScale, ClampLimit, Epsilon, ExpertActivation, ExpertWeighting, FusedOp, Fusion, GeluApproximation, SwishScale};
 pub use graph::{AuxLoss, Graph, GraphError, Node, NodeId, Value, ValueId, ValueKind};
 pub use layer::{DimBindings, Layer, LayerKind, LayeredGraph, NodeFigures};
-pub use op::{Attr, Attrs, Op, OpKind, PADDING_ROWS};
+pub use op::{Attr, Attrs, AutocastClass, Op, OpKind, PADDING_ROWS};
 pub use parallel::{CheckpointRule, ExpertDispatch, MeshAxis, OffloadRule, Parallelism, Placement, Precision, limits};
 pub use param::{DecisionSource, FrozenReason, ParamRecord, ParamTransform, RecordKind, Training};
 pub use schedule::{Action, ActionKind, ScheduleError, ScheduleKind, compute_actions};
