@@ -1,7 +1,8 @@
 //! Precision as a planning choice (docs/precision.md): the plan records the mode, and the cost
 //! model prices exactly its bytes and rates. Model-state bytes of a planned stage are checked
 //! against the formula from the model's own parameter counts, per mode and ZeRO stage; the
-//! activations halve from f32 to a 2-byte mode; a GPU's fp32 rate makes an f32 plan slower.
+//! activations halve from f32 to bf16, and the mixed modes price autocast's types (their
+//! measured oracle is tests/memory_measured.rs); a GPU's fp32 rate makes an f32 plan slower.
 
 use std::path::PathBuf;
 
@@ -44,13 +45,13 @@ fn param_counts() -> (f64, f64) {
     (params as f64, (params - frozen) as f64)
 }
 
-/// Bytes per element of each part of the model state, by the mode's types (not the cost
-/// model's table): (weight, gradient, master copy + AdamW's two moments).
+/// Bytes per element of each part of the model state, by the types the runner keeps (not the
+/// cost model's table): (weight, gradient, AdamW's two moments). The mixed modes run as
+/// autocast: fp32 weights that are the masters (no separate copy), fp32 gradients.
 fn bytes_of(p: Precision) -> (f64, f64, f64) {
     match p {
-        Precision::F32 => (4.0, 4.0, 2.0 * 4.0),
+        Precision::F32 | Precision::Bf16Mixed | Precision::Fp16Mixed => (4.0, 4.0, 2.0 * 4.0),
         Precision::Bf16 => (2.0, 2.0, 2.0 * 2.0),
-        Precision::Bf16Mixed | Precision::Fp16Mixed => (2.0, 2.0, 4.0 + 2.0 * 4.0),
     }
 }
 
@@ -69,7 +70,7 @@ fn model_state_per_mode_and_zero_stage_is_the_formula() {
             assert_eq!(planned.parallel.precision, p);
             let m = planned.stages[0].memory_bytes;
             let d = dp as f64;
-            // ZeRO 1 shards the optimizer state (master copy and moments), 2 the gradients
+            // ZeRO 1 shards the optimizer state (the moments), 2 the gradients
             // too, 3 the weights too
             let shard = |stage: u8| if zero >= stage { d } else { 1.0 };
             let what = format!("{p} dp {dp} ZeRO {zero}");
@@ -81,12 +82,14 @@ fn model_state_per_mode_and_zero_stage_is_the_formula() {
 }
 
 #[test]
-fn activations_are_priced_at_the_modes_width() {
-    let f32_ = plan(1, 0, Some(Precision::F32)).stages[0].memory_bytes.activations as f64;
-    for p in [Precision::Bf16, Precision::Bf16Mixed, Precision::Fp16Mixed] {
-        let low = plan(1, 0, Some(p)).stages[0].memory_bytes.activations as f64;
-        assert!(f32_ > 0.0 && (low - f32_ / 2.0).abs() <= 2.0, "{p}: activations {low} vs f32 {f32_}");
-    }
+fn activations_are_priced_at_the_modes_types() {
+    let act = |p| plan(1, 0, Some(p)).stages[0].memory_bytes.activations as f64;
+    let (f32_, bf16) = (act(Precision::F32), act(Precision::Bf16));
+    assert!(f32_ > 0.0 && (bf16 - f32_ / 2.0).abs() <= 2.0, "bf16: activations {bf16} vs f32 {f32_}");
+    // autocast keeps fp32 values beside 16-bit ones, and 16-bit copies of what its products read
+    let (bf16_mixed, fp16_mixed) = (act(Precision::Bf16Mixed), act(Precision::Fp16Mixed));
+    assert_eq!(bf16_mixed, fp16_mixed, "the two low types are as wide");
+    assert!(bf16_mixed > bf16, "bf16-mixed {bf16_mixed} vs bf16 {bf16}");
 }
 
 #[test]

@@ -117,8 +117,8 @@ pub struct Layer {
 }
 
 /// The byte figures of a layer in one run's element types, per sample unless said: a
-/// [`Layer`]'s own fields are them in the graph's types ([`Layer::bytes`]); `passes::autocast`
-/// gives them in a mixed-precision run's.
+/// [`Layer`]'s own fields are them in the graph's types ([`Layer::bytes`]); `passes::layers::
+/// layer_bytes` gives them at any run's (`solve::layer_cost::training_bytes`: a mixed-precision run's).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct LayerBytes {
     /// What the layer keeps for its backward (`figures.saved_bytes`).

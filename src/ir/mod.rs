@@ -19,7 +19,7 @@ pub use fusion::{AttentionMask, AttentionScale, ClampLimit, Epsilon, ExpertActiv
 pub use graph::{AuxLoss, Graph, GraphError, Node, NodeId, Value, ValueId, ValueKind};
 pub use layer::{DimBindings, Layer, LayerBytes, LayerKind, LayeredGraph, NodeFigures};
 pub use op::{Attr, Attrs, AutocastClass, Op, OpKind, PADDING_ROWS};
-pub use parallel::{CheckpointRule, ExpertDispatch, MeshAxis, OffloadRule, Parallelism, Placement, Precision, limits};
+pub use parallel::{CheckpointRule, ExpertDispatch, MeshAxis, MixedRecipe, OffloadRule, Parallelism, Placement, Precision, limits};
 pub use param::{DecisionSource, FrozenReason, ParamRecord, ParamTransform, RecordKind, Training};
 pub use schedule::{Action, ActionKind, ScheduleError, ScheduleKind, compute_actions};
 pub use shape::{Dim, Shape, TensorType};

@@ -1,5 +1,5 @@
 //! The element type each value has in a mixed-precision run (`torch.autocast`, as the runner
-//! executes `bf16-mixed` and `fp16-mixed`), and the byte figures that follow from it.
+//! executes `bf16-mixed` and `fp16-mixed`): what the figures pass prices those runs' bytes at.
 //!
 //! Floating-point graph inputs, parameters and constants are fp32. A value made by a `Low` op
 //! ([`crate::ir::AutocastClass`]) is in the low type; by an `Fp32` op, fp32; by an `AsIs` op,
@@ -7,12 +7,9 @@
 //! zero-dim one counts only when no dimensioned float input exists). What a `Low` op keeps for
 //! its backward are its low-type casts of its inputs: a copy of its own when the input is fp32
 //! (besides the fp32 original, if another reader keeps that), the value itself when it is
-//! already low ([`super::figures::compute_at`]).
+//! already low ([`super::figures::compute_at`], which reads these types).
 
-use crate::ir::{AutocastClass, DType, Graph, LayerBytes, LayeredGraph, NodeFigures, NodeId, OpKind, ValueKind};
-
-use super::PassError;
-use super::figures::{self, Figures};
+use crate::ir::{AutocastClass, DType, Graph, NodeId, OpKind, ValueKind};
 
 /// Per value (by index), its element type in an autocast run computing its products in `low`
 /// (`None` where the graph does not know the value's type). `order`: the nodes in execution
@@ -62,25 +59,6 @@ fn promoted(graph: &Graph, node: &crate::ir::Node, dtypes: &[Option<DType>]) -> 
     let zero_dim = |v: crate::ir::ValueId| graph.value(v).ty.as_ref().and_then(|t| t.shape.as_ref()).is_some_and(|s| s.rank() == 0);
     let widest = |it: &mut dyn Iterator<Item = DType>| it.max_by_key(|d| (d.size_bytes(), *d == DType::F32));
     widest(&mut floats().filter(|&(v, _)| !zero_dim(v)).map(|(_, d)| d)).or_else(|| widest(&mut floats().map(|(_, d)| d)))
-}
-
-/// The byte figures of `lg`'s nodes and layers in an autocast run computing in `low`: per node
-/// (indexed by `NodeId::index()`, every other figure as `lg.node_figures`) and per layer. Runs
-/// the figures pass again with the run's types: once per graph, not per candidate.
-pub fn bytes(lg: &LayeredGraph, low: DType) -> Result<(Vec<NodeFigures>, Vec<LayerBytes>), PassError> {
-    let fig: Figures = figures::compute_at(&lg.graph, &lg.dims, Some(low))?;
-    let layers = super::layers::layer_bytes(&lg.graph, &fig, &lg.layers);
-    Ok((fig.per_node, layers))
-}
-
-/// Per layer of `lg`, the bytes per sample of its inputs in an autocast run computing in `low`
-/// (the layer's `input_bytes` in the run's types; one pass over the graph, no figures).
-pub fn layer_input_bytes(lg: &LayeredGraph, low: DType) -> Result<Vec<f64>, PassError> {
-    let order = lg.graph.topo_order()?;
-    let dtypes = dtypes(&lg.graph, &order, low);
-    let sz = figures::Sizes { graph: &lg.graph, dims: &lg.dims.values, dtypes: &dtypes, low: Some(low) };
-    let batch = lg.dims.graph_batch.max(1) as f64;
-    Ok(lg.layers.iter().map(|l| l.inputs.iter().map(|&v| sz.bytes(v)).sum::<f64>() / batch).collect())
 }
 
 #[cfg(test)]

@@ -69,7 +69,12 @@ pub struct Sizes<'a> {
     pub low: Option<DType>,
 }
 
-impl Sizes<'_> {
+impl<'a> Sizes<'a> {
+    /// Sizes at the graph's own types.
+    pub fn new(graph: &'a Graph, dims: &'a BTreeMap<String, i64>) -> Sizes<'a> {
+        Sizes { graph, dims, dtypes: &[], low: None }
+    }
+
     /// Concrete dims of `v`, if known.
     pub fn dims(&self, v: ValueId) -> Option<Vec<i64>> {
         let shape = self.graph.value(v).ty.as_ref()?.shape.as_ref()?;

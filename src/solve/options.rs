@@ -86,6 +86,9 @@ pub struct PlanOptions {
     /// Training precision (`--precision`, SMP's `fp16`/`bf16`/`fp16_params`); default: the
     /// cluster's ([`ClusterSpec::default_precision`]: bf16-mixed on GPUs, f32 on `cpu`).
     pub precision: Option<Precision>,
+    /// How the mixed precisions are priced (default: `Autocast`, as the runner executes plans;
+    /// checks against Megatron-LM's, DeepSpeed's or FSDP's published runs set `LowModel`).
+    pub mixed_recipe: Option<crate::ir::MixedRecipe>,
     /// Activation offloading of checkpointed layers (`--offload-activations`, SMP's
     /// `offload_activations` / `sm_activation_offloading`); default: `auto` (the solver
     /// offloads where memory needs it) on clusters with a host link.
