@@ -287,7 +287,7 @@ impl AxisLimits {
         let scale = crate::cost::compute::bytes_scale(crate::cost::compute::graph_float_dtype(&lg.graph), dtype);
         let graph_types = || lg.layers.iter().map(|l| l.input_bytes).sum::<f64>() * scale;
         // in the mixed modes, the inputs in autocast's types
-        let sample_bytes = if precision.is_mixed() && cfg.mixed_recipe.unwrap_or_default() == crate::ir::MixedRecipe::Autocast {
+        let sample_bytes = if precision.is_mixed() && cfg.mixed_recipe_for(spec) == crate::ir::MixedRecipe::Autocast {
             super::layer_cost::autocast_input_bytes(lg, dtype).map_or_else(|_| graph_types(), |b| b.iter().sum())
         } else {
             graph_types()

@@ -362,9 +362,11 @@ pub struct CostContext<'a> {
 
 impl<'a> CostContext<'a> {
     /// Reads the layer facts of `lg`, for a plan training in `precision` (its compute rate,
-    /// activation bytes and model-state bytes).
+    /// activation bytes and model-state bytes), a mixed precision priced as `spec`'s default
+    /// recipe ([`super::PlanOptions::mixed_recipe_for`]).
     pub fn new(lg: &'a LayeredGraph, spec: &'a ClusterSpec, precision: Precision) -> CostContext<'a> {
-        CostContext::with_recipe(lg, spec, precision, crate::ir::MixedRecipe::Autocast)
+        let recipe = super::PlanOptions::default().mixed_recipe_for(spec);
+        CostContext::with_recipe(lg, spec, precision, recipe)
     }
 
     /// [`Self::new`] with a mixed precision kept as `recipe` does.
