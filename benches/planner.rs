@@ -206,7 +206,8 @@ fn main() {
     println!("| Llama 3 405B, h100-80gb:8192, t 8, p 16, d 64, batch 2048, seq 8192 | plan | step s | predicted MFU | published MFU | predicted / published |");
     println!("|---|---|---|---|---|---|");
     if let Some(model) = load("models/llama3-405b.onnx", 8192) {
-        let cfg = PlanOptions { baseline: Some(Baseline::Uniform), tp: Some(8), pp: Some(16), dp: Some(64), ..options(2048, 8192) };
+        // Meta's mixed precision: a bf16 model beside fp32 masters (as tests/published_runs.rs)
+        let cfg = PlanOptions { baseline: Some(Baseline::Uniform), tp: Some(8), pp: Some(16), dp: Some(64), mixed_recipe: Some(smp_partition::ir::MixedRecipe::LowModel), ..options(2048, 8192) };
         match run(&model, "h100-80gb:8192", &cfg).0 {
             Ok(d) => println!(
                 "| uniform cuts, rest searched | {} | {:.3} | {:.3} | 0.43 | {:.3} |",

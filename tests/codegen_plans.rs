@@ -49,11 +49,12 @@ fn strategies(lg: &LayeredGraph, layer: usize, tp: usize) -> LayerStrategies {
         spec: &spec,
         comm: &ctx.comm,
         dtype: ctx.dtype,
-        bytes_scale: ctx.bytes_scale,
+        bytes: &ctx.bytes,
         tp,
         microbatch: 2.0,
         tp_group: GroupSpan { size: tp, per_node: tp },
         state_bytes_per_param: 16.0,
+        grad_bytes_per_param: ctx.precision.grad as f64,
         sequence_parallel: false,
     };
     build(lg, layer, &x)

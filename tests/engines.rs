@@ -287,7 +287,9 @@ fn llama3_405b_megatron_arguments_price_the_published_run() {
     assert_eq!(world, 8192);
     assert!(reading.unpriced.is_empty(), "{:?}", reading.unpriced);
     let cluster = ClusterSpec::parse("h100-80gb:8192").expect("preset");
-    let opts = reading.options.clone().resolve(None).expect("resolve");
+    // Megatron-LM's mixed precision as its run kept it: a bf16 model beside fp32 masters
+    let recipe = Some(smp_partition::ir::MixedRecipe::LowModel);
+    let opts = PlanOptions { mixed_recipe: recipe, ..reading.options.clone() }.resolve(None).expect("resolve");
     let (yours, over) = engines::price(Engine::Megatron, &a, &cluster, &opts).expect("price");
     let p = &yours.parallel;
     assert_eq!((p.tp, p.pp, p.dp, p.schedule, p.microbatches), (8, 16, 64, ScheduleKind::Interleaved { virtual_stages: 2 }, 32));
@@ -298,7 +300,7 @@ fn llama3_405b_megatron_arguments_price_the_published_run() {
     assert_eq!((blocks(stages[0]), blocks(stages[1]), blocks(stages[31])), (3, 4, 3));
     assert!(checkpointed(&yours).is_empty(), "no recompute");
     let mfu = yours.predicted.mfu;
-    let auto = PlanOptions { global_batch: Some(2048), seq_len: Some(8192), precision: opts.precision, time_limit_s: Some(120.0), ..PlanOptions::default() };
+    let auto = PlanOptions { global_batch: Some(2048), seq_len: Some(8192), precision: opts.precision, mixed_recipe: recipe, time_limit_s: Some(120.0), ..PlanOptions::default() };
     let ours = compile(&a, &cluster, &auto);
     let columns = [
         engines::Column { title: "yours (Megatron-LM arguments)".into(), plan: &yours, over_memory: over },

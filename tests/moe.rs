@@ -216,7 +216,7 @@ fn figures_price_the_routed_pairs_and_hold_every_expert() {
     // the dense chain it replaced computed every expert on every token
     let dense = specialised(case);
     let sizes_dims = lg.dims.values.clone();
-    let sz = smp_partition::passes::figures::Sizes { graph: &dense, dims: &sizes_dims };
+    let sz = smp_partition::passes::figures::Sizes::new(&dense, &sizes_dims);
     let record = lg.fused.iter().find(|f| f.node == node).expect("its record");
     let chain: f64 = record.replaces.iter().map(|&n| smp_partition::passes::figures::flops(&sz, dense.node(n))).sum::<f64>() / lg.dims.graph_batch as f64;
     let ratio = fig.flops / chain;

@@ -81,7 +81,8 @@ fn table1_automatic_plan_is_never_slower_than_the_faithful_baseline() {
         let spec = ClusterSpec::parse(&format!("a100-80gb:{}", r.gpus)).unwrap();
         let base = plan(&a.lg, &spec, &baseline_options(r, r.mbs, r.v), &mut |_| {}).unwrap();
         let t = std::time::Instant::now();
-        let auto_opts = smp_partition::solve::PlanOptions { global_batch: Some(r.batch as u64), seq_len: Some(SEQ as u64), ..Default::default() };
+        // priced as the baseline is (Megatron-LM's mixed precision)
+        let auto_opts = smp_partition::solve::PlanOptions { global_batch: Some(r.batch as u64), seq_len: Some(SEQ as u64), mixed_recipe: baseline_options(r, r.mbs, r.v).mixed_recipe, ..Default::default() };
         let auto = plan(&a.lg, &spec, &auto_opts, &mut |_| {}).unwrap();
         let ratio = base.predicted.step_time_s / auto.predicted.step_time_s;
         logs.push(ratio.ln());
@@ -154,6 +155,8 @@ fn llama3_405b_on_8192_h100s_against_the_published_mfu() {
         tp: Some(8),
         pp: Some(16),
         dp: Some(64),
+        // Meta's mixed precision: a bf16 model beside fp32 masters
+        mixed_recipe: Some(smp_partition::ir::MixedRecipe::LowModel),
         ..Default::default()
     };
     let d = plan(&a.lg, &spec, &opts, &mut |_| {}).unwrap();
@@ -211,6 +214,8 @@ fn llama3_405b_step(devices: usize, seq: u64, batch: u64, degrees: [usize; 4], t
         checkpointing: titan.as_ref().map(|_| smp_partition::ir::CheckpointRule::Always),
             // torchtitan's H100s hold 96 GB; its rows are compared with each other, not with a limit.
         memory_limit_gib: titan.as_ref().map(|_| 1e6),
+        // Meta's and torchtitan's mixed precision: a bf16 model beside fp32 masters
+        mixed_recipe: Some(smp_partition::ir::MixedRecipe::LowModel),
         ..Default::default()
     };
     let d = plan(&a.lg, &spec, &opts, &mut |_| {}).unwrap();

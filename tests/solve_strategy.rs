@@ -31,11 +31,12 @@ fn megatron_is_an_assignment_and_the_ilp_matches_brute_force() {
                     spec: &spec,
                     comm: &ctx.comm,
                     dtype: ctx.dtype,
-                    bytes_scale: ctx.bytes_scale,
+                    bytes: &ctx.bytes,
                     tp,
                     microbatch: 2.0,
                     tp_group: lc.tp_group,
                     state_bytes_per_param: 16.0,
+                    grad_bytes_per_param: ctx.precision.grad as f64,
                     sequence_parallel: false,
                 };
                 let ls = build(&lg, layer, &x);

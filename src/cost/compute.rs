@@ -106,6 +106,11 @@ pub fn saved_bytes(fig: &NodeFigures, spec: &ClusterSpec) -> f64 {
     if spec.fused_attention { (fig.saved_bytes - fig.score_saved_bytes).max(0.0) } else { fig.saved_bytes }
 }
 
+/// [`saved_bytes`] of a layer's byte figures.
+pub fn layer_saved_bytes(b: &crate::ir::LayerBytes, spec: &ClusterSpec) -> f64 {
+    if spec.fused_attention { (b.saved_bytes - b.score_saved_bytes).max(0.0) } else { b.saved_bytes }
+}
+
 /// Forward, backward and weight-gradient times of one node at figures already scaled.
 pub fn node_times(op: &Op, fig: &NodeFigures, dtype: DType, spec: &ClusterSpec) -> LayerTimes {
     let fwd = node_time(fig, dtype, spec);
@@ -130,30 +135,27 @@ pub fn layer_times(
     batch: f64,
     tp: usize,
 ) -> LayerTimes {
-    layer_times_scaled(lg, layer, spec, dtype, batch, tp, bytes_scale(graph_float_dtype(&lg.graph), dtype))
+    let scale = bytes_scale(graph_float_dtype(&lg.graph), dtype);
+    layer_times_with(lg, layer, spec, dtype, batch, tp, |id| NodeFigures { memory_bytes: lg.node_figures(id).memory_bytes * scale, ..lg.node_figures(id) })
 }
 
-/// [`layer_times`] with the graph-to-training byte factor given (it scans every initializer,
-/// so callers pricing many layers compute it once).
-pub fn layer_times_scaled(
+/// [`layer_times`] with each node's figures at the training bytes given by `figures` (the
+/// plan's [`super::memory::TrainingBytes`]: callers pricing many layers compute them once).
+pub fn layer_times_with(
     lg: &LayeredGraph,
     layer: usize,
     spec: &ClusterSpec,
     dtype: DType,
     batch: f64,
     tp: usize,
-    bytes_scale: f64,
+    figures: impl Fn(crate::ir::NodeId) -> NodeFigures,
 ) -> LayerTimes {
     let Some(l) = lg.layers.get(layer) else { return LayerTimes::default() };
     let share = batch / tp.max(1) as f64;
     l.nodes
         .iter()
-        .filter_map(|&id| lg.graph.try_node(id).map(|n| (n, lg.node_figures(id))))
-        .map(|(node, fig)| {
-            let mut f = scaled(&fig, share);
-            f.memory_bytes *= bytes_scale;
-            node_times(&node.op, &f, dtype, spec)
-        })
+        .filter_map(|&id| lg.graph.try_node(id).map(|n| (n, figures(id))))
+        .map(|(node, fig)| node_times(&node.op, &scaled(&fig, share), dtype, spec))
         .sum()
 }
 

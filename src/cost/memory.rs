@@ -2,18 +2,21 @@
 //! per layer with or without checkpointing, and the microbatches each schedule keeps in
 //! flight per stage.
 //!
-//! Model state follows the ZeRO paper (Rajbhandari et al. 2020): mixed-precision Adam keeps
-//! 2 bytes of bf16 weight + 2 of bf16 gradient + 12 of optimizer state (fp32 master weight,
-//! momentum, variance) = 16Ψ; ZeRO-1 divides the 12 by the data-parallel degree d, ZeRO-2 the
-//! 14 (gradients too), ZeRO-3 all 16. Pure fp32 Adam keeps 4 + 4 + 8 (m, v); pure bf16 Adam
-//! 2 + 2 + 4 (bf16 m, v: PyTorch's AdamW keeps its moments in the parameters' dtype). Which
-//! applies is the plan's [`Precision`] ([`StatePrecision::of`]); docs/precision.md has the table.
+//! Model state follows the ZeRO paper (Rajbhandari et al. 2020): ZeRO-1 divides the optimizer
+//! state by the data-parallel degree d, ZeRO-2 the gradients too, ZeRO-3 the weights too. Per
+//! parameter, fp32 Adam keeps 4 + 4 + 8 (m, v); pure bf16 Adam 2 + 2 + 4 (bf16 m, v: PyTorch's
+//! AdamW keeps its moments in the parameters' dtype); the mixed modes run as `torch.autocast`
+//! does (the runner's recipe): fp32 weights that are the masters, fp32 gradients and moments,
+//! 4 + 4 + 8. (DeepSpeed's and Megatron's mixed precision, 2 + 2 + 12 with a separate fp32
+//! master, is [`StatePrecision::MIXED_ADAM`].) Which applies is the plan's [`Precision`]
+//! ([`StatePrecision::of`]); docs/precision.md has the table. Activation bytes are the values'
+//! in the run's types ([`TrainingBytes`]).
 //!
 //! The workspace margin (framework, kernel workspace, fragmentation) is
 //! [`super::ClusterSpec::workspace_bytes`], subtracted by `ClusterSpec::usable_memory`.
 
 use crate::ir::schedule::{ActionKind, compute_actions, interleaved_round_size};
-use crate::ir::{Layer, Precision, ScheduleKind};
+use crate::ir::{DType, Layer, LayerBytes, LayeredGraph, MixedRecipe, NodeFigures, NodeId, Precision, ScheduleKind};
 
 /// Bytes per parameter of weights, gradients and optimizer state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,7 +30,8 @@ pub struct StatePrecision {
 }
 
 impl StatePrecision {
-    /// Mixed-precision Adam: 2 + 2 + 12 = 16 bytes per parameter.
+    /// Mixed-precision Adam with 16-bit weights and gradients beside an fp32 master copy
+    /// (DeepSpeed's, Megatron's): 2 + 2 + 12 = 16 bytes per parameter.
     pub const MIXED_ADAM: StatePrecision = StatePrecision { weight: 2, grad: 2, optimizer: 12 };
     /// fp32 Adam: 4 + 4 + 8 = 16 bytes per parameter.
     pub const FP32_ADAM: StatePrecision = StatePrecision { weight: 4, grad: 4, optimizer: 8 };
@@ -35,14 +39,65 @@ impl StatePrecision {
     /// bytes per parameter.
     pub const BF16_ADAM: StatePrecision = StatePrecision { weight: 2, grad: 2, optimizer: 4 };
 
-    /// The bytes per parameter of a training precision: `f32` [`Self::FP32_ADAM`], `bf16`
-    /// [`Self::BF16_ADAM`], `bf16-mixed` and `fp16-mixed` [`Self::MIXED_ADAM`].
+    /// The bytes per parameter of a training precision as the runner executes it: `f32`
+    /// [`Self::FP32_ADAM`], `bf16` [`Self::BF16_ADAM`], `bf16-mixed` and `fp16-mixed`
+    /// [`Self::FP32_ADAM`] too (autocast: the fp32 weights are the masters, their gradients
+    /// and AdamW's moments fp32; the low-type weight copies the products keep are activations).
     pub fn of(precision: Precision) -> StatePrecision {
-        match precision {
-            Precision::F32 => StatePrecision::FP32_ADAM,
-            Precision::Bf16 => StatePrecision::BF16_ADAM,
-            Precision::Bf16Mixed | Precision::Fp16Mixed => StatePrecision::MIXED_ADAM,
+        StatePrecision::of_recipe(precision, MixedRecipe::Autocast)
+    }
+
+    /// [`Self::of`] with the mixed modes kept as `recipe` does: [`MixedRecipe::LowModel`] is
+    /// [`Self::MIXED_ADAM`].
+    pub fn of_recipe(precision: Precision, recipe: MixedRecipe) -> StatePrecision {
+        match (precision, recipe) {
+            (Precision::Bf16, _) => StatePrecision::BF16_ADAM,
+            (Precision::Bf16Mixed | Precision::Fp16Mixed, MixedRecipe::LowModel) => StatePrecision::MIXED_ADAM,
+            (Precision::F32 | Precision::Bf16Mixed | Precision::Fp16Mixed, _) => StatePrecision::FP32_ADAM,
         }
+    }
+}
+
+/// A model's byte figures at a plan's training precision, per sample: the graph's scaled to
+/// the compute type's width for `f32` and `bf16` ([`TrainingBytes::scaled`]), an autocast run's
+/// for the mixed modes (each value in the type autocast gives it: `solve::training_bytes`).
+/// Made once per plan.
+#[derive(Clone, Debug, Default)]
+pub struct TrainingBytes {
+    /// Per node (by `NodeId::index()`): its figures, the byte ones at the training precision.
+    pub nodes: Vec<NodeFigures>,
+    /// Per layer.
+    pub layers: Vec<LayerBytes>,
+}
+
+impl TrainingBytes {
+    /// The graph's own figures of `lg` at `dtype`'s width (one type throughout: `f32`, `bf16`,
+    /// or another engine's mixed precision, whose model is 16-bit).
+    pub fn scaled(lg: &LayeredGraph, dtype: DType) -> TrainingBytes {
+        let scale = super::compute::bytes_scale(super::compute::graph_float_dtype(&lg.graph), dtype);
+        TrainingBytes { nodes: lg.node_figures.iter().map(|f| scaled_bytes(f, scale)).collect(), layers: lg.layers.iter().map(|l| l.bytes().scaled(scale)).collect() }
+    }
+
+    /// Figures of node `id` (zero if out of range).
+    pub fn node(&self, id: NodeId) -> NodeFigures {
+        self.nodes.get(id.index()).copied().unwrap_or_default()
+    }
+
+    /// Byte figures of layer `layer` (zero if out of range).
+    pub fn layer(&self, layer: usize) -> LayerBytes {
+        self.layers.get(layer).copied().unwrap_or_default()
+    }
+}
+
+/// `f` with its byte figures times `factor`.
+fn scaled_bytes(f: &NodeFigures, factor: f64) -> NodeFigures {
+    NodeFigures {
+        output_bytes: f.output_bytes * factor,
+        saved_bytes: f.saved_bytes * factor,
+        memory_bytes: f.memory_bytes * factor,
+        score_bytes: f.score_bytes * factor,
+        score_saved_bytes: f.score_saved_bytes * factor,
+        ..*f
     }
 }
 
@@ -193,15 +248,14 @@ mod tests {
 
     #[test]
     fn state_bytes_per_mode_and_stage() {
-        // Derived from the mode's types: fp32 4 bytes, bf16/fp16 2; Adam's two moments; a
-        // master copy only in the mixed modes.
+        // Derived from the mode's types: fp32 4 bytes, bf16 2; Adam's two moments; no master
+        // copy (the mixed modes' weights are fp32 under autocast: they are the masters).
         let (psi, d) = (1.0e6, 8usize);
         for p in Precision::ALL {
-            let low = if p == Precision::F32 { 4.0 } else { 2.0 };
+            let low = if p == Precision::Bf16 { 2.0 } else { 4.0 };
             let (master, moments) = match p {
-                Precision::F32 => (0.0, 2.0 * 4.0),
                 Precision::Bf16 => (0.0, 2.0 * 2.0),
-                Precision::Bf16Mixed | Precision::Fp16Mixed => (4.0, 2.0 * 4.0),
+                Precision::F32 | Precision::Bf16Mixed | Precision::Fp16Mixed => (0.0, 2.0 * 4.0),
             };
             let sp = StatePrecision::of(p);
             let opt = master + moments;

@@ -11,4 +11,4 @@ pub mod memory;
 pub use cluster::{CalibrationFile, CollectiveLinks, ClusterError, ClusterSpec, EfficiencyCurve, FactSource, LIST_PRICES, ListPrice, MachineFacts, PRESETS, list_price};
 pub use comm::{CommModel, GroupSpan, Link, LinkKind};
 pub use compute::{LayerTimes, layer_times, node_time, node_times};
-pub use memory::{ModelState, StatePrecision, in_flight, kept_in_flight, model_state, stage_in_flights};
+pub use memory::{ModelState, StatePrecision, TrainingBytes, in_flight, kept_in_flight, model_state, stage_in_flights};

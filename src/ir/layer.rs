@@ -116,6 +116,63 @@ pub struct Layer {
     pub shared_saved_bytes: f64,
 }
 
+/// The byte figures of a layer in one run's element types, per sample unless said: a
+/// [`Layer`]'s own fields are them in the graph's types ([`Layer::bytes`]); `passes::layers::
+/// layer_bytes` gives them at any run's (`solve::layer_cost::training_bytes`: a mixed-precision run's).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LayerBytes {
+    /// What the layer keeps for its backward (`figures.saved_bytes`).
+    pub saved_bytes: f64,
+    /// The attention scores among them (`figures.score_saved_bytes`).
+    pub score_saved_bytes: f64,
+    /// Its input activations (`input_bytes`).
+    pub input_bytes: f64,
+    /// What offloading it moves (`offload_bytes`).
+    pub offload_bytes: f64,
+    /// What a pipeline cut after it sends (`output_bytes`).
+    pub output_bytes: f64,
+    /// Its inputs other layers read too (`shared_input_bytes`).
+    pub shared_input_bytes: f64,
+    /// Of `saved_bytes`, those shared inputs (`shared_saved_bytes`).
+    pub shared_saved_bytes: f64,
+    /// Per microbatch, whatever its size: the low-type copies of weights its matrix products
+    /// keep under autocast (0 in one type throughout).
+    pub weight_copy_bytes: f64,
+}
+
+impl LayerBytes {
+    /// Every per-sample figure times `factor` (a graph-to-training byte ratio); the per
+    /// microbatch weight copies too.
+    pub fn scaled(&self, factor: f64) -> LayerBytes {
+        LayerBytes {
+            saved_bytes: self.saved_bytes * factor,
+            score_saved_bytes: self.score_saved_bytes * factor,
+            input_bytes: self.input_bytes * factor,
+            offload_bytes: self.offload_bytes * factor,
+            output_bytes: self.output_bytes * factor,
+            shared_input_bytes: self.shared_input_bytes * factor,
+            shared_saved_bytes: self.shared_saved_bytes * factor,
+            weight_copy_bytes: self.weight_copy_bytes * factor,
+        }
+    }
+}
+
+impl Layer {
+    /// The layer's byte figures in the graph's own types.
+    pub fn bytes(&self) -> LayerBytes {
+        LayerBytes {
+            saved_bytes: self.figures.saved_bytes,
+            score_saved_bytes: self.figures.score_saved_bytes,
+            input_bytes: self.input_bytes,
+            offload_bytes: self.offload_bytes,
+            output_bytes: self.output_bytes,
+            shared_input_bytes: self.shared_input_bytes,
+            shared_saved_bytes: self.shared_saved_bytes,
+            weight_copy_bytes: 0.0,
+        }
+    }
+}
+
 /// How symbolic dims were bound and how figures relate to samples.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct DimBindings {

@@ -122,6 +122,34 @@ impl OpKind {
         use OpKind::*;
         matches!(self, ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd | ReduceL1 | ReduceL2 | ReduceLogSumExp | ReduceSumSquare)
     }
+
+    /// How a mixed-precision run (`torch.autocast`, CPU op lists) runs this op: the one place
+    /// the runner's kernels and the cost model's activation bytes read it from.
+    pub fn autocast_class(self) -> AutocastClass {
+        use OpKind::*;
+        match self {
+            // einsum contracts with batched matrix products, which autocast runs in the low type
+            MatMul | Gemm | Conv | ScaledDotProductAttention | Einsum => AutocastClass::Low,
+            ReduceProd | ReduceL2 | ReduceLogSumExp | ReduceSumSquare | LpNormalization | GridSample => AutocastClass::Fp32,
+            MixtureOfExperts => AutocastClass::Inside,
+            _ => AutocastClass::AsIs,
+        }
+    }
+}
+
+/// How `torch.autocast` (CPU) runs an op in a mixed-precision run ([`OpKind::autocast_class`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AutocastClass {
+    /// Matrix products and convolutions: every floating-point input cast to the low type, the
+    /// output in it.
+    Low,
+    /// Ops autocast keeps in fp32 (products of many terms): low-type inputs widened.
+    Fp32,
+    /// Everything else runs in its inputs' types (elementwise ops promote a mixed pair to fp32).
+    AsIs,
+    /// The kernel applies autocast to the products inside it (the fused mixture of experts:
+    /// expert products in the low type, routing weights and the sum in the input's type).
+    Inside,
 }
 
 impl fmt::Display for OpKind {

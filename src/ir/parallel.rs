@@ -434,6 +434,21 @@ impl Precision {
     }
 }
 
+/// How a mixed precision (`bf16-mixed`, `fp16-mixed`) keeps its state and activations: what
+/// the cost model prices for a plan.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum MixedRecipe {
+    /// `torch.autocast`, as the runner executes plans: fp32 weights (the masters), fp32
+    /// gradients and moments, each value in the type autocast gives it (products' outputs low,
+    /// norms and residual sums fp32), products keeping low-type casts of their inputs.
+    #[default]
+    Autocast,
+    /// Megatron-LM's, DeepSpeed's and FSDP's: the model in the low type throughout (weights,
+    /// gradients, every activation) beside an fp32 master copy and fp32 moments: what checks
+    /// against those engines' published runs price.
+    LowModel,
+}
+
 impl fmt::Display for Precision {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use super::PassError;
-use crate::ir::{Dim, DimBindings, Graph, Node, NodeFigures, NodeId, OpKind, ValueId, ValueKind};
+use crate::ir::{AutocastClass, DType, Dim, DimBindings, Graph, Node, NodeFigures, NodeId, OpKind, ValueId, ValueKind};
 
 /// What one node keeps for its backward pass.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -15,6 +15,9 @@ pub struct Saved {
     pub values: Vec<ValueId>,
     /// Bytes kept that are not graph values (dropout masks, pooling indices), per sample.
     pub extra_bytes: f64,
+    /// Bytes kept per microbatch whatever its size: under autocast, the low-type copies of the
+    /// weights a matrix product casts and keeps (0 otherwise).
+    pub weight_copy_bytes: f64,
 }
 
 /// Figures of a whole graph.
@@ -41,12 +44,15 @@ pub struct Figures {
     pub grad: Vec<bool>,
     /// For each value (by index), whether it is an attention score (see `NodeFigures::score_bytes`).
     pub score: Vec<bool>,
+    /// For each value (by index), its element type in the run the bytes are of: an autocast
+    /// run's ([`super::autocast::dtypes`]), or empty for the graph's own types.
+    pub dtypes: Vec<Option<DType>>,
 }
 
 impl Figures {
     /// Bytes per sample of value `v` (0 if its shape is unknown).
     pub fn value_bytes(&self, graph: &Graph, v: ValueId) -> f64 {
-        Sizes { graph, dims: &self.dims }.bytes(v) / self.graph_batch
+        Sizes { graph, dims: &self.dims, dtypes: &self.dtypes, low: None }.bytes(v) / self.graph_batch
     }
 }
 
@@ -56,9 +62,19 @@ pub struct Sizes<'a> {
     pub graph: &'a Graph,
     /// Symbol → size.
     pub dims: &'a BTreeMap<String, i64>,
+    /// Per value, its element type in the run (empty: the graph's own types).
+    pub dtypes: &'a [Option<DType>],
+    /// The low type of an autocast run, whose matrix products keep low-type casts of their
+    /// inputs (`None`: no autocast).
+    pub low: Option<DType>,
 }
 
-impl Sizes<'_> {
+impl<'a> Sizes<'a> {
+    /// Sizes at the graph's own types.
+    pub fn new(graph: &'a Graph, dims: &'a BTreeMap<String, i64>) -> Sizes<'a> {
+        Sizes { graph, dims, dtypes: &[], low: None }
+    }
+
     /// Concrete dims of `v`, if known.
     pub fn dims(&self, v: ValueId) -> Option<Vec<i64>> {
         let shape = self.graph.value(v).ty.as_ref()?.shape.as_ref()?;
@@ -77,9 +93,17 @@ impl Sizes<'_> {
         self.dims(v).map(|d| d.iter().map(|&x| x.max(0) as f64).product()).unwrap_or(0.0)
     }
 
+    /// The element type of `v` in the run (`None` if unknown).
+    pub fn dtype(&self, v: ValueId) -> Option<DType> {
+        match self.dtypes.get(v.index()) {
+            Some(d) => *d,
+            None => self.graph.value(v).ty.as_ref().map(|t| t.dtype),
+        }
+    }
+
     /// Bytes of `v` (0 if unknown).
     pub fn bytes(&self, v: ValueId) -> f64 {
-        self.numel(v) * self.graph.value(v).ty.as_ref().map(|t| t.dtype.size_bytes()).unwrap_or(0) as f64
+        self.numel(v) * self.dtype(v).map_or(0, |d| d.size_bytes()) as f64
     }
 }
 
@@ -112,8 +136,15 @@ pub fn param_elems(graph: &Graph, v: ValueId) -> (u64, u64) {
 
 /// Computes every node's figures under the bindings used for shape inference.
 pub fn compute(graph: &Graph, bindings: &DimBindings) -> Result<Figures, PassError> {
-    let sz = Sizes { graph, dims: &bindings.values };
+    compute_at(graph, bindings, None)
+}
+
+/// [`compute`], its bytes those of an autocast run computing its products in `low` (values in
+/// their run types, [`super::autocast::dtypes`]), or of the graph's own types for `None`.
+pub fn compute_at(graph: &Graph, bindings: &DimBindings, low: Option<DType>) -> Result<Figures, PassError> {
     let order = graph.topo_order()?;
+    let dtypes = low.map(|l| super::autocast::dtypes(graph, &order, l)).unwrap_or_default();
+    let sz = Sizes { graph, dims: &bindings.values, dtypes: &dtypes, low };
     let slots = graph.node_ids().map(|n| n.index() + 1).max().unwrap_or(0);
     let batch = bindings.graph_batch.max(1) as f64;
     let mut f = Figures {
@@ -184,6 +215,7 @@ pub fn compute(graph: &Graph, bindings: &DimBindings) -> Result<Figures, PassErr
     f.order = order;
     f.grad = grad;
     f.score = score;
+    f.dtypes = dtypes;
     Ok(f)
 }
 
@@ -308,7 +340,7 @@ fn experts_work(sz: &Sizes, node: &Node) -> Option<ExpertsWork> {
     let (i2, h) = (*gu.get(1)? as f64, *gu.get(2)? as f64);
     let i = i2 / 2.0;
     let pairs = (tokens * pairs_k) as f64;
-    let elem = sz.graph.value(input(0)?).ty.as_ref().map_or(4, |t| t.dtype.size_bytes()) as f64;
+    let elem = sz.dtype(input(0)?).map_or(4, |d| d.size_bytes()) as f64;
     // experts with biases add one after each projection
     let biases = if input(5).is_some() { i2 + h } else { 0.0 };
     Some(ExpertsWork {
@@ -448,7 +480,21 @@ fn saved(sz: &Sizes, node: &Node, grad: &[bool], data: &[bool], batch: f64) -> S
     let rg = |i: usize| input(i).is_some_and(|v| grad[v.index()]);
     let any_rg = node.inputs.iter().flatten().any(|v| grad[v.index()]);
     let output = node.outputs.first().copied();
+    // under autocast a matrix product keeps its low-type casts: a copy of its own of each
+    // fp32 input (per sample for activations, per microbatch for weights)
+    let low = sz.low.filter(|_| kind.autocast_class() == AutocastClass::Low);
+    let mut cast: Vec<ValueId> = Vec::new();
     let mut keep = |v: Option<ValueId>| {
+        if let (Some(v), Some(low)) = (v, low)
+            && sz.dtype(v).is_some_and(|d| d.is_float() && d != low)
+        {
+            if !cast.contains(&v) {
+                cast.push(v);
+                let copy = sz.numel(v) * low.size_bytes() as f64;
+                if data[v.index()] { s.extra_bytes += copy / batch } else { s.weight_copy_bytes += copy }
+            }
+            return;
+        }
         if let Some(v) = v
             && matches!(graph.value(v).kind, ValueKind::Input | ValueKind::Intermediate)
             && data[v.index()]

@@ -10,7 +10,7 @@ use sha2::{Digest, Sha256};
 
 use super::PassError;
 use super::figures::{Figures, is_param};
-use crate::ir::{DimBindings, Graph, Layer, LayerKind, Node, NodeFigures, NodeId, OpKind, ValueId, ValueKind};
+use crate::ir::{DimBindings, Graph, Layer, LayerBytes, LayerKind, Node, NodeFigures, NodeId, OpKind, ValueId, ValueKind};
 
 /// How a node was placed before helpers are attached.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -96,28 +96,59 @@ pub fn group(graph: &Graph, fig: &Figures, _dims: &DimBindings) -> Result<Vec<La
     for layer in &mut layers {
         fill(graph, fig, layer, &layer_of, &uses);
     }
+    let bytes = layer_bytes(graph, fig, &layers);
+    for (layer, b) in layers.iter_mut().zip(bytes) {
+        layer.figures.saved_bytes = b.saved_bytes;
+        layer.figures.score_saved_bytes = b.score_saved_bytes;
+        layer.input_bytes = b.input_bytes;
+        layer.offload_bytes = b.offload_bytes;
+        layer.output_bytes = b.output_bytes;
+        layer.shared_input_bytes = b.shared_input_bytes;
+        layer.shared_saved_bytes = b.shared_saved_bytes;
+    }
+    Ok(layers)
+}
+
+/// The byte figures of `layers` (grouped, their inputs and outputs found) at `fig`'s types:
+/// the graph's own, or an autocast run's (`super::autocast::bytes`).
+pub fn layer_bytes(graph: &Graph, fig: &Figures, layers: &[Layer]) -> Vec<LayerBytes> {
     // what offloading moves: the computed inputs no other layer reads (a mask or rotary table
     // every block reads is kept once per stage, on the device)
     let mut readers: HashMap<ValueId, usize> = HashMap::new();
     for v in layers.iter().flat_map(|l| l.inputs.iter()) {
         *readers.entry(*v).or_default() += 1;
     }
-    for layer in &mut layers {
-        layer.offload_bytes = layer.inputs.iter().filter(|v| readers[v] == 1 && graph.value(**v).kind == ValueKind::Intermediate).map(|&v| fig.value_bytes(graph, v)).sum();
-        // the same tensor for every reader: the memory model holds it once per stage
-        let shared: Vec<ValueId> = layer.inputs.iter().copied().filter(|v| readers[v] > 1).collect();
-        layer.shared_input_bytes = shared.iter().map(|&v| fig.value_bytes(graph, v)).fold(0.0, |a, b| a + b);
-        let mut saved: Vec<ValueId> = Vec::new();
-        for &n in &layer.nodes {
-            for &v in &fig.saved[n.index()].values {
-                if shared.contains(&v) && !saved.contains(&v) {
-                    saved.push(v);
+    let bytes = |vs: &mut dyn Iterator<Item = &ValueId>| vs.map(|&v| fig.value_bytes(graph, v)).fold(0.0, |a, b| a + b);
+    layers
+        .iter()
+        .map(|layer| {
+            // what the layer's nodes keep, each value once
+            let mut saved: Vec<ValueId> = Vec::new();
+            let (mut extra, mut weight_copy_bytes) = (0.0, 0.0);
+            for &n in &layer.nodes {
+                let s = &fig.saved[n.index()];
+                extra += s.extra_bytes;
+                weight_copy_bytes += s.weight_copy_bytes;
+                for &v in &s.values {
+                    if !saved.contains(&v) {
+                        saved.push(v);
+                    }
                 }
             }
-        }
-        layer.shared_saved_bytes = saved.iter().map(|&v| fig.value_bytes(graph, v)).fold(0.0, |a, b| a + b);
-    }
-    Ok(layers)
+            // the same tensor for every reader: the memory model holds it once per stage
+            let shared: Vec<ValueId> = layer.inputs.iter().copied().filter(|v| readers[v] > 1).collect();
+            LayerBytes {
+                saved_bytes: saved.iter().map(|&v| fig.value_bytes(graph, v)).sum::<f64>() + extra,
+                score_saved_bytes: saved.iter().filter(|v| fig.score.get(v.index()).copied().unwrap_or(false)).map(|&v| fig.value_bytes(graph, v)).sum(),
+                input_bytes: layer.inputs.iter().map(|&v| fig.value_bytes(graph, v)).sum(),
+                offload_bytes: layer.inputs.iter().filter(|v| readers[v] == 1 && graph.value(**v).kind == ValueKind::Intermediate).map(|&v| fig.value_bytes(graph, v)).sum(),
+                output_bytes: layer.outputs.iter().map(|&v| fig.value_bytes(graph, v)).sum(),
+                shared_input_bytes: bytes(&mut shared.iter()),
+                shared_saved_bytes: bytes(&mut saved.iter().filter(|v| shared.contains(v))),
+                weight_copy_bytes,
+            }
+        })
+        .collect()
 }
 
 /// Whether node `n` embeds its input: a row lookup in a parameter table, or a convolution
@@ -617,19 +648,10 @@ fn hoist_shared_constants(graph: &Graph, fig: &Figures, groups: &mut [usize]) {
 
 fn fill(graph: &Graph, fig: &Figures, layer: &mut Layer, layer_of: &[usize], uses: &[Vec<NodeId>]) {
     let here = layer.index;
-    let mut saved: Vec<ValueId> = Vec::new();
-    let mut extra = 0.0;
     let mut figures = NodeFigures::default();
     for &n in &layer.nodes {
         let f = fig.per_node[n.index()];
         figures += f;
-        let s = &fig.saved[n.index()];
-        extra += s.extra_bytes;
-        for &v in &s.values {
-            if !saved.contains(&v) {
-                saved.push(v);
-            }
-        }
         let node = graph.node(n);
         for &v in node.inputs.iter().flatten() {
             let val = graph.value(v);
@@ -653,11 +675,7 @@ fn fill(graph: &Graph, fig: &Figures, layer: &mut Layer, layer_of: &[usize], use
             }
         }
     }
-    figures.saved_bytes = saved.iter().map(|&v| fig.value_bytes(graph, v)).sum::<f64>() + extra;
-    figures.score_saved_bytes = saved.iter().filter(|v| fig.score.get(v.index()).copied().unwrap_or(false)).map(|&v| fig.value_bytes(graph, v)).sum();
     layer.figures = figures;
-    layer.input_bytes = layer.inputs.iter().map(|&v| fig.value_bytes(graph, v)).sum();
-    layer.output_bytes = layer.outputs.iter().map(|&v| fig.value_bytes(graph, v)).sum();
     layer.signature = signature(graph, layer);
 }
 

@@ -6,6 +6,7 @@
 
 use crate::ir;
 
+pub mod autocast;
 pub mod dce;
 mod error;
 pub mod figures;

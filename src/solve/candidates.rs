@@ -282,9 +282,16 @@ impl AxisLimits {
                 (shape.rank() == 2).then(|| shape.0[1].known()).flatten().map(|s| s as u64)
             })
         });
-        let dtype = cfg.precision_for(spec).compute_dtype();
+        let precision = cfg.precision_for(spec);
+        let dtype = precision.compute_dtype();
         let scale = crate::cost::compute::bytes_scale(crate::cost::compute::graph_float_dtype(&lg.graph), dtype);
-        let sample_bytes = lg.layers.iter().map(|l| l.input_bytes).sum::<f64>() * scale;
+        let graph_types = || lg.layers.iter().map(|l| l.input_bytes).sum::<f64>() * scale;
+        // in the mixed modes, the inputs in autocast's types
+        let sample_bytes = if precision.is_mixed() && cfg.mixed_recipe_for(spec) == crate::ir::MixedRecipe::Autocast {
+            super::layer_cost::autocast_input_bytes(lg, dtype).map_or_else(|_| graph_types(), |b| b.iter().sum())
+        } else {
+            graph_types()
+        };
         let experts: Vec<usize> = lg
             .layers
             .iter()

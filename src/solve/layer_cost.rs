@@ -10,7 +10,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::cost::{ClusterSpec, CommModel, GroupSpan, StatePrecision, model_state};
-use crate::cost::compute::{bytes_scale, graph_float_dtype, layer_times_scaled};
+use crate::cost::TrainingBytes;
+use crate::cost::compute::{layer_saved_bytes, layer_times_with};
 use crate::ir::{DType, LayerKind, LayeredGraph, NodeFigures, OpKind, Precision, ValueId, ValueKind};
 
 use super::hash::FastMap;
@@ -214,12 +215,37 @@ pub struct ExpertFacts {
 }
 
 /// Reads the attention and expert facts of every layer.
-fn axis_facts(lg: &LayeredGraph) -> (Vec<AttentionFacts>, Vec<ExpertFacts>) {
+/// The byte figures of `lg` trained in `precision`: under [`crate::ir::MixedRecipe::Autocast`] a
+/// mixed mode's are an autocast run's (`passes::autocast`'s types, by a second figures pass:
+/// once per plan, not per candidate); otherwise the graph's at the compute type's width.
+pub fn training_bytes(lg: &LayeredGraph, precision: Precision, recipe: crate::ir::MixedRecipe) -> TrainingBytes {
+    let dtype = precision.compute_dtype();
+    if precision.is_mixed() && recipe == crate::ir::MixedRecipe::Autocast {
+        match crate::passes::figures::compute_at(&lg.graph, &lg.dims, Some(dtype)) {
+            Ok(fig) => return TrainingBytes { layers: crate::passes::layers::layer_bytes(&lg.graph, &fig, &lg.layers), nodes: fig.per_node },
+            // the graph was analysed once already; should it fail now, price one type throughout
+            Err(e) => tracing::warn!(%e, "autocast figures failed; activations priced at {dtype}"),
+        }
+    }
+    TrainingBytes::scaled(lg, dtype)
+}
+
+/// Per layer of `lg`, the bytes per sample of its inputs in an autocast run computing in `low`
+/// (`input_bytes` at `passes::autocast`'s types; one pass over the graph, no figures).
+pub fn autocast_input_bytes(lg: &LayeredGraph, low: crate::ir::DType) -> Result<Vec<f64>, crate::passes::PassError> {
+    let order = lg.graph.topo_order()?;
+    let dtypes = crate::passes::autocast::dtypes(&lg.graph, &order, low);
+    let sz = crate::passes::figures::Sizes { graph: &lg.graph, dims: &lg.dims.values, dtypes: &dtypes, low: Some(low) };
+    let batch = lg.dims.graph_batch.max(1) as f64;
+    Ok(lg.layers.iter().map(|l| l.inputs.iter().map(|&v| sz.bytes(v)).sum::<f64>() / batch).collect())
+}
+
+fn axis_facts(lg: &LayeredGraph, bytes: &TrainingBytes) -> (Vec<AttentionFacts>, Vec<ExpertFacts>) {
     let g = &lg.graph;
     // Bytes per sample of a value: its producer's output bytes, shared among its outputs.
     let bytes_of = |v: ValueId| -> f64 {
         match g.value(v).producer.and_then(|id| g.try_node(id).map(|p| (id, p))) {
-            Some((id, p)) => lg.node_figures(id).output_bytes / p.outputs.len().max(1) as f64,
+            Some((id, p)) => bytes.node(id).output_bytes / p.outputs.len().max(1) as f64,
             None => 0.0,
         }
     };
@@ -248,7 +274,7 @@ fn axis_facts(lg: &LayeredGraph) -> (Vec<AttentionFacts>, Vec<ExpertFacts>) {
         let (mut a, mut e) = (AttentionFacts::default(), ExpertFacts::default());
         for &id in &l.nodes {
             let Some(n) = g.try_node(id) else { continue };
-            let fig = lg.node_figures(id);
+            let fig = bytes.node(id);
             match n.op.kind() {
                 Some(OpKind::ScaledDotProductAttention) => {
                     for i in [1, 2] {
@@ -333,8 +359,8 @@ pub struct CostContext<'a> {
     pub comm: CommModel,
     /// The dtype compute runs in under the plan's precision (its rate, its activation bytes).
     pub dtype: DType,
-    /// Graph bytes → training bytes.
-    pub bytes_scale: f64,
+    /// The model's byte figures at the plan's precision (an autocast run's in the mixed modes).
+    pub bytes: TrainingBytes,
     /// State bytes per parameter under the plan's precision.
     pub precision: StatePrecision,
     /// Per-layer shape facts.
@@ -376,8 +402,15 @@ pub struct CostContext<'a> {
 
 impl<'a> CostContext<'a> {
     /// Reads the layer facts of `lg`, for a plan training in `precision` (its compute rate,
-    /// activation bytes and model-state bytes).
+    /// activation bytes and model-state bytes), a mixed precision priced as `spec`'s default
+    /// recipe ([`super::PlanOptions::mixed_recipe_for`]).
     pub fn new(lg: &'a LayeredGraph, spec: &'a ClusterSpec, precision: Precision) -> CostContext<'a> {
+        let recipe = super::PlanOptions::default().mixed_recipe_for(spec);
+        CostContext::with_recipe(lg, spec, precision, recipe)
+    }
+
+    /// [`Self::new`] with a mixed precision kept as `recipe` does.
+    pub fn with_recipe(lg: &'a LayeredGraph, spec: &'a ClusterSpec, precision: Precision, recipe: crate::ir::MixedRecipe) -> CostContext<'a> {
         let dtype = precision.compute_dtype();
         let g = &lg.graph;
         let is_param = |v: Option<crate::ir::ValueId>| {
@@ -415,7 +448,8 @@ impl<'a> CostContext<'a> {
             .enumerate()
             .map(|(i, l)| *sigs.entry(l.signature.as_str()).or_insert(i))
             .collect();
-        let (attention, experts) = axis_facts(lg);
+        let bytes = training_bytes(lg, precision, recipe);
+        let (attention, experts) = axis_facts(lg, &bytes);
         let mut reps: Vec<usize> = Vec::new();
         let rep_slot = sig_index
             .iter()
@@ -436,8 +470,8 @@ impl<'a> CostContext<'a> {
             spec,
             comm: CommModel::new(spec),
             dtype,
-            bytes_scale: bytes_scale(graph_float_dtype(&lg.graph), dtype),
-            precision: StatePrecision::of(precision),
+            bytes,
+            precision: StatePrecision::of_recipe(precision, recipe),
             shapes,
             megatron_only: false,
             intra_solves: 0,
@@ -556,12 +590,12 @@ impl<'a> CostContext<'a> {
     }
 
     fn megatron_detail(&self, layer: usize, cfg: &LayerConfig) -> StrategyDetail {
-        let lay = &self.lg.layers[layer];
         let shape = self.shapes[layer];
         let t = cfg.tp.max(1) as f64;
         let b = cfg.microbatch as f64;
-        let times = layer_times_scaled(self.lg, layer, self.spec, self.dtype, b, cfg.tp, self.bytes_scale);
-        let hidden = lay.input_bytes.max(lay.output_bytes) * b * self.bytes_scale;
+        let times = layer_times_with(self.lg, layer, self.spec, self.dtype, b, cfg.tp, |id| self.bytes.node(id));
+        let lb = self.bytes.layer(layer);
+        let hidden = lb.input_bytes.max(lb.output_bytes) * b;
         let ar = self.comm.all_reduce(hidden, &cfg.tp_group);
         let pairs = shape.weight_matmuls.div_ceil(2) as f64;
         let tp_fwd = if cfg.tp > 1 { (pairs + shape.embeddings as f64) * ar } else { 0.0 };
@@ -572,10 +606,11 @@ impl<'a> CostContext<'a> {
             fwd_s: times.fwd + tp_fwd,
             bwd_s: times.bwd + tp_bwd,
             param_elems: shape.params / t,
-            act_bytes: crate::cost::compute::saved_bytes(&lay.figures, self.spec).max(lay.input_bytes) * b * self.bytes_scale / t,
+            // the weight copies autocast's products keep split with the weights
+            act_bytes: (layer_saved_bytes(&lb, self.spec).max(lb.input_bytes) * b + lb.weight_copy_bytes) / t,
             // Without sequence parallelism the layer's input is whole on every tensor rank.
-            input_bytes: lay.input_bytes * b * self.bytes_scale / if cfg.sequence_parallel { t } else { 1.0 },
-            offload_bytes: lay.offload_bytes * b * self.bytes_scale / if cfg.sequence_parallel { t } else { 1.0 },
+            input_bytes: lb.input_bytes * b / if cfg.sequence_parallel { t } else { 1.0 },
+            offload_bytes: lb.offload_bytes * b / if cfg.sequence_parallel { t } else { 1.0 },
         }
     }
 
@@ -586,12 +621,13 @@ impl<'a> CostContext<'a> {
             spec: self.spec,
             comm: &self.comm,
             dtype: self.dtype,
-            bytes_scale: self.bytes_scale,
+            bytes: &self.bytes,
             tp: cfg.tp,
             microbatch: cfg.microbatch as f64,
             tp_group: cfg.tp_group,
             state_bytes_per_param: self.precision.weight as f64
                 + self.shapes[layer].trained_fraction() * (self.precision.grad as f64 + self.precision.optimizer as f64),
+            grad_bytes_per_param: self.precision.grad as f64,
             sequence_parallel: cfg.sequence_parallel,
         };
         // The split structure is the same at every t: analyse each distinct layer once.
@@ -790,7 +826,7 @@ impl<'a> CostContext<'a> {
         let lay = &self.lg.layers[layer];
         let b = cfg.microbatch as f64;
         let points = details.iter().enumerate().map(|(i, d)| self.point(layer, d, i, cfg)).collect();
-        PipelineLayer { points, output_bytes: lay.output_bytes * b * self.bytes_scale / cfg.cp.max(1) as f64, tied: Vec::new() }
+        PipelineLayer { points, output_bytes: self.bytes.layer(lay.index).output_bytes * b / cfg.cp.max(1) as f64, tied: Vec::new() }
     }
 
     fn point(&self, layer: usize, d: &StrategyDetail, choice: usize, cfg: &LayerConfig) -> ParetoPoint {
@@ -852,7 +888,8 @@ impl<'a> CostContext<'a> {
             // collectives (the partial output reduced, the tokens' gradient all-reduced); folded,
             // each tensor rank runs its own tokens: nothing under sequence parallelism (the tokens
             // are already the rank's), else the outputs and the tokens' gradients all-gathered.
-            let hidden = self.lg.layers[layer].input_bytes.max(self.lg.layers[layer].output_bytes) * cfg.microbatch as f64 * self.bytes_scale / c;
+            let lb = self.bytes.layer(layer);
+            let hidden = lb.input_bytes.max(lb.output_bytes) * cfg.microbatch as f64 / c;
             let (ar, ag) = (self.comm.all_reduce(hidden, &cfg.tp_group), self.comm.all_gather(hidden, &cfg.tp_group));
             let (rs, n) = (self.comm.reduce_scatter(hidden, &cfg.tp_group), split_experts as f64);
             let (was_fwd, was_bwd) = if cfg.sequence_parallel { (rs + ag, ar + ag) } else { (ar, ar) };
@@ -865,14 +902,14 @@ impl<'a> CostContext<'a> {
         bwd += ax.kv_exposed_bwd_s + ax.all_to_all_bwd_s + 2.0 * ax.imbalance_fwd_s;
         // A mask or rotary table every layer reads is one tensor, held whole on every tensor
         // rank, per chunk: taken out of the layer's bytes (which split it like the layer).
-        let lay = &self.lg.layers[layer];
+        let lay = self.bytes.layer(layer);
         let b = cfg.microbatch as f64;
         let t = cfg.tp.max(1) as f64;
-        let shared = lay.shared_input_bytes * b * self.bytes_scale / c;
+        let shared = lay.shared_input_bytes * b / c;
         let input_bytes = (d.input_bytes / c - shared / if cfg.sequence_parallel { t } else { 1.0 }).max(0.0);
         // the K and V attention keeps were gathered over the context group: whole, not ÷c
-        let kv_whole = self.attention[layer].kv_saved_bytes * b * self.bytes_scale / t * (1.0 - 1.0 / c);
-        let act_bytes = (d.act_bytes / c - lay.shared_saved_bytes * b * self.bytes_scale / c / t + kv_whole).max(input_bytes);
+        let kv_whole = self.attention[layer].kv_saved_bytes * b / t * (1.0 - 1.0 / c);
+        let act_bytes = (d.act_bytes / c - lay.shared_saved_bytes * b / c / t + kv_whole).max(input_bytes);
         ParetoPoint {
             fwd_s: fwd + fwd_extra,
             bwd_s: bwd + bwd_extra,
@@ -901,7 +938,7 @@ impl<'a> CostContext<'a> {
             // activations, and every rank then attends its front and back chunks to the whole
             // sequence); the backward gathers them again and reduce-scatters their gradients.
             // Attention needs the gathered K/V before it starts, so nothing hides the transfers.
-            let kv = att.kv_bytes * b * self.bytes_scale / t;
+            let kv = att.kv_bytes * b / t;
             let gather = self.comm.all_gather(kv, &cfg.cp_group);
             let scatter = self.comm.reduce_scatter(kv, &cfg.cp_group);
             out.kv_transfer_s = 2.0 * gather + scatter;
@@ -916,13 +953,12 @@ impl<'a> CostContext<'a> {
             // each rank sends its own tokens: its sequence-parallel chunk, or, folded, its
             // expert-tensor group's share of the tensor group's tokens
             let tokens_split = if cfg.sequence_parallel { t } else { t / cfg.etp.clamp(1, cfg.tp.max(1)) as f64 };
-            let routed = ex.routed_bytes * b * self.bytes_scale / c / tokens_split;
+            let routed = ex.routed_bytes * b / c / tokens_split;
             let a2a = match self.expert_dispatch {
                 crate::ir::ExpertDispatch::AllToAll => self.comm.all_to_all(routed, &cfg.ep_group),
                 crate::ir::ExpertDispatch::PerNode => self.comm.per_node_dispatch(routed / ex.top_k.max(1) as f64, ex.experts, ex.top_k, &cfg.ep_group),
             };
-            let mut f = crate::cost::compute::scaled(&ex.figures, b / t / c);
-            f.memory_bytes *= self.bytes_scale;
+            let f = crate::cost::compute::scaled(&ex.figures, b / t / c);
             let run = crate::cost::compute::node_time(&f, self.dtype, self.spec);
             out.all_to_all_fwd_s = 2.0 * a2a;
             out.all_to_all_bwd_s = 2.0 * a2a;

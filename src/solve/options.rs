@@ -86,6 +86,9 @@ pub struct PlanOptions {
     /// Training precision (`--precision`, SMP's `fp16`/`bf16`/`fp16_params`); default: the
     /// cluster's ([`ClusterSpec::default_precision`]: bf16-mixed on GPUs, f32 on `cpu`).
     pub precision: Option<Precision>,
+    /// How the mixed precisions are priced; default: the cluster's
+    /// ([`PlanOptions::mixed_recipe_for`]).
+    pub mixed_recipe: Option<crate::ir::MixedRecipe>,
     /// Activation offloading of checkpointed layers (`--offload-activations`, SMP's
     /// `offload_activations` / `sm_activation_offloading`); default: `auto` (the solver
     /// offloads where memory needs it) on clusters with a host link.
@@ -354,6 +357,14 @@ impl PlanOptions {
     /// on GPUs, f32 on `cpu`).
     pub fn precision_for(&self, cluster: &ClusterSpec) -> Precision {
         self.precision.unwrap_or_else(|| cluster.default_precision())
+    }
+
+    /// How the mixed precisions are priced on `cluster`: as given, else `Autocast` on `cpu`
+    /// (what the runner executes and holds there) and `LowModel` on GPUs (the 16-bit model
+    /// beside fp32 masters that Megatron-LM, DeepSpeed and FSDP keep, and that the published
+    /// runs were trained with; docs/precision.md says what the runner holds on GPUs).
+    pub fn mixed_recipe_for(&self, cluster: &ClusterSpec) -> crate::ir::MixedRecipe {
+        self.mixed_recipe.unwrap_or(if cluster.is_cpu() { crate::ir::MixedRecipe::Autocast } else { crate::ir::MixedRecipe::LowModel })
     }
 
     /// The offloading rule on `cluster`: as given (default `auto`), but never where the

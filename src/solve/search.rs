@@ -595,7 +595,7 @@ fn axis_report(ctx: &CostContext<'_>, cand: &Candidate, prob: &PipelineProblem, 
 
 /// The cost context of a search under `cfg` (its precision, baseline and expert imbalance).
 pub fn cost_context<'a>(lg: &'a LayeredGraph, spec: &'a ClusterSpec, cfg: &PlanOptions) -> CostContext<'a> {
-    let mut ctx = CostContext::new(lg, spec, cfg.precision_for(spec));
+    let mut ctx = CostContext::with_recipe(lg, spec, cfg.precision_for(spec), cfg.mixed_recipe_for(spec));
     ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron) || cfg.megatron_split;
     ctx.expert_imbalance = cfg.expert_imbalance.unwrap_or(super::options::DEFAULT_EXPERT_IMBALANCE);
     ctx.expert_dispatch = cfg.expert_dispatch.unwrap_or_default();

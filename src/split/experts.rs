@@ -80,7 +80,7 @@ impl Pricer<'_> {
             // the output's partial sums are reduced like a row split's; backward, the gradients
             // of the tokens and of the router's weights are all-reduced
             let weights_ar = self.x.comm.all_reduce(self.hidden * routes, &self.x.tp_group);
-            let bias_ar = if bias_elems > 0.0 { self.x.comm.all_reduce(bias_elems * self.x.dtype.size_bytes() as f64, &self.x.tp_group) } else { 0.0 };
+            let bias_ar = if bias_elems > 0.0 { self.x.comm.all_reduce(bias_elems * self.x.grad_bytes_per_param, &self.x.tp_group) } else { 0.0 };
             options.push(self.opt(Strategy::Experts, own[0] + self.row_fwd, own[1] + self.ar + weights_ar + bias_ar + self.sp_ag, own[4] / self.t, 0.0));
         }
         options.push(self.replicate(&own));

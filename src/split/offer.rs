@@ -104,8 +104,8 @@ pub struct StrategyInputs<'a> {
     pub comm: &'a CommModel,
     /// Training dtype.
     pub dtype: DType,
-    /// Graph bytes → training bytes.
-    pub bytes_scale: f64,
+    /// The model's byte figures at the training precision.
+    pub bytes: &'a crate::cost::TrainingBytes,
     /// Tensor degree.
     pub tp: usize,
     /// Samples per microbatch.
@@ -114,6 +114,8 @@ pub struct StrategyInputs<'a> {
     pub tp_group: GroupSpan,
     /// Bytes per parameter in the memory measure (weights, grads, optimizer).
     pub state_bytes_per_param: f64,
+    /// Bytes per element of a parameter's gradient (what its all-reduce moves).
+    pub grad_bytes_per_param: f64,
     /// Whether norms and elementwise ops run sequence-parallel (÷t); otherwise they run
     /// replicated (`follow`), which is what codegen's plain tensor parallelism emits.
     pub sequence_parallel: bool,
@@ -166,7 +168,9 @@ pub fn offers_from(lg: &LayeredGraph, layer: usize, sg: &SplitGraph, x: &Strateg
         nodes.push(NodeOffers { name, members: Vec::new(), options: p.core_offers(&f, k) });
         members.push(c.matmuls.iter().copied().collect());
     }
-    let act = saved_bytes(&lay.figures, x.spec).max(lay.input_bytes) * p.b * x.bytes_scale / p.t;
+    let lb = x.bytes.layer(layer);
+    // the weight copies autocast's products keep split with the weights
+    let act = (crate::cost::compute::layer_saved_bytes(&lb, x.spec).max(lb.input_bytes) * p.b + lb.weight_copy_bytes) / p.t;
     // Hook for `--sequence-parallel`: the rest runs ÷t; otherwise whole on every rank.
     let rest_option = if x.sequence_parallel {
         p.opt(Strategy::Sequence, rest[0], rest[1] + p.sp_ag + rest_partial_grads, rest[4] / p.t, act)
@@ -208,7 +212,8 @@ impl<'a> Pricer<'a> {
         let lay = &lg.layers[layer];
         let tp = x.tp.max(1) as i64;
         let b = x.microbatch;
-        let hidden = lay.input_bytes.max(lay.output_bytes) * b * x.bytes_scale;
+        let lb = x.bytes.layer(layer);
+        let hidden = lb.input_bytes.max(lb.output_bytes) * b;
         let ar = x.comm.all_reduce(hidden, &x.tp_group);
         let ag = x.comm.all_gather(hidden, &x.tp_group);
         // Sequence parallelism as codegen emits it: a row split's all-reduce becomes a
@@ -223,15 +228,14 @@ impl<'a> Pricer<'a> {
 
     /// The all-reduce of a parameter's partial gradient under sequence parallelism (0 without).
     pub fn partial_grad(&self, elems: f64) -> f64 {
-        if self.x.sequence_parallel && elems > 0.0 { self.x.comm.all_reduce(elems * self.x.dtype.size_bytes() as f64, &self.x.tp_group) } else { 0.0 }
+        if self.x.sequence_parallel && elems > 0.0 { self.x.comm.all_reduce(elems * self.x.grad_bytes_per_param, &self.x.tp_group) } else { 0.0 }
     }
 
     /// Forward and backward time of layer node `i` on `share` samples.
     fn times_at(&self, i: usize, share: f64) -> (f64, f64) {
         let id = self.lay.nodes[i];
         let Some(n) = self.lg.graph.try_node(id) else { return (0.0, 0.0) };
-        let mut f = scaled(&self.lg.node_figures(id), share);
-        f.memory_bytes *= self.x.bytes_scale;
+        let f = scaled(&self.x.bytes.node(id), share);
         let tm = node_times(&n.op, &f, self.x.dtype, self.x.spec);
         (tm.fwd, tm.bwd)
     }
@@ -247,7 +251,7 @@ impl<'a> Pricer<'a> {
         let (b, t) = (self.b, self.t);
         let mut s = [0.0f64; 6];
         for (i, w) in nodes {
-            let fig = self.lg.node_figures(self.lay.nodes[i]);
+            let fig = self.x.bytes.node(self.lay.nodes[i]);
             let (sf, sb) = self.times_at(i, b / t);
             let (rf, rb) = self.times_at(i, b);
             s[0] += w * sf;
@@ -255,7 +259,7 @@ impl<'a> Pricer<'a> {
             s[2] += w * rf;
             s[3] += w * rb;
             s[4] += w * fig.param_elems as f64;
-            s[5] += w * saved_bytes(&fig, self.x.spec) * b * self.x.bytes_scale * (1.0 - 1.0 / t);
+            s[5] += w * saved_bytes(&fig, self.x.spec) * b * (1.0 - 1.0 / t);
         }
         s
     }

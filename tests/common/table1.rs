@@ -67,6 +67,8 @@ pub fn baseline_options(r: &Row, mbs: usize, v: usize) -> PlanOptions {
         microbatches: Some(r.batch / (d * mbs)),
         schedule: Some(if v > 1 { ScheduleKind::Interleaved { virtual_stages: v } } else { ScheduleKind::OneFOneB }),
         checkpointing: Some(CheckpointRule::Always),
+        // Megatron-LM's mixed precision: a bf16 model beside fp32 masters, not the runner's autocast
+        mixed_recipe: Some(smp_partition::ir::MixedRecipe::LowModel),
         ..Default::default()
     }
 }

@@ -13,37 +13,11 @@ mod shape;
 
 use tch::Tensor;
 
+pub use crate::ir::AutocastClass;
 use crate::ir::{Node, Op, OpKind};
 
 pub(crate) use args::{Args, KResult, axes, axis, bail};
 pub use args::{DropoutKey, KernelError, NormStats, OpContext};
-
-/// How `torch.autocast` (CPU) runs an op in a mixed-precision run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AutocastClass {
-    /// Matrix products and convolutions: every floating-point input cast to the low type.
-    Low,
-    /// Ops autocast keeps in fp32 (products of many terms): low-type inputs widened.
-    Fp32,
-    /// Everything else runs in its inputs' types (elementwise ops promote a mixed pair to fp32).
-    AsIs,
-    /// The kernel applies autocast to the products inside it (the fused mixture of experts:
-    /// expert products in the low type, routing weights and the sum in the input's type).
-    Inside,
-}
-
-impl AutocastClass {
-    /// The class of `kind`, as autocast's CPU op lists place the torch op it runs.
-    pub fn of(kind: OpKind) -> AutocastClass {
-        match kind {
-            // einsum contracts with batched matrix products, which autocast runs in the low type
-            OpKind::MatMul | OpKind::Gemm | OpKind::Conv | OpKind::ScaledDotProductAttention | OpKind::Einsum => AutocastClass::Low,
-            OpKind::ReduceProd | OpKind::ReduceL2 | OpKind::ReduceLogSumExp | OpKind::ReduceSumSquare | OpKind::LpNormalization | OpKind::GridSample => AutocastClass::Fp32,
-            OpKind::MixtureOfExperts => AutocastClass::Inside,
-            _ => AutocastClass::AsIs,
-        }
-    }
-}
 
 /// Whether `kind`'s kernel reads input `i` as host numbers (shapes, axes, sizes, scalars):
 /// such an input stays where it is on a GPU run, every other one joins the node's device.
@@ -85,7 +59,7 @@ pub fn run(node: &Node, inputs: &[Option<Tensor>], ctx: &OpContext) -> KResult<V
         bail!("no kernel for op `{}`", node.op);
     };
     let cast: Vec<Option<Tensor>>;
-    let inputs = match (ctx.autocast, AutocastClass::of(kind)) {
+    let inputs = match (ctx.autocast, kind.autocast_class()) {
         (Some(low), AutocastClass::Low) => {
             cast = cast_floats(inputs, |k| k != low, low)?;
             &cast
