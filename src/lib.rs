@@ -13,6 +13,7 @@ pub mod frontend;
 pub mod host;
 pub mod ir;
 pub mod logging;
+pub mod parallel;
 pub mod passes;
 pub mod plan;
 pub mod sim;

@@ -528,7 +528,7 @@ fn layer_shards(lg: &LayeredGraph, input: &CodegenInput) -> Result<Vec<Vec<Layer
     };
     // Layer by layer on every core; the first error in layer order, as one by one.
     let layers: Vec<usize> = (0..lg.layers.len()).collect();
-    crate::solve::parallel::map(&layers, crate::solve::parallel::threads(), shard).into_iter().collect()
+    crate::parallel::map(&layers, crate::parallel::threads(), shard).into_iter().collect()
 }
 
 /// Per stage, what crosses its boundaries: the values it sends to the next stage, the subset

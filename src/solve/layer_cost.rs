@@ -734,7 +734,7 @@ impl<'a> CostContext<'a> {
                 }
             }
         }
-        let sols = super::parallel::map(&jobs, threads, |(_, _, _, ls)| fastest(ls));
+        let sols = crate::parallel::map(&jobs, threads, |(_, _, _, ls)| fastest(ls));
         for ((key, cfg, out, ls), sol) in jobs.into_iter().zip(sols) {
             self.intra_solves += 1;
             let d = self.finish_details(key.0, &cfg, out, &ls, sol);

@@ -16,7 +16,6 @@ pub mod layer_cost;
 mod objective;
 pub mod options;
 pub mod oracle;
-pub mod parallel;
 pub mod pipeline;
 pub mod problem;
 pub mod search;

@@ -141,7 +141,7 @@ pub struct Search<'a> {
     /// Those tables, by the full table they cut down; and the compact ones.
     megatron_tables: HashMap<*const Vec<PipelineLayer>, Arc<Vec<PipelineLayer>>>,
     megatron_compact: HashMap<*const CompactTable, Arc<CompactTable>>,
-    /// Threads the intra-layer ILPs and the bounds run on ([`super::parallel::threads`]).
+    /// Threads the intra-layer ILPs and the bounds run on ([`crate::parallel::threads`]).
     pub threads: usize,
     /// Whether a search nothing fits in works out the fix (an unused seed's failure is
     /// dropped unread).
@@ -376,7 +376,7 @@ impl<'a> Search<'a> {
             megatron_view: false,
             megatron_tables: HashMap::new(),
             megatron_compact: HashMap::new(),
-            threads: super::parallel::threads(),
+            threads: crate::parallel::threads(),
             explain: true,
         }
     }
@@ -465,7 +465,7 @@ impl<'a> Search<'a> {
         // Runs of neighbours (which mostly share their tables) per thread, each with its memo.
         let runs: Vec<_> = jobs.chunks(jobs.len().div_ceil(4 * self.threads).max(64)).collect();
         let splits = SharedSplits::default();
-        let prepared = super::parallel::map(&runs, self.threads, |run| {
+        let prepared = crate::parallel::map(&runs, self.threads, |run| {
             let mut memo = BoundMemo::sharing(splits.clone());
             run.iter()
                 .map(|(cand, lc, f, table)| prepare_on(&links, cand, cap, active, (f.clone(), checkpoints.clone()), (*lc, table), &mut memo))

@@ -1,5 +1,6 @@
-//! The search's work spread over the machine's cores, every result in its input's place, so
-//! a plan is the same whatever the thread count.
+//! Work spread over the machine's cores, every result in its input's place, so that what the
+//! planner (its candidates' layer problems and bounds) and code generation (the layers'
+//! shards) produce is the same whatever the thread count.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
