@@ -89,16 +89,9 @@ impl TrainingBytes {
     }
 }
 
-/// `f` with its byte figures times `factor`.
+/// `f` with its byte figures times `factor` (its FLOPs as they are).
 fn scaled_bytes(f: &NodeFigures, factor: f64) -> NodeFigures {
-    NodeFigures {
-        output_bytes: f.output_bytes * factor,
-        saved_bytes: f.saved_bytes * factor,
-        memory_bytes: f.memory_bytes * factor,
-        score_bytes: f.score_bytes * factor,
-        score_saved_bytes: f.score_saved_bytes * factor,
-        ..*f
-    }
+    NodeFigures { flops: f.flops, ..super::compute::scaled(f, factor) }
 }
 
 /// Model-state bytes per device.
