@@ -67,7 +67,8 @@ fn resnet18_trains_as_pytorch_in_train_mode() {
         .unwrap();
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     let rel: f64 = String::from_utf8_lossy(&r.stdout).trim().parse().unwrap();
-    assert!(rel <= 1e-8, "trained state differs from PyTorch's by {rel:.2e}");
+    // f64 Adam steps: rounding alone; reading the attributes as f32 values gave 2.3e-7
+    assert!(rel <= 1e-10, "trained state differs from PyTorch's by {rel:.2e}");
 }
 
 #[test]

@@ -298,6 +298,18 @@ impl Attrs {
         }
     }
 
+    /// A `FLOAT` attribute or `default`, as the decimal its writer meant: ONNX stores f32, so
+    /// an exporter's `1e-5` arrives as 9.99999975e-06 and momentum `0.9` as 0.899999976; the
+    /// shortest decimal that rounds to the same f32 gives back 1e-5 and 0.9 exactly in f64 (in
+    /// f32 arithmetic both readings are the same number).
+    pub fn real(&self, name: &str, default: f64) -> f64 {
+        match self.0.get(name) {
+            Some(Attr::Float(v)) => shortest_decimal(*v),
+            Some(Attr::Int(v)) => *v as f64,
+            _ => default,
+        }
+    }
+
     /// An `INTS` attribute if present.
     pub fn ints(&self, name: &str) -> Option<&[i64]> {
         match self.0.get(name) {
@@ -333,5 +345,40 @@ impl Attrs {
     /// Sets an attribute.
     pub fn set(&mut self, name: &str, value: Attr) {
         self.0.insert(name.to_string(), value);
+    }
+}
+
+/// The f64 of the shortest decimal that rounds to `v` in f32 (Rust prints f32 that way).
+fn shortest_decimal(v: f32) -> f64 {
+    format!("{v}").parse().unwrap_or(f64::from(v))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn attrs(v: f32) -> Attrs {
+        let mut a = Attrs::default();
+        a.set("epsilon", Attr::Float(v));
+        a
+    }
+
+    #[test]
+    fn real_gives_back_the_decimal_an_exporter_wrote() {
+        for (written, want) in [(1e-5f32, 1e-5f64), (0.9, 0.9), (1e-6, 1e-6), (0.1, 0.1), (1.702, 1.702)] {
+            assert_eq!(attrs(written).real("epsilon", 0.0), want);
+            assert_ne!(f64::from(written), want, "{written} is exact in f32: the test would not see the reading");
+        }
+        assert_eq!(Attrs::default().real("epsilon", 0.25), 0.25);
+    }
+
+    proptest! {
+        #[test]
+        fn real_rounds_back_to_the_stored_f32(bits in any::<u32>()) {
+            let v = f32::from_bits(bits);
+            prop_assume!(v.is_finite());
+            prop_assert_eq!(attrs(v).real("epsilon", 0.0) as f32, v);
+        }
     }
 }

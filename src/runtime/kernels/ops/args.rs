@@ -127,8 +127,9 @@ impl<'a> Args<'a> {
         self.node.attrs.int(name, default)
     }
 
-    pub fn float(&self, name: &str, default: f32) -> f64 {
-        self.node.attrs.float(name, default) as f64
+    /// A `FLOAT` attribute as the decimal the exporter wrote (see `Attrs::real`).
+    pub fn float(&self, name: &str, default: f64) -> f64 {
+        self.node.attrs.real(name, default)
     }
 
     pub fn n_out(&self) -> usize {
