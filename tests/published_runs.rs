@@ -296,9 +296,114 @@ fn torchtitan_context_parallel_sweep_ratios() {
 /// stage (8 under 1F1B; 16 under interleaved with two stages per rank).
 #[test]
 fn torchtitan_interleaved_against_1f1b_ratio() {
-    let one = llama3_405b_step(512, 8192, 256, [8, 1, 8, 8], Some(Torchtitan { microbatches: 8, schedule: ScheduleKind::OneFOneB }));
-    let inter = llama3_405b_step(512, 8192, 256, [8, 1, 8, 8], Some(Torchtitan { microbatches: 16, schedule: ScheduleKind::Interleaved { virtual_stages: 2 } }));
+    let [one, inter] = torchtitan_405b_schedule_plans();
     let ratio = one.predicted.step_time_s / inter.predicted.step_time_s;
     eprintln!("interleaved / 1F1B throughput: predicted {ratio:.3}, published 1.28 ({:.3})", ratio / 1.28);
     assert!((ratio / 1.28 - 1.0).abs() <= 0.10, "predicted {ratio:.3} against the published 1.28");
+}
+
+/// torchtitan's memory figures (the file of the checks above): the largest peak over every GPU,
+/// read from PyTorch's caching allocator. GiB.
+const TORCHTITAN_405B_PEAK_GIB: [(&str, f64); 2] = [("1F1B", 82.5), ("interleaved 1F1B", 72.7)];
+
+/// The 405B schedule comparison's two plans (Table 5): 1F1B and interleaved 1F1B, in that order.
+fn torchtitan_405b_schedule_plans() -> [smp_partition::solve::PlanDecision; 2] {
+    [
+        llama3_405b_step(512, 8192, 256, [8, 1, 8, 8], Some(Torchtitan { microbatches: 8, schedule: ScheduleKind::OneFOneB })),
+        llama3_405b_step(512, 8192, 256, [8, 1, 8, 8], Some(Torchtitan { microbatches: 16, schedule: ScheduleKind::Interleaved { virtual_stages: 2 } })),
+    ]
+}
+
+fn gib(bytes: f64) -> f64 {
+    bytes / (1u64 << 30) as f64
+}
+
+/// The memory the interleaved schedule saves (Table 5: 82.5 GiB under 1F1B, 72.7 GiB
+/// interleaved, 1.135×): the predicted ratio of the two plans' peaks within 10 %. Both runs hold
+/// the same model state; what differs is the activations in flight on the first rank (8
+/// microbatches' checkpointed inputs of 16 layers under 1F1B, fewer of two 8-layer chunks
+/// interleaved), so this holds the schedules' in-flight counts against a real run.
+#[test]
+fn torchtitan_interleaved_memory_saving_ratio() {
+    let plans = torchtitan_405b_schedule_plans();
+    let peaks = plans.each_ref().map(|d| gib(d.predicted.peak_memory_bytes));
+    let published = TORCHTITAN_405B_PEAK_GIB[0].1 / TORCHTITAN_405B_PEAK_GIB[1].1;
+    let ratio = peaks[0] / peaks[1];
+    eprintln!("405b peak memory 1F1B / interleaved: predicted {:.1} / {:.1} GiB = {ratio:.3}, published {published:.3} ({:.3})", peaks[0], peaks[1], ratio / published);
+    assert!((ratio / published - 1.0).abs() <= 0.10, "predicted {ratio:.3} against the published {published:.3}");
+}
+
+/// The same two peaks absolutely. Not met: 0.38 and 0.37 of the published 82.5 and 72.7 GiB.
+/// The terms: torchtitan's FSDP under a pipeline keeps each stage's bf16 parameters gathered
+/// for the whole step (no reshard after forward) and accumulates its gradients unsharded in
+/// fp32 (FSDP2's reduce dtype) over the microbatches, where this plan prices ZeRO 3 as one layer
+/// gathered at a time and gradients sharded. The same plans priced at ZeRO 1 hold the first
+/// rank's bf16 parameters whole, 11.6 GiB (1.5 at ZeRO 3); fp32 gradients whole are twice that,
+/// 23.2 GiB (1.5). With both, the rows come to 0.76 and 0.81; the rest is the Float8 casts and
+/// the allocator's reserve over what it hands out, neither priced. Run on demand: `cargo test --features runner --test
+/// published_runs -- --ignored torchtitan_405b_peak`.
+#[test]
+#[ignore = "not met: 0.38 / 0.37 of the published peaks (FSDP under a pipeline holds the stage's parameters and fp32 gradients whole; see the doc comment)"]
+fn torchtitan_405b_peak_memory() {
+    let plans = torchtitan_405b_schedule_plans();
+    for (d, (schedule, published)) in plans.iter().zip(TORCHTITAN_405B_PEAK_GIB) {
+        let peak = gib(d.predicted.peak_memory_bytes);
+        eprintln!("405b {schedule}: predicted peak {peak:.1} GiB, published {published} ({:.3})", peak / published);
+        assert!((peak / published - 1.0).abs() <= 0.10, "{schedule}: predicted {peak:.1} GiB against the published {published}");
+    }
+}
+
+/// Llama 3.1 8B under FSDP alone (the same file, Tables 1 and 3): local batch 2, sequence
+/// 8,192, selective activation checkpointing, on 8 and on 128 H100s: 82.4 and 67.0 GiB. The
+/// activations are the same per GPU in both; the difference, 15.4 GiB, is the model state that
+/// 128 shards hold less of than 8 (fp32 parameters, gradients and Adam's moments, 16 bytes a
+/// parameter). The predicted difference within 10 %, so ZeRO 3's sharded state is held against
+/// a real run. Recompute is priced as full here: torchtitan's selective checkpointing (every
+/// matrix product's output but every other one kept, the rest rebuilt) has no counterpart in
+/// this planner, and the difference does not depend on it.
+#[test]
+fn torchtitan_8b_fsdp_sharded_state_against_two_world_sizes() {
+    let [at8, at128] = [8usize, 128].map(|n| gib(llama3_8b_fsdp(n, smp_partition::ir::CheckpointRule::Always).predicted.peak_memory_bytes));
+    let (diff, published) = (at8 - at128, 82.4 - 67.0);
+    eprintln!("8b FSDP peak at 8 GPUs {at8:.1} GiB, at 128 {at128:.1}: difference {diff:.1} GiB, published {published:.1} ({:.3})", diff / published);
+    assert!((diff / published - 1.0).abs() <= 0.10, "predicted difference {diff:.1} GiB against the published {published:.1}");
+}
+
+/// The 8B rows absolutely (67.0 GiB on 128 GPUs). Not met: torchtitan's selective
+/// checkpointing is not priced, and the two choices this planner has bracket it: no recompute
+/// 99.0 GiB (1.48), full recompute 15.0 GiB (0.22). Counted by hand, selective keeps about 1.1
+/// GiB a layer (the block's input, q, v, the attention's output, the gate projection and the
+/// MLP's output at 16,384 tokens) where none keeps 3.0 and full 0.13, and the loss holds about
+/// 20 GiB of fp32 logits around its peak. Run on demand: `cargo test --features runner --test
+/// published_runs -- --ignored torchtitan_8b_peak`.
+#[test]
+#[ignore = "not met: torchtitan's selective checkpointing is not priced (none 1.48, full 0.22 of the published 67.0 GiB)"]
+fn torchtitan_8b_peak_memory() {
+    let peak = gib(llama3_8b_fsdp(128, smp_partition::ir::CheckpointRule::Always).predicted.peak_memory_bytes);
+    eprintln!("8b FSDP on 128 GPUs: predicted peak {peak:.1} GiB, published 67.0 ({:.3})", peak / 67.0);
+    assert!((peak / 67.0 - 1.0).abs() <= 0.10, "predicted {peak:.1} GiB against the published 67.0");
+}
+
+/// Llama 3.1 8B on `devices` H100s as torchtitan's FSDP rows ran it: dp over every GPU, ZeRO 3,
+/// local batch 2 as one microbatch, sequence 8,192, bf16 beside fp32 masters.
+fn llama3_8b_fsdp(devices: usize, checkpointing: smp_partition::ir::CheckpointRule) -> smp_partition::solve::PlanDecision {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models").join("llama3-8b.onnx");
+    let a = load_and_analyze(&path, &AnalyzeOptions { seq_len: Some(8192), ..Default::default() }).unwrap();
+    let spec = ClusterSpec::parse(&format!("h100-80gb:{devices}")).unwrap();
+    let opts = smp_partition::solve::PlanOptions {
+        global_batch: Some(2 * devices as u64),
+        seq_len: Some(8192),
+        tp: Some(1),
+        cp: Some(1),
+        pp: Some(1),
+        dp: Some(devices),
+        zero: Some(3),
+        microbatches: Some(1),
+        checkpointing: Some(checkpointing),
+        // torchtitan's H100s hold 96 GB
+        memory_limit_gib: Some(1e6),
+        mixed_recipe: Some(smp_partition::ir::MixedRecipe::LowModel),
+        ..Default::default()
+    };
+    plan(&a.lg, &spec, &opts, &mut |_| {}).unwrap()
 }
