@@ -100,7 +100,7 @@ fn activations_with_and_without_checkpointing() {
 #[test]
 fn usable_memory_subtracts_the_workspace_margin() {
     let s = ClusterSpec::parse("a100-40gb").unwrap();
-    assert_eq!(s.usable_memory(), 40_000_000_000 - (2u64 << 30));
+    assert_eq!(s.usable_memory(), (40_960u64 << 20) - (2u64 << 30));
 }
 
 fn facts(memory_gib: u64, cores: usize, calibration: Option<CalibrationFile>) -> MachineFacts {

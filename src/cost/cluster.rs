@@ -279,6 +279,7 @@ pub enum FactSource {
 
 const GB: f64 = 1e9;
 const GIB: u64 = 1 << 30;
+const MIB: f64 = (1u64 << 20) as f64;
 
 /// A device's list price per hour, and where it comes from.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -318,7 +319,7 @@ fn gpu(
     device: &str,
     bf16_tflops: f64,
     fp32_tflops: f64,
-    memory_gb: f64,
+    memory_mib: f64,
     hbm_tb_s: f64,
     nvlink_gb_s_bidir: f64,
     network_gbit_s: f64,
@@ -332,7 +333,7 @@ fn gpu(
         bf16_flops: bf16_tflops * 1e12,
         fp16_flops: None,
         fp32_flops: fp32_tflops * 1e12,
-        memory_bytes: (memory_gb * GB) as u64,
+        memory_bytes: (memory_mib * MIB) as u64,
         hbm_bandwidth: hbm_tb_s * 1e12,
         hbm_efficiency: 0.8,
         intra_node_bandwidth: nvlink_gb_s_bidir * GB / 2.0,
@@ -355,12 +356,14 @@ impl ClusterSpec {
     /// machine, so it needs [`ClusterSpec::cpu`] or [`ClusterSpec::parse_on`].
     pub fn preset(name: &str) -> Result<ClusterSpec, ClusterError> {
         Ok(match name {
-            // host links: PCIe Gen4 x16 (A100), Gen5 x16 (H100, H200), Gen3 x16 (V100), effective
-            "a100-40gb" => gpu(name, "NVIDIA A100 40GB", 312.0, 19.5, 40.0, 1.555, 600.0, 200.0, 25.0),
-            "a100-80gb" => gpu(name, "NVIDIA A100 80GB", 312.0, 19.5, 80.0, 2.039, 600.0, 200.0, 25.0),
-            "h100-80gb" => ClusterSpec { fused_attention: true, ..gpu(name, "NVIDIA H100 80GB SXM", 989.0, 67.0, 80.0, 3.35, 900.0, 400.0, 50.0) },
-            "h200" => ClusterSpec { fused_attention: true, ..gpu(name, "NVIDIA H200 141GB SXM", 989.0, 67.0, 141.0, 4.8, 900.0, 400.0, 50.0) },
-            "v100-16gb" => gpu(name, "NVIDIA V100 16GB SXM2", 125.0, 15.7, 16.0, 0.9, 300.0, 25.0, 12.0),
+            // host links: PCIe Gen4 x16 (A100), Gen5 x16 (H100, H200), Gen3 x16 (V100), effective.
+            // Memory: the total `nvidia-smi` reports (ECC on), what a process can allocate
+            // from before the workspace margin; the names' "80GB" are decimal and round.
+            "a100-40gb" => gpu(name, "NVIDIA A100 40GB", 312.0, 19.5, 40_960.0, 1.555, 600.0, 200.0, 25.0),
+            "a100-80gb" => gpu(name, "NVIDIA A100 80GB", 312.0, 19.5, 81_920.0, 2.039, 600.0, 200.0, 25.0),
+            "h100-80gb" => ClusterSpec { fused_attention: true, ..gpu(name, "NVIDIA H100 80GB SXM", 989.0, 67.0, 81_559.0, 3.35, 900.0, 400.0, 50.0) },
+            "h200" => ClusterSpec { fused_attention: true, ..gpu(name, "NVIDIA H200 141GB SXM", 989.0, 67.0, 143_771.0, 4.8, 900.0, 400.0, 50.0) },
+            "v100-16gb" => gpu(name, "NVIDIA V100 16GB SXM2", 125.0, 15.7, 16_160.0, 0.9, 300.0, 25.0, 12.0),
             "cpu" => return Err(ClusterError::NoMachineFacts { spec: name.to_string() }),
             other => return Err(ClusterError::UnknownPreset(other.to_string())),
         })
@@ -819,7 +822,7 @@ mod tests {
     fn files_fill_from_presets_and_name_missing_fields() {
         let p = Path::new("c.toml");
         let s = ClusterSpec::from_toml("preset = \"h200\"\ndevices = 16\ninter_node_bandwidth = 25e9\n", p).unwrap();
-        assert_eq!((s.devices, s.inter_node_bandwidth, s.memory_bytes), (16, 25e9, 141_000_000_000));
+        assert_eq!((s.devices, s.inter_node_bandwidth, s.memory_bytes), (16, 25e9, 143_771 << 20));
         let e = ClusterSpec::from_toml("devices = 4\n", p).unwrap_err().to_string();
         assert!(e.contains("c.toml") && e.contains("`device`"), "{e}");
         let e = ClusterSpec::from_toml("preset = \"h200\"\nbogus = 1\n", p).unwrap_err().to_string();
