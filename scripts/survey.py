@@ -143,6 +143,10 @@ def one(name: str, cls_name: str, task: str) -> dict:
             rel = max(abs(a - b) / abs(b) for a, b in zip(run.losses, torch_losses))
             row["plans"][label] = rel
             if rel > LOSS_TOL:
+                # against the loss's own scale (its first step): a loss trained near 0 turns
+                # the logits' f32 rounding into a large relative difference
+                scaled = max(abs(a - b) for a, b in zip(run.losses, torch_losses)) / abs(torch_losses[0])
+                row.setdefault("scaled", {})[label] = scaled
                 row.setdefault("f64", {})[label] = f64_check(plan, d, task, arch, model, data)
     return row
 
@@ -210,7 +214,7 @@ def verdict(row: dict) -> str:
     for label, v in row["plans"].items():
         text = f"{label} {v:.1e}" if isinstance(v, float) else f"{label} {v}"
         if label in row.get("f64", {}):
-            text += f" ({row['f64'][label]})"
+            text += f" ({row['f64'][label]}, {row['scaled'][label]:.1e} of the first loss)"
         parts.append(text)
     return "; ".join(parts)
 
@@ -221,8 +225,9 @@ def passed(row: dict) -> bool:
 
 def f64_only(row: dict) -> bool:
     """Outside tolerance in f32 only: every such plan equals one process in f64 (≤ 1e-9, or
-    within what moving PyTorch's weights by 1e-15 does to its own f64 training) and PyTorch's
-    own f32 run drifts from its f64 run by at least as much."""
+    within what moving PyTorch's weights by 1e-15 does to its own f64 training), and either
+    PyTorch's own f32 run drifts from its f64 run by at least as much or the difference is
+    within tolerance of the loss's first value (a loss trained near 0)."""
     if passed(row) or "error" in row or not all(isinstance(v, float) for v in row["plans"].values()):
         return False
     for label, v in row["plans"].items():
@@ -235,7 +240,8 @@ def f64_only(row: dict) -> bool:
             moved = float(note.split("moved 1e-15 ")[1]) if "moved 1e-15 " in note else 0.0
         except (IndexError, ValueError):
             return False
-        if exact > max(EXACT_TOL, moved) or drift < v / 10:
+        near_zero = row.get("scaled", {}).get(label, 1.0) <= LOSS_TOL
+        if exact > max(EXACT_TOL, moved) or (drift < v / 10 and not near_zero):
             return False
     return True
 
@@ -279,7 +285,8 @@ def main() -> None:
               for r in rows]
     ok, f64 = sum(passed(r) for r in rows), sum(f64_only(r) for r in rows)
     table.append(f"\n{ok} of {len(rows)} train as PyTorch (≤ 1e-5 relative loss at every plan); {f64} more equal "
-                 "one process in f64 where PyTorch's own f32 training drifts from its f64 as far.")
+                 "one process in f64 where f32 cannot hold them (PyTorch's own f32 training drifts from its "
+                 "f64 as far, or the loss trains near 0).")
     print("\n".join(table))
     if args.out:
         args.out.write_text("\n".join(table) + "\n")
