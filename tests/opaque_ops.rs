@@ -292,6 +292,15 @@ fn through(kind: OpKind, m: &mut Model) -> Option<i64> {
             m.node("Reshape", "to3", &["g4", "to3"], &["b"], vec![]);
             H
         }
+        Col2Im => {
+            // a [B, S, H] read as [N, C·2·1, L]: blocks of 2 × 1 over an image of 2 × 8 (8 positions)
+            m.ints("image", &[2], &[2, 8]);
+            m.ints("block", &[2], &[2, 1]);
+            m.ints("to3c", &[3], &[B, S, H]);
+            m.node(op, "op", &["a", "image", "block"], &["folded"], vec![]);
+            m.node("Reshape", "to3c", &["folded", "to3c"], &["b"], vec![]);
+            H
+        }
         k if tp_rule(k) => return None,
         k => panic!("no test graph for `{k}`, an op without a tensor-split rule: add one to `through`"),
     })

@@ -55,6 +55,8 @@ op_kinds! {
     // element, one-hot, bit shifts
     ReduceL1, ReduceL2, ReduceLogSumExp, ReduceSumSquare, LpNormalization, Einsum, Resize,
     GridSample, ScatterElements, OneHot, BitShift,
+    // blocks summed back into an image (`torch.nn.Fold`)
+    Col2Im,
     // IR-internal (made by `passes::fuse`, never read from a model file)
     /// Softmax attention as one kernel (libtorch's `scaled_dot_product_attention`), inputs
     /// `(q, kᵀ, v, mask?)`: `softmax(scale·q·kᵀ (+ mask)) · v`, reading Kᵀ (`[.., d, L]`) as the

@@ -312,6 +312,8 @@ pub fn flops(sz: &Sizes, node: &Node) -> f64 {
         // separable taps: a multiply-add per tap per resized axis (linear: 2 taps)
         Resize => 4.0 * out_numel,
         GridSample => 10.0 * out_numel,
+        // one add per block element
+        Col2Im => in_numel,
         _ if kind.is_elementwise() => out_numel,
         _ => 0.0,
     }

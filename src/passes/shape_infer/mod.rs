@@ -172,6 +172,7 @@ fn infer_node(cx: &Ctx, dims: &BTreeMap<String, i64>) -> Outs {
         Einsum => einsum::einsum(cx),
         Resize => resample::resize(cx),
         GridSample => resample::grid_sample(cx),
+        Col2Im => resample::col2im(cx),
         ScatterElements => scatter::scatter_elements(cx),
         OneHot => scatter::one_hot(cx),
         BitShift => elementwise::arithmetic(cx, kind),
@@ -347,6 +348,29 @@ mod tests {
         assert_eq!(shape_of(&b.g, c), vec![1, 64, 112, 112]);
         assert_eq!(shape_of(&b.g, p), vec![1, 64, 56, 56]);
         assert_eq!(shape_of(&b.g, g), vec![1, 64, 1, 1]);
+    }
+
+    #[test]
+    fn col2im_folds_blocks_into_the_image_and_refuses_what_does_not_fold() {
+        // [N, C·2·3, L] with blocks 2 × 3, stride 2 × 1, pads 1 at the top and bottom of a
+        // 5 × 6 image: (5 + 2 − 2) / 2 + 1 = 3 rows × (6 − 3) + 1 = 4 columns of positions
+        let mut b = Builder::new();
+        let x = b.input("x", DType::F32, &["2", "24", "12"]);
+        let (image, block) = (b.ints(&[5, 6]), b.ints(&[2, 3]));
+        let y = b.node(OpKind::Col2Im, &[x, image, block], &[("strides", Attr::Ints(vec![2, 1])), ("pads", Attr::Ints(vec![1, 0, 1, 0]))]);
+        b.output(y);
+        run(&mut b, &AnalyzeOptions::default());
+        assert_eq!(shape_of(&b.g, y), vec![2, 4, 5, 6]);
+        refused("3-D Col2Im", "only 2-D images", |b| {
+            let x = b.input("x", DType::F32, &["1", "8", "8"]);
+            let (image, block) = (b.ints(&[3, 3, 3]), b.ints(&[2, 2, 2]));
+            b.node(OpKind::Col2Im, &[x, image, block], &[])
+        });
+        refused("Col2Im whose positions do not match", "is not [N, C·4, 4]", |b| {
+            let x = b.input("x", DType::F32, &["1", "8", "5"]);
+            let (image, block) = (b.ints(&[3, 3]), b.ints(&[2, 2]));
+            b.node(OpKind::Col2Im, &[x, image, block], &[])
+        });
     }
 
     #[test]

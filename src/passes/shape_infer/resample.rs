@@ -103,6 +103,47 @@ pub(super) fn resize(cx: &Ctx) -> Outs {
     one((cx.dtype(0).and_then(|d| ty(d, target.sizes)), None))
 }
 
+/// Col2Im(x, image_shape, block_shape): x `[N, C·∏block, L]` summed back into `[N, C, H, W]`;
+/// both shapes must be constants, and `L` the number of block positions the image, pads,
+/// strides and dilations give.
+pub(super) fn col2im(cx: &Ctx) -> Outs {
+    let Some(x) = cx.shape(0) else { return one((ty_opt(cx.dtype(0), None), None)) };
+    let constant = |i: usize, what: &str| -> Result<Vec<i64>, String> {
+        let v = cx.input(i).ok_or_else(|| format!("has no {what} input"))?;
+        let n = constant_numbers(cx, v).ok_or_else(|| format!("its {what} (`{}`) is not a constant; the output shape must be known at plan time", cx.graph.value(v).name))?;
+        Ok(n.into_iter().map(|x| x as i64).collect())
+    };
+    let (image, block) = (constant(1, "image_shape")?, constant(2, "block_shape")?);
+    let n = image.len();
+    if n == 0 || block.len() != n || x.len() != 3 {
+        return Err(format!("input {x:?}, image_shape {image:?} and block_shape {block:?} do not agree (input [N, C·∏block, L])"));
+    }
+    if n != 2 {
+        return Err(format!("Col2Im over {n} spatial dims: only 2-D images are supported (as `torch.nn.Fold` and libtorch's col2im)"));
+    }
+    let attr = |name: &str, len: usize, default: i64| cx.attrs().ints(name).map_or(vec![default; len], <[i64]>::to_vec);
+    let (dilations, strides, pads) = (attr("dilations", n, 1), attr("strides", n, 1), attr("pads", 2 * n, 0));
+    if dilations.len() != n || strides.len() != n || pads.len() != 2 * n {
+        return Err(format!("dilations {dilations:?}, strides {strides:?} or pads {pads:?} do not match {n} spatial dims"));
+    }
+    let per_block: i64 = block.iter().product();
+    let mut positions = 1i64;
+    for d in 0..n {
+        let span = dilations[d] * (block[d] - 1) + 1;
+        let room = image[d] + pads[d] + pads[n + d] - span;
+        if block[d] <= 0 || strides[d] <= 0 || room < 0 {
+            return Err(format!("block {block:?} does not fit image {image:?} with pads {pads:?} and dilations {dilations:?}"));
+        }
+        positions *= room / strides[d] + 1;
+    }
+    if per_block <= 0 || x[1] % per_block != 0 || (x[2] >= 0 && x[2] != positions) {
+        return Err(format!("input {x:?} is not [N, C·{per_block}, {positions}] for image {image:?} and block {block:?}"));
+    }
+    let mut out = vec![x[0], x[1] / per_block];
+    out.extend_from_slice(&image);
+    one((ty_opt(cx.dtype(0), Some(out)), None))
+}
+
 /// GridSample: `[N, C]` of the input, the grid's spatial dims `grid[1..-1]`.
 pub(super) fn grid_sample(cx: &Ctx) -> Outs {
     let (Some(x), Some(grid)) = (cx.shape(0), cx.shape(1)) else { return one((ty_opt(cx.dtype(0), None), None)) };

@@ -106,6 +106,7 @@ pub fn run(node: &Node, inputs: &[Option<Tensor>], ctx: &OpContext) -> KResult<V
         Einsum => one(einsum::einsum(&a)),
         Resize => one(resample::resize(&a)),
         GridSample => one(resample::grid_sample(&a)),
+        Col2Im => one(resample::col2im(&a)),
         ScatterElements => one(scatter::scatter_elements(&a)),
         OneHot => one(scatter::one_hot(&a)),
         BitShift => one(elementwise::bit_shift(&a)),

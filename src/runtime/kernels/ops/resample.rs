@@ -238,3 +238,23 @@ pub(super) fn grid_sample(a: &Args) -> KResult<Tensor> {
     let grid = if grid.f_kind()? != x.f_kind()? { grid.f_to_kind(x.f_kind()?)? } else { grid.shallow_clone() };
     Ok(Tensor::f_grid_sampler(x, &grid, mode, padding, a.int("align_corners", 0) != 0)?)
 }
+
+/// Col2Im (opset 18): the blocks of `x` `[N, C·∏block, L]` summed back into `[N, C, H, W]`, as
+/// libtorch's `col2im` (`torch.nn.Fold`), 2 spatial dims only. ONNX's pads may differ at the
+/// two ends, libtorch's may not: the padded image is built without pads and cropped.
+pub(super) fn col2im(a: &Args) -> KResult<Tensor> {
+    let x = a.x(0)?;
+    let Some(image) = a.ints(1)? else { bail!("image_shape is missing") };
+    let Some(block) = a.ints(2)? else { bail!("block_shape is missing") };
+    if image.len() != 2 || block.len() != 2 {
+        bail!("Col2Im over {} spatial dims: the runner's kernel (libtorch's col2im) sums 2-D images only", image.len());
+    }
+    let attr = |name: &str, len: usize, default: i64| a.attrs().ints(name).map_or(vec![default; len], <[i64]>::to_vec);
+    let (dilations, strides, pads) = (attr("dilations", 2, 1), attr("strides", 2, 1), attr("pads", 4, 0));
+    if dilations.len() != 2 || strides.len() != 2 || pads.len() != 4 {
+        bail!("dilations {dilations:?}, strides {strides:?} or pads {pads:?} do not match 2 spatial dims");
+    }
+    let padded = [image[0] + pads[0] + pads[2], image[1] + pads[1] + pads[3]];
+    let y = x.f_col2im(padded, block.as_slice(), dilations.as_slice(), [0i64, 0], strides.as_slice())?;
+    Ok(y.f_slice(2, pads[0], pads[0] + image[0], 1)?.f_slice(3, pads[1], pads[1] + image[1], 1)?)
+}
