@@ -104,7 +104,14 @@ def one(name: str, cls_name: str, task: str) -> dict:
         with torch.no_grad():  # the generic small config must run in PyTorch itself
             zoo.logits_of(model, data)
     except Exception as e:  # noqa: BLE001 - one row per architecture
-        return row | {"stage": "config", "error": zoo.reason(e)}
+        if task != "image":
+            return row | {"stage": "config", "error": zoo.reason(e)}
+        # vision models whose windows, strides or patch grid need their own image size
+        try:
+            arch, model, data = at_own_image_size(name, model_cls)
+            row["image"] = data["pixel_values"].shape[-1]
+        except Exception:  # noqa: BLE001
+            return row | {"stage": "config", "error": zoo.reason(e)}
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         try:
@@ -149,6 +156,31 @@ def one(name: str, cls_name: str, task: str) -> dict:
                 row.setdefault("scaled", {})[label] = scaled
                 row.setdefault("f64", {})[label] = f64_check(plan, d, task, arch, model, data)
     return row
+
+
+def at_own_image_size(name: str, model_cls):
+    """The small config with the model's own image and patch sizes, and a batch of such images
+    (zoo's labels and seed): (arch, model, data), or the exception PyTorch raises."""
+    import torch
+
+    def config():
+        cfg = small_config(model_cls.config_class)
+        own = model_cls.config_class()
+        for key in ("image_size", "patch_size", "patch_sizes", "strides", "patch_stride", "window_size"):
+            if hasattr(own, key):
+                setattr(cfg, key, getattr(own, key))
+        return cfg
+
+    arch = zoo.Arch(name, "survey", lambda: model_cls(config()), "image")
+    model = zoo.build(arch)
+    size = model.config.image_size
+    size = size[0] if isinstance(size, (list, tuple)) else int(size)
+    gen = torch.Generator().manual_seed(zoo.SEED + 1)
+    data = {"pixel_values": torch.randn(zoo.BATCH, 3, size, size, generator=gen),
+            "labels": torch.randint(0, zoo.CLASSES, (zoo.BATCH,), generator=gen)}
+    with torch.no_grad():
+        zoo.logits_of(model, data)
+    return arch, model, data
 
 
 def f64_check(plan, d: Path, task: str, arch, model, data) -> str:
