@@ -82,7 +82,16 @@ def small_config(cfg_cls):
         kw["num_key_value_heads"] = kw["num_attention_heads"]
     if getattr(cfg_cls, "sub_configs", None):
         raise RuntimeError("composite (multimodal) config: left out")
-    cfg = cfg_cls(**kw)
+    try:
+        cfg = cfg_cls(**kw)
+    except Exception as e:  # noqa: BLE001 - configs validate in their own error classes
+        # hybrids whose per-layer pattern is as long as their default depth: two layers of it,
+        # one of each of its first two kinds (a Mamba and an attention layer, say)
+        default = getattr(cfg_cls(), "layer_types", None) if "layer_types" in str(e) else None
+        if not default:
+            raise
+        other = next((t for t in default if t != default[0]), default[0])
+        cfg = cfg_cls(**kw, layer_types=[default[0], other])
     cfg.num_labels = zoo.CLASSES
     return cfg
 
