@@ -72,8 +72,13 @@ pub fn backward_factor(op: &Op) -> f64 {
 }
 
 /// Figures with FLOPs and bytes multiplied by `factor` (a microbatch size, or 1/t for a
-/// tensor-parallel shard). Parameter counts are unchanged.
+/// tensor-parallel shard), and so the rows of its products (samples; [`split`] for a split
+/// that divides another dim). Parameter counts are unchanged.
 pub fn scaled(fig: &NodeFigures, factor: f64) -> NodeFigures {
+    let mut gemms = fig.gemms;
+    for g in &mut gemms {
+        g.rows *= factor;
+    }
     NodeFigures {
         flops: fig.flops * factor,
         output_bytes: fig.output_bytes * factor,
@@ -81,17 +86,64 @@ pub fn scaled(fig: &NodeFigures, factor: f64) -> NodeFigures {
         memory_bytes: fig.memory_bytes * factor,
         score_bytes: fig.score_bytes * factor,
         score_saved_bytes: fig.score_saved_bytes * factor,
+        gemms,
         ..*fig
     }
 }
 
+/// Which dim of a node's products a tensor split divides.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SplitDim {
+    /// The rows (tokens: sequence parallelism, or any op without products).
+    Rows,
+    /// The output columns n (a column split).
+    Columns,
+    /// The contracted dim k (a row split).
+    Contracted,
+    /// Routed experts split by their intermediate dim: the gate-up product's n and the down
+    /// product's k.
+    Inner,
+}
+
+/// One tensor rank's figures of a node on `samples` samples split `t` ways along `dim`: its
+/// FLOPs and bytes ÷ t, its products' `dim` ÷ t.
+pub fn split(fig: &NodeFigures, samples: f64, t: f64, dim: SplitDim) -> NodeFigures {
+    let mut f = scaled(fig, samples / t);
+    if dim != SplitDim::Rows && t != 1.0 {
+        for (i, g) in f.gemms.iter_mut().enumerate() {
+            g.rows *= t;
+            match (dim, i) {
+                (SplitDim::Columns, _) | (SplitDim::Inner, 0) => g.n /= t,
+                _ => g.k /= t,
+            }
+        }
+    }
+    f
+}
+
+/// Fraction of `spec`'s peak the compute of a node with these (scaled) figures reaches: each
+/// product at the GEMM surface's efficiency for its shape (times the plateau
+/// `efficiency.peak`), the rest of its FLOPs on the curve by FLOPs; without a surface, or a
+/// product, the curve alone.
+pub fn efficiency(fig: &NodeFigures, spec: &ClusterSpec) -> f64 {
+    let curve = spec.efficiency.at(fig.flops);
+    let Some(surface) = spec.gemm_surface.as_ref().filter(|_| fig.gemms[0].share > 0.0) else { return curve };
+    let peak = spec.efficiency.peak;
+    let (mut inverse, mut rest) = (0.0, 1.0);
+    for g in fig.gemms.iter().filter(|g| g.share > 0.0) {
+        inverse += g.share / (peak * surface.at(g.rows, g.n, g.k)).max(1e-12);
+        rest -= g.share;
+    }
+    1.0 / (inverse + rest.max(0.0) / curve.max(1e-12))
+}
+
 /// Roofline forward time of one node with these figures (already scaled to the microbatch and
-/// shard): max(flops / (peak(dtype) · efficiency(flops)), memory_bytes / (HBM bw · hbm
+/// shard): max(flops / (peak(dtype) · [`efficiency`]), memory_bytes / (HBM bw · hbm
 /// efficiency)). With a fused attention kernel ([`ClusterSpec::fused_attention`]) the
 /// attention scores never reach HBM: their bytes (`score_bytes`) are not charged.
 pub fn node_time(fig: &NodeFigures, dtype: DType, spec: &ClusterSpec) -> f64 {
     let compute = if fig.flops > 0.0 {
-        fig.flops / (spec.peak_flops(dtype) * spec.efficiency.at(fig.flops))
+        fig.flops / (spec.peak_flops(dtype) * efficiency(fig, spec))
     } else {
         0.0
     };
@@ -125,7 +177,8 @@ pub fn node_times(op: &Op, fig: &NodeFigures, dtype: DType, spec: &ClusterSpec) 
 }
 
 /// Times of layer `layer` of `lg` for a microbatch of `batch` samples, each node's work divided
-/// by `tp` (an even tensor-parallel split; the planner's strategies refine this per node).
+/// by `tp` (an even tensor-parallel split, its products split by their output columns and
+/// experts by their intermediate dim; the planner's strategies refine this per node).
 /// Figures are scaled from the graph's float dtype to `dtype` bytes.
 pub fn layer_times(
     lg: &LayeredGraph,
@@ -151,11 +204,14 @@ pub fn layer_times_with(
     figures: impl Fn(crate::ir::NodeId) -> NodeFigures,
 ) -> LayerTimes {
     let Some(l) = lg.layers.get(layer) else { return LayerTimes::default() };
-    let share = batch / tp.max(1) as f64;
+    let t = tp.max(1) as f64;
     l.nodes
         .iter()
         .filter_map(|&id| lg.graph.try_node(id).map(|n| (n, figures(id))))
-        .map(|(node, fig)| node_times(&node.op, &scaled(&fig, share), dtype, spec))
+        .map(|(node, fig)| {
+            let dim = if node.op.is(OpKind::MixtureOfExperts) { SplitDim::Inner } else { SplitDim::Columns };
+            node_times(&node.op, &split(&fig, batch, t, dim), dtype, spec)
+        })
         .sum()
 }
 
