@@ -867,6 +867,28 @@ mod tests {
     }
 
     #[test]
+    fn gemm_surfaces_in_presets_and_files() {
+        let p = Path::new("c.toml");
+        let h100 = ClusterSpec::preset("h100-80gb").unwrap();
+        assert_eq!(h100.gemm_surface, Some(GemmSurface::xla_sm90()));
+        // an older file with only the curve still loads: its preset's surface, or none
+        let old = "preset = \"h100-80gb\"\n[efficiency]\npeak = 0.6\nhalf_flops = 1e9\n";
+        let s = ClusterSpec::from_toml(old, p).unwrap();
+        assert_eq!((s.efficiency.peak, s.gemm_surface.as_ref()), (0.6, h100.gemm_surface.as_ref()));
+        let mut bare = h100.to_toml().replace("[gemm_surface]", "[unused]");
+        bare = bare.split("[unused]").next().unwrap_or_default().to_string();
+        assert_eq!(ClusterSpec::from_toml(&bare, p).unwrap().gemm_surface, None);
+        // a file's own surface, and one that cannot be
+        let own = "preset = \"a100-80gb\"\n[gemm_surface]\nsizes = [256.0, 4096.0]\nrelative = [0.01, 0.1, 0.1, 0.5, 0.1, 0.5, 0.5, 1.0]\n";
+        let s = ClusterSpec::from_toml(own, p).unwrap();
+        assert_eq!(s.gemm_surface.as_ref().map(|g| g.at(256.0, 4096.0, 4096.0)), Some(0.5));
+        let e = ClusterSpec::from_toml(&own.replace("0.01, ", ""), p).unwrap_err().to_string();
+        assert!(e.contains("7 values") && e.contains("c.toml"), "{e}");
+        // the presets' surface survives a round trip through a file
+        assert_eq!(ClusterSpec::from_toml(&h100.to_toml(), p).unwrap(), h100);
+    }
+
+    #[test]
     fn host_links_per_preset_and_file() {
         let host = |name: &str| ClusterSpec::preset(name).unwrap().host_bandwidth;
         assert_eq!(host("a100-80gb"), Some(25e9));

@@ -251,6 +251,54 @@ mod tests {
         assert!(spec.efficiency.at(1e12) > spec.efficiency.at(1e8));
     }
 
+    /// Forward efficiency (FLOPs over time at the bf16 peak) of a hand-built GPT block of
+    /// hidden size `hidden` at tensor degree `tp`, sequence 2048, one sample.
+    fn block_efficiency(hidden: i64, heads: i64, tp: usize, spec: &ClusterSpec) -> f64 {
+        use crate::passes::testutil::{Gpt, gpt};
+        let g = gpt(Gpt { blocks: 1, hidden, heads, vocab: 1024, ffn: 4 * hidden, batch: None, seq: Some(2048), dtype: DType::BF16, namespaces: true, layer_names: true });
+        let lg = crate::passes::analyze(g, &Default::default()).unwrap();
+        let block = lg.layers.iter().find(|l| l.kind == crate::ir::LayerKind::Block).unwrap();
+        let t = layer_times(&lg, block.index, spec, DType::BF16, 1.0, tp);
+        block.figures.flops / tp as f64 / (t.fwd * spec.peak_flops(DType::BF16))
+    }
+
+    #[test]
+    fn a_split_small_hidden_size_runs_at_a_lower_gemm_efficiency() {
+        let h100 = ClusterSpec::preset("h100-80gb").unwrap();
+        let curve = ClusterSpec { gemm_surface: None, ..h100.clone() };
+        let drop = |h: i64, heads: i64, spec: &ClusterSpec| block_efficiency(h, heads, 8, spec) / block_efficiency(h, heads, 1, spec);
+        // hidden 1024: the eight-way shards' GEMMs (2048 × 512 × 1024 and the like) run at a
+        // third of the whole block's rate (XLA's table: 236 of 594 TFLOP/s)
+        let small = drop(1024, 16, &h100);
+        assert!(small < 0.6, "hidden 1024: tp 8 keeps {small:.3} of the tp 1 efficiency");
+        // the curve by FLOPs alone priced the same shards too cheaply
+        let by_flops = drop(1024, 16, &curve);
+        assert!(small < 0.9 * by_flops, "curve {by_flops:.3}, surface {small:.3}");
+        // hidden 12288: every shard is still on the plateau
+        let large = drop(12288, 96, &h100);
+        assert!(large > 0.95, "hidden 12288: tp 8 keeps {large:.3}");
+    }
+
+    #[test]
+    fn splits_divide_the_dim_they_name() {
+        use crate::ir::GemmShape;
+        let spec = ClusterSpec::preset("h100-80gb").unwrap();
+        let g = GemmShape { rows: 2048.0, n: 4096.0, k: 1024.0, share: 1.0 };
+        let fig = NodeFigures { flops: 2.0 * 2048.0 * 4096.0 * 1024.0, gemms: [g, GemmShape::default()], ..Default::default() };
+        let col = split(&fig, 2.0, 8.0, SplitDim::Columns);
+        assert_eq!((col.gemms[0].rows, col.gemms[0].n, col.gemms[0].k), (4096.0, 512.0, 1024.0));
+        assert_eq!(col.flops, fig.flops * 2.0 / 8.0);
+        let row = split(&fig, 2.0, 8.0, SplitDim::Contracted);
+        assert_eq!((row.gemms[0].rows, row.gemms[0].n, row.gemms[0].k), (4096.0, 4096.0, 128.0));
+        let seq = split(&fig, 2.0, 8.0, SplitDim::Rows);
+        assert_eq!((seq.gemms[0].rows, seq.gemms[0].n, seq.gemms[0].k), (512.0, 4096.0, 1024.0));
+        // at a grid point the efficiency is the table's there, at the preset's plateau
+        let surface = spec.gemm_surface.as_ref().unwrap();
+        let e = efficiency(&scaled(&fig, 1.0), &spec);
+        assert!((e - 0.75 * surface.at(2048.0, 4096.0, 1024.0)).abs() < 1e-12);
+        assert!((surface.at(2048.0, 4096.0, 1024.0) - 594.2 / 783.3).abs() < 1e-12);
+    }
+
     #[test]
     fn matmul_backward_is_twice_the_forward() {
         let spec = ClusterSpec::preset("a100-80gb").unwrap();
