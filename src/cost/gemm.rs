@@ -60,10 +60,10 @@ pub const XLA_SIZES: [u64; 5] = [256, 512, 1024, 2048, 4096];
 #[serde(try_from = "SurfaceTable")]
 pub struct GemmSurface {
     /// The grid's sizes along each of m, n and k, increasing (powers of two in the presets).
-    pub sizes: Vec<f64>,
+    sizes: Vec<f64>,
     /// Relative efficiency at each grid point, indexed `[m][n][k]` (k fastest): `sizes.len()³`
     /// values in (0, 1].
-    pub relative: Vec<f64>,
+    relative: Vec<f64>,
     /// log2 of `sizes` (derived).
     #[serde(skip)]
     log2: Vec<f64>,
@@ -125,6 +125,16 @@ impl GemmSurface {
         let relative = XLA_SM90_BF16_TFLOPS.iter().map(|&r| r / top).collect();
         let log2 = sizes.iter().map(|s: &f64| s.log2()).collect();
         GemmSurface { sizes, relative, log2 }
+    }
+
+    /// The grid's sizes along each of m, n and k.
+    pub fn sizes(&self) -> &[f64] {
+        &self.sizes
+    }
+
+    /// The relative efficiencies at the grid points, `[m][n][k]`, k fastest.
+    pub fn relative(&self) -> &[f64] {
+        &self.relative
     }
 
     /// Checks the grid and fills the derived log2 sizes.
