@@ -16,6 +16,20 @@
 //! host_bandwidth = 450e9   # device ↔ host, per direction (NVLink-C2C on GH200-class parts)
 //! ```
 //!
+//! Compute efficiency: `[efficiency] peak, half_flops` is the curve by FLOPs every op is priced
+//! on, `peak` also the plateau of large matrix products; the GPU presets add a GEMM-efficiency
+//! surface over (m, n, k) ([`GemmSurface`], XLA's sm_90 table), relative to that plateau, which
+//! prices every product with a weight operand. A file may give its own:
+//!
+//! ```toml
+//! [gemm_surface]
+//! sizes = [256.0, 4096.0]        # the grid along each of m, n and k
+//! relative = [0.01, 0.1, 0.1, 0.5, 0.1, 0.5, 0.5, 1.0]   # [m][n][k], k fastest, 1 at the top
+//! ```
+//!
+//! Files without one take their preset's (none for `cpu` and for files without a preset: their
+//! products are priced on the curve at 2·m·n·k FLOPs, which `smp-runner calibrate` fits).
+//!
 //! The `cpu` preset describes one machine: its memory, its cores and, when one exists, the
 //! calibration file `smp-runner calibrate` wrote. This module reads none of these from the
 //! host: the binaries gather them ([`MachineFacts`]) and pass them in, and a cluster file can
@@ -33,6 +47,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::gemm::GemmSurface;
 use super::link::Link;
 use crate::ir::{DType, Precision};
 
@@ -183,6 +198,11 @@ pub struct ClusterSpec {
     pub inter_node_latency: f64,
     /// Compute efficiency by operation size.
     pub efficiency: EfficiencyCurve,
+    /// Efficiency of matrix products with a weight operand by shape, relative to
+    /// `efficiency.peak` (GPU presets: XLA's sm_90 table); `None`: those are priced on
+    /// `efficiency` too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gemm_surface: Option<GemmSurface>,
     /// Memory per device kept free for the framework, kernels' workspace and fragmentation,
     /// bytes (subtracted from `memory_bytes` by [`ClusterSpec::usable_memory`]).
     pub workspace_bytes: u64,
@@ -342,6 +362,9 @@ fn gpu(
         inter_node_latency: 15e-6,
         // Large bf16 GEMMs reach ~75 % of the datasheet; half of that at ~2 GFLOP (a 1024³ GEMM).
         efficiency: EfficiencyCurve { peak: 0.75, half_flops: 2e9 },
+        // Weight products by shape: XLA's measured H100 table, relative to that 75 % plateau.
+        // No published A100 or V100 table was found: theirs take the H100's shape.
+        gemm_surface: Some(GemmSurface::xla_sm90()),
         workspace_bytes: 2 * GIB,
         fused_attention: false,
         machine: None,
@@ -602,6 +625,7 @@ struct ClusterFile {
     intra_node_latency: Option<f64>,
     inter_node_latency: Option<f64>,
     efficiency: Option<EfficiencyCurve>,
+    gemm_surface: Option<GemmSurface>,
     workspace_bytes: Option<u64>,
     fused_attention: Option<bool>,
     price_per_device_hour: Option<f64>,
@@ -699,6 +723,7 @@ impl ClusterFile {
             intra_node_latency: field!(intra_node_latency),
             inter_node_latency: field!(inter_node_latency),
             efficiency: field!(efficiency),
+            gemm_surface: self.gemm_surface.or(base.and_then(|b| b.gemm_surface.clone())),
             workspace_bytes: field!(workspace_bytes),
             fused_attention: self.fused_attention.or(base.map(|b| b.fused_attention)).unwrap_or(false),
             machine: base.and_then(|b| b.machine.clone()),
@@ -736,6 +761,7 @@ impl ClusterSpec {
             intra_node_latency: 50e-6,
             inter_node_latency: 50e-6,
             efficiency: EfficiencyCurve { peak: 0.7, half_flops: 1e7 },
+            gemm_surface: None,
             workspace_bytes: 256 << 20,
             fused_attention: false,
             machine: Some(machine.clone()),
@@ -838,6 +864,28 @@ mod tests {
         let full = ClusterSpec::preset("v100-16gb").unwrap();
         let back = ClusterSpec::from_toml(&full.to_toml(), p).unwrap();
         assert_eq!(back, full);
+    }
+
+    #[test]
+    fn gemm_surfaces_in_presets_and_files() {
+        let p = Path::new("c.toml");
+        let h100 = ClusterSpec::preset("h100-80gb").unwrap();
+        assert_eq!(h100.gemm_surface, Some(GemmSurface::xla_sm90()));
+        // an older file with only the curve still loads: its preset's surface, or none
+        let old = "preset = \"h100-80gb\"\n[efficiency]\npeak = 0.6\nhalf_flops = 1e9\n";
+        let s = ClusterSpec::from_toml(old, p).unwrap();
+        assert_eq!((s.efficiency.peak, s.gemm_surface.as_ref()), (0.6, h100.gemm_surface.as_ref()));
+        let mut bare = h100.to_toml().replace("[gemm_surface]", "[unused]");
+        bare = bare.split("[unused]").next().unwrap_or_default().to_string();
+        assert_eq!(ClusterSpec::from_toml(&bare, p).unwrap().gemm_surface, None);
+        // a file's own surface, and one that cannot be
+        let own = "preset = \"a100-80gb\"\n[gemm_surface]\nsizes = [256.0, 4096.0]\nrelative = [0.01, 0.1, 0.1, 0.5, 0.1, 0.5, 0.5, 1.0]\n";
+        let s = ClusterSpec::from_toml(own, p).unwrap();
+        assert_eq!(s.gemm_surface.as_ref().map(|g| g.at(256.0, 4096.0, 4096.0)), Some(0.5));
+        let e = ClusterSpec::from_toml(&own.replace("0.01, ", ""), p).unwrap_err().to_string();
+        assert!(e.contains("7 values") && e.contains("c.toml"), "{e}");
+        // the presets' surface survives a round trip through a file
+        assert_eq!(ClusterSpec::from_toml(&h100.to_toml(), p).unwrap(), h100);
     }
 
     #[test]

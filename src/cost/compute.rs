@@ -72,8 +72,13 @@ pub fn backward_factor(op: &Op) -> f64 {
 }
 
 /// Figures with FLOPs and bytes multiplied by `factor` (a microbatch size, or 1/t for a
-/// tensor-parallel shard). Parameter counts are unchanged.
+/// tensor-parallel shard), and so the rows of its products (samples; [`split`] for a split
+/// that divides another dim). Parameter counts are unchanged.
 pub fn scaled(fig: &NodeFigures, factor: f64) -> NodeFigures {
+    let mut gemms = fig.gemms;
+    for g in &mut gemms {
+        g.rows *= factor;
+    }
     NodeFigures {
         flops: fig.flops * factor,
         output_bytes: fig.output_bytes * factor,
@@ -81,17 +86,64 @@ pub fn scaled(fig: &NodeFigures, factor: f64) -> NodeFigures {
         memory_bytes: fig.memory_bytes * factor,
         score_bytes: fig.score_bytes * factor,
         score_saved_bytes: fig.score_saved_bytes * factor,
+        gemms,
         ..*fig
     }
 }
 
+/// Which dim of a node's products a tensor split divides.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SplitDim {
+    /// The rows (tokens: sequence parallelism, or any op without products).
+    Rows,
+    /// The output columns n (a column split).
+    Columns,
+    /// The contracted dim k (a row split).
+    Contracted,
+    /// Routed experts split by their intermediate dim: the gate-up product's n and the down
+    /// product's k.
+    Inner,
+}
+
+/// One tensor rank's figures of a node on `samples` samples split `t` ways along `dim`: its
+/// FLOPs and bytes ÷ t, its products' `dim` ÷ t.
+pub fn split(fig: &NodeFigures, samples: f64, t: f64, dim: SplitDim) -> NodeFigures {
+    let mut f = scaled(fig, samples / t);
+    if dim != SplitDim::Rows && t != 1.0 {
+        for (i, g) in f.gemms.iter_mut().enumerate() {
+            g.rows *= t;
+            match (dim, i) {
+                (SplitDim::Columns, _) | (SplitDim::Inner, 0) => g.n /= t,
+                _ => g.k /= t,
+            }
+        }
+    }
+    f
+}
+
+/// Fraction of `spec`'s peak the compute of a node with these (scaled) figures reaches: each
+/// product at the GEMM surface's efficiency for its shape (times the plateau
+/// `efficiency.peak`), the rest of its FLOPs on the curve by FLOPs; without a surface, or a
+/// product, the curve alone.
+pub fn efficiency(fig: &NodeFigures, spec: &ClusterSpec) -> f64 {
+    let curve = spec.efficiency.at(fig.flops);
+    let Some(surface) = spec.gemm_surface.as_ref().filter(|_| fig.gemms[0].share > 0.0) else { return curve };
+    let peak = spec.efficiency.peak;
+    let (mut inverse, mut rest) = (0.0, 1.0);
+    for g in fig.gemms.iter().filter(|g| g.share > 0.0) {
+        inverse += g.share / (peak * surface.at(g.rows, g.n, g.k)).max(1e-12);
+        rest -= g.share;
+    }
+    1.0 / (inverse + rest.max(0.0) / curve.max(1e-12))
+}
+
 /// Roofline forward time of one node with these figures (already scaled to the microbatch and
-/// shard): max(flops / (peak(dtype) · efficiency(flops)), memory_bytes / (HBM bw · hbm
+/// shard): max(flops / (peak(dtype) · [`efficiency`]), memory_bytes / (HBM bw · hbm
 /// efficiency)). With a fused attention kernel ([`ClusterSpec::fused_attention`]) the
 /// attention scores never reach HBM: their bytes (`score_bytes`) are not charged.
 pub fn node_time(fig: &NodeFigures, dtype: DType, spec: &ClusterSpec) -> f64 {
     let compute = if fig.flops > 0.0 {
-        fig.flops / (spec.peak_flops(dtype) * spec.efficiency.at(fig.flops))
+        fig.flops / (spec.peak_flops(dtype) * efficiency(fig, spec))
     } else {
         0.0
     };
@@ -125,7 +177,8 @@ pub fn node_times(op: &Op, fig: &NodeFigures, dtype: DType, spec: &ClusterSpec) 
 }
 
 /// Times of layer `layer` of `lg` for a microbatch of `batch` samples, each node's work divided
-/// by `tp` (an even tensor-parallel split; the planner's strategies refine this per node).
+/// by `tp` (an even tensor-parallel split, its products split by their output columns and
+/// experts by their intermediate dim; the planner's strategies refine this per node).
 /// Figures are scaled from the graph's float dtype to `dtype` bytes.
 pub fn layer_times(
     lg: &LayeredGraph,
@@ -151,11 +204,14 @@ pub fn layer_times_with(
     figures: impl Fn(crate::ir::NodeId) -> NodeFigures,
 ) -> LayerTimes {
     let Some(l) = lg.layers.get(layer) else { return LayerTimes::default() };
-    let share = batch / tp.max(1) as f64;
+    let t = tp.max(1) as f64;
     l.nodes
         .iter()
         .filter_map(|&id| lg.graph.try_node(id).map(|n| (n, figures(id))))
-        .map(|(node, fig)| node_times(&node.op, &scaled(&fig, share), dtype, spec))
+        .map(|(node, fig)| {
+            let dim = if node.op.is(OpKind::MixtureOfExperts) { SplitDim::Inner } else { SplitDim::Columns };
+            node_times(&node.op, &split(&fig, batch, t, dim), dtype, spec)
+        })
         .sum()
 }
 
@@ -193,6 +249,54 @@ mod tests {
         assert!((node_time(&mem, DType::BF16, &spec) - 1e10 / (3.35e12 * 0.8)).abs() < 1e-12);
         // Larger ops run at higher efficiency.
         assert!(spec.efficiency.at(1e12) > spec.efficiency.at(1e8));
+    }
+
+    /// Forward efficiency (FLOPs over time at the bf16 peak) of a hand-built GPT block of
+    /// hidden size `hidden` at tensor degree `tp`, sequence 2048, one sample.
+    fn block_efficiency(hidden: i64, heads: i64, tp: usize, spec: &ClusterSpec) -> f64 {
+        use crate::passes::testutil::{Gpt, gpt};
+        let g = gpt(Gpt { blocks: 1, hidden, heads, vocab: 1024, ffn: 4 * hidden, batch: None, seq: Some(2048), dtype: DType::BF16, namespaces: true, layer_names: true });
+        let lg = crate::passes::analyze(g, &Default::default()).unwrap();
+        let block = lg.layers.iter().find(|l| l.kind == crate::ir::LayerKind::Block).unwrap();
+        let t = layer_times(&lg, block.index, spec, DType::BF16, 1.0, tp);
+        block.figures.flops / tp as f64 / (t.fwd * spec.peak_flops(DType::BF16))
+    }
+
+    #[test]
+    fn a_split_small_hidden_size_runs_at_a_lower_gemm_efficiency() {
+        let h100 = ClusterSpec::preset("h100-80gb").unwrap();
+        let curve = ClusterSpec { gemm_surface: None, ..h100.clone() };
+        let drop = |h: i64, heads: i64, spec: &ClusterSpec| block_efficiency(h, heads, 8, spec) / block_efficiency(h, heads, 1, spec);
+        // hidden 1024: the eight-way shards' GEMMs (2048 × 512 × 1024 and the like) run at a
+        // third of the whole block's rate (XLA's table: 236 of 594 TFLOP/s)
+        let small = drop(1024, 16, &h100);
+        assert!(small < 0.6, "hidden 1024: tp 8 keeps {small:.3} of the tp 1 efficiency");
+        // the curve by FLOPs alone priced the same shards too cheaply
+        let by_flops = drop(1024, 16, &curve);
+        assert!(small < 0.9 * by_flops, "curve {by_flops:.3}, surface {small:.3}");
+        // hidden 12288: every shard is still on the plateau
+        let large = drop(12288, 96, &h100);
+        assert!(large > 0.95, "hidden 12288: tp 8 keeps {large:.3}");
+    }
+
+    #[test]
+    fn splits_divide_the_dim_they_name() {
+        use crate::ir::GemmShape;
+        let spec = ClusterSpec::preset("h100-80gb").unwrap();
+        let g = GemmShape { rows: 2048.0, n: 4096.0, k: 1024.0, share: 1.0 };
+        let fig = NodeFigures { flops: 2.0 * 2048.0 * 4096.0 * 1024.0, gemms: [g, GemmShape::default()], ..Default::default() };
+        let col = split(&fig, 2.0, 8.0, SplitDim::Columns);
+        assert_eq!((col.gemms[0].rows, col.gemms[0].n, col.gemms[0].k), (4096.0, 512.0, 1024.0));
+        assert_eq!(col.flops, fig.flops * 2.0 / 8.0);
+        let row = split(&fig, 2.0, 8.0, SplitDim::Contracted);
+        assert_eq!((row.gemms[0].rows, row.gemms[0].n, row.gemms[0].k), (4096.0, 4096.0, 128.0));
+        let seq = split(&fig, 2.0, 8.0, SplitDim::Rows);
+        assert_eq!((seq.gemms[0].rows, seq.gemms[0].n, seq.gemms[0].k), (512.0, 4096.0, 1024.0));
+        // at a grid point the efficiency is the table's there, at the preset's plateau
+        let surface = spec.gemm_surface.as_ref().unwrap();
+        let e = efficiency(&scaled(&fig, 1.0), &spec);
+        assert!((e - 0.75 * surface.at(2048.0, 4096.0, 1024.0)).abs() < 1e-12);
+        assert!((surface.at(2048.0, 4096.0, 1024.0) - 594.2 / 783.3).abs() < 1e-12);
     }
 
     #[test]

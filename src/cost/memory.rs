@@ -91,7 +91,7 @@ impl TrainingBytes {
 
 /// `f` with its byte figures times `factor` (its FLOPs as they are).
 fn scaled_bytes(f: &NodeFigures, factor: f64) -> NodeFigures {
-    NodeFigures { flops: f.flops, ..super::compute::scaled(f, factor) }
+    NodeFigures { flops: f.flops, gemms: f.gemms, ..super::compute::scaled(f, factor) }
 }
 
 /// Model-state bytes per device.

@@ -5,10 +5,12 @@
 pub mod cluster;
 pub mod comm;
 pub mod compute;
+pub mod gemm;
 mod link;
 pub mod memory;
 
 pub use cluster::{CalibrationFile, CollectiveLinks, ClusterError, ClusterSpec, EfficiencyCurve, FactSource, LIST_PRICES, ListPrice, MachineFacts, PRESETS, list_price};
 pub use comm::{CommModel, GroupSpan, Link, LinkKind};
-pub use compute::{LayerTimes, layer_times, node_time, node_times};
+pub use compute::{LayerTimes, SplitDim, layer_times, node_time, node_times};
+pub use gemm::GemmSurface;
 pub use memory::{ModelState, StatePrecision, TrainingBytes, in_flight, kept_in_flight, model_state, stage_in_flights};

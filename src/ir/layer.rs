@@ -63,6 +63,23 @@ pub struct NodeFigures {
     /// The part of `saved_bytes` that is attention scores (the softmax output a fused kernel
     /// does not keep: it recomputes the scores in its backward).
     pub score_saved_bytes: f64,
+    /// The matrix products with a weight operand this node runs (a weight matmul: one; routed
+    /// experts: each expert's gate-up and down), for the cost model's GEMM-efficiency surface;
+    /// unused entries have `share` 0. A sum of figures has none.
+    pub gemms: [GemmShape; 2],
+}
+
+/// One matrix product of a node, `rows × k` by `k × n`, per sample.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GemmShape {
+    /// Rows m per sample (the tokens; per expert for routed experts): they grow with the samples.
+    pub rows: f64,
+    /// Output columns n.
+    pub n: f64,
+    /// Contracted dim k.
+    pub k: f64,
+    /// The fraction of the node's FLOPs this product does (0: no product).
+    pub share: f64,
 }
 
 impl std::ops::AddAssign for NodeFigures {
@@ -76,6 +93,7 @@ impl std::ops::AddAssign for NodeFigures {
         self.memory_bytes += o.memory_bytes;
         self.score_bytes += o.score_bytes;
         self.score_saved_bytes += o.score_saved_bytes;
+        self.gemms = Default::default();
     }
 }
 

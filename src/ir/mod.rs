@@ -17,7 +17,7 @@ pub use collective::{CollectiveKind, GroupKind};
 pub use dtype::DType;
 pub use fusion::{AttentionMask, AttentionScale, ClampLimit, Epsilon, ExpertActivation, ExpertWeighting, FusedOp, Fusion, GeluApproximation, SwishScale};
 pub use graph::{AuxLoss, Graph, GraphError, Node, NodeId, Value, ValueId, ValueKind};
-pub use layer::{DimBindings, Layer, LayerBytes, LayerKind, LayeredGraph, NodeFigures};
+pub use layer::{DimBindings, GemmShape, Layer, LayerBytes, LayerKind, LayeredGraph, NodeFigures};
 pub use op::{Attr, Attrs, AutocastClass, Op, OpKind, PADDING_ROWS};
 pub use parallel::{CheckpointRule, ExpertDispatch, MeshAxis, MixedRecipe, OffloadRule, Parallelism, Placement, Precision, limits};
 pub use param::{DecisionSource, FrozenReason, ParamRecord, ParamTransform, RecordKind, Training};

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use super::PassError;
-use crate::ir::{AutocastClass, DType, Dim, DimBindings, Graph, Node, NodeFigures, NodeId, OpKind, ValueId, ValueKind};
+use crate::ir::{AutocastClass, DType, Dim, DimBindings, GemmShape, Graph, Node, NodeFigures, NodeId, OpKind, ValueId, ValueKind};
 
 /// What one node keeps for its backward pass.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -201,6 +201,7 @@ pub fn compute_at(graph: &Graph, bindings: &DimBindings, low: Option<DType>) -> 
             }
         }
         fig.flops = flops(&sz, node) / batch;
+        fig.gemms = gemms(&sz, node, &data, fig.flops * batch, batch);
         fig.output_bytes = node.outputs.iter().map(|&o| sz.bytes(o)).sum::<f64>() / batch;
         fig.memory_bytes = memory(&sz, node) / batch;
         fig.score_bytes = score_bytes(&sz, node, &score).min(fig.memory_bytes * batch) / batch;
@@ -316,6 +317,56 @@ pub fn flops(sz: &Sizes, node: &Node) -> f64 {
         Col2Im => in_numel,
         _ if kind.is_elementwise() => out_numel,
         _ => 0.0,
+    }
+}
+
+/// The weight products of `node` (`flops` its forward FLOPs at the inferred batch, `batch`
+/// that batch): a `MatMul` or `Gemm` whose second operand does not depend on the data (a
+/// parameter, a view of one, a built weight) and is a matrix, its rows every leading dim of
+/// the first operand; a `MixtureOfExperts`, each expert's gate-up (`rows × H` by `H × 2I`) and
+/// down (`rows × I` by `I × H`) products at the routed pairs per expert (tokens · k / E).
+/// Activation × activation products (attention's) have none.
+fn gemms(sz: &Sizes, node: &Node, data: &[bool], flops: f64, batch: f64) -> [GemmShape; 2] {
+    let none = [GemmShape::default(); 2];
+    if flops <= 0.0 {
+        return none;
+    }
+    let input = |i: usize| node.inputs.get(i).copied().flatten();
+    let share = |m: f64, n: f64, k: f64| (2.0 * m * n * k / flops).min(1.0);
+    match node.op.kind() {
+        Some(OpKind::MatMul | OpKind::Gemm) => {
+            let (Some(a), Some(b)) = (input(0), input(1)) else { return none };
+            if data.get(b.index()).copied().unwrap_or(true) {
+                return none;
+            }
+            let (Some(ad), Some(bd)) = (sz.dims(a), sz.dims(b)) else { return none };
+            if bd.len() != 2 || ad.len() < 2 {
+                return none;
+            }
+            let gemm = node.op.is(OpKind::Gemm);
+            let (ta, tb) = (gemm && node.attrs.int("transA", 0) != 0, gemm && node.attrs.int("transB", 0) != 0);
+            let (k, n) = if tb { (bd[1], bd[0]) } else { (bd[0], bd[1]) };
+            let m = if ta { ad[1] as f64 } else { ad.iter().map(|&x| x.max(0) as f64).product::<f64>() / ad[ad.len() - 1].max(1) as f64 };
+            let (n, k) = (n as f64, k as f64);
+            if m <= 0.0 || n <= 0.0 || k <= 0.0 {
+                return none;
+            }
+            [GemmShape { rows: m / batch, n, k, share: share(m, n, k) }, GemmShape::default()]
+        }
+        Some(OpKind::MixtureOfExperts) => {
+            let (Some(w), Some(gu)) = (input(1).and_then(|v| sz.dims(v)), input(3).and_then(|v| sz.dims(v))) else { return none };
+            let (Some(&tokens), Some(&k), Some(&experts), Some(&i2), Some(&h)) = (w.first(), w.get(1), gu.first(), gu.get(1), gu.get(2)) else { return none };
+            if experts <= 0 || tokens <= 0 || k <= 0 {
+                return none;
+            }
+            let rows = (tokens * k) as f64 / experts as f64;
+            let (i2, h, e) = (i2 as f64, h as f64, experts as f64);
+            // every expert's product runs once: E products of `rows` rows
+            let up = GemmShape { rows: rows / batch, n: i2, k: h, share: e * share(rows, i2, h) };
+            let down = GemmShape { rows: rows / batch, n: h, k: i2 / 2.0, share: e * share(rows, h, i2 / 2.0) };
+            [up, down]
+        }
+        _ => none,
     }
 }
 

@@ -19,7 +19,7 @@ pub mod rebatch;
 pub mod shape_infer;
 pub mod slice_assign;
 #[cfg(test)]
-mod testutil;
+pub(crate) mod testutil;
 
 pub use error::PassError;
 pub use options::AnalyzeOptions;

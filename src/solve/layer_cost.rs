@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use crate::cost::{ClusterSpec, CommModel, GroupSpan, StatePrecision, model_state};
 use crate::cost::TrainingBytes;
-use crate::cost::compute::{layer_saved_bytes, layer_times_with};
+use crate::cost::compute::{SplitDim, layer_saved_bytes, layer_times_with, node_time, split};
 use crate::ir::{DType, LayerKind, LayeredGraph, NodeFigures, OpKind, Precision, ValueId, ValueKind};
 
 use super::hash::FastMap;
@@ -882,6 +882,19 @@ impl<'a> CostContext<'a> {
             let per_gemm = eff.half_flops.max(0.0) * (1.0 - 1.0 / c) / (self.spec.peak_flops(self.dtype) * eff.peak.max(1e-9));
             fwd += gemms * per_gemm;
             bwd += 2.0 * gemms * per_gemm;
+        }
+        if cfg.ep > 1 && ex.experts > 0 && ex.figures.gemms[0].share > 0.0 {
+            // Each expert runs the routed tokens of its group's e ranks: e times the rows per
+            // expert the assignment priced (the rank's FLOPs are the same), its GEMMs larger.
+            let (tt, dim) = if split_experts > 0 { (cfg.tp.max(1) as f64, SplitDim::Inner) } else { (1.0, SplitDim::Rows) };
+            let priced = split(&ex.figures, cfg.microbatch as f64 / c, tt, dim);
+            let mut grouped = priced;
+            for g in &mut grouped.gemms {
+                g.rows *= cfg.ep as f64;
+            }
+            let delta = node_time(&grouped, self.dtype, self.spec) - node_time(&priced, self.dtype, self.spec);
+            fwd = (fwd + delta).max(0.0);
+            bwd = (bwd + 2.0 * delta).max(0.0);
         }
         if folded && split_experts > 0 {
             // The assignment priced the experts split over the tensor ranks with their tensor

@@ -74,7 +74,7 @@ impl Pricer<'_> {
     /// `routes` is the router weights' share of the tokens' bytes; `bias_elems` the down bias's
     /// elements, whose shared gradient is all-reduced in each backward.
     pub(super) fn experts_offers(&self, (inter, routes, bias_elems): (Option<i64>, f64, f64), i: usize) -> Vec<Offer> {
-        let own = self.figures([(i, 1.0)]);
+        let own = self.figures_split([(i, 1.0)], crate::cost::SplitDim::Inner);
         let mut options = Vec::new();
         if self.divides(inter) {
             // the output's partial sums are reduced like a row split's; backward, the gradients

@@ -3,6 +3,7 @@
 //! Gemm bias). Matmuls of two activations split by heads (the attention core).
 
 use super::Strategy;
+use crate::cost::SplitDim;
 use super::context::{Decision, Splitter, Tokens};
 use super::emit::{Fresh, derived, float_scalar};
 use super::offer::{Feasible, Offer, Pricer};
@@ -170,7 +171,7 @@ impl Pricer<'_> {
     /// consumer), by rows (when a column split or a heads core feeds it), or stays whole.
     pub(super) fn weight_matmul_offers(&self, f: &Feasible<'_>, i: usize) -> Vec<Offer> {
         let sg = f.sg;
-        let own = self.figures([(i, 1.0)]);
+        let own = self.figures_split([(i, 1.0)], SplitDim::Columns);
         let mut options = Vec::new();
         if f.col_ok[&i] {
             // The ops it feeds before its consumer run split with it (or whole).
@@ -194,11 +195,13 @@ impl Pricer<'_> {
             options.push(self.replicate(&own));
         }
         if f.row_ok(self, i) {
+            // a row split divides the contracted dim: its own (smaller) GEMM efficiency
+            let row = self.figures_split([(i, 1.0)], SplitDim::Contracted);
             let bias = match sg.kn[&i] {
                 (Some(k), Some(n)) => (own[4] - (k * n) as f64).max(0.0),
                 _ => 0.0,
             };
-            options.insert(options.len() - 1, self.opt(Strategy::Row, own[0] + self.row_fwd, own[1] + self.sp_ag + self.partial_grad(bias), own[4] / self.t, 0.0));
+            options.insert(options.len() - 1, self.opt(Strategy::Row, row[0] + self.row_fwd, row[1] + self.sp_ag + self.partial_grad(bias), own[4] / self.t, 0.0));
         }
         options
     }

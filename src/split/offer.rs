@@ -29,7 +29,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
-use crate::cost::compute::{node_times, saved_bytes, scaled};
+use crate::cost::compute::{SplitDim, node_times, saved_bytes, split};
 use crate::cost::{ClusterSpec, CommModel, GroupSpan};
 use crate::ir::{DType, Layer, LayeredGraph, ValueId};
 
@@ -231,11 +231,11 @@ impl<'a> Pricer<'a> {
         if self.x.sequence_parallel && elems > 0.0 { self.x.comm.all_reduce(elems * self.x.grad_bytes_per_param, &self.x.tp_group) } else { 0.0 }
     }
 
-    /// Forward and backward time of layer node `i` on `share` samples.
-    fn times_at(&self, i: usize, share: f64) -> (f64, f64) {
+    /// Forward and backward time of layer node `i` on the microbatch, split `t` ways along `dim`.
+    fn times_at(&self, i: usize, t: f64, dim: SplitDim) -> (f64, f64) {
         let id = self.lay.nodes[i];
         let Some(n) = self.lg.graph.try_node(id) else { return (0.0, 0.0) };
-        let f = scaled(&self.x.bytes.node(id), share);
+        let f = split(&self.x.bytes.node(id), self.b, t, dim);
         let tm = node_times(&n.op, &f, self.x.dtype, self.x.spec);
         (tm.fwd, tm.bwd)
     }
@@ -246,14 +246,19 @@ impl<'a> Pricer<'a> {
     }
 
     /// Split and whole figures of weighted layer nodes: (fwd/t, bwd/t, fwd, bwd, params,
-    /// activation bytes a split saves).
+    /// activation bytes a split saves), the split dividing their tokens.
     pub fn figures(&self, nodes: impl IntoIterator<Item = (usize, f64)>) -> [f64; 6] {
+        self.figures_split(nodes, SplitDim::Rows)
+    }
+
+    /// [`Self::figures`] with the split dividing the nodes' products along `dim`.
+    pub fn figures_split(&self, nodes: impl IntoIterator<Item = (usize, f64)>, dim: SplitDim) -> [f64; 6] {
         let (b, t) = (self.b, self.t);
         let mut s = [0.0f64; 6];
         for (i, w) in nodes {
             let fig = self.x.bytes.node(self.lay.nodes[i]);
-            let (sf, sb) = self.times_at(i, b / t);
-            let (rf, rb) = self.times_at(i, b);
+            let (sf, sb) = self.times_at(i, t, dim);
+            let (rf, rb) = self.times_at(i, 1.0, dim);
             s[0] += w * sf;
             s[1] += w * sb;
             s[2] += w * rf;

@@ -1,5 +1,7 @@
 //! `smp-runner calibrate`: measures this machine for the cost model's `cpu` preset — f32
-//! matmul rate by size on one thread (fitted to the preset's efficiency curve), the bf16 and
+//! matmul rate by size on one thread (square products n³, fitted to the preset's efficiency
+//! curve: the `cpu` preset's GEMM efficiency as a function of 2·m·n·k, where the GPU presets
+//! have a surface over (m, n, k), `cost::GemmSurface`), the bf16 and
 //! fp16 matmul rates (what `bf16-mixed`, `bf16` and `fp16-mixed` plans are priced at), memory
 //! bandwidth, Gloo point-to-point latency / bandwidth between two local ranks, and the
 //! latency and bandwidth of each collective as tensor parallelism calls it (the shim's
