@@ -270,6 +270,86 @@ struct ContextGather : public torch::autograd::Function<ContextGather> {
   }
 };
 
+// Where a context gather's backward leaves its reduce-scatter in flight, for the `GradWait`
+// node upstream of the gather to wait on (see `ContextGatherAsync`).
+struct ScatterSlot : torch::CustomClassHolder {
+  c10::intrusive_ptr<c10d::Work> work;
+  // What lands (host memory for a CUDA tensor over Gloo), and the gradient's device.
+  at::Tensor out;
+  at::Device device = at::kCPU;
+  Group* grp = nullptr;
+};
+
+c10::intrusive_ptr<ScatterSlot> slot_of(torch::autograd::AutogradContext* ctx) {
+  return c10::static_intrusive_pointer_cast<ScatterSlot>(ctx->saved_data["slot"].toCapsule());
+}
+
+// Identity forward; backward returns the reduce-scatter the gather's backward left in `slot`
+// (waited for here), or the gradient as it came when none was left. Made when the gather is
+// posted, before the ops that run while it is in flight, so autograd runs their backward
+// (later sequence numbers go first) while the reduce-scatter travels.
+struct GradWait : public torch::autograd::Function<GradWait> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, c10::intrusive_ptr<ScatterSlot> slot) {
+    ctx->saved_data["slot"] = c10::IValue::make_capsule(slot);
+    return x;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    auto slot = slot_of(ctx);
+    if (!slot->work) return {grads[0], at::Tensor()};
+    wait_or_throw(slot->work, slot->grp->timeout, slot->grp->over("reduce_scatter"));
+    auto g = slot->out.to(slot->device);
+    slot->work.reset();
+    slot->out = at::Tensor();
+    return {g, at::Tensor()};
+  }
+};
+
+// A context gather posted and not yet waited for: the members' parts land in `parts`; `x`
+// (the input behind a GradWait) is what autograd connects the result to.
+struct PendingGather {
+  Group* grp;
+  c10::intrusive_ptr<c10d::Work> work;
+  std::vector<at::Tensor> parts;
+  at::Tensor x;
+  int64_t axis;
+  c10::intrusive_ptr<ScatterSlot> slot;
+};
+
+// ContextGather whose all-gather was posted earlier (`smp_c10d_context_gather_start`): forward
+// waits for it and concatenates the parts; backward posts the reduce-scatter without waiting,
+// leaves it in the slot for GradWait, and passes a zero placeholder of the chunk's shape.
+struct ContextGatherAsync : public torch::autograd::Function<ContextGatherAsync> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t pending) {
+    auto* p = reinterpret_cast<PendingGather*>(pending);
+    wait_or_throw(p->work, p->grp->timeout, p->grp->over("all_gather"));
+    ctx->saved_data["group"] = reinterpret_cast<int64_t>(p->grp);
+    ctx->saved_data["axis"] = p->axis;
+    ctx->saved_data["slot"] = c10::IValue::make_capsule(p->slot);
+    return at::cat(p->parts, p->axis).to(x.device());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    auto* grp = group_of(ctx);
+    int64_t axis = ctx->saved_data["axis"].toInt();
+    auto slot = slot_of(ctx);
+    const auto& g = grads[0];
+    check_divides(grp, g, axis, "context_gather backward");
+    int64_t size = grp->gloo->getSize();
+    std::vector<std::vector<at::Tensor>> ins(1);
+    for (auto& c : g.chunk(size, axis)) ins[0].push_back(host_of(grp, c.clone(at::MemoryFormat::Contiguous)));
+    auto out = at::empty_like(ins[0][grp->gloo->getRank()]);
+    std::vector<at::Tensor> outs{out};
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    slot->work = backend_for(grp, g).reduce_scatter(outs, ins, opts);
+    slot->out = out;
+    slot->device = g.device();
+    slot->grp = grp;
+    auto shape = g.sizes().vec();
+    shape[axis] /= size;
+    return {at::zeros({}, g.options()).expand(shape), at::Tensor()};
+  }
+};
+
 // The rows (axis 0) of `x`, `send[j]` of them to member j in order; what the members send this
 // one, `recv[j]` rows from member j, concatenated in member order (Gloo's alltoall_base with
 // split sizes: counts per member, no padding).
@@ -512,6 +592,36 @@ char* smp_c10d_context_gather(void* g, at::Tensor* x, int64_t axis, at::Tensor**
     *out = new at::Tensor(ContextGather::apply(*x, reinterpret_cast<int64_t>(g), axis));
   });
 }
+
+// Posts context parallelism's gather of `x` along `axis` and returns at once; `*pending` is
+// waited for by smp_c10d_context_gather_finish (or dropped by smp_c10d_pending_gather_free).
+char* smp_c10d_context_gather_start(void* g, at::Tensor* x, int64_t axis, void** pending) {
+  return guarded([&] {
+    auto* grp = static_cast<Group*>(g);
+    auto slot = c10::make_intrusive<ScatterSlot>();
+    slot->grp = grp;
+    auto waited = GradWait::apply(*x, slot);
+    int64_t size = grp->gloo->getSize();
+    auto in = host_of(grp, waited.detach().contiguous());
+    std::vector<at::Tensor> parts;
+    for (int64_t i = 0; i < size; ++i) parts.push_back(at::empty_like(in));
+    std::vector<std::vector<at::Tensor>> outs{parts};
+    std::vector<at::Tensor> ins{in};
+    auto work = backend_for(grp, *x).allgather(outs, ins);
+    *pending = new PendingGather{grp, work, parts, waited, axis, slot};
+  });
+}
+
+// Waits for a posted gather; `*out` is its result, the members' tensors along the axis, whose
+// backward is the reduce-scatter (overlapped, see ContextGatherAsync). Frees `pending`.
+char* smp_c10d_context_gather_finish(void* pending, at::Tensor** out) {
+  std::unique_ptr<PendingGather> p(static_cast<PendingGather*>(pending));
+  return guarded([&] {
+    *out = new at::Tensor(ContextGatherAsync::apply(p->x, reinterpret_cast<int64_t>(p.get())));
+  });
+}
+
+void smp_c10d_pending_gather_free(void* pending) { delete static_cast<PendingGather*>(pending); }
 
 char* smp_c10d_reduce_scatter_along_axis(void* g, at::Tensor* x, int64_t axis, at::Tensor** out) {
   return guarded([&] {

@@ -1079,3 +1079,176 @@ fn a_fused_rotary_is_priced_as_its_chain_less_the_intermediates_it_no_longer_wri
         assert!(ff.per_node[r.node.index()].saved_bytes <= saved, "saved");
     }
 }
+
+// The complex product: Llama 4's and DeepSeek-V2's `view_as_complex(x) · e^{iθ}` as the front
+// door exports it in real arithmetic.
+
+/// How [`complex_rotary`] writes the product; the default is the export's.
+#[derive(Clone, Copy, Default)]
+struct Complex {
+    /// Every product's and the sum's operands swapped.
+    swap: bool,
+    /// The reshapes' targets computed from `x`'s shape (a dynamic-shape export).
+    computed_shapes: bool,
+    /// re = b·s − a·c (the wrong sign).
+    sub_reversed: bool,
+    /// im = a·c + b·s (the conjugate's parts mixed up).
+    im_wrong: bool,
+    /// a = x's odd channels, b = the even ones.
+    gathers_swapped: bool,
+    /// The stack's order: im first.
+    im_first: bool,
+}
+
+/// Inputs `x` `[2, 3, 5, 8]`, `cos` and `sin` `[2, 1, 5, 4]` (one angle per pair), and
+/// `view_as_real(view_as_complex(x.reshape(.., 4, 2)) · (cos + i·sin)).flatten(-2)` in real
+/// arithmetic, as `_complex.py` exports it.
+fn complex_rotary(how: Complex) -> Graph {
+    let mut a = Attn { g: Graph::new("complex rotary"), n: 0 };
+    a.g.opsets.insert(String::new(), 18);
+    let x = a.input("x", DType::F32, &Q);
+    let c = a.input("cos", DType::F32, &[2, 1, 5, 4]);
+    let s = a.input("sin", DType::F32, &[2, 1, 5, 4]);
+    let (pairs, back) = if how.computed_shapes {
+        let shape = a.op(OpKind::Shape, &[x], &[], DType::I64, &[4]);
+        let (z, three) = (ints(&mut a, &[0]), ints(&mut a, &[3]));
+        let lead = a.op(OpKind::Slice, &[shape, z, three], &[], DType::I64, &[3]);
+        let tail = ints(&mut a, &[-1, 2]);
+        let pairs = a.op(OpKind::Concat, &[lead, tail], &[("axis", smp_partition::ir::Attr::Int(0))], DType::I64, &[5]);
+        let eight = ints(&mut a, &[8]);
+        let back = a.op(OpKind::Concat, &[lead, eight], &[("axis", smp_partition::ir::Attr::Int(0))], DType::I64, &[4]);
+        (pairs, back)
+    } else {
+        (ints(&mut a, &[2, 3, 5, 4, 2]), ints(&mut a, &Q))
+    };
+    let v = a.f(OpKind::Reshape, &[x, pairs], &[2, 3, 5, 4, 2]);
+    let half = [2, 3, 5, 4];
+    let (i0, i1) = (a.konst(IrTensor::from_i64(vec![], &[0])), a.konst(IrTensor::from_i64(vec![], &[1])));
+    let (i0, i1) = if how.gathers_swapped { (i1, i0) } else { (i0, i1) };
+    let axis = [("axis", smp_partition::ir::Attr::Int(-1))];
+    let re_x = a.op(OpKind::Gather, &[v, i0], &axis, DType::F32, &half);
+    let im_x = a.op(OpKind::Gather, &[v, i1], &axis, DType::F32, &half);
+    let order = |p: ValueId, q: ValueId| if how.swap { [q, p] } else { [p, q] };
+    let ac = a.f(OpKind::Mul, &order(re_x, c), &half);
+    let bs = a.f(OpKind::Mul, &order(im_x, s), &half);
+    let re = a.f(OpKind::Sub, &if how.sub_reversed { [bs, ac] } else { [ac, bs] }, &half);
+    let (as_, bc) = if how.im_wrong { (c, s) } else { (s, c) };
+    let p = a.f(OpKind::Mul, &order(re_x, as_), &half);
+    let q = a.f(OpKind::Mul, &order(im_x, bc), &half);
+    let im = a.f(OpKind::Add, &order(p, q), &half);
+    let m1 = ints(&mut a, &[-1]);
+    let ure = a.f(OpKind::Unsqueeze, &[re, m1], &[2, 3, 5, 4, 1]);
+    let uim = a.f(OpKind::Unsqueeze, &[im, m1], &[2, 3, 5, 4, 1]);
+    let parts = if how.im_first { [uim, ure] } else { [ure, uim] };
+    let st = a.op(OpKind::Concat, &parts, &axis, DType::F32, &[2, 3, 5, 4, 2]);
+    let y = a.f(OpKind::Reshape, &[st, back], &Q);
+    a.finish(y)
+}
+
+#[test]
+fn the_complex_product_becomes_one_apply_rotary_computing_the_chain_forward_and_backward() {
+    for (what, how, nodes) in [
+        ("as exported", Complex::default(), 1),
+        ("operands swapped", Complex { swap: true, ..Default::default() }, 1),
+        // the shape arithmetic stays for whatever else reads it
+        ("to computed shapes", Complex { computed_shapes: true, ..Default::default() }, 5),
+    ] {
+        let unfused = complex_rotary(how);
+        let mut g = unfused.clone();
+        let records = fuse(&mut g);
+        assert_eq!(records.len(), 1, "{what}: {records:?}");
+        let f = &records[0];
+        assert_eq!(f.op, FusedOp::Rotary { interleaved: true }, "{what}");
+        g.verify().unwrap();
+        assert_eq!(g.node_count(), nodes, "{what}: the chain is one node");
+        let node = g.node(f.node);
+        assert!(node.op.is(OpKind::ApplyRotary), "{what}");
+        let names: Vec<&str> = node.inputs.iter().flatten().map(|&v| g.value(v).name.as_str()).collect();
+        assert_eq!(names, ["x", "cos", "sin"], "{what}");
+        passes::shape_infer::infer_shapes(&mut g, &Default::default()).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let out = g.outputs[0];
+        assert_eq!(g.value(out).ty.as_ref().unwrap().shape, Some(Shape::from_known(&Q)), "{what}");
+        // the replayed record gives the same graph; the half form's record is refused
+        let mut replayed = unfused.clone();
+        smp_partition::passes::fuse::apply(&mut replayed, f).unwrap();
+        assert_eq!(format!("{replayed}"), format!("{g}"), "{what}");
+        let half = smp_partition::ir::Fusion { op: FusedOp::Rotary { interleaved: false }, ..f.clone() };
+        assert!(smp_partition::passes::fuse::apply(&mut unfused.clone(), &half).is_err(), "{what}: the half form");
+        let swapped = smp_partition::ir::Fusion { inputs: vec![f.inputs[0], f.inputs[2], f.inputs[1]], ..f.clone() };
+        assert!(smp_partition::passes::fuse::apply(&mut unfused.clone(), &swapped).is_err(), "{what}: cos and sin swapped");
+        for (kind, tol) in [(Kind::Double, 1e-12), (Kind::Float, 1e-6)] {
+            let a = run_with_input_grads(&unfused, kind);
+            let b = run_with_input_grads(&g, kind);
+            assert_eq!(a.len(), 4);
+            for (i, (x, y)) in b.iter().zip(&a).enumerate() {
+                assert_eq!(x.size(), y.size(), "{what}: tensor {i}");
+                let d = rel(x, y);
+                assert!(d <= tol, "{what} {kind:?}: tensor {i} (output, then x, cos, sin's gradients) differs by {d:.2e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn near_misses_of_the_complex_product_are_left_alone() {
+    for (what, how) in [
+        ("re = b·s − a·c", Complex { sub_reversed: true, ..Default::default() }),
+        ("im = a·c + b·s", Complex { im_wrong: true, ..Default::default() }),
+        ("the parts swapped", Complex { gathers_swapped: true, ..Default::default() }),
+        ("im stacked first", Complex { im_first: true, ..Default::default() }),
+    ] {
+        let unfused = complex_rotary(how);
+        let mut g = unfused.clone();
+        let records = fuse(&mut g);
+        assert!(records.is_empty(), "{what}: fused {records:?}");
+        // each near miss computes something else than the fused product
+        let mut fused = complex_rotary(Complex::default());
+        fuse(&mut fused);
+        let (a, b) = (run_with_input_grads(&unfused, Kind::Double), run_with_input_grads(&fused, Kind::Double));
+        assert!(rel(&a[0], &b[0]) > 1e-3, "{what}");
+    }
+    // the real part read outside the chain
+    let mut g = complex_rotary(Complex::default());
+    let re = g.value_ids().find(|&v| g.value(v).producer.is_some_and(|p| g.node(p).op.is(OpKind::Sub))).unwrap();
+    g.outputs.push(re);
+    assert!(fuse(&mut g).is_empty(), "the real part is a graph output");
+}
+
+#[test]
+fn apply_rotary_reads_tables_of_one_angle_per_pair_as_widened_ones() {
+    // ApplyRotary(x, c, s) with [.., 4] tables = ApplyRotary(x, C, S), C and S each angle
+    // repeated for its pair (interleaved) or for both halves: forward and every input's gradient
+    let graph = |interleaved: bool, widen: bool| {
+        let mut a = Attn { g: Graph::new("rotary"), n: 0 };
+        a.g.opsets.insert(String::new(), 18);
+        let x = a.input("x", DType::F32, &Q);
+        let cos = a.input("cos", DType::F32, &[2, 1, 5, 4]);
+        let sin = a.input("sin", DType::F32, &[2, 1, 5, 4]);
+        let mut tables = [cos, sin];
+        if widen {
+            for t in &mut tables {
+                let axis = [("axis", smp_partition::ir::Attr::Int(-1))];
+                *t = if interleaved {
+                    let m1 = ints(&mut a, &[-1]);
+                    let u = a.f(OpKind::Unsqueeze, &[*t, m1], &[2, 1, 5, 4, 1]);
+                    let st = a.op(OpKind::Concat, &[u, u], &axis, DType::F32, &[2, 1, 5, 4, 2]);
+                    let sh = ints(&mut a, &[2, 1, 5, 8]);
+                    a.f(OpKind::Reshape, &[st, sh], &[2, 1, 5, 8])
+                } else {
+                    a.op(OpKind::Concat, &[*t, *t], &axis, DType::F32, &[2, 1, 5, 8])
+                };
+            }
+        }
+        let attrs = [("interleaved", smp_partition::ir::Attr::Int(interleaved as i64))];
+        let y = a.op(OpKind::ApplyRotary, &[x, tables[0], tables[1]], &attrs, DType::F32, &Q);
+        a.finish(y)
+    };
+    for interleaved in [true, false] {
+        let (want, got) = (run_with_input_grads(&graph(interleaved, true), Kind::Double), run_with_input_grads(&graph(interleaved, false), Kind::Double));
+        assert_eq!(want.len(), 4);
+        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert_eq!(w.size(), g.size(), "interleaved {interleaved}: tensor {i}");
+            assert!(rel(w, g) <= 1e-12, "interleaved {interleaved}: tensor {i} (output, then x, cos, sin's gradients): {:.2e}", rel(w, g));
+        }
+    }
+}

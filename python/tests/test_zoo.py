@@ -42,8 +42,9 @@ PLANS = {"pp2": {"pipeline_parallel_degree": 2, "microbatches": 2}, "tp2": {"ten
 # context parallelism splits tokens: only for models whose loss is a sum over tokens
 TOKEN_PLANS = {"cp2": {"context_parallel_degree": 2}}
 # rotary embeddings each plan runs fused (q's and k's in each of the 2 blocks): the half
-# rotation (Llama, Qwen, Phi's and GPT-NeoX's partial rotary) and GPT-J's interleaved one
-ROTARY = {"llama": 4, "qwen3": 4, "qwen3_moe": 4, "phi": 4, "gpt_neox": 4, "gptj": 4}
+# rotation (Llama, Qwen, Phi's and GPT-NeoX's partial rotary), GPT-J's interleaved one and
+# Llama 4's complex product (exported in real arithmetic)
+ROTARY = {"llama": 4, "qwen3": 4, "qwen3_moe": 4, "phi": 4, "gpt_neox": 4, "gptj": 4, "llama4": 4}
 # expert parallelism: the routed experts split over 2 ranks (pp 2 × ep 2 on 4)
 EXPERT_PLANS = {"ep2": {"expert_parallel_degree": 2},
                 "pp2-ep2": {"pipeline_parallel_degree": 2, "microbatches": 2, "expert_parallel_degree": 2}}

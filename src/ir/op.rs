@@ -75,10 +75,12 @@ op_kinds! {
     /// The elementwise half of a gated MLP (SwiGLU), inputs `(gate, up)` broadcast together:
     /// `silu(gate) ⊙ up` = `gate·σ(gate)·up`, run as libtorch's `silu` and one multiply.
     SwiGlu,
-    /// Rotary position embedding with whole-width tables, inputs `(x, cos, sin)` broadcast
-    /// together (`x` `[.., d]`, `d` even): `x·cos + rot(x)·sin`, where `rot` is the half
-    /// rotation `[−x₂, x₁]` of `x`'s two halves, or with attribute `interleaved` 1 (ONNX's
-    /// name) the pairwise one `[−x₁, x₀, −x₃, x₂, …]`. Mixes along the last axis only.
+    /// Rotary position embedding, inputs `(x, cos, sin)` broadcast together (`x` `[.., d]`,
+    /// `d` even): `x·cos + rot(x)·sin`, where `rot` is the half rotation `[−x₂, x₁]` of `x`'s
+    /// two halves, or with attribute `interleaved` 1 (ONNX's name) the pairwise one
+    /// `[−x₁, x₀, −x₃, x₂, …]`. Tables whose last axis is `d/2` hold one angle per pair
+    /// (interleaved: each repeated for both members of its pair; half rotation: for both
+    /// halves). Mixes along the last axis only.
     ApplyRotary,
 }
 

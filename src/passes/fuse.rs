@@ -77,10 +77,15 @@
 //!   or with both halves cut by one `Split` (`torch.chunk`);
 //! - the pairwise one (GPT-J's `rotate_every_two`, attribute `interleaved`):
 //!   `Reshape(Concat(Unsqueeze(Neg(Slice(x, 1::2)), -1), Unsqueeze(Slice(x, 0::2), -1), -1))`
-//!   back to `x`'s shape.
+//!   back to `x`'s shape;
+//! - the complex product (Llama 4's and DeepSeek-V2's `view_as_complex(x) · e^{iθ}`, which the
+//!   front door exports in real arithmetic): with `a, b = Gather(Reshape(x, [.., d/2, 2]), 0 | 1,
+//!   axis −1)`, `Reshape(Concat(Unsqueeze(a·c − b·s, −1), Unsqueeze(a·s + b·c, −1), −1))` back
+//!   to `x`'s shape. That is the pairwise rotation with tables of one angle per pair (`c`, `s`
+//!   broadcast to `[.., d/2]`), which `ApplyRotary` reads as they are.
 //!
-//! `cos` and `sin` broadcast to `x` (none longer than it along any axis) and the output has
-//! `x`'s shape. A partial rotary (Phi, GPT-NeoX, GPT-J: the first channels rotated, the rest
+//! `cos` and `sin` broadcast to `x` (none longer than it along any axis; in the complex product,
+//! to `x` with its last axis halved) and the output has `x`'s shape. A partial rotary (Phi, GPT-NeoX, GPT-J: the first channels rotated, the rest
 //! concatenated back unchanged) fuses where `x` is the rotated slice: the slice and the concat
 //! around it stay nodes of their own. The op's record is checked by matching the chain again.
 //!
@@ -189,7 +194,7 @@ fn fuse_sweep(graph: &mut Graph, late: bool, out: &mut Vec<Fusion>) {
                 output: output(),
                 replaces: e.nodes,
             }),
-            (false, OpKind::Add) => m.rotary(id).map(|r| Fusion {
+            (false, OpKind::Add | OpKind::Reshape) => m.rotary(id).map(|r| Fusion {
                 node: id,
                 op: FusedOp::Rotary { interleaved: r.interleaved },
                 inputs: r.inputs.to_vec(),
@@ -1251,9 +1256,12 @@ impl Matcher<'_> {
     }
 
     /// `id` = Add(Mul(x, cos), Mul(rot(x), sin)) as the module docs list it, in any operand
-    /// order.
+    /// order, or the complex product ending in the `Reshape` `id`.
     fn rotary(&self, id: NodeId) -> Option<RotaryMatch> {
         use OpKind::*;
+        if self.g.node(id).op.is(Reshape) {
+            return self.complex_rotary(id);
+        }
         let (a, b) = self.pair(id)?;
         let out = self.g.node(id).outputs.first().copied()?;
         for (plain, rotated) in [(a, b), (b, a)] {
@@ -1284,6 +1292,90 @@ impl Matcher<'_> {
     fn broadcasts_to(&self, t: ValueId, x: ValueId) -> bool {
         let (Some(td), Some(xd)) = (self.dims(t), self.dims(x)) else { return false };
         td.len() <= xd.len() && td.iter().rev().zip(xd.iter().rev()).all(|(a, b)| a == b || a.known() == Some(1))
+    }
+
+    /// `id` = the complex product `view_as_real(view_as_complex(x) · (cos + i·sin))` flattened
+    /// back to `x`'s shape, in real arithmetic (the module docs' third form): the pairwise
+    /// rotation with tables of one angle per pair.
+    fn complex_rotary(&self, id: NodeId) -> Option<RotaryMatch> {
+        use OpKind::*;
+        let out = self.g.node(id).outputs.first().copied()?;
+        let stacked = self.g.node(id).inputs.first().copied().flatten()?;
+        let cat = self.inner(stacked, Concat)?;
+        let [Some(u_re), Some(u_im)] = self.g.node(cat).inputs[..] else { return None };
+        let (un_re, un_im) = (self.inner(u_re, Unsqueeze)?, self.inner(u_im, Unsqueeze)?);
+        let re = self.g.node(un_re).inputs.first().copied().flatten()?;
+        let im = self.g.node(un_im).inputs.first().copied().flatten()?;
+        // re = a·c − b·s
+        let sub = self.inner(re, Sub)?;
+        let (ac, bs) = self.pair(sub)?;
+        let (m_ac, m_bs) = (self.inner(ac, Mul)?, self.inner(bs, Mul)?);
+        let (parts, gathers, x, reshape) = self.complex_parts(m_ac, m_bs)?;
+        let [(a, c), (b, s)] = parts;
+        // im = a·s + b·c, in any order
+        let add = self.inner(im, Add)?;
+        let (p, q) = self.pair(add)?;
+        let (m_p, m_q) = (self.inner(p, Mul)?, self.inner(q, Mul)?);
+        let is = |m: NodeId, u: ValueId, v: ValueId| self.pair(m).is_some_and(|(l, r)| (l, r) == (u, v) || (l, r) == (v, u));
+        let im_ok = (is(m_p, a, s) && is(m_q, b, c)) || (is(m_p, b, c) && is(m_q, a, s));
+        let rank = self.dims(a)?.len();
+        let last_new = |n: NodeId| self.axes_of(n, rank + 1).is_some_and(|ax| ax == [rank]);
+        let axis = self.g.node(cat).attrs.int("axis", 0);
+        let ty = self.dtype(x);
+        let tables_ok = [c, s].iter().all(|&t| t != x && t != a && t != b && self.broadcasts_to(t, a) && self.dtype(t) == ty);
+        let ok = im_ok
+            && c != s
+            && tables_ok
+            && ty.is_some_and(|d| d.is_float())
+            && last_new(un_re)
+            && last_new(un_im)
+            && (axis == -1 || axis == rank as i64)
+            && self.dims(out) == self.dims(x);
+        if !ok {
+            return None;
+        }
+        let mut nodes = vec![id, cat, un_re, un_im, sub, add, m_ac, m_bs, m_p, m_q, gathers[0], gathers[1], reshape];
+        nodes.sort();
+        Some(RotaryMatch { inputs: [x, c, s], interleaved: true, nodes })
+    }
+
+    /// For the products `a·c` and `b·s` of a complex rotary (any operand order), where `a` and
+    /// `b` are the real and imaginary parts of `x` taken pairwise (`Gather` 0 and 1 on the last
+    /// axis of `Reshape(x, [.., d/2, 2])`, each read by two products, the reshape by the two
+    /// gathers only): ([(a, c), (b, s)], the gathers, x, the reshape).
+    #[allow(clippy::type_complexity)]
+    fn complex_parts(&self, m_ac: NodeId, m_bs: NodeId) -> Option<([(ValueId, ValueId); 2], [NodeId; 2], ValueId, NodeId)> {
+        let part = |m: NodeId, index: i64| -> Option<(ValueId, ValueId, NodeId)> {
+            let (l, r) = self.pair(m)?;
+            [(l, r), (r, l)].into_iter().find_map(|(p, t)| {
+                let g = self.made_by(p, OpKind::Gather)?;
+                let idx = self.g.node(g).inputs.get(1).copied().flatten()?;
+                let scalar = self.g.value(idx).data.as_ref().is_some_and(|d| d.dims.is_empty());
+                (self.uses[p.index()] == 2 && scalar && self.const_ints(g, 1)? == [index]).then_some((p, t, g))
+            })
+        };
+        let (a, c, ga) = part(m_ac, 0)?;
+        let (b, s, gb) = part(m_bs, 1)?;
+        let v = self.g.node(ga).inputs.first().copied().flatten()?;
+        if self.g.node(gb).inputs.first().copied().flatten()? != v || self.uses[v.index()] != 2 {
+            return None;
+        }
+        let reshape = self.made_by(v, OpKind::Reshape)?;
+        let x = self.g.node(reshape).inputs.first().copied().flatten()?;
+        let (xd, vd, ad) = (self.dims(x)?, self.dims(v)?, self.dims(a)?);
+        let d = self.last_dim(x)?;
+        let rank = xd.len();
+        let axis_last = |g: NodeId| {
+            let ax = self.g.node(g).attrs.int("axis", 0);
+            ax == -1 || ax == rank as i64
+        };
+        let pairs = vd.len() == rank + 1
+            && vd[..rank - 1] == xd[..rank - 1]
+            && vd[rank - 1].known() == Some(d / 2)
+            && vd[rank].known() == Some(2)
+            && ad == &vd[..rank]
+            && self.dims(b) == Some(ad);
+        (pairs && axis_last(ga) && axis_last(gb)).then_some(([(a, c), (b, s)], [ga, gb], x, reshape))
     }
 
     /// `r` = rot(x) in one of the module docs' two forms: (x, whether pairwise, its nodes).

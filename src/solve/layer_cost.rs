@@ -950,7 +950,8 @@ impl<'a> CostContext<'a> {
             // scheme: with grouped-query attention K/V are a small fraction of the tokens'
             // activations, and every rank then attends its front and back chunks to the whole
             // sequence); the backward gathers them again and reduce-scatters their gradients.
-            // Attention needs the gathered K/V before it starts, so nothing hides the transfers.
+            // Priced exposed: the runner overlaps them with the queries' projection and rotary
+            // (forward) and their backward, which this does not count (an upper bound).
             let kv = att.kv_bytes * b / t;
             let gather = self.comm.all_gather(kv, &cfg.cp_group);
             let scatter = self.comm.reduce_scatter(kv, &cfg.cp_group);

@@ -163,6 +163,30 @@ pub(super) fn arithmetic(cx: &Ctx, kind: OpKind) -> Outs {
     one(elementwise(cx, &idx, cx.dtype(0), f)?)
 }
 
+/// `ApplyRotary(x, cos, sin)`: the three broadcast, in x's type; a table whose last axis is
+/// half x's (one angle per pair) counts as x's width.
+pub(super) fn apply_rotary(cx: &Ctx) -> Outs {
+    let d = cx.shape(0).and_then(|s| s.last().copied());
+    let mut shape = cx.shape(0).map(<[i64]>::to_vec);
+    for i in [1, 2] {
+        let Some(mut t) = cx.shape(i).map(<[i64]>::to_vec) else {
+            shape = None;
+            continue;
+        };
+        if let (Some(d), Some(last)) = (d, t.last_mut())
+            && d % 2 == 0
+            && *last * 2 == d
+        {
+            *last = d;
+        }
+        shape = match shape {
+            Some(s) => Some(broadcast(&s, &t)?),
+            None => None,
+        };
+    }
+    one((cx.dtype(0).map(|dtype| Ty { dtype, shape }), None))
+}
+
 /// Comparisons and logic: bool over the two broadcast inputs.
 pub(super) fn compare(cx: &Ctx, kind: OpKind) -> Outs {
     use OpKind::*;

@@ -152,7 +152,8 @@ fn infer_node(cx: &Ctx, dims: &BTreeMap<String, i64>) -> Outs {
         | Sin | Cos | Floor | Ceil | Round | Softplus | LeakyRelu | Elu | Gelu | HardSigmoid | HardSwish
         | Clip => elementwise::unary(cx, kind),
         Cast | CastLike => elementwise::cast(cx, kind),
-        Add | Sub | Mul | Div | Mod | Pow | Max | Min | Sum | Mean | SwiGlu | ApplyRotary => elementwise::arithmetic(cx, kind),
+        Add | Sub | Mul | Div | Mod | Pow | Max | Min | Sum | Mean | SwiGlu => elementwise::arithmetic(cx, kind),
+        ApplyRotary => elementwise::apply_rotary(cx),
         Equal | Less | LessOrEqual | Greater | GreaterOrEqual | And | Or | Xor => elementwise::compare(cx, kind),
         Where => elementwise::where_(cx),
         MatMul => matmul::matmul(cx),

@@ -37,6 +37,9 @@ unsafe extern "C" {
     pub fn smp_c10d_copy_to_tensor_region(g: *mut c_void, x: *mut C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
     pub fn smp_c10d_gather_along_axis(g: *mut c_void, x: *mut C_tensor, axis: i64, out: *mut *mut C_tensor) -> *mut c_char;
     pub fn smp_c10d_context_gather(g: *mut c_void, x: *mut C_tensor, axis: i64, out: *mut *mut C_tensor) -> *mut c_char;
+    pub fn smp_c10d_context_gather_start(g: *mut c_void, x: *mut C_tensor, axis: i64, pending: *mut *mut c_void) -> *mut c_char;
+    pub fn smp_c10d_context_gather_finish(pending: *mut c_void, out: *mut *mut C_tensor) -> *mut c_char;
+    pub fn smp_c10d_pending_gather_free(pending: *mut c_void);
     pub fn smp_c10d_reduce_scatter_along_axis(g: *mut c_void, x: *mut C_tensor, axis: i64, out: *mut *mut C_tensor) -> *mut c_char;
     pub fn smp_c10d_all_to_all_rows(g: *mut c_void, x: *mut C_tensor, send: *const i64, recv: *const i64, n: i64, out: *mut *mut C_tensor) -> *mut c_char;
     pub fn smp_c10d_scatter_along_axis(g: *mut c_void, x: *mut C_tensor, axis: i64, out: *mut *mut C_tensor) -> *mut c_char;

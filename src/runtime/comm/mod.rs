@@ -284,6 +284,37 @@ impl Drop for Work {
     }
 }
 
+/// A context all-gather in flight ([`ProcessGroup::context_gather_start`]).
+pub struct PendingGather {
+    raw: *mut c_void,
+}
+
+impl PendingGather {
+    /// Waits for the gather (or the group's timeout); the members' tensors concatenated along
+    /// the axis, in group order, connected to the input for autograd.
+    pub fn finish(mut self) -> Result<Tensor, DistError> {
+        let p = std::mem::replace(&mut self.raw, std::ptr::null_mut());
+        let mut out: *mut torch_sys::C_tensor = std::ptr::null_mut();
+        // SAFETY: p is a live pending gather; the shim frees it whatever happens.
+        let err = unsafe { ffi::smp_c10d_context_gather_finish(p, &mut out) };
+        check("context_gather", err)?;
+        if out.is_null() {
+            return Err(DistError::Usage("context_gather: no tensor returned".into()));
+        }
+        // SAFETY: the shim returned a heap at::Tensor that tch now owns.
+        Ok(unsafe { Tensor::from_ptr(out) })
+    }
+}
+
+impl Drop for PendingGather {
+    fn drop(&mut self) {
+        if !self.raw.is_null() {
+            // SAFETY: created by the shim and not finished: freed once.
+            unsafe { ffi::smp_c10d_pending_gather_free(self.raw) }
+        }
+    }
+}
+
 impl ProcessGroup {
     /// Joins the group of `members` (global ranks; every member calls this with the same list)
     /// as global rank `me`. All members must create their groups in the same order.
@@ -473,6 +504,21 @@ impl ProcessGroup {
     pub fn context_gather(&self, x: &Tensor, axis: i64) -> Result<Tensor, DistError> {
         // SAFETY: as above.
         self.autograd_call("context_gather", |o| unsafe { ffi::smp_c10d_context_gather(self.raw, raw(x), axis, o) })
+    }
+
+    /// [`ProcessGroup::context_gather`] posted without waiting: the all-gather travels while
+    /// the caller computes; [`PendingGather::finish`] waits and gives the result. Its backward
+    /// likewise posts the reduce-scatter and waits only where autograd reaches `x`'s side of
+    /// the gather, after the backward of what ran while the gather travelled.
+    pub fn context_gather_start(&self, x: &Tensor, axis: i64) -> Result<PendingGather, DistError> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: live group and tensor; the pending gather keeps what it needs alive.
+        let err = unsafe { ffi::smp_c10d_context_gather_start(self.raw, raw(x), axis, &mut p) };
+        self.checked("context_gather", err)?;
+        if p.is_null() {
+            return Err(DistError::Usage("context_gather: no pending gather returned".into()));
+        }
+        Ok(PendingGather { raw: p })
     }
 
     /// Sequence parallelism's reduce-scatter: the sum of `x` over the group, this member

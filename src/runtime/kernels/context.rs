@@ -4,7 +4,7 @@
 use tch::Tensor;
 
 use crate::split::context::{gathered_order, local_positions};
-use crate::runtime::comm::ProcessGroup;
+use crate::runtime::comm::{PendingGather, ProcessGroup};
 
 /// This rank's place in its context group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,6 +74,43 @@ pub fn gather(pg: &ProcessGroup, x: &Tensor, axis: usize, blocks: Blocks) -> Res
 /// each viewed token-major, concatenated, gathered once, put back in one-process order and
 /// split again. The tensors must share a kind.
 pub fn gather_many(pg: &ProcessGroup, xs: &[(Tensor, usize, Blocks)]) -> Result<Vec<Tensor>, String> {
+    let (rows, layout) = token_rows(pg, xs)?;
+    let all = pg.context_gather(&rows, 0).map_err(|e| e.to_string())?;
+    layout.split(pg, all)
+}
+
+/// [`gather_many`] posted without waiting: the collective travels while the caller computes;
+/// [`PendingMany::finish`] waits and gives the gathered tensors.
+pub fn gather_many_start<'a>(pg: &'a ProcessGroup, xs: &[(Tensor, usize, Blocks)]) -> Result<PendingMany<'a>, String> {
+    let (rows, layout) = token_rows(pg, xs)?;
+    let pending = pg.context_gather_start(&rows, 0).map_err(|e| e.to_string())?;
+    Ok(PendingMany { pg, pending, layout })
+}
+
+/// A [`gather_many_start`] in flight.
+pub struct PendingMany<'a> {
+    pg: &'a ProcessGroup,
+    pending: PendingGather,
+    layout: RowLayout,
+}
+
+impl PendingMany<'_> {
+    /// Waits for the gather; the whole tensors, in the order given to [`gather_many_start`].
+    pub fn finish(self) -> Result<Vec<Tensor>, String> {
+        let all = self.pending.finish().map_err(|e| e.to_string())?;
+        self.layout.split(self.pg, all)
+    }
+}
+
+/// How [`token_rows`] laid tensors side by side: each one's width in the rows, its shape, its
+/// token axis and its `[before, outer, after]` blocked view.
+struct RowLayout {
+    widths: Vec<i64>,
+    shapes: Vec<(Vec<i64>, usize, [i64; 3])>,
+}
+
+/// The tensors of `xs` viewed token-major (`[tokens, rest]`) and concatenated along the rest.
+fn token_rows(pg: &ProcessGroup, xs: &[(Tensor, usize, Blocks)]) -> Result<(Tensor, RowLayout), String> {
     let e = |e: tch::TchError| e.to_string();
     let mut rows = Vec::with_capacity(xs.len());
     let mut shapes = Vec::with_capacity(xs.len());
@@ -86,20 +123,27 @@ pub fn gather_many(pg: &ProcessGroup, xs: &[(Tensor, usize, Blocks)]) -> Result<
         shapes.push((size, *axis, [before, outer, after]));
     }
     let widths: Vec<i64> = rows.iter().map(|r| r.size()[1]).collect();
-    let all = pg.context_gather(&Tensor::f_cat(&rows, 1).map_err(e)?, 0).map_err(|e| e.to_string())?;
-    let seq = all.size()[0];
-    let idx = Tensor::from_slice(&gathered_order(seq, pg.size())).to_device(all.device());
-    let all = all.f_index_select(0, &idx).map_err(e)?;
-    let parts = all.f_split_with_sizes(&widths, 1).map_err(e)?;
-    parts
-        .into_iter()
-        .zip(shapes)
-        .map(|(p, (mut size, axis, [before, outer, after]))| {
-            let v = p.f_reshape([seq, before, outer, after]).map_err(e)?.f_permute([1, 2, 0, 3]).map_err(e)?;
-            size[axis] = outer * seq;
-            v.f_reshape(size.as_slice()).map_err(e)
-        })
-        .collect()
+    Ok((Tensor::f_cat(&rows, 1).map_err(e)?, RowLayout { widths, shapes }))
+}
+
+impl RowLayout {
+    /// The gathered rows `all` put back in one-process order and split into whole tensors.
+    fn split(self, pg: &ProcessGroup, all: Tensor) -> Result<Vec<Tensor>, String> {
+        let e = |e: tch::TchError| e.to_string();
+        let seq = all.size()[0];
+        let idx = Tensor::from_slice(&gathered_order(seq, pg.size())).to_device(all.device());
+        let all = all.f_index_select(0, &idx).map_err(e)?;
+        let parts = all.f_split_with_sizes(&self.widths, 1).map_err(e)?;
+        parts
+            .into_iter()
+            .zip(self.shapes)
+            .map(|(p, (mut size, axis, [before, outer, after]))| {
+                let v = p.f_reshape([seq, before, outer, after]).map_err(e)?.f_permute([1, 2, 0, 3]).map_err(e)?;
+                size[axis] = outer * seq;
+                v.f_reshape(size.as_slice()).map_err(e)
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]

@@ -372,6 +372,7 @@ impl<'g> Executor<'g> {
     ) -> Result<HashMap<ValueId, Tensor>, RuntimeError> {
         let graph = self.graph;
         let nodes: Vec<NodeId> = nodes.iter().copied().filter(|n| self.live.get(n.index()).copied().unwrap_or(true)).collect();
+        let (nodes, batches) = gather_schedule(graph, &nodes, |n| self.context_gather_input(graph.node(n)));
         let mut last: HashMap<ValueId, usize> = HashMap::new();
         for (pos, &id) in nodes.iter().enumerate() {
             for v in graph.node(id).inputs.iter().flatten() {
@@ -385,31 +386,45 @@ impl<'g> Executor<'g> {
         let fetch = |live: &HashMap<ValueId, Tensor>, v: ValueId| -> Option<Tensor> {
             live.get(&v).or_else(|| feeds.get(&v)).or_else(|| self.weights.get(&v)).map(Tensor::shallow_clone)
         };
-        // context all-gathers run with every later one whose input is ready (keys and values)
-        let mut gathered: HashMap<NodeId, Tensor> = HashMap::new();
-        for (pos, &id) in nodes.iter().enumerate() {
-            let node = graph.node(id);
-            let outs = match gathered.remove(&id) {
-                Some(t) => vec![t],
-                None if self.context_gather_input(node).is_some() => {
-                    let kind = self.context_gather_input(node).and_then(|v| fetch(&live, v)).map(|t| t.kind());
-                    let ready: Vec<NodeId> = std::iter::once(id)
-                        .chain(nodes[pos + 1..].iter().copied().filter(|&n| {
-                            let x = self.context_gather_input(graph.node(n)).and_then(|v| fetch(&live, v));
-                            x.is_some_and(|t| Some(t.kind()) == kind)
-                        }))
-                        .collect();
-                    let mut got = self.gather_together(&ready, |v| fetch(&live, v))?;
-                    for (n, t) in ready[1..].iter().zip(got.drain(1..)) {
-                        gathered.insert(*n, t);
-                    }
-                    got
-                }
-                None => self.step(node, |v| fetch(&live, v))?,
-            };
-            for (&v, t) in node.outputs.iter().zip(outs) {
+        // context all-gathers in flight, and which of them makes each gathered value
+        let mut flying: Vec<Option<(Vec<NodeId>, super::context::PendingMany<'_>)>> = Vec::new();
+        let mut landing: HashMap<ValueId, usize> = HashMap::new();
+        let land = |i: usize, flying: &mut Vec<Option<(Vec<NodeId>, super::context::PendingMany<'_>)>>, live: &mut HashMap<ValueId, Tensor>| -> Result<(), RuntimeError> {
+            let Some((members, pending)) = flying[i].take() else { return Ok(()) };
+            let first = graph.node(members[0]);
+            let got = pending.finish().map_err(|message| RuntimeError::Kernel { node: first.name.clone(), op: first.op.to_string(), message })?;
+            for (&n, t) in members.iter().zip(got) {
+                let v = graph.node(n).outputs[0];
                 if last.contains_key(&v) {
                     live.insert(v, t);
+                }
+            }
+            Ok(())
+        };
+        for (pos, &id) in nodes.iter().enumerate() {
+            let node = graph.node(id);
+            for v in node.inputs.iter().flatten() {
+                if let Some(i) = landing.remove(v) {
+                    land(i, &mut flying, &mut live)?;
+                }
+            }
+            if self.context_gather_input(node).is_some() {
+                // posted with its batch (at the batch's first node), landed where first read
+                if let Some(batch) = batches.get(&id) {
+                    for members in self.by_kind(batch, |v| fetch(&live, v)) {
+                        let pending = self.gather_start(&members, |v| fetch(&live, v))?;
+                        for &n in &members {
+                            landing.insert(graph.node(n).outputs[0], flying.len());
+                        }
+                        flying.push(Some((members, pending)));
+                    }
+                }
+            } else {
+                let outs = self.step(node, |v| fetch(&live, v))?;
+                for (&v, t) in node.outputs.iter().zip(outs) {
+                    if last.contains_key(&v) {
+                        live.insert(v, t);
+                    }
                 }
             }
             for v in node.inputs.iter().flatten() {
@@ -417,6 +432,9 @@ impl<'g> Executor<'g> {
                     live.remove(v);
                 }
             }
+        }
+        for i in 0..flying.len() {
+            land(i, &mut flying, &mut live)?;
         }
         keep.iter()
             .map(|&v| {
@@ -429,6 +447,20 @@ impl<'g> Executor<'g> {
             .collect()
     }
 
+    /// `batch`'s gathers grouped by their input's kind (one collective per kind), each group in
+    /// batch order; groups in the order of their first member.
+    fn by_kind(&self, batch: &[NodeId], fetch: impl Fn(ValueId) -> Option<Tensor>) -> Vec<Vec<NodeId>> {
+        let mut groups: Vec<(Option<Kind>, Vec<NodeId>)> = Vec::new();
+        for &n in batch {
+            let kind = self.context_gather_input(self.graph.node(n)).and_then(&fetch).map(|t| t.kind());
+            match groups.iter_mut().find(|(k, _)| *k == kind) {
+                Some((_, g)) => g.push(n),
+                None => groups.push((kind, vec![n])),
+            }
+        }
+        groups.into_iter().map(|(_, g)| g).collect()
+    }
+
     /// The input of a context-parallel all-gather node, when this run has a context group.
     fn context_gather_input(&self, node: &Node) -> Option<ValueId> {
         self.context.get()?;
@@ -438,8 +470,8 @@ impl<'g> Executor<'g> {
         }
     }
 
-    /// The context all-gathers `nodes` as one collective; their outputs, in order.
-    fn gather_together(&self, nodes: &[NodeId], fetch: impl Fn(ValueId) -> Option<Tensor>) -> Result<Vec<Tensor>, RuntimeError> {
+    /// Posts the context all-gathers `nodes` as one collective.
+    fn gather_start(&self, nodes: &[NodeId], fetch: impl Fn(ValueId) -> Option<Tensor>) -> Result<super::context::PendingMany<'_>, RuntimeError> {
         let first = self.graph.node(nodes[0]);
         let kerr = |message: String| RuntimeError::Kernel { node: first.name.clone(), op: first.op.to_string(), message };
         let (pg, _) = self.context.get().ok_or_else(|| kerr("no context group".into()))?;
@@ -452,7 +484,7 @@ impl<'g> Executor<'g> {
             };
             xs.push((x, axis, super::context::Blocks { outer, seq }));
         }
-        super::context::gather_many(pg, &xs).map_err(kerr)
+        super::context::gather_many_start(pg, &xs).map_err(kerr)
     }
 
     /// Runs the graph on bound inputs; returns the graph outputs in order.
@@ -492,5 +524,108 @@ impl<'g> Executor<'g> {
                 })
             })
             .collect()
+    }
+}
+
+/// The order [`Executor::run_nodes`] runs `nodes` in, and its context all-gathers batched:
+/// each batch keyed by its first gather, with every later gather whose input is made before
+/// that gather (a layer's keys and values: one collective). Each batch is posted as soon as
+/// its inputs exist: the nodes they are computed from move before it and the others of its
+/// stretch (the queries' projection and rotary) after it, so they run while it travels.
+/// Without gathers (`gather_input` gives a gather node's input), `nodes` as given. The same on every rank of
+/// the group (it depends on the node list alone), so the collectives stay in step.
+fn gather_schedule(graph: &Graph, nodes: &[NodeId], gather_input: impl Fn(NodeId) -> Option<ValueId>) -> (Vec<NodeId>, HashMap<NodeId, Vec<NodeId>>) {
+    let gathers: Vec<usize> = (0..nodes.len()).filter(|&i| gather_input(nodes[i]).is_some()).collect();
+    if gathers.is_empty() {
+        return (nodes.to_vec(), HashMap::new());
+    }
+    let made_at: HashMap<ValueId, usize> = nodes.iter().enumerate().flat_map(|(i, &n)| graph.node(n).outputs.iter().map(move |&v| (v, i))).collect();
+    let input_at = |i: usize| gather_input(nodes[i]).and_then(|v| made_at.get(&v).copied());
+    let mut batched = vec![false; nodes.len()];
+    let mut batches: Vec<(usize, Vec<usize>)> = Vec::new();
+    for (k, &g) in gathers.iter().enumerate() {
+        if batched[g] {
+            continue;
+        }
+        let members: Vec<usize> = std::iter::once(g).chain(gathers[k + 1..].iter().copied().filter(|&h| !batched[h] && input_at(h).is_none_or(|p| p < g))).collect();
+        for &m in &members {
+            batched[m] = true;
+        }
+        batches.push((g, members));
+    }
+    let mut placed = vec![false; nodes.len()];
+    let mut order = Vec::with_capacity(nodes.len());
+    let mut from = 0;
+    for (first, members) in &batches {
+        // what the batch's inputs are computed from, within this stretch
+        let mut needed = vec![false; nodes.len()];
+        let mut stack: Vec<usize> = members.iter().filter_map(|&m| input_at(m)).collect();
+        while let Some(i) = stack.pop() {
+            if i < from || placed[i] || needed[i] {
+                continue;
+            }
+            needed[i] = true;
+            stack.extend(graph.node(nodes[i]).inputs.iter().flatten().filter_map(|v| made_at.get(v).copied()));
+        }
+        for i in (from..*first).filter(|&i| needed[i]).chain(members.iter().copied()).chain(from..*first) {
+            if !placed[i] {
+                placed[i] = true;
+                order.push(nodes[i]);
+            }
+        }
+        from = first + 1;
+    }
+    order.extend((from..nodes.len()).filter(|&i| !placed[i]).map(|i| nodes[i]));
+    let keyed = batches.into_iter().map(|(first, members)| (nodes[first], members.into_iter().map(|m| nodes[m]).collect())).collect();
+    (order, keyed)
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::{Attrs, DType, Shape, TensorType};
+
+    /// Adds node `name` (`op`, `order`) reading `ins`; its one output.
+    fn node(g: &mut Graph, name: &str, op: Op, order: u32, ins: &[ValueId]) -> (NodeId, ValueId) {
+        let ty = Some(TensorType { dtype: DType::F32, shape: Some(Shape::from_known(&[2, 4])) });
+        let out = g.add_value(format!("{name}.out"), ValueKind::Intermediate, ty, None).unwrap();
+        let n = Node { name: name.into(), op, attrs: Attrs::default(), inputs: ins.iter().map(|&v| Some(v)).collect(), outputs: vec![out], namespace: None, order };
+        (g.add_node(n).unwrap(), out)
+    }
+
+    #[test]
+    fn a_layers_gathers_are_posted_once_keys_and_values_exist_and_the_queries_run_while_they_travel() {
+        use crate::ir::OpKind::{Neg, Relu, Sum};
+        let mut g = Graph::new("layer");
+        let ty = Some(TensorType { dtype: DType::F32, shape: Some(Shape::from_known(&[2, 4])) });
+        let x = g.add_value("x", ValueKind::Input, ty, None).unwrap();
+        g.inputs.push(x);
+        let gather = Op::Collective { kind: CollectiveKind::TokenGather { axis: 0, outer: 1, seq: 4 }, group: GroupKind::Context };
+        // exported order: q, k, v, k's rotary; the gathers scheduled with the attention
+        let (nq, q) = node(&mut g, "q", Op::Known(Relu), 1, &[x]);
+        let (nk, k) = node(&mut g, "k", Op::Known(Relu), 2, &[x]);
+        let (nv, v) = node(&mut g, "v", Op::Known(Relu), 3, &[x]);
+        let (nqr, qr) = node(&mut g, "q_rot", Op::Known(Neg), 4, &[q]);
+        let (nkr, kr) = node(&mut g, "k_rot", Op::Known(Neg), 5, &[k]);
+        let (gk, kw) = node(&mut g, "gather_k", gather.clone(), 6, &[kr]);
+        let (gv, vw) = node(&mut g, "gather_v", gather.clone(), 6, &[v]);
+        let (att, a) = node(&mut g, "attention", Op::Known(Sum), 6, &[qr, kw, vw]);
+        // the next layer's keys, from the attention's output
+        let (nk2, k2) = node(&mut g, "k2", Op::Known(Relu), 7, &[a]);
+        let (g2, w2) = node(&mut g, "gather_k2", gather, 8, &[k2]);
+        let (att2, _) = node(&mut g, "attention2", Op::Known(Sum), 8, &[w2, a]);
+        let nodes = g.topo_order().unwrap();
+        assert_eq!(nodes, [nq, nk, nv, nqr, nkr, gk, gv, att, nk2, g2, att2]);
+        let input = |n: NodeId| matches!(g.node(n).op, Op::Collective { .. }).then(|| g.node(n).inputs[0].unwrap());
+        let (order, batches) = gather_schedule(&g, &nodes, input);
+        assert_eq!(order, [nk, nv, nkr, gk, gv, nq, nqr, att, nk2, g2, att2], "keys and values first, then the gathers, then the queries");
+        assert_eq!(batches.len(), 2);
+        assert_eq!(batches[&gk], [gk, gv], "a layer's keys and values in one collective");
+        assert_eq!(batches[&g2], [g2]);
+        // without gathers, as given
+        let (same, none) = gather_schedule(&g, &nodes, |_| None);
+        assert_eq!(same, nodes);
+        assert!(none.is_empty());
     }
 }

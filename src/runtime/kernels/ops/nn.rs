@@ -198,20 +198,30 @@ pub(super) fn swiglu(a: &Args) -> KResult<Tensor> {
 }
 
 /// `ApplyRotary(x, cos, sin)` (see [`OpKind::ApplyRotary`](crate::ir::OpKind::ApplyRotary)):
-/// `x·cos + rot(x)·sin`, the products and sum of the exported chain, one `addcmul` for the last.
+/// `x·cos + rot(x)·sin`, the products and sum of the exported chain, one `addcmul` for the last;
+/// tables of one angle per pair widened first.
 pub(super) fn apply_rotary(a: &Args) -> KResult<Tensor> {
     let (x, cos, sin) = (a.x(0)?, a.x(1)?, a.x(2)?);
     let d = x.size().last().copied().unwrap_or(0);
     if d < 2 || d % 2 != 0 {
         bail!("ApplyRotary needs an even last axis of x, it has {d}");
     }
-    let rot = if a.int("interleaved", 0) != 0 {
+    let interleaved = a.int("interleaved", 0) != 0;
+    // tables of one angle per pair, widened to x's last axis (they are small: no heads, no batch)
+    let widen = |t: &Tensor| -> KResult<Tensor> {
+        if d == 2 || t.size().last().copied() != Some(d / 2) {
+            return Ok(t.shallow_clone());
+        }
+        Ok(if interleaved { Tensor::f_stack(&[t, t], -1)?.f_flatten(-2, -1)? } else { Tensor::f_cat(&[t, t], -1)? })
+    };
+    let (cos, sin) = (widen(cos)?, widen(sin)?);
+    let rot = if interleaved {
         let pairs = x.f_unflatten(-1, [d / 2, 2])?;
         Tensor::f_stack(&[pairs.f_select(-1, 1)?.f_neg()?, pairs.f_select(-1, 0)?], -1)?.f_flatten(-2, -1)?
     } else {
         Tensor::f_cat(&[x.f_narrow(-1, d / 2, d / 2)?.f_neg()?, x.f_narrow(-1, 0, d / 2)?], -1)?
     };
-    Ok(x.f_mul(cos)?.f_addcmul(&rot, sin)?)
+    Ok(x.f_mul(&cos)?.f_addcmul(&rot, &sin)?)
 }
 
 /// Reshapes a per-channel vector to broadcast against `[N, C, ...]` of `rank`.
