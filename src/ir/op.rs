@@ -305,11 +305,17 @@ impl Attrs {
     /// A `FLOAT` attribute or `default`, as the decimal its writer meant: ONNX stores f32, so
     /// an exporter's `1e-5` arrives as 9.99999975e-06 and momentum `0.9` as 0.899999976; the
     /// shortest decimal that rounds to the same f32 gives back 1e-5 and 0.9 exactly in f64 (in
-    /// f32 arithmetic both readings are the same number).
+    /// f32 arithmetic both readings are the same number). A one-element tensor (what the fusion
+    /// pass writes: a fused op's constant exactly as the chain it replaces held it) is read as
+    /// it is.
     pub fn real(&self, name: &str, default: f64) -> f64 {
         match self.0.get(name) {
             Some(Attr::Float(v)) => shortest_decimal(*v),
             Some(Attr::Int(v)) => *v as f64,
+            Some(Attr::Tensor(t)) => match t.to_f64_vec().as_deref() {
+                Some(&[v]) => v,
+                _ => default,
+            },
             _ => default,
         }
     }

@@ -367,7 +367,8 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
         FusedOp::RmsNorm { epsilon } => {
             check_rms_norm(graph, f, &ops, epsilon.0).map_err(bad)?;
             attrs.set("axis", Attr::Int(-1));
-            attrs.set("epsilon", Attr::Float(epsilon.0 as f32));
+            // exactly the chain's constant (an f32 attribute would be read as its decimal)
+            attrs.set("epsilon", Attr::Tensor(crate::ir::Tensor::from_f64(vec![], &[epsilon.0])));
             OpKind::RMSNormalization
         }
         FusedOp::SwiGlu => {
