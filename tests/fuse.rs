@@ -891,6 +891,29 @@ fn apply_rotary_computes_both_exported_chains_in_f64_forward_and_backward() {
     }
 }
 
+/// `unfused` fused: one `ApplyRotary(x, cos, sin)` of the form `interleaved`, `nodes` nodes left,
+/// shapes inferred, and the record replayed on `unfused` giving the same graph. The graph and
+/// the record.
+fn fused_to_one_rotary(unfused: &Graph, what: &str, interleaved: bool, nodes: usize) -> (Graph, smp_partition::ir::Fusion) {
+    let mut g = unfused.clone();
+    let records = fuse(&mut g);
+    assert_eq!(records.len(), 1, "{what}: {records:?}");
+    let f = records[0].clone();
+    assert_eq!(f.op, FusedOp::Rotary { interleaved }, "{what}");
+    assert_eq!(Fused::of(&records).rotary, 1);
+    g.verify().unwrap();
+    assert_eq!(g.node_count(), nodes, "{what}: the chain is one node");
+    let node = g.node(f.node);
+    assert!(node.op.is(OpKind::ApplyRotary), "{what}");
+    let names: Vec<&str> = node.inputs.iter().flatten().map(|&v| g.value(v).name.as_str()).collect();
+    assert_eq!(names, ["x", "cos", "sin"], "{what}");
+    passes::shape_infer::infer_shapes(&mut g, &Default::default()).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let mut replayed = unfused.clone();
+    smp_partition::passes::fuse::apply(&mut replayed, &f).unwrap();
+    assert_eq!(format!("{replayed}"), format!("{g}"), "{what}");
+    (g, f)
+}
+
 #[test]
 fn both_rotary_forms_in_any_operand_order_become_one_apply_rotary_computing_the_chain() {
     for (what, rot, interleaved, nodes) in [
@@ -903,23 +926,9 @@ fn both_rotary_forms_in_any_operand_order_become_one_apply_rotary_computing_the_
     ] {
         for swap in [false, true] {
             let unfused = rotary_chain(rot, swap);
-            let mut g = unfused.clone();
-            let records = fuse(&mut g);
-            assert_eq!(records.len(), 1, "{what}, swapped {swap}: {records:?}");
-            let f = &records[0];
-            assert_eq!(f.op, FusedOp::Rotary { interleaved }, "{what}");
-            assert_eq!(Fused::of(&records).rotary, 1);
-            g.verify().unwrap();
-            assert_eq!(g.node_count(), nodes, "{what}: the chain is one node");
-            let node = g.node(f.node);
-            assert!(node.op.is(OpKind::ApplyRotary), "{what}");
-            let names: Vec<&str> = node.inputs.iter().flatten().map(|&v| g.value(v).name.as_str()).collect();
-            assert_eq!(names, ["x", "cos", "sin"], "{what}");
-            passes::shape_infer::infer_shapes(&mut g, &Default::default()).unwrap_or_else(|e| panic!("{what}: {e}"));
-            // the replayed record gives the same graph; the other form's record is refused
-            let mut replayed = unfused.clone();
-            smp_partition::passes::fuse::apply(&mut replayed, f).unwrap();
-            assert_eq!(format!("{replayed}"), format!("{g}"), "{what}");
+            let (g, f) = fused_to_one_rotary(&unfused, &format!("{what}, swapped {swap}"), interleaved, nodes);
+            let f = &f;
+            // the other form's record is refused
             let other = smp_partition::ir::Fusion { op: FusedOp::Rotary { interleaved: !interleaved }, ..f.clone() };
             let err = smp_partition::passes::fuse::apply(&mut unfused.clone(), &other).unwrap_err().to_string();
             // (the half form's record does not read a computed shape at all)
@@ -1154,24 +1163,11 @@ fn the_complex_product_becomes_one_apply_rotary_computing_the_chain_forward_and_
         ("to computed shapes", Complex { computed_shapes: true, ..Default::default() }, 5),
     ] {
         let unfused = complex_rotary(how);
-        let mut g = unfused.clone();
-        let records = fuse(&mut g);
-        assert_eq!(records.len(), 1, "{what}: {records:?}");
-        let f = &records[0];
-        assert_eq!(f.op, FusedOp::Rotary { interleaved: true }, "{what}");
-        g.verify().unwrap();
-        assert_eq!(g.node_count(), nodes, "{what}: the chain is one node");
-        let node = g.node(f.node);
-        assert!(node.op.is(OpKind::ApplyRotary), "{what}");
-        let names: Vec<&str> = node.inputs.iter().flatten().map(|&v| g.value(v).name.as_str()).collect();
-        assert_eq!(names, ["x", "cos", "sin"], "{what}");
-        passes::shape_infer::infer_shapes(&mut g, &Default::default()).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let (g, f) = fused_to_one_rotary(&unfused, what, true, nodes);
+        let f = &f;
         let out = g.outputs[0];
         assert_eq!(g.value(out).ty.as_ref().unwrap().shape, Some(Shape::from_known(&Q)), "{what}");
-        // the replayed record gives the same graph; the half form's record is refused
-        let mut replayed = unfused.clone();
-        smp_partition::passes::fuse::apply(&mut replayed, f).unwrap();
-        assert_eq!(format!("{replayed}"), format!("{g}"), "{what}");
+        // the half form's record is refused
         let half = smp_partition::ir::Fusion { op: FusedOp::Rotary { interleaved: false }, ..f.clone() };
         assert!(smp_partition::passes::fuse::apply(&mut unfused.clone(), &half).is_err(), "{what}: the half form");
         let swapped = smp_partition::ir::Fusion { inputs: vec![f.inputs[0], f.inputs[2], f.inputs[1]], ..f.clone() };
