@@ -914,6 +914,23 @@ fn fused_to_one_rotary(unfused: &Graph, what: &str, interleaved: bool, nodes: us
     (g, f)
 }
 
+/// The record `f` of `unfused` → `g` with cos and sin swapped is refused, and `g` computes what
+/// `unfused` does: output and every input's gradient, f64 within 1e-12, f32 within 1e-6.
+fn rotary_swapped_refused_and_same_as_chain(unfused: &Graph, g: &Graph, f: &smp_partition::ir::Fusion, what: &str) {
+    let swapped = smp_partition::ir::Fusion { inputs: vec![f.inputs[0], f.inputs[2], f.inputs[1]], ..f.clone() };
+    assert!(smp_partition::passes::fuse::apply(&mut unfused.clone(), &swapped).is_err(), "{what}: cos and sin swapped");
+    for (kind, tol) in [(Kind::Double, 1e-12), (Kind::Float, 1e-6)] {
+        let a = run_with_input_grads(unfused, kind);
+        let b = run_with_input_grads(g, kind);
+        assert_eq!(a.len(), 4);
+        for (i, (x, y)) in b.iter().zip(&a).enumerate() {
+            assert_eq!(x.size(), y.size(), "{what}: tensor {i}");
+            let d = rel(x, y);
+            assert!(d <= tol, "{what} {kind:?}: tensor {i} (output, then x, cos, sin's gradients) differs by {d:.2e}");
+        }
+    }
+}
+
 #[test]
 fn both_rotary_forms_in_any_operand_order_become_one_apply_rotary_computing_the_chain() {
     for (what, rot, interleaved, nodes) in [
@@ -933,17 +950,7 @@ fn both_rotary_forms_in_any_operand_order_become_one_apply_rotary_computing_the_
             let err = smp_partition::passes::fuse::apply(&mut unfused.clone(), &other).unwrap_err().to_string();
             // (the half form's record does not read a computed shape at all)
             assert!(err.contains(&format!("`{}`", unfused.node(f.node).name)) && (err.contains("rot(x)") || err.contains("outside it")), "{err}");
-            let swapped = smp_partition::ir::Fusion { inputs: vec![f.inputs[0], f.inputs[2], f.inputs[1]], ..f.clone() };
-            assert!(smp_partition::passes::fuse::apply(&mut unfused.clone(), &swapped).is_err(), "{what}: cos and sin swapped");
-            for (kind, tol) in [(Kind::Double, 1e-12), (Kind::Float, 1e-6)] {
-                let a = run_with_input_grads(&unfused, kind);
-                let b = run_with_input_grads(&g, kind);
-                assert_eq!(a.len(), 4);
-                for (i, (x, y)) in b.iter().zip(&a).enumerate() {
-                    let d = rel(x, y);
-                    assert!(d <= tol, "{what} {kind:?}: tensor {i} (output, then x, cos, sin's gradients) differs by {d:.2e}");
-                }
-            }
+            rotary_swapped_refused_and_same_as_chain(&unfused, &g, f, what);
         }
     }
 }
@@ -1170,18 +1177,7 @@ fn the_complex_product_becomes_one_apply_rotary_computing_the_chain_forward_and_
         // the half form's record is refused
         let half = smp_partition::ir::Fusion { op: FusedOp::Rotary { interleaved: false }, ..f.clone() };
         assert!(smp_partition::passes::fuse::apply(&mut unfused.clone(), &half).is_err(), "{what}: the half form");
-        let swapped = smp_partition::ir::Fusion { inputs: vec![f.inputs[0], f.inputs[2], f.inputs[1]], ..f.clone() };
-        assert!(smp_partition::passes::fuse::apply(&mut unfused.clone(), &swapped).is_err(), "{what}: cos and sin swapped");
-        for (kind, tol) in [(Kind::Double, 1e-12), (Kind::Float, 1e-6)] {
-            let a = run_with_input_grads(&unfused, kind);
-            let b = run_with_input_grads(&g, kind);
-            assert_eq!(a.len(), 4);
-            for (i, (x, y)) in b.iter().zip(&a).enumerate() {
-                assert_eq!(x.size(), y.size(), "{what}: tensor {i}");
-                let d = rel(x, y);
-                assert!(d <= tol, "{what} {kind:?}: tensor {i} (output, then x, cos, sin's gradients) differs by {d:.2e}");
-            }
-        }
+        rotary_swapped_refused_and_same_as_chain(&unfused, &g, f, what);
     }
 }
 
