@@ -52,9 +52,9 @@ op_kinds! {
     Expand, Shape, Size, ConstantOfShape, Range, Flatten, Tile, Pad, Trilu, ScatterND,
     Constant, Dropout,
     // what the exporters emit beside: norms of reductions, einsum, resampling, scatters by
-    // element, one-hot, bit shifts
+    // element, one-hot, bit shifts and bitwise logic (masks built from integer flags)
     ReduceL1, ReduceL2, ReduceLogSumExp, ReduceSumSquare, LpNormalization, Einsum, Resize,
-    GridSample, ScatterElements, OneHot, BitShift,
+    GridSample, ScatterElements, OneHot, BitShift, BitwiseAnd, BitwiseOr, BitwiseXor, BitwiseNot,
     // blocks summed back into an image (`torch.nn.Fold`)
     Col2Im,
     // IR-internal (made by `passes::fuse`, never read from a model file)
@@ -116,7 +116,8 @@ impl OpKind {
                 | Floor | Ceil | Round | Sign | Not | IsNaN | IsInf | Softplus | LeakyRelu | Elu
                 | Gelu | HardSigmoid | HardSwish | Cast | CastLike | Clip | Add | Sub | Mul | Div
                 | Pow | Mod | Max | Min | Sum | Mean | Equal | Less | LessOrEqual | Greater
-                | GreaterOrEqual | And | Or | Xor | Where | BitShift | SwiGlu
+                | GreaterOrEqual | And | Or | Xor | Where | BitShift | BitwiseAnd | BitwiseOr
+                | BitwiseXor | BitwiseNot | SwiGlu
         )
     }
 

@@ -68,7 +68,7 @@ pub fn family(kind: OpKind) -> Family {
         Abs | Neg | Exp | Log | Sqrt | Reciprocal | Tanh | Sigmoid | Relu | Erf | Sin | Cos | Floor | Ceil | Round | Sign | Not | IsNaN
         | IsInf | Softplus | LeakyRelu | Elu | Gelu | HardSigmoid | HardSwish | Identity | Cast | CastLike | Clip | Add | Sub | Mul
         | Div | Pow | Mod | Max | Min | Sum | Mean | Equal | Less | LessOrEqual | Greater | GreaterOrEqual | And | Or | Xor | Where
-        | BitShift | Dropout | SwiGlu
+        | BitShift | BitwiseAnd | BitwiseOr | BitwiseXor | BitwiseNot | Dropout | SwiGlu
         // broadcast like the rest, but mixing along the last axis (elementwise.rs keeps it whole)
         | ApplyRotary => F::Elementwise,
         MatMul | Gemm => F::Matmul,

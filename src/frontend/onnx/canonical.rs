@@ -14,7 +14,8 @@
 //!   `Flatten(axis)` → softmax over the last axis → `Reshape` back to `Shape(x)`;
 //! - every defaulted axis is written out: `axis` of `Softmax`/`LogSoftmax` (−1), `Gather`,
 //!   `GatherElements`, `Split`, `ArgMax`, `ArgMin` (0), `Flatten` (1), `LayerNormalization` and
-//!   `TopK` (−1); and `mode` of `GridSample` (`bilinear` before 20, `linear` from 20).
+//!   `TopK` (−1); and `mode` of `GridSample` (`bilinear` before 20, `linear` from 20);
+//! - `BitwiseNot` of a 16- or 32-bit unsigned value is `BitwiseXor` with the width's ones.
 
 use std::path::Path;
 
@@ -84,6 +85,7 @@ impl Canon<'_> {
                 self.g.node_mut(id).attrs.0.remove("is_test");
             }
             Resize if opset < 11 => self.resize_without_roi(id),
+            BitwiseNot => self.unsigned_not_as_xor(id),
             _ => {}
         }
         match kind {
@@ -114,6 +116,24 @@ impl Canon<'_> {
             attrs.set(name, Attr::Str(value.to_string()));
             self.done.axes_written += 1;
         }
+    }
+
+    /// `BitwiseNot` of a 16- or 32-bit unsigned value is `BitwiseXor` with that width's ones:
+    /// the runner holds those types zero-extended in int64, where a complement would set the
+    /// upper bits too.
+    fn unsigned_not_as_xor(&mut self, id: NodeId) {
+        let x = self.g.node(id).inputs.first().copied().flatten();
+        let dtype = x.and_then(|x| self.g.value(x).ty.as_ref()).map(|t| t.dtype);
+        let ones: Vec<u8> = match dtype {
+            Some(DType::U16) => u16::MAX.to_le_bytes().to_vec(),
+            Some(DType::U32) => u32::MAX.to_le_bytes().to_vec(),
+            _ => return,
+        };
+        let (Some(dtype), name) = (dtype, self.g.node(id).name.clone()) else { return };
+        let mask = self.constant(&format!("{name}.ones"), Tensor { dtype, dims: vec![], storage: Storage::Raw(ones.into()) });
+        self.g.node_mut(id).op = Op::Known(OpKind::BitwiseXor);
+        self.g.set_input(id, 1, Some(mask));
+        self.done.attrs_to_inputs += 1;
     }
 
     /// Resize at opset 10 is `(X, scales)`: from 11 it is `(X, roi, scales, sizes)`.
@@ -318,6 +338,26 @@ mod tests {
         let (mut g, id, _) = graph(OpKind::LogSoftmax, &[], 2);
         assert_eq!(canonicalise(&mut g, 12, Path::new("m.onnx")).unwrap().softmax_rewrites, 0);
         assert_eq!(g.node(id).attrs.int_opt("axis"), Some(-1));
+    }
+
+    #[test]
+    fn a_complement_of_narrow_unsigned_ints_is_a_xor_with_their_ones() {
+        for (dtype, ones) in [(DType::U16, 0xffff), (DType::U32, 0xffff_ffff), (DType::I32, -1)] {
+            let (mut g, id, _) = graph(OpKind::BitwiseNot, &[], 2);
+            let x = g.node(id).inputs[0].unwrap();
+            g.value_mut(x).ty.as_mut().unwrap().dtype = dtype;
+            canonicalise(&mut g, 18, Path::new("m.onnx")).unwrap();
+            let n = g.node(id);
+            if dtype == DType::I32 {
+                // int64 holds a signed value's bits: its complement is the plain one
+                assert!(n.op.is(OpKind::BitwiseNot) && n.inputs.len() == 1, "{dtype:?}");
+                continue;
+            }
+            assert!(n.op.is(OpKind::BitwiseXor), "{dtype:?}");
+            let mask = g.value(n.inputs[1].unwrap()).data.as_ref().unwrap();
+            assert_eq!((mask.dtype, mask.to_i64_vec().unwrap()), (dtype, vec![ones]));
+            g.verify().unwrap();
+        }
     }
 
     #[test]

@@ -112,6 +112,14 @@ pub(super) fn unary(cx: &Ctx, kind: OpKind) -> Outs {
     one(elementwise(cx, &[0], cx.dtype(0), Some(f))?)
 }
 
+/// BitwiseNot: the input's type; integer values evaluated for signed types, whose i64 form
+/// has the same bits (unsigned ones are zero-extended, so their complement is not).
+pub(super) fn bitwise_not(cx: &Ctx) -> Outs {
+    let signed = matches!(cx.dtype(0), Some(DType::I8 | DType::I16 | DType::I32 | DType::I64));
+    let f: Eval = if signed { Some(&|x| !x[0]) } else { None };
+    one(elementwise(cx, &[0], cx.dtype(0), f)?)
+}
+
 /// Cast (to the `to` attribute) and CastLike (to the second input's type).
 pub(super) fn cast(cx: &Ctx, kind: OpKind) -> Outs {
     let to = if kind == OpKind::CastLike {
@@ -157,6 +165,9 @@ pub(super) fn arithmetic(cx: &Ctx, kind: OpKind) -> Outs {
         Max => Some(&|x| x.iter().copied().max().unwrap_or(0)),
         Min => Some(&|x| x.iter().copied().min().unwrap_or(0)),
         Sum => Some(&|x| x.iter().fold(0, |a, &b| a.wrapping_add(b))),
+        BitwiseAnd => Some(&|x| x[0] & x[1]),
+        BitwiseOr => Some(&|x| x[0] | x[1]),
+        BitwiseXor => Some(&|x| x[0] ^ x[1]),
         _ => None,
     };
     let f = if matches!(kind, Add | Sub | Mul | Div | Mod) && n != 2 { None } else { f };

@@ -27,6 +27,7 @@ pub(super) fn unary(kind: OpKind, a: &Args) -> KResult<Tensor> {
         Round => x.f_round()?,
         Sign => x.f_sign()?,
         Not => x.f_logical_not()?,
+        BitwiseNot => x.f_bitwise_not()?,
         IsNaN => x.f_isnan()?,
         IsInf => {
             let neg = a.int("detect_negative", 1) != 0;
@@ -172,6 +173,9 @@ pub(super) fn binary(kind: OpKind, a: &Args) -> KResult<Tensor> {
         And => x.f_logical_and(y)?,
         Or => x.f_logical_or(y)?,
         Xor => x.f_logical_xor(y)?,
+        BitwiseAnd => x.f_bitwise_and_tensor(y)?,
+        BitwiseOr => x.f_bitwise_or_tensor(y)?,
+        BitwiseXor => x.f_bitwise_xor_tensor(y)?,
         _ => bail!("not a binary op"),
     })
 }

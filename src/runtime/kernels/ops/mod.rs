@@ -76,12 +76,12 @@ pub fn run(node: &Node, inputs: &[Option<Tensor>], ctx: &OpContext) -> KResult<V
     match kind {
         Abs | Neg | Exp | Log | Sqrt | Reciprocal | Tanh | Sigmoid | Relu | Erf | Sin | Cos | Floor
         | Ceil | Round | Sign | Not | IsNaN | IsInf | Softplus | LeakyRelu | Elu | Gelu
-        | HardSigmoid | HardSwish | Identity => one(elementwise::unary(kind, &a)),
+        | HardSigmoid | HardSwish | Identity | BitwiseNot => one(elementwise::unary(kind, &a)),
         Cast => one(elementwise::cast(&a)),
         CastLike => one(elementwise::cast_like(&a)),
         Clip => one(elementwise::clip(&a)),
         Add | Sub | Mul | Div | Pow | Mod | Equal | Less | LessOrEqual | Greater | GreaterOrEqual
-        | And | Or | Xor => one(elementwise::binary(kind, &a)),
+        | And | Or | Xor | BitwiseAnd | BitwiseOr | BitwiseXor => one(elementwise::binary(kind, &a)),
         Max | Min | Sum | Mean => one(elementwise::variadic(kind, &a)),
         Where => one(elementwise::where_(&a)),
         MatMul => one(nn::matmul(&a)),
