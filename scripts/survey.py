@@ -87,13 +87,17 @@ def small_config(cfg_cls):
     try:
         cfg = cfg_cls(**kw)
     except Exception as e:  # noqa: BLE001 - configs validate in their own error classes
-        # hybrids whose per-layer pattern is as long as their default depth: two layers of it,
-        # one of each of its first two kinds (a Mamba and an attention layer, say)
         default = getattr(cfg_cls(), "layer_types", None) if "layer_types" in str(e) else None
-        if not default:
+        if "attention_layers" in str(e) and "attention_types" in params:
+            # GPT-Neo's per-layer pattern, [[kinds, repeats]]: one global and one local layer
+            cfg = cfg_cls(**kw, attention_types=[[["global", "local"], 1]])
+        elif default:
+            # hybrids whose per-layer pattern is as long as their default depth: two layers of
+            # it, one of each of its first two kinds (a Mamba and an attention layer, say)
+            other = next((t for t in default if t != default[0]), default[0])
+            cfg = cfg_cls(**kw, layer_types=[default[0], other])
+        else:
             raise
-        other = next((t for t in default if t != default[0]), default[0])
-        cfg = cfg_cls(**kw, layer_types=[default[0], other])
     cfg.num_labels = zoo.CLASSES
     return cfg
 
@@ -104,13 +108,22 @@ def small_model(model_cls):
     default rotary for each of its layer types, as a checkpoint's config would carry."""
     cfg = small_config(model_cls.config_class)
     try:
-        return model_cls(cfg)
+        model = model_cls(cfg)
     except KeyError as e:
         kinds = set(getattr(cfg, "layer_types", None) or [])
         if not e.args or e.args[0] not in kinds:
             raise
         cfg.rope_parameters = {k: {"rope_type": "default", "rope_theta": 10000.0} for k in kinds}
-        return model_cls(cfg)
+        model = model_cls(cfg)
+    except (AssertionError, ValueError) as e:
+        if "is_decoder" not in str(e):  # a causal-LM head on a stack that must be told so
+            raise
+        cfg.is_decoder = True
+        model = model_cls(cfg)
+    # X-MOD's adapters run the language set as the default (its config lists them)
+    if hasattr(model, "set_default_language") and getattr(cfg, "languages", None):
+        model.set_default_language(cfg.languages[0])
+    return model
 
 
 def one(name: str, cls_name: str, task: str) -> dict:

@@ -64,14 +64,16 @@ pub enum CompileError {
     },
     /// The model has ops the runner has no kernel for: refused before planning, since no plan
     /// of it could run.
-    #[error(
-        "{model} has ops the runner cannot execute: {ops}; a plan of it could not run. Re-export the model with ops the runner executes (docs/conformance.md lists them), e.g. with another opset or without custom-domain fusions"
-    )]
+    #[error("{model} has ops the runner cannot execute: {ops}; a plan of it could not run. {fix}")]
     NotExecutable {
         /// The model, as named.
         model: String,
-        /// Each op with its node count and first node (`com.microsoft.FusedMatMul (2 nodes, first `n`)`).
+        /// Each op with its node count, first node and its module (`com.microsoft.FusedMatMul
+        /// (2 nodes, first `n` in module `m`)`).
         ops: String,
+        /// What to do: for ops whose output shape depends on the values, how to write the module
+        /// without them; otherwise re-exporting with ops the runner executes.
+        fix: String,
     },
     /// The options conflict with the cluster or the model.
     #[error(transparent)]
@@ -390,19 +392,38 @@ pub fn estimate<'a>(
 /// Refuses a graph holding ops the IR does not know (kept as placeholders by the importer):
 /// the runner executes every op the IR knows and no other, so no plan of it could run.
 pub fn check_executable(graph: &crate::ir::Graph, model: &str) -> Result<(), CompileError> {
+    // ONNX ops whose output shape is a function of the input values
+    const VALUE_SHAPED: [&str; 4] = ["NonZero", "Unique", "Compress", "NonMaxSuppression"];
     let mut unknown: BTreeMap<String, (usize, String)> = BTreeMap::new();
+    let mut value_shaped: Vec<String> = Vec::new();
     for id in graph.node_ids() {
         let node = graph.node(id);
         if let crate::ir::Op::Placeholder { op_type, domain } = &node.op {
             let name = if domain.is_empty() { op_type.clone() } else { format!("{domain}.{op_type}") };
-            unknown.entry(name).or_insert_with(|| (0, node.name.clone())).0 += 1;
+            if domain.is_empty() && VALUE_SHAPED.contains(&op_type.as_str()) && !value_shaped.contains(&name) {
+                value_shaped.push(name.clone());
+            }
+            let first = || match node.namespace.as_deref().and_then(crate::passes::layers::innermost_module) {
+                Some(m) => format!("`{}` in module `{m}`", node.name),
+                None => format!("`{}`", node.name),
+            };
+            unknown.entry(name).or_insert_with(|| (0, first())).0 += 1;
         }
     }
     if unknown.is_empty() {
         return Ok(());
     }
-    let ops = unknown.iter().map(|(op, (n, first))| format!("{op} ({n} node{}, first `{first}`)", if *n == 1 { "" } else { "s" })).collect::<Vec<_>>().join(", ");
-    Err(CompileError::NotExecutable { model: model.to_string(), ops })
+    let ops = unknown.iter().map(|(op, (n, first))| format!("{op} ({n} node{}, first {first})", if *n == 1 { "" } else { "s" })).collect::<Vec<_>>().join(", ");
+    let fix = if value_shaped.is_empty() {
+        "Re-export the model with ops the runner executes (docs/conformance.md lists them), e.g. with another opset or without custom-domain fusions".to_string()
+    } else {
+        format!(
+            "{} give outputs whose shape depends on the values (boolean indexing, `nonzero()`, `unique()`), and a plan needs every shape before it runs: \
+             write that module with a mask (`torch.where`) or indices of a fixed size instead",
+            value_shaped.join(", ")
+        )
+    };
+    Err(CompileError::NotExecutable { model: model.to_string(), ops, fix })
 }
 
 /// A codegen failure on a plan the solver made: the solver offered what codegen cannot emit.

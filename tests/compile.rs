@@ -141,6 +141,15 @@ fn ops_the_runner_cannot_execute_are_refused_at_plan_time() {
     let e = compile(path.as_path(), &cluster, &opts).unwrap_err();
     assert_eq!(e.stage(), Stage::Analyze);
     let text = e.to_string();
-    let want = format!("com.example.FancySoftmax ({} node{}, first `{}`)", renamed.len(), if renamed.len() == 1 { "" } else { "s" }, renamed[0]);
-    assert!(text.contains("the runner cannot execute") && text.contains(&want), "{text}");
+    let want = format!("com.example.FancySoftmax ({} node{}, first `{}`", renamed.len(), if renamed.len() == 1 { "" } else { "s" }, renamed[0]);
+    assert!(text.contains("the runner cannot execute") && text.contains(&want) && text.contains("Re-export the model"), "{text}");
+
+    // an op whose output shape depends on the values: the fix is in the module, not the export
+    let graph = model.graph.as_mut().unwrap();
+    let node = graph.node.iter_mut().find(|n| n.op_type.as_deref() == Some("Tanh")).expect("a Tanh in GPT-2's GELU");
+    node.op_type = Some("NonZero".into());
+    let path = dir.path().join("nonzero.onnx");
+    std::fs::write(&path, model.encode_to_vec()).unwrap();
+    let text = compile(path.as_path(), &cluster, &opts).unwrap_err().to_string();
+    assert!(text.contains("NonZero (1 node") && text.contains("shape depends on the values") && text.contains("torch.where"), "{text}");
 }

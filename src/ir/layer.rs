@@ -207,6 +207,10 @@ pub struct DimBindings {
     /// Whether a fixed batch is proven rebindable to any microbatch size
     /// (`passes::rebatch`; codegen then rewrites the graph for the plan's microbatches).
     pub batch_rebinds: bool,
+    /// A symbolic batch the graph reads in groups of this many rows (MusicGen's codebooks:
+    /// `reshape(-1, codebooks, seq)`), found when one row does not infer: a microbatch must
+    /// hold a multiple of it. 0 or 1: any number of rows.
+    pub batch_group: i64,
 }
 
 /// A graph with inferred shapes, grouped into layers, with figures.

@@ -82,8 +82,11 @@ pub fn specialise(mut graph: ir::Graph, opts: &AnalyzeOptions) -> Result<(ir::Gr
 
 /// [`specialise`] of a graph whose parameters are decided.
 fn specialise_decided(mut graph: ir::Graph, opts: &AnalyzeOptions) -> Result<(ir::Graph, ir::DimBindings), PassError> {
-    let dims = shape_infer::bind_dims(&graph, opts)?;
-    let info = shape_infer::infer_shapes(&mut graph, &dims)?;
+    let mut dims = shape_infer::bind_dims(&graph, opts)?;
+    let info = match shape_infer::infer_shapes(&mut graph, &dims) {
+        Ok(info) => info,
+        Err(e) => shape_infer::grouped_batch(&mut graph, &mut dims, opts).ok_or(e)?,
+    };
     debug_verify(&graph)?;
     let folded = fold::fold_constants(&mut graph, &dims, &info)?;
     debug_verify(&graph)?;

@@ -157,6 +157,9 @@ impl<'a> Grid<'a> {
             if lg.dims.fixed_batch && !lg.dims.batch_rebinds && b as i64 != lg.dims.graph_batch {
                 continue;
             }
+            if lg.dims.batch_group > 1 && b as i64 % lg.dims.batch_group != 0 {
+                continue;
+            }
             // Dominated: c·d replicas of b/c samples each run the same tokens per rank,
             // microbatches, groups and state without the K/V exchange.
             if cp > 1 && c.cp.is_none() && c.dp.is_none() && b.is_multiple_of(cp) && !lg.dims.fixed_batch {
@@ -242,6 +245,12 @@ impl<'a> Grid<'a> {
                     "; the model's batch is fixed at {} and rebinding it is not proven, so microbatches must hold exactly \
                      {} samples (re-export with a dynamic batch: dynamic_shapes=({{0: torch.export.Dim(\"batch\")}},))",
                     lg.dims.graph_batch, lg.dims.graph_batch
+                )
+            } else if lg.dims.batch_group > 1 {
+                format!(
+                    "; the model reads its batch axis in groups of {g} rows (one row does not reshape), so every microbatch \
+                     must hold a multiple of {g} rows: make the global batch a multiple of {g}·dp·microbatches",
+                    g = lg.dims.batch_group
                 )
             } else {
                 String::new()

@@ -38,8 +38,33 @@ use reduce::reduce_ints;
 
 use super::PassError;
 use crate::ir::{DType, DimBindings, Graph, Op, OpKind, Shape, TensorType, ValueId, ValueKind};
+use super::AnalyzeOptions;
 #[cfg(test)]
-use {super::AnalyzeOptions, crate::ir::Dim};
+use crate::ir::Dim;
+
+/// Most rows a batch group may hold ([`grouped_batch`]).
+pub const MAX_BATCH_GROUP: i64 = 32;
+
+/// Where shapes do not infer at one row of a symbolic batch the user left unbound: the
+/// smallest batch (up to [`MAX_BATCH_GROUP`]) at which they do, bound in `dims` as the graph's
+/// batch and its row group, with the inferred shapes. `None` when none does (the first error
+/// stands). A model that folds rows into groups (codebooks, a fixed number of crops) plans
+/// per row with microbatches a multiple of the group.
+pub fn grouped_batch(graph: &mut Graph, dims: &mut DimBindings, opts: &AnalyzeOptions) -> Option<ShapeInfo> {
+    let sym = dims.batch_symbol.clone().filter(|s| !opts.dims.contains_key(s) && !dims.fixed_batch)?;
+    for rows in 2..=MAX_BATCH_GROUP {
+        let mut tried = dims.clone();
+        tried.values.insert(sym.clone(), rows);
+        if infer(graph, &tried.values, false).is_ok()
+            && let Ok(info) = infer_shapes(graph, &tried)
+        {
+            tracing::debug!(rows, "the batch infers in groups of rows");
+            *dims = DimBindings { graph_batch: rows, batch_group: rows, ..tried };
+            return Some(info);
+        }
+    }
+    None
+}
 
 /// Infers every value's type under `dims`, writes the types of intermediates into the graph
 /// and returns them with the evaluated small integer tensors.
@@ -421,6 +446,38 @@ mod tests {
         let info = infer_shapes(&mut b.g, &dims).unwrap();
         assert_eq!(info.types[y.index()], Some(Ty { dtype: DType::F16, shape: Some(vec![3]) }));
         assert_eq!(info.types[w.index()], None);
+    }
+
+    #[test]
+    fn a_batch_read_in_groups_of_rows_binds_the_smallest_group() {
+        // MusicGen's decoder: `input_ids.reshape(-1, codebooks, seq)` with 4 codebooks
+        let graph = |rows: i64| {
+            let mut b = Builder::new();
+            let x = b.input("x", DType::F32, &["batch", "8"]);
+            let to = b.ints(&[-1, rows, 8]);
+            let y = b.node(OpKind::Reshape, &[x, to], &[]);
+            b.output(y);
+            b
+        };
+        let mut b = graph(4);
+        let opts = AnalyzeOptions::default();
+        let mut dims = bind_dims(&b.g, &opts).unwrap();
+        assert!(infer_shapes(&mut b.g, &dims).is_err(), "one row does not reshape");
+        let info = grouped_batch(&mut b.g, &mut dims, &opts).unwrap();
+        assert_eq!((dims.graph_batch, dims.batch_group), (4, 4));
+        let y = b.g.outputs[0];
+        assert_eq!(info.types[y.index()].as_ref().and_then(|t| t.shape.clone()), Some(vec![1, 4, 8]));
+        // a batch the user binds is theirs: no group is guessed
+        let mut b = graph(4);
+        let opts = AnalyzeOptions { dims: [("batch".to_string(), 2)].into(), ..Default::default() };
+        let mut dims = bind_dims(&b.g, &opts).unwrap();
+        assert!(grouped_batch(&mut b.g, &mut dims, &opts).is_none());
+        // beyond the largest group the first error stands
+        let mut b = graph(MAX_BATCH_GROUP + 1);
+        let opts = AnalyzeOptions::default();
+        let mut dims = bind_dims(&b.g, &opts).unwrap();
+        assert!(grouped_batch(&mut b.g, &mut dims, &opts).is_none());
+        assert_eq!(dims.batch_group, 0);
     }
 
     /// A graph whose last node is `kind` over `inputs` (built by `make`) must be refused at
