@@ -107,18 +107,27 @@ def small_model(model_cls):
     whose default holds none (its modeling code reads `rope_parameters[layer_type]`) gets the
     default rotary for each of its layer types, as a checkpoint's config would carry."""
     cfg = small_config(model_cls.config_class)
-    try:
-        model = model_cls(cfg)
-    except KeyError as e:
-        kinds = set(getattr(cfg, "layer_types", None) or [])
-        if not e.args or e.args[0] not in kinds:
-            raise
-        cfg.rope_parameters = {k: {"rope_type": "default", "rope_theta": 10000.0} for k in kinds}
-        model = model_cls(cfg)
-    except (AssertionError, ValueError) as e:
-        if "is_decoder" not in str(e):  # a causal-LM head on a stack that must be told so
-            raise
-        cfg.is_decoder = True
+    for _ in range(3):  # each error below names one setting to fix; then try again
+        try:
+            model = model_cls(cfg)
+            break
+        except KeyError as e:
+            kinds = set(getattr(cfg, "layer_types", None) or [])
+            if not e.args or e.args[0] not in kinds:
+                raise
+            cfg.rope_parameters = {k: {"rope_type": "default", "rope_theta": 10000.0} for k in kinds}
+        except (AssertionError, ValueError) as e:
+            if "axial_pos_embds" in str(e):
+                # Reformer: axial position embeddings whose grid is the trained sequence (training checks it)
+                # summing to the hidden size, and one layer of each attention kind
+                cfg.axial_pos_embds_dim, cfg.axial_pos_shape = (zoo.H // 2, zoo.H // 2), (2, zoo.SEQ // 2)
+                cfg.attn_layers = ["local", "lsh"]
+                cfg.num_hidden_layers = len(cfg.attn_layers)
+            elif "is_decoder" in str(e):  # a causal-LM head on a stack that must be told so
+                cfg.is_decoder = True
+            else:
+                raise
+    else:
         model = model_cls(cfg)
     # X-MOD's adapters run the language set as the default (its config lists them)
     if hasattr(model, "set_default_language") and getattr(cfg, "languages", None):
@@ -276,7 +285,7 @@ def why(e: BaseException) -> str:
     if stderr:
         tail = [ln.strip() for ln in str(stderr).strip().splitlines() if ln.strip()][-2:]
         text = f"{type(e).__name__}: {' / '.join(tail)}"
-    return text[:400]
+    return text[:900]
 
 
 def verdict(row: dict) -> str:

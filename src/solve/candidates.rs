@@ -235,10 +235,13 @@ impl<'a> Grid<'a> {
         SolveError::Setting(format!(
             "no parallel configuration satisfies the fixed settings on {} devices with global batch {} \
              (pp·tp·cp·dp must equal the device count, dp must divide the batch, ep must divide the experts and dp (tp·dp/etp with --etp below tp), \
-             2·cp must divide the sequence{}; unless fixed, tp ≤ {} and divides the blocks' weight dimensions){}",
+             2·cp must divide the sequence{}, pp (times the interleaved chunks) must not exceed the model's {} layer{}; unless fixed, \
+             tp ≤ {} and divides the blocks' weight dimensions){}",
             spec.devices,
             self.batch,
             self.axes.seq.map_or(String::new(), |s| format!(" of {s}")),
+            lg.layers.len(),
+            if lg.layers.len() == 1 { "" } else { "s" },
             spec.devices_per_node,
             if lg.dims.fixed_batch && !lg.dims.batch_rebinds {
                 format!(
