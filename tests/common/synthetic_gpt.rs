@@ -109,7 +109,7 @@ pub fn gpt(shape: GptShape) -> LayeredGraph {
         graph: g,
         layers: out_layers,
         node_figures: figures,
-        dims: DimBindings { values: Default::default(), batch_symbol: Some("batch".into()), graph_batch: 1, fixed_batch: false, batch_rebinds: false },
+        dims: DimBindings { values: Default::default(), batch_symbol: Some("batch".into()), graph_batch: 1, fixed_batch: false, batch_rebinds: false, batch_group: 0 },
         params,
         fused: Vec::new(),
         flops_per_sample: flops,
