@@ -188,8 +188,13 @@ impl Pricer<'_> {
             // whose runs use a vocabulary-parallel loss this model does not price; both belong
             // together.
             let exit = if sg.reach[&i].as_ref().is_some_and(|r| r.exits) { self.ar } else { 0.0 };
-            let grad = if f.first_reader.get(&sg.input[&i]) == Some(&i) { self.ar } else { 0.0 };
-            options.push(self.opt(Strategy::Column, own[0] + reg[0] + exit, own[1] + reg[1] + grad, (own[4] + reg[4]) / self.t, 0.0));
+            let first = f.first_reader.get(&sg.input[&i]) == Some(&i);
+            let grad = if first { self.ar } else { 0.0 };
+            // Without sequence parallelism every rank keeps the split's input whole for its
+            // weight gradient (one tensor its sibling readers share): the first reader adds what
+            // the layer's activations ÷ t leave out.
+            let whole_input = if first && !self.x.sequence_parallel { own[5] } else { 0.0 };
+            options.push(self.opt(Strategy::Column, own[0] + reg[0] + exit, own[1] + reg[1] + grad, (own[4] + reg[4]) / self.t, whole_input));
             options.push(self.opt(Strategy::Replicate, own[2] + reg[2], own[3] + reg[3], own[4] + reg[4], own[5] + reg[5]));
         } else {
             options.push(self.replicate(&own));
