@@ -103,9 +103,11 @@ def small_config(cfg_cls):
 
 
 def small_model(model_cls):
-    """`model_cls` at `small_config`. A config whose rotary settings are keyed by layer type but
-    whose default holds none (its modeling code reads `rope_parameters[layer_type]`) gets the
-    default rotary for each of its layer types, as a checkpoint's config would carry."""
+    """`model_cls` at `small_config`, with what a user would set where the module's own
+    constructor refuses the generic config: the default rotary for each layer type where the
+    modeling code reads `rope_parameters[layer_type]` and the default holds none; Reformer's
+    axial grid; `is_decoder` for a causal-LM head on an encoder stack; X-MOD's default
+    language."""
     cfg = small_config(model_cls.config_class)
     for _ in range(3):  # each error below names one setting to fix; then try again
         try:
@@ -118,8 +120,8 @@ def small_model(model_cls):
             cfg.rope_parameters = {k: {"rope_type": "default", "rope_theta": 10000.0} for k in kinds}
         except (AssertionError, ValueError) as e:
             if "axial_pos_embds" in str(e):
-                # Reformer: axial position embeddings whose grid is the trained sequence (training checks it)
-                # summing to the hidden size, and one layer of each attention kind
+                # Reformer: axial position embeddings whose grid is the trained sequence (training
+                # checks it) and whose widths sum to the hidden size; one layer of each attention
                 cfg.axial_pos_embds_dim, cfg.axial_pos_shape = (zoo.H // 2, zoo.H // 2), (2, zoo.SEQ // 2)
                 cfg.attn_layers = ["local", "lsh"]
                 cfg.num_hidden_layers = len(cfg.attn_layers)

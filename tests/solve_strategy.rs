@@ -82,3 +82,50 @@ fn plan_records_a_strategy_per_node() {
     assert!(m.layers.iter().all(|l| l.strategy == "megatron-tp4"), "{:?}", m.layers.iter().map(|l| &l.strategy).collect::<Vec<_>>());
     assert!(d.predicted.step_time_s <= m.predicted.step_time_s * (1.0 + 1e-9));
 }
+
+/// Without sequence parallelism every tensor rank keeps a column split's input whole (its
+/// weight gradient reads it): the column offers of a block count each distinct input's
+/// (1 − 1/t) share once, however many splits read it (q, k and v one norm's output; gate and up
+/// the other's). Under sequence parallelism the layer's ÷t stands.
+#[test]
+fn a_column_split_keeps_its_input_whole_without_sequence_parallelism() {
+    use smp_partition::split::{Strategy, offers};
+    // the bundled Llama export, as torch.onnx writes it
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/llama.onnx");
+    let graph = smp_partition::frontend::onnx::load_model(&path).unwrap().graph;
+    let lg = smp_partition::passes::analyze(graph, &smp_partition::passes::AnalyzeOptions { seq_len: Some(512), ..Default::default() }).unwrap();
+    let spec = ClusterSpec::parse("h100-80gb:2").unwrap();
+    // f32 training, the export's type: the graph's bytes are the trained ones
+    let ctx = CostContext::new(&lg, &spec, smp_partition::ir::Precision::F32);
+    let (tp, microbatch) = (2usize, 2.0);
+    let block = (0..lg.layers.len()).find(|&l| lg.layers[l].kind == LayerKind::Block).expect("a block");
+    let lay = &lg.layers[block];
+    let x = |sequence_parallel| StrategyInputs {
+        spec: &spec,
+        comm: &ctx.comm,
+        dtype: ctx.dtype,
+        bytes: &ctx.bytes,
+        tp,
+        microbatch,
+        tp_group: cfg(tp, tp).tp_group,
+        state_bytes_per_param: 16.0,
+        grad_bytes_per_param: ctx.precision.grad as f64,
+        sequence_parallel,
+    };
+    let columns = |sp| {
+        let o = offers(&lg, block, &x(sp));
+        o.nodes.into_iter().filter_map(|n| n.options.iter().find(|c| c.strategy == Strategy::Column).map(|c| (n.members, c.act_bytes))).collect::<Vec<_>>()
+    };
+    let without = columns(false);
+    // the oracle: the activation each column split reads (its first input), each value once,
+    // whole on every rank where the layer's count divided it by t
+    let read: std::collections::BTreeSet<_> = without.iter().map(|(m, _)| lg.graph.node(lay.nodes[m[0]]).inputs[0].unwrap()).collect();
+    assert!(without.len() >= 5 && read.len() == 2, "{} column splits reading {} values", without.len(), read.len());
+    let whole: f64 = read
+        .iter()
+        .map(|&v| lg.graph.value(v).ty.as_ref().and_then(|t| t.bytes()).unwrap() as f64 / lg.dims.graph_batch as f64 * microbatch * (1.0 - 1.0 / tp as f64))
+        .sum();
+    let counted: f64 = without.iter().map(|(_, a)| a).sum();
+    assert!((counted - whole).abs() <= 1e-9 * whole, "column splits count {counted} bytes, their whole inputs are {whole}");
+    assert!(columns(true).iter().all(|(_, a)| *a == 0.0), "under sequence parallelism the inputs split with the layer");
+}

@@ -35,6 +35,8 @@ pub struct Canonicalised {
     pub softmax_rewrites: usize,
     /// Defaulted axes written out.
     pub axes_written: usize,
+    /// Unsigned 16/32-bit `BitwiseNot`s rewritten as `BitwiseXor` with the width's ones.
+    pub unsigned_nots: usize,
 }
 
 /// Rewrites `g`, imported from a model of default-domain `opset`, into the canonical form.
@@ -123,17 +125,16 @@ impl Canon<'_> {
     /// upper bits too.
     fn unsigned_not_as_xor(&mut self, id: NodeId) {
         let x = self.g.node(id).inputs.first().copied().flatten();
-        let dtype = x.and_then(|x| self.g.value(x).ty.as_ref()).map(|t| t.dtype);
-        let ones: Vec<u8> = match dtype {
-            Some(DType::U16) => u16::MAX.to_le_bytes().to_vec(),
-            Some(DType::U32) => u32::MAX.to_le_bytes().to_vec(),
+        let (dtype, ones) = match x.and_then(|x| self.g.value(x).ty.as_ref()).map(|t| t.dtype) {
+            Some(DType::U16) => (DType::U16, u16::MAX.to_le_bytes().to_vec()),
+            Some(DType::U32) => (DType::U32, u32::MAX.to_le_bytes().to_vec()),
             _ => return,
         };
-        let (Some(dtype), name) = (dtype, self.g.node(id).name.clone()) else { return };
-        let mask = self.constant(&format!("{name}.ones"), Tensor { dtype, dims: vec![], storage: Storage::Raw(ones.into()) });
+        let name = format!("{}.ones", self.g.node(id).name);
+        let mask = self.constant(&name, Tensor { dtype, dims: vec![], storage: Storage::Raw(ones.into()) });
         self.g.node_mut(id).op = Op::Known(OpKind::BitwiseXor);
         self.g.set_input(id, 1, Some(mask));
-        self.done.attrs_to_inputs += 1;
+        self.done.unsigned_nots += 1;
     }
 
     /// Resize at opset 10 is `(X, scales)`: from 11 it is `(X, roi, scales, sizes)`.
@@ -346,7 +347,8 @@ mod tests {
             let (mut g, id, _) = graph(OpKind::BitwiseNot, &[], 2);
             let x = g.node(id).inputs[0].unwrap();
             g.value_mut(x).ty.as_mut().unwrap().dtype = dtype;
-            canonicalise(&mut g, 18, Path::new("m.onnx")).unwrap();
+            let done = canonicalise(&mut g, 18, Path::new("m.onnx")).unwrap();
+            assert_eq!(done.unsigned_nots, usize::from(dtype != DType::I32), "{dtype:?}");
             let n = g.node(id);
             if dtype == DType::I32 {
                 // int64 holds a signed value's bits: its complement is the plain one
