@@ -67,15 +67,12 @@ struct Gap {
 }
 
 /// Parts whose measurement moves between runs, so they may land either side of the bound:
-/// under tensor parallelism the rank's highest window is either in the forward (gradients freed
-/// at the step's start: 0 held) or in the backward (all held), two windows within 1.5 MiB of each
-/// other that the collectives' own buffers decide. (case, part, the looser bound it is held to
-/// instead, if any, why)
+/// under tensor and expert parallelism the rank's highest window is in the forward or in the
+/// backward, windows within 1.5 MiB of each other that the collectives' own buffers and the
+/// peer's timing decide. (case, part, the looser bound it is held to instead, if any, why)
 const UNSTEADY: &[(&str, &str, Option<f64>, &str)] = &[
-    ("tp2", "grads", None, "the peak falls in the forward (no gradients held) or the backward (all held), run by run"),
-    ("tp2", "activations", Some(0.2), "0.85-0.93× run to run and rank to rank (16.9-18.4 MiB measured against 15.7 predicted): the forward's or the backward's window is the peak, as for its gradients"),
+    ("tp2", "activations", Some(0.2), "0.85-0.93× run to run and rank to rank (16.9-18.4 MiB measured against 15.7 predicted): the forward's or the backward's window is the peak"),
     ("tp2", "total", Some(0.2), "as its activations: 0.86-0.93×"),
-    ("tp2-sp", "grads", None, "as tp2"),
     ("tp2-sp", "activations", Some(0.2), "0.85-0.91× run to run: what the sequence-parallel gathers hold at the peak moves with the peer's timing (21.4-22.9 MiB measured)"),
     ("tp2-sp", "total", Some(0.2), "as its activations: 0.86-0.92×"),
     ("mixtral-dp2-ep2", "activations", Some(0.2), "0.88-0.92× run to run: what the expert all-to-all holds at the peak moves with the peer's timing (4.94-5.07 MiB measured)"),
@@ -83,15 +80,12 @@ const UNSTEADY: &[(&str, &str, Option<f64>, &str)] = &[
 ];
 
 const KNOWN_GAPS: &[Gap] = &[
-    Gap { case: "pp2-gpipe", part: "grads", cause: "the last rank peaks after its last forward, before any gradient exists (the runner frees them at each step's start); the plan counts them held (0 measured against 0.42 MiB)" },
-    Gap { case: "pp2-zb-h1", part: "grads", cause: "as pp2-gpipe: the last rank peaks after its last forward, before any gradient exists (the runner frees them at each step's start); the plan counts them held" },
     Gap { case: "dp2-zero2", part: "grads", cause: "0.50×: the runner accumulates whole gradients over the microbatches and reduce-scatters at the step's end; the plan counts a 1/dp block" },
     Gap { case: "dp2-zero3", part: "params", cause: "0.33×: the runner gathers a whole stage's parameters for its passes beside its block; the plan counts the block" },
     Gap { case: "dp2-zero3", part: "grads", cause: "0.50×: as dp2-zero2" },
     Gap { case: "dp2-zero3", part: "total", cause: "0.88×: its parameters and gradients" },
-    Gap { case: "pp2-offload", part: "activations", cause: "0.94× on rank 0, 0.62× on rank 1 (2.88 against 4.65 MiB): the last stage keeps the loss's f32 copy of the logits (1.0 MiB), which the runner computes outside every recomputed segment while the plan counts it in the checkpointed head layer's recompute working set; counting it kept instead was tried (rank 1 0.83×) but puts dp2-recompute-full at 1.18×, whose peak falls in a backward after the loss has freed it; the other 0.8 MiB is not analysed yet" },
-    Gap { case: "pp2-offload", part: "offloaded", cause: "rank 0 peaks when none of its kept inputs is in host memory; the plan counts 0.50 MiB there at its peak" },
-    Gap { case: "pp2-offload", part: "total", cause: "0.96× on rank 0, 0.72× on rank 1: its activations" },
+    Gap { case: "dp2-recompute-selective", part: "activations", cause: "0.89× (7.08 predicted against 7.97 MiB): not analysed yet; hidden until the parameters counted in the measurement (0.83 MiB per rank were made before the counting allocator was installed)" },
+    Gap { case: "pp2-offload", part: "activations", cause: "0.90× on rank 0 (5.27 predicted against 5.88 MiB), 0.94× on rank 1: not analysed yet; as dp2-recompute-selective, hidden until the parameters were counted" },
 ];
 
 /// The bundled model `name`, or the small Mixtral of tests/moe_oracle.py.

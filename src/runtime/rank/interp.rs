@@ -39,6 +39,9 @@ struct MbState {
     /// ones), and on the last stage the loss taken from the graph's outputs.
     parts: Vec<Option<Part>>,
     loss_part: Option<Part>,
+    /// On the last stage, the checkpointed segment that makes every graph output: the loss is
+    /// recomputed with it in the backward, so nothing of the loss is kept from the forward.
+    loss_in_segment: Option<usize>,
     /// A recomputed stage's received values, as shapes (their gradients' zeros when none flows).
     received: Vec<(ValueId, Vec<i64>, Kind, tch::Device)>,
     /// Of them, those the previous stage wants no gradient of (plain tensors, not leaves), in
@@ -331,15 +334,27 @@ impl<'r, 'a> Interp<'r, 'a> {
             }
         }
         self.offload.end_forward(s, mb)?;
+        let mut loss_in_segment = None;
         let (outputs, loss, loss_part) = if s == r.last_stage() {
-            let graph = r.graph();
-            let leaves = segment_leaves(&env, &graph.outputs.iter().map(|&v| local(v)).collect::<Result<Vec<_>, _>>()?, |_| false)?;
-            let outs: Vec<Tensor> = leaves.iter().map(|(_, t)| t.shallow_clone()).collect();
-            let loss = train::loss_sum_of(r.exec, r.cfg.loss, &self.micro[mb], &outs)?.f_mul_scalar(self.loss_scale)?;
-            if r.tensor_rank == 0 {
-                self.loss_sum += loss.f_double_value(&[])?;
+            let ids = r.graph().outputs.iter().map(|&v| local(v)).collect::<Result<Vec<_>, _>>()?;
+            loss_in_segment = segs.segments.iter().position(|seg| seg.checkpointed && ids.iter().all(|v| seg.outputs.contains(v)));
+            if loss_in_segment.is_some() {
+                // the loss's value alone: its backward recomputes it with the segment
+                let outs = ids.iter().map(|v| env.get(v).map(Tensor::shallow_clone).ok_or_else(|| terr(format!("stage {s} mb {mb}: a graph output was not computed")))).collect::<Result<Vec<_>, _>>()?;
+                let loss = tch::no_grad(|| train::loss_sum_of(r.exec, r.cfg.loss, &self.micro[mb], &outs))?.f_mul_scalar(self.loss_scale)?;
+                if r.tensor_rank == 0 {
+                    self.loss_sum += loss.f_double_value(&[])?;
+                }
+                (Vec::new(), None, None)
+            } else {
+                let leaves = segment_leaves(&env, &ids, |_| false)?;
+                let outs: Vec<Tensor> = leaves.iter().map(|(_, t)| t.shallow_clone()).collect();
+                let loss = train::loss_sum_of(r.exec, r.cfg.loss, &self.micro[mb], &outs)?.f_mul_scalar(self.loss_scale)?;
+                if r.tensor_rank == 0 {
+                    self.loss_sum += loss.f_double_value(&[])?;
+                }
+                (Vec::new(), Some(loss), Some(Part { inputs: leaves, outputs: Vec::new() }))
             }
-            (Vec::new(), Some(loss), Some(Part { inputs: leaves, outputs: Vec::new() }))
         } else {
             let outputs = r.layout.outputs_to_next[s]
                 .iter()
@@ -350,7 +365,7 @@ impl<'r, 'a> Interp<'r, 'a> {
                 .collect::<Result<_, RuntimeError>>()?;
             (outputs, None, None)
         };
-        self.state.insert((s, mb), MbState { outputs, loss, parts, loss_part, received, plain, ..MbState::default() });
+        self.state.insert((s, mb), MbState { outputs, loss, parts, loss_part, loss_in_segment, received, plain, ..MbState::default() });
         Ok(())
     }
 
@@ -495,6 +510,19 @@ impl<'r, 'a> Interp<'r, 'a> {
                 }
             };
             let mut root: Option<Tensor> = None;
+            if st.loss_in_segment == Some(i) {
+                let ids = r.graph().outputs.iter().map(|&v| local(v)).collect::<Result<Vec<_>, _>>()?;
+                let outs = ids
+                    .iter()
+                    .map(|v| part.outputs.iter().find(|(w, _)| w == v).map(|(_, t)| t.shallow_clone()).ok_or_else(|| terr(format!("stage {s} mb {mb}: a graph output was not recomputed"))))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let loss = train::loss_sum_of(r.exec, r.cfg.loss, &self.micro[mb], &outs)?.f_mul_scalar(self.loss_scale)?;
+                // GradScaler.scale: the scaled loss is what backward starts from
+                root = Some(match &self.scaler {
+                    Some(sc) => loss.f_mul_scalar(sc.scale())?,
+                    None => loss,
+                });
+            }
             for (v, o) in part.outputs.iter().filter(|(_, o)| o.requires_grad()) {
                 if let Some(g) = grads.remove(v) {
                     let term = o.f_mul(&g)?.f_sum(o.kind())?;
@@ -551,22 +579,29 @@ impl<'r, 'a> Interp<'r, 'a> {
     /// parameters, whose gradients accumulate in place into `self.grads`: each accumulated
     /// gradient is made its parameter's `.grad` for the pass (moved, not copied), so autograd
     /// adds each fresh gradient into it as soon as it is produced and frees it (PyTorch's
-    /// AccumulateGrad: the first microbatch's gradient is kept as it is, later ones added in
-    /// place), then taken back. The stage holds one copy of its gradients, plus one fresh
-    /// parameter gradient in flight.
+    /// AccumulateGrad: later ones are added in place), then taken back. A parameter's first
+    /// gradient of the step goes into its storage from the last step, zeroed (kept in the
+    /// pool meanwhile), or is kept as produced on the first step. The stage holds one copy of
+    /// its gradients, plus one fresh parameter gradient in flight.
     fn backward_into_params(&mut self, s: usize, root: &Tensor, extra: &[&Tensor]) -> Result<(), RuntimeError> {
         let r = self.rank;
         let mine = &r.params.read[s];
         let mut in_flight = 0;
+        // pooled storage lent as a `.grad` this pass, with its version once zeroed
+        let mut lent: Vec<(usize, Tensor, i64)> = Vec::new();
         for &i in mine {
             let p = &r.params.tensors[i];
-            match self.grads[i].take() {
-                Some(g) => {
-                    in_flight = in_flight.max(bytes_of(&g));
-                    grad::set_grad(p, Some(&g))?;
-                }
-                None => grad::set_grad(p, None)?,
+            let g = match self.grads[i].take() {
+                Some(g) => Some(g),
+                None => self.zero.pooled_grad(i)?.map(|g| -> Result<Tensor, RuntimeError> {
+                    lent.push((i, g.shallow_clone(), g.f_internal_version()?));
+                    Ok(g)
+                }).transpose()?,
+            };
+            if let Some(g) = &g {
+                in_flight = in_flight.max(bytes_of(g));
             }
+            grad::set_grad(p, g.as_ref())?;
         }
         let mut inputs: Vec<&Tensor> = extra.to_vec();
         inputs.extend(mine.iter().map(|&i| &r.params.tensors[i]));
@@ -574,6 +609,18 @@ impl<'r, 'a> Interp<'r, 'a> {
         // the gradients come back to the store even when the pass failed
         for &i in mine {
             self.grads[i] = grad::take_grad(&r.params.tensors[i])?;
+        }
+        // lent storage that no gradient reached (same tensor, unchanged since zeroed) goes
+        // back to the pool: the parameter still has no gradient this step, as in PyTorch
+        for (i, g, version) in lent {
+            let untouched = match &self.grads[i] {
+                Some(now) => now.data_ptr() == g.data_ptr() && now.f_internal_version()? == version,
+                None => false,
+            };
+            if untouched {
+                self.grads[i] = None;
+                self.zero.return_grad(i, g);
+            }
         }
         done?;
         // a fresh gradient beside the accumulated ones, one parameter at a time
@@ -786,7 +833,8 @@ impl StepRunner for Interp<'_, '_> {
         self.broadcast_buffers()?;
         (self.micro, self.feeds) = r.batches(r.data, step)?;
         self.loss_scale = self.loss_scale_of(r.data, step)?;
-        self.grads = (0..r.params.tensors.len()).map(|_| None).collect();
+        self.grads.resize_with(r.params.tensors.len(), || None);
+        self.zero.pool_grads(&mut self.grads);
         self.state.clear();
         self.act_in.clear();
         self.grad_for.clear();

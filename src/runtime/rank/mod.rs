@@ -37,7 +37,7 @@ use setup::{Rank, Shards};
 
 pub use check::check_rank;
 pub use layout::{REPLAN, StageLayout, codegen_section, planned_graph, rank_programs, stage_layout};
-pub use memory::MemoryParts;
+pub use memory::{MemoryParts, install as install_memory_counter};
 pub use report::{PhaseTimes, RankReport, RankStats, StateBytes, peak_rss_bytes};
 pub use setup::{RankOptions, rank_weights};
 pub use straggler::{DROP_STRAGGLERS_ENV, StragglerOptions};

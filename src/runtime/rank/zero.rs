@@ -56,6 +56,10 @@ pub(super) struct Zero {
     live: Vec<bool>,
     /// Moments restored from a checkpoint, used when each optimizer is made.
     restore: Option<Restore>,
+    /// By parameter position: last step's gradient storage, kept for the parameter's first
+    /// gradient of this step (PyTorch's `zero_grad(set_to_none=False)`, Megatron's persistent
+    /// gradient buffer), so a stage holds its gradients through the whole step, as planned.
+    grad_pool: Vec<Option<Tensor>>,
 }
 
 /// AdamW state restored from a checkpoint: the step count, by parameter position the rank's
@@ -175,14 +179,14 @@ impl Zero {
                     .collect()
             })
             .collect();
-        Ok(Zero { shards, full_opt: None, need, live: vec![false; n], restore })
+        Ok(Zero { shards, full_opt: None, need, live: vec![false; n], restore, grad_pool: Vec::new() })
     }
 
     /// The trained state held now, with `grads` the full gradients.
     pub fn held(&self, params: &Params, grads: &[Option<Tensor>]) -> StateBytes {
         let mut b = StateBytes {
             params: params.tensors.iter().map(bytes_of).sum(),
-            grads: grads.iter().flatten().map(bytes_of).sum(),
+            grads: grads.iter().chain(&self.grad_pool).flatten().map(bytes_of).sum(),
             optimizer: self.full_opt.as_ref().map_or(0, AdamW::state_bytes),
         };
         for sh in self.shards.iter().flatten() {
@@ -191,6 +195,38 @@ impl Zero {
             b.optimizer += sh.opt.as_ref().map_or(0, AdamW::state_bytes);
         }
         b
+    }
+
+    /// At a step's start: every full gradient left from the last step moves into the pool
+    /// (kept, not freed), and `grads` starts empty, one slot per parameter.
+    pub fn pool_grads(&mut self, grads: &mut Vec<Option<Tensor>>) {
+        let n = grads.len().max(self.grad_pool.len());
+        grads.resize_with(n, || None);
+        self.grad_pool.resize_with(n, || None);
+        for (slot, g) in self.grad_pool.iter_mut().zip(grads.iter_mut()) {
+            if let Some(g) = g.take() {
+                *slot = Some(g);
+            }
+        }
+    }
+
+    /// Parameter `i`'s pooled gradient storage, zeroed, to accumulate its first gradient of
+    /// the step into.
+    pub fn pooled_grad(&mut self, i: usize) -> Result<Option<Tensor>, RuntimeError> {
+        match self.grad_pool.get_mut(i).and_then(Option::take) {
+            Some(mut g) => {
+                let _ = g.f_zero_()?;
+                Ok(Some(g))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Returns pooled storage `g` that no gradient reached in a pass.
+    pub fn return_grad(&mut self, i: usize, g: Tensor) {
+        if let Some(slot) = self.grad_pool.get_mut(i) {
+            *slot = Some(g);
+        }
     }
 
     /// Gathers the ZeRO-3 parameters stage `s` reads that are not gathered yet.

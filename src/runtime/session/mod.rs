@@ -305,6 +305,9 @@ impl RunSession {
     }
 
     fn run_rank(mut self, plan: &Plan, env: &RankEnv, obs: &mut dyn TrainObserver) -> Result<RunReport, SessionError> {
+        // before any weight is read, so the parameters and constants count among the tensors
+        // the rank holds
+        rank::install_memory_counter();
         let model = self.model.clone();
         let in_rank = |e: RuntimeError| match e {
             e @ (RuntimeError::CheckpointNotWritten { .. } | RuntimeError::File { .. } | RuntimeError::Input { .. } | RuntimeError::Leave { .. } | RuntimeError::PortInUse { .. }) => {
