@@ -39,8 +39,9 @@ struct MbState {
     /// ones), and on the last stage the loss taken from the graph's outputs.
     parts: Vec<Option<Part>>,
     loss_part: Option<Part>,
-    /// On the last stage, the checkpointed segment that makes every graph output: the loss is
-    /// recomputed with it in the backward, so nothing of the loss is kept from the forward.
+    /// On the last stage, the segment that makes every graph output: the loss's backward runs
+    /// with that segment's (a checkpointed one recomputes the loss with itself, so nothing of
+    /// the loss is kept from the forward; another's loss continues its graph).
     loss_in_segment: Option<usize>,
     /// A recomputed stage's received values, as shapes (their gradients' zeros when none flows).
     received: Vec<(ValueId, Vec<i64>, Kind, tch::Device)>,
@@ -337,23 +338,36 @@ impl<'r, 'a> Interp<'r, 'a> {
         let mut loss_in_segment = None;
         let (outputs, loss, loss_part) = if s == r.last_stage() {
             let ids = r.graph().outputs.iter().map(|&v| local(v)).collect::<Result<Vec<_>, _>>()?;
-            loss_in_segment = segs.segments.iter().position(|seg| seg.checkpointed && ids.iter().all(|v| seg.outputs.contains(v)));
-            if loss_in_segment.is_some() {
-                // the loss's value alone: its backward recomputes it with the segment
-                let outs = ids.iter().map(|v| env.get(v).map(Tensor::shallow_clone).ok_or_else(|| terr(format!("stage {s} mb {mb}: a graph output was not computed")))).collect::<Result<Vec<_>, _>>()?;
-                let loss = tch::no_grad(|| train::loss_sum_of(r.exec, r.cfg.loss, &self.micro[mb], &outs))?.f_mul_scalar(self.loss_scale)?;
-                if r.tensor_rank == 0 {
-                    self.loss_sum += loss.f_double_value(&[])?;
+            loss_in_segment = segs.segments.iter().position(|seg| ids.iter().all(|v| seg.outputs.contains(v)));
+            match loss_in_segment {
+                Some(k) => {
+                    let outs = ids.iter().map(|v| env.get(v).map(Tensor::shallow_clone).ok_or_else(|| terr(format!("stage {s} mb {mb}: a graph output was not computed")))).collect::<Result<Vec<_>, _>>()?;
+                    let loss = if segs.segments[k].checkpointed {
+                        // the loss's value alone: its backward recomputes it with the segment
+                        tch::no_grad(|| train::loss_sum_of(r.exec, r.cfg.loss, &self.micro[mb], &outs))?.f_mul_scalar(self.loss_scale)?
+                    } else {
+                        // the loss's graph continues the segment's: the outputs themselves are
+                        // kept only where the loss's backward needs them
+                        if let Some(Some(part)) = parts.get_mut(k) {
+                            part.outputs.retain(|(v, _)| !ids.contains(v));
+                        }
+                        train::loss_sum_of(r.exec, r.cfg.loss, &self.micro[mb], &outs)?.f_mul_scalar(self.loss_scale)?
+                    };
+                    if r.tensor_rank == 0 {
+                        self.loss_sum += loss.f_double_value(&[])?;
+                    }
+                    let kept = (!segs.segments[k].checkpointed).then_some(loss);
+                    (Vec::new(), kept, None)
                 }
-                (Vec::new(), None, None)
-            } else {
-                let leaves = segment_leaves(&env, &ids, |_| false)?;
-                let outs: Vec<Tensor> = leaves.iter().map(|(_, t)| t.shallow_clone()).collect();
-                let loss = train::loss_sum_of(r.exec, r.cfg.loss, &self.micro[mb], &outs)?.f_mul_scalar(self.loss_scale)?;
-                if r.tensor_rank == 0 {
-                    self.loss_sum += loss.f_double_value(&[])?;
+                None => {
+                    let leaves = segment_leaves(&env, &ids, |_| false)?;
+                    let outs: Vec<Tensor> = leaves.iter().map(|(_, t)| t.shallow_clone()).collect();
+                    let loss = train::loss_sum_of(r.exec, r.cfg.loss, &self.micro[mb], &outs)?.f_mul_scalar(self.loss_scale)?;
+                    if r.tensor_rank == 0 {
+                        self.loss_sum += loss.f_double_value(&[])?;
+                    }
+                    (Vec::new(), Some(loss), Some(Part { inputs: leaves, outputs: Vec::new() }))
                 }
-                (Vec::new(), Some(loss), Some(Part { inputs: leaves, outputs: Vec::new() }))
             }
         } else {
             let outputs = r.layout.outputs_to_next[s]
@@ -511,12 +525,18 @@ impl<'r, 'a> Interp<'r, 'a> {
             };
             let mut root: Option<Tensor> = None;
             if st.loss_in_segment == Some(i) {
-                let ids = r.graph().outputs.iter().map(|&v| local(v)).collect::<Result<Vec<_>, _>>()?;
-                let outs = ids
-                    .iter()
-                    .map(|v| part.outputs.iter().find(|(w, _)| w == v).map(|(_, t)| t.shallow_clone()).ok_or_else(|| terr(format!("stage {s} mb {mb}: a graph output was not recomputed"))))
-                    .collect::<Result<Vec<_>, _>>()?;
-                let loss = train::loss_sum_of(r.exec, r.cfg.loss, &self.micro[mb], &outs)?.f_mul_scalar(self.loss_scale)?;
+                let loss = match st.loss.take() {
+                    // taken with its graph in the forward
+                    Some(l) => l,
+                    None => {
+                        let ids = r.graph().outputs.iter().map(|&v| local(v)).collect::<Result<Vec<_>, _>>()?;
+                        let outs = ids
+                            .iter()
+                            .map(|v| part.outputs.iter().find(|(w, _)| w == v).map(|(_, t)| t.shallow_clone()).ok_or_else(|| terr(format!("stage {s} mb {mb}: a graph output was not recomputed"))))
+                            .collect::<Result<Vec<_>, _>>()?;
+                        train::loss_sum_of(r.exec, r.cfg.loss, &self.micro[mb], &outs)?.f_mul_scalar(self.loss_scale)?
+                    }
+                };
                 // GradScaler.scale: the scaled loss is what backward starts from
                 root = Some(match &self.scaler {
                     Some(sc) => loss.f_mul_scalar(sc.scale())?,
