@@ -217,6 +217,28 @@ impl<'r, 'a> Interp<'r, 'a> {
         self.tally.observe(now);
     }
 
+    /// Microbatch `mb`'s loss from the graph's outputs `outs` (with autograd or not, as the
+    /// caller runs it).
+    fn microbatch_loss(&self, mb: usize, outs: &[Tensor]) -> Result<Tensor, RuntimeError> {
+        scaled_loss(self.rank, &self.micro[mb], outs, self.loss_scale)
+    }
+
+    /// Adds a microbatch's loss to the rank's share of the step's (once per tensor group).
+    fn count_loss(&mut self, loss: &Tensor) -> Result<(), RuntimeError> {
+        if self.rank.tensor_rank == 0 {
+            self.loss_sum += loss.f_double_value(&[])?;
+        }
+        Ok(())
+    }
+
+    /// What backward starts from: the loss, times the fp16 loss scale if any (GradScaler.scale).
+    fn backward_root(&self, loss: Tensor) -> Result<Tensor, RuntimeError> {
+        Ok(match &self.scaler {
+            Some(sc) => loss.f_mul_scalar(sc.scale())?,
+            None => loss,
+        })
+    }
+
     fn wait_sends(&mut self) -> Result<(), RuntimeError> {
         for w in self.pending.drain(..) {
             let _ = w.wait()?;
@@ -269,8 +291,8 @@ impl<'r, 'a> Interp<'r, 'a> {
         let norm = if self.eval { NormStats::Running } else { NormStats::Batch { update: true } };
         let dropout = (!self.eval).then(|| self.dropout_key(mb));
         let (outputs, loss) = run_stage(r, s, &inputs, grad, norm, dropout, &self.micro[mb], &self.feeds[mb], self.loss_scale)?;
-        if let Some(l) = loss.as_ref().filter(|_| r.tensor_rank == 0) {
-            self.loss_sum += l.f_double_value(&[])?;
+        if let Some(l) = &loss {
+            self.count_loss(l)?;
         }
         self.state.insert((s, mb), MbState { inputs, outputs, loss, ..MbState::default() });
         Ok(())
@@ -342,30 +364,26 @@ impl<'r, 'a> Interp<'r, 'a> {
             match loss_in_segment {
                 Some(k) => {
                     let outs = ids.iter().map(|v| env.get(v).map(Tensor::shallow_clone).ok_or_else(|| terr(format!("stage {s} mb {mb}: a graph output was not computed")))).collect::<Result<Vec<_>, _>>()?;
-                    let loss = if segs.segments[k].checkpointed {
+                    let checkpointed = segs.segments[k].checkpointed;
+                    let loss = if checkpointed {
                         // the loss's value alone: its backward recomputes it with the segment
-                        tch::no_grad(|| train::loss_sum_of(r.exec, r.cfg.loss, &self.micro[mb], &outs))?.f_mul_scalar(self.loss_scale)?
+                        tch::no_grad(|| self.microbatch_loss(mb, &outs))?
                     } else {
                         // the loss's graph continues the segment's: the outputs themselves are
                         // kept only where the loss's backward needs them
                         if let Some(Some(part)) = parts.get_mut(k) {
                             part.outputs.retain(|(v, _)| !ids.contains(v));
                         }
-                        train::loss_sum_of(r.exec, r.cfg.loss, &self.micro[mb], &outs)?.f_mul_scalar(self.loss_scale)?
+                        self.microbatch_loss(mb, &outs)?
                     };
-                    if r.tensor_rank == 0 {
-                        self.loss_sum += loss.f_double_value(&[])?;
-                    }
-                    let kept = (!segs.segments[k].checkpointed).then_some(loss);
-                    (Vec::new(), kept, None)
+                    self.count_loss(&loss)?;
+                    (Vec::new(), (!checkpointed).then_some(loss), None)
                 }
                 None => {
                     let leaves = segment_leaves(&env, &ids, |_| false)?;
                     let outs: Vec<Tensor> = leaves.iter().map(|(_, t)| t.shallow_clone()).collect();
-                    let loss = train::loss_sum_of(r.exec, r.cfg.loss, &self.micro[mb], &outs)?.f_mul_scalar(self.loss_scale)?;
-                    if r.tensor_rank == 0 {
-                        self.loss_sum += loss.f_double_value(&[])?;
-                    }
+                    let loss = self.microbatch_loss(mb, &outs)?;
+                    self.count_loss(&loss)?;
                     (Vec::new(), Some(loss), Some(Part { inputs: leaves, outputs: Vec::new() }))
                 }
             }
@@ -404,11 +422,7 @@ impl<'r, 'a> Interp<'r, 'a> {
         if r.layout.recompute[s] {
             return self.backward_segments(s, mb, st);
         }
-        let mut root: Option<Tensor> = match (st.loss.take(), &self.scaler) {
-            // GradScaler.scale: the scaled loss is what backward starts from
-            (Some(l), Some(sc)) => Some(l.f_mul_scalar(sc.scale())?),
-            (l, _) => l,
-        };
+        let mut root: Option<Tensor> = st.loss.take().map(|l| self.backward_root(l)).transpose()?;
         if s != r.last_stage() {
             let gs = self.grad_for.remove(&(s, mb)).unwrap_or_default();
             // the plan's gradients_from_next: the floating-point values it sent, in order
@@ -492,10 +506,7 @@ impl<'r, 'a> Interp<'r, 'a> {
         let mut grads: HashMap<ValueId, Tensor> = HashMap::new();
         let mut roots = Vec::new();
         if let Some(part) = st.loss_part.take() {
-            let root = match (st.loss.take(), &self.scaler) {
-                (Some(l), Some(sc)) => Some(l.f_mul_scalar(sc.scale())?),
-                (l, _) => l,
-            };
+            let root = st.loss.take().map(|l| self.backward_root(l)).transpose()?;
             // the loss reads no parameter: nothing of it waits for a W
             self.segment_backward(s, root, &part.inputs, split, &mut grads, &mut Vec::new())?;
         }
@@ -534,14 +545,10 @@ impl<'r, 'a> Interp<'r, 'a> {
                             .iter()
                             .map(|v| part.outputs.iter().find(|(w, _)| w == v).map(|(_, t)| t.shallow_clone()).ok_or_else(|| terr(format!("stage {s} mb {mb}: a graph output was not recomputed"))))
                             .collect::<Result<Vec<_>, _>>()?;
-                        train::loss_sum_of(r.exec, r.cfg.loss, &self.micro[mb], &outs)?.f_mul_scalar(self.loss_scale)?
+                        self.microbatch_loss(mb, &outs)?
                     }
                 };
-                // GradScaler.scale: the scaled loss is what backward starts from
-                root = Some(match &self.scaler {
-                    Some(sc) => loss.f_mul_scalar(sc.scale())?,
-                    None => loss,
-                });
+                root = Some(self.backward_root(loss)?);
             }
             for (v, o) in part.outputs.iter().filter(|(_, o)| o.requires_grad()) {
                 if let Some(g) = grads.remove(v) {
@@ -853,8 +860,7 @@ impl StepRunner for Interp<'_, '_> {
         self.broadcast_buffers()?;
         (self.micro, self.feeds) = r.batches(r.data, step)?;
         self.loss_scale = self.loss_scale_of(r.data, step)?;
-        self.grads.resize_with(r.params.tensors.len(), || None);
-        self.zero.pool_grads(&mut self.grads);
+        self.zero.pool_grads(&mut self.grads, r.params.tensors.len());
         self.state.clear();
         self.act_in.clear();
         self.grad_for.clear();
@@ -1078,11 +1084,16 @@ fn run_stage(
     };
     if last {
         let outs: Vec<Tensor> = keep.iter().map(|v| outs[v].shallow_clone()).collect();
-        let loss = train::loss_sum_of(r.exec, r.cfg.loss, batch, &outs)?.f_mul_scalar(loss_scale)?;
-        Ok((Vec::new(), Some(loss)))
+        Ok((Vec::new(), Some(scaled_loss(r, batch, &outs, loss_scale)?)))
     } else {
         Ok((keep.iter().map(|v| (*v, outs[v].shallow_clone())).collect(), None))
     }
+}
+
+/// A microbatch's summed loss over `batch` from the graph's outputs `outs`, weighted by the
+/// step's `loss_scale` (1 / its counted targets).
+fn scaled_loss(r: &Rank<'_>, batch: &Batch, outs: &[Tensor], loss_scale: f64) -> Result<Tensor, RuntimeError> {
+    Ok(train::loss_sum_of(r.exec, r.cfg.loss, batch, outs)?.f_mul_scalar(loss_scale)?)
 }
 
 /// Adds `g` into the gradient of `v`.

@@ -198,9 +198,8 @@ impl Zero {
     }
 
     /// At a step's start: every full gradient left from the last step moves into the pool
-    /// (kept, not freed), and `grads` starts empty, one slot per parameter.
-    pub fn pool_grads(&mut self, grads: &mut Vec<Option<Tensor>>) {
-        let n = grads.len().max(self.grad_pool.len());
+    /// (kept, not freed), and `grads` starts empty, one slot for each of the `n` parameters.
+    pub fn pool_grads(&mut self, grads: &mut Vec<Option<Tensor>>, n: usize) {
         grads.resize_with(n, || None);
         self.grad_pool.resize_with(n, || None);
         for (slot, g) in self.grad_pool.iter_mut().zip(grads.iter_mut()) {
