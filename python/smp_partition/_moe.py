@@ -214,7 +214,8 @@ def _is_silu(act: Any) -> bool:
 
     if not callable(act):
         return False
-    probe = torch.linspace(-6.0, 6.0, 25)
+    # f32 whatever the default dtype (a model built under float64 is probed the same way)
+    probe = torch.linspace(-6.0, 6.0, 25, dtype=torch.float32)
     try:
         with torch.no_grad():
             got = act(probe)

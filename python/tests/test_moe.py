@@ -245,3 +245,17 @@ def test_jetmoe_heads_and_experts_export_as_the_module_computes_them(tmp_path: P
     # the module is given back as it was
     assert "map" not in model.model.layers[0].self_attention.experts.__dict__
     assert "forward" not in model.model.layers[0].mlp.__dict__
+
+
+def test_the_gate_activation_is_recognised_under_a_float64_default() -> None:
+    """A model built with `torch.set_default_dtype(torch.float64)` probes its experts' gate
+    activation in f32 all the same (the probe once mixed f64 and f32 and raised)."""
+    from smp_partition import _moe
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert _moe._is_silu(torch.nn.SiLU())
+        assert not _moe._is_silu(torch.nn.GELU())
+    finally:
+        torch.set_default_dtype(before)
