@@ -105,6 +105,52 @@ fn zero3_gathers_parameters_before_each_use() {
     assert_eq!(text.last().map(String::as_str), Some("OPTIMIZER_STEP"));
 }
 
+/// Per stage, what follows each instruction that completes a microbatch's parameter gradients
+/// (a backward, or its weight half where split): whether it is a `mb-grads` reduce-scatter of
+/// that stage.
+fn scatters_after_gradients(instrs: &[Instr]) -> Vec<(usize, bool)> {
+    let split: BTreeSet<(usize, usize)> = instrs.iter().filter_map(|i| if let Instr::BackwardWeight { stage, mb } = *i { Some((stage, mb)) } else { None }).collect();
+    let mut out = Vec::new();
+    for (at, i) in instrs.iter().enumerate() {
+        let stage = match *i {
+            Instr::BackwardWeight { stage, .. } => stage,
+            Instr::Backward { stage, mb } if !split.contains(&(stage, mb)) => stage,
+            _ => continue,
+        };
+        let next = instrs.get(at + 1).map(ToString::to_string).unwrap_or_default();
+        out.push((stage, next == format!("REDUCE_SCATTER(mb-grads:stage{stage})")));
+    }
+    out
+}
+
+#[test]
+fn zero2_and_3_reduce_scatter_each_backward_but_the_last_into_the_block() {
+    for (zero, flags) in [
+        ("2", &["--pp", "1", "--dp", "4", "--tp", "1", "--zero", "2", "--microbatches", "2"][..]),
+        ("3", &["--pp", "1", "--dp", "4", "--tp", "1", "--zero", "3", "--microbatches", "2"][..]),
+        ("2 under zb-h1", &["--pp", "2", "--dp", "2", "--tp", "1", "--zero", "2", "--microbatches", "4", "--schedule", "zb-h1"][..]),
+    ] {
+        let plan = load(&plan_text(flags)).unwrap();
+        for pr in 0..plan.parallel.pp {
+            let view = plan.rank_view(plan.stages[pr].ranks[0]).unwrap();
+            let instrs = &view.program.instrs;
+            let after = scatters_after_gradients(instrs);
+            let microbatches = plan.parallel.microbatches;
+            // every microbatch's gradients but the last are scattered where they are complete
+            assert_eq!(after.len(), microbatches, "ZeRO {zero}, pp rank {pr}: {after:?}");
+            assert!(after[..microbatches - 1].iter().all(|&(_, s)| s), "ZeRO {zero}, pp rank {pr}: {after:?}");
+            assert!(!after[microbatches - 1].1, "ZeRO {zero}, pp rank {pr}: the last backward is left to the step's reduce-scatter");
+            let text: Vec<String> = instrs.iter().map(ToString::to_string).collect();
+            assert_eq!(text.iter().filter(|t| t.starts_with("REDUCE_SCATTER(mb-grads")).count(), microbatches - 1, "{text:?}");
+            assert!(text.iter().any(|t| t.starts_with("REDUCE_SCATTER(dp-grads")), "{text:?}");
+        }
+    }
+    // ZeRO 1 keeps whole gradients to the step's end: no scatter after a backward
+    let plan = load(&plan_text(&["--pp", "1", "--dp", "4", "--tp", "1", "--zero", "1", "--microbatches", "2"])).unwrap();
+    let view = plan.rank_view(0).unwrap();
+    assert!(view.program.instrs.iter().all(|i| !i.to_string().contains("mb-grads")));
+}
+
 #[test]
 fn validator_rejects_hand_broken_plans() {
     // The Megatron split (on this tiny model the automatic plan replicates every matmul).

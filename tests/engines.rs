@@ -447,3 +447,26 @@ fn qwen3_moe_megatron_folded_pp32_against_the_published_step() {
     let (_, pp32) = qwen3_zoo_folded_steps();
     assert!((pp32 / 24.2 - 1.0).abs() <= 0.10, "predicted {pp32:.2} s against the published 24.2 s");
 }
+
+/// torchtitan's FSDP under a pipeline reduce-scatters gradients once per step, after the last
+/// backward (torch.distributed.pipelining turns gradient sync off for the others), holding them
+/// whole: ZeRO 1's layout. So a pipelined ZeRO 1 plan is expressed as it is, a pipelined ZeRO 2
+/// plan (gradients sharded after every backward) is not, and without a pipeline the reverse.
+#[test]
+fn torchtitan_fsdp_under_a_pipeline_is_zero_1() {
+    let a = analyse("llama3-8b.onnx");
+    let cluster = ClusterSpec::parse("h100-80gb:64").expect("preset");
+    let shape = ModelShape::of(&a.lg);
+    let zero_gap = |pp: usize, zero: u8| {
+        let req = PlanOptions { global_batch: Some(512), pp: Some(pp), tp: Some(4), zero: Some(zero), schedule: Some(ScheduleKind::OneFOneB), ..PlanOptions::default() };
+        let plan = compile(&a, &cluster, &req);
+        assert_eq!(plan.parallel.zero, zero);
+        let gaps = engines::gaps(Engine::Torchtitan, &plan, &shape).expect("gaps");
+        gaps.into_iter().find(|g| g.field == engines::PlanField::Zero).map(|g| (g.chose, g.change))
+    };
+    assert_eq!(zero_gap(2, 1), None, "pipelined ZeRO 1 is what torchtitan runs");
+    let (chose, change) = zero_gap(2, 2).expect("pipelined ZeRO 2 is a gap");
+    assert_eq!((chose.as_str(), change), ("ZeRO 2 with pipeline parallelism", Some(engines::Change::Zero(1))));
+    let (chose, change) = zero_gap(1, 1).expect("ZeRO 1 without a pipeline is a gap");
+    assert_eq!((chose.as_str(), change), ("ZeRO 1", Some(engines::Change::Zero(2))));
+}

@@ -23,6 +23,7 @@ fn point() -> impl Strategy<Value = ParetoPoint> {
             input_bytes: act * in_frac * GIB,
             offload_bytes: act * in_frac * GIB,
             sync_s: sync,
+            grad_scatter_s: 0.0,
             choice: 0,
             // copies from fully hidden (0) to several times the layer's compute
             host_s: host,
@@ -220,7 +221,7 @@ proptest! {
         prop_assume!(times.len() >= p);
         let layers = times.iter().map(|&t| PipelineLayer {
             tied: Vec::new(),
-            points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.0, choice: 0, host_s: 0.0, shared_bytes: 0.0 }],
+            points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.0, grad_scatter_s: 0.0, choice: 0, host_s: 0.0, shared_bytes: 0.0 }],
             output_bytes: 0.0,
         }).collect();
         let prob = PipelineProblem {

@@ -639,7 +639,11 @@ fn templates(input: &CodegenInput, stages: &[StageCode], tied: &[TiedWeight]) ->
         let my_stages: Vec<usize> = (0..stages.len()).filter(|&s| input.parallel.schedule.rank_of_stage(s, p) == r).collect();
         let mut steps = Vec::with_capacity(prog.instrs.len() + 4 * my_stages.len());
         let gather = |s: usize| Step::AllGather { group: gather_group, bytes: stages[s].param_bytes, purpose: Purpose::Zero3Params { stage: s } };
-        for i in prog.instrs {
+        // ZeRO 2 and 3: the gradients of every backward but a stage's last of the step are
+        // reduce-scattered into the rank's block as soon as they are complete
+        let scatter_each = dp > 1 && (zero >= 2 || shard_n.is_some());
+        let (split, last) = last_gradient_instrs(&prog.instrs);
+        for (at, i) in prog.instrs.into_iter().enumerate() {
             match i {
                 Instr::Forward { stage, .. } | Instr::Backward { stage, .. } if zero3 => steps.push(gather(stage)),
                 Instr::OptimizerStep => {
@@ -648,13 +652,50 @@ fn templates(input: &CodegenInput, stages: &[StageCode], tied: &[TiedWeight]) ->
                 }
                 _ => {}
             }
+            let grads_done = gradient_instr_stage(&i, &split);
             // Lowering without global ranks names peers by pipeline rank, as templates do.
             let step = i.map(Ok, |g| Err(EncodeError::Inconsistent(format!("lowering produced a collective over {g:?} before the epilogue"))))?;
             steps.push(step);
+            if let Some(s) = grads_done
+                && scatter_each
+                && stages[s].param_bytes > 0
+                && last.get(&s) != Some(&at)
+            {
+                steps.push(Step::ReduceScatter { group: gather_group, bytes: stages[s].param_bytes, purpose: Purpose::MicrobatchGrads { stage: s } });
+            }
         }
         out.push(ProgramTemplate { pp_rank: r, stages: my_stages, steps });
     }
     Ok(out)
+}
+
+/// The (stage, microbatch) pairs whose backward is split (a `BackwardWeight` follows), and
+/// per stage the position of the instruction that completes its last gradients of the step.
+fn last_gradient_instrs<P, G>(instrs: &[Instr<P, G>]) -> (BTreeSet<(usize, usize)>, BTreeMap<usize, usize>) {
+    let split: BTreeSet<(usize, usize)> = instrs
+        .iter()
+        .filter_map(|i| match *i {
+            Instr::BackwardWeight { stage, mb } => Some((stage, mb)),
+            _ => None,
+        })
+        .collect();
+    let mut last = BTreeMap::new();
+    for (at, i) in instrs.iter().enumerate() {
+        if let Some(s) = gradient_instr_stage(i, &split) {
+            last.insert(s, at);
+        }
+    }
+    (split, last)
+}
+
+/// The stage whose parameter gradients for a microbatch instruction `i` completes: a
+/// `BackwardWeight`, or a `Backward` not split.
+fn gradient_instr_stage<P, G>(i: &Instr<P, G>, split: &BTreeSet<(usize, usize)>) -> Option<usize> {
+    match *i {
+        Instr::BackwardWeight { stage, .. } => Some(stage),
+        Instr::Backward { stage, mb } if !split.contains(&(stage, mb)) => Some(stage),
+        _ => None,
+    }
 }
 
 #[allow(clippy::too_many_arguments)]

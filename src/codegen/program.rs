@@ -41,6 +41,14 @@ pub enum Purpose {
         /// The stage.
         stage: usize,
     },
+    /// ZeRO 2 and 3: reduce-scatter of a stage's gradients of the microbatches so far into
+    /// this rank's block, after a backward that is not the stage's last of the step, so no
+    /// whole gradient outlives its backward; the step's `DpGrads` adds the last
+    /// (`mb-grads:stageS`).
+    MicrobatchGrads {
+        /// The stage.
+        stage: usize,
+    },
     /// ZeRO 1 and 2: all-gather of a stage's updated parameters after the optimizer step
     /// (`zero-params:stageS`).
     ZeroParams {
@@ -58,7 +66,7 @@ impl Purpose {
     /// The stage whose state it moves (none for tied weights).
     pub fn stage(&self) -> Option<usize> {
         match *self {
-            Purpose::Zero3Params { stage } | Purpose::DpGrads { stage } | Purpose::ZeroParams { stage } => Some(stage),
+            Purpose::Zero3Params { stage } | Purpose::DpGrads { stage } | Purpose::MicrobatchGrads { stage } | Purpose::ZeroParams { stage } => Some(stage),
             Purpose::TiedGrad { .. } => None,
         }
     }
@@ -69,6 +77,7 @@ impl fmt::Display for Purpose {
         match self {
             Purpose::Zero3Params { stage } => write!(f, "zero3-params:stage{stage}"),
             Purpose::DpGrads { stage } => write!(f, "dp-grads:stage{stage}"),
+            Purpose::MicrobatchGrads { stage } => write!(f, "mb-grads:stage{stage}"),
             Purpose::ZeroParams { stage } => write!(f, "zero-params:stage{stage}"),
             Purpose::TiedGrad { weight } => write!(f, "tied-grad:{weight}"),
         }
@@ -82,13 +91,14 @@ impl FromStr for Purpose {
         let parsed = match s.split_once(':') {
             Some(("zero3-params", rest)) => stage(rest).map(|stage| Purpose::Zero3Params { stage }),
             Some(("dp-grads", rest)) => stage(rest).map(|stage| Purpose::DpGrads { stage }),
+            Some(("mb-grads", rest)) => stage(rest).map(|stage| Purpose::MicrobatchGrads { stage }),
             Some(("zero-params", rest)) => stage(rest).map(|stage| Purpose::ZeroParams { stage }),
             // `tied:` is how early plans spelled it.
             Some(("tied-grad" | "tied", weight)) if !weight.is_empty() => Some(Purpose::TiedGrad { weight: weight.to_string() }),
             _ => None,
         };
         parsed.ok_or_else(|| {
-            format!("collective tag `{s}`: expected zero3-params:stageS, dp-grads:stageS, zero-params:stageS or tied-grad:WEIGHT (re-plan with this smp-partition)")
+            format!("collective tag `{s}`: expected zero3-params:stageS, dp-grads:stageS, mb-grads:stageS, zero-params:stageS or tied-grad:WEIGHT (re-plan with this smp-partition)")
         })
     }
 }

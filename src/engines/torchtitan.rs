@@ -77,22 +77,23 @@ pub fn gaps(plan: &Plan, shape: &ModelShape) -> Result<Vec<Gap>, String> {
     if !megatron_split(plan) {
         out.push(gap(PlanField::TensorSplit, "a tensor split other than Megatron's in some layers", "its tensor-parallel plan splits every layer one way (Megatron's)", "Megatron's split in every layer", Some(Change::MegatronSplit)));
     }
-    if p.zero == 1 && p.dp * p.cp > 1 {
+    // Under its pipeline schedules FSDP reduce-scatters the gradients once, after the step's
+    // last backward (torch.distributed.pipelining turns gradient sync off for the others), and
+    // holds them whole until then: ZeRO 1's layout. Without a pipeline it shards them: ZeRO 2.
+    let fsdp = if p.pp > 1 { 1 } else { 2 };
+    let fsdp_name = if p.pp > 1 { "FSDP under its pipeline, gradients reduce-scattered once per step (ZeRO 1)" } else { "FSDP without resharding after forward (ZeRO 2)" };
+    if p.zero == 1 && p.dp * p.cp > 1 && p.pp == 1 {
+        out.push(gap(PlanField::Zero, "ZeRO 1", "FSDP shards gradients with the optimizer state", fsdp_name, Some(Change::Zero(2))));
+    } else if p.zero == 2 && p.dp * p.cp > 1 && p.pp > 1 {
         out.push(gap(
             PlanField::Zero,
-            "ZeRO 1",
-            "FSDP shards gradients with the optimizer state",
-            "FSDP without resharding after forward (ZeRO 2)",
-            Some(Change::Zero(2)),
+            "ZeRO 2 with pipeline parallelism",
+            "its pipeline schedules turn FSDP's gradient reduce-scatter off until the step's last backward, so gradients are held whole",
+            fsdp_name,
+            Some(Change::Zero(1)),
         ));
     } else if p.zero == 0 && p.cp > 1 {
-        out.push(gap(
-            PlanField::Zero,
-            "no ZeRO with context parallelism",
-            "it applies FSDP over the context ranks",
-            "FSDP without resharding after forward (ZeRO 2)",
-            Some(Change::Zero(2)),
-        ));
+        out.push(gap(PlanField::Zero, "no ZeRO with context parallelism", "it applies FSDP over the context ranks", fsdp_name, Some(Change::Zero(fsdp))));
     }
     if p.sharded_dp.is_some() && p.cp > 1 {
         out.push(gap(PlanField::ShardedData, "sharded groups with context parallelism", "its FSDP groups span the context ranks", "sharding over all data ranks", Some(Change::WholeShardGroups)));
@@ -104,8 +105,8 @@ pub fn gaps(plan: &Plan, shape: &ModelShape) -> Result<Vec<Gap>, String> {
                 PlanField::Expert,
                 format!("expert parallelism {} over replicated data ranks", p.ep),
                 "expert parallelism borrows the FSDP-sharded ranks",
-                "FSDP (ZeRO 2) with the experts over the sharded ranks",
-                Some(Change::Zero(2)),
+                "FSDP with the experts over the sharded ranks",
+                Some(Change::Zero(fsdp)),
             ));
         }
         if p.etp > 1 {
@@ -576,21 +577,19 @@ impl JobReading<'_> {
         let zero = match (sharded, reshard.as_str()) {
             (false, _) => 0,
             (true, "always") => 3,
+            // under a pipeline FSDP reduce-scatters gradients once per step, held whole until
+            // then (torch.distributed.pipelining defers gradient sync): ZeRO 1's layout
+            (true, "never" | "default") if d.pp > 1 => 1,
             (true, "never") => 2,
-            (true, "default") => {
-                if d.pp > 1 {
-                    2
-                } else {
-                    3
-                }
-            }
+            (true, "default") => 3,
             (true, other) => return Err(refuse("config parsing", format!("parallelism.fsdp_reshard_after_forward = {other}: expected default, always or never"))),
         };
         o.zero = Some(zero);
         o.sources.insert(Setting::Zero, e.source("parallelism.fsdp_reshard_after_forward", &reshard));
         if d.replicate > 1 && d.shard > 1 {
-            if zero == 2 {
-                self.reading.unpriced.push(Unpriced { setting: "HSDP without resharding after forward".into(), why: "priced as ZeRO 3 over the shard groups".into() });
+            if zero < 3 {
+                let setting = if zero == 1 { "HSDP under a pipeline" } else { "HSDP without resharding after forward" };
+                self.reading.unpriced.push(Unpriced { setting: setting.into(), why: "priced as ZeRO 3 over the shard groups".into() });
                 o.zero = Some(3);
             }
             o.sharded_dp = Some(d.shard);

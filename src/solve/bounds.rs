@@ -334,6 +334,7 @@ mod tests {
             shared_bytes: 0.0,
             offload_bytes: act / 8.0,
             sync_s: state * 1e-12,
+            grad_scatter_s: 0.0,
             choice: 0,
             host_s: 0.0,
         }

@@ -845,6 +845,7 @@ impl<'a> CostContext<'a> {
         let (mut fwd_extra, mut bwd_extra) = (0.0, 0.0);
         let mut state = 0.0;
         let mut sync = 0.0;
+        let mut grad_scatter = 0.0;
         for (held, zero_group, dp_group) in [(dense, cfg.zero_group, cfg.dp_group), (experts, cfg.expert_zero_group, cfg.expert_dp_group)] {
             if held <= 0.0 && experts > 0.0 {
                 continue;
@@ -856,12 +857,18 @@ impl<'a> CostContext<'a> {
             let outer = |grad: f64| self.outer_reduce(grad, &zero_group, &dp_group);
             sync += match cfg.zero {
                 0 => self.comm.all_reduce(grad_bytes, &dp_group),
-                1 | 2 => self.comm.reduce_scatter(grad_bytes, &zero_group) + self.comm.all_gather(weight_bytes, &zero_group) + outer(grad_bytes),
+                1 => self.comm.reduce_scatter(grad_bytes, &zero_group) + self.comm.all_gather(weight_bytes, &zero_group) + outer(grad_bytes),
+                2 => {
+                    // ZeRO 2 and 3 also reduce-scatter after every backward but the last
+                    grad_scatter += self.comm.reduce_scatter(grad_bytes, &zero_group);
+                    self.comm.reduce_scatter(grad_bytes, &zero_group) + self.comm.all_gather(weight_bytes, &zero_group) + outer(grad_bytes)
+                }
                 _ => {
                     // ZeRO-3 gathers the weights before every forward and backward.
                     let gather = self.comm.all_gather(weight_bytes, &zero_group);
                     fwd_extra += gather;
                     bwd_extra += gather;
+                    grad_scatter += self.comm.reduce_scatter(grad_bytes, &zero_group);
                     self.comm.reduce_scatter(grad_bytes, &zero_group) + outer(grad_bytes)
                 }
             };
@@ -932,6 +939,7 @@ impl<'a> CostContext<'a> {
             shared_bytes: shared,
             offload_bytes: d.offload_bytes / c,
             sync_s: sync,
+            grad_scatter_s: grad_scatter,
             choice,
             host_s: self.spec.host_bandwidth.map_or(0.0, |bw| d.offload_bytes / c / bw),
         }

@@ -93,7 +93,7 @@ impl PipelineProblem {
                 l.points.iter().map(|q| q.fwd_s + q.bwd_s + if always { q.fwd_s } else { 0.0 }).fold(f64::INFINITY, f64::min)
             })
             .collect();
-        let smin: Vec<f64> = self.layers.iter().map(|l| l.points.iter().map(|q| q.sync_s).fold(f64::INFINITY, f64::min)).collect();
+        let smin: Vec<f64> = self.layers.iter().map(|l| l.points.iter().map(|q| self.sync_of(q)).fold(f64::INFINITY, f64::min)).collect();
         if let Some(f) = &self.fixed_chunks {
             let mut t = vec![0.0; p];
             let mut s = vec![0.0; p];
@@ -300,7 +300,7 @@ impl PipelineProblem {
                     let pt = &lay.points[j];
                     let (f, b) = Self::layer_times(pt, k, o);
                     s.time[d].add_mul(f + b, col.v());
-                    s.sync[d].add_mul(pt.sync_s, col.v());
+                    s.sync[d].add_mul(self.sync_of(pt), col.v());
                     s.mem[d].add_mul((pt.state_bytes + self.kept_bytes(c, pt, k, o)) / GIB, col.v());
                     if k && pt.act_bytes > pt.input_bytes {
                         let used = if len == 1 {

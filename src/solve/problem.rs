@@ -83,6 +83,10 @@ pub struct ParetoPoint {
     pub offload_bytes: f64,
     /// Data-parallel synchronisation time of this layer's gradients, seconds.
     pub sync_s: f64,
+    /// Under ZeRO 2 and 3: the reduce-scatter of this layer's gradients after each backward
+    /// but a stage's last of the step (paid `microbatches − 1` times beside `sync_s`), seconds.
+    #[serde(default)]
+    pub grad_scatter_s: f64,
     /// Index of the strategy assignment this point stands for (into the layer's choices).
     pub choice: usize,
     /// Time to copy the offloaded input (`offload_bytes`) over the host link one way, seconds: what
@@ -196,6 +200,12 @@ fn default_horizon() -> f64 {
 }
 
 impl PipelineProblem {
+    /// A point's data-parallel synchronisation per step: the step's own, and under ZeRO 2 and 3
+    /// one reduce-scatter after every backward but the last.
+    pub fn sync_of(&self, pt: &ParetoPoint) -> f64 {
+        pt.sync_s + self.microbatches.saturating_sub(1) as f64 * pt.grad_scatter_s
+    }
+
     /// Number of chunks (virtual stages over all devices).
     pub fn chunks(&self) -> usize {
         self.devices * self.virtual_stages
@@ -405,7 +415,7 @@ impl PipelineProblem {
             fwd[d] += f;
             bwd[d] += b;
             state[d] += pt.state_bytes;
-            sync[d] += pt.sync_s;
+            sync[d] += self.sync_of(pt);
             act[d] += self.kept_bytes(c.chunk, pt, c.checkpoint, c.offload);
             if c.checkpoint {
                 recompute[d] = recompute[d].max(pt.act_bytes - pt.input_bytes);

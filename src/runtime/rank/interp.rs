@@ -775,15 +775,22 @@ impl<'r, 'a> Interp<'r, 'a> {
         }
     }
 
-    /// Reduce-scatters a stage's gradients over its data-parallel (or sharding) group.
+    /// Reduce-scatters a stage's gradients over its data-parallel (or sharding) group: at the
+    /// step's end, or those of the microbatches so far after a backward.
     fn reduce_scatter(&mut self, g: &[usize], purpose: &Purpose) -> Result<(), RuntimeError> {
         let r = self.rank;
-        if !matches!(purpose, Purpose::DpGrads { .. }) {
-            return Err(terr(format!("reduce-scatter for `{purpose}`, which is no reduce-scatter")));
-        }
+        let step_end = match purpose {
+            Purpose::DpGrads { .. } => true,
+            Purpose::MicrobatchGrads { .. } => false,
+            _ => return Err(terr(format!("reduce-scatter for `{purpose}`, which is no reduce-scatter"))),
+        };
         let s = r.stage_of(purpose)?;
         let pg = r.groups.get(g)?;
-        self.zero.reduce_scatter_grads(r, pg, s, &mut self.grads, &mut self.tally)
+        if step_end {
+            self.zero.reduce_scatter_grads(r, pg, s, &mut self.grads, &mut self.tally)
+        } else {
+            self.zero.reduce_scatter_microbatch(r, pg, s, &mut self.grads, &mut self.tally)
+        }
     }
 
     /// Gathers a stage's ZeRO-3 parameters before its use, or its updated ZeRO-1/2 blocks
@@ -884,6 +891,7 @@ impl StepRunner for Interp<'_, '_> {
                 self.phases.collective_s += t.elapsed().as_secs_f64();
             }
             let (t, waited) = (Instant::now(), crate::runtime::comm::wait_s());
+            let opened = self.zero.held(&r.params, &self.grads);
             let live_before = memory::Window::open();
             self.exec(instr)?;
             if instr.is_compute() {
@@ -905,8 +913,9 @@ impl StepRunner for Interp<'_, '_> {
                 Instr::OptimizerStep => &mut p.optimizer_s,
             } += spent;
             self.observe();
-            let (zero, grads) = (&self.zero, &self.grads);
-            self.tally.memory.observe(memory::Window::close(live_before), self.offload.pool.host, || zero.held(&r.params, grads));
+            let window = memory::Window::close(live_before);
+            let closed = self.zero.held(&r.params, &self.grads);
+            self.tally.memory.observe(window, self.offload.pool.host, (opened, closed));
             if r.parallel.params_sharded() && instr.is_compute() {
                 // release what no pending weight gradient still needs
                 self.zero.release(r, &self.pending_w)?;

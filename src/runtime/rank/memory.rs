@@ -134,14 +134,16 @@ impl PeakTracker {
         self.other = live().saturating_sub(state.total() + offloaded);
     }
 
-    /// Counts window `w`, with the offloaded bytes held when it closed and the state then
-    /// (read only when the window is the highest so far: summing the state walks every tensor).
-    pub fn observe(&mut self, w: Window, offloaded: u64, state: impl FnOnce() -> StateBytes) {
+    /// Counts window `w`, with the offloaded bytes held when it closed and the state held when
+    /// it opened and when it closed. The state at the peak itself is not read: it is taken from
+    /// the end whose live bytes are nearer the peak (a backward peaks as it starts, before the
+    /// gradients it makes; a forward as it ends).
+    pub fn observe(&mut self, w: Window, offloaded: u64, (opened, closed): (StateBytes, StateBytes)) {
         let device = w.peak.saturating_sub(offloaded);
         if self.seen && device <= self.peak.total {
             return;
         }
-        let state = state();
+        let state = if w.peak - w.before.min(w.peak) < w.peak - w.after.min(w.peak) { opened } else { closed };
         let temporaries = w.peak.saturating_sub(w.before.max(w.after));
         let held = state.total() + offloaded + temporaries + self.other;
         self.peak = MemoryParts {
@@ -167,17 +169,26 @@ mod tests {
         let mut t = PeakTracker { other: 10, ..PeakTracker::default() };
         let state = StateBytes { params: 100, grads: 50, optimizer: 200 };
         // a forward: 360 live before, 400 after (40 kept), 430 at its peak (30 transient)
-        t.observe(Window { before: 360, after: 400, peak: 430 }, 0, || state);
+        t.observe(Window { before: 360, after: 400, peak: 430 }, 0, (state, state));
         let p = t.peak;
         assert_eq!((p.temporaries, p.activations, p.total), (30, 40, 430));
         assert_eq!(p.params + p.grads + p.optimizer + p.activations + p.temporaries + p.other, p.total);
         // a lower window leaves the peak where it was
-        t.observe(Window { before: 360, after: 360, peak: 420 }, 0, || state);
+        t.observe(Window { before: 360, after: 360, peak: 420 }, 0, (state, state));
         assert_eq!(t.peak, p);
         // offloaded bytes are host memory: not in the device total
-        t.observe(Window { before: 400, after: 500, peak: 520 }, 100, || state);
+        t.observe(Window { before: 400, after: 500, peak: 520 }, 100, (state, state));
         assert_eq!(t.peak, p, "420 bytes on the device do not pass 430");
-        t.observe(Window { before: 400, after: 500, peak: 560 }, 100, || state);
+        t.observe(Window { before: 400, after: 500, peak: 560 }, 100, (state, state));
         assert_eq!((t.peak.offloaded, t.peak.total, t.peak.activations, t.peak.temporaries), (100, 460, 40, 60));
+        // a backward peaks near its start: the state is the one it opened with, not the
+        // gradients it made by its end
+        let made = StateBytes { grads: 150, ..state };
+        let mut t = PeakTracker { other: 10, ..PeakTracker::default() };
+        t.observe(Window { before: 500, after: 420, peak: 520 }, 0, (state, made));
+        assert_eq!((t.peak.grads, t.peak.activations, t.peak.temporaries), (50, 140, 20));
+        let mut t = PeakTracker { other: 10, ..PeakTracker::default() };
+        t.observe(Window { before: 420, after: 500, peak: 520 }, 0, (state, made));
+        assert_eq!((t.peak.grads, t.peak.activations, t.peak.temporaries), (150, 40, 20));
     }
 }

@@ -60,6 +60,9 @@ pub(super) struct Zero {
     /// gradient of this step (PyTorch's `zero_grad(set_to_none=False)`, Megatron's persistent
     /// gradient buffer), so a stage holds its gradients through the whole step, as planned.
     grad_pool: Vec<Option<Tensor>>,
+    /// By parameter position: a tied weight summed over pipeline ranks at the step's end, whose
+    /// gradient stays whole until then (a microbatch's reduce-scatter leaves it out).
+    tied: Vec<bool>,
 }
 
 /// AdamW state restored from a checkpoint: the step count, by parameter position the rank's
@@ -179,7 +182,15 @@ impl Zero {
                     .collect()
             })
             .collect();
-        Ok(Zero { shards, full_opt: None, need, live: vec![false; n], restore, grad_pool: Vec::new() })
+        let mut tied = vec![false; p.tensors.len()];
+        for instr in &rank.program.instrs {
+            if let Instr::AllReduce { purpose: Purpose::TiedGrad { weight }, .. } = instr
+                && let Some(&i) = rank.graph().value_by_name(weight).and_then(|v| p.pos_of.get(&v))
+            {
+                tied[i] = true;
+            }
+        }
+        Ok(Zero { shards, full_opt: None, need, live: vec![false; n], restore, grad_pool: Vec::new(), tied })
     }
 
     /// The trained state held now, with `grads` the full gradients.
@@ -292,15 +303,35 @@ impl Zero {
         reduce_experts(rank, s, grads)
     }
 
-    /// Reduce-scatters stage `s`'s gradients over `pg` (ZeRO 2 and 3): this rank keeps the
-    /// summed block of its shard.
+    /// Reduce-scatters stage `s`'s gradients over `pg` (ZeRO 2 and 3) at the step's end: this
+    /// rank's block of their sum is added to what the microbatches' reduce-scatters left there.
     pub fn reduce_scatter_grads(&mut self, rank: &Rank<'_>, pg: &ProcessGroup, s: usize, grads: &mut [Option<Tensor>], tally: &mut Tally) -> Result<(), RuntimeError> {
+        self.scatter_into_block(rank, pg, s, grads, tally, true)?;
+        reduce_experts(rank, s, grads)
+    }
+
+    /// Reduce-scatters stage `s`'s gradients so far after a backward (ZeRO 2 and 3, not the
+    /// stage's last of the step) into this rank's block, freeing them; tied weights' stay whole
+    /// for their sum over pipeline ranks, the experts' for their own group at the step's end.
+    pub fn reduce_scatter_microbatch(&mut self, rank: &Rank<'_>, pg: &ProcessGroup, s: usize, grads: &mut [Option<Tensor>], tally: &mut Tally) -> Result<(), RuntimeError> {
+        self.scatter_into_block(rank, pg, s, grads, tally, false)
+    }
+
+    /// The reduce-scatter of stage `s`'s sharded gradients (`with_tied`: tied weights' too,
+    /// else left whole and out of the sum) added into this rank's block.
+    fn scatter_into_block(&mut self, rank: &Rank<'_>, pg: &ProcessGroup, s: usize, grads: &mut [Option<Tensor>], tally: &mut Tally, with_tied: bool) -> Result<(), RuntimeError> {
         let p = &rank.params;
         let parts = pg.size() as i64;
-        let (f, len) = p.flat(s, &full_grads(p, grads)?, parts)?;
+        let mut taken = full_grads(p, grads)?;
         for &i in &p.sharded[s] {
-            grads[i] = None;
+            if !with_tied && self.tied[i] {
+                taken[i] = p.zeros(i)?;
+            } else {
+                grads[i] = None;
+            }
         }
+        let (f, len) = p.flat(s, &taken, parts)?;
+        drop(taken);
         let out = Tensor::f_zeros([len], p.opts)?;
         pg.reduce_scatter_sum(&out, &f)?;
         let mut now = self.held(p, grads);
@@ -315,8 +346,14 @@ impl Zero {
                 sh.members
             )));
         }
-        sh.grad = Some(out);
-        reduce_experts(rank, s, grads)
+        sh.grad = Some(match sh.grad.take() {
+            Some(mut sum) => {
+                let _ = sum.f_add_(&out)?;
+                sum
+            }
+            None => out,
+        });
+        Ok(())
     }
 
     /// ZeRO 1 and 2: all-gathers stage `s`'s parameter blocks over `pg`. Gathered every time
