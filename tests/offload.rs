@@ -94,9 +94,10 @@ fn a_limit_below_the_kept_activations_offloads_and_fits() {
         let e = d.problem.evaluate(&fewer).unwrap();
         assert!(!d.problem.feasible(&e), "layer {l} offloaded but not needed");
     }
-    // each offloaded layer saves its in-flight inputs beyond the horizon: against the same
-    // layout evaluated with offloading off, per device
-    let h = d.parallel.loading_horizon as f64;
+    // each offloaded layer saves its in-flight inputs beyond those resident as a backward
+    // starts (its own microbatch and the horizon's): against the same layout evaluated with
+    // offloading off, per device
+    let h = d.parallel.loading_horizon as f64 + 1.0;
     let plain: Vec<_> = d.choices.iter().map(|&c| smp_partition::solve::problem::LayerChoice { offload: false, ..c }).collect();
     let (with, without) = (d.problem.evaluate(&d.choices).unwrap(), d.problem.evaluate(&plain).unwrap());
     for dev in 0..d.parallel.pp {

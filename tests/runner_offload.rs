@@ -2,8 +2,9 @@
 //! `smp-runner launch` with offloading off and on (horizon 1), in f64. The oracle is the run
 //! with offloading off: every loss equal within 1e-12 relative. The runner recomputes layer by
 //! layer and keeps what each checkpointed layer's recompute starts from, its inputs, in an
-//! accounted device pool: with offloading on, its peak must drop by the plan's
-//! `offloaded_bytes` (within 10 %) on every stage that offloads.
+//! accounted device pool (a backward's own inputs counted until its recompute has read them):
+//! with offloading on, its peak must drop by the plan's `offloaded_bytes` (within 10 %; none
+//! where the plan counts none) on every stage with offloaded layers.
 #![cfg(feature = "runner")]
 
 mod common;
@@ -69,15 +70,16 @@ fn off_and_on(name: &str, pp: usize, flags: &[&str]) -> [(serde_json::Value, Vec
 /// The plan of the f32 `cpu` precision prices 4-byte activations; the f64 run holds 8.
 const F64_OVER_PLAN: f64 = 2.0;
 
-/// On every stage that offloads, the measured drop of the device pool's peak against the
-/// plan's `offloaded_bytes` (within 10 %); returns how many stages were compared.
+/// On every stage with offloaded layers, the measured drop of the device pool's peak against
+/// the plan's `offloaded_bytes` (within 10 %; exactly none where it plans none); returns how
+/// many stages were compared.
 fn drops_match_the_plan(name: &str, runs: &[(serde_json::Value, Vec<(f64, f64)>); 2]) -> usize {
     let (plan, off, on) = (&runs[1].0, &runs[0].1, &runs[1].1);
     let mut compared = 0;
     for st in plan["stages"].as_array().unwrap() {
         let index = st["index"].as_u64().unwrap() as usize;
         let planned = st["offloaded_bytes"].as_f64().unwrap_or(0.0) * F64_OVER_PLAN;
-        if planned == 0.0 {
+        if st["offloaded_layers"].as_array().is_none_or(|l| l.is_empty()) {
             continue;
         }
         let rank = st["ranks"][0].as_u64().unwrap() as usize;
@@ -92,8 +94,11 @@ fn drops_match_the_plan(name: &str, runs: &[(serde_json::Value, Vec<(f64, f64)>)
     compared
 }
 
-/// The acceptance's plans: pp 2 under 1F1B and ZB-H1, every layer checkpointed; the layers'
-/// kept inputs that the plan offloads leave the device pool by the planned amount.
+/// The acceptance's plans: pp 2 under 1F1B and ZB-H1, every layer checkpointed, horizon 1; the
+/// layers' kept inputs go to host memory between their forward and the loading window, and the
+/// device pool's peak drops by what the plan counts in host memory at the peak: nothing, since
+/// as a backward starts its own microbatch and the horizon's are back (two, as many as are in
+/// flight on the first stage).
 #[test]
 fn pp2_1f1b_and_zb_h1_offload_the_planned_bytes() {
     for schedule in ["1f1b", "zb-h1"] {

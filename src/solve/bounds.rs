@@ -197,7 +197,7 @@ fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<S
     let offloaded = if p.offload == OffloadRule::Never || p.checkpoint == CheckpointRule::Never {
         1.0
     } else {
-        (p.loading_horizon / max_flight.max(1e-12)).min(1.0)
+        (p.resident_microbatches() / max_flight.max(1e-12)).min(1.0)
     };
     for (i, f) in facts.iter().enumerate() {
         let rule = p.checkpoint_of(i);
@@ -241,7 +241,7 @@ fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<S
     };
     let t_sum: f64 = tmin.iter().sum();
     let s_sum: f64 = smin.iter().sum();
-    let kept_flight = if offloaded < 1.0 { min_flight.min(p.loading_horizon) } else { min_flight };
+    let kept_flight = if offloaded < 1.0 { min_flight.min(p.resident_microbatches()) } else { min_flight };
     let mem_lb = (state + kept_min * kept_flight) / devices as f64 + p.workspace;
     // Device d keeps at most (cap − workspace − state_d) / (least in-flight count of its
     // chunks) bytes per microbatch; summed over devices with Σ state_d = state.

@@ -288,12 +288,19 @@ impl PipelineProblem {
         (0..chunks).map(|c| self.in_flight[c] * shared[c]).collect()
     }
 
+    /// Microbatches whose offloaded inputs are on the device as a backward starts: its own,
+    /// which its recompute reads, and the `loading_horizon` brought back ahead of theirs.
+    pub fn resident_microbatches(&self) -> f64 {
+        self.loading_horizon + 1.0
+    }
+
     /// Bytes an offloaded layer keeps in host memory instead of on the device at the peak: its
-    /// own inputs (`offload_bytes`) of the microbatches between a forward and its B beyond the
-    /// `loading_horizon` back on the device (under ZB-H1 the inputs leave with the B).
+    /// own inputs (`offload_bytes`) of the microbatches between a forward and its B beyond
+    /// those resident as a backward starts ([`Self::resident_microbatches`]; under ZB-H1 the
+    /// inputs leave with the B).
     pub fn offloaded_bytes(&self, chunk: usize, pt: &ParetoPoint) -> f64 {
         let k = self.kept_flight(chunk).min(self.in_flight[chunk]);
-        (k - k.min(self.loading_horizon)) * pt.offload_bytes
+        (k - k.min(self.resident_microbatches())) * pt.offload_bytes
     }
 
     /// Forward and backward time per microbatch of a layer at point `pt`: a checkpointed

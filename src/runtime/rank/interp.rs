@@ -561,6 +561,9 @@ impl<'r, 'a> Interp<'r, 'a> {
             }
             self.segment_backward(s, root, &part.inputs, split, &mut grads, &mut roots)?;
         }
+        // the recompute has read its kept inputs
+        drop(kept);
+        self.offload.release_taken();
         let mut in_grads = Vec::new();
         if s > 0 {
             for &v in &r.layout.gradients_from_next[s - 1] {

@@ -5,9 +5,10 @@
 //! resident on it and their peak, beside the bytes waiting in host memory, so a run shows what
 //! left the device.
 //!
-//! Kept inputs are counted from the end of their forward to the start of their backward (then
-//! the recompute holds them, as every layer's live activations); with offloading off the
-//! pool's peak is the plan's in-flight microbatches' inputs.
+//! Kept inputs are counted from the end of their forward to the end of their backward's
+//! recompute, so as a backward starts the pool holds its own microbatch's inputs beside the
+//! horizon's coming back; with offloading off the pool's peak is the plan's in-flight
+//! microbatches' inputs.
 
 use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -107,6 +108,8 @@ pub(super) struct Offload {
     outgoing: HashMap<(usize, usize), Outgoing>,
     /// The pools.
     pub pool: PoolBytes,
+    /// Bytes of the kept inputs the running backward took, on the device until it releases them.
+    taken: u64,
     copier: Option<Copier>,
 }
 
@@ -115,7 +118,7 @@ impl Offload {
     /// `offloaded` marks with `horizon` microbatches back ahead of their backward.
     pub fn new(offloaded: Vec<bool>, horizon: usize, order: Vec<(usize, usize)>) -> Offload {
         let copier = offloaded.iter().any(|&o| o).then(Copier::new);
-        Offload { offloaded, horizon: horizon.max(1), order, next: 0, kept: HashMap::new(), outgoing: HashMap::new(), pool: PoolBytes::default(), copier }
+        Offload { offloaded, horizon: horizon.max(1), order, next: 0, kept: HashMap::new(), outgoing: HashMap::new(), pool: PoolBytes::default(), taken: 0, copier }
     }
 
     /// Forgets the last step's inputs (the peaks stay).
@@ -125,6 +128,7 @@ impl Offload {
         self.outgoing.clear();
         self.pool.device = 0;
         self.pool.host = 0;
+        self.taken = 0;
     }
 
     /// Whether (stage, microbatch)'s backward is among the next `horizon` ones.
@@ -173,29 +177,34 @@ impl Offload {
     }
 
     /// At the start of a backward: its kept inputs, on the device (waiting for their copy
-    /// back if it is under way). The window moves on, and the inputs now within it start back.
+    /// back if it is under way), counted there until [`Self::release_taken`]. The window moves
+    /// on, and the inputs now within it start back.
     pub fn take(&mut self, s: usize, mb: usize) -> Result<Vec<(ValueId, Tensor)>, RuntimeError> {
         let rec = self.kept.remove(&(s, mb)).ok_or_else(|| terr(format!("stage {s} mb {mb}: backward without kept inputs")))?;
         let mut inputs = rec.device;
-        self.pool.device -= rec.device_bytes;
+        self.taken += rec.device_bytes;
         if let Some((kept, bytes)) = rec.moved {
             inputs.extend(match kept {
                 Kept::Host(ids, copies) => {
                     // not loaded ahead (a backward out of the window's order): now, in place
                     self.pool.host -= bytes;
+                    self.pool.to_device(bytes);
                     restore(ids, copies.iter().map(owned_copy).collect::<Result<_, _>>()?)?
                 }
-                Kept::Loading(ids, p) => {
-                    self.pool.device -= bytes;
-                    restore(ids, p.wait()?)?
-                }
+                Kept::Loading(ids, p) => restore(ids, p.wait()?)?,
             });
+            self.taken += bytes;
         }
         if let Some(pos) = self.order.iter().skip(self.next).position(|&k| k == (s, mb)) {
             self.next += pos + 1;
         }
         self.prefetch()?;
         Ok(inputs)
+    }
+
+    /// At the end of a backward's recompute: the inputs it took leave the device.
+    pub fn release_taken(&mut self) {
+        self.pool.device -= std::mem::take(&mut self.taken);
     }
 
     /// Starts bringing back the host-held inputs whose backward is within the window.
