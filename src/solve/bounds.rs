@@ -48,9 +48,11 @@ struct LayerFacts {
     /// Least forward + backward time, and with the recompute of a layer always checkpointed.
     t: f64,
     t_always: f64,
-    /// Least sync time, model-state bytes, saved-activation bytes, input bytes (at most `act`),
-    /// forward time.
+    /// Least sync time (and of it, least reduce-scatter paid again after each backward but the
+    /// last under ZeRO 2 and 3), model-state bytes, saved-activation bytes, input bytes (at most
+    /// `act`), forward time.
     s: f64,
+    s_scatter: f64,
     state: f64,
     act: f64,
     input: f64,
@@ -73,6 +75,7 @@ fn table_facts(layers: &[PipelineLayer]) -> Vec<LayerFacts> {
                 t: fold_min(&mut pts.iter().map(|q| q.fwd_s + q.bwd_s + 0.0)),
                 t_always: fold_min(&mut pts.iter().map(|q| q.fwd_s + q.bwd_s + q.fwd_s)),
                 s: fold_min(&mut pts.iter().map(|q| q.sync_s)),
+                s_scatter: fold_min(&mut pts.iter().map(|q| q.grad_scatter_s)),
                 state: fold_min(&mut pts.iter().map(|q| q.state_bytes)),
                 act,
                 input,
@@ -191,6 +194,8 @@ fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<S
     let mut smin = Vec::with_capacity(l_n);
     let (mut state, mut act_total, mut kept_min) = (0.0, 0.0, 0.0);
     let mut any_always = false;
+    // the sync times depend on m where gradients are scattered after each backward
+    let mut any_scatter = false;
     let min_flight = p.in_flight.iter().cloned().fold(f64::INFINITY, f64::min);
     let max_flight = p.in_flight.iter().cloned().fold(0.0, f64::max);
     // An offloaded layer keeps at least this share of its own inputs' in-flight bytes on the device.
@@ -204,7 +209,8 @@ fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<S
         let always = rule == CheckpointRule::Always;
         any_always |= always;
         tmin.push(if always { f.t_always } else { f.t });
-        smin.push(f.s);
+        smin.push(f.s + (m - 1.0).max(0.0) * f.s_scatter);
+        any_scatter |= f.s_scatter > 0.0 && m > 1.0;
         state += f.state;
         let (act, input) = (f.act, f.input);
         // offloading costs no time in this bound: it frees bytes (the layer's own inputs) for free
@@ -218,10 +224,17 @@ fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<S
         kept_min += if rule == CheckpointRule::Never { act } else { input };
     }
     // The table's own memo where the times are its least times as they are (the sync times
-    // always; the compute times unless a layer is always recomputed), else the shared one.
+    // unless they grow with m; the compute times unless a layer is always recomputed), else the
+    // shared one.
     let mut split = |parts: usize, times: &[f64], sync: bool| match splits.as_mut() {
         Some(memo) => {
-            let own = if sync { Some(&mut *memo.sync) } else if any_always { None } else { Some(&mut *memo.compute) };
+            let own = if sync {
+                (!any_scatter).then_some(&mut *memo.sync)
+            } else if any_always {
+                None
+            } else {
+                Some(&mut *memo.compute)
+            };
             if let Some(&v) = own.as_ref().and_then(|o| o.get(&parts)) {
                 return v;
             }
