@@ -886,15 +886,18 @@ impl StepRunner for Interp<'_, '_> {
             // counted when later steps run, as in the step times
             self.tally.memory = memory::PeakTracker::default();
         }
-        self.tally.memory.start_step(self.zero.held(&r.params, &self.grads), self.offload.pool.host);
+        // the state held now (summing it walks every tensor: once per instruction)
+        let mut held = self.zero.held(&r.params, &self.grads);
+        self.tally.memory.start_step(held, self.offload.pool.host);
         for instr in &r.program.instrs {
             if !self.kv_done && matches!(instr, Instr::AllReduce { .. } | Instr::ReduceScatter { .. } | Instr::OptimizerStep) {
                 let t = Instant::now();
                 self.sum_kv_slices()?;
                 self.phases.collective_s += t.elapsed().as_secs_f64();
+                held = self.zero.held(&r.params, &self.grads);
             }
             let (t, waited) = (Instant::now(), crate::runtime::comm::wait_s());
-            let opened = self.zero.held(&r.params, &self.grads);
+            let opened = held;
             let live_before = memory::Window::open();
             self.exec(instr)?;
             if instr.is_compute() {
@@ -915,13 +918,14 @@ impl StepRunner for Interp<'_, '_> {
                 Instr::AllReduce { .. } | Instr::ReduceScatter { .. } | Instr::AllGather { .. } => &mut p.collective_s,
                 Instr::OptimizerStep => &mut p.optimizer_s,
             } += spent;
-            self.observe();
             let window = memory::Window::close(live_before);
-            let closed = self.zero.held(&r.params, &self.grads);
-            self.tally.memory.observe(window, self.offload.pool.host, (opened, closed));
+            held = self.zero.held(&r.params, &self.grads);
+            self.tally.observe(held);
+            self.tally.memory.observe(window, self.offload.pool.host, (opened, held));
             if r.parallel.params_sharded() && instr.is_compute() {
                 // release what no pending weight gradient still needs
                 self.zero.release(r, &self.pending_w)?;
+                held = self.zero.held(&r.params, &self.grads);
             }
         }
         let t = Instant::now();
