@@ -428,6 +428,15 @@ fn pp2_dp2_zero3_matches_single_process() {
     equivalent("pp2dp2zero3", "cpu:4", 4, &["--pp", "2", "--tp", "1", "--dp", "2", "--zero", "3", "--schedule", "1f1b", "--microbatches", "2"]);
 }
 
+/// ZB-H1 with recomputed layers: a checkpointed layer's whole backward runs in its B (its
+/// recomputed activations never wait for the W), the others' weight gradients in their W;
+/// every layer checkpointed, and some (a recomputed layer between kept ones on each stage).
+#[test]
+fn zb_h1_with_recomputed_layers_matches_single_process() {
+    equivalent("zbh1full", "cpu:2", 2, &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "zb-h1", "--microbatches", "4", "--checkpointing", "full"]);
+    equivalent("zbh1some", "cpu:2", 2, &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "zb-h1", "--microbatches", "4", "--recompute-layers", "1,4"]);
+}
+
 #[test]
 fn zb_h1_dp2_zero3_matches_single_process() {
     // split backwards keep their stage's gathered parameters until the weight gradient

@@ -285,3 +285,54 @@ fn spread_bound_sees_the_head_beside_twelve_blocks() {
     let lb = spread_lower_bound(&times, 8);
     assert!((lb - 12.4).abs() < 1e-9, "{lb}");
 }
+
+/// The pruning bound splits the stages with their memory: three 1F1B stages keep 3, 2 and 1
+/// microbatches, and six equal layers balance 2-2-2 by time (each stage 6 s), but the first
+/// stage holds two layers only by recomputing one (its forward, 1 s, added): the busiest stage
+/// takes at least 7 s, which the order's bound (6 s) does not see. Brute force is the oracle.
+#[test]
+fn pruning_bound_splits_the_stages_with_their_memory() {
+    let pt = ParetoPoint {
+        fwd_s: 1.0,
+        bwd_s: 2.0,
+        state_bytes: GIB,
+        act_bytes: GIB,
+        input_bytes: 0.25 * GIB,
+        offload_bytes: 0.0,
+        sync_s: 0.0,
+        grad_scatter_s: 0.0,
+        choice: 0,
+        host_s: 0.0,
+        shared_bytes: 0.0,
+    };
+    let layer = PipelineLayer { points: vec![pt], output_bytes: 0.0, tied: Vec::new() };
+    let p = PipelineProblem {
+        layers: vec![layer; 6],
+        devices: 3,
+        virtual_stages: 1,
+        microbatches: 6,
+        in_flight: vec![3.0, 2.0, 1.0],
+        kept_flight: vec![],
+        bubble_coeff: 1.0,
+        memory_cap: 7.5 * GIB,
+        workspace: 0.5 * GIB,
+        transfer_s_per_byte: vec![0.0; 2],
+        checkpoint: CheckpointRule::Auto,
+        offload: OffloadRule::Never,
+        loading_horizon: 1.0,
+        fixed_chunks: None,
+        fixed_checkpoints: None,
+        objective: PipelineObjective::StepTime,
+    };
+    let (order, _) = bounds(&p);
+    let tight = pruning_bound(&p);
+    let (opt, _, _) = brute_force_pipeline(&p).expect("2-2-2 with one layer recomputed fits");
+    // busy 18 s; the busiest stage 6 s by time alone, 7 s with memory; 5 more microbatches
+    assert!(close(order, 18.0 + 5.0 * 6.0), "order bound {order}");
+    assert!(close(tight, 18.0 + 5.0 * 7.0), "pruning bound {tight}");
+    assert!(tight <= opt * (1.0 + 1e-9), "pruning bound {tight} above the optimum {opt}");
+    // a cap that no split meets: the first stage alone cannot hold its share
+    let tiny = PipelineProblem { memory_cap: 2.0 * GIB, ..p.clone() };
+    assert!(brute_force_pipeline(&tiny).is_none());
+    assert!(pruning_bound(&tiny).is_infinite());
+}

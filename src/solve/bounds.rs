@@ -7,7 +7,7 @@ use crate::ir::{OffloadRule, ScheduleKind};
 
 use super::hash::FastMap;
 use super::layer_cost::CompactTable;
-use super::oracle::min_max_lower_bound;
+use super::oracle::{bisect_infeasible, min_max_lower_bound};
 use super::problem::{CheckpointRule, PipelineLayer, PipelineProblem};
 
 /// Bubble weight c of Σ T[d] in the step time c·Σ T + (m − c)·max T (see
@@ -151,8 +151,9 @@ pub(super) fn bounds_shared(p: &PipelineProblem, table: &Arc<CompactTable>, memo
 
 /// The step-time bound of `p`, tightened for interleaved schedules by [`spread_lower_bound`]
 /// (a device's chunks need not be neighbours, so the contiguous split of [`bounds`] says little
-/// there). What the search prunes by once an incumbent exists; it orders candidates by
-/// [`bounds`] alone, so ties resolve as before.
+/// there) and for one stage per device by [`memory_stage_bound`] (the busiest stage split with
+/// each stage's memory). What the search prunes by once an incumbent exists, before an ILP; it
+/// orders candidates by [`bounds`] alone, so ties resolve as before.
 pub fn pruning_bound(p: &PipelineProblem) -> f64 {
     pruning_bound_with(p, &p.layers)
 }
@@ -289,6 +290,9 @@ fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<S
             return (f64::INFINITY, mem_lb);
         }
     }
+    if !fits_per_device(p, facts, offloaded < 1.0) {
+        return (f64::INFINITY, mem_lb);
+    }
     let busy = t_sum + recompute;
     let (tau, sigma) = match &p.fixed_chunks {
         Some(f) => {
@@ -309,6 +313,8 @@ fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<S
             };
             if spread && p.virtual_stages > 1 {
                 (tau.max(spread_lower_bound(&tmin, devices)), sigma.max(spread_lower_bound(&smin, devices)))
+            } else if spread {
+                (memory_stage_bound(p, facts, &tmin, offloaded < 1.0, tau), sigma)
             } else {
                 (tau, sigma)
             }
@@ -326,6 +332,136 @@ fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<S
     };
     let lb = c * busy + (m - c) * tau.max(busy / devices as f64) + transfer + sigma;
     (lb, mem_lb)
+}
+
+/// A layer's bytes on a device running chunk `chunk`, per microbatch rule: (without recompute,
+/// at its least, freed by recompute). Least state; kept bytes for the chunk's in-flight
+/// microbatches, offloading moving the layer's own inputs of those beyond the resident ones.
+fn layer_bytes(p: &PipelineProblem, fa: &LayerFacts, rule: CheckpointRule, chunk: usize, may_offload: bool) -> (f64, f64, f64) {
+    let f = p.in_flight[chunk];
+    let away = if may_offload { f - f.min(p.resident_microbatches()) } else { 0.0 };
+    let least = (f * fa.input - away * fa.movable).max((f - away) * fa.input);
+    let whole = f * fa.act;
+    match rule {
+        CheckpointRule::Never => (fa.state + whole, fa.state + whole, 0.0),
+        CheckpointRule::Always => (fa.state + least, fa.state + least, 0.0),
+        CheckpointRule::Auto => (fa.state + whole, fa.state + least.min(whole), (whole - least).max(0.0)),
+    }
+}
+
+/// Whether the layers, each at its least bytes on the device, can be split so that every
+/// device stays under the cap. The sum over devices in [`bounds_spread`] cannot see one device
+/// overfull while another has room (a 1F1B pipeline's first stage keeps p microbatches, its
+/// last one). One stage per device: the stages filled in order, each with as many layers as
+/// fit, which fits whenever any contiguous split does (a layer's bytes are non-negative, so a
+/// longer prefix in an earlier stage leaves a shorter suffix). Fixed chunks: their sums.
+/// Interleaved chunks are not checked.
+fn fits_per_device(p: &PipelineProblem, facts: &[LayerFacts], may_offload: bool) -> bool {
+    let room = p.memory_cap - p.workspace;
+    if !room.is_finite() {
+        return true;
+    }
+    let least = |l: usize, chunk: usize| layer_bytes(p, &facts[l], p.checkpoint_of(l), chunk, may_offload).1;
+    let slack = 1e-9 * room.abs().max(1.0);
+    match &p.fixed_chunks {
+        Some(fixed) => {
+            let n = p.devices.max(1);
+            let mut used = vec![0.0; n];
+            for (l, &c) in fixed.iter().enumerate().take(facts.len()) {
+                used[c % n] += least(l, c);
+            }
+            used.iter().all(|&u| u <= room + slack)
+        }
+        None if p.chunks() == p.devices.max(1) => {
+            let mut l = 0;
+            for c in 0..p.chunks() {
+                let mut used = 0.0;
+                while l < facts.len() && used + least(l, c) <= room + slack {
+                    used += least(l, c);
+                    l += 1;
+                }
+            }
+            l == facts.len()
+        }
+        None => true,
+    }
+}
+
+/// A lower bound on the busiest stage's time (its compute and the recompute its memory forces)
+/// over the contiguous splits of the layers into one stage per device, at least `lo`: what a
+/// split balanced by time alone misses when the stages keeping more microbatches must hold
+/// fewer layers. Bisection on the stage time with the greedy check of [`fits_per_device`],
+/// a stage's recompute priced at its least seconds per freed byte (so a segment's feasibility
+/// only grows as layers leave it, and the greedy stays exact for the relaxation).
+fn memory_stage_bound(p: &PipelineProblem, facts: &[LayerFacts], tmin: &[f64], may_offload: bool, lo: f64) -> f64 {
+    let room = p.memory_cap - p.workspace;
+    let stages = p.chunks();
+    if !room.is_finite() || stages != p.devices.max(1) || p.fixed_chunks.is_some() || facts.is_empty() {
+        return lo;
+    }
+    // per stage and layer: (time, bytes without recompute, bytes recompute may free)
+    let fig: Vec<Vec<(f64, f64, f64)>> = (0..stages)
+        .map(|c| {
+            (0..facts.len())
+                .map(|l| {
+                    let (whole, _, freed) = layer_bytes(p, &facts[l], p.checkpoint_of(l), c, may_offload);
+                    (tmin[l], whole, freed)
+                })
+                .collect()
+        })
+        .collect();
+    // Per stage, over the layers recompute may free bytes of: the least seconds per freed byte,
+    // the most bytes one layer frees, its least forward, and the least recompute buffer (one
+    // microbatch's activations beyond its inputs, held while a recomputed layer's backward runs).
+    let recompute: Vec<(f64, f64, f64, f64)> = (0..stages)
+        .map(|c| {
+            let free: Vec<usize> = (0..facts.len()).filter(|&l| fig[c][l].2 > 0.0).collect();
+            let least = |it: &mut dyn Iterator<Item = f64>| it.fold(f64::INFINITY, f64::min);
+            (
+                least(&mut free.iter().map(|&l| facts[l].fwd / fig[c][l].2)),
+                free.iter().map(|&l| fig[c][l].2).fold(0.0, f64::max),
+                least(&mut free.iter().map(|&l| facts[l].fwd)),
+                least(&mut free.iter().map(|&l| (facts[l].act - facts[l].input).max(0.0))),
+            )
+        })
+        .collect();
+    // The least seconds of whole-layer recompute that free `need` bytes on stage c: at least
+    // the best rate's, and at least as many layers' least forward as the most one layer frees
+    // allows.
+    let recompute_s = |c: usize, need: f64| {
+        let (rate, most, fwd, buffer) = recompute[c];
+        let need = need + buffer;
+        let layers = (need / most * (1.0 - 1e-12)).ceil();
+        (need * rate).max(layers * fwd)
+    };
+    let fits = |cap: f64| {
+        let mut l = 0;
+        for c in 0..stages {
+            let (mut t, mut bytes, mut freeable) = (0.0, 0.0, 0.0);
+            while l < facts.len() {
+                let (lt, lb, lf) = fig[c][l];
+                let (t2, b2, f2) = (t + lt, bytes + lb, freeable + lf);
+                let need = (b2 - room).max(0.0);
+                let extra = if need > 0.0 { if need > f2 * (1.0 + 1e-12) { f64::INFINITY } else { recompute_s(c, need) } } else { 0.0 };
+                if t2 + extra > cap {
+                    break;
+                }
+                (t, bytes, freeable) = (t2, b2, f2);
+                l += 1;
+            }
+        }
+        l == facts.len()
+    };
+    let given = lo;
+    let lo = lo * (1.0 - 1e-12);
+    if fits(lo) {
+        return given;
+    }
+    let hi = fig[0].iter().map(|x| x.0).sum::<f64>() + facts.iter().map(|f| f.fwd).sum::<f64>();
+    if !fits(hi) {
+        return f64::INFINITY;
+    }
+    bisect_infeasible(lo, hi, 50, fits).max(given)
 }
 
 #[cfg(test)]

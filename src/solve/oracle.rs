@@ -183,12 +183,17 @@ pub fn min_max_lower_bound(times: &[f64], stages: usize) -> f64 {
     };
     let total: f64 = times.iter().sum();
     let biggest = times.iter().cloned().fold(0.0, f64::max);
-    let mut lo = (total / stages as f64).max(biggest) * (1.0 - 1e-12);
+    let lo = (total / stages as f64).max(biggest) * (1.0 - 1e-12);
     if fits(lo) {
         return lo;
     }
-    let mut hi = total;
-    for _ in 0..60 {
+    bisect_infeasible(lo, total, 60, fits)
+}
+
+/// Bisection between `lo`, which `fits` rejects, and `hi`, which it accepts (`fits` monotone):
+/// the largest value it has proven infeasible after `rounds` halvings.
+pub(crate) fn bisect_infeasible(mut lo: f64, mut hi: f64, rounds: usize, fits: impl Fn(f64) -> bool) -> f64 {
+    for _ in 0..rounds {
         let mid = 0.5 * (lo + hi);
         if fits(mid) {
             hi = mid;

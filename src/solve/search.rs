@@ -238,7 +238,9 @@ impl Frontier {
     }
 
     /// The pipeline ILP of each candidate in bound order until the next bound reaches the
-    /// incumbent or the time runs out.
+    /// incumbent or the time runs out. Before its ILP a candidate's pruning bound is taken: one
+    /// above the incumbent is skipped, one above the next candidate's bound waits in a second
+    /// queue until the candidates in order reach it (best-first on the tighter bound).
     fn branch_and_bound(
         &mut self,
         start: Instant,
@@ -247,35 +249,53 @@ impl Frontier {
         progress: &mut dyn FnMut(Progress),
     ) -> Result<(), SolveError> {
         let mut i = 0;
-        while i < self.fit.len() {
-            materialize(&mut self.fit[i]);
-            if self.quick[i].as_ref().is_some_and(|q| q.report.status == SolveStatus::Optimal) {
+        // (pruning bound, index) of the candidates put back, in the order they were put back
+        let mut waiting: Vec<(f64, usize)> = Vec::new();
+        loop {
+            let next_lb = self.fit.get(i).map_or(f64::INFINITY, |p| p.lb);
+            let least_waiting = waiting.iter().enumerate().min_by(|a, b| a.1.0.total_cmp(&b.1.0)).map(|(w, &(pb, _))| (w, pb));
+            let (k, lb, pruned) = match least_waiting {
+                Some((w, pb)) if pb <= next_lb => (waiting.remove(w).1, pb, true),
+                _ if i < self.fit.len() => {
+                    i += 1;
+                    (i - 1, next_lb, false)
+                }
+                _ => break,
+            };
+            materialize(&mut self.fit[k]);
+            if self.quick[k].as_ref().is_some_and(|q| q.report.status == SolveStatus::Optimal) {
                 // Its quick layout meets its bound: solved, without an ILP.
                 self.solved += 1;
                 self.done += 1;
-                i += 1;
                 continue;
             }
-            let p = &self.fit[i];
+            let p = &self.fit[k];
             let incumbent = self.incumbent();
-            if incumbent.is_some_and(|inc| p.lb >= inc * (1.0 - 1e-9)) {
+            if incumbent.is_some_and(|inc| lb >= inc * (1.0 - 1e-9)) {
+                // every candidate left has a bound at least this one's
+                waiting.push((lb, k));
                 break;
             }
-            // The interleaved bound, tighter than the order's: a candidate it puts above the
-            // incumbent cannot beat it (the margin covers the ILP's rounding), so its ILP would
-            // only prove that.
-            if let Some(inc) = incumbent
-                && p.problem.virtual_stages > 1
-                && pruning_bound(&p.problem) >= inc * (1.0 + 1e-6)
-            {
-                self.skipped += 1;
-                self.done += 1;
-                i += 1;
-                continue;
+            if !pruned && let Some(inc) = incumbent {
+                // The pruning bound, tighter than the order's (interleaved chunks spread, stages
+                // split with their memory): a candidate it puts above the incumbent cannot beat
+                // it (the margin covers the ILP's rounding), so its ILP would only prove that.
+                let pb = pruning_bound(&p.problem);
+                if pb >= inc * (1.0 + 1e-6) {
+                    self.skipped += 1;
+                    self.done += 1;
+                    continue;
+                }
+                let after = self.fit.get(i).map_or(f64::INFINITY, |q| q.lb);
+                if pb > after * (1.0 + 1e-9) {
+                    waiting.push((pb, k));
+                    continue;
+                }
             }
             let remaining = limit - start.elapsed().as_secs_f64();
             if remaining <= 0.0 && incumbent.is_some() {
-                self.open_bound = self.open_bound.min(p.lb);
+                self.open_bound = self.open_bound.min(lb);
+                waiting.push((lb, k));
                 break;
             }
             // One ILP may use a fifth of the budget, so several candidates get a look.
@@ -285,17 +305,16 @@ impl Frontier {
             tracing::debug!(
                 "solved {:?} lb {:.4} -> {:?} {:.4} bound {:.4} in {:.3} s",
                 p.cand,
-                p.lb,
+                lb,
                 sol.report.status,
                 sol.report.objective,
                 sol.report.bound,
                 sol.report.wall_s
             );
-            self.take(i, sol, incumbent);
+            self.take(k, sol, incumbent);
             progress(self.progress());
-            i += 1;
         }
-        self.skipped += (self.fit.len() - i) as u64;
+        self.skipped += (self.fit.len() - i + waiting.len()) as u64;
         Ok(())
     }
 

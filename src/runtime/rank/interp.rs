@@ -496,7 +496,7 @@ impl<'r, 'a> Interp<'r, 'a> {
     /// segment is recomputed from its kept inputs first; each segment's inputs' gradients go to
     /// the segments that made them, the received ones' back to the previous stage. Under a
     /// split backward (ZB-H1) only the inputs' gradients are taken, each segment's root kept
-    /// for the W.
+    /// for the W, except in a checkpointed segment, whose whole backward runs in the B.
     fn backward_segments(&mut self, s: usize, mb: usize, mut st: MbState) -> Result<(), RuntimeError> {
         let r = self.rank;
         let segs = r.segments.get(&s).ok_or_else(|| terr(format!("stage {s}: recomputed, but no segments were laid out for it")))?;
@@ -559,7 +559,10 @@ impl<'r, 'a> Interp<'r, 'a> {
                     });
                 }
             }
-            self.segment_backward(s, root, &part.inputs, split, &mut grads, &mut roots)?;
+            // A recomputed segment's weight gradients are taken in its B, not left for the W:
+            // its recomputed activations would otherwise live to the W, where the plan counts
+            // its inputs alone (and they free as this B ends).
+            self.segment_backward(s, root, &part.inputs, split && !seg.checkpointed, &mut grads, &mut roots)?;
         }
         // the recompute has read its kept inputs
         drop(kept);
