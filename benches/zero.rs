@@ -1,0 +1,123 @@
+//! ZeRO 3 against PyTorch's FSDP2, side by side in one run: the HF Llama of `benches/context.rs`
+//! (4 layers × hidden 256, 8 query heads over 2 KV heads, MLP intermediate 704, vocab 2048,
+//! RoPE, HF's default init; exported by `benches/peers/cp_peer.py`) trained on 8 × 128 tokens
+//! (causal LM, AdamW, gradient norm clipped at 1) by dp 2 = 2 ranks × 1 thread, 4 sequences
+//! each, f32:
+//! - the runner: `smp-runner launch` of the plan `--dp 2 --zero 3` (one microbatch: each rank
+//!   holds its block of the parameters, gathers them around the forward and the backward,
+//!   reduce-scatters the gradients; the c10d shim on Gloo);
+//! - PyTorch: `fsdp_peer.py fsdp`, `fully_shard` on every decoder layer and the root,
+//!   resharding after forward, Gloo.
+//!
+//! The runs alternate, ROUNDS times, each STEPS steps (first excluded); prints each round's
+//! ms/step (and rank 0's CPU ms/step), the medians and the ratio PyTorch / runner (≥ 1: the
+//! runner as fast or faster), and checks both trained the same losses (within 1e-4 relative).
+//!
+//!     cargo bench --features runner --profile dev --bench zero [-- ROUNDS STEPS]
+//!
+//! `SMP_BENCH_CP_DIR=DIR` reuses `cp_peer.py`'s export in DIR (llama.onnx, llama.pt, batch.npz)
+//! or writes one there.
+
+#[path = "peers/mod.rs"]
+mod peers;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use peers::{launch_two, load, losses, mean_cpu, mean_step, median, ok, phases, python, repo};
+
+/// `fsdp_peer.py MODE DIR [STEPS]`.
+fn peer(mode: &str, dir: &Path, steps: Option<usize>) -> Output {
+    let mut c = Command::new(python());
+    c.arg(repo().join("benches/peers/fsdp_peer.py")).arg(mode).arg(dir);
+    if let Some(s) = steps {
+        c.arg(s.to_string());
+    }
+    ok(&format!("fsdp_peer.py {mode}"), c.output().expect("run fsdp_peer.py"))
+}
+
+/// The export in `$SMP_BENCH_CP_DIR` (written there if missing) or in a temporary directory.
+fn export() -> (Option<tempfile::TempDir>, PathBuf) {
+    if let Some(d) = std::env::var_os("SMP_BENCH_CP_DIR").map(PathBuf::from) {
+        if !d.join("llama.onnx").exists() {
+            peer("export", &d, None);
+        }
+        return (None, d);
+    }
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path().to_path_buf();
+    peer("export", &dir, None);
+    (Some(tmp), dir)
+}
+
+/// Plans dp 2 under ZeRO 3 into `out`; returns the plan.
+fn plan(dir: &Path, out: &Path) -> serde_json::Value {
+    let cluster = format!("{}:2", repo().join("tests/data/cpu.toml").display());
+    let planned = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
+        .arg(dir.join("llama.onnx"))
+        .args(["--cluster", &cluster, "--global-batch", "8", "--seq-len", "128", "--microbatches", "1"])
+        .args(["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "3", "--checkpointing", "none", "-o", out.to_str().unwrap()])
+        .output()
+        .expect("run smp-partition");
+    ok("smp-partition", planned);
+    let plan: serde_json::Value = serde_json::from_slice(&std::fs::read(out).expect("plan")).expect("plan JSON");
+    assert_eq!((plan["parallel"]["dp"].as_u64(), plan["parallel"]["zero"].as_u64()), (Some(2), Some(3)), "the plan's dp and ZeRO stage");
+    plan
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
+    let arg = |i: usize, d: usize| args.get(i).and_then(|s| s.parse().ok()).unwrap_or(d);
+    let (rounds, steps) = (arg(0, 3), arg(1, 6));
+    let (_tmp, dir) = export();
+    let zero3 = dir.join("dp2-zero3.json");
+    plan(&dir, &zero3);
+    let names = ["runner dp 2, ZeRO 3", "PyTorch FSDP2 dp 2"];
+
+    let load_before = load();
+    let mut wall: [Vec<f64>; 2] = Default::default();
+    let mut cpu: [Vec<f64>; 2] = Default::default();
+    let mut worst = 0.0f64;
+    let mut last_phases = Vec::new();
+    for r in 0..rounds {
+        // alternate which goes first, so neither always runs on a cooler machine
+        let outs = if r % 2 == 0 {
+            let a = launch_two(&dir, &zero3, steps, "smp-runner launch (dp 2, ZeRO 3)");
+            [a, peer("fsdp", &dir, Some(steps))]
+        } else {
+            let b = peer("fsdp", &dir, Some(steps));
+            [launch_two(&dir, &zero3, steps, "smp-runner launch (dp 2, ZeRO 3)"), b]
+        };
+        let (ours, theirs) = (losses(&outs[0]), losses(&outs[1]));
+        assert_eq!(ours.len(), theirs.len(), "step count");
+        worst = ours.iter().zip(&theirs).map(|(x, y)| (x - y).abs() / y.abs()).fold(worst, f64::max);
+        for (i, o) in outs.iter().enumerate() {
+            wall[i].push(mean_step(o));
+            cpu[i].push(mean_cpu(o));
+        }
+        println!(
+            "round {r}: {} {:.1} ms/step ({:.1} ms CPU), {} {:.1} ms/step ({:.1} ms CPU)",
+            names[0],
+            wall[0][r] * 1e3,
+            cpu[0][r] * 1e3,
+            names[1],
+            wall[1][r] * 1e3,
+            cpu[1][r] * 1e3
+        );
+        last_phases = phases(&outs[0]);
+    }
+    assert!(worst < 1e-4, "the runner's losses differ from FSDP2's by {worst:.2e}");
+    let med = |v: &Vec<f64>| median(v.clone());
+    println!("HF Llama 4 × 256 (8 heads, 2 KV heads, intermediate 704, vocab 2048), batch 8 × 128, dp 2 = 2 ranks × 1 thread (4 sequences each), f32, {rounds} rounds × {steps} steps (first excluded)");
+    println!("load average before {load_before}, after {}", load());
+    println!("losses agree with FSDP2 within {worst:.1e}");
+    println!("{} phases (last round):", names[0]);
+    for l in &last_phases {
+        println!("  {l}");
+    }
+    let (a, b) = (med(&wall[0]), med(&wall[1]));
+    let (ca, cb) = (med(&cpu[0]), med(&cpu[1]));
+    println!("{:<22} {:.1} ms/step (median of rounds), rank 0 CPU {:.1} ms/step", names[0], a * 1e3, ca * 1e3);
+    println!("{:<22} {:.1} ms/step, rank 0 CPU {:.1} ms/step", names[1], b * 1e3, cb * 1e3);
+    println!("ratio FSDP2 / runner {:.2} (goal: ≥ 1.1); CPU ratio {:.2}", b / a, cb / ca);
+}
