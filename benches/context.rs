@@ -25,19 +25,14 @@
 #[path = "peers/mod.rs"]
 mod peers;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
-use peers::{launch_two, load, losses, mean_cpu, mean_step, median, ok, phases, python, repo};
+use peers::{launch_two, llama_export, load, losses, mean_cpu, mean_step, median, ok, phases, repo, run_peer};
 
 /// `cp_peer.py MODE DIR [STEPS]`.
 fn peer(mode: &str, dir: &Path, steps: Option<usize>) -> Output {
-    let mut c = Command::new(python());
-    c.arg(repo().join("benches/peers/cp_peer.py")).arg(mode).arg(dir);
-    if let Some(s) = steps {
-        c.arg(s.to_string());
-    }
-    ok(&format!("cp_peer.py {mode}"), c.output().expect("run cp_peer.py"))
+    run_peer("cp_peer.py", mode, dir, steps, &[])
 }
 
 
@@ -52,25 +47,11 @@ fn runner_one(dir: &Path, steps: usize) -> Output {
 }
 
 
-/// The export in `$SMP_BENCH_CP_DIR` (written there if missing) or in a temporary directory.
-fn export() -> (Option<tempfile::TempDir>, PathBuf) {
-    if let Some(d) = std::env::var_os("SMP_BENCH_CP_DIR").map(PathBuf::from) {
-        if !d.join("llama.onnx").exists() {
-            peer("export", &d, None);
-        }
-        return (None, d);
-    }
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let dir = tmp.path().to_path_buf();
-    peer("export", &dir, None);
-    (Some(tmp), dir)
-}
-
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
     let arg = |i: usize, d: usize| args.get(i).and_then(|s| s.parse().ok()).unwrap_or(d);
     let (rounds, steps) = (arg(0, 3), arg(1, 6));
-    let (_tmp, dir) = export();
+    let (_tmp, dir) = llama_export();
     let cp2 = dir.join("cp2.json");
     let cluster = format!("{}:2", repo().join("tests/data/cpu.toml").display());
     let planned = Command::new(env!("CARGO_BIN_EXE_smp-partition"))

@@ -24,38 +24,14 @@
 #[path = "peers/mod.rs"]
 mod peers;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
-use peers::{launch_two, load, losses, mean_cpu, mean_step, median, ok, phases, python, repo};
+use peers::{launch_two, llama_export, load, losses, mean_cpu, mean_step, median, ok, phases, repo, run_peer};
 
-/// `tp_peer.py MODE DIR [STEPS] [--vocab-embed]`.
-fn peer(mode: &str, dir: &Path, steps: Option<usize>, vocab_embed: bool) -> Output {
-    let mut c = Command::new(python());
-    c.arg(repo().join("benches/peers/tp_peer.py")).arg(mode).arg(dir);
-    if let Some(s) = steps {
-        c.arg(s.to_string());
-    }
-    if vocab_embed {
-        c.arg("--vocab-embed");
-    }
-    ok(&format!("tp_peer.py {mode}"), c.output().expect("run tp_peer.py"))
-}
-
-
-
-/// The export in `$SMP_BENCH_CP_DIR` (written there if missing) or in a temporary directory.
-fn export() -> (Option<tempfile::TempDir>, PathBuf) {
-    if let Some(d) = std::env::var_os("SMP_BENCH_CP_DIR").map(PathBuf::from) {
-        if !d.join("llama.onnx").exists() {
-            peer("export", &d, None, false);
-        }
-        return (None, d);
-    }
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let dir = tmp.path().to_path_buf();
-    peer("export", &dir, None, false);
-    (Some(tmp), dir)
+/// `tp_peer.py tp DIR STEPS [--vocab-embed]`.
+fn peer(dir: &Path, steps: usize, vocab_embed: bool) -> Output {
+    run_peer("tp_peer.py", "tp", dir, Some(steps), if vocab_embed { &["--vocab-embed"] } else { &[] })
 }
 
 /// Plans tp 2 into `out` with `extra` arguments; returns the plan.
@@ -87,7 +63,7 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
     let arg = |i: usize, d: usize| args.get(i).and_then(|s| s.parse().ok()).unwrap_or(d);
     let (rounds, steps) = (arg(0, 3), arg(1, 6));
-    let (_tmp, dir) = export();
+    let (_tmp, dir) = llama_export();
     let (own, meg) = (dir.join("tp2.json"), dir.join("tp2-megatron.json"));
     let plans = [plan(&dir, &own, &[]), plan(&dir, &meg, &["--baseline", "megatron"])];
     let mut embed = [false; 2];
@@ -110,10 +86,10 @@ fn main() {
     let mut worst = [0.0f64; 4];
     let mut last_phases = [Vec::new(), Vec::new()];
     for r in 0..rounds {
-        let mut outs = vec![launch_two(&dir, &own, steps, "smp-runner launch (tp 2)"), peer("tp", &dir, Some(steps), embed[0])];
+        let mut outs = vec![launch_two(&dir, &own, steps, "smp-runner launch (tp 2)"), peer(&dir, steps, embed[0])];
         if !same {
             outs.push(launch_two(&dir, &meg, steps, "smp-runner launch (tp 2)"));
-            outs.push(peer("tp", &dir, Some(steps), embed[1]));
+            outs.push(peer(&dir, steps, embed[1]));
         }
         // every run against PyTorch's on the planner's plan
         let reference = losses(&outs[1]);

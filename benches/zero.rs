@@ -21,33 +21,14 @@
 #[path = "peers/mod.rs"]
 mod peers;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
-use peers::{launch_two, load, losses, mean_cpu, mean_step, median, ok, phases, python, repo};
+use peers::{launch_two, llama_export, load, losses, mean_cpu, mean_step, median, ok, phases, repo, run_peer};
 
-/// `fsdp_peer.py MODE DIR [STEPS]`.
-fn peer(mode: &str, dir: &Path, steps: Option<usize>) -> Output {
-    let mut c = Command::new(python());
-    c.arg(repo().join("benches/peers/fsdp_peer.py")).arg(mode).arg(dir);
-    if let Some(s) = steps {
-        c.arg(s.to_string());
-    }
-    ok(&format!("fsdp_peer.py {mode}"), c.output().expect("run fsdp_peer.py"))
-}
-
-/// The export in `$SMP_BENCH_CP_DIR` (written there if missing) or in a temporary directory.
-fn export() -> (Option<tempfile::TempDir>, PathBuf) {
-    if let Some(d) = std::env::var_os("SMP_BENCH_CP_DIR").map(PathBuf::from) {
-        if !d.join("llama.onnx").exists() {
-            peer("export", &d, None);
-        }
-        return (None, d);
-    }
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let dir = tmp.path().to_path_buf();
-    peer("export", &dir, None);
-    (Some(tmp), dir)
+/// `fsdp_peer.py fsdp DIR STEPS`.
+fn peer(dir: &Path, steps: usize) -> Output {
+    run_peer("fsdp_peer.py", "fsdp", dir, Some(steps), &[])
 }
 
 /// Plans dp 2 under ZeRO 3 into `out`; returns the plan.
@@ -69,7 +50,7 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
     let arg = |i: usize, d: usize| args.get(i).and_then(|s| s.parse().ok()).unwrap_or(d);
     let (rounds, steps) = (arg(0, 3), arg(1, 6));
-    let (_tmp, dir) = export();
+    let (_tmp, dir) = llama_export();
     let zero3 = dir.join("dp2-zero3.json");
     plan(&dir, &zero3);
     let names = ["runner dp 2, ZeRO 3", "PyTorch FSDP2 dp 2"];
@@ -83,9 +64,9 @@ fn main() {
         // alternate which goes first, so neither always runs on a cooler machine
         let outs = if r % 2 == 0 {
             let a = launch_two(&dir, &zero3, steps, "smp-runner launch (dp 2, ZeRO 3)");
-            [a, peer("fsdp", &dir, Some(steps))]
+            [a, peer(&dir, steps)]
         } else {
-            let b = peer("fsdp", &dir, Some(steps));
+            let b = peer(&dir, steps);
             [launch_two(&dir, &zero3, steps, "smp-runner launch (dp 2, ZeRO 3)"), b]
         };
         let (ours, theirs) = (losses(&outs[0]), losses(&outs[1]));

@@ -95,23 +95,51 @@ def optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
 
 
+def timed(steps: int, step, before=None, value=None) -> dict:
+    """Runs `step()`, which trains one step and returns its loss, `steps` times: rank 0's wall
+    and CPU time per step and each step's loss (`value(loss)`, else `loss.item()`), both read
+    outside the timing, as is `before()` (a barrier) ahead of each step."""
+    times, cpus, losses = [], [], []
+    for _ in range(steps):
+        if before is not None:
+            before()
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss = step()
+        times.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+        losses.append(value(loss) if value is not None else loss.item())
+    return {"step_times_s": times, "cpu_times_s": cpus, "losses": losses}
+
+
+def gloo_mesh(rank: int, world: int, port: int):
+    """One thread, this rank in a Gloo process group of `world` ranks on this host, and the
+    group's 1-D CPU device mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return init_device_mesh("cpu", (world,))
+
+
+def lm_step(hf, ids: torch.Tensor, opt, clip) -> torch.Tensor:
+    """One training step of the causal LM on `ids`: its loss (mean over every next-token
+    target), `clip()` between the backward and the update."""
+    opt.zero_grad()
+    logits = hf(input_ids=ids, use_cache=False).logits
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    loss.backward()
+    clip()
+    opt.step()
+    return loss
+
+
 def eager(d: Path, steps: int) -> dict:
     torch.set_num_threads(1)
     hf, ids = load(d, "sdpa")
     opt = optimizer(hf.parameters())
-    times, cpus, losses = [], [], []
-    for _ in range(steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        opt.zero_grad()
-        logits = hf(input_ids=ids, use_cache=False).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(hf.parameters(), CLIP)
-        opt.step()
-        times.append(time.perf_counter() - t0)
-        cpus.append(time.process_time() - c0)
-        losses.append(loss.item())
-    return {"step_times_s": times, "cpu_times_s": cpus, "losses": losses}
+    return timed(steps, lambda: lm_step(hf, ids, opt, lambda: torch.nn.utils.clip_grad_norm_(hf.parameters(), CLIP)))
 
 
 def profile(d: Path, steps: int) -> None:

@@ -120,3 +120,29 @@ pub fn launch_two(dir: &Path, plan: &Path, steps: usize, what: &str) -> Output {
         .expect("run smp-runner");
     ok(what, out)
 }
+
+/// `benches/peers/SCRIPT MODE DIR [STEPS] EXTRA…`: its output (a failure names the script).
+pub fn run_peer(script: &str, mode: &str, dir: &Path, steps: Option<usize>, extra: &[&str]) -> Output {
+    let mut c = Command::new(python());
+    c.arg(repo().join("benches/peers").join(script)).arg(mode).arg(dir);
+    if let Some(s) = steps {
+        c.arg(s.to_string());
+    }
+    c.args(extra);
+    ok(&format!("{script} {mode}"), c.output().unwrap_or_else(|e| panic!("run {script}: {e}")))
+}
+
+/// The HF Llama bench model of `cp_peer.py` (llama.onnx, llama.pt, batch.npz): in
+/// `$SMP_BENCH_CP_DIR` (written there if missing) or in a temporary directory.
+pub fn llama_export() -> (Option<tempfile::TempDir>, PathBuf) {
+    if let Some(d) = std::env::var_os("SMP_BENCH_CP_DIR").map(PathBuf::from) {
+        if !d.join("llama.onnx").exists() {
+            run_peer("cp_peer.py", "export", &d, None, &[]);
+        }
+        return (None, d);
+    }
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path().to_path_buf();
+    run_peer("cp_peer.py", "export", &dir, None, &[]);
+    (Some(tmp), dir)
+}

@@ -28,14 +28,11 @@ Prints one JSON object: {"step_times_s": [...], "cpu_times_s": [...], "losses": 
 from __future__ import annotations
 
 import json
-import os
 import sys
-import time
 import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cp_peer as cp  # noqa: E402  (the model, its export, load, optimizer)
@@ -69,14 +66,10 @@ def clip(params, max_norm: float) -> torch.Tensor:
 
 def tp_rank(rank: int, world: int, d: str, steps: int, port: int, vocab_embed: bool) -> None:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = cp.gloo_mesh(rank, world, port)
 
     hf, ids = cp.load(Path(d), "sdpa")
     for layer in hf.model.layers:
@@ -96,21 +89,13 @@ def tp_rank(rank: int, world: int, d: str, steps: int, port: int, vocab_embed: b
 
     params = [p for p in hf.parameters() if p.requires_grad]
     opt = cp.optimizer(params)
-    times, cpus, losses = [], [], []
-    for _ in range(steps):
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        opt.zero_grad()
-        logits = hf(input_ids=ids, use_cache=False).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, cp.VOCAB), ids[:, 1:].reshape(-1))
-        loss.backward()
-        clip(params, cp.CLIP)
-        opt.step()
-        times.append(time.perf_counter() - t0)
-        cpus.append(time.process_time() - c0)
-        losses.append(loss.item())
+
+    def step() -> torch.Tensor:
+        return cp.lm_step(hf, ids, opt, lambda: clip(params, cp.CLIP))
+
+    out = cp.timed(steps, step, before=dist.barrier)
     if rank == 0:
-        print(json.dumps({"step_times_s": times, "cpu_times_s": cpus, "losses": losses}), flush=True)
+        print(json.dumps(out), flush=True)
     dist.destroy_process_group()
 
 
