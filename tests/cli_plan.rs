@@ -340,3 +340,19 @@ fn plans_do_not_depend_on_the_thread_count() {
         assert!(one["solver"]["candidates"]["skipped"].as_u64().unwrap() > 100, "{args:?}: a search worth spreading");
     }
 }
+
+/// Under `--optimize memory` the solver line's objective and bound are the peak memory it
+/// minimised, printed as bytes (they were printed as seconds), equal to the plan's predicted peak.
+#[test]
+fn the_memory_objective_prints_as_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("plan.json");
+    let gpt2 = concat!(env!("CARGO_MANIFEST_DIR"), "/models/gpt2.onnx");
+    let o = smp(&[gpt2, "--cluster", "a100-80gb:8", "--seq-len", "1024", "--global-batch", "64", "--optimize", "memory", "-o", out.to_str().unwrap()]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout);
+    let solver = text.lines().find(|l| l.starts_with("solver")).unwrap_or_else(|| panic!("no solver line: {text}"));
+    let peak = text.lines().find(|l| l.starts_with("predicted")).and_then(|l| l.split("peak memory ").nth(1)).and_then(|r| r.split(',').next()).unwrap_or_else(|| panic!("no peak: {text}"));
+    assert!(solver.contains(&format!("objective {peak},")), "{solver} / peak {peak}");
+    assert!(peak.ends_with("iB"), "{peak}");
+}

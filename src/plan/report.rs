@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use super::schema::Plan;
+use crate::solve::Optimize;
 
 /// Why the bottleneck stage is the slowest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -481,12 +482,15 @@ fn summary(plan: &Plan, out: &mut String) {
         p.hfu * 100.0
     );
     let sv = &plan.solver;
+    // under `--optimize memory` the objective and its bound are a peak in bytes, not a step
+    let memory = plan.request.as_ref().and_then(|r| r.optimize.as_deref()).and_then(|o| o.parse::<Optimize>().ok()) == Some(Optimize::Memory);
+    let objective = |v: f64| if memory { bytes(v) } else { ms(v) };
     let _ = writeln!(
         out,
         "solver      {}: objective {}, bound {}, gap {:.2}%; {} candidates solved, {} skipped by bound; {:.2} s",
         sv.status,
-        ms(sv.objective),
-        ms(sv.bound),
+        objective(sv.objective),
+        objective(sv.bound),
         sv.gap * 100.0,
         sv.candidates.solved,
         sv.candidates.skipped,
