@@ -28,7 +28,7 @@ mod peers;
 use std::path::Path;
 use std::process::{Command, Output};
 
-use peers::{launch_two, llama_export, load, losses, mean_cpu, mean_step, median, ok, phases, repo, run_peer};
+use peers::{launch_two, llama_export, load, losses, mean_cpu, mean_step, median, ok, phases, plan_two, run_peer};
 
 /// `cp_peer.py MODE DIR [STEPS]`.
 fn peer(mode: &str, dir: &Path, steps: Option<usize>) -> Output {
@@ -53,15 +53,7 @@ fn main() {
     let (rounds, steps) = (arg(0, 3), arg(1, 6));
     let (_tmp, dir) = llama_export();
     let cp2 = dir.join("cp2.json");
-    let cluster = format!("{}:2", repo().join("tests/data/cpu.toml").display());
-    let planned = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
-        .arg(dir.join("llama.onnx"))
-        .args(["--cluster", &cluster, "--global-batch", "8", "--seq-len", "128", "--microbatches", "1"])
-        .args(["--cp", "2", "--pp", "1", "--tp", "1", "--dp", "1", "--checkpointing", "none", "-o", cp2.to_str().unwrap()])
-        .output()
-        .expect("run smp-partition");
-    ok("smp-partition", planned);
-    let plan: serde_json::Value = serde_json::from_slice(&std::fs::read(&cp2).expect("plan")).expect("plan JSON");
+    let plan = plan_two(&dir.join("llama.onnx"), &cp2, &["--cp", "2", "--pp", "1", "--tp", "1", "--dp", "1"]);
     assert_eq!(plan["parallel"]["cp"], 2, "the plan's cp");
 
     let load_before = load();

@@ -19,7 +19,7 @@ mod peers;
 use std::path::Path;
 use std::process::Command;
 
-use peers::{load, losses, mean_cpu, mean_step, median, ok, python, repo};
+use peers::{load, losses, mean_cpu, mean_step, median, ok, plan_two, python, repo};
 
 /// One run of the runner's ep 2 plan: its output.
 fn runner(dir: &Path, plan: &Path, steps: usize) -> std::process::Output {
@@ -46,15 +46,7 @@ fn main() {
     let dir = tmp.path();
     ok("moe_block.py", Command::new(python()).arg(repo().join("benches/peers/moe_block.py")).arg(dir).output().expect("run moe_block.py"));
     let dp2 = dir.join("dp2.json");
-    let cluster = format!("{}:2", repo().join("tests/data/cpu.toml").display());
-    let planned = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
-        .arg(dir.join("moe_block.onnx"))
-        .args(["--cluster", &cluster, "--global-batch", "8", "--seq-len", "128", "--microbatches", "1"])
-        .args(["--pp", "1", "--tp", "1", "--dp", "2", "--baseline", "megatron", "--checkpointing", "none", "-o", dp2.to_str().unwrap()])
-        .output()
-        .expect("run smp-partition");
-    ok("smp-partition", planned);
-    let mut plan: serde_json::Value = serde_json::from_slice(&std::fs::read(&dp2).expect("plan")).expect("plan JSON");
+    let mut plan = plan_two(&dir.join("moe_block.onnx"), &dp2, &["--pp", "1", "--tp", "1", "--dp", "2", "--baseline", "megatron"]);
     plan["parallel"]["ep"] = serde_json::json!(2);
     let ep2 = dir.join("ep2.json");
     std::fs::write(&ep2, serde_json::to_vec(&plan).expect("plan JSON")).expect("write the ep 2 plan");

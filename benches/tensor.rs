@@ -25,9 +25,9 @@
 mod peers;
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
-use peers::{launch_two, llama_export, load, losses, mean_cpu, mean_step, median, ok, phases, repo, run_peer};
+use peers::{launch_two, llama_export, load, losses, mean_cpu, mean_step, median, phases, plan_two, run_peer};
 
 /// `tp_peer.py tp DIR STEPS [--vocab-embed]`.
 fn peer(dir: &Path, steps: usize, vocab_embed: bool) -> Output {
@@ -36,16 +36,9 @@ fn peer(dir: &Path, steps: usize, vocab_embed: bool) -> Output {
 
 /// Plans tp 2 into `out` with `extra` arguments; returns the plan.
 fn plan(dir: &Path, out: &Path, extra: &[&str]) -> serde_json::Value {
-    let cluster = format!("{}:2", repo().join("tests/data/cpu.toml").display());
-    let planned = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
-        .arg(dir.join("llama.onnx"))
-        .args(["--cluster", &cluster, "--global-batch", "8", "--seq-len", "128", "--microbatches", "1"])
-        .args(["--pp", "1", "--tp", "2", "--dp", "1", "--checkpointing", "none", "-o", out.to_str().unwrap()])
-        .args(extra)
-        .output()
-        .expect("run smp-partition");
-    ok("smp-partition", planned);
-    let plan: serde_json::Value = serde_json::from_slice(&std::fs::read(out).expect("plan")).expect("plan JSON");
+    let mut args = vec!["--pp", "1", "--tp", "2", "--dp", "1"];
+    args.extend_from_slice(extra);
+    let plan = plan_two(&dir.join("llama.onnx"), out, &args);
     assert_eq!(plan["parallel"]["tp"], 2, "the plan's tp");
     plan
 }

@@ -22,9 +22,9 @@
 mod peers;
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
-use peers::{launch_two, llama_export, load, losses, mean_cpu, mean_step, median, ok, phases, repo, run_peer};
+use peers::{launch_two, llama_export, load, losses, mean_cpu, mean_step, median, phases, plan_two, run_peer};
 
 /// `fsdp_peer.py fsdp DIR STEPS`.
 fn peer(dir: &Path, steps: usize) -> Output {
@@ -33,15 +33,7 @@ fn peer(dir: &Path, steps: usize) -> Output {
 
 /// Plans dp 2 under ZeRO 3 into `out`; returns the plan.
 fn plan(dir: &Path, out: &Path) -> serde_json::Value {
-    let cluster = format!("{}:2", repo().join("tests/data/cpu.toml").display());
-    let planned = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
-        .arg(dir.join("llama.onnx"))
-        .args(["--cluster", &cluster, "--global-batch", "8", "--seq-len", "128", "--microbatches", "1"])
-        .args(["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "3", "--checkpointing", "none", "-o", out.to_str().unwrap()])
-        .output()
-        .expect("run smp-partition");
-    ok("smp-partition", planned);
-    let plan: serde_json::Value = serde_json::from_slice(&std::fs::read(out).expect("plan")).expect("plan JSON");
+    let plan = plan_two(&dir.join("llama.onnx"), out, &["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "3"]);
     assert_eq!((plan["parallel"]["dp"].as_u64(), plan["parallel"]["zero"].as_u64()), (Some(2), Some(3)), "the plan's dp and ZeRO stage");
     plan
 }

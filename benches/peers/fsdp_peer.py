@@ -62,6 +62,9 @@ def fsdp_rank(rank: int, world: int, d: str, steps: int, port: int) -> None:
     out = cp.timed(steps, step, before=dist.barrier, value=whole)
     if rank == 0:
         print(json.dumps(out), flush=True)
+    # both ranks past their last collective before Gloo's threads go (a rank leaving early
+    # aborted the other's teardown now and then)
+    dist.barrier()
     dist.destroy_process_group()
 
 

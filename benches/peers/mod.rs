@@ -1,5 +1,6 @@
 //! Shared by the runner benches: the bench GPT-2 (4 × 256, vocab 2048, HF's default init)
-//! exported by `benches/peers/gpt2_peer.py`, the peers' runs and step-time summaries.
+//! exported by `benches/peers/gpt2_peer.py`, the HF Llama of `cp_peer.py`, plans for two CPU
+//! ranks, the peers' runs and step-time summaries.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
@@ -145,4 +146,19 @@ pub fn llama_export() -> (Option<tempfile::TempDir>, PathBuf) {
     let dir = tmp.path().to_path_buf();
     run_peer("cp_peer.py", "export", &dir, None, &[]);
     (Some(tmp), dir)
+}
+
+/// Plans `model` for the 2 CPU ranks of `tests/data/cpu.toml` (batch 8 × 128, one microbatch,
+/// no recompute) with `args` beside, into `out`: the plan.
+pub fn plan_two(model: &Path, out: &Path, args: &[&str]) -> serde_json::Value {
+    let cluster = format!("{}:2", repo().join("tests/data/cpu.toml").display());
+    let planned = Command::new(env!("CARGO_BIN_EXE_smp-partition"))
+        .arg(model)
+        .args(["--cluster", &cluster, "--global-batch", "8", "--seq-len", "128", "--microbatches", "1", "--checkpointing", "none"])
+        .args(args)
+        .args(["-o", out.to_str().expect("a UTF-8 path")])
+        .output()
+        .expect("run smp-partition");
+    ok("smp-partition", planned);
+    serde_json::from_slice(&std::fs::read(out).expect("plan")).expect("plan JSON")
 }

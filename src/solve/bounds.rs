@@ -399,13 +399,13 @@ fn memory_stage_bound(p: &PipelineProblem, facts: &[LayerFacts], tmin: &[f64], m
     if !room.is_finite() || stages != p.devices.max(1) || p.fixed_chunks.is_some() || facts.is_empty() {
         return lo;
     }
-    // per stage and layer: (time, bytes without recompute, bytes recompute may free)
-    let fig: Vec<Vec<(f64, f64, f64)>> = (0..stages)
+    // per stage and layer: (bytes without recompute, bytes recompute may free)
+    let fig: Vec<Vec<(f64, f64)>> = (0..stages)
         .map(|c| {
             (0..facts.len())
                 .map(|l| {
                     let (whole, _, freed) = layer_bytes(p, &facts[l], p.checkpoint_of(l), c, may_offload);
-                    (tmin[l], whole, freed)
+                    (whole, freed)
                 })
                 .collect()
         })
@@ -415,11 +415,11 @@ fn memory_stage_bound(p: &PipelineProblem, facts: &[LayerFacts], tmin: &[f64], m
     // microbatch's activations beyond its inputs, held while a recomputed layer's backward runs).
     let recompute: Vec<(f64, f64, f64, f64)> = (0..stages)
         .map(|c| {
-            let free: Vec<usize> = (0..facts.len()).filter(|&l| fig[c][l].2 > 0.0).collect();
+            let free: Vec<usize> = (0..facts.len()).filter(|&l| fig[c][l].1 > 0.0).collect();
             let least = |it: &mut dyn Iterator<Item = f64>| it.fold(f64::INFINITY, f64::min);
             (
-                least(&mut free.iter().map(|&l| facts[l].fwd / fig[c][l].2)),
-                free.iter().map(|&l| fig[c][l].2).fold(0.0, f64::max),
+                least(&mut free.iter().map(|&l| facts[l].fwd / fig[c][l].1)),
+                free.iter().map(|&l| fig[c][l].1).fold(0.0, f64::max),
                 least(&mut free.iter().map(|&l| facts[l].fwd)),
                 least(&mut free.iter().map(|&l| (facts[l].act - facts[l].input).max(0.0))),
             )
@@ -439,8 +439,8 @@ fn memory_stage_bound(p: &PipelineProblem, facts: &[LayerFacts], tmin: &[f64], m
         for c in 0..stages {
             let (mut t, mut bytes, mut freeable) = (0.0, 0.0, 0.0);
             while l < facts.len() {
-                let (lt, lb, lf) = fig[c][l];
-                let (t2, b2, f2) = (t + lt, bytes + lb, freeable + lf);
+                let (lb, lf) = fig[c][l];
+                let (t2, b2, f2) = (t + tmin[l], bytes + lb, freeable + lf);
                 let need = (b2 - room).max(0.0);
                 let extra = if need > 0.0 { if need > f2 * (1.0 + 1e-12) { f64::INFINITY } else { recompute_s(c, need) } } else { 0.0 };
                 if t2 + extra > cap {
@@ -457,7 +457,7 @@ fn memory_stage_bound(p: &PipelineProblem, facts: &[LayerFacts], tmin: &[f64], m
     if fits(lo) {
         return given;
     }
-    let hi = fig[0].iter().map(|x| x.0).sum::<f64>() + facts.iter().map(|f| f.fwd).sum::<f64>();
+    let hi = tmin.iter().sum::<f64>() + facts.iter().map(|f| f.fwd).sum::<f64>();
     if !fits(hi) {
         return f64::INFINITY;
     }
