@@ -1,6 +1,7 @@
 // C ABI over libtorch for what tch does not expose: a backward pass that accumulates into the
 // `.grad` of chosen leaves (torch.autograd.backward(root, inputs=...)), setting or clearing a
-// leaf's `.grad`, and the fused AdamW update (torch.optim.AdamW(fused=True)). Every call catches C++ exceptions and returns a heap-allocated
+// leaf's `.grad`, the fused AdamW update (torch.optim.AdamW(fused=True)), and freeing and
+// refilling a tensor's storage in place (FSDP's `untyped_storage().resize_()`). Every call catches C++ exceptions and returns a heap-allocated
 // message (free with smp_autograd_free_error) or nullptr on success.
 // Tensors are passed as at::Tensor* (tch's C_tensor).
 
@@ -56,6 +57,29 @@ char* smp_fused_adamw(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_
       steps.push_back(at::full({}, static_cast<double>(step), at::TensorOptions().dtype(at::kFloat).device(params[i]->device())));
     }
     at::_fused_adamw_(ps, gs, ms, vs, {}, steps, lr, beta1, beta2, weight_decay, eps, false, false);
+  });
+}
+
+// Frees the bytes under `t`'s storage, keeping the storage object: every view of it (autograd's
+// saved ones too) stays valid as an object and must not be read until the storage is refilled.
+char* smp_storage_free(at::Tensor* t) {
+  return smp_shim::guarded([&] {
+    c10::StorageImpl* s = t->storage().unsafeGetStorageImpl();
+    s->set_data_ptr_noswap(c10::DataPtr(nullptr, s->device()));
+    s->set_nbytes(0);
+  });
+}
+
+// Gives `t`'s storage `nbytes` fresh bytes from the allocator it was made with (contents
+// undefined): the views made of it before it was freed read them again.
+char* smp_storage_refill(at::Tensor* t, int64_t nbytes) {
+  return smp_shim::guarded([&] {
+    c10::StorageImpl* s = t->storage().unsafeGetStorageImpl();
+    c10::Allocator* a = s->allocator();
+    TORCH_CHECK(a != nullptr, "the storage has no allocator to refill it from");
+    TORCH_CHECK(nbytes >= 0, "a storage of ", nbytes, " bytes");
+    s->set_data_ptr_noswap(a->allocate(static_cast<size_t>(nbytes)));
+    s->set_nbytes(static_cast<size_t>(nbytes));
   });
 }
 

@@ -28,6 +28,7 @@ fn point() -> impl Strategy<Value = ParetoPoint> {
             // copies from fully hidden (0) to several times the layer's compute
             host_s: host,
             shared_bytes: 0.0,
+            gathered_bytes: 0.0,
         },
     )
 }
@@ -95,6 +96,7 @@ fn instance() -> impl Strategy<Value = Instance> {
                     bubble_coeff: [1.0, 0.5, 1.0 / 3.0][coeff],
                     memory_cap: cap,
                     workspace: 0.5 * GIB,
+                    gathered: 0.0,
                     transfer_s_per_byte: beta[..chunks - 1].iter().map(|b| b / GIB).collect(),
                     checkpoint: [CheckpointRule::Auto, CheckpointRule::Never, CheckpointRule::Always][rule],
                     offload,
@@ -221,12 +223,12 @@ proptest! {
         prop_assume!(times.len() >= p);
         let layers = times.iter().map(|&t| PipelineLayer {
             tied: Vec::new(),
-            points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.0, grad_scatter_s: 0.0, choice: 0, host_s: 0.0, shared_bytes: 0.0 }],
+            points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.0, grad_scatter_s: 0.0, choice: 0, host_s: 0.0, shared_bytes: 0.0, gathered_bytes: 0.0 }],
             output_bytes: 0.0,
         }).collect();
         let prob = PipelineProblem {
             layers, devices: p, virtual_stages: 1, microbatches: m, in_flight: vec![1.0; p], kept_flight: vec![], bubble_coeff: 1.0,
-            memory_cap: f64::INFINITY, workspace: 0.0, transfer_s_per_byte: vec![0.0; p - 1],
+            memory_cap: f64::INFINITY, workspace: 0.0, gathered: 0.0, transfer_s_per_byte: vec![0.0; p - 1],
             checkpoint: CheckpointRule::Never, offload: OffloadRule::Never, loading_horizon: 4.0, fixed_chunks: None, fixed_checkpoints: None,
             objective: PipelineObjective::StepTime,
         };
@@ -304,6 +306,7 @@ fn pruning_bound_splits_the_stages_with_their_memory() {
         choice: 0,
         host_s: 0.0,
         shared_bytes: 0.0,
+        gathered_bytes: 0.0,
     };
     let layer = PipelineLayer { points: vec![pt], output_bytes: 0.0, tied: Vec::new() };
     let p = PipelineProblem {
@@ -316,6 +319,7 @@ fn pruning_bound_splits_the_stages_with_their_memory() {
         bubble_coeff: 1.0,
         memory_cap: 7.5 * GIB,
         workspace: 0.5 * GIB,
+        gathered: 0.0,
         transfer_s_per_byte: vec![0.0; 2],
         checkpoint: CheckpointRule::Auto,
         offload: OffloadRule::Never,

@@ -256,14 +256,14 @@ fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<S
     let t_sum: f64 = tmin.iter().sum();
     let s_sum: f64 = smin.iter().sum();
     let kept_flight = if offloaded < 1.0 { min_flight.min(p.resident_microbatches()) } else { min_flight };
-    let mem_lb = (state + kept_min * kept_flight) / devices as f64 + p.workspace;
+    let mem_lb = (state + kept_min * kept_flight) / devices as f64 + p.reserved();
     // Device d keeps at most (cap − workspace − state_d) / (least in-flight count of its
     // chunks) bytes per microbatch; summed over devices with Σ state_d = state.
     let mut f_dev = vec![f64::INFINITY; devices];
     for (ch, &f) in p.in_flight.iter().enumerate() {
         f_dev[ch % devices] = f_dev[ch % devices].min(f.max(1e-12));
     }
-    let room = p.memory_cap - p.workspace;
+    let room = p.memory_cap - p.reserved();
     let f_max = f_dev.iter().cloned().fold(0.0, f64::max);
     let keep_cap = f_dev.iter().map(|f| room / f).sum::<f64>() - state / f_max;
     let mut need = act_total - keep_cap;
@@ -357,7 +357,7 @@ fn layer_bytes(p: &PipelineProblem, fa: &LayerFacts, rule: CheckpointRule, chunk
 /// longer prefix in an earlier stage leaves a shorter suffix). Fixed chunks: their sums.
 /// Interleaved chunks are not checked.
 fn fits_per_device(p: &PipelineProblem, facts: &[LayerFacts], may_offload: bool) -> bool {
-    let room = p.memory_cap - p.workspace;
+    let room = p.memory_cap - p.reserved();
     if !room.is_finite() {
         return true;
     }
@@ -394,7 +394,7 @@ fn fits_per_device(p: &PipelineProblem, facts: &[LayerFacts], may_offload: bool)
 /// a stage's recompute priced at its least seconds per freed byte (so a segment's feasibility
 /// only grows as layers leave it, and the greedy stays exact for the relaxation).
 fn memory_stage_bound(p: &PipelineProblem, facts: &[LayerFacts], tmin: &[f64], may_offload: bool, lo: f64) -> f64 {
-    let room = p.memory_cap - p.workspace;
+    let room = p.memory_cap - p.reserved();
     let stages = p.chunks();
     if !room.is_finite() || stages != p.devices.max(1) || p.fixed_chunks.is_some() || facts.is_empty() {
         return lo;
@@ -486,6 +486,7 @@ mod tests {
             grad_scatter_s: 0.0,
             choice: 0,
             host_s: 0.0,
+            gathered_bytes: 0.0,
         }
     }
 
@@ -514,6 +515,7 @@ mod tests {
             bubble_coeff: super::bubble_coeff(kind, devices, m),
             memory_cap: cap,
             workspace: 1e9,
+            gathered: 0.0,
             transfer_s_per_byte: vec![1e-11; chunks.saturating_sub(1)],
             checkpoint,
             offload: OffloadRule::Auto,

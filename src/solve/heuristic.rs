@@ -145,7 +145,7 @@ fn fit_by_offload(p: &PipelineProblem, choices: &[LayerChoice]) -> Option<Vec<La
 /// each device fits its memory.
 fn fit_by_recompute(p: &PipelineProblem, mut choices: Vec<LayerChoice>) -> Option<Vec<LayerChoice>> {
     let e = p.evaluate(&choices)?;
-    let cap = p.memory_cap - p.workspace;
+    let cap = p.memory_cap - p.reserved();
     for d in 0..p.devices {
         let mut over = e.state_bytes[d] + e.act_bytes[d] - cap;
         if over <= 0.0 {

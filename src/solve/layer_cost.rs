@@ -942,6 +942,8 @@ impl<'a> CostContext<'a> {
             grad_scatter_s: grad_scatter,
             choice,
             host_s: self.spec.host_bandwidth.map_or(0.0, |bw| d.offload_bytes / c / bw),
+            // the runner gathers what ZeRO shards: all but the experts held in part
+            gathered_bytes: if cfg.zero >= 3 { model_state(dense, dense * fraction, 0, 1, self.precision).params } else { 0.0 },
         }
     }
 

@@ -169,7 +169,7 @@ impl PipelineProblem {
                 for d in 0..self.devices {
                     milp.constrain(Expression::from(peak.v()).geq(dev.mem[d].clone()));
                 }
-                let (mut r, v) = milp.minimise(Expression::from(peak.v()), self.workspace / GIB, opts)?;
+                let (mut r, v) = milp.minimise(Expression::from(peak.v()), self.reserved() / GIB, opts)?;
                 r.objective *= GIB;
                 r.bound *= GIB;
                 (r, v)
@@ -373,7 +373,7 @@ impl PipelineProblem {
                 }
                 dev.mem[d].add_mul(1.0, rb.v());
             }
-            milp.constrain(dev.mem[d].clone().leq((self.memory_cap - self.workspace) / GIB));
+            milp.constrain(dev.mem[d].clone().leq((self.memory_cap - self.reserved()) / GIB));
         }
     }
 

@@ -94,6 +94,10 @@ pub struct ParetoPoint {
     /// backward.
     #[serde(default)]
     pub host_s: f64,
+    /// Under ZeRO 3: the bytes of the layer's parameters gathered whole for each of its
+    /// passes, beside the rank's block (a transient, one layer at a time), else 0.
+    #[serde(default)]
+    pub gathered_bytes: f64,
 }
 
 /// A layer of the pipeline problem.
@@ -168,6 +172,10 @@ pub struct PipelineProblem {
     pub memory_cap: f64,
     /// Workspace reserved per device, bytes.
     pub workspace: f64,
+    /// Under ZeRO 3: the most bytes any layer's parameters take gathered whole (its points'
+    /// `gathered_bytes`), reserved per device beside the workspace; else 0.
+    #[serde(default)]
+    pub gathered: f64,
     /// Seconds per byte across each chunk boundary (len chunks − 1).
     pub transfer_s_per_byte: Vec<f64>,
     /// Checkpointing rule.
@@ -200,6 +208,12 @@ fn default_horizon() -> f64 {
 }
 
 impl PipelineProblem {
+    /// Bytes reserved per device beside the layers' state and activations: the workspace and
+    /// the largest layer gathered whole under ZeRO 3.
+    pub fn reserved(&self) -> f64 {
+        self.workspace + self.gathered
+    }
+
     /// A point's data-parallel synchronisation per step: the step's own, and under ZeRO 2 and 3
     /// one reduce-scatter after every backward but the last.
     pub fn sync_of(&self, pt: &ParetoPoint) -> f64 {
@@ -446,7 +460,7 @@ impl PipelineProblem {
         let c = self.bubble_coeff;
         let step = c * t.iter().sum::<f64>() + (self.microbatches as f64 - c) * tmax + transfer + smax;
         let act_total: Vec<f64> = (0..p).map(|d| act[d] + recompute[d]).collect();
-        let total = (0..p).map(|d| state[d] + act_total[d] + self.workspace).collect();
+        let total = (0..p).map(|d| state[d] + act_total[d] + self.reserved()).collect();
         Some(PipelineEval {
             step_s: step,
             fwd_s: fwd,

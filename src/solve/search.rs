@@ -108,6 +108,7 @@ fn prepare_on(
         bubble_coeff: bubble_coeff(cand.parallel.schedule, cand.parallel.pp, cand.parallel.microbatches),
         memory_cap,
         workspace: spec.workspace_bytes as f64,
+        gathered: table.distinct.iter().flat_map(|l| &l.points).map(|pt| pt.gathered_bytes).fold(0.0, f64::max),
         transfer_s_per_byte: beta,
         checkpoint: cand.parallel.checkpointing,
         offload: cand.parallel.offload,
@@ -724,11 +725,14 @@ impl Search<'_> {
             let ranks = cand.parallel.stage_ranks(pp_rank);
             let (mut expert, mut expert_trained) = (0.0, 0.0);
             let (mut fwd, mut bwd, mut params, mut trained, mut kept, mut rec) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0f64);
+            // ZeRO 3: the largest of its layers gathered whole for a pass
+            let mut gathered = 0.0f64;
             let (mut ckpt, mut offloaded, mut host) = (Vec::new(), Vec::new(), 0.0);
             for &l in &members {
                 let ch = choices[l];
                 let pt = &prob.layers[l].points[ch.point];
                 let (f, b) = PipelineProblem::layer_times(pt, ch.checkpoint, ch.offload);
+                gathered = gathered.max(pt.gathered_bytes);
                 fwd += f;
                 bwd += b;
                 // The layer's own count, plus what its assignment replicates beyond the split.
@@ -775,13 +779,13 @@ impl Search<'_> {
                 backward_s: bwd,
                 comm_s,
                 memory: StageMemory {
-                    params: st.params,
+                    params: st.params + gathered,
                     grads: st.grads,
                     optimizer: st.optimizer,
                     activations,
                     recompute: rec,
                     workspace,
-                    total: st.total() + activations + rec + workspace,
+                    total: st.total() + gathered + activations + rec + workspace,
                 },
                 checkpointed_layers: ckpt,
                 offloaded_layers: offloaded,

@@ -36,7 +36,7 @@ unsafe extern "C" {
     ) -> *mut c_char;
 }
 
-fn check(call: &str, err: *mut c_char) -> Result<(), RuntimeError> {
+pub(super) fn check(call: &str, err: *mut c_char) -> Result<(), RuntimeError> {
     if err.is_null() {
         return Ok(());
     }
@@ -49,7 +49,7 @@ fn check(call: &str, err: *mut c_char) -> Result<(), RuntimeError> {
     Err(RuntimeError::Torch(TchError::Torch(format!("{call}: {message}"))))
 }
 
-fn raw(t: &Tensor) -> *mut torch_sys::C_tensor {
+pub(super) fn raw(t: &Tensor) -> *mut torch_sys::C_tensor {
     t.as_ptr() as *mut torch_sys::C_tensor
 }
 

@@ -6,6 +6,7 @@ pub mod context;
 pub mod executor;
 mod experts;
 pub(crate) mod grad;
+pub(crate) mod storage;
 pub mod ops;
 pub mod tensor;
 

@@ -264,7 +264,6 @@ impl<'r, 'a> Interp<'r, 'a> {
 
     fn forward(&mut self, s: usize, mb: usize) -> Result<(), RuntimeError> {
         let r = self.rank;
-        self.zero.ensure(r, s)?;
         let raw: Vec<Tensor> = if s == 0 {
             Vec::new()
         } else if let Some(t) = self.act_in.remove(&(s, mb)) {
@@ -284,9 +283,10 @@ impl<'r, 'a> Interp<'r, 'a> {
             .zip(raw)
             .map(|(v, t)| Ok((*v, if is_float(&t) && back.contains(v) { t.f_detach()?.f_set_requires_grad(true)? } else { t })))
             .collect::<Result<_, RuntimeError>>()?;
-        if !self.eval && r.layout.recompute[s] {
+        if !self.eval && r.segments.contains_key(&s) {
             return self.forward_segments(s, mb, inputs);
         }
+        self.zero.ensure(r, s)?;
         let grad = !self.eval;
         let norm = if self.eval { NormStats::Running } else { NormStats::Batch { update: true } };
         let dropout = (!self.eval).then(|| self.dropout_key(mb));
@@ -337,7 +337,9 @@ impl<'r, 'a> Interp<'r, 'a> {
         let plain: BTreeSet<ValueId> = env.keys().copied().filter(|v| !back.contains(v)).collect();
         let mut parts = Vec::with_capacity(segs.segments.len());
         let mut kept_ids = BTreeSet::new();
-        for seg in &segs.segments {
+        for (k, seg) in segs.segments.iter().enumerate() {
+            let peak = memory::window_peak();
+            self.zero.for_segment(r, s, k)?;
             let ins = segment_leaves(&env, &seg.inputs, |v| plain.contains(&v) || segs.no_gradient.contains(&v))?;
             feeds.extend(ins.iter().map(|(v, t)| (*v, t.shallow_clone())));
             if seg.checkpointed {
@@ -355,6 +357,7 @@ impl<'r, 'a> Interp<'r, 'a> {
                 env.extend(outs);
                 parts.push(Some(Part { inputs: ins, outputs }));
             }
+            self.zero.note_peak(peak);
         }
         self.offload.end_forward(s, mb)?;
         let mut loss_in_segment = None;
@@ -418,10 +421,10 @@ impl<'r, 'a> Interp<'r, 'a> {
     fn backward(&mut self, s: usize, mb: usize) -> Result<(), RuntimeError> {
         let r = self.rank;
         let mut st = self.state.remove(&(s, mb)).ok_or_else(|| terr(format!("backward of stage {s} mb {mb} before its forward")))?;
-        self.zero.ensure(r, s)?;
-        if r.layout.recompute[s] {
+        if r.segments.contains_key(&s) {
             return self.backward_segments(s, mb, st);
         }
+        self.zero.ensure(r, s)?;
         let mut root: Option<Tensor> = st.loss.take().map(|l| self.backward_root(l)).transpose()?;
         if s != r.last_stage() {
             let gs = self.grad_for.remove(&(s, mb)).unwrap_or_default();
@@ -501,7 +504,8 @@ impl<'r, 'a> Interp<'r, 'a> {
         let r = self.rank;
         let segs = r.segments.get(&s).ok_or_else(|| terr(format!("stage {s}: recomputed, but no segments were laid out for it")))?;
         let (ex, local) = self.stage_exec(s);
-        let kept: HashMap<ValueId, Tensor> = self.offload.take(s, mb)?.into_iter().collect();
+        let recomputes = segs.segments.iter().any(|seg| seg.checkpointed);
+        let kept: HashMap<ValueId, Tensor> = if recomputes { self.offload.take(s, mb)?.into_iter().collect() } else { HashMap::new() };
         let split = r.split_w.contains(&(s, mb));
         let mut grads: HashMap<ValueId, Tensor> = HashMap::new();
         let mut roots = Vec::new();
@@ -524,6 +528,8 @@ impl<'r, 'a> Interp<'r, 'a> {
         ex.set_norm_stats(NormStats::Batch { update: false });
         ex.set_dropout_key(Some(self.dropout_key(mb)));
         for (i, seg) in segs.segments.iter().enumerate().rev() {
+            let peak = memory::window_peak();
+            self.zero.for_segment(r, s, i)?;
             let part = match st.parts.get_mut(i).and_then(Option::take) {
                 Some(p) => p,
                 None => {
@@ -563,10 +569,13 @@ impl<'r, 'a> Interp<'r, 'a> {
             // its recomputed activations would otherwise live to the W, where the plan counts
             // its inputs alone (and they free as this B ends).
             self.segment_backward(s, root, &part.inputs, split && !seg.checkpointed, &mut grads, &mut roots)?;
+            self.zero.note_peak(peak);
         }
         // the recompute has read its kept inputs
         drop(kept);
-        self.offload.release_taken();
+        if recomputes {
+            self.offload.release_taken();
+        }
         let mut in_grads = Vec::new();
         if s > 0 {
             for &v in &r.layout.gradients_from_next[s - 1] {
@@ -804,7 +813,11 @@ impl<'r, 'a> Interp<'r, 'a> {
     fn all_gather(&mut self, g: &[usize], purpose: &Purpose) -> Result<(), RuntimeError> {
         let r = self.rank;
         match purpose {
-            Purpose::Zero3Params { .. } => self.zero.ensure(r, r.stage_of(purpose)?),
+            Purpose::Zero3Params { .. } => {
+                let s = r.stage_of(purpose)?;
+                // a segmented stage's passes gather each layer's parameters for its segment
+                if self.eval || !r.segments.contains_key(&s) { self.zero.ensure(r, s) } else { Ok(()) }
+            }
             Purpose::ZeroParams { .. } => {
                 let s = r.stage_of(purpose)?;
                 self.zero.gather_params(r, r.groups.get(g)?, s, &self.grads, &mut self.tally)
@@ -901,6 +914,7 @@ impl StepRunner for Interp<'_, '_> {
             }
             let (t, waited) = (Instant::now(), crate::runtime::comm::wait_s());
             let opened = held;
+            self.zero.gathered_at_peak = 0;
             let live_before = memory::Window::open();
             self.exec(instr)?;
             if instr.is_compute() {
@@ -924,10 +938,16 @@ impl StepRunner for Interp<'_, '_> {
             let window = memory::Window::close(live_before);
             held = self.zero.held(&r.params, &self.grads);
             self.tally.observe(held);
-            self.tally.memory.observe(window, self.offload.pool.host, (opened, held));
+            // the ZeRO-3 units gathered inside the instruction's passes when its peak rose
+            let at_peak = self.zero.gathered_at_peak;
+            let gathered = |mut b: super::report::StateBytes| {
+                b.params += at_peak;
+                b
+            };
+            self.tally.memory.observe(window, self.offload.pool.host, (gathered(opened), gathered(held)));
             if r.parallel.params_sharded() && instr.is_compute() {
                 // release what no pending weight gradient still needs
-                self.zero.release(r, &self.pending_w)?;
+                self.zero.release(r)?;
                 held = self.zero.held(&r.params, &self.grads);
             }
         }
@@ -940,7 +960,7 @@ impl StepRunner for Interp<'_, '_> {
         }
         self.steps_run += 1;
         self.tally.kept = self.offload.pool;
-        self.zero.release(r, &BTreeSet::new())?;
+        self.zero.release(r)?;
         self.tally.resident = self.zero.held(&r.params, &[]).params;
         let loss = self.loss_sum;
         let time_s = t0.elapsed().as_secs_f64();
@@ -990,13 +1010,13 @@ impl StepRunner for Interp<'_, '_> {
                     }
                     self.exec(instr)?;
                     if r.parallel.params_sharded() && instr.is_compute() {
-                        self.zero.release(r, &BTreeSet::new())?;
+                        self.zero.release(r)?;
                     }
                 }
                 self.wait_sends()?;
                 sum += self.loss_sum;
             }
-            self.zero.release(r, &BTreeSet::new())?;
+            self.zero.release(r)?;
             Ok::<(), RuntimeError>(())
         })();
         self.eval = false;

@@ -42,7 +42,8 @@ pub(super) struct StageSegments {
 /// the node before them), `checkpointed` and `offloaded` the stage's layers of each kind,
 /// `received` the values the stage gets from the previous one, `yields` what it gives on and
 /// `shared` the names of values several layers of the model read (kept on the device, as the
-/// planner prices offloading: `Layer::offload_bytes`).
+/// planner prices offloading: `Layer::offload_bytes`). `per_layer`: every layer its own
+/// segment (ZeRO 3 gathers each layer's parameters for its segment alone).
 pub(super) fn stage_segments(
     graph: &Graph,
     order: &[NodeId],
@@ -50,6 +51,7 @@ pub(super) fn stage_segments(
     (checkpointed, offloaded): (&BTreeSet<usize>, &BTreeSet<usize>),
     (received, yields): (&HashSet<ValueId>, &[ValueId]),
     shared: &HashSet<String>,
+    per_layer: bool,
 ) -> StageSegments {
     // each node's layer; leading unnamed nodes take the first named one's
     let named: Vec<Option<usize>> = order.iter().map(|&n| layer_of.get(graph.node(n).name.as_str()).copied()).collect();
@@ -75,11 +77,11 @@ pub(super) fn stage_segments(
         ok
     });
     let ordered: Vec<(NodeId, usize)> = if topological { by_layer } else { order.iter().copied().zip(layers.iter().copied()).collect() };
-    // group: a checkpointed layer alone, consecutive other layers together
+    // group: a checkpointed layer alone, consecutive other layers together (or each alone)
     let mut groups: Vec<(bool, Option<usize>, Vec<NodeId>)> = Vec::new();
     for &(n, l) in &ordered {
         let ck = checkpointed.contains(&l);
-        let key = ck.then_some(l);
+        let key = (ck || per_layer).then_some(l);
         match groups.last_mut() {
             Some((c, k, nodes)) if *c == ck && *k == key => nodes.push(n),
             _ => groups.push((ck, key, vec![n])),
@@ -122,7 +124,7 @@ pub(super) fn stage_segments(
     let movable = groups
         .iter()
         .zip(&segments)
-        .filter(|((_, key, _), _)| key.is_some_and(|l| offloaded.contains(&l)))
+        .filter(|((ck, key, _), _)| *ck && key.is_some_and(|l| offloaded.contains(&l)))
         .flat_map(|(_, seg)| seg.inputs.iter().copied())
         .filter(|&v| !shared.contains(&graph.value(v).name))
         .collect();

@@ -224,7 +224,10 @@ impl<'a> Rank<'a> {
         let reads_data = reads_input || my_stages.contains(&(n_stages - 1));
         let norm_buffers = norm_buffers(exec, &stage_execs, &layout, &my_stages);
         let replica_group = (dp > 1).then(|| mesh.replica_group(q, t));
-        let segments = recompute_segments(plan, exec, &stage_execs, &layout, &my_stages)?;
+        let gathered = zero3_stages(plan, &program);
+        let segments = recompute_segments(plan, exec, &stage_execs, &layout, &my_stages, &gathered)?;
+        let mut params = params;
+        split_gather_units(&mut params, exec.graph(), &stage_execs, &segments, &gathered);
         let split_w = program.instrs.iter().filter_map(|i| if let Instr::BackwardWeight { stage, mb } = i { Some((*stage, *mb)) } else { None }).collect();
         Ok(Rank {
             exec,
@@ -308,25 +311,11 @@ impl<'a> Rank<'a> {
     pub fn read_block_with(&self, s: usize, parts: i64, index: i64, read: impl Fn(ValueId, &Slice) -> Result<Tensor, RuntimeError>) -> Result<Tensor, RuntimeError> {
         let p = &self.params;
         let ids = self.param_ids();
-        let total: i64 = p.sharded[s].iter().map(|&i| p.numel(i)).sum();
-        let len = (total + parts - 1) / parts.max(1);
-        let (lo, hi) = (index * len, (index + 1) * len);
-        let mut v: Vec<Tensor> = Vec::new();
-        let mut off = 0i64;
-        for &i in &p.sharded[s] {
-            let n = p.numel(i);
-            let (a, b) = (lo.max(off), hi.min(off + n));
-            if a < b {
-                let mut part = self.part_of(ids[i]);
-                part.flat = Some([(a - off) as u64, (b - off) as u64]);
-                v.push(read(ids[i], &part)?.f_to_kind(p.opts.0)?.f_to_device(p.opts.1)?);
-            }
-            off += n;
-        }
-        if hi > lo.max(off) {
-            v.push(Tensor::f_zeros([hi - lo.max(off)], p.opts)?);
-        }
-        Ok(Tensor::f_cat(&v, 0)?)
+        p.assemble(s, parts, index, |pc| {
+            let mut part = self.part_of(ids[pc.pos]);
+            part.flat = Some([pc.from as u64, pc.to as u64]);
+            Ok(read(ids[pc.pos], &part)?.f_to_kind(p.opts.0)?.f_to_device(p.opts.1)?.f_reshape([-1])?)
+        })
     }
 
     /// The stage whose state a collective moves, one of this rank's.
@@ -387,36 +376,75 @@ impl<'a> Rank<'a> {
 /// The executors of a rank's shard subgraphs, by stage, sharing one tensor per trained weight
 /// that several of them read; with those tensors by name.
 #[allow(clippy::type_complexity)]
-/// The segments of each of `my_stages` the plan recomputes, in the ids of the graph that runs
-/// it: the plan's `layer_strategies` name each node's layer, its stages which are checkpointed
-/// and offloaded.
+/// The stages of `program` whose parameters ZeRO 3 gathers.
+fn zero3_stages(plan: &Plan, program: &RankProgram) -> HashSet<usize> {
+    if !plan.parallel.over_data_axis().params_sharded() {
+        return HashSet::new();
+    }
+    program
+        .instrs
+        .iter()
+        .filter_map(|i| match i {
+            Instr::AllGather { purpose: purpose @ Purpose::Zero3Params { .. }, .. } => purpose.stage(),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Cuts each ZeRO-3 stage's parameters into gather units, one per segment: a parameter's
+/// unit is the first segment reading it.
+fn split_gather_units(params: &mut Params, model: &Graph, stage_execs: &HashMap<usize, Executor<'_>>, segments: &HashMap<usize, StageSegments>, gathered: &HashSet<usize>) {
+    for &s in gathered {
+        let Some(segs) = segments.get(&s) else { continue };
+        let graph = stage_execs.get(&s).map_or(model, |e| e.graph());
+        let mut first: HashMap<usize, usize> = HashMap::new();
+        for (k, seg) in segs.segments.iter().enumerate() {
+            for &n in &seg.nodes {
+                for &v in graph.node(n).inputs.iter().flatten() {
+                    if let Some(&i) = model.value_by_name(&graph.value(v).name).and_then(|m| params.pos_of.get(&m)) {
+                        first.entry(i).or_insert(k);
+                    }
+                }
+            }
+        }
+        if s < params.sharded.len() {
+            params.split_units(s, |i| first.get(&i).copied().unwrap_or(usize::MAX));
+        }
+    }
+}
+
+/// The segments of each of `my_stages` the plan recomputes or ZeRO 3 gathers (`gathered`: one
+/// segment per layer), in the ids of the graph that runs it: the plan's `layer_strategies`
+/// name each node's layer, its stages which are checkpointed and offloaded.
 fn recompute_segments(
     plan: &Plan,
     exec: &Executor<'_>,
     stage_execs: &HashMap<usize, Executor<'_>>,
     layout: &StageLayout,
     my_stages: &[usize],
+    gathered: &HashSet<usize>,
 ) -> Result<HashMap<usize, StageSegments>, RuntimeError> {
     let layer_of: HashMap<&str, usize> = plan.layer_strategies.iter().flat_map(|l| l.nodes.iter().map(move |(n, _)| (n.as_str(), l.layer))).collect();
     let model = exec.graph();
     let shared = segments::shared_inputs(model, &layer_of);
     let carries = crate::passes::params::carries_gradient(model).map_err(|e| terr(format!("laying out recomputed segments: {e}")))?;
     let mut out = HashMap::new();
-    for &s in my_stages.iter().filter(|&&s| layout.recompute[s]) {
+    for &s in my_stages.iter().filter(|&&s| layout.recompute[s] || gathered.contains(&s)) {
+        let per_layer = gathered.contains(&s);
         let st = &plan.stages[s];
         let checkpointed: BTreeSet<usize> = st.checkpointed_layers.iter().copied().collect();
         let offloaded: BTreeSet<usize> = st.offloaded_layers.iter().copied().collect();
         let received: Vec<ValueId> = if s == 0 { Vec::new() } else { layout.outputs_to_next[s - 1].clone() };
         let yields: Vec<ValueId> = if s + 1 == layout.nodes.len() { model.outputs.clone() } else { layout.outputs_to_next[s].clone() };
         let (mut segs, graph) = match stage_execs.get(&s) {
-            None => (segments::stage_segments(model, &layout.nodes[s], &layer_of, (&checkpointed, &offloaded), (&received.into_iter().collect(), &yields), &shared), model),
+            None => (segments::stage_segments(model, &layout.nodes[s], &layer_of, (&checkpointed, &offloaded), (&received.into_iter().collect(), &yields), &shared, per_layer), model),
             Some(se) => {
                 let sg = se.graph();
                 let local = |v: &ValueId| sg.value_by_name(&model.value(*v).name);
                 let order = sg.topo_order().map_err(|e| terr(format!("stage {s}'s shard subgraph: {e}")))?;
                 let received = received.iter().filter_map(local).collect();
                 let yields: Vec<ValueId> = yields.iter().filter_map(local).collect();
-                (segments::stage_segments(sg, &order, &layer_of, (&checkpointed, &offloaded), (&received, &yields), &shared), sg)
+                (segments::stage_segments(sg, &order, &layer_of, (&checkpointed, &offloaded), (&received, &yields), &shared, per_layer), sg)
             }
         };
         // by name: a shard subgraph's values are the model's (its collectives' outputs, unnamed
@@ -553,7 +581,7 @@ fn own_params(
         .collect::<Result<_, RuntimeError>>()?;
     let expert: Vec<bool> = ids.iter().map(|&v| experts.held(&graph.value(v).name).is_some()).collect();
     let sharded = owned.iter().map(|o| o.iter().copied().filter(|&i| !expert[i]).collect()).collect();
-    let params = Params { tensors, shapes, owned, sharded, read, counted, expert, pos_of, opts: (float_kind, exec.device()) };
+    let params = Params { tensors, shapes, owned, sharded, units: Vec::new(), read, counted, expert, pos_of, opts: (float_kind, exec.device()) };
     Ok((params, kv_groups))
 }
 
@@ -754,17 +782,7 @@ pub(super) fn placeholder(graph: &Graph, v: ValueId, float_kind: Option<Kind>, d
 /// Experts held in part (expert parallelism) are loaded as their parts: ZeRO does not shard them.
 pub(super) fn lazy_params(plan: &Plan, layout: &StageLayout, program: &RankProgram, my_stages: &[usize], (graph, experts): (&Graph, &Experts)) -> HashSet<ValueId> {
     let mut out = HashSet::new();
-    if !plan.parallel.over_data_axis().params_sharded() {
-        return out;
-    }
-    let gathered: HashSet<usize> = program
-        .instrs
-        .iter()
-        .filter_map(|i| match i {
-            Instr::AllGather { purpose: purpose @ Purpose::Zero3Params { .. }, .. } => purpose.stage(),
-            _ => None,
-        })
-        .collect();
+    let gathered = zero3_stages(plan, program);
     let mut seen: HashSet<ValueId> = HashSet::new();
     for &s in my_stages {
         for &v in &layout.params[s] {

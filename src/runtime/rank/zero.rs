@@ -3,16 +3,16 @@
 //! blocks this rank holds, and under ZeRO 3 the parameters themselves, gathered around each
 //! use and released after it.
 
-use std::collections::BTreeSet;
-
 use tch::{Kind, Tensor};
 
 use crate::runtime::RuntimeError;
 use crate::runtime::comm::ProcessGroup;
+use crate::runtime::kernels::storage;
 use crate::runtime::kernels::tensor::owned_copy;
 use crate::runtime::terr;
 use super::params::Params;
 use super::setup::Rank;
+use super::memory;
 use super::report::{StateBytes, Tally, bytes_of};
 use crate::ir::ValueId;
 use crate::runtime::state::checkpoint::{Loaded, Role};
@@ -34,12 +34,26 @@ pub(super) struct Shard {
     /// group that gathers the blocks.
     master: Option<Tensor>,
     members: Vec<usize>,
+    /// ZeRO 3, per gather unit: its offset and length in the block, and the tensor it is
+    /// gathered into (made once; its storage freed between uses, so autograd's saved views of
+    /// the weights read the unit again once it is gathered back).
+    units: Vec<GatherUnit>,
+}
+
+/// One ZeRO-3 gather unit of a stage: a layer's parameters.
+struct GatherUnit {
+    /// Offset and length of its share in the rank's block.
+    span: (i64, i64),
+    /// The unit gathered (`None` before its first use).
+    gathered: Option<Tensor>,
+    /// Whether `gathered` holds bytes now.
+    live: bool,
 }
 
 impl Shard {
     /// A ZeRO-1/2 shard: block `index` of `parts`, each `len` long, nothing held yet.
     fn block(parts: i64, index: i64, len: i64) -> Shard {
-        Shard { parts, index, len, grad: None, updated: None, opt: None, master: None, members: Vec::new() }
+        Shard { parts, index, len, grad: None, updated: None, opt: None, master: None, members: Vec::new(), units: Vec::new() }
     }
 }
 
@@ -52,8 +66,11 @@ pub(super) struct Zero {
     /// `need[s]`: the ZeRO-3 stages whose parameters stage `s` reads (its own, or a weight it
     /// shares with another stage of this rank).
     need: Vec<Vec<usize>>,
-    /// ZeRO-3 stages whose parameters are gathered now.
-    live: Vec<bool>,
+    /// By (stage, segment): the ZeRO-3 gather units (stage, unit) the segment's nodes read.
+    segment_units: std::collections::HashMap<(usize, usize), Vec<(usize, usize)>>,
+    /// The most bytes of gathered units live while the peak of the memory window open now
+    /// rose (what the window's peak holds of them).
+    pub gathered_at_peak: u64,
     /// Moments restored from a checkpoint, used when each optimizer is made.
     restore: Option<Restore>,
     /// By parameter position: last step's gradient storage, kept for the parameter's first
@@ -114,6 +131,43 @@ pub(super) fn zero_blocks(rank: &Rank<'_>) -> Result<Vec<Option<(i64, i64)>>, Ru
     Ok(out)
 }
 
+/// By (stage, segment) of `rank`'s segmented stages: the ZeRO-3 gather units (stage, unit)
+/// among `need`'s that the segment's nodes read.
+fn segment_units(rank: &Rank<'_>, need: &[Vec<usize>], shards: &[Option<Shard>]) -> std::collections::HashMap<(usize, usize), Vec<(usize, usize)>> {
+    let p = &rank.params;
+    let model = rank.graph();
+    let mut unit_of: std::collections::HashMap<usize, (usize, usize)> = std::collections::HashMap::new();
+    for (o, sh) in shards.iter().enumerate() {
+        if sh.as_ref().is_some_and(|sh| !sh.units.is_empty()) {
+            for u in 0..p.unit_count(o) {
+                for &i in p.unit_positions(o, u) {
+                    unit_of.insert(i, (o, u));
+                }
+            }
+        }
+    }
+    let mut out = std::collections::HashMap::new();
+    for (&s, segs) in &rank.segments {
+        let graph = rank.stage_execs.get(&s).map_or(model, |e| e.graph());
+        for (k, seg) in segs.segments.iter().enumerate() {
+            let mut units: Vec<(usize, usize)> = Vec::new();
+            for &n in &seg.nodes {
+                for &v in graph.node(n).inputs.iter().flatten() {
+                    let Some(m) = model.value_by_name(&graph.value(v).name) else { continue };
+                    if let Some(&(o, u)) = p.pos_of.get(&m).and_then(|i| unit_of.get(i))
+                        && need[s].contains(&o)
+                        && !units.contains(&(o, u))
+                    {
+                        units.push((o, u));
+                    }
+                }
+            }
+            out.insert((s, k), units);
+        }
+    }
+    out
+}
+
 /// A part of this rank's state to checkpoint: parameter position `pos`'s `role`, elements
 /// `flat` of its (local) tensor flattened or all of it.
 pub(super) struct LocalPiece {
@@ -168,20 +222,27 @@ impl Zero {
                 let pg = rank.groups.get(g)?;
                 let (parts, index) = (pg.size() as i64, pg.index() as i64);
                 // the block alone, read from the model or checkpoint (never the whole stage)
-                let total: i64 = p.sharded[s].iter().map(|&i| p.numel(i)).sum();
-                let len = (total + parts - 1) / parts.max(1);
+                let len = p.block_len(s, parts);
                 let master = rank.read_block(s, parts, index)?;
-                p.release(s)?;
+                for u in 0..p.unit_count(s) {
+                    p.release_unit(s, u)?;
+                }
                 shards[s] = Some(Shard { master: Some(master), members: g.clone(), ..Shard::block(parts, index, len) });
             }
         }
-        let need = (0..n)
+        let need: Vec<Vec<usize>> = (0..n)
             .map(|s| {
                 (0..n)
                     .filter(|&o| shards[o].as_ref().is_some_and(|sh| sh.master.is_some()) && p.sharded[o].iter().any(|i| p.read[s].contains(i)))
                     .collect()
             })
             .collect();
+        for (o, sh) in shards.iter_mut().enumerate() {
+            if let Some(sh) = sh.as_mut().filter(|sh| sh.master.is_some()) {
+                sh.units = p.unit_spans(o, sh.parts).into_iter().map(|span| GatherUnit { span, gathered: None, live: false }).collect();
+            }
+        }
+        let segment_units = segment_units(rank, &need, &shards);
         let mut tied = vec![false; p.tensors.len()];
         for instr in &rank.program.instrs {
             if let Instr::AllReduce { purpose: Purpose::TiedGrad { weight }, .. } = instr
@@ -190,7 +251,7 @@ impl Zero {
                 tied[i] = true;
             }
         }
-        Ok(Zero { shards, full_opt: None, need, live: vec![false; n], restore, grad_pool: Vec::new(), tied })
+        Ok(Zero { shards, full_opt: None, need, segment_units, gathered_at_peak: 0, restore, grad_pool: Vec::new(), tied })
     }
 
     /// The trained state held now, with `grads` the full gradients.
@@ -239,30 +300,85 @@ impl Zero {
         }
     }
 
-    /// Gathers the ZeRO-3 parameters stage `s` reads that are not gathered yet.
+    /// Gathers the ZeRO-3 parameters stage `s` reads that are not gathered yet (all its units).
     pub fn ensure(&mut self, rank: &Rank<'_>, s: usize) -> Result<(), RuntimeError> {
-        for &o in &self.need[s] {
-            if !self.live[o] {
-                if let Some(sh) = &self.shards[o] {
-                    let master = sh.master.as_ref().ok_or_else(|| terr(format!("stage {o} has no ZeRO-3 block")))?;
-                    let out = Tensor::f_empty([sh.len * sh.parts], rank.params.opts)?;
-                    rank.groups.get(&sh.members)?.all_gather(&out, master)?;
-                    rank.params.write_flat(o, &out, false)?;
-                }
-                self.live[o] = true;
+        for o in self.need[s].clone() {
+            for u in 0..self.shards[o].as_ref().map_or(0, |sh| sh.units.len()) {
+                self.gather_unit(rank, o, u)?;
             }
         }
         Ok(())
     }
 
-    /// Releases the gathered ZeRO-3 parameters no split backward in `pending_w` still needs
-    /// (all of them when it is empty).
-    pub fn release(&mut self, rank: &Rank<'_>, pending_w: &BTreeSet<(usize, usize)>) -> Result<(), RuntimeError> {
-        let pinned: BTreeSet<usize> = pending_w.iter().flat_map(|(s, _)| self.need[*s].iter().copied()).collect();
-        for o in 0..self.live.len() {
-            if self.live[o] && !pinned.contains(&o) {
-                rank.params.release(o)?;
-                self.live[o] = false;
+    /// Before segment `seg` of stage `s` runs: the units it reads gathered, every other unit
+    /// released.
+    pub fn for_segment(&mut self, rank: &Rank<'_>, s: usize, seg: usize) -> Result<(), RuntimeError> {
+        let wanted = self.segment_units.get(&(s, seg)).cloned().unwrap_or_default();
+        for o in 0..self.shards.len() {
+            for u in 0..self.shards[o].as_ref().map_or(0, |sh| sh.units.len()) {
+                if !wanted.contains(&(o, u)) {
+                    self.free_unit(rank, o, u)?;
+                }
+            }
+        }
+        for (o, u) in wanted {
+            self.gather_unit(rank, o, u)?;
+        }
+        Ok(())
+    }
+
+    /// Notes the gathered bytes live now if the memory window's peak rose from `before`.
+    pub fn note_peak(&mut self, before: u64) {
+        if memory::window_peak() > before {
+            self.gathered_at_peak = self.gathered_at_peak.max(self.gathered_bytes());
+        }
+    }
+
+    /// Bytes of the gathered units live now.
+    pub fn gathered_bytes(&self) -> u64 {
+        self.shards.iter().flatten().flat_map(|sh| &sh.units).filter(|u| u.live).filter_map(|u| u.gathered.as_ref()).map(bytes_of).sum()
+    }
+
+    /// All-gathers unit `u` of stage `o` into its tensor (refilling the storage it had) and
+    /// makes its parameters views of it.
+    fn gather_unit(&mut self, rank: &Rank<'_>, o: usize, u: usize) -> Result<(), RuntimeError> {
+        let Some(sh) = self.shards[o].as_mut() else { return Ok(()) };
+        let master = sh.master.as_ref().ok_or_else(|| terr(format!("stage {o} has no ZeRO-3 block")))?;
+        let parts = sh.parts;
+        let unit = sh.units.get_mut(u).ok_or_else(|| terr(format!("stage {o} has no gather unit {u}")))?;
+        if unit.live {
+            return Ok(());
+        }
+        let (at, len) = unit.span;
+        let out = match &unit.gathered {
+            Some(t) => {
+                storage::refill(t)?;
+                t.shallow_clone()
+            }
+            None => unit.gathered.insert(Tensor::f_empty([len * parts], rank.params.opts)?).shallow_clone(),
+        };
+        rank.groups.get(&sh.members)?.all_gather(&out, &master.f_narrow(0, at, len)?)?;
+        rank.params.write_unit(o, u, &out, false)?;
+        unit.live = true;
+        Ok(())
+    }
+
+    /// Releases unit `u` of stage `o`: its parameters emptied, its gathered storage freed.
+    fn free_unit(&mut self, rank: &Rank<'_>, o: usize, u: usize) -> Result<(), RuntimeError> {
+        let Some(unit) = self.shards[o].as_mut().and_then(|sh| sh.units.get_mut(u)).filter(|unit| unit.live) else { return Ok(()) };
+        rank.params.release_unit(o, u)?;
+        if let Some(t) = &unit.gathered {
+            storage::free(t)?;
+        }
+        unit.live = false;
+        Ok(())
+    }
+
+    /// Releases every gathered ZeRO-3 unit.
+    pub fn release(&mut self, rank: &Rank<'_>) -> Result<(), RuntimeError> {
+        for o in 0..self.shards.len() {
+            for u in 0..self.shards[o].as_ref().map_or(0, |sh| sh.units.len()) {
+                self.free_unit(rank, o, u)?;
             }
         }
         Ok(())
@@ -363,8 +479,7 @@ impl Zero {
         let p = &rank.params;
         let parts = pg.size() as i64;
         let index = pg.index() as i64;
-        let total: i64 = p.sharded[s].iter().map(|&i| p.numel(i)).sum();
-        let len = (total + parts - 1) / parts.max(1);
+        let len = p.block_len(s, parts);
         let sh = self.shards[s].get_or_insert_with(|| Shard::block(parts, index, len));
         let (block, write) = match sh.updated.take() {
             Some(b) => (b, true),
@@ -376,7 +491,8 @@ impl Zero {
         now.params += bytes_of(&out) + bytes_of(&block);
         tally.observe(now);
         if write {
-            p.write_flat(s, &out, true)?;
+            // one unit: the gathered blocks are the parameters one after another
+            p.write_unit(s, 0, &out, true)?;
         }
         Ok(())
     }
@@ -468,31 +584,29 @@ impl Zero {
                 continue;
             }
             let writes = rank.replica < rank.parallel.zero_group();
-            let (lo, hi) = (sh.index * sh.len, (sh.index + 1) * sh.len);
-            let mut off = 0i64;
             for &i in &p.sharded[s] {
                 in_block[i] = sh.opt.is_some() || sh.master.is_some();
                 master_held[i] = sh.master.is_some();
-                let len = p.numel(i);
-                let (a, b) = (lo.max(off), hi.min(off + len));
-                if a < b && writes && p.counted[i] {
-                    let flat = Some([(a - off) as u64, (b - off) as u64]);
-                    let part = |t: &Tensor| -> Result<Tensor, RuntimeError> { Ok(owned_copy(&t.f_narrow(0, a - lo, b - a)?)?) };
-                    if let Some(m) = &sh.master {
-                        out.push(LocalPiece { pos: i, role: Role::Param, flat, tensor: part(m)? });
-                    }
-                    let (m, v) = match &sh.opt {
-                        Some(o) => (o.state()[0].0.shallow_clone(), o.state()[0].1.shallow_clone()),
-                        None => match self.restore.as_ref().and_then(|r| r.blocks.get(s)).and_then(Option::as_ref) {
-                            // resumed and not stepped yet
-                            Some((m, v)) => (m.shallow_clone(), v.shallow_clone()),
-                            None => (Tensor::f_zeros([sh.len], p.opts)?, Tensor::f_zeros([sh.len], p.opts)?),
-                        },
-                    };
-                    out.push(LocalPiece { pos: i, role: Role::ExpAvg, flat, tensor: part(&m)? });
-                    out.push(LocalPiece { pos: i, role: Role::ExpAvgSq, flat, tensor: part(&v)? });
+            }
+            if !writes {
+                continue;
+            }
+            let (m, v) = match &sh.opt {
+                Some(o) => (o.state()[0].0.shallow_clone(), o.state()[0].1.shallow_clone()),
+                None => match self.restore.as_ref().and_then(|r| r.blocks.get(s)).and_then(Option::as_ref) {
+                    // resumed and not stepped yet
+                    Some((m, v)) => (m.shallow_clone(), v.shallow_clone()),
+                    None => (Tensor::f_zeros([sh.len], p.opts)?, Tensor::f_zeros([sh.len], p.opts)?),
+                },
+            };
+            for pc in p.block_pieces(s, sh.parts, sh.index).into_iter().filter(|pc| p.counted[pc.pos]) {
+                let flat = Some([pc.from as u64, pc.to as u64]);
+                let part = |t: &Tensor| -> Result<Tensor, RuntimeError> { Ok(owned_copy(&t.f_narrow(0, pc.at, pc.to - pc.from)?)?) };
+                if let Some(master) = &sh.master {
+                    out.push(LocalPiece { pos: pc.pos, role: Role::Param, flat, tensor: part(master)? });
                 }
-                off += len;
+                out.push(LocalPiece { pos: pc.pos, role: Role::ExpAvg, flat, tensor: part(&m)? });
+                out.push(LocalPiece { pos: pc.pos, role: Role::ExpAvgSq, flat, tensor: part(&v)? });
             }
         }
         for i in 0..n {
