@@ -502,6 +502,21 @@ char* smp_c10d_all_gather(void* g, at::Tensor* out, at::Tensor* input) {
   });
 }
 
+// Starts an all-gather of `input` into `out` (as smp_c10d_all_gather) and returns at once: the
+// Work, waited for, lands it (a CUDA tensor Gloo gathers is staged through host memory).
+char* smp_c10d_all_gather_start(void* g, at::Tensor* out, at::Tensor* input, void** work) {
+  return guarded([&] {
+    auto* grp = static_cast<Group*>(g);
+    auto h_out = host_of(grp, *out);
+    std::vector<std::vector<at::Tensor>> outs(1);
+    auto parts = h_out.reshape({-1}).chunk(grp->gloo->getSize());
+    for (auto& p : parts) outs[0].push_back(p);
+    std::vector<at::Tensor> ins{host_of(grp, *input).reshape({-1})};
+    auto w = backend_for(grp, *out).allgather(outs, ins);
+    *work = new Work{w, grp->timeout, grp->over("all_gather"), h_out, h_out.is_same(*out) ? at::Tensor() : *out};
+  });
+}
+
 // Sums `input` (size × numel(out)) over members; member i receives block i.
 char* smp_c10d_reduce_scatter_sum(void* g, at::Tensor* out, at::Tensor* input) {
   return guarded([&] {

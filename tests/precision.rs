@@ -82,9 +82,10 @@ fn model_state_per_mode_and_zero_stage_is_the_formula() {
             let m = planned.stages[0].memory_bytes;
             let d = dp as f64;
             // ZeRO 1 shards the optimizer state (the moments), 2 the gradients
-            // too, 3 the weights too, one layer at a time gathered whole beside them
+            // too, 3 the weights too, with two layers at a time gathered whole beside them
+            // (one in use, the next prefetched)
             let shard = |stage: u8| if zero >= stage { d } else { 1.0 };
-            let gathered = if zero >= 3 { largest * w } else { 0.0 };
+            let gathered = if zero >= 3 { 2.0 * largest * w } else { 0.0 };
             let what = format!("{p} ({recipe:?}) dp {dp} ZeRO {zero}");
             close(m.params, params * w / shard(3) + gathered, &format!("{what} weights"));
             close(m.grads, trained * g / shard(2), &format!("{what} gradients"));

@@ -108,7 +108,8 @@ fn prepare_on(
         bubble_coeff: bubble_coeff(cand.parallel.schedule, cand.parallel.pp, cand.parallel.microbatches),
         memory_cap,
         workspace: spec.workspace_bytes as f64,
-        gathered: table.distinct.iter().flat_map(|l| &l.points).map(|pt| pt.gathered_bytes).fold(0.0, f64::max),
+        // one layer gathered for its pass and the next one's gather started beside it
+        gathered: 2.0 * table.distinct.iter().flat_map(|l| &l.points).map(|pt| pt.gathered_bytes).fold(0.0, f64::max),
         transfer_s_per_byte: beta,
         checkpoint: cand.parallel.checkpointing,
         offload: cand.parallel.offload,
@@ -725,7 +726,8 @@ impl Search<'_> {
             let ranks = cand.parallel.stage_ranks(pp_rank);
             let (mut expert, mut expert_trained) = (0.0, 0.0);
             let (mut fwd, mut bwd, mut params, mut trained, mut kept, mut rec) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0f64);
-            // ZeRO 3: the largest of its layers gathered whole for a pass
+            // ZeRO 3: the largest of its layers gathered whole for a pass, and (prefetched
+            // beside it) the next one
             let mut gathered = 0.0f64;
             let (mut ckpt, mut offloaded, mut host) = (Vec::new(), Vec::new(), 0.0);
             for &l in &members {
@@ -779,13 +781,13 @@ impl Search<'_> {
                 backward_s: bwd,
                 comm_s,
                 memory: StageMemory {
-                    params: st.params + gathered,
+                    params: st.params + 2.0 * gathered,
                     grads: st.grads,
                     optimizer: st.optimizer,
                     activations,
                     recompute: rec,
                     workspace,
-                    total: st.total() + gathered + activations + rec + workspace,
+                    total: st.total() + 2.0 * gathered + activations + rec + workspace,
                 },
                 checkpointed_layers: ckpt,
                 offloaded_layers: offloaded,

@@ -26,6 +26,7 @@ unsafe extern "C" {
     pub fn smp_c10d_group_has_nccl(g: *mut c_void) -> c_int;
     pub fn smp_c10d_all_reduce_sum(g: *mut c_void, t: *mut C_tensor) -> *mut c_char;
     pub fn smp_c10d_all_gather(g: *mut c_void, out: *mut C_tensor, input: *mut C_tensor) -> *mut c_char;
+    pub fn smp_c10d_all_gather_start(g: *mut c_void, out: *mut C_tensor, input: *mut C_tensor, work: *mut *mut c_void) -> *mut c_char;
     pub fn smp_c10d_reduce_scatter_sum(g: *mut c_void, out: *mut C_tensor, input: *mut C_tensor) -> *mut c_char;
     pub fn smp_c10d_broadcast(g: *mut c_void, t: *mut C_tensor, root: c_int) -> *mut c_char;
     pub fn smp_c10d_barrier(g: *mut c_void) -> *mut c_char;

@@ -410,6 +410,20 @@ impl ProcessGroup {
         self.checked("all_gather", unsafe { ffi::smp_c10d_all_gather(self.raw, raw(out), raw(input)) })
     }
 
+    /// Starts [`Self::all_gather`] and returns at once; the gather is in `out` once the Work
+    /// is waited for (both tensors must stay untouched until then).
+    pub fn all_gather_start(&self, out: &Tensor, input: &Tensor) -> Result<Work, DistError> {
+        need_contiguous("all_gather", out)?;
+        need_contiguous("all_gather", input)?;
+        if out.numel() != input.numel() * self.size() {
+            return Err(DistError::Usage(format!("all_gather: output has {} elements, not {} × {}", out.numel(), self.size(), input.numel())));
+        }
+        let mut w = std::ptr::null_mut();
+        // SAFETY: live group and tensors; the Work keeps them alive.
+        self.checked("all_gather", unsafe { ffi::smp_c10d_all_gather_start(self.raw, raw(out), raw(input), &mut w) })?;
+        Ok(Work { raw: w, tensor: out.shallow_clone(), call: "all_gather" })
+    }
+
     /// Sums `input` (flattened, `size` equal blocks) over the members; this member's block
     /// lands in `out`.
     pub fn reduce_scatter_sum(&self, out: &Tensor, input: &Tensor) -> Result<(), DistError> {

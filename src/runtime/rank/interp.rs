@@ -339,7 +339,7 @@ impl<'r, 'a> Interp<'r, 'a> {
         let mut kept_ids = BTreeSet::new();
         for (k, seg) in segs.segments.iter().enumerate() {
             let peak = memory::window_peak();
-            self.zero.for_segment(r, s, k)?;
+            self.zero.for_segment(r, s, k, Some(k + 1).filter(|&j| j < segs.segments.len()))?;
             let ins = segment_leaves(&env, &seg.inputs, |v| plain.contains(&v) || segs.no_gradient.contains(&v))?;
             feeds.extend(ins.iter().map(|(v, t)| (*v, t.shallow_clone())));
             if seg.checkpointed {
@@ -457,7 +457,7 @@ impl<'r, 'a> Interp<'r, 'a> {
                 got.into_iter().map(|g| g.defined().then_some(g)).collect()
             } else {
                 // the weights' gradients go into the accumulated ones as they are produced
-                self.backward_into_params(s, root, &grad_leaves)?;
+                self.backward_into_params(&r.params.read[s], root, &grad_leaves)?;
                 grad_leaves.iter().map(|t| grad::take_grad(t)).collect::<Result<_, _>>()?
             };
             let mut it = got.into_iter();
@@ -490,7 +490,7 @@ impl<'r, 'a> Interp<'r, 'a> {
         self.zero.ensure(r, s)?;
         self.pending_w.remove(&(s, mb));
         for root in st.roots.iter().filter(|t| t.requires_grad()) {
-            self.backward_into_params(s, root, &[])?;
+            self.backward_into_params(&r.params.read[s], root, &[])?;
         }
         Ok(())
     }
@@ -512,7 +512,7 @@ impl<'r, 'a> Interp<'r, 'a> {
         if let Some(part) = st.loss_part.take() {
             let root = st.loss.take().map(|l| self.backward_root(l)).transpose()?;
             // the loss reads no parameter: nothing of it waits for a W
-            self.segment_backward(s, root, &part.inputs, split, &mut grads, &mut Vec::new())?;
+            self.segment_backward(root, (&part.inputs, &[]), split, &mut grads, &mut Vec::new())?;
         }
         if s != r.last_stage() {
             let gs = self.grad_for.remove(&(s, mb)).unwrap_or_default();
@@ -529,7 +529,7 @@ impl<'r, 'a> Interp<'r, 'a> {
         ex.set_dropout_key(Some(self.dropout_key(mb)));
         for (i, seg) in segs.segments.iter().enumerate().rev() {
             let peak = memory::window_peak();
-            self.zero.for_segment(r, s, i)?;
+            self.zero.for_segment(r, s, i, i.checked_sub(1))?;
             let part = match st.parts.get_mut(i).and_then(Option::take) {
                 Some(p) => p,
                 None => {
@@ -568,7 +568,7 @@ impl<'r, 'a> Interp<'r, 'a> {
             // A recomputed segment's weight gradients are taken in its B, not left for the W:
             // its recomputed activations would otherwise live to the W, where the plan counts
             // its inputs alone (and they free as this B ends).
-            self.segment_backward(s, root, &part.inputs, split && !seg.checkpointed, &mut grads, &mut roots)?;
+            self.segment_backward(root, (&part.inputs, &seg.params), split && !seg.checkpointed, &mut grads, &mut roots)?;
             self.zero.note_peak(peak);
         }
         // the recompute has read its kept inputs
@@ -595,9 +595,9 @@ impl<'r, 'a> Interp<'r, 'a> {
     }
 
     /// One segment's backward from `root` (if any flows): its inputs' gradients added into
-    /// `grads`; the parameters' accumulated too, or under a split backward `root` kept in
-    /// `roots` for the W.
-    fn segment_backward(&mut self, s: usize, root: Option<Tensor>, inputs: &[(ValueId, Tensor)], split: bool, grads: &mut HashMap<ValueId, Tensor>, roots: &mut Vec<Tensor>) -> Result<(), RuntimeError> {
+    /// `grads`; the gradients of the parameters it reads (positions `params`) accumulated too,
+    /// or under a split backward `root` kept in `roots` for the W.
+    fn segment_backward(&mut self, root: Option<Tensor>, (inputs, params): (&[(ValueId, Tensor)], &[usize]), split: bool, grads: &mut HashMap<ValueId, Tensor>, roots: &mut Vec<Tensor>) -> Result<(), RuntimeError> {
         let Some(root) = root.filter(|t| t.requires_grad()) else { return Ok(()) };
         let leaves: Vec<(ValueId, &Tensor)> = inputs.iter().filter(|(_, t)| t.requires_grad()).map(|(v, t)| (*v, t)).collect();
         let refs: Vec<&Tensor> = leaves.iter().map(|(_, t)| *t).collect();
@@ -606,7 +606,7 @@ impl<'r, 'a> Interp<'r, 'a> {
             roots.push(root);
             got.into_iter().map(|g| g.defined().then_some(g)).collect()
         } else {
-            self.backward_into_params(s, &root, &refs)?;
+            self.backward_into_params(params, &root, &refs)?;
             refs.iter().map(|t| grad::take_grad(t)).collect::<Result<_, _>>()?
         };
         for ((v, _), g) in leaves.iter().zip(got) {
@@ -617,17 +617,16 @@ impl<'r, 'a> Interp<'r, 'a> {
         Ok(())
     }
 
-    /// Backward from `root` into the leaves `extra` (left in their `.grad`) and stage `s`'s
-    /// parameters, whose gradients accumulate in place into `self.grads`: each accumulated
+    /// Backward from `root` into the leaves `extra` (left in their `.grad`) and the parameters
+    /// at positions `mine`, whose gradients accumulate in place into `self.grads`: each accumulated
     /// gradient is made its parameter's `.grad` for the pass (moved, not copied), so autograd
     /// adds each fresh gradient into it as soon as it is produced and frees it (PyTorch's
     /// AccumulateGrad: later ones are added in place), then taken back. A parameter's first
     /// gradient of the step goes into its storage from the last step, zeroed (kept in the
     /// pool meanwhile), or is kept as produced on the first step. The stage holds one copy of
     /// its gradients, plus one fresh parameter gradient in flight.
-    fn backward_into_params(&mut self, s: usize, root: &Tensor, extra: &[&Tensor]) -> Result<(), RuntimeError> {
+    fn backward_into_params(&mut self, mine: &[usize], root: &Tensor, extra: &[&Tensor]) -> Result<(), RuntimeError> {
         let r = self.rank;
-        let mine = &r.params.read[s];
         let mut in_flight = 0;
         // pooled storage lent as a `.grad` this pass, with its version once zeroed
         let mut lent: Vec<(usize, Tensor, i64)> = Vec::new();

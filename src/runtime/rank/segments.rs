@@ -22,6 +22,9 @@ pub(super) struct Segment {
     pub inputs: Vec<ValueId>,
     /// Values it makes that a later segment reads or the stage yields.
     pub outputs: Vec<ValueId>,
+    /// Positions (in the rank's `Params`) of the trained parameters its nodes read (filled in
+    /// once the parameters are known).
+    pub params: Vec<usize>,
 }
 
 /// A recomputed stage's segments, and which kept values may leave the device.
@@ -97,7 +100,7 @@ pub(super) fn stage_segments(
     }
     let mut segments: Vec<Segment> = groups
         .iter()
-        .map(|(ck, _, nodes)| Segment { nodes: nodes.clone(), checkpointed: *ck, inputs: Vec::new(), outputs: Vec::new() })
+        .map(|(ck, _, nodes)| Segment { nodes: nodes.clone(), checkpointed: *ck, inputs: Vec::new(), outputs: Vec::new(), params: Vec::new() })
         .collect();
     for (i, seg) in segments.iter_mut().enumerate() {
         let mut seen = HashSet::new();

@@ -225,9 +225,10 @@ impl<'a> Rank<'a> {
         let norm_buffers = norm_buffers(exec, &stage_execs, &layout, &my_stages);
         let replica_group = (dp > 1).then(|| mesh.replica_group(q, t));
         let gathered = zero3_stages(plan, &program);
-        let segments = recompute_segments(plan, exec, &stage_execs, &layout, &my_stages, &gathered)?;
+        let mut segments = recompute_segments(plan, exec, &stage_execs, &layout, &my_stages, &gathered)?;
+        segment_params(&params, exec.graph(), &stage_execs, &mut segments);
         let mut params = params;
-        split_gather_units(&mut params, exec.graph(), &stage_execs, &segments, &gathered);
+        split_gather_units(&mut params, &segments, &gathered);
         let split_w = program.instrs.iter().filter_map(|i| if let Instr::BackwardWeight { stage, mb } = i { Some((*stage, *mb)) } else { None }).collect();
         Ok(Rank {
             exec,
@@ -391,20 +392,36 @@ fn zero3_stages(plan: &Plan, program: &RankProgram) -> HashSet<usize> {
         .collect()
 }
 
-/// Cuts each ZeRO-3 stage's parameters into gather units, one per segment: a parameter's
-/// unit is the first segment reading it.
-fn split_gather_units(params: &mut Params, model: &Graph, stage_execs: &HashMap<usize, Executor<'_>>, segments: &HashMap<usize, StageSegments>, gathered: &HashSet<usize>) {
-    for &s in gathered {
-        let Some(segs) = segments.get(&s) else { continue };
-        let graph = stage_execs.get(&s).map_or(model, |e| e.graph());
-        let mut first: HashMap<usize, usize> = HashMap::new();
-        for (k, seg) in segs.segments.iter().enumerate() {
+/// Fills each segment's parameters (the positions its nodes read, by name: a shard
+/// subgraph's weights carry the model's names).
+fn segment_params(params: &Params, model: &Graph, stage_execs: &HashMap<usize, Executor<'_>>, segments: &mut HashMap<usize, StageSegments>) {
+    for (s, segs) in segments.iter_mut() {
+        let graph = stage_execs.get(s).map_or(model, |e| e.graph());
+        for seg in &mut segs.segments {
+            let mut mine = Vec::new();
             for &n in &seg.nodes {
                 for &v in graph.node(n).inputs.iter().flatten() {
-                    if let Some(&i) = model.value_by_name(&graph.value(v).name).and_then(|m| params.pos_of.get(&m)) {
-                        first.entry(i).or_insert(k);
+                    if let Some(&i) = model.value_by_name(&graph.value(v).name).and_then(|m| params.pos_of.get(&m))
+                        && !mine.contains(&i)
+                    {
+                        mine.push(i);
                     }
                 }
+            }
+            seg.params = mine;
+        }
+    }
+}
+
+/// Cuts each ZeRO-3 stage's parameters into gather units, one per segment: a parameter's
+/// unit is the first segment reading it.
+fn split_gather_units(params: &mut Params, segments: &HashMap<usize, StageSegments>, gathered: &HashSet<usize>) {
+    for &s in gathered {
+        let Some(segs) = segments.get(&s) else { continue };
+        let mut first: HashMap<usize, usize> = HashMap::new();
+        for (k, seg) in segs.segments.iter().enumerate() {
+            for &i in &seg.params {
+                first.entry(i).or_insert(k);
             }
         }
         if s < params.sharded.len() {

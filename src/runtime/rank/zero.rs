@@ -6,7 +6,7 @@
 use tch::{Kind, Tensor};
 
 use crate::runtime::RuntimeError;
-use crate::runtime::comm::ProcessGroup;
+use crate::runtime::comm::{ProcessGroup, Work};
 use crate::runtime::kernels::storage;
 use crate::runtime::kernels::tensor::owned_copy;
 use crate::runtime::terr;
@@ -46,8 +46,10 @@ struct GatherUnit {
     span: (i64, i64),
     /// The unit gathered (`None` before its first use).
     gathered: Option<Tensor>,
-    /// Whether `gathered` holds bytes now.
+    /// Whether `gathered` holds the unit now (its parameters are views of it).
     live: bool,
+    /// A gather into `gathered` started ahead of its use (prefetched), not yet waited for.
+    pending: Option<Work>,
 }
 
 impl Shard {
@@ -135,7 +137,6 @@ pub(super) fn zero_blocks(rank: &Rank<'_>) -> Result<Vec<Option<(i64, i64)>>, Ru
 /// among `need`'s that the segment's nodes read.
 fn segment_units(rank: &Rank<'_>, need: &[Vec<usize>], shards: &[Option<Shard>]) -> std::collections::HashMap<(usize, usize), Vec<(usize, usize)>> {
     let p = &rank.params;
-    let model = rank.graph();
     let mut unit_of: std::collections::HashMap<usize, (usize, usize)> = std::collections::HashMap::new();
     for (o, sh) in shards.iter().enumerate() {
         if sh.as_ref().is_some_and(|sh| !sh.units.is_empty()) {
@@ -148,18 +149,11 @@ fn segment_units(rank: &Rank<'_>, need: &[Vec<usize>], shards: &[Option<Shard>])
     }
     let mut out = std::collections::HashMap::new();
     for (&s, segs) in &rank.segments {
-        let graph = rank.stage_execs.get(&s).map_or(model, |e| e.graph());
         for (k, seg) in segs.segments.iter().enumerate() {
             let mut units: Vec<(usize, usize)> = Vec::new();
-            for &n in &seg.nodes {
-                for &v in graph.node(n).inputs.iter().flatten() {
-                    let Some(m) = model.value_by_name(&graph.value(v).name) else { continue };
-                    if let Some(&(o, u)) = p.pos_of.get(&m).and_then(|i| unit_of.get(i))
-                        && need[s].contains(&o)
-                        && !units.contains(&(o, u))
-                    {
-                        units.push((o, u));
-                    }
+            for &(o, u) in seg.params.iter().filter_map(|i| unit_of.get(i)) {
+                if need[s].contains(&o) && !units.contains(&(o, u)) {
+                    units.push((o, u));
                 }
             }
             out.insert((s, k), units);
@@ -239,7 +233,7 @@ impl Zero {
             .collect();
         for (o, sh) in shards.iter_mut().enumerate() {
             if let Some(sh) = sh.as_mut().filter(|sh| sh.master.is_some()) {
-                sh.units = p.unit_spans(o, sh.parts).into_iter().map(|span| GatherUnit { span, gathered: None, live: false }).collect();
+                sh.units = p.unit_spans(o, sh.parts).into_iter().map(|span| GatherUnit { span, gathered: None, live: false, pending: None }).collect();
             }
         }
         let segment_units = segment_units(rank, &need, &shards);
@@ -311,42 +305,46 @@ impl Zero {
     }
 
     /// Before segment `seg` of stage `s` runs: the units it reads gathered, every other unit
-    /// released.
-    pub fn for_segment(&mut self, rank: &Rank<'_>, s: usize, seg: usize) -> Result<(), RuntimeError> {
+    /// released; then the gather of the units segment `next` reads started (FSDP's prefetch:
+    /// it runs beside this segment's compute, one more layer held meanwhile).
+    pub fn for_segment(&mut self, rank: &Rank<'_>, s: usize, seg: usize, next: Option<usize>) -> Result<(), RuntimeError> {
         let wanted = self.segment_units.get(&(s, seg)).cloned().unwrap_or_default();
         for o in 0..self.shards.len() {
             for u in 0..self.shards[o].as_ref().map_or(0, |sh| sh.units.len()) {
-                if !wanted.contains(&(o, u)) {
+                if !wanted.contains(&(o, u)) && self.shards[o].as_ref().is_some_and(|sh| sh.units[u].live) {
                     self.free_unit(rank, o, u)?;
                 }
             }
         }
-        for (o, u) in wanted {
+        for &(o, u) in &wanted {
             self.gather_unit(rank, o, u)?;
+        }
+        for (o, u) in next.and_then(|n| self.segment_units.get(&(s, n)).cloned()).unwrap_or_default() {
+            self.start_gather(rank, o, u)?;
         }
         Ok(())
     }
 
-    /// Notes the gathered bytes live now if the memory window's peak rose from `before`.
+    /// Notes the gathered bytes held now if the memory window's peak rose from `before`.
     pub fn note_peak(&mut self, before: u64) {
         if memory::window_peak() > before {
             self.gathered_at_peak = self.gathered_at_peak.max(self.gathered_bytes());
         }
     }
 
-    /// Bytes of the gathered units live now.
+    /// Bytes of the gathered units held now (gathered or being gathered).
     pub fn gathered_bytes(&self) -> u64 {
-        self.shards.iter().flatten().flat_map(|sh| &sh.units).filter(|u| u.live).filter_map(|u| u.gathered.as_ref()).map(bytes_of).sum()
+        self.shards.iter().flatten().flat_map(|sh| &sh.units).filter(|u| u.live || u.pending.is_some()).filter_map(|u| u.gathered.as_ref()).map(bytes_of).sum()
     }
 
-    /// All-gathers unit `u` of stage `o` into its tensor (refilling the storage it had) and
-    /// makes its parameters views of it.
-    fn gather_unit(&mut self, rank: &Rank<'_>, o: usize, u: usize) -> Result<(), RuntimeError> {
+    /// Starts all-gathering unit `u` of stage `o` into its tensor (refilling the storage it
+    /// had), unless it is gathered or on its way.
+    fn start_gather(&mut self, rank: &Rank<'_>, o: usize, u: usize) -> Result<(), RuntimeError> {
         let Some(sh) = self.shards[o].as_mut() else { return Ok(()) };
         let master = sh.master.as_ref().ok_or_else(|| terr(format!("stage {o} has no ZeRO-3 block")))?;
         let parts = sh.parts;
         let unit = sh.units.get_mut(u).ok_or_else(|| terr(format!("stage {o} has no gather unit {u}")))?;
-        if unit.live {
+        if unit.live || unit.pending.is_some() {
             return Ok(());
         }
         let (at, len) = unit.span;
@@ -357,15 +355,35 @@ impl Zero {
             }
             None => unit.gathered.insert(Tensor::f_empty([len * parts], rank.params.opts)?).shallow_clone(),
         };
-        rank.groups.get(&sh.members)?.all_gather(&out, &master.f_narrow(0, at, len)?)?;
-        rank.params.write_unit(o, u, &out, false)?;
-        unit.live = true;
+        unit.pending = Some(rank.groups.get(&sh.members)?.all_gather_start(&out, &master.f_narrow(0, at, len)?)?);
         Ok(())
     }
 
-    /// Releases unit `u` of stage `o`: its parameters emptied, its gathered storage freed.
+    /// Gathers unit `u` of stage `o` (waiting for its prefetch, or all of it now) and makes its
+    /// parameters views of it.
+    fn gather_unit(&mut self, rank: &Rank<'_>, o: usize, u: usize) -> Result<(), RuntimeError> {
+        if self.shards[o].as_ref().and_then(|sh| sh.units.get(u)).is_none_or(|unit| unit.live) {
+            return Ok(());
+        }
+        self.start_gather(rank, o, u)?;
+        let Some(unit) = self.shards[o].as_mut().and_then(|sh| sh.units.get_mut(u)) else { return Ok(()) };
+        if let Some(w) = unit.pending.take() {
+            let out = w.wait()?;
+            rank.params.write_unit(o, u, &out, false)?;
+            unit.live = true;
+        }
+        Ok(())
+    }
+
+    /// Releases unit `u` of stage `o`: its parameters emptied, its gathered storage freed (a
+    /// gather still on its way is waited for first).
     fn free_unit(&mut self, rank: &Rank<'_>, o: usize, u: usize) -> Result<(), RuntimeError> {
-        let Some(unit) = self.shards[o].as_mut().and_then(|sh| sh.units.get_mut(u)).filter(|unit| unit.live) else { return Ok(()) };
+        let Some(unit) = self.shards[o].as_mut().and_then(|sh| sh.units.get_mut(u)) else { return Ok(()) };
+        if let Some(w) = unit.pending.take() {
+            let _gathered = w.wait()?;
+        } else if !unit.live {
+            return Ok(());
+        }
         rank.params.release_unit(o, u)?;
         if let Some(t) = &unit.gathered {
             storage::free(t)?;
