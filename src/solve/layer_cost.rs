@@ -864,7 +864,9 @@ impl<'a> CostContext<'a> {
                     self.comm.reduce_scatter(grad_bytes, &zero_group) + self.comm.all_gather(weight_bytes, &zero_group) + outer(grad_bytes)
                 }
                 _ => {
-                    // ZeRO-3 gathers the weights before every forward and backward.
+                    // ZeRO-3 gathers the weights before every forward and backward, priced
+                    // exposed (the runner prefetches the next layer's; pricing that overlap
+                    // moved plans and a published check: docs/planner.md §2)
                     let gather = self.comm.all_gather(weight_bytes, &zero_group);
                     fwd_extra += gather;
                     bwd_extra += gather;
@@ -943,7 +945,7 @@ impl<'a> CostContext<'a> {
             choice,
             host_s: self.spec.host_bandwidth.map_or(0.0, |bw| d.offload_bytes / c / bw),
             // the runner gathers what ZeRO shards: all but the experts held in part
-            gathered_bytes: if cfg.zero >= 3 { model_state(dense, dense * fraction, 0, 1, self.precision).params } else { 0.0 },
+            gathered_bytes: if cfg.zero >= 3 { dense * self.precision.weight as f64 } else { 0.0 },
         }
     }
 
