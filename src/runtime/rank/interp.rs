@@ -35,6 +35,8 @@ struct MbState {
     loss: Option<Tensor>,
     /// The backward's roots, kept between a split B and its W.
     roots: Vec<Tensor>,
+    /// In a segmented stage, the segment of each root (its W runs segment by segment).
+    root_segments: Vec<usize>,
     /// A recomputed stage's segments that kept their activations (`None` for checkpointed
     /// ones), and on the last stage the loss taken from the graph's outputs.
     parts: Vec<Option<Part>>,
@@ -487,8 +489,18 @@ impl<'r, 'a> Interp<'r, 'a> {
     fn backward_weight(&mut self, s: usize, mb: usize) -> Result<(), RuntimeError> {
         let r = self.rank;
         let st = self.state.remove(&(s, mb)).ok_or_else(|| terr(format!("weight gradient of stage {s} mb {mb} before its backward")))?;
-        self.zero.ensure(r, s)?;
         self.pending_w.remove(&(s, mb));
+        if let Some(segs) = r.segments.get(&s).filter(|_| st.root_segments.len() == st.roots.len()) {
+            // segment by segment, as the B ran them: each with only its own layers gathered
+            for (j, (root, &k)) in st.roots.iter().zip(&st.root_segments).enumerate() {
+                self.zero.for_segment(r, s, k, st.root_segments.get(j + 1).copied())?;
+                if root.requires_grad() {
+                    self.backward_into_params(&segs.segments[k].params, root, &[])?;
+                }
+            }
+            return Ok(());
+        }
+        self.zero.ensure(r, s)?;
         for root in st.roots.iter().filter(|t| t.requires_grad()) {
             self.backward_into_params(&r.params.read[s], root, &[])?;
         }
@@ -509,6 +521,7 @@ impl<'r, 'a> Interp<'r, 'a> {
         let split = r.split_w.contains(&(s, mb));
         let mut grads: HashMap<ValueId, Tensor> = HashMap::new();
         let mut roots = Vec::new();
+        let mut root_segments = Vec::new();
         if let Some(part) = st.loss_part.take() {
             let root = st.loss.take().map(|l| self.backward_root(l)).transpose()?;
             // the loss reads no parameter: nothing of it waits for a W
@@ -568,7 +581,9 @@ impl<'r, 'a> Interp<'r, 'a> {
             // A recomputed segment's weight gradients are taken in its B, not left for the W:
             // its recomputed activations would otherwise live to the W, where the plan counts
             // its inputs alone (and they free as this B ends).
+            let kept = roots.len();
             self.segment_backward(root, (&part.inputs, &seg.params), split && !seg.checkpointed, &mut grads, &mut roots)?;
+            root_segments.extend(std::iter::repeat_n(i, roots.len() - kept));
             self.zero.note_peak(peak);
         }
         // the recompute has read its kept inputs
@@ -588,7 +603,7 @@ impl<'r, 'a> Interp<'r, 'a> {
             self.grad_for.insert((s - 1, mb), in_grads);
         }
         if split {
-            self.state.insert((s, mb), MbState { roots, ..MbState::default() });
+            self.state.insert((s, mb), MbState { roots, root_segments, ..MbState::default() });
             self.pending_w.insert((s, mb));
         }
         Ok(())
