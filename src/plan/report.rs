@@ -294,7 +294,8 @@ pub fn memory_parts(plan: &Plan) -> String {
         let cells = [m.params, m.grads, m.optimizer, m.activations, m.recompute, s.offloaded_bytes, m.workspace, m.total].map(|b| bytes(b as f64));
         rows.push([s.index.to_string(), s.pp_rank.to_string()].into_iter().chain(cells).collect());
     }
-    format!("memory per device by part (recompute: a checkpointed layer's activations rebuilt inside its backward, a transient; temporaries: the workspace margin reserved; offloaded: host memory, not in the total)\n{}\n", table(&rows))
+    let gathered = if plan.parallel.params_sharded() { "params: the rank's ZeRO-3 block and its largest layer gathered whole twice, the one computing and the next prefetched; " } else { "" };
+    format!("memory per device by part ({gathered}recompute: a checkpointed layer's activations rebuilt inside its backward, a transient; temporaries: the workspace margin reserved; offloaded: host memory, not in the total)\n{}\n", table(&rows))
 }
 
 /// The model, cluster, parallel configuration and batch lines.
