@@ -392,6 +392,15 @@ struct AllToAllRows : public torch::autograd::Function<AllToAllRows> {
   }
 };
 
+// Posts the all-gather of `input` into `out` (or its host stand-in `h_out`, which it sets).
+c10::intrusive_ptr<c10d::Work> post_all_gather(Group* grp, at::Tensor& out, const at::Tensor& input, at::Tensor& h_out) {
+  h_out = host_of(grp, out);
+  std::vector<std::vector<at::Tensor>> outs(1);
+  for (auto& p : h_out.reshape({-1}).chunk(grp->gloo->getSize())) outs[0].push_back(p);
+  std::vector<at::Tensor> ins{host_of(grp, input).reshape({-1})};
+  return backend_for(grp, out).allgather(outs, ins);
+}
+
 }  // namespace
 
 extern "C" {
@@ -492,12 +501,8 @@ char* smp_c10d_all_reduce_sum(void* g, at::Tensor* t) {
 char* smp_c10d_all_gather(void* g, at::Tensor* out, at::Tensor* input) {
   return guarded([&] {
     auto* grp = static_cast<Group*>(g);
-    auto h_out = host_of(grp, *out);
-    std::vector<std::vector<at::Tensor>> outs(1);
-    auto parts = h_out.reshape({-1}).chunk(grp->gloo->getSize());
-    for (auto& p : parts) outs[0].push_back(p);
-    std::vector<at::Tensor> ins{host_of(grp, *input).reshape({-1})};
-    wait_or_throw(backend_for(grp, *out).allgather(outs, ins), grp->timeout, grp->over("all_gather"));
+    at::Tensor h_out;
+    wait_or_throw(post_all_gather(grp, *out, *input, h_out), grp->timeout, grp->over("all_gather"));
     land(h_out, *out);
   });
 }
@@ -507,12 +512,8 @@ char* smp_c10d_all_gather(void* g, at::Tensor* out, at::Tensor* input) {
 char* smp_c10d_all_gather_start(void* g, at::Tensor* out, at::Tensor* input, void** work) {
   return guarded([&] {
     auto* grp = static_cast<Group*>(g);
-    auto h_out = host_of(grp, *out);
-    std::vector<std::vector<at::Tensor>> outs(1);
-    auto parts = h_out.reshape({-1}).chunk(grp->gloo->getSize());
-    for (auto& p : parts) outs[0].push_back(p);
-    std::vector<at::Tensor> ins{host_of(grp, *input).reshape({-1})};
-    auto w = backend_for(grp, *out).allgather(outs, ins);
+    at::Tensor h_out;
+    auto w = post_all_gather(grp, *out, *input, h_out);
     *work = new Work{w, grp->timeout, grp->over("all_gather"), h_out, h_out.is_same(*out) ? at::Tensor() : *out};
   });
 }
