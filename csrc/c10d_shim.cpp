@@ -584,6 +584,9 @@ char* smp_c10d_work_wait(void* w) {
 
 void smp_c10d_work_free(void* w) { delete static_cast<Work*>(w); }
 
+// Whether the work has finished (without waiting; an error is reported by the wait).
+int smp_c10d_work_done(void* w) { return static_cast<Work*>(w)->work->isCompleted() ? 1 : 0; }
+
 // Autograd-aware tensor-parallel collectives; `*out` is a new at::Tensor (tch takes it).
 char* smp_c10d_reduce_from_tensor_region(void* g, at::Tensor* x, at::Tensor** out) {
   return guarded([&] {

@@ -34,6 +34,7 @@ unsafe extern "C" {
     pub fn smp_c10d_irecv(g: *mut c_void, t: *mut C_tensor, src: c_int, tag: c_int, work: *mut *mut c_void) -> *mut c_char;
     pub fn smp_c10d_work_wait(w: *mut c_void) -> *mut c_char;
     pub fn smp_c10d_work_free(w: *mut c_void);
+    pub fn smp_c10d_work_done(w: *mut c_void) -> c_int;
     pub fn smp_c10d_reduce_from_tensor_region(g: *mut c_void, x: *mut C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
     pub fn smp_c10d_copy_to_tensor_region(g: *mut c_void, x: *mut C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
     pub fn smp_c10d_gather_along_axis(g: *mut c_void, x: *mut C_tensor, axis: i64, out: *mut *mut C_tensor) -> *mut c_char;

@@ -275,6 +275,12 @@ impl Work {
         check(self.call, err)?;
         Ok(self.tensor.shallow_clone())
     }
+
+    /// Whether it has finished (a wait then returns at once, with its error if any).
+    pub fn is_done(&self) -> bool {
+        // SAFETY: raw is a live Work handle.
+        unsafe { ffi::smp_c10d_work_done(self.raw) != 0 }
+    }
 }
 
 impl Drop for Work {

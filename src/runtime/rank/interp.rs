@@ -75,7 +75,10 @@ pub(super) struct Interp<'r, 'a> {
     /// Gradients of (stage, microbatch)'s outputs: received, or computed for the previous stage.
     grad_for: HashMap<(usize, usize), Vec<Tensor>>,
     /// Sends in flight.
-    pending: Vec<Work>,
+    /// Sends in flight, with the index of the instruction that posted them.
+    pending: Vec<(usize, Work)>,
+    /// The index of the instruction running.
+    at: usize,
     /// Header receives posted at the start of the pass, by (payload, receiving stage, microbatch).
     headers: HashMap<(Payload, usize, usize), Work>,
     /// This rank's share of the step's loss (the global mean after the optimizer step).
@@ -124,6 +127,7 @@ impl<'r, 'a> Interp<'r, 'a> {
             act_in: HashMap::new(),
             grad_for: HashMap::new(),
             pending: Vec::new(),
+            at: 0,
             headers: HashMap::new(),
             loss_sum: 0.0,
             loss_scale: 0.0,
@@ -242,8 +246,25 @@ impl<'r, 'a> Interp<'r, 'a> {
     }
 
     fn wait_sends(&mut self) -> Result<(), RuntimeError> {
-        for w in self.pending.drain(..) {
+        for (_, w) in self.pending.drain(..) {
             let _ = w.wait()?;
+        }
+        Ok(())
+    }
+
+    /// After receive `k` of the program: waits for the sends it proves complete (their peer has
+    /// received them, so this does not block) and drops them, with the tensors they held (a
+    /// stage's outputs with what the next stage reads of its inputs, a gradient): kept to the
+    /// step's end, every microbatch's would stay on the device, however few the schedule keeps
+    /// in flight.
+    fn reap_sends(&mut self, k: usize) -> Result<(), RuntimeError> {
+        let done_at = &self.rank.sends_done_at;
+        if self.pending.iter().any(|(i, _)| done_at.get(i) == Some(&k)) {
+            let (done, open): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pending).into_iter().partition(|(i, _)| done_at.get(i) == Some(&k));
+            self.pending = open;
+            for (_, w) in done {
+                let _ = w.wait()?;
+            }
         }
         Ok(())
     }
@@ -714,9 +735,10 @@ impl<'r, 'a> Interp<'r, 'a> {
             w[1] = size.len() as i64;
             w[2..2 + size.len()].copy_from_slice(&size);
         }
-        self.pending.push(world.isend(&Tensor::from_slice(&header), peer, tag(what, s, mb, 0))?);
+        let at = self.at;
+        self.pending.push((at, world.isend(&Tensor::from_slice(&header), peer, tag(what, s, mb, 0))?));
         for (j, t) in ts.iter().enumerate() {
-            self.pending.push(world.isend(t, peer, tag(what, s, mb, j + 1))?);
+            self.pending.push((at, world.isend(t, peer, tag(what, s, mb, j + 1))?));
         }
         Ok(())
     }
@@ -919,7 +941,8 @@ impl StepRunner for Interp<'_, '_> {
         // the state held now (summing it walks every tensor: once per instruction)
         let mut held = self.zero.held(&r.params, &self.grads);
         self.tally.memory.start_step(held, self.offload.pool.host);
-        for instr in &r.program.instrs {
+        for (k, instr) in r.program.instrs.iter().enumerate() {
+            self.at = k;
             if !self.kv_done && matches!(instr, Instr::AllReduce { .. } | Instr::ReduceScatter { .. } | Instr::OptimizerStep) {
                 let t = Instant::now();
                 self.sum_kv_slices()?;
@@ -933,6 +956,9 @@ impl StepRunner for Interp<'_, '_> {
             self.exec(instr)?;
             if instr.is_compute() {
                 r.wait_for_device();
+            }
+            if matches!(instr, Instr::Recv { .. }) {
+                self.reap_sends(k)?;
             }
             let mut spent = t.elapsed().as_secs_f64();
             let p = &mut self.phases;
@@ -1012,7 +1038,8 @@ impl StepRunner for Interp<'_, '_> {
                 self.act_in.clear();
                 self.loss_sum = 0.0;
                 self.post_headers(true)?;
-                for instr in &r.program.instrs {
+                for (k, instr) in r.program.instrs.iter().enumerate() {
+                    self.at = k;
                     let forward_only = match instr {
                         Instr::Forward { .. } => true,
                         Instr::Send { what, .. } | Instr::Recv { what, .. } => *what == Payload::Activation,

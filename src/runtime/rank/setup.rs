@@ -22,7 +22,7 @@ use crate::passes::figures::is_trainable;
 use crate::runtime::state::weights::{Slice, Source};
 use crate::runtime::{ExecOptions, RuntimeError, Weights};
 use crate::codegen::stage_graph::{self, StageGraphError, runs_stage_subgraphs};
-use crate::codegen::{Coord, Instr, Mesh, Purpose, RankProgram, WeightSlice};
+use crate::codegen::{Coord, Instr, Mesh, Payload, Purpose, RankProgram, WeightSlice};
 use crate::ir::{DimBindings, Graph, Op, OpKind, Parallelism, ValueId, ValueKind};
 use crate::plan::Plan;
 
@@ -137,6 +137,10 @@ pub(super) struct Rank<'a> {
     pub program: RankProgram,
     /// Stages whose backward is split into B and W in the program.
     pub split_w: BTreeSet<(usize, usize)>,
+    /// By the index of a send in this rank's program: the index of the receive after which it
+    /// has certainly completed (its peer has since sent a message it posts only after receiving
+    /// this one). Sends not here complete at the step's end.
+    pub sends_done_at: HashMap<usize, usize>,
     /// By global stage: whether the plan offloads kept inputs of its layers (`offloaded_layers`).
     pub offloaded: Vec<bool>,
     /// This rank's recomputed stages as segments (per-layer recompute), by global stage.
@@ -229,6 +233,7 @@ impl<'a> Rank<'a> {
         segment_params(&params, exec.graph(), &stage_execs, &mut segments);
         let mut params = params;
         split_gather_units(&mut params, &segments, &gathered);
+        let sends_done_at = sends_done_at(&programs, me);
         let split_w = program.instrs.iter().filter_map(|i| if let Instr::BackwardWeight { stage, mb } = i { Some((*stage, *mb)) } else { None }).collect();
         Ok(Rank {
             exec,
@@ -247,6 +252,7 @@ impl<'a> Rank<'a> {
             parallel: plan.parallel.over_data_axis(),
             program,
             split_w,
+            sends_done_at,
             offloaded: plan.stages.iter().map(|st| !st.offloaded_layers.is_empty()).collect(),
             segments,
             params,
@@ -377,6 +383,45 @@ impl<'a> Rank<'a> {
 /// The executors of a rank's shard subgraphs, by stage, sharing one tensor per trained weight
 /// that several of them read; with those tensors by name.
 #[allow(clippy::type_complexity)]
+/// For rank `me`'s program among `programs`: each send's index, with the index of its first
+/// later receive from the same peer that the peer sends after its own receive of that send
+/// (blocking, so the send had completed by then).
+fn sends_done_at(programs: &[RankProgram], me: usize) -> HashMap<usize, usize> {
+    let mut out = HashMap::new();
+    let Some(mine) = programs.iter().find(|p| p.rank == me) else { return out };
+    for (i, instr) in mine.instrs.iter().enumerate() {
+        let Instr::Send { to, what, stage, mb, .. } = *instr else { continue };
+        let Some(peer) = programs.iter().find(|p| p.rank == to) else { continue };
+        let lands = match what {
+            Payload::Activation => stage + 1,
+            Payload::Gradient => stage.wrapping_sub(1),
+        };
+        // where the peer receives it, then what it sends back to us after that
+        let Some(at) = peer.instrs.iter().position(|x| matches!(*x, Instr::Recv { from, what: w, stage: s, mb: m, .. } if from == me && w == what && s == lands && m == mb)) else { continue };
+        let later: Vec<(Payload, usize, usize)> = peer.instrs[at + 1..]
+            .iter()
+            .filter_map(|x| match *x {
+                Instr::Send { to, what, stage, mb, .. } if to == me => Some((what, stage, mb)),
+                _ => None,
+            })
+            .collect();
+        let done = mine.instrs.iter().enumerate().skip(i + 1).find(|(_, x)| match **x {
+            Instr::Recv { from, what, stage, mb, .. } if from == to => later.iter().any(|&(w, s, m)| {
+                let lands = match w {
+                    Payload::Activation => s + 1,
+                    Payload::Gradient => s.wrapping_sub(1),
+                };
+                w == what && lands == stage && m == mb
+            }),
+            _ => false,
+        });
+        if let Some((k, _)) = done {
+            out.insert(i, k);
+        }
+    }
+    out
+}
+
 /// The stages of `program` whose parameters ZeRO 3 gathers.
 fn zero3_stages(plan: &Plan, program: &RankProgram) -> HashSet<usize> {
     if !plan.parallel.over_data_axis().params_sharded() {
