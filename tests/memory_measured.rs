@@ -82,10 +82,8 @@ const UNSTEADY: &[(&str, &str, Option<f64>, &str)] = &[
     ("tp2-sp", "total", Some(0.2), "as its activations: 0.86-0.92×"),
     ("mixtral-dp2-ep2", "activations", Some(0.2), "0.88-0.92× run to run: what the expert all-to-all holds at the peak moves with the peer's timing (4.94-5.07 MiB measured)"),
     ("mixtral-dp2-ep2", "total", Some(0.2), "as its activations: 0.89-0.92×"),
-    ("pp2-1f1b-m4-full", "activations", Some(0.2), "0.88× on rank 0 (2.63 predicted against 3.00 MiB): the first stage under full recompute holds about 0.3 MiB per in-flight microbatch of this size more than the plan, as pp2-offload and pp2-zb-h1-full's rank 0 (not analysed)"),
     ("pp2-interleaved", "activations", Some(0.2), "1.11× on rank 0 (21.44 predicted against 19.39 MiB), an over-count: the plan sums each chunk's own most in-flight microbatches, a bound on the rank's peak; before finished sends were dropped after their peer's reply, the sent boundary values held to the step's end filled most of the difference (20.53 MiB measured, 1.04×)"),
     ("pp2-interleaved", "total", Some(0.2), "as its activations: 1.10× on rank 0"),
-    ("pp2-offload", "activations", Some(0.2), "0.90× on rank 0, at the bound (5.27 predicted against 5.88 MiB: 0.6 MiB not analysed, not the sent boundary values), 0.94× on rank 1"),
 ];
 
 const KNOWN_GAPS: &[Gap] = &[

@@ -740,6 +740,13 @@ impl<'r, 'a> Interp<'r, 'a> {
         for (j, t) in ts.iter().enumerate() {
             self.pending.push((at, world.isend(t, peer, tag(what, s, mb, j + 1))?));
         }
+        if what == Payload::Activation && self.rank.segments.contains_key(&s)
+            && let Some(st) = self.state.get_mut(&(s, mb))
+        {
+            // a segmented stage's backward reads its outputs' gradients, never the outputs:
+            // the send holds them until its peer has them
+            st.outputs.clear();
+        }
         Ok(())
     }
 
