@@ -23,6 +23,24 @@ pub enum Payload {
     Gradient,
 }
 
+impl Payload {
+    /// The stage that receives what stage `sender` sends (`None` before the first stage).
+    pub fn receiver(self, sender: usize) -> Option<usize> {
+        match self {
+            Payload::Activation => Some(sender + 1),
+            Payload::Gradient => sender.checked_sub(1),
+        }
+    }
+
+    /// The stage that sent what stage `receiver` receives (`None` before the first stage).
+    pub fn sender(self, receiver: usize) -> Option<usize> {
+        match self {
+            Payload::Activation => receiver.checked_sub(1),
+            Payload::Gradient => Some(receiver + 1),
+        }
+    }
+}
+
 /// What a collective is for: which state it moves, and of which stage or weight. Written in
 /// the plan as its tag text (`dp-grads:stage1`), parsed once when the plan is read.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]

@@ -61,6 +61,10 @@ pub struct IntraLayerProblem {
     pub act_weight: f64,
 }
 
+/// Layers a ZeRO-3 rank holds gathered whole at once: the one computing and the next, whose
+/// gather is started beside it (FSDP's prefetch, the runner's too).
+pub const ZERO3_GATHERED_LAYERS: f64 = 2.0;
+
 /// A Pareto point of one layer: a tensor-strategy assignment, summarised.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ParetoPoint {

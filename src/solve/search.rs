@@ -17,7 +17,7 @@ use super::heuristic::incumbent;
 use super::ilp::{SolveReport, SolveStatus, SolverOptions};
 use super::layer_cost::{CompactTable, CostContext, LayerConfig};
 use super::pipeline::PipelineSolution;
-use super::problem::{LayerChoice, PipelineEval, PipelineLayer, PipelineObjective, PipelineProblem};
+use super::problem::{LayerChoice, PipelineEval, PipelineLayer, PipelineObjective, PipelineProblem, ZERO3_GATHERED_LAYERS};
 use super::{
     AxisReport, LayerDecision, Optimize, PlanDecision, PlanOptions, Predicted, Progress, SolveError, StageDecision, StageMemory,
 };
@@ -108,8 +108,7 @@ fn prepare_on(
         bubble_coeff: bubble_coeff(cand.parallel.schedule, cand.parallel.pp, cand.parallel.microbatches),
         memory_cap,
         workspace: spec.workspace_bytes as f64,
-        // one layer gathered for its pass and the next one's gather started beside it
-        gathered: 2.0 * table.distinct.iter().flat_map(|l| &l.points).map(|pt| pt.gathered_bytes).fold(0.0, f64::max),
+        gathered: ZERO3_GATHERED_LAYERS * table.distinct.iter().flat_map(|l| &l.points).map(|pt| pt.gathered_bytes).fold(0.0, f64::max),
         transfer_s_per_byte: beta,
         checkpoint: cand.parallel.checkpointing,
         offload: cand.parallel.offload,
@@ -726,8 +725,7 @@ impl Search<'_> {
             let ranks = cand.parallel.stage_ranks(pp_rank);
             let (mut expert, mut expert_trained) = (0.0, 0.0);
             let (mut fwd, mut bwd, mut params, mut trained, mut kept, mut rec) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0f64);
-            // ZeRO 3: the largest of its layers gathered whole for a pass, and (prefetched
-            // beside it) the next one
+            // ZeRO 3: the largest of its layers, gathered whole
             let mut gathered = 0.0f64;
             let (mut ckpt, mut offloaded, mut host) = (Vec::new(), Vec::new(), 0.0);
             for &l in &members {
@@ -781,13 +779,13 @@ impl Search<'_> {
                 backward_s: bwd,
                 comm_s,
                 memory: StageMemory {
-                    params: st.params + 2.0 * gathered,
+                    params: st.params + ZERO3_GATHERED_LAYERS * gathered,
                     grads: st.grads,
                     optimizer: st.optimizer,
                     activations,
                     recompute: rec,
                     workspace,
-                    total: st.total() + 2.0 * gathered + activations + rec + workspace,
+                    total: st.total() + ZERO3_GATHERED_LAYERS * gathered + activations + rec + workspace,
                 },
                 checkpointed_layers: ckpt,
                 offloaded_layers: offloaded,

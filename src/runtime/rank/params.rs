@@ -67,16 +67,11 @@ impl Params {
     /// Stage `s`'s units cut into `parts`: each unit's run of `sharded[s]` and its length in
     /// one block.
     fn unit_blocks(&self, s: usize, parts: i64) -> Vec<(std::ops::Range<usize>, i64)> {
-        let mut start = 0;
-        let ends: &[usize] = self.units.get(s).map_or(&[], Vec::as_slice);
-        let whole = [self.sharded[s].len()];
-        let ends = if ends.is_empty() { &whole[..] } else { ends };
-        ends.iter()
-            .map(|&end| {
-                let total: i64 = self.sharded[s][start..end].iter().map(|&i| self.numel(i)).sum();
-                let r = start..end;
-                start = end;
-                (r, (total + parts - 1) / parts.max(1))
+        (0..self.unit_count(s))
+            .filter_map(|u| self.unit_run(s, u))
+            .map(|run| {
+                let total: i64 = self.sharded[s][run.clone()].iter().map(|&i| self.numel(i)).sum();
+                (run, (total + parts - 1) / parts.max(1))
             })
             .collect()
     }
@@ -168,7 +163,7 @@ impl Params {
     /// (`copy`) or by swapping their storage for views of it.
     pub fn write_unit(&self, s: usize, u: usize, flat: &Tensor, copy: bool) -> Result<(), RuntimeError> {
         let _guard = tch::no_grad_guard();
-        let run = self.unit_blocks(s, 1).into_iter().nth(u).map(|(r, _)| r).ok_or_else(|| crate::runtime::terr(format!("stage {s} has no gather unit {u}")))?;
+        let run = self.unit_run(s, u).ok_or_else(|| crate::runtime::terr(format!("stage {s} has no gather unit {u}")))?;
         let mut off = 0;
         for &i in &self.sharded[s][run] {
             let n = self.numel(i);
@@ -188,12 +183,18 @@ impl Params {
         self.units.get(s).map_or(1, |u| u.len().max(1))
     }
 
+    /// Where unit `u` of stage `s` runs in `sharded[s]`.
+    fn unit_run(&self, s: usize, u: usize) -> Option<std::ops::Range<usize>> {
+        let n = self.sharded[s].len();
+        match self.units.get(s).filter(|ends| !ends.is_empty()) {
+            Some(ends) => ends.get(u).map(|&end| u.checked_sub(1).map_or(0, |p| ends[p])..end),
+            None => (u == 0).then_some(0..n),
+        }
+    }
+
     /// The positions of unit `u` of stage `s`.
     pub fn unit_positions(&self, s: usize, u: usize) -> &[usize] {
-        match self.unit_blocks(s, 1).into_iter().nth(u) {
-            Some((run, _)) => &self.sharded[s][run],
-            None => &[],
-        }
+        self.unit_run(s, u).map_or(&[], |run| &self.sharded[s][run])
     }
 
     /// Cuts stage `s`'s ZeRO state into gather units by `key` (each position's unit: the

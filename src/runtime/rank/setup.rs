@@ -389,33 +389,24 @@ impl<'a> Rank<'a> {
 fn sends_done_at(programs: &[RankProgram], me: usize) -> HashMap<usize, usize> {
     let mut out = HashMap::new();
     let Some(mine) = programs.iter().find(|p| p.rank == me) else { return out };
+    // a message as its receiver names it: (sender, what, receiving stage, microbatch)
+    let received = |x: &Instr| match *x {
+        Instr::Recv { from, what, stage, mb, .. } => Some((from, what, stage, mb)),
+        _ => None,
+    };
     for (i, instr) in mine.instrs.iter().enumerate() {
         let Instr::Send { to, what, stage, mb, .. } = *instr else { continue };
         let Some(peer) = programs.iter().find(|p| p.rank == to) else { continue };
-        let lands = match what {
-            Payload::Activation => stage + 1,
-            Payload::Gradient => stage.wrapping_sub(1),
-        };
-        // where the peer receives it, then what it sends back to us after that
-        let Some(at) = peer.instrs.iter().position(|x| matches!(*x, Instr::Recv { from, what: w, stage: s, mb: m, .. } if from == me && w == what && s == lands && m == mb)) else { continue };
-        let later: Vec<(Payload, usize, usize)> = peer.instrs[at + 1..]
+        let Some(at) = peer.instrs.iter().position(|x| received(x) == Some((me, what, what.receiver(stage).unwrap_or(usize::MAX), mb))) else { continue };
+        // what the peer sends back to us after its receive of this one
+        let later: Vec<(usize, Payload, usize, usize)> = peer.instrs[at + 1..]
             .iter()
             .filter_map(|x| match *x {
-                Instr::Send { to, what, stage, mb, .. } if to == me => Some((what, stage, mb)),
+                Instr::Send { to: r, what, stage, mb, .. } if r == me => what.receiver(stage).map(|lands| (to, what, lands, mb)),
                 _ => None,
             })
             .collect();
-        let done = mine.instrs.iter().enumerate().skip(i + 1).find(|(_, x)| match **x {
-            Instr::Recv { from, what, stage, mb, .. } if from == to => later.iter().any(|&(w, s, m)| {
-                let lands = match w {
-                    Payload::Activation => s + 1,
-                    Payload::Gradient => s.wrapping_sub(1),
-                };
-                w == what && lands == stage && m == mb
-            }),
-            _ => false,
-        });
-        if let Some((k, _)) = done {
+        if let Some(k) = (i + 1..mine.instrs.len()).find(|&k| received(&mine.instrs[k]).is_some_and(|m| later.contains(&m))) {
             out.insert(i, k);
         }
     }
