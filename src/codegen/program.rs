@@ -31,14 +31,6 @@ impl Payload {
             Payload::Gradient => sender.checked_sub(1),
         }
     }
-
-    /// The stage that sent what stage `receiver` receives (`None` before the first stage).
-    pub fn sender(self, receiver: usize) -> Option<usize> {
-        match self {
-            Payload::Activation => receiver.checked_sub(1),
-            Payload::Gradient => Some(receiver + 1),
-        }
-    }
 }
 
 /// What a collective is for: which state it moves, and of which stage or weight. Written in
