@@ -100,6 +100,25 @@ impl OpKind {
         )
     }
 
+    /// True for ops whose kernel always writes a new tensor that no backward reads back: not
+    /// their own (a product's or a sum's gradient needs its inputs, not its output), so once
+    /// its one reader is an op that saves nothing, that reader may write over it.
+    pub fn output_is_scratch(self) -> bool {
+        use OpKind::*;
+        matches!(self, MatMul | Gemm | Conv | Add | Sub | Mul)
+    }
+
+    /// The operands an op may write its result over (in place) when that operand is scratch
+    /// no one reads after it: the sums, whose backward reads neither operand. `Sub` only into
+    /// its minuend.
+    pub fn in_place_operands(self) -> &'static [usize] {
+        match self {
+            OpKind::Add => &[0, 1],
+            OpKind::Sub => &[0],
+            _ => &[],
+        }
+    }
+
     /// True for ops whose training result for one sample depends on the other samples of its
     /// forward pass: BatchNormalization, which the runner trains on the statistics of the
     /// samples it is given (one microbatch of one replica), as a module in `train()` mode does.

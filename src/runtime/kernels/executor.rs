@@ -60,6 +60,8 @@ pub struct Executor<'g> {
     live: Vec<bool>,
     /// Where float weights live and kernels run (`--device`).
     device: Device,
+    /// By node index: the input slots the node may write its result over ([`scratch_operands`]).
+    in_place: Vec<Vec<usize>>,
 }
 
 /// Lists the nodes without a kernel, or `Ok` if every node has one.
@@ -125,7 +127,8 @@ impl<'g> Executor<'g> {
             }
         }
         let ctx = OpContext { float_kind: opts.float_kind, training: opts.training, norm: NormStats::Running, dropout: None, autocast: opts.autocast, context: None };
-        Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None, expert_group: std::cell::OnceCell::new(), norm: Cell::new(NormStats::Running), dropout: Cell::new(None), context: std::cell::OnceCell::new(), live, device })
+        let in_place = scratch_operands(graph);
+        Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None, expert_group: std::cell::OnceCell::new(), norm: Cell::new(NormStats::Running), dropout: Cell::new(None), context: std::cell::OnceCell::new(), live, device, in_place })
     }
 
     /// Makes the `MixtureOfExperts` nodes route their tokens to the experts' ranks over `pg`
@@ -323,7 +326,10 @@ impl<'g> Executor<'g> {
 
     /// Runs one node on the inputs `fetch` finds (fed, received, produced or weights); the
     /// one per-node step of [`Executor::run_nodes`] and [`Executor::forward`].
-    fn step(&self, node: &Node, fetch: impl Fn(ValueId) -> Option<Tensor>) -> Result<Vec<Tensor>, RuntimeError> {
+    /// `dead(v)`: whether input `v` is this run's own tensor and read by nothing after this
+    /// node, so the node may write over it (see [`scratch_operands`]).
+    fn step(&self, id: NodeId, fetch: impl Fn(ValueId) -> Option<Tensor>, dead: impl Fn(ValueId) -> bool) -> Result<Vec<Tensor>, RuntimeError> {
+        let node = self.graph.node(id);
         let kerr = |message: String| RuntimeError::Kernel { node: node.name.clone(), op: node.op.to_string(), message };
         let mut inputs = Vec::with_capacity(node.inputs.len());
         for v in &node.inputs {
@@ -335,6 +341,12 @@ impl<'g> Executor<'g> {
             });
         }
         let inputs = self.placed(node, inputs).map_err(|e| kerr(e.to_string()))?;
+        let slots = self.in_place.get(id.index()).map(Vec::as_slice).unwrap_or(&[]);
+        if let Some(&slot) = slots.iter().find(|&&i| node.inputs[i].is_some_and(&dead)) {
+            if let Some(out) = ops::run_in_place(node, &inputs, slot).map_err(|e| kerr(e.0))? {
+                return Ok(vec![out]);
+            }
+        }
         let outs = self.run_node(node, &inputs).map_err(kerr)?;
         if outs.len() < node.outputs.len() {
             return Err(kerr(format!("kernel made {} outputs, the node has {}", outs.len(), node.outputs.len())));
@@ -420,7 +432,8 @@ impl<'g> Executor<'g> {
                     }
                 }
             } else {
-                let outs = self.step(node, |v| fetch(&live, v))?;
+                let dead = |v: ValueId| live.contains_key(&v) && last.get(&v) == Some(&pos);
+                let outs = self.step(id, |v| fetch(&live, v), dead)?;
                 for (&v, t) in node.outputs.iter().zip(outs) {
                     if last.contains_key(&v) {
                         live.insert(v, t);
@@ -499,7 +512,8 @@ impl<'g> Executor<'g> {
         };
         for (pos, &id) in self.order.iter().enumerate() {
             let node = graph.node(id);
-            let outs = self.step(node, |v| fetch(&live, v))?;
+            let dead = |v: ValueId| live[v.index()].is_some() && self.last_use[v.index()] == Some(pos);
+            let outs = self.step(id, |v| fetch(&live, v), dead)?;
             for (&v, t) in node.outputs.iter().zip(outs) {
                 live[v.index()] = Some(t);
             }
@@ -525,6 +539,40 @@ impl<'g> Executor<'g> {
             })
             .collect()
     }
+}
+
+/// By node index: the input slots whose value the node may write its result over, in place of
+/// a new tensor: a slot the op allows ([`OpKind::in_place_operands`]) holding a value that a
+/// scratch-making op produced ([`OpKind::output_is_scratch`]), that this node alone reads, once,
+/// and that is no graph output. No backward then reads the value (its producer's does not, and
+/// this node's saves nothing), so autograd keeps no copy the write would change; its views
+/// could only come from its readers. At run time the value must also be the run's own tensor
+/// at its last read (not fed, received or kept) and of the result's shape and type
+/// ([`ops::run_in_place`]).
+fn scratch_operands(graph: &Graph) -> Vec<Vec<usize>> {
+    let mut reads = vec![0usize; graph.value_count()];
+    let mut slots = Vec::new();
+    for id in graph.node_ids() {
+        for v in graph.node(id).inputs.iter().flatten() {
+            reads[v.index()] += 1;
+        }
+        slots.resize(slots.len().max(id.index() + 1), Vec::new());
+    }
+    for &v in &graph.outputs {
+        reads[v.index()] = usize::MAX;
+    }
+    let scratch = |v: ValueId| {
+        let val = graph.value(v);
+        reads[v.index()] == 1
+            && val.kind == ValueKind::Intermediate
+            && val.producer.is_some_and(|p| graph.node(p).op.kind().is_some_and(|k| k.output_is_scratch()))
+    };
+    for id in graph.node_ids() {
+        let node = graph.node(id);
+        let Some(kind) = node.op.kind() else { continue };
+        slots[id.index()] = kind.in_place_operands().iter().copied().filter(|&i| node.inputs.get(i).copied().flatten().is_some_and(scratch)).collect();
+    }
+    slots
 }
 
 /// The order [`Executor::run_nodes`] runs `nodes` in, and its context all-gathers batched:
@@ -592,6 +640,66 @@ mod tests {
         let out = g.add_value(format!("{name}.out"), ValueKind::Intermediate, ty, None).unwrap();
         let n = Node { name: name.into(), op, attrs: Attrs::default(), inputs: ins.iter().map(|&v| Some(v)).collect(), outputs: vec![out], namespace: None, order };
         (g.add_node(n).unwrap(), out)
+    }
+
+    #[test]
+    fn only_a_sum_over_scratch_that_nothing_else_reads_may_write_in_place() {
+        use crate::ir::OpKind::{Add, MatMul, Sigmoid, Sub};
+        let mut g = Graph::new("scratch");
+        let ty = Some(TensorType { dtype: DType::F32, shape: Some(Shape::from_known(&[2, 4])) });
+        let x = g.add_value("x", ValueKind::Input, ty, None).unwrap();
+        g.inputs.push(x);
+        let (_, y) = node(&mut g, "y", Op::Known(MatMul), 1, &[x, x]);
+        let (a, _) = node(&mut g, "a", Op::Known(Add), 2, &[x, y]);
+        let (_, s) = node(&mut g, "s", Op::Known(Sigmoid), 3, &[x]);
+        let (b, _) = node(&mut g, "b", Op::Known(Add), 4, &[s, x]);
+        let (_, y2) = node(&mut g, "y2", Op::Known(MatMul), 5, &[x, x]);
+        let (c, _) = node(&mut g, "c", Op::Known(Sub), 6, &[x, y2]);
+        let (_, y3) = node(&mut g, "y3", Op::Known(MatMul), 7, &[x, x]);
+        let (d, _) = node(&mut g, "d", Op::Known(Add), 8, &[y3, x]);
+        let (e, e_out) = node(&mut g, "e", Op::Known(Add), 9, &[y3, x]);
+        let (_, y4) = node(&mut g, "y4", Op::Known(MatMul), 10, &[x, x]);
+        let (f, _) = node(&mut g, "f", Op::Known(Add), 11, &[y4, e_out]);
+        g.outputs.push(y4);
+        let slots = scratch_operands(&g);
+        assert_eq!(slots[a.index()], [1], "a product read once: the sum may write over it");
+        assert!(slots[b.index()].is_empty(), "a sigmoid's backward reads its output");
+        assert!(slots[c.index()].is_empty(), "a difference writes only over its minuend");
+        assert!(slots[d.index()].is_empty() && slots[e.index()].is_empty(), "a product read twice");
+        assert_eq!(slots[f.index()], [1], "not the product the graph returns; the sum e made (out of place) and only f reads");
+    }
+
+    #[test]
+    fn a_sum_written_over_a_product_gives_the_same_numbers_and_gradients() {
+        use crate::ir::OpKind::{Add, MatMul};
+        let run = |keep_product: bool| {
+            let mut g = Graph::new("residual");
+            let ty = Some(TensorType { dtype: DType::F32, shape: Some(Shape::from_known(&[2, 4])) });
+            let x = g.add_value("x", ValueKind::Input, ty.clone(), None).unwrap();
+            g.inputs.push(x);
+            let wty = Some(TensorType { dtype: DType::F32, shape: Some(Shape::from_known(&[4, 4])) });
+            let w = g.add_value("w", ValueKind::Initializer, wty, None).unwrap();
+            let (_, y) = node(&mut g, "proj", Op::Known(MatMul), 1, &[x, w]);
+            let (_, z) = node(&mut g, "residual", Op::Known(Add), 2, &[x, y]);
+            g.outputs.push(z);
+            if keep_product {
+                g.outputs.push(y);
+            }
+            let wt = Tensor::from_slice(&(0..16).map(|i| (i as f64 * 0.37).sin()).collect::<Vec<_>>()).reshape([4, 4]);
+            let weights = Weights { tensors: HashMap::from([(w, wt)]) };
+            let exec = Executor::new(&g, weights, ExecOptions { float_kind: Some(Kind::Double), ..Default::default() }).unwrap();
+            let xt = Tensor::from_slice(&(0..8).map(|i| (i as f64 * 0.91).cos()).collect::<Vec<_>>()).reshape([2, 4]).set_requires_grad(true);
+            let outs = exec.forward(&HashMap::from([(x, xt.shallow_clone())])).unwrap();
+            let r = Tensor::from_slice(&[1.0f64, -2.0, 0.5, 3.0]);
+            (&outs[0] * &r).sum(Kind::Double).backward();
+            (outs[0].detach(), xt.grad(), outs[0].internal_version())
+        };
+        let (z, gx, version) = run(false);
+        let (z_ref, gx_ref, version_ref) = run(true);
+        assert_eq!(version, 1, "the sum wrote over the product");
+        assert_eq!(version_ref, 0, "a product the graph returns is not written over");
+        assert_eq!(f64::try_from((&z - &z_ref).abs().max()).unwrap(), 0.0);
+        assert_eq!(f64::try_from((&gx - &gx_ref).abs().max()).unwrap(), 0.0);
     }
 
     #[test]

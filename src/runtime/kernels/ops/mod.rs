@@ -52,6 +52,26 @@ pub fn has_kernel(op: &Op) -> bool {
     op.kind().is_some()
 }
 
+/// Runs a node whose input `slot` the executor found dead and scratch (`OpKind::in_place_operands`)
+/// by writing its result over that input: the same numbers as [`run`] (an elementwise sum in
+/// either order is the same sum), one tensor fewer. `None` when the operands do not allow it
+/// (the result would be larger, of another type or on another device): run the node as usual.
+pub fn run_in_place(node: &Node, inputs: &[Option<Tensor>], slot: usize) -> KResult<Option<Tensor>> {
+    let Some(kind) = node.op.kind().filter(|k| k.in_place_operands().contains(&slot)) else { return Ok(None) };
+    let (Some(Some(target)), Some(Some(other))) = (inputs.get(slot), inputs.get(1 - slot.min(1))) else { return Ok(None) };
+    let (ts, os) = (target.size(), other.size());
+    let broadcasts = os.len() <= ts.len() && os.iter().rev().zip(ts.iter().rev()).all(|(&o, &t)| o == t || o == 1);
+    if !broadcasts || target.f_kind()? != other.f_kind()? || target.device() != other.device() || (target.is_leaf() && target.requires_grad()) {
+        return Ok(None);
+    }
+    let mut target = target.shallow_clone();
+    Ok(Some(match kind {
+        OpKind::Add => target.f_add_(other)?,
+        OpKind::Sub => target.f_sub_(other)?,
+        _ => return Ok(None),
+    }))
+}
+
 /// Runs one node: `inputs` in node order (`None` for omitted optional inputs); returns one
 /// tensor per node output.
 pub fn run(node: &Node, inputs: &[Option<Tensor>], ctx: &OpContext) -> KResult<Vec<Tensor>> {
