@@ -128,16 +128,16 @@ fn main_loss_sum(exec: &Executor, kind: LossKind, mb: &Batch, outs: &[Tensor]) -
                 .iter()
                 .find(|t| t.dim() == 3 && is_float_kind(t.kind()))
                 .ok_or_else(|| train_err("causal-lm needs a [batch, seq, vocab] logits output"))?;
-            let (_, s, v) = logits.size3()?;
-            let (pred, target) = match exec.context_rank() {
-                // every local position predicts its next token; the sequence's last predicts none
-                Some(me) => {
-                    let target = causal_targets(exec, mb, Some(me))?;
-                    (local_tokens(logits, me, &target)?.f_reshape([-1, v])?, target)
-                }
-                None => (logits.f_narrow(1, 0, s - 1)?.f_reshape([-1, v])?, causal_targets(exec, mb, None)?),
+            let v = logits.size3()?.2;
+            // every position predicts its next token and the sequence's last predicts none (an
+            // ignored target), so the logits are read whole: no shifted copy of them, forward
+            // or backward (HF's `logits[:, :-1].contiguous()`)
+            let target = causal_targets(exec, mb, exec.context_rank())?;
+            let pred = match exec.context_rank() {
+                Some(me) => local_tokens(logits, me, &target)?,
+                None => logits.shallow_clone(),
             };
-            pred.f_cross_entropy_loss(&target, None::<&Tensor>, Reduction::Sum, IGNORE_INDEX, 0.0)?
+            pred.f_reshape([-1, v])?.f_cross_entropy_loss(&target, None::<&Tensor>, Reduction::Sum, IGNORE_INDEX, 0.0)?
         }
         LossKind::CrossEntropy | LossKind::Seq2Seq => {
             if kind == LossKind::Seq2Seq {
@@ -218,9 +218,9 @@ fn find_array<'b>(mb: &'b Batch, keys: &[&str]) -> Option<&'b Tensor> {
     mb.iter().find(|(n, _)| keys.contains(&n.as_str())).map(|(_, t)| t)
 }
 
-/// The next-token targets of a causal LM: the token ids shifted by one, flattened; under
-/// context parallelism (`me`), those of the rank's positions, the sequence's last position
-/// targeting nothing.
+/// The next-token targets of a causal LM, one per position, flattened: the token ids shifted
+/// by one, each sequence's last position targeting nothing ([`IGNORE_INDEX`]); under context
+/// parallelism (`me`), those of the rank's positions.
 fn causal_targets(exec: &Executor, mb: &Batch, me: Option<ContextRank>) -> Result<Tensor, RuntimeError> {
     let graph = exec.graph();
     let ids = exec
@@ -236,9 +236,9 @@ fn causal_targets(exec: &Executor, mb: &Batch, me: Option<ContextRank>) -> Resul
     let ids = mb.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| train_err("token ids missing"))?;
     let s = ids.size().get(1).copied().ok_or_else(|| train_err("causal-lm needs [batch, seq] token ids"))?;
     let next = ids.f_narrow(1, 1, s - 1)?.f_to_kind(Kind::Int64)?;
-    let Some(me) = me else { return Ok(next.f_reshape([-1])?) };
     let none = Tensor::f_full([next.size()[0], 1], IGNORE_INDEX, (Kind::Int64, next.device()))?;
     let shifted = Tensor::f_cat(&[next, none], 1)?;
+    let Some(me) = me else { return Ok(shifted.f_reshape([-1])?) };
     Ok(context::localize(&shifted, 1, context::Blocks { outer: 1, seq: 0 }, me).map_err(|e| train_err(&e))?.f_reshape([-1])?)
 }
 
