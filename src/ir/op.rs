@@ -57,6 +57,8 @@ op_kinds! {
     GridSample, ScatterElements, OneHot, BitShift, BitwiseAnd, BitwiseOr, BitwiseXor, BitwiseNot,
     // blocks summed back into an image (`torch.nn.Fold`)
     Col2Im,
+    // training losses a model computes itself (a causal LM exported with its labels)
+    SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss,
     // IR-internal (made by `passes::fuse`, never read from a model file)
     /// Softmax attention as one kernel (libtorch's `scaled_dot_product_attention`), inputs
     /// `(q, kᵀ, v, mask?)`: `softmax(scale·q·kᵀ (+ mask)) · v`, reading Kᵀ (`[.., d, L]`) as the
@@ -154,7 +156,8 @@ impl OpKind {
         match self {
             // einsum contracts with batched matrix products, which autocast runs in the low type
             MatMul | Gemm | Conv | ScaledDotProductAttention | Einsum => AutocastClass::Low,
-            ReduceProd | ReduceL2 | ReduceLogSumExp | ReduceSumSquare | LpNormalization | GridSample => AutocastClass::Fp32,
+            ReduceProd | ReduceL2 | ReduceLogSumExp | ReduceSumSquare | LpNormalization | GridSample | SoftmaxCrossEntropyLoss
+            | NegativeLogLikelihoodLoss => AutocastClass::Fp32,
             MixtureOfExperts => AutocastClass::Inside,
             _ => AutocastClass::AsIs,
         }

@@ -283,6 +283,12 @@ pub fn flops(sz: &Sizes, node: &Node) -> f64 {
         Sum | Max | Min => (node.inputs.len().saturating_sub(1)).max(1) as f64 * out_numel,
         Mean => node.inputs.len().max(1) as f64 * out_numel,
         Softmax | LogSoftmax => 5.0 * in_numel,
+        // the log-softmax, then one pick per target
+        SoftmaxCrossEntropyLoss => 5.0 * in_numel,
+        NegativeLogLikelihoodLoss => {
+            let classes = node.inputs.first().copied().flatten().and_then(|v| sz.dims(v)).and_then(|d| d.get(1).copied()).filter(|&c| c > 0);
+            in_numel / classes.unwrap_or(1) as f64
+        }
         LayerNormalization | InstanceNormalization => 8.0 * in_numel,
         // square, mean, scale by the inverse root, weight
         RMSNormalization => 4.0 * in_numel,
@@ -692,6 +698,12 @@ fn saved(sz: &Sizes, node: &Node, grad: &[bool], data: &[bool], batch: f64) -> S
         Dropout => {
             if any_rg {
                 s.extra_bytes += output.map(|o| sz.numel(o)).unwrap_or(0.0) / batch;
+            }
+        }
+        SoftmaxCrossEntropyLoss => {
+            // the log-softmax's output, which the NLL's backward and its own read
+            if any_rg && let Some(x) = input(0) {
+                s.extra_bytes += sz.bytes(x) / batch;
             }
         }
         _ => {}

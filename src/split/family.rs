@@ -80,7 +80,8 @@ pub fn family(kind: OpKind) -> Family {
         MixtureOfExperts => F::Experts,
         Shape | Size | ConstantOfShape | Range | Constant => F::Shape,
         Conv | BatchNormalization | InstanceNormalization | LRN | MaxPool | AveragePool | GlobalAveragePool | GlobalMaxPool
-        | GatherElements | GatherND | Tile | Pad | Trilu | ScatterND | ScatterElements | OneHot | Einsum | Resize | GridSample | Col2Im => F::Whole,
+        | GatherElements | GatherND | Tile | Pad | Trilu | ScatterND | ScatterElements | OneHot | Einsum | Resize | GridSample | Col2Im
+        | SoftmaxCrossEntropyLoss | NegativeLogLikelihoodLoss => F::Whole,
     }
 }
 

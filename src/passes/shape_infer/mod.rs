@@ -192,6 +192,7 @@ fn infer_node(cx: &Ctx, dims: &BTreeMap<String, i64>) -> Outs {
         BatchNormalization => nn::batch_norm(cx),
         InstanceNormalization | LRN | RMSNormalization | Softmax | LogSoftmax => nn::same_as_input(cx),
         Dropout => nn::dropout(cx),
+        SoftmaxCrossEntropyLoss | NegativeLogLikelihoodLoss => nn::loss(cx),
         ReduceMean | ReduceSum | ReduceMax | ReduceMin | ReduceProd => reduce::reduce(cx, kind),
         ReduceL1 | ReduceL2 | ReduceLogSumExp | ReduceSumSquare => reduce::reduce(cx, kind),
         LpNormalization => nn::same_as_input(cx),

@@ -87,6 +87,36 @@ pub(super) fn dropout(cx: &Ctx) -> Outs {
     Ok(outs)
 }
 
+/// SoftmaxCrossEntropyLoss(scores, labels, weights?) and NegativeLogLikelihoodLoss(input,
+/// target, weight?): scores `[N, C, d…]` against labels `[N, d…]`. The loss has the labels'
+/// shape under `reduction = none`, else it is a scalar; SoftmaxCrossEntropyLoss's optional
+/// second output, the log-probabilities, has the scores' shape.
+pub(super) fn loss(cx: &Ctx) -> Outs {
+    let reduction = cx.attrs().str("reduction").unwrap_or("mean");
+    let per_target = match reduction {
+        "none" => true,
+        "mean" | "sum" => false,
+        other => return Err(format!("attribute `reduction` is `{other}`; expected `none`, `sum` or `mean`")),
+    };
+    if let (Some(x), Some(l)) = (cx.shape(0), cx.shape(1)) {
+        let fits = x.len() >= 2 && l.len() + 1 == x.len() && l[0] == x[0] && l[1..] == x[2..];
+        if !fits {
+            return Err(format!("scores `{}` {x:?} and labels `{}` {l:?} do not fit: labels must be the scores' shape without axis 1 (the classes)", cx.name(0), cx.name(1)));
+        }
+    }
+    if let (Some(x), Some(w)) = (cx.shape(0), cx.shape(2)) {
+        if w.len() != 1 || x.get(1) != w.first() {
+            return Err(format!("weights `{}` {w:?} must hold one weight per class ({:?})", cx.name(2), x.get(1)));
+        }
+    }
+    let shape = if per_target { cx.shape(1).map(<[i64]>::to_vec) } else { Some(Vec::new()) };
+    let mut outs = vec![(ty_opt(cx.dtype(0), shape), None)];
+    if cx.node.outputs.len() > 1 {
+        outs.push(cx.same(0));
+    }
+    Ok(outs)
+}
+
 /// `ceil(a / b)` for `a ≥ 0`, `b > 0`.
 fn ceil_div(a: i64, b: i64) -> i64 {
     a / b + (a % b != 0) as i64

@@ -155,5 +155,6 @@ pub fn run(node: &Node, inputs: &[Option<Tensor>], ctx: &OpContext) -> KResult<V
         ScatterND => one(shape::scatter_nd(&a)),
         Constant => one(shape::constant(&a)),
         Dropout => nn::dropout(&a),
+        SoftmaxCrossEntropyLoss | NegativeLogLikelihoodLoss => nn::loss(kind, &a),
     }
 }

@@ -466,3 +466,32 @@ pub(super) fn dropout(a: &Args) -> KResult<Vec<Tensor>> {
     out.truncate(a.n_out().max(1));
     Ok(out)
 }
+
+/// SoftmaxCrossEntropyLoss(scores, labels, weights?) → (loss, log_prob?) and
+/// NegativeLogLikelihoodLoss(input, target, weight?) → loss: libtorch's log-softmax over axis 1
+/// (the classes; SoftmaxCrossEntropyLoss only) and its N-dimensional NLL, whose `mean` is ONNX's
+/// (the weighted sum over the weights of the counted targets). Without `ignore_index` every
+/// target counts: the kernel is given a value no class index takes.
+pub(super) fn loss(kind: OpKind, a: &Args) -> KResult<Vec<Tensor>> {
+    let x = a.x(0)?;
+    let target = a.x(1)?.f_to_kind(Kind::Int64)?;
+    let reduction = match a.attrs().str("reduction").unwrap_or("mean") {
+        "none" => tch::Reduction::None,
+        "sum" => tch::Reduction::Sum,
+        "mean" => tch::Reduction::Mean,
+        other => bail!("attribute `reduction` is `{other}`; expected `none`, `sum` or `mean`"),
+    };
+    let ignore = a.attrs().int_opt("ignore_index").unwrap_or(i64::MIN);
+    let weight = match a.opt(2) {
+        Some(w) if w.kind() != x.kind() => Some(w.f_to_kind(x.kind())?),
+        w => w.map(Tensor::shallow_clone),
+    };
+    if x.dim() < 2 {
+        bail!("scores of shape {:?}: at least [N, C] expected", x.size());
+    }
+    let log_prob = if kind == OpKind::SoftmaxCrossEntropyLoss { x.f_log_softmax(1, None::<Kind>)? } else { x.shallow_clone() };
+    let loss = log_prob.f_nll_loss_nd(&target, weight.as_ref(), reduction, ignore)?;
+    let mut out = vec![loss, log_prob];
+    out.truncate(a.n_out().max(1));
+    Ok(out)
+}
