@@ -268,6 +268,25 @@ mod tests {
     }
 
     #[test]
+    fn a_cross_entropy_loss_is_a_scalar_or_the_labels_shape_and_refuses_labels_that_do_not_fit() {
+        let loss = |labels: &[&str], reduction: &str| {
+            let mut b = Builder::new();
+            let x = b.input("scores", DType::F32, &["2", "5", "3"]);
+            let y = b.input("labels", DType::I64, labels);
+            let out = b.node_n(OpKind::SoftmaxCrossEntropyLoss, &[Some(x), Some(y)], &[("reduction", Attr::Str(reduction.into()))], 2);
+            b.output(out[0]);
+            let dims = bind_dims(&b.g, &AnalyzeOptions::default()).unwrap();
+            infer_shapes(&mut b.g, &dims).map(|_| (shape_of(&b.g, out[0]), shape_of(&b.g, out[1])))
+        };
+        assert_eq!(loss(&["2", "3"], "mean").unwrap(), (vec![], vec![2, 5, 3]));
+        assert_eq!(loss(&["2", "3"], "none").unwrap(), (vec![2, 3], vec![2, 5, 3]));
+        let wrong = loss(&["2", "5"], "sum").unwrap_err().to_string();
+        assert!(wrong.contains("labels") && wrong.contains("axis 1"), "{wrong}");
+        let unknown = loss(&["2", "3"], "max").unwrap_err().to_string();
+        assert!(unknown.contains("`reduction`") && unknown.contains("`max`"), "{unknown}");
+    }
+
+    #[test]
     fn reshape_copies_zeros_and_infers_minus_one() {
         let mut b = Builder::new();
         let x = b.input("x", DType::F32, &["batch", "6", "4"]);
