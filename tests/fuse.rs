@@ -1244,3 +1244,84 @@ fn apply_rotary_reads_tables_of_one_angle_per_pair_as_widened_ones() {
         }
     }
 }
+
+/// A layer norm as opsets before 17 write it, over inputs `x` `[2, 5, 8]`, `w` `[8]` and (with
+/// `bias`) `b` `[8]`: `d = x − mean(x)`, `d / √(mean(d²) + ε)` (or `d · 1/√…`), `· w (+ b)`.
+fn layer_norm_graph(bias: bool, reciprocal: bool, square_by_mul: bool) -> Graph {
+    let mut a = Attn { g: Graph::new("layer_norm"), n: 0 };
+    a.g.opsets.insert(String::new(), 14);
+    let x = a.input("x", DType::F32, &X);
+    let w = a.input("w", DType::F32, &[8]);
+    let b = bias.then(|| a.input("b", DType::F32, &[8]));
+    let axes = a.konst(IrTensor::from_i64(vec![1], &[-1]));
+    let mean = a.op(OpKind::ReduceMean, &[x, axes], &[("keepdims", smp_partition::ir::Attr::Int(1))], DType::F32, &[2, 5, 1]);
+    let d = a.f(OpKind::Sub, &[x, mean], &X);
+    let sq = if square_by_mul {
+        a.f(OpKind::Mul, &[d, d], &X)
+    } else {
+        let two = a.scalar(2.0);
+        a.f(OpKind::Pow, &[d, two], &X)
+    };
+    let root = root_of_mean(&mut a, sq, -1, false);
+    let n = if reciprocal {
+        let r = a.f(OpKind::Reciprocal, &[root], &[2, 5, 1]);
+        a.f(OpKind::Mul, &[d, r], &X)
+    } else {
+        a.f(OpKind::Div, &[d, root], &X)
+    };
+    let y = a.f(OpKind::Mul, &[n, w], &X);
+    let y = match b {
+        Some(b) => a.f(OpKind::Add, &[b, y], &X),
+        None => y,
+    };
+    a.finish(y)
+}
+
+#[test]
+fn a_written_out_layer_norm_becomes_one_node_and_computes_the_chain_in_f64_and_f32() {
+    for (bias, reciprocal, square_by_mul) in [(true, false, false), (false, false, false), (true, true, true)] {
+        let what = format!("bias {bias}, reciprocal {reciprocal}, square by Mul {square_by_mul}");
+        let unfused = layer_norm_graph(bias, reciprocal, square_by_mul);
+        let mut g = unfused.clone();
+        let records = fuse(&mut g);
+        assert_eq!(records.len(), 1, "{what}: {records:?}");
+        let f = &records[0];
+        assert_eq!(f.op, FusedOp::LayerNorm { epsilon: smp_partition::ir::Epsilon(1e-6_f32 as f64), bias }, "{what}");
+        g.verify().unwrap();
+        assert_eq!(g.node_count(), 1, "{what}: the chain is one node");
+        let node = g.node(f.node);
+        assert!(node.op.is(OpKind::LayerNormalization), "{what}");
+        let names: Vec<&str> = node.inputs.iter().flatten().map(|&v| g.value(v).name.as_str()).collect();
+        assert_eq!(names, if bias { vec!["x", "w", "b"] } else { vec!["x", "w"] }, "{what}");
+        passes::shape_infer::infer_shapes(&mut g, &Default::default()).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let mut replayed = unfused.clone();
+        smp_partition::passes::fuse::apply(&mut replayed, f).unwrap();
+        assert_eq!(format!("{replayed}"), format!("{g}"), "{what}");
+        for (kind, tol) in [(Kind::Double, 1e-12), (Kind::Float, 1e-5)] {
+            let a = run_with_input_grads(&unfused, kind);
+            let b = run_with_input_grads(&g, kind);
+            assert_eq!(a.len(), 3 + usize::from(bias));
+            for (i, (x, y)) in b.iter().zip(&a).enumerate() {
+                let d = rel(x, y);
+                assert!(d <= tol, "{what} {kind:?}: tensor {i} (output, then the inputs' gradients) differs by {d:.2e}");
+            }
+        }
+    }
+    // centred on another tensor's mean: an RMSNorm of the difference, not a layer norm of x
+    let mut a = Attn { g: Graph::new("not_layer_norm"), n: 0 };
+    a.g.opsets.insert(String::new(), 14);
+    let x = a.input("x", DType::F32, &X);
+    let other = a.input("other", DType::F32, &X);
+    let w = a.input("w", DType::F32, &[8]);
+    let axes = a.konst(IrTensor::from_i64(vec![1], &[-1]));
+    let mean = a.op(OpKind::ReduceMean, &[other, axes], &[("keepdims", smp_partition::ir::Attr::Int(1))], DType::F32, &[2, 5, 1]);
+    let d = a.f(OpKind::Sub, &[x, mean], &X);
+    let two = a.scalar(2.0);
+    let sq = a.f(OpKind::Pow, &[d, two], &X);
+    let root = root_of_mean(&mut a, sq, -1, false);
+    let n = a.f(OpKind::Div, &[d, root], &X);
+    let y = a.f(OpKind::Mul, &[n, w], &X);
+    let mut g = a.finish(y);
+    let records = fuse(&mut g);
+    assert!(records.iter().all(|r| !matches!(r.op, FusedOp::LayerNorm { .. })), "{records:?}");
+}

@@ -301,6 +301,16 @@ fn through(kind: OpKind, m: &mut Model) -> Option<i64> {
             m.node("Reshape", "to3c", &["folded", "to3c"], &["b"], vec![]);
             H
         }
+        SoftmaxCrossEntropyLoss | NegativeLogLikelihoodLoss => {
+            // a per-token loss over the hidden axis read as classes, [B, S] → [B, S, 1]
+            let labels: Vec<i64> = (0..B * S).map(|i| i % H).collect();
+            m.ints("labels", &[B, S], &labels);
+            m.ints("last", &[1], &[-1]);
+            m.node("Transpose", "to_classes", &["a"], &["scores"], vec![("perm", A::Is(vec![0, 2, 1]))]);
+            m.node(op, "op", &["scores", "labels"], &["per_token"], vec![("reduction", A::S("none"))]);
+            m.node("Unsqueeze", "per_token_3d", &["per_token", "last"], &["b"], vec![]);
+            1
+        }
         k if tp_rule(k) => return None,
         k => panic!("no test graph for `{k}`, an op without a tensor-split rule: add one to `through`"),
     })

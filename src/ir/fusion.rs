@@ -54,6 +54,16 @@ pub enum FusedOp {
         /// What is added to the mean square.
         epsilon: Epsilon,
     },
+    /// Layer norm over the last axis as an export without `LayerNormalization` (opsets before
+    /// 17) writes it, `(x − mean(x)) / √(mean((x − mean(x))², -1) + ε) · γ (+ β)`, the ONNX op
+    /// `LayerNormalization` (`axis` −1), run as libtorch's `native_layer_norm`. Inputs `x, γ`
+    /// and `β` when it adds one.
+    LayerNorm {
+        /// What is added to the variance.
+        epsilon: Epsilon,
+        /// Whether it adds a bias β after scaling.
+        bias: bool,
+    },
     /// The elementwise half of a gated MLP, `silu(gate) ⊙ up`, the IR op
     /// [`OpKind::SwiGlu`](super::OpKind::SwiGlu). Inputs `gate, up`.
     #[serde(rename = "swiglu")]
@@ -230,6 +240,7 @@ impl FusedOp {
             FusedOp::Attention { .. } => OpKind::ScaledDotProductAttention,
             FusedOp::MixtureOfExperts { .. } => OpKind::MixtureOfExperts,
             FusedOp::RmsNorm { .. } => OpKind::RMSNormalization,
+            FusedOp::LayerNorm { .. } => OpKind::LayerNormalization,
             FusedOp::SwiGlu => OpKind::SwiGlu,
             FusedOp::Rotary { .. } => OpKind::ApplyRotary,
         }
@@ -242,6 +253,7 @@ impl FusedOp {
             FusedOp::Attention { mask, .. } => 3 + usize::from(mask.is_some()),
             FusedOp::MixtureOfExperts { biases, .. } => 5 + 2 * usize::from(*biases),
             FusedOp::RmsNorm { .. } | FusedOp::SwiGlu => 2,
+            FusedOp::LayerNorm { bias, .. } => 2 + usize::from(*bias),
             FusedOp::Rotary { .. } => 3,
         }
     }
@@ -292,6 +304,7 @@ impl std::fmt::Display for FusedOp {
                 }
             }
             FusedOp::RmsNorm { epsilon } => write!(f, "RMSNormalization(epsilon = {})", epsilon.0),
+            FusedOp::LayerNorm { epsilon, bias } => write!(f, "LayerNormalization(epsilon = {}{})", epsilon.0, if *bias { "" } else { ", no bias" }),
             FusedOp::SwiGlu => f.write_str("SwiGlu"),
             FusedOp::Rotary { interleaved: false } => f.write_str("ApplyRotary"),
             FusedOp::Rotary { interleaved: true } => f.write_str("ApplyRotary(interleaved)"),

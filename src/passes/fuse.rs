@@ -114,6 +114,8 @@ pub struct Fused {
     pub experts: usize,
     /// RMSNorm chains now `RMSNormalization`.
     pub rms_norm: usize,
+    /// Written-out layer norms now `LayerNormalization`.
+    pub layer_norm: usize,
     /// `silu(gate) ⊙ up` chains now `SwiGlu`.
     pub swiglu: usize,
     /// `x·cos + rot(x)·sin` chains now `ApplyRotary`, both forms.
@@ -131,6 +133,7 @@ impl Fused {
                 FusedOp::Attention { .. } => out.attention += 1,
                 FusedOp::MixtureOfExperts { .. } => out.experts += 1,
                 FusedOp::RmsNorm { .. } => out.rms_norm += 1,
+                FusedOp::LayerNorm { .. } => out.layer_norm += 1,
                 FusedOp::SwiGlu => out.swiglu += 1,
                 FusedOp::Rotary { .. } => out.rotary += 1,
             }
@@ -140,7 +143,7 @@ impl Fused {
 
     /// Chains rewritten in all.
     pub fn total(&self) -> usize {
-        self.gelu_tanh + self.gelu_erf + self.attention + self.experts + self.rms_norm + self.swiglu + self.rotary
+        self.gelu_tanh + self.gelu_erf + self.attention + self.experts + self.rms_norm + self.layer_norm + self.swiglu + self.rotary
     }
 }
 
@@ -148,8 +151,8 @@ impl std::fmt::Display for Fused {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "fused {} tanh-GELU and {} erf-GELU chains into Gelu, {} attention chains into ScaledDotProductAttention, {} expert chains into MixtureOfExperts, {} RMSNorm chains into RMSNormalization, {} SwiGLU chains into SwiGlu, {} rotary chains into ApplyRotary",
-            self.gelu_tanh, self.gelu_erf, self.attention, self.experts, self.rms_norm, self.swiglu, self.rotary
+            "fused {} tanh-GELU and {} erf-GELU chains into Gelu, {} attention chains into ScaledDotProductAttention, {} expert chains into MixtureOfExperts, {} RMSNorm chains into RMSNormalization, {} layer norms into LayerNormalization, {} SwiGLU chains into SwiGlu, {} rotary chains into ApplyRotary",
+            self.gelu_tanh, self.gelu_erf, self.attention, self.experts, self.rms_norm, self.layer_norm, self.swiglu, self.rotary
         )
     }
 }
@@ -201,10 +204,18 @@ fn fuse_sweep(graph: &mut Graph, late: bool, out: &mut Vec<Fusion>) {
                 output: output(),
                 replaces: r.nodes,
             }),
-            (true, OpKind::Mul) => m
-                .rms_norm(id)
-                .map(|(x, w, epsilon, nodes)| Fusion { node: id, op: FusedOp::RmsNorm { epsilon: Epsilon(epsilon) }, inputs: vec![x, w], output: output(), replaces: nodes })
-                .or_else(|| m.swiglu(id).map(|(gate, up, nodes)| Fusion { node: id, op: FusedOp::SwiGlu, inputs: vec![gate, up], output: output(), replaces: nodes })),
+            (true, OpKind::Mul | OpKind::Add) => m
+                .layer_norm(id)
+                .map(|l| Fusion { node: id, op: FusedOp::LayerNorm { epsilon: Epsilon(l.epsilon), bias: l.inputs.len() == 3 }, inputs: l.inputs, output: output(), replaces: l.nodes })
+                .or_else(|| {
+                    // a layer norm's scaling whose bias add comes next is fused at that add
+                    if op != OpKind::Mul || m.layer_normed(id).is_some() {
+                        return None;
+                    }
+                    m.rms_norm(id)
+                        .map(|(x, w, epsilon, nodes)| Fusion { node: id, op: FusedOp::RmsNorm { epsilon: Epsilon(epsilon) }, inputs: vec![x, w], output: output(), replaces: nodes })
+                        .or_else(|| m.swiglu(id).map(|(gate, up, nodes)| Fusion { node: id, op: FusedOp::SwiGlu, inputs: vec![gate, up], output: output(), replaces: nodes }))
+                }),
             _ => None,
         };
         uses = m.uses;
@@ -370,6 +381,16 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
             // exactly the chain's constant (an f32 attribute would be read as its decimal)
             attrs.set("epsilon", Attr::Tensor(crate::ir::Tensor::from_f64(vec![], &[epsilon.0])));
             OpKind::RMSNormalization
+        }
+        FusedOp::LayerNorm { epsilon, bias } => {
+            let m = Matcher { g: graph, uses: readers };
+            let found = m.layer_norm(f.node);
+            if !found.as_ref().is_some_and(|l| l.inputs == f.inputs && l.nodes == f.replaces && l.epsilon.to_bits() == epsilon.0.to_bits() && (l.inputs.len() == 3) == bias) {
+                return Err(bad(format!("the chain is not a layer norm over the last axis of its inputs with ε = {}", epsilon.0)));
+            }
+            attrs.set("axis", Attr::Int(-1));
+            attrs.set("epsilon", Attr::Tensor(crate::ir::Tensor::from_f64(vec![], &[epsilon.0])));
+            OpKind::LayerNormalization
         }
         FusedOp::SwiGlu => {
             use OpKind::*;
@@ -641,6 +662,15 @@ struct ExpertsMatch {
     activation: ExpertActivation,
     weighting: ExpertWeighting,
     biases: bool,
+    nodes: Vec<NodeId>,
+}
+
+/// What [`Matcher::layer_norm`] found.
+#[derive(Debug, PartialEq)]
+struct LayerNormMatch {
+    /// `x, γ` and `β` when the chain adds one.
+    inputs: Vec<ValueId>,
+    epsilon: f64,
     nodes: Vec<NodeId>,
 }
 
@@ -1167,6 +1197,63 @@ impl Matcher<'_> {
             return Some((x, w, eps, nodes));
         }
         None
+    }
+
+    /// `id` = Mul(normed, γ) where `normed` is RMSNorm's normalisation ([`Matcher::rms_norm`]) of
+    /// `d` = Sub(x, ReduceMean(x, [-1], keepdims 1)), the centred input: a layer norm's scaling,
+    /// (x, γ, ε, the nodes ascending).
+    fn layer_normed(&self, id: NodeId) -> Option<(ValueId, ValueId, f64, Vec<NodeId>)> {
+        use OpKind::*;
+        let (d, gamma, eps, mut nodes) = self.rms_norm(id)?;
+        // `d` is read by the square and the normalisation, nothing else
+        let reads: usize = nodes.iter().map(|&n| self.g.node(n).inputs.iter().flatten().filter(|&&v| v == d).count()).sum();
+        let sub = self.made_by(d, Sub).filter(|_| self.uses[d.index()] == reads)?;
+        let (x, m) = self.pair(sub)?;
+        let mean = self.inner(m, ReduceMean)?;
+        let rank = self.dims(x)?.len();
+        let last_kept = self.axes_of(mean, rank)? == [rank - 1] && self.g.node(mean).attrs.int("keepdims", 1) == 1;
+        if !last_kept || self.g.node(mean).inputs.first().copied().flatten() != Some(x) || self.dtype(x) != self.dtype(gamma) {
+            return None;
+        }
+        nodes.extend([sub, mean]);
+        nodes.sort();
+        Some((x, gamma, eps, nodes))
+    }
+
+    /// A written-out layer norm ending at `id`: Add(scaling, β) with a 1-D β as long as the last
+    /// axis, or the scaling itself ([`Matcher::layer_normed`]) when no such add reads it alone.
+    fn layer_norm(&self, id: NodeId) -> Option<LayerNormMatch> {
+        let node = self.g.node(id);
+        if node.op.is(OpKind::Mul) {
+            let (x, gamma, epsilon, nodes) = self.layer_normed(id)?;
+            let out = node.outputs.first().copied()?;
+            let bias_next = self.uses[out.index()] == 1
+                && self.g.node_ids().any(|n| self.g.node(n).op.is(OpKind::Add) && self.g.node(n).inputs.contains(&Some(out)) && self.bias_of(n, out).is_some());
+            return (!bias_next).then_some(LayerNormMatch { inputs: vec![x, gamma], epsilon, nodes });
+        }
+        let (a, b) = self.pair(id)?;
+        for scaled in [a, b] {
+            let Some(beta) = self.bias_of(id, scaled) else { continue };
+            let Some(mul) = self.inner(scaled, OpKind::Mul) else { continue };
+            let Some((x, gamma, epsilon, mut nodes)) = self.layer_normed(mul) else { continue };
+            if self.dtype(beta) != self.dtype(x) {
+                continue;
+            }
+            nodes.push(id);
+            nodes.sort();
+            return Some(LayerNormMatch { inputs: vec![x, gamma, beta], epsilon, nodes });
+        }
+        None
+    }
+
+    /// For Add node `add` reading `scaled`: its other operand when that is 1-D, float and as long
+    /// as `scaled`'s last axis (a bias).
+    fn bias_of(&self, add: NodeId, scaled: ValueId) -> Option<ValueId> {
+        let (a, b) = self.pair(add)?;
+        let beta = if a == scaled { b } else if b == scaled { a } else { return None };
+        let (bd, sd) = (self.dims(beta)?, self.dims(scaled)?);
+        let float = self.dtype(beta).is_some_and(|d| d.is_float());
+        (bd.len() == 1 && bd[0].known().is_some() && sd.last() == bd.first() && float).then_some(beta)
     }
 
     /// `x` = Cast(x0) to a float type, read only by `nodes`: (x0, the Cast).
