@@ -24,6 +24,7 @@ from torch import nn
 
 import smp_partition as smp
 from conftest import needs_runner
+from torch_training import norm_rel, train_as_runner
 
 pytestmark = needs_runner
 
@@ -109,26 +110,6 @@ def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
 
 
-def _train_torch(model: nn.Module, ids: torch.Tensor) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """STEPS steps as the runner trains (AdamW, weight decay on every parameter, clip 1)."""
-    model = copy.deepcopy(model).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss = _loss(model(ids), ids)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=False)
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _norm_rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    g, w = got.detach().double(), want.double()
-    return float((g - w).norm() / w.norm().clamp_min(1e-30))
-
-
 def _sliced(plan: smp.Plan) -> set[str]:
     """The initializers the plan's shards slice."""
     found, stack = set(), [plan.data.get("codegen", {})]
@@ -161,7 +142,7 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     exported = smp.export(model, (ids,), work / "model.onnx")
     data = work / "data.npz"
     np.savez(data, input_ids=ids.numpy())
-    losses, trained = _train_torch(model, ids)
+    losses, trained = train_as_runner(model, lambda m: _loss(m(ids), ids), STEPS, LR, WD, CLIP)
     exact_losses, exact = _one_process_f64(exported.path, data, work)
     return model, ids, exported, data, losses, trained, exact_losses, exact
 
@@ -186,7 +167,7 @@ def test_learned_activation_parameters_train_as_pytorch(label: str, case, tmp_pa
     assert len(run.losses) == STEPS and rel <= LOSS_TOL, (label, run.losses, losses)
     got = dict(smp.load_trained(copy.deepcopy(model), run).named_parameters())
     initial = dict(model.named_parameters())
-    errors = {n: _norm_rel(got[n], w) for n, w in trained.items() if _norm_rel(got[n], w) > WEIGHT_TOL}
+    errors = {n: norm_rel(got[n], w) for n, w in trained.items() if norm_rel(got[n], w) > WEIGHT_TOL}
     assert not errors, (label, errors)
     # the activation's own parameters moved, as PyTorch moved them
     for n in ("blocks.0.act.alpha_p", "blocks.0.act.slope") + (() if moe else ("blocks.1.act.scale",)):
@@ -196,6 +177,6 @@ def test_learned_activation_parameters_train_as_pytorch(label: str, case, tmp_pa
     rel64 = max(abs(a - b) / abs(b) for a, b in zip(run64.losses, exact_losses))
     assert rel64 <= EXACT_TOL, (label, run64.losses, exact_losses)
     got64 = load_file(str(run64.trained))
-    worst64 = max(_norm_rel(got64[n], w) for n, w in exact.items())
+    worst64 = max(norm_rel(got64[n], w) for n, w in exact.items())
     assert worst64 <= EXACT_TOL, (label, worst64)
     print(f"{label}: loss {rel:.1e} vs PyTorch; f64 loss {rel64:.1e}, weights {worst64:.1e} vs one process")

@@ -17,6 +17,7 @@ from torch import nn
 
 import smp_partition as smp
 from conftest import needs_runner
+from torch_training import norm_rel, train_as_runner
 
 pytestmark = needs_runner
 
@@ -61,26 +62,6 @@ class SelfScoringModel(nn.Module):
         return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), input_ids[:, 1:].reshape(-1))
 
 
-def _train_torch(model: nn.Module, ids: torch.Tensor) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """STEPS steps as the runner trains (AdamW, weight decay on every parameter, clip 1)."""
-    model = copy.deepcopy(model).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss = model(ids)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=False)
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _norm_rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    g, w = got.detach().double(), want.double()
-    return float((g - w).norm() / w.norm().clamp_min(1e-30))
-
-
 @pytest.fixture(scope="module")
 def case(tmp_path_factory: pytest.TempPathFactory):
     torch.manual_seed(0)
@@ -95,7 +76,7 @@ def case(tmp_path_factory: pytest.TempPathFactory):
     data = work / "data.npz"
     name = onnx.load(str(exported.path)).graph.input[0].name
     np.savez(data, **{name: ids.numpy()})
-    return model, ids, exported, data, *_train_torch(model, ids)
+    return model, ids, exported, data, *train_as_runner(model, lambda m: m(ids), STEPS, LR, WD, CLIP)
 
 
 @pytest.mark.parametrize("label", list(PLANS))
@@ -109,6 +90,6 @@ def test_a_model_scoring_itself_trains_as_pytorch(label: str, case, tmp_path) ->
     rel = max(abs(a - b) / abs(b) for a, b in zip(run.losses, losses))
     assert len(run.losses) == STEPS and rel <= LOSS_TOL, (label, run.losses, losses)
     got = dict(smp.load_trained(copy.deepcopy(model), run).named_parameters())
-    errors = {n: _norm_rel(got[n], w) for n, w in trained.items() if _norm_rel(got[n], w) > WEIGHT_TOL}
+    errors = {n: norm_rel(got[n], w) for n, w in trained.items() if norm_rel(got[n], w) > WEIGHT_TOL}
     assert not errors, (label, errors)
     print(f"{label}: loss {rel:.1e} vs PyTorch")
