@@ -591,39 +591,48 @@ fn run_with_input_grads(g: &Graph, kind: Kind) -> Vec<Tensor> {
     out
 }
 
+/// Fuses `unfused`, which holds one chain, and returns its record after checking that it leaves
+/// one node of `want` reading `inputs` (by name), that shapes infer, that the record replays to
+/// the same graph, and that the node computes the chain in f64 (≤ 1e-12) and f32 (≤ 1e-5): the
+/// output and every input's gradient.
+fn fused_alone(what: &str, unfused: &Graph, want: OpKind, inputs: &[&str]) -> smp_partition::ir::Fusion {
+    let mut g = unfused.clone();
+    let records = fuse(&mut g);
+    assert_eq!(records.len(), 1, "{what}: {records:?}");
+    let f = records[0].clone();
+    g.verify().unwrap();
+    assert_eq!(g.node_count(), 1, "{what}: the chain is one node");
+    let node = g.node(f.node);
+    assert!(node.op.is(want), "{what}");
+    let names: Vec<&str> = node.inputs.iter().flatten().map(|&v| g.value(v).name.as_str()).collect();
+    assert_eq!(names, inputs, "{what}");
+    passes::shape_infer::infer_shapes(&mut g, &Default::default()).unwrap_or_else(|e| panic!("{what}: {e}"));
+    // the replayed record gives the same graph
+    let mut replayed = unfused.clone();
+    smp_partition::passes::fuse::apply(&mut replayed, &f).unwrap();
+    assert_eq!(format!("{replayed}"), format!("{g}"), "{what}");
+    for (kind, tol) in [(Kind::Double, 1e-12), (Kind::Float, 1e-5)] {
+        let a = run_with_input_grads(unfused, kind);
+        let b = run_with_input_grads(&g, kind);
+        assert_eq!(a.len(), 1 + inputs.len());
+        for (i, (x, y)) in b.iter().zip(&a).enumerate() {
+            assert_eq!(x.kind(), kind);
+            let d = rel(x, y);
+            assert!(d <= tol, "{what} {kind:?}: tensor {i} (output, then the inputs' gradients) differs by {d:.2e}");
+        }
+    }
+    f
+}
+
 #[test]
 fn each_rms_norm_and_swiglu_variant_is_recognised_and_computes_the_chain_in_f64_and_f32() {
-    let cases = norm_variants().into_iter().map(|(w, g)| (w, g, OpKind::RMSNormalization)).chain(swiglu_variants().into_iter().map(|(w, g)| (w, g, OpKind::SwiGlu)));
-    for (what, unfused, kind_want) in cases {
-        let mut g = unfused.clone();
-        let records = fuse(&mut g);
-        assert_eq!(records.len(), 1, "{what}: {records:?}");
-        let f = &records[0];
-        match kind_want {
-            OpKind::RMSNormalization => assert_eq!(f.op, FusedOp::RmsNorm { epsilon: smp_partition::ir::Epsilon(1e-6_f32 as f64) }, "{what}"),
-            _ => assert_eq!(f.op, FusedOp::SwiGlu, "{what}"),
-        }
-        g.verify().unwrap();
-        assert_eq!(g.node_count(), 1, "{what}: the chain is one node");
-        let node = g.node(f.node);
-        assert!(node.op.is(kind_want), "{what}");
-        let names: Vec<&str> = node.inputs.iter().flatten().map(|&v| g.value(v).name.as_str()).collect();
-        assert_eq!(names, if kind_want == OpKind::SwiGlu { ["g", "u"] } else { ["x", "w"] }, "{what}");
-        passes::shape_infer::infer_shapes(&mut g, &Default::default()).unwrap_or_else(|e| panic!("{what}: {e}"));
-        // the replayed record gives the same graph
-        let mut replayed = unfused.clone();
-        smp_partition::passes::fuse::apply(&mut replayed, f).unwrap();
-        assert_eq!(format!("{replayed}"), format!("{g}"), "{what}");
-        for (kind, tol) in [(Kind::Double, 1e-12), (Kind::Float, 1e-5)] {
-            let a = run_with_input_grads(&unfused, kind);
-            let b = run_with_input_grads(&g, kind);
-            assert_eq!(a.len(), 3);
-            for (i, (x, y)) in b.iter().zip(&a).enumerate() {
-                assert_eq!(x.kind(), kind);
-                let d = rel(x, y);
-                assert!(d <= tol, "{what} {kind:?}: tensor {i} (output, then the inputs' gradients) differs by {d:.2e}");
-            }
-        }
+    for (what, unfused) in norm_variants() {
+        let f = fused_alone(what, &unfused, OpKind::RMSNormalization, &["x", "w"]);
+        assert_eq!(f.op, FusedOp::RmsNorm { epsilon: smp_partition::ir::Epsilon(1e-6_f32 as f64) }, "{what}");
+    }
+    for (what, unfused) in swiglu_variants() {
+        let f = fused_alone(what, &unfused, OpKind::SwiGlu, &["g", "u"]);
+        assert_eq!(f.op, FusedOp::SwiGlu, "{what}");
     }
 }
 
@@ -1282,30 +1291,9 @@ fn a_written_out_layer_norm_becomes_one_node_and_computes_the_chain_in_f64_and_f
     for (bias, reciprocal, square_by_mul) in [(true, false, false), (false, false, false), (true, true, true)] {
         let what = format!("bias {bias}, reciprocal {reciprocal}, square by Mul {square_by_mul}");
         let unfused = layer_norm_graph(bias, reciprocal, square_by_mul);
-        let mut g = unfused.clone();
-        let records = fuse(&mut g);
-        assert_eq!(records.len(), 1, "{what}: {records:?}");
-        let f = &records[0];
+        let inputs: &[&str] = if bias { &["x", "w", "b"] } else { &["x", "w"] };
+        let f = fused_alone(&what, &unfused, OpKind::LayerNormalization, inputs);
         assert_eq!(f.op, FusedOp::LayerNorm { epsilon: smp_partition::ir::Epsilon(1e-6_f32 as f64), bias }, "{what}");
-        g.verify().unwrap();
-        assert_eq!(g.node_count(), 1, "{what}: the chain is one node");
-        let node = g.node(f.node);
-        assert!(node.op.is(OpKind::LayerNormalization), "{what}");
-        let names: Vec<&str> = node.inputs.iter().flatten().map(|&v| g.value(v).name.as_str()).collect();
-        assert_eq!(names, if bias { vec!["x", "w", "b"] } else { vec!["x", "w"] }, "{what}");
-        passes::shape_infer::infer_shapes(&mut g, &Default::default()).unwrap_or_else(|e| panic!("{what}: {e}"));
-        let mut replayed = unfused.clone();
-        smp_partition::passes::fuse::apply(&mut replayed, f).unwrap();
-        assert_eq!(format!("{replayed}"), format!("{g}"), "{what}");
-        for (kind, tol) in [(Kind::Double, 1e-12), (Kind::Float, 1e-5)] {
-            let a = run_with_input_grads(&unfused, kind);
-            let b = run_with_input_grads(&g, kind);
-            assert_eq!(a.len(), 3 + usize::from(bias));
-            for (i, (x, y)) in b.iter().zip(&a).enumerate() {
-                let d = rel(x, y);
-                assert!(d <= tol, "{what} {kind:?}: tensor {i} (output, then the inputs' gradients) differs by {d:.2e}");
-            }
-        }
     }
     // centred on another tensor's mean: an RMSNorm of the difference, not a layer norm of x
     let mut a = Attn { g: Graph::new("not_layer_norm"), n: 0 };
