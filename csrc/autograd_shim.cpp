@@ -83,4 +83,22 @@ char* smp_storage_refill(at::Tensor* t, int64_t nbytes) {
   });
 }
 
+// Moves the bytes under `src`'s storage into `dst`'s freed storage, without a copy and without
+// touching `dst`'s version counter (autograd's saved references to `dst` read the bytes as
+// they were): selective recompute's rebuilt output takes the place of the one it freed. Both
+// must be whole tensors of one layout, type and device.
+char* smp_storage_take(at::Tensor* dst, at::Tensor* src) {
+  return smp_shim::guarded([&] {
+    TORCH_CHECK(dst->storage_offset() == 0 && src->storage_offset() == 0, "a rebuilt output must be a whole tensor");
+    TORCH_CHECK(dst->sizes() == src->sizes() && dst->strides() == src->strides(), "the rebuilt output's layout ", src->sizes(), " ", src->strides(), " differs from the freed one's ", dst->sizes(), " ", dst->strides());
+    TORCH_CHECK(dst->scalar_type() == src->scalar_type() && dst->device() == src->device(), "the rebuilt output's type or device differs from the freed one's");
+    c10::StorageImpl* d = dst->storage().unsafeGetStorageImpl();
+    c10::StorageImpl* s = src->storage().unsafeGetStorageImpl();
+    size_t nbytes = s->nbytes();
+    d->set_data_ptr_noswap(s->set_data_ptr(c10::DataPtr(nullptr, s->device())));
+    d->set_nbytes(nbytes);
+    s->set_nbytes(0);
+  });
+}
+
 }  // extern "C"

@@ -263,7 +263,7 @@ fn pipeline_of_sharded_stages_reproduces_the_model() {
         let n = lg.layers.len();
         let pp = 3;
         let stages = (0..pp)
-            .map(|s| StageInput { layers: [s * n / pp, (s + 1) * n / pp - 1], checkpointed_layers: vec![], output_bytes: 0 })
+            .map(|s| StageInput { layers: [s * n / pp, (s + 1) * n / pp - 1], checkpointed_layers: vec![], selective_layers: vec![], output_bytes: 0 })
             .collect();
         let parallel = Parallelism {
             pp,

@@ -82,6 +82,8 @@ fn layer(saved: f64, input: f64) -> Layer {
         output_bytes: input,
         shared_input_bytes: 0.0,
         shared_saved_bytes: 0.0,
+        selective_bytes: 0.0,
+        selective_nodes: Vec::new(),
     }
 }
 

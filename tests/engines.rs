@@ -411,14 +411,14 @@ fn qwen3_zoo_folded_steps() -> (f64, f64) {
         &a,
         "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 8 --num-virtual-stages-per-pipeline-rank 4 \
         --expert-model-parallel-size 32 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type flex --moe-enable-deepep \
-        --recompute-granularity selective",
+        --recompute-granularity selective --recompute-modules layernorm moe_act",
         (2, 8, 16, 32, 1, 128),
     );
     let pp32 = qwen3_zoo_step(
         &a,
         "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 32 --num-virtual-stages-per-pipeline-rank 3 \
         --expert-model-parallel-size 8 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall \
-        --recompute-granularity selective",
+        --recompute-granularity selective --recompute-modules layernorm moe_act",
         (2, 32, 4, 8, 1, 512),
     );
     (ep32, pp32)

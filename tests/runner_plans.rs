@@ -428,6 +428,28 @@ fn pp2_dp2_zero3_matches_single_process() {
     equivalent("pp2dp2zero3", "cpu:4", 4, &["--pp", "2", "--tp", "1", "--dp", "2", "--zero", "3", "--schedule", "1f1b", "--microbatches", "2"]);
 }
 
+/// Selective recompute: each layer's normalisations and activation functions freed after the
+/// forward and rebuilt in the backward into the storage autograd saved, under 1F1B, ZB-H1 (the
+/// rebuilt outputs wait for the W) and tensor parallelism with sequence parallelism and ZeRO 3.
+#[test]
+fn selective_recompute_matches_single_process() {
+    let rebuilds = |p: &Path| {
+        let plan: serde_json::Value = serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
+        let named: usize = plan["codegen"]["stages"].as_array().unwrap().iter().map(|s| s["selective_nodes"].as_array().map_or(0, Vec::len)).sum();
+        assert!(named > 0, "{}: no stage rebuilds anything", p.display());
+    };
+    let selective = ["--checkpointing", "selective"];
+    let cases: [(&str, &str, usize, &[&str]); 3] = [
+        ("sel-pp2", "cpu:2", 2, &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--microbatches", "4"]),
+        ("sel-zbh1", "cpu:2", 2, &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "zb-h1", "--microbatches", "4"]),
+        ("sel-tp2sp-zero3", "cpu:4", 4, &["--pp", "1", "--tp", "2", "--dp", "2", "--zero", "3", "--sequence-parallel", "--microbatches", "2"]),
+    ];
+    for (name, cluster, nproc, flags) in cases {
+        let flags: Vec<&str> = flags.iter().chain(&selective).copied().collect();
+        equivalent_with(name, cluster, nproc, &flags, rebuilds);
+    }
+}
+
 /// ZB-H1 with recomputed layers: a checkpointed layer's whole backward runs in its B (its
 /// recomputed activations never wait for the W), the others' weight gradients in their W;
 /// every layer checkpointed, and some (a recomputed layer between kept ones on each stage).

@@ -60,6 +60,9 @@ pub struct StageInput {
     pub layers: [usize; 2],
     /// Layers recomputed in the backward pass.
     pub checkpointed_layers: Vec<usize>,
+    /// Layers that rebuild their normalisations' and activation functions' outputs in the
+    /// backward (selective recompute).
+    pub selective_layers: Vec<usize>,
     /// Bytes per microbatch sent to the next stage.
     pub output_bytes: u64,
 }
@@ -140,6 +143,10 @@ pub struct StageCode {
     /// Layers whose activations are recomputed in the backward pass.
     #[serde(default)]
     pub checkpointed_layers: Vec<usize>,
+    /// Nodes whose outputs this stage frees after each forward and rebuilds before the
+    /// backward (its selectively recomputed layers' normalisations and activation functions).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub selective_nodes: Vec<String>,
     /// Trained parameters this stage holds (its own and tied replicas), unsharded names.
     #[serde(default)]
     pub params: Vec<String>,
@@ -484,6 +491,7 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
             gradients_from_next: std::mem::take(&mut gradients_from_next[s]),
             data_inputs: std::mem::take(&mut data_inputs[s]).into_iter().collect(),
             checkpointed_layers: st.checkpointed_layers.clone(),
+            selective_nodes: st.selective_layers.iter().filter_map(|&l| lg.layers.get(l)).flat_map(|l| l.selective_nodes.iter().map(|&n| lg.graph.node(n).name.clone())).collect(),
             params: stage_params[s].keys().cloned().collect(),
             param_bytes: stage_params[s].values().sum(),
             context: None,

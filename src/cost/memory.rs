@@ -278,6 +278,8 @@ mod tests {
             output_bytes: input - shared,
             shared_input_bytes: shared,
             shared_saved_bytes: shared,
+            selective_bytes: 0.0,
+            selective_nodes: Vec::new(),
         }
     }
 

@@ -33,7 +33,9 @@ fn recompute_of(plan: &Plan, stages: &[StageRoles], shape: &ModelShape) -> Optio
         return None;
     }
     if set.is_empty() {
-        return Some(Recompute::None);
+        // Megatron rebuilds the modules it is given in every layer
+        let selective = plan.stages.iter().any(|s| !s.selective_layers.is_empty());
+        return Some(if selective { Recompute::Selective } else { Recompute::None });
     }
     if set == all_blocks(shape) {
         return Some(Recompute::Full);
@@ -51,7 +53,14 @@ enum Recompute {
     Full,
     /// `--recompute-granularity full --recompute-method block --recompute-num-layers N`.
     Block(usize),
+    /// `--recompute-granularity selective --recompute-modules layernorm [moe_act]`: the norms'
+    /// (and the experts' activation's) outputs discarded and rebuilt.
+    Selective,
 }
+
+/// The modules Megatron discards and rebuilds as the planner's selective recompute does: the
+/// layer norms, and in a mixture of experts the experts' activation.
+const SELECTIVE_MODULES: [&str; 2] = ["layernorm", "moe_act"];
 
 /// How Megatron cuts the pipeline for a plan.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -428,6 +437,10 @@ fn training_args(args: &mut Vec<Vec<String>>, plan: &Plan, shape: &ModelShape, s
             arg(&["--recompute-method", "block"]);
             arg(&["--recompute-num-layers", &n.to_string()]);
         }
+        Some(Recompute::Selective) => {
+            let modules = if shape.experts.is_some() { &SELECTIVE_MODULES[..] } else { &SELECTIVE_MODULES[..1] };
+            arg(&[&["--recompute-granularity", "selective", "--recompute-modules"][..], modules].concat());
+        }
     }
     // ZeRO
     match p.zero {
@@ -458,6 +471,9 @@ struct Args {
     used: BTreeSet<usize>,
 }
 
+/// Megatron-LM's flags that take a list of words (argparse `nargs='*'`).
+const LIST_FLAGS: [&str; 1] = ["recompute-modules"];
+
 impl Args {
     fn parse(words: &[String], origin: Origin) -> Result<Args, EngineError> {
         let mut values = Vec::new();
@@ -471,6 +487,12 @@ impl Args {
                 Some((f, v)) => {
                     values.push((f.replace('_', "-"), Some(v.to_string())));
                     i += 1;
+                }
+                None if LIST_FLAGS.contains(&flag.replace('_', "-").as_str()) => {
+                    // argparse's nargs='*': every word up to the next flag, space-separated
+                    let list: Vec<&str> = words[i + 1..].iter().take_while(|n| !n.starts_with("--")).map(String::as_str).collect();
+                    values.push((flag.replace('_', "-"), (!list.is_empty()).then(|| list.join(" "))));
+                    i += 1 + list.len();
                 }
                 None => {
                     let next = words.get(i + 1).filter(|n| !n.starts_with("--"));
@@ -809,16 +831,30 @@ impl ArgsReading<'_> {
         let num = a.count("recompute-num-layers")?;
         let modules = a.text("recompute-modules")?;
         let layout = o.layout.clone().unwrap_or_else(|| Layout(vec![[0, shape.kinds.len() - 1]]));
+        let mut selective_rule = false;
         let recompute: BTreeSet<usize> = match (granularity.as_deref(), method.as_deref()) {
             (None, _) => BTreeSet::new(),
             (Some("selective"), _) => {
                 if num.is_some() {
                     return Err(refuse("TransformerConfig.__post_init__", "When using recompute_granularity: selective recompute_num_layers must be None.".into()));
                 }
-                reading.unpriced.push(Unpriced {
-                    setting: format!("--recompute-granularity selective{}", modules.map(|m| format!(" --recompute-modules {m}")).unwrap_or_default()),
-                    why: "the planner recomputes whole layers; selective recompute (core attention by default) is priced as no recompute, so memory is overstated".into(),
-                });
+                let named: Vec<&str> = modules.as_deref().map(|m| m.split_whitespace().collect()).unwrap_or_default();
+                if !named.is_empty() && named.iter().all(|m| SELECTIVE_MODULES.contains(m)) {
+                    // output-discarding recompute of the norms (and the experts' activation): the
+                    // planner's selective recompute, which also rebuilds dense MLP activations
+                    if named.contains(&"moe_act") {
+                        reading.unpriced.push(Unpriced {
+                            setting: "--recompute-modules moe_act".into(),
+                            why: "the experts' activation inside the fused experts op is priced as kept, so memory is overstated by it".into(),
+                        });
+                    }
+                    selective_rule = true;
+                } else {
+                    reading.unpriced.push(Unpriced {
+                        setting: format!("--recompute-granularity selective{}", modules.map(|m| format!(" --recompute-modules {m}")).unwrap_or_default()),
+                        why: "only the norms and the experts' activation (`layernorm`, `moe_act`) are rebuilt as the planner prices selective recompute; other modules (core attention by default) are priced as no recompute, so memory is overstated".into(),
+                    });
+                }
                 BTreeSet::new()
             }
             (Some("full"), None) => return Err(refuse("TransformerConfig.__post_init__", "Using recompute_granularity: full so recompute_method must be \"block\" or \"uniform\"".into())),
@@ -845,8 +881,13 @@ impl ArgsReading<'_> {
             }
             (Some(other), _) => return Err(refuse("TransformerConfig.__post_init__", format!("When using recompute_granularity: {other} must be \"full\" or \"selective\"."))),
         };
-        o.sources.insert(Setting::CheckpointedLayers, a.source("recompute-granularity", granularity.clone().unwrap_or_else(|| "(none)".into())));
-        o.checkpointed_layers = Some(recompute);
+        if selective_rule {
+            o.sources.insert(Setting::Checkpointing, a.source("recompute-granularity", "selective"));
+            o.checkpointing = Some(crate::solve::CheckpointRule::Selective);
+        } else {
+            o.sources.insert(Setting::CheckpointedLayers, a.source("recompute-granularity", granularity.clone().unwrap_or_else(|| "(none)".into())));
+            o.checkpointed_layers = Some(recompute);
+        }
         if a.has("cpu-offloading") {
             if granularity.is_some() {
                 return Err(refuse("TransformerConfig.__post_init__", "CPU offloading can not be used with activation recompute".into()));

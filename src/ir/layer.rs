@@ -132,6 +132,10 @@ pub struct Layer {
     pub shared_input_bytes: f64,
     /// Of `figures.saved_bytes`, the bytes of those shared inputs.
     pub shared_saved_bytes: f64,
+    /// Of `figures.saved_bytes`, the outputs selective recompute rebuilds instead of keeping.
+    pub selective_bytes: f64,
+    /// The nodes making them (`passes::layers::selectively_recomputed`), in execution order.
+    pub selective_nodes: Vec<NodeId>,
 }
 
 /// The byte figures of a layer in one run's element types, per sample unless said: a
@@ -153,6 +157,9 @@ pub struct LayerBytes {
     pub shared_input_bytes: f64,
     /// Of `saved_bytes`, those shared inputs (`shared_saved_bytes`).
     pub shared_saved_bytes: f64,
+    /// Of `saved_bytes`, the outputs selective recompute rebuilds instead of keeping
+    /// (`selective_bytes`).
+    pub selective_bytes: f64,
     /// Per microbatch, whatever its size: the low-type copies of weights its matrix products
     /// keep under autocast (0 in one type throughout).
     pub weight_copy_bytes: f64,
@@ -170,6 +177,7 @@ impl LayerBytes {
             output_bytes: self.output_bytes * factor,
             shared_input_bytes: self.shared_input_bytes * factor,
             shared_saved_bytes: self.shared_saved_bytes * factor,
+            selective_bytes: self.selective_bytes * factor,
             weight_copy_bytes: self.weight_copy_bytes * factor,
         }
     }
@@ -186,6 +194,7 @@ impl Layer {
             output_bytes: self.output_bytes,
             shared_input_bytes: self.shared_input_bytes,
             shared_saved_bytes: self.shared_saved_bytes,
+            selective_bytes: self.selective_bytes,
             weight_copy_bytes: 0.0,
         }
     }

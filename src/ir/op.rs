@@ -92,6 +92,13 @@ impl OpKind {
         !matches!(self, OpKind::ScaledDotProductAttention | OpKind::MixtureOfExperts | OpKind::SwiGlu | OpKind::ApplyRotary)
     }
 
+    /// True for ops whose output is their first input under another shape: the same storage,
+    /// where the input is contiguous (freeing one frees the other).
+    pub fn aliases_input(self) -> bool {
+        use OpKind::*;
+        matches!(self, Reshape | Flatten | Squeeze | Unsqueeze | Identity)
+    }
+
     /// True for ops that only reinterpret or move data (no arithmetic, nothing saved).
     pub fn is_view(self) -> bool {
         use OpKind::*;
@@ -119,6 +126,17 @@ impl OpKind {
             OpKind::Sub => &[0],
             _ => &[],
         }
+    }
+
+    /// True for the cheap modules selective recompute rebuilds instead of keeping (Megatron's
+    /// `--recompute-modules layernorm mlp_act`): normalisations and activation functions, whose
+    /// forward is one pass over their input and draws no random numbers.
+    pub fn recomputed_selectively(self) -> bool {
+        use OpKind::*;
+        matches!(
+            self,
+            LayerNormalization | RMSNormalization | Gelu | SwiGlu | Relu | Sigmoid | Tanh | Softplus | Elu | LeakyRelu | HardSigmoid | HardSwish
+        )
     }
 
     /// True for ops whose training result for one sample depends on the other samples of its

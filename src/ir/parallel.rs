@@ -250,7 +250,7 @@ impl FromStr for Placement {
 }
 
 /// Whether layers may be checkpointed (recomputed in the backward pass): the one
-/// checkpointing policy of the CLI (`--checkpointing auto|none|full`), the SMP config, the
+/// checkpointing policy of the CLI (`--checkpointing auto|none|selective|full`), the SMP config, the
 /// search and the plan file (`parallel.checkpointing`), which spell it by [`CheckpointRule::name`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum CheckpointRule {
@@ -261,15 +261,19 @@ pub enum CheckpointRule {
     Never,
     /// Every layer is checkpointed (`full`).
     Always,
+    /// No layer is checkpointed whole; every layer rebuilds its normalisations' and activation
+    /// functions' outputs in its backward instead of keeping them (`selective`).
+    Selective,
 }
 
 impl CheckpointRule {
-    /// The name the CLI and the plan file use: `auto`, `none` or `full`.
+    /// The name the CLI and the plan file use: `auto`, `none`, `selective` or `full`.
     pub fn name(self) -> &'static str {
         match self {
             CheckpointRule::Auto => "auto",
             CheckpointRule::Never => "none",
             CheckpointRule::Always => "full",
+            CheckpointRule::Selective => "selective",
         }
     }
 }
@@ -287,7 +291,8 @@ impl std::str::FromStr for CheckpointRule {
             "auto" => Ok(CheckpointRule::Auto),
             "none" => Ok(CheckpointRule::Never),
             "full" => Ok(CheckpointRule::Always),
-            _ => Err(format!("`{s}`: expected auto, none or full")),
+            "selective" => Ok(CheckpointRule::Selective),
+            _ => Err(format!("`{s}`: expected auto, none, selective or full")),
         }
     }
 }

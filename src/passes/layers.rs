@@ -91,6 +91,8 @@ pub fn group(graph: &Graph, fig: &Figures, _dims: &DimBindings) -> Result<Vec<La
             output_bytes: 0.0,
             shared_input_bytes: 0.0,
             shared_saved_bytes: 0.0,
+            selective_bytes: 0.0,
+            selective_nodes: Vec::new(),
         });
     }
     for layer in &mut layers {
@@ -105,6 +107,11 @@ pub fn group(graph: &Graph, fig: &Figures, _dims: &DimBindings) -> Result<Vec<La
         layer.output_bytes = b.output_bytes;
         layer.shared_input_bytes = b.shared_input_bytes;
         layer.shared_saved_bytes = b.shared_saved_bytes;
+        layer.selective_bytes = b.selective_bytes;
+    }
+    for layer in &mut layers {
+        let saved = saved_values(fig, layer);
+        layer.selective_nodes = selectively_recomputed(graph, layer, &saved).into_iter().map(|(n, _)| n).collect();
     }
     Ok(layers)
 }
@@ -122,22 +129,17 @@ pub fn layer_bytes(graph: &Graph, fig: &Figures, layers: &[Layer]) -> Vec<LayerB
     layers
         .iter()
         .map(|layer| {
-            // what the layer's nodes keep, each value once
-            let mut saved: Vec<ValueId> = Vec::new();
+            let saved = saved_values(fig, layer);
             let (mut extra, mut weight_copy_bytes) = (0.0, 0.0);
             for &n in &layer.nodes {
-                let s = &fig.saved[n.index()];
-                extra += s.extra_bytes;
-                weight_copy_bytes += s.weight_copy_bytes;
-                for &v in &s.values {
-                    if !saved.contains(&v) {
-                        saved.push(v);
-                    }
-                }
+                extra += fig.saved[n.index()].extra_bytes;
+                weight_copy_bytes += fig.saved[n.index()].weight_copy_bytes;
             }
             // the same tensor for every reader: the memory model holds it once per stage
             let shared: Vec<ValueId> = layer.inputs.iter().copied().filter(|v| readers[v] > 1).collect();
+            let selective = selectively_recomputed(graph, layer, &saved);
             LayerBytes {
+                selective_bytes: selective.iter().map(|&(_, v)| fig.value_bytes(graph, v)).sum(),
                 saved_bytes: saved.iter().map(|&v| fig.value_bytes(graph, v)).sum::<f64>() + extra,
                 score_saved_bytes: saved.iter().filter(|v| fig.score.get(v.index()).copied().unwrap_or(false)).map(|&v| fig.value_bytes(graph, v)).sum(),
                 input_bytes: layer.inputs.iter().map(|&v| fig.value_bytes(graph, v)).sum(),
@@ -149,6 +151,50 @@ pub fn layer_bytes(graph: &Graph, fig: &Figures, layers: &[Layer]) -> Vec<LayerB
             }
         })
         .collect()
+}
+
+/// The nodes of `layer` whose output selective recompute frees after the forward and rebuilds
+/// before the backward, with that output: a normalisation or activation function
+/// ([`OpKind::recomputed_selectively`]) whose output another node keeps, itself or through
+/// reshapes of it ([`OpKind::aliases_input`]: one storage), in `saved` (what the layer's nodes
+/// keep, each value once), that no other layer reads, and whose computed inputs are kept
+/// anyway (saved, or the layer's own inputs), so rebuilding it holds nothing more.
+pub fn selectively_recomputed(graph: &Graph, layer: &Layer, saved: &[ValueId]) -> Vec<(NodeId, ValueId)> {
+    let held = |v: ValueId| saved.contains(&v) || layer.inputs.contains(&v) || graph.value(v).kind != ValueKind::Intermediate;
+    layer
+        .nodes
+        .iter()
+        .enumerate()
+        .filter(|&(_, &n)| graph.node(n).op.kind().is_some_and(OpKind::recomputed_selectively))
+        .filter_map(|(at, &n)| {
+            let node = graph.node(n);
+            let &[v] = node.outputs.as_slice() else { return None };
+            // the output and its reshapes in the layer, one storage
+            let mut same = vec![v];
+            for &m in &layer.nodes[at + 1..] {
+                let reader = graph.node(m);
+                if reader.op.kind().is_some_and(OpKind::aliases_input) && reader.inputs.first().copied().flatten().is_some_and(|i| same.contains(&i)) {
+                    same.extend(reader.outputs.iter().copied());
+                }
+            }
+            let escapes = same.iter().any(|w| layer.outputs.contains(w) || graph.outputs.contains(w));
+            let kept = same.iter().any(|w| saved.contains(w));
+            (kept && !escapes && node.inputs.iter().flatten().all(|&i| held(i))).then_some((n, v))
+        })
+        .collect()
+}
+
+/// What the layer's nodes keep for the backward under `fig`, each value once.
+pub fn saved_values(fig: &Figures, layer: &Layer) -> Vec<ValueId> {
+    let mut saved: Vec<ValueId> = Vec::new();
+    for &n in &layer.nodes {
+        for &v in &fig.saved[n.index()].values {
+            if !saved.contains(&v) {
+                saved.push(v);
+            }
+        }
+    }
+    saved
 }
 
 /// Whether node `n` embeds its input: a row lookup in a parameter table, or a convolution

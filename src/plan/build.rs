@@ -56,6 +56,7 @@ pub fn from_decision(d: &PlanDecision, lg: &LayeredGraph, cluster: &ClusterSpec,
                 },
                 memory_bytes,
                 checkpointed_layers: s.checkpointed_layers.clone(),
+                selective_layers: s.selective_layers.clone(),
                 offloaded_layers: s.offloaded_layers.clone(),
                 offloaded_bytes: bytes(s.offloaded_bytes),
             }

@@ -436,6 +436,14 @@ fn stage_table(plan: &Plan, out: &mut String) {
             par.loading_horizon
         );
     }
+    for st in plan.stages.iter().filter(|st| !st.selective_layers.is_empty()) {
+        let _ = writeln!(
+            out,
+            "selective stage {}: {} layer(s) rebuild their norms' and activation functions' outputs in the backward instead of keeping them",
+            st.index,
+            st.selective_layers.len()
+        );
+    }
 
 }
 

@@ -331,6 +331,10 @@ pub struct Stage {
     /// Layers whose activations are recomputed in the backward pass.
     #[serde(default)]
     pub checkpointed_layers: Vec<usize>,
+    /// Layers that rebuild only their normalisations' and activation functions' outputs in
+    /// the backward instead of keeping them (selective recompute).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub selective_layers: Vec<usize>,
     /// Checkpointed layers whose kept inputs wait in host memory between their forward and
     /// backward (activation offloading).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -685,7 +689,7 @@ impl Plan {
             stages: self
                 .stages
                 .iter()
-                .map(|s| StageInput { layers: s.layers, checkpointed_layers: s.checkpointed_layers.clone(), output_bytes: s.output_bytes })
+                .map(|s| StageInput { layers: s.layers, checkpointed_layers: s.checkpointed_layers.clone(), selective_layers: s.selective_layers.clone(), output_bytes: s.output_bytes })
                 .collect(),
             replicated_layers: self.layer_strategies.iter().filter(|s| s.strategy == "replicate").map(|s| s.layer).collect(),
             node_strategies: {

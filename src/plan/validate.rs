@@ -40,9 +40,12 @@ pub enum PlanInvalid {
     /// Layers past the end of the model, or the last layers not covered.
     #[error("stages cover layers 0..={covered_last}, but the model has {layers} layers (0..={})", layers.saturating_sub(1))]
     LayerCoverage { covered_last: usize, layers: usize },
-    /// A checkpointed layer outside the stage.
-    #[error("stage {stage}: checkpointed layer {layer} is not among its layers [{first}, {last}]")]
+    /// A checkpointed or selectively recomputed layer outside the stage.
+    #[error("stage {stage}: recomputed layer {layer} is not among its layers [{first}, {last}]")]
     CheckpointOutside { stage: usize, layer: usize, first: usize, last: usize },
+    /// A layer both recomputed whole and selectively.
+    #[error("stage {stage}: layer {layer} is both checkpointed and selectively recomputed (a checkpointed layer rebuilds everything); re-plan the model")]
+    SelectiveCheckpointed { stage: usize, layer: usize },
     /// An offloaded layer that the stage does not checkpoint.
     #[error("stage {stage}: layer {layer} is offloaded but not checkpointed (offloading moves what a checkpointed layer keeps); re-plan the model")]
     OffloadNotCheckpointed { stage: usize, layer: usize },
@@ -164,10 +167,13 @@ pub fn validate(plan: &Plan) -> Result<(), PlanInvalid> {
             return Err(PlanInvalid::LayerGap { stage, first, last, expected_first: next_layer });
         }
         next_layer = last.checked_add(1).ok_or(PlanInvalid::LayerRange { stage, first, last })?;
-        for &layer in &s.checkpointed_layers {
+        for &layer in s.checkpointed_layers.iter().chain(&s.selective_layers) {
             if layer < first || layer > last {
                 return Err(PlanInvalid::CheckpointOutside { stage, layer, first, last });
             }
+        }
+        if let Some(&layer) = s.selective_layers.iter().find(|l| s.checkpointed_layers.contains(l)) {
+            return Err(PlanInvalid::SelectiveCheckpointed { stage, layer });
         }
         if let Some(&layer) = s.offloaded_layers.iter().find(|l| !s.checkpointed_layers.contains(l)) {
             return Err(PlanInvalid::OffloadNotCheckpointed { stage, layer });

@@ -200,7 +200,7 @@ fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<S
     let min_flight = p.in_flight.iter().cloned().fold(f64::INFINITY, f64::min);
     let max_flight = p.in_flight.iter().cloned().fold(0.0, f64::max);
     // An offloaded layer keeps at least this share of its own inputs' in-flight bytes on the device.
-    let offloaded = if p.offload == OffloadRule::Never || p.checkpoint == CheckpointRule::Never {
+    let offloaded = if p.offload == OffloadRule::Never || matches!(p.checkpoint, CheckpointRule::Never | CheckpointRule::Selective) {
         1.0
     } else {
         (p.resident_microbatches() / max_flight.max(1e-12)).min(1.0)
@@ -217,12 +217,12 @@ fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<S
         // offloading costs no time in this bound: it frees bytes (the layer's own inputs) for free
         let least = input - f.movable * (1.0 - offloaded);
         let kept = match rule {
-            CheckpointRule::Never => act,
+            CheckpointRule::Never | CheckpointRule::Selective => act,
             CheckpointRule::Always => least,
             CheckpointRule::Auto => act,
         };
         act_total += kept;
-        kept_min += if rule == CheckpointRule::Never { act } else { input };
+        kept_min += if matches!(rule, CheckpointRule::Never | CheckpointRule::Selective) { act } else { input };
     }
     // The table's own memo where the times are its least times as they are (the sync times
     // unless they grow with m; the compute times unless a layer is always recomputed), else the
@@ -343,7 +343,7 @@ fn layer_bytes(p: &PipelineProblem, fa: &LayerFacts, rule: CheckpointRule, chunk
     let least = (f * fa.input - away * fa.movable).max((f - away) * fa.input);
     let whole = f * fa.act;
     match rule {
-        CheckpointRule::Never => (fa.state + whole, fa.state + whole, 0.0),
+        CheckpointRule::Never | CheckpointRule::Selective => (fa.state + whole, fa.state + whole, 0.0),
         CheckpointRule::Always => (fa.state + least, fa.state + least, 0.0),
         CheckpointRule::Auto => (fa.state + whole, fa.state + least.min(whole), (whole - least).max(0.0)),
     }
@@ -487,6 +487,7 @@ mod tests {
             choice: 0,
             host_s: 0.0,
             gathered_bytes: 0.0,
+            selective_bytes: 0.0,
         }
     }
 

@@ -48,6 +48,9 @@ pub struct StageDecision {
     pub memory: StageMemory,
     /// Layers recomputed in the backward pass.
     pub checkpointed_layers: Vec<usize>,
+    /// Layers that rebuild only their normalisations' and activation functions' outputs in
+    /// the backward (selective recompute).
+    pub selective_layers: Vec<usize>,
     /// Checkpointed layers whose kept inputs wait in host memory between forward and backward.
     pub offloaded_layers: Vec<usize>,
     /// Activation bytes per device in host memory instead of on the device at the peak.

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use crate::cost::{ClusterSpec, CommModel, GroupSpan, StatePrecision, model_state};
 use crate::cost::TrainingBytes;
 use crate::cost::compute::{SplitDim, layer_saved_bytes, layer_times_with, node_time, split};
-use crate::ir::{DType, LayerKind, LayeredGraph, NodeFigures, OpKind, Precision, ValueId, ValueKind};
+use crate::ir::{CheckpointRule, DType, LayerKind, LayeredGraph, NodeFigures, OpKind, Precision, ValueId, ValueKind};
 
 use super::hash::FastMap;
 use super::ilp::{IntraSolution, SolverOptions};
@@ -349,6 +349,32 @@ impl CompactTable {
     }
 }
 
+/// Which points selective recompute (a layer's normalisations and activation functions rebuilt
+/// in its backward) gives a layer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SelectivePoints {
+    /// None: every point keeps what its ops save.
+    #[default]
+    None,
+    /// Each point and its selective twin (the planner chooses).
+    Also,
+    /// Each point selective where that frees anything.
+    Only,
+}
+
+impl SelectivePoints {
+    /// The points a checkpointing rule allows: its own choice under `auto` unless the
+    /// recomputed layers are fixed (an engine's configuration names them), every layer under
+    /// `selective`.
+    pub fn of(rule: CheckpointRule, fixed_layers: bool) -> SelectivePoints {
+        match rule {
+            CheckpointRule::Selective => SelectivePoints::Only,
+            CheckpointRule::Auto if !fixed_layers => SelectivePoints::Also,
+            _ => SelectivePoints::None,
+        }
+    }
+}
+
 /// Figures of a model on a cluster, with a cache of layer points.
 pub struct CostContext<'a> {
     /// The model.
@@ -377,6 +403,8 @@ pub struct CostContext<'a> {
     pub expert_imbalance: f64,
     /// How routed tokens reach their experts.
     pub expert_dispatch: crate::ir::ExpertDispatch,
+    /// Which points selective recompute adds to a layer's.
+    pub selective: SelectivePoints,
     cache: FastMap<LayerKey, PipelineLayer>,
     facts: Option<strategy::GraphFacts>,
     splits: HashMap<usize, strategy::SplitGraph>,
@@ -467,6 +495,7 @@ impl<'a> CostContext<'a> {
             experts,
             expert_imbalance: super::options::DEFAULT_EXPERT_IMBALANCE,
             expert_dispatch: crate::ir::ExpertDispatch::default(),
+            selective: SelectivePoints::None,
             spec,
             comm: CommModel::new(spec),
             dtype,
@@ -825,7 +854,17 @@ impl<'a> CostContext<'a> {
         let details = self.detail_list(layer, cfg);
         let lay = &self.lg.layers[layer];
         let b = cfg.microbatch as f64;
-        let points = details.iter().enumerate().map(|(i, d)| self.point(layer, d, i, cfg)).collect();
+        let mut points: Vec<ParetoPoint> = details.iter().enumerate().map(|(i, d)| self.point(layer, d, i, cfg)).collect();
+        if self.selective != SelectivePoints::None {
+            let rebuilt: Vec<Option<ParetoPoint>> = points.iter().zip(details).map(|(pt, d)| self.selective_point(layer, d, pt, cfg)).collect();
+            if self.selective == SelectivePoints::Only {
+                for (pt, sel) in points.iter_mut().zip(rebuilt) {
+                    *pt = sel.unwrap_or_else(|| pt.clone());
+                }
+            } else {
+                points.extend(rebuilt.into_iter().flatten());
+            }
+        }
         PipelineLayer { points, output_bytes: self.bytes.layer(lay.index).output_bytes * b / cfg.cp.max(1) as f64, tied: Vec::new() }
     }
 
@@ -946,7 +985,40 @@ impl<'a> CostContext<'a> {
             host_s: self.spec.host_bandwidth.map_or(0.0, |bw| d.offload_bytes / c / bw),
             // the runner gathers what ZeRO shards: all but the experts held in part
             gathered_bytes: if cfg.zero >= 3 { dense * self.precision.weight as f64 } else { 0.0 },
+            selective_bytes: 0.0,
         }
+    }
+
+    /// `pt` (of assignment `d`) with the layer's normalisations and activation functions
+    /// rebuilt in the backward instead of kept (`Layer::selective_nodes`): its kept bytes less
+    /// their outputs (each split as its node is), its backward longer by their forwards. `None`
+    /// where nothing would be freed.
+    fn selective_point(&self, layer: usize, d: &StrategyDetail, pt: &ParetoPoint, cfg: &LayerConfig) -> Option<ParetoPoint> {
+        let nodes = &self.lg.layers.get(layer)?.selective_nodes;
+        let (b, c, t) = (cfg.microbatch as f64, cfg.cp.max(1) as f64, cfg.tp.max(1) as f64);
+        let (mut whole, mut freed, mut time) = (0.0, 0.0, 0.0);
+        for &n in nodes {
+            let node = self.lg.graph.try_node(n)?;
+            // split as its assignment runs it: a norm outside sequence parallelism is whole
+            let strategy = d.nodes.iter().find(|(name, _)| *name == node.name).map(|(_, s)| *s);
+            let norm = matches!(node.op.kind(), Some(OpKind::LayerNormalization | OpKind::RMSNormalization));
+            let split_by = match strategy {
+                _ if t <= 1.0 => 1.0,
+                Some(Strategy::Replicate) => 1.0,
+                Some(Strategy::Sequence) => t,
+                _ if norm => if cfg.sequence_parallel { t } else { 1.0 },
+                _ => t,
+            };
+            let fig = self.bytes.node(n);
+            whole += fig.output_bytes;
+            freed += fig.output_bytes * b / c / split_by;
+            time += node_time(&split(&fig, b / c, split_by, SplitDim::Columns), self.dtype, self.spec);
+        }
+        // only what the run's precision keeps of them (an autocast product keeps its own copy)
+        let kept = self.bytes.layer(layer).selective_bytes;
+        let freed = if whole > 0.0 { freed * (kept / whole).clamp(0.0, 1.0) } else { 0.0 };
+        let freed = freed.min(pt.act_bytes - pt.input_bytes);
+        (freed > 0.0).then(|| ParetoPoint { act_bytes: pt.act_bytes - freed, bwd_s: pt.bwd_s + time, selective_bytes: freed, ..pt.clone() })
     }
 
     /// What context and expert parallelism add to one microbatch of `layer` on a rank under

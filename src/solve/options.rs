@@ -206,14 +206,9 @@ pub fn parse_schedule(s: &str) -> Result<ScheduleKind, String> {
     }
 }
 
-/// `auto|none|full` for `--checkpointing`.
+/// `auto|none|selective|full` for `--checkpointing`.
 pub fn parse_checkpointing(s: &str) -> Result<CheckpointRule, String> {
-    match s {
-        "auto" => Ok(CheckpointRule::Auto),
-        "none" => Ok(CheckpointRule::Never),
-        "full" => Ok(CheckpointRule::Always),
-        _ => Err(format!("`{s}`: expected auto, none or full")),
-    }
+    s.parse()
 }
 
 /// Manual pipeline cuts: per stage, its first and last layer (inclusive).
@@ -473,7 +468,7 @@ impl PlanOptions {
                 format!("the recomputed layers are given one by one; drop the `{rule}` rule"),
             ));
         }
-        let none_checkpointed = self.checkpointing == Some(CheckpointRule::Never) || self.checkpointed_layers.as_ref().is_some_and(BTreeSet::is_empty);
+        let none_checkpointed = matches!(self.checkpointing, Some(CheckpointRule::Never | CheckpointRule::Selective)) || self.checkpointed_layers.as_ref().is_some_and(BTreeSet::is_empty);
         if self.offload == Some(OffloadRule::Always) && none_checkpointed {
             let which = if self.checkpointed_layers.is_some() { Setting::CheckpointedLayers } else { Setting::Checkpointing };
             return Err(conflict(

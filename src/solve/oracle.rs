@@ -53,7 +53,8 @@ pub fn brute_force_pipeline(p: &PipelineProblem) -> Option<(f64, Vec<LayerChoice
                     LayerChoice { chunk: layout[l], point: idx[l] / f.len(), checkpoint, offload }
                 })
                 .collect();
-            if let Some(e) = p.evaluate(&choices)
+            if choices.iter().enumerate().all(|(l, c)| p.combines(l, c.point, c.checkpoint))
+                && let Some(e) = p.evaluate(&choices)
                 && p.feasible(&e)
             {
                 let obj = p.objective_value(&e);

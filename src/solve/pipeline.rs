@@ -193,7 +193,7 @@ impl PipelineProblem {
         let options = |r: usize| -> Vec<(usize, (bool, bool))> {
             let lay = &self.layers[runs[r].0];
             let flags = self.flag_options(runs[r].0);
-            (0..lay.points.len()).flat_map(|j| flags.iter().map(move |&k| (j, k))).collect()
+            (0..lay.points.len()).flat_map(|j| flags.iter().filter(move |k| !(k.0 && lay.points[j].is_selective())).map(move |&k| (j, k))).collect()
         };
         let mut n: Counts = Vec::with_capacity(runs.len());
         for (r, &(first, len)) in runs.iter().enumerate() {
@@ -302,7 +302,7 @@ impl PipelineProblem {
                     s.time[d].add_mul(f + b, col.v());
                     s.sync[d].add_mul(self.sync_of(pt), col.v());
                     s.mem[d].add_mul((pt.state_bytes + self.kept_bytes(c, pt, k, o)) / GIB, col.v());
-                    if k && pt.act_bytes > pt.input_bytes {
+                    if pt.rebuilt_bytes(k) > 0.0 {
                         let used = if len == 1 {
                             Expression::from(col.v())
                         } else {
@@ -310,7 +310,7 @@ impl PipelineProblem {
                             milp.constrain(Expression::from(col.v()).leq(len as f64 * w.v()));
                             Expression::from(w.v())
                         };
-                        s.recompute[d].push(((pt.act_bytes - pt.input_bytes) / GIB, used));
+                        s.recompute[d].push((pt.rebuilt_bytes(k) / GIB, used));
                     }
                 }
             }

@@ -102,6 +102,24 @@ pub struct ParetoPoint {
     /// passes, beside the rank's block (a transient, one layer at a time), else 0.
     #[serde(default)]
     pub gathered_bytes: f64,
+    /// Bytes per microbatch selective recompute frees at this point (its normalisations' and
+    /// activation functions' outputs, rebuilt in the backward, whose time `bwd_s` includes);
+    /// 0 at a point that keeps them.
+    #[serde(default)]
+    pub selective_bytes: f64,
+}
+
+impl ParetoPoint {
+    /// Whether this point rebuilds its normalisations and activation functions in the backward.
+    pub fn is_selective(&self) -> bool {
+        self.selective_bytes > 0.0
+    }
+
+    /// What the layer rebuilds inside its backward, a transient beside the kept activations:
+    /// checkpointed, all it saves but its inputs; else what selective recompute frees.
+    pub fn rebuilt_bytes(&self, checkpoint: bool) -> f64 {
+        if checkpoint { (self.act_bytes - self.input_bytes).max(0.0) } else { self.selective_bytes }
+    }
 }
 
 /// A layer of the pipeline problem.
@@ -115,6 +133,15 @@ pub struct PipelineLayer {
     /// embedding): each is held again on this layer's device when its owner runs elsewhere.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tied: Vec<TiedCopy>,
+}
+
+impl PipelineLayer {
+    /// The point of the same strategy assignment as `point` that keeps its activations (itself
+    /// unless selective).
+    pub fn plain_point(&self, point: usize) -> usize {
+        let Some(pt) = self.points.get(point).filter(|p| p.is_selective()) else { return point };
+        self.points.iter().position(|q| q.choice == pt.choice && !q.is_selective()).unwrap_or(point)
+    }
 }
 
 /// A copy of a weight tied across layers, held by a reading layer's device.
@@ -244,7 +271,7 @@ impl PipelineProblem {
     pub fn flag_options(&self, l: usize) -> Vec<(bool, bool)> {
         let checkpoint: &[bool] = match self.checkpoint_of(l) {
             CheckpointRule::Auto => &[false, true],
-            CheckpointRule::Never => &[false],
+            CheckpointRule::Never | CheckpointRule::Selective => &[false],
             CheckpointRule::Always => &[true],
         };
         let mut out = Vec::with_capacity(3);
@@ -260,14 +287,22 @@ impl PipelineProblem {
     }
 
     /// Layer `l`'s choice with the offload flag the rule forces for `checkpoint` (on under
-    /// `Always`, off otherwise); a fixed recompute flag overrides `checkpoint`.
+    /// `Always`, off otherwise); a fixed recompute flag overrides `checkpoint`. A checkpointed
+    /// layer rebuilds everything: a selective point becomes its assignment's plain one.
     pub fn choice(&self, l: usize, chunk: usize, point: usize, checkpoint: bool) -> LayerChoice {
         let checkpoint = match self.checkpoint_of(l) {
             CheckpointRule::Always => true,
-            CheckpointRule::Never => false,
+            CheckpointRule::Never | CheckpointRule::Selective => false,
             CheckpointRule::Auto => checkpoint,
         };
+        let point = if checkpoint { self.layers.get(l).map_or(point, |lay| lay.plain_point(point)) } else { point };
         LayerChoice { chunk, point, checkpoint, offload: checkpoint && self.offload == OffloadRule::Always }
+    }
+
+    /// Whether point `point` of layer `l` may take checkpoint flag `checkpoint`: a selective
+    /// point never is checkpointed (its plain twin is, at less time).
+    pub fn combines(&self, l: usize, point: usize, checkpoint: bool) -> bool {
+        !checkpoint || !self.layers.get(l).and_then(|lay| lay.points.get(point)).is_some_and(ParetoPoint::is_selective)
     }
 
     /// Microbatches of chunk `chunk` between a forward and its B.
@@ -410,7 +445,8 @@ impl PipelineProblem {
                 return None;
             }
             match self.checkpoint_of(l) {
-                CheckpointRule::Never if c.checkpoint => return None,
+                CheckpointRule::Never | CheckpointRule::Selective if c.checkpoint => return None,
+                _ if !self.combines(l, c.point, c.checkpoint) => return None,
                 CheckpointRule::Always if !c.checkpoint => return None,
                 _ => {}
             }
@@ -442,9 +478,7 @@ impl PipelineProblem {
             state[d] += pt.state_bytes;
             sync[d] += self.sync_of(pt);
             act[d] += self.kept_bytes(c.chunk, pt, c.checkpoint, c.offload);
-            if c.checkpoint {
-                recompute[d] = recompute[d].max(pt.act_bytes - pt.input_bytes);
-            }
+            recompute[d] = recompute[d].max(pt.rebuilt_bytes(c.checkpoint));
         }
         for (d, bytes) in self.tied_copy_bytes(choices).into_iter().enumerate() {
             state[d] += bytes;

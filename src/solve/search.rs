@@ -619,6 +619,7 @@ pub fn cost_context<'a>(lg: &'a LayeredGraph, spec: &'a ClusterSpec, cfg: &PlanO
     ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron) || cfg.megatron_split;
     ctx.expert_imbalance = cfg.expert_imbalance.unwrap_or(super::options::DEFAULT_EXPERT_IMBALANCE);
     ctx.expert_dispatch = cfg.expert_dispatch.unwrap_or_default();
+    ctx.selective = super::layer_cost::SelectivePoints::of(cfg.checkpointing.unwrap_or_default(), cfg.checkpointed_layers.is_some());
     ctx
 }
 
@@ -728,6 +729,7 @@ impl Search<'_> {
             // ZeRO 3: the largest of its layers, gathered whole
             let mut gathered = 0.0f64;
             let (mut ckpt, mut offloaded, mut host) = (Vec::new(), Vec::new(), 0.0);
+            let mut selective = Vec::new();
             for &l in &members {
                 let ch = choices[l];
                 let pt = &prob.layers[l].points[ch.point];
@@ -756,9 +758,11 @@ impl Search<'_> {
                     }
                 }
                 kept += prob.kept_bytes(c, pt, ch.checkpoint, ch.offload);
+                rec = rec.max(pt.rebuilt_bytes(ch.checkpoint));
                 if ch.checkpoint {
-                    rec = rec.max(pt.act_bytes - pt.input_bytes);
                     ckpt.push(l);
+                } else if pt.is_selective() {
+                    selective.push(l);
                 }
                 if ch.offload {
                     host += prob.offloaded_bytes(c, pt);
@@ -788,6 +792,7 @@ impl Search<'_> {
                     total: st.total() + ZERO3_GATHERED_LAYERS * gathered + activations + rec + workspace,
                 },
                 checkpointed_layers: ckpt,
+                selective_layers: selective,
                 offloaded_layers: offloaded,
                 offloaded_bytes: host,
             });

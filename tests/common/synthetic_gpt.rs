@@ -99,6 +99,8 @@ pub fn gpt(shape: GptShape) -> LayeredGraph {
             output_bytes: 2.0 * s * h,
             shared_input_bytes: 0.0,
             shared_saved_bytes: 0.0,
+            selective_bytes: 0.0,
+            selective_nodes: Vec::new(),
         });
         x = y;
     }

@@ -25,7 +25,7 @@ use super::memory;
 use super::offload::Offload;
 use super::straggler::{self, Stragglers};
 use crate::codegen::{Instr, Payload, Purpose};
-use crate::ir::ValueId;
+use crate::ir::{NodeId, ValueId};
 
 /// One microbatch of one stage between its forward and its backward.
 #[derive(Default)]
@@ -57,6 +57,52 @@ struct MbState {
 struct Part {
     inputs: Vec<(ValueId, Tensor)>,
     outputs: Vec<(ValueId, Tensor)>,
+    /// Outputs selective recompute freed after the forward, rebuilt before the backward.
+    rebuilt: Vec<Rebuilt>,
+}
+
+/// An output freed after its segment's forward (selective recompute): the node that made it,
+/// what that node reads, and the tensor whose storage the rebuild fills again.
+struct Rebuilt {
+    node: NodeId,
+    inputs: HashMap<ValueId, Tensor>,
+    output: (ValueId, Tensor),
+}
+
+/// Frees the storage of the outputs of `nodes` (a kept segment's [`Segment::rebuilt`]) among
+/// `outs`, keeping what rebuilding each needs; an output whose storage another value in
+/// `keep` views stays (freeing it would free that value too).
+fn set_aside(graph: &crate::ir::Graph, nodes: &[NodeId], outs: &HashMap<ValueId, Tensor>, keep: &[ValueId]) -> Result<Vec<Rebuilt>, RuntimeError> {
+    let span = |t: &Tensor| {
+        let at = t.data_ptr() as usize;
+        (at, at + t.numel() * t.kind().elt_size_in_bytes())
+    };
+    let mut out = Vec::with_capacity(nodes.len());
+    for &n in nodes {
+        let node = graph.node(n);
+        let Some((&v, t)) = node.outputs.first().and_then(|v| outs.get_key_value(v)) else { continue };
+        let (lo, hi) = span(t);
+        let viewed = keep.iter().filter(|&&k| k != v).filter_map(|k| outs.get(k)).any(|o| (lo..hi.max(lo + 1)).contains(&(o.data_ptr() as usize)));
+        if viewed || t.numel() == 0 {
+            continue;
+        }
+        let inputs = node.inputs.iter().flatten().filter_map(|i| outs.get(i).map(|x| (*i, x.shallow_clone()))).collect();
+        crate::runtime::kernels::storage::free(t)?;
+        out.push(Rebuilt { node: n, inputs, output: (v, t.shallow_clone()) });
+    }
+    Ok(out)
+}
+
+/// Runs each of `rebuilt`'s nodes again without autograd and moves the result into the storage
+/// its forward freed, where autograd's saved references read it.
+fn rebuild(ex: &Executor<'_>, rebuilt: &[Rebuilt]) -> Result<(), RuntimeError> {
+    for r in rebuilt {
+        let (v, t) = &r.output;
+        let fresh = tch::no_grad(|| ex.run_nodes(&[r.node], &r.inputs, &[*v]))?;
+        let made = fresh.get(v).ok_or_else(|| terr(format!("rebuilding `{}`: not computed", ex.graph().value(*v).name)))?;
+        crate::runtime::kernels::storage::take(t, made)?;
+    }
+    Ok(())
 }
 
 /// Executes a rank's program, step after step.
@@ -375,10 +421,22 @@ impl<'r, 'a> Interp<'r, 'a> {
                 env.extend(tch::no_grad(|| ex.run_nodes(&seg.nodes, &feeds, &seg.outputs))?);
                 parts.push(None);
             } else {
-                let outs = ex.run_nodes(&seg.nodes, &feeds, &seg.outputs)?;
+                // what rebuilding the selectively recomputed outputs reads is kept with them
+                let mut keep = seg.outputs.clone();
+                for &n in &seg.rebuilt {
+                    let node = ex.graph().node(n);
+                    for v in node.outputs.iter().chain(node.inputs.iter().flatten()) {
+                        if !keep.contains(v) {
+                            keep.push(*v);
+                        }
+                    }
+                }
+                let mut outs = ex.run_nodes(&seg.nodes, &feeds, &keep)?;
+                let rebuilt = set_aside(ex.graph(), &seg.rebuilt, &outs, &seg.outputs)?;
+                outs.retain(|v, _| seg.outputs.contains(v));
                 let outputs: Vec<(ValueId, Tensor)> = seg.outputs.iter().filter_map(|v| outs.get(v).map(|t| (*v, t.shallow_clone()))).collect();
                 env.extend(outs);
-                parts.push(Some(Part { inputs: ins, outputs }));
+                parts.push(Some(Part { inputs: ins, outputs, rebuilt }));
             }
             self.zero.note_peak(peak);
         }
@@ -410,7 +468,7 @@ impl<'r, 'a> Interp<'r, 'a> {
                     let outs: Vec<Tensor> = leaves.iter().map(|(_, t)| t.shallow_clone()).collect();
                     let loss = self.microbatch_loss(mb, &outs)?;
                     self.count_loss(&loss)?;
-                    (Vec::new(), Some(loss), Some(Part { inputs: leaves, outputs: Vec::new() }))
+                    (Vec::new(), Some(loss), Some(Part { inputs: leaves, outputs: Vec::new(), rebuilt: Vec::new() }))
                 }
             }
         } else {
@@ -571,9 +629,10 @@ impl<'r, 'a> Interp<'r, 'a> {
                     feeds.extend(ins.iter().map(|(v, t)| (*v, t.shallow_clone())));
                     let outs = ex.run_nodes(&seg.nodes, &feeds, &seg.outputs)?;
                     let outputs = seg.outputs.iter().filter_map(|v| outs.get(v).map(|t| (*v, t.shallow_clone()))).collect();
-                    Part { inputs: ins, outputs }
+                    Part { inputs: ins, outputs, rebuilt: Vec::new() }
                 }
             };
+            rebuild(ex, &part.rebuilt)?;
             let mut root: Option<Tensor> = None;
             if st.loss_in_segment == Some(i) {
                 let loss = match st.loss.take() {

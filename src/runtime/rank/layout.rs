@@ -35,8 +35,12 @@ pub struct StageLayout {
     /// Trained parameters each stage holds (`StageCode::params`), by value id ascending (the
     /// order of the rank's flat parameter and gradient buffers).
     pub params: Vec<Vec<ValueId>>,
-    /// Stages whose forward is recomputed in the backward (`StageCode::checkpointed_layers`).
+    /// Stages whose forward is recomputed in the backward, whole layers
+    /// (`StageCode::checkpointed_layers`) or selectively (`StageCode::selective_nodes`).
     pub recompute: Vec<bool>,
+    /// Per stage, the nodes whose outputs it frees after each forward and rebuilds before the
+    /// backward (`StageCode::selective_nodes`), by name.
+    pub selective: Vec<std::collections::HashSet<String>>,
 }
 
 /// What to do with a plan the runner cannot execute as it is.
@@ -170,8 +174,9 @@ pub fn stage_layout(section: &CodegenSection, graph: &Graph) -> Result<StageLayo
             return Err(mismatch(format!("stage {s} holds parameter `{}`, which none of its nodes reads", graph.value(v).name)));
         }
     }
-    let recompute = section.stages.iter().map(|s| !s.checkpointed_layers.is_empty()).collect();
-    Ok(StageLayout { nodes, outputs_to_next, gradients_from_next, data_inputs, params, recompute })
+    let recompute = section.stages.iter().map(|s| !s.checkpointed_layers.is_empty() || !s.selective_nodes.is_empty()).collect();
+    let selective = section.stages.iter().map(|s| s.selective_nodes.iter().cloned().collect()).collect();
+    Ok(StageLayout { nodes, outputs_to_next, gradients_from_next, data_inputs, params, recompute, selective })
 }
 
 /// The plan's codegen section, refused when it is missing or of a version this runner does not

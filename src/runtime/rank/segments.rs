@@ -5,6 +5,11 @@
 //! floating-point inputs are fresh gradient leaves, so the backward goes segment by segment,
 //! last first, each feeding its inputs' gradients to the segments that made them: what
 //! `torch.utils.checkpoint` does around each checkpointed layer.
+//!
+//! Selective recompute runs inside a segment that keeps its autograd graph: the outputs of its
+//! normalisations and activation functions that the plan names are freed once the forward has
+//! run (their storage, which autograd's saved references share) and rebuilt into the same
+//! storage before the segment's backward, as Megatron-Core's `CheckpointWithoutOutput` does.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
@@ -25,6 +30,9 @@ pub(super) struct Segment {
     /// Positions (in the rank's `Params`) of the trained parameters its nodes read (filled in
     /// once the parameters are known).
     pub params: Vec<usize>,
+    /// Nodes of a segment that keeps its activations whose output is freed after its forward
+    /// and rebuilt before its backward (selective recompute), in execution order.
+    pub rebuilt: Vec<NodeId>,
 }
 
 /// A recomputed stage's segments, and which kept values may leave the device.
@@ -46,7 +54,10 @@ pub(super) struct StageSegments {
 /// `received` the values the stage gets from the previous one, `yields` what it gives on and
 /// `shared` the names of values several layers of the model read (kept on the device, as the
 /// planner prices offloading: `Layer::offload_bytes`). `per_layer`: every layer its own
-/// segment (ZeRO 3 gathers each layer's parameters for its segment alone).
+/// segment (ZeRO 3 gathers each layer's parameters for its segment alone; selective recompute
+/// rebuilds one layer's outputs at a time). `selective`: the names of the nodes whose outputs
+/// are rebuilt ([`Segment::rebuilt`]).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn stage_segments(
     graph: &Graph,
     order: &[NodeId],
@@ -55,6 +66,7 @@ pub(super) fn stage_segments(
     (received, yields): (&HashSet<ValueId>, &[ValueId]),
     shared: &HashSet<String>,
     per_layer: bool,
+    selective: &HashSet<String>,
 ) -> StageSegments {
     // each node's layer; leading unnamed nodes take the first named one's
     let named: Vec<Option<usize>> = order.iter().map(|&n| layer_of.get(graph.node(n).name.as_str()).copied()).collect();
@@ -100,7 +112,7 @@ pub(super) fn stage_segments(
     }
     let mut segments: Vec<Segment> = groups
         .iter()
-        .map(|(ck, _, nodes)| Segment { nodes: nodes.clone(), checkpointed: *ck, inputs: Vec::new(), outputs: Vec::new(), params: Vec::new() })
+        .map(|(ck, _, nodes)| Segment { nodes: nodes.clone(), checkpointed: *ck, inputs: Vec::new(), outputs: Vec::new(), params: Vec::new(), rebuilt: Vec::new() })
         .collect();
     for (i, seg) in segments.iter_mut().enumerate() {
         let mut seen = HashSet::new();
@@ -122,6 +134,16 @@ pub(super) fn stage_segments(
     }
     for (seg, w) in segments.iter_mut().zip(wanted) {
         seg.outputs = w;
+        // a value another segment or the stage's receiver reads stays
+        if !seg.checkpointed {
+            seg.rebuilt = seg
+                .nodes
+                .iter()
+                .copied()
+                .filter(|&n| selective.contains(&graph.node(n).name))
+                .filter(|&n| matches!(graph.node(n).outputs.as_slice(), [v] if !seg.outputs.contains(v) && !yields.contains(v)))
+                .collect();
+        }
     }
     // a kept value leaves the device when one offloaded layer alone reads it
     let movable = groups

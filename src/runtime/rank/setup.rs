@@ -483,21 +483,22 @@ fn recompute_segments(
     let carries = crate::passes::params::carries_gradient(model).map_err(|e| terr(format!("laying out recomputed segments: {e}")))?;
     let mut out = HashMap::new();
     for &s in my_stages.iter().filter(|&&s| layout.recompute[s] || gathered.contains(&s)) {
-        let per_layer = gathered.contains(&s);
+        let selective = &layout.selective[s];
+        let per_layer = gathered.contains(&s) || !selective.is_empty();
         let st = &plan.stages[s];
         let checkpointed: BTreeSet<usize> = st.checkpointed_layers.iter().copied().collect();
         let offloaded: BTreeSet<usize> = st.offloaded_layers.iter().copied().collect();
         let received: Vec<ValueId> = if s == 0 { Vec::new() } else { layout.outputs_to_next[s - 1].clone() };
         let yields: Vec<ValueId> = if s + 1 == layout.nodes.len() { model.outputs.clone() } else { layout.outputs_to_next[s].clone() };
         let (mut segs, graph) = match stage_execs.get(&s) {
-            None => (segments::stage_segments(model, &layout.nodes[s], &layer_of, (&checkpointed, &offloaded), (&received.into_iter().collect(), &yields), &shared, per_layer), model),
+            None => (segments::stage_segments(model, &layout.nodes[s], &layer_of, (&checkpointed, &offloaded), (&received.into_iter().collect(), &yields), &shared, per_layer, selective), model),
             Some(se) => {
                 let sg = se.graph();
                 let local = |v: &ValueId| sg.value_by_name(&model.value(*v).name);
                 let order = sg.topo_order().map_err(|e| terr(format!("stage {s}'s shard subgraph: {e}")))?;
                 let received = received.iter().filter_map(local).collect();
                 let yields: Vec<ValueId> = yields.iter().filter_map(local).collect();
-                (segments::stage_segments(sg, &order, &layer_of, (&checkpointed, &offloaded), (&received, &yields), &shared, per_layer), sg)
+                (segments::stage_segments(sg, &order, &layer_of, (&checkpointed, &offloaded), (&received, &yields), &shared, per_layer, selective), sg)
             }
         };
         // by name: a shard subgraph's values are the model's (its collectives' outputs, unnamed
