@@ -15,7 +15,7 @@ use crate::solve::{PlanOptions, Setting, Source};
 
 use super::config::{EmittedFile, Launcher, Origin, Reading, Unpriced, Written, split_words};
 use super::error::EngineError;
-use super::fields::{Change, Engine, Gap, PlanField, checkpointed, megatron_split, offloaded, reader_order, same_ranks};
+use super::fields::{Change, Engine, Gap, PlanField, checkpointed, megatron_split, offloaded, reader_order, same_ranks, selective_unexpressed};
 use super::shape::ModelShape;
 use super::stages::{all_blocks, stage_roles, units_whole, whole_units_layout};
 
@@ -128,6 +128,8 @@ pub fn gaps(plan: &Plan, shape: &ModelShape) -> Result<Vec<Gap>, String> {
             "activation_checkpoint_interval 1 (every transformer layer)",
             Some(Change::Recompute(blocks.clone())),
         ));
+    } else if let Some((chose, change)) = selective_unexpressed(plan) {
+        out.push(gap(PlanField::Recompute, chose, "its activation checkpointing recomputes whole layers", "those layers keep their activations", Some(change)));
     }
     let off = offloaded(plan);
     if !off.is_empty() {

@@ -166,6 +166,9 @@ pub enum Change {
     WholeShardGroups,
     /// Exactly these layers recomputed.
     Recompute(BTreeSet<usize>),
+    /// Another recompute rule for every layer (`selective`: each rebuilds its norms' and
+    /// activation functions' outputs).
+    Checkpointing(crate::solve::CheckpointRule),
     /// Another offloading rule.
     Offload(OffloadRule),
     /// Another loading horizon.
@@ -201,6 +204,10 @@ impl Change {
                 if set.is_empty() && req.offload == Some(OffloadRule::Always) {
                     req.offload = Some(OffloadRule::Never);
                 }
+            }
+            Change::Checkpointing(rule) => {
+                req.checkpointing = Some(*rule);
+                req.checkpointed_layers = None;
             }
             Change::Offload(o) => req.offload = Some(*o),
             Change::LoadingHorizon(h) => req.loading_horizon = Some(*h),
@@ -293,6 +300,19 @@ pub fn megatron_split(plan: &Plan) -> bool {
 /// The layers `plan` recomputes.
 pub fn checkpointed(plan: &Plan) -> BTreeSet<usize> {
     plan.stages.iter().flat_map(|s| s.checkpointed_layers.iter().copied()).collect()
+}
+
+/// The layers `plan` recomputes selectively (their norms' and activation functions' outputs).
+pub fn selective(plan: &Plan) -> BTreeSet<usize> {
+    plan.stages.iter().flat_map(|s| s.selective_layers.iter().copied()).collect()
+}
+
+/// For an engine that rebuilds no norm or activation alone: what the plan chose and the nearest
+/// request (its checkpointed layers exactly, every other layer keeping its activations), when
+/// the plan recomputes any layer selectively.
+pub fn selective_unexpressed(plan: &Plan) -> Option<(String, Change)> {
+    let layers = selective(plan);
+    (!layers.is_empty()).then(|| (format!("selective recompute of {} layers' norms and activation functions", layers.len()), Change::Recompute(checkpointed(plan))))
 }
 
 /// The layers `plan` offloads.

@@ -12,7 +12,7 @@ use crate::solve::{Layout, PlanOptions, Setting};
 
 use super::config::{Launcher, Origin, Reading, Unpriced, Written, EmittedFile, shell_quote, split_words};
 use super::error::EngineError;
-use super::fields::{Change, Engine, Gap, PlanField, checkpointed, megatron_split, offloaded, reader_order, same_ranks};
+use super::fields::{Change, Engine, Gap, PlanField, checkpointed, megatron_split, offloaded, reader_order, same_ranks, selective};
 use super::shape::{Mlp, ModelShape, Norm, Positions};
 use super::stages::{StageRoles, all_blocks, roles_of, first_blocks_per_stage, layout_from_blocks, stage_roles, units_whole, whole_units_layout};
 
@@ -221,6 +221,25 @@ pub fn gaps(plan: &Plan, shape: &ModelShape) -> Result<Vec<Gap>, String> {
             "the embedding with the first stage, the head with the last",
             fix.map(Change::Layout),
         ));
+    }
+    if !selective(plan).is_empty() && recompute_of(plan, &stages, shape).is_some() {
+        if !checkpointed(plan).is_empty() {
+            out.push(gap(
+                PlanField::Recompute,
+                "selective recompute beside whole layers recomputed",
+                "its recompute granularity is full or selective for the whole model",
+                "the whole layers alone",
+                Some(Change::Recompute(checkpointed(plan))),
+            ));
+        } else if plan.parallel.checkpointing != crate::solve::CheckpointRule::Selective {
+            out.push(gap(
+                PlanField::Recompute,
+                format!("selective recompute of {} of {} layers", selective(plan).len(), shape.kinds.len()),
+                "its --recompute-modules apply to every layer",
+                "--recompute-granularity selective --recompute-modules layernorm in every layer",
+                Some(Change::Checkpointing(crate::solve::CheckpointRule::Selective)),
+            ));
+        }
     }
     if recompute_of(plan, &stages, shape).is_none() {
         let set = checkpointed(plan);

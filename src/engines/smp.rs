@@ -10,7 +10,7 @@ use crate::ir::{Placement, Precision, ScheduleKind};
 use crate::plan::Plan;
 
 use super::config::{EmittedFile, Written};
-use super::fields::{Change, Engine, Gap, PlanField, checkpointed, megatron_split, offloaded};
+use super::fields::{Change, Engine, Gap, PlanField, checkpointed, megatron_split, offloaded, selective_unexpressed};
 
 const ENGINE: Engine = Engine::Smp;
 
@@ -25,6 +25,9 @@ pub fn gaps(plan: &Plan) -> Vec<Gap> {
     let mut out = Vec::new();
     if !megatron_split(plan) {
         out.push(gap(PlanField::TensorSplit, "a tensor split other than Megatron's in some layers", "its tensor parallelism splits every transformer layer one way", "Megatron's split in every layer", Some(Change::MegatronSplit)));
+    }
+    if let Some((chose, change)) = selective_unexpressed(plan) {
+        out.push(gap(PlanField::Recompute, chose, "its activation checkpointing recomputes whole modules", "those layers keep their activations", Some(change)));
     }
     if p.pp == 1 {
         // SMP v2: FSDP

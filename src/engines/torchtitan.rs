@@ -13,7 +13,7 @@ use crate::solve::{PlanOptions, Setting, Source};
 
 use super::config::{EmittedFile, Launcher, Origin, Reading, Unpriced, Written, shell_quote, split_words};
 use super::error::EngineError;
-use super::fields::{Change, Engine, Gap, PlanField, checkpointed, megatron_split, offloaded, reader_order, same_ranks};
+use super::fields::{Change, Engine, Gap, PlanField, checkpointed, megatron_split, offloaded, reader_order, same_ranks, selective_unexpressed};
 use super::shape::ModelShape;
 use super::stages::{StageRoles, all_blocks, stage_roles, units_whole, whole_units_layout};
 
@@ -70,6 +70,8 @@ pub fn gaps(plan: &Plan, shape: &ModelShape) -> Result<Vec<Gap>, String> {
             "[activation_checkpoint] mode = \"full\"",
             Some(Change::Recompute(blocks)),
         ));
+    } else if let Some((chose, change)) = selective_unexpressed(plan) {
+        out.push(gap(PlanField::Recompute, chose, "its selective checkpointing keeps or recomputes whole ops by a policy, never a norm's output alone", "those layers keep their activations", Some(change)));
     }
     if !offloaded(plan).is_empty() {
         out.push(gap(PlanField::Offload, "offloading recomputed layers' inputs to host memory", "it offloads no activations", "no offloading", Some(Change::Offload(OffloadRule::Never))));

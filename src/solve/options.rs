@@ -722,10 +722,10 @@ impl PlanOptions {
         if let Some(b) = self.baseline {
             return refuse(Source::Flag(format!("--baseline {b}")), "an estimate prices the configuration you give; drop --baseline".into());
         }
-        if self.checkpointing == Some(CheckpointRule::Auto) {
+        if matches!(self.checkpointing, Some(CheckpointRule::Auto | CheckpointRule::Layers)) {
             return refuse(
                 self.source(Setting::Checkpointing),
-                "`auto` leaves recompute to the search; say --checkpointing none|full or --recompute-layers LIST".into(),
+                "`auto` and `layers` leave recompute to the search; say --checkpointing none|selective|full or --recompute-layers LIST".into(),
             );
         }
         if self.offload == Some(OffloadRule::Auto) {

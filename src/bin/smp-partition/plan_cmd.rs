@@ -111,9 +111,9 @@ pub struct PlanFlags {
     #[arg(long, value_name = "gpipe|1f1b|interleaved:V|zb-h1", value_parser = parse_schedule)]
     pub schedule: Option<ScheduleKind>,
     /// Activation recompute: chosen per layer (auto: none, the norms' and activation functions'
-    /// outputs rebuilt, or the whole layer), none, selective (every layer rebuilds its norms'
-    /// and activation functions' outputs) or full (every layer recomputed).
-    #[arg(long, value_name = "auto|none|selective|full", value_parser = parse_checkpointing)]
+    /// outputs rebuilt, or the whole layer; layers: none or the whole layer), none, selective
+    /// (every layer rebuilds its norms' and activation functions' outputs) or full.
+    #[arg(long, value_name = "auto|layers|none|selective|full", value_parser = parse_checkpointing)]
     pub checkpointing: Option<CheckpointRule>,
     /// Recompute exactly these layers of `graph` (e.g. "1-7,9"; "none"), the others not.
     #[arg(long, value_name = "LIST", value_parser = parse_layer_set, conflicts_with = "checkpointing")]
