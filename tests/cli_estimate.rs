@@ -50,6 +50,11 @@ fn flags_of(plan: &serde_json::Value) -> Vec<String> {
     let recomputed: Vec<String> =
         stages.iter().flat_map(|s| s["checkpointed_layers"].as_array().unwrap().iter().map(|l| l.to_string())).collect();
     f.extend(["--recompute-layers".into(), if recomputed.is_empty() { "none".into() } else { recomputed.join(",") }]);
+    let selective: Vec<String> =
+        stages.iter().flat_map(|s| s.get("selective_layers").and_then(|l| l.as_array()).into_iter().flatten().map(|l| l.to_string())).collect();
+    if !selective.is_empty() {
+        f.extend(["--selective-layers".into(), selective.join(",")]);
+    }
     let offloads = stages.iter().any(|s| s.get("offloaded_layers").is_some_and(|l| !l.as_array().unwrap().is_empty()));
     f.extend(["--offload-activations".into(), if offloads { "on" } else { "off" }.into()]);
     f

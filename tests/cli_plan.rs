@@ -356,3 +356,37 @@ fn the_memory_objective_prints_as_bytes() {
     assert!(solver.contains(&format!("objective {peak},")), "{solver} / peak {peak}");
     assert!(peak.ends_with("iB"), "{peak}");
 }
+
+/// Under a memory limit that no layer keeping everything fits, `auto` rebuilds layers' norms
+/// and activation functions (selective recompute) before it recomputes whole layers, which
+/// `layers` (whole layers or nothing) must: the same limit costs it more time. Fixing the
+/// plan's choice layer by layer (`--recompute-layers`, `--selective-layers`) gives the same plan.
+#[test]
+fn auto_recomputes_norms_and_activations_before_whole_layers() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan_with = |name: &str, extra: &[&str]| -> serde_json::Value {
+        let out = dir.path().join(format!("{name}.json"));
+        let mut args = vec!["models/llama.onnx", "--cluster", "cpu:2", "--seq-len", "512", "--global-batch", "4", "--microbatches", "2"];
+        args.extend_from_slice(&["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "0", "-o", out.to_str().unwrap()]);
+        args.extend_from_slice(extra);
+        let o = smp(&args);
+        assert_eq!(code(&o), 0, "{name}: {}", stderr(&o));
+        serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap()
+    };
+    let total = |p: &serde_json::Value| p["stages"][0]["memory_bytes"]["total"].as_u64().unwrap();
+    let layers = |p: &serde_json::Value, key: &str| -> Vec<u64> { p["stages"][0].get(key).and_then(|v| v.as_array()).map(|a| a.iter().map(|l| l.as_u64().unwrap()).collect()).unwrap_or_default() };
+    let step = |p: &serde_json::Value| p["predicted"]["step_time_s"].as_f64().unwrap();
+    let (none, selective) = (plan_with("none", &["--checkpointing", "none"]), plan_with("selective", &["--checkpointing", "selective"]));
+    assert!(total(&selective) < total(&none) && step(&selective) > step(&none));
+    // a limit between the two: selective fits, keeping everything does not
+    let limit = format!("{}", (total(&none) + total(&selective)) as f64 / 2.0 / (1u64 << 30) as f64);
+    let auto = plan_with("auto", &["--checkpointing", "auto", "--memory-limit", &limit]);
+    let whole = plan_with("layers", &["--checkpointing", "layers", "--memory-limit", &limit]);
+    assert!(!layers(&auto, "selective_layers").is_empty() && layers(&auto, "checkpointed_layers").is_empty(), "{}", auto["stages"][0]);
+    assert!(!layers(&whole, "checkpointed_layers").is_empty() && layers(&whole, "selective_layers").is_empty(), "{}", whole["stages"][0]);
+    assert!(step(&auto) < step(&whole), "auto {} s, layers {} s", step(&auto), step(&whole));
+    let list = |v: Vec<u64>| v.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
+    let fixed = plan_with("fixed", &["--recompute-layers", "none", "--selective-layers", &list(layers(&auto, "selective_layers")), "--memory-limit", &limit]);
+    assert_eq!(layers(&fixed, "selective_layers"), layers(&auto, "selective_layers"));
+    assert!((step(&fixed) - step(&auto)).abs() <= 1e-12 * step(&auto) && total(&fixed) == total(&auto));
+}

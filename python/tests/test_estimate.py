@@ -9,12 +9,14 @@ def test_estimate_of_the_planned_configuration_is_the_plans_prediction(gpt2_plan
     _, batch, plan = gpt2_plan
     p, stages = plan.data["parallel"], plan.data["stages"]
     recomputed = [l for s in stages for l in s["checkpointed_layers"]]
+    selective = [l for s in stages for l in s.get("selective_layers", [])]
     schedule = p["schedule"] if p["schedule"] != "interleaved" else f"interleaved:{p['virtual_stages']}"
     e = smp.estimate(plan.model_path, batch, cluster="cpu:2", global_batch=8,
                      config={"pipeline_parallel_degree": 2, "microbatches": 4}, workdir=tmp_path,
                      schedule=schedule, zero=p["zero"], placement=p["placement"],
                      layout="|".join(f"{s['layers'][0]}-{s['layers'][1]}" for s in stages),
                      recompute_layers=",".join(map(str, recomputed)) or "none",
+                     **({"selective_layers": ",".join(map(str, selective))} if selective else {}),
                      offload_activations="on" if any(s.get("offloaded_layers") for s in stages) else "off")
     assert e.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
     assert [r.memory.total for r in e.ranks] == [s["memory_bytes"]["total"] for s in stages]

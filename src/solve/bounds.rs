@@ -503,7 +503,7 @@ mod tests {
         Arc::new(CompactTable { distinct, of_layer: Arc::new(of_layer) })
     }
 
-    fn problem(devices: usize, v: usize, m: usize, cap: f64, checkpoint: CheckpointRule, fixed: Option<Vec<bool>>) -> PipelineProblem {
+    fn problem(devices: usize, v: usize, m: usize, cap: f64, checkpoint: CheckpointRule, fixed: Option<Vec<CheckpointRule>>) -> PipelineProblem {
         let chunks = devices * v;
         let kind = if v > 1 { ScheduleKind::Interleaved { virtual_stages: v } } else { ScheduleKind::OneFOneB };
         PipelineProblem {
@@ -540,8 +540,8 @@ mod tests {
                 let full: Vec<PipelineLayer> = (0..n).map(|l| t.distinct[t.of_layer[l]].clone()).collect();
                 for (devices, v) in [(1, 1), (2, 1), (3, 1), (4, 1), (2, 2), (3, 2)] {
                     for cap in [80e9, 40e9, 20e9] {
-                        let mut every = vec![false; n];
-                        every[3] = true;
+                        let mut every = vec![CheckpointRule::Never; n];
+                        every[3] = CheckpointRule::Always;
                         for (rule, fixed) in [
                             (CheckpointRule::Auto, None),
                             (CheckpointRule::Never, None),

@@ -63,6 +63,10 @@ pub struct PlanOptions {
     /// checkpointed, the others not, as an engine's configuration names them; excludes
     /// `checkpointing`.
     pub checkpointed_layers: Option<BTreeSet<usize>>,
+    /// Fixed selective recompute (`--selective-layers`): these layers rebuild their norms' and
+    /// activation functions' outputs, the others not (beside `checkpointed_layers`, disjoint
+    /// from it; excludes `checkpointing`).
+    pub selective_layers: Option<BTreeSet<usize>>,
     /// Every layer split as Megatron-LM splits it (columns then rows, the vocabulary of the
     /// embedding and head), as the engines' tensor parallelism does, instead of the intra-layer
     /// ILP's choice.
@@ -159,6 +163,8 @@ pub enum Setting {
     Checkpointing,
     /// `--recompute-layers`.
     CheckpointedLayers,
+    /// `--selective-layers`.
+    SelectiveLayers,
 }
 
 impl Setting {
@@ -186,6 +192,7 @@ impl Setting {
             Setting::LoadingHorizon => "activation-loading-horizon",
             Setting::Checkpointing => "checkpointing",
             Setting::CheckpointedLayers => "recompute-layers",
+            Setting::SelectiveLayers => "selective-layers",
         }
     }
 }
@@ -344,6 +351,7 @@ impl PlanOptions {
             Setting::LoadingHorizon => self.loading_horizon.map(|v| v.to_string()),
             Setting::Checkpointing => self.checkpointing.map(|v| v.to_string()),
             Setting::CheckpointedLayers => self.checkpointed_layers.as_ref().map(|v| format_layer_set(v)),
+            Setting::SelectiveLayers => self.selective_layers.as_ref().map(|v| format_layer_set(v)),
         };
         Source::Flag(format!("--{} {}", setting.flag(), value.unwrap_or_default()))
     }
@@ -383,9 +391,23 @@ impl PlanOptions {
         Ok(())
     }
 
-    /// The fixed recompute as one flag per layer of a model of `layers` layers, if fixed.
-    pub fn checkpoint_flags(&self, layers: usize) -> Option<Vec<bool>> {
-        self.checkpointed_layers.as_ref().map(|set| (0..layers).map(|l| set.contains(&l)).collect())
+    /// The fixed recompute as one rule per layer of a model of `layers` layers, if fixed:
+    /// `Always` for the checkpointed layers, `Selective` for the selective ones, `Never` for the
+    /// others.
+    pub fn checkpoint_flags(&self, layers: usize) -> Option<Vec<CheckpointRule>> {
+        if self.checkpointed_layers.is_none() && self.selective_layers.is_none() {
+            return None;
+        }
+        let has = |set: &Option<BTreeSet<usize>>, l: usize| set.as_ref().is_some_and(|s| s.contains(&l));
+        Some(
+            (0..layers)
+                .map(|l| match (has(&self.checkpointed_layers, l), has(&self.selective_layers, l)) {
+                    (true, _) => CheckpointRule::Always,
+                    (false, true) => CheckpointRule::Selective,
+                    (false, false) => CheckpointRule::Never,
+                })
+                .collect(),
+        )
     }
 
     /// The per-device memory limit in bytes, when one is given.
@@ -466,6 +488,22 @@ impl PlanOptions {
                 self.source(Setting::CheckpointedLayers),
                 self.source(Setting::Checkpointing),
                 format!("the recomputed layers are given one by one; drop the `{rule}` rule"),
+            ));
+        }
+        if let (Some(rule), Some(_)) = (self.checkpointing, &self.selective_layers) {
+            return Err(conflict(
+                self.source(Setting::SelectiveLayers),
+                self.source(Setting::Checkpointing),
+                format!("the selectively recomputed layers are given one by one; drop the `{rule}` rule"),
+            ));
+        }
+        if let (Some(full), Some(sel)) = (&self.checkpointed_layers, &self.selective_layers)
+            && let Some(both) = full.intersection(sel).next()
+        {
+            return Err(conflict(
+                self.source(Setting::SelectiveLayers),
+                self.source(Setting::CheckpointedLayers),
+                format!("layer {both} is both recomputed whole and selectively; a recomputed layer rebuilds everything, so name it in one list"),
             ));
         }
         let none_checkpointed = matches!(self.checkpointing, Some(CheckpointRule::Never | CheckpointRule::Selective)) || self.checkpointed_layers.as_ref().is_some_and(BTreeSet::is_empty);
@@ -760,7 +798,7 @@ impl PlanOptions {
             self.microbatches = Some(1);
         }
         self.schedule.get_or_insert(ScheduleKind::OneFOneB);
-        if self.checkpointed_layers.is_none() {
+        if self.checkpointed_layers.is_none() && self.selective_layers.is_none() {
             self.checkpointing.get_or_insert(CheckpointRule::Never);
         }
         self.offload.get_or_insert(OffloadRule::Never);
@@ -845,12 +883,10 @@ impl PlanOptions {
     /// Checks the manual layout and the recomputed layers against the model's layer count.
     pub fn check_layers(&self, layers: usize, model: &str) -> Result<(), ConfigError> {
         let last = layers.saturating_sub(1);
-        if let Some(beyond) = self.checkpointed_layers.as_ref().and_then(|s| s.iter().find(|&&l| l >= layers)) {
-            return Err(conflict(
-                self.source(Setting::CheckpointedLayers),
-                Source::Implied(format!("{model} ({layers} layers, 0..={last})")),
-                format!("layer {beyond} does not exist"),
-            ));
+        for (set, setting) in [(&self.checkpointed_layers, Setting::CheckpointedLayers), (&self.selective_layers, Setting::SelectiveLayers)] {
+            if let Some(beyond) = set.as_ref().and_then(|s| s.iter().find(|&&l| l >= layers)) {
+                return Err(conflict(self.source(setting), Source::Implied(format!("{model} ({layers} layers, 0..={last})")), format!("layer {beyond} does not exist")));
+            }
         }
         if let Some(l) = &self.layout
             && l.last_layer() + 1 != layers

@@ -193,7 +193,7 @@ impl PipelineProblem {
         let options = |r: usize| -> Vec<(usize, (bool, bool))> {
             let lay = &self.layers[runs[r].0];
             let flags = self.flag_options(runs[r].0);
-            (0..lay.points.len()).flat_map(|j| flags.iter().filter(move |k| !(k.0 && lay.points[j].is_selective())).map(move |&k| (j, k))).collect()
+            (0..lay.points.len()).flat_map(|j| flags.iter().filter(move |k| self.combines(runs[r].0, j, k.0)).map(move |&k| (j, k))).collect()
         };
         let mut n: Counts = Vec::with_capacity(runs.len());
         for (r, &(first, len)) in runs.iter().enumerate() {

@@ -221,11 +221,11 @@ pub struct PipelineProblem {
     pub loading_horizon: f64,
     /// Manual layout: the chunk of every layer, if fixed.
     pub fixed_chunks: Option<Vec<usize>>,
-    /// Fixed recompute: whether each layer is checkpointed, if fixed (overrides `checkpoint`
-    /// layer by layer: an engine's configuration read back names exactly the layers it
-    /// recomputes).
+    /// Fixed recompute: each layer's rule (`Never`, `Selective` or `Always`), if fixed
+    /// (overrides `checkpoint` layer by layer: an engine's configuration read back names
+    /// exactly the layers it recomputes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub fixed_checkpoints: Option<Vec<bool>>,
+    pub fixed_checkpoints: Option<Vec<CheckpointRule>>,
     /// What to minimise.
     pub objective: PipelineObjective,
 }
@@ -259,11 +259,7 @@ impl PipelineProblem {
     /// The checkpointing rule of layer `l`: its fixed flag where recompute is fixed, else the
     /// problem's rule.
     pub fn checkpoint_of(&self, l: usize) -> CheckpointRule {
-        match self.fixed_checkpoints.as_ref().and_then(|f| f.get(l)) {
-            Some(true) => CheckpointRule::Always,
-            Some(false) => CheckpointRule::Never,
-            None => self.checkpoint,
-        }
+        self.fixed_checkpoints.as_ref().and_then(|f| f.get(l).copied()).unwrap_or(self.checkpoint)
     }
 
     /// The `(checkpoint, offload)` flags layer `l` may take under the rules: offloading moves
@@ -300,9 +296,17 @@ impl PipelineProblem {
     }
 
     /// Whether point `point` of layer `l` may take checkpoint flag `checkpoint`: a selective
-    /// point never is checkpointed (its plain twin is, at less time).
+    /// point never is checkpointed (its plain twin is, at less time); a layer fixed to keep its
+    /// activations takes no selective point, one fixed selective its selective point (where it
+    /// has one).
     pub fn combines(&self, l: usize, point: usize, checkpoint: bool) -> bool {
-        !checkpoint || !self.layers.get(l).and_then(|lay| lay.points.get(point)).is_some_and(ParetoPoint::is_selective)
+        let Some(lay) = self.layers.get(l) else { return false };
+        let selective = lay.points.get(point).is_some_and(ParetoPoint::is_selective);
+        match self.checkpoint_of(l) {
+            CheckpointRule::Never => !selective,
+            CheckpointRule::Selective => selective || !lay.points.iter().any(ParetoPoint::is_selective),
+            _ => !checkpoint || !selective,
+        }
     }
 
     /// Microbatches of chunk `chunk` between a forward and its B.

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::cost::{ClusterSpec, CommModel, kept_in_flight};
-use crate::ir::{LayeredGraph, Parallelism, ScheduleKind};
+use crate::ir::{CheckpointRule, LayeredGraph, Parallelism, ScheduleKind};
 
 use super::bounds::{BoundMemo, SharedSplits, bounds_shared};
 use super::candidates::{divisors, global_batch};
@@ -52,7 +52,7 @@ pub fn prepare(
     memory_cap: f64,
     active: Option<usize>,
     fixed_chunks: Option<Vec<usize>>,
-    fixed_checkpoints: Option<Vec<bool>>,
+    fixed_checkpoints: Option<Vec<CheckpointRule>>,
 ) -> Prepared {
     let config = layer_config(ctx.spec, cand);
     let table = ctx.compact(&config);
@@ -75,7 +75,7 @@ fn prepare_on(
     cand: &Candidate,
     memory_cap: f64,
     active: Option<usize>,
-    (fixed_chunks, fixed_checkpoints): (Option<Vec<usize>>, Option<Vec<bool>>),
+    (fixed_chunks, fixed_checkpoints): (Option<Vec<usize>>, Option<Vec<CheckpointRule>>),
     (config, table): (LayerConfig, &Arc<CompactTable>),
     memo: &mut BoundMemo,
 ) -> Prepared {
@@ -619,7 +619,7 @@ pub fn cost_context<'a>(lg: &'a LayeredGraph, spec: &'a ClusterSpec, cfg: &PlanO
     ctx.megatron_only = cfg.baseline == Some(super::Baseline::Megatron) || cfg.megatron_split;
     ctx.expert_imbalance = cfg.expert_imbalance.unwrap_or(super::options::DEFAULT_EXPERT_IMBALANCE);
     ctx.expert_dispatch = cfg.expert_dispatch.unwrap_or_default();
-    ctx.selective = super::layer_cost::SelectivePoints::of(cfg.checkpointing.unwrap_or_default(), cfg.checkpointed_layers.is_some());
+    ctx.selective = super::layer_cost::SelectivePoints::of(cfg.checkpointing.unwrap_or_default(), cfg.checkpoint_flags(lg.layers.len()).as_deref());
     ctx
 }
 

@@ -52,6 +52,7 @@ fn check_flags(args: &PlanArgs) -> Result<()> {
         (f.schedule.is_some(), "--schedule"),
         (f.checkpointing.is_some(), "--checkpointing"),
         (f.recompute_layers.is_some(), "--recompute-layers"),
+        (f.selective_layers.is_some(), "--selective-layers"),
         (f.placement.is_some(), "--placement"),
         (f.sequence_parallel || f.no_sequence_parallel, "--sequence-parallel"),
         (f.precision.is_some(), "--precision"),

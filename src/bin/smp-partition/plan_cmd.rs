@@ -118,6 +118,10 @@ pub struct PlanFlags {
     /// Recompute exactly these layers of `graph` (e.g. "1-7,9"; "none"), the others not.
     #[arg(long, value_name = "LIST", value_parser = parse_layer_set, conflicts_with = "checkpointing")]
     pub recompute_layers: Option<BTreeSet<usize>>,
+    /// Rebuild the norms' and activation functions' outputs of exactly these layers (selective
+    /// recompute), beside `--recompute-layers`; the others keep theirs.
+    #[arg(long, value_name = "LIST", value_parser = parse_layer_set, conflicts_with = "checkpointing")]
+    pub selective_layers: Option<BTreeSet<usize>>,
     /// Objective: speed, or least memory within 5 % of the fastest step.
     #[arg(long, value_name = "speed|memory")]
     pub optimize: Option<Optimize>,
@@ -203,6 +207,7 @@ impl PlanFlags {
             schedule: self.schedule,
             checkpointing: self.checkpointing,
             checkpointed_layers: self.recompute_layers.clone(),
+            selective_layers: self.selective_layers.clone(),
             optimize: self.optimize,
             placement: self.placement,
             layout: self.layout.clone(),
