@@ -357,9 +357,9 @@ fn the_memory_objective_prints_as_bytes() {
     assert!(peak.ends_with("iB"), "{peak}");
 }
 
-/// Under a memory limit that no layer keeping everything fits, `auto` rebuilds layers' norms
-/// and activation functions (selective recompute) before it recomputes whole layers, which
-/// `layers` (whole layers or nothing) must: the same limit costs it more time. Fixing the
+/// Under a memory limit that no layer keeping everything fits, `auto-selective` rebuilds
+/// layers' norms and activation functions (selective recompute) before it recomputes whole
+/// layers, which `auto` (whole layers or nothing) must: the same limit costs it more time. Fixing the
 /// plan's choice layer by layer (`--recompute-layers`, `--selective-layers`) gives the same plan.
 #[test]
 fn auto_recomputes_norms_and_activations_before_whole_layers() {
@@ -380,8 +380,8 @@ fn auto_recomputes_norms_and_activations_before_whole_layers() {
     assert!(total(&selective) < total(&none) && step(&selective) > step(&none));
     // a limit between the two: selective fits, keeping everything does not
     let limit = format!("{}", (total(&none) + total(&selective)) as f64 / 2.0 / (1u64 << 30) as f64);
-    let auto = plan_with("auto", &["--checkpointing", "auto", "--memory-limit", &limit]);
-    let whole = plan_with("layers", &["--checkpointing", "layers", "--memory-limit", &limit]);
+    let auto = plan_with("auto-selective", &["--checkpointing", "auto-selective", "--memory-limit", &limit]);
+    let whole = plan_with("auto", &["--checkpointing", "auto", "--memory-limit", &limit]);
     assert!(!layers(&auto, "selective_layers").is_empty() && layers(&auto, "checkpointed_layers").is_empty(), "{}", auto["stages"][0]);
     assert!(!layers(&whole, "checkpointed_layers").is_empty() && layers(&whole, "selective_layers").is_empty(), "{}", whole["stages"][0]);
     assert!(step(&auto) < step(&whole), "auto {} s, layers {} s", step(&auto), step(&whole));

@@ -157,9 +157,6 @@ fn llama3_405b_on_8192_h100s_against_the_published_mfu() {
         dp: Some(64),
         // Meta's mixed precision: a bf16 model beside fp32 masters
         mixed_recipe: Some(smp_partition::ir::MixedRecipe::LowModel),
-        // whole layers recomputed or not, as this check was made: the report does not say what
-        // the run rebuilt, and with selective recompute the search predicts 0.477 (1.109)
-        checkpointing: Some(smp_partition::solve::CheckpointRule::Layers),
         ..Default::default()
     };
     let d = plan(&a.lg, &spec, &opts, &mut |_| {}).unwrap();

@@ -250,16 +250,16 @@ impl FromStr for Placement {
 }
 
 /// Whether layers may be checkpointed (recomputed in the backward pass): the one
-/// checkpointing policy of the CLI (`--checkpointing auto|layers|none|selective|full`), the SMP config, the
+/// checkpointing policy of the CLI (`--checkpointing auto|auto-selective|none|selective|full`), the SMP config, the
 /// search and the plan file (`parallel.checkpointing`), which spell it by [`CheckpointRule::name`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum CheckpointRule {
-    /// The solver chooses per layer among none, selective and full (`auto`).
+    /// The solver chooses per layer between none and full (`auto`).
     #[default]
     Auto,
-    /// The solver chooses per layer between none and full, never selective (`layers`: what an
-    /// engine that recomputes only whole layers runs).
-    Layers,
+    /// The solver chooses per layer among none, selective and full (`auto-selective`: a larger
+    /// search, memory-bound candidates' ILPs take longer).
+    AutoSelective,
     /// No layer is checkpointed (`none`).
     Never,
     /// Every layer is checkpointed (`full`).
@@ -270,11 +270,11 @@ pub enum CheckpointRule {
 }
 
 impl CheckpointRule {
-    /// The name the CLI and the plan file use: `auto`, `layers`, `none`, `selective` or `full`.
+    /// The name the CLI and the plan file use: `auto`, `auto-selective`, `none`, `selective` or `full`.
     pub fn name(self) -> &'static str {
         match self {
             CheckpointRule::Auto => "auto",
-            CheckpointRule::Layers => "layers",
+            CheckpointRule::AutoSelective => "auto-selective",
             CheckpointRule::Never => "none",
             CheckpointRule::Always => "full",
             CheckpointRule::Selective => "selective",
@@ -293,11 +293,11 @@ impl std::str::FromStr for CheckpointRule {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "auto" => Ok(CheckpointRule::Auto),
-            "layers" => Ok(CheckpointRule::Layers),
+            "auto-selective" => Ok(CheckpointRule::AutoSelective),
             "none" => Ok(CheckpointRule::Never),
             "full" => Ok(CheckpointRule::Always),
             "selective" => Ok(CheckpointRule::Selective),
-            _ => Err(format!("`{s}`: expected auto, layers, none, selective or full")),
+            _ => Err(format!("`{s}`: expected auto, auto-selective, none, selective or full")),
         }
     }
 }

@@ -219,7 +219,7 @@ fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<S
         let kept = match rule {
             CheckpointRule::Never | CheckpointRule::Selective => act,
             CheckpointRule::Always => least,
-            CheckpointRule::Auto | CheckpointRule::Layers => act,
+            CheckpointRule::Auto | CheckpointRule::AutoSelective => act,
         };
         act_total += kept;
         kept_min += if matches!(rule, CheckpointRule::Never | CheckpointRule::Selective) { act } else { input };
@@ -271,7 +271,7 @@ fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<S
     if need > 0.0 {
         // (recompute seconds, bytes it frees) per layer the rule lets recompute, for the knapsack.
         let mut items: Vec<(f64, f64)> = (0..l_n)
-            .filter(|&i| matches!(p.checkpoint_of(i), CheckpointRule::Auto | CheckpointRule::Layers))
+            .filter(|&i| matches!(p.checkpoint_of(i), CheckpointRule::Auto | CheckpointRule::AutoSelective))
             .map(|i| (facts[i].fwd, facts[i].act - (facts[i].input - facts[i].movable * (1.0 - offloaded))))
             .collect();
         items.sort_by(|a, b| (a.0 * b.1).total_cmp(&(b.0 * a.1)));
@@ -345,7 +345,7 @@ fn layer_bytes(p: &PipelineProblem, fa: &LayerFacts, rule: CheckpointRule, chunk
     match rule {
         CheckpointRule::Never | CheckpointRule::Selective => (fa.state + whole, fa.state + whole, 0.0),
         CheckpointRule::Always => (fa.state + least, fa.state + least, 0.0),
-        CheckpointRule::Auto | CheckpointRule::Layers => (fa.state + whole, fa.state + least.min(whole), (whole - least).max(0.0)),
+        CheckpointRule::Auto | CheckpointRule::AutoSelective => (fa.state + whole, fa.state + least.min(whole), (whole - least).max(0.0)),
     }
 }
 

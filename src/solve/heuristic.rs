@@ -112,7 +112,7 @@ pub fn incumbent(p: &PipelineProblem) -> Option<(Vec<LayerChoice>, PipelineEval)
         match p.checkpoint {
             CheckpointRule::Never | CheckpointRule::Selective => tries.push(with(&|_| false)),
             CheckpointRule::Always => tries.push(with(&|_| true)),
-            CheckpointRule::Auto | CheckpointRule::Layers => {
+            CheckpointRule::Auto | CheckpointRule::AutoSelective => {
                 tries.push(with(&|_| false));
                 tries.push(with(&|_| true));
                 if let Some(c) = fit_by_recompute(p, with(&|_| false)) {
@@ -152,7 +152,7 @@ fn fit_by_recompute(p: &PipelineProblem, mut choices: Vec<LayerChoice>) -> Optio
             continue;
         }
         let mut order: Vec<(f64, usize)> = (0..choices.len())
-            .filter(|&l| choices[l].chunk % p.devices == d && matches!(p.checkpoint_of(l), CheckpointRule::Auto | CheckpointRule::Layers | CheckpointRule::Always))
+            .filter(|&l| choices[l].chunk % p.devices == d && matches!(p.checkpoint_of(l), CheckpointRule::Auto | CheckpointRule::AutoSelective | CheckpointRule::Always))
             .filter_map(|l| {
                 let q = &p.layers[l].points[choices[l].point];
                 let freed = p.in_flight[choices[l].chunk] * (q.act_bytes - q.input_bytes);

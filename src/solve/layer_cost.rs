@@ -363,15 +363,15 @@ pub enum SelectivePoints {
 }
 
 impl SelectivePoints {
-    /// The points a checkpointing rule allows: its own choice under `auto`, every layer under
-    /// `selective`; where the recompute is fixed layer by layer (`fixed`), both where some
+    /// The points a checkpointing rule allows: its own choice under `auto-selective`, every
+    /// layer under `selective`; where the recompute is fixed layer by layer (`fixed`), both where some
     /// layer is fixed selective (the pipeline problem keeps each layer to its kind), else none.
     pub fn of(rule: CheckpointRule, fixed: Option<&[CheckpointRule]>) -> SelectivePoints {
         match (fixed, rule) {
             (Some(f), _) if f.contains(&CheckpointRule::Selective) => SelectivePoints::Also,
             (Some(_), _) => SelectivePoints::None,
             (None, CheckpointRule::Selective) => SelectivePoints::Only,
-            (None, CheckpointRule::Auto) => SelectivePoints::Also,
+            (None, CheckpointRule::AutoSelective) => SelectivePoints::Also,
             (None, _) => SelectivePoints::None,
         }
     }

@@ -760,10 +760,10 @@ impl PlanOptions {
         if let Some(b) = self.baseline {
             return refuse(Source::Flag(format!("--baseline {b}")), "an estimate prices the configuration you give; drop --baseline".into());
         }
-        if matches!(self.checkpointing, Some(CheckpointRule::Auto | CheckpointRule::Layers)) {
+        if matches!(self.checkpointing, Some(CheckpointRule::Auto | CheckpointRule::AutoSelective)) {
             return refuse(
                 self.source(Setting::Checkpointing),
-                "`auto` and `layers` leave recompute to the search; say --checkpointing none|selective|full or --recompute-layers LIST".into(),
+                "`auto` and `auto-selective` leave recompute to the search; say --checkpointing none|selective|full or --recompute-layers LIST".into(),
             );
         }
         if self.offload == Some(OffloadRule::Auto) {

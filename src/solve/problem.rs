@@ -266,7 +266,7 @@ impl PipelineProblem {
     /// what a checkpointed layer keeps, so it comes only with checkpointing.
     pub fn flag_options(&self, l: usize) -> Vec<(bool, bool)> {
         let checkpoint: &[bool] = match self.checkpoint_of(l) {
-            CheckpointRule::Auto | CheckpointRule::Layers => &[false, true],
+            CheckpointRule::Auto | CheckpointRule::AutoSelective => &[false, true],
             CheckpointRule::Never | CheckpointRule::Selective => &[false],
             CheckpointRule::Always => &[true],
         };
@@ -289,7 +289,7 @@ impl PipelineProblem {
         let checkpoint = match self.checkpoint_of(l) {
             CheckpointRule::Always => true,
             CheckpointRule::Never | CheckpointRule::Selective => false,
-            CheckpointRule::Auto | CheckpointRule::Layers => checkpoint,
+            CheckpointRule::Auto | CheckpointRule::AutoSelective => checkpoint,
         };
         let point = if checkpoint { self.layers.get(l).map_or(point, |lay| lay.plain_point(point)) } else { point };
         LayerChoice { chunk, point, checkpoint, offload: checkpoint && self.offload == OffloadRule::Always }

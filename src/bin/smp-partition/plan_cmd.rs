@@ -110,10 +110,10 @@ pub struct PlanFlags {
     /// Pipeline schedule (omitted = searched).
     #[arg(long, value_name = "gpipe|1f1b|interleaved:V|zb-h1", value_parser = parse_schedule)]
     pub schedule: Option<ScheduleKind>,
-    /// Activation recompute: chosen per layer (auto: none, the norms' and activation functions'
-    /// outputs rebuilt, or the whole layer; layers: none or the whole layer), none, selective
-    /// (every layer rebuilds its norms' and activation functions' outputs) or full.
-    #[arg(long, value_name = "auto|layers|none|selective|full", value_parser = parse_checkpointing)]
+    /// Activation recompute: chosen per layer (auto: none or the whole layer; auto-selective:
+    /// also the norms' and activation functions' outputs alone rebuilt, a longer search), none,
+    /// selective (every layer rebuilds its norms' and activation functions' outputs) or full.
+    #[arg(long, value_name = "auto|auto-selective|none|selective|full", value_parser = parse_checkpointing)]
     pub checkpointing: Option<CheckpointRule>,
     /// Recompute exactly these layers of `graph` (e.g. "1-7,9"; "none"), the others not.
     #[arg(long, value_name = "LIST", value_parser = parse_layer_set, conflicts_with = "checkpointing")]
