@@ -160,6 +160,7 @@ pub fn layer_bytes(graph: &Graph, fig: &Figures, layers: &[Layer]) -> Vec<LayerB
 /// keep, each value once), that no other layer reads, and whose computed inputs are kept
 /// anyway (saved, or the layer's own inputs), so rebuilding it holds nothing more.
 pub fn selectively_recomputed(graph: &Graph, layer: &Layer, saved: &[ValueId]) -> Vec<(NodeId, ValueId)> {
+    let saved: HashSet<ValueId> = saved.iter().copied().collect();
     let held = |v: ValueId| saved.contains(&v) || layer.inputs.contains(&v) || graph.value(v).kind != ValueKind::Intermediate;
     layer
         .nodes
@@ -184,17 +185,11 @@ pub fn selectively_recomputed(graph: &Graph, layer: &Layer, saved: &[ValueId]) -
         .collect()
 }
 
-/// What the layer's nodes keep for the backward under `fig`, each value once.
+/// What the layer's nodes keep for the backward under `fig`, each value once, in the order
+/// they are first kept.
 pub fn saved_values(fig: &Figures, layer: &Layer) -> Vec<ValueId> {
-    let mut saved: Vec<ValueId> = Vec::new();
-    for &n in &layer.nodes {
-        for &v in &fig.saved[n.index()].values {
-            if !saved.contains(&v) {
-                saved.push(v);
-            }
-        }
-    }
-    saved
+    let mut seen: HashSet<ValueId> = HashSet::new();
+    layer.nodes.iter().flat_map(|&n| fig.saved[n.index()].values.iter().copied()).filter(|&v| seen.insert(v)).collect()
 }
 
 /// Whether node `n` embeds its input: a row lookup in a parameter table, or a convolution
