@@ -395,4 +395,8 @@ fn auto_recomputes_norms_and_activations_before_whole_layers() {
     assert_eq!(code(&o), 0, "cp: {}", stderr(&o));
     let cp: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
     assert!(layers(&cp, "selective_layers").is_empty(), "{}", cp["stages"][0]);
+    // under ZB-H1 the rebuilt outputs would wait for the W: refused, naming both settings
+    let o = smp(&["models/llama.onnx", "--cluster", "cpu:2", "--pp", "2", "--schedule", "zb-h1", "--checkpointing", "selective"]);
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert!(stderr(&o).contains("--checkpointing selective") && stderr(&o).contains("--schedule zb-h1"), "{}", stderr(&o));
 }

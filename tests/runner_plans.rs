@@ -429,8 +429,8 @@ fn pp2_dp2_zero3_matches_single_process() {
 }
 
 /// Selective recompute: each layer's normalisations and activation functions freed after the
-/// forward and rebuilt in the backward into the storage autograd saved, under 1F1B, ZB-H1 (the
-/// rebuilt outputs wait for the W) and tensor parallelism with sequence parallelism and ZeRO 3.
+/// forward and rebuilt in the backward into the storage autograd saved, under 1F1B, interleaved
+/// 1F1B and tensor parallelism with sequence parallelism and ZeRO 3.
 #[test]
 fn selective_recompute_matches_single_process() {
     let rebuilds = |p: &Path| {
@@ -441,7 +441,7 @@ fn selective_recompute_matches_single_process() {
     let selective = ["--checkpointing", "selective"];
     let cases: [(&str, &str, usize, &[&str]); 3] = [
         ("sel-pp2", "cpu:2", 2, &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--microbatches", "4"]),
-        ("sel-zbh1", "cpu:2", 2, &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "zb-h1", "--microbatches", "4"]),
+        ("sel-interleaved", "cpu:2", 2, &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "interleaved:2", "--microbatches", "4"]),
         ("sel-tp2sp-zero3", "cpu:4", 4, &["--pp", "1", "--tp", "2", "--dp", "2", "--zero", "3", "--sequence-parallel", "--microbatches", "2"]),
     ];
     for (name, cluster, nproc, flags) in cases {

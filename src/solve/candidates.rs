@@ -169,7 +169,11 @@ impl<'a> Grid<'a> {
                 Some(s) => vec![s],
                 None if pp == 1 => vec![ScheduleKind::OneFOneB],
                 None => {
-                    let mut v = vec![ScheduleKind::OneFOneB, ScheduleKind::ZbH1, ScheduleKind::GPipe];
+                    // a selective layer's rebuilt outputs would wait from its B to its W
+                    let mut v = vec![ScheduleKind::OneFOneB, ScheduleKind::GPipe];
+                    if !c.rebuilds_selectively() {
+                        v.insert(1, ScheduleKind::ZbH1);
+                    }
                     if layers >= 2 * pp && m >= pp && m % pp == 0 {
                         v.push(ScheduleKind::Interleaved { virtual_stages: 2 });
                     }

@@ -391,6 +391,12 @@ impl PlanOptions {
         Ok(())
     }
 
+    /// Whether some layer may rebuild its norms' and activation functions' outputs (the
+    /// `selective` and `auto-selective` rules, or selective layers given).
+    pub fn rebuilds_selectively(&self) -> bool {
+        matches!(self.checkpointing, Some(CheckpointRule::Selective | CheckpointRule::AutoSelective)) || self.selective_layers.as_ref().is_some_and(|s| !s.is_empty())
+    }
+
     /// The fixed recompute as one rule per layer of a model of `layers` layers, if fixed:
     /// `Always` for the checkpointed layers, `Selective` for the selective ones, `Never` for the
     /// others.
@@ -495,6 +501,14 @@ impl PlanOptions {
                 self.source(Setting::SelectiveLayers),
                 self.source(Setting::Checkpointing),
                 format!("the selectively recomputed layers are given one by one; drop the `{rule}` rule"),
+            ));
+        }
+        if self.schedule == Some(ScheduleKind::ZbH1) && self.rebuilds_selectively() {
+            let which = if self.selective_layers.is_some() { Setting::SelectiveLayers } else { Setting::Checkpointing };
+            return Err(conflict(
+                self.source(which),
+                self.source(Setting::Schedule),
+                "under ZB-H1 a layer's rebuilt norms and activations would wait from its B to its W, so selective recompute saves nothing there; choose another schedule, or --checkpointing auto",
             ));
         }
         if let (Some(full), Some(sel)) = (&self.checkpointed_layers, &self.selective_layers)
