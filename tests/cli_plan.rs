@@ -399,4 +399,8 @@ fn auto_recomputes_norms_and_activations_before_whole_layers() {
     let o = smp(&["models/llama.onnx", "--cluster", "cpu:2", "--pp", "2", "--schedule", "zb-h1", "--checkpointing", "selective"]);
     assert_eq!(code(&o), 1, "{}", stderr(&o));
     assert!(stderr(&o).contains("--checkpointing selective") && stderr(&o).contains("--schedule zb-h1"), "{}", stderr(&o));
+    // a layer in both lists, or a list beside a rule, is refused naming the settings
+    let o = smp(&["models/llama.onnx", "--cluster", "cpu:2", "--recompute-layers", "1,2", "--selective-layers", "2,3"]);
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert!(stderr(&o).contains("layer 2 is both") && stderr(&o).contains("--selective-layers 2-3"), "{}", stderr(&o));
 }

@@ -483,33 +483,18 @@ impl PlanOptions {
             ));
         }
         self.check_batch()?;
+        self.check_recompute()?;
         self.check_offload()?;
         Ok(self)
     }
 
-    /// Offloading moves what checkpointed layers keep: forcing it on needs checkpointing.
-    fn check_offload(&self) -> Result<(), ConfigError> {
-        if let (Some(rule), Some(_)) = (self.checkpointing, &self.checkpointed_layers) {
-            return Err(conflict(
-                self.source(Setting::CheckpointedLayers),
-                self.source(Setting::Checkpointing),
-                format!("the recomputed layers are given one by one; drop the `{rule}` rule"),
-            ));
-        }
-        if let (Some(rule), Some(_)) = (self.checkpointing, &self.selective_layers) {
-            return Err(conflict(
-                self.source(Setting::SelectiveLayers),
-                self.source(Setting::Checkpointing),
-                format!("the selectively recomputed layers are given one by one; drop the `{rule}` rule"),
-            ));
-        }
-        if self.schedule == Some(ScheduleKind::ZbH1) && self.rebuilds_selectively() {
-            let which = if self.selective_layers.is_some() { Setting::SelectiveLayers } else { Setting::Checkpointing };
-            return Err(conflict(
-                self.source(which),
-                self.source(Setting::Schedule),
-                "under ZB-H1 a layer's rebuilt norms and activations would wait from its B to its W, so selective recompute saves nothing there; choose another schedule, or --checkpointing auto",
-            ));
+    /// The recompute rule or the layer lists, not both; a layer in one list; no selective
+    /// recompute under ZB-H1, whose rebuilt outputs would wait from the B to the W.
+    fn check_recompute(&self) -> Result<(), ConfigError> {
+        for (given, setting, what) in [(&self.checkpointed_layers, Setting::CheckpointedLayers, "recomputed"), (&self.selective_layers, Setting::SelectiveLayers, "selectively recomputed")] {
+            if let (Some(rule), Some(_)) = (self.checkpointing, given) {
+                return Err(conflict(self.source(setting), self.source(Setting::Checkpointing), format!("the {what} layers are given one by one; drop the `{rule}` rule")));
+            }
         }
         if let (Some(full), Some(sel)) = (&self.checkpointed_layers, &self.selective_layers)
             && let Some(both) = full.intersection(sel).next()
@@ -520,6 +505,19 @@ impl PlanOptions {
                 format!("layer {both} is both recomputed whole and selectively; a recomputed layer rebuilds everything, so name it in one list"),
             ));
         }
+        if self.schedule == Some(ScheduleKind::ZbH1) && self.rebuilds_selectively() {
+            let which = if self.selective_layers.is_some() { Setting::SelectiveLayers } else { Setting::Checkpointing };
+            return Err(conflict(
+                self.source(which),
+                self.source(Setting::Schedule),
+                "under ZB-H1 a layer's rebuilt norms and activations would wait from its B to its W, so selective recompute saves nothing there; choose another schedule, or --checkpointing auto",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Offloading moves what checkpointed layers keep: forcing it on needs checkpointing.
+    fn check_offload(&self) -> Result<(), ConfigError> {
         let none_checkpointed = matches!(self.checkpointing, Some(CheckpointRule::Never | CheckpointRule::Selective)) || self.checkpointed_layers.as_ref().is_some_and(BTreeSet::is_empty);
         if self.offload == Some(OffloadRule::Always) && none_checkpointed {
             let which = if self.checkpointed_layers.is_some() { Setting::CheckpointedLayers } else { Setting::Checkpointing };
