@@ -35,10 +35,12 @@ fn point() -> impl Strategy<Value = ParetoPoint> {
 }
 
 fn layer() -> impl Strategy<Value = PipelineLayer> {
-    (prop::collection::vec(point(), 1..=2), 0.0f64..1.0).prop_map(|(points, out)| PipelineLayer {
-        points,
-        output_bytes: out * GIB,
-        tied: Vec::new(),
+    // some layers read an input several layers share (a mask), the same at every point
+    (prop::collection::vec(point(), 1..=2), 0.0f64..1.0, prop::option::of(0.0f64..1.5)).prop_map(|(mut points, out, shared)| {
+        for pt in &mut points {
+            pt.shared_bytes = shared.unwrap_or(0.0) * GIB;
+        }
+        PipelineLayer { points, output_bytes: out * GIB, tied: Vec::new() }
     })
 }
 
@@ -53,7 +55,7 @@ fn instance() -> impl Strategy<Value = Instance> {
         1usize..=2,
         1usize..=8,
         0usize..3,
-        (0usize..3, 0usize..3, 1usize..=3),
+        (0usize..3, 0usize..3, 1usize..=3, prop::option::of(prop::collection::vec(0.0f64..1.0, 8))),
         0.3f64..1.3,
         prop::collection::vec(0.0f64..0.3, 8),
         prop::collection::vec(0.0f64..1.0, 8),
@@ -62,7 +64,7 @@ fn instance() -> impl Strategy<Value = Instance> {
     )
         .prop_filter_map(
             "layers must fill the chunks",
-            |(mut layers, dup, p, v, m, coeff, (rule, offload, horizon), cap_frac, beta, inflight, memory_obj, (owner, readers, tie_bytes))| {
+            |(mut layers, dup, p, v, m, coeff, (rule, offload, horizon, to_b), cap_frac, beta, inflight, memory_obj, (owner, readers, tie_bytes))| {
                 let offload = [OffloadRule::Never, OffloadRule::Auto, OffloadRule::Always][offload];
                 if offload == OffloadRule::Auto {
                     // three flag options per layer: keep brute force small
@@ -88,12 +90,16 @@ fn instance() -> impl Strategy<Value = Instance> {
                 let total_state: f64 = layers.iter().map(|l| l.points[0].state_bytes).sum();
                 let total_act: f64 = layers.iter().map(|l| l.points[0].act_bytes).sum();
                 let cap = cap_frac * (total_state + m as f64 * total_act) / p as f64 + GIB;
+                let in_flight: Vec<f64> = (0..chunks).map(|c| 1.0 + (inflight[c] * m as f64).floor()).collect();
+                // as under ZB-H1: fewer microbatches between a forward and its B than to its W
+                let kept_flight = to_b.map_or(Vec::new(), |k| (0..chunks).map(|c| 1.0 + (k[c] * (in_flight[c] - 1.0)).floor()).collect());
                 Some(Instance(PipelineProblem {
                     layers,
                     devices: p,
                     virtual_stages: v,
                     microbatches: m,
-                    in_flight: (0..chunks).map(|c| 1.0 + (inflight[c] * m as f64).floor()).collect(), kept_flight: vec![],
+                    in_flight,
+                    kept_flight,
                     bubble_coeff: [1.0, 0.5, 1.0 / 3.0][coeff],
                     memory_cap: cap,
                     workspace: 0.5 * GIB,

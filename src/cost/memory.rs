@@ -170,7 +170,9 @@ pub fn stage_activation_bytes(layers: &[(&Layer, bool)], batch: f64, in_flight: 
 ///   p·(1 + (p − 1)/(p·v)). An average over the rank's chunks: the plan counts each chunk's
 ///   own ([`stage_in_flights`]).
 /// - ZB-H1: min(p, m) on every rank (Qi et al. 2024 cap in-flight microbatches at 1F1B's
-///   peak, p; later ranks defer W into that room). Counted in full until W, conservatively.
+///   peak, p; later ranks defer W into that room): a layer keeping its activations holds them
+///   to its W. A checkpointed layer runs its whole backward in the B, so its inputs are held
+///   for [`kept_in_flight`]'s count.
 pub fn in_flight(kind: ScheduleKind, p: usize, m: usize, stage: usize) -> f64 {
     let s = stage.clamp(1, p.max(1));
     match kind {
@@ -215,9 +217,9 @@ pub fn stage_in_flights(kind: ScheduleKind, p: usize, m: usize) -> Vec<f64> {
     most.into_iter().map(|n| n as f64).collect()
 }
 
-/// Microbatches stage `stage` holds between a forward and its backward's B: what an offloaded
-/// layer's inputs wait in host memory for. [`in_flight`], but under ZB-H1 1F1B's count (its B
-/// run where 1F1B's backwards do).
+/// Microbatches stage `stage` holds between a forward and its backward's B: what a
+/// checkpointed layer keeps its inputs for (on the device or, offloaded, in host memory).
+/// [`in_flight`], but under ZB-H1 1F1B's count (its B run where 1F1B's backwards do).
 pub fn kept_in_flight(kind: ScheduleKind, p: usize, m: usize, stage: usize) -> f64 {
     match kind {
         ScheduleKind::ZbH1 => in_flight(ScheduleKind::OneFOneB, p, m, stage),

@@ -197,8 +197,11 @@ fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<S
     let mut any_always = false;
     // the sync times depend on m where gradients are scattered after each backward
     let mut any_scatter = false;
-    let min_flight = p.in_flight.iter().cloned().fold(f64::INFINITY, f64::min);
     let max_flight = p.in_flight.iter().cloned().fold(0.0, f64::max);
+    // A checkpointed layer's inputs are held to the B, for at least this share of its chunk's
+    // in-flight microbatches (under 1 only under ZB-H1).
+    let to_b = (0..chunks).map(|c| p.kept_flight(c) / p.in_flight[c].max(1e-12)).fold(1.0, f64::min);
+    let min_kept = (0..chunks).map(|c| p.kept_flight(c)).fold(f64::INFINITY, f64::min);
     // An offloaded layer keeps at least this share of its own inputs' in-flight bytes on the device.
     let offloaded = if p.offload == OffloadRule::Never || matches!(p.checkpoint, CheckpointRule::Never | CheckpointRule::Selective) {
         1.0
@@ -215,7 +218,7 @@ fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<S
         state += f.state;
         let (act, input) = (f.act, f.input);
         // offloading costs no time in this bound: it frees bytes (the layer's own inputs) for free
-        let least = input - f.movable * (1.0 - offloaded);
+        let least = to_b * (input - f.movable * (1.0 - offloaded));
         let kept = match rule {
             CheckpointRule::Never | CheckpointRule::Selective => act,
             CheckpointRule::Always => least,
@@ -255,7 +258,7 @@ fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<S
     };
     let t_sum: f64 = tmin.iter().sum();
     let s_sum: f64 = smin.iter().sum();
-    let kept_flight = if offloaded < 1.0 { min_flight.min(p.resident_microbatches()) } else { min_flight };
+    let kept_flight = if offloaded < 1.0 { min_kept.min(p.resident_microbatches()) } else { min_kept };
     let mem_lb = (state + kept_min * kept_flight) / devices as f64 + p.reserved();
     // Device d keeps at most (cap − workspace − state_d) / (least in-flight count of its
     // chunks) bytes per microbatch; summed over devices with Σ state_d = state.
@@ -272,7 +275,7 @@ fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<S
         // (recompute seconds, bytes it frees) per layer the rule lets recompute, for the knapsack.
         let mut items: Vec<(f64, f64)> = (0..l_n)
             .filter(|&i| matches!(p.checkpoint_of(i), CheckpointRule::Auto | CheckpointRule::AutoSelective))
-            .map(|i| (facts[i].fwd, facts[i].act - (facts[i].input - facts[i].movable * (1.0 - offloaded))))
+            .map(|i| (facts[i].fwd, facts[i].act - to_b * (facts[i].input - facts[i].movable * (1.0 - offloaded))))
             .collect();
         items.sort_by(|a, b| (a.0 * b.1).total_cmp(&(b.0 * a.1)));
         for (t, bytes) in items {
@@ -338,9 +341,9 @@ fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<S
 /// at its least, freed by recompute). Least state; kept bytes for the chunk's in-flight
 /// microbatches, offloading moving the layer's own inputs of those beyond the resident ones.
 fn layer_bytes(p: &PipelineProblem, fa: &LayerFacts, rule: CheckpointRule, chunk: usize, may_offload: bool) -> (f64, f64, f64) {
-    let f = p.in_flight[chunk];
-    let away = if may_offload { f - f.min(p.resident_microbatches()) } else { 0.0 };
-    let least = (f * fa.input - away * fa.movable).max((f - away) * fa.input);
+    let (f, k) = (p.in_flight[chunk], p.kept_flight(chunk));
+    let away = if may_offload { k - k.min(p.resident_microbatches()) } else { 0.0 };
+    let least = (k * fa.input - away * fa.movable).max((k - away) * fa.input);
     let whole = f * fa.act;
     match rule {
         CheckpointRule::Never | CheckpointRule::Selective => (fa.state + whole, fa.state + whole, 0.0),
@@ -410,12 +413,16 @@ fn memory_stage_bound(p: &PipelineProblem, facts: &[LayerFacts], tmin: &[f64], m
                 .collect()
         })
         .collect();
-    // Per stage, over the layers recompute may free bytes of: the least seconds per freed byte,
-    // the most bytes one layer frees, its least forward, and the least recompute buffer (one
-    // microbatch's activations beyond its inputs, held while a recomputed layer's backward runs).
+    // Per stage, over the layers recompute may free bytes of and that some split puts there
+    // (layer l on stage c needs c layers before it and stages − 1 − c after it: the embedding is
+    // never on a later stage, where under ZB-H1 its inputs, kept to the B, would look free to
+    // recompute): the least seconds per freed byte, the most bytes one layer frees, its least
+    // forward, and the least recompute buffer (one microbatch's activations beyond its inputs,
+    // held while a recomputed layer's backward runs).
+    let layers = facts.len();
     let recompute: Vec<(f64, f64, f64, f64)> = (0..stages)
         .map(|c| {
-            let free: Vec<usize> = (0..facts.len()).filter(|&l| fig[c][l].1 > 0.0).collect();
+            let free: Vec<usize> = (c..(layers + c + 1).saturating_sub(stages)).filter(|&l| fig[c][l].1 > 0.0).collect();
             let least = |it: &mut dyn Iterator<Item = f64>| it.fold(f64::INFINITY, f64::min);
             (
                 least(&mut free.iter().map(|&l| facts[l].fwd / fig[c][l].1)),

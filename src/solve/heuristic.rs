@@ -155,7 +155,7 @@ fn fit_by_recompute(p: &PipelineProblem, mut choices: Vec<LayerChoice>) -> Optio
             .filter(|&l| choices[l].chunk % p.devices == d && matches!(p.checkpoint_of(l), CheckpointRule::Auto | CheckpointRule::AutoSelective | CheckpointRule::Always))
             .filter_map(|l| {
                 let q = &p.layers[l].points[choices[l].point];
-                let freed = p.in_flight[choices[l].chunk] * (q.act_bytes - q.input_bytes);
+                let freed = p.kept_bytes(choices[l].chunk, q, false, false) - p.kept_bytes(choices[l].chunk, q, true, false);
                 (freed > 0.0).then_some((freed / q.fwd_s.max(1e-30), l))
             })
             .collect();
@@ -163,7 +163,7 @@ fn fit_by_recompute(p: &PipelineProblem, mut choices: Vec<LayerChoice>) -> Optio
         let mut rec: f64 = 0.0;
         for (_, l) in order {
             let q = &p.layers[l].points[choices[l].point];
-            let freed = p.in_flight[choices[l].chunk] * (q.act_bytes - q.input_bytes);
+            let freed = p.kept_bytes(choices[l].chunk, q, false, false) - p.kept_bytes(choices[l].chunk, q, true, false);
             let new_rec = rec.max(q.act_bytes - q.input_bytes);
             over -= freed - (new_rec - rec);
             rec = new_rec;

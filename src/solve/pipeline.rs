@@ -152,7 +152,7 @@ impl PipelineProblem {
         let (h, z) = self.chunk_order(&mut milp, &runs, &n);
         let mut dev = self.device_sums(&mut milp, &runs, &n);
         self.tied_copies(&mut milp, &runs, &n, &mut dev.mem);
-        self.chunk_extras(&mut milp, &runs, &h, &z, &mut dev.mem);
+        self.chunk_extras(&mut milp, &runs, &n, &h, &z, &mut dev.mem);
         self.cap_memory(&mut milp, &mut dev);
         let transfer = self.transfer(&runs, &h);
         let step = self.step_time(&mut milp, &dev, transfer);
@@ -262,19 +262,35 @@ impl PipelineProblem {
 
     /// [`PipelineProblem::chunk_extra_bytes`] in the model: chunk c holds the largest shared
     /// input of the runs it meets (run r meets chunk c exactly when h[r][c] − z[r][c−1] is 1,
-    /// with h[r][last] = 1 and z[r][−1] = 0), for its in-flight microbatches.
-    fn chunk_extras(&self, milp: &mut Milp, runs: &[(usize, usize)], h: &[Vec<Expression>], z: &[Vec<Expression>], mem: &mut [Expression]) {
+    /// with h[r][last] = 1 and z[r][−1] = 0), for its in-flight microbatches; under ZB-H1,
+    /// where only checkpointed layers of the run sit in chunk c, for those to their B (a binary
+    /// per such run and chunk says some layer there keeps its activations).
+    fn chunk_extras(&self, milp: &mut Milp, runs: &[(usize, usize)], n: &Counts, h: &[Vec<Expression>], z: &[Vec<Expression>], mem: &mut [Expression]) {
         let (p, v_n) = (self.devices, self.chunks());
         let h_at = |r: usize, c: usize| if c + 1 < v_n { h[r][c].clone() } else { Expression::from(1.0) };
         for c in 0..v_n {
-            let f = self.in_flight[c];
+            let (f, k) = (self.in_flight[c], self.kept_flight(c));
             let mut held: Option<Col> = None;
-            for (r, &(first, _)) in runs.iter().enumerate() {
+            for (r, &(first, len)) in runs.iter().enumerate() {
                 let shared = self.layers[first].points.iter().map(|q| q.shared_bytes).fold(0.0, f64::max);
                 if shared > 0.0 {
                     let y = *held.get_or_insert_with(|| milp.continuous(0.0, f64::INFINITY));
                     let meets = if c == 0 { h_at(r, c) } else { h_at(r, c) - z[r][c - 1].clone() };
-                    milp.constrain(Expression::from(y.v()).geq((f * shared / GIB) * meets));
+                    let may_checkpoint = n[r][c].iter().any(|&((_, (ck, _)), _)| ck);
+                    if k < f && may_checkpoint {
+                        milp.constrain(Expression::from(y.v()).geq((k * shared / GIB) * meets));
+                        let mut keeping = Expression::default();
+                        for &((_, (ck, _)), col) in &n[r][c] {
+                            if !ck {
+                                keeping.add_mul(1.0, col.v());
+                            }
+                        }
+                        let some = milp.binary();
+                        milp.constrain(keeping.leq(len as f64 * some.v()));
+                        milp.constrain(Expression::from(y.v()).geq(Expression::from(some.v()) * (f * shared / GIB)));
+                    } else {
+                        milp.constrain(Expression::from(y.v()).geq((f * shared / GIB) * meets));
+                    }
                 }
             }
             if let Some(y) = held {

@@ -309,22 +309,24 @@ impl PipelineProblem {
         }
     }
 
-    /// Microbatches of chunk `chunk` between a forward and its B.
-    fn kept_flight(&self, chunk: usize) -> f64 {
-        self.kept_flight.get(chunk).copied().unwrap_or(self.in_flight[chunk])
+    /// Microbatches of chunk `chunk` between a forward and its B (at most its in-flight count).
+    pub fn kept_flight(&self, chunk: usize) -> f64 {
+        self.kept_flight.get(chunk).copied().unwrap_or(self.in_flight[chunk]).min(self.in_flight[chunk])
     }
 
     /// Device bytes a layer at point `pt` keeps for its backward over the microbatches chunk
     /// `chunk` holds at its peak (its shared inputs apart: [`Self::chunk_extra_bytes`]): every
-    /// saved activation, or only its inputs when checkpointed
-    /// (counted over all of them, until their W under ZB-H1, conservatively), less what an
-    /// offloaded layer has in host memory ([`Self::offloaded_bytes`]).
+    /// saved activation, or only its inputs when checkpointed, less what an offloaded layer has
+    /// in host memory ([`Self::offloaded_bytes`]). A checkpointed layer runs its whole backward,
+    /// weight gradients too, in the B (under ZB-H1 its W is empty), so its inputs are held for
+    /// the microbatches between a forward and its B.
     pub fn kept_bytes(&self, chunk: usize, pt: &ParetoPoint, checkpoint: bool, offload: bool) -> f64 {
         let f = self.in_flight[chunk];
+        let to_b = self.kept_flight(chunk);
         if offload {
-            f * pt.input_bytes - self.offloaded_bytes(chunk, pt)
+            to_b * pt.input_bytes - self.offloaded_bytes(chunk, pt)
         } else if checkpoint {
-            f * pt.input_bytes
+            to_b * pt.input_bytes
         } else {
             f * pt.act_bytes
         }
@@ -332,17 +334,22 @@ impl PipelineProblem {
 
     /// Per chunk, the bytes its layers' own points do not count: the inputs several of its
     /// layers read (a mask, rotary tables), held once (the largest layer's `shared_bytes`), for
-    /// the chunk's in-flight microbatches.
+    /// the chunk's in-flight microbatches; where only checkpointed layers read them, to their
+    /// B ([`Self::kept_flight`]: under ZB-H1 those layers leave nothing for the W).
     pub fn chunk_extra_bytes(&self, choices: &[LayerChoice]) -> Vec<f64> {
         let chunks = self.chunks();
-        let mut shared = vec![0.0f64; chunks];
+        // per chunk: the largest shared input of any layer, and of a layer keeping its activations
+        let (mut shared, mut kept) = (vec![0.0f64; chunks], vec![0.0f64; chunks]);
         for (l, c) in choices.iter().enumerate() {
             let Some(pt) = self.layers.get(l).and_then(|x| x.points.get(c.point)) else { continue };
             if c.chunk < chunks {
                 shared[c.chunk] = shared[c.chunk].max(pt.shared_bytes);
+                if !c.checkpoint {
+                    kept[c.chunk] = kept[c.chunk].max(pt.shared_bytes);
+                }
             }
         }
-        (0..chunks).map(|c| self.in_flight[c] * shared[c]).collect()
+        (0..chunks).map(|c| (self.in_flight[c] * kept[c]).max(self.kept_flight(c) * shared[c])).collect()
     }
 
     /// Microbatches whose offloaded inputs are on the device as a backward starts: its own,
@@ -356,7 +363,7 @@ impl PipelineProblem {
     /// those resident as a backward starts ([`Self::resident_microbatches`]; under ZB-H1 the
     /// inputs leave with the B).
     pub fn offloaded_bytes(&self, chunk: usize, pt: &ParetoPoint) -> f64 {
-        let k = self.kept_flight(chunk).min(self.in_flight[chunk]);
+        let k = self.kept_flight(chunk);
         (k - k.min(self.resident_microbatches())) * pt.offload_bytes
     }
 
