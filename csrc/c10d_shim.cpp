@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <thread>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -115,10 +116,17 @@ void wait_or_throw(const c10::intrusive_ptr<c10d::Work>& w, std::chrono::millise
     std::lock_guard<std::mutex> lock(g_waiting_mu);
     if (--g_waiters == 0) g_waiting_since = 0;
   }
-  g_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   if (!done) {
+    g_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
     throw std::runtime_error("timed out after " + std::to_string(timeout.count()) + " ms");
   }
+  // Gloo's worker thread marks the work done, then drops its own references to it (and so to
+  // the tensors it was given) when it next runs: on a busy machine several collectives later.
+  // Wait for it to let go (every caller holds one reference), so what the process holds after
+  // a collective does not depend on when that thread is scheduled; bounded, never a hang.
+  auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(5);
+  while (w.use_count() > 1 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+  g_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
 }
 
 void all_reduce_in_place(Group* grp, at::Tensor& t) {
