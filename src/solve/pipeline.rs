@@ -279,15 +279,18 @@ impl PipelineProblem {
                     let may_checkpoint = n[r][c].iter().any(|&((_, (ck, _)), _)| ck);
                     if k < f && may_checkpoint {
                         milp.constrain(Expression::from(y.v()).geq((k * shared / GIB) * meets));
-                        let mut keeping = Expression::default();
-                        for &((_, (ck, _)), col) in &n[r][c] {
-                            if !ck {
-                                keeping.add_mul(1.0, col.v());
+                        // where some option keeps activations (not under an `Always` rule)
+                        if n[r][c].iter().any(|&((_, (ck, _)), _)| !ck) {
+                            let mut keeping = Expression::default();
+                            for &((_, (ck, _)), col) in &n[r][c] {
+                                if !ck {
+                                    keeping.add_mul(1.0, col.v());
+                                }
                             }
+                            let some = milp.binary();
+                            milp.constrain(keeping.leq(len as f64 * some.v()));
+                            milp.constrain(Expression::from(y.v()).geq(Expression::from(some.v()) * (f * shared / GIB)));
                         }
-                        let some = milp.binary();
-                        milp.constrain(keeping.leq(len as f64 * some.v()));
-                        milp.constrain(Expression::from(y.v()).geq(Expression::from(some.v()) * (f * shared / GIB)));
                     } else {
                         milp.constrain(Expression::from(y.v()).geq((f * shared / GIB) * meets));
                     }
