@@ -12,6 +12,7 @@
 //! devices = 64
 //! inter_node_bandwidth = 25e9
 //! fused_attention = false   # price attention scores as materialised (default per preset)
+//! fused_norms = false       # price RMS norms as composite: a normalised copy kept (default per preset)
 //! price_per_device_hour = 2.99   # USD; the presets' list prices: LIST_PRICES
 //! host_bandwidth = 450e9   # device ↔ host, per direction (NVLink-C2C on GH200-class parts)
 //! ```
@@ -213,6 +214,13 @@ pub struct ClusterSpec {
     /// scores; the runner's libtorch ops do). A cluster file may set it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub fused_attention: bool,
+    /// Whether RMS normalisation runs as one fused kernel keeping its input and one statistic
+    /// per row (CUDA builds of libtorch, Transformer Engine, Apex), or composite, as libtorch
+    /// runs it on a CPU, whose product with the scale also keeps the normalised input
+    /// (`NodeFigures::norm_saved_bytes`). True for the GPU presets, false for `cpu`. A cluster
+    /// file may set it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fused_norms: bool,
     /// The machine facts a `cpu` spec was derived from; `None` for GPU presets.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub machine: Option<MachineFacts>,
@@ -367,6 +375,7 @@ fn gpu(
         gemm_surface: Some(GemmSurface::xla_sm90()),
         workspace_bytes: 2 * GIB,
         fused_attention: false,
+        fused_norms: true,
         machine: None,
         price_per_device_hour: list_price(name),
         collectives: None,
@@ -628,6 +637,7 @@ struct ClusterFile {
     gemm_surface: Option<GemmSurface>,
     workspace_bytes: Option<u64>,
     fused_attention: Option<bool>,
+    fused_norms: Option<bool>,
     price_per_device_hour: Option<f64>,
     collectives: Option<CollectiveLinks>,
     host_bandwidth: Option<f64>,
@@ -726,6 +736,7 @@ impl ClusterFile {
             gemm_surface: self.gemm_surface.or(base.and_then(|b| b.gemm_surface.clone())),
             workspace_bytes: field!(workspace_bytes),
             fused_attention: self.fused_attention.or(base.map(|b| b.fused_attention)).unwrap_or(false),
+            fused_norms: self.fused_norms.or(base.map(|b| b.fused_norms)).unwrap_or(false),
             machine: base.and_then(|b| b.machine.clone()),
             price_per_device_hour: self.price_per_device_hour.or(base.and_then(|b| b.price_per_device_hour)),
             collectives: self.collectives.or(base.and_then(|b| b.collectives)),
@@ -764,6 +775,7 @@ impl ClusterSpec {
             gemm_surface: None,
             workspace_bytes: 256 << 20,
             fused_attention: false,
+            fused_norms: false,
             machine: Some(machine.clone()),
             price_per_device_hour: None,
             collectives: None,

@@ -86,6 +86,7 @@ pub fn scaled(fig: &NodeFigures, factor: f64) -> NodeFigures {
         memory_bytes: fig.memory_bytes * factor,
         score_bytes: fig.score_bytes * factor,
         score_saved_bytes: fig.score_saved_bytes * factor,
+        norm_saved_bytes: fig.norm_saved_bytes * factor,
         gemms,
         ..*fig
     }
@@ -153,14 +154,22 @@ pub fn node_time(fig: &NodeFigures, dtype: DType, spec: &ClusterSpec) -> f64 {
 }
 
 /// Bytes `fig` keeps for the backward on `spec`: without the attention scores when attention
-/// is fused ([`ClusterSpec::fused_attention`]).
+/// is fused ([`ClusterSpec::fused_attention`]), without normalisations' copies when they are
+/// ([`ClusterSpec::fused_norms`]).
 pub fn saved_bytes(fig: &NodeFigures, spec: &ClusterSpec) -> f64 {
-    if spec.fused_attention { (fig.saved_bytes - fig.score_saved_bytes).max(0.0) } else { fig.saved_bytes }
+    unfused_saved(fig.saved_bytes, fig.score_saved_bytes, fig.norm_saved_bytes, spec)
 }
 
 /// [`saved_bytes`] of a layer's byte figures.
 pub fn layer_saved_bytes(b: &crate::ir::LayerBytes, spec: &ClusterSpec) -> f64 {
-    if spec.fused_attention { (b.saved_bytes - b.score_saved_bytes).max(0.0) } else { b.saved_bytes }
+    unfused_saved(b.saved_bytes, b.score_saved_bytes, b.norm_saved_bytes, spec)
+}
+
+/// `saved` less the parts `spec`'s fused kernels do not keep.
+fn unfused_saved(saved: f64, scores: f64, norms: f64, spec: &ClusterSpec) -> f64 {
+    let scores = if spec.fused_attention { scores } else { 0.0 };
+    let norms = if spec.fused_norms { norms } else { 0.0 };
+    (saved - scores - norms).max(0.0)
 }
 
 /// Forward, backward and weight-gradient times of one node at figures already scaled.
@@ -277,6 +286,16 @@ mod tests {
         // hidden 12288: every shard is still on the plateau
         let large = drop(12288, 96, &h100);
         assert!(large > 0.95, "hidden 12288: tp 8 keeps {large:.3}");
+    }
+
+    #[test]
+    fn fused_kernels_drop_what_they_do_not_keep() {
+        let h100 = ClusterSpec::preset("h100-80gb").unwrap();
+        let fig = NodeFigures { saved_bytes: 100.0, score_saved_bytes: 30.0, norm_saved_bytes: 20.0, ..Default::default() };
+        assert_eq!(saved_bytes(&fig, &ClusterSpec { fused_attention: false, fused_norms: false, ..h100.clone() }), 100.0);
+        assert_eq!(saved_bytes(&fig, &ClusterSpec { fused_attention: true, fused_norms: false, ..h100.clone() }), 70.0);
+        assert_eq!(saved_bytes(&fig, &ClusterSpec { fused_attention: false, fused_norms: true, ..h100.clone() }), 80.0);
+        assert_eq!(saved_bytes(&fig, &h100), 50.0, "the H100 preset fuses both");
     }
 
     #[test]

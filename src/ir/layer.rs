@@ -63,6 +63,9 @@ pub struct NodeFigures {
     /// The part of `saved_bytes` that is attention scores (the softmax output a fused kernel
     /// does not keep: it recomputes the scores in its backward).
     pub score_saved_bytes: f64,
+    /// The part of `saved_bytes` a composite RMS normalisation keeps beside its input (the
+    /// normalised copy and its per-row statistic), which a fused kernel does not.
+    pub norm_saved_bytes: f64,
     /// The matrix products with a weight operand this node runs (a weight matmul: one; routed
     /// experts: each expert's gate-up and down), for the cost model's GEMM-efficiency surface;
     /// unused entries have `share` 0. A sum of figures has none.
@@ -93,6 +96,7 @@ impl std::ops::AddAssign for NodeFigures {
         self.memory_bytes += o.memory_bytes;
         self.score_bytes += o.score_bytes;
         self.score_saved_bytes += o.score_saved_bytes;
+        self.norm_saved_bytes += o.norm_saved_bytes;
         self.gemms = Default::default();
     }
 }
@@ -147,6 +151,8 @@ pub struct LayerBytes {
     pub saved_bytes: f64,
     /// The attention scores among them (`figures.score_saved_bytes`).
     pub score_saved_bytes: f64,
+    /// Composite normalisations' copies among them (`figures.norm_saved_bytes`).
+    pub norm_saved_bytes: f64,
     /// Its input activations (`input_bytes`).
     pub input_bytes: f64,
     /// What offloading it moves (`offload_bytes`).
@@ -172,6 +178,7 @@ impl LayerBytes {
         LayerBytes {
             saved_bytes: self.saved_bytes * factor,
             score_saved_bytes: self.score_saved_bytes * factor,
+            norm_saved_bytes: self.norm_saved_bytes * factor,
             input_bytes: self.input_bytes * factor,
             offload_bytes: self.offload_bytes * factor,
             output_bytes: self.output_bytes * factor,
@@ -189,6 +196,7 @@ impl Layer {
         LayerBytes {
             saved_bytes: self.figures.saved_bytes,
             score_saved_bytes: self.figures.score_saved_bytes,
+            norm_saved_bytes: self.figures.norm_saved_bytes,
             input_bytes: self.input_bytes,
             offload_bytes: self.offload_bytes,
             output_bytes: self.output_bytes,

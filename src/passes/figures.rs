@@ -18,6 +18,10 @@ pub struct Saved {
     /// Bytes kept per microbatch whatever its size: under autocast, the low-type copies of the
     /// weights a matrix product casts and keeps (0 otherwise).
     pub weight_copy_bytes: f64,
+    /// Of `extra_bytes`, what a composite RMS normalisation keeps beside its input (the
+    /// normalised copy the scale's gradient reads, one statistic per row), which a fused kernel
+    /// does not (see `cost::ClusterSpec::fused_norms`), per sample.
+    pub norm_bytes: f64,
 }
 
 /// Figures of a whole graph.
@@ -209,6 +213,7 @@ pub fn compute_at(graph: &Graph, bindings: &DimBindings, low: Option<DType>) -> 
         saved.extra_bytes += loss_kept_bytes(&sz, node, loss_input) / batch;
         fig.saved_bytes = saved.values.iter().map(|&v| sz.bytes(v)).sum::<f64>() / batch + saved.extra_bytes;
         fig.score_saved_bytes = saved.values.iter().filter(|v| score[v.index()]).map(|&v| sz.bytes(v)).sum::<f64>() / batch;
+        fig.norm_saved_bytes = saved.norm_bytes;
         f.total_flops += fig.flops;
         f.per_node[id.index()] = fig;
         f.saved[id.index()] = saved;
@@ -602,6 +607,20 @@ fn saved(sz: &Sizes, node: &Node, grad: &[bool], data: &[bool], batch: f64) -> S
         | LayerNormalization | RMSNormalization | BatchNormalization | InstanceNormalization | AveragePool => {
             if any_rg {
                 keep(input(0));
+            }
+            // libtorch's rms_norm off CUDA is composite: its product with the scale keeps the
+            // normalised input, and its rsqrt one statistic per row (at least f32)
+            if kind == RMSNormalization && any_rg && let (Some(o), Some(x)) = (output, input(0)) {
+                // the normalised axes: `axis` on (negative from the end)
+                let width: f64 = sz.dims(x).map_or(1.0, |d| {
+                    let axis = node.attrs.int("axis", -1);
+                    let from = if axis < 0 { (d.len() as i64 + axis).max(0) } else { axis.min(d.len() as i64) } as usize;
+                    d[from..].iter().map(|&n| n.max(1) as f64).product()
+                });
+                let stat = sz.dtype(o).map_or(4, |t| t.size_bytes().max(4)) as f64;
+                let copy = sz.bytes(o) + sz.numel(o) / width.max(1.0) * stat;
+                s.extra_bytes += copy / batch;
+                s.norm_bytes += copy / batch;
             }
         }
         SwiGlu => {

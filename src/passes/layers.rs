@@ -102,6 +102,7 @@ pub fn group(graph: &Graph, fig: &Figures, _dims: &DimBindings) -> Result<Vec<La
     for (layer, b) in layers.iter_mut().zip(bytes) {
         layer.figures.saved_bytes = b.saved_bytes;
         layer.figures.score_saved_bytes = b.score_saved_bytes;
+        layer.figures.norm_saved_bytes = b.norm_saved_bytes;
         layer.input_bytes = b.input_bytes;
         layer.offload_bytes = b.offload_bytes;
         layer.output_bytes = b.output_bytes;
@@ -130,9 +131,10 @@ pub fn layer_bytes(graph: &Graph, fig: &Figures, layers: &[Layer]) -> Vec<LayerB
         .iter()
         .map(|layer| {
             let saved = saved_values(fig, layer);
-            let (mut extra, mut weight_copy_bytes) = (0.0, 0.0);
+            let (mut extra, mut weight_copy_bytes, mut norm) = (0.0, 0.0, 0.0);
             for &n in &layer.nodes {
                 extra += fig.saved[n.index()].extra_bytes;
+                norm += fig.saved[n.index()].norm_bytes;
                 weight_copy_bytes += fig.saved[n.index()].weight_copy_bytes;
             }
             // the same tensor for every reader: the memory model holds it once per stage
@@ -142,6 +144,7 @@ pub fn layer_bytes(graph: &Graph, fig: &Figures, layers: &[Layer]) -> Vec<LayerB
                 selective_bytes: selective.iter().map(|&(_, v)| fig.value_bytes(graph, v)).sum(),
                 saved_bytes: saved.iter().map(|&v| fig.value_bytes(graph, v)).sum::<f64>() + extra,
                 score_saved_bytes: saved.iter().filter(|v| fig.score.get(v.index()).copied().unwrap_or(false)).map(|&v| fig.value_bytes(graph, v)).sum(),
+                norm_saved_bytes: norm,
                 input_bytes: layer.inputs.iter().map(|&v| fig.value_bytes(graph, v)).sum(),
                 offload_bytes: layer.inputs.iter().filter(|v| readers[v] == 1 && graph.value(**v).kind == ValueKind::Intermediate).map(|&v| fig.value_bytes(graph, v)).sum(),
                 output_bytes: layer.outputs.iter().map(|&v| fig.value_bytes(graph, v)).sum(),

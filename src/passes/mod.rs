@@ -298,4 +298,27 @@ mod tests {
         assert_eq!(saved(&["64", "64"]), fused);
         assert_eq!(saved(&["1", "64", "64"]), 2.0 * qb + scores);
     }
+
+    /// What libtorch's composite `rms_norm` keeps (the runner's on a CPU): its input, the
+    /// normalised copy its product with the scale reads and one f32 statistic per row; a fused
+    /// kernel keeps the input and the statistic alone (`ClusterSpec::fused_norms`).
+    #[test]
+    fn a_composite_rms_norm_keeps_its_normalised_copy_and_a_statistic_per_row() {
+        use crate::passes::testutil::Builder;
+        let (rows, h) = (64i64, 32i64);
+        let mut b = Builder::new();
+        let x = b.input("x", DType::F32, &["1", "64", "32"]);
+        let w = b.param("w", DType::F32, &[h]);
+        let m = b.param("m", DType::F32, &[h, h]);
+        let n = b.node(OpKind::RMSNormalization, &[x, w], &[]);
+        let y = b.node(OpKind::MatMul, &[n, m], &[]);
+        let z = b.node(OpKind::Add, &[y, x], &[]);
+        b.output(z);
+        let lg = analyze(b.g, &AnalyzeOptions::default()).unwrap();
+        let norm = lg.graph.node_ids().find(|&n| lg.graph.node(n).op.is(OpKind::RMSNormalization)).unwrap();
+        let fig = lg.node_figures(norm);
+        let copy = (rows * h * 4 + rows * 4) as f64;
+        assert_eq!(fig.norm_saved_bytes, copy);
+        assert_eq!(fig.saved_bytes, (rows * h * 4) as f64 + copy, "the input and the copy");
+    }
 }

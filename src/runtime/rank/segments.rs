@@ -68,17 +68,7 @@ pub(super) fn stage_segments(
     per_layer: bool,
     selective: &HashSet<String>,
 ) -> StageSegments {
-    // each node's layer; leading unnamed nodes take the first named one's
-    let named: Vec<Option<usize>> = order.iter().map(|&n| layer_of.get(graph.node(n).name.as_str()).copied()).collect();
-    let first = named.iter().flatten().next().copied().unwrap_or(0);
-    let mut layer = first;
-    let layers: Vec<usize> = named
-        .iter()
-        .map(|l| {
-            layer = l.unwrap_or(layer);
-            layer
-        })
-        .collect();
+    let layers = node_layers(graph, order, layer_of);
     // each layer's nodes together (the order may interleave a layer's nodes with ones an
     // earlier layer makes for later ones), where that keeps every value made before its use
     let mut by_layer: Vec<(NodeId, usize)> = order.iter().copied().zip(layers.iter().copied()).collect();
@@ -156,6 +146,42 @@ pub(super) fn stage_segments(
     StageSegments { segments, movable, no_gradient: HashSet::new() }
 }
 
+/// The layer of each node of `order`: the one `layer_of` names; for a node it does not name (a
+/// collective or cut the split inserted), the latest layer among the nodes that make its inputs
+/// here, else the earliest among those that read its outputs, else the node's before it (the
+/// first named one's at the start). A node so placed never precedes what it reads when the
+/// nodes are grouped by layer: an all-gather of a layer's key goes with that layer, a cut of a
+/// table the stage is given with its first reader.
+fn node_layers(graph: &Graph, order: &[NodeId], layer_of: &HashMap<&str, usize>) -> Vec<usize> {
+    let mut layers: Vec<Option<usize>> = order.iter().map(|&n| layer_of.get(graph.node(n).name.as_str()).copied()).collect();
+    let mut made_at: HashMap<ValueId, usize> = HashMap::new();
+    for (i, &n) in order.iter().enumerate() {
+        if layers[i].is_none() {
+            layers[i] = graph.node(n).inputs.iter().flatten().filter_map(|v| made_at.get(v)).filter_map(|&j| layers[j]).max();
+        }
+        made_at.extend(graph.node(n).outputs.iter().map(|&v| (v, i)));
+    }
+    let mut read_at: HashMap<ValueId, Vec<usize>> = HashMap::new();
+    for (i, &n) in order.iter().enumerate() {
+        for &v in graph.node(n).inputs.iter().flatten() {
+            read_at.entry(v).or_default().push(i);
+        }
+    }
+    for i in (0..order.len()).rev() {
+        if layers[i].is_none() {
+            layers[i] = graph.node(order[i]).outputs.iter().filter_map(|v| read_at.get(v)).flatten().filter_map(|&j| layers[j]).min();
+        }
+    }
+    let mut layer = layers.iter().flatten().next().copied().unwrap_or(0);
+    layers
+        .into_iter()
+        .map(|l| {
+            layer = l.unwrap_or(layer);
+            layer
+        })
+        .collect()
+}
+
 /// Names of the values that several layers of `model` read (each a layer's input: made by
 /// another layer or given), by the layers `layer_of` names.
 pub(super) fn shared_inputs(model: &Graph, layer_of: &HashMap<&str, usize>) -> HashSet<String> {
@@ -177,4 +203,40 @@ pub(super) fn shared_inputs(model: &Graph, layer_of: &HashMap<&str, usize>) -> H
         }
     }
     readers.into_iter().filter(|(_, r)| r.len() > 1).map(|(v, _)| model.value(v).name.clone()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::{DType, OpKind};
+    use crate::passes::testutil::Builder;
+
+    /// A collective the split inserted after another layer's node goes with the layer whose
+    /// value it carries; a cut of a given table with its first reader: grouped by layer, no
+    /// node then precedes what it reads, so a layer stays one segment.
+    #[test]
+    fn inserted_nodes_go_with_the_layer_of_what_they_carry_or_feed() {
+        let mut b = Builder::new();
+        let x = b.input("x", DType::F32, &["4", "8"]);
+        let w = b.param("w", DType::F32, &[8, 8]);
+        let a = b.node(OpKind::Relu, &[x], &[]); // layer 0
+        let q = b.node(OpKind::MatMul, &[a, w], &[]); // layer 1
+        let mask = b.node(OpKind::Sigmoid, &[x], &[]); // layer 0, made after layer 1 began
+        let gathered = b.node(OpKind::Identity, &[q], &[]); // inserted: carries layer 1's q
+        let cut = b.node(OpKind::Identity, &[x], &[]); // inserted: a cut of a given value
+        let m2 = b.node(OpKind::Mul, &[mask, cut], &[]); // layer 0 reads the cut
+        let y = b.node(OpKind::Add, &[gathered, m2], &[]); // layer 1
+        b.output(y);
+        let g = b.g;
+        let order: Vec<NodeId> = g.topo_order().unwrap();
+        let name = |v: ValueId| g.node(order.iter().copied().find(|&n| g.node(n).outputs.contains(&v)).unwrap()).name.clone();
+        let names: Vec<(String, usize)> = [(a, 0), (q, 1), (mask, 0), (m2, 0), (y, 1)].iter().map(|&(v, l)| (name(v), l)).collect();
+        let layer_of: HashMap<&str, usize> = names.iter().map(|(n, l)| (n.as_str(), *l)).collect();
+        let layers = node_layers(&g, &order, &layer_of);
+        let at = |v: ValueId| layers[order.iter().position(|&n| g.node(n).outputs.contains(&v)).unwrap()];
+        assert_eq!((at(gathered), at(cut)), (1, 0), "the gather with q's layer, the cut with its reader's");
+        let segs = stage_segments(&g, &order, &layer_of, (&BTreeSet::from([1]), &BTreeSet::new()), (&HashSet::new(), &[y]), &HashSet::new(), false, &HashSet::new());
+        assert_eq!(segs.segments.len(), 2, "layer 0, then the checkpointed layer 1 whole: {:?}", segs.segments);
+        assert!(segs.segments[1].checkpointed && segs.segments[1].nodes.len() == 3);
+    }
 }

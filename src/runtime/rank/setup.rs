@@ -501,17 +501,31 @@ fn recompute_segments(
                 (segments::stage_segments(sg, &order, &layer_of, (&checkpointed, &offloaded), (&received, &yields), &shared, per_layer, selective), sg)
             }
         };
-        // by name: a shard subgraph's values are the model's (its collectives' outputs, unnamed
-        // there, carry what they gather)
-        segs.no_gradient = segs
-            .segments
-            .iter()
-            .flat_map(|seg| seg.inputs.iter().copied())
-            .filter(|&v| model.value_by_name(&graph.value(v).name).is_some_and(|m| !carries[m.index()]))
-            .collect();
+        let carries = shard_carries(model, &carries, graph).map_err(|e| terr(format!("stage {s}'s shard subgraph: {e}")))?;
+        segs.no_gradient = segs.segments.iter().flat_map(|seg| seg.inputs.iter().copied()).filter(|&v| !carries[v.index()]).collect();
         out.insert(s, segs);
     }
     Ok(out)
+}
+
+/// Which values of `graph` (the model, or a stage's shard subgraph of it) carry a gradient: a
+/// value named in the model as the model's `carries` says; one the split added (a collective's
+/// output, a cut mask or rotary table) where a value it is made from carries one.
+fn shard_carries(model: &Graph, carries: &[bool], graph: &Graph) -> Result<Vec<bool>, crate::ir::GraphError> {
+    let mut out: Vec<Option<bool>> = vec![None; graph.value_count()];
+    for v in graph.value_ids() {
+        out[v.index()] = model.value_by_name(&graph.value(v).name).map(|m| carries[m.index()]);
+    }
+    for n in graph.topo_order()? {
+        let node = graph.node(n);
+        let any = node.inputs.iter().flatten().any(|v| out[v.index()] == Some(true));
+        for &o in &node.outputs {
+            if out[o.index()].is_none() {
+                out[o.index()] = Some(any && graph.value(o).ty.as_ref().is_some_and(|t| t.dtype.is_float()));
+            }
+        }
+    }
+    Ok(out.into_iter().map(|c| c.unwrap_or(false)).collect())
 }
 
 fn stage_executors<'a>(

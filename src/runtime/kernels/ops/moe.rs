@@ -71,6 +71,11 @@ pub(crate) struct Routed {
     pub tokens: Tensor,
     /// The router's weight of each sorted pair, `[P, 1]` in x's kind.
     pub weights: Tensor,
+    /// For each pair in the router's order (token-major, `n·k + j`), its place among the
+    /// sorted pairs.
+    pub unsort: Tensor,
+    /// Experts per token (k).
+    pub per_token: i64,
     /// Pairs per expert, expert order.
     pub counts: Vec<i64>,
     /// Where the weights apply.
@@ -120,7 +125,9 @@ pub(crate) fn route(x: &Tensor, weights: &Tensor, indices: &Tensor, w: &ExpertWe
     // routed pair p belongs to token order[p] / k
     let tokens = order.f_floor_divide_scalar(k)?;
     let ws = weights.f_reshape([-1])?.f_index_select(0, &order)?.f_to_kind(x.kind())?.f_unsqueeze(-1)?;
-    Ok(Routed { tokens, weights: ws, counts, weighting, activation })
+    // `order` is a permutation: its argsort is its inverse
+    let unsort = order.f_argsort(0, false)?;
+    Ok(Routed { tokens, weights: ws, unsort, per_token: k, counts, weighting, activation })
 }
 
 /// Each row of `rows` (sorted by expert, `counts[e]` rows for expert e) through its expert's
@@ -177,17 +184,21 @@ pub(crate) fn run_experts(rows: &Tensor, counts: &[i64], w: &ExpertWeights, acti
 }
 
 /// `ys` (one row per sorted pair) scaled by the router's weights (unless they scaled the
-/// input) and added into their tokens' rows of a zero `x`; weighting and the sum stay in x's type.
+/// input) and summed over each token's k pairs; weighting and the sum stay in x's type.
+/// The weighted rows go back to the router's order (`[N, k, H]`) and are summed over k: what
+/// autograd keeps is `ys` alone (the product's gradient), not also the weighted rows, as an
+/// `index_add` into the tokens would (its backward keeps its source).
 pub(crate) fn combine(x: &Tensor, routed: &Routed, ys: &Tensor) -> KResult<Tensor> {
-    let out = x.f_zeros_like()?;
     if ys.size().first().copied().unwrap_or(0) == 0 {
-        return Ok(out.f_add(&ys.f_sum(ys.kind())?.f_mul_scalar(0.0)?)?);
+        return Ok(x.f_zeros_like()?.f_add(&ys.f_sum(ys.kind())?.f_mul_scalar(0.0)?)?);
     }
     let ys = match routed.weighting {
         ExpertWeighting::Output => ys.f_mul(&routed.weights)?,
         ExpertWeighting::Input => ys.shallow_clone(),
     };
-    Ok(out.f_index_add(0, &routed.tokens, &ys)?)
+    let rows = x.size().first().copied().unwrap_or(0);
+    let by_token = ys.f_index_select(0, &routed.unsort)?.f_reshape([rows, routed.per_token, -1])?;
+    Ok(by_token.f_sum_dim_intlist(1, false, x.kind())?)
 }
 
 #[cfg(test)]
