@@ -79,10 +79,7 @@ struct Gap {
 /// stated. (case, part, the looser bound it is held to instead, if any, why)
 const UNSTEADY: &[(&str, &str, Option<f64>, &str)] = &[];
 
-const KNOWN_GAPS: &[Gap] = &[
-    Gap { case: "pp2-interleaved", part: "activations", cause: "1.18× on rank 0 (22.96 predicted against 19.39 MiB), an over-count: the plan sums each chunk's own most in-flight microbatches, a bound on the rank's peak (the rank's peak moment priced exactly brings it to about 0.96×, but slows the searches whose interleaved candidates are memory-tight: BENCHMARKS.md, \"Interleaved 1F1B: a rank's peak at one moment of its chunks\")" },
-    Gap { case: "pp2-interleaved", part: "total", cause: "as its activations: 1.17× on rank 0" },
-];
+const KNOWN_GAPS: &[Gap] = &[];
 
 /// The bundled model `name`, or the small Mixtral of tests/moe_oracle.py.
 fn model(name: &str) -> PathBuf {

@@ -100,6 +100,7 @@ fn instance() -> impl Strategy<Value = Instance> {
                     microbatches: m,
                     in_flight,
                     kept_flight,
+                    moments: Vec::new(),
                     bubble_coeff: [1.0, 0.5, 1.0 / 3.0][coeff],
                     memory_cap: cap,
                     workspace: 0.5 * GIB,
@@ -234,7 +235,7 @@ proptest! {
             output_bytes: 0.0,
         }).collect();
         let prob = PipelineProblem {
-            layers, devices: p, virtual_stages: 1, microbatches: m, in_flight: vec![1.0; p], kept_flight: vec![], bubble_coeff: 1.0,
+            layers, devices: p, virtual_stages: 1, microbatches: m, in_flight: vec![1.0; p], kept_flight: vec![], moments: vec![], bubble_coeff: 1.0,
             memory_cap: f64::INFINITY, workspace: 0.0, gathered: 0.0, transfer_s_per_byte: vec![0.0; p - 1],
             checkpoint: CheckpointRule::Never, offload: OffloadRule::Never, loading_horizon: 4.0, fixed_chunks: None, fixed_checkpoints: None,
             objective: PipelineObjective::StepTime,
@@ -324,6 +325,7 @@ fn pruning_bound_splits_the_stages_with_their_memory() {
         microbatches: 6,
         in_flight: vec![3.0, 2.0, 1.0],
         kept_flight: vec![],
+        moments: vec![],
         bubble_coeff: 1.0,
         memory_cap: 7.5 * GIB,
         workspace: 0.5 * GIB,
@@ -347,4 +349,57 @@ fn pruning_bound_splits_the_stages_with_their_memory() {
     let tiny = PipelineProblem { memory_cap: 2.0 * GIB, ..p.clone() };
     assert!(brute_force_pipeline(&tiny).is_none());
     assert!(pruning_bound(&tiny).is_infinite());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 160, rng_seed: proptest::test_runner::RngSeed::Fixed(0x5eed_0039), ..ProptestConfig::default() })]
+
+    /// Under interleaving, the activations the plan reports per device are the most the device
+    /// holds at any moment of its schedule (the schedule's own actions replayed: each chunk's
+    /// bytes grow with the microbatches it holds), never more than the search's bound (each
+    /// chunk at its own most), and the bound itself with one chunk per device.
+    #[test]
+    fn reported_interleaved_peak_is_the_schedules_largest_moment(inst in instance(), p in 1usize..=4, m in 1usize..=12, v in 1usize..=3, ck in prop::collection::vec(any::<bool>(), 7)) {
+        use smp_partition::ir::schedule::{ActionKind, compute_actions};
+        use smp_partition::ir::ScheduleKind;
+        use smp_partition::solve::problem::LayerChoice;
+        let kind = if v == 1 { ScheduleKind::OneFOneB } else { ScheduleKind::Interleaved { virtual_stages: v } };
+        let Ok(ranks) = compute_actions(kind, p, m) else { return Ok(()) };
+        let chunks = p * v;
+        let mut prob = inst.0;
+        prop_assume!(prob.layers.len() >= chunks);
+        prob.devices = p;
+        prob.virtual_stages = v;
+        prob.microbatches = m;
+        prob.in_flight = smp_partition::cost::stage_in_flights(kind, p, m);
+        prob.kept_flight = Vec::new();
+        prob.offload = OffloadRule::Never;
+        prob.moments = if v > 1 { smp_partition::cost::rank_moments(kind, p, m) } else { Vec::new() };
+        let n = prob.layers.len();
+        let choices: Vec<LayerChoice> = (0..n).map(|l| LayerChoice { chunk: l * chunks / n, point: 0, checkpoint: ck[l], offload: false }).collect();
+        let (bound, peak) = (prob.bound_chunk_activations(&choices), prob.peak_chunk_activations(&choices));
+        for (r, actions) in ranks.iter().enumerate() {
+            // bytes per microbatch held of each chunk
+            let per: Vec<f64> = (0..chunks).map(|c| if prob.in_flight[c] > 0.0 { bound[c] / prob.in_flight[c] } else { 0.0 }).collect();
+            let mut alive = vec![0.0f64; chunks];
+            let mut most = 0.0f64;
+            for a in actions.iter().filter(|a| a.stage % p == r) {
+                match a.kind {
+                    ActionKind::Forward => {
+                        alive[a.stage] += 1.0;
+                        most = most.max((0..chunks).filter(|c| c % p == r).map(|c| alive[c] * per[c]).sum());
+                    }
+                    ActionKind::Backward => alive[a.stage] -= 1.0,
+                    _ => {}
+                }
+            }
+            let reported: f64 = (0..chunks).filter(|c| c % p == r).map(|c| peak[c]).sum();
+            let bounded: f64 = (0..chunks).filter(|c| c % p == r).map(|c| bound[c]).sum();
+            prop_assert!(close(reported, most), "rank {r}: reported {reported}, the schedule's largest moment {most}");
+            prop_assert!(reported <= bounded * (1.0 + 1e-9));
+            if v == 1 {
+                prop_assert!(close(reported, bounded));
+            }
+        }
+    }
 }

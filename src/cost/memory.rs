@@ -217,6 +217,57 @@ pub fn stage_in_flights(kind: ScheduleKind, p: usize, m: usize) -> Vec<f64> {
     most.into_iter().map(|n| n as f64).collect()
 }
 
+/// Per pipeline rank, the moments of its schedule that may be its activation peak: after each
+/// forward, how many microbatches each of its chunks holds (forwards run and not yet matched
+/// by their backward), indexed by the rank's chunk (0..v), those no other moment holds at least
+/// as many of in every chunk left out. A rank's kept activations at a moment are each chunk's
+/// count times its bytes per microbatch; the peak is the largest moment, where the sum of each
+/// chunk's own most ([`stage_in_flights`]) only bounds it. Only interleaved schedules run more
+/// than one chunk per rank; for the others one moment per rank, its [`in_flight`].
+pub fn rank_moments(kind: ScheduleKind, p: usize, m: usize) -> Vec<Vec<Vec<f64>>> {
+    let p = p.max(1);
+    let v = kind.virtual_stages().max(1);
+    let single = || (1..=p).map(|s| vec![vec![in_flight(kind, p, m, s)]]).collect();
+    if v == 1 {
+        return single();
+    }
+    let Ok(ranks) = compute_actions(kind, p, m) else { return single() };
+    ranks
+        .iter()
+        .enumerate()
+        .map(|(r, actions)| {
+            let mut alive = vec![0usize; v];
+            // the counts after each forward that a backward follows (a forward followed by a
+            // forward only adds), distinct
+            let mut peaks: Vec<Vec<usize>> = Vec::new();
+            let mut rising = false;
+            for a in actions.iter().filter(|a| a.stage % p == r && a.stage / p < v) {
+                match a.kind {
+                    ActionKind::Forward => {
+                        alive[a.stage / p] += 1;
+                        rising = true;
+                    }
+                    ActionKind::Backward => {
+                        if std::mem::take(&mut rising) {
+                            peaks.push(alive.clone());
+                        }
+                        alive[a.stage / p] = alive[a.stage / p].saturating_sub(1);
+                    }
+                    _ => {}
+                }
+            }
+            if rising {
+                peaks.push(alive);
+            }
+            peaks.sort_unstable();
+            peaks.dedup();
+            // none another holds at least as many of in every chunk
+            let kept: Vec<&Vec<usize>> = peaks.iter().filter(|a| !peaks.iter().any(|b| b != *a && a.iter().zip(b).all(|(x, y)| x <= y))).collect();
+            kept.into_iter().map(|o| o.iter().map(|&n| n as f64).collect()).collect()
+        })
+        .collect()
+}
+
 /// Microbatches stage `stage` holds between a forward and its backward's B: what a
 /// checkpointed layer keeps its inputs for (on the device or, offloaded, in host memory).
 /// [`in_flight`], but under ZB-H1 1F1B's count (its B run where 1F1B's backwards do).
@@ -296,6 +347,28 @@ mod tests {
         // recompute set is the layer's saved bytes beyond its input
         let ck = [(&l, true), (&l, true)];
         assert_eq!(stage_activation_bytes(&ck, 1.0, 1.0, 1.0), 2.0 * 10.0 + 400.0 + 90.0);
+    }
+
+    #[test]
+    fn a_rank_peaks_at_one_moment_of_its_chunks() {
+        let il = ScheduleKind::Interleaved { virtual_stages: 2 };
+        let moments = rank_moments(il, 2, 4);
+        // every moment is within each chunk's own most, and some moment reaches each chunk's own
+        let own = stage_in_flights(il, 2, 4);
+        for (r, ms) in moments.iter().enumerate() {
+            for (c, &most) in [own[r], own[r + 2]].iter().enumerate() {
+                assert!(ms.iter().all(|o| o[c] <= most), "rank {r}: {ms:?} against {own:?}");
+                assert!(ms.iter().any(|o| o[c] == most), "rank {r}: {ms:?} against {own:?}");
+            }
+            // none dominated by another
+            for (i, a) in ms.iter().enumerate() {
+                assert!(!ms.iter().enumerate().any(|(j, b)| i != j && a.iter().zip(b).all(|(x, y)| x <= y)), "{ms:?}");
+            }
+        }
+        // rank 0 never holds its first chunk's 4 and its second chunk's 3 together
+        assert!(moments[0].iter().all(|o| o[0] + o[1] < own[0] + own[2]), "{:?}", moments[0]);
+        // one chunk per rank: one moment, the in-flight count
+        assert_eq!(rank_moments(ScheduleKind::OneFOneB, 3, 8), vec![vec![vec![3.0]], vec![vec![2.0]], vec![vec![1.0]]]);
     }
 
     #[test]

@@ -13,4 +13,4 @@ pub use cluster::{CalibrationFile, CollectiveLinks, ClusterError, ClusterSpec, E
 pub use comm::{CommModel, GroupSpan, Link, LinkKind};
 pub use compute::{LayerTimes, SplitDim, layer_times, node_time, node_times};
 pub use gemm::GemmSurface;
-pub use memory::{ModelState, StatePrecision, TrainingBytes, in_flight, kept_in_flight, model_state, stage_in_flights};
+pub use memory::{ModelState, StatePrecision, TrainingBytes, in_flight, kept_in_flight, model_state, rank_moments, stage_in_flights};

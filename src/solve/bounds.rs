@@ -520,6 +520,7 @@ mod tests {
             microbatches: m,
             in_flight: (0..chunks).map(|c| (devices - c % devices) as f64).collect(),
             kept_flight: (0..chunks).map(|c| (devices - c % devices) as f64).collect(),
+            moments: Vec::new(),
             bubble_coeff: super::bubble_coeff(kind, devices, m),
             memory_cap: cap,
             workspace: 1e9,

@@ -197,6 +197,13 @@ pub struct PipelineProblem {
     /// (ZB-H1): what an offloaded layer's inputs wait in host memory for. Empty: `in_flight`.
     #[serde(default)]
     pub kept_flight: Vec<f64>,
+    /// Per device, the moments of its schedule that may be its activation peak, each the
+    /// microbatches its chunks (d, d + p, …) hold then ([`crate::cost::rank_moments`]); empty
+    /// where every device runs one chunk. The search holds a device to the sum of its chunks'
+    /// own most (`in_flight`: a bound, exact for one chunk per device); the plan reports the
+    /// largest moment ([`Self::peak_chunk_activations`]).
+    #[serde(default)]
+    pub moments: Vec<Vec<Vec<f64>>>,
     /// Weight of Σ T[d] in the step time (1 for GPipe/1F1B, 1/v interleaved, ~1/3 ZB-H1).
     pub bubble_coeff: f64,
     /// Device memory available, bytes.
@@ -321,14 +328,19 @@ impl PipelineProblem {
     /// weight gradients too, in the B (under ZB-H1 its W is empty), so its inputs are held for
     /// the microbatches between a forward and its B.
     pub fn kept_bytes(&self, chunk: usize, pt: &ParetoPoint, checkpoint: bool, offload: bool) -> f64 {
-        let f = self.in_flight[chunk];
-        let to_b = self.kept_flight(chunk);
+        self.kept_bytes_at(chunk, self.in_flight[chunk], pt, checkpoint, offload)
+    }
+
+    /// [`Self::kept_bytes`] at a moment chunk `chunk` holds `count` microbatches (at most its
+    /// in-flight count).
+    fn kept_bytes_at(&self, chunk: usize, count: f64, pt: &ParetoPoint, checkpoint: bool, offload: bool) -> f64 {
+        let to_b = self.kept_flight(chunk).min(count);
         if offload {
-            to_b * pt.input_bytes - self.offloaded_bytes(chunk, pt)
+            to_b * pt.input_bytes - (to_b - to_b.min(self.resident_microbatches())) * pt.offload_bytes
         } else if checkpoint {
             to_b * pt.input_bytes
         } else {
-            f * pt.act_bytes
+            count * pt.act_bytes
         }
     }
 
@@ -337,19 +349,79 @@ impl PipelineProblem {
     /// the chunk's in-flight microbatches; where only checkpointed layers read them, to their
     /// B ([`Self::kept_flight`]: under ZB-H1 those layers leave nothing for the W).
     pub fn chunk_extra_bytes(&self, choices: &[LayerChoice]) -> Vec<f64> {
-        let chunks = self.chunks();
-        // per chunk: the largest shared input of any layer, and of a layer keeping its activations
-        let (mut shared, mut kept) = (vec![0.0f64; chunks], vec![0.0f64; chunks]);
-        for (l, c) in choices.iter().enumerate() {
+        (0..self.chunks()).map(|c| self.chunk_bytes_at(choices, c, self.in_flight[c]).1).collect()
+    }
+
+    /// Chunk `chunk`'s kept activations when it holds `count` microbatches: its layers'
+    /// ([`Self::kept_bytes_at`]) and its shared inputs ([`Self::chunk_extra_bytes`]'s rule).
+    fn chunk_bytes_at(&self, choices: &[LayerChoice], chunk: usize, count: f64) -> (f64, f64) {
+        // the largest shared input of any of its layers, and of a layer keeping its activations
+        let (mut layers, mut shared, mut kept) = (0.0, 0.0f64, 0.0f64);
+        for (l, c) in choices.iter().enumerate().filter(|(_, c)| c.chunk == chunk) {
             let Some(pt) = self.layers.get(l).and_then(|x| x.points.get(c.point)) else { continue };
-            if c.chunk < chunks {
-                shared[c.chunk] = shared[c.chunk].max(pt.shared_bytes);
-                if !c.checkpoint {
-                    kept[c.chunk] = kept[c.chunk].max(pt.shared_bytes);
-                }
+            layers += self.kept_bytes_at(chunk, count, pt, c.checkpoint, c.offload);
+            shared = shared.max(pt.shared_bytes);
+            if !c.checkpoint {
+                kept = kept.max(pt.shared_bytes);
             }
         }
-        (0..chunks).map(|c| (self.in_flight[c] * kept[c]).max(self.kept_flight(c) * shared[c])).collect()
+        (layers, (count * kept).max(self.kept_flight(chunk).min(count) * shared))
+    }
+
+    /// Per chunk, its kept activations as the search counts them: at its own most in-flight
+    /// microbatches (its layers' [`Self::kept_bytes`] and [`Self::chunk_extra_bytes`]).
+    pub fn bound_chunk_activations(&self, choices: &[LayerChoice]) -> Vec<f64> {
+        (0..self.chunks())
+            .map(|c| {
+                let (layers, extra) = self.chunk_bytes_at(choices, c, self.in_flight[c]);
+                layers + extra
+            })
+            .collect()
+    }
+
+    /// Per chunk, its kept activations at the moment of its device's schedule that holds the
+    /// most of all the device's chunks together ([`Self::moments`]): the device's peak is their
+    /// sum, at most [`Self::bound_chunk_activations`]'s (equal with one chunk per device).
+    pub fn peak_chunk_activations(&self, choices: &[LayerChoice]) -> Vec<f64> {
+        let (p, chunks) = (self.devices.max(1), self.chunks());
+        let mut out = self.bound_chunk_activations(choices);
+        for (d, moments) in self.moments.iter().enumerate().take(p) {
+            let at = |moment: &[f64]| -> Vec<(usize, f64)> {
+                moment
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &count)| (d + j * p, count))
+                    .filter(|&(c, _)| c < chunks)
+                    .map(|(c, count)| {
+                        let (layers, extra) = self.chunk_bytes_at(choices, c, count.min(self.in_flight[c]));
+                        (c, layers + extra)
+                    })
+                    .collect()
+            };
+            let peak = moments.iter().map(|m| at(m)).max_by(|a, b| {
+                let sum = |x: &[(usize, f64)]| x.iter().map(|&(_, b)| b).sum::<f64>();
+                sum(a).total_cmp(&sum(b))
+            });
+            for (c, bytes) in peak.into_iter().flatten() {
+                out[c] = bytes;
+            }
+        }
+        out
+    }
+
+    /// Per device, its bytes as the plan reports them: [`Self::evaluate`]'s, with its chunks'
+    /// activations at their peak moment ([`Self::peak_chunk_activations`]) in place of the
+    /// search's bound.
+    pub fn reported_device_bytes(&self, choices: &[LayerChoice], eval: &PipelineEval) -> Vec<f64> {
+        let p = self.devices.max(1);
+        let mut out = eval.total_bytes.clone();
+        let (bound, peak) = (self.bound_chunk_activations(choices), self.peak_chunk_activations(choices));
+        for (c, (b, k)) in bound.iter().zip(&peak).enumerate() {
+            if let Some(d) = out.get_mut(c % p) {
+                *d += k - b;
+            }
+        }
+        out
     }
 
     /// Microbatches whose offloaded inputs are on the device as a backward starts: its own,

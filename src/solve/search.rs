@@ -105,6 +105,7 @@ fn prepare_on(
         microbatches: cand.parallel.microbatches,
         in_flight: flight,
         kept_flight,
+        moments: Vec::new(),
         bubble_coeff: bubble_coeff(cand.parallel.schedule, cand.parallel.pp, cand.parallel.microbatches),
         memory_cap,
         workspace: spec.workspace_bytes as f64,
@@ -688,8 +689,18 @@ impl Search<'_> {
     fn decision(&self, chosen: &Prepared, sol: PipelineSolution, report: SolveReport, solved: u64, skipped: u64) -> Result<PlanDecision, SolveError> {
         let ctx = &self.ctx;
         let cand = chosen.cand;
-        let prob = &chosen.problem;
-        let eval = sol.eval.clone().ok_or_else(|| SolveError::Solver("the ILP's solution does not decode to a layout".into()))?;
+        let mut prob = chosen.problem.clone();
+        if prob.virtual_stages > 1 {
+            // a rank running several chunks peaks at one moment of them: reported, not searched
+            let p = &cand.parallel;
+            prob.moments = crate::cost::rank_moments(p.schedule, p.pp, p.microbatches);
+        }
+        let prob = &prob;
+        let mut eval = sol.eval.clone().ok_or_else(|| SolveError::Solver("the ILP's solution does not decode to a layout".into()))?;
+        for (d, bytes) in prob.reported_device_bytes(&sol.choices, &eval).into_iter().enumerate() {
+            eval.act_bytes[d] += bytes - eval.total_bytes[d];
+            eval.total_bytes[d] = bytes;
+        }
         let stages = self.stage_decisions(&cand, prob, &sol.choices);
         let layers = self.layer_decisions(&cand, prob, &sol.choices);
         let predicted = self.predicted(&cand, prob, &sol.choices, &eval);
@@ -718,14 +729,14 @@ impl Search<'_> {
         let mut stages = Vec::with_capacity(chunks);
         // tied weights' copies, each counted once per device, in its first chunk reading it
         let mut copies_held = std::collections::BTreeSet::new();
-        let chunk_extra = prob.chunk_extra_bytes(choices);
+        let chunk_activations = prob.peak_chunk_activations(choices);
         for c in 0..chunks {
             let members: Vec<usize> = (0..choices.len()).filter(|&l| choices[l].chunk == c).collect();
             let (first, last) = (members.first().copied().unwrap_or(0), members.last().copied().unwrap_or(0));
             let pp_rank = c % cand.parallel.pp;
             let ranks = cand.parallel.stage_ranks(pp_rank);
             let (mut expert, mut expert_trained) = (0.0, 0.0);
-            let (mut fwd, mut bwd, mut params, mut trained, mut kept, mut rec) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0f64);
+            let (mut fwd, mut bwd, mut params, mut trained, mut rec) = (0.0, 0.0, 0.0, 0.0, 0.0f64);
             // ZeRO 3: the largest of its layers, gathered whole
             let mut gathered = 0.0f64;
             let (mut ckpt, mut offloaded, mut host) = (Vec::new(), Vec::new(), 0.0);
@@ -757,7 +768,6 @@ impl Search<'_> {
                         trained += tc.trained;
                     }
                 }
-                kept += prob.kept_bytes(c, pt, ch.checkpoint, ch.offload);
                 rec = rec.max(pt.rebuilt_bytes(ch.checkpoint));
                 if ch.checkpoint {
                     ckpt.push(l);
@@ -771,7 +781,7 @@ impl Search<'_> {
             }
             let t = cand.parallel.tp.max(1) as f64;
             let st = ctx.state_split(params * t, trained * t, expert * t, expert_trained * t, &lc);
-            let activations = kept + chunk_extra[c];
+            let activations = chunk_activations[c];
             let workspace = if c < cand.parallel.pp { prob.workspace } else { 0.0 };
             let comm_s = if c + 1 < chunks { 2.0 * prob.layers[last].output_bytes * prob.transfer_s_per_byte[c] } else { 0.0 };
             stages.push(StageDecision {
