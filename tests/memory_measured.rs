@@ -54,6 +54,7 @@ const CASES: &[Case] = &[
     Case { name: "tp2-sp", model: "llama", flags: &["--pp", "1", "--tp", "2", "--dp", "1", "--sequence-parallel", "--checkpointing", "none"] },
     Case { name: "cp2", model: "llama", flags: &["--pp", "1", "--tp", "1", "--dp", "1", "--cp", "2", "--checkpointing", "none"] },
     Case { name: "cp2-full", model: "llama", flags: &["--pp", "1", "--tp", "1", "--dp", "1", "--cp", "2", "--checkpointing", "full"] },
+    Case { name: "cp2-selective", model: "llama", flags: &["--pp", "1", "--tp", "1", "--dp", "1", "--cp", "2", "--checkpointing", "selective"] },
     Case { name: "dp2-zero1", model: "llama", flags: &["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "1", "--checkpointing", "none"] },
     Case { name: "dp2-zero2", model: "llama", flags: &["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "2", "--checkpointing", "none"] },
     Case { name: "dp2-zero3", model: "llama", flags: &["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "3", "--checkpointing", "none"] },
@@ -186,7 +187,7 @@ fn every_rank_holds_the_memory_its_plan_predicts_by_part() {
     // math path, which keeps the s × s probabilities: full recompute peaked above none)
     // (and under ZB-H1, whose W once kept each recomputed layer's rebuilt activations from its
     // B: full recompute then peaked above none)
-    for (lighter, heavier) in [("dp2-recompute-selective", "dp2-recompute-none"), ("dp2-recompute-full", "dp2-recompute-none"), ("pp2-zb-h1-full", "pp2-zb-h1"), ("cp2-full", "cp2")] {
+    for (lighter, heavier) in [("dp2-recompute-selective", "dp2-recompute-none"), ("dp2-recompute-full", "dp2-recompute-none"), ("pp2-zb-h1-full", "pp2-zb-h1"), ("cp2-full", "cp2"), ("cp2-selective", "cp2")] {
         let (got, none) = (peaks[lighter], peaks[heavier]);
         if got >= none {
             failures.push(format!("{lighter}: its peak {:.2} MiB is not below {heavier}'s {:.2} MiB", mib(got), mib(none)));

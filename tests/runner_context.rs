@@ -5,7 +5,7 @@
 //!   (bidirectional, cross-entropy labels) and the graph-only Llama twin (attention not fused:
 //!   the score and value matmuls gather their second operand);
 //! - cp 2 × pp 2 (1F1B on GPT-2, ZB-H1 on Llama), cp 2 × tp 2 with sequence parallelism,
-//!   cp 2 × dp 2 under ZeRO 3, cp 2 with every layer recomputed;
+//!   cp 2 × dp 2 under ZeRO 3, cp 2 with every layer recomputed or its norms and gate rebuilt;
 //! - cp 2 under an interleaved schedule; cp 2 drawing the attention-dropout masks one process
 //!   draws (masks keyed by global token position);
 //! - cp 2 × tp 2 without sequence parallelism; dp 2 · cp 2 · ep 2 on Mixtral (experts over 2
@@ -182,6 +182,19 @@ fn cp2_dp2_zero3_equals_one_process() {
 fn cp2_with_every_layer_recomputed_equals_one_process() {
     let flags = ["--cp", "2", "--pp", "1", "--tp", "1", "--dp", "1", "--microbatches", "2", "--checkpointing", "full"];
     equal_to_one_process("gpt2-cp2-full-recompute", "gpt2", 2, &flags, &[]);
+}
+
+/// Llama's norms and SwiGLU gate rebuilt in the backward (selective recompute) under cp 2: the
+/// rotary tables and mask the split cuts stay plain tensors, the rebuilt outputs the same.
+#[test]
+fn cp2_with_selective_recompute_on_llama_equals_one_process() {
+    let flags = ["--cp", "2", "--pp", "1", "--tp", "1", "--dp", "1", "--microbatches", "2", "--checkpointing", "selective"];
+    let dir = tempfile::tempdir().unwrap();
+    let p = plan(&model("llama"), 2, &flags, dir.path(), "selective");
+    let parsed: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    let selective = parsed["stages"][0]["selective_layers"].as_array().map_or(0, Vec::len);
+    assert!(selective >= 4, "every block rebuilds its norms and gate under cp 2: {selective} layers");
+    equal_to_one_process("llama-cp2-selective", "llama", 2, &flags, &[]);
 }
 
 #[test]

@@ -993,13 +993,9 @@ impl<'a> CostContext<'a> {
 
     /// `pt` (of assignment `d`) with the layer's normalisations and activation functions
     /// rebuilt in the backward instead of kept (`Layer::selective_nodes`): its kept bytes less
-    /// their outputs (each split as its node is), its backward longer by their forwards. `None`
-    /// where nothing would be freed, and under context parallelism, where the runner was
-    /// measured to free a fifth of it (BENCHMARKS.md, "Selective recompute").
+    /// their outputs (each split as its node is; under context parallelism each rank's tokens),
+    /// its backward longer by their forwards. `None` where nothing would be freed.
     fn selective_point(&self, layer: usize, d: &StrategyDetail, pt: &ParetoPoint, cfg: &LayerConfig) -> Option<ParetoPoint> {
-        if cfg.cp > 1 {
-            return None;
-        }
         let nodes = &self.lg.layers.get(layer)?.selective_nodes;
         let (b, c, t) = (cfg.microbatch as f64, cfg.cp.max(1) as f64, cfg.tp.max(1) as f64);
         let (mut whole, mut freed, mut time) = (0.0, 0.0, 0.0);
