@@ -389,12 +389,12 @@ fn auto_recomputes_norms_and_activations_before_whole_layers() {
     let fixed = plan_with("fixed", &["--recompute-layers", "none", "--selective-layers", &list(layers(&auto, "selective_layers")), "--memory-limit", &limit]);
     assert_eq!(layers(&fixed, "selective_layers"), layers(&auto, "selective_layers"));
     assert!((step(&fixed) - step(&auto)).abs() <= 1e-12 * step(&auto) && total(&fixed) == total(&auto));
-    // under context parallelism the runner does not free what selective recompute would count
+    // under context parallelism too (each rank rebuilds its own tokens' outputs)
     let out = dir.path().join("cp.json");
     let o = smp(&["models/llama.onnx", "--cluster", "cpu:2", "--seq-len", "512", "--global-batch", "4", "--microbatches", "2", "--cp", "2", "--dp", "1", "--checkpointing", "selective", "-o", out.to_str().unwrap()]);
     assert_eq!(code(&o), 0, "cp: {}", stderr(&o));
     let cp: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
-    assert!(layers(&cp, "selective_layers").is_empty(), "{}", cp["stages"][0]);
+    assert!(layers(&cp, "selective_layers").len() >= 4 && layers(&cp, "checkpointed_layers").is_empty(), "{}", cp["stages"][0]);
     // under ZB-H1 the rebuilt outputs would wait for the W: refused, naming both settings
     let o = smp(&["models/llama.onnx", "--cluster", "cpu:2", "--pp", "2", "--schedule", "zb-h1", "--checkpointing", "selective"]);
     assert_eq!(code(&o), 1, "{}", stderr(&o));

@@ -349,34 +349,50 @@ impl PipelineProblem {
     /// the chunk's in-flight microbatches; where only checkpointed layers read them, to their
     /// B ([`Self::kept_flight`]: under ZB-H1 those layers leave nothing for the W).
     pub fn chunk_extra_bytes(&self, choices: &[LayerChoice]) -> Vec<f64> {
-        (0..self.chunks()).map(|c| self.chunk_bytes_at(choices, c, self.in_flight[c]).1).collect()
+        let shared = self.shared_inputs(choices);
+        (0..self.chunks()).map(|c| self.extra_at(c, self.in_flight[c], shared[c])).collect()
     }
 
-    /// Chunk `chunk`'s kept activations when it holds `count` microbatches: its layers'
-    /// ([`Self::kept_bytes_at`]) and its shared inputs ([`Self::chunk_extra_bytes`]'s rule).
-    fn chunk_bytes_at(&self, choices: &[LayerChoice], chunk: usize, count: f64) -> (f64, f64) {
-        // the largest shared input of any of its layers, and of a layer keeping its activations
-        let (mut layers, mut shared, mut kept) = (0.0, 0.0f64, 0.0f64);
-        for (l, c) in choices.iter().enumerate().filter(|(_, c)| c.chunk == chunk) {
+    /// Per chunk, the largest shared input of any of its layers, and of a layer keeping its
+    /// activations.
+    fn shared_inputs(&self, choices: &[LayerChoice]) -> Vec<(f64, f64)> {
+        let mut out = vec![(0.0f64, 0.0f64); self.chunks()];
+        for (l, c) in choices.iter().enumerate() {
             let Some(pt) = self.layers.get(l).and_then(|x| x.points.get(c.point)) else { continue };
-            layers += self.kept_bytes_at(chunk, count, pt, c.checkpoint, c.offload);
-            shared = shared.max(pt.shared_bytes);
-            if !c.checkpoint {
-                kept = kept.max(pt.shared_bytes);
+            if let Some((shared, kept)) = out.get_mut(c.chunk) {
+                *shared = shared.max(pt.shared_bytes);
+                if !c.checkpoint {
+                    *kept = kept.max(pt.shared_bytes);
+                }
             }
         }
-        (layers, (count * kept).max(self.kept_flight(chunk).min(count) * shared))
+        out
+    }
+
+    /// [`Self::chunk_extra_bytes`] of chunk `chunk` holding `count` microbatches, from its
+    /// [`Self::shared_inputs`].
+    fn extra_at(&self, chunk: usize, count: f64, (shared, kept): (f64, f64)) -> f64 {
+        (count * kept).max(self.kept_flight(chunk).min(count) * shared)
+    }
+
+    /// Per chunk, its kept activations (its layers' [`Self::kept_bytes_at`] and its shared
+    /// inputs) when it holds `counts[c]` microbatches.
+    fn chunk_activations_at(&self, choices: &[LayerChoice], counts: &[f64]) -> Vec<f64> {
+        let shared = self.shared_inputs(choices);
+        let mut out: Vec<f64> = (0..self.chunks()).map(|c| self.extra_at(c, counts[c], shared[c])).collect();
+        for (l, c) in choices.iter().enumerate() {
+            let Some(pt) = self.layers.get(l).and_then(|x| x.points.get(c.point)) else { continue };
+            if let Some(bytes) = out.get_mut(c.chunk) {
+                *bytes += self.kept_bytes_at(c.chunk, counts[c.chunk], pt, c.checkpoint, c.offload);
+            }
+        }
+        out
     }
 
     /// Per chunk, its kept activations as the search counts them: at its own most in-flight
     /// microbatches (its layers' [`Self::kept_bytes`] and [`Self::chunk_extra_bytes`]).
     pub fn bound_chunk_activations(&self, choices: &[LayerChoice]) -> Vec<f64> {
-        (0..self.chunks())
-            .map(|c| {
-                let (layers, extra) = self.chunk_bytes_at(choices, c, self.in_flight[c]);
-                layers + extra
-            })
-            .collect()
+        self.chunk_activations_at(choices, &self.in_flight)
     }
 
     /// Per chunk, its kept activations at the moment of its device's schedule that holds the
@@ -386,24 +402,25 @@ impl PipelineProblem {
         let (p, chunks) = (self.devices.max(1), self.chunks());
         let mut out = self.bound_chunk_activations(choices);
         for (d, moments) in self.moments.iter().enumerate().take(p) {
-            let at = |moment: &[f64]| -> Vec<(usize, f64)> {
-                moment
-                    .iter()
-                    .enumerate()
-                    .map(|(j, &count)| (d + j * p, count))
-                    .filter(|&(c, _)| c < chunks)
-                    .map(|(c, count)| {
-                        let (layers, extra) = self.chunk_bytes_at(choices, c, count.min(self.in_flight[c]));
-                        (c, layers + extra)
-                    })
-                    .collect()
-            };
-            let peak = moments.iter().map(|m| at(m)).max_by(|a, b| {
-                let sum = |x: &[(usize, f64)]| x.iter().map(|&(_, b)| b).sum::<f64>();
-                sum(a).total_cmp(&sum(b))
-            });
-            for (c, bytes) in peak.into_iter().flatten() {
-                out[c] = bytes;
+            let mine = |acts: &[f64]| (d..chunks).step_by(p).map(|c| acts[c]).sum::<f64>();
+            let mut best: Option<(f64, Vec<f64>)> = None;
+            for moment in moments {
+                let mut counts = self.in_flight.clone();
+                for (j, &count) in moment.iter().enumerate() {
+                    if let Some(n) = counts.get_mut(d + j * p) {
+                        *n = count.min(*n);
+                    }
+                }
+                let acts = self.chunk_activations_at(choices, &counts);
+                let total = mine(&acts);
+                if best.as_ref().is_none_or(|(b, _)| total > *b) {
+                    best = Some((total, acts));
+                }
+            }
+            for c in (d..chunks).step_by(p) {
+                if let Some((_, acts)) = &best {
+                    out[c] = acts[c];
+                }
             }
         }
         out
