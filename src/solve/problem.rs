@@ -336,7 +336,7 @@ impl PipelineProblem {
     fn kept_bytes_at(&self, chunk: usize, count: f64, pt: &ParetoPoint, checkpoint: bool, offload: bool) -> f64 {
         let to_b = self.kept_flight(chunk).min(count);
         if offload {
-            to_b * pt.input_bytes - (to_b - to_b.min(self.resident_microbatches())) * pt.offload_bytes
+            to_b * pt.input_bytes - self.offloaded_at(to_b, pt)
         } else if checkpoint {
             to_b * pt.input_bytes
         } else {
@@ -452,8 +452,12 @@ impl PipelineProblem {
     /// those resident as a backward starts ([`Self::resident_microbatches`]; under ZB-H1 the
     /// inputs leave with the B).
     pub fn offloaded_bytes(&self, chunk: usize, pt: &ParetoPoint) -> f64 {
-        let k = self.kept_flight(chunk);
-        (k - k.min(self.resident_microbatches())) * pt.offload_bytes
+        self.offloaded_at(self.kept_flight(chunk), pt)
+    }
+
+    /// [`Self::offloaded_bytes`] when `to_b` microbatches are between a forward and its B.
+    fn offloaded_at(&self, to_b: f64, pt: &ParetoPoint) -> f64 {
+        (to_b - to_b.min(self.resident_microbatches())) * pt.offload_bytes
     }
 
     /// Forward and backward time per microbatch of a layer at point `pt`: a checkpointed
