@@ -611,11 +611,10 @@ fn saved(sz: &Sizes, node: &Node, grad: &[bool], data: &[bool], batch: f64) -> S
             // libtorch's rms_norm off CUDA is composite: its product with the scale keeps the
             // normalised input, and its rsqrt one statistic per row (at least f32)
             if kind == RMSNormalization && any_rg && let (Some(o), Some(x)) = (output, input(0)) {
-                // the normalised axes: `axis` on (negative from the end)
+                // the normalised axes: `axis` on
                 let width: f64 = sz.dims(x).map_or(1.0, |d| {
-                    let axis = node.attrs.int("axis", -1);
-                    let from = if axis < 0 { (d.len() as i64 + axis).max(0) } else { axis.min(d.len() as i64) } as usize;
-                    d[from..].iter().map(|&n| n.max(1) as f64).product()
+                    let from = super::shape_infer::norm_axis(node.attrs.int("axis", -1), d.len()).unwrap_or(d.len().saturating_sub(1));
+                    d[from.min(d.len())..].iter().map(|&n| n.max(1) as f64).product()
                 });
                 let stat = sz.dtype(o).map_or(4, |t| t.size_bytes().max(4)) as f64;
                 let copy = sz.bytes(o) + sz.numel(o) / width.max(1.0) * stat;

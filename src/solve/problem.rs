@@ -427,13 +427,12 @@ impl PipelineProblem {
     }
 
     /// Per device, its bytes as the plan reports them: [`Self::evaluate`]'s, with its chunks'
-    /// activations at their peak moment ([`Self::peak_chunk_activations`]) in place of the
-    /// search's bound.
-    pub fn reported_device_bytes(&self, choices: &[LayerChoice], eval: &PipelineEval) -> Vec<f64> {
+    /// activations at their peak moment (`peak`, [`Self::peak_chunk_activations`]) in place of
+    /// the search's bound.
+    pub fn reported_device_bytes(&self, choices: &[LayerChoice], eval: &PipelineEval, peak: &[f64]) -> Vec<f64> {
         let p = self.devices.max(1);
         let mut out = eval.total_bytes.clone();
-        let (bound, peak) = (self.bound_chunk_activations(choices), self.peak_chunk_activations(choices));
-        for (c, (b, k)) in bound.iter().zip(&peak).enumerate() {
+        for (c, (b, k)) in self.bound_chunk_activations(choices).iter().zip(peak).enumerate() {
             if let Some(d) = out.get_mut(c % p) {
                 *d += k - b;
             }

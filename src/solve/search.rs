@@ -697,11 +697,14 @@ impl Search<'_> {
         }
         let prob = &prob;
         let mut eval = sol.eval.clone().ok_or_else(|| SolveError::Solver("the ILP's solution does not decode to a layout".into()))?;
-        for (d, bytes) in prob.reported_device_bytes(&sol.choices, &eval).into_iter().enumerate() {
-            eval.act_bytes[d] += bytes - eval.total_bytes[d];
-            eval.total_bytes[d] = bytes;
+        let activations = prob.peak_chunk_activations(&sol.choices);
+        if !prob.moments.is_empty() {
+            for (d, bytes) in prob.reported_device_bytes(&sol.choices, &eval, &activations).into_iter().enumerate() {
+                eval.act_bytes[d] += bytes - eval.total_bytes[d];
+                eval.total_bytes[d] = bytes;
+            }
         }
-        let stages = self.stage_decisions(&cand, prob, &sol.choices);
+        let stages = self.stage_decisions(&cand, prob, &sol.choices, &activations);
         let layers = self.layer_decisions(&cand, prob, &sol.choices);
         let predicted = self.predicted(&cand, prob, &sol.choices, &eval);
         let axes = axis_report(ctx, &cand, prob, &sol.choices, &eval);
@@ -722,14 +725,15 @@ impl Search<'_> {
     }
 
     /// Each chunk's layers, ranks, times and memory.
-    fn stage_decisions(&self, cand: &Candidate, prob: &PipelineProblem, choices: &[LayerChoice]) -> Vec<StageDecision> {
+    /// `chunk_activations`: each chunk's kept activations as reported
+    /// ([`PipelineProblem::peak_chunk_activations`]).
+    fn stage_decisions(&self, cand: &Candidate, prob: &PipelineProblem, choices: &[LayerChoice], chunk_activations: &[f64]) -> Vec<StageDecision> {
         let ctx = &self.ctx;
         let chunks = prob.chunks();
         let lc = layer_config(self.spec, cand);
         let mut stages = Vec::with_capacity(chunks);
         // tied weights' copies, each counted once per device, in its first chunk reading it
         let mut copies_held = std::collections::BTreeSet::new();
-        let chunk_activations = prob.peak_chunk_activations(choices);
         for c in 0..chunks {
             let members: Vec<usize> = (0..choices.len()).filter(|&l| choices[l].chunk == c).collect();
             let (first, last) = (members.first().copied().unwrap_or(0), members.last().copied().unwrap_or(0));

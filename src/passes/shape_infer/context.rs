@@ -117,7 +117,7 @@ pub(super) fn int_like(dtype: Option<DType>) -> bool {
 
 /// Normalises an axis for ops that do not index a dim by it (reductions, normalisations,
 /// squeezes): a scalar takes axis 0.
-pub(super) fn norm_axis(axis: i64, rank: usize) -> Result<usize, String> {
+pub(crate) fn norm_axis(axis: i64, rank: usize) -> Result<usize, String> {
     let r = rank as i64;
     let a = if axis < 0 { axis + r } else { axis };
     if a < 0 || a >= r.max(1) && !(r == 0 && a == 0) {

@@ -9,6 +9,7 @@ mod attention;
 mod bind;
 mod constant;
 mod context;
+pub(crate) use context::norm_axis;
 mod einsum;
 mod elementwise;
 mod index;
