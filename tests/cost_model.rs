@@ -1,6 +1,8 @@
 //! Cost model against closed forms from the literature: model state 16Ψ and its ZeRO
 //! divisions, ring collectives, hierarchical all-reduce, roofline and memory accounting.
 
+mod common;
+
 use smp_partition::cost::{CalibrationFile, FactSource, MachineFacts};
 use smp_partition::cost::memory::{stage_activation_bytes, StatePrecision};
 use smp_partition::cost::{ClusterSpec, CommModel, GroupSpan, LinkKind, model_state};
@@ -181,4 +183,39 @@ fn a_cluster_file_states_the_machine() {
     std::fs::write(&file, "preset = \"h100-80gb\"\n[machine]\nmemory_bytes = 1\ncores = 1\n").unwrap();
     let e = ClusterSpec::parse(&spec).unwrap_err().to_string();
     assert!(e.contains("[machine]") && e.contains("cpu"), "{e}");
+}
+
+/// ZeRO 3's weight gathers, one before each forward and backward of a layer, are prefetched
+/// beside the layer before (the same block): on a device that overlaps them only what exceeds
+/// the layer's pass is paid, on one that does not (`cpu`, or `overlapped_gathers = false`) all
+/// of it. Checked against the ring's closed form on a small and a large microbatch, so that one
+/// gather hides and one does not.
+#[test]
+fn zero3_gathers_are_paid_beyond_the_pass_they_hide_behind() {
+    use smp_partition::solve::layer_cost::{CostContext, LayerConfig};
+    let lg = common::gpt(common::GptShape { layers: 2, hidden: 2048.0, heads: 16.0, seq: 1024.0, vocab: 32000.0 });
+    let overlapping = ClusterSpec::parse("h100-80gb:16").unwrap();
+    assert!(overlapping.overlapped_gathers);
+    let exposed = ClusterSpec { overlapped_gathers: false, ..overlapping.clone() };
+    let group = GroupSpan { size: 16, per_node: 8 };
+    let tp1 = GroupSpan { size: 1, per_node: 1 };
+    let (mut hidden, mut paid) = (0, 0);
+    for microbatch in [1usize, 64] {
+        for spec in [&overlapping, &exposed] {
+            let mut ctx = CostContext::new(&lg, spec, spec.default_precision());
+            let block = (0..lg.layers.len()).find(|&l| lg.layers[l].kind == LayerKind::Block).unwrap();
+            let at = |ctx: &mut CostContext, zero| ctx.layer(block, &LayerConfig::dense(1, microbatch, zero, group, group, tp1, false)).points[0].clone();
+            let (plain, sharded) = (at(&mut ctx, 0), at(&mut ctx, 3));
+            let gather = ctx.comm.all_gather(sharded.gathered_bytes, &group);
+            assert!(gather > 0.0);
+            for (pass, with) in [(plain.fwd_s, sharded.fwd_s), (plain.bwd_s, sharded.bwd_s)] {
+                let want = if spec.overlapped_gathers { pass + (gather - pass).max(0.0) } else { pass + gather };
+                assert!(rel(with, want) < 1e-12, "microbatch {microbatch}, overlapped {}: {with} s against {want} s", spec.overlapped_gathers);
+                if spec.overlapped_gathers {
+                    if gather <= pass { hidden += 1 } else { paid += 1 }
+                }
+            }
+        }
+    }
+    assert!(hidden > 0 && paid > 0, "both regimes: {hidden} hidden, {paid} partly paid");
 }

@@ -13,6 +13,7 @@
 //! inter_node_bandwidth = 25e9
 //! fused_attention = false   # price attention scores as materialised (default per preset)
 //! fused_norms = false       # price RMS norms as composite: a normalised copy kept (default per preset)
+//! overlapped_gathers = false  # ZeRO-3 gathers paid whole, not hidden behind the layer before (default per preset)
 //! price_per_device_hour = 2.99   # USD; the presets' list prices: LIST_PRICES
 //! host_bandwidth = 450e9   # device ↔ host, per direction (NVLink-C2C on GH200-class parts)
 //! ```
@@ -221,6 +222,13 @@ pub struct ClusterSpec {
     /// file may set it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub fused_norms: bool,
+    /// Whether a prefetched ZeRO-3 weight gather runs beside compute: FSDP, Megatron-Core and
+    /// the runner start a layer's gather while the layer before it computes, on its own stream
+    /// (NCCL on a GPU), so only what exceeds that compute is paid. True for the GPU presets;
+    /// false for `cpu`, where Gloo's transfers run on the cores the compute uses. A cluster
+    /// file may set it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub overlapped_gathers: bool,
     /// The machine facts a `cpu` spec was derived from; `None` for GPU presets.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub machine: Option<MachineFacts>,
@@ -376,6 +384,7 @@ fn gpu(
         workspace_bytes: 2 * GIB,
         fused_attention: false,
         fused_norms: true,
+        overlapped_gathers: true,
         machine: None,
         price_per_device_hour: list_price(name),
         collectives: None,
@@ -638,6 +647,7 @@ struct ClusterFile {
     workspace_bytes: Option<u64>,
     fused_attention: Option<bool>,
     fused_norms: Option<bool>,
+    overlapped_gathers: Option<bool>,
     price_per_device_hour: Option<f64>,
     collectives: Option<CollectiveLinks>,
     host_bandwidth: Option<f64>,
@@ -737,6 +747,7 @@ impl ClusterFile {
             workspace_bytes: field!(workspace_bytes),
             fused_attention: self.fused_attention.or(base.map(|b| b.fused_attention)).unwrap_or(false),
             fused_norms: self.fused_norms.or(base.map(|b| b.fused_norms)).unwrap_or(false),
+            overlapped_gathers: self.overlapped_gathers.or(base.map(|b| b.overlapped_gathers)).unwrap_or(false),
             machine: base.and_then(|b| b.machine.clone()),
             price_per_device_hour: self.price_per_device_hour.or(base.and_then(|b| b.price_per_device_hour)),
             collectives: self.collectives.or(base.and_then(|b| b.collectives)),
@@ -776,6 +787,7 @@ impl ClusterSpec {
             workspace_bytes: 256 << 20,
             fused_attention: false,
             fused_norms: false,
+            overlapped_gathers: false,
             machine: Some(machine.clone()),
             price_per_device_hour: None,
             collectives: None,

@@ -883,7 +883,7 @@ impl<'a> CostContext<'a> {
         let dense = params - expert_held;
         // folded: every expert split over its expert-tensor ranks only
         let experts = if folded { ex.params / cfg.etp.max(1) as f64 } else { expert_held } / cfg.ep.max(1) as f64;
-        let (mut fwd_extra, mut bwd_extra) = (0.0, 0.0);
+        let mut gathers = 0.0;
         let mut state = 0.0;
         let mut sync = 0.0;
         let mut grad_scatter = 0.0;
@@ -905,12 +905,8 @@ impl<'a> CostContext<'a> {
                     self.comm.reduce_scatter(grad_bytes, &zero_group) + self.comm.all_gather(weight_bytes, &zero_group) + outer(grad_bytes)
                 }
                 _ => {
-                    // ZeRO-3 gathers the weights before every forward and backward, priced
-                    // exposed (the runner prefetches the next layer's; pricing that overlap
-                    // moved plans and a published check: docs/planner.md §2)
-                    let gather = self.comm.all_gather(weight_bytes, &zero_group);
-                    fwd_extra += gather;
-                    bwd_extra += gather;
+                    // ZeRO-3 gathers the weights before every forward and backward
+                    gathers += self.comm.all_gather(weight_bytes, &zero_group);
                     grad_scatter += self.comm.reduce_scatter(grad_bytes, &zero_group);
                     self.comm.reduce_scatter(grad_bytes, &zero_group) + outer(grad_bytes)
                 }
@@ -973,9 +969,12 @@ impl<'a> CostContext<'a> {
         // the K and V attention keeps were gathered over the context group: whole, not ÷c
         let kv_whole = self.attention[layer].kv_saved_bytes * b / t * (1.0 - 1.0 / c);
         let act_bytes = (d.act_bytes / c - lay.shared_saved_bytes * b / c / t + kv_whole).max(input_bytes);
+        // Prefetched beside the layer before, whose pass stands in for this one's (the same
+        // blocks): only what exceeds it is paid, where the device overlaps them at all.
+        let exposed = |pass: f64| if self.spec.overlapped_gathers { (gathers - pass).max(0.0) } else { gathers };
         ParetoPoint {
-            fwd_s: fwd + fwd_extra,
-            bwd_s: bwd + bwd_extra,
+            fwd_s: fwd + exposed(fwd),
+            bwd_s: bwd + exposed(bwd),
             state_bytes: state,
             act_bytes,
             input_bytes,
