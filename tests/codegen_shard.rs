@@ -283,6 +283,7 @@ fn pipeline_of_sharded_stages_reproduces_the_model() {
             precision: smp_partition::ir::Precision::F32,
             offload: smp_partition::ir::OffloadRule::Never,
             loading_horizon: smp_partition::ir::OffloadRule::DEFAULT_HORIZON,
+            fp32_main_grads: false,
         };
         let mut input = CodegenInput { parallel, stages, replicated_layers: vec![], node_strategies: vec![], microbatch_size: None };
         if name == "bert" {

@@ -505,3 +505,52 @@ fn torchtitan_fsdp_under_a_pipeline_is_zero_1() {
     let (chose, change) = zero_gap(1, 1).expect("ZeRO 1 without a pipeline is a gap");
     assert_eq!((chose.as_str(), change), ("ZeRO 1", Some(engines::Change::Zero(2))));
 }
+
+/// The gradients' type as each engine keeps it under bf16: Megatron-LM's arguments.py turns on
+/// fp32 "main grads" (accumulated and all-reduced in fp32) unless `--grad-reduce-in-bf16`, and
+/// torchtitan's FSDP under a pipeline accumulates whole gradients in its fp32 reduce dtype. Priced
+/// as 4 bytes of gradient a parameter where they hold 2, the weights and optimizer state alike, and
+/// the plan says so (`fp32_main_grads`).
+#[test]
+fn engines_keep_bf16_gradients_in_fp32_as_their_defaults_say() {
+    let a = analyse("llama3-8b.onnx");
+    let shape = ModelShape::of(&a.lg);
+    let cluster = ClusterSpec::parse("h100-80gb:64").expect("preset");
+    let price = |engine: Engine, text: &str| {
+        let (reading, _) = engines::read(engine, text, Origin { what: PathBuf::from("job") }, &shape, Some(64)).expect("read");
+        let opts = reading.options.clone().resolve(None).expect("resolve");
+        engines::price(engine, &a, &cluster, &opts).expect("price").0
+    };
+    let megatron = |extra: &str| {
+        price(
+            Engine::Megatron,
+            &format!(
+                "pretrain_gpt.py --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention \
+                --num-query-groups 8 --seq-length 8192 --max-position-embeddings 8192 --position-embedding-type rope --normalization RMSNorm \
+                --swiglu --untie-embeddings-and-output-weights --tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 \
+                --micro-batch-size 1 --global-batch-size 512 --use-distributed-optimizer --bf16 {extra}"
+            ),
+        )
+    };
+    let (main, reduced) = (megatron(""), megatron("--grad-reduce-in-bf16"));
+    assert!(main.parallel.fp32_main_grads && !reduced.parallel.fp32_main_grads);
+    for (m, r) in main.stages.iter().zip(&reduced.stages) {
+        let (mm, rm) = (&m.memory_bytes, &r.memory_bytes);
+        // ZeRO 1 (the distributed optimizer): the gradients whole
+        assert_eq!((mm.params, mm.optimizer), (rm.params, rm.optimizer), "stage {}", m.index);
+        assert!((mm.grads as f64 / rm.grads as f64 - 2.0).abs() < 1e-6, "stage {}: {} against {} bytes", m.index, mm.grads, rm.grads);
+    }
+    assert!(main.predicted.step_time_s > reduced.predicted.step_time_s, "the all-reduce moves fp32");
+    let titan = |pp: usize| {
+        price(
+            Engine::Torchtitan,
+            &format!(
+                "[model]\nname = \"llama3\"\nflavor = \"8B\"\n[training]\nlocal_batch_size = 8\nseq_len = 8192\n\
+                [parallelism]\ndata_parallel_shard_degree = -1\ntensor_parallel_degree = 4\npipeline_parallel_degree = {pp}\n"
+            ),
+        )
+    };
+    let (piped, flat) = (titan(2), titan(1));
+    assert_eq!((piped.parallel.zero, flat.parallel.zero), (1, 3));
+    assert!(piped.parallel.fp32_main_grads && !flat.parallel.fp32_main_grads, "FSDP's fp32 shard is the master without a pipeline");
+}

@@ -8,7 +8,8 @@
 //! AdamW keeps its moments in the parameters' dtype); the mixed modes run as `torch.autocast`
 //! does (the runner's recipe): fp32 weights that are the masters, fp32 gradients and moments,
 //! 4 + 4 + 8. (DeepSpeed's and Megatron's mixed precision, 2 + 2 + 12 with a separate fp32
-//! master, is [`StatePrecision::MIXED_ADAM`].) Which applies is the plan's [`Precision`]
+//! master, is [`StatePrecision::MIXED_ADAM`]; with Megatron's fp32 main grads or FSDP2's fp32
+//! reduction, 2 + 4 + 12, [`StatePrecision::MIXED_ADAM_FP32_GRADS`].) Which applies is the plan's [`Precision`]
 //! ([`StatePrecision::of`]); docs/precision.md has the table. Activation bytes are the values'
 //! in the run's types ([`TrainingBytes`]).
 //!
@@ -33,6 +34,9 @@ impl StatePrecision {
     /// Mixed-precision Adam with 16-bit weights and gradients beside an fp32 master copy
     /// (DeepSpeed's, Megatron's): 2 + 2 + 12 = 16 bytes per parameter.
     pub const MIXED_ADAM: StatePrecision = StatePrecision { weight: 2, grad: 2, optimizer: 12 };
+    /// [`Self::MIXED_ADAM`] with fp32 gradients (Megatron-LM's main grads under bf16, FSDP2's
+    /// fp32 reduction): 2 + 4 + 12 = 18 bytes per parameter.
+    pub const MIXED_ADAM_FP32_GRADS: StatePrecision = StatePrecision { weight: 2, grad: 4, optimizer: 12 };
     /// fp32 Adam: 4 + 4 + 8 = 16 bytes per parameter.
     pub const FP32_ADAM: StatePrecision = StatePrecision { weight: 4, grad: 4, optimizer: 8 };
     /// Pure bf16 Adam (bf16 weights, gradients and moments, no master copy): 2 + 2 + 4 = 8
@@ -48,11 +52,12 @@ impl StatePrecision {
     }
 
     /// [`Self::of`] with the mixed modes kept as `recipe` does: [`MixedRecipe::LowModel`] is
-    /// [`Self::MIXED_ADAM`].
+    /// [`Self::MIXED_ADAM`], [`MixedRecipe::LowModelFp32Grads`] [`Self::MIXED_ADAM_FP32_GRADS`].
     pub fn of_recipe(precision: Precision, recipe: MixedRecipe) -> StatePrecision {
         match (precision, recipe) {
             (Precision::Bf16, _) => StatePrecision::BF16_ADAM,
             (Precision::Bf16Mixed | Precision::Fp16Mixed, MixedRecipe::LowModel) => StatePrecision::MIXED_ADAM,
+            (Precision::Bf16Mixed | Precision::Fp16Mixed, MixedRecipe::LowModelFp32Grads) => StatePrecision::MIXED_ADAM_FP32_GRADS,
             (Precision::F32 | Precision::Bf16Mixed | Precision::Fp16Mixed, _) => StatePrecision::FP32_ADAM,
         }
     }

@@ -183,6 +183,9 @@ pub enum Change {
     Placement(Placement),
     /// No cap on the microbatches in flight.
     NoInFlightCap,
+    /// The mixed precision's gradients accumulated and reduced in fp32
+    /// ([`crate::ir::MixedRecipe::LowModelFp32Grads`]).
+    Fp32Gradients,
 }
 
 impl Change {
@@ -216,6 +219,7 @@ impl Change {
             Change::MegatronSplit => req.megatron_split = true,
             Change::Placement(p) => req.placement = Some(*p),
             Change::NoInFlightCap => req.active_microbatches = None,
+            Change::Fp32Gradients => req.mixed_recipe = Some(crate::ir::MixedRecipe::LowModelFp32Grads),
         }
     }
 }
@@ -285,6 +289,7 @@ pub fn exact_request(plan: &Plan) -> PlanOptions {
         precision: Some(p.precision),
         offload: Some(offload),
         loading_horizon: Some(p.loading_horizon),
+        mixed_recipe: p.fp32_main_grads.then_some(crate::ir::MixedRecipe::LowModelFp32Grads),
         params: ParamOptions { trainable: plan.trainable.clone(), frozen: plan.frozen.clone() },
         cluster_flag: Some(format!("{}:{}", plan.cluster.preset, plan.cluster.devices)),
         ..PlanOptions::default()

@@ -474,9 +474,14 @@ fn training_args(args: &mut Vec<Vec<String>>, plan: &Plan, shape: &ModelShape, s
     }
     // precision
     match p.precision {
-        Precision::Bf16Mixed | Precision::Bf16 => arg(&["--bf16"]),
+        // Megatron's default under --bf16 is fp32 main grads; a plan that priced 16-bit ones says so
+        Precision::Bf16Mixed | Precision::Bf16 if p.fp32_main_grads => arg(&["--bf16"]),
+        Precision::Bf16Mixed | Precision::Bf16 => arg(&["--bf16", "--grad-reduce-in-bf16"]),
         Precision::Fp16Mixed => {
             arg(&["--fp16"]);
+            if p.fp32_main_grads {
+                arg(&["--accumulate-allreduce-grads-in-fp32"]);
+            }
             arg(&["--initial-loss-scale", "65536"]);
         }
         Precision::F32 => {}
@@ -572,7 +577,7 @@ const NO_EFFECT: &[&str] = &[
     "use-flash-attn", "attention-softmax-in-fp32", "no-masked-softmax-fusion", "log-throughput", "log-timers-to-tensorboard", "no-load-optim",
     "no-load-rng", "exit-interval", "distributed-timeout-minutes", "timing-log-level", "use-rotary-position-embeddings", "no-position-embedding",
     "overlap-grad-reduce", "overlap-param-gather", "tp-comm-overlap", "manual-gc", "ckpt-format", "use-dist-ckpt", "async-save", "micro-batch-size-per-gpu",
-    "accumulate-allreduce-grads-in-fp32", "bf16-reduce", "moe-grouped-gemm", "moe-router-load-balancing-type", "moe-aux-loss-coeff",
+    "bf16-reduce", "moe-grouped-gemm", "moe-router-load-balancing-type", "moe-aux-loss-coeff",
     "moe-router-dtype", "hysteresis", "loss-scale-window", "min-loss-scale", "initial-loss-scale", "group-query-attention",
     "tokenizer-type", "vocab-size", "position-embedding-type", "normalization", "swiglu", "untie-embeddings-and-output-weights", "disable-bias-linear",
     "max-position-embeddings", "kv-channels", "no-rope-fusion", "no-gradient-accumulation-fusion", "no-bias-swiglu-fusion", "no-bias-dropout-fusion",
@@ -1002,6 +1007,12 @@ impl ArgsReading<'_> {
         } else {
             Precision::F32
         });
+        // arguments.py: under --bf16 gradients accumulate and reduce in fp32 ("main grads")
+        // unless --grad-reduce-in-bf16; under --fp16 only with --accumulate-allreduce-grads-in-fp32
+        let (in_bf16, in_fp32) = (a.has("grad-reduce-in-bf16"), a.has("accumulate-allreduce-grads-in-fp32"));
+        if (bf16 || fp16) && !in_bf16 && (bf16 || in_fp32) {
+            o.mixed_recipe = Some(crate::ir::MixedRecipe::LowModelFp32Grads);
+        }
         if let Some(s) = a.text("loss-scale")? {
             reading.unpriced.push(Unpriced { setting: format!("--loss-scale {s}"), why: "a static loss scale changes no step time or memory the planner prices".into() });
         }

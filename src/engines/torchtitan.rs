@@ -124,6 +124,18 @@ pub fn gaps(plan: &Plan, shape: &ModelShape) -> Result<Vec<Gap>, String> {
     if p.precision == Precision::Fp16Mixed {
         out.push(gap(PlanField::Precision, "fp16 mixed precision", "it trains in bfloat16 or float32", "bfloat16 mixed precision", Some(Change::Precision(Precision::Bf16Mixed))));
     }
+    // A GPU plan prices the mixed modes' gradients 16-bit (a `cpu` one as autocast: fp32);
+    // FSDP under a pipeline accumulates them whole in its fp32 reduce dtype.
+    let fsdp_applied = (p.zero >= 1 && p.dp * p.cp > 1) || p.cp > 1;
+    if p.precision.is_mixed() && !p.fp32_main_grads && plan.cluster.machine.is_none() && fsdp_applied && p.pp > 1 {
+        out.push(gap(
+            PlanField::Precision,
+            "gradients accumulated and reduced in bfloat16",
+            "FSDP under its pipeline accumulates them whole in float32 (training.mixed_precision_reduce, its only choice)",
+            "float32 gradients",
+            Some(Change::Fp32Gradients),
+        ));
+    }
     if !same_ranks(p.placement, MESH_ORDER, p) {
         out.push(gap(PlanField::Placement, format!("rank order {}", p.placement), "its mesh is pp, dp, cp, tp from the outside in", "PDT", Some(Change::Placement(MESH_ORDER))));
     }
@@ -422,7 +434,7 @@ impl Entries {
 /// Keys that decide nothing a plan prices.
 const NO_EFFECT: &[&str] = &[
     "module", "config", "hf_assets_path", "dump_folder", "training.steps", "training.max_norm", "training.gc_freq", "training.gc_debug",
-    "training.disable_cuda_graphs", "training.mixed_precision_reduce", "parallelism.spmd_backend", "parallelism.enable_fsdp_symm_mem",
+    "training.disable_cuda_graphs", "parallelism.spmd_backend", "parallelism.enable_fsdp_symm_mem",
     "parallelism.context_parallel_load_balancer", "parallelism.pipeline_parallel_schedule_csv", "compile.enable", "compile.components",
     "compile.enable_async_tensor_parallel", "metrics.log_freq", "metrics.enable_tensorboard", "checkpoint.enable", "checkpoint.interval",
     "checkpoint.folder", "profiler.enable_profiling", "profiler.profile_freq", "optimizer.lr", "optimizer.name", "lr_scheduler.warmup_steps",
@@ -711,6 +723,17 @@ impl JobReading<'_> {
             (d, m) => return Err(refuse("config parsing", format!("training.dtype = {d}, mixed_precision_param = {m}: expected bfloat16 or float32"))),
         });
         o.sources.insert(Setting::Precision, e.source("training.mixed_precision_param", &mixed));
+        // FSDP2 reduces in the reduce dtype, float32 the only one torchtitan takes. Under a
+        // pipeline (ZeRO 1's layout) the whole gradients accumulate in it too: 2 + 4 + 12/d
+        // bytes a parameter. Sharding them (ZeRO 3) it keeps an fp32 shard that is the master,
+        // 4 + 4 + 8 over d: the 16 bytes the 16-bit recipe prices (its reduction priced 16-bit).
+        let reduce = e.text("training.mixed_precision_reduce")?.unwrap_or_else(|| "float32".into());
+        if reduce != "float32" {
+            return Err(refuse("config parsing", format!("training.mixed_precision_reduce = {reduce}: expected float32")));
+        }
+        if o.precision == Some(Precision::Bf16Mixed) && o.zero == Some(1) {
+            o.mixed_recipe = Some(crate::ir::MixedRecipe::LowModelFp32Grads);
+        }
         Ok(())
     }
 

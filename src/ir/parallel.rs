@@ -85,6 +85,10 @@ pub struct Parallelism {
     /// Microbatches whose offloaded inputs are back on the device ahead of their backward
     /// (SMP's `activation_loading_horizon`).
     pub loading_horizon: usize,
+    /// Whether a mixed precision's 16-bit model accumulates and reduces its gradients in fp32
+    /// ([`MixedRecipe::LowModelFp32Grads`]: Megatron-LM's main grads, FSDP's fp32 reduction), as
+    /// the plan priced it.
+    pub fp32_main_grads: bool,
 }
 
 impl Parallelism {
@@ -457,6 +461,12 @@ pub enum MixedRecipe {
     /// gradients, every activation) beside an fp32 master copy and fp32 moments: what checks
     /// against those engines' published runs price.
     LowModel,
+    /// [`MixedRecipe::LowModel`] with the gradients accumulated and reduced in fp32 buffers:
+    /// Megatron-LM's default under `--bf16` (its fp32 "main grads", unless
+    /// `--grad-reduce-in-bf16`) and FSDP2's under torchtitan (`mixed_precision_reduce =
+    /// float32`, its only choice), 2 + 4 + 12 bytes per parameter, the gradient collectives
+    /// moving 4 bytes each.
+    LowModelFp32Grads,
 }
 
 impl fmt::Display for Precision {

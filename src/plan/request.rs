@@ -99,6 +99,10 @@ pub struct PlanRequest {
     /// `--activation-loading-horizon`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub activation_loading_horizon: Option<usize>,
+    /// The mixed precision's gradients accumulated and reduced in fp32 (a request read from
+    /// Megatron-LM's or torchtitan's configuration: `MixedRecipe::LowModelFp32Grads`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fp32_main_grads: bool,
     /// `--trainable` patterns.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub trainable: Vec<String>,
@@ -155,6 +159,7 @@ impl PlanRequest {
             precision: options.precision.map(|p| p.name().to_string()),
             offload_activations: options.offload.map(|o| o.name().to_string()),
             activation_loading_horizon: options.loading_horizon,
+            fp32_main_grads: options.mixed_recipe == Some(crate::ir::MixedRecipe::LowModelFp32Grads),
             trainable: options.params.trainable.clone(),
             frozen: options.params.frozen.clone(),
         }
@@ -191,6 +196,7 @@ impl PlanRequest {
             precision: read("precision", &self.precision, |s| s.parse())?,
             offload: read("offload_activations", &self.offload_activations, |s| s.parse())?,
             loading_horizon: self.activation_loading_horizon,
+            mixed_recipe: self.fp32_main_grads.then_some(crate::ir::MixedRecipe::LowModelFp32Grads),
             cluster_flag: Some(self.cluster.clone()),
             ..PlanOptions::default()
         };

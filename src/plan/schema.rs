@@ -235,6 +235,8 @@ mod parallel_file {
         precision: String,
         offload_activations: String,
         activation_loading_horizon: usize,
+        #[serde(default, skip_serializing_if = "is_false")]
+        fp32_main_grads: bool,
     }
 
     pub fn serialize<S: Serializer>(p: &Parallelism, s: S) -> Result<S::Ok, S::Error> {
@@ -257,6 +259,7 @@ mod parallel_file {
             precision: p.precision.name().to_string(),
             offload_activations: p.offload.name().to_string(),
             activation_loading_horizon: p.loading_horizon,
+            fp32_main_grads: p.fp32_main_grads,
         }
         .serialize(s)
     }
@@ -292,6 +295,7 @@ mod parallel_file {
             precision,
             offload,
             loading_horizon: f.activation_loading_horizon,
+            fp32_main_grads: f.fp32_main_grads,
         })
     }
 }

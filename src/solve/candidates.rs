@@ -181,6 +181,7 @@ impl<'a> Grid<'a> {
                 }
             };
             let multi = [dp * cp, pp, tp].iter().filter(|&&x| x > 1).count() >= 2;
+            let fp32_main_grads = c.precision_for(spec).is_mixed() && c.mixed_recipe_for(spec) == crate::ir::MixedRecipe::LowModelFp32Grads;
             let placements: Vec<Placement> = match c.placement {
                 Some(p) => vec![p],
                 None if multi => vec![Placement::CLUSTER, Placement::SPREAD],
@@ -224,6 +225,7 @@ impl<'a> Grid<'a> {
                                 .loading_horizon
                                 .unwrap_or(OffloadRule::DEFAULT_HORIZON)
                                 .min(limits::max_loading_horizon(m, schedule.virtual_stages())),
+                            fp32_main_grads,
                         };
                         out.push(Candidate { parallel, microbatch_size: b });
                     }

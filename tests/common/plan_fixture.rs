@@ -90,6 +90,7 @@ pub fn fixture() -> Plan {
             precision: smp_partition::ir::Precision::Bf16Mixed,
             offload: smp_partition::ir::OffloadRule::Auto,
             loading_horizon: smp_partition::ir::OffloadRule::DEFAULT_HORIZON,
+            fp32_main_grads: false,
         },
         stages,
         layer_strategies: vec![LayerStrategy {

@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     for flag in [
         "--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
         "--sequence-parallel", "--use-tp-pp-dp-mapping", "--use-distributed-optimizer", "--use-megatron-fsdp",
-        "--bf16", "--fp16",
+        "--bf16", "--fp16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32",
     ]:
         p.add_argument(flag, action="store_true")
     p.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")

@@ -111,6 +111,11 @@ def check_megatron(p: Planned) -> None:
     assert (config.bf16, config.fp16) == (precision in ("bf16", "bf16-mixed"), precision == "fp16-mixed")
     assert args.use_distributed_optimizer == (plan["parallel"]["zero"] == 1)
     assert args.use_megatron_fsdp == (plan["parallel"]["zero"] >= 2)
+    # the gradients' type the plan priced: Megatron-LM's arguments.py turns fp32 main grads on
+    # under --bf16 unless --grad-reduce-in-bf16, under --fp16 with
+    # --accumulate-allreduce-grads-in-fp32
+    fp32_grads = not args.grad_reduce_in_bf16 and (args.bf16 or args.accumulate_allreduce_grads_in_fp32)
+    assert fp32_grads == plan["parallel"].get("fp32_main_grads", False), p.case.name
 
 
 # ---------------------------------------------------------------------------------------------
