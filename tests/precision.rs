@@ -57,11 +57,13 @@ fn param_counts() -> (f64, f64, f64) {
 /// Bytes per element of each part of the model state, by the types each layout keeps (not the
 /// cost model's table): (weight, gradient, AdamW's two moments with any master copy). The mixed
 /// modes as autocast runs them: fp32 weights that are the masters, fp32 gradients; as the
-/// engines run them: 16-bit weights and gradients beside fp32 masters.
+/// engines run them: 16-bit weights and gradients beside fp32 masters, or with Megatron's fp32
+/// main grads.
 fn bytes_of(p: Precision, recipe: MixedRecipe) -> (f64, f64, f64) {
     match (p, recipe) {
         (Precision::F32, _) | (Precision::Bf16Mixed | Precision::Fp16Mixed, MixedRecipe::Autocast) => (4.0, 4.0, 2.0 * 4.0),
         (Precision::Bf16Mixed | Precision::Fp16Mixed, MixedRecipe::LowModel) => (2.0, 2.0, 4.0 + 2.0 * 4.0),
+        (Precision::Bf16Mixed | Precision::Fp16Mixed, MixedRecipe::LowModelFp32Grads) => (2.0, 4.0, 4.0 + 2.0 * 4.0),
         (Precision::Bf16, _) => (2.0, 2.0, 2.0 * 2.0),
     }
 }
@@ -74,11 +76,13 @@ fn close(got: u64, want: f64, what: &str) {
 fn model_state_per_mode_and_zero_stage_is_the_formula() {
     let (params, trained, largest) = param_counts();
     assert!(params > 0.0 && trained > 0.0 && trained <= params);
-    for (p, recipe) in Precision::ALL.into_iter().flat_map(|p| [(p, MixedRecipe::Autocast), (p, MixedRecipe::LowModel)]) {
+    let recipes = [MixedRecipe::Autocast, MixedRecipe::LowModel, MixedRecipe::LowModelFp32Grads];
+    for (p, recipe) in Precision::ALL.into_iter().flat_map(|p| recipes.map(|r| (p, r))) {
         let (w, g, o) = bytes_of(p, recipe);
         for (dp, zero) in [(1usize, 0u8), (2, 0), (2, 1), (2, 2), (2, 3)] {
             let planned = plan_as(dp, zero, Some(p), Some(recipe));
             assert_eq!(planned.parallel.precision, p);
+            assert_eq!(planned.parallel.fp32_main_grads, p.is_mixed() && recipe == MixedRecipe::LowModelFp32Grads);
             let m = planned.stages[0].memory_bytes;
             let d = dp as f64;
             // ZeRO 1 shards the optimizer state (the moments), 2 the gradients
