@@ -476,7 +476,10 @@ fn training_args(args: &mut Vec<Vec<String>>, plan: &Plan, shape: &ModelShape, s
     match p.precision {
         // Megatron's default under --bf16 is fp32 main grads; a plan that priced 16-bit ones says so
         Precision::Bf16Mixed | Precision::Bf16 if p.fp32_main_grads => arg(&["--bf16"]),
-        Precision::Bf16Mixed | Precision::Bf16 => arg(&["--bf16", "--grad-reduce-in-bf16"]),
+        Precision::Bf16Mixed | Precision::Bf16 => {
+            arg(&["--bf16"]);
+            arg(&["--grad-reduce-in-bf16"]);
+        }
         Precision::Fp16Mixed => {
             arg(&["--fp16"]);
             if p.fp32_main_grads {
