@@ -569,6 +569,14 @@ impl Args {
     }
 }
 
+/// Flags that overlap communication with compute where the planner prices it exposed (the runner
+/// issues these collectives unoverlapped): the step is overstated by up to what they hide.
+const OVERLAP_UNPRICED: &[(&str, &str)] = &[
+    ("overlap-grad-reduce", "the data-parallel gradient reduction overlapping the last backward"),
+    ("overlap-param-gather", "the distributed optimizer's parameter all-gather overlapping the next forward"),
+    ("tp-comm-overlap", "the tensor-parallel collectives overlapping their products (Transformer Engine's userbuffers)"),
+];
+
 /// Flags that decide nothing a plan prices (data, paths, logging, optimizer hyperparameters,
 /// initialisation, kernels): read and listed, without effect.
 const NO_EFFECT: &[&str] = &[
@@ -579,7 +587,7 @@ const NO_EFFECT: &[&str] = &[
     "rotary-base", "rotary-percent", "norm-epsilon", "make-vocab-size-divisible-by", "distributed-backend", "use-mcore-models", "transformer-impl",
     "use-flash-attn", "attention-softmax-in-fp32", "no-masked-softmax-fusion", "log-throughput", "log-timers-to-tensorboard", "no-load-optim",
     "no-load-rng", "exit-interval", "distributed-timeout-minutes", "timing-log-level", "use-rotary-position-embeddings", "no-position-embedding",
-    "overlap-grad-reduce", "overlap-param-gather", "tp-comm-overlap", "manual-gc", "ckpt-format", "use-dist-ckpt", "async-save", "micro-batch-size-per-gpu",
+    "manual-gc", "ckpt-format", "use-dist-ckpt", "async-save", "micro-batch-size-per-gpu",
     "bf16-reduce", "moe-grouped-gemm", "moe-router-load-balancing-type", "moe-aux-loss-coeff",
     "moe-router-dtype", "hysteresis", "loss-scale-window", "min-loss-scale", "initial-loss-scale", "group-query-attention",
     "tokenizer-type", "vocab-size", "position-embedding-type", "normalization", "swiglu", "untie-embeddings-and-output-weights", "disable-bias-linear",
@@ -1044,6 +1052,8 @@ impl ArgsReading<'_> {
             };
             if NO_EFFECT.contains(&flag.as_str()) {
                 self.reading.no_effect.push(text);
+            } else if let Some((_, what)) = OVERLAP_UNPRICED.iter().find(|(f, _)| *f == flag) {
+                self.reading.unpriced.push(Unpriced { setting: text, why: format!("{what} is not priced: priced exposed, so the step is overstated by up to its time") });
             } else {
                 self.reading.unpriced.push(Unpriced { setting: text, why: "not a setting the planner knows; not priced".into() });
             }
