@@ -256,7 +256,7 @@ fn llama3_405b_long_context_stage_against_the_published_mfu() {
 /// rest, local batch 8 (so 2M tokens a step in every row), full recompute; sequence 32K, 64K,
 /// 128K, 256K at cp 1, 2, 4, 8: 76, 47, 31 and 16 tokens/s per GPU. The runs used Float8
 /// linears, which this planner does not price, so the ratios between rows are held (within
-/// 15 %), not the throughput. Microbatches: torchtitan's default, one per stage.
+/// 15 %), not the throughput. Microbatches: torchtitan's default, the pipeline degree (8).
 ///
 /// Not met (docs/planner.md, "Published checks"): the predicted ratios are 1.34, 1.51 and 1.92×
 /// the published ones. One term explains all three rows: a row's time per token is linear work
@@ -264,7 +264,7 @@ fn llama3_405b_long_context_stage_against_the_published_mfu() {
 /// 32K of 1.19× the linear layers' (within 0.03 on every row), where this model prices 0.22×
 /// (FLOPs alone say 0.17×). Float8 linears account for at most 2× of that 5.4×; the rest is the
 /// speed of torchtitan's ring attention per FLOP, which Meta's own long-context run (the test
-/// above, 1.03) does not show. Run on demand: `cargo test --features runner --test
+/// above, 0.962) does not show. Run on demand: `cargo test --features runner --test
 /// published_runs -- --ignored torchtitan_context`.
 #[test]
 #[ignore = "not met: attention's time per FLOP in torchtitan's context-parallel runs (see the doc comment)"]
