@@ -137,12 +137,14 @@ pub fn run(model: &Path, spec: &str, args: &PlanArgs) -> Result<ExitCode> {
 
     let options = reading.options.clone().resolve(None).context("--from-engine")?;
     let (yours, over) = engines::price(engine, &analysed, &cluster, &options).with_context(|| format!("planning the {engine} configuration"))?;
-    // ours: the same model, cluster, batch and precision, everything else searched
+    // ours: the same model, cluster, batch and precision (the gradients' type as the engine
+    // keeps them), everything else searched
     let auto = PlanOptions {
         global_batch: options.global_batch,
         seq_len: options.seq_len,
         dims: options.dims.clone(),
         precision: options.precision,
+        mixed_recipe: options.mixed_recipe,
         params: options.params.clone(),
         memory_limit_gib: f.memory_limit,
         time_limit_s: f.time_limit,
