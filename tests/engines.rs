@@ -537,6 +537,8 @@ fn engines_keep_bf16_gradients_in_fp32_as_their_defaults_say() {
     };
     let (main, reduced) = (megatron(""), megatron("--grad-reduce-in-bf16"));
     assert!(main.parallel.fp32_main_grads && !reduced.parallel.fp32_main_grads);
+    let header = |p: &Plan| smp_partition::plan::report::render(p).lines().find(|l| l.starts_with("parallel")).unwrap_or_default().to_string();
+    assert!(header(&main).ends_with("precision bf16-mixed (fp32 main grads)") && header(&reduced).ends_with("precision bf16-mixed"), "{}", header(&main));
     for (m, r) in main.stages.iter().zip(&reduced.stages) {
         let (mm, rm) = (&m.memory_bytes, &r.memory_bytes);
         // ZeRO 1 (the distributed optimizer): the gradients whole

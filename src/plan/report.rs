@@ -334,9 +334,10 @@ pub(super) fn header(plan: &Plan, out: &mut String) {
     if let Some(a) = par.active_microbatches {
         let _ = write!(parallel, " (≤ {a} in flight)");
     }
+    let grads = if par.fp32_main_grads { " (fp32 main grads)" } else { "" };
     let _ = writeln!(
         out,
-        "parallel {parallel}, checkpointing {}, placement {}, precision {}",
+        "parallel {parallel}, checkpointing {}, placement {}, precision {}{grads}",
         par.checkpointing, par.placement, par.precision
     );
     let seq = plan.seq_len.map_or(String::new(), |s| format!(", sequence {s}"));
