@@ -1021,7 +1021,7 @@ impl ArgsReading<'_> {
         // arguments.py: under --bf16 gradients accumulate and reduce in fp32 ("main grads")
         // unless --grad-reduce-in-bf16; under --fp16 only with --accumulate-allreduce-grads-in-fp32
         let (in_bf16, in_fp32) = (a.has("grad-reduce-in-bf16"), a.has("accumulate-allreduce-grads-in-fp32"));
-        if (bf16 || fp16) && !in_bf16 && (bf16 || in_fp32) {
+        if !in_bf16 && (bf16 || fp16 && in_fp32) {
             o.mixed_recipe = Some(crate::ir::MixedRecipe::LowModelFp32Grads);
         }
         if let Some(s) = a.text("loss-scale")? {

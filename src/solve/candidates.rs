@@ -133,6 +133,7 @@ impl<'a> Grid<'a> {
         let (lg, spec) = (self.lg, self.spec);
         let layers = lg.layers.len();
         let per_replica = self.batch / dp;
+        let fp32_main_grads = c.fp32_main_grads_for(spec);
         let zeros: Vec<u8> = match (c.zero, c.sharded_dp) {
             (_, Some(_)) => vec![3],
             (Some(z), None) => vec![z.min(3)],
@@ -181,7 +182,6 @@ impl<'a> Grid<'a> {
                 }
             };
             let multi = [dp * cp, pp, tp].iter().filter(|&&x| x > 1).count() >= 2;
-            let fp32_main_grads = c.precision_for(spec).is_mixed() && c.mixed_recipe_for(spec) == crate::ir::MixedRecipe::LowModelFp32Grads;
             let placements: Vec<Placement> = match c.placement {
                 Some(p) => vec![p],
                 None if multi => vec![Placement::CLUSTER, Placement::SPREAD],

@@ -370,6 +370,12 @@ impl PlanOptions {
         self.mixed_recipe.unwrap_or(if cluster.is_cpu() { crate::ir::MixedRecipe::Autocast } else { crate::ir::MixedRecipe::LowModel })
     }
 
+    /// Whether the plan's mixed precision keeps its gradients in fp32 beside a 16-bit model
+    /// ([`crate::ir::MixedRecipe::LowModelFp32Grads`]) on `cluster`: `Parallelism::fp32_main_grads`.
+    pub fn fp32_main_grads_for(&self, cluster: &ClusterSpec) -> bool {
+        self.precision_for(cluster).is_mixed() && self.mixed_recipe_for(cluster) == crate::ir::MixedRecipe::LowModelFp32Grads
+    }
+
     /// The offloading rule on `cluster`: as given (default `auto`), but never where the
     /// cluster has no host link ([`PlanOptions::check_host_link`] refuses a forced `on` there).
     pub fn offload_for(&self, cluster: &ClusterSpec) -> OffloadRule {
