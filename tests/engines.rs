@@ -269,6 +269,11 @@ fn settings_the_planner_cannot_price_are_named() {
     let overlap = r.unpriced.iter().find(|u| u.setting == "--overlap-grad-reduce").expect("--overlap-grad-reduce named");
     assert!(overlap.why.contains("priced exposed"), "{}", overlap.why);
     assert!(r.no_effect.iter().any(|s| s == "--lr 1e-4"), "{:?}", r.no_effect);
+    // DeepSpeed's 16-bit masters change the model state's bytes; its loss scaling nothing priced
+    let ds = r#"{"train_batch_size": 64, "bf16": {"enabled": true, "bf16_master_weights_and_grads": true, "check_grad_overflow": false}, "zero_optimization": {"stage": 2}}"#;
+    let (r, _) = engines::read(Engine::DeepSpeed, ds, Origin { what: PathBuf::from("ds_config.json") }, &shape, Some(64)).expect("read");
+    assert!(r.unpriced.iter().any(|u| u.setting.starts_with("bf16.bf16_master_weights_and_grads")), "{:?}", r.unpriced);
+    assert!(r.no_effect.iter().any(|s| s.starts_with("bf16.check_grad_overflow")), "{:?}", r.no_effect);
 }
 
 /// Megatron's output-discarding recompute of the norms (and the experts' activation) is the
@@ -558,4 +563,36 @@ fn engines_keep_bf16_gradients_in_fp32_as_their_defaults_say() {
     let (piped, flat) = (titan(2), titan(1));
     assert_eq!((piped.parallel.zero, flat.parallel.zero), (1, 3));
     assert!(piped.parallel.fp32_main_grads && !flat.parallel.fp32_main_grads, "FSDP's fp32 shard is the master without a pipeline");
+    // DeepSpeed keeps gradients in the model's type unless data_types.grad_accum_dtype says
+    // fp32, which its BF16 optimizer honours at ZeRO 1 alone
+    let ds = |zero: u8, accum: &str| {
+        format!(r#"{{"train_batch_size": 512, "train_micro_batch_size_per_gpu": 1, "bf16": {{"enabled": true}}, "zero_optimization": {{"stage": {zero}}}{accum}, "tensor_parallel": {{"autotp_size": 4}}}}"#)
+    };
+    let fp32 = r#", "data_types": {"grad_accum_dtype": "fp32"}"#;
+    let (plain, zero1) = (price(Engine::DeepSpeed, &ds(1, "")), price(Engine::DeepSpeed, &ds(1, fp32)));
+    assert!(!plain.parallel.fp32_main_grads && zero1.parallel.fp32_main_grads);
+    for (m, r) in zero1.stages.iter().zip(&plain.stages) {
+        assert!((m.memory_bytes.grads as f64 / r.memory_bytes.grads as f64 - 2.0).abs() < 1e-6, "stage {}", m.index);
+    }
+    let (reading, _) = engines::read(Engine::DeepSpeed, &ds(2, fp32), Origin { what: PathBuf::from("job") }, &shape, Some(64)).expect("read");
+    assert!(reading.options.mixed_recipe.is_none() && reading.no_effect.iter().any(|n| n.contains("grad_accum_dtype")), "ZeRO 2 ignores it: {:?}", reading.no_effect);
+    let m = read_err(Engine::DeepSpeed, &ds(0, fp32), &shape, 64);
+    assert!(m.contains("_do_optimizer_sanity_check") && m.contains("grad_accum_dtype=fp32"), "{m}");
+    // written back: the ZeRO 1 plan says fp32 in its config; Megatron's (fp32 main grads at
+    // ZeRO 1, pipelined) as well
+    let written = |plan: &Plan| {
+        let e = engines::emit(Engine::DeepSpeed, plan, &a, &cluster).expect("emit");
+        let cfg: serde_json::Value = serde_json::from_str(&e.written.files[0].text).expect("json");
+        (cfg["data_types"]["grad_accum_dtype"].as_str() == Some("fp32"), e.nearest.map(|n| n.parallel.fp32_main_grads))
+    };
+    assert_eq!(written(&zero1), (true, None));
+    assert_eq!(written(&plain), (false, None));
+    // torchtitan's flat FSDP plan priced with fp32 gradients at ZeRO 3 cannot say so
+    let mut z3 = engines::exact_request(&flat);
+    z3.mixed_recipe = Some(smp_partition::ir::MixedRecipe::LowModelFp32Grads);
+    let z3 = compile(&a, &cluster, &z3.resolve(None).expect("resolve"));
+    assert!(z3.parallel.fp32_main_grads);
+    let e = engines::emit(Engine::DeepSpeed, &z3, &a, &cluster).expect("emit");
+    assert!(e.gaps.iter().any(|g| g.gap.change == Some(engines::Change::ModelTypeGradients)), "{:?}", e.gaps);
+    assert_eq!(e.nearest.map(|n| n.parallel.fp32_main_grads), Some(false));
 }

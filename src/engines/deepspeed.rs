@@ -167,6 +167,15 @@ pub fn gaps(plan: &Plan, shape: &ModelShape) -> Result<Vec<Gap>, String> {
     if !megatron_split(plan) {
         out.push(gap(PlanField::TensorSplit, "a tensor split other than Megatron's in some layers", "AutoTP splits every linear layer by columns then rows", "Megatron's split in every layer", Some(Change::MegatronSplit)));
     }
+    if p.fp32_main_grads && p.precision.is_mixed() && !(p.precision == Precision::Bf16Mixed && p.zero == 1) {
+        out.push(gap(
+            PlanField::Precision,
+            format!("{} with fp32 gradients at ZeRO {}", p.precision, p.zero),
+            "data_types.grad_accum_dtype = fp32 takes effect under bf16 at ZeRO 1 alone (its BF16 optimizer): ZeRO 2 and 3 keep the gradients in the model's type and no ZeRO refuses the mix",
+            "gradients in the model's type",
+            Some(Change::ModelTypeGradients),
+        ));
+    }
     if p.precision == Precision::Bf16 {
         out.push(gap(PlanField::Precision, "pure bf16 (no fp32 master weights)", "its bf16 mode keeps fp32 master weights", "bf16 mixed precision", Some(Change::Precision(Precision::Bf16Mixed))));
     }
@@ -202,6 +211,9 @@ pub fn write(plan: &Plan, shape: &ModelShape) -> Result<Written, String> {
     cfg.insert("train_micro_batch_size_per_gpu".into(), json!(mbs));
     cfg.insert("gradient_accumulation_steps".into(), json!(m));
     cfg.insert("zero_optimization".into(), json!({ "stage": p.zero }));
+    if p.fp32_main_grads && p.precision == Precision::Bf16Mixed && p.zero == 1 {
+        cfg.insert("data_types".into(), json!({ "grad_accum_dtype": "fp32" }));
+    }
     match p.precision {
         Precision::Bf16Mixed | Precision::Bf16 => {
             cfg.insert("bf16".into(), json!({ "enabled": true }));
@@ -478,6 +490,48 @@ impl DsReading<'_> {
         } else {
             Precision::F32
         });
+        for (section, on) in [("bf16", bf16), ("fp16", fp16)] {
+            let Some(Value::Object(keys)) = self.cfg.get(section).cloned() else { continue };
+            for (k, v) in keys.iter().filter(|(k, _)| k.as_str() != "enabled") {
+                let setting = format!("{section}.{k} = {v}");
+                match k.as_str() {
+                    // the 16-bit masters, gradients and moments change the model state's bytes
+                    "bf16_master_weights_and_grads" | "bf16_optimizer_states" | "fp16_master_weights_and_grads" if on && v.as_bool() == Some(true) => {
+                        self.reading.unpriced.push(Unpriced { setting, why: "16-bit master weights, gradients or optimizer state are not priced (the plan prices fp32 masters and moments)".into() })
+                    }
+                    _ => self.reading.no_effect.push(setting),
+                }
+            }
+        }
+        self.gradient_type(if bf16 { "bf16" } else if fp16 { "fp16" } else { "fp32" })
+    }
+
+    /// `data_types.grad_accum_dtype` as `DeepSpeedEngine._do_optimizer_sanity_check` takes it:
+    /// the model's type when unset; fp32 under bf16 at ZeRO 1 (no CPU offload) is its BF16
+    /// optimizer with fp32 gradients ([`crate::ir::MixedRecipe::LowModelFp32Grads`]); ZeRO 2
+    /// and 3 ignore it; without ZeRO any type but the model's is refused.
+    fn gradient_type(&mut self, model: &'static str) -> Result<(), EngineError> {
+        let Some(types) = self.get("data_types") else { return Ok(()) };
+        let Some(raw) = types.get("grad_accum_dtype").filter(|v| !v.is_null()) else { return Ok(()) };
+        let name = raw.as_str().unwrap_or_default().trim_start_matches("torch.");
+        let accum = match name {
+            "fp32" | "float32" | "float" => "fp32",
+            "fp16" | "float16" | "half" => "fp16",
+            "bf16" | "bfloat16" | "bfloat" => "bf16",
+            _ => return Err(refuse("DtypeEnum", format!("data_types.grad_accum_dtype = {raw}: expected fp32, fp16 or bf16"))),
+        };
+        let setting = format!("data_types.grad_accum_dtype = {raw}");
+        let zero = self.o.zero.unwrap_or(0);
+        let cpu_offload = self.cfg.get("zero_optimization").and_then(|z| z.get("offload_optimizer")).and_then(|o| o.get("device")).and_then(Value::as_str) == Some("cpu");
+        if accum == model {
+            self.reading.no_effect.push(format!("{setting} (the model's type, the default)"));
+        } else if zero == 0 {
+            return Err(refuse("DeepSpeedEngine._do_optimizer_sanity_check", format!("unsupported mix of model_dtype={model} and grad_accum_dtype={accum} without ZeRO")));
+        } else if model == "bf16" && accum == "fp32" && zero == 1 && !cpu_offload {
+            self.o.mixed_recipe = Some(crate::ir::MixedRecipe::LowModelFp32Grads);
+        } else {
+            self.reading.no_effect.push(format!("{setting} (ZeRO {zero}'s optimizer keeps the gradients in the model's type, {model})"));
+        }
         Ok(())
     }
 

@@ -186,6 +186,9 @@ pub enum Change {
     /// The mixed precision's gradients accumulated and reduced in fp32
     /// ([`crate::ir::MixedRecipe::LowModelFp32Grads`]).
     Fp32Gradients,
+    /// The mixed precision's gradients kept in the model's type (the cluster's default recipe,
+    /// which has no fp32 main grads).
+    ModelTypeGradients,
 }
 
 impl Change {
@@ -220,6 +223,7 @@ impl Change {
             Change::Placement(p) => req.placement = Some(*p),
             Change::NoInFlightCap => req.active_microbatches = None,
             Change::Fp32Gradients => req.mixed_recipe = Some(crate::ir::MixedRecipe::LowModelFp32Grads),
+            Change::ModelTypeGradients => req.mixed_recipe = None,
         }
     }
 }

@@ -276,6 +276,11 @@ def check_deepspeed(p: Planned) -> None:
     assert cfg.zero_optimization_stage == plan["parallel"]["zero"]
     precision = plan["parallel"]["precision"]
     assert (cfg.bfloat16_config.enabled, cfg.float16_config.enabled) == (precision in ("bf16", "bf16-mixed"), precision == "fp16-mixed")
+    # fp32 gradients: DeepSpeed's BF16 optimizer, which it picks for bf16 at ZeRO 1 alone
+    fp32_grads = cfg.grad_accum_dtype in ("fp32", "float32", "float", "torch.float32")
+    assert fp32_grads == plan["parallel"].get("fp32_main_grads", False), f"{p.case.name}: grad_accum_dtype {cfg.grad_accum_dtype}"
+    if fp32_grads:
+        assert cfg.bfloat16_config.enabled and cfg.zero_optimization_stage == 1
     if d["tp"] > 1:
         assert cfg.tensor_parallel_config.autotp_size == d["tp"]
     if d["cp"] > 1:
