@@ -87,6 +87,7 @@ pub fn scaled(fig: &NodeFigures, factor: f64) -> NodeFigures {
         score_bytes: fig.score_bytes * factor,
         score_saved_bytes: fig.score_saved_bytes * factor,
         norm_saved_bytes: fig.norm_saved_bytes * factor,
+        experts_activation_bytes: fig.experts_activation_bytes * factor,
         gemms,
         ..*fig
     }

@@ -66,6 +66,9 @@ pub struct NodeFigures {
     /// The part of `saved_bytes` a composite RMS normalisation keeps beside its input (the
     /// normalised copy and its per-row statistic), which a fused kernel does not.
     pub norm_saved_bytes: f64,
+    /// The part of `saved_bytes` that is a mixture of experts' activation function (its output
+    /// and the gated product), which selective recompute rebuilds (Megatron-Core's `moe_act`).
+    pub experts_activation_bytes: f64,
     /// The matrix products with a weight operand this node runs (a weight matmul: one; routed
     /// experts: each expert's gate-up and down), for the cost model's GEMM-efficiency surface;
     /// unused entries have `share` 0. A sum of figures has none.
@@ -97,6 +100,7 @@ impl std::ops::AddAssign for NodeFigures {
         self.score_bytes += o.score_bytes;
         self.score_saved_bytes += o.score_saved_bytes;
         self.norm_saved_bytes += o.norm_saved_bytes;
+        self.experts_activation_bytes += o.experts_activation_bytes;
         self.gemms = Default::default();
     }
 }
@@ -136,9 +140,11 @@ pub struct Layer {
     pub shared_input_bytes: f64,
     /// Of `figures.saved_bytes`, the bytes of those shared inputs.
     pub shared_saved_bytes: f64,
-    /// Of `figures.saved_bytes`, the outputs selective recompute rebuilds instead of keeping.
+    /// Of `figures.saved_bytes`, the outputs selective recompute rebuilds instead of keeping,
+    /// and the experts' activations inside its mixtures of experts.
     pub selective_bytes: f64,
-    /// The nodes making them (`passes::layers::selectively_recomputed`), in execution order.
+    /// The nodes making them (`passes::layers::selectively_recomputed`, then the mixtures of
+    /// experts).
     pub selective_nodes: Vec<NodeId>,
 }
 
@@ -163,8 +169,8 @@ pub struct LayerBytes {
     pub shared_input_bytes: f64,
     /// Of `saved_bytes`, those shared inputs (`shared_saved_bytes`).
     pub shared_saved_bytes: f64,
-    /// Of `saved_bytes`, the outputs selective recompute rebuilds instead of keeping
-    /// (`selective_bytes`).
+    /// Of `saved_bytes`, the outputs selective recompute rebuilds instead of keeping, and the
+    /// experts' activations (`selective_bytes`).
     pub selective_bytes: f64,
     /// Per microbatch, whatever its size: the low-type copies of weights its matrix products
     /// keep under autocast (0 in one type throughout).

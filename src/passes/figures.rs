@@ -22,6 +22,10 @@ pub struct Saved {
     /// normalised copy the scale's gradient reads, one statistic per row), which a fused kernel
     /// does not (see `cost::ClusterSpec::fused_norms`), per sample.
     pub norm_bytes: f64,
+    /// Of `extra_bytes`, what a mixture of experts keeps of its experts' activation function
+    /// (the activation's output and the gated product), which selective recompute rebuilds, per
+    /// sample.
+    pub experts_activation_bytes: f64,
 }
 
 /// Figures of a whole graph.
@@ -214,6 +218,7 @@ pub fn compute_at(graph: &Graph, bindings: &DimBindings, low: Option<DType>) -> 
         fig.saved_bytes = saved.values.iter().map(|&v| sz.bytes(v)).sum::<f64>() / batch + saved.extra_bytes;
         fig.score_saved_bytes = saved.values.iter().filter(|v| score[v.index()]).map(|&v| sz.bytes(v)).sum::<f64>() / batch;
         fig.norm_saved_bytes = saved.norm_bytes;
+        fig.experts_activation_bytes = saved.experts_activation_bytes;
         f.total_flops += fig.flops;
         f.per_node[id.index()] = fig;
         f.saved[id.index()] = saved;
@@ -394,6 +399,8 @@ struct ExpertsWork {
     /// Bytes autograd keeps of them (the gathered tokens, gate and up, the activation and the
     /// gated product, the outputs).
     saved_bytes: f64,
+    /// Of `saved_bytes`, the activation and the gated product.
+    activation_bytes: f64,
 }
 
 fn experts_work(sz: &Sizes, node: &Node) -> Option<ExpertsWork> {
@@ -411,6 +418,7 @@ fn experts_work(sz: &Sizes, node: &Node) -> Option<ExpertsWork> {
         flops: pairs * (2.0 * h * i2 + 5.0 * i + 2.0 * i * h + 2.0 * h + biases),
         routed_bytes: pairs * (h + i2 + i + h) * elem,
         saved_bytes: pairs * (h + i2 + 2.0 * i + h) * elem,
+        activation_bytes: pairs * 2.0 * i * elem,
     })
 }
 
@@ -699,7 +707,10 @@ fn saved(sz: &Sizes, node: &Node, grad: &[bool], data: &[bool], batch: f64) -> S
             if any_rg {
                 keep(input(1));
                 keep(input(2));
-                s.extra_bytes += experts_work(sz, node).map_or(0.0, |w| w.saved_bytes) / batch;
+                if let Some(w) = experts_work(sz, node) {
+                    s.extra_bytes += w.saved_bytes / batch;
+                    s.experts_activation_bytes = w.activation_bytes / batch;
+                }
             }
         }
         Gather | GatherElements | GatherND | ScatterND => {

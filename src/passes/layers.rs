@@ -113,6 +113,8 @@ pub fn group(graph: &Graph, fig: &Figures, _dims: &DimBindings) -> Result<Vec<La
     for layer in &mut layers {
         let saved = saved_values(fig, layer);
         layer.selective_nodes = selectively_recomputed(graph, layer, &saved).into_iter().map(|(n, _)| n).collect();
+        // a mixture of experts rebuilds its experts' activations inside it
+        layer.selective_nodes.extend(layer.nodes.iter().copied().filter(|n| fig.saved[n.index()].experts_activation_bytes > 0.0));
     }
     Ok(layers)
 }
@@ -141,7 +143,8 @@ pub fn layer_bytes(graph: &Graph, fig: &Figures, layers: &[Layer]) -> Vec<LayerB
             let shared: Vec<ValueId> = layer.inputs.iter().copied().filter(|v| readers[v] > 1).collect();
             let selective = selectively_recomputed(graph, layer, &saved);
             LayerBytes {
-                selective_bytes: selective.iter().map(|&(_, v)| fig.value_bytes(graph, v)).sum(),
+                selective_bytes: selective.iter().map(|&(_, v)| fig.value_bytes(graph, v)).sum::<f64>()
+                    + layer.nodes.iter().map(|n| fig.saved[n.index()].experts_activation_bytes).sum::<f64>(),
                 saved_bytes: saved.iter().map(|&v| fig.value_bytes(graph, v)).sum::<f64>() + extra,
                 score_saved_bytes: saved.iter().filter(|v| fig.score.get(v.index()).copied().unwrap_or(false)).map(|&v| fig.value_bytes(graph, v)).sum(),
                 norm_saved_bytes: norm,

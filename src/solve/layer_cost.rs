@@ -990,8 +990,9 @@ impl<'a> CostContext<'a> {
         }
     }
 
-    /// `pt` (of assignment `d`) with the layer's normalisations and activation functions
-    /// rebuilt in the backward instead of kept (`Layer::selective_nodes`): its kept bytes less
+    /// `pt` (of assignment `d`) with the layer's normalisations and activation functions (the
+    /// experts' too) rebuilt in the backward instead of kept (`Layer::selective_nodes`): its
+    /// kept bytes less
     /// their outputs (each split as its node is; under context parallelism each rank's tokens),
     /// its backward longer by their forwards. `None` where nothing would be freed.
     fn selective_point(&self, layer: usize, d: &StrategyDetail, pt: &ParetoPoint, cfg: &LayerConfig) -> Option<ParetoPoint> {
@@ -1011,6 +1012,18 @@ impl<'a> CostContext<'a> {
                 _ => t,
             };
             let fig = self.bytes.node(n);
+            if node.op.is(OpKind::MixtureOfExperts) {
+                // its experts' activations, rebuilt from the kept gate and up halves (read
+                // twice, written once); a folded expert group's tensor ranks route their own
+                // tokens, so its pairs split over them as an expert split's widths do
+                let split_by = if cfg.etp != cfg.tp { t } else { split_by };
+                let act = fig.experts_activation_bytes;
+                whole += act;
+                freed += act * b / c / split_by;
+                let rebuild = NodeFigures { memory_bytes: 2.0 * act, ..Default::default() };
+                time += node_time(&split(&rebuild, b / c, split_by, SplitDim::Columns), self.dtype, self.spec);
+                continue;
+            }
             whole += fig.output_bytes;
             freed += fig.output_bytes * b / c / split_by;
             time += node_time(&split(&fig, b / c, split_by, SplitDim::Columns), self.dtype, self.spec);

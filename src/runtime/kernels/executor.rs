@@ -62,6 +62,9 @@ pub struct Executor<'g> {
     device: Device,
     /// By node index: the input slots the node may write its result over ([`scratch_operands`]).
     in_place: Vec<Vec<usize>>,
+    /// While [`Executor::setting_aside_experts`] runs: the mixtures of experts (by name) whose
+    /// experts' activations it sets aside, and what they made.
+    set_aside: std::cell::RefCell<(std::collections::HashSet<String>, Vec<ops::moe::ExpertActivationParts>)>,
 }
 
 /// Lists the nodes without a kernel, or `Ok` if every node has one.
@@ -128,7 +131,7 @@ impl<'g> Executor<'g> {
         }
         let ctx = OpContext { float_kind: opts.float_kind, training: opts.training, norm: NormStats::Running, dropout: None, autocast: opts.autocast, context: None };
         let in_place = scratch_operands(graph);
-        Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None, expert_group: std::cell::OnceCell::new(), norm: Cell::new(NormStats::Running), dropout: Cell::new(None), context: std::cell::OnceCell::new(), live, device, in_place })
+        Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None, expert_group: std::cell::OnceCell::new(), norm: Cell::new(NormStats::Running), dropout: Cell::new(None), context: std::cell::OnceCell::new(), live, device, in_place, set_aside: Default::default() })
     }
 
     /// Makes the `MixtureOfExperts` nodes route their tokens to the experts' ranks over `pg`
@@ -161,8 +164,28 @@ impl<'g> Executor<'g> {
         self.norm.set(norm);
     }
 
+    /// Runs `f` (forwards of this executor), handing back the experts' activations the
+    /// mixtures of experts named in `experts` made (selective recompute frees them and rebuilds
+    /// them before the backward: [`ops::moe::ExpertActivationParts`]).
+    pub(crate) fn setting_aside_experts<T>(&self, experts: std::collections::HashSet<String>, f: impl FnOnce() -> T) -> (T, Vec<ops::moe::ExpertActivationParts>) {
+        *self.set_aside.borrow_mut() = (experts, Vec::new());
+        let out = f();
+        let (_, made) = std::mem::take(&mut *self.set_aside.borrow_mut());
+        (out, made)
+    }
+
     /// One node: a kernel, or a tensor-parallel collective over `tensor_group`.
     fn run_node(&self, node: &Node, inputs: &[Option<Tensor>]) -> Result<Vec<Tensor>, String> {
+        if node.op.is(crate::ir::OpKind::MixtureOfExperts) && self.set_aside.borrow().0.contains(&node.name) {
+            let (out, made) = ops::moe::setting_aside(|| self.run_kernel(node, inputs));
+            self.set_aside.borrow_mut().1.extend(made);
+            return out;
+        }
+        self.run_kernel(node, inputs)
+    }
+
+    /// [`Executor::run_node`]'s work.
+    fn run_kernel(&self, node: &Node, inputs: &[Option<Tensor>]) -> Result<Vec<Tensor>, String> {
         let ctx = OpContext { norm: self.norm.get(), dropout: self.dropout.get(), context: self.context_rank(), ..self.ctx };
         if let Some(pg) = self.expert_group.get().filter(|_| node.op.is(crate::ir::OpKind::MixtureOfExperts)) {
             return super::experts::expert_parallel(node, inputs, &ctx, pg).map(|t| vec![t]);

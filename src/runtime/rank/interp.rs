@@ -2,7 +2,7 @@
 //! training step (microbatch activations, received tensors, accumulated gradients, messages in
 //! flight) and the rank's ZeRO state.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::Instant;
 
 use tch::{Kind, Tensor};
@@ -26,6 +26,7 @@ use super::offload::Offload;
 use super::straggler::{self, Stragglers};
 use crate::codegen::{Instr, Payload, Purpose};
 use crate::ir::{NodeId, ValueId};
+use crate::runtime::kernels::ops::moe::ExpertActivationParts;
 
 /// One microbatch of one stage between its forward and its backward.
 #[derive(Default)]
@@ -59,6 +60,8 @@ struct Part {
     outputs: Vec<(ValueId, Tensor)>,
     /// Outputs selective recompute freed after the forward, rebuilt before the backward.
     rebuilt: Vec<Rebuilt>,
+    /// Experts' activations inside its mixtures of experts, the same.
+    experts: Vec<ExpertActivationParts>,
 }
 
 /// An output freed after its segment's forward (selective recompute): the node that made it,
@@ -80,6 +83,9 @@ fn set_aside(graph: &crate::ir::Graph, nodes: &[NodeId], outs: &HashMap<ValueId,
     let mut out = Vec::with_capacity(nodes.len());
     for &n in nodes {
         let node = graph.node(n);
+        if rebuilt_inside(node) {
+            continue;
+        }
         let Some((&v, t)) = node.outputs.first().and_then(|v| outs.get_key_value(v)) else { continue };
         let (lo, hi) = span(t);
         let viewed = keep.iter().filter(|&&k| k != v).filter_map(|k| outs.get(k)).any(|o| (lo..hi.max(lo + 1)).contains(&(o.data_ptr() as usize)));
@@ -91,6 +97,12 @@ fn set_aside(graph: &crate::ir::Graph, nodes: &[NodeId], outs: &HashMap<ValueId,
         out.push(Rebuilt { node: n, inputs, output: (v, t.shallow_clone()) });
     }
     Ok(out)
+}
+
+/// Whether selective recompute rebuilds what `node` makes inside it (a mixture of experts'
+/// activations) rather than its output.
+fn rebuilt_inside(node: &crate::ir::Node) -> bool {
+    node.op.is(crate::ir::OpKind::MixtureOfExperts)
 }
 
 /// Runs each of `rebuilt`'s nodes again without autograd and moves the result into the storage
@@ -423,20 +435,29 @@ impl<'r, 'a> Interp<'r, 'a> {
             } else {
                 // what rebuilding the selectively recomputed outputs reads is kept with them
                 let mut keep = seg.outputs.clone();
+                let mut inside = HashSet::new();
                 for &n in &seg.rebuilt {
                     let node = ex.graph().node(n);
+                    if rebuilt_inside(node) {
+                        inside.insert(node.name.clone());
+                        continue;
+                    }
                     for v in node.outputs.iter().chain(node.inputs.iter().flatten()) {
                         if !keep.contains(v) {
                             keep.push(*v);
                         }
                     }
                 }
-                let mut outs = ex.run_nodes(&seg.nodes, &feeds, &keep)?;
+                let (outs, experts) = ex.setting_aside_experts(inside, || ex.run_nodes(&seg.nodes, &feeds, &keep));
+                let mut outs = outs?;
                 let rebuilt = set_aside(ex.graph(), &seg.rebuilt, &outs, &seg.outputs)?;
+                for e in &experts {
+                    e.free()?;
+                }
                 outs.retain(|v, _| seg.outputs.contains(v));
                 let outputs: Vec<(ValueId, Tensor)> = seg.outputs.iter().filter_map(|v| outs.get(v).map(|t| (*v, t.shallow_clone()))).collect();
                 env.extend(outs);
-                parts.push(Some(Part { inputs: ins, outputs, rebuilt }));
+                parts.push(Some(Part { inputs: ins, outputs, rebuilt, experts }));
             }
             self.zero.note_peak(peak);
         }
@@ -468,7 +489,7 @@ impl<'r, 'a> Interp<'r, 'a> {
                     let outs: Vec<Tensor> = leaves.iter().map(|(_, t)| t.shallow_clone()).collect();
                     let loss = self.microbatch_loss(mb, &outs)?;
                     self.count_loss(&loss)?;
-                    (Vec::new(), Some(loss), Some(Part { inputs: leaves, outputs: Vec::new(), rebuilt: Vec::new() }))
+                    (Vec::new(), Some(loss), Some(Part { inputs: leaves, outputs: Vec::new(), rebuilt: Vec::new(), experts: Vec::new() }))
                 }
             }
         } else {
@@ -629,10 +650,13 @@ impl<'r, 'a> Interp<'r, 'a> {
                     feeds.extend(ins.iter().map(|(v, t)| (*v, t.shallow_clone())));
                     let outs = ex.run_nodes(&seg.nodes, &feeds, &seg.outputs)?;
                     let outputs = seg.outputs.iter().filter_map(|v| outs.get(v).map(|t| (*v, t.shallow_clone()))).collect();
-                    Part { inputs: ins, outputs, rebuilt: Vec::new() }
+                    Part { inputs: ins, outputs, rebuilt: Vec::new(), experts: Vec::new() }
                 }
             };
             rebuild(ex, &part.rebuilt)?;
+            for e in &part.experts {
+                e.rebuild()?;
+            }
             let mut root: Option<Tensor> = None;
             if st.loss_in_segment == Some(i) {
                 let loss = match st.loss.take() {

@@ -9,7 +9,8 @@
 //! Selective recompute runs inside a segment that keeps its autograd graph: the outputs of its
 //! normalisations and activation functions that the plan names are freed once the forward has
 //! run (their storage, which autograd's saved references share) and rebuilt into the same
-//! storage before the segment's backward, as Megatron-Core's `CheckpointWithoutOutput` does.
+//! storage before the segment's backward, as Megatron-Core's `CheckpointWithoutOutput` does; a
+//! mixture of experts so named frees and rebuilds its experts' activations instead (`moe_act`).
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
@@ -131,7 +132,8 @@ pub(super) fn stage_segments(
                 .iter()
                 .copied()
                 .filter(|&n| selective.contains(&graph.node(n).name))
-                .filter(|&n| matches!(graph.node(n).outputs.as_slice(), [v] if !seg.outputs.contains(v) && !yields.contains(v)))
+                // a mixture of experts rebuilds its experts' activations, its output stays
+                .filter(|&n| graph.node(n).op.is(crate::ir::OpKind::MixtureOfExperts) || matches!(graph.node(n).outputs.as_slice(), [v] if !seg.outputs.contains(v) && !yields.contains(v)))
                 .collect();
         }
     }

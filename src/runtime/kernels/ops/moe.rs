@@ -158,19 +158,14 @@ pub(crate) fn run_experts(rows: &Tensor, counts: &[i64], w: &ExpertWeights, acti
         }
         let halves = gu.f_chunk(2, -1)?;
         let [gate, up] = halves.as_slice() else { bail!("gate_up of expert {e} does not halve") };
-        let h = match activation {
-            ExpertActivation::Silu => gate.f_silu()?.f_mul(up)?,
-            ExpertActivation::ClampedSilu { limit } => {
-                let l = limit.0;
-                gate.f_clamp_max(l)?.f_silu()?.f_mul(&up.f_clamp(-l, l)?)?
-            }
-            ExpertActivation::ClampedSwish { alpha, limit } => {
-                let (a, l) = (alpha.0, limit.0);
-                let g = gate.f_clamp_max(l)?;
-                g.f_mul(&g.f_mul_scalar(a)?.f_sigmoid()?)?.f_mul(&up.f_clamp(-l, l)?.f_add_scalar(1.0)?)?
-            }
-        };
+        let made = activate(gate, up, activation)?;
+        let Some(h) = made.last() else { bail!("expert {e}: the activation made nothing") };
         let mut y = h.f_matmul(&low(down.f_get(e)?)?.f_tr()?)?;
+        SET_ASIDE.with_borrow_mut(|aside| {
+            if let Some(aside) = aside {
+                aside.push(ExpertActivationParts { gate: gate.shallow_clone(), up: up.shallow_clone(), activation, made });
+            }
+        });
         if let Some(b) = &w.down_bias {
             y = y.f_add(&low(b.f_get(e)?)?)?;
         }
@@ -181,6 +176,77 @@ pub(crate) fn run_experts(rows: &Tensor, counts: &[i64], w: &ExpertWeights, acti
         return Ok(rows.f_mul_scalar(0.0)?);
     }
     Ok(Tensor::f_cat(&parts, 0)?)
+}
+
+/// Every tensor the experts' gated activation makes from the gate and up halves, in order, the
+/// gated product (what the down projection reads) last.
+fn activate(gate: &Tensor, up: &Tensor, activation: ExpertActivation) -> KResult<Vec<Tensor>> {
+    Ok(match activation {
+        ExpertActivation::Silu => {
+            let s = gate.f_silu()?;
+            let h = s.f_mul(up)?;
+            vec![s, h]
+        }
+        ExpertActivation::ClampedSilu { limit } => {
+            let l = limit.0;
+            let c = gate.f_clamp_max(l)?;
+            let s = c.f_silu()?;
+            let u = up.f_clamp(-l, l)?;
+            let h = s.f_mul(&u)?;
+            vec![c, s, u, h]
+        }
+        ExpertActivation::ClampedSwish { alpha, limit } => {
+            let (a, l) = (alpha.0, limit.0);
+            let g = gate.f_clamp_max(l)?;
+            let ga = g.f_mul_scalar(a)?;
+            let sg = ga.f_sigmoid()?;
+            let gs = g.f_mul(&sg)?;
+            let u = up.f_clamp(-l, l)?;
+            let u1 = u.f_add_scalar(1.0)?;
+            let h = gs.f_mul(&u1)?;
+            vec![g, ga, sg, gs, u, u1, h]
+        }
+    })
+}
+
+thread_local! {
+    /// While [`setting_aside`] runs: the activations [`run_experts`] made.
+    static SET_ASIDE: std::cell::RefCell<Option<Vec<ExpertActivationParts>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// One expert's activation in a forward whose mixture of experts selective recompute rebuilds
+/// (Megatron-Core's `moe_act`): what the activation made (autograd's saved tensors share their
+/// storage), freed after the forward and rebuilt from the gate and up halves, which the
+/// products' backwards keep anyway, before the backward.
+pub(crate) struct ExpertActivationParts {
+    gate: Tensor,
+    up: Tensor,
+    activation: ExpertActivation,
+    made: Vec<Tensor>,
+}
+
+impl ExpertActivationParts {
+    /// Frees what the activation made.
+    pub(crate) fn free(&self) -> Result<(), crate::runtime::RuntimeError> {
+        self.made.iter().filter(|t| t.numel() > 0).try_for_each(crate::runtime::kernels::storage::free)
+    }
+
+    /// Computes the activation again without autograd into the storage [`Self::free`] freed.
+    pub(crate) fn rebuild(&self) -> Result<(), crate::runtime::RuntimeError> {
+        let fresh = tch::no_grad(|| activate(&self.gate, &self.up, self.activation)).map_err(|e| crate::runtime::error::terr(format!("rebuilding an expert's activation: {}", e.0)))?;
+        for (dst, src) in self.made.iter().zip(&fresh).filter(|(t, _)| t.numel() > 0) {
+            crate::runtime::kernels::storage::take(dst, src)?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs `f` and hands back the experts' activations every [`run_experts`] inside it made.
+pub(crate) fn setting_aside<T>(f: impl FnOnce() -> T) -> (T, Vec<ExpertActivationParts>) {
+    let before = SET_ASIDE.replace(Some(Vec::new()));
+    let out = f();
+    let got = SET_ASIDE.replace(before).unwrap_or_default();
+    (out, got)
 }
 
 /// `ys` (one row per sorted pair) scaled by the router's weights (unless they scaled the
