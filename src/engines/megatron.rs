@@ -876,18 +876,19 @@ impl ArgsReading<'_> {
                 let named: Vec<&str> = modules.as_deref().map(|m| m.split_whitespace().collect()).unwrap_or_default();
                 if !named.is_empty() && named.iter().all(|m| SELECTIVE_MODULES.contains(m)) {
                     // output-discarding recompute of the norms (and the experts' activation): the
-                    // planner's selective recompute, which also rebuilds dense MLP activations
-                    if named.contains(&"moe_act") {
+                    // planner's selective recompute, which also rebuilds dense MLP activations and,
+                    // in a mixture of experts, the experts' activation
+                    if shape.experts.is_some() && !named.contains(&"moe_act") {
                         reading.unpriced.push(Unpriced {
-                            setting: "--recompute-modules moe_act".into(),
-                            why: "the experts' activation inside the fused experts op is priced as kept, so memory is overstated by it".into(),
+                            setting: format!("--recompute-modules {}", named.join(" ")),
+                            why: "the planner's selective recompute also rebuilds the experts' activation (`moe_act`), so memory is understated by it".into(),
                         });
                     }
                     selective_rule = true;
                 } else {
                     reading.unpriced.push(Unpriced {
                         setting: format!("--recompute-granularity selective{}", modules.map(|m| format!(" --recompute-modules {m}")).unwrap_or_default()),
-                        why: "only the norms and the experts' activation (`layernorm`, `moe_act`) are rebuilt as the planner prices selective recompute; other modules (core attention by default) are priced as no recompute, so memory is overstated".into(),
+                        why: "only the norms and the experts' activation (`layernorm`, `moe_act`) are rebuilt as the planner prices selective recompute; other modules (core attention by default) are priced as no recompute: the step leaves out their forward rerun in the backward and memory counts what they free (under a fused attention kernel core attention frees only its softmax statistics, so memory is about right there)".into(),
                     });
                 }
                 BTreeSet::new()

@@ -25,10 +25,17 @@ fn schedule(p: &Plan) -> String {
 
 fn recompute(p: &Plan) -> String {
     let n = checkpointed(p).len();
-    match n {
+    let selective = p.stages.iter().map(|s| s.selective_layers.len()).sum::<usize>();
+    let whole = match n {
+        0 if selective > 0 => String::new(),
         0 => "none".to_string(),
         n if n == p.model.layers => "every layer".to_string(),
         n => format!("{n} of {} layers", p.model.layers),
+    };
+    match (selective, whole.is_empty()) {
+        (0, _) => whole,
+        (s, true) => format!("selective in {s} layers"),
+        (s, false) => format!("{whole}, selective in {s}"),
     }
 }
 

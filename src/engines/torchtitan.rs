@@ -507,6 +507,32 @@ pub fn read(text: &str, origin: Origin, shape: &ModelShape, devices: Option<usiz
     Ok((r.reading, Some(world)))
 }
 
+/// The blocks torchtitan before 0.3 checkpoints under `mode = "selective"` with a layer count
+/// `every` (`selective_ac_option`): each rank counts the blocks of its model parts (its stages
+/// of `layout` in order, all blocks without one) from 1 and wraps those whose count `every`
+/// divides, every block at 0 (`_apply_ac_to_transformer_block`'s process-wide counter).
+fn every_nth_block(every: usize, layout: Option<&crate::solve::Layout>, pp: usize, shape: &ModelShape) -> BTreeSet<usize> {
+    let blocks = all_blocks(shape);
+    let stages: Vec<[usize; 2]> = layout.map_or_else(|| vec![[0, shape.kinds.len().saturating_sub(1)]], |l| l.0.clone());
+    let pp = pp.max(1);
+    let mut out = BTreeSet::new();
+    for rank in 0..pp {
+        let mut count = 0;
+        for [first, last] in stages.iter().enumerate().filter(|(s, _)| layout.is_none() || s % pp == rank).map(|(_, r)| *r) {
+            for l in (first..=last).filter(|l| blocks.contains(l)) {
+                count += 1;
+                if every == 0 || count % every == 0 {
+                    out.insert(l);
+                }
+            }
+        }
+        if layout.is_none() {
+            break;
+        }
+    }
+    out
+}
+
 /// A refusal by torchtitan's `check`.
 fn refuse(check: &str, why: String) -> EngineError {
     EngineError::Refused { engine: ENGINE, check: check.into(), why }
@@ -740,8 +766,19 @@ impl JobReading<'_> {
     /// Activation checkpointing and CPU offloading.
     fn checkpointing(&mut self) -> Result<(), EngineError> {
         let (e, o, reading) = (&mut self.e, &mut self.o, &mut self.reading);
-        let mode = e.text("activation_checkpoint.mode")?;
+        // a job TOML is read by torchtitan before 0.3, whose selective mode (the default)
+        // checkpoints every Nth block unless its option says "op"
+        let toml = e.map.values().any(|v| matches!(v, Val::Toml(_)));
+        let given = e.text("activation_checkpoint.mode")?;
+        let mode = given.clone().or_else(|| toml.then(|| "selective".to_string()));
+        let option = if toml { e.text("activation_checkpoint.selective_ac_option")? } else { None };
+        let layer_sac = toml && mode.as_deref() == Some("selective") && option.as_deref().is_none_or(|o| o.chars().all(|c| c.is_ascii_digit()));
         let set = match mode.as_deref() {
+            _ if layer_sac => {
+                let text = option.clone().unwrap_or_else(|| "2".into());
+                let every = text.parse::<usize>().map_err(|_| e.syntax(format!("`activation_checkpoint.selective_ac_option`: `{text}` is not a layer count")))?;
+                every_nth_block(every, o.layout.as_ref(), o.pp.unwrap_or(1), self.shape)
+            }
             Some("full") => all_blocks(self.shape),
             Some("none") => BTreeSet::new(),
             Some(m @ ("selective" | "memory-budget" | "memory_budget")) => {
@@ -755,7 +792,12 @@ impl JobReading<'_> {
             }
         };
         o.checkpointed_layers = Some(set);
-        o.sources.insert(Setting::CheckpointedLayers, e.source("activation_checkpoint.mode", mode.unwrap_or_else(|| "(not given)".into())));
+        let said = match (given, layer_sac) {
+            (m, true) => format!("{} (every {} blocks)", m.unwrap_or_else(|| "selective, the default".into()), option.unwrap_or_else(|| "2, the default,".into())),
+            (Some(m), false) => m,
+            (None, false) => mode.map_or_else(|| "(not given)".into(), |m| format!("{m}, the default")),
+        };
+        o.sources.insert(Setting::CheckpointedLayers, e.source("activation_checkpoint.mode", said));
         o.offload = Some(OffloadRule::Never);
         if e.flag("training.enable_cpu_offload")? == Some(true) {
             reading.unpriced.push(Unpriced { setting: "training.enable_cpu_offload = true".into(), why: "FSDP's CPU offloading of parameters, gradients and optimizer state is not priced".into() });
