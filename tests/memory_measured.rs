@@ -67,6 +67,8 @@ const CASES: &[Case] = &[
     Case { name: "pp2-bf16-mixed", model: "llama", flags: &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--checkpointing", "none", "--precision", "bf16-mixed"] },
     Case { name: "pp2-fp16-mixed", model: "llama", flags: &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--checkpointing", "none", "--precision", "fp16-mixed"] },
     Case { name: "mixtral-dp2-ep2", model: "mixtral", flags: &["--pp", "1", "--tp", "1", "--dp", "2", "--ep", "2", "--checkpointing", "none"] },
+    // a stage of the embedding alone, whose masks and rotary tables go to the next stage
+    Case { name: "mixtral-pp2-interleaved", model: "mixtral", flags: &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "interleaved:2", "--checkpointing", "none"] },
     // the norms, activation functions and the experts' activations rebuilt
     Case { name: "mixtral-dp2-ep2-modules", model: "mixtral", flags: &["--pp", "1", "--tp", "1", "--dp", "2", "--ep", "2", "--checkpointing", "selective"] },
 ];

@@ -823,12 +823,19 @@ impl<'r, 'a> Interp<'r, 'a> {
         for (j, t) in ts.iter().enumerate() {
             self.pending.push((at, world.isend(t, peer, tag(what, s, mb, j + 1))?));
         }
-        if what == Payload::Activation && self.rank.segments.contains_key(&s)
+        if what == Payload::Activation
             && let Some(st) = self.state.get_mut(&(s, mb))
         {
-            // a segmented stage's backward reads its outputs' gradients, never the outputs:
-            // the send holds them until its peer has them
-            st.outputs.clear();
+            if self.rank.segments.contains_key(&s) {
+                // a segmented stage's backward reads its outputs' gradients, never the outputs:
+                // the send holds them until its peer has them
+                st.outputs.clear();
+            } else {
+                // the backward starts from the outputs whose gradients come back; the others
+                // (masks, positions, rotary tables) are the peer's once sent
+                let back = &self.rank.layout.gradients_from_next[s];
+                st.outputs.retain(|(v, _)| back.contains(v));
+            }
         }
         Ok(())
     }
