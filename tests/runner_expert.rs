@@ -104,16 +104,16 @@ fn ep2_composes_with_pp2_tp2_and_dp4() {
 
 /// Selective recompute of the experts' activations (Megatron-Core's `moe_act`): each
 /// mixture of experts frees what its gated activation made after the forward and rebuilds it
-/// from the kept gate and up halves before the backward, every expert on one rank (pp 2) and
-/// under ep 2, for each gate (SwiGLU, DeepSeek-V4's clamped one, gpt-oss's clamped swish).
+/// from the kept gate and up halves before the backward, every expert on one rank (pp 2), the
+/// tensor-parallel stage's (tp 2) and under ep 2, for each gate (SwiGLU, DeepSeek-V4's clamped one, gpt-oss's clamped swish).
 #[test]
 fn experts_activations_rebuilt_in_the_backward_train_as_one_process() {
     let dir = tempfile::tempdir().unwrap();
     for name in ["mixtral", "mixtral_clamped", "gpt_oss"] {
         let case = moe::case(name);
-        for ((pp, tp, dp), ep, one) in [((2, 1, 1), 1, 2), ((1, 1, 2), 2, 2)] {
-            let base = dir.path().join(format!("{name}-sel-pp{pp}-dp{dp}.json"));
-            let p = moe::plan_dp(case, (pp, tp, dp), if pp > 1 { 2 } else { 1 }, &["--checkpointing", "selective"], &base);
+        for ((pp, tp, dp), ep, one) in [((2, 1, 1), 1, 2), ((1, 2, 1), 1, 2), ((1, 1, 2), 2, 2)] {
+            let base = dir.path().join(format!("{name}-sel-pp{pp}-tp{tp}-dp{dp}.json"));
+            let p = moe::plan_dp(case, (pp, tp, dp), if dp > 1 { 1 } else { 2 }, &["--checkpointing", "selective"], &base);
             // the fused node keeps the name of the node that made its output (`node_<output>`)
             let named: Vec<String> = p["codegen"]["stages"].as_array().unwrap().iter().flat_map(|s| s["selective_nodes"].as_array().into_iter().flatten()).filter_map(|n| n.as_str().map(str::to_string)).collect();
             let experts: Vec<String> = p["codegen"]["fused"].as_array().unwrap().iter().filter(|f| f["op"].get("mixture_of_experts").is_some()).map(|f| format!("node_{}", f["output"].as_str().unwrap())).collect();
@@ -126,8 +126,8 @@ fn experts_activations_rebuilt_in_the_backward_train_as_one_process() {
                 base
             };
             let d = moe::max_rel(&losses(case, &plan, pp * tp * dp, "f64"), &moe::one_process(case, one, "f64"));
-            eprintln!("{name} selective pp{pp} dp{dp} ep{ep}: f64 vs one process {d:.1e}");
-            assert!(d < 1e-9, "{name} selective pp{pp} dp{dp} ep{ep}: f64 losses differ from one process's by {d:.2e}");
+            eprintln!("{name} selective pp{pp} tp{tp} dp{dp} ep{ep}: f64 vs one process {d:.1e}");
+            assert!(d < 1e-9, "{name} selective pp{pp} tp{tp} dp{dp} ep{ep}: f64 losses differ from one process's by {d:.2e}");
         }
     }
 }
