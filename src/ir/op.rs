@@ -139,6 +139,13 @@ impl OpKind {
         )
     }
 
+    /// True for fused ops whose selective recompute rebuilds what they make inside them and keep
+    /// for the backward, their output kept: a mixture of experts' activation functions
+    /// (Megatron's `moe_act`).
+    pub fn recomputed_inside(self) -> bool {
+        matches!(self, OpKind::MixtureOfExperts)
+    }
+
     /// True for ops whose training result for one sample depends on the other samples of its
     /// forward pass: BatchNormalization, which the runner trains on the statistics of the
     /// samples it is given (one microbatch of one replica), as a module in `train()` mode does.

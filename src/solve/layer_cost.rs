@@ -1012,7 +1012,7 @@ impl<'a> CostContext<'a> {
                 _ => t,
             };
             let fig = self.bytes.node(n);
-            if node.op.is(OpKind::MixtureOfExperts) {
+            if fig.experts_activation_bytes > 0.0 {
                 // its experts' activations, rebuilt from the kept gate and up halves (read
                 // twice, written once); a folded expert group's tensor ranks route their own
                 // tokens, so its pairs split over them as an expert split's widths do

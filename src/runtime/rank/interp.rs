@@ -99,10 +99,10 @@ fn set_aside(graph: &crate::ir::Graph, nodes: &[NodeId], outs: &HashMap<ValueId,
     Ok(out)
 }
 
-/// Whether selective recompute rebuilds what `node` makes inside it (a mixture of experts'
-/// activations) rather than its output.
+/// Whether selective recompute rebuilds what `node` makes inside it rather than its output
+/// ([`crate::ir::OpKind::recomputed_inside`]).
 fn rebuilt_inside(node: &crate::ir::Node) -> bool {
-    node.op.is(crate::ir::OpKind::MixtureOfExperts)
+    node.op.kind().is_some_and(crate::ir::OpKind::recomputed_inside)
 }
 
 /// Runs each of `rebuilt`'s nodes again without autograd and moves the result into the storage

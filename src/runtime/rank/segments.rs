@@ -133,7 +133,7 @@ pub(super) fn stage_segments(
                 .copied()
                 .filter(|&n| selective.contains(&graph.node(n).name))
                 // a mixture of experts rebuilds its experts' activations, its output stays
-                .filter(|&n| graph.node(n).op.is(crate::ir::OpKind::MixtureOfExperts) || matches!(graph.node(n).outputs.as_slice(), [v] if !seg.outputs.contains(v) && !yields.contains(v)))
+                .filter(|&n| graph.node(n).op.kind().is_some_and(crate::ir::OpKind::recomputed_inside) || matches!(graph.node(n).outputs.as_slice(), [v] if !seg.outputs.contains(v) && !yields.contains(v)))
                 .collect();
         }
     }
