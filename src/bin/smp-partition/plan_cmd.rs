@@ -112,7 +112,8 @@ pub struct PlanFlags {
     pub schedule: Option<ScheduleKind>,
     /// Activation recompute: chosen per layer (auto: none or the whole layer; auto-selective:
     /// also the norms' and activation functions' outputs alone rebuilt, a longer search), none,
-    /// selective (every layer rebuilds its norms' and activation functions' outputs) or full.
+    /// selective (every layer rebuilds its norms' and activation functions' outputs, a mixture
+    /// of experts its experts' activations) or full.
     #[arg(long, value_name = "auto|auto-selective|none|selective|full", value_parser = parse_checkpointing)]
     pub checkpointing: Option<CheckpointRule>,
     /// Recompute exactly these layers of `graph` (e.g. "1-7,9"; "none"), the others not.
