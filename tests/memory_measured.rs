@@ -69,6 +69,8 @@ const CASES: &[Case] = &[
     Case { name: "mixtral-dp2-ep2", model: "mixtral", flags: &["--pp", "1", "--tp", "1", "--dp", "2", "--ep", "2", "--checkpointing", "none"] },
     // a stage of the embedding alone, whose masks and rotary tables go to the next stage
     Case { name: "mixtral-pp2-interleaved", model: "mixtral", flags: &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "interleaved:2", "--checkpointing", "none"] },
+    // the expert group folded over the two tensor ranks (expert-TP 1): whole experts, half each
+    Case { name: "mixtral-tp2-ep2-folded", model: "mixtral", flags: &["--pp", "1", "--tp", "2", "--dp", "1", "--ep", "2", "--etp", "1", "--no-sequence-parallel", "--checkpointing", "none"] },
     // the norms, activation functions and the experts' activations rebuilt
     Case { name: "mixtral-dp2-ep2-modules", model: "mixtral", flags: &["--pp", "1", "--tp", "1", "--dp", "2", "--ep", "2", "--checkpointing", "selective"] },
 ];

@@ -13,6 +13,8 @@
 //!   uninterrupted run;
 //! - bf16-mixed and fp16-mixed plans run under ep 2 within 1e-3 of ep 1 (each expert's rows
 //!   gathered from both replicas change only the low-precision matmuls' blocking);
+//! - expert groups folded over tensor × data ranks (expert-TP 1) train as one process within
+//!   1e-9, and a fold with experts split over some tensor ranks is refused at start;
 //! - an expert count ep does not divide is refused naming the node.
 #![cfg(feature = "runner")]
 
@@ -234,20 +236,53 @@ fn ep2_runs_every_mixed_precision_mode() {
     }
 }
 
-/// A plan whose expert group folds over tensor × data ranks (tp 2 · dp 1 · ep 2 · etp 1,
-/// Megatron-Core's layout) is planned and priced, and refused by the runner at start, naming the
-/// degrees and the fix: the runner forms expert groups from the data-parallel ranks only.
+/// Expert groups folded over tensor × data ranks (Megatron-Core's layout, expert-TP 1): each
+/// tensor rank holds whole experts and routes its own share of the tokens, the outputs gathered
+/// back over the tensor group. Planned with `--ep N --etp 1` and run as one process within 1e-9:
+/// ep 2 over the 2 tensor ranks (with and without sequence parallelism; gpt-oss's biased
+/// experts too), ep 1 (every rank holds every expert, the tokens still shared out), and at dp 2
+/// ep 4 over all four ranks and ep 2 (two groups, each expert's gradient summed over a tensor
+/// rank of each replica).
 #[test]
-fn a_folded_expert_plan_is_priced_and_refused_at_start() {
+fn folded_expert_groups_train_as_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: [(&str, (usize, usize, usize), usize, &[&str]); 6] = [
+        ("mixtral", (1, 2, 1), 2, &[]),
+        ("mixtral", (1, 2, 1), 2, &["--sequence-parallel"]),
+        ("gpt_oss", (1, 2, 1), 2, &[]),
+        ("mixtral", (1, 2, 1), 1, &[]),
+        ("qwen3_moe", (1, 2, 2), 4, &[]),
+        ("mixtral", (1, 2, 2), 2, &["--sequence-parallel"]),
+    ];
+    for (name, (pp, tp, dp), ep, extra) in cases {
+        let case = moe::case(name);
+        let sp = if extra.is_empty() { "" } else { " sp" };
+        let out = dir.path().join(format!("{name}-tp{tp}-dp{dp}-ep{ep}{}.json", sp.trim()));
+        let mut args = vec!["--ep".to_string(), ep.to_string(), "--etp".into(), "1".into()];
+        args.extend(extra.iter().map(|a| a.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let p = moe::plan_dp(case, (pp, tp, dp), 1, &args, &out);
+        assert_eq!((&p["parallel"]["ep"], &p["parallel"]["etp"]), (&serde_json::json!(ep), &serde_json::json!(1)), "{}", p["parallel"]);
+        let one = if dp > 1 { dp } else { 1 };
+        let d = moe::max_rel(&losses(case, &out, pp * tp * dp, "f64"), &moe::one_process(case, one, "f64"));
+        eprintln!("{name} folded tp{tp} dp{dp} ep{ep} etp1{sp}: f64 vs one process {d:.1e}");
+        assert!(d < 1e-9, "{name} folded tp{tp} dp{dp} ep{ep} etp1{sp}: f64 losses differ from one process's by {d:.2e}");
+    }
+}
+
+/// A folded plan whose experts split over some of the tensor ranks (etp 2 of tp 4) is refused
+/// at start, naming the degrees and the fix.
+#[test]
+fn a_folded_plan_with_experts_split_over_some_tensor_ranks_is_refused_at_start() {
     let case = moe::case("mixtral");
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("tp2-ep2-etp1.json");
-    let p = moe::plan_dp(case, (1, 2, 1), 1, &["--ep", "2", "--etp", "1"], &out);
-    assert_eq!((&p["parallel"]["ep"], &p["parallel"]["etp"]), (&serde_json::json!(2), &serde_json::json!(1)), "{}", p["parallel"]);
+    let out = dir.path().join("tp4-ep2-etp2.json");
+    let p = moe::plan_dp(case, (1, 4, 1), 1, &["--ep", "2", "--etp", "2"], &out);
+    assert_eq!(p["parallel"]["etp"], serde_json::json!(2), "{}", p["parallel"]);
     let r = runner()
-        .args(["launch", "--nproc", "2", out.to_str().unwrap(), "--data", case.data.to_str().unwrap(), "--steps", "1", "--timeout", "60"])
+        .args(["launch", "--nproc", "4", out.to_str().unwrap(), "--data", case.data.to_str().unwrap(), "--steps", "1", "--timeout", "60"])
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&r.stderr);
-    assert!(!r.status.success() && err.contains("etp 1 below tp 2") && err.contains("--etp 2"), "{err}");
+    assert!(!r.status.success() && err.contains("(etp 2)") && err.contains("--etp 1 or --etp 4"), "{err}");
 }

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use super::lower::{LowerError, LowerOptions, lower};
 use super::program::{Instr, Purpose, RankProgram};
 use super::shard::{CodegenError, LayerShard, Sharder, apply_shard};
-use crate::ir::{FusedOp, Graph, LayeredGraph, Parallelism, ScheduleError, ValueKind, compute_actions};
+use crate::ir::{FusedOp, Graph, LayeredGraph, OpKind, Parallelism, ScheduleError, ValueKind, compute_actions};
 use crate::passes::figures::is_trainable;
 use crate::solve::Placement as AxisOrder;
 use crate::split::Strategy;
@@ -521,15 +521,25 @@ fn layer_shards(lg: &LayeredGraph, input: &CodegenInput) -> Result<Vec<Vec<Layer
         return Ok(Vec::new());
     }
     let sharder = Sharder::new(lg)?.with_sequence_parallel(input.parallel.sequence_parallel);
+    // Folded expert groups (expert-TP 1): every tensor rank holds its experts whole and routes
+    // its own share of the tokens, so the mixtures of experts are not split over the tensor ranks.
+    let folded = input.parallel.experts_folded();
+    let experts_of = |l: usize| -> Vec<String> {
+        lg.layers[l].nodes.iter().map(|&n| lg.graph.node(n)).filter(|n| folded && n.op.is(OpKind::MixtureOfExperts)).map(|n| n.name.clone()).collect()
+    };
     let shard = |&l: &usize| -> Result<Vec<LayerShard>, EncodeError> {
         let chosen = input.node_strategies.get(l).filter(|c| !c.is_empty());
+        let whole_experts = experts_of(l);
         Ok(match chosen {
             Some(chosen) => {
-                let keep: Vec<String> = chosen.iter().filter(|(_, s)| *s == Strategy::Replicate).map(|(n, _)| n.clone()).collect();
+                let mut keep: Vec<String> = chosen.iter().filter(|(_, s)| *s == Strategy::Replicate).map(|(n, _)| n.clone()).collect();
+                keep.extend(whole_experts.iter().cloned());
                 let (shards, realised) = sharder.shard_layer_keeping(l, input.parallel.tp, &keep)?;
-                check_realised(lg, l, chosen, &realised)?;
+                let chosen: Vec<(String, Strategy)> = chosen.iter().filter(|(n, _)| !whole_experts.contains(n)).cloned().collect();
+                check_realised(lg, l, &chosen, &realised)?;
                 shards
             }
+            None if !whole_experts.is_empty() => sharder.shard_layer_keeping(l, input.parallel.tp, &whole_experts)?.0,
             None if input.replicated_layers.contains(&l) => sharder.shard_layer(l, input.parallel.tp)?,
             None => sharder.shard_layer_strict(l, input.parallel.tp)?,
         })

@@ -878,11 +878,8 @@ impl<'a> CostContext<'a> {
         let folded = cfg.etp != cfg.tp && ex.experts > 0;
         // expert ops the assignment splits over the tensor ranks
         let split_experts = d.nodes.iter().filter(|(_, s)| *s == crate::split::Strategy::Experts).count();
-        let in_detail = if split_experts > 0 { ex.params / cfg.tp.max(1) as f64 } else { ex.params };
-        let expert_held = if (cfg.ep > 1 || folded) && ex.experts > 0 { in_detail.min(params) } else { 0.0 };
-        let dense = params - expert_held;
-        // folded: every expert split over its expert-tensor ranks only
-        let experts = if folded { ex.params / cfg.etp.max(1) as f64 } else { expert_held } / cfg.ep.max(1) as f64;
+        let (in_detail, experts) = self.experts_held(layer, Some(d), cfg);
+        let dense = params - in_detail.min(params);
         let mut gathers = 0.0;
         let mut state = 0.0;
         let mut sync = 0.0;
@@ -929,10 +926,25 @@ impl<'a> CostContext<'a> {
             fwd += gemms * per_gemm;
             bwd += 2.0 * gemms * per_gemm;
         }
+        // Folded with the experts whole in the assignment (it priced every tensor rank running
+        // every token through them): each tensor rank runs its 1/t of the tokens and keeps
+        // their activations alone; without sequence parallelism the outputs and the tokens'
+        // gradients are all-gathered over the tensor ranks.
+        let fold_rows = folded && split_experts == 0 && cfg.tp > 1;
+        let mut folded_saved = 0.0;
+        if fold_rows {
+            let (b, t) = (cfg.microbatch as f64 / c, cfg.tp as f64);
+            let delta = node_time(&split(&ex.figures, b, t, SplitDim::Rows), self.dtype, self.spec) - node_time(&split(&ex.figures, b, 1.0, SplitDim::Rows), self.dtype, self.spec);
+            let lb = self.bytes.layer(layer);
+            let ag = if cfg.sequence_parallel { 0.0 } else { self.comm.all_gather(lb.input_bytes.max(lb.output_bytes) * b, &cfg.tp_group) };
+            fwd = (fwd + delta + ag).max(0.0);
+            bwd = (bwd + 2.0 * delta + ag).max(0.0);
+            folded_saved = ex.figures.saved_bytes * b * (1.0 - 1.0 / t);
+        }
         if cfg.ep > 1 && ex.experts > 0 && ex.figures.gemms[0].share > 0.0 {
             // Each expert runs the routed tokens of its group's e ranks: e times the rows per
             // expert the assignment priced (the rank's FLOPs are the same), its GEMMs larger.
-            let (tt, dim) = if split_experts > 0 { (cfg.tp.max(1) as f64, SplitDim::Inner) } else { (1.0, SplitDim::Rows) };
+            let (tt, dim) = if split_experts > 0 || fold_rows { (cfg.tp.max(1) as f64, if fold_rows { SplitDim::Rows } else { SplitDim::Inner }) } else { (1.0, SplitDim::Rows) };
             let priced = split(&ex.figures, cfg.microbatch as f64 / c, tt, dim);
             let mut grouped = priced;
             for g in &mut grouped.gemms {
@@ -968,7 +980,7 @@ impl<'a> CostContext<'a> {
         let input_bytes = (d.input_bytes / c - shared / if cfg.sequence_parallel { t } else { 1.0 }).max(0.0);
         // the K and V attention keeps were gathered over the context group: whole, not ÷c
         let kv_whole = self.attention[layer].kv_saved_bytes * b / t * (1.0 - 1.0 / c);
-        let act_bytes = (d.act_bytes / c - lay.shared_saved_bytes * b / c / t + kv_whole).max(input_bytes);
+        let act_bytes = (d.act_bytes / c - lay.shared_saved_bytes * b / c / t + kv_whole - folded_saved).max(input_bytes);
         // Prefetched beside the layer before, whose pass stands in for this one's (the same
         // blocks): only what exceeds it is paid, where the device overlaps them at all.
         let exposed = |pass: f64| if self.spec.overlapped_gathers { (gathers - pass).max(0.0) } else { gathers };
@@ -1089,19 +1101,32 @@ impl<'a> CostContext<'a> {
         self.comm.all_reduce(grad_bytes / zero_group.size.max(1) as f64, &span)
     }
 
-    /// Model-state split of `params` parameters, `trained` of them trained (per device, after
-    /// t and ZeRO).
-    /// `expert_params` of them (and `expert_trained`) are expert weights, divided over the
-    /// expert group and ZeRO-sharded over theirs.
-    pub fn state_split(&self, params: f64, trained: f64, expert_params: f64, expert_trained: f64, cfg: &LayerConfig) -> crate::cost::ModelState {
-        let t = cfg.tp.max(1) as f64;
-        let e = cfg.ep.max(1) as f64;
-        let et = cfg.etp.max(1) as f64;
-        let dense = model_state((params - expert_params) / t, (trained - expert_trained) / t, cfg.zero, cfg.zero_group.size, self.precision);
-        if expert_params <= 0.0 {
-            return dense;
+    /// Model state of a rank holding `dense` parameters outside the experts (`dense_trained` of
+    /// them trained), ZeRO-sharded over the data-parallel group, and `experts` expert weights
+    /// (`experts_trained` trained), ZeRO-sharded over the expert group's own; both per rank,
+    /// after the tensor, expert-tensor and expert splits.
+    pub fn state_split(&self, (dense, dense_trained): (f64, f64), (experts, experts_trained): (f64, f64), cfg: &LayerConfig) -> crate::cost::ModelState {
+        let d = model_state(dense, dense_trained, cfg.zero, cfg.zero_group.size, self.precision);
+        if experts <= 0.0 {
+            return d;
         }
-        let ex = model_state(expert_params / et / e, expert_trained / et / e, cfg.zero, cfg.expert_zero_group.size, self.precision);
-        crate::cost::ModelState { params: dense.params + ex.params, grads: dense.grads + ex.grads, optimizer: dense.optimizer + ex.optimizer }
+        let ex = model_state(experts, experts_trained, cfg.zero, cfg.expert_zero_group.size, self.precision);
+        crate::cost::ModelState { params: d.params + ex.params, grads: d.grads + ex.grads, optimizer: d.optimizer + ex.optimizer }
+    }
+
+    /// The expert weights of `layer` a rank holds under `cfg` whose tensor assignment is
+    /// `detail`: those inside the assignment's own count (split over the tensor ranks where
+    /// it splits the experts, else whole) and those the rank keeps after the expert group
+    /// divides them (folded: each expert over its expert-tensor ranks only).
+    pub fn experts_held(&self, layer: usize, detail: Option<&StrategyDetail>, cfg: &LayerConfig) -> (f64, f64) {
+        let ex = self.experts[layer];
+        let folded = cfg.etp != cfg.tp;
+        if ex.experts == 0 || (cfg.ep <= 1 && !folded) {
+            return (0.0, 0.0);
+        }
+        let split = detail.is_none_or(|d| d.nodes.iter().any(|(_, s)| *s == crate::split::Strategy::Experts));
+        let in_detail = if split { ex.params / cfg.tp.max(1) as f64 } else { ex.params };
+        let held = if folded { ex.params / cfg.etp.max(1) as f64 } else { in_detail } / cfg.ep.max(1) as f64;
+        (in_detail, held)
     }
 }

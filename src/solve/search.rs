@@ -739,7 +739,8 @@ impl Search<'_> {
             let (first, last) = (members.first().copied().unwrap_or(0), members.last().copied().unwrap_or(0));
             let pp_rank = c % cand.parallel.pp;
             let ranks = cand.parallel.stage_ranks(pp_rank);
-            let (mut expert, mut expert_trained) = (0.0, 0.0);
+            // the experts inside the assignments' counts, and what the expert groups leave a rank
+            let (mut in_details, mut in_details_trained, mut expert, mut expert_trained) = (0.0, 0.0, 0.0, 0.0);
             let (mut fwd, mut bwd, mut params, mut trained, mut rec) = (0.0, 0.0, 0.0, 0.0, 0.0f64);
             // ZeRO 3: the largest of its layers, gathered whole
             let mut gathered = 0.0f64;
@@ -753,18 +754,21 @@ impl Search<'_> {
                 fwd += f;
                 bwd += b;
                 // The layer's own count, plus what its assignment replicates beyond the split.
-                let extra = match (ctx.detail(l, &lc, pt.choice), ctx.detail(l, &lc, 0)) {
+                let chosen = ctx.detail(l, &lc, pt.choice);
+                let extra = match (chosen, ctx.detail(l, &lc, 0)) {
                     (Some(d), Some(m)) => d.param_elems - m.param_elems,
                     _ => 0.0,
                 };
                 let held = ctx.shapes[l].params / cand.parallel.tp.max(1) as f64 + extra;
+                let fraction = ctx.shapes[l].trained_fraction();
                 params += held;
-                trained += held * ctx.shapes[l].trained_fraction();
-                if cand.parallel.ep > 1 || cand.parallel.experts_folded() {
-                    let ex = ctx.experts[l].params / cand.parallel.tp.max(1) as f64;
-                    expert += ex;
-                    expert_trained += ex * ctx.shapes[l].trained_fraction();
-                }
+                trained += held * fraction;
+                let (inside, kept) = ctx.experts_held(l, chosen, &lc);
+                let inside = inside.min(held);
+                in_details += inside;
+                in_details_trained += inside * fraction;
+                expert += kept;
+                expert_trained += kept * fraction;
                 for tc in &prob.layers[l].tied {
                     let owner_rank = choices.get(tc.owner).map(|o| o.chunk % cand.parallel.pp);
                     if owner_rank != Some(pp_rank) && copies_held.insert((pp_rank, tc.weight)) {
@@ -783,8 +787,7 @@ impl Search<'_> {
                     offloaded.push(l);
                 }
             }
-            let t = cand.parallel.tp.max(1) as f64;
-            let st = ctx.state_split(params * t, trained * t, expert * t, expert_trained * t, &lc);
+            let st = ctx.state_split((params - in_details, trained - in_details_trained), (expert, expert_trained), &lc);
             let activations = chunk_activations[c];
             let workspace = if c < cand.parallel.pp { prob.workspace } else { 0.0 };
             let comm_s = if c + 1 < chunks { 2.0 * prob.layers[last].output_bytes * prob.transfer_s_per_byte[c] } else { 0.0 };

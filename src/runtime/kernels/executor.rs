@@ -35,6 +35,16 @@ pub struct ExecOptions {
     pub autocast: Option<Kind>,
 }
 
+/// Where a rank's `MixtureOfExperts` nodes send their tokens.
+#[derive(Clone, Default)]
+pub struct ExpertRouting {
+    /// The expert group the token-expert pairs travel over (none: every expert is local).
+    pub group: Option<Arc<ProcessGroup>>,
+    /// Folded expert groups: the tensor group whose ranks hold the same tokens, each routing
+    /// its own share of them, the outputs gathered back over it.
+    pub tokens_over: Option<Arc<ProcessGroup>>,
+}
+
 /// A graph ready to run: execution order, last uses, weights.
 pub struct Executor<'g> {
     graph: &'g Graph,
@@ -47,9 +57,9 @@ pub struct Executor<'g> {
     pub weights: HashMap<ValueId, Tensor>,
     /// The tensor-parallel group that codegen's inserted collectives run over.
     pub tensor_group: Option<Arc<ProcessGroup>>,
-    /// The expert group the `MixtureOfExperts` nodes route tokens over (expert parallelism;
-    /// unset: every expert is local).
-    expert_group: std::cell::OnceCell<Arc<ProcessGroup>>,
+    /// How the `MixtureOfExperts` nodes route their tokens (expert parallelism; unset: every
+    /// expert is local and every token this rank's).
+    expert_routing: std::cell::OnceCell<ExpertRouting>,
     /// The statistics BatchNormalization uses in the next runs.
     norm: Cell<NormStats>,
     /// The key of the Dropout masks in the next runs (none: outside a training step).
@@ -131,13 +141,13 @@ impl<'g> Executor<'g> {
         }
         let ctx = OpContext { float_kind: opts.float_kind, training: opts.training, norm: NormStats::Running, dropout: None, autocast: opts.autocast, context: None };
         let in_place = scratch_operands(graph);
-        Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None, expert_group: std::cell::OnceCell::new(), norm: Cell::new(NormStats::Running), dropout: Cell::new(None), context: std::cell::OnceCell::new(), live, device, in_place, set_aside: Default::default() })
+        Ok(Executor { graph, order, last_use, ctx, weights, tensor_group: None, expert_routing: std::cell::OnceCell::new(), norm: Cell::new(NormStats::Running), dropout: Cell::new(None), context: std::cell::OnceCell::new(), live, device, in_place, set_aside: Default::default() })
     }
 
-    /// Makes the `MixtureOfExperts` nodes route their tokens to the experts' ranks over `pg`
-    /// (expert parallelism: this rank's expert weights hold its experts alone). Set once.
-    pub fn set_expert_group(&self, pg: Arc<ProcessGroup>) {
-        let _ = self.expert_group.set(pg);
+    /// Makes the `MixtureOfExperts` nodes route their tokens as `routing` says (expert
+    /// parallelism: this rank's expert weights hold its experts alone). Set once.
+    pub fn set_expert_routing(&self, routing: ExpertRouting) {
+        let _ = self.expert_routing.set(routing);
     }
 
     /// Makes the context-parallel nodes run over `pg` (this rank holding its tokens of every
@@ -187,8 +197,8 @@ impl<'g> Executor<'g> {
     /// [`Executor::run_node`]'s work.
     fn run_kernel(&self, node: &Node, inputs: &[Option<Tensor>]) -> Result<Vec<Tensor>, String> {
         let ctx = OpContext { norm: self.norm.get(), dropout: self.dropout.get(), context: self.context_rank(), ..self.ctx };
-        if let Some(pg) = self.expert_group.get().filter(|_| node.op.is(crate::ir::OpKind::MixtureOfExperts)) {
-            return super::experts::expert_parallel(node, inputs, &ctx, pg).map(|t| vec![t]);
+        if let Some(routing) = self.expert_routing.get().filter(|_| node.op.is(crate::ir::OpKind::MixtureOfExperts)) {
+            return super::experts::routed(node, inputs, &ctx, routing).map(|t| vec![t]);
         }
         let Op::Collective { kind, group } = node.op else {
             return ops::run(node, inputs, &ctx).map_err(|e| e.0);

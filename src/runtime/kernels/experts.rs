@@ -16,9 +16,43 @@
 
 use tch::Tensor;
 
+use super::executor::ExpertRouting;
 use super::ops::OpContext;
 use super::ops::moe::{ExpertWeights, combine, route, run_experts};
 use crate::runtime::comm::ProcessGroup;
+
+/// `MixtureOfExperts` as `routing` says: over its expert group, and with folded groups on this
+/// tensor rank's share of the tokens alone. The tensor ranks of a folded group hold the same
+/// tokens (replicated, or gathered under sequence parallelism) and the same routes: rank r
+/// takes the r-th of t equal runs of them (its gradient is gathered back in the backward),
+/// sends them to their experts, and the outputs are gathered over the tensor group (the
+/// backward keeps this rank's run of their gradient, as every tensor rank holds it whole).
+pub(super) fn routed(node: &crate::ir::Node, inputs: &[Option<Tensor>], ctx: &OpContext, routing: &ExpertRouting) -> Result<Tensor, String> {
+    let run = |inputs: &[Option<Tensor>]| match &routing.group {
+        Some(pg) => expert_parallel(node, inputs, ctx, pg),
+        None => super::ops::run(node, inputs, ctx).map_err(|e| e.0).map(|mut out| out.remove(0)),
+    };
+    let Some(tp) = &routing.tokens_over else { return run(inputs) };
+    let get = |i: usize| inputs.get(i).and_then(Option::as_ref).ok_or_else(|| format!("MixtureOfExperts without operand {i}"));
+    let (x, weights, indices) = (get(0)?, get(1)?, get(2)?);
+    let (t, r) = (tp.size() as i64, tp.index() as i64);
+    let tokens = x.size().first().copied().unwrap_or(0);
+    if tokens % t != 0 {
+        return Err(format!(
+            "MixtureOfExperts node `{}`: its expert groups fold over the {t} tensor ranks, which route equal shares of the {tokens} tokens of a microbatch, and {t} does not divide {tokens}; choose a microbatch whose tokens (batch × sequence) divide by {t}",
+            node.name
+        ));
+    }
+    let kerr = |m: tch::TchError| m.to_string();
+    let derr = |m: crate::runtime::comm::DistError| m.to_string();
+    let mut local: Vec<Option<Tensor>> = inputs.iter().map(|o| o.as_ref().map(Tensor::shallow_clone)).collect();
+    local[0] = Some(tp.scatter_along_axis(x, 0).map_err(derr)?);
+    local[1] = Some(tp.scatter_along_axis(weights, 0).map_err(derr)?);
+    let share = tokens / t;
+    local[2] = Some(indices.f_narrow(0, r * share, share).map_err(kerr)?);
+    let y = run(&local)?;
+    tp.gather_along_axis(&y, 0).map_err(derr)
+}
 
 /// `MixtureOfExperts(x, weights, indices, gate_up [E/e, 2I, H], down [E/e, H, I],
 /// gate_up_bias [E/e, 2I]?, down_bias [E/e, H]?)` over the expert group `pg` of e members.

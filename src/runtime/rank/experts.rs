@@ -1,17 +1,22 @@
 //! Expert parallelism on a rank: which experts of each stacked expert weight it holds, and the
 //! groups its experts' tokens and gradients travel in.
 //!
-//! Expert groups are runs of `ep` consecutive replicas at one (pipeline, tensor) position:
-//! replicas {0..ep-1}, {ep..2ep-1}, ... Member j of a group holds experts
-//! `j·E/ep .. (j+1)·E/ep` of every `MixtureOfExperts` node's `gate_up [E, 2I, H]` and
-//! `down [E, H, I]`; the groups replicate them, so an expert's gradient is summed over the
-//! dp / ep ranks holding it (the same place in their groups). Every other weight is plain data
-//! parallel.
+//! Carved from the data-parallel ranks (expert-TP = TP), expert groups are runs of `ep`
+//! consecutive replicas at one (pipeline, tensor) position: replicas {0..ep-1}, {ep..2ep-1},
+//! ... Folded over tensor × data ranks (expert-TP 1 below TP, Megatron-Core's layout), a
+//! stage's `dp · tp` ranks, taken replica-major then tensor rank, are re-factored as
+//! `ep × expert-dp` with the expert rank fastest ([`Parallelism::expert_position`]), and each
+//! tensor rank routes its own share of the tokens.
+//!
+//! Member j of a group holds experts `j·E/ep .. (j+1)·E/ep` of every `MixtureOfExperts` node's
+//! `gate_up [E, 2I, H]` and `down [E, H, I]`; the groups replicate them, so an expert's
+//! gradient is summed over the ranks holding it (the same place in their groups). Every other
+//! weight is plain data parallel.
 
 use std::collections::HashMap;
 
-use crate::codegen::Mesh;
-use crate::ir::{Graph, OpKind};
+use crate::codegen::{Coord, Mesh};
+use crate::ir::{Graph, OpKind, Parallelism};
 use crate::runtime::RuntimeError;
 use crate::runtime::state::slice::Slice;
 use crate::runtime::terr;
@@ -23,22 +28,27 @@ const EXPERT_OPERANDS: [usize; 4] = [3, 4, 5, 6];
 /// A rank's part of the experts.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Experts {
-    /// Ranks per expert group (1: no expert parallelism).
-    pub ep: usize,
+    /// The groups fold over tensor × data ranks: the tensor ranks route different tokens and
+    /// hold different experts.
+    pub folded: bool,
+    /// This rank's place among the ranks holding its experts (0: the first expert group, whose
+    /// members write the experts and count them in the gradient norm).
+    holder: usize,
     /// The experts (range of axis 0) this rank holds, by stacked expert weight's initializer name.
     held: HashMap<String, [u64; 2]>,
 }
 
 impl Experts {
-    /// The experts replica `replica` holds of every `MixtureOfExperts` of `graph` under degree
-    /// `ep` (nothing to hold when `ep` is 1). Refused when an expert count is not a multiple of
-    /// `ep`, or the experts' weights are not initializers.
-    pub fn of(graph: &Graph, ep: usize, replica: usize) -> Result<Experts, RuntimeError> {
-        let ep = ep.max(1);
-        let slot = replica % ep;
+    /// The experts the rank at replica `d`, tensor rank `t` holds of every `MixtureOfExperts`
+    /// of `graph` under `par` (nothing held in part without expert parallelism). Refused when
+    /// an expert count is not a multiple of `ep`, or the experts' weights are not initializers.
+    pub fn of(graph: &Graph, par: &Parallelism, (d, t): (usize, usize)) -> Result<Experts, RuntimeError> {
+        let ep = par.ep.max(1);
+        let folded = par.experts_folded();
+        let (slot, holder) = position(par, (d, t));
         let mut held = HashMap::new();
-        if ep == 1 {
-            return Ok(Experts { ep, held });
+        if ep == 1 && !folded {
+            return Ok(Experts { folded, holder, held });
         }
         for id in graph.node_ids() {
             let node = graph.node(id);
@@ -70,13 +80,19 @@ impl Experts {
                 held.insert(val.name.clone(), [slot as u64 * per, (slot as u64 + 1) * per]);
             }
         }
-        Ok(Experts { ep, held })
+        Ok(Experts { folded, holder, held })
     }
 
     /// The experts this rank holds of the initializer `name`, if it is a stacked expert weight
     /// held in part.
     pub fn held(&self, name: &str) -> Option<[u64; 2]> {
         self.held.get(name).copied()
+    }
+
+    /// Whether some weight is held in part: its gradients sum over the ranks holding the same
+    /// experts instead of the replicas.
+    pub fn in_part(&self) -> bool {
+        !self.held.is_empty()
     }
 
     /// `part` of the initializer `name` narrowed to this rank's experts.
@@ -86,35 +102,46 @@ impl Experts {
 
     /// Whether this rank writes (and counts in the gradient norm) its copy of a weight held in
     /// part: the first expert group's members hold every expert once.
-    pub fn first_group(&self, replica: usize) -> bool {
-        replica < self.ep
+    pub fn first_group(&self) -> bool {
+        self.holder == 0
     }
 
-    /// The expert group of the rank at pipeline rank `q`, replica `d`, tensor rank `t`.
-    pub fn group(mesh: &Mesh, ep: usize, (q, d, t): (usize, usize, usize)) -> Vec<usize> {
+    /// The expert group of the rank at pipeline rank `q`, replica `d`, tensor rank `t`, in the
+    /// order its members hold the experts.
+    pub fn group(mesh: &Mesh, par: &Parallelism, (q, d, t): (usize, usize, usize)) -> Vec<usize> {
+        let ep = par.ep.max(1);
+        if par.experts_folded() {
+            let (_, holder) = position(par, (d, t));
+            return (0..ep).filter_map(|e| folded_rank(mesh, par, q, e, holder)).collect();
+        }
         let replicas = mesh.replica_group(q, t);
-        let first = d - d % ep.max(1);
-        replicas[first..(first + ep).min(replicas.len())].to_vec()
+        let first = d - d % ep;
+        replicas[first.min(replicas.len())..(first + ep).min(replicas.len())].to_vec()
     }
 
     /// The ranks holding the same experts as the rank at (`q`, `d`, `t`): the same place in
-    /// every expert group, replica order.
-    pub fn replicas(mesh: &Mesh, ep: usize, (q, d, t): (usize, usize, usize)) -> Vec<usize> {
-        let ep = ep.max(1);
+    /// every expert group, in their groups' order.
+    pub fn replicas(mesh: &Mesh, par: &Parallelism, (q, d, t): (usize, usize, usize)) -> Vec<usize> {
+        let ep = par.ep.max(1);
+        if par.experts_folded() {
+            let (slot, _) = position(par, (d, t));
+            let holders = (mesh.dp() * mesh.tp().max(1)) / ep;
+            return (0..holders).filter_map(|j| folded_rank(mesh, par, q, slot, j)).collect();
+        }
         mesh.replica_group(q, t).into_iter().enumerate().filter(|(r, _)| r % ep == d % ep).map(|(_, g)| g).collect()
     }
 
-    /// Every expert group and expert-replica group of `mesh` under degree `ep` (with more than
-    /// one member), for creating them in one global order.
-    pub fn all_groups(mesh: &Mesh, ep: usize) -> Vec<Vec<usize>> {
+    /// Every expert group and expert-replica group of `mesh` under `par` (with more than one
+    /// member), for creating them in one global order.
+    pub fn all_groups(mesh: &Mesh, par: &Parallelism) -> Vec<Vec<usize>> {
         let mut out = Vec::new();
-        if ep <= 1 {
+        if par.ep <= 1 && !par.experts_folded() {
             return out;
         }
         for q in 0..mesh.pp() {
             for t in 0..mesh.tp().max(1) {
                 for d in 0..mesh.dp() {
-                    for g in [Self::group(mesh, ep, (q, d, t)), Self::replicas(mesh, ep, (q, d, t))] {
+                    for g in [Self::group(mesh, par, (q, d, t)), Self::replicas(mesh, par, (q, d, t))] {
                         if g.len() > 1 && !out.contains(&g) {
                             out.push(g);
                         }
@@ -123,5 +150,87 @@ impl Experts {
             }
         }
         out
+    }
+}
+
+/// (place in its expert group, place among the ranks holding its experts) of the rank at
+/// replica `d`, tensor rank `t`.
+fn position(par: &Parallelism, (d, t): (usize, usize)) -> (usize, usize) {
+    let ep = par.ep.max(1);
+    if par.experts_folded() {
+        let (_, slot, holder) = par.expert_position(d, t);
+        (slot, holder)
+    } else {
+        (d % ep, d / ep)
+    }
+}
+
+/// The global rank at pipeline rank `q` of folded expert-group slot `slot` in the `holder`-th
+/// group (expert-TP 1).
+fn folded_rank(mesh: &Mesh, par: &Parallelism, q: usize, slot: usize, holder: usize) -> Option<usize> {
+    let (d, t) = par.expert_member(0, slot, holder);
+    mesh.rank(Coord { pp: q, dp: d, tp: t })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::{CheckpointRule, OffloadRule, Placement, Precision, ScheduleKind};
+
+    /// One pipeline rank at degrees `tp`, `dp`, `ep`, `etp`.
+    fn par(tp: usize, dp: usize, ep: usize, etp: usize) -> Parallelism {
+        Parallelism {
+            pp: 1,
+            tp,
+            dp,
+            cp: 1,
+            ep,
+            etp,
+            zero: 0,
+            sharded_dp: None,
+            microbatches: 1,
+            active_microbatches: None,
+            schedule: ScheduleKind::OneFOneB,
+            checkpointing: CheckpointRule::Auto,
+            placement: Placement::CLUSTER,
+            sequence_parallel: false,
+            precision: Precision::F32,
+            offload: OffloadRule::Auto,
+            loading_horizon: 1,
+            fp32_main_grads: false,
+        }
+    }
+
+    /// A mesh of `pp` pipeline ranks, `dp` replicas and `tp` tensor ranks numbered tensor rank
+    /// fastest, then replica, then pipeline rank.
+    fn mesh(pp: usize, dp: usize, tp: usize) -> Mesh {
+        let rows = (0..pp).map(|q| (q * dp * tp..(q + 1) * dp * tp).collect()).collect();
+        Mesh::from_rows(rows, tp)
+    }
+
+    #[test]
+    fn folded_groups_take_the_expert_rank_fastest_over_replica_then_tensor_rank() {
+        // tp 2, dp 2, ep 2, etp 1: positions i = d·2 + t; expert rank i % 2, holder i / 2
+        let par = par(2, 2, 2, 1);
+        let m = mesh(1, 2, 2);
+        assert_eq!(Experts::group(&m, &par, (0, 0, 1)), vec![0, 1]);
+        assert_eq!(Experts::group(&m, &par, (0, 1, 0)), vec![2, 3]);
+        assert_eq!(Experts::replicas(&m, &par, (0, 0, 1)), vec![1, 3]);
+        assert_eq!(Experts::all_groups(&m, &par), vec![vec![0, 1], vec![0, 2], vec![1, 3], vec![2, 3]]);
+        // ep 4 over all four ranks: one group, no replicas of an expert
+        let whole = Parallelism { ep: 4, ..par };
+        assert_eq!(Experts::group(&m, &whole, (0, 1, 1)), vec![0, 1, 2, 3]);
+        assert_eq!(Experts::replicas(&m, &whole, (0, 1, 1)), vec![3]);
+        // ep 1 folded: every rank holds every expert, summed over the whole stage
+        let one = Parallelism { ep: 1, ..par };
+        assert_eq!(Experts::all_groups(&m, &one), vec![vec![0, 1, 2, 3]]);
+    }
+
+    #[test]
+    fn carved_groups_are_runs_of_replicas_at_one_tensor_rank() {
+        let par = par(2, 4, 2, 2);
+        let m = mesh(1, 4, 2);
+        assert_eq!(Experts::group(&m, &par, (0, 3, 1)), vec![5, 7]);
+        assert_eq!(Experts::replicas(&m, &par, (0, 3, 1)), vec![3, 7]);
     }
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tch::{Kind, Tensor};
 
 use crate::runtime::comm::{Backend, ProcessGroup, RankEnv, Store};
-use crate::runtime::kernels::executor::Executor;
+use crate::runtime::kernels::executor::{ExpertRouting, Executor};
 use super::experts::Experts;
 use super::layout::{self, REPLAN, StageLayout};
 use crate::runtime::terr;
@@ -202,18 +202,20 @@ impl<'a> Rank<'a> {
         let n_stages = plan.stages.len();
         let my_stages: Vec<usize> = (0..n_stages).filter(|&s| plan.stages[s].pp_rank == q).collect();
 
-        let ep = plan.parallel.ep.max(1);
         let cp = plan.parallel.cp.max(1);
-        let experts = Experts::of(graph, ep, d)?;
-        let groups = connect_groups(env, opts, &mesh, &programs, &shards.kv_groups, (ep, cp))?;
+        let experts = Experts::of(graph, &plan.parallel, (d, t))?;
+        let groups = connect_groups(env, opts, &mesh, &programs, &shards.kv_groups, (&plan.parallel, cp))?;
         let tensor_pg = groups.by_members.get(&mesh.tensor_groups().into_iter().find(|g| g.contains(&me)).unwrap_or_default()).cloned();
-        let expert_pg = (ep > 1).then(|| groups.by_members.get(&Experts::group(&mesh, ep, (q, d, t))).cloned()).flatten();
-        if let Some(pg) = &expert_pg {
-            exec.set_expert_group(pg.clone());
+        let expert_group = Experts::group(&mesh, &plan.parallel, (q, d, t));
+        let expert_pg = (expert_group.len() > 1).then(|| groups.by_members.get(&expert_group).cloned()).flatten();
+        // folded groups: each tensor rank routes its own share of the tokens
+        let routing = ExpertRouting { group: expert_pg, tokens_over: tensor_pg.clone().filter(|_| experts.folded) };
+        if routing.group.is_some() {
+            exec.set_expert_routing(routing.clone());
         }
-        let expert_replicas = Some(Experts::replicas(&mesh, ep, (q, d, t))).filter(|g| ep > 1 && g.len() > 1);
+        let expert_replicas = Some(Experts::replicas(&mesh, &plan.parallel, (q, d, t))).filter(|g| experts.in_part() && g.len() > 1);
         let lazy = lazy_params(plan, &layout, &program, &my_stages, (graph, &experts));
-        let (stage_execs, by_name) = stage_executors(exec, source, shards, (tensor_pg.as_ref(), expert_pg.as_ref()), &lazy, &experts)?;
+        let (stage_execs, by_name) = stage_executors(exec, source, shards, (tensor_pg.as_ref(), &routing), &lazy, &experts)?;
         if cp > 1 {
             let pg = groups.by_members.get(&context_group(&mesh, cp, (q, d, t))).cloned().ok_or_else(|| terr(format!("rank {me} has no context group")))?;
             exec.set_context_group(pg.clone());
@@ -301,9 +303,9 @@ impl<'a> Rank<'a> {
 
     /// Whether this rank counts parameter position `i` in the gradient norm and writes it to
     /// checkpoints among the replicas: replica 0, or for experts held in part the first
-    /// expert group.
+    /// expert group (with folded groups, tensor ranks may hold the same experts too).
     pub fn writes_replica(&self, i: usize) -> bool {
-        self.replica == 0 || (self.params.expert[i] && self.experts.first_group(self.replica))
+        if self.params.expert[i] { self.experts.first_group() } else { self.replica == 0 }
     }
 
     /// Block `index` of `parts` of stage `s`'s flat parameter vector (ZeRO 3), read from the
@@ -532,7 +534,7 @@ fn stage_executors<'a>(
     exec: &Executor<'_>,
     source: &Source<'_>,
     shards: &'a Shards,
-    (tensor_pg, expert_pg): (Option<&Arc<ProcessGroup>>, Option<&Arc<ProcessGroup>>),
+    (tensor_pg, routing): (Option<&Arc<ProcessGroup>>, &ExpertRouting),
     lazy: &HashSet<ValueId>,
     experts: &Experts,
 ) -> Result<(HashMap<usize, Executor<'a>>, HashMap<String, Tensor>), RuntimeError> {
@@ -544,8 +546,8 @@ fn stage_executors<'a>(
         let tensors = stage_weights(exec, source, sub, &slices, lazy, experts)?;
         let mut e = Executor::new_on(sub, Weights { tensors }, ExecOptions { float_kind: exec.float_kind(), training: true, autocast: exec.autocast() }, exec.device())?;
         e.tensor_group = tensor_pg.cloned();
-        if let Some(pg) = expert_pg {
-            e.set_expert_group(pg.clone());
+        if routing.group.is_some() || routing.tokens_over.is_some() {
+            e.set_expert_routing(routing.clone());
         }
         // a weight read by several of this rank's stages is one tensor
         for (id, w) in e.weights.iter_mut() {
@@ -604,7 +606,9 @@ fn own_params(
         .map(|&v| {
             let name = graph.value(v).name.as_str();
             let shared = kv_names.iter().find(|(n, _)| n == name).map(|(_, g)| g.len());
-            first_holder(v) == Some(q) && shared.map_or(t == 0 || sliced.contains_key(name), |r| t % r == 0)
+            // folded expert groups: the tensor ranks hold different experts
+            let own_experts = experts.folded && experts.held(name).is_some();
+            first_holder(v) == Some(q) && (own_experts || shared.map_or(t == 0 || sliced.contains_key(name), |r| t % r == 0))
         })
         .collect();
     let tensors: Vec<Tensor> = ids
@@ -673,7 +677,7 @@ fn connect_groups(
     mesh: &Mesh,
     programs: &[RankProgram],
     kv_groups: &[(String, Vec<usize>)],
-    (ep, cp): (usize, usize),
+    (par, cp): (&Parallelism, usize),
 ) -> Result<Groups, RuntimeError> {
     let me = env.rank;
     let store: Arc<Store> = Store::connect(env, opts.timeout)?;
@@ -691,7 +695,7 @@ fn connect_groups(
         }
     }
     lists.extend(kv_groups.iter().map(|(_, g)| g.clone()));
-    lists.extend(Experts::all_groups(mesh, ep));
+    lists.extend(Experts::all_groups(mesh, par));
     if cp > 1 {
         for q in 0..mesh.pp() {
             for d in (0..mesh.dp()).step_by(cp) {
@@ -871,12 +875,12 @@ pub fn rank_weights(plan: &Plan, source: &Source<'_>, me: usize) -> Result<Weigh
     let section = layout::codegen_section(plan)?;
     let layout = layout::stage_layout(section, graph)?;
     let mesh = plan.mesh();
-    let Coord { pp: q, dp: d, .. } = mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
+    let Coord { pp: q, dp: d, tp: t } = mesh.coord(me).ok_or_else(|| terr(format!("rank {me} runs no stage of the plan")))?;
     let mut tensors = HashMap::new();
     if runs_stage_subgraphs(&plan.parallel) {
         return Ok(Weights { tensors });
     }
-    let experts = Experts::of(graph, plan.parallel.ep, d)?;
+    let experts = Experts::of(graph, &plan.parallel, (d, t))?;
     let programs = layout::rank_programs(plan, section)?;
     let program = programs.iter().find(|p| p.rank == me).ok_or_else(|| terr(format!("no program for rank {me}")))?;
     let my_stages: Vec<usize> = (0..plan.stages.len()).filter(|&s| plan.stages[s].pp_rank == q).collect();

@@ -663,7 +663,7 @@ fn reduce_whole(rank: &Rank<'_>, pg: &ProcessGroup, which: &[usize], grads: &mut
 /// Expert parallelism: sums the gradients of stage `s`'s experts held in part over the ranks
 /// holding the same experts (none when this rank is the only one). ZeRO does not shard them:
 /// their gradients and optimizer state stay whole on their ranks.
-fn reduce_experts(rank: &Rank<'_>, s: usize, grads: &mut [Option<Tensor>]) -> Result<(), RuntimeError> {
+pub(super) fn reduce_experts(rank: &Rank<'_>, s: usize, grads: &mut [Option<Tensor>]) -> Result<(), RuntimeError> {
     let p = &rank.params;
     let experts: Vec<usize> = p.owned[s].iter().copied().filter(|&i| p.expert[i]).collect();
     match &rank.expert_replicas {

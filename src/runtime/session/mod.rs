@@ -117,13 +117,13 @@ impl RunSession {
         let bytes = std::fs::read(&path).map_err(|e| SessionError::Plan(format!("cannot read plan `{}`: {e}", path.display())))?;
         let plan_hash = sha256_hex(&bytes);
         rank::codegen_section(&plan).map_err(|e| plan_err(&path, e))?;
-        if plan.parallel.experts_folded() {
+        if plan.parallel.experts_folded() && plan.parallel.etp > 1 {
             let p = &plan.parallel;
             return Err(plan_err(
                 &path,
                 format!(
-                    "its expert groups fold over tensor × data ranks (ep {}, etp {} below tp {}), which smp-runner does not execute yet: it forms expert groups from the data-parallel ranks with every expert split over the tensor ranks; re-plan with --etp {} (ep dividing dp {})",
-                    p.ep, p.etp, p.tp, p.tp, p.dp
+                    "its expert groups fold over tensor × data ranks with each expert split over {} of the {} tensor ranks (etp {}), which smp-runner does not execute: it folds them with whole experts (etp 1) or splits every expert over all tensor ranks (etp = tp); re-plan with --etp 1 or --etp {}",
+                    p.etp, p.tp, p.etp, p.tp
                 ),
             ));
         }
