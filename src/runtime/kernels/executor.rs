@@ -35,16 +35,6 @@ pub struct ExecOptions {
     pub autocast: Option<Kind>,
 }
 
-/// Where a rank's `MixtureOfExperts` nodes send their tokens.
-#[derive(Clone, Default)]
-pub struct ExpertRouting {
-    /// The expert group the token-expert pairs travel over (none: every expert is local).
-    pub group: Option<Arc<ProcessGroup>>,
-    /// Folded expert groups: the tensor group whose ranks hold the same tokens, each routing
-    /// its own share of them, the outputs gathered back over it.
-    pub tokens_over: Option<Arc<ProcessGroup>>,
-}
-
 /// A graph ready to run: execution order, last uses, weights.
 pub struct Executor<'g> {
     graph: &'g Graph,
@@ -59,7 +49,7 @@ pub struct Executor<'g> {
     pub tensor_group: Option<Arc<ProcessGroup>>,
     /// How the `MixtureOfExperts` nodes route their tokens (expert parallelism; unset: every
     /// expert is local and every token this rank's).
-    expert_routing: std::cell::OnceCell<ExpertRouting>,
+    expert_routing: std::cell::OnceCell<super::experts::ExpertRouting>,
     /// The statistics BatchNormalization uses in the next runs.
     norm: Cell<NormStats>,
     /// The key of the Dropout masks in the next runs (none: outside a training step).
@@ -146,7 +136,7 @@ impl<'g> Executor<'g> {
 
     /// Makes the `MixtureOfExperts` nodes route their tokens as `routing` says (expert
     /// parallelism: this rank's expert weights hold its experts alone). Set once.
-    pub fn set_expert_routing(&self, routing: ExpertRouting) {
+    pub fn set_expert_routing(&self, routing: super::experts::ExpertRouting) {
         let _ = self.expert_routing.set(routing);
     }
 

@@ -14,12 +14,23 @@
 //! collectives, so the interpreter's backward needs nothing more. Every member of a group runs
 //! the same stages in the same order (they are replicas), so their exchanges pair up.
 
+use std::sync::Arc;
+
 use tch::Tensor;
 
-use super::executor::ExpertRouting;
 use super::ops::OpContext;
 use super::ops::moe::{ExpertWeights, combine, route, run_experts};
 use crate::runtime::comm::ProcessGroup;
+
+/// Where a rank's `MixtureOfExperts` nodes send their tokens.
+#[derive(Clone, Default)]
+pub struct ExpertRouting {
+    /// The expert group the token-expert pairs travel over (none: every expert is local).
+    pub group: Option<Arc<ProcessGroup>>,
+    /// Folded expert groups: the tensor group whose ranks hold the same tokens, each routing
+    /// its own share of them, the outputs gathered back over it.
+    pub tokens_over: Option<Arc<ProcessGroup>>,
+}
 
 /// `MixtureOfExperts` as `routing` says: over its expert group, and with folded groups on this
 /// tensor rank's share of the tokens alone. The tensor ranks of a folded group hold the same

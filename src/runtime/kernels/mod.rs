@@ -4,7 +4,7 @@
 
 pub mod context;
 pub mod executor;
-mod experts;
+pub(crate) mod experts;
 pub(crate) mod grad;
 pub(crate) mod storage;
 pub mod ops;

@@ -216,7 +216,7 @@ mod tests {
         assert_eq!(Experts::group(&m, &par, (0, 0, 1)), vec![0, 1]);
         assert_eq!(Experts::group(&m, &par, (0, 1, 0)), vec![2, 3]);
         assert_eq!(Experts::replicas(&m, &par, (0, 0, 1)), vec![1, 3]);
-        assert_eq!(Experts::all_groups(&m, &par), vec![vec![0, 1], vec![0, 2], vec![1, 3], vec![2, 3]]);
+        assert_eq!(Experts::all_groups(&m, &par), vec![vec![0, 1], vec![0, 2], vec![2, 3], vec![1, 3]]);
         // ep 4 over all four ranks: one group, no replicas of an expert
         let whole = Parallelism { ep: 4, ..par };
         assert_eq!(Experts::group(&m, &whole, (0, 1, 1)), vec![0, 1, 2, 3]);

@@ -9,7 +9,8 @@ use std::time::Duration;
 use tch::{Kind, Tensor};
 
 use crate::runtime::comm::{Backend, ProcessGroup, RankEnv, Store};
-use crate::runtime::kernels::executor::{ExpertRouting, Executor};
+use crate::runtime::kernels::executor::Executor;
+use crate::runtime::kernels::experts::ExpertRouting;
 use super::experts::Experts;
 use super::layout::{self, REPLAN, StageLayout};
 use crate::runtime::terr;
