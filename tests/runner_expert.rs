@@ -14,7 +14,8 @@
 //! - bf16-mixed and fp16-mixed plans run under ep 2 within 1e-3 of ep 1 (each expert's rows
 //!   gathered from both replicas change only the low-precision matmuls' blocking);
 //! - expert groups folded over tensor × data ranks (expert-TP 1) train as one process within
-//!   1e-9, and a fold with experts split over some tensor ranks is refused at start;
+//!   1e-9 (also under pp 2 and ZeRO), their checkpoints resume under the split experts and back,
+//!   and a fold with experts split over some tensor ranks is refused at start;
 //! - an expert count ep does not divide is refused naming the node.
 #![cfg(feature = "runner")]
 
@@ -240,33 +241,59 @@ fn ep2_runs_every_mixed_precision_mode() {
 /// tensor rank holds whole experts and routes its own share of the tokens, the outputs gathered
 /// back over the tensor group. Planned with `--ep N --etp 1` and run as one process within 1e-9:
 /// ep 2 over the 2 tensor ranks (with and without sequence parallelism; gpt-oss's biased
-/// experts too), ep 1 (every rank holds every expert, the tokens still shared out), and at dp 2
+/// experts too), ep 1 (every rank holds every expert, the tokens still shared out), at dp 2
 /// ep 4 over all four ranks and ep 2 (two groups, each expert's gradient summed over a tensor
-/// rank of each replica).
+/// rank of each replica), under a pipeline (pp 2) and under ZeRO 1 and 3 (the experts stay out
+/// of the blocks).
 #[test]
 fn folded_expert_groups_train_as_one_process() {
     let dir = tempfile::tempdir().unwrap();
-    let cases: [(&str, (usize, usize, usize), usize, &[&str]); 6] = [
-        ("mixtral", (1, 2, 1), 2, &[]),
-        ("mixtral", (1, 2, 1), 2, &["--sequence-parallel"]),
-        ("gpt_oss", (1, 2, 1), 2, &[]),
-        ("mixtral", (1, 2, 1), 1, &[]),
-        ("qwen3_moe", (1, 2, 2), 4, &[]),
-        ("mixtral", (1, 2, 2), 2, &["--sequence-parallel"]),
+    // (model, (pp, tp, dp), microbatches per replica, ep, extra flags)
+    let cases: [(&str, (usize, usize, usize), usize, usize, &[&str]); 9] = [
+        ("mixtral", (1, 2, 1), 1, 2, &[]),
+        ("mixtral", (1, 2, 1), 1, 2, &["--sequence-parallel"]),
+        ("gpt_oss", (1, 2, 1), 1, 2, &[]),
+        ("mixtral", (1, 2, 1), 1, 1, &[]),
+        ("qwen3_moe", (1, 2, 2), 1, 4, &[]),
+        ("mixtral", (1, 2, 2), 1, 2, &["--sequence-parallel"]),
+        ("mixtral", (2, 2, 1), 2, 2, &[]),
+        ("mixtral", (1, 2, 2), 1, 2, &["--zero", "1"]),
+        ("qwen3_moe", (1, 2, 2), 1, 4, &["--zero", "3"]),
     ];
-    for (name, (pp, tp, dp), ep, extra) in cases {
+    for (name, (pp, tp, dp), m, ep, extra) in cases {
         let case = moe::case(name);
-        let sp = if extra.is_empty() { "" } else { " sp" };
-        let out = dir.path().join(format!("{name}-tp{tp}-dp{dp}-ep{ep}{}.json", sp.trim()));
+        let what = format!("{name} folded pp{pp} tp{tp} dp{dp} ep{ep} etp1 {}", extra.join(" "));
+        let out = dir.path().join(format!("{}.json", what.replace(' ', "_")));
         let mut args = vec!["--ep".to_string(), ep.to_string(), "--etp".into(), "1".into()];
         args.extend(extra.iter().map(|a| a.to_string()));
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let p = moe::plan_dp(case, (pp, tp, dp), 1, &args, &out);
+        let p = moe::plan_dp(case, (pp, tp, dp), m, &args, &out);
         assert_eq!((&p["parallel"]["ep"], &p["parallel"]["etp"]), (&serde_json::json!(ep), &serde_json::json!(1)), "{}", p["parallel"]);
-        let one = if dp > 1 { dp } else { 1 };
-        let d = moe::max_rel(&losses(case, &out, pp * tp * dp, "f64"), &moe::one_process(case, one, "f64"));
-        eprintln!("{name} folded tp{tp} dp{dp} ep{ep} etp1{sp}: f64 vs one process {d:.1e}");
-        assert!(d < 1e-9, "{name} folded tp{tp} dp{dp} ep{ep} etp1{sp}: f64 losses differ from one process's by {d:.2e}");
+        let d = moe::max_rel(&losses(case, &out, pp * tp * dp, "f64"), &moe::one_process(case, m * dp, "f64"));
+        eprintln!("{what}: f64 vs one process {d:.1e}");
+        assert!(d < 1e-9, "{what}: f64 losses differ from one process's by {d:.2e}");
+    }
+}
+
+/// A checkpoint written by a folded plan (each tensor rank its experts, whole) resumes under the
+/// unfolded one at the same degrees (every expert split over the tensor ranks), and the other
+/// way, within 1e-9 of the uninterrupted run.
+#[test]
+fn checkpoints_reshard_between_folded_and_split_experts() {
+    let case = moe::case("mixtral");
+    let dir = tempfile::tempdir().unwrap();
+    let folded = dir.path().join("folded.json");
+    let split = dir.path().join("split.json");
+    moe::plan_dp(case, (1, 2, 1), 1, &["--ep", "2", "--etp", "1"], &folded);
+    moe::plan_dp(case, (1, 2, 1), 1, &[], &split);
+    for (from, to, what) in [(&folded, &split, "folded → split"), (&split, &folded, "split → folded")] {
+        let ck = dir.path().join(format!("ckpt-{}", what.split(' ').next().unwrap_or("x")));
+        let all = field(&launch(case, from, 2, "f64", 5, &["--checkpoint-dir", ck.to_str().unwrap(), "--checkpoint-every", "3"]), "steps", "loss");
+        let step3 = ck.join("step-00000003");
+        let tail = field(&launch(case, to, 2, "f64", 5, &["--resume", step3.to_str().unwrap()]), "steps", "loss");
+        let d = moe::max_rel(&tail, &all[3..]);
+        eprintln!("mixtral {what}: resumed steps 4-5 vs the uninterrupted run {d:.1e}");
+        assert!(d < 1e-9, "{what}: resumed losses {tail:?} vs {:?}", &all[3..]);
     }
 }
 
