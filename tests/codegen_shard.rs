@@ -253,7 +253,7 @@ fn partial_gradients_mark_megatron_f() {
 #[test]
 fn pipeline_of_sharded_stages_reproduces_the_model() {
     use smp_partition::codegen::encode::{CodegenInput, Mesh, StageInput, build};
-    use smp_partition::ir::{CheckpointRule, Parallelism, Placement, ScheduleKind};
+    use smp_partition::ir::Parallelism;
     for (name, t, sequence_parallel) in [("gpt2", 2usize, false), ("llama", 2, false), ("llama", 4, false), ("bert", 4, false), ("gpt2", 2, true), ("llama", 4, true)] {
         let lg = model(name);
         let inputs = feeds(&lg.graph);
@@ -265,26 +265,7 @@ fn pipeline_of_sharded_stages_reproduces_the_model() {
         let stages = (0..pp)
             .map(|s| StageInput { layers: [s * n / pp, (s + 1) * n / pp - 1], checkpointed_layers: vec![], selective_layers: vec![], output_bytes: 0 })
             .collect();
-        let parallel = Parallelism {
-            pp,
-            tp: t,
-            dp: 1,
-            cp: 1,
-            ep: 1,
-            etp: t,
-            zero: 0,
-            sharded_dp: None,
-            microbatches: 1,
-            active_microbatches: None,
-            schedule: ScheduleKind::OneFOneB,
-            checkpointing: CheckpointRule::Auto,
-            placement: Placement::CLUSTER,
-            sequence_parallel,
-            precision: smp_partition::ir::Precision::F32,
-            offload: smp_partition::ir::OffloadRule::Never,
-            loading_horizon: smp_partition::ir::OffloadRule::DEFAULT_HORIZON,
-            fp32_main_grads: false,
-        };
+        let parallel = Parallelism { sequence_parallel, offload: smp_partition::ir::OffloadRule::Never, ..Parallelism::of_degrees(pp, t, 1) };
         let mut input = CodegenInput { parallel, stages, replicated_layers: vec![], node_strategies: vec![], microbatch_size: None };
         if name == "bert" {
             // BERT's MLM head transform (dense, GELU, LayerNorm) splits at no degree: codegen

@@ -92,6 +92,32 @@ pub struct Parallelism {
 }
 
 impl Parallelism {
+    /// The degrees `pp`, `tp` and `dp` alone, every other setting at its default: no context,
+    /// expert or ZeRO sharding, one microbatch under 1F1B, `cluster` placement, f32, automatic
+    /// checkpointing and offloading.
+    pub fn of_degrees(pp: usize, tp: usize, dp: usize) -> Parallelism {
+        Parallelism {
+            pp,
+            tp,
+            dp,
+            cp: 1,
+            ep: 1,
+            etp: tp,
+            zero: 0,
+            sharded_dp: None,
+            microbatches: 1,
+            active_microbatches: None,
+            schedule: ScheduleKind::OneFOneB,
+            checkpointing: CheckpointRule::Auto,
+            placement: Placement::CLUSTER,
+            sequence_parallel: false,
+            precision: Precision::F32,
+            offload: OffloadRule::Auto,
+            loading_horizon: OffloadRule::DEFAULT_HORIZON,
+            fp32_main_grads: false,
+        }
+    }
+
     /// Devices of the mesh: pp · tp · cp · dp.
     pub fn devices(&self) -> usize {
         self.pp * self.tp * self.cp * self.dp

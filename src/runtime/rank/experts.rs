@@ -175,30 +175,10 @@ fn folded_rank(mesh: &Mesh, par: &Parallelism, q: usize, slot: usize, holder: us
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::{CheckpointRule, OffloadRule, Placement, Precision, ScheduleKind};
 
     /// One pipeline rank at degrees `tp`, `dp`, `ep`, `etp`.
     fn par(tp: usize, dp: usize, ep: usize, etp: usize) -> Parallelism {
-        Parallelism {
-            pp: 1,
-            tp,
-            dp,
-            cp: 1,
-            ep,
-            etp,
-            zero: 0,
-            sharded_dp: None,
-            microbatches: 1,
-            active_microbatches: None,
-            schedule: ScheduleKind::OneFOneB,
-            checkpointing: CheckpointRule::Auto,
-            placement: Placement::CLUSTER,
-            sequence_parallel: false,
-            precision: Precision::F32,
-            offload: OffloadRule::Auto,
-            loading_horizon: 1,
-            fp32_main_grads: false,
-        }
+        Parallelism { ep, etp, ..Parallelism::of_degrees(1, tp, dp) }
     }
 
     /// A mesh of `pp` pipeline ranks, `dp` replicas and `tp` tensor ranks numbered tensor rank
