@@ -556,6 +556,40 @@ fn torchtitan_fsdp_under_a_pipeline_is_zero_1() {
     assert_eq!((chose.as_str(), change), ("ZeRO 1", Some(engines::Change::Zero(2))));
 }
 
+/// torchtitan never splits experts over the tensor ranks under expert parallelism: its sparse
+/// mesh (pp, dp_replicate, efsdp, ep) re-factors the dense ranks with ep innermost, tensor ranks
+/// first (`ParallelDims`, efsdp = dp_shard · cp · tp / ep). Read as the planner's fold at
+/// expert-TP 1 (a model state that holds each expert on ep ranks of one replica's tensor and
+/// data ranks); a plan whose experts are split over the tensor ranks is a gap whose nearest
+/// plan is that fold, which torchtitan writes as it is; with context ranks it is refused.
+#[test]
+fn torchtitan_expert_parallelism_over_tensor_ranks_is_a_fold_at_expert_tp_1() {
+    let a = analyse("mixtral-8x7b.onnx");
+    let shape = ModelShape::of(&a.lg);
+    let cluster = ClusterSpec::parse("h100-80gb:64").expect("preset");
+    let text = |extra: &str| format!("[training]\nlocal_batch_size = 4\nseq_len = 4096\n[parallelism]\ndata_parallel_shard_degree = -1\ntensor_parallel_degree = 2\npipeline_parallel_degree = 4\n{extra}");
+    let (r, _) = engines::read(Engine::Torchtitan, &text("expert_parallel_degree = 8\n"), Origin { what: PathBuf::from("job.toml") }, &shape, Some(64)).expect("read");
+    assert_eq!((r.options.tp, r.options.dp, r.options.ep, r.options.etp), (Some(2), Some(8), Some(8), Some(1)));
+    assert!(r.unpriced.is_empty(), "{:?}", r.unpriced);
+    // ep 8 over tp 2 × dp 8 does not divide dp alone: only the fold expresses it
+    let opts = r.options.clone().resolve(None).expect("resolve");
+    let (priced, _) = engines::price(Engine::Torchtitan, &a, &cluster, &opts).expect("price");
+    assert_eq!((priced.parallel.ep, priced.parallel.etp), (8, 1));
+    let err = read_err(Engine::Torchtitan, &text("context_parallel_degree = 2\nexpert_parallel_degree = 8\n"), &shape, 64);
+    assert!(err.contains("tensor and context ranks"), "{err}");
+    // a plan with its experts split over the tensor ranks: nearest, the fold
+    let req = PlanOptions { global_batch: Some(256), pp: Some(4), tp: Some(2), ep: Some(4), zero: Some(1), schedule: Some(ScheduleKind::OneFOneB), ..PlanOptions::default() };
+    let plan = compile(&a, &cluster, &req);
+    assert_eq!((plan.parallel.ep, plan.parallel.etp), (4, 2));
+    let e = engines::emit(Engine::Torchtitan, &plan, &a, &cluster).expect("emit");
+    let g = e.gaps.iter().find(|g| g.gap.field == engines::PlanField::Expert).expect("an expert gap");
+    assert_eq!(g.gap.change, Some(engines::Change::FoldedExperts));
+    let nearest = e.nearest.as_ref().expect("a nearest plan");
+    assert_eq!((nearest.parallel.ep, nearest.parallel.etp), (4, 1));
+    assert!(engines::gaps(Engine::Torchtitan, nearest, &shape).expect("gaps").iter().all(|g| g.field != engines::PlanField::Expert));
+    assert!(e.written.files[0].text.contains("expert_parallel_degree = 4"), "{}", e.written.files[0].text);
+}
+
 /// The gradients' type as each engine keeps it under bf16: Megatron-LM's arguments.py turns on
 /// fp32 "main grads" (accumulated and all-reduced in fp32) unless `--grad-reduce-in-bf16`, and
 /// torchtitan's FSDP under a pipeline accumulates whole gradients in its fp32 reduce dtype. Priced

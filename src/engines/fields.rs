@@ -189,6 +189,8 @@ pub enum Change {
     /// The mixed precision's gradients kept in the model's type (the cluster's default recipe,
     /// which has no fp32 main grads).
     ModelTypeGradients,
+    /// The expert groups folded over tensor × data ranks with whole experts (expert-TP 1).
+    FoldedExperts,
 }
 
 impl Change {
@@ -220,6 +222,7 @@ impl Change {
             Change::Precision(p) => req.precision = Some(*p),
             Change::SequenceParallel(on) => req.sequence_parallel = Some(*on),
             Change::MegatronSplit => req.megatron_split = true,
+            Change::FoldedExperts => req.etp = Some(1),
             Change::Placement(p) => req.placement = Some(*p),
             Change::NoInFlightCap => req.active_microbatches = None,
             Change::Fp32Gradients => req.mixed_recipe = Some(crate::ir::MixedRecipe::LowModelFp32Grads),

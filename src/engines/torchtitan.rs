@@ -112,12 +112,15 @@ pub fn gaps(plan: &Plan, shape: &ModelShape) -> Result<Vec<Gap>, String> {
             ));
         }
         if p.etp > 1 {
+            // torchtitan's sparse mesh (pp, dp_replicate, efsdp, ep) unflattens the dense one's
+            // (dp_shard · cp, tp) ranks with ep innermost: whole experts, the group over the
+            // tensor ranks first, as a fold at expert-TP 1 (which has no context ranks)
             out.push(gap(
                 PlanField::Expert,
                 format!("experts split over the {} tensor ranks", p.etp),
                 "its experts are not tensor-split: expert parallelism borrows the tensor ranks instead",
-                "torchtitan's expert placement (not priced: the planner has no model of it)",
-                None,
+                if p.cp > 1 { "torchtitan's expert placement over tensor and context ranks (not priced)" } else { "expert groups folded over tensor × data ranks with whole experts (etp 1)" },
+                (p.cp <= 1).then_some(Change::FoldedExperts),
             ));
         }
     }
@@ -597,13 +600,21 @@ impl JobReading<'_> {
         o.sources.insert(Setting::Cp, e.source("parallelism.context_parallel_degree", cp));
         o.sources.insert(Setting::Dp, Source::Implied(format!("data parallel {dp} = data_parallel_replicate_degree {replicate} × data_parallel_shard_degree {shard}")));
         if ep > 1 || self.shape.experts.is_some() {
-            if ep > 1 && dp % ep != 0 {
-                return Err(EngineError::Missing { engine: ENGINE, why: format!("expert parallelism {ep} borrows tensor or context ranks here; the planner carves expert groups from the {dp} data-parallel ranks (ep must divide it)") });
+            // Its experts are never tensor-split under expert parallelism: the sparse mesh
+            // (pp, dp_replicate, efsdp, ep) re-factors the dense ranks with ep innermost, tensor
+            // ranks first, which is the planner's fold at expert-TP 1 (context degree 1).
+            let folded = ep > 1 && tp > 1;
+            if folded && cp > 1 {
+                return Err(EngineError::Missing { engine: ENGINE, why: format!("expert parallelism {ep} borrows tensor and context ranks here (tp {tp}, cp {cp}); the planner folds expert groups over tensor × data ranks only") });
+            }
+            if ep > 1 && !folded && dp % ep != 0 {
+                return Err(EngineError::Missing { engine: ENGINE, why: format!("expert parallelism {ep} borrows context ranks here; the planner carves expert groups from the {dp} data-parallel ranks (ep must divide it)") });
             }
             o.ep = Some(ep);
             o.sources.insert(Setting::Ep, e.source("parallelism.expert_parallel_degree", ep));
-            if ep > 1 && tp > 1 {
-                self.reading.unpriced.push(Unpriced { setting: format!("expert_parallel_degree = {ep} with tensor_parallel_degree = {tp}"), why: "torchtitan does not tensor-split experts; priced as experts split over the tensor ranks".into() });
+            if folded {
+                o.etp = Some(1);
+                o.sources.insert(Setting::Etp, Source::Implied(format!("expert-tensor 1: expert_parallel_degree {ep} with tensor_parallel_degree {tp} borrows the tensor ranks (torchtitan never splits experts over them)")));
             }
         }
         Ok(Dims { replicate, shard, tp, pp, cp, dp })

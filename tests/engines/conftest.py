@@ -59,7 +59,8 @@ def _gb(flags: list[str]) -> tuple[str, ...]:
 # One request per kind of plan the writers treat differently, on each bundled model (the
 # round trips of tests/engines.rs cover every request; these are what the engines' own code
 # checks): automatic plans (their gaps and nearest plans), fp16 with ZeRO 1 at pp 2, context
-# parallelism with ZeRO 3, interleaving with full recompute, 1F1B across spread ranks, experts.
+# parallelism with ZeRO 3, interleaving with full recompute, 1F1B across spread ranks, experts
+# (carved from the data ranks and folded over tensor × data ranks).
 # Llama 3 405B is the published run below; a 1F1B pipeline with ZeRO 1 is Mixtral's.
 BUNDLED = [
     Case("llama3-8b automatic", "llama3-8b.onnx", "h100-80gb:64", _gb([])),
@@ -74,6 +75,10 @@ BUNDLED = [
     Case("mixtral-8x7b automatic", "mixtral-8x7b.onnx", "h100-80gb:512", _gb([])),
     Case("mixtral-8x7b pp 2 ep 8 zero 1", "mixtral-8x7b.onnx", "h100-80gb:512",
          _gb(["--pp", "2", "--tp", "1", "--ep", "8", "--zero", "1", "--schedule", "1f1b"])),
+    # expert groups folded over tensor × data ranks (Megatron's --expert-tensor-parallel-size 1,
+    # torchtitan's expert placement under tensor parallelism)
+    Case("mixtral-8x7b pp 2 tp 2 ep 8 etp 1 zero 1", "mixtral-8x7b.onnx", "h100-80gb:512",
+         _gb(["--pp", "2", "--tp", "2", "--ep", "8", "--etp", "1", "--zero", "1", "--schedule", "1f1b"])),
 ]
 
 # tests/common/table1.rs, one row per shape of Megatron's rule: name, t, p, gpus, batch,
