@@ -944,7 +944,11 @@ impl<'a> CostContext<'a> {
         if cfg.ep > 1 && ex.experts > 0 && ex.figures.gemms[0].share > 0.0 {
             // Each expert runs the routed tokens of its group's e ranks: e times the rows per
             // expert the assignment priced (the rank's FLOPs are the same), its GEMMs larger.
-            let (tt, dim) = if split_experts > 0 || fold_rows { (cfg.tp.max(1) as f64, if fold_rows { SplitDim::Rows } else { SplitDim::Inner }) } else { (1.0, SplitDim::Rows) };
+            let (tt, dim) = match (fold_rows, split_experts > 0) {
+                (true, _) => (cfg.tp.max(1) as f64, SplitDim::Rows),
+                (false, true) => (cfg.tp.max(1) as f64, SplitDim::Inner),
+                (false, false) => (1.0, SplitDim::Rows),
+            };
             let priced = split(&ex.figures, cfg.microbatch as f64 / c, tt, dim);
             let mut grouped = priced;
             for g in &mut grouped.gemms {

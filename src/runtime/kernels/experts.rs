@@ -32,6 +32,13 @@ pub struct ExpertRouting {
     pub tokens_over: Option<Arc<ProcessGroup>>,
 }
 
+impl ExpertRouting {
+    /// Whether the mixtures of experts route anything off this rank (else the one-rank kernel).
+    pub fn leaves_the_rank(&self) -> bool {
+        self.group.is_some() || self.tokens_over.is_some()
+    }
+}
+
 /// `MixtureOfExperts` as `routing` says: over its expert group, and with folded groups on this
 /// tensor rank's share of the tokens alone. The tensor ranks of a folded group hold the same
 /// tokens (replicated, or gathered under sequence parallelism) and the same routes: rank r

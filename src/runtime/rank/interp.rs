@@ -965,13 +965,8 @@ impl<'r, 'a> Interp<'r, 'a> {
         let r = self.rank;
         self.wait_sends()?;
         let _guard = tch::no_grad_guard();
-        // a stage with no data-parallel sync (one replica) whose experts are held by several
-        // ranks (folded expert groups: the tensor ranks of one replica) sums them here
-        for &s in &r.my_stages {
-            let synced = r.program.instrs.iter().any(|i| matches!(i.collective(), Some((_, Purpose::DpGrads { stage })) if *stage == s));
-            if !synced {
-                super::zero::reduce_experts(r, s, &mut self.grads)?;
-            }
+        for &s in &r.experts_summed_at_step {
+            super::zero::reduce_experts(r, s, &mut self.grads)?;
         }
         // fp16: gradients unscaled before the norm; inf/NaN on any rank skips the step on all
         let mut found_inf = false;

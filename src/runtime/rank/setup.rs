@@ -172,6 +172,9 @@ pub(super) struct Rank<'a> {
     /// With expert parallelism, the ranks holding this rank's experts (when more than it):
     /// its experts' gradients are summed over them.
     pub expert_replicas: Option<Vec<usize>>,
+    /// This rank's stages whose experts are summed over `expert_replicas` before the optimizer
+    /// step because no data-parallel sync of theirs does it.
+    pub experts_summed_at_step: Vec<usize>,
     /// The forward and backward seconds the plan predicts for this rank's stages (what its
     /// busy time is judged against for stragglers).
     pub predicted_compute_s: f64,
@@ -211,7 +214,7 @@ impl<'a> Rank<'a> {
         let expert_pg = (expert_group.len() > 1).then(|| groups.by_members.get(&expert_group).cloned()).flatten();
         // folded groups: each tensor rank routes its own share of the tokens
         let routing = ExpertRouting { group: expert_pg, tokens_over: tensor_pg.clone().filter(|_| experts.folded) };
-        if routing.group.is_some() {
+        if routing.leaves_the_rank() {
             exec.set_expert_routing(routing.clone());
         }
         let expert_replicas = Some(Experts::replicas(&mesh, &plan.parallel, (q, d, t))).filter(|g| experts.in_part() && g.len() > 1);
@@ -237,6 +240,10 @@ impl<'a> Rank<'a> {
         let mut params = params;
         split_gather_units(&mut params, &segments, &gathered);
         let sends_done_at = sends_done_at(&programs, me);
+        // stages with no data-parallel sync (one replica) whose experts several ranks hold
+        // (folded groups: the tensor ranks of one replica) sum them before the optimizer step
+        let synced = |s: usize| program.instrs.iter().any(|i| matches!(i.collective(), Some((_, Purpose::DpGrads { stage })) if *stage == s));
+        let experts_summed_at_step = if expert_replicas.is_some() { my_stages.iter().copied().filter(|&s| !synced(s)).collect() } else { Vec::new() };
         let split_w = program.instrs.iter().filter_map(|i| if let Instr::BackwardWeight { stage, mb } = i { Some((*stage, *mb)) } else { None }).collect();
         Ok(Rank {
             exec,
@@ -269,6 +276,7 @@ impl<'a> Rank<'a> {
             slices: shards.stages.iter().flat_map(|sh| sh.slices.iter()).map(|w| (w.initializer.clone(), w.clone())).collect(),
             experts,
             expert_replicas,
+            experts_summed_at_step,
             predicted_compute_s: plan.stages_of_rank(q).map(|s| s.forward_s + s.backward_s).filter(|x| x.is_finite()).sum(),
         })
     }
@@ -547,7 +555,7 @@ fn stage_executors<'a>(
         let tensors = stage_weights(exec, source, sub, &slices, lazy, experts)?;
         let mut e = Executor::new_on(sub, Weights { tensors }, ExecOptions { float_kind: exec.float_kind(), training: true, autocast: exec.autocast() }, exec.device())?;
         e.tensor_group = tensor_pg.cloned();
-        if routing.group.is_some() || routing.tokens_over.is_some() {
+        if routing.leaves_the_rank() {
             e.set_expert_routing(routing.clone());
         }
         // a weight read by several of this rank's stages is one tensor
