@@ -57,8 +57,7 @@ pub(super) fn routed(node: &crate::ir::Node, inputs: &[Option<Tensor>], ctx: &Op
     let tokens = x.size().first().copied().unwrap_or(0);
     if tokens % t != 0 {
         return Err(format!(
-            "MixtureOfExperts node `{}`: its expert groups fold over the {t} tensor ranks, which route equal shares of the {tokens} tokens of a microbatch, and {t} does not divide {tokens}; choose a microbatch whose tokens (batch × sequence) divide by {t}",
-            node.name
+            "its expert groups fold over the {t} tensor ranks, which route equal shares of the {tokens} tokens of a microbatch, and {t} does not divide {tokens}; choose a microbatch whose tokens (batch × sequence) divide by {t}"
         ));
     }
     let kerr = |m: tch::TchError| m.to_string();
