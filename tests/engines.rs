@@ -522,6 +522,27 @@ fn qwen3_moe_megatron_folded_ep32_against_the_published_step() {
     assert!((ep32 / 19.7 - 1.0).abs() <= 0.10, "predicted {ep32:.2} s against the published 19.7 s");
 }
 
+/// The zoo's EP 32 row again with combined 1F1B ("+1f1b overlap": `--overlap-moe-expert-
+/// parallel-comm`, each steady-phase forward merged with a backward, one's all-to-alls beside
+/// the other's compute), published at 17.6 s against 19.7 s without. Not met: 0.752 (13.24 s:
+/// 4.99 of the 5.40 s of all-to-alls hidden, where the published runs differ by 2.1 s). With the
+/// all-to-alls hidden this row prices what the in-node rows do, and lands where they land
+/// (TP 4 0.740, PP 32 0.757): a term common to them is short by about a quarter of the step,
+/// and the exposed EP 32 row's 0.929 is that shortfall offset by all-to-alls priced above what
+/// the run exposed (docs/planner.md). Run on demand with the other zoo rows.
+#[test]
+#[ignore = "not met: 0.752 of the published 17.6 s (the all-to-alls hidden; the rows' common shortfall)"]
+fn qwen3_moe_megatron_folded_ep32_combined_1f1b_against_the_published_step() {
+    let a = analyze_for(&model("qwen3-235b-a22b.onnx"), &PlanOptions { seq_len: Some(4096), ..PlanOptions::default() }).expect("analyse");
+    let ep32 = "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 8 --num-virtual-stages-per-pipeline-rank 4 \
+        --expert-model-parallel-size 32 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type flex --moe-enable-deepep \
+        --recompute-granularity selective --recompute-modules layernorm moe_act";
+    let apart = qwen3_zoo_step(&a, ep32, (2, 8, 16, 32, 1, 128));
+    let merged = qwen3_zoo_step(&a, &format!("{ep32} --overlap-moe-expert-parallel-comm"), (2, 8, 16, 32, 1, 128));
+    eprintln!("qwen3-235b-a22b TP2 PP8 VPP4 EP32 ETP1: {apart:.2} s in turn, {merged:.2} s with combined 1F1B ({:.3} of 17.6 s; published ratio 1.119, ours {:.3})", merged / 17.6, apart / merged);
+    assert!((merged / 17.6 - 1.0).abs() <= 0.10, "predicted {merged:.2} s against the published 17.6 s");
+}
+
 /// The zoo's TP 2 PP 32 VPP 3 EP 8 ETP 1 row (all-to-all dispatcher) against its published
 /// 24.2 s. Not met: 0.752 (18.2 s; the expert group of 8 is one node; 0.684 before GEMMs were
 /// priced by shape, each expert's GEMM now at the rows its group gathers; 0.754 with the norms'
@@ -588,6 +609,60 @@ fn torchtitan_expert_parallelism_over_tensor_ranks_is_a_fold_at_expert_tp_1() {
     assert_eq!((nearest.parallel.ep, nearest.parallel.etp), (4, 1));
     assert!(engines::gaps(Engine::Torchtitan, nearest, &shape).expect("gaps").iter().all(|g| g.field != engines::PlanField::Expert));
     assert!(e.written.files[0].text.contains("expert_parallel_degree = 4"), "{}", e.written.files[0].text);
+}
+
+/// Megatron-Core's combined 1F1B (`--overlap-moe-expert-parallel-comm`): each steady-phase
+/// forward merged with a backward, one microbatch's expert all-to-alls beside the other's
+/// compute. Read (refused where `TransformerConfig` refuses it), priced (the step shorter by no
+/// more than the all-to-alls, by the part of them reported hidden), written back, and named as
+/// a gap by the engines that run the all-to-alls in turn.
+#[test]
+fn megatron_combined_1f1b_is_read_priced_and_written() {
+    let a = analyse("mixtral-8x7b.onnx");
+    let shape = ModelShape::of(&a.lg);
+    let cluster = ClusterSpec::parse("h100-80gb:64").expect("preset");
+    let args = |extra: &str| {
+        format!(
+            "--pipeline-model-parallel-size 2 --expert-model-parallel-size 8 --seq-length 4096 --micro-batch-size 1 --global-batch-size 256 \
+            --use-distributed-optimizer --bf16 {extra}"
+        )
+    };
+    let interleaved = "--num-virtual-stages-per-pipeline-rank 2 --moe-token-dispatcher-type alltoall";
+    let read = |text: &str| engines::read(Engine::Megatron, text, Origin { what: PathBuf::from("args") }, &shape, Some(64)).expect("read").0;
+    let price = |r: &engines::Reading| engines::price(Engine::Megatron, &a, &cluster, &r.options.clone().resolve(None).expect("resolve")).expect("price").0;
+    let (apart, merged) = (read(&args(interleaved)), read(&args(&format!("{interleaved} --overlap-moe-expert-parallel-comm"))));
+    assert_eq!((apart.options.expert_overlap, merged.options.expert_overlap), (None, Some(true)));
+    assert!(merged.unpriced.is_empty(), "{:?}", merged.unpriced);
+    let (apart, merged) = (price(&apart), price(&merged));
+    assert!(!apart.parallel.expert_overlap && merged.parallel.expert_overlap);
+    let axes = merged.axes.as_ref().expect("the expert axis reported");
+    let saved = apart.predicted.step_time_s - merged.predicted.step_time_s;
+    eprintln!("mixtral-8x7b pp 2 interleaved:2 ep 8: {:.3} s in turn, {:.3} s merged; all-to-alls {:.3} s, {:.3} s of it hidden", apart.predicted.step_time_s, merged.predicted.step_time_s, axes.all_to_all_s, axes.all_to_all_hidden_s);
+    assert!(axes.all_to_all_hidden_s > 0.0 && axes.all_to_all_hidden_s <= axes.all_to_all_s);
+    assert!(saved > 0.0 && saved <= axes.all_to_all_s, "saved {saved} s of {} s of all-to-alls", axes.all_to_all_s);
+    // Megatron-Core's own refusals
+    for (extra, check) in [
+        ("--moe-token-dispatcher-type alltoall --overlap-moe-expert-parallel-comm", "virtual_pipeline_model_parallel_size must be specified"),
+        ("--num-virtual-stages-per-pipeline-rank 2 --overlap-moe-expert-parallel-comm", "alltoall/flex token dispatcher"),
+        (&format!("{interleaved} --overlap-moe-expert-parallel-comm --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"), "disable full recomputation"),
+        (&format!("{interleaved} --delay-wgrad-compute"), "overlap_moe_expert_parallel_comm must be enabled"),
+    ] {
+        let err = read_err(Engine::Megatron, &args(extra), &shape, 64);
+        assert!(err.contains(check), "{extra}: {err}");
+    }
+    let delayed = read(&args(&format!("{interleaved} --overlap-moe-expert-parallel-comm --delay-wgrad-compute")));
+    assert_eq!(delayed.unpriced.iter().map(|u| u.setting.as_str()).collect::<Vec<_>>(), ["--delay-wgrad-compute"]);
+    // written back as read; the engines without it name the gap and price the nearest plan
+    let text = &engines::emit(Engine::Megatron, &merged, &a, &cluster).expect("emit").written.files[0].text;
+    assert!(text.contains("--moe-token-dispatcher-type alltoall") && text.contains("--overlap-moe-expert-parallel-comm"), "{text}");
+    let back = price(&read(&text.replace('\n', " ")));
+    assert!(back.parallel.expert_overlap && (back.predicted.step_time_s / merged.predicted.step_time_s - 1.0).abs() < 1e-9);
+    for engine in [Engine::Torchtitan, Engine::DeepSpeed] {
+        let e = engines::emit(engine, &merged, &a, &cluster).expect("emit");
+        let g = e.gaps.iter().find(|g| g.gap.field == engines::PlanField::ExpertOverlap).unwrap_or_else(|| panic!("{engine}: {:?}", e.gaps));
+        assert_eq!(g.gap.change, Some(engines::Change::ExpertOverlap(false)));
+        assert!(!e.nearest.as_ref().expect("nearest").parallel.expert_overlap, "{engine}");
+    }
 }
 
 /// The gradients' type as each engine keeps it under bf16: Megatron-LM's arguments.py turns on

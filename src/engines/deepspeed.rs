@@ -15,7 +15,7 @@ use crate::solve::{PlanOptions, Setting, Source};
 
 use super::config::{EmittedFile, Launcher, Origin, Reading, Unpriced, Written, split_words};
 use super::error::EngineError;
-use super::fields::{Change, Engine, Gap, PlanField, checkpointed, megatron_split, offloaded, reader_order, same_ranks, selective_unexpressed};
+use super::fields::{Change, Engine, Gap, PlanField, checkpointed, megatron_split, offloaded, reader_order, same_ranks, selective_unexpressed, expert_overlap_unexpressed};
 use super::shape::ModelShape;
 use super::stages::{all_blocks, stage_roles, units_whole, whole_units_layout};
 
@@ -94,6 +94,7 @@ pub fn gaps(plan: &Plan, shape: &ModelShape) -> Result<Vec<Gap>, String> {
     let p = &plan.parallel;
     let stages = stage_roles(plan, shape)?;
     let mut out = Vec::new();
+    out.extend(expert_overlap_unexpressed(Engine::DeepSpeed, plan));
     if p.pp > 1 && p.schedule != ScheduleKind::OneFOneB {
         out.push(gap(PlanField::Schedule, p.schedule.to_string(), "its pipeline engine runs 1F1B only", "1F1B", Some(Change::Schedule(ScheduleKind::OneFOneB))));
     }

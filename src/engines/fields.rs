@@ -103,11 +103,13 @@ pub enum PlanField {
     Placement,
     /// `parallel.active_microbatches`.
     InFlight,
+    /// `parallel.expert_comm_overlap`.
+    ExpertOverlap,
 }
 
 impl PlanField {
     /// Every field, in the order of docs/engines.md's tables.
-    pub const ALL: [PlanField; 18] = [
+    pub const ALL: [PlanField; 19] = [
         PlanField::Pipeline,
         PlanField::Schedule,
         PlanField::Cuts,
@@ -126,6 +128,7 @@ impl PlanField {
         PlanField::Precision,
         PlanField::Placement,
         PlanField::InFlight,
+        PlanField::ExpertOverlap,
     ];
 
     /// The plan file's spelling (docs/plan-format.md).
@@ -149,6 +152,7 @@ impl PlanField {
             PlanField::Precision => "parallel.precision",
             PlanField::Placement => "parallel.placement",
             PlanField::InFlight => "parallel.active_microbatches",
+            PlanField::ExpertOverlap => "parallel.expert_comm_overlap",
         }
     }
 }
@@ -191,6 +195,9 @@ pub enum Change {
     ModelTypeGradients,
     /// The expert groups folded over tensor × data ranks with whole experts (expert-TP 1).
     FoldedExperts,
+    /// The expert all-to-alls overlapped with another microbatch's compute (combined 1F1B), or
+    /// run in turn.
+    ExpertOverlap(bool),
 }
 
 impl Change {
@@ -223,6 +230,7 @@ impl Change {
             Change::SequenceParallel(on) => req.sequence_parallel = Some(*on),
             Change::MegatronSplit => req.megatron_split = true,
             Change::FoldedExperts => req.etp = Some(1),
+            Change::ExpertOverlap(on) => req.expert_overlap = Some(*on),
             Change::Placement(p) => req.placement = Some(*p),
             Change::NoInFlightCap => req.active_microbatches = None,
             Change::Fp32Gradients => req.mixed_recipe = Some(crate::ir::MixedRecipe::LowModelFp32Grads),
@@ -297,6 +305,7 @@ pub fn exact_request(plan: &Plan) -> PlanOptions {
         offload: Some(offload),
         loading_horizon: Some(p.loading_horizon),
         mixed_recipe: p.fp32_main_grads.then_some(crate::ir::MixedRecipe::LowModelFp32Grads),
+        expert_overlap: Some(p.expert_overlap),
         params: ParamOptions { trainable: plan.trainable.clone(), frozen: plan.frozen.clone() },
         cluster_flag: Some(format!("{}:{}", plan.cluster.preset, plan.cluster.devices)),
         ..PlanOptions::default()
@@ -325,6 +334,19 @@ pub fn selective(plan: &Plan) -> BTreeSet<usize> {
 pub fn selective_unexpressed(plan: &Plan) -> Option<(String, Change)> {
     let layers = selective(plan);
     (!layers.is_empty()).then(|| (format!("selective recompute of {} layers' norms and activation functions", layers.len()), Change::Recompute(checkpointed(plan))))
+}
+
+/// For an engine without Megatron-Core's combined 1F1B: the gap when `plan` priced the expert
+/// all-to-alls overlapped with another microbatch's compute.
+pub fn expert_overlap_unexpressed(engine: Engine, plan: &Plan) -> Option<Gap> {
+    plan.parallel.expert_overlap.then(|| Gap {
+        engine,
+        field: PlanField::ExpertOverlap,
+        chose: "the expert all-to-alls overlapped with another microbatch's compute (Megatron-Core's combined 1F1B)".into(),
+        why: "it runs each microbatch's all-to-alls in turn with its own compute".into(),
+        nearest: "the all-to-alls in turn".into(),
+        change: Some(Change::ExpertOverlap(false)),
+    })
 }
 
 /// The layers `plan` offloads.

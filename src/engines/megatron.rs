@@ -298,6 +298,15 @@ pub fn gaps(plan: &Plan, shape: &ModelShape) -> Result<Vec<Gap>, String> {
     if let Some(a) = p.active_microbatches {
         out.push(gap(PlanField::InFlight, format!("at most {a} microbatches in flight"), "it has no such cap", "no cap", Some(Change::NoInFlightCap)));
     }
+    if p.expert_overlap && !checkpointed(plan).is_empty() {
+        out.push(gap(
+            PlanField::ExpertOverlap,
+            "the expert all-to-alls overlapped (combined 1F1B) beside whole layers recomputed",
+            "its combined 1F1B refuses full recompute",
+            "the all-to-alls in turn",
+            Some(Change::ExpertOverlap(false)),
+        ));
+    }
     Ok(out)
 }
 
@@ -428,6 +437,14 @@ fn parallel_args(args: &mut Vec<Vec<String>>, plan: &Plan, shape: &ModelShape, s
     if shape.experts.is_some() {
         arg(&["--expert-model-parallel-size", &p.ep.to_string()]);
         arg(&["--expert-tensor-parallel-size", &p.etp.to_string()]);
+        if p.ep > 1 {
+            // the dispatch the plan priced (Megatron's default, allgather, is neither)
+            let per_node = plan.request.as_ref().and_then(|r| r.expert_dispatch.as_deref()) == Some(ExpertDispatch::PerNode.name());
+            arg(&["--moe-token-dispatcher-type", if per_node { "flex" } else { "alltoall" }]);
+        }
+        if p.expert_overlap {
+            arg(&["--overlap-moe-expert-parallel-comm"]);
+        }
     }
     if !same_ranks(p.placement, DEFAULT_ORDER, p) {
         arg(&["--use-tp-pp-dp-mapping"]);
@@ -608,6 +625,7 @@ pub fn read(text: &str, origin: Origin, shape: &ModelShape, devices: Option<usiz
     r.sequence_parallel(&sizes)?;
     r.dispatcher()?;
     r.zero_and_precision(&sizes)?;
+    r.expert_overlap(&sizes)?;
     r.placement(&sizes);
     r.leftovers();
     r.reading.options = r.o;
@@ -1027,6 +1045,35 @@ impl ArgsReading<'_> {
         }
         if let Some(s) = a.text("loss-scale")? {
             reading.unpriced.push(Unpriced { setting: format!("--loss-scale {s}"), why: "a static loss scale changes no step time or memory the planner prices".into() });
+        }
+        Ok(())
+    }
+
+    /// Combined 1F1B (`--overlap-moe-expert-parallel-comm`): each steady-phase forward merged
+    /// with a backward, one's expert all-to-alls beside the other's compute, checked as
+    /// `TransformerConfig.__post_init__` checks it; `--delay-wgrad-compute` named unpriced.
+    fn expert_overlap(&mut self, s: &Sizes) -> Result<(), EngineError> {
+        let (a, o, reading) = (&mut self.a, &mut self.o, &mut self.reading);
+        let delay = a.has("delay-wgrad-compute");
+        if !a.has("overlap-moe-expert-parallel-comm") {
+            if delay {
+                return Err(refuse("TransformerConfig.__post_init__", "overlap_moe_expert_parallel_comm must be enabled when enabling delay_wgrad_compute".into()));
+            }
+            return Ok(());
+        }
+        let check = |ok: bool, why: &str| if ok { Ok(()) } else { Err(refuse("TransformerConfig.__post_init__", why.into())) };
+        check(s.pp == 1 || o.schedule.is_some_and(|k| k.virtual_stages() > 1), "If enabling EP A2A overlap, virtual_pipeline_model_parallel_size must be specified when pipeline_model_parallel_size > 1")?;
+        check(o.ep.unwrap_or(1) > 1, "overlap_moe_expert_parallel_comm is only supported with expert model parallelism")?;
+        check(o.expert_dispatch.is_some(), "overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher")?;
+        check(o.checkpointed_layers.as_ref().is_none_or(BTreeSet::is_empty), "disable full recomputation when enabling overlap_moe_expert_parallel_comm")?;
+        check(matches!(o.precision, Some(Precision::Bf16Mixed | Precision::Fp16Mixed)), "overlap_moe_expert_parallel_comm is only supported with bf16 or fp16 model")?;
+        o.expert_overlap = Some(true);
+        o.sources.insert(Setting::ExpertOverlap, a.source("overlap-moe-expert-parallel-comm", "on"));
+        if delay {
+            reading.unpriced.push(Unpriced {
+                setting: "--delay-wgrad-compute".into(),
+                why: "the experts' weight gradients deferred as more work to hide the all-to-alls behind is not priced: priced as computed in place, so the step is overstated by up to the all-to-all time they would hide".into(),
+            });
         }
         Ok(())
     }

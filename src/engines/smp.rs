@@ -10,7 +10,7 @@ use crate::ir::{Placement, Precision, ScheduleKind};
 use crate::plan::Plan;
 
 use super::config::{EmittedFile, Written};
-use super::fields::{Change, Engine, Gap, PlanField, checkpointed, megatron_split, offloaded, selective_unexpressed};
+use super::fields::{Change, Engine, Gap, PlanField, checkpointed, megatron_split, offloaded, selective_unexpressed, expert_overlap_unexpressed};
 
 const ENGINE: Engine = Engine::Smp;
 
@@ -23,6 +23,7 @@ fn gap(field: PlanField, chose: impl Into<String>, why: impl Into<String>, neare
 pub fn gaps(plan: &Plan) -> Vec<Gap> {
     let p = &plan.parallel;
     let mut out = Vec::new();
+    out.extend(expert_overlap_unexpressed(Engine::Smp, plan));
     if !megatron_split(plan) {
         out.push(gap(PlanField::TensorSplit, "a tensor split other than Megatron's in some layers", "its tensor parallelism splits every transformer layer one way", "Megatron's split in every layer", Some(Change::MegatronSplit)));
     }

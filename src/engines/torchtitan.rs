@@ -13,7 +13,7 @@ use crate::solve::{PlanOptions, Setting, Source};
 
 use super::config::{EmittedFile, Launcher, Origin, Reading, Unpriced, Written, shell_quote, split_words};
 use super::error::EngineError;
-use super::fields::{Change, Engine, Gap, PlanField, checkpointed, megatron_split, offloaded, reader_order, same_ranks, selective_unexpressed};
+use super::fields::{Change, Engine, Gap, PlanField, checkpointed, megatron_split, offloaded, reader_order, same_ranks, selective_unexpressed, expert_overlap_unexpressed};
 use super::shape::ModelShape;
 use super::stages::{StageRoles, all_blocks, stage_roles, units_whole, whole_units_layout};
 
@@ -42,6 +42,7 @@ pub fn gaps(plan: &Plan, shape: &ModelShape) -> Result<Vec<Gap>, String> {
     let p = &plan.parallel;
     let stages = stage_roles(plan, shape)?;
     let mut out = Vec::new();
+    out.extend(expert_overlap_unexpressed(Engine::Torchtitan, plan));
     if p.schedule == ScheduleKind::ZbH1 {
         out.push(gap(
             PlanField::Schedule,

@@ -89,6 +89,11 @@ pub struct Parallelism {
     /// ([`MixedRecipe::LowModelFp32Grads`]: Megatron-LM's main grads, FSDP's fp32 reduction), as
     /// the plan priced it.
     pub fp32_main_grads: bool,
+    /// Whether each forward that follows a backward in the steady phase runs merged with it, one
+    /// microbatch's expert all-to-alls beside the other's compute (Megatron-Core's combined
+    /// 1F1B, `--overlap-moe-expert-parallel-comm`), as the plan priced it: only with expert
+    /// parallelism and without a pipeline or interleaved. `smp-runner` runs them in turn.
+    pub expert_overlap: bool,
 }
 
 impl Parallelism {
@@ -115,6 +120,7 @@ impl Parallelism {
             offload: OffloadRule::Auto,
             loading_horizon: OffloadRule::DEFAULT_HORIZON,
             fp32_main_grads: false,
+            expert_overlap: false,
         }
     }
 

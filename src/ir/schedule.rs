@@ -71,6 +71,26 @@ impl ScheduleKind {
         stage % p.max(1)
     }
 
+    /// The share of pipeline rank 0's forwards that Megatron-Core's combined 1F1B
+    /// (`--overlap-moe-expert-parallel-comm`) runs merged with another microbatch's backward,
+    /// over `p` ranks and `m` microbatches: without a pipeline all but the first; interleaved,
+    /// all but the warm-up, which the merged schedule lengthens by one forward; 0 for a pipeline
+    /// it does not run (not interleaved). Rank 0 warms up longest.
+    pub fn merged_share(self, p: usize, m: usize) -> f64 {
+        let (p, m) = (p.max(1), m.max(1));
+        if p == 1 {
+            return (m - 1) as f64 / m as f64;
+        }
+        match self {
+            ScheduleKind::Interleaved { virtual_stages } => {
+                let total = m * virtual_stages.max(1);
+                let warmup = ((virtual_stages.max(1) - 1) * interleaved_round_size(p, m) + 2 * (p - 1) + 1).min(total);
+                (total - warmup) as f64 / total as f64
+            }
+            _ => 0.0,
+        }
+    }
+
     /// True when backward is split into B and W actions.
     pub fn splits_backward(self) -> bool {
         matches!(self, ScheduleKind::ZbH1)
@@ -383,6 +403,31 @@ mod tests {
         }
         for s in ["interleaved:0", "interleaved:1", "interleaved", "1f1b:2"] {
             assert!(s.parse::<ScheduleKind>().is_err(), "{s}");
+        }
+    }
+
+    /// Rank 0's own order says which forwards combined 1F1B merges: those after its first
+    /// backward (the forward before it, the steady phase's first, is the warm-up's extra one).
+    #[test]
+    fn merged_forwards_are_rank_zeros_steady_phase_less_one() {
+        for (kind, p, m) in [
+            (ScheduleKind::Interleaved { virtual_stages: 4 }, 8, 128),
+            (ScheduleKind::Interleaved { virtual_stages: 3 }, 32, 512),
+            (ScheduleKind::Interleaved { virtual_stages: 2 }, 4, 4),
+            (ScheduleKind::Interleaved { virtual_stages: 2 }, 2, 6),
+        ] {
+            let order = &compute_actions(kind, p, m).unwrap()[0];
+            let forwards = order.iter().filter(|a| a.kind == ActionKind::Forward).count();
+            let leading = order.iter().take_while(|a| a.kind == ActionKind::Forward).count();
+            let want = (forwards - leading) as f64 / forwards as f64;
+            assert!((kind.merged_share(p, m) - want).abs() < 1e-12, "{kind} p {p} m {m}: {} against {want}", kind.merged_share(p, m));
+        }
+        // without a pipeline every forward but the first pairs with the backward before it
+        assert_eq!(ScheduleKind::OneFOneB.merged_share(1, 8), 7.0 / 8.0);
+        assert_eq!(ScheduleKind::OneFOneB.merged_share(1, 1), 0.0);
+        // a pipeline not interleaved: Megatron-Core refuses combined 1F1B there
+        for kind in [ScheduleKind::OneFOneB, ScheduleKind::GPipe, ScheduleKind::ZbH1] {
+            assert_eq!(kind.merged_share(4, 16), 0.0);
         }
     }
 

@@ -228,10 +228,11 @@ pub fn axes_lines(plan: &Plan, a: &super::schema::AxesInfo) -> Vec<String> {
         let e = par.ep.max(1);
         let why = if e > 1 {
             format!(
-                "model state {} per rank, {} at e = 1; all-to-alls {} per step, load imbalance {} per step",
+                "model state {} per rank, {} at e = 1; all-to-alls {} per step{}, load imbalance {} per step",
                 bytes(a.state_bytes as f64),
                 bytes(a.state_bytes_without_ep as f64),
                 ms(a.all_to_all_s),
+                if a.all_to_all_hidden_s > 0.0 { format!(" ({} of it beside another microbatch's compute)", ms(a.all_to_all_hidden_s)) } else { String::new() },
                 ms(a.imbalance_s)
             )
         } else {
@@ -333,6 +334,9 @@ pub(super) fn header(plan: &Plan, out: &mut String) {
     let _ = write!(parallel, ", {} microbatches, {sched}", par.microbatches);
     if let Some(a) = par.active_microbatches {
         let _ = write!(parallel, " (≤ {a} in flight)");
+    }
+    if par.expert_overlap {
+        let _ = write!(parallel, " (expert all-to-alls overlapped: combined 1F1B)");
     }
     let grads = if par.fp32_main_grads { " (fp32 main grads)" } else { "" };
     let _ = writeln!(

@@ -51,6 +51,10 @@ pub struct PlanRequest {
     /// configuration set it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expert_dispatch: Option<String>,
+    /// `--overlap-expert-comm`: the expert all-to-alls priced overlapped as combined 1F1B runs
+    /// them.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub expert_overlap: bool,
     /// `--zero`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zero: Option<u8>,
@@ -143,6 +147,7 @@ impl PlanRequest {
             etp: options.etp,
             expert_imbalance: options.expert_imbalance,
             expert_dispatch: options.expert_dispatch.map(|d| d.name().to_string()),
+            expert_overlap: options.expert_overlap == Some(true),
             zero: options.zero,
             sharded_dp: options.sharded_dp,
             microbatches: options.microbatches,
@@ -180,6 +185,7 @@ impl PlanRequest {
             etp: self.etp,
             expert_imbalance: self.expert_imbalance,
             expert_dispatch: read("expert_dispatch", &self.expert_dispatch, |s| s.parse())?,
+            expert_overlap: self.expert_overlap.then_some(true),
             zero: self.zero,
             sharded_dp: self.sharded_dp,
             microbatches: self.microbatches,

@@ -98,6 +98,9 @@ pub struct AxesInfo {
     pub kv_exposed_s: f64,
     /// Dispatch and combine all-to-alls per step, seconds.
     pub all_to_all_s: f64,
+    /// The part of them run beside another microbatch's compute (combined 1F1B), seconds.
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub all_to_all_hidden_s: f64,
     /// The busiest expert rank's extra compute per step, seconds.
     pub imbalance_s: f64,
     /// Model-state bytes of the pipeline rank holding the most.
@@ -237,6 +240,8 @@ mod parallel_file {
         activation_loading_horizon: usize,
         #[serde(default, skip_serializing_if = "is_false")]
         fp32_main_grads: bool,
+        #[serde(default, skip_serializing_if = "is_false")]
+        expert_comm_overlap: bool,
     }
 
     pub fn serialize<S: Serializer>(p: &Parallelism, s: S) -> Result<S::Ok, S::Error> {
@@ -260,6 +265,7 @@ mod parallel_file {
             offload_activations: p.offload.name().to_string(),
             activation_loading_horizon: p.loading_horizon,
             fp32_main_grads: p.fp32_main_grads,
+            expert_comm_overlap: p.expert_overlap,
         }
         .serialize(s)
     }
@@ -296,8 +302,13 @@ mod parallel_file {
             offload,
             loading_horizon: f.activation_loading_horizon,
             fp32_main_grads: f.fp32_main_grads,
+            expert_overlap: f.expert_comm_overlap,
         })
     }
+}
+
+fn is_zero_f64(x: &f64) -> bool {
+    *x == 0.0
 }
 
 fn is_false(b: &bool) -> bool {

@@ -495,6 +495,7 @@ mod tests {
             host_s: 0.0,
             gathered_bytes: 0.0,
             selective_bytes: 0.0,
+            all_to_all_hidden_s: 0.0,
         }
     }
 

@@ -226,6 +226,7 @@ impl<'a> Grid<'a> {
                                 .unwrap_or(OffloadRule::DEFAULT_HORIZON)
                                 .min(limits::max_loading_horizon(m, schedule.virtual_stages())),
                             fp32_main_grads,
+                            expert_overlap: c.expert_overlap == Some(true) && ep > 1 && schedule.merged_share(pp, m) > 0.0,
                         };
                         out.push(Candidate { parallel, microbatch_size: b });
                     }
@@ -438,6 +439,7 @@ pub fn layer_config(spec: &ClusterSpec, cand: &Candidate) -> LayerConfig {
         cp_group: GroupSpan::strided(0, cp, d_stride, dpn),
         ep,
         etp: par.etp.max(1),
+        merged_share: if par.expert_overlap { par.schedule.merged_share(par.pp, par.microbatches) } else { 0.0 },
         ep_group,
         expert_dp_group,
         expert_zero_group,

@@ -132,6 +132,8 @@ pub struct AxisReport {
     pub kv_exposed_s: f64,
     /// Dispatch and combine all-to-all time per step on the busiest pipeline rank.
     pub all_to_all_s: f64,
+    /// The part of it run beside another microbatch's compute (combined 1F1B).
+    pub all_to_all_hidden_s: f64,
     /// Expert-imbalance compute per step on the busiest pipeline rank.
     pub imbalance_s: f64,
     /// Model-state bytes of the chosen plan's pipeline rank holding the most.

@@ -135,6 +135,10 @@ pub struct LayerConfig {
     /// Expert-tensor degree: ranks each expert's weights split over (`tp`, or below it when
     /// expert groups fold over tensor × data ranks and each tensor rank routes its own tokens).
     pub etp: usize,
+    /// The share of a rank's forwards merged with another microbatch's backward, whose expert
+    /// all-to-alls overlap the other's compute (Megatron-Core's combined 1F1B,
+    /// [`crate::ir::ScheduleKind::merged_share`]); 0 where they run in turn.
+    pub merged_share: f64,
     /// The expert group (the all-to-alls).
     pub ep_group: GroupSpan,
     /// The ranks holding the same experts, over which expert gradients reduce (d·c / e).
@@ -160,6 +164,7 @@ impl LayerConfig {
             cp_group: one,
             ep: 1,
             etp: tp,
+            merged_share: 0.0,
             ep_group: one,
             expert_dp_group: dp_group,
             expert_zero_group: zero_group,
@@ -321,13 +326,40 @@ fn fastest(ls: &strategy::LayerStrategies) -> Option<IntraSolution> {
     p.solve(false, None, &SolverOptions::default()).ok().and_then(|(_, s)| s)
 }
 
+/// Seconds a layer's forward and another microbatch's backward save when Megatron-Core's
+/// combined 1F1B merges them (`TransformerLayerSchedulePlan.run`): two streams, compute running
+/// the forward's attention, the backward's experts (input, then weight gradients), the
+/// forward's experts and the backward's attention; communication the backward's combine, the
+/// forward's dispatch, the backward's dispatch and the forward's combine; each waits for what
+/// it reads. `fwd` and `bwd` are the passes' compute, `experts` the experts' share of the
+/// forward (twice it in the backward, "attention" being all the rest), each all-to-all half of
+/// `ax`'s per pass. In turn the pair takes the sum of all eight.
+fn merged_saving_s(fwd: f64, bwd: f64, experts: f64, ax: &AxisTimes) -> f64 {
+    let (a2a_f, a2a_b) = (ax.all_to_all_fwd_s / 2.0, ax.all_to_all_bwd_s / 2.0);
+    if a2a_f + a2a_b <= 0.0 {
+        return 0.0;
+    }
+    let experts = experts.clamp(0.0, fwd);
+    let (attn_f, attn_b) = (fwd - experts, (bwd - 2.0 * experts).max(0.0));
+    let combine_b = a2a_b;
+    let experts_b = attn_f.max(combine_b) + experts;
+    let dispatch_f = attn_f.max(combine_b) + a2a_f;
+    let experts_w = experts_b + experts;
+    let dispatch_b = dispatch_f.max(experts_b) + a2a_b;
+    let experts_f = experts_w.max(dispatch_f) + experts;
+    let combine_f = experts_f.max(dispatch_b) + a2a_f;
+    let attention_b = experts_f.max(dispatch_b) + attn_b;
+    let merged = combine_f.max(attention_b);
+    (fwd + bwd + ax.all_to_all_fwd_s + ax.all_to_all_bwd_s - merged).max(0.0)
+}
+
 /// A layer configuration as a cache key (the layer's representative first; `usize::MAX` for
 /// the whole model).
-type LayerKey = (usize, usize, usize, u8, [GroupSpan; 7], bool, usize, usize, usize);
+type LayerKey = (usize, usize, usize, u8, [GroupSpan; 7], bool, usize, usize, usize, u64);
 
 fn layer_key(rep: usize, cfg: &LayerConfig) -> LayerKey {
     let groups = [cfg.zero_group, cfg.dp_group, cfg.tp_group, cfg.cp_group, cfg.ep_group, cfg.expert_dp_group, cfg.expert_zero_group];
-    (rep, cfg.tp, cfg.microbatch, cfg.zero, groups, cfg.sequence_parallel, cfg.cp, cfg.ep, cfg.etp)
+    (rep, cfg.tp, cfg.microbatch, cfg.zero, groups, cfg.sequence_parallel, cfg.cp, cfg.ep, cfg.etp, cfg.merged_share.to_bits())
 }
 
 /// Each distinct layer's points under one configuration, and which of them every layer
@@ -941,6 +973,8 @@ impl<'a> CostContext<'a> {
             bwd = (bwd + 2.0 * delta + ag).max(0.0);
             folded_saved = ex.figures.saved_bytes * b * (1.0 - 1.0 / t);
         }
+        // the experts' forward on this rank at the rows their group gathers
+        let mut experts_fwd = 0.0;
         if cfg.ep > 1 && ex.experts > 0 && ex.figures.gemms[0].share > 0.0 {
             // Each expert runs the routed tokens of its group's e ranks: e times the rows per
             // expert the assignment priced (the rank's FLOPs are the same), its GEMMs larger.
@@ -954,7 +988,8 @@ impl<'a> CostContext<'a> {
             for g in &mut grouped.gemms {
                 g.rows *= cfg.ep as f64;
             }
-            let delta = node_time(&grouped, self.dtype, self.spec) - node_time(&priced, self.dtype, self.spec);
+            experts_fwd = node_time(&grouped, self.dtype, self.spec);
+            let delta = experts_fwd - node_time(&priced, self.dtype, self.spec);
             fwd = (fwd + delta).max(0.0);
             bwd = (bwd + 2.0 * delta).max(0.0);
         }
@@ -973,8 +1008,11 @@ impl<'a> CostContext<'a> {
             bwd = (bwd + n * (now_bwd - was_bwd)).max(0.0);
         }
         let ax = self.axis_times(layer, cfg);
-        fwd += ax.kv_exposed_fwd_s + ax.all_to_all_fwd_s + ax.imbalance_fwd_s;
-        bwd += ax.kv_exposed_bwd_s + ax.all_to_all_bwd_s + 2.0 * ax.imbalance_fwd_s;
+        fwd += ax.kv_exposed_fwd_s + ax.imbalance_fwd_s;
+        bwd += ax.kv_exposed_bwd_s + 2.0 * ax.imbalance_fwd_s;
+        let hidden = cfg.merged_share * merged_saving_s(fwd, bwd, experts_fwd + ax.imbalance_fwd_s, &ax);
+        fwd += ax.all_to_all_fwd_s - hidden / 2.0;
+        bwd += ax.all_to_all_bwd_s - hidden / 2.0;
         // A mask or rotary table every layer reads is one tensor, held whole on every tensor
         // rank, per chunk: taken out of the layer's bytes (which split it like the layer).
         let lay = self.bytes.layer(layer);
@@ -1003,6 +1041,7 @@ impl<'a> CostContext<'a> {
             // the runner gathers what ZeRO shards: all but the experts held in part
             gathered_bytes: if cfg.zero >= 3 { dense * self.precision.weight as f64 } else { 0.0 },
             selective_bytes: 0.0,
+            all_to_all_hidden_s: hidden,
         }
     }
 
@@ -1132,5 +1171,61 @@ impl<'a> CostContext<'a> {
         let in_detail = if split { ex.params / cfg.tp.max(1) as f64 } else { ex.params };
         let held = if folded { ex.params / cfg.etp.max(1) as f64 } else { in_detail } / cfg.ep.max(1) as f64;
         (in_detail, held)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The merged pair run by a list scheduler over two in-order streams: each task starts when
+    /// its stream is free and what it reads is done (Megatron-Core's order and dependencies,
+    /// written as data).
+    fn simulated_pair(attn_f: f64, experts: f64, attn_b: f64, a2a_f: f64, a2a_b: f64) -> f64 {
+        // (stream: 0 compute, 1 communication; seconds; tasks it waits for)
+        let tasks: [(usize, f64, &[usize]); 9] = [
+            (1, a2a_b, &[]),     // 0 combine, backward
+            (0, attn_f, &[]),    // 1 attention, forward
+            (0, experts, &[0]),  // 2 experts' input gradients
+            (1, a2a_f, &[1]),    // 3 dispatch, forward
+            (0, experts, &[2]),  // 4 experts' weight gradients
+            (1, a2a_b, &[2]),    // 5 dispatch, backward
+            (0, experts, &[3]),  // 6 experts, forward
+            (1, a2a_f, &[6]),    // 7 combine, forward
+            (0, attn_b, &[5]),   // 8 attention, backward
+        ];
+        let mut free = [0.0f64; 2];
+        let mut end = [0.0f64; 9];
+        for (i, &(stream, secs, after)) in tasks.iter().enumerate() {
+            let start = after.iter().map(|&j| end[j]).fold(free[stream], f64::max);
+            end[i] = start + secs;
+            free[stream] = end[i];
+        }
+        end.iter().copied().fold(0.0, f64::max)
+    }
+
+    proptest! {
+        /// The merged pair saves what the list scheduler says, never more than the shorter of
+        /// the two streams' work.
+        #[test]
+        fn a_merged_pair_saves_what_two_streams_overlap(attn in 0.0f64..5.0, experts in 0.0f64..5.0, attn_b in 0.0f64..10.0, a2a in 0.0f64..5.0) {
+            let (fwd, bwd) = (attn + experts, attn_b + 2.0 * experts);
+            let ax = AxisTimes { all_to_all_fwd_s: 2.0 * a2a, all_to_all_bwd_s: 2.0 * a2a, ..AxisTimes::default() };
+            let saved = merged_saving_s(fwd, bwd, experts, &ax);
+            let apart = fwd + bwd + 4.0 * a2a;
+            let sim = simulated_pair(attn, experts, attn_b, a2a, a2a);
+            prop_assert!((apart - saved - sim).abs() < 1e-9, "saved {saved}, simulated {sim}, apart {apart}");
+            prop_assert!(saved >= 0.0 && saved <= (4.0 * a2a).min(fwd + bwd) + 1e-9);
+        }
+    }
+
+    #[test]
+    fn without_all_to_alls_nothing_is_saved_and_short_ones_hide_whole() {
+        let none = AxisTimes::default();
+        assert_eq!(merged_saving_s(3.0, 6.0, 1.0, &none), 0.0);
+        // each all-to-all shorter than the compute beside it: all four hidden
+        let short = AxisTimes { all_to_all_fwd_s: 0.2, all_to_all_bwd_s: 0.2, ..AxisTimes::default() };
+        assert!((merged_saving_s(3.0, 6.0, 1.0, &short) - 0.4).abs() < 1e-12);
     }
 }

@@ -47,6 +47,11 @@ pub struct PlanOptions {
     /// How routed tokens reach their experts (default: all-to-all, as `smp-runner` sends
     /// them); `per-node` prices an engine's DeepEP dispatcher.
     pub expert_dispatch: Option<ExpertDispatch>,
+    /// Price the expert all-to-alls of each merged forward–backward pair beside the other's
+    /// compute, as Megatron-Core's combined 1F1B runs them (`--overlap-moe-expert-parallel-comm`;
+    /// default off, as `smp-runner` runs them): where expert parallelism is on and the schedule
+    /// merges passes (no pipeline, or interleaved).
+    pub expert_overlap: Option<bool>,
     /// ZeRO stage 0..=3.
     pub zero: Option<u8>,
     /// Sharded data parallel: ZeRO-3 over groups of this many replicas.
@@ -165,6 +170,8 @@ pub enum Setting {
     CheckpointedLayers,
     /// `--selective-layers`.
     SelectiveLayers,
+    /// `--overlap-expert-comm`.
+    ExpertOverlap,
 }
 
 impl Setting {
@@ -193,6 +200,7 @@ impl Setting {
             Setting::Checkpointing => "checkpointing",
             Setting::CheckpointedLayers => "recompute-layers",
             Setting::SelectiveLayers => "selective-layers",
+            Setting::ExpertOverlap => "overlap-expert-comm",
         }
     }
 }
@@ -352,6 +360,7 @@ impl PlanOptions {
             Setting::Checkpointing => self.checkpointing.map(|v| v.to_string()),
             Setting::CheckpointedLayers => self.checkpointed_layers.as_ref().map(|v| format_layer_set(v)),
             Setting::SelectiveLayers => self.selective_layers.as_ref().map(|v| format_layer_set(v)),
+            Setting::ExpertOverlap => None,
         };
         Source::Flag(format!("--{} {}", setting.flag(), value.unwrap_or_default()))
     }

@@ -107,6 +107,10 @@ pub struct ParetoPoint {
     /// 0 at a point that keeps them.
     #[serde(default)]
     pub selective_bytes: f64,
+    /// Seconds per microbatch of the expert all-to-alls that run beside another microbatch's
+    /// compute under combined 1F1B (taken out of `fwd_s` and `bwd_s`); 0 where they run in turn.
+    #[serde(default)]
+    pub all_to_all_hidden_s: f64,
 }
 
 impl ParetoPoint {

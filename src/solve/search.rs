@@ -599,6 +599,7 @@ fn axis_report(ctx: &CostContext<'_>, cand: &Candidate, prob: &PipelineProblem, 
             r.kv_transfer_s += m * ax.kv_transfer_s;
             r.kv_exposed_s += m * (ax.kv_exposed_fwd_s + ax.kv_exposed_bwd_s);
             r.all_to_all_s += m * (ax.all_to_all_fwd_s + ax.all_to_all_bwd_s);
+            r.all_to_all_hidden_s += m * prob.layers.get(l).and_then(|pl| pl.points.get(ch.point)).map_or(0.0, |pt| pt.all_to_all_hidden_s);
             r.imbalance_s += m * 3.0 * ax.imbalance_fwd_s;
         }
         let ex = ctx.experts.get(l).copied().unwrap_or_default();

@@ -91,6 +91,7 @@ pub fn fixture() -> Plan {
             offload: smp_partition::ir::OffloadRule::Auto,
             loading_horizon: smp_partition::ir::OffloadRule::DEFAULT_HORIZON,
             fp32_main_grads: false,
+            expert_overlap: false,
         },
         stages,
         layer_strategies: vec![LayerStrategy {

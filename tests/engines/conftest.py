@@ -60,7 +60,8 @@ def _gb(flags: list[str]) -> tuple[str, ...]:
 # round trips of tests/engines.rs cover every request; these are what the engines' own code
 # checks): automatic plans (their gaps and nearest plans), fp16 with ZeRO 1 at pp 2, context
 # parallelism with ZeRO 3, interleaving with full recompute, 1F1B across spread ranks, experts
-# (carved from the data ranks and folded over tensor × data ranks).
+# (carved from the data ranks and folded over tensor × data ranks; their all-to-alls overlapped
+# as combined 1F1B runs them).
 # Llama 3 405B is the published run below; a 1F1B pipeline with ZeRO 1 is Mixtral's.
 BUNDLED = [
     Case("llama3-8b automatic", "llama3-8b.onnx", "h100-80gb:64", _gb([])),
@@ -79,6 +80,11 @@ BUNDLED = [
     # torchtitan's expert placement under tensor parallelism)
     Case("mixtral-8x7b pp 2 tp 2 ep 8 etp 1 zero 1", "mixtral-8x7b.onnx", "h100-80gb:512",
          _gb(["--pp", "2", "--tp", "2", "--ep", "8", "--etp", "1", "--zero", "1", "--schedule", "1f1b"])),
+    # Megatron-Core's combined 1F1B: the expert all-to-alls priced beside another microbatch's
+    # compute (interleaved, no full recompute, as its TransformerConfig demands)
+    Case("mixtral-8x7b pp 2 interleaved:2 ep 8 combined 1F1B", "mixtral-8x7b.onnx", "h100-80gb:512",
+         ("--global-batch", "2048", "--microbatches", "8", "--pp", "2", "--tp", "1", "--ep", "8", "--zero", "1",
+          "--schedule", "interleaved:2", "--checkpointing", "none", "--overlap-expert-comm")),
 ]
 
 # tests/common/table1.rs, one row per shape of Megatron's rule: name, t, p, gpus, batch,

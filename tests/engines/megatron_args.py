@@ -7,7 +7,8 @@ them; any other flag is refused), applies the few cross-argument rules Megatron-
 them (world size over the model-parallel degrees, the fused-kernel environment, learned
 positions covering the sequence), and `transformer_config` builds Megatron-Core's
 `TransformerConfig` — a `ModelParallelConfig` with its tensor, pipeline, virtual, context and
-expert degrees, sequence parallelism, recompute and precision — whose `__post_init__` checks them
+expert degrees, sequence parallelism, the experts' dispatcher and combined 1F1B, recompute and
+precision — whose `__post_init__` checks them
 and builds the `PipelineParallelLayerLayout` of a layout string or the uneven first and last
 stages. The process-group layout is Megatron-Core's `RankGenerator`; the microbatch count its
 `ConstantNumMicroBatchesCalculator`.
@@ -42,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
         "--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
         "--sequence-parallel", "--use-tp-pp-dp-mapping", "--use-distributed-optimizer", "--use-megatron-fsdp",
         "--bf16", "--fp16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32",
+        "--overlap-moe-expert-parallel-comm",
     ]:
         p.add_argument(flag, action="store_true")
     p.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
@@ -49,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-type", choices=["NullTokenizer"])
     p.add_argument("--pipeline-model-parallel-layout")
     p.add_argument("--cp-comm-type", choices=["p2p", "a2a", "all_gather", "a2a+p2p"], default="p2p")
+    p.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"], default="allgather")
     p.add_argument("--recompute-granularity", choices=["full", "selective"])
     p.add_argument("--recompute-method", choices=["uniform", "block"])
     p.add_argument("--data-parallel-sharding-strategy", choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
@@ -150,6 +153,8 @@ def transformer_config(parsed: Parsed):
         num_moe_experts=a.num_experts,
         moe_router_topk=a.moe_router_topk or 2,
         moe_ffn_hidden_size=a.moe_ffn_hidden_size,
+        moe_token_dispatcher_type=a.moe_token_dispatcher_type,
+        overlap_moe_expert_parallel_comm=a.overlap_moe_expert_parallel_comm,
         recompute_granularity=a.recompute_granularity,
         recompute_method=a.recompute_method,
         recompute_num_layers=a.recompute_num_layers,

@@ -116,6 +116,10 @@ def check_megatron(p: Planned) -> None:
     # --accumulate-allreduce-grads-in-fp32
     fp32_grads = not args.grad_reduce_in_bf16 and (args.bf16 or args.accumulate_allreduce_grads_in_fp32)
     assert fp32_grads == plan["parallel"].get("fp32_main_grads", False), p.case.name
+    # the dispatch the plan priced, and combined 1F1B where it priced the all-to-alls overlapped
+    if d["ep"] > 1:
+        assert config.moe_token_dispatcher_type in ("alltoall", "flex"), config.moe_token_dispatcher_type
+    assert config.overlap_moe_expert_parallel_comm == plan["parallel"].get("expert_comm_overlap", False), p.case.name
 
 
 # ---------------------------------------------------------------------------------------------

@@ -98,6 +98,12 @@ pub struct PlanFlags {
     /// the mean routed tokens [default: 1.1]
     #[arg(long, value_name = "F")]
     pub expert_imbalance: Option<f64>,
+    /// Price each merged forward–backward pair's expert all-to-alls beside the other
+    /// microbatch's compute, as Megatron-Core's combined 1F1B runs them
+    /// (`--overlap-moe-expert-parallel-comm`; with expert parallelism, no pipeline or an
+    /// interleaved one). smp-runner runs them in turn.
+    #[arg(long)]
+    pub overlap_expert_comm: bool,
     /// ZeRO stage (omitted = searched).
     #[arg(long, value_name = "0..3", value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero: Option<u8>,
@@ -202,6 +208,7 @@ impl PlanFlags {
             ep: self.ep,
             etp: self.etp,
             expert_imbalance: self.expert_imbalance,
+            expert_overlap: self.overlap_expert_comm.then_some(true),
             zero: self.zero,
             sharded_dp: self.sharded_dp,
             microbatches: self.microbatches,
