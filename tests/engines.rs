@@ -665,6 +665,53 @@ fn megatron_combined_1f1b_is_read_priced_and_written() {
     }
 }
 
+/// DeepSpeed 0.19's AutoEP under AutoTP folds the expert group over a stage's tensor × data
+/// ranks with whole experts, and only without a pipeline (`module_inject/auto_ep_folding.py`):
+/// read as the planner's fold at expert-TP 1, even where ep does not divide dp; refused as
+/// DeepSpeed refuses a pipeline, Ulysses or an expert-tensor size other than 1 there. A plan
+/// with its experts split over the tensor ranks is a gap whose nearest plan is the fold; one
+/// under a pipeline a gap whose nearest plan leaves the experts to AutoTP (ep 1).
+#[test]
+fn deepspeed_autoep_under_autotp_is_a_fold_at_expert_tp_1() {
+    let a = analyse("mixtral-8x7b.onnx");
+    let shape = ModelShape::of(&a.lg);
+    let cluster = ClusterSpec::parse("h100-80gb:64").expect("preset");
+    let ds = |stages: usize, sp: usize, experts: &str| {
+        format!(
+            r#"{{"train_batch_size": 256, "train_micro_batch_size_per_gpu": 1, "bf16": {{"enabled": true}}, "zero_optimization": {{"stage": 1}},
+            "tensor_parallel": {{"autotp_size": 2}}, "sequence_parallel_size": {sp}, "pipeline": {{"stages": {stages}}}, "expert_parallel": {{"enabled": true{experts}}}}}"#
+        )
+    };
+    let node = ClusterSpec::parse("h100-80gb:8").expect("preset");
+    let (r, _) = engines::read(Engine::DeepSpeed, &ds(1, 1, r#", "autoep_size": 8"#), Origin { what: PathBuf::from("ds_config.json") }, &shape, Some(8)).expect("read");
+    // ep 8 over tp 2 × dp 4: only the fold expresses it
+    assert_eq!((r.options.tp, r.options.dp, r.options.ep, r.options.etp), (Some(2), Some(4), Some(8), Some(1)));
+    let priced = engines::price(Engine::DeepSpeed, &a, &node, &r.options.clone().resolve(None).expect("resolve")).expect("price").0;
+    assert_eq!((priced.parallel.ep, priced.parallel.etp), (8, 1));
+    for (text, check) in [
+        (ds(2, 1, r#", "autoep_size": 8"#), "supports pp_size=1 only"),
+        (ds(1, 2, r#", "autoep_size": 8"#), "mutually exclusive"),
+        (ds(1, 1, r#", "autoep_size": 8, "expert_tensor_parallel_size": 2"#), "expert_tensor_parallel_size=2"),
+        (ds(1, 1, r#", "autoep_size": 1"#), "autoep_size > 1"),
+    ] {
+        let err = read_err(Engine::DeepSpeed, &text, &shape, 64);
+        assert!(err.contains(check), "{err}");
+    }
+    let base = PlanOptions { global_batch: Some(256), tp: Some(2), ep: Some(4), zero: Some(1), ..PlanOptions::default() };
+    for (req, change) in [
+        (PlanOptions { pp: Some(1), ..base.clone() }, engines::Change::FoldedExperts),
+        (PlanOptions { pp: Some(2), etp: Some(1), schedule: Some(ScheduleKind::OneFOneB), ..base.clone() }, engines::Change::ExpertDegree(1)),
+    ] {
+        let plan = compile(&a, &cluster, &req);
+        let e = engines::emit(Engine::DeepSpeed, &plan, &a, &cluster).expect("emit");
+        let g = e.gaps.iter().find(|g| g.gap.field == engines::PlanField::Expert).unwrap_or_else(|| panic!("{:?}", e.gaps));
+        assert_eq!(g.gap.change.as_ref(), Some(&change));
+        let nearest = e.nearest.as_ref().expect("a nearest plan");
+        assert!(engines::gaps(Engine::DeepSpeed, nearest, &shape).expect("gaps").iter().all(|g| g.field != engines::PlanField::Expert), "{change:?}");
+        assert!(nearest.parallel.ep == 1 || (nearest.parallel.pp, nearest.parallel.etp) == (1, 1), "{:?}", nearest.parallel);
+    }
+}
+
 /// The gradients' type as each engine keeps it under bf16: Megatron-LM's arguments.py turns on
 /// fp32 "main grads" (accumulated and all-reduced in fp32) unless `--grad-reduce-in-bf16`, and
 /// torchtitan's FSDP under a pipeline accumulates whole gradients in its fp32 reduce dtype. Priced

@@ -95,6 +95,27 @@ pub fn gaps(plan: &Plan, shape: &ModelShape) -> Result<Vec<Gap>, String> {
     let stages = stage_roles(plan, shape)?;
     let mut out = Vec::new();
     out.extend(expert_overlap_unexpressed(Engine::DeepSpeed, plan));
+    if p.ep > 1 && p.tp > 1 {
+        // AutoEP under AutoTP folds the expert group over a stage's ranks, experts whole, and
+        // only without a pipeline
+        if p.pp > 1 {
+            out.push(gap(
+                PlanField::Expert,
+                format!("expert parallelism {} beside tensor parallelism {} in a {}-stage pipeline", p.ep, p.tp, p.pp),
+                "AutoEP with AutoTP (its folding) runs without a pipeline only",
+                "no AutoEP: every replica holds every expert, split over the tensor ranks",
+                Some(Change::ExpertDegree(1)),
+            ));
+        } else if p.etp != 1 {
+            out.push(gap(
+                PlanField::Expert,
+                format!("each expert split over {} tensor ranks", p.etp),
+                "AutoEP under AutoTP keeps each expert whole (expert_tensor_parallel_size 1), the expert group folded over the stage's ranks",
+                "the experts whole, folded over tensor × data ranks",
+                Some(Change::FoldedExperts),
+            ));
+        }
+    }
     if p.pp > 1 && p.schedule != ScheduleKind::OneFOneB {
         out.push(gap(PlanField::Schedule, p.schedule.to_string(), "its pipeline engine runs 1F1B only", "1F1B", Some(Change::Schedule(ScheduleKind::OneFOneB))));
     }
@@ -416,7 +437,31 @@ impl DsReading<'_> {
             self.reading.unpriced.push(Unpriced { setting: format!("sequence_parallel_size {cp}"), why: "DeepSpeed-Ulysses' all-to-all is priced as the planner's context parallelism (all-gathered keys and values)".into() });
         }
         if ep > 1 || self.shape.experts.is_some() {
-            if ep > 1 && dp % ep != 0 {
+            let enabled = self.get("expert_parallel").is_some_and(|e| e.get("enabled").and_then(Value::as_bool).unwrap_or(false));
+            let etp = self.get("expert_parallel").and_then(|e| e.get("expert_tensor_parallel_size").and_then(int_of)).unwrap_or(1);
+            let (o, origin) = (&mut self.o, &self.origin);
+            if enabled && tp > 1 {
+                // AutoEP under AutoTP folds the expert group over a stage's tp · dp ranks with
+                // whole experts (deepspeed/module_inject/auto_ep_folding.py)
+                let fold = |why: String| refuse("AutoEP+AutoTP folding", why);
+                if ep == 1 {
+                    return Err(fold("AutoEP+AutoTP folding requires expert_parallel.autoep_size > 1".into()));
+                }
+                if pp > 1 {
+                    return Err(fold(format!("AutoEP+AutoTP folding currently supports pp_size=1 only; got pp_size={pp}")));
+                }
+                if cp > 1 {
+                    return Err(fold(format!("tensor_parallel.autotp_size and Ulysses sequence parallelism are mutually exclusive for AutoEP folding (autotp_size={tp}, sp_size={cp})")));
+                }
+                if etp != 1 {
+                    return Err(fold(format!("expert_parallel.expert_tensor_parallel_size={etp} is reserved for expert-internal tensor parallelism and is not supported yet")));
+                }
+                if (tp * dp) % ep != 0 {
+                    return Err(fold(format!("expert_parallel.autoep_size * expert_parallel.expert_tensor_parallel_size ({ep} * 1) must divide the stage size ({})", tp * dp)));
+                }
+                o.etp = Some(1);
+                o.sources.insert(Setting::Etp, Source::Implied(format!("expert-tensor 1: autoep_size {ep} under autotp_size {tp} folds the expert group over the stage's ranks, experts whole")));
+            } else if ep > 1 && dp % ep != 0 {
                 return Err(refuse("AutoEP", format!("autoep_size {ep} must divide the data-parallel size {dp}")));
             }
             o.ep = Some(ep);

@@ -198,6 +198,9 @@ pub enum Change {
     /// The expert all-to-alls overlapped with another microbatch's compute (combined 1F1B), or
     /// run in turn.
     ExpertOverlap(bool),
+    /// Another expert-parallel degree, each expert split over the tensor ranks (expert-tensor =
+    /// tensor degree).
+    ExpertDegree(usize),
 }
 
 impl Change {
@@ -231,6 +234,10 @@ impl Change {
             Change::MegatronSplit => req.megatron_split = true,
             Change::FoldedExperts => req.etp = Some(1),
             Change::ExpertOverlap(on) => req.expert_overlap = Some(*on),
+            Change::ExpertDegree(e) => {
+                req.ep = Some(*e);
+                req.etp = None;
+            }
             Change::Placement(p) => req.placement = Some(*p),
             Change::NoInFlightCap => req.active_microbatches = None,
             Change::Fp32Gradients => req.mixed_recipe = Some(crate::ir::MixedRecipe::LowModelFp32Grads),

@@ -287,6 +287,17 @@ def check_deepspeed(p: Planned) -> None:
         assert cfg.bfloat16_config.enabled and cfg.zero_optimization_stage == 1
     if d["tp"] > 1:
         assert cfg.tensor_parallel_config.autotp_size == d["tp"]
+    if d["ep"] > 1:
+        # AutoEP's own checks (its folding over the tensor ranks at pp 1, expert-tensor 1), as
+        # DeepSpeedEngine runs them before building its groups
+        from deepspeed.module_inject.auto_ep_config import parse_autoep_config, validate_autoep_config
+
+        autoep = parse_autoep_config(raw["expert_parallel"])
+        assert autoep.enabled and autoep.autoep_size == d["ep"]
+        validate_autoep_config(autoep, p.plan["cluster"]["devices"], d["pp"], d["tp"], d["cp"], zero_stage=cfg.zero_optimization_stage)
+        if d["tp"] > 1:
+            # folded: whole experts, the expert group over the stage's tensor × data ranks
+            assert plan["parallel"].get("etp", d["tp"]) == 1, p.case.name
     if d["cp"] > 1:
         # deepspeed.initialize's (data, sequence) mesh
         assert (raw["data_parallel_size"], raw["sequence_parallel_size"]) == (d["dp"], d["cp"])
