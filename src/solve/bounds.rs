@@ -73,7 +73,7 @@ fn table_facts(layers: &[PipelineLayer]) -> Vec<LayerFacts> {
             let input = fold_min(&mut pts.iter().map(|q| q.input_bytes)).min(act);
             LayerFacts {
                 t: fold_min(&mut pts.iter().map(|q| q.fwd_s + q.bwd_s + 0.0)),
-                t_always: fold_min(&mut pts.iter().map(|q| q.fwd_s + q.bwd_s + q.fwd_s)),
+                t_always: fold_min(&mut pts.iter().map(|q| q.fwd_s + q.bwd_s + q.recompute_s())),
                 s: fold_min(&mut pts.iter().map(|q| q.sync_s)),
                 s_scatter: fold_min(&mut pts.iter().map(|q| q.grad_scatter_s)),
                 state: fold_min(&mut pts.iter().map(|q| q.state_bytes)),
@@ -496,6 +496,7 @@ mod tests {
             gathered_bytes: 0.0,
             selective_bytes: 0.0,
             all_to_all_hidden_s: 0.0,
+            gather_fwd_s: 0.0,
         }
     }
 

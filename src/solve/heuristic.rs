@@ -71,7 +71,7 @@ pub fn incumbent(p: &PipelineProblem) -> Option<(Vec<LayerChoice>, PipelineEval)
             let always = always(i);
             (0..l.points.len())
                 .min_by(|&a, &b| {
-                    let t = |j: usize| l.points[j].fwd_s + l.points[j].bwd_s + if always { l.points[j].fwd_s } else { 0.0 };
+                    let t = |j: usize| l.points[j].fwd_s + l.points[j].bwd_s + if always { l.points[j].recompute_s() } else { 0.0 };
                     t(a).total_cmp(&t(b))
                 })
                 .unwrap_or(0)
@@ -85,7 +85,7 @@ pub fn incumbent(p: &PipelineProblem) -> Option<(Vec<LayerChoice>, PipelineEval)
             let times: Vec<f64> = (0..l_n)
                 .map(|l| {
                     let q = &p.layers[l].points[point[l]];
-                    q.fwd_s + q.bwd_s + if always(l) { q.fwd_s } else { 0.0 }
+                    q.fwd_s + q.bwd_s + if always(l) { q.recompute_s() } else { 0.0 }
                 })
                 .collect();
             if let Some(g) = greedy_min_max_chunks(&times, chunks)
@@ -156,7 +156,7 @@ fn fit_by_recompute(p: &PipelineProblem, mut choices: Vec<LayerChoice>) -> Optio
             .filter_map(|l| {
                 let q = &p.layers[l].points[choices[l].point];
                 let freed = p.kept_bytes(choices[l].chunk, q, false, false) - p.kept_bytes(choices[l].chunk, q, true, false);
-                (freed > 0.0).then_some((freed / q.fwd_s.max(1e-30), l))
+                (freed > 0.0).then_some((freed / q.recompute_s().max(1e-30), l))
             })
             .collect();
         order.sort_by(|a, b| b.0.total_cmp(&a.0));

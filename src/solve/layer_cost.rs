@@ -1027,6 +1027,7 @@ impl<'a> CostContext<'a> {
         // blocks): only what exceeds it is paid, where the device overlaps them at all.
         let exposed = |pass: f64| if self.spec.overlapped_gathers { (gathers - pass).max(0.0) } else { gathers };
         ParetoPoint {
+            gather_fwd_s: exposed(fwd),
             fwd_s: fwd + exposed(fwd),
             bwd_s: bwd + exposed(bwd),
             state_bytes: state,

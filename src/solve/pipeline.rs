@@ -90,7 +90,7 @@ impl PipelineProblem {
             .enumerate()
             .map(|(i, l)| {
                 let always = self.checkpoint_of(i) == CheckpointRule::Always;
-                l.points.iter().map(|q| q.fwd_s + q.bwd_s + if always { q.fwd_s } else { 0.0 }).fold(f64::INFINITY, f64::min)
+                l.points.iter().map(|q| q.fwd_s + q.bwd_s + if always { q.recompute_s() } else { 0.0 }).fold(f64::INFINITY, f64::min)
             })
             .collect();
         let smin: Vec<f64> = self.layers.iter().map(|l| l.points.iter().map(|q| self.sync_of(q)).fold(f64::INFINITY, f64::min)).collect();

@@ -111,9 +111,20 @@ pub struct ParetoPoint {
     /// compute under combined 1F1B (taken out of `fwd_s` and `bwd_s`); 0 where they run in turn.
     #[serde(default)]
     pub all_to_all_hidden_s: f64,
+    /// Seconds of `fwd_s` spent waiting for ZeRO-3's gather of the layer's parameters (what
+    /// prefetching does not hide); 0 without ZeRO 3.
+    #[serde(default)]
+    pub gather_fwd_s: f64,
 }
 
 impl ParetoPoint {
+    /// The forward a checkpointed layer runs again in its backward: its compute alone, the
+    /// parameters ZeRO 3 gathers for the backward serving it (as `smp-runner`, FSDP and
+    /// Megatron-FSDP run it: one gather for the rerun and the backward).
+    pub fn recompute_s(&self) -> f64 {
+        (self.fwd_s - self.gather_fwd_s).max(0.0)
+    }
+
     /// Whether this point rebuilds its normalisations and activation functions in the backward.
     pub fn is_selective(&self) -> bool {
         self.selective_bytes > 0.0
@@ -468,7 +479,7 @@ impl PipelineProblem {
     /// compute (out during its forward, back during its recompute and backward), so only what
     /// that compute does not hide costs time.
     pub fn layer_times(pt: &ParetoPoint, checkpoint: bool, offload: bool) -> (f64, f64) {
-        let recompute = if checkpoint { pt.fwd_s } else { 0.0 };
+        let recompute = if checkpoint { pt.recompute_s() } else { 0.0 };
         let (out, back) = if offload {
             ((pt.host_s - pt.fwd_s).max(0.0), (pt.host_s - pt.fwd_s - recompute - pt.bwd_s).max(0.0))
         } else {
