@@ -259,15 +259,18 @@ fn configurations_the_engines_refuse_are_refused_naming_their_check() {
 fn settings_the_planner_cannot_price_are_named() {
     let a = analyse("llama3-8b.onnx");
     let shape = ModelShape::of(&a.lg);
-    let text = "--tensor-model-parallel-size 8 --recompute-granularity selective --cp-comm-type p2p --context-parallel-size 2 --seq-length 8192 --some-new-flag 3 --lr 1e-4 --overlap-grad-reduce";
+    let text = "--tensor-model-parallel-size 8 --recompute-granularity selective --cp-comm-type p2p --context-parallel-size 2 --seq-length 8192 --some-new-flag 3 --lr 1e-4 --overlap-param-gather --overlap-grad-reduce";
     let (r, _) = engines::read(Engine::Megatron, text, Origin { what: PathBuf::from("args") }, &shape, Some(64)).expect("read");
     let named: Vec<&str> = r.unpriced.iter().map(|u| u.setting.as_str()).collect();
     assert!(named.iter().any(|s| s.contains("selective")), "{named:?}");
     assert!(named.iter().any(|s| s.contains("--cp-comm-type p2p")), "{named:?}");
     assert!(named.iter().any(|s| s.contains("--some-new-flag 3")), "{named:?}");
-    // an overlap the runner does not do is priced exposed, and said so
-    let overlap = r.unpriced.iter().find(|u| u.setting == "--overlap-grad-reduce").expect("--overlap-grad-reduce named");
+    // an overlap the planner does not price is priced exposed, and said so; the gradients'
+    // reduction beside the backward is priced
+    let overlap = r.unpriced.iter().find(|u| u.setting == "--overlap-param-gather").expect("--overlap-param-gather named");
     assert!(overlap.why.contains("priced exposed"), "{}", overlap.why);
+    assert_eq!(r.options.grad_overlap, Some(true));
+    assert!(!named.iter().any(|s| s.contains("--overlap-grad-reduce")), "{named:?}");
     assert!(r.no_effect.iter().any(|s| s == "--lr 1e-4"), "{:?}", r.no_effect);
     // DeepSpeed's 16-bit masters change the model state's bytes; its loss scaling nothing priced
     let ds = r#"{"train_batch_size": 64, "bf16": {"enabled": true, "bf16_master_weights_and_grads": true, "check_grad_overflow": false}, "zero_optimization": {"stage": 2}}"#;
@@ -439,7 +442,9 @@ fn qwen3_moe_megatron_arguments_against_the_published_step() {
 }
 
 /// The model zoo's Qwen3-235B-A22B arguments with `parallel` (degrees, recompute, dispatcher)
-/// on 256 H100s: the plan Megatron-LM's reader prices, with its (tp, pp, dp, ep, etp,
+/// and the overlaps its `model_configs/benchmarking/Qwen3-235B-A22B.yaml` and
+/// `sbatch_benchmarking.sh` add (gradient reduction priced beside the backward; the parameter
+/// gather and the tensor collectives named, priced exposed) on 256 H100s: the plan Megatron-LM's reader prices, with its (tp, pp, dp, ep, etp,
 /// microbatches) checked against `want`.
 fn qwen3_zoo_step(a: &Analysed, parallel: &str, want: (usize, usize, usize, usize, usize, usize)) -> f64 {
     let shape = ModelShape::of(&a.lg);
@@ -449,7 +454,8 @@ fn qwen3_zoo_step(a: &Analysed, parallel: &str, want: (usize, usize, usize, usiz
         --num-experts 128 --moe-router-topk 8 --moe-ffn-hidden-size 1536 --seq-length 4096 --max-position-embeddings 4096 \
         --position-embedding-type rope --normalization RMSNorm --swiglu --untie-embeddings-and-output-weights \
         --sequence-parallel --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split \
-        {parallel} --micro-batch-size 1 --global-batch-size 2048 --use-distributed-optimizer --bf16"
+        {parallel} --micro-batch-size 1 --global-batch-size 2048 --use-distributed-optimizer --bf16 \
+        --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap"
     );
     let cluster = ClusterSpec::parse("h100-80gb:256").expect("preset");
     let (reading, world) = engines::read(Engine::Megatron, &args, Origin { what: PathBuf::from("qwen3.args") }, &shape, None).expect("read");
@@ -662,6 +668,54 @@ fn megatron_combined_1f1b_is_read_priced_and_written() {
         let g = e.gaps.iter().find(|g| g.gap.field == engines::PlanField::ExpertOverlap).unwrap_or_else(|| panic!("{engine}: {:?}", e.gaps));
         assert_eq!(g.gap.change, Some(engines::Change::ExpertOverlap(false)));
         assert!(!e.nearest.as_ref().expect("nearest").parallel.expert_overlap, "{engine}");
+    }
+}
+
+/// Each layer's gradient reduction beside the rest of the backward, as the engines' bucketed
+/// reductions run it: Megatron's `--overlap-grad-reduce` (and Megatron-FSDP's own whenever it
+/// shards gradients), DeepSpeed's `zero_optimization.overlap_comm` (on by default at stage 3,
+/// of no effect under its pipeline engine), torchtitan's FSDP and DDP hooks (always). Priced:
+/// the step shorter, by no more than the reductions; read, written and read back the same; an
+/// engine that cannot run the plan's choice names the gap.
+#[test]
+fn gradient_reduction_beside_the_backward_is_read_priced_and_written() {
+    let a = analyse("llama3-8b.onnx");
+    let shape = ModelShape::of(&a.lg);
+    let cluster = ClusterSpec::parse("h100-80gb:64").expect("preset");
+    let read = |engine: Engine, text: &str| engines::read(engine, text, Origin { what: PathBuf::from("config") }, &shape, Some(64)).expect("read").0;
+    let price = |r: &engines::Reading, engine: Engine| engines::price(engine, &a, &cluster, &r.options.clone().resolve(None).expect("resolve")).expect("price").0;
+    let megatron = |extra: &str| format!("--tensor-model-parallel-size 8 --seq-length 8192 --micro-batch-size 1 --global-batch-size 256 --use-distributed-optimizer --bf16 {extra}");
+    let (after, beside) = (read(Engine::Megatron, &megatron("")), read(Engine::Megatron, &megatron("--overlap-grad-reduce")));
+    assert_eq!((after.options.grad_overlap, beside.options.grad_overlap), (None, Some(true)));
+    let (after, beside) = (price(&after, Engine::Megatron), price(&beside, Engine::Megatron));
+    assert!(beside.parallel.grad_overlap && !after.parallel.grad_overlap);
+    let saved = after.predicted.step_time_s - beside.predicted.step_time_s;
+    let data: f64 = after.communication.iter().filter(|c| c.kind == smp_partition::plan::schema::Traffic::Data).map(|c| c.time_s).sum();
+    eprintln!("llama3-8b tp 8 dp 8 ZeRO 1: {:.3} s reducing after the backward, {:.3} s beside it (data-parallel traffic {data:.3} s)", after.predicted.step_time_s, beside.predicted.step_time_s);
+    assert!(saved > 0.0 && saved <= data + 1e-9, "saved {saved} s of {data} s");
+    let text = &engines::emit(Engine::Megatron, &beside, &a, &cluster).expect("emit").written.files[0].text;
+    assert!(text.contains("--overlap-grad-reduce"), "{text}");
+    // Megatron-FSDP, DeepSpeed at stage 3 and torchtitan reduce beside the backward unasked
+    let fsdp = read(Engine::Megatron, "--tensor-model-parallel-size 8 --seq-length 8192 --micro-batch-size 1 --global-batch-size 256 --use-megatron-fsdp --bf16");
+    assert_eq!(fsdp.options.grad_overlap, Some(true));
+    let ds = |zero: u8, extra: &str| format!(r#"{{"train_batch_size": 256, "train_micro_batch_size_per_gpu": 1, "bf16": {{"enabled": true}}, "zero_optimization": {{"stage": {zero}{extra}}}, "tensor_parallel": {{"autotp_size": 8}}}}"#);
+    assert_eq!(read(Engine::DeepSpeed, &ds(3, "")).options.grad_overlap, Some(true));
+    assert_eq!(read(Engine::DeepSpeed, &ds(1, "")).options.grad_overlap, None);
+    assert_eq!(read(Engine::DeepSpeed, &ds(1, r#", "overlap_comm": true"#)).options.grad_overlap, Some(true));
+    let titan = read(Engine::Torchtitan, "[training]\nlocal_batch_size = 4\nseq_len = 8192\n[parallelism]\ndata_parallel_shard_degree = -1\ntensor_parallel_degree = 8\n");
+    assert_eq!(titan.options.grad_overlap, Some(true));
+    // a plan that reduces after the backward: Megatron writes it as is (ZeRO 1), DeepSpeed says
+    // overlap_comm false; torchtitan's and Megatron-FSDP's reductions always overlap: a gap
+    let z = |zero: u8| compile(&a, &cluster, &PlanOptions { global_batch: Some(256), pp: Some(1), tp: Some(8), zero: Some(zero), ..PlanOptions::default() });
+    let (z1, z3) = (z(1), z(3));
+    assert!(!engines::emit(Engine::Megatron, &z1, &a, &cluster).expect("emit").written.files[0].text.contains("--overlap-grad-reduce"));
+    let e = engines::emit(Engine::DeepSpeed, &z3, &a, &cluster).expect("emit");
+    assert!(e.written.files[0].text.contains("\"overlap_comm\": false"), "{}", e.written.files[0].text);
+    for (engine, plan) in [(Engine::Torchtitan, &z1), (Engine::Megatron, &z3)] {
+        let e = engines::emit(engine, plan, &a, &cluster).expect("emit");
+        let g = e.gaps.iter().find(|g| g.gap.field == engines::PlanField::GradOverlap).unwrap_or_else(|| panic!("{engine}: {:?}", e.gaps));
+        assert_eq!(g.gap.change, Some(engines::Change::GradOverlap(true)));
+        assert!(e.nearest.as_ref().expect("nearest").parallel.grad_overlap, "{engine}");
     }
 }
 

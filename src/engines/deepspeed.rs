@@ -95,6 +95,10 @@ pub fn gaps(plan: &Plan, shape: &ModelShape) -> Result<Vec<Gap>, String> {
     let stages = stage_roles(plan, shape)?;
     let mut out = Vec::new();
     out.extend(expert_overlap_unexpressed(Engine::DeepSpeed, plan));
+    if p.grad_overlap && (p.zero == 0 || p.pp > 1) {
+        let why = if p.pp > 1 { "its pipeline engine reduces the gradients after the last backward" } else { "without ZeRO it all-reduces the gradients after the backward (overlap_comm is a ZeRO setting)" };
+        out.push(gap(PlanField::GradOverlap, "the gradients reduced beside the backward", why, "reduced after the backward", Some(Change::GradOverlap(false))));
+    }
     if p.ep > 1 && p.tp > 1 {
         // AutoEP under AutoTP folds the expert group over a stage's ranks, experts whole, and
         // only without a pipeline
@@ -232,7 +236,9 @@ pub fn write(plan: &Plan, shape: &ModelShape) -> Result<Written, String> {
     cfg.insert("train_batch_size".into(), json!(plan.global_batch));
     cfg.insert("train_micro_batch_size_per_gpu".into(), json!(mbs));
     cfg.insert("gradient_accumulation_steps".into(), json!(m));
-    cfg.insert("zero_optimization".into(), json!({ "stage": p.zero }));
+    // overlap_comm said either way: its default is on at stage 3 alone
+    let overlap = p.grad_overlap && p.zero >= 1 && p.pp == 1;
+    cfg.insert("zero_optimization".into(), if p.zero >= 1 { json!({ "stage": p.zero, "overlap_comm": overlap }) } else { json!({ "stage": p.zero }) });
     if p.fp32_main_grads && p.precision == Precision::Bf16Mixed && p.zero == 1 {
         cfg.insert("data_types".into(), json!({ "grad_accum_dtype": "fp32" }));
     }
@@ -332,7 +338,7 @@ pub fn read(text: &str, origin: Origin, shape: &ModelShape, devices: Option<usiz
     let pipe = r.get("pipeline").unwrap_or(Value::Null);
     let d = r.topology(world, &pipe)?;
     r.batch(d.dp)?;
-    r.zero(d.pp)?;
+    r.zero(&d)?;
     r.precision()?;
     r.cuts(d.pp, &pipe)?;
     r.checkpointing(&pipe)?;
@@ -499,8 +505,10 @@ impl DsReading<'_> {
         Ok(())
     }
 
-    /// The ZeRO stage (none above 1 with a pipeline) and its offloading.
-    fn zero(&mut self, pp: usize) -> Result<(), EngineError> {
+    /// The ZeRO stage (none above 1 with a pipeline), its offloading, and whether it reduces
+    /// the gradients beside the backward (`overlap_comm`, on by default at stage 3).
+    fn zero(&mut self, d: &Topology) -> Result<(), EngineError> {
+        let pp = d.pp;
         let zero_cfg = self.get("zero_optimization").unwrap_or(Value::Null);
         let zero = zero_cfg.get("stage").and_then(int_of).unwrap_or(0);
         if !(0..=3).contains(&zero) {
@@ -511,6 +519,17 @@ impl DsReading<'_> {
         }
         self.o.zero = Some(zero as u8);
         self.o.sources.insert(Setting::Zero, self.origin.source("zero_optimization.stage", zero));
+        let given = zero_cfg.get("overlap_comm").and_then(Value::as_bool);
+        if given.unwrap_or(zero == 3) && zero >= 1 && d.dp * d.cp > 1 {
+            if pp > 1 {
+                // PipelineEngine reduces the gradients after its last backward
+                self.reading.no_effect.push("zero_optimization.overlap_comm (the pipeline engine reduces the gradients after its last backward)".into());
+            } else {
+                self.o.grad_overlap = Some(true);
+                let source = if given.is_some() { self.origin.source("zero_optimization.overlap_comm", true) } else { Source::Implied("zero_optimization.overlap_comm: on by default at stage 3".into()) };
+                self.o.sources.insert(Setting::GradOverlap, source);
+            }
+        }
         for key in ["offload_optimizer", "offload_param"] {
             if let Some(v) = zero_cfg.get(key)
                 && v.get("device").and_then(Value::as_str).is_some_and(|d| d != "none")

@@ -105,11 +105,13 @@ pub enum PlanField {
     InFlight,
     /// `parallel.expert_comm_overlap`.
     ExpertOverlap,
+    /// `parallel.grad_sync_overlap`.
+    GradOverlap,
 }
 
 impl PlanField {
     /// Every field, in the order of docs/engines.md's tables.
-    pub const ALL: [PlanField; 19] = [
+    pub const ALL: [PlanField; 20] = [
         PlanField::Pipeline,
         PlanField::Schedule,
         PlanField::Cuts,
@@ -129,6 +131,7 @@ impl PlanField {
         PlanField::Placement,
         PlanField::InFlight,
         PlanField::ExpertOverlap,
+        PlanField::GradOverlap,
     ];
 
     /// The plan file's spelling (docs/plan-format.md).
@@ -153,6 +156,7 @@ impl PlanField {
             PlanField::Placement => "parallel.placement",
             PlanField::InFlight => "parallel.active_microbatches",
             PlanField::ExpertOverlap => "parallel.expert_comm_overlap",
+            PlanField::GradOverlap => "parallel.grad_sync_overlap",
         }
     }
 }
@@ -198,6 +202,8 @@ pub enum Change {
     /// The expert all-to-alls overlapped with another microbatch's compute (combined 1F1B), or
     /// run in turn.
     ExpertOverlap(bool),
+    /// The gradients reduced beside the backward, or after it.
+    GradOverlap(bool),
     /// Another expert-parallel degree, each expert split over the tensor ranks (expert-tensor =
     /// tensor degree).
     ExpertDegree(usize),
@@ -234,6 +240,7 @@ impl Change {
             Change::MegatronSplit => req.megatron_split = true,
             Change::FoldedExperts => req.etp = Some(1),
             Change::ExpertOverlap(on) => req.expert_overlap = Some(*on),
+            Change::GradOverlap(on) => req.grad_overlap = Some(*on),
             Change::ExpertDegree(e) => {
                 req.ep = Some(*e);
                 req.etp = None;
@@ -313,6 +320,7 @@ pub fn exact_request(plan: &Plan) -> PlanOptions {
         loading_horizon: Some(p.loading_horizon),
         mixed_recipe: p.fp32_main_grads.then_some(crate::ir::MixedRecipe::LowModelFp32Grads),
         expert_overlap: Some(p.expert_overlap),
+        grad_overlap: Some(p.grad_overlap),
         params: ParamOptions { trainable: plan.trainable.clone(), frozen: plan.frozen.clone() },
         cluster_flag: Some(format!("{}:{}", plan.cluster.preset, plan.cluster.devices)),
         ..PlanOptions::default()

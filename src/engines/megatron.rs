@@ -298,6 +298,15 @@ pub fn gaps(plan: &Plan, shape: &ModelShape) -> Result<Vec<Gap>, String> {
     if let Some(a) = p.active_microbatches {
         out.push(gap(PlanField::InFlight, format!("at most {a} microbatches in flight"), "it has no such cap", "no cap", Some(Change::NoInFlightCap)));
     }
+    if p.zero >= 2 && p.pp == 1 && p.dp * p.cp > 1 && !p.grad_overlap {
+        out.push(gap(
+            PlanField::GradOverlap,
+            "the gradients reduce-scattered after the backward",
+            "Megatron-FSDP reduce-scatters them beside the backward whenever it shards them",
+            "reduced beside the backward",
+            Some(Change::GradOverlap(true)),
+        ));
+    }
     if p.expert_overlap && !checkpointed(plan).is_empty() {
         out.push(gap(
             PlanField::ExpertOverlap,
@@ -478,7 +487,11 @@ fn training_args(args: &mut Vec<Vec<String>>, plan: &Plan, shape: &ModelShape, s
             arg(&[&["--recompute-granularity", "selective", "--recompute-modules"][..], modules].concat());
         }
     }
-    // ZeRO
+    // ZeRO, and the gradients reduced beside the backward (Megatron-FSDP's own when it
+    // shards them)
+    if p.grad_overlap && p.zero < 2 {
+        arg(&["--overlap-grad-reduce"]);
+    }
     match p.zero {
         0 => {}
         1 => arg(&["--use-distributed-optimizer"]),
@@ -589,7 +602,6 @@ impl Args {
 /// Flags that overlap communication with compute where the planner prices it exposed (the runner
 /// issues these collectives unoverlapped): the step is overstated by up to what they hide.
 const OVERLAP_UNPRICED: &[(&str, &str)] = &[
-    ("overlap-grad-reduce", "the data-parallel gradient reduction overlapping the last backward"),
     ("overlap-param-gather", "the distributed optimizer's parameter all-gather overlapping the next forward"),
     ("tp-comm-overlap", "the tensor-parallel collectives overlapping their products (Transformer Engine's userbuffers)"),
 ];
@@ -1026,6 +1038,14 @@ impl ArgsReading<'_> {
         o.zero = Some(zero);
         let zero_flag = if fsdp { "use-megatron-fsdp" } else { "use-distributed-optimizer" };
         o.sources.insert(Setting::Zero, a.source(zero_flag, zero));
+        // bucketed gradient reduction beside the backward: asked for, or Megatron-FSDP's own
+        // whenever it shards the gradients (MegatronFSDP.__init__ turns it on)
+        let overlap = a.has("overlap-grad-reduce");
+        if (overlap || fsdp && zero >= 2) && s.dp * s.cp > 1 {
+            o.grad_overlap = Some(true);
+            let why = if overlap { a.source("overlap-grad-reduce", "on") } else { crate::solve::Source::Implied("Megatron-FSDP reduce-scatters the gradients beside the backward when it shards them".into()) };
+            o.sources.insert(Setting::GradOverlap, why);
+        }
         let (bf16, fp16) = (a.has("bf16"), a.has("fp16"));
         if bf16 && fp16 {
             return Err(refuse("argument validation", "--bf16 and --fp16 cannot both be set".into()));

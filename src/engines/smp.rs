@@ -24,6 +24,9 @@ pub fn gaps(plan: &Plan) -> Vec<Gap> {
     let p = &plan.parallel;
     let mut out = Vec::new();
     out.extend(expert_overlap_unexpressed(Engine::Smp, plan));
+    if p.grad_overlap {
+        out.push(gap(PlanField::GradOverlap, "the gradients reduced beside the backward", "its parameters do not say how its data parallelism reduces them", "reduced after the backward", Some(Change::GradOverlap(false))));
+    }
     if !megatron_split(plan) {
         out.push(gap(PlanField::TensorSplit, "a tensor split other than Megatron's in some layers", "its tensor parallelism splits every transformer layer one way", "Megatron's split in every layer", Some(Change::MegatronSplit)));
     }

@@ -43,6 +43,15 @@ pub fn gaps(plan: &Plan, shape: &ModelShape) -> Result<Vec<Gap>, String> {
     let stages = stage_roles(plan, shape)?;
     let mut out = Vec::new();
     out.extend(expert_overlap_unexpressed(Engine::Torchtitan, plan));
+    if !p.grad_overlap && p.dp * p.cp > 1 {
+        out.push(gap(
+            PlanField::GradOverlap,
+            "the gradients reduced after the backward",
+            "FSDP and DDP reduce each block's gradients beside the rest of the backward",
+            "reduced beside the backward",
+            Some(Change::GradOverlap(true)),
+        ));
+    }
     if p.schedule == ScheduleKind::ZbH1 {
         out.push(gap(
             PlanField::Schedule,
@@ -505,6 +514,12 @@ pub fn read(text: &str, origin: Origin, shape: &ModelShape, devices: Option<usiz
     r.pipeline(&dims, &batch)?;
     r.precision()?;
     r.checkpointing()?;
+    // FSDP's post-backward hooks reduce-scatter (and DDP's buckets all-reduce) each unit's
+    // gradients as its backward ends, beside the rest of it
+    if dims.dp * dims.cp > 1 {
+        r.o.grad_overlap = Some(true);
+        r.o.sources.insert(Setting::GradOverlap, Source::Implied("FSDP and DDP reduce each block's gradients beside the rest of the backward".into()));
+    }
     r.o.placement = Some(reader_order(MESH_ORDER, [dims.dp * dims.cp, dims.pp, dims.tp]));
     r.leftovers();
     r.reading.options = r.o;

@@ -94,6 +94,12 @@ pub struct Parallelism {
     /// 1F1B, `--overlap-moe-expert-parallel-comm`), as the plan priced it: only with expert
     /// parallelism and without a pipeline or interleaved. `smp-runner` runs them in turn.
     pub expert_overlap: bool,
+    /// Whether each layer's gradient reduction (the data-parallel all-reduce or reduce-scatter,
+    /// ZeRO 2 and 3's after every backward) runs beside the rest of the backward, sharing the
+    /// link with ZeRO 3's gathers, as the engines' bucketed reductions run it (Megatron's
+    /// `--overlap-grad-reduce`, Megatron-FSDP), as the plan priced it. `smp-runner` reduces
+    /// after the backward.
+    pub grad_overlap: bool,
 }
 
 impl Parallelism {
@@ -121,6 +127,7 @@ impl Parallelism {
             loading_horizon: OffloadRule::DEFAULT_HORIZON,
             fp32_main_grads: false,
             expert_overlap: false,
+            grad_overlap: false,
         }
     }
 

@@ -338,6 +338,9 @@ pub(super) fn header(plan: &Plan, out: &mut String) {
     if par.expert_overlap {
         let _ = write!(parallel, " (expert all-to-alls overlapped: combined 1F1B)");
     }
+    if par.grad_overlap {
+        let _ = write!(parallel, " (gradients reduced beside the backward)");
+    }
     let grads = if par.fp32_main_grads { " (fp32 main grads)" } else { "" };
     let _ = writeln!(
         out,

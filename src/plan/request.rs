@@ -55,6 +55,9 @@ pub struct PlanRequest {
     /// them.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub expert_overlap: bool,
+    /// `--overlap-grad-sync`: each layer's gradient reduction priced beside the backward.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub grad_overlap: bool,
     /// `--zero`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zero: Option<u8>,
@@ -148,6 +151,7 @@ impl PlanRequest {
             expert_imbalance: options.expert_imbalance,
             expert_dispatch: options.expert_dispatch.map(|d| d.name().to_string()),
             expert_overlap: options.expert_overlap == Some(true),
+            grad_overlap: options.grad_overlap == Some(true),
             zero: options.zero,
             sharded_dp: options.sharded_dp,
             microbatches: options.microbatches,
@@ -186,6 +190,7 @@ impl PlanRequest {
             expert_imbalance: self.expert_imbalance,
             expert_dispatch: read("expert_dispatch", &self.expert_dispatch, |s| s.parse())?,
             expert_overlap: self.expert_overlap.then_some(true),
+            grad_overlap: self.grad_overlap.then_some(true),
             zero: self.zero,
             sharded_dp: self.sharded_dp,
             microbatches: self.microbatches,

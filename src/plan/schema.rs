@@ -242,6 +242,8 @@ mod parallel_file {
         fp32_main_grads: bool,
         #[serde(default, skip_serializing_if = "is_false")]
         expert_comm_overlap: bool,
+        #[serde(default, skip_serializing_if = "is_false")]
+        grad_sync_overlap: bool,
     }
 
     pub fn serialize<S: Serializer>(p: &Parallelism, s: S) -> Result<S::Ok, S::Error> {
@@ -266,6 +268,7 @@ mod parallel_file {
             activation_loading_horizon: p.loading_horizon,
             fp32_main_grads: p.fp32_main_grads,
             expert_comm_overlap: p.expert_overlap,
+            grad_sync_overlap: p.grad_overlap,
         }
         .serialize(s)
     }
@@ -303,6 +306,7 @@ mod parallel_file {
             loading_horizon: f.activation_loading_horizon,
             fp32_main_grads: f.fp32_main_grads,
             expert_overlap: f.expert_comm_overlap,
+            grad_overlap: f.grad_sync_overlap,
         })
     }
 }

@@ -227,6 +227,7 @@ impl<'a> Grid<'a> {
                                 .min(limits::max_loading_horizon(m, schedule.virtual_stages())),
                             fp32_main_grads,
                             expert_overlap: c.expert_overlap == Some(true) && ep > 1 && schedule.merged_share(pp, m) > 0.0,
+                            grad_overlap: c.grad_overlap == Some(true) && dp * cp > 1,
                         };
                         out.push(Candidate { parallel, microbatch_size: b });
                     }
@@ -440,6 +441,7 @@ pub fn layer_config(spec: &ClusterSpec, cand: &Candidate) -> LayerConfig {
         ep,
         etp: par.etp.max(1),
         merged_share: if par.expert_overlap { par.schedule.merged_share(par.pp, par.microbatches) } else { 0.0 },
+        grad_overlap: par.grad_overlap,
         ep_group,
         expert_dp_group,
         expert_zero_group,

@@ -139,6 +139,9 @@ pub struct LayerConfig {
     /// all-to-alls overlap the other's compute (Megatron-Core's combined 1F1B,
     /// [`crate::ir::ScheduleKind::merged_share`]); 0 where they run in turn.
     pub merged_share: f64,
+    /// Whether each layer's gradient reduction runs beside the rest of the backward
+    /// ([`crate::ir::Parallelism::grad_overlap`]) instead of after it.
+    pub grad_overlap: bool,
     /// The expert group (the all-to-alls).
     pub ep_group: GroupSpan,
     /// The ranks holding the same experts, over which expert gradients reduce (d·c / e).
@@ -165,6 +168,7 @@ impl LayerConfig {
             ep: 1,
             etp: tp,
             merged_share: 0.0,
+            grad_overlap: false,
             ep_group: one,
             expert_dp_group: dp_group,
             expert_zero_group: zero_group,
@@ -355,11 +359,11 @@ fn merged_saving_s(fwd: f64, bwd: f64, experts: f64, ax: &AxisTimes) -> f64 {
 
 /// A layer configuration as a cache key (the layer's representative first; `usize::MAX` for
 /// the whole model).
-type LayerKey = (usize, usize, usize, u8, [GroupSpan; 7], bool, usize, usize, usize, u64);
+type LayerKey = (usize, usize, usize, u8, [GroupSpan; 7], bool, usize, usize, usize, u64, bool);
 
 fn layer_key(rep: usize, cfg: &LayerConfig) -> LayerKey {
     let groups = [cfg.zero_group, cfg.dp_group, cfg.tp_group, cfg.cp_group, cfg.ep_group, cfg.expert_dp_group, cfg.expert_zero_group];
-    (rep, cfg.tp, cfg.microbatch, cfg.zero, groups, cfg.sequence_parallel, cfg.cp, cfg.ep, cfg.etp, cfg.merged_share.to_bits())
+    (rep, cfg.tp, cfg.microbatch, cfg.zero, groups, cfg.sequence_parallel, cfg.cp, cfg.ep, cfg.etp, cfg.merged_share.to_bits(), cfg.grad_overlap)
 }
 
 /// Each distinct layer's points under one configuration, and which of them every layer
@@ -914,7 +918,8 @@ impl<'a> CostContext<'a> {
         let dense = params - in_detail.min(params);
         let mut gathers = 0.0;
         let mut state = 0.0;
-        let mut sync = 0.0;
+        // the gradients' reduction at the step's end, and the updated weights' gather after it
+        let (mut sync, mut param_sync) = (0.0, 0.0);
         let mut grad_scatter = 0.0;
         for (held, zero_group, dp_group) in [(dense, cfg.zero_group, cfg.dp_group), (experts, cfg.expert_zero_group, cfg.expert_dp_group)] {
             if held <= 0.0 && experts > 0.0 {
@@ -925,13 +930,16 @@ impl<'a> CostContext<'a> {
             let weight_bytes = held * self.precision.weight as f64;
             let grad_bytes = trained * self.precision.grad as f64;
             let outer = |grad: f64| self.outer_reduce(grad, &zero_group, &dp_group);
+            if matches!(cfg.zero, 1 | 2) {
+                param_sync += self.comm.all_gather(weight_bytes, &zero_group);
+            }
             sync += match cfg.zero {
                 0 => self.comm.all_reduce(grad_bytes, &dp_group),
-                1 => self.comm.reduce_scatter(grad_bytes, &zero_group) + self.comm.all_gather(weight_bytes, &zero_group) + outer(grad_bytes),
+                1 => self.comm.reduce_scatter(grad_bytes, &zero_group) + outer(grad_bytes),
                 2 => {
                     // ZeRO 2 and 3 also reduce-scatter after every backward but the last
                     grad_scatter += self.comm.reduce_scatter(grad_bytes, &zero_group);
-                    self.comm.reduce_scatter(grad_bytes, &zero_group) + self.comm.all_gather(weight_bytes, &zero_group) + outer(grad_bytes)
+                    self.comm.reduce_scatter(grad_bytes, &zero_group) + outer(grad_bytes)
                 }
                 _ => {
                     // ZeRO-3 gathers the weights before every forward and backward
@@ -1026,6 +1034,9 @@ impl<'a> CostContext<'a> {
         // Prefetched beside the layer before, whose pass stands in for this one's (the same
         // blocks): only what exceeds it is paid, where the device overlaps them at all.
         let exposed = |pass: f64| if self.spec.overlapped_gathers { (gathers - pass).max(0.0) } else { gathers };
+        // Reduced beside the backward (`grad_overlap`): what the backward's compute leaves
+        // after its own gathers hides each reduction of the layer's gradients.
+        let beside = |reduce: f64| if cfg.grad_overlap { (reduce - (bwd - if self.spec.overlapped_gathers { gathers } else { 0.0 }).max(0.0)).max(0.0) } else { reduce };
         ParetoPoint {
             gather_fwd_s: exposed(fwd),
             fwd_s: fwd + exposed(fwd),
@@ -1035,8 +1046,8 @@ impl<'a> CostContext<'a> {
             input_bytes,
             shared_bytes: shared,
             offload_bytes: d.offload_bytes / c,
-            sync_s: sync,
-            grad_scatter_s: grad_scatter,
+            sync_s: beside(sync) + param_sync,
+            grad_scatter_s: beside(grad_scatter),
             choice,
             host_s: self.spec.host_bandwidth.map_or(0.0, |bw| d.offload_bytes / c / bw),
             // the runner gathers what ZeRO shards: all but the experts held in part

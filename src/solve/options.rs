@@ -52,6 +52,10 @@ pub struct PlanOptions {
     /// default off, as `smp-runner` runs them): where expert parallelism is on and the schedule
     /// merges passes (no pipeline, or interleaved).
     pub expert_overlap: Option<bool>,
+    /// Price each layer's gradient reduction beside the rest of the backward, as the engines'
+    /// bucketed reductions run it (Megatron's `--overlap-grad-reduce`, Megatron-FSDP; default
+    /// off, as `smp-runner` reduces after the backward).
+    pub grad_overlap: Option<bool>,
     /// ZeRO stage 0..=3.
     pub zero: Option<u8>,
     /// Sharded data parallel: ZeRO-3 over groups of this many replicas.
@@ -172,6 +176,8 @@ pub enum Setting {
     SelectiveLayers,
     /// `--overlap-expert-comm`.
     ExpertOverlap,
+    /// `--overlap-grad-sync`.
+    GradOverlap,
 }
 
 impl Setting {
@@ -201,6 +207,7 @@ impl Setting {
             Setting::CheckpointedLayers => "recompute-layers",
             Setting::SelectiveLayers => "selective-layers",
             Setting::ExpertOverlap => "overlap-expert-comm",
+            Setting::GradOverlap => "overlap-grad-sync",
         }
     }
 }
@@ -360,7 +367,7 @@ impl PlanOptions {
             Setting::Checkpointing => self.checkpointing.map(|v| v.to_string()),
             Setting::CheckpointedLayers => self.checkpointed_layers.as_ref().map(|v| format_layer_set(v)),
             Setting::SelectiveLayers => self.selective_layers.as_ref().map(|v| format_layer_set(v)),
-            Setting::ExpertOverlap => None,
+            Setting::ExpertOverlap | Setting::GradOverlap => None,
         };
         Source::Flag(format!("--{} {}", setting.flag(), value.unwrap_or_default()))
     }

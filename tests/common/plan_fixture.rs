@@ -92,6 +92,7 @@ pub fn fixture() -> Plan {
             loading_horizon: smp_partition::ir::OffloadRule::DEFAULT_HORIZON,
             fp32_main_grads: false,
             expert_overlap: false,
+            grad_overlap: false,
         },
         stages,
         layer_strategies: vec![LayerStrategy {

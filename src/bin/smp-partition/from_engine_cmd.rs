@@ -47,6 +47,7 @@ fn check_flags(args: &PlanArgs) -> Result<()> {
         (f.cp.is_some(), "--cp"),
         (f.etp.is_some(), "--etp"),
         (f.overlap_expert_comm, "--overlap-expert-comm"),
+        (f.overlap_grad_sync, "--overlap-grad-sync"),
         (f.zero.is_some(), "--zero"),
         (f.sharded_dp.is_some(), "--sharded-dp"),
         (f.microbatches.is_some(), "--microbatches"),

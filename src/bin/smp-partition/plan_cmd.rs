@@ -104,6 +104,11 @@ pub struct PlanFlags {
     /// interleaved one). smp-runner runs them in turn.
     #[arg(long)]
     pub overlap_expert_comm: bool,
+    /// Price each layer's gradient reduction (all-reduce, or ZeRO's reduce-scatter) beside the
+    /// rest of the backward, as the engines' bucketed reductions run it (Megatron's
+    /// `--overlap-grad-reduce`, Megatron-FSDP). smp-runner reduces after the backward.
+    #[arg(long)]
+    pub overlap_grad_sync: bool,
     /// ZeRO stage (omitted = searched).
     #[arg(long, value_name = "0..3", value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero: Option<u8>,
@@ -209,6 +214,7 @@ impl PlanFlags {
             etp: self.etp,
             expert_imbalance: self.expert_imbalance,
             expert_overlap: self.overlap_expert_comm.then_some(true),
+            grad_overlap: self.overlap_grad_sync.then_some(true),
             zero: self.zero,
             sharded_dp: self.sharded_dp,
             microbatches: self.microbatches,
