@@ -549,6 +549,37 @@ fn qwen3_moe_megatron_folded_ep32_combined_1f1b_against_the_published_step() {
     assert!((merged / 17.6 - 1.0).abs() <= 0.10, "predicted {merged:.2} s against the published 17.6 s");
 }
 
+/// The zoo's intra-node FSDP row: TP 2, EP 8 (one node) ETP 1, Megatron-FSDP over the 128
+/// data ranks (the experts over their 32 expert-data ranks), microbatch 4 of 4 a step, full
+/// recompute, DeepEP, 17.6 s. Not met: 1.356 (23.87 s). Each layer's microbatch moves 13.1 ms of
+/// expert weights gathered before its forward and again before its backward, and 25.3 ms of
+/// fp32 gradients reduce-scattered beside its backward, all on the expert-data link: 51.5 ms,
+/// where the published step allows 46.8 ms for the whole layer (17.6 s over 4 microbatches and
+/// 94 layers). The layer's own compute is 3.4 ms forward and 6.0 ms backward, so the link,
+/// not the compute, sets this row; it is priced slower than the run found it.
+#[test]
+#[ignore = "not met: 1.356 of the published 17.6 s (the expert-data link priced busier than the run)"]
+fn qwen3_moe_megatron_fsdp_against_the_published_step() {
+    let a = analyze_for(&model("qwen3-235b-a22b.onnx"), &PlanOptions { seq_len: Some(4096), ..PlanOptions::default() }).expect("analyse");
+    let shape = ModelShape::of(&a.lg);
+    let args = "torchrun --nnodes 32 --nproc-per-node 8 pretrain_gpt.py \
+        --num-layers 94 --hidden-size 4096 --num-attention-heads 64 --group-query-attention --num-query-groups 4 \
+        --num-experts 128 --moe-router-topk 8 --moe-ffn-hidden-size 1536 --seq-length 4096 --max-position-embeddings 4096 \
+        --position-embedding-type rope --normalization RMSNorm --swiglu --untie-embeddings-and-output-weights --sequence-parallel \
+        --tensor-model-parallel-size 2 --expert-model-parallel-size 8 --expert-tensor-parallel-size 1 \
+        --moe-token-dispatcher-type flex --moe-enable-deepep --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 \
+        --use-megatron-fsdp --micro-batch-size 4 --global-batch-size 2048 --bf16 --use-distributed-optimizer \
+        --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap";
+    let cluster = ClusterSpec::parse("h100-80gb:256").expect("preset");
+    let (reading, _) = engines::read(Engine::Megatron, args, Origin { what: PathBuf::from("qwen3.args") }, &shape, None).expect("read");
+    let (yours, _) = engines::price(Engine::Megatron, &a, &cluster, &reading.options.clone().resolve(None).expect("resolve")).expect("price");
+    let p = &yours.parallel;
+    assert_eq!((p.tp, p.pp, p.dp, p.ep, p.etp, p.zero, p.microbatches, p.grad_overlap), (2, 1, 128, 8, 1, 3, 4, true));
+    let step = yours.predicted.step_time_s;
+    eprintln!("qwen3-235b-a22b Megatron-FSDP TP2 EP8: {step:.2} s ({:.3} of the published 17.6 s)", step / 17.6);
+    assert!((step / 17.6 - 1.0).abs() <= 0.10, "predicted {step:.2} s against the published 17.6 s");
+}
+
 /// The zoo's TP 2 PP 32 VPP 3 EP 8 ETP 1 row (all-to-all dispatcher) against its published
 /// 24.2 s. Not met: 0.752 (18.2 s; the expert group of 8 is one node; 0.684 before GEMMs were
 /// priced by shape, each expert's GEMM now at the rows its group gathers; 0.754 with the norms'
