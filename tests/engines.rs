@@ -544,7 +544,9 @@ fn qwen3_moe_megatron_folded_ep32_combined_1f1b_against_the_published_step() {
         --expert-model-parallel-size 32 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type flex --moe-enable-deepep \
         --recompute-granularity selective --recompute-modules layernorm moe_act";
     let apart = qwen3_zoo_step(&a, ep32, (2, 8, 16, 32, 1, 128));
-    let merged = qwen3_zoo_step(&a, &format!("{ep32} --overlap-moe-expert-parallel-comm"), (2, 8, 16, 32, 1, 128));
+    // as the zoo's sbatch_benchmarking.sh turns it on (A2A_OVERLAP=1): with the deferred weight
+    // gradients, named unpriced
+    let merged = qwen3_zoo_step(&a, &format!("{ep32} --overlap-moe-expert-parallel-comm --delay-wgrad-compute"), (2, 8, 16, 32, 1, 128));
     eprintln!("qwen3-235b-a22b TP2 PP8 VPP4 EP32 ETP1: {apart:.2} s in turn, {merged:.2} s with combined 1F1B ({:.3} of 17.6 s; published ratio 1.119, ours {:.3})", merged / 17.6, apart / merged);
     assert!((merged / 17.6 - 1.0).abs() <= 0.10, "predicted {merged:.2} s against the published 17.6 s");
 }
