@@ -249,6 +249,17 @@ fn context_and_expert_flags_reach_the_planner() {
     let o = smp(&["inspect", out.to_str().unwrap()]);
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(text.contains("cp 2") && text.contains("ep 4") && text.contains("experts e = 4:"), "{text}");
+    // combined 1F1B: priced and reported where the schedule merges passes, else said to do nothing
+    let o = smp(&[&mixtral, "--cluster", "h100-80gb:32", "--global-batch", "128", "--pp", "2", "--ep", "4", "--microbatches", "4", "--schedule", "interleaved:2", "--overlap-expert-comm"]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("(expert all-to-alls overlapped: combined 1F1B)") && text.contains("of it beside another microbatch's compute"), "{text}");
+    let o = smp(&[&mixtral, "--cluster", "h100-80gb:32", "--global-batch", "128", "--pp", "2", "--ep", "4", "--schedule", "1f1b", "--overlap-expert-comm"]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(stderr(&o).contains("warning: --overlap-expert-comm had no effect"), "{}", stderr(&o));
+    let o = smp(&[&dense, "--cluster", "h100-80gb:64", "--global-batch", "512", "--overlap-expert-comm"]);
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert!(stderr(&o).contains("--overlap-expert-comm: the model has no mixture-of-experts layer"), "{}", stderr(&o));
 }
 
 /// `--etp` (Megatron-Core's expert-tensor-parallel size) folds the expert group over tensor ×

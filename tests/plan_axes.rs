@@ -141,6 +141,9 @@ fn dense_models_take_no_expert_degree() {
     assert!(cands.iter().all(|c| c.parallel.ep == 1));
     let err = compile(&a, &spec, &PlanOptions { ep: Some(2), ..options(512, 8192) }).unwrap_err();
     assert!(error_text(&err).contains("--ep 2: the model has no mixture-of-experts layer"), "{}", error_text(&err));
+    // nor is there an all-to-all to overlap
+    let err = compile(&a, &spec, &PlanOptions { expert_overlap: Some(true), ..options(512, 8192) }).unwrap_err();
+    assert!(error_text(&err).contains("--overlap-expert-comm: the model has no mixture-of-experts layer"), "{}", error_text(&err));
 }
 
 fn error_text(e: &dyn std::error::Error) -> String {

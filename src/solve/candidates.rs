@@ -328,6 +328,12 @@ impl AxisLimits {
                 return Err(SolveError::Setting(format!("--ep {e} does not divide the {n} experts of a mixture-of-experts layer")));
             }
         }
+        if cfg.expert_overlap == Some(true) && experts.is_empty() {
+            return Err(SolveError::Setting("--overlap-expert-comm: the model has no mixture-of-experts layer, so no all-to-all to overlap; drop --overlap-expert-comm".into()));
+        }
+        if cfg.expert_overlap == Some(true) && cfg.ep == Some(1) {
+            return Err(SolveError::Setting("--overlap-expert-comm with --ep 1: without expert parallelism there is no all-to-all to overlap; drop one of them".into()));
+        }
         if let Some(c) = cfg.cp.filter(|&c| c > 1)
             && seq.is_none()
         {

@@ -282,6 +282,13 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
     if let Some(w) = plan.batch_statistics_warning() {
         eprintln!("warning: {w}");
     }
+    let p = &plan.parallel;
+    if options.expert_overlap == Some(true) && !p.expert_overlap {
+        eprintln!("warning: --overlap-expert-comm had no effect: combined 1F1B merges passes only with expert parallelism and no pipeline or an interleaved one (this plan: ep {}, {} over pp {}); priced with the all-to-alls in turn", p.ep, p.schedule, p.pp);
+    }
+    if options.grad_overlap == Some(true) && !p.grad_overlap {
+        eprintln!("warning: --overlap-grad-sync had no effect: the plan has no data-parallel replicas to reduce gradients over");
+    }
     emit(&plan, args)?;
     if let Some(engine) = args.emit {
         let analysed = smp_partition::compile::analyze_for(model, &options).with_context(|| format!("reading {}", model.display()))?;
