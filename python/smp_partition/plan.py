@@ -31,6 +31,12 @@ class Parallel:
     #: Expert-parallel degree: ranks a mixture-of-experts layer's experts are split over,
     #: carved from the data-parallel ranks (divides `dp`).
     ep: int = 1
+    #: Whether the plan priced each layer's gradient reduction beside the rest of its backward,
+    #: as the engines run it (`overlap_grad_sync=True`; the runner reduces after the backward).
+    grad_sync_overlap: bool = False
+    #: Whether it priced the expert all-to-alls beside another microbatch's compute, as
+    #: Megatron-Core's combined 1F1B runs them (`overlap_expert_comm=True`).
+    expert_comm_overlap: bool = False
 
     @property
     def devices(self) -> int:
@@ -77,7 +83,9 @@ class Plan:
         p = self.data["parallel"]
         return Parallel(pp=p["pp"], tp=p["tp"], dp=p["dp"], zero=p["zero"], microbatches=p["microbatches"],
                         schedule=p["schedule"], sequence_parallel=p.get("sequence_parallel", False),
-                        precision=p["precision"], cp=p.get("cp", 1), ep=p.get("ep", 1))
+                        precision=p["precision"], cp=p.get("cp", 1), ep=p.get("ep", 1),
+                        grad_sync_overlap=p.get("grad_sync_overlap", False),
+                        expert_comm_overlap=p.get("expert_comm_overlap", False))
 
     @property
     def predicted(self) -> Predicted:

@@ -72,6 +72,16 @@ def test_precision_keyword_and_smp_keys_reach_the_plan(gpt2_plan, tmp_path) -> N
                  workdir=tmp_path / "both")
 
 
+def test_overlap_keywords_reach_the_plan(gpt2_plan, tmp_path) -> None:
+    model = gpt2_plan[2].model_path
+    plain = smp.plan(model, cluster="h100-80gb:2", global_batch=8, seq_len=16, dp=2, workdir=tmp_path / "plain")
+    beside = smp.plan(model, cluster="h100-80gb:2", global_batch=8, seq_len=16, dp=2, overlap_grad_sync=True,
+                      workdir=tmp_path / "beside")
+    assert not plain.parallel.grad_sync_overlap and beside.parallel.grad_sync_overlap
+    assert beside.predicted.step_time_s <= plain.predicted.step_time_s
+    assert not beside.parallel.expert_comm_overlap
+
+
 def test_emit_writes_the_engine_configuration_that_reads_back(gpt2_plan, tmp_path) -> None:
     plan = gpt2_plan[2]
     cfg = plan.emit("megatron", tmp_path / "megatron")
