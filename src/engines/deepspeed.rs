@@ -416,10 +416,9 @@ impl DsReading<'_> {
             Some(t) => t.get("autotp_size").and_then(int_of).filter(|&x| x >= 1).unwrap_or(1) as usize,
             None => 1,
         };
-        let ep = match self.get("expert_parallel") {
-            Some(e) if e.get("enabled").and_then(Value::as_bool).unwrap_or(false) => e.get("autoep_size").and_then(int_of).filter(|&x| x >= 1).unwrap_or(1) as usize,
-            _ => 1,
-        };
+        let experts = self.get("expert_parallel").unwrap_or(Value::Null);
+        let enabled = experts.get("enabled").and_then(Value::as_bool).unwrap_or(false);
+        let ep = if enabled { experts.get("autoep_size").and_then(int_of).filter(|&x| x >= 1).unwrap_or(1) as usize } else { 1 };
         let cp = self.get("sequence_parallel_size").as_ref().and_then(int_of).filter(|&x| x >= 1).unwrap_or(1) as usize;
         if world % (pp * tp * cp) != 0 {
             return Err(refuse("process topology", format!("world size {world} is not divisible by pipeline stages {pp} × AutoTP size {tp} × sequence-parallel size {cp}")));
@@ -443,8 +442,7 @@ impl DsReading<'_> {
             self.reading.unpriced.push(Unpriced { setting: format!("sequence_parallel_size {cp}"), why: "DeepSpeed-Ulysses' all-to-all is priced as the planner's context parallelism (all-gathered keys and values)".into() });
         }
         if ep > 1 || self.shape.experts.is_some() {
-            let enabled = self.get("expert_parallel").is_some_and(|e| e.get("enabled").and_then(Value::as_bool).unwrap_or(false));
-            let etp = self.get("expert_parallel").and_then(|e| e.get("expert_tensor_parallel_size").and_then(int_of)).unwrap_or(1);
+            let etp = experts.get("expert_tensor_parallel_size").and_then(int_of).unwrap_or(1);
             let (o, origin) = (&mut self.o, &self.origin);
             if enabled && tp > 1 {
                 // AutoEP under AutoTP folds the expert group over a stage's tp · dp ranks with
