@@ -222,6 +222,16 @@ fn figures_price_the_routed_pairs_and_hold_every_expert() {
     let ratio = fig.flops / chain;
     assert!((ratio - k / e).abs() < 0.05, "fused/dense flops {ratio:.3}, k/E = {}", k / e);
     assert!(fig.saved_bytes > 0.0 && fig.memory_bytes > 0.0);
+    // the kernels between the products, by hand: the permutation reads the tokens and writes a
+    // copy a pair, the activation reads gate and up and writes their product, the unpermutation
+    // reads the outputs and writes the weighted sum; their backwards reread the outputs and
+    // read and write both halves' gradients
+    let elem = lg.graph.value(g.node(node).inputs[0].expect("tokens")).ty.as_ref().expect("typed").dtype.size_bytes() as f64;
+    let serial = (2.0 * tokens * h + tokens * k * (2.0 * h + 3.0 * i)) * elem;
+    assert!((fig.serial_bytes - serial).abs() <= 1e-9 * serial, "serial bytes {} per sample, by hand {serial}", fig.serial_bytes);
+    let serial_bwd = (2.0 * tokens * h + tokens * k * (3.0 * h + 5.0 * i)) * elem;
+    assert!((fig.serial_bwd_bytes - serial_bwd).abs() <= 1e-9 * serial_bwd, "{} against {serial_bwd}", fig.serial_bwd_bytes);
+    assert!(fig.serial_bytes < fig.memory_bytes, "part of the node's traffic");
 }
 
 #[test]

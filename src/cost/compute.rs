@@ -88,9 +88,17 @@ pub fn scaled(fig: &NodeFigures, factor: f64) -> NodeFigures {
         score_saved_bytes: fig.score_saved_bytes * factor,
         norm_saved_bytes: fig.norm_saved_bytes * factor,
         experts_activation_bytes: fig.experts_activation_bytes * factor,
+        serial_bytes: fig.serial_bytes * factor,
+        serial_bwd_bytes: fig.serial_bwd_bytes * factor,
         gemms,
         ..*fig
     }
+}
+
+/// `fig` with its byte figures times `factor` (its FLOPs and products as they are): a graph's
+/// figures at another float width.
+pub fn bytes_scaled(fig: &NodeFigures, factor: f64) -> NodeFigures {
+    NodeFigures { flops: fig.flops, gemms: fig.gemms, ..scaled(fig, factor) }
 }
 
 /// Which dim of a node's products a tensor split divides.
@@ -141,17 +149,27 @@ pub fn efficiency(fig: &NodeFigures, spec: &ClusterSpec) -> f64 {
 
 /// Roofline forward time of one node with these figures (already scaled to the microbatch and
 /// shard): max(flops / (peak(dtype) · [`efficiency`]), memory_bytes / (HBM bw · hbm
-/// efficiency)). With a fused attention kernel ([`ClusterSpec::fused_attention`]) the
-/// attention scores never reach HBM: their bytes (`score_bytes`) are not charged.
+/// efficiency)), plus the time of the node's serial kernels (`serial_bytes`, which run in turn
+/// with its products rather than under them). With a fused attention kernel
+/// ([`ClusterSpec::fused_attention`]) the attention scores never reach HBM: their bytes
+/// (`score_bytes`) are not charged.
 pub fn node_time(fig: &NodeFigures, dtype: DType, spec: &ClusterSpec) -> f64 {
+    let (products, serial) = roofline(fig, dtype, spec);
+    products + serial
+}
+
+/// [`node_time`] in its two parts: the roofline of the products and the rest of the node's
+/// traffic, and the serial kernels' time after them.
+fn roofline(fig: &NodeFigures, dtype: DType, spec: &ClusterSpec) -> (f64, f64) {
     let compute = if fig.flops > 0.0 {
         fig.flops / (spec.peak_flops(dtype) * efficiency(fig, spec))
     } else {
         0.0
     };
     let bytes = if spec.fused_attention { (fig.memory_bytes - fig.score_bytes).max(0.0) } else { fig.memory_bytes };
-    let memory = bytes / (spec.hbm_bandwidth * spec.hbm_efficiency);
-    compute.max(memory)
+    let bandwidth = spec.hbm_bandwidth * spec.hbm_efficiency;
+    let serial = fig.serial_bytes.clamp(0.0, bytes);
+    (compute.max((bytes - serial) / bandwidth), serial / bandwidth)
 }
 
 /// Bytes `fig` keeps for the backward on `spec`: without the attention scores when attention
@@ -175,9 +193,12 @@ fn unfused_saved(saved: f64, scores: f64, norms: f64, spec: &ClusterSpec) -> f64
 
 /// Forward, backward and weight-gradient times of one node at figures already scaled.
 pub fn node_times(op: &Op, fig: &NodeFigures, dtype: DType, spec: &ClusterSpec) -> LayerTimes {
-    let fwd = node_time(fig, dtype, spec);
+    let (products, serial) = roofline(fig, dtype, spec);
+    let fwd = products + serial;
     if is_matmul_like(op) || op.is(OpKind::MixtureOfExperts) {
-        LayerTimes { fwd, bwd: 2.0 * fwd, bwd_weight: fwd }
+        // the products twice over; the serial kernels' backwards move their own bytes
+        let serial_bwd = fig.serial_bwd_bytes.max(0.0) / (spec.hbm_bandwidth * spec.hbm_efficiency);
+        LayerTimes { fwd, bwd: 2.0 * products + serial_bwd, bwd_weight: products }
     } else if op.is(OpKind::ScaledDotProductAttention) {
         // no weights: the whole backward is input gradients
         LayerTimes { fwd, bwd: 2.0 * fwd, bwd_weight: 0.0 }
@@ -199,7 +220,7 @@ pub fn layer_times(
     tp: usize,
 ) -> LayerTimes {
     let scale = bytes_scale(graph_float_dtype(&lg.graph), dtype);
-    layer_times_with(lg, layer, spec, dtype, batch, tp, |id| NodeFigures { memory_bytes: lg.node_figures(id).memory_bytes * scale, ..lg.node_figures(id) })
+    layer_times_with(lg, layer, spec, dtype, batch, tp, |id| bytes_scaled(&lg.node_figures(id), scale))
 }
 
 /// [`layer_times`] with each node's figures at the training bytes given by `figures` (the
@@ -287,6 +308,25 @@ mod tests {
         // hidden 12288: every shard is still on the plateau
         let large = drop(12288, 96, &h100);
         assert!(large > 0.95, "hidden 12288: tp 8 keeps {large:.3}");
+    }
+
+    #[test]
+    fn serial_kernels_add_to_the_products_instead_of_hiding_under_them() {
+        let h100 = ClusterSpec::preset("h100-80gb").unwrap();
+        let bw = h100.hbm_bandwidth * h100.hbm_efficiency;
+        let experts = Op::Known(OpKind::MixtureOfExperts);
+        // compute-bound: the products' traffic hides under their FLOPs, the serial kernels' not
+        let products = NodeFigures { flops: 1e12, memory_bytes: 1e8, ..Default::default() };
+        let with = NodeFigures { memory_bytes: 1e8 + 4e8, serial_bytes: 4e8, serial_bwd_bytes: 6e8, ..products };
+        let (p, w) = (node_times(&experts, &products, DType::BF16, &h100), node_times(&experts, &with, DType::BF16, &h100));
+        assert!((w.fwd - p.fwd - 4e8 / bw).abs() < 1e-12, "forward {} against {}", w.fwd, p.fwd);
+        assert!((w.bwd - p.bwd - 6e8 / bw).abs() < 1e-12, "backward {} against {}", w.bwd, p.bwd);
+        assert_eq!(w.bwd_weight, p.bwd_weight, "the weight gradients are the products' alone");
+        // the old roofline would have hidden them: the larger of compute and all the bytes
+        assert!(p.fwd > (1e8 + 4e8) / bw);
+        // memory-bound: the rest of the traffic is paid in full beside the serial kernels
+        let light = NodeFigures { flops: 1e6, memory_bytes: 1e9, serial_bytes: 4e8, ..Default::default() };
+        assert!((node_time(&light, DType::BF16, &h100) - 1e9 / bw).abs() < 1e-12);
     }
 
     #[test]

@@ -80,7 +80,7 @@ impl TrainingBytes {
     /// or another engine's mixed precision, whose model is 16-bit).
     pub fn scaled(lg: &LayeredGraph, dtype: DType) -> TrainingBytes {
         let scale = super::compute::bytes_scale(super::compute::graph_float_dtype(&lg.graph), dtype);
-        TrainingBytes { nodes: lg.node_figures.iter().map(|f| scaled_bytes(f, scale)).collect(), layers: lg.layers.iter().map(|l| l.bytes().scaled(scale)).collect() }
+        TrainingBytes { nodes: lg.node_figures.iter().map(|f| super::compute::bytes_scaled(f, scale)).collect(), layers: lg.layers.iter().map(|l| l.bytes().scaled(scale)).collect() }
     }
 
     /// Figures of node `id` (zero if out of range).
@@ -92,11 +92,6 @@ impl TrainingBytes {
     pub fn layer(&self, layer: usize) -> LayerBytes {
         self.layers.get(layer).copied().unwrap_or_default()
     }
-}
-
-/// `f` with its byte figures times `factor` (its FLOPs as they are).
-fn scaled_bytes(f: &NodeFigures, factor: f64) -> NodeFigures {
-    NodeFigures { flops: f.flops, gemms: f.gemms, ..super::compute::scaled(f, factor) }
 }
 
 /// Model-state bytes per device.

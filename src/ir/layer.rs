@@ -69,6 +69,12 @@ pub struct NodeFigures {
     /// The part of `saved_bytes` that is a mixture of experts' activation function (its output
     /// and the gated product), which selective recompute rebuilds (Megatron-Core's `moe_act`).
     pub experts_activation_bytes: f64,
+    /// The part of `memory_bytes` moved by the node's own memory-bound kernels that run in turn
+    /// with its products, not under them (a mixture of experts' permutation, activation
+    /// function and unpermutation between its grouped GEMMs): priced after the products.
+    pub serial_bytes: f64,
+    /// What those kernels' backwards move (the same bytes' gradients, and what they reread).
+    pub serial_bwd_bytes: f64,
     /// The matrix products with a weight operand this node runs (a weight matmul: one; routed
     /// experts: each expert's gate-up and down), for the cost model's GEMM-efficiency surface;
     /// unused entries have `share` 0. A sum of figures has none.
@@ -101,6 +107,8 @@ impl std::ops::AddAssign for NodeFigures {
         self.score_saved_bytes += o.score_saved_bytes;
         self.norm_saved_bytes += o.norm_saved_bytes;
         self.experts_activation_bytes += o.experts_activation_bytes;
+        self.serial_bytes += o.serial_bytes;
+        self.serial_bwd_bytes += o.serial_bwd_bytes;
         self.gemms = Default::default();
     }
 }

@@ -219,6 +219,12 @@ pub fn compute_at(graph: &Graph, bindings: &DimBindings, low: Option<DType>) -> 
         fig.score_saved_bytes = saved.values.iter().filter(|v| score[v.index()]).map(|&v| sz.bytes(v)).sum::<f64>() / batch;
         fig.norm_saved_bytes = saved.norm_bytes;
         fig.experts_activation_bytes = saved.experts_activation_bytes;
+        if node.op.is(OpKind::MixtureOfExperts)
+            && let Some(w) = experts_work(&sz, node)
+        {
+            fig.serial_bytes = w.serial_bytes.min(fig.memory_bytes * batch) / batch;
+            fig.serial_bwd_bytes = w.serial_bwd_bytes / batch;
+        }
         f.total_flops += fig.flops;
         f.per_node[id.index()] = fig;
         f.saved[id.index()] = saved;
@@ -401,6 +407,15 @@ struct ExpertsWork {
     saved_bytes: f64,
     /// Of `saved_bytes`, the activation and the gated product.
     activation_bytes: f64,
+    /// Bytes the kernels between the products move (`NodeFigures::serial_bytes`): the
+    /// permutation reads the tokens and writes a copy per pair, the activation function reads
+    /// gate and up and writes their gated product, the unpermutation reads the experts'
+    /// outputs and writes the weighted sum.
+    serial_bytes: f64,
+    /// Their backwards: the unpermutation's (the outputs reread for the weights' gradient),
+    /// the activation's (gate, up and the incoming gradient read, both halves' written) and
+    /// the permutation's (the pairs' gradients summed per token).
+    serial_bwd_bytes: f64,
 }
 
 fn experts_work(sz: &Sizes, node: &Node) -> Option<ExpertsWork> {
@@ -419,6 +434,8 @@ fn experts_work(sz: &Sizes, node: &Node) -> Option<ExpertsWork> {
         routed_bytes: pairs * (h + i2 + i + h) * elem,
         saved_bytes: pairs * (h + i2 + 2.0 * i + h) * elem,
         activation_bytes: pairs * 2.0 * i * elem,
+        serial_bytes: (2.0 * tokens as f64 * h + pairs * (2.0 * h + 3.0 * i)) * elem,
+        serial_bwd_bytes: (2.0 * tokens as f64 * h + pairs * (3.0 * h + 5.0 * i)) * elem,
     })
 }
 
