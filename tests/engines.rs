@@ -551,6 +551,37 @@ fn qwen3_moe_megatron_folded_ep32_combined_1f1b_against_the_published_step() {
     assert!((merged / 17.6 - 1.0).abs() <= 0.10, "predicted {merged:.2} s against the published 17.6 s");
 }
 
+/// The same combined-1F1B row as the zoo's H100 recipe runs it (`best_practice/qwen3/
+/// run_h100_235b.sh`, "320 TFLOPS"): the router forced to balance (random logits, read as
+/// uniform routing) and CUDA graphs over the router and the dispatch's preprocessing (named: the
+/// planner prices no host overhead). By Megatron's FLOP formula, which turns the table's
+/// 19.7 and 17.6 s into its 245 and 276 TFLOP/s, 320 TFLOP/s is a 15.19 s step. Not met: 0.818
+/// (12.43 s). With the routing imbalance and the router's launches taken out of the run, what
+/// is left is not priced here: compute beside the hidden all-to-alls runs on the SMs DeepEP's
+/// kernels leave it (20 of the H100's 132 by default: about 0.76 s of the 4.99 s hidden, which
+/// would make 0.868), and the host's launches of the kernels outside the graphs.
+#[ignore = "not met: 0.818 of the published 15.19 s (compute beside DeepEP's kernels, ungraphed launches)"]
+fn qwen3_moe_megatron_forced_balance_cuda_graphs_against_the_published_throughput() {
+    let a = analyze_for(&model("qwen3-235b-a22b.onnx"), &PlanOptions { seq_len: Some(4096), ..PlanOptions::default() }).expect("analyse");
+    let row = "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 8 --num-virtual-stages-per-pipeline-rank 4 \
+        --expert-model-parallel-size 32 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type flex --moe-enable-deepep \
+        --recompute-granularity selective --recompute-modules moe_act layernorm --overlap-moe-expert-parallel-comm --delay-wgrad-compute \
+        --moe-router-force-load-balancing --cuda-graph-impl transformer_engine --cuda-graph-scope moe_router moe_preprocess";
+    let step = qwen3_zoo_step(&a, row, (2, 8, 16, 32, 1, 128));
+    // Megatron's num_floating_point_operations: 12·L·h²·((1 + g/a + s/h/2)·(a·d/h) + F·k·3/2/h + E/(2h))
+    // + 6·h·V, a token; 2,048 × 4,096 tokens a step on 256 GPUs
+    let (l, h, s, v) = (94.0, 4096.0, 4096.0, 151_936.0);
+    let per_token = 12.0 * l * h * h * ((1.0 + 4.0 / 64.0 + s / h / 2.0) * (64.0 * 128.0 / h) + 1536.0 * 8.0 * 1.5 / h + 128.0 / (2.0 * h)) + 6.0 * h * v;
+    let flops = per_token * 2048.0 * s;
+    for (published_s, tflops) in [(19.7f64, 245.0f64), (17.6, 276.0)] {
+        let ours = flops / 256.0 / published_s / 1e12;
+        assert!((ours / tflops - 1.0).abs() < 0.015, "the formula gives {ours:.1} TFLOP/s for the table's {published_s} s, published {tflops}");
+    }
+    let published = flops / 256.0 / 320e12;
+    eprintln!("qwen3-235b-a22b EP32 combined 1F1B, forced balance, CUDA graphs: {step:.2} s ({:.3} of {published:.2} s)", step / published);
+    assert!((step / published - 1.0).abs() <= 0.10, "predicted {step:.2} s against the published {published:.2} s");
+}
+
 /// The zoo's intra-node FSDP row: TP 2, EP 8 (one node) ETP 1, Megatron-FSDP over the 128
 /// data ranks (the experts over their 32 expert-data ranks), microbatch 4 of 4 a step, full
 /// recompute, DeepEP, 17.6 s. Not met: 1.356 (23.87 s). Each layer's microbatch moves 13.1 ms of
@@ -702,6 +733,44 @@ fn megatron_combined_1f1b_is_read_priced_and_written() {
         assert_eq!(g.gap.change, Some(engines::Change::ExpertOverlap(false)));
         assert!(!e.nearest.as_ref().expect("nearest").parallel.expert_overlap, "{engine}");
     }
+}
+
+/// Megatron's `--moe-router-force-load-balancing` (random router logits, as benchmarks run) is
+/// read as uniform routing: the group's busiest rank carries only that draw's spread, which a
+/// brute-force draw of the same routing confirms; without it the default imbalance stands.
+#[test]
+fn forced_load_balancing_is_priced_as_uniform_routing() {
+    let a = analyse("mixtral-8x7b.onnx");
+    let shape = ModelShape::of(&a.lg);
+    let cluster = ClusterSpec::parse("h100-80gb:64").expect("preset");
+    let args = |extra: &str| format!("--pipeline-model-parallel-size 2 --expert-model-parallel-size 8 --seq-length 4096 --micro-batch-size 1 --global-batch-size 256 --use-distributed-optimizer --bf16 {extra}");
+    let read = |text: &str| engines::read(Engine::Megatron, text, Origin { what: PathBuf::from("args") }, &shape, Some(64)).expect("read").0;
+    let price = |r: &engines::Reading| engines::price(Engine::Megatron, &a, &cluster, &r.options.clone().resolve(None).expect("resolve")).expect("price").0;
+    let (learned, forced) = (read(&args("")), read(&args("--moe-router-force-load-balancing")));
+    assert_eq!(learned.options.expert_imbalance, None, "the default stands");
+    assert!(forced.unpriced.is_empty() && forced.no_effect.is_empty(), "{:?} {:?}", forced.unpriced, forced.no_effect);
+    // 4,096 tokens a rank, 2 of 8 experts each: 8,192 pairs a rank on average, over 8 ranks
+    let imbalance = forced.options.expert_imbalance.expect("read");
+    assert!((imbalance - engines::uniform_routing_imbalance(8, 8192.0)).abs() < 1e-12);
+    let (learned, forced) = (price(&learned), price(&forced));
+    let (l, f) = (learned.axes.as_ref().expect("axes"), forced.axes.as_ref().expect("axes"));
+    assert!(f.imbalance_s < 0.3 * l.imbalance_s, "forced {} s of imbalance against {} s", f.imbalance_s, l.imbalance_s);
+    assert!(forced.predicted.step_time_s < learned.predicted.step_time_s);
+    // the oracle: route every pair of 8 ranks' 256 pairs uniformly, many times over
+    let (ranks, pairs, trials) = (8usize, 256usize, 4000);
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut busiest = 0.0;
+    for _ in 0..trials {
+        let mut load = vec![0u32; ranks];
+        for _ in 0..ranks * pairs {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            load[((state >> 32) * ranks as u64 >> 32) as usize] += 1;
+        }
+        busiest += *load.iter().max().expect("ranks") as f64 / pairs as f64 / trials as f64;
+    }
+    let priced = engines::uniform_routing_imbalance(ranks, pairs as f64);
+    eprintln!("uniform routing, 8 ranks × 256 pairs: drawn {busiest:.4}, priced {priced:.4}");
+    assert!(((priced - 1.0) / (busiest - 1.0) - 1.0).abs() < 0.03, "drawn {busiest}, priced {priced}");
 }
 
 /// Each layer's gradient reduction beside the rest of the backward, as the engines' bucketed

@@ -528,8 +528,8 @@ struct Args {
     used: BTreeSet<usize>,
 }
 
-/// Megatron-LM's flags that take a list of words (argparse `nargs='*'`).
-const LIST_FLAGS: [&str; 1] = ["recompute-modules"];
+/// Megatron-LM's flags that take a list of words (argparse `nargs='*'` or `'+'`).
+const LIST_FLAGS: [&str; 7] = ["recompute-modules", "cuda-graph-scope", "data-path", "train-data-path", "valid-data-path", "test-data-path", "profile-ranks"];
 
 impl Args {
     fn parse(words: &[String], origin: Origin) -> Result<Args, EngineError> {
@@ -606,6 +606,10 @@ const OVERLAP_UNPRICED: &[(&str, &str)] = &[
     ("tp-comm-overlap", "the tensor-parallel collectives overlapping their products (Transformer Engine's userbuffers)"),
 ];
 
+/// CUDA graphs: they take the host's kernel launches off the step, and the planner prices no
+/// host overhead at all (every kernel as if launched ahead of the device).
+const CUDA_GRAPHS: &[&str] = &["cuda-graph-impl", "cuda-graph-scope", "enable-cuda-graph", "external-cuda-graph", "cuda-graph-warmup-steps"];
+
 /// Flags that decide nothing a plan prices (data, paths, logging, optimizer hyperparameters,
 /// initialisation, kernels): read and listed, without effect.
 const NO_EFFECT: &[&str] = &[
@@ -628,7 +632,7 @@ const NO_EFFECT: &[&str] = &[
 /// launcher line). Refused as Megatron-Core refuses it, naming the check.
 pub fn read(text: &str, origin: Origin, shape: &ModelShape, devices: Option<usize>) -> Result<(Reading, Option<usize>), EngineError> {
     let (words, world) = words_and_world(text, &origin, devices)?;
-    let mut r = ArgsReading { a: Args::parse(&words, origin.clone())?, origin, shape, o: PlanOptions { megatron_split: true, ..PlanOptions::default() }, reading: Reading::default() };
+    let mut r = ArgsReading { a: Args::parse(&words, origin.clone())?, origin, shape, o: PlanOptions { megatron_split: true, ..PlanOptions::default() }, reading: Reading::default(), microbatch_size: 1 };
     let sizes = r.parallel(world)?;
     r.model()?;
     let m = r.batch(&sizes)?;
@@ -686,6 +690,8 @@ struct ArgsReading<'s> {
     shape: &'s ModelShape,
     o: PlanOptions,
     reading: Reading,
+    /// `--micro-batch-size`, once read.
+    microbatch_size: usize,
 }
 
 impl ArgsReading<'_> {
@@ -804,6 +810,7 @@ impl ArgsReading<'_> {
             ));
         }
         let m = gbs / (mbs * dp);
+        self.microbatch_size = mbs;
         o.global_batch = Some(gbs as u64);
         o.sources.insert(Setting::GlobalBatch, a.source("global-batch-size", gbs));
         o.microbatches = Some(m);
@@ -1010,6 +1017,18 @@ impl ArgsReading<'_> {
             }
         };
         o.expert_dispatch = dispatch.filter(|_| self.shape.experts.is_some());
+        // router.py under --moe-router-force-load-balancing: random logits, so each token's
+        // experts are drawn uniformly; the group's busiest rank carries that draw's spread only
+        if a.has("moe-router-force-load-balancing")
+            && let (Some(_), Some(k)) = (self.shape.experts, self.shape.top_k)
+        {
+            let (tp, etp) = (o.tp.unwrap_or(1).max(1), o.etp.unwrap_or(o.tp.unwrap_or(1)).max(1));
+            let split = if o.sequence_parallel == Some(true) { tp } else { (tp / etp).max(1) } * o.cp.unwrap_or(1).max(1);
+            let tokens = self.microbatch_size * o.seq_len.or(self.shape.seq).unwrap_or(0) as usize / split;
+            let imbalance = super::uniform_routing_imbalance(o.ep.unwrap_or(1), tokens as f64 * k as f64);
+            o.expert_imbalance = Some(imbalance);
+            o.sources.insert(Setting::ExpertImbalance, a.source("moe-router-force-load-balancing", format!("on: uniform routing, the busiest rank {imbalance:.3}× the mean")));
+        }
         Ok(())
     }
 
@@ -1120,6 +1139,8 @@ impl ArgsReading<'_> {
             };
             if NO_EFFECT.contains(&flag.as_str()) {
                 self.reading.no_effect.push(text);
+            } else if CUDA_GRAPHS.contains(&flag.as_str()) {
+                self.reading.unpriced.push(Unpriced { setting: text, why: "CUDA graphs save the host's kernel launches, which the planner never prices (it prices every kernel as if launched ahead of the device, graphed or not)".into() });
             } else if let Some((_, what)) = OVERLAP_UNPRICED.iter().find(|(f, _)| *f == flag) {
                 self.reading.unpriced.push(Unpriced { setting: text, why: format!("{what} is not priced: priced exposed, so the step is overstated by up to its time") });
             } else {

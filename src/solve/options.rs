@@ -178,6 +178,8 @@ pub enum Setting {
     ExpertOverlap,
     /// `--overlap-grad-sync`.
     GradOverlap,
+    /// `--expert-imbalance`.
+    ExpertImbalance,
 }
 
 impl Setting {
@@ -208,6 +210,7 @@ impl Setting {
             Setting::SelectiveLayers => "selective-layers",
             Setting::ExpertOverlap => "overlap-expert-comm",
             Setting::GradOverlap => "overlap-grad-sync",
+            Setting::ExpertImbalance => "expert-imbalance",
         }
     }
 }
@@ -367,6 +370,7 @@ impl PlanOptions {
             Setting::Checkpointing => self.checkpointing.map(|v| v.to_string()),
             Setting::CheckpointedLayers => self.checkpointed_layers.as_ref().map(|v| format_layer_set(v)),
             Setting::SelectiveLayers => self.selective_layers.as_ref().map(|v| format_layer_set(v)),
+            Setting::ExpertImbalance => self.expert_imbalance.map(|v| v.to_string()),
             Setting::ExpertOverlap | Setting::GradOverlap => None,
         };
         Source::Flag(format!("--{} {}", setting.flag(), value.unwrap_or_default()))

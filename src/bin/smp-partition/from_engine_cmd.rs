@@ -128,7 +128,8 @@ pub fn run(model: &Path, spec: &str, args: &PlanArgs) -> Result<ExitCode> {
     o.params = base.params.clone();
     o.memory_limit_gib = f.memory_limit;
     o.time_limit_s = f.time_limit;
-    o.expert_imbalance = f.expert_imbalance;
+    // the flag over what the configuration implies (forced balancing's uniform routing)
+    o.expert_imbalance = f.expert_imbalance.or(o.expert_imbalance);
     o.cluster_flag = Some(cluster_text.clone());
     if let Some(ep) = f.ep {
         match o.ep {
@@ -150,7 +151,7 @@ pub fn run(model: &Path, spec: &str, args: &PlanArgs) -> Result<ExitCode> {
         params: options.params.clone(),
         memory_limit_gib: f.memory_limit,
         time_limit_s: f.time_limit,
-        expert_imbalance: f.expert_imbalance,
+        expert_imbalance: options.expert_imbalance,
         optimize: f.optimize,
         cluster_flag: Some(cluster_text.clone()),
         ..PlanOptions::default()
