@@ -560,6 +560,7 @@ fn qwen3_moe_megatron_folded_ep32_combined_1f1b_against_the_published_step() {
 /// is left is not priced here: compute beside the hidden all-to-alls runs on the SMs DeepEP's
 /// kernels leave it (20 of the H100's 132 by default: about 0.76 s of the 4.99 s hidden, which
 /// would make 0.868), and the host's launches of the kernels outside the graphs.
+#[test]
 #[ignore = "not met: 0.818 of the published 15.19 s (compute beside DeepEP's kernels, ungraphed launches)"]
 fn qwen3_moe_megatron_forced_balance_cuda_graphs_against_the_published_throughput() {
     let a = analyze_for(&model("qwen3-235b-a22b.onnx"), &PlanOptions { seq_len: Some(4096), ..PlanOptions::default() }).expect("analyse");
