@@ -247,6 +247,11 @@ pub struct ClusterSpec {
     /// host link is known, and nothing is offloaded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_bandwidth: Option<f64>,
+    /// Streaming multiprocessors per device (NVIDIA's whitepapers: V100 80, A100 108, H100 SXM
+    /// and H200 132): what a communication kernel running on some of them takes from compute
+    /// beside it ([`ClusterSpec::compute_share_beside`]). `None` (`cpu`): no share priced.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sms: Option<u32>,
 }
 
 /// Per-collective alpha-beta links inside a node, as the runtime calls them (Gloo on `cpu`:
@@ -389,6 +394,7 @@ fn gpu(
         price_per_device_hour: list_price(name),
         collectives: None,
         host_bandwidth: Some(host_gb_s * GB),
+        sms: None,
     }
 }
 
@@ -400,11 +406,11 @@ impl ClusterSpec {
             // host links: PCIe Gen4 x16 (A100), Gen5 x16 (H100, H200), Gen3 x16 (V100), effective.
             // Memory: the total `nvidia-smi` reports (ECC on), what a process can allocate
             // from before the workspace margin; the names' "80GB" are decimal and round.
-            "a100-40gb" => gpu(name, "NVIDIA A100 40GB", 312.0, 19.5, 40_960.0, 1.555, 600.0, 200.0, 25.0),
-            "a100-80gb" => gpu(name, "NVIDIA A100 80GB", 312.0, 19.5, 81_920.0, 2.039, 600.0, 200.0, 25.0),
-            "h100-80gb" => ClusterSpec { fused_attention: true, ..gpu(name, "NVIDIA H100 80GB SXM", 989.0, 67.0, 81_559.0, 3.35, 900.0, 400.0, 50.0) },
-            "h200" => ClusterSpec { fused_attention: true, ..gpu(name, "NVIDIA H200 141GB SXM", 989.0, 67.0, 143_771.0, 4.8, 900.0, 400.0, 50.0) },
-            "v100-16gb" => gpu(name, "NVIDIA V100 16GB SXM2", 125.0, 15.7, 16_160.0, 0.9, 300.0, 25.0, 12.0),
+            "a100-40gb" => ClusterSpec { sms: Some(108), ..gpu(name, "NVIDIA A100 40GB", 312.0, 19.5, 40_960.0, 1.555, 600.0, 200.0, 25.0) },
+            "a100-80gb" => ClusterSpec { sms: Some(108), ..gpu(name, "NVIDIA A100 80GB", 312.0, 19.5, 81_920.0, 2.039, 600.0, 200.0, 25.0) },
+            "h100-80gb" => ClusterSpec { fused_attention: true, sms: Some(132), ..gpu(name, "NVIDIA H100 80GB SXM", 989.0, 67.0, 81_559.0, 3.35, 900.0, 400.0, 50.0) },
+            "h200" => ClusterSpec { fused_attention: true, sms: Some(132), ..gpu(name, "NVIDIA H200 141GB SXM", 989.0, 67.0, 143_771.0, 4.8, 900.0, 400.0, 50.0) },
+            "v100-16gb" => ClusterSpec { sms: Some(80), ..gpu(name, "NVIDIA V100 16GB SXM2", 125.0, 15.7, 16_160.0, 0.9, 300.0, 25.0, 12.0) },
             "cpu" => return Err(ClusterError::NoMachineFacts { spec: name.to_string() }),
             other => return Err(ClusterError::UnknownPreset(other.to_string())),
         })
@@ -617,6 +623,12 @@ impl ClusterSpec {
         self.device.starts_with("cpu")
     }
 
+    /// The fraction of compute a communication kernel holding `sms` of the device's SMs takes
+    /// from the compute running beside it (0 where the device's SM count is unknown).
+    pub fn compute_share_beside(&self, sms: u32) -> f64 {
+        self.sms.filter(|&n| n > 0).map_or(0.0, |n| (sms as f64 / n as f64).min(1.0))
+    }
+
     /// The node of a global rank (ranks fill nodes in order).
     pub fn node_of(&self, rank: usize) -> usize {
         rank / self.devices_per_node.max(1)
@@ -651,6 +663,7 @@ struct ClusterFile {
     price_per_device_hour: Option<f64>,
     collectives: Option<CollectiveLinks>,
     host_bandwidth: Option<f64>,
+    sms: Option<u32>,
     machine: Option<MachineTable>,
     /// Calibration files only: the fractions of one core's matmul rate and memory bandwidth it
     /// keeps while every core of the machine runs at once (shared caches and memory).
@@ -752,6 +765,7 @@ impl ClusterFile {
             price_per_device_hour: self.price_per_device_hour.or(base.and_then(|b| b.price_per_device_hour)),
             collectives: self.collectives.or(base.and_then(|b| b.collectives)),
             host_bandwidth: self.host_bandwidth.or(base.and_then(|b| b.host_bandwidth)),
+            sms: self.sms.or(base.and_then(|b| b.sms)),
         })
     }
 }
@@ -792,6 +806,7 @@ impl ClusterSpec {
             price_per_device_hour: None,
             collectives: None,
             host_bandwidth: Some(5e9),
+            sms: None,
         };
         let Some(cal) = &machine.calibration else {
             defaults.validate()?;

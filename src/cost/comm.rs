@@ -12,6 +12,11 @@
 
 use super::ClusterSpec;
 use super::cluster::CollectiveLinks;
+
+/// SMs DeepEP's dispatch and combine kernels hold while they run: its `Buffer.num_sms` default,
+/// which Megatron-Core's `--moe-deepep-num-sms` also defaults to. Compute beside them runs on
+/// the rest ([`ClusterSpec::compute_share_beside`]).
+pub const DEEPEP_SMS: u32 = 20;
 pub use super::link::Link;
 
 /// Which link a transfer or group uses (spelled `intra-node`, `inter-node` in plan files).
@@ -269,6 +274,34 @@ pub fn nodes_hit(experts: usize, held: usize, k: usize) -> f64 {
     // C(E − h, k)/C(E, k) = Π_{i<k} (E − h − i)/(E − i)
     let miss: f64 = (0..k).map(|i| (experts - held - i) as f64 / (experts - i) as f64).product();
     1.0 - miss
+}
+
+/// The expected load of the busiest of an expert group's `ranks` ranks over the mean when each
+/// routed pair lands on an expert uniformly at random (an engine's forced load balancing),
+/// `pairs` the mean a rank receives. The loads are multinomial: each is the mean plus an
+/// independent draw of variance `pairs` less the draws' average (they sum to the total), so the
+/// busiest lies E[max of `ranks` standard normals] · √pairs above the mean.
+pub fn uniform_routing_imbalance(ranks: usize, pairs: f64) -> f64 {
+    if ranks <= 1 || pairs <= 0.0 {
+        return 1.0;
+    }
+    1.0 + expected_max_of_normals(ranks) / pairs.sqrt()
+}
+
+/// E[max of `n` independent standard normals] = ∫ x · n φ(x) Φ(x)^(n−1) dx, by the midpoint
+/// rule over ±10 (Φ from erfc, Abramowitz and Stegun 7.1.26, error under 1.5e-7).
+fn expected_max_of_normals(n: usize) -> f64 {
+    let phi = |x: f64| (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+    let cdf = |x: f64| {
+        let z = x.abs() / std::f64::consts::SQRT_2;
+        let t = 1.0 / (1.0 + 0.3275911 * z);
+        let poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))));
+        let tail = 0.5 * poly * (-z * z).exp();
+        if x >= 0.0 { 1.0 - tail } else { tail }
+    };
+    let (steps, lo, hi) = (20_000, -10.0, 10.0);
+    let dx = (hi - lo) / steps as f64;
+    (0..steps).map(|i| lo + (i as f64 + 0.5) * dx).map(|x| x * n as f64 * phi(x) * cdf(x).powi(n as i32 - 1) * dx).sum()
 }
 
 #[cfg(test)]

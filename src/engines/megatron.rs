@@ -1017,6 +1017,14 @@ impl ArgsReading<'_> {
             }
         };
         o.expert_dispatch = dispatch.filter(|_| self.shape.experts.is_some());
+        if let Some(n) = a.count("moe-deepep-num-sms")?
+            && n != crate::cost::comm::DEEPEP_SMS as usize
+        {
+            reading.unpriced.push(Unpriced {
+                setting: format!("--moe-deepep-num-sms {n}"),
+                why: format!("compute beside DeepEP's kernels is priced on the SMs its default {} leave", crate::cost::comm::DEEPEP_SMS),
+            });
+        }
         // router.py under --moe-router-force-load-balancing: random logits, so each token's
         // experts are drawn uniformly; the group's busiest rank carries that draw's spread only
         if a.has("moe-router-force-load-balancing")
@@ -1025,7 +1033,7 @@ impl ArgsReading<'_> {
             let (tp, etp) = (o.tp.unwrap_or(1).max(1), o.etp.unwrap_or(o.tp.unwrap_or(1)).max(1));
             let split = if o.sequence_parallel == Some(true) { tp } else { (tp / etp).max(1) } * o.cp.unwrap_or(1).max(1);
             let tokens = self.microbatch_size * o.seq_len.or(self.shape.seq).unwrap_or(0) as usize / split;
-            let imbalance = super::uniform_routing_imbalance(o.ep.unwrap_or(1), tokens as f64 * k as f64);
+            let imbalance = crate::cost::comm::uniform_routing_imbalance(o.ep.unwrap_or(1), tokens as f64 * k as f64);
             o.expert_imbalance = Some(imbalance);
             o.sources.insert(Setting::ExpertImbalance, a.source("moe-router-force-load-balancing", format!("on: uniform routing, the busiest rank {imbalance:.3}× the mean")));
         }

@@ -1019,8 +1019,14 @@ impl<'a> CostContext<'a> {
         fwd += ax.kv_exposed_fwd_s + ax.imbalance_fwd_s;
         bwd += ax.kv_exposed_bwd_s + 2.0 * ax.imbalance_fwd_s;
         let hidden = cfg.merged_share * merged_saving_s(fwd, bwd, experts_fwd + ax.imbalance_fwd_s, &ax);
-        fwd += ax.all_to_all_fwd_s - hidden / 2.0;
-        bwd += ax.all_to_all_bwd_s - hidden / 2.0;
+        // compute beside a hidden all-to-all runs on the SMs its kernels leave (DeepEP's hold
+        // a fixed number; NCCL's all-to-all is not priced so)
+        let beside = match self.expert_dispatch {
+            crate::ir::ExpertDispatch::PerNode => hidden * self.spec.compute_share_beside(crate::cost::comm::DEEPEP_SMS),
+            crate::ir::ExpertDispatch::AllToAll => 0.0,
+        };
+        fwd += ax.all_to_all_fwd_s - (hidden - beside) / 2.0;
+        bwd += ax.all_to_all_bwd_s - (hidden - beside) / 2.0;
         // A mask or rotary table every layer reads is one tensor, held whole on every tensor
         // rank, per chunk: taken out of the layer's bytes (which split it like the layer).
         let lay = self.bytes.layer(layer);
