@@ -221,9 +221,19 @@ fn fuse_sweep(graph: &mut Graph, late: bool, out: &mut Vec<Fusion>) {
         uses = m.uses;
         let Some(fusion) = fusion else { continue };
         // the matcher proved the chain; the checks of `apply` hold by construction
-        if apply(graph, &fusion).is_ok() {
+        let chain_reads: Vec<ValueId> = fusion.replaces.iter().filter_map(|&n| graph.try_node(n)).flat_map(|n| n.inputs.iter().flatten().copied()).collect();
+        if apply_counted(graph, &fusion, &uses).is_ok() {
+            // the chain's reads gone, the fused node's added: the counts without a rescan
+            for v in chain_reads {
+                uses[v.index()] = uses[v.index()].saturating_sub(1);
+            }
+            uses.resize(graph.value_count(), 0);
+            for v in graph.node(fusion.node).inputs.iter().flatten() {
+                uses[v.index()] += 1;
+            }
+            #[cfg(test)]
+            assert_eq!(uses, readers(graph), "the counts after fusing `{}`", graph.node(fusion.node).name);
             out.push(fusion);
-            uses = readers(graph);
         }
     }
 }
@@ -274,6 +284,12 @@ fn chain(g: &Graph, last: NodeId, x: ValueId) -> Vec<NodeId> {
 /// mask, and scalar `Mul`/`Div` constants whose product is the scale; for a rotary embedding:
 /// the chain the matcher finds at the node, of the record's inputs and form).
 pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
+    let uses = readers(graph);
+    apply_counted(graph, f, &uses)
+}
+
+/// [`apply`] with `readers`, how many nodes read each value of `graph` (as [`readers`] counts).
+fn apply_counted(graph: &mut Graph, f: &Fusion, readers: &[usize]) -> Result<(), PassError> {
     let name = graph.try_node(f.node).map_or_else(|| format!("#{}", f.node.index()), |n| n.name.clone());
     let bad = |msg: String| PassError::Fusion { node: name.clone(), msg };
     if !f.replaces.contains(&f.node) {
@@ -336,7 +352,6 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
     if let Some(i) = read.iter().position(|r| !r) {
         return Err(bad(format!("no node of the chain reads its input `{}`", graph.value(f.inputs[i]).name)));
     }
-    let readers = readers(graph);
     for &n in f.replaces.iter().filter(|&&n| n != f.node) {
         for &o in &graph.node(n).outputs {
             let inside: usize = f.replaces.iter().map(|&m| graph.node(m).inputs.iter().flatten().filter(|&&v| v == o).count()).sum();
@@ -383,7 +398,7 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
             OpKind::RMSNormalization
         }
         FusedOp::LayerNorm { epsilon, bias } => {
-            let m = Matcher { g: graph, uses: readers };
+            let m = Matcher { g: graph, uses: readers.to_vec() };
             let found = m.layer_norm(f.node);
             if !found.as_ref().is_some_and(|l| l.inputs == f.inputs && l.nodes == f.replaces && l.epsilon.to_bits() == epsilon.0.to_bits() && (l.inputs.len() == 3) == bias) {
                 return Err(bad(format!("the chain is not a layer norm over the last axis of its inputs with ε = {}", epsilon.0)));
@@ -400,7 +415,7 @@ pub fn apply(graph: &mut Graph, f: &Fusion) -> Result<(), PassError> {
             OpKind::SwiGlu
         }
         FusedOp::Rotary { interleaved } => {
-            let m = Matcher { g: graph, uses: readers };
+            let m = Matcher { g: graph, uses: readers.to_vec() };
             let found = m.rotary(f.node);
             if !found.as_ref().is_some_and(|r| r.inputs[..] == f.inputs[..] && r.interleaved == interleaved && r.nodes == f.replaces) {
                 let form = if interleaved { "pairwise" } else { "half" };
@@ -1687,6 +1702,21 @@ mod tests {
         let x = b.g.add_value("x", ValueKind::Input, ty(), None).unwrap();
         b.g.inputs = vec![x];
         (b, x)
+    }
+
+    #[test]
+    fn counted_readers_stay_exact_through_a_models_fusions() {
+        // each fusion updates the reader counts in place; `fuse_sweep` asserts them equal to a
+        // recount after every one (in this crate's tests): attention, rotary, experts and norms
+        let mut kinds = HashSet::new();
+        for (model, seq_len) in [("mixtral-8x7b.onnx", None), ("qwen3-235b-a22b.onnx", None), ("llama.onnx", Some(64)), ("gpt2.onnx", Some(64)), ("bert.onnx", Some(64))] {
+            let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models").join(model);
+            let graph = crate::frontend::onnx::load_model(&path).expect("a bundled model").graph;
+            let lg = super::super::analyze(graph, &super::super::AnalyzeOptions { seq_len, ..Default::default() }).expect("analyse");
+            assert!(!lg.fused.is_empty(), "{model}: nothing fused");
+            kinds.extend(lg.fused.iter().map(|f| std::mem::discriminant(&f.op)));
+        }
+        assert!(kinds.len() >= 6, "{} kinds of chain fused", kinds.len());
     }
 
     #[test]

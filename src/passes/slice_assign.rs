@@ -23,12 +23,13 @@ use super::fuse::readers;
 pub fn concat_slice_assignments(graph: &mut Graph) -> usize {
     let Ok(order) = graph.topo_order() else { return 0 };
     let mut done = 0;
+    // counted once, and again only after a rewrite changes who reads what
+    let mut counts = readers(graph);
     for id in order {
         if graph.try_node(id).is_none() {
             continue;
         }
-        let readers = readers(graph);
-        let Some(m) = find(graph, &readers, id) else { continue };
+        let Some(m) = find(graph, &counts, id) else { continue };
         let node = graph.node_mut(m.concat);
         node.op = Op::Known(OpKind::Concat);
         let mut attrs = Attrs::default();
@@ -45,6 +46,7 @@ pub fn concat_slice_assignments(graph: &mut Graph) -> usize {
         for n in m.remove {
             graph.remove_node(n);
         }
+        counts = readers(graph);
         done += 1;
     }
     done
