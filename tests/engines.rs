@@ -777,6 +777,13 @@ fn forced_load_balancing_is_priced_as_uniform_routing() {
     let priced = smp_partition::cost::comm::uniform_routing_imbalance(ranks, pairs as f64);
     eprintln!("uniform routing, 8 ranks × 256 pairs: drawn {busiest:.4}, priced {priced:.4}");
     assert!(((priced - 1.0) / (busiest - 1.0) - 1.0).abs() < 0.03, "drawn {busiest}, priced {priced}");
+    // torchtitan's debug switch routes round-robin: exactly balanced
+    let job = |extra: &str| format!("[training]\nlocal_batch_size = 4\nseq_len = 4096\n[parallelism]\ndata_parallel_shard_degree = -1\nexpert_parallel_degree = 8\n{extra}");
+    let titan = |text: &str| engines::read(Engine::Torchtitan, text, Origin { what: PathBuf::from("job.toml") }, &shape, Some(64)).expect("read").0;
+    assert_eq!(titan(&job("")).options.expert_imbalance, None);
+    let balanced = titan(&job("[debug]\nmoe_force_load_balance = true\n"));
+    assert_eq!(balanced.options.expert_imbalance, Some(1.0));
+    assert!(balanced.unpriced.is_empty(), "{:?}", balanced.unpriced);
 }
 
 /// Compute beside DeepEP's hidden all-to-alls runs on the SMs its kernels leave (20 of the

@@ -632,6 +632,11 @@ impl JobReading<'_> {
                 o.etp = Some(1);
                 o.sources.insert(Setting::Etp, Source::Implied(format!("expert-tensor 1: expert_parallel_degree {ep} with tensor_parallel_degree {tp} borrows the tensor ranks (torchtitan never splits experts over them)")));
             }
+            // moe.py's round-robin routing under it: every expert gets the same pairs
+            if e.flag("debug.moe_force_load_balance")? == Some(true) {
+                o.expert_imbalance = Some(1.0);
+                o.sources.insert(Setting::ExpertImbalance, e.source("debug.moe_force_load_balance", "true: round-robin routing, every rank the mean"));
+            }
         }
         Ok(Dims { replicate, shard, tp, pp, cp, dp })
     }
