@@ -170,7 +170,8 @@ pub(super) fn arithmetic(cx: &Ctx, kind: OpKind) -> Outs {
         BitwiseXor => Some(&|x| x[0] ^ x[1]),
         _ => None,
     };
-    let f = if matches!(kind, Add | Sub | Mul | Div | Mod) && n != 2 { None } else { f };
+    // the binary ones evaluate only with their two operands (a damaged node may have fewer)
+    let f = if matches!(kind, Add | Sub | Mul | Div | Mod | BitwiseAnd | BitwiseOr | BitwiseXor) && n != 2 { None } else { f };
     one(elementwise(cx, &idx, cx.dtype(0), f)?)
 }
 
