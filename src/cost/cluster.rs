@@ -16,6 +16,7 @@
 //! overlapped_gathers = false  # ZeRO-3 gathers paid whole, not hidden behind the layer before (default per preset)
 //! price_per_device_hour = 2.99   # USD; the presets' list prices: LIST_PRICES
 //! host_bandwidth = 450e9   # device ↔ host, per direction (NVLink-C2C on GH200-class parts)
+//! fp8_flops = 1979e12      # dense fp8 rate; none: the device runs no fp8 (Float8 linears refused)
 //! ```
 //!
 //! Compute efficiency: `[efficiency] peak, half_flops` is the curve by FLOPs every op is priced
@@ -59,6 +60,14 @@ pub enum ClusterError {
     /// Unknown preset name.
     #[error("unknown cluster preset `{0}`: expected one of a100-40gb, a100-80gb, h100-80gb, h200, v100-16gb, cpu, or a FILE.toml")]
     UnknownPreset(String),
+    /// Float8 linears were asked of a device without an fp8 rate.
+    #[error("cluster `{spec}`: the {device} has no fp8 tensor rate, so Float8 linears cannot be priced on it (use an H100 or H200 preset, or give `fp8_flops` in a cluster file)")]
+    NoFp8 {
+        /// The preset or file.
+        spec: String,
+        /// Its device.
+        device: String,
+    },
     /// The device count after `:` is not a positive integer.
     #[error("cluster `{spec}`: device count `{count}` is not a positive integer (write PRESET:N, e.g. h100-80gb:64)")]
     BadCount {
@@ -252,6 +261,16 @@ pub struct ClusterSpec {
     /// beside it ([`ClusterSpec::compute_share_beside`]). `None` (`cpu`): no share priced.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sms: Option<u32>,
+    /// Dense fp8 tensor rate, FLOP/s (the H100 and H200 datasheets: 1,979 TFLOP/s, twice
+    /// bf16); `None` where the device has no fp8 tensor cores (A100, V100, `cpu`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp8_flops: Option<f64>,
+    /// Whether the job runs its blocks' linear layers in fp8 with per-tensor dynamic scaling
+    /// (torchao's `Float8Linear`, Transformer Engine's fp8 recipes): their products at
+    /// `fp8_flops`, beside the casts of their operands (`cost::compute::float8_cast_bytes`).
+    /// A setting of the job, not of the cluster file: set from `PlanOptions::float8_linears`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub float8_linears: bool,
 }
 
 /// Per-collective alpha-beta links inside a node, as the runtime calls them (Gloo on `cpu`:
@@ -395,6 +414,8 @@ fn gpu(
         collectives: None,
         host_bandwidth: Some(host_gb_s * GB),
         sms: None,
+        fp8_flops: None,
+        float8_linears: false,
     }
 }
 
@@ -408,8 +429,8 @@ impl ClusterSpec {
             // from before the workspace margin; the names' "80GB" are decimal and round.
             "a100-40gb" => ClusterSpec { sms: Some(108), ..gpu(name, "NVIDIA A100 40GB", 312.0, 19.5, 40_960.0, 1.555, 600.0, 200.0, 25.0) },
             "a100-80gb" => ClusterSpec { sms: Some(108), ..gpu(name, "NVIDIA A100 80GB", 312.0, 19.5, 81_920.0, 2.039, 600.0, 200.0, 25.0) },
-            "h100-80gb" => ClusterSpec { fused_attention: true, sms: Some(132), ..gpu(name, "NVIDIA H100 80GB SXM", 989.0, 67.0, 81_559.0, 3.35, 900.0, 400.0, 50.0) },
-            "h200" => ClusterSpec { fused_attention: true, sms: Some(132), ..gpu(name, "NVIDIA H200 141GB SXM", 989.0, 67.0, 143_771.0, 4.8, 900.0, 400.0, 50.0) },
+            "h100-80gb" => ClusterSpec { fused_attention: true, sms: Some(132), fp8_flops: Some(1979e12), ..gpu(name, "NVIDIA H100 80GB SXM", 989.0, 67.0, 81_559.0, 3.35, 900.0, 400.0, 50.0) },
+            "h200" => ClusterSpec { fused_attention: true, sms: Some(132), fp8_flops: Some(1979e12), ..gpu(name, "NVIDIA H200 141GB SXM", 989.0, 67.0, 143_771.0, 4.8, 900.0, 400.0, 50.0) },
             "v100-16gb" => ClusterSpec { sms: Some(80), ..gpu(name, "NVIDIA V100 16GB SXM2", 125.0, 15.7, 16_160.0, 0.9, 300.0, 25.0, 12.0) },
             "cpu" => return Err(ClusterError::NoMachineFacts { spec: name.to_string() }),
             other => return Err(ClusterError::UnknownPreset(other.to_string())),
@@ -540,7 +561,8 @@ impl ClusterSpec {
         ];
         let fp16 = self.fp16_flops.map(|f| ("fp16_flops", f));
         let host = self.host_bandwidth.map(|b| ("host_bandwidth", b));
-        for (field, value) in checks.into_iter().chain(fp16).chain(host) {
+        let fp8 = self.fp8_flops.map(|f| ("fp8_flops", f));
+        for (field, value) in checks.into_iter().chain(fp16).chain(host).chain(fp8) {
             if !(value > 0.0) || !value.is_finite() {
                 return Err(ClusterError::Invalid {
                     source_name: self.name.clone(),
@@ -606,10 +628,20 @@ impl ClusterSpec {
     pub fn peak_flops(&self, dtype: DType) -> f64 {
         match dtype {
             DType::F16 => self.fp16_flops.unwrap_or(self.bf16_flops),
-            DType::BF16 | DType::F8E4M3 | DType::F8E5M2 | DType::F8E4M3Fnuz | DType::F8E5M2Fnuz => self.bf16_flops,
+            DType::BF16 => self.bf16_flops,
+            DType::F8E4M3 | DType::F8E5M2 | DType::F8E4M3Fnuz | DType::F8E5M2Fnuz => self.fp8_flops.unwrap_or(self.bf16_flops),
             DType::F64 => self.fp32_flops / 2.0,
             _ => self.fp32_flops,
         }
+    }
+
+    /// This spec with its blocks' linear layers run in fp8 ([`ClusterSpec::float8_linears`]);
+    /// refused where the device has no fp8 rate.
+    pub fn with_float8_linears(&self) -> Result<ClusterSpec, ClusterError> {
+        if self.fp8_flops.is_none() {
+            return Err(ClusterError::NoFp8 { spec: self.name.clone(), device: self.device.clone() });
+        }
+        Ok(ClusterSpec { float8_linears: true, ..self.clone() })
     }
 
     /// The training precision of plans that do not name one: bf16 mixed precision on GPUs,
@@ -664,6 +696,7 @@ struct ClusterFile {
     collectives: Option<CollectiveLinks>,
     host_bandwidth: Option<f64>,
     sms: Option<u32>,
+    fp8_flops: Option<f64>,
     machine: Option<MachineTable>,
     /// Calibration files only: the fractions of one core's matmul rate and memory bandwidth it
     /// keeps while every core of the machine runs at once (shared caches and memory).
@@ -766,6 +799,8 @@ impl ClusterFile {
             collectives: self.collectives.or(base.and_then(|b| b.collectives)),
             host_bandwidth: self.host_bandwidth.or(base.and_then(|b| b.host_bandwidth)),
             sms: self.sms.or(base.and_then(|b| b.sms)),
+            fp8_flops: self.fp8_flops.or(base.and_then(|b| b.fp8_flops)),
+            float8_linears: false,
         })
     }
 }
@@ -807,6 +842,8 @@ impl ClusterSpec {
             collectives: None,
             host_bandwidth: Some(5e9),
             sms: None,
+            fp8_flops: None,
+            float8_linears: false,
         };
         let Some(cal) = &machine.calibration else {
             defaults.validate()?;

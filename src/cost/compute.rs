@@ -8,7 +8,7 @@
 //! did), of which none is weight gradient. Recompute (activation checkpointing) adds one
 //! forward to the backward.
 
-use crate::ir::{DType, Graph, LayeredGraph, NodeFigures, Op, OpKind};
+use crate::ir::{DType, Graph, LayerKind, LayeredGraph, NodeFigures, Op, OpKind};
 
 use super::ClusterSpec;
 
@@ -69,6 +69,26 @@ pub fn is_matmul_like(op: &Op) -> bool {
 /// (input and weight gradients of each expert's matmuls), 1 otherwise.
 pub fn backward_factor(op: &Op) -> f64 {
     if is_matmul_like(op) || op.is(OpKind::ScaledDotProductAttention) || op.is(OpKind::MixtureOfExperts) { 2.0 } else { 1.0 }
+}
+
+/// The dtype the products of a node run in: fp8 for the weight matmuls of a block (not the
+/// embedding or the head, which Float8 recipes leave in 16 bits, nor the routed experts) where
+/// the job runs Float8 linears ([`ClusterSpec::float8_linears`]); `dtype` otherwise.
+pub fn product_dtype(op: &Op, fig: &NodeFigures, kind: LayerKind, dtype: DType, spec: &ClusterSpec) -> DType {
+    let linear = matches!(op.kind(), Some(OpKind::MatMul | OpKind::Gemm)) && fig.gemms[0].share > 0.0;
+    if spec.float8_linears && kind == LayerKind::Block && linear { DType::F8E4M3 } else { dtype }
+}
+
+/// Bytes a Float8 linear's casts move, forward and backward, at figures already scaled: with
+/// per-tensor dynamic scaling each 16-bit operand is read for its absolute maximum, then read
+/// and written as fp8 (5 bytes an element: the input and the weight forward, the output's
+/// gradient backward), and the backward's products take the transposed fp8 copies of the
+/// input, the weight and that gradient (1 byte read, 1 written an element).
+pub fn float8_cast_bytes(fig: &NodeFigures) -> (f64, f64) {
+    fig.gemms.iter().filter(|g| g.share > 0.0).fold((0.0, 0.0), |(fwd, bwd), g| {
+        let (input, weight, grad) = (g.rows * g.k, g.k * g.n, g.rows * g.n);
+        (fwd + 5.0 * (input + weight), bwd + 5.0 * grad + 2.0 * (input + weight + grad))
+    })
 }
 
 /// Figures with FLOPs and bytes multiplied by `factor` (a microbatch size, or 1/t for a
@@ -191,14 +211,17 @@ fn unfused_saved(saved: f64, scores: f64, norms: f64, spec: &ClusterSpec) -> f64
     (saved - scores - norms).max(0.0)
 }
 
-/// Forward, backward and weight-gradient times of one node at figures already scaled.
+/// Forward, backward and weight-gradient times of one node at figures already scaled, its
+/// products in `dtype` ([`product_dtype`]: an fp8 product also pays its casts).
 pub fn node_times(op: &Op, fig: &NodeFigures, dtype: DType, spec: &ClusterSpec) -> LayerTimes {
     let (products, serial) = roofline(fig, dtype, spec);
     let fwd = products + serial;
     if is_matmul_like(op) || op.is(OpKind::MixtureOfExperts) {
         // the products twice over; the serial kernels' backwards move their own bytes
-        let serial_bwd = fig.serial_bwd_bytes.max(0.0) / (spec.hbm_bandwidth * spec.hbm_efficiency);
-        LayerTimes { fwd, bwd: 2.0 * products + serial_bwd, bwd_weight: products }
+        let bandwidth = spec.hbm_bandwidth * spec.hbm_efficiency;
+        let (cast_fwd, cast_bwd) = if dtype.is_fp8() { float8_cast_bytes(fig) } else { (0.0, 0.0) };
+        let serial_bwd = (fig.serial_bwd_bytes.max(0.0) + cast_bwd) / bandwidth;
+        LayerTimes { fwd: fwd + cast_fwd / bandwidth, bwd: 2.0 * products + serial_bwd, bwd_weight: products }
     } else if op.is(OpKind::ScaledDotProductAttention) {
         // no weights: the whole backward is input gradients
         LayerTimes { fwd, bwd: 2.0 * fwd, bwd_weight: 0.0 }
@@ -241,7 +264,8 @@ pub fn layer_times_with(
         .filter_map(|&id| lg.graph.try_node(id).map(|n| (n, figures(id))))
         .map(|(node, fig)| {
             let dim = if node.op.is(OpKind::MixtureOfExperts) { SplitDim::Inner } else { SplitDim::Columns };
-            node_times(&node.op, &split(&fig, batch, t, dim), dtype, spec)
+            let fig = split(&fig, batch, t, dim);
+            node_times(&node.op, &fig, product_dtype(&node.op, &fig, l.kind, dtype, spec), spec)
         })
         .sum()
 }
@@ -369,5 +393,43 @@ mod tests {
         let t = node_times(&Op::Known(OpKind::Gelu), &fig, DType::BF16, &spec);
         assert_eq!((t.bwd, t.bwd_weight), (t.fwd, 0.0));
         assert_eq!(t.with_recompute().bwd, 2.0 * t.fwd);
+    }
+
+    #[test]
+    fn float8_linears_run_the_blocks_products_at_the_fp8_rate_beside_their_casts() {
+        let h100 = ClusterSpec::preset("h100-80gb").unwrap();
+        let fp8 = h100.with_float8_linears().unwrap();
+        // an 8,192-token product 4,096 × 14,336 with its weight
+        let (rows, k, n) = (8192.0, 4096.0, 14336.0);
+        let fig = NodeFigures {
+            flops: 2.0 * rows * k * n,
+            memory_bytes: 2.0 * (rows * k + k * n + rows * n),
+            gemms: [crate::ir::GemmShape { rows, n, k, share: 1.0 }, Default::default()],
+            ..Default::default()
+        };
+        let matmul = Op::Known(OpKind::MatMul);
+        let block = product_dtype(&matmul, &fig, LayerKind::Block, DType::BF16, &fp8);
+        assert_eq!(block, DType::F8E4M3);
+        // the head, a weightless product and a job without Float8 stay in 16 bits
+        assert_eq!(product_dtype(&matmul, &fig, LayerKind::Head, DType::BF16, &fp8), DType::BF16);
+        let weightless = NodeFigures { gemms: Default::default(), ..fig };
+        assert_eq!(product_dtype(&matmul, &weightless, LayerKind::Block, DType::BF16, &fp8), DType::BF16);
+        assert_eq!(product_dtype(&matmul, &fig, LayerKind::Block, DType::BF16, &h100), DType::BF16);
+        let (plain, eight) = (node_times(&matmul, &fig, DType::BF16, &fp8), node_times(&matmul, &fig, block, &fp8));
+        // the products at the datasheets' fp8 rate (1,979 against 989 TFLOP/s) and the same
+        // efficiency; the casts by hand: 5 bytes an
+        // element of the input and the weight forward, of the output's gradient backward, and
+        // 2 bytes an element of all three for the backward's transposed copies
+        let bw = 3.35e12 * 0.8;
+        let products = eight.bwd_weight;
+        assert!((plain.bwd_weight / products - 1979.0 / 989.0).abs() < 1e-9, "{plain:?} against {eight:?}");
+        let (cast_fwd, cast_bwd) = (5.0 * (rows * k + k * n), 5.0 * rows * n + 2.0 * (rows * k + k * n + rows * n));
+        assert_eq!(float8_cast_bytes(&fig), (cast_fwd, cast_bwd));
+        assert!((eight.fwd / (products + cast_fwd / bw) - 1.0).abs() < 1e-9, "{eight:?}");
+        assert!((eight.bwd / (2.0 * products + cast_bwd / bw) - 1.0).abs() < 1e-9, "{eight:?}");
+        assert!((plain.fwd / eight.fwd - 1.0) > 0.5, "fp8 forward {:.3} of bf16's", eight.fwd / plain.fwd);
+        // a device without an fp8 rate refuses the setting
+        let a100 = ClusterSpec::preset("a100-80gb").unwrap();
+        assert!(a100.with_float8_linears().unwrap_err().to_string().contains("no fp8 tensor rate"));
     }
 }

@@ -117,6 +117,11 @@ impl DType {
         )
     }
 
+    /// True for the 8-bit float types.
+    pub fn is_fp8(self) -> bool {
+        matches!(self, DType::F8E4M3 | DType::F8E5M2 | DType::F8E4M3Fnuz | DType::F8E5M2Fnuz)
+    }
+
     /// True for signed and unsigned integer types.
     pub fn is_int(self) -> bool {
         matches!(

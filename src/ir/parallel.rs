@@ -100,6 +100,9 @@ pub struct Parallelism {
     /// `--overlap-grad-reduce`, Megatron-FSDP), as the plan priced it. `smp-runner` reduces
     /// after the backward.
     pub grad_overlap: bool,
+    /// Whether the blocks' linear layers were priced in fp8 with per-tensor scaling (torchao's
+    /// `Float8Linear`, Transformer Engine's fp8 recipes). `smp-runner` runs them in 16 bits.
+    pub float8_linears: bool,
 }
 
 impl Parallelism {
@@ -128,6 +131,7 @@ impl Parallelism {
             fp32_main_grads: false,
             expert_overlap: false,
             grad_overlap: false,
+            float8_linears: false,
         }
     }
 

@@ -341,7 +341,12 @@ pub(super) fn header(plan: &Plan, out: &mut String) {
     if par.grad_overlap {
         let _ = write!(parallel, " (gradients reduced beside the backward)");
     }
-    let grads = if par.fp32_main_grads { " (fp32 main grads)" } else { "" };
+    let grads = match (par.fp32_main_grads, par.float8_linears) {
+        (false, false) => "",
+        (true, false) => " (fp32 main grads)",
+        (false, true) => " (Float8 linears)",
+        (true, true) => " (fp32 main grads, Float8 linears)",
+    };
     let _ = writeln!(
         out,
         "parallel {parallel}, checkpointing {}, placement {}, precision {}{grads}",

@@ -58,6 +58,9 @@ pub struct PlanRequest {
     /// `--overlap-grad-sync`: each layer's gradient reduction priced beside the backward.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub grad_overlap: bool,
+    /// `--float8-linears`: the blocks' linear layers priced in fp8.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub float8_linears: bool,
     /// `--zero`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zero: Option<u8>,
@@ -152,6 +155,7 @@ impl PlanRequest {
             expert_dispatch: options.expert_dispatch.map(|d| d.name().to_string()),
             expert_overlap: options.expert_overlap == Some(true),
             grad_overlap: options.grad_overlap == Some(true),
+            float8_linears: options.float8_linears == Some(true),
             zero: options.zero,
             sharded_dp: options.sharded_dp,
             microbatches: options.microbatches,
@@ -191,6 +195,7 @@ impl PlanRequest {
             expert_dispatch: read("expert_dispatch", &self.expert_dispatch, |s| s.parse())?,
             expert_overlap: self.expert_overlap.then_some(true),
             grad_overlap: self.grad_overlap.then_some(true),
+            float8_linears: self.float8_linears.then_some(true),
             zero: self.zero,
             sharded_dp: self.sharded_dp,
             microbatches: self.microbatches,

@@ -244,6 +244,8 @@ mod parallel_file {
         expert_comm_overlap: bool,
         #[serde(default, skip_serializing_if = "is_false")]
         grad_sync_overlap: bool,
+        #[serde(default, skip_serializing_if = "is_false")]
+        float8_linears: bool,
     }
 
     pub fn serialize<S: Serializer>(p: &Parallelism, s: S) -> Result<S::Ok, S::Error> {
@@ -269,6 +271,7 @@ mod parallel_file {
             fp32_main_grads: p.fp32_main_grads,
             expert_comm_overlap: p.expert_overlap,
             grad_sync_overlap: p.grad_overlap,
+            float8_linears: p.float8_linears,
         }
         .serialize(s)
     }
@@ -307,6 +310,7 @@ mod parallel_file {
             fp32_main_grads: f.fp32_main_grads,
             expert_overlap: f.expert_comm_overlap,
             grad_overlap: f.grad_sync_overlap,
+            float8_linears: f.float8_linears,
         })
     }
 }

@@ -228,6 +228,7 @@ impl<'a> Grid<'a> {
                             fp32_main_grads,
                             expert_overlap: c.expert_overlap == Some(true) && ep > 1 && schedule.merged_share(pp, m) > 0.0,
                             grad_overlap: c.grad_overlap == Some(true) && dp * cp > 1,
+                            float8_linears: c.float8_linears == Some(true),
                         };
                         out.push(Candidate { parallel, microbatch_size: b });
                     }

@@ -48,6 +48,14 @@ pub fn plan(
 ) -> Result<PlanDecision, SolveError> {
     let mut opts = opts.clone();
     opts.global_batch = Some(opts.global_batch_for(model, cluster));
+    // Float8 linears are how the job runs its kernels: priced through the spec, as fused ones are
+    let float8;
+    let cluster = if opts.float8_linears == Some(true) {
+        float8 = cluster.with_float8_linears().map_err(|e| SolveError::Setting(format!("--float8-linears: {e}")))?;
+        &float8
+    } else {
+        cluster
+    };
     match opts.baseline {
         Some(b) => baseline::plan_baseline(model, cluster, &opts, b, progress),
         None => search_seeded(model, cluster, &opts, progress),

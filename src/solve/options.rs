@@ -52,6 +52,11 @@ pub struct PlanOptions {
     /// default off, as `smp-runner` runs them): where expert parallelism is on and the schedule
     /// merges passes (no pipeline, or interleaved).
     pub expert_overlap: Option<bool>,
+    /// Price the blocks' linear layers in fp8 with per-tensor dynamic scaling, as torchao's
+    /// `Float8Linear` and Transformer Engine's fp8 recipes run them (`--float8-linears`;
+    /// default off, as `smp-runner` runs them in 16 bits): their products at the device's
+    /// fp8 rate, beside their operands' casts. Refused on devices without one.
+    pub float8_linears: Option<bool>,
     /// Price each layer's gradient reduction beside the rest of the backward, as the engines'
     /// bucketed reductions run it (Megatron's `--overlap-grad-reduce`, Megatron-FSDP; default
     /// off, as `smp-runner` reduces after the backward).
@@ -178,6 +183,8 @@ pub enum Setting {
     ExpertOverlap,
     /// `--overlap-grad-sync`.
     GradOverlap,
+    /// `--float8-linears`.
+    Float8Linears,
     /// `--expert-imbalance`.
     ExpertImbalance,
 }
@@ -210,6 +217,7 @@ impl Setting {
             Setting::SelectiveLayers => "selective-layers",
             Setting::ExpertOverlap => "overlap-expert-comm",
             Setting::GradOverlap => "overlap-grad-sync",
+            Setting::Float8Linears => "float8-linears",
             Setting::ExpertImbalance => "expert-imbalance",
         }
     }
@@ -371,7 +379,7 @@ impl PlanOptions {
             Setting::CheckpointedLayers => self.checkpointed_layers.as_ref().map(|v| format_layer_set(v)),
             Setting::SelectiveLayers => self.selective_layers.as_ref().map(|v| format_layer_set(v)),
             Setting::ExpertImbalance => self.expert_imbalance.map(|v| v.to_string()),
-            Setting::ExpertOverlap | Setting::GradOverlap => None,
+            Setting::ExpertOverlap | Setting::GradOverlap | Setting::Float8Linears => None,
         };
         Source::Flag(format!("--{} {}", setting.flag(), value.unwrap_or_default()))
     }

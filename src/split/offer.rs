@@ -29,7 +29,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
-use crate::cost::compute::{SplitDim, node_times, saved_bytes, split};
+use crate::cost::compute::{SplitDim, node_times, product_dtype, saved_bytes, split};
 use crate::cost::{ClusterSpec, CommModel, GroupSpan};
 use crate::ir::{DType, Layer, LayeredGraph, ValueId};
 
@@ -236,7 +236,8 @@ impl<'a> Pricer<'a> {
         let id = self.lay.nodes[i];
         let Some(n) = self.lg.graph.try_node(id) else { return (0.0, 0.0) };
         let f = split(&self.x.bytes.node(id), self.b, t, dim);
-        let tm = node_times(&n.op, &f, self.x.dtype, self.x.spec);
+        let dtype = product_dtype(&n.op, &f, self.lay.kind, self.x.dtype, self.x.spec);
+        let tm = node_times(&n.op, &f, dtype, self.x.spec);
         (tm.fwd, tm.bwd)
     }
 

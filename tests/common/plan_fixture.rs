@@ -93,6 +93,7 @@ pub fn fixture() -> Plan {
             fp32_main_grads: false,
             expert_overlap: false,
             grad_overlap: false,
+            float8_linears: false,
         },
         stages,
         layer_strategies: vec![LayerStrategy {

@@ -109,6 +109,11 @@ pub struct PlanFlags {
     /// `--overlap-grad-reduce`, Megatron-FSDP). smp-runner reduces after the backward.
     #[arg(long)]
     pub overlap_grad_sync: bool,
+    /// Price the blocks' linear layers in fp8 with per-tensor dynamic scaling (torchao's
+    /// Float8Linear, Transformer Engine's fp8 recipes): their products at the device's fp8
+    /// rate, beside their operands' casts (H100, H200). smp-runner runs them in 16 bits.
+    #[arg(long)]
+    pub float8_linears: bool,
     /// ZeRO stage (omitted = searched).
     #[arg(long, value_name = "0..3", value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero: Option<u8>,
@@ -215,6 +220,7 @@ impl PlanFlags {
             expert_imbalance: self.expert_imbalance,
             expert_overlap: self.overlap_expert_comm.then_some(true),
             grad_overlap: self.overlap_grad_sync.then_some(true),
+            float8_linears: self.float8_linears.then_some(true),
             zero: self.zero,
             sharded_dp: self.sharded_dp,
             microbatches: self.microbatches,
