@@ -995,3 +995,75 @@ fn engines_keep_bf16_gradients_in_fp32_as_their_defaults_say() {
     assert!(e.gaps.iter().any(|g| g.gap.change == Some(engines::Change::ModelTypeGradients)), "{:?}", e.gaps);
     assert_eq!(e.nearest.map(|n| n.parallel.fp32_main_grads), Some(false));
 }
+
+/// Float8 linears as the engines turn them on: torchtitan's converters (0.2's registry name, or
+/// `float8` before it) with their `[quantize.linear.float8]` settings, its 2024 `[float8]`
+/// section, Megatron-LM's `--fp8-format`. Read, priced (the same plan with its blocks' products
+/// at the fp8 rate is faster, and the automatic plan prices the same kernels), written back by
+/// Megatron-LM and named as a gap by the engines whose configuration cannot say it.
+#[test]
+fn float8_linears_are_read_priced_and_written() {
+    let a = analyse("llama3-8b.onnx");
+    let shape = ModelShape::of(&a.lg);
+    let cluster = ClusterSpec::parse("h100-80gb:16").expect("preset");
+    let job = |extra: &str| format!("[training]\nlocal_batch_size = 2\nseq_len = 8192\n[parallelism]\ndata_parallel_shard_degree = -1\n{extra}");
+    let titan = |text: &str| engines::read(Engine::Torchtitan, text, Origin { what: PathBuf::from("job.toml") }, &shape, Some(16)).expect("read").0;
+    let on = titan(&job("[model]\nconverters = [\"quantize.linear.float8\"]\n[quantize.linear.float8]\nfilter_fqns = [\"output\"]\nrecipe_name = \"rowwise\"\n"));
+    assert_eq!(on.options.float8_linears, Some(true));
+    assert!(on.unpriced.is_empty(), "{:?}", on.unpriced);
+    // the output projection converted too: named, the head priced in 16 bits
+    let head = titan(&job("[model]\nconverters = [\"float8\"]\n"));
+    assert_eq!(head.options.float8_linears, Some(true));
+    assert!(head.unpriced.iter().any(|u| u.setting.contains("output projection")), "{:?}", head.unpriced);
+    assert_eq!(titan(&job("[float8]\nenable_float8_linear = true\n")).options.float8_linears, Some(true));
+    // settings of a converter the job does not apply have no effect
+    let off = titan(&job("[quantize.linear.float8]\nfilter_fqns = [\"output\"]\n[quantize.grouped_mm.float8]\nfqns = [\"experts\"]\n"));
+    assert_eq!(off.options.float8_linears, None);
+    assert!(off.unpriced.is_empty(), "{:?}", off.unpriced);
+    // priced: the same request with and without
+    let req = |f: Option<bool>| PlanOptions { global_batch: Some(32), tp: Some(1), pp: Some(1), zero: Some(3), microbatches: Some(1), seq_len: Some(8192), float8_linears: f, ..PlanOptions::default() };
+    let (plain, fp8) = (compile(&a, &cluster, &req(None)), compile(&a, &cluster, &req(Some(true))));
+    assert!(fp8.parallel.float8_linears && !plain.parallel.float8_linears);
+    assert!(fp8.predicted.step_time_s < 0.9 * plain.predicted.step_time_s, "{} against {}", fp8.predicted.step_time_s, plain.predicted.step_time_s);
+    let a100 = smp_partition::compile(&a, &ClusterSpec::parse("a100-80gb:16").expect("preset"), &req(Some(true)));
+    assert!(anyhow_chain(&a100.expect_err("no fp8 on an A100")).contains("no fp8 tensor rate"));
+    // Megatron-LM: read and written back; the others name the gap
+    let args = "--tensor-model-parallel-size 1 --seq-length 8192 --micro-batch-size 1 --global-batch-size 32 --bf16 --fp8-format hybrid --fp8-amax-history-len 1024";
+    let (m, _) = engines::read(Engine::Megatron, args, Origin { what: PathBuf::from("args.txt") }, &shape, Some(16)).expect("read");
+    assert_eq!(m.options.float8_linears, Some(true));
+    let err = read_err(Engine::Megatron, "--seq-length 8192 --micro-batch-size 1 --global-batch-size 32 --bf16 --fp8-format e5m2", &shape, 16);
+    assert!(err.contains("invalid choice"), "{err}");
+    let written = engines::emit(Engine::Megatron, &fp8, &a, &cluster).expect("emit");
+    assert!(written.written.files[0].text.contains("--fp8-format hybrid"), "{}", written.written.files[0].text);
+    for engine in [Engine::Torchtitan, Engine::DeepSpeed] {
+        let e = engines::emit(engine, &fp8, &a, &cluster).expect("emit");
+        let g = e.gaps.iter().find(|g| g.gap.field == engines::PlanField::Float8).expect("a Float8 gap");
+        assert_eq!(g.gap.change, Some(engines::Change::Float8(false)));
+        assert!(!e.nearest.as_ref().expect("a nearest plan").parallel.float8_linears);
+    }
+}
+
+/// A mixture of experts whose first blocks are dense (DeepSeek-V3: three dense blocks, then 58
+/// with 256 routed experts): the experts are read from the first block that has them, Megatron-LM
+/// is told which blocks have them (`--moe-layer-freq`), and a pattern that disagrees with the
+/// model is refused.
+#[test]
+fn experts_after_dense_blocks_are_read_and_written_as_megatron_lays_them_out() {
+    let a = analyse("deepseek-v3.onnx");
+    let shape = ModelShape::of(&a.lg);
+    assert_eq!((shape.experts, shape.top_k, shape.expert_ffn, shape.dense_blocks), (Some(256), Some(8), Some(2048), 3));
+    let cluster = ClusterSpec::parse("h100-80gb:256").expect("preset");
+    let req = PlanOptions { global_batch: Some(1024), seq_len: Some(4096), pp: Some(16), tp: Some(1), ep: Some(8), zero: Some(1), schedule: Some(ScheduleKind::OneFOneB), memory_limit_gib: Some(1e6), ..PlanOptions::default() };
+    let plan = compile(&a, &cluster, &req);
+    let e = engines::emit(Engine::Megatron, &plan, &a, &cluster).expect("emit");
+    let text = &e.written.files[0].text;
+    assert!(text.contains("--moe-layer-freq '([0]*3+[1]*58)'"), "{text}");
+    assert!(text.contains("--moe-ffn-hidden-size") && text.contains("2048"), "{text}");
+    let base = "--expert-model-parallel-size 8 --seq-length 4096 --micro-batch-size 1 --global-batch-size 1024 --bf16";
+    for pattern in ["([0]*3+[1]*58)", "[0,0,0]+[1]*58"] {
+        let (r, _) = engines::read(Engine::Megatron, &format!("{base} --moe-layer-freq {pattern}"), Origin { what: PathBuf::from("args.txt") }, &shape, Some(256)).expect("read");
+        assert_eq!(r.options.ep, Some(8));
+    }
+    let err = read_err(Engine::Megatron, &format!("{base} --moe-layer-freq 1"), &shape, 256);
+    assert!(err.contains("([0]*3+[1]*58)"), "{err}");
+}

@@ -95,6 +95,7 @@ pub fn gaps(plan: &Plan, shape: &ModelShape) -> Result<Vec<Gap>, String> {
     let stages = stage_roles(plan, shape)?;
     let mut out = Vec::new();
     out.extend(expert_overlap_unexpressed(Engine::DeepSpeed, plan));
+    out.extend(super::fields::float8_unexpressed(Engine::DeepSpeed, plan, "its configuration has no fp8 setting (fp8 comes from the model's own Transformer Engine layers)"));
     if p.grad_overlap && (p.zero == 0 || p.pp > 1) {
         let why = if p.pp > 1 { "its pipeline engine reduces the gradients after the last backward" } else { "without ZeRO it all-reduces the gradients after the backward (overlap_comm is a ZeRO setting)" };
         out.push(gap(PlanField::GradOverlap, "the gradients reduced beside the backward", why, "reduced after the backward", Some(Change::GradOverlap(false))));

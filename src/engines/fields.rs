@@ -107,11 +107,13 @@ pub enum PlanField {
     ExpertOverlap,
     /// `parallel.grad_sync_overlap`.
     GradOverlap,
+    /// `parallel.float8_linears`.
+    Float8,
 }
 
 impl PlanField {
     /// Every field, in the order of docs/engines.md's tables.
-    pub const ALL: [PlanField; 20] = [
+    pub const ALL: [PlanField; 21] = [
         PlanField::Pipeline,
         PlanField::Schedule,
         PlanField::Cuts,
@@ -132,6 +134,7 @@ impl PlanField {
         PlanField::InFlight,
         PlanField::ExpertOverlap,
         PlanField::GradOverlap,
+        PlanField::Float8,
     ];
 
     /// The plan file's spelling (docs/plan-format.md).
@@ -157,6 +160,7 @@ impl PlanField {
             PlanField::InFlight => "parallel.active_microbatches",
             PlanField::ExpertOverlap => "parallel.expert_comm_overlap",
             PlanField::GradOverlap => "parallel.grad_sync_overlap",
+            PlanField::Float8 => "parallel.float8_linears",
         }
     }
 }
@@ -204,6 +208,8 @@ pub enum Change {
     ExpertOverlap(bool),
     /// The gradients reduced beside the backward, or after it.
     GradOverlap(bool),
+    /// The blocks' linears in fp8, or in 16 bits.
+    Float8(bool),
     /// Another expert-parallel degree, each expert split over the tensor ranks (expert-tensor =
     /// tensor degree).
     ExpertDegree(usize),
@@ -241,6 +247,7 @@ impl Change {
             Change::FoldedExperts => req.etp = Some(1),
             Change::ExpertOverlap(on) => req.expert_overlap = Some(*on),
             Change::GradOverlap(on) => req.grad_overlap = Some(*on),
+            Change::Float8(on) => req.float8_linears = Some(*on),
             Change::ExpertDegree(e) => {
                 req.ep = Some(*e);
                 req.etp = None;
@@ -321,6 +328,7 @@ pub fn exact_request(plan: &Plan) -> PlanOptions {
         mixed_recipe: p.fp32_main_grads.then_some(crate::ir::MixedRecipe::LowModelFp32Grads),
         expert_overlap: Some(p.expert_overlap),
         grad_overlap: Some(p.grad_overlap),
+        float8_linears: Some(p.float8_linears),
         params: ParamOptions { trainable: plan.trainable.clone(), frozen: plan.frozen.clone() },
         cluster_flag: Some(format!("{}:{}", plan.cluster.preset, plan.cluster.devices)),
         ..PlanOptions::default()
@@ -361,6 +369,19 @@ pub fn expert_overlap_unexpressed(engine: Engine, plan: &Plan) -> Option<Gap> {
         why: "it runs each microbatch's all-to-alls in turn with its own compute".into(),
         nearest: "the all-to-alls in turn".into(),
         change: Some(Change::ExpertOverlap(false)),
+    })
+}
+
+/// The gap of an engine whose configuration cannot turn Float8 linears on (`why`), where
+/// `plan` priced them.
+pub fn float8_unexpressed(engine: Engine, plan: &Plan, why: &str) -> Option<Gap> {
+    plan.parallel.float8_linears.then(|| Gap {
+        engine,
+        field: PlanField::Float8,
+        chose: "the blocks' linear layers in fp8 (Float8 linears)".into(),
+        why: why.into(),
+        nearest: "the linears in 16 bits".into(),
+        change: Some(Change::Float8(false)),
     })
 }
 

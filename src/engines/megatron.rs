@@ -402,14 +402,50 @@ fn model_args(args: &mut Vec<Vec<String>>, plan: &Plan, shape: &ModelShape) {
         if let Some(k) = shape.top_k {
             arg(&["--moe-router-topk", &k.to_string()]);
         }
-        if let Some(f) = shape.ffn {
+        if let Some(f) = shape.expert_ffn {
             arg(&["--moe-ffn-hidden-size", &f.to_string()]);
+        }
+        if shape.dense_blocks > 0 {
+            arg(&["--moe-layer-freq", &moe_layer_pattern(shape)]);
         }
     }
     if let Some(v) = shape.vocab {
         arg(&["--tokenizer-type", "NullTokenizer"]);
         arg(&["--vocab-size", &v.to_string()]);
     }
+}
+
+/// Megatron-Core's `--moe-layer-freq` pattern of `shape`'s blocks: `([0]*D+[1]*M)`, D dense
+/// blocks before M with experts.
+fn moe_layer_pattern(shape: &ModelShape) -> String {
+    format!("([0]*{}+[1]*{})", shape.dense_blocks, shape.blocks.saturating_sub(shape.dense_blocks))
+}
+
+/// Which of `blocks` blocks have experts under `--moe-layer-freq` as Megatron-Core reads it:
+/// an integer k (every k-th block from the first), a list of 0 and 1, or a pattern of `[x]*n`
+/// terms joined by `+`. `None`: none of these, or not `blocks` long.
+fn moe_layer_flags(given: &str, blocks: usize) -> Option<Vec<bool>> {
+    let text: String = given.chars().filter(|c| !c.is_whitespace() && *c != '"' && *c != '\'').collect();
+    if let Ok(k) = text.parse::<usize>() {
+        return (k > 0).then(|| (0..blocks).map(|b| b % k == 0).collect());
+    }
+    let inner = text.strip_prefix('(').and_then(|t| t.strip_suffix(')')).unwrap_or(&text);
+    let mut out = Vec::new();
+    for term in inner.split('+') {
+        let (list, times) = match term.split_once('*') {
+            Some((l, n)) => (l, n.parse::<usize>().ok()?),
+            None => (term, 1),
+        };
+        let items: Vec<bool> = list.strip_prefix('[')?.strip_suffix(']')?.split(',').map(|x| match x {
+            "0" => Some(false),
+            "1" => Some(true),
+            _ => None,
+        }).collect::<Option<_>>()?;
+        for _ in 0..times {
+            out.extend(&items);
+        }
+    }
+    (out.len() == blocks).then_some(out)
 }
 
 /// The parallelism flags: TP, PP (with its cuts), CP, EP and the rank order.
@@ -519,6 +555,10 @@ fn training_args(args: &mut Vec<Vec<String>>, plan: &Plan, shape: &ModelShape, s
         }
         Precision::F32 => {}
     }
+    // Transformer Engine's fp8 in the blocks' linears: e4m3 forward, e5m2 gradients
+    if p.float8_linears {
+        arg(&["--fp8-format", "hybrid"]);
+    }
 }
 
 /// A value of an argument list, by flag.
@@ -624,7 +664,9 @@ const NO_EFFECT: &[&str] = &[
     "bf16-reduce", "moe-grouped-gemm", "moe-router-load-balancing-type", "moe-aux-loss-coeff",
     "moe-router-dtype", "hysteresis", "loss-scale-window", "min-loss-scale", "initial-loss-scale", "group-query-attention",
     "tokenizer-type", "vocab-size", "position-embedding-type", "normalization", "swiglu", "untie-embeddings-and-output-weights", "disable-bias-linear",
-    "max-position-embeddings", "kv-channels", "no-rope-fusion", "no-gradient-accumulation-fusion", "no-bias-swiglu-fusion", "no-bias-dropout-fusion",
+    "max-position-embeddings", "kv-channels", "apply-layernorm-1p", "decoupled-lr", "decoupled-min-lr", "calculate-per-token-loss",
+    "empty-unused-memory-level", "exit-duration-in-mins", "no-create-attention-mask-in-dataloader", "no-mmap-bin-files", "num-workers", "profile",
+    "profile-step-start", "profile-step-end", "moe-router-pre-softmax", "moe-router-score-function", "fp8-amax-history-len", "fp8-amax-compute-algo", "fp8-margin", "fp8-recipe", "fp8-param-gather", "no-rope-fusion", "no-gradient-accumulation-fusion", "no-bias-swiglu-fusion", "no-bias-dropout-fusion",
 ];
 
 /// Reads `pretrain_gpt.py` arguments (optionally after a launcher, `torchrun … pretrain_gpt.py`)
@@ -635,6 +677,8 @@ pub fn read(text: &str, origin: Origin, shape: &ModelShape, devices: Option<usiz
     let mut r = ArgsReading { a: Args::parse(&words, origin.clone())?, origin, shape, o: PlanOptions { megatron_split: true, ..PlanOptions::default() }, reading: Reading::default(), microbatch_size: 1 };
     let sizes = r.parallel(world)?;
     r.model()?;
+    r.moe_layers()?;
+    r.attention_backend()?;
     let m = r.batch(&sizes)?;
     r.schedule(&sizes, m)?;
     r.recompute()?;
@@ -777,7 +821,7 @@ impl ArgsReading<'_> {
             ("num-query-groups", shape.kv_heads),
             ("num-experts", shape.experts),
             ("moe-router-topk", shape.top_k),
-            ("moe-ffn-hidden-size", shape.ffn),
+            ("moe-ffn-hidden-size", shape.expert_ffn),
             ("vocab-size", shape.vocab),
         ] {
             if let (Some(v), Some(ours)) = (a.count(flag)?, ours)
@@ -785,6 +829,32 @@ impl ArgsReading<'_> {
             {
                 return Err(EngineError::Model { engine: ENGINE, why: format!("--{flag} {v}, but the model's is {ours}") });
             }
+        }
+        Ok(())
+    }
+
+    /// `--attention-backend` (arguments.py's AttnBackend): a fused kernel is what the GPU
+    /// presets price; an unfused one is named.
+    fn attention_backend(&mut self) -> Result<(), EngineError> {
+        let Some(backend) = self.a.text("attention-backend")? else { return Ok(()) };
+        match backend.as_str() {
+            "flash" | "fused" | "auto" => {}
+            "unfused" | "local" => self.reading.unpriced.push(Unpriced { setting: format!("--attention-backend {backend}"), why: "attention with its scores materialised is priced as the cluster's fused kernel".into() }),
+            other => return Err(refuse("argument parsing", format!("--attention-backend {other}: invalid choice (choose from 'flash', 'fused', 'unfused', 'local', 'auto')"))),
+        }
+        Ok(())
+    }
+
+    /// `--moe-layer-freq`: which blocks have experts, against the model's.
+    fn moe_layers(&mut self) -> Result<(), EngineError> {
+        let (a, shape) = (&mut self.a, self.shape);
+        let Some(given) = a.text("moe-layer-freq")? else { return Ok(()) };
+        let Some(layers) = moe_layer_flags(&given, shape.blocks) else {
+            return Err(EngineError::Syntax { engine: ENGINE, what: self.origin.name(), why: format!("--moe-layer-freq {given}: expected an integer, a list of 0 and 1, or a pattern such as ([0]*3+[1]*58)") });
+        };
+        let ours: Vec<bool> = (0..shape.blocks).map(|b| shape.experts.is_some() && b >= shape.dense_blocks).collect();
+        if layers != ours {
+            return Err(EngineError::Model { engine: ENGINE, why: format!("--moe-layer-freq {given}, but the model's blocks with experts are {}", moe_layer_pattern(shape)) });
         }
         Ok(())
     }
@@ -1092,6 +1162,28 @@ impl ArgsReading<'_> {
         }
         if let Some(s) = a.text("loss-scale")? {
             reading.unpriced.push(Unpriced { setting: format!("--loss-scale {s}"), why: "a static loss scale changes no step time or memory the planner prices".into() });
+        }
+        // Transformer Engine's fp8: the blocks' linears (the output layer is Megatron's own, in
+        // 16 bits); arguments.py takes e4m3 or hybrid (e5m2 gradients)
+        if let Some(format) = a.text("fp8-format")? {
+            if !matches!(format.as_str(), "e4m3" | "hybrid") {
+                return Err(refuse("argument parsing", format!("--fp8-format {format}: invalid choice (choose from 'e4m3', 'hybrid')")));
+            }
+            if !bf16 && !fp16 {
+                return Err(refuse("argument validation", "fp8 training runs under --bf16 or --fp16".into()));
+            }
+            o.float8_linears = Some(true);
+            o.sources.insert(Setting::Float8Linears, a.source("fp8-format", &format));
+            if self.shape.experts.is_some() {
+                reading.unpriced.push(Unpriced { setting: format!("--fp8-format {format} on the experts"), why: "the routed experts' grouped products in fp8 are not priced: priced in 16 bits".into() });
+            }
+            reading.unpriced.push(Unpriced { setting: format!("--fp8-format {format}: the linears' saved inputs"), why: "Transformer Engine keeps them in fp8 for the backward; priced in 16 bits, so memory is overstated".into() });
+            if a.has("fp8-param-gather") {
+                reading.unpriced.push(Unpriced { setting: "--fp8-param-gather".into(), why: "the distributed optimizer's weight gathers are priced in 16 bits".into() });
+            }
+            if let Some(recipe) = a.text("fp8-recipe")?.filter(|r| r != "delayed" && r != "tensorwise") {
+                reading.unpriced.push(Unpriced { setting: format!("--fp8-recipe {recipe}"), why: "priced as per-tensor scaling".into() });
+            }
         }
         Ok(())
     }

@@ -58,10 +58,15 @@ pub struct ModelShape {
     pub kv_heads: Option<u64>,
     /// Channels per head.
     pub head_dim: Option<u64>,
-    /// MLP width (of one expert in a mixture of experts).
+    /// The first block's MLP width (one expert's, where that block is a mixture of experts).
     pub ffn: Option<u64>,
-    /// Experts per mixture-of-experts layer.
+    /// Experts per mixture-of-experts layer (of the first block that has them).
     pub experts: Option<u64>,
+    /// One expert's MLP width.
+    pub expert_ffn: Option<u64>,
+    /// Dense blocks before the first mixture of experts (DeepSeek-V3's first three; 0 where
+    /// every block has experts, or none does).
+    pub dense_blocks: usize,
     /// Experts each token is routed to.
     pub top_k: Option<u64>,
     /// The blocks' norm.
@@ -121,6 +126,8 @@ impl ModelShape {
             head_dim: None,
             ffn: None,
             experts: None,
+            expert_ffn: None,
+            dense_blocks: 0,
             top_k: None,
             norm: None,
             mlp: None,
@@ -132,6 +139,15 @@ impl ModelShape {
         let Some([first, last]) = block_range else { return shape };
         shape.read_embedding(lg, first);
         shape.read_block(lg, first);
+        // models whose first blocks are dense (DeepSeek-V3): the experts of the first block with them
+        if shape.experts.is_none()
+            && let Some(b) = (first..=last).find(|&l| lg.layers[l].nodes.iter().any(|&n| kind(g, n) == Some(OpKind::MixtureOfExperts)))
+        {
+            let mut moe = shape.clone();
+            moe.read_block(lg, b);
+            (shape.experts, shape.top_k, shape.expert_ffn) = (moe.experts, moe.top_k, moe.expert_ffn);
+            shape.dense_blocks = shape.kinds[first..b].iter().filter(|&&k| k == LayerKind::Block).count();
+        }
         // The head (after the last block) reads a weight an earlier layer owns: the tied table.
         shape.tied_embedding = lg.layers[last + 1..].iter().any(|l| !l.shared_params.is_empty());
         shape
@@ -224,6 +240,7 @@ impl ModelShape {
                         && d.len() == 3
                     {
                         self.ffn = Some((d[1] / 2) as u64);
+                        self.expert_ffn = self.ffn;
                     }
                     self.mlp = Some(Mlp::SwiGlu);
                 }

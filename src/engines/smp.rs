@@ -24,6 +24,7 @@ pub fn gaps(plan: &Plan) -> Vec<Gap> {
     let p = &plan.parallel;
     let mut out = Vec::new();
     out.extend(expert_overlap_unexpressed(Engine::Smp, plan));
+    out.extend(super::fields::float8_unexpressed(Engine::Smp, plan, "its parameters have no fp8 setting"));
     if p.grad_overlap {
         out.push(gap(PlanField::GradOverlap, "the gradients reduced beside the backward", "its parameters do not say how its data parallelism reduces them", "reduced after the backward", Some(Change::GradOverlap(false))));
     }

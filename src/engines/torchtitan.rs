@@ -13,7 +13,7 @@ use crate::solve::{PlanOptions, Setting, Source};
 
 use super::config::{EmittedFile, Launcher, Origin, Reading, Unpriced, Written, shell_quote, split_words};
 use super::error::EngineError;
-use super::fields::{Change, Engine, Gap, PlanField, checkpointed, megatron_split, offloaded, reader_order, same_ranks, selective_unexpressed, expert_overlap_unexpressed};
+use super::fields::{Change, Engine, Gap, PlanField, checkpointed, megatron_split, offloaded, reader_order, same_ranks, selective_unexpressed, expert_overlap_unexpressed, float8_unexpressed};
 use super::shape::ModelShape;
 use super::stages::{StageRoles, all_blocks, stage_roles, units_whole, whole_units_layout};
 
@@ -43,6 +43,7 @@ pub fn gaps(plan: &Plan, shape: &ModelShape) -> Result<Vec<Gap>, String> {
     let stages = stage_roles(plan, shape)?;
     let mut out = Vec::new();
     out.extend(expert_overlap_unexpressed(Engine::Torchtitan, plan));
+    out.extend(float8_unexpressed(Engine::Torchtitan, plan, "torchtitan 0.3 turns Float8 on in a model's config registry (Float8LinearConverter), which its command line cannot name"));
     if !p.grad_overlap && p.dp * p.cp > 1 {
         out.push(gap(
             PlanField::GradOverlap,
@@ -307,6 +308,21 @@ enum Val {
 }
 
 /// The entries of a job TOML or a torchtitan command line, as `section.key` → value.
+/// A section's entries as `section.key`, nested sections (`[quantize.linear.float8]`) as
+/// dotted paths: torchtitan's configuration is dataclasses within dataclasses, never a
+/// table-valued field.
+fn flatten(prefix: &str, table: toml::Table, out: &mut BTreeMap<String, Val>) {
+    for (k, v) in table {
+        let key = format!("{prefix}.{k}");
+        match v {
+            toml::Value::Table(t) => flatten(&key, t, out),
+            v => {
+                out.insert(key, Val::Toml(v));
+            }
+        }
+    }
+}
+
 fn entries_of(text: &str, origin: &Origin) -> Result<(BTreeMap<String, Val>, Launcher), EngineError> {
     let syntax = |why: String| EngineError::Syntax { engine: ENGINE, what: origin.name(), why };
     let looks_toml = text.lines().any(|l| l.trim_start().starts_with('['));
@@ -315,9 +331,7 @@ fn entries_of(text: &str, origin: &Origin) -> Result<(BTreeMap<String, Val>, Lau
         let doc: toml::Table = toml::from_str(text).map_err(|e| syntax(e.to_string()))?;
         for (section, v) in doc {
             let toml::Value::Table(t) = v else { return Err(syntax(format!("`{section}` is not a [section]"))) };
-            for (k, v) in t {
-                out.insert(format!("{section}.{k}"), Val::Toml(v));
-            }
+            flatten(&section, t, &mut out);
         }
         return Ok((out, Launcher::default()));
     }
@@ -426,6 +440,17 @@ impl Entries {
         }
     }
 
+    /// A list of names: a TOML array of strings, or comma-separated words.
+    fn names(&mut self, key: &str) -> Result<Option<Vec<String>>, EngineError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Val::Toml(toml::Value::Array(a))) => a.iter().map(|v| v.as_str().map(str::to_string).ok_or_else(|| self.syntax(format!("`{key}`: expected a list of names")))).collect::<Result<Vec<_>, _>>().map(Some),
+            Some(Val::Toml(toml::Value::String(s))) => Ok(Some(s.split(',').map(|n| n.trim().to_string()).filter(|n| !n.is_empty()).collect())),
+            Some(Val::Words(w)) => Ok(Some(w.iter().flat_map(|p| p.split(',')).map(|n| n.trim().to_string()).filter(|n| !n.is_empty()).collect())),
+            Some(other) => Err(self.syntax(format!("`{key}`: expected a list of names, got {other:?}"))),
+        }
+    }
+
     fn parts(&mut self, key: &str) -> Result<Option<Vec<Vec<String>>>, EngineError> {
         match self.get(key) {
             None => Ok(None),
@@ -446,13 +471,26 @@ impl Entries {
 
 /// Keys that decide nothing a plan prices.
 const NO_EFFECT: &[&str] = &[
-    "module", "config", "hf_assets_path", "dump_folder", "training.steps", "training.max_norm", "training.gc_freq", "training.gc_debug",
+    "module", "config", "hf_assets_path", "dump_folder", "model.name", "model.flavor", "model.hf_assets_path", "model.tokenizer_path",
+    "model.print_after_conversion", "optimizer.eps", "optimizer.weight_decay", "optimizer.beta1", "optimizer.beta2", "optimizer.implementation",
+    "training.dataset", "training.dataset_path", "training.seed", "training.deterministic", "training.warmup_steps", "training.steps", "training.max_norm", "training.gc_freq", "training.gc_debug",
     "training.disable_cuda_graphs", "parallelism.spmd_backend", "parallelism.enable_fsdp_symm_mem",
     "parallelism.context_parallel_load_balancer", "parallelism.pipeline_parallel_schedule_csv", "compile.enable", "compile.components",
-    "compile.enable_async_tensor_parallel", "metrics.log_freq", "metrics.enable_tensorboard", "checkpoint.enable", "checkpoint.interval",
+    "metrics.log_freq", "metrics.enable_tensorboard", "checkpoint.enable", "checkpoint.interval",
     "checkpoint.folder", "profiler.enable_profiling", "profiler.profile_freq", "optimizer.lr", "optimizer.name", "lr_scheduler.warmup_steps",
     "dataloader.dataset", "validator.enable", "validator.freq", "validator.steps", "debug.seed", "comm.init_timeout_seconds",
-    "comm.train_timeout_seconds",
+    "comm.train_timeout_seconds", "quantize.linear.float8.recipe_name", "float8.recipe_name", "float8.scaling_type_input", "float8.scaling_type_weight",
+    "float8.scaling_type_grad_output", "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp", "float8.precompute_float8_dynamic_scale_for_fsdp",
+    "quantize.linear.float8.enable_fsdp_float8_all_gather", "float8.enable_fsdp_float8_all_gather", "quantize.linear.float8.filter_fqns", "float8.filter_fqns",
+];
+
+/// Sections none of whose keys decide anything a plan prices (logging, checkpoints,
+/// validation, the learning rate's schedule, the model's name: the ONNX model is the model).
+const NO_EFFECT_SECTIONS: &[&str] = &[
+    "job", "profiling", "profiler", "metrics", "checkpoint", "validation", "validator", "lr_scheduler", "comm", "fault_tolerance", "memory_estimation",
+    // the quantization converters' settings, of no effect unless `model.converters` names them
+    // (whose effect is read there)
+    "quantize", "float8",
 ];
 
 /// torchtitan's `_generate_llm_fqn_per_model_part` as blocks per stage, for stages
@@ -586,13 +624,29 @@ struct JobReading<'s> {
 impl JobReading<'_> {
     /// The mesh's degrees on `world` ranks, checked as `ParallelDims` checks them.
     fn dims(&mut self, world: usize) -> Result<Dims, EngineError> {
-        let (e, o) = (&mut self.e, &mut self.o);
+        let (e, o, reading) = (&mut self.e, &mut self.o, &mut self.reading);
         let replicate = e.count("parallelism.data_parallel_replicate_degree", 1)?;
         let shard_raw = e.int("parallelism.data_parallel_shard_degree")?.unwrap_or(-1);
         let tp = e.count("parallelism.tensor_parallel_degree", 1)?;
         let pp = e.count("parallelism.pipeline_parallel_degree", 1)?;
         let cp = e.count("parallelism.context_parallel_degree", 1)?;
         let ep = e.count("parallelism.expert_parallel_degree", 1)?;
+        let etp = e.count("parallelism.expert_tensor_parallel_degree", 1)?;
+        if ep > 1 && etp != 1 && etp != tp {
+            return Err(refuse("ParallelDims", format!("expert_tensor_parallel_degree ({etp}): only ETP = TP ({tp}) or ETP = 1 is supported")));
+        }
+        // with ETP = TP the experts split over the tensor ranks and expert parallelism borrows
+        // only the sharded data and context ranks
+        let experts_split = etp == tp && tp > 1;
+        // async tensor parallelism: in [parallelism] since 0.2, in [compile] before
+        for key in ["parallelism.enable_async_tensor_parallel", "compile.enable_async_tensor_parallel"] {
+            if e.flag(key)? == Some(true) && tp > 1 {
+                reading.unpriced.push(Unpriced {
+                    setting: format!("{key} = true"),
+                    why: "async tensor parallelism (the tensor collectives overlapped with their products) is not priced: the step is overstated by up to their time".into(),
+                });
+            }
+        }
         if shard_raw != -1 && shard_raw < 1 {
             return Err(refuse("ParallelDims._validate", "dp_shard must -1 or >=1.".into()));
         }
@@ -603,8 +657,11 @@ impl JobReading<'_> {
                 format!("Invalid parallel dims: dp_replicate({replicate}) * dp_shard({shard}) * cp({cp}) * tp({tp}) * pp({pp}) != WORLD_SIZE({world})"),
             ));
         }
-        if ep > 1 && (shard * cp * tp) % ep != 0 {
+        if ep > 1 && !experts_split && (shard * cp * tp) % ep != 0 {
             return Err(refuse("ParallelDims (expert mesh)", format!("the dense region dp_shard({shard}) * cp({cp}) * tp({tp}) is not divisible by ep({ep})")));
+        }
+        if ep > 1 && experts_split && (shard * cp) % ep != 0 {
+            return Err(refuse("ParallelDims (expert mesh)", format!("with ETP = TP, dp_shard({shard}) * cp({cp}) is not divisible by ep({ep})")));
         }
         let dp = replicate * shard;
         o.pp = Some(pp);
@@ -619,7 +676,7 @@ impl JobReading<'_> {
             // Its experts are never tensor-split under expert parallelism: the sparse mesh
             // (pp, dp_replicate, efsdp, ep) re-factors the dense ranks with ep innermost, tensor
             // ranks first, which is the planner's fold at expert-TP 1 (context degree 1).
-            let folded = ep > 1 && tp > 1;
+            let folded = ep > 1 && tp > 1 && !experts_split;
             if folded && cp > 1 {
                 return Err(EngineError::Missing { engine: ENGINE, why: format!("expert parallelism {ep} borrows tensor and context ranks here (tp {tp}, cp {cp}); the planner folds expert groups over tensor × data ranks only") });
             }
@@ -630,7 +687,10 @@ impl JobReading<'_> {
             o.sources.insert(Setting::Ep, e.source("parallelism.expert_parallel_degree", ep));
             if folded {
                 o.etp = Some(1);
-                o.sources.insert(Setting::Etp, Source::Implied(format!("expert-tensor 1: expert_parallel_degree {ep} with tensor_parallel_degree {tp} borrows the tensor ranks (torchtitan never splits experts over them)")));
+                o.sources.insert(Setting::Etp, Source::Implied(format!("expert-tensor 1: expert_parallel_degree {ep} with tensor_parallel_degree {tp} and expert_tensor_parallel_degree 1 borrows the tensor ranks")));
+            } else if ep > 1 && experts_split {
+                o.etp = Some(tp);
+                o.sources.insert(Setting::Etp, e.source("parallelism.expert_tensor_parallel_degree", etp));
             }
             // moe.py's round-robin routing under it: every expert gets the same pairs
             if e.flag("debug.moe_force_load_balance")? == Some(true) {
@@ -792,6 +852,47 @@ impl JobReading<'_> {
         if o.precision == Some(Precision::Bf16Mixed) && o.zero == Some(1) {
             o.mixed_recipe = Some(crate::ir::MixedRecipe::LowModelFp32Grads);
         }
+        self.float8()
+    }
+
+    /// Float8 training: the model converters torchtitan applies (`model.converters`: 0.2's
+    /// registry names, `float8` before it) or the 2024 `[float8]` section.
+    fn float8(&mut self) -> Result<(), EngineError> {
+        let (e, o, reading) = (&mut self.e, &mut self.o, &mut self.reading);
+        let converters = e.names("model.converters")?.unwrap_or_default();
+        let old_section = e.flag("float8.enable_float8_linear")?;
+        let mut linears = old_section == Some(true);
+        for c in &converters {
+            match c.as_str() {
+                "quantize.linear.float8" | "float8" => linears = true,
+                "quantize.grouped_mm.float8" | "quantize.grouped_mm.mx" => reading.unpriced.push(Unpriced { setting: format!("model.converters {c}"), why: "the routed experts' grouped products in 8 bits are not priced: priced in 16 bits".into() }),
+                "quantize.linear.mx" | "mx" => reading.unpriced.push(Unpriced { setting: format!("model.converters {c}"), why: "MX block-scaled linears (Blackwell) are not priced: priced in 16 bits".into() }),
+                other => reading.unpriced.push(Unpriced { setting: format!("model.converters {other}"), why: "not a converter the planner knows; not priced".into() }),
+            }
+        }
+        if !linears {
+            return Ok(());
+        }
+        o.float8_linears = Some(true);
+        let said = if old_section == Some(true) { ("float8.enable_float8_linear", "true".to_string()) } else { ("model.converters", converters.join(", ")) };
+        o.sources.insert(Setting::Float8Linears, e.source(said.0, said.1));
+        // the output projection is converted unless filtered out; the planner keeps the head in 16 bits
+        let filtered = match e.names("quantize.linear.float8.filter_fqns")? {
+            Some(f) => f,
+            None => e.names("float8.filter_fqns")?.unwrap_or_default(),
+        };
+        let head_kept = filtered.iter().any(|f| f == "output" || f == "lm_head");
+        let others: Vec<&String> = filtered.iter().filter(|f| !matches!(f.as_str(), "output" | "lm_head" | "router.gate")).collect();
+        if !head_kept {
+            reading.unpriced.push(Unpriced { setting: "the output projection in float8 (not in filter_fqns)".into(), why: "the head is priced in 16 bits".into() });
+        }
+        if !others.is_empty() {
+            let names: Vec<&str> = others.iter().map(|s| s.as_str()).collect();
+            reading.unpriced.push(Unpriced { setting: format!("filter_fqns {}", names.join(", ")), why: "every linear of the blocks is priced in fp8".into() });
+        }
+        if o.zero == Some(3) && (e.flag("quantize.linear.float8.enable_fsdp_float8_all_gather")? == Some(true) || e.flag("float8.enable_fsdp_float8_all_gather")? == Some(true)) {
+            reading.unpriced.push(Unpriced { setting: "enable_fsdp_float8_all_gather".into(), why: "FSDP's weight gathers are priced in 16 bits".into() });
+        }
         Ok(())
     }
 
@@ -847,7 +948,7 @@ impl JobReading<'_> {
                 Val::Words(w) => w.join(" "),
                 Val::Flag(b) => b.to_string(),
             });
-            if NO_EFFECT.contains(&k.as_str()) {
+            if NO_EFFECT.contains(&k.as_str()) || NO_EFFECT_SECTIONS.iter().any(|s| k.strip_prefix(s).is_some_and(|rest| rest.starts_with('.'))) {
                 self.reading.no_effect.push(text);
             } else {
                 self.reading.unpriced.push(Unpriced { setting: text, why: "not a setting the planner knows; not priced".into() });

@@ -61,7 +61,7 @@ def _gb(flags: list[str]) -> tuple[str, ...]:
 # checks): automatic plans (their gaps and nearest plans), fp16 with ZeRO 1 at pp 2, context
 # parallelism with ZeRO 3, interleaving with full recompute, 1F1B across spread ranks, experts
 # (carved from the data ranks and folded over tensor × data ranks; their all-to-alls overlapped
-# as combined 1F1B runs them).
+# as combined 1F1B runs them; after dense blocks), Float8 linears.
 # Llama 3 405B is the published run below; a 1F1B pipeline with ZeRO 1 is Mixtral's.
 BUNDLED = [
     Case("llama3-8b automatic", "llama3-8b.onnx", "h100-80gb:64", _gb([])),
@@ -85,6 +85,11 @@ BUNDLED = [
     Case("mixtral-8x7b pp 2 interleaved:2 ep 8 combined 1F1B", "mixtral-8x7b.onnx", "h100-80gb:512",
          ("--global-batch", "2048", "--microbatches", "8", "--pp", "2", "--tp", "1", "--ep", "8", "--zero", "1",
           "--schedule", "interleaved:2", "--checkpointing", "none", "--overlap-expert-comm")),
+    # the blocks' linears in fp8 (Megatron's --fp8-format; a gap elsewhere)
+    Case("llama3-8b tp 2 float8 linears", "llama3-8b.onnx", "h100-80gb:64", _gb(["--pp", "1", "--tp", "2", "--float8-linears"])),
+    # experts after dense blocks (Megatron's --moe-layer-freq)
+    Case("deepseek-v3 ep 8", "deepseek-v3.onnx", "h100-80gb:256",
+         ("--global-batch", "1024", "--pp", "1", "--tp", "1", "--ep", "8", "--zero", "3", "--memory-limit", "1000000")),
 ]
 
 # tests/common/table1.rs, one row per shape of Megatron's rule: name, t, p, gpus, batch,

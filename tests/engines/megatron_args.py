@@ -27,6 +27,17 @@ class MegatronRefused(ValueError):
     """What Megatron-LM or Megatron-Core refuses in an argument list."""
 
 
+def _moe_layer_freq(text: str):
+    """`--moe-layer-freq` as Megatron-LM's `moe_freq_type` reads it: an integer, or a Python
+    expression of a list of 0 and 1 (`([0]*3+[1]*58)`)."""
+    if text.isdigit():
+        return int(text)
+    value = eval(text, {"__builtins__": {}}, {})  # noqa: S307 - Megatron-LM evaluates it so
+    if not isinstance(value, list) or any(v not in (0, 1) for v in value):
+        raise argparse.ArgumentTypeError(f"{text}: not a list of 0 and 1")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False, exit_on_error=False)
     ints = [
@@ -57,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-sharding-strategy", choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
     p.add_argument("--ckpt-format", choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"], default="torch_dist")
     p.add_argument("--initial-loss-scale", type=float)
+    p.add_argument("--fp8-format", choices=["e4m3", "hybrid"])
+    p.add_argument("--moe-layer-freq", type=_moe_layer_freq, default=1)
     p.add_argument("--data-path", nargs="+")
     return p
 
@@ -87,6 +100,9 @@ def parse(words: list[str], env: dict[str, str], world: int) -> Parsed:
 
     a = args
     need(a.num_layers and a.hidden_size and a.num_attention_heads and a.seq_length, "the model's shape flags are missing")
+    # gpt_layer_specs.py: a pattern names every layer
+    need(not isinstance(a.moe_layer_freq, list) or len(a.moe_layer_freq) == a.num_layers,
+         f"Invalid length of moe_layer_pattern: {len(a.moe_layer_freq) if isinstance(a.moe_layer_freq, list) else 0}, expected {a.num_layers}")
     need(a.micro_batch_size is not None and a.global_batch_size is not None, "--micro-batch-size and --global-batch-size are required")
     need(not (a.bf16 and a.fp16), "--bf16 and --fp16 exclude each other")
     need(a.num_query_groups is None or a.group_query_attention, "--num-query-groups takes effect only with --group-query-attention")
@@ -154,6 +170,8 @@ def transformer_config(parsed: Parsed):
         moe_router_topk=a.moe_router_topk or 2,
         moe_ffn_hidden_size=a.moe_ffn_hidden_size,
         moe_token_dispatcher_type=a.moe_token_dispatcher_type,
+        moe_layer_freq=a.moe_layer_freq,
+        fp8=a.fp8_format,
         overlap_moe_expert_parallel_comm=a.overlap_moe_expert_parallel_comm,
         recompute_granularity=a.recompute_granularity,
         recompute_method=a.recompute_method,

@@ -48,6 +48,7 @@ fn check_flags(args: &PlanArgs) -> Result<()> {
         (f.etp.is_some(), "--etp"),
         (f.overlap_expert_comm, "--overlap-expert-comm"),
         (f.overlap_grad_sync, "--overlap-grad-sync"),
+        (f.float8_linears, "--float8-linears"),
         (f.zero.is_some(), "--zero"),
         (f.sharded_dp.is_some(), "--sharded-dp"),
         (f.microbatches.is_some(), "--microbatches"),
@@ -141,7 +142,7 @@ pub fn run(model: &Path, spec: &str, args: &PlanArgs) -> Result<ExitCode> {
     let options = reading.options.clone().resolve(None).context("--from-engine")?;
     let (yours, over) = engines::price(engine, &analysed, &cluster, &options).with_context(|| format!("planning the {engine} configuration"))?;
     // ours: the same model, cluster, batch and precision (the gradients' type as the engine
-    // keeps them), everything else searched
+    // keeps them, its linears in fp8 where the engine runs them so), everything else searched
     let auto = PlanOptions {
         global_batch: options.global_batch,
         seq_len: options.seq_len,
@@ -152,6 +153,7 @@ pub fn run(model: &Path, spec: &str, args: &PlanArgs) -> Result<ExitCode> {
         memory_limit_gib: f.memory_limit,
         time_limit_s: f.time_limit,
         expert_imbalance: options.expert_imbalance,
+        float8_linears: options.float8_linears,
         optimize: f.optimize,
         cluster_flag: Some(cluster_text.clone()),
         ..PlanOptions::default()
