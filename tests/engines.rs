@@ -1067,3 +1067,37 @@ fn experts_after_dense_blocks_are_read_and_written_as_megatron_lays_them_out() {
     let err = read_err(Engine::Megatron, &format!("{base} --moe-layer-freq 1"), &shape, 256);
     assert!(err.contains("([0]*3+[1]*58)"), "{err}");
 }
+
+/// A job file as torchtitan's own `train_configs/` write them: logging, profiling, checkpoint,
+/// validation, optimizer and learning-rate sections are read without effect (not named as
+/// unpriced), nested sections are dotted keys, async tensor parallelism is named where the
+/// tensor degree uses it, and expert-tensor parallelism is read (1 or the tensor degree,
+/// anything else refused as `ParallelDims` refuses it).
+#[test]
+fn torchtitan_jobs_as_its_repository_writes_them_are_read_without_noise() {
+    let a = analyse("mixtral-8x7b.onnx");
+    let shape = ModelShape::of(&a.lg);
+    let job = |parallelism: &str| {
+        format!(
+            "[job]\ndump_folder = \"./outputs\"\ndescription = \"a run\"\n[profiling]\nenable_profiling = true\nprofile_freq = 100\n\
+             [metrics]\nlog_freq = 10\nenable_tensorboard = true\n[model]\nname = \"mixtral\"\nflavor = \"8x7B\"\nhf_assets_path = \"./assets\"\n\
+             [optimizer]\nname = \"AdamW\"\nlr = 3e-4\neps = 1e-8\n[lr_scheduler]\nwarmup_steps = 200\n[training]\nlocal_batch_size = 4\nseq_len = 4096\n\
+             max_norm = 1.0\nsteps = 1000\ndataset = \"c4\"\n[parallelism]\ndata_parallel_shard_degree = -1\n{parallelism}\n\
+             [checkpoint]\nenable = false\nfolder = \"checkpoint\"\ninterval = 500\n[activation_checkpoint]\nmode = \"full\"\n\
+             [compile]\nenable = true\ncomponents = [\"model\", \"loss\"]\n[validation]\nenable = false\nfreq = 500\n"
+        )
+    };
+    let read = |text: &str| engines::read(Engine::Torchtitan, text, Origin { what: PathBuf::from("job.toml") }, &shape, Some(64)).map(|(r, _)| r);
+    let plain = read(&job("tensor_parallel_degree = 2")).expect("read");
+    assert!(plain.unpriced.is_empty(), "{:?}", plain.unpriced);
+    assert!(plain.no_effect.iter().any(|n| n.starts_with("profiling.enable_profiling")) && plain.no_effect.iter().any(|n| n.starts_with("validation.freq")), "{:?}", plain.no_effect);
+    let async_tp = read(&job("tensor_parallel_degree = 2\nenable_async_tensor_parallel = true")).expect("read");
+    assert!(async_tp.unpriced.iter().any(|u| u.why.contains("async tensor parallelism")), "{:?}", async_tp.unpriced);
+    // experts split over the tensor ranks (ETP = TP): expert parallelism over the data ranks
+    let split = read(&job("tensor_parallel_degree = 2\nexpert_parallel_degree = 8\nexpert_tensor_parallel_degree = 2")).expect("read");
+    assert_eq!((split.options.tp, split.options.ep, split.options.etp), (Some(2), Some(8), Some(2)));
+    let folded = read(&job("tensor_parallel_degree = 2\nexpert_parallel_degree = 8\nexpert_tensor_parallel_degree = 1")).expect("read");
+    assert_eq!(folded.options.etp, Some(1));
+    let err = read(&job("tensor_parallel_degree = 4\nexpert_parallel_degree = 8\nexpert_tensor_parallel_degree = 2")).expect_err("ETP neither 1 nor TP");
+    assert!(err.to_string().contains("ETP = TP (4) or ETP = 1"), "{err}");
+}
