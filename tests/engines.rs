@@ -1052,6 +1052,8 @@ fn experts_after_dense_blocks_are_read_and_written_as_megatron_lays_them_out() {
     let a = analyse("deepseek-v3.onnx");
     let shape = ModelShape::of(&a.lg);
     assert_eq!((shape.experts, shape.top_k, shape.expert_ffn, shape.dense_blocks), (Some(256), Some(8), Some(2048), 3));
+    // the dense blocks' MLP, not latent attention's output projection (128 heads × 128 values)
+    assert_eq!(shape.ffn, Some(18432));
     let cluster = ClusterSpec::parse("h100-80gb:256").expect("preset");
     let req = PlanOptions { global_batch: Some(1024), seq_len: Some(4096), pp: Some(16), tp: Some(1), ep: Some(8), zero: Some(1), schedule: Some(ScheduleKind::OneFOneB), memory_limit_gib: Some(1e6), ..PlanOptions::default() };
     let plan = compile(&a, &cluster, &req);

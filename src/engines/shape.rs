@@ -253,8 +253,11 @@ impl ModelShape {
             self.kv_heads = head_splits.iter().map(|&(h, _)| h).min();
         }
         if self.ffn.is_none() {
+            // the MLP's down projection is the block's last product into the hidden size; the
+            // attention's output projection comes before it (with values narrower than the
+            // queries, as latent attention's, its rows are not heads · head_dim)
             let attention_out = self.heads.zip(self.head_dim).map(|(a, d)| a * d);
-            self.ffn = down_rows.into_iter().find(|&r| Some(r) != attention_out);
+            self.ffn = down_rows.into_iter().filter(|&r| Some(r) != attention_out).last();
         }
         if self.mlp == Some(Mlp::Gelu) && up_projections >= 2 {
             self.mlp = Some(Mlp::SwiGlu);
