@@ -268,8 +268,9 @@ pub struct ClusterSpec {
     /// Whether the job runs its blocks' linear layers in fp8 with per-tensor dynamic scaling
     /// (torchao's `Float8Linear`, Transformer Engine's fp8 recipes): their products at
     /// `fp8_flops`, beside the casts of their operands (`cost::compute::float8_cast_bytes`).
-    /// A setting of the job, not of the cluster file: set from `PlanOptions::float8_linears`.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    /// A setting of the job, not of the cluster file: set from `PlanOptions::float8_linears`
+    /// (the plan records it as `parallel.float8_linears`).
+    #[serde(skip)]
     pub float8_linears: bool,
 }
 

@@ -479,9 +479,7 @@ const NO_EFFECT: &[&str] = &[
     "metrics.log_freq", "metrics.enable_tensorboard", "checkpoint.enable", "checkpoint.interval",
     "checkpoint.folder", "profiler.enable_profiling", "profiler.profile_freq", "optimizer.lr", "optimizer.name", "lr_scheduler.warmup_steps",
     "dataloader.dataset", "validator.enable", "validator.freq", "validator.steps", "debug.seed", "comm.init_timeout_seconds",
-    "comm.train_timeout_seconds", "quantize.linear.float8.recipe_name", "float8.recipe_name", "float8.scaling_type_input", "float8.scaling_type_weight",
-    "float8.scaling_type_grad_output", "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp", "float8.precompute_float8_dynamic_scale_for_fsdp",
-    "quantize.linear.float8.enable_fsdp_float8_all_gather", "float8.enable_fsdp_float8_all_gather", "quantize.linear.float8.filter_fqns", "float8.filter_fqns",
+    "comm.train_timeout_seconds",
 ];
 
 /// Sections none of whose keys decide anything a plan prices (logging, checkpoints,
@@ -551,6 +549,7 @@ pub fn read(text: &str, origin: Origin, shape: &ModelShape, devices: Option<usiz
     let batch = r.batch(&dims)?;
     r.pipeline(&dims, &batch)?;
     r.precision()?;
+    r.float8()?;
     r.checkpointing()?;
     // FSDP's post-backward hooks reduce-scatter (and DDP's buckets all-reduce) each unit's
     // gradients as its backward ends, beside the rest of it
@@ -852,7 +851,7 @@ impl JobReading<'_> {
         if o.precision == Some(Precision::Bf16Mixed) && o.zero == Some(1) {
             o.mixed_recipe = Some(crate::ir::MixedRecipe::LowModelFp32Grads);
         }
-        self.float8()
+        Ok(())
     }
 
     /// Float8 training: the model converters torchtitan applies (`model.converters`: 0.2's
