@@ -414,4 +414,8 @@ fn auto_recomputes_norms_and_activations_before_whole_layers() {
     let o = smp(&["models/llama.onnx", "--cluster", "cpu:2", "--recompute-layers", "1,2", "--selective-layers", "2,3"]);
     assert_eq!(code(&o), 1, "{}", stderr(&o));
     assert!(stderr(&o).contains("layer 2 is both") && stderr(&o).contains("--selective-layers 2-3"), "{}", stderr(&o));
+    // a selective policy where nothing is selective is refused, naming the fix
+    let o = smp(&["models/llama.onnx", "--cluster", "cpu:2", "--selective-policy", "op"]);
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    assert!(stderr(&o).contains("--selective-policy op") && stderr(&o).contains("--checkpointing selective"), "{}", stderr(&o));
 }

@@ -86,6 +86,9 @@ fn layer(saved: f64, input: f64) -> Layer {
         shared_saved_bytes: 0.0,
         selective_bytes: 0.0,
         selective_nodes: Vec::new(),
+        op_selective: Default::default(),
+        op_freed_bytes: 0.0,
+        op_held_bytes: 0.0,
     }
 }
 
@@ -218,4 +221,35 @@ fn zero3_gathers_are_paid_beyond_the_pass_they_hide_behind() {
         }
     }
     assert!(hidden > 0 && paid > 0, "both regimes: {hidden} hidden, {paid} partly paid");
+}
+
+/// torchtitan's per-op selective recompute on a Llama 3 8B block, counted by hand at sequence
+/// 8,192 in bf16 (one sample): the policy keeps q, v, attention's output, the gate projection
+/// and the MLP's output (wq, wv, attention, w1, w2: the first, third, … weight products and
+/// attention) and rebuilds k, the output projection, w3, the norms, rotary, the residual sum
+/// and SwiGLU. What the backwards kept of the rebuilt ones is freed: the two norms' outputs,
+/// the rotated q, k and v expanded over the 32 heads, the attention output's copy, the residual
+/// sum (seven hidden-sized tensors) and w3's and SwiGLU's outputs (two MLP-sized ones). Held
+/// beyond what the backwards keep: q, v (8 heads), attention's output and w2's.
+#[test]
+fn per_op_policy_keeps_and_rebuilds_what_torchtitan_does_in_a_llama_block() {
+    use smp_partition::compile::load_and_analyze;
+    use smp_partition::passes::AnalyzeOptions;
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models").join("llama3-8b.onnx");
+    let a = load_and_analyze(&path, &AnalyzeOptions { seq_len: Some(8192), ..Default::default() }).unwrap();
+    let lg = &a.lg;
+    let block = lg.layers.iter().find(|l| l.kind == LayerKind::Block).unwrap();
+    let kinds = |nodes: &[smp_partition::ir::NodeId]| nodes.iter().map(|&n| lg.graph.node(n).op.kind().map_or("?", |k| k.name())).collect::<Vec<_>>();
+    // weight products first, third, fifth and seventh, and the product that reads the scores
+    assert_eq!(kinds(&block.op_selective.kept), ["MatMul"; 5]);
+    let rebuilt = kinds(&block.op_selective.rebuilt);
+    for (kind, count) in [("MatMul", 3), ("RMSNormalization", 2), ("ApplyRotary", 2), ("SwiGlu", 1), ("Add", 1)] {
+        assert_eq!(rebuilt.iter().filter(|&&k| k == kind).count(), count, "{kind} in {rebuilt:?}");
+    }
+    let (s, h, kv, f, bf16) = (8192.0, 4096.0, 1024.0, 14336.0, 2.0);
+    let hidden = s * h * bf16;
+    assert_eq!(block.op_freed_bytes, 7.0 * hidden + 2.0 * s * f * bf16);
+    assert_eq!(block.op_held_bytes, 3.0 * hidden + s * kv * bf16);
+    // the embedding and the head keep theirs, as torchtitan wraps its blocks alone
+    assert!(lg.layers.iter().filter(|l| l.kind != LayerKind::Block).all(|l| l.op_selective.rebuilt.is_empty() && l.op_freed_bytes == 0.0));
 }

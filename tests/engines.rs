@@ -300,8 +300,11 @@ fn torchtitan_layer_selective_checkpointing_is_every_nth_block_per_rank() {
     assert_eq!(set(&r), blocks.iter().skip(2).step_by(3).copied().collect::<BTreeSet<_>>());
     let r = read("[activation_checkpoint]\nmode = \"selective\"\nselective_ac_option = \"0\"\n");
     assert_eq!(set(&r), blocks.iter().copied().collect::<BTreeSet<_>>());
+    // per op: every block by the per-op policy, priced
     let r = read("[activation_checkpoint]\nmode = \"selective\"\nselective_ac_option = \"op\"\n");
-    assert!(set(&r).is_empty() && r.unpriced.iter().any(|u| u.setting.contains("selective")), "{:?}", r.unpriced);
+    assert!(set(&r).is_empty() && r.unpriced.is_empty(), "{:?}", r.unpriced);
+    assert_eq!(r.options.selective_layers, Some(blocks.iter().copied().collect::<BTreeSet<_>>()));
+    assert_eq!(r.options.selective_policy, Some(smp_partition::ir::SelectivePolicy::Ops));
     // two stages a rank under interleaving: each rank counts its own blocks, stage after stage
     let r = read("pipeline_parallel_degree = 2\npipeline_parallel_schedule = \"Interleaved1F1B\"\n[activation_checkpoint]\nmode = \"selective\"\n");
     let layout = r.options.layout.clone().expect("a layout");
@@ -312,6 +315,33 @@ fn torchtitan_layer_selective_checkpointing_is_every_nth_block_per_rank() {
         want.extend(mine.iter().skip(1).step_by(2).copied());
     }
     assert_eq!(set(&r), want);
+}
+
+/// torchtitan's per-op selective checkpointing, planned for every block, is written back as its
+/// `mode = "selective"` with `selective_ac_option = "op"` (0.3's selective mode, with no option,
+/// on the command line); to Megatron-LM, which has no per-op policy, it is a gap.
+#[test]
+fn torchtitan_per_op_checkpointing_is_written_back() {
+    let a = analyse("llama3-8b.onnx");
+    let cluster = cluster_for("llama3-8b.onnx");
+    let req = PlanOptions {
+        global_batch: Some(64),
+        pp: Some(1),
+        tp: Some(1),
+        checkpointing: Some(smp_partition::solve::CheckpointRule::Selective),
+        selective_policy: Some(smp_partition::ir::SelectivePolicy::Ops),
+        ..PlanOptions::default()
+    };
+    let plan = compile(&a, &cluster, &req);
+    assert_eq!(plan.parallel.selective_policy, smp_partition::ir::SelectivePolicy::Ops);
+    let e = engines::emit(Engine::Torchtitan, &plan, &a, &cluster).expect("emit");
+    assert!(!e.gaps.iter().any(|g| g.gap.field == engines::PlanField::Recompute), "{:?}", e.gaps);
+    let toml = &e.written.files[0].text;
+    assert!(toml.contains("mode = \"selective\"") && toml.contains("selective_ac_option = \"op\""), "{toml}");
+    assert!(e.written.launch.contains("activation-checkpoint:selective") && !e.written.launch.contains("selective-ac-option"), "{}", e.written.launch);
+    let m = engines::emit(Engine::Megatron, &plan, &a, &cluster).expect("emit");
+    let gap = m.gaps.iter().find(|g| g.gap.field == engines::PlanField::Recompute).expect("a recompute gap");
+    assert!(gap.gap.chose.contains("per-op policy"), "{}", gap.gap.chose);
 }
 
 /// Megatron's output-discarding recompute of the norms (and the experts' activation) is the

@@ -62,6 +62,8 @@ const CASES: &[Case] = &[
     Case { name: "dp2-recompute-selective", model: "llama", flags: &["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "0", "--recompute-layers", "1-2"] },
     Case { name: "dp2-recompute-modules", model: "llama", flags: &["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "0", "--checkpointing", "selective"] },
     Case { name: "pp2-1f1b-modules", model: "llama", flags: &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--checkpointing", "selective"] },
+    // torchtitan's per-op policy: attention's and every other product's outputs kept, the rest rebuilt
+    Case { name: "pp2-1f1b-op", model: "llama", flags: &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--checkpointing", "selective", "--selective-policy", "op"] },
     Case { name: "dp2-recompute-full", model: "llama", flags: &["--pp", "1", "--tp", "1", "--dp", "2", "--zero", "0", "--checkpointing", "full"] },
     Case { name: "pp2-offload", model: "llama", flags: &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--checkpointing", "full", "--offload-activations", "on", "--activation-loading-horizon", "1"] },
     Case { name: "pp2-bf16-mixed", model: "llama", flags: &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--checkpointing", "none", "--precision", "bf16-mixed"] },

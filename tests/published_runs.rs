@@ -376,29 +376,28 @@ fn torchtitan_405b_peak_memory() {
 /// activations are the same per GPU in both; the difference, 15.4 GiB, is the model state that
 /// 128 shards hold less of than 8 (fp32 parameters, gradients and Adam's moments, 16 bytes a
 /// parameter). The predicted difference within 10 %, so ZeRO 3's sharded state is held against
-/// a real run. Recompute is priced as full here: torchtitan's selective checkpointing (every
-/// matrix product's output but every other one kept, the rest rebuilt) has no counterpart in
-/// this planner, and the difference does not depend on it.
+/// a real run. Recompute is torchtitan's per-op policy (`--selective-policy op`), as it ran.
 #[test]
 fn torchtitan_8b_fsdp_sharded_state_against_two_world_sizes() {
-    let [at8, at128] = [8usize, 128].map(|n| gib(llama3_8b_fsdp(n, smp_partition::ir::CheckpointRule::Always).predicted.peak_memory_bytes));
+    let [at8, at128] = [8usize, 128].map(|n| gib(llama3_8b_fsdp(n, smp_partition::ir::CheckpointRule::Selective).predicted.peak_memory_bytes));
     let (diff, published) = (at8 - at128, 82.4 - 67.0);
     eprintln!("8b FSDP peak at 8 GPUs {at8:.1} GiB, at 128 {at128:.1}: difference {diff:.1} GiB, published {published:.1} ({:.3})", diff / published);
     assert!((diff / published - 1.0).abs() <= 0.10, "predicted difference {diff:.1} GiB against the published {published:.1}");
 }
 
-/// The 8B rows absolutely (67.0 GiB on 128 GPUs). Not met: torchtitan's selective
-/// checkpointing is not priced, and the choices this planner has bracket it: no recompute
-/// 101.0 GiB (1.51), norms and activation functions rebuilt 79.5 GiB (1.19), full recompute
-/// 17.0 GiB (0.25). Counted by hand, selective keeps about 1.1
-/// GiB a layer (the block's input, q, v, the attention's output, the gate projection and the
-/// MLP's output at 16,384 tokens) where none keeps 3.0 and full 0.13, and the loss holds about
-/// 20 GiB of fp32 logits around its peak. Run on demand: `cargo test --features runner --test
-/// published_runs -- --ignored torchtitan_8b_peak`.
+/// The 8B rows absolutely (67.0 GiB on 128 GPUs), planned with torchtitan's per-op selective
+/// recompute (`--selective-policy op`): 59.9 GiB, 0.894 (and 73.9 of 82.4 GiB on 8 GPUs,
+/// 0.897). Not met, by 0.6 % of the bound. Of a block's 1.44 GiB kept at 16,384 tokens, 0.44 GiB
+/// is the fused SwiGLU's silu(gate), which `smp-runner`'s kernel keeps and the plan prices while
+/// torchtitan's two ops rebuild it (so torchtitan holds 14 GiB less than priced here, 0.69); the
+/// rest of what the published figure holds beyond the plan is the caching allocator's reserve
+/// (their figure is the reserved peak; no published measure of that reserve to model it by).
+/// Before the policy was priced the choices bracketed it: no recompute 1.51, full 0.25. Run on
+/// demand: `cargo test --features runner --test published_runs -- --ignored torchtitan_8b_peak`.
 #[test]
-#[ignore = "not met: torchtitan's selective checkpointing is not priced (none 1.51, full 0.25 of the published 67.0 GiB)"]
+#[ignore = "not met: 0.894 of the published 67.0 GiB under the per-op policy (the allocator's reserve; see the doc comment)"]
 fn torchtitan_8b_peak_memory() {
-    let peak = gib(llama3_8b_fsdp(128, smp_partition::ir::CheckpointRule::Always).predicted.peak_memory_bytes);
+    let peak = gib(llama3_8b_fsdp(128, smp_partition::ir::CheckpointRule::Selective).predicted.peak_memory_bytes);
     eprintln!("8b FSDP on 128 GPUs: predicted peak {peak:.1} GiB, published 67.0 ({:.3})", peak / 67.0);
     assert!((peak / 67.0 - 1.0).abs() <= 0.10, "predicted {peak:.1} GiB against the published 67.0");
 }
@@ -424,6 +423,8 @@ fn llama3_8b_fsdp_with(devices: usize, checkpointing: smp_partition::ir::Checkpo
         zero: Some(3),
         microbatches: Some(1),
         checkpointing: Some(checkpointing),
+        // its selective checkpointing is the per-op policy
+        selective_policy: (checkpointing == smp_partition::ir::CheckpointRule::Selective).then_some(smp_partition::ir::SelectivePolicy::Ops),
         // torchtitan's H100s hold 96 GB
         memory_limit_gib: Some(1e6),
         mixed_recipe: Some(smp_partition::ir::MixedRecipe::LowModel),
@@ -437,12 +438,12 @@ fn llama3_8b_fsdp_with(devices: usize, checkpointing: smp_partition::ir::Checkpo
 /// batch 2, sequence 8,192, with torch.compile, without and with Float8 (torchao's
 /// `Float8Linear`, tensorwise dynamic scaling, the output projection left in bf16): 6,667 →
 /// 8,532 tokens/s per GPU on 8 H100s (1.280×) and 6,514 → 8,380 on 128 (1.286×). The predicted
-/// ratio of the two steps within 10 % at both sizes. Both rows ran torchtitan's per-op selective
-/// recompute, which this planner does not price; both are planned without recompute.
+/// ratio of the two steps within 10 % at both sizes (1.036 and 1.020). Both rows ran torchtitan's
+/// per-op selective recompute, priced as it (`--selective-policy op`).
 #[test]
 fn torchtitan_float8_linears_speedup_on_8b() {
     for (devices, bf16, float8) in [(8usize, 6667.0, 8532.0), (128, 6514.0, 8380.0)] {
-        let [plain, fp8] = [false, true].map(|f| llama3_8b_fsdp_with(devices, smp_partition::ir::CheckpointRule::Never, f).predicted.step_time_s);
+        let [plain, fp8] = [false, true].map(|f| llama3_8b_fsdp_with(devices, smp_partition::ir::CheckpointRule::Selective, f).predicted.step_time_s);
         let (ratio, published) = (plain / fp8, float8 / bf16);
         eprintln!("8b FSDP on {devices}: step {plain:.3} s in bf16, {fp8:.3} s with Float8 linears: {ratio:.3}× against the published {published:.3}× ({:.3})", ratio / published);
         assert!((ratio / published - 1.0).abs() <= 0.10, "{devices} GPUs: predicted {ratio:.3}× against the published {published:.3}×");

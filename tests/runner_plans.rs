@@ -450,6 +450,30 @@ fn selective_recompute_matches_single_process() {
     }
 }
 
+/// torchtitan's per-op selective recompute: attention's and every other weight product's outputs
+/// held, everything else the backward reads freed after the forward and rebuilt from them (in
+/// order, each rebuilt output feeding the next), under 1F1B and under tensor parallelism with
+/// sequence parallelism, whose collectives stay outside what is rebuilt.
+#[test]
+fn op_policy_recompute_matches_single_process() {
+    let rebuilds = |p: &Path| {
+        let plan: serde_json::Value = serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
+        assert_eq!(plan["parallel"]["selective_policy"], "op", "{}", p.display());
+        let stages = plan["codegen"]["stages"].as_array().unwrap();
+        let count = |key: &str| stages.iter().map(|s| s[key].as_array().map_or(0, Vec::len)).sum::<usize>();
+        assert!(count("selective_nodes") > 0 && count("selective_kept") > 0, "{}: nothing rebuilt or kept", p.display());
+    };
+    let op = ["--checkpointing", "selective", "--selective-policy", "op"];
+    let cases: [(&str, &str, usize, &[&str]); 2] = [
+        ("op-pp2", "cpu:2", 2, &["--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--microbatches", "4"]),
+        ("op-tp2sp", "cpu:2", 2, &["--pp", "1", "--tp", "2", "--dp", "1", "--sequence-parallel", "--microbatches", "2"]),
+    ];
+    for (name, cluster, nproc, flags) in cases {
+        let flags: Vec<&str> = flags.iter().chain(&op).copied().collect();
+        equivalent_with(name, cluster, nproc, &flags, rebuilds);
+    }
+}
+
 /// ZB-H1 with recomputed layers: a checkpointed layer's whole backward runs in its B (its
 /// recomputed activations never wait for the W), the others' weight gradients in their W;
 /// every layer checkpointed, and some (a recomputed layer between kept ones on each stage).

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use super::lower::{LowerError, LowerOptions, lower};
 use super::program::{Instr, Purpose, RankProgram};
 use super::shard::{CodegenError, LayerShard, Sharder, apply_shard};
-use crate::ir::{FusedOp, Graph, LayeredGraph, OpKind, Parallelism, ScheduleError, ValueKind, compute_actions};
+use crate::ir::{FusedOp, Graph, LayeredGraph, NodeId, OpKind, Parallelism, ScheduleError, SelectivePolicy, ValueKind, compute_actions};
 use crate::passes::figures::is_trainable;
 use crate::solve::Placement as AxisOrder;
 use crate::split::Strategy;
@@ -147,6 +147,11 @@ pub struct StageCode {
     /// backward (its selectively recomputed layers' normalisations and activation functions).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub selective_nodes: Vec<String>,
+    /// Nodes of those layers whose outputs this stage holds from each forward to its backward
+    /// though no backward reads them (torchtitan's per-op policy keeps them: attention and every
+    /// other weight product).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub selective_kept: Vec<String>,
     /// Trained parameters this stage holds (its own and tied replicas), unsharded names.
     #[serde(default)]
     pub params: Vec<String>,
@@ -479,6 +484,10 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
         tied_weights.push(TiedWeight { weight, stages: stages.into_iter().collect(), pp_ranks: pp_ranks.into_iter().collect(), bytes });
     }
 
+    /// The names of the nodes `of` each of `layers` gives.
+    fn selective_names(lg: &LayeredGraph, layers: &[usize], of: impl Fn(&crate::ir::Layer) -> &[NodeId]) -> Vec<String> {
+        layers.iter().filter_map(|&l| lg.layers.get(l)).flat_map(|l| of(l).iter().map(|&n| lg.graph.node(n).name.clone())).collect()
+    }
     let stages: Vec<StageCode> = input
         .stages
         .iter()
@@ -491,7 +500,14 @@ pub fn build(lg: &LayeredGraph, input: &CodegenInput) -> Result<CodegenSection, 
             gradients_from_next: std::mem::take(&mut gradients_from_next[s]),
             data_inputs: std::mem::take(&mut data_inputs[s]).into_iter().collect(),
             checkpointed_layers: st.checkpointed_layers.clone(),
-            selective_nodes: st.selective_layers.iter().filter_map(|&l| lg.layers.get(l)).flat_map(|l| l.selective_nodes.iter().map(|&n| lg.graph.node(n).name.clone())).collect(),
+            selective_nodes: selective_names(lg, &st.selective_layers, |l| match input.parallel.selective_policy {
+                SelectivePolicy::Pointwise => &l.selective_nodes,
+                SelectivePolicy::Ops => &l.op_selective.rebuilt,
+            }),
+            selective_kept: selective_names(lg, &st.selective_layers, |l| match input.parallel.selective_policy {
+                SelectivePolicy::Pointwise => &[],
+                SelectivePolicy::Ops => &l.op_selective.kept,
+            }),
             params: stage_params[s].keys().cloned().collect(),
             param_bytes: stage_params[s].values().sum(),
             context: None,

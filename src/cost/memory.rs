@@ -333,6 +333,9 @@ mod tests {
             shared_saved_bytes: shared,
             selective_bytes: 0.0,
             selective_nodes: Vec::new(),
+            op_selective: Default::default(),
+            op_freed_bytes: 0.0,
+            op_held_bytes: 0.0,
         }
     }
 

@@ -231,6 +231,8 @@ impl Change {
             Change::WholeShardGroups => req.sharded_dp = None,
             Change::Recompute(set) => {
                 req.checkpointed_layers = Some(set.clone());
+                req.selective_layers = None;
+                req.selective_policy = None;
                 if set.is_empty() && req.offload == Some(OffloadRule::Always) {
                     req.offload = Some(OffloadRule::Never);
                 }
@@ -238,6 +240,8 @@ impl Change {
             Change::Checkpointing(rule) => {
                 req.checkpointing = Some(*rule);
                 req.checkpointed_layers = None;
+                req.selective_layers = None;
+                req.selective_policy = None;
             }
             Change::Offload(o) => req.offload = Some(*o),
             Change::LoadingHorizon(h) => req.loading_horizon = Some(*h),
@@ -317,6 +321,8 @@ pub fn exact_request(plan: &Plan) -> PlanOptions {
         active_microbatches: p.active_microbatches,
         schedule: Some(p.schedule),
         checkpointed_layers: Some(checkpointed),
+        selective_layers: Some(selective(plan)).filter(|s| !s.is_empty()),
+        selective_policy: Some(p.selective_policy),
         megatron_split: megatron_split(plan),
         placement: Some(p.placement),
         layout: (p.pp > 1 || p.schedule.virtual_stages() > 1).then_some(layout),
@@ -356,7 +362,11 @@ pub fn selective(plan: &Plan) -> BTreeSet<usize> {
 /// the plan recomputes any layer selectively.
 pub fn selective_unexpressed(plan: &Plan) -> Option<(String, Change)> {
     let layers = selective(plan);
-    (!layers.is_empty()).then(|| (format!("selective recompute of {} layers' norms and activation functions", layers.len()), Change::Recompute(checkpointed(plan))))
+    let what = match plan.parallel.selective_policy {
+        crate::ir::SelectivePolicy::Pointwise => "norms and activation functions",
+        crate::ir::SelectivePolicy::Ops => "ops by torchtitan's per-op policy",
+    };
+    (!layers.is_empty()).then(|| (format!("selective recompute of {} layers' {what}", layers.len()), Change::Recompute(checkpointed(plan))))
 }
 
 /// For an engine without Megatron-Core's combined 1F1B: the gap when `plan` priced the expert

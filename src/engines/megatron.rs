@@ -223,7 +223,15 @@ pub fn gaps(plan: &Plan, shape: &ModelShape) -> Result<Vec<Gap>, String> {
         ));
     }
     if !selective(plan).is_empty() && recompute_of(plan, &stages, shape).is_some() {
-        if !checkpointed(plan).is_empty() {
+        if plan.parallel.selective_policy == crate::ir::SelectivePolicy::Ops {
+            out.push(gap(
+                PlanField::Recompute,
+                format!("selective recompute of {} layers' ops by torchtitan's per-op policy", selective(plan).len()),
+                "its --recompute-modules rebuild whole modules (norms, activations, attention, MLPs), never every other product",
+                "the recomputed layers alone",
+                Some(Change::Recompute(checkpointed(plan))),
+            ));
+        } else if !checkpointed(plan).is_empty() {
             out.push(gap(
                 PlanField::Recompute,
                 "selective recompute beside whole layers recomputed",

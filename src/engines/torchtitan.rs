@@ -81,8 +81,8 @@ pub fn gaps(plan: &Plan, shape: &ModelShape) -> Result<Vec<Gap>, String> {
             "[activation_checkpoint] mode = \"full\"",
             Some(Change::Recompute(blocks)),
         ));
-    } else if let Some((chose, change)) = selective_unexpressed(plan) {
-        out.push(gap(PlanField::Recompute, chose, "its selective checkpointing keeps or recomputes whole ops by a policy, never a norm's output alone", "those layers keep their activations", Some(change)));
+    } else if let Some((chose, change)) = selective_unexpressed(plan).filter(|_| !per_op_everywhere(plan, shape)) {
+        out.push(gap(PlanField::Recompute, chose, "its selective checkpointing is its per-op policy in every transformer block, never a norm's output alone", "those layers keep their activations", Some(change)));
     }
     if !offloaded(plan).is_empty() {
         out.push(gap(PlanField::Offload, "offloading recomputed layers' inputs to host memory", "it offloads no activations", "no offloading", Some(Change::Offload(OffloadRule::Never))));
@@ -240,9 +240,20 @@ fn entries(plan: &Plan, shape: &ModelShape) -> Result<Vec<Entry>, String> {
         Precision::F32 => e.push(("training", "mixed_precision_param", toml::Value::String("float32".into()))),
         Precision::Bf16Mixed | Precision::Fp16Mixed => e.push(("training", "mixed_precision_param", toml::Value::String("bfloat16".into()))),
     }
-    let mode = if checkpointed(plan).is_empty() { "none" } else { "full" };
-    e.push(("activation_checkpoint", "mode", toml::Value::String(mode.into())));
+    if per_op_everywhere(plan, shape) {
+        e.push(("activation_checkpoint", "mode", toml::Value::String("selective".into())));
+        e.push(("activation_checkpoint", "selective_ac_option", toml::Value::String("op".into())));
+    } else {
+        let mode = if checkpointed(plan).is_empty() { "none" } else { "full" };
+        e.push(("activation_checkpoint", "mode", toml::Value::String(mode.into())));
+    }
     Ok(e)
+}
+
+/// Whether `plan` recomputes every transformer block by torchtitan's per-op policy and nothing
+/// else: its `mode = "selective"` (with `selective_ac_option = "op"` before 0.3).
+fn per_op_everywhere(plan: &Plan, shape: &ModelShape) -> bool {
+    plan.parallel.selective_policy == crate::ir::SelectivePolicy::Ops && checkpointed(plan).is_empty() && super::fields::selective(plan) == all_blocks(shape)
 }
 
 /// The job TOML and torchtitan 0.3's command line for `plan` (which must have no [`gaps`]).
@@ -276,6 +287,10 @@ fn cli_args(entries: &[Entry]) -> Vec<String> {
     for (section, key, value) in entries {
         if *section == "activation_checkpoint" && *key == "mode" {
             subcommand = value.as_str().map(|m| format!("activation-checkpoint:{m}"));
+            continue;
+        }
+        // 0.3's selective mode is the per-op policy, with no option
+        if *section == "activation_checkpoint" && *key == "selective_ac_option" {
             continue;
         }
         let flag = format!("--{section}.{}", key.replace('_', "-"));
@@ -905,6 +920,16 @@ impl JobReading<'_> {
         let mode = given.clone().or_else(|| toml.then(|| "selective".to_string()));
         let option = if toml { e.text("activation_checkpoint.selective_ac_option")? } else { None };
         let layer_sac = toml && mode.as_deref() == Some("selective") && option.as_deref().is_none_or(|o| o.chars().all(|c| c.is_ascii_digit()));
+        // its per-op policy: `selective_ac_option = "op"` before 0.3, the selective mode's only form since
+        let op_sac = mode.as_deref() == Some("selective") && !layer_sac;
+        if op_sac {
+            let forced = e.names("activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns")?;
+            if let Some(names) = forced.filter(|f| f.as_slice() != ["moe.router.gate"]) {
+                reading.unpriced.push(Unpriced { setting: format!("per_op_sac_force_recompute_mm_shapes_by_fqns {}", names.join(", ")), why: "priced as its default: the router's products recomputed, every other product counted".into() });
+            }
+            o.selective_layers = Some(all_blocks(self.shape));
+            o.selective_policy = Some(crate::ir::SelectivePolicy::Ops);
+        }
         let set = match mode.as_deref() {
             _ if layer_sac => {
                 let text = option.clone().unwrap_or_else(|| "2".into());
@@ -913,8 +938,9 @@ impl JobReading<'_> {
             }
             Some("full") => all_blocks(self.shape),
             Some("none") => BTreeSet::new(),
-            Some(m @ ("selective" | "memory-budget" | "memory_budget")) => {
-                reading.unpriced.push(Unpriced { setting: format!("activation_checkpoint {m}"), why: "per-op recompute is not priced; priced as no recompute, so memory is overstated".into() });
+            Some("selective") => BTreeSet::new(),
+            Some(m @ ("memory-budget" | "memory_budget")) => {
+                reading.unpriced.push(Unpriced { setting: format!("activation_checkpoint {m}"), why: "the recompute its partitioner fits to the budget is not priced; priced as no recompute, so memory is overstated".into() });
                 BTreeSet::new()
             }
             Some(other) => return Err(refuse("config parsing", format!("activation_checkpoint mode `{other}`: expected selective, full, memory-budget or none"))),
@@ -926,10 +952,16 @@ impl JobReading<'_> {
         o.checkpointed_layers = Some(set);
         let said = match (given, layer_sac) {
             (m, true) => format!("{} (every {} blocks)", m.unwrap_or_else(|| "selective, the default".into()), option.unwrap_or_else(|| "2, the default,".into())),
+            (Some(m), false) if op_sac => format!("{m} (per op{})", option.map(|o| format!(", selective_ac_option {o}")).unwrap_or_default()),
             (Some(m), false) => m,
             (None, false) => mode.map_or_else(|| "(not given)".into(), |m| format!("{m}, the default")),
         };
-        o.sources.insert(Setting::CheckpointedLayers, e.source("activation_checkpoint.mode", said));
+        let source = e.source("activation_checkpoint.mode", said);
+        if op_sac {
+            o.sources.insert(Setting::SelectiveLayers, source.clone());
+            o.sources.insert(Setting::SelectivePolicy, source.clone());
+        }
+        o.sources.insert(Setting::CheckpointedLayers, source);
         o.offload = Some(OffloadRule::Never);
         if e.flag("training.enable_cpu_offload")? == Some(true) {
             reading.unpriced.push(Unpriced { setting: "training.enable_cpu_offload = true".into(), why: "FSDP's CPU offloading of parameters, gradients and optimizer state is not priced".into() });

@@ -154,6 +154,24 @@ pub struct Layer {
     /// The nodes making them (`passes::layers::selectively_recomputed`, then the mixtures of
     /// experts).
     pub selective_nodes: Vec<NodeId>,
+    /// What torchtitan's per-op policy ([`super::SelectivePolicy::Ops`]) rebuilds and keeps.
+    pub op_selective: OpSelective,
+    /// Of `figures.saved_bytes`, what that policy rebuilds instead of keeping.
+    pub op_freed_bytes: f64,
+    /// What that policy keeps that no backward reads: the kept ops' outputs and what the
+    /// rebuilt nodes read beyond the layer's inputs and the saved values.
+    pub op_held_bytes: f64,
+}
+
+/// A layer's nodes under torchtitan's per-op selective recompute (`passes::layers::op_policy`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OpSelective {
+    /// Nodes whose outputs are freed after the forward and rebuilt, in execution order, before
+    /// the backward.
+    pub rebuilt: Vec<NodeId>,
+    /// Nodes the policy keeps the outputs of (attention, every other weight product) whether
+    /// or not a backward reads them.
+    pub kept: Vec<NodeId>,
 }
 
 /// The byte figures of a layer in one run's element types, per sample unless said: a
@@ -180,6 +198,10 @@ pub struct LayerBytes {
     /// Of `saved_bytes`, the outputs selective recompute rebuilds instead of keeping, and the
     /// experts' activations (`selective_bytes`).
     pub selective_bytes: f64,
+    /// Of `saved_bytes`, what torchtitan's per-op policy rebuilds (`op_freed_bytes`).
+    pub op_freed_bytes: f64,
+    /// What that policy keeps beyond `saved_bytes` (`op_held_bytes`).
+    pub op_held_bytes: f64,
     /// Per microbatch, whatever its size: the low-type copies of weights its matrix products
     /// keep under autocast (0 in one type throughout).
     pub weight_copy_bytes: f64,
@@ -199,6 +221,8 @@ impl LayerBytes {
             shared_input_bytes: self.shared_input_bytes * factor,
             shared_saved_bytes: self.shared_saved_bytes * factor,
             selective_bytes: self.selective_bytes * factor,
+            op_freed_bytes: self.op_freed_bytes * factor,
+            op_held_bytes: self.op_held_bytes * factor,
             weight_copy_bytes: self.weight_copy_bytes * factor,
         }
     }
@@ -217,6 +241,8 @@ impl Layer {
             shared_input_bytes: self.shared_input_bytes,
             shared_saved_bytes: self.shared_saved_bytes,
             selective_bytes: self.selective_bytes,
+            op_freed_bytes: self.op_freed_bytes,
+            op_held_bytes: self.op_held_bytes,
             weight_copy_bytes: 0.0,
         }
     }

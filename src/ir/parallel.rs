@@ -71,6 +71,8 @@ pub struct Parallelism {
     pub schedule: ScheduleKind,
     /// Checkpointing policy as requested.
     pub checkpointing: CheckpointRule,
+    /// What a selectively recomputed layer rebuilds ([`SelectivePolicy`]).
+    pub selective_policy: SelectivePolicy,
     /// Mesh axis order, outermost first.
     pub placement: Placement,
     /// Sequence parallelism within each tensor-parallel group (Megatron-LM's): row-parallel
@@ -123,6 +125,7 @@ impl Parallelism {
             active_microbatches: None,
             schedule: ScheduleKind::OneFOneB,
             checkpointing: CheckpointRule::Auto,
+            selective_policy: SelectivePolicy::Pointwise,
             placement: Placement::CLUSTER,
             sequence_parallel: false,
             precision: Precision::F32,
@@ -345,6 +348,48 @@ impl std::str::FromStr for CheckpointRule {
             "full" => Ok(CheckpointRule::Always),
             "selective" => Ok(CheckpointRule::Selective),
             _ => Err(format!("`{s}`: expected auto, auto-selective, none, selective or full")),
+        }
+    }
+}
+
+/// What selective recompute rebuilds in a layer's backward instead of keeping from its forward
+/// (`--selective-policy`, plan field `parallel.selective_policy`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum SelectivePolicy {
+    /// Its normalisations' and activation functions' outputs, as Megatron-Core's
+    /// `--recompute-modules layernorm mlp_act` (`pointwise`).
+    #[default]
+    Pointwise,
+    /// torchtitan's per-op policy (`selective_ac_option = "op"`): the outputs of attention and of
+    /// every other weight product (the first, third, … in the layer's order) are kept, whatever
+    /// reads them; everything else the backward needs is rebuilt from them and the layer's
+    /// inputs (`op`).
+    Ops,
+}
+
+impl SelectivePolicy {
+    /// The name the CLI and the plan file use: `pointwise` or `op`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SelectivePolicy::Pointwise => "pointwise",
+            SelectivePolicy::Ops => "op",
+        }
+    }
+}
+
+impl std::fmt::Display for SelectivePolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for SelectivePolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "pointwise" => Ok(SelectivePolicy::Pointwise),
+            "op" => Ok(SelectivePolicy::Ops),
+            _ => Err(format!("`{s}`: expected pointwise or op")),
         }
     }
 }

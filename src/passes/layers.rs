@@ -10,7 +10,7 @@ use sha2::{Digest, Sha256};
 
 use super::PassError;
 use super::figures::{Figures, is_param};
-use crate::ir::{DimBindings, Graph, Layer, LayerBytes, LayerKind, Node, NodeFigures, NodeId, OpKind, ValueId, ValueKind};
+use crate::ir::{DimBindings, Graph, Layer, LayerBytes, LayerKind, Node, NodeFigures, NodeId, OpKind, OpSelective, ValueId, ValueKind};
 
 /// How a node was placed before helpers are attached.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,6 +93,9 @@ pub fn group(graph: &Graph, fig: &Figures, _dims: &DimBindings) -> Result<Vec<La
             shared_saved_bytes: 0.0,
             selective_bytes: 0.0,
             selective_nodes: Vec::new(),
+            op_selective: Default::default(),
+            op_freed_bytes: 0.0,
+            op_held_bytes: 0.0,
         });
     }
     for layer in &mut layers {
@@ -109,12 +112,15 @@ pub fn group(graph: &Graph, fig: &Figures, _dims: &DimBindings) -> Result<Vec<La
         layer.shared_input_bytes = b.shared_input_bytes;
         layer.shared_saved_bytes = b.shared_saved_bytes;
         layer.selective_bytes = b.selective_bytes;
+        layer.op_freed_bytes = b.op_freed_bytes;
+        layer.op_held_bytes = b.op_held_bytes;
     }
     for layer in &mut layers {
         let saved = saved_values(fig, layer);
         layer.selective_nodes = selectively_recomputed(graph, layer, &saved).into_iter().map(|(n, _)| n).collect();
         // a mixture of experts rebuilds its experts' activations inside it
         layer.selective_nodes.extend(layer.nodes.iter().copied().filter(|n| fig.saved[n.index()].experts_activation_bytes > 0.0));
+        layer.op_selective = op_policy(graph, fig, layer, &saved).selective;
     }
     Ok(layers)
 }
@@ -142,7 +148,10 @@ pub fn layer_bytes(graph: &Graph, fig: &Figures, layers: &[Layer]) -> Vec<LayerB
             // the same tensor for every reader: the memory model holds it once per stage
             let shared: Vec<ValueId> = layer.inputs.iter().copied().filter(|v| readers[v] > 1).collect();
             let selective = selectively_recomputed(graph, layer, &saved);
+            let ops = op_policy(graph, fig, layer, &saved);
             LayerBytes {
+                op_freed_bytes: bytes(&mut ops.freed.iter()),
+                op_held_bytes: bytes(&mut ops.held.iter()),
                 selective_bytes: selective.iter().map(|&(_, v)| fig.value_bytes(graph, v)).sum::<f64>()
                     + layer.nodes.iter().map(|n| fig.saved[n.index()].experts_activation_bytes).sum::<f64>(),
                 saved_bytes: saved.iter().map(|&v| fig.value_bytes(graph, v)).sum::<f64>() + extra,
@@ -189,6 +198,139 @@ pub fn selectively_recomputed(graph: &Graph, layer: &Layer, saved: &[ValueId]) -
             (kept && !escapes && node.inputs.iter().flatten().all(|&i| held(i))).then_some((n, v))
         })
         .collect()
+}
+
+/// A layer under torchtitan's per-op selective recompute ([`op_policy`]).
+pub struct OpPolicy {
+    /// Its rebuilt and kept nodes.
+    pub selective: OpSelective,
+    /// Saved values whose storage the rebuilt nodes' outputs are (freed after the forward).
+    pub freed: Vec<ValueId>,
+    /// Values held that no backward keeps: the kept nodes' outputs and what the rebuilt nodes
+    /// read, beyond the saved values and the layer's inputs.
+    pub held: Vec<ValueId>,
+}
+
+/// Ops whose output may share its input's storage in the runner (libtorch views): never freed
+/// on their own; they follow the tensor they view.
+fn views_input(kind: OpKind) -> bool {
+    use OpKind::*;
+    matches!(kind, Reshape | Flatten | Squeeze | Unsqueeze | Identity | Transpose | Slice | Split | Expand)
+}
+
+/// torchtitan's per-op selective recompute of `layer` (its `_op_sac_save_list` policy): the
+/// outputs of attention (fused, or the product that reads its scores), of a mixture of experts and of every other weight product (the first,
+/// third, … in execution order, as its `mm` count, a router's aside) are kept whether or not a
+/// backward reads them; every other node whose output a backward keeps (in `saved`) is rebuilt, with
+/// whatever of the layer it reads in turn, from those and the layer's inputs. A node that
+/// cannot be rebuilt alone (several outputs, random draws, an unknown op, an output that
+/// leaves the layer) is kept instead. Only a block has them: the embedding and the head keep
+/// theirs, as torchtitan checkpoints its transformer blocks alone.
+pub fn op_policy(graph: &Graph, fig: &Figures, layer: &Layer, saved: &[ValueId]) -> OpPolicy {
+    // torchtitan wraps its transformer blocks alone
+    if layer.kind != LayerKind::Block {
+        return OpPolicy { selective: OpSelective::default(), freed: Vec::new(), held: Vec::new() };
+    }
+    let producer: HashMap<ValueId, NodeId> = layer.nodes.iter().flat_map(|&n| graph.node(n).outputs.iter().map(move |&v| (v, n))).collect();
+    let kind = |n: NodeId| graph.node(n).op.kind();
+    // a reshape of an expanded or transposed tensor copies it (libtorch's `reshape`): a tensor
+    // of its own, rebuilt as any op's output
+    let copies = |n: NodeId| {
+        let reshape = matches!(kind(n), Some(OpKind::Reshape | OpKind::Flatten));
+        let strided = graph.node(n).inputs.first().copied().flatten().and_then(|i| producer.get(&i)).is_some_and(|&p| matches!(kind(p), Some(OpKind::Expand | OpKind::Transpose)));
+        reshape && strided
+    };
+    let is_view = |n: NodeId| kind(n).is_some_and(views_input) && !copies(n);
+    // a router's products (one column per expert) are recomputed and not counted, as its
+    // default `per_op_sac_force_recompute_mm_shapes_by_fqns = ["moe.router.gate"]` has it
+    let routers: HashSet<i64> = layer.nodes.iter().filter(|&&n| kind(n) == Some(OpKind::MixtureOfExperts)).map(|&n| graph.node(n).attrs.int("experts", 0)).collect();
+    let router = |n: NodeId| routers.contains(&(fig.per_node[n.index()].gemms[0].n as i64));
+    // an attention left as ops: its scores are inside it (never stored where attention is
+    // fused), the product that reads them is its output
+    let score = |n: NodeId| graph.node(n).outputs.iter().any(|v| fig.score.get(v.index()).copied().unwrap_or(false));
+    let reads_scores = |n: NodeId| graph.node(n).inputs.iter().flatten().any(|v| fig.score.get(v.index()).copied().unwrap_or(false));
+    let mut products = 0usize;
+    let kept: HashSet<NodeId> = layer
+        .nodes
+        .iter()
+        .copied()
+        .filter(|&n| match kind(n) {
+            _ if score(n) => false,
+            _ if reads_scores(n) => true,
+            Some(OpKind::MatMul | OpKind::Gemm) if fig.per_node[n.index()].gemms[0].share > 0.0 && !router(n) => {
+                products += 1;
+                products % 2 == 1
+            }
+            Some(OpKind::ScaledDotProductAttention | OpKind::MixtureOfExperts) => true,
+            _ => false,
+        })
+        .collect();
+    let escapes = |v: ValueId| layer.outputs.contains(&v) || graph.outputs.contains(&v);
+    let rebuildable = |n: NodeId| {
+        let node = graph.node(n);
+        node.outputs.len() == 1
+            && !escapes(node.outputs[0])
+            && kind(n).is_some_and(|k| !matches!(k, OpKind::Dropout) && !k.recomputed_inside())
+    };
+    // from each saved value back through what making it reads, stopping at kept nodes and at
+    // the layer's edge
+    let mut rebuilt: HashSet<NodeId> = HashSet::new();
+    let mut seen: HashSet<NodeId> = HashSet::new();
+    let mut work: Vec<NodeId> = saved.iter().filter_map(|v| producer.get(v).copied()).collect();
+    while let Some(n) = work.pop() {
+        if kept.contains(&n) || score(n) || !seen.insert(n) {
+            continue;
+        }
+        let through_view = is_view(n);
+        if !through_view {
+            if !rebuildable(n) {
+                continue;
+            }
+            rebuilt.insert(n);
+        }
+        work.extend(graph.node(n).inputs.iter().flatten().filter_map(|i| producer.get(i).copied()));
+    }
+    // a view is freed with the tensor it views
+    let mut freed_storage: HashSet<ValueId> = HashSet::new();
+    for &n in &layer.nodes {
+        let node = graph.node(n);
+        let views_freed = is_view(n) && node.inputs.first().copied().flatten().is_some_and(|i| freed_storage.contains(&i));
+        if rebuilt.contains(&n) || views_freed {
+            freed_storage.extend(node.outputs.iter().copied());
+        }
+    }
+    let saved_set: HashSet<ValueId> = saved.iter().copied().collect();
+    let freed: Vec<ValueId> = saved.iter().copied().filter(|v| freed_storage.contains(v)).collect();
+    // a view held holds the tensor it views
+    let base = |mut v: ValueId| {
+        while let Some(&p) = producer.get(&v).filter(|&&p| is_view(p)) {
+            match graph.node(p).inputs.first().copied().flatten() {
+                Some(i) => v = i,
+                None => break,
+            }
+        }
+        v
+    };
+    let saved_bases: HashSet<ValueId> = saved.iter().map(|&v| base(v)).collect();
+    let mut held: Vec<ValueId> = Vec::new();
+    let mut hold = |v: ValueId| {
+        let v = base(v);
+        let extra = !saved_set.contains(&v) && !saved_bases.contains(&v) && !layer.inputs.contains(&v) && !freed_storage.contains(&v) && !escapes(v);
+        if extra && graph.value(v).kind == ValueKind::Intermediate && !held.contains(&v) {
+            held.push(v);
+        }
+    };
+    for &n in &layer.nodes {
+        let node = graph.node(n);
+        if kept.contains(&n) {
+            node.outputs.iter().copied().for_each(&mut hold);
+        }
+        if rebuilt.contains(&n) {
+            node.inputs.iter().flatten().copied().for_each(&mut hold);
+        }
+    }
+    let in_order = |set: &HashSet<NodeId>| layer.nodes.iter().copied().filter(|n| set.contains(n)).collect();
+    OpPolicy { selective: OpSelective { rebuilt: in_order(&rebuilt), kept: in_order(&kept) }, freed, held }
 }
 
 /// What the layer's nodes keep for the backward under `fig`, each value once, in the order

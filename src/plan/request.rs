@@ -79,6 +79,9 @@ pub struct PlanRequest {
     /// `--checkpointing` (`auto`, `none`, `full`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpointing: Option<String>,
+    /// `--selective-policy` (`pointwise`, `op`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selective_policy: Option<String>,
     /// `--optimize` (`speed`, `memory`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optimize: Option<String>,
@@ -162,6 +165,7 @@ impl PlanRequest {
             active_microbatches: options.active_microbatches,
             schedule: options.schedule.map(|s| s.to_string()),
             checkpointing: options.checkpointing.map(|c| c.name().to_string()),
+            selective_policy: options.selective_policy.map(|p| p.name().to_string()),
             optimize: options.optimize.map(|o| o.to_string()),
             placement: options.placement.map(|p| p.to_string()),
             layout: options.layout.as_ref().map(ToString::to_string),
@@ -202,6 +206,7 @@ impl PlanRequest {
             active_microbatches: self.active_microbatches,
             schedule: read("schedule", &self.schedule, parse_schedule)?,
             checkpointing: read("checkpointing", &self.checkpointing, parse_checkpointing)?,
+            selective_policy: read("selective_policy", &self.selective_policy, |s| s.parse())?,
             optimize: read("optimize", &self.optimize, |s| s.parse())?,
             placement: read("placement", &self.placement, |s| s.parse())?,
             layout: read("layout", &self.layout, |s| s.parse::<Layout>())?,

@@ -13,7 +13,7 @@ use crate::cost::{LinkKind, MachineFacts};
 use super::request::PlanRequest;
 use crate::codegen::encode::{CodegenInput, CodegenSection, Mesh, RankView, StageInput};
 use crate::codegen::EncodeError;
-use crate::ir::ScheduleKind;
+use crate::ir::{ScheduleKind, SelectivePolicy};
 use crate::ir::{CheckpointRule, OffloadRule, Parallelism, Placement as AxisOrder, Precision};
 use crate::solve::{Baseline, SolveStatus};
 use crate::split::Strategy;
@@ -210,7 +210,7 @@ pub struct ClusterInfo {
 mod parallel_file {
     use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-    use super::{AxisOrder, CheckpointRule, OffloadRule, Parallelism, Precision, ScheduleKind, is_false};
+    use super::{AxisOrder, CheckpointRule, OffloadRule, Parallelism, Precision, ScheduleKind, SelectivePolicy, is_false};
 
     #[derive(Serialize, Deserialize)]
     #[serde(deny_unknown_fields)]
@@ -232,6 +232,8 @@ mod parallel_file {
         schedule: String,
         virtual_stages: usize,
         checkpointing: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        selective_policy: Option<String>,
         placement: String,
         #[serde(default, skip_serializing_if = "is_false")]
         sequence_parallel: bool,
@@ -263,6 +265,7 @@ mod parallel_file {
             schedule: p.schedule.name().to_string(),
             virtual_stages: p.schedule.virtual_stages(),
             checkpointing: p.checkpointing.name().to_string(),
+            selective_policy: (p.selective_policy != SelectivePolicy::default()).then(|| p.selective_policy.name().to_string()),
             placement: p.placement.to_string(),
             sequence_parallel: p.sequence_parallel,
             precision: p.precision.name().to_string(),
@@ -282,6 +285,10 @@ mod parallel_file {
         let schedule = ScheduleKind::from_parts(&f.schedule, f.virtual_stages)
             .map_err(|e| bad(format!("parallel.schedule `{}` with virtual_stages {}: {e}", f.schedule, f.virtual_stages)))?;
         let checkpointing = f.checkpointing.parse::<CheckpointRule>().map_err(|e| bad(format!("parallel.checkpointing {e}")))?;
+        let selective_policy = match &f.selective_policy {
+            Some(text) => text.parse::<SelectivePolicy>().map_err(|e| bad(format!("parallel.selective_policy {e}")))?,
+            None => SelectivePolicy::default(),
+        };
         let placement = f.placement.parse::<AxisOrder>().map_err(|e| bad(format!("parallel.placement {e}")))?;
         let precision = f.precision.parse::<Precision>().map_err(|e| bad(format!("parallel.precision {e}")))?;
         let offload =
@@ -302,6 +309,7 @@ mod parallel_file {
             active_microbatches: f.active_microbatches,
             schedule,
             checkpointing,
+            selective_policy,
             placement,
             sequence_parallel: f.sequence_parallel,
             precision,

@@ -217,6 +217,7 @@ impl<'a> Grid<'a> {
                             active_microbatches: c.active_microbatches,
                             schedule,
                             checkpointing: c.checkpointing.unwrap_or(CheckpointRule::Auto),
+                            selective_policy: c.selective_policy.unwrap_or_default(),
                             placement,
                             sequence_parallel,
                             precision: c.precision_for(spec),

@@ -443,6 +443,8 @@ pub struct CostContext<'a> {
     pub expert_dispatch: crate::ir::ExpertDispatch,
     /// Which points selective recompute adds to a layer's.
     pub selective: SelectivePoints,
+    /// What those points rebuild.
+    pub selective_policy: crate::ir::SelectivePolicy,
     cache: FastMap<LayerKey, PipelineLayer>,
     facts: Option<strategy::GraphFacts>,
     splits: HashMap<usize, strategy::SplitGraph>,
@@ -534,6 +536,7 @@ impl<'a> CostContext<'a> {
             expert_imbalance: super::options::DEFAULT_EXPERT_IMBALANCE,
             expert_dispatch: crate::ir::ExpertDispatch::default(),
             selective: SelectivePoints::None,
+            selective_policy: crate::ir::SelectivePolicy::Pointwise,
             spec,
             comm: CommModel::new(spec),
             dtype,
@@ -1069,7 +1072,14 @@ impl<'a> CostContext<'a> {
     /// their outputs (each split as its node is; under context parallelism each rank's tokens),
     /// its backward longer by their forwards. `None` where nothing would be freed.
     fn selective_point(&self, layer: usize, d: &StrategyDetail, pt: &ParetoPoint, cfg: &LayerConfig) -> Option<ParetoPoint> {
-        let nodes = &self.lg.layers.get(layer)?.selective_nodes;
+        let lay = self.lg.layers.get(layer)?;
+        let bytes = self.bytes.layer(layer);
+        // the rebuilt nodes; of their outputs, what the backward keeps (freed), and what the
+        // policy holds beyond that
+        let (nodes, kept, held) = match self.selective_policy {
+            crate::ir::SelectivePolicy::Pointwise => (&lay.selective_nodes, bytes.selective_bytes, 0.0),
+            crate::ir::SelectivePolicy::Ops => (&lay.op_selective.rebuilt, bytes.op_freed_bytes, bytes.op_held_bytes),
+        };
         let (b, c, t) = (cfg.microbatch as f64, cfg.cp.max(1) as f64, cfg.tp.max(1) as f64);
         let (mut whole, mut freed, mut time) = (0.0, 0.0, 0.0);
         for &n in nodes {
@@ -1099,13 +1109,22 @@ impl<'a> CostContext<'a> {
             }
             whole += fig.output_bytes;
             freed += fig.output_bytes * b / c / split_by;
-            time += node_time(&split(&fig, b / c, split_by, SplitDim::Columns), self.dtype, self.spec);
+            // a rebuilt weight product at the rate its forward ran (fp8 under Float8 linears)
+            let dtype = crate::cost::compute::product_dtype(&node.op, &fig, lay.kind, self.dtype, self.spec);
+            time += node_time(&split(&fig, b / c, split_by, SplitDim::Columns), dtype, self.spec);
         }
-        // only what the run's precision keeps of them (an autocast product keeps its own copy)
-        let kept = self.bytes.layer(layer).selective_bytes;
-        let freed = if whole > 0.0 { freed * (kept / whole).clamp(0.0, 1.0) } else { 0.0 };
-        let freed = freed.min(pt.act_bytes - pt.input_bytes);
-        (freed > 0.0).then(|| ParetoPoint { act_bytes: pt.act_bytes - freed, bwd_s: pt.bwd_s + time, selective_bytes: freed, ..pt.clone() })
+        // only what the run's precision keeps of them (an autocast product keeps its own copy);
+        // what the policy holds, split as the rebuilt outputs are
+        let per_whole = if whole > 0.0 { freed / whole } else { 0.0 };
+        let rebuilt = freed;
+        let freed = freed * if whole > 0.0 { (kept / whole).clamp(0.0, 1.0) } else { 0.0 };
+        let net = (freed - held * per_whole).min(pt.act_bytes - pt.input_bytes);
+        // everything rebuilt lives through the layer's backward (the pointwise outputs are all kept ones)
+        let transient = match self.selective_policy {
+            crate::ir::SelectivePolicy::Pointwise => freed,
+            crate::ir::SelectivePolicy::Ops => rebuilt.max(freed),
+        };
+        (freed > 0.0 && net > 0.0).then(|| ParetoPoint { act_bytes: pt.act_bytes - net, bwd_s: pt.bwd_s + time, selective_bytes: transient, ..pt.clone() })
     }
 
     /// What context and expert parallelism add to one microbatch of `layer` on a rank under

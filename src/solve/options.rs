@@ -8,7 +8,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::cost::ClusterSpec;
-use crate::ir::{ExpertDispatch, LayeredGraph, OffloadRule, Precision, ScheduleKind, limits};
+use crate::ir::{ExpertDispatch, LayeredGraph, OffloadRule, Precision, ScheduleKind, SelectivePolicy, limits};
 
 pub use super::smp_config::{ConfigError, SmpConfig, Source, Sourced};
 use super::smp_config::conflict;
@@ -81,6 +81,9 @@ pub struct PlanOptions {
     /// activation functions' outputs, the others not (beside `checkpointed_layers`, disjoint
     /// from it; excludes `checkpointing`).
     pub selective_layers: Option<BTreeSet<usize>>,
+    /// What a selectively recomputed layer rebuilds (`--selective-policy`; default: its
+    /// norms' and activation functions' outputs).
+    pub selective_policy: Option<SelectivePolicy>,
     /// Every layer split as Megatron-LM splits it (columns then rows, the vocabulary of the
     /// embedding and head), as the engines' tensor parallelism does, instead of the intra-layer
     /// ILP's choice.
@@ -179,6 +182,8 @@ pub enum Setting {
     CheckpointedLayers,
     /// `--selective-layers`.
     SelectiveLayers,
+    /// `--selective-policy`.
+    SelectivePolicy,
     /// `--overlap-expert-comm`.
     ExpertOverlap,
     /// `--overlap-grad-sync`.
@@ -215,6 +220,7 @@ impl Setting {
             Setting::Checkpointing => "checkpointing",
             Setting::CheckpointedLayers => "recompute-layers",
             Setting::SelectiveLayers => "selective-layers",
+            Setting::SelectivePolicy => "selective-policy",
             Setting::ExpertOverlap => "overlap-expert-comm",
             Setting::GradOverlap => "overlap-grad-sync",
             Setting::Float8Linears => "float8-linears",
@@ -378,6 +384,7 @@ impl PlanOptions {
             Setting::Checkpointing => self.checkpointing.map(|v| v.to_string()),
             Setting::CheckpointedLayers => self.checkpointed_layers.as_ref().map(|v| format_layer_set(v)),
             Setting::SelectiveLayers => self.selective_layers.as_ref().map(|v| format_layer_set(v)),
+            Setting::SelectivePolicy => self.selective_policy.map(|v| v.to_string()),
             Setting::ExpertImbalance => self.expert_imbalance.map(|v| v.to_string()),
             Setting::ExpertOverlap | Setting::GradOverlap | Setting::Float8Linears => None,
         };
@@ -538,6 +545,12 @@ impl PlanOptions {
                 self.source(Setting::CheckpointedLayers),
                 format!("layer {both} is both recomputed whole and selectively; a recomputed layer rebuilds everything, so name it in one list"),
             ));
+        }
+        if self.selective_policy.is_some_and(|p| p != SelectivePolicy::default()) && !self.rebuilds_selectively() {
+            return Err(ConfigError::Invalid {
+                setting: self.source(Setting::SelectivePolicy),
+                why: "says what selectively recomputed layers rebuild, and no layer is: give --checkpointing selective or auto-selective, or --selective-layers".into(),
+            });
         }
         if self.schedule == Some(ScheduleKind::ZbH1) && self.rebuilds_selectively() {
             let which = if self.selective_layers.is_some() { Setting::SelectiveLayers } else { Setting::Checkpointing };

@@ -622,6 +622,7 @@ pub fn cost_context<'a>(lg: &'a LayeredGraph, spec: &'a ClusterSpec, cfg: &PlanO
     ctx.expert_imbalance = cfg.expert_imbalance.unwrap_or(super::options::DEFAULT_EXPERT_IMBALANCE);
     ctx.expert_dispatch = cfg.expert_dispatch.unwrap_or_default();
     ctx.selective = super::layer_cost::SelectivePoints::of(cfg.checkpointing.unwrap_or_default(), cfg.checkpoint_flags(lg.layers.len()).as_deref());
+    ctx.selective_policy = cfg.selective_policy.unwrap_or_default();
     ctx
 }
 

@@ -85,6 +85,7 @@ pub fn fixture() -> Plan {
             active_microbatches: None,
             schedule: smp_partition::ir::ScheduleKind::OneFOneB,
             checkpointing: smp_partition::solve::CheckpointRule::Auto,
+            selective_policy: Default::default(),
             placement: smp_partition::solve::Placement::CLUSTER,
             sequence_parallel: false,
             precision: smp_partition::ir::Precision::Bf16Mixed,

@@ -101,6 +101,9 @@ pub fn gpt(shape: GptShape) -> LayeredGraph {
             shared_saved_bytes: 0.0,
             selective_bytes: 0.0,
             selective_nodes: Vec::new(),
+            op_selective: Default::default(),
+            op_freed_bytes: 0.0,
+            op_held_bytes: 0.0,
         });
         x = y;
     }

@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use smp_partition::compile::{Analysed, Observer, Stage};
 use smp_partition::cost::ClusterSpec;
-use smp_partition::ir::{OffloadRule, Precision, ScheduleKind};
+use smp_partition::ir::{OffloadRule, Precision, ScheduleKind, SelectivePolicy};
 use smp_partition::compile::ParamOptions;
 use smp_partition::engines::Engine;
 use smp_partition::plan::{Plan, io, report};
@@ -139,6 +139,11 @@ pub struct PlanFlags {
     /// recompute), beside `--recompute-layers`; the others keep theirs.
     #[arg(long, value_name = "LIST", value_parser = parse_layer_set, conflicts_with = "checkpointing")]
     pub selective_layers: Option<BTreeSet<usize>>,
+    /// What selective recompute rebuilds: pointwise (the norms' and activation functions'
+    /// outputs, the default) or op (torchtitan's per-op policy: attention's and every other
+    /// weight product's outputs kept, the rest of the layer rebuilt from them).
+    #[arg(long, value_name = "pointwise|op")]
+    pub selective_policy: Option<SelectivePolicy>,
     /// Objective: speed, or least memory within 5 % of the fastest step.
     #[arg(long, value_name = "speed|memory")]
     pub optimize: Option<Optimize>,
@@ -228,6 +233,7 @@ impl PlanFlags {
             checkpointing: self.checkpointing,
             checkpointed_layers: self.recompute_layers.clone(),
             selective_layers: self.selective_layers.clone(),
+            selective_policy: self.selective_policy,
             optimize: self.optimize,
             placement: self.placement,
             layout: self.layout.clone(),

@@ -62,6 +62,8 @@ struct Part {
     rebuilt: Vec<Rebuilt>,
     /// Experts' activations inside its mixtures of experts, the same.
     experts: Vec<ExpertActivationParts>,
+    /// Outputs held until the backward though none of it reads them ([`Segment::held`]).
+    _held: Vec<Tensor>,
 }
 
 /// An output freed after its segment's forward (selective recompute): the node that made it,
@@ -89,7 +91,14 @@ fn set_aside(graph: &crate::ir::Graph, nodes: &[NodeId], outs: &HashMap<ValueId,
         let Some((&v, t)) = node.outputs.first().and_then(|v| outs.get_key_value(v)) else { continue };
         let (lo, hi) = span(t);
         let viewed = keep.iter().filter(|&&k| k != v).filter_map(|k| outs.get(k)).any(|o| (lo..hi.max(lo + 1)).contains(&(o.data_ptr() as usize)));
-        if viewed || t.numel() == 0 {
+        // an output that views what the node reads (a reshape that did not copy) is that
+        // tensor's storage: freeing it would free the input
+        let overlaps = |o: &Tensor| {
+            let (a, b) = span(o);
+            a < hi && lo < b
+        };
+        let views_input = node.inputs.iter().flatten().filter_map(|i| outs.get(i)).any(overlaps);
+        if viewed || views_input || t.numel() == 0 {
             continue;
         }
         let inputs = node.inputs.iter().flatten().filter_map(|i| outs.get(i).map(|x| (*i, x.shallow_clone()))).collect();
@@ -435,6 +444,9 @@ impl<'r, 'a> Interp<'r, 'a> {
             } else {
                 // what rebuilding the selectively recomputed outputs reads is kept with them
                 let mut keep = seg.outputs.clone();
+                for &n in &seg.held {
+                    keep.extend(ex.graph().node(n).outputs.iter().copied().filter(|v| !seg.outputs.contains(v)));
+                }
                 let mut inside = HashSet::new();
                 for &n in &seg.rebuilt {
                     let node = ex.graph().node(n);
@@ -454,10 +466,11 @@ impl<'r, 'a> Interp<'r, 'a> {
                 for e in &experts {
                     e.free()?;
                 }
+                let held: Vec<Tensor> = seg.held.iter().flat_map(|&n| ex.graph().node(n).outputs.iter()).filter_map(|v| outs.get(v).map(Tensor::shallow_clone)).collect();
                 outs.retain(|v, _| seg.outputs.contains(v));
                 let outputs: Vec<(ValueId, Tensor)> = seg.outputs.iter().filter_map(|v| outs.get(v).map(|t| (*v, t.shallow_clone()))).collect();
                 env.extend(outs);
-                parts.push(Some(Part { inputs: ins, outputs, rebuilt, experts }));
+                parts.push(Some(Part { inputs: ins, outputs, rebuilt, experts, _held: held }));
             }
             self.zero.note_peak(peak);
         }
@@ -489,7 +502,7 @@ impl<'r, 'a> Interp<'r, 'a> {
                     let outs: Vec<Tensor> = leaves.iter().map(|(_, t)| t.shallow_clone()).collect();
                     let loss = self.microbatch_loss(mb, &outs)?;
                     self.count_loss(&loss)?;
-                    (Vec::new(), Some(loss), Some(Part { inputs: leaves, outputs: Vec::new(), rebuilt: Vec::new(), experts: Vec::new() }))
+                    (Vec::new(), Some(loss), Some(Part { inputs: leaves, outputs: Vec::new(), rebuilt: Vec::new(), experts: Vec::new(), _held: Vec::new() }))
                 }
             }
         } else {
@@ -650,7 +663,7 @@ impl<'r, 'a> Interp<'r, 'a> {
                     feeds.extend(ins.iter().map(|(v, t)| (*v, t.shallow_clone())));
                     let outs = ex.run_nodes(&seg.nodes, &feeds, &seg.outputs)?;
                     let outputs = seg.outputs.iter().filter_map(|v| outs.get(v).map(|t| (*v, t.shallow_clone()))).collect();
-                    Part { inputs: ins, outputs, rebuilt: Vec::new(), experts: Vec::new() }
+                    Part { inputs: ins, outputs, rebuilt: Vec::new(), experts: Vec::new(), _held: Vec::new() }
                 }
             };
             rebuild(ex, &part.rebuilt)?;

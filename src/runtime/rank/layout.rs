@@ -39,8 +39,9 @@ pub struct StageLayout {
     /// (`StageCode::checkpointed_layers`) or selectively (`StageCode::selective_nodes`).
     pub recompute: Vec<bool>,
     /// Per stage, the nodes whose outputs it frees after each forward and rebuilds before the
-    /// backward (`StageCode::selective_nodes`), by name.
-    pub selective: Vec<std::collections::HashSet<String>>,
+    /// backward (`StageCode::selective_nodes`) and those whose outputs it holds until then
+    /// (`StageCode::selective_kept`), by name.
+    pub selective: Vec<super::segments::SelectiveNames>,
 }
 
 /// What to do with a plan the runner cannot execute as it is.
@@ -175,7 +176,11 @@ pub fn stage_layout(section: &CodegenSection, graph: &Graph) -> Result<StageLayo
         }
     }
     let recompute = section.stages.iter().map(|s| !s.checkpointed_layers.is_empty() || !s.selective_nodes.is_empty()).collect();
-    let selective = section.stages.iter().map(|s| s.selective_nodes.iter().cloned().collect()).collect();
+    let selective = section
+        .stages
+        .iter()
+        .map(|s| super::segments::SelectiveNames { rebuilt: s.selective_nodes.iter().cloned().collect(), kept: s.selective_kept.iter().cloned().collect() })
+        .collect();
     Ok(StageLayout { nodes, outputs_to_next, gradients_from_next, data_inputs, params, recompute, selective })
 }
 

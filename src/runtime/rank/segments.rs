@@ -34,6 +34,26 @@ pub(super) struct Segment {
     /// Nodes of a segment that keeps its activations whose output is freed after its forward
     /// and rebuilt before its backward (selective recompute), in execution order.
     pub rebuilt: Vec<NodeId>,
+    /// Nodes of such a segment whose outputs it holds until its backward though no backward
+    /// reads them (torchtitan's per-op policy keeps them).
+    pub held: Vec<NodeId>,
+}
+
+/// A stage's selective recompute by node name ([`crate::codegen::encode::StageCode`]'s
+/// `selective_nodes` and `selective_kept`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SelectiveNames {
+    /// Nodes whose outputs are freed after the forward and rebuilt before the backward.
+    pub rebuilt: HashSet<String>,
+    /// Nodes whose outputs are held from the forward to the backward.
+    pub kept: HashSet<String>,
+}
+
+impl SelectiveNames {
+    /// True when the stage recomputes nothing selectively.
+    pub fn is_empty(&self) -> bool {
+        self.rebuilt.is_empty()
+    }
 }
 
 /// A recomputed stage's segments, and which kept values may leave the device.
@@ -67,7 +87,7 @@ pub(super) fn stage_segments(
     (received, yields): (&HashSet<ValueId>, &[ValueId]),
     shared: &HashSet<String>,
     per_layer: bool,
-    selective: &HashSet<String>,
+    selective: &SelectiveNames,
 ) -> StageSegments {
     let layers = node_layers(graph, order, layer_of);
     // each layer's nodes together (the order may interleave a layer's nodes with ones an
@@ -103,7 +123,7 @@ pub(super) fn stage_segments(
     }
     let mut segments: Vec<Segment> = groups
         .iter()
-        .map(|(ck, _, nodes)| Segment { nodes: nodes.clone(), checkpointed: *ck, inputs: Vec::new(), outputs: Vec::new(), params: Vec::new(), rebuilt: Vec::new() })
+        .map(|(ck, _, nodes)| Segment { nodes: nodes.clone(), checkpointed: *ck, inputs: Vec::new(), outputs: Vec::new(), params: Vec::new(), rebuilt: Vec::new(), held: Vec::new() })
         .collect();
     for (i, seg) in segments.iter_mut().enumerate() {
         let mut seen = HashSet::new();
@@ -131,10 +151,11 @@ pub(super) fn stage_segments(
                 .nodes
                 .iter()
                 .copied()
-                .filter(|&n| selective.contains(&graph.node(n).name))
+                .filter(|&n| selective.rebuilt.contains(&graph.node(n).name))
                 // a mixture of experts rebuilds its experts' activations, its output stays
                 .filter(|&n| graph.node(n).op.kind().is_some_and(crate::ir::OpKind::recomputed_inside) || matches!(graph.node(n).outputs.as_slice(), [v] if !seg.outputs.contains(v) && !yields.contains(v)))
                 .collect();
+            seg.held = seg.nodes.iter().copied().filter(|&n| selective.kept.contains(&graph.node(n).name)).collect();
         }
     }
     // a kept value leaves the device when one offloaded layer alone reads it
@@ -237,7 +258,7 @@ mod tests {
         let layers = node_layers(&g, &order, &layer_of);
         let at = |v: ValueId| layers[order.iter().position(|&n| g.node(n).outputs.contains(&v)).unwrap()];
         assert_eq!((at(gathered), at(cut)), (1, 0), "the gather with q's layer, the cut with its reader's");
-        let segs = stage_segments(&g, &order, &layer_of, (&BTreeSet::from([1]), &BTreeSet::new()), (&HashSet::new(), &[y]), &HashSet::new(), false, &HashSet::new());
+        let segs = stage_segments(&g, &order, &layer_of, (&BTreeSet::from([1]), &BTreeSet::new()), (&HashSet::new(), &[y]), &HashSet::new(), false, &SelectiveNames::default());
         assert_eq!(segs.segments.len(), 2, "layer 0, then the checkpointed layer 1 whole: {:?}", segs.segments);
         assert!(segs.segments[1].checkpointed && segs.segments[1].nodes.len() == 3);
     }
