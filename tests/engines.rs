@@ -342,6 +342,22 @@ fn torchtitan_per_op_checkpointing_is_written_back() {
     let m = engines::emit(Engine::Megatron, &plan, &a, &cluster).expect("emit");
     let gap = m.gaps.iter().find(|g| g.gap.field == engines::PlanField::Recompute).expect("a recompute gap");
     assert!(gap.gap.chose.contains("per-op policy"), "{}", gap.gap.chose);
+    let text = smp_partition::plan::report::render(&plan);
+    assert!(text.contains("checkpointing selective (per op)") && text.contains("torchtitan's per-op policy"), "{text}");
+    // layers fixed one by one with none recomputed read as none, though Megatron's baseline
+    // takes full recompute for its rule
+    let none = PlanOptions {
+        checkpointing: None,
+        selective_policy: None,
+        checkpointed_layers: Some(BTreeSet::new()),
+        baseline: Some(smp_partition::solve::Baseline::Megatron),
+        memory_limit_gib: Some(1e6),
+        ..req
+    };
+    let plan = compile(&a, &cluster, &none);
+    assert_eq!(plan.parallel.checkpointing, smp_partition::solve::CheckpointRule::Always);
+    let text = smp_partition::plan::report::render(&plan);
+    assert!(text.contains("checkpointing none,"), "{text}");
 }
 
 /// Megatron's output-discarding recompute of the norms (and the experts' activation) is the

@@ -32,10 +32,11 @@ fn recompute(p: &Plan) -> String {
         n if n == p.model.layers => "every layer".to_string(),
         n => format!("{n} of {} layers", p.model.layers),
     };
+    let policy = if p.parallel.selective_policy == crate::ir::SelectivePolicy::Ops { " (per op)" } else { "" };
     match (selective, whole.is_empty()) {
         (0, _) => whole,
-        (s, true) => format!("selective in {s} layers"),
-        (s, false) => format!("{whole}, selective in {s}"),
+        (s, true) => format!("selective{policy} in {s} layers"),
+        (s, false) => format!("{whole}, selective{policy} in {s}"),
     }
 }
 

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use super::schema::Plan;
-use crate::solve::Optimize;
+use crate::solve::{CheckpointRule, Optimize};
 
 /// Why the bottleneck stage is the slowest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -350,7 +350,7 @@ pub(super) fn header(plan: &Plan, out: &mut String) {
     let _ = writeln!(
         out,
         "parallel {parallel}, checkpointing {}, placement {}, precision {}{grads}",
-        par.checkpointing, par.placement, par.precision
+        recompute_said(plan), par.placement, par.precision
     );
     let seq = plan.seq_len.map_or(String::new(), |s| format!(", sequence {s}"));
     let _ = writeln!(out, "batch   {} per step{seq}", plan.global_batch);
@@ -368,6 +368,29 @@ pub(super) fn header(plan: &Plan, out: &mut String) {
     }
     out.push('\n');
 
+}
+
+/// The recompute as the header says it: the rule asked for, or, where the layers were fixed one
+/// by one and the rule does not say what they do (an engine's configuration), what the stages
+/// recompute.
+fn recompute_said(plan: &Plan) -> String {
+    let par = &plan.parallel;
+    let layers: usize = plan.stages.iter().map(|s| s.layers[1] + 1 - s.layers[0]).sum();
+    let whole: usize = plan.stages.iter().map(|s| s.checkpointed_layers.len()).sum();
+    let selective: usize = plan.stages.iter().map(|s| s.selective_layers.len()).sum();
+    let policy = if par.selective_policy == crate::ir::SelectivePolicy::Ops { " (per op)" } else { "" };
+    let said = match par.checkpointing {
+        CheckpointRule::Always if whole < layers => None,
+        CheckpointRule::Never if whole + selective > 0 => None,
+        CheckpointRule::Selective if whole > 0 || selective == 0 => None,
+        rule => Some(format!("{rule}{}", if rule == CheckpointRule::Selective { policy } else { "" })),
+    };
+    said.unwrap_or_else(|| match (whole, selective) {
+        (0, 0) => "none".into(),
+        (w, 0) => format!("{w} of {layers} layers"),
+        (0, s) => format!("selective{policy} in {s} of {layers} layers"),
+        (w, s) => format!("{w} of {layers} layers, selective{policy} in {s}"),
+    })
 }
 
 /// The op chains the plan's graph runs as one fused op each, counted by op
@@ -449,13 +472,12 @@ fn stage_table(plan: &Plan, out: &mut String) {
             par.loading_horizon
         );
     }
+    let rebuilt = match par.selective_policy {
+        crate::ir::SelectivePolicy::Pointwise => "rebuild their norms' and activation functions' outputs in the backward instead of keeping them",
+        crate::ir::SelectivePolicy::Ops => "keep attention's and every other weight product's outputs and rebuild the rest in the backward (torchtitan's per-op policy)",
+    };
     for st in plan.stages.iter().filter(|st| !st.selective_layers.is_empty()) {
-        let _ = writeln!(
-            out,
-            "selective stage {}: {} layer(s) rebuild their norms' and activation functions' outputs in the backward instead of keeping them",
-            st.index,
-            st.selective_layers.len()
-        );
+        let _ = writeln!(out, "selective stage {}: {} layer(s) {rebuilt}", st.index, st.selective_layers.len());
     }
 
 }
