@@ -472,6 +472,18 @@ fn op_policy_recompute_matches_single_process() {
         let flags: Vec<&str> = flags.iter().chain(&op).copied().collect();
         equivalent_with(name, cluster, nproc, &flags, rebuilds);
     }
+    // Llama: the fused SwiGLU's silu(gate) freed and rebuilt with its output; the same losses,
+    // to the bit in f64, as the same pipeline keeping everything
+    let dir = tempfile::tempdir().unwrap();
+    let m = repo().join("models/llama.onnx");
+    let losses_of = |name: &str, recompute: &[&str]| {
+        let args: Vec<&str> = ["--seq-len", SEQ, "--global-batch", BATCH, "--pp", "2", "--tp", "1", "--dp", "1", "--schedule", "1f1b", "--microbatches", "2"].into_iter().chain(recompute.iter().copied()).collect();
+        let p = common::runner::plan_into(&m, "cpu:2", &args, &dir.path().join(format!("{name}.json")));
+        step_losses(&launch_json(2, &p, "f64", "3"))
+    };
+    let kept = losses_of("llama-none", &["--checkpointing", "none"]);
+    let rebuilt = losses_of("llama-op", &op);
+    assert_eq!(kept, rebuilt, "llama pp 2: per-op recompute changed the losses");
 }
 
 /// ZB-H1 with recomputed layers: a checkpointed layer's whole backward runs in its B (its

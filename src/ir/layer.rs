@@ -156,7 +156,8 @@ pub struct Layer {
     pub selective_nodes: Vec<NodeId>,
     /// What torchtitan's per-op policy ([`super::SelectivePolicy::Ops`]) rebuilds and keeps.
     pub op_selective: OpSelective,
-    /// Of `figures.saved_bytes`, what that policy rebuilds instead of keeping.
+    /// Of `figures.saved_bytes`, what that policy rebuilds instead of keeping (a SwiGLU's
+    /// silu(gate) inside it too).
     pub op_freed_bytes: f64,
     /// What that policy keeps that no backward reads: the kept ops' outputs and what the
     /// rebuilt nodes read beyond the layer's inputs and the saved values.

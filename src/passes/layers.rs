@@ -150,7 +150,7 @@ pub fn layer_bytes(graph: &Graph, fig: &Figures, layers: &[Layer]) -> Vec<LayerB
             let selective = selectively_recomputed(graph, layer, &saved);
             let ops = op_policy(graph, fig, layer, &saved);
             LayerBytes {
-                op_freed_bytes: bytes(&mut ops.freed.iter()),
+                op_freed_bytes: bytes(&mut ops.freed.iter()) + ops.freed_inside,
                 op_held_bytes: bytes(&mut ops.held.iter()),
                 selective_bytes: selective.iter().map(|&(_, v)| fig.value_bytes(graph, v)).sum::<f64>()
                     + layer.nodes.iter().map(|n| fig.saved[n.index()].experts_activation_bytes).sum::<f64>(),
@@ -209,6 +209,8 @@ pub struct OpPolicy {
     /// Values held that no backward keeps: the kept nodes' outputs and what the rebuilt nodes
     /// read, beyond the saved values and the layer's inputs.
     pub held: Vec<ValueId>,
+    /// Bytes per sample a rebuilt SwiGLU keeps inside it (silu(gate)), freed and rebuilt with it.
+    pub freed_inside: f64,
 }
 
 /// Ops whose output may share its input's storage in the runner (libtorch views): never freed
@@ -224,12 +226,14 @@ fn views_input(kind: OpKind) -> bool {
 /// backward reads them; every other node whose output a backward keeps (in `saved`) is rebuilt, with
 /// whatever of the layer it reads in turn, from those and the layer's inputs. A node that
 /// cannot be rebuilt alone (several outputs, random draws, an unknown op, an output that
-/// leaves the layer) is kept instead. Only a block has them: the embedding and the head keep
+/// leaves the layer) is kept instead. A rebuilt SwiGLU's silu(gate), which the fused op keeps
+/// for its product's backward, is freed and rebuilt with it (torchtitan's separate `silu` and
+/// `mul` rebuild it too). Only a block has them: the embedding and the head keep
 /// theirs, as torchtitan checkpoints its transformer blocks alone.
 pub fn op_policy(graph: &Graph, fig: &Figures, layer: &Layer, saved: &[ValueId]) -> OpPolicy {
     // torchtitan wraps its transformer blocks alone
     if layer.kind != LayerKind::Block {
-        return OpPolicy { selective: OpSelective::default(), freed: Vec::new(), held: Vec::new() };
+        return OpPolicy { selective: OpSelective::default(), freed: Vec::new(), held: Vec::new(), freed_inside: 0.0 };
     }
     let producer: HashMap<ValueId, NodeId> = layer.nodes.iter().flat_map(|&n| graph.node(n).outputs.iter().map(move |&v| (v, n))).collect();
     let kind = |n: NodeId| graph.node(n).op.kind();
@@ -329,8 +333,9 @@ pub fn op_policy(graph: &Graph, fig: &Figures, layer: &Layer, saved: &[ValueId])
             node.inputs.iter().flatten().copied().for_each(&mut hold);
         }
     }
+    let freed_inside = rebuilt.iter().filter(|&&n| kind(n) == Some(OpKind::SwiGlu)).map(|n| fig.saved[n.index()].extra_bytes).sum();
     let in_order = |set: &HashSet<NodeId>| layer.nodes.iter().copied().filter(|n| set.contains(n)).collect();
-    OpPolicy { selective: OpSelective { rebuilt: in_order(&rebuilt), kept: in_order(&kept) }, freed, held }
+    OpPolicy { selective: OpSelective { rebuilt: in_order(&rebuilt), kept: in_order(&kept) }, freed, held, freed_inside }
 }
 
 /// What the layer's nodes keep for the backward under `fig`, each value once, in the order

@@ -165,8 +165,9 @@ impl<'g> Executor<'g> {
     }
 
     /// Runs `f` (forwards of this executor), handing back the experts' activations the
-    /// mixtures of experts named in `experts` made (selective recompute frees them and rebuilds
-    /// them before the backward: [`ops::moe::ExpertActivationParts`]).
+    /// mixtures of experts named in `experts` made, and the silu(gate) of the SwiGLUs named there
+    /// (selective recompute frees them and rebuilds them before the backward:
+    /// [`ops::moe::ExpertActivationParts`]).
     pub(crate) fn setting_aside_experts<T>(&self, experts: std::collections::HashSet<String>, f: impl FnOnce() -> T) -> (T, Vec<ops::moe::ExpertActivationParts>) {
         *self.set_aside.borrow_mut() = (experts, Vec::new());
         let out = f();
@@ -176,7 +177,8 @@ impl<'g> Executor<'g> {
 
     /// One node: a kernel, or a tensor-parallel collective over `tensor_group`.
     fn run_node(&self, node: &Node, inputs: &[Option<Tensor>]) -> Result<Vec<Tensor>, String> {
-        if node.op.is(crate::ir::OpKind::MixtureOfExperts) && self.set_aside.borrow().0.contains(&node.name) {
+        let inside = node.op.is(crate::ir::OpKind::MixtureOfExperts) || node.op.is(crate::ir::OpKind::SwiGlu);
+        if inside && self.set_aside.borrow().0.contains(&node.name) {
             let (out, made) = ops::moe::setting_aside(|| self.run_kernel(node, inputs));
             self.set_aside.borrow_mut().1.extend(made);
             return out;

@@ -448,11 +448,16 @@ impl<'r, 'a> Interp<'r, 'a> {
                     keep.extend(ex.graph().node(n).outputs.iter().copied().filter(|v| !seg.outputs.contains(v)));
                 }
                 let mut inside = HashSet::new();
+                // torchtitan's per-op policy rebuilds a SwiGLU's silu(gate) with its output
+                let per_op = r.parallel.selective_policy == crate::ir::SelectivePolicy::Ops;
                 for &n in &seg.rebuilt {
                     let node = ex.graph().node(n);
                     if rebuilt_inside(node) {
                         inside.insert(node.name.clone());
                         continue;
+                    }
+                    if per_op && node.op.is(crate::ir::OpKind::SwiGlu) {
+                        inside.insert(node.name.clone());
                     }
                     for v in node.outputs.iter().chain(node.inputs.iter().flatten()) {
                         if !keep.contains(v) {

@@ -241,6 +241,18 @@ impl ExpertActivationParts {
     }
 }
 
+/// While [`setting_aside`] runs, records a SwiGLU's silu(gate) (the fused op keeps it for its
+/// product's backward) as one more activation to free and rebuild from `gate` and `up`.
+pub(crate) fn note_inside_silu(gate: &Tensor, up: &Tensor, silu: &Tensor) {
+    SET_ASIDE.with(|c| {
+        if let Some(v) = c.borrow_mut().as_mut() {
+            // `activate` makes silu(gate) and the product; the product is the op's own output,
+            // which the recompute rebuilds as a node: only silu(gate) is refilled here
+            v.push(ExpertActivationParts { gate: gate.shallow_clone(), up: up.shallow_clone(), activation: ExpertActivation::Silu, made: vec![silu.shallow_clone()] });
+        }
+    });
+}
+
 /// Runs `f` and hands back the experts' activations every [`run_experts`] inside it made.
 pub(crate) fn setting_aside<T>(f: impl FnOnce() -> T) -> (T, Vec<ExpertActivationParts>) {
     let before = SET_ASIDE.replace(Some(Vec::new()));

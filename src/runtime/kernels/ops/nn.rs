@@ -194,7 +194,12 @@ pub(super) fn rms_norm(a: &Args) -> KResult<Tensor> {
 
 /// `SwiGlu(gate, up)` (made by `passes::fuse`): `silu(gate) ⊙ up`, broadcast.
 pub(super) fn swiglu(a: &Args) -> KResult<Tensor> {
-    Ok(a.x(0)?.f_silu()?.f_mul(a.x(1)?)?)
+    let (gate, up) = (a.x(0)?, a.x(1)?);
+    let s = gate.f_silu()?;
+    let h = s.f_mul(up)?;
+    // silu(gate), which the product's backward keeps, handed to a recompute that rebuilds it
+    super::moe::note_inside_silu(gate, up, &s);
+    Ok(h)
 }
 
 /// `ApplyRotary(x, cos, sin)` (see [`OpKind::ApplyRotary`](crate::ir::OpKind::ApplyRotary)):
