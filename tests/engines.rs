@@ -381,6 +381,9 @@ fn megatron_norm_recompute_is_selective_recompute() {
     assert!(r.unpriced.is_empty() && r.options.checkpointing == Some(smp_partition::solve::CheckpointRule::Selective), "{:?}", r.unpriced);
     let r = read_moe("--tensor-model-parallel-size 8 --recompute-granularity selective --recompute-modules layernorm --seq-length 4096");
     assert_eq!(r.unpriced.iter().map(|u| u.setting.as_str()).collect::<Vec<_>>(), ["--recompute-modules layernorm"]);
+    // its fused cross-entropy is named as priced unfused, not as unknown
+    let r = read("--tensor-model-parallel-size 8 --seq-length 8192 --cross-entropy-loss-fusion");
+    assert!(r.unpriced.iter().any(|u| u.setting == "--cross-entropy-loss-fusion" && u.why.contains("fused cross-entropy")), "{:?}", r.unpriced);
     // core attention (Megatron's default module) is not what the planner rebuilds
     let r = read("--tensor-model-parallel-size 8 --recompute-granularity selective --recompute-modules core_attn layernorm --seq-length 8192");
     assert_eq!(r.options.checkpointing, None);

@@ -654,6 +654,12 @@ const OVERLAP_UNPRICED: &[(&str, &str)] = &[
     ("tp-comm-overlap", "the tensor-parallel collectives overlapping their products (Transformer Engine's userbuffers)"),
 ];
 
+/// Fused kernels the planner prices unfused (flag, what is overstated).
+const FUSION_UNPRICED: &[(&str, &str)] = &[
+    ("cross-entropy-loss-fusion", "the fused cross-entropy keeps no fp32 copy of the logits; priced unfused, so the loss's memory and time are overstated"),
+    ("cross-entropy-fusion-impl", "the fused cross-entropy's implementation; priced unfused"),
+];
+
 /// CUDA graphs: they take the host's kernel launches off the step, and the planner prices no
 /// host overhead at all (every kernel as if launched ahead of the device).
 const CUDA_GRAPHS: &[&str] = &["cuda-graph-impl", "cuda-graph-scope", "enable-cuda-graph", "external-cuda-graph", "cuda-graph-warmup-steps"];
@@ -1249,6 +1255,8 @@ impl ArgsReading<'_> {
                 self.reading.no_effect.push(text);
             } else if CUDA_GRAPHS.contains(&flag.as_str()) {
                 self.reading.unpriced.push(Unpriced { setting: text, why: "CUDA graphs save the host's kernel launches, which the planner never prices (it prices every kernel as if launched ahead of the device, graphed or not)".into() });
+            } else if let Some((_, why)) = FUSION_UNPRICED.iter().find(|(f, _)| *f == flag) {
+                self.reading.unpriced.push(Unpriced { setting: text, why: (*why).into() });
             } else if let Some((_, what)) = OVERLAP_UNPRICED.iter().find(|(f, _)| *f == flag) {
                 self.reading.unpriced.push(Unpriced { setting: text, why: format!("{what} is not priced: priced exposed, so the step is overstated by up to its time") });
             } else {
