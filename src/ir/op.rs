@@ -99,6 +99,14 @@ impl OpKind {
         matches!(self, Reshape | Flatten | Squeeze | Unsqueeze | Identity)
     }
 
+    /// True for ops whose runner kernel may return a view of their first input (libtorch's
+    /// `reshape` where no copy is needed, `permute`, `slice`, `split`, `expand`): the same
+    /// storage.
+    pub fn may_view_input(self) -> bool {
+        use OpKind::*;
+        matches!(self, Reshape | Flatten | Squeeze | Unsqueeze | Identity | Transpose | Slice | Split | Expand)
+    }
+
     /// True for ops that only reinterpret or move data (no arithmetic, nothing saved).
     pub fn is_view(self) -> bool {
         use OpKind::*;

@@ -213,23 +213,17 @@ pub struct OpPolicy {
     pub freed_inside: f64,
 }
 
-/// Ops whose output may share its input's storage in the runner (libtorch views): never freed
-/// on their own; they follow the tensor they view.
-fn views_input(kind: OpKind) -> bool {
-    use OpKind::*;
-    matches!(kind, Reshape | Flatten | Squeeze | Unsqueeze | Identity | Transpose | Slice | Split | Expand)
-}
-
 /// torchtitan's per-op selective recompute of `layer` (its `_op_sac_save_list` policy): the
-/// outputs of attention (fused, or the product that reads its scores), of a mixture of experts and of every other weight product (the first,
-/// third, … in execution order, as its `mm` count, a router's aside) are kept whether or not a
-/// backward reads them; every other node whose output a backward keeps (in `saved`) is rebuilt, with
-/// whatever of the layer it reads in turn, from those and the layer's inputs. A node that
-/// cannot be rebuilt alone (several outputs, random draws, an unknown op, an output that
-/// leaves the layer) is kept instead. A rebuilt SwiGLU's silu(gate), which the fused op keeps
-/// for its product's backward, is freed and rebuilt with it (torchtitan's separate `silu` and
-/// `mul` rebuild it too). Only a block has them: the embedding and the head keep
-/// theirs, as torchtitan checkpoints its transformer blocks alone.
+/// outputs of attention (fused, or the product that reads its scores), of a mixture of experts
+/// and of every other weight product (the first, third, … in execution order, as its `mm`
+/// count, a router's aside) are kept whether or not a backward reads them; every other node
+/// whose output a backward keeps (in `saved`) is rebuilt, with whatever of the layer it reads
+/// in turn, from those and the layer's inputs. A node that cannot be rebuilt alone (several
+/// outputs, random draws, an unknown op, an output that leaves the layer) is kept instead. A
+/// rebuilt SwiGLU's silu(gate), which the fused op keeps for its product's backward, is freed
+/// and rebuilt with it (torchtitan's separate `silu` and `mul` rebuild it too). Only a block
+/// has them: the embedding and the head keep theirs, as torchtitan checkpoints its
+/// transformer blocks alone.
 pub fn op_policy(graph: &Graph, fig: &Figures, layer: &Layer, saved: &[ValueId]) -> OpPolicy {
     // torchtitan wraps its transformer blocks alone
     if layer.kind != LayerKind::Block {
@@ -244,7 +238,8 @@ pub fn op_policy(graph: &Graph, fig: &Figures, layer: &Layer, saved: &[ValueId])
         let strided = graph.node(n).inputs.first().copied().flatten().and_then(|i| producer.get(&i)).is_some_and(|&p| matches!(kind(p), Some(OpKind::Expand | OpKind::Transpose)));
         reshape && strided
     };
-    let is_view = |n: NodeId| kind(n).is_some_and(views_input) && !copies(n);
+    // a view is never freed on its own: it follows the tensor it views
+    let is_view = |n: NodeId| kind(n).is_some_and(OpKind::may_view_input) && !copies(n);
     // a router's products (one column per expert) are recomputed and not counted, as its
     // default `per_op_sac_force_recompute_mm_shapes_by_fqns = ["moe.router.gate"]` has it
     let routers: HashSet<i64> = layer.nodes.iter().filter(|&&n| kind(n) == Some(OpKind::MixtureOfExperts)).map(|&n| graph.node(n).attrs.int("experts", 0)).collect();
