@@ -154,6 +154,13 @@ impl OpKind {
         matches!(self, OpKind::MixtureOfExperts)
     }
 
+    /// True for fused ops whose backward keeps a tensor made inside them beside their inputs
+    /// (SwiGlu: silu(gate), for the product's gradient), which a recompute that rebuilds their
+    /// output frees and rebuilds with it.
+    pub fn keeps_inside(self) -> bool {
+        matches!(self, OpKind::SwiGlu)
+    }
+
     /// True for ops whose training result for one sample depends on the other samples of its
     /// forward pass: BatchNormalization, which the runner trains on the statistics of the
     /// samples it is given (one microbatch of one replica), as a module in `train()` mode does.

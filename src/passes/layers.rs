@@ -328,7 +328,7 @@ pub fn op_policy(graph: &Graph, fig: &Figures, layer: &Layer, saved: &[ValueId])
             node.inputs.iter().flatten().copied().for_each(&mut hold);
         }
     }
-    let freed_inside = rebuilt.iter().filter(|&&n| kind(n) == Some(OpKind::SwiGlu)).map(|n| fig.saved[n.index()].extra_bytes).sum();
+    let freed_inside = rebuilt.iter().filter(|&&n| kind(n).is_some_and(OpKind::keeps_inside)).map(|n| fig.saved[n.index()].extra_bytes).sum();
     let in_order = |set: &HashSet<NodeId>| layer.nodes.iter().copied().filter(|n| set.contains(n)).collect();
     OpPolicy { selective: OpSelective { rebuilt: in_order(&rebuilt), kept: in_order(&kept) }, freed, held, freed_inside }
 }

@@ -177,7 +177,7 @@ impl<'g> Executor<'g> {
 
     /// One node: a kernel, or a tensor-parallel collective over `tensor_group`.
     fn run_node(&self, node: &Node, inputs: &[Option<Tensor>]) -> Result<Vec<Tensor>, String> {
-        let inside = node.op.is(crate::ir::OpKind::MixtureOfExperts) || node.op.is(crate::ir::OpKind::SwiGlu);
+        let inside = node.op.kind().is_some_and(|k| k.recomputed_inside() || k.keeps_inside());
         if inside && self.set_aside.borrow().0.contains(&node.name) {
             let (out, made) = ops::moe::setting_aside(|| self.run_kernel(node, inputs));
             self.set_aside.borrow_mut().1.extend(made);

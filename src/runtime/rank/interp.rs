@@ -448,7 +448,7 @@ impl<'r, 'a> Interp<'r, 'a> {
                     keep.extend(ex.graph().node(n).outputs.iter().copied().filter(|v| !seg.outputs.contains(v)));
                 }
                 let mut inside = HashSet::new();
-                // torchtitan's per-op policy rebuilds a SwiGLU's silu(gate) with its output
+                // torchtitan's per-op policy rebuilds what a fused op keeps inside it with its output
                 let per_op = r.parallel.selective_policy == crate::ir::SelectivePolicy::Ops;
                 for &n in &seg.rebuilt {
                     let node = ex.graph().node(n);
@@ -456,7 +456,7 @@ impl<'r, 'a> Interp<'r, 'a> {
                         inside.insert(node.name.clone());
                         continue;
                     }
-                    if per_op && node.op.is(crate::ir::OpKind::SwiGlu) {
+                    if per_op && node.op.kind().is_some_and(crate::ir::OpKind::keeps_inside) {
                         inside.insert(node.name.clone());
                     }
                     for v in node.outputs.iter().chain(node.inputs.iter().flatten()) {
