@@ -81,7 +81,7 @@ build: deps venv
 	$(CARGO) build --release --all-targets --features "$(FEATURES)"
 
 test: deps venv engines-venv onnx-cases
-	$(CARGO) test --features "$(FEATURES)"
+	$(CARGO) test --no-fail-fast --features "$(FEATURES)"
 	@# the Python package (python/) into .venv, then its pytest against the binaries just built
 	"$(VENV)/bin/uv" pip install --python "$(PY)" --quiet --no-deps --no-build-isolation -e python
 	SMP_BIN_DIR=$(CURDIR)/target/debug "$(PY)" -m pytest python/tests -q -p no:cacheprovider

@@ -402,7 +402,7 @@ impl Progress {
         if let Some(b) = &self.bar {
             b.println(line);
         } else if self.plain {
-            eprintln!("{line}");
+            smp_partition::logging::say!("{line}");
         }
     }
 }
@@ -418,7 +418,7 @@ impl TrainObserver for Progress {
             b.set_position(s.step as u64);
             b.set_message(format!("loss {:.4}  lr {:.2e}  {rate:.0} tok/s", s.loss, s.lr));
         } else if self.plain {
-            eprintln!("step {:>4}  loss {:.6}  lr {:.3e}  {:.3} s", s.step, s.loss, s.lr, s.time_s);
+            smp_partition::logging::say!("step {:>4}  loss {:.6}  lr {:.3e}  {:.3} s", s.step, s.loss, s.lr, s.time_s);
         }
     }
 
@@ -427,7 +427,7 @@ impl TrainObserver for Progress {
     }
 
     fn on_checkpoint_failed(&mut self, _step: usize, error: &str) {
-        eprintln!("smp-runner: warning: {error}; training goes on (--on-checkpoint-error continue)");
+        smp_partition::logging::say!("smp-runner: warning: {error}; training goes on (--on-checkpoint-error continue)");
     }
 
     fn on_eval(&mut self, e: &EvalRecord) {
@@ -449,7 +449,7 @@ fn main() {
         tracing::debug!("the C library's allocator keeps its own policy (not glibc)");
     }
     if let Err(e) = run(cli) {
-        eprintln!("smp-runner: error: {e:#}");
+        smp_partition::logging::say!("smp-runner: error: {e:#}");
         // 3: the run failed after it started training, and a restart can resume it; 4 and 5:
         // this rank leaves an elastic job, or stops as others leave it; 6: rank 0 found the
         // rendezvous port taken (a launcher that chose it picks another)
@@ -473,9 +473,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Export { checkpoint, output, model, external_data } => {
             let e = commands::export_checkpoint(&checkpoint, &output, model.as_deref(), external_data)?;
             match &e.data {
-                _ if e.tensors > 0 => eprintln!("smp-runner: wrote {} ({} tensors, step {})", e.path.display(), e.tensors, e.step),
-                Some(d) => eprintln!("smp-runner: wrote {} with its data in {} (step {})", e.path.display(), d.display(), e.step),
-                None => eprintln!("smp-runner: wrote {} (step {})", e.path.display(), e.step),
+                _ if e.tensors > 0 => smp_partition::logging::say!("smp-runner: wrote {} ({} tensors, step {})", e.path.display(), e.tensors, e.step),
+                Some(d) => smp_partition::logging::say!("smp-runner: wrote {} with its data in {} (step {})", e.path.display(), d.display(), e.step),
+                None => smp_partition::logging::say!("smp-runner: wrote {} (step {})", e.path.display(), e.step),
             }
             Ok(())
         }
@@ -497,7 +497,7 @@ fn run(cli: Cli) -> Result<()> {
             let exe = std::env::current_exe().context("cannot find the smp-runner executable")?;
             let report = verify::verify(&exe, nproc, &plan, &run_args, steps.max(1), &plan.with_extension("verify"))?;
             for line in report.lines() {
-                eprintln!("smp-runner: {line}");
+                smp_partition::logging::say!("smp-runner: {line}");
             }
             if run_args.iter().any(|a| a == "--json") {
                 println!("{}", serde_json::to_string(&report)?);
@@ -562,7 +562,7 @@ fn run(cli: Cli) -> Result<()> {
 fn train(target: RunTarget, o: &TrainArgs) -> Result<()> {
     let session = RunSession::open(target, o.options())?;
     for note in session.notes() {
-        eprintln!("smp-runner: {note}");
+        smp_partition::logging::say!("smp-runner: {note}");
     }
     let shown = session.reports();
     let mut progress = Progress::new(session.steps(), shown, o.json);
@@ -665,15 +665,15 @@ fn prepare_data(files: &[PathBuf], output: &Path, val_fraction: f64, ext: Option
     };
     let p = data::prepare(files, ext, output, val_fraction, &tokenizer)?;
     if let Some(first) = p.not_utf8.first() {
-        eprintln!(
+        smp_partition::logging::say!(
             "smp-runner: warning: {} files are not UTF-8 text (e.g. {}); their invalid bytes were tokenized as U+FFFD",
             p.not_utf8.len(),
             first.display()
         );
     }
-    eprintln!("smp-runner: wrote {} ({} tokens from {} files)", output.display(), p.train.0, p.train.1.len());
+    smp_partition::logging::say!("smp-runner: wrote {} ({} tokens from {} files)", output.display(), p.train.0, p.train.1.len());
     if !p.val.1.is_empty() {
-        eprintln!("smp-runner: wrote {} ({} tokens from {} files)", data::val_path(output).display(), p.val.0, p.val.1.len());
+        smp_partition::logging::say!("smp-runner: wrote {} ({} tokens from {} files)", data::val_path(output).display(), p.val.0, p.val.1.len());
     }
     Ok(())
 }

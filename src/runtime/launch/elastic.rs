@@ -200,7 +200,7 @@ impl Planner<'_> {
             if self.restarts_used > self.max_restarts {
                 return Ok(Decision::Stop(format!("{}; no restarts left (--max-restarts {})", f.what, self.max_restarts)));
             }
-            eprintln!("smp-runner launch: restart {} of {}: {}; resuming from {from}", self.restarts_used, self.max_restarts, f.what);
+            crate::logging::say!("smp-runner launch: restart {} of {}: {}; resuming from {from}", self.restarts_used, self.max_restarts, f.what);
             self.history.push(record);
             let world = cur.plan.parallel.devices();
             return Ok(Decision::Go { sha: sha256_file(&cur.path)?, world, ranges: ranges(members, world), resume: resume.map(|(s, _)| s), plan: cur.path.clone() });
@@ -256,7 +256,7 @@ impl Planner<'_> {
             (true, false) => format!("{} joined", joined.join(", ")),
             _ => format!("lost {}; {} joined", lost.join(", "), joined.join(", ")),
         };
-        eprintln!(
+        crate::logging::say!(
             "smp-runner launch: the job's devices change after {}: {who}; {old_devices} → {devices} devices; re-planned in {:.1} s: {} ({:.4} s/step predicted) → {} on {n} ({:.4} s/step), kept as {}; resuming from {from}",
             if f.grow { "a checkpoint".to_string() } else { format!("a fault ({})", f.what) },
             t0.elapsed().as_secs_f64(),
@@ -382,7 +382,7 @@ impl ElasticRun<'_> {
             // rank 0 and the store live here: the job cannot go on
             let why = "the job stops: host 0, which holds the rendezvous and rank 0, has no device left";
             let _ = self.store.publish(round, &Decision::Stop(why.into()).words());
-            eprintln!("smp-runner launch: {why}");
+            crate::logging::say!("smp-runner launch: {why}");
             std::thread::sleep(Duration::from_secs(2));
             return Ok(ControlFlow::Break(1));
         }
@@ -398,7 +398,7 @@ impl ElasticRun<'_> {
         let (sha, world, assigned, resume, plan_path) = match decision {
             Decision::Go { sha, world, ranges, resume, plan } => (sha, world, ranges, resume, plan),
             Decision::Stop(why) => {
-                eprintln!("smp-runner launch: {why}");
+                crate::logging::say!("smp-runner launch: {why}");
                 return Ok(ControlFlow::Break(1));
             }
         };
@@ -423,34 +423,34 @@ impl ElasticRun<'_> {
         loop {
             let sig = caught();
             if sig != 0 {
-                eprintln!("smp-runner launch: stopped by signal {sig}");
+                crate::logging::say!("smp-runner launch: stopped by signal {sig}");
                 return Ok(ControlFlow::Break(128 + sig));
             }
             let reply = self.store.ready_with(self.round, node, self.slots.len(), &self.instance);
             if reply.is_some() {
                 heard = Instant::now();
             } else if joining && heard.elapsed() > Duration::from_secs(60) {
-                eprintln!("smp-runner launch: node 0's launcher has been unreachable for 60 s: the job ended or failed before host {node} could join");
+                crate::logging::say!("smp-runner launch: node 0's launcher has been unreachable for 60 s: the job ended or failed before host {node} could join");
                 return Ok(ControlFlow::Break(1));
             }
             match reply {
                 Some(Membership::Members(m)) => return Ok(ControlFlow::Continue(m)),
                 Some(Membership::Late(current)) => {
                     if !joining {
-                        eprintln!("smp-runner launch: host {node} waits to join the job (its round {current} runs without it)");
+                        crate::logging::say!("smp-runner launch: host {node} waits to join the job (its round {current} runs without it)");
                         joining = true;
                     }
                     self.round = current + 1;
                     continue;
                 }
                 Some(Membership::Done) => {
-                    eprintln!("smp-runner launch: the job ended before host {node} could join");
+                    crate::logging::say!("smp-runner launch: the job ended before host {node} could join");
                     return Ok(ControlFlow::Break(0));
                 }
                 Some(Membership::Wait) | None => {}
             }
             if let (true, Some(Decision::Stop(why))) = (node != 0, self.store.decision(self.round).as_deref().and_then(Decision::parse)) {
-                eprintln!("smp-runner launch: {why}");
+                crate::logging::say!("smp-runner launch: {why}");
                 return Ok(ControlFlow::Break(1));
             }
             if !joining && started.elapsed() > self.restarts.agree_timeout {
@@ -512,7 +512,7 @@ impl ElasticRun<'_> {
         let spec = RoundSpec { round, args: &round_args, restarts_json: &records, world, first_rank, slots: &self.slots[..count.min(self.slots.len())], env: &self.env, grow, fault_at_unix_s: fault_at };
         let end = if count == 0 {
             // a plan of fewer devices than the members have: this host sits the round out
-            eprintln!("smp-runner launch: host {node} runs no rank of start {round} (its plan uses {world} devices)");
+            crate::logging::say!("smp-runner launch: host {node} runs no rank of start {round} (its plan uses {world} devices)");
             idle_round(&self.store, round)
         } else {
             job.round(&spec)?
@@ -536,15 +536,15 @@ impl ElasticRun<'_> {
                 ControlFlow::Break(0)
             }
             Outcome::Signalled(sig) => {
-                eprintln!("smp-runner launch: stopped by signal {sig}");
+                crate::logging::say!("smp-runner launch: stopped by signal {sig}");
                 ControlFlow::Break(128 + sig)
             }
             Outcome::Failed(f) => {
                 self.slots.retain(|s| !end.lost_slots.contains(s));
                 if f.grow {
-                    eprintln!("smp-runner launch: the ranks were stopped after the checkpoint to take in the hosts waiting to join");
+                    crate::logging::say!("smp-runner launch: the ranks were stopped after the checkpoint to take in the hosts waiting to join");
                 } else {
-                    eprintln!("smp-runner launch: {}; the other ranks were stopped", f.what);
+                    crate::logging::say!("smp-runner launch: {}; the other ranks were stopped", f.what);
                     if f.fatal {
                         return ControlFlow::Break(1);
                     }

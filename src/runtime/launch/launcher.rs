@@ -214,7 +214,7 @@ pub fn launch_nodes(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restarts
                 Some((step, dir)) => format!("step {step} ({})", dir.display()),
                 None => "the start (no complete checkpoint)".into(),
             };
-            eprintln!("smp-runner launch: restart {round} of {}: {}; resuming from {from}", restarts.max, last.cause);
+            crate::logging::say!("smp-runner launch: restart {round} of {}: {}; resuming from {from}", restarts.max, last.cause);
         }
         if let Some(store) = &job.store {
             agree(store, round, nodes.node_rank, restarts.agree_timeout)?;
@@ -229,16 +229,16 @@ pub fn launch_nodes(exe: &Path, nproc: usize, nodes: &Nodes, restarts: &Restarts
             // the free port was taken before rank 0 listened on it: not a fault of the run
             port_retries += 1;
             let taken = std::mem::replace(&mut job.port, free_port()?);
-            eprintln!("smp-runner launch: the rendezvous port {taken} was taken before rank 0 listened on it; starting again on port {}", job.port);
+            crate::logging::say!("smp-runner launch: the rendezvous port {taken} was taken before rank 0 listened on it; starting again on port {}", job.port);
         };
         match end.outcome {
             Outcome::Done => return Ok(0),
             Outcome::Signalled(sig) => {
-                eprintln!("smp-runner launch: stopped by signal {sig}");
+                crate::logging::say!("smp-runner launch: stopped by signal {sig}");
                 return Ok(128 + sig);
             }
             Outcome::Failed(f) => {
-                eprintln!("smp-runner launch: {}; the other ranks were stopped", f.what);
+                crate::logging::say!("smp-runner launch: {}; the other ranks were stopped", f.what);
                 if f.fatal || round as usize == restarts.max {
                     return Ok(1);
                 }
@@ -429,7 +429,7 @@ impl<'a> Job<'a> {
             }
             match cmd.spawn() {
                 Ok(c) => {
-                    eprintln!("smp-runner launch: rank {rank}: pid {}", c.id());
+                    crate::logging::say!("smp-runner launch: rank {rank}: pid {}", c.id());
                     children.push(Some(c));
                     watches.push(watch);
                 }
@@ -453,7 +453,7 @@ impl<'a> Job<'a> {
         if w.first_step.is_none() && spec.first_rank == 0 {
             w.first_step = w.watches.first().and_then(|b| b.beat()).and_then(|b| b.first_step_unix_s);
             if let (Some(t), Some(fault)) = (w.first_step, spec.fault_at_unix_s) {
-                eprintln!("smp-runner launch: the first step after the restart ended {:.1} s after the fault", (t - fault).max(0.0));
+                crate::logging::say!("smp-runner launch: the first step after the restart ended {:.1} s after the fault", (t - fault).max(0.0));
             }
         }
         self.judge(spec, w);
@@ -522,7 +522,7 @@ impl<'a> Job<'a> {
                     let others: Vec<&String> = waiters.iter().filter(|w| !w.starts_with(&format!("rank {rank} "))).collect();
                     let peers = if others.is_empty() { String::new() } else { format!("; {}", others.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")) };
                     let what = format!("rank {rank} is hung: {why}{peers}");
-                    eprintln!("smp-runner launch: {what}; it was killed");
+                    crate::logging::say!("smp-runner launch: {what}; it was killed");
                     let at = heartbeat::unix_now_s() - watches[r].last_alive().elapsed().as_secs_f64();
                     lost_slots.push(spec.slots[r]);
                     untold_lost.push((node, spec.slots[r]));
@@ -679,7 +679,7 @@ fn grow_when_due(store: &Client, round: u32, g: &GrowWatch<'_>, grow_from: &mut 
     match grow_from {
         None => {
             if g.devices < g.max && matches!(store.poll(round), Some(RoundState::Running { joining }) if joining > 0) {
-                eprintln!("smp-runner launch: hosts wait to join; the job grows after the next checkpoint");
+                crate::logging::say!("smp-runner launch: hosts wait to join; the job grows after the next checkpoint");
                 *grow_from = Some(newest);
             }
         }
