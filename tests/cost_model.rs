@@ -89,6 +89,7 @@ fn layer(saved: f64, input: f64) -> Layer {
         op_selective: Default::default(),
         op_freed_bytes: 0.0,
         op_held_bytes: 0.0,
+        loss_work_bytes: 0.0,
     }
 }
 
@@ -254,4 +255,59 @@ fn per_op_policy_keeps_and_rebuilds_what_torchtitan_does_in_a_llama_block() {
     assert_eq!(block.op_held_bytes, 3.0 * hidden + s * kv * bf16);
     // the embedding and the head keep theirs, as torchtitan wraps its blocks alone
     assert!(lg.layers.iter().filter(|l| l.kind != LayerKind::Block).all(|l| l.op_selective.rebuilt.is_empty() && l.op_freed_bytes == 0.0));
+}
+
+/// The training loss's copies, by hand: PyTorch's cross entropy keeps the log-probabilities of
+/// the logits and, in its backward, makes their gradient and the logits' beside them, each in
+/// f32 (torchtitan's `.float()` first). On Llama 3 8B at 8,192 tokens a microbatch that is
+/// 3 × 8,192 × 128,256 × 4 bytes at the loss's backward on the stage computing it, nothing on
+/// the others; the log-probabilities of the other microbatches in flight are kept activations,
+/// and checkpointing the head does not free them (the loss, outside the layer, keeps them); a
+/// vocabulary-split head halves the copies at t 2.
+#[test]
+fn the_loss_working_copies_are_priced_on_the_stage_computing_it() {
+    use smp_partition::ir::{CheckpointRule, MixedRecipe};
+    use smp_partition::passes::AnalyzeOptions;
+    use smp_partition::solve::{PlanOptions, plan};
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models").join("llama3-8b.onnx");
+    let a = smp_partition::compile::load_and_analyze(&path, &AnalyzeOptions { seq_len: Some(8192), ..Default::default() }).unwrap();
+    let (tokens, vocab) = (8192.0, 128_256.0);
+    let logits_f32 = tokens * vocab * 4.0;
+    let plan_at = |tp: usize, checkpointing: CheckpointRule, schedule: smp_partition::ir::ScheduleKind| {
+        let spec = ClusterSpec::parse(&format!("h100-80gb:{}", 2 * tp)).unwrap();
+        let opts = PlanOptions {
+            global_batch: Some(4),
+            seq_len: Some(8192),
+            tp: Some(tp),
+            cp: Some(1),
+            pp: Some(2),
+            dp: Some(1),
+            microbatches: Some(4),
+            checkpointing: Some(checkpointing),
+            schedule: Some(schedule),
+            memory_limit_gib: Some(1e6),
+            mixed_recipe: Some(MixedRecipe::LowModel),
+            ..Default::default()
+        };
+        plan(&a.lg, &spec, &opts, &mut |_| {}).unwrap()
+    };
+    use smp_partition::ir::ScheduleKind::{GPipe, OneFOneB};
+    let whole = plan_at(1, CheckpointRule::Never, OneFOneB);
+    let [first, last] = [&whole.stages[0], &whole.stages[1]];
+    assert_eq!(first.memory.loss, 0.0);
+    assert!(rel(last.memory.loss, 3.0 * logits_f32) < 1e-9, "{} against {}", last.memory.loss, 3.0 * logits_f32);
+    // the total counts it beside the kept activations (no layer recomputed: no other transient)
+    let m = last.memory;
+    assert!(rel(m.total, m.params + m.grads + m.optimizer + m.activations + m.loss + m.workspace) < 1e-12);
+    // every layer checkpointed under GPipe: the last stage keeps the log-probabilities of the
+    // three microbatches beside the one at the loss
+    let ckpt = plan_at(1, CheckpointRule::Always, GPipe);
+    assert!(ckpt.stages[1].memory.activations >= 3.0 * logits_f32, "{} kept under full recompute", ckpt.stages[1].memory.activations);
+    let split = plan_at(2, CheckpointRule::Never, OneFOneB);
+    // the logits' node as the plan splits it: by vocabulary columns, the loss runs on each
+    // rank's (loss parallel); replicated, whole
+    let logits = &a.lg.graph.node(a.lg.loss.unwrap().node).name;
+    let strategy = split.layers.iter().flat_map(|l| &l.nodes).find(|(n, _)| n == logits).map(|(_, s)| *s).unwrap();
+    let by = if strategy == smp_partition::split::Strategy::Replicate { 1.0 } else { 2.0 };
+    assert!(rel(split.stages[1].memory.loss, 3.0 * logits_f32 / by) < 1e-9, "t 2, logits {strategy:?}: {}", split.stages[1].memory.loss);
 }

@@ -20,7 +20,8 @@ fn llama() -> LayeredGraph {
 }
 
 /// Plans the export with `flags` (sequence 256, no recompute) and returns each stage's
-/// activation bytes.
+/// activation bytes, with the log-probabilities of the microbatch at the loss, which the plan
+/// counts in the loss's part (a third of it: they and their two gradients).
 fn stage_activations(nproc: usize, flags: &[&str]) -> Vec<f64> {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("plan.json");
@@ -33,7 +34,8 @@ fn stage_activations(nproc: usize, flags: &[&str]) -> Vec<f64> {
         .unwrap();
     assert!(r.status.success(), "planning: {}", String::from_utf8_lossy(&r.stderr));
     let plan: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
-    plan["stages"].as_array().unwrap().iter().map(|s| s["memory_bytes"]["activations"].as_f64().unwrap()).collect()
+    let m = |s: &serde_json::Value, part: &str| s["memory_bytes"][part].as_f64().unwrap();
+    plan["stages"].as_array().unwrap().iter().map(|s| m(s, "activations") + m(s, "loss") / 3.0).collect()
 }
 
 /// The additive causal mask, f32 [s, s] per sample.

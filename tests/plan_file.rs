@@ -141,6 +141,29 @@ fn the_recompute_part_is_in_the_total() {
 }
 
 #[test]
+fn the_loss_part_and_the_recompute_part_count_once_the_larger() {
+    let mut plan = fixture();
+    let m = &mut plan.stages[1].memory_bytes;
+    let base = m.sum_of_parts();
+    // two transients at different moments: the loss's at the loss, the rebuild in a backward
+    m.loss = 3 * GIB;
+    assert_eq!(m.sum_of_parts(), base + 3 * GIB);
+    m.recompute = 2 * GIB;
+    assert_eq!(m.sum_of_parts(), base + 3 * GIB);
+    m.recompute = 5 * GIB;
+    assert_eq!(m.sum_of_parts(), base + 5 * GIB);
+    m.total = m.sum_of_parts();
+    // a plan written before the part reads with none
+    let mut v = serde_json::to_value(fixture()).unwrap();
+    for s in v["stages"].as_array_mut().unwrap() {
+        assert_eq!(s["memory_bytes"].as_object_mut().unwrap().remove("loss"), Some(0.into()), "the fixture writes the part");
+    }
+    let before = io::from_json(&v.to_string(), Path::new("before.json")).unwrap();
+    validate(&before).unwrap();
+    assert!(before.stages.iter().all(|s| s.memory_bytes.loss == 0));
+}
+
+#[test]
 fn version_1_plan_is_refused_with_the_replan_message() {
     // a plan written before `parallel.precision` (version 1): as this build wrote it then
     let mut v = serde_json::to_value(fixture()).unwrap();

@@ -107,9 +107,15 @@ fn activations_are_priced_at_the_modes_types() {
     let (bf16_mixed, fp16_mixed) = (act(Precision::Bf16Mixed), act(Precision::Fp16Mixed));
     assert_eq!(bf16_mixed, fp16_mixed, "the two low types are as wide");
     assert!(bf16_mixed > bf16, "bf16-mixed {bf16_mixed} vs bf16 {bf16}");
-    // the engines' layout keeps every activation in the low type, as bf16 does
-    let low_model = plan_as(1, 0, Some(Precision::Bf16Mixed), Some(MixedRecipe::LowModel)).stages[0].memory_bytes.activations as f64;
+    // the engines' layout keeps every activation in the low type, as bf16 does (one microbatch
+    // in flight: the log-probabilities are the loss's, not kept activations) ...
+    let engines = plan_as(1, 0, Some(Precision::Bf16Mixed), Some(MixedRecipe::LowModel));
+    let (low_model, loss) = (engines.stages[0].memory_bytes.activations as f64, engines.stages[0].memory_bytes.loss as f64);
     assert_eq!(low_model, bf16, "bf16-mixed as the engines run it");
+    // ... but computes the loss in f32 (torchtitan's `.float()`, Megatron's cross entropy): its
+    // copies twice pure bf16's, which the runner computes in bf16 (it widens only under autocast)
+    let pure = plan(1, 0, Some(Precision::Bf16)).stages[0].memory_bytes.loss as f64;
+    assert!(loss > 0.0 && (pure - loss / 2.0).abs() <= 1.0, "the loss's copies: {loss} under the engines' bf16-mixed, {pure} under bf16");
 }
 
 #[test]

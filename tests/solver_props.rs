@@ -32,6 +32,8 @@ fn point() -> impl Strategy<Value = ParetoPoint> {
             selective_bytes: 0.0,
             all_to_all_hidden_s: 0.0,
             gather_fwd_s: 0.0,
+            loss_bytes: 0.0,
+            loss_kept_bytes: 0.0,
         },
     )
 }
@@ -233,7 +235,7 @@ proptest! {
         prop_assume!(times.len() >= p);
         let layers = times.iter().map(|&t| PipelineLayer {
             tied: Vec::new(),
-            points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.0, grad_scatter_s: 0.0, choice: 0, host_s: 0.0, shared_bytes: 0.0, gathered_bytes: 0.0, selective_bytes: 0.0, all_to_all_hidden_s: 0.0, gather_fwd_s: 0.0 }],
+            points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.0, grad_scatter_s: 0.0, choice: 0, host_s: 0.0, shared_bytes: 0.0, gathered_bytes: 0.0, selective_bytes: 0.0, all_to_all_hidden_s: 0.0, gather_fwd_s: 0.0, loss_bytes: 0.0, loss_kept_bytes: 0.0 }],
             output_bytes: 0.0,
         }).collect();
         let prob = PipelineProblem {
@@ -320,6 +322,8 @@ fn pruning_bound_splits_the_stages_with_their_memory() {
         selective_bytes: 0.0,
         all_to_all_hidden_s: 0.0,
         gather_fwd_s: 0.0,
+        loss_bytes: 0.0,
+        loss_kept_bytes: 0.0,
     };
     let layer = PipelineLayer { points: vec![pt], output_bytes: 0.0, tied: Vec::new() };
     let p = PipelineProblem {

@@ -10,8 +10,8 @@ use smp_partition::solve::problem::*;
 /// evaluated to 7.632 (a boundary transfer of 0.247 s unaccounted).
 #[test]
 fn interleaved_decode_counts_the_boundary_transfer() {
-    let first = ParetoPoint { fwd_s: 0.05, bwd_s: 0.05, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.28576900508164865, grad_scatter_s: 0.0, choice: 0, host_s: 0.0, shared_bytes: 0.0, gathered_bytes: 0.0, selective_bytes: 0.0, all_to_all_hidden_s: 0.0, gather_fwd_s: 0.0 };
-    let block = ParetoPoint { fwd_s: 0.05, bwd_s: 1.0998967206222787, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.0, grad_scatter_s: 0.0, choice: 0, host_s: 0.0, shared_bytes: 0.0, gathered_bytes: 0.0, selective_bytes: 0.0, all_to_all_hidden_s: 0.0, gather_fwd_s: 0.0 };
+    let first = ParetoPoint { fwd_s: 0.05, bwd_s: 0.05, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.28576900508164865, grad_scatter_s: 0.0, choice: 0, host_s: 0.0, shared_bytes: 0.0, gathered_bytes: 0.0, selective_bytes: 0.0, all_to_all_hidden_s: 0.0, gather_fwd_s: 0.0, loss_bytes: 0.0, loss_kept_bytes: 0.0 };
+    let block = ParetoPoint { fwd_s: 0.05, bwd_s: 1.0998967206222787, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.0, grad_scatter_s: 0.0, choice: 0, host_s: 0.0, shared_bytes: 0.0, gathered_bytes: 0.0, selective_bytes: 0.0, all_to_all_hidden_s: 0.0, gather_fwd_s: 0.0, loss_bytes: 0.0, loss_kept_bytes: 0.0 };
     let mut layers = vec![PipelineLayer { points: vec![first], output_bytes: 0.0, tied: Vec::new() }];
     for _ in 0..4 {
         layers.push(PipelineLayer { points: vec![block.clone()], output_bytes: 574109555.0632125, tied: Vec::new() });
@@ -49,7 +49,7 @@ fn pure_cut_max_stage_is_at_least_the_largest_layer() {
         .iter()
         .map(|&t| PipelineLayer {
             tied: Vec::new(),
-            points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.0, grad_scatter_s: 0.0, choice: 0, host_s: 0.0, shared_bytes: 0.0, gathered_bytes: 0.0, selective_bytes: 0.0, all_to_all_hidden_s: 0.0, gather_fwd_s: 0.0 }],
+            points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: 0.0, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.0, grad_scatter_s: 0.0, choice: 0, host_s: 0.0, shared_bytes: 0.0, gathered_bytes: 0.0, selective_bytes: 0.0, all_to_all_hidden_s: 0.0, gather_fwd_s: 0.0, loss_bytes: 0.0, loss_kept_bytes: 0.0 }],
             output_bytes: 0.0,
         })
         .collect();
@@ -86,7 +86,7 @@ fn pure_cut_max_stage_is_at_least_the_largest_layer() {
 fn a_tied_copy_is_charged_only_where_the_owner_is_not() {
     const GIB: f64 = (1u64 << 30) as f64;
     let layer = |t: f64, tied: Vec<TiedCopy>| PipelineLayer {
-        points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: GIB, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.0, grad_scatter_s: 0.0, choice: 0, host_s: 0.0, shared_bytes: 0.0, gathered_bytes: 0.0, selective_bytes: 0.0, all_to_all_hidden_s: 0.0, gather_fwd_s: 0.0 }],
+        points: vec![ParetoPoint { fwd_s: t / 3.0, bwd_s: 2.0 * t / 3.0, state_bytes: GIB, act_bytes: 0.0, input_bytes: 0.0, offload_bytes: 0.0, sync_s: 0.0, grad_scatter_s: 0.0, choice: 0, host_s: 0.0, shared_bytes: 0.0, gathered_bytes: 0.0, selective_bytes: 0.0, all_to_all_hidden_s: 0.0, gather_fwd_s: 0.0, loss_bytes: 0.0, loss_kept_bytes: 0.0 }],
         output_bytes: 0.0,
         tied,
     };
@@ -130,7 +130,7 @@ fn a_tied_copy_is_charged_only_where_the_owner_is_not() {
 fn a_shared_mask_is_held_once_per_chunk() {
     const GIB: f64 = (1u64 << 30) as f64;
     let block = PipelineLayer {
-        points: vec![ParetoPoint { fwd_s: 1.0 / 3.0, bwd_s: 2.0 / 3.0, state_bytes: 0.0, act_bytes: GIB, input_bytes: 0.25 * GIB, offload_bytes: 0.0, sync_s: 0.0, grad_scatter_s: 0.0, choice: 0, host_s: 0.0, shared_bytes: 2.0 * GIB, gathered_bytes: 0.0, selective_bytes: 0.0, all_to_all_hidden_s: 0.0, gather_fwd_s: 0.0 }],
+        points: vec![ParetoPoint { fwd_s: 1.0 / 3.0, bwd_s: 2.0 / 3.0, state_bytes: 0.0, act_bytes: GIB, input_bytes: 0.25 * GIB, offload_bytes: 0.0, sync_s: 0.0, grad_scatter_s: 0.0, choice: 0, host_s: 0.0, shared_bytes: 2.0 * GIB, gathered_bytes: 0.0, selective_bytes: 0.0, all_to_all_hidden_s: 0.0, gather_fwd_s: 0.0, loss_bytes: 0.0, loss_kept_bytes: 0.0 }],
         output_bytes: 0.5 * GIB,
         tied: Vec::new(),
     };

@@ -24,6 +24,10 @@ class DeviceMemory:
     activations: int
     #: A checkpointed layer's activations rebuilt inside its backward (a transient).
     recompute: int
+    #: The loss's copies at its backward on the rank computing it (log-probabilities and
+    #: their gradients; a transient at another moment: `total` counts the larger of it and
+    #: `recompute`).
+    loss: int
     offloaded: int
     temporaries: int
     total: int

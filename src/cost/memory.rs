@@ -83,6 +83,27 @@ impl TrainingBytes {
         TrainingBytes { nodes: lg.node_figures.iter().map(|f| super::compute::bytes_scaled(f, scale)).collect(), layers: lg.layers.iter().map(|l| l.bytes().scaled(scale)).collect() }
     }
 
+    /// [`Self::scaled`] to `dtype`, the training loss's copies at `loss_width` bytes an element:
+    /// the run's type in one type throughout (the runner widens only under autocast), 4 under
+    /// an engine's mixed precision, which keeps the model in 16 bits and computes the loss in f32
+    /// (torchtitan's `.float()` before its cross entropy, Megatron's cross entropy).
+    pub fn scaled_with_loss(lg: &LayeredGraph, dtype: DType, loss_width: u64) -> TrainingBytes {
+        let mut out = TrainingBytes::scaled(lg, dtype);
+        let Some(loss) = lg.loss.filter(|l| l.width > 0) else { return out };
+        let scale = super::compute::bytes_scale(super::compute::graph_float_dtype(&lg.graph), dtype);
+        let wanted = loss_width as f64 / loss.width as f64;
+        // what scaling made of the kept copy, set to the wanted width
+        let kept = loss.kept_bytes * (wanted - scale);
+        if let Some(n) = out.nodes.get_mut(loss.node.index()) {
+            n.saved_bytes += kept;
+        }
+        if let Some(l) = lg.layers.iter().position(|l| l.nodes.contains(&loss.node)).and_then(|i| out.layers.get_mut(i)) {
+            l.saved_bytes += kept;
+            l.loss_work_bytes = loss.work_bytes * wanted;
+        }
+        out
+    }
+
     /// Figures of node `id` (zero if out of range).
     pub fn node(&self, id: NodeId) -> NodeFigures {
         self.nodes.get(id.index()).copied().unwrap_or_default()
@@ -336,6 +357,7 @@ mod tests {
             op_selective: Default::default(),
             op_freed_bytes: 0.0,
             op_held_bytes: 0.0,
+            loss_work_bytes: 0.0,
         }
     }
 

@@ -81,6 +81,23 @@ pub struct NodeFigures {
     pub gemms: [GemmShape; 2],
 }
 
+/// The training loss the runner computes on a graph output (PyTorch's cross entropy, or the
+/// squared error), per sample, each copy in at least f32 (autocast, torchtitan and Megatron
+/// compute losses in f32): it keeps one copy of its input (the log-probabilities; counted in
+/// the producing node's saved bytes) and, in its backward, makes two more beside it (their
+/// gradient and the logits'). Those two are a transient of the stage computing the loss.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossFigures {
+    /// The node making the loss's input.
+    pub node: NodeId,
+    /// What the loss keeps until its backward.
+    pub kept_bytes: f64,
+    /// Its working copies beyond that, at its backward.
+    pub work_bytes: f64,
+    /// The bytes an element of those copies takes in these figures.
+    pub width: u64,
+}
+
 /// One matrix product of a node, `rows × k` by `k × n`, per sample.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct GemmShape {
@@ -162,6 +179,9 @@ pub struct Layer {
     /// What that policy keeps that no backward reads: the kept ops' outputs and what the
     /// rebuilt nodes read beyond the layer's inputs and the saved values.
     pub op_held_bytes: f64,
+    /// Bytes per sample the training loss needs beyond what it keeps, in the layer making the
+    /// loss's input ([`LossFigures::work_bytes`]), else 0: a transient at the loss.
+    pub loss_work_bytes: f64,
 }
 
 /// A layer's nodes under torchtitan's per-op selective recompute (`passes::layers::op_policy`).
@@ -203,6 +223,8 @@ pub struct LayerBytes {
     pub op_freed_bytes: f64,
     /// What that policy keeps beyond `saved_bytes` (`op_held_bytes`).
     pub op_held_bytes: f64,
+    /// The loss's working copies beyond what it keeps (`loss_work_bytes`).
+    pub loss_work_bytes: f64,
     /// Per microbatch, whatever its size: the low-type copies of weights its matrix products
     /// keep under autocast (0 in one type throughout).
     pub weight_copy_bytes: f64,
@@ -224,6 +246,7 @@ impl LayerBytes {
             selective_bytes: self.selective_bytes * factor,
             op_freed_bytes: self.op_freed_bytes * factor,
             op_held_bytes: self.op_held_bytes * factor,
+            loss_work_bytes: self.loss_work_bytes * factor,
             weight_copy_bytes: self.weight_copy_bytes * factor,
         }
     }
@@ -244,6 +267,7 @@ impl Layer {
             selective_bytes: self.selective_bytes,
             op_freed_bytes: self.op_freed_bytes,
             op_held_bytes: self.op_held_bytes,
+            loss_work_bytes: self.loss_work_bytes,
             weight_copy_bytes: 0.0,
         }
     }
@@ -288,6 +312,8 @@ pub struct LayeredGraph {
     pub flops_per_sample: f64,
     /// The chains analysis fused into one op (`passes::fuse`), in the order applied.
     pub fused: Vec<super::Fusion>,
+    /// The training loss on a graph output, if the model does not compute its own.
+    pub loss: Option<LossFigures>,
 }
 
 impl LayeredGraph {

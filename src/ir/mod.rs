@@ -17,7 +17,7 @@ pub use collective::{CollectiveKind, GroupKind};
 pub use dtype::DType;
 pub use fusion::{AttentionMask, AttentionScale, ClampLimit, Epsilon, ExpertActivation, ExpertWeighting, FusedOp, Fusion, GeluApproximation, SwishScale};
 pub use graph::{AuxLoss, Graph, GraphError, Node, NodeId, Value, ValueId, ValueKind};
-pub use layer::{DimBindings, GemmShape, Layer, LayerBytes, LayerKind, LayeredGraph, NodeFigures, OpSelective};
+pub use layer::{DimBindings, GemmShape, Layer, LayerBytes, LayerKind, LayeredGraph, LossFigures, NodeFigures, OpSelective};
 pub use op::{Attr, Attrs, AutocastClass, Op, OpKind, PADDING_ROWS};
 pub use parallel::{CheckpointRule, ExpertDispatch, MeshAxis, MixedRecipe, OffloadRule, Parallelism, Placement, Precision, SelectivePolicy, limits};
 pub use param::{DecisionSource, FrozenReason, ParamRecord, ParamTransform, RecordKind, Training};

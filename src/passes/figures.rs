@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use super::PassError;
-use crate::ir::{AutocastClass, DType, Dim, DimBindings, GemmShape, Graph, Node, NodeFigures, NodeId, OpKind, ValueId, ValueKind};
+use crate::ir::{AutocastClass, DType, Dim, DimBindings, GemmShape, Graph, LossFigures, Node, NodeFigures, NodeId, OpKind, ValueId, ValueKind};
 
 /// What one node keeps for its backward pass.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -55,6 +55,9 @@ pub struct Figures {
     /// For each value (by index), its element type in the run the bytes are of: an autocast
     /// run's ([`super::autocast::dtypes`]), or empty for the graph's own types.
     pub dtypes: Vec<Option<DType>>,
+    /// The training loss computed on a graph output, where one is (a scalar output is the
+    /// model's own loss: none).
+    pub loss: Option<LossFigures>,
 }
 
 impl Figures {
@@ -214,7 +217,10 @@ pub fn compute_at(graph: &Graph, bindings: &DimBindings, low: Option<DType>) -> 
         fig.memory_bytes = memory(&sz, node) / batch;
         fig.score_bytes = score_bytes(&sz, node, &score).min(fig.memory_bytes * batch) / batch;
         let mut saved = saved(&sz, node, &grad, &data, batch);
-        saved.extra_bytes += loss_kept_bytes(&sz, node, loss_input) / batch;
+        if let Some((loss_kept, width)) = loss_kept_bytes(&sz, node, loss_input) {
+            saved.extra_bytes += loss_kept / batch;
+            f.loss = Some(LossFigures { node: id, kept_bytes: loss_kept / batch, work_bytes: 2.0 * loss_kept / batch, width });
+        }
         fig.saved_bytes = saved.values.iter().map(|&v| sz.bytes(v)).sum::<f64>() / batch + saved.extra_bytes;
         fig.score_saved_bytes = saved.values.iter().filter(|v| score[v.index()]).map(|&v| sz.bytes(v)).sum::<f64>() / batch;
         fig.norm_saved_bytes = saved.norm_bytes;
@@ -552,12 +558,13 @@ fn loss_input(sz: &Sizes, grad: &[bool]) -> Option<ValueId> {
     sz.graph.outputs.iter().copied().find(|&o| grad[o.index()] && sz.numel(o) > 1.0)
 }
 
-/// What the loss keeps of `node`'s output `loss_input` until its backward: one copy in at least
-/// f32, as losses compute in f32 (cross entropy's log-probabilities, the squared error's
-/// input); the output itself is not kept.
-fn loss_kept_bytes(sz: &Sizes, node: &Node, loss_input: Option<ValueId>) -> f64 {
-    let Some(o) = loss_input.filter(|o| node.outputs.contains(o)) else { return 0.0 };
-    sz.numel(o) * sz.graph.value(o).ty.as_ref().map_or(4, |t| t.dtype.size_bytes().max(4)) as f64
+/// What the loss keeps of `node`'s output `loss_input` until its backward, and the bytes an
+/// element it is in: one copy in at least f32, as losses compute in f32 (cross entropy's
+/// log-probabilities, the squared error's input); the output itself is not kept.
+fn loss_kept_bytes(sz: &Sizes, node: &Node, loss_input: Option<ValueId>) -> Option<(f64, u64)> {
+    let o = loss_input.filter(|o| node.outputs.contains(o))?;
+    let width = sz.graph.value(o).ty.as_ref().map_or(4, |t| t.dtype.size_bytes().max(4));
+    Some((sz.numel(o) * width as f64, width))
 }
 
 /// The tensors autograd keeps for this node's backward.

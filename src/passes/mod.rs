@@ -60,6 +60,7 @@ pub fn analyze_with(
         params: figures.total_params,
         flops_per_sample: figures.total_flops,
         node_figures: figures.per_node,
+        loss: figures.loss,
         layers,
         dims,
         graph,

@@ -34,6 +34,7 @@ pub fn from_decision(d: &PlanDecision, lg: &LayeredGraph, cluster: &ClusterSpec,
                 optimizer: bytes(m.optimizer),
                 activations: bytes(m.activations),
                 recompute: bytes(m.recompute),
+                loss: bytes(m.loss),
                 workspace: bytes(m.workspace),
                 total: 0,
             };

@@ -34,11 +34,15 @@ pub struct DeviceMemory {
     pub activations: u64,
     /// The recompute working set: a checkpointed layer's activations rebuilt inside its backward.
     pub recompute: u64,
+    /// The loss's copies at its backward on the rank computing it (log-probabilities and their
+    /// gradients; a transient at another moment than the rebuild: `total` counts the larger).
+    pub loss: u64,
     /// Activations held in host memory instead (not part of `total`).
     pub offloaded: u64,
     /// Temporaries: the workspace margin the cost model charges.
     pub temporaries: u64,
-    /// Device bytes: params + grads + optimizer + activations + recompute + temporaries.
+    /// Device bytes: params + grads + optimizer + activations + the larger of recompute and loss
+    /// + temporaries.
     pub total: u64,
 }
 
@@ -106,6 +110,7 @@ impl Estimate {
                     optimizer: m.optimizer,
                     activations: m.activations,
                     recompute: m.recompute,
+                    loss: m.loss,
                     offloaded,
                     temporaries: m.workspace,
                     total: m.total,
@@ -154,7 +159,7 @@ impl Estimate {
         let mut out = String::new();
         header(&self.plan, &mut out);
         let mut rows = vec![
-            ["pp", "stages", "layers", "params", "grads", "optim", "activ", "recompute", "offloaded", "temps", "total", "of capacity"]
+            ["pp", "stages", "layers", "params", "grads", "optim", "activ", "recompute", "loss", "offloaded", "temps", "total", "of capacity"]
                 .map(String::from)
                 .to_vec(),
         ];
@@ -170,6 +175,7 @@ impl Estimate {
                 bytes(m.optimizer as f64),
                 bytes(m.activations as f64),
                 bytes(m.recompute as f64),
+                bytes(m.loss as f64),
                 bytes(m.offloaded as f64),
                 bytes(m.temporaries as f64),
                 bytes(m.total as f64),

@@ -285,18 +285,18 @@ pub fn choice_lines(plan: &Plan) -> Vec<String> {
 }
 
 /// The memory of each stage by the parts a run's `--json` report measures (`inspect`):
-/// parameters, gradients, optimizer state, kept activations, the recompute working set, bytes
-/// offloaded to host memory (not in the total), the workspace margin the plan reserves for
-/// temporaries, and the total.
+/// parameters, gradients, optimizer state, kept activations, the recompute working set, the
+/// loss's working copies, bytes offloaded to host memory (not in the total), the workspace
+/// margin the plan reserves for temporaries, and the total.
 pub fn memory_parts(plan: &Plan) -> String {
-    let mut rows = vec![["stage", "pp", "params", "grads", "optimizer", "activations", "recompute", "offloaded", "temporaries", "total"].map(String::from).to_vec()];
+    let mut rows = vec![["stage", "pp", "params", "grads", "optimizer", "activations", "recompute", "loss", "offloaded", "temporaries", "total"].map(String::from).to_vec()];
     for s in &plan.stages {
         let m = s.memory_bytes;
-        let cells = [m.params, m.grads, m.optimizer, m.activations, m.recompute, s.offloaded_bytes, m.workspace, m.total].map(|b| bytes(b as f64));
+        let cells = [m.params, m.grads, m.optimizer, m.activations, m.recompute, m.loss, s.offloaded_bytes, m.workspace, m.total].map(|b| bytes(b as f64));
         rows.push([s.index.to_string(), s.pp_rank.to_string()].into_iter().chain(cells).collect());
     }
     let gathered = if plan.parallel.params_sharded() { "params: the rank's ZeRO-3 block and its largest layer gathered whole twice, the one computing and the next prefetched; " } else { "" };
-    format!("memory per device by part ({gathered}recompute: a checkpointed layer's activations rebuilt inside its backward, a transient; temporaries: the workspace margin reserved; offloaded: host memory, not in the total)\n{}\n", table(&rows))
+    format!("memory per device by part ({gathered}recompute: a checkpointed layer's activations rebuilt inside its backward, a transient; loss: the loss's log-probabilities and their gradients at its backward, a transient at another moment (the total counts the larger); temporaries: the workspace margin reserved; offloaded: host memory, not in the total)\n{}\n", table(&rows))
 }
 
 /// The model, cluster, parallel configuration and batch lines.

@@ -397,17 +397,25 @@ pub struct StageMemory {
     /// written before it was its own part, whose `activations` include it).
     #[serde(default)]
     pub recompute: u64,
+    /// The training loss's copies at its backward on the stage computing it: the
+    /// log-probabilities of the microbatch at the loss and the gradients of them and of the
+    /// logits (the other microbatches' log-probabilities are in `activations`). A transient,
+    /// never at once with a rebuild (0 elsewhere; absent in plans written before it was priced).
+    #[serde(default)]
+    pub loss: u64,
     /// Workspace margin.
     #[serde(default)]
     pub workspace: u64,
-    /// Sum of the above.
+    /// Sum of the above, the larger of `recompute` and `loss` counted (two transients at
+    /// different moments).
     pub total: u64,
 }
 
 impl StageMemory {
-    /// The sum of the parts (what `total` must equal), saturating at `u64::MAX`.
+    /// The sum of the parts (what `total` must equal), the larger of the two transients
+    /// counted, saturating at `u64::MAX`.
     pub fn sum_of_parts(&self) -> u64 {
-        [self.grads, self.optimizer, self.activations, self.recompute, self.workspace].iter().fold(self.params, |a, &b| a.saturating_add(b))
+        [self.grads, self.optimizer, self.activations, self.recompute.max(self.loss), self.workspace].iter().fold(self.params, |a, &b| a.saturating_add(b))
     }
 }
 
@@ -684,6 +692,7 @@ impl Plan {
             m.optimizer = m.optimizer.saturating_add(b.optimizer);
             m.activations = m.activations.saturating_add(b.activations);
             m.recompute = m.recompute.saturating_add(b.recompute);
+            m.loss = m.loss.saturating_add(b.loss);
             m.workspace = m.workspace.saturating_add(b.workspace);
             m.total = m.total.saturating_add(b.total);
         }

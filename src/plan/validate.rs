@@ -65,7 +65,7 @@ pub enum PlanInvalid {
     #[error("stage {stage}: ranks differ from those of stage {first} on the same pipeline rank {pp_rank}")]
     VirtualRanks { stage: usize, first: usize, pp_rank: usize },
     /// Memory parts do not add up.
-    #[error("stage {stage}: memory_bytes.total = {total}, but its parts sum to {sum}")]
+    #[error("stage {stage}: memory_bytes.total = {total}, but its parts sum to {sum} (the larger of recompute and loss counted)")]
     MemorySum { stage: usize, total: u64, sum: u64 },
     /// The peak memory is not the largest device's memory.
     #[error(

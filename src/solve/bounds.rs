@@ -61,6 +61,9 @@ struct LayerFacts {
     movable: f64,
     /// Bytes a cut after it sends.
     out: f64,
+    /// The least transient its device holds beside it whatever is recomputed (the loss's
+    /// working copies beyond the log-probabilities its kept bytes count).
+    transient: f64,
 }
 
 fn table_facts(layers: &[PipelineLayer]) -> Vec<LayerFacts> {
@@ -82,6 +85,7 @@ fn table_facts(layers: &[PipelineLayer]) -> Vec<LayerFacts> {
                 fwd: fold_min(&mut pts.iter().map(|q| q.fwd_s)),
                 movable: pts.iter().map(|q| q.offload_bytes).fold(0.0, f64::max).min(input),
                 out: l.output_bytes,
+                transient: fold_min(&mut pts.iter().map(|q| q.loss_bytes - q.loss_kept_bytes)),
             }
         })
         .collect()
@@ -259,7 +263,9 @@ fn bounds_spread(p: &PipelineProblem, facts: &[LayerFacts], mut splits: Option<S
     let t_sum: f64 = tmin.iter().sum();
     let s_sum: f64 = smin.iter().sum();
     let kept_flight = if offloaded < 1.0 { min_kept.min(p.resident_microbatches()) } else { min_kept };
-    let mem_lb = (state + kept_min * kept_flight) / devices as f64 + p.reserved();
+    // some device holds the largest transient beside its share
+    let transient = facts.iter().map(|f| f.transient).fold(0.0, f64::max);
+    let mem_lb = (state + kept_min * kept_flight + transient) / devices as f64 + p.reserved();
     // Device d keeps at most (cap − workspace − state_d) / (least in-flight count of its
     // chunks) bytes per microbatch; summed over devices with Σ state_d = state.
     let mut f_dev = vec![f64::INFINITY; devices];
@@ -497,6 +503,8 @@ mod tests {
             selective_bytes: 0.0,
             all_to_all_hidden_s: 0.0,
             gather_fwd_s: 0.0,
+            loss_bytes: 0.0,
+            loss_kept_bytes: 0.0,
         }
     }
 

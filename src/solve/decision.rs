@@ -21,9 +21,13 @@ pub struct StageMemory {
     /// activations rebuilt inside its backward and freed after it (a transient, apart from the
     /// kept activations).
     pub recompute: f64,
+    /// The training loss's copies at its backward on the stage computing it: the
+    /// log-probabilities of the microbatch at the loss and their two gradients (the other
+    /// microbatches' are in `activations`). A transient, never at once with a rebuild.
+    pub loss: f64,
     /// Workspace margin (counted once per device, on its first stage).
     pub workspace: f64,
-    /// Sum.
+    /// Sum of the parts, the larger of `recompute` and `loss` counted.
     pub total: f64,
 }
 

@@ -236,7 +236,23 @@ pub fn training_bytes(lg: &LayeredGraph, precision: Precision, recipe: crate::ir
             Err(e) => tracing::warn!(%e, "autocast figures failed; activations priced at {dtype}"),
         }
     }
-    TrainingBytes::scaled(lg, dtype)
+    let loss_width = if precision.is_mixed() { 4 } else { dtype.size_bytes() };
+    TrainingBytes::scaled_with_loss(lg, dtype, loss_width)
+}
+
+/// How many ways assignment `d` splits `node`'s output over the tensor ranks: a replicated node
+/// and a normalisation outside sequence parallelism are whole.
+fn output_split(d: &StrategyDetail, node: &crate::ir::Node, cfg: &LayerConfig) -> f64 {
+    let t = cfg.tp.max(1) as f64;
+    let strategy = d.nodes.iter().find(|(name, _)| *name == node.name).map(|(_, s)| *s);
+    let norm = matches!(node.op.kind(), Some(OpKind::LayerNormalization | OpKind::RMSNormalization));
+    match strategy {
+        _ if t <= 1.0 => 1.0,
+        Some(Strategy::Replicate) => 1.0,
+        Some(Strategy::Sequence) => t,
+        _ if norm => if cfg.sequence_parallel { t } else { 1.0 },
+        _ => t,
+    }
 }
 
 /// Per layer of `lg`, the bytes per sample of its inputs in an autocast run computing in `low`
@@ -1039,6 +1055,9 @@ impl<'a> CostContext<'a> {
         let input_bytes = (d.input_bytes / c - shared / if cfg.sequence_parallel { t } else { 1.0 }).max(0.0);
         // the K and V attention keeps were gathered over the context group: whole, not ÷c
         let kv_whole = self.attention[layer].kv_saved_bytes * b / t * (1.0 - 1.0 / c);
+        // the loss keeps its log-probabilities outside the layer: checkpointing it keeps them too
+        let (loss_kept, loss_work) = self.loss_point_bytes(layer, d, cfg);
+        let input_bytes = input_bytes + loss_kept;
         let act_bytes = (d.act_bytes / c - lay.shared_saved_bytes * b / c / t + kv_whole - folded_saved).max(input_bytes);
         // Prefetched beside the layer before, whose pass stands in for this one's (the same
         // blocks): only what exceeds it is paid, where the device overlaps them at all.
@@ -1063,6 +1082,8 @@ impl<'a> CostContext<'a> {
             gathered_bytes: if cfg.zero >= 3 { dense * self.precision.weight as f64 } else { 0.0 },
             selective_bytes: 0.0,
             all_to_all_hidden_s: hidden,
+            loss_bytes: loss_kept + loss_work,
+            loss_kept_bytes: loss_kept,
         }
     }
 
@@ -1084,16 +1105,7 @@ impl<'a> CostContext<'a> {
         let (mut whole, mut freed, mut time) = (0.0, 0.0, 0.0);
         for &n in nodes {
             let node = self.lg.graph.try_node(n)?;
-            // split as its assignment runs it: a norm outside sequence parallelism is whole
-            let strategy = d.nodes.iter().find(|(name, _)| *name == node.name).map(|(_, s)| *s);
-            let norm = matches!(node.op.kind(), Some(OpKind::LayerNormalization | OpKind::RMSNormalization));
-            let split_by = match strategy {
-                _ if t <= 1.0 => 1.0,
-                Some(Strategy::Replicate) => 1.0,
-                Some(Strategy::Sequence) => t,
-                _ if norm => if cfg.sequence_parallel { t } else { 1.0 },
-                _ => t,
-            };
+            let split_by = output_split(d, node, cfg);
             let fig = self.bytes.node(n);
             if fig.experts_activation_bytes > 0.0 {
                 // its experts' activations, rebuilt from the kept gate and up halves (read
@@ -1125,6 +1137,19 @@ impl<'a> CostContext<'a> {
             crate::ir::SelectivePolicy::Ops => rebuilt.max(freed),
         };
         (freed > 0.0 && net > 0.0).then(|| ParetoPoint { act_bytes: pt.act_bytes - net, bwd_s: pt.bwd_s + time, selective_bytes: transient, ..pt.clone() })
+    }
+
+    /// The loss's working copies beside a microbatch at the loss (`LayerBytes::loss_work_bytes`),
+    /// in the layer making its input: each context rank's tokens, split over the tensor ranks
+    /// as the loss's input is (a vocabulary-split head's logits: the loss runs on each rank's
+    /// columns, as torchtitan's loss parallel and Megatron's vocabulary-parallel cross entropy do).
+    /// With them, what the loss keeps (its log-probabilities, in the layer's saved bytes), the
+    /// same way: (kept, working copies) per microbatch.
+    fn loss_point_bytes(&self, layer: usize, d: &StrategyDetail, cfg: &LayerConfig) -> (f64, f64) {
+        let work = self.bytes.layer(layer).loss_work_bytes;
+        let Some((loss, node)) = self.lg.loss.filter(|l| work > 0.0 && l.work_bytes > 0.0).and_then(|l| Some((l, self.lg.graph.try_node(l.node)?))) else { return (0.0, 0.0) };
+        let work = work * cfg.microbatch as f64 / cfg.cp.max(1) as f64 / output_split(d, node, cfg);
+        (work * loss.kept_bytes / loss.work_bytes, work)
     }
 
     /// What context and expert parallelism add to one microbatch of `layer` on a rank under

@@ -321,7 +321,7 @@ impl PipelineProblem {
                     s.time[d].add_mul(f + b, col.v());
                     s.sync[d].add_mul(self.sync_of(pt), col.v());
                     s.mem[d].add_mul((pt.state_bytes + self.kept_bytes(c, pt, k, o)) / GIB, col.v());
-                    if pt.rebuilt_bytes(k) > 0.0 {
+                    if pt.transient_bytes(k) > 0.0 {
                         let used = if len == 1 {
                             Expression::from(col.v())
                         } else {
@@ -329,7 +329,7 @@ impl PipelineProblem {
                             milp.constrain(Expression::from(col.v()).leq(len as f64 * w.v()));
                             Expression::from(w.v())
                         };
-                        s.recompute[d].push((pt.rebuilt_bytes(k) / GIB, used));
+                        s.recompute[d].push((pt.transient_bytes(k) / GIB, used));
                     }
                 }
             }

@@ -76,7 +76,8 @@ pub struct ParetoPoint {
     pub state_bytes: f64,
     /// Saved-activation bytes per microbatch (includes the layer's input), less `shared_bytes`.
     pub act_bytes: f64,
-    /// Input bytes per microbatch (what checkpointing keeps), less `shared_bytes`.
+    /// Input bytes per microbatch (what checkpointing keeps: with the layer's input, what the
+    /// training loss keeps of its output, outside it), less `shared_bytes`.
     pub input_bytes: f64,
     /// Bytes per microbatch of the inputs other layers read too (an attention mask, rotary
     /// tables): held once per chunk, not once per layer ([`PipelineProblem::chunk_extra_bytes`]).
@@ -115,6 +116,17 @@ pub struct ParetoPoint {
     /// prefetching does not hide); 0 without ZeRO 3.
     #[serde(default)]
     pub gather_fwd_s: f64,
+    /// Bytes per microbatch of the training loss's copies at its backward, in the layer making
+    /// its input (0 elsewhere): the log-probabilities it keeps and their two gradients beside
+    /// them. A transient at the loss, beside the other microbatches' kept activations.
+    #[serde(default)]
+    pub loss_bytes: f64,
+    /// Of `act_bytes` (and `input_bytes`), the loss's log-probabilities per microbatch: kept from
+    /// the loss's forward to its backward, which is its microbatch's first, so at any rebuild of
+    /// that microbatch they are freed; counted for the microbatch at the loss in `loss_bytes`
+    /// and for the others in flight as kept activations.
+    #[serde(default)]
+    pub loss_kept_bytes: f64,
 }
 
 impl ParetoPoint {
@@ -134,6 +146,13 @@ impl ParetoPoint {
     /// checkpointed, all it saves but its inputs; else what selective recompute frees.
     pub fn rebuilt_bytes(&self, checkpoint: bool) -> f64 {
         if checkpoint { (self.act_bytes - self.input_bytes).max(0.0) } else { self.selective_bytes }
+    }
+
+    /// The layer's largest transient beside the kept activations: its rebuild, or the loss's
+    /// copies (at the loss, before the layer's backward starts, and freed by then: never both
+    /// at once).
+    pub fn transient_bytes(&self, checkpoint: bool) -> f64 {
+        self.rebuilt_bytes(checkpoint).max(self.loss_bytes)
     }
 }
 
@@ -348,15 +367,18 @@ impl PipelineProblem {
 
     /// [`Self::kept_bytes`] at a moment chunk `chunk` holds `count` microbatches (at most its
     /// in-flight count).
+    /// The log-probabilities of the microbatch at the loss or rebuilding are not among them
+    /// (`ParetoPoint::loss_kept_bytes`).
     fn kept_bytes_at(&self, chunk: usize, count: f64, pt: &ParetoPoint, checkpoint: bool, offload: bool) -> f64 {
         let to_b = self.kept_flight(chunk).min(count);
-        if offload {
+        let kept = if offload {
             to_b * pt.input_bytes - self.offloaded_at(to_b, pt)
         } else if checkpoint {
             to_b * pt.input_bytes
         } else {
             count * pt.act_bytes
-        }
+        };
+        (kept - pt.loss_kept_bytes).max(0.0)
     }
 
     /// Per chunk, the bytes its layers' own points do not count: the inputs several of its
@@ -596,7 +618,7 @@ impl PipelineProblem {
             state[d] += pt.state_bytes;
             sync[d] += self.sync_of(pt);
             act[d] += self.kept_bytes(c.chunk, pt, c.checkpoint, c.offload);
-            recompute[d] = recompute[d].max(pt.rebuilt_bytes(c.checkpoint));
+            recompute[d] = recompute[d].max(pt.transient_bytes(c.checkpoint));
         }
         for (d, bytes) in self.tied_copy_bytes(choices).into_iter().enumerate() {
             state[d] += bytes;

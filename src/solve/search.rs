@@ -626,18 +626,25 @@ pub fn cost_context<'a>(lg: &'a LayeredGraph, spec: &'a ClusterSpec, cfg: &PlanO
     ctx
 }
 
-/// The least context degree above the forced one at which some configuration's memory
-/// lower bound fits `cap`, if any.
+/// The least context degree above the forced one at which some configuration fits `cap`, if
+/// any: the degrees whose memory lower bound fits, each solved in turn (without a fix of its
+/// own) until one has a plan.
 pub fn min_fitting_cp(lg: &LayeredGraph, spec: &ClusterSpec, cfg: &PlanOptions, cap: f64) -> Option<usize> {
     let forced = cfg.cp?;
     let mut ctx = cost_context(lg, spec, cfg);
     divisors(spec.devices).into_iter().filter(|&c| c > forced).find(|&c| {
         let try_cfg = PlanOptions { cp: Some(c), ..cfg.clone() };
         let Ok(cands) = enumerate(lg, spec, &try_cfg) else { return false };
-        cands.iter().any(|cand| {
+        let bound_fits = cands.iter().any(|cand| {
             let p = prepare(&mut ctx, cand, cap, cfg.active_microbatches, None, cfg.checkpoint_flags(lg.layers.len()));
             p.mem_lb <= cap && p.lb.is_finite()
-        })
+        });
+        bound_fits && {
+            let mut search = Search::new(lg, spec, &try_cfg);
+            search.explain = false;
+            let cands = search.grid().and_then(|g| g.candidates(&try_cfg));
+            cands.is_ok_and(|cands| search.solve(cands, &|_, _| None, None, &mut |_| {}).is_ok())
+        }
     })
 }
 
@@ -746,6 +753,7 @@ impl Search<'_> {
             let (mut fwd, mut bwd, mut params, mut trained, mut rec) = (0.0, 0.0, 0.0, 0.0, 0.0f64);
             // ZeRO 3: the largest of its layers, gathered whole
             let mut gathered = 0.0f64;
+            let mut loss = 0.0f64;
             let (mut ckpt, mut offloaded, mut host) = (Vec::new(), Vec::new(), 0.0);
             let mut selective = Vec::new();
             for &l in &members {
@@ -779,6 +787,7 @@ impl Search<'_> {
                     }
                 }
                 rec = rec.max(pt.rebuilt_bytes(ch.checkpoint));
+                loss = loss.max(pt.loss_bytes);
                 if ch.checkpoint {
                     ckpt.push(l);
                 } else if pt.is_selective() {
@@ -807,8 +816,9 @@ impl Search<'_> {
                     optimizer: st.optimizer,
                     activations,
                     recompute: rec,
+                    loss,
                     workspace,
-                    total: st.total() + ZERO3_GATHERED_LAYERS * gathered + activations + rec + workspace,
+                    total: st.total() + ZERO3_GATHERED_LAYERS * gathered + activations + rec.max(loss) + workspace,
                 },
                 checkpointed_layers: ckpt,
                 selective_layers: selective,

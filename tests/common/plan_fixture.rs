@@ -13,6 +13,7 @@ fn memory(params: u64, activations: u64) -> StageMemory {
         optimizer: 6 * params,
         activations,
         recompute: 0,
+        loss: 0,
         workspace: GIB / 4,
         total: 0,
     };

@@ -104,6 +104,7 @@ pub fn gpt(shape: GptShape) -> LayeredGraph {
             op_selective: Default::default(),
             op_freed_bytes: 0.0,
             op_held_bytes: 0.0,
+            loss_work_bytes: 0.0,
         });
         x = y;
     }
@@ -117,6 +118,7 @@ pub fn gpt(shape: GptShape) -> LayeredGraph {
         dims: DimBindings { values: Default::default(), batch_symbol: Some("batch".into()), graph_batch: 1, fixed_batch: false, batch_rebinds: false, batch_group: 0 },
         params,
         fused: Vec::new(),
+        loss: None,
         flops_per_sample: flops,
     }
 }

@@ -107,8 +107,9 @@ pub struct MemoryEntry {
     pub activations: u64,
     /// Kept inputs in host memory (activation offloading).
     pub offloaded: u64,
-    /// Transient bytes at the peak (predicted: the plan's workspace margin and its recompute
-    /// working set, which the backward that rebuilds it frees).
+    /// Transient bytes at the peak (predicted: the plan's workspace margin and the larger of its
+    /// recompute working set, which the backward that rebuilds it frees, and the loss's working
+    /// copies).
     pub temporaries: u64,
     /// Tensors held through a step that are no part above (data batches, constants, buffers);
     /// the plan predicts none.
@@ -122,7 +123,9 @@ impl MemoryEntry {
     pub fn predicted(plan: &Plan, pp: usize) -> MemoryEntry {
         let m = plan.rank_memory(pp);
         let offloaded = plan.stages_of_rank(pp).map(|s| s.offloaded_bytes).fold(0u64, u64::saturating_add);
-        MemoryEntry { params: m.params, grads: m.grads, optimizer: m.optimizer, activations: m.activations, offloaded, temporaries: m.workspace.saturating_add(m.recompute), other: 0, total: m.total }
+        // each stage's larger transient, as its total counts it
+        let transients = plan.stages_of_rank(pp).map(|s| s.memory_bytes.recompute.max(s.memory_bytes.loss)).fold(0u64, u64::saturating_add);
+        MemoryEntry { params: m.params, grads: m.grads, optimizer: m.optimizer, activations: m.activations, offloaded, temporaries: m.workspace.saturating_add(transients), other: 0, total: m.total }
     }
 
     /// What a rank measured.
