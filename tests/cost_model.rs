@@ -89,7 +89,7 @@ fn layer(saved: f64, input: f64) -> Layer {
         op_selective: Default::default(),
         op_freed_bytes: 0.0,
         op_held_bytes: 0.0,
-        loss_work_bytes: 0.0,
+        loss_kept_bytes: 0.0,
     }
 }
 

@@ -99,7 +99,7 @@ impl TrainingBytes {
         }
         if let Some(l) = lg.layers.iter().position(|l| l.nodes.contains(&loss.node)).and_then(|i| out.layers.get_mut(i)) {
             l.saved_bytes += kept;
-            l.loss_work_bytes = loss.work_bytes * wanted;
+            l.loss_kept_bytes = loss.kept_bytes * wanted;
         }
         out
     }
@@ -357,7 +357,7 @@ mod tests {
             op_selective: Default::default(),
             op_freed_bytes: 0.0,
             op_held_bytes: 0.0,
-            loss_work_bytes: 0.0,
+            loss_kept_bytes: 0.0,
         }
     }
 

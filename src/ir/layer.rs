@@ -92,10 +92,13 @@ pub struct LossFigures {
     pub node: NodeId,
     /// What the loss keeps until its backward.
     pub kept_bytes: f64,
-    /// Its working copies beyond that, at its backward.
-    pub work_bytes: f64,
     /// The bytes an element of those copies takes in these figures.
     pub width: u64,
+}
+
+impl LossFigures {
+    /// The copies the loss's backward makes beside what it keeps, each as large.
+    pub const WORKING_COPIES: f64 = 2.0;
 }
 
 /// One matrix product of a node, `rows × k` by `k × n`, per sample.
@@ -179,9 +182,9 @@ pub struct Layer {
     /// What that policy keeps that no backward reads: the kept ops' outputs and what the
     /// rebuilt nodes read beyond the layer's inputs and the saved values.
     pub op_held_bytes: f64,
-    /// Bytes per sample the training loss needs beyond what it keeps, in the layer making the
-    /// loss's input ([`LossFigures::work_bytes`]), else 0: a transient at the loss.
-    pub loss_work_bytes: f64,
+    /// Of `figures.saved_bytes`, what the training loss keeps, in the layer making its input
+    /// ([`LossFigures::kept_bytes`]), else 0.
+    pub loss_kept_bytes: f64,
 }
 
 /// A layer's nodes under torchtitan's per-op selective recompute (`passes::layers::op_policy`).
@@ -223,8 +226,8 @@ pub struct LayerBytes {
     pub op_freed_bytes: f64,
     /// What that policy keeps beyond `saved_bytes` (`op_held_bytes`).
     pub op_held_bytes: f64,
-    /// The loss's working copies beyond what it keeps (`loss_work_bytes`).
-    pub loss_work_bytes: f64,
+    /// Of `saved_bytes`, what the training loss keeps (`loss_kept_bytes`).
+    pub loss_kept_bytes: f64,
     /// Per microbatch, whatever its size: the low-type copies of weights its matrix products
     /// keep under autocast (0 in one type throughout).
     pub weight_copy_bytes: f64,
@@ -246,7 +249,7 @@ impl LayerBytes {
             selective_bytes: self.selective_bytes * factor,
             op_freed_bytes: self.op_freed_bytes * factor,
             op_held_bytes: self.op_held_bytes * factor,
-            loss_work_bytes: self.loss_work_bytes * factor,
+            loss_kept_bytes: self.loss_kept_bytes * factor,
             weight_copy_bytes: self.weight_copy_bytes * factor,
         }
     }
@@ -267,7 +270,7 @@ impl Layer {
             selective_bytes: self.selective_bytes,
             op_freed_bytes: self.op_freed_bytes,
             op_held_bytes: self.op_held_bytes,
-            loss_work_bytes: self.loss_work_bytes,
+            loss_kept_bytes: self.loss_kept_bytes,
             weight_copy_bytes: 0.0,
         }
     }

@@ -219,7 +219,7 @@ pub fn compute_at(graph: &Graph, bindings: &DimBindings, low: Option<DType>) -> 
         let mut saved = saved(&sz, node, &grad, &data, batch);
         if let Some((loss_kept, width)) = loss_kept_bytes(&sz, node, loss_input) {
             saved.extra_bytes += loss_kept / batch;
-            f.loss = Some(LossFigures { node: id, kept_bytes: loss_kept / batch, work_bytes: 2.0 * loss_kept / batch, width });
+            f.loss = Some(LossFigures { node: id, kept_bytes: loss_kept / batch, width });
         }
         fig.saved_bytes = saved.values.iter().map(|&v| sz.bytes(v)).sum::<f64>() / batch + saved.extra_bytes;
         fig.score_saved_bytes = saved.values.iter().filter(|v| score[v.index()]).map(|&v| sz.bytes(v)).sum::<f64>() / batch;

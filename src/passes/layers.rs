@@ -96,7 +96,7 @@ pub fn group(graph: &Graph, fig: &Figures, _dims: &DimBindings) -> Result<Vec<La
             op_selective: Default::default(),
             op_freed_bytes: 0.0,
             op_held_bytes: 0.0,
-            loss_work_bytes: 0.0,
+            loss_kept_bytes: 0.0,
         });
     }
     for layer in &mut layers {
@@ -115,7 +115,7 @@ pub fn group(graph: &Graph, fig: &Figures, _dims: &DimBindings) -> Result<Vec<La
         layer.selective_bytes = b.selective_bytes;
         layer.op_freed_bytes = b.op_freed_bytes;
         layer.op_held_bytes = b.op_held_bytes;
-        layer.loss_work_bytes = b.loss_work_bytes;
+        layer.loss_kept_bytes = b.loss_kept_bytes;
     }
     for layer in &mut layers {
         let saved = saved_values(fig, layer);
@@ -154,7 +154,7 @@ pub fn layer_bytes(graph: &Graph, fig: &Figures, layers: &[Layer]) -> Vec<LayerB
             LayerBytes {
                 op_freed_bytes: bytes(&mut ops.freed.iter()) + ops.freed_inside,
                 op_held_bytes: bytes(&mut ops.held.iter()),
-                loss_work_bytes: fig.loss.filter(|l| layer.nodes.contains(&l.node)).map_or(0.0, |l| l.work_bytes),
+                loss_kept_bytes: fig.loss.filter(|l| layer.nodes.contains(&l.node)).map_or(0.0, |l| l.kept_bytes),
                 selective_bytes: selective.iter().map(|&(_, v)| fig.value_bytes(graph, v)).sum::<f64>()
                     + layer.nodes.iter().map(|n| fig.saved[n.index()].experts_activation_bytes).sum::<f64>(),
                 saved_bytes: saved.iter().map(|&v| fig.value_bytes(graph, v)).sum::<f64>() + extra,

@@ -1139,17 +1139,16 @@ impl<'a> CostContext<'a> {
         (freed > 0.0 && net > 0.0).then(|| ParetoPoint { act_bytes: pt.act_bytes - net, bwd_s: pt.bwd_s + time, selective_bytes: transient, ..pt.clone() })
     }
 
-    /// The loss's working copies beside a microbatch at the loss (`LayerBytes::loss_work_bytes`),
-    /// in the layer making its input: each context rank's tokens, split over the tensor ranks
-    /// as the loss's input is (a vocabulary-split head's logits: the loss runs on each rank's
-    /// columns, as torchtitan's loss parallel and Megatron's vocabulary-parallel cross entropy do).
-    /// With them, what the loss keeps (its log-probabilities, in the layer's saved bytes), the
-    /// same way: (kept, working copies) per microbatch.
+    /// What the loss keeps (its log-probabilities, `LayerBytes::loss_kept_bytes`) and its
+    /// working copies beside them at its backward, per microbatch, in the layer making its
+    /// input: each context rank's tokens, split over the tensor ranks as the loss's input is (a
+    /// vocabulary-split head's logits: the loss runs on each rank's columns, as torchtitan's loss
+    /// parallel and Megatron's vocabulary-parallel cross entropy do).
     fn loss_point_bytes(&self, layer: usize, d: &StrategyDetail, cfg: &LayerConfig) -> (f64, f64) {
-        let work = self.bytes.layer(layer).loss_work_bytes;
-        let Some((loss, node)) = self.lg.loss.filter(|l| work > 0.0 && l.work_bytes > 0.0).and_then(|l| Some((l, self.lg.graph.try_node(l.node)?))) else { return (0.0, 0.0) };
-        let work = work * cfg.microbatch as f64 / cfg.cp.max(1) as f64 / output_split(d, node, cfg);
-        (work * loss.kept_bytes / loss.work_bytes, work)
+        let kept = self.bytes.layer(layer).loss_kept_bytes;
+        let Some(node) = self.lg.loss.filter(|_| kept > 0.0).and_then(|l| self.lg.graph.try_node(l.node)) else { return (0.0, 0.0) };
+        let kept = kept * cfg.microbatch as f64 / cfg.cp.max(1) as f64 / output_split(d, node, cfg);
+        (kept, kept * crate::ir::LossFigures::WORKING_COPIES)
     }
 
     /// What context and expert parallelism add to one microbatch of `layer` on a rank under

@@ -366,8 +366,7 @@ impl PipelineProblem {
     }
 
     /// [`Self::kept_bytes`] at a moment chunk `chunk` holds `count` microbatches (at most its
-    /// in-flight count).
-    /// The log-probabilities of the microbatch at the loss or rebuilding are not among them
+    /// in-flight count), less the log-probabilities of the microbatch at the loss or rebuilding
     /// (`ParetoPoint::loss_kept_bytes`).
     fn kept_bytes_at(&self, chunk: usize, count: f64, pt: &ParetoPoint, checkpoint: bool, offload: bool) -> f64 {
         let to_b = self.kept_flight(chunk).min(count);

@@ -104,7 +104,7 @@ pub fn gpt(shape: GptShape) -> LayeredGraph {
             op_selective: Default::default(),
             op_freed_bytes: 0.0,
             op_held_bytes: 0.0,
-            loss_work_bytes: 0.0,
+            loss_kept_bytes: 0.0,
         });
         x = y;
     }
