@@ -501,3 +501,24 @@ fn progress_is_one_line_on_a_terminal_and_plain_lines_otherwise() {
 fn which_script() -> Result<PathBuf, ()> {
     ["/usr/bin/script", "/bin/script"].iter().map(PathBuf::from).find(|p| p.exists()).ok_or(())
 }
+
+/// A data file whose array is not named as the model's input: the run refuses it naming the
+/// input, the arrays the file has and the fix, one process and a pipeline's ranks alike (the
+/// array was dropped as not the model's, and the message used to list none).
+#[test]
+fn an_array_named_unlike_the_input_is_refused_naming_both() {
+    let f = files();
+    let npz = f.dir.join("misnamed.npz");
+    let t = Tensor::from_slice(&window(&f.tokens, 0)).reshape([1, SEQ as i64]).repeat([BATCH as i64, 1]);
+    smp_partition::runtime::formats::npz::write_npz(&npz, &[("ids".into(), t, None)]).unwrap();
+    let said = |what: &str, r: std::process::Output| {
+        let err = String::from_utf8_lossy(&r.stderr).into_owned();
+        assert!(!r.status.success(), "{what}: {err}");
+        assert!(err.contains("input_ids") && err.contains("the data has [\"ids\"]") && err.contains("name the array `input_ids`"), "{what}: {err}");
+    };
+    let r = runner().arg("train").arg(model()).args(["--data", npz.to_str().unwrap(), "--steps", "1", "--threads", "1"]).output().unwrap();
+    said("train", r);
+    let p = plan(&f.dir, "misnamed-pp2", "cpu:2", &["--pp", "2", "--tp", "1", "--dp", "1", "--microbatches", "2"]);
+    let r = runner().args(["launch", "--nproc", "2"]).arg(&p).args(["--data", npz.to_str().unwrap(), "--steps", "1", "--threads", "1"]).output().unwrap();
+    said("launch", r);
+}

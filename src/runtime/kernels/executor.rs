@@ -276,8 +276,22 @@ impl<'g> Executor<'g> {
             .collect()
     }
 
+    /// [`Self::bind_inputs`] of the arrays of a data batch that are graph inputs (its labels
+    /// and other arrays are not the model's); a required input no array feeds is named beside
+    /// the arrays the batch has, as an array feeds the input of its name.
+    pub fn bind_batch(&self, batch: &[(String, Tensor)]) -> Result<HashMap<ValueId, Tensor>, RuntimeError> {
+        let graph = self.graph;
+        for id in self.required_inputs() {
+            batch_array(batch, &graph.value(id).name)?;
+        }
+        let is_input = |n: &str| graph.inputs.iter().any(|&v| graph.value(v).name == n);
+        self.bind_inputs(batch.iter().filter(|(n, _)| is_input(n)).map(|(n, t)| (n.clone(), t.shallow_clone())).collect())
+    }
+
     /// Matches named tensors to graph inputs, checking names, element types, ranks and known
     /// dims, and that a symbolic dim has one size across inputs.
+    ///
+    /// See [`Self::bind_batch`] for a data batch, whose other arrays are not the model's.
     pub fn bind_inputs(&self, named: Vec<(String, Tensor)>) -> Result<HashMap<ValueId, Tensor>, RuntimeError> {
         let graph = self.graph;
         let names: Vec<String> = graph.inputs.iter().map(|&v| graph.value(v).name.clone()).collect();
@@ -653,6 +667,15 @@ fn gather_schedule(graph: &Graph, nodes: &[NodeId], gather_input: impl Fn(NodeId
     (order, keyed)
 }
 
+
+/// The array of a data batch named `name` (a graph input's name); none is an input error naming
+/// the arrays the batch has and the fix.
+pub fn batch_array<'b>(batch: &'b [(String, Tensor)], name: &str) -> Result<&'b Tensor, RuntimeError> {
+    batch.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| {
+        let has: Vec<&String> = batch.iter().map(|(n, _)| n).collect();
+        RuntimeError::Input { name: name.to_string(), message: format!("no array of the data has its name; the data has {has:?}: name the array `{name}`") }
+    })
+}
 
 #[cfg(test)]
 mod tests {

@@ -668,13 +668,7 @@ fn own_params(
 
 /// The graph-input feeds of microbatch `mb` (its arrays that are inputs of the model).
 fn input_feeds(exec: &Executor, mb: &Batch) -> Result<HashMap<ValueId, Tensor>, RuntimeError> {
-    let graph = exec.graph();
-    let f: Vec<(String, Tensor)> = mb
-        .iter()
-        .filter(|(n, _)| graph.inputs.iter().any(|&v| graph.value(v).name == *n))
-        .map(|(n, t)| (n.clone(), t.shallow_clone()))
-        .collect();
-    exec.bind_inputs(f)
+    exec.bind_batch(mb)
 }
 
 /// The process groups of rank `env.rank`: every distinct member list in any program, the

@@ -233,7 +233,7 @@ fn causal_targets(exec: &Executor, mb: &Batch, me: Option<ContextRank>) -> Resul
         .max_by_key(|&id| graph.value(id).name.contains("input_ids"))
         .ok_or_else(|| train_err("causal-lm needs an integer token-id input"))?;
     let name = &graph.value(ids).name;
-    let ids = mb.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| train_err("token ids missing"))?;
+    let ids = crate::runtime::kernels::executor::batch_array(mb, name)?;
     let s = ids.size().get(1).copied().ok_or_else(|| train_err("causal-lm needs [batch, seq] token ids"))?;
     let next = ids.f_narrow(1, 1, s - 1)?.f_to_kind(Kind::Int64)?;
     let none = Tensor::f_full([next.size()[0], 1], IGNORE_INDEX, (Kind::Int64, next.device()))?;

@@ -2,7 +2,6 @@
 //! accumulate over microbatches, then clipping and AdamW. It runs in the one training loop
 //! ([`super::driver::drive`]) as a [`StepRunner`].
 
-use std::collections::HashSet;
 use std::time::Instant;
 
 use tch::Tensor;
@@ -34,8 +33,6 @@ pub struct SingleProcess<'e, 'g> {
     adamw_steps: usize,
     /// The loss scale of an fp16 mixed-precision run.
     scaler: Option<LossScaler>,
-    /// Names of the graph's inputs (the arrays of a batch that are fed).
-    input_names: HashSet<String>,
 }
 
 impl<'e, 'g> SingleProcess<'e, 'g> {
@@ -66,13 +63,11 @@ impl<'e, 'g> SingleProcess<'e, 'g> {
                 AdamW::with_state(cfg.adamw, l.manifest.state.adamw_step, state)
             }
         };
-        let input_names = graph.inputs.iter().map(|&v| graph.value(v).name.clone()).collect();
-        Ok(SingleProcess { exec, data, cfg, ids, params, opt, adamw_steps, scaler, input_names })
+        Ok(SingleProcess { exec, data, cfg, ids, params, opt, adamw_steps, scaler })
     }
 
     fn feeds_of(&self, mb: &Batch) -> Result<std::collections::HashMap<ValueId, Tensor>, RuntimeError> {
-        let feeds: Vec<(String, Tensor)> = mb.iter().filter(|(n, _)| self.input_names.contains(n)).map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
-        self.exec.bind_inputs(feeds)
+        self.exec.bind_batch(mb)
     }
 
     fn microbatches(&self) -> usize {
